@@ -1,0 +1,185 @@
+//! The CUDA HAL's traits: one [`Api`] naming a backend's handle types, and a
+//! role trait per object, wgpu-hal style. Methods are not generic so mockall
+//! can mock them. Owned handles free their native object on `Drop`, which
+//! never panics (a failure there is logged, as cudarc does).
+//!
+//! Device addresses are `u64` (`CUdeviceptr`): the CPU cannot dereference
+//! them. Host addresses are raw pointers.
+
+use std::fmt::Debug;
+use std::os::fd::OwnedFd;
+
+use crate::error::Result;
+use crate::types::{
+    DeviceAttributes, FlushScope, HostRegisterFlags, IpcMemHandle, PointerAttributes,
+};
+
+/// A CUDA backend: the handle types it hands out.
+pub trait Api: Sized + Send + Sync + Debug + 'static {
+    /// The loaded driver: devices and their contexts.
+    type Driver: Driver<Self>;
+    /// A device's primary context, retained.
+    type Context: Context<Self>;
+    /// A stream.
+    type Stream: Stream<Self>;
+    /// An event.
+    type Event: Event;
+    /// Device memory from `cuMemAlloc`, freed on drop.
+    type DeviceMemory: DeviceMemory;
+    /// Pinned host memory from `cuMemHostAlloc`, freed on drop.
+    type PinnedHostMemory: PinnedHostMemory;
+    /// Existing host memory pinned by `cuMemHostRegister`, unregistered on drop.
+    type HostRegistration: HostRegistration;
+    /// Another process's allocation opened from an IPC handle, closed on drop.
+    type IpcMapping: IpcMapping;
+}
+
+/// The driver: which GPUs exist and what they can do.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Driver<A: Api>: Send + Sync + Debug {
+    /// A short name of the backend (`cuda`, `sim`).
+    fn backend_name(&self) -> &'static str;
+    /// Number of GPUs (0 is [`crate::CudaError::NoDevice`], never `Ok(0)`).
+    fn device_count(&self) -> Result<u32>;
+    /// The attributes of GPU `ordinal`.
+    fn device_attributes(&self, ordinal: u32) -> Result<DeviceAttributes>;
+    /// Retains GPU `ordinal`'s primary context (released on drop).
+    fn context(&self, ordinal: u32) -> Result<A::Context>;
+}
+
+/// A device context. Every method makes it current on the calling thread
+/// first, so callers never juggle the context stack.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Context<A: Api>: Send + Sync + Debug {
+    /// The device ordinal.
+    fn ordinal(&self) -> u32;
+    /// Allocates `len` bytes of device memory.
+    fn alloc(&self, len: usize) -> Result<A::DeviceMemory>;
+    /// Allocates `len` bytes of pinned (page-locked) host memory.
+    fn alloc_pinned(&self, len: usize) -> Result<A::PinnedHostMemory>;
+    /// Page-locks existing host memory (`cuMemHostRegister`).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be mapped host memory that outlives the returned
+    /// registration.
+    unsafe fn register_host(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        flags: HostRegisterFlags,
+    ) -> Result<A::HostRegistration>;
+    /// Creates a non-blocking stream.
+    fn create_stream(&self) -> Result<A::Stream>;
+    /// Creates an event (timing disabled: the cheap kind).
+    fn create_event(&self) -> Result<A::Event>;
+    /// Pointer attributes of any address (host or device).
+    fn pointer_attributes(&self, addr: u64) -> Result<PointerAttributes>;
+    /// Exports `len` bytes of device memory at `addr` as a dma-buf fd
+    /// (`cuMemGetHandleForAddressRange`). `addr` and `len` must be aligned to
+    /// the host page size and lie in one allocation; a range of CUDA VMM
+    /// memory spanning several physical chunks is refused.
+    fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd>;
+    /// The IPC handle of the allocation containing `addr`.
+    fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle>;
+    /// Maps another process's allocation from its IPC handle.
+    fn ipc_open(&self, handle: &IpcMemHandle) -> Result<A::IpcMapping>;
+    /// Makes inbound GPUDirect RDMA writes visible (`cuFlushGPUDirectRDMAWrites`).
+    fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()>;
+    /// Waits for all work in the context.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// A stream: copies run in order on it, asynchronously to the host.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Stream<A: Api>: Send + Sync + Debug {
+    /// Host → device copy.
+    ///
+    /// # Safety
+    /// `src..src+len` must be readable host memory and `dst..dst+len` device
+    /// memory, both valid until the copy completes (synchronize or an event).
+    /// Pageable `src` makes the copy synchronous.
+    unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()>;
+    /// Device → host copy.
+    ///
+    /// # Safety
+    /// As for [`Stream::copy_host_to_device`], with `dst` writable host memory
+    /// nobody else touches until the copy completes.
+    unsafe fn copy_device_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()>;
+    /// Device → device copy.
+    ///
+    /// # Safety
+    /// Both ranges must be device memory valid until the copy completes.
+    unsafe fn copy_device_to_device(&self, dst: u64, src: u64, len: usize) -> Result<()>;
+    /// Sets `len` bytes of device memory to `value`.
+    ///
+    /// # Safety
+    /// `dst..dst+len` must be device memory valid until the set completes.
+    unsafe fn memset(&self, dst: u64, value: u8, len: usize) -> Result<()>;
+    /// Records `event` after the work queued so far.
+    fn record(&self, event: &A::Event) -> Result<()>;
+    /// Makes later work on this stream wait for `event`.
+    fn wait(&self, event: &A::Event) -> Result<()>;
+    /// Blocks until the stream's work is done.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// An event marking a point in a stream.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Event: Send + Sync + Debug {
+    /// True once the work before the record point is done (non-blocking).
+    fn is_complete(&self) -> Result<bool>;
+    /// Blocks until it is.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// Device memory owned by gdr.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait DeviceMemory: Send + Sync + Debug {
+    /// Its device address.
+    fn device_ptr(&self) -> u64;
+    /// Its length in bytes.
+    fn len(&self) -> usize;
+    /// True for a zero-length allocation (never made).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Pinned host memory owned by gdr.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait PinnedHostMemory: Send + Sync + Debug {
+    /// Its host address.
+    fn as_ptr(&self) -> *mut u8;
+    /// Its length in bytes.
+    fn len(&self) -> usize;
+    /// True for a zero-length allocation (never made).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Host memory page-locked by `cuMemHostRegister` until dropped.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait HostRegistration: Send + Sync + Debug {
+    /// The registered range's start.
+    fn as_ptr(&self) -> *mut u8;
+    /// Its length.
+    fn len(&self) -> usize;
+    /// True for an empty range (never registered).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// An allocation of another process, mapped through its IPC handle.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait IpcMapping: Send + Sync + Debug {
+    /// Where it is mapped in this process.
+    fn device_ptr(&self) -> u64;
+    /// The size of the whole allocation.
+    fn len(&self) -> usize;
+    /// True for an empty mapping (never made).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,174 @@
+//! The verbs HAL's traits, in the shape of wgpu-hal: one [`Api`] trait naming
+//! a backend's handle types, and one role trait per verbs object.
+//!
+//! Methods are not generic so mockall can mock every role trait. Handles own
+//! their parents the way sideway's do (an MR keeps its PD alive, a QP its PD
+//! and CQs), so dropping in any order is safe; `Drop` releases the native
+//! object and never panics.
+//!
+//! Addresses are `u64` rather than pointers: a registration may cover GPU
+//! memory (peermem) or be addressed by an iova (dmabuf), neither of which the
+//! CPU can dereference.
+
+use std::fmt::Debug;
+use std::os::fd::RawFd;
+
+use crate::error::{PostError, Result};
+use crate::types::{
+    AccessFlags, Completion, DeviceAttributes, DeviceInfo, GidEntry, InitParams, PortAttributes,
+    QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendRequest,
+};
+
+/// A verbs backend: the handle types it hands out.
+pub trait Api: Sized + Send + Sync + Debug + 'static {
+    /// Enumerates and opens devices (one per process or simulated node).
+    type Provider: Provider<Self>;
+    /// An opened device (`ibv_context`).
+    type Context: Context<Self>;
+    /// A protection domain (`ibv_pd`).
+    type ProtectionDomain: ProtectionDomain<Self>;
+    /// A memory registration (`ibv_mr`).
+    type MemoryRegion: MemoryRegion;
+    /// A completion queue (`ibv_cq`).
+    type CompletionQueue: CompletionQueue;
+    /// A reliable-connected queue pair (`ibv_qp`).
+    type QueuePair: QueuePair;
+}
+
+/// Entry point of a backend: which devices exist, and opening one.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Provider<A: Api>: Send + Sync + Debug {
+    /// A short name of the backend (`rdma-core`, `sim`).
+    fn backend_name(&self) -> &'static str;
+    /// The devices present. An empty list is [`crate::VerbsError::NoDevice`],
+    /// never `Ok(vec![])`, whichever way the library reports it.
+    fn devices(&self) -> Result<Vec<DeviceInfo>>;
+    /// Opens a device by name.
+    fn open(&self, name: &str) -> Result<A::Context>;
+}
+
+/// An opened device.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Context<A: Api>: Send + Sync + Debug {
+    /// The device's name.
+    fn name(&self) -> String;
+    /// Device attributes.
+    fn query_device(&self) -> Result<DeviceAttributes>;
+    /// Attributes of a port (numbered from 1).
+    fn query_port(&self, port: u8) -> Result<PortAttributes>;
+    /// The non-empty entries of a port's GID table.
+    fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>>;
+    /// Allocates a protection domain.
+    fn alloc_pd(&self) -> Result<A::ProtectionDomain>;
+    /// Creates a completion queue with at least `depth` entries.
+    fn create_cq(&self, depth: u32) -> Result<A::CompletionQueue>;
+}
+
+/// A protection domain: registers memory and creates queue pairs.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait ProtectionDomain<A: Api>: Send + Sync + Debug {
+    /// Registers `len` bytes at virtual address `addr` (`ibv_reg_mr`).
+    ///
+    /// `addr` may be host memory, or GPU memory where a peer-memory client
+    /// (nvidia-peermem) lets the kernel pin it.
+    ///
+    /// # Safety
+    /// The range must stay mapped, and must not be freed, for as long as the
+    /// returned region lives: the NIC reads and writes it without the CPU.
+    unsafe fn register(
+        &self,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<A::MemoryRegion>;
+
+    /// Registers `len` bytes at `offset` in dma-buf `fd`, addressed on the
+    /// wire as `iova` (`ibv_reg_dmabuf_mr`). The region's `addr()` is `iova`.
+    ///
+    /// # Safety
+    /// `fd` must be an open dma-buf for the duration of the call, and the
+    /// memory it exports must outlive the returned region.
+    unsafe fn register_dmabuf(
+        &self,
+        fd: RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<A::MemoryRegion>;
+
+    /// Creates an RC queue pair in the RESET state.
+    fn create_qp(
+        &self,
+        caps: &QpCaps,
+        send_cq: &A::CompletionQueue,
+        recv_cq: &A::CompletionQueue,
+    ) -> Result<A::QueuePair>;
+}
+
+/// A registered memory range. Dropping it deregisters.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait MemoryRegion: Send + Sync + Debug {
+    /// The local key, for SG entries.
+    fn lkey(&self) -> u32;
+    /// The remote key, for peers.
+    fn rkey(&self) -> u32;
+    /// First address of the region as the NIC sees it (the iova for dmabuf;
+    /// rdma-core's `ibv_mr.addr` does not hold it there, the backend does).
+    fn addr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// True when the region is empty (never, for a registered one).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The rights it was registered with.
+    fn access(&self) -> AccessFlags;
+    /// Deregisters now, reporting failure (dropping reports it only to the
+    /// log).
+    fn deregister(self) -> Result<()>;
+}
+
+/// A completion queue.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait CompletionQueue: Send + Sync + Debug {
+    /// Entries the queue holds.
+    fn depth(&self) -> u32;
+    /// Takes up to `out.len()` completions, returning how many were written.
+    fn poll(&self, out: &mut [Completion]) -> Result<usize>;
+}
+
+/// An RC queue pair.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait QueuePair: Send + Sync + Debug {
+    /// The queue pair number.
+    fn qp_num(&self) -> u32;
+    /// Queue sizes as granted (may exceed those asked for).
+    fn caps(&self) -> QpCaps;
+    /// The current state.
+    fn state(&self) -> Result<QpState>;
+    /// RESET → INIT.
+    fn to_init(&self, params: &InitParams) -> Result<()>;
+    /// INIT → RTR, towards the peer described in `params`.
+    fn to_rtr(&self, params: &RtrParams) -> Result<()>;
+    /// RTR → RTS. Refuses `retry_cnt` 7 (see [`RtsParams::validate`]).
+    fn to_rts(&self, params: &RtsParams) -> Result<()>;
+    /// Any state → ERROR: outstanding requests complete with
+    /// [`crate::WcStatus::WR_FLUSH_ERR`].
+    fn to_error(&self) -> Result<()>;
+
+    /// Links `requests` in order and posts them with one doorbell.
+    ///
+    /// # Safety
+    /// Every SG entry must lie in a live registration whose memory stays
+    /// valid until the request's completion (or the QP's flush) is polled;
+    /// remote addresses are checked by the peer's NIC, not here.
+    unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError>;
+
+    /// Links and posts receives.
+    ///
+    /// # Safety
+    /// As for [`QueuePair::post_send`]: the buffers must stay valid until
+    /// their completions are polled.
+    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError>;
+}

@@ -1,0 +1,46 @@
+//! # hal-verbs
+//!
+//! The verbs hardware-abstraction layer of gdr: traits ([`Api`] and its role
+//! traits), plain types and one error enum over ibverbs. Backends implement
+//! the traits: the real one over rdma-core (loaded at run time) and the
+//! simulated one in `gdr-sim`. Nothing here names a layer above.
+//!
+//! With the `mock` feature every role trait has a mockall mock, and
+//! [`mock::MockApi`] ties them together as a backend.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+mod api;
+mod error;
+mod types;
+
+pub use api::{Api, CompletionQueue, Context, MemoryRegion, ProtectionDomain, Provider, QueuePair};
+pub use error::{PostError, Result, VerbsError};
+pub use types::{
+    AccessFlags, AddressFamily, Completion, ConnectionInfo, DeviceAttributes, DeviceInfo, Gid,
+    GidEntry, GidType, InitParams, LinkLayer, Mtu, PortAttributes, PortState, QpCaps, QpState,
+    RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, SgList, Sge, WcOpcode,
+    WcStatus, select_roce_v2_gid,
+};
+
+/// mockall mocks of the role traits, tied together by [`mock::MockApi`].
+#[cfg(feature = "mock")]
+pub mod mock {
+    pub use crate::api::{
+        MockCompletionQueue, MockContext, MockMemoryRegion, MockProtectionDomain, MockProvider,
+        MockQueuePair,
+    };
+
+    /// A backend whose every handle is a mockall mock.
+    #[derive(Debug)]
+    pub struct MockApi;
+
+    impl crate::Api for MockApi {
+        type Provider = MockProvider<MockApi>;
+        type Context = MockContext<MockApi>;
+        type ProtectionDomain = MockProtectionDomain<MockApi>;
+        type MemoryRegion = MockMemoryRegion;
+        type CompletionQueue = MockCompletionQueue;
+        type QueuePair = MockQueuePair;
+    }
+}

@@ -1,0 +1,746 @@
+//! Plain data of the verbs HAL: attributes, access flags, connection
+//! parameters, work requests and completions. Numeric values match
+//! `<infiniband/verbs.h>` so backends convert by value, not by table.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv6Addr};
+
+use smallvec::SmallVec;
+
+use crate::error::{Result, VerbsError};
+
+/// One RDMA device as enumerated, before it is opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Kernel name, e.g. `mlx5_0`, `rxe0`.
+    pub name: String,
+    /// Node GUID, host byte order.
+    pub node_guid: u64,
+}
+
+/// What an opened device can do (the subset of `ibv_device_attr` we use).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceAttributes {
+    /// Firmware version string.
+    pub fw_ver: String,
+    /// PCI vendor id.
+    pub vendor_id: u32,
+    /// Vendor part id.
+    pub vendor_part_id: u32,
+    /// Largest MR in bytes.
+    pub max_mr_size: u64,
+    /// Queue pairs.
+    pub max_qp: u32,
+    /// Work requests per queue.
+    pub max_qp_wr: u32,
+    /// Scatter/gather entries per work request.
+    pub max_sge: u32,
+    /// Completion queues.
+    pub max_cq: u32,
+    /// Entries per completion queue.
+    pub max_cqe: u32,
+    /// Memory regions.
+    pub max_mr: u32,
+    /// Outstanding RDMA READs a QP may be target of.
+    pub max_qp_rd_atom: u32,
+    /// Outstanding RDMA READs a QP may initiate.
+    pub max_qp_init_rd_atom: u32,
+    /// Physical ports (numbered from 1).
+    pub phys_port_cnt: u8,
+}
+
+/// Logical port state (`enum ibv_port_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortState {
+    /// No link.
+    Down,
+    /// Link up, not yet configured.
+    Init,
+    /// Configured, not yet active.
+    Armed,
+    /// Ready for traffic.
+    Active,
+    /// Active, deferring.
+    ActiveDefer,
+    /// A value this HAL does not name.
+    Other(u32),
+}
+
+impl PortState {
+    /// From the native `ibv_port_state` value.
+    pub fn from_native(value: u32) -> Self {
+        match value {
+            1 => Self::Down,
+            2 => Self::Init,
+            3 => Self::Armed,
+            4 => Self::Active,
+            5 => Self::ActiveDefer,
+            other => Self::Other(other),
+        }
+    }
+}
+
+/// Link layer of a port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkLayer {
+    /// InfiniBand: addressed by LID.
+    InfiniBand,
+    /// Ethernet (RoCE): addressed by GID only.
+    Ethernet,
+    /// Not reported.
+    Unspecified,
+}
+
+/// Path MTU (`enum ibv_mtu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u32)]
+pub enum Mtu {
+    /// 256 bytes.
+    Mtu256 = 1,
+    /// 512 bytes.
+    Mtu512 = 2,
+    /// 1024 bytes.
+    Mtu1024 = 3,
+    /// 2048 bytes.
+    Mtu2048 = 4,
+    /// 4096 bytes.
+    Mtu4096 = 5,
+}
+
+impl Mtu {
+    /// From the native value.
+    pub fn from_native(value: u32) -> Option<Self> {
+        Some(match value {
+            1 => Self::Mtu256,
+            2 => Self::Mtu512,
+            3 => Self::Mtu1024,
+            4 => Self::Mtu2048,
+            5 => Self::Mtu4096,
+            _ => return None,
+        })
+    }
+
+    /// The MTU in bytes.
+    pub fn bytes(self) -> u32 {
+        128 << (self as u32)
+    }
+}
+
+/// Attributes of one port (the subset of `ibv_port_attr` we use).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortAttributes {
+    /// Logical state.
+    pub state: PortState,
+    /// Largest MTU the port supports.
+    pub max_mtu: Mtu,
+    /// MTU in use.
+    pub active_mtu: Mtu,
+    /// Local identifier (InfiniBand only; 0 on RoCE).
+    pub lid: u16,
+    /// Entries in the GID table.
+    pub gid_table_len: u32,
+    /// InfiniBand or Ethernet.
+    pub link_layer: LinkLayer,
+}
+
+/// A 128-bit global identifier; on RoCE it carries an IP address.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Gid(pub [u8; 16]);
+
+impl Gid {
+    /// The all-zero GID marks an unused table slot.
+    pub fn is_zero(&self) -> bool {
+        self.0 == [0; 16]
+    }
+
+    /// The GID as an IPv6 address (IPv4 appears as `::ffff:a.b.c.d`).
+    pub fn to_ipv6(&self) -> Ipv6Addr {
+        Ipv6Addr::from(self.0)
+    }
+
+    /// The IP address the GID carries, IPv4 when it is IPv4-mapped.
+    pub fn to_ip(&self) -> IpAddr {
+        let v6 = self.to_ipv6();
+        match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        }
+    }
+
+    /// The RoCE GID of an IP address.
+    pub fn from_ip(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => Self(v4.to_ipv6_mapped().octets()),
+            IpAddr::V6(v6) => Self(v6.octets()),
+        }
+    }
+}
+
+impl fmt::Debug for Gid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Gid({})", self.to_ipv6())
+    }
+}
+
+/// How a GID table entry is encapsulated on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GidType {
+    /// InfiniBand.
+    Ib,
+    /// RoCE v1 (Ethernet, not routable).
+    RoceV1,
+    /// RoCE v2 (UDP/IP, routable): the one to use on Ethernet.
+    RoceV2,
+}
+
+/// One entry of a port's GID table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GidEntry {
+    /// Index in the table: the `sgid_index` of an address vector.
+    pub index: u32,
+    /// The GID.
+    pub gid: Gid,
+    /// Its encapsulation.
+    pub gid_type: GidType,
+    /// The netdev it belongs to (0 on InfiniBand).
+    pub netdev_ifindex: u32,
+}
+
+/// Which IP family a RoCE v2 GID should carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AddressFamily {
+    /// IPv4-mapped GIDs.
+    V4,
+    /// Native IPv6 GIDs (link-local ones are skipped when a global one exists).
+    V6,
+}
+
+/// Picks the RoCE v2 GID of the requested family, as perftest and NCCL do:
+/// the first non-zero RoCE v2 entry of that family, preferring a global
+/// IPv6 address over a link-local one.
+pub fn select_roce_v2_gid(entries: &[GidEntry], family: AddressFamily) -> Option<&GidEntry> {
+    let candidates = entries
+        .iter()
+        .filter(|e| e.gid_type == GidType::RoceV2 && !e.gid.is_zero());
+    match family {
+        AddressFamily::V4 => candidates
+            .filter(|e| e.gid.to_ip().is_ipv4())
+            .min_by_key(|e| e.index),
+        AddressFamily::V6 => candidates
+            .filter(|e| e.gid.to_ip().is_ipv6())
+            // Link-local (fe80::/10) sorts after any routable address.
+            .min_by_key(|e| (e.gid.0[0] == 0xfe && (e.gid.0[1] & 0xc0) == 0x80, e.index)),
+    }
+}
+
+bitflags::bitflags! {
+    /// Memory access rights of a registration (`enum ibv_access_flags`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct AccessFlags: u32 {
+        /// The local NIC may write (needed for READ targets and receives).
+        const LOCAL_WRITE = 1;
+        /// Peers may RDMA WRITE into it.
+        const REMOTE_WRITE = 1 << 1;
+        /// Peers may RDMA READ from it.
+        const REMOTE_READ = 1 << 2;
+        /// Peers may do atomics on it.
+        const REMOTE_ATOMIC = 1 << 3;
+        /// Allow relaxed PCIe ordering (a large win for GPU memory on some
+        /// platforms; ignored where unsupported).
+        const RELAXED_ORDERING = 1 << 20;
+    }
+}
+
+impl AccessFlags {
+    /// Local write plus remote read and write: what a transfer buffer needs.
+    pub const fn transfer() -> Self {
+        Self::LOCAL_WRITE
+            .union(Self::REMOTE_WRITE)
+            .union(Self::REMOTE_READ)
+    }
+}
+
+/// Sizes of a queue pair's work queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per send.
+    pub max_send_sge: u32,
+    /// Scatter/gather entries per receive.
+    pub max_recv_sge: u32,
+    /// Largest inline payload.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        Self {
+            max_send_wr: 256,
+            max_recv_wr: 256,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        }
+    }
+}
+
+/// Queue pair state (`enum ibv_qp_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    /// Just created.
+    Reset,
+    /// Initialised: can post receives.
+    Init,
+    /// Ready to receive.
+    ReadyToReceive,
+    /// Ready to send.
+    ReadyToSend,
+    /// Send queue drained.
+    SendQueueDrained,
+    /// Send queue error.
+    SendQueueError,
+    /// Error: every outstanding request is flushed.
+    Error,
+}
+
+impl QpState {
+    /// From the native `ibv_qp_state` value.
+    pub fn from_native(value: u32) -> Option<Self> {
+        Some(match value {
+            0 => Self::Reset,
+            1 => Self::Init,
+            2 => Self::ReadyToReceive,
+            3 => Self::ReadyToSend,
+            4 => Self::SendQueueDrained,
+            5 => Self::SendQueueError,
+            6 => Self::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// What one side of an RC connection tells the other (QPN, GID, PSN, ...).
+/// This is what rdma_cm exchanges for us, or what a test passes by hand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionInfo {
+    /// Queue pair number.
+    pub qp_num: u32,
+    /// First packet sequence number it will send (24 bits).
+    pub psn: u32,
+    /// Its GID (RoCE) ...
+    pub gid: Gid,
+    /// ... or LID (InfiniBand).
+    pub lid: u16,
+    /// Largest MTU it can take.
+    pub mtu: Mtu,
+}
+
+/// RESET → INIT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InitParams {
+    /// Port number, from 1.
+    pub port: u8,
+    /// P_Key index.
+    pub pkey_index: u16,
+    /// What remote peers may do through this QP.
+    pub access: AccessFlags,
+}
+
+impl Default for InitParams {
+    fn default() -> Self {
+        Self {
+            port: 1,
+            pkey_index: 0,
+            access: AccessFlags::transfer(),
+        }
+    }
+}
+
+/// INIT → RTR: the path to the remote side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RtrParams {
+    /// The peer.
+    pub remote: ConnectionInfo,
+    /// Our port, from 1.
+    pub port: u8,
+    /// Our GID table index (see [`select_roce_v2_gid`]).
+    pub sgid_index: u8,
+    /// Path MTU: the smaller of both sides'.
+    pub path_mtu: Mtu,
+    /// READs/atomics the peer may have outstanding at us.
+    pub max_dest_rd_atomic: u8,
+    /// RNR NAK timer code (12 = 0.64 ms).
+    pub min_rnr_timer: u8,
+    /// IP hop limit.
+    pub hop_limit: u8,
+    /// IP traffic class.
+    pub traffic_class: u8,
+}
+
+impl RtrParams {
+    /// Parameters with usual defaults for the given peer.
+    pub fn new(remote: ConnectionInfo, sgid_index: u8, local_mtu: Mtu) -> Self {
+        Self {
+            remote,
+            port: 1,
+            sgid_index,
+            path_mtu: local_mtu.min(remote.mtu),
+            max_dest_rd_atomic: 16,
+            min_rnr_timer: 12,
+            hop_limit: 64,
+            traffic_class: 0,
+        }
+    }
+}
+
+/// RTR → RTS: our sending side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RtsParams {
+    /// Our first PSN (24 bits), as told to the peer.
+    pub sq_psn: u32,
+    /// Local ACK timeout code: 4.096 µs × 2^timeout.
+    pub timeout: u8,
+    /// Transport retries, 0..=6. 7 is refused: rxe then retries forever and
+    /// a dead peer never surfaces as an error.
+    pub retry_cnt: u8,
+    /// RNR retries (7 = infinite, which is fine: RNR means a live peer).
+    pub rnr_retry: u8,
+    /// READs/atomics we may have outstanding.
+    pub max_rd_atomic: u8,
+}
+
+impl Default for RtsParams {
+    fn default() -> Self {
+        Self {
+            sq_psn: 0,
+            // 4.096 µs × 2^14 ≈ 67 ms per try: with 3 retries a dead peer
+            // is reported within about a quarter second on real NICs.
+            timeout: 14,
+            retry_cnt: 3,
+            rnr_retry: 7,
+            max_rd_atomic: 16,
+        }
+    }
+}
+
+impl RtsParams {
+    /// Rejects values that would hide a dead peer or overflow the fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.retry_cnt > 6 {
+            return Err(VerbsError::invalid(
+                "ibv_modify_qp(RTS)",
+                format!(
+                    "retry_cnt {} would retry forever on some providers; use 0..=6",
+                    self.retry_cnt
+                ),
+            ));
+        }
+        if self.timeout > 31 || self.rnr_retry > 7 || self.sq_psn > 0x00ff_ffff {
+            return Err(VerbsError::invalid(
+                "ibv_modify_qp(RTS)",
+                format!("field out of range in {self:?}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A scatter/gather element: `length` bytes at `addr` under `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    /// Address in the MR's address space (its iova).
+    pub addr: u64,
+    /// Bytes.
+    pub length: u32,
+    /// The local key of the MR covering it.
+    pub lkey: u32,
+}
+
+/// A scatter/gather list; two entries fit without allocating.
+pub type SgList = SmallVec<[Sge; 2]>;
+
+/// The operation of a send-queue work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// One-sided write into remote memory.
+    Write {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+    },
+    /// Write plus a 32-bit immediate that consumes a receive at the peer.
+    WriteWithImm {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Immediate data (host order).
+        imm: u32,
+    },
+    /// One-sided read from remote memory into the local SG list.
+    Read {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+    },
+    /// Two-sided send, consuming a receive at the peer.
+    Send,
+    /// Send with a 32-bit immediate.
+    SendWithImm {
+        /// Immediate data (host order).
+        imm: u32,
+    },
+}
+
+bitflags::bitflags! {
+    /// Per-request flags (`enum ibv_send_flags`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct SendFlags: u32 {
+        /// Wait for earlier READs to finish first.
+        const FENCE = 1;
+        /// Produce a completion (selective signalling).
+        const SIGNALED = 1 << 1;
+        /// Solicited event at the receiver.
+        const SOLICITED = 1 << 2;
+        /// Copy the payload into the WQE; host memory only, never GPU memory
+        /// (the CPU would read device memory through the BAR).
+        const INLINE = 1 << 3;
+    }
+}
+
+/// One send-queue work request. A batch of them is linked and posted once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendRequest {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// What to do.
+    pub op: SendOp,
+    /// Local memory.
+    pub sg_list: SgList,
+    /// Signalling, fencing, inline.
+    pub flags: SendFlags,
+}
+
+impl SendRequest {
+    /// Total bytes of the SG list.
+    pub fn byte_len(&self) -> u64 {
+        self.sg_list.iter().map(|s| u64::from(s.length)).sum()
+    }
+}
+
+/// One receive-queue work request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecvRequest {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming SEND lands.
+    pub sg_list: SgList,
+}
+
+/// Completion status (`enum ibv_wc_status`), kept as the native number so
+/// nothing a provider reports is lost; named constants for the known values.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct WcStatus(pub u32);
+
+impl WcStatus {
+    /// Success.
+    pub const SUCCESS: Self = Self(0);
+    /// Local length error.
+    pub const LOC_LEN_ERR: Self = Self(1);
+    /// Local QP operation error.
+    pub const LOC_QP_OP_ERR: Self = Self(2);
+    /// Local protection error (bad lkey or range).
+    pub const LOC_PROT_ERR: Self = Self(4);
+    /// Flushed: the QP went to the error state before this ran.
+    pub const WR_FLUSH_ERR: Self = Self(5);
+    /// Bad response.
+    pub const BAD_RESP_ERR: Self = Self(7);
+    /// Local access error.
+    pub const LOC_ACCESS_ERR: Self = Self(8);
+    /// Remote invalid request (e.g. READ larger than allowed).
+    pub const REM_INV_REQ_ERR: Self = Self(9);
+    /// Remote access error: bad rkey, out of the MR's bounds, or no right.
+    pub const REM_ACCESS_ERR: Self = Self(10);
+    /// Remote operation error.
+    pub const REM_OP_ERR: Self = Self(11);
+    /// Transport retries exhausted: the peer is gone or unreachable.
+    pub const RETRY_EXC_ERR: Self = Self(12);
+    /// RNR retries exhausted: the peer posted no receive.
+    pub const RNR_RETRY_EXC_ERR: Self = Self(13);
+    /// Fatal error.
+    pub const FATAL_ERR: Self = Self(19);
+    /// Response timeout.
+    pub const RESP_TIMEOUT_ERR: Self = Self(20);
+    /// General error.
+    pub const GENERAL_ERR: Self = Self(21);
+
+    /// True for success.
+    pub fn is_success(self) -> bool {
+        self == Self::SUCCESS
+    }
+
+    /// The name rdma-core's `ibv_wc_status_str` would give.
+    pub fn name(self) -> &'static str {
+        match self.0 {
+            0 => "success",
+            1 => "local length error",
+            2 => "local QP operation error",
+            3 => "local EE context operation error",
+            4 => "local protection error",
+            5 => "Work Request Flushed Error",
+            6 => "memory management operation error",
+            7 => "bad response error",
+            8 => "local access error",
+            9 => "remote invalid request error",
+            10 => "remote access error",
+            11 => "remote operation error",
+            12 => "transport retry counter exceeded",
+            13 => "RNR retry counter exceeded",
+            14 => "local RDD violation error",
+            15 => "remote invalid RD request",
+            16 => "aborted error",
+            17 => "invalid EE context number",
+            18 => "invalid EE context state",
+            19 => "fatal error",
+            20 => "response timeout error",
+            21 => "general error",
+            _ => "unknown",
+        }
+    }
+}
+
+impl fmt::Debug for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WcStatus({}: {})", self.0, self.name())
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (status {})", self.name(), self.0)
+    }
+}
+
+/// What a completion completed (`enum ibv_wc_opcode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WcOpcode {
+    /// A SEND.
+    #[default]
+    Send,
+    /// An RDMA WRITE (with or without immediate).
+    RdmaWrite,
+    /// An RDMA READ.
+    RdmaRead,
+    /// A received SEND.
+    Recv,
+    /// A received WRITE with immediate.
+    RecvRdmaWithImm,
+    /// A value this HAL does not name.
+    Other(u32),
+}
+
+impl WcOpcode {
+    /// From the native value.
+    pub fn from_native(value: u32) -> Self {
+        match value {
+            0 => Self::Send,
+            1 => Self::RdmaWrite,
+            2 => Self::RdmaRead,
+            128 => Self::Recv,
+            129 => Self::RecvRdmaWithImm,
+            other => Self::Other(other),
+        }
+    }
+}
+
+/// One work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Completion {
+    /// The request's `wr_id`.
+    pub wr_id: u64,
+    /// Native status.
+    pub status: WcStatus,
+    /// What completed. Only meaningful on success for send-queue entries.
+    pub opcode: WcOpcode,
+    /// Bytes received (receives only).
+    pub byte_len: u32,
+    /// Immediate data, if any (host order).
+    pub imm: Option<u32>,
+    /// The local QP it belongs to.
+    pub qp_num: u32,
+    /// Vendor syndrome, for error reports.
+    pub vendor_err: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    fn entry(index: u32, ip: IpAddr, gid_type: GidType) -> GidEntry {
+        GidEntry {
+            index,
+            gid: Gid::from_ip(ip),
+            gid_type,
+            netdev_ifindex: 2,
+        }
+    }
+
+    #[test]
+    fn roce_v2_gid_selection_by_family() {
+        let v4 = IpAddr::V4(Ipv4Addr::new(10, 99, 0, 1));
+        let link_local: IpAddr = "fe80::1".parse().unwrap();
+        let global: IpAddr = "2001:db8::7".parse().unwrap();
+        let table = vec![
+            entry(0, link_local, GidType::RoceV1),
+            entry(1, link_local, GidType::RoceV2),
+            entry(2, v4, GidType::RoceV1),
+            entry(3, v4, GidType::RoceV2),
+            GidEntry {
+                index: 4,
+                gid: Gid::default(),
+                gid_type: GidType::RoceV2,
+                netdev_ifindex: 0,
+            },
+            entry(5, global, GidType::RoceV2),
+        ];
+        let picked = select_roce_v2_gid(&table, AddressFamily::V4).unwrap();
+        assert_eq!(picked.index, 3);
+        assert_eq!(picked.gid.to_ip(), v4);
+        let picked = select_roce_v2_gid(&table, AddressFamily::V6).unwrap();
+        assert_eq!(picked.index, 5, "a global IPv6 GID beats a link-local one");
+        assert!(select_roce_v2_gid(&table[..3], AddressFamily::V4).is_none());
+    }
+
+    #[test]
+    fn rts_refuses_infinite_retry() {
+        let mut p = RtsParams::default();
+        assert!(p.validate().is_ok());
+        p.retry_cnt = 7;
+        let err = p.validate().unwrap_err();
+        assert!(err.to_string().contains("retry forever"), "{err}");
+        p.retry_cnt = 3;
+        p.sq_psn = 1 << 24;
+        assert!(p.validate().is_err());
+    }
+
+    #[test]
+    fn mtu_and_status_values_match_verbs_h() {
+        assert_eq!(Mtu::Mtu1024.bytes(), 1024);
+        assert_eq!(Mtu::Mtu4096.bytes(), 4096);
+        assert_eq!(Mtu::from_native(5), Some(Mtu::Mtu4096));
+        assert_eq!(Mtu::from_native(6), None);
+        assert_eq!(WcStatus::REM_ACCESS_ERR.0, 10);
+        assert_eq!(
+            WcStatus::RETRY_EXC_ERR.name(),
+            "transport retry counter exceeded"
+        );
+        assert_eq!(WcOpcode::from_native(129), WcOpcode::RecvRdmaWithImm);
+        assert_eq!(AccessFlags::transfer().bits(), 0b111);
+    }
+}

@@ -1,0 +1,53 @@
+#!/bin/bash
+# two-guests.sh 'CMD_A' 'CMD_B'
+# Boots guest A (10.99.0.1) and guest B (10.99.0.2) at once, each with its own
+# rxe0 on a virtio-net eth0, joined by a QEMU "-netdev dgram" over two unix
+# datagram sockets (no host IP address involved). Runs CMD_A in A and CMD_B
+# in B (each through sh -c, same cwd and environment as here), prints their
+# output (stdout and stderr merged) as it comes, lines labelled "A| " and "B| ",
+# and exits 0 if both exit 0, else with A's status if nonzero, else B's.
+# Start order is not guaranteed: a client must retry until its server listens.
+# Env: RXEVM_PAIR_DIR  folder for the sockets and qemu PIDs (a.pid, b.pid),
+#                      e.g. to kill one guest; default: a temporary one
+#      RXEVM_SMP=1 RXEVM_MEM=512 RXEVM_TIMEOUT=600 RXEVM_VERBOSE=1, and the
+#      other RXEVM_* knobs of run-in-vm.sh, apply to both guests.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+if [ $# -ne 2 ]; then echo "usage: $0 'CMD_A' 'CMD_B'" >&2; exit 2; fi
+CA=$1; CB=$2
+if [ -n "${RXEVM_PAIR_DIR:-}" ]; then D=$RXEVM_PAIR_DIR; mkdir -p "$D"; OWN=0
+else D=$(mktemp -d /tmp/rxevm-pair.XXXXXX); OWN=1; fi
+# shellcheck disable=SC2317  # invoked by the EXIT trap
+cleanup() { if [ "$OWN" = 1 ]; then rm -rf "$D"; fi; }
+# Background jobs of a script ignore SIGINT: stop the guests ourselves.
+# shellcheck disable=SC2317
+stop() {
+  local f
+  for f in "$D/a.pid" "$D/b.pid"; do [ ! -s "$f" ] || kill "$(cat "$f")" 2>/dev/null || true; done
+  wait; exit "$1"
+}
+trap cleanup EXIT
+trap 'stop 130' INT
+trap 'stop 143' TERM
+export RXEVM_SMP=${RXEVM_SMP:-1} RXEVM_MEM=${RXEVM_MEM:-512}
+export RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-600} RXEVM_VERBOSE=${RXEVM_VERBOSE:-1}
+# Build (if stale) once here rather than in both guests' launches.
+"$HERE/build-initramfs.sh"
+rm -f "$D/a.sock" "$D/b.sock" "$D/a.pid" "$D/b.pid" "$D/a.rc" "$D/b.rc"
+T0=$(date +%s.%N)
+
+# guest NAME MAC IP LOCAL REMOTE CMD: run one guest, its output labelled
+guest() {
+  local nic="dgram,local.type=unix,local.path=$D/$4,remote.type=unix,remote.path=$D/$5" rc=0
+  RXEVM_NIC=$nic RXEVM_MAC=$2 RXEVM_IP=$3 RXEVM_PIDFILE=$D/${1,}.pid \
+    "$HERE/run-in-vm.sh" sh -c "$6" 2>&1 | sed -u "s/^/$1| /" || rc=${PIPESTATUS[0]}
+  echo "$rc" > "$D/${1,}.rc"
+}
+guest A 52:54:00:99:00:01 10.99.0.1/24 a.sock b.sock "$CA" &
+guest B 52:54:00:99:00:02 10.99.0.2/24 b.sock a.sock "$CB" &
+wait
+RA=$(cat "$D/a.rc" 2>/dev/null || echo 125)
+RB=$(cat "$D/b.rc" 2>/dev/null || echo 125)
+echo "two-guests: rcA=$RA rcB=$RB wall=$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN { printf "%.2f", a - b }')s" >&2
+if [ "$RA" != 0 ]; then exit "$RA"; fi
+exit "$RB"
