@@ -127,7 +127,7 @@ T1=$(now)
 if [ -s "$RUN/status" ]; then
   RC=$(cat "$RUN/status")
   if [ "$RC" = 254 ]; then
-    echo "rxevm: guest setup failed; guest console log:" >&2; cat "$RUN/console.log" >&2
+    echo "rxevm: guest setup failed; guest console log:" >&2; tr -d '\033' < "$RUN/console.log" >&2
   fi
 else
   if [ "$QRC" = 124 ] || [ "$QRC" = 137 ]; then
@@ -137,7 +137,7 @@ else
     echo "rxevm: guest did not report a status (qemu rc=$QRC); guest console log:" >&2
     RC=125
   fi
-  cat "$RUN/console.log" >&2
+  tr -d '\033' < "$RUN/console.log" >&2
 fi
 if [ "$VERBOSE" -ge 1 ]; then
   echo "rxevm: accel=$ACCEL ready=${TREADY}s (guest uptime $(cat "$RUN/ready-uptime" 2>/dev/null || echo ?)s) wall=$(sub "$T1" "$T0")s rc=$RC" >&2

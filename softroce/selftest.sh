@@ -36,9 +36,11 @@ case "${1:-}" in
     echo "selftest: to-stdout"
     echo "selftest: to-stderr" >&2
     exit 3 ;;
-  guest-bw-server)   # PORT [perftest options]
+  guest-bw-server)   # PORT [perftest options]; its output only if it fails
     port=$2; shift 2
-    exec timeout 120 "${BW[@]}" -p "$port" "$@" ;;
+    out=$TMPDIR/bw-server.$port
+    timeout 120 "${BW[@]}" -p "$port" "$@" > "$out" 2>&1 || { cat "$out"; fail "ib_write_bw server $*"; }
+    exit 0 ;;
   guest-bw-client)   # LABEL HOST PORT [perftest options]; retries until the server listens
     label=$2 host=$3 port=$4; shift 4
     out=$TMPDIR/bw-client.$port
@@ -55,9 +57,9 @@ case "${1:-}" in
     for mode in verbs rdma_cm; do
       opt=(); port=18515
       if [ "$mode" = rdma_cm ]; then opt=(-R); port=18516; fi
-      "$SELF" guest-bw-server "$port" "${opt[@]}" > "$TMPDIR/bw-server.$port" 2>&1 & sp=$!
+      "$SELF" guest-bw-server "$port" "${opt[@]}" & sp=$!
       "$SELF" guest-bw-client "one-guest-$mode" 10.99.0.1 "$port" "${opt[@]}" || { kill "$sp" 2>/dev/null; exit 1; }
-      wait "$sp" || { cat "$TMPDIR/bw-server.$port"; fail "ib_write_bw server ($mode)"; }
+      wait "$sp" || exit 1
     done
     exit 0 ;;
   "") ;;

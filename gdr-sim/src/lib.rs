@@ -1,0 +1,15 @@
+//! # gdr-sim
+//!
+//! A simulated RDMA fabric and simulated GPUs behind the `hal-verbs` and
+//! `hal-cuda` traits, on real memory: bytes really move, bounds and access
+//! rights are really checked, dma-buf exports are real file descriptors.
+//! Deterministic and thread-free: work runs when a caller polls or
+//! synchronizes. A shared [`FaultPlan`] scripts failures.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod faults;
+#[allow(dead_code)] // until the simulated GPU lands
+pub mod memory;
+
+pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};

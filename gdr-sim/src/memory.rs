@@ -1,0 +1,254 @@
+//! The simulated GPUs' device address space, shared with the simulated NIC.
+//!
+//! Device memory lives in its own window of addresses that the CPU cannot
+//! dereference (they are non-canonical on x86-64, so a stray host access
+//! faults at once, as it would on real device memory). Each allocation is
+//! backed by a memfd mapped into this process: the memfd is what dma-buf
+//! export hands out and what an IPC open maps again, so every view of an
+//! allocation (device address, dma-buf MR, IPC mapping) sees the same bytes.
+//!
+//! The window is process-wide, like CUDA's unified address space; every
+//! simulated "process" takes its addresses from it, so addresses never
+//! collide between them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError, RwLock};
+
+use memmap2::MmapRaw;
+
+/// First address of the simulated device window.
+pub const DEVICE_WINDOW_START: u64 = 0xd000_0000_0000_0000;
+/// Granularity of device allocations (as cuMemAlloc's, 2 MiB).
+pub const DEVICE_ALLOCATION_GRANULARITY: u64 = 2 << 20;
+
+/// True for an address in the simulated device window.
+pub fn is_device_address(addr: u64) -> bool {
+    addr >= DEVICE_WINDOW_START
+}
+
+/// Host memory backing one device allocation: a memfd and its mapping.
+#[derive(Debug)]
+pub struct Backing {
+    memfd: OwnedFd,
+    map: MmapRaw,
+}
+
+impl Backing {
+    /// A zero-filled backing of `len` bytes.
+    pub(crate) fn new(len: usize) -> std::io::Result<Self> {
+        let memfd = rustix::fs::memfd_create("gdr-sim-gpu", rustix::fs::MemfdFlags::CLOEXEC)?;
+        rustix::fs::ftruncate(&memfd, len as u64)?;
+        let map = MmapRaw::map_raw(&std::fs::File::from(memfd.try_clone()?))?;
+        Ok(Self { memfd, map })
+    }
+
+    /// The memfd (what a dma-buf export duplicates).
+    pub fn memfd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.memfd.as_fd()
+    }
+
+    /// Host pointer to the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True for an empty backing (never made).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What the NIC-facing side knows about one mapped device range.
+#[derive(Debug)]
+pub struct DeviceRange {
+    /// First device address.
+    pub base: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// The CUDA buffer id of the allocation (a mapping through IPC has its own).
+    pub buffer_id: u64,
+    /// The owning simulated GPU's ordinal.
+    pub ordinal: u32,
+    /// The simulated process (driver instance) that mapped it.
+    pub process: u64,
+    /// Whether the node's kernel has a peer-memory client for this GPU
+    /// (nvidia-peermem): then `ibv_reg_mr` on the device address works.
+    pub peermem: bool,
+    /// The host memory behind it.
+    pub backing: Arc<Backing>,
+}
+
+#[derive(Default)]
+struct Space {
+    ranges: BTreeMap<u64, Arc<DeviceRange>>,
+    next_base: u64,
+    /// Freed bases by reserved size, reused last-in first-out as CUDA's
+    /// allocator does: this is what makes stale registrations possible.
+    free_bases: HashMap<u64, Vec<u64>>,
+}
+
+static SPACE: LazyLock<RwLock<Space>> = LazyLock::new(|| {
+    RwLock::new(Space {
+        next_base: DEVICE_WINDOW_START,
+        ..Space::default()
+    })
+});
+
+static NEXT_BUFFER_ID: Mutex<u64> = Mutex::new(1);
+
+/// A fresh, process-unique buffer id.
+pub(crate) fn next_buffer_id() -> u64 {
+    let mut next = NEXT_BUFFER_ID
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let id = *next;
+    *next += 1;
+    id
+}
+
+fn reserved_size(len: usize) -> u64 {
+    (len as u64).div_ceil(DEVICE_ALLOCATION_GRANULARITY) * DEVICE_ALLOCATION_GRANULARITY
+}
+
+/// Maps `backing` at a device address (reusing a freed one of the same size
+/// first) and returns the new range.
+pub(crate) fn map(
+    len: usize,
+    ordinal: u32,
+    process: u64,
+    peermem: bool,
+    backing: Arc<Backing>,
+) -> Arc<DeviceRange> {
+    let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
+    let size = reserved_size(len);
+    let base = match space.free_bases.get_mut(&size).and_then(Vec::pop) {
+        Some(base) => base,
+        None => {
+            let base = space.next_base;
+            space.next_base += size;
+            base
+        }
+    };
+    let range = Arc::new(DeviceRange {
+        base,
+        len,
+        buffer_id: next_buffer_id(),
+        ordinal,
+        process,
+        peermem,
+        backing,
+    });
+    space.ranges.insert(base, Arc::clone(&range));
+    range
+}
+
+/// Unmaps the range at `base`, making its address available again.
+pub(crate) fn unmap(base: u64) -> Option<Arc<DeviceRange>> {
+    let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
+    let range = space.ranges.remove(&base)?;
+    space
+        .free_bases
+        .entry(reserved_size(range.len))
+        .or_default()
+        .push(base);
+    Some(range)
+}
+
+/// The mapped range containing `addr`, if any.
+pub fn lookup(addr: u64) -> Option<Arc<DeviceRange>> {
+    let space = SPACE.read().unwrap_or_else(PoisonError::into_inner);
+    let (_, range) = space.ranges.range(..=addr).next_back()?;
+    (addr < range.base + range.len as u64).then(|| Arc::clone(range))
+}
+
+/// Why the NIC cannot reach a range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NicAccessError {
+    /// Device memory not mapped, or the range runs past its allocation.
+    #[error("{len} bytes at {addr:#x} are not inside one device allocation")]
+    NotMapped {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: usize,
+    },
+    /// Device memory, but no peer-memory client: the kernel cannot pin it.
+    #[error("device memory at {addr:#x} cannot be pinned: no peer-memory client (nvidia-peermem)")]
+    NoPeerMemory {
+        /// Start.
+        addr: u64,
+    },
+}
+
+/// How the simulated NIC reaches `len` bytes at `addr` registered with
+/// `ibv_reg_mr`: host addresses as they are, device addresses through their
+/// backing (only where peermem is on). The returned `Arc` keeps the backing
+/// alive as long as the registration, as a pinned page would be.
+pub fn nic_view(addr: u64, len: usize) -> Result<(*mut u8, Option<Arc<Backing>>), NicAccessError> {
+    if !is_device_address(addr) {
+        return Ok((addr as *mut u8, None));
+    }
+    let range = lookup(addr).ok_or(NicAccessError::NotMapped { addr, len })?;
+    let offset = addr - range.base;
+    if offset + len as u64 > range.len as u64 {
+        return Err(NicAccessError::NotMapped { addr, len });
+    }
+    if !range.peermem {
+        return Err(NicAccessError::NoPeerMemory { addr });
+    }
+    // SAFETY: offset + len lies within the backing's mapping (checked above,
+    // and the backing is at least range.len long).
+    let ptr = unsafe { range.backing.as_ptr().add(offset as usize) };
+    Ok((ptr, Some(Arc::clone(&range.backing))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_address_is_reused_with_a_new_buffer_id() {
+        let backing = Arc::new(Backing::new(4096).unwrap());
+        let first = map(4096, 0, 1, true, Arc::clone(&backing));
+        let (base, id) = (first.base, first.buffer_id);
+        assert!(is_device_address(base));
+        assert!(lookup(base + 100).is_some());
+        unmap(base).unwrap();
+        assert!(lookup(base).is_none());
+        let second = map(4096, 0, 1, true, backing);
+        assert_eq!(second.base, base, "the allocator reuses the freed address");
+        assert_ne!(second.buffer_id, id);
+        unmap(second.base);
+    }
+
+    #[test]
+    fn nic_view_enforces_bounds_and_peermem() {
+        let backing = Arc::new(Backing::new(8192).unwrap());
+        let with = map(8192, 0, 7, true, Arc::clone(&backing));
+        let without = map(8192, 0, 7, false, Arc::clone(&backing));
+        let (ptr, keep) = nic_view(with.base + 4096, 4096).unwrap();
+        assert_eq!(ptr, backing.as_ptr().wrapping_add(4096));
+        assert!(keep.is_some());
+        assert!(matches!(
+            nic_view(with.base + 4096, 4097),
+            Err(NicAccessError::NotMapped { .. })
+        ));
+        assert!(matches!(
+            nic_view(without.base, 16),
+            Err(NicAccessError::NoPeerMemory { .. })
+        ));
+        let host = [0u8; 4];
+        assert_eq!(
+            nic_view(host.as_ptr() as u64, 4).unwrap().0,
+            host.as_ptr() as *mut u8
+        );
+        unmap(with.base);
+        unmap(without.base);
+    }
+}
