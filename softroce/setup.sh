@@ -35,5 +35,11 @@ if [ ! -f "$RXEVM_CACHE/vmlinuz" ] && [ "$UPDATED" = 0 ] \
    && ! apt-cache depends linux-image-amd64 2>/dev/null | grep -q 'Depends: linux-image-[0-9]'; then
   apt-get update -qq
 fi
-"$HERE/build-initramfs.sh"
+# Stale apt lists may name a kernel .deb the mirror no longer has: update, retry.
+if ! "$HERE/build-initramfs.sh"; then
+  [ "$UPDATED" = 0 ] || exit 1
+  echo "softroce: retrying after apt-get update" >&2
+  apt-get update -qq
+  "$HERE/build-initramfs.sh"
+fi
 echo "softroce: setup done in $(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN { printf "%.1f", a - b }') s; cache $RXEVM_CACHE ($(du -sh "$RXEVM_CACHE" | cut -f1)), kernel $(cat "$RXEVM_CACHE/kernel-version")" >&2

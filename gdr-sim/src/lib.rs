@@ -9,7 +9,8 @@
 #![warn(missing_docs)]
 
 pub mod faults;
-#[allow(dead_code)] // until the simulated GPU lands
+pub mod gpu;
 pub mod memory;
 
 pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
+pub use gpu::{GpuConfig, SimCuda, SimCudaApi};

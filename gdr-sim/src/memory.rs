@@ -214,14 +214,16 @@ mod tests {
 
     #[test]
     fn freed_address_is_reused_with_a_new_buffer_id() {
-        let backing = Arc::new(Backing::new(4096).unwrap());
-        let first = map(4096, 0, 1, true, Arc::clone(&backing));
+        // A size class of its own: tests run in parallel and share the space.
+        let len = 5 << 20;
+        let backing = Arc::new(Backing::new(len).unwrap());
+        let first = map(len, 0, 1, true, Arc::clone(&backing));
         let (base, id) = (first.base, first.buffer_id);
         assert!(is_device_address(base));
         assert!(lookup(base + 100).is_some());
         unmap(base).unwrap();
         assert!(lookup(base).is_none());
-        let second = map(4096, 0, 1, true, backing);
+        let second = map(len, 0, 1, true, backing);
         assert_eq!(second.base, base, "the allocator reuses the freed address");
         assert_ne!(second.buffer_id, id);
         unmap(second.base);

@@ -1,0 +1,900 @@
+//! A simulated GPU behind the `hal-cuda` traits.
+//!
+//! Device memory is host memory in disguise (see [`crate::memory`]): each
+//! allocation is a memfd mapped in this process and given an address in the
+//! simulated device window. dma-buf export hands out a duplicate of that
+//! memfd, so a dma-buf MR sees the same bytes; IPC handles name the
+//! allocation and another simulated process maps the same memfd again.
+//!
+//! Streams queue their copies; work runs when the stream or an event is
+//! synchronized, or queried while the GPU is not [`SimCuda::set_paused`]. So
+//! nothing moves behind a test's back, and "in flight" can be observed.
+//!
+//! Capability switches ([`GpuConfig`]) make dma-buf, GPUDirect RDMA and
+//! nvidia-peermem present or absent per GPU.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, Weak};
+
+use hal_cuda::{
+    AllocationKind, CudaError, DeviceAttributes, FlushScope, FlushWritesOptions, HostRegisterFlags,
+    IpcMemHandle, MemoryType, PointerAttributes, Result, WritesOrdering,
+};
+use memmap2::MmapMut;
+
+use crate::faults::{Fault, FaultPlan, FaultSite};
+use crate::memory::{self, Backing, DeviceRange};
+
+const PAGE: u64 = 4096;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What one simulated GPU can do. The default is an H200 as measured on the
+/// project's GPU machine, with nvidia-peermem absent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuConfig {
+    /// Marketing name.
+    pub name: String,
+    /// PCI bus id.
+    pub pci_bus_id: String,
+    /// Device memory; allocations beyond it fail with out-of-memory.
+    pub total_memory: u64,
+    /// `DMA_BUF_SUPPORTED`: export works.
+    pub dma_buf_supported: bool,
+    /// `GPU_DIRECT_RDMA_SUPPORTED`.
+    pub gpu_direct_rdma_supported: bool,
+    /// Whether the node has a peer-memory client for this GPU, so
+    /// `ibv_reg_mr` on a device address works (the peermem rung).
+    pub peermem: bool,
+    /// Flush options.
+    pub flush_writes_options: FlushWritesOptions,
+    /// Writes ordering.
+    pub writes_ordering: WritesOrdering,
+}
+
+impl Default for GpuConfig {
+    fn default() -> Self {
+        Self {
+            name: "Simulated H200".into(),
+            pci_bus_id: "0000:17:00.0".into(),
+            total_memory: 1 << 30,
+            dma_buf_supported: true,
+            gpu_direct_rdma_supported: true,
+            peermem: false,
+            flush_writes_options: FlushWritesOptions::HOST,
+            writes_ordering: WritesOrdering::Owner,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SimGpu {
+    ordinal: u32,
+    config: GpuConfig,
+    lost: AtomicBool,
+    used: AtomicU64,
+}
+
+/// The allocations that IPC handles can name, by buffer id.
+static IPC_EXPORTS: LazyLock<Mutex<HashMap<u64, Weak<DeviceRange>>>> =
+    LazyLock::new(Default::default);
+
+/// Where each exported dma-buf fd starts inside its memfd, keyed by fd number
+/// and checked by inode: a real dma-buf of a sub-range begins at that
+/// sub-range, while the simulation hands out the whole allocation's memfd.
+static DMABUF_ORIGINS: LazyLock<Mutex<HashMap<RawFd, DmabufOrigin>>> =
+    LazyLock::new(Default::default);
+
+#[derive(Debug, Clone, Copy)]
+struct DmabufOrigin {
+    inode: u64,
+    offset: u64,
+    len: u64,
+}
+
+/// Where byte 0 of dma-buf `fd` lies in the memfd it duplicates, and how many
+/// bytes it exports. The simulated NIC maps `origin + offset`.
+pub fn dmabuf_extent(fd: RawFd) -> Option<(u64, u64)> {
+    // SAFETY: the caller vouches that `fd` is open for the duration of the
+    // call (the HAL's register_dmabuf contract); we only fstat it.
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let inode = rustix::fs::fstat(borrowed).ok()?.st_ino;
+    let origin = *lock(&DMABUF_ORIGINS).get(&fd)?;
+    (origin.inode == inode).then_some((origin.offset, origin.len))
+}
+
+static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
+
+/// Pinned host ranges of one simulated process: start → (len, buffer id).
+type PinnedRanges = BTreeMap<u64, (usize, u64)>;
+
+#[derive(Debug)]
+struct ProcessState {
+    id: u64,
+    gpus: Vec<Arc<SimGpu>>,
+    faults: FaultPlan,
+    pinned: Mutex<PinnedRanges>,
+    paused: AtomicBool,
+}
+
+impl ProcessState {
+    fn fault(&self, site: FaultSite, gpu: &SimGpu, operation: &'static str) -> Result<()> {
+        match self.faults.hit(site) {
+            None => Ok(()),
+            Some(Fault::Cuda(error)) => Err(error),
+            Some(Fault::DeviceLost) => {
+                gpu.lost.store(true, Ordering::SeqCst);
+                Err(CudaError::DeviceLost {
+                    operation,
+                    code: Some(999),
+                })
+            }
+            Some(other) => Err(CudaError::invalid(
+                operation,
+                format!("fault {other:?} is not a CUDA fault"),
+            )),
+        }
+    }
+}
+
+/// The simulated CUDA backend's handle types.
+#[derive(Debug)]
+pub struct SimCudaApi;
+
+impl hal_cuda::Api for SimCudaApi {
+    type Driver = SimCuda;
+    type Context = SimContext;
+    type Stream = SimStream;
+    type Event = SimEvent;
+    type DeviceMemory = SimDeviceMemory;
+    type PinnedHostMemory = SimPinnedHostMemory;
+    type HostRegistration = SimHostRegistration;
+    type IpcMapping = SimIpcMapping;
+}
+
+/// A simulated CUDA driver in one simulated process.
+#[derive(Debug, Clone)]
+pub struct SimCuda {
+    process: Arc<ProcessState>,
+}
+
+impl SimCuda {
+    /// A process seeing one GPU per config, failing as `faults` scripts.
+    pub fn new(configs: Vec<GpuConfig>, faults: FaultPlan) -> Self {
+        let gpus = configs
+            .into_iter()
+            .enumerate()
+            .map(|(ordinal, config)| {
+                Arc::new(SimGpu {
+                    ordinal: ordinal as u32,
+                    config,
+                    lost: AtomicBool::new(false),
+                    used: AtomicU64::new(0),
+                })
+            })
+            .collect();
+        Self::with_gpus(gpus, faults)
+    }
+
+    fn with_gpus(gpus: Vec<Arc<SimGpu>>, faults: FaultPlan) -> Self {
+        Self {
+            process: Arc::new(ProcessState {
+                id: NEXT_PROCESS.fetch_add(1, Ordering::Relaxed),
+                gpus,
+                faults,
+                pinned: Mutex::new(BTreeMap::new()),
+                paused: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Another simulated process on the same node: same GPUs, its own
+    /// address mappings, so IPC handles from this one can be opened there.
+    pub fn other_process(&self) -> Self {
+        Self::with_gpus(self.process.gpus.clone(), self.process.faults.clone())
+    }
+
+    /// While paused, event and stream queries report queued work as not yet
+    /// done; synchronizing still runs it.
+    pub fn set_paused(&self, paused: bool) {
+        self.process.paused.store(paused, Ordering::SeqCst);
+    }
+
+    /// Device memory in use on GPU `ordinal`, in bytes.
+    pub fn used_bytes(&self, ordinal: u32) -> u64 {
+        self.process
+            .gpus
+            .get(ordinal as usize)
+            .map_or(0, |g| g.used.load(Ordering::SeqCst))
+    }
+}
+
+impl hal_cuda::Driver<SimCudaApi> for SimCuda {
+    fn backend_name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        match self.process.gpus.len() {
+            0 => Err(CudaError::NoDevice {
+                detail: "the simulated node has no GPU".into(),
+            }),
+            n => Ok(n as u32),
+        }
+    }
+
+    fn device_attributes(&self, ordinal: u32) -> Result<DeviceAttributes> {
+        let gpu = self.gpu(ordinal)?;
+        let c = &gpu.config;
+        Ok(DeviceAttributes {
+            ordinal,
+            name: c.name.clone(),
+            pci_bus_id: c.pci_bus_id.clone(),
+            total_memory: c.total_memory,
+            compute_capability: (9, 0),
+            dma_buf_supported: c.dma_buf_supported,
+            gpu_direct_rdma_supported: c.gpu_direct_rdma_supported,
+            flush_writes_options: c.flush_writes_options,
+            writes_ordering: c.writes_ordering,
+            virtual_memory_management: false,
+        })
+    }
+
+    fn context(&self, ordinal: u32) -> Result<SimContext> {
+        let gpu = self.gpu(ordinal)?;
+        check_alive(&gpu, "cuDevicePrimaryCtxRetain")?;
+        Ok(SimContext {
+            gpu,
+            process: Arc::clone(&self.process),
+        })
+    }
+}
+
+impl SimCuda {
+    fn gpu(&self, ordinal: u32) -> Result<Arc<SimGpu>> {
+        self.process
+            .gpus
+            .get(ordinal as usize)
+            .cloned()
+            .ok_or_else(|| CudaError::NoDevice {
+                detail: format!("no simulated GPU {ordinal}"),
+            })
+    }
+}
+
+fn check_alive(gpu: &SimGpu, operation: &'static str) -> Result<()> {
+    if gpu.lost.load(Ordering::SeqCst) {
+        Err(CudaError::DeviceLost {
+            operation,
+            code: Some(999),
+        })
+    } else {
+        Ok(())
+    }
+}
+
+/// A simulated GPU's primary context in one process.
+#[derive(Debug, Clone)]
+pub struct SimContext {
+    gpu: Arc<SimGpu>,
+    process: Arc<ProcessState>,
+}
+
+impl SimContext {
+    /// A range of device memory `len` bytes at `addr`, resolved to host
+    /// memory, or the error CUDA gives for an address it does not know.
+    fn device_range(&self, addr: u64, len: usize, operation: &'static str) -> Result<Resolved> {
+        let range = memory::lookup(addr).ok_or_else(|| {
+            CudaError::invalid(operation, format!("{addr:#x} is not device memory"))
+        })?;
+        let offset = addr - range.base;
+        if offset + len as u64 > range.len as u64 {
+            return Err(CudaError::invalid(
+                operation,
+                format!(
+                    "{len} bytes at {addr:#x} run past the allocation at {:#x} ({} bytes)",
+                    range.base, range.len
+                ),
+            ));
+        }
+        Ok(Resolved {
+            // SAFETY: offset + len lies within the backing (checked above).
+            ptr: unsafe { range.backing.as_ptr().add(offset as usize) },
+            _keep: Some(Arc::clone(&range.backing)),
+        })
+    }
+}
+
+impl hal_cuda::Context<SimCudaApi> for SimContext {
+    fn ordinal(&self) -> u32 {
+        self.gpu.ordinal
+    }
+
+    fn alloc(&self, len: usize) -> Result<SimDeviceMemory> {
+        let _span = tracing::debug_span!("sim_cuMemAlloc", len).entered();
+        check_alive(&self.gpu, "cuMemAlloc")?;
+        self.process
+            .fault(FaultSite::CudaAlloc, &self.gpu, "cuMemAlloc")?;
+        if len == 0 {
+            return Err(CudaError::invalid("cuMemAlloc", "zero-length allocation"));
+        }
+        let used = self.gpu.used.fetch_add(len as u64, Ordering::SeqCst);
+        if used + len as u64 > self.gpu.config.total_memory {
+            self.gpu.used.fetch_sub(len as u64, Ordering::SeqCst);
+            return Err(CudaError::OutOfMemory {
+                operation: "cuMemAlloc",
+                code: Some(2),
+            });
+        }
+        let backing = Backing::new(len).map_err(|e| CudaError::Os {
+            operation: "memfd_create",
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+        })?;
+        let range = memory::map(
+            len,
+            self.gpu.ordinal,
+            self.process.id,
+            self.gpu.config.peermem,
+            Arc::new(backing),
+        );
+        tracing::debug!(
+            base = format_args!("{:#x}", range.base),
+            buffer_id = range.buffer_id,
+            "allocated"
+        );
+        Ok(SimDeviceMemory {
+            range,
+            gpu: Arc::clone(&self.gpu),
+        })
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<SimPinnedHostMemory> {
+        check_alive(&self.gpu, "cuMemHostAlloc")?;
+        self.process
+            .fault(FaultSite::CudaAlloc, &self.gpu, "cuMemHostAlloc")?;
+        if len == 0 {
+            return Err(CudaError::invalid(
+                "cuMemHostAlloc",
+                "zero-length allocation",
+            ));
+        }
+        let mut map = MmapMut::map_anon(len).map_err(|e| CudaError::Os {
+            operation: "mmap",
+            errno: e.raw_os_error().unwrap_or(libc::ENOMEM),
+        })?;
+        let ptr = map.as_mut_ptr();
+        lock(&self.process.pinned).insert(ptr as u64, (len, memory::next_buffer_id()));
+        Ok(SimPinnedHostMemory {
+            map,
+            ptr,
+            process: Arc::clone(&self.process),
+        })
+    }
+
+    unsafe fn register_host(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        _flags: HostRegisterFlags,
+    ) -> Result<SimHostRegistration> {
+        check_alive(&self.gpu, "cuMemHostRegister")?;
+        if ptr.is_null() || len == 0 {
+            return Err(CudaError::invalid(
+                "cuMemHostRegister",
+                "null or empty range",
+            ));
+        }
+        let start = ptr as u64;
+        let mut pinned = lock(&self.process.pinned);
+        let overlaps = pinned
+            .range(..start + len as u64)
+            .next_back()
+            .is_some_and(|(&s, &(l, _))| s + l as u64 > start);
+        if overlaps {
+            return Err(CudaError::Driver {
+                operation: "cuMemHostRegister",
+                code: 712,
+                name: hal_cuda::result_name(712),
+            });
+        }
+        pinned.insert(start, (len, memory::next_buffer_id()));
+        Ok(SimHostRegistration {
+            ptr,
+            len,
+            process: Arc::clone(&self.process),
+        })
+    }
+
+    fn create_stream(&self) -> Result<SimStream> {
+        check_alive(&self.gpu, "cuStreamCreate")?;
+        Ok(SimStream {
+            ctx: self.clone(),
+            queue: Arc::new(Mutex::new(StreamQueue::default())),
+        })
+    }
+
+    fn create_event(&self) -> Result<SimEvent> {
+        check_alive(&self.gpu, "cuEventCreate")?;
+        Ok(SimEvent {
+            recorded: Mutex::new(None),
+            paused: Arc::clone(&self.process),
+        })
+    }
+
+    fn pointer_attributes(&self, addr: u64) -> Result<PointerAttributes> {
+        check_alive(&self.gpu, "cuPointerGetAttributes")?;
+        if memory::is_device_address(addr) {
+            let range = memory::lookup(addr).ok_or_else(|| {
+                CudaError::invalid("cuPointerGetAttributes", format!("{addr:#x} is not mapped"))
+            })?;
+            let gpu = &self.process.gpus[range.ordinal as usize];
+            return Ok(PointerAttributes {
+                memory_type: MemoryType::Device,
+                device_ordinal: Some(range.ordinal),
+                allocation_base: range.base,
+                allocation_size: range.len as u64,
+                buffer_id: range.buffer_id,
+                allocation_kind: AllocationKind::Legacy,
+                gpu_direct_rdma_capable: gpu.config.gpu_direct_rdma_supported,
+            });
+        }
+        let pinned = lock(&self.process.pinned);
+        if let Some((&start, &(len, buffer_id))) = pinned.range(..=addr).next_back()
+            && addr < start + len as u64
+        {
+            return Ok(PointerAttributes {
+                memory_type: MemoryType::PinnedHost,
+                device_ordinal: None,
+                allocation_base: start,
+                allocation_size: len as u64,
+                buffer_id,
+                allocation_kind: AllocationKind::Other,
+                gpu_direct_rdma_capable: false,
+            });
+        }
+        Ok(PointerAttributes {
+            memory_type: MemoryType::PageableHost,
+            device_ordinal: None,
+            allocation_base: addr,
+            allocation_size: 0,
+            buffer_id: 0,
+            allocation_kind: AllocationKind::Other,
+            gpu_direct_rdma_capable: false,
+        })
+    }
+
+    fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd> {
+        const OP: &str = "cuMemGetHandleForAddressRange";
+        let _span =
+            tracing::debug_span!("sim_export_dmabuf", addr = format_args!("{addr:#x}"), len)
+                .entered();
+        check_alive(&self.gpu, OP)?;
+        self.process
+            .fault(FaultSite::CudaExportDmabuf, &self.gpu, OP)?;
+        if !self.gpu.config.dma_buf_supported {
+            return Err(CudaError::NotSupported {
+                operation: OP,
+                reason: "the GPU does not support dma-buf export".into(),
+                code: Some(801),
+            });
+        }
+        if addr % PAGE != 0 || len as u64 % PAGE != 0 || len == 0 {
+            return Err(CudaError::InvalidArgument {
+                operation: OP,
+                reason: format!("{len} bytes at {addr:#x} are not host-page aligned"),
+                code: Some(1),
+            });
+        }
+        let range = memory::lookup(addr)
+            .filter(|r| addr - r.base + len as u64 <= (r.len as u64).next_multiple_of(PAGE))
+            .ok_or_else(|| CudaError::InvalidArgument {
+                operation: OP,
+                reason: format!("{len} bytes at {addr:#x} are not inside one allocation"),
+                code: Some(1),
+            })?;
+        let fd = range
+            .backing
+            .memfd()
+            .try_clone_to_owned()
+            .map_err(|e| CudaError::Os {
+                operation: "dup",
+                errno: e.raw_os_error().unwrap_or(libc::EMFILE),
+            })?;
+        let inode = rustix::fs::fstat(&fd)
+            .map_err(|e| CudaError::Os {
+                operation: "fstat",
+                errno: e.raw_os_error(),
+            })?
+            .st_ino;
+        lock(&DMABUF_ORIGINS).insert(
+            fd.as_raw_fd(),
+            DmabufOrigin {
+                inode,
+                offset: addr - range.base,
+                len: len as u64,
+            },
+        );
+        Ok(fd)
+    }
+
+    fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle> {
+        check_alive(&self.gpu, "cuIpcGetMemHandle")?;
+        let range = memory::lookup(addr).ok_or_else(|| {
+            CudaError::invalid(
+                "cuIpcGetMemHandle",
+                format!("{addr:#x} is not device memory"),
+            )
+        })?;
+        lock(&IPC_EXPORTS).insert(range.buffer_id, Arc::downgrade(&range));
+        let mut handle = [0u8; 64];
+        handle[..8].copy_from_slice(IPC_MAGIC);
+        handle[8..16].copy_from_slice(&range.buffer_id.to_le_bytes());
+        handle[16..24].copy_from_slice(&range.process.to_le_bytes());
+        Ok(IpcMemHandle(handle))
+    }
+
+    fn ipc_open(&self, handle: &IpcMemHandle) -> Result<SimIpcMapping> {
+        const OP: &str = "cuIpcOpenMemHandle";
+        check_alive(&self.gpu, OP)?;
+        self.process.fault(FaultSite::CudaIpcOpen, &self.gpu, OP)?;
+        let bytes = &handle.0;
+        if &bytes[..8] != IPC_MAGIC {
+            return Err(CudaError::InvalidArgument {
+                operation: OP,
+                reason: "not an IPC handle".into(),
+                code: Some(1),
+            });
+        }
+        let field = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap_or_default());
+        let (buffer_id, exporter) = (field(8), field(16));
+        if exporter == self.process.id {
+            // CUDA refuses to open a handle in the process that exported it.
+            return Err(CudaError::Driver {
+                operation: OP,
+                code: 201,
+                name: hal_cuda::result_name(201),
+            });
+        }
+        let source = lock(&IPC_EXPORTS)
+            .get(&buffer_id)
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| CudaError::InvalidArgument {
+                operation: OP,
+                reason: "the exported allocation has been freed".into(),
+                code: Some(1),
+            })?;
+        let range = memory::map(
+            source.len,
+            source.ordinal,
+            self.process.id,
+            self.process.gpus[source.ordinal as usize].config.peermem,
+            Arc::clone(&source.backing),
+        );
+        Ok(SimIpcMapping { range })
+    }
+
+    fn flush_gpu_direct_rdma_writes(&self, _scope: FlushScope) -> Result<()> {
+        check_alive(&self.gpu, "cuFlushGPUDirectRDMAWrites")?;
+        if !self
+            .gpu
+            .config
+            .flush_writes_options
+            .contains(FlushWritesOptions::HOST)
+        {
+            return Err(CudaError::unsupported(
+                "cuFlushGPUDirectRDMAWrites",
+                "the GPU reports no host flush option",
+            ));
+        }
+        // Simulated writes land in host memory at once: nothing to flush.
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        check_alive(&self.gpu, "cuCtxSynchronize")
+    }
+}
+
+const IPC_MAGIC: &[u8; 8] = b"gdrsimIP";
+
+/// Host-visible view of a copy endpoint, keeping device backing alive while
+/// the copy is queued.
+#[derive(Debug)]
+struct Resolved {
+    ptr: *mut u8,
+    _keep: Option<Arc<Backing>>,
+}
+
+// SAFETY: the pointer is only dereferenced by the stream executing the copy,
+// under the stream's lock; the caller of the (unsafe) copy call guaranteed the
+// memory stays valid until the copy completes.
+unsafe impl Send for Resolved {}
+
+#[derive(Debug)]
+enum Work {
+    Copy {
+        dst: Resolved,
+        src: Resolved,
+        len: usize,
+    },
+    Fill {
+        dst: Resolved,
+        value: u8,
+        len: usize,
+    },
+    Wait {
+        queue: Arc<Mutex<StreamQueue>>,
+        upto: u64,
+    },
+}
+
+#[derive(Debug, Default)]
+struct StreamQueue {
+    pending: VecDeque<(u64, Work)>,
+    enqueued: u64,
+    completed: u64,
+}
+
+/// Runs queued work of `queue` up to sequence number `upto`.
+fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
+    loop {
+        let mut q = lock(queue);
+        if q.completed >= upto {
+            return;
+        }
+        let Some((seq, work)) = q.pending.pop_front() else {
+            return;
+        };
+        match work {
+            Work::Copy { dst, src, len } => {
+                // SAFETY: both ranges were checked to lie in live memory when
+                // queued, and the caller of the unsafe copy promised they stay
+                // valid until completion; `copy` allows overlap.
+                unsafe { std::ptr::copy(src.ptr, dst.ptr, len) }
+            }
+            Work::Fill { dst, value, len } => {
+                // SAFETY: as for copies.
+                unsafe { std::ptr::write_bytes(dst.ptr, value, len) }
+            }
+            Work::Wait { queue: other, upto } => {
+                // Another stream's lock is taken with ours released, so two
+                // streams waiting on each other cannot deadlock here.
+                drop(q);
+                run_until(&other, upto);
+                q = lock(queue);
+            }
+        }
+        q.completed = seq;
+    }
+}
+
+/// A simulated stream.
+#[derive(Debug)]
+pub struct SimStream {
+    ctx: SimContext,
+    queue: Arc<Mutex<StreamQueue>>,
+}
+
+impl SimStream {
+    fn enqueue(&self, operation: &'static str, work: Work) -> Result<()> {
+        check_alive(&self.ctx.gpu, operation)?;
+        self.ctx
+            .process
+            .fault(FaultSite::CudaCopy, &self.ctx.gpu, operation)?;
+        let mut q = lock(&self.queue);
+        q.enqueued += 1;
+        let seq = q.enqueued;
+        q.pending.push_back((seq, work));
+        Ok(())
+    }
+
+    fn host(ptr: *const u8, len: usize, operation: &'static str) -> Result<Resolved> {
+        if ptr.is_null() && len > 0 {
+            return Err(CudaError::invalid(operation, "null host pointer"));
+        }
+        Ok(Resolved {
+            ptr: ptr.cast_mut(),
+            _keep: None,
+        })
+    }
+}
+
+impl hal_cuda::Stream<SimCudaApi> for SimStream {
+    unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        const OP: &str = "cuMemcpyHtoDAsync";
+        let dst = self.ctx.device_range(dst, len, OP)?;
+        let src = Self::host(src, len, OP)?;
+        self.enqueue(OP, Work::Copy { dst, src, len })
+    }
+
+    unsafe fn copy_device_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        const OP: &str = "cuMemcpyDtoHAsync";
+        let src = self.ctx.device_range(src, len, OP)?;
+        let dst = Self::host(dst, len, OP)?;
+        self.enqueue(OP, Work::Copy { dst, src, len })
+    }
+
+    unsafe fn copy_device_to_device(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        const OP: &str = "cuMemcpyDtoDAsync";
+        let dst = self.ctx.device_range(dst, len, OP)?;
+        let src = self.ctx.device_range(src, len, OP)?;
+        self.enqueue(OP, Work::Copy { dst, src, len })
+    }
+
+    unsafe fn memset(&self, dst: u64, value: u8, len: usize) -> Result<()> {
+        const OP: &str = "cuMemsetD8Async";
+        let dst = self.ctx.device_range(dst, len, OP)?;
+        self.enqueue(OP, Work::Fill { dst, value, len })
+    }
+
+    fn record(&self, event: &SimEvent) -> Result<()> {
+        check_alive(&self.ctx.gpu, "cuEventRecord")?;
+        let upto = lock(&self.queue).enqueued;
+        *lock(&event.recorded) = Some((Arc::clone(&self.queue), upto));
+        Ok(())
+    }
+
+    fn wait(&self, event: &SimEvent) -> Result<()> {
+        check_alive(&self.ctx.gpu, "cuStreamWaitEvent")?;
+        let Some((queue, upto)) = lock(&event.recorded).clone() else {
+            // Waiting on a never-recorded event is a no-op in CUDA too.
+            return Ok(());
+        };
+        let mut q = lock(&self.queue);
+        q.enqueued += 1;
+        let seq = q.enqueued;
+        q.pending.push_back((seq, Work::Wait { queue, upto }));
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        check_alive(&self.ctx.gpu, "cuStreamSynchronize")?;
+        run_until(&self.queue, u64::MAX);
+        Ok(())
+    }
+}
+
+/// A simulated event.
+#[derive(Debug)]
+pub struct SimEvent {
+    recorded: Mutex<Option<(Arc<Mutex<StreamQueue>>, u64)>>,
+    paused: Arc<ProcessState>,
+}
+
+impl hal_cuda::Event for SimEvent {
+    fn is_complete(&self) -> Result<bool> {
+        let Some((queue, upto)) = lock(&self.recorded).clone() else {
+            return Ok(true);
+        };
+        if !self.paused.paused.load(Ordering::SeqCst) {
+            run_until(&queue, upto);
+        }
+        Ok(lock(&queue).completed >= upto)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        if let Some((queue, upto)) = lock(&self.recorded).clone() {
+            run_until(&queue, upto);
+        }
+        Ok(())
+    }
+}
+
+/// Simulated device memory; freed (and its address made reusable) on drop.
+#[derive(Debug)]
+pub struct SimDeviceMemory {
+    range: Arc<DeviceRange>,
+    gpu: Arc<SimGpu>,
+}
+
+impl SimDeviceMemory {
+    /// The CUDA buffer id of the allocation.
+    pub fn buffer_id(&self) -> u64 {
+        self.range.buffer_id
+    }
+}
+
+impl hal_cuda::DeviceMemory for SimDeviceMemory {
+    fn device_ptr(&self) -> u64 {
+        self.range.base
+    }
+
+    fn len(&self) -> usize {
+        self.range.len
+    }
+}
+
+impl Drop for SimDeviceMemory {
+    fn drop(&mut self) {
+        memory::unmap(self.range.base);
+        lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
+        self.gpu
+            .used
+            .fetch_sub(self.range.len as u64, Ordering::SeqCst);
+    }
+}
+
+/// Simulated pinned host memory.
+#[derive(Debug)]
+pub struct SimPinnedHostMemory {
+    map: MmapMut,
+    ptr: *mut u8,
+    process: Arc<ProcessState>,
+}
+
+// SAFETY: the pointer is the start of `map`, which this value owns; handing
+// the owner to another thread is as safe as moving the MmapMut.
+unsafe impl Send for SimPinnedHostMemory {}
+// SAFETY: shared references expose only the address, never the bytes.
+unsafe impl Sync for SimPinnedHostMemory {}
+
+impl hal_cuda::PinnedHostMemory for SimPinnedHostMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+impl Drop for SimPinnedHostMemory {
+    fn drop(&mut self) {
+        lock(&self.process.pinned).remove(&(self.ptr as u64));
+    }
+}
+
+/// Simulated `cuMemHostRegister` of caller memory.
+#[derive(Debug)]
+pub struct SimHostRegistration {
+    ptr: *mut u8,
+    len: usize,
+    process: Arc<ProcessState>,
+}
+
+// SAFETY: only the address is held; the memory belongs to the caller.
+unsafe impl Send for SimHostRegistration {}
+// SAFETY: as above.
+unsafe impl Sync for SimHostRegistration {}
+
+impl hal_cuda::HostRegistration for SimHostRegistration {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for SimHostRegistration {
+    fn drop(&mut self) {
+        lock(&self.process.pinned).remove(&(self.ptr as u64));
+    }
+}
+
+/// Another process's allocation mapped through IPC; unmapped on drop.
+#[derive(Debug)]
+pub struct SimIpcMapping {
+    range: Arc<DeviceRange>,
+}
+
+impl hal_cuda::IpcMapping for SimIpcMapping {
+    fn device_ptr(&self) -> u64 {
+        self.range.base
+    }
+
+    fn len(&self) -> usize {
+        self.range.len
+    }
+}
+
+impl Drop for SimIpcMapping {
+    fn drop(&mut self) {
+        memory::unmap(self.range.base);
+    }
+}

@@ -1,0 +1,405 @@
+//! The simulated GPU behind the hal-cuda traits: copies, dma-buf export,
+//! IPC between simulated processes, pointer attributes, buffer ids and
+//! scripted faults. Always runs.
+
+use std::os::fd::{AsFd, AsRawFd};
+
+use gdr_sim::{Fault, FaultPlan, FaultSite, GpuConfig, SimCuda, SimCudaApi};
+use gdr_tests::{init_tracing, pattern};
+use hal_cuda::{
+    Context, CudaError, DeviceMemory, Driver, Event, FlushScope, HostRegisterFlags, IpcMapping,
+    MemoryType, PinnedHostMemory, Stream,
+};
+
+type Ctx = <SimCudaApi as hal_cuda::Api>::Context;
+
+fn gpu(config: GpuConfig) -> (SimCuda, Ctx, FaultPlan) {
+    init_tracing();
+    let plan = FaultPlan::new();
+    let driver = SimCuda::new(vec![config], plan.clone());
+    let ctx = driver.context(0).unwrap();
+    (driver, ctx, plan)
+}
+
+fn read_device(ctx: &Ctx, addr: u64, len: usize) -> Vec<u8> {
+    let stream = ctx.create_stream().unwrap();
+    let mut out = vec![0u8; len];
+    // SAFETY: `out` outlives the synchronize below.
+    unsafe { stream.copy_device_to_host(out.as_mut_ptr(), addr, len) }.unwrap();
+    stream.synchronize().unwrap();
+    out
+}
+
+fn write_device(ctx: &Ctx, addr: u64, bytes: &[u8]) {
+    let stream = ctx.create_stream().unwrap();
+    // SAFETY: `bytes` outlives the synchronize below.
+    unsafe { stream.copy_host_to_device(addr, bytes.as_ptr(), bytes.len()) }.unwrap();
+    stream.synchronize().unwrap();
+}
+
+#[test]
+fn async_copies_run_in_order_and_move_every_byte() {
+    let (driver, ctx, _) = gpu(GpuConfig::default());
+    assert_eq!(driver.device_count().unwrap(), 1);
+    for len in [1usize, 7, 4096, 65_537, 3 << 20] {
+        let a = ctx.alloc(len).unwrap();
+        let b = ctx.alloc(len).unwrap();
+        let src = pattern(len, len as u8);
+        let mut back = vec![0u8; len];
+        let stream = ctx.create_stream().unwrap();
+        let done = ctx.create_event().unwrap();
+        driver.set_paused(true);
+        // SAFETY: `src` and `back` outlive the event synchronize below.
+        unsafe {
+            stream.memset(b.device_ptr(), 0xee, len).unwrap();
+            stream
+                .copy_host_to_device(a.device_ptr(), src.as_ptr(), len)
+                .unwrap();
+            stream
+                .copy_device_to_device(b.device_ptr(), a.device_ptr(), len)
+                .unwrap();
+            stream
+                .copy_device_to_host(back.as_mut_ptr(), b.device_ptr(), len)
+                .unwrap();
+        }
+        stream.record(&done).unwrap();
+        assert!(
+            !done.is_complete().unwrap(),
+            "a paused GPU has not run the copies"
+        );
+        assert!(
+            back.iter().all(|&x| x == 0),
+            "nothing moved before completion"
+        );
+        driver.set_paused(false);
+        assert!(done.is_complete().unwrap());
+        assert_eq!(back, src, "len {len}");
+    }
+}
+
+#[test]
+fn stream_waits_on_another_streams_event() {
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let len = 8192;
+    let mem = ctx.alloc(len).unwrap();
+    let producer = ctx.create_stream().unwrap();
+    let consumer = ctx.create_stream().unwrap();
+    let produced = ctx.create_event().unwrap();
+    let src = pattern(len, 3);
+    let mut out = vec![0u8; len];
+    // SAFETY: both host buffers outlive consumer.synchronize().
+    unsafe {
+        producer
+            .copy_host_to_device(mem.device_ptr(), src.as_ptr(), len)
+            .unwrap();
+        producer.record(&produced).unwrap();
+        consumer.wait(&produced).unwrap();
+        consumer
+            .copy_device_to_host(out.as_mut_ptr(), mem.device_ptr(), len)
+            .unwrap();
+    }
+    // Only the consumer is synchronized: the wait must drive the producer.
+    consumer.synchronize().unwrap();
+    assert_eq!(out, src);
+}
+
+#[test]
+fn copies_outside_an_allocation_are_refused() {
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let mem = ctx.alloc(4096).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let buf = [0u8; 16];
+    // SAFETY: the calls are expected to fail before queuing anything.
+    let err = unsafe { stream.copy_host_to_device(mem.device_ptr() + 4090, buf.as_ptr(), 16) }
+        .unwrap_err();
+    assert!(matches!(err, CudaError::InvalidArgument { .. }), "{err}");
+    // SAFETY: as above.
+    let err = unsafe { stream.copy_host_to_device(0x1000, buf.as_ptr(), 16) }.unwrap_err();
+    assert!(matches!(err, CudaError::InvalidArgument { .. }), "{err}");
+}
+
+#[test]
+fn dmabuf_export_shares_the_allocations_bytes_whole_and_at_an_offset() {
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let len = 64 << 10;
+    let mem = ctx.alloc(len).unwrap();
+    let bytes = pattern(len, 9);
+    write_device(&ctx, mem.device_ptr(), &bytes);
+
+    let whole = ctx.export_dmabuf(mem.device_ptr(), len).unwrap();
+    let file = std::fs::File::from(whole.as_fd().try_clone_to_owned().unwrap());
+    // SAFETY: the mapping is read only here, and nothing resizes the memfd.
+    let view = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+    assert_eq!(&view[..len], &bytes[..], "the fd exports the device bytes");
+    assert_eq!(
+        gdr_sim::gpu::dmabuf_extent(whole.as_raw_fd()),
+        Some((0, len as u64))
+    );
+
+    let sub = ctx.export_dmabuf(mem.device_ptr() + 16384, 8192).unwrap();
+    assert_eq!(
+        gdr_sim::gpu::dmabuf_extent(sub.as_raw_fd()),
+        Some((16384, 8192)),
+        "a sub-range's dma-buf starts at the sub-range"
+    );
+
+    let err = ctx.export_dmabuf(mem.device_ptr() + 100, 4096).unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument { code: Some(1), .. }),
+        "{err}"
+    );
+    let err = ctx.export_dmabuf(mem.device_ptr(), len + 4096).unwrap_err();
+    assert!(matches!(err, CudaError::InvalidArgument { .. }), "{err}");
+}
+
+#[test]
+fn dmabuf_switch_off_reports_not_supported() {
+    let (_driver, ctx, _) = gpu(GpuConfig {
+        dma_buf_supported: false,
+        ..GpuConfig::default()
+    });
+    let mem = ctx.alloc(4096).unwrap();
+    let err = ctx.export_dmabuf(mem.device_ptr(), 4096).unwrap_err();
+    assert!(err.is_unsupported(), "{err}");
+    assert_eq!(err.code(), Some(801));
+}
+
+#[test]
+fn ipc_handle_opens_in_another_process_and_shares_bytes() {
+    let (driver, ctx, _) = gpu(GpuConfig::default());
+    let len = 10_000;
+    let mem = ctx.alloc(len).unwrap();
+    write_device(&ctx, mem.device_ptr(), &pattern(len, 42));
+    let handle = ctx.ipc_export(mem.device_ptr() + 123).unwrap();
+
+    let err = ctx.ipc_open(&handle).unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(201),
+        "the exporting process cannot open its own handle"
+    );
+
+    let other = driver.other_process();
+    let other_ctx = other.context(0).unwrap();
+    let mapping = other_ctx.ipc_open(&handle).unwrap();
+    assert_eq!(mapping.len(), len);
+    assert_ne!(mapping.device_ptr(), mem.device_ptr());
+    assert_eq!(
+        read_device(&other_ctx, mapping.device_ptr(), len),
+        pattern(len, 42)
+    );
+
+    // Writes through the mapping are seen by the exporter.
+    write_device(&other_ctx, mapping.device_ptr() + 10, &[1, 2, 3]);
+    assert_eq!(read_device(&ctx, mem.device_ptr() + 10, 3), vec![1, 2, 3]);
+    let attrs = other_ctx.pointer_attributes(mapping.device_ptr()).unwrap();
+    assert_ne!(
+        attrs.buffer_id,
+        ctx.pointer_attributes(mem.device_ptr()).unwrap().buffer_id
+    );
+
+    drop(mapping);
+    drop(mem);
+    assert!(
+        other_ctx.ipc_open(&handle).is_err(),
+        "a freed allocation cannot be opened"
+    );
+    let garbage = hal_cuda::IpcMemHandle([7; 64]);
+    assert!(matches!(
+        other_ctx.ipc_open(&garbage).unwrap_err(),
+        CudaError::InvalidArgument { .. }
+    ));
+}
+
+#[test]
+fn reallocation_at_a_freed_address_gets_a_new_buffer_id() {
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    // A size no other test uses: freed addresses are reused per size class,
+    // and tests run in parallel.
+    let size = 7 << 20;
+    let first = ctx.alloc(size).unwrap();
+    let (addr, id) = (
+        first.device_ptr(),
+        ctx.pointer_attributes(first.device_ptr())
+            .unwrap()
+            .buffer_id,
+    );
+    drop(first);
+    let second = ctx.alloc(size).unwrap();
+    assert_eq!(
+        second.device_ptr(),
+        addr,
+        "the simulated allocator reuses addresses"
+    );
+    let attrs = ctx.pointer_attributes(second.device_ptr() + 4096).unwrap();
+    assert_ne!(attrs.buffer_id, id);
+    assert_eq!(attrs.allocation_base, addr);
+}
+
+#[test]
+fn pointer_attributes_tell_device_pinned_and_pageable_apart() {
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let dev = ctx.alloc(3 << 20).unwrap();
+    let attrs = ctx.pointer_attributes(dev.device_ptr() + 12345).unwrap();
+    assert_eq!(attrs.memory_type, MemoryType::Device);
+    assert_eq!(attrs.device_ordinal, Some(0));
+    assert_eq!(attrs.allocation_base, dev.device_ptr());
+    assert_eq!(attrs.allocation_size, 3 << 20);
+    assert!(attrs.gpu_direct_rdma_capable);
+
+    let pinned = ctx.alloc_pinned(8192).unwrap();
+    let attrs = ctx.pointer_attributes(pinned.as_ptr() as u64 + 5).unwrap();
+    assert_eq!(attrs.memory_type, MemoryType::PinnedHost);
+    assert_eq!(attrs.allocation_base, pinned.as_ptr() as u64);
+
+    let mut heap = vec![0u8; 4096];
+    let addr = heap.as_mut_ptr() as u64;
+    assert_eq!(
+        ctx.pointer_attributes(addr).unwrap().memory_type,
+        MemoryType::PageableHost
+    );
+    // SAFETY: `heap` outlives the registration (dropped first below).
+    let reg =
+        unsafe { ctx.register_host(heap.as_mut_ptr(), heap.len(), HostRegisterFlags::PORTABLE) }
+            .unwrap();
+    assert_eq!(
+        ctx.pointer_attributes(addr).unwrap().memory_type,
+        MemoryType::PinnedHost
+    );
+    // SAFETY: as above; the overlapping registration must be refused.
+    let again = unsafe { ctx.register_host(heap.as_mut_ptr(), 16, HostRegisterFlags::empty()) };
+    assert_eq!(again.unwrap_err().code(), Some(712));
+    drop(reg);
+    assert_eq!(
+        ctx.pointer_attributes(addr).unwrap().memory_type,
+        MemoryType::PageableHost
+    );
+}
+
+#[test]
+fn out_of_memory_beyond_the_devices_capacity() {
+    let (driver, ctx, _) = gpu(GpuConfig {
+        total_memory: 4 << 20,
+        ..GpuConfig::default()
+    });
+    let a = ctx.alloc(3 << 20).unwrap();
+    assert!(matches!(
+        ctx.alloc(2 << 20).unwrap_err(),
+        CudaError::OutOfMemory { code: Some(2), .. }
+    ));
+    drop(a);
+    assert_eq!(driver.used_bytes(0), 0);
+    ctx.alloc(4 << 20).unwrap();
+}
+
+#[test]
+fn flush_follows_the_devices_flush_options() {
+    let (_d, ctx, _) = gpu(GpuConfig::default());
+    ctx.flush_gpu_direct_rdma_writes(FlushScope::Owner).unwrap();
+    let (_d, ctx, _) = gpu(GpuConfig {
+        flush_writes_options: hal_cuda::FlushWritesOptions::empty(),
+        ..GpuConfig::default()
+    });
+    assert!(
+        ctx.flush_gpu_direct_rdma_writes(FlushScope::Owner)
+            .unwrap_err()
+            .is_unsupported()
+    );
+}
+
+#[test]
+fn each_cuda_fault_kind_fires() {
+    let (driver, ctx, plan) = gpu(GpuConfig::default());
+    let oom = CudaError::OutOfMemory {
+        operation: "cuMemAlloc",
+        code: Some(2),
+    };
+    plan.fail_nth(FaultSite::CudaAlloc, 2, Fault::Cuda(oom.clone()));
+    plan.fail_nth(
+        FaultSite::CudaCopy,
+        1,
+        Fault::Cuda(CudaError::from_code("cuMemcpyHtoDAsync", 719)),
+    );
+    plan.fail_nth(
+        FaultSite::CudaExportDmabuf,
+        1,
+        Fault::Cuda(CudaError::from_code("cuMemGetHandleForAddressRange", 801)),
+    );
+    plan.fail_nth(
+        FaultSite::CudaIpcOpen,
+        1,
+        Fault::Cuda(CudaError::from_code("cuIpcOpenMemHandle", 1)),
+    );
+
+    let mem = ctx.alloc(4096).unwrap();
+    assert_eq!(ctx.alloc(4096).unwrap_err(), oom);
+    let _third = ctx.alloc(4096).unwrap();
+
+    let stream = ctx.create_stream().unwrap();
+    let bytes = pattern(4096, 1);
+    // SAFETY: `bytes` outlives the synchronize below.
+    let err =
+        unsafe { stream.copy_host_to_device(mem.device_ptr(), bytes.as_ptr(), 4096) }.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CudaError::DeviceLost {
+                code: Some(719),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // SAFETY: as above.
+    unsafe { stream.copy_host_to_device(mem.device_ptr(), bytes.as_ptr(), 4096) }.unwrap();
+    stream.synchronize().unwrap();
+
+    assert!(
+        ctx.export_dmabuf(mem.device_ptr(), 4096)
+            .unwrap_err()
+            .is_unsupported()
+    );
+    ctx.export_dmabuf(mem.device_ptr(), 4096).unwrap();
+
+    let handle = ctx.ipc_export(mem.device_ptr()).unwrap();
+    let other = driver.other_process().context(0).unwrap();
+    assert!(other.ipc_open(&handle).is_err());
+    other.ipc_open(&handle).unwrap();
+    plan.assert_all_fired();
+}
+
+#[test]
+fn device_lost_is_sticky() {
+    let (driver, ctx, plan) = gpu(GpuConfig::default());
+    let mem = ctx.alloc(4096).unwrap();
+    plan.fail_next(FaultSite::CudaCopy, Fault::DeviceLost);
+    let stream = ctx.create_stream().unwrap();
+    // SAFETY: the call fails before queuing.
+    let err = unsafe { stream.memset(mem.device_ptr(), 0, 4096) }.unwrap_err();
+    assert!(matches!(err, CudaError::DeviceLost { .. }));
+    assert!(matches!(
+        ctx.alloc(1).unwrap_err(),
+        CudaError::DeviceLost { .. }
+    ));
+    assert!(matches!(
+        driver.context(0).unwrap_err(),
+        CudaError::DeviceLost { .. }
+    ));
+    assert!(matches!(
+        stream.synchronize().unwrap_err(),
+        CudaError::DeviceLost { .. }
+    ));
+    plan.assert_all_fired();
+}
+
+#[test]
+fn a_test_can_script_a_cuda_context_with_mockall() {
+    use hal_cuda::mock::{MockApi, MockContext};
+    let mut ctx = MockContext::<MockApi>::new();
+    ctx.expect_export_dmabuf()
+        .withf(|addr, len| *addr == 0x1000 && *len == 4096)
+        .times(1)
+        .returning(|_, _| Err(CudaError::from_code("cuMemGetHandleForAddressRange", 801)));
+    let err = ctx.export_dmabuf(0x1000, 4096).unwrap_err();
+    assert!(err.is_unsupported());
+}
