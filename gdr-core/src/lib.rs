@@ -1,0 +1,11 @@
+//! # gdr-core
+//!
+//! The part of gdr that knows no backend: buffers and memory kinds, the
+//! registration ladder and cache, descriptors and `gdr://` URIs, and the
+//! transfer engine, all generic over the `hal-verbs` and `hal-cuda` traits.
+//! Concurrency goes through [`sync`]'s shim so loom can check it.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+#[allow(dead_code, unused_imports)] // the cache and engine take their types from here
+mod sync;
