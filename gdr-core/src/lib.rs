@@ -7,5 +7,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod descriptor;
+
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;

@@ -1,0 +1,19 @@
+# shellcheck shell=bash
+# Shared by the scripts: stage timing.
+# stage NAME CMD...  runs CMD, prints its wall time, and records it for the summary.
+STAGES=()
+stage() {
+  local name=$1; shift
+  local t0 t1 rc
+  echo "::: stage $name: $*" >&2
+  t0=$(date +%s)
+  "$@"; rc=$?
+  t1=$(date +%s)
+  STAGES+=("$(printf '%-28s %5ss  %s' "$name" $((t1 - t0)) "$([ $rc = 0 ] && echo ok || echo "FAILED ($rc)")")")
+  echo "::: stage $name took $((t1 - t0)) s (exit $rc)" >&2
+  return $rc
+}
+summary() {
+  echo "::: stage timings" >&2
+  printf '%s\n' "${STAGES[@]}" >&2
+}

@@ -1,0 +1,38 @@
+#!/bin/bash
+# The whole test suite, from a fresh machine: set-up, then
+#   1. every test on the host (simulation always; SoftRoCE and GPU tests skip
+#      here with a printed reason);
+#   2. the SoftRoCE harness self-test;
+#   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
+#      guest with rxe0, as cargo's runner);
+#   4. the loom models of gdr-core's concurrency;
+#   5. a short coverage-guided fuzz run of each parser (scripts/fuzz.sh).
+# Prints each stage's time; exits non-zero if any stage failed.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+
+failed=0
+stage setup "$ROOT/scripts/setup.sh" || exit 1
+stage host-tests cargo test --workspace || failed=1
+stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
+# Build on the host, run inside the guest: the runner boots one VM per binary.
+rxe_tests=()
+for t in tests/tests/rxe_*.rs; do
+  [ -e "$t" ] && rxe_tests+=(--test "$(basename "$t" .rs)")
+done
+if [ ${#rxe_tests[@]} -gt 0 ]; then
+  stage rxe-tests env GDR_EXPECT_RXE=1 \
+    CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$ROOT/softroce/run-in-vm.sh" \
+    cargo test -p gdr-tests "${rxe_tests[@]}" || failed=1
+fi
+if grep -rqs 'cfg(loom)' gdr-core/src; then
+  stage loom env RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
+    cargo test -p gdr-core --release --lib loom || failed=1
+fi
+stage fuzz-descriptor "$ROOT/scripts/fuzz.sh" "${GDR_FUZZ_SECONDS:-30}" descriptor || failed=1
+summary
+exit $failed
