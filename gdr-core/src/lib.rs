@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 pub mod descriptor;
+pub mod loopback;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;
