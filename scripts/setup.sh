@@ -24,4 +24,4 @@ if command -v rustup > /dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 fi
-"$ROOT/softroce/setup.sh"
+[ "${1:-}" = --no-vm ] || "$ROOT/softroce/setup.sh"
