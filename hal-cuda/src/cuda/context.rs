@@ -364,10 +364,14 @@ impl Context<CudaApi> for CudaContext {
         )
         .entered();
         self.inner.bind()?;
+        // cuIpcGetMemHandle wants the allocation's base; the handle names the
+        // whole allocation either way.
+        let (base, _) = address_range(addr)?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
-        // SAFETY: `handle` is a valid out-pointer of the right type.
+        // SAFETY: `handle` is a valid out-pointer of the right type; `base`
+        // is the start of a live allocation.
         call("cuIpcGetMemHandle", || unsafe {
-            sys::cuIpcGetMemHandle(&mut handle, addr)
+            sys::cuIpcGetMemHandle(&mut handle, base)
         })?;
         Ok(IpcMemHandle(handle.reserved.map(|b| b as u8)))
     }
