@@ -7,6 +7,23 @@
 //! `cargo bench -p hal-cuda --bench copy_bandwidth` (cargo passes `--bench`;
 //! run the built binary directly with `--bench` too). Without a GPU it prints
 //! `SKIPPED` and exits 0. `--quick` takes one small sample per cell.
+//!
+//! Measured on the project's H200 (PCIe, driver 580), GB/s:
+//!
+//! ```text
+//! size     dir     pinned ours  pinned memcpy   ratio  pageable ours pageable memcpy
+//! 64 KiB   H2D           17.35           6.76    2.57           8.34           4.09
+//! 64 KiB   D2H           20.56           8.57    2.40           3.69           3.85
+//! 1 MiB    H2D           47.93          38.87    1.23          17.71          12.30
+//! 1 MiB    D2H           50.41          40.48    1.25           9.24           9.37
+//! 16 MiB   H2D           54.89          53.99    1.02          15.31          14.90
+//! 16 MiB   D2H           55.05          54.13    1.02          10.38          12.60
+//! 256 MiB  H2D           55.33          55.34    1.00           8.94           8.34
+//! 256 MiB  D2H           55.29          55.25    1.00          16.06          15.33
+//! ```
+//!
+//! Small copies gain from queueing (no host round trip per copy); from
+//! 16 MiB both reach the PCIe ceiling.
 
 use std::time::Instant;
 

@@ -4,6 +4,12 @@
 //!
 //! The IPC test runs this same binary a second time as a child process
 //! (`GDR_IPC_CHILD_HANDLE` set), which opens the parent's allocation.
+//!
+//! On a GPU machine without cargo: build here with
+//! `cargo test -p gdr-tests --test gpu_cuda --no-run --release`, copy the
+//! executable it names over, and run it there (`--test-threads=1
+//! --nocapture` shows what each test saw). All 15 passed on the project's
+//! H200 (driver 580, CUDA 13), in parallel and serially.
 
 use std::ffi::CString;
 use std::os::fd::AsRawFd;

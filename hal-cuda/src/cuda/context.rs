@@ -137,6 +137,10 @@ fn classify(raw: &RawPointerAttributes) -> PointerAttributes {
     };
     // cuMemAlloc memory is legacy-IPC capable; device memory that is neither
     // that nor from a memory pool (cuMemAllocAsync) was mapped with cuMemMap.
+    // Caveat (seen on the H200, driver 580): another process's allocation
+    // opened here with cuIpcOpenMemHandle also reports "not legacy-IPC
+    // capable, no pool", so it is classified VirtualMemoryManagement too,
+    // which only makes dma-buf export of it stricter, never wrong.
     let allocation_kind = match memory_type {
         MemoryType::Device if raw.legacy_ipc_capable != 0 => AllocationKind::Legacy,
         MemoryType::Device if raw.mempool == 0 => AllocationKind::VirtualMemoryManagement,
