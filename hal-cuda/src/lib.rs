@@ -2,7 +2,8 @@
 //!
 //! The CUDA hardware-abstraction layer of gdr: traits ([`Api`] and its role
 //! traits), plain types and one error enum over the CUDA driver API. The real
-//! backend loads libcuda at run time (cudarc, `dynamic-loading`); `gdr-sim`
+//! backend ([`cuda`], feature `cuda`, on by default) loads libcuda at run
+//! time (cudarc, `dynamic-loading`); `gdr-sim`
 //! simulates a GPU on host memory. Nothing here names a layer above.
 //!
 //! With the `mock` feature every role trait has a mockall mock, and
@@ -13,6 +14,10 @@
 mod api;
 mod error;
 mod types;
+
+/// The real backend over libcuda (cudarc, loaded at run time).
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use api::{
     Api, Context, DeviceMemory, Driver, Event, HostRegistration, IpcMapping, PinnedHostMemory,

@@ -26,7 +26,10 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 /// Why a test that needs hardware is skipped, printed so the runner's log
-/// says it (`cargo test` has no native skip).
+/// says it (`cargo test` has no native skip). Written to the stderr handle
+/// directly, not through `eprintln!`, which the harness captures and hides
+/// for passing tests.
 pub fn skip(test: &str, reason: &str) {
-    eprintln!("SKIPPED {test}: {reason}");
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
 }

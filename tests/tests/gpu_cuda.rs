@@ -1,0 +1,587 @@
+//! The real CUDA backend on a real GPU. Every test that needs one first loads
+//! the driver and counts devices; without libcuda or a GPU it prints
+//! `SKIPPED <name>: <reason>` and passes, so CI without a GPU says so.
+//!
+//! The IPC test runs this same binary a second time as a child process
+//! (`GDR_IPC_CHILD_HANDLE` set), which opens the parent's allocation.
+//!
+//! On a GPU machine without cargo: build here with
+//! `cargo test -p gdr-tests --test gpu_cuda --no-run --release`, copy the
+//! executable it names over, and run it there (`--test-threads=1
+//! --nocapture` shows what each test saw). All 15 passed on the project's
+//! H200 (driver 580, CUDA 13), in parallel and serially.
+
+use std::ffi::CString;
+use std::os::fd::AsRawFd;
+use std::process::Command;
+
+use gdr_tests::{init_tracing, pattern, skip};
+use hal_cuda::cuda::{CudaContext, CudaDriver, CudaPinnedHostMemory, CudaStream};
+use hal_cuda::{
+    AllocationKind, Context, CudaError, DeviceMemory, Driver, Event, FlushScope,
+    FlushWritesOptions, HostRegisterFlags, HostRegistration, IpcMapping, IpcMemHandle, MemoryType,
+    PinnedHostMemory, Stream,
+};
+
+const MIB: usize = 1 << 20;
+const IPC_HANDLE_ENV: &str = "GDR_IPC_CHILD_HANDLE";
+const IPC_LEN_ENV: &str = "GDR_IPC_CHILD_LEN";
+const IPC_CHILD_OK: &str = "GDR_IPC_CHILD_VERIFIED";
+
+/// The driver and device 0's context, or `None` after printing why the test
+/// is skipped.
+fn gpu(test: &str) -> Option<(CudaDriver, CudaContext)> {
+    init_tracing();
+    let driver = match CudaDriver::load().and_then(|d| d.device_count().map(|_| d)) {
+        Ok(d) => d,
+        Err(e @ (CudaError::LibraryUnavailable { .. } | CudaError::NoDevice { .. })) => {
+            skip(test, &e.to_string());
+            return None;
+        }
+        Err(e) => panic!("{test}: loading the CUDA driver failed: {e}"),
+    };
+    let ctx = driver.context(0).expect("device 0's primary context");
+    Some((driver, ctx))
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf reads a process constant.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+}
+
+/// Whether libcuda.so.1 can be dlopened here (the dynamic loader's answer,
+/// independent of cudarc).
+fn libcuda_loadable() -> bool {
+    let name = CString::new("libcuda.so.1").unwrap();
+    // SAFETY: dlopen with a valid C string; the handle is closed at once.
+    unsafe {
+        let handle = libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        if handle.is_null() {
+            false
+        } else {
+            libc::dlclose(handle);
+            true
+        }
+    }
+}
+
+fn pinned_with(ctx: &CudaContext, data: &[u8]) -> CudaPinnedHostMemory {
+    let host = ctx.alloc_pinned(data.len()).expect("alloc_pinned");
+    // SAFETY: `host` holds data.len() writable bytes only we use.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host.as_ptr(), data.len()) };
+    host
+}
+
+fn pinned_bytes(host: &CudaPinnedHostMemory) -> &[u8] {
+    // SAFETY: the allocation holds len() bytes; callers read it after the
+    // copies into it completed.
+    unsafe { std::slice::from_raw_parts(host.as_ptr(), host.len()) }
+}
+
+/// Device bytes `addr..addr+len`, copied to the host through a stream.
+fn read_device(ctx: &CudaContext, stream: &CudaStream, addr: u64, len: usize) -> Vec<u8> {
+    let host = ctx.alloc_pinned(len).expect("alloc_pinned");
+    // SAFETY: `host` and the device range hold `len` bytes and outlive the
+    // synchronize below.
+    unsafe { stream.copy_device_to_host(host.as_ptr(), addr, len) }.expect("D2H");
+    stream.synchronize().expect("synchronize");
+    pinned_bytes(&host).to_vec()
+}
+
+fn assert_same(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: first difference at byte {i}: got {:#04x}, want {:#04x}",
+            got[i], want[i]
+        );
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// Whether `fd` is a dma-buf: its fdinfo names an exporter, or its link
+/// names the dmabuf inode.
+fn is_dmabuf(fd: i32) -> (bool, String) {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap_or_default();
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    let exporter = info
+        .lines()
+        .find(|l| l.starts_with("exp_name:"))
+        .map(str::to_owned);
+    let ok = exporter.is_some() || link.contains("dmabuf");
+    (ok, format!("link {link:?}, {exporter:?}"))
+}
+
+#[test]
+fn load_without_libcuda_is_an_error_not_a_panic() {
+    init_tracing();
+    let loadable = libcuda_loadable();
+    let result = std::panic::catch_unwind(CudaDriver::load).expect("CudaDriver::load panicked");
+    if loadable {
+        match result {
+            Ok(driver) => {
+                let count = driver.device_count();
+                eprintln!("libcuda present: loaded, device_count = {count:?}");
+            }
+            // A driver without a GPU is still a loaded library.
+            Err(e @ CudaError::NoDevice { .. }) => eprintln!("libcuda present, no device: {e}"),
+            Err(e) => panic!("libcuda.so.1 opens but CudaDriver::load failed: {e}"),
+        }
+    } else {
+        match result {
+            Err(CudaError::LibraryUnavailable { library, reason }) => {
+                eprintln!("no libcuda here, as expected: {library}: {reason}");
+            }
+            other => panic!("no libcuda.so.1 here, yet load gave {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn device_attributes_are_sane() {
+    let Some((driver, ctx)) = gpu("device_attributes_are_sane") else {
+        return;
+    };
+    assert_eq!(driver.backend_name(), "cuda");
+    let attrs = driver.device_attributes(0).expect("device_attributes");
+    eprintln!("{attrs:#?}");
+    assert!(!attrs.name.is_empty());
+    assert_eq!(attrs.pci_bus_id.len(), 12, "{}", attrs.pci_bus_id);
+    assert_eq!(attrs.pci_bus_id, attrs.pci_bus_id.to_ascii_lowercase());
+    assert!(attrs.total_memory > 1 << 30);
+    assert!(attrs.compute_capability >= (3, 5));
+    assert_eq!(ctx.ordinal(), 0);
+    let count = driver.device_count().unwrap();
+    assert!(matches!(
+        driver.device_attributes(count),
+        Err(CudaError::NoDevice { .. })
+    ));
+    assert!(matches!(
+        driver.context(count),
+        Err(CudaError::NoDevice { .. })
+    ));
+}
+
+#[test]
+fn dmabuf_export_of_whole_allocation_and_subrange() {
+    let name = "dmabuf_export_of_whole_allocation_and_subrange";
+    let Some((driver, ctx)) = gpu(name) else {
+        return;
+    };
+    if !driver.device_attributes(0).unwrap().dma_buf_supported {
+        skip(name, "the device reports DMA_BUF_SUPPORTED = 0");
+        return;
+    }
+    let len = 8 * MIB;
+    let mem = ctx.alloc(len).expect("alloc");
+    let whole = ctx
+        .export_dmabuf(mem.device_ptr(), len)
+        .expect("export of the whole allocation");
+    let (ok, why) = is_dmabuf(whole.as_raw_fd());
+    assert!(ok, "whole-allocation fd is no dma-buf: {why}");
+    eprintln!("whole allocation: fd {} ({why})", whole.as_raw_fd());
+
+    let page = page_size();
+    let sub = ctx
+        .export_dmabuf(mem.device_ptr() + 16 * page as u64, MIB)
+        .expect("export of a sub-range at a page-aligned offset");
+    let (ok, why) = is_dmabuf(sub.as_raw_fd());
+    assert!(ok, "sub-range fd is no dma-buf: {why}");
+    assert_ne!(whole.as_raw_fd(), sub.as_raw_fd());
+
+    // The fds are closed before the memory is freed, and after: both fine.
+    drop(whole);
+    drop(mem);
+    drop(sub);
+}
+
+#[test]
+fn dmabuf_export_refuses_bad_ranges() {
+    let Some((_driver, ctx)) = gpu("dmabuf_export_refuses_bad_ranges") else {
+        return;
+    };
+    let page = page_size();
+    let len = 4 * MIB;
+    let mem = ctx.alloc(len).expect("alloc");
+    let base = mem.device_ptr();
+    let invalid = |r: Result<std::os::fd::OwnedFd, CudaError>, what: &str| match r {
+        Err(CudaError::InvalidArgument { .. }) => {}
+        other => panic!("{what}: want InvalidArgument, got {other:?}"),
+    };
+    invalid(ctx.export_dmabuf(base + 1, page), "unaligned address");
+    invalid(ctx.export_dmabuf(base, page + 1), "unaligned length");
+    invalid(ctx.export_dmabuf(base, 0), "empty range");
+    invalid(
+        ctx.export_dmabuf(base + page as u64, len),
+        "range past the allocation's end",
+    );
+    let host = ctx.alloc_pinned(len).unwrap();
+    invalid(
+        ctx.export_dmabuf(host.as_ptr() as u64, page),
+        "pinned host memory",
+    );
+}
+
+#[test]
+fn pointer_attributes_tell_memory_kinds_apart() {
+    let Some((_driver, ctx)) = gpu("pointer_attributes_tell_memory_kinds_apart") else {
+        return;
+    };
+    let len = 4 * MIB;
+    let dev = ctx.alloc(len).expect("alloc");
+    let interior = dev.device_ptr() + 12345;
+    let a = ctx.pointer_attributes(interior).expect("device attributes");
+    eprintln!("device: {a:?}");
+    assert_eq!(a.memory_type, MemoryType::Device);
+    assert_eq!(a.device_ordinal, Some(0));
+    assert_eq!(a.allocation_base, dev.device_ptr());
+    assert_eq!(a.allocation_size, len as u64);
+    assert_ne!(a.buffer_id, 0);
+    assert_eq!(a.allocation_kind, AllocationKind::Legacy);
+    assert_eq!(
+        ctx.address_range(interior).unwrap(),
+        (dev.device_ptr(), len as u64)
+    );
+
+    let pinned = ctx.alloc_pinned(len).expect("alloc_pinned");
+    let p = ctx
+        .pointer_attributes(pinned.as_ptr() as u64 + 100)
+        .expect("pinned attributes");
+    eprintln!("pinned: {p:?}");
+    assert_eq!(p.memory_type, MemoryType::PinnedHost);
+    assert_eq!(p.device_ordinal, None);
+    assert_ne!(p.buffer_id, a.buffer_id);
+    if p.allocation_size != 0 {
+        assert!(p.allocation_base <= pinned.as_ptr() as u64 + 100);
+        assert!(p.allocation_base + p.allocation_size >= pinned.as_ptr() as u64 + 100);
+    }
+
+    let pageable = vec![7u8; 4096];
+    let h = ctx
+        .pointer_attributes(pageable.as_ptr() as u64)
+        .expect("pageable attributes");
+    eprintln!("pageable: {h:?}");
+    assert_eq!(h.memory_type, MemoryType::PageableHost);
+    assert_eq!(h.buffer_id, 0);
+    assert_eq!(h.device_ordinal, None);
+}
+
+#[test]
+fn reallocation_gets_a_new_buffer_id() {
+    let Some((_driver, ctx)) = gpu("reallocation_gets_a_new_buffer_id") else {
+        return;
+    };
+    let len = 2 * MIB;
+    let first = ctx.alloc(len).expect("alloc");
+    let (addr1, id1) = (
+        first.device_ptr(),
+        ctx.pointer_attributes(first.device_ptr())
+            .unwrap()
+            .buffer_id,
+    );
+    drop(first);
+    let second = ctx.alloc(len).expect("alloc");
+    let (addr2, id2) = (
+        second.device_ptr(),
+        ctx.pointer_attributes(second.device_ptr())
+            .unwrap()
+            .buffer_id,
+    );
+    eprintln!(
+        "first {addr1:#x} id {id1}, second {addr2:#x} id {id2} (same address: {})",
+        addr1 == addr2
+    );
+    assert_ne!(id1, 0);
+    assert_ne!(id2, 0);
+    assert_ne!(id1, id2, "a re-allocation must get a new buffer id");
+}
+
+#[test]
+fn ipc_handle_opens_in_a_second_process() {
+    let name = "ipc_handle_opens_in_a_second_process";
+    if let Ok(handle_hex) = std::env::var(IPC_HANDLE_ENV) {
+        ipc_child(&handle_hex);
+        return;
+    }
+    let Some((_driver, ctx)) = gpu(name) else {
+        return;
+    };
+    let len = 3 * MIB + 333;
+    let want = pattern(len, 0x3c);
+    let mem = ctx.alloc(len).expect("alloc");
+    let stream = ctx.create_stream().unwrap();
+    let host = pinned_with(&ctx, &want);
+    // SAFETY: both ranges hold `len` bytes and outlive the synchronize.
+    unsafe { stream.copy_host_to_device(mem.device_ptr(), host.as_ptr(), len) }.unwrap();
+    stream.synchronize().unwrap();
+
+    // Export an interior address: the handle names the whole allocation.
+    let handle = ctx.ipc_export(mem.device_ptr() + 4096).expect("ipc_export");
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(IPC_HANDLE_ENV, hex(&handle.0))
+        .env(IPC_LEN_ENV, len.to_string())
+        .output()
+        .expect("spawning the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("child stdout:\n{stdout}\nchild stderr:\n{stderr}");
+    assert!(out.status.success(), "child failed: {:?}", out.status);
+    assert!(
+        stdout.contains(IPC_CHILD_OK) || stderr.contains(IPC_CHILD_OK),
+        "the child did not run the check"
+    );
+    drop(mem);
+}
+
+/// The child half: open the parent's handle, read it back, check the pattern.
+fn ipc_child(handle_hex: &str) {
+    init_tracing();
+    let len: usize = std::env::var(IPC_LEN_ENV).unwrap().parse().unwrap();
+    let bytes: [u8; 64] = unhex(handle_hex).try_into().expect("64-byte handle");
+    let driver = CudaDriver::load().expect("child: load");
+    let ctx = driver.context(0).expect("child: context");
+    let mapping = ctx.ipc_open(&IpcMemHandle(bytes)).expect("child: ipc_open");
+    assert!(mapping.len() >= len, "mapping {} < {len}", mapping.len());
+    let a = ctx.pointer_attributes(mapping.device_ptr()).unwrap();
+    eprintln!(
+        "child: mapped {} bytes at {:#x}: {a:?}",
+        mapping.len(),
+        mapping.device_ptr()
+    );
+    assert_eq!(a.memory_type, MemoryType::Device);
+    let stream = ctx.create_stream().unwrap();
+    let got = read_device(&ctx, &stream, mapping.device_ptr(), len);
+    assert_same(
+        "child's view of the parent's memory",
+        &got,
+        &pattern(len, 0x3c),
+    );
+    drop(mapping);
+    println!("{IPC_CHILD_OK}");
+}
+
+#[test]
+fn ipc_open_of_a_garbage_handle_is_an_error() {
+    let Some((_driver, ctx)) = gpu("ipc_open_of_a_garbage_handle_is_an_error") else {
+        return;
+    };
+    let garbage = IpcMemHandle(std::array::from_fn(|i| (i as u8).wrapping_mul(37) ^ 0x5a));
+    match ctx.ipc_open(&garbage) {
+        Ok(m) => panic!("a garbage handle opened: {m:?}"),
+        Err(e) => eprintln!("garbage handle refused: {e}"),
+    }
+    // The context still works afterwards.
+    let mem = ctx.alloc(4096).expect("alloc after the failed open");
+    assert!(ctx.ipc_export(mem.device_ptr()).is_ok());
+}
+
+#[test]
+fn async_copies_round_trip_byte_for_byte() {
+    let Some((_driver, ctx)) = gpu("async_copies_round_trip_byte_for_byte") else {
+        return;
+    };
+    let s1 = ctx.create_stream().unwrap();
+    let s2 = ctx.create_stream().unwrap();
+    let h2d_done = ctx.create_event().unwrap();
+    let all_done = ctx.create_event().unwrap();
+    for (i, len) in [1usize, 3, 4095, 4097, 65536 + 7, MIB, 16 * MIB + 3]
+        .into_iter()
+        .enumerate()
+    {
+        let want = pattern(len, i as u8 + 1);
+        let src = pinned_with(&ctx, &want);
+        let dst = pinned_with(&ctx, &vec![0u8; len]);
+        let a = ctx.alloc(len).unwrap();
+        let b = ctx.alloc(len).unwrap();
+        // SAFETY: every range holds `len` bytes and outlives the event
+        // synchronize below.
+        unsafe {
+            s1.copy_host_to_device(a.device_ptr(), src.as_ptr(), len)
+                .unwrap();
+            s1.record(&h2d_done).unwrap();
+            s2.wait(&h2d_done).unwrap();
+            s2.copy_device_to_device(b.device_ptr(), a.device_ptr(), len)
+                .unwrap();
+            s2.copy_device_to_host(dst.as_ptr(), b.device_ptr(), len)
+                .unwrap();
+        }
+        s2.record(&all_done).unwrap();
+        all_done.synchronize().unwrap();
+        assert!(all_done.is_complete().unwrap());
+        assert_same(
+            &format!("H2D/D2D/D2H of {len} bytes"),
+            pinned_bytes(&dst),
+            &want,
+        );
+    }
+
+    // Pageable host memory too (the driver stages it).
+    let len = 5 * MIB + 1;
+    let want = pattern(len, 99);
+    let mut back = vec![0u8; len];
+    let d = ctx.alloc(len).unwrap();
+    // SAFETY: `want`, `back` and `d` hold `len` bytes and outlive the
+    // synchronize.
+    unsafe {
+        s1.copy_host_to_device(d.device_ptr(), want.as_ptr(), len)
+            .unwrap();
+        s1.copy_device_to_host(back.as_mut_ptr(), d.device_ptr(), len)
+            .unwrap();
+    }
+    s1.synchronize().unwrap();
+    assert_same("pageable round trip", &back, &want);
+}
+
+#[test]
+fn event_reports_pending_work() {
+    let Some((_driver, ctx)) = gpu("event_reports_pending_work") else {
+        return;
+    };
+    let stream = ctx.create_stream().unwrap();
+    let event = ctx.create_event().unwrap();
+    // A fresh event counts as complete.
+    assert!(event.is_complete().unwrap());
+    let len = 256 * MIB;
+    let a = ctx.alloc(len).unwrap();
+    // SAFETY: `a` holds `len` bytes and outlives the synchronize.
+    unsafe { stream.memset(a.device_ptr(), 1, len) }.unwrap();
+    stream.record(&event).unwrap();
+    let early = event.is_complete().unwrap();
+    event.synchronize().unwrap();
+    assert!(event.is_complete().unwrap());
+    eprintln!("complete right after queuing 256 MiB of memset: {early}");
+}
+
+#[test]
+fn memset_sets_exactly_the_range() {
+    let Some((_driver, ctx)) = gpu("memset_sets_exactly_the_range") else {
+        return;
+    };
+    let stream = ctx.create_stream().unwrap();
+    let len = 3 * MIB + 5;
+    let mem = ctx.alloc(len).unwrap();
+    // SAFETY: every range lies inside `mem`, which outlives the synchronize.
+    unsafe {
+        stream.memset(mem.device_ptr(), 0xa5, len).unwrap();
+        stream.memset(mem.device_ptr() + 7, 0x00, 1000).unwrap();
+    }
+    let got = read_device(&ctx, &stream, mem.device_ptr(), len);
+    let mut want = vec![0xa5u8; len];
+    want[7..1007].fill(0);
+    assert_same("memset", &got, &want);
+}
+
+#[test]
+fn host_registration_pins_existing_memory() {
+    let Some((_driver, ctx)) = gpu("host_registration_pins_existing_memory") else {
+        return;
+    };
+    let len = 8 * MIB;
+    let mut buf = pattern(len, 5);
+    let before = ctx.pointer_attributes(buf.as_ptr() as u64).unwrap();
+    assert_eq!(before.memory_type, MemoryType::PageableHost);
+    let t = std::time::Instant::now();
+    // SAFETY: `buf` is mapped host memory that outlives `reg` (dropped below).
+    let reg = unsafe { ctx.register_host(buf.as_mut_ptr(), len, HostRegisterFlags::PORTABLE) }
+        .expect("cuMemHostRegister");
+    eprintln!("registering {len} bytes took {:?}", t.elapsed());
+    assert_eq!(reg.len(), len);
+    let during = ctx.pointer_attributes(buf.as_ptr() as u64 + 4096).unwrap();
+    eprintln!("registered: {during:?}");
+    assert_eq!(during.memory_type, MemoryType::PinnedHost);
+
+    // Copies from and to the registered range work.
+    let stream = ctx.create_stream().unwrap();
+    let d = ctx.alloc(len).unwrap();
+    // SAFETY: `buf` and `d` hold `len` bytes and outlive the synchronize.
+    unsafe { stream.copy_host_to_device(d.device_ptr(), buf.as_ptr(), len) }.unwrap();
+    let got = read_device(&ctx, &stream, d.device_ptr(), len);
+    assert_same("copy from registered memory", &got, &buf);
+
+    drop(reg);
+    let after = ctx.pointer_attributes(buf.as_ptr() as u64).unwrap();
+    assert_eq!(after.memory_type, MemoryType::PageableHost);
+
+    // Registering the same range twice is an error, not a panic.
+    // SAFETY: as above.
+    let first =
+        unsafe { ctx.register_host(buf.as_mut_ptr(), len, HostRegisterFlags::empty()) }.unwrap();
+    // SAFETY: as above.
+    let again = unsafe { ctx.register_host(buf.as_mut_ptr(), len, HostRegisterFlags::empty()) };
+    assert!(again.is_err(), "double registration: {again:?}");
+    drop(first);
+}
+
+#[test]
+fn flush_succeeds_where_supported() {
+    let Some((driver, ctx)) = gpu("flush_succeeds_where_supported") else {
+        return;
+    };
+    let attrs = driver.device_attributes(0).unwrap();
+    eprintln!(
+        "flush options {:?}, ordering {:?}, needs flush before kernels: {}",
+        attrs.flush_writes_options,
+        attrs.writes_ordering,
+        attrs.needs_flush_before_kernels()
+    );
+    let owner = ctx.flush_gpu_direct_rdma_writes(FlushScope::Owner);
+    if attrs
+        .flush_writes_options
+        .contains(FlushWritesOptions::HOST)
+    {
+        owner.expect("flush to owner");
+        // Scopes wider than the device's ordering may be refused; never a panic.
+        let all = ctx.flush_gpu_direct_rdma_writes(FlushScope::AllDevices);
+        eprintln!("flush to all devices: {all:?}");
+    } else {
+        eprintln!("flush not advertised; it answered {owner:?}");
+    }
+    ctx.synchronize().unwrap();
+}
+
+#[test]
+fn zero_length_allocations_are_refused() {
+    let Some((_driver, ctx)) = gpu("zero_length_allocations_are_refused") else {
+        return;
+    };
+    assert!(matches!(
+        ctx.alloc(0),
+        Err(CudaError::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        ctx.alloc_pinned(0),
+        Err(CudaError::InvalidArgument { .. })
+    ));
+    // An absurd size is out of memory, not a panic.
+    let huge = ctx.alloc(1 << 50);
+    assert!(huge.is_err(), "{huge:?}");
+    eprintln!("1 PiB allocation: {:?}", huge.unwrap_err());
+}
+
+#[test]
+fn handles_outlive_the_context_handle() {
+    let Some((_driver, ctx)) = gpu("handles_outlive_the_context_handle") else {
+        return;
+    };
+    let mem = ctx.alloc(MIB).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    drop(ctx);
+    // The primary context is kept alive by the memory and the stream.
+    // SAFETY: `mem` holds MIB bytes and outlives the synchronize.
+    unsafe { stream.memset(mem.device_ptr(), 3, MIB) }.unwrap();
+    stream.synchronize().unwrap();
+}
