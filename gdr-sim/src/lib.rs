@@ -11,5 +11,10 @@
 pub mod faults;
 #[allow(dead_code)] // until the simulated GPU lands
 pub mod memory;
+pub mod nic;
 
 pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
+pub use nic::{
+    DeviceConfig, NodeConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp, SimVerbs,
+    SimVerbsApi,
+};
