@@ -800,7 +800,7 @@ fn inline_payload_is_copied_at_post_time() {
     assert_eq!(&inbox.data[..48], &pattern(48, 11)[..]);
 
     // Above max_inline_data (64 by default): refused at post time.
-    let big = vec![0u8; 65];
+    let big = [0u8; 65];
     let sge = Sge {
         addr: big.as_ptr() as u64,
         length: 65,
@@ -962,8 +962,8 @@ fn dmabuf_mr_sees_the_exporters_bytes() {
     // Argument checks.
     let fd = memfd.fd.as_raw_fd();
     let access = AccessFlags::transfer();
-    // SAFETY: fd is open (or -1, refused before any use).
     let errno = |fd, offset, len| {
+        // SAFETY: fd is open (or -1, refused before any use).
         unsafe { p.b.pd.register_dmabuf(fd, offset, len, iova, access) }.unwrap_err()
     };
     let e = errno(fd, 0, 0);

@@ -390,3 +390,6 @@ fn gid_table(guid: u64, ip: Ipv4Addr) -> Vec<GidEntry> {
     })
     .collect()
 }
+
+#[cfg(test)]
+mod tests;
