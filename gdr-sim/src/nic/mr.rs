@@ -228,7 +228,8 @@ impl SimMr {
             let removed = state.mrs.remove(&self.lkey);
             if removed.is_some() {
                 state.rkeys.remove(&self.rkey);
-                state.devices[self.pd.device].mrs -= 1;
+                state.devices[self.pd.device].mrs =
+                    state.devices[self.pd.device].mrs.saturating_sub(1);
                 tracing::debug!(
                     lkey = format_args!("{:#x}", self.lkey),
                     "sim: MR deregistered"

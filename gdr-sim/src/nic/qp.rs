@@ -552,7 +552,7 @@ impl Drop for SimQp {
             let mut state = self.pd.fabric.lock();
             let removed = state.qps.remove(&self.qpn);
             if let Some(qp) = &removed {
-                state.devices[qp.device].qps -= 1;
+                state.devices[qp.device].qps = state.devices[qp.device].qps.saturating_sub(1);
                 let cqs = [state.release_cq(qp.send_cq), state.release_cq(qp.recv_cq)];
                 drop(cqs);
             }

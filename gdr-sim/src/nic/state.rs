@@ -52,7 +52,8 @@ unsafe impl Send for NicPtr {}
 pub(crate) enum Pinned {
     /// Host memory: the caller keeps it (the `register` contract).
     Host,
-    /// Device memory through peermem: the allocation's backing.
+    /// Device memory through peermem: the allocation's backing (held, not
+    /// read).
     Device(#[allow(dead_code)] Arc<Backing>),
     /// A dma-buf: our own shared mapping of its pages.
     Dmabuf(#[allow(dead_code)] MmapRaw),
@@ -470,12 +471,13 @@ impl FabricState {
     /// Drops one holder of a CQ, removing it with its last.
     pub fn release_cq(&mut self, cq: u64) -> Option<CqState> {
         let state = self.cqs.get_mut(&cq)?;
-        state.refs -= 1;
+        state.refs = state.refs.saturating_sub(1);
         if state.refs > 0 {
             return None;
         }
         let removed = self.cqs.remove(&cq)?;
-        self.devices[removed.device].cqs -= 1;
+        let device = &mut self.devices[removed.device];
+        device.cqs = device.cqs.saturating_sub(1);
         Some(removed)
     }
 }
