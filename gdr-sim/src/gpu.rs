@@ -147,7 +147,7 @@ pub struct SimCudaApi;
 
 impl hal_cuda::Api for SimCudaApi {
     type Driver = SimCuda;
-    type Context = SimContext;
+    type Context = SimGpuContext;
     type Stream = SimStream;
     type Event = SimEvent;
     type DeviceMemory = SimDeviceMemory;
@@ -244,10 +244,10 @@ impl hal_cuda::Driver<SimCudaApi> for SimCuda {
         })
     }
 
-    fn context(&self, ordinal: u32) -> Result<SimContext> {
+    fn context(&self, ordinal: u32) -> Result<SimGpuContext> {
         let gpu = self.gpu(ordinal)?;
         check_alive(&gpu, "cuDevicePrimaryCtxRetain")?;
-        Ok(SimContext {
+        Ok(SimGpuContext {
             gpu,
             process: Arc::clone(&self.process),
         })
@@ -279,12 +279,12 @@ fn check_alive(gpu: &SimGpu, operation: &'static str) -> Result<()> {
 
 /// A simulated GPU's primary context in one process.
 #[derive(Debug, Clone)]
-pub struct SimContext {
+pub struct SimGpuContext {
     gpu: Arc<SimGpu>,
     process: Arc<ProcessState>,
 }
 
-impl SimContext {
+impl SimGpuContext {
     /// A range of device memory `len` bytes at `addr`, resolved to host
     /// memory, or the error CUDA gives for an address it does not know.
     fn device_range(&self, addr: u64, len: usize, operation: &'static str) -> Result<Resolved> {
@@ -309,7 +309,7 @@ impl SimContext {
     }
 }
 
-impl hal_cuda::Context<SimCudaApi> for SimContext {
+impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     fn ordinal(&self) -> u32 {
         self.gpu.ordinal
     }
@@ -675,7 +675,7 @@ fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
 /// A simulated stream.
 #[derive(Debug)]
 pub struct SimStream {
-    ctx: SimContext,
+    ctx: SimGpuContext,
     queue: Arc<Mutex<StreamQueue>>,
 }
 

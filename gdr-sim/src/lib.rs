@@ -11,6 +11,11 @@
 pub mod faults;
 pub mod gpu;
 pub mod memory;
+pub mod nic;
 
 pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
-pub use gpu::{GpuConfig, SimCuda, SimCudaApi};
+pub use gpu::{GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
+pub use nic::{
+    DeviceConfig, NodeConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp, SimVerbs,
+    SimVerbsApi,
+};

@@ -1,0 +1,395 @@
+//! The simulated NIC: a fabric of nodes whose devices implement every
+//! `hal-verbs` role trait on real memory.
+//!
+//! A test builds a [`SimFabric`], adds nodes to it ([`SimFabric::add_node`]),
+//! and uses each node's [`SimVerbs`] exactly as it would use the rdma-core
+//! backend: open a device, allocate a PD, register memory, create CQs and RC
+//! QPs, connect them with [`hal_verbs::ConnectionInfo`], post work requests
+//! and poll completions.
+//!
+//! The fabric is deterministic and has no threads: posted work requests are
+//! queued, and run when the fabric makes progress, which every
+//! [`CompletionQueue::poll`](hal_verbs::CompletionQueue::poll) does first (so
+//! ordinary poll loops just work) and [`SimFabric::progress`] does
+//! explicitly. [`SimFabric::set_paused`] holds progress, so a test can keep
+//! requests outstanding (to flush them with `to_error`, for instance).
+//!
+//! What a real RC NIC checks is checked: keys, protection domains, bounds and
+//! access rights on both sides, QP states, queue depths, inline limits, the
+//! connection's QPN and PSN. Errors complete as real hardware completes them
+//! (`REM_ACCESS_ERR`, `LOC_PROT_ERR`, ...), move no byte, and put the QPs in
+//! the error state, flushing what is left with `WR_FLUSH_ERR`.
+//!
+//! A [`FaultPlan`] given to the fabric is consulted at every verbs fault site.
+
+mod engine;
+mod mr;
+mod qp;
+mod state;
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use hal_verbs::{
+    Api, Context, DeviceAttributes, DeviceInfo, GidEntry, Mtu, PortAttributes, PortState, Provider,
+    Result, VerbsError,
+};
+
+use crate::faults::FaultPlan;
+use state::FabricState;
+
+pub use mr::{SimMr, SimPd};
+pub use qp::{SimCq, SimQp};
+
+/// The simulated verbs backend: its handle types.
+#[derive(Debug)]
+pub struct SimVerbsApi;
+
+impl Api for SimVerbsApi {
+    type Provider = SimVerbs;
+    type Context = SimContext;
+    type ProtectionDomain = SimPd;
+    type MemoryRegion = SimMr;
+    type CompletionQueue = SimCq;
+    type QueuePair = SimQp;
+}
+
+/// Configuration of one simulated RDMA device (one port, RoCE).
+#[derive(Debug, Clone)]
+pub struct DeviceConfig {
+    /// The IPv4 address its GIDs carry; `None` derives one from the node's.
+    pub ipv4: Option<Ipv4Addr>,
+    /// Whether `ibv_reg_dmabuf_mr` works (false: `NotSupported`/EOPNOTSUPP,
+    /// as on rxe).
+    pub dmabuf: bool,
+    /// What `query_device` reports; the limits in it are enforced.
+    pub attributes: DeviceAttributes,
+    /// Port state.
+    pub port_state: PortState,
+    /// Largest MTU of the port.
+    pub max_mtu: Mtu,
+    /// MTU in use (RoCE: set by the netdev's MTU; 1024 on a 1500-byte link).
+    pub active_mtu: Mtu,
+    /// Largest inline payload a QP may be created with.
+    pub max_inline_data: u32,
+}
+
+impl Default for DeviceConfig {
+    /// A ConnectX-like device: dma-buf capable, 4096-byte MTU.
+    fn default() -> Self {
+        Self {
+            ipv4: None,
+            dmabuf: true,
+            attributes: DeviceAttributes {
+                fw_ver: "gdr-sim 1.0".to_owned(),
+                vendor_id: 0x02c9,
+                vendor_part_id: 0x5117,
+                max_mr_size: 1 << 40,
+                max_qp: 1024,
+                max_qp_wr: 16_384,
+                max_sge: 16,
+                max_cq: 1024,
+                max_cqe: 1 << 20,
+                max_mr: 4096,
+                max_qp_rd_atom: 16,
+                max_qp_init_rd_atom: 16,
+                phys_port_cnt: 1,
+            },
+            port_state: PortState::Active,
+            max_mtu: Mtu::Mtu4096,
+            active_mtu: Mtu::Mtu4096,
+            max_inline_data: 256,
+        }
+    }
+}
+
+impl DeviceConfig {
+    /// An rxe-like device: no dma-buf, 1024-byte active MTU.
+    pub fn rxe_like() -> Self {
+        Self {
+            dmabuf: false,
+            active_mtu: Mtu::Mtu1024,
+            ..Self::default()
+        }
+    }
+}
+
+/// Configuration of one simulated node (a host with one or more NICs).
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The node's IPv4 address: device `k` carries this address plus `k`.
+    /// `None` assigns `10.77.<node>.1` (plus `k`).
+    pub ipv4: Option<Ipv4Addr>,
+    /// Its devices, named `sim0`, `sim1`, ... in this order.
+    pub devices: Vec<DeviceConfig>,
+}
+
+impl Default for NodeConfig {
+    /// One default device, an assigned address.
+    fn default() -> Self {
+        Self {
+            ipv4: None,
+            devices: vec![DeviceConfig::default()],
+        }
+    }
+}
+
+impl NodeConfig {
+    /// `n` default devices.
+    pub fn with_devices(n: usize) -> Self {
+        Self {
+            ipv4: None,
+            devices: vec![DeviceConfig::default(); n],
+        }
+    }
+}
+
+/// A simulated RDMA fabric: the nodes, their devices and every verbs object.
+///
+/// Cloning gives another handle on the same fabric.
+#[derive(Clone)]
+pub struct SimFabric {
+    shared: Arc<Mutex<FabricState>>,
+}
+
+impl fmt::Debug for SimFabric {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.lock();
+        f.debug_struct("SimFabric")
+            .field("nodes", &state.nodes.len())
+            .field("devices", &state.devices.len())
+            .field("qps", &state.qps.len())
+            .field("mrs", &state.mrs.len())
+            .field("paused", &state.paused)
+            .finish()
+    }
+}
+
+impl Default for SimFabric {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SimFabric {
+    /// A fabric with no nodes and no scripted faults.
+    pub fn new() -> Self {
+        Self::with_faults(FaultPlan::new())
+    }
+
+    /// A fabric whose objects all consult `plan`.
+    pub fn with_faults(plan: FaultPlan) -> Self {
+        Self {
+            shared: Arc::new(Mutex::new(FabricState::new(plan))),
+        }
+    }
+
+    /// The fault plan shared by the fabric's objects.
+    pub fn faults(&self) -> FaultPlan {
+        self.lock().faults.clone()
+    }
+
+    // A test that panicked while holding the lock must not hide its own
+    // failure behind a poison error, and Drop impls must not panic.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, FabricState> {
+        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds a node with the devices of `config` and returns its provider.
+    ///
+    /// # Panics
+    /// When a device's address is already used on the fabric (a test
+    /// configuration error).
+    pub fn add_node(&self, name: &str, config: NodeConfig) -> SimVerbs {
+        let node = self.lock().add_node(name, config);
+        SimVerbs {
+            fabric: self.clone(),
+            node,
+        }
+    }
+
+    /// Runs every queued work request that can run, until none can; returns
+    /// how many ran. Does nothing while paused.
+    pub fn progress(&self) -> usize {
+        self.lock().progress()
+    }
+
+    /// Holds (`true`) or releases (`false`) progress: while held, posted work
+    /// requests stay outstanding and polls find nothing new.
+    pub fn set_paused(&self, paused: bool) {
+        self.lock().paused = paused;
+    }
+
+    /// Whether progress is held.
+    pub fn is_paused(&self) -> bool {
+        self.lock().paused
+    }
+}
+
+/// One simulated node's verbs provider.
+#[derive(Debug, Clone)]
+pub struct SimVerbs {
+    fabric: SimFabric,
+    node: usize,
+}
+
+impl SimVerbs {
+    /// The fabric the node is on.
+    pub fn fabric(&self) -> &SimFabric {
+        &self.fabric
+    }
+
+    /// The node's name, as given to [`SimFabric::add_node`].
+    pub fn node_name(&self) -> String {
+        self.fabric.lock().nodes[self.node].name.clone()
+    }
+
+    /// The IPv4 address of the node's device `name`.
+    pub fn device_ipv4(&self, name: &str) -> Option<Ipv4Addr> {
+        let state = self.fabric.lock();
+        let dev = state.find_device(self.node, name)?;
+        Some(state.devices[dev].ipv4)
+    }
+}
+
+impl Provider<SimVerbsApi> for SimVerbs {
+    fn backend_name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn devices(&self) -> Result<Vec<DeviceInfo>> {
+        let state = self.fabric.lock();
+        let node = &state.nodes[self.node];
+        if node.devices.is_empty() {
+            return Err(VerbsError::NoDevice {
+                detail: format!("simulated node {} has no device", node.name),
+            });
+        }
+        Ok(node
+            .devices
+            .iter()
+            .map(|&d| DeviceInfo {
+                name: state.devices[d].name.clone(),
+                node_guid: state.devices[d].guid,
+            })
+            .collect())
+    }
+
+    fn open(&self, name: &str) -> Result<SimContext> {
+        let state = self.fabric.lock();
+        let device = state
+            .find_device(self.node, name)
+            .ok_or_else(|| VerbsError::NoDevice {
+                detail: format!(
+                    "no device {name} on simulated node {}",
+                    state.nodes[self.node].name
+                ),
+            })?;
+        state.alive(device, "ibv_open_device")?;
+        tracing::debug!(node = %state.nodes[self.node].name, device = name, "sim: open device");
+        Ok(SimContext {
+            fabric: self.fabric.clone(),
+            device,
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// An opened simulated device.
+#[derive(Debug, Clone)]
+pub struct SimContext {
+    fabric: SimFabric,
+    device: usize,
+    name: String,
+}
+
+impl SimContext {
+    fn check_port(&self, state: &FabricState, port: u8, op: &'static str) -> Result<()> {
+        let count = state.devices[self.device].config.attributes.phys_port_cnt;
+        if port == 0 || port > count {
+            return Err(state.einval(self.device, op, format!("no port {port}")));
+        }
+        Ok(())
+    }
+}
+
+impl Context<SimVerbsApi> for SimContext {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn query_device(&self) -> Result<DeviceAttributes> {
+        let state = self.fabric.lock();
+        state.alive(self.device, "ibv_query_device")?;
+        Ok(state.devices[self.device].config.attributes.clone())
+    }
+
+    fn query_port(&self, port: u8) -> Result<PortAttributes> {
+        let state = self.fabric.lock();
+        state.alive(self.device, "ibv_query_port")?;
+        self.check_port(&state, port, "ibv_query_port")?;
+        let dev = &state.devices[self.device];
+        Ok(PortAttributes {
+            state: dev.config.port_state,
+            max_mtu: dev.config.max_mtu,
+            active_mtu: dev.config.active_mtu,
+            lid: 0,
+            gid_table_len: state::GID_TABLE_LEN,
+            link_layer: hal_verbs::LinkLayer::Ethernet,
+        })
+    }
+
+    fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
+        let state = self.fabric.lock();
+        state.alive(self.device, "ibv_query_gid")?;
+        self.check_port(&state, port, "ibv_query_gid")?;
+        Ok(state.devices[self.device].gids.clone())
+    }
+
+    fn alloc_pd(&self) -> Result<SimPd> {
+        let id = {
+            let mut state = self.fabric.lock();
+            state.alive(self.device, "ibv_alloc_pd")?;
+            state.next_id()
+        };
+        Ok(SimPd::new(self.fabric.clone(), self.device, id))
+    }
+
+    fn create_cq(&self, depth: u32) -> Result<SimCq> {
+        SimCq::create(&self.fabric, self.device, depth)
+    }
+}
+
+/// The IPv4 address a device of a node carries.
+fn device_address(node_ip: Ipv4Addr, index: usize) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(node_ip).wrapping_add(index as u32))
+}
+
+/// The RoCE GID table of a device with address `ip`, laid out as mlx5 lays
+/// it out: the link-local IPv6 address (v1, v2), then the IPv4 one (v1, v2).
+fn gid_table(guid: u64, ip: Ipv4Addr) -> Vec<GidEntry> {
+    let mut link_local = [0u8; 16];
+    link_local[0] = 0xfe;
+    link_local[1] = 0x80;
+    link_local[8..].copy_from_slice(&guid.to_be_bytes());
+    let v4 = hal_verbs::Gid::from_ip(IpAddr::V4(ip));
+    [
+        (hal_verbs::Gid(link_local), hal_verbs::GidType::RoceV1),
+        (hal_verbs::Gid(link_local), hal_verbs::GidType::RoceV2),
+        (v4, hal_verbs::GidType::RoceV1),
+        (v4, hal_verbs::GidType::RoceV2),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(index, (gid, gid_type))| GidEntry {
+        index: index as u32,
+        gid,
+        gid_type,
+        netdev_ifindex: 2,
+    })
+    .collect()
+}
+
+#[cfg(test)]
+mod tests;

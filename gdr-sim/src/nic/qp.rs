@@ -1,0 +1,563 @@
+//! Completion queues and RC queue pairs: creation, the state machine and
+//! posting. Execution is the engine's.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use hal_verbs::{
+    Completion, CompletionQueue, InitParams, PostError, QpCaps, QpState, QueuePair, RecvRequest,
+    Result, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, VerbsError,
+};
+
+use super::SimFabric;
+use super::mr::PdInner;
+use super::state::{CqState, FabricState, QpRecord, RecvWqe, Remote, SendWqe};
+use crate::faults::FaultSite;
+use crate::memory;
+
+/// A simulated completion queue. Polling it makes the fabric progress first.
+#[derive(Debug)]
+pub struct SimCq {
+    fabric: SimFabric,
+    device: usize,
+    id: u64,
+    depth: u32,
+}
+
+impl SimCq {
+    pub(crate) fn create(fabric: &SimFabric, device: usize, depth: u32) -> Result<Self> {
+        const OP: &str = "ibv_create_cq";
+        let mut state = fabric.lock();
+        state.alive(device, OP)?;
+        let attributes = &state.devices[device].config.attributes;
+        if depth == 0 || depth > attributes.max_cqe {
+            let reason = format!("depth {depth} not in 1..={}", attributes.max_cqe);
+            return Err(state.einval(device, OP, reason));
+        }
+        if state.devices[device].cqs >= attributes.max_cq {
+            return Err(VerbsError::from_errno(
+                OP,
+                &state.devices[device].name,
+                libc::ENOMEM,
+            ));
+        }
+        let id = state.next_id();
+        state.devices[device].cqs += 1;
+        state.cqs.insert(
+            id,
+            CqState {
+                device,
+                depth,
+                entries: VecDeque::new(),
+                refs: 1,
+                overrun: false,
+            },
+        );
+        Ok(Self {
+            fabric: fabric.clone(),
+            device,
+            id,
+            depth,
+        })
+    }
+}
+
+impl CompletionQueue for SimCq {
+    fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Progresses the fabric (unless paused), then takes completions in
+    /// order. On a lost device the completions already there (its flushes)
+    /// are still handed out; once none is left, polling fails.
+    fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        let mut state = self.fabric.lock();
+        state.progress();
+        let Some(cq) = state.cqs.get_mut(&self.id) else {
+            return Err(VerbsError::invalid("ibv_poll_cq", "CQ is gone"));
+        };
+        if cq.overrun {
+            return Err(VerbsError::OutOfResources {
+                operation: "ibv_poll_cq (CQ overrun: completions were lost)",
+                errno: Some(libc::EOVERFLOW),
+            });
+        }
+        let n = out.len().min(cq.entries.len());
+        let taken: Vec<_> = cq.entries.drain(..n).collect();
+        for (slot, entry) in out.iter_mut().zip(&taken) {
+            *slot = entry.wc;
+        }
+        for entry in &taken {
+            state.retire(entry.retire);
+        }
+        if n == 0 {
+            state.alive(self.device, "ibv_poll_cq")?;
+        }
+        Ok(n)
+    }
+}
+
+impl Drop for SimCq {
+    fn drop(&mut self) {
+        let removed = self.fabric.lock().release_cq(self.id);
+        drop(removed);
+    }
+}
+
+/// A simulated RC queue pair. It keeps its PD and CQs alive.
+#[derive(Debug)]
+pub struct SimQp {
+    pd: Arc<PdInner>,
+    qpn: u32,
+    caps: QpCaps,
+}
+
+/// Whether a posted request may run, or is flushed at once (error state).
+#[derive(PartialEq, Eq)]
+enum PostMode {
+    Queue,
+    Flush,
+}
+
+impl SimQp {
+    pub(crate) fn create(
+        pd: Arc<PdInner>,
+        caps: &QpCaps,
+        send_cq: &SimCq,
+        recv_cq: &SimCq,
+    ) -> Result<Self> {
+        const OP: &str = "ibv_create_qp";
+        let device = pd.device;
+        let mut state = pd.fabric.lock();
+        state.alive(device, OP)?;
+        state.fault(device, FaultSite::VerbsCreateQp, OP)?;
+        if send_cq.device != device || recv_cq.device != device {
+            return Err(state.einval(device, OP, "CQ of another device"));
+        }
+        let config = &state.devices[device].config;
+        let attributes = &config.attributes;
+        let problem = if caps.max_send_wr == 0 || caps.max_send_wr > attributes.max_qp_wr {
+            Some(format!(
+                "max_send_wr {} not in 1..={}",
+                caps.max_send_wr, attributes.max_qp_wr
+            ))
+        } else if caps.max_recv_wr > attributes.max_qp_wr {
+            Some(format!(
+                "max_recv_wr {} > {}",
+                caps.max_recv_wr, attributes.max_qp_wr
+            ))
+        } else if caps.max_send_sge > attributes.max_sge || caps.max_recv_sge > attributes.max_sge {
+            Some(format!("SGEs per request > max_sge {}", attributes.max_sge))
+        } else if caps.max_inline_data > config.max_inline_data {
+            Some(format!(
+                "max_inline_data {} > {}",
+                caps.max_inline_data, config.max_inline_data
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = problem {
+            return Err(state.einval(device, OP, reason));
+        }
+        if state.devices[device].qps >= attributes.max_qp {
+            return Err(VerbsError::from_errno(
+                OP,
+                &state.devices[device].name,
+                libc::ENOMEM,
+            ));
+        }
+        let qpn = state.next_qpn();
+        for cq in [send_cq.id, recv_cq.id] {
+            if let Some(cq) = state.cqs.get_mut(&cq) {
+                cq.refs += 1;
+            }
+        }
+        state.devices[device].qps += 1;
+        state.qps.insert(
+            qpn,
+            QpRecord {
+                device,
+                pd: pd.id,
+                send_cq: send_cq.id,
+                recv_cq: recv_cq.id,
+                caps: *caps,
+                state: QpState::Reset,
+                access: hal_verbs::AccessFlags::empty(),
+                remote: None,
+                sq_psn: 0,
+                rnr_retry: 0,
+                rnr_waits: 0,
+                sq: VecDeque::new(),
+                rq: VecDeque::new(),
+                sq_posted: 0,
+                sq_retired: 0,
+                rq_posted: 0,
+                rq_retired: 0,
+            },
+        );
+        tracing::debug!(device = %state.devices[device].name, qpn, ?caps, "sim: QP created");
+        drop(state);
+        Ok(Self {
+            pd,
+            qpn,
+            caps: *caps,
+        })
+    }
+
+    /// Runs one `ibv_modify_qp`: device and fault checks, then `change`.
+    fn modify(
+        &self,
+        operation: &'static str,
+        change: impl FnOnce(&mut FabricState, usize, u32) -> Result<()>,
+    ) -> Result<()> {
+        let device = self.pd.device;
+        let mut state = self.pd.fabric.lock();
+        state.alive(device, operation)?;
+        state.fault(device, FaultSite::VerbsModifyQp, operation)?;
+        change(&mut state, device, self.qpn)?;
+        tracing::debug!(qpn = self.qpn, operation, "sim: QP modified");
+        Ok(())
+    }
+}
+
+/// The record of a live QP (its handle exists, so it does).
+fn record(state: &mut FabricState, qpn: u32) -> Result<&mut QpRecord> {
+    state
+        .qps
+        .get_mut(&qpn)
+        .ok_or_else(|| VerbsError::invalid("ibv_modify_qp", format!("no QP {qpn}")))
+}
+
+/// EINVAL for a transition the QP's state does not allow.
+fn bad_transition(
+    state: &FabricState,
+    device: usize,
+    operation: &'static str,
+    qpn: u32,
+    from: QpState,
+) -> VerbsError {
+    state.einval(
+        device,
+        operation,
+        format!("QP {qpn} cannot make this transition from {from:?}"),
+    )
+}
+
+fn check_port(state: &FabricState, device: usize, operation: &'static str, port: u8) -> Result<()> {
+    if port == 0 || port > state.devices[device].config.attributes.phys_port_cnt {
+        return Err(state.einval(device, operation, format!("no port {port}")));
+    }
+    Ok(())
+}
+
+impl QueuePair for SimQp {
+    fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+
+    fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    fn state(&self) -> Result<QpState> {
+        let mut state = self.pd.fabric.lock();
+        state.alive(self.pd.device, "ibv_query_qp")?;
+        Ok(record(&mut state, self.qpn)?.state)
+    }
+
+    fn to_init(&self, params: &InitParams) -> Result<()> {
+        const OP: &str = "ibv_modify_qp(INIT)";
+        self.modify(OP, |state, device, qpn| {
+            check_port(state, device, OP, params.port)?;
+            let from = record(state, qpn)?.state;
+            if !matches!(from, QpState::Reset | QpState::Init) {
+                return Err(bad_transition(state, device, OP, qpn, from));
+            }
+            let qp = record(state, qpn)?;
+            qp.access = params.access;
+            qp.state = QpState::Init;
+            Ok(())
+        })
+    }
+
+    fn to_rtr(&self, params: &RtrParams) -> Result<()> {
+        const OP: &str = "ibv_modify_qp(RTR)";
+        self.modify(OP, |state, device, qpn| {
+            check_port(state, device, OP, params.port)?;
+            let from = record(state, qpn)?.state;
+            if from != QpState::Init {
+                return Err(bad_transition(state, device, OP, qpn, from));
+            }
+            let dev = &state.devices[device];
+            if !dev
+                .gids
+                .iter()
+                .any(|e| e.index == u32::from(params.sgid_index))
+            {
+                let reason = format!("sgid_index {} is not in the GID table", params.sgid_index);
+                return Err(state.einval(device, OP, reason));
+            }
+            if params.path_mtu > dev.config.active_mtu {
+                let reason = format!(
+                    "path MTU {} above the port's active MTU {}",
+                    params.path_mtu.bytes(),
+                    dev.config.active_mtu.bytes()
+                );
+                return Err(state.einval(device, OP, reason));
+            }
+            // Address resolution: the device that owns the peer's GID. Its
+            // QPN is not checked here (a real NIC cannot either): a wrong one
+            // shows up as a transport retry error when traffic starts.
+            let Some(peer) = state
+                .devices
+                .iter()
+                .position(|d| d.gids.iter().any(|e| e.gid == params.remote.gid))
+            else {
+                return Err(VerbsError::from_errno(
+                    OP,
+                    &state.devices[device].name,
+                    libc::EHOSTUNREACH,
+                ));
+            };
+            let qp = record(state, qpn)?;
+            qp.remote = Some(Remote {
+                device: peer,
+                qpn: params.remote.qp_num,
+                rq_psn: params.remote.psn,
+            });
+            qp.state = QpState::ReadyToReceive;
+            Ok(())
+        })
+    }
+
+    fn to_rts(&self, params: &RtsParams) -> Result<()> {
+        const OP: &str = "ibv_modify_qp(RTS)";
+        self.modify(OP, |state, device, qpn| {
+            params.validate()?;
+            let from = record(state, qpn)?.state;
+            if !matches!(from, QpState::ReadyToReceive | QpState::ReadyToSend) {
+                return Err(bad_transition(state, device, OP, qpn, from));
+            }
+            let qp = record(state, qpn)?;
+            qp.sq_psn = params.sq_psn;
+            qp.rnr_retry = params.rnr_retry;
+            qp.state = QpState::ReadyToSend;
+            Ok(())
+        })
+    }
+
+    fn to_error(&self) -> Result<()> {
+        self.modify("ibv_modify_qp(ERR)", |state, _, qpn| {
+            state.set_error(qpn);
+            Ok(())
+        })
+    }
+
+    unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError> {
+        const OP: &str = "ibv_post_send";
+        let device = self.pd.device;
+        let mut guard = self.pd.fabric.lock();
+        let state = &mut *guard;
+        let at = |accepted: usize| move |error: VerbsError| PostError { accepted, error };
+        state.alive(device, OP).map_err(at(0))?;
+        let mode = match record(state, self.qpn).map_err(at(0))?.state {
+            QpState::ReadyToSend => PostMode::Queue,
+            // Real providers take requests in the error state and flush them.
+            QpState::Error => PostMode::Flush,
+            other => {
+                let reason = format!("QP {} is in {other:?}; sends need RTS", self.qpn);
+                return Err(at(0)(state.einval(device, OP, reason)));
+            }
+        };
+        let mut result = Ok(());
+        for (index, request) in requests.iter().enumerate() {
+            // SAFETY: forwarded from our caller's contract: the SG entries
+            // lie in live registrations (inline ones in host memory).
+            if let Err(error) = unsafe { self.post_one_send(state, request) } {
+                result = Err(PostError {
+                    accepted: index,
+                    error,
+                });
+                break;
+            }
+        }
+        if mode == PostMode::Flush {
+            state.flush(self.qpn);
+        }
+        let accepted = match &result {
+            Ok(()) => requests.len(),
+            Err(e) => e.accepted,
+        };
+        tracing::debug!(
+            qpn = self.qpn,
+            accepted,
+            of = requests.len(),
+            "sim: post_send"
+        );
+        result
+    }
+
+    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
+        const OP: &str = "ibv_post_recv";
+        let device = self.pd.device;
+        let mut guard = self.pd.fabric.lock();
+        let state = &mut *guard;
+        let at = |accepted: usize| move |error: VerbsError| PostError { accepted, error };
+        state.alive(device, OP).map_err(at(0))?;
+        let mode = match record(state, self.qpn).map_err(at(0))?.state {
+            QpState::Reset => {
+                let reason = format!("QP {} is in RESET; receives need INIT or later", self.qpn);
+                return Err(at(0)(state.einval(device, OP, reason)));
+            }
+            QpState::Error => PostMode::Flush,
+            _ => PostMode::Queue,
+        };
+        let mut result = Ok(());
+        for (index, request) in requests.iter().enumerate() {
+            if let Err(error) = self.post_one_recv(state, request) {
+                result = Err(PostError {
+                    accepted: index,
+                    error,
+                });
+                break;
+            }
+        }
+        if mode == PostMode::Flush {
+            state.flush(self.qpn);
+        }
+        tracing::debug!(
+            qpn = self.qpn,
+            of = requests.len(),
+            ok = result.is_ok(),
+            "sim: post_recv"
+        );
+        result
+    }
+}
+
+impl SimQp {
+    /// Checks and queues one send request.
+    ///
+    /// # Safety
+    /// As `post_send`: an INLINE request's SG entries must be readable host
+    /// memory.
+    unsafe fn post_one_send(&self, state: &mut FabricState, request: &SendRequest) -> Result<()> {
+        const OP: &str = "ibv_post_send";
+        let device = self.pd.device;
+        let forced = state.fault(device, FaultSite::VerbsPostSend, OP)?;
+        let qp = record(state, self.qpn)?;
+        let caps = qp.caps;
+        if qp.sq_posted - qp.sq_retired >= u64::from(caps.max_send_wr) {
+            return Err(VerbsError::QueueFull {
+                queue: "send",
+                qp_num: self.qpn,
+                depth: caps.max_send_wr,
+            });
+        }
+        if request.sg_list.len() > caps.max_send_sge as usize {
+            let reason = format!(
+                "{} SG entries > max_send_sge {}",
+                request.sg_list.len(),
+                caps.max_send_sge
+            );
+            return Err(state.einval(device, OP, reason));
+        }
+        let inline = if request.flags.contains(SendFlags::INLINE) {
+            if matches!(request.op, SendOp::Read { .. }) {
+                return Err(state.einval(device, OP, "INLINE on an RDMA READ"));
+            }
+            let total = request.byte_len();
+            if total > u64::from(caps.max_inline_data) {
+                let reason = format!(
+                    "{total} inline bytes > max_inline_data {}",
+                    caps.max_inline_data
+                );
+                return Err(state.einval(device, OP, reason));
+            }
+            if request
+                .sg_list
+                .iter()
+                .any(|s| memory::is_device_address(s.addr))
+            {
+                // The CPU would have to read device memory: refused.
+                return Err(state.einval(device, OP, "INLINE payload in device memory"));
+            }
+            let mut data = Vec::with_capacity(total as usize);
+            for sge in &request.sg_list {
+                // SAFETY: the caller guarantees an inline request's SG
+                // entries are readable host memory for this call; the lkey
+                // is ignored for inline data, as on real hardware.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(sge.addr as *const u8, sge.length as usize)
+                };
+                data.extend_from_slice(bytes);
+            }
+            Some(data)
+        } else {
+            None
+        };
+        let qp = record(state, self.qpn)?;
+        let seq = qp.sq_posted;
+        qp.sq_posted += 1;
+        qp.sq.push_back(SendWqe {
+            wr_id: request.wr_id,
+            op: request.op,
+            sg_list: request.sg_list.clone(),
+            flags: request.flags,
+            inline,
+            forced,
+            seq,
+        });
+        Ok(())
+    }
+
+    fn post_one_recv(&self, state: &mut FabricState, request: &RecvRequest) -> Result<()> {
+        const OP: &str = "ibv_post_recv";
+        let device = self.pd.device;
+        state.fault(device, FaultSite::VerbsPostRecv, OP)?;
+        let qp = record(state, self.qpn)?;
+        let caps = qp.caps;
+        if qp.rq_posted - qp.rq_retired >= u64::from(caps.max_recv_wr) {
+            return Err(VerbsError::QueueFull {
+                queue: "recv",
+                qp_num: self.qpn,
+                depth: caps.max_recv_wr,
+            });
+        }
+        if request.sg_list.len() > caps.max_recv_sge as usize {
+            let reason = format!(
+                "{} SG entries > max_recv_sge {}",
+                request.sg_list.len(),
+                caps.max_recv_sge
+            );
+            return Err(state.einval(device, OP, reason));
+        }
+        let qp = record(state, self.qpn)?;
+        let seq = qp.rq_posted;
+        qp.rq_posted += 1;
+        qp.rq.push_back(RecvWqe {
+            wr_id: request.wr_id,
+            sg_list: request.sg_list.clone(),
+            seq,
+        });
+        Ok(())
+    }
+}
+
+impl Drop for SimQp {
+    fn drop(&mut self) {
+        // Destroying a QP drops its outstanding requests without completions,
+        // as ibv_destroy_qp does; peers then see transport retry errors.
+        let removed = {
+            let mut state = self.pd.fabric.lock();
+            let removed = state.qps.remove(&self.qpn);
+            if let Some(qp) = &removed {
+                state.devices[qp.device].qps = state.devices[qp.device].qps.saturating_sub(1);
+                let cqs = [state.release_cq(qp.send_cq), state.release_cq(qp.recv_cq)];
+                drop(cqs);
+            }
+            removed
+        };
+        drop(removed);
+    }
+}

@@ -1,0 +1,483 @@
+//! The fabric's state behind its one lock: devices, MRs, CQs and QPs, looked
+//! up by key the way a NIC looks them up, plus the helpers that complete,
+//! flush and fail them.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+
+use hal_verbs::{
+    AccessFlags, Completion, GidEntry, QpCaps, QpState, SendFlags, SendOp, SgList, VerbsError,
+    WcOpcode, WcStatus,
+};
+use memmap2::MmapRaw;
+
+use super::{DeviceConfig, NodeConfig};
+use crate::faults::{Fault, FaultPlan, FaultSite};
+use crate::memory::Backing;
+
+/// Entries in each port's GID table (only the first four are filled).
+pub(crate) const GID_TABLE_LEN: u32 = 16;
+
+pub(crate) struct NodeState {
+    pub name: String,
+    pub devices: Vec<usize>,
+}
+
+pub(crate) struct DeviceState {
+    pub name: String,
+    pub ipv4: Ipv4Addr,
+    pub guid: u64,
+    pub config: DeviceConfig,
+    pub gids: Vec<GidEntry>,
+    /// Set by a `DeviceLost` fault; never cleared.
+    pub lost: bool,
+    pub mrs: u32,
+    pub qps: u32,
+    pub cqs: u32,
+}
+
+/// A pointer the simulated NIC reads or writes through.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NicPtr(pub *mut u8);
+
+// SAFETY: a NicPtr is only dereferenced by the engine while the fabric lock
+// is held and the registration it came from is live; the memory it points to
+// is process memory that the registration's contract keeps valid, and which
+// thread touches it does not matter.
+unsafe impl Send for NicPtr {}
+
+/// What keeps a registration's memory mapped.
+#[derive(Debug)]
+pub(crate) enum Pinned {
+    /// Host memory: the caller keeps it (the `register` contract).
+    Host,
+    /// Device memory through peermem: the allocation's backing (held, not
+    /// read).
+    Device(#[allow(dead_code)] Arc<Backing>),
+    /// A dma-buf: our own shared mapping of its pages.
+    Dmabuf(#[allow(dead_code)] MmapRaw),
+}
+
+pub(crate) struct MrState {
+    pub device: usize,
+    pub pd: u64,
+    /// First address as the NIC sees it (virtual address or iova).
+    pub addr: u64,
+    pub len: usize,
+    pub access: AccessFlags,
+    /// Where `addr` is in this process.
+    pub ptr: NicPtr,
+    pub _pinned: Pinned,
+}
+
+impl MrState {
+    /// The host pointer of `len` bytes at `addr`, if they lie in the MR.
+    pub fn resolve(&self, addr: u64, len: u64) -> Option<NicPtr> {
+        let offset = addr.checked_sub(self.addr)?;
+        let end = offset.checked_add(len)?;
+        (end <= self.len as u64).then(|| NicPtr(self.ptr.0.wrapping_add(offset as usize)))
+    }
+}
+
+/// A completion with the queue slots its polling frees.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CqEntry {
+    pub wc: Completion,
+    /// (QP, queue, sequence number + 1): polling it retires that many
+    /// requests of that queue, as a real NIC frees WQEs only when their CQE
+    /// (or a later one) is polled; unsignaled requests keep their slot until
+    /// then.
+    pub retire: (u32, Queue, u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Queue {
+    Send,
+    Recv,
+}
+
+pub(crate) struct CqState {
+    pub device: usize,
+    pub depth: u32,
+    pub entries: VecDeque<CqEntry>,
+    /// Holders: the handle and each QP queue attached to it.
+    pub refs: u32,
+    /// Set when a completion found the queue full (lost; the CQ is in error).
+    pub overrun: bool,
+}
+
+pub(crate) struct SendWqe {
+    pub wr_id: u64,
+    pub op: SendOp,
+    pub sg_list: SgList,
+    pub flags: SendFlags,
+    /// Inline payload, copied at post time.
+    pub inline: Option<Vec<u8>>,
+    /// A status scripted at post time (a `CompletionStatus` fault there).
+    pub forced: Option<WcStatus>,
+    pub seq: u64,
+}
+
+impl SendWqe {
+    pub fn wc_opcode(&self) -> WcOpcode {
+        match self.op {
+            SendOp::Send | SendOp::SendWithImm { .. } => WcOpcode::Send,
+            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::Read { .. } => WcOpcode::RdmaRead,
+        }
+    }
+
+    pub fn byte_len(&self) -> u64 {
+        match &self.inline {
+            Some(data) => data.len() as u64,
+            None => self.sg_list.iter().map(|s| u64::from(s.length)).sum(),
+        }
+    }
+}
+
+pub(crate) struct RecvWqe {
+    pub wr_id: u64,
+    pub sg_list: SgList,
+    pub seq: u64,
+}
+
+/// Where an RTR QP sends: resolved at RTR time from the peer's GID and QPN.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Remote {
+    pub device: usize,
+    pub qpn: u32,
+    /// The PSN the peer said it starts with: what we expect first.
+    pub rq_psn: u32,
+}
+
+pub(crate) struct QpRecord {
+    pub device: usize,
+    pub pd: u64,
+    pub send_cq: u64,
+    pub recv_cq: u64,
+    pub caps: QpCaps,
+    pub state: QpState,
+    /// Remote rights granted at INIT.
+    pub access: AccessFlags,
+    pub remote: Option<Remote>,
+    pub sq_psn: u32,
+    pub rnr_retry: u8,
+    /// Progress rounds the head request has waited for a receive.
+    pub rnr_waits: u32,
+    pub sq: VecDeque<SendWqe>,
+    pub rq: VecDeque<RecvWqe>,
+    pub sq_posted: u64,
+    pub sq_retired: u64,
+    pub rq_posted: u64,
+    pub rq_retired: u64,
+}
+
+pub(crate) struct FabricState {
+    pub faults: FaultPlan,
+    pub paused: bool,
+    pub nodes: Vec<NodeState>,
+    pub devices: Vec<DeviceState>,
+    /// By lkey.
+    pub mrs: HashMap<u32, MrState>,
+    /// rkey → lkey.
+    pub rkeys: HashMap<u32, u32>,
+    pub cqs: HashMap<u64, CqState>,
+    /// By QPN (unique on the fabric); ordered so progress is deterministic.
+    pub qps: BTreeMap<u32, QpRecord>,
+    next_id: u64,
+    next_key: u32,
+    next_qpn: u32,
+}
+
+/// A bijection on u32 (the "lowbias32" integer hash): distinct inputs give
+/// distinct keys that look nothing like a counter.
+fn scramble(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+impl FabricState {
+    pub fn new(faults: FaultPlan) -> Self {
+        Self {
+            faults,
+            paused: false,
+            nodes: Vec::new(),
+            devices: Vec::new(),
+            mrs: HashMap::new(),
+            rkeys: HashMap::new(),
+            cqs: HashMap::new(),
+            qps: BTreeMap::new(),
+            next_id: 1,
+            next_key: 0,
+            // Low QPNs are reserved on real devices (0 and 1 are special).
+            next_qpn: 0x11,
+        }
+    }
+
+    pub fn add_node(&mut self, name: &str, config: NodeConfig) -> usize {
+        let node = self.nodes.len();
+        let base = config.ipv4.unwrap_or(Ipv4Addr::new(10, 77, node as u8, 1));
+        let mut devices = Vec::new();
+        for (index, device) in config.devices.into_iter().enumerate() {
+            let ipv4 = device
+                .ipv4
+                .unwrap_or_else(|| super::device_address(base, index));
+            assert!(
+                self.devices.iter().all(|d| d.ipv4 != ipv4),
+                "simulated address {ipv4} is used twice on the fabric"
+            );
+            let guid = 0x0200_5e00_0000_0000 | u64::from(u32::from(ipv4));
+            devices.push(self.devices.len());
+            self.devices.push(DeviceState {
+                name: format!("sim{index}"),
+                ipv4,
+                guid,
+                gids: super::gid_table(guid, ipv4),
+                config: device,
+                lost: false,
+                mrs: 0,
+                qps: 0,
+                cqs: 0,
+            });
+        }
+        tracing::debug!(node = name, devices = devices.len(), "sim: node added");
+        self.nodes.push(NodeState {
+            name: name.to_owned(),
+            devices,
+        });
+        node
+    }
+
+    pub fn find_device(&self, node: usize, name: &str) -> Option<usize> {
+        self.nodes[node]
+            .devices
+            .iter()
+            .copied()
+            .find(|&d| self.devices[d].name == name)
+    }
+
+    pub fn next_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// A fresh (lkey, rkey) pair: distinct from each other and from every
+    /// key handed out before on this fabric, and never 0.
+    pub fn next_keys(&mut self) -> (u32, u32) {
+        loop {
+            self.next_key = self.next_key.wrapping_add(1);
+            let lkey = scramble(self.next_key.wrapping_mul(2) ^ 0x5eed_0000);
+            let rkey = scramble(self.next_key.wrapping_mul(2).wrapping_add(1) ^ 0x5eed_0000);
+            if lkey != 0 && rkey != 0 {
+                return (lkey, rkey);
+            }
+        }
+    }
+
+    pub fn next_qpn(&mut self) -> u32 {
+        let qpn = self.next_qpn;
+        self.next_qpn = (self.next_qpn + 1) & 0x00ff_ffff;
+        qpn
+    }
+
+    pub fn lost_error(&self, device: usize, operation: &'static str) -> VerbsError {
+        VerbsError::DeviceLost {
+            device: self.devices[device].name.clone(),
+            operation,
+            errno: Some(libc::EIO),
+        }
+    }
+
+    /// `Err(DeviceLost)` once the device is dead.
+    pub fn alive(&self, device: usize, operation: &'static str) -> Result<(), VerbsError> {
+        if self.devices[device].lost {
+            Err(self.lost_error(device, operation))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// EINVAL from `operation`, with our reason.
+    pub fn einval(
+        &self,
+        device: usize,
+        operation: &'static str,
+        reason: impl Into<String>,
+    ) -> VerbsError {
+        VerbsError::InvalidArgument {
+            operation,
+            reason: format!("{} (on {})", reason.into(), self.devices[device].name),
+            errno: Some(libc::EINVAL),
+        }
+    }
+
+    /// Counts a call at `site` against the plan. A scripted verbs error is
+    /// returned; a device loss kills the device and returns its error; a
+    /// scripted completion status is handed back for the caller to apply
+    /// (sites other than the send path ignore it).
+    pub fn fault(
+        &mut self,
+        device: usize,
+        site: FaultSite,
+        operation: &'static str,
+    ) -> Result<Option<WcStatus>, VerbsError> {
+        match self.faults.hit(site) {
+            None => Ok(None),
+            Some(Fault::Verbs(error)) => Err(error),
+            Some(Fault::DeviceLost) => {
+                self.lose_device(device);
+                Err(self.lost_error(device, operation))
+            }
+            Some(Fault::CompletionStatus(status)) => Ok(Some(status)),
+            Some(Fault::Cuda(error)) => {
+                tracing::warn!(?site, %error, "sim: CUDA fault scripted at a verbs site; ignored");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Kills a device: every QP on it goes to the error state and flushes.
+    pub fn lose_device(&mut self, device: usize) {
+        if self.devices[device].lost {
+            return;
+        }
+        tracing::debug!(device = %self.devices[device].name, "sim: device lost");
+        self.devices[device].lost = true;
+        let qpns: Vec<u32> = self
+            .qps
+            .iter()
+            .filter(|(_, qp)| qp.device == device)
+            .map(|(&qpn, _)| qpn)
+            .collect();
+        for qpn in qpns {
+            self.set_error(qpn);
+        }
+    }
+
+    /// Queues a completion on `cq`. A full CQ loses it and is marked overrun,
+    /// as a real CQ overrun is fatal to the CQ.
+    pub fn complete(&mut self, cq: u64, entry: CqEntry) {
+        let Some(cq) = self.cqs.get_mut(&cq) else {
+            return;
+        };
+        if cq.entries.len() >= cq.depth as usize {
+            tracing::warn!(wr_id = entry.wc.wr_id, depth = cq.depth, "sim: CQ overrun");
+            cq.overrun = true;
+            return;
+        }
+        cq.entries.push_back(entry);
+    }
+
+    /// Completes a send request of `qpn` with `status` (errors always; success
+    /// only when signaled).
+    pub fn complete_send(&mut self, qpn: u32, wqe: &SendWqe, status: WcStatus) {
+        let Some(qp) = self.qps.get(&qpn) else {
+            return;
+        };
+        if status.is_success() && !wqe.flags.contains(SendFlags::SIGNALED) {
+            return;
+        }
+        let entry = CqEntry {
+            wc: Completion {
+                wr_id: wqe.wr_id,
+                status,
+                opcode: wqe.wc_opcode(),
+                byte_len: u32::try_from(wqe.byte_len()).unwrap_or(u32::MAX),
+                imm: None,
+                qp_num: qpn,
+                vendor_err: 0,
+            },
+            retire: (qpn, Queue::Send, wqe.seq + 1),
+        };
+        let cq = qp.send_cq;
+        self.complete(cq, entry);
+    }
+
+    /// Completes a receive request of `qpn`.
+    pub fn complete_recv(
+        &mut self,
+        qpn: u32,
+        wqe: &RecvWqe,
+        status: WcStatus,
+        opcode: WcOpcode,
+        byte_len: u64,
+        imm: Option<u32>,
+    ) {
+        let Some(qp) = self.qps.get(&qpn) else {
+            return;
+        };
+        let entry = CqEntry {
+            wc: Completion {
+                wr_id: wqe.wr_id,
+                status,
+                opcode,
+                byte_len: u32::try_from(byte_len).unwrap_or(u32::MAX),
+                imm,
+                qp_num: qpn,
+                vendor_err: 0,
+            },
+            retire: (qpn, Queue::Recv, wqe.seq + 1),
+        };
+        let cq = qp.recv_cq;
+        self.complete(cq, entry);
+    }
+
+    /// Moves a QP to the error state and flushes every outstanding request.
+    pub fn set_error(&mut self, qpn: u32) {
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        if qp.state != QpState::Error {
+            tracing::debug!(qpn, from = ?qp.state, "sim: QP to error");
+        }
+        qp.state = QpState::Error;
+        self.flush(qpn);
+    }
+
+    /// Completes everything queued on an error-state QP with WR_FLUSH_ERR,
+    /// signaled or not (as real hardware reports flushes).
+    pub fn flush(&mut self, qpn: u32) {
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        let sends: Vec<SendWqe> = qp.sq.drain(..).collect();
+        let recvs: Vec<RecvWqe> = qp.rq.drain(..).collect();
+        // WR_FLUSH_ERR is an error status, so unsignaled requests report it
+        // too, as on real hardware.
+        for wqe in &sends {
+            self.complete_send(qpn, wqe, WcStatus::WR_FLUSH_ERR);
+        }
+        for wqe in &recvs {
+            self.complete_recv(qpn, wqe, WcStatus::WR_FLUSH_ERR, WcOpcode::Recv, 0, None);
+        }
+    }
+
+    /// Frees queue slots when a completion is polled.
+    pub fn retire(&mut self, (qpn, queue, upto): (u32, Queue, u64)) {
+        if let Some(qp) = self.qps.get_mut(&qpn) {
+            let retired = match queue {
+                Queue::Send => &mut qp.sq_retired,
+                Queue::Recv => &mut qp.rq_retired,
+            };
+            *retired = (*retired).max(upto);
+        }
+    }
+
+    /// Drops one holder of a CQ, removing it with its last.
+    pub fn release_cq(&mut self, cq: u64) -> Option<CqState> {
+        let state = self.cqs.get_mut(&cq)?;
+        state.refs = state.refs.saturating_sub(1);
+        if state.refs > 0 {
+            return None;
+        }
+        let removed = self.cqs.remove(&cq)?;
+        let device = &mut self.devices[removed.device];
+        device.cqs = device.cqs.saturating_sub(1);
+        Some(removed)
+    }
+}
