@@ -9,3 +9,5 @@
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;
+
+pub mod cache;
