@@ -12,3 +12,5 @@ pub mod loopback;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;
+
+pub mod cache;

@@ -1,13 +1,20 @@
 //! The synchronization types gdr-core uses, from `std` normally and from
 //! `loom` under `--cfg loom`, so the same code is model-checked (the shim
 //! tokio and sharded-slab use). Code in gdr-core takes its `Arc`, `Mutex`,
-//! `RwLock` and atomics from here, never from `std::sync` directly.
+//! `RwLock`, `Condvar` and atomics from here, never from `std::sync` directly.
+//!
+//! loom has no `OnceLock`, `LazyLock` or `RwLock::downgrade`: code that must
+//! be model-checked is written with `Mutex` + `Condvar` and plain locks.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::{Arc, Mutex, MutexGuard, RwLock, atomic};
+pub(crate) use loom::sync::{
+    Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, atomic,
+};
 
 #[cfg(not(loom))]
-pub(crate) use std::sync::{Arc, Mutex, MutexGuard, RwLock, atomic};
+pub(crate) use std::sync::{
+    Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, atomic,
+};
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it: a
 /// panic elsewhere must not turn every later call into a second panic.
@@ -22,4 +29,22 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(loom)]
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().expect("loom mutexes are not poisoned")
+}
+
+/// Takes a read lock, recovering from poison as [`lock`] does.
+pub(crate) fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Takes a write lock, recovering from poison as [`lock`] does.
+pub(crate) fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Waits on a condition variable, recovering from poison.
+pub(crate) fn wait<'a, T>(condvar: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    condvar
+        .wait(guard)
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

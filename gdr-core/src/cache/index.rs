@@ -1,0 +1,258 @@
+//! One shard's index: ordered maps of disjoint ranges, per-domain usage, and
+//! the registrations in flight. Everything here runs under the shard's lock;
+//! nothing here registers or deregisters (removed entries are handed back so
+//! the caller drops them after unlocking).
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::handle::Entry;
+use super::key::{AllocationIdentity, DomainId, FxBuild, MemoryKind, Space, SpaceKey};
+use super::stats::Counters;
+use super::{Limits, Pending, Registrar};
+use crate::sync::Arc;
+
+/// What the index holds for a lookup.
+pub(crate) enum Lookup<'a, T> {
+    /// An entry of the same allocation covers the range.
+    Hit(&'a Arc<Entry<T>>),
+    /// An entry covers the range but belongs to another allocation.
+    Stale,
+    /// Nothing covers it.
+    Miss,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Usage {
+    pub(crate) bytes: u64,
+    pub(crate) entries: u64,
+    pub(crate) limits: Option<Limits>,
+}
+
+/// The index of one shard. Invariant: in each space, entries are disjoint
+/// (so sorted by start they are sorted by end too, and at most one entry can
+/// cover a range: the last one starting at or before it).
+pub(crate) struct ShardState<R: Registrar> {
+    spaces: HashMap<SpaceKey, BTreeMap<u64, Arc<Entry<R::Registration>>>, FxBuild>,
+    usage: HashMap<DomainId, Usage, FxBuild>,
+    /// Registrations in flight, by whoever missed first.
+    pub(crate) pending: Vec<Arc<Pending<R>>>,
+}
+
+type Victims<T> = Vec<Arc<Entry<T>>>;
+
+impl<R: Registrar> ShardState<R> {
+    pub(crate) fn new() -> Self {
+        Self {
+            spaces: HashMap::default(),
+            usage: HashMap::default(),
+            pending: Vec::new(),
+        }
+    }
+
+    pub(crate) fn lookup(
+        &self,
+        space: SpaceKey,
+        kind: MemoryKind,
+        identity: AllocationIdentity,
+        start: u64,
+        end: u64,
+    ) -> Lookup<'_, R::Registration> {
+        let Some(map) = self.spaces.get(&space) else {
+            return Lookup::Miss;
+        };
+        match map.range(..=start).next_back() {
+            Some((_, entry)) if entry.covers(start, end) => {
+                if entry.same_allocation(kind, identity) {
+                    Lookup::Hit(entry)
+                } else {
+                    Lookup::Stale
+                }
+            }
+            _ => Lookup::Miss,
+        }
+    }
+
+    /// Entries of `space` overlapping `start..end`.
+    pub(crate) fn overlapping(
+        &self,
+        space: SpaceKey,
+        start: u64,
+        end: u64,
+    ) -> Vec<Arc<Entry<R::Registration>>> {
+        let Some(map) = self.spaces.get(&space) else {
+            return Vec::new();
+        };
+        map.range(..end)
+            .rev()
+            .take_while(|(_, e)| e.end > start)
+            .map(|(_, e)| Arc::clone(e))
+            .collect()
+    }
+
+    /// Unlinks the entry starting at `start` in `space`.
+    pub(crate) fn remove(
+        &mut self,
+        space: SpaceKey,
+        start: u64,
+        counters: &Counters,
+    ) -> Option<Arc<Entry<R::Registration>>> {
+        let map = self.spaces.get_mut(&space)?;
+        let entry = map.remove(&start)?;
+        if map.is_empty() {
+            self.spaces.remove(&space);
+        }
+        let usage = self.usage.entry(space.domain).or_default();
+        usage.bytes -= entry.len();
+        usage.entries -= 1;
+        Counters::sub(&counters.bytes_cached, entry.len());
+        Counters::sub(&counters.entries, 1);
+        Some(entry)
+    }
+
+    /// Links `entry`, unlinking every entry of its space it overlaps (they
+    /// are superseded: merged into it, or left over from another allocation
+    /// that raced with it). Returns those.
+    pub(crate) fn insert(
+        &mut self,
+        space: SpaceKey,
+        entry: Arc<Entry<R::Registration>>,
+        counters: &Counters,
+    ) -> Victims<R::Registration> {
+        let victims: Victims<_> = self
+            .overlapping(space, entry.start, entry.end)
+            .into_iter()
+            .filter_map(|e| self.remove(space, e.start, counters))
+            .collect();
+        let usage = self.usage.entry(space.domain).or_default();
+        usage.bytes += entry.len();
+        usage.entries += 1;
+        Counters::add(&counters.bytes_cached, entry.len());
+        Counters::add(&counters.entries, 1);
+        self.spaces
+            .entry(space)
+            .or_default()
+            .insert(entry.start, entry);
+        victims
+    }
+
+    pub(crate) fn limits(&self, domain: DomainId) -> Option<Limits> {
+        self.usage.get(&domain).and_then(|u| u.limits)
+    }
+
+    pub(crate) fn set_limits(&mut self, domain: DomainId, limits: Limits) {
+        self.usage.entry(domain).or_default().limits = Some(limits);
+    }
+
+    /// Evicts unused entries of `domain`, least recently used first, when it
+    /// is past `limits`, down to `limits` less `headroom_percent`. Entries
+    /// in use (a handle holds them: their `Arc` count is above the index's
+    /// one) are skipped; so the domain can stay past its limits while they
+    /// are in use.
+    pub(crate) fn evict(
+        &mut self,
+        domain: DomainId,
+        limits: Limits,
+        headroom_percent: u8,
+        counters: &Counters,
+    ) -> Victims<R::Registration> {
+        let Some(usage) = self.usage.get(&domain).copied() else {
+            return Vec::new();
+        };
+        if usage.bytes <= limits.max_bytes && usage.entries <= limits.max_entries {
+            return Vec::new();
+        }
+        let headroom = u64::from(headroom_percent.min(100));
+        let target_bytes = limits.max_bytes - limits.max_bytes / 100 * headroom;
+        let target_entries = limits.max_entries - limits.max_entries / 100 * headroom;
+        let _span = tracing::debug_span!(
+            "evict",
+            domain,
+            bytes = usage.bytes,
+            entries = usage.entries,
+            target_bytes,
+            target_entries
+        )
+        .entered();
+        // Under the write lock no handle can be made from the index, so a
+        // count of 1 (the index's own) means "not in use" and stays so.
+        let mut candidates: Vec<(u64, u64, SpaceKey, u64)> = self
+            .spaces
+            .iter()
+            .filter(|(space, _)| space.domain == domain)
+            .flat_map(|(space, map)| {
+                map.values()
+                    .filter(|e| Arc::strong_count(e) == 1)
+                    .map(|e| {
+                        (
+                            e.last_used.load(crate::sync::atomic::Ordering::Relaxed),
+                            e.seq,
+                            *space,
+                            e.start,
+                        )
+                    })
+            })
+            .collect();
+        candidates.sort_unstable_by_key(|&(used, seq, _, _)| (used, seq));
+        let mut victims = Vec::new();
+        let mut left = usage;
+        for (_, _, space, start) in candidates {
+            if left.bytes <= target_bytes && left.entries <= target_entries {
+                break;
+            }
+            if let Some(entry) = self.remove(space, start, counters) {
+                left.bytes -= entry.len();
+                left.entries -= 1;
+                victims.push(entry);
+            }
+        }
+        Counters::add(&counters.evictions, victims.len() as u64);
+        tracing::debug!(evicted = victims.len(), "evicted");
+        victims
+    }
+
+    /// Unlinks every entry for which `select` holds.
+    pub(crate) fn remove_where(
+        &mut self,
+        mut select: impl FnMut(SpaceKey, &Arc<Entry<R::Registration>>) -> bool,
+        counters: &Counters,
+    ) -> Victims<R::Registration> {
+        let doomed: Vec<(SpaceKey, u64)> = self
+            .spaces
+            .iter()
+            .flat_map(|(space, map)| {
+                map.values()
+                    .filter(|e| select(*space, e))
+                    .map(|e| (*space, e.start))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        doomed
+            .into_iter()
+            .filter_map(|(space, start)| self.remove(space, start, counters))
+            .collect()
+    }
+
+    /// Unlinks the entries of the address spaces overlapping `start..end`
+    /// (of one domain, or all).
+    pub(crate) fn remove_range(
+        &mut self,
+        domain: Option<DomainId>,
+        start: u64,
+        end: u64,
+        counters: &Counters,
+    ) -> Victims<R::Registration> {
+        let spaces: Vec<SpaceKey> = self
+            .spaces
+            .keys()
+            .filter(|k| k.space == Space::Address && domain.is_none_or(|d| d == k.domain))
+            .copied()
+            .collect();
+        let mut victims = Vec::new();
+        for space in spaces {
+            for e in self.overlapping(space, start, end) {
+                victims.extend(self.remove(space, e.start, counters));
+            }
+        }
+        victims
+    }
+}

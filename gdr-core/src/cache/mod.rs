@@ -1,0 +1,644 @@
+//! # The registration cache
+//!
+//! Registering memory with a NIC (`ibv_reg_mr`, `ibv_reg_dmabuf_mr`) costs
+//! from microseconds to tens of milliseconds, so registrations are kept and
+//! reused. This cache keys them by (protection domain, memory kind,
+//! allocation identity, range) and is generic over what registers: a
+//! [`Registrar`] turns a [`Request`] into a registration (the engine's
+//! registrar wraps a `hal_verbs::ProtectionDomain`; tests use counting
+//! fakes). The registration is deregistered by dropping it, which happens
+//! when its entry has left the index and no [`CacheHandle`] holds it.
+//!
+//! ## Keys and staleness
+//!
+//! - Memory registered by address (pageable host, pinned host, device memory
+//!   through nvidia-peermem) lives in one index per domain, keyed by address.
+//!   For CUDA-known memory the request carries the allocation's
+//!   `CU_POINTER_ATTRIBUTE_BUFFER_ID`, read by the caller just before the
+//!   lookup. An entry at an overlapping address with another kind or buffer
+//!   id belongs to freed memory whose address was reused: it is **stale**,
+//!   counted in [`CacheStats::stale_detections`], unlinked, and never
+//!   returned. This replaces UCX's reliance on malloc/cudaFree hooks, where
+//!   its stale-registration bugs came from (openucx/ucx #4269, #7865).
+//!   Pageable host memory has no identity: callers that unmap it call
+//!   [`RegistrationCache::invalidate`].
+//! - dma-buf registrations are keyed by (allocation buffer id, offset range
+//!   in the dma-buf), each allocation in an index of its own; buffer ids are
+//!   never reused, so a re-allocation cannot reach them, and
+//!   [`RegistrationCache::invalidate_allocation`] drops them when the
+//!   allocation is freed (else the LRU does).
+//!
+//! ## Overlap policy: merge
+//!
+//! A request inside a cached range of the same allocation hits. A request
+//! that overlaps cached ranges of the same allocation without being inside
+//! one is registered as the union of itself and those ranges (UCX's rule),
+//! and the new entry replaces them: the old ones are unlinked (those in use
+//! live on until their handles drop). So entries in an index are always
+//! disjoint, a lookup is one ordered-map probe (the last entry starting at
+//! or before the address is the only candidate), and repeated overlapping
+//! requests converge on one registration instead of piling up pinned
+//! copies. The union of overlapping ranges is contiguous and every byte of
+//! it was asked for by someone, so it is as mapped as the requests were;
+//! merely adjacent ranges are not merged. For device memory the engine may
+//! go further and ask for the whole allocation (base and size from pointer
+//! attributes) on first touch.
+//!
+//! ## Concurrency
+//!
+//! The domains are spread over shards (`RwLock` each). A hit takes the read
+//! lock, probes, clones the entry's `Arc`, and leaves; it then stamps the
+//! entry with the cache clock (a plain store, skipped when the stamp is
+//! current) and bumps a per-thread striped counter. No write lock, no
+//! shared counter on the hot path.
+//!
+//! A miss takes the write lock to re-check, drop stale entries and publish
+//! an in-flight registration ("pending"), then **releases every lock while
+//! the registrar runs**. Concurrent misses are deduplicated: a request
+//! inside a pending registration of the same allocation waits for it (a
+//! `Mutex` + `Condvar` slot; loom has no `OnceLock`) and shares its result,
+//! error included; a request merely overlapping one waits and then looks up
+//! again (it will merge with the result). So one range is registered once,
+//! however many threads miss on it. A registrar that panics abandons its
+//! slot, and the waiters retry.
+//!
+//! ## Eviction and invalidation
+//!
+//! Each domain (one PD per NIC: per device) has [`Limits`] in bytes and in
+//! entries. When an insertion takes a domain past either, unused entries are
+//! evicted least-recently-used first down to the limits less
+//! [`CacheConfig::eviction_headroom_percent`] (evicting a batch keeps the
+//! sort that picks victims off most insertions). "Unused" is exact: under the
+//! write lock nobody can take a new handle, so an entry whose `Arc` count is
+//! the index's alone is unused and stays so. Entries in use are never
+//! evicted, so a domain can stay past its limits while they are; the next
+//! insertion (or [`RegistrationCache::trim`]) evicts again.
+//!
+//! Recency is approximate: the clock advances at each insertion, and a hit
+//! stamps the entry with it, so entries hit since the last insertion tie
+//! (broken by age). Exact LRU would need a shared write on every hit.
+//!
+//! Invalidation unlinks overlapping entries at once; those in use are
+//! deregistered when their last handle drops. A registration in flight over
+//! an invalidated range is handed to its callers but not cached.
+//!
+//! Deregistration (dropping a registration) never runs under a lock.
+//!
+//! ## Plugging in a protection domain
+//!
+//! The engine implements [`Registrar`] for a type holding its PDs by
+//! [`DomainId`] (and, for dma-buf, the exported fd and base address of each
+//! allocation by buffer id): `register` calls
+//! `ProtectionDomain::register(start, len, access)` for requests registered
+//! by address, and `register_dmabuf(fd, start, len, base + start, access)`
+//! for [`AllocationIdentity::Dmabuf`]; `Registration` is the backend's
+//! `MemoryRegion`. The safety contract of those calls (the memory outlives
+//! the region) is the engine's: it invalidates before freeing.
+
+mod error;
+mod handle;
+mod index;
+mod key;
+#[cfg(not(loom))]
+mod planner;
+mod stats;
+
+#[cfg(all(test, loom))]
+mod loom_tests;
+#[cfg(all(test, not(loom)))]
+mod tests;
+
+pub use error::CacheError;
+pub use handle::CacheHandle;
+pub use key::{AllocationIdentity, DomainId, MemoryKind, Request};
+pub use stats::CacheStats;
+
+use std::fmt;
+
+use handle::Entry;
+use index::{Lookup, ShardState};
+use key::{SpaceKey, shard_of};
+use stats::Counters;
+
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::{self, Arc, Condvar, Mutex, RwLock};
+
+/// What registers memory for the cache.
+///
+/// Called with no lock of the cache held, possibly from many threads at
+/// once. The request may be wider than any one caller asked for (merged
+/// ranges); it never spans two allocations.
+pub trait Registrar: Sync {
+    /// A registration; dropping it deregisters.
+    type Registration: Send + Sync;
+    /// Why registering failed.
+    type Error: std::error::Error + Send + Sync + 'static;
+    /// Registers `request.start .. request.start + request.len` in
+    /// `request.domain`.
+    fn register(&self, request: &Request) -> Result<Self::Registration, Self::Error>;
+}
+
+/// A domain's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes of registered memory.
+    pub max_bytes: u64,
+    /// Registrations (a NIC's `max_mr` bounds these).
+    pub max_entries: u64,
+}
+
+impl Limits {
+    /// No limits.
+    pub const UNLIMITED: Self = Self {
+        max_bytes: u64::MAX,
+        max_entries: u64::MAX,
+    };
+}
+
+/// How a cache is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// The limits of every domain without its own
+    /// ([`RegistrationCache::set_limits`]).
+    pub limits: Limits,
+    /// An eviction goes this many percent below the limits, so that it runs
+    /// once per batch of insertions rather than at each.
+    pub eviction_headroom_percent: u8,
+    /// Shards the domains are spread over.
+    pub shards: usize,
+}
+
+impl Default for CacheConfig {
+    /// 64 Ki entries and 1 TiB per domain, 10 % headroom, 16 shards.
+    fn default() -> Self {
+        Self {
+            limits: Limits {
+                max_bytes: 1 << 40,
+                max_entries: 1 << 16,
+            },
+            eviction_headroom_percent: 10,
+            shards: 16,
+        }
+    }
+}
+
+/// A registration in flight, which other requests for the same range wait
+/// on instead of registering again.
+pub(crate) struct Pending<R: Registrar> {
+    space: SpaceKey,
+    kind: MemoryKind,
+    identity: AllocationIdentity,
+    start: u64,
+    end: u64,
+    /// Set (under the shard's write lock) when an invalidation overlapped the
+    /// range while it was being registered: the result is not cached.
+    invalidated: AtomicBool,
+    outcome: Mutex<Outcome<R>>,
+    done: Condvar,
+}
+
+enum Outcome<R: Registrar> {
+    Registering,
+    Done(Arc<Entry<R::Registration>>),
+    Failed(std::sync::Arc<R::Error>),
+    /// The registrar panicked.
+    Abandoned,
+}
+
+impl<R: Registrar> Outcome<R> {
+    fn snapshot(&self) -> Self {
+        match self {
+            Self::Registering => Self::Registering,
+            Self::Done(e) => Self::Done(Arc::clone(e)),
+            Self::Failed(e) => Self::Failed(std::sync::Arc::clone(e)),
+            Self::Abandoned => Self::Abandoned,
+        }
+    }
+}
+
+impl<R: Registrar> Pending<R> {
+    fn overlaps(&self, space: SpaceKey, start: u64, end: u64) -> bool {
+        self.space == space && self.start < end && start < self.end
+    }
+
+    fn finish(&self, outcome: Outcome<R>) {
+        *sync::lock(&self.outcome) = outcome;
+        self.done.notify_all();
+    }
+
+    fn wait(&self) -> Outcome<R> {
+        let mut outcome = sync::lock(&self.outcome);
+        while matches!(*outcome, Outcome::Registering) {
+            outcome = sync::wait(&self.done, outcome);
+        }
+        outcome.snapshot()
+    }
+}
+
+/// Unpublishes a pending registration whose registrar panicked, so its
+/// waiters retry instead of waiting forever.
+struct PendingGuard<'a, R: Registrar> {
+    shard: &'a RwLock<ShardState<R>>,
+    pending: &'a Arc<Pending<R>>,
+    armed: bool,
+}
+
+impl<R: Registrar> Drop for PendingGuard<'_, R> {
+    fn drop(&mut self) {
+        if self.armed {
+            sync::write(self.shard)
+                .pending
+                .retain(|p| !Arc::ptr_eq(p, self.pending));
+            self.pending.finish(Outcome::Abandoned);
+        }
+    }
+}
+
+/// The registration cache. See the [module docs](self).
+pub struct RegistrationCache<R: Registrar> {
+    shards: Box<[RwLock<ShardState<R>>]>,
+    config: CacheConfig,
+    /// Advanced at each insertion; hits stamp entries with it.
+    clock: AtomicU64,
+    counters: Counters,
+}
+
+type HandleResult<R> =
+    Result<CacheHandle<<R as Registrar>::Registration>, CacheError<<R as Registrar>::Error>>;
+
+impl<R: Registrar> RegistrationCache<R> {
+    /// An empty cache.
+    pub fn new(config: CacheConfig) -> Self {
+        let shards = (0..config.shards.max(1))
+            .map(|_| RwLock::new(ShardState::new()))
+            .collect();
+        Self {
+            shards,
+            config,
+            clock: AtomicU64::new(1),
+            counters: Counters::new(),
+        }
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// Sets `domain`'s limits (instead of the configured default), evicting
+    /// at once if it is now past them.
+    pub fn set_limits(&self, domain: DomainId, limits: Limits) {
+        let mut state = sync::write(self.shard(domain));
+        state.set_limits(domain, limits);
+        let victims = state.evict(
+            domain,
+            limits,
+            self.config.eviction_headroom_percent,
+            &self.counters,
+        );
+        drop(state);
+        drop(victims);
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> CacheStats {
+        self.counters.snapshot()
+    }
+
+    fn shard(&self, domain: DomainId) -> &RwLock<ShardState<R>> {
+        &self.shards[shard_of(domain, self.shards.len())]
+    }
+
+    fn validate(request: &Request) -> Result<u64, CacheError<R::Error>> {
+        if request.len == 0 {
+            return Err(CacheError::EmptyRange {
+                start: request.start,
+            });
+        }
+        request.end().ok_or(CacheError::RangeOverflow {
+            start: request.start,
+            len: request.len,
+        })
+    }
+
+    fn hit(&self, entry: Arc<Entry<R::Registration>>) -> CacheHandle<R::Registration> {
+        entry.touch(self.clock.load(Ordering::Relaxed));
+        self.counters.hit();
+        CacheHandle { entry }
+    }
+
+    /// The cached registration covering `request`, without registering on a
+    /// miss. Counts a hit when found, nothing otherwise.
+    pub fn get(&self, request: &Request) -> Option<CacheHandle<R::Registration>> {
+        let end = request.end()?;
+        let state = sync::read(self.shard(request.domain));
+        let Lookup::Hit(entry) = state.lookup(
+            request.space(),
+            request.kind,
+            request.identity,
+            request.start,
+            end,
+        ) else {
+            return None;
+        };
+        let entry = Arc::clone(entry);
+        drop(state);
+        Some(self.hit(entry))
+    }
+
+    /// A registration covering `request`: cached, or registered now through
+    /// `registrar` (which must register in `request.domain`).
+    pub fn get_or_register(&self, registrar: &R, request: &Request) -> HandleResult<R> {
+        let end = Self::validate(request)?;
+        let shard = self.shard(request.domain);
+        {
+            let state = sync::read(shard);
+            if let Lookup::Hit(entry) = state.lookup(
+                request.space(),
+                request.kind,
+                request.identity,
+                request.start,
+                end,
+            ) {
+                let entry = Arc::clone(entry);
+                drop(state);
+                return Ok(self.hit(entry));
+            }
+        }
+        self.miss(registrar, request, end)
+    }
+
+    fn miss(&self, registrar: &R, request: &Request, end: u64) -> HandleResult<R> {
+        let shard = self.shard(request.domain);
+        let space = request.space();
+        let (kind, identity, start) = (request.kind, request.identity, request.start);
+        loop {
+            let mut state = sync::write(shard);
+            if let Lookup::Hit(entry) = state.lookup(space, kind, identity, start, end) {
+                let entry = Arc::clone(entry);
+                drop(state);
+                return Ok(self.hit(entry));
+            }
+
+            // Stale entries go; same-allocation ones widen the registration.
+            let mut victims = Vec::new();
+            let (mut lo, mut hi) = (start, end);
+            for entry in state.overlapping(space, start, end) {
+                if entry.same_allocation(kind, identity) {
+                    lo = lo.min(entry.start);
+                    hi = hi.max(entry.end);
+                } else {
+                    tracing::debug!(
+                        stale = ?entry,
+                        ?identity,
+                        "stale registration: the address now belongs to another allocation"
+                    );
+                    Counters::add(&self.counters.stale_detections, 1);
+                    victims.extend(state.remove(space, entry.start, &self.counters));
+                }
+            }
+
+            // Someone registering an overlapping range of the same allocation?
+            let in_flight = state
+                .pending
+                .iter()
+                .find(|p| p.overlaps(space, start, end) && p.kind == kind && p.identity == identity)
+                .map(Arc::clone);
+            if let Some(pending) = in_flight {
+                drop(state);
+                drop(victims);
+                let covers = pending.start <= start && end <= pending.end;
+                match pending.wait() {
+                    Outcome::Done(entry) if covers => {
+                        Counters::add(&self.counters.coalesced, 1);
+                        return Ok(self.hit(entry));
+                    }
+                    Outcome::Failed(source) if covers => {
+                        return Err(CacheError::Register {
+                            start: pending.start,
+                            end: pending.end,
+                            source,
+                        });
+                    }
+                    // Overlapping only (look again: it merges), or abandoned.
+                    _ => continue,
+                }
+            }
+
+            if (lo, hi) != (start, end) {
+                Counters::add(&self.counters.merges, 1);
+            }
+            let pending = Arc::new(Pending {
+                space,
+                kind,
+                identity,
+                start: lo,
+                end: hi,
+                invalidated: AtomicBool::new(false),
+                outcome: Mutex::new(Outcome::Registering),
+                done: Condvar::new(),
+            });
+            state.pending.push(Arc::clone(&pending));
+            Counters::add(&self.counters.misses, 1);
+            drop(state);
+            drop(victims);
+            return self.register(registrar, request, pending);
+        }
+    }
+
+    /// Runs the registrar for `pending` (published, no lock held) and links
+    /// the result.
+    fn register(
+        &self,
+        registrar: &R,
+        request: &Request,
+        pending: Arc<Pending<R>>,
+    ) -> HandleResult<R> {
+        let shard = self.shard(request.domain);
+        let mut guard = PendingGuard {
+            shard,
+            pending: &pending,
+            armed: true,
+        };
+        let wide = Request {
+            start: pending.start,
+            len: pending.end - pending.start,
+            ..*request
+        };
+        let result = {
+            let _span = tracing::debug_span!(
+                "register",
+                domain = wide.domain,
+                kind = ?wide.kind,
+                identity = ?wide.identity,
+                start = format_args!("{:#x}", wide.start),
+                len = wide.len
+            )
+            .entered();
+            registrar.register(&wide)
+        };
+        let mut state = sync::write(shard);
+        state.pending.retain(|p| !Arc::ptr_eq(p, &pending));
+        guard.armed = false;
+        match result {
+            Ok(registration) => {
+                let tick = self.clock.fetch_add(1, Ordering::Relaxed);
+                let entry = Arc::new(Entry {
+                    domain: wide.domain,
+                    kind: wide.kind,
+                    identity: wide.identity,
+                    start: pending.start,
+                    end: pending.end,
+                    seq: tick,
+                    last_used: AtomicU64::new(tick),
+                    registration,
+                });
+                Counters::add(&self.counters.bytes_registered, wide.len);
+                let mut victims = Vec::new();
+                // Relaxed: written and read under the shard's write lock.
+                if pending.invalidated.load(Ordering::Relaxed) {
+                    tracing::debug!("range invalidated while registering: not cached");
+                } else {
+                    victims = state.insert(pending.space, Arc::clone(&entry), &self.counters);
+                    let limits = state.limits(wide.domain).unwrap_or(self.config.limits);
+                    victims.extend(state.evict(
+                        wide.domain,
+                        limits,
+                        self.config.eviction_headroom_percent,
+                        &self.counters,
+                    ));
+                }
+                drop(state);
+                pending.finish(Outcome::Done(Arc::clone(&entry)));
+                drop(victims);
+                Ok(CacheHandle { entry })
+            }
+            Err(error) => {
+                drop(state);
+                tracing::debug!(%error, "registration failed");
+                Counters::add(&self.counters.failures, 1);
+                let source = std::sync::Arc::new(error);
+                pending.finish(Outcome::Failed(std::sync::Arc::clone(&source)));
+                Err(CacheError::Register {
+                    start: pending.start,
+                    end: pending.end,
+                    source,
+                })
+            }
+        }
+    }
+
+    fn invalidate_with(
+        &self,
+        shards: &[RwLock<ShardState<R>>],
+        domain: Option<DomainId>,
+        start: u64,
+        end: u64,
+    ) -> usize {
+        let mut count = 0;
+        for shard in shards {
+            let mut state = sync::write(shard);
+            let victims = state.remove_range(domain, start, end, &self.counters);
+            for p in &state.pending {
+                if p.space.space == key::Space::Address
+                    && domain.is_none_or(|d| d == p.space.domain)
+                    && p.start < end
+                    && start < p.end
+                {
+                    p.invalidated.store(true, Ordering::Relaxed);
+                }
+            }
+            drop(state);
+            count += victims.len();
+        }
+        Counters::add(&self.counters.invalidations, count as u64);
+        count
+    }
+
+    /// Unlinks every entry registered by address (any domain, any kind)
+    /// overlapping `start..start + len`: the caller is about to free or
+    /// unmap that memory. Entries in use are deregistered when their last
+    /// handle drops. Returns how many were unlinked.
+    pub fn invalidate(&self, start: u64, len: u64) -> usize {
+        let _span = tracing::debug_span!("invalidate", start = format_args!("{start:#x}"), len)
+            .entered();
+        let end = start.saturating_add(len);
+        self.invalidate_with(&self.shards, None, start, end)
+    }
+
+    /// As [`RegistrationCache::invalidate`], in one domain only.
+    pub fn invalidate_in(&self, domain: DomainId, start: u64, len: u64) -> usize {
+        let _span = tracing::debug_span!(
+            "invalidate",
+            domain,
+            start = format_args!("{start:#x}"),
+            len
+        )
+        .entered();
+        let end = start.saturating_add(len);
+        let shard = shard_of(domain, self.shards.len());
+        self.invalidate_with(&self.shards[shard..=shard], Some(domain), start, end)
+    }
+
+    /// Unlinks every entry of allocation `buffer_id`, registered by address
+    /// or as a dma-buf, in every domain: the caller is about to free it.
+    pub fn invalidate_allocation(&self, buffer_id: u64) -> usize {
+        let _span = tracing::debug_span!("invalidate_allocation", buffer_id).entered();
+        let mut count = 0;
+        for shard in self.shards.iter() {
+            let mut state = sync::write(shard);
+            let victims = state.remove_where(
+                |_, e| e.identity.buffer_id() == Some(buffer_id),
+                &self.counters,
+            );
+            for p in &state.pending {
+                if p.identity.buffer_id() == Some(buffer_id) {
+                    p.invalidated.store(true, Ordering::Relaxed);
+                }
+            }
+            drop(state);
+            count += victims.len();
+        }
+        Counters::add(&self.counters.invalidations, count as u64);
+        count
+    }
+
+    /// Evicts every entry not in use, in every domain (memory pressure,
+    /// shutdown). Returns how many.
+    pub fn trim(&self) -> usize {
+        let _span = tracing::debug_span!("trim").entered();
+        let mut count = 0;
+        for shard in self.shards.iter() {
+            let mut state = sync::write(shard);
+            // Under the write lock a count of 1 means unused (see `evict`).
+            let evicted = state.remove_where(|_, e| Arc::strong_count(e) == 1, &self.counters);
+            drop(state);
+            count += evicted.len();
+        }
+        Counters::add(&self.counters.evictions, count as u64);
+        count
+    }
+}
+
+#[cfg(test)]
+impl<R: Registrar> RegistrationCache<R> {
+    /// How many threads wait on `domain`'s registrations in flight (each
+    /// pending slot is held by the index, its registering thread and each
+    /// waiter).
+    pub(crate) fn waiters(&self, domain: DomainId) -> usize {
+        sync::read(self.shard(domain))
+            .pending
+            .iter()
+            .map(|p| Arc::strong_count(p) - 2)
+            .sum()
+    }
+}
+
+impl<R: Registrar> fmt::Debug for RegistrationCache<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegistrationCache")
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
