@@ -7,6 +7,7 @@
 //! GID, exactly as two peers would be, so the check exercises the NIC's real
 //! data path (on SoftRoCE: the kernel's rxe packet path).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hal_verbs::{
@@ -72,21 +73,21 @@ pub struct Loopback<A: Api> {
     requester: A::QueuePair,
     responder: A::QueuePair,
     cq: A::CompletionQueue,
-    pd: A::ProtectionDomain,
+    pd: Arc<A::ProtectionDomain>,
     timeout: Duration,
 }
 
 impl<A: Api> Loopback<A> {
     /// Creates the pair on `port` of `context`, on a PD of its own.
     pub fn new(context: &A::Context, port: u8) -> Result<Self, LoopbackError> {
-        let pd = context.alloc_pd()?;
+        let pd = Arc::new(context.alloc_pd()?);
         Self::with_pd(context, pd, port)
     }
 
     /// Creates the pair on an existing PD (to check registrations made in it).
     pub fn with_pd(
         context: &A::Context,
-        pd: A::ProtectionDomain,
+        pd: Arc<A::ProtectionDomain>,
         port: u8,
     ) -> Result<Self, LoopbackError> {
         let device = context.name();
@@ -150,7 +151,7 @@ impl<A: Api> Loopback<A> {
     }
 
     /// The protection domain both QPs use: registrations to check go here.
-    pub fn pd(&self) -> &A::ProtectionDomain {
+    pub fn pd(&self) -> &Arc<A::ProtectionDomain> {
         &self.pd
     }
 
