@@ -375,8 +375,16 @@ pub struct RdmaContext {
 }
 
 impl RdmaContext {
-    /// The GID table read entry by entry (`ibv_query_gid`), with the types
-    /// from sysfs: for libibverbs older than `ibv_query_gid_table` (v32).
+    /// The GID table as [`Context::gid_table`] falls back to reading it
+    /// where libibverbs predates `ibv_query_gid_table` (rdma-core 32): entry
+    /// by entry with `ibv_query_gid`, the types from sysfs. Public so tests
+    /// can check the two paths agree.
+    pub fn gid_table_by_query_gid(&self, port: u8) -> Result<Vec<GidEntry>> {
+        let pattr = self.inner.query_port_raw(port)?;
+        let len = usize::try_from(pattr.gid_tbl_len).unwrap_or(0);
+        self.gid_table_by_index(port, len, link_layer_from_native(pattr.link_layer))
+    }
+
     fn gid_table_by_index(&self, port: u8, len: usize, link: LinkLayer) -> Result<Vec<GidEntry>> {
         let name = self.inner.name();
         let mut out = Vec::new();
