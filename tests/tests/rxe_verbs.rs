@@ -197,6 +197,14 @@ fn connect(ctx: &RdmaContext, pd: &RdmaPd, caps: QpCaps) -> Loopback {
             sq_psn: own.psn,
             ..RtsParams::default()
         };
+        // retry_cnt 7 (retry forever on rxe) is refused before the verb.
+        let forever = RtsParams {
+            retry_cnt: 7,
+            ..rts
+        };
+        let err = qp.to_rts(&forever).unwrap_err();
+        assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
+        assert_eq!(qp.state().unwrap(), QpState::ReadyToReceive);
         qp.to_rts(&rts).expect("RTS");
         assert_eq!(qp.state().unwrap(), QpState::ReadyToSend);
     }

@@ -14,9 +14,9 @@
 //! are released, children before parents. `Drop` never panics: a failure is
 //! logged with `tracing::warn!`.
 //!
-//! The layout: [`device`] holds the provider and the opened device (device
-//! list, attributes, ports, GID table), [`memory`] the protection domain and
-//! memory registrations, [`queue`] completion queues and queue pairs (state
+//! The layout: `device` holds the provider and the opened device (device
+//! list, attributes, ports, GID table), `memory` the protection domain and
+//! memory registrations, `queue` completion queues and queue pairs (state
 //! transitions, linked posts, completions).
 
 mod device;
