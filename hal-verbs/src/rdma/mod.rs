@@ -14,6 +14,26 @@
 //! are released, children before parents. `Drop` never panics: a failure is
 //! logged with `tracing::warn!`.
 //!
+//! Measured on SoftRoCE (`rxe0`, Debian kernel 6.1, rdma-core 44, in the VM
+//! of `softroce/run-in-vm.sh`; `tests/tests/rxe_verbs.rs` checks them):
+//! - with the library but no RDMA subsystem, `ibv_get_device_list` returns
+//!   NULL with `ENOSYS` ([`VerbsError::NoDevice`]); a library that cannot be
+//!   loaded, or loads without the verbs symbols, is
+//!   [`VerbsError::LibraryUnavailable`] from [`RdmaProvider::load`];
+//! - the GID table holds RoCE v2 entries only (the netdev's IPv6 link-local
+//!   address, then its IPv4 address), no RoCE v1 twins;
+//! - `ibv_create_qp` grants exactly the `max_send_wr` asked (8), yet the
+//!   queue takes 15 before `ibv_post_send` fails with `ENOMEM`
+//!   ([`VerbsError::QueueFull`], whose `depth` is the granted figure): the
+//!   granted depth is a floor, not the point of failure;
+//! - `ibv_reg_dmabuf_mr` fails with `EOPNOTSUPP`
+//!   ([`VerbsError::NotSupported`]);
+//! - WRITE/READ past an MR's end, and WRITE into an MR without
+//!   REMOTE_WRITE, complete with status 10 (remote access error), move no
+//!   byte, and leave the requester QP in ERROR; the completion's opcode is
+//!   then undefined (rxe reports 0);
+//! - `max_qp_rd_atom` is 128, the active MTU 1024 on a 1500-byte netdev.
+//!
 //! The layout: `device` holds the provider and the opened device (device
 //! list, attributes, ports, GID table), `memory` the protection domain and
 //! memory registrations, `queue` completion queues and queue pairs (state
