@@ -125,8 +125,10 @@ fn print_verbs<A: hal_verbs::Api>(provider: &A::Provider) -> Result<(), Box<dyn 
         for port in 1..=attrs.phys_port_cnt {
             let p = ctx.query_port(port)?;
             let table = ctx.gid_table(port)?;
-            let gid = hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4)
-                .map_or_else(|| "none".to_owned(), |g| format!("{} (index {})", g.gid.to_ip(), g.index));
+            let gid = hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4).map_or_else(
+                || "none".to_owned(),
+                |g| format!("{} (index {})", g.gid.to_ip(), g.index),
+            );
             println!(
                 "    port {port}: {:?}, {:?}, MTU {} (max {}), RoCE v2 GID {gid}",
                 p.state,
@@ -187,7 +189,11 @@ fn prove<V: hal_verbs::Api, C: hal_cuda::Api>(
         .ok_or("no RDMA device")?;
     let ctx = provider.open(&device.name)?;
     let loopback = Loopback::<V>::new(&ctx, 1)?;
-    println!("loopback on {} ({}), {size} bytes:", device.name, provider.backend_name());
+    println!(
+        "loopback on {} ({}), {size} bytes:",
+        device.name,
+        provider.backend_name()
+    );
 
     let mut host = vec![0u8; size];
     // SAFETY: `host` outlives the registration (dropped at the end of scope).

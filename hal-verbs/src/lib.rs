@@ -5,6 +5,9 @@
 //! the traits: the real one over rdma-core (loaded at run time) and the
 //! simulated one in `gdr-sim`. Nothing here names a layer above.
 //!
+//! With the `rdma-core` feature (on by default) [`rdma`] is the real backend
+//! over libibverbs, loaded at run time.
+//!
 //! With the `mock` feature every role trait has a mockall mock, and
 //! [`mock::MockApi`] ties them together as a backend.
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -13,6 +16,9 @@
 mod api;
 mod error;
 mod types;
+
+#[cfg(feature = "rdma-core")]
+pub mod rdma;
 
 pub use api::{Api, CompletionQueue, Context, MemoryRegion, ProtectionDomain, Provider, QueuePair};
 pub use error::{PostError, Result, VerbsError};

@@ -1,0 +1,674 @@
+//! Completion queues and RC queue pairs: state transitions, linked posts,
+//! completions.
+
+use std::ffi::c_int;
+use std::fmt;
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+use rdma_mummy_sys as sys;
+
+use super::device::ContextInner;
+use super::memory::PdInner;
+use super::{clear_errno, errno_or_eio, ret_errno, verb_error};
+use crate::api::{CompletionQueue, QueuePair};
+use crate::error::{PostError, Result, VerbsError};
+use crate::types::{
+    Completion, InitParams, LinkLayer, QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendOp,
+    SendRequest, WcOpcode, WcStatus,
+};
+
+/// The native CQ, destroyed when its last QP and handle are gone.
+pub(crate) struct CqInner {
+    cq: *mut sys::ibv_cq,
+    depth: u32,
+    ctx: Arc<ContextInner>,
+}
+
+// SAFETY: rdma-core providers lock a CQ inside `poll_cq`, so it may be polled
+// from any thread; it is destroyed only in Drop.
+unsafe impl Send for CqInner {}
+// SAFETY: see Send.
+unsafe impl Sync for CqInner {}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        // SAFETY: `cq` came from ibv_create_cq and is destroyed once; every
+        // QP using it holds an Arc to us, so none is left.
+        let ret = unsafe { sys::ibv_destroy_cq(self.cq) };
+        if ret != 0 {
+            tracing::warn!(
+                device = %self.ctx.name(),
+                errno = ret_errno(ret),
+                "ibv_destroy_cq failed; the completion queue leaks"
+            );
+        }
+    }
+}
+
+impl fmt::Debug for CqInner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CqInner")
+            .field("device", &self.ctx.name())
+            .field("depth", &self.depth)
+            .finish()
+    }
+}
+
+/// A completion queue. Cloning shares it.
+#[derive(Debug, Clone)]
+pub struct RdmaCq {
+    inner: Arc<CqInner>,
+}
+
+impl RdmaCq {
+    pub(crate) fn create(ctx: &Arc<ContextInner>, depth: u32) -> Result<Self> {
+        let max = ctx.attrs().max_cqe;
+        if depth == 0 || (max != 0 && depth > max) {
+            return Err(VerbsError::invalid(
+                "ibv_create_cq",
+                format!("depth {depth} outside 1..={max}"),
+            ));
+        }
+        let cqe = c_int::try_from(depth).unwrap_or(c_int::MAX);
+        clear_errno();
+        // SAFETY: the context is open; no channel, no user context.
+        let cq = unsafe {
+            sys::ibv_create_cq(
+                ctx.as_ptr(),
+                cqe,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if cq.is_null() {
+            return Err(verb_error("ibv_create_cq", ctx.name(), errno_or_eio()));
+        }
+        // SAFETY: a live CQ; `cqe` holds the size granted (>= asked).
+        let granted = u32::try_from(unsafe { (*cq).cqe }).unwrap_or(depth);
+        Ok(Self {
+            inner: Arc::new(CqInner {
+                cq,
+                depth: granted,
+                ctx: Arc::clone(ctx),
+            }),
+        })
+    }
+}
+
+/// Completions polled per `ibv_poll_cq` call, kept on the stack.
+const POLL_CHUNK: usize = 32;
+
+fn completion_from_native(wc: &sys::ibv_wc) -> Completion {
+    let with_imm = wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+    Completion {
+        wr_id: wc.wr_id,
+        status: WcStatus(wc.status),
+        opcode: WcOpcode::from_native(wc.opcode),
+        byte_len: wc.byte_len,
+        // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate (in
+        // network order); any bit pattern is a valid u32.
+        imm: with_imm.then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })),
+        qp_num: wc.qp_num,
+        vendor_err: wc.vendor_err,
+    }
+}
+
+impl CompletionQueue for RdmaCq {
+    fn depth(&self) -> u32 {
+        self.inner.depth
+    }
+
+    fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        let mut done = 0;
+        while done < out.len() {
+            let want = (out.len() - done).min(POLL_CHUNK);
+            let mut wcs = [MaybeUninit::<sys::ibv_wc>::uninit(); POLL_CHUNK];
+            let n = c_int::try_from(want).unwrap_or(c_int::MAX);
+            // SAFETY: the CQ is live (we hold it), created by this context's
+            // provider, so the inline wrapper's ops table is the right one;
+            // `wcs` has room for `want` entries.
+            let got = unsafe { sys::ibv_poll_cq(self.inner.cq, n, wcs[0].as_mut_ptr()) };
+            if got < 0 {
+                return Err(verb_error(
+                    "ibv_poll_cq",
+                    self.inner.ctx.name(),
+                    ret_errno(got),
+                ));
+            }
+            let got = usize::try_from(got).unwrap_or(0).min(want);
+            for (slot, wc) in out[done..done + got].iter_mut().zip(&wcs[..got]) {
+                // SAFETY: the provider wrote the first `got` entries.
+                *slot = completion_from_native(unsafe { wc.assume_init_ref() });
+            }
+            done += got;
+            if got < want {
+                break;
+            }
+        }
+        Ok(done)
+    }
+}
+
+/// An RC queue pair; keeps its PD and CQs (and so the device) alive.
+pub struct RdmaQp {
+    qp: *mut sys::ibv_qp,
+    qp_num: u32,
+    caps: QpCaps,
+    pd: Arc<PdInner>,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+}
+
+// SAFETY: rdma-core providers lock a QP's queues inside post_send/post_recv,
+// and modify/query go through the kernel, so a QP may be used from any
+// thread; it is destroyed only in Drop.
+unsafe impl Send for RdmaQp {}
+// SAFETY: see Send.
+unsafe impl Sync for RdmaQp {}
+
+impl fmt::Debug for RdmaQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmaQp")
+            .field("device", &self.device())
+            .field("qp_num", &self.qp_num)
+            .field("caps", &self.caps)
+            .field("send_cq", &self.send_cq)
+            .field("recv_cq", &self.recv_cq)
+            .finish()
+    }
+}
+
+impl Drop for RdmaQp {
+    fn drop(&mut self) {
+        // SAFETY: `qp` came from ibv_create_qp and is destroyed once. Its
+        // PD and CQs are released after this body, when our Arcs drop.
+        let ret = unsafe { sys::ibv_destroy_qp(self.qp) };
+        if ret != 0 {
+            tracing::warn!(
+                device = %self.device(),
+                qp_num = self.qp_num,
+                errno = ret_errno(ret),
+                "ibv_destroy_qp failed; the queue pair leaks"
+            );
+        }
+    }
+}
+
+fn caps_from_native(cap: &sys::ibv_qp_cap) -> QpCaps {
+    QpCaps {
+        max_send_wr: cap.max_send_wr,
+        max_recv_wr: cap.max_recv_wr,
+        max_send_sge: cap.max_send_sge,
+        max_recv_sge: cap.max_recv_sge,
+        max_inline_data: cap.max_inline_data,
+    }
+}
+
+/// A zeroed `ibv_qp_attr`, the starting point of every transition.
+fn zeroed_attr() -> sys::ibv_qp_attr {
+    // SAFETY: ibv_qp_attr is integers, byte arrays and unions of them; the
+    // all-zero value is valid (and what C callers memset to).
+    unsafe { std::mem::zeroed() }
+}
+
+fn mask(bits: &[sys::ibv_qp_attr_mask]) -> c_int {
+    let all = bits.iter().fold(0, |acc, m| acc | m.0);
+    c_int::try_from(all).unwrap_or(c_int::MAX)
+}
+
+impl RdmaQp {
+    pub(crate) fn create(
+        pd: &Arc<PdInner>,
+        caps: &QpCaps,
+        send_cq: &RdmaCq,
+        recv_cq: &RdmaCq,
+    ) -> Result<Self> {
+        let ctx = pd.context();
+        for cq in [send_cq, recv_cq] {
+            if !Arc::ptr_eq(&cq.inner.ctx, ctx) {
+                return Err(VerbsError::invalid(
+                    "ibv_create_qp",
+                    format!(
+                        "a CQ of {} cannot serve a QP of {}",
+                        cq.inner.ctx.name(),
+                        ctx.name()
+                    ),
+                ));
+            }
+        }
+        // SAFETY: ibv_qp_init_attr is pointers and integers; all-zero (NULL
+        // pointers) is valid.
+        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        init.send_cq = send_cq.inner.cq;
+        init.recv_cq = recv_cq.inner.cq;
+        init.cap = sys::ibv_qp_cap {
+            max_send_wr: caps.max_send_wr,
+            max_recv_wr: caps.max_recv_wr,
+            max_send_sge: caps.max_send_sge,
+            max_recv_sge: caps.max_recv_sge,
+            max_inline_data: caps.max_inline_data,
+        };
+        init.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        // Selective signalling: only SIGNALED requests complete.
+        init.sq_sig_all = 0;
+        clear_errno();
+        // SAFETY: the PD and both CQs are live (we hold them) and of one
+        // context; `init` is valid for the call; the granted sizes are
+        // written back into `init.cap`.
+        let qp = unsafe { sys::ibv_create_qp(pd.as_ptr(), &mut init) };
+        if qp.is_null() {
+            return Err(verb_error("ibv_create_qp", ctx.name(), errno_or_eio()));
+        }
+        // SAFETY: a live QP from the library.
+        let qp_num = unsafe { (*qp).qp_num };
+        let granted = caps_from_native(&init.cap);
+        tracing::debug!(qp_num, caps = ?granted, "created RC queue pair");
+        Ok(Self {
+            qp,
+            qp_num,
+            caps: granted,
+            pd: Arc::clone(pd),
+            send_cq: Arc::clone(&send_cq.inner),
+            recv_cq: Arc::clone(&recv_cq.inner),
+        })
+    }
+
+    fn device(&self) -> &str {
+        self.pd.context().name()
+    }
+
+    fn modify(
+        &self,
+        operation: &'static str,
+        attr: &mut sys::ibv_qp_attr,
+        bits: &[sys::ibv_qp_attr_mask],
+    ) -> Result<()> {
+        // SAFETY: the QP is live; `attr` is valid and the mask names only
+        // fields we set.
+        let ret = unsafe { sys::ibv_modify_qp(self.qp, attr, mask(bits)) };
+        if ret != 0 {
+            return Err(verb_error(operation, self.device(), ret_errno(ret)));
+        }
+        Ok(())
+    }
+
+    /// Clamps a READ depth to the device's limit, as perftest does.
+    fn clamp_rd_atomic(&self, asked: u8, limit: u32, what: &'static str) -> u8 {
+        let limit = u8::try_from(limit).unwrap_or(u8::MAX);
+        if limit != 0 && asked > limit {
+            tracing::debug!(
+                qp_num = self.qp_num,
+                asked,
+                limit,
+                what,
+                "clamped to the device"
+            );
+            limit
+        } else {
+            asked
+        }
+    }
+}
+
+/// The 24-bit PSN check shared by RTR and RTS.
+fn check_psn(operation: &'static str, psn: u32) -> Result<()> {
+    if psn > 0x00ff_ffff {
+        return Err(VerbsError::invalid(
+            operation,
+            format!("PSN {psn:#x} exceeds 24 bits"),
+        ));
+    }
+    Ok(())
+}
+
+fn wr_opcode(op: &SendOp) -> (sys::ibv_wr_opcode::Type, Option<u32>, Option<(u64, u32)>) {
+    use sys::ibv_wr_opcode as o;
+    match *op {
+        SendOp::Write { remote_addr, rkey } => {
+            (o::IBV_WR_RDMA_WRITE, None, Some((remote_addr, rkey)))
+        }
+        SendOp::WriteWithImm {
+            remote_addr,
+            rkey,
+            imm,
+        } => (
+            o::IBV_WR_RDMA_WRITE_WITH_IMM,
+            Some(imm),
+            Some((remote_addr, rkey)),
+        ),
+        SendOp::Read { remote_addr, rkey } => {
+            (o::IBV_WR_RDMA_READ, None, Some((remote_addr, rkey)))
+        }
+        SendOp::Send => (o::IBV_WR_SEND, None, None),
+        SendOp::SendWithImm { imm } => (o::IBV_WR_SEND_WITH_IMM, Some(imm), None),
+    }
+}
+
+fn to_sge(s: &crate::types::Sge) -> sys::ibv_sge {
+    sys::ibv_sge {
+        addr: s.addr,
+        length: s.length,
+        lkey: s.lkey,
+    }
+}
+
+/// The index of `bad` in `base[..len]`, or `None` when it points elsewhere.
+fn index_of<T>(base: *const T, len: usize, bad: *const T) -> Option<usize> {
+    let size = std::mem::size_of::<T>();
+    let off = (bad as usize).checked_sub(base as usize)?;
+    (off % size == 0 && off / size < len).then_some(off / size)
+}
+
+impl QueuePair for RdmaQp {
+    fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    fn state(&self) -> Result<QpState> {
+        let mut attr = zeroed_attr();
+        // SAFETY: all-zero is a valid ibv_qp_init_attr, see `create`.
+        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        let m = mask(&[sys::ibv_qp_attr_mask::IBV_QP_STATE]);
+        // SAFETY: the QP is live; both out-parameters are valid.
+        let ret = unsafe { sys::ibv_query_qp(self.qp, &mut attr, m, &mut init) };
+        if ret != 0 {
+            return Err(verb_error("ibv_query_qp", self.device(), ret_errno(ret)));
+        }
+        QpState::from_native(attr.qp_state).ok_or_else(|| {
+            VerbsError::invalid(
+                "ibv_query_qp",
+                format!("unknown QP state {}", attr.qp_state),
+            )
+        })
+    }
+
+    #[tracing::instrument(level = "debug", skip(self), fields(device = %self.device(), qp_num = self.qp_num))]
+    fn to_init(&self, params: &InitParams) -> Result<()> {
+        use sys::ibv_qp_attr_mask as m;
+        let mut attr = zeroed_attr();
+        attr.qp_state = sys::ibv_qp_state::IBV_QPS_INIT;
+        attr.pkey_index = params.pkey_index;
+        attr.port_num = params.port;
+        attr.qp_access_flags = params.access.bits();
+        self.modify(
+            "ibv_modify_qp(INIT)",
+            &mut attr,
+            &[
+                m::IBV_QP_STATE,
+                m::IBV_QP_PKEY_INDEX,
+                m::IBV_QP_PORT,
+                m::IBV_QP_ACCESS_FLAGS,
+            ],
+        )
+    }
+
+    #[tracing::instrument(level = "debug", skip(self), fields(device = %self.device(), qp_num = self.qp_num))]
+    fn to_rtr(&self, params: &RtrParams) -> Result<()> {
+        use sys::ibv_qp_attr_mask as m;
+        const OP: &str = "ibv_modify_qp(RTR)";
+        check_psn(OP, params.remote.psn)?;
+        let remote = &params.remote;
+        let global = !remote.gid.is_zero();
+        if !global && self.pd.context().link_layer(params.port)? == LinkLayer::Ethernet {
+            return Err(VerbsError::invalid(
+                OP,
+                "RoCE addresses peers by GID, and the peer's GID is zero",
+            ));
+        }
+        let mut attr = zeroed_attr();
+        attr.qp_state = sys::ibv_qp_state::IBV_QPS_RTR;
+        attr.path_mtu = params.path_mtu as u32;
+        attr.dest_qp_num = remote.qp_num;
+        attr.rq_psn = remote.psn;
+        attr.max_dest_rd_atomic = self.clamp_rd_atomic(
+            params.max_dest_rd_atomic,
+            self.pd.context().attrs().max_qp_rd_atom,
+            "max_dest_rd_atomic",
+        );
+        attr.min_rnr_timer = params.min_rnr_timer;
+        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.sl = 0;
+        attr.ah_attr.src_path_bits = 0;
+        attr.ah_attr.port_num = params.port;
+        if global {
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid = sys::ibv_gid { raw: remote.gid.0 };
+            attr.ah_attr.grh.sgid_index = params.sgid_index;
+            attr.ah_attr.grh.hop_limit = params.hop_limit;
+            attr.ah_attr.grh.traffic_class = params.traffic_class;
+            attr.ah_attr.grh.flow_label = 0;
+        }
+        self.modify(
+            OP,
+            &mut attr,
+            &[
+                m::IBV_QP_STATE,
+                m::IBV_QP_AV,
+                m::IBV_QP_PATH_MTU,
+                m::IBV_QP_DEST_QPN,
+                m::IBV_QP_RQ_PSN,
+                m::IBV_QP_MAX_DEST_RD_ATOMIC,
+                m::IBV_QP_MIN_RNR_TIMER,
+            ],
+        )
+    }
+
+    #[tracing::instrument(level = "debug", skip(self), fields(device = %self.device(), qp_num = self.qp_num))]
+    fn to_rts(&self, params: &RtsParams) -> Result<()> {
+        use sys::ibv_qp_attr_mask as m;
+        params.validate()?;
+        let mut attr = zeroed_attr();
+        attr.qp_state = sys::ibv_qp_state::IBV_QPS_RTS;
+        attr.sq_psn = params.sq_psn;
+        attr.timeout = params.timeout;
+        attr.retry_cnt = params.retry_cnt;
+        attr.rnr_retry = params.rnr_retry;
+        attr.max_rd_atomic = self.clamp_rd_atomic(
+            params.max_rd_atomic,
+            self.pd.context().attrs().max_qp_init_rd_atom,
+            "max_rd_atomic",
+        );
+        self.modify(
+            "ibv_modify_qp(RTS)",
+            &mut attr,
+            &[
+                m::IBV_QP_STATE,
+                m::IBV_QP_SQ_PSN,
+                m::IBV_QP_TIMEOUT,
+                m::IBV_QP_RETRY_CNT,
+                m::IBV_QP_RNR_RETRY,
+                m::IBV_QP_MAX_QP_RD_ATOMIC,
+            ],
+        )
+    }
+
+    #[tracing::instrument(level = "debug", skip(self), fields(device = %self.device(), qp_num = self.qp_num))]
+    fn to_error(&self) -> Result<()> {
+        let mut attr = zeroed_attr();
+        attr.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+        self.modify(
+            "ibv_modify_qp(ERR)",
+            &mut attr,
+            &[sys::ibv_qp_attr_mask::IBV_QP_STATE],
+        )
+    }
+
+    unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError> {
+        let _span = tracing::trace_span!("ibv_post_send", qp_num = self.qp_num, n = requests.len())
+            .entered();
+        if requests.is_empty() {
+            return Ok(());
+        }
+        // All SG entries in one array, so the WRs can point into it: it is
+        // not resized after the pointers are taken.
+        let mut sges: Vec<sys::ibv_sge> = requests
+            .iter()
+            .flat_map(|r| r.sg_list.iter().map(to_sge))
+            .collect();
+        let mut wrs: Vec<sys::ibv_send_wr> = Vec::with_capacity(requests.len());
+        let mut first_sge = 0;
+        for r in requests {
+            let (opcode, imm, rdma) = wr_opcode(&r.op);
+            // SAFETY: ibv_send_wr is pointers, integers and unions of them;
+            // all-zero (NULL pointers) is valid, as with C's memset.
+            let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = r.wr_id;
+            wr.opcode = opcode;
+            wr.send_flags = r.flags.bits();
+            wr.num_sge = c_int::try_from(r.sg_list.len()).unwrap_or(c_int::MAX);
+            wr.sg_list = if r.sg_list.is_empty() {
+                std::ptr::null_mut()
+            } else {
+                // In bounds: `first_sge + len <= sges.len()`.
+                sges[first_sge..].as_mut_ptr()
+            };
+            first_sge += r.sg_list.len();
+            if let Some(imm) = imm {
+                wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+            }
+            if let Some((remote_addr, rkey)) = rdma {
+                wr.wr.rdma = sys::rdma_t { remote_addr, rkey };
+            }
+            wrs.push(wr);
+        }
+        let base = wrs.as_mut_ptr();
+        for i in 1..wrs.len() {
+            // In bounds: `i < wrs.len()`; the Vec is not resized from here.
+            wrs[i - 1].next = base.wrapping_add(i);
+        }
+        let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is live and created by this context's provider, so
+        // the inline wrapper's ops table is the right one; the linked WRs
+        // and their SG arrays live in `wrs`/`sges` until the call returns
+        // (the provider copies them into the queue); the caller guarantees
+        // (trait contract) that the memory the SG entries name stays valid.
+        let ret = unsafe { sys::ibv_post_send(self.qp, base, &mut bad) };
+        if ret == 0 {
+            return Ok(());
+        }
+        let accepted = index_of(base, wrs.len(), bad).unwrap_or_else(|| {
+            tracing::warn!(
+                qp_num = self.qp_num,
+                "ibv_post_send failed without a valid bad_wr"
+            );
+            0
+        });
+        let errno = ret_errno(ret);
+        let error = if errno == libc::ENOMEM {
+            VerbsError::QueueFull {
+                queue: "send",
+                qp_num: self.qp_num,
+                depth: self.caps.max_send_wr,
+            }
+        } else {
+            verb_error("ibv_post_send", self.device(), errno)
+        };
+        drop(sges);
+        Err(PostError { accepted, error })
+    }
+
+    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
+        let _span = tracing::trace_span!("ibv_post_recv", qp_num = self.qp_num, n = requests.len())
+            .entered();
+        if requests.is_empty() {
+            return Ok(());
+        }
+        let mut sges: Vec<sys::ibv_sge> = requests
+            .iter()
+            .flat_map(|r| r.sg_list.iter().map(to_sge))
+            .collect();
+        let mut wrs: Vec<sys::ibv_recv_wr> = Vec::with_capacity(requests.len());
+        let mut first_sge = 0;
+        for r in requests {
+            wrs.push(sys::ibv_recv_wr {
+                wr_id: r.wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: if r.sg_list.is_empty() {
+                    std::ptr::null_mut()
+                } else {
+                    sges[first_sge..].as_mut_ptr()
+                },
+                num_sge: c_int::try_from(r.sg_list.len()).unwrap_or(c_int::MAX),
+            });
+            first_sge += r.sg_list.len();
+        }
+        let base = wrs.as_mut_ptr();
+        for i in 1..wrs.len() {
+            wrs[i - 1].next = base.wrapping_add(i);
+        }
+        let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: as in `post_send`: a live QP of this provider, WRs and SG
+        // arrays alive for the call, buffers valid by the caller's contract.
+        let ret = unsafe { sys::ibv_post_recv(self.qp, base, &mut bad) };
+        if ret == 0 {
+            return Ok(());
+        }
+        let accepted = index_of(base, wrs.len(), bad).unwrap_or_else(|| {
+            tracing::warn!(
+                qp_num = self.qp_num,
+                "ibv_post_recv failed without a valid bad_wr"
+            );
+            0
+        });
+        let errno = ret_errno(ret);
+        let error = if errno == libc::ENOMEM {
+            VerbsError::QueueFull {
+                queue: "recv",
+                qp_num: self.qp_num,
+                depth: self.caps.max_recv_wr,
+            }
+        } else {
+            verb_error("ibv_post_recv", self.device(), errno)
+        };
+        drop(sges);
+        Err(PostError { accepted, error })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_wr_maps_back_to_an_index() {
+        let v = [0u64; 4];
+        let base = v.as_ptr();
+        assert_eq!(index_of(base, 4, base), Some(0));
+        assert_eq!(index_of(base, 4, base.wrapping_add(3)), Some(3));
+        assert_eq!(index_of(base, 4, base.wrapping_add(4)), None);
+        assert_eq!(index_of(base, 4, std::ptr::null()), None);
+    }
+
+    #[test]
+    fn send_ops_map_to_verbs_opcodes() {
+        use sys::ibv_wr_opcode as o;
+        let (op, imm, rdma) = wr_opcode(&SendOp::WriteWithImm {
+            remote_addr: 7,
+            rkey: 9,
+            imm: 0x0102_0304,
+        });
+        assert_eq!(
+            (op, imm, rdma),
+            (
+                o::IBV_WR_RDMA_WRITE_WITH_IMM,
+                Some(0x0102_0304),
+                Some((7, 9))
+            )
+        );
+        assert_eq!(wr_opcode(&SendOp::Send).0, o::IBV_WR_SEND);
+        assert_eq!(
+            wr_opcode(&SendOp::Read {
+                remote_addr: 1,
+                rkey: 2
+            })
+            .0,
+            o::IBV_WR_RDMA_READ
+        );
+    }
+}

@@ -1,0 +1,922 @@
+//! The rdma-core verbs backend against a real device: SoftRoCE's `rxe0` in
+//! the VM (`softroce/run-in-vm.sh` as the cargo runner, `GDR_EXPECT_RXE=1`).
+//!
+//! Without an RDMA device (the usual host) every test that needs one skips
+//! with its reason on stderr; with `GDR_EXPECT_RXE=1` a missing `rxe0` is a
+//! failure instead. Two queue pairs on `rxe0` connected to each other (port
+//! 1, the RoCE v2 GID of the guest's 10.99.0.1) stand in for two peers.
+//!
+//! Knobs: `GDR_RXE_DEVICE` (default `rxe0`), `GDR_RXE_IP` (default
+//! `10.99.0.1`, the address the VM runner gives rxe0's netdev).
+
+use std::alloc::Layout;
+use std::net::IpAddr;
+use std::ptr::NonNull;
+use std::sync::atomic::{Ordering, fence};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use gdr_tests::{init_tracing, pattern, skip};
+use hal_verbs::rdma::{RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaProvider, RdmaQp};
+use hal_verbs::{
+    AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, GidEntry,
+    GidType, InitParams, LinkLayer, MemoryRegion, PortState, PostError, ProtectionDomain, Provider,
+    QpCaps, QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest,
+    SgList, Sge, VerbsError, WcOpcode, WcStatus, select_roce_v2_gid,
+};
+
+/// How long a completion may take under TCG before the test fails.
+const COMPLETION_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn expect_rxe() -> bool {
+    std::env::var("GDR_EXPECT_RXE").is_ok_and(|v| v == "1")
+}
+
+fn device_name() -> String {
+    std::env::var("GDR_RXE_DEVICE").unwrap_or_else(|_| "rxe0".into())
+}
+
+fn expected_ip() -> IpAddr {
+    std::env::var("GDR_RXE_IP")
+        .ok()
+        .and_then(|ip| ip.parse().ok())
+        .unwrap_or_else(|| "10.99.0.1".parse().unwrap())
+}
+
+/// The tests share one device; serialising them keeps resource counts
+/// stable and the slow software NIC uncontended.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The provider and the opened rxe device, or `None` after printing why the
+/// test skips. Panics instead when `GDR_EXPECT_RXE=1`.
+fn open_rxe(test: &str) -> Option<(RdmaProvider, RdmaContext)> {
+    init_tracing();
+    let name = device_name();
+    let unavailable = |why: String| {
+        assert!(!expect_rxe(), "{test}: GDR_EXPECT_RXE=1 but {why}");
+        skip(test, &why);
+    };
+    let provider = match RdmaProvider::load() {
+        Ok(p) => p,
+        Err(e) => {
+            unavailable(e.to_string());
+            return None;
+        }
+    };
+    let devices = match provider.devices() {
+        Ok(d) => d,
+        Err(e) => {
+            unavailable(e.to_string());
+            return None;
+        }
+    };
+    if !devices.iter().any(|d| d.name == name) {
+        let names: Vec<_> = devices.iter().map(|d| d.name.as_str()).collect();
+        unavailable(format!("no {name} among the RDMA devices {names:?}"));
+        return None;
+    }
+    let ctx = provider
+        .open(&name)
+        .unwrap_or_else(|e| panic!("{test}: opening {name}: {e}"));
+    Some((provider, ctx))
+}
+
+/// Page-aligned host memory the NIC reads and writes. Read and written only
+/// while no work request on it is in flight.
+struct HostBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl HostBuf {
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len, 4096).unwrap()
+    }
+
+    /// `len` bytes holding `pattern(len, seed)`.
+    fn new(len: usize, seed: u8) -> Self {
+        assert!(len > 0);
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(Self::layout(len)) };
+        let ptr = NonNull::new(ptr).expect("allocation failed");
+        let buf = Self { ptr, len };
+        buf.write(0, &pattern(len, seed));
+        buf
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    fn read(&self) -> Vec<u8> {
+        fence(Ordering::Acquire);
+        // SAFETY: `len` initialised bytes we own; no RDMA into them is in
+        // flight when the tests read (they poll completions first).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }.to_vec()
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.len);
+        // SAFETY: in bounds (checked above); no RDMA on them is in flight.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        fence(Ordering::Release);
+    }
+
+    /// Registers `len` bytes from `offset`. The caller keeps `self` alive
+    /// longer than the returned region (declare the buffer first).
+    fn register(&self, pd: &RdmaPd, offset: usize, len: usize, access: AccessFlags) -> RdmaMr {
+        assert!(offset + len <= self.len);
+        // SAFETY: the range lies in our allocation, which every test keeps
+        // alive longer than the region (it is declared, so dropped, after).
+        unsafe { pd.register(self.addr() + offset as u64, len, access) }
+            .unwrap_or_else(|e| panic!("ibv_reg_mr of {len} bytes: {e}"))
+    }
+}
+
+impl Drop for HostBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with the same layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
+    }
+}
+
+fn sge(mr: &RdmaMr, offset: u64, length: u32) -> SgList {
+    let mut list = SgList::new();
+    list.push(Sge {
+        addr: mr.addr() + offset,
+        length,
+        lkey: mr.lkey(),
+    });
+    list
+}
+
+/// The RoCE v2 GID to address port 1 by: IPv4 first, then IPv6.
+fn local_gid(ctx: &RdmaContext) -> GidEntry {
+    let table = ctx.gid_table(1).expect("GID table of port 1");
+    select_roce_v2_gid(&table, AddressFamily::V4)
+        .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
+        .cloned()
+        .unwrap_or_else(|| panic!("no RoCE v2 GID on port 1: {table:?}"))
+}
+
+/// Two RC queue pairs of one device, connected to each other.
+struct Loopback {
+    a: RdmaQp,
+    b: RdmaQp,
+    cq_a: RdmaCq,
+    cq_b: RdmaCq,
+}
+
+fn connect(ctx: &RdmaContext, pd: &RdmaPd, caps: QpCaps) -> Loopback {
+    let cq_a = ctx.create_cq(256).expect("CQ a");
+    let cq_b = ctx.create_cq(256).expect("CQ b");
+    let a = pd.create_qp(&caps, &cq_a, &cq_a).expect("QP a");
+    let b = pd.create_qp(&caps, &cq_b, &cq_b).expect("QP b");
+    assert_eq!(a.state().unwrap(), QpState::Reset);
+    let port = ctx.query_port(1).expect("port 1");
+    let gid = local_gid(ctx);
+    let info = |qp: &RdmaQp, psn: u32| ConnectionInfo {
+        qp_num: qp.qp_num(),
+        psn,
+        gid: gid.gid,
+        lid: port.lid,
+        mtu: port.active_mtu,
+    };
+    let (info_a, info_b) = (info(&a, 0x1234), info(&b, 0xab_cdef));
+    let sgid = u8::try_from(gid.index).unwrap();
+    for (qp, own, peer) in [(&a, info_a, info_b), (&b, info_b, info_a)] {
+        qp.to_init(&InitParams::default()).expect("INIT");
+        qp.to_rtr(&RtrParams::new(peer, sgid, port.active_mtu))
+            .expect("RTR");
+        let rts = RtsParams {
+            sq_psn: own.psn,
+            ..RtsParams::default()
+        };
+        // retry_cnt 7 (retry forever on rxe) is refused before the verb.
+        let forever = RtsParams {
+            retry_cnt: 7,
+            ..rts
+        };
+        let err = qp.to_rts(&forever).unwrap_err();
+        assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
+        assert_eq!(qp.state().unwrap(), QpState::ReadyToReceive);
+        qp.to_rts(&rts).expect("RTS");
+        assert_eq!(qp.state().unwrap(), QpState::ReadyToSend);
+    }
+    Loopback { a, b, cq_a, cq_b }
+}
+
+/// Polls until `n` completions arrived; fails after [`COMPLETION_TIMEOUT`].
+fn wait(cq: &RdmaCq, n: usize) -> Vec<Completion> {
+    let start = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [Completion::default(); 16];
+    while got.len() < n {
+        let k = cq.poll(&mut buf[..(n - got.len()).min(16)]).expect("poll");
+        got.extend_from_slice(&buf[..k]);
+        if k == 0 {
+            assert!(
+                start.elapsed() < COMPLETION_TIMEOUT,
+                "waited {COMPLETION_TIMEOUT:?} for {n} completions, got {got:?}"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    got
+}
+
+/// Asserts that nothing more completes within a short while.
+fn assert_quiet(cq: &RdmaCq, what: &str) {
+    let end = Instant::now() + Duration::from_millis(300);
+    let mut buf = [Completion::default(); 4];
+    while Instant::now() < end {
+        let k = cq.poll(&mut buf).expect("poll");
+        assert_eq!(k, 0, "{what}: unexpected completions {:?}", &buf[..k]);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn post_send(qp: &RdmaQp, requests: &[SendRequest]) -> Result<(), PostError> {
+    // SAFETY: every test keeps its buffers and regions alive until it has
+    // polled the completions of what it posted (or dropped the QP first).
+    unsafe { qp.post_send(requests) }
+}
+
+fn post_recv(qp: &RdmaQp, requests: &[RecvRequest]) -> Result<(), PostError> {
+    // SAFETY: as for `post_send`.
+    unsafe { qp.post_recv(requests) }
+}
+
+#[test]
+fn discovery_sees_rxe0() {
+    const T: &str = "discovery_sees_rxe0";
+    let _serial = serial();
+    let Some((provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    assert_eq!(provider.backend_name(), "rdma-core");
+    let devices = provider.devices().unwrap();
+    assert!(
+        devices.iter().any(|d| d.name == device_name()),
+        "{devices:?}"
+    );
+    assert_eq!(ctx.name(), device_name());
+    let attrs = ctx.query_device().expect("ibv_query_device");
+    eprintln!("{T}: {devices:?}\n{attrs:#?}");
+    assert!(attrs.phys_port_cnt >= 1, "{attrs:?}");
+    assert!(
+        attrs.max_qp > 0 && attrs.max_qp_wr > 0 && attrs.max_sge > 0,
+        "{attrs:?}"
+    );
+    assert!(
+        attrs.max_cqe > 0 && attrs.max_mr > 0 && attrs.max_mr_size > 0,
+        "{attrs:?}"
+    );
+}
+
+#[test]
+fn port_is_active() {
+    const T: &str = "port_is_active";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let port = ctx.query_port(1).expect("ibv_query_port");
+    eprintln!("{T}: {port:?}");
+    assert_eq!(port.state, PortState::Active);
+    assert_eq!(port.link_layer, LinkLayer::Ethernet, "rxe is RoCE");
+    assert!(port.gid_table_len > 0);
+    assert!(port.active_mtu <= port.max_mtu);
+    for bad in [0, 200] {
+        let err = ctx.query_port(bad).unwrap_err();
+        assert!(
+            matches!(err, VerbsError::InvalidArgument { .. }),
+            "port {bad}: {err}"
+        );
+    }
+}
+
+#[test]
+fn gid_selection_finds_roce_v2_ipv4() {
+    const T: &str = "gid_selection_finds_roce_v2_ipv4";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let table = ctx.gid_table(1).expect("GID table");
+    eprintln!("{T}: {table:#?}");
+    assert!(!table.is_empty());
+    assert!(
+        table.iter().all(|e| !e.gid.is_zero()),
+        "only non-empty entries"
+    );
+    let v4 = select_roce_v2_gid(&table, AddressFamily::V4).expect("a RoCE v2 IPv4 GID");
+    assert_eq!(v4.gid_type, GidType::RoceV2);
+    assert!(
+        v4.netdev_ifindex != 0,
+        "a RoCE GID belongs to a netdev: {v4:?}"
+    );
+    if expect_rxe() {
+        assert_eq!(v4.gid.to_ip(), expected_ip(), "{v4:?}");
+    }
+    // The fallback for libibverbs before ibv_query_gid_table (ibv_query_gid
+    // plus sysfs types) must read the same table.
+    let legacy = ctx
+        .gid_table_by_query_gid(1)
+        .expect("GID table via ibv_query_gid");
+    assert_eq!(legacy, table);
+}
+
+#[test]
+fn rdma_write_and_read_loopback() {
+    const T: &str = "rdma_write_and_read_loopback";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    const LEN: usize = 1 << 20;
+    let pd = ctx.alloc_pd().unwrap();
+    let buf_a = HostBuf::new(2 * LEN, 1);
+    let buf_b = HostBuf::new(2 * LEN, 2);
+    let mr_a = buf_a.register(&pd, 0, 2 * LEN, AccessFlags::transfer());
+    let mr_b = buf_b.register(&pd, 0, 2 * LEN, AccessFlags::transfer());
+    assert_eq!(mr_a.len(), 2 * LEN);
+    assert_eq!(mr_a.addr(), buf_a.addr());
+    assert_ne!(mr_a.rkey(), mr_b.rkey());
+    let lb = connect(&ctx, &pd, QpCaps::default());
+    let before_a = buf_a.read();
+    let before_b = buf_b.read();
+
+    // WRITE a[0..LEN] -> b[0..LEN].
+    post_send(
+        &lb.a,
+        &[SendRequest {
+            wr_id: 1,
+            op: SendOp::Write {
+                remote_addr: mr_b.addr(),
+                rkey: mr_b.rkey(),
+            },
+            sg_list: sge(&mr_a, 0, LEN as u32),
+            flags: SendFlags::SIGNALED,
+        }],
+    )
+    .unwrap();
+    let c = wait(&lb.cq_a, 1)[0];
+    assert_eq!(c.status, WcStatus::SUCCESS, "{c:?}");
+    assert_eq!(
+        (c.wr_id, c.opcode, c.qp_num),
+        (1, WcOpcode::RdmaWrite, lb.a.qp_num())
+    );
+    let after_b = buf_b.read();
+    assert!(after_b[..LEN] == before_a[..LEN], "WRITE payload differs");
+    assert!(
+        after_b[LEN..] == before_b[LEN..],
+        "WRITE spilled past its range"
+    );
+
+    // READ b[LEN..2 LEN] -> a[LEN..2 LEN].
+    post_send(
+        &lb.a,
+        &[SendRequest {
+            wr_id: 2,
+            op: SendOp::Read {
+                remote_addr: mr_b.addr() + LEN as u64,
+                rkey: mr_b.rkey(),
+            },
+            sg_list: sge(&mr_a, LEN as u64, LEN as u32),
+            flags: SendFlags::SIGNALED,
+        }],
+    )
+    .unwrap();
+    let c = wait(&lb.cq_a, 1)[0];
+    assert_eq!(c.status, WcStatus::SUCCESS, "{c:?}");
+    assert_eq!((c.wr_id, c.opcode), (2, WcOpcode::RdmaRead));
+    let after_a = buf_a.read();
+    assert!(after_a[LEN..] == before_b[LEN..], "READ payload differs");
+    assert!(
+        after_a[..LEN] == before_a[..LEN],
+        "READ touched the wrong range"
+    );
+    assert_quiet(&lb.cq_a, T);
+    assert_quiet(&lb.cq_b, T);
+}
+
+#[test]
+fn linked_batch_with_selective_signalling() {
+    const T: &str = "linked_batch_with_selective_signalling";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let pd = ctx.alloc_pd().unwrap();
+    let buf_a = HostBuf::new(64 << 10, 3);
+    let buf_b = HostBuf::new(64 << 10, 4);
+    let recv_buf = HostBuf::new(3 * 4096, 5);
+    let mr_a = buf_a.register(&pd, 0, 64 << 10, AccessFlags::transfer());
+    let mr_b = buf_b.register(&pd, 0, 64 << 10, AccessFlags::transfer());
+    let mr_r = recv_buf.register(&pd, 0, 3 * 4096, AccessFlags::LOCAL_WRITE);
+    let lb = connect(&ctx, &pd, QpCaps::default());
+    let a0 = buf_a.read();
+    let b0 = buf_b.read();
+
+    // Three receives, linked and posted once.
+    let recvs: Vec<RecvRequest> = (0..3)
+        .map(|i| RecvRequest {
+            wr_id: 100 + i,
+            sg_list: sge(&mr_r, i * 4096, 4096),
+        })
+        .collect();
+    post_recv(&lb.b, &recvs).unwrap();
+
+    // One batch: a two-entry write, a write, a read, two sends and a signalled
+    // write-with-immediate; only the last produces a send completion.
+    let mut two = sge(&mr_a, 0, 1000);
+    two.push(Sge {
+        addr: mr_a.addr() + 5000,
+        length: 500,
+        lkey: mr_a.lkey(),
+    });
+    let rb = |off: u64| (mr_b.addr() + off, mr_b.rkey());
+    let batch = vec![
+        SendRequest {
+            wr_id: 1,
+            op: SendOp::Write {
+                remote_addr: rb(0).0,
+                rkey: rb(0).1,
+            },
+            sg_list: two,
+            flags: SendFlags::empty(),
+        },
+        SendRequest {
+            wr_id: 2,
+            op: SendOp::Write {
+                remote_addr: rb(8192).0,
+                rkey: rb(8192).1,
+            },
+            sg_list: sge(&mr_a, 8192, 4096),
+            flags: SendFlags::empty(),
+        },
+        SendRequest {
+            wr_id: 3,
+            op: SendOp::Read {
+                remote_addr: rb(16384).0,
+                rkey: rb(16384).1,
+            },
+            sg_list: sge(&mr_a, 32768, 4096),
+            flags: SendFlags::empty(),
+        },
+        SendRequest {
+            wr_id: 4,
+            op: SendOp::Send,
+            sg_list: sge(&mr_a, 40960, 100),
+            flags: SendFlags::empty(),
+        },
+        SendRequest {
+            wr_id: 5,
+            op: SendOp::SendWithImm { imm: 0x0102_0304 },
+            sg_list: sge(&mr_a, 41060, 200),
+            flags: SendFlags::empty(),
+        },
+        SendRequest {
+            wr_id: 6,
+            op: SendOp::WriteWithImm {
+                remote_addr: rb(24576).0,
+                rkey: rb(24576).1,
+                imm: 0xdead_beef,
+            },
+            sg_list: sge(&mr_a, 49152, 777),
+            flags: SendFlags::SIGNALED,
+        },
+    ];
+    post_send(&lb.a, &batch).unwrap();
+
+    // RC completes send-queue entries in order: the one signalled
+    // completion means the whole batch (the READ included) is done.
+    let sent = wait(&lb.cq_a, 1);
+    assert_eq!(sent[0].status, WcStatus::SUCCESS, "{sent:?}");
+    assert_eq!((sent[0].wr_id, sent[0].opcode), (6, WcOpcode::RdmaWrite));
+    let recvd = wait(&lb.cq_b, 3);
+    for c in &recvd {
+        assert_eq!(c.status, WcStatus::SUCCESS, "{recvd:?}");
+        assert_eq!(c.qp_num, lb.b.qp_num());
+    }
+    assert_eq!(
+        recvd
+            .iter()
+            .map(|c| (c.wr_id, c.opcode, c.byte_len, c.imm))
+            .collect::<Vec<_>>(),
+        vec![
+            (100, WcOpcode::Recv, 100, None),
+            (101, WcOpcode::Recv, 200, Some(0x0102_0304)),
+            (102, WcOpcode::RecvRdmaWithImm, 777, Some(0xdead_beef)),
+        ]
+    );
+    assert_quiet(&lb.cq_a, "unsignalled requests");
+
+    let a1 = buf_a.read();
+    let b1 = buf_b.read();
+    let r1 = recv_buf.read();
+    let mut expect_b = b0.clone();
+    expect_b[..1000].copy_from_slice(&a0[..1000]);
+    expect_b[1000..1500].copy_from_slice(&a0[5000..5500]);
+    expect_b[8192..12288].copy_from_slice(&a0[8192..12288]);
+    expect_b[24576..24576 + 777].copy_from_slice(&a0[49152..49152 + 777]);
+    assert!(b1 == expect_b, "remote buffer after the writes differs");
+    let mut expect_a = a0.clone();
+    expect_a[32768..36864].copy_from_slice(&b0[16384..20480]);
+    assert!(a1 == expect_a, "local buffer after the read differs");
+    assert!(r1[..100] == a0[40960..41060], "first SEND payload");
+    assert!(
+        r1[4096..4096 + 200] == a0[41060..41260],
+        "second SEND payload"
+    );
+}
+
+#[test]
+fn post_error_reports_the_accepted_prefix() {
+    const T: &str = "post_error_reports_the_accepted_prefix";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let pd = ctx.alloc_pd().unwrap();
+    let buf_a = HostBuf::new(4096, 6);
+    let buf_b = HostBuf::new(4096, 7);
+    let mr_a = buf_a.register(&pd, 0, 4096, AccessFlags::transfer());
+    let mr_b = buf_b.register(&pd, 0, 4096, AccessFlags::transfer());
+    let caps = QpCaps {
+        max_send_wr: 8,
+        ..QpCaps::default()
+    };
+    let lb = connect(&ctx, &pd, caps);
+    let depth = lb.a.caps().max_send_wr as usize;
+    assert!(depth >= 8, "granted {:?}", lb.a.caps());
+    let n = depth + 8;
+    let batch: Vec<SendRequest> = (0..n as u64)
+        .map(|i| SendRequest {
+            wr_id: i,
+            op: SendOp::Write {
+                remote_addr: mr_b.addr() + (i % 64) * 64,
+                rkey: mr_b.rkey(),
+            },
+            sg_list: sge(&mr_a, (i % 64) * 64, 64),
+            flags: SendFlags::SIGNALED,
+        })
+        .collect();
+    let err = post_send(&lb.a, &batch).expect_err("a batch deeper than the queue");
+    eprintln!("{T}: depth {depth}: {err}");
+    assert!(
+        err.accepted >= 1 && err.accepted < n,
+        "accepted {} of {n}",
+        err.accepted
+    );
+    assert!(
+        matches!(err.error, VerbsError::QueueFull { queue: "send", .. }),
+        "{err}"
+    );
+    // Exactly the accepted prefix completes, in order; the rest never does.
+    let done = wait(&lb.cq_a, err.accepted);
+    for (i, c) in done.iter().enumerate() {
+        assert_eq!((c.wr_id, c.status), (i as u64, WcStatus::SUCCESS), "{c:?}");
+    }
+    assert_quiet(&lb.cq_a, "requests that were not accepted");
+}
+
+/// One failing one-sided request on a fresh pair: its status, and that no
+/// byte moved in either buffer.
+fn access_error_case(
+    ctx: &RdmaContext,
+    what: &str,
+    remote_access: AccessFlags,
+    op: impl Fn(&RdmaMr) -> SendOp,
+) {
+    const MR_LEN: usize = 4096;
+    let pd = ctx.alloc_pd().unwrap();
+    let buf_a = HostBuf::new(2 * MR_LEN, 8);
+    // The remote buffer goes on past its registration, so a stray write
+    // past the MR's end would land in memory we can check.
+    let buf_b = HostBuf::new(2 * MR_LEN, 9);
+    let mr_a = buf_a.register(&pd, 0, 2 * MR_LEN, AccessFlags::LOCAL_WRITE);
+    let mr_b = buf_b.register(&pd, 0, MR_LEN, remote_access);
+    let lb = connect(ctx, &pd, QpCaps::default());
+    let (a0, b0) = (buf_a.read(), buf_b.read());
+    post_send(
+        &lb.a,
+        &[SendRequest {
+            wr_id: 77,
+            op: op(&mr_b),
+            sg_list: sge(&mr_a, 0, 64),
+            flags: SendFlags::SIGNALED,
+        }],
+    )
+    .unwrap();
+    let c = wait(&lb.cq_a, 1)[0];
+    eprintln!("{what}: {c:?} ({})", c.status);
+    assert_eq!(c.wr_id, 77, "{what}");
+    assert_eq!(c.status, WcStatus::REM_ACCESS_ERR, "{what}: {c:?}");
+    assert!(
+        buf_b.read() == b0,
+        "{what}: bytes moved into the remote buffer"
+    );
+    assert!(
+        buf_a.read() == a0,
+        "{what}: bytes moved into the local buffer"
+    );
+    assert_eq!(
+        lb.a.state().unwrap(),
+        QpState::Error,
+        "{what}: requester QP"
+    );
+}
+
+#[test]
+fn remote_access_errors_move_no_byte() {
+    const T: &str = "remote_access_errors_move_no_byte";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    access_error_case(
+        &ctx,
+        "WRITE past the MR's end",
+        AccessFlags::transfer(),
+        |mr| SendOp::Write {
+            remote_addr: mr.addr() + mr.len() as u64 - 32,
+            rkey: mr.rkey(),
+        },
+    );
+    access_error_case(
+        &ctx,
+        "READ past the MR's end",
+        AccessFlags::transfer(),
+        |mr| SendOp::Read {
+            remote_addr: mr.addr() + mr.len() as u64 - 32,
+            rkey: mr.rkey(),
+        },
+    );
+    access_error_case(
+        &ctx,
+        "WRITE without REMOTE_WRITE",
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        |mr| SendOp::Write {
+            remote_addr: mr.addr(),
+            rkey: mr.rkey(),
+        },
+    );
+}
+
+#[test]
+fn dmabuf_registration_reports_not_supported() {
+    const T: &str = "dmabuf_registration_reports_not_supported";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    use std::os::fd::AsRawFd;
+    let pd = ctx.alloc_pd().unwrap();
+    // Not a dma-buf; rxe refuses any dma-buf before looking at the fd.
+    let memfd = rustix::fs::memfd_create("gdr-dmabuf-test", rustix::fs::MemfdFlags::CLOEXEC)
+        .expect("memfd_create");
+    rustix::fs::ftruncate(&memfd, 1 << 20).unwrap();
+    // SAFETY: the fd is open for the call; if the registration succeeded it
+    // would be dropped at once, before the memfd.
+    let result = unsafe {
+        pd.register_dmabuf(
+            memfd.as_raw_fd(),
+            0,
+            1 << 16,
+            0x7f00_0000_0000,
+            AccessFlags::transfer(),
+        )
+    };
+    let err = result.expect_err("a memfd is no dma-buf, and rxe has no dma-buf support");
+    eprintln!("{T}: {err}");
+    if expect_rxe() {
+        assert!(
+            matches!(
+                err,
+                VerbsError::NotSupported {
+                    operation: "ibv_reg_dmabuf_mr",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.is_unsupported());
+        assert_eq!(err.errno(), Some(libc::EOPNOTSUPP));
+    }
+}
+
+/// Resource counts of the device (`rdma resource show DEV`), or `None`
+/// where the `rdma` tool or its netlink interface is missing.
+fn resource_counts(dev: &str) -> Option<Vec<(String, u64)>> {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show", dev])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let counts: Vec<(String, u64)> = words
+        .windows(2)
+        .filter_map(|w| Some((w[0].to_owned(), w[1].parse().ok()?)))
+        .filter(|(k, _)| !k.ends_with(':'))
+        .collect();
+    (!counts.is_empty()).then_some(counts)
+}
+
+#[test]
+fn teardown_in_any_order() {
+    const T: &str = "teardown_in_any_order";
+    let _serial = serial();
+    let Some((provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let dev = device_name();
+    let before = resource_counts(&dev);
+    let buf = HostBuf::new(1 << 16, 10);
+
+    // A full set of objects, with work in flight on the QP.
+    struct Set {
+        ctx: RdmaContext,
+        pd: RdmaPd,
+        mr: RdmaMr,
+        cq: RdmaCq,
+        lb: Loopback,
+    }
+    let build = |buf: &HostBuf| {
+        let ctx = provider.open(&dev).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let mr = buf.register(&pd, 0, 1 << 16, AccessFlags::transfer());
+        let cq = ctx.create_cq(16).unwrap();
+        let lb = connect(&ctx, &pd, QpCaps::default());
+        post_recv(
+            &lb.b,
+            &[RecvRequest {
+                wr_id: 1,
+                sg_list: sge(&mr, 0, 4096),
+            }],
+        )
+        .unwrap();
+        Set {
+            ctx,
+            pd,
+            mr,
+            cq,
+            lb,
+        }
+    };
+
+    // Children first, the natural order.
+    let s = build(&buf);
+    drop(s.lb);
+    drop(s.mr);
+    drop(s.cq);
+    drop(s.pd);
+    drop(s.ctx);
+
+    // Parents' handles first: the children keep them alive.
+    let s = build(&buf);
+    drop(s.ctx);
+    drop(s.pd);
+    drop(s.cq);
+    drop(s.mr);
+    drop(s.lb);
+
+    // The MR before the QP that may use it, then the CQs before their QPs.
+    let s = build(&buf);
+    drop(s.mr);
+    drop(s.ctx);
+    let Loopback { a, b, cq_a, cq_b } = s.lb;
+    drop(cq_a);
+    drop(cq_b);
+    drop(a);
+    drop(s.pd);
+    drop(b);
+    drop(s.cq);
+
+    // Explicit deregistration reports success; a QP moved to ERROR flushes
+    // its posted receive.
+    {
+        let s = build(&buf);
+        s.mr.deregister().expect("ibv_dereg_mr");
+        s.lb.b.to_error().unwrap();
+        assert_eq!(s.lb.b.state().unwrap(), QpState::Error);
+        let flushed = wait(&s.lb.cq_b, 1);
+        assert_eq!(flushed[0].status, WcStatus::WR_FLUSH_ERR, "{flushed:?}");
+        assert_eq!(flushed[0].wr_id, 1);
+    }
+    drop(buf);
+
+    let after = resource_counts(&dev);
+    match (before, after) {
+        (Some(before), Some(after)) => {
+            eprintln!("{T}: resources before {before:?}, after {after:?}");
+            assert_eq!(before, after, "native objects leaked");
+        }
+        _ => eprintln!("{T}: `rdma resource show` unavailable: leak count not checked"),
+    }
+    drop(ctx);
+}
+
+/// Set in the child process that runs with a fake libibverbs.
+const FAKE_LIB_CHILD: &str = "GDR_TEST_FAKE_IBVERBS_CHILD";
+
+#[test]
+fn missing_library_or_device_is_a_typed_error() {
+    const T: &str = "missing_library_or_device_is_a_typed_error";
+    init_tracing();
+    if std::env::var_os(FAKE_LIB_CHILD).is_some() {
+        // We run with a libibverbs.so.1 that is really libc: the shim found
+        // none of its symbols.
+        let err = RdmaProvider::load().expect_err("load with a fake libibverbs");
+        assert!(
+            matches!(err, VerbsError::LibraryUnavailable { .. }),
+            "{err:?}"
+        );
+        eprintln!("FAKE-LIBRARY-CHILD-OK: {err}");
+        return;
+    }
+    let _serial = serial();
+
+    // This machine as it is: every outcome is a value, none a panic.
+    let outcome = RdmaProvider::load().map(|p| (p.devices(), p.open("gdr-no-such-device")));
+    eprintln!("{T}: on this machine: {outcome:?}");
+    match &outcome {
+        Ok((Ok(devices), missing)) => {
+            assert!(!devices.is_empty(), "an empty list must be NoDevice");
+            assert!(
+                matches!(missing, Err(VerbsError::NoDevice { .. })),
+                "{missing:?}"
+            );
+        }
+        Ok((Err(e), missing)) => {
+            assert!(!expect_rxe(), "GDR_EXPECT_RXE=1 but {e}");
+            assert!(
+                matches!(
+                    e,
+                    VerbsError::NoDevice { .. } | VerbsError::LibraryUnavailable { .. }
+                ),
+                "{e:?}"
+            );
+            assert!(e.is_unsupported());
+            assert!(missing.is_err());
+        }
+        Err(e) => {
+            assert!(!expect_rxe(), "GDR_EXPECT_RXE=1 but {e}");
+            assert!(matches!(e, VerbsError::LibraryUnavailable { .. }), "{e:?}");
+        }
+    }
+
+    // A machine without a usable libibverbs, played by child processes
+    // whose libibverbs.so.1 is an empty file (the loader refuses it) or a
+    // link to libc (it loads, without a single verbs symbol).
+    let libc_path = std::fs::read_to_string("/proc/self/maps")
+        .ok()
+        .and_then(|maps| {
+            maps.lines()
+                .filter_map(|l| l.split_whitespace().nth(5))
+                .find(|p| p.contains("/libc.so.6"))
+                .map(str::to_owned)
+        });
+    let dir = std::env::temp_dir().join(format!("gdr-fake-ibverbs-{}", std::process::id()));
+    for case in ["empty file", "link to libc"] {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fake = dir.join("libibverbs.so.1");
+        if case == "empty file" {
+            std::fs::write(&fake, b"").unwrap();
+        } else if let Some(libc_path) = &libc_path {
+            std::os::unix::fs::symlink(libc_path, &fake).unwrap();
+        } else {
+            skip(
+                T,
+                "libc.so.6 not found in /proc/self/maps: link case not run",
+            );
+            continue;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([T, "--exact", "--nocapture", "--test-threads=1"])
+            .env(FAKE_LIB_CHILD, "1")
+            .env("LD_LIBRARY_PATH", &dir)
+            .output()
+            .expect("spawning the child");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{case}: child failed: {text}");
+        let line = text.lines().find(|l| l.contains("FAKE-LIBRARY-CHILD-OK"));
+        let line = line.unwrap_or_else(|| panic!("{case}: child output: {text}"));
+        eprintln!("{T}: libibverbs.so.1 as {case}: {line}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
