@@ -18,10 +18,7 @@ use gdr_sim::{GpuConfig, SimCuda};
 use hal_cuda::cuda::CudaDriver;
 use hal_cuda::{Context as _, DeviceMemory as _, Driver as _};
 use hal_verbs::rdma::RdmaProvider;
-use hal_verbs::{
-    AccessFlags, AddressFamily, Context as _, MemoryRegion as _, ProtectionDomain as _,
-    Provider as _,
-};
+use hal_verbs::{AccessFlags, AddressFamily, Context as _, ProtectionDomain as _, Provider as _};
 
 #[derive(Debug, Parser)]
 #[command(name = "gdr", version, about = "GPU-aware RDMA data movement")]
@@ -72,7 +69,7 @@ fn parse_size(text: &str) -> Result<usize, String> {
 /// The backends chosen for this run.
 enum Verbs {
     Real(RdmaProvider),
-    Sim(SimFabric, gdr_sim::nic::SimVerbs),
+    Sim(gdr_sim::nic::SimVerbs),
 }
 
 enum Cuda {
@@ -88,9 +85,8 @@ fn choose_verbs(backend: Backend) -> Result<Verbs, Box<dyn Error>> {
             Err(e) => println!("rdma-core: {e}\n  -> using the simulated NIC (gdr-sim)"),
         }
     }
-    let fabric = SimFabric::new();
-    let node = fabric.add_node("local", NodeConfig::default());
-    Ok(Verbs::Sim(fabric, node))
+    let node = SimFabric::new().add_node("local", NodeConfig::default());
+    Ok(Verbs::Sim(node))
 }
 
 fn choose_cuda(backend: Backend) -> Result<Cuda, Box<dyn Error>> {
@@ -167,7 +163,7 @@ fn print_cuda<A: hal_cuda::Api>(driver: &A::Driver) -> Result<(), Box<dyn Error>
 fn info(backend: Backend) -> Result<(), Box<dyn Error>> {
     match choose_verbs(backend)? {
         Verbs::Real(p) => print_verbs::<hal_verbs::rdma::RdmaApi>(&p)?,
-        Verbs::Sim(_, p) => print_verbs::<gdr_sim::nic::SimVerbsApi>(&p)?,
+        Verbs::Sim(p) => print_verbs::<gdr_sim::nic::SimVerbsApi>(&p)?,
     }
     match choose_cuda(backend)? {
         Cuda::Real(d) => print_cuda::<hal_cuda::cuda::CudaApi>(&d)?,
@@ -258,12 +254,12 @@ fn loopback(backend: Backend, size: usize) -> Result<(), Box<dyn Error>> {
     type SimC = gdr_sim::SimCudaApi;
     match (&verbs, &cuda) {
         (Verbs::Real(p), Cuda::Real(d)) => prove::<RealV, RealC>(p, Some(d), size),
-        (Verbs::Sim(_, p), Cuda::Sim(d)) => prove::<SimV, SimC>(p, Some(d), size),
+        (Verbs::Sim(p), Cuda::Sim(d)) => prove::<SimV, SimC>(p, Some(d), size),
         (Verbs::Real(p), _) => {
             println!("(GPU memory needs a real GPU beside the real NIC: host memory only)");
             prove::<RealV, SimC>(p, None, size)
         }
-        (Verbs::Sim(_, p), _) => {
+        (Verbs::Sim(p), _) => {
             println!("(a simulated NIC cannot reach real GPU memory: host memory only)");
             prove::<SimV, SimC>(p, None, size)
         }

@@ -7,7 +7,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod buffer;
 pub mod descriptor;
+pub mod ladder;
 pub mod loopback;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here

@@ -7,12 +7,12 @@
 //! GID, exactly as two peers would be, so the check exercises the NIC's real
 //! data path (on SoftRoCE: the kernel's rxe packet path).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use hal_verbs::{
-    AccessFlags, AddressFamily, Api, Completion, CompletionQueue, ConnectionInfo, Context,
-    InitParams, LinkLayer, MemoryRegion, PortState, ProtectionDomain, QpCaps, QueuePair, RtrParams,
+    AccessFlags, AddressFamily, Api, Completion, CompletionQueue, ConnectionInfo, Context, Gid,
+    InitParams, LinkLayer, MemoryRegion, Mtu, PortState, ProtectionDomain, QpCaps, QueuePair, RtrParams,
     RtsParams, SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcStatus,
     select_roce_v2_gid,
 };
@@ -66,14 +66,32 @@ pub enum LoopbackError {
     },
 }
 
+/// How the pair's QPs reach each other: the port, and its GID and LID.
+#[derive(Debug, Clone, Copy)]
+struct Path {
+    port: u8,
+    gid: Gid,
+    sgid_index: u8,
+    lid: u16,
+    mtu: Mtu,
+}
+
+/// The two QPs; rebuilt after a failure, since an RC QP that saw an error
+/// completion is in the error state for good.
+#[derive(Debug)]
+struct Pair<A: Api> {
+    requester: A::QueuePair,
+    responder: A::QueuePair,
+}
+
 /// Two RC queue pairs on one device connected to each other.
 #[derive(Debug)]
 pub struct Loopback<A: Api> {
     // Field order is drop order: QPs before the CQ and PD they use.
-    requester: A::QueuePair,
-    responder: A::QueuePair,
+    pair: Mutex<Pair<A>>,
     cq: A::CompletionQueue,
     pd: Arc<A::ProtectionDomain>,
+    path: Path,
     timeout: Duration,
 }
 
@@ -100,7 +118,7 @@ impl<A: Api> Loopback<A> {
             });
         }
         let (gid, sgid_index) = match attrs.link_layer {
-            LinkLayer::InfiniBand => (Default::default(), 0),
+            LinkLayer::InfiniBand => (Gid::default(), 0),
             LinkLayer::Ethernet | LinkLayer::Unspecified => {
                 let table = context.gid_table(port)?;
                 let entry = select_roce_v2_gid(&table, AddressFamily::V4)
@@ -112,40 +130,20 @@ impl<A: Api> Loopback<A> {
                 (entry.gid, entry.index as u8)
             }
         };
-        let cq = context.create_cq(64)?;
-        let caps = QpCaps::default();
-        let requester = pd.create_qp(&caps, &cq, &cq)?;
-        let responder = pd.create_qp(&caps, &cq, &cq)?;
-        let info = |qp: &A::QueuePair, psn: u32| ConnectionInfo {
-            qp_num: qp.qp_num(),
-            psn,
+        let path = Path {
+            port,
             gid,
+            sgid_index,
             lid: attrs.lid,
             mtu: attrs.active_mtu,
         };
-        let (requester_info, responder_info) = (info(&requester, 0x1000), info(&responder, 0x2000));
-        for (qp, remote, own_psn) in [
-            (&requester, responder_info, requester_info.psn),
-            (&responder, requester_info, responder_info.psn),
-        ] {
-            qp.to_init(&InitParams {
-                port,
-                ..InitParams::default()
-            })?;
-            qp.to_rtr(&RtrParams {
-                port,
-                ..RtrParams::new(remote, sgid_index, attrs.active_mtu)
-            })?;
-            qp.to_rts(&RtsParams {
-                sq_psn: own_psn,
-                ..RtsParams::default()
-            })?;
-        }
+        let cq = context.create_cq(64)?;
+        let pair = connect_pair::<A>(&pd, &cq, path)?;
         Ok(Self {
-            requester,
-            responder,
+            pair: Mutex::new(pair),
             cq,
             pd,
+            path,
             timeout: Duration::from_secs(10),
         })
     }
@@ -179,17 +177,32 @@ impl<A: Api> Loopback<A> {
             sg_list: SgList::from_slice(&[local]),
             flags: SendFlags::SIGNALED,
         };
+        // One operation at a time: the pair is held until it completes.
+        let mut pair = self.pair.lock().unwrap_or_else(PoisonError::into_inner);
         // SAFETY: the caller guarantees `local` stays valid until completion,
         // and we wait for that completion (or the QP's failure) below.
-        unsafe { self.requester.post_send(std::slice::from_ref(&request)) }.map_err(|e| e.error)?;
+        let result = match unsafe { pair.requester.post_send(std::slice::from_ref(&request)) } {
+            Ok(()) => self.wait(pair.requester.qp_num(), operation),
+            Err(e) => Err(e.error.into()),
+        };
+        if result.is_err() {
+            // The requester (and, after a remote error, the responder) is in
+            // the error state now: start over with a fresh pair. If that
+            // fails too, the next run reports it.
+            match connect_pair::<A>(&self.pd, &self.cq, self.path) {
+                Ok(fresh) => *pair = fresh,
+                Err(e) => tracing::warn!(error = %e, "rebuilding the loopback pair failed"),
+            }
+        }
+        result
+    }
+
+    fn wait(&self, qp_num: u32, operation: &'static str) -> Result<(), LoopbackError> {
         let deadline = Instant::now() + self.timeout;
         let mut completions = [Completion::default(); 4];
         loop {
             let n = self.cq.poll(&mut completions)?;
-            if let Some(c) = completions[..n]
-                .iter()
-                .find(|c| c.qp_num == self.requester.qp_num())
-            {
+            if let Some(c) = completions[..n].iter().find(|c| c.qp_num == qp_num) {
                 return if c.status.is_success() {
                     Ok(())
                 } else {
@@ -277,9 +290,44 @@ impl<A: Api> Loopback<A> {
             Some(first_difference) => Err(LoopbackError::Mismatch { first_difference }),
         }
     }
+}
 
-    /// The responder QP (for tests that post to it).
-    pub fn responder(&self) -> &A::QueuePair {
-        &self.responder
+/// Two new QPs in `pd`, connected to each other over `path`.
+fn connect_pair<A: Api>(
+    pd: &A::ProtectionDomain,
+    cq: &A::CompletionQueue,
+    path: Path,
+) -> Result<Pair<A>, VerbsError> {
+    let caps = QpCaps::default();
+    let requester = pd.create_qp(&caps, cq, cq)?;
+    let responder = pd.create_qp(&caps, cq, cq)?;
+    let info = |qp: &A::QueuePair, psn: u32| ConnectionInfo {
+        qp_num: qp.qp_num(),
+        psn,
+        gid: path.gid,
+        lid: path.lid,
+        mtu: path.mtu,
+    };
+    let (requester_info, responder_info) = (info(&requester, 0x1000), info(&responder, 0x2000));
+    for (qp, remote, own_psn) in [
+        (&requester, responder_info, requester_info.psn),
+        (&responder, requester_info, responder_info.psn),
+    ] {
+        qp.to_init(&InitParams {
+            port: path.port,
+            ..InitParams::default()
+        })?;
+        qp.to_rtr(&RtrParams {
+            port: path.port,
+            ..RtrParams::new(remote, path.sgid_index, path.mtu)
+        })?;
+        qp.to_rts(&RtsParams {
+            sq_psn: own_psn,
+            ..RtsParams::default()
+        })?;
     }
+    Ok(Pair {
+        requester,
+        responder,
+    })
 }

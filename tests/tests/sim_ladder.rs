@@ -1,0 +1,419 @@
+//! The registration ladder and buffers on the simulation backends: every
+//! rung forced on and off with the sim's capability switches, the reasons
+//! recorded for each rung above the one taken, policies, the self-check,
+//! one dma-buf export shared by two NICs, stale address reuse, and faults
+//! in the middle of a registration.
+
+use std::sync::Arc;
+
+use gdr_core::buffer::Buffer;
+use gdr_core::cache::{CacheConfig, RegistrationCache};
+use gdr_core::ladder::{
+    DmabufExports, Gpu, Ladder, LadderConfig, LadderError, NicRegistrar, Policy, Refusal, Rung,
+};
+use gdr_core::loopback::Loopback;
+use gdr_sim::{
+    DeviceConfig, Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, SimCuda, SimCudaApi,
+    SimFabric, SimVerbsApi,
+};
+use gdr_tests::{init_tracing, pattern};
+use hal_cuda::{Context as _, Driver as _, MemoryType, Stream as _};
+use hal_verbs::{MemoryRegion as _, Provider as _, SendOp, Sge, VerbsError, WcStatus};
+
+type SimLadder = Ladder<SimVerbsApi, SimCudaApi>;
+type Cache = Arc<RegistrationCache<NicRegistrar<SimVerbsApi>>>;
+
+struct World {
+    node: gdr_sim::SimVerbs,
+    cuda: SimCuda,
+    plan: FaultPlan,
+    cache: Cache,
+    exports: Arc<DmabufExports>,
+}
+
+fn world(nics: Vec<DeviceConfig>, gpu: GpuConfig) -> World {
+    init_tracing();
+    let plan = FaultPlan::new();
+    let fabric = SimFabric::with_faults(plan.clone());
+    let node = fabric.add_node(
+        "n",
+        NodeConfig {
+            ipv4: None,
+            devices: nics,
+        },
+    );
+    World {
+        node,
+        cuda: SimCuda::new(vec![gpu], plan.clone()),
+        plan,
+        cache: Arc::new(RegistrationCache::new(CacheConfig::default())),
+        exports: Arc::new(DmabufExports::new()),
+    }
+}
+
+impl World {
+    fn ladder(&self, nic: &str, config: LadderConfig) -> SimLadder {
+        let ctx = self.node.open(nic).unwrap();
+        let gpu = Gpu::<SimCudaApi>::open(&self.cuda, 0).unwrap();
+        // SAFETY: every registration in these tests goes through a Buffer,
+        // which invalidates before it frees.
+        unsafe {
+            Ladder::new(
+                &ctx,
+                vec![gpu],
+                Arc::clone(&self.cache),
+                Arc::clone(&self.exports),
+                config,
+            )
+        }
+        .unwrap()
+    }
+
+    fn gpu(&self) -> <SimCudaApi as hal_cuda::Api>::Context {
+        self.cuda.context(0).unwrap()
+    }
+}
+
+fn read_gpu(world: &World, addr: u64, len: usize) -> Vec<u8> {
+    let ctx = world.gpu();
+    let stream = ctx.create_stream().unwrap();
+    let mut out = vec![0u8; len];
+    // SAFETY: `out` outlives the synchronize.
+    unsafe { stream.copy_device_to_host(out.as_mut_ptr(), addr, len) }.unwrap();
+    stream.synchronize().unwrap();
+    out
+}
+
+#[test]
+fn host_buffers_take_the_host_rung_and_hit_the_cache_again() {
+    let w = world(vec![DeviceConfig::default()], GpuConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    let buffer = Buffer::<SimCudaApi>::alloc_host(1 << 20);
+    let first = buffer.register(&ladder, 0, 1 << 20).unwrap();
+    assert_eq!(first.rung(), Rung::HostMemory);
+    assert!(first.failures().is_empty());
+    let inner = buffer.register(&ladder, 4096, 8192).unwrap();
+    assert!(
+        inner
+            .handle()
+            .unwrap()
+            .same_registration(first.handle().unwrap()),
+        "a range inside a cached one hits"
+    );
+    let stats = w.cache.stats();
+    assert_eq!((stats.hits, stats.misses), (1, 1), "{stats:?}");
+
+    let pinned = Buffer::<SimCudaApi>::alloc_pinned(&w.gpu(), 8192).unwrap();
+    assert_eq!(pinned.memory_type(), MemoryType::PinnedHost);
+    assert_eq!(
+        pinned.register(&ladder, 0, 8192).unwrap().rung(),
+        Rung::HostMemory
+    );
+    assert!(matches!(
+        buffer.register(&ladder, 1 << 20, 1),
+        Err(LadderError::OutsideAllocation { .. })
+    ));
+}
+
+#[test]
+fn gpu_memory_takes_dmabuf_when_both_sides_can_and_is_reachable_by_rdma() {
+    let w = world(vec![DeviceConfig::default()], GpuConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    assert_eq!(ladder.verdict(0, Rung::Dmabuf), None, "probed on first use");
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 1 << 20).unwrap();
+    let reg = buffer.register(&ladder, 64 << 10, 128 << 10).unwrap();
+    assert_eq!(reg.rung(), Rung::Dmabuf);
+    assert!(reg.failures().is_empty());
+    assert_eq!(ladder.verdict(0, Rung::Dmabuf), Some(Ok(())));
+    let descriptor = reg.descriptor().unwrap();
+    assert_eq!(descriptor.addr, buffer.addr() + (64 << 10));
+    assert_eq!(descriptor.rkey, reg.mr().unwrap().rkey());
+
+    // A peer writes through the descriptor; the bytes land in GPU memory.
+    let ctx = w.node.open("sim0").unwrap();
+    let peer = Loopback::<SimVerbsApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
+    let payload = pattern(3000, 5);
+    // SAFETY: `payload` outlives the registration and the operation.
+    let src = unsafe {
+        hal_verbs::ProtectionDomain::register(
+            &**peer.pd(),
+            payload.as_ptr() as u64,
+            payload.len(),
+            hal_verbs::AccessFlags::LOCAL_WRITE,
+        )
+    }
+    .unwrap();
+    // SAFETY: the SG entry lies in `src`, alive until `run` returns.
+    unsafe {
+        peer.run(
+            SendOp::Write {
+                remote_addr: descriptor.addr + 100,
+                rkey: descriptor.rkey,
+            },
+            Sge {
+                addr: src.addr(),
+                length: 3000,
+                lkey: src.lkey(),
+            },
+            "RDMA WRITE",
+        )
+    }
+    .unwrap();
+    assert_eq!(read_gpu(&w, descriptor.addr + 100, 3000), payload);
+}
+
+#[test]
+fn peermem_is_taken_when_the_nic_refuses_dmabuf_and_the_reason_is_kept() {
+    let w = world(
+        vec![DeviceConfig::rxe_like()],
+        GpuConfig {
+            peermem: true,
+            ..GpuConfig::default()
+        },
+    );
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 256 << 10).unwrap();
+    let reg = buffer.register(&ladder, 0, 256 << 10).unwrap();
+    assert_eq!(reg.rung(), Rung::Peermem);
+    let [failure] = reg.failures() else {
+        panic!("one rung above peermem: {:?}", reg.failures())
+    };
+    assert_eq!(failure.rung, Rung::Dmabuf);
+    assert!(failure.from_probe);
+    let Refusal::Nic(error) = &failure.refusal else {
+        panic!("{failure}")
+    };
+    assert!(error.is_unsupported());
+    assert_eq!(error.errno(), Some(libc::EOPNOTSUPP));
+
+    // A second buffer reuses the verdict: no new dma-buf probe.
+    let exports_before = w.plan.calls(FaultSite::CudaExportDmabuf);
+    let other = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    assert_eq!(
+        other.register(&ladder, 0, 4096).unwrap().rung(),
+        Rung::Peermem
+    );
+    assert_eq!(w.plan.calls(FaultSite::CudaExportDmabuf), exports_before);
+}
+
+#[test]
+fn staging_when_no_direct_rung_works_with_every_reason() {
+    let w = world(
+        vec![DeviceConfig::default()],
+        GpuConfig {
+            dma_buf_supported: false,
+            ..GpuConfig::default()
+        },
+    );
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let reg = buffer.register(&ladder, 0, 64 << 10).unwrap();
+    assert_eq!(reg.rung(), Rung::Staging);
+    assert!(reg.mr().is_none() && reg.descriptor().is_none());
+    let rungs: Vec<_> = reg.failures().iter().map(|f| f.rung).collect();
+    assert_eq!(rungs, [Rung::Dmabuf, Rung::Peermem]);
+    assert!(matches!(reg.failures()[0].refusal, Refusal::Gpu(_)));
+    let Refusal::Nic(e) = &reg.failures()[1].refusal else {
+        panic!("{:?}", reg.failures())
+    };
+    assert_eq!(e.errno(), Some(libc::EFAULT), "no peer-memory client");
+}
+
+#[test]
+fn policies_forbid_falling_back() {
+    let w = world(vec![DeviceConfig::rxe_like()], GpuConfig::default());
+    let strict = w.ladder(
+        "sim0",
+        LadderConfig {
+            policy: Policy::RequireGpuDirect,
+            ..LadderConfig::default()
+        },
+    );
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let Err(LadderError::NoAllowedRung { failures, .. }) = buffer.register(&strict, 0, 4096) else {
+        panic!("GPU-direct or error")
+    };
+    assert_eq!(failures.len(), 2);
+    let text = LadderError::NoAllowedRung {
+        policy: Policy::RequireGpuDirect,
+        failures,
+    }
+    .to_string();
+    assert!(
+        text.contains("Dmabuf") && text.contains("Peermem"),
+        "{text}"
+    );
+
+    let w = world(
+        vec![DeviceConfig::default()],
+        GpuConfig {
+            peermem: true,
+            ..GpuConfig::default()
+        },
+    );
+    let only_peermem = w.ladder(
+        "sim0",
+        LadderConfig {
+            policy: Policy::Only(Rung::Peermem),
+            ..LadderConfig::default()
+        },
+    );
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let reg = buffer.register(&only_peermem, 0, 4096).unwrap();
+    assert_eq!(reg.rung(), Rung::Peermem);
+    assert_eq!(reg.failures()[0].refusal, Refusal::Policy);
+}
+
+#[test]
+fn self_check_refuses_a_rung_that_registers_but_does_not_transfer() {
+    let w = world(
+        vec![DeviceConfig::default()],
+        GpuConfig {
+            peermem: true,
+            ..GpuConfig::default()
+        },
+    );
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    // The dma-buf probe's loopback WRITE fails as a broken GDR path would.
+    w.plan.fail_next(
+        FaultSite::VerbsCompletion,
+        Fault::CompletionStatus(WcStatus::LOC_PROT_ERR),
+    );
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let reg = buffer.register(&ladder, 0, 4096).unwrap();
+    assert_eq!(reg.rung(), Rung::Peermem);
+    assert!(
+        matches!(reg.failures()[0].refusal, Refusal::SelfCheck(_)),
+        "{:?}",
+        reg.failures()
+    );
+    w.plan.assert_all_fired();
+}
+
+#[test]
+fn two_nics_share_one_dmabuf_export_per_allocation() {
+    let w = world(
+        vec![DeviceConfig::default(), DeviceConfig::default()],
+        GpuConfig::default(),
+    );
+    let nic0 = w.ladder("sim0", LadderConfig::default());
+    let nic1 = w.ladder("sim1", LadderConfig::default());
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 1 << 20).unwrap();
+    let a = buffer.register(&nic0, 0, 1 << 20).unwrap();
+    let exports_after_first = w.plan.calls(FaultSite::CudaExportDmabuf);
+    let b = buffer.register(&nic1, 0, 1 << 20).unwrap();
+    assert_eq!((a.rung(), b.rung()), (Rung::Dmabuf, Rung::Dmabuf));
+    assert_ne!(a.mr().unwrap().rkey(), b.mr().unwrap().rkey());
+    // nic1's first registration probes with a scratch export of its own
+    // (one call), but the buffer's allocation is not exported again.
+    assert_eq!(
+        w.plan.calls(FaultSite::CudaExportDmabuf),
+        exports_after_first + 1
+    );
+    assert!(w.exports.get(buffer.buffer_id()).is_some());
+    drop((a, b));
+    let id = buffer.buffer_id();
+    drop(buffer);
+    assert!(w.exports.get(id).is_none(), "freeing forgets the export");
+    assert_eq!(w.cache.stats().entries, 0, "and every registration");
+}
+
+#[test]
+fn a_freed_and_reallocated_address_never_gets_the_old_registration() {
+    let w = world(
+        vec![DeviceConfig::rxe_like()],
+        GpuConfig {
+            peermem: true,
+            ..GpuConfig::default()
+        },
+    );
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    let ctx = w.gpu();
+    // Wrapped memory the caller frees behind gdr's back (no invalidation):
+    // the cache must notice the new buffer id at the same address.
+    let size = 9 << 20; // a size class no other test uses
+    let first = ctx.alloc(size).unwrap();
+    let addr = hal_cuda::DeviceMemory::device_ptr(&first);
+    // SAFETY: the buffer is dropped before `first` is freed.
+    let wrapped = unsafe { Buffer::<SimCudaApi>::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
+    let old_rkey = {
+        let reg = ladder.register(addr, 4096).unwrap();
+        assert_eq!(reg.rung(), Rung::Peermem);
+        reg.mr().unwrap().rkey()
+    };
+    // Forget the wrapper without invalidating, as a careless caller would.
+    std::mem::forget(wrapped);
+    drop(first);
+    let second = ctx.alloc(size).unwrap();
+    assert_eq!(hal_cuda::DeviceMemory::device_ptr(&second), addr);
+    let stale_before = w.cache.stats().stale_detections;
+    let reg = ladder.register(addr, 4096).unwrap();
+    assert_ne!(reg.mr().unwrap().rkey(), old_rkey, "a new registration");
+    assert_eq!(w.cache.stats().stale_detections, stale_before + 1);
+}
+
+#[test]
+fn a_fault_mid_registration_leaves_no_entry_and_is_not_remembered() {
+    let w = world(vec![DeviceConfig::default()], GpuConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    // The probe registers once (call 1); the buffer's own registration is
+    // call 2, and runs out of resources.
+    w.plan.fail_nth(
+        FaultSite::VerbsRegisterDmabuf,
+        2,
+        Fault::Verbs(VerbsError::from_errno(
+            "ibv_reg_dmabuf_mr",
+            "sim0",
+            libc::ENOMEM,
+        )),
+    );
+    let entries = w.cache.stats().entries;
+    let reg = buffer.register(&ladder, 0, 4096).unwrap();
+    assert_eq!(reg.rung(), Rung::Staging, "peermem is off: staging");
+    assert!(!reg.failures()[0].from_probe);
+    assert_eq!(w.cache.stats().entries, entries, "no half-registered entry");
+    drop(reg);
+    // A transient failure is not a verdict: the next attempt uses dma-buf.
+    assert_eq!(
+        buffer.register(&ladder, 0, 4096).unwrap().rung(),
+        Rung::Dmabuf
+    );
+    w.plan.assert_all_fired();
+}
+
+#[test]
+fn an_ipc_imported_buffer_registers_and_closes_after_its_registrations() {
+    let w = world(vec![DeviceConfig::default()], GpuConfig::default());
+    let exporter = w.gpu();
+    let source = Buffer::<SimCudaApi>::alloc_device(&exporter, 128 << 10).unwrap();
+    let handle = exporter.ipc_export(source.addr()).unwrap();
+
+    let other_process = w.cuda.other_process();
+    let importer = other_process.context(0).unwrap();
+    let imported = Buffer::<SimCudaApi>::import_ipc(&importer, &handle).unwrap();
+    assert_eq!(imported.len(), 128 << 10);
+    let gpu = Gpu::<SimCudaApi>::open(&other_process, 0).unwrap();
+    let ctx = w.node.open("sim0").unwrap();
+    // SAFETY: registrations go through the imported Buffer.
+    let ladder = unsafe {
+        Ladder::new(
+            &ctx,
+            vec![gpu],
+            Arc::clone(&w.cache),
+            Arc::clone(&w.exports),
+            LadderConfig::default(),
+        )
+    }
+    .unwrap();
+    let reg = imported.register(&ladder, 0, 128 << 10).unwrap();
+    assert_eq!(reg.rung(), Rung::Dmabuf);
+    drop(reg);
+    assert!(w.cache.stats().entries > 0);
+    drop(imported);
+    assert_eq!(
+        w.cache.stats().entries,
+        0,
+        "closing the mapping dropped its MRs first"
+    );
+}
