@@ -81,7 +81,9 @@ struct Path {
 #[derive(Debug)]
 struct Pair<A: Api> {
     requester: A::QueuePair,
-    responder: A::QueuePair,
+    /// Never posted to: it only has to exist, connected, for the
+    /// requester's one-sided operations to target it.
+    _responder: A::QueuePair,
 }
 
 /// Two RC queue pairs on one device connected to each other.
@@ -328,6 +330,6 @@ fn connect_pair<A: Api>(
     }
     Ok(Pair {
         requester,
-        responder,
+        _responder: responder,
     })
 }
