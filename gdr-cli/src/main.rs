@@ -9,16 +9,19 @@
 
 use std::error::Error;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use gdr_core::loopback::Loopback;
+use gdr_core::buffer::Buffer;
+use gdr_core::cache::{CacheConfig, RegistrationCache};
+use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig};
 use gdr_sim::nic::{NodeConfig, SimFabric};
 use gdr_sim::{GpuConfig, SimCuda};
+use hal_cuda::Driver as _;
 use hal_cuda::cuda::CudaDriver;
-use hal_cuda::{Context as _, DeviceMemory as _, Driver as _};
 use hal_verbs::rdma::RdmaProvider;
-use hal_verbs::{AccessFlags, AddressFamily, Context as _, ProtectionDomain as _, Provider as _};
+use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
 #[derive(Debug, Parser)]
 #[command(name = "gdr", version, about = "GPU-aware RDMA data movement")]
@@ -172,7 +175,9 @@ fn info(backend: Backend) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-/// Proves host memory, then GPU memory on the first rung that works.
+/// Registers a host buffer and a GPU buffer through the registration
+/// ladder, reports the rung each took and why every higher rung was not, and
+/// proves each MR with a loopback WRITE and READ.
 fn prove<V: hal_verbs::Api, C: hal_cuda::Api>(
     provider: &V::Provider,
     cuda: Option<&C::Driver>,
@@ -184,63 +189,69 @@ fn prove<V: hal_verbs::Api, C: hal_cuda::Api>(
         .next()
         .ok_or("no RDMA device")?;
     let ctx = provider.open(&device.name)?;
-    let loopback = Loopback::<V>::new(&ctx, 1)?;
+    let gpus = match cuda {
+        Some(driver) => vec![Gpu::<C>::open(driver, 0)?],
+        None => Vec::new(),
+    };
+    let gpu_context = match cuda {
+        Some(driver) => Some(driver.context(0)?),
+        None => None,
+    };
+    let cache = Arc::new(RegistrationCache::new(CacheConfig::default()));
+    // SAFETY: everything registered below is a gdr Buffer, which invalidates
+    // its registrations before freeing its memory.
+    let ladder = unsafe {
+        Ladder::<V, C>::new(
+            &ctx,
+            gpus,
+            cache,
+            Arc::new(DmabufExports::new()),
+            LadderConfig::default(),
+        )
+    }?;
     println!(
         "loopback on {} ({}), {size} bytes:",
         device.name,
         provider.backend_name()
     );
 
-    let mut host = vec![0u8; size];
-    // SAFETY: `host` outlives the registration (dropped at the end of scope).
-    let mr = unsafe {
-        loopback
-            .pd()
-            .register(host.as_mut_ptr() as u64, size, AccessFlags::transfer())
-    }?;
-    let started = Instant::now();
-    loopback.prove(&mr, 0, size)?;
-    println!(
-        "  host memory: ibv_reg_mr, WRITE + READ verified in {:.1} ms",
-        started.elapsed().as_secs_f64() * 1e3
-    );
-    drop(mr);
-
-    let Some(driver) = cuda else {
-        println!("  GPU memory: no GPU backend");
-        return Ok(());
-    };
-    let gpu = driver.context(0)?;
-    let len = size.next_multiple_of(64 << 10);
-    let memory = gpu.alloc(len)?;
-    let addr = memory.device_ptr();
-    let dmabuf = gpu.export_dmabuf(addr, len).and_then(|fd| {
-        use std::os::fd::AsRawFd;
-        // SAFETY: `fd` is open for the call and `memory` outlives the region.
-        unsafe {
-            loopback
-                .pd()
-                .register_dmabuf(fd.as_raw_fd(), 0, len, addr, AccessFlags::transfer())
+    let host = Buffer::<C>::alloc_host(size);
+    report("host memory", &ladder, &host, size)?;
+    match &gpu_context {
+        Some(gpu) => {
+            let device_buffer = Buffer::<C>::alloc_device(gpu, size)?;
+            report("GPU memory", &ladder, &device_buffer, size)?;
         }
-        .map_err(|e| hal_cuda::CudaError::unsupported("ibv_reg_dmabuf_mr", e.to_string()))
-    });
-    match dmabuf {
-        Ok(mr) => {
-            loopback.prove(&mr, 0, size)?;
-            println!("  GPU memory: dma-buf rung, WRITE + READ verified");
-            return Ok(());
-        }
-        Err(e) => println!("  GPU memory: dma-buf rung unavailable: {e}"),
+        None => println!("  GPU memory: no GPU beside this NIC"),
     }
-    // SAFETY: `memory` outlives the region.
-    match unsafe { loopback.pd().register(addr, len, AccessFlags::transfer()) } {
-        Ok(mr) => {
-            loopback.prove(&mr, 0, size)?;
-            println!("  GPU memory: peermem rung, WRITE + READ verified");
-        }
-        Err(e) => println!(
-            "  GPU memory: peermem rung unavailable: {e}\n  GPU memory: staging through pinned host memory would be used"
-        ),
+    let stats = ladder.cache().stats();
+    println!(
+        "  registration cache: {} entries, {} hits, {} misses",
+        stats.entries, stats.hits, stats.misses
+    );
+    Ok(())
+}
+
+fn report<V: hal_verbs::Api, C: hal_cuda::Api>(
+    what: &str,
+    ladder: &Ladder<V, C>,
+    buffer: &Buffer<C>,
+    size: usize,
+) -> Result<(), Box<dyn Error>> {
+    let registration = buffer.register(ladder, 0, size as u64)?;
+    println!("  {what}: {:?} rung", registration.rung());
+    for failure in registration.failures() {
+        println!("    not {failure}");
+    }
+    if registration.mr().is_some() {
+        let started = Instant::now();
+        ladder.prove(&registration, size as u64)?;
+        println!(
+            "    WRITE + READ of {size} bytes verified in {:.1} ms",
+            started.elapsed().as_secs_f64() * 1e3
+        );
+    } else {
+        println!("    transfers of it would go through pinned host staging buffers");
     }
     Ok(())
 }

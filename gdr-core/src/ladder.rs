@@ -635,6 +635,28 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         &self.exports
     }
 
+    /// Proves a registration made here with a loopback WRITE and READ of its
+    /// first `len` bytes (overwriting them). Needs
+    /// [`LadderConfig::self_check`]; a staged registration has nothing to
+    /// prove.
+    pub fn prove(&self, registration: &LadderRegistration<V>, len: u64) -> Result<(), LoopbackError> {
+        let not_possible = |why: &str| {
+            LoopbackError::Verbs(VerbsError::invalid("Ladder::prove", why.to_owned()))
+        };
+        let loopback = self
+            .loopback
+            .as_ref()
+            .ok_or_else(|| not_possible("the ladder was built without self_check"))?;
+        let handle = registration
+            .handle
+            .as_ref()
+            .ok_or_else(|| not_possible("a staged registration has no MR"))?;
+        let mr = handle.registration().mr();
+        let len = usize::try_from(len.min(registration.len))
+            .map_err(|_| not_possible("length exceeds usize"))?;
+        loopback.prove(mr, registration.addr - mr.addr(), len)
+    }
+
     /// The verdict of probing `rung` for GPU `ordinal`, if probed.
     pub fn verdict(&self, ordinal: u32, rung: Rung) -> Option<Result<(), Refusal>> {
         lock(&self.verdicts).get(&(ordinal, rung)).cloned()
