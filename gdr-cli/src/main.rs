@@ -266,9 +266,18 @@ fn loopback(backend: Backend, size: usize) -> Result<(), Box<dyn Error>> {
     match (&verbs, &cuda) {
         (Verbs::Real(p), Cuda::Real(d)) => prove::<RealV, RealC>(p, Some(d), size),
         (Verbs::Sim(p), Cuda::Sim(d)) => prove::<SimV, SimC>(p, Some(d), size),
-        (Verbs::Real(p), _) => {
-            println!("(GPU memory needs a real GPU beside the real NIC: host memory only)");
-            prove::<RealV, SimC>(p, None, size)
+        (Verbs::Real(p), Cuda::Sim(_)) => {
+            // A simulated GPU whose memory has host addresses: the real NIC
+            // can register it as nvidia-peermem would pin GPU memory.
+            println!("(simulated GPU memory is host-visible here, standing in for peermem)");
+            let gpu = SimCuda::new(
+                vec![GpuConfig {
+                    host_visible: true,
+                    ..GpuConfig::default()
+                }],
+                Default::default(),
+            );
+            prove::<RealV, SimC>(p, Some(&gpu), size)
         }
         (Verbs::Sim(p), _) => {
             println!("(a simulated NIC cannot reach real GPU memory: host memory only)");

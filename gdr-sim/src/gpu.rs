@@ -54,6 +54,13 @@ pub struct GpuConfig {
     pub flush_writes_options: FlushWritesOptions,
     /// Writes ordering.
     pub writes_ordering: WritesOrdering,
+    /// Give device allocations their backing's host address instead of an
+    /// address in the (CPU-inaccessible) device window. A real NIC can then
+    /// register them with `ibv_reg_mr`, standing in for nvidia-peermem on a
+    /// machine without a GPU (the SoftRoCE tests do this); dma-buf export
+    /// still hands out the memfd, which a real NIC refuses or accepts as its
+    /// driver does. Freed addresses are not deliberately reused.
+    pub host_visible: bool,
 }
 
 impl Default for GpuConfig {
@@ -67,6 +74,7 @@ impl Default for GpuConfig {
             peermem: false,
             flush_writes_options: FlushWritesOptions::HOST,
             writes_ordering: WritesOrdering::Owner,
+            host_visible: false,
         }
     }
 }
@@ -339,6 +347,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             self.gpu.ordinal,
             self.process.id,
             self.gpu.config.peermem,
+            self.gpu.config.host_visible,
             Arc::new(backing),
         );
         tracing::debug!(
@@ -567,11 +576,14 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 reason: "the exported allocation has been freed".into(),
                 code: Some(1),
             })?;
+        // A host-visible allocation's backing already has a host address;
+        // its IPC mapping needs one of its own, so it goes in the window.
         let range = memory::map(
             source.len,
             source.ordinal,
             self.process.id,
             self.process.gpus[source.ordinal as usize].config.peermem,
+            false,
             Arc::clone(&source.backing),
         );
         Ok(SimIpcMapping { range })

@@ -22,9 +22,10 @@ pub const DEVICE_WINDOW_START: u64 = 0xd000_0000_0000_0000;
 /// Granularity of device allocations (as cuMemAlloc's, 2 MiB).
 pub const DEVICE_ALLOCATION_GRANULARITY: u64 = 2 << 20;
 
-/// True for an address in the simulated device window.
+/// True for simulated device memory: an address in the device window, or
+/// inside a host-visible device allocation (see [`crate::GpuConfig::host_visible`]).
 pub fn is_device_address(addr: u64) -> bool {
-    addr >= DEVICE_WINDOW_START
+    addr >= DEVICE_WINDOW_START || lookup(addr).is_some()
 }
 
 /// Host memory backing one device allocation: a memfd and its mapping.
@@ -117,22 +118,28 @@ fn reserved_size(len: usize) -> u64 {
 }
 
 /// Maps `backing` at a device address (reusing a freed one of the same size
-/// first) and returns the new range.
+/// first) and returns the new range. A host-visible range is addressed by
+/// its backing's host address instead, so a real NIC can register it.
 pub(crate) fn map(
     len: usize,
     ordinal: u32,
     process: u64,
     peermem: bool,
+    host_visible: bool,
     backing: Arc<Backing>,
 ) -> Arc<DeviceRange> {
     let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
     let size = reserved_size(len);
-    let base = match space.free_bases.get_mut(&size).and_then(Vec::pop) {
-        Some(base) => base,
-        None => {
-            let base = space.next_base;
-            space.next_base += size;
-            base
+    let base = if host_visible {
+        backing.as_ptr() as u64
+    } else {
+        match space.free_bases.get_mut(&size).and_then(Vec::pop) {
+            Some(base) => base,
+            None => {
+                let base = space.next_base;
+                space.next_base += size;
+                base
+            }
         }
     };
     let range = Arc::new(DeviceRange {
@@ -152,11 +159,13 @@ pub(crate) fn map(
 pub(crate) fn unmap(base: u64) -> Option<Arc<DeviceRange>> {
     let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
     let range = space.ranges.remove(&base)?;
-    space
-        .free_bases
-        .entry(reserved_size(range.len))
-        .or_default()
-        .push(base);
+    if base >= DEVICE_WINDOW_START {
+        space
+            .free_bases
+            .entry(reserved_size(range.len))
+            .or_default()
+            .push(base);
+    }
     Some(range)
 }
 
@@ -191,10 +200,13 @@ pub enum NicAccessError {
 /// backing (only where peermem is on). The returned `Arc` keeps the backing
 /// alive as long as the registration, as a pinned page would be.
 pub fn nic_view(addr: u64, len: usize) -> Result<(*mut u8, Option<Arc<Backing>>), NicAccessError> {
-    if !is_device_address(addr) {
-        return Ok((addr as *mut u8, None));
-    }
-    let range = lookup(addr).ok_or(NicAccessError::NotMapped { addr, len })?;
+    let Some(range) = lookup(addr) else {
+        return if addr >= DEVICE_WINDOW_START {
+            Err(NicAccessError::NotMapped { addr, len })
+        } else {
+            Ok((addr as *mut u8, None))
+        };
+    };
     let offset = addr - range.base;
     if offset + len as u64 > range.len as u64 {
         return Err(NicAccessError::NotMapped { addr, len });
@@ -217,13 +229,13 @@ mod tests {
         // A size class of its own: tests run in parallel and share the space.
         let len = 5 << 20;
         let backing = Arc::new(Backing::new(len).unwrap());
-        let first = map(len, 0, 1, true, Arc::clone(&backing));
+        let first = map(len, 0, 1, true, false, Arc::clone(&backing));
         let (base, id) = (first.base, first.buffer_id);
         assert!(is_device_address(base));
         assert!(lookup(base + 100).is_some());
         unmap(base).unwrap();
         assert!(lookup(base).is_none());
-        let second = map(len, 0, 1, true, backing);
+        let second = map(len, 0, 1, true, false, backing);
         assert_eq!(second.base, base, "the allocator reuses the freed address");
         assert_ne!(second.buffer_id, id);
         unmap(second.base);
@@ -232,8 +244,8 @@ mod tests {
     #[test]
     fn nic_view_enforces_bounds_and_peermem() {
         let backing = Arc::new(Backing::new(8192).unwrap());
-        let with = map(8192, 0, 7, true, Arc::clone(&backing));
-        let without = map(8192, 0, 7, false, Arc::clone(&backing));
+        let with = map(8192, 0, 7, true, false, Arc::clone(&backing));
+        let without = map(8192, 0, 7, false, false, Arc::clone(&backing));
         let (ptr, keep) = nic_view(with.base + 4096, 4096).unwrap();
         assert_eq!(ptr, backing.as_ptr().wrapping_add(4096));
         assert!(keep.is_some());

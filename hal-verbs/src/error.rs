@@ -92,11 +92,12 @@ struct Errno(Option<i32>);
 impl fmt::Display for Errno {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.0 {
-            Some(code) => write!(
-                f,
-                " (errno {code}: {})",
-                std::io::Error::from_raw_os_error(code)
-            ),
+            Some(code) => {
+                // io::Error's text ends in " (os error N)": we name the number once.
+                let text = std::io::Error::from_raw_os_error(code).to_string();
+                let text = text.split(" (os error").next().unwrap_or(&text);
+                write!(f, " (errno {code}: {text})")
+            }
             None => Ok(()),
         }
     }

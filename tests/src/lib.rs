@@ -3,6 +3,8 @@
 
 use std::sync::Once;
 
+pub mod rxe;
+
 /// Routes `tracing` output to the test harness (shown for failing tests),
 /// filtered by `RUST_LOG`.
 pub fn init_tracing() {

@@ -57,7 +57,10 @@ fn reused_device_address_is_stale_not_a_hit() {
     let again = ctx.pointer_attributes(addr + 4096).unwrap();
     let inner = Request::from_attributes(1, &again, addr + 4096, 4096).unwrap();
     assert_eq!(
-        *cache.get_or_register(&registrar, &inner).unwrap().registration(),
+        *cache
+            .get_or_register(&registrar, &inner)
+            .unwrap()
+            .registration(),
         registration,
         "a range inside the live allocation hits"
     );
@@ -81,7 +84,10 @@ fn reused_device_address_is_stale_not_a_hit() {
         .get_or_register(&registrar, &request)
         .unwrap()
         .registration();
-    assert_ne!(fresh, registration, "the old registration is never returned");
+    assert_ne!(
+        fresh, registration,
+        "the old registration is never returned"
+    );
     let stats = cache.stats();
     assert_eq!(stats.stale_detections, 1, "{stats:?}");
     assert_eq!(stats.hits, 1, "{stats:?}");

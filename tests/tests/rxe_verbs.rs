@@ -10,12 +10,12 @@
 //! `10.99.0.1`, the address the VM runner gives rxe0's netdev).
 
 use std::alloc::Layout;
-use std::net::IpAddr;
 use std::ptr::NonNull;
 use std::sync::atomic::{Ordering, fence};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use gdr_tests::rxe::{device_name, expect_rxe, expected_ip, open_rxe};
 use gdr_tests::{init_tracing, pattern, skip};
 use hal_verbs::rdma::{RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaProvider, RdmaQp};
 use hal_verbs::{
@@ -28,60 +28,11 @@ use hal_verbs::{
 /// How long a completion may take under TCG before the test fails.
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(20);
 
-fn expect_rxe() -> bool {
-    std::env::var("GDR_EXPECT_RXE").is_ok_and(|v| v == "1")
-}
-
-fn device_name() -> String {
-    std::env::var("GDR_RXE_DEVICE").unwrap_or_else(|_| "rxe0".into())
-}
-
-fn expected_ip() -> IpAddr {
-    std::env::var("GDR_RXE_IP")
-        .ok()
-        .and_then(|ip| ip.parse().ok())
-        .unwrap_or_else(|| "10.99.0.1".parse().unwrap())
-}
-
 /// The tests share one device; serialising them keeps resource counts
 /// stable and the slow software NIC uncontended.
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The provider and the opened rxe device, or `None` after printing why the
-/// test skips. Panics instead when `GDR_EXPECT_RXE=1`.
-fn open_rxe(test: &str) -> Option<(RdmaProvider, RdmaContext)> {
-    init_tracing();
-    let name = device_name();
-    let unavailable = |why: String| {
-        assert!(!expect_rxe(), "{test}: GDR_EXPECT_RXE=1 but {why}");
-        skip(test, &why);
-    };
-    let provider = match RdmaProvider::load() {
-        Ok(p) => p,
-        Err(e) => {
-            unavailable(e.to_string());
-            return None;
-        }
-    };
-    let devices = match provider.devices() {
-        Ok(d) => d,
-        Err(e) => {
-            unavailable(e.to_string());
-            return None;
-        }
-    };
-    if !devices.iter().any(|d| d.name == name) {
-        let names: Vec<_> = devices.iter().map(|d| d.name.as_str()).collect();
-        unavailable(format!("no {name} among the RDMA devices {names:?}"));
-        return None;
-    }
-    let ctx = provider
-        .open(&name)
-        .unwrap_or_else(|e| panic!("{test}: opening {name}: {e}"));
-    Some((provider, ctx))
 }
 
 /// Page-aligned host memory the NIC reads and writes. Read and written only
