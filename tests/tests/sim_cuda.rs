@@ -403,3 +403,22 @@ fn a_test_can_script_a_cuda_context_with_mockall() {
     let err = ctx.export_dmabuf(0x1000, 4096).unwrap_err();
     assert!(err.is_unsupported());
 }
+
+#[test]
+fn host_visible_device_memory_has_a_host_address_but_is_still_device_memory() {
+    let (_driver, ctx, _) = gpu(GpuConfig {
+        host_visible: true,
+        ..GpuConfig::default()
+    });
+    let mem = ctx.alloc(8192).unwrap();
+    let addr = mem.device_ptr();
+    assert!(addr < gdr_sim::memory::DEVICE_WINDOW_START, "{addr:#x}");
+    let attrs = ctx.pointer_attributes(addr + 100).unwrap();
+    assert_eq!(attrs.memory_type, MemoryType::Device);
+    assert_eq!(attrs.allocation_base, addr);
+    write_device(&ctx, addr, &pattern(8192, 4));
+    // SAFETY: a host-visible allocation is host memory of this process,
+    // alive until `mem` drops.
+    let seen = unsafe { std::slice::from_raw_parts(addr as *const u8, 8192) };
+    assert_eq!(seen, &pattern(8192, 4)[..]);
+}
