@@ -145,9 +145,8 @@ impl<R: Registrar> ShardState<R> {
 
     /// Evicts unused entries of `domain`, least recently used first, when it
     /// is past `limits`, down to `limits` less `headroom_percent`. Entries
-    /// in use (a handle holds them: their `Arc` count is above the index's
-    /// one) are skipped; so the domain can stay past its limits while they
-    /// are in use.
+    /// in use (a handle holds them) are skipped; so the domain can stay past
+    /// its limits while they are in use.
     pub(crate) fn evict(
         &mut self,
         domain: DomainId,
@@ -173,15 +172,15 @@ impl<R: Registrar> ShardState<R> {
             target_entries
         )
         .entered();
-        // Under the write lock no handle can be made from the index, so a
-        // count of 1 (the index's own) means "not in use" and stays so.
+        // Under the write lock no handle can be made from the index, so an
+        // entry without users stays unused until the lock is released.
         let mut candidates: Vec<(u64, u64, SpaceKey, u64)> = self
             .spaces
             .iter()
             .filter(|(space, _)| space.domain == domain)
             .flat_map(|(space, map)| {
                 map.values()
-                    .filter(|e| Arc::strong_count(e) == 1)
+                    .filter(|e| !e.in_use())
                     .map(|e| {
                         (
                             e.last_used.load(crate::sync::atomic::Ordering::Relaxed),

@@ -68,9 +68,10 @@
 //! entries. When an insertion takes a domain past either, unused entries are
 //! evicted least-recently-used first down to the limits less
 //! [`CacheConfig::eviction_headroom_percent`] (evicting a batch keeps the
-//! sort that picks victims off most insertions). "Unused" is exact: under the
-//! write lock nobody can take a new handle, so an entry whose `Arc` count is
-//! the index's alone is unused and stays so. Entries in use are never
+//! sort that picks victims off most insertions). "Unused" is exact: each
+//! entry counts its handles, new handles are made only under the shard's
+//! lock (or counted there for waiters), so an entry without handles seen
+//! under the write lock is unused and stays so. Entries in use are never
 //! evicted, so a domain can stay past its limits while they are; the next
 //! insertion (or [`RegistrationCache::trim`]) evicts again.
 //!
@@ -120,7 +121,7 @@ use index::{Lookup, ShardState};
 use key::{SpaceKey, shard_of};
 use stats::Counters;
 
-use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use crate::sync::{self, Arc, Condvar, Mutex, RwLock};
 
 /// What registers memory for the cache.
@@ -193,6 +194,10 @@ pub(crate) struct Pending<R: Registrar> {
     /// Set (under the shard's write lock) when an invalidation overlapped the
     /// range while it was being registered: the result is not cached.
     invalidated: AtomicBool,
+    /// Requests inside the range waiting for it (counted under the shard's
+    /// write lock): the entry is born with a use for each, so it cannot be
+    /// evicted before they take their handles.
+    covered_waiters: AtomicUsize,
     outcome: Mutex<Outcome<R>>,
     done: Condvar,
 }
@@ -321,10 +326,10 @@ impl<R: Registrar> RegistrationCache<R> {
         })
     }
 
-    fn hit(&self, entry: Arc<Entry<R::Registration>>) -> CacheHandle<R::Registration> {
-        entry.touch(self.clock.load(Ordering::Relaxed));
+    fn hit(&self, handle: CacheHandle<R::Registration>) -> CacheHandle<R::Registration> {
+        handle.entry.touch(self.clock.load(Ordering::Relaxed));
         self.counters.hit();
-        CacheHandle { entry }
+        handle
     }
 
     /// The cached registration covering `request`, without registering on a
@@ -341,9 +346,9 @@ impl<R: Registrar> RegistrationCache<R> {
         ) else {
             return None;
         };
-        let entry = Arc::clone(entry);
+        let handle = CacheHandle::new(entry);
         drop(state);
-        Some(self.hit(entry))
+        Some(self.hit(handle))
     }
 
     /// A registration covering `request`: cached, or registered now through
@@ -360,9 +365,9 @@ impl<R: Registrar> RegistrationCache<R> {
                 request.start,
                 end,
             ) {
-                let entry = Arc::clone(entry);
+                let handle = CacheHandle::new(entry);
                 drop(state);
-                return Ok(self.hit(entry));
+                return Ok(self.hit(handle));
             }
         }
         self.miss(registrar, request, end)
@@ -375,9 +380,9 @@ impl<R: Registrar> RegistrationCache<R> {
         loop {
             let mut state = sync::write(shard);
             if let Lookup::Hit(entry) = state.lookup(space, kind, identity, start, end) {
-                let entry = Arc::clone(entry);
+                let handle = CacheHandle::new(entry);
                 drop(state);
-                return Ok(self.hit(entry));
+                return Ok(self.hit(handle));
             }
 
             // Stale entries go; same-allocation ones widen the registration.
@@ -405,13 +410,17 @@ impl<R: Registrar> RegistrationCache<R> {
                 .find(|p| p.overlaps(space, start, end) && p.kind == kind && p.identity == identity)
                 .map(Arc::clone);
             if let Some(pending) = in_flight {
+                let covers = pending.start <= start && end <= pending.end;
+                if covers {
+                    // Relaxed: written and read under the write lock.
+                    pending.covered_waiters.fetch_add(1, Ordering::Relaxed);
+                }
                 drop(state);
                 drop(victims);
-                let covers = pending.start <= start && end <= pending.end;
                 match pending.wait() {
                     Outcome::Done(entry) if covers => {
                         Counters::add(&self.counters.coalesced, 1);
-                        return Ok(self.hit(entry));
+                        return Ok(self.hit(CacheHandle::adopt(entry)));
                     }
                     Outcome::Failed(source) if covers => {
                         return Err(CacheError::Register {
@@ -435,6 +444,7 @@ impl<R: Registrar> RegistrationCache<R> {
                 start: lo,
                 end: hi,
                 invalidated: AtomicBool::new(false),
+                covered_waiters: AtomicUsize::new(0),
                 outcome: Mutex::new(Outcome::Registering),
                 done: Condvar::new(),
             });
@@ -491,6 +501,9 @@ impl<R: Registrar> RegistrationCache<R> {
                     end: pending.end,
                     seq: tick,
                     last_used: AtomicU64::new(tick),
+                    // Ours and each covered waiter's (their count is final:
+                    // the pending slot is unpublished under this lock).
+                    users: AtomicUsize::new(1 + pending.covered_waiters.load(Ordering::Relaxed)),
                     registration,
                 });
                 Counters::add(&self.counters.bytes_registered, wide.len);
@@ -511,7 +524,7 @@ impl<R: Registrar> RegistrationCache<R> {
                 drop(state);
                 pending.finish(Outcome::Done(Arc::clone(&entry)));
                 drop(victims);
-                Ok(CacheHandle { entry })
+                Ok(CacheHandle::adopt(entry))
             }
             Err(error) => {
                 drop(state);
@@ -610,8 +623,8 @@ impl<R: Registrar> RegistrationCache<R> {
         let mut count = 0;
         for shard in self.shards.iter() {
             let mut state = sync::write(shard);
-            // Under the write lock a count of 1 means unused (see `evict`).
-            let evicted = state.remove_where(|_, e| Arc::strong_count(e) == 1, &self.counters);
+            // Under the write lock, unused stays unused (see `evict`).
+            let evicted = state.remove_where(|_, e| !e.in_use(), &self.counters);
             drop(state);
             count += evicted.len();
         }
@@ -620,7 +633,7 @@ impl<R: Registrar> RegistrationCache<R> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 impl<R: Registrar> RegistrationCache<R> {
     /// How many threads wait on `domain`'s registrations in flight (each
     /// pending slot is held by the index, its registering thread and each
