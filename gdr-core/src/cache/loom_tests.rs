@@ -20,13 +20,19 @@ struct Mr {
 
 impl Mr {
     fn assert_alive(&self) {
-        assert!(!self.dead.load(Ordering::SeqCst), "used after deregistration");
+        assert!(
+            !self.dead.load(Ordering::SeqCst),
+            "used after deregistration"
+        );
     }
 }
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        assert!(!self.dead.swap(true, Ordering::SeqCst), "deregistered twice");
+        assert!(
+            !self.dead.swap(true, Ordering::SeqCst),
+            "deregistered twice"
+        );
         self.live.fetch_sub(1, Ordering::SeqCst);
         self.drops.fetch_add(1, Ordering::SeqCst);
     }
@@ -65,6 +71,7 @@ fn cache(max_entries: u64) -> Arc<RegistrationCache<Reg>> {
         },
         eviction_headroom_percent: 0,
         shards: 1,
+        read_replicas: 2,
     }))
 }
 
@@ -184,7 +191,11 @@ fn invalidate_racing_a_hit() {
         assert!(cache.get(&host(0x0, 0x1000)).is_none());
         t.join().unwrap();
         assert_eq!(cache.stats().entries, 0);
-        assert_eq!(reg.live.load(Ordering::SeqCst), 0, "deregistered after the hit");
+        assert_eq!(
+            reg.live.load(Ordering::SeqCst),
+            0,
+            "deregistered after the hit"
+        );
         assert_eq!(reg.drops.load(Ordering::SeqCst), 1);
     });
 }
@@ -218,7 +229,6 @@ fn refcount_reaching_zero_while_an_eviction_runs() {
         assert_eq!(reg.drops.load(Ordering::SeqCst) as u64, s.evictions);
     });
 }
-
 
 #[test]
 fn invalidate_racing_a_registration_in_flight() {
