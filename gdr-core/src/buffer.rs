@@ -101,7 +101,12 @@ impl<C: hal_cuda::Api> Buffer<C> {
         let memory = context.alloc_pinned(len)?;
         let addr = memory.as_ptr() as u64;
         let attrs = context.pointer_attributes(addr)?;
-        Ok(Self::new(Memory::Pinned(memory), addr, len as u64, Some(attrs)))
+        Ok(Self::new(
+            Memory::Pinned(memory),
+            addr,
+            len as u64,
+            Some(attrs),
+        ))
     }
 
     /// `len` bytes of device memory on `context`'s GPU.
@@ -109,7 +114,12 @@ impl<C: hal_cuda::Api> Buffer<C> {
         let memory = context.alloc(len)?;
         let addr = memory.device_ptr();
         let attrs = context.pointer_attributes(addr)?;
-        Ok(Self::new(Memory::Device(memory), addr, len as u64, Some(attrs)))
+        Ok(Self::new(
+            Memory::Device(memory),
+            addr,
+            len as u64,
+            Some(attrs),
+        ))
     }
 
     /// Maps another process's allocation from its IPC handle. The whole

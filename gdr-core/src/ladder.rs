@@ -26,7 +26,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use hal_cuda::{
     Context as _, CudaError, DeviceAttributes, DeviceMemory as _, MemoryType, PointerAttributes,
 };
-use hal_verbs::{AccessFlags, Api, Context as _, MemoryRegion as _, ProtectionDomain as _, VerbsError};
+use hal_verbs::{
+    AccessFlags, Api, Context as _, MemoryRegion as _, ProtectionDomain as _, VerbsError,
+};
 
 use crate::buffer::Forget;
 use crate::cache::{
@@ -530,7 +532,13 @@ impl<V: Api> Forget for LadderForget<V> {
         if let Some(id) = buffer_id {
             self.exports.release(id);
         }
-        tracing::debug!(domain = self.domain, addr = format_args!("{addr:#x}"), len, dropped, "buffer gone: registrations invalidated");
+        tracing::debug!(
+            domain = self.domain,
+            addr = format_args!("{addr:#x}"),
+            len,
+            dropped,
+            "buffer gone: registrations invalidated"
+        );
     }
 }
 
@@ -639,10 +647,13 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     /// first `len` bytes (overwriting them). Needs
     /// [`LadderConfig::self_check`]; a staged registration has nothing to
     /// prove.
-    pub fn prove(&self, registration: &LadderRegistration<V>, len: u64) -> Result<(), LoopbackError> {
-        let not_possible = |why: &str| {
-            LoopbackError::Verbs(VerbsError::invalid("Ladder::prove", why.to_owned()))
-        };
+    pub fn prove(
+        &self,
+        registration: &LadderRegistration<V>,
+        len: u64,
+    ) -> Result<(), LoopbackError> {
+        let not_possible =
+            |why: &str| LoopbackError::Verbs(VerbsError::invalid("Ladder::prove", why.to_owned()));
         let loopback = self
             .loopback
             .as_ref()
@@ -703,7 +714,14 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                         device: self.device.clone(),
                         source,
                     })?;
-                self.registration(Rung::HostMemory, Vec::new(), addr, len, MemoryLocation::Host, Some(handle))
+                self.registration(
+                    Rung::HostMemory,
+                    Vec::new(),
+                    addr,
+                    len,
+                    MemoryLocation::Host,
+                    Some(handle),
+                )
             }
             MemoryType::Device => self.register_gpu(&attrs, addr, len)?,
         };
@@ -779,7 +797,14 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             }
             match self.register_on(gpu, rung, attrs, addr, len) {
                 Ok(handle) => {
-                    return Ok(self.registration(rung, failures, addr, len, location, Some(handle)));
+                    return Ok(self.registration(
+                        rung,
+                        failures,
+                        addr,
+                        len,
+                        location,
+                        Some(handle),
+                    ));
                 }
                 Err(refusal) => failures.push(RungFailure {
                     rung,
@@ -836,7 +861,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         if let Some(verdict) = lock(&self.verdicts).get(&key) {
             return verdict.clone();
         }
-        let _span = tracing::info_span!("probe", device = %self.device, gpu = key.0, ?rung).entered();
+        let _span =
+            tracing::info_span!("probe", device = %self.device, gpu = key.0, ?rung).entered();
         let verdict = self.probe_once(gpu, rung);
         match &verdict {
             Ok(()) => tracing::info!("rung works"),
@@ -850,7 +876,9 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         let a = &gpu.attributes;
         match rung {
             Rung::Dmabuf if !a.dma_buf_supported => {
-                return Err(Refusal::Gpu("CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0".into()));
+                return Err(Refusal::Gpu(
+                    "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0".into(),
+                ));
             }
             Rung::Peermem if !a.gpu_direct_rdma_supported => {
                 return Err(Refusal::Gpu(
@@ -869,7 +897,9 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                     .export_dmabuf(addr, PROBE_LEN)
                     .map_err(Refusal::Driver)?;
                 // SAFETY: `fd` is open; `scratch` outlives `mr` (dropped first).
-                unsafe { pd.register_dmabuf(fd.as_raw_fd(), 0, PROBE_LEN, addr, self.config.access) }
+                unsafe {
+                    pd.register_dmabuf(fd.as_raw_fd(), 0, PROBE_LEN, addr, self.config.access)
+                }
             }
             // SAFETY: `scratch` outlives `mr` (dropped first).
             _ => unsafe { pd.register(addr, PROBE_LEN, self.config.access) },

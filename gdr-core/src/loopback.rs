@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use hal_verbs::{
     AccessFlags, AddressFamily, Api, Completion, CompletionQueue, ConnectionInfo, Context, Gid,
-    InitParams, LinkLayer, MemoryRegion, Mtu, PortState, ProtectionDomain, QpCaps, QueuePair, RtrParams,
-    RtsParams, SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcStatus,
+    InitParams, LinkLayer, MemoryRegion, Mtu, PortState, ProtectionDomain, QpCaps, QueuePair,
+    RtrParams, RtsParams, SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcStatus,
     select_roce_v2_gid,
 };
 

@@ -5,7 +5,7 @@ use std::ops::Deref;
 
 use super::key::{AllocationIdentity, DomainId, MemoryKind};
 use crate::sync::Arc;
-use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// One registration and what it covers. Shared by the index (one `Arc`) and
 /// every handle (one each): it is deregistered, by dropping the
@@ -20,10 +20,21 @@ pub(crate) struct Entry<T> {
     pub(crate) seq: u64,
     /// The cache clock when last hit (approximate LRU; see the module docs).
     pub(crate) last_used: AtomicU64,
+    /// Live handles. Raised only under the shard's lock (read or write) or
+    /// on behalf of waiters counted under the write lock, so an eviction
+    /// that reads 0 under the write lock knows the entry is unused and stays
+    /// so. (Not `Arc::strong_count`: a count that is inspected rather than
+    /// owned, and loom does not explore inspections against drops.)
+    pub(crate) users: AtomicUsize,
     pub(crate) registration: T,
 }
 
 impl<T> Entry<T> {
+    /// Whether a handle holds it (meaningful under the shard's write lock).
+    pub(crate) fn in_use(&self) -> bool {
+        self.users.load(Ordering::Acquire) != 0
+    }
+
     pub(crate) fn len(&self) -> u64 {
         self.end - self.start
     }
@@ -83,6 +94,19 @@ pub struct CacheHandle<T> {
 }
 
 impl<T> CacheHandle<T> {
+    /// A new handle on `entry`; called under the shard's lock.
+    pub(crate) fn new(entry: &Arc<Entry<T>>) -> Self {
+        entry.users.fetch_add(1, Ordering::Relaxed);
+        Self {
+            entry: Arc::clone(entry),
+        }
+    }
+
+    /// Takes over a use already counted in `entry.users`.
+    pub(crate) fn adopt(entry: Arc<Entry<T>>) -> Self {
+        Self { entry }
+    }
+
     /// The registration.
     pub fn registration(&self) -> &T {
         &self.entry.registration
@@ -123,9 +147,16 @@ impl<T> CacheHandle<T> {
 
 impl<T> Clone for CacheHandle<T> {
     fn clone(&self) -> Self {
-        Self {
-            entry: Arc::clone(&self.entry),
-        }
+        // A use of an entry already in use: no lock needed.
+        Self::new(&self.entry)
+    }
+}
+
+impl<T> Drop for CacheHandle<T> {
+    fn drop(&mut self) {
+        // Release: what this handle did with the registration happens before
+        // an eviction that sees the count reach zero.
+        self.entry.users.fetch_sub(1, Ordering::Release);
     }
 }
 

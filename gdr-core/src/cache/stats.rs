@@ -42,19 +42,29 @@ const STRIPES: usize = 1;
 #[repr(align(128))]
 struct Padded(AtomicU64);
 
+/// A small number per thread: which hit counter it bumps and which index
+/// replica it reads.
 #[cfg(not(loom))]
-fn stripe() -> usize {
+pub(crate) fn stripe() -> usize {
     use std::sync::atomic::AtomicUsize;
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
-        static STRIPE: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % STRIPES;
+        static STRIPE: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     STRIPE.with(|s| *s)
 }
 
+/// Under loom: from the model thread's id, so readers use different
+/// replicas.
 #[cfg(loom)]
-fn stripe() -> usize {
-    0
+pub(crate) fn stripe() -> usize {
+    // loom's `ThreadId` hashes its execution too, which would make the
+    // model non-deterministic; its `Debug` form shows the thread's number.
+    let id = format!("{:?}", loom::thread::current().id());
+    id.trim_start_matches("ThreadId(")
+        .trim_end_matches(')')
+        .parse()
+        .unwrap_or(0)
 }
 
 #[derive(Debug)]
@@ -90,7 +100,9 @@ impl Counters {
     }
 
     pub(crate) fn hit(&self) {
-        self.hits[stripe()].0.fetch_add(1, Ordering::Relaxed);
+        self.hits[stripe() % STRIPES]
+            .0
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {

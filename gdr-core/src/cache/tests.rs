@@ -112,6 +112,7 @@ fn cache_with(limits: Limits) -> Cache {
         limits,
         eviction_headroom_percent: 0,
         shards: 4,
+        read_replicas: 3,
     })
 }
 
@@ -136,7 +137,10 @@ fn a_request_inside_a_cached_range_hits() {
     assert_eq!((b.start(), b.end(), b.len()), (0x1000, 0x3000, 0x2000));
     assert_eq!(b.registration().request, host(0x1000, 0x2000));
     let s = cache.stats();
-    assert_eq!((s.hits, s.misses, s.entries, s.bytes_cached), (2, 1, 1, 0x2000));
+    assert_eq!(
+        (s.hits, s.misses, s.entries, s.bytes_cached),
+        (2, 1, 1, 0x2000)
+    );
     // `get` never registers.
     assert!(cache.get(&host(0x2f00, 0x100)).is_some());
     assert!(cache.get(&host(0x2f00, 0x101)).is_none());
@@ -159,7 +163,12 @@ fn overlapping_requests_merge_into_one_covering_registration() {
     drop(a);
     assert_eq!(reg.live(), 1);
     // Both original ranges now hit the merged one.
-    assert!(cache.get(&host(0x1000, 0x1000)).unwrap().same_registration(&b));
+    assert!(
+        cache
+            .get(&host(0x1000, 0x1000))
+            .unwrap()
+            .same_registration(&b)
+    );
     // A merely adjacent range is registered on its own.
     let c = cache.get_or_register(&reg, &host(0x2800, 0x800)).unwrap();
     assert_eq!((c.start(), c.end()), (0x2800, 0x3000));
@@ -239,7 +248,11 @@ fn sim_gpu_free_and_realloc_never_returns_the_old_registration() {
     drop(first);
 
     let second = ctx.alloc(len).unwrap();
-    assert_eq!(second.device_ptr(), addr, "the sim reuses the freed address");
+    assert_eq!(
+        second.device_ptr(),
+        addr,
+        "the sim reuses the freed address"
+    );
     let attrs2 = ctx.pointer_attributes(addr).unwrap();
     assert_ne!(attrs2.buffer_id, attrs.buffer_id);
     let req2 = Request::from_attributes(D, &attrs2, addr, len as u64).unwrap();
@@ -282,8 +295,12 @@ fn dmabuf_entries_are_keyed_by_allocation_and_offset() {
 #[test]
 fn domains_do_not_share_entries() {
     let (cache, reg) = (unlimited(), FakeRegistrar::default());
-    let a = cache.get_or_register(&reg, &Request::host(1, 0x1000, 0x1000)).unwrap();
-    let b = cache.get_or_register(&reg, &Request::host(2, 0x1000, 0x1000)).unwrap();
+    let a = cache
+        .get_or_register(&reg, &Request::host(1, 0x1000, 0x1000))
+        .unwrap();
+    let b = cache
+        .get_or_register(&reg, &Request::host(2, 0x1000, 0x1000))
+        .unwrap();
     assert!(!a.same_registration(&b));
     assert_eq!((reg.calls(), cache.stats().stale_detections), (2, 0));
 }
@@ -296,14 +313,25 @@ fn lru_eviction_past_the_entry_limit() {
     });
     let reg = FakeRegistrar::default();
     for i in 0..3 {
-        drop(cache.get_or_register(&reg, &host(i * 0x1000, 0x1000)).unwrap());
+        drop(
+            cache
+                .get_or_register(&reg, &host(i * 0x1000, 0x1000))
+                .unwrap(),
+        );
     }
     // Use the oldest: it becomes the most recent.
     drop(cache.get(&host(0, 0x1000)).unwrap());
-    drop(cache.get_or_register(&reg, &host(0x10_000, 0x1000)).unwrap());
+    drop(
+        cache
+            .get_or_register(&reg, &host(0x10_000, 0x1000))
+            .unwrap(),
+    );
     let s = cache.stats();
     assert_eq!((s.entries, s.evictions), (3, 1));
-    assert!(cache.get(&host(0x1000, 0x1000)).is_none(), "the LRU one went");
+    assert!(
+        cache.get(&host(0x1000, 0x1000)).is_none(),
+        "the LRU one went"
+    );
     assert!(cache.get(&host(0, 0x1000)).is_some());
     assert!(cache.get(&host(0x2000, 0x1000)).is_some());
     assert_eq!(reg.live(), 3);
@@ -317,10 +345,22 @@ fn lru_eviction_past_the_byte_limit() {
     });
     let reg = FakeRegistrar::default();
     drop(cache.get_or_register(&reg, &host(0x0, 0x2000)).unwrap());
-    drop(cache.get_or_register(&reg, &host(0x10_000, 0x1000)).unwrap());
-    drop(cache.get_or_register(&reg, &host(0x20_000, 0x1000)).unwrap());
+    drop(
+        cache
+            .get_or_register(&reg, &host(0x10_000, 0x1000))
+            .unwrap(),
+    );
+    drop(
+        cache
+            .get_or_register(&reg, &host(0x20_000, 0x1000))
+            .unwrap(),
+    );
     assert_eq!(cache.stats().evictions, 0);
-    drop(cache.get_or_register(&reg, &host(0x30_000, 0x1000)).unwrap());
+    drop(
+        cache
+            .get_or_register(&reg, &host(0x30_000, 0x1000))
+            .unwrap(),
+    );
     let s = cache.stats();
     assert_eq!((s.evictions, s.entries, s.bytes_cached), (1, 3, 0x3000));
     assert!(cache.get(&host(0x0, 0x1000)).is_none());
@@ -335,10 +375,15 @@ fn headroom_evicts_a_batch() {
         },
         eviction_headroom_percent: 10,
         shards: 1,
+        read_replicas: 2,
     });
     let reg = FakeRegistrar::default();
     for i in 0..101 {
-        drop(cache.get_or_register(&reg, &host(i * 0x1000, 0x1000)).unwrap());
+        drop(
+            cache
+                .get_or_register(&reg, &host(i * 0x1000, 0x1000))
+                .unwrap(),
+        );
     }
     let s = cache.stats();
     assert_eq!((s.entries, s.evictions), (90, 11));
@@ -352,17 +397,29 @@ fn entries_in_use_are_never_evicted() {
     });
     let reg = FakeRegistrar::default();
     let held: Vec<_> = (0..4)
-        .map(|i| cache.get_or_register(&reg, &host(i * 0x1000, 0x1000)).unwrap())
+        .map(|i| {
+            cache
+                .get_or_register(&reg, &host(i * 0x1000, 0x1000))
+                .unwrap()
+        })
         .collect();
     let s = cache.stats();
-    assert_eq!((s.entries, s.evictions), (4, 0), "over the limit while in use");
+    assert_eq!(
+        (s.entries, s.evictions),
+        (4, 0),
+        "over the limit while in use"
+    );
     for i in 0..4 {
         assert!(cache.get(&host(i * 0x1000, 0x1000)).is_some());
     }
     // Release two; the next insertion evicts exactly those (LRU among unused).
     let mut held = held;
     held.truncate(2);
-    drop(cache.get_or_register(&reg, &host(0x10_000, 0x1000)).unwrap());
+    drop(
+        cache
+            .get_or_register(&reg, &host(0x10_000, 0x1000))
+            .unwrap(),
+    );
     let s = cache.stats();
     // The new one was in use (its handle being returned) while evicting.
     assert_eq!((s.evictions, s.entries), (2, 3), "the two released ones");
@@ -380,8 +437,16 @@ fn entries_in_use_are_never_evicted() {
 fn set_limits_applies_per_domain() {
     let (cache, reg) = (unlimited(), FakeRegistrar::default());
     for i in 0..4 {
-        drop(cache.get_or_register(&reg, &Request::host(1, i * 0x1000, 0x1000)).unwrap());
-        drop(cache.get_or_register(&reg, &Request::host(2, i * 0x1000, 0x1000)).unwrap());
+        drop(
+            cache
+                .get_or_register(&reg, &Request::host(1, i * 0x1000, 0x1000))
+                .unwrap(),
+        );
+        drop(
+            cache
+                .get_or_register(&reg, &Request::host(2, i * 0x1000, 0x1000))
+                .unwrap(),
+        );
     }
     cache.set_limits(
         1,
@@ -400,7 +465,11 @@ fn invalidate_unlinks_overlapping_entries() {
     let in_use = cache.get_or_register(&reg, &host(0x1000, 0x1000)).unwrap();
     drop(cache.get_or_register(&reg, &host(0x3000, 0x1000)).unwrap());
     drop(cache.get_or_register(&reg, &host(0x8000, 0x1000)).unwrap());
-    drop(cache.get_or_register(&reg, &Request::host(D + 1, 0x1000, 0x1000)).unwrap());
+    drop(
+        cache
+            .get_or_register(&reg, &Request::host(D + 1, 0x1000, 0x1000))
+            .unwrap(),
+    );
     assert_eq!(cache.invalidate_in(D, 0x1800, 0x2000), 2);
     let s = cache.stats();
     assert_eq!((s.invalidations, s.entries), (2, 2));
@@ -432,7 +501,10 @@ fn a_failed_registration_leaves_no_entry_and_is_retried() {
     ));
     assert!(std::error::Error::source(&err).is_some());
     let s = cache.stats();
-    assert_eq!((s.entries, s.failures, s.misses, s.bytes_registered), (0, 1, 1, 0));
+    assert_eq!(
+        (s.entries, s.failures, s.misses, s.bytes_registered),
+        (0, 1, 1, 0)
+    );
     reg.fail_all.store(false, Ordering::SeqCst);
     cache.get_or_register(&reg, &host(0x1000, 0x1000)).unwrap();
     assert_eq!((reg.calls(), cache.stats().entries), (2, 1));
@@ -491,7 +563,9 @@ fn concurrent_misses_on_one_exact_range_register_once() {
             .map(|_| {
                 s.spawn(|| {
                     barrier.wait();
-                    cache.get_or_register(&reg, &host(0x10_000, 0x4000)).unwrap()
+                    cache
+                        .get_or_register(&reg, &host(0x10_000, 0x4000))
+                        .unwrap()
                 })
             })
             .collect();
@@ -521,7 +595,13 @@ fn waiters_share_a_failure() {
         reg.open_gate();
         assert!(first.join().unwrap().is_err());
         let err = second.join().unwrap().unwrap_err();
-        assert!(matches!(err, CacheError::Register { start: 0x10_000, .. }));
+        assert!(matches!(
+            err,
+            CacheError::Register {
+                start: 0x10_000,
+                ..
+            }
+        ));
     });
     assert_eq!(reg.calls(), 1, "the waiter shared the failure");
     assert_eq!(cache.stats().entries, 0);
@@ -648,7 +728,10 @@ fn planner_registers_overlapping_requests_once_as_their_union() {
         .collect();
     assert!(results[1].same_registration(&results[2]));
     assert_eq!((results[1].start(), results[1].end()), (0x0, 0x1800));
-    assert_eq!(results[3].identity(), AllocationIdentity::Cuda { buffer_id: 9 });
+    assert_eq!(
+        results[3].identity(),
+        AllocationIdentity::Cuda { buffer_id: 9 }
+    );
     // Host 0x0..0x1800, host 0x5000.., device 0x800.. (the last two in
     // the one address index, so the device one unlinks the overlapping
     // host one as stale, or the reverse, depending on who came last).
@@ -660,7 +743,12 @@ fn planner_with_one_thread_runs_inline() {
     let cache = unlimited();
     let reg = FakeRegistrar::slow(Duration::from_millis(1));
     let requests: Vec<_> = (0..4).map(|i| host(i * 0x10_000, 0x1000)).collect();
-    assert!(cache.register_all(&reg, &requests, 1).iter().all(Result::is_ok));
+    assert!(
+        cache
+            .register_all(&reg, &requests, 1)
+            .iter()
+            .all(Result::is_ok)
+    );
     assert_eq!(reg.max_in_flight.load(Ordering::SeqCst), 1);
 }
 

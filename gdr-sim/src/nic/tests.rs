@@ -74,8 +74,8 @@ fn device_memory_registers_only_with_peermem() {
     let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
     connect(&a, &b);
     let backing = Arc::new(Backing::new(8192).unwrap());
-    let with = memory::map(8192, 0, 1, true, Arc::clone(&backing));
-    let without = memory::map(8192, 0, 1, false, Arc::clone(&backing));
+    let with = memory::map(8192, 0, 1, true, false, Arc::clone(&backing));
+    let without = memory::map(8192, 0, 1, false, false, Arc::clone(&backing));
 
     // SAFETY: the device range stays mapped past the registration.
     let err = unsafe { b.pd.register(without.base, 4096, AccessFlags::transfer()) }.unwrap_err();
