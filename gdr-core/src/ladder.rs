@@ -448,7 +448,7 @@ pub struct LadderRegistration<V: Api> {
     addr: u64,
     len: u64,
     location: MemoryLocation,
-    device: String,
+    device: Arc<str>,
     handle: Option<CacheHandle<NicRegistration<V>>>,
 }
 
@@ -493,7 +493,7 @@ impl<V: Api> LadderRegistration<V> {
             addr: self.addr,
             len: self.len,
             rkey: mr.rkey(),
-            device: self.device.clone(),
+            device: self.device.to_string(),
             location: self.location,
         })
     }
@@ -505,7 +505,8 @@ static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
 
 /// The registration ladder of one NIC, over the GPUs it was given.
 pub struct Ladder<V: Api, C: hal_cuda::Api> {
-    device: String,
+    // Shared with every registration: a hit must not allocate.
+    device: Arc<str>,
     domain: DomainId,
     config: LadderConfig,
     // Declared before the PD's other owners so self-check QPs go first.
@@ -599,7 +600,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             domain,
         });
         Ok(Self {
-            device,
+            device: device.into(),
             domain,
             config,
             loopback,
@@ -711,7 +712,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                     .cache
                     .get_or_register(&self.registrar, &request)
                     .map_err(|source| LadderError::Host {
-                        device: self.device.clone(),
+                        device: self.device.to_string(),
                         source,
                     })?;
                 self.registration(
