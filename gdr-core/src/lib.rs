@@ -3,7 +3,7 @@
 //! The part of gdr that knows no backend: buffers and memory kinds, the
 //! registration ladder and cache, descriptors and `gdr://` URIs, and the
 //! transfer engine, all generic over the `hal-verbs` and `hal-cuda` traits.
-//! Concurrency goes through [`sync`]'s shim so loom can check it.
+//! Concurrency goes through a `sync` shim (std or loom) so loom can check it.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

@@ -2,12 +2,12 @@
 //!
 //! The CUDA hardware-abstraction layer of gdr: traits ([`Api`] and its role
 //! traits), plain types and one error enum over the CUDA driver API. The real
-//! backend ([`cuda`], feature `cuda`, on by default) loads libcuda at run
+//! backend (`cuda`, feature `cuda`, on by default) loads libcuda at run
 //! time (cudarc, `dynamic-loading`); `gdr-sim`
 //! simulates a GPU on host memory. Nothing here names a layer above.
 //!
 //! With the `mock` feature every role trait has a mockall mock, and
-//! [`mock::MockApi`] ties them together as a backend.
+//! `mock::MockApi` ties them together as a backend.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -29,7 +29,7 @@ pub use types::{
     IpcMemHandle, MemoryType, PointerAttributes, WritesOrdering,
 };
 
-/// mockall mocks of the role traits, tied together by [`mock::MockApi`].
+/// mockall mocks of the role traits, tied together by `mock::MockApi`.
 #[cfg(feature = "mock")]
 pub mod mock {
     pub use crate::api::{

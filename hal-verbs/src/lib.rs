@@ -5,11 +5,11 @@
 //! the traits: the real one over rdma-core (loaded at run time) and the
 //! simulated one in `gdr-sim`. Nothing here names a layer above.
 //!
-//! With the `rdma-core` feature (on by default) [`rdma`] is the real backend
+//! With the `rdma-core` feature (on by default) `rdma` is the real backend
 //! over libibverbs, loaded at run time.
 //!
 //! With the `mock` feature every role trait has a mockall mock, and
-//! [`mock::MockApi`] ties them together as a backend.
+//! `mock::MockApi` ties them together as a backend.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -29,7 +29,7 @@ pub use types::{
     WcStatus, select_roce_v2_gid,
 };
 
-/// mockall mocks of the role traits, tied together by [`mock::MockApi`].
+/// mockall mocks of the role traits, tied together by `mock::MockApi`.
 #[cfg(feature = "mock")]
 pub mod mock {
     pub use crate::api::{

@@ -3,7 +3,7 @@
 //!
 //! What this layer guarantees on top of cudarc:
 //! - no panic reaches a caller: libcuda's presence is probed before the
-//!   first call ([`CudaDriver::load`] returns
+//!   first call ([`CudaDriver::load`](crate::cuda::CudaDriver::load) returns
 //!   [`CudaError::LibraryUnavailable`]), optional entry points are looked up
 //!   in the loaded library before use ([`CudaError::NotSupported`]), and every
 //!   driver call runs under `catch_unwind` anyway;
