@@ -843,6 +843,7 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
         };
         let mut backoff = Duration::from_millis(50);
         let mut attempts = 0u32;
+        let mut last: Option<String> = None;
         loop {
             attempts += 1;
             let why = match self.try_connect(&args) {
@@ -860,11 +861,19 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
             };
             tracing::debug!(attempts, why, "not connected yet; retrying");
             let now = Instant::now();
+            // An attempt the deadline cut short says less than the one
+            // before it (e.g. "no answer" after a series of rejects).
+            if now < args.deadline || last.is_none() {
+                last = Some(why);
+            }
             if now >= args.deadline {
                 return Err(VerbsError::Timeout {
                     operation: OP,
                     waited: now - start,
-                    detail: format!("{attempts} attempt(s); last: {why}"),
+                    detail: format!(
+                        "{attempts} attempt(s); last answer: {}",
+                        last.unwrap_or_default()
+                    ),
                 });
             }
             std::thread::sleep(backoff.min(args.deadline - now));
