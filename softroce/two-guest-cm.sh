@@ -12,8 +12,8 @@
 # GDR_CM_TRANSFERS_RUNNING, guest A's qemu is killed, and the client reports
 # how long after its last successful READ the next one failed (its own
 # DEAD-PEER line). Only the client's status counts then.
-# Env: GDR_CM_PORT (7471), GDR_CM_ACK_TIMEOUT (QP ACK timeout code; default:
-# rdma_cm's), RUST_LOG, and the RXEVM_* knobs of two-guests.sh.
+# Env: GDR_CM_PORT (7471), GDR_CM_ACK_TIMEOUT (QP ACK timeout code, or "cm"
+# for rdma_cm's; default: the HAL's), and the RXEVM_* knobs of two-guests.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 if [ $# -lt 1 ]; then echo "usage: $0 TEST_BINARY [--kill-server [SECONDS]]" >&2; exit 2; fi

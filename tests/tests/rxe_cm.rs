@@ -15,7 +15,8 @@
 //! connection until it is killed and the client READs in a loop, printing
 //! `GDR_CM_TRANSFERS_RUNNING`, then measures how long its requests take to
 //! fail once the server's guest is gone. `GDR_CM_ACK_TIMEOUT` overrides the
-//! QP's ACK timeout code (default: the one rdma_cm derives).
+//! QP's ACK timeout code (a number, or `cm` for the one rdma_cm derives;
+//! default: the HAL's).
 //!
 //! Without an RDMA device every test skips with its reason on stderr; with
 //! `GDR_EXPECT_RXE=1` a missing `rxe0` is a failure.
@@ -209,10 +210,16 @@ fn run(conn: &RdmaConnection, cq: &RdmaCq, wr_id: u64, op: SendOp, sg: SgList) -
 }
 
 fn params(timeout: Duration) -> ConnectParams {
+    let default = ConnectParams::default();
+    let ack_timeout = match env("GDR_CM_ACK_TIMEOUT").as_deref() {
+        None => default.ack_timeout,
+        Some("cm") => None,
+        Some(code) => Some(code.parse().expect("GDR_CM_ACK_TIMEOUT: a number or cm")),
+    };
     ConnectParams {
         timeout,
-        ack_timeout: env("GDR_CM_ACK_TIMEOUT").and_then(|t| t.parse().ok()),
-        ..ConnectParams::default()
+        ack_timeout,
+        ..default
     }
 }
 
