@@ -43,8 +43,9 @@ fi
     if [ "$killed" = 0 ] && [[ $line == "B| GDR_CM_TRANSFERS_RUNNING"* ]]; then
       killed=1
       ( sleep "$KILL_AFTER"
-        kill "$(cat "$D/a.pid")"
-        echo "two-guest-cm: killed guest A (pid $(cat "$D/a.pid")) at $(date +%T.%N)" ) &
+        pid=$(cat "$D/a.pid")
+        kill "$pid"
+        echo "two-guest-cm: killed guest A (qemu pid $pid) at $(date +%T.%N)" ) &
     fi
   done
   wait
