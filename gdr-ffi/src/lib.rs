@@ -39,6 +39,10 @@ pub enum GdrResult {
     Other = 7008,
     /// A panic was caught at the boundary (a gdr bug).
     Panic = 7009,
+    /// A bounded wait ran out (e.g. connecting to a peer that never listened).
+    Timeout = 7010,
+    /// The peer refused the connection.
+    ConnectionRejected = 7011,
 }
 
 impl From<&VerbsError> for GdrResult {
@@ -51,6 +55,8 @@ impl From<&VerbsError> for GdrResult {
             VerbsError::QueueFull { .. } => Self::QueueFull,
             VerbsError::InvalidArgument { .. } => Self::InvalidArgument,
             VerbsError::DeviceLost { .. } => Self::DeviceLost,
+            VerbsError::Timeout { .. } => Self::Timeout,
+            VerbsError::ConnectionRejected { .. } => Self::ConnectionRejected,
             _ => Self::Other,
         }
     }
@@ -83,6 +89,8 @@ impl GdrResult {
             Self::DeviceLost => c"device lost",
             Self::Other => c"operating system or driver error",
             Self::Panic => c"internal error (panic caught at the C boundary)",
+            Self::Timeout => c"timed out",
+            Self::ConnectionRejected => c"connection rejected by the peer",
         }
     }
 }
@@ -109,6 +117,8 @@ pub extern "C" fn gdr_result_message(result: u32) -> *const c_char {
         GdrResult::DeviceLost,
         GdrResult::Other,
         GdrResult::Panic,
+        GdrResult::Timeout,
+        GdrResult::ConnectionRejected,
     ];
     known
         .into_iter()
@@ -125,6 +135,12 @@ mod tests {
     fn hal_errors_map_to_distinct_codes_with_messages() {
         let verbs = VerbsError::from_errno("ibv_reg_dmabuf_mr", "rxe0", 95);
         assert_eq!(GdrResult::from(&verbs), GdrResult::NotSupported);
+        let timeout = VerbsError::Timeout {
+            operation: "rdma_connect",
+            waited: std::time::Duration::from_secs(1),
+            detail: "nobody listening".into(),
+        };
+        assert_eq!(GdrResult::from(&timeout), GdrResult::Timeout);
         let cuda = CudaError::from_code("cuMemAlloc", 2);
         assert_eq!(GdrResult::from(&cuda), GdrResult::OutOfResources);
         // SAFETY: gdr_result_message returns a static NUL-terminated string.

@@ -16,6 +16,6 @@ pub mod nic;
 pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
 pub use gpu::{GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
 pub use nic::{
-    DeviceConfig, NodeConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp, SimVerbs,
-    SimVerbsApi,
+    DeviceConfig, NodeConfig, SimCm, SimConnectRequest, SimConnection, SimContext, SimCq,
+    SimFabric, SimListener, SimMr, SimPd, SimQp, SimVerbs, SimVerbsApi,
 };

@@ -11,12 +11,15 @@
 //! CPU can dereference.
 
 use std::fmt::Debug;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::RawFd;
+use std::time::Duration;
 
 use crate::error::{PostError, Result};
 use crate::types::{
-    AccessFlags, Completion, DeviceAttributes, DeviceInfo, GidEntry, InitParams, PortAttributes,
-    QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendRequest,
+    AccessFlags, Completion, ConnectParams, ConnectionState, DeviceAttributes, DeviceInfo,
+    GidEntry, InitParams, PortAttributes, QpCaps, QpState, RecvRequest, RtrParams, RtsParams,
+    SendRequest,
 };
 
 /// A verbs backend: the handle types it hands out.
@@ -33,6 +36,14 @@ pub trait Api: Sized + Send + Sync + Debug + 'static {
     type CompletionQueue: CompletionQueue;
     /// A reliable-connected queue pair (`ibv_qp`).
     type QueuePair: QueuePair;
+    /// Listens and connects (rdma_cm).
+    type ConnectionManager: ConnectionManager<Self>;
+    /// A listening endpoint (`rdma_cm_id` after `rdma_listen`).
+    type Listener: Listener<Self>;
+    /// A connect request a listener received, not yet accepted.
+    type ConnectRequest: ConnectRequest<Self>;
+    /// One established RC connection: one queue pair.
+    type Connection: Connection<Self>;
 }
 
 /// Entry point of a backend: which devices exist, and opening one.
@@ -45,6 +56,9 @@ pub trait Provider<A: Api>: Send + Sync + Debug {
     fn devices(&self) -> Result<Vec<DeviceInfo>>;
     /// Opens a device by name.
     fn open(&self, name: &str) -> Result<A::Context>;
+    /// The connection manager (rdma_cm); [`crate::VerbsError::LibraryUnavailable`]
+    /// where librdmacm is missing.
+    fn connection_manager(&self) -> Result<A::ConnectionManager>;
 }
 
 /// An opened device.
@@ -171,4 +185,106 @@ pub trait QueuePair: Send + Sync + Debug {
     /// As for [`QueuePair::post_send`]: the buffers must stay valid until
     /// their completions are polled.
     unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError>;
+}
+
+/// Connection management (rdma_cm): listen, connect, accept with private
+/// data, disconnect.
+///
+/// A connection is one RC queue pair. rdma_cm picks the device from the
+/// addresses (the local one a listener is bound to, the route to a peer), and
+/// the queue pair must be created in a protection domain of that device, on
+/// which the caller also registers the memory it exposes: so the caller
+/// learns the device first ([`ConnectionManager::route_device`] on the
+/// connecting side, [`ConnectRequest::device`] on the accepting side) and
+/// passes a PD and CQs of it; a PD of another device is
+/// [`crate::VerbsError::InvalidArgument`].
+///
+/// Private data is framed by the HAL (one length byte), so a peer gets
+/// exactly the bytes sent, not the wire's zero padding: at most
+/// [`crate::MAX_CONNECT_PRIVATE_DATA`] on connect,
+/// [`crate::MAX_ACCEPT_PRIVATE_DATA`] on accept.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait ConnectionManager<A: Api>: Send + Sync + Debug {
+    /// The device a connection to `peer` would use (address resolution
+    /// only), so the caller can open it and allocate a PD there first.
+    fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String>;
+
+    /// Listens on `addr` (port 0: one is assigned, see
+    /// [`Listener::local_addr`]).
+    fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<A::Listener>;
+
+    /// Connects to `peer`: resolves the address and route, creates the queue
+    /// pair in `pd` with the given CQs, sends `private_data` with the
+    /// request and waits until established. A peer that is not listening yet
+    /// (rejected, unreachable, no route) is retried until `params.timeout`,
+    /// then [`crate::VerbsError::Timeout`]; a peer application's reject is
+    /// [`crate::VerbsError::ConnectionRejected`] at once.
+    fn connect(
+        &self,
+        peer: SocketAddr,
+        pd: &A::ProtectionDomain,
+        send_cq: &A::CompletionQueue,
+        recv_cq: &A::CompletionQueue,
+        params: &ConnectParams,
+        private_data: &[u8],
+    ) -> Result<A::Connection>;
+}
+
+/// A listening endpoint. Dropping it stops listening; requests already
+/// taken live on.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Listener<A: Api>: Send + Sync + Debug {
+    /// The address listened on, with the port assigned if 0 was asked.
+    fn local_addr(&self) -> SocketAddr;
+    /// Waits up to `timeout` for the next connect request
+    /// ([`crate::VerbsError::Timeout`] when none came).
+    fn next_request(&self, timeout: Duration) -> Result<A::ConnectRequest>;
+}
+
+/// A connect request, to accept or reject. Dropping it rejects it.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait ConnectRequest<A: Api>: Send + Sync + Debug {
+    /// The requester's private data, exactly as sent.
+    fn private_data(&self) -> Vec<u8>;
+    /// The device the request arrived on: the PD given to
+    /// [`ConnectRequest::accept`] must be of it.
+    fn device(&self) -> String;
+    /// The requester's address.
+    fn peer_addr(&self) -> SocketAddr;
+    /// Creates the queue pair in `pd`, replies with `private_data` and
+    /// waits (up to `params.timeout`) until established.
+    fn accept(
+        self,
+        pd: &A::ProtectionDomain,
+        send_cq: &A::CompletionQueue,
+        recv_cq: &A::CompletionQueue,
+        params: &ConnectParams,
+        private_data: &[u8],
+    ) -> Result<A::Connection>;
+    /// Refuses the request; the requester gets
+    /// [`crate::VerbsError::ConnectionRejected`] with `private_data`.
+    fn reject(self, private_data: &[u8]) -> Result<()>;
+}
+
+/// An established connection: one RC queue pair. Dropping it disconnects,
+/// then destroys the queue pair.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait Connection<A: Api>: Send + Sync + Debug {
+    /// The queue pair, in RTS once connected: post through it.
+    fn qp(&self) -> &A::QueuePair;
+    /// The device the queue pair is on.
+    fn device(&self) -> String;
+    /// Our address.
+    fn local_addr(&self) -> SocketAddr;
+    /// The peer's address.
+    fn peer_addr(&self) -> SocketAddr;
+    /// The private data the peer sent (request or accept), exactly as sent.
+    fn peer_private_data(&self) -> Vec<u8>;
+    /// Processes the connection's events, waiting up to `timeout` for one
+    /// when none is pending (`Duration::ZERO`: never waits), and says where
+    /// it stands.
+    fn poll_state(&self, timeout: Duration) -> Result<ConnectionState>;
+    /// Moves the queue pair to ERROR (outstanding requests flush) and tells
+    /// the peer. Idempotent.
+    fn disconnect(&self) -> Result<()>;
 }

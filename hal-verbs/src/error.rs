@@ -76,6 +76,28 @@ pub enum VerbsError {
         /// The native errno, where there was one.
         errno: Option<i32>,
     },
+    /// A bounded wait ran out (a connection manager's resolution,
+    /// handshake, or retries while the peer was not listening).
+    #[error("{operation} timed out after {waited:?}: {detail}")]
+    Timeout {
+        /// What was waited for, e.g. `rdma_connect`.
+        operation: &'static str,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// The last thing that happened (e.g. the last rejection's reason).
+        detail: String,
+    },
+    /// The peer's application refused the connection (a consumer-defined
+    /// reject: a live listener said no; not retried).
+    #[error("connection to {peer} rejected by the peer (status {status})")]
+    ConnectionRejected {
+        /// The peer's address.
+        peer: String,
+        /// The reject reason (28: consumer defined).
+        status: i32,
+        /// The private data of the reject.
+        private_data: Vec<u8>,
+    },
     /// An OS error with no more specific kind; the errno is kept.
     #[error("{operation} failed: {}", std::io::Error::from_raw_os_error(*errno))]
     Os {
@@ -165,9 +187,11 @@ impl VerbsError {
             | Self::InvalidArgument { errno, .. }
             | Self::DeviceLost { errno, .. } => *errno,
             Self::Os { errno, .. } => Some(*errno),
-            Self::LibraryUnavailable { .. } | Self::NoDevice { .. } | Self::QueueFull { .. } => {
-                None
-            }
+            Self::LibraryUnavailable { .. }
+            | Self::NoDevice { .. }
+            | Self::QueueFull { .. }
+            | Self::Timeout { .. }
+            | Self::ConnectionRejected { .. } => None,
         }
     }
 

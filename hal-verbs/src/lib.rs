@@ -20,20 +20,25 @@ mod types;
 #[cfg(feature = "rdma-core")]
 pub mod rdma;
 
-pub use api::{Api, CompletionQueue, Context, MemoryRegion, ProtectionDomain, Provider, QueuePair};
+pub use api::{
+    Api, CompletionQueue, ConnectRequest, Connection, ConnectionManager, Context, Listener,
+    MemoryRegion, ProtectionDomain, Provider, QueuePair,
+};
 pub use error::{PostError, Result, VerbsError};
 pub use types::{
-    AccessFlags, AddressFamily, Completion, ConnectionInfo, DeviceAttributes, DeviceInfo, Gid,
-    GidEntry, GidType, InitParams, LinkLayer, Mtu, PortAttributes, PortState, QpCaps, QpState,
-    RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, SgList, Sge, WcOpcode,
-    WcStatus, select_roce_v2_gid,
+    AccessFlags, AddressFamily, Completion, ConnectParams, ConnectionInfo, ConnectionState,
+    DeviceAttributes, DeviceInfo, Gid, GidEntry, GidType, InitParams, LinkLayer,
+    MAX_ACCEPT_PRIVATE_DATA, MAX_CONNECT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA, Mtu,
+    PortAttributes, PortState, QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendFlags,
+    SendOp, SendRequest, SgList, Sge, WcOpcode, WcStatus, select_roce_v2_gid,
 };
 
 /// mockall mocks of the role traits, tied together by `mock::MockApi`.
 #[cfg(feature = "mock")]
 pub mod mock {
     pub use crate::api::{
-        MockCompletionQueue, MockContext, MockMemoryRegion, MockProtectionDomain, MockProvider,
+        MockCompletionQueue, MockConnectRequest, MockConnection, MockConnectionManager,
+        MockContext, MockListener, MockMemoryRegion, MockProtectionDomain, MockProvider,
         MockQueuePair,
     };
 
@@ -48,5 +53,9 @@ pub mod mock {
         type MemoryRegion = MockMemoryRegion;
         type CompletionQueue = MockCompletionQueue;
         type QueuePair = MockQueuePair;
+        type ConnectionManager = MockConnectionManager<MockApi>;
+        type Listener = MockListener<MockApi>;
+        type ConnectRequest = MockConnectRequest<MockApi>;
+        type Connection = MockConnection<MockApi>;
     }
 }

@@ -21,7 +21,11 @@
 //! the error state, flushing what is left with `WR_FLUSH_ERR`.
 //!
 //! A [`FaultPlan`] given to the fabric is consulted at every verbs fault site.
+//!
+//! Connection management (rdma_cm's listen/connect/accept with private data)
+//! is [`SimCm`], from [`Provider::connection_manager`]: see the `cm` module.
 
+mod cm;
 mod engine;
 mod mr;
 mod qp;
@@ -29,7 +33,7 @@ mod state;
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use hal_verbs::{
     Api, Context, DeviceAttributes, DeviceInfo, GidEntry, Mtu, PortAttributes, PortState, Provider,
@@ -39,6 +43,7 @@ use hal_verbs::{
 use crate::faults::FaultPlan;
 use state::FabricState;
 
+pub use cm::{SimCm, SimConnectRequest, SimConnection, SimListener};
 pub use mr::{SimMr, SimPd};
 pub use qp::{SimCq, SimQp};
 
@@ -53,6 +58,10 @@ impl Api for SimVerbsApi {
     type MemoryRegion = SimMr;
     type CompletionQueue = SimCq;
     type QueuePair = SimQp;
+    type ConnectionManager = SimCm;
+    type Listener = SimListener;
+    type ConnectRequest = SimConnectRequest;
+    type Connection = SimConnection;
 }
 
 /// Configuration of one simulated RDMA device (one port, RoCE).
@@ -151,6 +160,9 @@ impl NodeConfig {
 #[derive(Clone)]
 pub struct SimFabric {
     shared: Arc<Mutex<FabricState>>,
+    /// Signalled on every connection-manager change (listen, request,
+    /// answer, disconnect), for the sides waiting on one.
+    cm_cond: Arc<Condvar>,
 }
 
 impl fmt::Debug for SimFabric {
@@ -182,6 +194,7 @@ impl SimFabric {
     pub fn with_faults(plan: FaultPlan) -> Self {
         Self {
             shared: Arc::new(Mutex::new(FabricState::new(plan))),
+            cm_cond: Arc::new(Condvar::new()),
         }
     }
 
@@ -203,6 +216,8 @@ impl SimFabric {
     /// configuration error).
     pub fn add_node(&self, name: &str, config: NodeConfig) -> SimVerbs {
         let node = self.lock().add_node(name, config);
+        // A client may be waiting for this node's address to appear.
+        self.cm_cond.notify_all();
         SimVerbs {
             fabric: self.clone(),
             node,
@@ -292,6 +307,13 @@ impl Provider<SimVerbsApi> for SimVerbs {
             fabric: self.fabric.clone(),
             device,
             name: name.to_owned(),
+        })
+    }
+
+    fn connection_manager(&self) -> Result<SimCm> {
+        Ok(SimCm {
+            fabric: self.fabric.clone(),
+            node: self.node,
         })
     }
 }

@@ -31,6 +31,16 @@ impl SimPd {
         }
     }
 
+    /// The device (fabric index) the PD is on.
+    pub(crate) fn device_index(&self) -> usize {
+        self.inner.device
+    }
+
+    /// The fabric the PD is on.
+    pub(crate) fn fabric(&self) -> &SimFabric {
+        &self.inner.fabric
+    }
+
     /// Common checks of both registration verbs; the MR limit, length and
     /// access-flag rules are the kernel's.
     fn check_registration(

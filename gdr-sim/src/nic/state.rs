@@ -185,6 +185,8 @@ pub(crate) struct FabricState {
     pub cqs: HashMap<u64, CqState>,
     /// By QPN (unique on the fabric); ordered so progress is deterministic.
     pub qps: BTreeMap<u32, QpRecord>,
+    /// Listeners, pending requests and connections of the connection manager.
+    pub cm: super::cm::CmState,
     next_id: u64,
     next_key: u32,
     next_qpn: u32,
@@ -211,6 +213,7 @@ impl FabricState {
             rkeys: HashMap::new(),
             cqs: HashMap::new(),
             qps: BTreeMap::new(),
+            cm: super::cm::CmState::default(),
             next_id: 1,
             next_key: 0,
             // Low QPNs are reserved on real devices (0 and 1 are special).

@@ -60,7 +60,7 @@ impl RdmaProvider {
 }
 
 /// Why `dlopen(name)` fails, asked again so the loader says it in words.
-fn load_failure_reason(name: &CStr) -> String {
+pub(crate) fn load_failure_reason(name: &CStr) -> String {
     // SAFETY: `name` is NUL-terminated. A successful load here (the library
     // appeared after start-up) is closed again at once: the shim's function
     // pointers were resolved at start-up and stay unset either way.
@@ -224,6 +224,10 @@ impl Provider<RdmaApi> for RdmaProvider {
         Ok(RdmaContext {
             inner: Arc::new(inner),
         })
+    }
+
+    fn connection_manager(&self) -> Result<super::RdmaCm> {
+        super::RdmaCm::load()
     }
 }
 

@@ -37,12 +37,15 @@
 //! The layout: `device` holds the provider and the opened device (device
 //! list, attributes, ports, GID table), `memory` the protection domain and
 //! memory registrations, `queue` completion queues and queue pairs (state
-//! transitions, linked posts, completions).
+//! transitions, linked posts, completions), `cm` connection management over
+//! librdmacm (also loaded by the shim; [`RdmaCm::load`] probes it).
 
+mod cm;
 mod device;
 mod memory;
 mod queue;
 
+pub use cm::{RdmaCm, RdmaConnectRequest, RdmaConnection, RdmaListener};
 pub use device::{RdmaContext, RdmaProvider};
 pub use memory::{RdmaMr, RdmaPd};
 pub use queue::{RdmaCq, RdmaQp};
@@ -60,6 +63,10 @@ impl crate::Api for RdmaApi {
     type MemoryRegion = RdmaMr;
     type CompletionQueue = RdmaCq;
     type QueuePair = RdmaQp;
+    type ConnectionManager = RdmaCm;
+    type Listener = RdmaListener;
+    type ConnectRequest = RdmaConnectRequest;
+    type Connection = RdmaConnection;
 }
 
 /// The library the shim loads, as named in errors.

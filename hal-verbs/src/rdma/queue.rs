@@ -275,8 +275,29 @@ impl RdmaQp {
         })
     }
 
-    fn device(&self) -> &str {
+    pub(crate) fn device(&self) -> &str {
         self.pd.context().name()
+    }
+
+    pub(crate) fn pd(&self) -> &Arc<PdInner> {
+        &self.pd
+    }
+
+    /// `ibv_modify_qp` with a mask built by someone else (rdma_cm's
+    /// `rdma_init_qp_attr`).
+    pub(crate) fn modify_raw(
+        &self,
+        operation: &'static str,
+        attr: &mut sys::ibv_qp_attr,
+        mask: c_int,
+    ) -> Result<()> {
+        // SAFETY: the QP is live; `attr` is valid and `mask` names fields
+        // rdma_init_qp_attr (or we) set in it.
+        let ret = unsafe { sys::ibv_modify_qp(self.qp, attr, mask) };
+        if ret != 0 {
+            return Err(verb_error(operation, self.device(), ret_errno(ret)));
+        }
+        Ok(())
     }
 
     fn modify(

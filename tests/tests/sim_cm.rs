@@ -1,0 +1,391 @@
+//! Connection management on the simulated fabric, through the HAL's
+//! `ConnectionManager`/`Listener`/`ConnectRequest`/`Connection` traits, as
+//! an engine would use them: the server sends the memory descriptor of its
+//! buffer in the accept's private data (a REQ holds only 55 bytes, so the
+//! client sends a small hello), the client WRITEs and READs through it.
+//!
+//! Connect and accept block, so each test runs the two sides on two threads.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation};
+use gdr_sim::{
+    NodeConfig, SimCm, SimConnection, SimContext, SimCq, SimFabric, SimMr, SimPd, SimVerbs,
+};
+use gdr_tests::{init_tracing, pattern};
+use hal_verbs::{
+    AccessFlags, Completion, CompletionQueue, ConnectParams, ConnectRequest, Connection,
+    ConnectionManager, ConnectionState, Context, Listener, MAX_ACCEPT_PRIVATE_DATA,
+    MAX_CONNECT_PRIVATE_DATA, MemoryRegion, ProtectionDomain, Provider, QpState, QueuePair,
+    SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcOpcode, WcStatus,
+};
+
+const HELLO: &[u8] = b"gdr-hello v1";
+const LEN: usize = 64 * 1024;
+
+/// One node: its CM, device, PD and a CQ.
+struct Node {
+    verbs: SimVerbs,
+    cm: SimCm,
+    ctx: SimContext,
+    pd: SimPd,
+    cq: SimCq,
+}
+
+impl Node {
+    fn new(fabric: &SimFabric, name: &str, config: NodeConfig) -> Self {
+        let verbs = fabric.add_node(name, config);
+        let cm = verbs.connection_manager().unwrap();
+        let ctx = verbs.open("sim0").unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(64).unwrap();
+        Self {
+            verbs,
+            cm,
+            ctx,
+            pd,
+            cq,
+        }
+    }
+
+    fn ip(&self) -> IpAddr {
+        IpAddr::V4(self.verbs.device_ipv4("sim0").unwrap())
+    }
+}
+
+/// Host memory and its registration (the MR is dropped first).
+struct Buf {
+    mr: SimMr,
+    data: Box<[u8]>,
+}
+
+impl Buf {
+    fn new(pd: &SimPd, len: usize, seed: u8) -> Self {
+        let mut data = pattern(len, seed).into_boxed_slice();
+        // SAFETY: the box outlives the registration (field order drops the
+        // MR first) and is never reallocated.
+        let mr =
+            unsafe { pd.register(data.as_mut_ptr() as u64, len, AccessFlags::transfer()) }.unwrap();
+        Self { mr, data }
+    }
+
+    fn descriptor(&self, device: &str) -> MemoryDescriptor {
+        MemoryDescriptor {
+            addr: self.mr.addr(),
+            len: self.mr.len() as u64,
+            rkey: self.mr.rkey(),
+            device: device.to_owned(),
+            location: MemoryLocation::Host,
+        }
+    }
+
+    fn sge(&self) -> SgList {
+        let mut list = SgList::new();
+        list.push(Sge {
+            addr: self.mr.addr(),
+            length: self.mr.len() as u32,
+            lkey: self.mr.lkey(),
+        });
+        list
+    }
+}
+
+fn fast() -> ConnectParams {
+    ConnectParams {
+        timeout: Duration::from_secs(5),
+        ..ConnectParams::default()
+    }
+}
+
+fn wait_one(cq: &SimCq) -> Completion {
+    let start = Instant::now();
+    let mut wc = [Completion::default()];
+    loop {
+        if cq.poll(&mut wc).unwrap() == 1 {
+            return wc[0];
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "no completion");
+        std::thread::yield_now();
+    }
+}
+
+fn post(conn: &SimConnection, request: SendRequest) {
+    // SAFETY: the tests keep their buffers registered and alive until the
+    // completion is polled.
+    unsafe { conn.qp().post_send(&[request]) }.unwrap();
+}
+
+/// Server and client nodes on one fabric, the server listening.
+fn pair() -> (SimFabric, Node, Node) {
+    init_tracing();
+    let fabric = SimFabric::new();
+    let server = Node::new(&fabric, "server", NodeConfig::default());
+    let client = Node::new(&fabric, "client", NodeConfig::default());
+    (fabric, server, client)
+}
+
+#[test]
+fn connect_accept_exchange_a_descriptor_then_write_and_read() {
+    let (_fabric, server, client) = pair();
+    let target = Buf::new(&server.pd, LEN, 7);
+    let listener = server
+        .cm
+        .listen(SocketAddr::new(server.ip(), 7471), 8)
+        .unwrap();
+    assert_eq!(listener.local_addr().port(), 7471);
+    let device = client.cm.route_device(server.ip(), Duration::from_secs(1));
+    assert_eq!(device.unwrap(), "sim0");
+
+    let (server_conn, client_conn) = std::thread::scope(|s| {
+        let srv = s.spawn(|| {
+            let request = listener.next_request(Duration::from_secs(5)).unwrap();
+            assert_eq!(request.private_data(), HELLO);
+            assert_eq!(request.device(), "sim0");
+            assert_eq!(request.peer_addr().ip(), client.ip());
+            let md = target.descriptor(&request.device()).encode().unwrap();
+            assert!(md.len() <= MAX_ACCEPT_PRIVATE_DATA);
+            request
+                .accept(&server.pd, &server.cq, &server.cq, &fast(), &md)
+                .unwrap()
+        });
+        let peer = SocketAddr::new(server.ip(), 7471);
+        let conn = client
+            .cm
+            .connect(peer, &client.pd, &client.cq, &client.cq, &fast(), HELLO)
+            .unwrap();
+        (srv.join().unwrap(), conn)
+    });
+    assert_eq!(server_conn.peer_private_data(), HELLO);
+    assert_eq!(server_conn.qp().state().unwrap(), QpState::ReadyToSend);
+    assert_eq!(client_conn.qp().state().unwrap(), QpState::ReadyToSend);
+    assert_eq!(client_conn.peer_addr().port(), 7471);
+    assert_eq!(client_conn.device(), "sim0");
+    let remote = MemoryDescriptor::decode(&client_conn.peer_private_data()).unwrap();
+    assert_eq!(remote, target.descriptor("sim0"));
+
+    // WRITE our pattern into the server's buffer, through the descriptor.
+    let source = Buf::new(&client.pd, LEN, 42);
+    post(
+        &client_conn,
+        SendRequest {
+            wr_id: 1,
+            op: SendOp::Write {
+                remote_addr: remote.addr,
+                rkey: remote.rkey,
+            },
+            sg_list: source.sge(),
+            flags: SendFlags::SIGNALED,
+        },
+    );
+    let wc = wait_one(&client.cq);
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::SUCCESS), "{wc:?}");
+    assert!(
+        target.data[..] == pattern(LEN, 42)[..],
+        "WRITE payload differs"
+    );
+
+    // READ it back into a third buffer.
+    let sink = Buf::new(&client.pd, LEN, 0);
+    post(
+        &client_conn,
+        SendRequest {
+            wr_id: 2,
+            op: SendOp::Read {
+                remote_addr: remote.addr,
+                rkey: remote.rkey,
+            },
+            sg_list: sink.sge(),
+            flags: SendFlags::SIGNALED,
+        },
+    );
+    let wc = wait_one(&client.cq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (2, WcStatus::SUCCESS, WcOpcode::RdmaRead)
+    );
+    assert!(
+        sink.data[..] == pattern(LEN, 42)[..],
+        "READ payload differs"
+    );
+
+    // Disconnect: the peer sees it, and both queue pairs are flushed.
+    assert_eq!(
+        server_conn.poll_state(Duration::ZERO).unwrap(),
+        ConnectionState::Connected
+    );
+    client_conn.disconnect().unwrap();
+    client_conn.disconnect().unwrap();
+    assert_eq!(client_conn.qp().state().unwrap(), QpState::Error);
+    assert_eq!(
+        server_conn.poll_state(Duration::from_secs(1)).unwrap(),
+        ConnectionState::Disconnected
+    );
+    assert_eq!(server_conn.qp().state().unwrap(), QpState::Error);
+}
+
+#[test]
+fn connect_with_nobody_listening_times_out_within_the_bound() {
+    let (_fabric, server, client) = pair();
+    let bound = Duration::from_millis(300);
+    let params = ConnectParams {
+        timeout: bound,
+        ..ConnectParams::default()
+    };
+    for peer in [
+        // A host that exists, no listener on the port.
+        SocketAddr::new(server.ip(), 9),
+        // No host at all.
+        SocketAddr::from((Ipv4Addr::new(10, 77, 9, 9), 7471)),
+    ] {
+        let start = Instant::now();
+        let err = client
+            .cm
+            .connect(peer, &client.pd, &client.cq, &client.cq, &params, HELLO)
+            .unwrap_err();
+        let took = start.elapsed();
+        assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+        assert!(
+            took >= bound && took < bound + Duration::from_secs(2),
+            "{peer}: {took:?}"
+        );
+    }
+    // Nothing is left behind on the server's device.
+    let listener = server
+        .cm
+        .listen(SocketAddr::new(server.ip(), 9), 1)
+        .unwrap();
+    let err = listener
+        .next_request(Duration::from_millis(50))
+        .unwrap_err();
+    assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+}
+
+#[test]
+fn a_client_started_before_its_server_retries_until_it_listens() {
+    let (_fabric, server, client) = pair();
+    let addr = SocketAddr::new(server.ip(), 7000);
+    let conn = std::thread::scope(|s| {
+        let c = s.spawn(|| {
+            client
+                .cm
+                .connect(addr, &client.pd, &client.cq, &client.cq, &fast(), b"late")
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let listener = server.cm.listen(addr, 1).unwrap();
+        let request = listener.next_request(Duration::from_secs(5)).unwrap();
+        let conn = request
+            .accept(&server.pd, &server.cq, &server.cq, &fast(), b"")
+            .unwrap();
+        assert_eq!(conn.peer_private_data(), b"late");
+        (c.join().unwrap().unwrap(), conn)
+    });
+    assert!(conn.0.peer_private_data().is_empty());
+    // Dropping one side disconnects it; the other sees it.
+    drop(conn.0);
+    assert_eq!(
+        conn.1.poll_state(Duration::from_secs(1)).unwrap(),
+        ConnectionState::Disconnected
+    );
+}
+
+#[test]
+fn a_reject_reaches_the_client_at_once_with_its_private_data() {
+    let (_fabric, server, client) = pair();
+    let listener = server
+        .cm
+        .listen(SocketAddr::new(server.ip(), 0), 1)
+        .unwrap();
+    let addr = listener.local_addr();
+    assert_ne!(addr.port(), 0, "a port is assigned");
+    let err = std::thread::scope(|s| {
+        s.spawn(|| {
+            let request = listener.next_request(Duration::from_secs(5)).unwrap();
+            request.reject(b"go away").unwrap();
+            // A dropped request is rejected too.
+            let request = listener.next_request(Duration::from_secs(5)).unwrap();
+            drop(request);
+        });
+        let start = Instant::now();
+        let err = client
+            .cm
+            .connect(addr, &client.pd, &client.cq, &client.cq, &fast(), HELLO)
+            .unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(2));
+        let err2 = client
+            .cm
+            .connect(addr, &client.pd, &client.cq, &client.cq, &fast(), HELLO)
+            .unwrap_err();
+        assert!(
+            matches!(err2, VerbsError::ConnectionRejected { .. }),
+            "{err2}"
+        );
+        err
+    });
+    match err {
+        VerbsError::ConnectionRejected {
+            status,
+            private_data,
+            ..
+        } => assert_eq!((status, private_data.as_slice()), (28, &b"go away"[..])),
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn bad_parameters_are_refused_before_anything_is_sent() {
+    let (fabric, server, client) = pair();
+    let addr = SocketAddr::new(server.ip(), 7471);
+    let cm = &client.cm;
+    let (pd, cq) = (&client.pd, &client.cq);
+    let too_long = vec![0u8; MAX_CONNECT_PRIVATE_DATA + 1];
+    let err = cm
+        .connect(addr, pd, cq, cq, &fast(), &too_long)
+        .unwrap_err();
+    assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
+    let forever = ConnectParams {
+        retry_count: 7,
+        ..fast()
+    };
+    let err = cm.connect(addr, pd, cq, cq, &forever, HELLO).unwrap_err();
+    assert!(err.to_string().contains("retry forever"), "{err}");
+
+    // A PD of the wrong device: the client's route to the server leaves
+    // from sim0, and the PD is of sim1.
+    let two = Node::new(&fabric, "two", NodeConfig::with_devices(2));
+    let other = two.verbs.open("sim1").unwrap();
+    let pd1 = other.alloc_pd().unwrap();
+    let cq1 = other.create_cq(8).unwrap();
+    let err = two
+        .cm
+        .connect(addr, &pd1, &cq1, &cq1, &fast(), HELLO)
+        .unwrap_err();
+    assert!(
+        matches!(&err, VerbsError::InvalidArgument { reason, .. } if reason.contains("sim0")),
+        "{err}"
+    );
+    // Naming sim1's address as the source makes it right.
+    let source = Some(IpAddr::V4(two.verbs.device_ipv4("sim1").unwrap()));
+    let params = ConnectParams {
+        source,
+        timeout: Duration::from_millis(50),
+        ..fast()
+    };
+    let err = two
+        .cm
+        .connect(addr, &pd1, &cq1, &cq1, &params, HELLO)
+        .unwrap_err();
+    assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+    drop(two.ctx);
+
+    // Listening twice on one address, or on an address not ours.
+    let _l = server.cm.listen(addr, 1).unwrap();
+    let err = server.cm.listen(addr, 1).unwrap_err();
+    assert_eq!(err.errno(), Some(libc::EADDRINUSE), "{err}");
+    let err = server
+        .cm
+        .listen(SocketAddr::new(client.ip(), 1), 1)
+        .unwrap_err();
+    assert!(matches!(err, VerbsError::NoDevice { .. }), "{err}");
+    let _ = &server.ctx;
+}
