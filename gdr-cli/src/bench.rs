@@ -67,7 +67,19 @@ pub(crate) enum Idle {
     /// `sched_yield` first, so kernel work (rxe's tasks, softirqs) waiting
     /// for this CPU runs.
     Yield,
+    /// Back off: spin briefly, then sleep 20 µs, doubling up to 1 ms while
+    /// the CQ stays empty. An idle vCPU halts, which under emulation gives
+    /// its host core to the vCPU doing rxe's packet work. Costs at most a
+    /// millisecond per signaled completion, which the window hides: it
+    /// holds far more than a millisecond of work.
+    Sleep,
 }
+
+/// Empty polls spun before [`Idle::Sleep`] starts sleeping.
+const SPIN_BEFORE_SLEEP: u32 = 64;
+/// First and longest sleep of [`Idle::Sleep`].
+const SLEEP_FIRST: Duration = Duration::from_micros(20);
+const SLEEP_MAX: Duration = Duration::from_millis(1);
 
 /// Options of `gdr bench rdma`.
 #[derive(Debug, Args)]
@@ -78,10 +90,14 @@ pub(crate) struct RdmaArgs {
     /// Operations, comma-separated.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "write,read")]
     ops: Vec<Op>,
-    /// Messages per measurement. Default: 128 MiB worth, 32..=5000 (64K:
-    /// 2048, 1M: 128, 4M: 32), a few seconds each under emulation.
-    #[arg(long, short = 'n')]
+    /// Messages per measurement. Default: `--volume` worth.
+    #[arg(long, short = 'n', conflicts_with = "volume")]
     iterations: Option<u64>,
+    /// Bytes per measurement, as many messages of each size as fit (at least
+    /// 5, like perftest). Default: 128 MiB, at most 5000 messages (64K:
+    /// 2048, 1M: 128, 4M: 32), a few seconds each under emulation.
+    #[arg(long, value_parser = parse_size)]
+    volume: Option<usize>,
     /// Most requests outstanding (perftest's -t), bounded by the device.
     #[arg(long, short = 't', default_value_t = 128)]
     tx_depth: u32,
@@ -90,10 +106,12 @@ pub(crate) struct RdmaArgs {
     #[arg(long, default_value_t = 16)]
     cq_mod: u32,
     /// Requests linked per post, one doorbell each (perftest's -l).
-    #[arg(long, default_value_t = 16)]
-    post_list: u32,
+    /// Default: as many as fit in 64 KiB, 1..=16 (measured on rxe: linking
+    /// large requests slows it, 1 MiB WRITEs by half at 4 or 16 per post).
+    #[arg(long)]
+    post_list: Option<u32>,
     /// Empty-CQ policy of the poller.
-    #[arg(long, value_enum, default_value_t = Idle::Yield)]
+    #[arg(long, value_enum, default_value_t = Idle::Sleep)]
     idle: Idle,
     /// Untimed messages before each measurement (0: none, as perftest).
     #[arg(long, default_value_t = 0)]
@@ -195,8 +213,22 @@ pub(crate) fn run(backend: Backend, command: BenchCommand) -> Result<(), Box<dyn
     }
 }
 
-fn default_iterations(size: usize) -> u64 {
-    ((128u64 << 20) / size.max(1) as u64).clamp(32, 5000)
+/// Requests per post by default: doorbells amortised over small requests
+/// only.
+fn default_post_list(size: usize) -> u32 {
+    u32::try_from((64usize << 10) / size.max(1))
+        .unwrap_or(u32::MAX)
+        .clamp(1, 16)
+}
+
+/// Messages of `size` bytes per measurement: `volume` bytes worth, at least
+/// 5; without a volume, 128 MiB worth, 32..=5000.
+fn iterations_for(size: usize, volume: Option<usize>) -> u64 {
+    let size = size.max(1) as u64;
+    match volume {
+        Some(volume) => (volume as u64 / size).max(5),
+        None => ((128u64 << 20) / size).clamp(32, 5000),
+    }
 }
 
 fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn Error>> {
@@ -256,7 +288,8 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
              post list {}, idle {:?}",
             provider.backend_name(),
             args.cq_mod,
-            args.post_list,
+            args.post_list
+                .map_or_else(|| "auto (64 KiB)".to_owned(), |n| n.to_string()),
             args.idle
         );
         println!("MB/s = 2^20 bytes/s (as perftest); Gb/s = 10^9 bits/s");
@@ -269,7 +302,7 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
         for &size in &args.sizes {
             let iterations = args
                 .iterations
-                .unwrap_or_else(|| default_iterations(size))
+                .unwrap_or_else(|| iterations_for(size, args.volume))
                 .max(1);
             let window = window_cap.min(iterations).max(1);
             let plan = Plan {
@@ -278,9 +311,11 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
                 iterations,
                 window,
                 cq_mod: u64::from(args.cq_mod).clamp(1, window),
-                post_list: usize::try_from(args.post_list)
-                    .unwrap_or(usize::MAX)
-                    .clamp(1, usize::try_from(window).unwrap_or(usize::MAX)),
+                post_list: usize::try_from(
+                    args.post_list.unwrap_or_else(|| default_post_list(size)),
+                )
+                .unwrap_or(usize::MAX)
+                .clamp(1, usize::try_from(window).unwrap_or(usize::MAX)),
                 idle: args.idle,
             };
             if args.warmup > 0 {
@@ -387,6 +422,7 @@ fn measure<A: Api>(
     let qp = &pair.requester;
     let (mut posted, mut completed) = (0u64, 0u64);
     let (mut posts, mut polls, mut empty_polls) = (0u64, 0u64, 0u64);
+    let (mut empty_streak, mut nap) = (0u32, SLEEP_FIRST);
 
     let started = Instant::now();
     while completed < plan.iterations {
@@ -418,11 +454,18 @@ fn measure<A: Api>(
         polls += 1;
         if got == 0 {
             empty_polls += 1;
-            if plan.idle == Idle::Yield {
-                std::thread::yield_now();
+            match plan.idle {
+                Idle::Spin => {}
+                Idle::Yield => std::thread::yield_now(),
+                Idle::Sleep if empty_streak < SPIN_BEFORE_SLEEP => empty_streak += 1,
+                Idle::Sleep => {
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(SLEEP_MAX);
+                }
             }
             continue;
         }
+        (empty_streak, nap) = (0, SLEEP_FIRST);
         for c in &completions[..got] {
             if !c.status.is_success() {
                 return Err(format!(
@@ -452,11 +495,22 @@ mod tests {
     use gdr_sim::nic::{NodeConfig, SimFabric, SimVerbsApi};
 
     #[test]
-    fn default_iterations_aim_at_128_mib() {
-        assert_eq!(default_iterations(64 << 10), 2048);
-        assert_eq!(default_iterations(1 << 20), 128);
-        assert_eq!(default_iterations(4 << 20), 32);
-        assert_eq!(default_iterations(64), 5000);
+    fn default_post_lists_fill_64_kib() {
+        assert_eq!(default_post_list(4096), 16);
+        assert_eq!(default_post_list(16 << 10), 4);
+        assert_eq!(default_post_list(64 << 10), 1);
+        assert_eq!(default_post_list(4 << 20), 1);
+    }
+
+    #[test]
+    fn iterations_fill_the_volume() {
+        assert_eq!(iterations_for(64 << 10, None), 2048);
+        assert_eq!(iterations_for(1 << 20, None), 128);
+        assert_eq!(iterations_for(4 << 20, None), 32);
+        assert_eq!(iterations_for(64, None), 5000);
+        assert_eq!(iterations_for(64 << 10, Some(32 << 20)), 512);
+        assert_eq!(iterations_for(4 << 20, Some(32 << 20)), 8);
+        assert_eq!(iterations_for(4 << 20, Some(1 << 20)), 5);
     }
 
     /// Every combination of window, signaling and batching finishes on the
@@ -465,20 +519,21 @@ mod tests {
     #[test]
     fn measurement_loop_completes_on_the_sim() {
         let node = SimFabric::new().add_node("a", NodeConfig::default());
-        for (tx_depth, cq_mod, post_list, iterations) in [
-            (128, 16, 16, 300),
-            (8, 100, 1, 37),
-            (5, 3, 4, 11),
-            (1, 1, 1, 3),
+        for (tx_depth, cq_mod, post_list, iterations, idle) in [
+            (128, 16, Some(16), 300, Idle::Spin),
+            (8, 100, Some(1), 37, Idle::Sleep),
+            (5, 3, Some(4), 11, Idle::Yield),
+            (1, 1, None, 3, Idle::Sleep),
         ] {
             let args = RdmaArgs {
                 sizes: vec![4096, 65536],
                 ops: vec![Op::Write, Op::Read],
                 iterations: Some(iterations),
+                volume: None,
                 tx_depth,
                 cq_mod,
                 post_list,
-                idle: Idle::Spin,
+                idle,
                 warmup: 2,
                 device: None,
                 port: 1,
