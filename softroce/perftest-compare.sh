@@ -7,7 +7,7 @@
 # ratio gdr/perftest inside one guest does. Each round runs gdr (all six
 # measurements, one process) and right after it perftest (server and client
 # in the guest, on rxe0 at 10.99.0.1, the TCP exchange: measured faster here
-# than rdma_cm's -R); an untimed warm-up, then three rounds, medians
+# than rdma_cm's -R); an untimed warm-up round, then three rounds, medians
 # reported (a run reporting 0 or failing is left out of its median). Both sides get the same
 # message counts (COMPARE_VOLUME bytes worth per measurement) and tx depth
 # (128; both cap it at the message count); everything else is each tool's
@@ -73,10 +73,11 @@ in_guest() {
   local sizes_csv
   sizes_csv=$(IFS=,; echo "${SIZES[*]}")
   t0=$(date +%s.%N)
-  # Untimed warm-up: the first transfers after boot run ~40% slower (TCG
-  # translates rxe's code paths, pages come in over 9p), which would land
-  # on whichever tool goes first.
-  "$gdr" --backend real bench rdma --sizes "$sizes_csv" --ops write,read --volume 4M -d "$DEV" > /dev/null
+  # Untimed warm-up round: for the first ~10 s after boot transfers run
+  # ~30% slower (measured: every figure of a first round), which would
+  # land on whichever tool goes first.
+  "$gdr" --backend real bench rdma --sizes "$sizes_csv" --ops write,read --volume "$VOLUME" \
+    --tx-depth "$TX_DEPTH" -d "$DEV" "${GDR_EXTRA[@]}" > /dev/null
   for round in $(seq "$ROUNDS"); do
     echo "perftest-compare: round $round/$ROUNDS: gdr bench rdma" >&2
     # (no process substitution: the guest has no /dev/fd)
