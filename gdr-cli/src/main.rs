@@ -23,6 +23,8 @@ use hal_cuda::cuda::CudaDriver;
 use hal_verbs::rdma::RdmaProvider;
 use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
+mod bench;
+
 #[derive(Debug, Parser)]
 #[command(name = "gdr", version, about = "GPU-aware RDMA data movement")]
 struct Cli {
@@ -51,6 +53,9 @@ enum Command {
         #[arg(long, default_value = "1M", value_parser = parse_size)]
         size: usize,
     },
+    /// Measure throughput (see `gdr bench rdma --help`).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 fn parse_size(text: &str) -> Result<usize, String> {
@@ -297,6 +302,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info => info(cli.backend),
         Command::Loopback { size } => loopback(cli.backend, size),
+        Command::Bench(what) => bench::run(cli.backend, what),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -76,6 +76,91 @@ struct Path {
     mtu: Mtu,
 }
 
+impl Path {
+    /// The port's state, GID (RoCE v2, IPv4 first) or LID, and MTU.
+    fn discover<A: Api>(context: &A::Context, port: u8) -> Result<Self, LoopbackError> {
+        let device = context.name();
+        let attrs = context.query_port(port)?;
+        if attrs.state != PortState::Active {
+            return Err(LoopbackError::PortNotActive {
+                device,
+                port,
+                state: attrs.state,
+            });
+        }
+        let (gid, sgid_index) = match attrs.link_layer {
+            LinkLayer::InfiniBand => (Gid::default(), 0),
+            LinkLayer::Ethernet | LinkLayer::Unspecified => {
+                let table = context.gid_table(port)?;
+                let entry = select_roce_v2_gid(&table, AddressFamily::V4)
+                    .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
+                    .ok_or(LoopbackError::NoGid {
+                        device: device.clone(),
+                        port,
+                    })?;
+                (entry.gid, entry.index as u8)
+            }
+        };
+        Ok(Self {
+            port,
+            gid,
+            sgid_index,
+            lid: attrs.lid,
+            mtu: attrs.active_mtu,
+        })
+    }
+}
+
+/// How the QPs of a [`QpPair`] are created and connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PairConfig {
+    /// Queue sizes asked for (both QPs).
+    pub caps: QpCaps,
+    /// RDMA READs each side may have outstanding, as initiator
+    /// (`max_rd_atomic`) and as target (`max_dest_rd_atomic`); the backend
+    /// clamps it to the device's limits, as perftest does.
+    pub rd_atomic: u8,
+}
+
+impl Default for PairConfig {
+    fn default() -> Self {
+        Self {
+            caps: QpCaps::default(),
+            rd_atomic: RtsParams::default().max_rd_atomic,
+        }
+    }
+}
+
+/// Two RC queue pairs on one device, connected to each other, for callers
+/// that drive the requester themselves (benchmarks): the equivalent of
+/// perftest's client and server on one host, in one process.
+#[derive(Debug)]
+pub struct QpPair<A: Api> {
+    /// The side that posts.
+    pub requester: A::QueuePair,
+    /// The target of the requester's one-sided operations; never posted to.
+    pub responder: A::QueuePair,
+}
+
+impl<A: Api> QpPair<A> {
+    /// Creates and connects the pair on `port` of `context`, in `pd`, both
+    /// QPs completing into `cq`.
+    pub fn connect(
+        context: &A::Context,
+        pd: &A::ProtectionDomain,
+        cq: &A::CompletionQueue,
+        port: u8,
+        config: &PairConfig,
+    ) -> Result<Self, LoopbackError> {
+        let path = Path::discover::<A>(context, port)?;
+        let pair = connect_pair::<A>(pd, cq, path, config)?;
+        Ok(Self {
+            requester: pair.requester,
+            responder: pair._responder,
+        })
+    }
+}
+
 /// The two QPs; rebuilt after a failure, since an RC QP that saw an error
 /// completion is in the error state for good.
 #[derive(Debug)]
@@ -110,37 +195,9 @@ impl<A: Api> Loopback<A> {
         pd: Arc<A::ProtectionDomain>,
         port: u8,
     ) -> Result<Self, LoopbackError> {
-        let device = context.name();
-        let attrs = context.query_port(port)?;
-        if attrs.state != PortState::Active {
-            return Err(LoopbackError::PortNotActive {
-                device,
-                port,
-                state: attrs.state,
-            });
-        }
-        let (gid, sgid_index) = match attrs.link_layer {
-            LinkLayer::InfiniBand => (Gid::default(), 0),
-            LinkLayer::Ethernet | LinkLayer::Unspecified => {
-                let table = context.gid_table(port)?;
-                let entry = select_roce_v2_gid(&table, AddressFamily::V4)
-                    .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
-                    .ok_or(LoopbackError::NoGid {
-                        device: device.clone(),
-                        port,
-                    })?;
-                (entry.gid, entry.index as u8)
-            }
-        };
-        let path = Path {
-            port,
-            gid,
-            sgid_index,
-            lid: attrs.lid,
-            mtu: attrs.active_mtu,
-        };
+        let path = Path::discover::<A>(context, port)?;
         let cq = context.create_cq(64)?;
-        let pair = connect_pair::<A>(&pd, &cq, path)?;
+        let pair = connect_pair::<A>(&pd, &cq, path, &PairConfig::default())?;
         Ok(Self {
             pair: Mutex::new(pair),
             cq,
@@ -191,7 +248,7 @@ impl<A: Api> Loopback<A> {
             // The requester (and, after a remote error, the responder) is in
             // the error state now: start over with a fresh pair. If that
             // fails too, the next run reports it.
-            match connect_pair::<A>(&self.pd, &self.cq, self.path) {
+            match connect_pair::<A>(&self.pd, &self.cq, self.path, &PairConfig::default()) {
                 Ok(fresh) => *pair = fresh,
                 Err(e) => tracing::warn!(error = %e, "rebuilding the loopback pair failed"),
             }
@@ -299,10 +356,10 @@ fn connect_pair<A: Api>(
     pd: &A::ProtectionDomain,
     cq: &A::CompletionQueue,
     path: Path,
+    config: &PairConfig,
 ) -> Result<Pair<A>, VerbsError> {
-    let caps = QpCaps::default();
-    let requester = pd.create_qp(&caps, cq, cq)?;
-    let responder = pd.create_qp(&caps, cq, cq)?;
+    let requester = pd.create_qp(&config.caps, cq, cq)?;
+    let responder = pd.create_qp(&config.caps, cq, cq)?;
     let info = |qp: &A::QueuePair, psn: u32| ConnectionInfo {
         qp_num: qp.qp_num(),
         psn,
@@ -321,10 +378,12 @@ fn connect_pair<A: Api>(
         })?;
         qp.to_rtr(&RtrParams {
             port: path.port,
+            max_dest_rd_atomic: config.rd_atomic,
             ..RtrParams::new(remote, path.sgid_index, path.mtu)
         })?;
         qp.to_rts(&RtsParams {
             sq_psn: own_psn,
+            max_rd_atomic: config.rd_atomic,
             ..RtsParams::default()
         })?;
     }
