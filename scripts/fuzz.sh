@@ -15,7 +15,8 @@ export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-co
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
 # With an explicit --target, RUSTFLAGS reach the fuzzed code but not build scripts.
 TRIPLE=$(rustc -vV | sed -n "s/^host: //p")
-cargo build --release --manifest-path "$ROOT/fuzz/Cargo.toml" --bins --target "$TRIPLE"
+cargo build --release --manifest-path "$ROOT/fuzz/Cargo.toml" --bins --target "$TRIPLE" \
+  --target-dir "$ROOT/fuzz/target"
 for t in "${TARGETS[@]}"; do
   mkdir -p "$ROOT/fuzz/corpus/$t" "$ROOT/fuzz/artifacts/$t"
   "$ROOT/fuzz/target/$TRIPLE/release/$t" -max_total_time="$SECONDS_EACH" -max_len=512 \

@@ -4,7 +4,7 @@
 #      here with a printed reason);
 #   2. the SoftRoCE harness self-test;
 #   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
-#      guest with rxe0, as cargo's runner);
+#      guest with rxe0, as cargo's runner), and rdma_cm between two guests;
 #   4. the loom models of gdr-core's concurrency;
 #   5. a short coverage-guided fuzz run of each parser (scripts/fuzz.sh).
 # Prints each stage's time; exits non-zero if any stage failed.
@@ -28,6 +28,19 @@ if [ ${#rxe_tests[@]} -gt 0 ]; then
   stage rxe-tests env GDR_EXPECT_RXE=1 \
     CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$ROOT/softroce/run-in-vm.sh" \
     cargo test -p gdr-tests "${rxe_tests[@]}" || failed=1
+fi
+# rdma_cm between two guests on a virtual wire, then with the server guest
+# killed mid-transfer (the client must see an error, not hang).
+# shellcheck disable=SC2317  # called through stage
+two_guests() {
+  local bin
+  bin=$(cargo test -p gdr-tests --test rxe_cm --no-run 2>&1 \
+    | sed -n 's/.*Executable tests\/rxe_cm.rs (\(.*\))$/\1/p')
+  [ -x "$bin" ] || { echo "test: no rxe_cm test binary" >&2; return 1; }
+  "$ROOT/softroce/two-guest-cm.sh" "$bin" && "$ROOT/softroce/two-guest-cm.sh" "$bin" --kill-server 2
+}
+if [ -e tests/tests/rxe_cm.rs ]; then
+  stage two-guest-cm two_guests || failed=1
 fi
 if grep -rqs 'cfg(loom)' gdr-core/src; then
   stage loom env RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
