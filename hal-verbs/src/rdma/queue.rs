@@ -382,6 +382,36 @@ fn index_of<T>(base: *const T, len: usize, bad: *const T) -> Option<usize> {
     (off % size == 0 && off / size < len).then_some(off / size)
 }
 
+impl RdmaQp {
+    /// What a failed `ibv_post_send`/`ibv_post_recv` (`queue`: "send" or
+    /// "recv") reports: the accepted prefix, located by `bad_wr`, and why.
+    /// ENOMEM from a post means the work queue is full.
+    fn post_error(&self, queue: &'static str, accepted: Option<usize>, ret: c_int) -> PostError {
+        let (operation, depth) = match queue {
+            "send" => ("ibv_post_send", self.caps.max_send_wr),
+            _ => ("ibv_post_recv", self.caps.max_recv_wr),
+        };
+        let accepted = accepted.unwrap_or_else(|| {
+            tracing::warn!(
+                qp_num = self.qp_num,
+                "{operation} failed without a valid bad_wr"
+            );
+            0
+        });
+        let errno = ret_errno(ret);
+        let error = if errno == libc::ENOMEM {
+            VerbsError::QueueFull {
+                queue,
+                qp_num: self.qp_num,
+                depth,
+            }
+        } else {
+            verb_error(operation, self.device(), errno)
+        };
+        PostError { accepted, error }
+    }
+}
+
 impl QueuePair for RdmaQp {
     fn qp_num(&self) -> u32 {
         self.qp_num
@@ -573,25 +603,8 @@ impl QueuePair for RdmaQp {
         if ret == 0 {
             return Ok(());
         }
-        let accepted = index_of(base, wrs.len(), bad).unwrap_or_else(|| {
-            tracing::warn!(
-                qp_num = self.qp_num,
-                "ibv_post_send failed without a valid bad_wr"
-            );
-            0
-        });
-        let errno = ret_errno(ret);
-        let error = if errno == libc::ENOMEM {
-            VerbsError::QueueFull {
-                queue: "send",
-                qp_num: self.qp_num,
-                depth: self.caps.max_send_wr,
-            }
-        } else {
-            verb_error("ibv_post_send", self.device(), errno)
-        };
         drop(sges);
-        Err(PostError { accepted, error })
+        Err(self.post_error("send", index_of(base, wrs.len(), bad), ret))
     }
 
     unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
@@ -630,25 +643,8 @@ impl QueuePair for RdmaQp {
         if ret == 0 {
             return Ok(());
         }
-        let accepted = index_of(base, wrs.len(), bad).unwrap_or_else(|| {
-            tracing::warn!(
-                qp_num = self.qp_num,
-                "ibv_post_recv failed without a valid bad_wr"
-            );
-            0
-        });
-        let errno = ret_errno(ret);
-        let error = if errno == libc::ENOMEM {
-            VerbsError::QueueFull {
-                queue: "recv",
-                qp_num: self.qp_num,
-                depth: self.caps.max_recv_wr,
-            }
-        } else {
-            verb_error("ibv_post_recv", self.device(), errno)
-        };
         drop(sges);
-        Err(PostError { accepted, error })
+        Err(self.post_error("recv", index_of(base, wrs.len(), bad), ret))
     }
 }
 
