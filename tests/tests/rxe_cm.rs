@@ -21,48 +21,24 @@
 //! Without an RDMA device every test skips with its reason on stderr; with
 //! `GDR_EXPECT_RXE=1` a missing `rxe0` is a failure.
 
-use std::alloc::Layout;
 use std::net::{IpAddr, SocketAddr};
-use std::ptr::NonNull;
-use std::sync::atomic::{Ordering, fence};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation};
-use gdr_tests::{init_tracing, pattern, skip};
-use hal_verbs::rdma::{RdmaCm, RdmaConnection, RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaProvider};
+use gdr_tests::rxe::{self, HostBuf, serial};
+use gdr_tests::{pattern, skip};
+use hal_verbs::rdma::{RdmaCm, RdmaConnection, RdmaContext, RdmaCq, RdmaMr, RdmaPd};
 use hal_verbs::{
     AccessFlags, Completion, CompletionQueue, ConnectParams, ConnectRequest, Connection,
-    ConnectionManager, ConnectionState, Context, Listener, MemoryRegion, ProtectionDomain,
-    Provider, QpState, QueuePair, SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError,
-    WcStatus,
+    ConnectionManager, ConnectionState, Context, Listener, MemoryRegion, Provider, QpState,
+    QueuePair, SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcStatus,
 };
 
 const HELLO: &[u8] = b"gdr-hello v1";
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(30);
 
-fn expect_rxe() -> bool {
-    std::env::var("GDR_EXPECT_RXE").is_ok_and(|v| v == "1")
-}
-
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
-fn device_name() -> String {
-    env("GDR_RXE_DEVICE").unwrap_or_else(|| "rxe0".into())
-}
-
-/// rxe0's address in the one-guest VM.
-fn local_ip() -> IpAddr {
-    env("GDR_RXE_IP")
-        .and_then(|ip| ip.parse().ok())
-        .unwrap_or_else(|| "10.99.0.1".parse().unwrap())
-}
-
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The opened device, a PD, a CQ and the connection manager; `None` after
@@ -75,93 +51,18 @@ struct Rxe {
 }
 
 fn open_rxe(test: &str) -> Option<Rxe> {
-    init_tracing();
-    let name = device_name();
-    let unavailable = |why: String| {
-        assert!(!expect_rxe(), "{test}: GDR_EXPECT_RXE=1 but {why}");
-        skip(test, &why);
-    };
-    let provider = match RdmaProvider::load() {
-        Ok(p) => p,
-        Err(e) => {
-            unavailable(e.to_string());
-            return None;
-        }
-    };
-    match provider.devices() {
-        Ok(d) if d.iter().any(|d| d.name == name) => {}
-        Ok(d) => {
-            unavailable(format!("no {name} among {d:?}"));
-            return None;
-        }
-        Err(e) => {
-            unavailable(e.to_string());
-            return None;
-        }
-    }
+    let (provider, ctx) = rxe::open_rxe(test)?;
     let cm = match provider.connection_manager() {
         Ok(cm) => cm,
         Err(e) => {
-            unavailable(e.to_string());
+            assert!(!rxe::expect_rxe(), "{test}: GDR_EXPECT_RXE=1 but {e}");
+            skip(test, &e.to_string());
             return None;
         }
     };
-    let ctx = provider.open(&name).expect("open the device");
     let pd = ctx.alloc_pd().expect("PD");
     let cq = ctx.create_cq(256).expect("CQ");
     Some(Rxe { cm, ctx, pd, cq })
-}
-
-/// Page-aligned host memory the NIC reads and writes; read and written only
-/// while no work request on it is in flight.
-struct HostBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: plain owned memory; the tests hand it between threads only while
-// no work request on it is in flight.
-unsafe impl Send for HostBuf {}
-// SAFETY: see Send; reads and writes happen with no RDMA in flight.
-unsafe impl Sync for HostBuf {}
-
-impl HostBuf {
-    fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len, 4096).unwrap()
-    }
-
-    fn new(len: usize, seed: u8) -> Self {
-        // SAFETY: non-zero size.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc(Self::layout(len)) }).expect("alloc");
-        let buf = Self { ptr, len };
-        let data = pattern(len, seed);
-        // SAFETY: `len` bytes we own; nothing else uses them yet.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.as_ptr(), len) };
-        fence(Ordering::Release);
-        buf
-    }
-
-    fn read(&self) -> Vec<u8> {
-        fence(Ordering::Acquire);
-        // SAFETY: `len` initialised bytes we own; no RDMA into them is in
-        // flight when the tests read (they poll completions first).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }.to_vec()
-    }
-
-    /// Registers the whole buffer; the caller keeps `self` alive longer.
-    fn register(&self, pd: &RdmaPd) -> RdmaMr {
-        // SAFETY: our allocation, which every test keeps alive longer than
-        // the region (declared before it, so dropped after).
-        unsafe { pd.register(self.ptr.as_ptr() as u64, self.len, AccessFlags::transfer()) }
-            .expect("ibv_reg_mr")
-    }
-}
-
-impl Drop for HostBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
-    }
 }
 
 fn descriptor(mr: &RdmaMr, device: &str) -> MemoryDescriptor {
@@ -229,7 +130,7 @@ fn client_transfers(rxe: &Rxe, conn: &RdmaConnection, len: usize) -> Duration {
     let remote = MemoryDescriptor::decode(&conn.peer_private_data()).expect("descriptor");
     assert_eq!(remote.len, len as u64);
     let local = HostBuf::new(2 * len, 42);
-    let mr = local.register(&rxe.pd);
+    let mr = local.register(&rxe.pd, 0, local.len(), AccessFlags::transfer());
     let start = Instant::now();
     let read = SendOp::Read {
         remote_addr: remote.addr,
@@ -274,10 +175,10 @@ fn rxe_cm_connect_accept_write_read() {
     let client = open_rxe(T).expect("a second handle on the device");
     const LEN: usize = 1 << 20;
     let target = HostBuf::new(LEN, 7);
-    let target_mr = target.register(&server.pd);
-    let addr = SocketAddr::new(local_ip(), 7471);
+    let target_mr = target.register(&server.pd, 0, target.len(), AccessFlags::transfer());
+    let addr = SocketAddr::new(rxe::expected_ip(), 7471);
     let device = client.cm.route_device(addr.ip(), Duration::from_secs(5));
-    assert_eq!(device.expect("route_device"), device_name());
+    assert_eq!(device.expect("route_device"), rxe::device_name());
 
     // The client starts first: it must retry until the server listens.
     let start = Instant::now();
@@ -299,8 +200,8 @@ fn rxe_cm_connect_accept_write_read() {
             .next_request(Duration::from_secs(30))
             .expect("request");
         assert_eq!(request.private_data(), HELLO);
-        assert_eq!(request.device(), device_name());
-        assert_eq!(request.peer_addr().ip(), local_ip());
+        assert_eq!(request.device(), rxe::device_name());
+        assert_eq!(request.peer_addr().ip(), rxe::expected_ip());
         let md = descriptor(&target_mr, &request.device()).encode().unwrap();
         let conn = request
             .accept(
@@ -319,7 +220,7 @@ fn rxe_cm_connect_accept_write_read() {
     assert_eq!(server_conn.qp().state().unwrap(), QpState::ReadyToSend);
     assert_eq!(client_conn.peer_addr(), addr);
     assert_eq!(server_conn.local_addr(), addr);
-    assert_eq!(client_conn.device(), device_name());
+    assert_eq!(client_conn.device(), rxe::device_name());
 
     let took = client_transfers(&client, &client_conn, LEN);
     assert!(target.read() == expected_after_write(LEN), "server buffer");
@@ -350,7 +251,7 @@ fn rxe_cm_no_listener_times_out() {
         return;
     };
     let bound = Duration::from_secs(2);
-    let addr = SocketAddr::new(local_ip(), 7999);
+    let addr = SocketAddr::new(rxe::expected_ip(), 7999);
     let start = Instant::now();
     let err = client
         .cm
@@ -384,7 +285,7 @@ fn rxe_cm_reject_and_limits() {
     let client = open_rxe(T).expect("a second handle on the device");
     let listener = server
         .cm
-        .listen(SocketAddr::new(local_ip(), 0), 4)
+        .listen(SocketAddr::new(rxe::expected_ip(), 0), 4)
         .expect("listen");
     let addr = listener.local_addr();
     assert_ne!(addr.port(), 0);
@@ -475,7 +376,7 @@ fn rxe_cm_two_guests() {
     match role.as_str() {
         "server" => {
             let target = HostBuf::new(LEN, 7);
-            let mr = target.register(&rxe.pd);
+            let mr = target.register(&rxe.pd, 0, target.len(), AccessFlags::transfer());
             let any = SocketAddr::from(([0, 0, 0, 0], port));
             let listener = rxe.cm.listen(any, 8).expect("listen");
             eprintln!("{T}: server listening on {}", listener.local_addr());
@@ -484,7 +385,7 @@ fn rxe_cm_two_guests() {
                 .expect("request");
             assert_eq!(request.private_data(), HELLO);
             let device = request.device();
-            assert_eq!(device, device_name());
+            assert_eq!(device, rxe::device_name());
             let md = descriptor(&mr, &device).encode().unwrap();
             let p = params(Duration::from_secs(60));
             let conn = request
@@ -538,7 +439,7 @@ fn dead_peer(rxe: &Rxe, conn: &RdmaConnection) {
     const T: &str = "rxe_cm_two_guests";
     let remote = MemoryDescriptor::decode(&conn.peer_private_data()).expect("descriptor");
     let local = HostBuf::new(4096, 0);
-    let mr = local.register(&rxe.pd);
+    let mr = local.register(&rxe.pd, 0, local.len(), AccessFlags::transfer());
     let op = SendOp::Read {
         remote_addr: remote.addr,
         rkey: remote.rkey,

@@ -9,14 +9,10 @@
 //! Knobs: `GDR_RXE_DEVICE` (default `rxe0`), `GDR_RXE_IP` (default
 //! `10.99.0.1`, the address the VM runner gives rxe0's netdev).
 
-use std::alloc::Layout;
-use std::ptr::NonNull;
-use std::sync::atomic::{Ordering, fence};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use gdr_tests::rxe::{device_name, expect_rxe, expected_ip, open_rxe};
-use gdr_tests::{init_tracing, pattern, skip};
+use gdr_tests::rxe::{HostBuf, device_name, expect_rxe, expected_ip, open_rxe, serial};
+use gdr_tests::{init_tracing, skip};
 use hal_verbs::rdma::{RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaProvider, RdmaQp};
 use hal_verbs::{
     AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, GidEntry,
@@ -27,74 +23,6 @@ use hal_verbs::{
 
 /// How long a completion may take under TCG before the test fails.
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// The tests share one device; serialising them keeps resource counts
-/// stable and the slow software NIC uncontended.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Page-aligned host memory the NIC reads and writes. Read and written only
-/// while no work request on it is in flight.
-struct HostBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-impl HostBuf {
-    fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len, 4096).unwrap()
-    }
-
-    /// `len` bytes holding `pattern(len, seed)`.
-    fn new(len: usize, seed: u8) -> Self {
-        assert!(len > 0);
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(Self::layout(len)) };
-        let ptr = NonNull::new(ptr).expect("allocation failed");
-        let buf = Self { ptr, len };
-        buf.write(0, &pattern(len, seed));
-        buf
-    }
-
-    fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
-    }
-
-    fn read(&self) -> Vec<u8> {
-        fence(Ordering::Acquire);
-        // SAFETY: `len` initialised bytes we own; no RDMA into them is in
-        // flight when the tests read (they poll completions first).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }.to_vec()
-    }
-
-    fn write(&self, offset: usize, data: &[u8]) {
-        assert!(offset + data.len() <= self.len);
-        // SAFETY: in bounds (checked above); no RDMA on them is in flight.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
-        fence(Ordering::Release);
-    }
-
-    /// Registers `len` bytes from `offset`. The caller keeps `self` alive
-    /// longer than the returned region (declare the buffer first).
-    fn register(&self, pd: &RdmaPd, offset: usize, len: usize, access: AccessFlags) -> RdmaMr {
-        assert!(offset + len <= self.len);
-        // SAFETY: the range lies in our allocation, which every test keeps
-        // alive longer than the region (it is declared, so dropped, after).
-        unsafe { pd.register(self.addr() + offset as u64, len, access) }
-            .unwrap_or_else(|e| panic!("ibv_reg_mr of {len} bytes: {e}"))
-    }
-}
-
-impl Drop for HostBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with the same layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
-    }
-}
 
 fn sge(mr: &RdmaMr, offset: u64, length: u32) -> SgList {
     let mut list = SgList::new();
