@@ -220,8 +220,8 @@ impl<C: hal_cuda::Api> Buffer<C> {
             .registered_with
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if !registered.iter().any(|f| Arc::ptr_eq(f, &forget)) {
-            registered.push(forget);
+        if !registered.iter().any(|f| Arc::ptr_eq(f, forget)) {
+            registered.push(Arc::clone(forget));
         }
         Ok(BufferRegistration {
             inner,

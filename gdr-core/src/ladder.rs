@@ -516,7 +516,7 @@ pub struct Ladder<V: Api, C: hal_cuda::Api> {
     exports: Arc<DmabufExports>,
     gpus: Vec<Gpu<C>>,
     verdicts: Mutex<HashMap<(u32, Rung), Verdict>>,
-    forget: Arc<LadderForget<V>>,
+    forget: Arc<dyn Forget>,
 }
 
 /// What a buffer calls on drop to remove its registrations in one domain.
@@ -624,8 +624,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     }
 
     /// What a buffer registered here calls when it is dropped.
-    pub(crate) fn forgetter(&self) -> Arc<dyn Forget> {
-        Arc::clone(&self.forget) as Arc<dyn Forget>
+    pub(crate) fn forgetter(&self) -> &Arc<dyn Forget> {
+        &self.forget
     }
 
     /// The protection domain of this NIC's registrations: queue pairs that
