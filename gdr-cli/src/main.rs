@@ -117,8 +117,12 @@ fn print_verbs<A: hal_verbs::Api>(provider: &A::Provider) -> Result<(), Box<dyn 
         let ctx = provider.open(&device.name)?;
         let attrs = ctx.query_device()?;
         println!(
-            "  {}  fw {}  vendor {:#06x}:{:#x}  ports {}  max MR {} GiB  max QP WR {}",
+            "  {}  PCI {}  fw {}  vendor {:#06x}:{:#x}  ports {}  max MR {} GiB  max QP WR {}",
             device.name,
+            device
+                .pci_bus_id
+                .as_deref()
+                .unwrap_or("none (software device)"),
             attrs.fw_ver,
             attrs.vendor_id,
             attrs.vendor_part_id,

@@ -30,7 +30,7 @@ pub use types::{
     DeviceAttributes, DeviceInfo, Gid, GidEntry, GidType, InitParams, LinkLayer,
     MAX_ACCEPT_PRIVATE_DATA, MAX_CONNECT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA, Mtu,
     PortAttributes, PortState, QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendFlags,
-    SendOp, SendRequest, SgList, Sge, WcOpcode, WcStatus, select_roce_v2_gid,
+    SendOp, SendRequest, SgList, Sge, WcOpcode, WcStatus, is_pci_bus_id, select_roce_v2_gid,
 };
 
 /// mockall mocks of the role traits, tied together by `mock::MockApi`.

@@ -17,6 +17,24 @@ pub struct DeviceInfo {
     pub name: String,
     /// Node GUID, host byte order.
     pub node_guid: u64,
+    /// PCI bus id, `dddd:bb:dd.f` (lower case, the form CUDA's
+    /// `DeviceAttributes::pci_bus_id` has), for pairing NICs with the
+    /// nearest GPU; `None` for a device with no PCI function of its own
+    /// (SoftRoCE).
+    pub pci_bus_id: Option<String>,
+}
+
+/// Whether `text` is a PCI bus id of the form `dddd:bb:dd.f`.
+pub fn is_pci_bus_id(text: &str) -> bool {
+    let b = text.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && b.iter()
+            .enumerate()
+            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
+        && (b'0'..=b'7').contains(&b[11])
 }
 
 /// What an opened device can do (the subset of `ibv_device_attr` we use).
@@ -834,6 +852,16 @@ mod tests {
         let picked = select_roce_v2_gid(&table, AddressFamily::V6).unwrap();
         assert_eq!(picked.index, 5, "a global IPv6 GID beats a link-local one");
         assert!(select_roce_v2_gid(&table[..3], AddressFamily::V4).is_none());
+    }
+
+    #[test]
+    fn pci_bus_ids_are_checked() {
+        assert!(is_pci_bus_id("0000:17:00.0"));
+        assert!(is_pci_bus_id("0000:af:1f.7"));
+        assert!(!is_pci_bus_id("0000:17:00.8"));
+        assert!(!is_pci_bus_id("17:00.0"));
+        assert!(!is_pci_bus_id("0000:17:00.0/"));
+        assert!(!is_pci_bus_id("uverbs0"));
     }
 
     #[test]

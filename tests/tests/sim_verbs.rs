@@ -220,13 +220,19 @@ fn devices_ports_and_gids_look_like_roce() {
         },
     );
     assert_eq!(verbs.backend_name(), "sim");
-    let names: Vec<_> = verbs
+    let devices: Vec<_> = verbs
         .devices()
         .unwrap()
         .into_iter()
-        .map(|d| d.name)
+        .map(|d| (d.name, d.pci_bus_id))
         .collect();
-    assert_eq!(names, ["sim0", "sim1"]);
+    assert_eq!(
+        devices,
+        [
+            ("sim0".to_owned(), Some("0000:18:00.0".to_owned())),
+            ("sim1".to_owned(), None)
+        ]
+    );
     assert!(matches!(
         verbs.open("mlx5_0"),
         Err(VerbsError::NoDevice { .. })

@@ -82,6 +82,8 @@ pub struct DeviceConfig {
     pub active_mtu: Mtu,
     /// Largest inline payload a QP may be created with.
     pub max_inline_data: u32,
+    /// The PCI bus id it reports (`None`: a software device, like rxe).
+    pub pci_bus_id: Option<String>,
 }
 
 impl Default for DeviceConfig {
@@ -109,16 +111,19 @@ impl Default for DeviceConfig {
             max_mtu: Mtu::Mtu4096,
             active_mtu: Mtu::Mtu4096,
             max_inline_data: 256,
+            // Beside the simulated GPU's default 0000:17:00.0, as on a PCIe switch.
+            pci_bus_id: Some("0000:18:00.0".to_owned()),
         }
     }
 }
 
 impl DeviceConfig {
-    /// An rxe-like device: no dma-buf, 1024-byte active MTU.
+    /// An rxe-like device: no dma-buf, 1024-byte active MTU, no PCI function.
     pub fn rxe_like() -> Self {
         Self {
             dmabuf: false,
             active_mtu: Mtu::Mtu1024,
+            pci_bus_id: None,
             ..Self::default()
         }
     }
@@ -287,6 +292,7 @@ impl Provider<SimVerbsApi> for SimVerbs {
             .map(|&d| DeviceInfo {
                 name: state.devices[d].name.clone(),
                 node_guid: state.devices[d].guid,
+                pci_bus_id: state.devices[d].config.pci_bus_id.clone(),
             })
             .collect())
     }

@@ -163,6 +163,14 @@ impl Drop for DeviceList {
     }
 }
 
+/// The PCI function behind RDMA device `name`, from sysfs (its `device`
+/// link names the function); `None` for a software device such as rxe.
+fn pci_bus_id(name: &str) -> Option<String> {
+    let link = std::fs::read_link(format!("/sys/class/infiniband/{name}/device")).ok()?;
+    let id = link.file_name()?.to_str()?.to_ascii_lowercase();
+    crate::types::is_pci_bus_id(&id).then_some(id)
+}
+
 impl Provider<RdmaApi> for RdmaProvider {
     fn backend_name(&self) -> &'static str {
         "rdma-core"
@@ -176,6 +184,7 @@ impl Provider<RdmaApi> for RdmaProvider {
                 // SAFETY: `dev` is a device of the live list.
                 let guid = unsafe { sys::ibv_get_device_guid(dev) };
                 DeviceInfo {
+                    pci_bus_id: pci_bus_id(&name),
                     name,
                     node_guid: u64::from_be(guid),
                 }
