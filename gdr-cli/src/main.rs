@@ -173,13 +173,86 @@ fn print_cuda<A: hal_cuda::Api>(driver: &A::Driver) -> Result<(), Box<dyn Error>
 }
 
 fn info(backend: Backend) -> Result<(), Box<dyn Error>> {
-    match choose_verbs(backend)? {
-        Verbs::Real(p) => print_verbs::<hal_verbs::rdma::RdmaApi>(&p)?,
-        Verbs::Sim(p) => print_verbs::<gdr_sim::nic::SimVerbsApi>(&p)?,
+    let verbs = choose_verbs(backend)?;
+    match &verbs {
+        Verbs::Real(p) => print_verbs::<hal_verbs::rdma::RdmaApi>(p)?,
+        Verbs::Sim(p) => print_verbs::<gdr_sim::nic::SimVerbsApi>(p)?,
     }
-    match choose_cuda(backend)? {
-        Cuda::Real(d) => print_cuda::<hal_cuda::cuda::CudaApi>(&d)?,
-        Cuda::Sim(d) => print_cuda::<gdr_sim::SimCudaApi>(&d)?,
+    let cuda = choose_cuda(backend)?;
+    match &cuda {
+        Cuda::Real(d) => print_cuda::<hal_cuda::cuda::CudaApi>(d)?,
+        Cuda::Sim(d) => print_cuda::<gdr_sim::SimCudaApi>(d)?,
+    }
+    // Which GPU rungs each NIC can take, probed with a loopback self-check;
+    // only where NIC and GPU are both real or both simulated.
+    match (&verbs, &cuda) {
+        (Verbs::Real(p), Cuda::Real(d)) => {
+            print_rungs::<hal_verbs::rdma::RdmaApi, hal_cuda::cuda::CudaApi>(p, d)
+        }
+        (Verbs::Sim(p), Cuda::Sim(d)) => {
+            print_rungs::<gdr_sim::nic::SimVerbsApi, gdr_sim::SimCudaApi>(p, d)
+        }
+        (Verbs::Real(p), Cuda::Sim(_)) => {
+            println!("(probing with a host-visible simulated GPU, standing in for peermem)");
+            print_rungs::<hal_verbs::rdma::RdmaApi, gdr_sim::SimCudaApi>(p, &host_visible_gpu())
+        }
+        (Verbs::Sim(_), Cuda::Real(_)) => {
+            println!(
+                "GPU registration rungs: not probed (a simulated NIC cannot reach real GPU memory)"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// A simulated GPU whose memory has host addresses: a real NIC can register
+/// it as nvidia-peermem would pin GPU memory.
+fn host_visible_gpu() -> SimCuda {
+    SimCuda::new(
+        vec![GpuConfig {
+            host_visible: true,
+            ..GpuConfig::default()
+        }],
+        Default::default(),
+    )
+}
+
+fn print_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
+    provider: &V::Provider,
+    driver: &C::Driver,
+) -> Result<(), Box<dyn Error>> {
+    println!("GPU registration rungs (probed, loopback self-check):");
+    for device in provider.devices()? {
+        let ctx = provider.open(&device.name)?;
+        let gpus = (0..driver.device_count()?)
+            .map(|ordinal| Gpu::<C>::open(driver, ordinal))
+            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the probes register only their own scratch allocations,
+        // freed after their registrations; nothing else is registered.
+        let ladder = unsafe {
+            Ladder::<V, C>::new(
+                &ctx,
+                gpus,
+                Arc::new(RegistrationCache::new(CacheConfig::default())),
+                Arc::new(DmabufExports::new()),
+                LadderConfig::default(),
+            )
+        };
+        let ladder = match ladder {
+            Ok(ladder) => ladder,
+            Err(e) => {
+                println!("  {}: {e}", device.name);
+                continue;
+            }
+        };
+        for (ordinal, rung, verdict) in ladder.probe_all() {
+            match verdict {
+                Ok(()) => println!("  {} x GPU {ordinal}: {rung:?} works", device.name),
+                Err(refusal) => {
+                    println!("  {} x GPU {ordinal}: {rung:?} no: {refusal}", device.name)
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -276,17 +349,8 @@ fn loopback(backend: Backend, size: usize) -> Result<(), Box<dyn Error>> {
         (Verbs::Real(p), Cuda::Real(d)) => prove::<RealV, RealC>(p, Some(d), size),
         (Verbs::Sim(p), Cuda::Sim(d)) => prove::<SimV, SimC>(p, Some(d), size),
         (Verbs::Real(p), Cuda::Sim(_)) => {
-            // A simulated GPU whose memory has host addresses: the real NIC
-            // can register it as nvidia-peermem would pin GPU memory.
             println!("(simulated GPU memory is host-visible here, standing in for peermem)");
-            let gpu = SimCuda::new(
-                vec![GpuConfig {
-                    host_visible: true,
-                    ..GpuConfig::default()
-                }],
-                Default::default(),
-            );
-            prove::<RealV, SimC>(p, Some(&gpu), size)
+            prove::<RealV, SimC>(p, Some(&host_visible_gpu()), size)
         }
         (Verbs::Sim(p), _) => {
             println!("(a simulated NIC cannot reach real GPU memory: host memory only)");

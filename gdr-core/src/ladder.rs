@@ -669,6 +669,19 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         loopback.prove(mr, registration.addr - mr.addr(), len)
     }
 
+    /// Probes every GPU rung for every GPU of the ladder (those not probed
+    /// yet) and returns the verdicts: what this NIC can do with each GPU's
+    /// memory, whatever the policy.
+    pub fn probe_all(&self) -> Vec<(u32, Rung, Result<(), Refusal>)> {
+        self.gpus
+            .iter()
+            .flat_map(|gpu| {
+                [Rung::Dmabuf, Rung::Peermem]
+                    .map(|rung| (gpu.attributes.ordinal, rung, self.probe(gpu, rung)))
+            })
+            .collect()
+    }
+
     /// The verdict of probing `rung` for GPU `ordinal`, if probed.
     pub fn verdict(&self, ordinal: u32, rung: Rung) -> Option<Result<(), Refusal>> {
         lock(&self.verdicts).get(&(ordinal, rung)).cloned()
