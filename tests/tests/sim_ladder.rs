@@ -417,3 +417,25 @@ fn an_ipc_imported_buffer_registers_and_closes_after_its_registrations() {
         "closing the mapping dropped its MRs first"
     );
 }
+
+#[test]
+fn probe_all_reports_every_gpu_rung_once() {
+    let w = world(
+        vec![DeviceConfig::rxe_like()],
+        GpuConfig {
+            peermem: true,
+            ..GpuConfig::default()
+        },
+    );
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    let verdicts = ladder.probe_all();
+    assert_eq!(verdicts.len(), 2, "{verdicts:?}");
+    assert!(matches!(
+        &verdicts[0],
+        (0, Rung::Dmabuf, Err(Refusal::Nic(e))) if e.errno() == Some(libc::EOPNOTSUPP)
+    ));
+    assert_eq!(verdicts[1], (0, Rung::Peermem, Ok(())));
+    let probes = w.plan.calls(FaultSite::VerbsRegisterDmabuf);
+    assert_eq!(ladder.probe_all(), verdicts, "kept, not probed again");
+    assert_eq!(w.plan.calls(FaultSite::VerbsRegisterDmabuf), probes);
+}
