@@ -7,6 +7,7 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use rdma_mummy_sys as sys;
+use smallvec::SmallVec;
 
 use super::device::ContextInner;
 use super::memory::PdInner;
@@ -556,13 +557,15 @@ impl QueuePair for RdmaQp {
         if requests.is_empty() {
             return Ok(());
         }
-        // All SG entries in one array, so the WRs can point into it: it is
-        // not resized after the pointers are taken.
-        let mut sges: Vec<sys::ibv_sge> = requests
+        // All SG entries in one array, so the WRs can point into it. Both
+        // arrays live on the stack for batches of up to 8 WRs and 16 SG
+        // entries (no allocation per post), and neither is moved or resized
+        // after the pointers into it are taken.
+        let mut sges: SmallVec<[sys::ibv_sge; 16]> = requests
             .iter()
             .flat_map(|r| r.sg_list.iter().map(to_sge))
             .collect();
-        let mut wrs: Vec<sys::ibv_send_wr> = Vec::with_capacity(requests.len());
+        let mut wrs: SmallVec<[sys::ibv_send_wr; 8]> = SmallVec::with_capacity(requests.len());
         let mut first_sge = 0;
         for r in requests {
             let (opcode, imm, rdma) = wr_opcode(&r.op);
@@ -590,7 +593,7 @@ impl QueuePair for RdmaQp {
         }
         let base = wrs.as_mut_ptr();
         for i in 1..wrs.len() {
-            // In bounds: `i < wrs.len()`; the Vec is not resized from here.
+            // In bounds: `i < wrs.len()`; the array is not resized from here.
             wrs[i - 1].next = base.wrapping_add(i);
         }
         let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
@@ -613,11 +616,13 @@ impl QueuePair for RdmaQp {
         if requests.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<sys::ibv_sge> = requests
+        // As in `post_send`: on the stack for small batches, never moved
+        // once pointed into.
+        let mut sges: SmallVec<[sys::ibv_sge; 16]> = requests
             .iter()
             .flat_map(|r| r.sg_list.iter().map(to_sge))
             .collect();
-        let mut wrs: Vec<sys::ibv_recv_wr> = Vec::with_capacity(requests.len());
+        let mut wrs: SmallVec<[sys::ibv_recv_wr; 8]> = SmallVec::with_capacity(requests.len());
         let mut first_sge = 0;
         for r in requests {
             wrs.push(sys::ibv_recv_wr {
