@@ -708,7 +708,9 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
 
     /// Registers `len` bytes at `addr` on the first rung that works.
     pub fn register(&self, addr: u64, len: u64) -> Result<LadderRegistration<V>, LadderError> {
-        let _span = tracing::info_span!(
+        // Debug, not info: this runs on every registration, cache hits
+        // included; probe verdicts are what info reports.
+        let _span = tracing::debug_span!(
             "register",
             device = %self.device,
             addr = format_args!("{addr:#x}"),
@@ -739,7 +741,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             }
             MemoryType::Device => self.register_gpu(&attrs, addr, len)?,
         };
-        tracing::info!(
+        tracing::debug!(
             rung = ?registration.rung,
             refused = %list(&registration.failures),
             "registered"

@@ -436,10 +436,9 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
 
     fn pointer_attributes(&self, addr: u64) -> Result<PointerAttributes> {
         check_alive(&self.gpu, "cuPointerGetAttributes")?;
-        if memory::is_device_address(addr) {
-            let range = memory::lookup(addr).ok_or_else(|| {
-                CudaError::invalid("cuPointerGetAttributes", format!("{addr:#x} is not mapped"))
-            })?;
+        // One lookup: a host-visible allocation has a host address, so the
+        // window test alone cannot tell device memory.
+        if let Some(range) = memory::lookup(addr) {
             let gpu = &self.process.gpus[range.ordinal as usize];
             return Ok(PointerAttributes {
                 memory_type: MemoryType::Device,
@@ -450,6 +449,12 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 allocation_kind: AllocationKind::Legacy,
                 gpu_direct_rdma_capable: gpu.config.gpu_direct_rdma_supported,
             });
+        }
+        if addr >= memory::DEVICE_WINDOW_START {
+            return Err(CudaError::invalid(
+                "cuPointerGetAttributes",
+                format!("{addr:#x} is not mapped"),
+            ));
         }
         let pinned = lock(&self.process.pinned);
         if let Some((&start, &(len, buffer_id))) = pinned.range(..=addr).next_back()
