@@ -98,6 +98,18 @@ pub enum VerbsError {
         /// The private data of the reject.
         private_data: Vec<u8>,
     },
+    /// `ibv_poll_cq` failed. Its negative return is a provider code, not an
+    /// errno (libmlx5 answers -1 for a CQ in error, e.g. after an overrun):
+    /// the completion queue cannot be trusted any more.
+    #[error("{operation} on {device} failed with provider code {code} (not an errno)")]
+    CompletionQueue {
+        /// The verb that failed (`ibv_poll_cq`).
+        operation: &'static str,
+        /// The device name.
+        device: String,
+        /// The provider's (negative) return value.
+        code: i32,
+    },
     /// An OS error with no more specific kind; the errno is kept.
     #[error("{operation} failed: {}", std::io::Error::from_raw_os_error(*errno))]
     Os {
@@ -191,6 +203,7 @@ impl VerbsError {
             | Self::NoDevice { .. }
             | Self::QueueFull { .. }
             | Self::Timeout { .. }
+            | Self::CompletionQueue { .. }
             | Self::ConnectionRejected { .. } => None,
         }
     }
@@ -205,19 +218,66 @@ impl VerbsError {
     }
 }
 
+/// How much of a batch a failed post took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Posted {
+    /// The first `n` work requests of the batch were posted and will
+    /// complete; the rest were not posted and never will.
+    Prefix(usize),
+    /// The provider reported failure with a `bad_wr` that is not one of the
+    /// batch's requests, so which of them were posted is unknown. The caller
+    /// cannot account for them one by one: move the queue pair to ERROR and
+    /// drain it ([`crate::drain`]), which completes every request that was
+    /// posted (with its status or `WR_FLUSH_ERR`); a request of the batch
+    /// that never completes in the drain was not posted.
+    Unknown,
+}
+
+impl std::fmt::Display for Posted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Prefix(n) => write!(f, "accepted {n} work request(s)"),
+            Self::Unknown => f.write_str(
+                "accepted an unknown part of the batch (bad_wr outside it: \
+                 move the QP to ERROR and drain it)",
+            ),
+        }
+    }
+}
+
 /// A batch post that the queue pair did not take whole.
 ///
-/// The first `accepted` work requests of the batch were posted and will
-/// complete; the rest were not posted and never will. This is what lets the
-/// engine complete every request exactly once.
+/// [`Posted::Prefix`]: the first `n` work requests of the batch were posted
+/// and will complete; the rest were not posted and never will. This is what
+/// lets the engine complete every request exactly once. [`Posted::Unknown`]:
+/// the provider did not say; drain the queue pair (see [`Posted::Unknown`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("post accepted {accepted} work request(s), then failed: {error}")]
+#[error("post {posted}, then failed: {error}")]
 pub struct PostError {
-    /// How many leading work requests were posted.
-    pub accepted: usize,
+    /// How much of the batch was posted.
+    pub posted: Posted,
     /// Why the next one was refused.
     #[source]
     pub error: VerbsError,
+}
+
+impl PostError {
+    /// The first `accepted` requests were posted, then `error`.
+    pub fn prefix(accepted: usize, error: VerbsError) -> Self {
+        Self {
+            posted: Posted::Prefix(accepted),
+            error,
+        }
+    }
+
+    /// How many leading requests were posted, when known (`None`:
+    /// [`Posted::Unknown`], drain the queue pair).
+    pub fn accepted(&self) -> Option<usize> {
+        match self.posted {
+            Posted::Prefix(n) => Some(n),
+            Posted::Unknown => None,
+        }
+    }
 }
 
 #[cfg(test)]

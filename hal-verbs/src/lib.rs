@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 mod api;
+pub mod drain;
 mod error;
 mod types;
 
@@ -24,7 +25,7 @@ pub use api::{
     Api, CompletionQueue, ConnectRequest, Connection, ConnectionManager, Context, Listener,
     MemoryRegion, ProtectionDomain, Provider, QueuePair,
 };
-pub use error::{PostError, Result, VerbsError};
+pub use error::{PostError, Posted, Result, VerbsError};
 pub use types::{
     AccessFlags, AddressFamily, Completion, ConnectParams, ConnectionInfo, ConnectionState,
     DeviceAttributes, DeviceInfo, Gid, GidEntry, GidType, InitParams, LinkLayer,

@@ -420,7 +420,9 @@ impl RtrParams {
 pub struct RtsParams {
     /// Our first PSN (24 bits), as told to the peer.
     pub sq_psn: u32,
-    /// Local ACK timeout code: 4.096 µs × 2^timeout.
+    /// Local ACK timeout code: 4.096 µs × 2^timeout, 1..=31. 0 is refused:
+    /// it means "no timer", so a lost packet or a dead peer is retried
+    /// forever, as with `retry_cnt` 7.
     pub timeout: u8,
     /// Transport retries, 0..=6. 7 is refused: rxe then retries forever and
     /// a dead peer never surfaces as an error.
@@ -455,6 +457,13 @@ impl RtsParams {
                     "retry_cnt {} would retry forever on some providers; use 0..=6",
                     self.retry_cnt
                 ),
+            ));
+        }
+        if self.timeout == 0 {
+            return Err(VerbsError::invalid(
+                "ibv_modify_qp(RTS)",
+                "ACK timeout 0 disables the transport timer (a dead peer is never \
+                 reported); use 1..=31",
             ));
         }
         if self.timeout > 31 || self.rnr_retry > 7 || self.sq_psn > 0x00ff_ffff {
@@ -713,7 +722,8 @@ pub struct ConnectParams {
     pub rnr_retry_count: u8,
     /// Local ACK timeout code (4.096 µs × 2^n) put into the queue pair at
     /// RTS; `None` keeps the one the connection manager derives from the
-    /// path (19, 2.1 s a try, on rxe). The default, 14 (~67 ms a try), is
+    /// path (19, 2.1 s a try, on rxe). `Some(0)` is refused: 0 disables the
+    /// timer (infinite retry, like `retry_count` 7). The default, 14 (~67 ms a try), is
     /// [`RtsParams`]'s. Measured between two SoftRoCE guests with
     /// `retry_count` 3: a killed peer surfaces as status 12 (retry exceeded)
     /// 0.27 s after the last success with 14, 9.3 s with rdma_cm's 19; and
@@ -761,6 +771,13 @@ impl ConnectParams {
                     "retry_count {} would retry forever on some providers; use 0..=6",
                     self.retry_count
                 ),
+            ));
+        }
+        if self.ack_timeout == Some(0) {
+            return Err(VerbsError::invalid(
+                operation,
+                "ACK timeout 0 disables the transport timer (a dead peer is never \
+                 reported); use 1..=31 or None",
             ));
         }
         if self.rnr_retry_count > 7 || self.ack_timeout.is_some_and(|t| t > 31) {
@@ -874,6 +891,26 @@ mod tests {
         p.retry_cnt = 3;
         p.sq_psn = 1 << 24;
         assert!(p.validate().is_err());
+        p.sq_psn = 0;
+        p.timeout = 0;
+        let err = p.validate().unwrap_err();
+        assert!(err.to_string().contains("ACK timeout 0"), "{err}");
+        p.timeout = 1;
+        assert!(p.validate().is_ok());
+    }
+
+    #[test]
+    fn connect_params_refuse_infinite_retry() {
+        let mut p = ConnectParams::default();
+        assert!(p.validate("rdma_connect", &[], 55).is_ok());
+        p.ack_timeout = None;
+        assert!(p.validate("rdma_connect", &[], 55).is_ok());
+        p.ack_timeout = Some(0);
+        let err = p.validate("rdma_connect", &[], 55).unwrap_err();
+        assert!(err.to_string().contains("ACK timeout 0"), "{err}");
+        p.ack_timeout = Some(14);
+        p.retry_count = 7;
+        assert!(p.validate("rdma_connect", &[], 55).is_err());
     }
 
     #[test]

@@ -84,6 +84,11 @@ pub struct DeviceConfig {
     pub max_inline_data: u32,
     /// The PCI bus id it reports (`None`: a software device, like rxe).
     pub pci_bus_id: Option<String>,
+    /// Whether destroying a QP removes its completions from its CQs, as
+    /// ConnectX does (rxe keeps them). Off by default; on, a QP torn down
+    /// with work outstanding loses those completions unless it was drained
+    /// first (`hal_verbs::drain`).
+    pub destroy_qp_purges_cq: bool,
 }
 
 impl Default for DeviceConfig {
@@ -113,6 +118,7 @@ impl Default for DeviceConfig {
             max_inline_data: 256,
             // Beside the simulated GPU's default 0000:17:00.0, as on a PCIe switch.
             pci_bus_id: Some("0000:18:00.0".to_owned()),
+            destroy_qp_purges_cq: false,
         }
     }
 }

@@ -11,7 +11,7 @@ use hal_verbs::{
 
 use super::SimFabric;
 use super::mr::PdInner;
-use super::state::{CqState, FabricState, QpRecord, RecvWqe, Remote, SendWqe};
+use super::state::{CqState, FabricState, Pinned, QpRecord, RecvWqe, Remote, SendWqe};
 use crate::faults::FaultSite;
 use crate::memory;
 
@@ -358,7 +358,7 @@ impl QueuePair for SimQp {
         let device = self.pd.device;
         let mut guard = self.pd.fabric.lock();
         let state = &mut *guard;
-        let at = |accepted: usize| move |error: VerbsError| PostError { accepted, error };
+        let at = |accepted: usize| move |error: VerbsError| PostError::prefix(accepted, error);
         state.alive(device, OP).map_err(at(0))?;
         let mode = match record(state, self.qpn).map_err(at(0))?.state {
             QpState::ReadyToSend => PostMode::Queue,
@@ -374,10 +374,7 @@ impl QueuePair for SimQp {
             // SAFETY: forwarded from our caller's contract: the SG entries
             // lie in live registrations (inline ones in host memory).
             if let Err(error) = unsafe { self.post_one_send(state, request) } {
-                result = Err(PostError {
-                    accepted: index,
-                    error,
-                });
+                result = Err(PostError::prefix(index, error));
                 break;
             }
         }
@@ -386,7 +383,7 @@ impl QueuePair for SimQp {
         }
         let accepted = match &result {
             Ok(()) => requests.len(),
-            Err(e) => e.accepted,
+            Err(e) => e.accepted().unwrap_or(0),
         };
         tracing::debug!(
             qpn = self.qpn,
@@ -402,7 +399,7 @@ impl QueuePair for SimQp {
         let device = self.pd.device;
         let mut guard = self.pd.fabric.lock();
         let state = &mut *guard;
-        let at = |accepted: usize| move |error: VerbsError| PostError { accepted, error };
+        let at = |accepted: usize| move |error: VerbsError| PostError::prefix(accepted, error);
         state.alive(device, OP).map_err(at(0))?;
         let mode = match record(state, self.qpn).map_err(at(0))?.state {
             QpState::Reset => {
@@ -415,10 +412,7 @@ impl QueuePair for SimQp {
         let mut result = Ok(());
         for (index, request) in requests.iter().enumerate() {
             if let Err(error) = self.post_one_recv(state, request) {
-                result = Err(PostError {
-                    accepted: index,
-                    error,
-                });
+                result = Err(PostError::prefix(index, error));
                 break;
             }
         }
@@ -481,6 +475,20 @@ impl SimQp {
             {
                 // The CPU would have to read device memory: refused.
                 return Err(state.einval(device, OP, "INLINE payload in device memory"));
+            }
+            if let Some(sge) = request.sg_list.iter().find(|s| {
+                state
+                    .mrs
+                    .get(&s.lkey)
+                    .is_some_and(|mr| matches!(mr._pinned, Pinned::Dmabuf(_)))
+            }) {
+                // As the rdma backend: a dma-buf MR's addresses are iovas,
+                // which the CPU cannot read.
+                let reason = format!(
+                    "INLINE payload in a dma-buf MR (lkey {:#x}): its addresses are iovas",
+                    sge.lkey
+                );
+                return Err(state.einval(device, OP, reason));
             }
             let mut data = Vec::with_capacity(total as usize);
             for sge in &request.sg_list {
@@ -547,11 +555,27 @@ impl SimQp {
 impl Drop for SimQp {
     fn drop(&mut self) {
         // Destroying a QP drops its outstanding requests without completions,
-        // as ibv_destroy_qp does; peers then see transport retry errors.
+        // as ibv_destroy_qp does; peers then see transport retry errors. On
+        // a device configured like ConnectX
+        // ([`DeviceConfig::destroy_qp_purges_cq`](super::DeviceConfig)), the
+        // completions of the QP still in its CQs go too.
         let removed = {
             let mut state = self.pd.fabric.lock();
             let removed = state.qps.remove(&self.qpn);
             if let Some(qp) = &removed {
+                if state.devices[qp.device].config.destroy_qp_purges_cq {
+                    let qpn = self.qpn;
+                    for cq in [qp.send_cq, qp.recv_cq] {
+                        if let Some(cq) = state.cqs.get_mut(&cq) {
+                            let before = cq.entries.len();
+                            cq.entries.retain(|e| e.wc.qp_num != qpn);
+                            let purged = before - cq.entries.len();
+                            if purged > 0 {
+                                tracing::debug!(qpn, purged, "sim: destroyed QP's completions purged");
+                            }
+                        }
+                    }
+                }
                 state.devices[qp.device].qps = state.devices[qp.device].qps.saturating_sub(1);
                 let cqs = [state.release_cq(qp.send_cq), state.release_cq(qp.recv_cq)];
                 drop(cqs);

@@ -575,6 +575,12 @@ fn qp_rts(cm: &CmId, qp: &RdmaQp, params: &ConnectParams, init_rd: Option<u8>) -
     if let Some(t) = params.ack_timeout {
         attr.timeout = t;
         extra |= m::IBV_QP_TIMEOUT.0;
+    } else if attr.timeout == 0 {
+        // 0 disables the ACK timer (a dead peer is retried forever): never
+        // take it from the CM either; use the HAL's default instead.
+        tracing::debug!(qp_num = qp.qp_num(), "rdma_cm derived ACK timeout 0; using 14");
+        attr.timeout = crate::types::RtsParams::default().timeout;
+        extra |= m::IBV_QP_TIMEOUT.0;
     }
     if let Some(d) = init_rd {
         attr.max_rd_atomic = d;
@@ -1130,8 +1136,17 @@ pub struct RdmaConnection {
     local: SocketAddr,
     peer: SocketAddr,
     peer_private_data: Vec<u8>,
+    /// Held only for short, non-blocking updates: never across a wait, so
+    /// `disconnect()` never waits for a `poll_state` in progress.
     state: Mutex<ConnState>,
+    /// Serialises readers of the event channel (held across the wait).
+    reader: Mutex<()>,
 }
+
+/// The longest `poll_state` waits on the channel before it looks at the
+/// state again (a `disconnect()` from another thread ends the wait within
+/// this, if its own DISCONNECTED event has not woken it already).
+const POLL_SLICE: Duration = Duration::from_millis(20);
 
 impl RdmaConnection {
     fn new(qp: RdmaQp, cm: CmId, device: String, peer_private_data: Vec<u8>) -> Self {
@@ -1146,6 +1161,7 @@ impl RdmaConnection {
                 state: ConnectionState::Connected,
                 disconnected: false,
             }),
+            reader: Mutex::new(()),
         }
     }
 
@@ -1201,14 +1217,32 @@ impl Connection<RdmaApi> for RdmaConnection {
 
     fn poll_state(&self, timeout: Duration) -> Result<ConnectionState> {
         use sys::rdma_cm_event_type as t;
-        let mut st = self.lock();
-        let mut wait = if st.state == ConnectionState::Connected {
-            timeout
-        } else {
-            Duration::ZERO
-        };
-        while let Some(ev) = self.cm.channel.next(wait)? {
-            wait = Duration::ZERO;
+        let deadline = Instant::now() + timeout;
+        // One reader of the channel at a time; the state lock is taken only
+        // to apply an event, so disconnect() and Drop never wait for us.
+        let _reader = self
+            .reader
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut seen = false;
+        loop {
+            // Wait (in slices) only while connected and no event came yet;
+            // afterwards just take what is pending.
+            let waiting = !seen && self.lock().state == ConnectionState::Connected;
+            let left = if waiting {
+                deadline.saturating_duration_since(Instant::now())
+            } else {
+                Duration::ZERO
+            };
+            let slice = left.min(POLL_SLICE);
+            let Some(ev) = self.cm.channel.next(slice)? else {
+                if slice == left {
+                    break;
+                }
+                continue;
+            };
+            seen = true;
+            let mut st = self.lock();
             match ev.kind {
                 t::RDMA_CM_EVENT_DISCONNECTED => {
                     tracing::debug!(peer = %self.peer, "disconnected");
@@ -1225,7 +1259,7 @@ impl Connection<RdmaApi> for RdmaConnection {
                 _ => tracing::debug!(?ev, "connection event ignored"),
             }
         }
-        Ok(st.state)
+        Ok(self.lock().state)
     }
 
     #[tracing::instrument(level = "debug", skip(self), fields(peer = %self.peer))]

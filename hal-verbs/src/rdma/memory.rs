@@ -3,7 +3,8 @@
 use std::ffi::c_int;
 use std::fmt;
 use std::os::fd::RawFd;
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use rdma_mummy_sys as sys;
 
@@ -18,6 +19,9 @@ use crate::types::{AccessFlags, QpCaps};
 pub(crate) struct PdInner {
     pd: *mut sys::ibv_pd,
     ctx: Arc<ContextInner>,
+    /// The lkeys of the PD's live dma-buf MRs: their addresses are iovas,
+    /// which the CPU cannot read, so an INLINE send naming one is refused.
+    dmabuf_lkeys: RwLock<HashSet<u32>>,
 }
 
 // SAFETY: an `ibv_pd` is used only as an argument of thread-safe verbs
@@ -33,6 +37,26 @@ impl PdInner {
 
     pub(crate) fn context(&self) -> &Arc<ContextInner> {
         &self.ctx
+    }
+
+    /// Whether `lkey` names a live dma-buf MR of this PD.
+    pub(crate) fn is_dmabuf_lkey(&self, lkey: u32) -> bool {
+        self.dmabuf_lkeys
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&lkey)
+    }
+
+    fn track_dmabuf(&self, lkey: u32, live: bool) {
+        let mut keys = self
+            .dmabuf_lkeys
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if live {
+            keys.insert(lkey);
+        } else {
+            keys.remove(&lkey);
+        }
     }
 }
 
@@ -79,6 +103,7 @@ impl RdmaPd {
             inner: Arc::new(PdInner {
                 pd,
                 ctx: Arc::clone(ctx),
+                dmabuf_lkeys: RwLock::new(HashSet::new()),
             }),
         })
     }
@@ -104,13 +129,17 @@ impl RdmaPd {
         addr: u64,
         len: usize,
         access: AccessFlags,
+        dmabuf: bool,
     ) -> Result<RdmaMr> {
         if mr.is_null() {
             return Err(verb_error(operation, self.inner.ctx.name(), errno_or_eio()));
         }
         // SAFETY: a non-NULL MR from the library, readable until deregistered.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        tracing::debug!(lkey, rkey, "registered");
+        tracing::debug!(lkey, rkey, dmabuf, "registered");
+        if dmabuf {
+            self.inner.track_dmabuf(lkey, true);
+        }
         Ok(RdmaMr {
             mr,
             pd: Arc::clone(&self.inner),
@@ -119,6 +148,7 @@ impl RdmaPd {
             access,
             lkey,
             rkey,
+            dmabuf,
         })
     }
 }
@@ -145,7 +175,7 @@ impl ProtectionDomain<RdmaApi> for RdmaPd {
         // that the range stays mapped while the MR lives. The kernel pins
         // the pages and fails cleanly on an unmapped range.
         let mr = unsafe { sys::ibv_reg_mr(self.inner.pd, ptr, len, native_access(access)) };
-        self.wrap_mr("ibv_reg_mr", mr, addr, len, access)
+        self.wrap_mr("ibv_reg_mr", mr, addr, len, access, false)
     }
 
     #[tracing::instrument(
@@ -178,7 +208,7 @@ impl ProtectionDomain<RdmaApi> for RdmaPd {
         };
         // rdma-core's `ibv_mr.addr` does not hold the iova of a dma-buf MR:
         // we keep it ourselves.
-        self.wrap_mr("ibv_reg_dmabuf_mr", mr, iova, len, access)
+        self.wrap_mr("ibv_reg_dmabuf_mr", mr, iova, len, access, true)
     }
 
     #[tracing::instrument(level = "debug", skip(self), fields(device = %self.inner.ctx.name()))]
@@ -196,6 +226,8 @@ pub struct RdmaMr {
     access: AccessFlags,
     lkey: u32,
     rkey: u32,
+    /// Registered from a dma-buf: `addr` is an iova, not CPU-readable.
+    dmabuf: bool,
 }
 
 // SAFETY: the MR is only read (keys, cached at creation) and deregistered
@@ -205,16 +237,29 @@ unsafe impl Send for RdmaMr {}
 unsafe impl Sync for RdmaMr {}
 
 impl RdmaMr {
+    /// Whether it was registered from a dma-buf (`ibv_reg_dmabuf_mr`): its
+    /// addresses are iovas the CPU cannot read, so INLINE sends from it are
+    /// refused.
+    pub fn is_dmabuf(&self) -> bool {
+        self.dmabuf
+    }
+
     /// Deregisters, leaving `self.mr` NULL so Drop does nothing more.
     fn dereg(&mut self) -> Result<()> {
         let mr = std::mem::replace(&mut self.mr, std::ptr::null_mut());
         if mr.is_null() {
             return Ok(());
         }
+
         // SAFETY: `mr` came from a registration and is deregistered once
         // (the field is NULL from now on). The PD outlives this call: we
         // hold an Arc to it.
         let ret = unsafe { sys::ibv_dereg_mr(mr) };
+        if ret == 0 && self.dmabuf {
+            // Forgotten once the key is free for reuse (a failed
+            // deregistration leaves it live, and so refused for INLINE).
+            self.pd.track_dmabuf(self.lkey, false);
+        }
         if ret != 0 {
             return Err(verb_error(
                 "ibv_dereg_mr",
@@ -269,6 +314,7 @@ impl fmt::Debug for RdmaMr {
             .field("lkey", &self.lkey)
             .field("rkey", &self.rkey)
             .field("access", &self.access)
+            .field("dmabuf", &self.dmabuf)
             .finish()
     }
 }

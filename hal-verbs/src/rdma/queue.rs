@@ -4,7 +4,8 @@
 use std::ffi::c_int;
 use std::fmt;
 use std::mem::MaybeUninit;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use rdma_mummy_sys as sys;
 use smallvec::SmallVec;
@@ -13,10 +14,10 @@ use super::device::ContextInner;
 use super::memory::PdInner;
 use super::{clear_errno, errno_or_eio, ret_errno, verb_error};
 use crate::api::{CompletionQueue, QueuePair};
-use crate::error::{PostError, Result, VerbsError};
+use crate::error::{PostError, Posted, Result, VerbsError};
 use crate::types::{
-    Completion, InitParams, LinkLayer, QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendOp,
-    SendRequest, WcOpcode, WcStatus,
+    Completion, InitParams, LinkLayer, QpCaps, QpState, RecvRequest, RtrParams, RtsParams,
+    SendFlags, SendOp, SendRequest, WcOpcode, WcStatus,
 };
 
 /// The native CQ, destroyed when its last QP and handle are gone.
@@ -24,6 +25,10 @@ pub(crate) struct CqInner {
     cq: *mut sys::ibv_cq,
     depth: u32,
     ctx: Arc<ContextInner>,
+    /// A failure of `ibv_poll_cq` met after completions had already been
+    /// taken off the queue in the same `poll`: those are returned first, the
+    /// failure on the next call.
+    pending: PendingError,
 }
 
 // SAFETY: rdma-core providers lock a CQ inside `poll_cq`, so it may be polled
@@ -93,6 +98,7 @@ impl RdmaCq {
                 cq,
                 depth: granted,
                 ctx: Arc::clone(ctx),
+                pending: PendingError::default(),
             }),
         })
     }
@@ -116,39 +122,96 @@ fn completion_from_native(wc: &sys::ibv_wc) -> Completion {
     }
 }
 
+/// An error held back for the next `poll`, so completions polled before it
+/// are not lost with it.
+#[derive(Debug, Default)]
+struct PendingError {
+    /// Fast path: false while nothing is held (every poll reads it).
+    set: AtomicBool,
+    error: Mutex<Option<VerbsError>>,
+}
+
+impl PendingError {
+    fn hold(&self, error: VerbsError) {
+        let mut slot = self.error.lock().unwrap_or_else(PoisonError::into_inner);
+        // A second failure before the first was reported keeps the first.
+        slot.get_or_insert(error);
+        self.set.store(true, Ordering::Release);
+    }
+
+    fn take(&self) -> Option<VerbsError> {
+        if !self.set.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut slot = self.error.lock().unwrap_or_else(PoisonError::into_inner);
+        self.set.store(false, Ordering::Release);
+        slot.take()
+    }
+}
+
+/// The poll loop over `chunk`, which polls up to `wcs.len()` entries into
+/// `wcs` and returns what `ibv_poll_cq` returns. Completions already taken
+/// are never dropped: a failure after some is held in `pending` and
+/// reported by the next call; a failure with none taken is reported now.
+fn poll_loop(
+    out: &mut [Completion],
+    pending: &PendingError,
+    device: &str,
+    mut chunk: impl FnMut(&mut [MaybeUninit<sys::ibv_wc>]) -> c_int,
+) -> Result<usize> {
+    if let Some(error) = pending.take() {
+        return Err(error);
+    }
+    let mut done = 0;
+    while done < out.len() {
+        let want = (out.len() - done).min(POLL_CHUNK);
+        let mut wcs = [MaybeUninit::<sys::ibv_wc>::uninit(); POLL_CHUNK];
+        let got = chunk(&mut wcs[..want]);
+        if got < 0 {
+            // Not an errno: libibverbs' providers return -1 (or another
+            // negative code) for a CQ in error, and leave errno alone.
+            let error = VerbsError::CompletionQueue {
+                operation: "ibv_poll_cq",
+                device: device.to_owned(),
+                code: got,
+            };
+            if done == 0 {
+                return Err(error);
+            }
+            pending.hold(error);
+            break;
+        }
+        let got = usize::try_from(got).unwrap_or(0).min(want);
+        for (slot, wc) in out[done..done + got].iter_mut().zip(&wcs[..got]) {
+            // SAFETY: the provider wrote the first `got` entries.
+            *slot = completion_from_native(unsafe { wc.assume_init_ref() });
+        }
+        done += got;
+        if got < want {
+            break;
+        }
+    }
+    Ok(done)
+}
+
 impl CompletionQueue for RdmaCq {
     fn depth(&self) -> u32 {
         self.inner.depth
     }
 
     fn poll(&self, out: &mut [Completion]) -> Result<usize> {
-        let mut done = 0;
-        while done < out.len() {
-            let want = (out.len() - done).min(POLL_CHUNK);
-            let mut wcs = [MaybeUninit::<sys::ibv_wc>::uninit(); POLL_CHUNK];
-            let n = c_int::try_from(want).unwrap_or(c_int::MAX);
-            // SAFETY: the CQ is live (we hold it), created by this context's
-            // provider, so the inline wrapper's ops table is the right one;
-            // `wcs` has room for `want` entries.
-            let got = unsafe { sys::ibv_poll_cq(self.inner.cq, n, wcs[0].as_mut_ptr()) };
-            if got < 0 {
-                return Err(verb_error(
-                    "ibv_poll_cq",
-                    self.inner.ctx.name(),
-                    ret_errno(got),
-                ));
-            }
-            let got = usize::try_from(got).unwrap_or(0).min(want);
-            for (slot, wc) in out[done..done + got].iter_mut().zip(&wcs[..got]) {
-                // SAFETY: the provider wrote the first `got` entries.
-                *slot = completion_from_native(unsafe { wc.assume_init_ref() });
-            }
-            done += got;
-            if got < want {
-                break;
-            }
-        }
-        Ok(done)
+        let cq = self.inner.cq;
+        poll_loop(out, &self.inner.pending, self.inner.ctx.name(), |wcs| {
+            let n = c_int::try_from(wcs.len()).unwrap_or(c_int::MAX);
+            // One pointer, derived from the whole slice, for every entry
+            // the provider writes.
+            let ptr = wcs.as_mut_ptr().cast::<sys::ibv_wc>();
+            // SAFETY: the CQ is live (we hold it), created by this
+            // context's provider, so the inline wrapper's ops table is the
+            // right one; `ptr` has room for `n` entries (MaybeUninit<T> has
+            // T's layout).
+            unsafe { sys::ibv_poll_cq(cq, n, ptr) }
+        })
     }
 }
 
@@ -383,22 +446,30 @@ fn index_of<T>(base: *const T, len: usize, bad: *const T) -> Option<usize> {
     (off % size == 0 && off / size < len).then_some(off / size)
 }
 
+/// What a failed post took of the batch `base[..len]`, by its `bad_wr`:
+/// the prefix before it, or [`Posted::Unknown`] when it is not one of ours
+/// (never "0 accepted": requests may have been posted).
+fn posted_by<T>(base: *const T, len: usize, bad: *const T) -> Posted {
+    index_of(base, len, bad).map_or(Posted::Unknown, Posted::Prefix)
+}
+
 impl RdmaQp {
     /// What a failed `ibv_post_send`/`ibv_post_recv` (`queue`: "send" or
-    /// "recv") reports: the accepted prefix, located by `bad_wr`, and why.
+    /// "recv") reports: the accepted prefix, located by `bad_wr` (a
+    /// `bad_wr` outside the batch is [`Posted::Unknown`]), and why.
     /// ENOMEM from a post means the work queue is full.
-    fn post_error(&self, queue: &'static str, accepted: Option<usize>, ret: c_int) -> PostError {
+    fn post_error(&self, queue: &'static str, posted: Posted, ret: c_int) -> PostError {
         let (operation, depth) = match queue {
             "send" => ("ibv_post_send", self.caps.max_send_wr),
             _ => ("ibv_post_recv", self.caps.max_recv_wr),
         };
-        let accepted = accepted.unwrap_or_else(|| {
+        if posted == Posted::Unknown {
             tracing::warn!(
                 qp_num = self.qp_num,
-                "{operation} failed without a valid bad_wr"
+                "{operation} failed with a bad_wr outside the batch: what was posted \
+                 is unknown; the QP must be drained"
             );
-            0
-        });
+        }
         let errno = ret_errno(ret);
         let error = if errno == libc::ENOMEM {
             VerbsError::QueueFull {
@@ -409,7 +480,44 @@ impl RdmaQp {
         } else {
             verb_error(operation, self.device(), errno)
         };
-        PostError { accepted, error }
+        PostError { posted, error }
+    }
+
+    /// The checks a provider would only answer with a misleading errno (or
+    /// not make at all) for one send request: an INLINE payload is copied
+    /// by the CPU from `sge.addr`, so it must be host memory (never a
+    /// dma-buf MR, whose addresses are iovas) and fit the QP's granted
+    /// `max_inline_data` (libmlx5 answers ENOMEM, which reads as a full
+    /// queue and would be retried forever), and READs cannot be inline.
+    fn check_send(&self, r: &SendRequest) -> Result<()> {
+        const OP: &str = "ibv_post_send";
+        if !r.flags.contains(SendFlags::INLINE) {
+            return Ok(());
+        }
+        if matches!(r.op, SendOp::Read { .. }) {
+            return Err(VerbsError::invalid(OP, "INLINE on an RDMA READ"));
+        }
+        let total = r.byte_len();
+        if total > u64::from(self.caps.max_inline_data) {
+            return Err(VerbsError::invalid(
+                OP,
+                format!(
+                    "{total} inline bytes > the QP's max_inline_data {}",
+                    self.caps.max_inline_data
+                ),
+            ));
+        }
+        if let Some(sge) = r.sg_list.iter().find(|s| self.pd.is_dmabuf_lkey(s.lkey)) {
+            return Err(VerbsError::invalid(
+                OP,
+                format!(
+                    "INLINE payload in a dma-buf MR (lkey {:#x}): its addresses are iovas \
+                     the CPU cannot read",
+                    sge.lkey
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -554,19 +662,98 @@ impl QueuePair for RdmaQp {
     unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError> {
         let _span = tracing::trace_span!("ibv_post_send", qp_num = self.qp_num, n = requests.len())
             .entered();
+        // Requests the provider must not see are refused before the post:
+        // the prefix before the first of them is posted, as a provider
+        // would take it, and the refusal reported after it.
+        let refused = requests
+            .iter()
+            .enumerate()
+            .find_map(|(i, r)| self.check_send(r).err().map(|e| (i, e)));
+        let take = refused.as_ref().map_or(requests.len(), |(i, _)| *i);
+        // SAFETY: forwarded from our caller's contract.
+        unsafe { self.post_send_raw(&requests[..take]) }?;
+        match refused {
+            Some((i, error)) => Err(PostError::prefix(i, error)),
+            None => Ok(()),
+        }
+    }
+
+    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
+        let _span = tracing::trace_span!("ibv_post_recv", qp_num = self.qp_num, n = requests.len())
+            .entered();
+        if requests.is_empty() {
+            return Ok(());
+        }
+        // As in `post_send_raw`: on the stack for small batches; the
+        // arrays are filled first, then each base pointer is taken once,
+        // after the last mutation through the SmallVecs, and every link
+        // is written through it.
+        let mut sges: SmallVec<[sys::ibv_sge; 16]> = requests
+            .iter()
+            .flat_map(|r| r.sg_list.iter().map(to_sge))
+            .collect();
+        let mut wrs: SmallVec<[sys::ibv_recv_wr; 8]> = requests
+            .iter()
+            .map(|r| sys::ibv_recv_wr {
+                wr_id: r.wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: std::ptr::null_mut(),
+                num_sge: c_int::try_from(r.sg_list.len()).unwrap_or(c_int::MAX),
+            })
+            .collect();
+        let sge_base = sges.as_mut_ptr();
+        let base = wrs.as_mut_ptr();
+        let n = requests.len();
+        let mut first_sge = 0;
+        for (i, r) in requests.iter().enumerate() {
+            // SAFETY: `i < n == wrs.len()` and `first_sge + len <=
+            // sges.len()`; both pointers cover their whole arrays, which are
+            // not touched through any other path until the post returns.
+            unsafe {
+                let wr = base.add(i);
+                if !r.sg_list.is_empty() {
+                    (*wr).sg_list = sge_base.add(first_sge);
+                }
+                if i + 1 < n {
+                    (*wr).next = base.add(i + 1);
+                }
+            }
+            first_sge += r.sg_list.len();
+        }
+        let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: as in `post_send_raw`: a live QP of this provider, WRs
+        // and SG arrays alive for the call, buffers valid by the caller's
+        // contract.
+        let ret = unsafe { sys::ibv_post_recv(self.qp, base, &mut bad) };
+        if ret == 0 {
+            return Ok(());
+        }
+        let posted = posted_by(base, n, bad);
+        drop((sges, wrs));
+        Err(self.post_error("recv", posted, ret))
+    }
+}
+
+impl RdmaQp {
+    /// Links `requests` and posts them with one `ibv_post_send`, checks done.
+    ///
+    /// # Safety
+    /// As [`QueuePair::post_send`].
+    unsafe fn post_send_raw(&self, requests: &[SendRequest]) -> Result<(), PostError> {
         if requests.is_empty() {
             return Ok(());
         }
         // All SG entries in one array, so the WRs can point into it. Both
         // arrays live on the stack for batches of up to 8 WRs and 16 SG
-        // entries (no allocation per post), and neither is moved or resized
-        // after the pointers into it are taken.
+        // entries (no allocation per post). They are filled first; then
+        // each base pointer is taken once, after the last mutation through
+        // the SmallVecs, and every WR's `sg_list` and `next` is written
+        // through it, so no pointer is invalidated by a later reborrow.
         let mut sges: SmallVec<[sys::ibv_sge; 16]> = requests
             .iter()
             .flat_map(|r| r.sg_list.iter().map(to_sge))
             .collect();
         let mut wrs: SmallVec<[sys::ibv_send_wr; 8]> = SmallVec::with_capacity(requests.len());
-        let mut first_sge = 0;
         for r in requests {
             let (opcode, imm, rdma) = wr_opcode(&r.op);
             // SAFETY: ibv_send_wr is pointers, integers and unions of them;
@@ -576,13 +763,6 @@ impl QueuePair for RdmaQp {
             wr.opcode = opcode;
             wr.send_flags = r.flags.bits();
             wr.num_sge = c_int::try_from(r.sg_list.len()).unwrap_or(c_int::MAX);
-            wr.sg_list = if r.sg_list.is_empty() {
-                std::ptr::null_mut()
-            } else {
-                // In bounds: `first_sge + len <= sges.len()`.
-                sges[first_sge..].as_mut_ptr()
-            };
-            first_sge += r.sg_list.len();
             if let Some(imm) = imm {
                 wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
             }
@@ -591,10 +771,24 @@ impl QueuePair for RdmaQp {
             }
             wrs.push(wr);
         }
+        let sge_base = sges.as_mut_ptr();
         let base = wrs.as_mut_ptr();
-        for i in 1..wrs.len() {
-            // In bounds: `i < wrs.len()`; the array is not resized from here.
-            wrs[i - 1].next = base.wrapping_add(i);
+        let n = requests.len();
+        let mut first_sge = 0;
+        for (i, r) in requests.iter().enumerate() {
+            // SAFETY: `i < n == wrs.len()` and `first_sge + len <=
+            // sges.len()`; both pointers cover their whole arrays, which are
+            // not touched through any other path until the post returns.
+            unsafe {
+                let wr = base.add(i);
+                if !r.sg_list.is_empty() {
+                    (*wr).sg_list = sge_base.add(first_sge);
+                }
+                if i + 1 < n {
+                    (*wr).next = base.add(i + 1);
+                }
+            }
+            first_sge += r.sg_list.len();
         }
         let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is live and created by this context's provider, so
@@ -606,50 +800,9 @@ impl QueuePair for RdmaQp {
         if ret == 0 {
             return Ok(());
         }
-        drop(sges);
-        Err(self.post_error("send", index_of(base, wrs.len(), bad), ret))
-    }
-
-    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
-        let _span = tracing::trace_span!("ibv_post_recv", qp_num = self.qp_num, n = requests.len())
-            .entered();
-        if requests.is_empty() {
-            return Ok(());
-        }
-        // As in `post_send`: on the stack for small batches, never moved
-        // once pointed into.
-        let mut sges: SmallVec<[sys::ibv_sge; 16]> = requests
-            .iter()
-            .flat_map(|r| r.sg_list.iter().map(to_sge))
-            .collect();
-        let mut wrs: SmallVec<[sys::ibv_recv_wr; 8]> = SmallVec::with_capacity(requests.len());
-        let mut first_sge = 0;
-        for r in requests {
-            wrs.push(sys::ibv_recv_wr {
-                wr_id: r.wr_id,
-                next: std::ptr::null_mut(),
-                sg_list: if r.sg_list.is_empty() {
-                    std::ptr::null_mut()
-                } else {
-                    sges[first_sge..].as_mut_ptr()
-                },
-                num_sge: c_int::try_from(r.sg_list.len()).unwrap_or(c_int::MAX),
-            });
-            first_sge += r.sg_list.len();
-        }
-        let base = wrs.as_mut_ptr();
-        for i in 1..wrs.len() {
-            wrs[i - 1].next = base.wrapping_add(i);
-        }
-        let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: as in `post_send`: a live QP of this provider, WRs and SG
-        // arrays alive for the call, buffers valid by the caller's contract.
-        let ret = unsafe { sys::ibv_post_recv(self.qp, base, &mut bad) };
-        if ret == 0 {
-            return Ok(());
-        }
-        drop(sges);
-        Err(self.post_error("recv", index_of(base, wrs.len(), bad), ret))
+        let posted = posted_by(base, n, bad);
+        drop((sges, wrs));
+        Err(self.post_error("send", posted, ret))
     }
 }
 
@@ -665,6 +818,63 @@ mod tests {
         assert_eq!(index_of(base, 4, base.wrapping_add(3)), Some(3));
         assert_eq!(index_of(base, 4, base.wrapping_add(4)), None);
         assert_eq!(index_of(base, 4, std::ptr::null()), None);
+        // A bad_wr outside the batch is not "0 accepted": it is unknown.
+        assert_eq!(posted_by(base, 4, base.wrapping_add(2)), Posted::Prefix(2));
+        assert_eq!(posted_by(base, 4, base.wrapping_add(4)), Posted::Unknown);
+        assert_eq!(posted_by(base, 4, std::ptr::null()), Posted::Unknown);
+    }
+
+    fn wc(wr_id: u64) -> sys::ibv_wc {
+        // SAFETY: ibv_wc is integers and unions of them; all-zero is valid.
+        let mut wc: sys::ibv_wc = unsafe { std::mem::zeroed() };
+        wc.wr_id = wr_id;
+        wc
+    }
+
+    /// A failure in a later chunk of one poll: what the earlier chunks took
+    /// off the CQ comes back now, the failure on the next call.
+    #[test]
+    fn poll_keeps_completions_taken_before_a_failure() {
+        let pending = PendingError::default();
+        let calls = std::cell::Cell::new(0);
+        let mut next_id = 0u64;
+        let mut fake = |wcs: &mut [MaybeUninit<sys::ibv_wc>]| -> c_int {
+            calls.set(calls.get() + 1);
+            if calls.get() > 1 {
+                return -1;
+            }
+            for slot in wcs.iter_mut() {
+                slot.write(wc(next_id));
+                next_id += 1;
+            }
+            c_int::try_from(wcs.len()).unwrap()
+        };
+        let mut out = [Completion::default(); POLL_CHUNK * 2];
+        let got = poll_loop(&mut out, &pending, "fake0", &mut fake).expect("first poll");
+        assert_eq!(got, POLL_CHUNK, "the first chunk's completions are returned");
+        assert!(out[..got].iter().enumerate().all(|(i, c)| c.wr_id == i as u64));
+        let err = poll_loop(&mut out, &pending, "fake0", &mut fake).expect_err("held error");
+        assert!(
+            matches!(err, VerbsError::CompletionQueue { code: -1, .. }),
+            "{err}"
+        );
+        assert_eq!(err.errno(), None, "a poll failure carries no errno");
+        // Reported once; the next poll asks the CQ again.
+        let calls_before = calls.get();
+        assert!(poll_loop(&mut out, &pending, "fake0", &mut fake).is_err());
+        assert_eq!(calls.get(), calls_before + 1);
+    }
+
+    #[test]
+    fn poll_failure_with_nothing_taken_is_reported_at_once() {
+        let pending = PendingError::default();
+        let mut out = [Completion::default(); 4];
+        let err = poll_loop(&mut out, &pending, "fake0", |_| -2).unwrap_err();
+        assert!(
+            matches!(err, VerbsError::CompletionQueue { code: -2, .. }),
+            "{err}"
+        );
+        assert!(pending.take().is_none());
     }
 
     #[test]
