@@ -480,3 +480,65 @@ fn dead_peer(rxe: &Rxe, conn: &RdmaConnection) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// `disconnect()` from another thread while `poll_state` waits with a long
+/// timeout returns at once (the wait holds no lock it needs), and the
+/// waiting `poll_state` returns promptly with `Disconnected`.
+#[test]
+fn rxe_cm_disconnect_while_poll_state_waits() {
+    const T: &str = "rxe_cm_disconnect_while_poll_state_waits";
+    let _serial = serial();
+    let Some(server) = open_rxe(T) else {
+        return;
+    };
+    let client = open_rxe(T).expect("a second handle on the device");
+    let addr = SocketAddr::new(rxe::expected_ip(), 7472);
+    let listener = server.cm.listen(addr, 8).expect("listen");
+    let (server_conn, client_conn) = std::thread::scope(|s| {
+        let c = s.spawn(|| {
+            client.cm.connect(
+                addr,
+                &client.pd,
+                &client.cq,
+                &client.cq,
+                &params(Duration::from_secs(30)),
+                HELLO,
+            )
+        });
+        let request = listener
+            .next_request(Duration::from_secs(30))
+            .expect("request");
+        let conn = request
+            .accept(
+                &server.pd,
+                &server.cq,
+                &server.cq,
+                &params(Duration::from_secs(30)),
+                b"",
+            )
+            .expect("accept");
+        (conn, c.join().unwrap().expect("connect"))
+    });
+    let (took, state, waited) = std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let t = Instant::now();
+            let state = client_conn.poll_state(Duration::from_secs(30));
+            (state, t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        client_conn.disconnect().expect("disconnect");
+        let took = t.elapsed();
+        let (state, waited) = waiter.join().unwrap();
+        (took, state, waited)
+    });
+    eprintln!("{T}: disconnect() took {took:?}; the waiting poll_state returned {state:?} after {waited:?}");
+    assert!(took < Duration::from_secs(2), "disconnect() took {took:?}");
+    assert_eq!(state.expect("poll_state"), ConnectionState::Disconnected);
+    assert!(waited < Duration::from_secs(5), "poll_state waited {waited:?}");
+    assert_eq!(client_conn.qp().state().unwrap(), QpState::Error);
+    assert_eq!(
+        server_conn.poll_state(Duration::from_secs(10)).unwrap(),
+        ConnectionState::Disconnected
+    );
+}

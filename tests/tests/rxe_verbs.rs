@@ -83,6 +83,10 @@ fn connect(ctx: &RdmaContext, pd: &RdmaPd, caps: QpCaps) -> Loopback {
         };
         let err = qp.to_rts(&forever).unwrap_err();
         assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
+        // ACK timeout 0 (no transport timer: retry forever) likewise.
+        let no_timer = RtsParams { timeout: 0, ..rts };
+        let err = qp.to_rts(&no_timer).unwrap_err();
+        assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
         assert_eq!(qp.state().unwrap(), QpState::ReadyToReceive);
         qp.to_rts(&rts).expect("RTS");
         assert_eq!(qp.state().unwrap(), QpState::ReadyToSend);
@@ -450,17 +454,14 @@ fn post_error_reports_the_accepted_prefix() {
         .collect();
     let err = post_send(&lb.a, &batch).expect_err("a batch deeper than the queue");
     eprintln!("{T}: depth {depth}: {err}");
-    assert!(
-        err.accepted >= 1 && err.accepted < n,
-        "accepted {} of {n}",
-        err.accepted
-    );
+    let accepted = err.accepted().expect("rxe's bad_wr is one of the batch");
+    assert!(accepted >= 1 && accepted < n, "accepted {accepted} of {n}");
     assert!(
         matches!(err.error, VerbsError::QueueFull { queue: "send", .. }),
         "{err}"
     );
     // Exactly the accepted prefix completes, in order; the rest never does.
-    let done = wait(&lb.cq_a, err.accepted);
+    let done = wait(&lb.cq_a, accepted);
     for (i, c) in done.iter().enumerate() {
         assert_eq!((c.wr_id, c.status), (i as u64, WcStatus::SUCCESS), "{c:?}");
     }
@@ -485,6 +486,18 @@ fn access_error_case(
     let mr_b = buf_b.register(&pd, 0, MR_LEN, remote_access);
     let lb = connect(ctx, &pd, QpCaps::default());
     let (a0, b0) = (buf_a.read(), buf_b.read());
+    // A receive posted at the responder: what happens to it shows the
+    // responder QP's fate.
+    let inbox = HostBuf::new(MR_LEN, 10);
+    let inbox_mr = inbox.register(&pd, 0, MR_LEN, AccessFlags::LOCAL_WRITE);
+    post_recv(
+        &lb.b,
+        &[RecvRequest {
+            wr_id: 88,
+            sg_list: sge(&inbox_mr, 0, 64),
+        }],
+    )
+    .unwrap();
     post_send(
         &lb.a,
         &[SendRequest {
@@ -512,6 +525,22 @@ fn access_error_case(
         QpState::Error,
         "{what}: requester QP"
     );
+    // The responder detected the violation (IBA class C: NAK, then its QP
+    // to ERROR): its posted receive is flushed, never consumed.
+    let r = wait(&lb.cq_b, 1)[0];
+    eprintln!("{what}: responder {r:?} ({}), QP {:?}", r.status, lb.b.state());
+    assert_eq!(
+        (r.wr_id, r.status, r.qp_num),
+        (88, WcStatus::WR_FLUSH_ERR, lb.b.qp_num()),
+        "{what}: responder completion"
+    );
+    assert_eq!(
+        lb.b.state().unwrap(),
+        QpState::Error,
+        "{what}: responder QP"
+    );
+    assert_quiet(&lb.cq_b, what);
+    drop(inbox_mr);
 }
 
 #[test]
@@ -799,4 +828,156 @@ fn missing_library_or_device_is_a_typed_error() {
         eprintln!("{T}: libibverbs.so.1 as {case}: {line}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// INLINE payloads are checked by the HAL before the provider sees them:
+/// one over the QP's granted `max_inline_data` is InvalidArgument (libmlx5
+/// would answer ENOMEM, read as a full queue and retried forever), the
+/// requests before it in the batch are posted; one within it moves bytes.
+#[test]
+fn inline_is_checked_before_the_provider() {
+    const T: &str = "inline_is_checked_before_the_provider";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let pd = ctx.alloc_pd().unwrap();
+    let src = HostBuf::new(4096, 21);
+    let dst = HostBuf::new(4096, 22);
+    let mr_src = src.register(&pd, 0, 4096, AccessFlags::transfer());
+    let mr_dst = dst.register(&pd, 0, 4096, AccessFlags::transfer());
+    let lb = connect(&ctx, &pd, QpCaps::default());
+    let max = lb.a.caps().max_inline_data;
+    eprintln!("{T}: granted {:?}", lb.a.caps());
+    assert!(max >= 1 && max < 4096, "granted max_inline_data {max}");
+    let write = |wr_id: u64, offset: u64, len: u32, flags: SendFlags| SendRequest {
+        wr_id,
+        op: SendOp::Write {
+            remote_addr: mr_dst.addr() + offset,
+            rkey: mr_dst.rkey(),
+        },
+        sg_list: sge(&mr_src, offset, len),
+        flags,
+    };
+    let inline = SendFlags::SIGNALED | SendFlags::INLINE;
+    let err = post_send(
+        &lb.a,
+        &[
+            write(1, 0, max, inline),
+            write(2, 0, max + 1, inline),
+            write(3, 0, 8, SendFlags::SIGNALED),
+        ],
+    )
+    .expect_err("an inline payload over max_inline_data");
+    eprintln!("{T}: {err}");
+    assert_eq!(err.accepted(), Some(1), "{err}");
+    assert!(
+        matches!(&err.error, VerbsError::InvalidArgument { reason, errno: None, .. }
+            if reason.contains("max_inline_data")),
+        "refused by the HAL, not the provider: {err}"
+    );
+    let c = wait(&lb.cq_a, 1)[0];
+    assert_eq!((c.wr_id, c.status), (1, WcStatus::SUCCESS), "{c:?}");
+    assert!(
+        dst.read()[..max as usize] == src.read()[..max as usize],
+        "inline WRITE payload"
+    );
+    // INLINE on a READ is refused too.
+    let read = SendRequest {
+        wr_id: 4,
+        op: SendOp::Read {
+            remote_addr: mr_dst.addr(),
+            rkey: mr_dst.rkey(),
+        },
+        sg_list: sge(&mr_src, 0, 8),
+        flags: inline,
+    };
+    let err = post_send(&lb.a, &[read]).unwrap_err();
+    assert!(
+        matches!(err.error, VerbsError::InvalidArgument { .. }),
+        "{err}"
+    );
+    assert_quiet(&lb.cq_a, T);
+}
+
+/// `hal_verbs::drain`: a QP with sends stuck in RNR retry (the peer posted
+/// no receive) and receives outstanding gets every one of them back as a
+/// flush (the marker's own completion left out); then it is destroyed with
+/// nothing outstanding. (Other QPs' completions on a shared CQ: sim_verbs.)
+#[test]
+fn drain_flushes_everything_posted() {
+    const T: &str = "drain_flushes_everything_posted";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let pd = ctx.alloc_pd().unwrap();
+    let buf = HostBuf::new(1 << 16, 23);
+    let mr = buf.register(&pd, 0, 1 << 16, AccessFlags::transfer());
+    let lb = connect(&ctx, &pd, QpCaps::default());
+    // b's receives, and a's SENDs that wait (rnr_retry 7) for receives b
+    // will never post.
+    post_recv(
+        &lb.b,
+        &(0..3)
+            .map(|i| RecvRequest {
+                wr_id: 10 + i,
+                sg_list: sge(&mr, 4096 * i, 4096),
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    post_recv(
+        &lb.a,
+        &[RecvRequest {
+            wr_id: 20,
+            sg_list: sge(&mr, 32768, 4096),
+        }],
+    )
+    .unwrap();
+    // b's receives are consumed by a's first three SENDs; the next two wait.
+    let sends: Vec<_> = (1..=5)
+        .map(|i| SendRequest {
+            wr_id: i,
+            op: SendOp::Send,
+            sg_list: sge(&mr, 49152, 64),
+            flags: if i == 4 {
+                SendFlags::empty()
+            } else {
+                SendFlags::SIGNALED
+            },
+        })
+        .collect();
+    post_send(&lb.a, &sends).unwrap();
+    let got = wait(&lb.cq_a, 3);
+    assert!(got.iter().all(|c| c.status.is_success()), "{got:?}");
+    let got_b = wait(&lb.cq_b, 3);
+    assert!(got_b.iter().all(|c| c.status.is_success()), "{got_b:?}");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(lb.a.state().unwrap(), QpState::ReadyToSend, "still retrying");
+
+    let t = Instant::now();
+    let drained = hal_verbs::drain::drain::<hal_verbs::rdma::RdmaApi>(
+        &lb.a,
+        &lb.cq_a,
+        &lb.cq_a,
+        Duration::from_secs(20),
+    )
+    .unwrap_or_else(|e| panic!("{T}: {e}: {:?}", e.completions));
+    eprintln!("{T}: drained in {:?}: {drained:?}", t.elapsed());
+    let mut ids: Vec<_> = drained.iter().map(|c| (c.wr_id, c.status)).collect();
+    ids.sort_by_key(|&(id, _)| id);
+    let flushed = WcStatus::WR_FLUSH_ERR;
+    // The unsignaled SEND 4 reports its flush too (an error completion).
+    assert_eq!(
+        ids,
+        [(4, flushed), (5, flushed), (20, flushed)],
+        "{drained:?}"
+    );
+    assert!(drained.iter().all(|c| c.qp_num == lb.a.qp_num()));
+    assert_eq!(lb.a.state().unwrap(), QpState::Error);
+    let Loopback { a, b, cq_a, cq_b } = lb;
+    drop(a);
+    assert_quiet(&cq_a, "after the drain");
+    drop((b, cq_b, cq_a));
 }

@@ -349,6 +349,14 @@ fn bad_parameters_are_refused_before_anything_is_sent() {
     };
     let err = cm.connect(addr, pd, cq, cq, &forever, HELLO).unwrap_err();
     assert!(err.to_string().contains("retry forever"), "{err}");
+    // ACK timeout 0 switches the transport timer off: as infinite.
+    let no_timer = ConnectParams {
+        ack_timeout: Some(0),
+        ..fast()
+    };
+    let err = cm.connect(addr, pd, cq, cq, &no_timer, HELLO).unwrap_err();
+    assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
+    assert!(err.to_string().contains("ACK timeout 0"), "{err}");
 
     // A PD of the wrong device: the client's route to the server leaves
     // from sim0, and the PD is of sim1.
@@ -388,4 +396,45 @@ fn bad_parameters_are_refused_before_anything_is_sent() {
         .unwrap_err();
     assert!(matches!(err, VerbsError::NoDevice { .. }), "{err}");
     let _ = &server.ctx;
+}
+
+/// `disconnect()` from another thread while `poll_state` waits (long
+/// timeout) returns at once, and the waiting `poll_state` returns promptly
+/// with `Disconnected`: the wait holds no lock `disconnect` needs.
+#[test]
+fn disconnect_while_poll_state_waits_returns_promptly() {
+    let (_fabric, server, client) = pair();
+    let addr = SocketAddr::new(server.ip(), 7471);
+    let listener = server.cm.listen(addr, 1).unwrap();
+    let (server_conn, client_conn) = std::thread::scope(|s| {
+        let c = s.spawn(|| {
+            client
+                .cm
+                .connect(addr, &client.pd, &client.cq, &client.cq, &fast(), HELLO)
+        });
+        let request = listener.next_request(Duration::from_secs(5)).unwrap();
+        let conn = request
+            .accept(&server.pd, &server.cq, &server.cq, &fast(), b"")
+            .unwrap();
+        (conn, c.join().unwrap().unwrap())
+    });
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let t = Instant::now();
+            let state = client_conn.poll_state(Duration::from_secs(30)).unwrap();
+            (state, t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        client_conn.disconnect().unwrap();
+        let took = t.elapsed();
+        assert!(took < Duration::from_secs(1), "disconnect() took {took:?}");
+        let (state, waited) = waiter.join().unwrap();
+        assert_eq!(state, ConnectionState::Disconnected);
+        assert!(waited < Duration::from_secs(5), "poll_state waited {waited:?}");
+    });
+    assert_eq!(
+        server_conn.poll_state(Duration::from_secs(5)).unwrap(),
+        ConnectionState::Disconnected
+    );
 }

@@ -748,7 +748,7 @@ fn selective_signaling_and_queue_full() {
     let batch: Vec<_> = (0..6).map(|i| chunk(i % 4, SIG)).collect();
     // SAFETY: buffers live to the end of the test.
     let err = unsafe { p.qa.post_send(&batch) }.unwrap_err();
-    assert_eq!(err.accepted, 4);
+    assert_eq!(err.accepted(), Some(4));
     assert!(
         matches!(
             err.error,
@@ -777,7 +777,7 @@ fn selective_signaling_and_queue_full() {
     expect(&p.cqa, 0);
     // SAFETY: as above.
     let err = unsafe { p.qa.post_send(&[chunk(0, SIG)]) }.unwrap_err();
-    assert_eq!(err.accepted, 0);
+    assert_eq!(err.accepted(), Some(0));
     assert!(matches!(err.error, VerbsError::QueueFull { .. }));
 }
 
@@ -817,7 +817,7 @@ fn inline_payload_is_copied_at_post_time() {
         p.qa.post_send(&[req(2, SendOp::Send, &[sge], SIG | SendFlags::INLINE)])
     }
     .unwrap_err();
-    assert_eq!(err.accepted, 0);
+    assert_eq!(err.accepted(), Some(0));
     assert_eq!(err.error.errno(), Some(libc::EINVAL));
 }
 
@@ -1066,7 +1066,7 @@ fn state_machine_misuse_is_refused() {
 
     assert_eq!(qa.state().unwrap(), QpState::Reset);
     let e = send(&qa).unwrap_err();
-    assert!(einval(&e.error) && e.accepted == 0, "{e}");
+    assert!(einval(&e.error) && e.accepted() == Some(0), "{e}");
     // SAFETY: as above.
     let e = unsafe { qa.post_recv(&[recv(1, &[buf.sge(0, 8)])]) }.unwrap_err();
     assert!(einval(&e.error), "{e}");
@@ -1222,10 +1222,7 @@ fn every_verbs_fault_fires() {
     let err = unsafe { qa.post_send(&batch) }.unwrap_err();
     assert_eq!(
         err,
-        PostError {
-            accepted: 2,
-            error: eagain
-        }
+        PostError::prefix(2, eagain)
     );
     assert_eq!(
         ids_and_status(&expect(&cqa, 2)),
@@ -1244,10 +1241,7 @@ fn every_verbs_fault_fires() {
     let err = unsafe { qb.post_recv(&[recv(1, &[]), recv(2, &[])]) }.unwrap_err();
     assert_eq!(
         err,
-        PostError {
-            accepted: 0,
-            error: erecv
-        }
+        PostError::prefix(0, erecv)
     );
 
     // A completion status: no byte moves, the QP fails, the rest flushes.
@@ -1300,7 +1294,7 @@ fn device_lost_fails_every_later_call_and_flushes() {
         ])
     }
     .unwrap_err();
-    assert_eq!(err.accepted, 1);
+    assert_eq!(err.accepted(), Some(1));
     assert!(matches!(err.error, VerbsError::DeviceLost { .. }), "{err}");
     p.fabric.set_paused(false);
     // The flushes are still handed out, then polling reports the loss.
@@ -1360,4 +1354,235 @@ fn expect_then_lost(cq: &SimCq, n: usize) -> Vec<Completion> {
     ));
     slots.truncate(n);
     slots
+}
+
+// ------------------------------------------------- issue 8: HAL soundness
+
+/// INLINE copies the payload with the CPU from `sge.addr`: from a dma-buf
+/// MR that is an iova, never readable. Refused (InvalidArgument), and the
+/// requests before it in the batch are posted, as a provider takes them.
+#[test]
+fn inline_from_a_dmabuf_mr_is_refused() {
+    let p = pair();
+    let page = 4096;
+    let memfd = Memfd::new(2 * page);
+    // An iova no CPU mapping backs: the CPU reading it would fault.
+    let iova = 0x7f00_dead_0000;
+    // SAFETY: the memfd stays open and mapped past the MR.
+    let mr = unsafe {
+        p.a.pd
+            .register_dmabuf(memfd.fd.as_raw_fd(), 0, page, iova, AccessFlags::transfer())
+    }
+    .unwrap();
+    let dst = p.b.buf(64, AccessFlags::transfer());
+    let from_dmabuf = Sge {
+        addr: iova,
+        length: 16,
+        lkey: mr.lkey(),
+    };
+    p.fabric.set_paused(true);
+    // SAFETY: the registrations live to the end of the test; the inline
+    // request is refused before anything reads it.
+    let err = unsafe {
+        p.qa.post_send(&[
+            req(1, write(&dst, 0), &[from_dmabuf], SIG),
+            req(2, write(&dst, 16), &[from_dmabuf], SIG | SendFlags::INLINE),
+        ])
+    }
+    .unwrap_err();
+    assert_eq!(err.accepted(), Some(1), "{err}");
+    assert!(
+        matches!(err.error, VerbsError::InvalidArgument { .. }),
+        "{err}"
+    );
+    assert!(err.error.to_string().contains("dma-buf"), "{err}");
+    p.fabric.set_paused(false);
+    // The accepted (non-inline) WRITE from the dma-buf MR runs.
+    assert_eq!(
+        ids_and_status(&expect(&p.cqa, 1)),
+        [(1, WcStatus::SUCCESS)]
+    );
+    drop(mr);
+}
+
+/// ACK timeout 0 disables the transport timer (infinite retry): refused at
+/// RTS like retry_cnt 7, and the QP stays in RTR.
+#[test]
+fn ack_timeout_zero_is_refused() {
+    init_tracing();
+    let fabric = SimFabric::new();
+    let a = Node::new(&fabric, "a", NodeConfig::default());
+    let b = Node::new(&fabric, "b", NodeConfig::default());
+    let (cqa, cqb) = (a.cq(16), b.cq(16));
+    let caps = QpCaps::default();
+    let (qa, qb) = (a.qp(&caps, &cqa), b.qp(&caps, &cqb));
+    let (info_b, _) = b.info(&qb, 0);
+    let (_, sgid) = a.info(&qa, 0);
+    qa.to_init(&InitParams::default()).unwrap();
+    qa.to_rtr(&RtrParams::new(info_b, sgid, Mtu::Mtu4096))
+        .unwrap();
+    for bad in [
+        RtsParams {
+            timeout: 0,
+            ..RtsParams::default()
+        },
+        RtsParams {
+            retry_cnt: 7,
+            ..RtsParams::default()
+        },
+    ] {
+        let err = qa.to_rts(&bad).unwrap_err();
+        assert!(
+            matches!(err, VerbsError::InvalidArgument { .. }),
+            "{bad:?}: {err}"
+        );
+        assert_eq!(qa.state().unwrap(), QpState::ReadyToReceive);
+    }
+    qa.to_rts(&RtsParams {
+        timeout: 1,
+        ..RtsParams::default()
+    })
+    .unwrap();
+}
+
+/// A node whose device destroys a QP's completions with it, as ConnectX.
+fn purging_node(fabric: &SimFabric, name: &str) -> Node {
+    let config = NodeConfig {
+        ipv4: None,
+        devices: vec![DeviceConfig {
+            destroy_qp_purges_cq: true,
+            ..DeviceConfig::default()
+        }],
+    };
+    Node::new(fabric, name, config)
+}
+
+/// On a device that purges a destroyed QP's completions (ConnectX), tearing
+/// a QP with outstanding work down loses them; `hal_verbs::drain` first
+/// hands every one of them over (other QPs' on the shared CQ too), even with
+/// the send queue full when its marker is posted.
+#[test]
+fn drain_hands_over_every_completion_before_destroy() {
+    init_tracing();
+    let fabric = SimFabric::new();
+    let a = purging_node(&fabric, "a");
+    let b = Node::new(&fabric, "b", NodeConfig::default());
+    let access = AccessFlags::transfer();
+    let src = a.buf(64, access);
+    let dst = b.buf(64, access);
+    let inbox = a.buf(64, access);
+    // One CQ on a, shared by three QPs: qa (drained), qc (busy), qx (control).
+    let cq = a.cq(64);
+    let cqb = b.cq(64);
+    let small = QpCaps {
+        max_send_wr: 3,
+        ..QpCaps::default()
+    };
+    let (qa, qb) = (a.qp(&small, &cq), b.qp(&QpCaps::default(), &cqb));
+    connect(&a, &qa, &b, &qb, RtsParams::default());
+    let (qc, qd) = (a.qp(&QpCaps::default(), &cq), b.qp(&QpCaps::default(), &cqb));
+    connect(&a, &qc, &b, &qd, RtsParams::default());
+    let (qx, qy) = (a.qp(&QpCaps::default(), &cq), b.qp(&QpCaps::default(), &cqb));
+    connect(&a, &qx, &b, &qy, RtsParams::default());
+
+    // The control: qx's flushes are in the CQ when it is destroyed, and go.
+    post_recv(&qx, &[recv(50, &[inbox.sge(0, 64)])]);
+    qx.to_error().unwrap();
+    drop(qx);
+    expect(&cq, 0);
+
+    fabric.set_paused(true);
+    let none = SendFlags::empty();
+    post(&qc, &[req(100, write(&dst, 0), &[src.sge(0, 8)], SIG)]);
+    // qa's send queue is full (3 of 3), mostly unsignaled.
+    post(
+        &qa,
+        &[
+            req(1, write(&dst, 8), &[src.sge(0, 8)], none),
+            req(2, write(&dst, 16), &[src.sge(0, 8)], SIG),
+            req(3, write(&dst, 24), &[src.sge(0, 8)], none),
+        ],
+    );
+    post_recv(
+        &qa,
+        &[recv(10, &[inbox.sge(0, 32)]), recv(11, &[inbox.sge(32, 32)])],
+    );
+    fabric.set_paused(false);
+
+    let got = hal_verbs::drain::drain::<gdr_sim::SimVerbsApi>(
+        &qa,
+        &cq,
+        &cq,
+        std::time::Duration::from_secs(5),
+    )
+    .expect("drain");
+    let mut of_qa: Vec<_> = got
+        .iter()
+        .filter(|c| c.qp_num == qa.qp_num())
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    of_qa.sort_by_key(|&(id, _)| id);
+    let flushed = WcStatus::WR_FLUSH_ERR;
+    assert_eq!(
+        of_qa,
+        [(1, flushed), (2, flushed), (3, flushed), (10, flushed), (11, flushed)],
+        "{got:?}"
+    );
+    let of_qc: Vec<_> = got
+        .iter()
+        .filter(|c| c.qp_num == qc.qp_num())
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(of_qc, [(100, WcStatus::SUCCESS)], "other QPs' completions are handed over");
+    assert!(
+        got.iter().all(|c| c.wr_id < hal_verbs::drain::RECV_MARKER_WR_ID),
+        "markers are not returned: {got:?}"
+    );
+    assert_eq!(qa.state().unwrap(), QpState::Error);
+    drop(qa);
+    expect(&cq, 0);
+
+    // Room in both queues this time: the markers post at once, and the
+    // drain still waits for (and hands over) what is ahead of them.
+    fabric.set_paused(true);
+    post(&qc, &[req(101, write(&dst, 32), &[src.sge(0, 8)], none)]);
+    post_recv(&qc, &[recv(102, &[inbox.sge(0, 8)])]);
+    let got = hal_verbs::drain::drain::<gdr_sim::SimVerbsApi>(
+        &qc,
+        &cq,
+        &cq,
+        std::time::Duration::from_secs(5),
+    )
+    .expect("drain");
+    assert_eq!(
+        ids_and_status(&got),
+        [(101, flushed), (102, flushed)],
+        "{got:?}"
+    );
+    drop(qc);
+    fabric.set_paused(false);
+    expect(&cq, 0);
+}
+
+/// A drain whose marker cannot be posted fails with that error and what it
+/// had polled.
+#[test]
+fn drain_reports_a_failing_verb() {
+    let plan = FaultPlan::new();
+    let p = pair_with(
+        SimFabric::with_faults(plan.clone()),
+        QpCaps::default(),
+        RtsParams::default(),
+    );
+    let erecv = VerbsError::from_errno("ibv_post_recv", "sim0", libc::EIO);
+    plan.fail_next(FaultSite::VerbsPostRecv, Fault::Verbs(erecv.clone()));
+    let err = hal_verbs::drain::drain::<gdr_sim::SimVerbsApi>(
+        &p.qa,
+        &p.cqa,
+        &p.cqa,
+        std::time::Duration::from_secs(5),
+    )
+    .unwrap_err();
+    assert_eq!(err.error, erecv, "{err}");
+    assert_eq!(err.qp_num, p.qa.qp_num());
 }
