@@ -10,8 +10,18 @@
 //! synchronized, or queried while the GPU is not [`SimCuda::set_paused`]. So
 //! nothing moves behind a test's back, and "in flight" can be observed.
 //!
-//! Capability switches ([`GpuConfig`]) make dma-buf, GPUDirect RDMA and
-//! nvidia-peermem present or absent per GPU.
+//! Capability switches ([`GpuConfig`]) make dma-buf, GPUDirect RDMA,
+//! nvidia-peermem and the VMM API present or absent per GPU.
+//!
+//! CUDA VMM: a reservation takes a range of the device window; each
+//! `map` of physical memory into it is a range of its own with a fresh buffer
+//! id (as the real driver gives: 907 → 909 measured on the H200 when a second
+//! physical allocation is mapped where the first was), reported as
+//! [`AllocationKind::VirtualMemoryManagement`] device memory whose base and
+//! size are the mapped chunk's.
+//!
+//! There is no current context in the simulation: the real backend's
+//! promise to leave the caller's current context alone holds trivially.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -61,6 +71,9 @@ pub struct GpuConfig {
     /// still hands out the memfd, which a real NIC refuses or accepts as its
     /// driver does. Freed addresses are not deliberately reused.
     pub host_visible: bool,
+    /// `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`: reservations, `cuMemCreate`
+    /// and `cuMemMap` work.
+    pub virtual_memory_management: bool,
 }
 
 impl Default for GpuConfig {
@@ -75,6 +88,7 @@ impl Default for GpuConfig {
             flush_writes_options: FlushWritesOptions::HOST,
             writes_ordering: WritesOrdering::Owner,
             host_visible: false,
+            virtual_memory_management: true,
         }
     }
 }
@@ -136,9 +150,11 @@ impl ProcessState {
             Some(Fault::Cuda(error)) => Err(error),
             Some(Fault::DeviceLost) => {
                 gpu.lost.store(true, Ordering::SeqCst);
+                // No CUresult names a lost device; the simulation reports
+                // none.
                 Err(CudaError::DeviceLost {
                     operation,
-                    code: Some(999),
+                    code: None,
                 })
             }
             Some(other) => Err(CudaError::invalid(
@@ -162,6 +178,9 @@ impl hal_cuda::Api for SimCudaApi {
     type PinnedHostMemory = SimPinnedHostMemory;
     type HostRegistration = SimHostRegistration;
     type IpcMapping = SimIpcMapping;
+    type VirtualReservation = SimVirtualReservation;
+    type PhysicalMemory = SimPhysicalMemory;
+    type VirtualMapping = SimVirtualMapping;
 }
 
 /// A simulated CUDA driver in one simulated process.
@@ -248,7 +267,7 @@ impl hal_cuda::Driver<SimCudaApi> for SimCuda {
             gpu_direct_rdma_supported: c.gpu_direct_rdma_supported,
             flush_writes_options: c.flush_writes_options,
             writes_ordering: c.writes_ordering,
-            virtual_memory_management: false,
+            virtual_memory_management: c.virtual_memory_management,
         })
     }
 
@@ -278,7 +297,7 @@ fn check_alive(gpu: &SimGpu, operation: &'static str) -> Result<()> {
     if gpu.lost.load(Ordering::SeqCst) {
         Err(CudaError::DeviceLost {
             operation,
-            code: Some(999),
+            code: None,
         })
     } else {
         Ok(())
@@ -446,7 +465,11 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 allocation_base: range.base,
                 allocation_size: range.len as u64,
                 buffer_id: range.buffer_id,
-                allocation_kind: AllocationKind::Legacy,
+                allocation_kind: if range.vmm {
+                    AllocationKind::VirtualMemoryManagement
+                } else {
+                    AllocationKind::Legacy
+                },
                 gpu_direct_rdma_capable: gpu.config.gpu_direct_rdma_supported,
             });
         }
@@ -543,6 +566,14 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 format!("{addr:#x} is not device memory"),
             )
         })?;
+        if range.vmm {
+            // Memory mapped with cuMemMap is not legacy-IPC capable.
+            return Err(CudaError::InvalidArgument {
+                operation: "cuIpcGetMemHandle",
+                reason: format!("{addr:#x} is CUDA VMM memory, not legacy-IPC capable"),
+                code: Some(1),
+            });
+        }
         lock(&IPC_EXPORTS).insert(range.buffer_id, Arc::downgrade(&range));
         let mut handle = [0u8; 64];
         handle[..8].copy_from_slice(IPC_MAGIC);
@@ -614,6 +645,132 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     fn synchronize(&self) -> Result<()> {
         check_alive(&self.gpu, "cuCtxSynchronize")
     }
+
+    fn vmm_granularity(&self) -> Result<usize> {
+        self.vmm("cuMemGetAllocationGranularity")?;
+        Ok(memory::DEVICE_ALLOCATION_GRANULARITY as usize)
+    }
+
+    fn reserve_address_range(&self, len: usize) -> Result<SimVirtualReservation> {
+        const OP: &str = "cuMemAddressReserve";
+        self.vmm(OP)?;
+        granular(OP, len)?;
+        let base = memory::reserve(len as u64);
+        Ok(SimVirtualReservation {
+            inner: Arc::new(Reservation { base, len }),
+        })
+    }
+
+    fn create_physical(&self, len: usize) -> Result<SimPhysicalMemory> {
+        const OP: &str = "cuMemCreate";
+        self.vmm(OP)?;
+        self.process.fault(FaultSite::CudaAlloc, &self.gpu, OP)?;
+        granular(OP, len)?;
+        let used = self.gpu.used.fetch_add(len as u64, Ordering::SeqCst);
+        if used + len as u64 > self.gpu.config.total_memory {
+            self.gpu.used.fetch_sub(len as u64, Ordering::SeqCst);
+            return Err(CudaError::OutOfMemory {
+                operation: OP,
+                code: Some(2),
+            });
+        }
+        // From here on, dropping `physical` gives the bytes back.
+        let mut physical = Physical {
+            backing: None,
+            len,
+            gpu: Arc::clone(&self.gpu),
+        };
+        let backing = Backing::new(len).map_err(|e| CudaError::Os {
+            operation: "memfd_create",
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+        })?;
+        physical.backing = Some(Arc::new(backing));
+        Ok(SimPhysicalMemory {
+            inner: Arc::new(physical),
+        })
+    }
+
+    fn map(
+        &self,
+        reservation: &SimVirtualReservation,
+        offset: usize,
+        physical: &SimPhysicalMemory,
+    ) -> Result<SimVirtualMapping> {
+        const OP: &str = "cuMemMap";
+        self.vmm(OP)?;
+        granular(
+            OP,
+            offset.max(memory::DEVICE_ALLOCATION_GRANULARITY as usize),
+        )?;
+        let len = physical.inner.len;
+        let fits = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= reservation.inner.len);
+        if !fits {
+            return Err(CudaError::InvalidArgument {
+                operation: OP,
+                reason: format!(
+                    "{len} bytes at offset {offset} do not fit the reservation of {} bytes",
+                    reservation.inner.len
+                ),
+                code: Some(1),
+            });
+        }
+        let Some(backing) = physical.inner.backing.clone() else {
+            return Err(CudaError::invalid(OP, "physical memory without backing"));
+        };
+        let base = reservation.inner.base + offset as u64;
+        let range = memory::map_fixed(
+            base,
+            len,
+            self.gpu.ordinal,
+            self.process.id,
+            self.gpu.config.peermem,
+            backing,
+        )
+        .ok_or_else(|| CudaError::InvalidArgument {
+            operation: OP,
+            reason: format!("{len} bytes at {base:#x} overlap a mapping"),
+            code: Some(1),
+        })?;
+        tracing::debug!(
+            base = format_args!("{base:#x}"),
+            buffer_id = range.buffer_id,
+            "mapped"
+        );
+        Ok(SimVirtualMapping {
+            range,
+            _reservation: Arc::clone(&reservation.inner),
+            _physical: Arc::clone(&physical.inner),
+        })
+    }
+}
+
+impl SimGpuContext {
+    fn vmm(&self, operation: &'static str) -> Result<()> {
+        check_alive(&self.gpu, operation)?;
+        if self.gpu.config.virtual_memory_management {
+            Ok(())
+        } else {
+            Err(CudaError::NotSupported {
+                operation,
+                reason: "the GPU reports VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0".into(),
+                code: Some(801),
+            })
+        }
+    }
+}
+
+fn granular(operation: &'static str, len: usize) -> Result<()> {
+    let granularity = memory::DEVICE_ALLOCATION_GRANULARITY as usize;
+    if len == 0 || len % granularity != 0 {
+        return Err(CudaError::InvalidArgument {
+            operation,
+            reason: format!("{len} is not a positive multiple of the granularity ({granularity})"),
+            code: Some(1),
+        });
+    }
+    Ok(())
 }
 
 const IPC_MAGIC: &[u8; 8] = b"gdrsimIP";
@@ -911,6 +1068,92 @@ impl hal_cuda::IpcMapping for SimIpcMapping {
 }
 
 impl Drop for SimIpcMapping {
+    fn drop(&mut self) {
+        memory::unmap(self.range.base);
+    }
+}
+
+#[derive(Debug)]
+struct Reservation {
+    base: u64,
+    len: usize,
+}
+
+/// A simulated `cuMemAddressReserve` range. Its addresses are never handed
+/// out again (see [`memory`]), so dropping it needs no bookkeeping; mappings
+/// keep it alive anyway, as the real backend's do.
+#[derive(Debug)]
+pub struct SimVirtualReservation {
+    inner: Arc<Reservation>,
+}
+
+impl hal_cuda::VirtualReservation for SimVirtualReservation {
+    fn base(&self) -> u64 {
+        self.inner.base
+    }
+
+    fn len(&self) -> usize {
+        self.inner.len
+    }
+}
+
+#[derive(Debug)]
+struct Physical {
+    backing: Option<Arc<Backing>>,
+    len: usize,
+    gpu: Arc<SimGpu>,
+}
+
+impl Drop for Physical {
+    fn drop(&mut self) {
+        self.gpu.used.fetch_sub(self.len as u64, Ordering::SeqCst);
+    }
+}
+
+/// Simulated `cuMemCreate` memory: released (its bytes no longer counted)
+/// when it and every mapping of it are dropped.
+#[derive(Debug)]
+pub struct SimPhysicalMemory {
+    inner: Arc<Physical>,
+}
+
+impl hal_cuda::PhysicalMemory for SimPhysicalMemory {
+    fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    fn gpu_direct_rdma_capable(&self) -> bool {
+        self.inner.gpu.config.gpu_direct_rdma_supported
+    }
+}
+
+/// Simulated `cuMemMap`: a device range with a buffer id of its own,
+/// unmapped on drop; it keeps its reservation and physical memory alive.
+#[derive(Debug)]
+pub struct SimVirtualMapping {
+    range: Arc<DeviceRange>,
+    _reservation: Arc<Reservation>,
+    _physical: Arc<Physical>,
+}
+
+impl SimVirtualMapping {
+    /// The buffer id the mapping has.
+    pub fn buffer_id(&self) -> u64 {
+        self.range.buffer_id
+    }
+}
+
+impl hal_cuda::VirtualMapping for SimVirtualMapping {
+    fn device_ptr(&self) -> u64 {
+        self.range.base
+    }
+
+    fn len(&self) -> usize {
+        self.range.len
+    }
+}
+
+impl Drop for SimVirtualMapping {
     fn drop(&mut self) {
         memory::unmap(self.range.base);
     }

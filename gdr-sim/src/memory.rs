@@ -83,6 +83,10 @@ pub struct DeviceRange {
     pub peermem: bool,
     /// The host memory behind it.
     pub backing: Arc<Backing>,
+    /// Mapped with `cuMemMap` into a reserved range (CUDA VMM), not
+    /// allocated with `cuMemAlloc`: its address is not recycled by the
+    /// allocator when unmapped (the reservation owns it).
+    pub vmm: bool,
 }
 
 #[derive(Default)]
@@ -150,16 +154,63 @@ pub(crate) fn map(
         process,
         peermem,
         backing,
+        vmm: false,
     });
     space.ranges.insert(base, Arc::clone(&range));
     range
+}
+
+/// Reserves `len` bytes (a multiple of [`DEVICE_ALLOCATION_GRANULARITY`]) of
+/// the device window for `cuMemAddressReserve`. Reserved addresses are never
+/// handed out again, not even after the reservation is freed: the window is
+/// far larger than any test needs.
+pub(crate) fn reserve(len: u64) -> u64 {
+    let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
+    let base = space.next_base;
+    space.next_base += len.div_ceil(DEVICE_ALLOCATION_GRANULARITY) * DEVICE_ALLOCATION_GRANULARITY;
+    base
+}
+
+/// Maps `backing` at the fixed address `base` (`cuMemMap` into a
+/// reservation), with a fresh buffer id; `None` if any byte of
+/// `base..base+len` is mapped already.
+pub(crate) fn map_fixed(
+    base: u64,
+    len: usize,
+    ordinal: u32,
+    process: u64,
+    peermem: bool,
+    backing: Arc<Backing>,
+) -> Option<Arc<DeviceRange>> {
+    let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
+    let end = base + len as u64;
+    let overlaps = space
+        .ranges
+        .range(..end)
+        .next_back()
+        .is_some_and(|(_, r)| r.base + r.len as u64 > base);
+    if overlaps {
+        return None;
+    }
+    let range = Arc::new(DeviceRange {
+        base,
+        len,
+        buffer_id: next_buffer_id(),
+        ordinal,
+        process,
+        peermem,
+        backing,
+        vmm: true,
+    });
+    space.ranges.insert(base, Arc::clone(&range));
+    Some(range)
 }
 
 /// Unmaps the range at `base`, making its address available again.
 pub(crate) fn unmap(base: u64) -> Option<Arc<DeviceRange>> {
     let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
     let range = space.ranges.remove(&base)?;
-    if base >= DEVICE_WINDOW_START {
+    if base >= DEVICE_WINDOW_START && !range.vmm {
         space
             .free_bases
             .entry(reserved_size(range.len))

@@ -1,7 +1,7 @@
 //! Staging bandwidth: pinned host <-> device copies through the real backend
 //! (`CudaStream::copy_*` queued on a non-blocking stream, one synchronize per
 //! sample) against the "cudaMemcpy ceiling" (a plain synchronous
-//! `cuMemcpyHtoD` / `cuMemcpyDtoH` loop straight through cudarc's sys layer),
+//! `cuMemcpyHtoD` / `cuMemcpyDtoH` loop, `CudaContext::copy_*_sync`),
 //! and the same for pageable host memory for contrast.
 //!
 //! `cargo bench -p hal-cuda --bench copy_bandwidth` (cargo passes `--bench`;
@@ -27,9 +27,8 @@
 
 use std::time::Instant;
 
-use cudarc::driver::sys;
 use hal_cuda::cuda::{CudaContext, CudaDriver, CudaStream};
-use hal_cuda::{Context, CudaError, DeviceMemory, Driver, PinnedHostMemory, Result, Stream};
+use hal_cuda::{Context, DeviceMemory, Driver, PinnedHostMemory, Result, Stream};
 
 const SIZES: [(usize, &str); 4] = [
     (64 << 10, "64 KiB"),
@@ -76,13 +75,6 @@ fn measure(cfg: &Config, bytes: usize, mut run: impl FnMut() -> Result<()>) -> R
     Ok(median(rates))
 }
 
-fn check(op: &'static str, r: sys::CUresult) -> Result<()> {
-    match r as u32 {
-        0 => Ok(()),
-        code => Err(CudaError::from_code(op, code)),
-    }
-}
-
 /// Ours: `iters` copies queued on the stream, then one synchronize.
 fn ours(
     stream: &CudaStream,
@@ -105,25 +97,27 @@ fn ours(
     stream.synchronize()
 }
 
-/// Baseline: synchronous cuMemcpyHtoD / cuMemcpyDtoH, straight through
-/// cudarc's sys layer, on the context made current by the caller.
-fn baseline(dir: Dir, dev: u64, host: *mut u8, size: usize, iters: usize) -> Result<()> {
+/// Baseline: synchronous cuMemcpyHtoD / cuMemcpyDtoH, one call each, then a
+/// context synchronize.
+fn baseline(
+    ctx: &CudaContext,
+    dir: Dir,
+    dev: u64,
+    host: *mut u8,
+    size: usize,
+    iters: usize,
+) -> Result<()> {
     for _ in 0..iters {
-        // SAFETY: as in `ours`; the copy is synchronous, and the context that
-        // owns `dev` is current on this thread (bound by the caller).
+        // SAFETY: as in `ours`; the copy is synchronous, and `dev` belongs
+        // to `ctx`.
         unsafe {
             match dir {
-                Dir::HostToDevice => {
-                    check("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(dev, host.cast(), size))?
-                }
-                Dir::DeviceToHost => {
-                    check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(host.cast(), dev, size))?
-                }
+                Dir::HostToDevice => ctx.copy_host_to_device_sync(dev, host, size)?,
+                Dir::DeviceToHost => ctx.copy_device_to_host_sync(host, dev, size)?,
             }
         }
     }
-    // SAFETY: waits for the current context.
-    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    ctx.synchronize()
 }
 
 fn run(ctx: &CudaContext, cfg: &Config, pageable: bool) -> Result<()> {
@@ -144,13 +138,11 @@ fn run(ctx: &CudaContext, cfg: &Config, pageable: bool) -> Result<()> {
             let d = dev.device_ptr();
             let p = pinned.as_ptr();
             let ours_pinned = measure(cfg, bytes, || ours(&stream, dir, d, p, size, iters))?;
-            ctx.bind()?;
-            let base_pinned = measure(cfg, bytes, || baseline(dir, d, p, size, iters))?;
+            let base_pinned = measure(cfg, bytes, || baseline(ctx, dir, d, p, size, iters))?;
             let (ours_page, base_page) = if pageable {
                 let h = plain.as_mut_ptr();
                 let o = measure(cfg, bytes, || ours(&stream, dir, d, h, size, iters))?;
-                ctx.bind()?;
-                let b = measure(cfg, bytes, || baseline(dir, d, h, size, iters))?;
+                let b = measure(cfg, bytes, || baseline(ctx, dir, d, h, size, iters))?;
                 (format!("{o:.2}"), format!("{b:.2}"))
             } else {
                 ("-".into(), "-".into())

@@ -32,6 +32,16 @@ pub trait Api: Sized + Send + Sync + Debug + 'static {
     type HostRegistration: HostRegistration;
     /// Another process's allocation opened from an IPC handle, closed on drop.
     type IpcMapping: IpcMapping;
+    /// A range of device virtual addresses (`cuMemAddressReserve`), freed
+    /// when it and every mapping into it are dropped.
+    type VirtualReservation: VirtualReservation;
+    /// Physical device memory (`cuMemCreate`), released when it and every
+    /// mapping of it are dropped.
+    type PhysicalMemory: PhysicalMemory;
+    /// Physical memory mapped into a reservation (`cuMemMap` +
+    /// `cuMemSetAccess`), unmapped on drop; it keeps its reservation and its
+    /// physical memory alive, so it can never outlive either.
+    type VirtualMapping: VirtualMapping;
 }
 
 /// The driver: which GPUs exist and what they can do.
@@ -48,7 +58,11 @@ pub trait Driver<A: Api>: Send + Sync + Debug {
 }
 
 /// A device context. Every method makes it current on the calling thread
-/// first, so callers never juggle the context stack.
+/// for the duration of the call and then restores what the caller had
+/// current (another context, or none), `Drop` of what it made included: an
+/// inference runtime's current device never changes under it, and callers
+/// never juggle the context stack. (The simulated backend has no notion of
+/// a current context.)
 #[cfg_attr(feature = "mock", mockall::automock)]
 pub trait Context<A: Api>: Send + Sync + Debug {
     /// The device ordinal.
@@ -87,6 +101,31 @@ pub trait Context<A: Api>: Send + Sync + Debug {
     fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()>;
     /// Waits for all work in the context.
     fn synchronize(&self) -> Result<()>;
+    /// The granularity, in bytes, that sizes and offsets of the virtual
+    /// memory management calls must be multiples of
+    /// (`cuMemGetAllocationGranularity`, minimum, for memory as
+    /// [`Context::create_physical`] makes it).
+    /// [`crate::CudaError::NotSupported`] without the VMM API.
+    fn vmm_granularity(&self) -> Result<usize>;
+    /// Reserves `len` bytes (a multiple of the granularity) of device
+    /// virtual addresses (`cuMemAddressReserve`).
+    fn reserve_address_range(&self, len: usize) -> Result<A::VirtualReservation>;
+    /// Creates `len` bytes (a multiple of the granularity) of physical
+    /// memory on this device (`cuMemCreate`), GPUDirect RDMA capable where
+    /// the device supports that for VMM memory.
+    fn create_physical(&self, len: usize) -> Result<A::PhysicalMemory>;
+    /// Maps all of `physical` at `reservation.base() + offset` (`cuMemMap`;
+    /// `offset` a multiple of the granularity, the range inside the
+    /// reservation and not mapped already) and gives this device read and
+    /// write access to it (`cuMemSetAccess`). Each mapping is an allocation
+    /// of its own for [`Context::pointer_attributes`]: a new buffer id, the
+    /// mapped chunk as its base and size.
+    fn map(
+        &self,
+        reservation: &A::VirtualReservation,
+        offset: usize,
+        physical: &A::PhysicalMemory,
+    ) -> Result<A::VirtualMapping>;
 }
 
 /// A stream: copies run in order on it, asynchronously to the host.
@@ -177,6 +216,45 @@ pub trait IpcMapping: Send + Sync + Debug {
     /// Where it is mapped in this process.
     fn device_ptr(&self) -> u64;
     /// The size of the whole allocation.
+    fn len(&self) -> usize;
+    /// True for an empty mapping (never made).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A reserved range of device virtual addresses.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait VirtualReservation: Send + Sync + Debug {
+    /// Its first address.
+    fn base(&self) -> u64;
+    /// Its length in bytes.
+    fn len(&self) -> usize;
+    /// True for an empty range (never made).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Physical device memory, not yet (or no longer) mapped anywhere.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait PhysicalMemory: Send + Sync + Debug {
+    /// Its length in bytes.
+    fn len(&self) -> usize;
+    /// True for an empty allocation (never made).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Whether it was created GPUDirect RDMA capable.
+    fn gpu_direct_rdma_capable(&self) -> bool;
+}
+
+/// Physical memory mapped at a device address.
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait VirtualMapping: Send + Sync + Debug {
+    /// Where it is mapped.
+    fn device_ptr(&self) -> u64;
+    /// The mapped length.
     fn len(&self) -> usize;
     /// True for an empty mapping (never made).
     fn is_empty(&self) -> bool {

@@ -2,8 +2,8 @@
 //!
 //! The CUDA hardware-abstraction layer of gdr: traits ([`Api`] and its role
 //! traits), plain types and one error enum over the CUDA driver API. The real
-//! backend (`cuda`, feature `cuda`, on by default) loads libcuda at run
-//! time (cudarc, `dynamic-loading`); `gdr-sim`
+//! backend (`cuda`, feature `cuda`, on by default) opens libcuda at run
+//! time (`libloading`, every entry point resolved when it opens); `gdr-sim`
 //! simulates a GPU on host memory. Nothing here names a layer above.
 //!
 //! With the `mock` feature every role trait has a mockall mock, and
@@ -15,18 +15,18 @@ mod api;
 mod error;
 mod types;
 
-/// The real backend over libcuda (cudarc, loaded at run time).
+/// The real backend over libcuda, opened at run time.
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
 pub use api::{
-    Api, Context, DeviceMemory, Driver, Event, HostRegistration, IpcMapping, PinnedHostMemory,
-    Stream,
+    Api, Context, DeviceMemory, Driver, Event, HostRegistration, IpcMapping, PhysicalMemory,
+    PinnedHostMemory, Stream, VirtualMapping, VirtualReservation,
 };
 pub use error::{CudaError, Result, result_name};
 pub use types::{
     AllocationKind, DeviceAttributes, FlushScope, FlushWritesOptions, HostRegisterFlags,
-    IpcMemHandle, MemoryType, PointerAttributes, WritesOrdering,
+    IpcMemHandle, MemoryType, PointerAttributes, WritesOrdering, WritesVisibility,
 };
 
 /// mockall mocks of the role traits, tied together by `mock::MockApi`.
@@ -34,7 +34,8 @@ pub use types::{
 pub mod mock {
     pub use crate::api::{
         MockContext, MockDeviceMemory, MockDriver, MockEvent, MockHostRegistration, MockIpcMapping,
-        MockPinnedHostMemory, MockStream,
+        MockPhysicalMemory, MockPinnedHostMemory, MockStream, MockVirtualMapping,
+        MockVirtualReservation,
     };
 
     /// A backend whose every handle is a mockall mock.
@@ -50,5 +51,8 @@ pub mod mock {
         type PinnedHostMemory = MockPinnedHostMemory;
         type HostRegistration = MockHostRegistration;
         type IpcMapping = MockIpcMapping;
+        type VirtualReservation = MockVirtualReservation;
+        type PhysicalMemory = MockPhysicalMemory;
+        type VirtualMapping = MockVirtualMapping;
     }
 }

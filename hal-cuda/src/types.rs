@@ -1,5 +1,7 @@
 //! Plain data of the CUDA HAL. Numeric values match `cuda.h`.
 
+use crate::error::CudaError;
+
 /// The attributes of one GPU that decide how gdr can move its memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceAttributes {
@@ -28,13 +30,63 @@ pub struct DeviceAttributes {
 }
 
 impl DeviceAttributes {
-    /// Whether inbound RDMA writes must be flushed
-    /// (`cuFlushGPUDirectRDMAWrites`) before a kernel may read them: true
-    /// unless the device orders them for its own kernels already.
-    pub fn needs_flush_before_kernels(&self) -> bool {
-        self.writes_ordering == WritesOrdering::None
-            && self.flush_writes_options.contains(FlushWritesOptions::HOST)
+    /// How a kernel on this device can see inbound GPUDirect RDMA writes in
+    /// order: by the device's own ordering, after a flush, or not at all.
+    pub fn writes_visibility(&self) -> WritesVisibility {
+        if self.writes_ordering != WritesOrdering::None {
+            WritesVisibility::Ordered
+        } else if !self.flush_writes_options.is_empty() {
+            WritesVisibility::FlushRequired(self.flush_writes_options)
+        } else {
+            WritesVisibility::Unsafe
+        }
     }
+
+    /// Whether inbound RDMA writes must be flushed
+    /// (`cuFlushGPUDirectRDMAWrites`) before a kernel may read them:
+    /// `Ok(false)` when the device orders them for its own kernels already,
+    /// `Ok(true)` when it does not but offers that flush. A device with
+    /// neither (or whose only flush is a stream memory operation, which this
+    /// HAL does not issue) cannot safely consume GPUDirect writes at all:
+    /// that is [`CudaError::NotSupported`], never "no flush needed".
+    pub fn needs_flush_before_kernels(&self) -> Result<bool, CudaError> {
+        match self.writes_visibility() {
+            WritesVisibility::Ordered => Ok(false),
+            WritesVisibility::FlushRequired(options)
+                if options.contains(FlushWritesOptions::HOST) =>
+            {
+                Ok(true)
+            }
+            WritesVisibility::FlushRequired(options) => Err(CudaError::unsupported(
+                "consuming GPUDirect RDMA writes",
+                format!(
+                    "device {} ({}) orders no inbound RDMA writes and offers only the flush \
+                     options {options:?}, not cuFlushGPUDirectRDMAWrites",
+                    self.ordinal, self.name
+                ),
+            )),
+            WritesVisibility::Unsafe => Err(CudaError::unsupported(
+                "consuming GPUDirect RDMA writes",
+                format!(
+                    "device {} ({}) neither orders inbound RDMA writes nor offers a flush: \
+                     its kernels cannot safely read GPUDirect writes",
+                    self.ordinal, self.name
+                ),
+            )),
+        }
+    }
+}
+
+/// How inbound GPUDirect RDMA writes become visible to a device's kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WritesVisibility {
+    /// The device orders them (`WRITES_ORDERING` owner or all devices).
+    Ordered,
+    /// A flush is needed, with these options (never empty).
+    FlushRequired(FlushWritesOptions),
+    /// Neither ordering nor a flush: the device cannot safely consume
+    /// GPUDirect writes.
+    Unsafe,
 }
 
 bitflags::bitflags! {
@@ -177,17 +229,27 @@ mod tests {
     #[test]
     fn flush_needed_only_without_owner_ordering() {
         // The H200 facts: ordering 100, options 1 -> kernels see writes in order.
-        assert!(
-            !attrs(WritesOrdering::from_native(100), FlushWritesOptions::HOST)
-                .needs_flush_before_kernels()
+        let h200 = attrs(WritesOrdering::from_native(100), FlushWritesOptions::HOST);
+        assert_eq!(h200.writes_visibility(), WritesVisibility::Ordered);
+        assert_eq!(h200.needs_flush_before_kernels(), Ok(false));
+        let flush = attrs(WritesOrdering::from_native(0), FlushWritesOptions::HOST);
+        assert_eq!(flush.needs_flush_before_kernels(), Ok(true));
+    }
+
+    #[test]
+    fn a_device_with_neither_ordering_nor_flush_cannot_consume_writes() {
+        let neither = attrs(WritesOrdering::None, FlushWritesOptions::empty());
+        assert_eq!(neither.writes_visibility(), WritesVisibility::Unsafe);
+        let e = neither.needs_flush_before_kernels().unwrap_err();
+        assert!(matches!(e, CudaError::NotSupported { .. }), "{e}");
+        assert!(e.to_string().contains("cannot safely"), "{e}");
+        // Only a stream memop flush, which the HAL does not issue: refused too.
+        let memops = attrs(WritesOrdering::None, FlushWritesOptions::MEMOPS);
+        assert_eq!(
+            memops.writes_visibility(),
+            WritesVisibility::FlushRequired(FlushWritesOptions::MEMOPS)
         );
-        assert!(
-            attrs(WritesOrdering::from_native(0), FlushWritesOptions::HOST)
-                .needs_flush_before_kernels()
-        );
-        assert!(
-            !attrs(WritesOrdering::None, FlushWritesOptions::empty()).needs_flush_before_kernels()
-        );
+        assert!(memops.needs_flush_before_kernels().is_err());
     }
 
     #[test]

@@ -5,10 +5,9 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-
 use super::context::{ContextInner, address_range};
-use super::{call, call_logged};
+use super::sys::{self, consts as C};
+use super::{check, check_logged};
 use crate::api::{DeviceMemory, HostRegistration, IpcMapping, PinnedHostMemory};
 use crate::error::{CudaError, Result};
 use crate::types::{HostRegisterFlags, IpcMemHandle};
@@ -17,7 +16,7 @@ use crate::types::{HostRegisterFlags, IpcMemHandle};
 #[derive(Debug)]
 pub struct CudaDeviceMemory {
     ctx: Arc<ContextInner>,
-    ptr: sys::CUdeviceptr,
+    ptr: sys::CuDevicePtr,
     len: usize,
 }
 
@@ -26,11 +25,11 @@ impl CudaDeviceMemory {
         if len == 0 {
             return Err(CudaError::invalid("cuMemAlloc", "zero-length allocation"));
         }
-        ctx.bind()?;
-        let mut ptr: sys::CUdeviceptr = 0;
+        let _current = ctx.enter()?;
+        let mut ptr: sys::CuDevicePtr = 0;
         // SAFETY: `ptr` is a valid out-pointer; the context is current.
-        call("cuMemAlloc", || unsafe {
-            sys::cuMemAlloc_v2(&mut ptr, len)
+        check("cuMemAlloc", unsafe {
+            (ctx.drv.req.cuMemAlloc_v2)(&mut ptr, len)
         })?;
         tracing::debug!(
             ptr = format_args!("{ptr:#x}"),
@@ -56,9 +55,11 @@ impl DeviceMemory for CudaDeviceMemory {
 
 impl Drop for CudaDeviceMemory {
     fn drop(&mut self) {
-        self.ctx.bind_logged();
+        let _current = self.ctx.enter_logged();
         // SAFETY: `ptr` came from cuMemAlloc and is freed once, here.
-        call_logged("cuMemFree", || unsafe { sys::cuMemFree_v2(self.ptr) });
+        check_logged("cuMemFree", unsafe {
+            (self.ctx.drv.req.cuMemFree_v2)(self.ptr)
+        });
     }
 }
 
@@ -86,11 +87,11 @@ impl CudaPinnedHostMemory {
                 "zero-length allocation",
             ));
         }
-        ctx.bind()?;
+        let _current = ctx.enter()?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: `ptr` is a valid out-pointer; the context is current.
-        call("cuMemHostAlloc", || unsafe {
-            sys::cuMemHostAlloc(&mut ptr, len, sys::CU_MEMHOSTALLOC_PORTABLE)
+        check("cuMemHostAlloc", unsafe {
+            (ctx.drv.req.cuMemHostAlloc)(&mut ptr, len, C::CU_MEMHOSTALLOC_PORTABLE)
         })?;
         tracing::debug!(?ptr, len, "pinned host memory allocated");
         Ok(Self {
@@ -112,10 +113,10 @@ impl PinnedHostMemory for CudaPinnedHostMemory {
 
 impl Drop for CudaPinnedHostMemory {
     fn drop(&mut self) {
-        self.ctx.bind_logged();
+        let _current = self.ctx.enter_logged();
         // SAFETY: `ptr` came from cuMemHostAlloc and is freed once, here.
-        call_logged("cuMemFreeHost", || unsafe {
-            sys::cuMemFreeHost(self.ptr.cast())
+        check_logged("cuMemFreeHost", unsafe {
+            (self.ctx.drv.req.cuMemFreeHost)(self.ptr.cast())
         });
     }
 }
@@ -150,11 +151,11 @@ impl CudaHostRegistration {
                 "empty or null range",
             ));
         }
-        ctx.bind()?;
+        let _current = ctx.enter()?;
         // SAFETY: the caller guarantees the range is mapped host memory that
         // outlives the registration; the flag bits are cuda.h's values.
-        call("cuMemHostRegister", || unsafe {
-            sys::cuMemHostRegister_v2(ptr.cast(), len, flags.bits())
+        check("cuMemHostRegister", unsafe {
+            (ctx.drv.req.cuMemHostRegister_v2)(ptr.cast(), len, flags.bits())
         })?;
         Ok(Self {
             ctx: ctx.clone(),
@@ -175,12 +176,12 @@ impl HostRegistration for CudaHostRegistration {
 
 impl Drop for CudaHostRegistration {
     fn drop(&mut self) {
-        self.ctx.bind_logged();
+        let _current = self.ctx.enter_logged();
         // SAFETY: `ptr` was registered by cuMemHostRegister and is
         // unregistered once, here, while the memory is still mapped (the
         // registration's contract).
-        call_logged("cuMemHostUnregister", || unsafe {
-            sys::cuMemHostUnregister(self.ptr.cast())
+        check_logged("cuMemHostUnregister", unsafe {
+            (self.ctx.drv.req.cuMemHostUnregister)(self.ptr.cast())
         });
     }
 }
@@ -190,24 +191,24 @@ impl Drop for CudaHostRegistration {
 #[derive(Debug)]
 pub struct CudaIpcMapping {
     ctx: Arc<ContextInner>,
-    ptr: sys::CUdeviceptr,
+    ptr: sys::CuDevicePtr,
     len: usize,
 }
 
 impl CudaIpcMapping {
     pub(crate) fn open(ctx: &Arc<ContextInner>, handle: &IpcMemHandle) -> Result<Self> {
-        ctx.bind()?;
-        let native = sys::CUipcMemHandle {
+        let _current = ctx.enter()?;
+        let native = sys::CuIpcMemHandle {
             reserved: handle.0.map(|b| b as _),
         };
-        let mut ptr: sys::CUdeviceptr = 0;
+        let mut ptr: sys::CuDevicePtr = 0;
         // SAFETY: `ptr` is a valid out-pointer; the handle is passed by value
         // and the driver validates it.
-        call("cuIpcOpenMemHandle", || unsafe {
-            sys::cuIpcOpenMemHandle_v2(
+        check("cuIpcOpenMemHandle", unsafe {
+            (ctx.drv.req.cuIpcOpenMemHandle_v2)(
                 &mut ptr,
                 native,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                C::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
             )
         })?;
         let mut mapping = Self {
@@ -216,7 +217,7 @@ impl CudaIpcMapping {
             len: 0,
         };
         // From here on `mapping`'s drop closes the handle on error.
-        let (_, len) = address_range(ptr)?;
+        let (_, len) = address_range(ctx.drv, ptr)?;
         mapping.len = len as usize;
         Ok(mapping)
     }
@@ -233,10 +234,10 @@ impl IpcMapping for CudaIpcMapping {
 
 impl Drop for CudaIpcMapping {
     fn drop(&mut self) {
-        self.ctx.bind_logged();
+        let _current = self.ctx.enter_logged();
         // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once, here.
-        call_logged("cuIpcCloseMemHandle", || unsafe {
-            sys::cuIpcCloseMemHandle(self.ptr)
+        check_logged("cuIpcCloseMemHandle", unsafe {
+            (self.ctx.drv.req.cuIpcCloseMemHandle)(self.ptr)
         });
     }
 }

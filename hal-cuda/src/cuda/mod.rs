@@ -1,31 +1,34 @@
-//! The real CUDA backend: libcuda loaded at run time through cudarc's raw
-//! `driver::sys` layer (`dynamic-loading`), with its own `Result` layer here.
+//! The real CUDA backend: libcuda opened at run time with `libloading`, its
+//! entry points resolved into function pointers of our own types
+//! ([`sys`](self::sys) module), and a `Result` layer here.
 //!
-//! What this layer guarantees on top of cudarc:
-//! - no panic reaches a caller: libcuda's presence is probed before the
-//!   first call ([`CudaDriver::load`](crate::cuda::CudaDriver::load) returns
-//!   [`CudaError::LibraryUnavailable`]), optional entry points are looked up
-//!   in the loaded library before use ([`CudaError::NotSupported`]), and every
-//!   driver call runs under `catch_unwind` anyway;
-//! - a failed `CUresult` becomes a [`CudaError`] through
-//!   [`CudaError::from_code`] on the raw code (printing a cudarc `DriverError`
-//!   would call `cuGetErrorString`, itself a driver call);
-//! - every handle keeps the primary context it was made in alive (an `Arc`)
-//!   and binds it to the calling thread before each driver call, its `Drop`
-//!   included; `Drop` never panics and logs a failure with `tracing::warn!`.
+//! What this layer guarantees:
+//! - no return code is read as a Rust enum: every entry point returns the
+//!   raw `CUresult` as an integer, so a code a newer driver adds cannot be
+//!   undefined behaviour; a failed code becomes a [`CudaError`] through
+//!   [`CudaError::from_code`] (no driver call is made to print an error);
+//! - every symbol is resolved when the library is opened: a missing required
+//!   one is [`CudaError::LibraryUnavailable`] naming it, a missing optional
+//!   one (dma-buf export, the RDMA flush, the VMM API) makes the operations
+//!   that need it [`CudaError::NotSupported`]; nothing panics, and nothing is
+//!   looked up lazily;
+//! - the calling thread's current context is left as the caller had it:
+//!   every call that needs a context pushes its own (when it is not already
+//!   current) and pops it afterwards, `Drop` included, so an inference
+//!   runtime's current device never changes under it;
+//! - every handle keeps the primary context it was made in alive (an `Arc`);
+//!   `Drop` never panics and logs a failure with `tracing::warn!`.
 //!
-//! Output parameters are read as plain integers, never as cudarc's Rust enums,
-//! so a value a newer driver adds cannot become an invalid enum.
+//! Output parameters are read as plain integers, never as Rust enums.
 
 mod context;
 mod memory;
 mod stream;
+mod sys;
+mod vmm;
 
 use std::os::raw::{c_char, c_int};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-
-use cudarc::driver::sys;
 
 use crate::api::{Api, Driver};
 use crate::error::{CudaError, Result};
@@ -34,9 +37,10 @@ use crate::types::{DeviceAttributes, FlushWritesOptions, WritesOrdering};
 pub use context::CudaContext;
 pub use memory::{CudaDeviceMemory, CudaHostRegistration, CudaIpcMapping, CudaPinnedHostMemory};
 pub use stream::{CudaEvent, CudaStream};
+pub use sys::{CuContext, CuStream};
+pub use vmm::{CudaPhysicalMemory, CudaVirtualMapping, CudaVirtualReservation};
 
-/// The library name reported in [`CudaError::LibraryUnavailable`].
-const LIBRARY: &str = "libcuda.so.1";
+use sys::consts as C;
 
 /// The real backend's handle types.
 #[derive(Debug)]
@@ -51,68 +55,24 @@ impl Api for CudaApi {
     type PinnedHostMemory = CudaPinnedHostMemory;
     type HostRegistration = CudaHostRegistration;
     type IpcMapping = CudaIpcMapping;
+    type VirtualReservation = CudaVirtualReservation;
+    type PhysicalMemory = CudaPhysicalMemory;
+    type VirtualMapping = CudaVirtualMapping;
 }
 
-/// Runs one raw driver call. A panic inside cudarc (a symbol the driver
-/// lacks) becomes [`CudaError::LibraryUnavailable`]; a failed `CUresult`
-/// becomes the error [`CudaError::from_code`] names.
-pub(crate) fn call(operation: &'static str, f: impl FnOnce() -> sys::CUresult) -> Result<()> {
-    match raw_call(operation, f)? {
+/// Turns a raw `CUresult` into a `Result`.
+pub(crate) fn check(operation: &'static str, code: sys::CuResult) -> Result<()> {
+    match code {
         0 => Ok(()),
         code => Err(CudaError::from_code(operation, code)),
     }
 }
 
-/// Like [`call`], but hands back the raw code (for calls where a non-zero code
-/// is an answer, e.g. `CUDA_ERROR_NOT_READY` from a query).
-pub(crate) fn raw_call(operation: &'static str, f: impl FnOnce() -> sys::CUresult) -> Result<u32> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(code) => Ok(code as u32),
-        Err(payload) => {
-            let detail = payload
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| payload.downcast_ref::<&str>().copied())
-                .unwrap_or("panic");
-            Err(CudaError::LibraryUnavailable {
-                library: LIBRARY,
-                reason: format!("{operation}: {detail}"),
-            })
-        }
-    }
-}
-
-/// For `Drop`: runs a call and logs a failure instead of returning it.
-pub(crate) fn call_logged(operation: &'static str, f: impl FnOnce() -> sys::CUresult) {
-    if let Err(error) = call(operation, f) {
+/// For `Drop`: logs a failed code instead of returning it.
+pub(crate) fn check_logged(operation: &'static str, code: sys::CuResult) {
+    if let Err(error) = check(operation, code) {
         tracing::warn!(%error, "{operation} failed while releasing a CUDA object");
     }
-}
-
-/// Whether the loaded libcuda exports `name`. Calling a symbol the driver
-/// lacks through cudarc panics, so optional entry points are probed first.
-fn has_symbol(name: &str) -> bool {
-    catch_unwind(|| {
-        // SAFETY: only called after `is_culib_present` succeeded (a
-        // `CudaDriver` exists), so `culib()` opens the library instead of
-        // panicking; looking a symbol up runs no code of the library, and the
-        // symbol is dropped at once without being called.
-        unsafe {
-            sys::culib()
-                .get::<unsafe extern "C" fn()>(name.as_bytes())
-                .is_ok()
-        }
-    })
-    .unwrap_or(false)
-}
-
-/// Optional driver entry points, probed once at load.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Symbols {
-    /// `cuMemGetHandleForAddressRange` (CUDA 11.7+).
-    pub(crate) dmabuf_export: bool,
-    /// `cuFlushGPUDirectRDMAWrites` (CUDA 11.3+).
-    pub(crate) flush_rdma_writes: bool,
 }
 
 /// The host page size.
@@ -122,83 +82,108 @@ pub(crate) fn page_size() -> u64 {
     if size > 0 { size as u64 } else { 4096 }
 }
 
+/// The calling thread's current context (`cuCtxGetCurrent`; null for none),
+/// for callers and tests checking that gdr left it alone.
+pub fn current_context() -> Result<CuContext> {
+    let drv = sys::driver()?;
+    let mut raw: CuContext = std::ptr::null_mut();
+    // SAFETY: `raw` is a valid out-pointer.
+    check("cuCtxGetCurrent", unsafe {
+        (drv.req.cuCtxGetCurrent)(&mut raw)
+    })?;
+    Ok(raw)
+}
+
 /// The loaded CUDA driver.
 #[derive(Debug, Clone)]
 pub struct CudaDriver {
-    symbols: Symbols,
+    drv: &'static sys::Driver,
 }
 
 impl CudaDriver {
-    /// Loads libcuda and initialises the driver (`cuInit`).
+    /// Opens libcuda, resolves every entry point gdr uses, and initialises
+    /// the driver (`cuInit`).
     ///
-    /// Without libcuda this is [`CudaError::LibraryUnavailable`], never a
-    /// panic; with a stub library (`CUDA_ERROR_STUB_LIBRARY`) too.
+    /// Without libcuda, or with a library lacking a required entry point,
+    /// this is [`CudaError::LibraryUnavailable`], never a panic; with CUDA's
+    /// stub library (`CUDA_ERROR_STUB_LIBRARY`) too.
     pub fn load() -> Result<CudaDriver> {
         let _span = tracing::debug_span!("cuda_load").entered();
-        let present = catch_unwind(|| {
-            // SAFETY: this only tries to dlopen the candidate names of libcuda
-            // and closes what it opened; libcuda's initialisers are the
-            // driver's own and safe to run.
-            unsafe { sys::is_culib_present() }
-        })
-        .unwrap_or(false);
-        if !present {
-            return Err(CudaError::LibraryUnavailable {
-                library: LIBRARY,
-                reason: "no libcuda could be opened (is the NVIDIA driver installed?)".into(),
-            });
-        }
+        let drv = sys::driver()?;
         // SAFETY: cuInit takes a flags word that must be 0.
-        match call("cuInit", || unsafe { sys::cuInit(0) }) {
+        match check("cuInit", unsafe { (drv.req.cuInit)(0) }) {
             Ok(()) => {}
             Err(CudaError::Driver { code: 34, .. }) => {
                 return Err(CudaError::LibraryUnavailable {
-                    library: LIBRARY,
+                    library: drv.library,
                     reason: "the library found is CUDA's stub, not a driver".into(),
                 });
             }
             Err(e) => return Err(e),
         }
-        let symbols = Symbols {
-            dmabuf_export: has_symbol("cuMemGetHandleForAddressRange"),
-            flush_rdma_writes: has_symbol("cuFlushGPUDirectRDMAWrites"),
-        };
-        tracing::debug!(?symbols, "libcuda loaded");
-        Ok(CudaDriver { symbols })
+        let mut version: c_int = 0;
+        // SAFETY: `version` is a valid out-pointer.
+        check("cuDriverGetVersion", unsafe {
+            (drv.req.cuDriverGetVersion)(&mut version)
+        })?;
+        tracing::debug!(
+            library = drv.library,
+            version,
+            dmabuf_export = drv.dmabuf.is_some(),
+            flush_rdma_writes = drv.flush.is_some(),
+            vmm = drv.vmm.is_some(),
+            "libcuda loaded"
+        );
+        Ok(CudaDriver { drv })
     }
 
-    fn device(&self, ordinal: u32) -> Result<sys::CUdevice> {
+    /// `cuDriverGetVersion`: e.g. 13000 for CUDA 13.0.
+    pub fn driver_version(&self) -> Result<i32> {
+        let mut version: c_int = 0;
+        // SAFETY: `version` is a valid out-pointer.
+        check("cuDriverGetVersion", unsafe {
+            (self.drv.req.cuDriverGetVersion)(&mut version)
+        })?;
+        Ok(version)
+    }
+
+    fn device(&self, ordinal: u32) -> Result<sys::CuDevice> {
         let count = self.device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoDevice {
                 detail: format!("ordinal {ordinal} asked for, {count} device(s) present"),
             });
         }
-        let mut dev: sys::CUdevice = 0;
+        let mut dev: sys::CuDevice = 0;
         // SAFETY: `dev` is a valid out-pointer; the ordinal is in range.
-        call("cuDeviceGet", || unsafe {
-            sys::cuDeviceGet(&mut dev, ordinal as c_int)
+        check("cuDeviceGet", unsafe {
+            (self.drv.req.cuDeviceGet)(&mut dev, ordinal as c_int)
         })?;
         Ok(dev)
     }
 
-    fn attribute(dev: sys::CUdevice, attribute: sys::CUdevice_attribute) -> Result<i32> {
-        let mut value: c_int = 0;
-        // SAFETY: `value` is a valid out-pointer and `dev` a device handle.
-        call("cuDeviceGetAttribute", || unsafe {
-            sys::cuDeviceGetAttribute(&mut value, attribute, dev)
-        })?;
-        Ok(value)
+    fn attribute(&self, dev: sys::CuDevice, attribute: c_int) -> Result<i32> {
+        attribute_of(self.drv, dev, attribute)
     }
 
     /// An attribute an older driver may not know: 0 (with a debug line) when
     /// it is refused.
-    fn optional_attribute(dev: sys::CUdevice, attribute: sys::CUdevice_attribute) -> i32 {
-        Self::attribute(dev, attribute).unwrap_or_else(|error| {
-            tracing::debug!(?attribute, %error, "device attribute unavailable, taken as 0");
+    fn optional_attribute(&self, dev: sys::CuDevice, attribute: c_int) -> i32 {
+        self.attribute(dev, attribute).unwrap_or_else(|error| {
+            tracing::debug!(attribute, %error, "device attribute unavailable, taken as 0");
             0
         })
     }
+}
+
+pub(crate) fn attribute_of(drv: &sys::Driver, dev: sys::CuDevice, attribute: c_int) -> Result<i32> {
+    let mut value: c_int = 0;
+    // SAFETY: `value` is a valid out-pointer and `dev` a device handle; an
+    // attribute number the driver does not know is refused with a code.
+    check("cuDeviceGetAttribute", unsafe {
+        (drv.req.cuDeviceGetAttribute)(&mut value, attribute, dev)
+    })?;
+    Ok(value)
 }
 
 fn c_string(buf: &[c_char]) -> String {
@@ -229,8 +214,8 @@ impl Driver<CudaApi> for CudaDriver {
     fn device_count(&self) -> Result<u32> {
         let mut count: c_int = 0;
         // SAFETY: `count` is a valid out-pointer.
-        call("cuDeviceGetCount", || unsafe {
-            sys::cuDeviceGetCount(&mut count)
+        check("cuDeviceGetCount", unsafe {
+            (self.drv.req.cuDeviceGetCount)(&mut count)
         })?;
         if count <= 0 {
             return Err(CudaError::NoDevice {
@@ -241,27 +226,27 @@ impl Driver<CudaApi> for CudaDriver {
     }
 
     fn device_attributes(&self, ordinal: u32) -> Result<DeviceAttributes> {
-        use sys::CUdevice_attribute as A;
         let dev = self.device(ordinal)?;
+        let req = &self.drv.req;
 
         let mut name: [c_char; 256] = [0; 256];
         // SAFETY: `name` holds `len` writable bytes; the driver NUL-terminates.
-        call("cuDeviceGetName", || unsafe {
-            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, dev)
+        check("cuDeviceGetName", unsafe {
+            (req.cuDeviceGetName)(name.as_mut_ptr(), name.len() as c_int, dev)
         })?;
         let mut bus: [c_char; 64] = [0; 64];
         // SAFETY: as above, for the bus id.
-        call("cuDeviceGetPCIBusId", || unsafe {
-            sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as c_int, dev)
+        check("cuDeviceGetPCIBusId", unsafe {
+            (req.cuDeviceGetPCIBusId)(bus.as_mut_ptr(), bus.len() as c_int, dev)
         })?;
         let mut total: usize = 0;
         // SAFETY: `total` is a valid out-pointer.
-        call("cuDeviceTotalMem", || unsafe {
-            sys::cuDeviceTotalMem_v2(&mut total, dev)
+        check("cuDeviceTotalMem", unsafe {
+            (req.cuDeviceTotalMem_v2)(&mut total, dev)
         })?;
-        let major = Self::attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = Self::attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let opt = |a| Self::optional_attribute(dev, a);
+        let major = self.attribute(dev, C::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = self.attribute(dev, C::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let opt = |a| self.optional_attribute(dev, a);
 
         Ok(DeviceAttributes {
             ordinal,
@@ -269,39 +254,37 @@ impl Driver<CudaApi> for CudaDriver {
             pci_bus_id: normalize_pci_bus_id(&c_string(&bus)),
             total_memory: total as u64,
             compute_capability: (major.max(0) as u32, minor.max(0) as u32),
-            dma_buf_supported: opt(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) != 0,
-            gpu_direct_rdma_supported: opt(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED) != 0,
+            dma_buf_supported: opt(C::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) != 0,
+            gpu_direct_rdma_supported: opt(C::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED) != 0,
             flush_writes_options: FlushWritesOptions::from_bits_truncate(opt(
-                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS,
+                C::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS,
             ) as u32),
             writes_ordering: WritesOrdering::from_native(opt(
-                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING,
+                C::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING,
             )),
-            virtual_memory_management: opt(
-                A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-            ) != 0,
+            virtual_memory_management: self.drv.vmm.is_some()
+                && opt(C::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) != 0,
         })
     }
 
     fn context(&self, ordinal: u32) -> Result<CudaContext> {
         let dev = self.device(ordinal)?;
-        let mut raw: sys::CUcontext = std::ptr::null_mut();
+        let mut raw: CuContext = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer and `dev` a device handle;
         // the retain is balanced by the release in `ContextInner::drop`.
-        call("cuDevicePrimaryCtxRetain", || unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut raw, dev)
+        // Retaining does not make the context current.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            (self.drv.req.cuDevicePrimaryCtxRetain)(&mut raw, dev)
         })?;
         let inner = context::ContextInner {
             raw,
             dev,
             ordinal,
-            symbols: self.symbols,
+            drv: self.drv,
         };
-        let ctx = CudaContext {
+        Ok(CudaContext {
             inner: Arc::new(inner),
-        };
-        ctx.inner.bind()?;
-        Ok(ctx)
+        })
     }
 }
 
@@ -319,5 +302,60 @@ mod tests {
     fn c_strings_stop_at_nul() {
         let buf: [c_char; 6] = [b'H' as c_char, b'2' as c_char, 0, b'x' as c_char, 0, 0];
         assert_eq!(c_string(&buf), "H2");
+    }
+
+    /// Structural evidence for issue 8: no driver call goes through cudarc's
+    /// typed function pointers (whose `CUresult` return is a Rust enum), and
+    /// `catch_unwind` is not the guard against missing symbols. Every source
+    /// file of the crate (and its benches) is scanned.
+    #[test]
+    fn no_driver_call_goes_through_typed_bindings() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        // Built from pieces so this file does not match itself.
+        let forbidden = [
+            ["cud", "arc"].concat(),
+            ["sys::", "cu"].concat(),
+            ["cul", "ib("].concat(),
+            ["lib().", "cu"].concat(),
+            ["catch_", "unwind"].concat(),
+            ["Driver", "Error"].concat(),
+            ["CU", "result"].concat() + "::",
+        ];
+        let mut files = Vec::new();
+        let mut dirs = vec![root.join("src"), root.join("benches")];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    files.push(path);
+                }
+            }
+        }
+        assert!(files.len() >= 8, "scanned only {files:?}");
+        let mut hits = Vec::new();
+        for file in &files {
+            let text = std::fs::read_to_string(file).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                if line.trim_start().starts_with("//") {
+                    continue; // comments call nothing
+                }
+                for pattern in &forbidden {
+                    if line.contains(pattern.as_str()) {
+                        hits.push(format!("{}:{}: {line}", file.display(), n + 1));
+                    }
+                }
+            }
+        }
+        let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+        if manifest.contains(&forbidden[0]) {
+            hits.push(format!("Cargo.toml names {}", forbidden[0]));
+        }
+        assert!(
+            hits.is_empty(),
+            "typed binding calls remain:\n{}",
+            hits.join("\n")
+        );
     }
 }

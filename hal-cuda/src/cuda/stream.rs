@@ -2,10 +2,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-
 use super::context::ContextInner;
-use super::{CudaApi, call, call_logged, raw_call};
+use super::sys::{self, consts as C};
+use super::{CudaApi, check, check_logged};
 use crate::api::{Event, Stream};
 use crate::error::{CudaError, Result};
 
@@ -14,7 +13,7 @@ use crate::error::{CudaError, Result};
 #[derive(Debug)]
 pub struct CudaStream {
     ctx: Arc<ContextInner>,
-    raw: sys::CUstream,
+    raw: sys::CuStream,
 }
 
 // SAFETY: a CUstream is a driver handle usable from any thread; the driver
@@ -25,11 +24,11 @@ unsafe impl Sync for CudaStream {}
 
 impl CudaStream {
     pub(crate) fn new(ctx: &Arc<ContextInner>) -> Result<Self> {
-        ctx.bind()?;
-        let mut raw: sys::CUstream = std::ptr::null_mut();
+        let _current = ctx.enter()?;
+        let mut raw: sys::CuStream = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the context is current.
-        call("cuStreamCreate", || unsafe {
-            sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        check("cuStreamCreate", unsafe {
+            (ctx.drv.req.cuStreamCreate)(&mut raw, C::CU_STREAM_NON_BLOCKING)
         })?;
         Ok(Self {
             ctx: ctx.clone(),
@@ -38,7 +37,7 @@ impl CudaStream {
     }
 
     /// The raw `CUstream`, valid while `self` lives.
-    pub fn raw(&self) -> sys::CUstream {
+    pub fn raw(&self) -> sys::CuStream {
         self.raw
     }
 }
@@ -48,12 +47,12 @@ impl Stream<CudaApi> for CudaStream {
         if len == 0 {
             return Ok(());
         }
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: the caller guarantees both ranges stay valid until the copy
         // completes (this method's contract); the stream belongs to the
         // current context.
-        call("cuMemcpyHtoDAsync", || unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.raw)
+        check("cuMemcpyHtoDAsync", unsafe {
+            (self.ctx.drv.req.cuMemcpyHtoDAsync_v2)(dst, src.cast(), len, self.raw)
         })
     }
 
@@ -61,10 +60,10 @@ impl Stream<CudaApi> for CudaStream {
         if len == 0 {
             return Ok(());
         }
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: as for copy_host_to_device, with `dst` writable host memory.
-        call("cuMemcpyDtoHAsync", || unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.raw)
+        check("cuMemcpyDtoHAsync", unsafe {
+            (self.ctx.drv.req.cuMemcpyDtoHAsync_v2)(dst.cast(), src, len, self.raw)
         })
     }
 
@@ -72,11 +71,11 @@ impl Stream<CudaApi> for CudaStream {
         if len == 0 {
             return Ok(());
         }
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: the caller guarantees both device ranges stay valid until
         // the copy completes.
-        call("cuMemcpyDtoDAsync", || unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw)
+        check("cuMemcpyDtoDAsync", unsafe {
+            (self.ctx.drv.req.cuMemcpyDtoDAsync_v2)(dst, src, len, self.raw)
         })
     }
 
@@ -84,46 +83,46 @@ impl Stream<CudaApi> for CudaStream {
         if len == 0 {
             return Ok(());
         }
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: the caller guarantees the device range stays valid until
         // the set completes.
-        call("cuMemsetD8Async", || unsafe {
-            sys::cuMemsetD8Async(dst, value, len, self.raw)
+        check("cuMemsetD8Async", unsafe {
+            (self.ctx.drv.req.cuMemsetD8Async)(dst, value, len, self.raw)
         })
     }
 
     fn record(&self, event: &CudaEvent) -> Result<()> {
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: both handles are alive for the call.
-        call("cuEventRecord", || unsafe {
-            sys::cuEventRecord(event.raw, self.raw)
+        check("cuEventRecord", unsafe {
+            (self.ctx.drv.req.cuEventRecord)(event.raw, self.raw)
         })
     }
 
     fn wait(&self, event: &CudaEvent) -> Result<()> {
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: both handles are alive for the call; flags must be 0.
-        call("cuStreamWaitEvent", || unsafe {
-            sys::cuStreamWaitEvent(self.raw, event.raw, 0)
+        check("cuStreamWaitEvent", unsafe {
+            (self.ctx.drv.req.cuStreamWaitEvent)(self.raw, event.raw, 0)
         })
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: the stream is alive for the call.
-        call("cuStreamSynchronize", || unsafe {
-            sys::cuStreamSynchronize(self.raw)
+        check("cuStreamSynchronize", unsafe {
+            (self.ctx.drv.req.cuStreamSynchronize)(self.raw)
         })
     }
 }
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        self.ctx.bind_logged();
+        let _current = self.ctx.enter_logged();
         // SAFETY: `raw` came from cuStreamCreate and is destroyed once, here;
         // the driver lets queued work finish first.
-        call_logged("cuStreamDestroy", || unsafe {
-            sys::cuStreamDestroy_v2(self.raw)
+        check_logged("cuStreamDestroy", unsafe {
+            (self.ctx.drv.req.cuStreamDestroy_v2)(self.raw)
         });
     }
 }
@@ -132,7 +131,7 @@ impl Drop for CudaStream {
 #[derive(Debug)]
 pub struct CudaEvent {
     ctx: Arc<ContextInner>,
-    raw: sys::CUevent,
+    raw: sys::CuEvent,
 }
 
 // SAFETY: a CUevent is a driver handle usable from any thread.
@@ -142,11 +141,11 @@ unsafe impl Sync for CudaEvent {}
 
 impl CudaEvent {
     pub(crate) fn new(ctx: &Arc<ContextInner>) -> Result<Self> {
-        ctx.bind()?;
-        let mut raw: sys::CUevent = std::ptr::null_mut();
+        let _current = ctx.enter()?;
+        let mut raw: sys::CuEvent = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the context is current.
-        call("cuEventCreate", || unsafe {
-            sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        check("cuEventCreate", unsafe {
+            (ctx.drv.req.cuEventCreate)(&mut raw, C::CU_EVENT_DISABLE_TIMING)
         })?;
         Ok(Self {
             ctx: ctx.clone(),
@@ -158,9 +157,9 @@ impl CudaEvent {
 impl Event for CudaEvent {
     fn is_complete(&self) -> Result<bool> {
         const NOT_READY: u32 = 600;
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: the event is alive for the call.
-        match raw_call("cuEventQuery", || unsafe { sys::cuEventQuery(self.raw) })? {
+        match unsafe { (self.ctx.drv.req.cuEventQuery)(self.raw) } {
             0 => Ok(true),
             NOT_READY => Ok(false),
             code => Err(CudaError::from_code("cuEventQuery", code)),
@@ -168,20 +167,20 @@ impl Event for CudaEvent {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: the event is alive for the call.
-        call("cuEventSynchronize", || unsafe {
-            sys::cuEventSynchronize(self.raw)
+        check("cuEventSynchronize", unsafe {
+            (self.ctx.drv.req.cuEventSynchronize)(self.raw)
         })
     }
 }
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        self.ctx.bind_logged();
+        let _current = self.ctx.enter_logged();
         // SAFETY: `raw` came from cuEventCreate and is destroyed once, here.
-        call_logged("cuEventDestroy", || unsafe {
-            sys::cuEventDestroy_v2(self.raw)
+        check_logged("cuEventDestroy", unsafe {
+            (self.ctx.drv.req.cuEventDestroy_v2)(self.raw)
         });
     }
 }
