@@ -227,17 +227,13 @@ fn print_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
         let gpus = (0..driver.device_count()?)
             .map(|ordinal| Gpu::<C>::open(driver, ordinal))
             .collect::<Result<Vec<_>, _>>()?;
-        // SAFETY: the probes register only their own scratch allocations,
-        // freed after their registrations; nothing else is registered.
-        let ladder = unsafe {
-            Ladder::<V, C>::new(
-                &ctx,
-                gpus,
-                Arc::new(RegistrationCache::new(CacheConfig::default())),
-                Arc::new(DmabufExports::new()),
-                LadderConfig::default(),
-            )
-        };
+        let ladder = Ladder::<V, C>::new(
+            &ctx,
+            gpus,
+            Arc::new(RegistrationCache::new(CacheConfig::default())),
+            Arc::new(DmabufExports::new()),
+            LadderConfig::default(),
+        );
         let ladder = match ladder {
             Ok(ladder) => ladder,
             Err(e) => {
@@ -280,17 +276,13 @@ fn prove<V: hal_verbs::Api, C: hal_cuda::Api>(
         None => None,
     };
     let cache = Arc::new(RegistrationCache::new(CacheConfig::default()));
-    // SAFETY: everything registered below is a gdr Buffer, which invalidates
-    // its registrations before freeing its memory.
-    let ladder = unsafe {
-        Ladder::<V, C>::new(
-            &ctx,
-            gpus,
-            cache,
-            Arc::new(DmabufExports::new()),
-            LadderConfig::default(),
-        )
-    }?;
+    let ladder = Ladder::<V, C>::new(
+        &ctx,
+        gpus,
+        cache,
+        Arc::new(DmabufExports::new()),
+        LadderConfig::default(),
+    )?;
     println!(
         "loopback on {} ({}), {size} bytes:",
         device.name,

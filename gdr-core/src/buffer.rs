@@ -2,16 +2,30 @@
 //! allocated through the HALs, wrapped from the caller, or imported through
 //! a CUDA IPC handle.
 //!
-//! Lifetimes are explicit. A [`BufferRegistration`] borrows its buffer, so
-//! the compiler refuses to let it outlive the memory. The MR behind it lives
-//! on in the registration cache for reuse; when the buffer is dropped it
-//! first invalidates every cache entry it was registered under (and forgets
-//! its dma-buf export), so the MRs are deregistered, and only then frees the
-//! memory or closes the IPC mapping.
+//! A buffer's memory outlives every memory region over it. Each MR (cached
+//! registration or grant) holds a [`MemoryLease`] on the buffer's backing
+//! store, so leaking or cloning a handle, or dropping things in any order,
+//! never leaves a live MR over freed memory (see the rule in the
+//! [`crate::cache`] module docs):
+//! - memory gdr allocated (host, pinned, device, an IPC mapping) is freed
+//!   by whichever of the buffer and its last lease goes last;
+//! - memory the caller owns ([`Buffer::wrap`]) cannot be kept: dropping the
+//!   buffer unlinks its cache entries and then **waits** until every MR over
+//!   it is deregistered, at most [`Buffer::release_timeout`]; past that the
+//!   process is aborted, since returning would let the caller free memory a
+//!   NIC can still write. [`Buffer::release`] is the non-aborting form: it
+//!   hands the buffer back when the MRs are still alive.
+//!
+//! A [`BufferRegistration`] also borrows its buffer, so ordinary code cannot
+//! even hold one past the buffer's drop.
 
+use std::alloc::Layout;
 use std::fmt;
 use std::marker::PhantomData;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use hal_cuda::{
     Context as _, CudaError, DeviceMemory as _, IpcMapping as _, IpcMemHandle, MemoryType,
@@ -19,25 +33,99 @@ use hal_cuda::{
 };
 use hal_verbs::Api;
 
-use crate::ladder::{Ladder, LadderError, LadderRegistration};
+use crate::cache::OwnerId;
+use crate::ladder::{Grant, GrantRights, Ladder, LadderError, LadderRegistration};
+use crate::lifetime::{LeaseCount, Leased};
 
-/// What a ladder must do when a buffer goes away: drop every cache entry of
-/// its range and allocation in that ladder's domain.
+/// What a ladder must do when a buffer goes away: unlink every cache entry
+/// the buffer owns.
 pub(crate) trait Forget: Send + Sync {
-    fn forget(&self, addr: u64, len: u64, buffer_id: Option<u64>);
+    fn forget(&self, owner: OwnerId);
+}
+
+/// Every buffer's owner id in the cache: entries of one buffer never serve
+/// another.
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+
+/// How long dropping a buffer over the caller's memory waits for the MRs
+/// over it to be deregistered.
+pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Page-aligned, zeroed host memory from the global allocator (a raw
+/// allocation, so the pointer handed to the NIC carries the allocation's
+/// own provenance).
+struct HostAllocation {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the allocation is plain bytes owned by this value; sharing the
+// pointer across threads is what every user of the buffer does through the
+// NIC, and Rust code reaches the bytes only through raw pointers.
+unsafe impl Send for HostAllocation {}
+// SAFETY: as above; `&HostAllocation` exposes only the pointer.
+unsafe impl Sync for HostAllocation {}
+
+impl HostAllocation {
+    fn zeroed(len: usize) -> Self {
+        // Page alignment: an MR covers whole pages anyway, and two buffers
+        // then never share a page.
+        let layout = Layout::from_size_align(len.max(1), 4096)
+            .unwrap_or_else(|_| panic!("{len} bytes is not an allocatable size"));
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(ptr) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        Self { ptr, layout }
+    }
+}
+
+impl Drop for HostAllocation {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
 }
 
 enum Memory<C: hal_cuda::Api> {
     /// Host memory gdr allocated (pageable).
-    Host(#[allow(dead_code)] Box<[u8]>),
+    Host(HostAllocation),
     /// Pinned host memory gdr allocated through CUDA.
-    Pinned(#[allow(dead_code)] C::PinnedHostMemory),
+    Pinned(C::PinnedHostMemory),
     /// Device memory gdr allocated.
     Device(#[allow(dead_code)] C::DeviceMemory),
     /// Another process's allocation, mapped from its IPC handle.
     Ipc(#[allow(dead_code)] C::IpcMapping),
     /// The caller's memory.
     Borrowed,
+}
+
+/// A buffer's memory and the count of MRs over it.
+struct Backing<C: hal_cuda::Api> {
+    leases: LeaseCount,
+    memory: Memory<C>,
+}
+
+impl<C: hal_cuda::Api> Leased for Backing<C> {
+    fn leases(&self) -> &LeaseCount {
+        &self.leases
+    }
+}
+
+/// What a ladder needs to know of a buffer to register part of it: where it
+/// is, what it is, the allocation it lies in, who owns the cache entries,
+/// and the memory a registration must keep alive.
+pub(crate) struct Target<'a> {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) memory_type: MemoryType,
+    pub(crate) device_ordinal: Option<u32>,
+    pub(crate) buffer_id: u64,
+    pub(crate) allocation_base: u64,
+    pub(crate) allocation_size: u64,
+    pub(crate) owner: OwnerId,
+    pub(crate) memory: &'a Arc<dyn Leased>,
 }
 
 /// A range of memory gdr can register and move.
@@ -47,14 +135,20 @@ pub struct Buffer<C: hal_cuda::Api> {
     memory_type: MemoryType,
     device_ordinal: Option<u32>,
     buffer_id: u64,
+    allocation_base: u64,
+    allocation_size: u64,
+    owner: OwnerId,
+    release_timeout: Duration,
     registered_with: Mutex<Vec<Arc<dyn Forget>>>,
-    // Last: freed after the cache entries are forgotten (see Drop).
-    memory: Memory<C>,
+    borrowed: bool,
+    /// The memory, shared with every lease (type-erased for the leases).
+    leased: Arc<dyn Leased>,
+    backing: Arc<Backing<C>>,
 }
 
 impl<C: hal_cuda::Api> fmt::Debug for Buffer<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let origin = match self.memory {
+        let origin = match self.backing.memory {
             Memory::Host(_) => "host",
             Memory::Pinned(_) => "pinned",
             Memory::Device(_) => "device",
@@ -67,32 +161,55 @@ impl<C: hal_cuda::Api> fmt::Debug for Buffer<C> {
             .field("memory_type", &self.memory_type)
             .field("device_ordinal", &self.device_ordinal)
             .field("buffer_id", &self.buffer_id)
+            .field("owner", &self.owner)
             .field("origin", &origin)
+            .field("leases", &self.backing.leases.live())
             .finish()
     }
 }
 
 impl<C: hal_cuda::Api> Buffer<C> {
     fn new(memory: Memory<C>, addr: u64, len: u64, attrs: Option<PointerAttributes>) -> Self {
-        let (memory_type, device_ordinal, buffer_id) = match attrs {
-            Some(a) => (a.memory_type, a.device_ordinal, a.buffer_id),
-            None => (MemoryType::PageableHost, None, 0),
+        let (memory_type, device_ordinal, buffer_id, allocation_base, allocation_size) = match attrs
+        {
+            Some(a) if a.buffer_id != 0 => (
+                a.memory_type,
+                a.device_ordinal,
+                a.buffer_id,
+                a.allocation_base,
+                a.allocation_size,
+            ),
+            // Memory CUDA does not know: the buffer is its own allocation.
+            Some(a) => (a.memory_type, a.device_ordinal, 0, addr, len),
+            None => (MemoryType::PageableHost, None, 0, addr, len),
         };
+        let borrowed = matches!(memory, Memory::Borrowed);
+        let backing = Arc::new(Backing {
+            leases: LeaseCount::new(),
+            memory,
+        });
+        let leased: Arc<dyn Leased> = backing.clone();
         Self {
             addr,
             len,
             memory_type,
             device_ordinal,
             buffer_id,
+            allocation_base,
+            allocation_size,
+            owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
+            release_timeout: DEFAULT_RELEASE_TIMEOUT,
             registered_with: Mutex::new(Vec::new()),
-            memory,
+            borrowed,
+            leased,
+            backing,
         }
     }
 
-    /// `len` zeroed bytes of ordinary host memory.
+    /// `len` zeroed bytes of ordinary host memory, page-aligned.
     pub fn alloc_host(len: usize) -> Self {
-        let memory = vec![0u8; len].into_boxed_slice();
-        let addr = memory.as_ptr() as u64;
+        let memory = HostAllocation::zeroed(len);
+        let addr = memory.ptr.as_ptr() as u64;
         Self::new(Memory::Host(memory), addr, len as u64, None)
     }
 
@@ -134,24 +251,36 @@ impl<C: hal_cuda::Api> Buffer<C> {
 
     /// Wraps `len` bytes at `addr` that the caller owns. The memory type is
     /// read from CUDA's pointer attributes when `context` is given (else it
-    /// is taken as pageable host memory); `memory_type` overrides it.
+    /// is taken as pageable host memory); `memory_type` overrides it. Memory
+    /// CUDA knows must lie inside one allocation.
+    ///
+    /// Dropping the buffer waits until no MR covers the memory any more
+    /// (see the [module docs](self)).
     ///
     /// # Safety
     /// The range must stay mapped, and must not be freed, until the buffer
-    /// is dropped.
+    /// is dropped (or [`Buffer::release`] returns `Ok`).
     pub unsafe fn wrap(
         context: Option<&C::Context>,
         addr: u64,
         len: u64,
         memory_type: Option<MemoryType>,
     ) -> Result<Self, CudaError> {
-        if len == 0 || addr.checked_add(len).is_none() {
-            return Err(CudaError::invalid(
-                "Buffer::wrap",
-                format!("{len} bytes at {addr:#x} is not a range"),
-            ));
-        }
+        let invalid = |why: String| CudaError::invalid("Buffer::wrap", why);
+        let Some(end) = addr.checked_add(len).filter(|_| len != 0) else {
+            return Err(invalid(format!("{len} bytes at {addr:#x} is not a range")));
+        };
         let attrs = context.map(|c| c.pointer_attributes(addr)).transpose()?;
+        if let Some(a) = attrs.as_ref().filter(|a| a.buffer_id != 0) {
+            let alloc_end = a.allocation_base.saturating_add(a.allocation_size);
+            if addr < a.allocation_base || end > alloc_end {
+                return Err(invalid(format!(
+                    "{len} bytes at {addr:#x} run outside the CUDA allocation \
+                     {:#x}..{alloc_end:#x} holding their start",
+                    a.allocation_base
+                )));
+            }
+        }
         let mut buffer = Self::new(Memory::Borrowed, addr, len, attrs);
         if let Some(kind) = memory_type {
             buffer.memory_type = kind;
@@ -189,24 +318,60 @@ impl<C: hal_cuda::Api> Buffer<C> {
         self.buffer_id
     }
 
-    /// A host pointer to the bytes, for host and pinned memory only.
-    pub fn host_ptr(&self) -> Option<*mut u8> {
-        matches!(
-            self.memory_type,
-            MemoryType::PageableHost | MemoryType::PinnedHost
-        )
-        .then_some(self.addr as *mut u8)
+    /// The id its cache entries are owned by.
+    pub fn owner(&self) -> OwnerId {
+        self.owner
     }
 
-    /// Registers `len` bytes at `offset` with `ladder`'s NIC, on the first
-    /// rung that works. The registration cannot outlive the buffer.
-    pub fn register<'b, V: Api>(
-        &'b self,
-        ladder: &Ladder<V, C>,
-        offset: u64,
-        len: u64,
-    ) -> Result<BufferRegistration<'b, V>, LadderError> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) || len == 0 {
+    /// Memory regions (cached registrations, grants) alive over the buffer.
+    pub fn live_regions(&self) -> usize {
+        self.backing.leases.live()
+    }
+
+    /// How long dropping a buffer over the caller's memory waits for its
+    /// MRs to be deregistered before aborting.
+    pub fn release_timeout(&self) -> Duration {
+        self.release_timeout
+    }
+
+    /// Sets [`Buffer::release_timeout`].
+    pub fn set_release_timeout(&mut self, timeout: Duration) {
+        self.release_timeout = timeout;
+    }
+
+    /// A host pointer to the bytes, for host and pinned memory only.
+    pub fn host_ptr(&self) -> Option<*mut u8> {
+        match &self.backing.memory {
+            Memory::Host(host) => Some(host.ptr.as_ptr()),
+            Memory::Pinned(pinned) => Some(pinned.as_ptr()),
+            Memory::Borrowed
+                if matches!(
+                    self.memory_type,
+                    MemoryType::PageableHost | MemoryType::PinnedHost
+                ) =>
+            {
+                Some(std::ptr::with_exposed_provenance_mut(self.addr as usize))
+            }
+            _ => None,
+        }
+    }
+
+    fn target(&self) -> Target<'_> {
+        Target {
+            addr: self.addr,
+            len: self.len,
+            memory_type: self.memory_type,
+            device_ordinal: self.device_ordinal,
+            buffer_id: self.buffer_id,
+            allocation_base: self.allocation_base,
+            allocation_size: self.allocation_size,
+            owner: self.owner,
+            memory: &self.leased,
+        }
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<u64, LadderError> {
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(LadderError::OutsideAllocation {
                 addr: self.addr.wrapping_add(offset),
                 len,
@@ -214,7 +379,21 @@ impl<C: hal_cuda::Api> Buffer<C> {
                 size: self.len,
             });
         }
-        let inner = ladder.register(self.addr + offset, len)?;
+        Ok(self.addr + offset)
+    }
+
+    /// Registers `len` bytes at `offset` with `ladder`'s NIC, on the first
+    /// rung that works, for local use (the local side of transfers). The
+    /// registration cannot outlive the buffer. To let a peer reach the
+    /// memory, [`Ladder::grant`] a range of it.
+    pub fn register<'b, V: Api>(
+        &'b self,
+        ladder: &Ladder<V, C>,
+        offset: u64,
+        len: u64,
+    ) -> Result<BufferRegistration<'b, V>, LadderError> {
+        let addr = self.check_range(offset, len)?;
+        let inner = ladder.register_target(&self.target(), addr, len)?;
         let forget = ladder.forgetter();
         let mut registered = self
             .registered_with
@@ -228,21 +407,78 @@ impl<C: hal_cuda::Api> Buffer<C> {
             _buffer: PhantomData,
         })
     }
-}
 
-impl<C: hal_cuda::Api> Drop for Buffer<C> {
-    fn drop(&mut self) {
+    /// Registers `len` bytes at `offset` and grants them to a peer with
+    /// `rights`: a memory region of exactly that range and those rights,
+    /// whose descriptor is what the peer gets.
+    pub fn grant<V: Api>(
+        &self,
+        ladder: &Ladder<V, C>,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<Grant<V>, LadderError> {
+        let registration = self.register(ladder, offset, len)?;
+        ladder.grant(&registration, 0, len, rights)
+    }
+
+    /// Unlinks the buffer's cache entries in every ladder it was registered
+    /// with: MRs nobody else holds are deregistered now.
+    fn forget_registrations(&mut self) {
         let forgets = std::mem::take(
             self.registered_with
                 .get_mut()
                 .unwrap_or_else(PoisonError::into_inner),
         );
-        let buffer_id = (self.buffer_id != 0).then_some(self.buffer_id);
         for forget in forgets {
-            forget.forget(self.addr, self.len, buffer_id);
+            forget.forget(self.owner);
         }
-        // `memory` drops after this: cuMemFree, cuMemFreeHost or
-        // cuIpcCloseMemHandle run once no MR covers it.
+    }
+
+    /// Drops the buffer once no MR covers its memory, waiting at most
+    /// `timeout`; hands it back (its cache entries already unlinked) if MRs
+    /// are still alive then, e.g. held by an escaped handle, a grant or a
+    /// transfer in flight. For memory gdr owns this never fails: the last
+    /// lease frees it.
+    pub fn release(mut self, timeout: Duration) -> Result<(), Self> {
+        self.forget_registrations();
+        if !self.borrowed || self.backing.leases.wait_released(Some(timeout)) {
+            Ok(())
+        } else {
+            Err(self)
+        }
+    }
+}
+
+impl<C: hal_cuda::Api> Drop for Buffer<C> {
+    fn drop(&mut self) {
+        self.forget_registrations();
+        if !self.borrowed {
+            // gdr's own memory: freed by whichever of this buffer and its
+            // last lease drops last.
+            return;
+        }
+        let leases = &self.backing.leases;
+        if leases.live() != 0 {
+            tracing::warn!(
+                addr = format_args!("{:#x}", self.addr),
+                len = self.len,
+                live = leases.live(),
+                "dropping a buffer over caller memory while MRs cover it: waiting"
+            );
+        }
+        if !leases.wait_released(Some(self.release_timeout)) {
+            // Returning would let the caller free memory a NIC can still
+            // write into. No safe way out is left.
+            tracing::error!(
+                addr = format_args!("{:#x}", self.addr),
+                len = self.len,
+                live = leases.live(),
+                timeout = ?self.release_timeout,
+                "MRs still cover caller memory past the release timeout: aborting"
+            );
+            std::process::abort();
+        }
     }
 }
 

@@ -12,29 +12,42 @@
 //!
 //! Whether a GPU rung works is probed once per (NIC, GPU) pair on a scratch
 //! allocation, optionally proven by a loopback WRITE and READ
-//! ([`LadderConfig::self_check`]), and the verdict is kept: later buffers
-//! skip a refused rung at no cost, with the probe's reason. Registrations go
-//! through the [`RegistrationCache`], so a buffer registered again hits.
-//! A [`Policy`] can forbid falling back (3FS's final design: "GDR or error").
+//! ([`LadderConfig::self_check`]). Only permanent answers are kept (the GPU
+//! or the NIC does not support it, refuses it by design, the self-check saw
+//! wrong data): later buffers skip such a rung at no cost, with the probe's
+//! reason. Transient failures (out of memory or MRs, `EAGAIN`, memlock
+//! limits, a timeout) are retried by a later registration after a back-off
+//! that doubles with each failure. One thread probes a pair at a time; the
+//! others wait for its verdict. Registrations go through the
+//! [`RegistrationCache`], so a buffer registered again hits. A [`Policy`]
+//! can forbid falling back (3FS's final design: "GDR or error").
+//!
+//! Registrations here are for local use: their MRs carry local rights only,
+//! and may be wider than the range asked for (cached, merged). What a peer
+//! may reach is a [`Grant`]: an MR of exactly the granted range and rights,
+//! made from a registration. Every MR, cached or granted, and the probe's
+//! and self-check's scratch MRs, counts against the NIC's [`DomainBudget`].
+//! The memory rule they all follow is in the [`crate::cache`] module docs.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
-use hal_cuda::{
-    Context as _, CudaError, DeviceAttributes, DeviceMemory as _, MemoryType, PointerAttributes,
-};
+use hal_cuda::{Context as _, CudaError, DeviceAttributes, DeviceMemory as _, MemoryType};
 use hal_verbs::{
-    AccessFlags, Api, Context as _, MemoryRegion as _, ProtectionDomain as _, VerbsError,
+    AccessFlags, Api, Context as _, MemoryRegion as _, ProtectionDomain as _, VerbsError, WcStatus,
 };
 
-use crate::buffer::Forget;
+use crate::buffer::{Forget, Target};
 use crate::cache::{
-    CacheError, CacheHandle, DomainId, Limits, Registrar, RegistrationCache, Request,
+    Bounds, BudgetExceeded, BudgetLimits, CacheError, CacheHandle, DomainBudget, DomainId, Limits,
+    OwnerId, Registrar, RegistrationCache, Request, Reservation,
 };
 use crate::descriptor::{MemoryDescriptor, MemoryLocation};
+use crate::lifetime::{Leased, MemoryLease};
 use crate::loopback::{Loopback, LoopbackError};
 
 /// Size of the scratch allocation a GPU rung is probed on.
@@ -80,6 +93,53 @@ pub enum Refusal {
     /// The caller's policy excludes the rung.
     #[error("excluded by the policy")]
     Policy,
+    /// The NIC's budget of MRs or registered bytes is spent.
+    #[error("{0}")]
+    Budget(BudgetExceeded),
+}
+
+impl Refusal {
+    /// Whether the refusal may go away by itself (out of memory or MRs,
+    /// `EAGAIN`, memlock limits, a timeout), so a probe that met it is
+    /// retried later instead of remembered.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Gpu(_) | Self::Policy => false,
+            Self::Budget(_) => true,
+            Self::Driver(e) => cuda_transient(e),
+            Self::Nic(e) => verbs_transient(e),
+            Self::SelfCheck(e) => match e {
+                LoopbackError::Verbs(e) => verbs_transient(e),
+                LoopbackError::Timeout { .. }
+                | LoopbackError::Unquiesced { .. }
+                | LoopbackError::Budget(_)
+                | LoopbackError::PortNotActive { .. } => true,
+                LoopbackError::Completion { status, .. } => matches!(
+                    *status,
+                    WcStatus::RETRY_EXC_ERR | WcStatus::RNR_RETRY_EXC_ERR | WcStatus::WR_FLUSH_ERR
+                ),
+                _ => false,
+            },
+        }
+    }
+}
+
+fn verbs_transient(e: &VerbsError) -> bool {
+    match e {
+        VerbsError::OutOfResources { .. }
+        | VerbsError::QueueFull { .. }
+        | VerbsError::Timeout { .. } => true,
+        // ENOMEM from ibv_reg_mr is usually RLIMIT_MEMLOCK or a full MTT.
+        _ => matches!(
+            e.errno(),
+            Some(libc::ENOMEM | libc::EAGAIN | libc::EBUSY | libc::ENOBUFS | libc::EINTR)
+        ),
+    }
+}
+
+fn cuda_transient(e: &CudaError) -> bool {
+    // 2: CUDA_ERROR_OUT_OF_MEMORY; 46: devices unavailable (exclusive mode).
+    matches!(e, CudaError::OutOfMemory { .. }) || matches!(e.code(), Some(2 | 46))
 }
 
 /// A rung above the one taken, and why it was not.
@@ -96,7 +156,11 @@ pub struct RungFailure {
 
 impl fmt::Display for RungFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let probed = if self.from_probe { " (probed)" } else { "" };
+        let probed = match (self.from_probe, self.refusal.is_transient()) {
+            (true, true) => " (probed; transient, retried later)",
+            (true, false) => " (probed)",
+            (false, _) => "",
+        };
         write!(f, "{:?}{probed}: {}", self.rung, self.refusal)
     }
 }
@@ -132,8 +196,15 @@ pub struct LadderConfig {
     pub self_check: bool,
     /// The NIC port the self-check's queue pairs use.
     pub port: u8,
-    /// Rights every registration gets.
-    pub access: AccessFlags,
+    /// The domain's hard budget of MRs and registered bytes; `None`: the
+    /// NIC's `max_mr`, bytes unbounded.
+    pub budget: Option<BudgetLimits>,
+    /// How long a rung whose probe failed transiently is skipped before
+    /// the next registration probes it again; doubled at each further
+    /// failure, up to [`LadderConfig::max_probe_backoff`].
+    pub probe_backoff: Duration,
+    /// The longest back-off.
+    pub max_probe_backoff: Duration,
 }
 
 impl Default for LadderConfig {
@@ -142,10 +213,16 @@ impl Default for LadderConfig {
             policy: Policy::Fallback,
             self_check: true,
             port: 1,
-            access: AccessFlags::transfer(),
+            budget: None,
+            probe_backoff: Duration::from_millis(100),
+            max_probe_backoff: Duration::from_secs(30),
         }
     }
 }
+
+/// Rights on a registration that local use needs (the local side of READs
+/// writes it). No remote rights: those come with a [`Grant`].
+const LOCAL_ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE;
 
 /// Why a buffer could not be registered at all.
 #[derive(Debug, thiserror::Error)]
@@ -201,7 +278,28 @@ pub enum LadderError {
         device: String,
         /// Why.
         #[source]
-        source: CacheError<VerbsError>,
+        source: CacheError<RegisterError>,
+    },
+    /// A staged registration has no MR to grant.
+    #[error("{len} bytes at {addr:#x} are staged, not registered: nothing to grant")]
+    NotGrantable {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// Registering a grant failed.
+    #[error("granting {len} bytes at {addr:#x} on {device}: {source}")]
+    Grant {
+        /// The NIC.
+        device: String,
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// Why.
+        #[source]
+        source: RegisterError,
     },
     /// The policy forbids every rung that would work.
     #[error("no rung the policy {policy:?} allows works: {}", list(failures))]
@@ -225,12 +323,35 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// One allocation exported as a dma-buf.
+/// Why registering an MR failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// The NIC refused.
+    #[error(transparent)]
+    Nic(#[from] VerbsError),
+    /// The domain's budget is spent (nothing was asked of the NIC).
+    #[error(transparent)]
+    Budget(#[from] BudgetExceeded),
+}
+
+impl From<RegisterError> for Refusal {
+    fn from(e: RegisterError) -> Self {
+        match e {
+            RegisterError::Nic(e) => Self::Nic(e),
+            RegisterError::Budget(e) => Self::Budget(e),
+        }
+    }
+}
+
+/// One allocation exported as a dma-buf. The fd closes when the last
+/// registration made from it (or the last caller holding it) lets go.
 #[derive(Debug)]
 pub struct DmabufExport {
     fd: OwnedFd,
     base: u64,
     len: u64,
+    buffer_id: u64,
 }
 
 impl DmabufExport {
@@ -248,14 +369,23 @@ impl DmabufExport {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The exported allocation's CUDA buffer id.
+    pub fn buffer_id(&self) -> u64 {
+        self.buffer_id
+    }
 }
 
 /// The dma-buf exports of a process, one per allocation (by CUDA buffer id),
-/// shared by every NIC's ladder: each export holds BAR1 resources, so a
-/// second NIC reuses the fd rather than exporting again.
+/// shared by every NIC's ladder and every buffer over the allocation: each
+/// export holds BAR1 resources, so a second NIC reuses the fd rather than
+/// exporting again. The map holds exports weakly: an export lives exactly as
+/// long as a registration made from it (or a caller) holds it, so a failed
+/// registration leaves nothing open, and dropping one buffer never closes an
+/// export other buffers' registrations use.
 #[derive(Debug, Default)]
 pub struct DmabufExports {
-    by_buffer: Mutex<HashMap<u64, Arc<DmabufExport>>>,
+    by_buffer: Mutex<HashMap<u64, Weak<DmabufExport>>>,
 }
 
 impl DmabufExports {
@@ -264,46 +394,56 @@ impl DmabufExports {
         Self::default()
     }
 
-    /// The export of the allocation `attrs` describes, made on first use.
+    /// The export of allocation `buffer_id` (`base`, `size` bytes), made
+    /// now unless one is alive.
     pub fn get_or_export<C: hal_cuda::Api>(
         &self,
         context: &C::Context,
-        attrs: &PointerAttributes,
+        buffer_id: u64,
+        base: u64,
+        size: u64,
     ) -> Result<Arc<DmabufExport>, CudaError> {
-        if let Some(export) = lock(&self.by_buffer).get(&attrs.buffer_id) {
-            return Ok(Arc::clone(export));
+        if let Some(export) = self.get(buffer_id) {
+            return Ok(export);
         }
         // Exported outside the lock: a racing second export of the same
         // allocation is dropped below, which only costs a duplicate fd.
-        let len = attrs.allocation_size.next_multiple_of(HOST_PAGE);
-        let fd = context.export_dmabuf(attrs.allocation_base, len as usize)?;
+        let len = size.next_multiple_of(HOST_PAGE);
+        let fd = context.export_dmabuf(base, len as usize)?;
         let export = Arc::new(DmabufExport {
             fd,
-            base: attrs.allocation_base,
+            base,
             len,
+            buffer_id,
         });
         tracing::debug!(
-            buffer_id = attrs.buffer_id,
-            base = format_args!("{:#x}", export.base),
+            buffer_id,
+            base = format_args!("{base:#x}"),
             len,
             "exported allocation as dma-buf"
         );
-        Ok(Arc::clone(
-            lock(&self.by_buffer)
-                .entry(attrs.buffer_id)
-                .or_insert(export),
-        ))
+        let mut map = lock(&self.by_buffer);
+        map.retain(|_, weak| weak.strong_count() > 0);
+        if let Some(raced) = map.get(&buffer_id).and_then(Weak::upgrade) {
+            return Ok(raced);
+        }
+        map.insert(buffer_id, Arc::downgrade(&export));
+        Ok(export)
     }
 
-    /// The export of allocation `buffer_id`, if one was made.
+    /// The live export of allocation `buffer_id`, if any.
     pub fn get(&self, buffer_id: u64) -> Option<Arc<DmabufExport>> {
-        lock(&self.by_buffer).get(&buffer_id).cloned()
+        lock(&self.by_buffer)
+            .get(&buffer_id)
+            .and_then(Weak::upgrade)
     }
 
-    /// Forgets the export of a freed allocation (the fd closes when the last
-    /// registration on it is gone).
-    pub fn release(&self, buffer_id: u64) {
-        lock(&self.by_buffer).remove(&buffer_id);
+    /// How many exports are open.
+    pub fn live(&self) -> usize {
+        lock(&self.by_buffer)
+            .values()
+            .filter(|w| w.strong_count() > 0)
+            .count()
     }
 }
 
@@ -311,12 +451,15 @@ impl DmabufExports {
 /// 4 KiB base pages (larger pages are multiples of it).
 const HOST_PAGE: u64 = 4096;
 
-/// What the cache keeps: an MR, and the dma-buf it was made from (kept open
-/// as long as the MR, so other NICs can reuse it).
+/// What the cache keeps: an MR, and what must outlive it.
 pub struct NicRegistration<V: Api> {
-    // Declared first: the MR is deregistered before the fd closes.
+    // Field order is drop order: the MR is deregistered first, then the
+    // dma-buf may close, the budget gets its share back, and the memory
+    // may be freed.
     mr: V::MemoryRegion,
     export: Option<Arc<DmabufExport>>,
+    _reservation: Reservation,
+    lease: Option<MemoryLease>,
 }
 
 impl<V: Api> fmt::Debug for NicRegistration<V> {
@@ -324,6 +467,7 @@ impl<V: Api> fmt::Debug for NicRegistration<V> {
         f.debug_struct("NicRegistration")
             .field("mr", &self.mr)
             .field("dmabuf", &self.export.as_ref().map(|e| e.fd.as_raw_fd()))
+            .field("leased", &self.lease.is_some())
             .finish()
     }
 }
@@ -335,79 +479,144 @@ impl<V: Api> NicRegistration<V> {
     }
 }
 
-/// Registers cache requests in one protection domain.
+/// Registers cache requests in one protection domain, within its budget.
 pub struct NicRegistrar<V: Api> {
     pd: Arc<V::ProtectionDomain>,
     exports: Arc<DmabufExports>,
-    access: AccessFlags,
+    budget: Arc<DomainBudget>,
 }
 
 impl<V: Api> fmt::Debug for NicRegistrar<V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NicRegistrar")
             .field("pd", &self.pd)
-            .field("access", &self.access)
+            .field("budget", &self.budget)
             .finish()
     }
 }
 
 impl<V: Api> NicRegistrar<V> {
-    /// A registrar for `pd`.
+    /// A registrar for `pd`, counting its MRs against `budget`. Its MRs get
+    /// local rights only.
     ///
     /// # Safety
-    /// Every range later registered through it must stay mapped until its
-    /// registration is dropped: the owner of the memory invalidates the
-    /// cache before freeing it (gdr's buffers do).
+    /// This registrar registers raw ranges, with nothing keeping their
+    /// memory alive: the caller upholds the rule of the [`crate::cache`]
+    /// module docs for every range registered through it (the memory stays
+    /// mapped until every registration over it is dropped, cache entries
+    /// and escaped handles included). A [`Ladder`] upholds it for
+    /// [`crate::buffer::Buffer`]s by holding a lease in each registration.
     pub unsafe fn new(
         pd: Arc<V::ProtectionDomain>,
         exports: Arc<DmabufExports>,
-        access: AccessFlags,
+        budget: Arc<DomainBudget>,
     ) -> Self {
         Self {
             pd,
             exports,
-            access,
+            budget,
         }
     }
-}
 
-impl<V: Api> Registrar for NicRegistrar<V> {
-    type Registration = NicRegistration<V>;
-    type Error = VerbsError;
+    /// The budget its MRs count against.
+    pub fn budget(&self) -> &Arc<DomainBudget> {
+        &self.budget
+    }
 
-    fn register(&self, request: &Request) -> Result<Self::Registration, Self::Error> {
+    /// Registers `request` with `export` (for a dma-buf request) and keeps
+    /// `lease` in the registration.
+    ///
+    /// # Safety
+    /// The memory of the request stays mapped until the registration drops
+    /// (guaranteed when `lease` covers it).
+    unsafe fn register_with(
+        &self,
+        request: &Request,
+        export: Option<Arc<DmabufExport>>,
+        lease: Option<MemoryLease>,
+    ) -> Result<NicRegistration<V>, RegisterError> {
         let len = usize::try_from(request.len)
             .map_err(|_| VerbsError::invalid("ibv_reg_mr", "length exceeds usize"))?;
-        match request.identity {
-            crate::cache::AllocationIdentity::Dmabuf { buffer_id } => {
-                let export = self.exports.get(buffer_id).ok_or_else(|| {
-                    VerbsError::invalid(
+        let reservation = DomainBudget::reserve(&self.budget, request.len)?;
+        let mr = match (request.identity, &export) {
+            (crate::cache::AllocationIdentity::Dmabuf { buffer_id }, Some(export)) => {
+                if export.buffer_id != buffer_id || request.end().is_none_or(|end| end > export.len)
+                {
+                    return Err(VerbsError::invalid(
                         "ibv_reg_dmabuf_mr",
-                        format!("allocation {buffer_id} has no dma-buf export"),
+                        format!(
+                            "offsets {:#x}+{:#x} are not inside the export of allocation {}",
+                            request.start, request.len, export.buffer_id
+                        ),
                     )
-                })?;
+                    .into());
+                }
                 // SAFETY: the fd is open (the export owns it); the memory
-                // outlives the region by `NicRegistrar::new`'s contract.
-                let mr = unsafe {
+                // outlives the region by this function's contract.
+                unsafe {
                     self.pd.register_dmabuf(
                         export.fd.as_raw_fd(),
                         request.start,
                         len,
                         export.base + request.start,
-                        self.access,
+                        LOCAL_ACCESS,
                     )
-                }?;
-                Ok(NicRegistration {
-                    mr,
-                    export: Some(export),
-                })
+                }?
             }
-            _ => {
-                // SAFETY: the memory outlives the region by
-                // `NicRegistrar::new`'s contract.
-                let mr = unsafe { self.pd.register(request.start, len, self.access) }?;
-                Ok(NicRegistration { mr, export: None })
+            (crate::cache::AllocationIdentity::Dmabuf { buffer_id }, None) => {
+                return Err(VerbsError::invalid(
+                    "ibv_reg_dmabuf_mr",
+                    format!("allocation {buffer_id} has no dma-buf export"),
+                )
+                .into());
             }
+            // SAFETY: the memory outlives the region by this function's
+            // contract.
+            _ => unsafe { self.pd.register(request.start, len, LOCAL_ACCESS) }?,
+        };
+        Ok(NicRegistration {
+            mr,
+            export,
+            _reservation: reservation,
+            lease,
+        })
+    }
+}
+
+impl<V: Api> Registrar for NicRegistrar<V> {
+    type Registration = NicRegistration<V>;
+    type Error = RegisterError;
+
+    fn register(&self, request: &Request) -> Result<Self::Registration, Self::Error> {
+        let export = match request.identity {
+            crate::cache::AllocationIdentity::Dmabuf { buffer_id } => self.exports.get(buffer_id),
+            _ => None,
+        };
+        // SAFETY: `NicRegistrar::new`'s contract covers every raw range.
+        unsafe { self.register_with(request, export, None) }
+    }
+}
+
+/// The registrar of one buffer's request: the NIC's, plus the lease that
+/// keeps the buffer's memory alive and the allocation's dma-buf export.
+struct BufferRegistrar<'a, V: Api> {
+    nic: &'a NicRegistrar<V>,
+    memory: &'a Arc<dyn Leased>,
+    export: Option<&'a Arc<DmabufExport>>,
+}
+
+impl<V: Api> Registrar for BufferRegistrar<'_, V> {
+    type Registration = NicRegistration<V>;
+    type Error = RegisterError;
+
+    fn register(&self, request: &Request) -> Result<Self::Registration, Self::Error> {
+        let lease = MemoryLease::new(self.memory);
+        // SAFETY: the lease keeps the buffer's memory mapped until the
+        // registration (which holds it after the MR) is dropped; the cache
+        // never widens a request past the buffer's bounds.
+        unsafe {
+            self.nic
+                .register_with(request, self.export.map(Arc::clone), Some(lease))
         }
     }
 }
@@ -440,8 +649,9 @@ impl<C: hal_cuda::Api> Gpu<C> {
     }
 }
 
-/// A buffer range registered on one NIC: the rung taken, why each higher
-/// one was not, and (except for staging) the cached MR.
+/// A buffer range registered on one NIC for local use: the rung taken, why
+/// each higher one was not, and (except for staging) the cached MR, which
+/// may cover more than the range and carries local rights only.
 pub struct LadderRegistration<V: Api> {
     rung: Rung,
     failures: Vec<RungFailure>,
@@ -475,8 +685,24 @@ impl<V: Api> LadderRegistration<V> {
         &self.failures
     }
 
-    /// The MR covering the range (a cached one may cover more); `None` when
-    /// staged.
+    /// First address of the range registered.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Never true: empty ranges are refused.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The MR covering the range (a cached one may cover more), for the
+    /// local side of transfers; `None` when staged. Its rkey grants
+    /// nothing: peers get a [`Grant`].
     pub fn mr(&self) -> Option<&V::MemoryRegion> {
         self.handle.as_ref().map(|h| h.registration().mr())
     }
@@ -485,21 +711,121 @@ impl<V: Api> LadderRegistration<V> {
     pub fn handle(&self) -> Option<&CacheHandle<NicRegistration<V>>> {
         self.handle.as_ref()
     }
+}
 
-    /// What a peer needs to access the range; `None` when staged.
-    pub fn descriptor(&self) -> Option<MemoryDescriptor> {
-        let mr = self.mr()?;
-        Some(MemoryDescriptor {
-            addr: self.addr,
-            len: self.len,
-            rkey: mr.rkey(),
-            device: self.device.to_string(),
-            location: self.location,
-        })
+/// What a peer may do with a grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GrantRights {
+    /// RDMA READ from the range.
+    Read,
+    /// RDMA WRITE into the range.
+    Write,
+    /// Both.
+    ReadWrite,
+}
+
+impl GrantRights {
+    /// The MR access flags of exactly these rights (remote write needs
+    /// local write, by the verbs rules).
+    pub fn access(self) -> AccessFlags {
+        match self {
+            Self::Read => AccessFlags::REMOTE_READ,
+            Self::Write => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+            Self::ReadWrite => {
+                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+            }
+        }
     }
 }
 
+/// A range granted to a peer: an MR of exactly that range and those rights,
+/// never cached or shared, deregistered when the grant is dropped (revoked).
+/// It keeps the buffer's memory alive like any registration.
+pub struct Grant<V: Api> {
+    // Field order is drop order: MR, then the dma-buf, the budget, the memory.
+    mr: V::MemoryRegion,
+    _export: Option<Arc<DmabufExport>>,
+    _reservation: Reservation,
+    _lease: MemoryLease,
+    addr: u64,
+    len: u64,
+    rights: GrantRights,
+    device: Arc<str>,
+    location: MemoryLocation,
+}
+
+impl<V: Api> fmt::Debug for Grant<V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Grant")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("rights", &self.rights)
+            .field("rkey", &self.mr.rkey())
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+impl<V: Api> Grant<V> {
+    /// What the peer gets: exactly the granted range, and its rkey.
+    pub fn descriptor(&self) -> MemoryDescriptor {
+        MemoryDescriptor {
+            addr: self.addr,
+            len: self.len,
+            rkey: self.mr.rkey(),
+            device: self.device.to_string(),
+            location: self.location,
+        }
+    }
+
+    /// The rights granted.
+    pub fn rights(&self) -> GrantRights {
+        self.rights
+    }
+
+    /// The grant's MR.
+    pub fn mr(&self) -> &V::MemoryRegion {
+        &self.mr
+    }
+
+    /// Revokes the grant: deregisters its MR now.
+    pub fn revoke(self) {}
+}
+
 type Verdict = Result<(), Refusal>;
+
+/// Where probing a (GPU, rung) pair stands.
+#[derive(Debug, Clone)]
+enum ProbeSlot {
+    /// A thread is probing; others wait for it.
+    Probing,
+    /// A permanent verdict.
+    Known(Verdict),
+    /// The last probe failed transiently: skip until `retry_at`.
+    BackingOff {
+        refusal: Refusal,
+        retry_at: Instant,
+        failures: u32,
+    },
+}
+
+/// Clears a probe slot whose prober unwound, so waiters probe again rather
+/// than wait forever.
+struct ProbeGuard<'a> {
+    slots: &'a Mutex<HashMap<(u32, Rung), ProbeSlot>>,
+    done: &'a Condvar,
+    key: (u32, Rung),
+    armed: bool,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(self.slots).remove(&self.key);
+            self.done.notify_all();
+        }
+    }
+}
 
 static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
 
@@ -515,31 +841,20 @@ pub struct Ladder<V: Api, C: hal_cuda::Api> {
     cache: Arc<RegistrationCache<NicRegistrar<V>>>,
     exports: Arc<DmabufExports>,
     gpus: Vec<Gpu<C>>,
-    verdicts: Mutex<HashMap<(u32, Rung), Verdict>>,
+    probes: Mutex<HashMap<(u32, Rung), ProbeSlot>>,
+    probe_done: Condvar,
     forget: Arc<dyn Forget>,
 }
 
-/// What a buffer calls on drop to remove its registrations in one domain.
+/// What a buffer calls on drop to remove its registrations.
 struct LadderForget<V: Api> {
     cache: Arc<RegistrationCache<NicRegistrar<V>>>,
-    exports: Arc<DmabufExports>,
-    domain: DomainId,
 }
 
 impl<V: Api> Forget for LadderForget<V> {
-    fn forget(&self, addr: u64, len: u64, buffer_id: Option<u64>) {
-        let dropped = self.cache.invalidate_in(self.domain, addr, len)
-            + buffer_id.map_or(0, |id| self.cache.invalidate_allocation(id));
-        if let Some(id) = buffer_id {
-            self.exports.release(id);
-        }
-        tracing::debug!(
-            domain = self.domain,
-            addr = format_args!("{addr:#x}"),
-            len,
-            dropped,
-            "buffer gone: registrations invalidated"
-        );
+    fn forget(&self, owner: OwnerId) {
+        let dropped = self.cache.invalidate_owner(owner);
+        tracing::debug!(owner, dropped, "buffer gone: registrations unlinked");
     }
 }
 
@@ -550,22 +865,25 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for Ladder<V, C> {
             .field("domain", &self.domain)
             .field("config", &self.config)
             .field("gpus", &self.gpus)
-            .field("verdicts", &*lock(&self.verdicts))
+            .field("probes", &*lock(&self.probes))
+            .field("budget", &self.registrar.budget)
             .finish()
     }
 }
 
 impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     /// A ladder on NIC `context` (a PD of its own), for memory of `gpus`,
-    /// registering through `cache` (shared by every NIC's ladder; this one's
-    /// entries are limited to the NIC's `max_mr`) and exporting dma-bufs
-    /// through `exports` (shared likewise).
+    /// registering through `cache` (shared by every NIC's ladder) and
+    /// exporting dma-bufs through `exports` (shared likewise). Every MR of
+    /// the PD counts against one budget ([`LadderConfig::budget`], by
+    /// default the NIC's `max_mr`); the cache evicts this domain's unused
+    /// entries a little before it is spent.
     ///
-    /// # Safety
-    /// Memory registered through the ladder must stay mapped until the cache
-    /// entries covering it are invalidated (or the cache dropped): use
-    /// gdr's buffers, or invalidate before freeing.
-    pub unsafe fn new(
+    /// Safe: the ladder registers only [`crate::buffer::Buffer`]s, whose
+    /// registrations hold a lease on their memory (the rule of the
+    /// [`crate::cache`] module docs, which [`NicRegistrar::new`] leaves to
+    /// its caller).
+    pub fn new(
         context: &V::Context,
         gpus: Vec<Gpu<C>>,
         cache: Arc<RegistrationCache<NicRegistrar<V>>>,
@@ -579,25 +897,37 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         };
         let pd = Arc::new(context.alloc_pd().map_err(|e| setup(e.into()))?);
         let attrs = context.query_device().map_err(|e| setup(e.into()))?;
+        let limits = config.budget.unwrap_or(BudgetLimits {
+            max_mrs: u64::from(attrs.max_mr).max(1),
+            max_bytes: u64::MAX,
+        });
+        let budget = DomainBudget::new(limits);
         let domain = NEXT_DOMAIN.fetch_add(1, Ordering::Relaxed);
+        // The cache's soft limits sit below the hard budget, leaving room
+        // for grants, probes and the self-check.
+        let soft = |hard: u64| (hard - hard / 8).max(1);
         cache.set_limits(
             domain,
             Limits {
-                max_entries: u64::from(attrs.max_mr).max(1),
-                ..cache.config().limits
+                max_entries: soft(limits.max_mrs),
+                max_bytes: soft(limits.max_bytes).min(cache.config().limits.max_bytes),
             },
         );
         let loopback = if config.self_check {
-            Some(Loopback::with_pd(context, Arc::clone(&pd), config.port).map_err(setup)?)
+            Some(
+                Loopback::with_pd(context, Arc::clone(&pd), config.port)
+                    .map_err(setup)?
+                    .with_budget(Arc::clone(&budget)),
+            )
         } else {
             None
         };
-        // SAFETY: forwarded to our caller (this function's contract).
-        let registrar = unsafe { NicRegistrar::new(pd, Arc::clone(&exports), config.access) };
+        // SAFETY: the ladder registers only through `BufferRegistrar`s,
+        // whose registrations lease their buffer's memory, and its own
+        // scratch memory outlives the MRs over it (`probe_once`).
+        let registrar = unsafe { NicRegistrar::new(pd, Arc::clone(&exports), budget) };
         let forget = Arc::new(LadderForget {
             cache: Arc::clone(&cache),
-            exports: Arc::clone(&exports),
-            domain,
         });
         Ok(Self {
             device: device.into(),
@@ -608,7 +938,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             cache,
             exports,
             gpus,
-            verdicts: Mutex::new(HashMap::new()),
+            probes: Mutex::new(HashMap::new()),
+            probe_done: Condvar::new(),
             forget,
         })
     }
@@ -634,6 +965,11 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         &self.registrar.pd
     }
 
+    /// The hard budget every MR of the PD counts against.
+    pub fn budget(&self) -> &Arc<DomainBudget> {
+        &self.registrar.budget
+    }
+
     /// The cache this ladder registers through.
     pub fn cache(&self) -> &Arc<RegistrationCache<NicRegistrar<V>>> {
         &self.cache
@@ -644,34 +980,123 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         &self.exports
     }
 
+    /// Grants `len` bytes at `offset` of `registration` to a peer: a new MR
+    /// of exactly that range with exactly `rights`, on the registration's
+    /// rung (the same dma-buf for GPU memory), counted against the budget.
+    pub fn grant(
+        &self,
+        registration: &LadderRegistration<V>,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<Grant<V>, LadderError> {
+        let outside = || LadderError::OutsideAllocation {
+            addr: registration.addr.wrapping_add(offset),
+            len,
+            base: registration.addr,
+            size: registration.len,
+        };
+        if len == 0
+            || offset
+                .checked_add(len)
+                .is_none_or(|end| end > registration.len)
+        {
+            return Err(outside());
+        }
+        let addr = registration.addr + offset;
+        let handle = registration
+            .handle
+            .as_ref()
+            .ok_or(LadderError::NotGrantable { addr, len })?;
+        let cached = handle.registration();
+        let lease = cached
+            .lease
+            .clone()
+            .ok_or(LadderError::NotGrantable { addr, len })?;
+        let failed = |source: RegisterError| LadderError::Grant {
+            device: self.device.to_string(),
+            addr,
+            len,
+            source,
+        };
+        let size = usize::try_from(len)
+            .map_err(|_| failed(VerbsError::invalid("grant", "length exceeds usize").into()))?;
+        let reservation =
+            DomainBudget::reserve(&self.registrar.budget, len).map_err(|e| failed(e.into()))?;
+        let pd = &self.registrar.pd;
+        let mr = match &cached.export {
+            // SAFETY: the export's fd is open; `lease` keeps the memory
+            // mapped until after the MR (field order of `Grant`).
+            Some(export) => unsafe {
+                pd.register_dmabuf(
+                    export.fd.as_raw_fd(),
+                    addr - export.base,
+                    size,
+                    addr,
+                    rights.access(),
+                )
+            },
+            // SAFETY: as above.
+            None => unsafe { pd.register(addr, size, rights.access()) },
+        }
+        .map_err(|e| failed(e.into()))?;
+        tracing::debug!(
+            device = %self.device,
+            addr = format_args!("{addr:#x}"),
+            len,
+            ?rights,
+            rkey = mr.rkey(),
+            "granted"
+        );
+        Ok(Grant {
+            mr,
+            _export: cached.export.clone(),
+            _reservation: reservation,
+            _lease: lease,
+            addr,
+            len,
+            rights,
+            device: Arc::clone(&self.device),
+            location: registration.location,
+        })
+    }
+
     /// Proves a registration made here with a loopback WRITE and READ of its
-    /// first `len` bytes (overwriting them). Needs
-    /// [`LadderConfig::self_check`]; a staged registration has nothing to
-    /// prove.
+    /// first `len` bytes (overwriting them), through a short-lived grant of
+    /// that range. Needs [`LadderConfig::self_check`]; a staged
+    /// registration has nothing to prove.
     pub fn prove(
         &self,
         registration: &LadderRegistration<V>,
         len: u64,
     ) -> Result<(), LoopbackError> {
         let not_possible =
-            |why: &str| LoopbackError::Verbs(VerbsError::invalid("Ladder::prove", why.to_owned()));
+            |why: String| LoopbackError::Verbs(VerbsError::invalid("Ladder::prove", why));
         let loopback = self
             .loopback
             .as_ref()
-            .ok_or_else(|| not_possible("the ladder was built without self_check"))?;
-        let handle = registration
-            .handle
-            .as_ref()
-            .ok_or_else(|| not_possible("a staged registration has no MR"))?;
-        let mr = handle.registration().mr();
-        let len = usize::try_from(len.min(registration.len))
-            .map_err(|_| not_possible("length exceeds usize"))?;
-        loopback.prove(mr, registration.addr - mr.addr(), len)
+            .ok_or_else(|| not_possible("the ladder was built without self_check".into()))?;
+        let grant = self
+            .grant(
+                registration,
+                0,
+                len.min(registration.len),
+                GrantRights::ReadWrite,
+            )
+            .map_err(|e| not_possible(e.to_string()))?;
+        let len = usize::try_from(grant.len).map_err(|_| not_possible("too long".into()))?;
+        let result = loopback.prove(&grant.mr, 0, len);
+        if matches!(result, Err(LoopbackError::Unquiesced { .. })) {
+            // The NIC may still write through the grant: keep it (and the
+            // memory it leases) for the life of the process.
+            std::mem::forget(grant);
+        }
+        result
     }
 
-    /// Probes every GPU rung for every GPU of the ladder (those not probed
-    /// yet) and returns the verdicts: what this NIC can do with each GPU's
-    /// memory, whatever the policy.
+    /// Probes every GPU rung for every GPU of the ladder (those without a
+    /// verdict yet) and returns the verdicts: what this NIC can do with each
+    /// GPU's memory, whatever the policy.
     pub fn probe_all(&self) -> Vec<(u32, Rung, Result<(), Refusal>)> {
         self.gpus
             .iter()
@@ -682,32 +1107,25 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             .collect()
     }
 
-    /// The verdict of probing `rung` for GPU `ordinal`, if probed.
+    /// The verdict of probing `rung` for GPU `ordinal`: a permanent one, or
+    /// the transient refusal being backed off from; `None` when not probed
+    /// (or being probed).
     pub fn verdict(&self, ordinal: u32, rung: Rung) -> Option<Result<(), Refusal>> {
-        lock(&self.verdicts).get(&(ordinal, rung)).cloned()
-    }
-
-    fn attributes(&self, addr: u64) -> Result<PointerAttributes, LadderError> {
-        match self.gpus.first() {
-            Some(gpu) => gpu
-                .context
-                .pointer_attributes(addr)
-                .map_err(|source| LadderError::Attributes { addr, source }),
-            // Without CUDA every address is host memory as far as anyone knows.
-            None => Ok(PointerAttributes {
-                memory_type: MemoryType::PageableHost,
-                device_ordinal: None,
-                allocation_base: addr,
-                allocation_size: 0,
-                buffer_id: 0,
-                allocation_kind: hal_cuda::AllocationKind::Other,
-                gpu_direct_rdma_capable: false,
-            }),
+        match lock(&self.probes).get(&(ordinal, rung))? {
+            ProbeSlot::Known(verdict) => Some(verdict.clone()),
+            ProbeSlot::BackingOff { refusal, .. } => Some(Err(refusal.clone())),
+            ProbeSlot::Probing => None,
         }
     }
 
-    /// Registers `len` bytes at `addr` on the first rung that works.
-    pub fn register(&self, addr: u64, len: u64) -> Result<LadderRegistration<V>, LadderError> {
+    /// Registers the range `addr..addr + len` of `target` on the first rung
+    /// that works.
+    pub(crate) fn register_target(
+        &self,
+        target: &Target<'_>,
+        addr: u64,
+        len: u64,
+    ) -> Result<LadderRegistration<V>, LadderError> {
         // Debug, not info: this runs on every registration, cache hits
         // included; probe verdicts are what info reports.
         let _span = tracing::debug_span!(
@@ -717,19 +1135,39 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             len
         )
         .entered();
-        let attrs = self.attributes(addr)?;
-        let registration = match attrs.memory_type {
+        let registration = match target.memory_type {
             MemoryType::Managed => return Err(LadderError::ManagedMemory { addr }),
             MemoryType::PageableHost | MemoryType::PinnedHost => {
-                let request = Request::from_attributes(self.domain, &attrs, addr, len)
-                    .ok_or(LadderError::ManagedMemory { addr })?;
-                let handle = self
-                    .cache
-                    .get_or_register(&self.registrar, &request)
-                    .map_err(|source| LadderError::Host {
-                        device: self.device.to_string(),
-                        source,
-                    })?;
+                let (kind, identity) = if target.memory_type == MemoryType::PinnedHost {
+                    (
+                        crate::cache::MemoryKind::PinnedHost,
+                        crate::cache::AllocationIdentity::Cuda {
+                            buffer_id: target.buffer_id,
+                        },
+                    )
+                } else {
+                    (
+                        crate::cache::MemoryKind::Host,
+                        crate::cache::AllocationIdentity::Host,
+                    )
+                };
+                let request = Request {
+                    kind,
+                    identity,
+                    ..Request::host(self.domain, addr, len)
+                }
+                .within(target.owner, Bounds::new(target.addr, target.len));
+                let registrar = BufferRegistrar {
+                    nic: &self.registrar,
+                    memory: target.memory,
+                    export: None,
+                };
+                let handle =
+                    self.cached(&registrar, &request)
+                        .map_err(|source| LadderError::Host {
+                            device: self.device.to_string(),
+                            source,
+                        })?;
                 self.registration(
                     Rung::HostMemory,
                     Vec::new(),
@@ -739,7 +1177,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                     Some(handle),
                 )
             }
-            MemoryType::Device => self.register_gpu(&attrs, addr, len)?,
+            MemoryType::Device => self.register_gpu(target, addr, len)?,
         };
         tracing::debug!(
             rung = ?registration.rung,
@@ -747,6 +1185,25 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             "registered"
         );
         Ok(registration)
+    }
+
+    /// Looks `request` up, registering on a miss; when the budget is spent,
+    /// evicts this domain's unused entries and tries once more.
+    fn cached(
+        &self,
+        registrar: &BufferRegistrar<'_, V>,
+        request: &Request,
+    ) -> Result<CacheHandle<NicRegistration<V>>, CacheError<RegisterError>> {
+        match self.cache.get_or_register_with(registrar, request) {
+            Err(CacheError::Register { source, .. })
+                if matches!(*source, RegisterError::Budget(_)) =>
+            {
+                let evicted = self.cache.trim_in(self.domain);
+                tracing::debug!(evicted, "MR budget spent: evicted unused entries");
+                self.cache.get_or_register_with(registrar, request)
+            }
+            other => other,
+        }
     }
 
     fn registration(
@@ -771,18 +1228,26 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
 
     fn register_gpu(
         &self,
-        attrs: &PointerAttributes,
+        target: &Target<'_>,
         addr: u64,
         len: u64,
     ) -> Result<LadderRegistration<V>, LadderError> {
-        let ordinal = attrs.device_ordinal.unwrap_or(0);
+        let Some(ordinal) = target.device_ordinal else {
+            return Err(LadderError::Attributes {
+                addr,
+                source: CudaError::invalid(
+                    "register",
+                    "device memory without a device ordinal".to_owned(),
+                ),
+            });
+        };
         let gpu = self
             .gpus
             .iter()
             .find(|g| g.attributes.ordinal == ordinal)
             .ok_or(LadderError::UnknownGpu { ordinal })?;
-        let (base, size) = (attrs.allocation_base, attrs.allocation_size);
-        if addr.checked_add(len).is_none_or(|end| end > base + size) || len == 0 {
+        let (base, size) = (target.allocation_base, target.allocation_size);
+        if addr < base || addr.checked_add(len).is_none_or(|end| end > base + size) || len == 0 {
             return Err(LadderError::OutsideAllocation {
                 addr,
                 len,
@@ -811,7 +1276,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                 });
                 continue;
             }
-            match self.register_on(gpu, rung, attrs, addr, len) {
+            match self.register_on(gpu, rung, target, addr, len) {
                 Ok(handle) => {
                     return Ok(self.registration(
                         rung,
@@ -843,48 +1308,113 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         &self,
         gpu: &Gpu<C>,
         rung: Rung,
-        attrs: &PointerAttributes,
+        target: &Target<'_>,
         addr: u64,
         len: u64,
     ) -> Result<CacheHandle<NicRegistration<V>>, Refusal> {
         let ordinal = gpu.attributes.ordinal;
-        let request = match rung {
+        let base = target.allocation_base;
+        let (request, export) = match rung {
             Rung::Dmabuf => {
-                self.exports
-                    .get_or_export::<C>(&gpu.context, attrs)
+                // Held only for this call: the registration keeps its own
+                // reference, so a failure closes the fd at once.
+                let export = self
+                    .exports
+                    .get_or_export::<C>(
+                        &gpu.context,
+                        target.buffer_id,
+                        base,
+                        target.allocation_size,
+                    )
                     .map_err(Refusal::Driver)?;
-                Request::dmabuf(
-                    self.domain,
-                    ordinal,
-                    attrs.buffer_id,
-                    addr - attrs.allocation_base,
-                    len,
-                )
+                let request =
+                    Request::dmabuf(self.domain, ordinal, target.buffer_id, addr - base, len)
+                        .within(target.owner, Bounds::new(target.addr - base, target.len));
+                (request, Some(export))
             }
-            _ => Request::device(self.domain, ordinal, attrs.buffer_id, addr, len),
+            _ => (
+                Request::device(self.domain, ordinal, target.buffer_id, addr, len)
+                    .within(target.owner, Bounds::new(target.addr, target.len)),
+                None,
+            ),
         };
-        self.cache
-            .get_or_register(&self.registrar, &request)
-            .map_err(|e| match e {
-                CacheError::Register { source, .. } => Refusal::Nic((*source).clone()),
-                other => Refusal::Nic(VerbsError::invalid("register", other.to_string())),
-            })
+        let registrar = BufferRegistrar {
+            nic: &self.registrar,
+            memory: target.memory,
+            export: export.as_ref(),
+        };
+        self.cached(&registrar, &request).map_err(|e| match e {
+            CacheError::Register { source, .. } => (*source).clone().into(),
+            other => Refusal::Nic(VerbsError::invalid("register", other.to_string())),
+        })
     }
 
-    /// The (NIC, GPU) pair's verdict on `rung`, probing it on first use.
+    /// The (NIC, GPU) pair's verdict on `rung`, probing it when it has none
+    /// (or its back-off has run out). One thread probes; others wait.
     fn probe(&self, gpu: &Gpu<C>, rung: Rung) -> Verdict {
         let key = (gpu.attributes.ordinal, rung);
-        if let Some(verdict) = lock(&self.verdicts).get(&key) {
-            return verdict.clone();
-        }
-        let _span =
-            tracing::info_span!("probe", device = %self.device, gpu = key.0, ?rung).entered();
-        let verdict = self.probe_once(gpu, rung);
-        match &verdict {
-            Ok(()) => tracing::info!("rung works"),
-            Err(refusal) => tracing::info!(%refusal, "rung refused"),
-        }
-        lock(&self.verdicts).insert(key, verdict.clone());
+        let mut slots = lock(&self.probes);
+        let failures = loop {
+            match slots.get(&key) {
+                Some(ProbeSlot::Known(verdict)) => return verdict.clone(),
+                Some(ProbeSlot::Probing) => {
+                    slots = self
+                        .probe_done
+                        .wait(slots)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+                Some(ProbeSlot::BackingOff {
+                    refusal,
+                    retry_at,
+                    failures,
+                }) => {
+                    if Instant::now() < *retry_at {
+                        return Err(refusal.clone());
+                    }
+                    break *failures;
+                }
+                None => break 0,
+            }
+        };
+        slots.insert(key, ProbeSlot::Probing);
+        drop(slots);
+        let mut guard = ProbeGuard {
+            slots: &self.probes,
+            done: &self.probe_done,
+            key,
+            armed: true,
+        };
+        let verdict = {
+            let _span =
+                tracing::info_span!("probe", device = %self.device, gpu = key.0, ?rung).entered();
+            let verdict = self.probe_once(gpu, rung);
+            match &verdict {
+                Ok(()) => tracing::info!("rung works"),
+                Err(refusal) if refusal.is_transient() => {
+                    tracing::info!(%refusal, "rung refused for now (transient): retried later")
+                }
+                Err(refusal) => tracing::info!(%refusal, "rung refused"),
+            }
+            verdict
+        };
+        let slot = match &verdict {
+            Err(refusal) if refusal.is_transient() => {
+                let backoff = self
+                    .config
+                    .probe_backoff
+                    .saturating_mul(1 << failures.min(16))
+                    .min(self.config.max_probe_backoff);
+                ProbeSlot::BackingOff {
+                    refusal: refusal.clone(),
+                    retry_at: Instant::now() + backoff,
+                    failures: failures + 1,
+                }
+            }
+            _ => ProbeSlot::Known(verdict.clone()),
+        };
+        lock(&self.probes).insert(key, slot);
+        guard.armed = false;
+        self.probe_done.notify_all();
         verdict
     }
 
@@ -906,27 +1436,40 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         let scratch = gpu.context.alloc(PROBE_LEN).map_err(Refusal::Driver)?;
         let addr = scratch.device_ptr();
         let pd = &self.registrar.pd;
+        let reservation = DomainBudget::reserve(&self.registrar.budget, PROBE_LEN as u64)
+            .map_err(Refusal::Budget)?;
+        // The probe MR is proven as a peer would use it: remote rights.
+        let access = GrantRights::ReadWrite.access();
         let mr = match rung {
             Rung::Dmabuf => {
                 let fd = gpu
                     .context
                     .export_dmabuf(addr, PROBE_LEN)
                     .map_err(Refusal::Driver)?;
-                // SAFETY: `fd` is open; `scratch` outlives `mr` (dropped first).
-                unsafe {
-                    pd.register_dmabuf(fd.as_raw_fd(), 0, PROBE_LEN, addr, self.config.access)
-                }
+                // SAFETY: `fd` is open; `scratch` outlives `mr` (dropped
+                // first below, or both leaked together).
+                unsafe { pd.register_dmabuf(fd.as_raw_fd(), 0, PROBE_LEN, addr, access) }
             }
-            // SAFETY: `scratch` outlives `mr` (dropped first).
-            _ => unsafe { pd.register(addr, PROBE_LEN, self.config.access) },
+            // SAFETY: `scratch` outlives `mr` (as above).
+            _ => unsafe { pd.register(addr, PROBE_LEN, access) },
         }
         .map_err(Refusal::Nic)?;
         if let Some(loopback) = &self.loopback {
-            loopback
-                .prove(&mr, 0, PROBE_LEN)
-                .map_err(Refusal::SelfCheck)?;
+            match loopback.prove(&mr, 0, PROBE_LEN) {
+                Ok(()) => {}
+                Err(e @ LoopbackError::Unquiesced { .. }) => {
+                    // The NIC may still be writing into the scratch memory:
+                    // neither it nor its MR may ever be freed.
+                    std::mem::forget(mr);
+                    std::mem::forget(scratch);
+                    std::mem::forget(reservation);
+                    return Err(Refusal::SelfCheck(e));
+                }
+                Err(e) => return Err(Refusal::SelfCheck(e)),
+            }
         }
         drop(mr);
+        drop(reservation);
         drop(scratch);
         Ok(())
     }

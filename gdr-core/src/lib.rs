@@ -10,9 +10,12 @@
 pub mod buffer;
 pub mod descriptor;
 pub mod ladder;
+mod lifetime;
 pub mod loopback;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;
 
 pub mod cache;
+
+pub use lifetime::MemoryLease;

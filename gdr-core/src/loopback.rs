@@ -7,8 +7,11 @@
 //! GID, exactly as two peers would be, so the check exercises the NIC's real
 //! data path (on SoftRoCE: the kernel's rxe packet path).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use crate::cache::{DomainBudget, Reservation};
 
 use hal_verbs::{
     AccessFlags, AddressFamily, Api, Completion, CompletionQueue, ConnectionInfo, Context, Gid,
@@ -58,6 +61,22 @@ pub enum LoopbackError {
         /// The deadline.
         timeout: Duration,
     },
+    /// No completion within the deadline, and moving the QP to the error
+    /// state did not flush the request either: the NIC may still be
+    /// accessing the memory, so the buffers of the operation (and the QPs)
+    /// were leaked rather than freed.
+    #[error(
+        "{operation} did not complete within {timeout:?} and could not be flushed: its buffers are leaked"
+    )]
+    Unquiesced {
+        /// The operation.
+        operation: &'static str,
+        /// The deadline.
+        timeout: Duration,
+    },
+    /// The PD's budget of MRs is spent.
+    #[error("{0}")]
+    Budget(crate::cache::BudgetExceeded),
     /// The bytes read back differ from those written.
     #[error("data read back differs from data written at byte {first_difference}")]
     Mismatch {
@@ -180,6 +199,11 @@ pub struct Loopback<A: Api> {
     pd: Arc<A::ProtectionDomain>,
     path: Path,
     timeout: Duration,
+    /// Work request ids, unique per operation: a late completion of an
+    /// earlier, timed-out operation is never taken for the current one.
+    next_wr_id: AtomicU64,
+    /// The budget the self-check's scratch MRs count against.
+    budget: Option<Arc<DomainBudget>>,
 }
 
 impl<A: Api> Loopback<A> {
@@ -204,7 +228,23 @@ impl<A: Api> Loopback<A> {
             pd,
             path,
             timeout: Duration::from_secs(10),
+            next_wr_id: AtomicU64::new(1),
+            budget: None,
         })
+    }
+
+    /// Counts the self-check's scratch MRs against `budget` (the PD's).
+    pub fn with_budget(mut self, budget: Arc<DomainBudget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<Option<Reservation>, LoopbackError> {
+        self.budget
+            .as_ref()
+            .map(|b| DomainBudget::reserve(b, bytes as u64))
+            .transpose()
+            .map_err(LoopbackError::Budget)
     }
 
     /// The protection domain both QPs use: registrations to check go here.
@@ -219,49 +259,85 @@ impl<A: Api> Loopback<A> {
     }
 
     /// Runs one signaled RDMA operation from the requester and waits for it.
+    /// On a timeout the requester is moved to the error state and its flush
+    /// awaited, so the operation is over when this returns, unless
+    /// [`LoopbackError::Unquiesced`] says otherwise (then the old QPs are
+    /// leaked, and the caller must leak the operation's memory too).
     ///
     /// # Safety
     /// `local` must lie in a live registration of this PD and stay valid until
-    /// this returns; `remote_addr..+local.length` is checked by the NIC
-    /// against the registration `rkey` names.
+    /// this returns, or forever after an [`LoopbackError::Unquiesced`];
+    /// `remote_addr..+local.length` is checked by the NIC against the
+    /// registration `rkey` names.
     pub unsafe fn run(
         &self,
         op: SendOp,
         local: Sge,
         operation: &'static str,
     ) -> Result<(), LoopbackError> {
+        let wr_id = self.next_wr_id.fetch_add(1, Ordering::Relaxed);
         let request = SendRequest {
-            wr_id: 1,
+            wr_id,
             op,
             sg_list: SgList::from_slice(&[local]),
             flags: SendFlags::SIGNALED,
         };
         // One operation at a time: the pair is held until it completes.
         let mut pair = self.pair.lock().unwrap_or_else(PoisonError::into_inner);
+        let qp_num = pair.requester.qp_num();
         // SAFETY: the caller guarantees `local` stays valid until completion,
-        // and we wait for that completion (or the QP's failure) below.
+        // and we wait for that completion (or its flush) below.
         let result = match unsafe { pair.requester.post_send(std::slice::from_ref(&request)) } {
-            Ok(()) => self.wait(pair.requester.qp_num(), operation),
+            Ok(()) => self.wait(qp_num, wr_id, operation),
             Err(e) => Err(e.error.into()),
         };
-        if result.is_err() {
+        let result = match result {
+            Err(LoopbackError::Timeout { .. }) => {
+                // Still in flight: stop the QP and wait for the flush, so the
+                // NIC is done with the memory before anyone frees it.
+                let _ = pair.requester.to_error();
+                match self.wait(qp_num, wr_id, operation) {
+                    Err(LoopbackError::Timeout { timeout, .. }) => {
+                        Err(LoopbackError::Unquiesced { operation, timeout })
+                    }
+                    _ => Err(LoopbackError::Timeout {
+                        operation,
+                        timeout: self.timeout,
+                    }),
+                }
+            }
+            other => other,
+        };
+        if let Err(error) = &result {
             // The requester (and, after a remote error, the responder) is in
             // the error state now: start over with a fresh pair. If that
             // fails too, the next run reports it.
             match connect_pair::<A>(&self.pd, &self.cq, self.path, &PairConfig::default()) {
-                Ok(fresh) => *pair = fresh,
+                Ok(fresh) => {
+                    let old = std::mem::replace(&mut *pair, fresh);
+                    if matches!(error, LoopbackError::Unquiesced { .. }) {
+                        // Destroying a QP the NIC has not let go of could
+                        // free what it still uses: keep it.
+                        std::mem::forget(old);
+                    }
+                }
                 Err(e) => tracing::warn!(error = %e, "rebuilding the loopback pair failed"),
             }
         }
         result
     }
 
-    fn wait(&self, qp_num: u32, operation: &'static str) -> Result<(), LoopbackError> {
+    /// Waits for the completion of request `wr_id` of QP `qp_num`; other
+    /// completions (late ones of earlier operations) are skipped.
+    fn wait(&self, qp_num: u32, wr_id: u64, operation: &'static str) -> Result<(), LoopbackError> {
         let deadline = Instant::now() + self.timeout;
         let mut completions = [Completion::default(); 4];
         loop {
             let n = self.cq.poll(&mut completions)?;
-            if let Some(c) = completions[..n].iter().find(|c| c.qp_num == qp_num) {
+            if let Some(c) = completions[..n]
+                .iter()
+                .find(|c| c.qp_num == qp_num && c.wr_id == wr_id)
+            {
                 return if c.status.is_success() {
                     Ok(())
                 } else {
@@ -271,13 +347,15 @@ impl<A: Api> Loopback<A> {
                     })
                 };
             }
-            if Instant::now() >= deadline {
-                return Err(LoopbackError::Timeout {
-                    operation,
-                    timeout: self.timeout,
-                });
+            if n == 0 {
+                if Instant::now() >= deadline {
+                    return Err(LoopbackError::Timeout {
+                        operation,
+                        timeout: self.timeout,
+                    });
+                }
+                std::thread::yield_now();
             }
-            std::thread::yield_now();
         }
     }
 
@@ -305,12 +383,15 @@ impl<A: Api> Loopback<A> {
             .map_err(|_| VerbsError::invalid("loopback self-check", "longer than 4 GiB"))?;
         let written: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
         let mut read_back = vec![0u8; len];
+        let source_budget = self.reserve(len)?;
         // SAFETY: both scratch buffers live until the end of this function,
-        // after the registrations (dropped first, in reverse order).
+        // after the registrations (dropped first, in reverse order), or are
+        // leaked with them.
         let source = unsafe {
             self.pd
                 .register(written.as_ptr() as u64, len, AccessFlags::LOCAL_WRITE)
         }?;
+        let sink_budget = self.reserve(len)?;
         // SAFETY: as above.
         let sink = unsafe {
             self.pd
@@ -323,8 +404,9 @@ impl<A: Api> Loopback<A> {
             lkey: mr.lkey(),
         };
         // SAFETY: the SG entries lie in `source` and `sink`, alive until the
-        // end of this function; `run` waits for each completion.
-        unsafe {
+        // end of this function (or leaked below); `run` waits for each
+        // completion or flush.
+        let outcome = unsafe {
             self.run(
                 SendOp::Write {
                     remote_addr,
@@ -332,18 +414,27 @@ impl<A: Api> Loopback<A> {
                 },
                 sge(&source),
                 "RDMA WRITE",
-            )?;
-            self.run(
-                SendOp::Read {
-                    remote_addr,
-                    rkey: target.rkey(),
-                },
-                sge(&sink),
-                "RDMA READ",
-            )?;
+            )
+            .and_then(|()| {
+                self.run(
+                    SendOp::Read {
+                        remote_addr,
+                        rkey: target.rkey(),
+                    },
+                    sge(&sink),
+                    "RDMA READ",
+                )
+            })
+        };
+        if let Err(e @ LoopbackError::Unquiesced { .. }) = outcome {
+            // A READ may still land in `read_back`: never free it.
+            std::mem::forget((sink, sink_budget, read_back, source, source_budget, written));
+            return Err(e);
         }
+        outcome?;
         drop(sink);
         drop(source);
+        drop((sink_budget, source_budget));
         match written.iter().zip(&read_back).position(|(a, b)| a != b) {
             None => Ok(()),
             Some(first_difference) => Err(LoopbackError::Mismatch { first_difference }),

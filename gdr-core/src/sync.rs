@@ -49,3 +49,16 @@ pub(crate) fn wait<'a, T>(condvar: &Condvar, guard: MutexGuard<'a, T>) -> MutexG
         .wait(guard)
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
+
+/// Waits on a condition variable at most `timeout`, recovering from poison.
+/// (Under loom a timeout is never real: the model explores the wake-up.)
+pub(crate) fn wait_timeout<'a, T>(
+    condvar: &Condvar,
+    guard: MutexGuard<'a, T>,
+    timeout: std::time::Duration,
+) -> MutexGuard<'a, T> {
+    match condvar.wait_timeout(guard, timeout) {
+        Ok((guard, _)) => guard,
+        Err(poisoned) => poisoned.into_inner().0,
+    }
+}

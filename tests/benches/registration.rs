@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use gdr_core::buffer::Buffer;
-use gdr_core::cache::{CacheConfig, RegistrationCache, Request};
+use gdr_core::cache::{Bounds, CacheConfig, RegistrationCache, Request};
 use gdr_core::ladder::{DmabufExports, Ladder, LadderConfig};
 use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
 use hal_verbs::rdma::{RdmaApi, RdmaProvider};
@@ -19,20 +19,16 @@ const LEN: usize = 1 << 20;
 fn bench_on<V: Api>(c: &mut Criterion, provider: &V::Provider) {
     let device = provider.devices().expect("devices")[0].name.clone();
     let ctx = provider.open(&device).expect("open");
-    // SAFETY: the only registered memory is `buffer`, a gdr Buffer, which
-    // invalidates its cache entries before it is freed.
-    let ladder = unsafe {
-        Ladder::<V, SimCudaApi>::new(
-            &ctx,
-            Vec::new(),
-            Arc::new(RegistrationCache::new(CacheConfig::default())),
-            Arc::new(DmabufExports::new()),
-            LadderConfig {
-                self_check: false,
-                ..LadderConfig::default()
-            },
-        )
-    }
+    let ladder = Ladder::<V, SimCudaApi>::new(
+        &ctx,
+        Vec::new(),
+        Arc::new(RegistrationCache::new(CacheConfig::default())),
+        Arc::new(DmabufExports::new()),
+        LadderConfig {
+            self_check: false,
+            ..LadderConfig::default()
+        },
+    )
     .expect("ladder");
     let buffer = Buffer::<SimCudaApi>::alloc_host(LEN);
     let mut group = c.benchmark_group(format!("register_1MiB/{device}"));
@@ -55,7 +51,8 @@ fn bench_on<V: Api>(c: &mut Criterion, provider: &V::Provider) {
         b.iter(|| buffer.register(&ladder, 0, LEN as u64).expect("hit"))
     });
     // The cache lookup alone.
-    let request = Request::host(ladder.domain(), buffer.addr(), LEN as u64);
+    let request = Request::host(ladder.domain(), buffer.addr(), LEN as u64)
+        .within(buffer.owner(), Bounds::new(buffer.addr(), LEN as u64));
     group.bench_function("cache_get", |b| {
         b.iter(|| ladder.cache().get(&request).expect("cached"))
     });

@@ -3,6 +3,7 @@
 
 use std::sync::Once;
 
+pub mod grants;
 pub mod rxe;
 
 /// Routes `tracing` output to the test harness (shown for failing tests),

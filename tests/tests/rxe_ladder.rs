@@ -29,17 +29,13 @@ fn ladder(test: &str) -> Option<(RxeLadder, SimCuda)> {
         FaultPlan::new(),
     );
     let gpu = Gpu::<SimCudaApi>::open(&cuda, 0).unwrap();
-    // SAFETY: every registration below goes through a Buffer, which
-    // invalidates its registrations before freeing.
-    let ladder = unsafe {
-        Ladder::new(
-            &ctx,
-            vec![gpu],
-            Arc::new(RegistrationCache::new(CacheConfig::default())),
-            Arc::new(DmabufExports::new()),
-            LadderConfig::default(),
-        )
-    }
+    let ladder = Ladder::new(
+        &ctx,
+        vec![gpu],
+        Arc::new(RegistrationCache::new(CacheConfig::default())),
+        Arc::new(DmabufExports::new()),
+        LadderConfig::default(),
+    )
     .unwrap();
     Some((ladder, cuda))
 }

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use gdr_core::buffer::Buffer;
 use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::ladder::{
-    DmabufExports, Gpu, Ladder, LadderConfig, LadderError, NicRegistrar, Policy, Refusal, Rung,
+    DmabufExports, Gpu, GrantRights, Ladder, LadderConfig, LadderError, NicRegistrar, Policy,
+    Refusal, Rung,
 };
 use gdr_core::loopback::Loopback;
 use gdr_sim::{
@@ -55,17 +56,13 @@ impl World {
     fn ladder(&self, nic: &str, config: LadderConfig) -> SimLadder {
         let ctx = self.node.open(nic).unwrap();
         let gpu = Gpu::<SimCudaApi>::open(&self.cuda, 0).unwrap();
-        // SAFETY: every registration in these tests goes through a Buffer,
-        // which invalidates before it frees.
-        unsafe {
-            Ladder::new(
-                &ctx,
-                vec![gpu],
-                Arc::clone(&self.cache),
-                Arc::clone(&self.exports),
-                config,
-            )
-        }
+        Ladder::new(
+            &ctx,
+            vec![gpu],
+            Arc::clone(&self.cache),
+            Arc::clone(&self.exports),
+            config,
+        )
         .unwrap()
     }
 
@@ -125,9 +122,17 @@ fn gpu_memory_takes_dmabuf_when_both_sides_can_and_is_reachable_by_rdma() {
     assert_eq!(reg.rung(), Rung::Dmabuf);
     assert!(reg.failures().is_empty());
     assert_eq!(ladder.verdict(0, Rung::Dmabuf), Some(Ok(())));
-    let descriptor = reg.descriptor().unwrap();
+    let grant = ladder
+        .grant(&reg, 0, 128 << 10, GrantRights::ReadWrite)
+        .unwrap();
+    let descriptor = grant.descriptor();
     assert_eq!(descriptor.addr, buffer.addr() + (64 << 10));
-    assert_eq!(descriptor.rkey, reg.mr().unwrap().rkey());
+    assert_eq!(descriptor.len, 128 << 10);
+    assert_ne!(
+        descriptor.rkey,
+        reg.mr().unwrap().rkey(),
+        "a grant is an MR of its own"
+    );
 
     // A peer writes through the descriptor; the bytes land in GPU memory.
     let ctx = w.node.open("sim0").unwrap();
@@ -209,7 +214,11 @@ fn staging_when_no_direct_rung_works_with_every_reason() {
     let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let reg = buffer.register(&ladder, 0, 64 << 10).unwrap();
     assert_eq!(reg.rung(), Rung::Staging);
-    assert!(reg.mr().is_none() && reg.descriptor().is_none());
+    assert!(reg.mr().is_none());
+    assert!(matches!(
+        ladder.grant(&reg, 0, 4096, GrantRights::Read),
+        Err(LadderError::NotGrantable { .. })
+    ));
     let rungs: Vec<_> = reg.failures().iter().map(|f| f.rung).collect();
     assert_eq!(rungs, [Rung::Dmabuf, Rung::Peermem]);
     assert!(matches!(reg.failures()[0].refusal, Refusal::Gpu(_)));
@@ -314,12 +323,13 @@ fn two_nics_share_one_dmabuf_export_per_allocation() {
     drop((a, b));
     let id = buffer.buffer_id();
     drop(buffer);
-    assert!(w.exports.get(id).is_none(), "freeing forgets the export");
+    assert!(w.exports.get(id).is_none(), "freeing closes the export");
+    assert_eq!(w.exports.live(), 0);
     assert_eq!(w.cache.stats().entries, 0, "and every registration");
 }
 
 #[test]
-fn a_freed_and_reallocated_address_never_gets_the_old_registration() {
+fn a_reallocated_address_gets_a_new_registration() {
     let w = world(
         vec![DeviceConfig::rxe_like()],
         GpuConfig {
@@ -329,27 +339,26 @@ fn a_freed_and_reallocated_address_never_gets_the_old_registration() {
     );
     let ladder = w.ladder("sim0", LadderConfig::default());
     let ctx = w.gpu();
-    // Wrapped memory the caller frees behind gdr's back (no invalidation):
-    // the cache must notice the new buffer id at the same address.
     let size = 9 << 20; // a size class no other test uses
     let first = ctx.alloc(size).unwrap();
     let addr = hal_cuda::DeviceMemory::device_ptr(&first);
     // SAFETY: the buffer is dropped before `first` is freed.
     let wrapped = unsafe { Buffer::<SimCudaApi>::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
     let old_rkey = {
-        let reg = ladder.register(addr, 4096).unwrap();
+        let reg = wrapped.register(&ladder, 0, 4096).unwrap();
         assert_eq!(reg.rung(), Rung::Peermem);
         reg.mr().unwrap().rkey()
     };
-    // Forget the wrapper without invalidating, as a careless caller would.
-    std::mem::forget(wrapped);
+    drop(wrapped);
     drop(first);
     let second = ctx.alloc(size).unwrap();
     assert_eq!(hal_cuda::DeviceMemory::device_ptr(&second), addr);
-    let stale_before = w.cache.stats().stale_detections;
-    let reg = ladder.register(addr, 4096).unwrap();
+    // SAFETY: as above.
+    let wrapped = unsafe { Buffer::<SimCudaApi>::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
+    let reg = wrapped.register(&ladder, 0, 4096).unwrap();
     assert_ne!(reg.mr().unwrap().rkey(), old_rkey, "a new registration");
-    assert_eq!(w.cache.stats().stale_detections, stale_before + 1);
+    drop(reg);
+    drop(wrapped);
 }
 
 #[test]
@@ -395,16 +404,13 @@ fn an_ipc_imported_buffer_registers_and_closes_after_its_registrations() {
     assert_eq!(imported.len(), 128 << 10);
     let gpu = Gpu::<SimCudaApi>::open(&other_process, 0).unwrap();
     let ctx = w.node.open("sim0").unwrap();
-    // SAFETY: registrations go through the imported Buffer.
-    let ladder = unsafe {
-        Ladder::new(
-            &ctx,
-            vec![gpu],
-            Arc::clone(&w.cache),
-            Arc::clone(&w.exports),
-            LadderConfig::default(),
-        )
-    }
+    let ladder = Ladder::new(
+        &ctx,
+        vec![gpu],
+        Arc::clone(&w.cache),
+        Arc::clone(&w.exports),
+        LadderConfig::default(),
+    )
     .unwrap();
     let reg = imported.register(&ladder, 0, 128 << 10).unwrap();
     assert_eq!(reg.rung(), Rung::Dmabuf);

@@ -20,6 +20,16 @@ pub enum CacheError<E: std::error::Error + 'static> {
         /// Its length.
         len: u64,
     },
+    /// The range runs outside the allocation it names.
+    #[error("range {start:#x}..{end:#x} runs outside its allocation {:#x}..{:#x}", bounds.start, bounds.end)]
+    OutsideBounds {
+        /// Its start.
+        start: u64,
+        /// One past its end.
+        end: u64,
+        /// The allocation.
+        bounds: super::Bounds,
+    },
     /// The registrar failed. Every request that was waiting on the same
     /// registration gets the same error, hence the `Arc`. No entry was left
     /// behind: a later request tries again.

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::handle::Entry;
 use super::key::{AllocationIdentity, DomainId, FxBuild, MemoryKind, Space, SpaceKey};
 use super::stats::{Counters, stripe};
-use super::{Limits, Pending, Registrar};
+use super::{Limits, Pending, Registrar, mutant};
 use crate::sync::{self, Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// What the index holds for a lookup.
@@ -57,7 +57,7 @@ impl<T> Index<T> {
         };
         match map.range(..=start).next_back() {
             Some((_, entry)) if entry.covers(start, end) => {
-                if entry.same_allocation(kind, identity) {
+                if entry.same_allocation(kind, identity) || mutant::active("stale-entry-hits") {
                     Lookup::Hit(entry)
                 } else {
                     Lookup::Stale
@@ -272,14 +272,16 @@ impl<R: Registrar> ShardState<'_, R> {
             .iter()
             .filter(|(space, _)| space.domain == domain)
             .flat_map(|(space, map)| {
-                map.values().filter(|e| !e.in_use()).map(|e| {
-                    (
-                        e.last_used.load(crate::sync::atomic::Ordering::Relaxed),
-                        e.seq,
-                        *space,
-                        e.start,
-                    )
-                })
+                map.values()
+                    .filter(|e| !e.in_use() || mutant::active("evict-in-use"))
+                    .map(|e| {
+                        (
+                            e.last_used.load(crate::sync::atomic::Ordering::Relaxed),
+                            e.seq,
+                            *space,
+                            e.start,
+                        )
+                    })
             })
             .collect();
         candidates.sort_unstable_by_key(|&(used, seq, _, _)| (used, seq));
@@ -340,6 +342,9 @@ impl<R: Registrar> ShardState<'_, R> {
         let mut victims = Vec::new();
         for space in spaces {
             for e in self.overlapping(space, start, end) {
+                if e.in_use() && mutant::active("invalidate-skips-in-use") {
+                    continue;
+                }
                 victims.extend(self.remove(space, e.start, counters));
             }
         }

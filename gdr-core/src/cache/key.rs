@@ -83,13 +83,52 @@ impl AllocationIdentity {
     }
 }
 
+/// Which gdr buffer a range belongs to: entries of different owners never
+/// serve each other, so dropping one buffer never disturbs another's
+/// registrations, even over the same allocation. `0` is "no owner" (raw
+/// users of the cache, who keep the memory alive themselves).
+pub type OwnerId = u64;
+
+/// The extent of the allocation (or, for pageable memory, the buffer) a
+/// request belongs to. Nothing outside it is ever registered for the request:
+/// not the request itself, nor a merge of it with cached ranges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bounds {
+    /// First address (or dma-buf offset).
+    pub start: u64,
+    /// One past the last.
+    pub end: u64,
+}
+
+impl Bounds {
+    /// No bound: the whole address space (raw users that vouch for their
+    /// ranges themselves).
+    pub const UNBOUNDED: Self = Self {
+        start: 0,
+        end: u64::MAX,
+    };
+
+    /// `len` bytes from `start` (saturating at the end of the address space).
+    pub fn new(start: u64, len: u64) -> Self {
+        Self {
+            start,
+            end: start.saturating_add(len),
+        }
+    }
+
+    /// Whether `start..end` lies inside.
+    pub fn contains(&self, start: u64, end: u64) -> bool {
+        self.start <= start && end <= self.end
+    }
+}
+
 /// A lookup, and what a [`super::Registrar`] is asked to register.
 ///
 /// `start..start + len` is a virtual address range, except for
 /// [`AllocationIdentity::Dmabuf`] where it is an offset range in the dma-buf.
 /// The range handed to the registrar may be larger than the one looked up:
-/// overlapping registrations of one allocation are merged (see the module
-/// docs).
+/// overlapping registrations of one allocation and owner are merged (see the
+/// module docs), never past [`Request::bounds`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Request {
     /// The protection domain.
@@ -102,9 +141,22 @@ pub struct Request {
     pub start: u64,
     /// Length in bytes.
     pub len: u64,
+    /// The buffer the range belongs to (`0`: none).
+    pub owner: OwnerId,
+    /// The allocation the range lies in (same units as `start`).
+    pub bounds: Bounds,
 }
 
 impl Request {
+    /// The same request, owned by `owner` and bounded by `bounds`.
+    pub fn within(self, owner: OwnerId, bounds: Bounds) -> Self {
+        Self {
+            owner,
+            bounds,
+            ..self
+        }
+    }
+
     /// Pageable host memory.
     pub fn host(domain: DomainId, addr: u64, len: u64) -> Self {
         Self {
@@ -113,6 +165,8 @@ impl Request {
             identity: AllocationIdentity::Host,
             start: addr,
             len,
+            owner: 0,
+            bounds: Bounds::UNBOUNDED,
         }
     }
 
@@ -130,6 +184,8 @@ impl Request {
             identity: AllocationIdentity::from_attributes(attrs),
             start: addr,
             len,
+            owner: 0,
+            bounds: Bounds::UNBOUNDED,
         })
     }
 
@@ -141,6 +197,8 @@ impl Request {
             identity: AllocationIdentity::Cuda { buffer_id },
             start: addr,
             len,
+            owner: 0,
+            bounds: Bounds::UNBOUNDED,
         }
     }
 
@@ -153,6 +211,8 @@ impl Request {
             identity: AllocationIdentity::Dmabuf { buffer_id },
             start: offset,
             len,
+            owner: 0,
+            bounds: Bounds::UNBOUNDED,
         }
     }
 
@@ -165,11 +225,12 @@ impl Request {
         SpaceKey {
             domain: self.domain,
             space: Space::of(self.identity),
+            owner: self.owner,
         }
     }
 }
 
-/// Which index an entry lives in: one per domain for everything registered
+/// Which index an entry lives in (per domain and owner): one for everything registered
 /// by address (host, pinned and device memory share it, so an address reused
 /// by another kind of allocation is caught as stale too), and one per domain
 /// and dma-buf allocation for offset ranges.
@@ -193,6 +254,7 @@ impl Space {
 pub(crate) struct SpaceKey {
     pub(crate) domain: DomainId,
     pub(crate) space: Space,
+    pub(crate) owner: OwnerId,
 }
 
 /// A small multiplicative hasher for the index maps: keys are a few

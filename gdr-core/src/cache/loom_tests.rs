@@ -1,8 +1,15 @@
 //! loom models of the cache's races. Run with
-//! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test -p gdr-core --release --lib`.
+//! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p gdr-core --release --lib loom`
+//! (no preemption bound needed: every model is explored exhaustively, all
+//! of them together in about a second; see each model's run time below).
 //!
-//! Each model is small (a couple of threads, one or two ranges) so it is
-//! explored exhaustively within the preemption bound in seconds.
+//! Each model is named after a race and checks only what a caller can
+//! observe: which registration a request gets, whether a range is still
+//! cached, the counters, and how many registrations are alive (the test
+//! registrar counts them). Each must fail on a deliberate bug, a *mutant*
+//! ([`super::mutant`]) planted by `GDR_MUTANT=<name>` in the loom build:
+//! its doc names the mutants it catches, and `scripts/loom-mutants.sh`
+//! requires each of those runs to fail.
 
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -10,60 +17,110 @@ use loom::thread;
 
 use super::*;
 
-/// A registration that knows whether it has been deregistered.
+/// A registration: which registrar call made it, for which allocation, and
+/// the generation of the memory then (see [`Reg::generation`]).
 #[derive(Debug)]
 struct Mr {
-    dead: Arc<AtomicBool>,
+    call: usize,
+    identity: AllocationIdentity,
+    generation: usize,
     live: Arc<AtomicUsize>,
-    drops: Arc<AtomicUsize>,
-}
-
-impl Mr {
-    fn assert_alive(&self) {
-        assert!(
-            !self.dead.load(Ordering::SeqCst),
-            "used after deregistration"
-        );
-    }
 }
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        assert!(
-            !self.dead.swap(true, Ordering::SeqCst),
-            "deregistered twice"
-        );
         self.live.fetch_sub(1, Ordering::SeqCst);
-        self.drops.fetch_add(1, Ordering::SeqCst);
     }
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("never")]
-struct Never;
+#[error("registrar call {call} refused")]
+struct Refused {
+    call: usize,
+}
 
-#[derive(Debug, Default)]
+/// What the registrar's first call does (later calls succeed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum First {
+    Succeed,
+    /// Fails with [`Refused`].
+    Fail,
+    /// Panics with [`DELIBERATE`].
+    Panic,
+}
+
+const DELIBERATE: &str = "the registrar panicked (deliberately)";
+
+/// The test registrar: counts its calls and the registrations alive.
+#[derive(Debug)]
 struct Reg {
     calls: AtomicUsize,
     live: Arc<AtomicUsize>,
-    drops: Arc<AtomicUsize>,
+    /// The memory's generation: a model bumps it when the memory is about to
+    /// be freed (before it invalidates), so a registration made before the
+    /// invalidation carries the old generation.
+    generation: AtomicUsize,
+    first: First,
+    /// With a gate, the first call says it has `entered` and then waits for
+    /// the model to `open` it.
+    gated: bool,
+    entered: AtomicBool,
+    open: AtomicBool,
+}
+
+impl Reg {
+    fn new() -> Arc<Self> {
+        Self::with(First::Succeed, false)
+    }
+
+    fn with(first: First, gated: bool) -> Arc<Self> {
+        Arc::new(Self {
+            calls: AtomicUsize::new(0),
+            live: Arc::new(AtomicUsize::new(0)),
+            generation: AtomicUsize::new(0),
+            first,
+            gated,
+            entered: AtomicBool::new(false),
+            open: AtomicBool::new(false),
+        })
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn live(&self) -> usize {
+        self.live.load(Ordering::SeqCst)
+    }
 }
 
 impl Registrar for Reg {
     type Registration = Mr;
-    type Error = Never;
-    fn register(&self, _: &Request) -> Result<Mr, Never> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+    type Error = Refused;
+    fn register(&self, request: &Request) -> Result<Mr, Refused> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if call == 1 && self.gated {
+            self.entered.store(true, Ordering::SeqCst);
+            spin_until(|| self.open.load(Ordering::SeqCst));
+        }
+        match self.first {
+            First::Fail if call == 1 => return Err(Refused { call }),
+            First::Panic if call == 1 => std::panic::panic_any(DELIBERATE),
+            _ => {}
+        }
         self.live.fetch_add(1, Ordering::SeqCst);
         Ok(Mr {
-            dead: Arc::new(AtomicBool::new(false)),
+            call,
+            identity: request.identity,
+            generation: self.generation.load(Ordering::SeqCst),
             live: Arc::clone(&self.live),
-            drops: Arc::clone(&self.drops),
         })
     }
 }
 
-fn cache(max_entries: u64) -> Arc<RegistrationCache<Reg>> {
+type Cache = RegistrationCache<Reg>;
+
+fn cache(max_entries: u64) -> Arc<Cache> {
     Arc::new(RegistrationCache::new(CacheConfig {
         limits: Limits {
             max_bytes: u64::MAX,
@@ -81,75 +138,132 @@ fn cache(max_entries: u64) -> Arc<RegistrationCache<Reg>> {
 fn explore(name: &str, model: impl Fn() + Sync + Send + 'static) {
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = std::sync::Arc::clone(&runs);
+    let started = std::time::Instant::now();
     loom::model(move || {
         counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         model();
     });
     let runs = runs.load(std::sync::atomic::Ordering::Relaxed);
-    eprintln!("loom: {name}: {runs} interleavings");
+    eprintln!(
+        "loom: {name}: {runs} interleavings in {:.2?}",
+        started.elapsed()
+    );
     assert!(runs > 1, "{name}: loom explored a single interleaving");
+}
+
+/// Yields to the other threads until `done` holds (loom runs the others
+/// while a thread spins this way).
+fn spin_until(mut done: impl FnMut() -> bool) {
+    while !done() {
+        thread::yield_now();
+    }
+}
+
+/// Once no handle is held: trimming leaves nothing cached, and every
+/// registration has been deregistered (none leaked by a lost use count).
+fn settle(cache: &Cache, reg: &Reg) {
+    cache.trim();
+    let s = cache.stats();
+    assert_eq!((s.entries, s.bytes_cached), (0, 0), "left cached: {s:?}");
+    assert_eq!(reg.live(), 0, "registrations alive with no handle: {s:?}");
+}
+
+/// Requests waiting inside a registration in flight (peeked under the
+/// shard's lock).
+fn covered_waiters(cache: &Cache) -> usize {
+    cache.shards[0]
+        .write()
+        .meta
+        .pending
+        .iter()
+        .map(|p| p.covered_waiters.load(Ordering::Relaxed))
+        .sum()
+}
+
+/// Silences the default panic message of [`DELIBERATE`] panics (loom
+/// explores one per interleaving); other panics print as usual.
+fn quiet_deliberate_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if info.payload().downcast_ref::<&str>() != Some(&DELIBERATE) {
+                default(info);
+            }
+        }));
+    });
 }
 
 fn host(start: u64, len: u64) -> Request {
     Request::host(1, start, len)
 }
 
+/// Two overlapping requests race; whatever the order, one merged
+/// registration covers both at the end.
+///
+/// Catches `overlap-ignores-pending`: the second registers its own range
+/// beside the first's in flight, and the later insertion replaces the other.
 #[test]
 fn concurrent_lookup_and_insert_of_overlapping_ranges() {
     explore("concurrent_lookup_and_insert_of_overlapping_ranges", || {
-        let (cache, reg) = (cache(u64::MAX), Arc::new(Reg::default()));
+        let (cache, reg) = (cache(u64::MAX), Reg::new());
         let t = {
             let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
             thread::spawn(move || {
-                let h = cache.get_or_register(&reg, &host(0x0, 0x2000)).unwrap();
+                let h = cache.get_or_register(&*reg, &host(0x0, 0x2000)).unwrap();
                 assert!(h.start() == 0 && h.end() >= 0x2000);
-                h.registration().assert_alive();
             })
         };
-        let h = cache.get_or_register(&reg, &host(0x1000, 0x2000)).unwrap();
+        let h = cache.get_or_register(&*reg, &host(0x1000, 0x2000)).unwrap();
         assert!(h.start() <= 0x1000 && h.end() == 0x3000);
-        h.registration().assert_alive();
         drop(h);
         t.join().unwrap();
-        // Whatever the order, one merged registration covers both at the end.
         let s = cache.stats();
-        assert_eq!((s.entries, s.bytes_cached), (1, 0x3000));
+        assert_eq!((s.entries, s.bytes_cached), (1, 0x3000), "{s:?}");
         assert!(cache.get(&host(0x0, 0x3000)).is_some());
-        assert_eq!(reg.live.load(Ordering::SeqCst), 1);
-        assert!(reg.calls.load(Ordering::SeqCst) <= 2);
+        assert_eq!(reg.live(), 1);
+        assert!(reg.calls() <= 2);
+        settle(&cache, &reg);
     });
 }
 
+/// Two misses on one range: one registers, the other waits for it.
+///
+/// Catches `no-dedupe`: both register.
 #[test]
 fn concurrent_misses_on_one_range_register_once() {
     explore("concurrent_misses_on_one_range_register_once", || {
-        let (cache, reg) = (cache(u64::MAX), Arc::new(Reg::default()));
+        let (cache, reg) = (cache(u64::MAX), Reg::new());
         let t = {
             let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
-            thread::spawn(move || cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap())
+            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap())
         };
-        let mine = cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap();
+        let mine = cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap();
         let theirs = t.join().unwrap();
         assert!(mine.same_registration(&theirs));
-        assert_eq!(reg.calls.load(Ordering::SeqCst), 1);
+        assert_eq!(reg.calls(), 1);
         let s = cache.stats();
         assert_eq!((s.hits, s.misses), (1, 1));
+        drop((mine, theirs));
+        settle(&cache, &reg);
     });
 }
 
+/// A hit races an insertion that evicts past a limit of one entry: the hit
+/// either comes first and pins the entry, or finds nothing.
+///
+/// Catches `count-use-after-unlock`: the hit counts its use after the read
+/// lock, the eviction sees the entry unused in between and unlinks it.
 #[test]
 fn lookup_racing_eviction() {
     explore("lookup_racing_eviction", || {
-        let (cache, reg) = (cache(1), Arc::new(Reg::default()));
-        drop(cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap());
+        let (cache, reg) = (cache(1), Reg::new());
+        drop(cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap());
         let t = {
             let cache = Arc::clone(&cache);
             thread::spawn(move || {
-                // A hit either happens before the eviction (and pins the
-                // entry) or finds nothing; never a dead registration.
                 let hit = cache.get(&host(0x0, 0x1000));
                 if let Some(h) = &hit {
-                    h.registration().assert_alive();
                     // In use: never evicted.
                     let again = cache.get(&host(0x0, 0x1000)).expect("evicted in use");
                     assert!(again.same_registration(h));
@@ -157,9 +271,7 @@ fn lookup_racing_eviction() {
                 hit.is_some()
             })
         };
-        // Past the limit of one entry: evicts the first unless it is in use.
-        let b = cache.get_or_register(&reg, &host(0x8000, 0x1000)).unwrap();
-        b.registration().assert_alive();
+        let b = cache.get_or_register(&*reg, &host(0x8000, 0x1000)).unwrap();
         let hit = t.join().unwrap();
         let s = cache.stats();
         assert_eq!(s.entries + s.evictions, 2);
@@ -167,57 +279,58 @@ fn lookup_racing_eviction() {
             assert_eq!(s.evictions, 1);
         }
         drop(b);
-        assert_eq!(reg.live.load(Ordering::SeqCst) as u64, s.entries);
+        assert_eq!(reg.live() as u64, s.entries);
+        settle(&cache, &reg);
     });
 }
 
+/// An invalidation races a hit: the range is uncached when `invalidate`
+/// returns, and the held registration is deregistered when its handle drops.
+///
+/// Catches `invalidate-skips-in-use`: an entry held during the invalidation
+/// stays cached.
 #[test]
 fn invalidate_racing_a_hit() {
     explore("invalidate_racing_a_hit", || {
-        let (cache, reg) = (cache(u64::MAX), Arc::new(Reg::default()));
-        drop(cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap());
+        let (cache, reg) = (cache(u64::MAX), Reg::new());
+        drop(cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap());
         let t = {
             let cache = Arc::clone(&cache);
             thread::spawn(move || {
                 if let Some(h) = cache.get(&host(0x0, 0x1000)) {
-                    // Invalidated or not, it stays registered while held.
-                    h.registration().assert_alive();
                     thread::yield_now();
-                    h.registration().assert_alive();
+                    assert_eq!(h.registration().call, 1);
                 }
             })
         };
         assert_eq!(cache.invalidate(0x0, 0x1000), 1);
         assert!(cache.get(&host(0x0, 0x1000)).is_none());
         t.join().unwrap();
-        assert_eq!(cache.stats().entries, 0);
-        assert_eq!(
-            reg.live.load(Ordering::SeqCst),
-            0,
-            "deregistered after the hit"
-        );
-        assert_eq!(reg.drops.load(Ordering::SeqCst), 1);
+        let s = cache.stats();
+        assert_eq!((s.entries, s.invalidations), (0, 1), "{s:?}");
+        assert_eq!(reg.live(), 0, "deregistered after the hit");
     });
 }
 
+/// A handle's last drop races an eviction: the entry is evicted only if the
+/// eviction saw it unused; never while a handle holds it.
+///
+/// Catches `evict-in-use`.
 #[test]
 fn refcount_reaching_zero_while_an_eviction_runs() {
     explore("refcount_reaching_zero_while_an_eviction_runs", || {
-        let (cache, reg) = (cache(1), Arc::new(Reg::default()));
-        let a = cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap();
+        let (cache, reg) = (cache(1), Reg::new());
+        let a = cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap();
         let t = {
             let cache = Arc::clone(&cache);
             thread::spawn(move || {
-                a.registration().assert_alive();
                 assert!(cache.get(&host(0x0, 0x1000)).is_some(), "evicted in use");
                 drop(a);
             })
         };
-        let b = cache.get_or_register(&reg, &host(0x8000, 0x1000)).unwrap();
+        let b = cache.get_or_register(&*reg, &host(0x8000, 0x1000)).unwrap();
         t.join().unwrap();
         let s = cache.stats();
-        // The eviction saw the handle (A stays, over the limit) or saw it
-        // gone (A evicted): never lost, never dropped twice (Mr's Drop).
         assert_eq!(s.entries + s.evictions, 2);
         assert_eq!(
             cache.get(&host(0x0, 0x1000)).is_some(),
@@ -225,56 +338,268 @@ fn refcount_reaching_zero_while_an_eviction_runs() {
             "{s:?}"
         );
         drop(b);
-        assert_eq!(reg.live.load(Ordering::SeqCst) as u64, s.entries);
-        assert_eq!(reg.drops.load(Ordering::SeqCst) as u64, s.evictions);
+        assert_eq!(reg.live() as u64, s.entries);
+        settle(&cache, &reg);
     });
 }
 
+/// An invalidation races a registration in flight over its range. The
+/// caller stops using the memory (the model bumps its generation) and then
+/// invalidates: once `invalidate` has returned, no registration made before
+/// may be returned from the cache, whether it was cached or in flight then.
+///
+/// Catches `no-invalidate-pending`: the registration in flight is cached
+/// after the invalidation, and a later lookup hits the freed memory's MR.
 #[test]
 fn invalidate_racing_a_registration_in_flight() {
     explore("invalidate_racing_a_registration_in_flight", || {
-        let (cache, reg) = (cache(u64::MAX), Arc::new(Reg::default()));
+        let (cache, reg) = (cache(u64::MAX), Reg::new());
         let t = {
             let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
             thread::spawn(move || {
-                let h = cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap();
-                h.registration().assert_alive();
+                // Handed to its caller either way.
+                cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap();
             })
         };
+        reg.generation.store(1, Ordering::SeqCst);
         let invalidated = cache.invalidate(0x0, 0x1000);
         t.join().unwrap();
+        if let Some(h) = cache.get(&host(0x0, 0x1000)) {
+            assert_eq!(
+                h.registration().generation,
+                1,
+                "a registration older than the invalidation is still cached"
+            );
+        }
         let s = cache.stats();
-        // Cached only if the registration was published after (or not
-        // over) the invalidation; never both invalidated and cached.
         assert!(invalidated + s.entries as usize <= 1);
-        assert_eq!(reg.live.load(Ordering::SeqCst) as u64, s.entries);
+        assert_eq!(reg.live() as u64, s.entries);
+        settle(&cache, &reg);
     });
 }
 
+/// A waiter inside a registration in flight shares the entry, which is born
+/// with a use for it: it stays in use (never evicted, never trimmed) while
+/// either handle is held, and is evicted once neither is.
+///
+/// Catches `no-covered-waiter-count`: the waiter's use is not counted, so
+/// the entry reads unused while the waiter still holds it.
 #[test]
 fn a_waiter_racing_an_eviction() {
     explore("a_waiter_racing_an_eviction", || {
-        let (cache, reg) = (cache(1), Arc::new(Reg::default()));
+        let (cache, reg) = (cache(1), Reg::new());
         let t = {
             let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
-            thread::spawn(move || {
-                let h = cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap();
-                h.registration().assert_alive();
-                h
-            })
+            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap())
         };
         // Same range (one registers, one may wait on it), then an insertion
         // past the limit of one entry.
-        let a = cache.get_or_register(&reg, &host(0x0, 0x1000)).unwrap();
-        let b = cache.get_or_register(&reg, &host(0x8000, 0x1000)).unwrap();
+        let a = cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap();
+        let b = cache.get_or_register(&*reg, &host(0x8000, 0x1000)).unwrap();
         let theirs = t.join().unwrap();
-        a.registration().assert_alive();
-        b.registration().assert_alive();
-        theirs.registration().assert_alive();
-        // `a` was held throughout: its entry was never evicted.
-        assert!(cache.get(&host(0x0, 0x1000)).is_some());
-        drop((a, b, theirs));
-        let s = cache.stats();
-        assert_eq!(reg.live.load(Ordering::SeqCst) as u64, s.entries);
+        assert!(a.same_registration(&theirs));
+        assert!(cache.get(&host(0x0, 0x1000)).is_some(), "evicted in use");
+        drop((b, theirs));
+        cache.trim();
+        assert!(cache.get(&host(0x0, 0x1000)).is_some(), "trimmed in use");
+        drop(a);
+        settle(&cache, &reg);
+    });
+}
+
+/// The registrar fails while another request waits inside its range: the
+/// waiter gets the same failure (it does not register again), and the
+/// failure is not cached (the next request registers anew).
+///
+/// Catches `waiter-retries-failure` (the waiter calls the registrar itself)
+/// and `failed-stays-pending` (the next request is served the old failure).
+#[test]
+fn a_failed_registration_is_shared_with_its_waiters() {
+    explore("a_failed_registration_is_shared_with_its_waiters", || {
+        let (cache, reg) = (cache(u64::MAX), Reg::with(First::Fail, true));
+        let registering = {
+            let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
+            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)).err())
+        };
+        spin_until(|| reg.entered.load(Ordering::SeqCst));
+        let waiting = {
+            let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
+            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)).err())
+        };
+        spin_until(|| covered_waiters(&cache) == 1);
+        reg.open.store(true, Ordering::SeqCst);
+        let source = |e: Option<CacheError<Refused>>| match e {
+            Some(CacheError::Register { source, .. }) => source,
+            other => panic!("expected the registrar's failure, got {other:?}"),
+        };
+        let first = source(registering.join().unwrap());
+        let shared = source(waiting.join().unwrap());
+        assert!(std::sync::Arc::ptr_eq(&first, &shared), "not shared");
+        assert_eq!((first.call, reg.calls()), (1, 1));
+        let again = cache.get_or_register(&*reg, &host(0x0, 0x1000));
+        assert_eq!(
+            again.expect("the failure was cached").registration().call,
+            2
+        );
+        assert_eq!(cache.stats().failures, 1);
+        settle(&cache, &reg);
+    });
+}
+
+/// The registrar panics while another request waits inside its range: the
+/// waiter is woken and registers itself (it never hangs), and the panic
+/// leaves nothing behind.
+///
+/// Catches `abandon-not-finished` (the waiter is never woken: loom reports
+/// the deadlock) and `abandoned-stays-pending` (the waiter finds the
+/// abandoned slot again, forever: loom's branch limit ends it).
+#[test]
+fn an_abandoned_registration_is_retried_by_its_waiters() {
+    quiet_deliberate_panics();
+    explore(
+        "an_abandoned_registration_is_retried_by_its_waiters",
+        || {
+            let (cache, reg) = (cache(u64::MAX), Reg::with(First::Panic, true));
+            let registering = {
+                let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
+                thread::spawn(move || {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        drop(cache.get_or_register(&*reg, &host(0x0, 0x1000)));
+                    }))
+                    .is_err()
+                })
+            };
+            spin_until(|| reg.entered.load(Ordering::SeqCst));
+            let waiting = {
+                let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
+                thread::spawn(move || {
+                    let h = cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap();
+                    h.registration().call
+                })
+            };
+            spin_until(|| covered_waiters(&cache) == 1);
+            reg.open.store(true, Ordering::SeqCst);
+            assert!(registering.join().unwrap(), "the registrar did not panic");
+            assert_eq!(waiting.join().unwrap(), 2, "the waiter did not register");
+            assert_eq!(reg.calls(), 2);
+            let s = cache.stats();
+            assert_eq!((s.entries, s.failures), (1, 0), "{s:?}");
+            settle(&cache, &reg);
+        },
+    );
+}
+
+/// An address is reused by another allocation (GPU memory freed and
+/// re-allocated: a new buffer id) while the old allocation's entry is
+/// cached and looked up: the new allocation never gets the old registration,
+/// the old entry is detected stale and unlinked, and the old allocation's
+/// lookup gets its own registration or nothing.
+///
+/// Catches `stale-entry-hits`.
+#[test]
+fn a_reused_address_racing_a_lookup_of_the_old_allocation() {
+    explore(
+        "a_reused_address_racing_a_lookup_of_the_old_allocation",
+        || {
+            let old = Request::device(1, 0, 7, 0x0, 0x1000);
+            let new = Request::device(1, 0, 8, 0x0, 0x1000);
+            let (cache, reg) = (cache(u64::MAX), Reg::new());
+            drop(cache.get_or_register(&*reg, &old).unwrap());
+            let t = {
+                let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
+                thread::spawn(move || {
+                    let h = cache.get_or_register(&*reg, &new).unwrap();
+                    assert_eq!(h.registration().identity, new.identity, "stale hit");
+                })
+            };
+            if let Some(h) = cache.get(&old) {
+                assert_eq!(h.registration().identity, old.identity);
+            }
+            t.join().unwrap();
+            assert!(cache.get(&old).is_none());
+            let h = cache.get(&new).expect("the new allocation is cached");
+            assert_eq!(h.registration().identity, new.identity);
+            drop(h);
+            let s = cache.stats();
+            assert_eq!((s.stale_detections, s.entries), (1, 1), "{s:?}");
+            settle(&cache, &reg);
+        },
+    );
+}
+
+/// `invalidate_allocation` races a registration of the allocation in flight
+/// (by address) and unlinks its cached dma-buf entry: once it has returned,
+/// nothing of the allocation registered before is served from the cache.
+///
+/// Catches `allocation-invalidation-misses-pending`.
+#[test]
+fn invalidate_allocation_racing_a_registration_in_flight() {
+    explore(
+        "invalidate_allocation_racing_a_registration_in_flight",
+        || {
+            let by_address = Request::device(1, 0, 7, 0x0, 0x1000);
+            let dmabuf = Request::dmabuf(1, 0, 7, 0x0, 0x1000);
+            let (cache, reg) = (cache(u64::MAX), Reg::new());
+            drop(cache.get_or_register(&*reg, &dmabuf).unwrap());
+            let t = {
+                let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
+                thread::spawn(move || {
+                    cache.get_or_register(&*reg, &by_address).unwrap();
+                })
+            };
+            reg.generation.store(1, Ordering::SeqCst);
+            let invalidated = cache.invalidate_allocation(7);
+            assert!(cache.get(&dmabuf).is_none(), "the dma-buf entry survived");
+            t.join().unwrap();
+            if let Some(h) = cache.get(&by_address) {
+                assert_eq!(
+                    h.registration().generation,
+                    1,
+                    "a registration older than the invalidation is still cached"
+                );
+            }
+            let s = cache.stats();
+            assert!((1..=2).contains(&invalidated), "{invalidated}");
+            assert_eq!(reg.live() as u64, s.entries);
+            settle(&cache, &reg);
+        },
+    );
+}
+
+/// `set_limits` (down to no entries) and `trim` race a hit: both evict every
+/// unused entry at once, and neither evicts the entry the hit holds.
+///
+/// Catches `set-limits-no-evict` (an unused entry stays past the new limit)
+/// and `trim-evicts-in-use` (the held entry is trimmed).
+#[test]
+fn trim_and_set_limits_racing_a_hit() {
+    explore("trim_and_set_limits_racing_a_hit", || {
+        let (cache, reg) = (cache(u64::MAX), Reg::new());
+        drop(cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap());
+        drop(cache.get_or_register(&*reg, &host(0x8000, 0x1000)).unwrap());
+        let t = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                if let Some(h) = cache.get(&host(0x0, 0x1000)) {
+                    thread::yield_now();
+                    let again = cache.get(&host(0x0, 0x1000)).expect("evicted in use");
+                    assert!(again.same_registration(&h));
+                }
+            })
+        };
+        cache.set_limits(
+            1,
+            Limits {
+                max_bytes: u64::MAX,
+                max_entries: 0,
+            },
+        );
+        assert!(
+            cache.get(&host(0x8000, 0x1000)).is_none(),
+            "an unused entry stayed past the limits"
+        );
+        cache.trim();
+        t.join().unwrap();
+        settle(&cache, &reg);
     });
 }

@@ -90,33 +90,89 @@
 //!
 //! Deregistration (dropping a registration) never runs under a lock.
 //!
+//! ## Owners and bounds
+//!
+//! A request names its owner (the gdr buffer it belongs to; `0` for raw
+//! users) and the bounds of its allocation. Entries of one owner live in
+//! indexes of their own, so two buffers never share, merge or invalidate
+//! each other's registrations, even over one allocation; and nothing
+//! outside a request's bounds is ever registered for it, merges included: a
+//! registration never spans two allocations. [`RegistrationCache::invalidate_owner`]
+//! unlinks everything a buffer owns when it is dropped.
+//!
+//! ## Lifetimes: the rule
+//!
+//! The rule the cache, the buffers, the ladder and (next) the engine share:
+//!
+//! 1. **Memory is freed only after every MR over it is deregistered.** A
+//!    registration is deregistered when its entry has left the index *and*
+//!    its last [`CacheHandle`] is dropped. Handles can be cloned, leaked
+//!    (`mem::forget` is safe Rust) or kept past the buffer, so a destructor
+//!    (the buffer's) cannot be the guard. Instead each registration holds a
+//!    lease on its buffer's memory ([`crate::MemoryLease`], after the MR in
+//!    drop order): memory gdr allocated is freed by whichever of the buffer
+//!    and the last lease goes last; for memory the caller owns
+//!    ([`crate::buffer::Buffer::wrap`]) the buffer's drop waits, bounded,
+//!    until no lease is left, and aborts the process past the bound rather
+//!    than return while a NIC can still write into memory the caller is
+//!    about to free ([`crate::buffer::Buffer::release`] is the form that
+//!    hands the buffer back instead). Raw registrars
+//!    ([`crate::ladder::NicRegistrar::new`]) have no leases: their caller
+//!    promises the same rule, which is why constructing one is `unsafe`.
+//! 2. **An MR stays registered from the first post that uses it to its last
+//!    completion, and while a descriptor naming its rkey is granted.** The
+//!    engine holds a handle (or the grant) in each posted request until its
+//!    completion is polled, and grants live until revoked (dropped) or their
+//!    connection closes; a QP torn down with work outstanding is drained
+//!    first. Holding a handle is what "in use" means, so eviction (which
+//!    takes only unused entries) and invalidation (which only unlinks: the
+//!    MR goes with the last handle, the memory with the last lease) respect
+//!    both.
+//! 3. **Limits count every live MR.** The index's [`Limits`] steer eviction;
+//!    the hard limit is the domain's [`DomainBudget`], which every MR takes a
+//!    [`Reservation`] from before the NIC is asked and keeps until it is
+//!    deregistered: cached entries, entries unlinked while in use,
+//!    registrations in flight, grants, and the probe's and self-check's
+//!    scratch MRs. A registration past the budget fails with
+//!    [`BudgetExceeded`] (after evicting unused entries) instead of reaching
+//!    the NIC's `max_mr`.
+//! 4. **A descriptor grants exactly the range and rights it names.** Cached
+//!    MRs are for local use and carry local rights only; they may be wider
+//!    than any request (merged). What a peer gets is a
+//!    [`crate::ladder::Grant`]: an uncached MR of exactly the granted range
+//!    with exactly the granted rights.
+//!
 //! ## Plugging in a protection domain
 //!
-//! The engine implements [`Registrar`] for a type holding its PDs by
-//! [`DomainId`] (and, for dma-buf, the exported fd and base address of each
-//! allocation by buffer id): `register` calls
-//! `ProtectionDomain::register(start, len, access)` for requests registered
-//! by address, and `register_dmabuf(fd, start, len, base + start, access)`
-//! for [`AllocationIdentity::Dmabuf`]; `Registration` is the backend's
-//! `MemoryRegion`. The safety contract of those calls (the memory outlives
-//! the region) is the engine's: it invalidates before freeing.
+//! [`crate::ladder::NicRegistrar`] is the registrar over a verbs PD: `register`
+//! calls `ProtectionDomain::register(start, len, access)` for requests
+//! registered by address, and `register_dmabuf(fd, start, len, base + start,
+//! access)` for [`AllocationIdentity::Dmabuf`]. [`RegistrationCache::get_or_register_with`]
+//! takes any registrar with the cache's registration type, so the ladder
+//! passes one per request that carries the buffer's lease and dma-buf
+//! export.
 
+mod budget;
 mod error;
 mod handle;
 mod index;
 mod key;
+mod mutant;
 #[cfg(not(loom))]
 mod planner;
 mod stats;
 
+#[cfg(all(test, not(loom)))]
+mod abandon_tests;
 #[cfg(all(test, loom))]
 mod loom_tests;
 #[cfg(all(test, not(loom)))]
 mod tests;
 
+pub use budget::{BudgetExceeded, BudgetLimits, BudgetUsage, DomainBudget, Reservation};
 pub use error::CacheError;
 pub use handle::CacheHandle;
-pub use key::{AllocationIdentity, DomainId, MemoryKind, Request};
+pub use key::{AllocationIdentity, Bounds, DomainId, MemoryKind, OwnerId, Request};
 pub use stats::CacheStats;
 
 use std::fmt;
@@ -333,10 +389,18 @@ impl<R: Registrar> RegistrationCache<R> {
                 start: request.start,
             });
         }
-        request.end().ok_or(CacheError::RangeOverflow {
+        let end = request.end().ok_or(CacheError::RangeOverflow {
             start: request.start,
             len: request.len,
-        })
+        })?;
+        if !request.bounds.contains(request.start, end) {
+            return Err(CacheError::OutsideBounds {
+                start: request.start,
+                end,
+                bounds: request.bounds,
+            });
+        }
+        Ok(end)
     }
 
     fn hit(&self, handle: CacheHandle<R::Registration>) -> CacheHandle<R::Registration> {
@@ -359,14 +423,31 @@ impl<R: Registrar> RegistrationCache<R> {
         ) else {
             return None;
         };
-        let handle = CacheHandle::new(entry);
-        drop(state);
+        let handle = if mutant::active("count-use-after-unlock") {
+            let entry = Arc::clone(entry);
+            drop(state);
+            CacheHandle::new(&entry)
+        } else {
+            let handle = CacheHandle::new(entry);
+            drop(state);
+            handle
+        };
         Some(self.hit(handle))
     }
 
     /// A registration covering `request`: cached, or registered now through
     /// `registrar` (which must register in `request.domain`).
     pub fn get_or_register(&self, registrar: &R, request: &Request) -> HandleResult<R> {
+        self.get_or_register_with(registrar, request)
+    }
+
+    /// As [`RegistrationCache::get_or_register`], through any registrar with
+    /// the cache's registration type: one made for this request, carrying
+    /// what keeps its memory alive.
+    pub fn get_or_register_with<G>(&self, registrar: &G, request: &Request) -> HandleResult<R>
+    where
+        G: Registrar<Registration = R::Registration, Error = R::Error> + ?Sized,
+    {
         let end = Self::validate(request)?;
         let shard = self.shard(request.domain);
         {
@@ -386,7 +467,10 @@ impl<R: Registrar> RegistrationCache<R> {
         self.miss(registrar, request, end)
     }
 
-    fn miss(&self, registrar: &R, request: &Request, end: u64) -> HandleResult<R> {
+    fn miss<G>(&self, registrar: &G, request: &Request, end: u64) -> HandleResult<R>
+    where
+        G: Registrar<Registration = R::Registration, Error = R::Error> + ?Sized,
+    {
         let shard = self.shard(request.domain);
         let space = request.space();
         let (kind, identity, start) = (request.kind, request.identity, request.start);
@@ -402,7 +486,9 @@ impl<R: Registrar> RegistrationCache<R> {
             let mut victims = Vec::new();
             let (mut lo, mut hi) = (start, end);
             for entry in state.overlapping(space, start, end) {
-                if entry.same_allocation(kind, identity) {
+                if entry.same_allocation(kind, identity)
+                    && request.bounds.contains(entry.start, entry.end)
+                {
                     lo = lo.min(entry.start);
                     hi = hi.max(entry.end);
                 } else {
@@ -422,10 +508,18 @@ impl<R: Registrar> RegistrationCache<R> {
                 .pending
                 .iter()
                 .find(|p| p.overlaps(space, start, end) && p.kind == kind && p.identity == identity)
+                .filter(|p| {
+                    let covers = p.start <= start && end <= p.end;
+                    !mutant::active(if covers {
+                        "no-dedupe"
+                    } else {
+                        "overlap-ignores-pending"
+                    })
+                })
                 .map(Arc::clone);
             if let Some(pending) = in_flight {
                 let covers = pending.start <= start && end <= pending.end;
-                if covers {
+                if covers && !mutant::active("no-covered-waiter-count") {
                     // Relaxed: written and read under the write lock.
                     pending.covered_waiters.fetch_add(1, Ordering::Relaxed);
                 }
@@ -436,7 +530,9 @@ impl<R: Registrar> RegistrationCache<R> {
                         Counters::add(&self.counters.coalesced, 1);
                         return Ok(self.hit(CacheHandle::adopt(entry)));
                     }
-                    Outcome::Failed(source) if covers => {
+                    Outcome::Failed(source)
+                        if covers && !mutant::active("waiter-retries-failure") =>
+                    {
                         return Err(CacheError::Register {
                             start: pending.start,
                             end: pending.end,
@@ -472,12 +568,15 @@ impl<R: Registrar> RegistrationCache<R> {
 
     /// Runs the registrar for `pending` (published, no lock held) and links
     /// the result.
-    fn register(
+    fn register<G>(
         &self,
-        registrar: &R,
+        registrar: &G,
         request: &Request,
         pending: Arc<Pending<R>>,
-    ) -> HandleResult<R> {
+    ) -> HandleResult<R>
+    where
+        G: Registrar<Registration = R::Registration, Error = R::Error> + ?Sized,
+    {
         let shard = self.shard(request.domain);
         let mut guard = PendingGuard {
             shard,
@@ -571,6 +670,7 @@ impl<R: Registrar> RegistrationCache<R> {
                     && domain.is_none_or(|d| d == p.space.domain)
                     && p.start < end
                     && start < p.end
+                    && !mutant::active("no-invalidate-pending")
                 {
                     p.invalidated.store(true, Ordering::Relaxed);
                 }
@@ -619,7 +719,9 @@ impl<R: Registrar> RegistrationCache<R> {
                 &self.counters,
             );
             for p in &state.meta.pending {
-                if p.identity.buffer_id() == Some(buffer_id) {
+                if p.identity.buffer_id() == Some(buffer_id)
+                    && !mutant::active("allocation-invalidation-misses-pending")
+                {
                     p.invalidated.store(true, Ordering::Relaxed);
                 }
             }
@@ -630,6 +732,43 @@ impl<R: Registrar> RegistrationCache<R> {
         count
     }
 
+    /// Unlinks every entry of `owner` (a buffer being dropped), in every
+    /// domain, and keeps its registrations in flight out of the index.
+    /// Entries in use are deregistered when their last handle drops (the
+    /// owner's memory outlives them: see the module docs). Returns how many
+    /// were unlinked.
+    pub fn invalidate_owner(&self, owner: OwnerId) -> usize {
+        let _span = tracing::debug_span!("invalidate_owner", owner).entered();
+        let mut count = 0;
+        for shard in self.shards.iter() {
+            let mut state = shard.write();
+            let victims = state.remove_where(|space, _| space.owner == owner, &self.counters);
+            for p in &state.meta.pending {
+                if p.space.owner == owner {
+                    p.invalidated.store(true, Ordering::Relaxed);
+                }
+            }
+            drop(state);
+            count += victims.len();
+        }
+        Counters::add(&self.counters.invalidations, count as u64);
+        count
+    }
+
+    /// Evicts every entry of `domain` not in use (its NIC is out of MRs or
+    /// pinned bytes). Returns how many.
+    pub fn trim_in(&self, domain: DomainId) -> usize {
+        let _span = tracing::debug_span!("trim", domain).entered();
+        let mut state = self.shard(domain).write();
+        let evicted = state.remove_where(
+            |space, e| space.domain == domain && !e.in_use(),
+            &self.counters,
+        );
+        drop(state);
+        Counters::add(&self.counters.evictions, evicted.len() as u64);
+        evicted.len()
+    }
+
     /// Evicts every entry not in use, in every domain (memory pressure,
     /// shutdown). Returns how many.
     pub fn trim(&self) -> usize {
@@ -638,7 +777,10 @@ impl<R: Registrar> RegistrationCache<R> {
         for shard in self.shards.iter() {
             let mut state = shard.write();
             // Under the write lock, unused stays unused (see `evict`).
-            let evicted = state.remove_where(|_, e| !e.in_use(), &self.counters);
+            let evicted = state.remove_where(
+                |_, e| !e.in_use() || mutant::active("trim-evicts-in-use"),
+                &self.counters,
+            );
             drop(state);
             count += evicted.len();
         }

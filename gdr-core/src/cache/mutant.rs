@@ -1,0 +1,113 @@
+//! Deliberate bugs, compiled into the loom build only, so that each loom
+//! model can be shown to fail on the bug it is named after.
+//!
+//! A hook in the cache reads `if mutant::active("name") { <the bug> }`.
+//! Outside loom, [`active`] is a `const fn` answering `false`: the hooks
+//! compile to nothing. Under `--cfg loom` it answers whether the environment
+//! variable `GDR_MUTANT` names that mutant, so one loom build serves every
+//! mutant: `GDR_MUTANT=no-invalidate-pending cargo test ... loom` must fail,
+//! and `scripts/loom-mutants.sh` requires it of each mutant and the models
+//! named for it (its table pairs them).
+//!
+//! A name in `GDR_MUTANT` that is not in [`MUTANTS`] ends the process with
+//! exit status 2 (not a test failure, which would pass for a caught mutant).
+
+/// Every mutant, with the bug it plants.
+#[cfg_attr(not(loom), allow(dead_code))]
+pub(crate) const MUTANTS: &[(&str, &str)] = &[
+    (
+        "no-dedupe",
+        "a request inside a registration in flight registers again instead of waiting for it",
+    ),
+    (
+        "overlap-ignores-pending",
+        "a request overlapping a registration in flight (not inside it) registers at once \
+         instead of waiting and merging",
+    ),
+    (
+        "count-use-after-unlock",
+        "a hit counts its use on the entry after releasing the read lock",
+    ),
+    (
+        "evict-in-use",
+        "eviction picks entries that handles still hold",
+    ),
+    (
+        "invalidate-skips-in-use",
+        "invalidation leaves entries in use linked",
+    ),
+    (
+        "no-invalidate-pending",
+        "invalidation does not flag registrations in flight over its range",
+    ),
+    (
+        "no-covered-waiter-count",
+        "a waiter inside a registration in flight is not counted as a use of its entry",
+    ),
+    (
+        "stale-entry-hits",
+        "a lookup returns an entry of another allocation at the same address",
+    ),
+    (
+        "allocation-invalidation-misses-pending",
+        "invalidate_allocation does not flag the allocation's registrations in flight",
+    ),
+    (
+        "waiter-retries-failure",
+        "a waiter treats the failure it waited for as abandoned and registers again",
+    ),
+    (
+        "failed-stays-pending",
+        "a failed registration is not unpublished: its failure is served forever",
+    ),
+    (
+        "abandon-not-finished",
+        "a slot abandoned by a panic is unpublished but its waiters are never woken",
+    ),
+    (
+        "abandoned-stays-pending",
+        "a slot abandoned by a panic is never unpublished: its waiters retry on it forever",
+    ),
+    (
+        "trim-evicts-in-use",
+        "trim evicts entries that handles still hold",
+    ),
+    (
+        "set-limits-no-evict",
+        "set_limits lowers the limits without evicting down to them",
+    ),
+];
+
+/// Whether mutant `name` is active: never, outside loom.
+#[cfg(not(loom))]
+#[inline(always)]
+pub(crate) const fn active(_name: &str) -> bool {
+    false
+}
+
+/// Whether mutant `name` is active: `GDR_MUTANT` names it.
+#[cfg(loom)]
+pub(crate) fn active(name: &str) -> bool {
+    debug_assert!(
+        MUTANTS.iter().any(|&(known, _)| known == name),
+        "hook for an unlisted mutant {name:?}"
+    );
+    chosen() == Some(name)
+}
+
+/// The mutant `GDR_MUTANT` names, read once (and checked against
+/// [`MUTANTS`]).
+#[cfg(loom)]
+pub(crate) fn chosen() -> Option<&'static str> {
+    static CHOSEN: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let name = std::env::var("GDR_MUTANT").ok().filter(|n| !n.is_empty())?;
+        match MUTANTS.iter().find(|&&(known, _)| known == name) {
+            Some(&(known, _)) => Some(known),
+            None => {
+                eprintln!("GDR_MUTANT={name:?} names no mutant; known: {MUTANTS:#?}");
+                std::process::exit(2);
+            }
+        }
+    })
+}
