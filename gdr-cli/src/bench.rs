@@ -336,9 +336,11 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
                     cq_mod: plan.cq_mod.min(args.warmup),
                     ..plan
                 };
-                measure::<A>(&pair, &cq, &local.mr, &remote.mr, warm)?;
+                measure::<A>(&pair, &cq, &local.mr, &remote.mr, warm)
+                    .map_err(|e| drain_after_failure::<A>(&pair, &cq, e))?;
             }
-            let m = measure::<A>(&pair, &cq, &local.mr, &remote.mr, plan)?;
+            let m = measure::<A>(&pair, &cq, &local.mr, &remote.mr, plan)
+                .map_err(|e| drain_after_failure::<A>(&pair, &cq, e))?;
             if args.json {
                 println!("{}", json_line(&m, provider.backend_name(), &device));
             } else {
@@ -364,6 +366,34 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
         }
     }
     Ok(())
+}
+
+/// How long a failed measurement's queue pair may take to flush.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A measurement failed with requests still outstanding on the requester:
+/// drains it (to ERROR, every outstanding request flushed and polled)
+/// before the pair and the regions are torn down, since ConnectX drops a
+/// destroyed QP's completions and the NIC may still be using the buffers.
+/// Returns the measurement's error, with the drain's failure added if any.
+fn drain_after_failure<A: Api>(
+    pair: &QpPair<A>,
+    cq: &A::CompletionQueue,
+    error: Box<dyn Error>,
+) -> Box<dyn Error> {
+    match hal_verbs::drain::drain::<A>(&pair.requester, cq, cq, DRAIN_TIMEOUT) {
+        Ok(flushed) => {
+            tracing::debug!(
+                completions = flushed.len(),
+                "drained the requester after a failed measurement"
+            );
+            error
+        }
+        Err(drain) => {
+            tracing::warn!(%drain, "draining the requester after a failed measurement");
+            format!("{error} (then {drain})").into()
+        }
+    }
 }
 
 fn json_line(m: &Measurement, backend: &str, device: &str) -> String {
@@ -555,5 +585,45 @@ mod tests {
             };
             rdma::<SimVerbsApi>(&node, &args).unwrap();
         }
+    }
+
+    /// A request failing mid-measurement with more outstanding: the error
+    /// is reported and the requester drained (on a device that purges a
+    /// destroyed QP's completions, as ConnectX does) before teardown.
+    #[test]
+    fn a_failed_measurement_drains_and_reports() {
+        use gdr_sim::{DeviceConfig, Fault, FaultPlan, FaultSite};
+        use hal_verbs::WcStatus;
+        let plan = FaultPlan::new();
+        let config = NodeConfig {
+            ipv4: None,
+            devices: vec![DeviceConfig {
+                destroy_qp_purges_cq: true,
+                ..DeviceConfig::default()
+            }],
+        };
+        let node = SimFabric::with_faults(plan.clone()).add_node("a", config);
+        plan.fail_nth(
+            FaultSite::VerbsCompletion,
+            plan.calls(FaultSite::VerbsCompletion) + 5,
+            Fault::CompletionStatus(WcStatus::REM_ACCESS_ERR),
+        );
+        let args = RdmaArgs {
+            sizes: vec![4096],
+            ops: vec![Op::Write],
+            iterations: Some(64),
+            volume: None,
+            tx_depth: 32,
+            cq_mod: 4,
+            post_list: Some(8),
+            idle: Idle::Spin,
+            warmup: 0,
+            device: None,
+            port: 1,
+            json: true,
+        };
+        let err = rdma::<SimVerbsApi>(&node, &args).unwrap_err().to_string();
+        assert!(err.contains("remote access error"), "{err}");
+        assert!(!err.contains("drain"), "the drain succeeded: {err}");
     }
 }

@@ -12,15 +12,25 @@
 //! drop(qp);  // now nothing of it is outstanding: destroying loses nothing
 //! ```
 //!
-//! [`drain`] moves the queue pair to ERROR (everything outstanding completes,
-//! with its status or `WR_FLUSH_ERR`), then posts one marker on each queue
-//! and polls the CQs until both markers' completions are seen: a work queue
+//! [`drain`] posts one marker on each queue, moves the queue pair to ERROR
+//! (everything outstanding completes, with its status or `WR_FLUSH_ERR`) and
+//! polls the CQs until both markers' completions are seen: a work queue
 //! completes in order, so a marker's completion means everything posted
 //! before it on that queue has completed, without the caller having to know
 //! how many requests were outstanding (it cannot, in general: an unsignaled
 //! request that succeeded leaves no completion, while a flushed one does; and
 //! after a post that failed with [`crate::Posted::Unknown`] nobody knows).
 //! This is what the kernel's `ib_drain_qp` does for kernel consumers.
+//!
+//! The receive marker is posted *before* the move to ERROR: on rxe (kernel
+//! 6.1, measured in the VM) a receive posted to a queue pair already in
+//! ERROR is never flushed (librxe posts receives in user space, and nothing
+//! runs the responder again), while everything on the queue when it enters
+//! ERROR is. Should a peer's SEND consume the marker first, its completion
+//! (of any status) still comes after every earlier receive's. Only when the
+//! receive queue is full (or the QP is in RESET) is the marker posted after
+//! the move. The send marker is posted after the move, as `ib_drain_sq`
+//! does (before it, it would go on the wire); rxe flushes that one.
 //!
 //! The markers use the reserved work request ids [`SEND_MARKER_WR_ID`] and
 //! [`RECV_MARKER_WR_ID`] (do not use them for your own requests); their
@@ -121,15 +131,28 @@ pub fn drain_with<A: Api>(
         completions,
         error,
     };
+    let recv_marker = RecvRequest {
+        wr_id: RECV_MARKER_WR_ID,
+        sg_list: smallvec![],
+    };
+    let mut recv = if options.recv {
+        // Before the move to ERROR (see the module docs); any refusal here
+        // (a full queue, a QP in RESET) is retried after it.
+        // SAFETY: the marker has no SG entry: it names no memory.
+        match unsafe { qp.post_recv(std::slice::from_ref(&recv_marker)) } {
+            Ok(()) => Marker::Posted,
+            Err(e) => {
+                tracing::debug!(qp_num, error = %e, "receive marker posted after the move to ERROR");
+                Marker::Unposted
+            }
+        }
+    } else {
+        Marker::Seen
+    };
     if let Err(error) = qp.to_error() {
         return Err(fail(completions, error));
     }
     let mut send = Marker::Unposted;
-    let mut recv = if options.recv {
-        Marker::Unposted
-    } else {
-        Marker::Seen
-    };
     let mut buf = [Completion::default(); 32];
     let mut nap = Duration::from_micros(20);
     loop {
@@ -153,12 +176,8 @@ pub fn drain_with<A: Api>(
             }
         }
         if recv == Marker::Unposted {
-            let marker = RecvRequest {
-                wr_id: RECV_MARKER_WR_ID,
-                sg_list: smallvec![],
-            };
             // SAFETY: the marker has no SG entry: it names no memory.
-            match unsafe { qp.post_recv(std::slice::from_ref(&marker)) } {
+            match unsafe { qp.post_recv(std::slice::from_ref(&recv_marker)) } {
                 Ok(()) => recv = Marker::Posted,
                 Err(e) if matches!(e.error, VerbsError::QueueFull { .. }) => {}
                 Err(e) => return Err(fail(completions, e.error)),

@@ -1220,10 +1220,7 @@ fn every_verbs_fault_fires() {
         .collect();
     // SAFETY: buffers live to the end of the test.
     let err = unsafe { qa.post_send(&batch) }.unwrap_err();
-    assert_eq!(
-        err,
-        PostError::prefix(2, eagain)
-    );
+    assert_eq!(err, PostError::prefix(2, eagain));
     assert_eq!(
         ids_and_status(&expect(&cqa, 2)),
         [(0, WcStatus::SUCCESS), (1, WcStatus::SUCCESS)]
@@ -1239,10 +1236,7 @@ fn every_verbs_fault_fires() {
     plan.fail_next(FaultSite::VerbsPostRecv, Fault::Verbs(erecv.clone()));
     // SAFETY: as above.
     let err = unsafe { qb.post_recv(&[recv(1, &[]), recv(2, &[])]) }.unwrap_err();
-    assert_eq!(
-        err,
-        PostError::prefix(0, erecv)
-    );
+    assert_eq!(err, PostError::prefix(0, erecv));
 
     // A completion status: no byte moves, the QP fails, the rest flushes.
     plan.fail_next(
@@ -1398,10 +1392,7 @@ fn inline_from_a_dmabuf_mr_is_refused() {
     assert!(err.error.to_string().contains("dma-buf"), "{err}");
     p.fabric.set_paused(false);
     // The accepted (non-inline) WRITE from the dma-buf MR runs.
-    assert_eq!(
-        ids_and_status(&expect(&p.cqa, 1)),
-        [(1, WcStatus::SUCCESS)]
-    );
+    assert_eq!(ids_and_status(&expect(&p.cqa, 1)), [(1, WcStatus::SUCCESS)]);
     drop(mr);
 }
 
@@ -1480,9 +1471,15 @@ fn drain_hands_over_every_completion_before_destroy() {
     };
     let (qa, qb) = (a.qp(&small, &cq), b.qp(&QpCaps::default(), &cqb));
     connect(&a, &qa, &b, &qb, RtsParams::default());
-    let (qc, qd) = (a.qp(&QpCaps::default(), &cq), b.qp(&QpCaps::default(), &cqb));
+    let (qc, qd) = (
+        a.qp(&QpCaps::default(), &cq),
+        b.qp(&QpCaps::default(), &cqb),
+    );
     connect(&a, &qc, &b, &qd, RtsParams::default());
-    let (qx, qy) = (a.qp(&QpCaps::default(), &cq), b.qp(&QpCaps::default(), &cqb));
+    let (qx, qy) = (
+        a.qp(&QpCaps::default(), &cq),
+        b.qp(&QpCaps::default(), &cqb),
+    );
     connect(&a, &qx, &b, &qy, RtsParams::default());
 
     // The control: qx's flushes are in the CQ when it is destroyed, and go.
@@ -1505,7 +1502,10 @@ fn drain_hands_over_every_completion_before_destroy() {
     );
     post_recv(
         &qa,
-        &[recv(10, &[inbox.sge(0, 32)]), recv(11, &[inbox.sge(32, 32)])],
+        &[
+            recv(10, &[inbox.sge(0, 32)]),
+            recv(11, &[inbox.sge(32, 32)]),
+        ],
     );
     fabric.set_paused(false);
 
@@ -1525,7 +1525,13 @@ fn drain_hands_over_every_completion_before_destroy() {
     let flushed = WcStatus::WR_FLUSH_ERR;
     assert_eq!(
         of_qa,
-        [(1, flushed), (2, flushed), (3, flushed), (10, flushed), (11, flushed)],
+        [
+            (1, flushed),
+            (2, flushed),
+            (3, flushed),
+            (10, flushed),
+            (11, flushed)
+        ],
         "{got:?}"
     );
     let of_qc: Vec<_> = got
@@ -1533,9 +1539,14 @@ fn drain_hands_over_every_completion_before_destroy() {
         .filter(|c| c.qp_num == qc.qp_num())
         .map(|c| (c.wr_id, c.status))
         .collect();
-    assert_eq!(of_qc, [(100, WcStatus::SUCCESS)], "other QPs' completions are handed over");
+    assert_eq!(
+        of_qc,
+        [(100, WcStatus::SUCCESS)],
+        "other QPs' completions are handed over"
+    );
     assert!(
-        got.iter().all(|c| c.wr_id < hal_verbs::drain::RECV_MARKER_WR_ID),
+        got.iter()
+            .all(|c| c.wr_id < hal_verbs::drain::RECV_MARKER_WR_ID),
         "markers are not returned: {got:?}"
     );
     assert_eq!(qa.state().unwrap(), QpState::Error);
@@ -1574,8 +1585,8 @@ fn drain_reports_a_failing_verb() {
         QpCaps::default(),
         RtsParams::default(),
     );
-    let erecv = VerbsError::from_errno("ibv_post_recv", "sim0", libc::EIO);
-    plan.fail_next(FaultSite::VerbsPostRecv, Fault::Verbs(erecv.clone()));
+    let esend = VerbsError::from_errno("ibv_post_send", "sim0", libc::EIO);
+    plan.fail_next(FaultSite::VerbsPostSend, Fault::Verbs(esend.clone()));
     let err = hal_verbs::drain::drain::<gdr_sim::SimVerbsApi>(
         &p.qa,
         &p.cqa,
@@ -1583,6 +1594,30 @@ fn drain_reports_a_failing_verb() {
         std::time::Duration::from_secs(5),
     )
     .unwrap_err();
-    assert_eq!(err.error, erecv, "{err}");
+    assert_eq!(err.error, esend, "{err}");
     assert_eq!(err.qp_num, p.qa.qp_num());
+}
+
+/// A receive marker refused before the move to ERROR (here by a scripted
+/// fault; on real NICs a full receive queue) is posted after it.
+#[test]
+fn drain_posts_a_refused_receive_marker_after_the_move_to_error() {
+    let plan = FaultPlan::new();
+    let p = pair_with(
+        SimFabric::with_faults(plan.clone()),
+        QpCaps::default(),
+        RtsParams::default(),
+    );
+    let inbox = p.a.buf(64, AccessFlags::transfer());
+    post_recv(&p.qa, &[recv(7, &[inbox.sge(0, 64)])]);
+    let erecv = VerbsError::from_errno("ibv_post_recv", "sim0", libc::ENOMEM);
+    plan.fail_next(FaultSite::VerbsPostRecv, Fault::Verbs(erecv));
+    let got = hal_verbs::drain::drain::<gdr_sim::SimVerbsApi>(
+        &p.qa,
+        &p.cqa,
+        &p.cqa,
+        std::time::Duration::from_secs(5),
+    )
+    .expect("drain");
+    assert_eq!(ids_and_status(&got), [(7, WcStatus::WR_FLUSH_ERR)]);
 }
