@@ -698,10 +698,13 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     ) -> Result<SimVirtualMapping> {
         const OP: &str = "cuMemMap";
         self.vmm(OP)?;
-        granular(
-            OP,
-            offset.max(memory::DEVICE_ALLOCATION_GRANULARITY as usize),
-        )?;
+        if offset % memory::DEVICE_ALLOCATION_GRANULARITY as usize != 0 {
+            return Err(CudaError::InvalidArgument {
+                operation: OP,
+                reason: format!("offset {offset} is not a multiple of the granularity"),
+                code: Some(1),
+            });
+        }
         let len = physical.inner.len;
         let fits = offset
             .checked_add(len)

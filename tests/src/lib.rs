@@ -36,3 +36,45 @@ pub fn skip(test: &str, reason: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
 }
+
+/// The environment switch that turns a skipped GPU test into a failure.
+pub const EXPECT_GPU_ENV: &str = "GDR_EXPECT_GPU";
+
+/// Whether `GDR_EXPECT_GPU=1`: the run is on a machine that has a GPU (the
+/// H200 run sets it), so a GPU test that cannot find one must fail.
+pub fn expect_gpu() -> bool {
+    std::env::var(EXPECT_GPU_ENV).is_ok_and(|v| v == "1")
+}
+
+/// Skips a GPU test with its reason, like [`skip`], or, with
+/// `GDR_EXPECT_GPU=1`, fails it: whatever made the GPU unusable (no
+/// libcuda, a stub libcuda on the library path, `cuInit` failing, no device)
+/// must not turn a GPU run into a silent pass.
+pub fn skip_gpu(test: &str, reason: &str) {
+    if expect_gpu() {
+        panic!("{test}: {EXPECT_GPU_ENV}=1 but no usable GPU: {reason}");
+    }
+    skip(test, reason);
+}
+
+/// libcuda loaded and GPU 0's primary context, or `None` after
+/// [`skip_gpu`] (which fails the test under `GDR_EXPECT_GPU=1`). A load
+/// failure other than "no library" or "no device" always fails the test.
+pub fn cuda_gpu(test: &str) -> Option<(hal_cuda::cuda::CudaDriver, hal_cuda::cuda::CudaContext)> {
+    use hal_cuda::Driver as _;
+    init_tracing();
+    let driver = match hal_cuda::cuda::CudaDriver::load().and_then(|d| d.device_count().map(|_| d))
+    {
+        Ok(driver) => driver,
+        Err(
+            e @ (hal_cuda::CudaError::LibraryUnavailable { .. }
+            | hal_cuda::CudaError::NoDevice { .. }),
+        ) => {
+            skip_gpu(test, &e.to_string());
+            return None;
+        }
+        Err(e) => panic!("{test}: loading the CUDA driver failed: {e}"),
+    };
+    let ctx = driver.context(0).expect("device 0's primary context");
+    Some((driver, ctx))
+}

@@ -7,8 +7,9 @@ use std::os::fd::{AsFd, AsRawFd};
 use gdr_sim::{Fault, FaultPlan, FaultSite, GpuConfig, SimCuda, SimCudaApi};
 use gdr_tests::{init_tracing, pattern};
 use hal_cuda::{
-    Context, CudaError, DeviceMemory, Driver, Event, FlushScope, HostRegisterFlags, IpcMapping,
-    MemoryType, PinnedHostMemory, Stream,
+    AllocationKind, Context, CudaError, DeviceMemory, Driver, Event, FlushScope, HostRegisterFlags,
+    IpcMapping, MemoryType, PhysicalMemory, PinnedHostMemory, Stream, VirtualMapping,
+    VirtualReservation,
 };
 
 type Ctx = <SimCudaApi as hal_cuda::Api>::Context;
@@ -343,7 +344,7 @@ fn each_cuda_fault_kind_fires() {
     assert!(
         matches!(
             err,
-            CudaError::DeviceLost {
+            CudaError::ContextUnusable {
                 code: Some(719),
                 ..
             }
@@ -421,4 +422,192 @@ fn host_visible_device_memory_has_a_host_address_but_is_still_device_memory() {
     // alive until `mem` drops.
     let seen = unsafe { std::slice::from_raw_parts(addr as *const u8, 8192) };
     assert_eq!(seen, &pattern(8192, 4)[..]);
+}
+
+/// Issue 8: unmapping one physical allocation and mapping another at the
+/// same virtual address gives the range a new buffer id (as the real driver
+/// does: 907 → 909 on the H200), and the attributes of a mapping are device
+/// memory whose base and size are the mapped chunk's.
+#[test]
+fn vmm_remap_at_the_same_address_gets_a_new_buffer_id() {
+    let (driver, ctx, _) = gpu(GpuConfig::default());
+    let g = ctx.vmm_granularity().unwrap();
+    assert!(g >= 4096 && g.is_power_of_two(), "{g}");
+    let reservation = ctx.reserve_address_range(2 * g).unwrap();
+    assert_eq!(reservation.len(), 2 * g);
+    let base = reservation.base();
+
+    let a = ctx.create_physical(g).unwrap();
+    assert_eq!(a.len(), g);
+    assert_eq!(driver.used_bytes(0), g as u64);
+    let first = ctx.map(&reservation, 0, &a).unwrap();
+    assert_eq!(first.device_ptr(), base);
+    assert_eq!(first.len(), g);
+    let attrs = ctx.pointer_attributes(base + 4096).unwrap();
+    assert_eq!(attrs.memory_type, MemoryType::Device);
+    assert_eq!(attrs.device_ordinal, Some(0));
+    assert_eq!(attrs.allocation_base, base);
+    assert_eq!(attrs.allocation_size, g as u64);
+    assert_eq!(
+        attrs.allocation_kind,
+        AllocationKind::VirtualMemoryManagement
+    );
+    assert_ne!(attrs.buffer_id, 0);
+    write_device(&ctx, base, &pattern(8192, 7));
+    let id_a = attrs.buffer_id;
+
+    // The second chunk of the reservation is unmapped: not device memory.
+    assert!(ctx.pointer_attributes(base + g as u64).is_err());
+
+    drop(first);
+    assert!(
+        ctx.pointer_attributes(base).is_err(),
+        "an unmapped VMM address is not device memory"
+    );
+    let b = ctx.create_physical(g).unwrap();
+    let second = ctx.map(&reservation, 0, &b).unwrap();
+    assert_eq!(second.device_ptr(), base, "same virtual address");
+    let attrs = ctx.pointer_attributes(base).unwrap();
+    assert_eq!(attrs.memory_type, MemoryType::Device);
+    assert_eq!(
+        (attrs.allocation_base, attrs.allocation_size),
+        (base, g as u64)
+    );
+    assert_ne!(
+        attrs.buffer_id, id_a,
+        "a new physical allocation, a new buffer id"
+    );
+    assert_eq!(
+        read_device(&ctx, base, 8192),
+        vec![0u8; 8192],
+        "B's bytes, not A's"
+    );
+
+    // A, mapped again beside it, still holds its bytes, under yet another id.
+    let again = ctx.map(&reservation, g, &a).unwrap();
+    assert_eq!(
+        read_device(&ctx, again.device_ptr(), 8192),
+        pattern(8192, 7)
+    );
+    let attrs_again = ctx.pointer_attributes(again.device_ptr()).unwrap();
+    assert_ne!(attrs_again.buffer_id, id_a);
+    assert_ne!(attrs_again.buffer_id, attrs.buffer_id);
+    assert_eq!(attrs_again.allocation_base, base + g as u64);
+
+    // dma-buf export works per mapped chunk, not across two.
+    ctx.export_dmabuf(base, g).unwrap();
+    assert!(ctx.export_dmabuf(base, 2 * g).is_err());
+    // Legacy IPC does not work on VMM memory.
+    assert!(ctx.ipc_export(base).is_err());
+    drop((second, again, a, b, reservation));
+    assert_eq!(driver.used_bytes(0), 0);
+}
+
+/// A mapping keeps its reservation and its physical memory alive: dropping
+/// their handles first leaves it usable, and the memory is given back only
+/// when the mapping goes.
+#[test]
+fn vmm_mapping_outlives_its_handles() {
+    let (driver, ctx, _) = gpu(GpuConfig::default());
+    let g = ctx.vmm_granularity().unwrap();
+    let reservation = ctx.reserve_address_range(g).unwrap();
+    let physical = ctx.create_physical(g).unwrap();
+    let mapping = ctx.map(&reservation, 0, &physical).unwrap();
+    drop(reservation);
+    drop(physical);
+    write_device(&ctx, mapping.device_ptr(), &pattern(4096, 3));
+    assert_eq!(
+        read_device(&ctx, mapping.device_ptr(), 4096),
+        pattern(4096, 3)
+    );
+    assert_eq!(driver.used_bytes(0), g as u64);
+    drop(mapping);
+    assert_eq!(driver.used_bytes(0), 0);
+}
+
+#[test]
+fn vmm_refuses_bad_sizes_offsets_and_overlaps() {
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let g = ctx.vmm_granularity().unwrap();
+    let invalid = |r: Result<(), CudaError>, what: &str| match r {
+        Err(CudaError::InvalidArgument { .. }) => {}
+        other => panic!("{what}: want InvalidArgument, got {other:?}"),
+    };
+    invalid(
+        ctx.reserve_address_range(g + 1).map(drop),
+        "unaligned reservation",
+    );
+    invalid(ctx.reserve_address_range(0).map(drop), "empty reservation");
+    invalid(
+        ctx.create_physical(g / 2).map(drop),
+        "unaligned physical size",
+    );
+    let reservation = ctx.reserve_address_range(2 * g).unwrap();
+    let physical = ctx.create_physical(g).unwrap();
+    invalid(
+        ctx.map(&reservation, 4096, &physical).map(drop),
+        "unaligned offset",
+    );
+    invalid(
+        ctx.map(&reservation, 2 * g, &physical).map(drop),
+        "past the reservation",
+    );
+    let _mapped = ctx.map(&reservation, 0, &physical).unwrap();
+    invalid(
+        ctx.map(&reservation, 0, &physical).map(drop),
+        "already mapped there",
+    );
+}
+
+#[test]
+fn vmm_switched_off_is_not_supported() {
+    let (driver, ctx, _) = gpu(GpuConfig {
+        virtual_memory_management: false,
+        ..GpuConfig::default()
+    });
+    assert!(
+        !driver
+            .device_attributes(0)
+            .unwrap()
+            .virtual_memory_management
+    );
+    assert!(matches!(
+        ctx.vmm_granularity(),
+        Err(CudaError::NotSupported { .. })
+    ));
+    assert!(
+        ctx.reserve_address_range(2 << 20)
+            .unwrap_err()
+            .is_unsupported()
+    );
+    assert!(ctx.create_physical(2 << 20).unwrap_err().is_unsupported());
+}
+
+/// The simulation has no current context: the real backend's promise (every
+/// call restores the caller's current context, see `gpu_cuda`) needs no
+/// counterpart here. What the sim can show: handles made on one thread work
+/// from another, with nothing made current anywhere.
+#[test]
+fn sim_handles_need_no_current_context() {
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let mem = ctx.alloc(4096).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| write_device(&ctx, mem.device_ptr(), &pattern(4096, 9)));
+    });
+    assert_eq!(read_device(&ctx, mem.device_ptr(), 4096), pattern(4096, 9));
+}
+
+#[test]
+fn vmm_handles_are_mockable() {
+    use hal_cuda::mock::{MockApi, MockContext};
+    let mut ctx = MockContext::<MockApi>::new();
+    ctx.expect_vmm_granularity().returning(|| Ok(2 << 20));
+    ctx.expect_reserve_address_range()
+        .returning(|_| Err(CudaError::unsupported("cuMemAddressReserve", "mocked")));
+    assert_eq!(ctx.vmm_granularity().unwrap(), 2 << 20);
+    assert!(
+        ctx.reserve_address_range(2 << 20)
+            .unwrap_err()
+            .is_unsupported()
+    );
 }

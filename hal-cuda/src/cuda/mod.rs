@@ -94,6 +94,10 @@ pub fn current_context() -> Result<CuContext> {
     Ok(raw)
 }
 
+/// The driver entry points every load resolves: a library lacking any one
+/// of them is [`CudaError::LibraryUnavailable`], naming it.
+pub const REQUIRED_SYMBOLS: &[&str] = sys::Required::SYMBOLS;
+
 /// The loaded CUDA driver.
 #[derive(Debug, Clone)]
 pub struct CudaDriver {
