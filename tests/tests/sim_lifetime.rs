@@ -499,7 +499,10 @@ fn concurrent_first_registrations_probe_a_pair_once() {
     let buffers: Vec<_> = (0..8)
         .map(|_| Buffer::<SimCudaApi>::alloc_device(&ctx, 64 << 10).unwrap())
         .collect();
-    let barrier = Barrier::new(buffers.len());
+    let barrier = Barrier::new(buffers.len() + 1);
+    // The NIC makes no progress at first, so the first probe's self-check
+    // is still waiting when every other thread arrives.
+    w.fabric.set_paused(true);
     std::thread::scope(|s| {
         for buffer in &buffers {
             let (ladder, barrier) = (&ladder, &barrier);
@@ -511,6 +514,9 @@ fn concurrent_first_registrations_probe_a_pair_once() {
                 );
             });
         }
+        barrier.wait();
+        std::thread::sleep(Duration::from_millis(300));
+        w.fabric.set_paused(false);
     });
     // One probe export and one export per buffer's allocation.
     assert_eq!(
