@@ -1,16 +1,17 @@
-//! The registration cache and buffers against the real CUDA driver: a freed
-//! allocation whose address `cuMemAlloc` hands out again is detected as
+//! The registration cache and buffers against the real CUDA driver: a
+//! device address whose physical memory was replaced (unmapped, and another
+//! allocation mapped at the same address with the VMM API) is detected as
 //! stale through `CU_POINTER_ATTRIBUTE_BUFFER_ID`, and buffers see the
 //! memory types the driver reports. Skipped (with the reason printed) where
-//! no GPU is found.
+//! no GPU is found; a failure instead with `GDR_EXPECT_GPU=1`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gdr_core::buffer::Buffer;
 use gdr_core::cache::{CacheConfig, Registrar, RegistrationCache, Request};
-use gdr_tests::skip;
-use hal_cuda::cuda::{CudaApi, CudaDriver};
-use hal_cuda::{Context as _, DeviceMemory as _, Driver as _, MemoryType};
+use gdr_tests::skip_gpu;
+use hal_cuda::cuda::CudaApi;
+use hal_cuda::{Context as _, MemoryType, VirtualMapping as _, VirtualReservation as _};
 
 /// Stands in for a NIC: each registration is numbered.
 #[derive(Default)]
@@ -28,27 +29,39 @@ impl Registrar for NumberingRegistrar {
 }
 
 fn gpu(test: &str) -> Option<<CudaApi as hal_cuda::Api>::Context> {
-    let driver = match CudaDriver::load().and_then(|d| d.device_count().map(|_| d)) {
-        Ok(driver) => driver,
-        Err(e) => {
-            skip(test, &e.to_string());
-            return None;
-        }
-    };
-    Some(driver.context(0).expect("context of GPU 0"))
+    gdr_tests::cuda_gpu(test).map(|(_driver, ctx)| ctx)
 }
 
+/// A stale entry is detected deterministically: physical allocation A is
+/// mapped in a reserved range and registered, then unmapped, and allocation
+/// B is mapped at the very same address. The driver gives the range a new
+/// buffer id (907 → 909 measured on the H200), so the cache must not hand
+/// out A's registration for B. (The previous version of this test waited for
+/// `cuMemAlloc` to reuse a freed address, which it did not always do while
+/// other tests allocated in parallel.)
 #[test]
-fn reused_device_address_is_stale_not_a_hit() {
-    let Some(ctx) = gpu("reused_device_address_is_stale_not_a_hit") else {
+fn remapped_device_address_is_stale_not_a_hit() {
+    let name = "remapped_device_address_is_stale_not_a_hit";
+    let Some(ctx) = gpu(name) else {
         return;
     };
+    let g = match ctx.vmm_granularity() {
+        Ok(g) => g,
+        Err(e) => {
+            skip_gpu(name, &format!("no CUDA VMM: {e}"));
+            return;
+        }
+    };
+    let len = 2 * g;
     let cache = RegistrationCache::new(CacheConfig::default());
     let registrar = NumberingRegistrar::default();
-    let len = 4 << 20;
-    let first = ctx.alloc(len).unwrap();
-    let addr = first.device_ptr();
+    let reservation = ctx.reserve_address_range(len).unwrap();
+    let addr = reservation.base();
+
+    let a = ctx.create_physical(len).unwrap();
+    let first = ctx.map(&reservation, 0, &a).unwrap();
     let attrs = ctx.pointer_attributes(addr).unwrap();
+    assert_eq!(attrs.memory_type, MemoryType::Device);
     let request = Request::from_attributes(1, &attrs, addr, len as u64).unwrap();
     let registration = *cache
         .get_or_register(&registrar, &request)
@@ -62,22 +75,20 @@ fn reused_device_address_is_stale_not_a_hit() {
             .unwrap()
             .registration(),
         registration,
-        "a range inside the live allocation hits"
+        "a range inside the live mapping hits"
     );
-    drop(first);
 
-    // cuMemAlloc of the same size usually returns the freed address; keep
-    // the misses alive so each try gets a fresh one.
-    let mut others = Vec::new();
-    let reused = loop {
-        let next = ctx.alloc(len).unwrap();
-        if next.device_ptr() == addr {
-            break next;
-        }
-        assert!(others.len() < 8, "the driver never reused {addr:#x}");
-        others.push(next);
-    };
+    drop(first);
+    drop(a);
+    let b = ctx.create_physical(len).unwrap();
+    let second = ctx.map(&reservation, 0, &b).unwrap();
+    assert_eq!(second.device_ptr(), addr, "B lies exactly where A was");
     let attrs = ctx.pointer_attributes(addr).unwrap();
+    eprintln!(
+        "buffer id {} -> {} at {addr:#x}",
+        request.identity.buffer_id().unwrap(),
+        attrs.buffer_id
+    );
     assert_ne!(attrs.buffer_id, request.identity.buffer_id().unwrap());
     let request = Request::from_attributes(1, &attrs, addr, len as u64).unwrap();
     let fresh = *cache
@@ -91,7 +102,8 @@ fn reused_device_address_is_stale_not_a_hit() {
     let stats = cache.stats();
     assert_eq!(stats.stale_detections, 1, "{stats:?}");
     assert_eq!(stats.hits, 1, "{stats:?}");
-    drop(reused);
+    assert_eq!(registrar.registered.load(Ordering::SeqCst), 2);
+    drop(second);
 }
 
 #[test]

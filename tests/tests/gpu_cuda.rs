@@ -1,6 +1,8 @@
 //! The real CUDA backend on a real GPU. Every test that needs one first loads
 //! the driver and counts devices; without libcuda or a GPU it prints
-//! `SKIPPED <name>: <reason>` and passes, so CI without a GPU says so.
+//! `SKIPPED <name>: <reason>` and passes, so CI without a GPU says so. With
+//! `GDR_EXPECT_GPU=1` (the GPU machine's run) such a test fails instead, and
+//! so does one that finds a libcuda stub on the library path.
 //!
 //! The IPC test runs this same binary a second time as a child process
 //! (`GDR_IPC_CHILD_HANDLE` set), which opens the parent's allocation.
@@ -8,19 +10,18 @@
 //! On a GPU machine without cargo: build here with
 //! `cargo test -p gdr-tests --test gpu_cuda --no-run --release`, copy the
 //! executable it names over, and run it there (`--test-threads=1
-//! --nocapture` shows what each test saw). All 15 passed on the project's
-//! H200 (driver 580, CUDA 13), in parallel and serially.
+//! --nocapture` shows what each test saw), with `GDR_EXPECT_GPU=1`.
 
 use std::ffi::CString;
 use std::os::fd::AsRawFd;
 use std::process::Command;
 
-use gdr_tests::{init_tracing, pattern, skip};
+use gdr_tests::{EXPECT_GPU_ENV, expect_gpu, init_tracing, pattern, skip_gpu};
 use hal_cuda::cuda::{CudaContext, CudaDriver, CudaPinnedHostMemory, CudaStream};
 use hal_cuda::{
     AllocationKind, Context, CudaError, DeviceMemory, Driver, Event, FlushScope,
     FlushWritesOptions, HostRegisterFlags, HostRegistration, IpcMapping, IpcMemHandle, MemoryType,
-    PinnedHostMemory, Stream,
+    PhysicalMemory, PinnedHostMemory, Stream, VirtualMapping, VirtualReservation,
 };
 
 const MIB: usize = 1 << 20;
@@ -29,19 +30,9 @@ const IPC_LEN_ENV: &str = "GDR_IPC_CHILD_LEN";
 const IPC_CHILD_OK: &str = "GDR_IPC_CHILD_VERIFIED";
 
 /// The driver and device 0's context, or `None` after printing why the test
-/// is skipped.
+/// is skipped (a failure under `GDR_EXPECT_GPU=1`).
 fn gpu(test: &str) -> Option<(CudaDriver, CudaContext)> {
-    init_tracing();
-    let driver = match CudaDriver::load().and_then(|d| d.device_count().map(|_| d)) {
-        Ok(d) => d,
-        Err(e @ (CudaError::LibraryUnavailable { .. } | CudaError::NoDevice { .. })) => {
-            skip(test, &e.to_string());
-            return None;
-        }
-        Err(e) => panic!("{test}: loading the CUDA driver failed: {e}"),
-    };
-    let ctx = driver.context(0).expect("device 0's primary context");
-    Some((driver, ctx))
+    gdr_tests::cuda_gpu(test)
 }
 
 fn page_size() -> usize {
@@ -129,6 +120,16 @@ fn load_without_libcuda_is_an_error_not_a_panic() {
     init_tracing();
     let loadable = libcuda_loadable();
     let result = std::panic::catch_unwind(CudaDriver::load).expect("CudaDriver::load panicked");
+    if expect_gpu() {
+        let driver =
+            result.unwrap_or_else(|e| panic!("{EXPECT_GPU_ENV}=1 but the load failed: {e}"));
+        let count = driver.device_count();
+        assert!(
+            matches!(count, Ok(n) if n > 0),
+            "{EXPECT_GPU_ENV}=1 but device_count = {count:?}"
+        );
+        return;
+    }
     if loadable {
         match result {
             Ok(driver) => {
@@ -181,7 +182,7 @@ fn dmabuf_export_of_whole_allocation_and_subrange() {
         return;
     };
     if !driver.device_attributes(0).unwrap().dma_buf_supported {
-        skip(name, "the device reports DMA_BUF_SUPPORTED = 0");
+        skip_gpu(name, "the device reports DMA_BUF_SUPPORTED = 0");
         return;
     }
     let len = 8 * MIB;
@@ -533,9 +534,10 @@ fn flush_succeeds_where_supported() {
     };
     let attrs = driver.device_attributes(0).unwrap();
     eprintln!(
-        "flush options {:?}, ordering {:?}, needs flush before kernels: {}",
+        "flush options {:?}, ordering {:?}, visibility {:?}, needs flush before kernels: {:?}",
         attrs.flush_writes_options,
         attrs.writes_ordering,
+        attrs.writes_visibility(),
         attrs.needs_flush_before_kernels()
     );
     let owner = ctx.flush_gpu_direct_rdma_writes(FlushScope::Owner);
@@ -584,4 +586,372 @@ fn handles_outlive_the_context_handle() {
     // SAFETY: `mem` holds MIB bytes and outlives the synchronize.
     unsafe { stream.memset(mem.device_ptr(), 3, MIB) }.unwrap();
     stream.synchronize().unwrap();
+}
+
+type RawGetCurrent = unsafe extern "C" fn(*mut *mut std::ffi::c_void) -> u32;
+type RawSetCurrent = unsafe extern "C" fn(*mut std::ffi::c_void) -> u32;
+type RawCtxCreateV2 =
+    unsafe extern "C" fn(*mut *mut std::ffi::c_void, std::ffi::c_uint, std::ffi::c_int) -> u32;
+type RawCtxCreateV4 = unsafe extern "C" fn(
+    *mut *mut std::ffi::c_void,
+    *mut std::ffi::c_void,
+    std::ffi::c_uint,
+    std::ffi::c_int,
+) -> u32;
+type RawCtxDestroy = unsafe extern "C" fn(*mut std::ffi::c_void) -> u32;
+
+/// A libcuda symbol looked up by the test itself (not through hal-cuda),
+/// as the function type `T` the caller names.
+///
+/// # Safety
+/// `T` must be the C signature of `name` in cuda.h.
+unsafe fn libcuda_symbol<T: Copy>(name: &str) -> Option<T> {
+    assert_eq!(
+        std::mem::size_of::<T>(),
+        std::mem::size_of::<*mut libc::c_void>()
+    );
+    let lib = CString::new("libcuda.so.1").unwrap();
+    let sym = CString::new(name).unwrap();
+    // SAFETY: dlopen of a library hal-cuda loaded already (a reference count
+    // only; never closed), dlsym with valid C strings.
+    let ptr = unsafe {
+        let handle = libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        if handle.is_null() {
+            return None;
+        }
+        libc::dlsym(handle, sym.as_ptr())
+    };
+    // SAFETY: the caller vouches that `T` is the symbol's function type.
+    (!ptr.is_null()).then(|| unsafe { std::mem::transmute_copy::<*mut libc::c_void, T>(&ptr) })
+}
+
+/// Every kind of hal-cuda call that makes a context current, and the drops
+/// of what they made; `check` runs after the calls and after the drops.
+fn exercise(ctx: &CudaContext, check: &dyn Fn(&str)) {
+    let mem = ctx.alloc(MIB).unwrap();
+    let host = pinned_with(ctx, &pattern(MIB, 1));
+    let stream = ctx.create_stream().unwrap();
+    let event = ctx.create_event().unwrap();
+    // SAFETY: both ranges hold MIB bytes and outlive the synchronize.
+    unsafe { stream.copy_host_to_device(mem.device_ptr(), host.as_ptr(), MIB) }.unwrap();
+    // SAFETY: as above.
+    unsafe { stream.memset(mem.device_ptr(), 7, 4096) }.unwrap();
+    stream.record(&event).unwrap();
+    event.synchronize().unwrap();
+    assert!(event.is_complete().unwrap());
+    stream.synchronize().unwrap();
+    let attrs = ctx.pointer_attributes(mem.device_ptr()).unwrap();
+    assert_eq!(attrs.memory_type, MemoryType::Device);
+    ctx.address_range(mem.device_ptr()).unwrap();
+    let dmabuf = ctx.export_dmabuf(mem.device_ptr(), MIB);
+    let _ = ctx.ipc_export(mem.device_ptr()).unwrap();
+    let mut plain = vec![0u8; 64 << 10];
+    // SAFETY: `plain` outlives the registration, dropped below.
+    let reg =
+        unsafe { ctx.register_host(plain.as_mut_ptr(), plain.len(), HostRegisterFlags::empty()) }
+            .unwrap();
+    let _ = ctx.flush_gpu_direct_rdma_writes(FlushScope::Owner);
+    ctx.synchronize().unwrap();
+    let vmm = ctx.vmm_granularity().ok().map(|g| {
+        let reservation = ctx.reserve_address_range(g).unwrap();
+        let physical = ctx.create_physical(g).unwrap();
+        let mapping = ctx.map(&reservation, 0, &physical).unwrap();
+        (reservation, physical, mapping)
+    });
+    check("after the calls");
+    drop((vmm, reg, dmabuf, event, stream, host, mem));
+    check("after the drops");
+}
+
+/// Issue 8: hal-cuda must leave the calling thread's current context as the
+/// caller had it (none, another context, or the primary context itself),
+/// `Drop` included, so an inference runtime's current device never changes.
+#[test]
+fn calls_leave_the_callers_current_context_alone() {
+    let name = "calls_leave_the_callers_current_context_alone";
+    let Some((_driver, ctx)) = gpu(name) else {
+        return;
+    };
+    let current = || hal_cuda::cuda::current_context().unwrap();
+    // SAFETY: cuCtxSetCurrent(CUcontext).
+    let set: RawSetCurrent = unsafe { libcuda_symbol("cuCtxSetCurrent") }.expect("cuCtxSetCurrent");
+    // SAFETY: cuCtxGetCurrent(CUcontext*), checked against hal-cuda's view.
+    let get: RawGetCurrent = unsafe { libcuda_symbol("cuCtxGetCurrent") }.expect("cuCtxGetCurrent");
+    let raw_current = || {
+        let mut c = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { get(&mut c) }, 0);
+        c
+    };
+
+    // No context current.
+    // SAFETY: a null context is allowed: it unbinds the thread.
+    assert_eq!(unsafe { set(std::ptr::null_mut()) }, 0);
+    exercise(&ctx, &|when| {
+        assert!(
+            current().is_null(),
+            "none was current; {when} {:?} is",
+            current()
+        );
+        assert!(raw_current().is_null());
+    });
+
+    // The primary context itself current: stays.
+    // SAFETY: `ctx.raw()` is a retained primary context.
+    assert_eq!(unsafe { set(ctx.raw()) }, 0);
+    exercise(&ctx, &|when| assert_eq!(current(), ctx.raw(), "{when}"));
+
+    // Another context of the same device current (what an application
+    // with its own context has): stays.
+    // SAFETY: cuda.h's signatures of cuCtxCreate_v2/_v4 and cuCtxDestroy_v2.
+    let (v2, v4, destroy) = unsafe {
+        (
+            libcuda_symbol::<RawCtxCreateV2>("cuCtxCreate_v2"),
+            libcuda_symbol::<RawCtxCreateV4>("cuCtxCreate_v4"),
+            libcuda_symbol::<RawCtxDestroy>("cuCtxDestroy_v2"),
+        )
+    };
+    let mut other = std::ptr::null_mut();
+    // SAFETY: valid out-pointer, flags 0, device 0; v4 takes null params.
+    let created = unsafe {
+        match (v2, v4) {
+            (Some(create), _) => create(&mut other, 0, 0),
+            (None, Some(create)) => create(&mut other, std::ptr::null_mut(), 0, 0),
+            (None, None) => u32::MAX,
+        }
+    };
+    match (created, destroy) {
+        (0, Some(destroy)) => {
+            assert_eq!(
+                current(),
+                other,
+                "cuCtxCreate makes the new context current"
+            );
+            assert_ne!(other, ctx.raw());
+            exercise(&ctx, &|when| assert_eq!(current(), other, "{when}"));
+            // SAFETY: `other` was created above and nothing of ours lives in it.
+            assert_eq!(unsafe { destroy(other) }, 0);
+        }
+        (code, _) => eprintln!("no second context could be created (code {code}); case skipped"),
+    }
+    // SAFETY: unbinds the thread again.
+    assert_eq!(unsafe { set(std::ptr::null_mut()) }, 0);
+
+    // A thread that never had a context.
+    std::thread::scope(|s| {
+        s.spawn(|| exercise(&ctx, &|when| assert!(current().is_null(), "{when}")));
+    });
+}
+
+/// Issue 8: reserve a range, map physical allocation A, unmap it and map
+/// another one, B, at the same address: the buffer id changes (907 → 909
+/// measured on the H200), so the registration cache can tell them apart.
+#[test]
+fn vmm_remap_at_the_same_address_gets_a_new_buffer_id() {
+    let name = "vmm_remap_at_the_same_address_gets_a_new_buffer_id";
+    let Some((driver, ctx)) = gpu(name) else {
+        return;
+    };
+    let attrs = driver.device_attributes(0).unwrap();
+    if !attrs.virtual_memory_management {
+        skip_gpu(
+            name,
+            "the device reports VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0",
+        );
+        return;
+    }
+    let g = ctx.vmm_granularity().unwrap();
+    eprintln!("VMM granularity {g}");
+    let reservation = ctx.reserve_address_range(2 * g).unwrap();
+    let base = reservation.base();
+    let a = ctx.create_physical(g).unwrap();
+    let first = ctx.map(&reservation, 0, &a).unwrap();
+    assert_eq!(first.device_ptr(), base);
+    let at_a = ctx.pointer_attributes(base + 4096).unwrap();
+    eprintln!(
+        "A mapped at {base:#x}: {at_a:?} (created RDMA capable: {})",
+        a.gpu_direct_rdma_capable()
+    );
+    assert_eq!(at_a.memory_type, MemoryType::Device);
+    assert_eq!(at_a.device_ordinal, Some(0));
+    assert_ne!(at_a.buffer_id, 0);
+    assert!(at_a.allocation_base <= base && base < at_a.allocation_base + at_a.allocation_size);
+    assert_eq!(
+        at_a.allocation_kind,
+        AllocationKind::VirtualMemoryManagement
+    );
+    assert_eq!(
+        ctx.address_range(base).unwrap(),
+        (base, g as u64),
+        "the chunk"
+    );
+
+    let stream = ctx.create_stream().unwrap();
+    let host = pinned_with(&ctx, &pattern(8192, 0x42));
+    // SAFETY: both ranges hold 8192 bytes and outlive the synchronize.
+    unsafe { stream.copy_host_to_device(base, host.as_ptr(), 8192) }.unwrap();
+    stream.synchronize().unwrap();
+
+    drop(first);
+    let b = ctx.create_physical(g).unwrap();
+    let second = ctx.map(&reservation, 0, &b).unwrap();
+    assert_eq!(second.device_ptr(), base, "the same virtual address");
+    let at_b = ctx.pointer_attributes(base + 4096).unwrap();
+    eprintln!("B mapped at {base:#x}: {at_b:?}");
+    eprintln!("buffer id {} -> {}", at_a.buffer_id, at_b.buffer_id);
+    assert_eq!(at_b.memory_type, MemoryType::Device);
+    assert_ne!(
+        at_b.buffer_id, at_a.buffer_id,
+        "a new physical allocation, a new buffer id"
+    );
+
+    // A, mapped beside B, still holds its bytes.
+    let again = ctx.map(&reservation, g, &a).unwrap();
+    let got = read_device(&ctx, &stream, again.device_ptr(), 8192);
+    assert_same("A's bytes, mapped again", &got, &pattern(8192, 0x42));
+    if attrs.dma_buf_supported {
+        ctx.export_dmabuf(base, g).expect("export of one chunk");
+        let across = ctx.export_dmabuf(base, 2 * g);
+        eprintln!("export across two chunks: {across:?}");
+        assert!(across.is_err());
+    }
+    // The mappings keep the reservation and A alive.
+    drop(reservation);
+    drop(a);
+    let got = read_device(&ctx, &stream, again.device_ptr(), 8192);
+    assert_same(
+        "A's bytes after its handle dropped",
+        &got,
+        &pattern(8192, 0x42),
+    );
+    drop((second, again, b));
+}
+
+const STUB_TARGET: &str = "device_attributes_are_sane";
+
+/// The path of the C library this process runs on.
+fn libc_path() -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("/libc.so.6") || p.contains("/libc-"))
+        .map(str::to_owned)
+}
+
+/// Builds, in `dir`, a `libcuda.so.1` exporting every symbol hal-cuda needs
+/// (C compiler permitting): `cuInit` answers `init`, and the device count is
+/// 0. `false` without a compiler.
+fn build_stub(dir: &std::path::Path, init: u32) -> bool {
+    let mut source = String::from("int cuDeviceGetCount(int *n) { *n = 0; return 0; }\n");
+    source += "int cuDriverGetVersion(int *v) { *v = 13000; return 0; }\n";
+    source += &format!("int cuInit(unsigned f) {{ (void)f; return {init}; }}\n");
+    for name in hal_cuda::cuda::REQUIRED_SYMBOLS {
+        if !["cuDeviceGetCount", "cuDriverGetVersion", "cuInit"].contains(name) {
+            source += &format!("int {name}(void) {{ return 999; }}\n");
+        }
+    }
+    let c = dir.join("stub.c");
+    std::fs::write(&c, source).unwrap();
+    Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.join("libcuda.so.1"))
+        .arg(&c)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Issue 8: a libcuda stub first on the library path (a library that is not
+/// the driver, CUDA's stub whose `cuInit` fails, a driver with no device)
+/// makes a GPU test skip without `GDR_EXPECT_GPU` and fail with it. Runs
+/// this binary's `device_attributes_are_sane` as a child per stub.
+#[test]
+fn a_libcuda_stub_on_the_library_path_fails_a_gpu_run() {
+    init_tracing();
+    let root = std::env::temp_dir().join(format!("gdr-libcuda-stubs-{}", std::process::id()));
+    let mut stubs = Vec::new();
+    if let Some(libc) = libc_path() {
+        let dir = root.join("not-cuda");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::symlink(&libc, dir.join("libcuda.so.1")).unwrap();
+        stubs.push((
+            "a library without cuInit",
+            dir,
+            "does not export cuInit",
+            true,
+        ));
+    }
+    for (what, init, want, skips) in [
+        ("CUDA's stub (cuInit = 34)", 34, "stub", true),
+        ("a driver with no device", 0, "0 devices", true),
+        // A code CUDA 12.8's enum lacks: read as the integer it is, and a
+        // failure of its own (not a skip) with or without the switch.
+        (
+            "a driver answering an unlisted code (cuInit = 917)",
+            917,
+            "CUresult 917",
+            false,
+        ),
+    ] {
+        let dir = root.join(format!("init-{init}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        if build_stub(&dir, init) {
+            stubs.push((what, dir, want, skips));
+        } else {
+            eprintln!("no C compiler: stub {what:?} not built");
+        }
+    }
+    assert!(!stubs.is_empty(), "no stub could be made");
+    let exe = std::env::current_exe().unwrap();
+    for &(what, ref dir, want, skips) in &stubs {
+        let run = |expect: bool| {
+            let mut cmd = Command::new(&exe);
+            cmd.args([STUB_TARGET, "--exact", "--nocapture", "--test-threads=1"])
+                .env("LD_LIBRARY_PATH", dir);
+            if expect {
+                cmd.env(EXPECT_GPU_ENV, "1");
+            } else {
+                cmd.env_remove(EXPECT_GPU_ENV);
+            }
+            let out = cmd.output().expect("spawning the child");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (out.status.success(), text)
+        };
+        let (ok, text) = run(false);
+        if !skips {
+            assert!(
+                !ok,
+                "{what}: an unexpected driver error fails the test:\n{text}"
+            );
+            assert!(text.contains(want), "{what}: names {want:?}:\n{text}");
+            eprintln!("{what}: failed, with the code named");
+            continue;
+        }
+        assert!(
+            ok,
+            "{what}: without {EXPECT_GPU_ENV} the test skips:\n{text}"
+        );
+        assert!(
+            text.contains(&format!("SKIPPED {STUB_TARGET}")),
+            "{what}:\n{text}"
+        );
+        assert!(
+            text.contains(want),
+            "{what}: the reason names {want:?}:\n{text}"
+        );
+        let (ok, text) = run(true);
+        assert!(
+            !ok,
+            "{what}: with {EXPECT_GPU_ENV}=1 the run must fail:\n{text}"
+        );
+        assert!(
+            text.contains(&format!("{EXPECT_GPU_ENV}=1 but no usable GPU")),
+            "{what}:\n{text}"
+        );
+        eprintln!("{what}: skipped without {EXPECT_GPU_ENV}, failed with it");
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -611,3 +611,47 @@ fn vmm_handles_are_mockable() {
             .is_unsupported()
     );
 }
+
+/// `gpu_cache`'s stale-address test on the simulated GPU: the registration
+/// cache sees a remapped VMM address as stale, deterministically.
+#[test]
+fn cache_detects_a_remapped_vmm_address_as_stale() {
+    use gdr_core::cache::{CacheConfig, Registrar, RegistrationCache, Request};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[derive(Default)]
+    struct Numbering(AtomicU64);
+    impl Registrar for Numbering {
+        type Registration = u64;
+        type Error = std::io::Error;
+        fn register(&self, _request: &Request) -> Result<u64, std::io::Error> {
+            Ok(self.0.fetch_add(1, Ordering::SeqCst) + 1)
+        }
+    }
+
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let g = ctx.vmm_granularity().unwrap();
+    let cache = RegistrationCache::new(CacheConfig::default());
+    let registrar = Numbering::default();
+    let reservation = ctx.reserve_address_range(g).unwrap();
+    let addr = reservation.base();
+    let a = ctx.create_physical(g).unwrap();
+    let first = ctx.map(&reservation, 0, &a).unwrap();
+    let attrs = ctx.pointer_attributes(addr).unwrap();
+    let request = Request::from_attributes(1, &attrs, addr, g as u64).unwrap();
+    let old = *cache
+        .get_or_register(&registrar, &request)
+        .unwrap()
+        .registration();
+    drop(first);
+    let b = ctx.create_physical(g).unwrap();
+    let _second = ctx.map(&reservation, 0, &b).unwrap();
+    let attrs = ctx.pointer_attributes(addr).unwrap();
+    let request = Request::from_attributes(1, &attrs, addr, g as u64).unwrap();
+    let fresh = *cache
+        .get_or_register(&registrar, &request)
+        .unwrap()
+        .registration();
+    assert_ne!(fresh, old);
+    assert_eq!(cache.stats().stale_detections, 1, "{:?}", cache.stats());
+}

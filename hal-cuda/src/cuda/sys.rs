@@ -287,7 +287,11 @@ fn open() -> std::result::Result<Driver, CudaError> {
         let lib = match unsafe { libloading::Library::new(name) } {
             Ok(lib) => lib,
             Err(e) => {
-                failures.push(format!("{name}: {e}"));
+                // libloading keeps dlerror()'s text in the source.
+                match std::error::Error::source(&e) {
+                    Some(detail) => failures.push(format!("{name}: {e}: {detail}")),
+                    None => failures.push(format!("{name}: {e}")),
+                }
                 continue;
             }
         };
