@@ -532,10 +532,15 @@ fn rxe_cm_disconnect_while_poll_state_waits() {
         let (state, waited) = waiter.join().unwrap();
         (took, state, waited)
     });
-    eprintln!("{T}: disconnect() took {took:?}; the waiting poll_state returned {state:?} after {waited:?}");
+    eprintln!(
+        "{T}: disconnect() took {took:?}; the waiting poll_state returned {state:?} after {waited:?}"
+    );
     assert!(took < Duration::from_secs(2), "disconnect() took {took:?}");
     assert_eq!(state.expect("poll_state"), ConnectionState::Disconnected);
-    assert!(waited < Duration::from_secs(5), "poll_state waited {waited:?}");
+    assert!(
+        waited < Duration::from_secs(5),
+        "poll_state waited {waited:?}"
+    );
     assert_eq!(client_conn.qp().state().unwrap(), QpState::Error);
     assert_eq!(
         server_conn.poll_state(Duration::from_secs(10)).unwrap(),

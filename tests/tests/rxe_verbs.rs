@@ -528,7 +528,11 @@ fn access_error_case(
     // The responder detected the violation (IBA class C: NAK, then its QP
     // to ERROR): its posted receive is flushed, never consumed.
     let r = wait(&lb.cq_b, 1)[0];
-    eprintln!("{what}: responder {r:?} ({}), QP {:?}", r.status, lb.b.state());
+    eprintln!(
+        "{what}: responder {r:?} ({}), QP {:?}",
+        r.status,
+        lb.b.state()
+    );
     assert_eq!(
         (r.wr_id, r.status, r.qp_num),
         (88, WcStatus::WR_FLUSH_ERR, lb.b.qp_num()),
@@ -954,7 +958,11 @@ fn drain_flushes_everything_posted() {
     let got_b = wait(&lb.cq_b, 3);
     assert!(got_b.iter().all(|c| c.status.is_success()), "{got_b:?}");
     std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(lb.a.state().unwrap(), QpState::ReadyToSend, "still retrying");
+    assert_eq!(
+        lb.a.state().unwrap(),
+        QpState::ReadyToSend,
+        "still retrying"
+    );
 
     let t = Instant::now();
     let drained = hal_verbs::drain::drain::<hal_verbs::rdma::RdmaApi>(

@@ -431,7 +431,10 @@ fn disconnect_while_poll_state_waits_returns_promptly() {
         assert!(took < Duration::from_secs(1), "disconnect() took {took:?}");
         let (state, waited) = waiter.join().unwrap();
         assert_eq!(state, ConnectionState::Disconnected);
-        assert!(waited < Duration::from_secs(5), "poll_state waited {waited:?}");
+        assert!(
+            waited < Duration::from_secs(5),
+            "poll_state waited {waited:?}"
+        );
     });
     assert_eq!(
         server_conn.poll_state(Duration::from_secs(5)).unwrap(),

@@ -571,7 +571,11 @@ impl Drop for SimQp {
                             cq.entries.retain(|e| e.wc.qp_num != qpn);
                             let purged = before - cq.entries.len();
                             if purged > 0 {
-                                tracing::debug!(qpn, purged, "sim: destroyed QP's completions purged");
+                                tracing::debug!(
+                                    qpn,
+                                    purged,
+                                    "sim: destroyed QP's completions purged"
+                                );
                             }
                         }
                     }

@@ -578,7 +578,10 @@ fn qp_rts(cm: &CmId, qp: &RdmaQp, params: &ConnectParams, init_rd: Option<u8>) -
     } else if attr.timeout == 0 {
         // 0 disables the ACK timer (a dead peer is retried forever): never
         // take it from the CM either; use the HAL's default instead.
-        tracing::debug!(qp_num = qp.qp_num(), "rdma_cm derived ACK timeout 0; using 14");
+        tracing::debug!(
+            qp_num = qp.qp_num(),
+            "rdma_cm derived ACK timeout 0; using 14"
+        );
         attr.timeout = crate::types::RtsParams::default().timeout;
         extra |= m::IBV_QP_TIMEOUT.0;
     }

@@ -1,9 +1,9 @@
 //! Protection domains and memory registrations.
 
+use std::collections::HashSet;
 use std::ffi::c_int;
 use std::fmt;
 use std::os::fd::RawFd;
-use std::collections::HashSet;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use rdma_mummy_sys as sys;

@@ -851,8 +851,16 @@ mod tests {
         };
         let mut out = [Completion::default(); POLL_CHUNK * 2];
         let got = poll_loop(&mut out, &pending, "fake0", &mut fake).expect("first poll");
-        assert_eq!(got, POLL_CHUNK, "the first chunk's completions are returned");
-        assert!(out[..got].iter().enumerate().all(|(i, c)| c.wr_id == i as u64));
+        assert_eq!(
+            got, POLL_CHUNK,
+            "the first chunk's completions are returned"
+        );
+        assert!(
+            out[..got]
+                .iter()
+                .enumerate()
+                .all(|(i, c)| c.wr_id == i as u64)
+        );
         let err = poll_loop(&mut out, &pending, "fake0", &mut fake).expect_err("held error");
         assert!(
             matches!(err, VerbsError::CompletionQueue { code: -1, .. }),
