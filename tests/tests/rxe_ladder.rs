@@ -20,6 +20,12 @@ use hal_verbs::rdma::RdmaApi;
 type RxeLadder = Ladder<RdmaApi, SimCudaApi>;
 
 fn ladder(test: &str) -> Option<(RxeLadder, SimCuda)> {
+    ladder_and_context(test).map(|(ladder, cuda, _)| (ladder, cuda))
+}
+
+fn ladder_and_context(
+    test: &str,
+) -> Option<(RxeLadder, SimCuda, <RdmaApi as hal_verbs::Api>::Context)> {
     let (_provider, ctx) = open_rxe(test)?;
     let cuda = SimCuda::new(
         vec![GpuConfig {
@@ -37,7 +43,7 @@ fn ladder(test: &str) -> Option<(RxeLadder, SimCuda)> {
         LadderConfig::default(),
     )
     .unwrap();
-    Some((ladder, cuda))
+    Some((ladder, cuda, ctx))
 }
 
 #[test]
@@ -85,4 +91,12 @@ fn gpu_memory_falls_from_dmabuf_refused_by_rxe_to_peermem() {
         "the peermem probe passed its loopback self-check"
     );
     ladder.prove(&registration, 512 << 10).unwrap();
+}
+
+#[test]
+fn grants_confine_the_peer_on_rxe() {
+    let Some((ladder, _cuda, ctx)) = ladder_and_context("grants_confine_the_peer_on_rxe") else {
+        return;
+    };
+    gdr_tests::grants::grants_confine_the_peer(&ctx, &ladder, 1);
 }
