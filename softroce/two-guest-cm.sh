@@ -46,6 +46,8 @@ require_ok() {
   done
   return $ok
 }
+CA="env $COMMON GDR_CM_ROLE=server $TEST"
+CB="env $COMMON GDR_CM_ROLE=client GDR_CM_PEER=10.99.0.1 $TEST"
 export RXEVM_PAIR_DIR=$D
 rc=0
 if [ "$KILL" = 0 ]; then
