@@ -440,6 +440,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// are still alive then, e.g. held by an escaped handle, a grant or a
     /// transfer in flight. For memory gdr owns this never fails: the last
     /// lease frees it.
+    #[allow(clippy::result_large_err)] // the buffer itself is the error
     pub fn release(mut self, timeout: Duration) -> Result<(), Self> {
         self.forget_registrations();
         if !self.borrowed || self.backing.leases.wait_released(Some(timeout)) {
