@@ -149,6 +149,8 @@ pub trait CompletionQueue: Send + Sync + Debug {
     /// Entries the queue holds.
     fn depth(&self) -> u32;
     /// Takes up to `out.len()` completions, returning how many were written.
+    /// Completions taken off the queue are never lost with an error: a
+    /// failure met after some were taken is reported by the next call.
     fn poll(&self, out: &mut [Completion]) -> Result<usize>;
 }
 
@@ -165,13 +167,22 @@ pub trait QueuePair: Send + Sync + Debug {
     fn to_init(&self, params: &InitParams) -> Result<()>;
     /// INIT → RTR, towards the peer described in `params`.
     fn to_rtr(&self, params: &RtrParams) -> Result<()>;
-    /// RTR → RTS. Refuses `retry_cnt` 7 (see [`RtsParams::validate`]).
+    /// RTR → RTS. Refuses `retry_cnt` 7 and ACK timeout 0, both infinite
+    /// retry (see [`RtsParams::validate`]).
     fn to_rts(&self, params: &RtsParams) -> Result<()>;
     /// Any state → ERROR: outstanding requests complete with
     /// [`crate::WcStatus::WR_FLUSH_ERR`].
     fn to_error(&self) -> Result<()>;
 
     /// Links `requests` in order and posts them with one doorbell.
+    ///
+    /// A request the backend refuses before the provider sees it (an INLINE
+    /// payload over the granted `max_inline_data`, from a dma-buf MR, or on
+    /// a READ: [`crate::VerbsError::InvalidArgument`]) ends the batch there:
+    /// the requests before it are posted, and the error says so
+    /// ([`crate::Posted::Prefix`]). A failure whose extent the provider does
+    /// not tell is [`crate::Posted::Unknown`]: drain the queue pair
+    /// ([`crate::drain`]).
     ///
     /// # Safety
     /// Every SG entry must lie in a live registration whose memory stays
@@ -267,7 +278,9 @@ pub trait ConnectRequest<A: Api>: Send + Sync + Debug {
 }
 
 /// An established connection: one RC queue pair. Dropping it disconnects,
-/// then destroys the queue pair.
+/// then destroys the queue pair: on ConnectX that removes the queue pair's
+/// completions from its CQs, so drain it first ([`crate::drain`]) when
+/// work is outstanding.
 #[cfg_attr(feature = "mock", mockall::automock)]
 pub trait Connection<A: Api>: Send + Sync + Debug {
     /// The queue pair, in RTS once connected: post through it.
@@ -285,6 +298,8 @@ pub trait Connection<A: Api>: Send + Sync + Debug {
     /// it stands.
     fn poll_state(&self, timeout: Duration) -> Result<ConnectionState>;
     /// Moves the queue pair to ERROR (outstanding requests flush) and tells
-    /// the peer. Idempotent.
+    /// the peer. Idempotent. Never waits for a `poll_state` in progress on
+    /// another thread (which then returns promptly). Work still outstanding
+    /// should be drained ([`crate::drain`]) before the connection is dropped.
     fn disconnect(&self) -> Result<()>;
 }

@@ -536,7 +536,11 @@ bitflags::bitflags! {
         /// Solicited event at the receiver.
         const SOLICITED = 1 << 2;
         /// Copy the payload into the WQE; host memory only, never GPU memory
-        /// (the CPU would read device memory through the BAR).
+        /// (the CPU would read device memory through the BAR, or fault on a
+        /// dma-buf MR's iova). The backend refuses it for a SG entry whose
+        /// lkey is a dma-buf MR's, for a READ, and above the QP's granted
+        /// `max_inline_data`; over peermem (a GPU virtual address) only the
+        /// layers above know the memory's kind and must not set it.
         const INLINE = 1 << 3;
     }
 }

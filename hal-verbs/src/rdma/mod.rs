@@ -31,7 +31,14 @@
 //! - WRITE/READ past an MR's end, and WRITE into an MR without
 //!   REMOTE_WRITE, complete with status 10 (remote access error), move no
 //!   byte, and leave the requester QP in ERROR; the completion's opcode is
-//!   then undefined (rxe reports 0);
+//!   then undefined (rxe reports 0). The responder QP goes to ERROR too
+//!   (IBA class C), its posted receive completing as `WR_FLUSH_ERR`;
+//! - a receive posted to a QP already in ERROR is never flushed (librxe
+//!   posts receives in user space and nothing runs the responder again);
+//!   a send posted then is. Hence [`crate::drain`]'s receive marker goes in
+//!   before the move to ERROR;
+//! - `max_inline_data` 64 is granted as asked; above it librxe answers
+//!   EINVAL (libmlx5 answers ENOMEM), so the HAL checks it first;
 //! - `max_qp_rd_atom` is 128, the active MTU 1024 on a 1500-byte netdev.
 //!
 //! The layout: `device` holds the provider and the opened device (device
