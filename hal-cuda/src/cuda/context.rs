@@ -39,6 +39,8 @@ unsafe impl Sync for ContextInner {}
 pub(crate) struct Current<'a> {
     ctx: &'a ContextInner,
     pushed: bool,
+    /// The push belongs to this thread's context stack: not `Send`.
+    _thread: std::marker::PhantomData<*const ()>,
 }
 
 impl Drop for Current<'_> {
@@ -77,6 +79,7 @@ impl ContextInner {
             return Ok(Current {
                 ctx: self,
                 pushed: false,
+                _thread: std::marker::PhantomData,
             });
         }
         // SAFETY: `raw` is a primary context retained for as long as `self`
@@ -87,6 +90,7 @@ impl ContextInner {
         Ok(Current {
             ctx: self,
             pushed: true,
+            _thread: std::marker::PhantomData,
         })
     }
 
@@ -352,7 +356,7 @@ fn pageable() -> PointerAttributes {
 /// `cuPointerGetAttributes` of `addr` (the caller made a context current).
 pub(crate) fn pointer_attributes(drv: &sys::Driver, addr: u64) -> Result<PointerAttributes> {
     let mut query = |kinds: &[c_int], slots: &mut [u64]| -> u32 {
-        assert_eq!(kinds.len(), slots.len());
+        debug_assert_eq!(kinds.len(), slots.len());
         let mut kinds = kinds.to_vec();
         let mut data: Vec<*mut c_void> = slots
             .iter_mut()
