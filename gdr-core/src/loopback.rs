@@ -293,17 +293,31 @@ impl<A: Api> Loopback<A> {
         };
         let result = match result {
             Err(LoopbackError::Timeout { .. }) => {
-                // Still in flight: stop the QP and wait for the flush, so the
-                // NIC is done with the memory before anyone frees it.
-                let _ = pair.requester.to_error();
-                match self.wait(qp_num, wr_id, operation) {
-                    Err(LoopbackError::Timeout { timeout, .. }) => {
-                        Err(LoopbackError::Unquiesced { operation, timeout })
-                    }
-                    _ => Err(LoopbackError::Timeout {
+                // Still in flight: drain the requester (to the error state,
+                // then a marker whose flush proves everything before it is
+                // done), so the NIC is done with the memory before anyone
+                // frees it. Only the requester posts, and no receives.
+                let drained = hal_verbs::drain::drain_with::<A>(
+                    &pair.requester,
+                    &self.cq,
+                    &self.cq,
+                    hal_verbs::drain::DrainOptions {
+                        recv: false,
+                        ..hal_verbs::drain::DrainOptions::new(self.timeout)
+                    },
+                );
+                match drained {
+                    Ok(_) => Err(LoopbackError::Timeout {
                         operation,
                         timeout: self.timeout,
                     }),
+                    Err(e) => {
+                        tracing::error!(error = %e.error, "the timed-out request could not be flushed");
+                        Err(LoopbackError::Unquiesced {
+                            operation,
+                            timeout: self.timeout,
+                        })
+                    }
                 }
             }
             other => other,
