@@ -15,10 +15,13 @@
 //!
 //! CUDA VMM: a reservation takes a range of the device window; each
 //! `map` of physical memory into it is a range of its own with a fresh buffer
-//! id (as the real driver gives: 907 → 909 measured on the H200 when a second
-//! physical allocation is mapped where the first was), reported as
-//! [`AllocationKind::VirtualMemoryManagement`] device memory whose base and
-//! size are the mapped chunk's.
+//! id (as the real driver gives: 907 → 909, and 1818 → 1830, measured on the
+//! H200 when a second physical allocation is mapped where the first was),
+//! reported as [`AllocationKind::VirtualMemoryManagement`] device memory.
+//! Its pointer attributes' base and size are the whole reservation's, as the
+//! H200 (driver 580) reports them (`RANGE_START_ADDR`/`RANGE_SIZE` of a
+//! 2 MiB chunk mapped in a 4 MiB reservation read as the 4 MiB), while
+//! `cuMemGetAddressRange` and dma-buf export see the mapped chunk only.
 //!
 //! There is no current context in the simulation: the real backend's
 //! promise to leave the caller's current context alone holds trivially.
@@ -462,10 +465,11 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             return Ok(PointerAttributes {
                 memory_type: MemoryType::Device,
                 device_ordinal: Some(range.ordinal),
-                allocation_base: range.base,
-                allocation_size: range.len as u64,
+                // VMM memory: the reservation, as the real driver reports.
+                allocation_base: range.reservation.map_or(range.base, |r| r.0),
+                allocation_size: range.reservation.map_or(range.len as u64, |r| r.1),
                 buffer_id: range.buffer_id,
-                allocation_kind: if range.vmm {
+                allocation_kind: if range.reservation.is_some() {
                     AllocationKind::VirtualMemoryManagement
                 } else {
                     AllocationKind::Legacy
@@ -566,7 +570,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 format!("{addr:#x} is not device memory"),
             )
         })?;
-        if range.vmm {
+        if range.reservation.is_some() {
             // Memory mapped with cuMemMap is not legacy-IPC capable.
             return Err(CudaError::InvalidArgument {
                 operation: "cuIpcGetMemHandle",
@@ -724,6 +728,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         };
         let base = reservation.inner.base + offset as u64;
         let range = memory::map_fixed(
+            (reservation.inner.base, reservation.inner.len as u64),
             base,
             len,
             self.gpu.ordinal,

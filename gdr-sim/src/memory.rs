@@ -83,10 +83,11 @@ pub struct DeviceRange {
     pub peermem: bool,
     /// The host memory behind it.
     pub backing: Arc<Backing>,
-    /// Mapped with `cuMemMap` into a reserved range (CUDA VMM), not
-    /// allocated with `cuMemAlloc`: its address is not recycled by the
-    /// allocator when unmapped (the reservation owns it).
-    pub vmm: bool,
+    /// For memory mapped with `cuMemMap` (CUDA VMM), not allocated with
+    /// `cuMemAlloc`: the reserved range `(base, len)` it was mapped into.
+    /// Its address is not recycled by the allocator when unmapped (the
+    /// reservation owns it).
+    pub reservation: Option<(u64, u64)>,
 }
 
 #[derive(Default)]
@@ -154,7 +155,7 @@ pub(crate) fn map(
         process,
         peermem,
         backing,
-        vmm: false,
+        reservation: None,
     });
     space.ranges.insert(base, Arc::clone(&range));
     range
@@ -171,10 +172,11 @@ pub(crate) fn reserve(len: u64) -> u64 {
     base
 }
 
-/// Maps `backing` at the fixed address `base` (`cuMemMap` into a
-/// reservation), with a fresh buffer id; `None` if any byte of
-/// `base..base+len` is mapped already.
+/// Maps `backing` at the fixed address `base` (`cuMemMap` into
+/// `reservation`, its `(base, len)`), with a fresh buffer id; `None` if any
+/// byte of `base..base+len` is mapped already.
 pub(crate) fn map_fixed(
+    reservation: (u64, u64),
     base: u64,
     len: usize,
     ordinal: u32,
@@ -200,7 +202,7 @@ pub(crate) fn map_fixed(
         process,
         peermem,
         backing,
-        vmm: true,
+        reservation: Some(reservation),
     });
     space.ranges.insert(base, Arc::clone(&range));
     Some(range)
@@ -210,7 +212,7 @@ pub(crate) fn map_fixed(
 pub(crate) fn unmap(base: u64) -> Option<Arc<DeviceRange>> {
     let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
     let range = space.ranges.remove(&base)?;
-    if base >= DEVICE_WINDOW_START && !range.vmm {
+    if base >= DEVICE_WINDOW_START && range.reservation.is_none() {
         space
             .free_bases
             .entry(reserved_size(range.len))
