@@ -5,7 +5,8 @@
 #   2. the SoftRoCE harness self-test;
 #   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
 #      guest with rxe0, as cargo's runner), and rdma_cm between two guests;
-#   4. the loom models of gdr-core's concurrency;
+#   4. the loom models of gdr-core's concurrency, and each against its
+#      mutants (scripts/loom-mutants.sh);
 #   5. a short coverage-guided fuzz run of each parser (scripts/fuzz.sh).
 # Prints each stage's time; exits non-zero if any stage failed.
 set -uo pipefail
@@ -42,10 +43,9 @@ two_guests() {
 if [ -e tests/tests/rxe_cm.rs ]; then
   stage two-guest-cm two_guests || failed=1
 fi
-if grep -rqs 'cfg(loom)' gdr-core/src; then
-  stage loom env RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
-    cargo test -p gdr-core --release --lib loom || failed=1
-fi
+# Every loom model, unbounded; then each mutant (a deliberate bug in the
+# loom build) against the models named for it: each of those runs must fail.
+stage loom "$ROOT/scripts/loom-mutants.sh" || failed=1
 stage fuzz-descriptor "$ROOT/scripts/fuzz.sh" "${GDR_FUZZ_SECONDS:-30}" descriptor || failed=1
 summary
 exit $failed

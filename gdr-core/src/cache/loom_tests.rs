@@ -12,7 +12,7 @@
 //! requires each of those runs to fail.
 
 use loom::sync::Arc;
-use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
 
 use super::*;
@@ -61,28 +61,35 @@ struct Reg {
     /// invalidation carries the old generation.
     generation: AtomicUsize,
     first: First,
-    /// With a gate, the first call says it has `entered` and then waits for
-    /// the model to `open` it.
-    gated: bool,
-    entered: AtomicBool,
-    open: AtomicBool,
+    /// The cache the registrar works for, when the model wants the first
+    /// call to record how many requests wait inside it ([`Reg::waiters`]).
+    cache: std::sync::OnceLock<Arc<Cache>>,
+    /// The requests waiting inside the first call's range when it ended
+    /// (they are sure to get its outcome).
+    waiters: AtomicUsize,
 }
 
 impl Reg {
     fn new() -> Arc<Self> {
-        Self::with(First::Succeed, false)
+        Self::with(First::Succeed)
     }
 
-    fn with(first: First, gated: bool) -> Arc<Self> {
+    fn with(first: First) -> Arc<Self> {
         Arc::new(Self {
             calls: AtomicUsize::new(0),
             live: Arc::new(AtomicUsize::new(0)),
             generation: AtomicUsize::new(0),
             first,
-            gated,
-            entered: AtomicBool::new(false),
-            open: AtomicBool::new(false),
+            cache: std::sync::OnceLock::new(),
+            waiters: AtomicUsize::new(0),
         })
+    }
+
+    /// The registrar of `cache`, recording its first call's waiters.
+    fn serving(first: First, cache: &Arc<Cache>) -> Arc<Self> {
+        let reg = Self::with(first);
+        assert!(reg.cache.set(Arc::clone(cache)).is_ok());
+        reg
     }
 
     fn calls(&self) -> usize {
@@ -99,9 +106,8 @@ impl Registrar for Reg {
     type Error = Refused;
     fn register(&self, request: &Request) -> Result<Mr, Refused> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
-        if call == 1 && self.gated {
-            self.entered.store(true, Ordering::SeqCst);
-            spin_until(|| self.open.load(Ordering::SeqCst));
+        if let Some(cache) = self.cache.get().filter(|_| call == 1) {
+            self.waiters.store(covered_waiters(cache), Ordering::SeqCst);
         }
         match self.first {
             First::Fail if call == 1 => return Err(Refused { call }),
@@ -149,14 +155,6 @@ fn explore(name: &str, model: impl Fn() + Sync + Send + 'static) {
         started.elapsed()
     );
     assert!(runs > 1, "{name}: loom explored a single interleaving");
-}
-
-/// Yields to the other threads until `done` holds (loom runs the others
-/// while a thread spins this way).
-fn spin_until(mut done: impl FnMut() -> bool) {
-    while !done() {
-        thread::yield_now();
-    }
 }
 
 /// Once no handle is held: trimming leaves nothing cached, and every
@@ -407,35 +405,45 @@ fn a_waiter_racing_an_eviction() {
     });
 }
 
-/// The registrar fails while another request waits inside its range: the
-/// waiter gets the same failure (it does not register again), and the
-/// failure is not cached (the next request registers anew).
+/// The registrar fails while another request may wait inside its range: a
+/// waiter gets the same failure (it does not register again: the registrar
+/// records whether one waited), a later request registers anew (the failure
+/// is not cached).
 ///
 /// Catches `waiter-retries-failure` (the waiter calls the registrar itself)
-/// and `failed-stays-pending` (the next request is served the old failure).
+/// and `failed-stays-pending` (a later request is served the old failure).
 #[test]
 fn a_failed_registration_is_shared_with_its_waiters() {
     explore("a_failed_registration_is_shared_with_its_waiters", || {
-        let (cache, reg) = (cache(u64::MAX), Reg::with(First::Fail, true));
-        let registering = {
+        let cache = cache(u64::MAX);
+        let reg = Reg::serving(First::Fail, &cache);
+        let t = {
             let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
-            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)).err())
+            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)))
         };
-        spin_until(|| reg.entered.load(Ordering::SeqCst));
-        let waiting = {
-            let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
-            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)).err())
+        let mine = cache.get_or_register(&*reg, &host(0x0, 0x1000));
+        let theirs = t.join().unwrap();
+        let source = |e| match e {
+            CacheError::Register { source, .. } => source,
+            other => panic!("not the registrar's failure: {other:?}"),
         };
-        spin_until(|| covered_waiters(&cache) == 1);
-        reg.open.store(true, Ordering::SeqCst);
-        let source = |e: Option<CacheError<Refused>>| match e {
-            Some(CacheError::Register { source, .. }) => source,
-            other => panic!("expected the registrar's failure, got {other:?}"),
-        };
-        let first = source(registering.join().unwrap());
-        let shared = source(waiting.join().unwrap());
-        assert!(std::sync::Arc::ptr_eq(&first, &shared), "not shared");
-        assert_eq!((first.call, reg.calls()), (1, 1));
+        match (mine, theirs) {
+            (Err(a), Err(b)) => {
+                let (a, b) = (source(a), source(b));
+                assert!(std::sync::Arc::ptr_eq(&a, &b), "two failures");
+                assert_eq!((a.call, reg.calls()), (1, 1));
+            }
+            (Err(failed), Ok(registered)) | (Ok(registered), Err(failed)) => {
+                assert_eq!(source(failed).call, 1);
+                assert_eq!(registered.registration().call, 2);
+                assert_eq!(
+                    reg.waiters.load(Ordering::SeqCst),
+                    0,
+                    "a waiter did not get the failure it waited for"
+                );
+            }
+            (Ok(_), Ok(_)) => panic!("the registrar's failure was lost"),
+        }
         let again = cache.get_or_register(&*reg, &host(0x0, 0x1000));
         assert_eq!(
             again.expect("the failure was cached").registration().call,
@@ -446,7 +454,7 @@ fn a_failed_registration_is_shared_with_its_waiters() {
     });
 }
 
-/// The registrar panics while another request waits inside its range: the
+/// The registrar panics while another request may wait inside its range: a
 /// waiter is woken and registers itself (it never hangs), and the panic
 /// leaves nothing behind.
 ///
@@ -459,29 +467,27 @@ fn an_abandoned_registration_is_retried_by_its_waiters() {
     explore(
         "an_abandoned_registration_is_retried_by_its_waiters",
         || {
-            let (cache, reg) = (cache(u64::MAX), Reg::with(First::Panic, true));
-            let registering = {
-                let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
-                thread::spawn(move || {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        drop(cache.get_or_register(&*reg, &host(0x0, 0x1000)));
-                    }))
-                    .is_err()
-                })
+            let (cache, reg) = (cache(u64::MAX), Reg::with(First::Panic));
+            // The registrar call that made the registration, or the panic.
+            let call = |cache: &Cache, reg: &Reg| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let h = cache.get_or_register(reg, &host(0x0, 0x1000));
+                    h.map(|h| h.registration().call)
+                }))
             };
-            spin_until(|| reg.entered.load(Ordering::SeqCst));
-            let waiting = {
+            let t = {
                 let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
-                thread::spawn(move || {
-                    let h = cache.get_or_register(&*reg, &host(0x0, 0x1000)).unwrap();
-                    h.registration().call
-                })
+                thread::spawn(move || call(&cache, &reg))
             };
-            spin_until(|| covered_waiters(&cache) == 1);
-            reg.open.store(true, Ordering::SeqCst);
-            assert!(registering.join().unwrap(), "the registrar did not panic");
-            assert_eq!(waiting.join().unwrap(), 2, "the waiter did not register");
-            assert_eq!(reg.calls(), 2);
+            let mine = call(&cache, &reg);
+            let theirs = t.join().unwrap();
+            // One panicked; the other registered (the second call), after
+            // waiting for the first or not.
+            let calls = match (mine, theirs) {
+                (Err(_), Ok(Ok(call))) | (Ok(Ok(call)), Err(_)) => call,
+                _ => panic!("expected one panic and one registration"),
+            };
+            assert_eq!((calls, reg.calls()), (2, 2));
             let s = cache.stats();
             assert_eq!((s.entries, s.failures), (1, 0), "{s:?}");
             settle(&cache, &reg);

@@ -1,0 +1,114 @@
+#!/bin/bash
+# The loom models of gdr-core's registration cache, and the proof that each
+# can fail: builds the loom tests once, runs every model on the real code
+# (all must pass, explored without a preemption bound), then runs the models
+# named for each mutant (gdr-core/src/cache/mutant.rs) with
+# GDR_MUTANT=<mutant> and requires each of those runs to fail. Prints one
+# line per mutant; exits non-zero if a model fails on the real code, if a
+# mutant survives a model named for it, or if the table below and the code
+# disagree (a mutant or a model left out).
+#
+# Usage: scripts/loom-mutants.sh   (env: CARGO_TARGET_DIR, default target/loom;
+#        LOOM_MUTANT_TIMEOUT, seconds per mutant run, default 120)
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+export RUSTFLAGS="--cfg loom"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/loom}
+unset GDR_MUTANT LOOM_MAX_PREEMPTIONS
+timeout_s=${LOOM_MUTANT_TIMEOUT:-120}
+prefix=cache::loom_tests::
+
+# mutant                                  model that must fail on it
+table="
+no-dedupe                                 concurrent_misses_on_one_range_register_once
+overlap-ignores-pending                   concurrent_lookup_and_insert_of_overlapping_ranges
+count-use-after-unlock                    lookup_racing_eviction
+evict-in-use                              refcount_reaching_zero_while_an_eviction_runs
+evict-in-use                              lookup_racing_eviction
+invalidate-skips-in-use                   invalidate_racing_a_hit
+no-invalidate-pending                     invalidate_racing_a_registration_in_flight
+no-covered-waiter-count                   a_waiter_racing_an_eviction
+stale-entry-hits                          a_reused_address_racing_a_lookup_of_the_old_allocation
+allocation-invalidation-misses-pending    invalidate_allocation_racing_a_registration_in_flight
+waiter-retries-failure                    a_failed_registration_is_shared_with_its_waiters
+failed-stays-pending                      a_failed_registration_is_shared_with_its_waiters
+abandon-not-finished                      an_abandoned_registration_is_retried_by_its_waiters
+abandoned-stays-pending                   an_abandoned_registration_is_retried_by_its_waiters
+trim-evicts-in-use                        trim_and_set_limits_racing_a_hit
+set-limits-no-evict                       trim_and_set_limits_racing_a_hit
+"
+
+build_log=$(mktemp)
+trap 'rm -f "$build_log"' EXIT
+if ! cargo test -p gdr-core --release --lib loom --no-run >"$build_log" 2>&1; then
+  cat "$build_log" >&2
+  echo "loom-mutants: the loom build failed" >&2
+  exit 1
+fi
+bin=$(sed -n 's/.*Executable unittests src\/lib.rs (\(.*\))$/\1/p' "$build_log" | tail -1)
+[ -x "$bin" ] || { cat "$build_log" >&2; echo "loom-mutants: no test binary" >&2; exit 1; }
+
+failed=0
+# The table and the code must agree: every mutant has a model, every model
+# a mutant.
+mutants=$(sed -n '/^pub(crate) const MUTANTS/,/^];/s/^ *"\([a-z0-9-]*\)",$/\1/p' \
+  gdr-core/src/cache/mutant.rs | sort -u)
+models=$(grep -A1 '^#\[test\]' gdr-core/src/cache/loom_tests.rs \
+  | sed -n 's/^fn \([a-z0-9_]*\)().*/\1/p' | sort -u)
+tabled_mutants=$(awk 'NF == 2 { print $1 }' <<<"$table" | sort -u)
+tabled_models=$(awk 'NF == 2 { print $2 }' <<<"$table" | sort -u)
+for m in $(comm -23 <(echo "$mutants") <(echo "$tabled_mutants")); do
+  echo "loom-mutants: mutant $m has no model in the table" >&2; failed=1
+done
+for m in $(comm -13 <(echo "$mutants") <(echo "$tabled_mutants")); do
+  echo "loom-mutants: the table names $m, which mutant.rs does not define" >&2; failed=1
+done
+for t in $(comm -23 <(echo "$models") <(echo "$tabled_models")); do
+  echo "loom-mutants: model $t has no mutant in the table" >&2; failed=1
+done
+for t in $(comm -13 <(echo "$models") <(echo "$tabled_models")); do
+  echo "loom-mutants: the table names model $t, which loom_tests.rs does not define" >&2; failed=1
+done
+
+# The real code: every model passes.
+start=$(date +%s%N)
+out=$("$bin" "$prefix" --nocapture 2>&1)
+rc=$?
+grep -E '^loom: |^test result' <<<"$out"
+if [ $rc -ne 0 ]; then
+  echo "$out" >&2
+  echo "loom-mutants: a model fails on the real code" >&2
+  failed=1
+fi
+echo "loom-mutants: models on the real code: $((($(date +%s%N) - start) / 1000000)) ms"
+
+# Each mutant: every model named for it must fail.
+killed=0 survived=0
+while read -r mutant model; do
+  [ -n "${mutant:-}" ] || continue
+  out=$(GDR_MUTANT=$mutant timeout "$timeout_s" "$bin" --exact "$prefix$model" 2>&1)
+  rc=$?
+  why=$(grep -m1 -A1 "panicked at" <<<"$out" | tail -1 | cut -c1-110)
+  # Failed: the test failed; or loom aborted the process (a second panic
+  # while it unwound a model whose threads were still alive: exit 134) after
+  # the model's own thread panicked first.
+  first_panic=$(grep -m1 "panicked at" <<<"$out")
+  if { [ $rc -eq 101 ] && grep -q "^test $prefix$model \.\.\. FAILED" <<<"$out"; } ||
+    { [ $rc -eq 134 ] && [[ $first_panic == "thread '$prefix$model' "* ]]; }; then
+    printf 'mutant %-40s killed   by %s: %s\n' "$mutant" "$model" "$why"
+    killed=$((killed + 1))
+  else
+    case $rc in
+      0) what="SURVIVED (the model passed)" ;;
+      2) what="ERROR (unknown mutant)" ;;
+      124) what="TIMEOUT after ${timeout_s}s" ;;
+      *) what="ERROR (exit $rc)" ;;
+    esac
+    printf 'mutant %-40s %s: %s\n' "$mutant" "$what" "$model" >&2
+    survived=$((survived + 1))
+    failed=1
+  fi
+done <<<"$table"
+echo "loom-mutants: $killed killed, $survived not killed"
+exit $failed
