@@ -43,6 +43,14 @@ pub enum GdrResult {
     Timeout = 7010,
     /// The peer refused the connection.
     ConnectionRejected = 7011,
+    /// The GPU context hit a sticky error (an illegal address, a failed
+    /// launch, ...): every later call in it fails; release everything made
+    /// in it and start again (a new process, or after the device's reset).
+    ContextUnusable = 7012,
+    /// The GPU exists but cannot be used now (exclusive-process mode with
+    /// another process holding it, compute prohibited): may change later;
+    /// not a lost device.
+    DeviceUnavailable = 7013,
 }
 
 impl From<&VerbsError> for GdrResult {
@@ -71,6 +79,8 @@ impl From<&CudaError> for GdrResult {
             CudaError::OutOfMemory { .. } => Self::OutOfResources,
             CudaError::InvalidArgument { .. } => Self::InvalidArgument,
             CudaError::DeviceLost { .. } => Self::DeviceLost,
+            CudaError::ContextUnusable { .. } => Self::ContextUnusable,
+            CudaError::DeviceUnavailable { .. } => Self::DeviceUnavailable,
             _ => Self::Other,
         }
     }
@@ -91,8 +101,28 @@ impl GdrResult {
             Self::Panic => c"internal error (panic caught at the C boundary)",
             Self::Timeout => c"timed out",
             Self::ConnectionRejected => c"connection rejected by the peer",
+            Self::ContextUnusable => c"GPU context unusable after a sticky error",
+            Self::DeviceUnavailable => c"GPU device unavailable now",
         }
     }
+
+    /// Every result, for lookups by number.
+    const ALL: [GdrResult; 14] = [
+        GdrResult::Ok,
+        GdrResult::LibraryUnavailable,
+        GdrResult::NoDevice,
+        GdrResult::NotSupported,
+        GdrResult::OutOfResources,
+        GdrResult::QueueFull,
+        GdrResult::InvalidArgument,
+        GdrResult::DeviceLost,
+        GdrResult::Other,
+        GdrResult::Panic,
+        GdrResult::Timeout,
+        GdrResult::ConnectionRejected,
+        GdrResult::ContextUnusable,
+        GdrResult::DeviceUnavailable,
+    ];
 }
 
 /// The library version as a static NUL-terminated string.
@@ -106,21 +136,7 @@ pub extern "C" fn gdr_version() -> *const c_char {
 /// "unknown result". Never NULL.
 #[unsafe(no_mangle)]
 pub extern "C" fn gdr_result_message(result: u32) -> *const c_char {
-    let known = [
-        GdrResult::Ok,
-        GdrResult::LibraryUnavailable,
-        GdrResult::NoDevice,
-        GdrResult::NotSupported,
-        GdrResult::OutOfResources,
-        GdrResult::QueueFull,
-        GdrResult::InvalidArgument,
-        GdrResult::DeviceLost,
-        GdrResult::Other,
-        GdrResult::Panic,
-        GdrResult::Timeout,
-        GdrResult::ConnectionRejected,
-    ];
-    known
+    GdrResult::ALL
         .into_iter()
         .find(|r| *r as u32 == result)
         .map_or(c"unknown result", GdrResult::message)
@@ -152,5 +168,54 @@ mod tests {
         // SAFETY: as above.
         let version = unsafe { CStr::from_ptr(gdr_version()) };
         assert!(version.to_str().unwrap().starts_with("gdr "));
+    }
+
+    #[test]
+    fn sticky_and_unavailable_gpu_errors_have_their_own_codes() {
+        // A sticky error (illegal address) leaves the context unusable.
+        let sticky = CudaError::from_code("cuStreamSynchronize", 700);
+        assert!(
+            matches!(sticky, CudaError::ContextUnusable { .. }),
+            "{sticky:?}"
+        );
+        assert_eq!(GdrResult::from(&sticky), GdrResult::ContextUnusable);
+        assert_eq!(GdrResult::ContextUnusable as u32, 7012);
+        // CUDA_ERROR_DEVICE_UNAVAILABLE: not lost, not "other".
+        let unavailable = CudaError::from_code("cuDevicePrimaryCtxRetain", 46);
+        assert!(
+            matches!(unavailable, CudaError::DeviceUnavailable { .. }),
+            "{unavailable:?}"
+        );
+        assert_eq!(GdrResult::from(&unavailable), GdrResult::DeviceUnavailable);
+        assert_eq!(GdrResult::DeviceUnavailable as u32, 7013);
+        for (result, text) in [
+            (
+                GdrResult::ContextUnusable,
+                "GPU context unusable after a sticky error",
+            ),
+            (GdrResult::DeviceUnavailable, "GPU device unavailable now"),
+        ] {
+            // SAFETY: gdr_result_message returns a static NUL-terminated string.
+            let message = unsafe { CStr::from_ptr(gdr_result_message(result as u32)) };
+            assert_eq!(message.to_str().unwrap(), text);
+        }
+        // An unlisted driver code is still "other".
+        let other = CudaError::from_code("cuMemAlloc", 4242);
+        assert_eq!(GdrResult::from(&other), GdrResult::Other);
+    }
+
+    #[test]
+    fn every_result_has_a_distinct_number_in_the_range_and_a_message() {
+        let mut numbers: Vec<u32> = GdrResult::ALL.iter().map(|&r| r as u32).collect();
+        numbers.sort_unstable();
+        numbers.dedup();
+        assert_eq!(numbers.len(), GdrResult::ALL.len());
+        for result in GdrResult::ALL {
+            let n = result as u32;
+            assert!(n == 0 || (7001..8000).contains(&n), "{result:?} = {n}");
+            // SAFETY: gdr_result_message returns a static NUL-terminated string.
+            let message = unsafe { CStr::from_ptr(gdr_result_message(n)) };
+            assert_ne!(message.to_str().unwrap(), "unknown result", "{result:?}");
+        }
     }
 }

@@ -70,7 +70,7 @@ pub enum CudaError {
         /// The native `CUresult`.
         code: Option<u32>,
     },
-    /// The device exists but cannot be used now (`CUDA_ERROR_DEVICES_UNAVAILABLE`,
+    /// The device exists but cannot be used now (`CUDA_ERROR_DEVICE_UNAVAILABLE`,
     /// e.g. exclusive-process mode with another process holding it, or
     /// compute prohibited): may change later; not a lost device.
     #[error("device unavailable for {operation}{}", Code(*code))]
@@ -124,7 +124,7 @@ pub fn result_name(code: u32) -> &'static str {
         34 => "CUDA_ERROR_STUB_LIBRARY",
         35 => "CUDA_ERROR_INSUFFICIENT_DRIVER",
         36 => "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER",
-        46 => "CUDA_ERROR_DEVICES_UNAVAILABLE",
+        46 => "CUDA_ERROR_DEVICE_UNAVAILABLE",
         100 => "CUDA_ERROR_NO_DEVICE",
         101 => "CUDA_ERROR_INVALID_DEVICE",
         102 => "CUDA_ERROR_DEVICE_NOT_LICENSED",
@@ -317,7 +317,7 @@ mod tests {
         );
         assert!(!e.context_unusable());
         assert!(
-            e.to_string().contains("CUDA_ERROR_DEVICES_UNAVAILABLE"),
+            e.to_string().contains("CUDA_ERROR_DEVICE_UNAVAILABLE"),
             "{e}"
         );
         let e = CudaError::from_code("cuMemAlloc", 999);

@@ -20,7 +20,7 @@ use crate::types::{
 /// one dropped releases it.
 #[derive(Debug)]
 pub(crate) struct ContextInner {
-    pub(crate) raw: CuContext,
+    pub(crate) raw: sys::CuCtx,
     pub(crate) dev: sys::CuDevice,
     pub(crate) ordinal: u32,
     pub(crate) drv: &'static sys::Driver,
@@ -48,7 +48,7 @@ impl Drop for Current<'_> {
         if !self.pushed {
             return;
         }
-        let mut popped: CuContext = std::ptr::null_mut();
+        let mut popped: sys::CuCtx = std::ptr::null_mut();
         // SAFETY: balances the cuCtxPushCurrent of `enter` on this thread
         // (the guard is not Send); `popped` is a valid out-pointer.
         let code = unsafe { (self.ctx.drv.req.cuCtxPopCurrent_v2)(&mut popped) };
@@ -70,7 +70,7 @@ impl ContextInner {
     /// caller's, or none). When it is current already, nothing changes.
     pub(crate) fn enter(&self) -> Result<Current<'_>> {
         let req = &self.drv.req;
-        let mut current: CuContext = std::ptr::null_mut();
+        let mut current: sys::CuCtx = std::ptr::null_mut();
         // SAFETY: `current` is a valid out-pointer.
         check("cuCtxGetCurrent", unsafe {
             (req.cuCtxGetCurrent)(&mut current)
@@ -127,7 +127,7 @@ impl CudaContext {
     /// The raw `CUcontext`, for callers that drive libcuda themselves
     /// (benchmarks, baselines). It stays valid while `self` lives.
     pub fn raw(&self) -> CuContext {
-        self.inner.raw
+        self.inner.raw.cast()
     }
 
     /// `cuMemGetAddressRange`: the base and size of the allocation (for VMM
@@ -236,11 +236,11 @@ fn query_pointer(
     query: &mut dyn FnMut(&[c_int], &mut [u64]) -> u32,
 ) -> Result<RawPointerAttributes> {
     const OP: &str = "cuPointerGetAttributes";
-    const INVALID_VALUE: u32 = 1;
+    const INVALID_VALUE: u32 = C::CUDA_ERROR_INVALID_VALUE;
     let mut slots = [0u64; POINTER_ATTRIBUTES.len()];
     let mut known = [true; POINTER_ATTRIBUTES.len()];
     match query(&POINTER_ATTRIBUTES, &mut slots) {
-        0 => {}
+        C::CUDA_SUCCESS => {}
         INVALID_VALUE => {
             tracing::debug!(
                 addr = format_args!("{addr:#x}"),
@@ -249,7 +249,7 @@ fn query_pointer(
             for (i, &attribute) in POINTER_ATTRIBUTES.iter().enumerate() {
                 let mut slot = [0u64];
                 match query(&[attribute], &mut slot) {
-                    0 => slots[i] = slot[0],
+                    C::CUDA_SUCCESS => slots[i] = slot[0],
                     INVALID_VALUE => {
                         slots[i] = 0;
                         known[i] = false;
@@ -293,10 +293,10 @@ fn query_pointer(
 }
 
 fn classify(raw: &RawPointerAttributes) -> PointerAttributes {
-    const HOST: u32 = 1;
-    const DEVICE: u32 = 2;
-    const ARRAY: u32 = 3;
-    const UNIFIED: u32 = 4;
+    const HOST: u32 = C::CU_MEMORYTYPE_HOST;
+    const DEVICE: u32 = C::CU_MEMORYTYPE_DEVICE;
+    const ARRAY: u32 = C::CU_MEMORYTYPE_ARRAY;
+    const UNIFIED: u32 = C::CU_MEMORYTYPE_UNIFIED;
     let memory_type = if raw.is_managed {
         MemoryType::Managed
     } else {

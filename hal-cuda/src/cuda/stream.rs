@@ -13,7 +13,7 @@ use crate::error::{CudaError, Result};
 #[derive(Debug)]
 pub struct CudaStream {
     ctx: Arc<ContextInner>,
-    raw: sys::CuStream,
+    raw: sys::CuStrm,
 }
 
 // SAFETY: a CUstream is a driver handle usable from any thread; the driver
@@ -25,7 +25,7 @@ unsafe impl Sync for CudaStream {}
 impl CudaStream {
     pub(crate) fn new(ctx: &Arc<ContextInner>) -> Result<Self> {
         let _current = ctx.enter()?;
-        let mut raw: sys::CuStream = std::ptr::null_mut();
+        let mut raw: sys::CuStrm = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the context is current.
         check("cuStreamCreate", unsafe {
             (ctx.drv.req.cuStreamCreate)(&mut raw, C::CU_STREAM_NON_BLOCKING)
@@ -38,7 +38,7 @@ impl CudaStream {
 
     /// The raw `CUstream`, valid while `self` lives.
     pub fn raw(&self) -> sys::CuStream {
-        self.raw
+        self.raw.cast()
     }
 }
 
@@ -156,11 +156,11 @@ impl CudaEvent {
 
 impl Event for CudaEvent {
     fn is_complete(&self) -> Result<bool> {
-        const NOT_READY: u32 = 600;
+        const NOT_READY: u32 = C::CUDA_ERROR_NOT_READY;
         let _current = self.ctx.enter()?;
         // SAFETY: the event is alive for the call.
         match unsafe { (self.ctx.drv.req.cuEventQuery)(self.raw) } {
-            0 => Ok(true),
+            C::CUDA_SUCCESS => Ok(true),
             NOT_READY => Ok(false),
             code => Err(CudaError::from_code("cuEventQuery", code)),
         }

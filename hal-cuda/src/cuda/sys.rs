@@ -5,8 +5,14 @@
 //! enum: a newer driver returns codes an older binding does not list (CUDA 13
 //! returns 36, 47, 227, 917–919 …), and an unlisted value in a Rust enum is
 //! undefined behaviour before any code can look at it. Arguments that are C
-//! enums are passed as the `c_int`/`c_uint` they are in the C ABI, and
-//! structures are declared here with `cuda.h`'s layout.
+//! enums are passed as the `c_int`/`c_uint` they are in the C ABI.
+//!
+//! The types and constants are cudarc's (`cudarc::driver::sys`, bindings of
+//! CUDA 12.8): handle and structure types where their layout is the
+//! driver's, and constants converted from cudarc's enums to integers. Only
+//! cudarc's functions are not used: its function pointers return `CUresult`
+//! as a Rust enum, and it resolves symbols lazily, panicking on a missing
+//! one.
 //!
 //! Every symbol is looked up once, when the library is opened: a missing
 //! required one makes loading fail with [`CudaError::LibraryUnavailable`]
@@ -21,113 +27,139 @@ use std::ffi::c_void;
 use std::os::raw::{c_char, c_int, c_uint, c_ulonglong};
 use std::sync::OnceLock;
 
+// The driver's types and constants come from cudarc's bindings (cuda-12080);
+// its function pointers are never used (see the module documentation).
+use cudarc::driver::sys as cu;
+
 use crate::error::{CudaError, Result};
 
-/// A raw `CUresult`.
+/// A raw `CUresult`: deliberately an integer, not cudarc's `CUresult` enum.
 pub(crate) type CuResult = u32;
 /// `CUdevice`.
-pub(crate) type CuDevice = c_int;
+pub(crate) type CuDevice = cu::CUdevice;
 /// `CUdeviceptr`.
-pub(crate) type CuDevicePtr = c_ulonglong;
-/// `CUcontext`: an opaque driver handle.
-pub type CuContext = *mut c_void;
-/// `CUstream`: an opaque driver handle.
-pub type CuStream = *mut c_void;
-/// `CUevent`: an opaque driver handle.
-pub(crate) type CuEvent = *mut c_void;
+pub(crate) type CuDevicePtr = cu::CUdeviceptr;
+/// `CUcontext`.
+pub(crate) type CuCtx = cu::CUcontext;
+/// `CUstream`.
+pub(crate) type CuStrm = cu::CUstream;
+/// `CUevent`.
+pub(crate) type CuEvent = cu::CUevent;
 /// `CUmemGenericAllocationHandle`.
-pub(crate) type CuMemHandle = c_ulonglong;
-
+pub(crate) type CuMemHandle = cu::CUmemGenericAllocationHandle;
 /// `CUipcMemHandle`: 64 opaque bytes, passed by value.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct CuIpcMemHandle {
-    pub(crate) reserved: [c_char; 64],
-}
-
+pub(crate) type CuIpcMemHandle = cu::CUipcMemHandle;
 /// `CUmemLocation`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CuMemLocation {
-    /// `CUmemLocationType` (`CU_MEM_LOCATION_TYPE_DEVICE` = 1).
-    pub(crate) kind: c_uint,
-    /// The device ordinal.
-    pub(crate) id: c_int,
-}
-
-/// The `allocFlags` member of `CUmemAllocationProp`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct CuMemAllocFlags {
-    pub(crate) compression_type: u8,
-    pub(crate) gpu_direct_rdma_capable: u8,
-    pub(crate) usage: u16,
-    pub(crate) reserved: [u8; 4],
-}
-
+pub(crate) type CuMemLocation = cu::CUmemLocation;
 /// `CUmemAllocationProp`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CuMemAllocationProp {
-    /// `CUmemAllocationType` (`CU_MEM_ALLOCATION_TYPE_PINNED` = 1).
-    pub(crate) kind: c_uint,
-    /// `CUmemAllocationHandleType` (none = 0).
-    pub(crate) requested_handle_types: c_uint,
-    pub(crate) location: CuMemLocation,
-    pub(crate) win32_handle_meta_data: *mut c_void,
-    pub(crate) alloc_flags: CuMemAllocFlags,
-}
-
+pub(crate) type CuMemAllocationProp = cu::CUmemAllocationProp;
 /// `CUmemAccessDesc`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CuMemAccessDesc {
-    pub(crate) location: CuMemLocation,
-    /// `CUmemAccess_flags` (`CU_MEM_ACCESS_FLAGS_PROT_READWRITE` = 3).
-    pub(crate) flags: c_uint,
-}
+pub(crate) type CuMemAccessDesc = cu::CUmemAccessDesc;
 
-// Layouts as in cuda.h on 64-bit targets.
+/// The public face of a `CUcontext`: an untyped driver handle, so that
+/// callers driving libcuda themselves need not name cudarc's types.
+pub type CuContext = *mut c_void;
+/// The public face of a `CUstream`, as [`CuContext`].
+pub type CuStream = *mut c_void;
+
+// The contract with the driver: cuda.h's layouts on 64-bit targets. The
+// structures below hold cudarc enums in their `type_`/`flags` fields; that is
+// sound only because gdr passes them to the driver by `const` pointer or by
+// value and never lets the driver write one back.
 const _: () = assert!(std::mem::size_of::<CuMemAllocationProp>() == 32);
+const _: () = assert!(std::mem::size_of::<CuMemLocation>() == 8);
 const _: () = assert!(std::mem::size_of::<CuMemAccessDesc>() == 12);
 const _: () = assert!(std::mem::size_of::<CuIpcMemHandle>() == 64);
+const _: () = assert!(std::mem::size_of::<CuDevicePtr>() == 8);
+const _: () = assert!(std::mem::size_of::<CuMemHandle>() == 8);
+const _: () = assert!(std::mem::size_of::<CuDevice>() == 4);
 
-/// `cuda.h` constants, as the integers the C ABI passes.
+/// `cuda.h` constants, taken from cudarc's bindings and converted once to the
+/// integer the C ABI passes. Converting a valid Rust enum value to its
+/// integer is always sound; the reverse (a driver's integer read as a cudarc
+/// enum) is what this backend never does.
 pub(crate) mod consts {
     use std::os::raw::{c_int, c_uint};
 
-    pub(crate) const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
-    pub(crate) const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
-    pub(crate) const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
-    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: c_int = 110;
-    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED: c_int = 116;
-    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: c_int = 117;
-    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: c_int = 118;
-    pub(crate) const CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: c_int = 124;
+    use cudarc::driver::sys::{
+        CUdevice_attribute as Dev, CUevent_flags, CUflushGPUDirectRDMAWritesScope as Scope,
+        CUflushGPUDirectRDMAWritesTarget as Target, CUipcMem_flags,
+        CUmemAllocationGranularity_flags as Granularity, CUmemRangeHandleType, CUmemorytype,
+        CUpointer_attribute as Ptr, CUresult, CUstream_flags,
+    };
 
-    pub(crate) const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
-    pub(crate) const CU_POINTER_ATTRIBUTE_BUFFER_ID: c_int = 7;
-    pub(crate) const CU_POINTER_ATTRIBUTE_IS_MANAGED: c_int = 8;
-    pub(crate) const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
-    pub(crate) const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: c_int = 10;
-    pub(crate) const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
-    pub(crate) const CU_POINTER_ATTRIBUTE_RANGE_SIZE: c_int = 12;
-    pub(crate) const CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: c_int = 15;
-    pub(crate) const CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: c_int = 17;
+    /// `CUDA_SUCCESS`.
+    pub(crate) const CUDA_SUCCESS: u32 = CUresult::CUDA_SUCCESS as u32;
+    /// `CUDA_ERROR_INVALID_VALUE`.
+    pub(crate) const CUDA_ERROR_INVALID_VALUE: u32 = CUresult::CUDA_ERROR_INVALID_VALUE as u32;
+    /// `CUDA_ERROR_STUB_LIBRARY`.
+    pub(crate) const CUDA_ERROR_STUB_LIBRARY: u32 = CUresult::CUDA_ERROR_STUB_LIBRARY as u32;
+    /// `CUDA_ERROR_NOT_READY`.
+    pub(crate) const CUDA_ERROR_NOT_READY: u32 = CUresult::CUDA_ERROR_NOT_READY as u32;
 
-    pub(crate) const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
-    pub(crate) const CU_STREAM_NON_BLOCKING: c_uint = 1;
-    pub(crate) const CU_EVENT_DISABLE_TIMING: c_uint = 2;
-    pub(crate) const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
-    pub(crate) const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
-    pub(crate) const CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX: c_int = 0;
-    pub(crate) const CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER: c_int = 100;
-    pub(crate) const CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES: c_int = 200;
+    pub(crate) const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as c_int;
+    pub(crate) const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as c_int;
+    /// cuda.h gives 102 two names; cudarc's bindgen kept only the deprecated
+    /// one, `..._VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED`. Same attribute.
+    pub(crate) const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED as c_int;
+    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED as c_int;
+    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED as c_int;
+    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS as c_int;
+    pub(crate) const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING as c_int;
+    pub(crate) const CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: c_int =
+        Dev::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED as c_int;
 
-    pub(crate) const CU_MEM_ALLOCATION_TYPE_PINNED: c_uint = 1;
-    pub(crate) const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
-    pub(crate) const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_uint = 3;
-    pub(crate) const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
+    pub(crate) const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_MEMORY_TYPE as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_BUFFER_ID: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_BUFFER_ID as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_IS_MANAGED: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_IS_MANAGED as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_RANGE_SIZE: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_RANGE_SIZE as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE as c_int;
+    pub(crate) const CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: c_int =
+        Ptr::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE as c_int;
+
+    /// `CUmemorytype` values, as the integer `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`
+    /// answers (compared as an integer: a newer driver may answer others).
+    pub(crate) const CU_MEMORYTYPE_HOST: u32 = CUmemorytype::CU_MEMORYTYPE_HOST as u32;
+    pub(crate) const CU_MEMORYTYPE_DEVICE: u32 = CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+    pub(crate) const CU_MEMORYTYPE_ARRAY: u32 = CUmemorytype::CU_MEMORYTYPE_ARRAY as u32;
+    pub(crate) const CU_MEMORYTYPE_UNIFIED: u32 = CUmemorytype::CU_MEMORYTYPE_UNIFIED as u32;
+
+    pub(crate) const CU_MEMHOSTALLOC_PORTABLE: c_uint =
+        cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+    pub(crate) const CU_STREAM_NON_BLOCKING: c_uint =
+        CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
+    pub(crate) const CU_EVENT_DISABLE_TIMING: c_uint =
+        CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+    pub(crate) const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint =
+        CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
+    pub(crate) const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int =
+        CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD as c_int;
+    pub(crate) const CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX: c_int =
+        Target::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX as c_int;
+    pub(crate) const CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER: c_int =
+        Scope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER as c_int;
+    pub(crate) const CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES: c_int =
+        Scope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES as c_int;
+    pub(crate) const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int =
+        Granularity::CU_MEM_ALLOC_GRANULARITY_MINIMUM as c_int;
 }
 
 /// Declares a table of entry points: a struct of function pointers and a
@@ -191,11 +223,11 @@ entry_points! {
         cuDeviceGetPCIBusId: fn(*mut c_char, c_int, CuDevice);
         cuDeviceTotalMem_v2: fn(*mut usize, CuDevice);
         cuDeviceGetAttribute: fn(*mut c_int, c_int, CuDevice);
-        cuDevicePrimaryCtxRetain: fn(*mut CuContext, CuDevice);
+        cuDevicePrimaryCtxRetain: fn(*mut CuCtx, CuDevice);
         cuDevicePrimaryCtxRelease_v2: fn(CuDevice);
-        cuCtxGetCurrent: fn(*mut CuContext);
-        cuCtxPushCurrent_v2: fn(CuContext);
-        cuCtxPopCurrent_v2: fn(*mut CuContext);
+        cuCtxGetCurrent: fn(*mut CuCtx);
+        cuCtxPushCurrent_v2: fn(CuCtx);
+        cuCtxPopCurrent_v2: fn(*mut CuCtx);
         cuCtxSynchronize: fn();
         cuMemGetAddressRange_v2: fn(*mut CuDevicePtr, *mut usize, CuDevicePtr);
         cuPointerGetAttributes: fn(c_uint, *mut c_int, *mut *mut c_void, CuDevicePtr);
@@ -210,17 +242,17 @@ entry_points! {
         cuIpcGetMemHandle: fn(*mut CuIpcMemHandle, CuDevicePtr);
         cuIpcOpenMemHandle_v2: fn(*mut CuDevicePtr, CuIpcMemHandle, c_uint);
         cuIpcCloseMemHandle: fn(CuDevicePtr);
-        cuStreamCreate: fn(*mut CuStream, c_uint);
-        cuStreamDestroy_v2: fn(CuStream);
-        cuStreamSynchronize: fn(CuStream);
-        cuStreamWaitEvent: fn(CuStream, CuEvent, c_uint);
-        cuMemcpyHtoDAsync_v2: fn(CuDevicePtr, *const c_void, usize, CuStream);
-        cuMemcpyDtoHAsync_v2: fn(*mut c_void, CuDevicePtr, usize, CuStream);
-        cuMemcpyDtoDAsync_v2: fn(CuDevicePtr, CuDevicePtr, usize, CuStream);
-        cuMemsetD8Async: fn(CuDevicePtr, u8, usize, CuStream);
+        cuStreamCreate: fn(*mut CuStrm, c_uint);
+        cuStreamDestroy_v2: fn(CuStrm);
+        cuStreamSynchronize: fn(CuStrm);
+        cuStreamWaitEvent: fn(CuStrm, CuEvent, c_uint);
+        cuMemcpyHtoDAsync_v2: fn(CuDevicePtr, *const c_void, usize, CuStrm);
+        cuMemcpyDtoHAsync_v2: fn(*mut c_void, CuDevicePtr, usize, CuStrm);
+        cuMemcpyDtoDAsync_v2: fn(CuDevicePtr, CuDevicePtr, usize, CuStrm);
+        cuMemsetD8Async: fn(CuDevicePtr, u8, usize, CuStrm);
         cuEventCreate: fn(*mut CuEvent, c_uint);
         cuEventDestroy_v2: fn(CuEvent);
-        cuEventRecord: fn(CuEvent, CuStream);
+        cuEventRecord: fn(CuEvent, CuStrm);
         cuEventQuery: fn(CuEvent);
         cuEventSynchronize: fn(CuEvent);
     }

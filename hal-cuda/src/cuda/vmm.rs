@@ -11,6 +11,11 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::{
+    CUmemAccess_flags, CUmemAllocationHandleType, CUmemAllocationProp_st__bindgen_ty_1,
+    CUmemAllocationType, CUmemLocationType,
+};
+
 use super::context::ContextInner;
 use super::sys::{self, consts as C};
 use super::{check, check_logged};
@@ -45,7 +50,7 @@ fn vmm(ctx: &ContextInner, operation: &'static str) -> Result<&'static sys::Vmm>
 
 fn location(ctx: &ContextInner) -> sys::CuMemLocation {
     sys::CuMemLocation {
-        kind: C::CU_MEM_LOCATION_TYPE_DEVICE,
+        type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
         id: ctx.dev,
     }
 }
@@ -62,13 +67,15 @@ fn properties(ctx: &ContextInner) -> sys::CuMemAllocationProp {
     .unwrap_or(0)
         != 0;
     sys::CuMemAllocationProp {
-        kind: C::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requested_handle_types: 0,
+        type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
         location: location(ctx),
-        win32_handle_meta_data: std::ptr::null_mut(),
-        alloc_flags: sys::CuMemAllocFlags {
-            gpu_direct_rdma_capable: u8::from(rdma),
-            ..Default::default()
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: u8::from(rdma),
+            usage: 0,
+            reserved: [0; 4],
         },
     }
 }
@@ -212,7 +219,7 @@ impl CudaPhysicalMemory {
                 vmm,
                 handle,
                 len,
-                gpu_direct_rdma_capable: prop.alloc_flags.gpu_direct_rdma_capable != 0,
+                gpu_direct_rdma_capable: prop.allocFlags.gpuDirectRDMACapable != 0,
             }),
         })
     }
@@ -289,7 +296,7 @@ impl CudaVirtualMapping {
         };
         let access = sys::CuMemAccessDesc {
             location: location(ctx),
-            flags: C::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range was just mapped; `access` is one descriptor with
         // cuda.h's layout, alive across the call.
