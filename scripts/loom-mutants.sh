@@ -37,6 +37,9 @@ abandon-not-finished                      an_abandoned_registration_is_retried_b
 abandoned-stays-pending                   an_abandoned_registration_is_retried_by_its_waiters
 trim-evicts-in-use                        trim_and_set_limits_racing_a_hit
 set-limits-no-evict                       trim_and_set_limits_racing_a_hit
+owner-invalidation-skips-in-use           dropping_a_buffer_waits_for_an_escaped_handle
+lease-release-no-notify                   dropping_a_buffer_waits_for_an_escaped_handle
+budget-check-then-act                     concurrent_registrations_never_pass_the_mr_budget
 "
 
 build_log=$(mktemp)

@@ -16,6 +16,7 @@ use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
 
 use super::*;
+use crate::lifetime::{LeaseCount, Leased, MemoryLease};
 
 /// A registration: which registrar call made it, for which allocation, and
 /// the generation of the memory then (see [`Reg::generation`]).
@@ -607,5 +608,152 @@ fn trim_and_set_limits_racing_a_hit() {
         cache.trim();
         t.join().unwrap();
         settle(&cache, &reg);
+    });
+}
+
+/// A registration as the ladder makes one (`NicRegistration`): the MR, then
+/// its share of the domain's budget, then its lease on the buffer's memory;
+/// field order is drop order, so the memory is released last.
+#[derive(Debug)]
+struct LeasedMr {
+    mr: Mr,
+    _reservation: Reservation,
+    _lease: Option<MemoryLease>,
+}
+
+/// A buffer's memory, as leases see it.
+#[derive(Debug)]
+struct Memory {
+    leases: LeaseCount,
+}
+
+impl Leased for Memory {
+    fn leases(&self) -> &LeaseCount {
+        &self.leases
+    }
+}
+
+type Budget = Box<dyn Fn(u64) -> Result<Reservation, BudgetExceeded> + Send + Sync>;
+
+/// Registers as the ladder does: a budget reservation first (refused past
+/// the budget), then the MR, which holds a lease on `memory` if any.
+struct Leasing {
+    reg: Arc<Reg>,
+    reserve: Budget,
+    usage: Box<dyn Fn() -> BudgetUsage + Send + Sync>,
+    memory: Option<std::sync::Arc<dyn Leased>>,
+}
+
+impl Leasing {
+    fn new(max_mrs: u64, memory: Option<std::sync::Arc<dyn Leased>>) -> Arc<Self> {
+        let budget = DomainBudget::new(BudgetLimits {
+            max_mrs,
+            max_bytes: u64::MAX,
+        });
+        let for_usage = budget.clone();
+        Arc::new(Self {
+            reg: Reg::new(),
+            reserve: Box::new(move |bytes| DomainBudget::reserve(&budget, bytes)),
+            usage: Box::new(move || for_usage.usage()),
+            memory,
+        })
+    }
+}
+
+impl Registrar for Leasing {
+    type Registration = LeasedMr;
+    type Error = BudgetExceeded;
+    fn register(&self, request: &Request) -> Result<LeasedMr, BudgetExceeded> {
+        let reservation = (self.reserve)(request.len)?;
+        let mr = self.reg.register(request).expect("this registrar succeeds");
+        Ok(LeasedMr {
+            mr,
+            _reservation: reservation,
+            _lease: self.memory.as_ref().map(MemoryLease::new),
+        })
+    }
+}
+
+fn leasing_cache() -> Arc<RegistrationCache<Leasing>> {
+    Arc::new(RegistrationCache::new(CacheConfig {
+        limits: Limits::UNLIMITED,
+        eviction_headroom_percent: 0,
+        shards: 1,
+        read_replicas: 2,
+    }))
+}
+
+/// A buffer over caller memory is dropped (its owner's entries unlinked,
+/// then a wait for its leases) while a handle that escaped it is still
+/// used and dropped on another thread: the wait returns only once no MR
+/// over the memory is alive, and leaves nothing cached over it.
+///
+/// Catches `owner-invalidation-skips-in-use` (the entry held by the handle
+/// stays cached, its lease with it: the wait never ends, loom reports the
+/// deadlock) and `lease-release-no-notify` (the last lease goes without
+/// waking the wait: deadlock).
+#[test]
+fn dropping_a_buffer_waits_for_an_escaped_handle() {
+    explore("dropping_a_buffer_waits_for_an_escaped_handle", || {
+        let memory: std::sync::Arc<dyn Leased> = std::sync::Arc::new(Memory {
+            leases: LeaseCount::new(),
+        });
+        let (cache, reg) = (
+            leasing_cache(),
+            Leasing::new(u64::MAX, Some(memory.clone())),
+        );
+        let request = host(0x0, 0x1000).within(5, Bounds::new(0x0, 0x1000));
+        let escaped = cache.get_or_register(&*reg, &request).unwrap();
+        let t = thread::spawn(move || {
+            let again = escaped.clone();
+            drop(escaped);
+            assert_eq!(again.registration().mr.call, 1);
+            drop(again);
+        });
+        // The buffer's drop.
+        cache.invalidate_owner(5);
+        assert!(
+            memory
+                .leases()
+                .wait_released(Some(std::time::Duration::from_secs(60)))
+        );
+        assert_eq!(reg.reg.live(), 0, "an MR outlives the wait for its memory");
+        assert!(cache.get(&request).is_none());
+        assert_eq!((reg.usage)().mrs, 0);
+        t.join().unwrap();
+    });
+}
+
+/// Two registrations race for a domain budget of one MR: one gets it, the
+/// other is refused (never a second live MR); once the first is unused,
+/// trimming gives the budget back and the refused one succeeds.
+///
+/// Catches `budget-check-then-act` (both pass the check: two live MRs).
+#[test]
+fn concurrent_registrations_never_pass_the_mr_budget() {
+    explore("concurrent_registrations_never_pass_the_mr_budget", || {
+        let (cache, reg) = (leasing_cache(), Leasing::new(1, None));
+        let t = {
+            let (cache, reg) = (Arc::clone(&cache), Arc::clone(&reg));
+            thread::spawn(move || cache.get_or_register(&*reg, &host(0x0, 0x1000)).ok())
+        };
+        let mine = cache.get_or_register(&*reg, &host(0x8000, 0x1000)).ok();
+        let theirs = t.join().unwrap();
+        let usage = (reg.usage)();
+        assert_eq!(
+            (usage.peak_mrs, reg.reg.live()),
+            (1, 1),
+            "past the budget: {usage:?}"
+        );
+        let refused = match (mine, theirs) {
+            (Some(_), None) => host(0x0, 0x1000),
+            (None, Some(_)) => host(0x8000, 0x1000),
+            _ => panic!("expected one registration and one refusal"),
+        };
+        assert!(cache.get_or_register(&*reg, &refused).is_err());
+        assert_eq!(cache.trim(), 1);
+        assert!(cache.get_or_register(&*reg, &refused).is_ok());
+        cache.trim();
+        assert_eq!(((reg.usage)().mrs, reg.reg.live()), (0, 0));
     });
 }

@@ -76,6 +76,18 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
         "set-limits-no-evict",
         "set_limits lowers the limits without evicting down to them",
     ),
+    (
+        "owner-invalidation-skips-in-use",
+        "invalidate_owner (a buffer's drop) leaves its entries in use linked",
+    ),
+    (
+        "lease-release-no-notify",
+        "the last memory lease to go does not wake the buffer waiting for it",
+    ),
+    (
+        "budget-check-then-act",
+        "a budget reservation checks the limit and counts itself under two locks",
+    ),
 ];
 
 /// Whether mutant `name` is active: never, outside loom.
