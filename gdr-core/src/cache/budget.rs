@@ -12,8 +12,12 @@
 //! entries and try again) instead of reaching the NIC.
 
 use std::fmt;
+// std's `Arc`, as in `crate::lifetime`: the ladder and the loopback hold
+// budgets in std `Arc`s, and it is the count under the mutex that the loom
+// models check.
+use std::sync::Arc;
 
-use crate::sync::{self, Arc, Mutex};
+use crate::sync::{self, Mutex};
 
 /// The hard limits of one domain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +105,10 @@ impl DomainBudget {
                 usage: *usage,
                 limits: this.limits,
             });
+        }
+        if super::mutant::active("budget-check-then-act") {
+            drop(usage);
+            usage = sync::lock(&this.usage);
         }
         usage.mrs += 1;
         usage.bytes += bytes;

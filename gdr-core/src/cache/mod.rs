@@ -157,7 +157,7 @@ mod error;
 mod handle;
 mod index;
 mod key;
-mod mutant;
+pub(crate) mod mutant;
 #[cfg(not(loom))]
 mod planner;
 mod stats;
@@ -307,22 +307,41 @@ impl<R: Registrar> Pending<R> {
     }
 }
 
-/// Unpublishes a pending registration whose registrar panicked, so its
-/// waiters retry instead of waiting forever.
+/// The duty to finish a published pending registration, held by the thread
+/// that registers it: the slot ends on every path. [`PendingGuard::finish`]
+/// consumes the guard with the outcome; a guard dropped unfinished (a panic
+/// anywhere from publishing to finishing: in the registrar, in an error's
+/// `Display` or a `tracing` subscriber the cache calls) unpublishes the slot
+/// and finishes it [`Outcome::Abandoned`], so its waiters retry instead of
+/// waiting forever. Declare it before any shard lock taken while it lives,
+/// so that an unwinding panic releases the lock before the guard takes it.
 struct PendingGuard<'a, R: Registrar> {
     shard: &'a Shard<R>,
     pending: &'a Arc<Pending<R>>,
-    armed: bool,
+    finished: bool,
+}
+
+impl<R: Registrar> PendingGuard<'_, R> {
+    /// Wakes the waiters with `outcome` (the caller unpublished the slot).
+    fn finish(mut self, outcome: Outcome<R>) {
+        self.finished = true;
+        self.pending.finish(outcome);
+    }
 }
 
 impl<R: Registrar> Drop for PendingGuard<'_, R> {
     fn drop(&mut self) {
-        if self.armed {
+        if self.finished {
+            return;
+        }
+        if !mutant::active("abandoned-stays-pending") {
             self.shard
                 .write()
                 .meta
                 .pending
                 .retain(|p| !Arc::ptr_eq(p, self.pending));
+        }
+        if !mutant::active("abandon-not-finished") {
             self.pending.finish(Outcome::Abandoned);
         }
     }
@@ -364,6 +383,9 @@ impl<R: Registrar> RegistrationCache<R> {
     pub fn set_limits(&self, domain: DomainId, limits: Limits) {
         let mut state = self.shard(domain).write();
         state.set_limits(domain, limits);
+        if mutant::active("set-limits-no-evict") {
+            return;
+        }
         let victims = state.evict(
             domain,
             limits,
@@ -578,10 +600,10 @@ impl<R: Registrar> RegistrationCache<R> {
         G: Registrar<Registration = R::Registration, Error = R::Error> + ?Sized,
     {
         let shard = self.shard(request.domain);
-        let mut guard = PendingGuard {
+        let guard = PendingGuard {
             shard,
             pending: &pending,
-            armed: true,
+            finished: false,
         };
         let wide = Request {
             start: pending.start,
@@ -601,8 +623,9 @@ impl<R: Registrar> RegistrationCache<R> {
             registrar.register(&wide)
         };
         let mut state = shard.write();
-        state.meta.pending.retain(|p| !Arc::ptr_eq(p, &pending));
-        guard.armed = false;
+        if result.is_ok() || !mutant::active("failed-stays-pending") {
+            state.meta.pending.retain(|p| !Arc::ptr_eq(p, &pending));
+        }
         match result {
             Ok(registration) => {
                 let tick = self.clock.fetch_add(1, Ordering::Relaxed);
@@ -619,13 +642,19 @@ impl<R: Registrar> RegistrationCache<R> {
                     users: AtomicUsize::new(1 + pending.covered_waiters.load(Ordering::Relaxed)),
                     registration,
                 });
+                // Hand out every counted use before anything that could
+                // panic: ours (released by unwinding) and the waiters' (they
+                // wake with the entry; they need no shard lock).
+                let handle = CacheHandle::adopt(Arc::clone(&entry));
+                guard.finish(Outcome::Done(entry));
+                let entry = &handle.entry;
                 Counters::add(&self.counters.bytes_registered, wide.len);
                 let mut victims = Vec::new();
                 // Relaxed: written and read under the shard's write lock.
                 if pending.invalidated.load(Ordering::Relaxed) {
                     tracing::debug!("range invalidated while registering: not cached");
                 } else {
-                    victims = state.insert(pending.space, Arc::clone(&entry), &self.counters);
+                    victims = state.insert(pending.space, Arc::clone(entry), &self.counters);
                     let limits = state.limits(wide.domain).unwrap_or(self.config.limits);
                     victims.extend(state.evict(
                         wide.domain,
@@ -635,16 +664,15 @@ impl<R: Registrar> RegistrationCache<R> {
                     ));
                 }
                 drop(state);
-                pending.finish(Outcome::Done(Arc::clone(&entry)));
                 drop(victims);
-                Ok(CacheHandle::adopt(entry))
+                Ok(handle)
             }
             Err(error) => {
-                drop(state);
-                tracing::debug!(%error, "registration failed");
-                Counters::add(&self.counters.failures, 1);
                 let source = std::sync::Arc::new(error);
-                pending.finish(Outcome::Failed(std::sync::Arc::clone(&source)));
+                guard.finish(Outcome::Failed(std::sync::Arc::clone(&source)));
+                drop(state);
+                tracing::debug!(error = %source, "registration failed");
+                Counters::add(&self.counters.failures, 1);
                 Err(CacheError::Register {
                     start: pending.start,
                     end: pending.end,
@@ -742,7 +770,13 @@ impl<R: Registrar> RegistrationCache<R> {
         let mut count = 0;
         for shard in self.shards.iter() {
             let mut state = shard.write();
-            let victims = state.remove_where(|space, _| space.owner == owner, &self.counters);
+            let victims = state.remove_where(
+                |space, e| {
+                    space.owner == owner
+                        && !(e.in_use() && mutant::active("owner-invalidation-skips-in-use"))
+                },
+                &self.counters,
+            );
             for p in &state.meta.pending {
                 if p.space.owner == owner {
                     p.invalidated.store(true, Ordering::Relaxed);
