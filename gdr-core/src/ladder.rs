@@ -849,11 +849,12 @@ pub struct Ladder<V: Api, C: hal_cuda::Api> {
 /// What a buffer calls on drop to remove its registrations.
 struct LadderForget<V: Api> {
     cache: Arc<RegistrationCache<NicRegistrar<V>>>,
+    domain: DomainId,
 }
 
 impl<V: Api> Forget for LadderForget<V> {
     fn forget(&self, owner: OwnerId) {
-        let dropped = self.cache.invalidate_owner(owner);
+        let dropped = self.cache.invalidate_owner_in(self.domain, owner);
         tracing::debug!(owner, dropped, "buffer gone: registrations unlinked");
     }
 }
@@ -928,6 +929,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         let registrar = unsafe { NicRegistrar::new(pd, Arc::clone(&exports), budget) };
         let forget = Arc::new(LadderForget {
             cache: Arc::clone(&cache),
+            domain,
         });
         Ok(Self {
             device: device.into(),

@@ -305,12 +305,25 @@ impl<R: Registrar> ShardState<'_, R> {
     /// Unlinks every entry for which `select` holds.
     pub(crate) fn remove_where(
         &mut self,
+        select: impl FnMut(SpaceKey, &Arc<Entry<R::Registration>>) -> bool,
+        counters: &Counters,
+    ) -> Victims<R::Registration> {
+        self.remove_where_in(|_| true, select, counters)
+    }
+
+    /// Unlinks every entry for which `select` holds, looking only in the
+    /// spaces `spaces` accepts (a buffer's entries are found without
+    /// walking every other buffer's).
+    pub(crate) fn remove_where_in(
+        &mut self,
+        spaces: impl Fn(&SpaceKey) -> bool,
         mut select: impl FnMut(SpaceKey, &Arc<Entry<R::Registration>>) -> bool,
         counters: &Counters,
     ) -> Victims<R::Registration> {
         let doomed: Vec<(SpaceKey, u64)> = self.replicas[0]
             .spaces
             .iter()
+            .filter(|(space, _)| spaces(space))
             .flat_map(|(space, map)| {
                 map.values()
                     .filter(|e| select(*space, e))

@@ -767,26 +767,45 @@ impl<R: Registrar> RegistrationCache<R> {
     /// were unlinked.
     pub fn invalidate_owner(&self, owner: OwnerId) -> usize {
         let _span = tracing::debug_span!("invalidate_owner", owner).entered();
-        let mut count = 0;
-        for shard in self.shards.iter() {
-            let mut state = shard.write();
-            let victims = state.remove_where(
-                |space, e| {
-                    space.owner == owner
-                        && !(e.in_use() && mutant::active("owner-invalidation-skips-in-use"))
-                },
-                &self.counters,
-            );
-            for p in &state.meta.pending {
-                if p.space.owner == owner {
-                    p.invalidated.store(true, Ordering::Relaxed);
-                }
-            }
-            drop(state);
-            count += victims.len();
-        }
+        let count = self
+            .shards
+            .iter()
+            .map(|shard| self.invalidate_owner_with(shard, None, owner))
+            .sum::<usize>();
         Counters::add(&self.counters.invalidations, count as u64);
         count
+    }
+
+    /// As [`RegistrationCache::invalidate_owner`], in one domain only (one
+    /// shard, and only that owner's indexes are visited).
+    pub fn invalidate_owner_in(&self, domain: DomainId, owner: OwnerId) -> usize {
+        let _span = tracing::debug_span!("invalidate_owner", domain, owner).entered();
+        let count = self.invalidate_owner_with(self.shard(domain), Some(domain), owner);
+        Counters::add(&self.counters.invalidations, count as u64);
+        count
+    }
+
+    fn invalidate_owner_with(
+        &self,
+        shard: &Shard<R>,
+        domain: Option<DomainId>,
+        owner: OwnerId,
+    ) -> usize {
+        let ours =
+            |space: &SpaceKey| space.owner == owner && domain.is_none_or(|d| d == space.domain);
+        let mut state = shard.write();
+        let victims = state.remove_where_in(
+            ours,
+            |_, e| !(e.in_use() && mutant::active("owner-invalidation-skips-in-use")),
+            &self.counters,
+        );
+        for p in &state.meta.pending {
+            if ours(&p.space) {
+                p.invalidated.store(true, Ordering::Relaxed);
+            }
+        }
+        drop(state);
+        victims.len()
     }
 
     /// Evicts every entry of `domain` not in use (its NIC is out of MRs or

@@ -1,6 +1,6 @@
 //! The real CUDA backend: libcuda opened at run time with `libloading`, its
 //! entry points resolved into function pointers of our own types
-//! ([`sys`](self::sys) module), and a `Result` layer here. The driver's
+//! (the `sys` module), and a `Result` layer here. The driver's
 //! types and constants are cudarc's (`cudarc::driver::sys`); none of
 //! cudarc's functions is called.
 //!
