@@ -704,22 +704,10 @@ impl QueuePair for RdmaQp {
         let sge_base = sges.as_mut_ptr();
         let base = wrs.as_mut_ptr();
         let n = requests.len();
-        let mut first_sge = 0;
-        for (i, r) in requests.iter().enumerate() {
-            // SAFETY: `i < n == wrs.len()` and `first_sge + len <=
-            // sges.len()`; both pointers cover their whole arrays, which are
-            // not touched through any other path until the post returns.
-            unsafe {
-                let wr = base.add(i);
-                if !r.sg_list.is_empty() {
-                    (*wr).sg_list = sge_base.add(first_sge);
-                }
-                if i + 1 < n {
-                    (*wr).next = base.add(i + 1);
-                }
-            }
-            first_sge += r.sg_list.len();
-        }
+        // SAFETY: `base` covers the `n` WRs and `sge_base` all SG entries,
+        // each request's in order; neither array is touched through any
+        // other path until the post returns.
+        unsafe { link(base, sge_base, requests.iter().map(|r| r.sg_list.len())) };
         let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: as in `post_send_raw`: a live QP of this provider, WRs
         // and SG arrays alive for the call, buffers valid by the caller's
@@ -731,6 +719,58 @@ impl QueuePair for RdmaQp {
         let posted = posted_by(base, n, bad);
         drop((sges, wrs));
         Err(self.post_error("recv", posted, ret))
+    }
+}
+
+/// A work request of a linked list whose SG entries lie in one array.
+trait LinkedWr: Sized {
+    /// Where `wr`'s `next` and `sg_list` fields are.
+    fn fields(wr: *mut Self) -> (*mut *mut Self, *mut *mut sys::ibv_sge);
+}
+
+impl LinkedWr for sys::ibv_send_wr {
+    fn fields(wr: *mut Self) -> (*mut *mut Self, *mut *mut sys::ibv_sge) {
+        // SAFETY: only field addresses are taken (no read, no reference).
+        unsafe { (&raw mut (*wr).next, &raw mut (*wr).sg_list) }
+    }
+}
+
+impl LinkedWr for sys::ibv_recv_wr {
+    fn fields(wr: *mut Self) -> (*mut *mut Self, *mut *mut sys::ibv_sge) {
+        // SAFETY: as above.
+        unsafe { (&raw mut (*wr).next, &raw mut (*wr).sg_list) }
+    }
+}
+
+/// Links the WRs at `base` into a list and points each at its SG entries
+/// in the array at `sge_base`, every write through those two pointers
+/// (taken once, after the arrays' last mutation: no reborrow invalidates
+/// them). `sg_lens` gives each WR's number of SG entries, in order.
+///
+/// # Safety
+/// `base` points at one WR per item of `sg_lens`, and `sge_base` at their
+/// SG entries laid end to end; both arrays are live and reached through no
+/// other path while this runs.
+unsafe fn link<W: LinkedWr>(
+    base: *mut W,
+    sge_base: *mut sys::ibv_sge,
+    sg_lens: impl ExactSizeIterator<Item = usize>,
+) {
+    let n = sg_lens.len();
+    let mut first_sge = 0;
+    for (i, len) in sg_lens.enumerate() {
+        // SAFETY: `i < n` WRs and `first_sge + len` SG entries lie in the
+        // arrays by the caller's contract.
+        unsafe {
+            let (next, sg_list) = W::fields(base.add(i));
+            if len != 0 {
+                *sg_list = sge_base.add(first_sge);
+            }
+            if i + 1 < n {
+                *next = base.add(i + 1);
+            }
+        }
+        first_sge += len;
     }
 }
 
@@ -774,22 +814,10 @@ impl RdmaQp {
         let sge_base = sges.as_mut_ptr();
         let base = wrs.as_mut_ptr();
         let n = requests.len();
-        let mut first_sge = 0;
-        for (i, r) in requests.iter().enumerate() {
-            // SAFETY: `i < n == wrs.len()` and `first_sge + len <=
-            // sges.len()`; both pointers cover their whole arrays, which are
-            // not touched through any other path until the post returns.
-            unsafe {
-                let wr = base.add(i);
-                if !r.sg_list.is_empty() {
-                    (*wr).sg_list = sge_base.add(first_sge);
-                }
-                if i + 1 < n {
-                    (*wr).next = base.add(i + 1);
-                }
-            }
-            first_sge += r.sg_list.len();
-        }
+        // SAFETY: `base` covers the `n` WRs and `sge_base` all SG entries,
+        // each request's in order; neither array is touched through any
+        // other path until the post returns.
+        unsafe { link(base, sge_base, requests.iter().map(|r| r.sg_list.len())) };
         let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is live and created by this context's provider, so
         // the inline wrapper's ops table is the right one; the linked WRs
