@@ -711,6 +711,14 @@ impl<V: Api> LadderRegistration<V> {
     pub fn handle(&self) -> Option<&CacheHandle<NicRegistration<V>>> {
         self.handle.as_ref()
     }
+
+    /// Whether the CPU can read the range through its address: host memory
+    /// only. A send may be posted with `IBV_SEND_INLINE` (the provider
+    /// copies the bytes with the CPU) only from such a range; for GPU
+    /// memory the address is a device address, or an iova for dma-buf.
+    pub fn cpu_readable(&self) -> bool {
+        self.location == MemoryLocation::Host
+    }
 }
 
 /// What a peer may do with a grant.

@@ -11,7 +11,8 @@ use hal_verbs::{AccessFlags, Api, MemoryRegion as _, ProtectionDomain as _, Send
 
 use crate::pattern;
 
-const LEN: usize = 64 << 10;
+/// Bytes of the buffer the grants are made in.
+pub const LEN: usize = 64 << 10;
 /// Read-only grant: 8 KiB at 16 KiB.
 const READ_AT: u64 = 16 << 10;
 const READ_LEN: u64 = 8 << 10;
@@ -72,19 +73,38 @@ pub fn grants_confine_the_peer<V: Api, C: hal_cuda::Api>(
     port: u8,
 ) {
     let buffer = Buffer::<C>::alloc_host(LEN);
-    let original = pattern(LEN, 11);
     let host = buffer.host_ptr().unwrap();
-    // SAFETY: `host` points at `LEN` bytes the buffer owns; no RDMA is in
-    // flight.
-    unsafe { std::ptr::copy_nonoverlapping(original.as_ptr(), host, LEN) };
+    let fill = |bytes: &[u8]| {
+        // SAFETY: `host` points at `LEN` bytes the buffer owns; no RDMA is
+        // in flight.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host, LEN) }
+    };
+    // SAFETY: as above.
+    let read = || unsafe { std::slice::from_raw_parts(host, LEN) }.to_vec();
+    grants_confine_the_peer_to(context, ladder, port, &buffer, fill, read);
+}
+
+/// The same, on `buffer` (`LEN` bytes of any memory the ladder registers),
+/// whose bytes `fill` sets and `read` returns.
+pub fn grants_confine_the_peer_to<V: Api, C: hal_cuda::Api>(
+    context: &V::Context,
+    ladder: &Ladder<V, C>,
+    port: u8,
+    buffer: &Buffer<C>,
+    fill: impl Fn(&[u8]),
+    read: impl Fn() -> Vec<u8>,
+) {
+    assert_eq!(buffer.len(), LEN as u64);
+    let original = pattern(LEN, 11);
+    fill(&original);
     let registration = buffer.register(ladder, 0, LEN as u64).unwrap();
-    let read = ladder
+    let read_grant = ladder
         .grant(&registration, READ_AT, READ_LEN, GrantRights::Read)
         .unwrap();
     let write = ladder
         .grant(&registration, WRITE_AT, WRITE_LEN, GrantRights::Write)
         .unwrap();
-    let (r, w) = (read.descriptor(), write.descriptor());
+    let (r, w) = (read_grant.descriptor(), write.descriptor());
     assert_eq!((r.addr, r.len), (buffer.addr() + READ_AT, READ_LEN));
     assert_eq!((w.addr, w.len), (buffer.addr() + WRITE_AT, WRITE_LEN));
 
@@ -124,7 +144,7 @@ pub fn grants_confine_the_peer<V: Api, C: hal_cuda::Api>(
     assert_eq!(peer.op(false, buffer.addr(), local.lkey(), page), Refused);
     // A revoked grant reaches nothing either.
     let (revoked_addr, revoked_rkey) = (r.addr, r.rkey);
-    read.revoke();
+    read_grant.revoke();
     assert_eq!(
         peer.op(false, revoked_addr, revoked_rkey, READ_LEN as u32),
         Refused
@@ -133,8 +153,8 @@ pub fn grants_confine_the_peer<V: Api, C: hal_cuda::Api>(
 
     // Only the write grant's range changed (the peer's scratch was zeroed,
     // then read the read grant's bytes: it wrote those back).
-    // SAFETY: as above; the peer is gone, nothing is in flight.
-    let now = unsafe { std::slice::from_raw_parts(host, LEN) }.to_vec();
+    // The peer is gone, nothing is in flight.
+    let now = read();
     let (ws, we) = (WRITE_AT as usize, (WRITE_AT + WRITE_LEN) as usize);
     assert_eq!(now[..ws], original[..ws], "bytes before the write grant");
     assert_eq!(now[we..], original[we..], "bytes after the write grant");

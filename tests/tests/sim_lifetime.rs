@@ -18,10 +18,12 @@ use gdr_core::ladder::{
 };
 use gdr_core::loopback::{Loopback, LoopbackError};
 use gdr_sim::{
-    Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi,
+    DeviceConfig, Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, SimCuda, SimCudaApi,
+    SimFabric, SimVerbsApi,
 };
-use gdr_tests::{grants::grants_confine_the_peer, init_tracing};
-use hal_cuda::{Context as _, Driver as _};
+use gdr_tests::grants::{self, grants_confine_the_peer};
+use gdr_tests::init_tracing;
+use hal_cuda::{Context as _, Driver as _, Stream as _};
 use hal_verbs::{
     AccessFlags, MemoryRegion as _, ProtectionDomain as _, Provider as _, SendOp, Sge, VerbsError,
 };
@@ -352,6 +354,68 @@ fn grants_confine_the_peer_on_the_sim() {
     let ladder = w.ladder(LadderConfig::default());
     let ctx = w.node.open("sim0").unwrap();
     grants_confine_the_peer(&ctx, &ladder, 1);
+}
+
+/// Grants over GPU memory, on the dma-buf rung and on the peermem rung.
+fn gpu_grants_confine_the_peer(gpu: GpuConfig, nic: DeviceConfig, rung: Rung) {
+    init_tracing();
+    let plan = FaultPlan::new();
+    let fabric = SimFabric::with_faults(plan.clone());
+    let node = fabric.add_node(
+        "n",
+        NodeConfig {
+            ipv4: None,
+            devices: vec![nic],
+        },
+    );
+    let w = World {
+        fabric,
+        node,
+        cuda: SimCuda::new(vec![gpu], plan.clone()),
+        plan,
+        cache: Arc::new(RegistrationCache::new(CacheConfig::default())),
+        exports: Arc::new(DmabufExports::new()),
+    };
+    let ladder = w.ladder(LadderConfig::default());
+    let gpu = w.gpu();
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&gpu, grants::LEN).unwrap();
+    let registration = buffer.register(&ladder, 0, grants::LEN as u64).unwrap();
+    assert_eq!(registration.rung(), rung);
+    assert!(!registration.cpu_readable(), "GPU memory: no inline sends");
+    drop(registration);
+    let stream = gpu.create_stream().unwrap();
+    let fill = |bytes: &[u8]| {
+        // SAFETY: `bytes` outlives the synchronize; the range is the buffer's.
+        unsafe { stream.copy_host_to_device(buffer.addr(), bytes.as_ptr(), bytes.len()) }.unwrap();
+        stream.synchronize().unwrap();
+    };
+    let read = || {
+        let mut out = vec![0u8; grants::LEN];
+        // SAFETY: as above.
+        unsafe { stream.copy_device_to_host(out.as_mut_ptr(), buffer.addr(), grants::LEN) }
+            .unwrap();
+        stream.synchronize().unwrap();
+        out
+    };
+    let ctx = w.node.open("sim0").unwrap();
+    grants::grants_confine_the_peer_to(&ctx, &ladder, 1, &buffer, fill, read);
+}
+
+#[test]
+fn grants_over_dmabuf_gpu_memory_confine_the_peer() {
+    gpu_grants_confine_the_peer(GpuConfig::default(), DeviceConfig::default(), Rung::Dmabuf);
+}
+
+#[test]
+fn grants_over_peermem_gpu_memory_confine_the_peer() {
+    gpu_grants_confine_the_peer(
+        GpuConfig {
+            peermem: true,
+            ..GpuConfig::default()
+        },
+        DeviceConfig::rxe_like(),
+        Rung::Peermem,
+    );
 }
 
 #[test]
