@@ -3,11 +3,12 @@
 //! then applied (bytes moved, completions queued, QPs failed): a failed
 //! check therefore never moves a byte.
 
-use std::collections::BTreeSet;
+use std::time::Duration;
 
-use hal_verbs::{AccessFlags, QpState, SendOp, SgList, WcOpcode, WcStatus};
+use hal_verbs::{AccessFlags, QpState, SendFlags, SendOp, SgList, WcOpcode, WcStatus};
 
-use super::state::{FabricState, NicPtr, QpRecord};
+use super::clock::{ClockMode, Inflight, Wait, WaitCause, ack_timeout, rnr_nak_timer};
+use super::state::{FabricState, NicPtr, QpRecord, SendWqe};
 use crate::faults::{Fault, FaultSite};
 
 /// One contiguous piece of a transfer.
@@ -27,6 +28,8 @@ struct ResponderFailure {
 enum Plan {
     /// The head request needs a receive the peer has not posted (RNR).
     Blocked,
+    /// No ready peer answers: the request is lost (ACK timeout).
+    Unreachable,
     /// A scripted device loss.
     DeviceLost,
     /// The request completes in error; nothing moves; the QP (and the
@@ -47,8 +50,20 @@ enum Plan {
 
 enum Step {
     Idle,
-    Blocked,
     Ran,
+}
+
+/// Moves the bytes of a planned transfer.
+fn copy_all(copies: &[Piece]) {
+    for copy in copies {
+        // SAFETY: every source and destination was resolved just now, under
+        // the fabric lock, inside a live registration (or the queued
+        // request's own inline buffer, still owned by its WQE),
+        // bounds-checked against it; registered memory stays valid while
+        // registered (the contract of `register`, or our own mapping or
+        // backing). Ranges may overlap inside one process: `copy` allows it.
+        unsafe { std::ptr::copy(copy.src.0.cast_const(), copy.dst.0, copy.len) };
+    }
 }
 
 type Segments = Vec<(NicPtr, usize)>;
@@ -81,59 +96,210 @@ fn pair(src: &[(NicPtr, usize)], dst: &[(NicPtr, usize)]) -> Vec<Piece> {
     copies
 }
 
+/// Bound on the clock jumps of one progress call in Auto mode (each ACK
+/// timeout is one; retry counts are at most 6, so this is never reached in
+/// practice).
+const MAX_JUMPS: usize = 4096;
+
 impl FabricState {
-    /// Runs queued requests until none can run; returns how many ran.
+    /// Runs queued requests until none can run; returns how many ran. In
+    /// Auto mode the clock moves first and on the way, as the `clock` module
+    /// describes; in Manual mode it does not move.
     pub fn progress(&mut self) -> usize {
         if self.paused {
             return 0;
         }
+        if self.clock.mode == ClockMode::Manual {
+            return self.run();
+        }
+        // One RNR period per call, and only one that was pending already.
+        let mut rnr_jump = self.qps.values().any(|qp| {
+            qp.timing
+                .wait
+                .is_some_and(|wait| wait.cause == WaitCause::Rnr)
+        });
+        let mut ran = self.run();
+        for _ in 0..MAX_JUMPS {
+            let Some((at, rnr)) = self.next_timer() else {
+                break;
+            };
+            if rnr {
+                if !rnr_jump {
+                    break;
+                }
+                rnr_jump = false;
+            }
+            self.clock.now = self.clock.now.max(at);
+            ran += self.run();
+        }
+        ran
+    }
+
+    /// Moves the clock by `by`, firing every timer on the way at its
+    /// deadline (nothing runs while paused).
+    pub fn advance(&mut self, by: Duration) {
+        let target = self.clock.now.saturating_add(by);
+        if !self.paused {
+            self.run();
+            for _ in 0..MAX_JUMPS * 64 {
+                match self.next_timer() {
+                    Some((at, _)) if at <= target => {
+                        self.clock.now = self.clock.now.max(at);
+                        self.run();
+                    }
+                    _ => break,
+                }
+            }
+        }
+        self.clock.now = target;
+        if !self.paused {
+            self.run();
+        }
+    }
+
+    /// The earliest pending timer, and whether it is an RNR wait.
+    pub fn next_timer(&self) -> Option<(Duration, bool)> {
+        self.qps
+            .values()
+            .filter(|qp| qp.state == QpState::ReadyToSend && !self.devices[qp.device].lost)
+            .filter_map(|qp| {
+                let deadline = qp.timing.deadline()?;
+                let rnr = qp
+                    .timing
+                    .wait
+                    .is_some_and(|w| w.until == deadline && w.cause == WaitCause::Rnr);
+                Some((deadline, rnr))
+            })
+            .min()
+    }
+
+    /// The earliest pending timer.
+    pub fn next_deadline(&self) -> Option<Duration> {
+        self.next_timer().map(|(at, _)| at)
+    }
+
+    /// Runs everything runnable at the current time.
+    fn run(&mut self) -> usize {
         let mut ran = 0;
-        let mut blocked = BTreeSet::new();
         loop {
             let before = ran;
             let qpns: Vec<u32> = self.qps.keys().copied().collect();
             for qpn in qpns {
-                loop {
-                    match self.step(qpn) {
-                        Step::Ran => ran += 1,
-                        Step::Blocked => {
-                            blocked.insert(qpn);
-                            break;
-                        }
-                        Step::Idle => break,
-                    }
+                while let Step::Ran = self.step(qpn) {
+                    ran += 1;
                 }
             }
             if ran == before {
                 break;
             }
         }
-        // Each progress call is one RNR retry of every request still waiting
-        // for a receive (nothing posts receives during progress).
-        for qpn in blocked {
-            self.rnr_wait(qpn);
-        }
         ran
     }
 
-    fn rnr_wait(&mut self, qpn: u32) {
-        if !self.blocked_on_rnr(qpn) {
-            return;
+    /// The head request was RNR-NAKed: wait the responder's RNR timer, or
+    /// fail it once `rnr_retry` retries were NAKed too (7: never).
+    fn rnr_nak(&mut self, qpn: u32) -> Step {
+        let now = self.clock.now;
+        let code = self
+            .peer_of(qpn)
+            .and_then(|peer| self.qps.get(&peer))
+            .map_or(0, |peer| peer.timing.min_rnr_timer);
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            return Step::Idle;
+        };
+        let timing = &mut qp.timing;
+        if timing.rnr_retry != 7 && timing.rnr_naks >= timing.rnr_retry {
+            tracing::debug!(qpn, "sim: RNR retries exhausted");
+            self.fail_head(qpn, WcStatus::RNR_RETRY_EXC_ERR, None);
+            return Step::Ran;
         }
+        if timing.rnr_retry != 7 {
+            timing.rnr_naks += 1;
+        }
+        timing.wait = Some(Wait {
+            until: now.saturating_add(rnr_nak_timer(code)),
+            cause: WaitCause::Rnr,
+        });
+        Step::Idle
+    }
+
+    /// Completes a request of `qpn` that left its send queue: at once, or
+    /// behind the READs still outstanding before it.
+    fn finish(&mut self, qpn: u32, wqe: SendWqe, status: WcStatus) {
         let Some(qp) = self.qps.get_mut(&qpn) else {
             return;
         };
-        qp.rnr_waits += 1;
-        // rnr_retry 7 retries forever, as the spec says.
-        if qp.rnr_retry == 7 || qp.rnr_waits <= u32::from(qp.rnr_retry) {
+        if qp.timing.inflight.is_empty() {
+            self.complete_send(qpn, &wqe, status);
+        } else {
+            qp.timing.inflight.push_back(Inflight::Done { wqe, status });
+        }
+    }
+
+    /// Fails the head request of `qpn` (and the responder where it saw it);
+    /// both QPs go to the error state.
+    fn fail_head(&mut self, qpn: u32, status: WcStatus, responder: Option<ResponderFailure>) {
+        let Some(wqe) = self.qps.get_mut(&qpn).and_then(|qp| {
+            qp.timing.next_request();
+            qp.sq.pop_front()
+        }) else {
             return;
-        }
-        qp.rnr_waits = 0;
-        if let Some(wqe) = qp.sq.pop_front() {
-            tracing::debug!(qpn, wr_id = wqe.wr_id, "sim: RNR retries exhausted");
-            self.complete_send(qpn, &wqe, WcStatus::RNR_RETRY_EXC_ERR);
-        }
+        };
+        tracing::debug!(qpn, wr_id = wqe.wr_id, %status, "sim: request failed");
+        self.finish(qpn, wqe, status);
+        self.fail_responder(responder);
         self.set_error(qpn);
+    }
+
+    fn fail_responder(&mut self, responder: Option<ResponderFailure>) {
+        let Some(responder) = responder else {
+            return;
+        };
+        if let Some(status) = responder.recv_status {
+            let recv = self
+                .qps
+                .get_mut(&responder.qpn)
+                .and_then(|peer| peer.rq.pop_front());
+            if let Some(recv) = recv {
+                self.complete_recv(responder.qpn, &recv, status, WcOpcode::Recv, 0, None);
+            }
+        }
+        self.set_error(responder.qpn);
+    }
+
+    /// The READ at the front of `qpn`'s outstanding requests is due: its
+    /// response arrives (the responder's memory is read now).
+    fn finish_read(&mut self, qpn: u32) -> Step {
+        let Some(Inflight::Read { wqe, .. }) = self
+            .qps
+            .get_mut(&qpn)
+            .and_then(|qp| qp.timing.inflight.pop_front())
+        else {
+            return Step::Idle;
+        };
+        let plan = self
+            .qps
+            .get(&qpn)
+            .and_then(|qp| self.plan_transfer(qpn, qp, &wqe));
+        match plan {
+            Some(Plan::Run { copies, .. }) => {
+                copy_all(&copies);
+                self.complete_send(qpn, &wqe, WcStatus::SUCCESS);
+            }
+            Some(Plan::Fail { status, responder }) => {
+                self.complete_send(qpn, &wqe, status);
+                self.fail_responder(responder);
+                self.set_error(qpn);
+            }
+            // The responder went away while the READ was outstanding: its
+            // response never comes (simplified: no retransmission of the
+            // READ, it fails at once).
+            _ => {
+                self.complete_send(qpn, &wqe, WcStatus::RETRY_EXC_ERR);
+                self.set_error(qpn);
+            }
+        }
+        Step::Ran
     }
 
     /// The connected, ready peer of `qpn`, if its packets would be accepted:
@@ -221,23 +387,26 @@ impl FabricState {
         if self.blocked_on_rnr(qpn) {
             return Some(Plan::Blocked);
         }
-        // From here the request executes and produces a completion.
-        match self.faults.hit(FaultSite::VerbsCompletion) {
-            Some(Fault::DeviceLost) => return Some(Plan::DeviceLost),
-            Some(Fault::CompletionStatus(status)) => {
-                return Some(Plan::Fail {
-                    status,
-                    responder: None,
-                });
+        // From here the request is sent, once per request as far as the
+        // fault plan is concerned (retransmissions draw no faults).
+        if !qp.timing.attempted {
+            match self.faults.hit(FaultSite::VerbsCompletion) {
+                Some(Fault::DeviceLost) => return Some(Plan::DeviceLost),
+                Some(Fault::CompletionStatus(status)) => {
+                    return Some(Plan::Fail {
+                        status,
+                        responder: None,
+                    });
+                }
+                Some(Fault::Verbs(error)) => {
+                    tracing::debug!(%error, "sim: verbs error scripted at a completion");
+                    return Some(Plan::Fail {
+                        status: WcStatus::GENERAL_ERR,
+                        responder: None,
+                    });
+                }
+                Some(Fault::Cuda(_)) | None => {}
             }
-            Some(Fault::Verbs(error)) => {
-                tracing::debug!(%error, "sim: verbs error scripted at a completion");
-                return Some(Plan::Fail {
-                    status: WcStatus::GENERAL_ERR,
-                    responder: None,
-                });
-            }
-            Some(Fault::Cuda(_)) | None => {}
         }
         if let Some(status) = wqe.forced {
             return Some(Plan::Fail {
@@ -245,6 +414,11 @@ impl FabricState {
                 responder: None,
             });
         }
+        self.plan_transfer(qpn, qp, wqe)
+    }
+
+    /// The checks of both ends for `wqe` of `qpn`, and what it moves.
+    fn plan_transfer(&self, qpn: u32, qp: &QpRecord, wqe: &SendWqe) -> Option<Plan> {
         let fail = |status, responder| Some(Plan::Fail { status, responder });
         let len = wqe.byte_len();
         // The local side first: a bad lkey fails before anything is sent.
@@ -259,7 +433,7 @@ impl FabricState {
             }
         };
         let Some(target) = self.peer_of(qpn) else {
-            return fail(WcStatus::RETRY_EXC_ERR, None);
+            return Some(Plan::Unreachable);
         };
         let peer = &self.qps[&target];
         let responder = |recv_status| {
@@ -328,70 +502,95 @@ impl FabricState {
         })
     }
 
-    /// Executes the head request of `qpn`, if it can run.
+    /// Executes what `qpn` can do now: the front of its outstanding
+    /// requests, else its head request, if it can run.
     fn step(&mut self, qpn: u32) -> Step {
+        let now = self.clock.now;
         let Some(qp) = self.qps.get(&qpn) else {
             return Step::Idle;
         };
         let device = qp.device;
-        if qp.state != QpState::ReadyToSend || qp.sq.is_empty() || self.devices[device].lost {
+        if qp.state != QpState::ReadyToSend || self.devices[device].lost {
             return Step::Idle;
+        }
+        match qp.timing.inflight.front() {
+            Some(Inflight::Done { .. }) => {
+                if let Some(Inflight::Done { wqe, status }) = self
+                    .qps
+                    .get_mut(&qpn)
+                    .and_then(|qp| qp.timing.inflight.pop_front())
+                {
+                    self.complete_send(qpn, &wqe, status);
+                }
+                return Step::Ran;
+            }
+            Some(Inflight::Read { due, .. }) if *due <= now => return self.finish_read(qpn),
+            _ => {}
+        }
+        let Some(head) = qp.sq.front() else {
+            return Step::Idle;
+        };
+        if head.flags.contains(SendFlags::FENCE) && qp.timing.reads_outstanding() {
+            return Step::Idle;
+        }
+        if let Some(wait) = qp.timing.wait {
+            if now < wait.until {
+                return Step::Idle;
+            }
+            let Some(qp) = self.qps.get_mut(&qpn) else {
+                return Step::Idle;
+            };
+            qp.timing.wait = None;
+            if wait.cause == WaitCause::Ack {
+                if qp.timing.retries >= qp.timing.retry_cnt {
+                    tracing::debug!(qpn, "sim: transport retries exhausted");
+                    self.fail_head(qpn, WcStatus::RETRY_EXC_ERR, None);
+                    return Step::Ran;
+                }
+                qp.timing.retries += 1;
+            }
         }
         let Some(plan) = self.plan(qpn) else {
             return Step::Idle;
         };
         match plan {
-            Plan::Blocked => return Step::Blocked,
-            Plan::DeviceLost => self.lose_device(device),
-            Plan::Fail { status, responder } => {
-                let Some(wqe) = self.qps.get_mut(&qpn).and_then(|qp| qp.sq.pop_front()) else {
-                    return Step::Idle;
-                };
-                tracing::debug!(qpn, wr_id = wqe.wr_id, %status, "sim: request failed");
-                self.complete_send(qpn, &wqe, status);
-                if let Some(responder) = responder {
-                    if let Some(status) = responder.recv_status {
-                        let recv = self
-                            .qps
-                            .get_mut(&responder.qpn)
-                            .and_then(|peer| peer.rq.pop_front());
-                        if let Some(recv) = recv {
-                            self.complete_recv(
-                                responder.qpn,
-                                &recv,
-                                status,
-                                WcOpcode::Recv,
-                                0,
-                                None,
-                            );
-                        }
-                    }
-                    self.set_error(responder.qpn);
+            Plan::Blocked => return self.rnr_nak(qpn),
+            Plan::Unreachable => {
+                if let Some(qp) = self.qps.get_mut(&qpn) {
+                    qp.timing.attempted = true;
+                    // Timeout 0 (refused by the HAL) is "no timer": the
+                    // request is retried whenever the fabric progresses.
+                    qp.timing.wait = ack_timeout(qp.timing.timeout).map(|timeout| Wait {
+                        until: now.saturating_add(timeout),
+                        cause: WaitCause::Ack,
+                    });
                 }
-                self.set_error(qpn);
+                return Step::Idle;
             }
+            Plan::DeviceLost => self.lose_device(device),
+            Plan::Fail { status, responder } => self.fail_head(qpn, status, responder),
             Plan::Run {
                 target,
                 copies,
                 recv,
                 len,
             } => {
-                for copy in &copies {
-                    // SAFETY: every source and destination was resolved just
-                    // now inside a live registration (or the queued request's
-                    // own inline buffer, still queued), bounds-checked against
-                    // it; registered memory stays valid while registered (the
-                    // contract of `register`, or our own mapping/backing).
-                    // Ranges may overlap inside one process: `copy` allows it.
-                    unsafe { std::ptr::copy(copy.src.0.cast_const(), copy.dst.0, copy.len) };
-                }
-                let Some(wqe) = self.qps.get_mut(&qpn).and_then(|qp| {
-                    qp.rnr_waits = 0;
-                    qp.sq.pop_front()
-                }) else {
+                let latency = self.clock.read_latency;
+                let Some(qp) = self.qps.get_mut(&qpn) else {
                     return Step::Idle;
                 };
-                self.complete_send(qpn, &wqe, WcStatus::SUCCESS);
+                qp.timing.next_request();
+                let Some(wqe) = qp.sq.pop_front() else {
+                    return Step::Idle;
+                };
+                if matches!(wqe.op, SendOp::Read { .. }) && !latency.is_zero() {
+                    // Sent; the response (and the memory read) comes later.
+                    let due = now.saturating_add(latency);
+                    qp.timing.inflight.push_back(Inflight::Read { wqe, due });
+                    return Step::Ran;
+                }
+                copy_all(&copies);
+                self.finish(qpn, wqe, WcStatus::SUCCESS);
                 if let Some((opcode, imm)) = recv {
                     let consumed = self.qps.get_mut(&target).and_then(|p| p.rq.pop_front());
                     if let Some(recv_wqe) = consumed {

@@ -25,6 +25,7 @@
 //! Connection management (rdma_cm's listen/connect/accept with private data)
 //! is [`SimCm`], from [`Provider::connection_manager`]: see the `cm` module.
 
+pub mod clock;
 mod cm;
 mod engine;
 mod mr;
@@ -43,6 +44,7 @@ use hal_verbs::{
 use crate::faults::FaultPlan;
 use state::FabricState;
 
+pub use clock::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};
 pub use cm::{SimCm, SimConnectRequest, SimConnection, SimListener};
 pub use mr::{SimMr, SimPd};
 pub use qp::{SimCq, SimQp};

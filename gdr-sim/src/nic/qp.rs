@@ -185,8 +185,7 @@ impl SimQp {
                 access: hal_verbs::AccessFlags::empty(),
                 remote: None,
                 sq_psn: 0,
-                rnr_retry: 0,
-                rnr_waits: 0,
+                timing: super::clock::QpTiming::default(),
                 sq: VecDeque::new(),
                 rq: VecDeque::new(),
                 sq_posted: 0,
@@ -325,6 +324,12 @@ impl QueuePair for SimQp {
                 qpn: params.remote.qp_num,
                 rq_psn: params.remote.psn,
             });
+            // The responder's RNR timer; a recycled QP starts with no
+            // request in flight and no timer.
+            qp.timing = super::clock::QpTiming {
+                min_rnr_timer: params.min_rnr_timer,
+                ..Default::default()
+            };
             qp.state = QpState::ReadyToReceive;
             Ok(())
         })
@@ -340,7 +345,9 @@ impl QueuePair for SimQp {
             }
             let qp = record(state, qpn)?;
             qp.sq_psn = params.sq_psn;
-            qp.rnr_retry = params.rnr_retry;
+            qp.timing.timeout = params.timeout;
+            qp.timing.retry_cnt = params.retry_cnt;
+            qp.timing.rnr_retry = params.rnr_retry;
             qp.state = QpState::ReadyToSend;
             Ok(())
         })

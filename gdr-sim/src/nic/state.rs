@@ -162,9 +162,8 @@ pub(crate) struct QpRecord {
     pub access: AccessFlags,
     pub remote: Option<Remote>,
     pub sq_psn: u32,
-    pub rnr_retry: u8,
-    /// Progress rounds the head request has waited for a receive.
-    pub rnr_waits: u32,
+    /// Timeouts, retry counts and their timers (the virtual clock's).
+    pub timing: super::clock::QpTiming,
     pub sq: VecDeque<SendWqe>,
     pub rq: VecDeque<RecvWqe>,
     pub sq_posted: u64,
@@ -187,6 +186,8 @@ pub(crate) struct FabricState {
     pub qps: BTreeMap<u32, QpRecord>,
     /// Listeners, pending requests and connections of the connection manager.
     pub cm: super::cm::CmState,
+    /// The virtual clock.
+    pub clock: super::clock::ClockState,
     next_id: u64,
     next_key: u32,
     next_qpn: u32,
@@ -214,6 +215,7 @@ impl FabricState {
             cqs: HashMap::new(),
             qps: BTreeMap::new(),
             cm: super::cm::CmState::default(),
+            clock: super::clock::ClockState::default(),
             next_id: 1,
             next_key: 0,
             // Low QPNs are reserved on real devices (0 and 1 are special).
@@ -450,6 +452,20 @@ impl FabricState {
         };
         let sends: Vec<SendWqe> = qp.sq.drain(..).collect();
         let recvs: Vec<RecvWqe> = qp.rq.drain(..).collect();
+        // Outstanding READs flush; what completed behind them is reported
+        // first, in posting order.
+        qp.timing.next_request();
+        let inflight = std::mem::take(&mut qp.timing.inflight);
+        for entry in inflight {
+            match entry {
+                super::clock::Inflight::Read { wqe, .. } => {
+                    self.complete_send(qpn, &wqe, WcStatus::WR_FLUSH_ERR);
+                }
+                super::clock::Inflight::Done { wqe, status } => {
+                    self.complete_send(qpn, &wqe, status);
+                }
+            }
+        }
         // WR_FLUSH_ERR is an error status, so unsignaled requests report it
         // too, as on real hardware.
         for wqe in &sends {

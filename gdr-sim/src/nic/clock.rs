@@ -1,0 +1,248 @@
+//! The fabric's virtual clock: what drives every timeout and retry of the
+//! simulated transport.
+//!
+//! Time on a [`SimFabric`] is virtual: a [`Duration`] since the fabric was
+//! made, which moves only when the fabric moves it. It has two modes
+//! ([`ClockMode`]):
+//!
+//! - **[`Auto`](ClockMode::Auto)** (the default) keeps the behaviour every
+//!   test written before the clock relies on. Within one progress call (every
+//!   [`poll`](hal_verbs::CompletionQueue::poll) makes one) nothing outside the
+//!   fabric can change, so the clock runs through every transport (ACK)
+//!   timeout and every outstanding READ on the way: a request to a dead peer
+//!   fails with `RETRY_EXC_ERR` in the poll that finds it, after
+//!   `(retry_cnt + 1)` timeouts of virtual time. An RNR wait is different:
+//!   the peer is alive and may post its receive between two polls, so each
+//!   progress call moves the clock past at most one RNR timer period that
+//!   was already pending when it started (a poll is one RNR retry).
+//! - **[`Manual`](ClockMode::Manual)**: the clock moves only when the test
+//!   calls [`SimClock::advance`] (or [`SimFabric::advance`]); progress runs
+//!   what is runnable *now* and nothing else. Every timer fires exactly at
+//!   its deadline, in deadline order, during the `advance` that passes it.
+//!
+//! What is time-driven (see the engine):
+//!
+//! - **ACK timeout and `retry_cnt`.** A request whose peer does not answer
+//!   (QP destroyed, in the wrong state, wrong QPN or PSN, device dead) is
+//!   retransmitted after [`ack_timeout`]`(timeout)` = 4.096 µs ×
+//!   2^`timeout`; after `retry_cnt` retransmissions the next timeout fails it
+//!   with `RETRY_EXC_ERR`: at `(retry_cnt + 1)` × the timeout after it was
+//!   first sent, as rxe's completer counts (`rxe_comp.c`, the
+//!   `COMPST_ERROR_RETRY` state decrements `comp.retry_cnt` and fails the
+//!   WQE once it is 0). A peer that becomes ready before a retransmission
+//!   gets it. `retry_cnt` 7 and `timeout` 0 (infinite) are refused by the
+//!   HAL ([`hal_verbs::RtsParams::validate`]).
+//! - **RNR NAK and `rnr_retry`.** A SEND (or WRITE with immediate) that
+//!   finds no receive posted is NAKed; the requester waits the RNR timer the
+//!   *responder* advertises (its `min_rnr_timer`, set at RTR; the table of
+//!   [`rnr_nak_timer`], from `ibv_modify_qp(3)` and IBA 9.7.5.2.8), then
+//!   retries; the NAK of retry `rnr_retry` fails it with
+//!   `RNR_RETRY_EXC_ERR`, i.e. `rnr_retry` timer periods after the first
+//!   NAK (rxe's completer: `comp.rnr_retry` is decremented per NAK and the
+//!   WQE fails when a NAK finds it 0). `rnr_retry` 7 retries forever. A
+//!   receive posted while the requester waits is used by the next retry,
+//!   not before.
+//! - **READ round trip and FENCE.** With [`SimClock::set_read_latency`]
+//!   above zero, an RDMA READ is outstanding for that long: the responder's
+//!   memory is read and the requester's completes only when it is due, while
+//!   later requests of the same QP go on (an RC requester pipelines past a
+//!   READ). A request posted with [`SendFlags::FENCE`](hal_verbs::SendFlags)
+//!   waits until every earlier READ of its QP has completed. Completions
+//!   still come in posting order. The default latency is zero: a READ runs
+//!   at once, as before the clock.
+//!
+//! Successful requests take no time: bandwidth and wire latency are not
+//! modelled.
+
+use std::time::Duration;
+
+use super::SimFabric;
+
+/// How the virtual clock moves (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClockMode {
+    /// Progress moves the clock through transport timeouts and READ round
+    /// trips at once, and one pending RNR timer period per progress call.
+    #[default]
+    Auto,
+    /// Only [`SimClock::advance`] moves the clock.
+    Manual,
+}
+
+/// The clock's state, behind the fabric's lock.
+#[derive(Debug, Default)]
+pub(crate) struct ClockState {
+    pub now: Duration,
+    pub mode: ClockMode,
+    pub read_latency: Duration,
+}
+
+/// The local ACK timeout of an RC QP's `timeout` code: 4.096 µs ×
+/// 2^`timeout` (`ibv_modify_qp(3)`; IBA 9.7.6.1.3). Code 0 means "no
+/// timer" (wait forever): `None`.
+pub fn ack_timeout(timeout: u8) -> Option<Duration> {
+    if timeout == 0 {
+        return None;
+    }
+    let nanos = 4096u128 << timeout.min(31);
+    Some(Duration::from_nanos(
+        u64::try_from(nanos).unwrap_or(u64::MAX),
+    ))
+}
+
+/// The RNR NAK timer of a `min_rnr_timer` code, from the table of
+/// `ibv_modify_qp(3)` (IBA 9.7.5.2.8): 0 is 655.36 ms, 1 is 0.01 ms, ...,
+/// 12 is 0.64 ms, ..., 31 is 491.52 ms. Codes above 31 use their low 5 bits,
+/// as the field is 5 bits wide.
+pub fn rnr_nak_timer(code: u8) -> Duration {
+    /// In units of 10 µs.
+    const TABLE: [u32; 32] = [
+        65536, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+        1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+    ];
+    Duration::from_micros(u64::from(TABLE[usize::from(code & 31)]) * 10)
+}
+
+/// A handle on the virtual clock of a [`SimFabric`], from
+/// [`SimFabric::clock`].
+#[derive(Debug, Clone)]
+pub struct SimClock {
+    pub(crate) fabric: SimFabric,
+}
+
+impl SimClock {
+    /// Virtual time since the fabric was made.
+    pub fn now(&self) -> Duration {
+        self.fabric.lock().clock.now
+    }
+
+    /// How the clock moves.
+    pub fn mode(&self) -> ClockMode {
+        self.fabric.lock().clock.mode
+    }
+
+    /// Sets how the clock moves; switching never moves it.
+    pub fn set_mode(&self, mode: ClockMode) {
+        self.fabric.lock().clock.mode = mode;
+    }
+
+    /// The round trip of an RDMA READ (zero by default: READs run at once).
+    pub fn read_latency(&self) -> Duration {
+        self.fabric.lock().clock.read_latency
+    }
+
+    /// Sets the round trip of RDMA READs posted from now on.
+    pub fn set_read_latency(&self, latency: Duration) {
+        self.fabric.lock().clock.read_latency = latency;
+    }
+
+    /// The earliest pending timer (an ACK timeout, an RNR wait, an
+    /// outstanding READ), if any.
+    pub fn next_deadline(&self) -> Option<Duration> {
+        self.fabric.lock().next_deadline()
+    }
+
+    /// Moves the clock forward by `by`, in either mode: every timer that
+    /// falls due on the way fires at its deadline, in order, and what it
+    /// makes runnable runs then. While the fabric is paused the clock still
+    /// moves, but nothing runs: timers that passed fire when it resumes.
+    pub fn advance(&self, by: Duration) {
+        self.fabric.lock().advance(by);
+    }
+}
+
+impl SimFabric {
+    /// The fabric's virtual clock.
+    pub fn clock(&self) -> SimClock {
+        SimClock {
+            fabric: self.clone(),
+        }
+    }
+
+    /// Shorthand for `self.clock().advance(by)`.
+    pub fn advance(&self, by: Duration) {
+        self.clock().advance(by);
+    }
+}
+
+/// Why the head request of a send queue waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WaitCause {
+    /// Sent, unanswered: retransmitted when the ACK timer expires.
+    Ack,
+    /// RNR-NAKed: retried when the RNR timer expires.
+    Rnr,
+}
+
+/// A timer on the head request of a send queue.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Wait {
+    pub until: Duration,
+    pub cause: WaitCause,
+}
+
+/// A request that has left the send queue without its completion queued
+/// yet: a READ whose response is due, or a later request that completed
+/// behind it (completions of a send queue come in posting order).
+pub(crate) enum Inflight {
+    Read {
+        wqe: super::state::SendWqe,
+        due: Duration,
+    },
+    Done {
+        wqe: super::state::SendWqe,
+        status: hal_verbs::WcStatus,
+    },
+}
+
+/// The time-dependent transport state of one RC QP.
+#[derive(Default)]
+pub(crate) struct QpTiming {
+    /// ACK timeout code (RTS).
+    pub timeout: u8,
+    /// Transport retries (RTS).
+    pub retry_cnt: u8,
+    /// RNR retries (RTS); 7 is infinite.
+    pub rnr_retry: u8,
+    /// The RNR timer this QP advertises as a responder (RTR).
+    pub min_rnr_timer: u8,
+    /// Retransmissions of the head request after ACK timeouts.
+    pub retries: u8,
+    /// RNR NAKs the head request has received (not counted for 7).
+    pub rnr_naks: u8,
+    /// Whether the head request was sent once already (its faults drawn).
+    pub attempted: bool,
+    /// The head request's timer.
+    pub wait: Option<Wait>,
+    /// Outstanding READs and the completions queued behind them.
+    pub inflight: std::collections::VecDeque<Inflight>,
+}
+
+impl QpTiming {
+    /// The head request is done: its counters and timer go.
+    pub fn next_request(&mut self) {
+        self.retries = 0;
+        self.rnr_naks = 0;
+        self.attempted = false;
+        self.wait = None;
+    }
+
+    /// Whether a READ is outstanding (a FENCEd request waits for none).
+    pub fn reads_outstanding(&self) -> bool {
+        self.inflight
+            .iter()
+            .any(|entry| matches!(entry, Inflight::Read { .. }))
+    }
+
+    /// The earliest of the QP's timers.
+    pub fn deadline(&self) -> Option<Duration> {
+        let read = self.inflight.iter().find_map(|entry| match entry {
+            Inflight::Read { due, .. } => Some(*due),
+            Inflight::Done { .. } => None,
+        });
+        match (self.wait.map(|w| w.until), read) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
