@@ -86,6 +86,14 @@ pub struct DeviceConfig {
     pub max_inline_data: u32,
     /// The PCI bus id it reports (`None`: a software device, like rxe).
     pub pci_bus_id: Option<String>,
+    /// The errno the provider answers an INLINE request above the QP's
+    /// `max_inline_data` with: `EINVAL` from librxe (`validate_send_wr` in
+    /// rdma-core's `providers/rxe/rxe.c`), `ENOMEM` from libmlx5
+    /// (`set_data_inl_seg` in `providers/mlx5/qp.c`). The HAL refuses such a
+    /// request before the provider sees it, so the sim answers
+    /// [`VerbsError::InvalidArgument`] in both profiles, as the rdma backend
+    /// does, with this errno in it: what the provider would have said.
+    pub inline_overflow_errno: i32,
     /// Whether destroying a QP removes its completions from its CQs, as
     /// ConnectX does (rxe keeps them). Off by default; on, a QP torn down
     /// with work outstanding loses those completions unless it was drained
@@ -120,12 +128,53 @@ impl Default for DeviceConfig {
             max_inline_data: 256,
             // Beside the simulated GPU's default 0000:17:00.0, as on a PCIe switch.
             pci_bus_id: Some("0000:18:00.0".to_owned()),
+            inline_overflow_errno: libc::EINVAL,
             destroy_qp_purges_cq: false,
         }
     }
 }
 
 impl DeviceConfig {
+    /// A ConnectX-like device (libmlx5): the default device with the
+    /// behaviours where mlx5 differs from rxe in ways an engine must
+    /// survive, each from rdma-core's source (`providers/`, at
+    /// 691953d8d502f54088f776c5ba2aeed0a5ac945d):
+    ///
+    /// - destroying a QP removes its completions from its CQs
+    ///   ([`destroy_qp_purges_cq`](Self::destroy_qp_purges_cq)):
+    ///   `mlx5_destroy_qp` (`mlx5/verbs.c`) calls `__mlx5_cq_clean` on the
+    ///   receive and the send CQ, and `mlx5_modify_qp` does the same on a
+    ///   move to RESET; `rxe_destroy_qp` (`rxe/rxe.c`) only destroys the QP
+    ///   in the kernel, its completions stay;
+    /// - an INLINE request above `max_inline_data` is refused with ENOMEM
+    ///   ([`inline_overflow_errno`](Self::inline_overflow_errno)):
+    ///   `set_data_inl_seg` in `mlx5/qp.c` (rxe: EINVAL, `validate_send_wr`);
+    /// - a fatal device yields no completion for outstanding work, only the
+    ///   `IBV_EVENT_DEVICE_FATAL` async event: the CQ is memory the device
+    ///   writes, and a dead device writes nothing. libmlx5 marks the context
+    ///   fatal when that event is read (`mlx5_async_event` in
+    ///   `mlx5/verbs.c`), and its own steering code stops waiting for
+    ///   completions once the device is fatal, since none will come
+    ///   (`dr_send.c`, "On IBV_EVENT_DEVICE_FATAL a success is returned").
+    ///   rxe cannot be made fatal while a process holds it, so
+    ///   [`rxe_like`](Self::rxe_like) keeps the flushes.
+    ///
+    /// The conformance suite runs per profile: `mlx5_like()` and
+    /// [`rxe_like()`](Self::rxe_like) (see [`profiles`](Self::profiles)).
+    pub fn mlx5_like() -> Self {
+        Self {
+            destroy_qp_purges_cq: true,
+            inline_overflow_errno: libc::ENOMEM,
+            ..Self::default()
+        }
+    }
+
+    /// The device profiles the conformance suite runs in, by name:
+    /// `("mlx5", mlx5_like())` and `("rxe", rxe_like())`.
+    pub fn profiles() -> [(&'static str, Self); 2] {
+        [("mlx5", Self::mlx5_like()), ("rxe", Self::rxe_like())]
+    }
+
     /// An rxe-like device: no dma-buf, 1024-byte active MTU, no PCI function.
     pub fn rxe_like() -> Self {
         Self {

@@ -469,11 +469,19 @@ impl SimQp {
             }
             let total = request.byte_len();
             if total > u64::from(caps.max_inline_data) {
+                // As the HAL refuses it before the provider: InvalidArgument,
+                // with the errno the provider would answer (the profile's).
+                let errno = state.devices[device].config.inline_overflow_errno;
                 let reason = format!(
-                    "{total} inline bytes > max_inline_data {}",
-                    caps.max_inline_data
+                    "{total} inline bytes > max_inline_data {} (the provider answers {})",
+                    caps.max_inline_data,
+                    std::io::Error::from_raw_os_error(errno)
                 );
-                return Err(state.einval(device, OP, reason));
+                return Err(VerbsError::InvalidArgument {
+                    operation: OP,
+                    reason,
+                    errno: Some(errno),
+                });
             }
             if request
                 .sg_list

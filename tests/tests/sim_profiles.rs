@@ -1,0 +1,186 @@
+//! The simulated device profiles: where ConnectX (libmlx5) and rxe differ,
+//! each profile behaves as its provider does (the facts and their sources
+//! are on `DeviceConfig::mlx5_like`).
+
+use gdr_sim::{DeviceConfig, NodeConfig, SimCq, SimFabric, SimMr, SimPd, SimQp};
+use gdr_tests::init_tracing;
+use hal_verbs::{
+    AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, InitParams,
+    MemoryRegion, ProtectionDomain, Provider, QpCaps, QueuePair, RtrParams, RtsParams, SendFlags,
+    SendOp, SendRequest, Sge, VerbsError, WcStatus, select_roce_v2_gid,
+};
+
+struct Side {
+    pd: SimPd,
+    cq: SimCq,
+    qp: SimQp,
+    info: ConnectionInfo,
+    sgid: u8,
+}
+
+fn side(fabric: &SimFabric, name: &str, config: &DeviceConfig, caps: &QpCaps) -> Side {
+    let verbs = fabric.add_node(
+        name,
+        NodeConfig {
+            ipv4: None,
+            devices: vec![config.clone()],
+        },
+    );
+    let ctx = verbs.open("sim0").unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qp = pd.create_qp(caps, &cq, &cq).unwrap();
+    let port = ctx.query_port(1).unwrap();
+    let table = ctx.gid_table(1).unwrap();
+    let gid = select_roce_v2_gid(&table, AddressFamily::V4).unwrap();
+    let info = ConnectionInfo {
+        qp_num: qp.qp_num(),
+        psn: 7,
+        gid: gid.gid,
+        lid: port.lid,
+        mtu: port.active_mtu,
+    };
+    Side {
+        pd,
+        cq,
+        qp,
+        info,
+        sgid: gid.index as u8,
+    }
+}
+
+/// Two connected sides on devices of `config`.
+fn pair(config: &DeviceConfig, caps: &QpCaps) -> (SimFabric, Side, Side) {
+    init_tracing();
+    let fabric = SimFabric::new();
+    let a = side(&fabric, "a", config, caps);
+    let b = side(&fabric, "b", config, caps);
+    for (own, peer) in [(&a, &b), (&b, &a)] {
+        own.qp.to_init(&InitParams::default()).unwrap();
+        own.qp
+            .to_rtr(&RtrParams::new(peer.info, own.sgid, own.info.mtu))
+            .unwrap();
+        own.qp
+            .to_rts(&RtsParams {
+                sq_psn: 7,
+                ..RtsParams::default()
+            })
+            .unwrap();
+    }
+    (fabric, a, b)
+}
+
+fn register(pd: &SimPd, data: &mut [u8]) -> SimMr {
+    // SAFETY: every caller keeps `data` alive and in place past the MR.
+    unsafe {
+        pd.register(
+            data.as_mut_ptr() as u64,
+            data.len(),
+            AccessFlags::transfer(),
+        )
+    }
+    .unwrap()
+}
+
+#[test]
+fn the_profiles_are_named_and_differ_where_the_providers_do() {
+    let [(mlx5_name, mlx5), (rxe_name, rxe)] = DeviceConfig::profiles();
+    assert_eq!((mlx5_name, rxe_name), ("mlx5", "rxe"));
+    assert!(mlx5.destroy_qp_purges_cq && !rxe.destroy_qp_purges_cq);
+    assert_eq!(mlx5.inline_overflow_errno, libc::ENOMEM);
+    assert_eq!(rxe.inline_overflow_errno, libc::EINVAL);
+    assert!(mlx5.dmabuf && !rxe.dmabuf);
+    assert!(mlx5.pci_bus_id.is_some() && rxe.pci_bus_id.is_none());
+}
+
+/// An INLINE request above the QP's `max_inline_data` is refused at post
+/// time in both profiles (as the HAL refuses it), carrying the errno the
+/// provider would answer: ENOMEM (libmlx5), EINVAL (librxe).
+#[test]
+fn an_oversized_inline_send_is_refused_with_the_providers_errno() {
+    let caps = QpCaps {
+        max_inline_data: 64,
+        ..QpCaps::default()
+    };
+    for (name, config) in DeviceConfig::profiles() {
+        let (_fabric, a, b) = pair(&config, &caps);
+        let mut src = vec![0u8; 65];
+        let mut dst = vec![0u8; 65];
+        let (src_mr, dst_mr) = (register(&a.pd, &mut src), register(&b.pd, &mut dst));
+        let request = |len: u32| SendRequest {
+            wr_id: 1,
+            op: SendOp::Write {
+                remote_addr: dst_mr.addr(),
+                rkey: dst_mr.rkey(),
+            },
+            sg_list: [Sge {
+                addr: src_mr.addr(),
+                length: len,
+                lkey: src_mr.lkey(),
+            }]
+            .into_iter()
+            .collect(),
+            flags: SendFlags::INLINE | SendFlags::SIGNALED,
+        };
+        // SAFETY: `src` is host memory, alive for the call.
+        let err = unsafe { a.qp.post_send(&[request(65)]) }.unwrap_err();
+        assert_eq!(err.accepted(), Some(0), "{name}");
+        let expected = config.inline_overflow_errno;
+        assert!(
+            matches!(
+                err.error,
+                VerbsError::InvalidArgument { errno: Some(errno), .. } if errno == expected
+            ),
+            "{name}: {err}"
+        );
+        // 64 bytes fit.
+        // SAFETY: as above.
+        unsafe { a.qp.post_send(&[request(64)]) }.unwrap();
+        let mut wc = [Completion::default(); 2];
+        assert_eq!(a.cq.poll(&mut wc).unwrap(), 1, "{name}");
+        assert_eq!(wc[0].status, WcStatus::SUCCESS, "{name}");
+        drop((src_mr, dst_mr));
+    }
+}
+
+/// Destroying a QP with completions still in its CQ: libmlx5 cleans them
+/// out of the CQ, rxe leaves them to be polled.
+#[test]
+fn a_destroyed_qps_completions_go_on_mlx5_and_stay_on_rxe() {
+    for (name, config) in DeviceConfig::profiles() {
+        let (fabric, a, b) = pair(&config, &QpCaps::default());
+        let mut src = vec![1u8; 16];
+        let mut dst = vec![0u8; 16];
+        let (src_mr, dst_mr) = (register(&a.pd, &mut src), register(&b.pd, &mut dst));
+        let write = SendRequest {
+            wr_id: 3,
+            op: SendOp::Write {
+                remote_addr: dst_mr.addr(),
+                rkey: dst_mr.rkey(),
+            },
+            sg_list: [Sge {
+                addr: src_mr.addr(),
+                length: 16,
+                lkey: src_mr.lkey(),
+            }]
+            .into_iter()
+            .collect(),
+            flags: SendFlags::SIGNALED,
+        };
+        // SAFETY: the buffers outlive their registrations.
+        unsafe { a.qp.post_send(&[write]) }.unwrap();
+        // Run it without polling the completion away.
+        assert_eq!(fabric.progress(), 1, "{name}");
+        let Side { cq, qp, .. } = a;
+        drop(qp);
+        let mut wc = [Completion::default(); 2];
+        let n = cq.poll(&mut wc).unwrap();
+        if config.destroy_qp_purges_cq {
+            assert_eq!(n, 0, "{name}: purged");
+        } else {
+            assert_eq!((n, wc[0].wr_id), (1, 3), "{name}: kept");
+        }
+        assert_eq!(dst, src, "{name}: the WRITE ran either way");
+        drop((src_mr, dst_mr, b));
+    }
+}
