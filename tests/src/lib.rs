@@ -3,7 +3,9 @@
 
 use std::sync::Once;
 
+pub mod conformance;
 pub mod grants;
+pub mod pair;
 pub mod rxe;
 
 /// Routes `tracing` output to the test harness (shown for failing tests),

@@ -312,7 +312,7 @@ fn two_nics_share_one_dmabuf_export_per_allocation() {
     let exports_after_first = w.plan.calls(FaultSite::CudaExportDmabuf);
     let b = buffer.register(&nic1, 0, 1 << 20).unwrap();
     assert_eq!((a.rung(), b.rung()), (Rung::Dmabuf, Rung::Dmabuf));
-    assert_ne!(a.mr().unwrap().rkey(), b.mr().unwrap().rkey());
+    assert_ne!(a.mr().unwrap().lkey(), b.mr().unwrap().lkey());
     // nic1's first registration probes with a scratch export of its own
     // (one call), but the buffer's allocation is not exported again.
     assert_eq!(
@@ -344,10 +344,10 @@ fn a_reallocated_address_gets_a_new_registration() {
     let addr = hal_cuda::DeviceMemory::device_ptr(&first);
     // SAFETY: the buffer is dropped before `first` is freed.
     let wrapped = unsafe { Buffer::<SimCudaApi>::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
-    let old_rkey = {
+    let old_lkey = {
         let reg = wrapped.register(&ladder, 0, 4096).unwrap();
         assert_eq!(reg.rung(), Rung::Peermem);
-        reg.mr().unwrap().rkey()
+        reg.mr().unwrap().lkey()
     };
     drop(wrapped);
     drop(first);
@@ -356,7 +356,7 @@ fn a_reallocated_address_gets_a_new_registration() {
     // SAFETY: as above.
     let wrapped = unsafe { Buffer::<SimCudaApi>::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
     let reg = wrapped.register(&ladder, 0, 4096).unwrap();
-    assert_ne!(reg.mr().unwrap().rkey(), old_rkey, "a new registration");
+    assert_ne!(reg.mr().unwrap().lkey(), old_lkey, "a new registration");
     drop(reg);
     drop(wrapped);
 }

@@ -1,5 +1,7 @@
-//! The simulated NIC behind the verbs HAL: data moves byte for byte, every
-//! check a real RC NIC makes fails the way real hardware fails, faults fire.
+//! The simulated NIC behind the verbs HAL: what only the sim can show
+//! (faults, pausing, device loss, its device profiles, dma-buf). What both
+//! backends must do is the conformance suite's (`gdr_tests::conformance`,
+//! run by `sim_conformance.rs` and `rxe_conformance.rs`).
 //!
 //! Everything goes through the `hal-verbs` traits, connected the way real
 //! code connects (GID table, ConnectionInfo, RtrParams, RtsParams).
@@ -15,7 +17,7 @@ use hal_verbs::{
     AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, InitParams,
     LinkLayer, MemoryRegion, Mtu, PostError, ProtectionDomain, Provider, QpCaps, QpState,
     QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, Sge, VerbsError,
-    WcOpcode, WcStatus, select_roce_v2_gid,
+    WcStatus, select_roce_v2_gid,
 };
 
 // ---------------------------------------------------------------- helpers
@@ -268,407 +270,11 @@ fn devices_ports_and_gids_look_like_roce() {
     }
 }
 
+/// Running out of RNR retries (the SEND waiting for a receive with
+/// rnr_retry 7 is the conformance suite's `send_waits_for_a_receive`).
 #[test]
-fn write_and_read_move_bytes_exactly() {
-    let p = pair();
+fn rnr_retry_runs_out() {
     let access = AccessFlags::transfer();
-    for (i, size) in [1usize, 7, 4096, 65_536 + 3].into_iter().enumerate() {
-        let seed = i as u8;
-        let mut src = p.a.buf(size + 32, access);
-        let dst = p.b.buf(size + 32, access);
-        src.data[..size].copy_from_slice(&pattern(size, seed));
-        // WRITE at an offset: the bytes around the target stay zero.
-        post(
-            &p.qa,
-            &[req(
-                10 + i as u64,
-                write(&dst, 16),
-                &[src.sge(0, size)],
-                SIG,
-            )],
-        );
-        let wc = expect(&p.cqa, 1)[0];
-        assert_eq!(wc.status, WcStatus::SUCCESS);
-        assert_eq!(
-            (wc.wr_id, wc.opcode, wc.qp_num),
-            (10 + i as u64, WcOpcode::RdmaWrite, p.qa.qp_num())
-        );
-        assert_eq!(&dst.data[16..16 + size], &pattern(size, seed)[..]);
-        assert!(
-            dst.data[..16]
-                .iter()
-                .chain(&dst.data[16 + size..])
-                .all(|&b| b == 0)
-        );
-        expect(&p.cqb, 0);
-
-        // READ it back into a fresh buffer.
-        let back = p.a.buf(size, access);
-        post(&p.qa, &[req(20, read(&dst, 16), &[back.sge(0, size)], SIG)]);
-        let wc = expect(&p.cqa, 1)[0];
-        assert_eq!(
-            (wc.status, wc.opcode),
-            (WcStatus::SUCCESS, WcOpcode::RdmaRead)
-        );
-        assert_eq!(&back.data[..], &pattern(size, seed)[..]);
-    }
-}
-
-#[test]
-fn multi_sge_gathers_and_scatters_in_order() {
-    let p = pair();
-    let access = AccessFlags::transfer();
-    let mut src = p.a.buf(1000, access);
-    src.data.copy_from_slice(&pattern(1000, 3));
-    let dst = p.b.buf(600, access);
-    // Gather 100 bytes at 500, 300 at 0 and 200 at 800, in that order.
-    let sges = [src.sge(500, 100), src.sge(0, 300), src.sge(800, 200)];
-    post(&p.qa, &[req(1, write(&dst, 0), &sges, SIG)]);
-    assert!(expect(&p.cqa, 1)[0].status.is_success());
-    let mut want = pattern(1000, 3)[500..600].to_vec();
-    want.extend_from_slice(&pattern(1000, 3)[..300]);
-    want.extend_from_slice(&pattern(1000, 3)[800..]);
-    assert_eq!(&dst.data[..], &want[..]);
-
-    // READ scatters the remote range over two local pieces, reversed.
-    let back = p.a.buf(600, access);
-    post(
-        &p.qa,
-        &[req(
-            2,
-            read(&dst, 0),
-            &[back.sge(400, 200), back.sge(0, 400)],
-            SIG,
-        )],
-    );
-    assert!(expect(&p.cqa, 1)[0].status.is_success());
-    assert_eq!(&back.data[400..], &want[..200]);
-    assert_eq!(&back.data[..400], &want[200..]);
-}
-
-#[test]
-fn several_qps_share_one_cq() {
-    init_tracing();
-    let fabric = SimFabric::new();
-    let a = Node::new(&fabric, "a", NodeConfig::default());
-    let b = Node::new(&fabric, "b", NodeConfig::default());
-    let shared = a.cq(64);
-    let cqb = b.cq(64);
-    let caps = QpCaps::default();
-    let (qa1, qa2) = (a.qp(&caps, &shared), a.qp(&caps, &shared));
-    let (qb1, qb2) = (b.qp(&caps, &cqb), b.qp(&caps, &cqb));
-    connect(&a, &qa1, &b, &qb1, RtsParams::default());
-    connect(&a, &qa2, &b, &qb2, RtsParams::default());
-    let mut src = a.buf(64, AccessFlags::transfer());
-    src.data.copy_from_slice(&pattern(64, 9));
-    let dst = b.buf(64, AccessFlags::transfer());
-    post(&qa1, &[req(1, write(&dst, 0), &[src.sge(0, 32)], SIG)]);
-    post(&qa2, &[req(2, write(&dst, 32), &[src.sge(32, 32)], SIG)]);
-    let wcs = expect(&shared, 2);
-    let mut seen: Vec<_> = wcs.iter().map(|wc| (wc.wr_id, wc.qp_num)).collect();
-    seen.sort();
-    assert_eq!(seen, [(1, qa1.qp_num()), (2, qa2.qp_num())]);
-    assert_eq!(&dst.data[..], &pattern(64, 9)[..]);
-}
-
-#[test]
-fn remote_access_violations_move_no_byte_and_fail_both_qps() {
-    let access = AccessFlags::transfer();
-    type Case = fn(&Buf, &Buf) -> SendOp;
-    let cases: [(&str, Case); 4] = [
-        ("one byte past the MR", |dst, _| write(dst, 1)),
-        ("wrong rkey (the lkey)", |dst, _| SendOp::Write {
-            remote_addr: dst.addr(0),
-            rkey: dst.mr.lkey(),
-        }),
-        ("no REMOTE_WRITE", |_, ro| write(ro, 0)),
-        ("address below the MR", |dst, _| SendOp::Write {
-            remote_addr: dst.addr(0) - 1,
-            rkey: dst.mr.rkey(),
-        }),
-    ];
-    for (what, op) in cases {
-        let p = pair();
-        let mut src = p.a.buf(256, access);
-        src.data.copy_from_slice(&pattern(256, 1));
-        let dst = p.b.buf(256, access);
-        let read_only =
-            p.b.buf(256, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
-        // A receive at the target, to see the responder flush too.
-        post_recv(&p.qb, &[recv(77, &[])]);
-        post(
-            &p.qa,
-            &[
-                req(1, op(&dst, &read_only), &[src.sge(0, 256)], SIG),
-                req(2, write(&dst, 0), &[src.sge(0, 16)], SendFlags::empty()),
-                req(3, write(&dst, 0), &[src.sge(0, 16)], SIG),
-            ],
-        );
-        let wcs = expect(&p.cqa, 3);
-        assert_eq!(
-            ids_and_status(&wcs),
-            [
-                (1, WcStatus::REM_ACCESS_ERR),
-                (2, WcStatus::WR_FLUSH_ERR),
-                (3, WcStatus::WR_FLUSH_ERR)
-            ],
-            "{what}"
-        );
-        assert!(dst.data.iter().all(|&b| b == 0), "{what}: a byte moved");
-        assert!(
-            read_only.data.iter().all(|&b| b == 0),
-            "{what}: a byte moved"
-        );
-        assert_eq!(p.qa.state().unwrap(), QpState::Error, "{what}");
-        assert_eq!(p.qb.state().unwrap(), QpState::Error, "{what}");
-        assert_eq!(
-            ids_and_status(&expect(&p.cqb, 1)),
-            [(77, WcStatus::WR_FLUSH_ERR)]
-        );
-        // Later requests on the failed QP are flushed, never run.
-        post(
-            &p.qa,
-            &[req(
-                4,
-                write(&dst, 0),
-                &[src.sge(0, 16)],
-                SendFlags::empty(),
-            )],
-        );
-        assert_eq!(
-            ids_and_status(&expect(&p.cqa, 1)),
-            [(4, WcStatus::WR_FLUSH_ERR)]
-        );
-        assert!(dst.data.iter().all(|&b| b == 0), "{what}: a byte moved");
-    }
-
-    // READ from an MR without REMOTE_READ: the local target stays untouched.
-    let p = pair();
-    let remote =
-        p.b.buf(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
-    let local = p.a.buf(64, access);
-    post(&p.qa, &[req(5, read(&remote, 0), &[local.sge(0, 64)], SIG)]);
-    assert_eq!(
-        ids_and_status(&expect(&p.cqa, 1)),
-        [(5, WcStatus::REM_ACCESS_ERR)]
-    );
-    assert!(local.data.iter().all(|&b| b == 0));
-
-    // An MR of another PD on the target node: the rkey is not valid there.
-    let p = pair();
-    let other_pd = p.b.ctx.alloc_pd().unwrap();
-    let foreign = Buf::new(&other_pd, 64, access);
-    let src = p.a.buf(64, access);
-    post(&p.qa, &[req(6, write(&foreign, 0), &[src.sge(0, 64)], SIG)]);
-    assert_eq!(
-        ids_and_status(&expect(&p.cqa, 1)),
-        [(6, WcStatus::REM_ACCESS_ERR)]
-    );
-}
-
-#[test]
-fn local_protection_errors() {
-    let access = AccessFlags::transfer();
-    // Source MR of another PD than the QP's.
-    let p = pair();
-    let other_pd = p.a.ctx.alloc_pd().unwrap();
-    let foreign = Buf::new(&other_pd, 64, access);
-    let dst = p.b.buf(64, access);
-    post(
-        &p.qa,
-        &[req(
-            1,
-            write(&dst, 0),
-            &[foreign.sge(0, 64)],
-            SendFlags::empty(),
-        )],
-    );
-    assert_eq!(
-        ids_and_status(&expect(&p.cqa, 1)),
-        [(1, WcStatus::LOC_PROT_ERR)]
-    );
-    assert_eq!(p.qa.state().unwrap(), QpState::Error);
-    assert_eq!(
-        p.qb.state().unwrap(),
-        QpState::ReadyToSend,
-        "the peer saw nothing"
-    );
-
-    // READ into an MR without LOCAL_WRITE; an SGE past its MR.
-    for flags_or_len in [0usize, 65] {
-        let p = pair();
-        let mut remote = p.b.buf(128, access);
-        remote.data.copy_from_slice(&pattern(128, 4));
-        let local = if flags_or_len == 0 {
-            p.a.buf(64, AccessFlags::REMOTE_READ)
-        } else {
-            p.a.buf(64, access)
-        };
-        let len = if flags_or_len == 0 { 64 } else { flags_or_len };
-        post(
-            &p.qa,
-            &[req(2, read(&remote, 0), &[local.sge(0, len)], SIG)],
-        );
-        assert_eq!(
-            ids_and_status(&expect(&p.cqa, 1)),
-            [(2, WcStatus::LOC_PROT_ERR)]
-        );
-        assert!(local.data.iter().all(|&b| b == 0));
-    }
-}
-
-#[test]
-fn to_error_flushes_outstanding_requests() {
-    let p = pair();
-    let access = AccessFlags::transfer();
-    let mut src = p.a.buf(256, access);
-    src.data.copy_from_slice(&pattern(256, 2));
-    let dst = p.b.buf(256, access);
-    let inbox = p.a.buf(256, access);
-    p.fabric.set_paused(true);
-    post_recv(
-        &p.qa,
-        &[
-            recv(100, &[inbox.sge(0, 128)]),
-            recv(101, &[inbox.sge(128, 128)]),
-        ],
-    );
-    post_recv(&p.qb, &[recv(200, &[dst.sge(0, 256)])]);
-    post(
-        &p.qa,
-        &[
-            req(1, write(&dst, 0), &[src.sge(0, 64)], SIG),
-            req(2, write(&dst, 64), &[src.sge(64, 64)], SendFlags::empty()),
-            req(3, SendOp::Send, &[src.sge(0, 8)], SendFlags::empty()),
-            req(4, read(&dst, 0), &[src.sge(0, 8)], SIG),
-        ],
-    );
-    assert_eq!(p.fabric.progress(), 0, "paused");
-    expect(&p.cqa, 0);
-    p.qa.to_error().unwrap();
-    let wcs = expect(&p.cqa, 6);
-    let mut sends: Vec<_> = wcs.iter().filter(|wc| wc.wr_id < 100).copied().collect();
-    let recvs: Vec<_> = wcs.iter().filter(|wc| wc.wr_id >= 100).copied().collect();
-    assert_eq!(
-        ids_and_status(&sends),
-        (1..=4)
-            .map(|id| (id, WcStatus::WR_FLUSH_ERR))
-            .collect::<Vec<_>>()
-    );
-    assert_eq!(
-        ids_and_status(&recvs),
-        [(100, WcStatus::WR_FLUSH_ERR), (101, WcStatus::WR_FLUSH_ERR)]
-    );
-    assert!(sends.iter_mut().all(|wc| wc.qp_num == p.qa.qp_num()));
-    p.fabric.set_paused(false);
-    p.fabric.progress();
-    assert!(dst.data.iter().all(|&b| b == 0), "nothing moved");
-    assert!(inbox.data.iter().all(|&b| b == 0));
-    // The peer is not in error: its receive is still posted.
-    expect(&p.cqb, 0);
-    assert_eq!(p.qb.state().unwrap(), QpState::ReadyToSend);
-}
-
-#[test]
-fn send_recv_with_immediate_scatters_into_the_receive() {
-    let p = pair();
-    let access = AccessFlags::transfer();
-    let mut src = p.a.buf(300, access);
-    src.data.copy_from_slice(&pattern(300, 5));
-    let inbox = p.b.buf(400, access);
-    post_recv(
-        &p.qb,
-        &[recv(50, &[inbox.sge(200, 100), inbox.sge(0, 200)])],
-    );
-    let sges = [src.sge(0, 100), src.sge(150, 150)];
-    post(
-        &p.qa,
-        &[req(1, SendOp::SendWithImm { imm: 0xfeed_f00d }, &sges, SIG)],
-    );
-    let wc = expect(&p.cqa, 1)[0];
-    assert_eq!((wc.status, wc.opcode), (WcStatus::SUCCESS, WcOpcode::Send));
-    let wc = expect(&p.cqb, 1)[0];
-    assert_eq!(wc.status, WcStatus::SUCCESS);
-    assert_eq!(
-        (wc.wr_id, wc.opcode, wc.byte_len),
-        (50, WcOpcode::Recv, 250)
-    );
-    assert_eq!((wc.imm, wc.qp_num), (Some(0xfeed_f00d), p.qb.qp_num()));
-    let sent: Vec<u8> = [&src.data[..100], &src.data[150..]].concat();
-    assert_eq!(&inbox.data[200..300], &sent[..100]);
-    assert_eq!(&inbox.data[..150], &sent[100..]);
-    assert!(
-        inbox.data[150..200]
-            .iter()
-            .chain(&inbox.data[300..])
-            .all(|&b| b == 0)
-    );
-
-    // A plain SEND carries no immediate.
-    post_recv(&p.qb, &[recv(51, &[inbox.sge(0, 400)])]);
-    post(&p.qa, &[req(2, SendOp::Send, &[src.sge(0, 10)], SIG)]);
-    expect(&p.cqa, 1);
-    let wc = expect(&p.cqb, 1)[0];
-    assert_eq!((wc.wr_id, wc.byte_len, wc.imm), (51, 10, None));
-}
-
-#[test]
-fn write_with_immediate_consumes_a_receive() {
-    let p = pair();
-    let access = AccessFlags::transfer();
-    let mut src = p.a.buf(128, access);
-    src.data.copy_from_slice(&pattern(128, 6));
-    let dst = p.b.buf(256, access);
-    post_recv(&p.qb, &[recv(60, &[])]);
-    let op = SendOp::WriteWithImm {
-        remote_addr: dst.addr(64),
-        rkey: dst.mr.rkey(),
-        imm: 42,
-    };
-    post(&p.qa, &[req(3, op, &[src.sge(0, 128)], SIG)]);
-    let wc = expect(&p.cqa, 1)[0];
-    assert_eq!(
-        (wc.status, wc.opcode),
-        (WcStatus::SUCCESS, WcOpcode::RdmaWrite)
-    );
-    let wc = expect(&p.cqb, 1)[0];
-    assert_eq!(wc.status, WcStatus::SUCCESS);
-    assert_eq!(
-        (wc.wr_id, wc.opcode, wc.byte_len, wc.imm),
-        (60, WcOpcode::RecvRdmaWithImm, 128, Some(42))
-    );
-    assert_eq!(&dst.data[64..192], &pattern(128, 6)[..]);
-}
-
-#[test]
-fn send_waits_for_a_receive_then_rnr_retry_runs_out() {
-    // rnr_retry 7: the SEND waits (RNR) until the peer posts a receive.
-    let p = pair();
-    let access = AccessFlags::transfer();
-    let mut src = p.a.buf(32, access);
-    src.data.copy_from_slice(&pattern(32, 7));
-    let inbox = p.b.buf(32, access);
-    let dst = p.b.buf(32, access);
-    post(
-        &p.qa,
-        &[
-            req(1, SendOp::Send, &[src.sge(0, 32)], SIG),
-            // RC order: the WRITE behind the SEND waits too.
-            req(2, write(&dst, 0), &[src.sge(0, 32)], SIG),
-        ],
-    );
-    for _ in 0..20 {
-        expect(&p.cqa, 0);
-    }
-    assert!(dst.data.iter().all(|&b| b == 0));
-    post_recv(&p.qb, &[recv(9, &[inbox.sge(0, 32)])]);
-    assert_eq!(
-        ids_and_status(&expect(&p.cqa, 2)),
-        [(1, WcStatus::SUCCESS), (2, WcStatus::SUCCESS)]
-    );
-    assert_eq!(&inbox.data[..], &pattern(32, 7)[..]);
-    assert_eq!(&dst.data[..], &pattern(32, 7)[..]);
-
     // rnr_retry 2: the third retry fails the request and the QP.
     let rts = RtsParams {
         rnr_retry: 2,
@@ -687,36 +293,6 @@ fn send_waits_for_a_receive_then_rnr_retry_runs_out() {
         [(1, WcStatus::RNR_RETRY_EXC_ERR)]
     );
     assert_eq!(p.qa.state().unwrap(), QpState::Error);
-}
-
-#[test]
-fn receive_too_small_fails_both_sides() {
-    let p = pair();
-    let access = AccessFlags::transfer();
-    let mut src = p.a.buf(100, access);
-    src.data.copy_from_slice(&pattern(100, 8));
-    let inbox = p.b.buf(100, access);
-    post_recv(
-        &p.qb,
-        &[
-            recv(70, &[inbox.sge(0, 60), inbox.sge(60, 39)]),
-            recv(71, &[]),
-        ],
-    );
-    post(
-        &p.qa,
-        &[req(1, SendOp::Send, &[src.sge(0, 100)], SendFlags::empty())],
-    );
-    assert_eq!(
-        ids_and_status(&expect(&p.cqa, 1)),
-        [(1, WcStatus::REM_INV_REQ_ERR)]
-    );
-    assert_eq!(
-        ids_and_status(&expect(&p.cqb, 2)),
-        [(70, WcStatus::LOC_LEN_ERR), (71, WcStatus::WR_FLUSH_ERR)]
-    );
-    assert!(inbox.data.iter().all(|&b| b == 0));
-    assert_eq!(p.qb.state().unwrap(), QpState::Error);
 }
 
 #[test]
@@ -782,46 +358,6 @@ fn selective_signaling_and_queue_full() {
 }
 
 #[test]
-fn inline_payload_is_copied_at_post_time() {
-    let p = pair();
-    let access = AccessFlags::transfer();
-    let inbox = p.b.buf(64, access);
-    let mut payload = pattern(48, 11);
-    post_recv(&p.qb, &[recv(1, &[inbox.sge(0, 64)])]);
-    p.fabric.set_paused(true);
-    // The lkey of an inline request is ignored, as on real hardware.
-    let sge = Sge {
-        addr: payload.as_ptr() as u64,
-        length: 48,
-        lkey: 0,
-    };
-    post(
-        &p.qa,
-        &[req(1, SendOp::Send, &[sge], SIG | SendFlags::INLINE)],
-    );
-    payload.fill(0xee); // reused at once
-    p.fabric.set_paused(false);
-    expect(&p.cqa, 1);
-    assert_eq!(expect(&p.cqb, 1)[0].byte_len, 48);
-    assert_eq!(&inbox.data[..48], &pattern(48, 11)[..]);
-
-    // Above max_inline_data (64 by default): refused at post time.
-    let big = [0u8; 65];
-    let sge = Sge {
-        addr: big.as_ptr() as u64,
-        length: 65,
-        lkey: 0,
-    };
-    // SAFETY: `big` is readable host memory.
-    let err = unsafe {
-        p.qa.post_send(&[req(2, SendOp::Send, &[sge], SIG | SendFlags::INLINE)])
-    }
-    .unwrap_err();
-    assert_eq!(err.accepted(), Some(0));
-    assert_eq!(err.error.errno(), Some(libc::EINVAL));
-}
-
-#[test]
 fn keys_are_distinct_unique_and_not_a_counter() {
     let p = pair();
     let mut keys = Vec::new();
@@ -833,9 +369,10 @@ fn keys_are_distinct_unique_and_not_a_counter() {
             ]
         })
         .collect();
+    // One key per MR: its lkey, and its rkey (equal, as on rxe and mlx5).
     for buf in &bufs {
-        assert_ne!(buf.mr.lkey(), buf.mr.rkey());
-        keys.extend([buf.mr.lkey(), buf.mr.rkey()]);
+        assert_eq!(buf.mr.lkey(), buf.mr.rkey());
+        keys.push(buf.mr.lkey());
     }
     let mut sorted = keys.clone();
     sorted.sort();
@@ -846,25 +383,6 @@ fn keys_are_distinct_unique_and_not_a_counter() {
         "{keys:x?}"
     );
     assert!(keys.iter().all(|&k| k > 0xff), "{keys:x?}");
-}
-
-#[test]
-fn registration_checks() {
-    init_tracing();
-    let fabric = SimFabric::new();
-    let n = Node::new(&fabric, "n", NodeConfig::default());
-    let mut data = vec![0u8; 64];
-    let addr = data.as_mut_ptr() as u64;
-    // SAFETY: `data` outlives every registration made here (none survives).
-    let err = unsafe { n.pd.register(addr, 0, AccessFlags::transfer()) }.unwrap_err();
-    assert_eq!(err.errno(), Some(libc::EINVAL));
-    // SAFETY: as above.
-    let err = unsafe { n.pd.register(addr, 64, AccessFlags::REMOTE_WRITE) }.unwrap_err();
-    assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
-    // SAFETY: as above.
-    let mr = unsafe { n.pd.register(addr, 64, AccessFlags::transfer()) }.unwrap();
-    assert_eq!((mr.addr(), mr.len()), (addr, 64));
-    mr.deregister().unwrap();
 }
 
 /// A memfd and our own shared mapping of it (what the exporter sees).

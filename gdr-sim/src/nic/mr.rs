@@ -83,12 +83,26 @@ impl SimPd {
     }
 
     /// Records a checked registration and returns its handle.
+    ///
+    /// Keys as rxe makes them (`rxe_mr_init`, drivers/infiniband/sw/rxe/
+    /// rxe_mr.c): the rkey is the lkey for an MR with a remote right, and 0
+    /// for a local-only one (mlx5 gives its one mkey as both). Checked on
+    /// rxe by the conformance suite.
     fn insert(&self, state: &mut FabricState, mr: MrState) -> SimMr {
-        let (lkey, rkey) = state.next_keys();
+        let lkey = state.next_key();
+        let remote =
+            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        let rkey = if mr.access.intersects(remote) {
+            lkey
+        } else {
+            0
+        };
         let (addr, len, access) = (mr.addr, mr.len, mr.access);
         state.devices[self.inner.device].mrs += 1;
         state.mrs.insert(lkey, mr);
-        state.rkeys.insert(rkey, lkey);
+        if rkey != 0 {
+            state.rkeys.insert(rkey, lkey);
+        }
         tracing::debug!(
             device = %state.devices[self.inner.device].name,
             addr = format_args!("{addr:#x}"),
@@ -120,6 +134,7 @@ impl ProtectionDomain<SimVerbsApi> for SimPd {
         if addr.checked_add(len as u64).is_none() {
             return Err(state.einval(device, OP, "range wraps around"));
         }
+        let efault = || VerbsError::from_errno(OP, &state.devices[device].name, libc::EFAULT);
         let (ptr, backing) = memory::nic_view(addr, len).map_err(|e| {
             tracing::debug!(error = %e, "sim: ibv_reg_mr cannot pin the range");
             match e {
@@ -130,6 +145,16 @@ impl ProtectionDomain<SimVerbsApi> for SimPd {
                 }
             }
         })?;
+        // Host memory must be mapped, every page of it: the kernel's
+        // get_user_pages fails on a hole (ib_umem_get: EFAULT).
+        if backing.is_none() && !host_range_is_mapped(addr, len) {
+            tracing::debug!(
+                addr = format_args!("{addr:#x}"),
+                len,
+                "sim: ibv_reg_mr of unmapped memory"
+            );
+            return Err(efault());
+        }
         let mr = MrState {
             device,
             pd: self.inner.id,
@@ -220,6 +245,41 @@ impl ProtectionDomain<SimVerbsApi> for SimPd {
     }
 }
 
+/// Whether every page of `len` bytes at `addr` is mapped in this process:
+/// `mincore` fails with ENOMEM on any page that is not.
+fn host_range_is_mapped(addr: u64, len: usize) -> bool {
+    // SAFETY: sysconf reads a constant of the process.
+    let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        n if n > 0 => n as u64,
+        _ => 4096,
+    };
+    let Some(end) = addr.checked_add(len as u64) else {
+        return false;
+    };
+    let mut start = addr & !(page - 1);
+    // One status byte per page; probed in chunks of this many pages.
+    const CHUNK: u64 = 4096;
+    let mut status = [0u8; CHUNK as usize];
+    while start < end {
+        let pages = (end - start).div_ceil(page).min(CHUNK);
+        // SAFETY: mincore only reads the page tables of the range and writes
+        // `pages` bytes into `status`, which has room for CHUNK; `start` is
+        // page aligned.
+        let rc = unsafe {
+            libc::mincore(
+                start as *mut libc::c_void,
+                (pages * page) as libc::size_t,
+                status.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return false;
+        }
+        start += pages * page;
+    }
+    true
+}
+
 /// A simulated memory registration. Dropping it deregisters; it keeps its
 /// PD alive.
 #[derive(Debug)]
@@ -239,8 +299,10 @@ impl SimMr {
         let (removed, result) = {
             let mut state = self.pd.fabric.lock();
             let removed = state.mrs.remove(&self.lkey);
-            if removed.is_some() {
+            if removed.is_some() && self.rkey != 0 {
                 state.rkeys.remove(&self.rkey);
+            }
+            if removed.is_some() {
                 state.devices[self.pd.device].mrs =
                     state.devices[self.pd.device].mrs.saturating_sub(1);
                 tracing::debug!(

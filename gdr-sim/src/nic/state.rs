@@ -271,15 +271,15 @@ impl FabricState {
         id
     }
 
-    /// A fresh (lkey, rkey) pair: distinct from each other and from every
-    /// key handed out before on this fabric, and never 0.
-    pub fn next_keys(&mut self) -> (u32, u32) {
+    /// A fresh memory key: distinct from every key handed out before on
+    /// this fabric, and never 0. An MR's lkey, and its rkey where it has a
+    /// remote right (rxe and mlx5 use one key for both).
+    pub fn next_key(&mut self) -> u32 {
         loop {
             self.next_key = self.next_key.wrapping_add(1);
-            let lkey = scramble(self.next_key.wrapping_mul(2) ^ 0x5eed_0000);
-            let rkey = scramble(self.next_key.wrapping_mul(2).wrapping_add(1) ^ 0x5eed_0000);
-            if lkey != 0 && rkey != 0 {
-                return (lkey, rkey);
+            let key = scramble(self.next_key ^ 0x5eed_0000);
+            if key != 0 {
+                return key;
             }
         }
     }
@@ -391,8 +391,19 @@ impl FabricState {
             wc: Completion {
                 wr_id: wqe.wr_id,
                 status,
-                opcode: wqe.wc_opcode(),
-                byte_len: u32::try_from(wqe.byte_len()).unwrap_or(u32::MAX),
+                // An error completion's opcode and length are undefined on
+                // hardware (rxe zeroes them, mlx5 leaves them unset): 0 here,
+                // so an engine that reads them fails in the sim too.
+                opcode: if status.is_success() {
+                    wqe.wc_opcode()
+                } else {
+                    WcOpcode::Send
+                },
+                byte_len: if status.is_success() {
+                    u32::try_from(wqe.byte_len()).unwrap_or(u32::MAX)
+                } else {
+                    0
+                },
                 imm: None,
                 qp_num: qpn,
                 vendor_err: 0,
@@ -420,9 +431,19 @@ impl FabricState {
             wc: Completion {
                 wr_id: wqe.wr_id,
                 status,
-                opcode,
-                byte_len: u32::try_from(byte_len).unwrap_or(u32::MAX),
-                imm,
+                // Zeroed on error, as in `complete_send` (rxe's responder
+                // fills them only on success).
+                opcode: if status.is_success() {
+                    opcode
+                } else {
+                    WcOpcode::Send
+                },
+                byte_len: if status.is_success() {
+                    u32::try_from(byte_len).unwrap_or(u32::MAX)
+                } else {
+                    0
+                },
+                imm: imm.filter(|_| status.is_success()),
                 qp_num: qpn,
                 vendor_err: 0,
             },

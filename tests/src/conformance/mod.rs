@@ -1,0 +1,99 @@
+//! The verbs conformance suite: every scenario is written once against
+//! [`Backend`] and run on gdr-sim on the host (`tests/sim_conformance.rs`)
+//! and on rdma-core's rxe in the VM (`tests/rxe_conformance.rs`).
+//!
+//! A scenario asserts what both backends must do. Where devices
+//! legitimately differ, it branches on a documented fact
+//! ([`crate::pair::Facts`]), never on the backend's name; where the
+//! hardware promises nothing (the order of completions of different QPs on
+//! one CQ, the opcode of an error completion), the scenario asserts nothing
+//! either, or asserts that a backend gives no more than hardware would.
+//!
+//! [`SCENARIOS`] lists them all, so the runners can check that each one has
+//! its test.
+
+use crate::pair::Backend;
+
+mod errors;
+mod memory;
+mod transfers;
+
+pub use errors::{
+    error_completions_carry_no_opcode_or_length, local_protection_errors,
+    receive_too_small_fails_both_sides, remote_access_errors_move_no_byte,
+    send_waits_for_a_receive, to_error_flushes_everything_outstanding,
+};
+pub use memory::{
+    keys_are_distinct, lkey_and_rkey_of_a_remote_mr_are_equal, local_only_mr_has_no_remote_key,
+    registering_unmapped_memory_is_efault, registration_argument_checks,
+};
+pub use transfers::{
+    inline_payload_is_copied_at_post_time, linked_batch_with_selective_signalling,
+    multi_sge_gathers_and_scatters_in_order, post_beyond_the_queue_reports_the_accepted_prefix,
+    qps_sharing_a_cq_complete_in_order_each, send_recv_with_and_without_immediate,
+    write_and_read_move_bytes_exactly, write_with_immediate_consumes_a_receive,
+};
+
+/// Every scenario's name, for the runners' completeness check.
+pub const SCENARIOS: &[&str] = &[
+    "write_and_read_move_bytes_exactly",
+    "multi_sge_gathers_and_scatters_in_order",
+    "send_recv_with_and_without_immediate",
+    "write_with_immediate_consumes_a_receive",
+    "linked_batch_with_selective_signalling",
+    "post_beyond_the_queue_reports_the_accepted_prefix",
+    "inline_payload_is_copied_at_post_time",
+    "qps_sharing_a_cq_complete_in_order_each",
+    "remote_access_errors_move_no_byte",
+    "local_protection_errors",
+    "receive_too_small_fails_both_sides",
+    "to_error_flushes_everything_outstanding",
+    "send_waits_for_a_receive",
+    "error_completions_carry_no_opcode_or_length",
+    "lkey_and_rkey_of_a_remote_mr_are_equal",
+    "local_only_mr_has_no_remote_key",
+    "keys_are_distinct",
+    "registration_argument_checks",
+    "registering_unmapped_memory_is_efault",
+];
+
+/// Expands to one `#[test]` per scenario, each calling
+/// `$scenario(&$backend)` where `$backend` is an expression yielding an
+/// `Option` of a [`Backend`] (`None`: skipped), plus a test that the list
+/// is complete.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr; $($scenario:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $scenario() {
+                #[allow(clippy::redundant_closure_call)]
+                let Some(backend) = ($make)(stringify!($scenario)) else {
+                    return;
+                };
+                $crate::conformance::run(&backend, stringify!($scenario), $crate::conformance::$scenario);
+            }
+        )*
+
+        #[test]
+        fn every_scenario_has_a_test() {
+            let listed: &[&str] = &[$(stringify!($scenario)),*];
+            for name in $crate::conformance::SCENARIOS {
+                assert!(listed.contains(name), "scenario {name} is not run here");
+            }
+            assert_eq!(listed.len(), $crate::conformance::SCENARIOS.len());
+        }
+    };
+}
+
+/// Runs one scenario, naming the backend in its output.
+pub fn run<B: Backend>(backend: &B, name: &str, scenario: fn(&B)) {
+    crate::init_tracing();
+    scenario(backend);
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "conformance {name} on {}: ok",
+        backend.name()
+    );
+}

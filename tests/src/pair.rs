@@ -1,0 +1,564 @@
+//! A two-node test pair over any verbs backend, in the shape of
+//! quinn-proto's test pair: the conformance suite
+//! ([`crate::conformance`]) is written once against [`Backend`] and run on
+//! the simulator (host) and on rdma-core's SoftRoCE (`rxe0`, in the VM).
+//!
+//! A [`Pair`] is two [`Node`]s (each an opened device and a PD), one RC
+//! queue pair on each, connected to each other the way real code connects
+//! them (port attributes, the RoCE v2 GID, `ConnectionInfo`, RTR, RTS), and
+//! one CQ per side. On the sim the two nodes are two nodes of one
+//! `SimFabric`; on rxe they are two contexts of the one `rxe0` device.
+//!
+//! Progress: the sim runs queued work whenever a CQ is polled, rxe on its
+//! own; so [`Pair::wait`] (poll until `n` completions or the backend's
+//! deadline) and [`Pair::quiet`] (nothing more completes) drive both.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{Ordering, fence};
+use std::time::{Duration, Instant};
+
+use hal_verbs::{
+    AccessFlags, AddressFamily, Api, Completion, CompletionQueue, ConnectionInfo, Context,
+    InitParams, MemoryRegion, PostError, ProtectionDomain, QpCaps, QpState, QueuePair, RecvRequest,
+    RtrParams, RtsParams, SendFlags, SendOp, SendRequest, Sge, WcStatus, select_roce_v2_gid,
+};
+
+/// Facts about a backend where devices legitimately differ, each with its
+/// source; a scenario branches on these, never on the backend's name.
+#[derive(Debug, Clone)]
+pub struct Facts {
+    /// An MR registered with a remote right has `rkey == lkey`. rxe:
+    /// `rxe_mr_init` sets `rkey = lkey` (drivers/infiniband/sw/rxe/rxe_mr.c);
+    /// mlx5: one mkey serves as both (`mlx5_ib_reg_user_mr`).
+    pub rkey_equals_lkey: bool,
+    /// An MR without remote rights has rkey 0. rxe: `rkey = (access &
+    /// IB_ACCESS_REMOTE) ? lkey : 0` in `rxe_mr_init`; mlx5 hands out the
+    /// mkey as rkey regardless (a remote access then fails on rights).
+    pub local_only_rkey_is_zero: bool,
+    /// Error completions carry opcode 0 (`IBV_WC_SEND`) and byte_len 0. rxe:
+    /// `make_send_cqe` and the responder's `do_complete` fill opcode and
+    /// byte_len only on success (the CQE is zeroed first). On mlx5 they are
+    /// left unset (whatever the caller's array held): either way an engine
+    /// must not read them, and this makes one that does fail.
+    pub error_wc_opcode_and_len_zero: bool,
+    /// Status of a request whose gather fails locally (an lkey of another
+    /// PD, or none). rxe: LOC_QP_OP_ERR (`rxe_requester`: a failed
+    /// `finish_packet` other than EFAULT; seen in the VM); mlx5: local
+    /// protection error (syndrome 0x4), LOC_PROT_ERR, which the sim gives.
+    pub gather_fault_status: WcStatus,
+    /// Status of a READ whose response cannot be scattered (the local MR
+    /// lacks LOCAL_WRITE, or the SG entry overruns it): LOC_PROT_ERR on
+    /// rxe (`rxe_completer`'s failed copy; seen in the VM), mlx5 and the
+    /// sim.
+    pub scatter_fault_status: WcStatus,
+    /// The requester's and the responder's statuses for a SEND longer than
+    /// the receive it consumes. rxe: REM_OP_ERR and LOC_QP_OP_ERR (seen in
+    /// the VM, kernel 6.1); mlx5: REM_INV_REQ_ERR (IBA's NAK-Invalid
+    /// Request) and LOC_LEN_ERR, which the sim gives in every profile so
+    /// far (its rxe-like profile does not model rxe's statuses here).
+    pub receive_too_small_status: (WcStatus, WcStatus),
+    /// Longest a completion may take before the test fails.
+    pub completion_timeout: Duration,
+    /// How long "nothing more completes" is watched for.
+    pub quiet_window: Duration,
+}
+
+/// A verbs backend the conformance suite runs on.
+pub trait Backend {
+    /// Its handle types.
+    type A: Api;
+    /// A short name for messages (`sim`, `sim:rxe-like`, `rxe`).
+    fn name(&self) -> String;
+    /// What it does where devices differ.
+    fn facts(&self) -> Facts;
+    /// Two fresh nodes that can reach each other.
+    fn nodes(&self) -> (Node<Self::A>, Node<Self::A>);
+}
+
+/// One side: an opened device and a protection domain.
+#[derive(Debug)]
+pub struct Node<A: Api> {
+    /// The opened device.
+    pub ctx: A::Context,
+    /// Its PD, in which the pair's QP is created.
+    pub pd: A::ProtectionDomain,
+}
+
+impl<A: Api> Node<A> {
+    /// Opens a node on `ctx` with a fresh PD.
+    pub fn new(ctx: A::Context) -> Self {
+        let pd = ctx.alloc_pd().expect("ibv_alloc_pd");
+        Self { ctx, pd }
+    }
+
+    /// `len` bytes of page-aligned host memory holding
+    /// `pattern(len, seed)`, registered in this node's PD with `access`.
+    pub fn buf(&self, len: usize, seed: u8, access: AccessFlags) -> Buf<A> {
+        Buf::new(&self.pd, len, seed, access)
+    }
+
+    /// Another PD on this node's device.
+    pub fn other_pd(&self) -> A::ProtectionDomain {
+        self.ctx.alloc_pd().expect("ibv_alloc_pd")
+    }
+
+    /// Like [`Node::buf`], `mem_len` bytes of which only `reg_len` from
+    /// `reg_offset` are registered: a stray access outside the MR lands in
+    /// memory the test can check.
+    pub fn buf_part(
+        &self,
+        mem_len: usize,
+        reg_offset: usize,
+        reg_len: usize,
+        seed: u8,
+        access: AccessFlags,
+    ) -> Buf<A> {
+        Buf::part(&self.pd, mem_len, reg_offset, reg_len, seed, access)
+    }
+
+    /// What this side tells its peer about `qp`, and its GID index.
+    pub fn info(&self, qp: &A::QueuePair, psn: u32) -> (ConnectionInfo, u8) {
+        let port = self.ctx.query_port(1).expect("ibv_query_port");
+        let table = self.ctx.gid_table(1).expect("GID table of port 1");
+        let gid = select_roce_v2_gid(&table, AddressFamily::V4)
+            .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
+            .unwrap_or_else(|| panic!("no RoCE v2 GID on port 1: {table:?}"));
+        let info = ConnectionInfo {
+            qp_num: qp.qp_num(),
+            psn,
+            gid: gid.gid,
+            lid: port.lid,
+            mtu: port.active_mtu,
+        };
+        (info, u8::try_from(gid.index).expect("GID index"))
+    }
+}
+
+/// Page-aligned host memory. Read and written by the CPU only while no
+/// work request on it is in flight.
+#[derive(Debug)]
+pub struct HostMem {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: plain owned memory, handed between threads only while no work
+// request on it is in flight.
+unsafe impl Send for HostMem {}
+// SAFETY: as for Send.
+unsafe impl Sync for HostMem {}
+
+impl HostMem {
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len.max(1), 4096).unwrap()
+    }
+
+    /// `len` bytes holding `pattern(len, seed)`.
+    pub fn new(len: usize, seed: u8) -> Self {
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(Self::layout(len)) };
+        let ptr = NonNull::new(ptr).expect("allocation failed");
+        let mem = Self { ptr, len };
+        mem.write(0, &crate::pattern(len, seed));
+        mem
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true for a buffer of at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A copy of its bytes.
+    pub fn read(&self) -> Vec<u8> {
+        fence(Ordering::Acquire);
+        // SAFETY: `len` initialised bytes we own; the tests read only after
+        // polling the completions of what wrote them.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }.to_vec()
+    }
+
+    /// Overwrites bytes from `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.len);
+        // SAFETY: in bounds (checked above); no RDMA on them is in flight.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        fence(Ordering::Release);
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with the same layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
+    }
+}
+
+/// Host memory and its registration; the MR is dropped (deregistered)
+/// before the memory is freed (field order).
+#[derive(Debug)]
+pub struct Buf<A: Api> {
+    /// The registration.
+    pub mr: A::MemoryRegion,
+    /// The memory.
+    pub mem: HostMem,
+}
+
+impl<A: Api> Buf<A> {
+    /// Registers fresh memory holding `pattern(len, seed)`.
+    pub fn new(pd: &A::ProtectionDomain, len: usize, seed: u8, access: AccessFlags) -> Self {
+        Self::part(pd, len, 0, len, seed, access)
+    }
+
+    /// `mem_len` bytes, `reg_len` of them from `reg_offset` registered.
+    pub fn part(
+        pd: &A::ProtectionDomain,
+        mem_len: usize,
+        reg_offset: usize,
+        reg_len: usize,
+        seed: u8,
+        access: AccessFlags,
+    ) -> Self {
+        assert!(reg_offset + reg_len <= mem_len);
+        let mem = HostMem::new(mem_len, seed);
+        // SAFETY: the range lies in the memory, which lives in `self` beside
+        // the MR, is dropped after it (field order), and never moves (a
+        // heap allocation).
+        let mr = unsafe { pd.register(mem.addr() + reg_offset as u64, reg_len, access) }
+            .unwrap_or_else(|e| panic!("ibv_reg_mr of {reg_len} bytes: {e}"));
+        Self { mr, mem }
+    }
+
+    /// The address `offset` bytes into the MR.
+    pub fn addr(&self, offset: usize) -> u64 {
+        self.mr.addr() + offset as u64
+    }
+
+    /// An SG entry of `len` bytes at `offset` into the MR.
+    pub fn sge(&self, offset: usize, len: usize) -> Sge {
+        Sge {
+            addr: self.addr(offset),
+            length: u32::try_from(len).unwrap(),
+            lkey: self.mr.lkey(),
+        }
+    }
+
+    /// A WRITE to this buffer at `offset`.
+    pub fn write_op(&self, offset: usize) -> SendOp {
+        SendOp::Write {
+            remote_addr: self.addr(offset),
+            rkey: self.mr.rkey(),
+        }
+    }
+
+    /// A READ from this buffer at `offset`.
+    pub fn read_op(&self, offset: usize) -> SendOp {
+        SendOp::Read {
+            remote_addr: self.addr(offset),
+            rkey: self.mr.rkey(),
+        }
+    }
+
+    /// The bytes of the whole memory now (the MR's start at the offset it
+    /// was registered at).
+    pub fn bytes(&self) -> Vec<u8> {
+        self.mem.read()
+    }
+}
+
+/// A send request.
+pub fn req(wr_id: u64, op: SendOp, sges: &[Sge], flags: SendFlags) -> SendRequest {
+    SendRequest {
+        wr_id,
+        op,
+        sg_list: sges.iter().copied().collect(),
+        flags,
+    }
+}
+
+/// A receive request.
+pub fn recv(wr_id: u64, sges: &[Sge]) -> RecvRequest {
+    RecvRequest {
+        wr_id,
+        sg_list: sges.iter().copied().collect(),
+    }
+}
+
+/// How the pair's queue pairs are set up.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PairConfig {
+    /// Queue sizes of both QPs.
+    pub caps: QpCaps,
+    /// RTS parameters of both (their `sq_psn` is set by the pair).
+    pub rts: RtsParams,
+}
+
+/// Two nodes, one RC QP each, connected; one CQ per side (send and recv).
+/// Fields drop in order: QPs, CQs, then nodes.
+#[derive(Debug)]
+pub struct Pair<A: Api> {
+    /// Node a's QP.
+    pub qa: A::QueuePair,
+    /// Node b's QP.
+    pub qb: A::QueuePair,
+    /// Node a's CQ.
+    pub cqa: A::CompletionQueue,
+    /// Node b's CQ.
+    pub cqb: A::CompletionQueue,
+    /// The requester side.
+    pub a: Node<A>,
+    /// The responder side.
+    pub b: Node<A>,
+    /// Deadlines and facts of the backend.
+    pub facts: Facts,
+    /// The backend's name, for messages.
+    pub name: String,
+}
+
+/// Connects `qa` (on `a`) and `qb` (on `b`) through INIT, RTR and RTS.
+pub fn connect<A: Api>(
+    a: &Node<A>,
+    qa: &A::QueuePair,
+    b: &Node<A>,
+    qb: &A::QueuePair,
+    rts: RtsParams,
+) {
+    let (psn_a, psn_b) = (0x1234, 0xab_cdef);
+    let (info_a, sgid_a) = a.info(qa, psn_a);
+    let (info_b, sgid_b) = b.info(qb, psn_b);
+    for (qp, sgid, own, remote) in [(qa, sgid_a, info_a, info_b), (qb, sgid_b, info_b, info_a)] {
+        assert_eq!(qp.state().unwrap(), QpState::Reset);
+        qp.to_init(&InitParams::default()).expect("INIT");
+        qp.to_rtr(&RtrParams::new(remote, sgid, own.mtu))
+            .expect("RTR");
+        qp.to_rts(&RtsParams {
+            sq_psn: own.psn,
+            ..rts
+        })
+        .expect("RTS");
+        assert_eq!(qp.state().unwrap(), QpState::ReadyToSend);
+    }
+}
+
+impl<A: Api> Pair<A> {
+    /// A pair with default queue sizes and RTS parameters.
+    pub fn new<B: Backend<A = A>>(backend: &B) -> Self {
+        Self::with(backend, PairConfig::default())
+    }
+
+    /// A pair set up as `config` says.
+    pub fn with<B: Backend<A = A>>(backend: &B, config: PairConfig) -> Self {
+        crate::init_tracing();
+        let (a, b) = backend.nodes();
+        let cqa = a.ctx.create_cq(256).expect("CQ a");
+        let cqb = b.ctx.create_cq(256).expect("CQ b");
+        let qa = a.pd.create_qp(&config.caps, &cqa, &cqa).expect("QP a");
+        let qb = b.pd.create_qp(&config.caps, &cqb, &cqb).expect("QP b");
+        connect(&a, &qa, &b, &qb, config.rts);
+        Self {
+            qa,
+            qb,
+            cqa,
+            cqb,
+            a,
+            b,
+            facts: backend.facts(),
+            name: backend.name(),
+        }
+    }
+
+    /// Posts sends on `qp`, returning the post's outcome.
+    pub fn try_post(qp: &A::QueuePair, requests: &[SendRequest]) -> Result<(), PostError> {
+        // SAFETY: every scenario keeps its buffers registered and alive
+        // until it has polled what it posted (or the pair is dropped first:
+        // the QPs are the pair's first fields).
+        unsafe { qp.post_send(requests) }
+    }
+
+    /// Posts sends on `qp`; panics when the post fails.
+    pub fn post(qp: &A::QueuePair, requests: &[SendRequest]) {
+        Self::try_post(qp, requests).unwrap_or_else(|e| panic!("post_send: {e}"));
+    }
+
+    /// Posts receives on `qp`; panics when the post fails.
+    pub fn post_recv(qp: &A::QueuePair, requests: &[RecvRequest]) {
+        // SAFETY: as for `try_post`.
+        unsafe { qp.post_recv(requests) }.unwrap_or_else(|e| panic!("post_recv: {e}"));
+    }
+
+    /// Polls `cq` until `n` completions came; fails after the backend's
+    /// completion timeout.
+    pub fn wait(&self, cq: &A::CompletionQueue, n: usize) -> Vec<Completion> {
+        wait::<A>(cq, n, self.facts.completion_timeout)
+    }
+
+    /// Asserts that nothing (more) completes on `cq` within the backend's
+    /// quiet window.
+    pub fn quiet(&self, cq: &A::CompletionQueue, what: &str) {
+        quiet::<A>(cq, self.facts.quiet_window, what);
+    }
+
+    /// `wait` for exactly `n`, then `quiet`.
+    pub fn expect(&self, cq: &A::CompletionQueue, n: usize, what: &str) -> Vec<Completion> {
+        let got = self.wait(cq, n);
+        self.quiet(cq, what);
+        got
+    }
+}
+
+/// Polls `cq` until `n` completions came; fails after `timeout`.
+pub fn wait<A: Api>(cq: &A::CompletionQueue, n: usize, timeout: Duration) -> Vec<Completion> {
+    let start = Instant::now();
+    let mut got = Vec::new();
+    let mut slots = [Completion::default(); 16];
+    while got.len() < n {
+        let k = cq
+            .poll(&mut slots[..(n - got.len()).min(16)])
+            .expect("poll");
+        got.extend_from_slice(&slots[..k]);
+        if k == 0 {
+            assert!(
+                start.elapsed() < timeout,
+                "waited {timeout:?} for {n} completions, got {got:?}"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    got
+}
+
+/// Asserts that nothing completes on `cq` within `window`.
+pub fn quiet<A: Api>(cq: &A::CompletionQueue, window: Duration, what: &str) {
+    let end = Instant::now() + window;
+    let mut slots = [Completion::default(); 4];
+    loop {
+        let k = cq.poll(&mut slots).expect("poll");
+        assert_eq!(k, 0, "{what}: unexpected completions {:?}", &slots[..k]);
+        if Instant::now() >= end {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// `(wr_id, status)` of each completion.
+pub fn ids_and_status(wcs: &[Completion]) -> Vec<(u64, hal_verbs::WcStatus)> {
+    wcs.iter().map(|wc| (wc.wr_id, wc.status)).collect()
+}
+
+/// The simulator as a backend: every pair is two nodes of a fresh fabric,
+/// each with one device configured as `device`.
+#[derive(Debug, Clone, Default)]
+pub struct SimBackend {
+    /// The device both nodes get. Hook for device profiles: run the suite
+    /// once per profile by building the backend from each profile's config.
+    pub device: gdr_sim::DeviceConfig,
+    /// A label of the profile, for messages.
+    pub profile: &'static str,
+}
+
+impl SimBackend {
+    /// A backend whose nodes have `device` (named `profile` in messages).
+    pub fn new(profile: &'static str, device: gdr_sim::DeviceConfig) -> Self {
+        Self { device, profile }
+    }
+}
+
+impl Backend for SimBackend {
+    type A = gdr_sim::SimVerbsApi;
+
+    fn name(&self) -> String {
+        format!("sim:{}", self.profile)
+    }
+
+    fn facts(&self) -> Facts {
+        Facts {
+            rkey_equals_lkey: true,
+            local_only_rkey_is_zero: true,
+            error_wc_opcode_and_len_zero: true,
+            gather_fault_status: WcStatus::LOC_PROT_ERR,
+            scatter_fault_status: WcStatus::LOC_PROT_ERR,
+            receive_too_small_status: (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR),
+            completion_timeout: Duration::from_secs(2),
+            quiet_window: Duration::from_millis(5),
+        }
+    }
+
+    fn nodes(&self) -> (Node<Self::A>, Node<Self::A>) {
+        use hal_verbs::Provider as _;
+        let fabric = gdr_sim::SimFabric::new();
+        let node = |name: &str| {
+            let verbs = fabric.add_node(
+                name,
+                gdr_sim::NodeConfig {
+                    ipv4: None,
+                    devices: vec![self.device.clone()],
+                },
+            );
+            Node::new(verbs.open("sim0").expect("open sim0"))
+        };
+        (node("a"), node("b"))
+    }
+}
+
+/// rdma-core on SoftRoCE's `rxe0` as a backend: both nodes are contexts of
+/// the one device (two QPs of one device connected to each other stand in
+/// for two peers).
+#[derive(Debug)]
+pub struct RxeBackend {
+    provider: hal_verbs::rdma::RdmaProvider,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+impl RxeBackend {
+    /// The backend, or `None` after printing why `test` skips (a failure
+    /// under `GDR_EXPECT_RXE=1`). Holds the binary's serialising lock.
+    pub fn open(test: &str) -> Option<Self> {
+        let serial = crate::rxe::serial();
+        let (provider, _ctx) = crate::rxe::open_rxe(test)?;
+        Some(Self {
+            provider,
+            _serial: serial,
+        })
+    }
+}
+
+impl Backend for RxeBackend {
+    type A = hal_verbs::rdma::RdmaApi;
+
+    fn name(&self) -> String {
+        "rxe".to_owned()
+    }
+
+    fn facts(&self) -> Facts {
+        Facts {
+            rkey_equals_lkey: true,
+            local_only_rkey_is_zero: true,
+            error_wc_opcode_and_len_zero: true,
+            gather_fault_status: WcStatus::LOC_QP_OP_ERR,
+            scatter_fault_status: WcStatus::LOC_PROT_ERR,
+            receive_too_small_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_QP_OP_ERR),
+            // Software emulation (TCG) is slow.
+            completion_timeout: Duration::from_secs(20),
+            quiet_window: Duration::from_millis(300),
+        }
+    }
+
+    fn nodes(&self) -> (Node<Self::A>, Node<Self::A>) {
+        use hal_verbs::Provider as _;
+        let name = crate::rxe::device_name();
+        let open = || Node::new(self.provider.open(&name).expect("open rxe"));
+        (open(), open())
+    }
+}
