@@ -14,6 +14,18 @@
 //! explicitly. [`SimFabric::set_paused`] holds progress, so a test can keep
 //! requests outstanding (to flush them with `to_error`, for instance).
 //!
+//! Time is virtual ([`SimFabric::clock`], the [`clock`] module): ACK
+//! timeouts with `retry_cnt`, RNR NAK timers with `rnr_retry`, and READ round
+//! trips with FENCE run on it. By default ([`ClockMode::Auto`]) progress
+//! moves it as far as the old, timeless behaviour went; a test that wants to
+//! watch a timer sets [`ClockMode::Manual`] and moves it with
+//! [`SimFabric::advance`].
+//!
+//! Where ConnectX (libmlx5) and rxe differ in ways an engine must survive,
+//! the device's [`DeviceConfig`] says which one it is:
+//! [`DeviceConfig::mlx5_like`] and [`DeviceConfig::rxe_like`] (both in
+//! [`DeviceConfig::profiles`]), each fact cited from rdma-core's source.
+//!
 //! What a real RC NIC checks is checked: keys, protection domains, bounds and
 //! access rights on both sides, QP states, queue depths, inline limits, the
 //! connection's QPN and PSN. Errors complete as real hardware completes them
