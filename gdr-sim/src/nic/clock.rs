@@ -27,9 +27,10 @@
 //!   retransmitted after [`ack_timeout`]`(timeout)` = 4.096 µs ×
 //!   2^`timeout`; after `retry_cnt` retransmissions the next timeout fails it
 //!   with `RETRY_EXC_ERR`: at `(retry_cnt + 1)` × the timeout after it was
-//!   first sent, as rxe's completer counts (`rxe_comp.c`, the
-//!   `COMPST_ERROR_RETRY` state decrements `comp.retry_cnt` and fails the
-//!   WQE once it is 0). A peer that becomes ready before a retransmission
+//!   first sent, as rxe's completer counts (Linux
+//!   `drivers/infiniband/sw/rxe/rxe_comp.c`, `rxe_completer`: its
+//!   `COMPST_ERROR_RETRY` state decrements `comp.retry_cnt` on each
+//!   timeout and fails the WQE with `IB_WC_RETRY_EXC_ERR` once it is 0). A peer that becomes ready before a retransmission
 //!   gets it. `retry_cnt` 7 and `timeout` 0 (infinite) are refused by the
 //!   HAL ([`hal_verbs::RtsParams::validate`]).
 //! - **RNR NAK and `rnr_retry`.** A SEND (or WRITE with immediate) that
@@ -38,8 +39,10 @@
 //!   [`rnr_nak_timer`], from `ibv_modify_qp(3)` and IBA 9.7.5.2.8), then
 //!   retries; the NAK of retry `rnr_retry` fails it with
 //!   `RNR_RETRY_EXC_ERR`, i.e. `rnr_retry` timer periods after the first
-//!   NAK (rxe's completer: `comp.rnr_retry` is decremented per NAK and the
-//!   WQE fails when a NAK finds it 0). `rnr_retry` 7 retries forever. A
+//!   NAK (rxe's completer, `COMPST_RNR_RETRY`: `comp.rnr_retry` is
+//!   decremented per NAK unless it is 7, the requester waits the timer of
+//!   the NAK's syndrome, and the WQE fails with `IB_WC_RNR_RETRY_EXC_ERR`
+//!   when a NAK finds it 0). `rnr_retry` 7 retries forever. A
 //!   receive posted while the requester waits is used by the next retry,
 //!   not before.
 //! - **READ round trip and FENCE.** With [`SimClock::set_read_latency`]
