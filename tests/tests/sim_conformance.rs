@@ -1,73 +1,53 @@
-//! The verbs conformance suite (`gdr_tests::conformance`) on the simulator.
-//!
-//! Every scenario runs once per device profile. Profiles: `default` (the
-//! ConnectX-like `DeviceConfig::default()`) and `rxe_like`
-//! (`DeviceConfig::rxe_like()`). Hook for more (an mlx5-like profile of
-//! the clock work): add a module below built from that profile's
-//! `DeviceConfig`, with the backend's facts adjusted in
-//! `gdr_tests::pair::SimBackend::facts` where the profile differs.
+//! The verbs conformance suite (`gdr_tests::conformance`) on the simulator,
+//! once per device profile: `default` (`DeviceConfig::default()`), and
+//! each of `DeviceConfig::profiles()` (`mlx5`, `rxe`). A new profile gets
+//! a module below; where a profile makes the sim differ in a way a
+//! scenario checks, `gdr_tests::pair::SimBackend::facts` says so.
 
-/// The simulator's default device (ConnectX-like).
+/// The sim's default device.
 mod default {
-    use gdr_tests::pair::SimBackend;
-
-    fn backend(_test: &str) -> Option<SimBackend> {
-        Some(SimBackend::new("default", gdr_sim::DeviceConfig::default()))
-    }
-
-    gdr_tests::conformance_tests!(backend;
-        write_and_read_move_bytes_exactly,
-        multi_sge_gathers_and_scatters_in_order,
-        send_recv_with_and_without_immediate,
-        write_with_immediate_consumes_a_receive,
-        linked_batch_with_selective_signalling,
-        post_beyond_the_queue_reports_the_accepted_prefix,
-        inline_payload_is_copied_at_post_time,
-        qps_sharing_a_cq_complete_in_order_each,
-        remote_access_errors_move_no_byte,
-        local_protection_errors,
-        receive_too_small_fails_both_sides,
-        to_error_flushes_everything_outstanding,
-        send_waits_for_a_receive,
-        error_completions_carry_no_opcode_or_length,
-        lkey_and_rkey_of_a_remote_mr_are_equal,
-        local_only_mr_has_no_remote_key,
-        keys_are_distinct,
-        registration_argument_checks,
-        registering_unmapped_memory_is_efault,
-    );
-}
-
-/// An rxe-like device (no dma-buf, MTU 1024, no PCI function).
-mod rxe_like {
-    use gdr_tests::pair::SimBackend;
-
-    fn backend(_test: &str) -> Option<SimBackend> {
-        Some(SimBackend::new(
-            "rxe_like",
-            gdr_sim::DeviceConfig::rxe_like(),
+    fn backend(_test: &str) -> Option<gdr_tests::pair::SimBackend> {
+        Some(gdr_tests::pair::SimBackend::new(
+            "default",
+            gdr_sim::DeviceConfig::default(),
         ))
     }
 
-    gdr_tests::conformance_tests!(backend;
-        write_and_read_move_bytes_exactly,
-        multi_sge_gathers_and_scatters_in_order,
-        send_recv_with_and_without_immediate,
-        write_with_immediate_consumes_a_receive,
-        linked_batch_with_selective_signalling,
-        post_beyond_the_queue_reports_the_accepted_prefix,
-        inline_payload_is_copied_at_post_time,
-        qps_sharing_a_cq_complete_in_order_each,
-        remote_access_errors_move_no_byte,
-        local_protection_errors,
-        receive_too_small_fails_both_sides,
-        to_error_flushes_everything_outstanding,
-        send_waits_for_a_receive,
-        error_completions_carry_no_opcode_or_length,
-        lkey_and_rkey_of_a_remote_mr_are_equal,
-        local_only_mr_has_no_remote_key,
-        keys_are_distinct,
-        registration_argument_checks,
-        registering_unmapped_memory_is_efault,
-    );
+    gdr_tests::conformance_tests!(backend);
+}
+
+/// The profile named `name` of `DeviceConfig::profiles()`.
+fn profile(name: &'static str) -> gdr_tests::pair::SimBackend {
+    let (name, device) = gdr_sim::DeviceConfig::profiles()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no device profile {name}"));
+    gdr_tests::pair::SimBackend::new(name, device)
+}
+
+/// The ConnectX-like profile (`DeviceConfig::mlx5_like()`).
+mod mlx5 {
+    fn backend(_test: &str) -> Option<gdr_tests::pair::SimBackend> {
+        Some(super::profile("mlx5"))
+    }
+
+    gdr_tests::conformance_tests!(backend);
+}
+
+/// The rxe-like profile (`DeviceConfig::rxe_like()`).
+mod rxe {
+    fn backend(_test: &str) -> Option<gdr_tests::pair::SimBackend> {
+        Some(super::profile("rxe"))
+    }
+
+    gdr_tests::conformance_tests!(backend);
+}
+
+#[test]
+fn every_profile_has_a_module() {
+    let names: Vec<_> = gdr_sim::DeviceConfig::profiles()
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
+    assert_eq!(names, ["mlx5", "rxe"], "add a module for each new profile");
 }

@@ -381,3 +381,60 @@ pub fn error_completions_carry_no_opcode_or_length<B: Backend>(b: &B) {
     assert_eq!(ids_and_status(&wcs), [(200, WcStatus::WR_FLUSH_ERR)]);
     assert_error_fields(&p.facts, &wcs, "responder");
 }
+
+/// `hal_verbs::drain` on a QP with SENDs stuck waiting for receives the
+/// peer will never post (rnr_retry 7) and a receive outstanding: every one
+/// of them comes back as a flush (the unsignaled SEND too, the drain's
+/// markers left out), after the ones that completed; the QP ends in
+/// ERROR and is destroyed with nothing outstanding.
+pub fn drain_flushes_everything_posted<B: Backend>(b: &B) {
+    let p = Pair::new(b);
+    let access = AccessFlags::transfer();
+    let buf = p.a.buf(1 << 16, 23, access);
+    let inbox = p.b.buf(3 * 4096, 24, access);
+    // b's three receives are consumed by a's first three SENDs; SENDs 4
+    // (unsignaled) and 5 wait.
+    let recvs: Vec<_> = (0..3)
+        .map(|i| recv(10 + i as u64, &[inbox.sge(4096 * i, 4096)]))
+        .collect();
+    Pair::<B::A>::post_recv(&p.qb, &recvs);
+    Pair::<B::A>::post_recv(&p.qa, &[recv(20, &[buf.sge(32768, 4096)])]);
+    let sends: Vec<_> = (1..=5)
+        .map(|i| {
+            let flags = if i == 4 { NONE } else { SIG };
+            req(i, SendOp::Send, &[buf.sge(49152, 64)], flags)
+        })
+        .collect();
+    Pair::<B::A>::post(&p.qa, &sends);
+    let got = p.wait(&p.cqa, 3);
+    assert_eq!(
+        ids_and_status(&got),
+        [
+            (1, WcStatus::SUCCESS),
+            (2, WcStatus::SUCCESS),
+            (3, WcStatus::SUCCESS)
+        ]
+    );
+    let got_b = p.expect(&p.cqb, 3, "receives");
+    assert!(got_b.iter().all(|c| c.status.is_success()), "{got_b:?}");
+    p.quiet(&p.cqa, "SENDs waiting for receives");
+    assert_eq!(p.qa.state().unwrap(), QpState::ReadyToSend, "still waiting");
+
+    let drained =
+        hal_verbs::drain::drain::<B::A>(&p.qa, &p.cqa, &p.cqa, p.facts.completion_timeout)
+            .unwrap_or_else(|e| panic!("drain on {}: {e}: {:?}", p.name, e.completions));
+    let mut ids = ids_and_status(&drained);
+    ids.sort_by_key(|&(id, _)| id);
+    let flushed = WcStatus::WR_FLUSH_ERR;
+    assert_eq!(
+        ids,
+        [(4, flushed), (5, flushed), (20, flushed)],
+        "{drained:?}"
+    );
+    assert!(drained.iter().all(|c| c.qp_num == p.qa.qp_num()));
+    assert_error_fields(&p.facts, &drained, "drained");
+    assert_eq!(p.qa.state().unwrap(), QpState::Error);
+    let Pair { qa, cqa, facts, .. } = p;
+    drop(qa);
+    crate::pair::quiet::<B::A>(&cqa, facts.quiet_window, "after the drain");
+}
