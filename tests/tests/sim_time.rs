@@ -535,3 +535,34 @@ fn a_paused_fabric_fires_passed_timers_on_resume() {
     assert_eq!(p.now(), Duration::from_secs(1) + ack_timeout(12).unwrap());
     drop(p.qa);
 }
+
+/// At most `max_rd_atomic` READs are outstanding: the next waits for the
+/// first to complete (and what is behind it waits too).
+#[test]
+fn reads_beyond_max_rd_atomic_wait_for_an_earlier_one() {
+    let p = Pair::connected(
+        ClockMode::Manual,
+        RtsParams {
+            max_rd_atomic: 2,
+            ..rts(14, 3, 7)
+        },
+        12,
+    );
+    let latency = Duration::from_micros(5);
+    p.fabric.clock().set_read_latency(latency);
+    let remote = Buf::new(&p.b, 16);
+    let local = Buf::new(&p.a, 16);
+    for wr_id in 1..=3 {
+        post(&p.qa, wr_id, remote.read(), local.sge(), SendFlags::empty());
+    }
+    assert_eq!(drain(&p.cqa), []);
+    p.fabric.advance(latency);
+    // The third left when the first completed: due one round trip later.
+    assert_eq!(
+        drain(&p.cqa),
+        [(1, WcStatus::SUCCESS), (2, WcStatus::SUCCESS)]
+    );
+    assert_eq!(p.fabric.clock().next_deadline(), Some(latency * 2));
+    p.fabric.advance(latency);
+    assert_eq!(drain(&p.cqa), [(3, WcStatus::SUCCESS)]);
+}

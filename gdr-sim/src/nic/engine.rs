@@ -530,8 +530,20 @@ impl FabricState {
         let Some(head) = qp.sq.front() else {
             return Step::Idle;
         };
-        if head.flags.contains(SendFlags::FENCE) && qp.timing.reads_outstanding() {
+        let reads = qp.timing.reads_outstanding();
+        if head.flags.contains(SendFlags::FENCE) && reads > 0 {
             return Step::Idle;
+        }
+        if matches!(head.op, SendOp::Read { .. }) && reads > 0 {
+            // The initiator depth, and the responder's resources.
+            let responder = qp
+                .remote
+                .and_then(|remote| self.qps.get(&remote.qpn))
+                .map_or(u8::MAX, |peer| peer.timing.max_dest_rd_atomic);
+            let depth = qp.timing.max_rd_atomic.min(responder).max(1);
+            if reads >= usize::from(depth) {
+                return Step::Idle;
+            }
         }
         if let Some(wait) = qp.timing.wait {
             if now < wait.until {
