@@ -17,6 +17,6 @@ pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
 pub use gpu::{GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
 pub use nic::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};
 pub use nic::{
-    DeviceConfig, NodeConfig, SimCm, SimConnectRequest, SimConnection, SimContext, SimCq,
-    SimFabric, SimListener, SimMr, SimPd, SimQp, SimVerbs, SimVerbsApi,
+    DeviceConfig, NodeConfig, SimCm, SimCompChannel, SimConnectRequest, SimConnection, SimContext,
+    SimCq, SimFabric, SimListener, SimMr, SimPd, SimQp, SimVerbs, SimVerbsApi,
 };

@@ -17,9 +17,9 @@ use std::time::Duration;
 
 use crate::error::{PostError, Result};
 use crate::types::{
-    AccessFlags, Completion, ConnectParams, ConnectionState, DeviceAttributes, DeviceInfo,
-    GidEntry, InitParams, PortAttributes, QpCaps, QpState, RecvRequest, RtrParams, RtsParams,
-    SendRequest,
+    AccessFlags, AsyncEvent, Completion, ConnectParams, ConnectionState, CqNotify,
+    DeviceAttributes, DeviceInfo, GidEntry, InitParams, PortAttributes, QpAttributes, QpCaps,
+    QpState, RecvRequest, RtrParams, RtsParams, SendRequest,
 };
 
 /// A verbs backend: the handle types it hands out.
@@ -34,6 +34,8 @@ pub trait Api: Sized + Send + Sync + Debug + 'static {
     type MemoryRegion: MemoryRegion;
     /// A completion queue (`ibv_cq`).
     type CompletionQueue: CompletionQueue;
+    /// A completion channel (`ibv_comp_channel`): the fd CQ events arrive on.
+    type CompletionChannel: CompletionChannel;
     /// A reliable-connected queue pair (`ibv_qp`).
     type QueuePair: QueuePair;
     /// Listens and connects (rdma_cm).
@@ -76,6 +78,36 @@ pub trait Context<A: Api>: Send + Sync + Debug {
     fn alloc_pd(&self) -> Result<A::ProtectionDomain>;
     /// Creates a completion queue with at least `depth` entries.
     fn create_cq(&self, depth: u32) -> Result<A::CompletionQueue>;
+
+    /// Creates a completion channel (`ibv_create_comp_channel`), its fd
+    /// non-blocking: CQs created on it ([`Context::create_cq_on_channel`])
+    /// report there once armed ([`CompletionQueue::req_notify`]).
+    fn create_comp_channel(&self) -> Result<A::CompletionChannel>;
+
+    /// Creates a completion queue of at least `depth` entries whose events
+    /// go to `channel`, on completion vector `comp_vector` (in
+    /// `0..`[`DeviceAttributes::num_comp_vectors`]; another is
+    /// [`crate::VerbsError::InvalidArgument`]). The channel must be of this
+    /// device; it lives as long as its CQs.
+    fn create_cq_on_channel(
+        &self,
+        depth: u32,
+        channel: &A::CompletionChannel,
+        comp_vector: u32,
+    ) -> Result<A::CompletionQueue>;
+
+    /// The device's async event fd (`ibv_context.async_fd`), non-blocking:
+    /// readable when [`Context::next_async_event`] has an event. Owned by
+    /// the context (valid while it lives); register it with epoll/mio/tokio,
+    /// never close it.
+    fn async_fd(&self) -> RawFd;
+
+    /// Takes the next asynchronous event without waiting
+    /// (`ibv_get_async_event` on the non-blocking fd, then
+    /// `ibv_ack_async_event` at once, so destroying the object it names never
+    /// waits on us): `Ok(None)` when none is pending. Read until `None`
+    /// after the fd turns readable (edge-triggered pollers need it).
+    fn next_async_event(&self) -> Result<Option<AsyncEvent>>;
 }
 
 /// A protection domain: registers memory and creates queue pairs.
@@ -151,7 +183,57 @@ pub trait CompletionQueue: Send + Sync + Debug {
     /// Takes up to `out.len()` completions, returning how many were written.
     /// Completions taken off the queue are never lost with an error: a
     /// failure met after some were taken is reported by the next call.
+    /// `out` may be of any length (the backend polls in chunks as needed).
     fn poll(&self, out: &mut [Completion]) -> Result<usize>;
+
+    /// The CQ's identity, as async events ([`crate::AsyncEvent::CqError`])
+    /// and [`CompletionChannel::get_cq_event`] name it: unique among the
+    /// device's live CQs (a destroyed CQ's identity may be reused).
+    fn cq_id(&self) -> u64;
+
+    /// Arms the CQ (`ibv_req_notify_cq`): the next completion added to it
+    /// ([`CqNotify::Next`]), or the next solicited or error one
+    /// ([`CqNotify::Solicited`]), makes its channel readable with one event.
+    /// One-shot: after the event, arm again. A completion already in the CQ
+    /// when it is armed does not fire it, so the event loop is:
+    ///
+    /// 1. wait until the channel's fd is readable;
+    /// 2. take the events ([`CompletionChannel::get_cq_event`] until `None`);
+    /// 3. arm each CQ they named;
+    /// 4. poll each until empty, *after* arming: a completion that arrived
+    ///    between the last poll and the arm is found here, and one that
+    ///    arrives after the arm fires the next event.
+    ///
+    /// A CQ not created on a channel is
+    /// [`crate::VerbsError::InvalidArgument`].
+    fn req_notify(&self, notify: CqNotify) -> Result<()>;
+
+    /// Moderates the CQ's events (`ibv_modify_cq` with `cq_count` and
+    /// `cq_period` in microseconds): one event per `count` completions or
+    /// per `period_us`, whichever comes first. Within
+    /// [`DeviceAttributes::cq_moderation`]'s limits; a device without
+    /// moderation (rxe) is [`crate::VerbsError::NotSupported`].
+    fn set_moderation(&self, count: u16, period_us: u16) -> Result<()>;
+}
+
+/// A completion channel (`ibv_comp_channel`): the fd CQ events arrive on.
+///
+/// Its fd ([`CompletionChannel::fd`]; the backends' types are also `AsFd`
+/// and `AsRawFd`) is non-blocking and readable while an event is pending:
+/// register it with epoll, mio or tokio's `AsyncFd` (read interest), then
+/// follow the arm-then-poll pattern of [`CompletionQueue::req_notify`].
+#[cfg_attr(feature = "mock", mockall::automock)]
+pub trait CompletionChannel: Send + Sync + Debug {
+    /// The channel's fd, owned by the channel (valid while it lives).
+    fn fd(&self) -> RawFd;
+
+    /// Takes the next CQ event without waiting (`ibv_get_cq_event` on the
+    /// non-blocking fd): the [`CompletionQueue::cq_id`] of the CQ that
+    /// fired, or `Ok(None)` when none is pending. The event is acknowledged
+    /// (`ibv_ack_cq_events`) before this returns, so destroying the CQ never
+    /// waits for an acknowledgement the caller forgot; the CQ stays disarmed
+    /// until [`CompletionQueue::req_notify`].
+    fn get_cq_event(&self) -> Result<Option<u64>>;
 }
 
 /// An RC queue pair.
@@ -173,6 +255,16 @@ pub trait QueuePair: Send + Sync + Debug {
     /// Any state → ERROR: outstanding requests complete with
     /// [`crate::WcStatus::WR_FLUSH_ERR`].
     fn to_error(&self) -> Result<()>;
+    /// Any state → RESET, to recycle the queue pair (INIT, RTR and RTS
+    /// again, towards a new peer if need be). Outstanding requests are
+    /// dropped without completions: drain the queue pair first
+    /// ([`crate::drain`]) and poll what it flushed. Whether completions of
+    /// the QP still in its CQs survive is the device's choice (libmlx5
+    /// removes them, rxe keeps them): poll them before the reset.
+    fn to_reset(&self) -> Result<()>;
+    /// The attributes as the device applied them (`ibv_query_qp`): state,
+    /// granted queue sizes, the READ depths after clamping, the path.
+    fn query(&self) -> Result<QpAttributes>;
 
     /// Links `requests` in order and posts them with one doorbell.
     ///

@@ -22,25 +22,26 @@ mod types;
 pub mod rdma;
 
 pub use api::{
-    Api, CompletionQueue, ConnectRequest, Connection, ConnectionManager, Context, Listener,
-    MemoryRegion, ProtectionDomain, Provider, QueuePair,
+    Api, CompletionChannel, CompletionQueue, ConnectRequest, Connection, ConnectionManager,
+    Context, Listener, MemoryRegion, ProtectionDomain, Provider, QueuePair,
 };
 pub use error::{PostError, Posted, Result, VerbsError};
 pub use types::{
-    AccessFlags, AddressFamily, Completion, ConnectParams, ConnectionInfo, ConnectionState,
-    DeviceAttributes, DeviceInfo, Gid, GidEntry, GidType, InitParams, LinkLayer,
-    MAX_ACCEPT_PRIVATE_DATA, MAX_CONNECT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA, Mtu,
-    PortAttributes, PortState, QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendFlags,
-    SendOp, SendRequest, SgList, Sge, WcOpcode, WcStatus, is_pci_bus_id, select_roce_v2_gid,
+    AccessFlags, AddressFamily, AsyncEvent, Completion, ConnectParams, ConnectionInfo,
+    ConnectionState, CqModerationCaps, CqNotify, DeviceAttributes, DeviceInfo, EventAffiliation,
+    Gid, GidEntry, GidType, InitParams, LinkLayer, MAX_ACCEPT_PRIVATE_DATA,
+    MAX_CONNECT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA, Mtu, PortAttributes, PortState,
+    QpAttributes, QpCaps, QpState, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp,
+    SendRequest, SgList, Sge, WcOpcode, WcStatus, is_pci_bus_id, select_roce_v2_gid,
 };
 
 /// mockall mocks of the role traits, tied together by `mock::MockApi`.
 #[cfg(feature = "mock")]
 pub mod mock {
     pub use crate::api::{
-        MockCompletionQueue, MockConnectRequest, MockConnection, MockConnectionManager,
-        MockContext, MockListener, MockMemoryRegion, MockProtectionDomain, MockProvider,
-        MockQueuePair,
+        MockCompletionChannel, MockCompletionQueue, MockConnectRequest, MockConnection,
+        MockConnectionManager, MockContext, MockListener, MockMemoryRegion, MockProtectionDomain,
+        MockProvider, MockQueuePair,
     };
 
     /// A backend whose every handle is a mockall mock.
@@ -53,6 +54,7 @@ pub mod mock {
         type ProtectionDomain = MockProtectionDomain<MockApi>;
         type MemoryRegion = MockMemoryRegion;
         type CompletionQueue = MockCompletionQueue;
+        type CompletionChannel = MockCompletionChannel;
         type QueuePair = MockQueuePair;
         type ConnectionManager = MockConnectionManager<MockApi>;
         type Listener = MockListener<MockApi>;

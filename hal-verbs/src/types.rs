@@ -66,6 +66,271 @@ pub struct DeviceAttributes {
     pub max_qp_init_rd_atom: u32,
     /// Physical ports (numbered from 1).
     pub phys_port_cnt: u8,
+    /// Completion vectors (`ibv_context.num_comp_vectors`): a CQ's
+    /// `comp_vector` is in `0..num_comp_vectors` (rxe: 1).
+    pub num_comp_vectors: u32,
+    /// CQ moderation limits (`ibv_device_attr_ex.cq_mod_caps`); `None`
+    /// where the device has no moderation (rxe), and then
+    /// [`crate::CompletionQueue::set_moderation`] is
+    /// [`crate::VerbsError::NotSupported`].
+    pub cq_moderation: Option<CqModerationCaps>,
+}
+
+/// The limits of CQ moderation (`struct ibv_cq_moderation_caps`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CqModerationCaps {
+    /// Largest `cq_count`: completions gathered before one event.
+    pub max_cq_count: u16,
+    /// Largest `cq_period`, in microseconds: longest an event is delayed.
+    pub max_cq_period_us: u16,
+}
+
+/// What wakes a completion channel's reader once a CQ is armed
+/// (`ibv_req_notify_cq`'s `solicited_only`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CqNotify {
+    /// The next completion of any kind (`solicited_only` 0).
+    Next,
+    /// The next receive completion of a request sent with
+    /// [`SendFlags::SOLICITED`], or the next error completion
+    /// (`solicited_only` 1).
+    Solicited,
+}
+
+/// An asynchronous event (`enum ibv_event_type`), read from the device
+/// context's async fd and already acknowledged, naming its object.
+///
+/// Affiliated events name the object by number: `qp_num` for a queue pair
+/// (as [`crate::QueuePair::qp_num`]), `cq` for a completion queue (as
+/// [`crate::CompletionQueue::cq_id`]), `srq` for a shared receive queue.
+/// Unaffiliated events name the port (from 1) or nothing (the device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AsyncEvent {
+    /// The device is dead (`IBV_EVENT_DEVICE_FATAL`): no completion will
+    /// come for outstanding work (hardware reports nothing more; it may not
+    /// even flush). Close everything and reopen the device.
+    DeviceFatal,
+    /// A port came up (`IBV_EVENT_PORT_ACTIVE`).
+    PortActive {
+        /// The port, from 1.
+        port: u8,
+    },
+    /// A port went down (`IBV_EVENT_PORT_ERR`): its connections fail with
+    /// transport retry errors.
+    PortError {
+        /// The port, from 1.
+        port: u8,
+    },
+    /// The port's GID table changed (`IBV_EVENT_GID_CHANGE`): re-read it
+    /// before the next connection.
+    GidChange {
+        /// The port, from 1.
+        port: u8,
+    },
+    /// The subnet manager asks clients to re-register
+    /// (`IBV_EVENT_CLIENT_REREGISTER`, InfiniBand).
+    ClientReregister {
+        /// The port, from 1.
+        port: u8,
+    },
+    /// The port's LID changed (`IBV_EVENT_LID_CHANGE`, InfiniBand).
+    LidChange {
+        /// The port, from 1.
+        port: u8,
+    },
+    /// The port's P_Key table changed (`IBV_EVENT_PKEY_CHANGE`).
+    PkeyChange {
+        /// The port, from 1.
+        port: u8,
+    },
+    /// The subnet manager changed (`IBV_EVENT_SM_CHANGE`).
+    SmChange {
+        /// The port, from 1.
+        port: u8,
+    },
+    /// A queue pair hit an error no completion reports
+    /// (`IBV_EVENT_QP_FATAL`); it is in ERROR.
+    QpFatal {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// The responder saw an invalid request (`IBV_EVENT_QP_REQ_ERR`); the
+    /// QP is in ERROR.
+    QpRequestError {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// The responder saw an access violation (`IBV_EVENT_QP_ACCESS_ERR`:
+    /// a bad rkey, bounds or rights); the QP is in ERROR.
+    QpAccessError {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// First packet on an RTR QP (`IBV_EVENT_COMM_EST`).
+    CommunicationEstablished {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// The send queue drained in SQD (`IBV_EVENT_SQ_DRAINED`).
+    SendQueueDrained {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// The QP migrated to its alternate path (`IBV_EVENT_PATH_MIG`).
+    PathMigrated {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// Migration to the alternate path failed (`IBV_EVENT_PATH_MIG_ERR`).
+    PathMigrationError {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// A QP on an SRQ in ERROR has no more receive WQE in flight
+    /// (`IBV_EVENT_QP_LAST_WQE_REACHED`): it may be destroyed.
+    QpLastWqeReached {
+        /// The queue pair.
+        qp_num: u32,
+    },
+    /// A completion queue failed (`IBV_EVENT_CQ_ERR`, e.g. an overrun):
+    /// its completions are lost and its QPs will fail.
+    CqError {
+        /// The CQ, as [`crate::CompletionQueue::cq_id`].
+        cq: u64,
+    },
+    /// A shared receive queue failed (`IBV_EVENT_SRQ_ERR`).
+    SrqError {
+        /// The SRQ's identity.
+        srq: u64,
+    },
+    /// An SRQ fell below its armed limit (`IBV_EVENT_SRQ_LIMIT_REACHED`).
+    SrqLimitReached {
+        /// The SRQ's identity.
+        srq: u64,
+    },
+    /// An event this HAL does not name (`IBV_EVENT_WQ_FATAL`,
+    /// `IBV_EVENT_DEVICE_SPEED_CHANGE`, later ones), by its native number.
+    Other {
+        /// The native `ibv_event_type` value.
+        code: u32,
+    },
+}
+
+impl AsyncEvent {
+    /// The native `ibv_event_type` value.
+    pub fn code(&self) -> u32 {
+        match *self {
+            Self::CqError { .. } => 0,
+            Self::QpFatal { .. } => 1,
+            Self::QpRequestError { .. } => 2,
+            Self::QpAccessError { .. } => 3,
+            Self::CommunicationEstablished { .. } => 4,
+            Self::SendQueueDrained { .. } => 5,
+            Self::PathMigrated { .. } => 6,
+            Self::PathMigrationError { .. } => 7,
+            Self::DeviceFatal => 8,
+            Self::PortActive { .. } => 9,
+            Self::PortError { .. } => 10,
+            Self::LidChange { .. } => 11,
+            Self::PkeyChange { .. } => 12,
+            Self::SmChange { .. } => 13,
+            Self::SrqError { .. } => 14,
+            Self::SrqLimitReached { .. } => 15,
+            Self::QpLastWqeReached { .. } => 16,
+            Self::ClientReregister { .. } => 17,
+            Self::GidChange { .. } => 18,
+            Self::Other { code } => code,
+        }
+    }
+
+    /// The event of native type `code`, naming `object`: the QP number for
+    /// QP events, the CQ or SRQ identity for theirs, the port for port
+    /// events (ignored by [`AsyncEvent::DeviceFatal`]).
+    pub fn from_native(code: u32, object: u64) -> Self {
+        let qp_num = u32::try_from(object).unwrap_or(u32::MAX);
+        let port = u8::try_from(object).unwrap_or(u8::MAX);
+        match code {
+            0 => Self::CqError { cq: object },
+            1 => Self::QpFatal { qp_num },
+            2 => Self::QpRequestError { qp_num },
+            3 => Self::QpAccessError { qp_num },
+            4 => Self::CommunicationEstablished { qp_num },
+            5 => Self::SendQueueDrained { qp_num },
+            6 => Self::PathMigrated { qp_num },
+            7 => Self::PathMigrationError { qp_num },
+            8 => Self::DeviceFatal,
+            9 => Self::PortActive { port },
+            10 => Self::PortError { port },
+            11 => Self::LidChange { port },
+            12 => Self::PkeyChange { port },
+            13 => Self::SmChange { port },
+            14 => Self::SrqError { srq: object },
+            15 => Self::SrqLimitReached { srq: object },
+            16 => Self::QpLastWqeReached { qp_num },
+            17 => Self::ClientReregister { port },
+            18 => Self::GidChange { port },
+            code => Self::Other { code },
+        }
+    }
+
+    /// What kind of object the native event `code` names.
+    pub fn affiliation(code: u32) -> EventAffiliation {
+        match code {
+            0 => EventAffiliation::Cq,
+            1..=7 | 16 => EventAffiliation::Qp,
+            14 | 15 => EventAffiliation::Srq,
+            9..=13 | 17 | 18 | 20 => EventAffiliation::Port,
+            19 => EventAffiliation::Wq,
+            _ => EventAffiliation::Device,
+        }
+    }
+
+    /// The queue pair it names, if it is a QP event.
+    pub fn qp_num(&self) -> Option<u32> {
+        match *self {
+            Self::QpFatal { qp_num }
+            | Self::QpRequestError { qp_num }
+            | Self::QpAccessError { qp_num }
+            | Self::CommunicationEstablished { qp_num }
+            | Self::SendQueueDrained { qp_num }
+            | Self::PathMigrated { qp_num }
+            | Self::PathMigrationError { qp_num }
+            | Self::QpLastWqeReached { qp_num } => Some(qp_num),
+            _ => None,
+        }
+    }
+
+    /// The port it names, if it is a port event.
+    pub fn port(&self) -> Option<u8> {
+        match *self {
+            Self::PortActive { port }
+            | Self::PortError { port }
+            | Self::GidChange { port }
+            | Self::ClientReregister { port }
+            | Self::LidChange { port }
+            | Self::PkeyChange { port }
+            | Self::SmChange { port } => Some(port),
+            _ => None,
+        }
+    }
+}
+
+/// The object an async event's union names (`struct ibv_async_event`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventAffiliation {
+    /// `element.qp`.
+    Qp,
+    /// `element.cq`.
+    Cq,
+    /// `element.srq`.
+    Srq,
+    /// `element.wq`.
+    Wq,
+    /// `element.port_num`.
+    Port,
+    /// Nothing: the whole device.
+    Device,
 }
 
 /// Logical port state (`enum ibv_port_state`).
@@ -339,6 +604,38 @@ impl QpState {
             _ => return None,
         })
     }
+}
+
+/// A queue pair's attributes as the device applied them (`ibv_query_qp`):
+/// the queue sizes granted and the READ depths after clamping to the
+/// device's limits (rxe also rounds them up to a power of two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpAttributes {
+    /// The current state.
+    pub state: QpState,
+    /// Queue sizes and inline size as granted.
+    pub caps: QpCaps,
+    /// READs/atomics we may have outstanding, as applied at RTS (0 before).
+    pub max_rd_atomic: u8,
+    /// READs/atomics the peer may have outstanding at us, as applied at RTR
+    /// (0 before).
+    pub max_dest_rd_atomic: u8,
+    /// The path MTU set at RTR (`None` before).
+    pub path_mtu: Option<Mtu>,
+    /// The peer's QP number (0 before RTR).
+    pub dest_qp_num: u32,
+    /// Our send PSN (set at RTS).
+    pub sq_psn: u32,
+    /// The PSN we expect first from the peer (set at RTR).
+    pub rq_psn: u32,
+    /// ACK timeout code (set at RTS).
+    pub timeout: u8,
+    /// Transport retries (set at RTS).
+    pub retry_cnt: u8,
+    /// RNR retries (set at RTS).
+    pub rnr_retry: u8,
+    /// RNR NAK timer code (set at RTR).
+    pub min_rnr_timer: u8,
 }
 
 /// What one side of an RC connection tells the other (QPN, GID, PSN, ...).

@@ -602,10 +602,13 @@ impl FabricState {
                     return Step::Ran;
                 }
                 copy_all(&copies);
+                let solicited = wqe.flags.contains(hal_verbs::SendFlags::SOLICITED);
                 self.finish(qpn, wqe, WcStatus::SUCCESS);
                 if let Some((opcode, imm)) = recv {
                     let consumed = self.qps.get_mut(&target).and_then(|p| p.rq.pop_front());
                     if let Some(recv_wqe) = consumed {
+                        // Read by the receive CQ's solicited-only notify.
+                        self.events.solicited_hint = solicited;
                         self.complete_recv(target, &recv_wqe, WcStatus::SUCCESS, opcode, len, imm);
                     }
                 }

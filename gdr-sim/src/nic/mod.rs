@@ -40,6 +40,7 @@
 pub mod clock;
 mod cm;
 mod engine;
+mod events;
 mod mr;
 mod qp;
 mod state;
@@ -49,8 +50,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use hal_verbs::{
-    Api, Context, DeviceAttributes, DeviceInfo, GidEntry, Mtu, PortAttributes, PortState, Provider,
-    Result, VerbsError,
+    Api, AsyncEvent, Context, CqModerationCaps, DeviceAttributes, DeviceInfo, GidEntry, Mtu,
+    PortAttributes, PortState, Provider, Result, VerbsError,
 };
 
 use crate::faults::FaultPlan;
@@ -58,6 +59,7 @@ use state::FabricState;
 
 pub use clock::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};
 pub use cm::{SimCm, SimConnectRequest, SimConnection, SimListener};
+pub use events::SimCompChannel;
 pub use mr::{SimMr, SimPd};
 pub use qp::{SimCq, SimQp};
 
@@ -71,6 +73,7 @@ impl Api for SimVerbsApi {
     type ProtectionDomain = SimPd;
     type MemoryRegion = SimMr;
     type CompletionQueue = SimCq;
+    type CompletionChannel = SimCompChannel;
     type QueuePair = SimQp;
     type ConnectionManager = SimCm;
     type Listener = SimListener;
@@ -111,6 +114,13 @@ pub struct DeviceConfig {
     /// with work outstanding loses those completions unless it was drained
     /// first (`hal_verbs::drain`).
     pub destroy_qp_purges_cq: bool,
+    /// Whether a lost device flushes its QPs' outstanding work
+    /// (`WR_FLUSH_ERR` completions, then poll errors): on by default, as the
+    /// sim always did. Off, it behaves as hardware does after a fatal error:
+    /// no completion comes for outstanding work, only the
+    /// [`AsyncEvent::DeviceFatal`] event on the context's async fd, and
+    /// polls fail.
+    pub device_loss_flushes: bool,
 }
 
 impl Default for DeviceConfig {
@@ -133,6 +143,13 @@ impl Default for DeviceConfig {
                 max_qp_rd_atom: 16,
                 max_qp_init_rd_atom: 16,
                 phys_port_cnt: 1,
+                // ConnectX-like: one vector per core, moderation up to
+                // mlx5's limits (cq_count 16 bits, cq_period 12 bits).
+                num_comp_vectors: 8,
+                cq_moderation: Some(CqModerationCaps {
+                    max_cq_count: u16::MAX,
+                    max_cq_period_us: 4095,
+                }),
             },
             port_state: PortState::Active,
             max_mtu: Mtu::Mtu4096,
@@ -142,6 +159,7 @@ impl Default for DeviceConfig {
             pci_bus_id: Some("0000:18:00.0".to_owned()),
             inline_overflow_errno: libc::EINVAL,
             destroy_qp_purges_cq: false,
+            device_loss_flushes: true,
         }
     }
 }
@@ -187,12 +205,17 @@ impl DeviceConfig {
         [("mlx5", Self::mlx5_like()), ("rxe", Self::rxe_like())]
     }
 
-    /// An rxe-like device: no dma-buf, 1024-byte active MTU, no PCI function.
+    /// An rxe-like device: no dma-buf, 1024-byte active MTU, no PCI
+    /// function, one completion vector, no CQ moderation.
     pub fn rxe_like() -> Self {
+        let mut attributes = Self::default().attributes;
+        attributes.num_comp_vectors = 1;
+        attributes.cq_moderation = None;
         Self {
             dmabuf: false,
             active_mtu: Mtu::Mtu1024,
             pci_bus_id: None,
+            attributes,
             ..Self::default()
         }
     }
@@ -334,6 +357,49 @@ impl SimVerbs {
         self.fabric.lock().nodes[self.node].name.clone()
     }
 
+    /// Sets the state of port `port` (from 1) of the node's device `device`
+    /// and raises [`AsyncEvent::PortActive`] (to `Active`) or
+    /// [`AsyncEvent::PortError`] (from `Active` to anything else), as a
+    /// link going up or down does. Traffic is not affected by it.
+    ///
+    /// # Panics
+    /// When the node has no such device (a test configuration error).
+    pub fn set_port_state(&self, device: &str, port: u8, port_state: PortState) {
+        let mut state = self.fabric.lock();
+        let dev = state
+            .find_device(self.node, device)
+            .unwrap_or_else(|| panic!("no simulated device {device}"));
+        let before = std::mem::replace(&mut state.devices[dev].config.port_state, port_state);
+        let event = match (before == PortState::Active, port_state == PortState::Active) {
+            (false, true) => Some(AsyncEvent::PortActive { port }),
+            (true, false) => Some(AsyncEvent::PortError { port }),
+            _ => None,
+        };
+        if let Some(event) = event {
+            state.events.raise(dev, event);
+        }
+    }
+
+    /// Raises `event` on the node's device `device`, to every context open
+    /// on it, as the device would. [`AsyncEvent::DeviceFatal`] also kills
+    /// the device, as [`crate::Fault::DeviceLost`] does; other events change
+    /// nothing else (a QP named by a QP event is not moved to ERROR).
+    ///
+    /// # Panics
+    /// When the node has no such device (a test configuration error).
+    pub fn raise_async_event(&self, device: &str, event: AsyncEvent) {
+        let mut state = self.fabric.lock();
+        let dev = state
+            .find_device(self.node, device)
+            .unwrap_or_else(|| panic!("no simulated device {device}"));
+        if event == AsyncEvent::DeviceFatal {
+            // Raises the event itself.
+            state.lose_device(dev);
+        } else {
+            state.events.raise(dev, event);
+        }
+    }
+
     /// The IPv4 address of the node's device `name`.
     pub fn device_ipv4(&self, name: &str) -> Option<Ipv4Addr> {
         let state = self.fabric.lock();
@@ -367,7 +433,7 @@ impl Provider<SimVerbsApi> for SimVerbs {
     }
 
     fn open(&self, name: &str) -> Result<SimContext> {
-        let state = self.fabric.lock();
+        let mut state = self.fabric.lock();
         let device = state
             .find_device(self.node, name)
             .ok_or_else(|| VerbsError::NoDevice {
@@ -377,11 +443,13 @@ impl Provider<SimVerbsApi> for SimVerbs {
                 ),
             })?;
         state.alive(device, "ibv_open_device")?;
+        let events = state.events.open(device)?;
         tracing::debug!(node = %state.nodes[self.node].name, device = name, "sim: open device");
         Ok(SimContext {
             fabric: self.fabric.clone(),
             device,
             name: name.to_owned(),
+            events,
         })
     }
 
@@ -399,6 +467,8 @@ pub struct SimContext {
     fabric: SimFabric,
     device: usize,
     name: String,
+    /// This context's async events.
+    events: Arc<events::AsyncSink>,
 }
 
 impl SimContext {
@@ -454,7 +524,48 @@ impl Context<SimVerbsApi> for SimContext {
     }
 
     fn create_cq(&self, depth: u32) -> Result<SimCq> {
-        SimCq::create(&self.fabric, self.device, depth)
+        SimCq::create(&self.fabric, self.device, depth, None)
+    }
+
+    fn create_comp_channel(&self) -> Result<SimCompChannel> {
+        SimCompChannel::create(&self.fabric, self.device)
+    }
+
+    fn create_cq_on_channel(
+        &self,
+        depth: u32,
+        channel: &SimCompChannel,
+        comp_vector: u32,
+    ) -> Result<SimCq> {
+        const OP: &str = "ibv_create_cq";
+        {
+            let state = self.fabric.lock();
+            if channel.device() != self.device {
+                return Err(state.einval(self.device, OP, "completion channel of another device"));
+            }
+            let vectors = state.devices[self.device]
+                .config
+                .attributes
+                .num_comp_vectors;
+            if comp_vector >= vectors {
+                let reason = format!("completion vector {comp_vector} outside 0..{vectors}");
+                return Err(state.einval(self.device, OP, reason));
+            }
+        }
+        SimCq::create(
+            &self.fabric,
+            self.device,
+            depth,
+            Some(Arc::clone(&channel.shared)),
+        )
+    }
+
+    fn async_fd(&self) -> std::os::fd::RawFd {
+        self.events.fd()
+    }
+
+    fn next_async_event(&self) -> Result<Option<AsyncEvent>> {
+        Ok(self.events.next())
     }
 }
 

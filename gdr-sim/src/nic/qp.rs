@@ -5,11 +5,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use hal_verbs::{
-    Completion, CompletionQueue, InitParams, PostError, QpCaps, QpState, QueuePair, RecvRequest,
-    Result, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, VerbsError,
+    Completion, CompletionQueue, CqNotify, InitParams, PostError, QpAttributes, QpCaps, QpState,
+    QueuePair, RecvRequest, Result, RtrParams, RtsParams, SendFlags, SendOp, SendRequest,
+    VerbsError,
 };
 
 use super::SimFabric;
+use super::events::{Applied, ChannelShared, CqEvents, clamp_rd_atomic};
 use super::mr::PdInner;
 use super::state::{CqState, FabricState, Pinned, QpRecord, RecvWqe, Remote, SendWqe};
 use crate::faults::FaultSite;
@@ -25,7 +27,12 @@ pub struct SimCq {
 }
 
 impl SimCq {
-    pub(crate) fn create(fabric: &SimFabric, device: usize, depth: u32) -> Result<Self> {
+    pub(crate) fn create(
+        fabric: &SimFabric,
+        device: usize,
+        depth: u32,
+        channel: Option<Arc<ChannelShared>>,
+    ) -> Result<Self> {
         const OP: &str = "ibv_create_cq";
         let mut state = fabric.lock();
         state.alive(device, OP)?;
@@ -51,6 +58,10 @@ impl SimCq {
                 entries: VecDeque::new(),
                 refs: 1,
                 overrun: false,
+                events: CqEvents {
+                    channel,
+                    ..CqEvents::default()
+                },
             },
         );
         Ok(Self {
@@ -94,6 +105,59 @@ impl CompletionQueue for SimCq {
             state.alive(self.device, "ibv_poll_cq")?;
         }
         Ok(n)
+    }
+
+    fn cq_id(&self) -> u64 {
+        self.id
+    }
+
+    /// Arms the CQ; see the `events` module for the semantics.
+    fn req_notify(&self, notify: CqNotify) -> Result<()> {
+        const OP: &str = "ibv_req_notify_cq";
+        let mut state = self.fabric.lock();
+        state.alive(self.device, OP)?;
+        let Some(cq) = state.cqs.get_mut(&self.id) else {
+            return Err(VerbsError::invalid(OP, "CQ is gone"));
+        };
+        if cq.events.channel.is_none() {
+            return Err(state.einval(
+                self.device,
+                OP,
+                "the CQ was not created on a completion channel",
+            ));
+        }
+        // Arming for any completion subsumes an armed solicited-only one.
+        if cq.events.armed != Some(CqNotify::Next) {
+            cq.events.armed = Some(notify);
+        }
+        Ok(())
+    }
+
+    fn set_moderation(&self, count: u16, period_us: u16) -> Result<()> {
+        const OP: &str = "ibv_modify_cq";
+        let mut state = self.fabric.lock();
+        state.alive(self.device, OP)?;
+        let Some(caps) = state.devices[self.device].config.attributes.cq_moderation else {
+            return Err(VerbsError::NotSupported {
+                operation: OP,
+                reason: format!(
+                    "{} reports no CQ moderation",
+                    state.devices[self.device].name
+                ),
+                errno: Some(libc::EOPNOTSUPP),
+            });
+        };
+        if count > caps.max_cq_count || period_us > caps.max_cq_period_us {
+            let reason = format!(
+                "count {count} / period {period_us} us above the limits {} / {} us",
+                caps.max_cq_count, caps.max_cq_period_us
+            );
+            return Err(state.einval(self.device, OP, reason));
+        }
+        if let Some(cq) = state.cqs.get_mut(&self.id) {
+            cq.events.moderation = Some((count, period_us));
+        }
+        Ok(())
     }
 }
 
@@ -186,6 +250,7 @@ impl SimQp {
                 remote: None,
                 sq_psn: 0,
                 timing: super::clock::QpTiming::default(),
+                applied: Applied::default(),
                 sq: VecDeque::new(),
                 rq: VecDeque::new(),
                 sq_posted: 0,
@@ -318,6 +383,7 @@ impl QueuePair for SimQp {
                     libc::EHOSTUNREACH,
                 ));
             };
+            let max_dest = state.devices[device].config.attributes.max_qp_rd_atom;
             let qp = record(state, qpn)?;
             qp.remote = Some(Remote {
                 device: peer,
@@ -331,6 +397,11 @@ impl QueuePair for SimQp {
                 max_dest_rd_atomic: params.max_dest_rd_atomic,
                 ..Default::default()
             };
+            qp.applied.max_dest_rd_atomic = clamp_rd_atomic(params.max_dest_rd_atomic, max_dest);
+            qp.applied.path_mtu = Some(params.path_mtu);
+            qp.applied.dest_qp_num = params.remote.qp_num;
+            qp.applied.rq_psn = params.remote.psn;
+            qp.applied.min_rnr_timer = params.min_rnr_timer;
             qp.state = QpState::ReadyToReceive;
             Ok(())
         })
@@ -344,7 +415,12 @@ impl QueuePair for SimQp {
             if !matches!(from, QpState::ReadyToReceive | QpState::ReadyToSend) {
                 return Err(bad_transition(state, device, OP, qpn, from));
             }
+            let max_init = state.devices[device].config.attributes.max_qp_init_rd_atom;
             let qp = record(state, qpn)?;
+            qp.applied.max_rd_atomic = clamp_rd_atomic(params.max_rd_atomic, max_init);
+            qp.applied.timeout = params.timeout;
+            qp.applied.retry_cnt = params.retry_cnt;
+            qp.applied.rnr_retry = params.rnr_retry;
             qp.sq_psn = params.sq_psn;
             qp.timing.timeout = params.timeout;
             qp.timing.retry_cnt = params.retry_cnt;
@@ -359,6 +435,57 @@ impl QueuePair for SimQp {
         self.modify("ibv_modify_qp(ERR)", |state, _, qpn| {
             state.set_error(qpn);
             Ok(())
+        })
+    }
+
+    /// Drops the queues without completions (their slots are free again),
+    /// forgets the peer and what RTR/RTS applied; on a device that purges
+    /// a destroyed QP's completions (ConnectX-like), its completions still
+    /// in its CQs go too, as libmlx5's reset cleans the CQs.
+    fn to_reset(&self) -> Result<()> {
+        self.modify("ibv_modify_qp(RESET)", |state, device, qpn| {
+            let purge = state.devices[device].config.destroy_qp_purges_cq;
+            let qp = record(state, qpn)?;
+            qp.state = QpState::Reset;
+            qp.sq.clear();
+            qp.rq.clear();
+            qp.sq_retired = qp.sq_posted;
+            qp.rq_retired = qp.rq_posted;
+            qp.remote = None;
+            qp.sq_psn = 0;
+            qp.access = hal_verbs::AccessFlags::empty();
+            qp.applied = Applied::default();
+            qp.timing = super::clock::QpTiming::default();
+            let cqs = [qp.send_cq, qp.recv_cq];
+            if purge {
+                for cq in cqs {
+                    if let Some(cq) = state.cqs.get_mut(&cq) {
+                        cq.entries.retain(|e| e.wc.qp_num != qpn);
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn query(&self) -> Result<QpAttributes> {
+        let mut state = self.pd.fabric.lock();
+        state.alive(self.pd.device, "ibv_query_qp")?;
+        let qp = record(&mut state, self.qpn)?;
+        let applied = qp.applied;
+        Ok(QpAttributes {
+            state: qp.state,
+            caps: qp.caps,
+            max_rd_atomic: applied.max_rd_atomic,
+            max_dest_rd_atomic: applied.max_dest_rd_atomic,
+            path_mtu: applied.path_mtu,
+            dest_qp_num: applied.dest_qp_num,
+            sq_psn: qp.sq_psn,
+            rq_psn: applied.rq_psn,
+            timeout: applied.timeout,
+            retry_cnt: applied.retry_cnt,
+            rnr_retry: applied.rnr_retry,
+            min_rnr_timer: applied.min_rnr_timer,
         })
     }
 

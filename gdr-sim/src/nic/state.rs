@@ -105,6 +105,8 @@ pub(crate) struct CqState {
     pub refs: u32,
     /// Set when a completion found the queue full (lost; the CQ is in error).
     pub overrun: bool,
+    /// Its completion channel and notification state.
+    pub events: super::events::CqEvents,
 }
 
 pub(crate) struct SendWqe {
@@ -164,6 +166,8 @@ pub(crate) struct QpRecord {
     pub sq_psn: u32,
     /// Timeouts, retry counts and their timers (the virtual clock's).
     pub timing: super::clock::QpTiming,
+    /// What its transitions applied, for `query`.
+    pub applied: super::events::Applied,
     pub sq: VecDeque<SendWqe>,
     pub rq: VecDeque<RecvWqe>,
     pub sq_posted: u64,
@@ -188,6 +192,8 @@ pub(crate) struct FabricState {
     pub cm: super::cm::CmState,
     /// The virtual clock.
     pub clock: super::clock::ClockState,
+    /// Completion channels' and contexts' event routing.
+    pub events: super::events::EventState,
     next_id: u64,
     next_key: u32,
     next_qpn: u32,
@@ -216,6 +222,7 @@ impl FabricState {
             qps: BTreeMap::new(),
             cm: super::cm::CmState::default(),
             clock: super::clock::ClockState::default(),
+            events: super::events::EventState::default(),
             next_id: 1,
             next_key: 0,
             // Low QPNs are reserved on real devices (0 and 1 are special).
@@ -353,6 +360,9 @@ impl FabricState {
         }
         tracing::debug!(device = %self.devices[device].name, "sim: device lost");
         self.devices[device].lost = true;
+        self.events
+            .raise(device, hal_verbs::AsyncEvent::DeviceFatal);
+        let flushes = self.devices[device].config.device_loss_flushes;
         let qpns: Vec<u32> = self
             .qps
             .iter()
@@ -360,27 +370,60 @@ impl FabricState {
             .map(|(&qpn, _)| qpn)
             .collect();
         for qpn in qpns {
-            self.set_error(qpn);
+            if flushes {
+                self.set_error(qpn);
+            } else if let Some(qp) = self.qps.get_mut(&qpn) {
+                // As hardware: the work is gone, no completion says so.
+                qp.state = QpState::Error;
+                qp.sq.clear();
+                qp.rq.clear();
+            }
         }
     }
 
     /// Queues a completion on `cq`. A full CQ loses it and is marked overrun,
     /// as a real CQ overrun is fatal to the CQ.
     pub fn complete(&mut self, cq: u64, entry: CqEntry) {
+        let cq_id = cq;
+        let solicited = super::events::is_receive(entry.wc.opcode)
+            && std::mem::take(&mut self.events.solicited_hint);
         let Some(cq) = self.cqs.get_mut(&cq) else {
             return;
         };
         if cq.entries.len() >= cq.depth as usize {
             tracing::warn!(wr_id = entry.wc.wr_id, depth = cq.depth, "sim: CQ overrun");
+            if !cq.overrun {
+                let device = cq.device;
+                self.events
+                    .raise(device, hal_verbs::AsyncEvent::CqError { cq: cq_id });
+            }
             cq.overrun = true;
             return;
         }
+        let error = !entry.wc.status.is_success();
         cq.entries.push_back(entry);
+        cq.events.on_completion(cq_id, solicited, error);
     }
 
     /// Completes a send request of `qpn` with `status` (errors always; success
     /// only when signaled).
     pub fn complete_send(&mut self, qpn: u32, wqe: &SendWqe, status: WcStatus) {
+        let Some(qp) = self.qps.get(&qpn) else {
+            return;
+        };
+        // The responder of a request that failed at its end raises an async
+        // event on its QP (it goes to ERROR too).
+        if let Some(remote) = qp.remote.filter(|r| self.qps.contains_key(&r.qpn)) {
+            let qp_num = remote.qpn;
+            let event = match status {
+                WcStatus::REM_ACCESS_ERR => Some(hal_verbs::AsyncEvent::QpAccessError { qp_num }),
+                WcStatus::REM_INV_REQ_ERR => Some(hal_verbs::AsyncEvent::QpRequestError { qp_num }),
+                _ => None,
+            };
+            if let Some(event) = event {
+                self.events.raise(remote.device, event);
+            }
+        }
         let Some(qp) = self.qps.get(&qpn) else {
             return;
         };

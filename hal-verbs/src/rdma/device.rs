@@ -6,13 +6,15 @@ use std::sync::Arc;
 
 use rdma_mummy_sys as sys;
 
+use super::events::RdmaCompChannel;
 use super::memory::RdmaPd;
 use super::queue::RdmaCq;
 use super::{LIBIBVERBS, RdmaApi, clear_errno, errno, errno_or_eio, ret_errno, verb_error};
 use crate::api::{Context, Provider};
 use crate::error::{Result, VerbsError};
 use crate::types::{
-    DeviceAttributes, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttributes, PortState,
+    AsyncEvent, CqModerationCaps, DeviceAttributes, DeviceInfo, Gid, GidEntry, GidType, LinkLayer,
+    Mtu, PortAttributes, PortState,
 };
 
 /// Entry point of the rdma-core backend.
@@ -229,6 +231,11 @@ impl Provider<RdmaApi> for RdmaProvider {
         };
         // On failure `inner` is dropped, closing the device.
         inner.attrs = inner.query_device_raw()?;
+        // SAFETY: `ctx` is open; `async_fd` is a plain int it owns.
+        let async_fd = unsafe { (*ctx).async_fd };
+        // Non-blocking, so `next_async_event` never waits: the caller waits
+        // on the fd itself (epoll, mio, tokio).
+        super::events::set_nonblocking(async_fd, "ibv_open_device", name)?;
         tracing::debug!(device = name, attrs = ?inner.attrs, "opened");
         Ok(RdmaContext {
             inner: Arc::new(inner),
@@ -283,7 +290,11 @@ impl ContextInner {
         // library; we zeroed it, so a NUL is there even if it was not.
         let fw = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) };
         let count = |v: c_int| u32::try_from(v).unwrap_or(0);
+        // SAFETY: `ctx` is open; `num_comp_vectors` is a plain int.
+        let num_comp_vectors = count(unsafe { (*self.ctx).num_comp_vectors });
         Ok(DeviceAttributes {
+            num_comp_vectors,
+            cq_moderation: self.cq_moderation_caps(),
             fw_ver: fw.to_string_lossy().into_owned(),
             vendor_id: attr.vendor_id,
             vendor_part_id: attr.vendor_part_id,
@@ -298,6 +309,26 @@ impl ContextInner {
             max_qp_init_rd_atom: count(attr.max_qp_init_rd_atom),
             phys_port_cnt: attr.phys_port_cnt,
         })
+    }
+
+    /// CQ moderation limits from `ibv_query_device_ex`; `None` where it
+    /// fails or reports none (rxe reports zeros).
+    fn cq_moderation_caps(&self) -> Option<CqModerationCaps> {
+        // SAFETY: both structs are plain integers; all-zero is valid (and
+        // the input's comp_mask must be 0).
+        let input: sys::ibv_query_device_ex_input = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut attr: sys::ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `input` and `attr` are valid for the call
+        // (the wrapper passes attr's size; providers fill what they know).
+        let ret = unsafe { sys::ibv_query_device_ex(self.ctx, &input, &mut attr) };
+        let caps = attr.cq_mod_caps;
+        (ret == 0 && caps.max_cq_count != 0 && caps.max_cq_period != 0).then_some(
+            CqModerationCaps {
+                max_cq_count: caps.max_cq_count,
+                max_cq_period_us: caps.max_cq_period,
+            },
+        )
     }
 
     fn check_port(&self, operation: &'static str, port: u8) -> Result<()> {
@@ -510,6 +541,30 @@ impl Context<RdmaApi> for RdmaContext {
 
     #[tracing::instrument(level = "debug", skip(self), fields(device = %self.inner.name))]
     fn create_cq(&self, depth: u32) -> Result<RdmaCq> {
-        RdmaCq::create(&self.inner, depth)
+        RdmaCq::create(&self.inner, depth, None)
+    }
+
+    #[tracing::instrument(level = "debug", skip(self), fields(device = %self.inner.name))]
+    fn create_comp_channel(&self) -> Result<RdmaCompChannel> {
+        RdmaCompChannel::create(&self.inner)
+    }
+
+    #[tracing::instrument(level = "debug", skip(self, channel), fields(device = %self.inner.name))]
+    fn create_cq_on_channel(
+        &self,
+        depth: u32,
+        channel: &RdmaCompChannel,
+        comp_vector: u32,
+    ) -> Result<RdmaCq> {
+        RdmaCq::create(&self.inner, depth, Some((&channel.inner, comp_vector)))
+    }
+
+    fn async_fd(&self) -> std::os::fd::RawFd {
+        // SAFETY: the context is open while `inner` lives; a plain int.
+        unsafe { (*self.inner.as_ptr()).async_fd }
+    }
+
+    fn next_async_event(&self) -> Result<Option<AsyncEvent>> {
+        super::events::next_async_event(&self.inner)
     }
 }

@@ -49,11 +49,13 @@
 
 mod cm;
 mod device;
+mod events;
 mod memory;
 mod queue;
 
 pub use cm::{RdmaCm, RdmaConnectRequest, RdmaConnection, RdmaListener};
 pub use device::{RdmaContext, RdmaProvider};
+pub use events::RdmaCompChannel;
 pub use memory::{RdmaMr, RdmaPd};
 pub use queue::{RdmaCq, RdmaQp};
 
@@ -69,6 +71,7 @@ impl crate::Api for RdmaApi {
     type ProtectionDomain = RdmaPd;
     type MemoryRegion = RdmaMr;
     type CompletionQueue = RdmaCq;
+    type CompletionChannel = RdmaCompChannel;
     type QueuePair = RdmaQp;
     type ConnectionManager = RdmaCm;
     type Listener = RdmaListener;

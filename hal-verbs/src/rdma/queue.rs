@@ -11,13 +11,14 @@ use rdma_mummy_sys as sys;
 use smallvec::SmallVec;
 
 use super::device::ContextInner;
+use super::events::ChannelInner;
 use super::memory::PdInner;
 use super::{clear_errno, errno_or_eio, ret_errno, verb_error};
 use crate::api::{CompletionQueue, QueuePair};
 use crate::error::{PostError, Posted, Result, VerbsError};
 use crate::types::{
-    Completion, InitParams, LinkLayer, QpCaps, QpState, RecvRequest, RtrParams, RtsParams,
-    SendFlags, SendOp, SendRequest, WcOpcode, WcStatus,
+    Completion, CqNotify, InitParams, LinkLayer, Mtu, QpAttributes, QpCaps, QpState, RecvRequest,
+    RtrParams, RtsParams, SendFlags, SendOp, SendRequest, WcOpcode, WcStatus,
 };
 
 /// The native CQ, destroyed when its last QP and handle are gone.
@@ -25,6 +26,9 @@ pub(crate) struct CqInner {
     cq: *mut sys::ibv_cq,
     depth: u32,
     ctx: Arc<ContextInner>,
+    /// The channel its events go to, kept alive until the CQ is destroyed
+    /// (this struct's fields drop after `Drop::drop` ran).
+    channel: Option<Arc<ChannelInner>>,
     /// A failure of `ibv_poll_cq` met after completions had already been
     /// taken off the queue in the same `poll`: those are returned first, the
     /// failure on the next call.
@@ -68,7 +72,11 @@ pub struct RdmaCq {
 }
 
 impl RdmaCq {
-    pub(crate) fn create(ctx: &Arc<ContextInner>, depth: u32) -> Result<Self> {
+    pub(crate) fn create(
+        ctx: &Arc<ContextInner>,
+        depth: u32,
+        channel: Option<(&Arc<ChannelInner>, u32)>,
+    ) -> Result<Self> {
         let max = ctx.attrs().max_cqe;
         if depth == 0 || (max != 0 && depth > max) {
             return Err(VerbsError::invalid(
@@ -76,16 +84,40 @@ impl RdmaCq {
                 format!("depth {depth} outside 1..={max}"),
             ));
         }
+        let (channel_ptr, comp_vector) = match channel {
+            None => (std::ptr::null_mut(), 0),
+            Some((channel, vector)) => {
+                if !Arc::ptr_eq(channel.context(), ctx) {
+                    return Err(super::events::foreign_channel(channel, ctx));
+                }
+                let vectors = ctx.attrs().num_comp_vectors;
+                if vector >= vectors {
+                    return Err(VerbsError::invalid(
+                        "ibv_create_cq",
+                        format!(
+                            "completion vector {vector} outside 0..{vectors} of {}",
+                            ctx.name()
+                        ),
+                    ));
+                }
+                (
+                    channel.as_ptr(),
+                    c_int::try_from(vector).unwrap_or(c_int::MAX),
+                )
+            }
+        };
         let cqe = c_int::try_from(depth).unwrap_or(c_int::MAX);
         clear_errno();
-        // SAFETY: the context is open; no channel, no user context.
+        // SAFETY: the context is open; the channel, if any, is live and of
+        // this context (checked above); no user context (events name the
+        // CQ by its address).
         let cq = unsafe {
             sys::ibv_create_cq(
                 ctx.as_ptr(),
                 cqe,
                 std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                0,
+                channel_ptr,
+                comp_vector,
             )
         };
         if cq.is_null() {
@@ -98,6 +130,7 @@ impl RdmaCq {
                 cq,
                 depth: granted,
                 ctx: Arc::clone(ctx),
+                channel: channel.map(|(c, _)| Arc::clone(c)),
                 pending: PendingError::default(),
             }),
         })
@@ -212,6 +245,65 @@ impl CompletionQueue for RdmaCq {
             // T's layout).
             unsafe { sys::ibv_poll_cq(cq, n, ptr) }
         })
+    }
+
+    fn cq_id(&self) -> u64 {
+        self.inner.cq as u64
+    }
+
+    fn req_notify(&self, notify: CqNotify) -> Result<()> {
+        if self.inner.channel.is_none() {
+            return Err(VerbsError::invalid(
+                "ibv_req_notify_cq",
+                "the CQ was not created on a completion channel",
+            ));
+        }
+        let solicited_only = c_int::from(notify == CqNotify::Solicited);
+        // SAFETY: the CQ is live and created by this context's provider, so
+        // the inline wrapper's ops table is the right one.
+        let ret = unsafe { sys::ibv_req_notify_cq(self.inner.cq, solicited_only) };
+        if ret != 0 {
+            return Err(verb_error(
+                "ibv_req_notify_cq",
+                self.inner.ctx.name(),
+                ret_errno(ret),
+            ));
+        }
+        Ok(())
+    }
+
+    fn set_moderation(&self, count: u16, period_us: u16) -> Result<()> {
+        const OP: &str = "ibv_modify_cq";
+        let device = self.inner.ctx.name();
+        let Some(caps) = self.inner.ctx.attrs().cq_moderation else {
+            return Err(VerbsError::NotSupported {
+                operation: OP,
+                reason: format!("{device} reports no CQ moderation (cq_mod_caps are zero)"),
+                errno: Some(libc::EOPNOTSUPP),
+            });
+        };
+        if count > caps.max_cq_count || period_us > caps.max_cq_period_us {
+            return Err(VerbsError::invalid(
+                OP,
+                format!(
+                    "count {count} / period {period_us} us above {device}'s limits {} / {} us",
+                    caps.max_cq_count, caps.max_cq_period_us
+                ),
+            ));
+        }
+        let mut attr = sys::ibv_modify_cq_attr {
+            attr_mask: sys::ibv_cq_attr_mask::IBV_CQ_ATTR_MODERATE.0,
+            moderate: sys::ibv_moderate_cq {
+                cq_count: count,
+                cq_period: period_us,
+            },
+        };
+        // SAFETY: the CQ is live; `attr` is valid for the call.
+        let ret = unsafe { sys::ibv_modify_cq(self.inner.cq, &mut attr) };
+        if ret != 0 {
+            return Err(verb_error(OP, device, ret_errno(ret)));
+        }
+        Ok(())
     }
 }
 
@@ -545,6 +637,70 @@ impl QueuePair for RdmaQp {
                 "ibv_query_qp",
                 format!("unknown QP state {}", attr.qp_state),
             )
+        })
+    }
+
+    #[tracing::instrument(level = "debug", skip(self), fields(device = %self.device(), qp_num = self.qp_num))]
+    fn to_reset(&self) -> Result<()> {
+        let mut attr = zeroed_attr();
+        attr.qp_state = sys::ibv_qp_state::IBV_QPS_RESET;
+        self.modify(
+            "ibv_modify_qp(RESET)",
+            &mut attr,
+            &[sys::ibv_qp_attr_mask::IBV_QP_STATE],
+        )
+    }
+
+    fn query(&self) -> Result<QpAttributes> {
+        use sys::ibv_qp_attr_mask as m;
+        let mut attr = zeroed_attr();
+        // SAFETY: all-zero is a valid ibv_qp_init_attr, see `create`.
+        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        let bits = mask(&[
+            m::IBV_QP_STATE,
+            m::IBV_QP_CAP,
+            m::IBV_QP_MAX_QP_RD_ATOMIC,
+            m::IBV_QP_MAX_DEST_RD_ATOMIC,
+            m::IBV_QP_PATH_MTU,
+            m::IBV_QP_DEST_QPN,
+            m::IBV_QP_SQ_PSN,
+            m::IBV_QP_RQ_PSN,
+            m::IBV_QP_TIMEOUT,
+            m::IBV_QP_RETRY_CNT,
+            m::IBV_QP_RNR_RETRY,
+            m::IBV_QP_MIN_RNR_TIMER,
+        ]);
+        // SAFETY: the QP is live; both out-parameters are valid.
+        let ret = unsafe { sys::ibv_query_qp(self.qp, &mut attr, bits, &mut init) };
+        if ret != 0 {
+            return Err(verb_error("ibv_query_qp", self.device(), ret_errno(ret)));
+        }
+        let state = QpState::from_native(attr.qp_state).ok_or_else(|| {
+            VerbsError::invalid(
+                "ibv_query_qp",
+                format!("unknown QP state {}", attr.qp_state),
+            )
+        })?;
+        let before_rtr = matches!(state, QpState::Reset | QpState::Init);
+        Ok(QpAttributes {
+            state,
+            // The sizes `ibv_create_qp` wrote back (what posts are checked
+            // against); the rest from the query.
+            caps: self.caps,
+            max_rd_atomic: attr.max_rd_atomic,
+            max_dest_rd_atomic: attr.max_dest_rd_atomic,
+            path_mtu: if before_rtr {
+                None
+            } else {
+                Mtu::from_native(attr.path_mtu)
+            },
+            dest_qp_num: attr.dest_qp_num,
+            sq_psn: attr.sq_psn,
+            rq_psn: attr.rq_psn,
+            timeout: attr.timeout,
+            retry_cnt: attr.retry_cnt,
+            rnr_retry: attr.rnr_retry,
+            min_rnr_timer: attr.min_rnr_timer,
         })
     }
 

@@ -1,0 +1,516 @@
+//! Completion channels, async events, QP reset/recycle and granted
+//! attributes of the rdma-core backend on SoftRoCE's `rxe0` (in the VM:
+//! `GDR_EXPECT_RXE=1` with `softroce/run-in-vm.sh` as the cargo runner).
+//!
+//! Without an RDMA device every test skips with its reason on stderr; with
+//! `GDR_EXPECT_RXE=1` a missing `rxe0` is a failure. Two queue pairs of
+//! `rxe0` connected to each other stand in for two peers.
+//!
+//! The port test takes the guest's netdev (`GDR_RXE_NETDEV`, default
+//! `dummy0`, the VM runner's) down and up with `ip link`: it runs only
+//! when `GDR_EXPECT_RXE=1` (it needs the VM's root and its private netdev)
+//! and brings the link back up whatever happens.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use gdr_tests::rxe::{HostBuf, expect_rxe, open_rxe, serial};
+use gdr_tests::skip;
+use hal_verbs::rdma::{RdmaCompChannel, RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaQp};
+use hal_verbs::{
+    AccessFlags, AddressFamily, AsyncEvent, Completion, CompletionChannel, CompletionQueue,
+    ConnectionInfo, Context, CqNotify, InitParams, MemoryRegion, PortState, ProtectionDomain,
+    QpCaps, QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest,
+    SgList, Sge, VerbsError, WcStatus, select_roce_v2_gid,
+};
+
+/// How long a completion or an event may take under TCG.
+const TIMEOUT: Duration = Duration::from_secs(20);
+/// How long "nothing happens" is watched.
+const QUIET: Duration = Duration::from_millis(300);
+
+// ------------------------------------------------------------ fd helpers
+
+/// Waits up to `timeout` for `fd` to be readable, with epoll.
+fn epoll_readable(fd: RawFd, timeout: Duration) -> bool {
+    // SAFETY: plain syscalls on fds we own (the epoll fd, closed below) or
+    // that the caller keeps open for the call; `ev`/`out` are live.
+    unsafe {
+        let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+        assert!(ep >= 0, "epoll_create1");
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: 7,
+        };
+        assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
+        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 1];
+        let n = libc::epoll_wait(ep, out.as_mut_ptr(), 1, timeout.as_millis() as i32);
+        libc::close(ep);
+        assert!(n >= 0, "epoll_wait");
+        n == 1 && out[0].events & libc::EPOLLIN as u32 != 0
+    }
+}
+
+/// Whether `fd` is readable now (poll(2), zero timeout).
+fn poll_readable(fd: RawFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    assert!(n >= 0, "poll");
+    n == 1 && pfd.revents & libc::POLLIN != 0
+}
+
+fn is_nonblocking(fd: RawFd) -> bool {
+    // SAFETY: F_GETFL on an open fd.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    flags >= 0 && flags & libc::O_NONBLOCK != 0
+}
+
+// --------------------------------------------------------- verbs helpers
+
+fn sge(mr: &RdmaMr, offset: u64, length: u32) -> SgList {
+    let mut list = SgList::new();
+    list.push(Sge {
+        addr: mr.addr() + offset,
+        length,
+        lkey: mr.lkey(),
+    });
+    list
+}
+
+fn post_send(qp: &RdmaQp, requests: &[SendRequest]) {
+    // SAFETY: every test keeps its buffers and regions alive until it has
+    // polled the completions of what it posted.
+    unsafe { qp.post_send(requests) }.expect("post_send");
+}
+
+fn post_recv(qp: &RdmaQp, requests: &[RecvRequest]) {
+    // SAFETY: as for `post_send`.
+    unsafe { qp.post_recv(requests) }.expect("post_recv");
+}
+
+/// Polls until `n` completions arrived.
+fn wait(cq: &RdmaCq, n: usize) -> Vec<Completion> {
+    let start = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [Completion::default(); 16];
+    while got.len() < n {
+        let k = cq.poll(&mut buf[..(n - got.len()).min(16)]).expect("poll");
+        got.extend_from_slice(&buf[..k]);
+        if k == 0 {
+            assert!(
+                start.elapsed() < TIMEOUT,
+                "waited {TIMEOUT:?} for {n} completions, got {got:?}"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    got
+}
+
+/// Connects `a` and `b` (both of `ctx`) to each other, starting at `psn`,
+/// with the READ depths asked for.
+fn connect(ctx: &RdmaContext, a: &RdmaQp, b: &RdmaQp, psn: u32, rd_atomic: u8) {
+    let port = ctx.query_port(1).expect("port 1");
+    let table = ctx.gid_table(1).expect("GID table");
+    let gid = select_roce_v2_gid(&table, AddressFamily::V4)
+        .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
+        .cloned()
+        .unwrap_or_else(|| panic!("no RoCE v2 GID: {table:?}"));
+    let info = |qp: &RdmaQp| ConnectionInfo {
+        qp_num: qp.qp_num(),
+        psn,
+        gid: gid.gid,
+        lid: port.lid,
+        mtu: port.active_mtu,
+    };
+    let sgid = u8::try_from(gid.index).unwrap();
+    for (qp, peer) in [(a, info(b)), (b, info(a))] {
+        qp.to_init(&InitParams::default()).expect("INIT");
+        let mut rtr = RtrParams::new(peer, sgid, port.active_mtu);
+        rtr.max_dest_rd_atomic = rd_atomic;
+        qp.to_rtr(&rtr).expect("RTR");
+        qp.to_rts(&RtsParams {
+            sq_psn: psn,
+            max_rd_atomic: rd_atomic,
+            ..RtsParams::default()
+        })
+        .expect("RTS");
+    }
+}
+
+/// Two connected QPs of rxe0, each with its own CQ on one channel.
+struct Setup {
+    ctx: RdmaContext,
+    pd: RdmaPd,
+    ch: RdmaCompChannel,
+    cq_a: RdmaCq,
+    cq_b: RdmaCq,
+    a: RdmaQp,
+    b: RdmaQp,
+    buf_a: HostBuf,
+    buf_b: HostBuf,
+    mr_a: RdmaMr,
+    mr_b: RdmaMr,
+}
+
+const LEN: usize = 4096;
+
+fn setup(test: &str) -> Option<Setup> {
+    let (_provider, ctx) = open_rxe(test)?;
+    let pd = ctx.alloc_pd().expect("PD");
+    let ch = ctx.create_comp_channel().expect("ibv_create_comp_channel");
+    let cq_a = ctx.create_cq_on_channel(64, &ch, 0).expect("CQ a");
+    let cq_b = ctx.create_cq_on_channel(64, &ch, 0).expect("CQ b");
+    let caps = QpCaps::default();
+    let a = pd.create_qp(&caps, &cq_a, &cq_a).expect("QP a");
+    let b = pd.create_qp(&caps, &cq_b, &cq_b).expect("QP b");
+    connect(&ctx, &a, &b, 0x10, 16);
+    let buf_a = HostBuf::new(LEN, 1);
+    let buf_b = HostBuf::new(LEN, 2);
+    let mr_a = buf_a.register(&pd, 0, LEN, AccessFlags::transfer());
+    let mr_b = buf_b.register(&pd, 0, LEN, AccessFlags::transfer());
+    Some(Setup {
+        ctx,
+        pd,
+        ch,
+        cq_a,
+        cq_b,
+        a,
+        b,
+        buf_a,
+        buf_b,
+        mr_a,
+        mr_b,
+    })
+}
+
+impl Setup {
+    fn write(&self, wr_id: u64, rkey: u32) {
+        post_send(
+            &self.a,
+            &[SendRequest {
+                wr_id,
+                op: SendOp::Write {
+                    remote_addr: self.mr_b.addr(),
+                    rkey,
+                },
+                sg_list: sge(&self.mr_a, 0, 256),
+                flags: SendFlags::SIGNALED,
+            }],
+        );
+    }
+}
+
+fn async_events(ctx: &RdmaContext) -> Vec<AsyncEvent> {
+    std::iter::from_fn(|| ctx.next_async_event().expect("ibv_get_async_event")).collect()
+}
+
+// ------------------------------------------------------ completion channels
+
+#[test]
+fn channel_readiness_req_notify_get_cq_event_ack() {
+    const T: &str = "channel_readiness_req_notify_get_cq_event_ack";
+    let _serial = serial();
+    let Some(s) = setup(T) else { return };
+    let fd = s.ch.fd();
+    assert_eq!(fd, s.ch.as_raw_fd());
+    assert!(is_nonblocking(fd), "the channel's fd is non-blocking");
+    assert_eq!(s.ch.get_cq_event().unwrap(), None, "EAGAIN is None");
+    // Armed, idle: quiet.
+    s.cq_a
+        .req_notify(CqNotify::Next)
+        .expect("ibv_req_notify_cq");
+    assert!(!epoll_readable(fd, QUIET));
+    s.write(1, s.mr_b.rkey());
+    assert!(
+        epoll_readable(fd, TIMEOUT),
+        "an armed CQ's completion wakes epoll"
+    );
+    assert_eq!(s.ch.get_cq_event().unwrap(), Some(s.cq_a.cq_id()));
+    assert_eq!(s.ch.get_cq_event().unwrap(), None);
+    assert!(!poll_readable(fd), "event taken: not readable");
+    let got = wait(&s.cq_a, 1);
+    assert_eq!(got[0].status, WcStatus::SUCCESS);
+    // One-shot: not re-armed, the next completion fires nothing.
+    s.write(2, s.mr_b.rkey());
+    wait(&s.cq_a, 1);
+    assert!(!epoll_readable(fd, QUIET), "the arm fired once only");
+    // Re-armed: it fires again.
+    s.cq_a.req_notify(CqNotify::Next).unwrap();
+    s.write(3, s.mr_b.rkey());
+    assert!(epoll_readable(fd, TIMEOUT));
+    assert_eq!(s.ch.get_cq_event().unwrap(), Some(s.cq_a.cq_id()));
+    wait(&s.cq_a, 1);
+    // Every event was acknowledged as taken: dropping the CQs (destroy
+    // waits for unacknowledged events) must not hang.
+    drop(s);
+}
+
+#[test]
+fn completion_before_arming_needs_the_poll_after_arming() {
+    const T: &str = "completion_before_arming_needs_the_poll_after_arming";
+    let _serial = serial();
+    let Some(s) = setup(T) else { return };
+    s.write(1, s.mr_b.rkey());
+    // Give the completion time to land, unpolled.
+    std::thread::sleep(QUIET);
+    s.cq_a.req_notify(CqNotify::Next).unwrap();
+    assert!(
+        !epoll_readable(s.ch.fd(), QUIET),
+        "a completion already in the CQ does not fire a later arm"
+    );
+    let got = wait(&s.cq_a, 1);
+    assert_eq!(got[0].wr_id, 1, "the poll after arming finds it");
+}
+
+#[test]
+fn solicited_only_fires_on_a_solicited_send() {
+    const T: &str = "solicited_only_fires_on_a_solicited_send";
+    let _serial = serial();
+    let Some(s) = setup(T) else { return };
+    for i in 0..2 {
+        post_recv(
+            &s.b,
+            &[RecvRequest {
+                wr_id: 100 + i,
+                sg_list: sge(&s.mr_b, 0, LEN as u32),
+            }],
+        );
+    }
+    s.cq_b.req_notify(CqNotify::Solicited).unwrap();
+    let send = |wr_id, flags| SendRequest {
+        wr_id,
+        op: SendOp::Send,
+        sg_list: sge(&s.mr_a, 0, 64),
+        flags,
+    };
+    post_send(&s.a, &[send(1, SendFlags::SIGNALED)]);
+    wait(&s.cq_a, 1);
+    assert!(
+        !epoll_readable(s.ch.fd(), QUIET),
+        "an unsolicited SEND does not fire a solicited-only arm"
+    );
+    post_send(&s.a, &[send(2, SendFlags::SIGNALED | SendFlags::SOLICITED)]);
+    assert!(epoll_readable(s.ch.fd(), TIMEOUT), "a solicited SEND does");
+    assert_eq!(s.ch.get_cq_event().unwrap(), Some(s.cq_b.cq_id()));
+    wait(&s.cq_a, 1);
+    assert_eq!(wait(&s.cq_b, 2).len(), 2);
+}
+
+#[test]
+fn comp_vector_bounds_and_cq_moderation_not_supported() {
+    const T: &str = "comp_vector_bounds_and_cq_moderation_not_supported";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let attrs = ctx.query_device().unwrap();
+    eprintln!(
+        "{T}: num_comp_vectors {} cq_moderation {:?}",
+        attrs.num_comp_vectors, attrs.cq_moderation
+    );
+    assert!(attrs.num_comp_vectors >= 1);
+    let ch = ctx.create_comp_channel().unwrap();
+    let last = attrs.num_comp_vectors - 1;
+    ctx.create_cq_on_channel(8, &ch, last)
+        .expect("the last vector");
+    let err = ctx
+        .create_cq_on_channel(8, &ch, attrs.num_comp_vectors)
+        .unwrap_err();
+    assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
+    let plain = ctx.create_cq(8).unwrap();
+    let err = plain.req_notify(CqNotify::Next).unwrap_err();
+    assert!(matches!(err, VerbsError::InvalidArgument { .. }), "{err}");
+    // rxe has no CQ moderation: reported as none, refused typed.
+    assert_eq!(attrs.cq_moderation, None);
+    let cq = ctx.create_cq_on_channel(8, &ch, 0).unwrap();
+    let err = cq.set_moderation(16, 100).unwrap_err();
+    assert!(matches!(err, VerbsError::NotSupported { .. }), "{err}");
+    assert!(err.is_unsupported());
+}
+
+// ----------------------------------------------------- reset and recycle
+
+#[test]
+fn failed_qps_are_reset_and_reconnected() {
+    const T: &str = "failed_qps_are_reset_and_reconnected";
+    let _serial = serial();
+    let Some(s) = setup(T) else { return };
+    let async_fd = s.ctx.async_fd();
+    assert!(is_nonblocking(async_fd), "the async fd is non-blocking");
+    assert!(async_events(&s.ctx).is_empty(), "no event before the error");
+    // A WRITE with a wrong rkey: both QPs go to ERROR.
+    s.write(1, s.mr_b.rkey() ^ 0x0100_0000);
+    let got = wait(&s.cq_a, 1);
+    assert_eq!(got[0].status, WcStatus::REM_ACCESS_ERR);
+    let deadline = Instant::now() + TIMEOUT;
+    while s.b.state().unwrap() != QpState::Error {
+        assert!(Instant::now() < deadline, "the responder never failed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(s.a.state().unwrap(), QpState::Error);
+    // What rxe tells the responder's owner, if anything (not asserted: the
+    // sim raises QpAccessError here, as IBA says and mlx5 does).
+    std::thread::sleep(QUIET);
+    eprintln!(
+        "{T}: async events after a responder access error: {:?}",
+        async_events(&s.ctx)
+    );
+    // Recycle both: RESET, then INIT/RTR/RTS with new PSNs.
+    for qp in [&s.a, &s.b] {
+        qp.to_reset().expect("ibv_modify_qp(RESET)");
+        assert_eq!(qp.state().unwrap(), QpState::Reset);
+        let attrs = qp.query().expect("ibv_query_qp");
+        assert_eq!(attrs.state, QpState::Reset);
+    }
+    connect(&s.ctx, &s.a, &s.b, 0x777, 16);
+    s.buf_b.write(0, &[0; 256]);
+    s.write(2, s.mr_b.rkey());
+    let got = wait(&s.cq_a, 1);
+    assert_eq!(got[0].wr_id, 2);
+    assert_eq!(got[0].status, WcStatus::SUCCESS, "the recycled QP works");
+    assert_eq!(s.buf_b.read()[..256], s.buf_a.read()[..256]);
+    // Also recycled towards a brand-new peer.
+    s.a.to_reset().unwrap();
+    let c =
+        s.pd.create_qp(&QpCaps::default(), &s.cq_b, &s.cq_b)
+            .expect("QP c");
+    connect(&s.ctx, &s.a, &c, 0x999, 16);
+    assert_eq!(s.a.query().unwrap().dest_qp_num, c.qp_num());
+    s.write(3, s.mr_b.rkey());
+    assert_eq!(wait(&s.cq_a, 1)[0].status, WcStatus::SUCCESS);
+}
+
+// --------------------------------------------- granted caps and attributes
+
+#[test]
+fn granted_caps_and_clamped_read_depths() {
+    const T: &str = "granted_caps_and_clamped_read_depths";
+    let _serial = serial();
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let limits = ctx.query_device().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let caps = QpCaps {
+        max_send_wr: 33,
+        max_recv_wr: 17,
+        max_send_sge: 3,
+        max_recv_sge: 2,
+        max_inline_data: 64,
+    };
+    let a = pd.create_qp(&caps, &cq, &cq).unwrap();
+    let b = pd.create_qp(&caps, &cq, &cq).unwrap();
+    let before = a.query().unwrap();
+    assert_eq!(before.state, QpState::Reset);
+    assert_eq!(before.caps, a.caps(), "query reports the granted caps");
+    // 255 is above rxe's max_qp_rd_atom (128): clamped before the verb.
+    connect(&ctx, &a, &b, 0x20, u8::MAX);
+    let got = a.query().unwrap();
+    eprintln!(
+        "{T}: limits rd_atom {} / init {}; asked {caps:?}; got {got:#?}",
+        limits.max_qp_rd_atom, limits.max_qp_init_rd_atom
+    );
+    assert_eq!(got.state, QpState::ReadyToSend);
+    assert!(got.caps.max_send_wr >= caps.max_send_wr, "{got:?}");
+    assert!(got.caps.max_inline_data >= caps.max_inline_data, "{got:?}");
+    assert_eq!(
+        u32::from(got.max_rd_atomic),
+        limits.max_qp_init_rd_atom.min(255)
+    );
+    assert_eq!(
+        u32::from(got.max_dest_rd_atomic),
+        limits.max_qp_rd_atom.min(255)
+    );
+    assert_eq!(got.dest_qp_num, b.qp_num());
+    assert_eq!((got.sq_psn, got.rq_psn), (0x20, 0x20));
+    assert_eq!(got.path_mtu, Some(ctx.query_port(1).unwrap().active_mtu));
+    let defaults = RtsParams::default();
+    assert_eq!(
+        (got.timeout, got.retry_cnt, got.rnr_retry),
+        (defaults.timeout, defaults.retry_cnt, defaults.rnr_retry)
+    );
+}
+
+// ------------------------------------------------------------ async events
+
+/// Brings the netdev back up when dropped.
+struct LinkGuard(String);
+
+fn ip_link(dev: &str, state: &str) {
+    let ip = ["/usr/sbin/ip", "/sbin/ip", "ip"]
+        .into_iter()
+        .find(|p| !p.starts_with('/') || std::path::Path::new(p).exists())
+        .unwrap();
+    let status = std::process::Command::new(ip)
+        .args(["link", "set", dev, state])
+        .status()
+        .unwrap_or_else(|e| panic!("running {ip}: {e}"));
+    assert!(status.success(), "ip link set {dev} {state}: {status}");
+}
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        ip_link(&self.0, "up");
+    }
+}
+
+/// Reads async events until one matches `want`, or fails after TIMEOUT.
+fn wait_event(ctx: &RdmaContext, want: AsyncEvent, seen: &mut Vec<AsyncEvent>) {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "no {want:?} within {TIMEOUT:?}; saw {seen:?}"
+        );
+        if epoll_readable(ctx.async_fd(), left) {
+            let got = async_events(ctx);
+            let found = got.contains(&want);
+            seen.extend(got);
+            if found {
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn port_down_and_up_raise_port_error_and_port_active() {
+    const T: &str = "port_down_and_up_raise_port_error_and_port_active";
+    let _serial = serial();
+    if !expect_rxe() {
+        skip(
+            T,
+            "takes the VM's netdev down: runs only with GDR_EXPECT_RXE=1",
+        );
+        return;
+    }
+    let Some((_provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let netdev = std::env::var("GDR_RXE_NETDEV").unwrap_or_else(|_| "dummy0".into());
+    assert!(is_nonblocking(ctx.async_fd()));
+    async_events(&ctx);
+    assert_eq!(ctx.query_port(1).unwrap().state, PortState::Active);
+    let mut seen = Vec::new();
+    {
+        let _up_again = LinkGuard(netdev.clone());
+        ip_link(&netdev, "down");
+        wait_event(&ctx, AsyncEvent::PortError { port: 1 }, &mut seen);
+        assert_ne!(ctx.query_port(1).unwrap().state, PortState::Active);
+    }
+    wait_event(&ctx, AsyncEvent::PortActive { port: 1 }, &mut seen);
+    eprintln!("{T}: events seen: {seen:?}");
+    let deadline = Instant::now() + TIMEOUT;
+    while ctx.query_port(1).unwrap().state != PortState::Active {
+        assert!(Instant::now() < deadline, "the port never came back");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
