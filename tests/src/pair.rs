@@ -74,6 +74,24 @@ pub trait Backend {
     fn facts(&self) -> Facts;
     /// Two fresh nodes that can reach each other.
     fn nodes(&self) -> (Node<Self::A>, Node<Self::A>);
+    /// Two sides for connection management (rdma_cm): a provider each and
+    /// the address the other reaches it at; `None` where the backend has
+    /// no connection manager (the reason printed).
+    fn cm_sides(&self) -> Option<CmSides<Self::A>>;
+}
+
+/// A server side and a client side.
+pub type CmSides<A> = (CmSide<A>, CmSide<A>);
+
+/// One side of a connection-managed pair.
+#[derive(Debug)]
+pub struct CmSide<A: Api> {
+    /// Opens devices.
+    pub provider: A::Provider,
+    /// Its connection manager.
+    pub cm: A::ConnectionManager,
+    /// The address its device carries.
+    pub ip: std::net::IpAddr,
 }
 
 /// One side: an opened device and a protection domain.
@@ -510,6 +528,24 @@ impl Backend for SimBackend {
         };
         (node("a"), node("b"))
     }
+
+    fn cm_sides(&self) -> Option<CmSides<Self::A>> {
+        use hal_verbs::Provider as _;
+        let fabric = gdr_sim::SimFabric::new();
+        let side = |name: &str| {
+            let provider = fabric.add_node(
+                name,
+                gdr_sim::NodeConfig {
+                    ipv4: None,
+                    devices: vec![self.device.clone()],
+                },
+            );
+            let cm = provider.connection_manager().expect("the sim's CM");
+            let ip = std::net::IpAddr::V4(provider.device_ipv4("sim0").expect("sim0's address"));
+            CmSide { provider, cm, ip }
+        };
+        Some((side("server"), side("client")))
+    }
 }
 
 /// rdma-core on SoftRoCE's `rxe0` as a backend: both nodes are contexts of
@@ -560,5 +596,25 @@ impl Backend for RxeBackend {
         let name = crate::rxe::device_name();
         let open = || Node::new(self.provider.open(&name).expect("open rxe"));
         (open(), open())
+    }
+
+    /// Both sides on rxe0's one address (rdma_cm cannot use 127.0.0.1
+    /// there), each with a provider of its own.
+    fn cm_sides(&self) -> Option<CmSides<Self::A>> {
+        use hal_verbs::Provider as _;
+        let side = || -> Option<CmSide<Self::A>> {
+            let provider = hal_verbs::rdma::RdmaProvider::load().expect("libibverbs");
+            let cm = match provider.connection_manager() {
+                Ok(cm) => cm,
+                Err(e) => {
+                    assert!(!crate::rxe::expect_rxe(), "GDR_EXPECT_RXE=1 but {e}");
+                    crate::skip("rdma_cm scenario", &e.to_string());
+                    return None;
+                }
+            };
+            let ip = crate::rxe::expected_ip();
+            Some(CmSide { provider, cm, ip })
+        };
+        Some((side()?, side()?))
     }
 }

@@ -14,10 +14,12 @@
 
 use crate::pair::Backend;
 
+mod cm;
 mod errors;
 mod memory;
 mod transfers;
 
+pub use cm::{cm_connect_accept_write_read_disconnect, cm_reject_carries_private_data};
 pub use errors::{
     drain_flushes_everything_posted, error_completions_carry_no_opcode_or_length,
     local_protection_errors, receive_too_small_fails_both_sides, remote_access_errors_move_no_byte,
@@ -63,6 +65,8 @@ macro_rules! conformance_tests {
             registration_argument_checks,
             registering_unmapped_memory_is_efault,
             drain_flushes_everything_posted,
+            cm_connect_accept_write_read_disconnect,
+            cm_reject_carries_private_data,
         );
     };
     (@each $make:expr; $($scenario:ident),* $(,)?) => {
