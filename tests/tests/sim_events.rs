@@ -734,6 +734,13 @@ fn reset_drops_outstanding_requests_without_completions_and_frees_the_queue() {
     for i in 0..4 {
         recv(&qa, &bufa, 200 + i);
     }
+    // Nothing from before the reset is left: a flush now reports exactly
+    // the four receives posted since.
+    qa.to_error().unwrap();
+    let flushed = drain(&cqa);
+    let ids: Vec<u64> = flushed.iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids, [200, 201, 202, 203], "{flushed:?}");
+    assert!(flushed.iter().all(|c| c.status == WcStatus::WR_FLUSH_ERR));
 }
 
 #[test]
