@@ -538,7 +538,7 @@ impl<R: Registrar> RegistrationCache<R> {
                         "overlap-ignores-pending"
                     })
                 })
-                .map(Arc::clone);
+                .cloned();
             if let Some(pending) = in_flight {
                 let covers = pending.start <= start && end <= pending.end;
                 if covers && !mutant::active("no-covered-waiter-count") {
