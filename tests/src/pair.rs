@@ -58,6 +58,11 @@ pub struct Facts {
     /// Request) and LOC_LEN_ERR, which the sim gives in every profile so
     /// far (its rxe-like profile does not model rxe's statuses here).
     pub receive_too_small_status: (WcStatus, WcStatus),
+    /// Send-queue slots of unsignaled requests are freed only when a later
+    /// completion is polled (mlx5: libmlx5 frees WQEs as it polls CQEs,
+    /// and the sim does as mlx5); rxe frees them as its completer retires
+    /// the WQEs, polled or not (see the VM run).
+    pub unsignaled_slots_need_a_poll: bool,
     /// Longest a completion may take before the test fails.
     pub completion_timeout: Duration,
     /// How long "nothing more completes" is watched for.
@@ -508,6 +513,7 @@ impl Backend for SimBackend {
             gather_fault_status: WcStatus::LOC_PROT_ERR,
             scatter_fault_status: WcStatus::LOC_PROT_ERR,
             receive_too_small_status: (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR),
+            unsignaled_slots_need_a_poll: true,
             completion_timeout: Duration::from_secs(2),
             quiet_window: Duration::from_millis(5),
         }
@@ -585,6 +591,7 @@ impl Backend for RxeBackend {
             gather_fault_status: WcStatus::LOC_QP_OP_ERR,
             scatter_fault_status: WcStatus::LOC_PROT_ERR,
             receive_too_small_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_QP_OP_ERR),
+            unsignaled_slots_need_a_poll: false,
             // Software emulation (TCG) is slow.
             completion_timeout: Duration::from_secs(20),
             quiet_window: Duration::from_millis(300),

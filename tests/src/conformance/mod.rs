@@ -33,7 +33,8 @@ pub use transfers::{
     inline_payload_is_copied_at_post_time, linked_batch_with_selective_signalling,
     multi_sge_gathers_and_scatters_in_order, post_beyond_the_queue_reports_the_accepted_prefix,
     qps_sharing_a_cq_complete_in_order_each, send_recv_with_and_without_immediate,
-    write_and_read_move_bytes_exactly, write_with_immediate_consumes_a_receive,
+    unsignaled_requests_hold_their_slots, write_and_read_move_bytes_exactly,
+    write_with_immediate_consumes_a_receive, zero_length_requests,
 };
 
 /// Expands to one `#[test]` per scenario of the suite, each calling
@@ -67,6 +68,8 @@ macro_rules! conformance_tests {
             drain_flushes_everything_posted,
             cm_connect_accept_write_read_disconnect,
             cm_reject_carries_private_data,
+            zero_length_requests,
+            unsignaled_requests_hold_their_slots,
         );
     };
     (@each $make:expr; $($scenario:ident),* $(,)?) => {

@@ -437,3 +437,92 @@ pub fn qps_sharing_a_cq_complete_in_order_each<B: Backend>(b: &B) {
     assert!(dst.bytes() == src.bytes(), "payload");
     drop((qa1, qa2, qb1, qb2));
 }
+
+/// Zero-length requests: a SEND with no SG entry consumes a receive and
+/// reports 0 bytes; a zero-length WRITE and READ carry no key check (IBA
+/// C9-88; rxe's `check_rkey` skips it) and succeed with any rkey.
+pub fn zero_length_requests<B: Backend>(b: &B) {
+    let p = Pair::new(b);
+    let access = AccessFlags::transfer();
+    let inbox = p.b.buf(64, 1, access);
+    let i0 = inbox.bytes();
+    Pair::<B::A>::post_recv(&p.qb, &[recv(40, &[inbox.sge(0, 64)])]);
+    Pair::<B::A>::post(&p.qa, &[req(1, SendOp::Send, &[], SIG)]);
+    let wc = p.expect(&p.cqa, 1, "empty SEND")[0];
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::SUCCESS), "{wc:?}");
+    let wc = p.expect(&p.cqb, 1, "its receive")[0];
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+        (40, WcStatus::SUCCESS, WcOpcode::Recv, 0)
+    );
+    assert!(inbox.bytes() == i0);
+    let bogus = 0x0bad_0bad;
+    let ops = [
+        SendOp::Write {
+            remote_addr: 0x1000,
+            rkey: bogus,
+        },
+        SendOp::Read {
+            remote_addr: 0x1000,
+            rkey: bogus,
+        },
+    ];
+    for (i, op) in ops.into_iter().enumerate() {
+        Pair::<B::A>::post(&p.qa, &[req(2 + i as u64, op, &[], SIG)]);
+        let wc = p.expect(&p.cqa, 1, "zero-length RDMA")[0];
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (2 + i as u64, WcStatus::SUCCESS),
+            "{op:?} on {}: {wc:?}",
+            p.name
+        );
+    }
+}
+
+/// Unsignaled requests and their send-queue slots: the queue holds the
+/// granted depth; once a signaled completion behind a run of unsignaled
+/// ones is polled, every slot is free again (on all devices). Whether
+/// slots of unsignaled requests come back before that is the backend's
+/// [`crate::pair::Facts::unsignaled_slots_need_a_poll`]: an engine must
+/// signal at least once per queue depth either way.
+pub fn unsignaled_requests_hold_their_slots<B: Backend>(b: &B) {
+    let caps = QpCaps {
+        max_send_wr: 8,
+        ..QpCaps::default()
+    };
+    let p = Pair::with(
+        b,
+        PairConfig {
+            caps,
+            ..PairConfig::default()
+        },
+    );
+    let access = AccessFlags::transfer();
+    let depth = p.qa.caps().max_send_wr as usize;
+    let src = p.a.buf(64 * depth, 2, access);
+    let dst = p.b.buf(64 * depth, 3, access);
+    let w = |wr_id: u64, i: usize, flags| {
+        req(wr_id, dst.write_op(i * 64), &[src.sge(i * 64, 64)], flags)
+    };
+    let unsignaled: Vec<_> = (0..depth).map(|i| w(i as u64, i, NONE)).collect();
+    Pair::<B::A>::post(&p.qa, &unsignaled);
+    p.quiet(&p.cqa, "unsignaled requests");
+    assert!(dst.bytes() == src.bytes(), "every unsignaled WRITE ran");
+    let more = Pair::<B::A>::try_post(&p.qa, &[w(100, 0, SIG)]);
+    if p.facts.unsignaled_slots_need_a_poll {
+        let err = more.expect_err("a full queue: nothing polled yet");
+        assert_eq!(err.accepted(), Some(0), "{err}");
+        assert!(matches!(err.error, VerbsError::QueueFull { .. }), "{err}");
+        // Every slot is held by an unsignaled request and no completion
+        // will come to free one: the queue is stuck until the QP is
+        // flushed. An engine must never let that happen.
+        return;
+    }
+    more.unwrap_or_else(|e| panic!("slots of completed unsignaled requests: {e}"));
+    let wc = p.expect(&p.cqa, 1, "signaled")[0];
+    assert_eq!((wc.wr_id, wc.status), (100, WcStatus::SUCCESS));
+    // After that poll the whole queue is free.
+    let again: Vec<_> = (0..depth).map(|i| w(i as u64, i, SIG)).collect();
+    Pair::<B::A>::post(&p.qa, &again);
+    assert_eq!(p.expect(&p.cqa, depth, "refill").len(), depth);
+}
