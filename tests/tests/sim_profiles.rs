@@ -89,6 +89,7 @@ fn the_profiles_are_named_and_differ_where_the_providers_do() {
     assert!(mlx5.destroy_qp_purges_cq && !rxe.destroy_qp_purges_cq);
     assert_eq!(mlx5.inline_overflow_errno, libc::ENOMEM);
     assert_eq!(rxe.inline_overflow_errno, libc::EINVAL);
+    assert!(!mlx5.device_loss_flushes && rxe.device_loss_flushes);
     assert!(mlx5.dmabuf && !rxe.dmabuf);
     assert!(mlx5.pci_bus_id.is_some() && rxe.pci_bus_id.is_none());
 }
@@ -182,5 +183,61 @@ fn a_destroyed_qps_completions_go_on_mlx5_and_stay_on_rxe() {
         }
         assert_eq!(dst, src, "{name}: the WRITE ran either way");
         drop((src_mr, dst_mr, b));
+    }
+}
+
+/// A device lost with work outstanding: rxe-like flushes it (then polls
+/// fail); ConnectX-like gives no completion at all, polls just fail (the
+/// async DEVICE_FATAL event is the signal).
+#[test]
+fn a_lost_device_flushes_on_rxe_and_completes_nothing_on_mlx5() {
+    for (name, config) in DeviceConfig::profiles() {
+        init_tracing();
+        let plan = gdr_sim::FaultPlan::new();
+        let fabric = SimFabric::with_faults(plan.clone());
+        let a = side(&fabric, "a", &config, &QpCaps::default());
+        let b = side(&fabric, "b", &config, &QpCaps::default());
+        for (own, peer) in [(&a, &b), (&b, &a)] {
+            own.qp.to_init(&InitParams::default()).unwrap();
+            own.qp
+                .to_rtr(&RtrParams::new(peer.info, own.sgid, own.info.mtu))
+                .unwrap();
+            own.qp.to_rts(&RtsParams::default()).unwrap();
+        }
+        let mut inbox = vec![0u8; 16];
+        let inbox_mr = register(&a.pd, &mut inbox);
+        let recv = hal_verbs::RecvRequest {
+            wr_id: 5,
+            sg_list: [Sge {
+                addr: inbox_mr.addr(),
+                length: 16,
+                lkey: inbox_mr.lkey(),
+            }]
+            .into_iter()
+            .collect(),
+        };
+        // SAFETY: `inbox` outlives its registration.
+        unsafe { a.qp.post_recv(&[recv]) }.unwrap();
+        let site = gdr_sim::FaultSite::VerbsPostSend;
+        plan.fail_nth(site, plan.calls(site) + 1, gdr_sim::Fault::DeviceLost);
+        let send = SendRequest {
+            wr_id: 6,
+            op: SendOp::Send,
+            sg_list: Default::default(),
+            flags: SendFlags::SIGNALED,
+        };
+        // SAFETY: no SG entry.
+        let err = unsafe { a.qp.post_send(&[send]) }.unwrap_err();
+        assert!(matches!(err.error, VerbsError::DeviceLost { .. }), "{name}");
+        let mut wc = [Completion::default(); 4];
+        if config.device_loss_flushes {
+            assert_eq!(a.cq.poll(&mut wc).unwrap(), 1, "{name}");
+            assert_eq!((wc[0].wr_id, wc[0].status), (5, WcStatus::WR_FLUSH_ERR));
+        }
+        assert!(
+            matches!(a.cq.poll(&mut wc), Err(VerbsError::DeviceLost { .. })),
+            "{name}: no completion, the poll fails"
+        );
+        drop((inbox_mr, b));
     }
 }

@@ -180,9 +180,10 @@ impl DeviceConfig {
     ///   ([`inline_overflow_errno`](Self::inline_overflow_errno)):
     ///   `set_data_inl_seg` in `mlx5/qp.c` (rxe: EINVAL, `validate_send_wr`);
     /// - a fatal device yields no completion for outstanding work, only the
-    ///   `IBV_EVENT_DEVICE_FATAL` async event: the CQ is memory the device
-    ///   writes, and a dead device writes nothing. libmlx5 marks the context
-    ///   fatal when that event is read (`mlx5_async_event` in
+    ///   `IBV_EVENT_DEVICE_FATAL` async event
+    ///   ([`device_loss_flushes`](Self::device_loss_flushes) off): the CQ is
+    ///   memory the device writes, and a dead device writes nothing. libmlx5
+    ///   marks the context fatal when that event is read (`mlx5_async_event` in
     ///   `mlx5/verbs.c`), and its own steering code stops waiting for
     ///   completions once the device is fatal, since none will come
     ///   (`dr_send.c`, "On IBV_EVENT_DEVICE_FATAL a success is returned").
@@ -195,6 +196,7 @@ impl DeviceConfig {
         Self {
             destroy_qp_purges_cq: true,
             inline_overflow_errno: libc::ENOMEM,
+            device_loss_flushes: false,
             ..Self::default()
         }
     }
