@@ -51,8 +51,9 @@
 //!   later requests of the same QP go on (an RC requester pipelines past a
 //!   READ). A request posted with [`SendFlags::FENCE`](hal_verbs::SendFlags)
 //!   waits until every earlier READ of its QP has completed. At most
-//!   `max_rd_atomic` (RTS) READs are outstanding, and no more than the
-//!   responder's `max_dest_rd_atomic` (RTR) allows (0 counts as 1); a READ
+//!   `max_rd_atomic` (RTS, as granted: clamped to the device's limit) READs
+//!   are outstanding, and no more than the responder's granted
+//!   `max_dest_rd_atomic` (RTR) allows (0 counts as 1); a READ
 //!   beyond that waits, and the requests behind it with it. Completions
 //!   still come in posting order. The default latency is zero: a READ runs
 //!   at once, as before the clock.
@@ -212,10 +213,6 @@ pub(crate) struct QpTiming {
     pub rnr_retry: u8,
     /// The RNR timer this QP advertises as a responder (RTR).
     pub min_rnr_timer: u8,
-    /// READs this QP may have outstanding as a requester (RTS).
-    pub max_rd_atomic: u8,
-    /// READs its peer may have outstanding at it (RTR).
-    pub max_dest_rd_atomic: u8,
     /// Retransmissions of the head request after ACK timeouts.
     pub retries: u8,
     /// RNR NAKs the head request has received (not counted for 7).

@@ -539,8 +539,8 @@ impl FabricState {
             let responder = qp
                 .remote
                 .and_then(|remote| self.qps.get(&remote.qpn))
-                .map_or(u8::MAX, |peer| peer.timing.max_dest_rd_atomic);
-            let depth = qp.timing.max_rd_atomic.min(responder).max(1);
+                .map_or(u8::MAX, |peer| peer.applied.max_dest_rd_atomic);
+            let depth = qp.applied.max_rd_atomic.min(responder).max(1);
             if reads >= usize::from(depth) {
                 return Step::Idle;
             }

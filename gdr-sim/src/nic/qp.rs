@@ -394,7 +394,6 @@ impl QueuePair for SimQp {
             // request in flight and no timer.
             qp.timing = super::clock::QpTiming {
                 min_rnr_timer: params.min_rnr_timer,
-                max_dest_rd_atomic: params.max_dest_rd_atomic,
                 ..Default::default()
             };
             qp.applied.max_dest_rd_atomic = clamp_rd_atomic(params.max_dest_rd_atomic, max_dest);
@@ -425,7 +424,6 @@ impl QueuePair for SimQp {
             qp.timing.timeout = params.timeout;
             qp.timing.retry_cnt = params.retry_cnt;
             qp.timing.rnr_retry = params.rnr_retry;
-            qp.timing.max_rd_atomic = params.max_rd_atomic;
             qp.state = QpState::ReadyToSend;
             Ok(())
         })
