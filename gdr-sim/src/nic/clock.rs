@@ -202,17 +202,10 @@ pub(crate) enum Inflight {
     },
 }
 
-/// The time-dependent transport state of one RC QP.
+/// The time-dependent transport state of one RC QP (its timeout, retry
+/// counts and RNR timer are what its transitions applied, `QpRecord::applied`).
 #[derive(Default)]
 pub(crate) struct QpTiming {
-    /// ACK timeout code (RTS).
-    pub timeout: u8,
-    /// Transport retries (RTS).
-    pub retry_cnt: u8,
-    /// RNR retries (RTS); 7 is infinite.
-    pub rnr_retry: u8,
-    /// The RNR timer this QP advertises as a responder (RTR).
-    pub min_rnr_timer: u8,
     /// Retransmissions of the head request after ACK timeouts.
     pub retries: u8,
     /// RNR NAKs the head request has received (not counted for 7).

@@ -203,17 +203,18 @@ impl FabricState {
         let code = self
             .peer_of(qpn)
             .and_then(|peer| self.qps.get(&peer))
-            .map_or(0, |peer| peer.timing.min_rnr_timer);
+            .map_or(0, |peer| peer.applied.min_rnr_timer);
         let Some(qp) = self.qps.get_mut(&qpn) else {
             return Step::Idle;
         };
+        let rnr_retry = qp.applied.rnr_retry;
         let timing = &mut qp.timing;
-        if timing.rnr_retry != 7 && timing.rnr_naks >= timing.rnr_retry {
+        if rnr_retry != 7 && timing.rnr_naks >= rnr_retry {
             tracing::debug!(qpn, "sim: RNR retries exhausted");
             self.fail_head(qpn, WcStatus::RNR_RETRY_EXC_ERR, None);
             return Step::Ran;
         }
-        if timing.rnr_retry != 7 {
+        if rnr_retry != 7 {
             timing.rnr_naks += 1;
         }
         timing.wait = Some(Wait {
@@ -554,7 +555,7 @@ impl FabricState {
             };
             qp.timing.wait = None;
             if wait.cause == WaitCause::Ack {
-                if qp.timing.retries >= qp.timing.retry_cnt {
+                if qp.timing.retries >= qp.applied.retry_cnt {
                     tracing::debug!(qpn, "sim: transport retries exhausted");
                     self.fail_head(qpn, WcStatus::RETRY_EXC_ERR, None);
                     return Step::Ran;
@@ -572,7 +573,7 @@ impl FabricState {
                     qp.timing.attempted = true;
                     // Timeout 0 (refused by the HAL) is "no timer": the
                     // request is retried whenever the fabric progresses.
-                    qp.timing.wait = ack_timeout(qp.timing.timeout).map(|timeout| Wait {
+                    qp.timing.wait = ack_timeout(qp.applied.timeout).map(|timeout| Wait {
                         until: now.saturating_add(timeout),
                         cause: WaitCause::Ack,
                     });

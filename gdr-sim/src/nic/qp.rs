@@ -390,12 +390,8 @@ impl QueuePair for SimQp {
                 qpn: params.remote.qp_num,
                 rq_psn: params.remote.psn,
             });
-            // The responder's RNR timer; a recycled QP starts with no
-            // request in flight and no timer.
-            qp.timing = super::clock::QpTiming {
-                min_rnr_timer: params.min_rnr_timer,
-                ..Default::default()
-            };
+            // A recycled QP starts with no request in flight and no timer.
+            qp.timing = super::clock::QpTiming::default();
             qp.applied.max_dest_rd_atomic = clamp_rd_atomic(params.max_dest_rd_atomic, max_dest);
             qp.applied.path_mtu = Some(params.path_mtu);
             qp.applied.dest_qp_num = params.remote.qp_num;
@@ -421,9 +417,6 @@ impl QueuePair for SimQp {
             qp.applied.retry_cnt = params.retry_cnt;
             qp.applied.rnr_retry = params.rnr_retry;
             qp.sq_psn = params.sq_psn;
-            qp.timing.timeout = params.timeout;
-            qp.timing.retry_cnt = params.retry_cnt;
-            qp.timing.rnr_retry = params.rnr_retry;
             qp.state = QpState::ReadyToSend;
             Ok(())
         })
