@@ -63,6 +63,12 @@ pub struct Facts {
     /// and the sim does as mlx5); rxe frees them as its completer retires
     /// the WQEs, polled or not (see the VM run).
     pub unsignaled_slots_need_a_poll: bool,
+    /// What a post refused for the QP's state (a send before RTS, a
+    /// receive in RESET) says was posted: rxe's `ibv_post_send`/`recv`
+    /// answer EINVAL with `bad_wr` outside the batch (seen in the VM), so
+    /// `None` (`Posted::Unknown`); libmlx5 sets `bad_wr` to the first
+    /// request and the sim does the same: `Some(0)`.
+    pub wrong_state_post_accepted: Option<usize>,
     /// Longest a completion may take before the test fails.
     pub completion_timeout: Duration,
     /// How long "nothing more completes" is watched for.
@@ -325,6 +331,9 @@ pub struct PairConfig {
     pub caps: QpCaps,
     /// RTS parameters of both (their `sq_psn` is set by the pair).
     pub rts: RtsParams,
+    /// What node b's QP lets its peer do (INIT's access flags); `None`:
+    /// `InitParams::default()`'s remote READ and WRITE.
+    pub b_access: Option<AccessFlags>,
 }
 
 /// Two nodes, one RC QP each, connected; one CQ per side (send and recv).
@@ -357,12 +366,27 @@ pub fn connect<A: Api>(
     qb: &A::QueuePair,
     rts: RtsParams,
 ) {
+    connect_with(a, qa, b, qb, rts, InitParams::default());
+}
+
+/// [`connect`], with `init_b` for `qb`'s INIT.
+pub fn connect_with<A: Api>(
+    a: &Node<A>,
+    qa: &A::QueuePair,
+    b: &Node<A>,
+    qb: &A::QueuePair,
+    rts: RtsParams,
+    init_b: InitParams,
+) {
     let (psn_a, psn_b) = (0x1234, 0xab_cdef);
     let (info_a, sgid_a) = a.info(qa, psn_a);
     let (info_b, sgid_b) = b.info(qb, psn_b);
-    for (qp, sgid, own, remote) in [(qa, sgid_a, info_a, info_b), (qb, sgid_b, info_b, info_a)] {
+    for (qp, sgid, own, remote, init) in [
+        (qa, sgid_a, info_a, info_b, InitParams::default()),
+        (qb, sgid_b, info_b, info_a, init_b),
+    ] {
         assert_eq!(qp.state().unwrap(), QpState::Reset);
-        qp.to_init(&InitParams::default()).expect("INIT");
+        qp.to_init(&init).expect("INIT");
         qp.to_rtr(&RtrParams::new(remote, sgid, own.mtu))
             .expect("RTR");
         qp.to_rts(&RtsParams {
@@ -388,7 +412,11 @@ impl<A: Api> Pair<A> {
         let cqb = b.ctx.create_cq(256).expect("CQ b");
         let qa = a.pd.create_qp(&config.caps, &cqa, &cqa).expect("QP a");
         let qb = b.pd.create_qp(&config.caps, &cqb, &cqb).expect("QP b");
-        connect(&a, &qa, &b, &qb, config.rts);
+        let init_b = InitParams {
+            access: config.b_access.unwrap_or(InitParams::default().access),
+            ..InitParams::default()
+        };
+        connect_with(&a, &qa, &b, &qb, config.rts, init_b);
         Self {
             qa,
             qb,
@@ -514,6 +542,7 @@ impl Backend for SimBackend {
             scatter_fault_status: WcStatus::LOC_PROT_ERR,
             receive_too_small_status: (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR),
             unsignaled_slots_need_a_poll: true,
+            wrong_state_post_accepted: Some(0),
             completion_timeout: Duration::from_secs(2),
             quiet_window: Duration::from_millis(5),
         }
@@ -592,6 +621,7 @@ impl Backend for RxeBackend {
             scatter_fault_status: WcStatus::LOC_PROT_ERR,
             receive_too_small_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_QP_OP_ERR),
             unsignaled_slots_need_a_poll: false,
+            wrong_state_post_accepted: None,
             // Software emulation (TCG) is slow.
             completion_timeout: Duration::from_secs(20),
             quiet_window: Duration::from_millis(300),

@@ -438,3 +438,89 @@ pub fn drain_flushes_everything_posted<B: Backend>(b: &B) {
     drop(qa);
     crate::pair::quiet::<B::A>(&cqa, facts.quiet_window, "after the drain");
 }
+
+/// The responder QP's own rights (INIT's access flags) are checked before
+/// any MR's: a WRITE to a QP that grants only remote READ, and a READ from
+/// one that grants only remote WRITE, fail with REM_INV_REQ_ERR (IBA: NAK
+/// Invalid Request; rxe's `check_op_valid`) though the MR allows them;
+/// no byte moves and both QPs go to ERROR.
+pub fn qp_access_flags_are_enforced<B: Backend>(b: &B) {
+    for (what, b_access) in [
+        (
+            "WRITE to a QP without remote WRITE",
+            AccessFlags::REMOTE_READ,
+        ),
+        (
+            "READ from a QP without remote READ",
+            AccessFlags::REMOTE_WRITE,
+        ),
+    ] {
+        let p = Pair::with(
+            b,
+            crate::pair::PairConfig {
+                b_access: Some(b_access),
+                ..crate::pair::PairConfig::default()
+            },
+        );
+        let access = AccessFlags::transfer();
+        let local = p.a.buf(64, 1, access);
+        let remote = p.b.buf(64, 2, access);
+        let (l0, r0) = (local.bytes(), remote.bytes());
+        let op = if what.starts_with("WRITE") {
+            remote.write_op(0)
+        } else {
+            remote.read_op(0)
+        };
+        Pair::<B::A>::post(&p.qa, &[req(1, op, &[local.sge(0, 64)], SIG)]);
+        let wcs = p.expect(&p.cqa, 1, what);
+        assert_eq!(
+            ids_and_status(&wcs),
+            [(1, WcStatus::REM_INV_REQ_ERR)],
+            "{what} on {}",
+            p.name
+        );
+        assert_error_fields(&p.facts, &wcs, what);
+        assert_eq!(p.qa.state().unwrap(), QpState::Error, "{what}");
+        assert_eq!(p.qb.state().unwrap(), QpState::Error, "{what}: responder");
+        assert!(
+            local.bytes() == l0 && remote.bytes() == r0,
+            "{what}: bytes moved"
+        );
+    }
+}
+
+/// Posting on a QP not ready for it is refused (EINVAL): sends before
+/// RTS, receives in RESET. How much of the batch the error says was
+/// posted is the backend's [`Facts::wrong_state_post_accepted`]: rxe
+/// leaves `bad_wr` outside the batch (the HAL reports `Posted::Unknown`:
+/// drain before reuse), mlx5 and the sim name the first request
+/// (`Prefix(0)`). Nothing completes.
+pub fn posting_in_the_wrong_state_is_refused<B: Backend>(b: &B) {
+    crate::init_tracing();
+    let facts = b.facts();
+    let (a, _) = b.nodes();
+    let cq = hal_verbs::Context::create_cq(&a.ctx, 16).expect("CQ");
+    let qp = hal_verbs::ProtectionDomain::create_qp(&a.pd, &hal_verbs::QpCaps::default(), &cq, &cq)
+        .expect("QP");
+    let buf = a.buf(64, 1, AccessFlags::transfer());
+    let send = || Pair::<B::A>::try_post(&qp, &[req(1, SendOp::Send, &[buf.sge(0, 8)], SIG)]);
+    // SAFETY: `buf` outlives the QP's use here (the QP is dropped first).
+    let post_recv = || unsafe { qp.post_recv(&[recv(2, &[buf.sge(0, 8)])]) };
+    let mut seen = vec![("send in RESET", send()), ("recv in RESET", post_recv())];
+    qp.to_init(&hal_verbs::InitParams::default()).expect("INIT");
+    seen.push(("send in INIT", send()));
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{}: {seen:?}", b.name());
+    for (what, outcome) in seen {
+        let err = outcome.expect_err(what);
+        assert_eq!(err.error.errno(), Some(libc::EINVAL), "{what}: {err}");
+        assert_eq!(
+            err.accepted(),
+            facts.wrong_state_post_accepted,
+            "{what} on {}: {err}",
+            b.name()
+        );
+    }
+    crate::pair::quiet::<B::A>(&cq, facts.quiet_window, "refused posts");
+    drop(qp);
+}
