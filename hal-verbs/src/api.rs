@@ -385,6 +385,13 @@ pub trait Connection<A: Api>: Send + Sync + Debug {
     fn peer_addr(&self) -> SocketAddr;
     /// The private data the peer sent (request or accept), exactly as sent.
     fn peer_private_data(&self) -> Vec<u8>;
+    /// The connection's event fd (its `rdma_event_channel`'s), non-blocking:
+    /// readable when an event (the peer's disconnect, a device removal) may
+    /// be pending. Register it with epoll/mio/tokio and call
+    /// [`Connection::poll_state`] with `Duration::ZERO` when it turns
+    /// readable; that consumes what made it readable. Owned by the
+    /// connection (valid while it lives); never close it.
+    fn event_fd(&self) -> RawFd;
     /// Processes the connection's events, waiting up to `timeout` for one
     /// when none is pending (`Duration::ZERO`: never waits), and says where
     /// it stands.

@@ -514,3 +514,62 @@ fn port_down_and_up_raise_port_error_and_port_active() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+// ------------------------------------------------- connection event fds
+
+#[test]
+fn a_connections_event_fd_turns_readable_when_the_peer_disconnects() {
+    use hal_verbs::{
+        ConnectParams, ConnectRequest, Connection, ConnectionManager, ConnectionState, Listener,
+        Provider,
+    };
+    use std::net::SocketAddr;
+    const T: &str = "a_connections_event_fd_turns_readable_when_the_peer_disconnects";
+    let _serial = serial();
+    let Some((provider, ctx)) = open_rxe(T) else {
+        return;
+    };
+    let cm = match provider.connection_manager() {
+        Ok(cm) => cm,
+        Err(e) => {
+            assert!(!expect_rxe(), "{T}: GDR_EXPECT_RXE=1 but {e}");
+            skip(T, &e.to_string());
+            return;
+        }
+    };
+    let pd = ctx.alloc_pd().unwrap();
+    let (scq, ccq) = (ctx.create_cq(16).unwrap(), ctx.create_cq(16).unwrap());
+    let addr = SocketAddr::new(gdr_tests::rxe::expected_ip(), 7489);
+    let params = ConnectParams {
+        timeout: Duration::from_secs(30),
+        ..ConnectParams::default()
+    };
+    let listener = cm.listen(addr, 4).expect("listen");
+    let (server_conn, client_conn) = std::thread::scope(|s| {
+        let c = s.spawn(|| cm.connect(addr, &pd, &ccq, &ccq, &params, b"hi"));
+        let request = listener.next_request(TIMEOUT).expect("request");
+        let conn = request
+            .accept(&pd, &scq, &scq, &params, b"")
+            .expect("accept");
+        (conn, c.join().unwrap().expect("connect"))
+    });
+    let fd = server_conn.event_fd();
+    assert!(
+        is_nonblocking(fd),
+        "the rdma_cm channel's fd is non-blocking"
+    );
+    assert_eq!(
+        server_conn.poll_state(Duration::ZERO).unwrap(),
+        ConnectionState::Connected
+    );
+    assert!(!epoll_readable(fd, QUIET), "connected, events taken: quiet");
+    client_conn.disconnect().expect("disconnect");
+    assert!(
+        epoll_readable(fd, TIMEOUT),
+        "the peer's disconnect makes the fd readable"
+    );
+    assert_eq!(
+        server_conn.poll_state(Duration::ZERO).unwrap(),
+        ConnectionState::Disconnected
+    );
+}

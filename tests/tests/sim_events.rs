@@ -800,3 +800,80 @@ fn query_reports_granted_caps_and_clamped_read_depths() {
     assert_eq!(got.min_rnr_timer, 12);
     assert!(got.path_mtu.is_some());
 }
+
+// ------------------------------------------------- connection event fds
+
+#[test]
+fn a_connections_event_fd_turns_readable_when_the_peer_disconnects() {
+    use hal_verbs::{
+        ConnectParams, ConnectRequest, Connection, ConnectionManager, ConnectionState, Listener,
+    };
+    use std::net::{IpAddr, SocketAddr};
+    init_tracing();
+    let fabric = SimFabric::new();
+    let server = Node::new(&fabric, "server", DeviceConfig::default());
+    let client = Node::new(&fabric, "client", DeviceConfig::default());
+    let (scq, ccq) = (
+        server.ctx.create_cq(16).unwrap(),
+        client.ctx.create_cq(16).unwrap(),
+    );
+    let ip = IpAddr::V4(server.verbs.device_ipv4("sim0").unwrap());
+    let listener = server
+        .verbs
+        .connection_manager()
+        .unwrap()
+        .listen(SocketAddr::new(ip, 7480), 4)
+        .unwrap();
+    let params = ConnectParams {
+        timeout: Duration::from_secs(5),
+        ..ConnectParams::default()
+    };
+    let (server_conn, client_conn) = std::thread::scope(|s| {
+        let srv = s.spawn(|| {
+            let request = listener.next_request(Duration::from_secs(5)).unwrap();
+            request
+                .accept(&server.pd, &scq, &scq, &params, b"")
+                .unwrap()
+        });
+        let conn = client
+            .verbs
+            .connection_manager()
+            .unwrap()
+            .connect(
+                SocketAddr::new(ip, 7480),
+                &client.pd,
+                &ccq,
+                &ccq,
+                &params,
+                b"",
+            )
+            .unwrap();
+        (srv.join().unwrap(), conn)
+    });
+    let fd = server_conn.event_fd();
+    assert!(is_nonblocking(fd));
+    assert!(
+        !epoll_readable(fd, Duration::from_millis(20)),
+        "connected: quiet"
+    );
+    // A thread waits on the server's fd; the client disconnects.
+    let waiter = std::thread::spawn(move || epoll_readable(fd, Duration::from_secs(10)));
+    std::thread::sleep(Duration::from_millis(30));
+    client_conn.disconnect().unwrap();
+    assert!(
+        waiter.join().unwrap(),
+        "the peer's disconnect wakes the waiter"
+    );
+    assert_eq!(
+        server_conn.poll_state(Duration::ZERO).unwrap(),
+        ConnectionState::Disconnected
+    );
+    assert!(
+        !poll_readable(server_conn.event_fd()),
+        "poll_state consumed what made it readable"
+    );
+    assert!(
+        poll_readable(client_conn.event_fd()),
+        "our own disconnect too"
+    );
+}

@@ -26,7 +26,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::MutexGuard;
+use std::sync::{Arc, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use hal_verbs::{
@@ -36,6 +36,7 @@ use hal_verbs::{
     select_roce_v2_gid,
 };
 
+use super::events::ReadyFd;
 use super::state::FabricState;
 use super::{SimCq, SimFabric, SimPd, SimQp, SimVerbsApi};
 
@@ -50,6 +51,8 @@ pub(crate) struct CmState {
     listeners: HashMap<(Ipv4Addr, u16), ListenerRecord>,
     requests: HashMap<u64, RequestRecord>,
     conns: HashMap<u64, ConnRecord>,
+    /// Each live connection's event fd, by connection.
+    wakers: HashMap<u64, Weak<ReadyFd>>,
     next_port: u16,
 }
 
@@ -120,7 +123,8 @@ impl CmState {
         }
     }
 
-    /// Marks a connection and its peer disconnected.
+    /// Marks a connection and its peer disconnected, and makes both
+    /// sides' event fds readable.
     fn disconnect(&mut self, conn: u64) {
         let peer = self.conns.get_mut(&conn).map(|c| {
             c.disconnected = true;
@@ -129,6 +133,23 @@ impl CmState {
         if let Some(peer) = peer.and_then(|p| self.conns.get_mut(&p)) {
             peer.disconnected = true;
         }
+        self.wakers.retain(|_, w| w.strong_count() > 0);
+        for id in std::iter::once(conn).chain(peer) {
+            if let Some(fd) = self.wakers.get(&id).and_then(Weak::upgrade) {
+                fd.set();
+            }
+        }
+    }
+
+    /// A new event fd for connection `conn`, readable at once if it is
+    /// already disconnected.
+    fn waker(&mut self, conn: u64) -> Result<Arc<ReadyFd>> {
+        let fd = Arc::new(ReadyFd::new("rdma_create_event_channel")?);
+        if self.conns.get(&conn).is_none_or(|c| c.disconnected) {
+            fd.set();
+        }
+        self.wakers.insert(conn, Arc::downgrade(&fd));
+        Ok(fd)
     }
 }
 
@@ -575,12 +596,14 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                     errno: libc::ECONNABORTED,
                 });
             };
+            let wake = self.fabric.lock().cm.waker(conn)?;
             self.fabric.cm_notify();
             tracing::info!(attempts, elapsed = ?start.elapsed(), qpn = client.qpn, "sim: connected");
             return Ok(SimConnection {
                 qp,
                 fabric: self.fabric.clone(),
                 conn,
+                wake,
                 device: device_name,
                 local,
                 peer,
@@ -832,12 +855,14 @@ impl ConnectRequest<SimVerbsApi> for SimConnectRequest {
                 });
             }
         }
+        let wake = state.cm.waker(server_conn)?;
         drop(state);
         tracing::info!(elapsed = ?start.elapsed(), qpn = server.qpn, "sim: accepted");
         Ok(SimConnection {
             qp,
             fabric: self.fabric.clone(),
             conn: server_conn,
+            wake,
             device: self.device_name.clone(),
             local: self.local,
             peer: self.peer,
@@ -867,6 +892,9 @@ pub struct SimConnection {
     qp: SimQp,
     fabric: SimFabric,
     conn: u64,
+    /// Readable once the connection is disconnected (by either side);
+    /// cleared by `poll_state`.
+    wake: Arc<ReadyFd>,
     device: String,
     local: SocketAddr,
     peer: SocketAddr,
@@ -912,9 +940,16 @@ impl Connection<SimVerbsApi> for SimConnection {
         self.peer_private_data.clone()
     }
 
+    fn event_fd(&self) -> std::os::fd::RawFd {
+        self.wake.raw_fd()
+    }
+
     fn poll_state(&self, timeout: Duration) -> Result<ConnectionState> {
         let deadline = Instant::now() + timeout;
         let mut state = self.fabric.lock();
+        // What made the fd readable is consumed here, as reading the
+        // rdma_cm channel's events consumes them.
+        self.wake.clear();
         loop {
             let now = self.observe(&mut state);
             if now != ConnectionState::Connected {

@@ -39,13 +39,13 @@ use hal_verbs::{AsyncEvent, CompletionChannel, CqNotify, Mtu, Result, VerbsError
 
 use super::SimFabric;
 
-/// A non-blocking eventfd whose readability mirrors a queue's emptiness.
-struct ReadyFd {
+/// A non-blocking eventfd: readable between `set` and `clear`.
+pub(crate) struct ReadyFd {
     fd: OwnedFd,
 }
 
 impl ReadyFd {
-    fn new(operation: &'static str) -> Result<Self> {
+    pub(crate) fn new(operation: &'static str) -> Result<Self> {
         // SAFETY: eventfd takes no pointer; the flags are valid.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if fd < 0 {
@@ -60,7 +60,7 @@ impl ReadyFd {
     }
 
     /// Makes the fd readable (idempotent: the counter only grows).
-    fn set(&self) {
+    pub(crate) fn set(&self) {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64 to our open eventfd. It
         // cannot fail short of a counter at u64::MAX - 1, which would take
@@ -69,11 +69,15 @@ impl ReadyFd {
     }
 
     /// Makes the fd not readable.
-    fn clear(&self) {
+    pub(crate) fn clear(&self) {
         let mut value: u64 = 0;
         // SAFETY: reads 8 bytes into a live u64 from our open eventfd;
         // non-blocking, so EAGAIN (already clear) returns at once.
         unsafe { libc::read(self.fd.as_raw_fd(), (&raw mut value).cast(), 8) };
+    }
+
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
     }
 }
 
@@ -120,6 +124,14 @@ impl<T> EventQueue<T> {
 pub(crate) struct ChannelShared {
     device: usize,
     events: EventQueue<u64>,
+}
+
+impl fmt::Debug for ReadyFd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ReadyFd")
+            .field(&self.fd.as_raw_fd())
+            .finish()
+    }
 }
 
 impl fmt::Debug for ChannelShared {

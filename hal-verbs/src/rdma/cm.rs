@@ -1218,6 +1218,10 @@ impl Connection<RdmaApi> for RdmaConnection {
         self.peer_private_data.clone()
     }
 
+    fn event_fd(&self) -> std::os::fd::RawFd {
+        self.cm.channel.fd()
+    }
+
     fn poll_state(&self, timeout: Duration) -> Result<ConnectionState> {
         use sys::rdma_cm_event_type as t;
         let deadline = Instant::now() + timeout;
