@@ -514,6 +514,26 @@ fn responder_access_violation_raises_qp_access_error_on_the_responder() {
 }
 
 #[test]
+fn an_rxe_like_responder_raises_no_event() {
+    let p = pair_with(SimFabric::new(), DeviceConfig::rxe_like());
+    let op = SendOp::Write {
+        remote_addr: p.bufb.mr.addr() + 4096 - 8,
+        rkey: p.bufb.mr.rkey(),
+    };
+    send(&p.qa, &p.bufa, 1, op, SendFlags::SIGNALED);
+    assert_eq!(drain(&p.cqa)[0].status, WcStatus::REM_ACCESS_ERR);
+    assert_eq!(
+        p.qb.state().unwrap(),
+        QpState::Error,
+        "it failed all the same"
+    );
+    assert!(
+        !epoll_readable(p.b.ctx.async_fd(), Duration::from_millis(20)),
+        "rxe reports no QP access error event (measured on kernel 6.1)"
+    );
+}
+
+#[test]
 fn invalid_request_raises_qp_request_error_on_the_responder() {
     init_tracing();
     let fabric = SimFabric::new();

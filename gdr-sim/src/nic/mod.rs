@@ -34,13 +34,19 @@
 //!
 //! A [`FaultPlan`] given to the fabric is consulted at every verbs fault site.
 //!
+//! Completion channels and async events work on real, non-blocking
+//! eventfds, with verbs' readiness semantics (one-shot arming, arm then
+//! poll): see the [`events`] module. [`SimVerbs::raise_async_event`] and
+//! [`SimVerbs::set_port_state`] raise events; responder errors, CQ overruns
+//! and device loss raise theirs by themselves.
+//!
 //! Connection management (rdma_cm's listen/connect/accept with private data)
 //! is [`SimCm`], from [`Provider::connection_manager`]: see the `cm` module.
 
 pub mod clock;
 mod cm;
 mod engine;
-mod events;
+pub mod events;
 mod mr;
 mod qp;
 mod state;
@@ -121,6 +127,16 @@ pub struct DeviceConfig {
     /// [`AsyncEvent::DeviceFatal`] event on the context's async fd, and
     /// polls fail.
     pub device_loss_flushes: bool,
+    /// Whether a responder that meets a remote access violation or an
+    /// invalid request raises [`AsyncEvent::QpAccessError`] /
+    /// [`AsyncEvent::QpRequestError`] on its QP, as the IBA asks and
+    /// ConnectX does (mlx5_ib maps the WQ access/invalid-request error
+    /// events to them, `mlx5_ib_qp_event` in the kernel's
+    /// `drivers/infiniband/hw/mlx5/qp.c`). On by default; off in
+    /// [`rxe_like`](Self::rxe_like): rxe (kernel 6.1) moves the responder
+    /// to ERROR and reports no async event, as `tests/tests/rxe_events.rs`
+    /// measures.
+    pub responder_error_events: bool,
 }
 
 impl Default for DeviceConfig {
@@ -160,6 +176,7 @@ impl Default for DeviceConfig {
             inline_overflow_errno: libc::EINVAL,
             destroy_qp_purges_cq: false,
             device_loss_flushes: true,
+            responder_error_events: true,
         }
     }
 }
@@ -208,7 +225,9 @@ impl DeviceConfig {
     }
 
     /// An rxe-like device: no dma-buf, 1024-byte active MTU, no PCI
-    /// function, one completion vector, no CQ moderation.
+    /// function, one completion vector, no CQ moderation, no async event
+    /// for a responder's error
+    /// ([`responder_error_events`](Self::responder_error_events)).
     pub fn rxe_like() -> Self {
         let mut attributes = Self::default().attributes;
         attributes.num_comp_vectors = 1;
@@ -218,6 +237,7 @@ impl DeviceConfig {
             active_mtu: Mtu::Mtu1024,
             pci_bus_id: None,
             attributes,
+            responder_error_events: false,
             ..Self::default()
         }
     }

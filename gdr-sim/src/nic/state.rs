@@ -413,7 +413,10 @@ impl FabricState {
         };
         // The responder of a request that failed at its end raises an async
         // event on its QP (it goes to ERROR too).
-        if let Some(remote) = qp.remote.filter(|r| self.qps.contains_key(&r.qpn)) {
+        let raises = |r: &Remote| {
+            self.qps.contains_key(&r.qpn) && self.devices[r.device].config.responder_error_events
+        };
+        if let Some(remote) = qp.remote.filter(raises) {
             let qp_num = remote.qpn;
             let event = match status {
                 WcStatus::REM_ACCESS_ERR => Some(hal_verbs::AsyncEvent::QpAccessError { qp_num }),

@@ -39,10 +39,27 @@
 //!   before the move to ERROR;
 //! - `max_inline_data` 64 is granted as asked; above it librxe answers
 //!   EINVAL (libmlx5 answers ENOMEM), so the HAL checks it first;
-//! - `max_qp_rd_atom` is 128, the active MTU 1024 on a 1500-byte netdev.
+//! - `max_qp_rd_atom` is 128, the active MTU 1024 on a 1500-byte netdev;
+//!   a READ depth asked above it is clamped to 128 before `ibv_modify_qp`
+//!   (rxe refuses more with EINVAL), and `ibv_query_qp` reports the 128;
+//! - `max_send_sge` 3 is granted as 4 (`QpCaps` holds the granted figures);
+//! - `num_comp_vectors` is the guest's CPU count (2), and `cq_mod_caps` are
+//!   zero: CQ moderation is [`VerbsError::NotSupported`], refused before
+//!   `ibv_modify_cq` (which rxe does not implement);
+//! - completion channels: an armed CQ fires once, a completion already in
+//!   the CQ when it is armed fires nothing, a solicited-only arm ignores an
+//!   unsolicited SEND (`tests/tests/rxe_events.rs`);
+//! - async events: taking the netdev down raises `IBV_EVENT_PORT_ERR` (the
+//!   port leaves ACTIVE), up again `IBV_EVENT_PORT_ACTIVE`; a responder's
+//!   remote access error moves its QP to ERROR but raises no event (IBA
+//!   and mlx5 raise `IBV_EVENT_QP_ACCESS_ERR`); rxe cannot be made fatal
+//!   while a process holds it;
+//! - a QP in ERROR goes to RESET and back to RTS, towards the same or a new
+//!   peer, and transfers again.
 //!
 //! The layout: `device` holds the provider and the opened device (device
-//! list, attributes, ports, GID table), `memory` the protection domain and
+//! list, attributes, ports, GID table), `events` completion channels and
+//! async events, `memory` the protection domain and
 //! memory registrations, `queue` completion queues and queue pairs (state
 //! transitions, linked posts, completions), `cm` connection management over
 //! librdmacm (also loaded by the shim; [`RdmaCm::load`] probes it).
