@@ -186,6 +186,28 @@ pub trait CompletionQueue: Send + Sync + Debug {
     /// `out` may be of any length (the backend polls in chunks as needed).
     fn poll(&self, out: &mut [Completion]) -> Result<usize>;
 
+    /// Takes every completion the CQ holds now, appending them to `out`,
+    /// and returns how many: polls until a poll comes back short, with no
+    /// limit of its own (an event loop drains a CQ this way after arming
+    /// it). On an error, the completions taken before it are in `out`
+    /// already.
+    fn poll_into(&self, out: &mut Vec<Completion>) -> Result<usize> {
+        const CHUNK: usize = 64;
+        let mut taken = 0;
+        loop {
+            let start = out.len();
+            out.resize(start + CHUNK, Completion::default());
+            let got = self.poll(&mut out[start..]);
+            let n = *got.as_ref().unwrap_or(&0);
+            out.truncate(start + n);
+            taken += n;
+            got?;
+            if n < CHUNK {
+                return Ok(taken);
+            }
+        }
+    }
+
     /// The CQ's identity, as async events ([`crate::AsyncEvent::CqError`])
     /// and [`CompletionChannel::get_cq_event`] name it: unique among the
     /// device's live CQs (a destroyed CQ's identity may be reused).

@@ -167,8 +167,8 @@ fn pair_with(fabric: SimFabric, device: DeviceConfig) -> Pair {
     let b = Node::new(&fabric, "b", device);
     let cha = a.ctx.create_comp_channel().unwrap();
     let chb = b.ctx.create_comp_channel().unwrap();
-    let cqa = a.ctx.create_cq_on_channel(64, &cha, 0).unwrap();
-    let cqb = b.ctx.create_cq_on_channel(64, &chb, 0).unwrap();
+    let cqa = a.ctx.create_cq_on_channel(256, &cha, 0).unwrap();
+    let cqb = b.ctx.create_cq_on_channel(256, &chb, 0).unwrap();
     let caps = QpCaps::default();
     let qa = a.pd.create_qp(&caps, &cqa, &cqa).unwrap();
     let qb = b.pd.create_qp(&caps, &cqb, &cqb).unwrap();
@@ -223,7 +223,7 @@ fn write_to(p: &Pair, wr_id: u64) -> SendOp {
 }
 
 fn drain(cq: &SimCq) -> Vec<Completion> {
-    let mut out = [Completion::default(); 64];
+    let mut out = [Completion::default(); 256];
     let n = cq.poll(&mut out).unwrap();
     out[..n].to_vec()
 }
@@ -896,4 +896,23 @@ fn a_connections_event_fd_turns_readable_when_the_peer_disconnects() {
         poll_readable(client_conn.event_fd()),
         "our own disconnect too"
     );
+}
+
+// ------------------------------------------------------------- poll_into
+
+#[test]
+fn poll_into_drains_the_cq_past_any_chunk() {
+    let p = pair();
+    let mut out = vec![Completion::default(); 3]; // appended to, kept
+    // 100 signaled WRITEs (the QP's queue takes 256), all completed.
+    for i in 0..100 {
+        send(&p.qa, &p.bufa, 10 + i, write_to(&p, i), SendFlags::SIGNALED);
+    }
+    let n = p.cqa.poll_into(&mut out).unwrap();
+    assert_eq!(n, 100);
+    assert_eq!(out.len(), 103);
+    let ids: Vec<u64> = out[3..].iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids, (10..110).collect::<Vec<_>>(), "in order, none lost");
+    assert_eq!(p.cqa.poll_into(&mut out).unwrap(), 0, "empty now");
+    assert_eq!(out.len(), 103);
 }
