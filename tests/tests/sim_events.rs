@@ -916,3 +916,18 @@ fn poll_into_drains_the_cq_past_any_chunk() {
     assert_eq!(p.cqa.poll_into(&mut out).unwrap(), 0, "empty now");
     assert_eq!(out.len(), 103);
 }
+
+#[test]
+fn a_port_that_is_down_carries_no_traffic() {
+    let p = pair();
+    p.b.verbs.set_port_state("sim0", 1, PortState::Down);
+    assert_eq!(events(&p.b.ctx), [AsyncEvent::PortError { port: 1 }]);
+    send(&p.qa, &p.bufa, 1, write_to(&p, 1), SendFlags::SIGNALED);
+    let got = drain(&p.cqa);
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        got[0].status,
+        WcStatus::RETRY_EXC_ERR,
+        "the peer's link is down: the requester's retries run out"
+    );
+}

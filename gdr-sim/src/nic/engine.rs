@@ -313,6 +313,12 @@ impl FabricState {
         if self.devices[remote.device].lost {
             return None;
         }
+        // A port that is not ACTIVE (its link is down) sends and receives
+        // nothing: the requester retries until RETRY_EXC_ERR.
+        let down = |d: usize| self.devices[d].config.port_state != hal_verbs::PortState::Active;
+        if down(qp.device) || down(remote.device) {
+            return None;
+        }
         let peer = self.qps.get(&remote.qpn)?;
         let back = peer.remote?;
         let ready = matches!(peer.state, QpState::ReadyToReceive | QpState::ReadyToSend);

@@ -382,7 +382,9 @@ impl SimVerbs {
     /// Sets the state of port `port` (from 1) of the node's device `device`
     /// and raises [`AsyncEvent::PortActive`] (to `Active`) or
     /// [`AsyncEvent::PortError`] (from `Active` to anything else), as a
-    /// link going up or down does. Traffic is not affected by it.
+    /// link going up or down does. While a port is not `Active` its
+    /// device sends and receives nothing: requests to or from it end in
+    /// `RETRY_EXC_ERR` once their retries run out.
     ///
     /// # Panics
     /// When the node has no such device (a test configuration error).
