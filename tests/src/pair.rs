@@ -69,6 +69,10 @@ pub struct Facts {
     /// `None` (`Posted::Unknown`); libmlx5 sets `bad_wr` to the first
     /// request and the sim does the same: `Some(0)`.
     pub wrong_state_post_accepted: Option<usize>,
+    /// A destroyed QP's completions stay in its CQ (rxe), or are removed
+    /// with it (mlx5: `mlx5_destroy_qp` cleans the CQ); the sim as its
+    /// device's `destroy_qp_purges_cq` says.
+    pub destroy_qp_keeps_completions: bool,
     /// Longest a completion may take before the test fails.
     pub completion_timeout: Duration,
     /// How long "nothing more completes" is watched for.
@@ -543,6 +547,7 @@ impl Backend for SimBackend {
             receive_too_small_status: (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR),
             unsignaled_slots_need_a_poll: true,
             wrong_state_post_accepted: Some(0),
+            destroy_qp_keeps_completions: !self.device.destroy_qp_purges_cq,
             completion_timeout: Duration::from_secs(2),
             quiet_window: Duration::from_millis(5),
         }
@@ -622,6 +627,7 @@ impl Backend for RxeBackend {
             receive_too_small_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_QP_OP_ERR),
             unsignaled_slots_need_a_poll: false,
             wrong_state_post_accepted: None,
+            destroy_qp_keeps_completions: true,
             // Software emulation (TCG) is slow.
             completion_timeout: Duration::from_secs(20),
             quiet_window: Duration::from_millis(300),

@@ -524,3 +524,40 @@ pub fn posting_in_the_wrong_state_is_refused<B: Backend>(b: &B) {
     crate::pair::quiet::<B::A>(&cq, facts.quiet_window, "refused posts");
     drop(qp);
 }
+
+/// Destroying a QP whose flush completions are still in its CQ: rxe keeps
+/// them (they are polled after the QP is gone), mlx5 removes them
+/// (`mlx5_destroy_qp` cleans the CQ): [`Facts::destroy_qp_keeps_completions`].
+/// Either way an engine drains before destroying (`hal_verbs::drain`).
+pub fn destroying_a_qp_with_completions_in_its_cq<B: Backend>(b: &B) {
+    let p = Pair::new(b);
+    let inbox = p.a.buf(256, 1, AccessFlags::LOCAL_WRITE);
+    Pair::<B::A>::post_recv(
+        &p.qa,
+        &[
+            recv(1, &[inbox.sge(0, 128)]),
+            recv(2, &[inbox.sge(128, 128)]),
+        ],
+    );
+    p.qa.to_error().expect("to ERROR");
+    // Let the flushes reach the CQ (rxe flushes from its tasks), without
+    // polling them.
+    std::thread::sleep(p.facts.quiet_window);
+    let Pair {
+        qa,
+        cqa,
+        facts,
+        name,
+        ..
+    } = p;
+    drop(qa);
+    if facts.destroy_qp_keeps_completions {
+        let wcs = crate::pair::wait::<B::A>(&cqa, 2, facts.completion_timeout);
+        assert_eq!(
+            ids_and_status(&wcs),
+            [(1, WcStatus::WR_FLUSH_ERR), (2, WcStatus::WR_FLUSH_ERR)],
+            "on {name}"
+        );
+    }
+    crate::pair::quiet::<B::A>(&cqa, facts.quiet_window, &name);
+}

@@ -21,8 +21,9 @@ mod transfers;
 
 pub use cm::{cm_connect_accept_write_read_disconnect, cm_reject_carries_private_data};
 pub use errors::{
-    drain_flushes_everything_posted, error_completions_carry_no_opcode_or_length,
-    local_protection_errors, posting_in_the_wrong_state_is_refused, qp_access_flags_are_enforced,
+    destroying_a_qp_with_completions_in_its_cq, drain_flushes_everything_posted,
+    error_completions_carry_no_opcode_or_length, local_protection_errors,
+    posting_in_the_wrong_state_is_refused, qp_access_flags_are_enforced,
     receive_too_small_fails_both_sides, remote_access_errors_move_no_byte,
     send_waits_for_a_receive, to_error_flushes_everything_outstanding,
 };
@@ -73,6 +74,7 @@ macro_rules! conformance_tests {
             unsignaled_requests_hold_their_slots,
             qp_access_flags_are_enforced,
             posting_in_the_wrong_state_is_refused,
+            destroying_a_qp_with_completions_in_its_cq,
         );
     };
     (@each $make:expr; $($scenario:ident),* $(,)?) => {
