@@ -505,12 +505,24 @@ fn port_down_and_up_raise_port_error_and_port_active() {
     assert!(is_nonblocking(ctx.async_fd()));
     async_events(&ctx);
     assert_eq!(ctx.query_port(1).unwrap().state, PortState::Active);
+    // A connected pair first: with the link down, RTR cannot resolve the
+    // peer (ENETUNREACH).
+    let s = setup(T).expect("rxe0");
     let mut seen = Vec::new();
     {
         let _up_again = LinkGuard(netdev.clone());
         ip_link(&netdev, "down");
         wait_event(&ctx, AsyncEvent::PortError { port: 1 }, &mut seen);
         assert_ne!(ctx.query_port(1).unwrap().state, PortState::Active);
+        // rxe fails it at once, locally (ConnectX would retry into the
+        // dead link): the sim's rxe_like() `link_down_fails_locally`.
+        s.write(1, s.mr_b.rkey());
+        let got = wait(&s.cq_a, 1);
+        eprintln!(
+            "{T}: a loopback WRITE while the link is down: {:?}",
+            got[0].status
+        );
+        assert_eq!(got[0].status, WcStatus::LOC_QP_OP_ERR);
     }
     wait_event(&ctx, AsyncEvent::PortActive { port: 1 }, &mut seen);
     eprintln!("{T}: events seen: {seen:?}");

@@ -931,3 +931,13 @@ fn a_port_that_is_down_carries_no_traffic() {
         "the peer's link is down: the requester's retries run out"
     );
 }
+
+#[test]
+fn on_an_rxe_like_device_a_request_on_a_down_link_fails_at_once() {
+    let p = pair_with(SimFabric::new(), DeviceConfig::rxe_like());
+    p.a.verbs.set_port_state("sim0", 1, PortState::Down);
+    send(&p.qa, &p.bufa, 1, write_to(&p, 1), SendFlags::SIGNALED);
+    let got = drain(&p.cqa);
+    assert_eq!(got[0].status, WcStatus::LOC_QP_OP_ERR, "as rxe answers");
+    assert_eq!(p.qa.state().unwrap(), QpState::Error);
+}

@@ -439,6 +439,11 @@ impl FabricState {
                 }
             }
         };
+        let config = &self.devices[qp.device].config;
+        if config.link_down_fails_locally && config.port_state != hal_verbs::PortState::Active {
+            // rxe cannot transmit on a netdev that is down.
+            return fail(WcStatus::LOC_QP_OP_ERR, None);
+        }
         let Some(target) = self.peer_of(qpn) else {
             return Some(Plan::Unreachable);
         };

@@ -137,6 +137,12 @@ pub struct DeviceConfig {
     /// to ERROR and reports no async event, as `tests/tests/rxe_events.rs`
     /// measures.
     pub responder_error_events: bool,
+    /// Whether a request posted while the local port is down fails at once
+    /// with `LOC_QP_OP_ERR`, as on rxe (kernel 6.1: its transmit fails on a
+    /// netdev that is down; `tests/tests/rxe_events.rs` measures it). Off by
+    /// default (ConnectX): the request is sent into a dead link and ends in
+    /// `RETRY_EXC_ERR` when its retries run out.
+    pub link_down_fails_locally: bool,
 }
 
 impl Default for DeviceConfig {
@@ -177,6 +183,7 @@ impl Default for DeviceConfig {
             destroy_qp_purges_cq: false,
             device_loss_flushes: true,
             responder_error_events: true,
+            link_down_fails_locally: false,
         }
     }
 }
@@ -227,7 +234,9 @@ impl DeviceConfig {
     /// An rxe-like device: no dma-buf, 1024-byte active MTU, no PCI
     /// function, one completion vector, no CQ moderation, no async event
     /// for a responder's error
-    /// ([`responder_error_events`](Self::responder_error_events)).
+    /// ([`responder_error_events`](Self::responder_error_events)), a
+    /// request on a down link failing at once
+    /// ([`link_down_fails_locally`](Self::link_down_fails_locally)).
     pub fn rxe_like() -> Self {
         let mut attributes = Self::default().attributes;
         attributes.num_comp_vectors = 1;
@@ -238,6 +247,7 @@ impl DeviceConfig {
             pci_bus_id: None,
             attributes,
             responder_error_events: false,
+            link_down_fails_locally: true,
             ..Self::default()
         }
     }
@@ -384,7 +394,9 @@ impl SimVerbs {
     /// [`AsyncEvent::PortError`] (from `Active` to anything else), as a
     /// link going up or down does. While a port is not `Active` its
     /// device sends and receives nothing: requests to or from it end in
-    /// `RETRY_EXC_ERR` once their retries run out.
+    /// `RETRY_EXC_ERR` once their retries run out (or at once in
+    /// `LOC_QP_OP_ERR` on an rxe-like device, see
+    /// [`DeviceConfig::link_down_fails_locally`]).
     ///
     /// # Panics
     /// When the node has no such device (a test configuration error).

@@ -50,7 +50,9 @@
 //!   the CQ when it is armed fires nothing, a solicited-only arm ignores an
 //!   unsolicited SEND (`tests/tests/rxe_events.rs`);
 //! - async events: taking the netdev down raises `IBV_EVENT_PORT_ERR` (the
-//!   port leaves ACTIVE), up again `IBV_EVENT_PORT_ACTIVE`; a responder's
+//!   port leaves ACTIVE), up again `IBV_EVENT_PORT_ACTIVE`; while it is
+//!   down, RTR fails with ENETUNREACH ([`VerbsError::Os`]) and a WRITE on
+//!   an established QP completes at once with `LOC_QP_OP_ERR`; a responder's
 //!   remote access error moves its QP to ERROR but raises no event (IBA
 //!   and mlx5 raise `IBV_EVENT_QP_ACCESS_ERR`); rxe cannot be made fatal
 //!   while a process holds it;
