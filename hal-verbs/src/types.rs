@@ -1228,4 +1228,30 @@ mod tests {
         assert_eq!(WcOpcode::from_native(129), WcOpcode::RecvRdmaWithImm);
         assert_eq!(AccessFlags::transfer().bits(), 0b111);
     }
+
+    #[test]
+    fn async_events_round_trip_their_native_codes() {
+        for code in 0..=24 {
+            let object = 7;
+            let event = AsyncEvent::from_native(code, object);
+            assert_eq!(event.code(), code, "{event:?}");
+            match AsyncEvent::affiliation(code) {
+                EventAffiliation::Qp => assert_eq!(event.qp_num(), Some(7), "{event:?}"),
+                EventAffiliation::Port if code <= 18 => {
+                    assert_eq!(event.port(), Some(7), "{event:?}")
+                }
+                _ => assert_eq!((event.qp_num(), event.port()), (None, None), "{event:?}"),
+            }
+        }
+        assert_eq!(AsyncEvent::from_native(8, 123), AsyncEvent::DeviceFatal);
+        assert_eq!(
+            AsyncEvent::from_native(0, 0xdead_beef),
+            AsyncEvent::CqError { cq: 0xdead_beef }
+        );
+        assert_eq!(
+            AsyncEvent::from_native(20, 1),
+            AsyncEvent::Other { code: 20 },
+            "DEVICE_SPEED_CHANGE is not named"
+        );
+    }
 }

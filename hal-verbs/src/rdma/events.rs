@@ -218,3 +218,50 @@ pub(crate) fn foreign_channel(channel: &ChannelInner, ctx: &ContextInner) -> Ver
         ),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The HAL's numbering is rdma-core's `enum ibv_event_type`.
+    #[test]
+    fn event_codes_are_rdma_cores() {
+        use sys::ibv_event_type as t;
+        let pairs = [
+            (t::IBV_EVENT_CQ_ERR, AsyncEvent::CqError { cq: 0 }),
+            (t::IBV_EVENT_QP_FATAL, AsyncEvent::QpFatal { qp_num: 0 }),
+            (
+                t::IBV_EVENT_QP_REQ_ERR,
+                AsyncEvent::QpRequestError { qp_num: 0 },
+            ),
+            (
+                t::IBV_EVENT_QP_ACCESS_ERR,
+                AsyncEvent::QpAccessError { qp_num: 0 },
+            ),
+            (
+                t::IBV_EVENT_PATH_MIG,
+                AsyncEvent::PathMigrated { qp_num: 0 },
+            ),
+            (t::IBV_EVENT_DEVICE_FATAL, AsyncEvent::DeviceFatal),
+            (t::IBV_EVENT_PORT_ACTIVE, AsyncEvent::PortActive { port: 0 }),
+            (t::IBV_EVENT_PORT_ERR, AsyncEvent::PortError { port: 0 }),
+            (
+                t::IBV_EVENT_SRQ_LIMIT_REACHED,
+                AsyncEvent::SrqLimitReached { srq: 0 },
+            ),
+            (
+                t::IBV_EVENT_QP_LAST_WQE_REACHED,
+                AsyncEvent::QpLastWqeReached { qp_num: 0 },
+            ),
+            (
+                t::IBV_EVENT_CLIENT_REREGISTER,
+                AsyncEvent::ClientReregister { port: 0 },
+            ),
+            (t::IBV_EVENT_GID_CHANGE, AsyncEvent::GidChange { port: 0 }),
+        ];
+        for (native, event) in pairs {
+            assert_eq!(native as u32, event.code(), "{event:?}");
+            assert_eq!(AsyncEvent::from_native(native as u32, 0), event);
+        }
+    }
+}
