@@ -73,6 +73,13 @@ pub struct Facts {
     /// with it (mlx5: `mlx5_destroy_qp` cleans the CQ); the sim as its
     /// device's `destroy_qp_purges_cq` says.
     pub destroy_qp_keeps_completions: bool,
+    /// The requester's and the responder's statuses for a SEND into a
+    /// receive whose SG entry the responder cannot write (an lkey of
+    /// another PD). Requester REM_OP_ERR everywhere; the responder's
+    /// receive LOC_PROT_ERR on mlx5 and the sim, LOC_QP_OP_ERR on rxe (its
+    /// failed `copy_data` is -EINVAL, as for a bad gather; seen in the
+    /// VM).
+    pub bad_receive_status: (WcStatus, WcStatus),
     /// Longest a completion may take before the test fails.
     pub completion_timeout: Duration,
     /// How long "nothing more completes" is watched for.
@@ -548,6 +555,7 @@ impl Backend for SimBackend {
             unsignaled_slots_need_a_poll: true,
             wrong_state_post_accepted: Some(0),
             destroy_qp_keeps_completions: !self.device.destroy_qp_purges_cq,
+            bad_receive_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_PROT_ERR),
             completion_timeout: Duration::from_secs(2),
             quiet_window: Duration::from_millis(5),
         }
@@ -628,6 +636,7 @@ impl Backend for RxeBackend {
             unsignaled_slots_need_a_poll: false,
             wrong_state_post_accepted: None,
             destroy_qp_keeps_completions: true,
+            bad_receive_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_QP_OP_ERR),
             // Software emulation (TCG) is slow.
             completion_timeout: Duration::from_secs(20),
             quiet_window: Duration::from_millis(300),

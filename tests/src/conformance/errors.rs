@@ -561,3 +561,47 @@ pub fn destroying_a_qp_with_completions_in_its_cq<B: Backend>(b: &B) {
     }
     crate::pair::quiet::<B::A>(&cqa, facts.quiet_window, &name);
 }
+
+/// A SEND into a receive whose SG entry the responder cannot write (an
+/// lkey of another PD): the requester's and the responder's statuses are
+/// the backend's [`Facts::bad_receive_status`]; no byte lands, both QPs go
+/// to ERROR.
+pub fn send_into_a_bad_receive_fails_both_sides<B: Backend>(b: &B) {
+    let p = Pair::new(b);
+    let access = AccessFlags::transfer();
+    let src = p.a.buf(64, 1, access);
+    let foreign = Buf::<B::A>::new(&p.b.other_pd(), 64, 2, access);
+    let f0 = foreign.bytes();
+    Pair::<B::A>::post_recv(&p.qb, &[recv(70, &[foreign.sge(0, 64)]), recv(71, &[])]);
+    Pair::<B::A>::post(&p.qa, &[req(1, SendOp::Send, &[src.sge(0, 64)], SIG)]);
+    let sent = p.expect(&p.cqa, 1, "requester");
+    let got = p.expect(&p.cqb, 2, "responder");
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "{}: bad receive: requester {:?}, responder {:?}",
+        p.name,
+        ids_and_status(&sent),
+        ids_and_status(&got)
+    );
+    assert_eq!(
+        ids_and_status(&sent),
+        [(1, p.facts.bad_receive_status.0)],
+        "on {}",
+        p.name
+    );
+    assert_eq!(
+        ids_and_status(&got),
+        [
+            (70, p.facts.bad_receive_status.1),
+            (71, WcStatus::WR_FLUSH_ERR)
+        ],
+        "on {}",
+        p.name
+    );
+    assert_error_fields(&p.facts, &sent, "requester");
+    assert_error_fields(&p.facts, &got, "responder");
+    assert_eq!(p.qa.state().unwrap(), QpState::Error);
+    assert_eq!(p.qb.state().unwrap(), QpState::Error);
+    assert!(foreign.bytes() == f0, "bytes landed");
+}

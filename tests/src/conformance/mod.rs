@@ -25,7 +25,8 @@ pub use errors::{
     error_completions_carry_no_opcode_or_length, local_protection_errors,
     posting_in_the_wrong_state_is_refused, qp_access_flags_are_enforced,
     receive_too_small_fails_both_sides, remote_access_errors_move_no_byte,
-    send_waits_for_a_receive, to_error_flushes_everything_outstanding,
+    send_into_a_bad_receive_fails_both_sides, send_waits_for_a_receive,
+    to_error_flushes_everything_outstanding,
 };
 pub use memory::{
     keys_are_distinct, lkey_and_rkey_of_a_remote_mr_are_equal, local_only_mr_has_no_remote_key,
@@ -75,6 +76,7 @@ macro_rules! conformance_tests {
             qp_access_flags_are_enforced,
             posting_in_the_wrong_state_is_refused,
             destroying_a_qp_with_completions_in_its_cq,
+            send_into_a_bad_receive_fails_both_sides,
         );
     };
     (@each $make:expr; $($scenario:ident),* $(,)?) => {
