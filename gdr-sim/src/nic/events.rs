@@ -15,6 +15,11 @@
 //!   CQ events also go to every open context of the device: verbs delivers
 //!   an affiliated event only to the context that created the object (a
 //!   difference that matters only to a process opening one device twice).
+//! - Each connection of the connection manager has its own eventfd
+//!   ([`Connection::event_fd`](hal_verbs::Connection::event_fd)), set when
+//!   either side disconnects and consumed by `poll_state`, as reading the
+//!   `rdma_event_channel` consumes its events (a device loss is reported on
+//!   the async fd, not there).
 //!
 //! What raises events by itself: a responder that meets a remote access
 //! violation (`REM_ACCESS_ERR` at the requester) raises
