@@ -34,7 +34,8 @@ pub struct Facts {
     pub rkey_equals_lkey: bool,
     /// An MR without remote rights has rkey 0. rxe: `rkey = (access &
     /// IB_ACCESS_REMOTE) ? lkey : 0` in `rxe_mr_init`; mlx5 hands out the
-    /// mkey as rkey regardless (a remote access then fails on rights).
+    /// mkey as rkey regardless (a remote access then fails on rights). The
+    /// sim: its device's `local_only_rkey_is_zero`.
     pub local_only_rkey_is_zero: bool,
     /// Error completions carry opcode 0 (`IBV_WC_SEND`) and byte_len 0. rxe:
     /// `make_send_cqe` and the responder's `do_complete` fill opcode and
@@ -45,7 +46,8 @@ pub struct Facts {
     /// Status of a request whose gather fails locally (an lkey of another
     /// PD, or none). rxe: LOC_QP_OP_ERR (`rxe_requester`: a failed
     /// `finish_packet` other than EFAULT; seen in the VM); mlx5: local
-    /// protection error (syndrome 0x4), LOC_PROT_ERR, which the sim gives.
+    /// protection error (syndrome 0x4), LOC_PROT_ERR. The sim: its
+    /// device's `gather_fault_status`.
     pub gather_fault_status: WcStatus,
     /// Status of a READ whose response cannot be scattered (the local MR
     /// lacks LOCAL_WRITE, or the SG entry overruns it): LOC_PROT_ERR on
@@ -55,19 +57,20 @@ pub struct Facts {
     /// The requester's and the responder's statuses for a SEND longer than
     /// the receive it consumes. rxe: REM_OP_ERR and LOC_QP_OP_ERR (seen in
     /// the VM, kernel 6.1); mlx5: REM_INV_REQ_ERR (IBA's NAK-Invalid
-    /// Request) and LOC_LEN_ERR, which the sim gives in every profile so
-    /// far (its rxe-like profile does not model rxe's statuses here).
+    /// Request) and LOC_LEN_ERR. The sim: its device's
+    /// `receive_too_small_status`.
     pub receive_too_small_status: (WcStatus, WcStatus),
     /// Send-queue slots of unsignaled requests are freed only when a later
-    /// completion is polled (mlx5: libmlx5 frees WQEs as it polls CQEs,
-    /// and the sim does as mlx5); rxe frees them as its completer retires
-    /// the WQEs, polled or not (see the VM run).
+    /// completion is polled (mlx5: libmlx5 frees WQEs as it polls CQEs);
+    /// rxe frees them as its completer retires the WQEs, polled or not
+    /// (see the VM run). The sim: its device's `slots_freed_when_polled`.
     pub unsignaled_slots_need_a_poll: bool,
     /// What a post refused for the QP's state (a send before RTS, a
     /// receive in RESET) says was posted: rxe's `ibv_post_send`/`recv`
     /// answer EINVAL with `bad_wr` outside the batch (seen in the VM), so
     /// `None` (`Posted::Unknown`); libmlx5 sets `bad_wr` to the first
-    /// request and the sim does the same: `Some(0)`.
+    /// request: `Some(0)`. The sim: `None` where its device's
+    /// `wrong_state_post_is_unknown`.
     pub wrong_state_post_accepted: Option<usize>,
     /// A destroyed QP's completions stay in its CQ (rxe), or are removed
     /// with it (mlx5: `mlx5_destroy_qp` cleans the CQ); the sim as its
@@ -76,9 +79,9 @@ pub struct Facts {
     /// The requester's and the responder's statuses for a SEND into a
     /// receive whose SG entry the responder cannot write (an lkey of
     /// another PD). Requester REM_OP_ERR everywhere; the responder's
-    /// receive LOC_PROT_ERR on mlx5 and the sim, LOC_QP_OP_ERR on rxe (its
-    /// failed `copy_data` is -EINVAL, as for a bad gather; seen in the
-    /// VM).
+    /// receive LOC_PROT_ERR on mlx5, LOC_QP_OP_ERR on rxe (its failed
+    /// `copy_data` is -EINVAL, as for a bad gather; seen in the VM). The
+    /// sim's receive: its device's `receive_fault_status`.
     pub bad_receive_status: (WcStatus, WcStatus),
     /// Longest a completion may take before the test fails.
     pub completion_timeout: Duration,
@@ -544,18 +547,26 @@ impl Backend for SimBackend {
         format!("sim:{}", self.profile)
     }
 
+    /// Where devices differ, from the device's `DeviceConfig` field that
+    /// makes the sim behave so (its docs cite the source).
     fn facts(&self) -> Facts {
+        let d = &self.device;
         Facts {
             rkey_equals_lkey: true,
-            local_only_rkey_is_zero: true,
+            local_only_rkey_is_zero: d.local_only_rkey_is_zero,
             error_wc_opcode_and_len_zero: true,
-            gather_fault_status: WcStatus::LOC_PROT_ERR,
+            gather_fault_status: d.gather_fault_status,
             scatter_fault_status: WcStatus::LOC_PROT_ERR,
-            receive_too_small_status: (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR),
-            unsignaled_slots_need_a_poll: true,
-            wrong_state_post_accepted: Some(0),
-            destroy_qp_keeps_completions: !self.device.destroy_qp_purges_cq,
-            bad_receive_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_PROT_ERR),
+            receive_too_small_status: d.receive_too_small_status,
+            unsignaled_slots_need_a_poll: d.slots_freed_when_polled,
+            wrong_state_post_accepted: if d.wrong_state_post_is_unknown {
+                None
+            } else {
+                Some(0)
+            },
+            destroy_qp_keeps_completions: !d.destroy_qp_purges_cq,
+            // The requester is told REM_OP_ERR on every device.
+            bad_receive_status: (WcStatus::REM_OP_ERR, d.receive_fault_status),
             completion_timeout: Duration::from_secs(2),
             quiet_window: Duration::from_millis(5),
         }
@@ -616,16 +627,10 @@ impl RxeBackend {
             _serial: serial,
         })
     }
-}
 
-impl Backend for RxeBackend {
-    type A = hal_verbs::rdma::RdmaApi;
-
-    fn name(&self) -> String {
-        "rxe".to_owned()
-    }
-
-    fn facts(&self) -> Facts {
+    /// What [`Backend::facts`] says for rxe, without opening it (the
+    /// sim's rxe-like profile is checked against it on the host).
+    pub fn rxe_facts() -> Facts {
         Facts {
             rkey_equals_lkey: true,
             local_only_rkey_is_zero: true,
@@ -641,6 +646,18 @@ impl Backend for RxeBackend {
             completion_timeout: Duration::from_secs(20),
             quiet_window: Duration::from_millis(300),
         }
+    }
+}
+
+impl Backend for RxeBackend {
+    type A = hal_verbs::rdma::RdmaApi;
+
+    fn name(&self) -> String {
+        "rxe".to_owned()
+    }
+
+    fn facts(&self) -> Facts {
+        Self::rxe_facts()
     }
 
     fn nodes(&self) -> (Node<Self::A>, Node<Self::A>) {

@@ -92,6 +92,150 @@ fn the_profiles_are_named_and_differ_where_the_providers_do() {
     assert!(!mlx5.device_loss_flushes && rxe.device_loss_flushes);
     assert!(mlx5.dmabuf && !rxe.dmabuf);
     assert!(mlx5.pci_bus_id.is_some() && rxe.pci_bus_id.is_none());
+    assert_eq!(
+        (mlx5.gather_fault_status, rxe.gather_fault_status),
+        (WcStatus::LOC_PROT_ERR, WcStatus::LOC_QP_OP_ERR)
+    );
+    assert_eq!(
+        (mlx5.receive_fault_status, rxe.receive_fault_status),
+        (WcStatus::LOC_PROT_ERR, WcStatus::LOC_QP_OP_ERR)
+    );
+    assert_eq!(
+        mlx5.receive_too_small_status,
+        (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR)
+    );
+    assert_eq!(
+        rxe.receive_too_small_status,
+        (WcStatus::REM_OP_ERR, WcStatus::LOC_QP_OP_ERR)
+    );
+    assert!(mlx5.slots_freed_when_polled && !rxe.slots_freed_when_polled);
+    assert!(!mlx5.wrong_state_post_is_unknown && rxe.wrong_state_post_is_unknown);
+    assert!(!mlx5.local_only_rkey_is_zero && rxe.local_only_rkey_is_zero);
+}
+
+/// The default device is ConnectX-like wherever the providers' answers
+/// differ in what a scenario sees.
+#[test]
+fn the_default_device_answers_as_mlx5() {
+    let (default, mlx5) = (DeviceConfig::default(), DeviceConfig::mlx5_like());
+    assert_eq!(default.gather_fault_status, mlx5.gather_fault_status);
+    assert_eq!(default.receive_fault_status, mlx5.receive_fault_status);
+    assert_eq!(
+        default.receive_too_small_status,
+        mlx5.receive_too_small_status
+    );
+    assert_eq!(
+        default.slots_freed_when_polled,
+        mlx5.slots_freed_when_polled
+    );
+    assert_eq!(
+        default.wrong_state_post_is_unknown,
+        mlx5.wrong_state_post_is_unknown
+    );
+    assert_eq!(
+        default.local_only_rkey_is_zero,
+        mlx5.local_only_rkey_is_zero
+    );
+}
+
+/// An MR without remote rights: rkey 0 on rxe (`rxe_mr_init`), its mkey
+/// (the lkey) on mlx5. A WRITE through that key fails on the MR's rights
+/// either way (REM_ACCESS_ERR) and moves nothing.
+#[test]
+fn a_local_only_mr_has_rkey_0_on_rxe_and_its_mkey_on_mlx5() {
+    for (name, config) in DeviceConfig::profiles() {
+        let (_fabric, a, b) = pair(&config, &QpCaps::default());
+        let mut src = vec![1u8; 16];
+        let mut dst = vec![0u8; 16];
+        let src_mr = register(&a.pd, &mut src);
+        // SAFETY: `dst` outlives its registration.
+        let dst_mr = unsafe {
+            b.pd.register(dst.as_mut_ptr() as u64, 16, AccessFlags::LOCAL_WRITE)
+        }
+        .unwrap();
+        let want = if config.local_only_rkey_is_zero {
+            0
+        } else {
+            dst_mr.lkey()
+        };
+        assert_eq!(dst_mr.rkey(), want, "{name}");
+        let write = SendRequest {
+            wr_id: 1,
+            op: SendOp::Write {
+                remote_addr: dst_mr.addr(),
+                rkey: dst_mr.rkey(),
+            },
+            sg_list: [Sge {
+                addr: src_mr.addr(),
+                length: 16,
+                lkey: src_mr.lkey(),
+            }]
+            .into_iter()
+            .collect(),
+            flags: SendFlags::SIGNALED,
+        };
+        // SAFETY: the buffers outlive their registrations.
+        unsafe { a.qp.post_send(&[write]) }.unwrap();
+        let mut wc = [Completion::default(); 2];
+        assert_eq!(a.cq.poll(&mut wc).unwrap(), 1, "{name}");
+        assert_eq!(wc[0].status, WcStatus::REM_ACCESS_ERR, "{name}");
+        assert_eq!(dst, [0u8; 16], "{name}: a byte moved");
+        drop((src_mr, dst_mr));
+    }
+}
+
+/// A receive's slot: freed when its completion is polled on mlx5 (libmlx5
+/// moves the queue's tail as it polls), when the device completes it on
+/// rxe (its responder advances the queue's consumer index).
+#[test]
+fn a_receive_slot_comes_back_on_completion_on_rxe_and_on_poll_on_mlx5() {
+    let caps = QpCaps {
+        max_recv_wr: 1,
+        ..QpCaps::default()
+    };
+    for (name, config) in DeviceConfig::profiles() {
+        let (fabric, a, b) = pair(&config, &caps);
+        let mut inbox = vec![0u8; 16];
+        let inbox_mr = register(&b.pd, &mut inbox);
+        let recv = |wr_id| hal_verbs::RecvRequest {
+            wr_id,
+            sg_list: [Sge {
+                addr: inbox_mr.addr(),
+                length: 16,
+                lkey: inbox_mr.lkey(),
+            }]
+            .into_iter()
+            .collect(),
+        };
+        // SAFETY: `inbox` outlives its registration.
+        unsafe { b.qp.post_recv(&[recv(1)]) }.unwrap();
+        let send = SendRequest {
+            wr_id: 2,
+            op: SendOp::Send,
+            sg_list: Default::default(),
+            flags: SendFlags::SIGNALED,
+        };
+        // SAFETY: no SG entry.
+        unsafe { a.qp.post_send(&[send]) }.unwrap();
+        // The SEND consumes the receive; its completion is not polled.
+        assert_eq!(fabric.progress(), 1, "{name}");
+        // SAFETY: as above.
+        let again = unsafe { b.qp.post_recv(&[recv(3)]) };
+        if config.slots_freed_when_polled {
+            let err = again.unwrap_err();
+            assert!(
+                matches!(err.error, VerbsError::QueueFull { .. }),
+                "{name}: {err}"
+            );
+            let mut wc = [Completion::default(); 2];
+            assert_eq!(b.cq.poll(&mut wc).unwrap(), 1, "{name}");
+            // SAFETY: as above.
+            unsafe { b.qp.post_recv(&[recv(3)]) }.unwrap();
+        } else {
+            again.unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        drop((inbox_mr, a));
+    }
 }
 
 /// An INLINE request above the QP's `max_inline_data` is refused at post

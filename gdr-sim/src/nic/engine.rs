@@ -53,6 +53,16 @@ enum Step {
     Ran,
 }
 
+/// Why an SG entry cannot be used.
+#[derive(Debug, Clone, Copy)]
+enum SgFault {
+    /// Its lkey names no MR of the QP's device and PD (or one without
+    /// LOCAL_WRITE where the NIC writes).
+    Key,
+    /// It runs past its MR.
+    Bounds,
+}
+
 /// Moves the bytes of a planned transfer.
 fn copy_all(copies: &[Piece]) {
     for copy in copies {
@@ -348,9 +358,9 @@ impl FabricState {
     }
 
     /// The local pieces of an SG list: each lkey must name an MR of this
-    /// device and PD covering the entry (with LOCAL_WRITE where the NIC
-    /// writes), else LOC_PROT_ERR.
-    fn segments(&self, qp: &QpRecord, sg_list: &SgList, write: bool) -> Result<Segments, WcStatus> {
+    /// device and PD (with LOCAL_WRITE where the NIC writes), else
+    /// [`SgFault::Key`], covering the entry, else [`SgFault::Bounds`].
+    fn segments(&self, qp: &QpRecord, sg_list: &SgList, write: bool) -> Result<Segments, SgFault> {
         let mut out = Vec::with_capacity(sg_list.len());
         for sge in sg_list.iter().filter(|s| s.length > 0) {
             let mr = self
@@ -358,10 +368,10 @@ impl FabricState {
                 .get(&sge.lkey)
                 .filter(|mr| mr.device == qp.device && mr.pd == qp.pd)
                 .filter(|mr| !write || mr.access.contains(AccessFlags::LOCAL_WRITE))
-                .ok_or(WcStatus::LOC_PROT_ERR)?;
+                .ok_or(SgFault::Key)?;
             let ptr = mr
                 .resolve(sge.addr, u64::from(sge.length))
-                .ok_or(WcStatus::LOC_PROT_ERR)?;
+                .ok_or(SgFault::Bounds)?;
             out.push((ptr, sge.length as usize));
         }
         Ok(out)
@@ -428,6 +438,7 @@ impl FabricState {
     fn plan_transfer(&self, qpn: u32, qp: &QpRecord, wqe: &SendWqe) -> Option<Plan> {
         let fail = |status, responder| Some(Plan::Fail { status, responder });
         let len = wqe.byte_len();
+        let config = &self.devices[qp.device].config;
         // The local side first: a bad lkey fails before anything is sent.
         let local = match &wqe.inline {
             Some(data) => vec![(NicPtr(data.as_ptr().cast_mut()), data.len())],
@@ -435,11 +446,16 @@ impl FabricState {
                 let is_read = matches!(wqe.op, SendOp::Read { .. });
                 match self.segments(qp, &wqe.sg_list, is_read) {
                     Ok(segments) => segments,
-                    Err(status) => return fail(status, None),
+                    // A gather whose key is unusable: the device's status
+                    // (rxe: LOC_QP_OP_ERR). Everything else, and the
+                    // scatter of a READ, is a local protection error.
+                    Err(SgFault::Key) if !is_read => {
+                        return fail(config.gather_fault_status, None);
+                    }
+                    Err(_) => return fail(WcStatus::LOC_PROT_ERR, None),
                 }
             }
         };
-        let config = &self.devices[qp.device].config;
         if config.link_down_fails_locally && config.port_state != hal_verbs::PortState::Active {
             // rxe cannot transmit on a netdev that is down.
             return fail(WcStatus::LOC_QP_OP_ERR, None);
@@ -486,18 +502,23 @@ impl FabricState {
             }
             SendOp::Send | SendOp::SendWithImm { .. } => {
                 let recv_wqe = peer.rq.front()?;
+                // The responder's device decides what its receive says, and
+                // the NAK that the requester's status comes from.
+                let peer_config = &self.devices[peer.device].config;
                 let dst = match self.segments(peer, &recv_wqe.sg_list, true) {
                     Ok(dst) => dst,
-                    // The responder's own protection error; the requester is
-                    // told "remote operational error".
-                    Err(status) => return fail(WcStatus::REM_OP_ERR, responder(Some(status))),
+                    // The responder's own error (mlx5: local protection;
+                    // rxe: a malformed WQE); the requester is told "remote
+                    // operational error".
+                    Err(_) => {
+                        let status = peer_config.receive_fault_status;
+                        return fail(WcStatus::REM_OP_ERR, responder(Some(status)));
+                    }
                 };
                 let room: u64 = dst.iter().map(|&(_, l)| l as u64).sum();
                 if room < len {
-                    return fail(
-                        WcStatus::REM_INV_REQ_ERR,
-                        responder(Some(WcStatus::LOC_LEN_ERR)),
-                    );
+                    let (requester, receive) = peer_config.receive_too_small_status;
+                    return fail(requester, responder(Some(receive)));
                 }
                 let imm = match wqe.op {
                     SendOp::SendWithImm { imm } => Some(imm),

@@ -57,7 +57,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use hal_verbs::{
     Api, AsyncEvent, Context, CqModerationCaps, DeviceAttributes, DeviceInfo, GidEntry, Mtu,
-    PortAttributes, PortState, Provider, Result, VerbsError,
+    PortAttributes, PortState, Provider, Result, VerbsError, WcStatus,
 };
 
 use crate::faults::FaultPlan;
@@ -143,6 +143,67 @@ pub struct DeviceConfig {
     /// default (ConnectX): the request is sent into a dead link and ends in
     /// `RETRY_EXC_ERR` when its retries run out.
     pub link_down_fails_locally: bool,
+    /// The status of a request whose gather fails locally because an SG
+    /// entry's lkey names no MR of the QP's PD (another PD's, or none).
+    /// ConnectX: a local protection error (CQE syndrome
+    /// `MLX5_CQE_SYNDROME_LOCAL_PROT_ERR`, mapped by libmlx5's
+    /// `mlx5_handle_error_cqe` in `providers/mlx5/cq.c`), `LOC_PROT_ERR`,
+    /// the default. rxe: `LOC_QP_OP_ERR` (`rxe_requester` in the kernel's
+    /// `drivers/infiniband/sw/rxe/rxe_req.c` gives it for a failed
+    /// `finish_packet` other than EFAULT, and `copy_data`'s failed MR
+    /// lookup is EINVAL; seen in the VM, kernel 6.1). An entry that
+    /// overruns its MR is `LOC_PROT_ERR` on both (rxe's range check is
+    /// EFAULT).
+    pub gather_fault_status: WcStatus,
+    /// The status of a receive whose SG entry the responder cannot write
+    /// (an lkey of another PD, or none, or an entry past its MR) when a
+    /// SEND lands in it; the requester is told `REM_OP_ERR` (NAK Remote
+    /// Operational Error) on both devices. ConnectX: `LOC_PROT_ERR` (the
+    /// responder's local protection error), the default. rxe:
+    /// `LOC_QP_OP_ERR` (`send_data_in` in `rxe_resp.c` answers a failed
+    /// `copy_data` with `RESPST_ERR_MALFORMED_WQE`, completed as
+    /// `IB_WC_LOC_QP_OP_ERR`; seen in the VM, kernel 6.1).
+    pub receive_fault_status: WcStatus,
+    /// The requester's and the responder's statuses for a SEND longer
+    /// than the receive it consumes (nothing is placed). ConnectX:
+    /// `REM_INV_REQ_ERR` (IBA's NAK Invalid Request, which the responder
+    /// sends on a length error) and `LOC_LEN_ERR` for the receive, the
+    /// default. rxe: `REM_OP_ERR` and `LOC_QP_OP_ERR` (rxe's `copy_data`
+    /// refuses a copy past the receive's residue with EINVAL, which the
+    /// responder treats as a malformed WQE and NAKs as a remote
+    /// operational error; seen in the VM, kernel 6.1).
+    pub receive_too_small_status: (WcStatus, WcStatus),
+    /// Whether a queue slot is freed only when its completion, or a later
+    /// one of its queue, is polled, as on ConnectX (the default): libmlx5
+    /// moves a work queue's tail as it polls CQEs (`mlx5_parse_cqe` in
+    /// `providers/mlx5/cq.c` sets the send queue's tail from the CQE's
+    /// `wqe_counter`), so the slots of unsignaled requests stay taken until
+    /// a later signaled completion is polled. Off, as on rxe: the device
+    /// frees a slot when it retires the request (`do_complete` in
+    /// `rxe_comp.c` and `rxe_resp.c` advance the queue's consumer index,
+    /// signaled or not, polled or not; seen in the VM), so a queue whose
+    /// unsignaled requests all completed takes new ones before any poll.
+    pub slots_freed_when_polled: bool,
+    /// Whether a post refused for the QP's state (a send before RTS, a
+    /// receive in RESET) leaves `bad_wr` outside the batch, so the HAL
+    /// reports [`hal_verbs::Posted::Unknown`], as librxe does: its
+    /// `rxe_post_send` sets `*bad_wr = NULL`, queues the requests, and
+    /// returns the EINVAL of the doorbell (the kernel's `rxe_post_send`
+    /// refuses a QP below RTS); its `rxe_post_recv` answers EINVAL for
+    /// RESET before looking at the batch (`providers/rxe/rxe.c`; seen in
+    /// the VM). Off (ConnectX-like, the default): the error names the
+    /// first request (`Posted::Prefix(0)`), the answer the conformance
+    /// suite's facts record for mlx5 (which sets `bad_wr` to the request it
+    /// refuses). Either way the sim queues none of the batch: a drain after
+    /// `Unknown` completes nothing.
+    pub wrong_state_post_is_unknown: bool,
+    /// Whether an MR without remote rights gets rkey 0, as on rxe:
+    /// `rxe_mr_init` (kernel `rxe_mr.c`) sets `rkey = (access &
+    /// IB_ACCESS_REMOTE) ? lkey : 0`. Off (ConnectX, the default): the
+    /// MR's one mkey is both its lkey and its rkey whatever its rights
+    /// (`mlx5_ib_reg_user_mr`), and a remote access through it fails on the
+    /// MR's rights (`REM_ACCESS_ERR`).
+    pub local_only_rkey_is_zero: bool,
 }
 
 impl Default for DeviceConfig {
@@ -184,6 +245,12 @@ impl Default for DeviceConfig {
             device_loss_flushes: true,
             responder_error_events: true,
             link_down_fails_locally: false,
+            gather_fault_status: WcStatus::LOC_PROT_ERR,
+            receive_fault_status: WcStatus::LOC_PROT_ERR,
+            receive_too_small_status: (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR),
+            slots_freed_when_polled: true,
+            wrong_state_post_is_unknown: false,
+            local_only_rkey_is_zero: false,
         }
     }
 }
@@ -214,6 +281,17 @@ impl DeviceConfig {
     ///   rxe cannot be made fatal while a process holds it, so
     ///   [`rxe_like`](Self::rxe_like) keeps the flushes.
     ///
+    /// Where the default already behaves as mlx5 does, `mlx5_like()` keeps
+    /// it: the error statuses ([`gather_fault_status`](Self::gather_fault_status),
+    /// [`receive_fault_status`](Self::receive_fault_status),
+    /// [`receive_too_small_status`](Self::receive_too_small_status)), slots
+    /// freed as completions are polled
+    /// ([`slots_freed_when_polled`](Self::slots_freed_when_polled)), a
+    /// refused post naming its first request
+    /// ([`wrong_state_post_is_unknown`](Self::wrong_state_post_is_unknown)
+    /// off) and the mkey as rkey of every MR
+    /// ([`local_only_rkey_is_zero`](Self::local_only_rkey_is_zero) off).
+    ///
     /// The conformance suite runs per profile: `mlx5_like()` and
     /// [`rxe_like()`](Self::rxe_like) (see [`profiles`](Self::profiles)).
     pub fn mlx5_like() -> Self {
@@ -221,6 +299,14 @@ impl DeviceConfig {
             destroy_qp_purges_cq: true,
             inline_overflow_errno: libc::ENOMEM,
             device_loss_flushes: false,
+            // As the default, spelled out: this profile is mlx5 whatever
+            // the default becomes.
+            gather_fault_status: WcStatus::LOC_PROT_ERR,
+            receive_fault_status: WcStatus::LOC_PROT_ERR,
+            receive_too_small_status: (WcStatus::REM_INV_REQ_ERR, WcStatus::LOC_LEN_ERR),
+            slots_freed_when_polled: true,
+            wrong_state_post_is_unknown: false,
+            local_only_rkey_is_zero: false,
             ..Self::default()
         }
     }
@@ -236,7 +322,20 @@ impl DeviceConfig {
     /// for a responder's error
     /// ([`responder_error_events`](Self::responder_error_events)), a
     /// request on a down link failing at once
-    /// ([`link_down_fails_locally`](Self::link_down_fails_locally)).
+    /// ([`link_down_fails_locally`](Self::link_down_fails_locally)), and
+    /// rxe's answers where they are not ConnectX's, each seen in the VM
+    /// (the conformance suite's `RxeBackend` facts) and cited on its
+    /// field: `LOC_QP_OP_ERR` for a gather or a receive it cannot use
+    /// ([`gather_fault_status`](Self::gather_fault_status),
+    /// [`receive_fault_status`](Self::receive_fault_status)),
+    /// `REM_OP_ERR`/`LOC_QP_OP_ERR` for a receive too small
+    /// ([`receive_too_small_status`](Self::receive_too_small_status)),
+    /// slots freed as the device retires requests
+    /// ([`slots_freed_when_polled`](Self::slots_freed_when_polled) off),
+    /// `Posted::Unknown` for a post refused for the QP's state
+    /// ([`wrong_state_post_is_unknown`](Self::wrong_state_post_is_unknown)),
+    /// and rkey 0 for an MR without remote rights
+    /// ([`local_only_rkey_is_zero`](Self::local_only_rkey_is_zero)).
     pub fn rxe_like() -> Self {
         let mut attributes = Self::default().attributes;
         attributes.num_comp_vectors = 1;
@@ -248,6 +347,12 @@ impl DeviceConfig {
             attributes,
             responder_error_events: false,
             link_down_fails_locally: true,
+            gather_fault_status: WcStatus::LOC_QP_OP_ERR,
+            receive_fault_status: WcStatus::LOC_QP_OP_ERR,
+            receive_too_small_status: (WcStatus::REM_OP_ERR, WcStatus::LOC_QP_OP_ERR),
+            slots_freed_when_polled: false,
+            wrong_state_post_is_unknown: true,
+            local_only_rkey_is_zero: true,
             ..Self::default()
         }
     }

@@ -84,15 +84,20 @@ impl SimPd {
 
     /// Records a checked registration and returns its handle.
     ///
-    /// Keys as rxe makes them (`rxe_mr_init`, drivers/infiniband/sw/rxe/
-    /// rxe_mr.c): the rkey is the lkey for an MR with a remote right, and 0
-    /// for a local-only one (mlx5 gives its one mkey as both). Checked on
-    /// rxe by the conformance suite.
+    /// Keys as rxe and mlx5 make them: one key serves as lkey and rkey
+    /// (rxe's `rxe_mr_init`, drivers/infiniband/sw/rxe/rxe_mr.c; mlx5's
+    /// mkey). An MR without remote rights gets rkey 0 on an rxe-like
+    /// device ([`DeviceConfig::local_only_rkey_is_zero`](super::DeviceConfig)),
+    /// its mkey on a ConnectX-like one (a remote access through it then
+    /// fails on the MR's rights). Checked on rxe by the conformance suite.
     fn insert(&self, state: &mut FabricState, mr: MrState) -> SimMr {
         let lkey = state.next_key();
         let remote =
             AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
-        let rkey = if mr.access.intersects(remote) {
+        let zero = state.devices[self.inner.device]
+            .config
+            .local_only_rkey_is_zero;
+        let rkey = if mr.access.intersects(remote) || !zero {
             lkey
         } else {
             0

@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use hal_verbs::{
-    Completion, CompletionQueue, CqNotify, InitParams, PostError, QpAttributes, QpCaps, QpState,
-    QueuePair, RecvRequest, Result, RtrParams, RtsParams, SendFlags, SendOp, SendRequest,
+    Completion, CompletionQueue, CqNotify, InitParams, PostError, Posted, QpAttributes, QpCaps,
+    QpState, QueuePair, RecvRequest, Result, RtrParams, RtsParams, SendFlags, SendOp, SendRequest,
     VerbsError,
 };
 
@@ -307,6 +307,27 @@ fn bad_transition(
     )
 }
 
+/// A post refused for the QP's state (EINVAL), none of the batch queued:
+/// the error names the first request, or (on an rxe-like device, see
+/// [`DeviceConfig::wrong_state_post_is_unknown`](super::DeviceConfig))
+/// none of the batch, as librxe leaves `bad_wr` NULL.
+fn wrong_state(
+    state: &FabricState,
+    device: usize,
+    operation: &'static str,
+    reason: String,
+) -> PostError {
+    let error = state.einval(device, operation, reason);
+    if state.devices[device].config.wrong_state_post_is_unknown {
+        PostError {
+            posted: Posted::Unknown,
+            error,
+        }
+    } else {
+        PostError::prefix(0, error)
+    }
+}
+
 fn check_port(state: &FabricState, device: usize, operation: &'static str, port: u8) -> Result<()> {
     if port == 0 || port > state.devices[device].config.attributes.phys_port_cnt {
         return Err(state.einval(device, operation, format!("no port {port}")));
@@ -493,7 +514,7 @@ impl QueuePair for SimQp {
             QpState::Error => PostMode::Flush,
             other => {
                 let reason = format!("QP {} is in {other:?}; sends need RTS", self.qpn);
-                return Err(at(0)(state.einval(device, OP, reason)));
+                return Err(wrong_state(state, device, OP, reason));
             }
         };
         let mut result = Ok(());
@@ -531,7 +552,7 @@ impl QueuePair for SimQp {
         let mode = match record(state, self.qpn).map_err(at(0))?.state {
             QpState::Reset => {
                 let reason = format!("QP {} is in RESET; receives need INIT or later", self.qpn);
-                return Err(at(0)(state.einval(device, OP, reason)));
+                return Err(wrong_state(state, device, OP, reason));
             }
             QpState::Error => PostMode::Flush,
             _ => PostMode::Queue,

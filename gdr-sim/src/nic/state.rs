@@ -85,9 +85,10 @@ impl MrState {
 pub(crate) struct CqEntry {
     pub wc: Completion,
     /// (QP, queue, sequence number + 1): polling it retires that many
-    /// requests of that queue, as a real NIC frees WQEs only when their CQE
+    /// requests of that queue, as ConnectX frees WQEs only when their CQE
     /// (or a later one) is polled; unsignaled requests keep their slot until
-    /// then.
+    /// then. (An rxe-like device retired them at completion already:
+    /// [`DeviceConfig::slots_freed_when_polled`].)
     pub retire: (u32, Queue, u64),
 }
 
@@ -279,8 +280,8 @@ impl FabricState {
     }
 
     /// A fresh memory key: distinct from every key handed out before on
-    /// this fabric, and never 0. An MR's lkey, and its rkey where it has a
-    /// remote right (rxe and mlx5 use one key for both).
+    /// this fabric, and never 0. An MR's lkey, and its rkey (rxe and mlx5
+    /// use one key for both) unless that is 0 (rxe, no remote right).
     pub fn next_key(&mut self) -> u32 {
         loop {
             self.next_key = self.next_key.wrapping_add(1);
@@ -427,6 +428,7 @@ impl FabricState {
                 self.events.raise(remote.device, event);
             }
         }
+        self.retire_at_completion(qpn, (qpn, Queue::Send, wqe.seq + 1));
         let Some(qp) = self.qps.get(&qpn) else {
             return;
         };
@@ -470,6 +472,7 @@ impl FabricState {
         byte_len: u64,
         imm: Option<u32>,
     ) {
+        self.retire_at_completion(qpn, (qpn, Queue::Recv, wqe.seq + 1));
         let Some(qp) = self.qps.get(&qpn) else {
             return;
         };
@@ -543,7 +546,20 @@ impl FabricState {
         }
     }
 
-    /// Frees queue slots when a completion is polled.
+    /// Frees the slots up to `slot` as the device retires the request
+    /// there, on a device that does not wait for the poll (rxe: see
+    /// [`DeviceConfig::slots_freed_when_polled`]).
+    fn retire_at_completion(&mut self, qpn: u32, slot: (u32, Queue, u64)) {
+        let Some(qp) = self.qps.get(&qpn) else {
+            return;
+        };
+        if !self.devices[qp.device].config.slots_freed_when_polled {
+            self.retire(slot);
+        }
+    }
+
+    /// Frees queue slots when a completion is polled (on every device; on
+    /// one that frees them at completion already, this changes nothing).
     pub fn retire(&mut self, (qpn, queue, upto): (u32, Queue, u64)) {
         if let Some(qp) = self.qps.get_mut(&qpn) {
             let retired = match queue {
