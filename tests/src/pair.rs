@@ -103,6 +103,79 @@ pub trait Backend {
     /// the address the other reaches it at; `None` where the backend has
     /// no connection manager (the reason printed).
     fn cm_sides(&self) -> Option<CmSides<Self::A>>;
+    /// How its transport timers behave ([`TimingFacts`]).
+    fn timing(&self) -> TimingFacts;
+    /// From now on, time passes for `node`'s device only through
+    /// [`Backend::advance`]: the sim's clock goes Manual. Real time cannot
+    /// be held, so on real devices (the default) this does nothing.
+    fn hold_time(&self, node: &Node<Self::A>) {
+        let _ = node;
+    }
+    /// Lets `d` of time pass for `node`'s device: the sim advances its
+    /// virtual clock (every timer due on the way fires, exactly); a real
+    /// device (the default) sleeps in real time.
+    fn advance(&self, node: &Node<Self::A>, d: Duration) {
+        let _ = node;
+        std::thread::sleep(d);
+    }
+}
+
+/// How a backend's transport timers (ACK timeout and `retry_cnt`, RNR
+/// timer and `rnr_retry`) behave, for the timing scenarios
+/// ([`crate::conformance`]'s `timing`), each with its source.
+#[derive(Debug, Clone)]
+pub struct TimingFacts {
+    /// Time is real (it passes while the test runs, and [`Backend::advance`]
+    /// sleeps); false on the sim, whose clock is virtual.
+    pub real_time: bool,
+    /// The ACK timeout code and `retry_cnt` of RTS are honoured: a request
+    /// to a dead peer fails with `RETRY_EXC_ERR` after `retry_cnt + 1`
+    /// timeouts (rxe: `qp->qp_timeout_jiffies`, set from the code in
+    /// `rxe_qp_from_attr`, drivers/infiniband/sw/rxe/rxe_qp.c, arms
+    /// `retrans_timer`; `rxe_completer`'s `COMPST_ERROR_RETRY` counts
+    /// `comp.retry_cnt` down, rxe_comp.c).
+    pub honours_ack_timeout: bool,
+    /// The responder's `min_rnr_timer` (RTR) sets the requester's wait per
+    /// RNR NAK and `rnr_retry` (RTS) counts them (rxe: `rnrnak_jiffies`
+    /// of the NAK's syndrome, `COMPST_RNR_RETRY` in rxe_comp.c).
+    pub honours_rnr_timer: bool,
+    /// The timers' tick: a timer period is rounded down to it, and is at
+    /// least one tick (rxe: jiffies; `nsecs_to_jiffies` truncates, and
+    /// both timers are at least 1 jiffy; the VM's kernel has HZ=250).
+    /// Zero on the sim: exact.
+    pub tick: Duration,
+    /// How much earlier than its nominal period (after the rounding to
+    /// `tick`) one timer period may end: a timer armed mid-tick fires at
+    /// the next tick boundary, so up to one tick early on rxe. Zero on
+    /// the sim.
+    pub early_per_period: Duration,
+    /// How long after its nominal deadline an expiry may still be in
+    /// coming (scheduling, the VM's emulation). Zero on the sim.
+    pub late: Duration,
+}
+
+impl TimingFacts {
+    /// The exact timers of the sim's virtual clock.
+    pub fn exact() -> Self {
+        Self {
+            real_time: false,
+            honours_ack_timeout: true,
+            honours_rnr_timer: true,
+            tick: Duration::ZERO,
+            early_per_period: Duration::ZERO,
+            late: Duration::ZERO,
+        }
+    }
+
+    /// One timer period of nominal length `nominal`, as the backend runs
+    /// it: rounded down to whole ticks, at least one.
+    pub fn period(&self, nominal: Duration) -> Duration {
+        if self.tick.is_zero() {
+            return nominal;
+        }
+        let ticks = (nominal.as_nanos() / self.tick.as_nanos()).max(1);
+        self.tick * u32::try_from(ticks).expect("ticks")
+    }
 }
 
 /// A server side and a client side.
@@ -572,6 +645,18 @@ impl Backend for SimBackend {
         }
     }
 
+    fn timing(&self) -> TimingFacts {
+        TimingFacts::exact()
+    }
+
+    fn hold_time(&self, node: &Node<Self::A>) {
+        node.ctx.clock().set_mode(gdr_sim::ClockMode::Manual);
+    }
+
+    fn advance(&self, node: &Node<Self::A>, d: Duration) {
+        node.ctx.clock().advance(d);
+    }
+
     fn nodes(&self) -> (Node<Self::A>, Node<Self::A>) {
         use hal_verbs::Provider as _;
         let fabric = gdr_sim::SimFabric::new();
@@ -658,6 +743,30 @@ impl Backend for RxeBackend {
 
     fn facts(&self) -> Facts {
         Self::rxe_facts()
+    }
+
+    /// Measured in the VM (Debian kernel, HZ=250: a jiffy is 4 ms) by
+    /// `rxe_timing_measured` (tests/rxe_conformance.rs), post to completion,
+    /// three runs each: WRITE to a destroyed QP, ACK code 12 (16.8 ms,
+    /// 4 jiffies) `retry_cnt` 0: 16.6, 16.9, 54.9 ms; `retry_cnt` 2
+    /// (nominal 50.3 ms): 56.8, 60.4, 64.3 ms; code 14 `retry_cnt` 1
+    /// (nominal 134.2 ms, 128 in jiffies): 129.9, 133.9, 134.2 ms; code 10
+    /// `retry_cnt` 1 (nominal 8.4 ms): 16.7 to 22.8 ms. SEND without a
+    /// receive, RNR code 22 (20.48 ms, 5 jiffies) `rnr_retry` 2 (nominal
+    /// 40.96 ms): 54.7, 54.8, 55.8 ms; code 1 (10 µs, raised to one jiffy)
+    /// `rnr_retry` 2: 15.2, 16.7, 203 ms. So: never earlier than the
+    /// jiffy-rounded nominal less a jiffy a period, usually one or two
+    /// jiffies a period later (the timer fires, then the completer and the
+    /// requester tasks run), and a run may be descheduled for ~200 ms.
+    fn timing(&self) -> TimingFacts {
+        TimingFacts {
+            real_time: true,
+            honours_ack_timeout: true,
+            honours_rnr_timer: true,
+            tick: Duration::from_millis(4),
+            early_per_period: Duration::from_millis(4),
+            late: Duration::from_millis(400),
+        }
     }
 
     fn nodes(&self) -> (Node<Self::A>, Node<Self::A>) {

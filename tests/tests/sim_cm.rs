@@ -5,13 +5,19 @@
 //! client sends a small hello), the client WRITEs and READs through it.
 //!
 //! Connect and accept block, so each test runs the two sides on two threads.
+//!
+//! The tests that wait for a timeout run the fabric's clock in Manual mode:
+//! the waits run on the virtual clock, so a test advances it past the
+//! deadline (from another thread than the blocked call) and checks the call
+//! returns then, not before, and not because real time passed.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation};
 use gdr_sim::{
-    NodeConfig, SimCm, SimConnection, SimContext, SimCq, SimFabric, SimMr, SimPd, SimVerbs,
+    ClockMode, NodeConfig, SimCm, SimConnection, SimContext, SimCq, SimFabric, SimMr, SimPd,
+    SimVerbs,
 };
 use gdr_tests::{init_tracing, pattern};
 use hal_verbs::{
@@ -117,6 +123,55 @@ fn post(conn: &SimConnection, request: SendRequest) {
 }
 
 /// Server and client nodes on one fabric, the server listening.
+/// One tick of the virtual clock.
+const NS: Duration = Duration::from_nanos(1);
+
+/// Returns once `n` connection manager calls wait on `fabric`'s virtual
+/// clock; fails after 5 s of real time (a call that waits on the real clock
+/// is never counted).
+fn until_virtual_waits(fabric: &SimFabric, n: usize) {
+    let start = Instant::now();
+    while fabric.cm_virtual_waits() < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{} cm call(s) wait on the virtual clock, not {n}",
+            fabric.cm_virtual_waits()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Runs `call` (a cm call that blocks until its timeout, `bound`, on the
+/// Manual clock) on another thread; advances the clock to one tick before
+/// the bound and checks the call still waits after 100 ms of real time,
+/// then by the last tick, and returns what the call returned.
+fn at_the_virtual_bound<T: Send>(
+    fabric: &SimFabric,
+    bound: Duration,
+    call: impl FnOnce() -> T + Send,
+) -> T {
+    assert_eq!(fabric.clock().mode(), ClockMode::Manual);
+    std::thread::scope(|s| {
+        let waiter = s.spawn(call);
+        until_virtual_waits(fabric, 1);
+        fabric.advance(bound - NS);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            !waiter.is_finished(),
+            "returned before its deadline ({bound:?} of virtual time)"
+        );
+        fabric.advance(NS);
+        waiter.join().unwrap()
+    })
+}
+
+/// A pair on a fabric whose clock is Manual.
+fn manual_pair() -> (SimFabric, Node, Node) {
+    let (fabric, server, client) = pair();
+    fabric.clock().set_mode(ClockMode::Manual);
+    (fabric, server, client)
+}
+
 fn pair() -> (SimFabric, Node, Node) {
     init_tracing();
     let fabric = SimFabric::new();
@@ -224,10 +279,15 @@ fn connect_accept_exchange_a_descriptor_then_write_and_read() {
     assert_eq!(server_conn.qp().state().unwrap(), QpState::Error);
 }
 
+/// Nobody listening: connect retries until its timeout, on the virtual
+/// clock: Timeout exactly when virtual time passes the bound (not before,
+/// though 100 ms of real time pass one tick before it), reporting the
+/// virtual time waited. (A connect that waits on the real clock fails
+/// here within 5 s: it is never seen waiting on the virtual one.)
 #[test]
-fn connect_with_nobody_listening_times_out_within_the_bound() {
-    let (_fabric, server, client) = pair();
-    let bound = Duration::from_millis(300);
+fn connect_with_nobody_listening_times_out_at_the_virtual_bound() {
+    let (fabric, server, client) = manual_pair();
+    let bound = Duration::from_secs(2);
     let params = ConnectParams {
         timeout: bound,
         ..ConnectParams::default()
@@ -238,16 +298,15 @@ fn connect_with_nobody_listening_times_out_within_the_bound() {
         // No host at all.
         SocketAddr::from((Ipv4Addr::new(10, 77, 9, 9), 7471)),
     ] {
-        let start = Instant::now();
-        let err = client
-            .cm
-            .connect(peer, &client.pd, &client.cq, &client.cq, &params, HELLO)
-            .unwrap_err();
-        let took = start.elapsed();
-        assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+        let err = at_the_virtual_bound(&fabric, bound, || {
+            client
+                .cm
+                .connect(peer, &client.pd, &client.cq, &client.cq, &params, HELLO)
+                .unwrap_err()
+        });
         assert!(
-            took >= bound && took < bound + Duration::from_secs(2),
-            "{peer}: {took:?}"
+            matches!(err, VerbsError::Timeout { waited, .. } if waited == bound),
+            "{peer}: {err}"
         );
     }
     // Nothing is left behind on the server's device.
@@ -255,15 +314,51 @@ fn connect_with_nobody_listening_times_out_within_the_bound() {
         .cm
         .listen(SocketAddr::new(server.ip(), 9), 1)
         .unwrap();
-    let err = listener
-        .next_request(Duration::from_millis(50))
+    let bound = Duration::from_millis(50);
+    let err = at_the_virtual_bound(&fabric, bound, || listener.next_request(bound).unwrap_err());
+    assert!(
+        matches!(err, VerbsError::Timeout { waited, .. } if waited == bound),
+        "{err}"
+    );
+}
+
+/// In Auto mode the waits keep running on the real clock, as before the
+/// virtual clock.
+#[test]
+fn auto_mode_waits_on_the_real_clock() {
+    let (fabric, server, client) = pair();
+    assert_eq!(fabric.clock().mode(), ClockMode::Auto);
+    let bound = Duration::from_millis(100);
+    let params = ConnectParams {
+        timeout: bound,
+        ..ConnectParams::default()
+    };
+    let start = Instant::now();
+    let err = client
+        .cm
+        .connect(
+            SocketAddr::new(server.ip(), 9),
+            &client.pd,
+            &client.cq,
+            &client.cq,
+            &params,
+            HELLO,
+        )
         .unwrap_err();
+    let took = start.elapsed();
     assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert_eq!(fabric.cm_virtual_waits(), 0);
 }
 
 #[test]
 fn a_client_started_before_its_server_retries_until_it_listens() {
-    let (_fabric, server, client) = pair();
+    // On the Manual clock: the client is surely waiting (for a listener)
+    // when the server listens, and no time passes at all.
+    let (fabric, server, client) = manual_pair();
     let addr = SocketAddr::new(server.ip(), 7000);
     let conn = std::thread::scope(|s| {
         let c = s.spawn(|| {
@@ -271,7 +366,7 @@ fn a_client_started_before_its_server_retries_until_it_listens() {
                 .cm
                 .connect(addr, &client.pd, &client.cq, &client.cq, &fast(), b"late")
         });
-        std::thread::sleep(Duration::from_millis(100));
+        until_virtual_waits(&fabric, 1);
         let listener = server.cm.listen(addr, 1).unwrap();
         let request = listener.next_request(Duration::from_secs(5)).unwrap();
         let conn = request
@@ -281,6 +376,7 @@ fn a_client_started_before_its_server_retries_until_it_listens() {
         (c.join().unwrap().unwrap(), conn)
     });
     assert!(conn.0.peer_private_data().is_empty());
+    assert_eq!(fabric.clock().now(), Duration::ZERO);
     // Dropping one side disconnects it; the other sees it.
     drop(conn.0);
     assert_eq!(
@@ -403,7 +499,7 @@ fn bad_parameters_are_refused_before_anything_is_sent() {
 /// with `Disconnected`: the wait holds no lock `disconnect` needs.
 #[test]
 fn disconnect_while_poll_state_waits_returns_promptly() {
-    let (_fabric, server, client) = pair();
+    let (fabric, server, client) = manual_pair();
     let addr = SocketAddr::new(server.ip(), 7471);
     let listener = server.cm.listen(addr, 1).unwrap();
     let (server_conn, client_conn) = std::thread::scope(|s| {
@@ -418,13 +514,19 @@ fn disconnect_while_poll_state_waits_returns_promptly() {
             .unwrap();
         (conn, c.join().unwrap().unwrap())
     });
+    // With nothing happening, poll_state returns Connected at its (virtual)
+    // timeout.
+    let bound = Duration::from_secs(30);
+    let state = at_the_virtual_bound(&fabric, bound, || client_conn.poll_state(bound).unwrap());
+    assert_eq!(state, ConnectionState::Connected);
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
             let t = Instant::now();
             let state = client_conn.poll_state(Duration::from_secs(30)).unwrap();
             (state, t.elapsed())
         });
-        std::thread::sleep(Duration::from_millis(200));
+        // Surely waiting (on the virtual clock, which no one advances).
+        until_virtual_waits(&fabric, 1);
         let t = Instant::now();
         client_conn.disconnect().unwrap();
         let took = t.elapsed();

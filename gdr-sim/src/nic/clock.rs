@@ -58,8 +58,21 @@
 //!   still come in posting order. The default latency is zero: a READ runs
 //!   at once, as before the clock.
 //!
+//! - **rdma_cm waits.** The simulated connection manager's timed waits
+//!   (`connect` and `accept` up to [`ConnectParams::timeout`], the
+//!   connect's retries while nobody listens, [`Listener::next_request`],
+//!   [`Connection::poll_state`]) run on the real clock in Auto mode, as
+//!   before the clock. A wait that starts in Manual mode runs on the virtual
+//!   clock: it ends with its timeout once an [`advance`](SimClock::advance)
+//!   (from another thread: the wait blocks) passes its deadline, and never
+//!   because real time passed.
+//!
 //! Successful requests take no time: bandwidth and wire latency are not
 //! modelled.
+//!
+//! [`ConnectParams::timeout`]: hal_verbs::ConnectParams::timeout
+//! [`Listener::next_request`]: hal_verbs::Listener::next_request
+//! [`Connection::poll_state`]: hal_verbs::Connection::poll_state
 
 use std::time::Duration;
 
@@ -131,6 +144,7 @@ impl SimClock {
     /// Sets how the clock moves; switching never moves it.
     pub fn set_mode(&self, mode: ClockMode) {
         self.fabric.lock().clock.mode = mode;
+        self.fabric.cm_notify();
     }
 
     /// The round trip of an RDMA READ (zero by default: READs run at once).
@@ -153,8 +167,12 @@ impl SimClock {
     /// falls due on the way fires at its deadline, in order, and what it
     /// makes runnable runs then. While the fabric is paused the clock still
     /// moves, but nothing runs: timers that passed fire when it resumes.
+    ///
+    /// Connection manager waits on the virtual clock (see below) whose
+    /// deadline this passes end, with their timeout.
     pub fn advance(&self, by: Duration) {
         self.fabric.lock().advance(by);
+        self.fabric.cm_notify();
     }
 }
 
@@ -169,6 +187,13 @@ impl SimFabric {
     /// Shorthand for `self.clock().advance(by)`.
     pub fn advance(&self, by: Duration) {
         self.clock().advance(by);
+    }
+}
+
+impl super::SimContext {
+    /// The virtual clock of the fabric this device is on.
+    pub fn clock(&self) -> SimClock {
+        self.fabric.clock()
     }
 }
 

@@ -13,8 +13,11 @@
 //! The sim starts no thread: connect and accept block their callers, so a
 //! test runs the two sides on two threads (`std::thread::scope`). They meet
 //! through a condition variable beside the fabric's lock, and every wait is
-//! bounded by the caller's timeout, read from the real clock (the only clock
-//! reads of the sim). What rdma_cm does is mirrored: nobody listening is
+//! bounded by the caller's timeout: on the real clock while the fabric's
+//! clock is [`ClockMode::Auto`] (the sim's only reads of the real clock),
+//! on the virtual clock while it is [`ClockMode::Manual`], where only
+//! [`SimClock::advance`](super::SimClock::advance) ends a wait with its
+//! timeout (see the [clock](super::clock) docs). What rdma_cm does is mirrored: nobody listening is
 //! retried until [`ConnectParams::timeout`], then [`VerbsError::Timeout`];
 //! a reject (or a request dropped unanswered) is
 //! [`VerbsError::ConnectionRejected`] with status 28 at once; private data
@@ -36,6 +39,7 @@ use hal_verbs::{
     select_roce_v2_gid,
 };
 
+use super::clock::ClockMode;
 use super::events::ReadyFd;
 use super::state::FabricState;
 use super::{SimCq, SimFabric, SimPd, SimQp, SimVerbsApi};
@@ -54,6 +58,8 @@ pub(crate) struct CmState {
     /// Each live connection's event fd, by connection.
     wakers: HashMap<u64, Weak<ReadyFd>>,
     next_port: u16,
+    /// Calls blocked in a wait on the virtual clock now.
+    virtual_waits: usize,
 }
 
 struct ListenerRecord {
@@ -153,26 +159,108 @@ impl CmState {
     }
 }
 
+/// When a connection manager's wait ends: on the real clock while the
+/// fabric's clock is [`ClockMode::Auto`], on the virtual clock while it is
+/// [`ClockMode::Manual`] (then only [`SimClock::advance`] ends it, never
+/// real time). The mode is read when the wait starts.
+///
+/// [`SimClock::advance`]: super::SimClock::advance
+#[derive(Debug, Clone, Copy)]
+enum CmDeadline {
+    Real { start: Instant, deadline: Instant },
+    Virtual { start: Duration, deadline: Duration },
+}
+
+impl CmDeadline {
+    /// `timeout` from now, on the clock the fabric's mode picks.
+    fn new(state: &FabricState, timeout: Duration) -> Self {
+        match state.clock.mode {
+            ClockMode::Auto => {
+                let start = Instant::now();
+                Self::Real {
+                    start,
+                    deadline: start.checked_add(timeout).unwrap_or(start + FOREVER),
+                }
+            }
+            ClockMode::Manual => {
+                let start = state.clock.now;
+                Self::Virtual {
+                    start,
+                    deadline: start.saturating_add(timeout),
+                }
+            }
+        }
+    }
+
+    /// Whether the deadline has passed.
+    fn passed(&self, state: &FabricState) -> bool {
+        match *self {
+            Self::Real { deadline, .. } => Instant::now() >= deadline,
+            Self::Virtual { deadline, .. } => state.clock.now >= deadline,
+        }
+    }
+
+    /// Time since the wait started, on its clock.
+    fn waited(&self, state: &FabricState) -> Duration {
+        match *self {
+            Self::Real { start, .. } => start.elapsed(),
+            Self::Virtual { start, .. } => state.clock.now.saturating_sub(start),
+        }
+    }
+}
+
+/// A bound on a real-clock wait that would overflow `Instant`.
+const FOREVER: Duration = Duration::from_secs(86_400 * 365);
+
 impl SimFabric {
     /// Waits on the connection manager's condition variable until
-    /// `deadline`; true once the deadline has passed.
+    /// `deadline`; true once the deadline has passed. A virtual deadline
+    /// waits for a notification (the clock's `advance` gives one), however
+    /// long that takes in real time.
     fn cm_wait<'a>(
         &'a self,
         guard: MutexGuard<'a, FabricState>,
-        deadline: Instant,
+        deadline: CmDeadline,
     ) -> (MutexGuard<'a, FabricState>, bool) {
-        let now = Instant::now();
-        if now >= deadline {
+        if deadline.passed(&guard) {
             return (guard, true);
         }
-        let (guard, _) = self
-            .cm_cond
-            .wait_timeout(guard, deadline - now)
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        (guard, Instant::now() >= deadline)
+        let guard = match deadline {
+            CmDeadline::Real { deadline, .. } => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                self.cm_cond
+                    .wait_timeout(guard, left)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0
+            }
+            CmDeadline::Virtual { .. } => {
+                let mut guard = guard;
+                guard.cm.virtual_waits += 1;
+                let mut guard = self
+                    .cm_cond
+                    .wait(guard)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                guard.cm.virtual_waits -= 1;
+                guard
+            }
+        };
+        let late = deadline.passed(&guard);
+        (guard, late)
     }
 
-    fn cm_notify(&self) {
+    /// How many connection manager calls (connect, accept, `next_request`,
+    /// `poll_state`) are blocked now in a wait on the virtual clock (one
+    /// that started in [`ClockMode::Manual`]). A test that advances the
+    /// clock for a call on another thread waits for this first: the call
+    /// reads the clock when it starts, and an `advance` before that would
+    /// not count against its timeout.
+    pub fn cm_virtual_waits(&self) -> usize {
+        self.lock().cm.virtual_waits
+    }
+
+    /// Wakes every connection manager wait (state changed, or the clock
+    /// moved).
+    pub(crate) fn cm_notify(&self) {
         self.cm_cond.notify_all();
     }
 }
@@ -320,7 +408,7 @@ impl SimCm {
     fn await_answer(
         &self,
         request: u64,
-        deadline: Instant,
+        deadline: CmDeadline,
     ) -> std::result::Result<(Side, Vec<u8>, u64), Answer> {
         let mut state = self.fabric.lock();
         loop {
@@ -471,13 +559,12 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
         const OP: &str = "rdma_connect";
         params.validate(OP, private_data, MAX_CONNECT_PRIVATE_DATA)?;
         let peer_ip = ipv4(OP, peer.ip())?;
-        let start = Instant::now();
-        let deadline = start + params.timeout;
-        let device = {
+        let (device, deadline) = {
             let state = self.fabric.lock();
+            let deadline = CmDeadline::new(&state, params.timeout);
             let device = route(&state, self.node, peer_ip, params.source, OP)?;
             check_pd(&state, &self.fabric, pd, device, OP)?;
-            device
+            (device, deadline)
         };
         let mut attempts = 0u32;
         let mut last = String::from("nobody listening");
@@ -545,7 +632,7 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
             let Some(request) = request else {
                 return Err(VerbsError::Timeout {
                     operation: OP,
-                    waited: start.elapsed(),
+                    waited: deadline.waited(&self.fabric.lock()),
                     detail: format!("{attempts} attempt(s); last: {last}"),
                 });
             };
@@ -561,10 +648,11 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                 }
                 Err(Answer::Retry(why)) => {
                     last = why;
-                    if Instant::now() >= deadline {
+                    let state = self.fabric.lock();
+                    if deadline.passed(&state) {
                         return Err(VerbsError::Timeout {
                             operation: OP,
-                            waited: start.elapsed(),
+                            waited: deadline.waited(&state),
                             detail: format!("{attempts} attempt(s); last: {last}"),
                         });
                     }
@@ -596,9 +684,12 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                     errno: libc::ECONNABORTED,
                 });
             };
-            let wake = self.fabric.lock().cm.waker(conn)?;
+            let (wake, elapsed) = {
+                let mut state = self.fabric.lock();
+                (state.cm.waker(conn)?, deadline.waited(&state))
+            };
             self.fabric.cm_notify();
-            tracing::info!(attempts, elapsed = ?start.elapsed(), qpn = client.qpn, "sim: connected");
+            tracing::info!(attempts, ?elapsed, qpn = client.qpn, "sim: connected");
             return Ok(SimConnection {
                 qp,
                 fabric: self.fabric.clone(),
@@ -629,9 +720,8 @@ impl Listener<SimVerbsApi> for SimListener {
 
     fn next_request(&self, timeout: Duration) -> Result<SimConnectRequest> {
         const OP: &str = "rdma_get_request";
-        let start = Instant::now();
-        let deadline = start + timeout;
         let mut state = self.fabric.lock();
+        let deadline = CmDeadline::new(&state, timeout);
         loop {
             let next = state
                 .cm
@@ -661,7 +751,7 @@ impl Listener<SimVerbsApi> for SimListener {
             if late {
                 return Err(VerbsError::Timeout {
                     operation: OP,
-                    waited: start.elapsed(),
+                    waited: deadline.waited(&state),
                     detail: format!("no connect request on {}", self.local_addr()),
                 });
             }
@@ -758,8 +848,7 @@ impl ConnectRequest<SimVerbsApi> for SimConnectRequest {
         private_data: &[u8],
     ) -> Result<SimConnection> {
         const OP: &str = "rdma_accept";
-        let start = Instant::now();
-        let deadline = start + params.timeout;
+        let deadline = CmDeadline::new(&self.fabric.lock(), params.timeout);
         // On an early return `self` drops and rejects the request.
         params.validate(OP, private_data, MAX_ACCEPT_PRIVATE_DATA)?;
         let client = {
@@ -846,18 +935,20 @@ impl ConnectRequest<SimVerbsApi> for SimConnectRequest {
                 }
                 state.cm.disconnect(server_conn);
                 state.cm.conns.remove(&server_conn);
+                let waited = deadline.waited(&state);
                 drop(state);
                 self.fabric.cm_notify();
                 return Err(VerbsError::Timeout {
                     operation: OP,
-                    waited: start.elapsed(),
+                    waited,
                     detail: format!("{} never confirmed (no RTU)", self.peer),
                 });
             }
         }
         let wake = state.cm.waker(server_conn)?;
+        let elapsed = deadline.waited(&state);
         drop(state);
-        tracing::info!(elapsed = ?start.elapsed(), qpn = server.qpn, "sim: accepted");
+        tracing::info!(?elapsed, qpn = server.qpn, "sim: accepted");
         Ok(SimConnection {
             qp,
             fabric: self.fabric.clone(),
@@ -945,8 +1036,8 @@ impl Connection<SimVerbsApi> for SimConnection {
     }
 
     fn poll_state(&self, timeout: Duration) -> Result<ConnectionState> {
-        let deadline = Instant::now() + timeout;
         let mut state = self.fabric.lock();
+        let deadline = CmDeadline::new(&state, timeout);
         // What made the fd readable is consumed here, as reading the
         // rdma_cm channel's events consumes them.
         self.wake.clear();

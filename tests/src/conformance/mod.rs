@@ -17,6 +17,7 @@ use crate::pair::Backend;
 mod cm;
 mod errors;
 mod memory;
+pub mod timing;
 mod transfers;
 
 pub use cm::{cm_connect_accept_write_read_disconnect, cm_reject_carries_private_data};
@@ -31,6 +32,10 @@ pub use errors::{
 pub use memory::{
     keys_are_distinct, lkey_and_rkey_of_a_remote_mr_are_equal, local_only_mr_has_no_remote_key,
     registering_unmapped_memory_is_efault, registration_argument_checks,
+};
+pub use timing::{
+    retry_exceeded_after_the_ack_timeouts, rnr_retry_7_waits_for_the_receive,
+    rnr_retry_exceeded_after_the_rnr_timers,
 };
 pub use transfers::{
     inline_payload_is_copied_at_post_time, linked_batch_with_selective_signalling,
@@ -77,6 +82,9 @@ macro_rules! conformance_tests {
             posting_in_the_wrong_state_is_refused,
             destroying_a_qp_with_completions_in_its_cq,
             send_into_a_bad_receive_fails_both_sides,
+            retry_exceeded_after_the_ack_timeouts,
+            rnr_retry_exceeded_after_the_rnr_timers,
+            rnr_retry_7_waits_for_the_receive,
         );
     };
     (@each $make:expr; $($scenario:ident),* $(,)?) => {
