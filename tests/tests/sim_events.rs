@@ -8,8 +8,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
 use gdr_sim::{
-    DeviceConfig, Fault, FaultPlan, FaultSite, NodeConfig, SimCompChannel, SimContext, SimCq,
-    SimFabric, SimMr, SimPd, SimQp, SimVerbs,
+    ClockMode, DeviceConfig, Fault, FaultPlan, FaultSite, NodeConfig, SimCompChannel, SimContext,
+    SimCq, SimFabric, SimMr, SimPd, SimQp, SimVerbs,
 };
 use gdr_tests::init_tracing;
 use hal_verbs::{
@@ -452,6 +452,63 @@ fn cq_moderation_within_limits_or_not_supported() {
     assert!(matches!(err, VerbsError::NotSupported { .. }), "{err}");
     assert!(err.is_unsupported());
     assert_eq!(err.errno(), Some(libc::EOPNOTSUPP));
+}
+
+/// CQ moderation on the Manual clock: an armed CQ's event waits for
+/// `count` completions, or for `period` µs of virtual time since the first
+/// one it held, whichever comes first (and never for real time); in Auto
+/// mode nothing is held.
+#[test]
+fn cq_moderation_gates_the_event_by_count_or_period_on_the_virtual_clock() {
+    const NS: Duration = Duration::from_nanos(1);
+    let period = Duration::from_micros(100);
+    let p = pair();
+    let clock = p.fabric.clock();
+    clock.set_mode(ClockMode::Manual);
+    let fd = p.cha.fd();
+    p.cqa.set_moderation(3, 100).unwrap();
+
+    // By count: two completions are held, the third fires the event.
+    p.cqa.req_notify(CqNotify::Next).unwrap();
+    let start = clock.now();
+    for id in 1..=2 {
+        send(&p.qa, &p.bufa, id, write_to(&p, id), SendFlags::SIGNALED);
+    }
+    p.fabric.progress();
+    assert_eq!(drain(&p.cqa).len(), 2, "the completions are in the CQ");
+    assert!(!poll_readable(fd), "2 of 3 completions: held");
+    assert_eq!(clock.next_deadline(), Some(start + period));
+    send(&p.qa, &p.bufa, 3, write_to(&p, 3), SendFlags::SIGNALED);
+    p.fabric.progress();
+    assert!(poll_readable(fd), "3 of 3: fired");
+    assert_eq!(p.cha.get_cq_event().unwrap(), Some(p.cqa.cq_id()));
+    assert_eq!(p.cha.get_cq_event().unwrap(), None, "one event");
+    assert_eq!(clock.next_deadline(), None, "the period is off once fired");
+    assert_eq!(drain(&p.cqa).len(), 1);
+
+    // By period: one completion, held until the period has passed.
+    p.cqa.req_notify(CqNotify::Next).unwrap();
+    send(&p.qa, &p.bufa, 4, write_to(&p, 4), SendFlags::SIGNALED);
+    p.fabric.progress();
+    assert!(!poll_readable(fd), "1 of 3: held");
+    clock.advance(period - NS);
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        !poll_readable(fd),
+        "a tick before the period (real time passing does not count)"
+    );
+    clock.advance(NS);
+    assert!(poll_readable(fd), "the period passed: fired");
+    assert_eq!(p.cha.get_cq_event().unwrap(), Some(p.cqa.cq_id()));
+    assert_eq!(drain(&p.cqa).len(), 1);
+
+    // Auto mode: the first completion fires, as without moderation.
+    clock.set_mode(ClockMode::Auto);
+    p.cqa.req_notify(CqNotify::Next).unwrap();
+    send(&p.qa, &p.bufa, 5, write_to(&p, 5), SendFlags::SIGNALED);
+    p.fabric.progress();
+    assert!(poll_readable(fd), "Auto: not held");
+    assert_eq!(p.cha.get_cq_event().unwrap(), Some(p.cqa.cq_id()));
 }
 
 // ------------------------------------------------------------ async events

@@ -158,9 +158,18 @@ impl SimClock {
     }
 
     /// The earliest pending timer (an ACK timeout, an RNR wait, an
-    /// outstanding READ), if any.
+    /// outstanding READ, a CQ moderation period), if any.
     pub fn next_deadline(&self) -> Option<Duration> {
-        self.fabric.lock().next_deadline()
+        let state = self.fabric.lock();
+        let moderation = state
+            .cqs
+            .values()
+            .filter_map(|cq| cq.events.moderation_deadline(state.clock.mode))
+            .min();
+        match (state.next_deadline(), moderation) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Moves the clock forward by `by`, in either mode: every timer that
@@ -171,7 +180,17 @@ impl SimClock {
     /// Connection manager waits on the virtual clock (see below) whose
     /// deadline this passes end, with their timeout.
     pub fn advance(&self, by: Duration) {
-        self.fabric.lock().advance(by);
+        {
+            let mut guard = self.fabric.lock();
+            guard.advance(by);
+            // CQ moderation periods that passed fire their events now (an
+            // event is one-shot, so firing at the end of the advance rather
+            // than at its deadline is the same to a poller).
+            let state = &mut *guard;
+            for (&id, cq) in &mut state.cqs {
+                cq.events.on_time(id, &state.clock);
+            }
+        }
         self.fabric.cm_notify();
     }
 }

@@ -31,14 +31,26 @@
 //! raised with [`SimVerbs::raise_async_event`](super::SimVerbs::raise_async_event).
 //!
 //! CQ moderation is accepted within the device's
-//! [`cq_moderation`](hal_verbs::DeviceAttributes::cq_moderation) limits and
-//! recorded, but the sim delays nothing: the first completion after arming
-//! fires the event, as if the period had already elapsed.
+//! [`cq_moderation`](hal_verbs::DeviceAttributes::cq_moderation) limits. It
+//! gates the event of an armed CQ on the virtual clock
+//! ([`ClockMode::Manual`](super::ClockMode::Manual)): completions that
+//! would fire it are held until `count` of them have come, or `period` µs
+//! of virtual time have passed since the first of them, whichever is first
+//! (the semantics of `ibv_modify_cq`'s `cq_count`/`cq_period`, mlx5's CQ
+//! moderation). A zero field is no gate (`count` 0: only the period; `period`
+//! 0: only the count); both zero (or count 1) is no moderation. A period
+//! that passes fires the event during the
+//! [`advance`](super::SimClock::advance) that passes it, and
+//! [`next_deadline`](super::SimClock::next_deadline) includes it. In
+//! [`ClockMode::Auto`](super::ClockMode::Auto) nothing is delayed: the first
+//! completion after arming fires the event, as if the period had already
+//! elapsed.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
 
 use hal_verbs::{AsyncEvent, CompletionChannel, CqNotify, Mtu, Result, VerbsError, WcOpcode};
 
@@ -208,15 +220,30 @@ pub(crate) struct CqEvents {
     pub channel: Option<Arc<ChannelShared>>,
     /// Armed, and for what: cleared when the event fires.
     pub armed: Option<CqNotify>,
-    /// The moderation last set (`cq_count`, `cq_period`): recorded only.
+    /// The moderation last set (`cq_count`, `cq_period` in µs).
     pub moderation: Option<(u16, u16)>,
+    /// Completions that matched the armed event but were held by the
+    /// moderation (Manual clock only).
+    pub held: u16,
+    /// When the first of them was added: the moderation period runs from
+    /// then.
+    pub held_since: Option<Duration>,
 }
 
 impl CqEvents {
     /// A completion was added to the CQ `cq_id`: fires the armed event if
     /// it matches (`solicited`: a receive of a solicited request; `error`:
     /// an error completion), and disarms.
-    pub fn on_completion(&mut self, cq_id: u64, solicited: bool, error: bool) {
+    ///
+    /// With moderation on a Manual clock the event waits for the count or
+    /// the period (see the module docs).
+    pub fn on_completion(
+        &mut self,
+        cq_id: u64,
+        solicited: bool,
+        error: bool,
+        clock: &super::clock::ClockState,
+    ) {
         let fire = match self.armed {
             None => false,
             Some(CqNotify::Next) => true,
@@ -225,6 +252,51 @@ impl CqEvents {
         if !fire {
             return;
         }
+        if let Some((count, period)) = self.gates(clock.mode) {
+            self.held = self.held.saturating_add(1);
+            let since = *self.held_since.get_or_insert(clock.now);
+            let counted = count > 0 && self.held >= count;
+            let timed = period.is_some_and(|p| clock.now >= since + p);
+            if !counted && !timed {
+                return;
+            }
+        }
+        self.fire(cq_id);
+    }
+
+    /// The moderation's gates in `mode`: the count (0: none) and the
+    /// period; `None` when events are not moderated.
+    fn gates(&self, mode: super::ClockMode) -> Option<(u16, Option<Duration>)> {
+        let (count, period_us) = self.moderation?;
+        if mode != super::ClockMode::Manual || (count <= 1 && period_us == 0) {
+            return None;
+        }
+        let period = (period_us > 0).then(|| Duration::from_micros(u64::from(period_us)));
+        Some((count, period))
+    }
+
+    /// When held completions fire the event by the period, if they do.
+    pub fn moderation_deadline(&self, mode: super::ClockMode) -> Option<Duration> {
+        self.armed?;
+        let (_, period) = self.gates(mode)?;
+        Some(self.held_since? + period?)
+    }
+
+    /// Fires the event if the moderation period of held completions has
+    /// passed by `clock.now`.
+    pub fn on_time(&mut self, cq_id: u64, clock: &super::clock::ClockState) {
+        if self
+            .moderation_deadline(clock.mode)
+            .is_some_and(|deadline| deadline <= clock.now)
+        {
+            self.fire(cq_id);
+        }
+    }
+
+    /// Queues the event on the channel and disarms.
+    fn fire(&mut self, cq_id: u64) {
+        self.held = 0;
+        self.held_since = None;
         self.armed = None;
         if let Some(channel) = &self.channel {
             tracing::trace!(cq_id, "sim: CQ event");

@@ -403,7 +403,8 @@ impl FabricState {
         }
         let error = !entry.wc.status.is_success();
         cq.entries.push_back(entry);
-        cq.events.on_completion(cq_id, solicited, error);
+        cq.events
+            .on_completion(cq_id, solicited, error, &self.clock);
     }
 
     /// Completes a send request of `qpn` with `status` (errors always; success
