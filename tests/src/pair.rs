@@ -139,6 +139,14 @@ pub struct TimingFacts {
     /// RNR NAK and `rnr_retry` (RTS) counts them (rxe: `rnrnak_jiffies`
     /// of the NAK's syndrome, `COMPST_RNR_RETRY` in rxe_comp.c).
     pub honours_rnr_timer: bool,
+    /// The requester's retransmit (ACK) timer keeps running while a request
+    /// waits out an RNR timer: an ACK timeout shorter than the RNR timer
+    /// spends `retry_cnt` and ends in `RETRY_EXC_ERR` even with `rnr_retry`
+    /// 7 (rxe: `retrans_timer` is not stopped by an RNR NAK, and
+    /// `COMPST_ERROR_RETRY` in rxe_comp.c counts its expiries; seen in the
+    /// VM). Off, an RNR NAK stops the ACK timer (IBA, ConnectX). Sim: its
+    /// device's `retransmit_timer_runs_during_rnr_wait`.
+    pub retransmit_timer_runs_during_rnr_wait: bool,
     /// The timers' tick: a timer period is rounded down to it, and is at
     /// least one tick (rxe: jiffies; `nsecs_to_jiffies` truncates, and
     /// both timers are at least 1 jiffy; the VM's kernel has HZ=250).
@@ -161,6 +169,7 @@ impl TimingFacts {
             real_time: false,
             honours_ack_timeout: true,
             honours_rnr_timer: true,
+            retransmit_timer_runs_during_rnr_wait: false,
             tick: Duration::ZERO,
             early_per_period: Duration::ZERO,
             late: Duration::ZERO,
@@ -646,7 +655,12 @@ impl Backend for SimBackend {
     }
 
     fn timing(&self) -> TimingFacts {
-        TimingFacts::exact()
+        TimingFacts {
+            retransmit_timer_runs_during_rnr_wait: self
+                .device
+                .retransmit_timer_runs_during_rnr_wait,
+            ..TimingFacts::exact()
+        }
     }
 
     fn hold_time(&self, node: &Node<Self::A>) {
@@ -732,18 +746,6 @@ impl RxeBackend {
             quiet_window: Duration::from_millis(300),
         }
     }
-}
-
-impl Backend for RxeBackend {
-    type A = hal_verbs::rdma::RdmaApi;
-
-    fn name(&self) -> String {
-        "rxe".to_owned()
-    }
-
-    fn facts(&self) -> Facts {
-        Self::rxe_facts()
-    }
 
     /// Measured in the VM (Debian kernel, HZ=250: a jiffy is 4 ms) by
     /// `rxe_timing_measured` (tests/rxe_conformance.rs), post to completion,
@@ -758,15 +760,42 @@ impl Backend for RxeBackend {
     /// jiffy-rounded nominal less a jiffy a period, usually one or two
     /// jiffies a period later (the timer fires, then the completer and the
     /// requester tasks run), and a run may be descheduled for ~200 ms.
-    fn timing(&self) -> TimingFacts {
+    ///
+    /// An ACK timeout shorter than the RNR timer expires in every RNR wait
+    /// and spends `retry_cnt`
+    /// ([`TimingFacts::retransmit_timer_runs_during_rnr_wait`]): with ACK
+    /// code 12, RNR code 22, `retry_cnt` 2 and `rnr_retry` 7 the SEND
+    /// failed with `RETRY_EXC_ERR` after 68.5 and 70.1 ms (nominal 2 × 20 + 16 =
+    /// 56 ms in jiffies), in `rnr_wait_longer_than_the_ack_timeout`.
+    ///
+    /// What [`Backend::timing`] says for rxe, without opening it (the sim's
+    /// rxe-like profile is checked against it on the host).
+    pub fn rxe_timing() -> TimingFacts {
         TimingFacts {
             real_time: true,
             honours_ack_timeout: true,
             honours_rnr_timer: true,
+            retransmit_timer_runs_during_rnr_wait: true,
             tick: Duration::from_millis(4),
             early_per_period: Duration::from_millis(4),
             late: Duration::from_millis(400),
         }
+    }
+}
+
+impl Backend for RxeBackend {
+    type A = hal_verbs::rdma::RdmaApi;
+
+    fn name(&self) -> String {
+        "rxe".to_owned()
+    }
+
+    fn facts(&self) -> Facts {
+        Self::rxe_facts()
+    }
+
+    fn timing(&self) -> TimingFacts {
+        Self::rxe_timing()
     }
 
     fn nodes(&self) -> (Node<Self::A>, Node<Self::A>) {

@@ -113,6 +113,33 @@ fn the_profiles_are_named_and_differ_where_the_providers_do() {
     assert!(!mlx5.local_only_rkey_is_zero && rxe.local_only_rkey_is_zero);
 }
 
+/// The retransmit timer runs through RNR waits on the rxe profile, as on
+/// rxe (`RxeBackend::rxe_timing`), and stops at an RNR NAK on mlx5 and the
+/// default device; each profile's timing facts say what its device does.
+#[test]
+fn the_retransmit_timer_runs_through_rnr_waits_on_rxe_only() {
+    use gdr_tests::pair::{Backend, RxeBackend, SimBackend};
+    let rxe = DeviceConfig::rxe_like();
+    assert!(rxe.retransmit_timer_runs_during_rnr_wait);
+    assert!(!DeviceConfig::mlx5_like().retransmit_timer_runs_during_rnr_wait);
+    assert!(!DeviceConfig::default().retransmit_timer_runs_during_rnr_wait);
+    assert_eq!(
+        SimBackend::new("rxe", rxe)
+            .timing()
+            .retransmit_timer_runs_during_rnr_wait,
+        RxeBackend::rxe_timing().retransmit_timer_runs_during_rnr_wait
+    );
+    for (name, config) in DeviceConfig::profiles() {
+        assert_eq!(
+            SimBackend::new(name, config.clone())
+                .timing()
+                .retransmit_timer_runs_during_rnr_wait,
+            config.retransmit_timer_runs_during_rnr_wait,
+            "{name}"
+        );
+    }
+}
+
 /// The default device is ConnectX-like wherever the providers' answers
 /// differ in what a scenario sees.
 #[test]

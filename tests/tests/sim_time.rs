@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use gdr_sim::{
-    ClockMode, NodeConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp, ack_timeout,
-    rnr_nak_timer,
+    ClockMode, DeviceConfig, NodeConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp,
+    ack_timeout, rnr_nak_timer,
 };
 use gdr_tests::{init_tracing, pattern};
 use hal_verbs::{
@@ -26,8 +26,15 @@ struct Node {
 }
 
 impl Node {
-    fn new(fabric: &SimFabric, name: &str) -> Self {
-        let verbs = fabric.add_node(name, NodeConfig::default());
+    /// A node whose device is `device`.
+    fn on(fabric: &SimFabric, name: &str, device: DeviceConfig) -> Self {
+        let verbs = fabric.add_node(
+            name,
+            NodeConfig {
+                ipv4: None,
+                devices: vec![device],
+            },
+        );
         let ctx = verbs.open("sim0").unwrap();
         let pd = ctx.alloc_pd().unwrap();
         Self { ctx, pd }
@@ -104,11 +111,16 @@ struct Pair {
 impl Pair {
     /// The QPs, created but not connected.
     fn new(mode: ClockMode) -> Self {
+        Self::on(mode, DeviceConfig::default())
+    }
+
+    /// As [`Pair::new`], both nodes with `device`.
+    fn on(mode: ClockMode, device: DeviceConfig) -> Self {
         init_tracing();
         let fabric = SimFabric::new();
         fabric.clock().set_mode(mode);
-        let a = Node::new(&fabric, "a");
-        let b = Node::new(&fabric, "b");
+        let a = Node::on(&fabric, "a", device.clone());
+        let b = Node::on(&fabric, "b", device);
         let (cqa, cqb) = (a.ctx.create_cq(64).unwrap(), b.ctx.create_cq(64).unwrap());
         let caps = QpCaps::default();
         let qa = a.pd.create_qp(&caps, &cqa, &cqa).unwrap();
@@ -372,6 +384,106 @@ fn rnr_retry_7_never_fails_and_delivers_once_a_receive_is_posted() {
     assert_eq!(drain(&p.cqa), [(1, WcStatus::SUCCESS)]);
     assert_eq!(drain(&p.cqb), [(7, WcStatus::SUCCESS)]);
     assert_eq!(&inbox.data[..], &pattern(32, 9)[..]);
+}
+
+/// On a device whose retransmit timer runs through RNR waits (rxe), an
+/// ACK timeout shorter than the responder's RNR timer expires in every
+/// wait: each expiry spends one of `retry_cnt`, and the one after the last
+/// fails the SEND with `RETRY_EXC_ERR`, at `retry_cnt` RNR periods + the
+/// ACK timeout, `rnr_retry` 7 notwithstanding.
+#[test]
+fn rxe_retransmit_timer_runs_through_rnr_waits() {
+    let ack = ack_timeout(12).unwrap();
+    let rnr = rnr_nak_timer(22);
+    assert!(ack < rnr);
+    for retry_cnt in [0u8, 2, 3, 6] {
+        let p = Pair::on(ClockMode::Manual, DeviceConfig::rxe_like());
+        p.bring_up(true, Some(rts(12, retry_cnt, 7)), 0);
+        p.bring_up(false, Some(rts(12, retry_cnt, 7)), 22);
+        let src = Buf::new(&p.a, 32);
+        post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+        assert_eq!(drain(&p.cqa), [], "first NAK");
+        assert_eq!(p.fabric.clock().next_deadline(), Some(ack), "ACK timer");
+        let fail_at = rnr * u32::from(retry_cnt) + ack;
+        p.fabric.advance(fail_at - NS);
+        assert_eq!(drain(&p.cqa), [], "retry_cnt {retry_cnt}");
+        assert_eq!(p.qa.state().unwrap(), QpState::ReadyToSend);
+        p.fabric.advance(NS);
+        assert_eq!(
+            drain(&p.cqa),
+            [(1, WcStatus::RETRY_EXC_ERR)],
+            "retry_cnt {retry_cnt}"
+        );
+        assert_eq!(p.qa.state().unwrap(), QpState::Error);
+        assert_eq!(drain(&p.cqb), []);
+    }
+    // A finite rnr_retry still counts the NAKs: rnr_retry 1 fails at the
+    // first retry's NAK, one RNR period in (one ACK expiry spent by then).
+    let p = Pair::on(ClockMode::Manual, DeviceConfig::rxe_like());
+    p.bring_up(true, Some(rts(12, 3, 1)), 0);
+    p.bring_up(false, Some(rts(12, 3, 7)), 22);
+    let src = Buf::new(&p.a, 32);
+    post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+    p.fabric.advance(rnr - NS);
+    assert_eq!(drain(&p.cqa), []);
+    p.fabric.advance(NS);
+    assert_eq!(drain(&p.cqa), [(1, WcStatus::RNR_RETRY_EXC_ERR)]);
+}
+
+/// The retransmit timer spends retries only in waits it outlasts: a
+/// receive posted before `retry_cnt` is spent is used by the next retry,
+/// and the next request starts with its count whole again. With the ACK
+/// timeout above the RNR timer, or on a device whose ACK timer stops at
+/// an RNR NAK (the default, mlx5), `rnr_retry` 7 waits forever.
+#[test]
+fn the_retransmit_timer_in_rnr_waits_spends_only_what_it_outlasts() {
+    let ack = ack_timeout(12).unwrap();
+    let rnr = rnr_nak_timer(22);
+    // rxe, retry_cnt 1: one expiry spent in the first wait, then the
+    // receive comes and the SEND succeeds at the first retry.
+    let p = Pair::on(ClockMode::Manual, DeviceConfig::rxe_like());
+    p.bring_up(true, Some(rts(12, 1, 7)), 0);
+    p.bring_up(false, Some(rts(12, 1, 7)), 22);
+    let src = Buf::new(&p.a, 32);
+    let inbox = Buf::new(&p.b, 32);
+    post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+    p.fabric.advance(ack);
+    assert_eq!(drain(&p.cqa), []);
+    post_recv(&p.qb, 7, inbox.sge());
+    p.fabric.advance(rnr - ack);
+    assert_eq!(drain(&p.cqa), [(1, WcStatus::SUCCESS)]);
+    assert_eq!(drain(&p.cqb), [(7, WcStatus::SUCCESS)]);
+    // The next SEND has its retry_cnt whole: it fails one RNR period +
+    // the ACK timeout after it was posted, not at its first expiry.
+    let start = p.now();
+    post(&p.qa, 2, SendOp::Send, src.sge(), SendFlags::empty());
+    p.fabric.advance(ack);
+    assert_eq!(drain(&p.cqa), [], "a fresh count");
+    p.fabric.advance(start + rnr + ack - p.now());
+    assert_eq!(drain(&p.cqa), [(2, WcStatus::RETRY_EXC_ERR)]);
+
+    for (device, timeout, name) in [
+        (
+            DeviceConfig::rxe_like(),
+            14,
+            "rxe, ACK timeout above the RNR timer",
+        ),
+        (DeviceConfig::mlx5_like(), 12, "mlx5"),
+        (DeviceConfig::default(), 12, "default"),
+    ] {
+        let p = Pair::on(ClockMode::Manual, device);
+        p.bring_up(true, Some(rts(timeout, 0, 7)), 0);
+        p.bring_up(false, Some(rts(timeout, 0, 7)), 22);
+        let src = Buf::new(&p.a, 32);
+        let inbox = Buf::new(&p.b, 32);
+        post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+        p.fabric.advance(Duration::from_secs(10));
+        assert_eq!(drain(&p.cqa), [], "{name}");
+        assert_eq!(p.qa.state().unwrap(), QpState::ReadyToSend, "{name}");
+        post_recv(&p.qb, 7, inbox.sge());
+        p.fabric.advance(rnr);
+        assert_eq!(drain(&p.cqa), [(1, WcStatus::SUCCESS)], "{name}");
+    }
 }
 
 /// With a READ round trip, requests behind a READ go on (an RC requester

@@ -44,7 +44,11 @@
 //!   the NAK's syndrome, and the WQE fails with `IB_WC_RNR_RETRY_EXC_ERR`
 //!   when a NAK finds it 0). `rnr_retry` 7 retries forever. A
 //!   receive posted while the requester waits is used by the next retry,
-//!   not before.
+//!   not before. On a device whose retransmit timer runs through RNR waits
+//!   ([`DeviceConfig::retransmit_timer_runs_during_rnr_wait`], rxe), an
+//!   ACK timeout shorter than the RNR timer also expires in each wait,
+//!   counts a transport retry and, once `retry_cnt` are spent, fails the
+//!   request with `RETRY_EXC_ERR` at that expiry, `rnr_retry` 7 or not.
 //! - **READ round trip and FENCE.** With [`SimClock::set_read_latency`]
 //!   above zero, an RDMA READ is outstanding for that long: the responder's
 //!   memory is read and the requester's completes only when it is due, while
@@ -70,6 +74,7 @@
 //! Successful requests take no time: bandwidth and wire latency are not
 //! modelled.
 //!
+//! [`DeviceConfig::retransmit_timer_runs_during_rnr_wait`]: super::DeviceConfig::retransmit_timer_runs_during_rnr_wait
 //! [`ConnectParams::timeout`]: hal_verbs::ConnectParams::timeout
 //! [`Listener::next_request`]: hal_verbs::Listener::next_request
 //! [`Connection::poll_state`]: hal_verbs::Connection::poll_state
@@ -230,6 +235,11 @@ pub(crate) enum WaitCause {
 pub(crate) struct Wait {
     pub until: Duration,
     pub cause: WaitCause,
+    /// During an RNR wait, when the retransmit timer armed at the request's
+    /// last sending expires, if it runs through the wait
+    /// ([`DeviceConfig::retransmit_timer_runs_during_rnr_wait`](super::DeviceConfig::retransmit_timer_runs_during_rnr_wait))
+    /// and expires before `until`; `None` once it has.
+    pub ack_at: Option<Duration>,
 }
 
 /// A request that has left the send queue without its completion queued
@@ -285,7 +295,10 @@ impl QpTiming {
             Inflight::Read { due, .. } => Some(*due),
             Inflight::Done { .. } => None,
         });
-        match (self.wait.map(|w| w.until), read) {
+        let wait = self
+            .wait
+            .map(|w| w.ack_at.map_or(w.until, |ack| ack.min(w.until)));
+        match (wait, read) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }

@@ -227,9 +227,23 @@ impl FabricState {
         if rnr_retry != 7 {
             timing.rnr_naks += 1;
         }
-        timing.wait = Some(Wait {
-            until: now.saturating_add(rnr_nak_timer(code)),
+        let until = now.saturating_add(rnr_nak_timer(code));
+        // The retransmit timer armed when the request was sent, if it runs
+        // through the wait (rxe) and expires within it.
+        let ack_at = if self.devices[qp.device]
+            .config
+            .retransmit_timer_runs_during_rnr_wait
+        {
+            ack_timeout(qp.applied.timeout)
+                .map(|timeout| now.saturating_add(timeout))
+                .filter(|&at| at < until)
+        } else {
+            None
+        };
+        qp.timing.wait = Some(Wait {
+            until,
             cause: WaitCause::Rnr,
+            ack_at,
         });
         Step::Idle
     }
@@ -578,7 +592,28 @@ impl FabricState {
                 return Step::Idle;
             }
         }
-        if let Some(wait) = qp.timing.wait {
+        if let Some(mut wait) = qp.timing.wait {
+            if let Some(ack_at) = wait.ack_at.filter(|&at| now >= at) {
+                // The retransmit timer expired during an RNR wait (rxe): a
+                // transport retry, or the last one.
+                let Some(qp) = self.qps.get_mut(&qpn) else {
+                    return Step::Idle;
+                };
+                if qp.timing.retries >= qp.applied.retry_cnt {
+                    tracing::debug!(
+                        qpn,
+                        ?ack_at,
+                        "sim: transport retries exhausted in an RNR wait"
+                    );
+                    qp.timing.wait = None;
+                    self.fail_head(qpn, WcStatus::RETRY_EXC_ERR, None);
+                    return Step::Ran;
+                }
+                // Counted; armed again only when the request is resent.
+                qp.timing.retries += 1;
+                wait.ack_at = None;
+                qp.timing.wait = Some(wait);
+            }
             if now < wait.until {
                 return Step::Idle;
             }
@@ -608,6 +643,7 @@ impl FabricState {
                     qp.timing.wait = ack_timeout(qp.applied.timeout).map(|timeout| Wait {
                         until: now.saturating_add(timeout),
                         cause: WaitCause::Ack,
+                        ack_at: None,
                     });
                 }
                 return Step::Idle;

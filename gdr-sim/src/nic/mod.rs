@@ -204,6 +204,33 @@ pub struct DeviceConfig {
     /// (`mlx5_ib_reg_user_mr`), and a remote access through it fails on the
     /// MR's rights (`REM_ACCESS_ERR`).
     pub local_only_rkey_is_zero: bool,
+    /// Whether the requester's retransmit (ACK) timer keeps running while a
+    /// request waits out an RNR timer, as on rxe. On: an RNR-NAKed request
+    /// whose ACK timeout (armed when it was sent) ends before the
+    /// responder's RNR timer does counts a transport retry there (one per
+    /// RNR wait at most: the timer is armed again only when the request is
+    /// sent again), and once `retry_cnt` retries are spent the next such
+    /// expiry fails it with `RETRY_EXC_ERR`, whatever `rnr_retry` says (7
+    /// included). Only an ACK resets the count. So with an RNR timer longer
+    /// than the ACK timeout, a SEND without a receive fails with
+    /// `RETRY_EXC_ERR` at `retry_cnt` × the RNR timer + the ACK timeout.
+    /// rxe (Linux `drivers/infiniband/sw/rxe/`): the requester arms
+    /// `qp->retrans_timer` when it sends (`update_state` in `rxe_req.c`) and
+    /// nothing stops it for an RNR NAK (`COMPST_RNR_RETRY` in `rxe_comp.c`
+    /// only arms `qp->rnr_nak_timer`); when it fires, `retransmit_timer`
+    /// sets `qp->comp.timeout` and `rxe_completer`'s `COMPST_ERROR_RETRY`
+    /// counts `comp.retry_cnt` down and fails the WQE with
+    /// `IB_WC_RETRY_EXC_ERR` once it is 0; the retry it asks for otherwise
+    /// still waits for the RNR timer (`qp->req.wait_for_rnr_timer`, set by
+    /// `COMPST_RNR_RETRY`, cleared by `rnr_nak_timer`), and
+    /// `comp.retry_cnt` is reset only by `reset_retry_counters`, on an ACK
+    /// (`check_ack`). Measured in the VM (ACK code 12 ≈ 16.8 ms, RNR code
+    /// 22 = 20.48 ms, `retry_cnt` 2, `rnr_retry` 7): `RETRY_EXC_ERR` after
+    /// 68.5 and 70.1 ms, nominal 2 × 20.48 + 16.8 ms (the conformance scenario
+    /// `rnr_wait_longer_than_the_ack_timeout`). Off (the default,
+    /// ConnectX, IBA 9.7.5.2.8): an RNR NAK is a response, the ACK timer
+    /// stops, and only `rnr_retry` bounds the wait.
+    pub retransmit_timer_runs_during_rnr_wait: bool,
 }
 
 impl Default for DeviceConfig {
@@ -251,6 +278,7 @@ impl Default for DeviceConfig {
             slots_freed_when_polled: true,
             wrong_state_post_is_unknown: false,
             local_only_rkey_is_zero: false,
+            retransmit_timer_runs_during_rnr_wait: false,
         }
     }
 }
@@ -307,6 +335,7 @@ impl DeviceConfig {
             slots_freed_when_polled: true,
             wrong_state_post_is_unknown: false,
             local_only_rkey_is_zero: false,
+            retransmit_timer_runs_during_rnr_wait: false,
             ..Self::default()
         }
     }
@@ -334,8 +363,10 @@ impl DeviceConfig {
     /// ([`slots_freed_when_polled`](Self::slots_freed_when_polled) off),
     /// `Posted::Unknown` for a post refused for the QP's state
     /// ([`wrong_state_post_is_unknown`](Self::wrong_state_post_is_unknown)),
-    /// and rkey 0 for an MR without remote rights
-    /// ([`local_only_rkey_is_zero`](Self::local_only_rkey_is_zero)).
+    /// rkey 0 for an MR without remote rights
+    /// ([`local_only_rkey_is_zero`](Self::local_only_rkey_is_zero)), and
+    /// the retransmit timer running through RNR waits
+    /// ([`retransmit_timer_runs_during_rnr_wait`](Self::retransmit_timer_runs_during_rnr_wait)).
     pub fn rxe_like() -> Self {
         let mut attributes = Self::default().attributes;
         attributes.num_comp_vectors = 1;
@@ -353,6 +384,7 @@ impl DeviceConfig {
             slots_freed_when_polled: false,
             wrong_state_post_is_unknown: true,
             local_only_rkey_is_zero: true,
+            retransmit_timer_runs_during_rnr_wait: true,
             ..Self::default()
         }
     }

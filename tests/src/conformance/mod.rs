@@ -35,7 +35,7 @@ pub use memory::{
 };
 pub use timing::{
     retry_exceeded_after_the_ack_timeouts, rnr_retry_7_waits_for_the_receive,
-    rnr_retry_exceeded_after_the_rnr_timers,
+    rnr_retry_exceeded_after_the_rnr_timers, rnr_wait_longer_than_the_ack_timeout,
 };
 pub use transfers::{
     inline_payload_is_copied_at_post_time, linked_batch_with_selective_signalling,
@@ -85,6 +85,7 @@ macro_rules! conformance_tests {
             retry_exceeded_after_the_ack_timeouts,
             rnr_retry_exceeded_after_the_rnr_timers,
             rnr_retry_7_waits_for_the_receive,
+            rnr_wait_longer_than_the_ack_timeout,
         );
     };
     (@each $make:expr; $($scenario:ident),* $(,)?) => {

@@ -37,8 +37,10 @@ pub const RNR_TIMER_CODE: u8 = 22;
 /// sent, and `rxe_completer` counts its expiry as a transport retry), so
 /// an RNR period longer than the ACK timeout eats `retry_cnt` and ends in
 /// `RETRY_EXC_ERR` even with `rnr_retry` 7: seen in the VM with ACK code
-/// 12 (16.8 ms) and RNR code 22 (20.48 ms). The sim does not model that;
-/// no scenario depends on it.
+/// 12 (16.8 ms) and RNR code 22 (20.48 ms). The sim models it on devices
+/// with `retransmit_timer_runs_during_rnr_wait` (its rxe profile), and
+/// [`rnr_wait_longer_than_the_ack_timeout`] shows it; the other RNR
+/// scenarios keep clear of it.
 pub const RNR_ACK_TIMEOUT_CODE: u8 = 14;
 
 /// The local ACK timeout of a `timeout` code (`ibv_modify_qp(3)`).
@@ -346,6 +348,97 @@ pub fn rnr_retry_7_waits_for_the_receive<B: Backend>(backend: &B) {
     // requester) on the sim; by one period plus the slack everywhere.
     let done = clock.now() + period;
     clock.advance_to(&t.a, done);
+    let wcs = wait::<B::A>(&t.cqa, 1, timing.late);
+    assert_eq!(ids_and_status(&wcs), [(1, WcStatus::SUCCESS)]);
+    let wcs = wait::<B::A>(&t.cqb, 1, timing.late);
+    assert_eq!(ids_and_status(&wcs), [(9, WcStatus::SUCCESS)]);
+    assert!(inbox.bytes() == src.bytes(), "SEND payload");
+}
+
+/// An RNR timer longer than the ACK timeout (ACK code 12 ≈ 16.8 ms, RNR
+/// code 22 = 20.48 ms), `rnr_retry` 7, `retry_cnt` 2, a SEND without a
+/// receive. Where the retransmit timer runs through RNR waits
+/// ([`TimingFacts::retransmit_timer_runs_during_rnr_wait`], rxe), each wait
+/// spends one transport retry and the SEND fails with `RETRY_EXC_ERR`
+/// when the ACK timeout expires in the wait after the last retry: at
+/// `retry_cnt` × the RNR timer + the ACK timeout, `rnr_retry` 7
+/// notwithstanding, the QP in ERROR. Elsewhere (IBA, ConnectX) an RNR NAK
+/// stops the ACK timer: as [`rnr_retry_7_waits_for_the_receive`], nothing
+/// completes for ten RNR periods and the SEND succeeds once a receive is
+/// posted.
+pub fn rnr_wait_longer_than_the_ack_timeout<B: Backend>(backend: &B) {
+    let timing = backend.timing();
+    if !timing.honours_rnr_timer || !timing.honours_ack_timeout {
+        crate::skip(
+            "rnr_wait_longer_than_the_ack_timeout",
+            "RNR timer or ACK timeout ignored",
+        );
+        return;
+    }
+    let retry_cnt = 2;
+    let rts = RtsParams {
+        timeout: ACK_TIMEOUT_CODE,
+        retry_cnt,
+        rnr_retry: 7,
+        ..RtsParams::default()
+    };
+    let t = Timed::new(backend, rts, RNR_TIMER_CODE);
+    let access = AccessFlags::transfer();
+    let src = t.a.buf(64, 1, access);
+    let inbox = t.b.buf(64, 2, access);
+    let rnr = timing.period(rnr_timer(RNR_TIMER_CODE));
+    let ack = timing.period(ack_timeout(ACK_TIMEOUT_CODE));
+    assert!(
+        ack < rnr,
+        "the scenario needs an ACK timeout below the RNR timer"
+    );
+
+    let mut clock = Elapsed::start(backend);
+    Pair::<B::A>::post(&t.qa, &[req(1, SendOp::Send, &[src.sge(0, 64)], SIG)]);
+    if timing.retransmit_timer_runs_during_rnr_wait {
+        let nominal = rnr * u32::from(retry_cnt) + ack;
+        let periods = u32::from(retry_cnt) + 1;
+        let lower = nominal.saturating_sub(timing.early_per_period * periods + NS);
+        let mut wcs = clock.nothing_until(&t.a, &t.cqa, lower, "RNR wait: before the deadline");
+        if wcs.is_empty() {
+            clock.advance_to(&t.a, nominal);
+            wcs = wait::<B::A>(&t.cqa, 1, timing.late);
+        }
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "rnr_wait_longer_than_the_ack_timeout on {}: {:?} after {:?} (nominal {nominal:?})",
+            backend.name(),
+            ids_and_status(&wcs),
+            clock.now()
+        );
+        assert_eq!(
+            ids_and_status(&wcs),
+            [(1, WcStatus::RETRY_EXC_ERR)],
+            "after {:?} (nominal {nominal:?})",
+            clock.now()
+        );
+        assert_eq!(t.qa.state().unwrap(), QpState::Error);
+        assert!(
+            poll_once::<B::A>(&t.cqb).is_empty(),
+            "the responder completed something"
+        );
+        return;
+    }
+    let window = rnr * 10 + rnr / 2;
+    for step in 1..=3 {
+        clock.advance_to(&t.a, window * step / 3);
+        let wcs = poll_once::<B::A>(&t.cqa);
+        assert!(
+            wcs.is_empty(),
+            "an RNR wait longer than the ACK timeout ended it after {:?}: {:?}",
+            clock.now(),
+            ids_and_status(&wcs)
+        );
+    }
+    assert_eq!(t.qa.state().unwrap(), QpState::ReadyToSend);
+    Pair::<B::A>::post_recv(t.qb(), &[recv(9, &[inbox.sge(0, 64)])]);
+    clock.advance_to(&t.a, clock.now() + rnr);
     let wcs = wait::<B::A>(&t.cqa, 1, timing.late);
     assert_eq!(ids_and_status(&wcs), [(1, WcStatus::SUCCESS)]);
     let wcs = wait::<B::A>(&t.cqb, 1, timing.late);
