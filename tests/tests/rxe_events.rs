@@ -9,7 +9,9 @@
 //! The port test takes the guest's netdev (`GDR_RXE_NETDEV`, default
 //! `dummy0`, the VM runner's) down and up with `ip link`: it runs only
 //! when `GDR_EXPECT_RXE=1` (it needs the VM's root and its private netdev)
-//! and brings the link back up whatever happens.
+//! and brings the link back up whatever happens. So does the second half
+//! of the two-context test (a CQ error reaches only the context that made
+//! the CQ, a port event both).
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
@@ -528,6 +530,79 @@ fn port_down_and_up_raise_port_error_and_port_active() {
     eprintln!("{T}: events seen: {seen:?}");
     let deadline = Instant::now() + TIMEOUT;
     while ctx.query_port(1).unwrap().state != PortState::Active {
+        assert!(Instant::now() < deadline, "the port never came back");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_cq_error_reaches_only_the_owning_context_a_port_event_every_one() {
+    const T: &str = "a_cq_error_reaches_only_the_owning_context_a_port_event_every_one";
+    let _serial = serial();
+    // rxe0 opened twice in one process: `owner` makes a loopback pair whose
+    // send CQ holds one completion, `other` only listens.
+    let Some((_p1, other)) = open_rxe(T) else {
+        return;
+    };
+    let Some((_p2, owner)) = open_rxe(T) else {
+        return;
+    };
+    async_events(&other);
+    async_events(&owner);
+    let pd = owner.alloc_pd().expect("PD");
+    let small = owner.create_cq(1).expect("CQ of one");
+    let cq_b = owner.create_cq(64).expect("CQ b");
+    let caps = QpCaps::default();
+    let a = pd.create_qp(&caps, &small, &small).expect("QP a");
+    let b = pd.create_qp(&caps, &cq_b, &cq_b).expect("QP b");
+    connect(&owner, &a, &b, 0x10, 1);
+    let buf_a = HostBuf::new(LEN, 1);
+    let buf_b = HostBuf::new(LEN, 2);
+    let mr_a = buf_a.register(&pd, 0, LEN, AccessFlags::transfer());
+    let mr_b = buf_b.register(&pd, 0, LEN, AccessFlags::transfer());
+    // More signaled WRITEs than the CQ holds, never polled: an overrun,
+    // which rxe reports as IB_EVENT_CQ_ERR (`rxe_cq_post`).
+    let requests: Vec<SendRequest> = (0..8)
+        .map(|wr_id| SendRequest {
+            wr_id,
+            op: SendOp::Write {
+                remote_addr: mr_b.addr(),
+                rkey: mr_b.rkey(),
+            },
+            sg_list: sge(&mr_a, 0, 64),
+            flags: SendFlags::SIGNALED,
+        })
+        .collect();
+    post_send(&a, &requests);
+    let mut seen = Vec::new();
+    wait_event(&owner, AsyncEvent::CqError { cq: small.cq_id() }, &mut seen);
+    eprintln!("{T}: the owner saw {seen:?}");
+    assert!(
+        !epoll_readable(other.async_fd(), QUIET),
+        "another context of rxe0 hears nothing of a CQ it did not create"
+    );
+    assert_eq!(async_events(&other), []);
+    if !expect_rxe() {
+        skip(
+            T,
+            "the port half takes the VM's netdev down: runs only with GDR_EXPECT_RXE=1",
+        );
+        return;
+    }
+    // A port event is unaffiliated: both contexts hear it.
+    let netdev = std::env::var("GDR_RXE_NETDEV").unwrap_or_else(|_| "dummy0".into());
+    let (mut seen_owner, mut seen_other) = (Vec::new(), Vec::new());
+    {
+        let _up_again = LinkGuard(netdev.clone());
+        ip_link(&netdev, "down");
+        wait_event(&owner, AsyncEvent::PortError { port: 1 }, &mut seen_owner);
+        wait_event(&other, AsyncEvent::PortError { port: 1 }, &mut seen_other);
+    }
+    wait_event(&owner, AsyncEvent::PortActive { port: 1 }, &mut seen_owner);
+    wait_event(&other, AsyncEvent::PortActive { port: 1 }, &mut seen_other);
+    eprintln!("{T}: port events: owner {seen_owner:?}, other {seen_other:?}");
+    let deadline = Instant::now() + TIMEOUT;
+    while owner.query_port(1).unwrap().state != PortState::Active {
         assert!(Instant::now() < deadline, "the port never came back");
         std::thread::sleep(Duration::from_millis(10));
     }

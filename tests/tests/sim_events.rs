@@ -648,6 +648,78 @@ fn cq_overrun_raises_cq_error() {
 }
 
 #[test]
+fn affiliated_events_reach_only_the_owning_context_port_events_every_one() {
+    // b's device opened twice in one process: `p.b.ctx` owns qb and cqb,
+    // `other` its own PD, CQ and QP. As in verbs, a QP or CQ event goes to
+    // the context that made the object, a port event to both.
+    let p = pair();
+    let other = p.b.verbs.open("sim0").unwrap();
+    let other_pd = other.alloc_pd().unwrap();
+    let other_cq = other.create_cq(2).unwrap();
+    let other_qp = other_pd
+        .create_qp(&QpCaps::default(), &other_cq, &other_cq)
+        .unwrap();
+    let quiet = Duration::from_millis(20);
+
+    // A responder access error on qb: its owner hears it, `other` not.
+    let op = SendOp::Write {
+        remote_addr: p.bufb.mr.addr() + 4096 - 8,
+        rkey: p.bufb.mr.rkey(),
+    };
+    send(&p.qa, &p.bufa, 1, op, SendFlags::SIGNALED);
+    assert_eq!(drain(&p.cqa)[0].status, WcStatus::REM_ACCESS_ERR);
+    assert!(epoll_readable(p.b.ctx.async_fd(), WAIT));
+    assert_eq!(
+        events(&p.b.ctx),
+        [AsyncEvent::QpAccessError {
+            qp_num: p.qb.qp_num()
+        }]
+    );
+    assert!(
+        !epoll_readable(other.async_fd(), quiet),
+        "another context of the device does not hear of a QP it does not own"
+    );
+    assert_eq!(events(&other), []);
+
+    // A CQ overrun on `other`'s CQ: the other way round.
+    other_qp.to_init(&InitParams::default()).unwrap();
+    let buf = Buf::new(&other_pd, 4096);
+    for i in 0..3 {
+        recv(&other_qp, &buf, i);
+    }
+    other_qp.to_error().unwrap(); // three flushes into a CQ of two
+    assert!(epoll_readable(other.async_fd(), WAIT));
+    assert_eq!(
+        events(&other),
+        [AsyncEvent::CqError {
+            cq: other_cq.cq_id()
+        }]
+    );
+    assert!(
+        !epoll_readable(p.b.ctx.async_fd(), quiet),
+        "nor of a CQ it did not create"
+    );
+
+    // Injected affiliated events route the same way.
+    let qp_fatal = AsyncEvent::QpFatal {
+        qp_num: other_qp.qp_num(),
+    };
+    p.b.verbs.raise_async_event("sim0", qp_fatal);
+    let cq_error = AsyncEvent::CqError { cq: p.cqb.cq_id() };
+    p.b.verbs.raise_async_event("sim0", cq_error);
+    assert_eq!(events(&other), [qp_fatal]);
+    assert_eq!(events(&p.b.ctx), [cq_error]);
+
+    // A port event is unaffiliated: every context of the device hears it.
+    p.b.verbs.set_port_state("sim0", 1, PortState::Down);
+    assert!(epoll_readable(p.b.ctx.async_fd(), WAIT));
+    assert!(epoll_readable(other.async_fd(), WAIT));
+    assert_eq!(events(&p.b.ctx), [AsyncEvent::PortError { port: 1 }]);
+    assert_eq!(events(&other), [AsyncEvent::PortError { port: 1 }]);
+    assert_eq!(events(&p.a.ctx), [], "nor any context of another device");
+}
+
+#[test]
 fn device_loss_raises_device_fatal_and_by_default_still_flushes() {
     let plan = FaultPlan::new();
     let p = pair_with(

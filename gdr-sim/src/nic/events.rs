@@ -11,10 +11,22 @@
 //!   caller must poll after arming (arm, then poll), as with verbs.
 //! - Each opened [`SimContext`](super::SimContext) has its own async event
 //!   queue and `eventfd` ([`Context::async_fd`](hal_verbs::Context::async_fd)).
-//!   Port and device events go to every open context of the device. QP and
-//!   CQ events also go to every open context of the device: verbs delivers
-//!   an affiliated event only to the context that created the object (a
-//!   difference that matters only to a process opening one device twice).
+//!   As in verbs, an affiliated event goes only to the context that owns
+//!   its object: a QP event to the context whose PD created the QP, a CQ
+//!   event to the context that created the CQ (so a process that opens one
+//!   device twice sees each QP's and CQ's events once, on the context that
+//!   made it). Unaffiliated events (port active/error, GID, LID and P_Key
+//!   change, client reregister, SM change, device fatal) go to every open
+//!   context of the device. An affiliated event naming an object the sim
+//!   does not know (an SRQ, which it does not have, or a QP or CQ already
+//!   destroyed; only
+//!   [`SimVerbs::raise_async_event`](super::SimVerbs::raise_async_event)
+//!   raises those) goes to every context of the device; one whose owning
+//!   context is closed goes nowhere. (Linux uverbs: `uverbs_uobj_event`
+//!   queues a QP/CQ/SRQ event on the async file of the object's own
+//!   `ib_uverbs_file`, while the per-file `ib_uverbs_event_handler` gets
+//!   every unaffiliated one; `drivers/infiniband/core/uverbs_main.c`. The
+//!   `rxe_events` test shows it on rxe0 opened twice.)
 //! - Each connection of the connection manager has its own eventfd
 //!   ([`Connection::event_fd`](hal_verbs::Connection::event_fd)), set when
 //!   either side disconnects and consumed by `poll_state`, as reading the
@@ -25,7 +37,9 @@
 //! violation (`REM_ACCESS_ERR` at the requester) raises
 //! [`AsyncEvent::QpAccessError`] on the responder's QP, an invalid request
 //! (`REM_INV_REQ_ERR`) [`AsyncEvent::QpRequestError`]; a CQ overrun raises
-//! [`AsyncEvent::CqError`]; a device loss [`AsyncEvent::DeviceFatal`];
+//! [`AsyncEvent::CqError`] (once per overrun CQ: rxe raises one for each
+//! completion it loses, `rxe_cq_post`, seven for eight signaled WRITEs into
+//! a CQ of one in the VM); a device loss [`AsyncEvent::DeviceFatal`];
 //! [`SimVerbs::set_port_state`](super::SimVerbs::set_port_state) raises
 //! [`AsyncEvent::PortActive`]/[`AsyncEvent::PortError`]. Any other event is
 //! raised with [`SimVerbs::raise_async_event`](super::SimVerbs::raise_async_event).
@@ -46,7 +60,7 @@
 //! completion after arming fires the event, as if the period had already
 //! elapsed.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
@@ -55,6 +69,7 @@ use std::time::Duration;
 use hal_verbs::{AsyncEvent, CompletionChannel, CqNotify, Mtu, Result, VerbsError, WcOpcode};
 
 use super::SimFabric;
+use super::state::QpRecord;
 
 /// A non-blocking eventfd: readable between `set` and `clear`.
 pub(crate) struct ReadyFd {
@@ -330,11 +345,23 @@ impl AsyncSink {
     }
 }
 
+/// An object an affiliated event can name, by whose context owns it (a QP
+/// is owned through its PD).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Owned {
+    /// A protection domain, by id: its QPs' events go to its context.
+    Pd(u64),
+    /// A completion queue, by id.
+    Cq(u64),
+}
+
 /// The fabric's event routing (in `FabricState`).
 #[derive(Debug, Default)]
 pub(crate) struct EventState {
     /// The async queues of open contexts (dropped contexts are pruned).
     sinks: Vec<Weak<AsyncSink>>,
+    /// The context that allocated each PD and created each CQ.
+    owners: HashMap<Owned, Weak<AsyncSink>>,
     /// Set by the engine just before it adds the receive completion of a
     /// request that asked for a solicited event (`SendFlags::SOLICITED`),
     /// and taken by that completion.
@@ -349,14 +376,43 @@ impl EventState {
             events: EventQueue::new("ibv_open_device")?,
         });
         self.sinks.retain(|s| s.strong_count() > 0);
+        self.owners.retain(|_, s| s.strong_count() > 0);
         self.sinks.push(Arc::downgrade(&sink));
         Ok(sink)
     }
 
-    /// Delivers `event` to every open context of `device`.
-    pub fn raise(&mut self, device: usize, event: AsyncEvent) {
+    /// Records that the context of `owner` made `object`: its affiliated
+    /// events go there only.
+    pub fn own(&mut self, object: Owned, owner: &Arc<AsyncSink>) {
+        self.owners.insert(object, Arc::downgrade(owner));
+    }
+
+    /// Forgets the owner of a destroyed object.
+    pub fn disown(&mut self, object: Owned) {
+        self.owners.remove(&object);
+    }
+
+    /// Delivers `event`, raised on `device`, as verbs does: an affiliated
+    /// event (QP, CQ) to the context that owns its object only (a QP's is
+    /// its PD's, found in `qps`), any other to every open context of
+    /// `device` (see the module docs).
+    pub fn raise(&mut self, device: usize, event: AsyncEvent, qps: &BTreeMap<u32, QpRecord>) {
         tracing::debug!(device, ?event, "sim: async event");
         self.sinks.retain(|s| s.strong_count() > 0);
+        let object = match event {
+            AsyncEvent::CqError { cq } => Some(Owned::Cq(cq)),
+            _ => event
+                .qp_num()
+                .and_then(|qpn| qps.get(&qpn))
+                .map(|qp| Owned::Pd(qp.pd)),
+        };
+        if let Some(owner) = object.and_then(|object| self.owners.get(&object)) {
+            // Its context may be closed: then nobody hears it.
+            if let Some(sink) = owner.upgrade() {
+                sink.events.push(event);
+            }
+            return;
+        }
         for sink in self.sinks.iter().filter_map(Weak::upgrade) {
             if sink.device == device {
                 sink.events.push(event);

@@ -549,14 +549,17 @@ impl SimVerbs {
             _ => None,
         };
         if let Some(event) = event {
-            state.events.raise(dev, event);
+            let state = &mut *state;
+            state.events.raise(dev, event, &state.qps);
         }
     }
 
-    /// Raises `event` on the node's device `device`, to every context open
-    /// on it, as the device would. [`AsyncEvent::DeviceFatal`] also kills
-    /// the device, as [`crate::Fault::DeviceLost`] does; other events change
-    /// nothing else (a QP named by a QP event is not moved to ERROR).
+    /// Raises `event` on the node's device `device`, as the device would:
+    /// an affiliated event (QP, CQ) to the context that owns its object,
+    /// any other to every context open on it (see the [`events`] module).
+    /// [`AsyncEvent::DeviceFatal`] also kills the device, as
+    /// [`crate::Fault::DeviceLost`] does; other events change nothing else
+    /// (a QP named by a QP event is not moved to ERROR).
     ///
     /// # Panics
     /// When the node has no such device (a test configuration error).
@@ -569,7 +572,8 @@ impl SimVerbs {
             // Raises the event itself.
             state.lose_device(dev);
         } else {
-            state.events.raise(dev, event);
+            let state = &mut *state;
+            state.events.raise(dev, event, &state.qps);
         }
     }
 
@@ -645,6 +649,12 @@ pub struct SimContext {
 }
 
 impl SimContext {
+    /// Makes this context the owner of `cq`: its CQ events come here only.
+    fn own_cq(&self, cq: &SimCq) {
+        let owned = events::Owned::Cq(hal_verbs::CompletionQueue::cq_id(cq));
+        self.fabric.lock().events.own(owned, &self.events);
+    }
+
     fn check_port(&self, state: &FabricState, port: u8, op: &'static str) -> Result<()> {
         let count = state.devices[self.device].config.attributes.phys_port_cnt;
         if port == 0 || port > count {
@@ -691,13 +701,17 @@ impl Context<SimVerbsApi> for SimContext {
         let id = {
             let mut state = self.fabric.lock();
             state.alive(self.device, "ibv_alloc_pd")?;
-            state.next_id()
+            let id = state.next_id();
+            state.events.own(events::Owned::Pd(id), &self.events);
+            id
         };
         Ok(SimPd::new(self.fabric.clone(), self.device, id))
     }
 
     fn create_cq(&self, depth: u32) -> Result<SimCq> {
-        SimCq::create(&self.fabric, self.device, depth, None)
+        let cq = SimCq::create(&self.fabric, self.device, depth, None)?;
+        self.own_cq(&cq);
+        Ok(cq)
     }
 
     fn create_comp_channel(&self) -> Result<SimCompChannel> {
@@ -725,12 +739,14 @@ impl Context<SimVerbsApi> for SimContext {
                 return Err(state.einval(self.device, OP, reason));
             }
         }
-        SimCq::create(
+        let cq = SimCq::create(
             &self.fabric,
             self.device,
             depth,
             Some(Arc::clone(&channel.shared)),
-        )
+        )?;
+        self.own_cq(&cq);
+        Ok(cq)
     }
 
     fn async_fd(&self) -> std::os::fd::RawFd {

@@ -362,7 +362,7 @@ impl FabricState {
         tracing::debug!(device = %self.devices[device].name, "sim: device lost");
         self.devices[device].lost = true;
         self.events
-            .raise(device, hal_verbs::AsyncEvent::DeviceFatal);
+            .raise(device, hal_verbs::AsyncEvent::DeviceFatal, &self.qps);
         let flushes = self.devices[device].config.device_loss_flushes;
         let qpns: Vec<u32> = self
             .qps
@@ -395,8 +395,11 @@ impl FabricState {
             tracing::warn!(wr_id = entry.wc.wr_id, depth = cq.depth, "sim: CQ overrun");
             if !cq.overrun {
                 let device = cq.device;
-                self.events
-                    .raise(device, hal_verbs::AsyncEvent::CqError { cq: cq_id });
+                self.events.raise(
+                    device,
+                    hal_verbs::AsyncEvent::CqError { cq: cq_id },
+                    &self.qps,
+                );
             }
             cq.overrun = true;
             return;
@@ -426,7 +429,7 @@ impl FabricState {
                 _ => None,
             };
             if let Some(event) = event {
-                self.events.raise(remote.device, event);
+                self.events.raise(remote.device, event, &self.qps);
             }
         }
         self.retire_at_completion(qpn, (qpn, Queue::Send, wqe.seq + 1));
@@ -579,6 +582,7 @@ impl FabricState {
             return None;
         }
         let removed = self.cqs.remove(&cq)?;
+        self.events.disown(super::events::Owned::Cq(cq));
         let device = &mut self.devices[removed.device];
         device.cqs = device.cqs.saturating_sub(1);
         Some(removed)
