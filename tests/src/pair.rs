@@ -244,20 +244,26 @@ impl<A: Api> Node<A> {
 
     /// What this side tells its peer about `qp`, and its GID index.
     pub fn info(&self, qp: &A::QueuePair, psn: u32) -> (ConnectionInfo, u8) {
-        let port = self.ctx.query_port(1).expect("ibv_query_port");
-        let table = self.ctx.gid_table(1).expect("GID table of port 1");
-        let gid = select_roce_v2_gid(&table, AddressFamily::V4)
-            .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
-            .unwrap_or_else(|| panic!("no RoCE v2 GID on port 1: {table:?}"));
-        let info = ConnectionInfo {
-            qp_num: qp.qp_num(),
-            psn,
-            gid: gid.gid,
-            lid: port.lid,
-            mtu: port.active_mtu,
-        };
-        (info, u8::try_from(gid.index).expect("GID index"))
+        local_info::<A>(&self.ctx, qp, psn)
     }
+}
+
+/// What a side with device `ctx` tells its peer about `qp` (port 1, its
+/// RoCE v2 GID: IPv4 first, then IPv6), and the GID's index.
+pub fn local_info<A: Api>(ctx: &A::Context, qp: &A::QueuePair, psn: u32) -> (ConnectionInfo, u8) {
+    let port = ctx.query_port(1).expect("ibv_query_port");
+    let table = ctx.gid_table(1).expect("GID table of port 1");
+    let gid = select_roce_v2_gid(&table, AddressFamily::V4)
+        .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
+        .unwrap_or_else(|| panic!("no RoCE v2 GID on port 1: {table:?}"));
+    let info = ConnectionInfo {
+        qp_num: qp.qp_num(),
+        psn,
+        gid: gid.gid,
+        lid: port.lid,
+        mtu: port.active_mtu,
+    };
+    (info, u8::try_from(gid.index).expect("GID index"))
 }
 
 /// Page-aligned host memory. Read and written by the CPU only while no

@@ -6,16 +6,15 @@
 //! (default `rxe0`), `GDR_RXE_IP` (default `10.99.0.1`, the address the VM
 //! runner gives rxe0's netdev).
 
-use std::alloc::Layout;
 use std::net::IpAddr;
-use std::ptr::NonNull;
-use std::sync::atomic::{Ordering, fence};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
-use hal_verbs::rdma::{RdmaContext, RdmaMr, RdmaPd, RdmaProvider};
-use hal_verbs::{AccessFlags, ProtectionDomain, Provider};
+use hal_verbs::rdma::{RdmaApi, RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaProvider, RdmaQp};
+use hal_verbs::{AccessFlags, Completion, MemoryRegion, ProtectionDomain, Provider, SgList, Sge};
 
-use crate::{init_tracing, pattern, skip};
+use crate::pair::HostMem;
+use crate::{init_tracing, skip};
 
 /// The tests of a binary share one device; serialising them keeps resource
 /// counts stable and the slow software NIC uncontended.
@@ -24,73 +23,31 @@ pub fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Page-aligned host memory the NIC reads and writes. Read and written only
+/// Page-aligned host memory the NIC reads and writes ([`HostMem`], whose
+/// `addr`, `len`, `read` and `write` it derefs to). Read and written only
 /// while no work request on it is in flight.
 #[derive(Debug)]
-pub struct HostBuf {
-    ptr: NonNull<u8>,
-    len: usize,
+pub struct HostBuf(HostMem);
+
+impl std::ops::Deref for HostBuf {
+    type Target = HostMem;
+
+    fn deref(&self) -> &HostMem {
+        &self.0
+    }
 }
 
-// SAFETY: plain owned memory; the tests hand it between threads only while
-// no work request on it is in flight.
-unsafe impl Send for HostBuf {}
-// SAFETY: see Send; reads and writes happen with no RDMA in flight.
-unsafe impl Sync for HostBuf {}
-
 impl HostBuf {
-    fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len, 4096).unwrap()
-    }
-
     /// `len` bytes holding `pattern(len, seed)`.
     pub fn new(len: usize, seed: u8) -> Self {
         assert!(len > 0);
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(Self::layout(len)) };
-        let ptr = NonNull::new(ptr).expect("allocation failed");
-        let buf = Self { ptr, len };
-        buf.write(0, &pattern(len, seed));
-        buf
-    }
-
-    /// Its length.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Never true: a buffer has at least one byte.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Its address.
-    pub fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
-    }
-
-    /// A copy of its bytes.
-    pub fn read(&self) -> Vec<u8> {
-        fence(Ordering::Acquire);
-        // SAFETY: `len` initialised bytes we own; no RDMA into them is in
-        // flight when the tests read (they poll completions first).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }.to_vec()
-    }
-
-    /// Overwrites bytes from `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) {
-        assert!(offset + data.len() <= self.len);
-        // SAFETY: in bounds (checked above); no RDMA on them is in flight.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
-        fence(Ordering::Release);
+        Self(HostMem::new(len, seed))
     }
 
     /// Registers `len` bytes from `offset`. The caller keeps `self` alive
     /// longer than the returned region (declare the buffer first).
     pub fn register(&self, pd: &RdmaPd, offset: usize, len: usize, access: AccessFlags) -> RdmaMr {
-        assert!(offset + len <= self.len);
+        assert!(offset + len <= self.len());
         // SAFETY: the range lies in our allocation, which every test keeps
         // alive longer than the region (it is declared, so dropped, after).
         unsafe { pd.register(self.addr() + offset as u64, len, access) }
@@ -98,11 +55,26 @@ impl HostBuf {
     }
 }
 
-impl Drop for HostBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with the same layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
-    }
+/// One scatter/gather entry: `length` bytes of `mr` from `offset`.
+pub fn sge(mr: &RdmaMr, offset: u64, length: u32) -> SgList {
+    let mut list = SgList::new();
+    list.push(Sge {
+        addr: mr.addr() + offset,
+        length,
+        lkey: mr.lkey(),
+    });
+    list
+}
+
+/// What `qp` of `ctx` tells its peer (port 1, its RoCE v2 GID), and the
+/// GID's index.
+pub fn local_info(ctx: &RdmaContext, qp: &RdmaQp, psn: u32) -> (hal_verbs::ConnectionInfo, u8) {
+    crate::pair::local_info::<RdmaApi>(ctx, qp, psn)
+}
+
+/// Polls `cq` until `n` completions arrived; fails after `timeout`.
+pub fn wait(cq: &RdmaCq, n: usize, timeout: Duration) -> Vec<Completion> {
+    crate::pair::wait::<RdmaApi>(cq, n, timeout)
 }
 
 /// Whether the run promises an rxe device (`GDR_EXPECT_RXE=1`).

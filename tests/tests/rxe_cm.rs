@@ -25,13 +25,13 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation};
-use gdr_tests::rxe::{self, HostBuf, serial};
+use gdr_tests::rxe::{self, HostBuf, serial, sge};
 use gdr_tests::{pattern, skip};
 use hal_verbs::rdma::{RdmaCm, RdmaConnection, RdmaContext, RdmaCq, RdmaMr, RdmaPd};
 use hal_verbs::{
     AccessFlags, Completion, CompletionQueue, ConnectParams, ConnectRequest, Connection,
     ConnectionManager, ConnectionState, Context, Listener, MemoryRegion, Provider, QpState,
-    QueuePair, SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcStatus,
+    QueuePair, SendFlags, SendOp, SendRequest, SgList, VerbsError, WcStatus,
 };
 
 const HELLO: &[u8] = b"gdr-hello v1";
@@ -73,16 +73,6 @@ fn descriptor(mr: &RdmaMr, device: &str) -> MemoryDescriptor {
         device: device.to_owned(),
         location: MemoryLocation::Host,
     }
-}
-
-fn sge(mr: &RdmaMr, offset: u64, length: u32) -> SgList {
-    let mut list = SgList::new();
-    list.push(Sge {
-        addr: mr.addr() + offset,
-        length,
-        lkey: mr.lkey(),
-    });
-    list
 }
 
 /// Posts one signaled request and waits for its completion.

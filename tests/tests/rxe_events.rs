@@ -16,14 +16,13 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
-use gdr_tests::rxe::{HostBuf, expect_rxe, open_rxe, serial};
+use gdr_tests::rxe::{self, HostBuf, expect_rxe, local_info, open_rxe, serial, sge};
 use gdr_tests::skip;
 use hal_verbs::rdma::{RdmaCompChannel, RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaQp};
 use hal_verbs::{
-    AccessFlags, AddressFamily, AsyncEvent, Completion, CompletionChannel, CompletionQueue,
-    ConnectionInfo, Context, CqNotify, InitParams, MemoryRegion, PortState, ProtectionDomain,
-    QpCaps, QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest,
-    SgList, Sge, VerbsError, WcStatus, select_roce_v2_gid,
+    AccessFlags, AsyncEvent, Completion, CompletionChannel, CompletionQueue, Context, CqNotify,
+    InitParams, MemoryRegion, PortState, ProtectionDomain, QpCaps, QpState, QueuePair, RecvRequest,
+    RtrParams, RtsParams, SendFlags, SendOp, SendRequest, VerbsError, WcStatus,
 };
 
 /// How long a completion or an event may take under TCG.
@@ -74,16 +73,6 @@ fn is_nonblocking(fd: RawFd) -> bool {
 
 // --------------------------------------------------------- verbs helpers
 
-fn sge(mr: &RdmaMr, offset: u64, length: u32) -> SgList {
-    let mut list = SgList::new();
-    list.push(Sge {
-        addr: mr.addr() + offset,
-        length,
-        lkey: mr.lkey(),
-    });
-    list
-}
-
 fn post_send(qp: &RdmaQp, requests: &[SendRequest]) {
     // SAFETY: every test keeps its buffers and regions alive until it has
     // polled the completions of what it posted.
@@ -95,45 +84,14 @@ fn post_recv(qp: &RdmaQp, requests: &[RecvRequest]) {
     unsafe { qp.post_recv(requests) }.expect("post_recv");
 }
 
-/// Polls until `n` completions arrived.
-fn wait(cq: &RdmaCq, n: usize) -> Vec<Completion> {
-    let start = Instant::now();
-    let mut got = Vec::new();
-    let mut buf = [Completion::default(); 16];
-    while got.len() < n {
-        let k = cq.poll(&mut buf[..(n - got.len()).min(16)]).expect("poll");
-        got.extend_from_slice(&buf[..k]);
-        if k == 0 {
-            assert!(
-                start.elapsed() < TIMEOUT,
-                "waited {TIMEOUT:?} for {n} completions, got {got:?}"
-            );
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    }
-    got
-}
-
 /// Connects `a` and `b` (both of `ctx`) to each other, starting at `psn`,
 /// with the READ depths asked for.
 fn connect(ctx: &RdmaContext, a: &RdmaQp, b: &RdmaQp, psn: u32, rd_atomic: u8) {
-    let port = ctx.query_port(1).expect("port 1");
-    let table = ctx.gid_table(1).expect("GID table");
-    let gid = select_roce_v2_gid(&table, AddressFamily::V4)
-        .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
-        .cloned()
-        .unwrap_or_else(|| panic!("no RoCE v2 GID: {table:?}"));
-    let info = |qp: &RdmaQp| ConnectionInfo {
-        qp_num: qp.qp_num(),
-        psn,
-        gid: gid.gid,
-        lid: port.lid,
-        mtu: port.active_mtu,
-    };
-    let sgid = u8::try_from(gid.index).unwrap();
-    for (qp, peer) in [(a, info(b)), (b, info(a))] {
+    let (info_a, sgid) = local_info(ctx, a, psn);
+    let (info_b, _) = local_info(ctx, b, psn);
+    for (qp, peer) in [(a, info_b), (b, info_a)] {
         qp.to_init(&InitParams::default()).expect("INIT");
-        let mut rtr = RtrParams::new(peer, sgid, port.active_mtu);
+        let mut rtr = RtrParams::new(peer, sgid, peer.mtu);
         rtr.max_dest_rd_atomic = rd_atomic;
         qp.to_rtr(&rtr).expect("RTR");
         qp.to_rts(&RtsParams {
@@ -143,6 +101,11 @@ fn connect(ctx: &RdmaContext, a: &RdmaQp, b: &RdmaQp, psn: u32, rd_atomic: u8) {
         })
         .expect("RTS");
     }
+}
+
+/// Polls until `n` completions arrived.
+fn wait(cq: &RdmaCq, n: usize) -> Vec<Completion> {
+    rxe::wait(cq, n, TIMEOUT)
 }
 
 /// Two connected QPs of rxe0, each with its own CQ on one channel.

@@ -13,39 +13,21 @@
 //! Knobs: `GDR_RXE_DEVICE` (default `rxe0`), `GDR_RXE_IP` (default
 //! `10.99.0.1`, the address the VM runner gives rxe0's netdev).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use gdr_tests::rxe::{HostBuf, device_name, expect_rxe, expected_ip, open_rxe, serial};
+use gdr_tests::rxe::{
+    self, HostBuf, device_name, expect_rxe, expected_ip, local_info, open_rxe, serial, sge,
+};
 use gdr_tests::{init_tracing, skip};
 use hal_verbs::rdma::{RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaProvider, RdmaQp};
 use hal_verbs::{
-    AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, GidEntry,
-    GidType, InitParams, LinkLayer, MemoryRegion, PortState, PostError, ProtectionDomain, Provider,
-    QpCaps, QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SgList, Sge, VerbsError,
-    WcStatus, select_roce_v2_gid,
+    AccessFlags, AddressFamily, Completion, Context, GidType, InitParams, LinkLayer, MemoryRegion,
+    PortState, PostError, ProtectionDomain, Provider, QpCaps, QpState, QueuePair, RecvRequest,
+    RtrParams, RtsParams, VerbsError, WcStatus, select_roce_v2_gid,
 };
 
 /// How long a completion may take under TCG before the test fails.
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(20);
-
-fn sge(mr: &RdmaMr, offset: u64, length: u32) -> SgList {
-    let mut list = SgList::new();
-    list.push(Sge {
-        addr: mr.addr() + offset,
-        length,
-        lkey: mr.lkey(),
-    });
-    list
-}
-
-/// The RoCE v2 GID to address port 1 by: IPv4 first, then IPv6.
-fn local_gid(ctx: &RdmaContext) -> GidEntry {
-    let table = ctx.gid_table(1).expect("GID table of port 1");
-    select_roce_v2_gid(&table, AddressFamily::V4)
-        .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
-        .cloned()
-        .unwrap_or_else(|| panic!("no RoCE v2 GID on port 1: {table:?}"))
-}
 
 /// Two RC queue pairs of one device, connected to each other.
 struct Loopback {
@@ -61,20 +43,11 @@ fn connect(ctx: &RdmaContext, pd: &RdmaPd, caps: QpCaps) -> Loopback {
     let a = pd.create_qp(&caps, &cq_a, &cq_a).expect("QP a");
     let b = pd.create_qp(&caps, &cq_b, &cq_b).expect("QP b");
     assert_eq!(a.state().unwrap(), QpState::Reset);
-    let port = ctx.query_port(1).expect("port 1");
-    let gid = local_gid(ctx);
-    let info = |qp: &RdmaQp, psn: u32| ConnectionInfo {
-        qp_num: qp.qp_num(),
-        psn,
-        gid: gid.gid,
-        lid: port.lid,
-        mtu: port.active_mtu,
-    };
-    let (info_a, info_b) = (info(&a, 0x1234), info(&b, 0xab_cdef));
-    let sgid = u8::try_from(gid.index).unwrap();
+    let (info_a, sgid) = local_info(ctx, &a, 0x1234);
+    let (info_b, _) = local_info(ctx, &b, 0xab_cdef);
     for (qp, own, peer) in [(&a, info_a, info_b), (&b, info_b, info_a)] {
         qp.to_init(&InitParams::default()).expect("INIT");
-        qp.to_rtr(&RtrParams::new(peer, sgid, port.active_mtu))
+        qp.to_rtr(&RtrParams::new(peer, sgid, peer.mtu))
             .expect("RTR");
         let rts = RtsParams {
             sq_psn: own.psn,
@@ -100,21 +73,7 @@ fn connect(ctx: &RdmaContext, pd: &RdmaPd, caps: QpCaps) -> Loopback {
 
 /// Polls until `n` completions arrived; fails after [`COMPLETION_TIMEOUT`].
 fn wait(cq: &RdmaCq, n: usize) -> Vec<Completion> {
-    let start = Instant::now();
-    let mut got = Vec::new();
-    let mut buf = [Completion::default(); 16];
-    while got.len() < n {
-        let k = cq.poll(&mut buf[..(n - got.len()).min(16)]).expect("poll");
-        got.extend_from_slice(&buf[..k]);
-        if k == 0 {
-            assert!(
-                start.elapsed() < COMPLETION_TIMEOUT,
-                "waited {COMPLETION_TIMEOUT:?} for {n} completions, got {got:?}"
-            );
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    }
-    got
+    rxe::wait(cq, n, COMPLETION_TIMEOUT)
 }
 
 fn post_recv(qp: &RdmaQp, requests: &[RecvRequest]) -> Result<(), PostError> {
