@@ -7,6 +7,7 @@ pub mod conformance;
 pub mod grants;
 pub mod pair;
 pub mod rxe;
+pub mod sim;
 
 /// Routes `tracing` output to the test harness (shown for failing tests),
 /// filtered by `RUST_LOG`.

@@ -681,13 +681,7 @@ impl Backend for SimBackend {
         use hal_verbs::Provider as _;
         let fabric = gdr_sim::SimFabric::new();
         let node = |name: &str| {
-            let verbs = fabric.add_node(
-                name,
-                gdr_sim::NodeConfig {
-                    ipv4: None,
-                    devices: vec![self.device.clone()],
-                },
-            );
+            let verbs = crate::sim::add_node(&fabric, name, self.device.clone());
             Node::new(verbs.open("sim0").expect("open sim0"))
         };
         (node("a"), node("b"))
@@ -697,13 +691,7 @@ impl Backend for SimBackend {
         use hal_verbs::Provider as _;
         let fabric = gdr_sim::SimFabric::new();
         let side = |name: &str| {
-            let provider = fabric.add_node(
-                name,
-                gdr_sim::NodeConfig {
-                    ipv4: None,
-                    devices: vec![self.device.clone()],
-                },
-            );
+            let provider = crate::sim::add_node(&fabric, name, self.device.clone());
             let cm = provider.connection_manager().expect("the sim's CM");
             let ip = std::net::IpAddr::V4(provider.device_ipv4("sim0").expect("sim0's address"));
             CmSide { provider, cm, ip }

@@ -8,15 +8,15 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
 use gdr_sim::{
-    ClockMode, DeviceConfig, Fault, FaultPlan, FaultSite, NodeConfig, SimCompChannel, SimContext,
-    SimCq, SimFabric, SimMr, SimPd, SimQp, SimVerbs,
+    ClockMode, DeviceConfig, Fault, FaultPlan, FaultSite, SimCompChannel, SimContext, SimCq,
+    SimFabric, SimMr, SimPd, SimQp, SimVerbs,
 };
-use gdr_tests::init_tracing;
+use gdr_tests::{init_tracing, sim};
 use hal_verbs::{
-    AccessFlags, AddressFamily, AsyncEvent, Completion, CompletionChannel, CompletionQueue,
-    ConnectionInfo, Context, CqNotify, InitParams, MemoryRegion, PortState, ProtectionDomain,
-    Provider, QpCaps, QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp,
-    SendRequest, Sge, VerbsError, WcStatus, select_roce_v2_gid,
+    AccessFlags, AsyncEvent, Completion, CompletionChannel, CompletionQueue, ConnectionInfo,
+    Context, CqNotify, InitParams, MemoryRegion, PortState, ProtectionDomain, Provider, QpCaps,
+    QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, Sge,
+    VerbsError, WcStatus,
 };
 
 // ------------------------------------------------------------ fd helpers
@@ -74,32 +74,14 @@ struct Node {
 
 impl Node {
     fn new(fabric: &SimFabric, name: &str, device: DeviceConfig) -> Self {
-        let verbs = fabric.add_node(
-            name,
-            NodeConfig {
-                ipv4: None,
-                devices: vec![device],
-            },
-        );
+        let verbs = sim::add_node(fabric, name, device);
         let ctx = verbs.open("sim0").unwrap();
         let pd = ctx.alloc_pd().unwrap();
         Self { verbs, ctx, pd }
     }
 
     fn info(&self, qp: &SimQp, psn: u32) -> (ConnectionInfo, u8) {
-        let port = self.ctx.query_port(1).unwrap();
-        let table = self.ctx.gid_table(1).unwrap();
-        let gid = select_roce_v2_gid(&table, AddressFamily::V4).unwrap();
-        (
-            ConnectionInfo {
-                qp_num: qp.qp_num(),
-                psn,
-                gid: gid.gid,
-                lid: port.lid,
-                mtu: port.active_mtu,
-            },
-            gid.index as u8,
-        )
+        sim::info(&self.ctx, qp, psn)
     }
 }
 

@@ -2,12 +2,12 @@
 //! each profile behaves as its provider does (the facts and their sources
 //! are on `DeviceConfig::mlx5_like`).
 
-use gdr_sim::{DeviceConfig, NodeConfig, SimCq, SimFabric, SimMr, SimPd, SimQp};
-use gdr_tests::init_tracing;
+use gdr_sim::{DeviceConfig, SimCq, SimFabric, SimMr, SimPd, SimQp};
+use gdr_tests::{init_tracing, sim};
 use hal_verbs::{
-    AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, InitParams,
-    MemoryRegion, ProtectionDomain, Provider, QpCaps, QueuePair, RtrParams, RtsParams, SendFlags,
-    SendOp, SendRequest, Sge, VerbsError, WcStatus, select_roce_v2_gid,
+    AccessFlags, Completion, CompletionQueue, ConnectionInfo, Context, InitParams, MemoryRegion,
+    ProtectionDomain, Provider, QpCaps, QueuePair, RtrParams, RtsParams, SendFlags, SendOp,
+    SendRequest, Sge, VerbsError, WcStatus,
 };
 
 struct Side {
@@ -19,33 +19,19 @@ struct Side {
 }
 
 fn side(fabric: &SimFabric, name: &str, config: &DeviceConfig, caps: &QpCaps) -> Side {
-    let verbs = fabric.add_node(
-        name,
-        NodeConfig {
-            ipv4: None,
-            devices: vec![config.clone()],
-        },
-    );
-    let ctx = verbs.open("sim0").unwrap();
+    let ctx = sim::add_node(fabric, name, config.clone())
+        .open("sim0")
+        .unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(64).unwrap();
     let qp = pd.create_qp(caps, &cq, &cq).unwrap();
-    let port = ctx.query_port(1).unwrap();
-    let table = ctx.gid_table(1).unwrap();
-    let gid = select_roce_v2_gid(&table, AddressFamily::V4).unwrap();
-    let info = ConnectionInfo {
-        qp_num: qp.qp_num(),
-        psn: 7,
-        gid: gid.gid,
-        lid: port.lid,
-        mtu: port.active_mtu,
-    };
+    let (info, sgid) = sim::info(&ctx, &qp, 7);
     Side {
         pd,
         cq,
         qp,
         info,
-        sgid: gid.index as u8,
+        sgid,
     }
 }
 

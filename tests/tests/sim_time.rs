@@ -6,14 +6,14 @@
 use std::time::Duration;
 
 use gdr_sim::{
-    ClockMode, DeviceConfig, NodeConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp,
-    ack_timeout, rnr_nak_timer,
+    ClockMode, DeviceConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp, ack_timeout,
+    rnr_nak_timer,
 };
-use gdr_tests::{init_tracing, pattern};
+use gdr_tests::{init_tracing, pattern, sim};
 use hal_verbs::{
-    AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, InitParams,
-    MemoryRegion, ProtectionDomain, Provider, QpCaps, QpState, QueuePair, RecvRequest, RtrParams,
-    RtsParams, SendFlags, SendOp, SendRequest, Sge, WcOpcode, WcStatus, select_roce_v2_gid,
+    AccessFlags, Completion, CompletionQueue, ConnectionInfo, Context, InitParams, MemoryRegion,
+    ProtectionDomain, Provider, QpCaps, QpState, QueuePair, RecvRequest, RtrParams, RtsParams,
+    SendFlags, SendOp, SendRequest, Sge, WcOpcode, WcStatus,
 };
 
 // ---------------------------------------------------------------- helpers
@@ -28,30 +28,13 @@ struct Node {
 impl Node {
     /// A node whose device is `device`.
     fn on(fabric: &SimFabric, name: &str, device: DeviceConfig) -> Self {
-        let verbs = fabric.add_node(
-            name,
-            NodeConfig {
-                ipv4: None,
-                devices: vec![device],
-            },
-        );
-        let ctx = verbs.open("sim0").unwrap();
+        let ctx = sim::add_node(fabric, name, device).open("sim0").unwrap();
         let pd = ctx.alloc_pd().unwrap();
         Self { ctx, pd }
     }
 
     fn info(&self, qp: &SimQp, psn: u32) -> (ConnectionInfo, u8) {
-        let port = self.ctx.query_port(1).unwrap();
-        let table = self.ctx.gid_table(1).unwrap();
-        let gid = select_roce_v2_gid(&table, AddressFamily::V4).expect("a RoCE v2 IPv4 GID");
-        let info = ConnectionInfo {
-            qp_num: qp.qp_num(),
-            psn,
-            gid: gid.gid,
-            lid: port.lid,
-            mtu: port.active_mtu,
-        };
-        (info, gid.index as u8)
+        sim::info(&self.ctx, qp, psn)
     }
 }
 

@@ -12,7 +12,7 @@ use gdr_sim::{
     DeviceConfig, Fault, FaultPlan, FaultSite, NodeConfig, SimContext, SimCq, SimFabric, SimMr,
     SimPd, SimQp, SimVerbs,
 };
-use gdr_tests::{init_tracing, pattern};
+use gdr_tests::{init_tracing, pattern, sim};
 use hal_verbs::{
     AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, InitParams,
     LinkLayer, MemoryRegion, Mtu, PostError, ProtectionDomain, Provider, QpCaps, QpState,
@@ -51,17 +51,7 @@ impl Node {
 
     /// What this side tells its peer, and the GID index it sends from.
     fn info(&self, qp: &SimQp, psn: u32) -> (ConnectionInfo, u8) {
-        let port = self.ctx.query_port(1).unwrap();
-        let table = self.ctx.gid_table(1).unwrap();
-        let gid = select_roce_v2_gid(&table, AddressFamily::V4).expect("a RoCE v2 IPv4 GID");
-        let info = ConnectionInfo {
-            qp_num: qp.qp_num(),
-            psn,
-            gid: gid.gid,
-            lid: port.lid,
-            mtu: port.active_mtu,
-        };
-        (info, gid.index as u8)
+        sim::info(&self.ctx, qp, psn)
     }
 }
 
