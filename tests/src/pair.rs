@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 
 use hal_verbs::{
     AccessFlags, AddressFamily, Api, Completion, CompletionQueue, ConnectionInfo, Context,
-    InitParams, MemoryRegion, PostError, ProtectionDomain, QpCaps, QpState, QueuePair, RecvRequest,
-    RtrParams, RtsParams, SendFlags, SendOp, SendRequest, Sge, WcStatus, select_roce_v2_gid,
+    GidEntry, InitParams, MemoryRegion, PortAttributes, PostError, ProtectionDomain, QpCaps,
+    QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, Sge,
+    WcStatus, select_roce_v2_gid,
 };
 
 /// Facts about a backend where devices legitimately differ, each with its
@@ -256,8 +257,19 @@ pub fn local_info<A: Api>(ctx: &A::Context, qp: &A::QueuePair, psn: u32) -> (Con
     let gid = select_roce_v2_gid(&table, AddressFamily::V4)
         .or_else(|| select_roce_v2_gid(&table, AddressFamily::V6))
         .unwrap_or_else(|| panic!("no RoCE v2 GID on port 1: {table:?}"));
+    port_info(&port, gid, qp.qp_num(), psn)
+}
+
+/// The `ConnectionInfo` of QP `qp_num` on `port` sending from `gid`, and
+/// the GID's index.
+pub fn port_info(
+    port: &PortAttributes,
+    gid: &GidEntry,
+    qp_num: u32,
+    psn: u32,
+) -> (ConnectionInfo, u8) {
     let info = ConnectionInfo {
-        qp_num: qp.qp_num(),
+        qp_num,
         psn,
         gid: gid.gid,
         lid: port.lid,

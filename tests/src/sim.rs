@@ -22,12 +22,5 @@ pub fn info(ctx: &SimContext, qp: &SimQp, psn: u32) -> (ConnectionInfo, u8) {
     let port = ctx.query_port(1).unwrap();
     let table = ctx.gid_table(1).unwrap();
     let gid = select_roce_v2_gid(&table, AddressFamily::V4).expect("a RoCE v2 IPv4 GID");
-    let info = ConnectionInfo {
-        qp_num: qp.qp_num(),
-        psn,
-        gid: gid.gid,
-        lid: port.lid,
-        mtu: port.active_mtu,
-    };
-    (info, gid.index as u8)
+    crate::pair::port_info(&port, gid, qp.qp_num(), psn)
 }

@@ -13,9 +13,10 @@
 //! of the two-context test (a CQ error reaches only the context that made
 //! the CQ, a port event both).
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use gdr_tests::fd::{epoll_readable, is_nonblocking, poll_readable};
 use gdr_tests::rxe::{self, HostBuf, expect_rxe, local_info, open_rxe, serial, sge};
 use gdr_tests::skip;
 use hal_verbs::rdma::{RdmaCompChannel, RdmaContext, RdmaCq, RdmaMr, RdmaPd, RdmaQp};
@@ -29,47 +30,6 @@ use hal_verbs::{
 const TIMEOUT: Duration = Duration::from_secs(20);
 /// How long "nothing happens" is watched.
 const QUIET: Duration = Duration::from_millis(300);
-
-// ------------------------------------------------------------ fd helpers
-
-/// Waits up to `timeout` for `fd` to be readable, with epoll.
-fn epoll_readable(fd: RawFd, timeout: Duration) -> bool {
-    // SAFETY: plain syscalls on fds we own (the epoll fd, closed below) or
-    // that the caller keeps open for the call; `ev`/`out` are live.
-    unsafe {
-        let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
-        assert!(ep >= 0, "epoll_create1");
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: 7,
-        };
-        assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
-        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 1];
-        let n = libc::epoll_wait(ep, out.as_mut_ptr(), 1, timeout.as_millis() as i32);
-        libc::close(ep);
-        assert!(n >= 0, "epoll_wait");
-        n == 1 && out[0].events & libc::EPOLLIN as u32 != 0
-    }
-}
-
-/// Whether `fd` is readable now (poll(2), zero timeout).
-fn poll_readable(fd: RawFd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one live pollfd.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    assert!(n >= 0, "poll");
-    n == 1 && pfd.revents & libc::POLLIN != 0
-}
-
-fn is_nonblocking(fd: RawFd) -> bool {
-    // SAFETY: F_GETFL on an open fd.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    flags >= 0 && flags & libc::O_NONBLOCK != 0
-}
 
 // --------------------------------------------------------- verbs helpers
 
