@@ -20,7 +20,7 @@ use hal_verbs::{
     QpState, QueuePair, RtrParams, RtsParams, SendFlags, SendOp, WcStatus,
 };
 
-use crate::pair::{Backend, Node, Pair, TimingFacts, ids_and_status, recv, req, wait};
+use crate::pair::{Backend, Buf, Node, Pair, TimingFacts, ids_and_status, recv, req, wait};
 
 const SIG: SendFlags = SendFlags::SIGNALED;
 /// One tick of the sim's clock: "strictly before the deadline".
@@ -166,6 +166,49 @@ impl<'a, B: Backend> Elapsed<'a, B> {
         }
     }
 
+    /// The completion of a request due to fail after `periods` timer
+    /// periods, `nominal` in all: nothing may complete before the nominal
+    /// time less the backend's early slack ([`Elapsed::nothing_until`]);
+    /// then time passes to `nominal` and the completion must come within
+    /// the backend's lateness.
+    fn completion_due_at(
+        &mut self,
+        node: &Node<B::A>,
+        cq: &<B::A as Api>::CompletionQueue,
+        nominal: Duration,
+        periods: u32,
+        what: &str,
+    ) -> Vec<Completion> {
+        let lower = nominal.saturating_sub(self.timing.early_per_period * periods + NS);
+        let wcs = self.nothing_until(node, cq, lower, what);
+        if !wcs.is_empty() {
+            return wcs;
+        }
+        self.advance_to(node, nominal);
+        wait::<B::A>(cq, 1, self.timing.late)
+    }
+
+    /// Lets `window` pass in three steps, asserting at each that nothing
+    /// completed on `cq` (`what` says what a completion would mean).
+    fn nothing_for(
+        &mut self,
+        node: &Node<B::A>,
+        cq: &<B::A as Api>::CompletionQueue,
+        window: Duration,
+        what: &str,
+    ) {
+        for step in 1..=3 {
+            self.advance_to(node, window * step / 3);
+            let wcs = poll_once::<B::A>(cq);
+            assert!(
+                wcs.is_empty(),
+                "{what} after {:?}: {:?}",
+                self.now(),
+                ids_and_status(&wcs)
+            );
+        }
+    }
+
     /// Asserts that nothing completes on `cq` until `bound` has passed.
     /// Virtual time: advanced to half the bound, then to the bound, with a
     /// poll at each. Real time: polled without pause until the bound; a
@@ -243,15 +286,10 @@ pub fn retry_exceeded_after_the_ack_timeouts<B: Backend>(backend: &B) {
     drop(t.qb.take());
     let periods = u32::from(retry_cnt) + 1;
     let nominal = timing.period(ack_timeout(ACK_TIMEOUT_CODE)) * periods;
-    let lower = nominal.saturating_sub(timing.early_per_period * periods + NS);
 
     let mut clock = Elapsed::start(backend);
     Pair::<B::A>::post(&t.qa, &[req(1, dst.write_op(0), &[src.sge(0, 64)], SIG)]);
-    let mut wcs = clock.nothing_until(&t.a, &t.cqa, lower, "retry: before the deadline");
-    if wcs.is_empty() {
-        clock.advance_to(&t.a, nominal);
-        wcs = wait::<B::A>(&t.cqa, 1, timing.late);
-    }
+    let wcs = clock.completion_due_at(&t.a, &t.cqa, nominal, periods, "retry: before the deadline");
     assert_eq!(
         ids_and_status(&wcs),
         [(1, WcStatus::RETRY_EXC_ERR)],
@@ -287,15 +325,10 @@ pub fn rnr_retry_exceeded_after_the_rnr_timers<B: Backend>(backend: &B) {
     let src = t.a.buf(64, 1, access);
     let periods = u32::from(rnr_retry);
     let nominal = timing.period(rnr_timer(RNR_TIMER_CODE)) * periods;
-    let lower = nominal.saturating_sub(timing.early_per_period * periods + NS);
 
     let mut clock = Elapsed::start(backend);
     Pair::<B::A>::post(&t.qa, &[req(1, SendOp::Send, &[src.sge(0, 64)], SIG)]);
-    let mut wcs = clock.nothing_until(&t.a, &t.cqa, lower, "RNR: before the deadline");
-    if wcs.is_empty() {
-        clock.advance_to(&t.a, nominal);
-        wcs = wait::<B::A>(&t.cqa, 1, timing.late);
-    }
+    let wcs = clock.completion_due_at(&t.a, &t.cqa, nominal, periods, "RNR: before the deadline");
     assert_eq!(
         ids_and_status(&wcs),
         [(1, WcStatus::RNR_RETRY_EXC_ERR)],
@@ -332,25 +365,31 @@ pub fn rnr_retry_7_waits_for_the_receive<B: Backend>(backend: &B) {
 
     let mut clock = Elapsed::start(backend);
     Pair::<B::A>::post(&t.qa, &[req(1, SendOp::Send, &[src.sge(0, 64)], SIG)]);
-    for step in 1..=3 {
-        clock.advance_to(&t.a, window * step / 3);
-        let wcs = poll_once::<B::A>(&t.cqa);
-        assert!(
-            wcs.is_empty(),
-            "rnr_retry 7 gave up after {:?}: {:?}",
-            clock.now(),
-            ids_and_status(&wcs)
-        );
-    }
-    assert_eq!(t.qa.state().unwrap(), QpState::ReadyToSend);
-    Pair::<B::A>::post_recv(t.qb(), &[recv(9, &[inbox.sge(0, 64)])]);
+    clock.nothing_for(&t.a, &t.cqa, window, "rnr_retry 7 gave up");
     // Not before the next retry (the receive is not pushed to the waiting
     // requester) on the sim; by one period plus the slack everywhere.
+    a_receive_ends_the_wait(&mut clock, &t, &src, &inbox, period);
+}
+
+/// The SEND (wr_id 1 of `src`) still waiting for a receive in RTS: a
+/// receive (wr_id 9, into `inbox`) is posted, and by one RNR `period`
+/// (plus the backend's lateness) both sides complete with the payload in
+/// `inbox`.
+fn a_receive_ends_the_wait<B: Backend>(
+    clock: &mut Elapsed<'_, B>,
+    t: &Timed<B::A>,
+    src: &Buf<B::A>,
+    inbox: &Buf<B::A>,
+    period: Duration,
+) {
+    assert_eq!(t.qa.state().unwrap(), QpState::ReadyToSend);
+    Pair::<B::A>::post_recv(t.qb(), &[recv(9, &[inbox.sge(0, 64)])]);
     let done = clock.now() + period;
     clock.advance_to(&t.a, done);
-    let wcs = wait::<B::A>(&t.cqa, 1, timing.late);
+    let late = clock.timing.late;
+    let wcs = wait::<B::A>(&t.cqa, 1, late);
     assert_eq!(ids_and_status(&wcs), [(1, WcStatus::SUCCESS)]);
-    let wcs = wait::<B::A>(&t.cqb, 1, timing.late);
+    let wcs = wait::<B::A>(&t.cqb, 1, late);
     assert_eq!(ids_and_status(&wcs), [(9, WcStatus::SUCCESS)]);
     assert!(inbox.bytes() == src.bytes(), "SEND payload");
 }
@@ -398,12 +437,13 @@ pub fn rnr_wait_longer_than_the_ack_timeout<B: Backend>(backend: &B) {
     if timing.retransmit_timer_runs_during_rnr_wait {
         let nominal = rnr * u32::from(retry_cnt) + ack;
         let periods = u32::from(retry_cnt) + 1;
-        let lower = nominal.saturating_sub(timing.early_per_period * periods + NS);
-        let mut wcs = clock.nothing_until(&t.a, &t.cqa, lower, "RNR wait: before the deadline");
-        if wcs.is_empty() {
-            clock.advance_to(&t.a, nominal);
-            wcs = wait::<B::A>(&t.cqa, 1, timing.late);
-        }
+        let wcs = clock.completion_due_at(
+            &t.a,
+            &t.cqa,
+            nominal,
+            periods,
+            "RNR wait: before the deadline",
+        );
         use std::io::Write;
         let _ = writeln!(
             std::io::stderr().lock(),
@@ -426,24 +466,13 @@ pub fn rnr_wait_longer_than_the_ack_timeout<B: Backend>(backend: &B) {
         return;
     }
     let window = rnr * 10 + rnr / 2;
-    for step in 1..=3 {
-        clock.advance_to(&t.a, window * step / 3);
-        let wcs = poll_once::<B::A>(&t.cqa);
-        assert!(
-            wcs.is_empty(),
-            "an RNR wait longer than the ACK timeout ended it after {:?}: {:?}",
-            clock.now(),
-            ids_and_status(&wcs)
-        );
-    }
-    assert_eq!(t.qa.state().unwrap(), QpState::ReadyToSend);
-    Pair::<B::A>::post_recv(t.qb(), &[recv(9, &[inbox.sge(0, 64)])]);
-    clock.advance_to(&t.a, clock.now() + rnr);
-    let wcs = wait::<B::A>(&t.cqa, 1, timing.late);
-    assert_eq!(ids_and_status(&wcs), [(1, WcStatus::SUCCESS)]);
-    let wcs = wait::<B::A>(&t.cqb, 1, timing.late);
-    assert_eq!(ids_and_status(&wcs), [(9, WcStatus::SUCCESS)]);
-    assert!(inbox.bytes() == src.bytes(), "SEND payload");
+    clock.nothing_for(
+        &t.a,
+        &t.cqa,
+        window,
+        "an RNR wait longer than the ACK timeout ended it",
+    );
+    a_receive_ends_the_wait(&mut clock, &t, &src, &inbox, rnr);
 }
 
 /// What a backend actually does, measured by polling without pause: the
