@@ -7,7 +7,7 @@ use gdr_tests::{init_tracing, sim};
 use hal_verbs::{
     AccessFlags, Completion, CompletionQueue, ConnectionInfo, Context, InitParams, MemoryRegion,
     ProtectionDomain, Provider, QpCaps, QueuePair, RtrParams, RtsParams, SendFlags, SendOp,
-    SendRequest, Sge, VerbsError, WcStatus,
+    SendRequest, SgList, Sge, VerbsError, WcStatus,
 };
 
 struct Side {
@@ -66,6 +66,17 @@ fn register(pd: &SimPd, data: &mut [u8]) -> SimMr {
         )
     }
     .unwrap()
+}
+
+/// One SG entry: the first `length` bytes of `mr`.
+fn sg(mr: &SimMr, length: u32) -> SgList {
+    [Sge {
+        addr: mr.addr(),
+        length,
+        lkey: mr.lkey(),
+    }]
+    .into_iter()
+    .collect()
 }
 
 #[test]
@@ -178,13 +189,7 @@ fn a_local_only_mr_has_rkey_0_on_rxe_and_its_mkey_on_mlx5() {
                 remote_addr: dst_mr.addr(),
                 rkey: dst_mr.rkey(),
             },
-            sg_list: [Sge {
-                addr: src_mr.addr(),
-                length: 16,
-                lkey: src_mr.lkey(),
-            }]
-            .into_iter()
-            .collect(),
+            sg_list: sg(&src_mr, 16),
             flags: SendFlags::SIGNALED,
         };
         // SAFETY: the buffers outlive their registrations.
@@ -212,13 +217,7 @@ fn a_receive_slot_comes_back_on_completion_on_rxe_and_on_poll_on_mlx5() {
         let inbox_mr = register(&b.pd, &mut inbox);
         let recv = |wr_id| hal_verbs::RecvRequest {
             wr_id,
-            sg_list: [Sge {
-                addr: inbox_mr.addr(),
-                length: 16,
-                lkey: inbox_mr.lkey(),
-            }]
-            .into_iter()
-            .collect(),
+            sg_list: sg(&inbox_mr, 16),
         };
         // SAFETY: `inbox` outlives its registration.
         unsafe { b.qp.post_recv(&[recv(1)]) }.unwrap();
@@ -271,13 +270,7 @@ fn an_oversized_inline_send_is_refused_with_the_providers_errno() {
                 remote_addr: dst_mr.addr(),
                 rkey: dst_mr.rkey(),
             },
-            sg_list: [Sge {
-                addr: src_mr.addr(),
-                length: len,
-                lkey: src_mr.lkey(),
-            }]
-            .into_iter()
-            .collect(),
+            sg_list: sg(&src_mr, len),
             flags: SendFlags::INLINE | SendFlags::SIGNALED,
         };
         // SAFETY: `src` is host memory, alive for the call.
@@ -316,13 +309,7 @@ fn a_destroyed_qps_completions_go_on_mlx5_and_stay_on_rxe() {
                 remote_addr: dst_mr.addr(),
                 rkey: dst_mr.rkey(),
             },
-            sg_list: [Sge {
-                addr: src_mr.addr(),
-                length: 16,
-                lkey: src_mr.lkey(),
-            }]
-            .into_iter()
-            .collect(),
+            sg_list: sg(&src_mr, 16),
             flags: SendFlags::SIGNALED,
         };
         // SAFETY: the buffers outlive their registrations.
@@ -365,13 +352,7 @@ fn a_lost_device_flushes_on_rxe_and_completes_nothing_on_mlx5() {
         let inbox_mr = register(&a.pd, &mut inbox);
         let recv = hal_verbs::RecvRequest {
             wr_id: 5,
-            sg_list: [Sge {
-                addr: inbox_mr.addr(),
-                length: 16,
-                lkey: inbox_mr.lkey(),
-            }]
-            .into_iter()
-            .collect(),
+            sg_list: sg(&inbox_mr, 16),
         };
         // SAFETY: `inbox` outlives its registration.
         unsafe { a.qp.post_recv(&[recv]) }.unwrap();

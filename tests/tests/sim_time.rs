@@ -469,19 +469,53 @@ fn the_retransmit_timer_in_rnr_waits_spends_only_what_it_outlasts() {
     }
 }
 
+/// A connected pair (Manual clock) whose READs take `latency`: `remote`
+/// on B holding `pattern(64, 1)`, `local` on A for a READ of it, `note` on
+/// A holding "done!!!!" and `inbox` on B for it. The buffers drop first.
+struct ReadAhead {
+    remote: Buf,
+    local: Buf,
+    note: Buf,
+    inbox: Buf,
+    latency: Duration,
+    p: Pair,
+}
+
+impl ReadAhead {
+    fn new() -> Self {
+        let p = Pair::connected(ClockMode::Manual, rts(14, 3, 7), 12);
+        let latency = Duration::from_micros(5);
+        p.fabric.clock().set_read_latency(latency);
+        let mut remote = Buf::new(&p.b, 64);
+        remote.data.copy_from_slice(&pattern(64, 1));
+        let local = Buf::new(&p.a, 64);
+        let mut note = Buf::new(&p.a, 8);
+        note.data.copy_from_slice(b"done!!!!");
+        let inbox = Buf::new(&p.b, 8);
+        Self {
+            remote,
+            local,
+            note,
+            inbox,
+            latency,
+            p,
+        }
+    }
+}
+
 /// With a READ round trip, requests behind a READ go on (an RC requester
 /// pipelines), but their completions wait for the READ's: posting order.
 #[test]
 fn requests_pipeline_past_an_outstanding_read() {
-    let p = Pair::connected(ClockMode::Manual, rts(14, 3, 7), 12);
-    let latency = Duration::from_micros(5);
-    p.fabric.clock().set_read_latency(latency);
-    let mut remote = Buf::new(&p.b, 64);
-    remote.data.copy_from_slice(&pattern(64, 1));
-    let local = Buf::new(&p.a, 64);
-    let mut note = Buf::new(&p.a, 8);
-    note.data.copy_from_slice(b"done!!!!");
-    let inbox = Buf::new(&p.b, 8);
+    // `p` first: bindings drop in reverse, the pair after the buffers.
+    let ReadAhead {
+        p,
+        latency,
+        mut remote,
+        local,
+        note,
+        inbox,
+    } = ReadAhead::new();
     post_recv(&p.qb, 9, inbox.sge());
     post(&p.qa, 1, remote.read(), local.sge(), SendFlags::empty());
     post(&p.qa, 2, SendOp::Send, note.sge(), SendFlags::empty());
@@ -512,15 +546,15 @@ fn requests_pipeline_past_an_outstanding_read() {
 /// the bytes from before.
 #[test]
 fn a_fenced_request_waits_for_earlier_reads() {
-    let p = Pair::connected(ClockMode::Manual, rts(14, 3, 7), 12);
-    let latency = Duration::from_micros(5);
-    p.fabric.clock().set_read_latency(latency);
-    let mut remote = Buf::new(&p.b, 64);
-    remote.data.copy_from_slice(&pattern(64, 1));
-    let local = Buf::new(&p.a, 64);
-    let mut note = Buf::new(&p.a, 8);
-    note.data.copy_from_slice(b"done!!!!");
-    let inbox = Buf::new(&p.b, 8);
+    // `p` first: bindings drop in reverse, the pair after the buffers.
+    let ReadAhead {
+        p,
+        latency,
+        remote,
+        local,
+        note,
+        inbox,
+    } = ReadAhead::new();
     let other = Buf::new(&p.b, 8);
     post_recv(&p.qb, 9, inbox.sge());
     post(&p.qa, 1, remote.read(), local.sge(), SendFlags::empty());
