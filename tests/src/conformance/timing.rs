@@ -259,22 +259,16 @@ impl<'a, B: Backend> Elapsed<'a, B> {
     }
 }
 
-/// A request to a peer QP that no longer exists is retransmitted after
-/// each ACK timeout and fails with `RETRY_EXC_ERR` after `retry_cnt + 1`
-/// of them: not before, and not much later. The requester's QP goes to
-/// ERROR.
-pub fn retry_exceeded_after_the_ack_timeouts<B: Backend>(backend: &B) {
-    let timing = backend.timing();
-    if !timing.honours_ack_timeout {
-        crate::skip(
-            "retry_exceeded_after_the_ack_timeouts",
-            "ACK timeout ignored",
-        );
-        return;
-    }
-    let retry_cnt = 2;
+/// A pair with ACK timeout `code` and `retry_cnt`, `src` on A and `dst`
+/// on B (64 bytes, seeds 1 and 2), B's QP destroyed: a request from A to
+/// `dst` runs out of retries.
+fn to_a_destroyed_peer<B: Backend>(
+    backend: &B,
+    code: u8,
+    retry_cnt: u8,
+) -> (Timed<B::A>, Buf<B::A>, Buf<B::A>) {
     let rts = RtsParams {
-        timeout: ACK_TIMEOUT_CODE,
+        timeout: code,
         retry_cnt,
         ..RtsParams::default()
     };
@@ -282,21 +276,80 @@ pub fn retry_exceeded_after_the_ack_timeouts<B: Backend>(backend: &B) {
     let access = AccessFlags::transfer();
     let src = t.a.buf(64, 1, access);
     let dst = t.b.buf(64, 2, access);
-    let before = dst.bytes();
     drop(t.qb.take());
+    (t, src, dst)
+}
+
+/// A pair for RNR scenarios: the responders advertise RNR timer `code`,
+/// the requesters retry `rnr_retry` times (ACK timeout
+/// [`RNR_ACK_TIMEOUT_CODE`]).
+fn rnr_pair<B: Backend>(backend: &B, code: u8, rnr_retry: u8) -> Timed<B::A> {
+    let rts = RtsParams {
+        timeout: RNR_ACK_TIMEOUT_CODE,
+        rnr_retry,
+        ..RtsParams::default()
+    };
+    Timed::new(backend, rts, code)
+}
+
+/// Whether scenario `name` skips (saying `why`): when `skip` holds, the
+/// backend lacks what the scenario times.
+fn skipped(name: &str, skip: bool, why: &str) -> bool {
+    if skip {
+        crate::skip(name, why);
+    }
+    skip
+}
+
+/// The request (wr_id 1) failed with `status`, seen after `nominal` was
+/// due; the requester's QP is in ERROR.
+fn failed_with<B: Backend>(
+    clock: &Elapsed<'_, B>,
+    t: &Timed<B::A>,
+    wcs: &[Completion],
+    status: WcStatus,
+    nominal: Duration,
+) {
+    assert_eq!(
+        ids_and_status(wcs),
+        [(1, status)],
+        "after {:?} (nominal {nominal:?})",
+        clock.now()
+    );
+    assert_eq!(t.qa.state().unwrap(), QpState::Error);
+}
+
+/// Nothing completed on the responder's CQ.
+fn responder_completed_nothing<A: Api>(t: &Timed<A>) {
+    assert!(
+        poll_once::<A>(&t.cqb).is_empty(),
+        "the responder completed something"
+    );
+}
+
+/// A request to a peer QP that no longer exists is retransmitted after
+/// each ACK timeout and fails with `RETRY_EXC_ERR` after `retry_cnt + 1`
+/// of them: not before, and not much later. The requester's QP goes to
+/// ERROR.
+pub fn retry_exceeded_after_the_ack_timeouts<B: Backend>(backend: &B) {
+    let timing = backend.timing();
+    if skipped(
+        "retry_exceeded_after_the_ack_timeouts",
+        !timing.honours_ack_timeout,
+        "ACK timeout ignored",
+    ) {
+        return;
+    }
+    let retry_cnt = 2;
+    let (t, src, dst) = to_a_destroyed_peer(backend, ACK_TIMEOUT_CODE, retry_cnt);
+    let before = dst.bytes();
     let periods = u32::from(retry_cnt) + 1;
     let nominal = timing.period(ack_timeout(ACK_TIMEOUT_CODE)) * periods;
 
     let mut clock = Elapsed::start(backend);
     Pair::<B::A>::post(&t.qa, &[req(1, dst.write_op(0), &[src.sge(0, 64)], SIG)]);
     let wcs = clock.completion_due_at(&t.a, &t.cqa, nominal, periods, "retry: before the deadline");
-    assert_eq!(
-        ids_and_status(&wcs),
-        [(1, WcStatus::RETRY_EXC_ERR)],
-        "after {:?} (nominal {nominal:?})",
-        clock.now()
-    );
-    assert_eq!(t.qa.state().unwrap(), QpState::Error);
+    failed_with(&clock, &t, &wcs, WcStatus::RETRY_EXC_ERR, nominal);
     assert!(dst.bytes() == before, "bytes reached a destroyed QP's MR");
 }
 
@@ -307,20 +360,15 @@ pub fn retry_exceeded_after_the_ack_timeouts<B: Backend>(backend: &B) {
 /// the responder.
 pub fn rnr_retry_exceeded_after_the_rnr_timers<B: Backend>(backend: &B) {
     let timing = backend.timing();
-    if !timing.honours_rnr_timer {
-        crate::skip(
-            "rnr_retry_exceeded_after_the_rnr_timers",
-            "RNR timer ignored",
-        );
+    if skipped(
+        "rnr_retry_exceeded_after_the_rnr_timers",
+        !timing.honours_rnr_timer,
+        "RNR timer ignored",
+    ) {
         return;
     }
     let rnr_retry = 2;
-    let rts = RtsParams {
-        timeout: RNR_ACK_TIMEOUT_CODE,
-        rnr_retry,
-        ..RtsParams::default()
-    };
-    let t = Timed::new(backend, rts, RNR_TIMER_CODE);
+    let t = rnr_pair(backend, RNR_TIMER_CODE, rnr_retry);
     let access = AccessFlags::transfer();
     let src = t.a.buf(64, 1, access);
     let periods = u32::from(rnr_retry);
@@ -329,17 +377,8 @@ pub fn rnr_retry_exceeded_after_the_rnr_timers<B: Backend>(backend: &B) {
     let mut clock = Elapsed::start(backend);
     Pair::<B::A>::post(&t.qa, &[req(1, SendOp::Send, &[src.sge(0, 64)], SIG)]);
     let wcs = clock.completion_due_at(&t.a, &t.cqa, nominal, periods, "RNR: before the deadline");
-    assert_eq!(
-        ids_and_status(&wcs),
-        [(1, WcStatus::RNR_RETRY_EXC_ERR)],
-        "after {:?} (nominal {nominal:?})",
-        clock.now()
-    );
-    assert_eq!(t.qa.state().unwrap(), QpState::Error);
-    assert!(
-        poll_once::<B::A>(&t.cqb).is_empty(),
-        "the responder completed something"
-    );
+    failed_with(&clock, &t, &wcs, WcStatus::RNR_RETRY_EXC_ERR, nominal);
+    responder_completed_nothing(&t);
 }
 
 /// With `rnr_retry` 7 a SEND without a receive is retried for as long as
@@ -347,16 +386,14 @@ pub fn rnr_retry_exceeded_after_the_rnr_timers<B: Backend>(backend: &B) {
 /// succeeds at the first retry after a receive is posted.
 pub fn rnr_retry_7_waits_for_the_receive<B: Backend>(backend: &B) {
     let timing = backend.timing();
-    if !timing.honours_rnr_timer {
-        crate::skip("rnr_retry_7_waits_for_the_receive", "RNR timer ignored");
+    if skipped(
+        "rnr_retry_7_waits_for_the_receive",
+        !timing.honours_rnr_timer,
+        "RNR timer ignored",
+    ) {
         return;
     }
-    let rts = RtsParams {
-        timeout: RNR_ACK_TIMEOUT_CODE,
-        rnr_retry: 7,
-        ..RtsParams::default()
-    };
-    let t = Timed::new(backend, rts, RNR_TIMER_CODE);
+    let t = rnr_pair(backend, RNR_TIMER_CODE, 7);
     let access = AccessFlags::transfer();
     let src = t.a.buf(64, 1, access);
     let inbox = t.b.buf(64, 2, access);
@@ -407,11 +444,11 @@ fn a_receive_ends_the_wait<B: Backend>(
 /// posted.
 pub fn rnr_wait_longer_than_the_ack_timeout<B: Backend>(backend: &B) {
     let timing = backend.timing();
-    if !timing.honours_rnr_timer || !timing.honours_ack_timeout {
-        crate::skip(
-            "rnr_wait_longer_than_the_ack_timeout",
-            "RNR timer or ACK timeout ignored",
-        );
+    if skipped(
+        "rnr_wait_longer_than_the_ack_timeout",
+        !timing.honours_rnr_timer || !timing.honours_ack_timeout,
+        "RNR timer or ACK timeout ignored",
+    ) {
         return;
     }
     let retry_cnt = 2;
@@ -452,17 +489,8 @@ pub fn rnr_wait_longer_than_the_ack_timeout<B: Backend>(backend: &B) {
             ids_and_status(&wcs),
             clock.now()
         );
-        assert_eq!(
-            ids_and_status(&wcs),
-            [(1, WcStatus::RETRY_EXC_ERR)],
-            "after {:?} (nominal {nominal:?})",
-            clock.now()
-        );
-        assert_eq!(t.qa.state().unwrap(), QpState::Error);
-        assert!(
-            poll_once::<B::A>(&t.cqb).is_empty(),
-            "the responder completed something"
-        );
+        failed_with(&clock, &t, &wcs, WcStatus::RETRY_EXC_ERR, nominal);
+        responder_completed_nothing(&t);
         return;
     }
     let window = rnr * 10 + rnr / 2;
@@ -484,16 +512,7 @@ pub fn measure_retry_exceeded<B: Backend>(
     code: u8,
     retry_cnt: u8,
 ) -> (Duration, WcStatus) {
-    let rts = RtsParams {
-        timeout: code,
-        retry_cnt,
-        ..RtsParams::default()
-    };
-    let mut t = Timed::new(backend, rts, RNR_TIMER_CODE);
-    let access = AccessFlags::transfer();
-    let src = t.a.buf(64, 1, access);
-    let dst = t.b.buf(64, 2, access);
-    drop(t.qb.take());
+    let (t, src, dst) = to_a_destroyed_peer(backend, code, retry_cnt);
     let start = Instant::now();
     Pair::<B::A>::post(&t.qa, &[req(1, dst.write_op(0), &[src.sge(0, 64)], SIG)]);
     let wcs = wait::<B::A>(&t.cqa, 1, Duration::from_secs(20));
@@ -507,12 +526,7 @@ pub fn measure_rnr_exceeded<B: Backend>(
     code: u8,
     rnr_retry: u8,
 ) -> (Duration, WcStatus) {
-    let rts = RtsParams {
-        timeout: RNR_ACK_TIMEOUT_CODE,
-        rnr_retry,
-        ..RtsParams::default()
-    };
-    let t = Timed::new(backend, rts, code);
+    let t = rnr_pair(backend, code, rnr_retry);
     let src = t.a.buf(64, 1, AccessFlags::transfer());
     let start = Instant::now();
     Pair::<B::A>::post(&t.qa, &[req(1, SendOp::Send, &[src.sge(0, 64)], SIG)]);
