@@ -259,14 +259,13 @@ impl<'a, B: Backend> Elapsed<'a, B> {
     }
 }
 
+/// A pair and two buffers of it.
+type WithBufs<A> = (Timed<A>, Buf<A>, Buf<A>);
+
 /// A pair with ACK timeout `code` and `retry_cnt`, `src` on A and `dst`
 /// on B (64 bytes, seeds 1 and 2), B's QP destroyed: a request from A to
 /// `dst` runs out of retries.
-fn to_a_destroyed_peer<B: Backend>(
-    backend: &B,
-    code: u8,
-    retry_cnt: u8,
-) -> (Timed<B::A>, Buf<B::A>, Buf<B::A>) {
+fn to_a_destroyed_peer<B: Backend>(backend: &B, code: u8, retry_cnt: u8) -> WithBufs<B::A> {
     let rts = RtsParams {
         timeout: code,
         retry_cnt,
