@@ -2,8 +2,8 @@
 //! and that no byte moves.
 
 use hal_verbs::{
-    AccessFlags, Completion, MemoryRegion, QpState, QueuePair, SendFlags, SendOp, Sge, WcOpcode,
-    WcStatus,
+    AccessFlags, Api, Completion, MemoryRegion, QpState, QueuePair, SendFlags, SendOp, Sge,
+    WcOpcode, WcStatus,
 };
 
 use crate::pair::{Backend, Buf, Facts, Pair, ids_and_status, recv, req};
@@ -213,6 +213,29 @@ pub fn local_protection_errors<B: Backend>(b: &B) {
     }
 }
 
+/// A SEND (wr_id 1) that the responder's receive (70, with 71 behind it)
+/// refused: the requester's completions `sent` carry `statuses.0`, the
+/// responder's `got` `statuses.1` and a flush, error completions carry no
+/// opcode or length where the backend says so, and both QPs are in ERROR.
+fn refused_send<A: Api>(
+    p: &Pair<A>,
+    sent: &[Completion],
+    got: &[Completion],
+    statuses: (WcStatus, WcStatus),
+) {
+    assert_eq!(ids_and_status(sent), [(1, statuses.0)], "on {}", p.name);
+    assert_eq!(
+        ids_and_status(got),
+        [(70, statuses.1), (71, WcStatus::WR_FLUSH_ERR)],
+        "on {}",
+        p.name
+    );
+    assert_error_fields(&p.facts, sent, "requester");
+    assert_error_fields(&p.facts, got, "responder");
+    assert_eq!(p.qa.state().unwrap(), QpState::Error);
+    assert_eq!(p.qb.state().unwrap(), QpState::Error);
+}
+
 /// A SEND longer than the receive: the requester sees the backend's
 /// [`Facts::receive_too_small_status`], for itself and for the receive at
 /// the responder, and a flush for the next receive; no
@@ -231,27 +254,9 @@ pub fn receive_too_small_fails_both_sides<B: Backend>(b: &B) {
         ],
     );
     Pair::<B::A>::post(&p.qa, &[req(1, SendOp::Send, &[src.sge(0, 100)], NONE)]);
-    let wcs = p.expect(&p.cqa, 1, "requester");
-    assert_eq!(
-        ids_and_status(&wcs),
-        [(1, p.facts.receive_too_small_status.0)],
-        "on {}",
-        p.name
-    );
-    assert_error_fields(&p.facts, &wcs, "requester");
-    let wcs = p.expect(&p.cqb, 2, "responder");
-    assert_eq!(
-        ids_and_status(&wcs),
-        [
-            (70, p.facts.receive_too_small_status.1),
-            (71, WcStatus::WR_FLUSH_ERR)
-        ],
-        "on {}",
-        p.name
-    );
-    assert_error_fields(&p.facts, &wcs, "responder");
-    assert_eq!(p.qa.state().unwrap(), QpState::Error);
-    assert_eq!(p.qb.state().unwrap(), QpState::Error);
+    let sent = p.expect(&p.cqa, 1, "requester");
+    let got = p.expect(&p.cqb, 2, "responder");
+    refused_send(&p, &sent, &got, p.facts.receive_too_small_status);
     // One packet, checked against the receive before any byte is placed.
     assert!(inbox.bytes() == i0, "bytes landed");
 }
@@ -584,24 +589,6 @@ pub fn send_into_a_bad_receive_fails_both_sides<B: Backend>(b: &B) {
         ids_and_status(&sent),
         ids_and_status(&got)
     );
-    assert_eq!(
-        ids_and_status(&sent),
-        [(1, p.facts.bad_receive_status.0)],
-        "on {}",
-        p.name
-    );
-    assert_eq!(
-        ids_and_status(&got),
-        [
-            (70, p.facts.bad_receive_status.1),
-            (71, WcStatus::WR_FLUSH_ERR)
-        ],
-        "on {}",
-        p.name
-    );
-    assert_error_fields(&p.facts, &sent, "requester");
-    assert_error_fields(&p.facts, &got, "responder");
-    assert_eq!(p.qa.state().unwrap(), QpState::Error);
-    assert_eq!(p.qb.state().unwrap(), QpState::Error);
+    refused_send(&p, &sent, &got, p.facts.bad_receive_status);
     assert!(foreign.bytes() == f0, "bytes landed");
 }

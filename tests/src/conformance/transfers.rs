@@ -264,22 +264,27 @@ pub fn linked_batch_with_selective_signalling<B: Backend>(b: &B) {
     assert!(r[4096..4296] == a0[41060..41260], "second SEND payload");
 }
 
-/// A batch deeper than the send queue: the queue takes a prefix (at least
-/// the depth asked for; a device may grant more), the error says how many
-/// and that the send queue is full, and exactly that prefix completes, in
-/// order.
-pub fn post_beyond_the_queue_reports_the_accepted_prefix<B: Backend>(b: &B) {
+/// A pair whose QPs ask for a send queue of 8.
+fn shallow_send_queue<B: Backend>(b: &B) -> Pair<B::A> {
     let caps = QpCaps {
         max_send_wr: 8,
         ..QpCaps::default()
     };
-    let p = Pair::with(
+    Pair::with(
         b,
         PairConfig {
             caps,
             ..PairConfig::default()
         },
-    );
+    )
+}
+
+/// A batch deeper than the send queue: the queue takes a prefix (at least
+/// the depth asked for; a device may grant more), the error says how many
+/// and that the send queue is full, and exactly that prefix completes, in
+/// order.
+pub fn post_beyond_the_queue_reports_the_accepted_prefix<B: Backend>(b: &B) {
+    let p = shallow_send_queue(b);
     let access = AccessFlags::transfer();
     let src = p.a.buf(4096, 6, access);
     let dst = p.b.buf(4096, 7, access);
@@ -486,17 +491,7 @@ pub fn zero_length_requests<B: Backend>(b: &B) {
 /// [`crate::pair::Facts::unsignaled_slots_need_a_poll`]: an engine must
 /// signal at least once per queue depth either way.
 pub fn unsignaled_requests_hold_their_slots<B: Backend>(b: &B) {
-    let caps = QpCaps {
-        max_send_wr: 8,
-        ..QpCaps::default()
-    };
-    let p = Pair::with(
-        b,
-        PairConfig {
-            caps,
-            ..PairConfig::default()
-        },
-    );
+    let p = shallow_send_queue(b);
     let access = AccessFlags::transfer();
     let depth = p.qa.caps().max_send_wr as usize;
     let src = p.a.buf(64 * depth, 2, access);
