@@ -41,19 +41,24 @@ fn pair(config: &DeviceConfig, caps: &QpCaps) -> (SimFabric, Side, Side) {
     let fabric = SimFabric::new();
     let a = side(&fabric, "a", config, caps);
     let b = side(&fabric, "b", config, caps);
-    for (own, peer) in [(&a, &b), (&b, &a)] {
+    connect(&a, &b, 7);
+    (fabric, a, b)
+}
+
+/// Connects the sides' QPs to each other, each sending from `sq_psn`.
+fn connect(a: &Side, b: &Side, sq_psn: u32) {
+    for (own, peer) in [(a, b), (b, a)] {
         own.qp.to_init(&InitParams::default()).unwrap();
         own.qp
             .to_rtr(&RtrParams::new(peer.info, own.sgid, own.info.mtu))
             .unwrap();
         own.qp
             .to_rts(&RtsParams {
-                sq_psn: 7,
+                sq_psn,
                 ..RtsParams::default()
             })
             .unwrap();
     }
-    (fabric, a, b)
 }
 
 fn register(pd: &SimPd, data: &mut [u8]) -> SimMr {
@@ -66,6 +71,16 @@ fn register(pd: &SimPd, data: &mut [u8]) -> SimMr {
         )
     }
     .unwrap()
+}
+
+/// A signaled SEND of no bytes.
+fn empty_send(wr_id: u64) -> SendRequest {
+    SendRequest {
+        wr_id,
+        op: SendOp::Send,
+        sg_list: Default::default(),
+        flags: SendFlags::SIGNALED,
+    }
 }
 
 /// One SG entry: the first `length` bytes of `mr`.
@@ -221,12 +236,7 @@ fn a_receive_slot_comes_back_on_completion_on_rxe_and_on_poll_on_mlx5() {
         };
         // SAFETY: `inbox` outlives its registration.
         unsafe { b.qp.post_recv(&[recv(1)]) }.unwrap();
-        let send = SendRequest {
-            wr_id: 2,
-            op: SendOp::Send,
-            sg_list: Default::default(),
-            flags: SendFlags::SIGNALED,
-        };
+        let send = empty_send(2);
         // SAFETY: no SG entry.
         unsafe { a.qp.post_send(&[send]) }.unwrap();
         // The SEND consumes the receive; its completion is not polled.
@@ -341,13 +351,7 @@ fn a_lost_device_flushes_on_rxe_and_completes_nothing_on_mlx5() {
         let fabric = SimFabric::with_faults(plan.clone());
         let a = side(&fabric, "a", &config, &QpCaps::default());
         let b = side(&fabric, "b", &config, &QpCaps::default());
-        for (own, peer) in [(&a, &b), (&b, &a)] {
-            own.qp.to_init(&InitParams::default()).unwrap();
-            own.qp
-                .to_rtr(&RtrParams::new(peer.info, own.sgid, own.info.mtu))
-                .unwrap();
-            own.qp.to_rts(&RtsParams::default()).unwrap();
-        }
+        connect(&a, &b, RtsParams::default().sq_psn);
         let mut inbox = vec![0u8; 16];
         let inbox_mr = register(&a.pd, &mut inbox);
         let recv = hal_verbs::RecvRequest {
@@ -358,12 +362,7 @@ fn a_lost_device_flushes_on_rxe_and_completes_nothing_on_mlx5() {
         unsafe { a.qp.post_recv(&[recv]) }.unwrap();
         let site = gdr_sim::FaultSite::VerbsPostSend;
         plan.fail_nth(site, plan.calls(site) + 1, gdr_sim::Fault::DeviceLost);
-        let send = SendRequest {
-            wr_id: 6,
-            op: SendOp::Send,
-            sg_list: Default::default(),
-            flags: SendFlags::SIGNALED,
-        };
+        let send = empty_send(6);
         // SAFETY: no SG entry.
         let err = unsafe { a.qp.post_send(&[send]) }.unwrap_err();
         assert!(matches!(err.error, VerbsError::DeviceLost { .. }), "{name}");
