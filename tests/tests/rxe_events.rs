@@ -392,6 +392,15 @@ impl Drop for LinkGuard {
     }
 }
 
+/// Waits (up to [`TIMEOUT`]) for port 1 of `ctx` to be ACTIVE again.
+fn wait_port_active(ctx: &RdmaContext) {
+    let deadline = Instant::now() + TIMEOUT;
+    while ctx.query_port(1).unwrap().state != PortState::Active {
+        assert!(Instant::now() < deadline, "the port never came back");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Reads async events until one matches `want`, or fails after TIMEOUT.
 fn wait_event(ctx: &RdmaContext, want: AsyncEvent, seen: &mut Vec<AsyncEvent>) {
     let deadline = Instant::now() + TIMEOUT;
@@ -451,11 +460,7 @@ fn port_down_and_up_raise_port_error_and_port_active() {
     }
     wait_event(&ctx, AsyncEvent::PortActive { port: 1 }, &mut seen);
     eprintln!("{T}: events seen: {seen:?}");
-    let deadline = Instant::now() + TIMEOUT;
-    while ctx.query_port(1).unwrap().state != PortState::Active {
-        assert!(Instant::now() < deadline, "the port never came back");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_port_active(&ctx);
 }
 
 #[test]
@@ -524,11 +529,7 @@ fn a_cq_error_reaches_only_the_owning_context_a_port_event_every_one() {
     wait_event(&owner, AsyncEvent::PortActive { port: 1 }, &mut seen_owner);
     wait_event(&other, AsyncEvent::PortActive { port: 1 }, &mut seen_other);
     eprintln!("{T}: port events: owner {seen_owner:?}, other {seen_other:?}");
-    let deadline = Instant::now() + TIMEOUT;
-    while owner.query_port(1).unwrap().state != PortState::Active {
-        assert!(Instant::now() < deadline, "the port never came back");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_port_active(&owner);
 }
 
 // ------------------------------------------------- connection event fds

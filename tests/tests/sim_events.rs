@@ -483,18 +483,15 @@ fn async_fd_is_nonblocking_and_readable_with_an_event() {
     assert_eq!(events(&second), [AsyncEvent::GidChange { port: 1 }]);
 }
 
-#[test]
-fn responder_access_violation_raises_qp_access_error_on_the_responder() {
-    let p = pair();
-    // WRITE past the end of b's buffer: REM_ACCESS_ERR at a, QP access
-    // error on b's QP (the responder).
+/// A WRITE past the end of b's buffer: REM_ACCESS_ERR at a, and a QP
+/// access error on b's QP (the responder) readable on b's async fd.
+fn responder_access_error_on_b(p: &Pair) {
     let op = SendOp::Write {
         remote_addr: p.bufb.mr.addr() + 4096 - 8,
         rkey: p.bufb.mr.rkey(),
     };
     send(&p.qa, &p.bufa, 1, op, SendFlags::SIGNALED);
-    let got = drain(&p.cqa);
-    assert_eq!(got[0].status, WcStatus::REM_ACCESS_ERR);
+    assert_eq!(drain(&p.cqa)[0].status, WcStatus::REM_ACCESS_ERR);
     assert!(epoll_readable(p.b.ctx.async_fd(), WAIT));
     assert_eq!(
         events(&p.b.ctx),
@@ -502,6 +499,14 @@ fn responder_access_violation_raises_qp_access_error_on_the_responder() {
             qp_num: p.qb.qp_num()
         }]
     );
+}
+
+#[test]
+fn responder_access_violation_raises_qp_access_error_on_the_responder() {
+    let p = pair();
+    // WRITE past the end of b's buffer: REM_ACCESS_ERR at a, QP access
+    // error on b's QP (the responder).
+    responder_access_error_on_b(&p);
     assert_eq!(
         events(&p.a.ctx),
         [],
@@ -602,19 +607,7 @@ fn affiliated_events_reach_only_the_owning_context_port_events_every_one() {
     let quiet = Duration::from_millis(20);
 
     // A responder access error on qb: its owner hears it, `other` not.
-    let op = SendOp::Write {
-        remote_addr: p.bufb.mr.addr() + 4096 - 8,
-        rkey: p.bufb.mr.rkey(),
-    };
-    send(&p.qa, &p.bufa, 1, op, SendFlags::SIGNALED);
-    assert_eq!(drain(&p.cqa)[0].status, WcStatus::REM_ACCESS_ERR);
-    assert!(epoll_readable(p.b.ctx.async_fd(), WAIT));
-    assert_eq!(
-        events(&p.b.ctx),
-        [AsyncEvent::QpAccessError {
-            qp_num: p.qb.qp_num()
-        }]
-    );
+    responder_access_error_on_b(&p);
     assert!(
         !epoll_readable(other.async_fd(), quiet),
         "another context of the device does not hear of a QP it does not own"
