@@ -190,6 +190,25 @@ fn drain(cq: &SimCq) -> Vec<(u64, WcStatus)> {
     slots[..n].iter().map(|wc| (wc.wr_id, wc.status)).collect()
 }
 
+/// Request 1 on `qa` (CQ `cqa`, on `fabric`) fails with `status` `fail_at` from now, not a
+/// nanosecond earlier (the QP still in RTS then, where `rts_before`);
+/// `what` names the case.
+fn fails_at(
+    (fabric, cqa, qa): (&SimFabric, &SimCq, &SimQp),
+    fail_at: Duration,
+    status: WcStatus,
+    rts_before: bool,
+    what: &str,
+) {
+    fabric.advance(fail_at - NS);
+    assert_eq!(drain(cqa), [], "{what}");
+    if rts_before {
+        assert_eq!(qa.state().unwrap(), QpState::ReadyToSend);
+    }
+    fabric.advance(NS);
+    assert_eq!(drain(cqa), [(1, status)], "{what}");
+}
+
 // ------------------------------------------------------------------ tests
 
 #[test]
@@ -228,14 +247,13 @@ fn a_dead_peer_fails_only_after_retry_cnt_plus_one_timeouts() {
         let p = destroy_b(p);
         assert_eq!(drain(&p.cqa), [], "no answer is not an error yet");
         assert_eq!(p.fabric.clock().next_deadline(), Some(start + tau));
-        p.fabric.advance(fail_at - NS);
-        assert_eq!(drain(&p.cqa), [], "timeout {timeout} retry_cnt {retry_cnt}");
-        assert_eq!(p.qa.state().unwrap(), QpState::ReadyToSend);
-        p.fabric.advance(NS);
-        assert_eq!(
-            drain(&p.cqa),
-            [(1, WcStatus::RETRY_EXC_ERR)],
-            "timeout {timeout} retry_cnt {retry_cnt}"
+        let what = format!("timeout {timeout} retry_cnt {retry_cnt}");
+        fails_at(
+            (&p.fabric, &p.cqa, &p.qa),
+            fail_at,
+            WcStatus::RETRY_EXC_ERR,
+            true,
+            &what,
         );
         assert_eq!(p.now() - start, fail_at);
         assert_eq!(p.qa.state().unwrap(), QpState::Error);
@@ -325,13 +343,13 @@ fn rnr_retry_runs_out_after_rnr_retry_timer_periods() {
         assert_eq!(drain(&p.cqa), [], "first NAK");
         assert_eq!(p.fabric.clock().next_deadline(), Some(period));
         let fail_at = period * u32::from(rnr_retry);
-        p.fabric.advance(fail_at - NS);
-        assert_eq!(drain(&p.cqa), [], "rnr_retry {rnr_retry}");
-        p.fabric.advance(NS);
-        assert_eq!(
-            drain(&p.cqa),
-            [(1, WcStatus::RNR_RETRY_EXC_ERR)],
-            "rnr_retry {rnr_retry}"
+        let what = format!("rnr_retry {rnr_retry}");
+        fails_at(
+            (&p.fabric, &p.cqa, &p.qa),
+            fail_at,
+            WcStatus::RNR_RETRY_EXC_ERR,
+            false,
+            &what,
         );
         assert_eq!(p.qa.state().unwrap(), QpState::Error);
     }
@@ -388,14 +406,13 @@ fn rxe_retransmit_timer_runs_through_rnr_waits() {
         assert_eq!(drain(&p.cqa), [], "first NAK");
         assert_eq!(p.fabric.clock().next_deadline(), Some(ack), "ACK timer");
         let fail_at = rnr * u32::from(retry_cnt) + ack;
-        p.fabric.advance(fail_at - NS);
-        assert_eq!(drain(&p.cqa), [], "retry_cnt {retry_cnt}");
-        assert_eq!(p.qa.state().unwrap(), QpState::ReadyToSend);
-        p.fabric.advance(NS);
-        assert_eq!(
-            drain(&p.cqa),
-            [(1, WcStatus::RETRY_EXC_ERR)],
-            "retry_cnt {retry_cnt}"
+        let what = format!("retry_cnt {retry_cnt}");
+        fails_at(
+            (&p.fabric, &p.cqa, &p.qa),
+            fail_at,
+            WcStatus::RETRY_EXC_ERR,
+            true,
+            &what,
         );
         assert_eq!(p.qa.state().unwrap(), QpState::Error);
         assert_eq!(drain(&p.cqb), []);
