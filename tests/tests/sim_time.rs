@@ -151,6 +151,14 @@ impl Pair {
     fn now(&self) -> Duration {
         self.fabric.clock().now()
     }
+
+    /// Posts a SEND (wr_id 1, signaled) of 32 bytes from a; the buffer it
+    /// returns is kept until the SEND completes.
+    fn send_from_a(&self) -> Buf {
+        let src = Buf::new(&self.a, 32);
+        post(&self.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+        src
+    }
 }
 
 fn rts(timeout: u8, retry_cnt: u8, rnr_retry: u8) -> RtsParams {
@@ -338,8 +346,7 @@ fn rnr_retry_runs_out_after_rnr_retry_timer_periods() {
         p.bring_up(true, Some(rts(14, 3, rnr_retry)), 0);
         p.bring_up(false, Some(rts(14, 3, 7)), code);
         let period = rnr_nak_timer(code);
-        let src = Buf::new(&p.a, 32);
-        post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+        let _src = p.send_from_a();
         assert_eq!(drain(&p.cqa), [], "first NAK");
         assert_eq!(p.fabric.clock().next_deadline(), Some(period));
         let fail_at = period * u32::from(rnr_retry);
@@ -355,8 +362,7 @@ fn rnr_retry_runs_out_after_rnr_retry_timer_periods() {
     }
     // rnr_retry 0: the first NAK fails it, at once.
     let p = Pair::connected(ClockMode::Manual, rts(14, 3, 0), 12);
-    let src = Buf::new(&p.a, 32);
-    post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+    let _src = p.send_from_a();
     assert_eq!(drain(&p.cqa), [(1, WcStatus::RNR_RETRY_EXC_ERR)]);
     assert_eq!(p.now(), Duration::ZERO);
 }
@@ -401,8 +407,7 @@ fn rxe_retransmit_timer_runs_through_rnr_waits() {
         let p = Pair::on(ClockMode::Manual, DeviceConfig::rxe_like());
         p.bring_up(true, Some(rts(12, retry_cnt, 7)), 0);
         p.bring_up(false, Some(rts(12, retry_cnt, 7)), 22);
-        let src = Buf::new(&p.a, 32);
-        post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+        let _src = p.send_from_a();
         assert_eq!(drain(&p.cqa), [], "first NAK");
         assert_eq!(p.fabric.clock().next_deadline(), Some(ack), "ACK timer");
         let fail_at = rnr * u32::from(retry_cnt) + ack;
@@ -422,8 +427,7 @@ fn rxe_retransmit_timer_runs_through_rnr_waits() {
     let p = Pair::on(ClockMode::Manual, DeviceConfig::rxe_like());
     p.bring_up(true, Some(rts(12, 3, 1)), 0);
     p.bring_up(false, Some(rts(12, 3, 7)), 22);
-    let src = Buf::new(&p.a, 32);
-    post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+    let _src = p.send_from_a();
     p.fabric.advance(rnr - NS);
     assert_eq!(drain(&p.cqa), []);
     p.fabric.advance(NS);
@@ -635,8 +639,7 @@ fn auto_mode_runs_transport_timeouts_within_a_poll_and_one_rnr_period_per_poll()
 
     let p = Pair::connected(ClockMode::Auto, rts(14, 3, 2), 13);
     let period = rnr_nak_timer(13);
-    let src = Buf::new(&p.a, 32);
-    post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+    let _src = p.send_from_a();
     assert_eq!(drain(&p.cqa), [], "first NAK");
     assert_eq!(p.now(), Duration::ZERO);
     assert_eq!(drain(&p.cqa), [], "retry 1");
