@@ -6,12 +6,12 @@
 use std::time::Duration;
 
 use gdr_sim::{
-    ClockMode, DeviceConfig, SimContext, SimCq, SimFabric, SimMr, SimPd, SimQp, ack_timeout,
-    rnr_nak_timer,
+    ClockMode, DeviceConfig, SimContext, SimCq, SimFabric, SimPd, SimQp, ack_timeout, rnr_nak_timer,
 };
-use gdr_tests::{init_tracing, pattern, sim};
+use gdr_tests::sim::{self, Buf};
+use gdr_tests::{init_tracing, pattern};
 use hal_verbs::{
-    AccessFlags, Completion, CompletionQueue, ConnectionInfo, Context, InitParams, MemoryRegion,
+    AccessFlags, Completion, CompletionQueue, ConnectionInfo, Context, InitParams,
     ProtectionDomain, Provider, QpCaps, QpState, QueuePair, RecvRequest, RtrParams, RtsParams,
     SendFlags, SendOp, SendRequest, Sge, WcOpcode, WcStatus,
 };
@@ -36,47 +36,10 @@ impl Node {
     fn info(&self, qp: &SimQp, psn: u32) -> (ConnectionInfo, u8) {
         sim::info(&self.ctx, qp, psn)
     }
-}
 
-/// Host memory and its registration (deregistered before it is freed).
-struct Buf {
-    mr: SimMr,
-    data: Box<[u8]>,
-}
-
-impl Buf {
-    fn new(node: &Node, len: usize) -> Self {
-        let mut data = vec![0u8; len].into_boxed_slice();
-        // SAFETY: the box outlives the registration (field order drops the
-        // MR first) and is never reallocated.
-        let mr = unsafe {
-            node.pd
-                .register(data.as_mut_ptr() as u64, len, AccessFlags::transfer())
-        }
-        .unwrap();
-        Self { mr, data }
-    }
-
-    fn sge(&self) -> Sge {
-        Sge {
-            addr: self.mr.addr(),
-            length: self.data.len() as u32,
-            lkey: self.mr.lkey(),
-        }
-    }
-
-    fn write(&self) -> SendOp {
-        SendOp::Write {
-            remote_addr: self.mr.addr(),
-            rkey: self.mr.rkey(),
-        }
-    }
-
-    fn read(&self) -> SendOp {
-        SendOp::Read {
-            remote_addr: self.mr.addr(),
-            rkey: self.mr.rkey(),
-        }
+    /// `len` zeroed bytes registered for transfers.
+    fn buf(&self, len: usize) -> Buf {
+        Buf::new(&self.pd, len, AccessFlags::transfer())
     }
 }
 
@@ -155,8 +118,8 @@ impl Pair {
     /// Posts a SEND (wr_id 1, signaled) of 32 bytes from a; the buffer it
     /// returns is kept until the SEND completes.
     fn send_from_a(&self) -> Buf {
-        let src = Buf::new(&self.a, 32);
-        post(&self.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+        let src = self.a.buf(32);
+        post(&self.qa, 1, SendOp::Send, src.whole(), SendFlags::empty());
         src
     }
 }
@@ -245,12 +208,12 @@ fn the_timer_tables_are_the_verbs_ones() {
 fn a_dead_peer_fails_only_after_retry_cnt_plus_one_timeouts() {
     for (timeout, retry_cnt) in [(14, 3), (1, 0), (8, 6), (20, 1)] {
         let p = Pair::connected(ClockMode::Manual, rts(timeout, retry_cnt, 7), 12);
-        let src = Buf::new(&p.a, 64);
-        let dst = Buf::new(&p.b, 64);
+        let src = p.a.buf(64);
+        let dst = p.b.buf(64);
         let tau = ack_timeout(timeout).unwrap();
         let fail_at = tau * (u32::from(retry_cnt) + 1);
         let start = p.now();
-        post(&p.qa, 1, dst.write(), src.sge(), SendFlags::empty());
+        post(&p.qa, 1, dst.write_op(), src.whole(), SendFlags::empty());
         // The peer is gone before the first packet.
         let p = destroy_b(p);
         assert_eq!(drain(&p.cqa), [], "no answer is not an error yet");
@@ -309,10 +272,10 @@ fn a_peer_ready_before_the_last_retry_gets_the_request() {
     let p = Pair::new(ClockMode::Manual);
     p.bring_up(true, Some(rts(10, 3, 7)), 12);
     let tau = ack_timeout(10).unwrap();
-    let mut src = Buf::new(&p.a, 64);
+    let mut src = p.a.buf(64);
     src.data.copy_from_slice(&pattern(64, 3));
-    let dst = Buf::new(&p.b, 64);
-    post(&p.qa, 1, dst.write(), src.sge(), SendFlags::empty());
+    let dst = p.b.buf(64);
+    post(&p.qa, 1, dst.write_op(), src.whole(), SendFlags::empty());
     assert_eq!(drain(&p.cqa), [], "B is in RESET: the packet is dropped");
     p.fabric.advance(tau * 2 + tau / 2);
     assert_eq!(drain(&p.cqa), []);
@@ -328,7 +291,7 @@ fn a_peer_ready_before_the_last_retry_gets_the_request() {
     assert_eq!(&dst.data[..], &pattern(64, 3)[..]);
     // The next request starts with a fresh retry budget.
     drop(p.qb);
-    post(&p.qa, 2, dst.write(), src.sge(), SendFlags::empty());
+    post(&p.qa, 2, dst.write_op(), src.whole(), SendFlags::empty());
     p.fabric.advance(tau * 4 - NS);
     assert_eq!(drain(&p.cqa), []);
     p.fabric.advance(NS);
@@ -373,10 +336,10 @@ fn rnr_retry_runs_out_after_rnr_retry_timer_periods() {
 fn rnr_retry_7_never_fails_and_delivers_once_a_receive_is_posted() {
     let p = Pair::connected(ClockMode::Manual, rts(14, 3, 7), 12);
     let period = rnr_nak_timer(12);
-    let mut src = Buf::new(&p.a, 32);
+    let mut src = p.a.buf(32);
     src.data.copy_from_slice(&pattern(32, 9));
-    let inbox = Buf::new(&p.b, 32);
-    post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+    let inbox = p.b.buf(32);
+    post(&p.qa, 1, SendOp::Send, src.whole(), SendFlags::empty());
     assert_eq!(drain(&p.cqa), []);
     // Ten virtual seconds: over 15 000 NAKs.
     p.fabric.advance(Duration::from_secs(10));
@@ -384,7 +347,7 @@ fn rnr_retry_7_never_fails_and_delivers_once_a_receive_is_posted() {
     assert_eq!(p.qa.state().unwrap(), QpState::ReadyToSend);
     let next = p.fabric.clock().next_deadline().expect("an RNR wait");
     assert!(next > p.now() && next <= p.now() + period);
-    post_recv(&p.qb, 7, inbox.sge());
+    post_recv(&p.qb, 7, inbox.whole());
     assert_eq!(drain(&p.cqa), [], "delivered at the next retry only");
     assert_eq!(drain(&p.cqb), []);
     p.fabric.advance(next - p.now());
@@ -448,19 +411,19 @@ fn the_retransmit_timer_in_rnr_waits_spends_only_what_it_outlasts() {
     let p = Pair::on(ClockMode::Manual, DeviceConfig::rxe_like());
     p.bring_up(true, Some(rts(12, 1, 7)), 0);
     p.bring_up(false, Some(rts(12, 1, 7)), 22);
-    let src = Buf::new(&p.a, 32);
-    let inbox = Buf::new(&p.b, 32);
-    post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+    let src = p.a.buf(32);
+    let inbox = p.b.buf(32);
+    post(&p.qa, 1, SendOp::Send, src.whole(), SendFlags::empty());
     p.fabric.advance(ack);
     assert_eq!(drain(&p.cqa), []);
-    post_recv(&p.qb, 7, inbox.sge());
+    post_recv(&p.qb, 7, inbox.whole());
     p.fabric.advance(rnr - ack);
     assert_eq!(drain(&p.cqa), [(1, WcStatus::SUCCESS)]);
     assert_eq!(drain(&p.cqb), [(7, WcStatus::SUCCESS)]);
     // The next SEND has its retry_cnt whole: it fails one RNR period +
     // the ACK timeout after it was posted, not at its first expiry.
     let start = p.now();
-    post(&p.qa, 2, SendOp::Send, src.sge(), SendFlags::empty());
+    post(&p.qa, 2, SendOp::Send, src.whole(), SendFlags::empty());
     p.fabric.advance(ack);
     assert_eq!(drain(&p.cqa), [], "a fresh count");
     p.fabric.advance(start + rnr + ack - p.now());
@@ -478,13 +441,13 @@ fn the_retransmit_timer_in_rnr_waits_spends_only_what_it_outlasts() {
         let p = Pair::on(ClockMode::Manual, device);
         p.bring_up(true, Some(rts(timeout, 0, 7)), 0);
         p.bring_up(false, Some(rts(timeout, 0, 7)), 22);
-        let src = Buf::new(&p.a, 32);
-        let inbox = Buf::new(&p.b, 32);
-        post(&p.qa, 1, SendOp::Send, src.sge(), SendFlags::empty());
+        let src = p.a.buf(32);
+        let inbox = p.b.buf(32);
+        post(&p.qa, 1, SendOp::Send, src.whole(), SendFlags::empty());
         p.fabric.advance(Duration::from_secs(10));
         assert_eq!(drain(&p.cqa), [], "{name}");
         assert_eq!(p.qa.state().unwrap(), QpState::ReadyToSend, "{name}");
-        post_recv(&p.qb, 7, inbox.sge());
+        post_recv(&p.qb, 7, inbox.whole());
         p.fabric.advance(rnr);
         assert_eq!(drain(&p.cqa), [(1, WcStatus::SUCCESS)], "{name}");
     }
@@ -507,12 +470,12 @@ impl ReadAhead {
         let p = Pair::connected(ClockMode::Manual, rts(14, 3, 7), 12);
         let latency = Duration::from_micros(5);
         p.fabric.clock().set_read_latency(latency);
-        let mut remote = Buf::new(&p.b, 64);
+        let mut remote = p.b.buf(64);
         remote.data.copy_from_slice(&pattern(64, 1));
-        let local = Buf::new(&p.a, 64);
-        let mut note = Buf::new(&p.a, 8);
+        let local = p.a.buf(64);
+        let mut note = p.a.buf(8);
         note.data.copy_from_slice(b"done!!!!");
-        let inbox = Buf::new(&p.b, 8);
+        let inbox = p.b.buf(8);
         Self {
             remote,
             local,
@@ -537,9 +500,15 @@ fn requests_pipeline_past_an_outstanding_read() {
         note,
         inbox,
     } = ReadAhead::new();
-    post_recv(&p.qb, 9, inbox.sge());
-    post(&p.qa, 1, remote.read(), local.sge(), SendFlags::empty());
-    post(&p.qa, 2, SendOp::Send, note.sge(), SendFlags::empty());
+    post_recv(&p.qb, 9, inbox.whole());
+    post(
+        &p.qa,
+        1,
+        remote.read_op(),
+        local.whole(),
+        SendFlags::empty(),
+    );
+    post(&p.qa, 2, SendOp::Send, note.whole(), SendFlags::empty());
     // The SEND arrived while the READ is outstanding...
     assert_eq!(drain(&p.cqb), [(9, WcStatus::SUCCESS)]);
     assert_eq!(&inbox.data[..], b"done!!!!");
@@ -576,12 +545,18 @@ fn a_fenced_request_waits_for_earlier_reads() {
         note,
         inbox,
     } = ReadAhead::new();
-    let other = Buf::new(&p.b, 8);
-    post_recv(&p.qb, 9, inbox.sge());
-    post(&p.qa, 1, remote.read(), local.sge(), SendFlags::empty());
-    post(&p.qa, 2, SendOp::Send, note.sge(), SendFlags::FENCE);
+    let other = p.b.buf(8);
+    post_recv(&p.qb, 9, inbox.whole());
+    post(
+        &p.qa,
+        1,
+        remote.read_op(),
+        local.whole(),
+        SendFlags::empty(),
+    );
+    post(&p.qa, 2, SendOp::Send, note.whole(), SendFlags::FENCE);
     // And an unfenced WRITE behind the fenced SEND waits too (RC order).
-    post(&p.qa, 3, other.write(), note.sge(), SendFlags::empty());
+    post(&p.qa, 3, other.write_op(), note.whole(), SendFlags::empty());
     assert_eq!(drain(&p.cqb), [], "fenced: not sent yet");
     assert_eq!(drain(&p.cqa), []);
     p.fabric.advance(latency - NS);
@@ -600,8 +575,8 @@ fn a_fenced_request_waits_for_earlier_reads() {
         ]
     );
     // FENCE with no READ outstanding does not wait.
-    post_recv(&p.qb, 10, inbox.sge());
-    post(&p.qa, 4, SendOp::Send, note.sge(), SendFlags::FENCE);
+    post_recv(&p.qb, 10, inbox.whole());
+    post(&p.qa, 4, SendOp::Send, note.whole(), SendFlags::FENCE);
     assert_eq!(drain(&p.cqa), [(4, WcStatus::SUCCESS)]);
 }
 
@@ -611,10 +586,22 @@ fn a_fenced_request_waits_for_earlier_reads() {
 fn an_outstanding_read_flushes_in_order() {
     let p = Pair::connected(ClockMode::Manual, rts(14, 3, 7), 12);
     p.fabric.clock().set_read_latency(Duration::from_micros(5));
-    let remote = Buf::new(&p.b, 64);
-    let local = Buf::new(&p.a, 64);
-    post(&p.qa, 1, remote.read(), local.sge(), SendFlags::empty());
-    post(&p.qa, 2, remote.write(), local.sge(), SendFlags::empty());
+    let remote = p.b.buf(64);
+    let local = p.a.buf(64);
+    post(
+        &p.qa,
+        1,
+        remote.read_op(),
+        local.whole(),
+        SendFlags::empty(),
+    );
+    post(
+        &p.qa,
+        2,
+        remote.write_op(),
+        local.whole(),
+        SendFlags::empty(),
+    );
     assert_eq!(drain(&p.cqa), []);
     p.qa.to_error().unwrap();
     assert_eq!(
@@ -630,9 +617,9 @@ fn an_outstanding_read_flushes_in_order() {
 #[test]
 fn auto_mode_runs_transport_timeouts_within_a_poll_and_one_rnr_period_per_poll() {
     let p = Pair::connected(ClockMode::Auto, rts(14, 2, 7), 12);
-    let src = Buf::new(&p.a, 32);
-    let dst = Buf::new(&p.b, 32);
-    post(&p.qa, 1, dst.write(), src.sge(), SendFlags::empty());
+    let src = p.a.buf(32);
+    let dst = p.b.buf(32);
+    post(&p.qa, 1, dst.write_op(), src.whole(), SendFlags::empty());
     let p = destroy_b(p);
     assert_eq!(drain(&p.cqa), [(1, WcStatus::RETRY_EXC_ERR)]);
     assert_eq!(p.now(), ack_timeout(14).unwrap() * 3);
@@ -650,9 +637,15 @@ fn auto_mode_runs_transport_timeouts_within_a_poll_and_one_rnr_period_per_poll()
     // within the poll.
     let p = Pair::connected(ClockMode::Auto, rts(14, 3, 7), 12);
     p.fabric.clock().set_read_latency(Duration::from_millis(1));
-    let remote = Buf::new(&p.b, 16);
-    let local = Buf::new(&p.a, 16);
-    post(&p.qa, 5, remote.read(), local.sge(), SendFlags::empty());
+    let remote = p.b.buf(16);
+    let local = p.a.buf(16);
+    post(
+        &p.qa,
+        5,
+        remote.read_op(),
+        local.whole(),
+        SendFlags::empty(),
+    );
     let mut slots = [Completion::default(); 2];
     assert_eq!(p.cqa.poll(&mut slots).unwrap(), 1);
     assert_eq!(
@@ -667,9 +660,9 @@ fn auto_mode_runs_transport_timeouts_within_a_poll_and_one_rnr_period_per_poll()
 #[test]
 fn a_paused_fabric_fires_passed_timers_on_resume() {
     let p = Pair::connected(ClockMode::Manual, rts(12, 1, 7), 12);
-    let src = Buf::new(&p.a, 32);
-    let dst = Buf::new(&p.b, 32);
-    post(&p.qa, 1, dst.write(), src.sge(), SendFlags::empty());
+    let src = p.a.buf(32);
+    let dst = p.b.buf(32);
+    post(&p.qa, 1, dst.write_op(), src.whole(), SendFlags::empty());
     let p = destroy_b(p);
     assert_eq!(drain(&p.cqa), []);
     p.fabric.set_paused(true);
@@ -699,10 +692,16 @@ fn reads_beyond_max_rd_atomic_wait_for_an_earlier_one() {
     );
     let latency = Duration::from_micros(5);
     p.fabric.clock().set_read_latency(latency);
-    let remote = Buf::new(&p.b, 16);
-    let local = Buf::new(&p.a, 16);
+    let remote = p.b.buf(16);
+    let local = p.a.buf(16);
     for wr_id in 1..=3 {
-        post(&p.qa, wr_id, remote.read(), local.sge(), SendFlags::empty());
+        post(
+            &p.qa,
+            wr_id,
+            remote.read_op(),
+            local.whole(),
+            SendFlags::empty(),
+        );
     }
     assert_eq!(drain(&p.cqa), []);
     p.fabric.advance(latency);

@@ -9,10 +9,11 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use gdr_sim::{
-    DeviceConfig, Fault, FaultPlan, FaultSite, NodeConfig, SimContext, SimCq, SimFabric, SimMr,
-    SimPd, SimQp, SimVerbs,
+    DeviceConfig, Fault, FaultPlan, FaultSite, NodeConfig, SimContext, SimCq, SimFabric, SimPd,
+    SimQp, SimVerbs,
 };
-use gdr_tests::{init_tracing, pattern, sim};
+use gdr_tests::sim::{self, Buf};
+use gdr_tests::{init_tracing, pattern};
 use hal_verbs::{
     AccessFlags, AddressFamily, Completion, CompletionQueue, ConnectionInfo, Context, InitParams,
     LinkLayer, MemoryRegion, Mtu, PostError, ProtectionDomain, Provider, QpCaps, QpState,
@@ -52,34 +53,6 @@ impl Node {
     /// What this side tells its peer, and the GID index it sends from.
     fn info(&self, qp: &SimQp, psn: u32) -> (ConnectionInfo, u8) {
         sim::info(&self.ctx, qp, psn)
-    }
-}
-
-/// Host memory and its registration (deregistered before it is freed).
-struct Buf {
-    mr: SimMr,
-    data: Box<[u8]>,
-}
-
-impl Buf {
-    fn new(pd: &SimPd, len: usize, access: AccessFlags) -> Self {
-        let mut data = vec![0u8; len].into_boxed_slice();
-        // SAFETY: the box outlives the registration (field order drops the
-        // MR first) and is never reallocated.
-        let mr = unsafe { pd.register(data.as_mut_ptr() as u64, len, access) }.unwrap();
-        Self { mr, data }
-    }
-
-    fn addr(&self, offset: usize) -> u64 {
-        self.mr.addr() + offset as u64
-    }
-
-    fn sge(&self, offset: usize, len: usize) -> Sge {
-        Sge {
-            addr: self.addr(offset),
-            length: len as u32,
-            lkey: self.mr.lkey(),
-        }
     }
 }
 
