@@ -9,14 +9,15 @@ use std::time::Duration;
 
 use gdr_sim::{
     ClockMode, DeviceConfig, Fault, FaultPlan, FaultSite, SimCompChannel, SimContext, SimCq,
-    SimFabric, SimMr, SimPd, SimQp, SimVerbs,
+    SimFabric, SimPd, SimQp, SimVerbs,
 };
 use gdr_tests::fd::{epoll_readable, is_nonblocking, poll_readable};
-use gdr_tests::{init_tracing, sim};
+use gdr_tests::init_tracing;
+use gdr_tests::sim::{self, Buf};
 use hal_verbs::{
     AccessFlags, AsyncEvent, Completion, CompletionChannel, CompletionQueue, ConnectionInfo,
     Context, CqNotify, InitParams, MemoryRegion, PortState, ProtectionDomain, Provider, QpCaps,
-    QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest, Sge,
+    QpState, QueuePair, RecvRequest, RtrParams, RtsParams, SendFlags, SendOp, SendRequest,
     VerbsError, WcStatus,
 };
 
@@ -40,29 +41,6 @@ impl Node {
 
     fn info(&self, qp: &SimQp, psn: u32) -> (ConnectionInfo, u8) {
         sim::info(&self.ctx, qp, psn)
-    }
-}
-
-struct Buf {
-    mr: SimMr,
-    _data: Box<[u8]>,
-}
-
-impl Buf {
-    fn new(pd: &SimPd, len: usize) -> Self {
-        let mut data = vec![0u8; len].into_boxed_slice();
-        // SAFETY: the box outlives the registration (dropped after it).
-        let mr =
-            unsafe { pd.register(data.as_mut_ptr() as u64, len, AccessFlags::transfer()) }.unwrap();
-        Self { mr, _data: data }
-    }
-
-    fn sge(&self, len: u32) -> Sge {
-        Sge {
-            addr: self.mr.addr(),
-            length: len,
-            lkey: self.mr.lkey(),
-        }
     }
 }
 
@@ -113,8 +91,8 @@ fn pair_with(fabric: SimFabric, device: DeviceConfig) -> Pair {
     let qa = a.pd.create_qp(&caps, &cqa, &cqa).unwrap();
     let qb = b.pd.create_qp(&caps, &cqb, &cqb).unwrap();
     connect(&a, &qa, &b, &qb, RtsParams::default());
-    let bufa = Buf::new(&a.pd, 4096);
-    let bufb = Buf::new(&b.pd, 4096);
+    let bufa = Buf::new(&a.pd, 4096, AccessFlags::transfer());
+    let bufb = Buf::new(&b.pd, 4096, AccessFlags::transfer());
     Pair {
         fabric,
         a,
@@ -138,7 +116,7 @@ fn send(qp: &SimQp, buf: &Buf, wr_id: u64, op: SendOp, flags: SendFlags) {
     let request = SendRequest {
         wr_id,
         op,
-        sg_list: [buf.sge(64)].into_iter().collect(),
+        sg_list: [buf.sge(0, 64)].into_iter().collect(),
         flags,
     };
     // SAFETY: the buffer is registered and outlives the request.
@@ -148,7 +126,7 @@ fn send(qp: &SimQp, buf: &Buf, wr_id: u64, op: SendOp, flags: SendFlags) {
 fn recv(qp: &SimQp, buf: &Buf, wr_id: u64) {
     let request = RecvRequest {
         wr_id,
-        sg_list: [buf.sge(4096)].into_iter().collect(),
+        sg_list: [buf.sge(0, 4096)].into_iter().collect(),
     };
     // SAFETY: as `send`.
     unsafe { qp.post_recv(&[request]) }.unwrap();
@@ -329,7 +307,7 @@ fn one_channel_serves_many_cqs_and_names_each() {
     let qp2 = a.pd.create_qp(&QpCaps::default(), &cq2, &cq2).unwrap();
     for (qp, cq) in [(&qp1, &cq1), (&qp2, &cq2)] {
         qp.to_init(&InitParams::default()).unwrap();
-        recv(qp, &Buf::new(&a.pd, 4096), 1);
+        recv(qp, &Buf::new(&a.pd, 4096, AccessFlags::transfer()), 1);
         cq.req_notify(CqNotify::Next).unwrap();
     }
     // Moving both QPs to ERROR flushes one receive on each CQ.
@@ -559,8 +537,8 @@ fn invalid_request_raises_qp_request_error_on_the_responder() {
         ..RtsParams::default()
     })
     .unwrap();
-    let bufa = Buf::new(&a.pd, 4096);
-    let bufb = Buf::new(&b.pd, 4096);
+    let bufa = Buf::new(&a.pd, 4096, AccessFlags::transfer());
+    let bufb = Buf::new(&b.pd, 4096, AccessFlags::transfer());
     let op = SendOp::Write {
         remote_addr: bufb.mr.addr(),
         rkey: bufb.mr.rkey(),
@@ -583,7 +561,7 @@ fn cq_overrun_raises_cq_error() {
     let cq = a.ctx.create_cq(2).unwrap();
     let qp = a.pd.create_qp(&QpCaps::default(), &cq, &cq).unwrap();
     qp.to_init(&InitParams::default()).unwrap();
-    let buf = Buf::new(&a.pd, 4096);
+    let buf = Buf::new(&a.pd, 4096, AccessFlags::transfer());
     for i in 0..3 {
         recv(&qp, &buf, i);
     }
@@ -616,7 +594,7 @@ fn affiliated_events_reach_only_the_owning_context_port_events_every_one() {
 
     // A CQ overrun on `other`'s CQ: the other way round.
     other_qp.to_init(&InitParams::default()).unwrap();
-    let buf = Buf::new(&other_pd, 4096);
+    let buf = Buf::new(&other_pd, 4096, AccessFlags::transfer());
     for i in 0..3 {
         recv(&other_qp, &buf, i);
     }
@@ -664,7 +642,7 @@ fn device_loss_raises_device_fatal_and_by_default_still_flushes() {
     let request = SendRequest {
         wr_id: 1,
         op: SendOp::Send,
-        sg_list: [p.bufb.sge(8)].into_iter().collect(),
+        sg_list: [p.bufb.sge(0, 8)].into_iter().collect(),
         flags: SendFlags::SIGNALED,
     };
     // SAFETY: registered buffer, alive for the test.
@@ -802,7 +780,7 @@ fn reset_drops_outstanding_requests_without_completions_and_frees_the_queue() {
     let qa = a.pd.create_qp(&caps, &cqa, &cqa).unwrap();
     let qb = b.pd.create_qp(&caps, &cqb, &cqb).unwrap();
     connect(&a, &qa, &b, &qb, RtsParams::default());
-    let bufa = Buf::new(&a.pd, 4096);
+    let bufa = Buf::new(&a.pd, 4096, AccessFlags::transfer());
     fabric.set_paused(true);
     for i in 0..4 {
         recv(&qa, &bufa, 100 + i);
