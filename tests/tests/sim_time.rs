@@ -162,8 +162,8 @@ fn drain(cq: &SimCq) -> Vec<(u64, WcStatus)> {
 }
 
 /// Request 1 on `qa` (CQ `cqa`, on `fabric`) fails with `status` `fail_at` from now, not a
-/// nanosecond earlier (the QP still in RTS then, where `rts_before`);
-/// `what` names the case.
+/// nanosecond earlier (the QP still in RTS then, where `rts_before`),
+/// and the QP is in ERROR; `what` names the case.
 fn fails_at(
     (fabric, cqa, qa): (&SimFabric, &SimCq, &SimQp),
     fail_at: Duration,
@@ -178,6 +178,7 @@ fn fails_at(
     }
     fabric.advance(NS);
     assert_eq!(drain(cqa), [(1, status)], "{what}");
+    assert_eq!(qa.state().unwrap(), QpState::Error);
 }
 
 // ------------------------------------------------------------------ tests
@@ -227,7 +228,6 @@ fn a_dead_peer_fails_only_after_retry_cnt_plus_one_timeouts() {
             &what,
         );
         assert_eq!(p.now() - start, fail_at);
-        assert_eq!(p.qa.state().unwrap(), QpState::Error);
         assert_eq!(p.fabric.clock().next_deadline(), None);
     }
 }
@@ -321,7 +321,6 @@ fn rnr_retry_runs_out_after_rnr_retry_timer_periods() {
             false,
             &what,
         );
-        assert_eq!(p.qa.state().unwrap(), QpState::Error);
     }
     // rnr_retry 0: the first NAK fails it, at once.
     let p = Pair::connected(ClockMode::Manual, rts(14, 3, 0), 12);
@@ -382,7 +381,6 @@ fn rxe_retransmit_timer_runs_through_rnr_waits() {
             true,
             &what,
         );
-        assert_eq!(p.qa.state().unwrap(), QpState::Error);
         assert_eq!(drain(&p.cqb), []);
     }
     // A finite rnr_retry still counts the NAKs: rnr_retry 1 fails at the
