@@ -34,7 +34,7 @@ use hal_cuda::{
 use hal_verbs::Api;
 
 use crate::cache::OwnerId;
-use crate::ladder::{Grant, GrantRights, Ladder, LadderError, LadderRegistration};
+use crate::ladder::{Grant, GrantRights, Ladder, LadderError, LadderRegistration, range_within};
 use crate::lifetime::{LeaseCount, Leased};
 
 /// What a ladder must do when a buffer goes away: unlink every cache entry
@@ -370,18 +370,6 @@ impl<C: hal_cuda::Api> Buffer<C> {
         }
     }
 
-    fn check_range(&self, offset: u64, len: u64) -> Result<u64, LadderError> {
-        if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(LadderError::OutsideAllocation {
-                addr: self.addr.wrapping_add(offset),
-                len,
-                base: self.addr,
-                size: self.len,
-            });
-        }
-        Ok(self.addr + offset)
-    }
-
     /// Registers `len` bytes at `offset` with `ladder`'s NIC, on the first
     /// rung that works, for local use (the local side of transfers). The
     /// registration cannot outlive the buffer. To let a peer reach the
@@ -392,7 +380,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
         offset: u64,
         len: u64,
     ) -> Result<BufferRegistration<'b, V>, LadderError> {
-        let addr = self.check_range(offset, len)?;
+        let addr = range_within(self.addr, self.len, offset, len)?;
         let inner = ladder.register_target(&self.target(), addr, len)?;
         let forget = ladder.forgetter();
         let mut registered = self

@@ -138,8 +138,11 @@ fn verbs_transient(e: &VerbsError) -> bool {
 }
 
 fn cuda_transient(e: &CudaError) -> bool {
-    // 2: CUDA_ERROR_OUT_OF_MEMORY; 46: devices unavailable (exclusive mode).
-    matches!(e, CudaError::OutOfMemory { .. }) || matches!(e.code(), Some(2 | 46))
+    // Devices unavailable: another process holds an exclusive-mode GPU.
+    matches!(
+        e,
+        CudaError::OutOfMemory { .. } | CudaError::DeviceUnavailable { .. }
+    )
 }
 
 /// A rung above the one taken, and why it was not.
@@ -309,6 +312,27 @@ pub enum LadderError {
         /// Every rung tried or skipped, and why.
         failures: Vec<RungFailure>,
     },
+}
+
+/// The address of `len` bytes at `offset` of the `size` bytes at `base`, or
+/// [`LadderError::OutsideAllocation`] when they do not fit (or are none).
+/// An address below `base` is an `offset` that wrapped, and fails the same
+/// way.
+pub(crate) fn range_within(
+    base: u64,
+    size: u64,
+    offset: u64,
+    len: u64,
+) -> Result<u64, LadderError> {
+    if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(LadderError::OutsideAllocation {
+            addr: base.wrapping_add(offset),
+            len,
+            base,
+            size,
+        });
+    }
+    Ok(base + offset)
 }
 
 fn list(failures: &[RungFailure]) -> String {
@@ -523,6 +547,40 @@ impl<V: Api> NicRegistrar<V> {
         &self.budget
     }
 
+    /// Registers `len` bytes at address `addr` with `access`, through
+    /// `export` (the dma-buf of the allocation holding them, whose byte 0 is
+    /// `export.base`) when given, after reserving the MR in the budget.
+    ///
+    /// # Safety
+    /// The memory stays mapped until the region is dropped.
+    unsafe fn register_range(
+        &self,
+        export: Option<&DmabufExport>,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> Result<(V::MemoryRegion, Reservation), RegisterError> {
+        let size = usize::try_from(len)
+            .map_err(|_| VerbsError::invalid("ibv_reg_mr", "length exceeds usize"))?;
+        let reservation = DomainBudget::reserve(&self.budget, len)?;
+        let mr = match export {
+            // SAFETY: the fd is open (the export owns it); the memory
+            // outlives the region by this function's contract.
+            Some(export) => unsafe {
+                self.pd.register_dmabuf(
+                    export.fd.as_raw_fd(),
+                    addr - export.base,
+                    size,
+                    addr,
+                    access,
+                )
+            },
+            // SAFETY: as above.
+            None => unsafe { self.pd.register(addr, size, access) },
+        }?;
+        Ok((mr, reservation))
+    }
+
     /// Registers `request` with `export` (for a dma-buf request) and keeps
     /// `lease` in the registration.
     ///
@@ -535,10 +593,7 @@ impl<V: Api> NicRegistrar<V> {
         export: Option<Arc<DmabufExport>>,
         lease: Option<MemoryLease>,
     ) -> Result<NicRegistration<V>, RegisterError> {
-        let len = usize::try_from(request.len)
-            .map_err(|_| VerbsError::invalid("ibv_reg_mr", "length exceeds usize"))?;
-        let reservation = DomainBudget::reserve(&self.budget, request.len)?;
-        let mr = match (request.identity, &export) {
+        let (mr, reservation) = match (request.identity, &export) {
             (crate::cache::AllocationIdentity::Dmabuf { buffer_id }, Some(export)) => {
                 if export.buffer_id != buffer_id || request.end().is_none_or(|end| end > export.len)
                 {
@@ -551,14 +606,13 @@ impl<V: Api> NicRegistrar<V> {
                     )
                     .into());
                 }
-                // SAFETY: the fd is open (the export owns it); the memory
-                // outlives the region by this function's contract.
+                // SAFETY: the memory outlives the region by this function's
+                // contract.
                 unsafe {
-                    self.pd.register_dmabuf(
-                        export.fd.as_raw_fd(),
-                        request.start,
-                        len,
+                    self.register_range(
+                        Some(export),
                         export.base + request.start,
+                        request.len,
                         LOCAL_ACCESS,
                     )
                 }?
@@ -570,9 +624,8 @@ impl<V: Api> NicRegistrar<V> {
                 )
                 .into());
             }
-            // SAFETY: the memory outlives the region by this function's
-            // contract.
-            _ => unsafe { self.pd.register(request.start, len, LOCAL_ACCESS) }?,
+            // SAFETY: as above.
+            _ => unsafe { self.register_range(None, request.start, request.len, LOCAL_ACCESS) }?,
         };
         Ok(NicRegistration {
             mr,
@@ -1000,20 +1053,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         len: u64,
         rights: GrantRights,
     ) -> Result<Grant<V>, LadderError> {
-        let outside = || LadderError::OutsideAllocation {
-            addr: registration.addr.wrapping_add(offset),
-            len,
-            base: registration.addr,
-            size: registration.len,
-        };
-        if len == 0
-            || offset
-                .checked_add(len)
-                .is_none_or(|end| end > registration.len)
-        {
-            return Err(outside());
-        }
-        let addr = registration.addr + offset;
+        let addr = range_within(registration.addr, registration.len, offset, len)?;
         let handle = registration
             .handle
             .as_ref()
@@ -1029,27 +1069,13 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             len,
             source,
         };
-        let size = usize::try_from(len)
-            .map_err(|_| failed(VerbsError::invalid("grant", "length exceeds usize").into()))?;
-        let reservation =
-            DomainBudget::reserve(&self.registrar.budget, len).map_err(|e| failed(e.into()))?;
-        let pd = &self.registrar.pd;
-        let mr = match &cached.export {
-            // SAFETY: the export's fd is open; `lease` keeps the memory
-            // mapped until after the MR (field order of `Grant`).
-            Some(export) => unsafe {
-                pd.register_dmabuf(
-                    export.fd.as_raw_fd(),
-                    addr - export.base,
-                    size,
-                    addr,
-                    rights.access(),
-                )
-            },
-            // SAFETY: as above.
-            None => unsafe { pd.register(addr, size, rights.access()) },
+        // SAFETY: `lease` keeps the memory mapped until after the MR (field
+        // order of `Grant`).
+        let (mr, reservation) = unsafe {
+            self.registrar
+                .register_range(cached.export.as_deref(), addr, len, rights.access())
         }
-        .map_err(|e| failed(e.into()))?;
+        .map_err(failed)?;
         tracing::debug!(
             device = %self.device,
             addr = format_args!("{addr:#x}"),
@@ -1256,15 +1282,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             .iter()
             .find(|g| g.attributes.ordinal == ordinal)
             .ok_or(LadderError::UnknownGpu { ordinal })?;
-        let (base, size) = (target.allocation_base, target.allocation_size);
-        if addr < base || addr.checked_add(len).is_none_or(|end| end > base + size) || len == 0 {
-            return Err(LadderError::OutsideAllocation {
-                addr,
-                len,
-                base,
-                size,
-            });
-        }
+        let base = target.allocation_base;
+        range_within(base, target.allocation_size, addr.wrapping_sub(base), len)?;
         let location = MemoryLocation::Gpu {
             ordinal: ordinal as u16,
         };
