@@ -857,44 +857,53 @@ impl QueuePair for RdmaQp {
                 num_sge: c_int::try_from(r.sg_list.len()).unwrap_or(c_int::MAX),
             })
             .collect();
-        let sge_base = sges.as_mut_ptr();
-        let base = wrs.as_mut_ptr();
-        let n = requests.len();
-        // SAFETY: `base` covers the `n` WRs and `sge_base` all SG entries,
-        // each request's in order; neither array is touched through any
-        // other path until the post returns.
-        unsafe { link(base, sge_base, requests.iter().map(|r| r.sg_list.len())) };
-        let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: as in `post_send_raw`: a live QP of this provider, WRs
-        // and SG arrays alive for the call, buffers valid by the caller's
-        // contract.
-        let ret = unsafe { sys::ibv_post_recv(self.qp, base, &mut bad) };
-        if ret == 0 {
-            return Ok(());
+        // SAFETY: one WR per request with its SG entries laid out in
+        // order; memory valid by our caller's contract.
+        unsafe {
+            self.post_list(
+                &mut wrs,
+                &mut sges,
+                requests.iter().map(|r| r.sg_list.len()),
+            )
         }
-        let posted = posted_by(base, n, bad);
-        drop((sges, wrs));
-        Err(self.post_error("recv", posted, ret))
     }
 }
 
 /// A work request of a linked list whose SG entries lie in one array.
 trait LinkedWr: Sized {
+    /// The queue, as [`RdmaQp::post_error`] names it.
+    const QUEUE: &'static str;
     /// Where `wr`'s `next` and `sg_list` fields are.
     fn fields(wr: *mut Self) -> (*mut *mut Self, *mut *mut sys::ibv_sge);
+    /// `ibv_post_send` or `ibv_post_recv`.
+    ///
+    /// # Safety
+    /// As the verb's: a live QP, a valid list, memory valid by the trait
+    /// contract of the post.
+    unsafe fn post(qp: *mut sys::ibv_qp, wr: *mut Self, bad: *mut *mut Self) -> c_int;
 }
 
 impl LinkedWr for sys::ibv_send_wr {
+    const QUEUE: &'static str = "send";
     fn fields(wr: *mut Self) -> (*mut *mut Self, *mut *mut sys::ibv_sge) {
         // SAFETY: only field addresses are taken (no read, no reference).
         unsafe { (&raw mut (*wr).next, &raw mut (*wr).sg_list) }
     }
+    unsafe fn post(qp: *mut sys::ibv_qp, wr: *mut Self, bad: *mut *mut Self) -> c_int {
+        // SAFETY: forwarded from our caller's contract.
+        unsafe { sys::ibv_post_send(qp, wr, bad) }
+    }
 }
 
 impl LinkedWr for sys::ibv_recv_wr {
+    const QUEUE: &'static str = "recv";
     fn fields(wr: *mut Self) -> (*mut *mut Self, *mut *mut sys::ibv_sge) {
         // SAFETY: as above.
         unsafe { (&raw mut (*wr).next, &raw mut (*wr).sg_list) }
+    }
+    unsafe fn post(qp: *mut sys::ibv_qp, wr: *mut Self, bad: *mut *mut Self) -> c_int {
+        // SAFETY: forwarded from our caller's contract.
+        unsafe { sys::ibv_post_recv(qp, wr, bad) }
     }
 }
 
@@ -931,6 +940,40 @@ unsafe fn link<W: LinkedWr>(
 }
 
 impl RdmaQp {
+    /// Links `wrs` (each with `sg_lens` entries of `sges`, in order) and
+    /// posts them with one call of the verb; a failure says what was
+    /// posted.
+    ///
+    /// # Safety
+    /// The SG entries name memory valid as the post's trait contract asks.
+    unsafe fn post_list<W: LinkedWr>(
+        &self,
+        wrs: &mut [W],
+        sges: &mut [sys::ibv_sge],
+        sg_lens: impl ExactSizeIterator<Item = usize>,
+    ) -> Result<(), PostError> {
+        // Each base pointer is taken once, after the arrays' last mutation
+        // through their owners; every link is written through it.
+        let sge_base = sges.as_mut_ptr();
+        let base = wrs.as_mut_ptr();
+        let n = wrs.len();
+        // SAFETY: `base` covers the `n` WRs and `sge_base` all SG entries,
+        // each WR's in order; neither array is touched through any other
+        // path until the post returns.
+        unsafe { link(base, sge_base, sg_lens) };
+        let mut bad: *mut W = std::ptr::null_mut();
+        // SAFETY: the QP is live and created by this context's provider, so
+        // the inline wrapper's ops table is the right one; the linked WRs
+        // and their SG arrays live until the call returns (the provider
+        // copies them into the queue); the memory the SG entries name is
+        // valid by our caller's contract.
+        let ret = unsafe { W::post(self.qp, base, &mut bad) };
+        if ret == 0 {
+            return Ok(());
+        }
+        Err(self.post_error(W::QUEUE, posted_by(base, n, bad), ret))
+    }
+
     /// Links `requests` and posts them with one `ibv_post_send`, checks done.
     ///
     /// # Safety
@@ -967,26 +1010,15 @@ impl RdmaQp {
             }
             wrs.push(wr);
         }
-        let sge_base = sges.as_mut_ptr();
-        let base = wrs.as_mut_ptr();
-        let n = requests.len();
-        // SAFETY: `base` covers the `n` WRs and `sge_base` all SG entries,
-        // each request's in order; neither array is touched through any
-        // other path until the post returns.
-        unsafe { link(base, sge_base, requests.iter().map(|r| r.sg_list.len())) };
-        let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is live and created by this context's provider, so
-        // the inline wrapper's ops table is the right one; the linked WRs
-        // and their SG arrays live in `wrs`/`sges` until the call returns
-        // (the provider copies them into the queue); the caller guarantees
-        // (trait contract) that the memory the SG entries name stays valid.
-        let ret = unsafe { sys::ibv_post_send(self.qp, base, &mut bad) };
-        if ret == 0 {
-            return Ok(());
+        // SAFETY: one WR per request with its SG entries laid out in
+        // order; memory valid by our caller's contract.
+        unsafe {
+            self.post_list(
+                &mut wrs,
+                &mut sges,
+                requests.iter().map(|r| r.sg_list.len()),
+            )
         }
-        let posted = posted_by(base, n, bad);
-        drop((sges, wrs));
-        Err(self.post_error("send", posted, ret))
     }
 }
 
