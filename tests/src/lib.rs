@@ -6,6 +6,7 @@ use std::sync::Once;
 pub mod conformance;
 pub mod fd;
 pub mod grants;
+pub mod ladder_world;
 pub mod pair;
 pub mod rxe;
 pub mod sim;

@@ -7,68 +7,20 @@
 use std::sync::Arc;
 
 use gdr_core::buffer::Buffer;
-use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::ladder::{
-    DmabufExports, Gpu, GrantRights, Ladder, LadderConfig, LadderError, NicRegistrar, Policy,
-    Refusal, Rung,
+    Gpu, GrantRights, Ladder, LadderConfig, LadderError, Policy, Refusal, Rung,
 };
 use gdr_core::loopback::Loopback;
-use gdr_sim::{
-    DeviceConfig, Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, SimCuda, SimCudaApi,
-    SimFabric, SimVerbsApi,
-};
-use gdr_tests::{init_tracing, pattern};
+use gdr_sim::{DeviceConfig, Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_tests::ladder_world::LadderWorld;
+use gdr_tests::pattern;
 use hal_cuda::{Context as _, Driver as _, MemoryType, Stream as _};
 use hal_verbs::{MemoryRegion as _, Provider as _, SendOp, Sge, VerbsError, WcStatus};
 
-type SimLadder = Ladder<SimVerbsApi, SimCudaApi>;
-type Cache = Arc<RegistrationCache<NicRegistrar<SimVerbsApi>>>;
-
-struct World {
-    node: gdr_sim::SimVerbs,
-    cuda: SimCuda,
-    plan: FaultPlan,
-    cache: Cache,
-    exports: Arc<DmabufExports>,
-}
+type World = LadderWorld;
 
 fn world(nics: Vec<DeviceConfig>, gpu: GpuConfig) -> World {
-    init_tracing();
-    let plan = FaultPlan::new();
-    let fabric = SimFabric::with_faults(plan.clone());
-    let node = fabric.add_node(
-        "n",
-        NodeConfig {
-            ipv4: None,
-            devices: nics,
-        },
-    );
-    World {
-        node,
-        cuda: SimCuda::new(vec![gpu], plan.clone()),
-        plan,
-        cache: Arc::new(RegistrationCache::new(CacheConfig::default())),
-        exports: Arc::new(DmabufExports::new()),
-    }
-}
-
-impl World {
-    fn ladder(&self, nic: &str, config: LadderConfig) -> SimLadder {
-        let ctx = self.node.open(nic).unwrap();
-        let gpu = Gpu::<SimCudaApi>::open(&self.cuda, 0).unwrap();
-        Ladder::new(
-            &ctx,
-            vec![gpu],
-            Arc::clone(&self.cache),
-            Arc::clone(&self.exports),
-            config,
-        )
-        .unwrap()
-    }
-
-    fn gpu(&self) -> <SimCudaApi as hal_cuda::Api>::Context {
-        self.cuda.context(0).unwrap()
-    }
+    World::new(nics, gpu)
 }
 
 fn read_gpu(world: &World, addr: u64, len: usize) -> Vec<u8> {

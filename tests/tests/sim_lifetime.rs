@@ -11,70 +11,23 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use gdr_core::buffer::Buffer;
-use gdr_core::cache::{BudgetLimits, CacheConfig, CacheError, RegistrationCache};
+use gdr_core::cache::{BudgetLimits, CacheError};
 use gdr_core::ladder::{
-    DmabufExports, Gpu, GrantRights, Ladder, LadderConfig, LadderError, NicRegistrar, Policy,
-    RegisterError, Rung,
+    GrantRights, LadderConfig, LadderError, NicRegistrar, Policy, RegisterError, Rung,
 };
 use gdr_core::loopback::{Loopback, LoopbackError};
-use gdr_sim::{
-    DeviceConfig, Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, SimCuda, SimCudaApi,
-    SimFabric, SimVerbsApi,
-};
+use gdr_sim::{DeviceConfig, Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
 use gdr_tests::grants::{self, grants_confine_the_peer};
-use gdr_tests::init_tracing;
-use hal_cuda::{Context as _, Driver as _, Stream as _};
+use gdr_tests::ladder_world::{LadderWorld, SimLadder};
+use hal_cuda::{Context as _, Stream as _};
 use hal_verbs::{
     AccessFlags, MemoryRegion as _, ProtectionDomain as _, Provider as _, SendOp, Sge, VerbsError,
 };
 
-type SimLadder = Ladder<SimVerbsApi, SimCudaApi>;
-
-struct World {
-    fabric: SimFabric,
-    node: gdr_sim::SimVerbs,
-    cuda: SimCuda,
-    plan: FaultPlan,
-    cache: Arc<RegistrationCache<NicRegistrar<SimVerbsApi>>>,
-    exports: Arc<DmabufExports>,
-}
+type World = LadderWorld;
 
 fn world(gpu: GpuConfig) -> World {
-    init_tracing();
-    let plan = FaultPlan::new();
-    let fabric = SimFabric::with_faults(plan.clone());
-    let node = fabric.add_node("n", NodeConfig::default());
-    World {
-        fabric,
-        node,
-        cuda: SimCuda::new(vec![gpu], plan.clone()),
-        plan,
-        cache: Arc::new(RegistrationCache::new(CacheConfig::default())),
-        exports: Arc::new(DmabufExports::new()),
-    }
-}
-
-impl World {
-    fn ladder(&self, config: LadderConfig) -> SimLadder {
-        let gpu = Gpu::<SimCudaApi>::open(&self.cuda, 0).unwrap();
-        self.ladder_with(vec![gpu], config)
-    }
-
-    fn ladder_with(&self, gpus: Vec<Gpu<SimCudaApi>>, config: LadderConfig) -> SimLadder {
-        let ctx = self.node.open("sim0").unwrap();
-        Ladder::new(
-            &ctx,
-            gpus,
-            Arc::clone(&self.cache),
-            Arc::clone(&self.exports),
-            config,
-        )
-        .unwrap()
-    }
-
-    fn gpu(&self) -> <SimCudaApi as hal_cuda::Api>::Context {
-        self.cuda.context(0).unwrap()
-    }
+    World::new(vec![DeviceConfig::default()], gpu)
 }
 
 /// Writes `byte` over `len` bytes at `addr` with an RDMA READ into the local
@@ -119,10 +72,13 @@ fn nic_writes_into(ladder: &SimLadder, world: &World, lkey: u32, addr: u64, len:
 /// allocation that one RDMA write through the escaped MR then overwrites.
 fn escaped_registration_keeps_its_memory(leak: bool) {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig {
-        self_check: false,
-        ..LadderConfig::default()
-    });
+    let ladder = w.ladder(
+        "sim0",
+        LadderConfig {
+            self_check: false,
+            ..LadderConfig::default()
+        },
+    );
     const LEN: usize = 64 << 10;
     let buffer = Buffer::<SimCudaApi>::alloc_host(LEN);
     let registration = buffer.register(&ladder, 0, LEN as u64).unwrap();
@@ -180,10 +136,13 @@ fn a_leaked_registration_keeps_the_memory_of_its_mr_alive() {
 #[test]
 fn dropping_a_buffer_over_caller_memory_waits_for_its_last_mr() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig {
-        self_check: false,
-        ..LadderConfig::default()
-    });
+    let ladder = w.ladder(
+        "sim0",
+        LadderConfig {
+            self_check: false,
+            ..LadderConfig::default()
+        },
+    );
     let mut memory = vec![0u8; 8192];
     let addr = memory.as_mut_ptr() as u64;
     // SAFETY: `memory` is freed only after the buffer is dropped (below).
@@ -230,14 +189,17 @@ fn dropping_a_buffer_over_caller_memory_waits_for_its_last_mr() {
 #[test]
 fn every_live_mr_counts_against_the_domain_budget() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig {
-        self_check: false,
-        budget: Some(BudgetLimits {
-            max_mrs: 2,
-            max_bytes: u64::MAX,
-        }),
-        ..LadderConfig::default()
-    });
+    let ladder = w.ladder(
+        "sim0",
+        LadderConfig {
+            self_check: false,
+            budget: Some(BudgetLimits {
+                max_mrs: 2,
+                max_bytes: u64::MAX,
+            }),
+            ..LadderConfig::default()
+        },
+    );
     let buffer = Buffer::<SimCudaApi>::alloc_host(1 << 20);
     let registered_before = w.plan.calls(FaultSite::VerbsRegister);
     // 16 widening requests, each overlapping the last, every handle held:
@@ -284,7 +246,7 @@ fn every_live_mr_counts_against_the_domain_budget() {
 #[test]
 fn a_registration_never_reaches_past_its_buffer() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
     let ctx = w.gpu();
     // Two pinned allocations; whatever their placement, each buffer's
     // registrations cover it alone, and dropping one leaves the other's.
@@ -317,7 +279,7 @@ fn a_registration_never_reaches_past_its_buffer() {
     drop(rb);
 
     // A GPU buffer on a ladder without its GPU is refused as such.
-    let no_gpu = w.ladder_with(Vec::new(), LadderConfig::default());
+    let no_gpu = w.ladder_with("sim0", Vec::new(), LadderConfig::default());
     let device = Buffer::<SimCudaApi>::alloc_device(&ctx, 4096).unwrap();
     assert!(matches!(
         device.register(&no_gpu, 0, 4096),
@@ -329,7 +291,7 @@ fn a_registration_never_reaches_past_its_buffer() {
 fn the_cache_refuses_a_request_outside_its_bounds() {
     use gdr_core::cache::{Bounds, Request};
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
     let buffer = Buffer::<SimCudaApi>::alloc_host(8192);
     let request = Request::host(ladder.domain(), buffer.addr() + 4096, 8192)
         .within(buffer.owner(), Bounds::new(buffer.addr(), 8192));
@@ -351,32 +313,15 @@ fn the_cache_refuses_a_request_outside_its_bounds() {
 #[test]
 fn grants_confine_the_peer_on_the_sim() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
     let ctx = w.node.open("sim0").unwrap();
     grants_confine_the_peer(&ctx, &ladder, 1);
 }
 
 /// Grants over GPU memory, on the dma-buf rung and on the peermem rung.
 fn gpu_grants_confine_the_peer(gpu: GpuConfig, nic: DeviceConfig, rung: Rung) {
-    init_tracing();
-    let plan = FaultPlan::new();
-    let fabric = SimFabric::with_faults(plan.clone());
-    let node = fabric.add_node(
-        "n",
-        NodeConfig {
-            ipv4: None,
-            devices: vec![nic],
-        },
-    );
-    let w = World {
-        fabric,
-        node,
-        cuda: SimCuda::new(vec![gpu], plan.clone()),
-        plan,
-        cache: Arc::new(RegistrationCache::new(CacheConfig::default())),
-        exports: Arc::new(DmabufExports::new()),
-    };
-    let ladder = w.ladder(LadderConfig::default());
+    let w = World::new(vec![nic], gpu);
+    let ladder = w.ladder("sim0", LadderConfig::default());
     let gpu = w.gpu();
     let buffer = Buffer::<SimCudaApi>::alloc_device(&gpu, grants::LEN).unwrap();
     let registration = buffer.register(&ladder, 0, grants::LEN as u64).unwrap();
@@ -421,10 +366,13 @@ fn grants_over_peermem_gpu_memory_confine_the_peer() {
 #[test]
 fn a_failed_dmabuf_registration_closes_its_export() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig {
-        policy: Policy::Only(Rung::Dmabuf),
-        ..LadderConfig::default()
-    });
+    let ladder = w.ladder(
+        "sim0",
+        LadderConfig {
+            policy: Policy::Only(Rung::Dmabuf),
+            ..LadderConfig::default()
+        },
+    );
     let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
     // Call 1 is the probe's; the buffer's own registration fails.
     w.plan.fail_nth(
@@ -448,7 +396,7 @@ fn a_failed_dmabuf_registration_closes_its_export() {
 #[test]
 fn dropping_a_buffer_over_part_of_an_allocation_spares_the_others() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
     let ctx = w.gpu();
     let memory = ctx.alloc(256 << 10).unwrap();
     let base = hal_cuda::DeviceMemory::device_ptr(&memory);
@@ -486,10 +434,13 @@ fn dropping_a_buffer_over_part_of_an_allocation_spares_the_others() {
 #[test]
 fn a_transient_probe_failure_is_retried_not_remembered() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig {
-        probe_backoff: Duration::from_millis(50),
-        ..LadderConfig::default()
-    });
+    let ladder = w.ladder(
+        "sim0",
+        LadderConfig {
+            probe_backoff: Duration::from_millis(50),
+            ..LadderConfig::default()
+        },
+    );
     // The probe's own ibv_reg_dmabuf_mr runs out of memory once.
     w.plan.fail_nth(
         FaultSite::VerbsRegisterDmabuf,
@@ -529,10 +480,13 @@ fn a_transient_probe_failure_is_retried_not_remembered() {
 #[test]
 fn a_permanent_probe_refusal_is_remembered() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig {
-        probe_backoff: Duration::ZERO,
-        ..LadderConfig::default()
-    });
+    let ladder = w.ladder(
+        "sim0",
+        LadderConfig {
+            probe_backoff: Duration::ZERO,
+            ..LadderConfig::default()
+        },
+    );
     w.plan.fail_nth(
         FaultSite::VerbsRegisterDmabuf,
         1,
@@ -558,7 +512,7 @@ fn a_permanent_probe_refusal_is_remembered() {
 #[test]
 fn concurrent_first_registrations_probe_a_pair_once() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(LadderConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
     let ctx = w.gpu();
     let buffers: Vec<_> = (0..8)
         .map(|_| Buffer::<SimCudaApi>::alloc_device(&ctx, 64 << 10).unwrap())
