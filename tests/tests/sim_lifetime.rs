@@ -30,6 +30,15 @@ fn world(gpu: GpuConfig) -> World {
     World::new(vec![DeviceConfig::default()], gpu)
 }
 
+/// Makes the `nth` `ibv_reg_dmabuf_mr` on `sim0` fail with `errno`.
+fn fail_dmabuf_registration(w: &World, nth: u64, errno: i32) {
+    w.plan.fail_nth(
+        FaultSite::VerbsRegisterDmabuf,
+        nth,
+        Fault::Verbs(VerbsError::from_errno("ibv_reg_dmabuf_mr", "sim0", errno)),
+    );
+}
+
 /// Writes `byte` over `len` bytes at `addr` with an RDMA READ into the local
 /// region `lkey` (the READ's sink is where the NIC writes), reading from a
 /// peer region of the same PD filled with `byte`.
@@ -375,15 +384,7 @@ fn a_failed_dmabuf_registration_closes_its_export() {
     );
     let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
     // Call 1 is the probe's; the buffer's own registration fails.
-    w.plan.fail_nth(
-        FaultSite::VerbsRegisterDmabuf,
-        2,
-        Fault::Verbs(VerbsError::from_errno(
-            "ibv_reg_dmabuf_mr",
-            "sim0",
-            libc::EINVAL,
-        )),
-    );
+    fail_dmabuf_registration(&w, 2, libc::EINVAL);
     assert!(matches!(
         buffer.register(&ladder, 0, 4096),
         Err(LadderError::NoAllowedRung { .. })
@@ -442,15 +443,7 @@ fn a_transient_probe_failure_is_retried_not_remembered() {
         },
     );
     // The probe's own ibv_reg_dmabuf_mr runs out of memory once.
-    w.plan.fail_nth(
-        FaultSite::VerbsRegisterDmabuf,
-        1,
-        Fault::Verbs(VerbsError::from_errno(
-            "ibv_reg_dmabuf_mr",
-            "sim0",
-            libc::ENOMEM,
-        )),
-    );
+    fail_dmabuf_registration(&w, 1, libc::ENOMEM);
     let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let first = buffer.register(&ladder, 0, 4096).unwrap();
     assert_ne!(first.rung(), Rung::Dmabuf);
@@ -487,15 +480,7 @@ fn a_permanent_probe_refusal_is_remembered() {
             ..LadderConfig::default()
         },
     );
-    w.plan.fail_nth(
-        FaultSite::VerbsRegisterDmabuf,
-        1,
-        Fault::Verbs(VerbsError::from_errno(
-            "ibv_reg_dmabuf_mr",
-            "sim0",
-            libc::EOPNOTSUPP,
-        )),
-    );
+    fail_dmabuf_registration(&w, 1, libc::EOPNOTSUPP);
     let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
     for _ in 0..3 {
         let registration = buffer.register(&ladder, 0, 4096).unwrap();
