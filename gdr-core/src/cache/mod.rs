@@ -178,7 +178,7 @@ pub use stats::CacheStats;
 use std::fmt;
 
 use handle::Entry;
-use index::{Lookup, Shard};
+use index::{Lookup, Shard, ShardState};
 use key::{SpaceKey, shard_of};
 use stats::Counters;
 
@@ -682,6 +682,34 @@ impl<R: Registrar> RegistrationCache<R> {
         }
     }
 
+    /// Unlinks, in each of `shards`, the entries `unlink` takes, and flags
+    /// the registrations in flight `in_flight` selects so that their results
+    /// are handed out but not cached (the memory is going away). Counts and
+    /// returns the entries unlinked.
+    fn invalidate_where<'s>(
+        &self,
+        shards: impl IntoIterator<Item = &'s Shard<R>>,
+        mut unlink: impl FnMut(&mut ShardState<'_, R>) -> Vec<Arc<Entry<R::Registration>>>,
+        in_flight: impl Fn(&Pending<R>) -> bool,
+    ) -> usize
+    where
+        R: 's,
+    {
+        let mut count = 0;
+        for shard in shards {
+            let mut state = shard.write();
+            let victims = unlink(&mut state);
+            for p in state.meta.pending.iter().filter(|p| in_flight(p)) {
+                // Relaxed: written and read under the shard's write lock.
+                p.invalidated.store(true, Ordering::Relaxed);
+            }
+            drop(state);
+            count += victims.len();
+        }
+        Counters::add(&self.counters.invalidations, count as u64);
+        count
+    }
+
     fn invalidate_with(
         &self,
         shards: &[Shard<R>],
@@ -689,25 +717,17 @@ impl<R: Registrar> RegistrationCache<R> {
         start: u64,
         end: u64,
     ) -> usize {
-        let mut count = 0;
-        for shard in shards {
-            let mut state = shard.write();
-            let victims = state.remove_range(domain, start, end, &self.counters);
-            for p in &state.meta.pending {
-                if p.space.space == key::Space::Address
+        self.invalidate_where(
+            shards,
+            |state| state.remove_range(domain, start, end, &self.counters),
+            |p| {
+                p.space.space == key::Space::Address
                     && domain.is_none_or(|d| d == p.space.domain)
                     && p.start < end
                     && start < p.end
                     && !mutant::active("no-invalidate-pending")
-                {
-                    p.invalidated.store(true, Ordering::Relaxed);
-                }
-            }
-            drop(state);
-            count += victims.len();
-        }
-        Counters::add(&self.counters.invalidations, count as u64);
-        count
+            },
+        )
     }
 
     /// Unlinks every entry registered by address (any domain, any kind)
@@ -739,25 +759,19 @@ impl<R: Registrar> RegistrationCache<R> {
     /// or as a dma-buf, in every domain: the caller is about to free it.
     pub fn invalidate_allocation(&self, buffer_id: u64) -> usize {
         let _span = tracing::debug_span!("invalidate_allocation", buffer_id).entered();
-        let mut count = 0;
-        for shard in self.shards.iter() {
-            let mut state = shard.write();
-            let victims = state.remove_where(
-                |_, e| e.identity.buffer_id() == Some(buffer_id),
-                &self.counters,
-            );
-            for p in &state.meta.pending {
-                if p.identity.buffer_id() == Some(buffer_id)
+        self.invalidate_where(
+            self.shards.iter(),
+            |state| {
+                state.remove_where(
+                    |_, e| e.identity.buffer_id() == Some(buffer_id),
+                    &self.counters,
+                )
+            },
+            |p| {
+                p.identity.buffer_id() == Some(buffer_id)
                     && !mutant::active("allocation-invalidation-misses-pending")
-                {
-                    p.invalidated.store(true, Ordering::Relaxed);
-                }
-            }
-            drop(state);
-            count += victims.len();
-        }
-        Counters::add(&self.counters.invalidations, count as u64);
-        count
+            },
+        )
     }
 
     /// Unlinks every entry of `owner` (a buffer being dropped), in every
@@ -767,45 +781,39 @@ impl<R: Registrar> RegistrationCache<R> {
     /// were unlinked.
     pub fn invalidate_owner(&self, owner: OwnerId) -> usize {
         let _span = tracing::debug_span!("invalidate_owner", owner).entered();
-        let count = self
-            .shards
-            .iter()
-            .map(|shard| self.invalidate_owner_with(shard, None, owner))
-            .sum::<usize>();
-        Counters::add(&self.counters.invalidations, count as u64);
-        count
+        self.invalidate_owner_with(&self.shards, None, owner)
     }
 
     /// As [`RegistrationCache::invalidate_owner`], in one domain only (one
     /// shard, and only that owner's indexes are visited).
     pub fn invalidate_owner_in(&self, domain: DomainId, owner: OwnerId) -> usize {
         let _span = tracing::debug_span!("invalidate_owner", domain, owner).entered();
-        let count = self.invalidate_owner_with(self.shard(domain), Some(domain), owner);
-        Counters::add(&self.counters.invalidations, count as u64);
-        count
+        self.invalidate_owner_with(
+            std::slice::from_ref(self.shard(domain)),
+            Some(domain),
+            owner,
+        )
     }
 
     fn invalidate_owner_with(
         &self,
-        shard: &Shard<R>,
+        shards: &[Shard<R>],
         domain: Option<DomainId>,
         owner: OwnerId,
     ) -> usize {
         let ours =
             |space: &SpaceKey| space.owner == owner && domain.is_none_or(|d| d == space.domain);
-        let mut state = shard.write();
-        let victims = state.remove_where_in(
-            ours,
-            |_, e| !(e.in_use() && mutant::active("owner-invalidation-skips-in-use")),
-            &self.counters,
-        );
-        for p in &state.meta.pending {
-            if ours(&p.space) {
-                p.invalidated.store(true, Ordering::Relaxed);
-            }
-        }
-        drop(state);
-        victims.len()
+        self.invalidate_where(
+            shards,
+            |state| {
+                state.remove_where_in(
+                    ours,
+                    |_, e| !(e.in_use() && mutant::active("owner-invalidation-skips-in-use")),
+                    &self.counters,
+                )
+            },
+            |p| ours(&p.space),
+        )
     }
 
     /// Evicts every entry of `domain` not in use (its NIC is out of MRs or
