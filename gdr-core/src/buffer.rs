@@ -140,7 +140,6 @@ pub struct Buffer<C: hal_cuda::Api> {
     owner: OwnerId,
     release_timeout: Duration,
     registered_with: Mutex<Vec<Arc<dyn Forget>>>,
-    borrowed: bool,
     /// The memory, shared with every lease (type-erased for the leases).
     leased: Arc<dyn Leased>,
     backing: Arc<Backing<C>>,
@@ -183,7 +182,6 @@ impl<C: hal_cuda::Api> Buffer<C> {
             Some(a) => (a.memory_type, a.device_ordinal, 0, addr, len),
             None => (MemoryType::PageableHost, None, 0, addr, len),
         };
-        let borrowed = matches!(memory, Memory::Borrowed);
         let backing = Arc::new(Backing {
             leases: LeaseCount::new(),
             memory,
@@ -200,7 +198,6 @@ impl<C: hal_cuda::Api> Buffer<C> {
             owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             registered_with: Mutex::new(Vec::new()),
-            borrowed,
             leased,
             backing,
         }
@@ -423,6 +420,11 @@ impl<C: hal_cuda::Api> Buffer<C> {
         }
     }
 
+    /// Whether the memory is the caller's (it cannot be kept alive).
+    fn borrowed(&self) -> bool {
+        matches!(self.backing.memory, Memory::Borrowed)
+    }
+
     /// Drops the buffer once no MR covers its memory, waiting at most
     /// `timeout`; hands it back (its cache entries already unlinked) if MRs
     /// are still alive then, e.g. held by an escaped handle, a grant or a
@@ -431,7 +433,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     #[allow(clippy::result_large_err)] // the buffer itself is the error
     pub fn release(mut self, timeout: Duration) -> Result<(), Self> {
         self.forget_registrations();
-        if !self.borrowed || self.backing.leases.wait_released(Some(timeout)) {
+        if !self.borrowed() || self.backing.leases.wait_released(Some(timeout)) {
             Ok(())
         } else {
             Err(self)
@@ -442,7 +444,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
 impl<C: hal_cuda::Api> Drop for Buffer<C> {
     fn drop(&mut self) {
         self.forget_registrations();
-        if !self.borrowed {
+        if !self.borrowed() {
             // gdr's own memory: freed by whichever of this buffer and its
             // last lease drops last.
             return;

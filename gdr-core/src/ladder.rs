@@ -562,7 +562,7 @@ impl<V: Api> NicRegistrar<V> {
     ) -> Result<(V::MemoryRegion, Reservation), RegisterError> {
         let size = usize::try_from(len)
             .map_err(|_| VerbsError::invalid("ibv_reg_mr", "length exceeds usize"))?;
-        let reservation = DomainBudget::reserve(&self.budget, len)?;
+        let reservation = self.budget.reserve(len)?;
         let mr = match export {
             // SAFETY: the fd is open (the export owns it); the memory
             // outlives the region by this function's contract.
@@ -1465,7 +1465,10 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         let scratch = gpu.context.alloc(PROBE_LEN).map_err(Refusal::Driver)?;
         let addr = scratch.device_ptr();
         let pd = &self.registrar.pd;
-        let reservation = DomainBudget::reserve(&self.registrar.budget, PROBE_LEN as u64)
+        let reservation = self
+            .registrar
+            .budget
+            .reserve(PROBE_LEN as u64)
             .map_err(Refusal::Budget)?;
         // The probe MR is proven as a peer would use it: remote rights.
         let access = GrantRights::ReadWrite.access();

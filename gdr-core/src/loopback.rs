@@ -242,7 +242,7 @@ impl<A: Api> Loopback<A> {
     fn reserve(&self, bytes: usize) -> Result<Option<Reservation>, LoopbackError> {
         self.budget
             .as_ref()
-            .map(|b| DomainBudget::reserve(b, bytes as u64))
+            .map(|b| b.reserve(bytes as u64))
             .transpose()
             .map_err(LoopbackError::Budget)
     }

@@ -91,31 +91,30 @@ impl DomainBudget {
 
     /// Reserves one MR of `bytes`, held until the reservation drops (after
     /// the MR is deregistered).
-    /// (An associated function: loom's `Arc` cannot be a method receiver.)
-    pub fn reserve(this: &Arc<Self>, bytes: u64) -> Result<Reservation, BudgetExceeded> {
-        let mut usage = sync::lock(&this.usage);
-        let fits = usage.mrs < this.limits.max_mrs
+    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, BudgetExceeded> {
+        let mut usage = sync::lock(&self.usage);
+        let fits = usage.mrs < self.limits.max_mrs
             && usage
                 .bytes
                 .checked_add(bytes)
-                .is_some_and(|b| b <= this.limits.max_bytes);
+                .is_some_and(|b| b <= self.limits.max_bytes);
         if !fits {
             return Err(BudgetExceeded {
                 bytes,
                 usage: *usage,
-                limits: this.limits,
+                limits: self.limits,
             });
         }
         if super::mutant::active("budget-check-then-act") {
             drop(usage);
-            usage = sync::lock(&this.usage);
+            usage = sync::lock(&self.usage);
         }
         usage.mrs += 1;
         usage.bytes += bytes;
         usage.peak_mrs = usage.peak_mrs.max(usage.mrs);
         drop(usage);
         Ok(Reservation {
-            budget: Arc::clone(this),
+            budget: Arc::clone(self),
             bytes,
         })
     }

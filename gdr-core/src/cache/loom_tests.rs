@@ -673,7 +673,7 @@ impl Leasing {
         let for_usage = budget.clone();
         Arc::new(Self {
             reg: Reg::new(),
-            reserve: Box::new(move |bytes| DomainBudget::reserve(&budget, bytes)),
+            reserve: Box::new(move |bytes| budget.reserve(bytes)),
             usage: Box::new(move || for_usage.usage()),
             memory,
         })
