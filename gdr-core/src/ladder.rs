@@ -1345,6 +1345,14 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         let base = target.allocation_base;
         let (request, export) = match rung {
             Rung::Dmabuf => {
+                let request =
+                    Request::dmabuf(self.domain, ordinal, target.buffer_id, addr - base, len)
+                        .within(target.owner, Bounds::new(target.addr - base, target.len));
+                // A hit needs no export (its registration holds one): look
+                // the export up only for a miss.
+                if let Some(handle) = self.cache.get(&request) {
+                    return Ok(handle);
+                }
                 // Held only for this call: the registration keeps its own
                 // reference, so a failure closes the fd at once.
                 let export = self
@@ -1356,9 +1364,6 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                         target.allocation_size,
                     )
                     .map_err(Refusal::Driver)?;
-                let request =
-                    Request::dmabuf(self.domain, ordinal, target.buffer_id, addr - base, len)
-                        .within(target.owner, Bounds::new(target.addr - base, target.len));
                 (request, Some(export))
             }
             _ => (
