@@ -9,6 +9,7 @@
 
 pub mod buffer;
 pub mod descriptor;
+pub mod engine;
 pub mod ladder;
 mod lifetime;
 pub mod loopback;

@@ -1,0 +1,1 @@
+//! Which NIC is nearest a GPU: PCIe distance read from sysfs.

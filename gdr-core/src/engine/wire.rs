@@ -1,0 +1,1 @@
+//! The engine's wire formats: the connection handshake and control-message framing.
