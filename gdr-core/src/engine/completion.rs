@@ -1,0 +1,133 @@
+//! A request's completion: set once, by whichever of the engine's outcomes
+//! comes first (the NIC's completion, the deadline, a cancellation, a
+//! device failure), and seen by every waiter: a blocking
+//! [`CompletionCell::wait`] or a `Future` polling it.
+//!
+//! The engine resolves a request through [`CompletionCell::complete`],
+//! which answers whether this call decided the outcome: only that caller
+//! may count the request as done, so a completion racing a timeout is
+//! counted once. Loom-checked (`engine::loom_tests`).
+
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use crate::engine::error::TransferError;
+use crate::sync::{Condvar, Mutex, lock, wait, wait_timeout};
+
+/// What a request ended with.
+pub type Outcome = Result<(), TransferError>;
+
+#[derive(Debug)]
+enum CellState {
+    Pending { wakers: Vec<Waker> },
+    Done(Outcome),
+}
+
+/// One request's outcome, shared by the engine and its waiters.
+#[derive(Debug)]
+pub struct CompletionCell {
+    state: Mutex<CellState>,
+    done: Condvar,
+}
+
+impl Default for CompletionCell {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CompletionCell {
+    /// A pending cell.
+    pub fn new() -> Self {
+        Self {
+            state: Mutex::new(CellState::Pending { wakers: Vec::new() }),
+            done: Condvar::new(),
+        }
+    }
+
+    /// Sets the outcome unless one is set already; true when this call set
+    /// it (the caller then owns the request's accounting).
+    pub fn complete(&self, outcome: Outcome) -> bool {
+        let wakers = {
+            #[cfg(loom)]
+            if crate::cache::mutant::active("complete-check-then-act") {
+                // The bug: the check and the store under two locks.
+                let pending = matches!(*lock(&self.state), CellState::Pending { .. });
+                if !pending {
+                    return false;
+                }
+                let mut state = lock(&self.state);
+                let old = std::mem::replace(&mut *state, CellState::Done(outcome));
+                let CellState::Pending { wakers } = old else {
+                    return true;
+                };
+                drop(state);
+                self.done.notify_all();
+                wakers.into_iter().for_each(Waker::wake);
+                return true;
+            }
+            let mut state = lock(&self.state);
+            let CellState::Pending { wakers } = &mut *state else {
+                return false;
+            };
+            let wakers = std::mem::take(wakers);
+            *state = CellState::Done(outcome);
+            wakers
+        };
+        self.done.notify_all();
+        for waker in wakers {
+            waker.wake();
+        }
+        true
+    }
+
+    /// The outcome, if set.
+    pub fn outcome(&self) -> Option<Outcome> {
+        match &*lock(&self.state) {
+            CellState::Done(outcome) => Some(outcome.clone()),
+            CellState::Pending { .. } => None,
+        }
+    }
+
+    /// Whether the outcome is set.
+    pub fn is_done(&self) -> bool {
+        matches!(*lock(&self.state), CellState::Done(_))
+    }
+
+    /// Waits for the outcome, at most `timeout` (`None`: as long as it
+    /// takes); `None` when it was not set in time.
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<Outcome> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut state = lock(&self.state);
+        loop {
+            if let CellState::Done(outcome) = &*state {
+                return Some(outcome.clone());
+            }
+            state = match deadline {
+                None => wait(&self.done, state),
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    wait_timeout(&self.done, state, left)
+                }
+            };
+        }
+    }
+
+    /// Polls for the outcome from a `Future`, registering `cx`'s waker
+    /// while pending.
+    pub fn poll(&self, cx: &mut Context<'_>) -> Poll<Outcome> {
+        let mut state = lock(&self.state);
+        match &mut *state {
+            CellState::Done(outcome) => Poll::Ready(outcome.clone()),
+            CellState::Pending { wakers } => {
+                if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                    wakers.push(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+}

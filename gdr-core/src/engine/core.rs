@@ -1,0 +1,853 @@
+//! The engine's deterministic core, in quinn-proto's shape: it owns the
+//! book-keeping of every queue pair and request and does no I/O, starts no
+//! thread and reads no clock. The driver ([`super::Engine`]) feeds it
+//! (`submit`, `on_completion`, `fail_qp`, `handle_timeout(now)`), takes
+//! work to post from it (`take_postable`), and carries out its
+//! [`Action`]s. Tests drive it step by step.
+//!
+//! Per queue pair: a queue of work not yet posted, and the work in flight,
+//! in posting order. A send queue completes in order (RC), so one signaled
+//! completion retires every request posted before it: only every
+//! `signal_every`-th request, and the last of each post, asks for a
+//! completion (selective signalling; the last so that the tail of the
+//! queue is always reported, flushes included). At most `depth` requests
+//! are in flight per QP, and at most `send_limit` SENDs (the receives the
+//! peer keeps posted).
+//!
+//! Exactly once: a batch ends when its last work request is retired
+//! (succeeded, failed, or flushed) or, past its deadline, after its queue
+//! pairs were stopped and flushed; the outcome goes to its
+//! [`CompletionCell`] once. A batch's resources (the regions it reads and
+//! writes) are held until every one of its requests is retired, even when
+//! the outcome was delivered earlier by force.
+
+use std::any::Any;
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hal_verbs::{SendFlags, SendOp, SendRequest, WcStatus};
+
+use crate::engine::completion::{CompletionCell, Outcome};
+use crate::engine::error::TransferError;
+
+/// A queue pair's index in the core.
+pub(crate) type QpId = usize;
+/// A batch's id in the core.
+pub type BatchId = u64;
+
+/// What a batch keeps alive until its last request is retired.
+pub(crate) type Keep = Arc<dyn Any + Send + Sync>;
+
+/// One work request waiting to be posted (its `wr_id` and signalling are
+/// the core's to set).
+#[derive(Debug, Clone)]
+pub(crate) struct Work {
+    pub batch: BatchId,
+    pub request: SendRequest,
+}
+
+impl Work {
+    fn is_send(&self) -> bool {
+        matches!(self.request.op, SendOp::Send | SendOp::SendWithImm { .. })
+    }
+}
+
+#[derive(Debug)]
+struct InFlight {
+    seq: u64,
+    batch: BatchId,
+    send: bool,
+    signaled: bool,
+}
+
+/// Whether a queue pair takes work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Health {
+    /// Posting.
+    Ready,
+    /// In error (the NIC's, or stopped by the engine): what is in flight
+    /// flushes, nothing more is posted.
+    Failing(TransferError),
+    /// In error and nothing left in flight.
+    Drained(TransferError),
+}
+
+/// Counters of one queue pair.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QpCounters {
+    /// Work requests posted.
+    pub posted: u64,
+    /// Bytes of the work requests posted.
+    pub bytes: u64,
+    /// Post calls (doorbells).
+    pub doorbells: u64,
+    /// Work requests that asked for a completion.
+    pub signaled: u64,
+}
+
+#[derive(Debug)]
+struct QpRecord {
+    index: u16,
+    depth: u32,
+    send_limit: u32,
+    signal_every: u32,
+    queue: VecDeque<Work>,
+    in_flight: VecDeque<InFlight>,
+    sends_in_flight: u32,
+    next_seq: u64,
+    since_signal: u32,
+    health: Health,
+    reset_requested: bool,
+    counters: QpCounters,
+}
+
+#[derive(Debug)]
+struct BatchRecord {
+    cell: Arc<CompletionCell>,
+    unfinished: usize,
+    error: Option<TransferError>,
+    deadline: Option<(Instant, Duration)>,
+    ended: bool,
+    _keep: Vec<Keep>,
+}
+
+/// Something the driver must do for the core.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Move this queue pair to ERROR so what it holds flushes (a request
+    /// on it passed its deadline).
+    StopQp(QpId),
+    /// The queue pair failed and nothing of it is in flight any more.
+    QpDrained(QpId),
+}
+
+/// The configuration of one queue pair in the core.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QpLimits {
+    /// Work requests in flight at most.
+    pub depth: u32,
+    /// SENDs in flight at most (the peer's posted receives).
+    pub send_limit: u32,
+    /// Ask for a completion every this many requests (and at the end of
+    /// each post).
+    pub signal_every: u32,
+}
+
+/// How long a batch stopped at its deadline may wait for its flushes
+/// before its outcome is delivered anyway.
+const FLUSH_GRACE: Duration = Duration::from_secs(1);
+
+/// The deterministic core.
+#[derive(Debug, Default)]
+pub(crate) struct Core {
+    qps: Vec<QpRecord>,
+    batches: HashMap<BatchId, BatchRecord>,
+    deadlines: BTreeSet<(Instant, BatchId)>,
+    next_batch: BatchId,
+    actions: VecDeque<Action>,
+}
+
+impl Core {
+    pub fn new() -> Self {
+        Self {
+            next_batch: 1,
+            ..Self::default()
+        }
+    }
+
+    /// Adds a queue pair (index `index` within its peer).
+    pub fn add_qp(&mut self, index: u16, limits: QpLimits) -> QpId {
+        self.qps.push(QpRecord {
+            index,
+            depth: limits.depth.max(1),
+            send_limit: limits.send_limit.max(1),
+            signal_every: limits.signal_every.max(1),
+            queue: VecDeque::new(),
+            in_flight: VecDeque::new(),
+            sends_in_flight: 0,
+            next_seq: 1,
+            since_signal: 0,
+            health: Health::Ready,
+            reset_requested: false,
+            counters: QpCounters::default(),
+        });
+        self.qps.len() - 1
+    }
+
+    pub fn health(&self, qp: QpId) -> &Health {
+        &self.qps[qp].health
+    }
+
+    pub fn is_ready(&self, qp: QpId) -> bool {
+        self.qps[qp].health == Health::Ready
+    }
+
+    pub fn counters(&self, qp: QpId) -> QpCounters {
+        self.qps[qp].counters
+    }
+
+    /// Requests queued or in flight on `qp`.
+    pub fn load(&self, qp: QpId) -> usize {
+        let record = &self.qps[qp];
+        record.queue.len() + record.in_flight.len()
+    }
+
+    /// Batches not yet retired.
+    pub fn batches_live(&self) -> usize {
+        self.batches.len()
+    }
+
+    /// Queues a batch of work (each item on its queue pair), to end by
+    /// `deadline` (`now + timeout`), keeping `keep` alive until its last
+    /// request is retired. An empty batch succeeds at once. Work for a
+    /// queue pair that is not ready fails the batch.
+    pub fn submit(
+        &mut self,
+        work: Vec<(QpId, Work)>,
+        cell: Arc<CompletionCell>,
+        deadline: Option<(Instant, Duration)>,
+        keep: Vec<Keep>,
+    ) -> BatchId {
+        let id = self.next_batch;
+        self.next_batch += 1;
+        if work.is_empty() {
+            cell.complete(Ok(()));
+            return id;
+        }
+        let mut record = BatchRecord {
+            cell,
+            unfinished: 0,
+            error: None,
+            deadline,
+            ended: false,
+            _keep: keep,
+        };
+        if let Some(failing) = work.iter().find_map(|(qp, _)| match &self.qps[*qp].health {
+            Health::Ready => None,
+            Health::Failing(e) | Health::Drained(e) => Some(e.clone()),
+        }) {
+            record.cell.complete(Err(failing));
+            return id;
+        }
+        record.unfinished = work.len();
+        for (qp, mut item) in work {
+            item.batch = id;
+            self.qps[qp].queue.push_back(item);
+        }
+        if let Some((at, _)) = deadline {
+            self.deadlines.insert((at, id));
+        }
+        self.batches.insert(id, record);
+        id
+    }
+
+    /// Whether `qp` has work it could post now.
+    pub fn has_postable(&self, qp: QpId) -> bool {
+        let r = &self.qps[qp];
+        r.health == Health::Ready
+            && (r.in_flight.len() as u32) < r.depth
+            && r.queue
+                .front()
+                .is_some_and(|w| !w.is_send() || r.sends_in_flight < r.send_limit)
+    }
+
+    /// Takes the work `qp` can post now, in order, with `wr_id`s and
+    /// signalling set, into `out` (cleared first); the caller posts it
+    /// with one doorbell and reports a refusal with [`Core::post_failed`].
+    pub fn take_postable(&mut self, qp: QpId, out: &mut Vec<SendRequest>) {
+        out.clear();
+        let r = &mut self.qps[qp];
+        if r.health != Health::Ready {
+            return;
+        }
+        while (r.in_flight.len() as u32) < r.depth {
+            let Some(front) = r.queue.front() else { break };
+            let send = front.is_send();
+            if send && r.sends_in_flight >= r.send_limit {
+                break;
+            }
+            let Some(mut work) = r.queue.pop_front() else {
+                break;
+            };
+            let seq = r.next_seq;
+            r.next_seq += 1;
+            work.request.wr_id = seq;
+            r.since_signal += 1;
+            if r.since_signal >= r.signal_every {
+                work.request.flags |= SendFlags::SIGNALED;
+            } else {
+                work.request.flags -= SendFlags::SIGNALED;
+            }
+            if work.request.flags.contains(SendFlags::SIGNALED) {
+                r.since_signal = 0;
+            }
+            if send {
+                r.sends_in_flight += 1;
+            }
+            r.counters.posted += 1;
+            r.counters.bytes += work.request.byte_len();
+            r.in_flight.push_back(InFlight {
+                seq,
+                batch: work.batch,
+                send,
+                signaled: work.request.flags.contains(SendFlags::SIGNALED),
+            });
+            out.push(work.request);
+        }
+        if let Some(last) = out.last_mut()
+            && !last.flags.contains(SendFlags::SIGNALED)
+        {
+            last.flags |= SendFlags::SIGNALED;
+            r.since_signal = 0;
+            if let Some(tail) = r.in_flight.back_mut() {
+                tail.signaled = true;
+            }
+        }
+        if !out.is_empty() {
+            r.counters.doorbells += 1;
+            r.counters.signaled += out
+                .iter()
+                .filter(|w| w.flags.contains(SendFlags::SIGNALED))
+                .count() as u64;
+        }
+    }
+
+    /// The provider refused part of the last post of `qp`: the first
+    /// `accepted` of the `taken` requests were posted. With `accepted`
+    /// known, the rest fail with `error` and the queue pair goes on; with
+    /// it unknown (`None`), the queue pair is stopped: what it holds
+    /// flushes.
+    pub fn post_failed(
+        &mut self,
+        qp: QpId,
+        taken: usize,
+        accepted: Option<usize>,
+        error: TransferError,
+    ) {
+        let Some(accepted) = accepted else {
+            // Which were posted is unknown: stop the queue pair; what it
+            // flushes is retired, the rest is delivered by the deadline's
+            // grace (and stays held: the NIC may have it).
+            self.stop(qp, error);
+            self.actions.push_back(Action::StopQp(qp));
+            return;
+        };
+        // The refused requests never reached the NIC: they fail now.
+        let r = &mut self.qps[qp];
+        let refused = taken.saturating_sub(accepted).min(r.in_flight.len());
+        let start = r.in_flight.len() - refused;
+        let gone: Vec<InFlight> = r.in_flight.drain(start..).collect();
+        for item in &gone {
+            if item.send {
+                r.sends_in_flight -= 1;
+            }
+        }
+        if let Some(first) = gone.first() {
+            r.next_seq = first.seq;
+        }
+        let tail_reported = r.in_flight.back().is_none_or(|last| last.signaled);
+        for item in gone {
+            self.retire(item.batch, Err(error.clone()));
+        }
+        if !tail_reported {
+            // What was posted ends in an unsignaled request that nothing
+            // would ever report: stop the queue pair, so it flushes.
+            self.stop(qp, error);
+            self.actions.push_back(Action::StopQp(qp));
+        }
+    }
+
+    /// A send-queue completion of `qp`: retires every request up to
+    /// `wr_id` (a signaled completion stands for the unsignaled ones
+    /// before it).
+    pub fn on_completion(&mut self, qp: QpId, wr_id: u64, status: WcStatus, vendor_err: u32) {
+        let r = &self.qps[qp];
+        let in_flight = match (r.in_flight.front(), r.in_flight.back()) {
+            (Some(first), Some(last)) => first.seq <= wr_id && wr_id <= last.seq,
+            _ => false,
+        };
+        if !in_flight {
+            tracing::debug!(qp = r.index, wr_id, %status, "completion of no request in flight");
+            return;
+        }
+        let index = r.index;
+        let health = r.health.clone();
+        let first_error = !status.is_success() && health == Health::Ready;
+        loop {
+            let r = &mut self.qps[qp];
+            let Some(item) = r.in_flight.front() else {
+                break;
+            };
+            if item.seq > wr_id {
+                break;
+            }
+            let item = r.in_flight.pop_front().expect("front exists");
+            if item.send {
+                r.sends_in_flight -= 1;
+            }
+            let result = match &health {
+                Health::Failing(cause) | Health::Drained(cause) => Err(TransferError::Flushed {
+                    qp: index,
+                    cause: cause.to_string(),
+                }),
+                Health::Ready if item.seq == wr_id && first_error => {
+                    Err(TransferError::from_status(status, vendor_err))
+                }
+                Health::Ready => Ok(()),
+            };
+            self.retire(item.batch, result);
+        }
+        if first_error {
+            tracing::debug!(qp = index, %status, "queue pair failed");
+            self.stop(qp, TransferError::from_status(status, vendor_err));
+        }
+        self.check_drained(qp);
+    }
+
+    /// The queue pair is in error (the peer disconnected, the engine
+    /// stopped it): its queued work fails now, what is in flight when its
+    /// flushes arrive.
+    pub fn fail_qp(&mut self, qp: QpId, cause: TransferError) {
+        if self.qps[qp].health == Health::Ready {
+            self.stop(qp, cause);
+        }
+        self.check_drained(qp);
+    }
+
+    /// The queue pair is gone without flushing (device failure, or a QP
+    /// destroyed): everything it holds fails now.
+    pub fn abandon_qp(&mut self, qp: QpId, cause: TransferError) {
+        self.fail_qp(qp, cause.clone());
+        let r = &mut self.qps[qp];
+        let gone: Vec<InFlight> = r.in_flight.drain(..).collect();
+        r.sends_in_flight = 0;
+        for item in gone {
+            self.retire(item.batch, Err(cause.clone()));
+        }
+        self.check_drained(qp);
+    }
+
+    fn stop(&mut self, qp: QpId, cause: TransferError) {
+        let r = &mut self.qps[qp];
+        if r.health != Health::Ready {
+            return;
+        }
+        r.health = Health::Failing(cause.clone());
+        let flushed = TransferError::Flushed {
+            qp: r.index,
+            cause: cause.to_string(),
+        };
+        let queued: Vec<Work> = r.queue.drain(..).collect();
+        for work in queued {
+            self.retire(work.batch, Err(flushed.clone()));
+        }
+    }
+
+    fn check_drained(&mut self, qp: QpId) {
+        let r = &mut self.qps[qp];
+        if let Health::Failing(cause) = &r.health
+            && r.in_flight.is_empty()
+        {
+            r.health = Health::Drained(cause.clone());
+            self.actions.push_back(Action::QpDrained(qp));
+        }
+    }
+
+    /// One request of `batch` is done with `result`.
+    fn retire(&mut self, batch: BatchId, result: Outcome) {
+        let Some(record) = self.batches.get_mut(&batch) else {
+            return;
+        };
+        record.unfinished -= 1;
+        if let Err(e) = result
+            && record.error.is_none()
+        {
+            record.error = Some(e);
+            // Fail fast: the batch's work not yet posted is dropped.
+            self.drop_queued(batch);
+        }
+        let record = self.batches.get_mut(&batch).expect("still there");
+        if record.unfinished == 0 {
+            let record = self.batches.remove(&batch).expect("still there");
+            if let Some((at, _)) = record.deadline {
+                self.deadlines.remove(&(at, batch));
+            }
+            let outcome = record.error.map_or(Ok(()), Err);
+            record.cell.complete(outcome);
+        }
+    }
+
+    /// Retires `batch`'s work not yet posted (its outcome is decided).
+    fn drop_queued(&mut self, batch: BatchId) {
+        let mut dropped = 0;
+        for r in &mut self.qps {
+            let before = r.queue.len();
+            r.queue.retain(|w| w.batch != batch);
+            dropped += before - r.queue.len();
+        }
+        if let Some(record) = self.batches.get_mut(&batch) {
+            record.unfinished -= dropped;
+        }
+    }
+
+    /// Cancels a batch: what is not posted is dropped; it ends
+    /// [`TransferError::Cancelled`] once nothing of it is in flight.
+    pub fn cancel(&mut self, batch: BatchId) {
+        let Some(record) = self.batches.get_mut(&batch) else {
+            return;
+        };
+        if record.error.is_none() {
+            record.error = Some(TransferError::Cancelled);
+        }
+        record.unfinished += 1; // held while dropping, so it ends once
+        self.drop_queued(batch);
+        self.retire(batch, Ok(()));
+    }
+
+    /// The earliest deadline the driver must call [`Core::handle_timeout`]
+    /// at.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.deadlines.first().map(|(at, _)| *at)
+    }
+
+    /// Handles every deadline up to `now`: a batch past its deadline
+    /// drops what it has not posted and stops the queue pairs holding
+    /// the rest (their other requests flush); if the flushes do not come
+    /// within a grace period, its outcome is delivered anyway.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(&(at, batch)) = self.deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            let Some(record) = self.batches.get_mut(&batch) else {
+                continue;
+            };
+            let after = record.deadline.map_or(Duration::ZERO, |(_, t)| t);
+            if record.ended {
+                // The grace period passed: deliver now, keep the record
+                // (and what it keeps alive) until its requests retire.
+                record.cell.complete(Err(record
+                    .error
+                    .clone()
+                    .unwrap_or(TransferError::Timeout { after })));
+                continue;
+            }
+            record.ended = true;
+            if record.error.is_none() {
+                record.error = Some(TransferError::Timeout { after });
+            }
+            let cause = record.error.clone().expect("just set");
+            let grace = at + FLUSH_GRACE;
+            record.deadline = Some((grace, after));
+            self.deadlines.insert((grace, batch));
+            record.unfinished += 1;
+            self.drop_queued(batch);
+            let holders: Vec<QpId> = (0..self.qps.len())
+                .filter(|&qp| self.qps[qp].in_flight.iter().any(|f| f.batch == batch))
+                .collect();
+            for qp in holders {
+                let r = &mut self.qps[qp];
+                if !r.reset_requested {
+                    r.reset_requested = true;
+                    self.actions.push_back(Action::StopQp(qp));
+                }
+                self.stop(qp, cause.clone());
+            }
+            self.retire(batch, Ok(()));
+        }
+    }
+
+    /// The next thing the driver must do.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Whether an action waits.
+    pub fn has_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hal_verbs::{SgList, Sge};
+
+    fn write(len: u32) -> Work {
+        let mut sg_list = SgList::new();
+        sg_list.push(Sge {
+            addr: 0x1000,
+            length: len,
+            lkey: 1,
+        });
+        Work {
+            batch: 0,
+            request: SendRequest {
+                wr_id: 0,
+                op: SendOp::Write {
+                    remote_addr: 0x2000,
+                    rkey: 2,
+                },
+                sg_list,
+                flags: SendFlags::empty(),
+            },
+        }
+    }
+
+    fn send() -> Work {
+        let mut w = write(8);
+        w.request.op = SendOp::Send;
+        w
+    }
+
+    fn limits(depth: u32, signal_every: u32) -> QpLimits {
+        QpLimits {
+            depth,
+            send_limit: 2,
+            signal_every,
+        }
+    }
+
+    fn cell() -> Arc<CompletionCell> {
+        Arc::new(CompletionCell::new())
+    }
+
+    #[test]
+    fn selective_signalling_and_depth() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(6, 4));
+        let c = cell();
+        core.submit(vec![(qp, write(10)); 8], c.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        assert_eq!(out.len(), 6, "depth bounds the post");
+        let signaled: Vec<bool> = out
+            .iter()
+            .map(|w| w.flags.contains(SendFlags::SIGNALED))
+            .collect();
+        assert_eq!(signaled, [false, false, false, true, false, true]);
+        assert!(!core.has_postable(qp));
+        // The 4th request's completion retires the first four.
+        core.on_completion(qp, out[3].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(core.load(qp), 4);
+        core.take_postable(qp, &mut out);
+        assert_eq!(out.len(), 2);
+        assert!(out[1].flags.contains(SendFlags::SIGNALED), "tail signaled");
+        core.on_completion(qp, 6, WcStatus::SUCCESS, 0);
+        assert!(!c.is_done());
+        core.on_completion(qp, out[1].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(c.outcome(), Some(Ok(())));
+        assert_eq!(core.batches_live(), 0);
+        assert_eq!(core.counters(qp).doorbells, 2);
+    }
+
+    #[test]
+    fn an_error_fails_its_request_and_flushes_the_rest_of_its_qp_only() {
+        let mut core = Core::new();
+        let (a, b) = (core.add_qp(0, limits(8, 8)), core.add_qp(1, limits(8, 8)));
+        let (first, second, other) = (cell(), cell(), cell());
+        core.submit(
+            vec![(a, write(1)), (a, write(1))],
+            first.clone(),
+            None,
+            vec![],
+        );
+        core.submit(vec![(a, write(1))], second.clone(), None, vec![]);
+        core.submit(vec![(b, write(1))], other.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(a, &mut out);
+        assert_eq!(out.len(), 3);
+        // The second request fails remotely: the first succeeded before it.
+        core.on_completion(a, 2, WcStatus::REM_ACCESS_ERR, 7);
+        assert!(matches!(
+            first.outcome(),
+            Some(Err(TransferError::RemoteAccess { vendor_err: 7, .. }))
+        ));
+        assert!(!second.is_done(), "in flight: ends with its flush");
+        core.on_completion(a, 3, WcStatus::WR_FLUSH_ERR, 0);
+        assert!(matches!(
+            second.outcome(),
+            Some(Err(TransferError::Flushed { qp: 0, .. }))
+        ));
+        assert_eq!(core.poll_action(), Some(Action::QpDrained(a)));
+        // The other queue pair is untouched.
+        core.take_postable(b, &mut out);
+        core.on_completion(b, out[0].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(other.outcome(), Some(Ok(())));
+        // New work for the failed queue pair is refused at once.
+        let late = cell();
+        core.submit(vec![(a, write(1))], late.clone(), None, vec![]);
+        assert!(matches!(
+            late.outcome(),
+            Some(Err(TransferError::RemoteAccess { .. }))
+        ));
+    }
+
+    #[test]
+    fn a_deadline_stops_the_qp_and_ends_after_the_flush() {
+        let t0 = Instant::now();
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(1, 1));
+        let (slow, queued_behind) = (cell(), cell());
+        let keep: Keep = Arc::new(5u8);
+        core.submit(
+            vec![(qp, write(1))],
+            slow.clone(),
+            Some((t0 + Duration::from_millis(10), Duration::from_millis(10))),
+            vec![Arc::clone(&keep)],
+        );
+        core.submit(vec![(qp, write(1))], queued_behind.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        assert_eq!(core.next_deadline(), Some(t0 + Duration::from_millis(10)));
+        core.handle_timeout(t0 + Duration::from_millis(9));
+        assert_eq!(core.poll_action(), None);
+        core.handle_timeout(t0 + Duration::from_millis(10));
+        assert_eq!(core.poll_action(), Some(Action::StopQp(qp)));
+        assert!(
+            matches!(
+                queued_behind.outcome(),
+                Some(Err(TransferError::Flushed { .. }))
+            ),
+            "work queued behind it on the stopped QP fails"
+        );
+        assert!(!slow.is_done(), "not before the NIC gave the request back");
+        assert_eq!(Arc::strong_count(&keep), 2);
+        core.on_completion(qp, out[0].wr_id, WcStatus::WR_FLUSH_ERR, 0);
+        assert!(matches!(
+            slow.outcome(),
+            Some(Err(TransferError::Timeout { .. }))
+        ));
+        assert_eq!(Arc::strong_count(&keep), 1, "released once retired");
+    }
+
+    #[test]
+    fn a_deadline_whose_flush_never_comes_is_delivered_after_the_grace() {
+        let t0 = Instant::now();
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(4, 1));
+        let c = cell();
+        let keep: Keep = Arc::new(5u8);
+        let t = Duration::from_millis(10);
+        core.submit(
+            vec![(qp, write(1))],
+            c.clone(),
+            Some((t0 + t, t)),
+            vec![keep.clone()],
+        );
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        core.handle_timeout(t0 + t);
+        assert!(!c.is_done());
+        core.handle_timeout(t0 + t + FLUSH_GRACE);
+        assert!(matches!(
+            c.outcome(),
+            Some(Err(TransferError::Timeout { .. }))
+        ));
+        assert_eq!(Arc::strong_count(&keep), 2, "still held: the NIC has it");
+        core.on_completion(qp, out[0].wr_id, WcStatus::WR_FLUSH_ERR, 0);
+        assert_eq!(Arc::strong_count(&keep), 1);
+        assert!(matches!(
+            c.outcome(),
+            Some(Err(TransferError::Timeout { .. }))
+        ));
+    }
+
+    #[test]
+    fn sends_wait_for_the_peers_receives_in_order() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(8, 8));
+        let c = cell();
+        core.submit(
+            vec![(qp, send()), (qp, send()), (qp, send()), (qp, write(1))],
+            c.clone(),
+            None,
+            vec![],
+        );
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        assert_eq!(out.len(), 2, "two receives posted at the peer");
+        core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
+        core.take_postable(qp, &mut out);
+        assert_eq!(out.len(), 2, "the third send, then the write behind it");
+        core.on_completion(qp, out[1].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(c.outcome(), Some(Ok(())));
+    }
+
+    #[test]
+    fn a_refused_post_fails_what_was_refused() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(8, 1));
+        let (a, b) = (cell(), cell());
+        core.submit(vec![(qp, write(1))], a.clone(), None, vec![]);
+        core.submit(vec![(qp, write(1))], b.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        core.post_failed(
+            qp,
+            2,
+            Some(1),
+            TransferError::Local {
+                what: "refused".into(),
+            },
+        );
+        assert!(matches!(
+            b.outcome(),
+            Some(Err(TransferError::Local { .. }))
+        ));
+        assert!(!a.is_done());
+        core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(a.outcome(), Some(Ok(())));
+        assert_eq!(core.load(qp), 0);
+        assert_eq!(core.poll_action(), None);
+    }
+
+    #[test]
+    fn a_refused_post_leaving_an_unsignaled_tail_stops_the_qp() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(8, 8));
+        let (a, b) = (cell(), cell());
+        core.submit(vec![(qp, write(1))], a.clone(), None, vec![]);
+        core.submit(vec![(qp, write(1))], b.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        let refused = TransferError::Local {
+            what: "refused".into(),
+        };
+        core.post_failed(qp, 2, Some(1), refused);
+        assert!(matches!(
+            b.outcome(),
+            Some(Err(TransferError::Local { .. }))
+        ));
+        assert_eq!(core.poll_action(), Some(Action::StopQp(qp)));
+        assert!(!a.is_done(), "ends with its flush");
+        core.on_completion(qp, out[0].wr_id, WcStatus::WR_FLUSH_ERR, 0);
+        assert!(matches!(
+            a.outcome(),
+            Some(Err(TransferError::Flushed { .. }))
+        ));
+        assert_eq!(core.poll_action(), Some(Action::QpDrained(qp)));
+    }
+
+    #[test]
+    fn cancel_drops_queued_work_and_waits_for_what_is_posted() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(1, 1));
+        let c = cell();
+        let id = core.submit(
+            vec![(qp, write(1)), (qp, write(1))],
+            c.clone(),
+            None,
+            vec![],
+        );
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        core.cancel(id);
+        assert!(!c.is_done());
+        assert_eq!(core.load(qp), 1);
+        core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(c.outcome(), Some(Err(TransferError::Cancelled)));
+    }
+}
