@@ -51,6 +51,29 @@ static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 /// over it to be deregistered.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Why the CPU could not read or write a buffer's bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BufferAccessError {
+    /// The memory is not host memory the CPU may touch through its address
+    /// (device memory, an IPC mapping, managed memory).
+    #[error("{memory_type:?} memory is not accessible by the CPU")]
+    NotCpuAccessible {
+        /// The buffer's memory type.
+        memory_type: MemoryType,
+    },
+    /// The range is not inside the buffer.
+    #[error("{len} bytes at offset {offset} are not inside the buffer's {buffer_len} bytes")]
+    OutOfRange {
+        /// Offset asked for.
+        offset: u64,
+        /// Bytes asked for.
+        len: u64,
+        /// The buffer's length.
+        buffer_len: u64,
+    },
+}
+
 /// Page-aligned, zeroed host memory from the global allocator (a raw
 /// allocation, so the pointer handed to the NIC carries the allocation's
 /// own provenance).
@@ -140,6 +163,9 @@ pub struct Buffer<C: hal_cuda::Api> {
     owner: OwnerId,
     release_timeout: Duration,
     registered_with: Mutex<Vec<Arc<dyn Forget>>>,
+    /// Serializes [`Buffer::read_at`] and [`Buffer::write_at`]: two CPU
+    /// copies of one range never race each other.
+    cpu_access: Mutex<()>,
     /// The memory, shared with every lease (type-erased for the leases).
     leased: Arc<dyn Leased>,
     backing: Arc<Backing<C>>,
@@ -198,42 +224,39 @@ impl<C: hal_cuda::Api> Buffer<C> {
             owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             registered_with: Mutex::new(Vec::new()),
+            cpu_access: Mutex::new(()),
             leased,
             backing,
         }
     }
 
     /// `len` zeroed bytes of ordinary host memory, page-aligned.
-    pub fn alloc_host(len: usize) -> Self {
-        let memory = HostAllocation::zeroed(len);
+    ///
+    /// # Panics
+    /// When `len` is not an allocatable size (more than `isize::MAX`
+    /// bytes); aborts when the allocator is out of memory.
+    pub fn alloc_host(len: u64) -> Self {
+        let size = usize::try_from(len)
+            .unwrap_or_else(|_| panic!("{len} bytes is not an allocatable size"));
+        let memory = HostAllocation::zeroed(size);
         let addr = memory.ptr.as_ptr() as u64;
-        Self::new(Memory::Host(memory), addr, len as u64, None)
+        Self::new(Memory::Host(memory), addr, len, None)
     }
 
     /// `len` bytes of pinned host memory.
-    pub fn alloc_pinned(context: &C::Context, len: usize) -> Result<Self, CudaError> {
-        let memory = context.alloc_pinned(len)?;
+    pub fn alloc_pinned(context: &C::Context, len: u64) -> Result<Self, CudaError> {
+        let memory = context.alloc_pinned(alloc_size("Buffer::alloc_pinned", len)?)?;
         let addr = memory.as_ptr() as u64;
         let attrs = context.pointer_attributes(addr)?;
-        Ok(Self::new(
-            Memory::Pinned(memory),
-            addr,
-            len as u64,
-            Some(attrs),
-        ))
+        Ok(Self::new(Memory::Pinned(memory), addr, len, Some(attrs)))
     }
 
     /// `len` bytes of device memory on `context`'s GPU.
-    pub fn alloc_device(context: &C::Context, len: usize) -> Result<Self, CudaError> {
-        let memory = context.alloc(len)?;
+    pub fn alloc_device(context: &C::Context, len: u64) -> Result<Self, CudaError> {
+        let memory = context.alloc(alloc_size("Buffer::alloc_device", len)?)?;
         let addr = memory.device_ptr();
         let attrs = context.pointer_attributes(addr)?;
-        Ok(Self::new(
-            Memory::Device(memory),
-            addr,
-            len as u64,
-            Some(attrs),
-        ))
+        Ok(Self::new(Memory::Device(memory), addr, len, Some(attrs)))
     }
 
     /// Maps another process's allocation from its IPC handle. The whole
@@ -351,6 +374,74 @@ impl<C: hal_cuda::Api> Buffer<C> {
             }
             _ => None,
         }
+    }
+
+    /// The host pointer to `len` bytes at `offset`, when the CPU may copy
+    /// them.
+    fn cpu_range(&self, offset: u64, len: usize) -> Result<*mut u8, BufferAccessError> {
+        let base = self.host_ptr().ok_or(BufferAccessError::NotCpuAccessible {
+            memory_type: self.memory_type,
+        })?;
+        let len64 = len as u64;
+        if offset.checked_add(len64).is_none_or(|end| end > self.len) {
+            return Err(BufferAccessError::OutOfRange {
+                offset,
+                len: len64,
+                buffer_len: self.len,
+            });
+        }
+        // In range of the buffer, whose length fits the address space.
+        Ok(base.wrapping_add(offset as usize))
+    }
+
+    /// Copies `out.len()` bytes at `offset` of the buffer into `out`. Host
+    /// and pinned memory only; no reference to the buffer's bytes is made,
+    /// so a NIC writing them meanwhile only makes the copy torn (order
+    /// such reads after the transfer's completion).
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), BufferAccessError> {
+        let src = self.cpu_range(offset, out.len())?;
+        let _serial = self
+            .cpu_access
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: `src` points at `out.len()` bytes inside the buffer's host
+        // memory (checked above), mapped while `self` lives; `out` is a
+        // distinct caller-owned slice, so the ranges do not overlap. Other
+        // CPU copies through this buffer are serialized by `cpu_access`;
+        // only raw pointers reach the buffer's bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into the buffer at `offset`. Host and pinned memory
+    /// only; the caller orders it against transfers that read or write the
+    /// range.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), BufferAccessError> {
+        let dst = self.cpu_range(offset, data.len())?;
+        let _serial = self
+            .cpu_access
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: `dst` points at `data.len()` writable bytes inside the
+        // buffer's host memory (checked above; gdr never hands out shared
+        // references to it), mapped while `self` lives; `data` is a
+        // distinct slice. CPU copies are serialized by `cpu_access`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// A copy of the whole buffer, for host and pinned memory.
+    pub fn to_vec(&self) -> Result<Vec<u8>, BufferAccessError> {
+        let len = usize::try_from(self.len).map_err(|_| BufferAccessError::OutOfRange {
+            offset: 0,
+            len: self.len,
+            buffer_len: self.len,
+        })?;
+        // Checked before allocating the copy.
+        self.cpu_range(0, len)?;
+        let mut out = vec![0u8; len];
+        self.read_at(0, &mut out)?;
+        Ok(out)
     }
 
     fn target(&self) -> Target<'_> {
@@ -473,6 +564,12 @@ impl<C: hal_cuda::Api> Drop for Buffer<C> {
     }
 }
 
+/// `len` as the `usize` an allocation takes.
+fn alloc_size(what: &'static str, len: u64) -> Result<usize, CudaError> {
+    usize::try_from(len)
+        .map_err(|_| CudaError::invalid(what, format!("{len} bytes do not fit the address space")))
+}
+
 /// A range of a [`Buffer`] registered on one NIC, borrowing the buffer.
 pub struct BufferRegistration<'b, V: Api> {
     inner: LadderRegistration<V>,
@@ -490,5 +587,83 @@ impl<V: Api> std::ops::Deref for BufferRegistration<'_, V> {
 
     fn deref(&self) -> &Self::Target {
         &self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gdr_sim::{FaultPlan, GpuConfig, SimCuda, SimCudaApi};
+    use hal_cuda::Driver as _;
+
+    use super::*;
+
+    type B = Buffer<SimCudaApi>;
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + 3) as u8).collect()
+    }
+
+    fn round_trip(buffer: &B) {
+        let len = buffer.len();
+        assert_eq!(buffer.to_vec().unwrap(), vec![0; len as usize]);
+        let data = pattern(100);
+        buffer.write_at(len - 100, &data).unwrap();
+        buffer.write_at(1, &data[..3]).unwrap();
+        let mut out = [0u8; 100];
+        buffer.read_at(len - 100, &mut out).unwrap();
+        assert_eq!(out, data[..]);
+        let all = buffer.to_vec().unwrap();
+        assert_eq!(&all[..5], &[0, data[0], data[1], data[2], 0]);
+        assert_eq!(&all[len as usize - 100..], &data[..]);
+        // Empty copies at the very end are in range.
+        buffer.read_at(len, &mut []).unwrap();
+        buffer.write_at(len, &[]).unwrap();
+        // One byte past the end, or an offset that wraps: refused, and
+        // nothing written.
+        let past = BufferAccessError::OutOfRange {
+            offset: len - 99,
+            len: 100,
+            buffer_len: len,
+        };
+        assert_eq!(buffer.read_at(len - 99, &mut out), Err(past.clone()));
+        assert_eq!(buffer.write_at(len - 99, &[9; 100]), Err(past));
+        assert!(matches!(
+            buffer.write_at(u64::MAX, &[9]),
+            Err(BufferAccessError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            buffer.read_at(len + 1, &mut []),
+            Err(BufferAccessError::OutOfRange { .. })
+        ));
+        assert_eq!(buffer.to_vec().unwrap(), all);
+    }
+
+    #[test]
+    fn host_memory_is_read_and_written_within_bounds() {
+        round_trip(&B::alloc_host(8192));
+    }
+
+    #[test]
+    fn pinned_and_borrowed_host_memory_too_but_not_device_memory() {
+        let cuda = SimCuda::new(vec![GpuConfig::default()], FaultPlan::new());
+        let ctx = cuda.context(0).unwrap();
+        round_trip(&B::alloc_pinned(&ctx, 4096).unwrap());
+
+        let mut owned = vec![0u8; 4096];
+        // SAFETY: `owned` outlives the buffer (dropped at the end of this
+        // block, before `owned`), and nothing registers it.
+        let wrapped = unsafe { B::wrap(None, owned.as_mut_ptr() as u64, 4096, None) }.unwrap();
+        round_trip(&wrapped);
+        drop(wrapped);
+        assert_eq!(owned[4096 - 100..], pattern(100)[..]);
+
+        let device = B::alloc_device(&ctx, 4096).unwrap();
+        let refused = BufferAccessError::NotCpuAccessible {
+            memory_type: MemoryType::Device,
+        };
+        assert_eq!(device.to_vec(), Err(refused.clone()));
+        assert_eq!(device.read_at(0, &mut [0; 4]), Err(refused.clone()));
+        assert_eq!(device.write_at(0, &[1; 4]), Err(refused.clone()));
+        assert!(refused.to_string().contains("Device"), "{refused}");
     }
 }

@@ -32,7 +32,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -46,7 +46,8 @@ use crate::cache::{
     Bounds, BudgetExceeded, BudgetLimits, CacheError, CacheHandle, DomainBudget, DomainId, Limits,
     OwnerId, Registrar, RegistrationCache, Request, Reservation,
 };
-use crate::descriptor::{MemoryDescriptor, MemoryLocation};
+pub use crate::descriptor::GrantRights;
+use crate::descriptor::{MemoryLocation, Segment};
 use crate::lifetime::{Leased, MemoryLease};
 use crate::loopback::{Loopback, LoopbackError};
 
@@ -656,6 +657,24 @@ struct BufferRegistrar<'a, V: Api> {
     nic: &'a NicRegistrar<V>,
     memory: &'a Arc<dyn Leased>,
     export: Option<&'a Arc<DmabufExport>>,
+    /// Set when this registrar registered an MR: the cache missed, and this
+    /// request's call registered (rather than found or waited for) it.
+    registered: AtomicBool,
+}
+
+impl<'a, V: Api> BufferRegistrar<'a, V> {
+    fn new(
+        nic: &'a NicRegistrar<V>,
+        memory: &'a Arc<dyn Leased>,
+        export: Option<&'a Arc<DmabufExport>>,
+    ) -> Self {
+        Self {
+            nic,
+            memory,
+            export,
+            registered: AtomicBool::new(false),
+        }
+    }
 }
 
 impl<V: Api> Registrar for BufferRegistrar<'_, V> {
@@ -667,10 +686,13 @@ impl<V: Api> Registrar for BufferRegistrar<'_, V> {
         // SAFETY: the lease keeps the buffer's memory mapped until the
         // registration (which holds it after the MR) is dropped; the cache
         // never widens a request past the buffer's bounds.
-        unsafe {
+        let registration = unsafe {
             self.nic
                 .register_with(request, self.export.map(Arc::clone), Some(lease))
-        }
+        }?;
+        // Relaxed: read by the thread that called the cache, after the call.
+        self.registered.store(true, Ordering::Relaxed);
+        Ok(registration)
     }
 }
 
@@ -713,6 +735,7 @@ pub struct LadderRegistration<V: Api> {
     location: MemoryLocation,
     device: Arc<str>,
     handle: Option<CacheHandle<NicRegistration<V>>>,
+    cache_hit: bool,
 }
 
 impl<V: Api> fmt::Debug for LadderRegistration<V> {
@@ -723,6 +746,7 @@ impl<V: Api> fmt::Debug for LadderRegistration<V> {
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
             .field("device", &self.device)
+            .field("cache_hit", &self.cache_hit)
             .finish()
     }
 }
@@ -760,6 +784,24 @@ impl<V: Api> LadderRegistration<V> {
         self.handle.as_ref().map(|h| h.registration().mr())
     }
 
+    /// Whether the registration came from the cache without registering
+    /// anything: a cached entry covered the range, or another thread's
+    /// registration in flight did. False when this call registered an MR,
+    /// and for staging (nothing is registered or cached).
+    pub fn cache_hit(&self) -> bool {
+        self.cache_hit
+    }
+
+    /// The NIC it is registered on.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    /// Host or GPU memory.
+    pub fn location(&self) -> MemoryLocation {
+        self.location
+    }
+
     /// The cache handle, for comparing registrations.
     pub fn handle(&self) -> Option<&CacheHandle<NicRegistration<V>>> {
         self.handle.as_ref()
@@ -771,31 +813,6 @@ impl<V: Api> LadderRegistration<V> {
     /// memory the address is a device address, or an iova for dma-buf.
     pub fn cpu_readable(&self) -> bool {
         self.location == MemoryLocation::Host
-    }
-}
-
-/// What a peer may do with a grant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GrantRights {
-    /// RDMA READ from the range.
-    Read,
-    /// RDMA WRITE into the range.
-    Write,
-    /// Both.
-    ReadWrite,
-}
-
-impl GrantRights {
-    /// The MR access flags of exactly these rights (remote write needs
-    /// local write, by the verbs rules).
-    pub fn access(self) -> AccessFlags {
-        match self {
-            Self::Read => AccessFlags::REMOTE_READ,
-            Self::Write => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
-            Self::ReadWrite => {
-                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
-            }
-        }
     }
 }
 
@@ -828,15 +845,42 @@ impl<V: Api> fmt::Debug for Grant<V> {
 }
 
 impl<V: Api> Grant<V> {
-    /// What the peer gets: exactly the granted range, and its rkey.
-    pub fn descriptor(&self) -> MemoryDescriptor {
-        MemoryDescriptor {
-            addr: self.addr,
+    /// The grant's one segment, placed at `offset` within the granted
+    /// range of the descriptor it goes in (usually 0): exactly the granted
+    /// range, its rkey and the NIC.
+    pub fn segment(&self, offset: u64) -> Segment {
+        Segment {
+            offset,
             len: self.len,
+            addr: self.addr,
             rkey: self.mr.rkey(),
             device: self.device.to_string(),
-            location: self.location,
         }
+    }
+
+    /// First address of the granted range (the iova the NIC knows).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes granted.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Never true: empty grants are refused.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Host or GPU memory.
+    pub fn location(&self) -> MemoryLocation {
+        self.location
+    }
+
+    /// The NIC the grant's MR is registered on.
+    pub fn device(&self) -> &str {
+        &self.device
     }
 
     /// The rights granted.
@@ -1193,11 +1237,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                     ..Request::host(self.domain, addr, len)
                 }
                 .within(target.owner, Bounds::new(target.addr, target.len));
-                let registrar = BufferRegistrar {
-                    nic: &self.registrar,
-                    memory: target.memory,
-                    export: None,
-                };
+                let registrar = BufferRegistrar::new(&self.registrar, target.memory, None);
                 let handle =
                     self.cached(&registrar, &request)
                         .map_err(|source| LadderError::Host {
@@ -1224,13 +1264,14 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     }
 
     /// Looks `request` up, registering on a miss; when the budget is spent,
-    /// evicts this domain's unused entries and tries once more.
+    /// evicts this domain's unused entries and tries once more. Also says
+    /// whether it was a hit (nothing registered by this call).
     fn cached(
         &self,
         registrar: &BufferRegistrar<'_, V>,
         request: &Request,
-    ) -> Result<CacheHandle<NicRegistration<V>>, CacheError<RegisterError>> {
-        match self.cache.get_or_register_with(registrar, request) {
+    ) -> Result<(CacheHandle<NicRegistration<V>>, bool), CacheError<RegisterError>> {
+        let handle = match self.cache.get_or_register_with(registrar, request) {
             Err(CacheError::Register { source, .. })
                 if matches!(*source, RegisterError::Budget(_)) =>
             {
@@ -1239,7 +1280,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                 self.cache.get_or_register_with(registrar, request)
             }
             other => other,
-        }
+        }?;
+        Ok((handle, !registrar.registered.load(Ordering::Relaxed)))
     }
 
     fn registration(
@@ -1249,8 +1291,9 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         addr: u64,
         len: u64,
         location: MemoryLocation,
-        handle: Option<CacheHandle<NicRegistration<V>>>,
+        handle: Option<(CacheHandle<NicRegistration<V>>, bool)>,
     ) -> LadderRegistration<V> {
+        let cache_hit = handle.as_ref().is_some_and(|(_, hit)| *hit);
         LadderRegistration {
             rung,
             failures,
@@ -1258,7 +1301,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             len,
             location,
             device: self.device.clone(),
-            handle,
+            handle: handle.map(|(handle, _)| handle),
+            cache_hit,
         }
     }
 
@@ -1340,7 +1384,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         target: &Target<'_>,
         addr: u64,
         len: u64,
-    ) -> Result<CacheHandle<NicRegistration<V>>, Refusal> {
+    ) -> Result<(CacheHandle<NicRegistration<V>>, bool), Refusal> {
         let ordinal = gpu.attributes.ordinal;
         let base = target.allocation_base;
         let (request, export) = match rung {
@@ -1351,7 +1395,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                 // A hit needs no export (its registration holds one): look
                 // the export up only for a miss.
                 if let Some(handle) = self.cache.get(&request) {
-                    return Ok(handle);
+                    return Ok((handle, true));
                 }
                 // Held only for this call: the registration keeps its own
                 // reference, so a failure closes the fd at once.
@@ -1372,11 +1416,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                 None,
             ),
         };
-        let registrar = BufferRegistrar {
-            nic: &self.registrar,
-            memory: target.memory,
-            export: export.as_ref(),
-        };
+        let registrar = BufferRegistrar::new(&self.registrar, target.memory, export.as_ref());
         self.cached(&registrar, &request).map_err(|e| match e {
             CacheError::Register { source, .. } => (*source).clone().into(),
             other => Refusal::Nic(VerbsError::invalid("register", other.to_string())),

@@ -30,7 +30,7 @@ fn bench_on<V: Api>(c: &mut Criterion, provider: &V::Provider) {
         },
     )
     .expect("ladder");
-    let buffer = Buffer::<SimCudaApi>::alloc_host(LEN);
+    let buffer = Buffer::<SimCudaApi>::alloc_host(LEN as u64);
     let mut group = c.benchmark_group(format!("register_1MiB/{device}"));
     group.bench_function("ibv_reg_mr+dereg", |b| {
         b.iter(|| {

@@ -72,15 +72,10 @@ pub fn grants_confine_the_peer<V: Api, C: hal_cuda::Api>(
     ladder: &Ladder<V, C>,
     port: u8,
 ) {
-    let buffer = Buffer::<C>::alloc_host(LEN);
-    let host = buffer.host_ptr().unwrap();
-    let fill = |bytes: &[u8]| {
-        // SAFETY: `host` points at `LEN` bytes the buffer owns; no RDMA is
-        // in flight.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host, LEN) }
-    };
-    // SAFETY: as above.
-    let read = || unsafe { std::slice::from_raw_parts(host, LEN) }.to_vec();
+    let buffer = Buffer::<C>::alloc_host(LEN as u64);
+    // Called when no RDMA is in flight.
+    let fill = |bytes: &[u8]| buffer.write_at(0, bytes).unwrap();
+    let read = || buffer.to_vec().unwrap();
     grants_confine_the_peer_to(context, ladder, port, &buffer, fill, read);
 }
 
@@ -104,9 +99,18 @@ pub fn grants_confine_the_peer_to<V: Api, C: hal_cuda::Api>(
     let write = ladder
         .grant(&registration, WRITE_AT, WRITE_LEN, GrantRights::Write)
         .unwrap();
-    let (r, w) = (read_grant.descriptor(), write.descriptor());
-    assert_eq!((r.addr, r.len), (buffer.addr() + READ_AT, READ_LEN));
+    let (r, w) = (read_grant.segment(0), write.segment(0));
+    assert_eq!(
+        (r.offset, r.addr, r.len),
+        (0, buffer.addr() + READ_AT, READ_LEN)
+    );
     assert_eq!((w.addr, w.len), (buffer.addr() + WRITE_AT, WRITE_LEN));
+    assert_eq!(
+        (r.device.as_str(), w.device.as_str()),
+        (ladder.device(), ladder.device())
+    );
+    assert_eq!((read_grant.addr(), read_grant.len()), (r.addr, r.len));
+    assert_eq!(write.segment(WRITE_AT).offset, WRITE_AT);
 
     let mut scratch = vec![0u8; LEN];
     let loopback = Loopback::<V>::with_pd(context, Arc::clone(ladder.pd()), port).unwrap();

@@ -24,7 +24,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation};
+use gdr_core::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
 use gdr_tests::rxe::{self, HostBuf, serial, sge};
 use gdr_tests::{pattern, skip};
 use hal_verbs::rdma::{RdmaCm, RdmaConnection, RdmaContext, RdmaCq, RdmaMr, RdmaPd};
@@ -65,14 +65,32 @@ fn open_rxe(test: &str) -> Option<Rxe> {
     Some(Rxe { cm, ctx, pd, cq })
 }
 
+/// A v2 descriptor of all of `mr`, one segment on `device`; the owner and
+/// grant ids are made up (no engine here).
 fn descriptor(mr: &RdmaMr, device: &str) -> MemoryDescriptor {
+    let len = mr.len() as u64;
     MemoryDescriptor {
-        addr: mr.addr(),
-        len: mr.len() as u64,
-        rkey: mr.rkey(),
-        device: device.to_owned(),
+        owner: 1,
+        grant: 1,
         location: MemoryLocation::Host,
+        rights: GrantRights::ReadWrite,
+        len,
+        reach: Reach::Direct(vec![Segment {
+            offset: 0,
+            len,
+            addr: mr.addr(),
+            rkey: mr.rkey(),
+            device: device.to_owned(),
+        }]),
     }
+}
+
+/// The one segment of a descriptor `descriptor` made.
+fn only_segment(descriptor: &MemoryDescriptor) -> &Segment {
+    let device = descriptor.devices().next().expect("a segment");
+    descriptor
+        .segment(device, 0, descriptor.len)
+        .expect("one segment covering the grant")
 }
 
 /// Posts one signaled request and waits for its completion.
@@ -117,8 +135,9 @@ fn params(timeout: Duration) -> ConnectParams {
 /// The client's half of the transfer check: READ the server's original
 /// pattern, WRITE ours over the first half, READ it back.
 fn client_transfers(rxe: &Rxe, conn: &RdmaConnection, len: usize) -> Duration {
-    let remote = MemoryDescriptor::decode(&conn.peer_private_data()).expect("descriptor");
-    assert_eq!(remote.len, len as u64);
+    let descriptor = MemoryDescriptor::decode(&conn.peer_private_data()).expect("descriptor");
+    assert_eq!(descriptor.len, len as u64);
+    let remote = only_segment(&descriptor);
     let local = HostBuf::new(2 * len, 42);
     let mr = local.register(&rxe.pd, 0, local.len(), AccessFlags::transfer());
     let start = Instant::now();
@@ -427,7 +446,8 @@ fn rxe_cm_two_guests() {
 /// success (the server's guest is killed in between).
 fn dead_peer(rxe: &Rxe, conn: &RdmaConnection) {
     const T: &str = "rxe_cm_two_guests";
-    let remote = MemoryDescriptor::decode(&conn.peer_private_data()).expect("descriptor");
+    let descriptor = MemoryDescriptor::decode(&conn.peer_private_data()).expect("descriptor");
+    let remote = only_segment(&descriptor);
     let local = HostBuf::new(4096, 0);
     let mr = local.register(&rxe.pd, 0, local.len(), AccessFlags::transfer());
     let op = SendOp::Read {

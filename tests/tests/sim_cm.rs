@@ -14,7 +14,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation};
+use gdr_core::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
 use gdr_sim::{
     ClockMode, NodeConfig, SimCm, SimConnection, SimContext, SimCq, SimFabric, SimMr, SimPd,
     SimVerbs,
@@ -76,13 +76,23 @@ impl Buf {
         Self { mr, data }
     }
 
+    /// A v2 descriptor of the whole buffer, one segment on `device`; the
+    /// owner and grant ids are made up (no engine here).
     fn descriptor(&self, device: &str) -> MemoryDescriptor {
+        let len = self.mr.len() as u64;
         MemoryDescriptor {
-            addr: self.mr.addr(),
-            len: self.mr.len() as u64,
-            rkey: self.mr.rkey(),
-            device: device.to_owned(),
+            owner: 1,
+            grant: 1,
             location: MemoryLocation::Host,
+            rights: GrantRights::ReadWrite,
+            len,
+            reach: Reach::Direct(vec![Segment {
+                offset: 0,
+                len,
+                addr: self.mr.addr(),
+                rkey: self.mr.rkey(),
+                device: device.to_owned(),
+            }]),
         }
     }
 
@@ -216,8 +226,9 @@ fn connect_accept_exchange_a_descriptor_then_write_and_read() {
     assert_eq!(client_conn.qp().state().unwrap(), QpState::ReadyToSend);
     assert_eq!(client_conn.peer_addr().port(), 7471);
     assert_eq!(client_conn.device(), "sim0");
-    let remote = MemoryDescriptor::decode(&client_conn.peer_private_data()).unwrap();
-    assert_eq!(remote, target.descriptor("sim0"));
+    let descriptor = MemoryDescriptor::decode(&client_conn.peer_private_data()).unwrap();
+    assert_eq!(descriptor, target.descriptor("sim0"));
+    let remote = descriptor.segment("sim0", 0, LEN as u64).unwrap();
 
     // WRITE our pattern into the server's buffer, through the descriptor.
     let source = Buf::new(&client.pd, LEN, 42);

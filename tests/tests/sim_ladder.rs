@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use gdr_core::buffer::Buffer;
+use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation, Reach};
 use gdr_core::ladder::{
     Gpu, GrantRights, Ladder, LadderConfig, LadderError, Policy, Refusal, Rung,
 };
@@ -41,7 +42,9 @@ fn host_buffers_take_the_host_rung_and_hit_the_cache_again() {
     let first = buffer.register(&ladder, 0, 1 << 20).unwrap();
     assert_eq!(first.rung(), Rung::HostMemory);
     assert!(first.failures().is_empty());
+    assert!(!first.cache_hit(), "the first registration registers");
     let inner = buffer.register(&ladder, 4096, 8192).unwrap();
+    assert!(inner.cache_hit(), "a range inside a cached one is a hit");
     assert!(
         inner
             .handle()
@@ -51,6 +54,19 @@ fn host_buffers_take_the_host_rung_and_hit_the_cache_again() {
     );
     let stats = w.cache.stats();
     assert_eq!((stats.hits, stats.misses), (1, 1), "{stats:?}");
+    let again = buffer.register(&ladder, 0, 1 << 20).unwrap();
+    assert!(again.cache_hit(), "the same range again is a hit");
+    // Invalidated (the handles held keep their MR): registered anew.
+    assert_eq!(w.cache.invalidate(buffer.addr(), 1 << 20), 1);
+    let after = buffer.register(&ladder, 0, 1 << 20).unwrap();
+    assert!(!after.cache_hit(), "an invalidated range registers again");
+    assert!(
+        !after
+            .handle()
+            .unwrap()
+            .same_registration(first.handle().unwrap())
+    );
+    assert!(buffer.register(&ladder, 0, 4096).unwrap().cache_hit());
 
     let pinned = Buffer::<SimCudaApi>::alloc_pinned(&w.gpu(), 8192).unwrap();
     assert_eq!(pinned.memory_type(), MemoryType::PinnedHost);
@@ -73,11 +89,34 @@ fn gpu_memory_takes_dmabuf_when_both_sides_can_and_is_reachable_by_rdma() {
     let reg = buffer.register(&ladder, 64 << 10, 128 << 10).unwrap();
     assert_eq!(reg.rung(), Rung::Dmabuf);
     assert!(reg.failures().is_empty());
+    assert!(!reg.cache_hit());
+    assert!(
+        buffer
+            .register(&ladder, 64 << 10, 4096)
+            .unwrap()
+            .cache_hit()
+    );
     assert_eq!(ladder.verdict(0, Rung::Dmabuf), Some(Ok(())));
     let grant = ladder
         .grant(&reg, 0, 128 << 10, GrantRights::ReadWrite)
         .unwrap();
-    let descriptor = grant.descriptor();
+    assert_eq!(grant.location(), MemoryLocation::Gpu { ordinal: 0 });
+    assert_eq!(
+        (grant.addr(), grant.len()),
+        (buffer.addr() + (64 << 10), 128 << 10)
+    );
+    // What the peer gets, through the text form and back.
+    let sent = MemoryDescriptor {
+        owner: 1,
+        grant: 1,
+        location: grant.location(),
+        rights: grant.rights(),
+        len: grant.len(),
+        reach: Reach::Direct(vec![grant.segment(0)]),
+    };
+    let received: MemoryDescriptor = sent.to_string().parse().unwrap();
+    assert_eq!(received, sent);
+    let descriptor = received.segment("sim0", 100, 3000).unwrap();
     assert_eq!(descriptor.addr, buffer.addr() + (64 << 10));
     assert_eq!(descriptor.len, 128 << 10);
     assert_ne!(

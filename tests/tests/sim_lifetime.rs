@@ -89,7 +89,7 @@ fn escaped_registration_keeps_its_memory(leak: bool) {
         },
     );
     const LEN: usize = 64 << 10;
-    let buffer = Buffer::<SimCudaApi>::alloc_host(LEN);
+    let buffer = Buffer::<SimCudaApi>::alloc_host(LEN as u64);
     let registration = buffer.register(&ladder, 0, LEN as u64).unwrap();
     let (lkey, addr) = {
         let mr = registration.mr().unwrap();
@@ -332,7 +332,7 @@ fn gpu_grants_confine_the_peer(gpu: GpuConfig, nic: DeviceConfig, rung: Rung) {
     let w = World::new(vec![nic], gpu);
     let ladder = w.ladder("sim0", LadderConfig::default());
     let gpu = w.gpu();
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&gpu, grants::LEN).unwrap();
+    let buffer = Buffer::<SimCudaApi>::alloc_device(&gpu, grants::LEN as u64).unwrap();
     let registration = buffer.register(&ladder, 0, grants::LEN as u64).unwrap();
     assert_eq!(registration.rung(), rung);
     assert!(!registration.cpu_readable(), "GPU memory: no inline sends");
