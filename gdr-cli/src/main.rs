@@ -289,11 +289,11 @@ fn prove<V: hal_verbs::Api, C: hal_cuda::Api>(
         provider.backend_name()
     );
 
-    let host = Buffer::<C>::alloc_host(size);
+    let host = Buffer::<C>::alloc_host(size as u64);
     report("host memory", &ladder, &host, size)?;
     match &gpu_context {
         Some(gpu) => {
-            let device_buffer = Buffer::<C>::alloc_device(gpu, size)?;
+            let device_buffer = Buffer::<C>::alloc_device(gpu, size as u64)?;
             report("GPU memory", &ladder, &device_buffer, size)?;
         }
         None => println!("  GPU memory: no GPU beside this NIC"),
