@@ -1,5 +1,5 @@
 #!/bin/bash
-# The loom models of gdr-core's registration cache, and the proof that each
+# The loom models of gdr-core (the registration cache and the engine), and the proof that each
 # can fail: builds the loom tests once, runs every model on the real code
 # (all must pass, explored without a preemption bound), then runs the models
 # named for each mutant (gdr-core/src/cache/mutant.rs) with
@@ -40,6 +40,8 @@ set-limits-no-evict                       trim_and_set_limits_racing_a_hit
 owner-invalidation-skips-in-use           dropping_a_buffer_waits_for_an_escaped_handle
 lease-release-no-notify                   dropping_a_buffer_waits_for_an_escaped_handle
 budget-check-then-act                     concurrent_registrations_never_pass_the_mr_budget
+complete-check-then-act                   engine::loom_tests::a_completion_racing_a_timeout_and_a_waiter
+timeout-delivers-in-flight                engine::loom_tests::a_deadline_racing_the_completion_of_a_batch_in_flight
 "
 
 build_log=$(mktemp)
@@ -57,8 +59,13 @@ failed=0
 # a mutant.
 mutants=$(sed -n '/^pub(crate) const MUTANTS/,/^];/s/^ *"\([a-z0-9-]*\)",$/\1/p' \
   gdr-core/src/cache/mutant.rs | sort -u)
-models=$(grep -A1 '^#\[test\]' gdr-core/src/cache/loom_tests.rs \
-  | sed -n 's/^fn \([a-z0-9_]*\)().*/\1/p' | sort -u)
+# Cache models are named bare in the table, the engine's with their path.
+models=$({
+  grep -A1 '^#\[test\]' gdr-core/src/cache/loom_tests.rs \
+    | sed -n 's/^fn \([a-z0-9_]*\)().*/\1/p'
+  grep -A1 '^#\[test\]' gdr-core/src/engine/loom_tests.rs \
+    | sed -n 's/^fn \([a-z0-9_]*\)().*/engine::loom_tests::\1/p'
+} | sort -u)
 tabled_mutants=$(awk 'NF == 2 { print $1 }' <<<"$table" | sort -u)
 tabled_models=$(awk 'NF == 2 { print $2 }' <<<"$table" | sort -u)
 for m in $(comm -23 <(echo "$mutants") <(echo "$tabled_mutants")); do
@@ -76,7 +83,7 @@ done
 
 # The real code: every model passes.
 start=$(date +%s%N)
-out=$("$bin" "$prefix" --nocapture 2>&1)
+out=$("$bin" loom_tests:: --nocapture 2>&1)
 rc=$?
 grep -E '^loom: |^test result' <<<"$out"
 if [ $rc -ne 0 ]; then
@@ -90,15 +97,19 @@ echo "loom-mutants: models on the real code: $((($(date +%s%N) - start) / 100000
 killed=0 survived=0
 while read -r mutant model; do
   [ -n "${mutant:-}" ] || continue
-  out=$(GDR_MUTANT=$mutant timeout "$timeout_s" "$bin" --exact "$prefix$model" 2>&1)
+  case $model in
+    *::*) full=$model ;;
+    *) full=$prefix$model ;;
+  esac
+  out=$(GDR_MUTANT=$mutant timeout "$timeout_s" "$bin" --exact "$full" 2>&1)
   rc=$?
   why=$(grep -m1 -A1 "panicked at" <<<"$out" | tail -1 | cut -c1-110)
   # Failed: the test failed; or loom aborted the process (a second panic
   # while it unwound a model whose threads were still alive: exit 134) after
   # the model's own thread panicked first.
   first_panic=$(grep -m1 "panicked at" <<<"$out")
-  if { [ $rc -eq 101 ] && grep -q "^test $prefix$model \.\.\. FAILED" <<<"$out"; } ||
-    { [ $rc -eq 134 ] && [[ $first_panic == "thread '$prefix$model' "* ]]; }; then
+  if { [ $rc -eq 101 ] && grep -q "^test $full \.\.\. FAILED" <<<"$out"; } ||
+    { [ $rc -eq 134 ] && [[ $first_panic == "thread '$full' "* ]]; }; then
     printf 'mutant %-40s killed   by %s: %s\n' "$mutant" "$model" "$why"
     killed=$((killed + 1))
   else

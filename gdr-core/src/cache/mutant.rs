@@ -16,6 +16,14 @@
 #[cfg_attr(not(loom), allow(dead_code))]
 pub(crate) const MUTANTS: &[(&str, &str)] = &[
     (
+        "complete-check-then-act",
+        "the engine's completion cell checks for an outcome and stores one under two locks",
+    ),
+    (
+        "timeout-delivers-in-flight",
+        "a batch past its deadline is delivered at once, while the NIC still holds its requests",
+    ),
+    (
         "no-dedupe",
         "a request inside a registration in flight registers again instead of waiting for it",
     ),

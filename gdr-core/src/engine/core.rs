@@ -535,6 +535,10 @@ impl Core {
                 continue;
             }
             record.ended = true;
+            #[cfg(loom)]
+            if crate::cache::mutant::active("timeout-delivers-in-flight") {
+                record.cell.complete(Err(TransferError::Timeout { after }));
+            }
             if record.error.is_none() {
                 record.error = Some(TransferError::Timeout { after });
             }

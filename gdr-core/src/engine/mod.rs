@@ -5,5 +5,7 @@ pub mod completion;
 #[allow(dead_code)] // the driver that uses it is being written
 mod core;
 pub mod error;
+#[cfg(all(test, loom))]
+mod loom_tests;
 pub mod topology;
 pub mod wire;

@@ -71,6 +71,7 @@
 //! | 4 | [`Control::Goodbye`] | empty |
 //! | 5 | [`Control::StagedRequest`] | `id` u64, `grant` u64 nonzero, `offset` u64, `len` u64 nonzero with `offset + len` in u64, `write` u8 (0 or 1), 7 reserved zero bytes (40 bytes) |
 //! | 6 | [`Control::StagedReply`] | `id` u64, `status` u32, 4 reserved zero bytes (16 bytes) |
+//! | 7 | [`Control::Paths`] | the sender's NIC of each of its queue pairs to this peer, in queue-pair order: names joined by `,`, each 1..=63 bytes of `[A-Za-z0-9_-]`, at most [`MAX_QPS_PER_PEER`] |
 //!
 //! A whole message (header included) is at most [`MAX_MESSAGE`] bytes; the
 //! fixed-size messages all fit in [`MIN_MESSAGE`].
@@ -104,6 +105,7 @@ const KIND_GRANT_REVOKE: u8 = 3;
 const KIND_GOODBYE: u8 = 4;
 const KIND_STAGED_REQUEST: u8 = 5;
 const KIND_STAGED_REPLY: u8 = 6;
+const KIND_PATHS: u8 = 7;
 
 const GRANT_REVOKE_BODY: usize = 8;
 const STAGED_REQUEST_BODY: usize = 40;
@@ -576,6 +578,13 @@ pub enum Control<'a> {
         /// Its outcome, 0 for success.
         status: u32,
     },
+    /// The NIC each of the sender's queue pairs to this peer is on, in
+    /// queue-pair order, names joined by `,`: the receiver picks a grant's
+    /// segment for a queue pair by the NIC at its other end.
+    Paths {
+        /// The names, joined by `,`.
+        devices: &'a [u8],
+    },
 }
 
 impl<'a> Control<'a> {
@@ -587,6 +596,7 @@ impl<'a> Control<'a> {
             Control::Goodbye => KIND_GOODBYE,
             Control::StagedRequest { .. } => KIND_STAGED_REQUEST,
             Control::StagedReply { .. } => KIND_STAGED_REPLY,
+            Control::Paths { .. } => KIND_PATHS,
         }
     }
 
@@ -594,6 +604,7 @@ impl<'a> Control<'a> {
         match self {
             Control::User(payload) => payload.len(),
             Control::GrantAnnounce { descriptor } => descriptor.len(),
+            Control::Paths { devices } => devices.len(),
             Control::GrantRevoke { .. } => GRANT_REVOKE_BODY,
             Control::Goodbye => 0,
             Control::StagedRequest { .. } => STAGED_REQUEST_BODY,
@@ -617,6 +628,7 @@ impl<'a> Control<'a> {
             });
         }
         match *self {
+            Control::Paths { devices } => check_paths(devices),
             Control::GrantAnnounce { descriptor: [] } => Err(WireError::OutOfRange {
                 field: "grant announcement descriptor length (nonzero)",
                 value: 0,
@@ -672,7 +684,9 @@ impl<'a> Control<'a> {
         w.put(&[CONTROL_MAGIC, WIRE_VERSION, self.kind(), 0]);
         w.put(&body_len.to_le_bytes());
         match *self {
-            Control::User(bytes) | Control::GrantAnnounce { descriptor: bytes } => w.put(bytes),
+            Control::User(bytes)
+            | Control::GrantAnnounce { descriptor: bytes }
+            | Control::Paths { devices: bytes } => w.put(bytes),
             Control::GrantRevoke { grant } => w.put(&grant.to_le_bytes()),
             Control::Goodbye => {}
             Control::StagedRequest {
@@ -737,7 +751,7 @@ impl<'a> Control<'a> {
                 max: MAX_MESSAGE as usize,
             });
         }
-        if !(KIND_USER..=KIND_STAGED_REPLY).contains(&kind) {
+        if !(KIND_USER..=KIND_PATHS).contains(&kind) {
             return Err(WireError::UnknownKind(kind));
         }
         if flags != 0 {
@@ -777,6 +791,7 @@ impl<'a> Control<'a> {
         let message = match kind {
             KIND_USER => Control::User(body),
             KIND_GRANT_ANNOUNCE => Control::GrantAnnounce { descriptor: body },
+            KIND_PATHS => Control::Paths { devices: body },
             KIND_GRANT_REVOKE => {
                 exact("grant revocation body", GRANT_REVOKE_BODY)?;
                 Control::GrantRevoke { grant: b.u64()? }
@@ -822,6 +837,29 @@ impl<'a> Control<'a> {
         message.validate()?;
         Ok(message)
     }
+}
+
+/// Checks a [`Control::Paths`] body: 1..=[`MAX_QPS_PER_PEER`] names of
+/// 1..=63 bytes of `[A-Za-z0-9_-]`, joined by `,`.
+fn check_paths(devices: &[u8]) -> Result<(), WireError> {
+    let bad = |field: &'static str, value: u64| Err(WireError::OutOfRange { field, value });
+    let mut count = 0u64;
+    for name in devices.split(|&b| b == b',') {
+        count += 1;
+        if name.is_empty() || name.len() > 63 {
+            return bad("paths device name length (1..=63)", name.len() as u64);
+        }
+        if let Some(&b) = name
+            .iter()
+            .find(|&&b| !(b.is_ascii_alphanumeric() || b == b'_' || b == b'-'))
+        {
+            return bad("paths device name byte ([A-Za-z0-9_-])", b.into());
+        }
+    }
+    if count > u64::from(MAX_QPS_PER_PEER) {
+        return bad("paths count (1..=64)", count);
+    }
+    Ok(())
 }
 
 /// Writes into a buffer already checked to be long enough.
@@ -1102,6 +1140,9 @@ mod tests {
             },
             Control::GrantRevoke { grant: 42 },
             Control::Goodbye,
+            Control::Paths {
+                devices: b"mlx5_0,mlx5_1",
+            },
             Control::StagedRequest {
                 id: 7,
                 grant: 9,
@@ -1264,7 +1305,7 @@ mod tests {
             control_edited(revoke.clone(), |b| b[1] = 2),
             WireError::Version { ours: 1, theirs: 2 }
         );
-        for kind in [0, 7, 0xFF] {
+        for kind in [0, 8, 0xFF] {
             assert_eq!(
                 control_edited(revoke.clone(), |b| b[2] = kind),
                 WireError::UnknownKind(kind)
@@ -1552,6 +1593,7 @@ mod tests {
             "grant-announce",
             "grant-revoke",
             "goodbye",
+            "paths",
             "staged-request-write",
             "staged-request-read",
             "staged-reply",
@@ -1593,5 +1635,35 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{}: {e}; run write_fuzz_seeds", path.display()));
             assert_eq!(committed, bytes, "{}: run write_fuzz_seeds", path.display());
         }
+    }
+
+    #[test]
+    fn paths_name_devices_strictly() {
+        for good in [&b"rxe0"[..], b"mlx5_0,mlx5_1", b"a-b_c,sim0"] {
+            let message = Control::Paths { devices: good };
+            let mut out = vec![0; message.encoded_len()];
+            message.encode_into(&mut out).unwrap();
+            assert_eq!(Control::decode(&out).unwrap(), message);
+        }
+        for bad in [&b""[..], b"a,,b", b"mlx5_0,", b"..", b"a/b", b"a b"] {
+            let message = Control::Paths { devices: bad };
+            assert!(
+                message.validate().is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+            let mut raw = vec![0xC7, WIRE_VERSION, KIND_PATHS, 0];
+            raw.extend_from_slice(&(bad.len() as u32).to_le_bytes());
+            raw.extend_from_slice(bad);
+            assert!(Control::decode(&raw).is_err());
+        }
+        let many = vec!["n"; 65].join(",");
+        assert!(
+            Control::Paths {
+                devices: many.as_bytes()
+            }
+            .validate()
+            .is_err()
+        );
     }
 }

@@ -1,0 +1,143 @@
+//! loom models of the engine's races, run with the cache's
+//! (`scripts/loom-mutants.sh`, which also runs each against the mutants
+//! named in its doc and requires them to fail).
+//!
+//! The engine's core is single-threaded behind the engine's lock; what
+//! races is who gets there first: the NIC's completion, the deadline, and
+//! the thread waiting for the outcome.
+
+use std::time::{Duration, Instant};
+
+use loom::sync::{Arc, Mutex};
+use loom::thread;
+
+use hal_verbs::{SendFlags, SendOp, SendRequest, SgList, Sge, WcStatus};
+
+use super::completion::CompletionCell;
+use super::core::{Core, QpLimits, Work};
+use super::error::TransferError;
+
+fn write() -> Work {
+    let mut sg_list = SgList::new();
+    sg_list.push(Sge {
+        addr: 0x1000,
+        length: 8,
+        lkey: 1,
+    });
+    Work {
+        batch: 0,
+        request: SendRequest {
+            wr_id: 0,
+            op: SendOp::Write {
+                remote_addr: 0x2000,
+                rkey: 2,
+            },
+            sg_list,
+            flags: SendFlags::empty(),
+        },
+    }
+}
+
+/// A completion and a timeout race to set one outcome while a thread
+/// waits: exactly one of them sets it, and the waiter sees that one.
+/// Mutant: `complete-check-then-act` (both think they set it).
+#[test]
+fn a_completion_racing_a_timeout_and_a_waiter() {
+    loom::model(|| {
+        let cell = Arc::new(CompletionCell::new());
+        let nic = {
+            let cell = Arc::clone(&cell);
+            thread::spawn(move || cell.complete(Ok(())))
+        };
+        let timer = {
+            let cell = Arc::clone(&cell);
+            thread::spawn(move || {
+                cell.complete(Err(TransferError::Timeout {
+                    after: Duration::from_secs(1),
+                }))
+            })
+        };
+        let seen = cell.wait(None).expect("waited without a bound");
+        let (by_nic, by_timer) = (nic.join().unwrap(), timer.join().unwrap());
+        assert!(
+            by_nic ^ by_timer,
+            "exactly one sets the outcome: {by_nic} {by_timer}"
+        );
+        assert_eq!(seen.is_ok(), by_nic, "the waiter sees the winner's outcome");
+        assert_eq!(cell.outcome(), Some(seen), "and it never changes");
+    });
+}
+
+/// A batch in flight on one queue pair; the NIC's completion and the
+/// deadline race under the engine's lock, and a thread waits for the
+/// outcome. Whatever the order, the outcome comes exactly once and only
+/// when nothing of the batch is in flight any more (a timeout stops the
+/// queue pair and waits for its flush), and the queue pair's credits all
+/// come back. Mutant: `timeout-delivers-in-flight` (the deadline delivers
+/// at once, while the NIC still holds the request).
+#[test]
+fn a_deadline_racing_the_completion_of_a_batch_in_flight() {
+    loom::model(|| {
+        let t0 = Instant::now();
+        let timeout = Duration::from_millis(5);
+        let core = Arc::new(Mutex::new(Core::new()));
+        // The core keeps its cells in std's Arc; their lock is loom's.
+        let cell = std::sync::Arc::new(CompletionCell::new());
+        let (qp, wr_ids) = {
+            let mut core = core.lock().unwrap();
+            let qp = core.add_qp(
+                0,
+                QpLimits {
+                    depth: 2,
+                    send_limit: 1,
+                    signal_every: 2,
+                },
+            );
+            core.submit(
+                vec![(qp, write()), (qp, write())],
+                std::sync::Arc::clone(&cell),
+                Some((t0 + timeout, timeout)),
+                vec![],
+            );
+            let mut out = Vec::new();
+            core.take_postable(qp, &mut out);
+            let ids: Vec<u64> = out.iter().map(|w| w.wr_id).collect();
+            (qp, ids)
+        };
+        let nic = {
+            let core = Arc::clone(&core);
+            thread::spawn(move || {
+                // The NIC reports the signaled tail: success, unless the
+                // engine stopped the queue pair first (then: flushed).
+                let mut core = core.lock().unwrap();
+                let status = if core.is_ready(qp) {
+                    WcStatus::SUCCESS
+                } else {
+                    WcStatus::WR_FLUSH_ERR
+                };
+                core.on_completion(qp, wr_ids[1], status, 0);
+            })
+        };
+        let timer = {
+            let core = Arc::clone(&core);
+            thread::spawn(move || {
+                core.lock().unwrap().handle_timeout(t0 + timeout);
+            })
+        };
+        let outcome = cell.wait(None).expect("waited without a bound");
+        {
+            let core = core.lock().unwrap();
+            assert_eq!(
+                core.load(qp),
+                0,
+                "outcome {outcome:?} delivered while in flight"
+            );
+        }
+        nic.join().unwrap();
+        timer.join().unwrap();
+        let core = core.lock().unwrap();
+        assert_eq!(core.batches_live(), 0);
+        assert_eq!(core.load(qp), 0, "every credit came back");
+        assert_eq!(cell.outcome(), Some(outcome));
+    });
+}
