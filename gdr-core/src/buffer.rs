@@ -468,6 +468,21 @@ impl<C: hal_cuda::Api> Buffer<C> {
         offset: u64,
         len: u64,
     ) -> Result<BufferRegistration<'b, V>, LadderError> {
+        Ok(BufferRegistration {
+            inner: self.register_owned(ladder, offset, len)?,
+            _buffer: PhantomData,
+        })
+    }
+
+    /// [`Buffer::register`] without the borrow: the registration leases
+    /// the memory itself, so the engine's regions may outlive the buffer
+    /// value (the lifetime rule keeps the memory while they live).
+    pub(crate) fn register_owned<V: Api>(
+        &self,
+        ladder: &Ladder<V, C>,
+        offset: u64,
+        len: u64,
+    ) -> Result<LadderRegistration<V>, LadderError> {
         let addr = range_within(self.addr, self.len, offset, len)?;
         let inner = ladder.register_target(&self.target(), addr, len)?;
         let forget = ladder.forgetter();
@@ -478,10 +493,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
         if !registered.iter().any(|f| Arc::ptr_eq(f, forget)) {
             registered.push(Arc::clone(forget));
         }
-        Ok(BufferRegistration {
-            inner,
-            _buffer: PhantomData,
-        })
+        Ok(inner)
     }
 
     /// Registers `len` bytes at `offset` and grants them to a peer with

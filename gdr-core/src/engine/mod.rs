@@ -1,11 +1,1858 @@
 //! The transfer engine: peers, grants, batched one-sided transfers and
 //! control messages, with every request completing exactly once.
+//!
+//! # Shape
+//!
+//! - [`Engine`] owns the NICs it was given (one [`Ladder`] and one
+//!   completion queue each), registers buffers as [`Region`]s, listens and
+//!   connects with rdma_cm. Its book-keeping is a deterministic core
+//!   (`engine::core`: no clock reads, no threads, no I/O); the engine is the
+//!   driver that feeds it completions, connection events and time
+//!   ([`Clock`]) and posts what it hands out. Progress is made by whoever
+//!   waits ([`Batch::wait`], [`Peer::recv`]) or by [`Engine::progress`].
+//! - A [`Peer`] is one connection to another engine: several RC queue pairs
+//!   (each an rdma_cm connection, versioned handshake in the private data,
+//!   [`wire::Hello`]), queue pair 0 also carrying control messages
+//!   (SEND/RECV, [`wire::Control`]).
+//! - A peer reaches memory only through a grant: [`Peer::grant`] makes MRs of
+//!   exactly the range and rights (one per NIC the peer's queue pairs use),
+//!   announces the [`MemoryDescriptor`] on the connection, and revokes it on
+//!   drop. A request naming a descriptor is checked before anything is
+//!   posted: the grant must be live on this connection (announced by this
+//!   peer and not revoked), allow the operation, and hold the range.
+//! - A [`Batch`] of [`Transfer`]s is cut into slices of at most
+//!   [`EngineConfig::slice_size`] spread over the peer's queue pairs,
+//!   linked and posted with one doorbell per queue pair, selectively
+//!   signalled. It ends exactly once: success, or the first
+//!   [`TransferError`]. An outcome is delivered only once nothing of the
+//!   batch is still in the NIC (a timeout stops the queue pairs holding it
+//!   first), except past a grace period when the NIC never gives it back;
+//!   the regions stay registered until it does.
+//!
+//! # The GPU fence
+//!
+//! Data a peer WRITEs into GPU memory is complete for the NIC when the
+//! peer's request completes; whether kernels launched afterwards see it
+//! depends on the GPU's write ordering. The receiving side learns of the
+//! write through a control message (or its own protocol) and must then
+//! call [`Region::fence_inbound_writes`] before launching kernels that read
+//! it.
 
 pub mod completion;
-#[allow(dead_code)] // the driver that uses it is being written
 mod core;
 pub mod error;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub mod topology;
 pub mod wire;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context as TaskContext, Poll};
+use std::time::{Duration, Instant};
+
+use hal_verbs::{
+    AccessFlags, Api, Completion, CompletionQueue as _, ConnectParams, ConnectRequest as _,
+    Connection as _, ConnectionManager as _, ConnectionState, Context as _, Listener as _,
+    MemoryRegion as _, PostError, Posted, Provider as _, QpCaps, QueuePair as _, RecvRequest,
+    SendFlags, SendOp, SendRequest, SgList, Sge,
+};
+
+use crate::buffer::Buffer;
+use crate::cache::{CacheConfig, RegistrationCache};
+use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
+use crate::ladder::{DmabufExports, Gpu, Grant, Ladder, LadderConfig, LadderRegistration, Rung};
+use crate::sync::{Mutex, MutexGuard, lock};
+
+pub use self::completion::{CompletionCell, Outcome};
+use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
+pub use self::core::{BatchId, QpCounters};
+pub use self::error::{EngineError, TransferError};
+use self::wire::{Control, Hello, RejectReason, Role};
+
+/// Where the engine's time comes from: the deterministic core reads no
+/// clock; the driver asks this one.
+pub trait Clock: Send + Sync + fmt::Debug {
+    /// Now.
+    fn now(&self) -> Instant;
+}
+
+/// The system's monotonic clock.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+}
+
+/// The engine's knobs. Defaults are for a NIC of today (see the README's
+/// benchmark section for how they were chosen).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// RC queue pairs per peer.
+    pub qps_per_peer: u16,
+    /// Work requests in flight per queue pair.
+    pub qp_depth: u32,
+    /// Ask for a completion every this many work requests (and at the end
+    /// of each post).
+    pub signal_every: u32,
+    /// Largest single RDMA request: larger transfers are cut into slices
+    /// of this size, spread over the peer's queue pairs.
+    pub slice_size: u64,
+    /// WRITEs of host memory up to this many bytes go inline (the CPU
+    /// copies them into the work request); never GPU memory. 0: never.
+    pub inline_threshold: u32,
+    /// Largest control message this engine receives (header included).
+    pub max_message: u32,
+    /// Receives kept posted for control messages.
+    pub recv_depth: u16,
+    /// Bound on a batch or message without a deadline of its own.
+    pub default_timeout: Duration,
+    /// The queue pairs' connection parameters (caps are derived from the
+    /// fields above).
+    pub connect: ConnectParams,
+    /// NICs to use, by name; `None`: every NIC the provider lists.
+    pub devices: Option<Vec<String>>,
+    /// The registration ladder of each NIC.
+    pub ladder: LadderConfig,
+    /// The registration cache shared by the NICs.
+    pub cache: CacheConfig,
+    /// Where time comes from.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            qps_per_peer: 2,
+            qp_depth: 128,
+            signal_every: 16,
+            slice_size: 1 << 20,
+            inline_threshold: 0,
+            max_message: 4096,
+            recv_depth: 32,
+            default_timeout: Duration::from_secs(30),
+            connect: ConnectParams::default(),
+            devices: None,
+            ladder: LadderConfig::default(),
+            cache: CacheConfig::default(),
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+/// The top bit of a receive's `wr_id`: send-queue ids come from the core.
+const RECV_BIT: u64 = 1 << 63;
+
+static NEXT_ENGINE: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh nonzero id: time, process and a counter mixed, so that engines
+/// of two processes (or two runs) do not collide.
+fn fresh_id() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut x = nanos
+        ^ (u64::from(std::process::id()) << 32)
+        ^ NEXT_ENGINE
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    // splitmix64's finaliser spreads the bits.
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    x.max(1)
+}
+
+/// One NIC of the engine.
+struct Nic<V: Api, C: hal_cuda::Api> {
+    name: String,
+    cq: V::CompletionQueue,
+    ladder: Ladder<V, C>,
+    context: V::Context,
+}
+
+/// A registered buffer: its registration on each of the engine's NICs.
+/// Cloning shares it; the MRs (and the memory) stay while any clone, grant
+/// or request in flight holds it.
+pub struct Region<V: Api> {
+    inner: Arc<RegionInner<V>>,
+}
+
+struct RegionInner<V: Api> {
+    addr: u64,
+    len: u64,
+    location: MemoryLocation,
+    per_nic: Vec<LadderRegistration<V>>,
+}
+
+impl<V: Api> Clone for Region<V> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<V: Api> fmt::Debug for Region<V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("addr", &format_args!("{:#x}", self.inner.addr))
+            .field("len", &self.inner.len)
+            .field("location", &self.inner.location)
+            .field(
+                "rungs",
+                &self
+                    .inner
+                    .per_nic
+                    .iter()
+                    .map(|r| r.rung())
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl<V: Api> Region<V> {
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    /// Never true (empty buffers are not registered).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// Host or GPU memory.
+    pub fn location(&self) -> MemoryLocation {
+        self.inner.location
+    }
+
+    /// The rung taken on each NIC, in the engine's NIC order.
+    pub fn rungs(&self) -> Vec<Rung> {
+        self.inner.per_nic.iter().map(|r| r.rung()).collect()
+    }
+
+    /// The registration on NIC `nic` (the engine's order).
+    pub fn registration(&self, nic: usize) -> Option<&LadderRegistration<V>> {
+        self.inner.per_nic.get(nic)
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), EngineError> {
+        if len == 0
+            || offset
+                .checked_add(len)
+                .is_none_or(|end| end > self.inner.len)
+        {
+            return Err(EngineError::OutOfBounds {
+                what: "local region",
+                offset,
+                len,
+                size: self.inner.len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One queue pair of a peer.
+struct PeerQp<V: Api> {
+    conn: V::Connection,
+    nic: usize,
+    core: QpId,
+    remote_device: Option<String>,
+    max_inline: u32,
+}
+
+/// The host buffers of a peer's control messages.
+struct ControlBuffers<V: Api, C: hal_cuda::Api> {
+    recv: Buffer<C>,
+    recv_region: Region<V>,
+    send: Buffer<C>,
+    send_region: Region<V>,
+    free_send: Arc<std::sync::Mutex<Vec<usize>>>,
+    slot: usize,
+}
+
+struct PeerState<V: Api, C: hal_cuda::Api> {
+    addr: SocketAddr,
+    engine: u64,
+    session: u64,
+    qps: Vec<PeerQp<V>>,
+    peer_max_message: usize,
+    control: ControlBuffers<V, C>,
+    remote_grants: HashMap<u64, MemoryDescriptor>,
+    revoked: HashSet<u64>,
+    inbox: VecDeque<Vec<u8>>,
+    backlog: VecDeque<Outgoing>,
+    next_qp: usize,
+    paths_known: bool,
+    gone: Option<String>,
+}
+
+/// Control messages a peer may have waiting for a send slot.
+const MAX_BACKLOG: usize = 1 << 16;
+
+/// A control message waiting for a send slot.
+struct Outgoing {
+    bytes: Vec<u8>,
+    cell: Arc<CompletionCell>,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
+    /// Moves waiting control messages into free send slots and hands them
+    /// to the core; fails those past their deadline.
+    fn flush_backlog(&mut self, core: &mut Core, now: Instant) {
+        while let Some(front) = self.backlog.front() {
+            if front.deadline <= now {
+                let late = self.backlog.pop_front().expect("front exists");
+                late.cell.complete(Err(TransferError::Timeout {
+                    after: late.timeout,
+                }));
+                continue;
+            }
+            let slot = self
+                .control
+                .free_send
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .pop();
+            let Some(slot) = slot else { break };
+            let message = self.backlog.pop_front().expect("front exists");
+            let guard = SendSlot {
+                free: Arc::clone(&self.control.free_send),
+                slot,
+            };
+            let offset = (slot * self.control.slot) as u64;
+            if let Err(e) = self.control.send.write_at(offset, &message.bytes) {
+                message.cell.complete(Err(TransferError::Local {
+                    what: e.to_string(),
+                }));
+                continue;
+            }
+            let qp = &self.qps[0];
+            let Some(mr) = self.control.send_region.inner.per_nic[qp.nic].mr() else {
+                message.cell.complete(Err(TransferError::Local {
+                    what: "the send buffer has no MR".into(),
+                }));
+                continue;
+            };
+            let mut sg_list = SgList::new();
+            sg_list.push(Sge {
+                addr: self.control.send_region.inner.addr + offset,
+                length: message.bytes.len() as u32,
+                lkey: mr.lkey(),
+            });
+            let mut flags = SendFlags::empty();
+            if message.bytes.len() <= qp.max_inline as usize {
+                flags |= SendFlags::INLINE;
+            }
+            let keep: Vec<Keep> = vec![
+                Arc::new(guard) as Keep,
+                Arc::clone(&self.control.send_region.inner) as Keep,
+            ];
+            core.submit(
+                vec![(
+                    qp.core,
+                    Work {
+                        batch: 0,
+                        request: SendRequest {
+                            wr_id: 0,
+                            op: SendOp::Send,
+                            sg_list,
+                            flags,
+                        },
+                    },
+                )],
+                message.cell,
+                Some((message.deadline, message.timeout)),
+                keep,
+            );
+        }
+    }
+}
+
+struct State<V: Api, C: hal_cuda::Api> {
+    core: Core,
+    peers: Vec<Option<PeerState<V, C>>>,
+    by_qp_num: HashMap<(usize, u32), (usize, usize)>,
+    completions: Vec<Completion>,
+    to_post: Vec<SendRequest>,
+    ticks: u64,
+}
+
+struct Shared<V: Api, C: hal_cuda::Api> {
+    // Field order is drop order: connections (in the state) before the
+    // NICs' CQs, PDs and contexts.
+    state: Mutex<State<V, C>>,
+    id: u64,
+    config: EngineConfig,
+    cm: V::ConnectionManager,
+    nics: Vec<Nic<V, C>>,
+    next_grant: AtomicU64,
+}
+
+/// The transfer engine over verbs backend `V` and CUDA backend `C`.
+pub struct Engine<V: Api, C: hal_cuda::Api> {
+    shared: Arc<Shared<V, C>>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Clone for Engine<V, C> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for Engine<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("id", &format_args!("{:#x}", self.shared.id))
+            .field(
+                "nics",
+                &self.shared.nics.iter().map(|n| &n.name).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// An engine on the NICs of `provider` (those [`EngineConfig::devices`]
+    /// names, or all), for memory of the GPUs of `cuda` (none: host memory
+    /// only).
+    pub fn new(
+        provider: &V::Provider,
+        cuda: Option<&C::Driver>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        let names: Vec<String> = match &config.devices {
+            Some(names) => names.clone(),
+            None => provider
+                .devices()
+                .map_err(|e| EngineError::verbs("listing RDMA devices", e))?
+                .into_iter()
+                .map(|d| d.name)
+                .collect(),
+        };
+        if names.is_empty() {
+            return Err(EngineError::Unavailable("no RDMA device to use".into()));
+        }
+        let cm = provider
+            .connection_manager()
+            .map_err(|e| EngineError::verbs("opening the connection manager", e))?;
+        let cache = Arc::new(RegistrationCache::new(config.cache.clone()));
+        let exports = Arc::new(DmabufExports::new());
+        let gpu_count = match cuda {
+            Some(driver) => {
+                use hal_cuda::Driver as _;
+                driver.device_count().unwrap_or(0)
+            }
+            None => 0,
+        };
+        let cq_depth = (config.qp_depth + u32::from(config.recv_depth)) * 64;
+        let mut nics = Vec::with_capacity(names.len());
+        for name in names {
+            let context = provider
+                .open(&name)
+                .map_err(|e| EngineError::verbs(format!("opening {name}"), e))?;
+            let gpus = match cuda {
+                Some(driver) => (0..gpu_count)
+                    .filter_map(|ordinal| Gpu::open(driver, ordinal).ok())
+                    .collect(),
+                None => Vec::new(),
+            };
+            let ladder = Ladder::new(
+                &context,
+                gpus,
+                Arc::clone(&cache),
+                Arc::clone(&exports),
+                config.ladder.clone(),
+            )?;
+            let depth = context
+                .query_device()
+                .map(|a| (a.max_cqe.max(1) as u32).min(cq_depth))
+                .unwrap_or(cq_depth);
+            let cq = context
+                .create_cq(depth)
+                .map_err(|e| EngineError::verbs(format!("creating a CQ on {name}"), e))?;
+            nics.push(Nic {
+                name,
+                cq,
+                ladder,
+                context,
+            });
+        }
+        let shared = Shared {
+            state: Mutex::new(State {
+                core: Core::new(),
+                peers: Vec::new(),
+                by_qp_num: HashMap::new(),
+                completions: Vec::with_capacity(256),
+                to_post: Vec::with_capacity(256),
+                ticks: 0,
+            }),
+            id: fresh_id(),
+            config,
+            cm,
+            nics,
+            next_grant: AtomicU64::new(1),
+        };
+        tracing::info!(
+            engine = format_args!("{:#x}", shared.id),
+            nics = ?shared.nics.iter().map(|n| &n.name).collect::<Vec<_>>(),
+            "engine up"
+        );
+        Ok(Self {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// This engine's id (what its descriptors name as owner).
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// The NICs, in the engine's order.
+    pub fn nics(&self) -> Vec<String> {
+        self.shared.nics.iter().map(|n| n.name.clone()).collect()
+    }
+
+    /// The ladder of NIC `nic`.
+    pub fn ladder(&self, nic: usize) -> Option<&Ladder<V, C>> {
+        self.shared.nics.get(nic).map(|n| &n.ladder)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+
+    /// Registers the whole of `buffer` on every NIC (each on the first
+    /// rung that works there) as a region for transfers and grants.
+    pub fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
+        self.register_range(buffer, 0, buffer.len())
+    }
+
+    /// Registers `len` bytes at `offset` of `buffer` on every NIC.
+    pub fn register_range(
+        &self,
+        buffer: &Buffer<C>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Region<V>, EngineError> {
+        let _span = tracing::debug_span!("engine_register", len).entered();
+        let per_nic = self
+            .shared
+            .nics
+            .iter()
+            .map(|nic| buffer.register_owned(&nic.ladder, offset, len))
+            .collect::<Result<Vec<_>, _>>()?;
+        let location = match buffer.device_ordinal() {
+            Some(ordinal)
+                if matches!(
+                    buffer.memory_type(),
+                    hal_cuda::MemoryType::Device | hal_cuda::MemoryType::Managed
+                ) =>
+            {
+                MemoryLocation::Gpu {
+                    ordinal: ordinal as u16,
+                }
+            }
+            _ => MemoryLocation::Host,
+        };
+        Ok(Region {
+            inner: Arc::new(RegionInner {
+                addr: buffer.addr() + offset,
+                len,
+                location,
+                per_nic,
+            }),
+        })
+    }
+
+    /// Listens for peers on `addr` (port 0: one is assigned).
+    pub fn listen(&self, addr: SocketAddr) -> Result<EngineListener<V, C>, EngineError> {
+        let listener = self
+            .shared
+            .cm
+            .listen(addr, 64)
+            .map_err(|e| EngineError::verbs(format!("listening on {addr}"), e))?;
+        Ok(EngineListener {
+            engine: self.clone(),
+            listener,
+            pending: Vec::new(),
+        })
+    }
+
+    /// Connects to the engine listening at `addr`: [`EngineConfig::qps_per_peer`]
+    /// queue pairs, all from the NIC the route to `addr` leaves by.
+    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
+        self.connect_paths(
+            &[Path {
+                source: None,
+                peer: addr,
+            }],
+            timeout,
+        )
+    }
+
+    /// Connects to one engine over several paths (a source address, which
+    /// picks the local NIC, and the peer's address on one of its NICs): the
+    /// queue pairs are spread over them in turn, so slices travel over
+    /// every NIC.
+    pub fn connect_paths(
+        &self,
+        paths: &[Path],
+        timeout: Duration,
+    ) -> Result<Peer<V, C>, EngineError> {
+        let first = paths
+            .first()
+            .ok_or_else(|| EngineError::Refused("no path to connect over".into()))?;
+        let config = &self.shared.config;
+        let session = fresh_id();
+        let count = config.qps_per_peer.max(1);
+        let mut conns = Vec::with_capacity(count as usize);
+        let mut acceptor: Option<Hello> = None;
+        for index in 0..count {
+            let path = paths[index as usize % paths.len()];
+            let device = match path.source {
+                Some(source) => self.device_of_address(source)?,
+                None => self
+                    .shared
+                    .cm
+                    .route_device(path.peer.ip(), timeout)
+                    .map_err(|e| EngineError::verbs(format!("route to {}", path.peer), e))?,
+            };
+            let nic = self.nic_index(&device)?;
+            let hello = self.hello(Role::Connect, session, index, count);
+            let mut params = self.connect_params(timeout);
+            params.source = path.source;
+            let n = &self.shared.nics[nic];
+            let conn = self
+                .shared
+                .cm
+                .connect(
+                    path.peer,
+                    n.ladder.pd(),
+                    &n.cq,
+                    &n.cq,
+                    &params,
+                    &hello.encode(),
+                )
+                .map_err(|e| {
+                    let why = match &e {
+                        hal_verbs::VerbsError::ConnectionRejected { private_data, .. } => {
+                            RejectReason::decode(private_data)
+                                .map(|r| format!("rejected: {r}"))
+                                .unwrap_or_else(|_| e.to_string())
+                        }
+                        _ => e.to_string(),
+                    };
+                    EngineError::Handshake {
+                        peer: path.peer.to_string(),
+                        why,
+                    }
+                })?;
+            let reply = Hello::decode(&conn.peer_private_data())?;
+            if reply.role != Role::Accept || reply.session != session || reply.qp_index != index {
+                return Err(EngineError::Handshake {
+                    peer: path.peer.to_string(),
+                    why: format!("unexpected reply {reply:?}"),
+                });
+            }
+            if let Some(a) = &acceptor
+                && a.engine != reply.engine
+            {
+                return Err(EngineError::Handshake {
+                    peer: path.peer.to_string(),
+                    why: "queue pairs reached two different engines".into(),
+                });
+            }
+            acceptor = Some(reply);
+            conns.push((conn, nic));
+        }
+        let hello = acceptor.expect("at least one queue pair");
+        let peer = self.add_peer(first.peer, &hello, session, conns)?;
+        peer.exchange_paths(timeout)?;
+        Ok(peer)
+    }
+
+    /// The NIC that holds local address `source` (a RoCE GID of one of its
+    /// ports).
+    fn device_of_address(&self, source: IpAddr) -> Result<String, EngineError> {
+        let gid = hal_verbs::Gid::from_ip(source);
+        for nic in &self.shared.nics {
+            let ports = nic
+                .context
+                .query_device()
+                .map(|a| a.phys_port_cnt)
+                .unwrap_or(1);
+            for port in 1..=ports {
+                if nic
+                    .context
+                    .gid_table(port)
+                    .is_ok_and(|table| table.iter().any(|entry| entry.gid == gid))
+                {
+                    return Ok(nic.name.clone());
+                }
+            }
+        }
+        Err(EngineError::Unavailable(format!(
+            "no NIC of this engine has address {source}"
+        )))
+    }
+
+    fn nic_index(&self, device: &str) -> Result<usize, EngineError> {
+        self.shared
+            .nics
+            .iter()
+            .position(|n| n.name == device)
+            .ok_or_else(|| {
+                EngineError::Unavailable(format!(
+                    "the route uses {device}, which this engine was not given"
+                ))
+            })
+    }
+
+    fn hello(&self, role: Role, session: u64, qp_index: u16, qp_count: u16) -> Hello {
+        let config = &self.shared.config;
+        Hello {
+            role,
+            engine: self.shared.id,
+            session,
+            qp_index,
+            qp_count,
+            max_message: config.max_message,
+            recv_depth: config.recv_depth,
+            max_slice: config.slice_size.min(u64::from(u32::MAX)) as u32,
+        }
+    }
+
+    fn connect_params(&self, timeout: Duration) -> ConnectParams {
+        let config = &self.shared.config;
+        let mut params = config.connect.clone();
+        params.timeout = timeout;
+        params.caps = QpCaps {
+            max_send_wr: config.qp_depth.max(1),
+            max_recv_wr: u32::from(config.recv_depth).max(1),
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: config.inline_threshold,
+        };
+        params.access = AccessFlags::transfer();
+        params
+    }
+
+    /// Adds a connected peer: its queue pairs in the core, its control
+    /// buffers registered, receives posted on queue pair 0.
+    fn add_peer(
+        &self,
+        addr: SocketAddr,
+        hello: &Hello,
+        session: u64,
+        conns: Vec<(V::Connection, usize)>,
+    ) -> Result<Peer<V, C>, EngineError> {
+        let config = &self.shared.config;
+        let my_max = config.max_message as usize;
+        let peer_max = hello.max_message as usize;
+        let recv_slots = usize::from(config.recv_depth).max(1);
+        // Twice the peer's receives: a slot is reused only after its SEND
+        // completed, so this many keep the pipe full.
+        let send_slots = usize::from(hello.recv_depth).max(1) * 2;
+        let recv = Buffer::alloc_host((recv_slots * my_max) as u64);
+        let send = Buffer::alloc_host((send_slots * peer_max) as u64);
+        let recv_region = self.register(&recv)?;
+        let send_region = self.register(&send)?;
+        let mut state = lock(&self.shared.state);
+        let slot = state.peers.len();
+        let mut qps = Vec::with_capacity(conns.len());
+        for (index, (conn, nic)) in conns.into_iter().enumerate() {
+            let granted = conn.qp().caps();
+            let core = state.core.add_qp(
+                index as u16,
+                QpLimits {
+                    depth: config.qp_depth.min(granted.max_send_wr).max(1),
+                    send_limit: if index == 0 {
+                        u32::from(hello.recv_depth)
+                    } else {
+                        0
+                    },
+                    signal_every: config.signal_every,
+                },
+            );
+            state
+                .by_qp_num
+                .insert((nic, conn.qp().qp_num()), (slot, index));
+            qps.push(PeerQp {
+                max_inline: granted.max_inline_data.min(config.inline_threshold),
+                conn,
+                nic,
+                core,
+                remote_device: None,
+            });
+        }
+        let peer = PeerState {
+            addr,
+            engine: hello.engine,
+            session,
+            qps,
+            peer_max_message: peer_max,
+            control: ControlBuffers {
+                recv,
+                recv_region,
+                send,
+                send_region,
+                free_send: Arc::new(std::sync::Mutex::new((0..send_slots).rev().collect())),
+                slot: peer_max,
+            },
+            remote_grants: HashMap::new(),
+            revoked: HashSet::new(),
+            inbox: VecDeque::new(),
+            backlog: VecDeque::new(),
+            next_qp: 0,
+            paths_known: false,
+            gone: None,
+        };
+        // Receives for control messages, before anything can arrive.
+        let recvs: Vec<RecvRequest> = (0..recv_slots)
+            .map(|i| Self::recv_request(&peer, i, my_max))
+            .collect();
+        // SAFETY: the receive buffer is registered (its region lives in the
+        // peer state as long as the queue pair) and gdr's own host memory;
+        // nothing else writes it.
+        unsafe { peer.qps[0].conn.qp().post_recv(&recvs) }
+            .map_err(|e| EngineError::verbs("posting control receives", e.error))?;
+        state.peers.push(Some(peer));
+        tracing::info!(
+            peer = %addr,
+            engine = format_args!("{:#x}", hello.engine),
+            qps = state.peers[slot].as_ref().map_or(0, |p| p.qps.len()),
+            "peer connected"
+        );
+        Ok(Peer {
+            engine: self.clone(),
+            slot,
+        })
+    }
+
+    fn recv_request(peer: &PeerState<V, C>, slot: usize, size: usize) -> RecvRequest {
+        let nic = peer.qps[0].nic;
+        let registration = peer.control.recv_region.inner.per_nic[nic]
+            .mr()
+            .expect("host memory is registered directly");
+        let mut sg_list = SgList::new();
+        sg_list.push(Sge {
+            addr: peer.control.recv_region.inner.addr + (slot * size) as u64,
+            length: size as u32,
+            lkey: registration.lkey(),
+        });
+        RecvRequest {
+            wr_id: RECV_BIT | slot as u64,
+            sg_list,
+        }
+    }
+
+    /// Polls every NIC's completions, handles deadlines and connection
+    /// events, and posts what is ready. Returns how many completions it
+    /// handled. Waiting calls make progress themselves; call this when
+    /// nothing waits (or from a thread of your own).
+    pub fn progress(&self) -> usize {
+        let shared = &*self.shared;
+        let mut state = lock(&shared.state);
+        let state = &mut *state;
+        state.ticks += 1;
+        let mut handled = 0;
+        for (nic_index, nic) in shared.nics.iter().enumerate() {
+            state.completions.clear();
+            if let Err(e) = nic.cq.poll_into(&mut state.completions) {
+                tracing::warn!(device = %nic.name, error = %e, "polling the CQ failed");
+            }
+            let completions = std::mem::take(&mut state.completions);
+            for wc in &completions {
+                handled += 1;
+                let Some(&(slot, index)) = state.by_qp_num.get(&(nic_index, wc.qp_num)) else {
+                    continue;
+                };
+                if wc.wr_id & RECV_BIT != 0 {
+                    self.on_receive(state, slot, wc);
+                } else if let Some(peer) = state.peers[slot].as_ref() {
+                    let qp = peer.qps[index].core;
+                    state
+                        .core
+                        .on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
+                }
+            }
+            state.completions = completions;
+        }
+        // Connection events are a system call each: look now and then, and
+        // whenever nothing completed.
+        if handled == 0 || state.ticks % 64 == 0 {
+            self.poll_connections(state);
+        }
+        state.core.handle_timeout(shared.config.clock.now());
+        self.run_actions(state);
+        self.post_ready(state);
+        handled
+    }
+
+    fn on_receive(&self, state: &mut State<V, C>, slot: usize, wc: &Completion) {
+        let Some(peer) = state.peers[slot].as_mut() else {
+            return;
+        };
+        if !wc.status.is_success() {
+            // Flushed: the queue pair is going down; nothing to repost.
+            return;
+        }
+        let index = (wc.wr_id & !RECV_BIT) as usize;
+        let size = self.shared.config.max_message as usize;
+        let len = (wc.byte_len as usize).min(size);
+        let mut bytes = vec![0; len];
+        if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
+            tracing::warn!(error = %e, "reading a control message");
+        }
+        match Control::decode(&bytes) {
+            Ok(Control::User(payload)) => peer.inbox.push_back(payload.to_vec()),
+            Ok(Control::GrantAnnounce { descriptor }) => {
+                match MemoryDescriptor::decode(descriptor) {
+                    Ok(d) if d.owner == peer.engine => {
+                        tracing::debug!(grant = d.grant, "grant announced");
+                        peer.remote_grants.insert(d.grant, d);
+                    }
+                    Ok(d) => tracing::warn!(
+                        owner = d.owner,
+                        "a peer announced a grant of another engine: ignored"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "a malformed grant announcement"),
+                }
+            }
+            Ok(Control::GrantRevoke { grant }) => {
+                peer.remote_grants.remove(&grant);
+                peer.revoked.insert(grant);
+            }
+            Ok(Control::Paths { devices }) => {
+                let names = String::from_utf8_lossy(devices);
+                for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {
+                    qp.remote_device = Some(name.to_owned());
+                }
+                peer.paths_known = true;
+            }
+            Ok(Control::Goodbye) => {
+                peer.gone
+                    .get_or_insert_with(|| "the peer said goodbye".into());
+            }
+            Ok(other) => tracing::debug!(?other, "control message not handled yet"),
+            Err(e) => tracing::warn!(error = %e, "a malformed control message: dropped"),
+        }
+        let request = Self::recv_request(peer, index, size);
+        // SAFETY: as in `add_peer`: the slot was just read, and is gdr's
+        // registered host memory.
+        if let Err(e) = unsafe { peer.qps[0].conn.qp().post_recv(&[request]) } {
+            tracing::warn!(error = %e.error, "reposting a control receive");
+        }
+    }
+
+    fn poll_connections(&self, state: &mut State<V, C>) {
+        for peer in state.peers.iter_mut().flatten() {
+            for qp in &peer.qps {
+                if !state.core.is_ready(qp.core) {
+                    continue;
+                }
+                match qp.conn.poll_state(Duration::ZERO) {
+                    Ok(ConnectionState::Connected) => {}
+                    Ok(other) => {
+                        let why = format!("connection {other:?}");
+                        peer.gone.get_or_insert_with(|| why.clone());
+                        state
+                            .core
+                            .fail_qp(qp.core, TransferError::PeerGone { reason: why });
+                    }
+                    Err(e) => tracing::debug!(error = %e, "polling a connection's events"),
+                }
+            }
+        }
+    }
+
+    fn run_actions(&self, state: &mut State<V, C>) {
+        while let Some(action) = state.core.poll_action() {
+            match action {
+                Action::StopQp(qp) => {
+                    if let Some(q) = state
+                        .peers
+                        .iter()
+                        .flatten()
+                        .flat_map(|p| &p.qps)
+                        .find(|q| q.core == qp)
+                        && let Err(e) = q.conn.qp().to_error()
+                    {
+                        tracing::warn!(error = %e, "stopping a queue pair");
+                    }
+                }
+                Action::QpDrained(qp) => {
+                    tracing::debug!(qp, "queue pair drained");
+                }
+            }
+        }
+    }
+
+    fn post_ready(&self, state: &mut State<V, C>) {
+        let now = self.shared.config.clock.now();
+        let State {
+            core,
+            peers,
+            to_post,
+            ..
+        } = state;
+        for peer in peers.iter_mut().flatten() {
+            if !peer.backlog.is_empty() {
+                peer.flush_backlog(core, now);
+            }
+        }
+        for peer in peers.iter().flatten() {
+            for qp in &peer.qps {
+                if !core.has_postable(qp.core) {
+                    continue;
+                }
+                core.take_postable(qp.core, to_post);
+                let taken = to_post.len();
+                // SAFETY: every SG entry lies in a registration held by its
+                // batch (the batch keeps the regions) until the core retires
+                // the request after its completion or flush.
+                if let Err(PostError { posted, error }) = unsafe { qp.conn.qp().post_send(to_post) }
+                {
+                    let accepted = match posted {
+                        Posted::Prefix(n) => Some(n),
+                        Posted::Unknown => None,
+                    };
+                    core.post_failed(
+                        qp.core,
+                        taken,
+                        accepted,
+                        TransferError::Local {
+                            what: error.to_string(),
+                        },
+                    );
+                }
+            }
+        }
+        self.run_actions_after_post(state);
+    }
+
+    fn run_actions_after_post(&self, state: &mut State<V, C>) {
+        if state.core.has_actions() {
+            self.run_actions(state);
+        }
+    }
+}
+
+/// A thread that makes progress on an engine until dropped: completions,
+/// deadlines and connection events are handled, and waiters (blocking or
+/// `Future`s) are woken, without any of them polling.
+pub struct Driver {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl fmt::Debug for Driver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Driver").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::error!("the engine's driver thread panicked");
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// Starts a thread that makes progress: it polls while work completes
+    /// and backs off (up to `idle`) while nothing does. Dropping the
+    /// returned [`Driver`] stops it.
+    pub fn spawn_driver(&self, idle: Duration) -> Driver {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let engine = self.clone();
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("gdr-engine".into())
+            .spawn(move || {
+                let mut backoff = Duration::from_micros(1);
+                while !flag.load(Ordering::Acquire) {
+                    if engine.progress() > 0 {
+                        backoff = Duration::from_micros(1);
+                    } else {
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(idle.max(Duration::from_micros(1)));
+                    }
+                }
+            })
+            .expect("spawning the engine's driver thread");
+        Driver {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+/// One way to reach a peer: the local source address (which picks the
+/// NIC; `None`: the route decides) and the peer's address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Path {
+    /// Local address to connect from.
+    pub source: Option<IpAddr>,
+    /// The peer's listening address.
+    pub peer: SocketAddr,
+}
+
+/// A listening engine: accepts peers.
+pub struct EngineListener<V: Api, C: hal_cuda::Api> {
+    engine: Engine<V, C>,
+    listener: V::Listener,
+    pending: Vec<(Hello, V::Connection, usize)>,
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for EngineListener<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EngineListener")
+            .field("addr", &self.listener.local_addr())
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
+    /// The address listened on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr()
+    }
+
+    /// Waits up to `timeout` for a peer: accepts its queue pairs (each
+    /// connect request's hello checked; a malformed or other-version one is
+    /// rejected with the reason) and returns once all of one peer's have
+    /// arrived and the paths are exchanged.
+    pub fn accept(&mut self, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(session) = self.complete_session() {
+                let mut conns: Vec<(Hello, V::Connection, usize)> = Vec::new();
+                let mut rest = Vec::new();
+                for entry in self.pending.drain(..) {
+                    if entry.0.session == session {
+                        conns.push(entry);
+                    } else {
+                        rest.push(entry);
+                    }
+                }
+                self.pending = rest;
+                conns.sort_by_key(|(h, _, _)| h.qp_index);
+                let hello = conns[0].0.clone();
+                let addr = conns[0].1.peer_addr();
+                let conns = conns.into_iter().map(|(_, c, nic)| (c, nic)).collect();
+                let peer = self.engine.add_peer(addr, &hello, session, conns)?;
+                peer.exchange_paths(deadline.saturating_duration_since(Instant::now()))?;
+                return Ok(peer);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(EngineError::Timeout(timeout));
+            }
+            let request = match self.listener.next_request(left) {
+                Ok(r) => r,
+                Err(hal_verbs::VerbsError::Timeout { .. }) => {
+                    return Err(EngineError::Timeout(timeout));
+                }
+                Err(e) => return Err(EngineError::verbs("waiting for a connect request", e)),
+            };
+            let hello = match Hello::decode(&request.private_data()) {
+                Ok(h) if h.role == Role::Connect => h,
+                Ok(_) => {
+                    let _ = request.reject(&RejectReason::Malformed.encode());
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %request.peer_addr(), error = %e, "bad hello: rejected");
+                    let _ = request.reject(&RejectReason::for_hello_error(&e).encode());
+                    continue;
+                }
+            };
+            let nic = match self.engine.nic_index(&request.device()) {
+                Ok(nic) => nic,
+                Err(_) => {
+                    let _ = request.reject(&RejectReason::Busy.encode());
+                    continue;
+                }
+            };
+            let engine = &self.engine;
+            let reply = engine.hello(Role::Accept, hello.session, hello.qp_index, hello.qp_count);
+            let params = engine.connect_params(left);
+            let n = &engine.shared.nics[nic];
+            let conn = request
+                .accept(n.ladder.pd(), &n.cq, &n.cq, &params, &reply.encode())
+                .map_err(|e| EngineError::verbs("accepting a queue pair", e))?;
+            self.pending.push((hello, conn, nic));
+        }
+    }
+
+    /// A session whose queue pairs have all arrived.
+    fn complete_session(&self) -> Option<u64> {
+        self.pending.iter().find_map(|(h, _, _)| {
+            let have = self
+                .pending
+                .iter()
+                .filter(|(o, _, _)| o.session == h.session)
+                .count();
+            (have == usize::from(h.qp_count)).then_some(h.session)
+        })
+    }
+}
+
+/// One direction of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// RDMA READ: remote memory into the local region.
+    Read,
+    /// RDMA WRITE: the local region into remote memory.
+    Write,
+}
+
+/// One transfer of a batch: `len` bytes between `local` at `local_offset`
+/// and the granted remote range `remote` at `remote_offset`.
+#[derive(Debug, Clone)]
+pub struct Transfer<'a, V: Api> {
+    /// READ or WRITE.
+    pub op: Op,
+    /// The local region.
+    pub local: &'a Region<V>,
+    /// Offset in it.
+    pub local_offset: u64,
+    /// The peer's grant.
+    pub remote: &'a MemoryDescriptor,
+    /// Offset in the grant.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl<'a, V: Api> Transfer<'a, V> {
+    /// A WRITE of `len` bytes from `local` at `local_offset` into `remote`
+    /// at `remote_offset`.
+    pub fn write(
+        local: &'a Region<V>,
+        local_offset: u64,
+        remote: &'a MemoryDescriptor,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            op: Op::Write,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+        }
+    }
+
+    /// A READ of `len` bytes from `remote` at `remote_offset` into `local`
+    /// at `local_offset`.
+    pub fn read(
+        local: &'a Region<V>,
+        local_offset: u64,
+        remote: &'a MemoryDescriptor,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            op: Op::Read,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+        }
+    }
+}
+
+/// A connected peer. Dropping it leaves the connection up (the engine
+/// holds it); [`Peer::close`] ends it.
+pub struct Peer<V: Api, C: hal_cuda::Api> {
+    engine: Engine<V, C>,
+    slot: usize,
+}
+
+impl<V: Api, C: hal_cuda::Api> Clone for Peer<V, C> {
+    fn clone(&self) -> Self {
+        Self {
+            engine: self.engine.clone(),
+            slot: self.slot,
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for Peer<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peer").field("slot", &self.slot).finish()
+    }
+}
+
+/// A grant this engine gave a peer: MRs of exactly the range and rights on
+/// each NIC the peer's queue pairs use. Dropping it revokes it (the peer is
+/// told, then the MRs are deregistered).
+pub struct RegionGrant<V: Api, C: hal_cuda::Api> {
+    descriptor: MemoryDescriptor,
+    peer: Peer<V, C>,
+    // After the notice is queued, the MRs go (field order).
+    _grants: Vec<Grant<V>>,
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for RegionGrant<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionGrant")
+            .field("descriptor", &self.descriptor)
+            .finish()
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
+    /// What the peer uses (it got it on the connection too).
+    pub fn descriptor(&self) -> &MemoryDescriptor {
+        &self.descriptor
+    }
+
+    /// Revokes now.
+    pub fn revoke(self) {}
+}
+
+impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
+    fn drop(&mut self) {
+        let notice = Control::GrantRevoke {
+            grant: self.descriptor.grant,
+        };
+        // Best effort: a peer that is gone needs no notice; its NIC access
+        // ends with the MRs either way.
+        if let Err(e) = self.peer.send_control(&notice) {
+            tracing::debug!(error = %e, "revocation notice not sent");
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
+    fn with_state<T>(
+        &self,
+        f: impl FnOnce(&mut State<V, C>, &mut PeerState<V, C>) -> T,
+    ) -> Result<T, EngineError> {
+        let mut guard: MutexGuard<'_, State<V, C>> = lock(&self.engine.shared.state);
+        let state = &mut *guard;
+        let mut peer = state.peers[self.slot]
+            .take()
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        let out = f(state, &mut peer);
+        state.peers[self.slot] = Some(peer);
+        // What the call queued goes out now (the peer was out of the table
+        // while it ran).
+        self.engine.post_ready(state);
+        Ok(out)
+    }
+
+    /// The engine this peer belongs to.
+    pub fn engine(&self) -> &Engine<V, C> {
+        &self.engine
+    }
+
+    /// The peer engine's id.
+    pub fn remote_engine(&self) -> u64 {
+        self.with_state(|_, p| p.engine).unwrap_or(0)
+    }
+
+    /// The peer's address.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.with_state(|_, p| p.addr).ok()
+    }
+
+    /// Counters of each queue pair (index, NIC name, counters).
+    pub fn counters(&self) -> Vec<(u16, String, QpCounters)> {
+        let nics = &self.engine.shared.nics;
+        self.with_state(|state, p| {
+            p.qps
+                .iter()
+                .enumerate()
+                .map(|(i, q)| {
+                    (
+                        i as u16,
+                        nics[q.nic].name.clone(),
+                        state.core.counters(q.core),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+
+    /// Sends our queue pairs' NICs and waits for the peer's.
+    fn exchange_paths(&self, timeout: Duration) -> Result<(), EngineError> {
+        let nics = &self.engine.shared.nics;
+        let devices = self.with_state(|_, p| {
+            p.qps
+                .iter()
+                .map(|q| nics[q.nic].name.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        })?;
+        let batch = self.send_control(&Control::Paths {
+            devices: devices.as_bytes(),
+        })?;
+        let deadline = Instant::now() + timeout;
+        batch.wait(timeout).map_err(|e| EngineError::Handshake {
+            peer: self.addr().map(|a| a.to_string()).unwrap_or_default(),
+            why: format!("sending paths: {e}"),
+        })?;
+        loop {
+            if self.with_state(|_, p| p.paths_known)? {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(EngineError::Timeout(timeout));
+            }
+            if self.engine.progress() == 0 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Grants `len` bytes at `offset` of `region` to this peer with
+    /// `rights`: MRs of exactly that range on each NIC the peer's queue
+    /// pairs use, announced on the connection. The descriptor names this
+    /// engine and the grant; the peer may use it only on this connection.
+    pub fn grant(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<RegionGrant<V, C>, EngineError> {
+        region.check(offset, len)?;
+        let nics = self.with_state(|_, p| {
+            let mut nics: Vec<usize> = p.qps.iter().map(|q| q.nic).collect();
+            nics.sort_unstable();
+            nics.dedup();
+            nics
+        })?;
+        let shared = &self.engine.shared;
+        let staged = nics
+            .iter()
+            .any(|&nic| region.inner.per_nic[nic].rung() == Rung::Staging);
+        let mut grants = Vec::new();
+        let reach = if staged {
+            Reach::Staged
+        } else {
+            let mut segments: Vec<Segment> = Vec::new();
+            for &nic in &nics {
+                let n = &shared.nics[nic];
+                let grant = n
+                    .ladder
+                    .grant(&region.inner.per_nic[nic], offset, len, rights)?;
+                segments.push(grant.segment(0));
+                grants.push(grant);
+            }
+            segments.sort_by(|a, b| (&a.device, a.offset).cmp(&(&b.device, b.offset)));
+            Reach::Direct(segments)
+        };
+        let descriptor = MemoryDescriptor {
+            owner: shared.id,
+            grant: shared.next_grant.fetch_add(1, Ordering::Relaxed),
+            location: region.inner.location,
+            rights,
+            len,
+            reach,
+        };
+        let encoded = descriptor.encode()?;
+        self.send_control(&Control::GrantAnnounce {
+            descriptor: &encoded,
+        })?;
+        Ok(RegionGrant {
+            descriptor,
+            peer: self.clone(),
+            _grants: grants,
+        })
+    }
+
+    /// A grant the peer announced on this connection, by id.
+    pub fn remote_grant(&self, grant: u64) -> Option<MemoryDescriptor> {
+        self.with_state(|_, p| p.remote_grants.get(&grant).cloned())
+            .ok()
+            .flatten()
+    }
+
+    /// Waits up to `timeout` for the peer to announce grant `grant`.
+    pub fn wait_grant(
+        &self,
+        grant: u64,
+        timeout: Duration,
+    ) -> Result<MemoryDescriptor, EngineError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(d) = self.remote_grant(grant) {
+                return Ok(d);
+            }
+            self.check_alive()?;
+            if Instant::now() >= deadline {
+                return Err(EngineError::Timeout(timeout));
+            }
+            if self.engine.progress() == 0 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    fn check_alive(&self) -> Result<(), EngineError> {
+        match self.with_state(|_, p| p.gone.clone())? {
+            Some(why) => Err(EngineError::PeerGone(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// Submits a batch with the engine's default timeout.
+    pub fn submit(&self, transfers: &[Transfer<'_, V>]) -> Result<Batch<V, C>, EngineError> {
+        self.submit_with_timeout(transfers, self.engine.shared.config.default_timeout)
+    }
+
+    /// Submits a batch that must end within `timeout`: every transfer is
+    /// checked (local bounds, the grant live on this connection, its rights
+    /// and bounds) before anything is posted, then cut into slices over the
+    /// peer's queue pairs.
+    pub fn submit_with_timeout(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Batch<V, C>, EngineError> {
+        let shared = &self.engine.shared;
+        let _span = tracing::debug_span!("submit", transfers = transfers.len()).entered();
+        let cell = Arc::new(CompletionCell::new());
+        let now = shared.config.clock.now();
+        let slice_size = shared.config.slice_size.clamp(1, u64::from(u32::MAX));
+        let id = self.with_state(|state, peer| -> Result<BatchId, EngineError> {
+            if let Some(why) = &peer.gone {
+                return Err(EngineError::PeerGone(why.clone()));
+            }
+            for t in transfers {
+                check_transfer(peer, t)?;
+            }
+            let ready: Vec<usize> = (0..peer.qps.len())
+                .filter(|&i| state.core.is_ready(peer.qps[i].core))
+                .collect();
+            if ready.is_empty() {
+                return Err(EngineError::PeerGone("every queue pair failed".into()));
+            }
+            let mut work = Vec::new();
+            let mut keep: Vec<Keep> = Vec::with_capacity(transfers.len());
+            for t in transfers {
+                keep.push(Arc::clone(&t.local.inner) as Keep);
+                let mut done = 0;
+                while done < t.len {
+                    let index = ready[peer.next_qp % ready.len()];
+                    peer.next_qp = peer.next_qp.wrapping_add(1);
+                    let qp = &peer.qps[index];
+                    let remote_device = qp.remote_device.as_deref().unwrap_or("");
+                    let remote_offset = t.remote_offset + done;
+                    let segment = t.remote.segment(remote_device, remote_offset, 1)?;
+                    let in_segment = segment.offset + segment.len - remote_offset;
+                    let len = (t.len - done).min(slice_size).min(in_segment);
+                    let local = &t.local.inner.per_nic[qp.nic];
+                    let mr = local.mr().ok_or_else(|| {
+                        EngineError::Refused(
+                            "the local region is on the staging rung: not moved by the engine yet"
+                                .into(),
+                        )
+                    })?;
+                    let remote_addr = segment.addr + (remote_offset - segment.offset);
+                    let op = match t.op {
+                        Op::Read => SendOp::Read {
+                            remote_addr,
+                            rkey: segment.rkey,
+                        },
+                        Op::Write => SendOp::Write {
+                            remote_addr,
+                            rkey: segment.rkey,
+                        },
+                    };
+                    let mut flags = SendFlags::empty();
+                    if t.op == Op::Write && local.cpu_readable() && len <= u64::from(qp.max_inline)
+                    {
+                        flags |= SendFlags::INLINE;
+                    }
+                    let mut sg_list = SgList::new();
+                    sg_list.push(Sge {
+                        addr: t.local.inner.addr + t.local_offset + done,
+                        length: len as u32,
+                        lkey: mr.lkey(),
+                    });
+                    work.push((
+                        qp.core,
+                        Work {
+                            batch: 0,
+                            request: SendRequest {
+                                wr_id: 0,
+                                op,
+                                sg_list,
+                                flags,
+                            },
+                        },
+                    ));
+                    done += len;
+                }
+            }
+            let deadline = now.checked_add(timeout).map(|at| (at, timeout));
+            Ok(state.core.submit(work, Arc::clone(&cell), deadline, keep))
+        })??;
+        Ok(Batch {
+            engine: self.engine.clone(),
+            cell,
+            id: Some(id),
+        })
+    }
+
+    /// Sends a control message to the peer (at most the peer's
+    /// `max_message` less the header); the returned batch completes when
+    /// the peer's NIC has it.
+    pub fn send(&self, message: &[u8]) -> Result<Batch<V, C>, EngineError> {
+        self.send_control(&Control::User(message))
+    }
+
+    /// Queues a control message: it goes out as soon as a send slot and
+    /// one of the peer's receives are free (never blocking the caller: the
+    /// peer may be this very thread); the batch ends when the peer's NIC
+    /// has it, or at the engine's default timeout.
+    fn send_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
+        let len = message.encoded_len();
+        let shared = &self.engine.shared;
+        let timeout = shared.config.default_timeout;
+        let cell = Arc::new(CompletionCell::new());
+        self.with_state(|state, peer| -> Result<(), EngineError> {
+            if let Some(why) = &peer.gone {
+                return Err(EngineError::PeerGone(why.clone()));
+            }
+            let max = peer.peer_max_message;
+            if len > max {
+                return Err(EngineError::MessageTooLarge { len, max });
+            }
+            if peer.backlog.len() >= MAX_BACKLOG {
+                return Err(EngineError::Refused(format!(
+                    "{MAX_BACKLOG} control messages already wait for the peer"
+                )));
+            }
+            let mut bytes = vec![0; len];
+            message.encode_into(&mut bytes)?;
+            peer.backlog.push_back(Outgoing {
+                bytes,
+                cell: Arc::clone(&cell),
+                deadline: shared.config.clock.now() + timeout,
+                timeout,
+            });
+            peer.flush_backlog(&mut state.core, shared.config.clock.now());
+            Ok(())
+        })??;
+        Ok(Batch {
+            engine: self.engine.clone(),
+            cell,
+            id: None,
+        })
+    }
+
+    /// The next control message from the peer, waiting up to `timeout`.
+    pub fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(message) = self.with_state(|_, p| p.inbox.pop_front())? {
+                return Ok(message);
+            }
+            self.check_alive()?;
+            if Instant::now() >= deadline {
+                return Err(EngineError::Timeout(timeout));
+            }
+            if self.engine.progress() == 0 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Says goodbye and disconnects every queue pair: what is in flight
+    /// flushes and fails.
+    pub fn close(&self) -> Result<(), EngineError> {
+        if let Ok(batch) = self.send_control(&Control::Goodbye) {
+            let _ = batch.wait(Duration::from_secs(1));
+        }
+        self.with_state(|state, peer| {
+            peer.gone.get_or_insert_with(|| "closed by us".into());
+            for qp in &peer.qps {
+                let _ = qp.conn.disconnect();
+                state.core.fail_qp(
+                    qp.core,
+                    TransferError::PeerGone {
+                        reason: "closed by us".into(),
+                    },
+                );
+            }
+        })
+    }
+}
+
+/// Returns a send slot to its pool when the SEND using it is retired.
+struct SendSlot {
+    free: Arc<std::sync::Mutex<Vec<usize>>>,
+    slot: usize,
+}
+
+impl Drop for SendSlot {
+    fn drop(&mut self) {
+        self.free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(self.slot);
+    }
+}
+
+/// Checks a transfer before anything is posted: local bounds, the grant
+/// live on this connection, its rights, its bounds.
+fn check_transfer<V: Api, C: hal_cuda::Api>(
+    peer: &PeerState<V, C>,
+    t: &Transfer<'_, V>,
+) -> Result<(), EngineError> {
+    t.local.check(t.local_offset, t.len)?;
+    let d = t.remote;
+    let not_granted = || EngineError::NotGranted {
+        owner: d.owner,
+        grant: d.grant,
+    };
+    if d.owner != peer.engine || peer.revoked.contains(&d.grant) {
+        return Err(not_granted());
+    }
+    match peer.remote_grants.get(&d.grant) {
+        Some(live) if live == d => {}
+        _ => return Err(not_granted()),
+    }
+    let (allowed, op) = match t.op {
+        Op::Read => (d.rights.allows_read(), "READ"),
+        Op::Write => (d.rights.allows_write(), "WRITE"),
+    };
+    if !allowed {
+        return Err(EngineError::AccessDenied { grant: d.grant, op });
+    }
+    if t.remote_offset
+        .checked_add(t.len)
+        .is_none_or(|end| end > d.len)
+    {
+        return Err(EngineError::OutOfBounds {
+            what: "remote grant",
+            offset: t.remote_offset,
+            len: t.len,
+            size: d.len,
+        });
+    }
+    if matches!(d.reach, Reach::Staged) {
+        return Err(EngineError::Refused(
+            "the peer's region is on the staging rung: rendezvous transfers are not built yet"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A submitted batch (or control message): ends exactly once.
+pub struct Batch<V: Api, C: hal_cuda::Api> {
+    engine: Engine<V, C>,
+    cell: Arc<CompletionCell>,
+    /// The core's id; `None` for a control message (not cancellable).
+    id: Option<BatchId>,
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Batch")
+            .field("id", &self.id)
+            .field("outcome", &self.cell.outcome())
+            .finish()
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+    /// The outcome, if it has ended (makes progress first).
+    pub fn status(&self) -> Option<Outcome> {
+        if !self.cell.is_done() {
+            self.engine.progress();
+        }
+        self.cell.outcome()
+    }
+
+    /// Waits for the outcome, making progress, at most `timeout`; a batch
+    /// still running then is not cancelled ([`TransferError::Timeout`] is
+    /// returned for the wait, the batch's own deadline still runs).
+    pub fn wait(&self, timeout: Duration) -> Outcome {
+        let deadline = Instant::now() + timeout;
+        let mut idle = 0u32;
+        loop {
+            if let Some(outcome) = self.cell.outcome() {
+                return outcome;
+            }
+            if self.engine.progress() == 0 {
+                idle += 1;
+                if Instant::now() >= deadline {
+                    return Err(TransferError::Timeout { after: timeout });
+                }
+                if idle > 64 {
+                    std::thread::yield_now();
+                }
+            } else {
+                idle = 0;
+            }
+        }
+    }
+
+    /// Cancels the batch: what is not posted is dropped; it ends
+    /// [`TransferError::Cancelled`] once nothing of it is in flight.
+    pub fn cancel(&self) {
+        if let Some(id) = self.id {
+            lock(&self.engine.shared.state).core.cancel(id);
+        }
+    }
+
+    /// The completion cell (for a driver that waits elsewhere).
+    pub fn cell(&self) -> &Arc<CompletionCell> {
+        &self.cell
+    }
+}
+
+/// Awaiting a batch makes progress on each poll and wakes itself while
+/// the batch runs: runtime-agnostic, at the cost of a busy task (an
+/// engine driven by a thread of its own wakes it instead).
+impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
+    type Output = Outcome;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        if let Poll::Ready(outcome) = self.cell.poll(cx) {
+            return Poll::Ready(outcome);
+        }
+        self.engine.progress();
+        match self.cell.poll(cx) {
+            Poll::Ready(outcome) => Poll::Ready(outcome),
+            Poll::Pending => {
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+        }
+    }
+}
