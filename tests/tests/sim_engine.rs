@@ -521,3 +521,28 @@ fn a_batch_past_its_deadline_times_out_and_the_qp_is_stopped() {
         Err(EngineError::PeerGone(_))
     ));
 }
+
+#[test]
+fn a_fatal_device_event_fails_everything_on_that_device_at_once() {
+    let w = world(1, GpuConfig::default(), config(2));
+    let (ab, ba) = connect(&w, false);
+    let (_s, src) = w.a.host(1 << 16, 5);
+    let (_d, dst) = w.b.host(1 << 16, 0);
+    let (_g, remote) = grant_to(&ba, &ab, &dst, GrantRights::ReadWrite);
+    w.fabric.set_paused(true);
+    let batch = ab
+        .submit(&[Transfer::write(&src, 0, &remote, 0, 1 << 16)])
+        .unwrap();
+    w.a.verbs
+        .raise_async_event("sim0", hal_verbs::AsyncEvent::DeviceFatal);
+    let err = batch.wait(Duration::from_secs(2)).unwrap_err();
+    assert!(
+        matches!(&err, TransferError::DeviceFatal { device } if device == "sim0"),
+        "{err}"
+    );
+    assert!(matches!(
+        ab.submit(&[Transfer::write(&src, 0, &remote, 0, 16)]),
+        Err(EngineError::PeerGone(_))
+    ));
+    w.fabric.set_paused(false);
+}

@@ -175,10 +175,6 @@ impl Core {
         self.qps.len() - 1
     }
 
-    pub fn health(&self, qp: QpId) -> &Health {
-        &self.qps[qp].health
-    }
-
     pub fn is_ready(&self, qp: QpId) -> bool {
         self.qps[qp].health == Health::Ready
     }
@@ -188,12 +184,14 @@ impl Core {
     }
 
     /// Requests queued or in flight on `qp`.
+    #[cfg(test)]
     pub fn load(&self, qp: QpId) -> usize {
         let record = &self.qps[qp];
         record.queue.len() + record.in_flight.len()
     }
 
     /// Batches not yet retired.
+    #[cfg(test)]
     pub fn batches_live(&self) -> usize {
         self.batches.len()
     }

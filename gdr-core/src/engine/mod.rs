@@ -451,7 +451,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let cm = provider
             .connection_manager()
             .map_err(|e| EngineError::verbs("opening the connection manager", e))?;
-        let cache = Arc::new(RegistrationCache::new(config.cache.clone()));
+        let cache = Arc::new(RegistrationCache::new(config.cache));
         let exports = Arc::new(DmabufExports::new());
         let gpu_count = match cuda {
             Some(driver) => {
@@ -477,11 +477,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 gpus,
                 Arc::clone(&cache),
                 Arc::clone(&exports),
-                config.ladder.clone(),
+                config.ladder,
             )?;
             let depth = context
                 .query_device()
-                .map(|a| (a.max_cqe.max(1) as u32).min(cq_depth))
+                .map(|a| a.max_cqe.max(1).min(cq_depth))
                 .unwrap_or(cq_depth);
             let cq = context
                 .create_cq(depth)
@@ -863,6 +863,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
+    /// The earliest deadline of a request in flight: a driver that waits
+    /// for completion events must call [`Engine::progress`] by then.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        lock(&self.shared.state).core.next_deadline()
+    }
+
     /// Polls every NIC's completions, handles deadlines and connection
     /// events, and posts what is ready. Returns how many completions it
     /// handled. Waiting calls make progress themselves; call this when
@@ -879,6 +885,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 tracing::warn!(device = %nic.name, error = %e, "polling the CQ failed");
             }
             let completions = std::mem::take(&mut state.completions);
+            if completions.iter().any(|wc| !wc.status.is_success()) {
+                // An error may come of a device failure or a QP event:
+                // take those first, so requests fail with their cause.
+                self.poll_async_events(state);
+            }
             for wc in &completions {
                 handled += 1;
                 let Some(&(slot, index)) = state.by_qp_num.get(&(nic_index, wc.qp_num)) else {
@@ -899,6 +910,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         // whenever nothing completed.
         if handled == 0 || state.ticks % 64 == 0 {
             self.poll_connections(state);
+            self.poll_async_events(state);
         }
         state.core.handle_timeout(shared.config.clock.now());
         self.run_actions(state);
@@ -978,6 +990,56 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                             .fail_qp(qp.core, TransferError::PeerGone { reason: why });
                     }
                     Err(e) => tracing::debug!(error = %e, "polling a connection's events"),
+                }
+            }
+        }
+    }
+
+    /// Takes every NIC's async events: a fatal device error fails
+    /// everything on that NIC at once (nothing will flush); a queue pair's
+    /// fatal error fails that queue pair.
+    fn poll_async_events(&self, state: &mut State<V, C>) {
+        for (nic_index, nic) in self.shared.nics.iter().enumerate() {
+            loop {
+                let event = match nic.context.next_async_event() {
+                    Ok(Some(event)) => event,
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!(device = %nic.name, error = %e, "reading async events");
+                        break;
+                    }
+                };
+                tracing::warn!(device = %nic.name, ?event, "async event");
+                match event {
+                    hal_verbs::AsyncEvent::DeviceFatal => {
+                        let cause = TransferError::DeviceFatal {
+                            device: nic.name.clone(),
+                        };
+                        for peer in state.peers.iter_mut().flatten() {
+                            for qp in peer.qps.iter().filter(|q| q.nic == nic_index) {
+                                state.core.abandon_qp(qp.core, cause.clone());
+                            }
+                            if peer.qps.iter().all(|q| !state.core.is_ready(q.core)) {
+                                peer.gone
+                                    .get_or_insert_with(|| format!("device {} failed", nic.name));
+                            }
+                        }
+                    }
+                    hal_verbs::AsyncEvent::QpFatal { qp_num }
+                    | hal_verbs::AsyncEvent::QpRequestError { qp_num }
+                    | hal_verbs::AsyncEvent::QpAccessError { qp_num } => {
+                        if let Some(&(slot, index)) = state.by_qp_num.get(&(nic_index, qp_num))
+                            && let Some(peer) = state.peers[slot].as_ref()
+                        {
+                            state.core.fail_qp(
+                                peer.qps[index].core,
+                                TransferError::Local {
+                                    what: format!("async event {event:?}"),
+                                },
+                            );
+                        }
+                    }
+                    _ => {}
                 }
             }
         }
@@ -1377,6 +1439,12 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// The peer engine's id.
     pub fn remote_engine(&self) -> u64 {
         self.with_state(|_, p| p.engine).unwrap_or(0)
+    }
+
+    /// The connection's session id (chosen by the connecting side, the
+    /// same on each of its queue pairs).
+    pub fn session(&self) -> u64 {
+        self.with_state(|_, p| p.session).unwrap_or(0)
     }
 
     /// The peer's address.
