@@ -1082,6 +1082,11 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         &self.cache
     }
 
+    /// The ladder's GPU of CUDA ordinal `ordinal`.
+    pub fn gpu(&self, ordinal: u32) -> Option<&Gpu<C>> {
+        self.gpus.iter().find(|g| g.attributes.ordinal == ordinal)
+    }
+
     /// The dma-buf exports this ladder shares.
     pub fn exports(&self) -> &Arc<DmabufExports> {
         &self.exports

@@ -102,6 +102,8 @@ struct SimGpu {
     config: GpuConfig,
     lost: AtomicBool,
     used: AtomicU64,
+    /// `cuFlushGPUDirectRDMAWrites` calls that succeeded.
+    flushes: AtomicU64,
 }
 
 /// The allocations that IPC handles can name, by buffer id.
@@ -204,6 +206,7 @@ impl SimCuda {
                     config,
                     lost: AtomicBool::new(false),
                     used: AtomicU64::new(0),
+                    flushes: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -285,6 +288,13 @@ impl hal_cuda::Driver<SimCudaApi> for SimCuda {
 }
 
 impl SimCuda {
+    /// How many `cuFlushGPUDirectRDMAWrites` calls GPU `ordinal` took (a
+    /// fence's test counts them; simulated writes need none to land).
+    pub fn flushes(&self, ordinal: u32) -> u64 {
+        self.gpu(ordinal)
+            .map_or(0, |gpu| gpu.flushes.load(Ordering::SeqCst))
+    }
+
     fn gpu(&self, ordinal: u32) -> Result<Arc<SimGpu>> {
         self.process
             .gpus
@@ -642,7 +652,9 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 "the GPU reports no host flush option",
             ));
         }
-        // Simulated writes land in host memory at once: nothing to flush.
+        // Simulated writes land in host memory at once: nothing to flush,
+        // but the call is counted.
+        self.gpu.flushes.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 

@@ -546,3 +546,62 @@ fn a_fatal_device_event_fails_everything_on_that_device_at_once() {
     ));
     w.fabric.set_paused(false);
 }
+
+/// The GPU fence is tied to the batch: a READ into GPU memory flushes that
+/// GPU once before `wait` returns, where the GPU's write ordering asks for
+/// it, and never where it orders writes itself; a peer's WRITE is fenced
+/// on the region, on request.
+#[test]
+fn the_gpu_fence_follows_the_batch_that_wrote() {
+    for (ordering, flushes_expected) in [
+        (hal_cuda::WritesOrdering::None, 1),
+        (hal_cuda::WritesOrdering::Owner, 0),
+    ] {
+        let gpu = GpuConfig {
+            writes_ordering: ordering,
+            ..GpuConfig::default()
+        };
+        let w = world(1, gpu, config(2));
+        let (ab, ba) = connect(&w, false);
+        let (_s, src) = w.b.host(1 << 16, 8);
+        let (_g, remote) = grant_to(&ba, &ab, &src, GrantRights::ReadWrite);
+        let (gpu_buf, gpu_region) = w.a.gpu(1 << 16, 0);
+        let (_h, host_region) = w.a.host(1 << 16, 0);
+        // A READ into host memory fences nothing.
+        ab.submit(&[Transfer::read(&host_region, 0, &remote, 0, 1 << 16)])
+            .unwrap()
+            .wait(T)
+            .unwrap();
+        assert_eq!(w.a.cuda.flushes(0), 0, "{ordering:?}");
+        let batch = ab
+            .submit(&[
+                Transfer::read(&gpu_region, 0, &remote, 0, 1 << 15),
+                Transfer::read(&gpu_region, 1 << 15, &remote, 1 << 15, 1 << 15),
+            ])
+            .unwrap();
+        batch.wait(T).unwrap();
+        batch.wait(T).unwrap();
+        assert_eq!(
+            w.a.cuda.flushes(0),
+            flushes_expected,
+            "{ordering:?}: one fence for the batch"
+        );
+        assert_eq!(w.a.bytes(&gpu_buf), pattern(1 << 16, 8));
+        // Inbound: b WRITEs into a's GPU region; a fences the region.
+        let (_g2, gpu_remote) = grant_to(&ab, &ba, &gpu_region, GrantRights::Write);
+        ba.submit(&[Transfer::write(&src, 0, &gpu_remote, 0, 1 << 16)])
+            .unwrap()
+            .wait(T)
+            .unwrap();
+        let fence = w.a.engine.fence_inbound_writes(&gpu_region).unwrap();
+        assert_eq!(
+            fence == gdr_core::engine::Fence::Flushed,
+            flushes_expected == 1,
+            "{ordering:?}"
+        );
+        assert_eq!(
+            w.a.engine.fence_inbound_writes(&host_region).unwrap(),
+            gdr_core::engine::Fence::NotNeeded
+        );
+    }
+}

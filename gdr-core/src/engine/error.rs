@@ -167,6 +167,9 @@ pub enum EngineError {
     /// No device, no path.
     #[error("{0}")]
     Unavailable(String),
+    /// A CUDA call failed (the GPU fence).
+    #[error("GPU: {0}")]
+    Cuda(#[from] hal_cuda::CudaError),
 }
 
 impl EngineError {

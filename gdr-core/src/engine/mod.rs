@@ -31,12 +31,20 @@
 //!
 //! # The GPU fence
 //!
-//! Data a peer WRITEs into GPU memory is complete for the NIC when the
-//! peer's request completes; whether kernels launched afterwards see it
-//! depends on the GPU's write ordering. The receiving side learns of the
-//! write through a control message (or its own protocol) and must then
-//! call [`Region::fence_inbound_writes`] before launching kernels that read
-//! it.
+//! A NIC's writes into GPU memory (a READ's data arriving here, a peer's
+//! WRITE) are complete for the NIC when the request completes; whether a
+//! kernel launched afterwards sees them depends on the GPU's write
+//! ordering (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`). The
+//! fence is tied to the request, not to the device:
+//! - a batch that READ into GPU memory flushes that GPU
+//!   (`cuFlushGPUDirectRDMAWrites`, only where the attribute asks for it)
+//!   before [`Batch::wait`] (or the `Future`) returns success: launch
+//!   kernels after that;
+//! - data a peer WROTE here is fenced by [`Engine::fence_inbound_writes`]
+//!   on the region, called once the peer says its batch completed (its
+//!   control message, sent after the batch, arrives after the data).
+//!
+//! 3FS's `hf3fs_iovsync` synchronizes the whole device instead.
 
 pub mod completion;
 mod core;
@@ -863,6 +871,40 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
+    /// The GPU fence for data a peer WROTE into `region`: once the peer's
+    /// WRITE batch has completed (its owner tells us, e.g. with a control
+    /// message sent after it), kernels launched after this call see the
+    /// data. Flushes (`cuFlushGPUDirectRDMAWrites`, owner scope) only where
+    /// the GPU's write-ordering attribute asks for it, and only that GPU's
+    /// writes: not a device-wide synchronization. Host memory needs
+    /// nothing. A GPU that can neither order nor flush is an error.
+    pub fn fence_inbound_writes(&self, region: &Region<V>) -> Result<Fence, EngineError> {
+        match region.inner.location {
+            MemoryLocation::Host => Ok(Fence::NotNeeded),
+            MemoryLocation::Gpu { ordinal } => self.fence_gpu(u32::from(ordinal)),
+        }
+    }
+
+    fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
+        use hal_cuda::Context as _;
+        let gpu = self
+            .shared
+            .nics
+            .first()
+            .and_then(|n| n.ladder.gpu(ordinal))
+            .ok_or_else(|| {
+                EngineError::Unavailable(format!("GPU {ordinal} is not one of the engine's"))
+            })?;
+        if gpu.attributes.needs_flush_before_kernels()? {
+            let _span = tracing::debug_span!("gpu_fence", ordinal).entered();
+            gpu.context
+                .flush_gpu_direct_rdma_writes(hal_cuda::FlushScope::Owner)?;
+            Ok(Fence::Flushed)
+        } else {
+            Ok(Fence::NotNeeded)
+        }
+    }
+
     /// The earliest deadline of a request in flight: a driver that waits
     /// for completion events must call [`Engine::progress`] by then.
     pub fn next_deadline(&self) -> Option<Instant> {
@@ -1169,6 +1211,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             thread: Some(thread),
         }
     }
+}
+
+/// What a GPU fence did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    /// Host memory, or a GPU that orders inbound writes for its kernels.
+    NotNeeded,
+    /// The GPU's inbound writes were flushed.
+    Flushed,
 }
 
 /// One way to reach a peer: the local source address (which picks the
@@ -1613,6 +1664,16 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let cell = Arc::new(CompletionCell::new());
         let now = shared.config.clock.now();
         let slice_size = shared.config.slice_size.clamp(1, u64::from(u32::MAX));
+        let mut fence: Vec<u32> = transfers
+            .iter()
+            .filter(|t| t.op == Op::Read)
+            .filter_map(|t| match t.local.inner.location {
+                MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
+                MemoryLocation::Host => None,
+            })
+            .collect();
+        fence.sort_unstable();
+        fence.dedup();
         let id = self.with_state(|state, peer| -> Result<BatchId, EngineError> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
@@ -1691,6 +1752,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             engine: self.engine.clone(),
             cell,
             id: Some(id),
+            fence,
+            fenced: Default::default(),
         })
     }
 
@@ -1738,6 +1801,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             engine: self.engine.clone(),
             cell,
             id: None,
+            fence: Vec::new(),
+            fenced: Default::default(),
         })
     }
 
@@ -1846,6 +1911,10 @@ pub struct Batch<V: Api, C: hal_cuda::Api> {
     cell: Arc<CompletionCell>,
     /// The core's id; `None` for a control message (not cancellable).
     id: Option<BatchId>,
+    /// GPUs this batch READ into: fenced once it succeeds, before
+    /// [`Batch::wait`] or the `Future` returns.
+    fence: Vec<u32>,
+    fenced: std::sync::atomic::AtomicBool,
 }
 
 impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
@@ -1863,7 +1932,21 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         if !self.cell.is_done() {
             self.engine.progress();
         }
-        self.cell.outcome()
+        self.cell.outcome().map(|o| self.fenced(o))
+    }
+
+    /// The batch's outcome with its GPU fence applied (once).
+    fn fenced(&self, outcome: Outcome) -> Outcome {
+        if outcome.is_ok() && !self.fence.is_empty() && !self.fenced.swap(true, Ordering::AcqRel) {
+            for &ordinal in &self.fence {
+                self.engine
+                    .fence_gpu(ordinal)
+                    .map_err(|e| TransferError::Local {
+                        what: format!("GPU fence after the batch: {e}"),
+                    })?;
+            }
+        }
+        outcome
     }
 
     /// Waits for the outcome, making progress, at most `timeout`; a batch
@@ -1874,7 +1957,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         let mut idle = 0u32;
         loop {
             if let Some(outcome) = self.cell.outcome() {
-                return outcome;
+                return self.fenced(outcome);
             }
             if self.engine.progress() == 0 {
                 idle += 1;
@@ -1912,11 +1995,11 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
         if let Poll::Ready(outcome) = self.cell.poll(cx) {
-            return Poll::Ready(outcome);
+            return Poll::Ready(self.fenced(outcome));
         }
         self.engine.progress();
         match self.cell.poll(cx) {
-            Poll::Ready(outcome) => Poll::Ready(outcome),
+            Poll::Ready(outcome) => Poll::Ready(self.fenced(outcome)),
             Poll::Pending => {
                 cx.waker().wake_by_ref();
                 Poll::Pending
