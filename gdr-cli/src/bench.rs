@@ -30,7 +30,8 @@ use hal_verbs::{
     SgList, Sge,
 };
 
-use crate::{Backend, Verbs, choose_verbs, parse_size};
+use crate::parse_size;
+use gdr_core::backend::Backends;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
@@ -200,17 +201,17 @@ impl<A: Api> HostRegion<A> {
     }
 }
 
-pub(crate) fn run(backend: Backend, command: BenchCommand) -> Result<(), Box<dyn Error>> {
+pub(crate) fn run<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    command: BenchCommand,
+) -> Result<(), Box<dyn Error>> {
     match command {
-        BenchCommand::Rdma(args) => match choose_verbs(backend)? {
-            Verbs::Real(p) => rdma::<hal_verbs::rdma::RdmaApi>(&p, &args),
-            Verbs::Sim(p) => {
-                if !args.json {
-                    println!("(simulated NIC: the figures measure gdr-sim, not a device)");
-                }
-                rdma::<gdr_sim::nic::SimVerbsApi>(&p, &args)
+        BenchCommand::Rdma(args) => {
+            if backends.verbs_name() == "sim" && !args.json {
+                println!("(simulated NIC: the figures measure gdr-sim, not a device)");
             }
-        },
+            rdma::<V>(backends.verbs(), &args)
+        }
     }
 }
 

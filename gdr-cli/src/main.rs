@@ -13,14 +13,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 use gdr_core::buffer::Buffer;
 use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig};
-use gdr_sim::nic::{NodeConfig, SimFabric};
-use gdr_sim::{GpuConfig, SimCuda};
 use hal_cuda::Driver as _;
-use hal_cuda::cuda::CudaDriver;
-use hal_verbs::rdma::RdmaProvider;
 use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
 mod bench;
@@ -72,43 +69,6 @@ fn parse_size(text: &str) -> Result<usize, String> {
         .checked_shl(shift)
         .filter(|v| *v > 0 && v >> shift == value)
         .ok_or_else(|| format!("{text:?} is out of range"))
-}
-
-/// The backends chosen for this run.
-enum Verbs {
-    Real(RdmaProvider),
-    Sim(gdr_sim::nic::SimVerbs),
-}
-
-enum Cuda {
-    Real(CudaDriver),
-    Sim(SimCuda),
-}
-
-fn choose_verbs(backend: Backend) -> Result<Verbs, Box<dyn Error>> {
-    if backend != Backend::Sim {
-        match RdmaProvider::load().and_then(|p| p.devices().map(|_| p)) {
-            Ok(provider) => return Ok(Verbs::Real(provider)),
-            Err(e) if backend == Backend::Real => return Err(e.into()),
-            Err(e) => println!("rdma-core: {e}\n  -> using the simulated NIC (gdr-sim)"),
-        }
-    }
-    let node = SimFabric::new().add_node("local", NodeConfig::default());
-    Ok(Verbs::Sim(node))
-}
-
-fn choose_cuda(backend: Backend) -> Result<Cuda, Box<dyn Error>> {
-    if backend != Backend::Sim {
-        match CudaDriver::load().and_then(|d| d.device_count().map(|_| d)) {
-            Ok(driver) => return Ok(Cuda::Real(driver)),
-            Err(e) if backend == Backend::Real => return Err(e.into()),
-            Err(e) => println!("CUDA: {e}\n  -> using the simulated GPU (gdr-sim)"),
-        }
-    }
-    Ok(Cuda::Sim(SimCuda::new(
-        vec![GpuConfig::default()],
-        Default::default(),
-    )))
 }
 
 fn print_verbs<A: hal_verbs::Api>(provider: &A::Provider) -> Result<(), Box<dyn Error>> {
@@ -172,49 +132,24 @@ fn print_cuda<A: hal_cuda::Api>(driver: &A::Driver) -> Result<(), Box<dyn Error>
     Ok(())
 }
 
-fn info(backend: Backend) -> Result<(), Box<dyn Error>> {
-    let verbs = choose_verbs(backend)?;
-    match &verbs {
-        Verbs::Real(p) => print_verbs::<hal_verbs::rdma::RdmaApi>(p)?,
-        Verbs::Sim(p) => print_verbs::<gdr_sim::nic::SimVerbsApi>(p)?,
-    }
-    let cuda = choose_cuda(backend)?;
-    match &cuda {
-        Cuda::Real(d) => print_cuda::<hal_cuda::cuda::CudaApi>(d)?,
-        Cuda::Sim(d) => print_cuda::<gdr_sim::SimCudaApi>(d)?,
+/// `gdr info`: the RDMA devices and GPUs, then which GPU registration rungs
+/// each NIC can take.
+fn info<V: hal_verbs::Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+) -> Result<(), Box<dyn Error>> {
+    print_verbs::<V>(backends.verbs())?;
+    if let Some(driver) = backends.cuda() {
+        print_cuda::<C>(driver)?;
     }
     // Which GPU rungs each NIC can take, probed with a loopback self-check;
-    // only where NIC and GPU are both real or both simulated.
-    match (&verbs, &cuda) {
-        (Verbs::Real(p), Cuda::Real(d)) => {
-            print_rungs::<hal_verbs::rdma::RdmaApi, hal_cuda::cuda::CudaApi>(p, d)
-        }
-        (Verbs::Sim(p), Cuda::Sim(d)) => {
-            print_rungs::<gdr_sim::nic::SimVerbsApi, gdr_sim::SimCudaApi>(p, d)
-        }
-        (Verbs::Real(p), Cuda::Sim(_)) => {
-            println!("(probing with a host-visible simulated GPU, standing in for peermem)");
-            print_rungs::<hal_verbs::rdma::RdmaApi, gdr_sim::SimCudaApi>(p, &host_visible_gpu())
-        }
-        (Verbs::Sim(_), Cuda::Real(_)) => {
-            println!(
-                "GPU registration rungs: not probed (a simulated NIC cannot reach real GPU memory)"
-            );
+    // only where the NIC can reach the GPU's memory.
+    match backends.registrable_cuda() {
+        Some(driver) => print_rungs::<V, C>(backends.verbs(), driver),
+        None => {
+            println!("GPU registration rungs: not probed (no GPU memory this NIC can reach)");
             Ok(())
         }
     }
-}
-
-/// A simulated GPU whose memory has host addresses: a real NIC can register
-/// it as nvidia-peermem would pin GPU memory.
-fn host_visible_gpu() -> SimCuda {
-    SimCuda::new(
-        vec![GpuConfig {
-            host_visible: true,
-            ..GpuConfig::default()
-        }],
-        Default::default(),
-    )
 }
 
 fn print_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
@@ -330,23 +265,29 @@ fn report<V: hal_verbs::Api, C: hal_cuda::Api>(
     Ok(())
 }
 
-fn loopback(backend: Backend, size: usize) -> Result<(), Box<dyn Error>> {
-    let verbs = choose_verbs(backend)?;
-    let cuda = choose_cuda(backend)?;
-    type RealV = hal_verbs::rdma::RdmaApi;
-    type SimV = gdr_sim::nic::SimVerbsApi;
-    type RealC = hal_cuda::cuda::CudaApi;
-    type SimC = gdr_sim::SimCudaApi;
-    match (&verbs, &cuda) {
-        (Verbs::Real(p), Cuda::Real(d)) => prove::<RealV, RealC>(p, Some(d), size),
-        (Verbs::Sim(p), Cuda::Sim(d)) => prove::<SimV, SimC>(p, Some(d), size),
-        (Verbs::Real(p), Cuda::Sim(_)) => {
-            println!("(simulated GPU memory is host-visible here, standing in for peermem)");
-            prove::<RealV, SimC>(p, Some(&host_visible_gpu()), size)
+/// `gdr loopback`: host memory, then GPU memory where the NIC reaches it.
+fn loopback<V: hal_verbs::Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    size: usize,
+) -> Result<(), Box<dyn Error>> {
+    prove::<V, C>(backends.verbs(), backends.registrable_cuda(), size)
+}
+
+/// A command, run on whichever backends `--backend` leads to: each command
+/// is one generic function, compiled for every combination.
+struct Run(Command);
+
+impl BackendTask for Run {
+    type Output = Result<(), Box<dyn Error>>;
+
+    fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
+        for note in backends.notes() {
+            println!("{note}");
         }
-        (Verbs::Sim(p), _) => {
-            println!("(a simulated NIC cannot reach real GPU memory: host memory only)");
-            prove::<SimV, SimC>(p, None, size)
+        match self.0 {
+            Command::Info => info(&backends),
+            Command::Loopback { size } => loopback(&backends, size),
+            Command::Bench(what) => bench::run(&backends, what),
         }
     }
 }
@@ -359,11 +300,12 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Info => info(cli.backend),
-        Command::Loopback { size } => loopback(cli.backend, size),
-        Command::Bench(what) => bench::run(cli.backend, what),
+    let choice = match cli.backend {
+        Backend::Auto => BackendChoice::Auto,
+        Backend::Real => BackendChoice::Real,
+        Backend::Sim => BackendChoice::Sim,
     };
+    let result = run_with(choice, Run(cli.command)).unwrap_or_else(|e| Err(e.into()));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

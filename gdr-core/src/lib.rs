@@ -7,6 +7,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+#[cfg(any(feature = "sim", feature = "rdma", feature = "cuda"))]
+pub mod backend;
 pub mod buffer;
 pub mod descriptor;
 pub mod engine;
