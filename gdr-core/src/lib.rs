@@ -1,9 +1,85 @@
 //! # gdr-core
 //!
 //! The part of gdr that knows no backend: buffers and memory kinds, the
-//! registration ladder and cache, descriptors and `gdr://` URIs, and the
-//! transfer engine, all generic over the `hal-verbs` and `hal-cuda` traits.
-//! Concurrency goes through a `sync` shim (std or loom) so loom can check it.
+//! registration ladder and cache, descriptors, and the transfer engine, all
+//! generic over the `hal-verbs` and `hal-cuda` traits. Concurrency goes
+//! through a `sync` shim (std or loom) so loom can check it.
+//!
+//! # Using it: a storage client on the simulator
+//!
+//! Two nodes, each with an engine; the server grants a GPU buffer, the
+//! client WRITEs a host buffer into it and READs it back into GPU memory of
+//! its own, then registers again (a cache hit). The same code runs on
+//! rdma-core and CUDA: only the providers differ (see `backend`, behind
+//! the `sim`, `rdma` and `cuda` features).
+//!
+//! ```
+//! use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+//! use std::time::Duration;
+//!
+//! use gdr_core::prelude::*;
+//! use gdr_sim::{GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi};
+//!
+//! // The engine is generic over the verbs and CUDA backends.
+//! type SimEngine = Engine<SimVerbsApi, SimCudaApi>;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let fabric = SimFabric::new();
+//! let (server_nic, client_nic) = (
+//!     fabric.add_node("server", NodeConfig::default()),
+//!     fabric.add_node("client", NodeConfig::default()),
+//! );
+//! let (server_gpu, client_gpu) = (
+//!     SimCuda::new(vec![GpuConfig::default()], Default::default()),
+//!     SimCuda::new(vec![GpuConfig::default()], Default::default()),
+//! );
+//! let server = SimEngine::new(&server_nic, Some(&server_gpu), EngineConfig::default())?;
+//! let client = SimEngine::new(&client_nic, Some(&client_gpu), EngineConfig::default())?;
+//!
+//! // The server listens; the client connects (each side gets a Peer).
+//! let mut listener = server.listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
+//! let port = listener.local_addr().port();
+//! let accepting = std::thread::spawn(move || listener.accept(Duration::from_secs(5)));
+//! let server_ip = IpAddr::V4(server_nic.device_ipv4("sim0").expect("an address"));
+//! let to_server = client.connect(SocketAddr::new(server_ip, port), Duration::from_secs(5))?;
+//! let to_client = accepting.join().expect("accept thread")?;
+//!
+//! // The server's GPU buffer, granted for READ and WRITE.
+//! const LEN: u64 = 1 << 20;
+//! let gpu = Buffer::alloc_device(&server_gpu.context(0)?, LEN)?;
+//! let gpu_region = server.register(&gpu)?;
+//! let grant = to_client.grant(&gpu_region, 0, LEN, GrantRights::ReadWrite)?;
+//! // (A real server sends the grant id in its own protocol; here we share it.)
+//! let remote = to_server.wait_grant(grant.descriptor().grant, Duration::from_secs(5))?;
+//!
+//! // WRITE a host buffer into it, READ it back into the client's GPU.
+//! let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+//! let host = Buffer::alloc_host(LEN);
+//! host.write_at(0, &data)?;
+//! let host_region = client.register(&host)?;
+//! to_server
+//!     .submit(&[Transfer::write(&host_region, 0, &remote, 0, LEN)])?
+//!     .wait(Duration::from_secs(5))?;
+//! let back = Buffer::alloc_device(&client_gpu.context(0)?, LEN)?;
+//! let back_region = client.register(&back)?;
+//! // Success returns after the GPU fence: kernels may read `back` now.
+//! to_server
+//!     .submit(&[Transfer::read(&back_region, 0, &remote, 0, LEN)])?
+//!     .wait(Duration::from_secs(5))?;
+//!
+//! let mut check = vec![0u8; LEN as usize];
+//! let stream = client_gpu.context(0)?.create_stream()?;
+//! // SAFETY: `check` holds LEN bytes; `back` is LEN bytes of device memory.
+//! unsafe { stream.copy_device_to_host(check.as_mut_ptr(), back.addr(), check.len())? };
+//! stream.synchronize()?;
+//! assert_eq!(check, data);
+//!
+//! // Registering the same buffer again hits the cache.
+//! let again = client.register(&host)?;
+//! assert!(again.registration(0).expect("one NIC").cache_hit());
+//! # Ok(())
+//! # }
+//! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -15,6 +91,7 @@ pub mod engine;
 pub mod ladder;
 mod lifetime;
 pub mod loopback;
+pub mod prelude;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;
