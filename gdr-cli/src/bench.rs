@@ -18,16 +18,22 @@
 //! polled in batches, and an empty poll gives the CPU away (`--idle yield`)
 //! rather than spinning.
 
+use std::collections::VecDeque;
 use std::error::Error;
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand, ValueEnum};
 use gdr_core::loopback::{PairConfig, QpPair};
+use gdr_core::prelude::{
+    Batch, Buffer, Engine, EngineConfig, EngineError, GrantRights, MemoryDescriptor, Peer, Region,
+    Transfer,
+};
 use hal_verbs::{
-    AccessFlags, Api, Completion, CompletionQueue as _, Context as _, MemoryRegion as _,
-    ProtectionDomain as _, Provider as _, QpCaps, QueuePair as _, SendFlags, SendOp, SendRequest,
-    SgList, Sge,
+    AccessFlags, AddressFamily, Api, Completion, CompletionQueue as _, Context as _,
+    MemoryRegion as _, ProtectionDomain as _, Provider as _, QpCaps, QueuePair as _, SendFlags,
+    SendOp, SendRequest, SgList, Sge,
 };
 
 use crate::parse_size;
@@ -40,6 +46,11 @@ pub(crate) enum BenchCommand {
     /// QPs connected to each other on one device (perftest's
     /// ib_write_bw/ib_read_bw, client and server in one process).
     Rdma(RdmaArgs),
+    /// RDMA WRITE and READ throughput and batch latency through the
+    /// transfer engine: two engines in this process connected over
+    /// rdma_cm, one granting a host buffer, the other moving batches of
+    /// requests into and out of it.
+    Engine(EngineArgs),
 }
 
 /// The operation measured.
@@ -211,6 +222,12 @@ pub(crate) fn run<V: Api, C: hal_cuda::Api>(
                 println!("(simulated NIC: the figures measure gdr-sim, not a device)");
             }
             rdma::<V>(backends.verbs(), &args)
+        }
+        BenchCommand::Engine(args) => {
+            if backends.verbs_name() == "sim" && !args.json {
+                println!("(simulated NIC: the figures measure gdr-sim, not a device)");
+            }
+            engine_bench(backends, &args)
         }
     }
 }
@@ -531,6 +548,561 @@ fn measure<A: Api>(
     })
 }
 
+/// How `gdr bench engine` makes the engine progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Progress {
+    /// The bench thread calls `Engine::progress` between submissions and
+    /// applies `--idle` when nothing completed.
+    Inline,
+    /// A driver thread (`Engine::spawn_driver`) polls; the bench thread
+    /// sleeps on the oldest batch's completion.
+    Driver,
+}
+
+/// Options of `gdr bench engine`.
+#[derive(Debug, Args)]
+pub(crate) struct EngineArgs {
+    /// Sizes of one request, comma-separated (suffixes K, M, G: powers of
+    /// 1024).
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,4M", value_parser = parse_size)]
+    sizes: Vec<usize>,
+    /// Operations, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "write,read")]
+    ops: Vec<Op>,
+    /// Requests per submitted batch. Default: as many as make 256 KiB,
+    /// 1..=64.
+    #[arg(long)]
+    batch: Option<u32>,
+    /// Batches in flight.
+    #[arg(long, default_value_t = 4)]
+    depth: u32,
+    /// Queue pairs per peer (the engine's `qps_per_peer`). Default: the
+    /// engine's.
+    #[arg(long)]
+    qps: Option<u16>,
+    /// Largest single RDMA request (the engine's `slice_size`; suffixes K,
+    /// M, G). Default: the engine's.
+    #[arg(long, value_parser = parse_size)]
+    slice: Option<usize>,
+    /// Work requests in flight per queue pair (the engine's `qp_depth`).
+    /// Default: the engine's.
+    #[arg(long)]
+    qp_depth: Option<u32>,
+    /// A completion every this many work requests (the engine's
+    /// `signal_every`). Default: the engine's.
+    #[arg(long)]
+    signal_every: Option<u32>,
+    /// Seconds per measurement (the default, 2 s, when neither `-n` nor
+    /// `--volume` is given).
+    #[arg(long, conflicts_with_all = ["iterations", "volume"])]
+    duration: Option<f64>,
+    /// Requests per measurement.
+    #[arg(long, short = 'n', conflicts_with = "volume")]
+    iterations: Option<u64>,
+    /// Bytes per measurement (suffixes K, M, G), at least 5 requests: as
+    /// `gdr bench rdma --volume`.
+    #[arg(long, value_parser = parse_size)]
+    volume: Option<usize>,
+    /// Untimed batches before each measurement.
+    #[arg(long, default_value_t = 4)]
+    warmup: u64,
+    /// Who polls the engine.
+    #[arg(long, value_enum, default_value_t = Progress::Inline)]
+    progress: Progress,
+    /// Empty-poll policy of `--progress inline` (as `gdr bench rdma`).
+    #[arg(long, value_enum, default_value_t = Idle::Sleep)]
+    idle: Idle,
+    /// RDMA device (default: the first).
+    #[arg(long, short = 'd')]
+    device: Option<String>,
+    /// Port of the device whose RoCE v2 address the engines connect to.
+    #[arg(long, default_value_t = 1)]
+    port: u8,
+    /// One JSON object per result on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Bound on connecting, granting and each batch: generous, for a software
+/// NIC under software emulation.
+const ENGINE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Longest a driver thread sleeps while nothing completes.
+const DRIVER_IDLE: Duration = Duration::from_micros(100);
+
+/// The bytes a measurement's buffers span at most: requests of a batch go
+/// to successive offsets until this much, then wrap (perftest, too, reuses
+/// its buffer).
+const SPAN_CAP: usize = 16 << 20;
+
+/// Two engines in this process, connected over rdma_cm: `server` on the
+/// chosen device of the backends' provider, listening on that device's own
+/// address (its RoCE v2 GID); `client` on the peer provider (the same
+/// device on real hardware, another node of the fabric on the sim),
+/// connected to it.
+pub(crate) struct EnginePair<V: Api, C: hal_cuda::Api> {
+    /// The connecting engine.
+    pub(crate) client: Engine<V, C>,
+    /// The listening engine.
+    pub(crate) server: Engine<V, C>,
+    /// The client's peer: the server.
+    pub(crate) to_server: Peer<V, C>,
+    /// The server's peer: the client.
+    pub(crate) to_client: Peer<V, C>,
+    /// The device the server listens on.
+    pub(crate) device: String,
+    /// Where it listens.
+    pub(crate) addr: SocketAddr,
+    // Last: outlives the engines opened from it.
+    _peer_provider: V::Provider,
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for EnginePair<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EnginePair")
+            .field("device", &self.device)
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The first IPv4 (else IPv6) RoCE v2 address of `device`'s `port`.
+fn device_address<V: Api>(
+    provider: &V::Provider,
+    device: &str,
+    port: u8,
+) -> Result<IpAddr, Box<dyn Error>> {
+    let table = provider.open(device)?.gid_table(port)?;
+    hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4)
+        .or_else(|| hal_verbs::select_roce_v2_gid(&table, AddressFamily::V6))
+        .map(|entry| entry.gid.to_ip())
+        .ok_or_else(|| format!("{device} port {port} has no RoCE v2 address").into())
+}
+
+/// Starts two engines (`config`, on `device` or the first one) and
+/// connects them; GPU memory of `cuda` for both.
+pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    device: Option<&str>,
+    port: u8,
+    cuda: Option<&C::Driver>,
+    config: EngineConfig,
+) -> Result<EnginePair<V, C>, Box<dyn Error>> {
+    let provider = backends.verbs();
+    let device = match device {
+        Some(name) => name.to_owned(),
+        None => {
+            provider
+                .devices()?
+                .into_iter()
+                .next()
+                .ok_or("no RDMA device")?
+                .name
+        }
+    };
+    let ip = device_address::<V>(provider, &device, port)?;
+    let server = Engine::new(
+        provider,
+        cuda,
+        EngineConfig {
+            devices: Some(vec![device.clone()]),
+            ..config.clone()
+        },
+    )?;
+    let peer_provider = backends.peer_provider();
+    // The same device where the peer provider has it (real hardware);
+    // else whatever its route picks.
+    let same = peer_provider.devices()?.iter().any(|d| d.name == device);
+    let client = Engine::new(
+        &peer_provider,
+        cuda,
+        EngineConfig {
+            devices: same.then(|| vec![device.clone()]),
+            ..config
+        },
+    )?;
+    let mut listener = server.listen(SocketAddr::new(ip, 0))?;
+    let addr = listener.local_addr();
+    let (to_server, to_client) = std::thread::scope(|s| {
+        let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
+        let connected = client.connect(addr, ENGINE_TIMEOUT);
+        let accepted = accepting
+            .join()
+            .unwrap_or_else(|_| Err(EngineError::Refused("the accepting thread panicked".into())));
+        Ok::<_, EngineError>((connected?, accepted?))
+    })?;
+    Ok(EnginePair {
+        client,
+        server,
+        to_server,
+        to_client,
+        device,
+        addr,
+        _peer_provider: peer_provider,
+    })
+}
+
+/// Requests per batch by default: 256 KiB worth, 1..=64.
+fn default_batch(size: usize) -> u32 {
+    u32::try_from((256usize << 10) / size.max(1))
+        .unwrap_or(u32::MAX)
+        .clamp(1, 64)
+}
+
+/// When a measurement stops submitting.
+#[derive(Debug, Clone, Copy)]
+enum Budget {
+    Requests(u64),
+    Time(Duration),
+}
+
+/// One engine measurement's parameters.
+#[derive(Debug, Clone, Copy)]
+struct EnginePlan {
+    op: Op,
+    size: usize,
+    batch: u32,
+    depth: u32,
+    /// Distinct request slots in the buffers.
+    slots: usize,
+    budget: Budget,
+}
+
+/// One engine measurement's result.
+#[derive(Debug, Clone)]
+struct EngineMeasurement {
+    plan: EnginePlan,
+    requests: u64,
+    batches: u64,
+    elapsed: Duration,
+    /// Batch latencies, sorted, in nanoseconds.
+    latencies: Vec<u64>,
+}
+
+impl EngineMeasurement {
+    fn bytes(&self) -> u64 {
+        self.plan.size as u64 * self.requests
+    }
+    fn seconds(&self) -> f64 {
+        self.elapsed.as_secs_f64().max(1e-9)
+    }
+    fn mib_per_s(&self) -> f64 {
+        self.bytes() as f64 / self.seconds() / f64::from(1 << 20)
+    }
+    fn gbit_per_s(&self) -> f64 {
+        self.bytes() as f64 * 8.0 / self.seconds() / 1e9
+    }
+    fn ops_per_s(&self) -> f64 {
+        self.requests as f64 / self.seconds()
+    }
+    /// The `p`-quantile (nearest rank) of the batch latencies, in µs.
+    fn latency_us(&self, p: f64) -> f64 {
+        percentile(&self.latencies, p) as f64 / 1e3
+    }
+}
+
+/// The nearest-rank `p`-quantile of sorted `values` (0 when empty).
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// `gdr bench engine`.
+fn engine_bench<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    args: &EngineArgs,
+) -> Result<(), Box<dyn Error>> {
+    let defaults = EngineConfig::default();
+    let config = EngineConfig {
+        qps_per_peer: args.qps.unwrap_or(defaults.qps_per_peer).max(1),
+        slice_size: args.slice.map_or(defaults.slice_size, |s| s as u64).max(1),
+        qp_depth: args.qp_depth.unwrap_or(defaults.qp_depth).max(1),
+        signal_every: args.signal_every.unwrap_or(defaults.signal_every).max(1),
+        default_timeout: ENGINE_TIMEOUT,
+        ..defaults
+    };
+    let (qps, slice, qp_depth, signal_every) = (
+        config.qps_per_peer,
+        config.slice_size,
+        config.qp_depth,
+        config.signal_every,
+    );
+    let largest = args.sizes.iter().copied().max().ok_or("no sizes")?;
+    let batch_of = |size: usize| args.batch.unwrap_or_else(|| default_batch(size)).max(1);
+    // Successive offsets per batch, up to SPAN_CAP (one request at least).
+    let slots_of = |size: usize| (batch_of(size) as usize).min((SPAN_CAP / size).max(1));
+    let span = args
+        .sizes
+        .iter()
+        .map(|&size| size * slots_of(size))
+        .max()
+        .unwrap_or(largest) as u64;
+
+    let pair = connect_engines(backends, args.device.as_deref(), args.port, None, config)?;
+    let local_buffer = Buffer::<C>::alloc_host(span);
+    local_buffer.write_at(0, &vec![0x5a; span as usize])?;
+    let remote_buffer = Buffer::<C>::alloc_host(span);
+    remote_buffer.write_at(0, &vec![0xa5; span as usize])?;
+    let local = pair.client.register(&local_buffer)?;
+    let remote = pair.server.register(&remote_buffer)?;
+    let grant = pair
+        .to_client
+        .grant(&remote, 0, span, GrantRights::ReadWrite)?;
+    let descriptor = pair
+        .to_server
+        .wait_grant(grant.descriptor().grant, ENGINE_TIMEOUT)?;
+    let _driver =
+        (args.progress == Progress::Driver).then(|| pair.client.spawn_driver(DRIVER_IDLE));
+
+    let backend = backends.verbs_name();
+    if !args.json {
+        println!(
+            "gdr bench engine on {} ({backend}), host memory, engine to engine over rdma_cm \
+             ({}): {qps} QPs, slice {slice}, QP depth {qp_depth}, signal every {signal_every}, \
+             batch {}, {} batches in flight, progress {}",
+            pair.device,
+            pair.addr,
+            args.batch.map_or_else(
+                || "auto (256 KiB, 1..=64 requests)".to_owned(),
+                |n| n.to_string()
+            ),
+            args.depth.max(1),
+            match args.progress {
+                Progress::Inline => format!("inline (idle {:?})", args.idle),
+                Progress::Driver => "by a driver thread".to_owned(),
+            }
+        );
+        println!(
+            "MB/s = 2^20 bytes/s (as perftest); Gb/s = 10^9 bits/s; ops/s = requests/s; \
+             latency: a batch's, submit to wait returning, in µs"
+        );
+        println!(
+            "{:<6} {:>9} {:>6} {:>9} {:>10} {:>9} {:>10} {:>9} {:>9} {:>9} {:>8}",
+            "op",
+            "size",
+            "batch",
+            "requests",
+            "MB/s",
+            "Gb/s",
+            "ops/s",
+            "p50",
+            "p99",
+            "p999",
+            "seconds"
+        );
+    }
+    for &op in &args.ops {
+        for &size in &args.sizes {
+            let budget = match (args.duration, args.iterations, args.volume) {
+                (_, Some(n), _) => Budget::Requests(n.max(1)),
+                (_, None, Some(volume)) => Budget::Requests(iterations_for(size, Some(volume))),
+                (Some(seconds), None, None) => {
+                    Budget::Time(Duration::from_secs_f64(seconds.max(0.0)))
+                }
+                (None, None, None) => Budget::Time(Duration::from_secs(2)),
+            };
+            let plan = EnginePlan {
+                op,
+                size,
+                batch: batch_of(size),
+                depth: args.depth.max(1),
+                slots: slots_of(size),
+                budget,
+            };
+            if args.warmup > 0 {
+                let warm = EnginePlan {
+                    budget: Budget::Requests(args.warmup * u64::from(plan.batch)),
+                    ..plan
+                };
+                measure_engine(&pair, &local, &descriptor, warm, args)?;
+            }
+            let m = measure_engine(&pair, &local, &descriptor, plan, args)?;
+            if args.json {
+                println!(
+                    "{}",
+                    engine_json_line(&m, backend, &pair.device, qps, slice, args.progress)
+                );
+            } else {
+                println!(
+                    "{:<6} {:>9} {:>6} {:>9} {:>10.2} {:>9.3} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>8.3}",
+                    op.name(),
+                    size,
+                    plan.batch,
+                    m.requests,
+                    m.mib_per_s(),
+                    m.gbit_per_s(),
+                    m.ops_per_s(),
+                    m.latency_us(0.5),
+                    m.latency_us(0.99),
+                    m.latency_us(0.999),
+                    m.seconds()
+                );
+            }
+        }
+    }
+    if !args.json {
+        for (index, nic, c) in pair.to_server.counters() {
+            println!(
+                "queue pair {index} on {nic}: {} work requests, {} doorbells, {} signaled, {} bytes",
+                c.posted, c.doorbells, c.signaled, c.bytes
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Runs one measurement: batches of `plan.batch` requests of `plan.size`
+/// bytes (the last one shorter where the budget ends inside it), at most
+/// `plan.depth` in flight, until the budget is spent; the clock runs from
+/// the first submission to the moment the last batch is seen done.
+fn measure_engine<V: Api, C: hal_cuda::Api>(
+    pair: &EnginePair<V, C>,
+    local: &Region<V>,
+    remote: &MemoryDescriptor,
+    plan: EnginePlan,
+    args: &EngineArgs,
+) -> Result<EngineMeasurement, Box<dyn Error>> {
+    let size = plan.size as u64;
+    let transfers: Vec<Transfer<'_, V>> = (0..plan.batch as usize)
+        .map(|i| {
+            let offset = (i % plan.slots) as u64 * size;
+            match plan.op {
+                Op::Write => Transfer::write(local, offset, remote, offset, size),
+                Op::Read => Transfer::read(local, offset, remote, offset, size),
+            }
+        })
+        .collect();
+    let peer = &pair.to_server;
+    let engine = &pair.client;
+    let mut in_flight: VecDeque<(Batch<V, C>, Instant, u64)> =
+        VecDeque::with_capacity(plan.depth as usize);
+    let mut latencies = Vec::new();
+    let (mut submitted, mut requests, mut batches) = (0u64, 0u64, 0u64);
+    let (mut empty_streak, mut nap) = (0u32, SLEEP_FIRST);
+    let started = Instant::now();
+    let mut finished = started;
+    loop {
+        // Keep `depth` batches in flight while the budget lasts.
+        while in_flight.len() < plan.depth as usize {
+            let n = match plan.budget {
+                Budget::Requests(total) => (total - submitted).min(u64::from(plan.batch)),
+                Budget::Time(limit) if started.elapsed() < limit => u64::from(plan.batch),
+                Budget::Time(_) => 0,
+            };
+            if n == 0 {
+                break;
+            }
+            let at = Instant::now();
+            let batch = peer.submit(&transfers[..n as usize])?;
+            in_flight.push_back((batch, at, n));
+            submitted += n;
+        }
+        let Some((oldest, _, _)) = in_flight.front() else {
+            break;
+        };
+        match args.progress {
+            Progress::Inline => {
+                if engine.progress() == 0 {
+                    match args.idle {
+                        Idle::Spin => {}
+                        Idle::Yield => std::thread::yield_now(),
+                        Idle::Sleep if empty_streak < SPIN_BEFORE_SLEEP => empty_streak += 1,
+                        Idle::Sleep => {
+                            std::thread::sleep(nap);
+                            nap = (nap * 2).min(SLEEP_MAX);
+                        }
+                    }
+                } else {
+                    (empty_streak, nap) = (0, SLEEP_FIRST);
+                }
+            }
+            Progress::Driver => {
+                if oldest.cell().wait(Some(ENGINE_TIMEOUT)).is_none() {
+                    return Err(format!(
+                        "a batch of {} {} bytes did not end within {ENGINE_TIMEOUT:?}",
+                        plan.op.name(),
+                        plan.size
+                    )
+                    .into());
+                }
+            }
+        }
+        // Every batch that ended, in whatever order.
+        let now = Instant::now();
+        let mut i = 0;
+        while i < in_flight.len() {
+            if !in_flight[i].0.cell().is_done() {
+                i += 1;
+                continue;
+            }
+            let (batch, at, n) = in_flight.remove(i).expect("index in range");
+            if let Some(Err(e)) = batch.status() {
+                return Err(format!(
+                    "a batch of {n} {} of {} bytes failed: {e}",
+                    plan.op.name(),
+                    plan.size
+                )
+                .into());
+            }
+            latencies.push(u64::try_from(now.duration_since(at).as_nanos()).unwrap_or(u64::MAX));
+            requests += n;
+            batches += 1;
+            finished = now;
+        }
+    }
+    latencies.sort_unstable();
+    Ok(EngineMeasurement {
+        plan,
+        requests,
+        batches,
+        elapsed: finished.duration_since(started),
+        latencies,
+    })
+}
+
+fn engine_json_line(
+    m: &EngineMeasurement,
+    backend: &str,
+    device: &str,
+    qps: u16,
+    slice: u64,
+    progress: Progress,
+) -> String {
+    let p = &m.plan;
+    let mut s = String::new();
+    // Writing to a String cannot fail.
+    let _ = write!(
+        s,
+        "{{\"bench\":\"engine\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
+         \"op\":\"{}\",\"size\":{},\"batch\":{},\"depth\":{},\"qps\":{qps},\"slice\":{slice},\
+         \"progress\":\"{}\",\"requests\":{},\"batches\":{},\"seconds\":{:.6},\"bytes\":{},\
+         \"mb_per_s\":{:.3},\"gbit_per_s\":{:.4},\"ops_per_s\":{:.1},\"p50_us\":{:.2},\
+         \"p99_us\":{:.2},\"p999_us\":{:.2}}}",
+        p.op.name(),
+        p.size,
+        p.batch,
+        p.depth,
+        match progress {
+            Progress::Inline => "inline",
+            Progress::Driver => "driver",
+        },
+        m.requests,
+        m.batches,
+        m.seconds(),
+        m.bytes(),
+        m.mib_per_s(),
+        m.gbit_per_s(),
+        m.ops_per_s(),
+        m.latency_us(0.5),
+        m.latency_us(0.99),
+        m.latency_us(0.999)
+    );
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -585,6 +1157,68 @@ mod tests {
                 json: true,
             };
             rdma::<SimVerbsApi>(&node, &args).unwrap();
+        }
+    }
+
+    #[test]
+    fn percentiles_take_the_nearest_rank() {
+        let sorted: Vec<u64> = (1..=1000).collect();
+        assert_eq!(percentile(&sorted, 0.5), 500);
+        assert_eq!(percentile(&sorted, 0.99), 990);
+        assert_eq!(percentile(&sorted, 0.999), 999);
+        assert_eq!(percentile(&[7], 0.999), 7);
+        assert_eq!(percentile(&[], 0.5), 0);
+        assert_eq!(default_batch(4096), 64);
+        assert_eq!(default_batch(64 << 10), 4);
+        assert_eq!(default_batch(4 << 20), 1);
+    }
+
+    /// Two engines on the simulated fabric: every budget, progress mode and
+    /// batch shape finishes, a partial last batch included.
+    #[test]
+    fn engine_bench_completes_on_the_sim() {
+        let backends = Backends::sim_default();
+        for (batch, depth, progress, iterations, duration, qps, slice) in [
+            (
+                Some(3),
+                2,
+                Progress::Inline,
+                Some(10),
+                None,
+                Some(3),
+                Some(16 << 10),
+            ),
+            (None, 4, Progress::Driver, Some(7), None, None, None),
+            (
+                Some(1),
+                1,
+                Progress::Inline,
+                None,
+                Some(0.05),
+                Some(1),
+                None,
+            ),
+        ] {
+            let args = EngineArgs {
+                sizes: vec![4096, 65536],
+                ops: vec![Op::Write, Op::Read],
+                batch,
+                depth,
+                qps,
+                slice,
+                qp_depth: Some(16),
+                signal_every: Some(4),
+                duration,
+                iterations,
+                volume: None,
+                warmup: 1,
+                progress,
+                idle: Idle::Sleep,
+                device: None,
+                port: 1,
+                json: true,
+            };
+            engine_bench(&backends, &args).unwrap();
         }
     }
 

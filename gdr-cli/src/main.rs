@@ -2,22 +2,24 @@
 //!
 //! `gdr info` lists the RDMA devices and GPUs found through the real backends
 //! (rdma-core and the CUDA driver, both loaded at run time). `gdr loopback`
-//! proves the data path: a loopback RDMA WRITE and READ through host memory,
-//! then through GPU memory on the first registration rung that works
-//! (dma-buf, then nvidia-peermem), each checked byte for byte. Where no
-//! hardware is found, both say so and run on the simulation backend.
+//! proves the data path through the transfer engine: two engines in this
+//! process connected over rdma_cm, an RDMA WRITE and a READ back through
+//! host memory, then through GPU memory on the first registration rung that
+//! works (dma-buf, then nvidia-peermem), each checked byte for byte. Where
+//! no hardware is found, both say so and run on the simulation backend.
 
 use std::error::Error;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 use gdr_core::buffer::Buffer;
 use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig};
-use hal_cuda::Driver as _;
+use gdr_core::prelude::{EngineConfig, GrantRights, Rung, Transfer};
+use hal_cuda::{Context as _, Driver as _, Stream as _};
 use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
 mod bench;
@@ -44,13 +46,15 @@ enum Backend {
 enum Command {
     /// List RDMA devices and GPUs and what they can do.
     Info,
-    /// Prove the data path with loopback RDMA through host and GPU memory.
+    /// Prove the data path: two transfer engines in this process, RDMA
+    /// WRITE and READ back through host and then GPU memory.
     Loopback {
         /// Bytes per transfer (suffixes K, M, G: powers of 1024).
         #[arg(long, default_value = "1M", value_parser = parse_size)]
         size: usize,
     },
-    /// Measure throughput (see `gdr bench rdma --help`).
+    /// Measure throughput (see `gdr bench rdma --help`, `gdr bench engine
+    /// --help`).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }
@@ -188,89 +192,203 @@ fn print_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
     Ok(())
 }
 
-/// Registers a host buffer and a GPU buffer through the registration
-/// ladder, reports the rung each took and why every higher rung was not, and
-/// proves each MR with a loopback WRITE and READ.
-fn prove<V: hal_verbs::Api, C: hal_cuda::Api>(
-    provider: &V::Provider,
-    cuda: Option<&C::Driver>,
-    size: usize,
-) -> Result<(), Box<dyn Error>> {
-    let device = provider
-        .devices()?
-        .into_iter()
-        .next()
-        .ok_or("no RDMA device")?;
-    let ctx = provider.open(&device.name)?;
-    let gpus = match cuda {
-        Some(driver) => vec![Gpu::<C>::open(driver, 0)?],
-        None => Vec::new(),
-    };
-    let gpu_context = match cuda {
-        Some(driver) => Some(driver.context(0)?),
-        None => None,
-    };
-    let cache = Arc::new(RegistrationCache::new(CacheConfig::default()));
-    let ladder = Ladder::<V, C>::new(
-        &ctx,
-        gpus,
-        cache,
-        Arc::new(DmabufExports::new()),
-        LadderConfig::default(),
-    )?;
-    println!(
-        "loopback on {} ({}), {size} bytes:",
-        device.name,
-        provider.backend_name()
-    );
+/// Bound on connecting, granting and each transfer of `gdr loopback`:
+/// generous, for a software NIC under software emulation.
+const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(60);
 
-    let host = Buffer::<C>::alloc_host(size as u64);
-    report("host memory", &ladder, &host, size)?;
-    match &gpu_context {
-        Some(gpu) => {
-            let device_buffer = Buffer::<C>::alloc_device(gpu, size as u64)?;
-            report("GPU memory", &ladder, &device_buffer, size)?;
-        }
-        None => println!("  GPU memory: no GPU beside this NIC"),
-    }
-    let stats = ladder.cache().stats();
-    println!(
-        "  registration cache: {} entries, {} hits, {} misses",
-        stats.entries, stats.hits, stats.misses
-    );
-    Ok(())
-}
-
-fn report<V: hal_verbs::Api, C: hal_cuda::Api>(
-    what: &str,
-    ladder: &Ladder<V, C>,
-    buffer: &Buffer<C>,
-    size: usize,
-) -> Result<(), Box<dyn Error>> {
-    let registration = buffer.register(ladder, 0, size as u64)?;
-    println!("  {what}: {:?} rung", registration.rung());
-    for failure in registration.failures() {
-        println!("    not {failure}");
-    }
-    if registration.mr().is_some() {
-        let started = Instant::now();
-        ladder.prove(&registration, size as u64)?;
-        println!(
-            "    WRITE + READ of {size} bytes verified in {:.1} ms",
-            started.elapsed().as_secs_f64() * 1e3
-        );
-    } else {
-        println!("    transfers of it would go through pinned host staging buffers");
-    }
-    Ok(())
-}
-
-/// `gdr loopback`: host memory, then GPU memory where the NIC reaches it.
+/// `gdr loopback`: two transfer engines in this process, connected over
+/// rdma_cm (one listening on the device's own address, the other
+/// connecting). For host memory, then GPU memory where the NIC reaches it:
+/// the connecting engine WRITEs a pattern into a buffer the other granted
+/// it, then READs it back into a third buffer; each buffer registered on
+/// the first rung of the ladder that works (reported, with why each higher
+/// one did not), both results checked byte for byte.
 fn loopback<V: hal_verbs::Api, C: hal_cuda::Api>(
     backends: &Backends<V, C>,
     size: usize,
 ) -> Result<(), Box<dyn Error>> {
-    prove::<V, C>(backends.verbs(), backends.registrable_cuda(), size)
+    let cuda = backends.registrable_cuda();
+    let config = EngineConfig {
+        default_timeout: LOOPBACK_TIMEOUT,
+        ..EngineConfig::default()
+    };
+    let qps = config.qps_per_peer;
+    let pair = bench::connect_engines(backends, None, 1, cuda, config)?;
+    println!(
+        "loopback on {} ({}), {size} bytes: two transfer engines over rdma_cm, one listening \
+         on {}, {qps} queue pairs",
+        pair.device,
+        backends.verbs_name(),
+        pair.addr
+    );
+    prove_kind::<V, C>(&pair, None, size)?;
+    match cuda {
+        Some(driver) => {
+            let gpu = driver.context(0)?;
+            prove_kind::<V, C>(&pair, Some(&gpu), size)?;
+        }
+        None => println!("  GPU memory: no GPU beside this NIC"),
+    }
+    for (who, engine) in [("connecting", &pair.client), ("listening", &pair.server)] {
+        if let Some(ladder) = engine.ladder(0) {
+            let stats = ladder.cache().stats();
+            println!(
+                "  registration cache ({who} engine): {} entries, {} hits, {} misses",
+                stats.entries, stats.hits, stats.misses
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A pattern of `len` bytes, different for each `seed`.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i % 251) as u8 ^ seed.wrapping_mul(37))
+        .collect()
+}
+
+/// A buffer of `len` bytes holding `bytes`: GPU memory of `gpu`, else host
+/// memory.
+fn filled<C: hal_cuda::Api>(
+    gpu: Option<&C::Context>,
+    bytes: &[u8],
+) -> Result<Buffer<C>, Box<dyn Error>> {
+    let len = bytes.len() as u64;
+    let Some(gpu) = gpu else {
+        let buffer = Buffer::<C>::alloc_host(len);
+        buffer.write_at(0, bytes)?;
+        return Ok(buffer);
+    };
+    let buffer = Buffer::<C>::alloc_device(gpu, len)?;
+    let stream = gpu.create_stream()?;
+    // SAFETY: the device allocation holds `len` bytes, as does `bytes`, and
+    // the stream is synchronized before `bytes` can go.
+    unsafe { stream.copy_host_to_device(buffer.addr(), bytes.as_ptr(), bytes.len()) }?;
+    stream.synchronize()?;
+    Ok(buffer)
+}
+
+/// The bytes of `buffer`: device memory through a stream copy.
+fn contents<C: hal_cuda::Api>(
+    gpu: Option<&C::Context>,
+    buffer: &Buffer<C>,
+) -> Result<Vec<u8>, Box<dyn Error>> {
+    let Some(gpu) = gpu else {
+        return Ok(buffer.to_vec()?);
+    };
+    let mut out = vec![0; buffer.len() as usize];
+    let stream = gpu.create_stream()?;
+    // SAFETY: `out` holds the buffer's length, and the stream is
+    // synchronized before `out` is read or dropped.
+    unsafe { stream.copy_device_to_host(out.as_mut_ptr(), buffer.addr(), out.len()) }?;
+    stream.synchronize()?;
+    Ok(out)
+}
+
+/// `d` in milliseconds, with three significant digits down to a microsecond.
+fn millis(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1e3;
+    match ms {
+        m if m >= 100.0 => format!("{m:.0} ms"),
+        m if m >= 10.0 => format!("{m:.1} ms"),
+        m if m >= 1.0 => format!("{m:.2} ms"),
+        m => format!("{m:.3} ms"),
+    }
+}
+
+/// Checks `got` against `want`, naming the first differing byte.
+fn verify(what: &str, got: &[u8], want: &[u8]) -> Result<(), Box<dyn Error>> {
+    match got.iter().zip(want).position(|(g, w)| g != w) {
+        None if got.len() == want.len() => Ok(()),
+        None => Err(format!("{what}: {} bytes, {} expected", got.len(), want.len()).into()),
+        Some(at) => Err(format!(
+            "{what}: byte {at} is {:#04x}, {:#04x} expected",
+            got[at], want[at]
+        )
+        .into()),
+    }
+}
+
+/// One memory kind (GPU memory of `gpu`, else host memory) through the
+/// engines: a source and a read-back buffer on the connecting engine, a
+/// granted target on the listening one.
+fn prove_kind<V: hal_verbs::Api, C: hal_cuda::Api>(
+    pair: &bench::EnginePair<V, C>,
+    gpu: Option<&C::Context>,
+    size: usize,
+) -> Result<(), Box<dyn Error>> {
+    let what = if gpu.is_some() {
+        "GPU memory"
+    } else {
+        "host memory"
+    };
+    let len = size as u64;
+    let data = pattern(size, u8::from(gpu.is_some()) + 1);
+    let zeros = vec![0u8; size];
+    let source = filled::<C>(gpu, &data)?;
+    let target = filled::<C>(gpu, &zeros)?;
+    let back = filled::<C>(gpu, &zeros)?;
+    let source_region = pair.client.register(&source)?;
+    let target_region = pair.server.register(&target)?;
+    let back_region = pair.client.register(&back)?;
+
+    let rung = source_region.rungs().first().copied().ok_or("no NIC")?;
+    let target_rung = target_region.rungs().first().copied().ok_or("no NIC")?;
+    if target_rung == rung {
+        println!("  {what}: {rung:?} rung");
+    } else {
+        println!("  {what}: {rung:?} rung (the listening engine's buffer: {target_rung:?})");
+    }
+    if let Some(registration) = source_region.registration(0) {
+        for failure in registration.failures() {
+            println!("    not {failure}");
+        }
+    }
+    if [rung, target_rung].contains(&Rung::Staging) {
+        println!(
+            "    transfers of it would go through pinned host staging buffers (not moved by the \
+             engine yet)"
+        );
+        return Ok(());
+    }
+
+    let grant = pair
+        .to_client
+        .grant(&target_region, 0, len, GrantRights::ReadWrite)?;
+    let remote = pair
+        .to_server
+        .wait_grant(grant.descriptor().grant, LOOPBACK_TIMEOUT)?;
+    let started = Instant::now();
+    pair.to_server
+        .submit(&[Transfer::write(&source_region, 0, &remote, 0, len)])?
+        .wait(LOOPBACK_TIMEOUT)
+        .map_err(|e| format!("WRITE of {what}: {e}"))?;
+    let wrote = started.elapsed();
+    // The peer's WRITE is complete: fence it for the GPU before reading.
+    pair.server.fence_inbound_writes(&target_region)?;
+    verify(
+        &format!("{what} after the WRITE"),
+        &contents::<C>(gpu, &target)?,
+        &data,
+    )?;
+    let started = Instant::now();
+    pair.to_server
+        .submit(&[Transfer::read(&back_region, 0, &remote, 0, len)])?
+        .wait(LOOPBACK_TIMEOUT)
+        .map_err(|e| format!("READ of {what}: {e}"))?;
+    let read = started.elapsed();
+    verify(
+        &format!("{what} read back"),
+        &contents::<C>(gpu, &back)?,
+        &data,
+    )?;
+    println!(
+        "    WRITE of {size} bytes in {}, READ back in {}, both verified byte for byte",
+        millis(wrote),
+        millis(read)
+    );
+    Ok(())
 }
 
 /// A command, run on whichever backends `--backend` leads to: each command
@@ -317,7 +435,34 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{loopback, parse_size};
+    use gdr_core::backend::Backends;
+    use gdr_sim::{GpuConfig, NodeConfig, SimFabric};
+
+    /// The loopback through two engines on the sim: GPU memory on each
+    /// rung the simulated GPU leads to (dma-buf, peermem, staging), and
+    /// without a GPU.
+    #[test]
+    fn loopback_runs_on_every_simulated_rung() {
+        loopback(&Backends::sim_default(), 1 << 20).unwrap();
+        for gpu in [
+            GpuConfig {
+                dma_buf_supported: false,
+                peermem: true,
+                ..GpuConfig::default()
+            },
+            GpuConfig {
+                dma_buf_supported: false,
+                peermem: false,
+                ..GpuConfig::default()
+            },
+        ] {
+            let backends = Backends::sim(&SimFabric::new(), NodeConfig::default(), vec![gpu]);
+            loopback(&backends, 3 << 10).unwrap();
+        }
+        let backends = Backends::sim(&SimFabric::new(), NodeConfig::default(), Vec::new());
+        loopback(&backends, 4096).unwrap();
+    }
 
     #[test]
     fn sizes_parse_with_binary_suffixes_and_reject_garbage() {
