@@ -1,23 +1,31 @@
 #!/bin/bash
 # perftest-compare.sh [GDR_BINARY]
 #
-# Host-memory RDMA WRITE and READ throughput of `gdr bench rdma` next to
-# perftest's ib_write_bw/ib_read_bw, in ONE SoftRoCE guest (run-in-vm.sh),
-# at 64 KiB, 1 MiB and 4 MiB. Under TCG absolute figures mean nothing; the
-# ratio gdr/perftest inside one guest does. Each round runs gdr (all six
-# measurements, one process) and right after it perftest (server and client
-# in the guest, on rxe0 at 10.99.0.1, the TCP exchange: measured faster here
-# than rdma_cm's -R); an untimed warm-up round, then three rounds, medians
-# reported (a run reporting 0 or failing is left out of its median). Both sides get the same
-# message counts (COMPARE_VOLUME bytes worth per measurement) and tx depth
-# (128; both cap it at the message count); everything else is each tool's
-# default. MB/s is 2^20 bytes/s on both sides (perftest's default unit).
+# Host-memory RDMA WRITE and READ throughput of gdr next to perftest's
+# ib_write_bw/ib_read_bw, in ONE SoftRoCE guest (run-in-vm.sh), at 4 KiB,
+# 64 KiB, 1 MiB and 4 MiB. Two gdr figures: `gdr bench rdma` (the bare
+# post/poll loop on two QPs, the baseline) and `gdr bench engine` (the
+# transfer engine: two engines in one process connected over rdma_cm,
+# batches of requests, with its own defaults). Under TCG absolute figures
+# mean nothing; the ratio gdr/perftest inside one guest does. Each round
+# runs gdr bench rdma (all measurements, one process), gdr bench engine
+# (likewise), then perftest (server and client in the guest, on rxe0 at
+# 10.99.0.1, the TCP exchange: measured faster here than rdma_cm's -R); an
+# untimed warm-up round of each gdr command first, then three rounds,
+# medians reported (a run reporting 0 or failing is left out of its median),
+# and the geometric mean of each ratio over 64 KiB..4 MiB. All get the same
+# message counts (COMPARE_VOLUME bytes worth per measurement); the bare loop
+# and perftest the same tx depth (128; both cap it at the message count);
+# everything else is each tool's default. MB/s is 2^20 bytes/s everywhere
+# (perftest's default unit).
 #
 # GDR_BINARY: default $CARGO_TARGET_DIR/release/gdr, else target/release/gdr
 # (cargo build --release -p gdr-cli). It is copied first, so a concurrent
 # build cannot change it mid-run.
 # Knobs: COMPARE_VOLUME=32M (bytes per measurement), COMPARE_ROUNDS=3,
-# COMPARE_SIZES="64K 1M 4M", GDR_BENCH_ARGS (extra `gdr bench rdma` options),
+# COMPARE_SIZES="4K 64K 1M 4M", GDR_BENCH_ARGS (extra `gdr bench rdma`
+# options), ENGINE_BENCH_ARGS (extra `gdr bench engine` options, e.g.
+# "--batch 8 --qps 1"), COMPARE_ENGINE=0 (leave the engine out),
 # PERFTEST_ARGS (extra perftest options), and run-in-vm.sh's RXEVM_* knobs.
 # Internal: `--in-guest BINARY` is what runs inside the guest.
 set -euo pipefail
@@ -25,8 +33,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 SELF=$HERE/perftest-compare.sh
 VOLUME=${COMPARE_VOLUME:-32M}
 ROUNDS=${COMPARE_ROUNDS:-3}
-read -r -a SIZES <<< "${COMPARE_SIZES:-64K 1M 4M}"
+read -r -a SIZES <<< "${COMPARE_SIZES:-4K 64K 1M 4M}"
 read -r -a GDR_EXTRA <<< "${GDR_BENCH_ARGS:-}"
+read -r -a ENGINE_EXTRA <<< "${ENGINE_BENCH_ARGS:-}"
+ENGINE=${COMPARE_ENGINE:-1}
 read -r -a PT_EXTRA <<< "${PERFTEST_ARGS:-}"
 TX_DEPTH=128
 DEV=rxe0
@@ -67,29 +77,47 @@ perftest() {
   fi
 }
 
+# gdr_json FILE ARRAY: adds each JSON line's mb_per_s of FILE to ARRAY["OP SIZE"].
+gdr_json() {
+  local -n into=$2
+  local line op size mbs
+  while read -r line; do
+    [[ $line == '{'* ]] || continue
+    op=$(sed -E 's/.*"op":"([A-Z]+)".*/\1/' <<< "$line")
+    size=$(sed -E 's/.*"size":([0-9]+).*/\1/' <<< "$line")
+    mbs=$(sed -E 's/.*"mb_per_s":([0-9.]+).*/\1/' <<< "$line")
+    into[$op $size]+=" $mbs"
+  done < "$1"
+}
+
 in_guest() {
-  local gdr=$1 round op size n port=18600 line mbs t0
-  local -A GDR PT ITERS
+  local gdr=$1 round op size n port=18600 mbs t0
+  local -A GDR ENG PT ITERS
   local sizes_csv
   sizes_csv=$(IFS=,; echo "${SIZES[*]}")
+  local rdma_cmd=("$gdr" --backend real bench rdma --json --sizes "$sizes_csv" --ops write,read
+    --volume "$VOLUME" --tx-depth "$TX_DEPTH" -d "$DEV" "${GDR_EXTRA[@]}")
+  local engine_cmd=("$gdr" --backend real bench engine --json --sizes "$sizes_csv" --ops write,read
+    --volume "$VOLUME" -d "$DEV" "${ENGINE_EXTRA[@]}")
   t0=$(date +%s.%N)
   # Untimed warm-up round: for the first ~10 s after boot transfers run
   # ~30% slower (measured: every figure of a first round), which would
   # land on whichever tool goes first.
-  "$gdr" --backend real bench rdma --sizes "$sizes_csv" --ops write,read --volume "$VOLUME" \
-    --tx-depth "$TX_DEPTH" -d "$DEV" "${GDR_EXTRA[@]}" > /dev/null
+  "${rdma_cmd[@]}" > /dev/null
+  if [ "$ENGINE" = 1 ]; then "${engine_cmd[@]}" > "$TMPDIR/engine.0"; fi
   for round in $(seq "$ROUNDS"); do
     echo "perftest-compare: round $round/$ROUNDS: gdr bench rdma" >&2
     # (no process substitution: the guest has no /dev/fd)
-    "$gdr" --backend real bench rdma --json --sizes "$sizes_csv" --ops write,read \
-      --volume "$VOLUME" --tx-depth "$TX_DEPTH" -d "$DEV" "${GDR_EXTRA[@]}" > "$TMPDIR/gdr.$round"
-    while read -r line; do
-      [[ $line == '{'* ]] || continue
-      op=$(sed -E 's/.*"op":"([A-Z]+)".*/\1/' <<< "$line")
-      size=$(sed -E 's/.*"size":([0-9]+).*/\1/' <<< "$line")
-      mbs=$(sed -E 's/.*"mb_per_s":([0-9.]+).*/\1/' <<< "$line")
-      GDR[$op $size]+=" $mbs"
-    done < "$TMPDIR/gdr.$round"
+    "${rdma_cmd[@]}" > "$TMPDIR/gdr.$round"
+    gdr_json "$TMPDIR/gdr.$round" GDR
+    if [ "$ENGINE" = 1 ]; then
+      echo "perftest-compare: round $round/$ROUNDS: gdr bench engine" >&2
+      if "${engine_cmd[@]}" > "$TMPDIR/engine.$round"; then
+        gdr_json "$TMPDIR/engine.$round" ENG
+      else
+        echo "perftest-compare: gdr bench engine failed in round $round" >&2
+      fi
+    fi
     echo "perftest-compare: round $round/$ROUNDS: ib_write_bw, ib_read_bw" >&2
     for op in write read; do
       for size in "${SIZES[@]}"; do
@@ -101,25 +129,40 @@ in_guest() {
     done
   done
 
-  echo "gdr bench rdma vs perftest $(dpkg-query -W -f '${Version}' perftest 2>/dev/null || echo '?'), one guest ($(nproc) vCPUs, kernel $(uname -r)), $DEV, host memory"
-  echo "MB/s = 2^20 bytes/s; medians of $ROUNDS rounds (each run's figure in brackets); tx depth $TX_DEPTH"
-  printf '%-6s %6s %6s %10s %10s %7s   %-22s %-22s\n' op size iters "gdr MB/s" "pt MB/s" ratio "gdr runs" "perftest runs"
-  local g p ratio logsum=0 count=0
+  echo "gdr bench rdma and gdr bench engine vs perftest $(dpkg-query -W -f '${Version}' perftest 2>/dev/null || echo '?'), one guest ($(nproc) vCPUs, kernel $(uname -r)), $DEV, host memory"
+  echo "MB/s = 2^20 bytes/s; medians of $ROUNDS rounds (each run's figure in brackets); tx depth $TX_DEPTH (rdma, perftest)"
+  if [ "$ENGINE" = 1 ] && [ -s "$TMPDIR/engine.0" ]; then
+    grep -m1 '^{' "$TMPDIR/engine.0" | sed -E -n 's/.*"batch":([0-9]+),"depth":([0-9]+),"qps":([0-9]+),"slice":([0-9]+),"progress":"([a-z]+)".*/engine (first size): batch \1, depth \2 batches, \3 QPs, slice \4, progress \5/p'
+  fi
+  printf '%-6s %6s %6s %9s %9s %9s %6s %6s   %-22s %-22s %-22s\n' op size iters "rdma MB/s" "eng MB/s" "pt MB/s" rdma/pt eng/pt \
+    "rdma runs" "engine runs" "perftest runs"
+  local g e p r1 r2 sum_r=0 sum_e=0 n_r=0 n_e=0
+  ratio() { awk -v g="$1" -v p="$2" 'BEGIN { if (g + 0 > 0 && p + 0 > 0) printf "%.2f", g / p; else print "n/a" }'; }
   for op in WRITE READ; do
     for size in "${SIZES[@]}"; do
       size=$(bytes "$size")
       g=$(median <<< "${GDR[$op $size]:-}")
+      e=$(median <<< "${ENG[$op $size]:-}")
       p=$(median <<< "${PT[$op $size]:-}")
-      ratio=$(awk -v g="$g" -v p="$p" 'BEGIN { if (g + 0 > 0 && p + 0 > 0) printf "%.2f", g / p; else print "n/a" }')
-      if [ "$ratio" != n/a ]; then
-        logsum=$(awk -v s="$logsum" -v g="$g" -v p="$p" 'BEGIN { print s + log(g / p) }'); count=$((count + 1))
+      r1=$(ratio "$g" "$p"); r2=$(ratio "$e" "$p")
+      # The geometric means: 64 KiB and up.
+      if [ "$size" -ge 65536 ]; then
+        if [ "$r1" != n/a ]; then
+          sum_r=$(awk -v s="$sum_r" -v g="$g" -v p="$p" 'BEGIN { print s + log(g / p) }'); n_r=$((n_r + 1))
+        fi
+        if [ "$r2" != n/a ]; then
+          sum_e=$(awk -v s="$sum_e" -v g="$e" -v p="$p" 'BEGIN { print s + log(g / p) }'); n_e=$((n_e + 1))
+        fi
       fi
-      printf '%-6s %6s %6s %10s %10s %7s   %-22s %-22s\n' "$op" "$((size >> 10))K" "${ITERS[$size]}" "$g" "$p" "$ratio" \
-        "[${GDR[$op $size]# }]" "[${PT[$op $size]# }]"
+      printf '%-6s %6s %6s %9s %9s %9s %6s %6s   %-22s %-22s %-22s\n' "$op" "$((size >> 10))K" "${ITERS[$size]}" "$g" "$e" "$p" "$r1" "$r2" \
+        "[${GDR[$op $size]# }]" "[${ENG[$op $size]# }]" "[${PT[$op $size]# }]"
     done
   done
-  if [ "$count" -gt 0 ]; then
-    awk -v s="$logsum" -v c="$count" 'BEGIN { printf "geometric mean of the ratios (gdr / perftest): %.2f over %d\n", exp(s / c), c }'
+  if [ "$n_r" -gt 0 ]; then
+    awk -v s="$sum_r" -v c="$n_r" 'BEGIN { printf "geometric mean over 64K-4M, gdr bench rdma / perftest: %.2f over %d\n", exp(s / c), c }'
+  fi
+  if [ "$n_e" -gt 0 ]; then
+    awk -v s="$sum_e" -v c="$n_e" 'BEGIN { printf "geometric mean over 64K-4M, gdr bench engine / perftest: %.2f over %d\n", exp(s / c), c }'
   fi
   awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "measurements took %.0f s\n", b - a }'
 }
@@ -144,4 +187,4 @@ cp "$BIN" "$COPY/gdr"
 echo "perftest-compare: $BIN ($(stat -c '%y' "$BIN" | cut -d. -f1)), volume $VOLUME per measurement, $ROUNDS rounds" >&2
 # loose 9p caching: perftest starts 2-3x faster; the guest writes nothing
 # back to the host.
-RXEVM_9P_CACHE=${RXEVM_9P_CACHE:-loose} RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-600} "$HERE/run-in-vm.sh" "$SELF" --in-guest "$COPY/gdr"
+RXEVM_9P_CACHE=${RXEVM_9P_CACHE:-loose} RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-1200} "$HERE/run-in-vm.sh" "$SELF" --in-guest "$COPY/gdr"
