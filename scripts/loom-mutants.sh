@@ -41,6 +41,7 @@ owner-invalidation-skips-in-use           dropping_a_buffer_waits_for_an_escaped
 lease-release-no-notify                   dropping_a_buffer_waits_for_an_escaped_handle
 budget-check-then-act                     concurrent_registrations_never_pass_the_mr_budget
 complete-check-then-act                   engine::loom_tests::a_completion_racing_a_timeout_and_a_waiter
+notify-skips-a-waiter                     engine::loom_tests::a_completion_racing_a_timeout_and_a_waiter
 timeout-delivers-in-flight                engine::loom_tests::a_deadline_racing_the_completion_of_a_batch_in_flight
 "
 

@@ -20,6 +20,10 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
         "the engine's completion cell checks for an outcome and stores one under two locks",
     ),
     (
+        "notify-skips-a-waiter",
+        "the completion cell skips the condvar notification although a thread waits on it",
+    ),
+    (
         "timeout-delivers-in-flight",
         "a batch past its deadline is delivered at once, while the NIC still holds its requests",
     ),

@@ -19,7 +19,13 @@ pub type Outcome = Result<(), TransferError>;
 
 #[derive(Debug)]
 enum CellState {
-    Pending { wakers: Vec<Waker> },
+    /// `blocked`: threads in [`CompletionCell::wait`]; notifying a condvar
+    /// is a system call even with nobody waiting, so it is made only for
+    /// them.
+    Pending {
+        wakers: Vec<Waker>,
+        blocked: usize,
+    },
     Done(Outcome),
 }
 
@@ -40,7 +46,10 @@ impl CompletionCell {
     /// A pending cell.
     pub fn new() -> Self {
         Self {
-            state: Mutex::new(CellState::Pending { wakers: Vec::new() }),
+            state: Mutex::new(CellState::Pending {
+                wakers: Vec::new(),
+                blocked: 0,
+            }),
             done: Condvar::new(),
         }
     }
@@ -58,7 +67,7 @@ impl CompletionCell {
                 }
                 let mut state = lock(&self.state);
                 let old = std::mem::replace(&mut *state, CellState::Done(outcome));
-                let CellState::Pending { wakers } = old else {
+                let CellState::Pending { wakers, .. } = old else {
                     return true;
                 };
                 drop(state);
@@ -67,14 +76,24 @@ impl CompletionCell {
                 return true;
             }
             let mut state = lock(&self.state);
-            let CellState::Pending { wakers } = &mut *state else {
+            let CellState::Pending { wakers, blocked } = &mut *state else {
                 return false;
             };
             let wakers = std::mem::take(wakers);
+            let blocked = *blocked;
             *state = CellState::Done(outcome);
-            wakers
+            #[cfg(loom)]
+            let blocked = if crate::cache::mutant::active("notify-skips-a-waiter") {
+                0
+            } else {
+                blocked
+            };
+            (wakers, blocked)
         };
-        self.done.notify_all();
+        let (wakers, blocked) = wakers;
+        if blocked > 0 {
+            self.done.notify_all();
+        }
         for waker in wakers {
             waker.wake();
         }
@@ -100,19 +119,27 @@ impl CompletionCell {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
         let mut state = lock(&self.state);
         loop {
-            if let CellState::Done(outcome) = &*state {
-                return Some(outcome.clone());
-            }
-            state = match deadline {
-                None => wait(&self.done, state),
-                Some(deadline) => {
+            let left = match (&mut *state, deadline) {
+                (CellState::Done(outcome), _) => return Some(outcome.clone()),
+                (CellState::Pending { .. }, None) => None,
+                (CellState::Pending { .. }, Some(deadline)) => {
                     let left = deadline.saturating_duration_since(std::time::Instant::now());
                     if left.is_zero() {
                         return None;
                     }
-                    wait_timeout(&self.done, state, left)
+                    Some(left)
                 }
             };
+            if let CellState::Pending { blocked, .. } = &mut *state {
+                *blocked += 1;
+            }
+            state = match left {
+                None => wait(&self.done, state),
+                Some(left) => wait_timeout(&self.done, state, left),
+            };
+            if let CellState::Pending { blocked, .. } = &mut *state {
+                *blocked -= 1;
+            }
         }
     }
 
@@ -122,7 +149,7 @@ impl CompletionCell {
         let mut state = lock(&self.state);
         match &mut *state {
             CellState::Done(outcome) => Poll::Ready(outcome.clone()),
-            CellState::Pending { wakers } => {
+            CellState::Pending { wakers, .. } => {
                 if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
                     wakers.push(cx.waker().clone());
                 }

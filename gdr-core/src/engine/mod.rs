@@ -1110,7 +1110,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     }
 
     fn post_ready(&self, state: &mut State<V, C>) {
-        let now = self.shared.config.clock.now();
         let State {
             core,
             peers,
@@ -1119,7 +1118,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         } = state;
         for peer in peers.iter_mut().flatten() {
             if !peer.backlog.is_empty() {
-                peer.flush_backlog(core, now);
+                peer.flush_backlog(core, self.shared.config.clock.now());
             }
         }
         for peer in peers.iter().flatten() {
@@ -1687,10 +1686,17 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             if ready.is_empty() {
                 return Err(EngineError::PeerGone("every queue pair failed".into()));
             }
-            let mut work = Vec::new();
-            let mut keep: Vec<Keep> = Vec::with_capacity(transfers.len());
+            let slices: u64 = transfers.iter().map(|t| t.len.div_ceil(slice_size)).sum();
+            let mut work = Vec::with_capacity(slices as usize);
+            let mut keep: Vec<Keep> = Vec::with_capacity(1);
+            let mut kept: Option<*const RegionInner<V>> = None;
             for t in transfers {
-                keep.push(Arc::clone(&t.local.inner) as Keep);
+                // One hold per distinct region in a row (a batch usually
+                // moves one region).
+                if kept != Some(Arc::as_ptr(&t.local.inner)) {
+                    kept = Some(Arc::as_ptr(&t.local.inner));
+                    keep.push(Arc::clone(&t.local.inner) as Keep);
+                }
                 let mut done = 0;
                 while done < t.len {
                     let index = ready[peer.next_qp % ready.len()];
