@@ -572,30 +572,35 @@ impl Core {
     }
 }
 
+/// A WRITE of `len` bytes for the core's tests and loom models.
+#[cfg(test)]
+pub(crate) fn test_write(len: u32) -> Work {
+    let mut sg_list = hal_verbs::SgList::new();
+    sg_list.push(hal_verbs::Sge {
+        addr: 0x1000,
+        length: len,
+        lkey: 1,
+    });
+    Work {
+        batch: 0,
+        request: SendRequest {
+            wr_id: 0,
+            op: SendOp::Write {
+                remote_addr: 0x2000,
+                rkey: 2,
+            },
+            sg_list,
+            flags: SendFlags::empty(),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hal_verbs::{SgList, Sge};
 
     fn write(len: u32) -> Work {
-        let mut sg_list = SgList::new();
-        sg_list.push(Sge {
-            addr: 0x1000,
-            length: len,
-            lkey: 1,
-        });
-        Work {
-            batch: 0,
-            request: SendRequest {
-                wr_id: 0,
-                op: SendOp::Write {
-                    remote_addr: 0x2000,
-                    rkey: 2,
-                },
-                sg_list,
-                flags: SendFlags::empty(),
-            },
-        }
+        test_write(len)
     }
 
     fn send() -> Work {

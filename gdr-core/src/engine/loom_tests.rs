@@ -11,31 +11,14 @@ use std::time::{Duration, Instant};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 
-use hal_verbs::{SendFlags, SendOp, SendRequest, SgList, Sge, WcStatus};
+use hal_verbs::WcStatus;
 
 use super::completion::CompletionCell;
-use super::core::{Core, QpLimits, Work};
+use super::core::{Core, QpLimits, Work, test_write};
 use super::error::TransferError;
 
 fn write() -> Work {
-    let mut sg_list = SgList::new();
-    sg_list.push(Sge {
-        addr: 0x1000,
-        length: 8,
-        lkey: 1,
-    });
-    Work {
-        batch: 0,
-        request: SendRequest {
-            wr_id: 0,
-            op: SendOp::Write {
-                remote_addr: 0x2000,
-                rkey: 2,
-            },
-            sg_list,
-            flags: SendFlags::empty(),
-        },
-    }
+    test_write(8)
 }
 
 /// A completion and a timeout race to set one outcome while a thread

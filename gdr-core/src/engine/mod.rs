@@ -1535,14 +1535,28 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let batch = self.send_control(&Control::Paths {
             devices: devices.as_bytes(),
         })?;
-        let deadline = Instant::now() + timeout;
         batch.wait(timeout).map_err(|e| EngineError::Handshake {
             peer: self.addr().map(|a| a.to_string()).unwrap_or_default(),
             why: format!("sending paths: {e}"),
         })?;
+        self.progress_until(timeout, |p| p.paths_known.then_some(()))
+    }
+
+    /// Makes progress until `ready` finds what it waits for in the peer's
+    /// state, the peer goes, or `timeout` passes.
+    fn progress_until<T>(
+        &self,
+        timeout: Duration,
+        mut ready: impl FnMut(&mut PeerState<V, C>) -> Option<T>,
+    ) -> Result<T, EngineError> {
+        let deadline = Instant::now() + timeout;
         loop {
-            if self.with_state(|_, p| p.paths_known)? {
-                return Ok(());
+            let (found, gone) = self.with_state(|_, p| (ready(p), p.gone.clone()))?;
+            if let Some(found) = found {
+                return Ok(found);
+            }
+            if let Some(why) = gone {
+                return Err(EngineError::PeerGone(why));
             }
             if Instant::now() >= deadline {
                 return Err(EngineError::Timeout(timeout));
@@ -1623,26 +1637,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         grant: u64,
         timeout: Duration,
     ) -> Result<MemoryDescriptor, EngineError> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(d) = self.remote_grant(grant) {
-                return Ok(d);
-            }
-            self.check_alive()?;
-            if Instant::now() >= deadline {
-                return Err(EngineError::Timeout(timeout));
-            }
-            if self.engine.progress() == 0 {
-                std::thread::yield_now();
-            }
-        }
-    }
-
-    fn check_alive(&self) -> Result<(), EngineError> {
-        match self.with_state(|_, p| p.gone.clone())? {
-            Some(why) => Err(EngineError::PeerGone(why)),
-            None => Ok(()),
-        }
+        self.progress_until(timeout, |p| p.remote_grants.get(&grant).cloned())
     }
 
     /// Submits a batch with the engine's default timeout.
@@ -1815,19 +1810,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
     /// The next control message from the peer, waiting up to `timeout`.
     pub fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(message) = self.with_state(|_, p| p.inbox.pop_front())? {
-                return Ok(message);
-            }
-            self.check_alive()?;
-            if Instant::now() >= deadline {
-                return Err(EngineError::Timeout(timeout));
-            }
-            if self.engine.progress() == 0 {
-                std::thread::yield_now();
-            }
-        }
+        self.progress_until(timeout, |p| p.inbox.pop_front())
     }
 
     /// Says goodbye and disconnects every queue pair: what is in flight
