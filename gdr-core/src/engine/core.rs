@@ -465,15 +465,20 @@ impl Core {
             // Fail fast: the batch's work not yet posted is dropped.
             self.drop_queued(batch);
         }
-        let record = self.batches.get_mut(&batch).expect("still there");
-        if record.unfinished == 0 {
-            let record = self.batches.remove(&batch).expect("still there");
-            if let Some((at, _)) = record.deadline {
-                self.deadlines.remove(&(at, batch));
-            }
-            let outcome = record.error.map_or(Ok(()), Err);
-            record.cell.complete(outcome);
+        self.finish_if_done(batch);
+    }
+
+    /// Delivers `batch`'s outcome once none of its requests is left.
+    fn finish_if_done(&mut self, batch: BatchId) {
+        if self.batches.get(&batch).is_none_or(|r| r.unfinished != 0) {
+            return;
         }
+        let record = self.batches.remove(&batch).expect("just found");
+        if let Some((at, _)) = record.deadline {
+            self.deadlines.remove(&(at, batch));
+        }
+        let outcome = record.error.map_or(Ok(()), Err);
+        record.cell.complete(outcome);
     }
 
     /// Retires `batch`'s work not yet posted (its outcome is decided).
@@ -498,9 +503,8 @@ impl Core {
         if record.error.is_none() {
             record.error = Some(TransferError::Cancelled);
         }
-        record.unfinished += 1; // held while dropping, so it ends once
         self.drop_queued(batch);
-        self.retire(batch, Ok(()));
+        self.finish_if_done(batch);
     }
 
     /// The earliest deadline the driver must call [`Core::handle_timeout`]
@@ -544,7 +548,6 @@ impl Core {
             let grace = at + FLUSH_GRACE;
             record.deadline = Some((grace, after));
             self.deadlines.insert((grace, batch));
-            record.unfinished += 1;
             self.drop_queued(batch);
             let holders: Vec<QpId> = (0..self.qps.len())
                 .filter(|&qp| self.qps[qp].in_flight.iter().any(|f| f.batch == batch))
@@ -557,18 +560,13 @@ impl Core {
                 }
                 self.stop(qp, cause.clone());
             }
-            self.retire(batch, Ok(()));
+            self.finish_if_done(batch);
         }
     }
 
     /// The next thing the driver must do.
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
-    }
-
-    /// Whether an action waits.
-    pub fn has_actions(&self) -> bool {
-        !self.actions.is_empty()
     }
 }
 
