@@ -255,19 +255,7 @@ impl<V: Api> Region<V> {
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), EngineError> {
-        if len == 0
-            || offset
-                .checked_add(len)
-                .is_none_or(|end| end > self.inner.len)
-        {
-            return Err(EngineError::OutOfBounds {
-                what: "local region",
-                offset,
-                len,
-                size: self.inner.len,
-            });
-        }
-        Ok(())
+        check_within("local region", offset, len, self.inner.len)
     }
 }
 
@@ -1149,13 +1137,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
         }
-        self.run_actions_after_post(state);
-    }
-
-    fn run_actions_after_post(&self, state: &mut State<V, C>) {
-        if state.core.has_actions() {
-            self.run_actions(state);
-        }
+        self.run_actions(state);
     }
 }
 
@@ -1465,21 +1447,38 @@ impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
-    fn with_state<T>(
+    /// Runs `f` on the core and this peer's state, under the engine's
+    /// lock.
+    fn read_peer<T>(
         &self,
-        f: impl FnOnce(&mut State<V, C>, &mut PeerState<V, C>) -> T,
+        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
     ) -> Result<T, EngineError> {
         let mut guard: MutexGuard<'_, State<V, C>> = lock(&self.engine.shared.state);
-        let state = &mut *guard;
-        let mut peer = state.peers[self.slot]
-            .take()
-            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
-        let out = f(state, &mut peer);
-        state.peers[self.slot] = Some(peer);
-        // What the call queued goes out now (the peer was out of the table
-        // while it ran).
-        self.engine.post_ready(state);
+        Self::on_peer(&mut guard, self.slot, f)
+    }
+
+    /// [`Peer::read_peer`] for a call that queues work: what it queued
+    /// is posted before the lock is released.
+    fn update_peer<T>(
+        &self,
+        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+    ) -> Result<T, EngineError> {
+        let mut guard: MutexGuard<'_, State<V, C>> = lock(&self.engine.shared.state);
+        let out = Self::on_peer(&mut guard, self.slot, f)?;
+        self.engine.post_ready(&mut guard);
         Ok(out)
+    }
+
+    fn on_peer<T>(
+        state: &mut State<V, C>,
+        slot: usize,
+        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+    ) -> Result<T, EngineError> {
+        let State { core, peers, .. } = state;
+        let peer = peers[slot]
+            .as_mut()
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        Ok(f(core, peer))
     }
 
     /// The engine this peer belongs to.
@@ -1489,34 +1488,28 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
     /// The peer engine's id.
     pub fn remote_engine(&self) -> u64 {
-        self.with_state(|_, p| p.engine).unwrap_or(0)
+        self.read_peer(|_, p| p.engine).unwrap_or(0)
     }
 
     /// The connection's session id (chosen by the connecting side, the
     /// same on each of its queue pairs).
     pub fn session(&self) -> u64 {
-        self.with_state(|_, p| p.session).unwrap_or(0)
+        self.read_peer(|_, p| p.session).unwrap_or(0)
     }
 
     /// The peer's address.
     pub fn addr(&self) -> Option<SocketAddr> {
-        self.with_state(|_, p| p.addr).ok()
+        self.read_peer(|_, p| p.addr).ok()
     }
 
     /// Counters of each queue pair (index, NIC name, counters).
     pub fn counters(&self) -> Vec<(u16, String, QpCounters)> {
         let nics = &self.engine.shared.nics;
-        self.with_state(|state, p| {
+        self.read_peer(|core, p| {
             p.qps
                 .iter()
                 .enumerate()
-                .map(|(i, q)| {
-                    (
-                        i as u16,
-                        nics[q.nic].name.clone(),
-                        state.core.counters(q.core),
-                    )
-                })
+                .map(|(i, q)| (i as u16, nics[q.nic].name.clone(), core.counters(q.core)))
                 .collect()
         })
         .unwrap_or_default()
@@ -1525,7 +1518,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// Sends our queue pairs' NICs and waits for the peer's.
     fn exchange_paths(&self, timeout: Duration) -> Result<(), EngineError> {
         let nics = &self.engine.shared.nics;
-        let devices = self.with_state(|_, p| {
+        let devices = self.read_peer(|_, p| {
             p.qps
                 .iter()
                 .map(|q| nics[q.nic].name.as_str())
@@ -1551,7 +1544,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     ) -> Result<T, EngineError> {
         let deadline = Instant::now() + timeout;
         loop {
-            let (found, gone) = self.with_state(|_, p| (ready(p), p.gone.clone()))?;
+            let (found, gone) = self.read_peer(|_, p| (ready(p), p.gone.clone()))?;
             if let Some(found) = found {
                 return Ok(found);
             }
@@ -1579,7 +1572,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         rights: GrantRights,
     ) -> Result<RegionGrant<V, C>, EngineError> {
         region.check(offset, len)?;
-        let nics = self.with_state(|_, p| {
+        let nics = self.read_peer(|_, p| {
             let mut nics: Vec<usize> = p.qps.iter().map(|q| q.nic).collect();
             nics.sort_unstable();
             nics.dedup();
@@ -1626,7 +1619,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
     /// A grant the peer announced on this connection, by id.
     pub fn remote_grant(&self, grant: u64) -> Option<MemoryDescriptor> {
-        self.with_state(|_, p| p.remote_grants.get(&grant).cloned())
+        self.read_peer(|_, p| p.remote_grants.get(&grant).cloned())
             .ok()
             .flatten()
     }
@@ -1669,17 +1662,14 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             .collect();
         fence.sort_unstable();
         fence.dedup();
-        let id = self.with_state(|state, peer| -> Result<BatchId, EngineError> {
+        let id = self.update_peer(|core, peer| -> Result<BatchId, EngineError> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
             for t in transfers {
                 check_transfer(peer, t)?;
             }
-            let ready: Vec<usize> = (0..peer.qps.len())
-                .filter(|&i| state.core.is_ready(peer.qps[i].core))
-                .collect();
-            if ready.is_empty() {
+            if !peer.qps.iter().any(|q| core.is_ready(q.core)) {
                 return Err(EngineError::PeerGone("every queue pair failed".into()));
             }
             let slices: u64 = transfers.iter().map(|t| t.len.div_ceil(slice_size)).sum();
@@ -1695,9 +1685,14 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 }
                 let mut done = 0;
                 while done < t.len {
-                    let index = ready[peer.next_qp % ready.len()];
-                    peer.next_qp = peer.next_qp.wrapping_add(1);
-                    let qp = &peer.qps[index];
+                    // The next ready queue pair in turn (one exists).
+                    let qp = loop {
+                        let qp = &peer.qps[peer.next_qp % peer.qps.len()];
+                        peer.next_qp = peer.next_qp.wrapping_add(1);
+                        if core.is_ready(qp.core) {
+                            break qp;
+                        }
+                    };
                     let remote_device = qp.remote_device.as_deref().unwrap_or("");
                     let remote_offset = t.remote_offset + done;
                     let segment = t.remote.segment(remote_device, remote_offset, 1)?;
@@ -1748,7 +1743,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 }
             }
             let deadline = now.checked_add(timeout).map(|at| (at, timeout));
-            Ok(state.core.submit(work, Arc::clone(&cell), deadline, keep))
+            Ok(core.submit(work, Arc::clone(&cell), deadline, keep))
         })??;
         Ok(Batch {
             engine: self.engine.clone(),
@@ -1775,7 +1770,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let shared = &self.engine.shared;
         let timeout = shared.config.default_timeout;
         let cell = Arc::new(CompletionCell::new());
-        self.with_state(|state, peer| -> Result<(), EngineError> {
+        self.update_peer(|core, peer| -> Result<(), EngineError> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
@@ -1796,7 +1791,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 deadline: shared.config.clock.now() + timeout,
                 timeout,
             });
-            peer.flush_backlog(&mut state.core, shared.config.clock.now());
+            peer.flush_backlog(core, shared.config.clock.now());
             Ok(())
         })??;
         Ok(Batch {
@@ -1819,11 +1814,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if let Ok(batch) = self.send_control(&Control::Goodbye) {
             let _ = batch.wait(Duration::from_secs(1));
         }
-        self.with_state(|state, peer| {
+        self.update_peer(|core, peer| {
             peer.gone.get_or_insert_with(|| "closed by us".into());
             for qp in &peer.qps {
                 let _ = qp.conn.disconnect();
-                state.core.fail_qp(
+                core.fail_qp(
                     qp.core,
                     TransferError::PeerGone {
                         reason: "closed by us".into(),
@@ -1847,6 +1842,19 @@ impl Drop for SendSlot {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(self.slot);
     }
+}
+
+/// `len` bytes at `offset` lie inside `size` bytes (and are not none).
+fn check_within(what: &'static str, offset: u64, len: u64, size: u64) -> Result<(), EngineError> {
+    if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(EngineError::OutOfBounds {
+            what,
+            offset,
+            len,
+            size,
+        });
+    }
+    Ok(())
 }
 
 /// Checks a transfer before anything is posted: local bounds, the grant
@@ -1875,17 +1883,7 @@ fn check_transfer<V: Api, C: hal_cuda::Api>(
     if !allowed {
         return Err(EngineError::AccessDenied { grant: d.grant, op });
     }
-    if t.remote_offset
-        .checked_add(t.len)
-        .is_none_or(|end| end > d.len)
-    {
-        return Err(EngineError::OutOfBounds {
-            what: "remote grant",
-            offset: t.remote_offset,
-            len: t.len,
-            size: d.len,
-        });
-    }
+    check_within("remote grant", t.remote_offset, t.len, d.len)?;
     if matches!(d.reach, Reach::Staged) {
         return Err(EngineError::Refused(
             "the peer's region is on the staging rung: rendezvous transfers are not built yet"
