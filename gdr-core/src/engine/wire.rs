@@ -207,6 +207,28 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    /// Reads a four-byte magic: too few bytes are [`WireError::Truncated`]
+    /// against `need` (the whole format's length), another magic is
+    /// [`WireError::BadMagic`] naming `what`.
+    fn magic(
+        &mut self,
+        expected: [u8; 4],
+        what: &'static str,
+        need: usize,
+    ) -> Result<(), WireError> {
+        let got_len = self.rest.len();
+        let magic = self
+            .array::<4>()
+            .map_err(|_| WireError::Truncated { got: got_len, need })?;
+        if magic != expected {
+            return Err(WireError::BadMagic {
+                what,
+                got: u32::from_be_bytes(magic),
+            });
+        }
+        Ok(())
+    }
+
     fn new(bytes: &'a [u8]) -> Self {
         Self {
             rest: bytes,
@@ -367,16 +389,7 @@ impl Hello {
     /// version is [`WireError::Version`], whatever its length.
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader::new(bytes);
-        let magic = r.array::<4>().map_err(|_| WireError::Truncated {
-            got: bytes.len(),
-            need: Self::ENCODED_LEN,
-        })?;
-        if magic != HELLO_MAGIC {
-            return Err(WireError::BadMagic {
-                what: "hello",
-                got: u32::from_be_bytes(magic),
-            });
-        }
+        r.magic(HELLO_MAGIC, "hello", Self::ENCODED_LEN)?;
         let version = r.u8().map_err(|_| WireError::Truncated {
             got: bytes.len(),
             need: Self::ENCODED_LEN,
@@ -480,16 +493,7 @@ impl RejectReason {
     /// known code, unused bytes zero.
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader::new(bytes);
-        let magic = r.array::<4>().map_err(|_| WireError::Truncated {
-            got: bytes.len(),
-            need: Self::ENCODED_LEN,
-        })?;
-        if magic != REJECT_MAGIC {
-            return Err(WireError::BadMagic {
-                what: "reject",
-                got: u32::from_be_bytes(magic),
-            });
-        }
+        r.magic(REJECT_MAGIC, "reject", Self::ENCODED_LEN)?;
         if bytes.len() > Self::ENCODED_LEN {
             return Err(WireError::LengthMismatch {
                 what: "reject",
