@@ -1355,11 +1355,7 @@ impl<'a, V: Api> Transfer<'a, V> {
     ) -> Self {
         Self {
             op: Op::Write,
-            local,
-            local_offset,
-            remote,
-            remote_offset,
-            len,
+            ..Self::read(local, local_offset, remote, remote_offset, len)
         }
     }
 
