@@ -4,6 +4,7 @@
 use std::sync::Once;
 
 pub mod conformance;
+pub mod engine_world;
 pub mod fd;
 pub mod grants;
 pub mod ladder_world;

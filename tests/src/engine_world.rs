@@ -1,0 +1,376 @@
+//! Two transfer engines connected to each other over any verbs backend:
+//! the world the engine tests (`sim_engine`, `sim_engine_async`,
+//! `rxe_engine`) run their transfers in.
+//!
+//! Each [`Side`] is a verbs provider, a simulated GPU and an engine over
+//! both; an [`EngineWorld`] is two sides, `b` listening (accepting on a
+//! thread) and `a` connected to it, with both ends of the connection
+//! ([`EngineWorld::ab`], [`EngineWorld::ba`]). [`EngineWorld::sim`] builds
+//! one on two nodes of a `SimFabric`, [`EngineWorld::rxe`] on SoftRoCE's
+//! `rxe0` (both engines on the one device), and [`Side`] hands out
+//! buffers of host, pinned or GPU memory holding a [`pattern`], registered
+//! with the engine.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use gdr_core::buffer::Buffer;
+use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
+use gdr_core::engine::{Engine, EngineConfig, Path, Peer, Region, RegionGrant};
+use gdr_core::ladder::Rung;
+use gdr_sim::{
+    DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi,
+};
+use hal_cuda::{Context as _, Driver as _, Stream as _};
+use hal_verbs::Api;
+use hal_verbs::rdma::{RdmaApi, RdmaProvider};
+
+use crate::{init_tracing, pattern, rxe};
+
+/// An engine over verbs backend `V`, for the simulated GPU's memory.
+pub type WorldEngine<V> = Engine<V, SimCudaApi>;
+/// One end of a connection between two engines.
+pub type WorldPeer<V> = Peer<V, SimCudaApi>;
+/// A grant of a region to a peer (revoked when dropped).
+pub type WorldGrant<V> = RegionGrant<V, SimCudaApi>;
+/// A buffer of the simulated GPU's driver (host, pinned or device memory).
+pub type WorldBuffer = Buffer<SimCudaApi>;
+
+/// The memory a region is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Pageable host memory.
+    Host,
+    /// Pinned host memory of the GPU's driver.
+    Pinned,
+    /// GPU memory.
+    Gpu,
+}
+
+/// One node: its verbs provider, its (simulated) GPU and its engine.
+#[derive(Debug)]
+pub struct Side<V: Api> {
+    /// The provider the engine was opened on.
+    pub verbs: V::Provider,
+    /// The GPU the engine registers device and pinned memory of.
+    pub cuda: SimCuda,
+    /// The engine.
+    pub engine: WorldEngine<V>,
+}
+
+impl<V: Api> Side<V> {
+    /// An engine on `verbs` (the NICs `config` names, or all) and `cuda`.
+    pub fn new(verbs: V::Provider, cuda: SimCuda, config: EngineConfig) -> Self {
+        let engine = WorldEngine::<V>::new(&verbs, Some(&cuda), config.clone())
+            .unwrap_or_else(|e| panic!("an engine on {:?}: {e}", config.devices));
+        Self {
+            verbs,
+            cuda,
+            engine,
+        }
+    }
+
+    /// `len` bytes of host memory holding `pattern(len, seed)`, registered
+    /// (on the host-memory rung of every NIC).
+    pub fn host(&self, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+        let buffer = Buffer::alloc_host(len);
+        buffer
+            .write_at(0, &pattern(len as usize, seed))
+            .expect("host memory is CPU-writable");
+        let region = self.engine.register(&buffer).unwrap();
+        let nics = self.engine.nics().len();
+        assert_eq!(region.rungs(), vec![Rung::HostMemory; nics], "one per NIC");
+        (buffer, region)
+    }
+
+    /// `len` bytes of pinned host memory holding `pattern(len, seed)`,
+    /// registered.
+    pub fn pinned(&self, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+        let ctx = self.cuda.context(0).unwrap();
+        let buffer = Buffer::alloc_pinned(&ctx, len).unwrap();
+        buffer.write_at(0, &pattern(len as usize, seed)).unwrap();
+        let region = self.engine.register(&buffer).unwrap();
+        (buffer, region)
+    }
+
+    /// `len` bytes of GPU memory holding `pattern(len, seed)` (copied in
+    /// on a stream), registered on whichever rung the ladder takes.
+    pub fn gpu(&self, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+        let ctx = self.cuda.context(0).unwrap();
+        let buffer = Buffer::alloc_device(&ctx, len).unwrap();
+        let data = pattern(len as usize, seed);
+        let stream = ctx.create_stream().unwrap();
+        // SAFETY: the device allocation holds `len` bytes, as does `data`,
+        // and the stream is synchronised before `data` goes.
+        unsafe { stream.copy_host_to_device(buffer.addr(), data.as_ptr(), data.len()) }.unwrap();
+        stream.synchronize().unwrap();
+        let region = self.engine.register(&buffer).unwrap();
+        (buffer, region)
+    }
+
+    /// `len` bytes of `kind` holding `pattern(len, seed)`, registered.
+    pub fn alloc(&self, kind: Kind, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+        match kind {
+            Kind::Host => self.host(len, seed),
+            Kind::Pinned => self.pinned(len, seed),
+            Kind::Gpu => self.gpu(len, seed),
+        }
+    }
+
+    /// The buffer's bytes: host memory read directly, device memory
+    /// through a stream copy.
+    pub fn bytes(&self, buffer: &WorldBuffer) -> Vec<u8> {
+        if buffer.memory_type() != hal_cuda::MemoryType::Device {
+            return buffer.to_vec().expect("host memory is CPU-readable");
+        }
+        let ctx = self.cuda.context(0).unwrap();
+        let mut out = vec![0; buffer.len() as usize];
+        let stream = ctx.create_stream().unwrap();
+        // SAFETY: `out` holds the buffer's length, and the stream is
+        // synchronised before `out` is read.
+        unsafe { stream.copy_device_to_host(out.as_mut_ptr(), buffer.addr(), out.len()) }.unwrap();
+        stream.synchronize().unwrap();
+        out
+    }
+}
+
+/// Two engines, a connected to b: `ab` is a's peer b, `ba` b's peer a.
+#[derive(Debug)]
+pub struct EngineWorld<V: Api> {
+    /// a's end of the connection (its peer is b).
+    pub ab: WorldPeer<V>,
+    /// b's end of the connection (its peer is a).
+    pub ba: WorldPeer<V>,
+    /// The connecting side.
+    pub a: Side<V>,
+    /// The listening side.
+    pub b: Side<V>,
+    /// How long connecting and waiting for a grant may take.
+    pub timeout: Duration,
+}
+
+impl<V: Api> EngineWorld<V> {
+    /// b listens on `listen` (an assigned port) and accepts on a thread;
+    /// a connects over the paths `paths` makes of b's address. Checks both
+    /// ends name each other and share the session.
+    pub fn connect(
+        a: Side<V>,
+        b: Side<V>,
+        listen: IpAddr,
+        paths: impl FnOnce(SocketAddr) -> Vec<Path>,
+        timeout: Duration,
+    ) -> Self {
+        let mut listener = b
+            .engine
+            .listen(SocketAddr::new(listen, 0))
+            .unwrap_or_else(|e| panic!("listening on {listen}: {e}"));
+        let addr = listener.local_addr();
+        assert_ne!(addr.port(), 0, "a port was assigned: {addr}");
+        let (ab, ba) = std::thread::scope(|scope| {
+            let accepting = scope.spawn(move || listener.accept(timeout));
+            let ab = a
+                .engine
+                .connect_paths(&paths(addr), timeout)
+                .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+            let ba = accepting
+                .join()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("accepting on {addr}: {e}"));
+            (ab, ba)
+        });
+        assert_eq!(ab.remote_engine(), b.engine.id());
+        assert_eq!(ba.remote_engine(), a.engine.id());
+        assert_eq!(ab.session(), ba.session());
+        Self {
+            ab,
+            ba,
+            a,
+            b,
+            timeout,
+        }
+    }
+
+    /// b grants all of `region` to a, which waits for the announcement
+    /// (see [`grant_to`]).
+    pub fn b_grants(
+        &self,
+        region: &Region<V>,
+        rights: GrantRights,
+    ) -> (WorldGrant<V>, MemoryDescriptor) {
+        grant_to(&self.ba, &self.ab, region, rights, self.timeout)
+    }
+
+    /// a grants all of `region` to b, which waits for the announcement
+    /// (see [`grant_to`]).
+    pub fn a_grants(
+        &self,
+        region: &Region<V>,
+        rights: GrantRights,
+    ) -> (WorldGrant<V>, MemoryDescriptor) {
+        grant_to(&self.ab, &self.ba, region, rights, self.timeout)
+    }
+
+    /// `len` bytes of host memory on each side, a's holding
+    /// `pattern(len, seed)` and b's `pattern(len, 0)`, b's granted to a with
+    /// `rights`: what most transfers go between.
+    pub fn host_pair(&self, len: u64, seed: u8, rights: GrantRights) -> HostPair<V> {
+        let (src_buf, src) = self.a.host(len, seed);
+        let (dst_buf, dst) = self.b.host(len, 0);
+        let (grant, remote) = self.b_grants(&dst, rights);
+        HostPair {
+            grant,
+            remote,
+            src,
+            src_buf,
+            dst,
+            dst_buf,
+        }
+    }
+}
+
+/// Host memory on a and b, b's granted to a ([`EngineWorld::host_pair`]).
+/// Field order is drop order: the grant, then the regions, then the memory.
+#[derive(Debug)]
+pub struct HostPair<V: Api> {
+    /// b's grant of `dst` to a.
+    pub grant: WorldGrant<V>,
+    /// The descriptor a received for it.
+    pub remote: MemoryDescriptor,
+    /// a's region.
+    pub src: Region<V>,
+    /// a's memory.
+    pub src_buf: WorldBuffer,
+    /// b's region.
+    pub dst: Region<V>,
+    /// b's memory.
+    pub dst_buf: WorldBuffer,
+}
+
+/// `granter` grants all of `region` to its peer, whose `grantee` waits up
+/// to `timeout` for the announcement. Checks the peer sees exactly what was
+/// granted, reaching the granter's every NIC (in these worlds a peer has
+/// queue pairs on every NIC of its engine).
+pub fn grant_to<V: Api>(
+    granter: &WorldPeer<V>,
+    grantee: &WorldPeer<V>,
+    region: &Region<V>,
+    rights: GrantRights,
+    timeout: Duration,
+) -> (WorldGrant<V>, MemoryDescriptor) {
+    let grant = granter.grant(region, 0, region.len(), rights).unwrap();
+    let seen = grantee
+        .wait_grant(grant.descriptor().grant, timeout)
+        .unwrap();
+    assert_eq!(
+        &seen,
+        grant.descriptor(),
+        "the peer sees exactly what was granted"
+    );
+    assert_eq!(
+        seen.devices().collect::<Vec<_>>(),
+        granter.engine().nics(),
+        "the grant reaches every NIC"
+    );
+    (grant, seen)
+}
+
+impl EngineWorld<SimVerbsApi> {
+    /// Two nodes `a` and `b` of a fresh `SimFabric`, `nics` NICs (`sim0`,
+    /// `sim1`, ...) and one GPU configured as `gpu` each, engines configured
+    /// as `config`. b listens on every NIC; with one NIC a connects by the
+    /// route to b's `sim0`, with more over one path per NIC pair
+    /// (`simN` to `simN`), so the queue pairs spread over them.
+    pub fn sim(nics: usize, gpu: GpuConfig, config: EngineConfig, timeout: Duration) -> Self {
+        init_tracing();
+        let fabric = SimFabric::new();
+        let side = |name: &str, gpu: GpuConfig| {
+            let verbs = fabric.add_node(
+                name,
+                NodeConfig {
+                    ipv4: None,
+                    devices: vec![DeviceConfig::default(); nics],
+                },
+            );
+            let cuda = SimCuda::new(vec![gpu], fabric.faults());
+            Side::new(verbs, cuda, config.clone())
+        };
+        let a = side("a", gpu.clone());
+        let b = side("b", gpu);
+        let ip =
+            |side: &Side<SimVerbsApi>, nic: &str| IpAddr::V4(side.verbs.device_ipv4(nic).unwrap());
+        let names: Vec<String> = (0..nics).map(|i| format!("sim{i}")).collect();
+        let paths: Vec<(Option<IpAddr>, IpAddr)> = if nics > 1 {
+            names
+                .iter()
+                .map(|nic| (Some(ip(&a, nic)), ip(&b, nic)))
+                .collect()
+        } else {
+            vec![(None, ip(&b, "sim0"))]
+        };
+        Self::connect(
+            a,
+            b,
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            |listening| {
+                paths
+                    .into_iter()
+                    .map(|(source, peer)| Path {
+                        source,
+                        peer: SocketAddr::new(peer, listening.port()),
+                    })
+                    .collect()
+            },
+            timeout,
+        )
+    }
+
+    /// The fabric both nodes are on (its pause switch).
+    pub fn fabric(&self) -> &SimFabric {
+        self.a.verbs.fabric()
+    }
+}
+
+impl EngineWorld<RdmaApi> {
+    /// Two engines on SoftRoCE's `rxe0` ([`rxe::device_name`]), each with a
+    /// simulated GPU whose memory is host-visible and registers through
+    /// peermem (the stand-in for memory nvidia-peermem pinned), configured
+    /// as `config` but on that device only, with `timeout` as the default
+    /// one; b listens on rxe0's address ([`rxe::expected_ip`]: rdma_cm
+    /// cannot use 127.0.0.1 there). `None` after printing why `test` skips
+    /// ([`rxe::open_rxe`]).
+    pub fn rxe(test: &str, config: EngineConfig, timeout: Duration) -> Option<Self> {
+        let (provider, _ctx) = rxe::open_rxe(test)?;
+        let config = EngineConfig {
+            devices: Some(vec![rxe::device_name()]),
+            default_timeout: timeout,
+            ..config
+        };
+        let side = |provider: RdmaProvider| {
+            let cuda = SimCuda::new(
+                vec![GpuConfig {
+                    host_visible: true,
+                    peermem: true,
+                    ..GpuConfig::default()
+                }],
+                FaultPlan::new(),
+            );
+            let side = Side::<RdmaApi>::new(provider, cuda, config.clone());
+            assert_eq!(side.engine.nics(), [rxe::device_name()]);
+            side
+        };
+        let a = side(provider.clone());
+        let b = side(provider);
+        Some(Self::connect(
+            a,
+            b,
+            rxe::expected_ip(),
+            |addr| {
+                vec![Path {
+                    source: None,
+                    peer: addr,
+                }]
+            },
+            timeout,
+        ))
+    }
+}
