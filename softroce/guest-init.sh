@@ -6,6 +6,8 @@
 #                          9p root: holds cmd.sh; receives ready-uptime, status
 #   rxevm_netdev=dummy0|eth0  rxe0's netdev (eth0: the virtio-net NIC, if any)
 #   rxevm_ip=A/N           that netdev's address     rxevm_mtu=N  its MTU (optional)
+#   rxevm_ip2=A/N          optional: rxe1 on the second virtio-net NIC, eth1,
+#                          with this address (same MTU)
 #   rxevm_cache=mmap       9p cache mode of the shared root
 /bin/busybox mkdir -p /proc /sys /dev /newroot
 /bin/busybox --install -s /bin
@@ -55,10 +57,19 @@ case "$NETDEV" in
   eth0) [ -e /sys/class/net/eth0 ] || die "no eth0 (no virtio-net NIC?)" ;;
   *) die "unknown rxevm_netdev=$NETDEV" ;;
 esac
-$IP addr add "${rxevm_ip:-10.99.0.1/24}" dev "$NETDEV" || die "ip addr add failed"
-[ -z "${rxevm_mtu:-}" ] || $IP link set "$NETDEV" mtu "$rxevm_mtu" || die "ip link set mtu failed"
-$IP link set "$NETDEV" up || die "ip link set $NETDEV up failed"
-chroot /newroot /usr/bin/rdma link add rxe0 type rxe netdev "$NETDEV" || die "rdma link add rxe0 failed"
+# add_rxe RXE NETDEV ADDR: address and MTU on NETDEV, up, SoftRoCE RXE on it
+add_rxe() {
+  $IP addr add "$3" dev "$2" || die "ip addr add $3 dev $2 failed"
+  [ -z "${rxevm_mtu:-}" ] || $IP link set "$2" mtu "$rxevm_mtu" || die "ip link set $2 mtu failed"
+  $IP link set "$2" up || die "ip link set $2 up failed"
+  chroot /newroot /usr/bin/rdma link add "$1" type rxe netdev "$2" || die "rdma link add $1 failed"
+}
+add_rxe rxe0 "$NETDEV" "${rxevm_ip:-10.99.0.1/24}"
+if [ -n "${rxevm_ip2:-}" ]; then
+  [ -e /sys/class/net/eth1 ] || die "rxevm_ip2 given but no eth1 (no second virtio-net NIC?)"
+  add_rxe rxe1 eth1 "$rxevm_ip2"
+  log "rxe1 ready on eth1 $rxevm_ip2: $(up)"
+fi
 log "rxe0 ready on $NETDEV ${rxevm_ip:-10.99.0.1/24}: $(up)"
 up > "/newroot$rxevm_dir/ready-uptime"
 

@@ -23,6 +23,11 @@
 #                          "dgram,local.type=unix,local.path=/tmp/a.sock,remote.type=unix,remote.path=/tmp/b.sock"
 #                          (two-guests.sh does this)
 #   RXEVM_MAC=52:54:00:12:34:56  that NIC's MAC (must differ between linked guests)
+#   RXEVM_NIC2=<netdev>    with RXEVM_NIC: a second virtio-net NIC, eth1, on this
+#                          netdev, carrying a second SoftRoCE device rxe1 (two
+#                          rxe in one guest do not reach each other: a second
+#                          device needs a wire of its own, see two-guests.sh)
+#   RXEVM_MAC2=52:54:00:12:34:57  its MAC    RXEVM_IP2=10.99.1.1/24  its address
 #   RXEVM_9P_CACHE=mmap    9p cache mode: mmap (writes reach the host at once),
 #                          loose (2-3x faster exec; writes cached until the guest's
 #                          final sync), none
@@ -91,11 +96,15 @@ NICARGS=(-nic none)
 if [ -n "${RXEVM_NIC:-}" ]; then
   NETDEV=eth0
   NICARGS=(-netdev "$RXEVM_NIC,id=n0" -device "virtio-net-pci,netdev=n0,romfile=,mac=${RXEVM_MAC:-52:54:00:12:34:56}")
+  if [ -n "${RXEVM_NIC2:-}" ]; then
+    NICARGS+=(-netdev "$RXEVM_NIC2,id=n1" -device "virtio-net-pci,netdev=n1,romfile=,mac=${RXEVM_MAC2:-52:54:00:12:34:57}")
+  fi
 fi
 PIDARGS=(); [ -z "${RXEVM_PIDFILE:-}" ] || PIDARGS=(-pidfile "$RXEVM_PIDFILE")
 APPEND="console=ttyS0 quiet loglevel=4 panic=-1 rxevm_dir=$RUN rxevm_netdev=$NETDEV"
 APPEND="$APPEND rxevm_ip=${RXEVM_IP:-10.99.0.1/24} rxevm_cache=${RXEVM_9P_CACHE:-mmap}"
 [ -z "${RXEVM_MTU:-}" ] || APPEND="$APPEND rxevm_mtu=$RXEVM_MTU"
+[ -z "${RXEVM_NIC:-}" ] || [ -z "${RXEVM_NIC2:-}" ] || APPEND="$APPEND rxevm_ip2=${RXEVM_IP2:-10.99.1.1/24}"
 
 T0=$(now)
 # Guest stdout/stderr: virtconsoles whose chardevs write to our fds 1 and 2

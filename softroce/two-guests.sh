@@ -9,6 +9,10 @@
 # Start order is not guaranteed: a client must retry until its server listens.
 # Env: RXEVM_PAIR_DIR  folder for the sockets and qemu PIDs (a.pid, b.pid),
 #                      e.g. to kill one guest; default: a temporary one
+#      RXEVM_PAIR_WIRES=1  2: a second wire between a second virtio-net NIC
+#                      of each guest, eth1, carrying rxe1: A 10.99.1.1, B
+#                      10.99.1.2 (two rxe devices in one guest do not reach
+#                      each other, so a second device per node needs this)
 #      RXEVM_SMP=1 RXEVM_MEM=512 RXEVM_TIMEOUT=600 RXEVM_VERBOSE=1, and the
 #      other RXEVM_* knobs of run-in-vm.sh, apply to both guests.
 set -euo pipefail
@@ -33,18 +37,25 @@ export RXEVM_SMP=${RXEVM_SMP:-1} RXEVM_MEM=${RXEVM_MEM:-512}
 export RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-600} RXEVM_VERBOSE=${RXEVM_VERBOSE:-1}
 # Build (if stale) once here rather than in both guests' launches.
 "$HERE/build-initramfs.sh"
-rm -f "$D/a.sock" "$D/b.sock" "$D/a.pid" "$D/b.pid" "$D/a.rc" "$D/b.rc"
+WIRES=${RXEVM_PAIR_WIRES:-1}
+case "$WIRES" in 1|2) ;; *) echo "two-guests: RXEVM_PAIR_WIRES=$WIRES: 1 or 2" >&2; exit 2 ;; esac
+rm -f "$D"/[ab].sock "$D"/[ab]1.sock "$D/a.pid" "$D/b.pid" "$D/a.rc" "$D/b.rc"
 T0=$(date +%s.%N)
 
-# guest NAME MAC IP LOCAL REMOTE CMD: run one guest, its output labelled
+# wire LOCAL REMOTE: a QEMU netdev, one end of a datagram wire
+wire() { echo "dgram,local.type=unix,local.path=$D/$1,remote.type=unix,remote.path=$D/$2"; }
+# guest NAME N OTHER CMD: run guest NAME (host number N on each wire; its
+# sockets are named after it, OTHER's after the other), output labelled
 guest() {
-  local nic="dgram,local.type=unix,local.path=$D/$4,remote.type=unix,remote.path=$D/$5" rc=0
-  RXEVM_NIC=$nic RXEVM_MAC=$2 RXEVM_IP=$3 RXEVM_PIDFILE=$D/${1,}.pid \
-    "$HERE/run-in-vm.sh" sh -c "$6" 2>&1 | sed -u "s/^/$1| /" || rc=${PIPESTATUS[0]}
-  echo "$rc" > "$D/${1,}.rc"
+  local me=${1,} rc=0 nic2=
+  [ "$WIRES" = 1 ] || nic2=$(wire "${me}1.sock" "${3}1.sock")
+  RXEVM_NIC=$(wire "$me.sock" "$3.sock") RXEVM_MAC=52:54:00:99:00:0$2 RXEVM_IP=10.99.0.$2/24 \
+    RXEVM_NIC2=$nic2 RXEVM_MAC2=52:54:00:99:01:0$2 RXEVM_IP2=10.99.1.$2/24 \
+    RXEVM_PIDFILE=$D/$me.pid "$HERE/run-in-vm.sh" sh -c "$4" 2>&1 | sed -u "s/^/$1| /" || rc=${PIPESTATUS[0]}
+  echo "$rc" > "$D/$me.rc"
 }
-guest A 52:54:00:99:00:01 10.99.0.1/24 a.sock b.sock "$CA" &
-guest B 52:54:00:99:00:02 10.99.0.2/24 b.sock a.sock "$CB" &
+guest A 1 b "$CA" &
+guest B 2 a "$CB" &
 wait
 RA=$(cat "$D/a.rc" 2>/dev/null || echo 125)
 RB=$(cat "$D/b.rc" 2>/dev/null || echo 125)
