@@ -71,6 +71,10 @@ pub(crate) enum Health {
     Failing(TransferError),
     /// In error and nothing left in flight.
     Drained(TransferError),
+    /// Drained, and being re-established (a new connection for the same
+    /// queue pair index): work may queue, nothing is posted until
+    /// [`Core::revive`].
+    Reconnecting(TransferError),
 }
 
 /// Counters of one queue pair.
@@ -179,6 +183,62 @@ impl Core {
         self.qps[qp].health == Health::Ready
     }
 
+    /// Whether work submitted for `qp` is kept: it is up, or being
+    /// re-established (the work waits for it).
+    pub fn accepts_work(&self, qp: QpId) -> bool {
+        matches!(self.qps[qp].health, Health::Ready | Health::Reconnecting(_))
+    }
+
+    /// Whether `qp` failed for good (drained, and not being re-established).
+    pub fn is_down(&self, qp: QpId) -> bool {
+        matches!(self.qps[qp].health, Health::Drained(_))
+    }
+
+    /// A drained queue pair is being re-established: work queues for it
+    /// until [`Core::revive`] or [`Core::give_up`]. Returns whether it was
+    /// drained (anything else is left as it is).
+    pub fn begin_reconnect(&mut self, qp: QpId) -> bool {
+        let r = &mut self.qps[qp];
+        match &r.health {
+            Health::Drained(cause) => {
+                r.health = Health::Reconnecting(cause.clone());
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The queue pair was re-established (a new connection, nothing in
+    /// flight): it posts again, its queued work first, within `limits`.
+    pub fn revive(&mut self, qp: QpId, limits: QpLimits) {
+        let r = &mut self.qps[qp];
+        debug_assert!(r.in_flight.is_empty(), "revived with work in flight");
+        if !matches!(r.health, Health::Reconnecting(_) | Health::Drained(_)) {
+            return;
+        }
+        r.health = Health::Ready;
+        r.depth = limits.depth.max(1);
+        r.send_limit = limits.send_limit.max(1);
+        r.signal_every = limits.signal_every.max(1);
+        r.since_signal = 0;
+        r.sends_in_flight = 0;
+        r.reset_requested = false;
+    }
+
+    /// Re-establishing the queue pair failed: what waited for it fails
+    /// with `cause`, and it stays down.
+    pub fn give_up(&mut self, qp: QpId, cause: TransferError) {
+        let r = &mut self.qps[qp];
+        if !matches!(r.health, Health::Reconnecting(_)) {
+            return;
+        }
+        r.health = Health::Drained(cause.clone());
+        let queued: Vec<Work> = r.queue.drain(..).collect();
+        for work in queued {
+            self.retire(work.batch, Err(cause.clone()));
+        }
+    }
+
     pub fn counters(&self, qp: QpId) -> QpCounters {
         self.qps[qp].counters
     }
@@ -222,7 +282,7 @@ impl Core {
             _keep: keep,
         };
         if let Some(failing) = work.iter().find_map(|(qp, _)| match &self.qps[*qp].health {
-            Health::Ready => None,
+            Health::Ready | Health::Reconnecting(_) => None,
             Health::Failing(e) | Health::Drained(e) => Some(e.clone()),
         }) {
             record.cell.complete(Err(failing));
@@ -385,10 +445,12 @@ impl Core {
                 r.sends_in_flight -= 1;
             }
             let result = match &health {
-                Health::Failing(cause) | Health::Drained(cause) => Err(TransferError::Flushed {
-                    qp: index,
-                    cause: cause.to_string(),
-                }),
+                Health::Failing(cause) | Health::Drained(cause) | Health::Reconnecting(cause) => {
+                    Err(TransferError::Flushed {
+                        qp: index,
+                        cause: cause.to_string(),
+                    })
+                }
                 Health::Ready if item.seq == wr_id && first_error => {
                     Err(TransferError::from_status(status, vendor_err))
                 }
@@ -854,5 +916,51 @@ mod tests {
         assert_eq!(core.load(qp), 1);
         core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
         assert_eq!(c.outcome(), Some(Err(TransferError::Cancelled)));
+    }
+
+    /// A drained queue pair being re-established takes work and holds it
+    /// until it is revived (then posts it, signalling afresh) or given up
+    /// (then fails it with the cause); a failed one refuses work.
+    #[test]
+    fn a_reconnecting_qp_holds_work_until_revived_or_given_up() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(8, 4));
+        let mut out = Vec::new();
+        let first = cell();
+        core.submit(vec![(qp, write(10))], first.clone(), None, vec![]);
+        core.take_postable(qp, &mut out);
+        core.on_completion(qp, out[0].wr_id, WcStatus::REM_ACCESS_ERR, 0);
+        assert!(core.is_down(qp) && !core.accepts_work(qp));
+        let refused = cell();
+        core.submit(vec![(qp, write(10))], refused.clone(), None, vec![]);
+        assert!(
+            refused.outcome().is_some_and(|o| o.is_err()),
+            "a failed QP refuses work"
+        );
+        assert!(core.begin_reconnect(qp));
+        assert!(core.accepts_work(qp) && !core.is_ready(qp));
+        let held = cell();
+        core.submit(vec![(qp, write(10)); 3], held.clone(), None, vec![]);
+        assert!(!core.has_postable(qp), "nothing posts while reconnecting");
+        core.revive(qp, limits(8, 4));
+        core.take_postable(qp, &mut out);
+        assert_eq!(out.len(), 3);
+        assert!(out[2].flags.contains(SendFlags::SIGNALED));
+        core.on_completion(qp, out[2].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(held.outcome(), Some(Ok(())));
+        // Fail it again, and give it up this time.
+        let doomed = cell();
+        core.submit(vec![(qp, write(10))], doomed.clone(), None, vec![]);
+        core.fail_qp(qp, TransferError::Cancelled);
+        assert!(doomed.outcome().is_some_and(|o| o.is_err()));
+        assert!(core.begin_reconnect(qp));
+        let abandoned = cell();
+        core.submit(vec![(qp, write(10))], abandoned.clone(), None, vec![]);
+        let gone = TransferError::PeerGone {
+            reason: "test".into(),
+        };
+        core.give_up(qp, gone.clone());
+        assert_eq!(abandoned.outcome(), Some(Err(gone)));
+        assert!(core.is_down(qp));
     }
 }

@@ -123,6 +123,10 @@ pub struct EngineConfig {
     pub recv_depth: u16,
     /// Bound on a batch or message without a deadline of its own.
     pub default_timeout: Duration,
+    /// How long a failed queue pair may take to be re-established (the
+    /// connecting side reconnects it, the accepting side waits for that)
+    /// before it is given up; work queued for it meanwhile waits.
+    pub reconnect_timeout: Duration,
     /// The queue pairs' connection parameters (caps are derived from the
     /// fields above).
     pub connect: ConnectParams,
@@ -147,6 +151,7 @@ impl Default for EngineConfig {
             max_message: 4096,
             recv_depth: 32,
             default_timeout: Duration::from_secs(30),
+            reconnect_timeout: Duration::from_secs(10),
             connect: ConnectParams::default(),
             devices: None,
             ladder: LadderConfig::default(),
@@ -266,12 +271,24 @@ struct PeerQp<V: Api> {
     core: QpId,
     remote_device: Option<String>,
     max_inline: u32,
+    /// Where it was connected to: the connecting side re-establishes it
+    /// over this path; `None` on the accepting side.
+    path: Option<Path>,
+    /// A new connection the peer made for this index while the old one
+    /// still drains: installed once it has.
+    replacement: Option<V::Connection>,
+    /// Being re-established: given up past this.
+    reconnect_by: Option<Instant>,
 }
 
 /// The host buffers of a peer's control messages.
 struct ControlBuffers<V: Api, C: hal_cuda::Api> {
     recv: Buffer<C>,
     recv_region: Region<V>,
+    /// The (NIC, queue pair number) each receive slot is posted on;
+    /// `None`: free. A slot posted on a queue pair 0 that was replaced
+    /// comes back (flushed, or with a message) before it is reposted.
+    recv_owner: Vec<Option<(usize, u32)>>,
     send: Buffer<C>,
     send_region: Region<V>,
     free_send: Arc<std::sync::Mutex<Vec<usize>>>,
@@ -282,8 +299,17 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     addr: SocketAddr,
     engine: u64,
     session: u64,
+    /// This side connected (and so re-establishes failed queue pairs).
+    connector: bool,
     qps: Vec<PeerQp<V>>,
     peer_max_message: usize,
+    peer_recv_depth: u32,
+    /// Grants this side announced and has not revoked, encoded: announced
+    /// again when queue pair 0 is re-established (an announcement in
+    /// flight on the old one may have been lost).
+    granted: HashMap<u64, Vec<u8>>,
+    /// Replaced queue pairs 0 whose receives have not all come back.
+    retired: Vec<V::Connection>,
     control: ControlBuffers<V, C>,
     remote_grants: HashMap<u64, MemoryDescriptor>,
     revoked: HashSet<u64>,
@@ -316,6 +342,10 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
                     after: late.timeout,
                 }));
                 continue;
+            }
+            if !core.is_ready(self.qps[0].core) {
+                // Queue pair 0 is being re-established: wait for it.
+                break;
             }
             let slot = self
                 .control
@@ -382,6 +412,12 @@ struct State<V: Api, C: hal_cuda::Api> {
     core: Core,
     peers: Vec<Option<PeerState<V, C>>>,
     by_qp_num: HashMap<(usize, u32), (usize, usize)>,
+    /// (peer slot, queue pair index) of each core queue pair.
+    qp_owner: Vec<(usize, usize)>,
+    /// NICs that reported a fatal error: nothing on them is re-established.
+    dead_nics: Vec<bool>,
+    /// Queue pairs being re-established.
+    reconnecting: usize,
     completions: Vec<Completion>,
     to_post: Vec<SendRequest>,
     ticks: u64,
@@ -494,6 +530,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 core: Core::new(),
                 peers: Vec::new(),
                 by_qp_num: HashMap::new(),
+                qp_owner: Vec::new(),
+                dead_nics: vec![false; nics.len()],
+                reconnecting: 0,
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
@@ -584,10 +623,21 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .cm
             .listen(addr, 64)
             .map_err(|e| EngineError::verbs(format!("listening on {addr}"), e))?;
+        let inner = Arc::new(ListenerInner {
+            listener,
+            pending: std::sync::Mutex::new(Vec::new()),
+            arrived: std::sync::Condvar::new(),
+            open: std::sync::atomic::AtomicBool::new(true),
+        });
+        let weak = Arc::downgrade(&self.shared);
+        let served = Arc::clone(&inner);
+        std::thread::Builder::new()
+            .name("gdr-listener".into())
+            .spawn(move || Self::serve_listener(weak, served))
+            .map_err(|e| EngineError::Unavailable(format!("no listener thread: {e}")))?;
         Ok(EngineListener {
             engine: self.clone(),
-            listener,
-            pending: Vec::new(),
+            inner,
         })
     }
 
@@ -676,7 +726,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 });
             }
             acceptor = Some(reply);
-            conns.push((conn, nic));
+            conns.push((conn, nic, Some(path)));
         }
         let hello = acceptor.expect("at least one queue pair");
         let peer = self.add_peer(first.peer, &hello, session, conns)?;
@@ -757,7 +807,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         addr: SocketAddr,
         hello: &Hello,
         session: u64,
-        conns: Vec<(V::Connection, usize)>,
+        conns: Vec<(V::Connection, usize, Option<Path>)>,
     ) -> Result<Peer<V, C>, EngineError> {
         let config = &self.shared.config;
         let my_max = config.max_message as usize;
@@ -773,40 +823,43 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let mut state = lock(&self.shared.state);
         let slot = state.peers.len();
         let mut qps = Vec::with_capacity(conns.len());
-        for (index, (conn, nic)) in conns.into_iter().enumerate() {
-            let granted = conn.qp().caps();
-            let core = state.core.add_qp(
-                index as u16,
-                QpLimits {
-                    depth: config.qp_depth.min(granted.max_send_wr).max(1),
-                    send_limit: if index == 0 {
-                        u32::from(hello.recv_depth)
-                    } else {
-                        0
-                    },
-                    signal_every: config.signal_every,
-                },
-            );
+        let connector = conns.iter().any(|(_, _, path)| path.is_some());
+        for (index, (conn, nic, path)) in conns.into_iter().enumerate() {
+            let limits = self.qp_limits(&conn, index, u32::from(hello.recv_depth));
+            let core = state.core.add_qp(index as u16, limits);
+            state.qp_owner.push((slot, index));
             state
                 .by_qp_num
                 .insert((nic, conn.qp().qp_num()), (slot, index));
             qps.push(PeerQp {
-                max_inline: granted.max_inline_data.min(config.inline_threshold),
+                max_inline: conn
+                    .qp()
+                    .caps()
+                    .max_inline_data
+                    .min(config.inline_threshold),
                 conn,
                 nic,
                 core,
                 remote_device: None,
+                path,
+                replacement: None,
+                reconnect_by: None,
             });
         }
-        let peer = PeerState {
+        let mut peer = PeerState {
             addr,
             engine: hello.engine,
             session,
+            connector,
             qps,
             peer_max_message: peer_max,
+            peer_recv_depth: u32::from(hello.recv_depth),
+            granted: HashMap::new(),
+            retired: Vec::new(),
             control: ControlBuffers {
                 recv,
                 recv_region,
+                recv_owner: vec![None; recv_slots],
                 send,
                 send_region,
                 free_send: Arc::new(std::sync::Mutex::new((0..send_slots).rev().collect())),
@@ -821,14 +874,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             gone: None,
         };
         // Receives for control messages, before anything can arrive.
-        let recvs: Vec<RecvRequest> = (0..recv_slots)
-            .map(|i| Self::recv_request(&peer, i, my_max))
-            .collect();
-        // SAFETY: the receive buffer is registered (its region lives in the
-        // peer state as long as the queue pair) and gdr's own host memory;
-        // nothing else writes it.
-        unsafe { peer.qps[0].conn.qp().post_recv(&recvs) }
-            .map_err(|e| EngineError::verbs("posting control receives", e.error))?;
+        self.post_free_receives(&mut peer)
+            .map_err(|e| EngineError::verbs("posting control receives", e))?;
         state.peers.push(Some(peer));
         tracing::info!(
             peer = %addr,
@@ -840,6 +887,43 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             engine: self.clone(),
             slot,
         })
+    }
+
+    /// The limits of queue pair `index` of a peer on `conn` (queue pair 0
+    /// carries SENDs, bounded by the peer's `recv_depth` receives).
+    fn qp_limits(&self, conn: &V::Connection, index: usize, peer_recv_depth: u32) -> QpLimits {
+        let config = &self.shared.config;
+        QpLimits {
+            depth: config.qp_depth.min(conn.qp().caps().max_send_wr).max(1),
+            send_limit: if index == 0 { peer_recv_depth } else { 0 },
+            signal_every: config.signal_every,
+        }
+    }
+
+    /// Posts every free control receive slot on the peer's queue pair 0.
+    fn post_free_receives(&self, peer: &mut PeerState<V, C>) -> Result<(), hal_verbs::VerbsError> {
+        let size = self.shared.config.max_message as usize;
+        let free: Vec<usize> = (0..peer.control.recv_owner.len())
+            .filter(|&i| peer.control.recv_owner[i].is_none())
+            .collect();
+        if free.is_empty() {
+            return Ok(());
+        }
+        let recvs: Vec<RecvRequest> = free
+            .iter()
+            .map(|&i| Self::recv_request(peer, i, size))
+            .collect();
+        let qp0 = &peer.qps[0];
+        // SAFETY: the receive buffer is registered (its region lives in the
+        // peer state as long as the queue pair) and gdr's own host memory;
+        // nothing else writes it, and each slot is posted on one queue pair
+        // at a time (`recv_owner`).
+        unsafe { qp0.conn.qp().post_recv(&recvs) }.map_err(|e| e.error)?;
+        let owner = Some((qp0.nic, qp0.conn.qp().qp_num()));
+        for i in free {
+            peer.control.recv_owner[i] = owner;
+        }
+        Ok(())
     }
 
     fn recv_request(peer: &PeerState<V, C>, slot: usize, size: usize) -> RecvRequest {
@@ -926,8 +1010,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     continue;
                 };
                 if wc.wr_id & RECV_BIT != 0 {
-                    self.on_receive(state, slot, wc);
-                } else if let Some(peer) = state.peers[slot].as_ref() {
+                    self.on_receive(state, slot, nic_index, wc);
+                } else if let Some(peer) = state.peers[slot].as_ref()
+                    && peer.qps[index].conn.qp().qp_num() == wc.qp_num
+                {
                     let qp = peer.qps[index].core;
                     state
                         .core
@@ -943,23 +1029,50 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             self.poll_connections(state);
             self.poll_async_events(state);
         }
-        state.core.handle_timeout(shared.config.clock.now());
+        let now = shared.config.clock.now();
+        if state.reconnecting > 0 {
+            self.give_up_late_reconnects(state, now);
+        }
+        state.core.handle_timeout(now);
         self.run_actions(state);
         self.post_ready(state);
         handled
     }
 
-    fn on_receive(&self, state: &mut State<V, C>, slot: usize, wc: &Completion) {
-        let Some(peer) = state.peers[slot].as_mut() else {
+    fn on_receive(&self, state: &mut State<V, C>, slot: usize, nic: usize, wc: &Completion) {
+        let State { core, peers, .. } = state;
+        let Some(peer) = peers[slot].as_mut() else {
             return;
         };
-        if !wc.status.is_success() {
-            // Flushed: the queue pair is going down; nothing to repost.
+        let index = (wc.wr_id & !RECV_BIT) as usize;
+        if peer.control.recv_owner.get(index) != Some(&Some((nic, wc.qp_num))) {
+            tracing::debug!(index, "a receive completion of a slot not posted there");
             return;
         }
-        let index = (wc.wr_id & !RECV_BIT) as usize;
+        peer.control.recv_owner[index] = None;
+        if wc.status.is_success() {
+            self.on_message(peer, index, wc.byte_len as usize);
+        }
+        // Repost the slot (on queue pair 0 as it is now: a flush from a
+        // replaced one frees its slot for the new one).
+        if core.is_ready(peer.qps[0].core)
+            && let Err(e) = self.post_free_receives(peer)
+        {
+            tracing::warn!(error = %e, "reposting control receives");
+        }
+        let owners = &peer.control.recv_owner;
+        let nic0 = peer.qps[0].nic;
+        peer.retired.retain(|conn| {
+            owners
+                .iter()
+                .any(|o| *o == Some((nic0, conn.qp().qp_num())))
+        });
+    }
+
+    /// Handles the control message in receive slot `index`.
+    fn on_message(&self, peer: &mut PeerState<V, C>, index: usize, len: usize) {
         let size = self.shared.config.max_message as usize;
-        let len = (wc.byte_len as usize).min(size);
+        let len = len.min(size);
         let mut bytes = vec![0; len];
         if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
             tracing::warn!(error = %e, "reading a control message");
@@ -997,12 +1110,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             Ok(other) => tracing::debug!(?other, "control message not handled yet"),
             Err(e) => tracing::warn!(error = %e, "a malformed control message: dropped"),
         }
-        let request = Self::recv_request(peer, index, size);
-        // SAFETY: as in `add_peer`: the slot was just read, and is gdr's
-        // registered host memory.
-        if let Err(e) = unsafe { peer.qps[0].conn.qp().post_recv(&[request]) } {
-            tracing::warn!(error = %e.error, "reposting a control receive");
-        }
     }
 
     fn poll_connections(&self, state: &mut State<V, C>) {
@@ -1014,8 +1121,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 match qp.conn.poll_state(Duration::ZERO) {
                     Ok(ConnectionState::Connected) => {}
                     Ok(other) => {
+                        // This queue pair only: it is re-established (or
+                        // given up, and the peer with it, once none is
+                        // left).
                         let why = format!("connection {other:?}");
-                        peer.gone.get_or_insert_with(|| why.clone());
                         state
                             .core
                             .fail_qp(qp.core, TransferError::PeerGone { reason: why });
@@ -1043,6 +1152,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 tracing::warn!(device = %nic.name, ?event, "async event");
                 match event {
                     hal_verbs::AsyncEvent::DeviceFatal => {
+                        state.dead_nics[nic_index] = true;
                         let cause = TransferError::DeviceFatal {
                             device: nic.name.clone(),
                         };
@@ -1061,6 +1171,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     | hal_verbs::AsyncEvent::QpAccessError { qp_num } => {
                         if let Some(&(slot, index)) = state.by_qp_num.get(&(nic_index, qp_num))
                             && let Some(peer) = state.peers[slot].as_ref()
+                            && peer.qps[index].conn.qp().qp_num() == qp_num
                         {
                             state.core.fail_qp(
                                 peer.qps[index].core,
@@ -1080,21 +1191,249 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         while let Some(action) = state.core.poll_action() {
             match action {
                 Action::StopQp(qp) => {
-                    if let Some(q) = state
-                        .peers
-                        .iter()
-                        .flatten()
-                        .flat_map(|p| &p.qps)
-                        .find(|q| q.core == qp)
-                        && let Err(e) = q.conn.qp().to_error()
+                    let (slot, index) = state.qp_owner[qp];
+                    if let Some(peer) = state.peers[slot].as_ref()
+                        && let Err(e) = peer.qps[index].conn.qp().to_error()
                     {
                         tracing::warn!(error = %e, "stopping a queue pair");
                     }
                 }
                 Action::QpDrained(qp) => {
                     tracing::debug!(qp, "queue pair drained");
+                    self.on_qp_drained(state, qp);
                 }
             }
+        }
+    }
+
+    /// A failed queue pair has nothing left in flight: re-establish it
+    /// (the connecting side reconnects; the accepting side installs the
+    /// connection the peer made, or waits for it), unless its peer or its
+    /// NIC is gone.
+    fn on_qp_drained(&self, state: &mut State<V, C>, qp: QpId) {
+        let (slot, index) = state.qp_owner[qp];
+        let Some(peer) = state.peers[slot].as_mut() else {
+            return;
+        };
+        let q = &mut peer.qps[index];
+        if peer.gone.is_some() || state.dead_nics[q.nic] {
+            drop(q.replacement.take());
+            if peer.qps.iter().all(|q| state.core.is_down(q.core)) {
+                peer.gone
+                    .get_or_insert_with(|| "every queue pair failed".into());
+            }
+            return;
+        }
+        if let Some(conn) = q.replacement.take() {
+            self.install(state, slot, index, conn);
+            return;
+        }
+        if !state.core.begin_reconnect(qp) {
+            return;
+        }
+        state.reconnecting += 1;
+        // Tell the peer (its side of this queue pair may be healthy): the
+        // connecting side then reconnects.
+        if let Err(e) = q.conn.disconnect() {
+            tracing::debug!(error = %e, "disconnecting a failed queue pair");
+        }
+        let config = &self.shared.config;
+        q.reconnect_by = Some(config.clock.now() + config.reconnect_timeout);
+        tracing::info!(peer = %peer.addr, qp = index, "re-establishing a queue pair");
+        if let Some(path) = q.path {
+            let engine = self.clone();
+            let job = Reconnect {
+                slot,
+                index,
+                path,
+                nic: q.nic,
+                session: peer.session,
+                count: peer.qps.len() as u16,
+                engine_id: peer.engine,
+            };
+            if let Err(e) = std::thread::Builder::new()
+                .name("gdr-reconnect".into())
+                .spawn(move || engine.reconnect(job))
+            {
+                tracing::warn!(error = %e, "no thread to re-establish a queue pair");
+            }
+        }
+    }
+
+    /// Makes a new connection for a failed queue pair of a peer this side
+    /// connected to, retrying with back-off until it is up, refused, or
+    /// no longer wanted (given up, or the peer gone).
+    fn reconnect(&self, job: Reconnect) {
+        let shared = &self.shared;
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let deadline = {
+                let state = lock(&shared.state);
+                let Some(peer) = state.peers[job.slot].as_ref() else {
+                    return;
+                };
+                let q = &peer.qps[job.index];
+                match q.reconnect_by {
+                    Some(at) if peer.gone.is_none() => at,
+                    _ => return,
+                }
+            };
+            let left = deadline.saturating_duration_since(shared.config.clock.now());
+            if left.is_zero() {
+                return;
+            }
+            let hello = self.hello(Role::Connect, job.session, job.index as u16, job.count);
+            let mut params = self.connect_params(left.min(Duration::from_secs(5)));
+            params.source = job.path.source;
+            let n = &shared.nics[job.nic];
+            let attempt = shared.cm.connect(
+                job.path.peer,
+                n.ladder.pd(),
+                &n.cq,
+                &n.cq,
+                &params,
+                &hello.encode(),
+            );
+            let refused = |why: String| {
+                let mut state = lock(&shared.state);
+                self.give_up_qp(
+                    &mut state,
+                    job.slot,
+                    job.index,
+                    TransferError::PeerGone {
+                        reason: format!("re-establishing queue pair {}: {why}", job.index),
+                    },
+                );
+            };
+            match attempt {
+                Ok(conn) => {
+                    match Hello::decode(&conn.peer_private_data()) {
+                        Ok(reply)
+                            if reply.role == Role::Accept
+                                && reply.session == job.session
+                                && usize::from(reply.qp_index) == job.index
+                                && reply.engine == job.engine_id => {}
+                        other => return refused(format!("unexpected reply {other:?}")),
+                    }
+                    let mut state = lock(&shared.state);
+                    let wanted = state.peers[job.slot].as_ref().is_some_and(|p| {
+                        p.gone.is_none() && p.qps[job.index].reconnect_by.is_some()
+                    });
+                    if wanted {
+                        self.install(&mut state, job.slot, job.index, conn);
+                        self.post_ready(&mut state);
+                    }
+                    return;
+                }
+                Err(hal_verbs::VerbsError::ConnectionRejected { private_data, .. }) => {
+                    let why = RejectReason::decode(&private_data)
+                        .map(|r| format!("rejected: {r}"))
+                        .unwrap_or_else(|_| "rejected".into());
+                    return refused(why);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, qp = job.index, "reconnect attempt failed");
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+            }
+        }
+    }
+
+    /// Puts a new connection in place of queue pair `index` of the peer
+    /// in `slot` (its old one drained) and lets it post again.
+    fn install(&self, state: &mut State<V, C>, slot: usize, index: usize, conn: V::Connection) {
+        let limits = {
+            let Some(peer) = state.peers[slot].as_ref() else {
+                return;
+            };
+            self.qp_limits(&conn, index, peer.peer_recv_depth)
+        };
+        let State {
+            core,
+            peers,
+            by_qp_num,
+            reconnecting,
+            ..
+        } = state;
+        let Some(peer) = peers[slot].as_mut() else {
+            return;
+        };
+        let q = &mut peer.qps[index];
+        if q.reconnect_by.take().is_some() {
+            *reconnecting -= 1;
+        }
+        q.max_inline = conn
+            .qp()
+            .caps()
+            .max_inline_data
+            .min(self.shared.config.inline_threshold);
+        by_qp_num.insert((q.nic, conn.qp().qp_num()), (slot, index));
+        let old = std::mem::replace(&mut q.conn, conn);
+        core.revive(q.core, limits);
+        if index == 0 {
+            // Its receives come back (flushed) before their slots go to
+            // the new queue pair; its completions still route here.
+            peer.retired.push(old);
+            if let Err(e) = self.post_free_receives(peer) {
+                tracing::warn!(error = %e, "posting control receives");
+            }
+            // An announcement in flight on the old queue pair may be lost.
+            let now = self.shared.config.clock.now();
+            let timeout = self.shared.config.default_timeout;
+            for bytes in peer.granted.values() {
+                peer.backlog.push_back(Outgoing {
+                    bytes: bytes.clone(),
+                    cell: Arc::new(CompletionCell::new()),
+                    deadline: now + timeout,
+                    timeout,
+                });
+            }
+        } else {
+            by_qp_num.remove(&(q.nic, old.qp().qp_num()));
+            drop(old);
+        }
+        tracing::info!(peer = %peer.addr, qp = index, "queue pair re-established");
+    }
+
+    /// Re-establishing queue pair `index` failed for good: what waits for
+    /// it fails; a peer with no queue pair left is gone.
+    fn give_up_qp(&self, state: &mut State<V, C>, slot: usize, index: usize, cause: TransferError) {
+        let Some(peer) = state.peers[slot].as_mut() else {
+            return;
+        };
+        let q = &mut peer.qps[index];
+        if q.reconnect_by.take().is_some() {
+            state.reconnecting -= 1;
+        }
+        tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
+        state.core.give_up(q.core, cause.clone());
+        if peer.qps.iter().all(|q| state.core.is_down(q.core)) {
+            peer.gone.get_or_insert_with(|| cause.to_string());
+        }
+    }
+
+    /// Gives up the queue pairs not re-established in time.
+    fn give_up_late_reconnects(&self, state: &mut State<V, C>, now: Instant) {
+        let mut late = Vec::new();
+        for (slot, peer) in state.peers.iter().enumerate() {
+            let Some(peer) = peer else { continue };
+            for (index, q) in peer.qps.iter().enumerate() {
+                if q.reconnect_by.is_some_and(|at| at <= now) {
+                    late.push((slot, index));
+                }
+            }
+        }
+        let after = self.shared.config.reconnect_timeout;
+        for (slot, index) in late {
+            self.give_up_qp(
+                state,
+                slot,
+                index,
+                TransferError::PeerGone {
+                    reason: format!("queue pair {index} not re-established within {after:?}"),
+                },
+            );
         }
     }
 
@@ -1214,50 +1553,208 @@ pub struct Path {
     pub peer: SocketAddr,
 }
 
-/// A listening engine: accepts peers.
+/// A queue pair to re-establish (what the reconnecting thread needs).
+struct Reconnect {
+    slot: usize,
+    index: usize,
+    path: Path,
+    nic: usize,
+    session: u64,
+    count: u16,
+    engine_id: u64,
+}
+
+/// A listening engine: accepts peers. A thread of the engine takes the
+/// connect requests: new peers' queue pairs wait here for
+/// [`EngineListener::accept`]; a peer re-establishing a queue pair of a
+/// session accepted here is served at once. Dropping this handle refuses
+/// new peers; re-establishment is served until the engine goes (the
+/// address stays bound until then).
 pub struct EngineListener<V: Api, C: hal_cuda::Api> {
     engine: Engine<V, C>,
+    inner: Arc<ListenerInner<V>>,
+}
+
+/// Queue pairs of a peer not yet accepted: (its hello, the connection,
+/// the NIC).
+type PendingQp<V> = (Hello, <V as Api>::Connection, usize);
+
+struct ListenerInner<V: Api> {
     listener: V::Listener,
-    pending: Vec<(Hello, V::Connection, usize)>,
+    pending: std::sync::Mutex<Vec<PendingQp<V>>>,
+    arrived: std::sync::Condvar,
+    open: std::sync::atomic::AtomicBool,
 }
 
 impl<V: Api, C: hal_cuda::Api> fmt::Debug for EngineListener<V, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EngineListener")
-            .field("addr", &self.listener.local_addr())
-            .field("pending", &self.pending.len())
-            .finish()
+            .field("addr", &self.inner.listener.local_addr())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Drop for EngineListener<V, C> {
+    fn drop(&mut self) {
+        self.inner.open.store(false, Ordering::Release);
+        self.inner
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// The listener's thread: takes connect requests until the engine is
+    /// dropped.
+    fn serve_listener(weak: std::sync::Weak<Shared<V, C>>, inner: Arc<ListenerInner<V>>) {
+        const POLL: Duration = Duration::from_millis(50);
+        while weak.strong_count() > 0 {
+            let request = match inner.listener.next_request(POLL) {
+                Ok(r) => r,
+                Err(hal_verbs::VerbsError::Timeout { .. }) => continue,
+                Err(e) => {
+                    tracing::debug!(error = %e, "waiting for a connect request");
+                    std::thread::sleep(POLL);
+                    continue;
+                }
+            };
+            let Some(shared) = weak.upgrade() else { return };
+            Engine { shared }.on_connect_request(&inner, request);
+        }
+    }
+
+    /// One connect request: a new peer's queue pair (kept for `accept`),
+    /// or a queue pair of a peer already accepted being re-established.
+    fn on_connect_request(&self, inner: &ListenerInner<V>, request: V::ConnectRequest) {
+        let hello = match Hello::decode(&request.private_data()) {
+            Ok(h) if h.role == Role::Connect => h,
+            Ok(_) => {
+                let _ = request.reject(&RejectReason::Malformed.encode());
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(peer = %request.peer_addr(), error = %e, "bad hello: rejected");
+                let _ = request.reject(&RejectReason::for_hello_error(&e).encode());
+                return;
+            }
+        };
+        let Ok(nic) = self.nic_index(&request.device()) else {
+            let _ = request.reject(&RejectReason::Busy.encode());
+            return;
+        };
+        // A session of ours: the peer re-establishes one of its queue pairs.
+        let known = {
+            let state = lock(&self.shared.state);
+            state.peers.iter().position(|p| {
+                p.as_ref()
+                    .is_some_and(|p| !p.connector && p.session == hello.session)
+            })
+        };
+        let reconnect = known.is_some();
+        if !reconnect && !inner.open.load(Ordering::Acquire) {
+            let _ = request.reject(&RejectReason::Busy.encode());
+            return;
+        }
+        let reply = self.hello(Role::Accept, hello.session, hello.qp_index, hello.qp_count);
+        let params = self.connect_params(self.shared.config.reconnect_timeout);
+        let n = &self.shared.nics[nic];
+        let conn = match request.accept(n.ladder.pd(), &n.cq, &n.cq, &params, &reply.encode()) {
+            Ok(conn) => conn,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a queue pair");
+                return;
+            }
+        };
+        match known {
+            Some(slot) => self.on_reconnected(slot, usize::from(hello.qp_index), conn),
+            None => {
+                let mut pending = inner
+                    .pending
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                pending.push((hello, conn, nic));
+                inner.arrived.notify_all();
+            }
+        }
+    }
+
+    /// The peer in `slot` made a new connection for its queue pair
+    /// `index`: installed now if the old one is down, else once it has
+    /// drained (it is stopped: the peer has given it up).
+    fn on_reconnected(&self, slot: usize, index: usize, conn: V::Connection) {
+        let mut guard = lock(&self.shared.state);
+        let state = &mut *guard;
+        let Some(peer) = state.peers[slot].as_mut() else {
+            return;
+        };
+        let Some(q) = peer.qps.get_mut(index) else {
+            tracing::warn!(
+                qp = index,
+                "a peer re-established a queue pair it never had"
+            );
+            return;
+        };
+        if peer.gone.is_some() {
+            return;
+        }
+        let qp = q.core;
+        if state.core.accepts_work(qp) && !state.core.is_ready(qp) {
+            self.install(state, slot, index, conn);
+        } else {
+            q.replacement = Some(conn);
+            if state.core.is_ready(qp) {
+                let _ = q.conn.disconnect();
+                state.core.fail_qp(
+                    qp,
+                    TransferError::PeerGone {
+                        reason: "the peer re-established this queue pair".into(),
+                    },
+                );
+            }
+        }
+        self.post_ready(state);
     }
 }
 
 impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
     /// The address listened on.
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr()
+        self.inner.listener.local_addr()
     }
 
-    /// Waits up to `timeout` for a peer: accepts its queue pairs (each
-    /// connect request's hello checked; a malformed or other-version one is
-    /// rejected with the reason) and returns once all of one peer's have
-    /// arrived and the paths are exchanged.
+    /// Waits up to `timeout` for a peer: its queue pairs are accepted as
+    /// they arrive (each connect request's hello checked; a malformed or
+    /// other-version one is rejected with the reason); returns once all of
+    /// one peer's have arrived and the paths are exchanged.
     pub fn accept(&mut self, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
         let deadline = Instant::now() + timeout;
+        let mut pending = self
+            .inner
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
-            if let Some(session) = self.complete_session() {
-                let mut conns: Vec<(Hello, V::Connection, usize)> = Vec::new();
+            if let Some(session) = complete_session::<V>(&pending) {
+                let mut conns: Vec<PendingQp<V>> = Vec::new();
                 let mut rest = Vec::new();
-                for entry in self.pending.drain(..) {
+                for entry in pending.drain(..) {
                     if entry.0.session == session {
                         conns.push(entry);
                     } else {
                         rest.push(entry);
                     }
                 }
-                self.pending = rest;
+                *pending = rest;
+                drop(pending);
                 conns.sort_by_key(|(h, _, _)| h.qp_index);
                 let hello = conns[0].0.clone();
                 let addr = conns[0].1.peer_addr();
-                let conns = conns.into_iter().map(|(_, c, nic)| (c, nic)).collect();
+                let conns = conns
+                    .into_iter()
+                    .map(|(_, c, nic)| (c, nic, None))
+                    .collect();
                 let peer = self.engine.add_peer(addr, &hello, session, conns)?;
                 peer.exchange_paths(deadline.saturating_duration_since(Instant::now()))?;
                 return Ok(peer);
@@ -1266,54 +1763,25 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
             if left.is_zero() {
                 return Err(EngineError::Timeout(timeout));
             }
-            let request = match self.listener.next_request(left) {
-                Ok(r) => r,
-                Err(hal_verbs::VerbsError::Timeout { .. }) => {
-                    return Err(EngineError::Timeout(timeout));
-                }
-                Err(e) => return Err(EngineError::verbs("waiting for a connect request", e)),
-            };
-            let hello = match Hello::decode(&request.private_data()) {
-                Ok(h) if h.role == Role::Connect => h,
-                Ok(_) => {
-                    let _ = request.reject(&RejectReason::Malformed.encode());
-                    continue;
-                }
-                Err(e) => {
-                    tracing::warn!(peer = %request.peer_addr(), error = %e, "bad hello: rejected");
-                    let _ = request.reject(&RejectReason::for_hello_error(&e).encode());
-                    continue;
-                }
-            };
-            let nic = match self.engine.nic_index(&request.device()) {
-                Ok(nic) => nic,
-                Err(_) => {
-                    let _ = request.reject(&RejectReason::Busy.encode());
-                    continue;
-                }
-            };
-            let engine = &self.engine;
-            let reply = engine.hello(Role::Accept, hello.session, hello.qp_index, hello.qp_count);
-            let params = engine.connect_params(left);
-            let n = &engine.shared.nics[nic];
-            let conn = request
-                .accept(n.ladder.pd(), &n.cq, &n.cq, &params, &reply.encode())
-                .map_err(|e| EngineError::verbs("accepting a queue pair", e))?;
-            self.pending.push((hello, conn, nic));
+            pending = self
+                .inner
+                .arrived
+                .wait_timeout(pending, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
         }
     }
+}
 
-    /// A session whose queue pairs have all arrived.
-    fn complete_session(&self) -> Option<u64> {
-        self.pending.iter().find_map(|(h, _, _)| {
-            let have = self
-                .pending
-                .iter()
-                .filter(|(o, _, _)| o.session == h.session)
-                .count();
-            (have == usize::from(h.qp_count)).then_some(h.session)
-        })
-    }
+/// A session whose queue pairs have all arrived.
+fn complete_session<V: Api>(pending: &[PendingQp<V>]) -> Option<u64> {
+    pending.iter().find_map(|(h, _, _)| {
+        let have = pending
+            .iter()
+            .filter(|(o, _, _)| o.session == h.session)
+            .count();
+        (have == usize::from(h.qp_count)).then_some(h.session)
+    })
 }
 
 /// One direction of a transfer.
@@ -1431,9 +1899,9 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
 
 impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
     fn drop(&mut self) {
-        let notice = Control::GrantRevoke {
-            grant: self.descriptor.grant,
-        };
+        let grant = self.descriptor.grant;
+        let _ = self.peer.read_peer(|_, p| p.granted.remove(&grant));
+        let notice = Control::GrantRevoke { grant };
         // Best effort: a peer that is gone needs no notice; its NIC access
         // ends with the MRs either way.
         if let Err(e) = self.peer.send_control(&notice) {
@@ -1603,9 +2071,13 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             reach,
         };
         let encoded = descriptor.encode()?;
-        self.send_control(&Control::GrantAnnounce {
+        let announce = Control::GrantAnnounce {
             descriptor: &encoded,
-        })?;
+        };
+        let mut bytes = vec![0; announce.encoded_len()];
+        announce.encode_into(&mut bytes)?;
+        self.send_control(&announce)?;
+        self.read_peer(|_, p| p.granted.insert(descriptor.grant, bytes))?;
         Ok(RegionGrant {
             descriptor,
             peer: self.clone(),
@@ -1665,9 +2137,17 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             for t in transfers {
                 check_transfer(peer, t)?;
             }
-            if !peer.qps.iter().any(|q| core.is_ready(q.core)) {
+            if !peer.qps.iter().any(|q| core.accepts_work(q.core)) {
                 return Err(EngineError::PeerGone("every queue pair failed".into()));
             }
+            // Work goes to the queue pairs that are up; only when none is,
+            // it waits for those being re-established.
+            let usable: fn(&Core, QpId) -> bool = if peer.qps.iter().any(|q| core.is_ready(q.core))
+            {
+                Core::is_ready
+            } else {
+                Core::accepts_work
+            };
             let slices: u64 = transfers.iter().map(|t| t.len.div_ceil(slice_size)).sum();
             let mut work = Vec::with_capacity(slices as usize);
             let mut keep: Vec<Keep> = Vec::with_capacity(1);
@@ -1685,7 +2165,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     let qp = loop {
                         let qp = &peer.qps[peer.next_qp % peer.qps.len()];
                         peer.next_qp = peer.next_qp.wrapping_add(1);
-                        if core.is_ready(qp.core) {
+                        if usable(core, qp.core) {
                             break qp;
                         }
                     };
