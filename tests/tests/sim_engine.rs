@@ -10,7 +10,7 @@ use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, EngineError, Transfer, TransferError};
 use gdr_core::ladder::{LadderConfig, Policy, Rung};
 use gdr_sim::{GpuConfig, SimVerbsApi};
-use gdr_tests::engine_world::{EngineWorld, Kind};
+use gdr_tests::engine_world::{EngineWorld, Kind, grant_to};
 use gdr_tests::pattern;
 
 const T: Duration = Duration::from_secs(10);
@@ -317,13 +317,7 @@ fn a_batch_past_its_deadline_times_out_and_the_qp_is_stopped() {
     let w = world(1, GpuConfig::default(), config(1));
     let h = w.host_pair(1 << 16, 5, GrantRights::ReadWrite);
     // Nothing moves on the fabric: the request stays in flight.
-    w.fabric().set_paused(true);
-    let batch =
-        w.ab.submit_with_timeout(
-            &[Transfer::write(&h.src, 0, &h.remote, 0, 4096)],
-            Duration::from_millis(50),
-        )
-        .unwrap();
+    let batch = w.stalled_write(&h, Duration::from_millis(50));
     let start = std::time::Instant::now();
     let err = batch.wait(T).unwrap_err();
     let took = start.elapsed();
@@ -404,7 +398,7 @@ fn the_gpu_fence_follows_the_batch_that_wrote() {
         );
         assert_eq!(a.bytes(&gpu_buf), pattern(1 << 16, 8));
         // Inbound: b WRITEs into a's GPU region; a fences the region.
-        let (_g2, gpu_remote) = w.a_grants(&gpu_region, GrantRights::Write);
+        let (_g2, gpu_remote) = grant_to(ab, ba, &gpu_region, GrantRights::Write, T);
         ba.submit(&[Transfer::write(&src, 0, &gpu_remote, 0, 1 << 16)])
             .unwrap()
             .wait(T)
@@ -420,4 +414,60 @@ fn the_gpu_fence_follows_the_batch_that_wrote() {
             gdr_core::engine::Fence::NotNeeded
         );
     }
+}
+
+/// A task awaiting a batch while a driver thread runs is not re-polled
+/// until the batch ends: the driver wakes it (no busy task). Without a
+/// driver, the future wakes itself to make progress.
+#[test]
+fn a_driver_wakes_an_awaited_batch_instead_of_a_busy_task() {
+    use std::future::Future;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let w = world(1, GpuConfig::default(), config(1));
+    let h = w.host_pair(1 << 16, 4, GrantRights::ReadWrite);
+    let wakes = Arc::new(Count(AtomicUsize::new(0)));
+    let waker = Waker::from(Arc::clone(&wakes));
+    let mut cx = Context::from_waker(&waker);
+    // Without a driver: a pending poll wakes itself.
+    w.fabric().set_paused(true);
+    let mut batch =
+        w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)])
+            .unwrap();
+    assert!(std::pin::Pin::new(&mut batch).poll(&mut cx).is_pending());
+    assert_eq!(
+        wakes.0.load(Ordering::SeqCst),
+        1,
+        "no driver: woken to poll again"
+    );
+    let driver = w.a.engine.spawn_driver(Duration::from_millis(1));
+    assert!(std::pin::Pin::new(&mut batch).poll(&mut cx).is_pending());
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        wakes.0.load(Ordering::SeqCst),
+        1,
+        "with a driver: not woken while the batch cannot end"
+    );
+    w.fabric().set_paused(false);
+    let deadline = std::time::Instant::now() + T;
+    while wakes.0.load(Ordering::SeqCst) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the driver never woke the task"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    match std::pin::Pin::new(&mut batch).poll(&mut cx) {
+        Poll::Ready(outcome) => outcome.unwrap(),
+        Poll::Pending => panic!("woken, but the batch is not done"),
+    }
+    drop(driver);
 }

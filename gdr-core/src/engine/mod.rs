@@ -432,6 +432,9 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     cm: V::ConnectionManager,
     nics: Vec<Nic<V, C>>,
     next_grant: AtomicU64,
+    /// Driver threads running ([`Engine::spawn_driver`]): while there is
+    /// one, a pending `Future` waits to be woken instead of re-polling.
+    drivers: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// The transfer engine over verbs backend `V` and CUDA backend `C`.
@@ -542,6 +545,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             cm,
             nics,
             next_grant: AtomicU64::new(1),
+            drivers: Arc::default(),
         };
         tracing::info!(
             engine = format_args!("{:#x}", shared.id),
@@ -1483,9 +1487,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 /// A thread that makes progress on an engine until dropped: completions,
 /// deadlines and connection events are handled, and waiters (blocking or
 /// `Future`s) are woken, without any of them polling.
+/// `Future`s awaited while it runs count on it to wake them: keep it until
+/// they have ended.
 pub struct Driver {
     stop: Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    running: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl fmt::Debug for Driver {
@@ -1502,6 +1509,7 @@ impl Drop for Driver {
         {
             tracing::error!("the engine's driver thread panicked");
         }
+        self.running.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1527,9 +1535,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             })
             .expect("spawning the engine's driver thread");
+        let running = Arc::clone(&self.shared.drivers);
+        running.fetch_add(1, Ordering::AcqRel);
         Driver {
             stop,
             thread: Some(thread),
+            running,
         }
     }
 }
@@ -2451,9 +2462,10 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     }
 }
 
-/// Awaiting a batch makes progress on each poll and wakes itself while
-/// the batch runs: runtime-agnostic, at the cost of a busy task (an
-/// engine driven by a thread of its own wakes it instead).
+/// Awaiting a batch is runtime-agnostic. With a driver thread running
+/// ([`Engine::spawn_driver`]) the task sleeps until the batch ends (the
+/// driver completes it and wakes the task); without one, each poll makes
+/// progress and the task wakes itself while the batch runs (a busy task).
 impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
     type Output = Outcome;
 
@@ -2465,7 +2477,9 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
         match self.cell.poll(cx) {
             Poll::Ready(outcome) => Poll::Ready(self.fenced(outcome)),
             Poll::Pending => {
-                cx.waker().wake_by_ref();
+                if self.engine.shared.drivers.load(Ordering::Acquire) == 0 {
+                    cx.waker().wake_by_ref();
+                }
                 Poll::Pending
             }
         }
