@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
-use gdr_core::engine::{Engine, EngineConfig, Path, Peer, Region, RegionGrant};
+use gdr_core::engine::{Batch, Engine, EngineConfig, Path, Peer, Region, RegionGrant, Transfer};
 use gdr_core::ladder::Rung;
 use gdr_sim::{
     DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi,
@@ -200,16 +200,6 @@ impl<V: Api> EngineWorld<V> {
         grant_to(&self.ba, &self.ab, region, rights, self.timeout)
     }
 
-    /// a grants all of `region` to b, which waits for the announcement
-    /// (see [`grant_to`]).
-    pub fn a_grants(
-        &self,
-        region: &Region<V>,
-        rights: GrantRights,
-    ) -> (WorldGrant<V>, MemoryDescriptor) {
-        grant_to(&self.ab, &self.ba, region, rights, self.timeout)
-    }
-
     /// `len` bytes of host memory on each side, a's holding
     /// `pattern(len, seed)` and b's `pattern(len, 0)`, b's granted to a with
     /// `rights`: what most transfers go between.
@@ -327,6 +317,20 @@ impl EngineWorld<SimVerbsApi> {
     /// The fabric both nodes are on (its pause switch).
     pub fn fabric(&self) -> &SimFabric {
         self.a.verbs.fabric()
+    }
+
+    /// Pauses the fabric (nothing moves until it is resumed) and submits a
+    /// WRITE of the first 4 KiB of `h` that must end within `deadline`: a
+    /// batch that can only end by its deadline.
+    pub fn stalled_write(
+        &self,
+        h: &HostPair<SimVerbsApi>,
+        deadline: Duration,
+    ) -> Batch<SimVerbsApi, SimCudaApi> {
+        self.fabric().set_paused(true);
+        self.ab
+            .submit_with_timeout(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)], deadline)
+            .unwrap()
     }
 }
 
