@@ -13,6 +13,10 @@
 #                      of each guest, eth1, carrying rxe1: A 10.99.1.1, B
 #                      10.99.1.2 (two rxe devices in one guest do not reach
 #                      each other, so a second device per node needs this)
+#      RXEVM_PAIR_LINGER=15  once one guest's command failed, the other is
+#                      stopped if still running this many seconds later (it is
+#                      likely waiting for its partner); 0: never (a script that
+#                      kills a guest on purpose)
 #      RXEVM_SMP=1 RXEVM_MEM=512 RXEVM_TIMEOUT=600 RXEVM_VERBOSE=1, and the
 #      other RXEVM_* knobs of run-in-vm.sh, apply to both guests.
 set -euo pipefail
@@ -56,6 +60,22 @@ guest() {
 }
 guest A 1 b "$CA" &
 guest B 2 a "$CB" &
+# The first guest to end: if it failed, its partner (likely waiting for it)
+# has LINGER seconds to end too.
+wait -n || true
+LINGER=${RXEVM_PAIR_LINGER:-15}
+failed=
+for g in a b; do
+  if [ -s "$D/$g.rc" ] && [ "$(cat "$D/$g.rc")" != 0 ]; then failed=$g; break; fi
+done
+if [ "$LINGER" != 0 ] && [ -n "$failed" ]; then
+  other=b; [ "$failed" = a ] || other=a
+  for _ in $(seq "$LINGER"); do [ -s "$D/$other.rc" ] && break; sleep 1; done
+  if [ ! -s "$D/$other.rc" ] && [ -s "$D/$other.pid" ]; then
+    echo "two-guests: guest ${failed^} failed; stopping guest ${other^}, still running ${LINGER}s later" >&2
+    kill "$(cat "$D/$other.pid")" 2>/dev/null || true
+  fi
+fi
 wait
 RA=$(cat "$D/a.rc" 2>/dev/null || echo 125)
 RB=$(cat "$D/b.rc" 2>/dev/null || echo 125)
