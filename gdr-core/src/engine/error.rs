@@ -70,6 +70,15 @@ pub enum TransferError {
         /// The NIC.
         device: String,
     },
+    /// The owner of a staging-rung region did not carry out a rendezvous
+    /// transfer of it: `status` is its wire code.
+    #[error("the peer refused the staged transfer: {what} (status {status})")]
+    StagedRefused {
+        /// The reply's status (wire code).
+        status: u32,
+        /// What it means.
+        what: &'static str,
+    },
 }
 
 impl TransferError {

@@ -51,6 +51,7 @@ mod core;
 pub mod error;
 #[cfg(all(test, loom))]
 mod loom_tests;
+mod staging;
 pub mod topology;
 pub mod wire;
 
@@ -310,6 +311,14 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     granted: HashMap<u64, Vec<u8>>,
     /// Replaced queue pairs 0 whose receives have not all come back.
     retired: Vec<V::Connection>,
+    /// This side's live grants of staging-rung regions, served by
+    /// rendezvous.
+    served: HashMap<u64, staging::Served<V>>,
+    /// The peer's rendezvous requests not yet served.
+    staged_inbox: VecDeque<staging::StagedAsk>,
+    /// This side's rendezvous requests waiting for the peer's reply, by
+    /// id.
+    rendezvous: HashMap<u64, staging::Rendezvous<V>>,
     control: ControlBuffers<V, C>,
     remote_grants: HashMap<u64, MemoryDescriptor>,
     revoked: HashSet<u64>,
@@ -332,6 +341,39 @@ struct Outgoing {
 }
 
 impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
+    /// Queues control message `message` for the peer, to go out by
+    /// `now + timeout`; the cell ends when the peer's NIC has it.
+    fn enqueue(
+        &mut self,
+        message: &Control<'_>,
+        now: Instant,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        if let Some(why) = &self.gone {
+            return Err(EngineError::PeerGone(why.clone()));
+        }
+        let len = message.encoded_len();
+        let max = self.peer_max_message;
+        if len > max {
+            return Err(EngineError::MessageTooLarge { len, max });
+        }
+        if self.backlog.len() >= MAX_BACKLOG {
+            return Err(EngineError::Refused(format!(
+                "{MAX_BACKLOG} control messages already wait for the peer"
+            )));
+        }
+        let mut bytes = vec![0; len];
+        message.encode_into(&mut bytes)?;
+        let cell = Arc::new(CompletionCell::new());
+        self.backlog.push_back(Outgoing {
+            bytes,
+            cell: Arc::clone(&cell),
+            deadline: now + timeout,
+            timeout,
+        });
+        Ok(cell)
+    }
+
     /// Moves waiting control messages into free send slots and hands them
     /// to the core; fails those past their deadline.
     fn flush_backlog(&mut self, core: &mut Core, now: Instant) {
@@ -418,6 +460,8 @@ struct State<V: Api, C: hal_cuda::Api> {
     dead_nics: Vec<bool>,
     /// Queue pairs being re-established.
     reconnecting: usize,
+    /// Rendezvous this side serves whose RDMA op is in flight.
+    serving: Vec<staging::Serving<V, C>>,
     completions: Vec<Completion>,
     to_post: Vec<SendRequest>,
     ticks: u64,
@@ -536,6 +580,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 qp_owner: Vec::new(),
                 dead_nics: vec![false; nics.len()],
                 reconnecting: 0,
+                serving: Vec::new(),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
@@ -860,6 +905,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             peer_recv_depth: u32::from(hello.recv_depth),
             granted: HashMap::new(),
             retired: Vec::new(),
+            served: HashMap::new(),
+            staged_inbox: VecDeque::new(),
+            rendezvous: HashMap::new(),
             control: ControlBuffers {
                 recv,
                 recv_region,
@@ -992,6 +1040,16 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// handled. Waiting calls make progress themselves; call this when
     /// nothing waits (or from a thread of your own).
     pub fn progress(&self) -> usize {
+        let (handled, staged) = self.progress_locked();
+        if staged {
+            self.serve_staged();
+        }
+        handled
+    }
+
+    /// [`Engine::progress`] under the lock; says whether rendezvous work
+    /// waits (served outside the lock).
+    fn progress_locked(&self) -> (usize, bool) {
         let shared = &*self.shared;
         let mut state = lock(&shared.state);
         let state = &mut *state;
@@ -1038,9 +1096,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             self.give_up_late_reconnects(state, now);
         }
         state.core.handle_timeout(now);
+        Self::expire_rendezvous(state, now);
         self.run_actions(state);
         self.post_ready(state);
-        handled
+        (handled, Self::staged_pending(state))
     }
 
     fn on_receive(&self, state: &mut State<V, C>, slot: usize, nic: usize, wc: &Completion) {
@@ -1111,7 +1170,33 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 peer.gone
                     .get_or_insert_with(|| "the peer said goodbye".into());
             }
-            Ok(other) => tracing::debug!(?other, "control message not handled yet"),
+            Ok(Control::StagedRequest {
+                id,
+                grant,
+                offset,
+                len,
+                write,
+            }) => peer.staged_inbox.push_back(staging::StagedAsk {
+                id,
+                grant,
+                offset,
+                len,
+                write,
+            }),
+            Ok(Control::StagedReply { id, status }) => {
+                if let Some(rendezvous) = peer.rendezvous.remove(&id) {
+                    rendezvous.finish(staging::reply_outcome(status));
+                    // The owner's access to our range ended with the MRs.
+                    let config = &self.shared.config;
+                    if let Err(e) = peer.enqueue(
+                        &Control::GrantRevoke { grant: id },
+                        config.clock.now(),
+                        config.default_timeout,
+                    ) {
+                        tracing::debug!(error = %e, "revoking a rendezvous grant");
+                    }
+                }
+            }
             Err(e) => tracing::warn!(error = %e, "a malformed control message: dropped"),
         }
     }
@@ -1806,7 +1891,7 @@ pub enum Op {
 
 /// One transfer of a batch: `len` bytes between `local` at `local_offset`
 /// and the granted remote range `remote` at `remote_offset`.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Transfer<'a, V: Api> {
     /// READ or WRITE.
     pub op: Op,
@@ -1821,6 +1906,14 @@ pub struct Transfer<'a, V: Api> {
     /// Bytes.
     pub len: u64,
 }
+
+impl<V: Api> Clone for Transfer<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<V: Api> Copy for Transfer<'_, V> {}
 
 impl<'a, V: Api> Transfer<'a, V> {
     /// A WRITE of `len` bytes from `local` at `local_offset` into `remote`
@@ -1911,7 +2004,10 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
 impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
-        let _ = self.peer.read_peer(|_, p| p.granted.remove(&grant));
+        let _ = self.peer.read_peer(|_, p| {
+            p.granted.remove(&grant);
+            p.served.remove(&grant);
+        });
         let notice = Control::GrantRevoke { grant };
         // Best effort: a peer that is gone needs no notice; its NIC access
         // ends with the MRs either way.
@@ -2046,6 +2142,43 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         len: u64,
         rights: GrantRights,
     ) -> Result<RegionGrant<V, C>, EngineError> {
+        let (descriptor, grants) = self.make_grant(region, offset, len, rights)?;
+        let encoded = descriptor.encode()?;
+        let announce = Control::GrantAnnounce {
+            descriptor: &encoded,
+        };
+        let mut bytes = vec![0; announce.encoded_len()];
+        announce.encode_into(&mut bytes)?;
+        self.send_control(&announce)?;
+        let served = grants.is_empty().then(|| staging::Served {
+            region: region.clone(),
+            offset,
+            len,
+            rights,
+        });
+        self.read_peer(|_, p| {
+            p.granted.insert(descriptor.grant, bytes);
+            if let Some(served) = served {
+                p.served.insert(descriptor.grant, served);
+            }
+        })?;
+        Ok(RegionGrant {
+            descriptor,
+            peer: self.clone(),
+            _grants: grants,
+        })
+    }
+
+    /// The MRs and descriptor of a grant of `len` bytes at `offset` of
+    /// `region` to this peer (not announced): no MR for a region on the
+    /// staging rung (its descriptor says `Staged`).
+    fn make_grant(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError> {
         region.check(offset, len)?;
         let nics = self.read_peer(|_, p| {
             let mut nics: Vec<usize> = p.qps.iter().map(|q| q.nic).collect();
@@ -2081,19 +2214,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             len,
             reach,
         };
-        let encoded = descriptor.encode()?;
-        let announce = Control::GrantAnnounce {
-            descriptor: &encoded,
-        };
-        let mut bytes = vec![0; announce.encoded_len()];
-        announce.encode_into(&mut bytes)?;
-        self.send_control(&announce)?;
-        self.read_peer(|_, p| p.granted.insert(descriptor.grant, bytes))?;
-        Ok(RegionGrant {
-            descriptor,
-            peer: self.clone(),
-            _grants: grants,
-        })
+        Ok((descriptor, grants))
     }
 
     /// A grant the peer announced on this connection, by id.
@@ -2126,6 +2247,12 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         transfers: &[Transfer<'_, V>],
         timeout: Duration,
     ) -> Result<Batch<V, C>, EngineError> {
+        if transfers
+            .iter()
+            .any(|t| matches!(t.remote.reach, Reach::Staged) || t.local.is_staged())
+        {
+            return self.submit_staged(transfers, timeout);
+        }
         let shared = &self.engine.shared;
         let _span = tracing::debug_span!("submit", transfers = transfers.len()).entered();
         let cell = Arc::new(CompletionCell::new());
@@ -2187,10 +2314,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     let len = (t.len - done).min(slice_size).min(in_segment);
                     let local = &t.local.inner.per_nic[qp.nic];
                     let mr = local.mr().ok_or_else(|| {
-                        EngineError::Refused(
-                            "the local region is on the staging rung: not moved by the engine yet"
-                                .into(),
-                        )
+                        EngineError::Refused("a staging-rung region on a direct path".into())
                     })?;
                     let remote_addr = segment.addr + (remote_offset - segment.offset);
                     let op = match t.op {
@@ -2233,11 +2357,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             Ok(core.submit(work, Arc::clone(&cell), deadline, keep))
         })??;
         Ok(Batch {
-            engine: self.engine.clone(),
-            cell,
             id: Some(id),
             fence,
-            fenced: Default::default(),
+            ..Batch::of_cell(self.engine.clone(), cell)
         })
     }
 
@@ -2253,41 +2375,14 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// peer may be this very thread); the batch ends when the peer's NIC
     /// has it, or at the engine's default timeout.
     fn send_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
-        let len = message.encoded_len();
-        let shared = &self.engine.shared;
-        let timeout = shared.config.default_timeout;
-        let cell = Arc::new(CompletionCell::new());
-        self.update_peer(|core, peer| -> Result<(), EngineError> {
-            if let Some(why) = &peer.gone {
-                return Err(EngineError::PeerGone(why.clone()));
-            }
-            let max = peer.peer_max_message;
-            if len > max {
-                return Err(EngineError::MessageTooLarge { len, max });
-            }
-            if peer.backlog.len() >= MAX_BACKLOG {
-                return Err(EngineError::Refused(format!(
-                    "{MAX_BACKLOG} control messages already wait for the peer"
-                )));
-            }
-            let mut bytes = vec![0; len];
-            message.encode_into(&mut bytes)?;
-            peer.backlog.push_back(Outgoing {
-                bytes,
-                cell: Arc::clone(&cell),
-                deadline: shared.config.clock.now() + timeout,
-                timeout,
-            });
-            peer.flush_backlog(core, shared.config.clock.now());
-            Ok(())
+        let config = &self.engine.shared.config;
+        let cell = self.update_peer(|core, peer| {
+            let now = config.clock.now();
+            let cell = peer.enqueue(message, now, config.default_timeout)?;
+            peer.flush_backlog(core, now);
+            Ok::<_, EngineError>(cell)
         })??;
-        Ok(Batch {
-            engine: self.engine.clone(),
-            cell,
-            id: None,
-            fence: Vec::new(),
-            fenced: Default::default(),
-        })
+        Ok(Batch::of_cell(self.engine.clone(), cell))
     }
 
     /// The next control message from the peer, waiting up to `timeout`.
@@ -2371,12 +2466,6 @@ fn check_transfer<V: Api, C: hal_cuda::Api>(
         return Err(EngineError::AccessDenied { grant: d.grant, op });
     }
     check_within("remote grant", t.remote_offset, t.len, d.len)?;
-    if matches!(d.reach, Reach::Staged) {
-        return Err(EngineError::Refused(
-            "the peer's region is on the staging rung: rendezvous transfers are not built yet"
-                .into(),
-        ));
-    }
     Ok(())
 }
 
@@ -2390,6 +2479,12 @@ pub struct Batch<V: Api, C: hal_cuda::Api> {
     /// [`Batch::wait`] or the `Future` returns.
     fence: Vec<u32>,
     fenced: std::sync::atomic::AtomicBool,
+    /// Rendezvous with the peer for staging-rung grants: each ends with
+    /// the owner's reply.
+    parts: Vec<Arc<CompletionCell>>,
+    /// Bounce-buffer copies into staging-rung regions, run once the batch
+    /// succeeded (before the fence), and the bounces held till then.
+    after: std::sync::Mutex<staging::After<V, C>>,
 }
 
 impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
@@ -2402,16 +2497,51 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
-    /// The outcome, if it has ended (makes progress first).
-    pub fn status(&self) -> Option<Outcome> {
-        if !self.cell.is_done() {
-            self.engine.progress();
+    /// A batch that is just `cell` (a control message, an empty batch).
+    fn of_cell(engine: Engine<V, C>, cell: Arc<CompletionCell>) -> Self {
+        Self {
+            engine,
+            cell,
+            id: None,
+            fence: Vec::new(),
+            fenced: Default::default(),
+            parts: Vec::new(),
+            after: Default::default(),
         }
-        self.cell.outcome().map(|o| self.fenced(o))
     }
 
-    /// The batch's outcome with its GPU fence applied (once).
+    /// The outcome once every part has ended: the first error, in order.
+    fn outcome(&self) -> Option<Outcome> {
+        let mut first = Ok(());
+        for cell in std::iter::once(&self.cell).chain(&self.parts) {
+            match cell.outcome()? {
+                Err(e) if first.is_ok() => first = Err(e),
+                _ => {}
+            }
+        }
+        Some(first)
+    }
+
+    /// The outcome, if it has ended (makes progress first).
+    pub fn status(&self) -> Option<Outcome> {
+        if self.outcome().is_none() {
+            self.engine.progress();
+        }
+        self.outcome().map(|o| self.fenced(o))
+    }
+
+    /// The batch's outcome with its staging copies and GPU fence applied
+    /// (once).
     fn fenced(&self, outcome: Outcome) -> Outcome {
+        if outcome.is_ok() {
+            self.after
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .run(&self.engine)
+                .map_err(|e| TransferError::Local {
+                    what: format!("staging into GPU memory after the batch: {e}"),
+                })?;
+        }
         if outcome.is_ok() && !self.fence.is_empty() && !self.fenced.swap(true, Ordering::AcqRel) {
             for &ordinal in &self.fence {
                 self.engine
@@ -2431,7 +2561,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         let deadline = Instant::now() + timeout;
         let mut idle = 0u32;
         loop {
-            if let Some(outcome) = self.cell.outcome() {
+            if let Some(outcome) = self.outcome() {
                 return self.fenced(outcome);
             }
             if self.engine.progress() == 0 {
@@ -2462,6 +2592,20 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     }
 }
 
+impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+    /// Polls every part, registering the task's waker with those pending.
+    fn poll_parts(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        let mut pending = false;
+        for cell in std::iter::once(&self.cell).chain(&self.parts) {
+            pending |= cell.poll(cx).is_pending();
+        }
+        match self.outcome() {
+            Some(outcome) if !pending => Poll::Ready(outcome),
+            _ => Poll::Pending,
+        }
+    }
+}
+
 /// Awaiting a batch is runtime-agnostic. With a driver thread running
 /// ([`Engine::spawn_driver`]) the task sleeps until the batch ends (the
 /// driver completes it and wakes the task); without one, each poll makes
@@ -2470,11 +2614,11 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
     type Output = Outcome;
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
-        if let Poll::Ready(outcome) = self.cell.poll(cx) {
+        if let Poll::Ready(outcome) = self.poll_parts(cx) {
             return Poll::Ready(self.fenced(outcome));
         }
         self.engine.progress();
-        match self.cell.poll(cx) {
+        match self.poll_parts(cx) {
             Poll::Ready(outcome) => Poll::Ready(self.fenced(outcome)),
             Poll::Pending => {
                 if self.engine.shared.drivers.load(Ordering::Acquire) == 0 {

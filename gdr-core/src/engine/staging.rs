@@ -1,0 +1,502 @@
+//! Staging-rung regions: GPU memory no NIC can reach (neither dma-buf nor
+//! peermem works for its GPU), moved through pinned host bounce buffers.
+//!
+//! - **Local** (this side's region is staged, the peer's grant is direct):
+//!   a WRITE copies the range into a bounce buffer first (a `cuMemcpy`
+//!   device to host, synchronous) and posts from it; a READ lands in a
+//!   bounce buffer and is copied into the region (host to device) before
+//!   the batch reports success.
+//! - **Rendezvous** (the peer's grant says `Staged`: it has no MR to
+//!   name): this side grants the owner the range it needs (read for our
+//!   WRITE, write for our READ; the local range itself, or a bounce buffer
+//!   when it too is staged) and sends a [`Control::StagedRequest`]. The
+//!   owner checks it against its grant, stages through a bounce buffer of
+//!   its own (copy, then one RDMA op of its own over the connection, then
+//!   copy), and answers with a [`Control::StagedReply`]; only then does
+//!   our part of the batch end, and our temporary grant is revoked.
+//!
+//! What it costs (the price of the fallback, the GPU issue pipelines it):
+//! a bounce buffer allocated, pinned and registered per transfer, a
+//! synchronous `cuMemcpy` on each staged side, two control messages and a
+//! grant announcement per rendezvous, and the owner's progress: a
+//! rendezvous is served only while the owner's engine makes progress (a
+//! driver thread, or any wait on it). The owner's RDMA op may travel on
+//! another queue pair than its reply; the reply is sent after that op's
+//! completion, by which the data has reached this side's memory.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hal_cuda::{Context as _, Stream as _};
+use hal_verbs::Api;
+
+use super::completion::{CompletionCell, Outcome};
+use super::wire::Control;
+use super::{Batch, Engine, EngineError, Op, Peer, Region, State, Transfer, TransferError};
+use crate::buffer::Buffer;
+use crate::descriptor::{GrantRights, MemoryLocation, Reach};
+use crate::ladder::{Grant, Rung};
+use crate::sync::lock;
+
+/// Reply codes of a [`Control::StagedReply`].
+const OK: u32 = 0;
+const NOT_GRANTED: u32 = 1;
+const ACCESS_DENIED: u32 = 2;
+const OUT_OF_BOUNDS: u32 = 3;
+const FAILED: u32 = 4;
+
+/// What a reply's status means for the requester.
+pub(super) fn reply_outcome(status: u32) -> Outcome {
+    let what = match status {
+        OK => return Ok(()),
+        NOT_GRANTED => "the grant is not live on this connection",
+        ACCESS_DENIED => "the grant does not allow it",
+        OUT_OF_BOUNDS => "outside the grant",
+        FAILED => "staging failed at the owner",
+        _ => "unknown status",
+    };
+    Err(TransferError::StagedRefused { status, what })
+}
+
+/// A live grant of a staging-rung region (the owner's side).
+pub(super) struct Served<V: Api> {
+    pub region: Region<V>,
+    pub offset: u64,
+    pub len: u64,
+    pub rights: GrantRights,
+}
+
+/// A peer's rendezvous request, as received.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StagedAsk {
+    pub id: u64,
+    pub grant: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub write: bool,
+}
+
+/// This side's rendezvous request, waiting for the owner's reply; the
+/// owner's access to our range (the MRs) ends when it does.
+pub(super) struct Rendezvous<V: Api> {
+    cell: Arc<CompletionCell>,
+    deadline: Instant,
+    timeout: Duration,
+    grants: Vec<Grant<V>>,
+}
+
+impl<V: Api> Rendezvous<V> {
+    /// Revokes the owner's access, then delivers the outcome.
+    pub fn finish(self, outcome: Outcome) {
+        drop(self.grants);
+        self.cell.complete(outcome);
+    }
+}
+
+/// A pinned host buffer registered on every NIC, standing in for a range
+/// of a staging-rung region.
+pub(super) struct Bounce<V: Api, C: hal_cuda::Api> {
+    region: Region<V>,
+    buffer: Buffer<C>,
+}
+
+/// After a batch succeeds: copy a bounce buffer into a staging-rung GPU
+/// range (the data a READ brought).
+pub(super) struct CopyBack<V: Api, C: hal_cuda::Api> {
+    bounce: Bounce<V, C>,
+    ordinal: u32,
+    dst: u64,
+}
+
+/// What a batch with staged parts does once it succeeded, and holds till
+/// then.
+pub(super) struct After<V: Api, C: hal_cuda::Api> {
+    pub copies: Vec<CopyBack<V, C>>,
+    pub keep: Vec<Box<dyn Any + Send + Sync>>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Default for After<V, C> {
+    fn default() -> Self {
+        Self {
+            copies: Vec::new(),
+            keep: Vec::new(),
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> After<V, C> {
+    /// Runs the copies (once; they are gone after).
+    pub fn run(&mut self, engine: &Engine<V, C>) -> Result<(), EngineError> {
+        for copy in std::mem::take(&mut self.copies) {
+            engine.copy_to_gpu(copy.ordinal, copy.dst, &copy.bounce.buffer)?;
+        }
+        self.keep.clear();
+        Ok(())
+    }
+}
+
+/// A rendezvous this side serves as the owner: its RDMA op is in flight.
+pub(super) struct Serving<V: Api, C: hal_cuda::Api> {
+    slot: usize,
+    id: u64,
+    cell: Arc<CompletionCell>,
+    bounce: Bounce<V, C>,
+    /// For the requester's WRITE: where the bounce's data goes.
+    copy_back: Option<(u32, u64)>,
+}
+
+impl<V: Api> Region<V> {
+    /// Whether some NIC reaches it only through staging.
+    pub(super) fn is_staged(&self) -> bool {
+        self.inner.per_nic.iter().any(|r| r.rung() == Rung::Staging)
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// A bounce buffer of `len` bytes: pinned with GPU `ordinal`'s context
+    /// (pageable host memory if pinning fails), registered on every NIC.
+    fn bounce(&self, ordinal: Option<u32>, len: u64) -> Result<Bounce<V, C>, EngineError> {
+        let pinned = ordinal
+            .and_then(|o| self.shared.nics.first().and_then(|n| n.ladder.gpu(o)))
+            .and_then(|gpu| Buffer::alloc_pinned(&gpu.context, len).ok());
+        let buffer = pinned.unwrap_or_else(|| Buffer::alloc_host(len));
+        let region = self.register(&buffer)?;
+        Ok(Bounce { region, buffer })
+    }
+
+    fn gpu_context(&self, ordinal: u32) -> Result<&C::Context, EngineError> {
+        self.shared
+            .nics
+            .first()
+            .and_then(|n| n.ladder.gpu(ordinal))
+            .map(|g| &g.context)
+            .ok_or_else(|| EngineError::Unavailable(format!("GPU {ordinal} is not the engine's")))
+    }
+
+    /// Copies `into.len()` bytes at device address `src` of GPU `ordinal`
+    /// into host buffer `into`.
+    fn copy_from_gpu(&self, ordinal: u32, src: u64, into: &Buffer<C>) -> Result<(), EngineError> {
+        let stream = self.gpu_context(ordinal)?.create_stream()?;
+        // SAFETY: `into` is gdr's own host allocation of `into.len()` bytes,
+        // written by nothing else while the bounce is private to this
+        // transfer; `src..src + len` lies in a registered GPU region (its
+        // bounds were checked); the stream is synchronised before return.
+        unsafe { stream.copy_device_to_host(into.addr() as *mut u8, src, into.len() as usize) }?;
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Copies host buffer `from` to device address `dst` of GPU `ordinal`.
+    fn copy_to_gpu(&self, ordinal: u32, dst: u64, from: &Buffer<C>) -> Result<(), EngineError> {
+        let stream = self.gpu_context(ordinal)?.create_stream()?;
+        // SAFETY: as in `copy_from_gpu`, the other way: `from` holds
+        // `from.len()` bytes no NIC writes any more (its transfer ended).
+        unsafe { stream.copy_host_to_device(dst, from.addr() as *const u8, from.len() as usize) }?;
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// A bounce standing in for `len` bytes at `offset` of staged `region`,
+    /// holding its data now when `fill`.
+    fn bounce_for(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        len: u64,
+        fill: bool,
+    ) -> Result<(Bounce<V, C>, u32), EngineError> {
+        let MemoryLocation::Gpu { ordinal } = region.inner.location else {
+            return Err(EngineError::Refused(
+                "host memory on the staging rung".into(),
+            ));
+        };
+        let ordinal = u32::from(ordinal);
+        let bounce = self.bounce(Some(ordinal), len)?;
+        if fill {
+            self.copy_from_gpu(ordinal, region.inner.addr + offset, &bounce.buffer)?;
+        }
+        Ok((bounce, ordinal))
+    }
+
+    /// Whether anything of a rendezvous waits for this side (a request to
+    /// serve, or a served one whose op ended).
+    pub(super) fn staged_pending(state: &State<V, C>) -> bool {
+        !state.serving.is_empty()
+            || state
+                .peers
+                .iter()
+                .flatten()
+                .any(|p| !p.staged_inbox.is_empty())
+    }
+
+    /// Fails rendezvous requests of this side past their deadline.
+    pub(super) fn expire_rendezvous(state: &mut State<V, C>, now: Instant) {
+        for peer in state.peers.iter_mut().flatten() {
+            if peer.rendezvous.is_empty() {
+                continue;
+            }
+            let late: Vec<u64> = peer
+                .rendezvous
+                .iter()
+                .filter(|(_, r)| r.deadline <= now)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in late {
+                if let Some(r) = peer.rendezvous.remove(&id) {
+                    let after = r.timeout;
+                    r.finish(Err(TransferError::Timeout { after }));
+                }
+            }
+        }
+    }
+
+    /// Serves the peers' rendezvous requests and answers those whose op
+    /// ended. Runs outside the engine's lock (it copies, registers and
+    /// submits).
+    pub(super) fn serve_staged(&self) {
+        let (asks, ended) = {
+            let mut state = lock(&self.shared.state);
+            let state = &mut *state;
+            let mut asks = Vec::new();
+            for (slot, peer) in state.peers.iter_mut().enumerate() {
+                let Some(peer) = peer else { continue };
+                while let Some(ask) = peer.staged_inbox.pop_front() {
+                    let served = peer.served.get(&ask.grant).map(|s| Served {
+                        region: s.region.clone(),
+                        offset: s.offset,
+                        len: s.len,
+                        rights: s.rights,
+                    });
+                    let theirs = peer.remote_grants.get(&ask.id).cloned();
+                    asks.push((slot, ask, served, theirs));
+                }
+            }
+            let (ended, serving): (Vec<_>, Vec<_>) = std::mem::take(&mut state.serving)
+                .into_iter()
+                .partition(|s| s.cell.is_done());
+            state.serving = serving;
+            (asks, ended)
+        };
+        for (slot, ask, served, theirs) in asks {
+            if let Err(status) = self.start_serving(slot, ask, served, theirs) {
+                self.reply(slot, ask.id, status);
+            }
+        }
+        for done in ended {
+            let mut status = match done.cell.outcome() {
+                Some(Ok(())) => OK,
+                _ => FAILED,
+            };
+            if status == OK
+                && let Some((ordinal, dst)) = done.copy_back
+                && let Err(e) = self.copy_to_gpu(ordinal, dst, &done.bounce.buffer)
+            {
+                tracing::warn!(error = %e, "staging a peer's WRITE into GPU memory");
+                status = FAILED;
+            }
+            self.reply(done.slot, done.id, status);
+        }
+    }
+
+    fn reply(&self, slot: usize, id: u64, status: u32) {
+        let peer = Peer {
+            engine: self.clone(),
+            slot,
+        };
+        if let Err(e) = peer.send_control(&Control::StagedReply { id, status }) {
+            tracing::debug!(error = %e, "a staged reply not sent");
+        }
+    }
+
+    /// Checks a peer's rendezvous request against the grant it names and
+    /// starts its RDMA op; `Err` is the status to answer at once.
+    fn start_serving(
+        &self,
+        slot: usize,
+        ask: StagedAsk,
+        served: Option<Served<V>>,
+        theirs: Option<crate::descriptor::MemoryDescriptor>,
+    ) -> Result<(), u32> {
+        let _span = tracing::debug_span!("serve_staged", id = ask.id, len = ask.len).entered();
+        let served = served.ok_or(NOT_GRANTED)?;
+        let theirs = theirs.ok_or(NOT_GRANTED)?;
+        let allowed = if ask.write {
+            served.rights.allows_write() && theirs.rights.allows_read()
+        } else {
+            served.rights.allows_read() && theirs.rights.allows_write()
+        };
+        if !allowed {
+            return Err(ACCESS_DENIED);
+        }
+        if ask.len == 0
+            || ask
+                .offset
+                .checked_add(ask.len)
+                .is_none_or(|e| e > served.len)
+            || theirs.len < ask.len
+        {
+            return Err(OUT_OF_BOUNDS);
+        }
+        let failed = |e: EngineError| {
+            tracing::warn!(error = %e, "serving a staged transfer");
+            FAILED
+        };
+        let offset = served.offset + ask.offset;
+        // The requester WRITEs: READ its range into our bounce, copy in
+        // after. It READs: copy out now, WRITE the bounce to its range.
+        let (bounce, ordinal) = self
+            .bounce_for(&served.region, offset, ask.len, !ask.write)
+            .map_err(failed)?;
+        let peer = Peer {
+            engine: self.clone(),
+            slot,
+        };
+        let op = if ask.write { Op::Read } else { Op::Write };
+        let transfer = Transfer {
+            op,
+            ..Transfer::read(&bounce.region, 0, &theirs, 0, ask.len)
+        };
+        let batch = peer.submit(&[transfer]).map_err(failed)?;
+        let serving = Serving {
+            slot,
+            id: ask.id,
+            cell: Arc::clone(batch.cell()),
+            bounce,
+            copy_back: ask
+                .write
+                .then_some((ordinal, served.region.inner.addr + offset)),
+        };
+        lock(&self.shared.state).serving.push(serving);
+        Ok(())
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
+    /// Submits a batch some of whose transfers involve a staging-rung
+    /// region (ours, or the peer's grant): bounce buffers for ours, a
+    /// rendezvous for the peer's; the direct rest as usual.
+    pub(super) fn submit_staged(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Batch<V, C>, EngineError> {
+        let engine = &self.engine;
+        self.read_peer(|_, p| {
+            transfers
+                .iter()
+                .try_for_each(|t| super::check_transfer(p, t))
+        })??;
+        // Bounces first (the transfers below borrow them).
+        let mut bounces: Vec<Option<(Bounce<V, C>, u32)>> = Vec::with_capacity(transfers.len());
+        for t in transfers {
+            bounces.push(if t.local.is_staged() {
+                Some(engine.bounce_for(t.local, t.local_offset, t.len, t.op == Op::Write)?)
+            } else {
+                None
+            });
+        }
+        let mut direct = Vec::new();
+        let mut parts = Vec::new();
+        let mut after = After::<V, C>::default();
+        for (t, bounce) in transfers.iter().zip(&bounces) {
+            let (local, local_offset) = match bounce {
+                Some((b, _)) => (&b.region, 0),
+                None => (t.local, t.local_offset),
+            };
+            if matches!(t.remote.reach, Reach::Staged) {
+                parts.push(self.rendezvous(t, local, local_offset, timeout)?);
+            } else {
+                direct.push(Transfer {
+                    local,
+                    local_offset,
+                    ..*t
+                });
+            }
+        }
+        let mut batch = if direct.is_empty() {
+            let cell = Arc::new(CompletionCell::new());
+            cell.complete(Ok(()));
+            Batch::of_cell(engine.clone(), cell)
+        } else {
+            self.submit_with_timeout(&direct, timeout)?
+        };
+        drop(direct);
+        for (t, bounce) in transfers.iter().zip(bounces) {
+            let Some((bounce, ordinal)) = bounce else {
+                continue;
+            };
+            if t.op == Op::Read {
+                after.copies.push(CopyBack {
+                    bounce,
+                    ordinal,
+                    dst: t.local.inner.addr + t.local_offset,
+                });
+            } else {
+                after.keep.push(Box::new(bounce.region));
+                after.keep.push(Box::new(bounce.buffer));
+            }
+        }
+        batch.parts = parts;
+        batch.after = std::sync::Mutex::new(after);
+        Ok(batch)
+    }
+
+    /// Asks the owner of staged grant `t.remote` to carry out `t` against
+    /// `local` at `local_offset` (which this grants it for the purpose).
+    fn rendezvous(
+        &self,
+        t: &Transfer<'_, V>,
+        local: &Region<V>,
+        local_offset: u64,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        let rights = match t.op {
+            Op::Write => GrantRights::Read,
+            Op::Read => GrantRights::Write,
+        };
+        let (descriptor, grants) = self.make_grant(local, local_offset, t.len, rights)?;
+        if grants.is_empty() {
+            return Err(EngineError::Refused(
+                "both ends of a rendezvous on the staging rung".into(),
+            ));
+        }
+        let encoded = descriptor.encode()?;
+        let config = &self.engine.shared.config;
+        let cell = Arc::new(CompletionCell::new());
+        let id = descriptor.grant;
+        self.update_peer(|core, peer| -> Result<(), EngineError> {
+            let now = config.clock.now();
+            peer.enqueue(
+                &Control::GrantAnnounce {
+                    descriptor: &encoded,
+                },
+                now,
+                timeout,
+            )?;
+            peer.enqueue(
+                &Control::StagedRequest {
+                    id,
+                    grant: t.remote.grant,
+                    offset: t.remote_offset,
+                    len: t.len,
+                    write: t.op == Op::Write,
+                },
+                now,
+                timeout,
+            )?;
+            peer.rendezvous.insert(
+                id,
+                Rendezvous {
+                    cell: Arc::clone(&cell),
+                    deadline: now + timeout,
+                    timeout,
+                    grants,
+                },
+            );
+            peer.flush_backlog(core, now);
+            Ok(())
+        })??;
+        Ok(cell)
+    }
+}
