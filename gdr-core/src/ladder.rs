@@ -1087,6 +1087,11 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         self.gpus.iter().find(|g| g.attributes.ordinal == ordinal)
     }
 
+    /// Its GPUs.
+    pub fn gpus(&self) -> &[Gpu<C>] {
+        &self.gpus
+    }
+
     /// The dma-buf exports this ladder shares.
     pub fn exports(&self) -> &Arc<DmabufExports> {
         &self.exports

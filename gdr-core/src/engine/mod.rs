@@ -137,6 +137,10 @@ pub struct EngineConfig {
     pub ladder: LadderConfig,
     /// The registration cache shared by the NICs.
     pub cache: CacheConfig,
+    /// Where the PCI tree is read (which NIC is nearest each GPU: a
+    /// transfer of GPU memory goes over the peer's queue pairs on the
+    /// nearest NICs when any is up).
+    pub topology: topology::PciTopology,
     /// Where time comes from.
     pub clock: Arc<dyn Clock>,
 }
@@ -157,9 +161,40 @@ impl Default for EngineConfig {
             devices: None,
             ladder: LadderConfig::default(),
             cache: CacheConfig::default(),
+            topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
         }
     }
+}
+
+/// For each GPU of the NICs' ladders, the NICs at the least known PCIe
+/// distance from it.
+fn nearest_nics<V: Api, C: hal_cuda::Api>(
+    topology: &topology::PciTopology,
+    nics: &[Nic<V, C>],
+) -> HashMap<u32, Vec<usize>> {
+    let names: Vec<&str> = nics.iter().map(|n| n.name.as_str()).collect();
+    let mut nearest = HashMap::new();
+    let Some(first) = nics.first() else {
+        return nearest;
+    };
+    for gpu in first.ladder.gpus() {
+        let distances = topology.nic_distances(Some(&gpu.attributes.pci_bus_id), &names);
+        let Some(best) = distances.iter().flatten().min().copied() else {
+            continue;
+        };
+        let chosen: Vec<usize> = (0..nics.len())
+            .filter(|&i| distances[i] == Some(best))
+            .collect();
+        tracing::info!(
+            gpu = gpu.attributes.ordinal,
+            nics = ?chosen.iter().map(|&i| names[i]).collect::<Vec<_>>(),
+            distance = ?best,
+            "nearest NICs"
+        );
+        nearest.insert(gpu.attributes.ordinal, chosen);
+    }
+    nearest
 }
 
 /// The top bit of a receive's `wr_id`: send-queue ids come from the core.
@@ -479,6 +514,10 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     /// Driver threads running ([`Engine::spawn_driver`]): while there is
     /// one, a pending `Future` waits to be woken instead of re-polling.
     drivers: Arc<std::sync::atomic::AtomicUsize>,
+    /// For each GPU (by ordinal), the engine's NICs nearest it (all at the
+    /// least PCIe distance); none listed: no preference (the distance is
+    /// unknown).
+    nearest_nics: HashMap<u32, Vec<usize>>,
 }
 
 /// The transfer engine over verbs backend `V` and CUDA backend `C`.
@@ -572,6 +611,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 context,
             });
         }
+        let nearest_nics = nearest_nics(&config.topology, &nics);
         let shared = Shared {
             state: Mutex::new(State {
                 core: Core::new(),
@@ -591,6 +631,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             nics,
             next_grant: AtomicU64::new(1),
             drivers: Arc::default(),
+            nearest_nics,
         };
         tracing::info!(
             engine = format_args!("{:#x}", shared.id),
@@ -2297,13 +2338,26 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     kept = Some(Arc::as_ptr(&t.local.inner));
                     keep.push(Arc::clone(&t.local.inner) as Keep);
                 }
+                // GPU memory goes over the NICs nearest its GPU, when a
+                // queue pair on one of them is usable.
+                let prefer = match t.local.inner.location {
+                    MemoryLocation::Gpu { ordinal } => {
+                        shared.nearest_nics.get(&u32::from(ordinal)).filter(|near| {
+                            peer.qps
+                                .iter()
+                                .any(|q| near.contains(&q.nic) && usable(core, q.core))
+                        })
+                    }
+                    MemoryLocation::Host => None,
+                };
                 let mut done = 0;
                 while done < t.len {
-                    // The next ready queue pair in turn (one exists).
+                    // The next usable queue pair in turn (one exists).
                     let qp = loop {
                         let qp = &peer.qps[peer.next_qp % peer.qps.len()];
                         peer.next_qp = peer.next_qp.wrapping_add(1);
-                        if usable(core, qp.core) {
+                        if usable(core, qp.core) && prefer.is_none_or(|near| near.contains(&qp.nic))
+                        {
                             break qp;
                         }
                     };
