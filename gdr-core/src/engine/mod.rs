@@ -28,6 +28,21 @@
 //!   batch is still in the NIC (a timeout stops the queue pairs holding it
 //!   first), except past a grace period when the NIC never gives it back;
 //!   the regions stay registered until it does.
+//! - A queue pair that fails (an error completion, a deadline that stopped
+//!   it, the peer's disconnect) fails only its own requests; once drained
+//!   it is re-established: the connecting side reconnects the same index
+//!   of the session over the same path, the listener's thread installs it
+//!   on the accepting side (queue pair 0's control receives move over slot
+//!   by slot, live grants are announced again). Work submitted meanwhile
+//!   goes to the queue pairs still up, or waits for this one; past
+//!   [`EngineConfig::reconnect_timeout`] it is given up, and a peer with no
+//!   queue pair left is gone ([`EngineError::PeerGone`]).
+//! - GPU memory no NIC reaches (the ladder's staging rung) is moved through
+//!   bounce buffers, a peer's by rendezvous over control messages: see
+//!   [`staging`] for how and what it costs.
+//! - Slices of GPU memory go over the peer's queue pairs on the NICs
+//!   nearest the GPU ([`topology::PciTopology`], read at start), when one
+//!   is up.
 //!
 //! # The GPU fence
 //!
@@ -51,7 +66,7 @@ mod core;
 pub mod error;
 #[cfg(all(test, loom))]
 mod loom_tests;
-mod staging;
+pub mod staging;
 pub mod topology;
 pub mod wire;
 
