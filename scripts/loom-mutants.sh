@@ -43,6 +43,8 @@ budget-check-then-act                     concurrent_registrations_never_pass_th
 complete-check-then-act                   engine::loom_tests::a_completion_racing_a_timeout_and_a_waiter
 notify-skips-a-waiter                     engine::loom_tests::a_completion_racing_a_timeout_and_a_waiter
 timeout-delivers-in-flight                engine::loom_tests::a_deadline_racing_the_completion_of_a_batch_in_flight
+send-limit-ignored                        engine::loom_tests::sends_never_outrun_the_peers_receives_and_every_credit_comes_back
+send-credit-leak                          engine::loom_tests::sends_never_outrun_the_peers_receives_and_every_credit_comes_back
 "
 
 build_log=$(mktemp)

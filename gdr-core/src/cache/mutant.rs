@@ -28,6 +28,14 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
         "a batch past its deadline is delivered at once, while the NIC still holds its requests",
     ),
     (
+        "send-limit-ignored",
+        "the core posts a SEND although every receive the peer keeps posted is taken",
+    ),
+    (
+        "send-credit-leak",
+        "a completed SEND does not give its credit (the peer's receive) back",
+    ),
+    (
         "no-dedupe",
         "a request inside a registration in flight registers again instead of waiting for it",
     ),

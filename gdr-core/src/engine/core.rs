@@ -250,6 +250,12 @@ impl Core {
         record.queue.len() + record.in_flight.len()
     }
 
+    /// SENDs in flight on `qp` (each holds one of the peer's receives).
+    #[cfg(test)]
+    pub fn sends_in_flight(&self, qp: QpId) -> u32 {
+        self.qps[qp].sends_in_flight
+    }
+
     /// Batches not yet retired.
     #[cfg(test)]
     pub fn batches_live(&self) -> usize {
@@ -322,7 +328,11 @@ impl Core {
         while (r.in_flight.len() as u32) < r.depth {
             let Some(front) = r.queue.front() else { break };
             let send = front.is_send();
-            if send && r.sends_in_flight >= r.send_limit {
+            #[cfg(loom)]
+            let limited = !crate::cache::mutant::active("send-limit-ignored");
+            #[cfg(not(loom))]
+            let limited = true;
+            if send && limited && r.sends_in_flight >= r.send_limit {
                 break;
             }
             let Some(mut work) = r.queue.pop_front() else {
@@ -441,7 +451,11 @@ impl Core {
                 break;
             }
             let item = r.in_flight.pop_front().expect("front exists");
-            if item.send {
+            #[cfg(loom)]
+            let returned = !crate::cache::mutant::active("send-credit-leak");
+            #[cfg(not(loom))]
+            let returned = true;
+            if item.send && returned {
                 r.sends_in_flight -= 1;
             }
             let result = match &health {
@@ -630,6 +644,14 @@ impl Core {
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
     }
+}
+
+/// A SEND of `len` bytes for the core's tests and loom models.
+#[cfg(test)]
+pub(crate) fn test_send(len: u32) -> Work {
+    let mut work = test_write(len);
+    work.request.op = SendOp::Send;
+    work
 }
 
 /// A WRITE of `len` bytes for the core's tests and loom models.

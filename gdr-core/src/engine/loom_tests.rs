@@ -14,7 +14,7 @@ use loom::thread;
 use hal_verbs::WcStatus;
 
 use super::completion::CompletionCell;
-use super::core::{Core, QpLimits, Work, test_write};
+use super::core::{Core, QpLimits, Work, test_send, test_write};
 use super::error::TransferError;
 
 fn write() -> Work {
@@ -122,5 +122,97 @@ fn a_deadline_racing_the_completion_of_a_batch_in_flight() {
         assert_eq!(core.batches_live(), 0);
         assert_eq!(core.load(qp), 0, "every credit came back");
         assert_eq!(cell.outcome(), Some(outcome));
+    });
+}
+
+/// Two threads send control messages on a queue pair whose peer keeps one
+/// receive posted (one SEND credit) while the NIC completes them and the
+/// engine posts what waits. Whatever the order: never more SENDs in flight
+/// than the peer's receives, both messages go out and end, and every
+/// credit comes back. Mutants: `send-limit-ignored` (two SENDs in flight
+/// for one receive) and `send-credit-leak` (the second SEND never goes:
+/// deadlock).
+#[test]
+fn sends_never_outrun_the_peers_receives_and_every_credit_comes_back() {
+    use loom::sync::Condvar;
+    use std::collections::VecDeque;
+
+    struct Wire {
+        core: Core,
+        /// wr_ids posted and not yet completed, in order.
+        posted: VecDeque<u64>,
+    }
+
+    fn post(wire: &mut Wire, qp: usize) {
+        let mut out = Vec::new();
+        wire.core.take_postable(qp, &mut out);
+        wire.posted.extend(out.iter().map(|w| w.wr_id));
+        assert!(
+            wire.core.sends_in_flight(qp) <= 1,
+            "{} SENDs in flight for one receive",
+            wire.core.sends_in_flight(qp)
+        );
+    }
+
+    loom::model(|| {
+        let mut core = Core::new();
+        let qp = core.add_qp(
+            0,
+            QpLimits {
+                depth: 4,
+                send_limit: 1,
+                signal_every: 1,
+            },
+        );
+        let shared = Arc::new((
+            Mutex::new(Wire {
+                core,
+                posted: VecDeque::new(),
+            }),
+            Condvar::new(),
+        ));
+        let senders: Vec<_> = (0..2)
+            .map(|_| {
+                let shared = Arc::clone(&shared);
+                thread::spawn(move || {
+                    let cell = std::sync::Arc::new(CompletionCell::new());
+                    let (wire, posted) = &*shared;
+                    let mut wire = wire.lock().unwrap();
+                    wire.core.submit(
+                        vec![(qp, test_send(8))],
+                        std::sync::Arc::clone(&cell),
+                        None,
+                        vec![],
+                    );
+                    post(&mut wire, qp);
+                    posted.notify_all();
+                    cell
+                })
+            })
+            .collect();
+        let nic = {
+            let shared = Arc::clone(&shared);
+            thread::spawn(move || {
+                let (wire, posted) = &*shared;
+                let mut wire = wire.lock().unwrap();
+                for _ in 0..2 {
+                    while wire.posted.is_empty() {
+                        wire = posted.wait(wire).unwrap();
+                    }
+                    let wr_id = wire.posted.pop_front().expect("one is posted");
+                    wire.core.on_completion(qp, wr_id, WcStatus::SUCCESS, 0);
+                    // The engine's post pass after completions.
+                    post(&mut wire, qp);
+                }
+            })
+        };
+        let cells: Vec<_> = senders.into_iter().map(|s| s.join().unwrap()).collect();
+        nic.join().unwrap();
+        for cell in cells {
+            assert_eq!(cell.outcome(), Some(Ok(())), "each message went out");
+        }
+        let wire = shared.0.lock().unwrap();
+        assert_eq!(wire.core.sends_in_flight(qp), 0, "every credit came back");
+        assert_eq!(wire.core.load(qp), 0);
     });
 }
