@@ -4,7 +4,8 @@
 #      here with a printed reason);
 #   2. the SoftRoCE harness self-test;
 #   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
-#      guest with rxe0, as cargo's runner), and rdma_cm between two guests;
+#      guest with rxe0, as cargo's runner); rdma_cm between two guests; the
+#      transfer engine between two guests (two wires, then a guest killed);
 #   4. the loom models of gdr-core's concurrency, and each against its
 #      mutants (scripts/loom-mutants.sh);
 #   5. a short coverage-guided fuzz run of each parser (scripts/fuzz.sh).
@@ -30,18 +31,36 @@ if [ ${#rxe_tests[@]} -gt 0 ]; then
     CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$ROOT/softroce/run-in-vm.sh" \
     cargo test -p gdr-tests "${rxe_tests[@]}" || failed=1
 fi
+# test_binary NAME: the path of tests/tests/NAME.rs's test binary, built.
+# shellcheck disable=SC2317  # called by functions called through stage
+test_binary() {
+  cargo test -p gdr-tests --test "$1" --no-run 2>&1 \
+    | sed -n "s/.*Executable tests\/$1.rs (\(.*\))\$/\1/p"
+}
 # rdma_cm between two guests on a virtual wire, then with the server guest
 # killed mid-transfer (the client must see an error, not hang).
 # shellcheck disable=SC2317  # called through stage
-two_guests() {
+two_guest_cm() {
   local bin
-  bin=$(cargo test -p gdr-tests --test rxe_cm --no-run 2>&1 \
-    | sed -n 's/.*Executable tests\/rxe_cm.rs (\(.*\))$/\1/p')
+  bin=$(test_binary rxe_cm)
   [ -x "$bin" ] || { echo "test: no rxe_cm test binary" >&2; return 1; }
   "$ROOT/softroce/two-guest-cm.sh" "$bin" && "$ROOT/softroce/two-guest-cm.sh" "$bin" --kill-server 2
 }
 if [ -e tests/tests/rxe_cm.rs ]; then
-  stage two-guest-cm two_guests || failed=1
+  stage two-guest-cm two_guest_cm || failed=1
+fi
+# The transfer engine between two guests joined by two wires: 32 MiB
+# batches over rxe0, then over rxe0 and rxe1 at once, then the server's
+# guest killed mid-batch; one boot for all three (~1.5 min under TCG).
+# shellcheck disable=SC2317  # called through stage
+two_guest_engine() {
+  local bin
+  bin=$(test_binary rxe_engine_wire)
+  [ -x "$bin" ] || { echo "test: no rxe_engine_wire test binary" >&2; return 1; }
+  "$ROOT/softroce/two-guest-engine.sh" "$bin" --kill-server 1
+}
+if [ -e tests/tests/rxe_engine_wire.rs ]; then
+  stage two-guest-engine two_guest_engine || failed=1
 fi
 # Every loom model, unbounded; then each mutant (a deliberate bug in the
 # loom build) against the models named for it: each of those runs must fail.

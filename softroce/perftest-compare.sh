@@ -42,21 +42,8 @@ TX_DEPTH=128
 DEV=rxe0
 SERVER=10.99.0.1
 
-bytes() {   # 64K -> 65536 (K, M, G: powers of 1024)
-  local n=${1%[KkMmGg]}
-  case $1 in
-    *[Kk]) echo $((n << 10)) ;; *[Mm]) echo $((n << 20)) ;; *[Gg]) echo $((n << 30)) ;;
-    *) echo "$n" ;;
-  esac
-}
-iters() {   # SIZE_BYTES -> messages per measurement (as gdr's --volume, >= 5)
-  local n=$(( $(bytes "$VOLUME") / $1 ))
-  [ "$n" -ge 5 ] || n=5
-  echo "$n"
-}
-# median of the positive numbers among its input's words (a failed run is
-# "nan"; perftest now and then reports 0.00 under TCG: both left out)
-median() { tr ' ' '\n' | awk '$1 + 0 > 0' | sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "nan"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.2f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+# shellcheck source=softroce/perftest-lib.sh
+. "$HERE/perftest-lib.sh"
 
 # perftest OP SIZE ITERS PORT: one ib_OP_bw server+client run; prints its
 # BW average [MB/sec], or nothing if it failed (its output to stderr).
@@ -71,23 +58,10 @@ perftest() {
   done
   wait "$sp" || ok=0
   if [ "$ok" = 1 ]; then
-    awk -v s="$size" '$1 == s && NF >= 5 { print $4; exit }' <<< "$out"
+    perftest_mbs "$size" <<< "$out"
   else
     { echo "perftest-compare: ${cmd[*]} failed:"; echo "$out"; cat "$TMPDIR/pt-server.$port"; } >&2
   fi
-}
-
-# gdr_json FILE ARRAY: adds each JSON line's mb_per_s of FILE to ARRAY["OP SIZE"].
-gdr_json() {
-  local -n into=$2
-  local line op size mbs
-  while read -r line; do
-    [[ $line == '{'* ]] || continue
-    op=$(sed -E 's/.*"op":"([A-Z]+)".*/\1/' <<< "$line")
-    size=$(sed -E 's/.*"size":([0-9]+).*/\1/' <<< "$line")
-    mbs=$(sed -E 's/.*"mb_per_s":([0-9.]+).*/\1/' <<< "$line")
-    into[$op $size]+=" $mbs"
-  done < "$1"
 }
 
 in_guest() {
@@ -95,9 +69,9 @@ in_guest() {
   local -A GDR ENG PT ITERS
   local sizes_csv
   sizes_csv=$(IFS=,; echo "${SIZES[*]}")
-  local rdma_cmd=("$gdr" --backend real bench rdma --json --sizes "$sizes_csv" --ops write,read
+  local rdma_cmd=("$gdr" --backend real bench rdma --json --sizes "$sizes_csv" --ops "write,read"
     --volume "$VOLUME" --tx-depth "$TX_DEPTH" -d "$DEV" "${GDR_EXTRA[@]}")
-  local engine_cmd=("$gdr" --backend real bench engine --json --sizes "$sizes_csv" --ops write,read
+  local engine_cmd=("$gdr" --backend real bench engine --json --sizes "$sizes_csv" --ops "write,read"
     --volume "$VOLUME" -d "$DEV" "${ENGINE_EXTRA[@]}")
   t0=$(date +%s.%N)
   # Untimed warm-up round: for the first ~10 s after boot transfers run
@@ -136,8 +110,7 @@ in_guest() {
   fi
   printf '%-6s %6s %6s %9s %9s %9s %6s %6s   %-22s %-22s %-22s\n' op size iters "rdma MB/s" "eng MB/s" "pt MB/s" rdma/pt eng/pt \
     "rdma runs" "engine runs" "perftest runs"
-  local g e p r1 r2 sum_r=0 sum_e=0 n_r=0 n_e=0
-  ratio() { awk -v g="$1" -v p="$2" 'BEGIN { if (g + 0 > 0 && p + 0 > 0) printf "%.2f", g / p; else print "n/a" }'; }
+  local g e p r1 r2 big_r="" big_e=""
   for op in WRITE READ; do
     for size in "${SIZES[@]}"; do
       size=$(bytes "$size")
@@ -147,23 +120,14 @@ in_guest() {
       r1=$(ratio "$g" "$p"); r2=$(ratio "$e" "$p")
       # The geometric means: 64 KiB and up.
       if [ "$size" -ge 65536 ]; then
-        if [ "$r1" != n/a ]; then
-          sum_r=$(awk -v s="$sum_r" -v g="$g" -v p="$p" 'BEGIN { print s + log(g / p) }'); n_r=$((n_r + 1))
-        fi
-        if [ "$r2" != n/a ]; then
-          sum_e=$(awk -v s="$sum_e" -v g="$e" -v p="$p" 'BEGIN { print s + log(g / p) }'); n_e=$((n_e + 1))
-        fi
+        big_r+="$g $p"$'\n'; big_e+="$e $p"$'\n'
       fi
       printf '%-6s %6s %6s %9s %9s %9s %6s %6s   %-22s %-22s %-22s\n' "$op" "$((size >> 10))K" "${ITERS[$size]}" "$g" "$e" "$p" "$r1" "$r2" \
         "[${GDR[$op $size]# }]" "[${ENG[$op $size]# }]" "[${PT[$op $size]# }]"
     done
   done
-  if [ "$n_r" -gt 0 ]; then
-    awk -v s="$sum_r" -v c="$n_r" 'BEGIN { printf "geometric mean over 64K-4M, gdr bench rdma / perftest: %.2f over %d\n", exp(s / c), c }'
-  fi
-  if [ "$n_e" -gt 0 ]; then
-    awk -v s="$sum_e" -v c="$n_e" 'BEGIN { printf "geometric mean over 64K-4M, gdr bench engine / perftest: %.2f over %d\n", exp(s / c), c }'
-  fi
+  geomean "gdr bench rdma / perftest" <<< "$big_r"
+  geomean "gdr bench engine / perftest" <<< "$big_e"
   awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "measurements took %.0f s\n", b - a }'
 }
 

@@ -30,6 +30,14 @@
 //! measured faster on rxe than a driver thread (`--progress driver`), which
 //! cost 4 KiB and 64 KiB READs about half their throughput there, the
 //! thread and the poster sharing two vCPUs with rxe's kernel work.
+//!
+//! Across two nodes, `gdr bench engine --listen ADDR` on one serves a
+//! single `gdr bench engine --connect ADDR` on the other, which measures as
+//! above against the server's granted memory (the exchange is three
+//! control messages: the span asked for, the grant's id, done); the server
+//! only waits, polling gently, since the requests are one-sided
+//! (`softroce/perftest-compare-wire.sh` puts it next to `ib_write_bw` and
+//! `ib_read_bw` between two SoftRoCE guests).
 
 use std::collections::VecDeque;
 use std::error::Error;
@@ -41,7 +49,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use gdr_core::loopback::{PairConfig, QpPair};
 use gdr_core::prelude::{
     Batch, Buffer, Engine, EngineConfig, EngineError, GrantRights, MemoryDescriptor, Peer, Region,
-    Transfer,
+    RegionGrant, Transfer,
 };
 use hal_verbs::{
     AccessFlags, AddressFamily, Api, Completion, CompletionQueue as _, Context as _,
@@ -62,8 +70,9 @@ pub(crate) enum BenchCommand {
     /// RDMA WRITE and READ throughput and batch latency through the
     /// transfer engine: two engines in this process connected over
     /// rdma_cm, one granting a host buffer, the other moving batches of
-    /// requests into and out of it.
-    Engine(EngineArgs),
+    /// requests into and out of it (or, across two nodes, `--listen` on
+    /// one and `--connect` on the other).
+    Engine(Box<EngineArgs>),
 }
 
 /// The operation measured.
@@ -106,6 +115,42 @@ const SPIN_BEFORE_SLEEP: u32 = 64;
 const SLEEP_FIRST: Duration = Duration::from_micros(20);
 const SLEEP_MAX: Duration = Duration::from_millis(1);
 
+/// A poller's [`Idle`] policy and its back-off state.
+#[derive(Debug, Clone, Copy)]
+struct Idler {
+    policy: Idle,
+    empty_streak: u32,
+    nap: Duration,
+}
+
+impl Idler {
+    fn new(policy: Idle) -> Self {
+        Self {
+            policy,
+            empty_streak: 0,
+            nap: SLEEP_FIRST,
+        }
+    }
+
+    /// A poll found nothing.
+    fn empty(&mut self) {
+        match self.policy {
+            Idle::Spin => {}
+            Idle::Yield => std::thread::yield_now(),
+            Idle::Sleep if self.empty_streak < SPIN_BEFORE_SLEEP => self.empty_streak += 1,
+            Idle::Sleep => {
+                std::thread::sleep(self.nap);
+                self.nap = (self.nap * 2).min(SLEEP_MAX);
+            }
+        }
+    }
+
+    /// A poll found work: back to spinning first.
+    fn busy(&mut self) {
+        (self.empty_streak, self.nap) = (0, SLEEP_FIRST);
+    }
+}
+
 /// Options of `gdr bench rdma`.
 #[derive(Debug, Args)]
 pub(crate) struct RdmaArgs {
@@ -142,10 +187,18 @@ pub(crate) struct RdmaArgs {
     /// Untimed messages before each measurement (0: none, as perftest).
     #[arg(long, default_value_t = 0)]
     warmup: u64,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Options of both benchmarks: the device, and how results are printed.
+#[derive(Debug, Args)]
+pub(crate) struct Common {
     /// RDMA device (default: the first).
     #[arg(long, short = 'd')]
     device: Option<String>,
-    /// Port of the device.
+    /// Port of the device (`gdr bench engine`: whose RoCE v2 address the
+    /// in-process engines connect to).
     #[arg(long, default_value_t = 1)]
     port: u8,
     /// One JSON object per result on stdout instead of the table.
@@ -175,12 +228,19 @@ struct Measurement {
     posts: u64,
 }
 
-impl Measurement {
+/// What a measurement moved in how long, and the rates that follow.
+trait Rates {
+    /// Requests completed.
+    fn requests(&self) -> u64;
+    /// Bytes of one request.
+    fn size(&self) -> usize;
+    fn elapsed(&self) -> Duration;
+
     fn bytes(&self) -> u64 {
-        self.plan.size as u64 * self.plan.iterations
+        self.size() as u64 * self.requests()
     }
     fn seconds(&self) -> f64 {
-        self.elapsed.as_secs_f64().max(1e-9)
+        self.elapsed().as_secs_f64().max(1e-9)
     }
     /// perftest's MB/s: 2^20 bytes per second.
     fn mib_per_s(&self) -> f64 {
@@ -190,8 +250,21 @@ impl Measurement {
     fn gbit_per_s(&self) -> f64 {
         self.bytes() as f64 * 8.0 / self.seconds() / 1e9
     }
-    fn msg_per_s(&self) -> f64 {
-        self.plan.iterations as f64 / self.seconds()
+    /// Requests per second.
+    fn per_s(&self) -> f64 {
+        self.requests() as f64 / self.seconds()
+    }
+}
+
+impl Rates for Measurement {
+    fn requests(&self) -> u64 {
+        self.plan.iterations
+    }
+    fn size(&self) -> usize {
+        self.plan.size
+    }
+    fn elapsed(&self) -> Duration {
+        self.elapsed
     }
 }
 
@@ -231,16 +304,16 @@ pub(crate) fn run<V: Api, C: hal_cuda::Api>(
 ) -> Result<(), Box<dyn Error>> {
     match command {
         BenchCommand::Rdma(args) => {
-            if backends.verbs_name() == "sim" && !args.json {
+            if backends.verbs_name() == "sim" && !args.common.json {
                 println!("(simulated NIC: the figures measure gdr-sim, not a device)");
             }
             rdma::<V>(backends.verbs(), &args)
         }
         BenchCommand::Engine(args) => {
-            if backends.verbs_name() == "sim" && !args.json {
+            if backends.verbs_name() == "sim" && !args.common.json {
                 println!("(simulated NIC: the figures measure gdr-sim, not a device)");
             }
-            engine_bench(backends, &args)
+            engine_bench(backends, &args).map(|_| ())
         }
     }
 }
@@ -270,18 +343,24 @@ fn iterations_for(size: usize, volume: Option<usize>) -> u64 {
     }
 }
 
+/// The device named, else the provider's first.
+fn pick_device<A: Api>(
+    provider: &A::Provider,
+    named: Option<&str>,
+) -> Result<String, Box<dyn Error>> {
+    match named {
+        Some(name) => Ok(name.to_owned()),
+        None => Ok(provider
+            .devices()?
+            .into_iter()
+            .next()
+            .ok_or("no RDMA device")?
+            .name),
+    }
+}
+
 fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn Error>> {
-    let device = match &args.device {
-        Some(name) => name.clone(),
-        None => {
-            provider
-                .devices()?
-                .into_iter()
-                .next()
-                .ok_or("no RDMA device")?
-                .name
-        }
-    };
+    let device = pick_device::<A>(provider, args.common.device.as_deref())?;
     let ctx = provider.open(&device)?;
     let attrs = ctx.query_device()?;
     let bound = |limit: u32| if limit == 0 { u32::MAX } else { limit };
@@ -311,7 +390,7 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
             .unwrap_or(u8::MAX)
             .max(1),
     };
-    let pair = QpPair::<A>::connect(&ctx, &pd, &cq, args.port, &config)?;
+    let pair = QpPair::<A>::connect(&ctx, &pd, &cq, args.common.port, &config)?;
     // Granted may exceed asked; never use more than asked.
     let window_cap = u64::from(pair.requester.caps().max_send_wr.min(depth));
     let local = HostRegion::<A>::new(&pd, largest, AccessFlags::LOCAL_WRITE)?;
@@ -321,7 +400,7 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
         AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
     )?;
 
-    if !args.json {
+    if !args.common.json {
         println!(
             "gdr bench rdma on {device} ({}), host memory, window {window_cap}, signal every {}, \
              post list {}, idle {:?}",
@@ -372,7 +451,7 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
             }
             let m = measure::<A>(&pair, &cq, &local.mr, &remote.mr, plan)
                 .map_err(|e| drain_after_failure::<A>(&pair, &cq, e))?;
-            if args.json {
+            if args.common.json {
                 println!("{}", json_line(&m, provider.backend_name(), &device));
             } else {
                 println!(
@@ -382,7 +461,7 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
                     iterations,
                     m.mib_per_s(),
                     m.gbit_per_s(),
-                    m.msg_per_s(),
+                    m.per_s(),
                     m.seconds()
                 );
             }
@@ -448,7 +527,7 @@ fn json_line(m: &Measurement, backend: &str, device: &str) -> String {
         m.bytes(),
         m.mib_per_s(),
         m.gbit_per_s(),
-        m.msg_per_s(),
+        m.per_s(),
         m.posts,
         m.polls,
         m.empty_polls
@@ -494,7 +573,7 @@ fn measure<A: Api>(
     let qp = &pair.requester;
     let (mut posted, mut completed) = (0u64, 0u64);
     let (mut posts, mut polls, mut empty_polls) = (0u64, 0u64, 0u64);
-    let (mut empty_streak, mut nap) = (0u32, SLEEP_FIRST);
+    let mut idler = Idler::new(plan.idle);
 
     let started = Instant::now();
     while completed < plan.iterations {
@@ -526,18 +605,10 @@ fn measure<A: Api>(
         polls += 1;
         if got == 0 {
             empty_polls += 1;
-            match plan.idle {
-                Idle::Spin => {}
-                Idle::Yield => std::thread::yield_now(),
-                Idle::Sleep if empty_streak < SPIN_BEFORE_SLEEP => empty_streak += 1,
-                Idle::Sleep => {
-                    std::thread::sleep(nap);
-                    nap = (nap * 2).min(SLEEP_MAX);
-                }
-            }
+            idler.empty();
             continue;
         }
-        (empty_streak, nap) = (0, SLEEP_FIRST);
+        idler.busy();
         for c in &completions[..got] {
             if !c.status.is_success() {
                 return Err(format!(
@@ -625,15 +696,18 @@ pub(crate) struct EngineArgs {
     /// Empty-poll policy of `--progress inline` (as `gdr bench rdma`).
     #[arg(long, value_enum, default_value_t = Idle::Sleep)]
     idle: Idle,
-    /// RDMA device (default: the first).
-    #[arg(long, short = 'd')]
-    device: Option<String>,
-    /// Port of the device whose RoCE v2 address the engines connect to.
-    #[arg(long, default_value_t = 1)]
-    port: u8,
-    /// One JSON object per result on stdout instead of the table.
+    /// Serve one `--connect` client on this address (e.g. 0.0.0.0:18515)
+    /// instead of measuring: grant it the memory it asks for, exit once it
+    /// is done. Only `-d` (the NIC; default: every NIC) applies.
+    #[arg(long, conflicts_with = "connect")]
+    listen: Option<SocketAddr>,
+    /// Measure against a `--listen` server at this address (another node)
+    /// instead of a second engine in this process; `-d` picks the local NIC
+    /// (default: the route's).
     #[arg(long)]
-    json: bool,
+    connect: Option<SocketAddr>,
+    #[command(flatten)]
+    common: Common,
 }
 
 /// Bound on connecting, granting and each batch: generous, for a software
@@ -642,6 +716,239 @@ const ENGINE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Longest a driver thread sleeps while nothing completes.
 const DRIVER_IDLE: Duration = Duration::from_micros(100);
+
+/// How long a `--listen` server waits for its client, and for it to be
+/// done measuring.
+const SERVE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The `--listen`/`--connect` exchange, in control messages of a tag and a
+/// little-endian u64: the client asks for `span` bytes, the server answers
+/// with the id of its grant of them, the client says when it is `done`.
+const SPAN: &[u8; 4] = b"span";
+const GRANT: &[u8; 4] = b"grnt";
+const DONE: &[u8; 4] = b"done";
+
+fn message(tag: &[u8; 4], value: u64) -> [u8; 12] {
+    let mut m = [0; 12];
+    m[..4].copy_from_slice(tag);
+    m[4..].copy_from_slice(&value.to_le_bytes());
+    m
+}
+
+/// The value of `message` if it is `tag`'s.
+fn parse_message(tag: &[u8; 4], message: &[u8]) -> Result<u64, Box<dyn Error>> {
+    match message.split_first_chunk::<4>() {
+        Some((t, value)) if t == tag && value.len() == 8 => {
+            Ok(u64::from_le_bytes(value.try_into().expect("8 bytes")))
+        }
+        _ => Err(format!(
+            "expected a {:?} message, got {message:?}",
+            String::from_utf8_lossy(tag)
+        )
+        .into()),
+    }
+}
+
+/// Sends `tag` and `value` and waits until the peer's NIC has it.
+fn send_message<V: Api, C: hal_cuda::Api>(
+    peer: &Peer<V, C>,
+    tag: &[u8; 4],
+    value: u64,
+) -> Result<(), Box<dyn Error>> {
+    peer.send(&message(tag, value))?.wait(ENGINE_TIMEOUT)?;
+    Ok(())
+}
+
+/// The peer's next message, polling gently (a millisecond's sleep between
+/// polls): the waiting side must not take the CPU that moves the packets.
+fn recv_message<V: Api, C: hal_cuda::Api>(
+    peer: &Peer<V, C>,
+    tag: &[u8; 4],
+    timeout: Duration,
+) -> Result<u64, Box<dyn Error>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        peer.engine().progress();
+        match peer.recv(Duration::ZERO) {
+            Ok(m) => return parse_message(tag, &m),
+            Err(EngineError::Timeout(_)) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(EngineError::Timeout(_)) => {
+                return Err(format!(
+                    "no {:?} message from the peer within {timeout:?}",
+                    String::from_utf8_lossy(tag)
+                )
+                .into());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// An engine of the backends' provider on `device`, or on every NIC.
+fn engine_on<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    device: Option<&str>,
+    config: EngineConfig,
+) -> Result<Engine<V, C>, EngineError> {
+    Engine::new(
+        backends.verbs(),
+        None,
+        EngineConfig {
+            devices: device.map(|d| vec![d.to_owned()]),
+            ..config
+        },
+    )
+}
+
+/// `gdr bench engine --listen ADDR`: one engine (on `device`, or every
+/// NIC) serving one client: grants it the host memory it asks for, then
+/// waits, doing nothing, until it is done (its requests are one-sided).
+fn serve_engine<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    addr: SocketAddr,
+    device: Option<&str>,
+    config: EngineConfig,
+) -> Result<(), Box<dyn Error>> {
+    let engine = engine_on(backends, device, config)?;
+    let mut listener = engine.listen(addr)?;
+    println!(
+        "gdr bench engine: serving on {} ({}, {})",
+        listener.local_addr(),
+        backends.verbs_name(),
+        engine.nics().join(", ")
+    );
+    let peer = listener.accept(SERVE_TIMEOUT)?;
+    let span = recv_message(&peer, SPAN, ENGINE_TIMEOUT)?;
+    let buffer = Buffer::<C>::alloc_host(span);
+    buffer.write_at(0, &vec![0xa5; span as usize])?;
+    let region = engine.register(&buffer)?;
+    let grant = peer.grant(&region, 0, span, GrantRights::ReadWrite)?;
+    send_message(&peer, GRANT, grant.descriptor().grant)?;
+    println!(
+        "gdr bench engine: granted {span} bytes to {}; serving until it is done",
+        peer.addr()
+            .map_or_else(|| "?".to_owned(), |a| a.to_string())
+    );
+    recv_message(&peer, DONE, SERVE_TIMEOUT)?;
+    println!("gdr bench engine: the client is done");
+    Ok(())
+}
+
+/// Where the measured batches go: the engine that submits them, its peer,
+/// and the peer's grant of `span` bytes.
+struct Target<V: Api, C: hal_cuda::Api> {
+    engine: Engine<V, C>,
+    peer: Peer<V, C>,
+    descriptor: MemoryDescriptor,
+    /// The NIC the batches leave by (the first queue pair's).
+    device: String,
+    /// The address connected to.
+    addr: SocketAddr,
+    /// In-process: the serving engine's side, kept until the end.
+    server: Option<InProcessServer<V, C>>,
+}
+
+/// The serving side of the in-process pair. Field order is drop order:
+/// the grant, its region, the memory, then the engines.
+struct InProcessServer<V: Api, C: hal_cuda::Api> {
+    _grant: RegionGrant<V, C>,
+    _region: Region<V>,
+    _buffer: Buffer<C>,
+    _pair: EnginePair<V, C>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Target<V, C> {
+    /// Two engines in this process ([`connect_engines`]), the server
+    /// granting `span` bytes of host memory.
+    fn in_process(
+        backends: &Backends<V, C>,
+        args: &EngineArgs,
+        config: EngineConfig,
+        span: u64,
+    ) -> Result<Self, Box<dyn Error>> {
+        let pair = connect_engines(
+            backends,
+            args.common.device.as_deref(),
+            args.common.port,
+            None,
+            config,
+        )?;
+        let buffer = Buffer::<C>::alloc_host(span);
+        buffer.write_at(0, &vec![0xa5; span as usize])?;
+        let region = pair.server.register(&buffer)?;
+        let grant = pair
+            .to_client
+            .grant(&region, 0, span, GrantRights::ReadWrite)?;
+        let descriptor = pair
+            .to_server
+            .wait_grant(grant.descriptor().grant, ENGINE_TIMEOUT)?;
+        Ok(Self {
+            engine: pair.client.clone(),
+            peer: pair.to_server.clone(),
+            descriptor,
+            device: pair.device.clone(),
+            addr: pair.addr,
+            server: Some(InProcessServer {
+                _grant: grant,
+                _region: region,
+                _buffer: buffer,
+                _pair: pair,
+            }),
+        })
+    }
+
+    /// An engine here connected to a `--listen` server at `addr` (retrying
+    /// while it does not listen yet), which grants `span` bytes.
+    fn remote(
+        backends: &Backends<V, C>,
+        addr: SocketAddr,
+        device: Option<&str>,
+        config: EngineConfig,
+        span: u64,
+    ) -> Result<Self, Box<dyn Error>> {
+        let engine = engine_on(backends, device, config)?;
+        let deadline = Instant::now() + ENGINE_TIMEOUT;
+        let peer = loop {
+            match engine.connect(addr, Duration::from_secs(10)) {
+                Ok(peer) => break peer,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!(%addr, error = %e, "the server is not ready: retrying");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => return Err(format!("connecting to {addr}: {e}").into()),
+            }
+        };
+        send_message(&peer, SPAN, span)?;
+        let grant = recv_message(&peer, GRANT, ENGINE_TIMEOUT)?;
+        let descriptor = peer.wait_grant(grant, ENGINE_TIMEOUT)?;
+        if descriptor.len < span {
+            return Err(format!("the server granted {} of {span} bytes", descriptor.len).into());
+        }
+        let device = peer
+            .counters()
+            .first()
+            .map(|(_, nic, _)| nic.clone())
+            .ok_or("a peer without queue pairs")?;
+        Ok(Self {
+            engine,
+            peer,
+            descriptor,
+            device,
+            addr,
+            server: None,
+        })
+    }
+
+    /// Tells a remote server the measurements are over.
+    fn finish(&self) -> Result<(), Box<dyn Error>> {
+        if self.server.is_none() {
+            send_message(&self.peer, DONE, 0)?;
+        }
+        Ok(())
+    }
+}
 
 /// The bytes a measurement's buffers span at most: requests of a batch go
 /// to successive offsets until this much, then wrap (perftest, too, reuses
@@ -702,17 +1009,7 @@ pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
     config: EngineConfig,
 ) -> Result<EnginePair<V, C>, Box<dyn Error>> {
     let provider = backends.verbs();
-    let device = match device {
-        Some(name) => name.to_owned(),
-        None => {
-            provider
-                .devices()?
-                .into_iter()
-                .next()
-                .ok_or("no RDMA device")?
-                .name
-        }
-    };
+    let device = pick_device::<V>(provider, device)?;
     let ip = device_address::<V>(provider, &device, port)?;
     let server = Engine::new(
         provider,
@@ -792,22 +1089,19 @@ struct EngineMeasurement {
     latencies: Vec<u64>,
 }
 
+impl Rates for EngineMeasurement {
+    fn requests(&self) -> u64 {
+        self.requests
+    }
+    fn size(&self) -> usize {
+        self.plan.size
+    }
+    fn elapsed(&self) -> Duration {
+        self.elapsed
+    }
+}
+
 impl EngineMeasurement {
-    fn bytes(&self) -> u64 {
-        self.plan.size as u64 * self.requests
-    }
-    fn seconds(&self) -> f64 {
-        self.elapsed.as_secs_f64().max(1e-9)
-    }
-    fn mib_per_s(&self) -> f64 {
-        self.bytes() as f64 / self.seconds() / f64::from(1 << 20)
-    }
-    fn gbit_per_s(&self) -> f64 {
-        self.bytes() as f64 * 8.0 / self.seconds() / 1e9
-    }
-    fn ops_per_s(&self) -> f64 {
-        self.requests as f64 / self.seconds()
-    }
     /// The `p`-quantile (nearest rank) of the batch latencies, in µs.
     fn latency_us(&self, p: f64) -> f64 {
         percentile(&self.latencies, p) as f64 / 1e3
@@ -823,11 +1117,11 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// `gdr bench engine`.
+/// `gdr bench engine`: the measurements made (none when serving).
 fn engine_bench<V: Api, C: hal_cuda::Api>(
     backends: &Backends<V, C>,
     args: &EngineArgs,
-) -> Result<(), Box<dyn Error>> {
+) -> Result<Vec<EngineMeasurement>, Box<dyn Error>> {
     let defaults = EngineConfig::default();
     let config = EngineConfig {
         qps_per_peer: args.qps.unwrap_or(defaults.qps_per_peer).max(1),
@@ -843,6 +1137,10 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
         config.qp_depth,
         config.signal_every,
     );
+    if let Some(addr) = args.listen {
+        serve_engine(backends, addr, args.common.device.as_deref(), config)?;
+        return Ok(Vec::new());
+    }
     let largest = args.sizes.iter().copied().max().ok_or("no sizes")?;
     let batch_of = |size: usize| args.batch.unwrap_or_else(|| default_batch(size)).max(1);
     // Successive offsets per batch, up to SPAN_CAP (one request at least).
@@ -854,30 +1152,29 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
         .max()
         .unwrap_or(largest) as u64;
 
-    let pair = connect_engines(backends, args.device.as_deref(), args.port, None, config)?;
+    let target = match args.connect {
+        Some(addr) => Target::remote(backends, addr, args.common.device.as_deref(), config, span)?,
+        None => Target::in_process(backends, args, config, span)?,
+    };
     let local_buffer = Buffer::<C>::alloc_host(span);
     local_buffer.write_at(0, &vec![0x5a; span as usize])?;
-    let remote_buffer = Buffer::<C>::alloc_host(span);
-    remote_buffer.write_at(0, &vec![0xa5; span as usize])?;
-    let local = pair.client.register(&local_buffer)?;
-    let remote = pair.server.register(&remote_buffer)?;
-    let grant = pair
-        .to_client
-        .grant(&remote, 0, span, GrantRights::ReadWrite)?;
-    let descriptor = pair
-        .to_server
-        .wait_grant(grant.descriptor().grant, ENGINE_TIMEOUT)?;
+    let local = target.engine.register(&local_buffer)?;
     let _driver =
-        (args.progress == Progress::Driver).then(|| pair.client.spawn_driver(DRIVER_IDLE));
+        (args.progress == Progress::Driver).then(|| target.engine.spawn_driver(DRIVER_IDLE));
 
     let backend = backends.verbs_name();
-    if !args.json {
+    if !args.common.json {
         println!(
             "gdr bench engine on {} ({backend}), host memory, engine to engine over rdma_cm \
-             ({}): {qps} QPs, slice {slice}, QP depth {qp_depth}, signal every {signal_every}, \
+             ({}{}): {qps} QPs, slice {slice}, QP depth {qp_depth}, signal every {signal_every}, \
              batch {}, {} batches in flight, progress {}",
-            pair.device,
-            pair.addr,
+            target.device,
+            target.addr,
+            if target.server.is_some() {
+                ", both in this process"
+            } else {
+                ", a remote server"
+            },
             args.batch.map_or_else(
                 || "auto (256 KiB, 1..=64 requests)".to_owned(),
                 |n| n.to_string()
@@ -907,6 +1204,7 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
             "seconds"
         );
     }
+    let mut measured = Vec::new();
     for &op in &args.ops {
         for &size in &args.sizes {
             let budget = match (args.duration, args.iterations, args.volume) {
@@ -930,13 +1228,13 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
                     budget: Budget::Requests(args.warmup * u64::from(plan.batch)),
                     ..plan
                 };
-                measure_engine(&pair, &local, &descriptor, warm, args)?;
+                measure_engine(&target, &local, warm, args)?;
             }
-            let m = measure_engine(&pair, &local, &descriptor, plan, args)?;
-            if args.json {
+            let m = measure_engine(&target, &local, plan, args)?;
+            if args.common.json {
                 println!(
                     "{}",
-                    engine_json_line(&m, backend, &pair.device, qps, slice, args.progress)
+                    engine_json_line(&m, backend, &target.device, qps, slice, args.progress)
                 );
             } else {
                 println!(
@@ -947,24 +1245,26 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
                     m.requests,
                     m.mib_per_s(),
                     m.gbit_per_s(),
-                    m.ops_per_s(),
+                    m.per_s(),
                     m.latency_us(0.5),
                     m.latency_us(0.99),
                     m.latency_us(0.999),
                     m.seconds()
                 );
             }
+            measured.push(m);
         }
     }
-    if !args.json {
-        for (index, nic, c) in pair.to_server.counters() {
+    if !args.common.json {
+        for (index, nic, c) in target.peer.counters() {
             println!(
                 "queue pair {index} on {nic}: {} work requests, {} doorbells, {} signaled, {} bytes",
                 c.posted, c.doorbells, c.signaled, c.bytes
             );
         }
     }
-    Ok(())
+    target.finish()?;
+    Ok(measured)
 }
 
 /// Runs one measurement: batches of `plan.batch` requests of `plan.size`
@@ -972,12 +1272,12 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
 /// `plan.depth` in flight, until the budget is spent; the clock runs from
 /// the first submission to the moment the last batch is seen done.
 fn measure_engine<V: Api, C: hal_cuda::Api>(
-    pair: &EnginePair<V, C>,
+    target: &Target<V, C>,
     local: &Region<V>,
-    remote: &MemoryDescriptor,
     plan: EnginePlan,
     args: &EngineArgs,
 ) -> Result<EngineMeasurement, Box<dyn Error>> {
+    let remote = &target.descriptor;
     let size = plan.size as u64;
     let transfers: Vec<Transfer<'_, V>> = (0..plan.batch as usize)
         .map(|i| {
@@ -988,13 +1288,12 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
             }
         })
         .collect();
-    let peer = &pair.to_server;
-    let engine = &pair.client;
+    let (peer, engine) = (&target.peer, &target.engine);
     let mut in_flight: VecDeque<(Batch<V, C>, Instant, u64)> =
         VecDeque::with_capacity(plan.depth as usize);
     let mut latencies = Vec::new();
     let (mut submitted, mut requests, mut batches) = (0u64, 0u64, 0u64);
-    let (mut empty_streak, mut nap) = (0u32, SLEEP_FIRST);
+    let mut idler = Idler::new(args.idle);
     let started = Instant::now();
     let mut finished = started;
     loop {
@@ -1019,17 +1318,9 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
         match args.progress {
             Progress::Inline => {
                 if engine.progress() == 0 {
-                    match args.idle {
-                        Idle::Spin => {}
-                        Idle::Yield => std::thread::yield_now(),
-                        Idle::Sleep if empty_streak < SPIN_BEFORE_SLEEP => empty_streak += 1,
-                        Idle::Sleep => {
-                            std::thread::sleep(nap);
-                            nap = (nap * 2).min(SLEEP_MAX);
-                        }
-                    }
+                    idler.empty();
                 } else {
-                    (empty_streak, nap) = (0, SLEEP_FIRST);
+                    idler.busy();
                 }
             }
             Progress::Driver => {
@@ -1108,7 +1399,7 @@ fn engine_json_line(
         m.bytes(),
         m.mib_per_s(),
         m.gbit_per_s(),
-        m.ops_per_s(),
+        m.per_s(),
         m.latency_us(0.5),
         m.latency_us(0.99),
         m.latency_us(0.999)
@@ -1165,9 +1456,11 @@ mod tests {
                 post_list,
                 idle,
                 warmup: 2,
-                device: None,
-                port: 1,
-                json: true,
+                common: Common {
+                    device: None,
+                    port: 1,
+                    json: true,
+                },
             };
             rdma::<SimVerbsApi>(&node, &args).unwrap();
         }
@@ -1227,12 +1520,106 @@ mod tests {
                 warmup: 1,
                 progress,
                 idle: Idle::Sleep,
-                device: None,
-                port: 1,
-                json: true,
+                listen: None,
+                connect: None,
+                common: Common {
+                    device: None,
+                    port: 1,
+                    json: true,
+                },
             };
             engine_bench(&backends, &args).unwrap();
         }
+    }
+
+    /// `--listen` on one node of the simulated fabric, `--connect` on
+    /// another: the client measures every (op, size) against the server's
+    /// grant, all requests of its budget, and the server exits once told
+    /// the client is done.
+    #[test]
+    fn engine_bench_across_two_nodes_on_the_sim() {
+        use gdr_sim::nic::{NodeConfig, SimFabric};
+        let fabric = SimFabric::new();
+        let node = |name: &str| {
+            let other = fabric.clone();
+            Backends::<SimVerbsApi, gdr_sim::SimCudaApi>::new(
+                fabric.add_node(name, NodeConfig::default()),
+                None,
+                move || other.add_node("unused", NodeConfig::default()),
+            )
+        };
+        let (server, client) = (node("server"), node("client"));
+        let ip = server.verbs().device_ipv4("sim0").expect("sim0's address");
+        let args = |listen, connect| EngineArgs {
+            sizes: vec![4096, 1 << 20],
+            ops: vec![Op::Write, Op::Read],
+            batch: Some(3),
+            depth: 2,
+            qps: Some(3),
+            slice: Some(256 << 10),
+            qp_depth: None,
+            signal_every: None,
+            duration: None,
+            iterations: Some(7),
+            volume: None,
+            warmup: 1,
+            progress: Progress::Inline,
+            idle: Idle::Sleep,
+            listen,
+            connect,
+            common: Common {
+                device: None,
+                port: 1,
+                json: true,
+            },
+        };
+        let serving = std::thread::spawn(move || {
+            engine_bench(
+                &server,
+                &args(Some(SocketAddr::from(([0; 4], 18515))), None),
+            )
+            .map_err(|e| e.to_string())
+        });
+        let measured = engine_bench(
+            &client,
+            &args(None, Some(SocketAddr::new(ip.into(), 18515))),
+        )
+        .unwrap();
+        assert!(
+            serving.join().unwrap().unwrap().is_empty(),
+            "a server measures nothing"
+        );
+        let shapes: Vec<_> = measured
+            .iter()
+            .map(|m| (m.plan.op, m.plan.size, m.requests, m.bytes()))
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                (Op::Write, 4096, 7, 7 * 4096),
+                (Op::Write, 1 << 20, 7, 7 << 20),
+                (Op::Read, 4096, 7, 7 * 4096),
+                (Op::Read, 1 << 20, 7, 7 << 20),
+            ]
+        );
+    }
+
+    #[test]
+    fn exchange_messages_are_checked() {
+        assert_eq!(
+            parse_message(SPAN, &message(SPAN, 1 << 40)).unwrap(),
+            1 << 40
+        );
+        let wrong_tag = parse_message(GRANT, &message(SPAN, 7)).unwrap_err();
+        assert!(
+            wrong_tag.to_string().contains("expected a \"grnt\""),
+            "{wrong_tag}"
+        );
+        assert!(
+            parse_message(DONE, &message(DONE, 0)[..11]).is_err(),
+            "short"
+        );
+        assert!(parse_message(DONE, b"done").is_err(), "no value");
     }
 
     /// A request failing mid-measurement with more outstanding: the error
@@ -1266,9 +1653,11 @@ mod tests {
             post_list: Some(8),
             idle: Idle::Spin,
             warmup: 0,
-            device: None,
-            port: 1,
-            json: true,
+            common: Common {
+                device: None,
+                port: 1,
+                json: true,
+            },
         };
         let err = rdma::<SimVerbsApi>(&node, &args).unwrap_err().to_string();
         assert!(err.contains("remote access error"), "{err}");
