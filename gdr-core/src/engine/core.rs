@@ -858,11 +858,13 @@ mod tests {
         let mut out = Vec::new();
         core.take_postable(qp, &mut out);
         assert_eq!(out.len(), 2, "two receives posted at the peer");
+        assert_eq!(core.sends_in_flight(qp), 2);
         core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
         core.take_postable(qp, &mut out);
         assert_eq!(out.len(), 2, "the third send, then the write behind it");
         core.on_completion(qp, out[1].wr_id, WcStatus::SUCCESS, 0);
         assert_eq!(c.outcome(), Some(Ok(())));
+        assert_eq!(core.sends_in_flight(qp), 0, "every credit came back");
     }
 
     #[test]
