@@ -686,9 +686,7 @@ mod tests {
     }
 
     fn send() -> Work {
-        let mut w = write(8);
-        w.request.op = SendOp::Send;
-        w
+        test_send(8)
     }
 
     fn limits(depth: u32, signal_every: u32) -> QpLimits {
