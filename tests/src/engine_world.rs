@@ -16,7 +16,10 @@ use std::time::Duration;
 
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
-use gdr_core::engine::{Batch, Engine, EngineConfig, Path, Peer, Region, RegionGrant, Transfer};
+use gdr_core::engine::{
+    Batch, Engine, EngineConfig, EngineError, Path, Peer, Region, RegionGrant, Transfer,
+    TransferError,
+};
 use gdr_core::ladder::Rung;
 use gdr_sim::{
     DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi,
@@ -216,6 +219,59 @@ impl<V: Api> EngineWorld<V> {
             dst_buf,
         }
     }
+
+    /// `len` bytes of `from` memory on a WRITTEN into `to` memory on b
+    /// (granted read-write), then READ back into fresh `from` memory in
+    /// `parts` transfers of one batch (at odd offsets when more than one);
+    /// both verified byte for byte. `what` names the case in failures.
+    /// Returns the rungs of a's and b's regions and b's grant as a saw it.
+    pub fn write_and_read_back(
+        &self,
+        from: Kind,
+        to: Kind,
+        len: u64,
+        seed: u8,
+        parts: u64,
+        what: &str,
+    ) -> (Vec<Rung>, Vec<Rung>, MemoryDescriptor) {
+        let t = self.timeout;
+        let (_s, src) = self.a.alloc(from, len, seed);
+        let (dst_buf, dst) = self.b.alloc(to, len, 0);
+        let (_g, remote) = self.b_grants(&dst, GrantRights::ReadWrite);
+        self.ab
+            .submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+            .unwrap()
+            .wait(t)
+            .unwrap_or_else(|e| panic!("{what} WRITE {from:?}->{to:?}: {e}"));
+        assert!(
+            self.b.bytes(&dst_buf) == pattern(len as usize, seed),
+            "{what} WRITE {from:?}->{to:?}: the data"
+        );
+        let (back_buf, back) = self.a.alloc(from, len, 0);
+        let cuts: Vec<u64> = (0..=parts)
+            .map(|i| {
+                if i == parts {
+                    len
+                } else {
+                    i * (len / parts) + i
+                }
+            })
+            .collect();
+        let reads: Vec<_> = cuts
+            .windows(2)
+            .map(|c| Transfer::read(&back, c[0], &remote, c[0], c[1] - c[0]))
+            .collect();
+        self.ab
+            .submit(&reads)
+            .unwrap()
+            .wait(t)
+            .unwrap_or_else(|e| panic!("{what} READ {to:?}->{from:?}: {e}"));
+        assert!(
+            self.a.bytes(&back_buf) == pattern(len as usize, seed),
+            "{what} READ {to:?}->{from:?}: the data"
+        );
+        (src.rungs(), dst.rungs(), remote)
+    }
 }
 
 /// Host memory on a and b, b's granted to a ([`EngineWorld::host_pair`]).
@@ -268,6 +324,42 @@ pub fn grant_to<V: Api>(
         "the grant reaches every NIC (none when staged)"
     );
     (grant, seen)
+}
+
+/// Submits one WRITE of `len` bytes from `src` into `remote` after another
+/// on `peer` until the submit is refused (a gone peer's way); each batch
+/// accepted meanwhile may only fail as a gone peer fails, and nothing
+/// hangs past `timeout`. Returns the refusal.
+pub fn submit_until_gone<V: Api>(
+    peer: &WorldPeer<V>,
+    src: &Region<V>,
+    remote: &MemoryDescriptor,
+    timeout: Duration,
+) -> EngineError {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match peer.submit(&[Transfer::write(src, 0, remote, 0, 4096)]) {
+            Err(e) => return e,
+            Ok(batch) => {
+                if let Err(e) = batch.wait(timeout) {
+                    assert!(
+                        matches!(
+                            e,
+                            TransferError::PeerGone { .. }
+                                | TransferError::RetryExceeded { .. }
+                                | TransferError::Flushed { .. }
+                        ),
+                        "{e}"
+                    );
+                }
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the peer was never given up"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 impl EngineWorld<SimVerbsApi> {

@@ -10,7 +10,7 @@ use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, EngineError, Transfer, TransferError};
 use gdr_core::ladder::{LadderConfig, Policy, Rung};
 use gdr_sim::{GpuConfig, SimVerbsApi};
-use gdr_tests::engine_world::{EngineWorld, Kind, grant_to};
+use gdr_tests::engine_world::{EngineWorld, Kind, grant_to, submit_until_gone};
 use gdr_tests::pattern;
 
 const T: Duration = Duration::from_secs(10);
@@ -67,31 +67,11 @@ fn every_pair_of_memory_kinds_and_rungs() {
         for (i, &from) in kinds.iter().enumerate() {
             for (j, &to) in kinds.iter().enumerate() {
                 let seed = (i * 3 + j) as u8 + 1;
-                let (_s, src) = w.a.alloc(from, LEN, seed);
-                let (dst_buf, dst) = w.b.alloc(to, LEN, 0);
+                let (_, dst_rungs, _) =
+                    w.write_and_read_back(from, to, LEN, seed, 1, &format!("{rung:?}"));
                 if to == Kind::Gpu {
-                    assert_eq!(dst.rungs(), vec![rung], "{to:?}");
+                    assert_eq!(dst_rungs, vec![rung], "{to:?}");
                 }
-                let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
-                w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
-                    .unwrap()
-                    .wait(T)
-                    .unwrap_or_else(|e| panic!("{rung:?} {from:?}->{to:?}: {e}"));
-                assert_eq!(
-                    w.b.bytes(&dst_buf),
-                    pattern(LEN as usize, seed),
-                    "{rung:?} WRITE {from:?}->{to:?}"
-                );
-                let (back_buf, back) = w.a.alloc(from, LEN, 0);
-                w.ab.submit(&[Transfer::read(&back, 0, &remote, 0, LEN)])
-                    .unwrap()
-                    .wait(T)
-                    .unwrap();
-                assert_eq!(
-                    w.a.bytes(&back_buf),
-                    pattern(LEN as usize, seed),
-                    "{rung:?} READ {to:?}->{from:?}"
-                );
             }
         }
     }
@@ -285,31 +265,8 @@ fn a_peer_that_goes_away_fails_requests_typed() {
     let h = w.host_pair(1 << 16, 5, GrantRights::ReadWrite);
     w.ba.close().unwrap();
     // a learns it from the goodbye or the disconnect, whichever it sees.
-    let deadline = std::time::Instant::now() + T;
-    loop {
-        match w
-            .ab
-            .submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)])
-        {
-            Err(EngineError::PeerGone(_)) => break,
-            Ok(batch) => {
-                let outcome = batch.wait(T);
-                if let Err(e) = outcome {
-                    assert!(
-                        matches!(
-                            e,
-                            TransferError::PeerGone { .. }
-                                | TransferError::RetryExceeded { .. }
-                                | TransferError::Flushed { .. }
-                        ),
-                        "{e}"
-                    );
-                }
-            }
-            Err(e) => panic!("{e}"),
-        }
-        assert!(std::time::Instant::now() < deadline, "the peer never went");
-    }
+    let refused = submit_until_gone(&w.ab, &h.src, &h.remote, T);
+    assert!(matches!(refused, EngineError::PeerGone(_)), "{refused}");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, EngineError, Transfer, TransferError};
 use gdr_sim::{GpuConfig, SimVerbsApi};
-use gdr_tests::engine_world::EngineWorld;
+use gdr_tests::engine_world::{EngineWorld, HostPair};
 use gdr_tests::pattern;
 
 const T: Duration = Duration::from_secs(10);
@@ -40,6 +40,19 @@ fn eventually<R>(w: &EngineWorld<SimVerbsApi>, what: &str, mut f: impl FnMut() -
     }
 }
 
+/// Fails the queue pair a's next slice goes to: a WRITE through a grant b
+/// revoked before a heard of it meets a remote access error.
+fn fail_a_queue_pair(w: &EngineWorld<SimVerbsApi>, h: &HostPair<SimVerbsApi>) {
+    let (doomed_grant, doomed) = w.b_grants(&h.dst, GrantRights::ReadWrite);
+    drop(doomed_grant);
+    let err =
+        w.ab.submit(&[Transfer::write(&h.src, 0, &doomed, 0, 4096)])
+            .unwrap()
+            .wait(T)
+            .unwrap_err();
+    assert!(matches!(err, TransferError::RemoteAccess { .. }), "{err}");
+}
+
 /// With a single queue pair, a remote access error takes down the only
 /// path: the engine re-establishes it, and WRITEs, READs, grants made
 /// before the failure and control messages both ways work again on it.
@@ -47,15 +60,8 @@ fn eventually<R>(w: &EngineWorld<SimVerbsApi>, what: &str, mut f: impl FnMut() -
 fn the_only_queue_pair_fails_and_is_re_established() {
     let w = world(1, T);
     let h = w.host_pair(1 << 16, 5, GrantRights::ReadWrite);
-    let (doomed_grant, doomed) = w.b_grants(&h.dst, GrantRights::ReadWrite);
-    drop(doomed_grant);
     let before = w.ab.counters()[0].2;
-    let err =
-        w.ab.submit(&[Transfer::write(&h.src, 0, &doomed, 0, 4096)])
-            .unwrap()
-            .wait(T)
-            .unwrap_err();
-    assert!(matches!(err, TransferError::RemoteAccess { .. }), "{err}");
+    fail_a_queue_pair(&w, &h);
     // A batch submitted while the queue pair is being re-established waits
     // for it rather than failing.
     let waiting =
@@ -123,14 +129,7 @@ fn a_queue_pair_stopped_at_a_deadline_comes_back() {
 fn the_other_queue_pair_carries_on_while_one_is_re_established() {
     let w = world(2, T);
     let h = w.host_pair(1 << 16, 9, GrantRights::ReadWrite);
-    let (doomed_grant, doomed) = w.b_grants(&h.dst, GrantRights::ReadWrite);
-    drop(doomed_grant);
-    let err =
-        w.ab.submit(&[Transfer::write(&h.src, 0, &doomed, 0, 4096)])
-            .unwrap()
-            .wait(T)
-            .unwrap_err();
-    assert!(matches!(err, TransferError::RemoteAccess { .. }), "{err}");
+    fail_a_queue_pair(&w, &h);
     let _driver = w.b.engine.spawn_driver(Duration::from_millis(1));
     // Until both are up again, batches still succeed.
     let both_up = eventually(&w, "both queue pairs carry slices again", || {
@@ -159,7 +158,7 @@ fn a_peer_gone_for_good_is_given_up_within_the_reconnect_bound() {
     let w = world(2, Duration::from_millis(300));
     let h = w.host_pair(1 << 16, 3, GrantRights::ReadWrite);
     let EngineWorld { ab, ba, a, b, .. } = w;
-    let gdr_tests::engine_world::HostPair {
+    let HostPair {
         grant,
         remote,
         src,
@@ -168,27 +167,7 @@ fn a_peer_gone_for_good_is_given_up_within_the_reconnect_bound() {
         dst_buf,
     } = h;
     drop((grant, ba, dst, dst_buf, b));
-    let start = Instant::now();
-    let outcome = loop {
-        match ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)]) {
-            Err(e) => break e,
-            Ok(batch) => {
-                if let Err(e) = batch.wait(T) {
-                    assert!(
-                        matches!(
-                            e,
-                            TransferError::PeerGone { .. }
-                                | TransferError::RetryExceeded { .. }
-                                | TransferError::Flushed { .. }
-                        ),
-                        "{e}"
-                    );
-                }
-            }
-        }
-        assert!(start.elapsed() < T, "the peer was never given up");
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    assert!(matches!(outcome, EngineError::PeerGone(_)), "{outcome}");
+    let refused = gdr_tests::engine_world::submit_until_gone(&ab, &src, &remote, T);
+    assert!(matches!(refused, EngineError::PeerGone(_)), "{refused}");
     drop(a);
 }

@@ -44,40 +44,14 @@ fn staged_gpu_memory_moves_both_ways_against_every_kind() {
                 continue;
             }
             let seed = (i * 3 + j) as u8 + 1;
-            let (_s, src) = w.a.alloc(from, LEN, seed);
-            let (dst_buf, dst) = w.b.alloc(to, LEN, 0);
+            let (src_rungs, _, remote) = w.write_and_read_back(from, to, LEN, seed, 2, "staged");
             if from == Kind::Gpu {
-                assert_eq!(src.rungs(), [Rung::Staging]);
+                assert_eq!(src_rungs, [Rung::Staging]);
             }
-            let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
             assert_eq!(
                 matches!(remote.reach, Reach::Staged),
                 to == Kind::Gpu,
                 "a staged region's grant says so: {remote:?}"
-            );
-            w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
-                .unwrap()
-                .wait(T)
-                .unwrap_or_else(|e| panic!("WRITE {from:?}->{to:?}: {e}"));
-            assert_eq!(
-                w.b.bytes(&dst_buf),
-                pattern(LEN as usize, seed),
-                "WRITE {from:?}->{to:?}"
-            );
-            // READ it back, in two transfers of one batch at odd offsets.
-            let (back_buf, back) = w.a.alloc(from, LEN, 0);
-            let cut = LEN / 3 + 5;
-            w.ab.submit(&[
-                Transfer::read(&back, 0, &remote, 0, cut),
-                Transfer::read(&back, cut, &remote, cut, LEN - cut),
-            ])
-            .unwrap()
-            .wait(T)
-            .unwrap_or_else(|e| panic!("READ {to:?}->{from:?}: {e}"));
-            assert_eq!(
-                w.a.bytes(&back_buf),
-                pattern(LEN as usize, seed),
-                "READ {to:?}->{from:?}"
             );
         }
     }
