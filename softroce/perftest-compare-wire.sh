@@ -41,10 +41,12 @@ SERVER=10.99.0.1
 # Every step (a server in A, its client in B) has a port of its own, so a
 # client that gave up on one step cannot reach the next step's server.
 BASE_PORT=18700
-# A server gives up on a client that never came after this many seconds;
-# a client retries its server for longer, so the two stay in step.
-SERVER_WAIT=90
-CLIENT_RETRY=150
+# A client retries its server (not yet listening) this many seconds, a
+# server waits this long for its client (which, once connected, ends the
+# server's run whether it passes or fails), so a failed step leaves the two
+# in step.
+CLIENT_RETRY=120
+SERVER_WAIT=300
 
 # steps: the run's steps in order, "KIND OP SIZE" (engine steps cover every
 # op and size in one process: "engine - -"); the same list in A and B.

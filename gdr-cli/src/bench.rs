@@ -819,8 +819,16 @@ fn serve_engine<V: Api, C: hal_cuda::Api>(
         backends.verbs_name(),
         engine.nics().join(", ")
     );
-    let peer = listener.accept(SERVE_TIMEOUT)?;
-    let span = recv_message(&peer, SPAN, ENGINE_TIMEOUT)?;
+    // A client that failed after connecting (and retries) leaves a peer
+    // that never asks: accept again.
+    let deadline = Instant::now() + SERVE_TIMEOUT;
+    let (peer, span) = loop {
+        let peer = listener.accept(deadline.saturating_duration_since(Instant::now()))?;
+        match recv_message(&peer, SPAN, ENGINE_TIMEOUT) {
+            Ok(span) => break (peer, span),
+            Err(e) => eprintln!("gdr bench engine: a client left without asking ({e}); waiting"),
+        }
+    };
     let buffer = Buffer::<C>::alloc_host(span);
     buffer.write_at(0, &vec![0xa5; span as usize])?;
     let region = engine.register(&buffer)?;
@@ -909,9 +917,13 @@ impl<V: Api, C: hal_cuda::Api> Target<V, C> {
         span: u64,
     ) -> Result<Self, Box<dyn Error>> {
         let engine = engine_on(backends, device, config)?;
+        // One attempt may use all the time left (rdma_cm's connect itself
+        // retries while nobody listens): a short one can fail after the
+        // server accepted, under emulation, and leave it a dead peer. The
+        // loop is for what fails at once, e.g. no route yet.
         let deadline = Instant::now() + ENGINE_TIMEOUT;
         let peer = loop {
-            match engine.connect(addr, Duration::from_secs(10)) {
+            match engine.connect(addr, deadline.saturating_duration_since(Instant::now())) {
                 Ok(peer) => break peer,
                 Err(e) if Instant::now() < deadline => {
                     tracing::debug!(%addr, error = %e, "the server is not ready: retrying");

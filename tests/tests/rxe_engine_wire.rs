@@ -186,9 +186,13 @@ fn connect(
     engine: &WireEngine,
     paths: &[Path],
 ) -> (WirePeer, MemoryDescriptor, Driver) {
+    // One attempt may take all the time left (rdma_cm's connect retries
+    // while nobody listens); a shorter one could fail after A accepted
+    // (under emulation) and leave A a dead peer. Retried: what fails at
+    // once (no route yet).
     let start = Instant::now();
     let peer = loop {
-        match engine.connect_paths(paths, Duration::from_secs(20)) {
+        match engine.connect_paths(paths, SETUP.saturating_sub(start.elapsed())) {
             Ok(peer) => break peer,
             Err(e) if start.elapsed() < SETUP => {
                 eprintln!("{test}: client: A not ready yet ({e}); retrying");
