@@ -820,10 +820,18 @@ fn serve_engine<V: Api, C: hal_cuda::Api>(
         engine.nics().join(", ")
     );
     // A client that failed after connecting (and retries) leaves a peer
-    // that never asks: accept again.
+    // that never asks, or a half-accepted one (its stale connect request
+    // fails to accept under emulation): accept again.
     let deadline = Instant::now() + SERVE_TIMEOUT;
     let (peer, span) = loop {
-        let peer = listener.accept(deadline.saturating_duration_since(Instant::now()))?;
+        let peer = match listener.accept(deadline.saturating_duration_since(Instant::now())) {
+            Ok(peer) => peer,
+            Err(e @ EngineError::Timeout(_)) => return Err(e.into()),
+            Err(e) => {
+                eprintln!("gdr bench engine: accepting a client failed ({e}); waiting");
+                continue;
+            }
+        };
         match recv_message(&peer, SPAN, ENGINE_TIMEOUT) {
             Ok(span) => break (peer, span),
             Err(e) => eprintln!("gdr bench engine: a client left without asking ({e}); waiting"),

@@ -166,9 +166,16 @@ fn serve(test: &str, engine: &WireEngine, port: u16, region: &WireRegion) -> (Wi
         .listen(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))
         .unwrap_or_else(|e| panic!("{test}: listening on port {port}: {e}"));
     eprintln!("{test}: server listening on {}", listener.local_addr());
-    let peer = listener
-        .accept(SETUP)
-        .unwrap_or_else(|e| panic!("{test}: accepting: {e}"));
+    // A connect request that B's rdma_cm gave up on (a ~1 s attempt,
+    // retried) can fail to accept here under emulation: accept again.
+    let start = Instant::now();
+    let peer = loop {
+        match listener.accept(SETUP.saturating_sub(start.elapsed())) {
+            Ok(peer) => break peer,
+            Err(e @ EngineError::Timeout(_)) => panic!("{test}: accepting: {e}"),
+            Err(e) => eprintln!("{test}: server: accepting failed ({e}); accepting again"),
+        }
+    };
     eprintln!("{test}: server accepted {:?}", peer.addr());
     let grant = peer
         .grant(region, 0, region.len(), GrantRights::ReadWrite)
