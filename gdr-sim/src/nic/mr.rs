@@ -150,9 +150,10 @@ impl ProtectionDomain<SimVerbsApi> for SimPd {
                 }
             }
         })?;
-        // Host memory must be mapped, every page of it: the kernel's
-        // get_user_pages fails on a hole (ib_umem_get: EFAULT).
-        if backing.is_none() && !host_range_is_mapped(addr, len) {
+        // Host memory must be mapped and readable, every page of it: the
+        // kernel's get_user_pages fails on a hole or on memory it cannot
+        // reach, such as a GPU driver's device ranges (ib_umem_get: EFAULT).
+        if backing.is_none() && !host_range_is_readable(addr, len) {
             tracing::debug!(
                 addr = format_args!("{addr:#x}"),
                 len,
@@ -252,7 +253,17 @@ impl ProtectionDomain<SimVerbsApi> for SimPd {
 
 /// Whether every page of `len` bytes at `addr` is mapped in this process:
 /// `mincore` fails with ENOMEM on any page that is not.
-fn host_range_is_mapped(addr: u64, len: usize) -> bool {
+/// Whether every page of `len` bytes at `addr` is host memory the CPU can
+/// read: mapped (a hole fails the kernel's `get_user_pages`, EFAULT) and not
+/// `PROT_NONE`. The latter matters where a real GPU driver shares the
+/// process: its device memory sits in address ranges it reserved with
+/// `PROT_NONE` (unified addressing), which look mapped to `mincore`; a
+/// real NIC without a peer-memory client refuses them, and the sim must
+/// not take them for host memory (it would read and write there). Probed
+/// with `process_vm_readv` on this process, one byte a page, which fails
+/// with EFAULT where a read would fault; where that call is not allowed
+/// (a seccomp profile), with `/proc/self/maps`.
+fn host_range_is_readable(addr: u64, len: usize) -> bool {
     // SAFETY: sysconf reads a constant of the process.
     let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
         n if n > 0 => n as u64,
@@ -261,28 +272,81 @@ fn host_range_is_mapped(addr: u64, len: usize) -> bool {
     let Some(end) = addr.checked_add(len as u64) else {
         return false;
     };
-    let mut start = addr & !(page - 1);
-    // One status byte per page; probed in chunks of this many pages.
-    const CHUNK: u64 = 4096;
-    let mut status = [0u8; CHUNK as usize];
-    while start < end {
-        let pages = (end - start).div_ceil(page).min(CHUNK);
-        // SAFETY: mincore only reads the page tables of the range and writes
-        // `pages` bytes into `status`, which has room for CHUNK; `start` is
-        // page aligned.
-        let rc = unsafe {
-            libc::mincore(
-                start as *mut libc::c_void,
-                (pages * page) as libc::size_t,
-                status.as_mut_ptr(),
+    let first = addr & !(page - 1);
+    let pages: Vec<u64> = (0..(end - first).div_ceil(page))
+        .map(|i| (first + i * page).max(addr))
+        .collect();
+    const BATCH: usize = 1024; // IOV_MAX
+    let mut sink = [0u8; BATCH];
+    for chunk in pages.chunks(BATCH) {
+        let local = libc::iovec {
+            iov_base: sink.as_mut_ptr().cast(),
+            iov_len: chunk.len(),
+        };
+        let remote: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&at| libc::iovec {
+                iov_base: at as *mut libc::c_void,
+                iov_len: 1,
+            })
+            .collect();
+        // SAFETY: the kernel reads one byte at each remote address (of this
+        // very process) and fails instead of faulting where it cannot; it
+        // writes at most `chunk.len()` bytes into `sink`, which has room
+        // for BATCH.
+        let read = unsafe {
+            libc::process_vm_readv(
+                libc::getpid(),
+                &local,
+                1,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
             )
         };
-        if rc != 0 {
+        if read < 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error();
+            if matches!(errno, Some(libc::EPERM | libc::ENOSYS)) {
+                return readable_in_proc_maps(addr, end);
+            }
             return false;
         }
-        start += pages * page;
+        if read as usize != chunk.len() {
+            // A partial read stops at the first page that would fault.
+            return false;
+        }
     }
     true
+}
+
+/// `addr..end` lies in readable mappings of `/proc/self/maps`.
+pub(super) fn readable_in_proc_maps(addr: u64, end: u64) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let mut covered = addr;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
+            continue;
+        };
+        if lo <= covered && covered < hi {
+            if !perms.starts_with('r') {
+                return false;
+            }
+            covered = hi;
+            if covered >= end {
+                return true;
+            }
+        }
+    }
+    false
 }
 
 /// A simulated memory registration. Dropping it deregisters; it keeps its

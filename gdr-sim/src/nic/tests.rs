@@ -68,6 +68,61 @@ fn poll_one(cq: &SimCq) -> Completion {
     slot[0]
 }
 
+/// Host addresses the CPU cannot read (a reservation with `PROT_NONE`, as
+/// a real GPU driver makes for its device memory) are refused
+/// with EFAULT, as the kernel refuses them, never taken for host memory;
+/// readable memory next to them registers.
+#[test]
+fn unreadable_host_ranges_are_refused_not_dereferenced() {
+    let fabric = SimFabric::new();
+    let a = end(&fabric, "a", 16);
+    // SAFETY: sysconf reads a constant of the process.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    // SAFETY: a fresh private anonymous mapping of three pages, unmapped
+    // below; nothing else uses it.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            3 * page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED);
+    let base = base as u64;
+    // The middle page as a GPU driver reserves device memory.
+    // SAFETY: the page lies in the mapping made above.
+    let rc = unsafe { libc::mprotect((base + page as u64) as *mut _, page, libc::PROT_NONE) };
+    assert_eq!(rc, 0);
+    let efault = VerbsError::from_errno("ibv_reg_mr", "sim0", libc::EFAULT);
+    // SAFETY: the ranges stay mapped (or reserved) past each registration.
+    let err = unsafe {
+        a.pd.register(base + page as u64, page, AccessFlags::transfer())
+    }
+    .unwrap_err();
+    assert_eq!(err, efault, "a PROT_NONE page");
+    // SAFETY: as above.
+    let err = unsafe { a.pd.register(base, 3 * page, AccessFlags::transfer()) }.unwrap_err();
+    assert_eq!(err, efault, "a range across one");
+    // SAFETY: as above.
+    let mr = unsafe {
+        a.pd.register(base + 2 * page as u64, page, AccessFlags::transfer())
+    };
+    assert!(mr.is_ok(), "the readable page after it");
+    drop(mr);
+    // The fallback where process_vm_readv is not allowed says the same.
+    let p = page as u64;
+    assert!(super::mr::readable_in_proc_maps(base, base + p));
+    assert!(!super::mr::readable_in_proc_maps(base + p, base + 2 * p));
+    assert!(!super::mr::readable_in_proc_maps(base, base + 3 * p));
+    assert!(super::mr::readable_in_proc_maps(base + 2 * p, base + 3 * p));
+    // SAFETY: the mapping made above, no longer registered. (A hole is
+    // not probed after: another test's thread may map there meanwhile.)
+    unsafe { libc::munmap(base as *mut _, 3 * page) };
+}
+
 #[test]
 fn device_memory_registers_only_with_peermem() {
     let fabric = SimFabric::new();
