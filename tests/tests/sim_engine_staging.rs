@@ -16,7 +16,13 @@ use gdr_tests::pattern;
 const T: Duration = Duration::from_secs(10);
 
 fn staging_world(qps: u16) -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
+    staging_world_with(qps, |_| {})
+}
+
+/// A world whose GPU memory takes only the staging rung, configured
+/// further by `tune`.
+fn staging_world_with(qps: u16, tune: impl FnOnce(&mut EngineConfig)) -> EngineWorld<SimVerbsApi> {
+    let mut config = EngineConfig {
         qps_per_peer: qps,
         slice_size: 64 * 1024,
         default_timeout: T,
@@ -26,16 +32,29 @@ fn staging_world(qps: u16) -> EngineWorld<SimVerbsApi> {
         },
         ..EngineConfig::default()
     };
+    tune(&mut config);
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 
 /// Every pair of memory kinds where at least one side is staged GPU
-/// memory: the local side through a bounce buffer, the remote side by
-/// rendezvous with its owner (which makes progress on a driver thread).
+/// memory: the local side through the pipeline (or a bounce buffer, on the
+/// naive path), the remote side by rendezvous with its owner (which makes
+/// progress on a driver thread), the transfers longer than the pool so
+/// slices take turns in its slots.
 #[test]
 fn staged_gpu_memory_moves_both_ways_against_every_kind() {
+    for pipeline in [true, false] {
+        every_kind_against_staged_gpu_memory(pipeline);
+    }
+}
+
+fn every_kind_against_staged_gpu_memory(pipeline: bool) {
     const LEN: u64 = 200 * 1024 + 3;
-    let w = staging_world(2);
+    let w = staging_world_with(2, |c| {
+        c.staging_pipeline = pipeline;
+        c.staging_slice = 16 * 1024;
+        c.staging_slots = 3;
+    });
     let _b_driver = w.b.engine.spawn_driver(Duration::from_millis(1));
     let kinds = [Kind::Host, Kind::Pinned, Kind::Gpu];
     for (i, &from) in kinds.iter().enumerate() {
@@ -44,7 +63,8 @@ fn staged_gpu_memory_moves_both_ways_against_every_kind() {
                 continue;
             }
             let seed = (i * 3 + j) as u8 + 1;
-            let (src_rungs, _, remote) = w.write_and_read_back(from, to, LEN, seed, 2, "staged");
+            let what = if pipeline { "pipelined" } else { "naive" };
+            let (src_rungs, _, remote) = w.write_and_read_back(from, to, LEN, seed, 2, what);
             if from == Kind::Gpu {
                 assert_eq!(src_rungs, [Rung::Staging]);
             }
@@ -150,4 +170,107 @@ fn futures_lite_block_on<F: std::future::Future>(future: F) -> F::Output {
             Poll::Pending => std::thread::park_timeout(Duration::from_millis(1)),
         }
     }
+}
+
+/// Sizes from one byte to several pools' worth, including non-multiples of
+/// the slice: each WRITE and READ of staged GPU memory against host memory
+/// arrives whole.
+#[test]
+fn pipelined_sizes_from_one_byte_up() {
+    let w = staging_world_with(1, |c| {
+        c.staging_slice = 8 * 1024;
+        c.staging_slots = 2;
+    });
+    for (i, len) in [
+        1u64,
+        4095,
+        8 * 1024,
+        8 * 1024 + 1,
+        3 * 8 * 1024 - 7,
+        1 << 20,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        w.write_and_read_back(
+            Kind::Gpu,
+            Kind::Host,
+            len,
+            i as u8 + 1,
+            1,
+            &format!("{len} B"),
+        );
+    }
+}
+
+/// Many staged transfers at once through a pool of two slots: each waits
+/// its turn (back-pressure), none fails for want of a slot, all arrive.
+#[test]
+fn a_busy_pool_makes_transfers_wait_not_fail() {
+    const PART: u64 = 96 * 1024 + 5;
+    const PARTS: u64 = 12;
+    let w = staging_world_with(2, |c| {
+        c.staging_slice = 16 * 1024;
+        c.staging_slots = 2;
+    });
+    let (_s, src) = w.a.alloc(Kind::Gpu, PART * PARTS, 6);
+    let (dst_buf, dst) = w.b.alloc(Kind::Host, PART * PARTS, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
+    // One batch per part, all submitted before any is waited for.
+    let batches: Vec<_> = (0..PARTS)
+        .map(|i| {
+            w.ab.submit(&[Transfer::write(&src, i * PART, &remote, i * PART, PART)])
+                .unwrap()
+        })
+        .collect();
+    for (i, batch) in batches.iter().enumerate() {
+        batch.wait(T).unwrap_or_else(|e| panic!("part {i}: {e}"));
+    }
+    assert!(
+        w.b.bytes(&dst_buf) == pattern((PART * PARTS) as usize, 6),
+        "every part arrived"
+    );
+}
+
+/// A CUDA copy that fails fails only its transfer: the other transfer of
+/// the same batch's neighbours, and later transfers, go through.
+#[test]
+fn a_failed_staging_copy_fails_only_its_transfer() {
+    use gdr_sim::{Fault, FaultSite};
+    const LEN: u64 = 64 * 1024;
+    let w = staging_world_with(1, |c| {
+        c.staging_slice = 16 * 1024;
+        c.staging_slots = 2;
+    });
+    let (_s, src) = w.a.alloc(Kind::Gpu, LEN, 8);
+    let (dst_buf, dst) = w.b.alloc(Kind::Host, LEN, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
+    // Warm the pool (its first use allocates and registers it).
+    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 1)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    let failure = hal_cuda::CudaError::Driver {
+        operation: "cuMemcpyDtoHAsync",
+        code: 700,
+        name: "CUDA_ERROR_ILLEGAL_ADDRESS",
+    };
+    w.fabric()
+        .faults()
+        .fail_next(FaultSite::CudaCopy, Fault::Cuda(failure));
+    let failed =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
+            .unwrap();
+    let other =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
+            .unwrap();
+    let err = failed.wait(T).unwrap_err();
+    assert!(
+        matches!(&err, TransferError::Local { what } if what.contains("staging copy")),
+        "{err}"
+    );
+    other
+        .wait(T)
+        .unwrap_or_else(|e| panic!("the other transfer: {e}"));
+    assert!(w.b.bytes(&dst_buf) == pattern(LEN as usize, 8));
 }

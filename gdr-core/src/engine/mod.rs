@@ -66,6 +66,7 @@ mod core;
 pub mod error;
 #[cfg(all(test, loom))]
 mod loom_tests;
+pub mod pipeline;
 pub mod staging;
 pub mod topology;
 pub mod wire;
@@ -152,6 +153,14 @@ pub struct EngineConfig {
     pub ladder: LadderConfig,
     /// The registration cache shared by the NICs.
     pub cache: CacheConfig,
+    /// Staging-rung GPU memory against a peer's direct grant goes through
+    /// the pipelined bounce pool ([`pipeline`]); `false`: the naive path
+    /// (copy all, then send; a benchmark baseline).
+    pub staging_pipeline: bool,
+    /// Bytes of one slot of a GPU's staging pool (a slice of the pipeline).
+    pub staging_slice: u64,
+    /// Slots of each GPU's staging pool (slices in flight at most).
+    pub staging_slots: usize,
     /// Where the PCI tree is read (which NIC is nearest each GPU: a
     /// transfer of GPU memory goes over the peer's queue pairs on the
     /// nearest NICs when any is up).
@@ -176,6 +185,9 @@ impl Default for EngineConfig {
             devices: None,
             ladder: LadderConfig::default(),
             cache: CacheConfig::default(),
+            staging_pipeline: true,
+            staging_slice: 4 << 20,
+            staging_slots: 8,
             topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
         }
@@ -512,6 +524,10 @@ struct State<V: Api, C: hal_cuda::Api> {
     reconnecting: usize,
     /// Rendezvous this side serves whose RDMA op is in flight.
     serving: Vec<staging::Serving<V, C>>,
+    /// Each GPU's staging pool, made at its first staged transfer.
+    pools: HashMap<u32, pipeline::StagingPool<V, C>>,
+    /// Staged transfers going through a pool.
+    pipes: Vec<pipeline::Pipe<V, C>>,
     completions: Vec<Completion>,
     to_post: Vec<SendRequest>,
     ticks: u64,
@@ -636,6 +652,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 dead_nics: vec![false; nics.len()],
                 reconnecting: 0,
                 serving: Vec::new(),
+                pools: HashMap::new(),
+                pipes: Vec::new(),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
@@ -1153,6 +1171,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         state.core.handle_timeout(now);
         Self::expire_rendezvous(state, now);
+        self.pump_pipes(state, now);
         self.run_actions(state);
         self.post_ready(state);
         (handled, Self::staged_pending(state))

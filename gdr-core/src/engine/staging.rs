@@ -2,27 +2,32 @@
 //! peermem works for its GPU), moved through pinned host bounce buffers.
 //!
 //! - **Local** (this side's region is staged, the peer's grant is direct):
-//!   a WRITE copies the range into a bounce buffer first (a `cuMemcpy`
-//!   device to host, synchronous) and posts from it; a READ lands in a
-//!   bounce buffer and is copied into the region (host to device) before
-//!   the batch reports success.
+//!   through the GPU's pipelined bounce pool ([`super::pipeline`]: slices
+//!   copied and sent overlapping). With
+//!   [`super::EngineConfig::staging_pipeline`] off, the naive path: a WRITE
+//!   copies the whole range into a bounce buffer first (a synchronous
+//!   `cuMemcpy`) and posts from it; a READ lands in a bounce buffer and is
+//!   copied into the region before the batch reports success.
 //! - **Rendezvous** (the peer's grant says `Staged`: it has no MR to
 //!   name): this side grants the owner the range it needs (read for our
 //!   WRITE, write for our READ; the local range itself, or a bounce buffer
 //!   when it too is staged) and sends a [`Control::StagedRequest`]. The
-//!   owner checks it against its grant, stages through a bounce buffer of
-//!   its own (copy, then one RDMA op of its own over the connection, then
-//!   copy), and answers with a [`Control::StagedReply`]; only then does
-//!   our part of the batch end, and our temporary grant is revoked.
+//!   owner checks it against its grant, moves the range through its own
+//!   pipeline (its RDMA op against our temporary grant), and answers with
+//!   a [`Control::StagedReply`]; only then does our part of the batch end,
+//!   and our temporary grant is revoked.
 //!
-//! What it costs (the price of the fallback, the GPU issue pipelines it):
-//! a bounce buffer allocated, pinned and registered per transfer, a
-//! synchronous `cuMemcpy` on each staged side, two control messages and a
-//! grant announcement per rendezvous, and the owner's progress: a
-//! rendezvous is served only while the owner's engine makes progress (a
-//! driver thread, or any wait on it). The owner's RDMA op may travel on
-//! another queue pair than its reply; the reply is sent after that op's
-//! completion, by which the data has reached this side's memory.
+//! What it costs: the pipeline's pool per GPU is allocated, pinned and
+//! registered once; each slice costs a `cuMemcpyAsync` and an event poll
+//! on the staged side, overlapped with the wire. A rendezvous adds two
+//! control messages and a grant announcement and registration (our range,
+//! or a whole-range bounce buffer when both ends are staged), and needs
+//! the owner's progress: it is served only while the owner's engine makes
+//! progress (a driver thread, or any wait on it). The owner's RDMA op may
+//! travel on another queue pair than its reply; the reply is sent after
+//! that op's completion, by which the data has reached this side's memory.
+//! The naive path costs a bounce buffer allocated, pinned and registered
+//! per transfer and a synchronous copy of the whole range.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -32,6 +37,7 @@ use hal_cuda::{Context as _, Stream as _};
 use hal_verbs::Api;
 
 use super::completion::{CompletionCell, Outcome};
+use super::pipeline::Pipe;
 use super::wire::Control;
 use super::{Batch, Engine, EngineError, Op, Peer, Region, State, Transfer, TransferError};
 use crate::buffer::Buffer;
@@ -141,8 +147,10 @@ pub(super) struct Serving<V: Api, C: hal_cuda::Api> {
     slot: usize,
     id: u64,
     cell: Arc<CompletionCell>,
-    bounce: Bounce<V, C>,
-    /// For the requester's WRITE: where the bounce's data goes.
+    /// The naive path's bounce (none through the pipeline).
+    bounce: Option<Bounce<V, C>>,
+    /// For the requester's WRITE on the naive path: where the bounce's
+    /// data goes.
     copy_back: Option<(u32, u64)>,
 }
 
@@ -165,7 +173,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         Ok(Bounce { region, buffer })
     }
 
-    fn gpu_context(&self, ordinal: u32) -> Result<&C::Context, EngineError> {
+    pub(super) fn gpu_context(&self, ordinal: u32) -> Result<&C::Context, EngineError> {
         self.shared
             .nics
             .first()
@@ -289,8 +297,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 _ => FAILED,
             };
             if status == OK
-                && let Some((ordinal, dst)) = done.copy_back
-                && let Err(e) = self.copy_to_gpu(ordinal, dst, &done.bounce.buffer)
+                && let (Some((ordinal, dst)), Some(bounce)) = (done.copy_back, &done.bounce)
+                && let Err(e) = self.copy_to_gpu(ordinal, dst, &bounce.buffer)
             {
                 tracing::warn!(error = %e, "staging a peer's WRITE into GPU memory");
                 status = FAILED;
@@ -343,8 +351,40 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             FAILED
         };
         let offset = served.offset + ask.offset;
-        // The requester WRITEs: READ its range into our bounce, copy in
-        // after. It READs: copy out now, WRITE the bounce to its range.
+        // The requester WRITEs: we READ its range into our memory; it
+        // READs: we WRITE ours into its range.
+        let op = if ask.write { Op::Read } else { Op::Write };
+        if self.shared.config.staging_pipeline
+            && let MemoryLocation::Gpu { ordinal } = served.region.inner.location
+        {
+            let now = self.shared.config.clock.now();
+            let (pipe, cell) = Pipe::new(
+                slot,
+                op,
+                u32::from(ordinal),
+                &served.region,
+                offset,
+                ask.len,
+                &theirs,
+                0,
+                now,
+                self.shared.config.default_timeout,
+            );
+            let mut state = lock(&self.shared.state);
+            state.serving.push(Serving {
+                slot,
+                id: ask.id,
+                cell,
+                bounce: None,
+                copy_back: None,
+            });
+            state.pipes.push(pipe);
+            self.pump_pipes(&mut state, now);
+            self.post_ready(&mut state);
+            return Ok(());
+        }
+        // The naive path: copy out now and WRITE the bounce, or READ into
+        // the bounce and copy in after.
         let (bounce, ordinal) = self
             .bounce_for(&served.region, offset, ask.len, !ask.write)
             .map_err(failed)?;
@@ -352,7 +392,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             engine: self.clone(),
             slot,
         };
-        let op = if ask.write { Op::Read } else { Op::Write };
         let transfer = Transfer {
             op,
             ..Transfer::read(&bounce.region, 0, &theirs, 0, ask.len)
@@ -362,7 +401,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             slot,
             id: ask.id,
             cell: Arc::clone(batch.cell()),
-            bounce,
+            bounce: Some(bounce),
             copy_back: ask
                 .write
                 .then_some((ordinal, served.region.inner.addr + offset)),
@@ -387,19 +426,55 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 .iter()
                 .try_for_each(|t| super::check_transfer(p, t))
         })??;
-        // Bounces first (the transfers below borrow them).
+        let config = &engine.shared.config;
+        // Ours staged, theirs direct: through the GPU's pipeline.
+        let piped = |t: &Transfer<'_, V>| {
+            config.staging_pipeline
+                && t.local.is_staged()
+                && !matches!(t.remote.reach, Reach::Staged)
+        };
+        let mut parts = Vec::new();
+        let now = config.clock.now();
+        let mut pipes = Vec::new();
+        for t in transfers.iter().filter(|t| piped(t)) {
+            let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
+                return Err(EngineError::Refused(
+                    "host memory on the staging rung".into(),
+                ));
+            };
+            let (pipe, cell) = Pipe::new(
+                self.slot,
+                t.op,
+                u32::from(ordinal),
+                t.local,
+                t.local_offset,
+                t.len,
+                t.remote,
+                t.remote_offset,
+                now,
+                timeout,
+            );
+            pipes.push(pipe);
+            parts.push(cell);
+        }
+        if !pipes.is_empty() {
+            let mut state = lock(&engine.shared.state);
+            state.pipes.extend(pipes);
+            engine.pump_pipes(&mut state, now);
+            engine.post_ready(&mut state);
+        }
+        // Bounces next (the transfers below borrow them).
         let mut bounces: Vec<Option<(Bounce<V, C>, u32)>> = Vec::with_capacity(transfers.len());
         for t in transfers {
-            bounces.push(if t.local.is_staged() {
+            bounces.push(if t.local.is_staged() && !piped(t) {
                 Some(engine.bounce_for(t.local, t.local_offset, t.len, t.op == Op::Write)?)
             } else {
                 None
             });
         }
         let mut direct = Vec::new();
-        let mut parts = Vec::new();
         let mut after = After::<V, C>::default();
-        for (t, bounce) in transfers.iter().zip(&bounces) {
+        for (t, bounce) in transfers.iter().zip(&bounces).filter(|(t, _)| !piped(t)) {
             let (local, local_offset) = match bounce {
                 Some((b, _)) => (&b.region, 0),
                 None => (t.local, t.local_offset),

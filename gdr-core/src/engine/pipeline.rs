@@ -1,0 +1,492 @@
+//! The pipelined staging path: a transfer of staging-rung GPU memory
+//! against a peer's direct grant, cut into slices that each borrow a slot
+//! of a pinned bounce pool while copies and the wire overlap.
+//!
+//! - One pool per GPU ([`StagingPool`]): `staging_slots` slots of
+//!   `staging_slice` bytes of pinned host memory, allocated and registered
+//!   on every NIC once, at the first staged transfer of that GPU, with one
+//!   stream for device→host and one for host→device copies.
+//! - A WRITE takes a slot, queues the slice's device→host copy and records
+//!   an event; once the event has passed the slice goes on the wire; its
+//!   completion frees the slot. A READ takes a slot, READs into it, queues
+//!   the host→device copy on completion, and frees the slot once that
+//!   copy's event has passed. So slice k+1 is copied while slice k is on
+//!   the wire (and the other way for a READ).
+//! - Back-pressure: a slice waits for a free slot (first come, first
+//!   served across transfers); a transfer never fails because the pool is
+//!   busy, and one larger than the pool goes through it in turns.
+//! - Exactly once: a transfer's part of its batch ends when its last slice
+//!   has; a CUDA copy that fails, or a slice that fails on the wire, fails
+//!   that transfer only (its slices in flight drain first). Past the
+//!   deadline no new slice starts; those in flight end by the same
+//!   deadline (their queue pairs are stopped as for any request).
+//!
+//! The engine steps every pipeline from [`super::Engine::progress`]: CUDA
+//! events are polled there, so a pipeline moves while someone makes
+//! progress (a waiter, or a driver thread).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hal_cuda::{Context as _, Event as _, Stream as _};
+use hal_verbs::{Api, MemoryRegion as _, SendFlags, SendOp, SendRequest, SgList, Sge};
+
+use super::completion::CompletionCell;
+use super::core::{Core, Keep, Work};
+use super::{Engine, EngineError, Op, PeerState, Region, TransferError};
+use crate::buffer::Buffer;
+use crate::descriptor::MemoryDescriptor;
+
+/// The pinned bounce slots of one GPU, registered on every NIC.
+pub(super) struct StagingPool<V: Api, C: hal_cuda::Api> {
+    slot_size: u64,
+    /// Free slot indices, lowest first out.
+    free: Vec<usize>,
+    region: Region<V>,
+    to_host: C::Stream,
+    to_device: C::Stream,
+    _buffer: Buffer<C>,
+}
+
+impl<V: Api, C: hal_cuda::Api> StagingPool<V, C> {
+    fn slot_addr(&self, slot: usize) -> u64 {
+        self.region.inner.addr + slot as u64 * self.slot_size
+    }
+}
+
+/// Where one slice is.
+enum Stage<C: hal_cuda::Api> {
+    /// Its copy (device→host for a WRITE, host→device for a READ) runs.
+    Copying(C::Event),
+    /// Its RDMA request is with the engine's core.
+    OnWire(Arc<CompletionCell>),
+}
+
+struct Slice<C: hal_cuda::Api> {
+    /// Offset within the transfer.
+    offset: u64,
+    len: u64,
+    slot: usize,
+    stage: Stage<C>,
+}
+
+/// One staged transfer going through its GPU's pool.
+pub(super) struct Pipe<V: Api, C: hal_cuda::Api> {
+    peer: usize,
+    op: Op,
+    gpu: u32,
+    /// Device address of the transfer's first byte.
+    gpu_addr: u64,
+    len: u64,
+    remote: MemoryDescriptor,
+    remote_offset: u64,
+    /// Next offset to start a slice at.
+    next: u64,
+    slices: VecDeque<Slice<C>>,
+    error: Option<TransferError>,
+    deadline: Instant,
+    timeout: Duration,
+    cell: Arc<CompletionCell>,
+    /// The staged region (its memory stays while the pipe runs).
+    _region: Region<V>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
+    /// A pipe for `len` bytes at `offset` of staged `region` (on GPU
+    /// `gpu`) against `remote` at `remote_offset`, for the peer in slot
+    /// `peer`; its outcome goes to the returned cell.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        peer: usize,
+        op: Op,
+        gpu: u32,
+        region: &Region<V>,
+        offset: u64,
+        len: u64,
+        remote: &MemoryDescriptor,
+        remote_offset: u64,
+        now: Instant,
+        timeout: Duration,
+    ) -> (Self, Arc<CompletionCell>) {
+        let cell = Arc::new(CompletionCell::new());
+        let pipe = Self {
+            peer,
+            op,
+            gpu,
+            gpu_addr: region.inner.addr + offset,
+            len,
+            remote: remote.clone(),
+            remote_offset,
+            next: 0,
+            slices: VecDeque::new(),
+            error: None,
+            deadline: now + timeout,
+            timeout,
+            cell: Arc::clone(&cell),
+            _region: region.clone(),
+        };
+        (pipe, cell)
+    }
+
+    fn fail(&mut self, error: TransferError) {
+        self.error.get_or_insert(error);
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// The pool of GPU `gpu`, made (allocated, pinned, registered on every
+    /// NIC) at its first use.
+    fn pool<'p>(
+        &self,
+        pools: &'p mut std::collections::HashMap<u32, StagingPool<V, C>>,
+        gpu: u32,
+    ) -> Result<&'p mut StagingPool<V, C>, EngineError> {
+        use std::collections::hash_map::Entry;
+        let vacant = match pools.entry(gpu) {
+            Entry::Occupied(pool) => return Ok(pool.into_mut()),
+            Entry::Vacant(vacant) => vacant,
+        };
+        let config = &self.shared.config;
+        let slot_size = config.staging_slice.max(4096);
+        let slots = config.staging_slots.max(1);
+        let _span = tracing::debug_span!("staging_pool", gpu, slots, slot_size).entered();
+        let context = self.gpu_context(gpu)?;
+        let buffer = Buffer::alloc_pinned(context, slot_size * slots as u64)?;
+        let region = self.register(&buffer)?;
+        tracing::info!(gpu, slots, slot_size, "staging pool ready");
+        Ok(vacant.insert(StagingPool {
+            slot_size,
+            free: (0..slots).rev().collect(),
+            region,
+            to_host: context.create_stream()?,
+            to_device: context.create_stream()?,
+            _buffer: buffer,
+        }))
+    }
+
+    /// Steps every pipeline: slices whose copy ended go on the wire (or
+    /// free their slot), slices off the wire get their copy (or free their
+    /// slot), new slices start while slots are free, and pipes with
+    /// nothing left deliver their outcome.
+    pub(super) fn pump_pipes(&self, state: &mut super::State<V, C>, now: Instant) {
+        if state.pipes.is_empty() {
+            return;
+        }
+        let super::State {
+            core,
+            peers,
+            pipes,
+            pools,
+            ..
+        } = state;
+        for pipe in pipes.iter_mut() {
+            let Some(peer) = peers.get(pipe.peer).and_then(Option::as_ref) else {
+                pipe.fail(TransferError::PeerGone {
+                    reason: "closed".into(),
+                });
+                continue;
+            };
+            let pool = match self.pool(pools, pipe.gpu) {
+                Ok(pool) => pool,
+                Err(e) => {
+                    pipe.fail(TransferError::Local {
+                        what: format!("the staging pool: {e}"),
+                    });
+                    continue;
+                }
+            };
+            self.advance(core, peer, pool, pipe);
+            if now >= pipe.deadline {
+                pipe.fail(TransferError::Timeout {
+                    after: pipe.timeout,
+                });
+            }
+            self.start_slices(core, peer, pool, pipe);
+        }
+        pipes.retain(|pipe| {
+            let done = pipe.slices.is_empty() && (pipe.next >= pipe.len || pipe.error.is_some());
+            if done {
+                pipe.cell.complete(pipe.error.clone().map_or(Ok(()), Err));
+            }
+            !done
+        });
+    }
+
+    /// Moves each slice of `pipe` as far as it can go now.
+    fn advance(
+        &self,
+        core: &mut Core,
+        peer: &PeerState<V, C>,
+        pool: &mut StagingPool<V, C>,
+        pipe: &mut Pipe<V, C>,
+    ) {
+        let mut index = 0;
+        while index < pipe.slices.len() {
+            let slice = &mut pipe.slices[index];
+            let next = match &slice.stage {
+                Stage::Copying(event) => match event.is_complete() {
+                    Ok(false) => None,
+                    Ok(true) if pipe.op == Op::Write && pipe.error.is_none() => {
+                        // Copied out: on the wire.
+                        Some(self.post_slice(
+                            core,
+                            peer,
+                            pool,
+                            pipe.op,
+                            &pipe.remote,
+                            pipe.remote_offset,
+                            slice.offset,
+                            slice.len,
+                            slice.slot,
+                            pipe.deadline,
+                            pipe.timeout,
+                        ))
+                    }
+                    Ok(true) => Some(Err(None)),
+                    Err(e) => Some(Err(Some(TransferError::Local {
+                        what: format!("staging copy: {e}"),
+                    }))),
+                },
+                Stage::OnWire(cell) => match cell.outcome() {
+                    None => None,
+                    Some(Ok(())) if pipe.op == Op::Read && pipe.error.is_none() => {
+                        // Landed in the slot: copy it in.
+                        Some(self.copy_in(
+                            pool,
+                            pipe.gpu,
+                            pipe.gpu_addr + slice.offset,
+                            slice.slot,
+                            slice.len,
+                        ))
+                    }
+                    Some(Ok(())) => Some(Err(None)),
+                    Some(Err(e)) => Some(Err(Some(e))),
+                },
+            };
+            match next {
+                None => index += 1,
+                Some(Ok(stage)) => {
+                    pipe.slices[index].stage = stage;
+                    index += 1;
+                }
+                Some(Err(error)) => {
+                    // The slice is done (or failed): its slot is free.
+                    let slice = pipe.slices.remove(index).expect("in range");
+                    pool.free.push(slice.slot);
+                    if let Some(e) = error {
+                        pipe.fail(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Starts slices of `pipe` while slots are free.
+    fn start_slices(
+        &self,
+        core: &mut Core,
+        peer: &PeerState<V, C>,
+        pool: &mut StagingPool<V, C>,
+        pipe: &mut Pipe<V, C>,
+    ) {
+        while pipe.error.is_none() && pipe.next < pipe.len {
+            let Some(slot) = pool.free.pop() else {
+                return;
+            };
+            let offset = pipe.next;
+            // A slice never crosses a segment of the remote grant.
+            let remote_at = pipe.remote_offset + offset;
+            let in_segment = pipe
+                .remote
+                .segments()
+                .iter()
+                .filter(|s| s.offset <= remote_at && remote_at < s.offset + s.len)
+                .map(|s| s.offset + s.len - remote_at)
+                .min()
+                .unwrap_or(u64::MAX);
+            let len = (pipe.len - offset).min(pool.slot_size).min(in_segment);
+            let stage = match pipe.op {
+                Op::Write => self.copy_out(pool, pipe.gpu, pipe.gpu_addr + offset, slot, len),
+                Op::Read => self.post_slice(
+                    core,
+                    peer,
+                    pool,
+                    Op::Read,
+                    &pipe.remote,
+                    pipe.remote_offset,
+                    offset,
+                    len,
+                    slot,
+                    pipe.deadline,
+                    pipe.timeout,
+                ),
+            };
+            match stage {
+                Ok(stage) => {
+                    pipe.next += len;
+                    pipe.slices.push_back(Slice {
+                        offset,
+                        len,
+                        slot,
+                        stage,
+                    });
+                }
+                Err(e) => {
+                    pool.free.push(slot);
+                    pipe.fail(e.unwrap_or(TransferError::Local {
+                        what: "a staged slice did not start".into(),
+                    }));
+                }
+            }
+        }
+    }
+
+    /// Submits one slice's RDMA request (between pool slot `slot` and
+    /// `remote` at `remote_offset + offset`) to the core, on a queue pair
+    /// of the peer that is up, nearest the pool's GPU when one is.
+    #[allow(clippy::too_many_arguments)]
+    fn post_slice(
+        &self,
+        core: &mut Core,
+        peer: &PeerState<V, C>,
+        pool: &StagingPool<V, C>,
+        op: Op,
+        remote: &MemoryDescriptor,
+        remote_offset: u64,
+        offset: u64,
+        len: u64,
+        slot: usize,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Stage<C>, Option<TransferError>> {
+        let local = |what: String| Some(TransferError::Local { what });
+        let Some(qp) = peer
+            .qps
+            .iter()
+            .find(|q| core.is_ready(q.core))
+            .or_else(|| peer.qps.iter().find(|q| core.accepts_work(q.core)))
+        else {
+            return Err(Some(TransferError::PeerGone {
+                reason: "every queue pair failed".into(),
+            }));
+        };
+        let device = qp.remote_device.as_deref().unwrap_or("");
+        let at = remote_offset + offset;
+        let segment = remote
+            .segment(device, at, len)
+            .map_err(|e| local(format!("the slice's remote segment: {e}")))?;
+        let Some(mr) = pool.region.inner.per_nic[qp.nic].mr() else {
+            return Err(local("the staging pool has no MR".into()));
+        };
+        let remote_addr = segment.addr + (at - segment.offset);
+        let rdma = match op {
+            Op::Read => SendOp::Read {
+                remote_addr,
+                rkey: segment.rkey,
+            },
+            Op::Write => SendOp::Write {
+                remote_addr,
+                rkey: segment.rkey,
+            },
+        };
+        let mut sg_list = SgList::new();
+        sg_list.push(Sge {
+            addr: pool.slot_addr(slot),
+            length: len as u32,
+            lkey: mr.lkey(),
+        });
+        let cell = Arc::new(CompletionCell::new());
+        let keep: Vec<Keep> = vec![Arc::clone(&pool.region.inner) as Keep];
+        core.submit(
+            vec![(
+                qp.core,
+                Work {
+                    batch: 0,
+                    request: SendRequest {
+                        wr_id: 0,
+                        op: rdma,
+                        sg_list,
+                        flags: SendFlags::empty(),
+                    },
+                },
+            )],
+            Arc::clone(&cell),
+            Some((deadline, timeout)),
+            keep,
+        );
+        Ok(Stage::OnWire(cell))
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// Queues the device→host copy of `len` bytes at `src` into slot `slot`.
+    fn copy_out(
+        &self,
+        pool: &StagingPool<V, C>,
+        gpu: u32,
+        src: u64,
+        slot: usize,
+        len: u64,
+    ) -> Result<Stage<C>, Option<TransferError>> {
+        let failed = |e: hal_cuda::CudaError| {
+            Some(TransferError::Local {
+                what: format!("staging copy to host: {e}"),
+            })
+        };
+        let event = self
+            .gpu_context(gpu)
+            .map_err(|e| {
+                Some(TransferError::Local {
+                    what: e.to_string(),
+                })
+            })?
+            .create_event()
+            .map_err(failed)?;
+        // SAFETY: the slot is this slice's alone until its slot is freed, which
+        // is after this copy's event has passed; `src..src + len` lies in the
+        // staged region the pipe holds, checked against its bounds at submit.
+        unsafe {
+            pool.to_host
+                .copy_device_to_host(pool.slot_addr(slot) as *mut u8, src, len as usize)
+        }
+        .map_err(failed)?;
+        pool.to_host.record(&event).map_err(failed)?;
+        Ok(Stage::Copying(event))
+    }
+
+    /// Queues the host→device copy of `len` bytes of slot `slot` to `dst`.
+    fn copy_in(
+        &self,
+        pool: &StagingPool<V, C>,
+        gpu: u32,
+        dst: u64,
+        slot: usize,
+        len: u64,
+    ) -> Result<Stage<C>, Option<TransferError>> {
+        let failed = |e: hal_cuda::CudaError| {
+            Some(TransferError::Local {
+                what: format!("staging copy to the GPU: {e}"),
+            })
+        };
+        let event = self
+            .gpu_context(gpu)
+            .map_err(|e| {
+                Some(TransferError::Local {
+                    what: e.to_string(),
+                })
+            })?
+            .create_event()
+            .map_err(failed)?;
+        // SAFETY: the slot holds the slice the NIC finished writing (its
+        // completion came) and stays this slice's until the event has passed;
+        // `dst..dst + len` lies in the staged region the pipe holds.
+        unsafe {
+            pool.to_device
+                .copy_host_to_device(dst, pool.slot_addr(slot) as *const u8, len as usize)
+        }
+        .map_err(failed)?;
+        pool.to_device.record(&event).map_err(failed)?;
+        Ok(Stage::Copying(event))
+    }
+}
