@@ -2,7 +2,7 @@
 //! against a peer's direct grant, cut into slices that each borrow a slot
 //! of a pinned bounce pool while copies and the wire overlap.
 //!
-//! - One pool per GPU ([`StagingPool`]): `staging_slots` slots of
+//! - One pool per GPU (`StagingPool`): `staging_slots` slots of
 //!   `staging_slice` bytes of pinned host memory, allocated and registered
 //!   on every NIC once, at the first staged transfer of that GPU, with one
 //!   stream for device→host and one for host→device copies.
