@@ -144,20 +144,9 @@ case "${1:-}" in
   --client) client "$2"; exit ;;
   -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
 esac
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  for cand in "${CARGO_TARGET_DIR:-}/release/gdr" "$HERE/../target/release/gdr"; do
-    if [ -x "$cand" ]; then BIN=$cand; break; fi
-  done
-fi
-if [ -z "$BIN" ] || [ ! -x "$BIN" ]; then
-  echo "perftest-compare-wire: no gdr binary (cargo build --release -p gdr-cli, or pass its path)" >&2; exit 2
-fi
-COPY=$(mktemp -d /var/tmp/perftest-compare.XXXXXX)
-trap 'rm -rf "$COPY"' EXIT
-cp "$BIN" "$COPY/gdr"
-echo "perftest-compare-wire: $BIN ($(stat -c '%y' "$BIN" | cut -d. -f1)), volume $VOLUME per measurement, $ROUNDS rounds" >&2
+GDR=$(private_gdr perftest-compare-wire "$HERE" "${1:-}") || exit 2
+trap 'rm -rf "$(dirname "$GDR")"' EXIT
 # loose 9p caching: perftest starts 2-3x faster; the guests write nothing
 # back to the host.
 RXEVM_9P_CACHE=${RXEVM_9P_CACHE:-loose} RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-1800} \
-  "$HERE/two-guests.sh" "'$SELF' --server '$COPY/gdr'" "'$SELF' --client '$COPY/gdr'"
+  "$HERE/two-guests.sh" "'$SELF' --server '$GDR'" "'$SELF' --client '$GDR'"

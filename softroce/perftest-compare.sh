@@ -135,20 +135,8 @@ case "${1:-}" in
   --in-guest) in_guest "$2"; exit ;;
   -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
 esac
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  for cand in "${CARGO_TARGET_DIR:-}/release/gdr" "$HERE/../target/release/gdr"; do
-    if [ -x "$cand" ]; then BIN=$cand; break; fi
-  done
-fi
-if [ -z "$BIN" ] || [ ! -x "$BIN" ]; then
-  echo "perftest-compare: no gdr binary (cargo build --release -p gdr-cli, or pass its path)" >&2; exit 2
-fi
-# A private copy under a host folder the guest sees at the same path.
-COPY=$(mktemp -d /var/tmp/perftest-compare.XXXXXX)
-trap 'rm -rf "$COPY"' EXIT
-cp "$BIN" "$COPY/gdr"
-echo "perftest-compare: $BIN ($(stat -c '%y' "$BIN" | cut -d. -f1)), volume $VOLUME per measurement, $ROUNDS rounds" >&2
+GDR=$(private_gdr perftest-compare "$HERE" "${1:-}") || exit 2
+trap 'rm -rf "$(dirname "$GDR")"' EXIT
 # loose 9p caching: perftest starts 2-3x faster; the guest writes nothing
 # back to the host.
-RXEVM_9P_CACHE=${RXEVM_9P_CACHE:-loose} RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-1200} "$HERE/run-in-vm.sh" "$SELF" --in-guest "$COPY/gdr"
+RXEVM_9P_CACHE=${RXEVM_9P_CACHE:-loose} RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-1200} "$HERE/run-in-vm.sh" "$SELF" --in-guest "$GDR"

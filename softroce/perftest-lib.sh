@@ -42,3 +42,23 @@ gdr_json() {
     into["$op $size"]+=" $mbs"
   done < "$1"
 }
+
+# private_gdr SCRIPT HERE [BINARY]: copies the gdr binary (BINARY, else
+# $CARGO_TARGET_DIR/release/gdr, else HERE/../target/release/gdr) into a new
+# folder under /var/tmp, which the guests see at the same path, so that a
+# concurrent build cannot change it mid-run; prints the copy's path.
+private_gdr() {
+  local script=$1 here=$2 bin=${3:-} cand copy
+  if [ -z "$bin" ]; then
+    for cand in "${CARGO_TARGET_DIR:-}/release/gdr" "$here/../target/release/gdr"; do
+      if [ -x "$cand" ]; then bin=$cand; break; fi
+    done
+  fi
+  if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+    echo "$script: no gdr binary (cargo build --release -p gdr-cli, or pass its path)" >&2; return 2
+  fi
+  copy=$(mktemp -d /var/tmp/perftest-compare.XXXXXX)
+  cp "$bin" "$copy/gdr"
+  echo "$script: $bin ($(stat -c '%y' "$bin" | cut -d. -f1)), volume $VOLUME per measurement, $ROUNDS rounds" >&2
+  echo "$copy/gdr"
+}

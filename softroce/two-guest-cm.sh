@@ -24,31 +24,13 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=softroce/two-guest-lib.sh
 . "$HERE/two-guest-lib.sh"
 ME=two-guest-cm
-if [ $# -lt 1 ]; then echo "usage: $0 TEST_BINARY [--kill-server [SECONDS]]" >&2; exit 2; fi
-BIN=$(test_binary "$ME" "$1"); shift
-KILL=0; KILL_AFTER=2
-if [ "${1:-}" = --kill-server ]; then KILL=1; KILL_AFTER=${2:-2}; fi
-D=$(mktemp -d /tmp/rxevm-cm.XXXXXX)
-trap 'rm -rf "$D"' EXIT
+two_guest_setup "$ME" 2 "$@"
 HOLD=""; [ "$KILL" = 1 ] && HOLD="GDR_CM_HOLD=1"
 COMMON="GDR_EXPECT_RXE=1 GDR_CM_PORT=${GDR_CM_PORT:-7471} ${GDR_CM_ACK_TIMEOUT:+GDR_CM_ACK_TIMEOUT=$GDR_CM_ACK_TIMEOUT} $HOLD"
 NAME=${GDR_CM_TEST:-rxe_cm_two_guests}
 TEST="'$BIN' --exact '$NAME' --nocapture --test-threads=1"
 CA="env $COMMON GDR_CM_ROLE=server $TEST"
 CB="env $COMMON GDR_CM_ROLE=client GDR_CM_PEER=10.99.0.1 $TEST"
-export RXEVM_PAIR_DIR=$D
-rc=0
-if [ "$KILL" = 0 ]; then
-  "$HERE/two-guests.sh" "$CA" "$CB" 2>&1 | tee "$D/out" || rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] && { require_passed "$ME" "$D/out" A:1 B:1 || rc=1; }
-  echo "$ME: exit $rc" >&2
-  exit "$rc"
-fi
-# Kill mode: watch the merged output for the client's marker.
-# A is killed on purpose: two-guests.sh must not stop B for it.
-RXEVM_PAIR_LINGER=0 "$HERE/two-guests.sh" "$CA" "$CB" 2>&1 | kill_a_after GDR_CM_TRANSFERS_RUNNING "$KILL_AFTER" "$D" "$ME" \
-  | tee "$D/out" || true
-RB=$(cat "$D/b.rc" 2>/dev/null || echo 125)
-[ "$RB" = 0 ] && { require_passed "$ME" "$D/out" B:1 || RB=1; }
-echo "$ME: client (B) exit $RB" >&2
-exit "$RB"
+[ "$KILL" = 1 ] || pair_run "$ME" "$CA" "$CB" A:1 B:1
+# The server holds the connection until killed; the client READs in a loop.
+pair_run_killing "$ME" GDR_CM_TRANSFERS_RUNNING 0 "$CA" "$CB" B:1

@@ -25,12 +25,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=softroce/two-guest-lib.sh
 . "$HERE/two-guest-lib.sh"
 ME=two-guest-engine
-if [ $# -lt 1 ]; then echo "usage: $0 TEST_BINARY [--kill-server [SECONDS]]" >&2; exit 2; fi
-BIN=$(test_binary "$ME" "$1"); shift
-KILL=0; KILL_AFTER=1
-if [ "${1:-}" = --kill-server ]; then KILL=1; KILL_AFTER=${2:-1}; fi
-D=$(mktemp -d /tmp/rxevm-engine.XXXXXX)
-trap 'rm -rf "$D"' EXIT
+two_guest_setup "$ME" 1 "$@"
 # One test per invocation, chained: a side whose test failed ends at once,
 # and two-guests.sh stops its partner (which would wait for it) soon after.
 run() { echo "'$BIN' --exact $1 --nocapture --test-threads=1"; }
@@ -39,20 +34,10 @@ SA="$ENV GDR_WIRE_ROLE=server"
 SB="$ENV GDR_WIRE_ROLE=client GDR_WIRE_PEER=10.99.0.1 GDR_WIRE_PEER2=10.99.1.1"
 CA="$SA $(run engine_wire_large_batches) && $SA $(run engine_wire_two_nics)"
 CB="$SB $(run engine_wire_large_batches) && $SB $(run engine_wire_two_nics)"
-export RXEVM_PAIR_DIR=$D RXEVM_PAIR_WIRES=2
-rc=0
-if [ "$KILL" = 0 ]; then
-  "$HERE/two-guests.sh" "$CA" "$CB" 2>&1 | tee "$D/out" || rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] && { require_passed "$ME" "$D/out" A:2 B:2 || rc=1; }
-  echo "$ME: exit $rc" >&2
-  exit "$rc"
-fi
+export RXEVM_PAIR_WIRES=2
+[ "$KILL" = 1 ] || pair_run "$ME" "$CA" "$CB" A:2 B:2
 # A is killed on purpose: B, whose requests then take seconds to fail, is
-# stopped only if it hangs (two minutes: it needed ~15 s).
-RXEVM_PAIR_LINGER=120 "$HERE/two-guests.sh" "$CA && $SA $(run engine_wire_peer_killed)" \
-  "$CB && $SB $(run engine_wire_peer_killed)" 2>&1 \
-  | kill_a_after GDR_WIRE_TRANSFERS_RUNNING "$KILL_AFTER" "$D" "$ME" | tee "$D/out" || true
-RB=$(cat "$D/b.rc" 2>/dev/null || echo 125)
-[ "$RB" = 0 ] && { require_passed "$ME" "$D/out" A:2 B:3 || RB=1; }
-echo "$ME: exit $RB (B's, after A was killed)" >&2
-exit "$RB"
+# stopped only if it hangs (two minutes: it needed ~25 s).
+KILLED=engine_wire_peer_killed
+pair_run_killing "$ME" GDR_WIRE_TRANSFERS_RUNNING 120 "$CA && $SA $(run $KILLED)" \
+  "$CB && $SB $(run $KILLED)" A:2 B:3

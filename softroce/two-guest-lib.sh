@@ -1,14 +1,25 @@
 # shellcheck shell=bash
 # Sourced by the two-guest test scripts (two-guest-cm.sh, two-guest-engine.sh):
 # what they share around two-guests.sh.
+TWO_GUESTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/two-guests.sh
 
-# test_binary SCRIPT PATH: the absolute path of an executable test binary,
-# or a usage error from SCRIPT.
-test_binary() {
-  if [ -z "${2:-}" ] || [ ! -x "$2" ]; then
-    echo "$1: ${2:-(no test binary given)} is not executable" >&2; return 2
-  fi
-  realpath "$2"
+# two_guest_setup SCRIPT DEFAULT_S ARGS...: parses the scripts' arguments,
+# "TEST_BINARY [--kill-server [S]]", into BIN (absolute), KILL (0 or 1) and
+# KILL_AFTER (S, default DEFAULT_S); makes the run's folder D, removed on
+# exit, and exports it as RXEVM_PAIR_DIR (sockets, qemu PIDs, rc files).
+# shellcheck disable=SC2034  # BIN, KILL and KILL_AFTER are the caller's
+two_guest_setup() {
+  local script=$1
+  KILL_AFTER=$2; shift 2
+  if [ $# -lt 1 ]; then echo "usage: $script TEST_BINARY [--kill-server [SECONDS]]" >&2; exit 2; fi
+  if [ ! -x "$1" ]; then echo "$script: $1 is not executable" >&2; exit 2; fi
+  BIN=$(realpath "$1"); shift
+  KILL=0
+  if [ "${1:-}" = --kill-server ]; then KILL=1; KILL_AFTER=${2:-$KILL_AFTER}; fi
+  D=$(mktemp -d "/tmp/rxevm-$script.XXXXXX")
+  # shellcheck disable=SC2064  # D is fixed now
+  trap "rm -rf '$D'" EXIT
+  export RXEVM_PAIR_DIR=$D
 }
 
 # require_passed SCRIPT LOG SIDE:RUNS...: SIDE's labelled output holds
@@ -55,4 +66,29 @@ kill_a_after() {
     fi
   done
   wait
+}
+
+# pair_run SCRIPT CMD_A CMD_B SIDE:RUNS...: runs the two guests' commands
+# (two-guests.sh), their output shown and kept in D/out; exits with their
+# status, or 1 where a side did not report its tests passed.
+pair_run() {
+  local script=$1 ca=$2 cb=$3 rc=0; shift 3
+  "$TWO_GUESTS" "$ca" "$cb" 2>&1 | tee "$D/out" || rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && { require_passed "$script" "$D/out" "$@" || rc=1; }
+  echo "$script: exit $rc" >&2
+  exit "$rc"
+}
+
+# pair_run_killing SCRIPT MARKER LINGER CMD_A CMD_B SIDE:RUNS...: the same,
+# with guest A killed KILL_AFTER seconds after B prints MARKER
+# (kill_a_after); B's status counts, and RXEVM_PAIR_LINGER is LINGER (A's
+# death must not stop B at once).
+pair_run_killing() {
+  local script=$1 marker=$2 linger=$3 ca=$4 cb=$5 rb; shift 5
+  RXEVM_PAIR_LINGER=$linger "$TWO_GUESTS" "$ca" "$cb" 2>&1 \
+    | kill_a_after "$marker" "$KILL_AFTER" "$D" "$script" | tee "$D/out" || true
+  rb=$(cat "$D/b.rc" 2>/dev/null || echo 125)
+  [ "$rb" = 0 ] && { require_passed "$script" "$D/out" "$@" || rb=1; }
+  echo "$script: exit $rb (B's, after A was killed)" >&2
+  exit "$rb"
 }

@@ -29,6 +29,7 @@
 //! the queue pairs' ACK timeout code (see [`ack_timeout`]).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::MutexGuard;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -39,6 +40,7 @@ use gdr_core::engine::{
     Transfer, TransferError,
 };
 use gdr_sim::SimCudaApi;
+
 use gdr_tests::rxe::{self, serial};
 use gdr_tests::{pattern, skip};
 use hal_verbs::rdma::{RdmaApi, RdmaProvider};
@@ -69,16 +71,49 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-/// The role, or `None` after printing why `test` skips.
-fn role(test: &str) -> Option<String> {
-    let role = env("GDR_WIRE_ROLE");
-    if role.is_none() {
-        skip(
-            test,
-            "GDR_WIRE_ROLE is not set (softroce/two-guest-engine.sh sets it)",
-        );
-    }
-    role
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Guest A: listens, grants, checks what arrived.
+    Server,
+    /// Guest B: connects and moves the data.
+    Client,
+}
+
+/// This guest's side of a test. Field order is drop order: the engine
+/// before the provider it was opened from, the lock last.
+struct Guest {
+    role: Role,
+    engine: WireEngine,
+    provider: RdmaProvider,
+    _serial: MutexGuard<'static, ()>,
+}
+
+/// This guest's side of `test`, with an engine on `devices`; `None` after
+/// printing why `test` skips.
+fn guest(test: &str, devices: &[&str]) -> Option<Guest> {
+    let role = match env("GDR_WIRE_ROLE").as_deref() {
+        None => {
+            skip(
+                test,
+                "GDR_WIRE_ROLE is not set (softroce/two-guest-engine.sh sets it)",
+            );
+            return None;
+        }
+        Some("server") => Role::Server,
+        Some("client") => Role::Client,
+        Some(other) => panic!("GDR_WIRE_ROLE={other}: expected server or client"),
+    };
+    let serial = serial();
+    let (provider, _ctx) = rxe::open_rxe(test)?;
+    let engine = WireEngine::new(&provider, None, config(devices))
+        .unwrap_or_else(|e| panic!("{test}: an engine on {devices:?}: {e}"));
+    assert_eq!(engine.nics(), devices);
+    Some(Guest {
+        role,
+        engine,
+        provider,
+        _serial: serial,
+    })
 }
 
 fn port(offset: u16) -> u16 {
@@ -102,6 +137,14 @@ fn ack_timeout() -> u8 {
     env("GDR_WIRE_ACK_TIMEOUT").map_or(18, |c| c.parse().expect("GDR_WIRE_ACK_TIMEOUT"))
 }
 
+/// The path to A's test at `port(offset)` over wire 0, by the route.
+fn path_to_a(offset: u16) -> Path {
+    Path {
+        source: None,
+        peer: SocketAddr::new(peer_ip("GDR_WIRE_PEER", "10.99.0.1"), port(offset)),
+    }
+}
+
 fn config(devices: &[&str]) -> EngineConfig {
     EngineConfig {
         qps_per_peer: QPS,
@@ -114,15 +157,6 @@ fn config(devices: &[&str]) -> EngineConfig {
         },
         ..EngineConfig::default()
     }
-}
-
-/// An engine on `devices`, or `None` after printing why `test` skips.
-fn engine(test: &str, devices: &[&str]) -> Option<(RdmaProvider, WireEngine)> {
-    let (provider, _ctx) = rxe::open_rxe(test)?;
-    let engine = WireEngine::new(&provider, None, config(devices))
-        .unwrap_or_else(|e| panic!("{test}: an engine on {devices:?}: {e}"));
-    assert_eq!(engine.nics(), devices);
-    Some((provider, engine))
 }
 
 /// `len` bytes of host memory holding `data` (zeros when empty),
@@ -276,6 +310,25 @@ fn batch(
     (took, grown)
 }
 
+/// A's half of checking B's WRITE: once B says it wrote, A's memory must
+/// hold B's pattern; A says it checked, and keeps its grant until B is done
+/// READing back.
+fn server_checks_write(peer: &WirePeer, buffer: &Buffer<SimCudaApi>, what: &str) {
+    assert_eq!(recv(peer, SETUP), b"written");
+    assert!(
+        buffer.to_vec().unwrap() == pattern(LEN as usize, CLIENT_SEED),
+        "{what}"
+    );
+    send(peer, b"checked");
+    assert_eq!(recv(peer, SETUP), b"done");
+}
+
+/// B's half: says it wrote, waits until A checked.
+fn client_wrote(peer: &WirePeer) {
+    send(peer, b"written");
+    assert_eq!(recv(peer, SETUP), b"checked", "A checked the WRITE");
+}
+
 fn mib_s(took: Duration) -> f64 {
     LEN as f64 / took.as_secs_f64() / f64::from(1 << 20)
 }
@@ -283,39 +336,22 @@ fn mib_s(took: Duration) -> f64 {
 #[test]
 fn engine_wire_large_batches() {
     const T: &str = "engine_wire_large_batches";
-    let Some(role) = role(T) else {
+    let Some(guest) = guest(T, &["rxe0"]) else {
         return;
     };
-    let _serial = serial();
-    let Some((_provider, engine)) = engine(T, &["rxe0"]) else {
-        return;
-    };
-    match role.as_str() {
-        "server" => {
-            let (buffer, region) = host(&engine, LEN, &pattern(LEN as usize, SERVER_SEED));
-            let (peer, grant) = serve(T, &engine, port(0), &region);
-            assert_eq!(recv(&peer, SETUP), b"written");
-            assert!(
-                buffer.to_vec().unwrap() == pattern(LEN as usize, CLIENT_SEED),
-                "the client's WRITE landed whole"
-            );
-            send(&peer, b"checked");
-            assert_eq!(recv(&peer, SETUP), b"done");
+    let engine = &guest.engine;
+    match guest.role {
+        Role::Server => {
+            let (buffer, region) = host(engine, LEN, &pattern(LEN as usize, SERVER_SEED));
+            let (peer, grant) = serve(T, engine, port(0), &region);
+            server_checks_write(&peer, &buffer, "the client's WRITE landed whole");
             drop(grant);
             eprintln!("{T}: server: the client's 32 MiB WRITE arrived intact: ok");
         }
-        "client" => {
-            let a = SocketAddr::new(peer_ip("GDR_WIRE_PEER", "10.99.0.1"), port(0));
-            let (peer, remote, _driver) = connect(
-                T,
-                &engine,
-                &[Path {
-                    source: None,
-                    peer: a,
-                }],
-            );
+        Role::Client => {
+            let (peer, remote, _driver) = connect(T, engine, &[path_to_a(0)]);
             assert_eq!(remote.len, LEN);
-            let (read_buf, read) = host(&engine, LEN, &[]);
+            let (read_buf, read) = host(engine, LEN, &[]);
             let (read_took, _) = batch(&peer, false, &read, &remote);
             assert!(
                 read_buf.to_vec().unwrap() == pattern(LEN as usize, SERVER_SEED),
@@ -323,11 +359,10 @@ fn engine_wire_large_batches() {
             );
             drop((read, read_buf));
             let mine = pattern(LEN as usize, CLIENT_SEED);
-            let (_src_buf, src) = host(&engine, LEN, &mine);
+            let (_src_buf, src) = host(engine, LEN, &mine);
             let (write_took, _) = batch(&peer, true, &src, &remote);
-            send(&peer, b"written");
-            assert_eq!(recv(&peer, SETUP), b"checked", "A checked the WRITE");
-            let (back_buf, back) = host(&engine, LEN, &[]);
+            client_wrote(&peer);
+            let (back_buf, back) = host(engine, LEN, &[]);
             let (back_took, _) = batch(&peer, false, &back, &remote);
             assert!(
                 back_buf.to_vec().unwrap() == mine,
@@ -345,7 +380,6 @@ fn engine_wire_large_batches() {
                 mib_s(back_took)
             );
         }
-        other => panic!("GDR_WIRE_ROLE={other}: expected server or client"),
     }
 }
 
@@ -391,42 +425,37 @@ fn bytes_by_nic(grown: &Grown, nics: &[&str]) -> Vec<u64> {
 fn engine_wire_two_nics() {
     const T: &str = "engine_wire_two_nics";
     const NICS: [&str; 2] = ["rxe0", "rxe1"];
-    let Some(role) = role(T) else {
+    let Some(guest) = guest(T, &NICS) else {
         return;
     };
-    let _serial = serial();
-    let Some((provider, engine)) = engine(T, &NICS) else {
-        return;
-    };
-    match role.as_str() {
-        "server" => {
-            let (buffer, region) = host(&engine, LEN, &[]);
-            let (peer, grant) = serve(T, &engine, port(1), &region);
+    let engine = &guest.engine;
+    match guest.role {
+        Role::Server => {
+            let (buffer, region) = host(engine, LEN, &[]);
+            let (peer, grant) = serve(T, engine, port(1), &region);
             assert_eq!(
                 grant.descriptor().devices().collect::<Vec<_>>(),
                 NICS,
                 "the grant reaches A over both NICs"
             );
-            assert_eq!(recv(&peer, SETUP), b"written");
-            assert!(
-                buffer.to_vec().unwrap() == pattern(LEN as usize, CLIENT_SEED),
-                "the client's WRITE over two NICs landed whole"
+            server_checks_write(
+                &peer,
+                &buffer,
+                "the client's WRITE over two NICs landed whole",
             );
-            send(&peer, b"checked");
-            assert_eq!(recv(&peer, SETUP), b"done");
             drop(grant);
             eprintln!("{T}: server: the WRITE over rxe0 and rxe1 arrived intact: ok");
         }
-        "client" => {
+        Role::Client => {
             let paths = [
                 ("rxe0", peer_ip("GDR_WIRE_PEER", "10.99.0.1")),
                 ("rxe1", peer_ip("GDR_WIRE_PEER2", "10.99.1.1")),
             ]
             .map(|(nic, ip)| Path {
-                source: Some(address(&provider, nic)),
+                source: Some(address(&guest.provider, nic)),
                 peer: SocketAddr::new(ip, port(1)),
             });
-            let (peer, remote, _driver) = connect(T, &engine, &paths);
+            let (peer, remote, _driver) = connect(T, engine, &paths);
             let nics: Vec<String> = peer.counters().into_iter().map(|(_, n, _)| n).collect();
             assert_eq!(
                 nics,
@@ -436,7 +465,7 @@ fn engine_wire_two_nics() {
             assert_eq!(remote.devices().collect::<Vec<_>>(), NICS);
             assert_eq!(remote.len, LEN);
             let mine = pattern(LEN as usize, CLIENT_SEED);
-            let (_src_buf, src) = host(&engine, LEN, &mine);
+            let (_src_buf, src) = host(engine, LEN, &mine);
             let sent: Vec<u64> = NICS.iter().map(|d| tx_bytes(d)).collect();
             let (write_took, grown) = batch(&peer, true, &src, &remote);
             let on_wire: Vec<u64> = NICS
@@ -453,9 +482,8 @@ fn engine_wire_two_nics() {
                     "{nic}'s wire carried its {engine_bytes} bytes (sent {wire_bytes})"
                 );
             }
-            send(&peer, b"written");
-            assert_eq!(recv(&peer, SETUP), b"checked", "A checked the WRITE");
-            let (back_buf, back) = host(&engine, LEN, &[]);
+            client_wrote(&peer);
+            let (back_buf, back) = host(engine, LEN, &[]);
             let (back_took, grown) = batch(&peer, false, &back, &remote);
             let per_nic_back = bytes_by_nic(&grown, &NICS);
             assert!(per_nic_back.iter().all(|&b| b > 0));
@@ -474,7 +502,6 @@ fn engine_wire_two_nics() {
                 mib_s(back_took)
             );
         }
-        other => panic!("GDR_WIRE_ROLE={other}: expected server or client"),
     }
 }
 
@@ -498,32 +525,21 @@ fn is_dead_peer(e: &TransferError) -> bool {
 #[test]
 fn engine_wire_peer_killed() {
     const T: &str = "engine_wire_peer_killed";
-    let Some(role) = role(T) else {
+    let Some(guest) = guest(T, &["rxe0"]) else {
         return;
     };
-    let _serial = serial();
-    let Some((_provider, engine)) = engine(T, &["rxe0"]) else {
-        return;
-    };
-    match role.as_str() {
-        "server" => {
-            let (_buffer, region) = host(&engine, KILL_BATCH, &[]);
-            let (_peer, _grant) = serve(T, &engine, port(2), &region);
+    let engine = &guest.engine;
+    match guest.role {
+        Role::Server => {
+            let (_buffer, region) = host(engine, KILL_BATCH, &[]);
+            let (_peer, _grant) = serve(T, engine, port(2), &region);
             eprintln!("{T}: server holding the connection until its guest is killed");
             thread::sleep(Duration::from_secs(600));
             panic!("{T}: the server's guest was not killed");
         }
-        "client" => {
-            let a = SocketAddr::new(peer_ip("GDR_WIRE_PEER", "10.99.0.1"), port(2));
-            let (peer, remote, _driver) = connect(
-                T,
-                &engine,
-                &[Path {
-                    source: None,
-                    peer: a,
-                }],
-            );
-            let (_src_buf, src) = host(&engine, KILL_BATCH, &[]);
+        Role::Client => {
+            let (peer, remote, _driver) = connect(T, engine, &[path_to_a(2)]);
+            let (_src_buf, src) = host(engine, KILL_BATCH, &[]);
             let piece = KILL_BATCH / 8;
             let transfers: Vec<_> = (0..8)
                 .map(|i| Transfer::write(&src, i * piece, &remote, i * piece, piece))
@@ -583,6 +599,5 @@ fn engine_wire_peer_killed() {
                 }
             }
         }
-        other => panic!("GDR_WIRE_ROLE={other}: expected server or client"),
     }
 }
