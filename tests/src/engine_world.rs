@@ -30,14 +30,15 @@ use hal_verbs::rdma::{RdmaApi, RdmaProvider};
 
 use crate::{init_tracing, pattern, rxe};
 
-/// An engine over verbs backend `V`, for the simulated GPU's memory.
-pub type WorldEngine<V> = Engine<V, SimCudaApi>;
+/// An engine over verbs backend `V`, for the memory of CUDA backend `C`
+/// (the simulated GPU unless said otherwise).
+pub type WorldEngine<V, C = SimCudaApi> = Engine<V, C>;
 /// One end of a connection between two engines.
-pub type WorldPeer<V> = Peer<V, SimCudaApi>;
+pub type WorldPeer<V, C = SimCudaApi> = Peer<V, C>;
 /// A grant of a region to a peer (revoked when dropped).
-pub type WorldGrant<V> = RegionGrant<V, SimCudaApi>;
-/// A buffer of the simulated GPU's driver (host, pinned or device memory).
-pub type WorldBuffer = Buffer<SimCudaApi>;
+pub type WorldGrant<V, C = SimCudaApi> = RegionGrant<V, C>;
+/// A buffer of the GPU's driver (host, pinned or device memory).
+pub type WorldBuffer<C = SimCudaApi> = Buffer<C>;
 
 /// The memory a region is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,21 +51,22 @@ pub enum Kind {
     Gpu,
 }
 
-/// One node: its verbs provider, its (simulated) GPU and its engine.
+/// One node: its verbs provider, its GPU driver (simulated unless said
+/// otherwise) and its engine.
 #[derive(Debug)]
-pub struct Side<V: Api> {
+pub struct Side<V: Api, C: hal_cuda::Api = SimCudaApi> {
     /// The provider the engine was opened on.
     pub verbs: V::Provider,
     /// The GPU the engine registers device and pinned memory of.
-    pub cuda: SimCuda,
+    pub cuda: C::Driver,
     /// The engine.
-    pub engine: WorldEngine<V>,
+    pub engine: WorldEngine<V, C>,
 }
 
-impl<V: Api> Side<V> {
+impl<V: Api, C: hal_cuda::Api> Side<V, C> {
     /// An engine on `verbs` (the NICs `config` names, or all) and `cuda`.
-    pub fn new(verbs: V::Provider, cuda: SimCuda, config: EngineConfig) -> Self {
-        let engine = WorldEngine::<V>::new(&verbs, Some(&cuda), config.clone())
+    pub fn new(verbs: V::Provider, cuda: C::Driver, config: EngineConfig) -> Self {
+        let engine = WorldEngine::<V, C>::new(&verbs, Some(&cuda), config.clone())
             .unwrap_or_else(|e| panic!("an engine on {:?}: {e}", config.devices));
         Self {
             verbs,
@@ -75,7 +77,7 @@ impl<V: Api> Side<V> {
 
     /// `len` bytes of host memory holding `pattern(len, seed)`, registered
     /// (on the host-memory rung of every NIC).
-    pub fn host(&self, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+    pub fn host(&self, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
         let buffer = Buffer::alloc_host(len);
         buffer
             .write_at(0, &pattern(len as usize, seed))
@@ -88,7 +90,7 @@ impl<V: Api> Side<V> {
 
     /// `len` bytes of pinned host memory holding `pattern(len, seed)`,
     /// registered.
-    pub fn pinned(&self, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+    pub fn pinned(&self, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
         let ctx = self.cuda.context(0).unwrap();
         let buffer = Buffer::alloc_pinned(&ctx, len).unwrap();
         buffer.write_at(0, &pattern(len as usize, seed)).unwrap();
@@ -98,7 +100,7 @@ impl<V: Api> Side<V> {
 
     /// `len` bytes of GPU memory holding `pattern(len, seed)` (copied in
     /// on a stream), registered on whichever rung the ladder takes.
-    pub fn gpu(&self, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+    pub fn gpu(&self, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
         let ctx = self.cuda.context(0).unwrap();
         let buffer = Buffer::alloc_device(&ctx, len).unwrap();
         let data = pattern(len as usize, seed);
@@ -112,7 +114,7 @@ impl<V: Api> Side<V> {
     }
 
     /// `len` bytes of `kind` holding `pattern(len, seed)`, registered.
-    pub fn alloc(&self, kind: Kind, len: u64, seed: u8) -> (WorldBuffer, Region<V>) {
+    pub fn alloc(&self, kind: Kind, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
         match kind {
             Kind::Host => self.host(len, seed),
             Kind::Pinned => self.pinned(len, seed),
@@ -122,7 +124,7 @@ impl<V: Api> Side<V> {
 
     /// The buffer's bytes: host memory read directly, device memory
     /// through a stream copy.
-    pub fn bytes(&self, buffer: &WorldBuffer) -> Vec<u8> {
+    pub fn bytes(&self, buffer: &WorldBuffer<C>) -> Vec<u8> {
         if buffer.memory_type() != hal_cuda::MemoryType::Device {
             return buffer.to_vec().expect("host memory is CPU-readable");
         }
@@ -139,26 +141,26 @@ impl<V: Api> Side<V> {
 
 /// Two engines, a connected to b: `ab` is a's peer b, `ba` b's peer a.
 #[derive(Debug)]
-pub struct EngineWorld<V: Api> {
+pub struct EngineWorld<V: Api, C: hal_cuda::Api = SimCudaApi> {
     /// a's end of the connection (its peer is b).
-    pub ab: WorldPeer<V>,
+    pub ab: WorldPeer<V, C>,
     /// b's end of the connection (its peer is a).
-    pub ba: WorldPeer<V>,
+    pub ba: WorldPeer<V, C>,
     /// The connecting side.
-    pub a: Side<V>,
+    pub a: Side<V, C>,
     /// The listening side.
-    pub b: Side<V>,
+    pub b: Side<V, C>,
     /// How long connecting and waiting for a grant may take.
     pub timeout: Duration,
 }
 
-impl<V: Api> EngineWorld<V> {
+impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
     /// b listens on `listen` (an assigned port) and accepts on a thread;
     /// a connects over the paths `paths` makes of b's address. Checks both
     /// ends name each other and share the session.
     pub fn connect(
-        a: Side<V>,
-        b: Side<V>,
+        a: Side<V, C>,
+        b: Side<V, C>,
         listen: IpAddr,
         paths: impl FnOnce(SocketAddr) -> Vec<Path>,
         timeout: Duration,
@@ -199,14 +201,14 @@ impl<V: Api> EngineWorld<V> {
         &self,
         region: &Region<V>,
         rights: GrantRights,
-    ) -> (WorldGrant<V>, MemoryDescriptor) {
+    ) -> (WorldGrant<V, C>, MemoryDescriptor) {
         grant_to(&self.ba, &self.ab, region, rights, self.timeout)
     }
 
     /// `len` bytes of host memory on each side, a's holding
     /// `pattern(len, seed)` and b's `pattern(len, 0)`, b's granted to a with
     /// `rights`: what most transfers go between.
-    pub fn host_pair(&self, len: u64, seed: u8, rights: GrantRights) -> HostPair<V> {
+    pub fn host_pair(&self, len: u64, seed: u8, rights: GrantRights) -> HostPair<V, C> {
         let (src_buf, src) = self.a.host(len, seed);
         let (dst_buf, dst) = self.b.host(len, 0);
         let (grant, remote) = self.b_grants(&dst, rights);
@@ -277,32 +279,32 @@ impl<V: Api> EngineWorld<V> {
 /// Host memory on a and b, b's granted to a ([`EngineWorld::host_pair`]).
 /// Field order is drop order: the grant, then the regions, then the memory.
 #[derive(Debug)]
-pub struct HostPair<V: Api> {
+pub struct HostPair<V: Api, C: hal_cuda::Api = SimCudaApi> {
     /// b's grant of `dst` to a.
-    pub grant: WorldGrant<V>,
+    pub grant: WorldGrant<V, C>,
     /// The descriptor a received for it.
     pub remote: MemoryDescriptor,
     /// a's region.
     pub src: Region<V>,
     /// a's memory.
-    pub src_buf: WorldBuffer,
+    pub src_buf: WorldBuffer<C>,
     /// b's region.
     pub dst: Region<V>,
     /// b's memory.
-    pub dst_buf: WorldBuffer,
+    pub dst_buf: WorldBuffer<C>,
 }
 
 /// `granter` grants all of `region` to its peer, whose `grantee` waits up
 /// to `timeout` for the announcement. Checks the peer sees exactly what was
 /// granted, reaching the granter's every NIC (in these worlds a peer has
 /// queue pairs on every NIC of its engine).
-pub fn grant_to<V: Api>(
-    granter: &WorldPeer<V>,
-    grantee: &WorldPeer<V>,
+pub fn grant_to<V: Api, C: hal_cuda::Api>(
+    granter: &WorldPeer<V, C>,
+    grantee: &WorldPeer<V, C>,
     region: &Region<V>,
     rights: GrantRights,
     timeout: Duration,
-) -> (WorldGrant<V>, MemoryDescriptor) {
+) -> (WorldGrant<V, C>, MemoryDescriptor) {
     let grant = granter.grant(region, 0, region.len(), rights).unwrap();
     let seen = grantee
         .wait_grant(grant.descriptor().grant, timeout)
@@ -330,8 +332,8 @@ pub fn grant_to<V: Api>(
 /// on `peer` until the submit is refused (a gone peer's way); each batch
 /// accepted meanwhile may only fail as a gone peer fails, and nothing
 /// hangs past `timeout`. Returns the refusal.
-pub fn submit_until_gone<V: Api>(
-    peer: &WorldPeer<V>,
+pub fn submit_until_gone<V: Api, C: hal_cuda::Api>(
+    peer: &WorldPeer<V, C>,
     src: &Region<V>,
     remote: &MemoryDescriptor,
     timeout: Duration,
@@ -364,14 +366,31 @@ pub fn submit_until_gone<V: Api>(
 
 impl EngineWorld<SimVerbsApi> {
     /// Two nodes `a` and `b` of a fresh `SimFabric`, `nics` NICs (`sim0`,
-    /// `sim1`, ...) and one GPU configured as `gpu` each, engines configured
-    /// as `config`. b listens on every NIC; with one NIC a connects by the
-    /// route to b's `sim0`, with more over one path per NIC pair
-    /// (`simN` to `simN`), so the queue pairs spread over them.
+    /// `sim1`, ...) and one simulated GPU configured as `gpu` each, engines
+    /// configured as `config` ([`EngineWorld::sim_with`]).
     pub fn sim(nics: usize, gpu: GpuConfig, config: EngineConfig, timeout: Duration) -> Self {
+        Self::sim_with(nics, config, timeout, |fabric| {
+            SimCuda::new(vec![gpu.clone()], fabric.faults())
+        })
+    }
+}
+
+impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
+    /// Two nodes `a` and `b` of a fresh `SimFabric`, `nics` NICs (`sim0`,
+    /// `sim1`, ...) each and the GPU driver `cuda` makes for each (the real
+    /// one, on a GPU machine), engines configured as `config`. b listens on
+    /// every NIC; with one NIC a connects by the route to b's `sim0`, with
+    /// more over one path per NIC pair (`simN` to `simN`), so the queue
+    /// pairs spread over them.
+    pub fn sim_with(
+        nics: usize,
+        config: EngineConfig,
+        timeout: Duration,
+        cuda: impl Fn(&SimFabric) -> C::Driver,
+    ) -> Self {
         init_tracing();
         let fabric = SimFabric::new();
-        let side = |name: &str, gpu: GpuConfig| {
+        let side = |name: &str| {
             let verbs = fabric.add_node(
                 name,
                 NodeConfig {
@@ -379,13 +398,13 @@ impl EngineWorld<SimVerbsApi> {
                     devices: vec![DeviceConfig::default(); nics],
                 },
             );
-            let cuda = SimCuda::new(vec![gpu], fabric.faults());
-            Side::new(verbs, cuda, config.clone())
+            Side::new(verbs, cuda(&fabric), config.clone())
         };
-        let a = side("a", gpu.clone());
-        let b = side("b", gpu);
-        let ip =
-            |side: &Side<SimVerbsApi>, nic: &str| IpAddr::V4(side.verbs.device_ipv4(nic).unwrap());
+        let a = side("a");
+        let b = side("b");
+        let ip = |side: &Side<SimVerbsApi, C>, nic: &str| {
+            IpAddr::V4(side.verbs.device_ipv4(nic).unwrap())
+        };
         let names: Vec<String> = (0..nics).map(|i| format!("sim{i}")).collect();
         let paths: Vec<(Option<IpAddr>, IpAddr)> = if nics > 1 {
             names
@@ -416,7 +435,9 @@ impl EngineWorld<SimVerbsApi> {
     pub fn fabric(&self) -> &SimFabric {
         self.a.verbs.fabric()
     }
+}
 
+impl EngineWorld<SimVerbsApi> {
     /// Pauses the fabric (nothing moves until it is resumed) and submits a
     /// WRITE of the first 4 KiB of `h` that must end within `deadline`: a
     /// batch that can only end by its deadline.

@@ -1,0 +1,139 @@
+//! The staging path against its stages, in one run (the GPU issue's
+//! benchmark): on the real GPU where one is found (the H200), else on the
+//! simulated one. Two engines on two nodes of the simulated NIC fabric
+//! (its "wire" is a CPU copy), GPU memory on the staging rung.
+//!
+//! For each size, with throughput in bytes:
+//! - `d2h`, `h2d`: one device→host / host→device copy of the size between
+//!   device memory and pinned memory, on a stream, synchronised: the copy
+//!   stages alone;
+//! - `wire`: an engine WRITE of host memory into the peer's host memory:
+//!   the wire alone;
+//! - `pipelined`: an engine WRITE from staged GPU memory into the peer's
+//!   host memory (device→host copies overlapped with the wire), and
+//!   `pipelined_in`: host memory into the peer's staged GPU memory (the
+//!   owner's wire and host→device copies overlapped);
+//! - `naive_*`: the same with the pipeline off (copy all, then send).
+//!
+//! The goal (issue): pipelined ≥ 0.9 × its slowest stage at ≥ 16 MiB.
+//! Run: `cargo bench -p gdr-tests --bench staging -- --warm-up-time 1
+//! --measurement-time 3`.
+
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use gdr_core::buffer::Buffer;
+use gdr_core::descriptor::GrantRights;
+use gdr_core::engine::{EngineConfig, Transfer};
+use gdr_core::ladder::{LadderConfig, Policy, Rung};
+use gdr_sim::{GpuConfig, SimCuda, SimVerbsApi};
+use gdr_tests::engine_world::{EngineWorld, Kind};
+use hal_cuda::{Context as _, Driver as _, Stream as _};
+
+const T: Duration = Duration::from_secs(120);
+const SIZES: [u64; 4] = [64 << 10, 1 << 20, 16 << 20, 256 << 20];
+
+fn config(pipeline: bool) -> EngineConfig {
+    EngineConfig {
+        qps_per_peer: 2,
+        default_timeout: T,
+        staging_pipeline: pipeline,
+        ladder: LadderConfig {
+            policy: Policy::Only(Rung::Staging),
+            ..LadderConfig::default()
+        },
+        ..EngineConfig::default()
+    }
+}
+
+fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> C::Driver) {
+    let worlds: Vec<(bool, EngineWorld<SimVerbsApi, C>)> = [true, false]
+        .into_iter()
+        .map(|p| (p, EngineWorld::sim_with(1, config(p), T, |_| cuda())))
+        .collect();
+    let driver = cuda();
+    let ctx = driver.context(0).expect("GPU 0");
+    let stream = ctx.create_stream().expect("a stream");
+    let mut group = c.benchmark_group(format!("staging_{what}"));
+    group.sample_size(10);
+    for len in SIZES {
+        group.throughput(Throughput::Bytes(len));
+        let device = Buffer::<C>::alloc_device(&ctx, len).expect("device memory");
+        let pinned = Buffer::<C>::alloc_pinned(&ctx, len).expect("pinned memory");
+        group.bench_function(BenchmarkId::new("d2h", len), |b| {
+            b.iter(|| {
+                // SAFETY: both buffers hold `len` bytes and outlive the
+                // synchronised copy.
+                unsafe {
+                    stream.copy_device_to_host(
+                        pinned.addr() as *mut u8,
+                        device.addr(),
+                        len as usize,
+                    )
+                }
+                .unwrap();
+                stream.synchronize().unwrap();
+            })
+        });
+        group.bench_function(BenchmarkId::new("h2d", len), |b| {
+            b.iter(|| {
+                // SAFETY: as above.
+                unsafe {
+                    stream.copy_host_to_device(
+                        device.addr(),
+                        pinned.addr() as *const u8,
+                        len as usize,
+                    )
+                }
+                .unwrap();
+                stream.synchronize().unwrap();
+            })
+        });
+        for (pipeline, w) in &worlds {
+            let prefix = if *pipeline { "" } else { "naive_" };
+            let (_hs, host_src) = w.a.alloc(Kind::Host, len, 1);
+            let (_gs, gpu_src) = w.a.alloc(Kind::Gpu, len, 2);
+            let (_hd, host_dst) = w.b.alloc(Kind::Host, len, 0);
+            let (_gd, gpu_dst) = w.b.alloc(Kind::Gpu, len, 0);
+            let (_g1, to_host) = w.b_grants(&host_dst, GrantRights::Write);
+            let (_g2, to_gpu) = w.b_grants(&gpu_dst, GrantRights::Write);
+            // The owner serves rendezvous on its driver thread.
+            let _driver = w.b.engine.spawn_driver(Duration::from_micros(50));
+            let mut run = |name: String, transfer: Transfer<'_, SimVerbsApi>| {
+                group.bench_function(BenchmarkId::new(name, len), |b| {
+                    b.iter(|| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap())
+                });
+            };
+            if *pipeline {
+                run(
+                    "wire".into(),
+                    Transfer::write(&host_src, 0, &to_host, 0, len),
+                );
+            }
+            run(
+                format!("{prefix}pipelined"),
+                Transfer::write(&gpu_src, 0, &to_host, 0, len),
+            );
+            run(
+                format!("{prefix}pipelined_in"),
+                Transfer::write(&host_src, 0, &to_gpu, 0, len),
+            );
+        }
+    }
+    group.finish();
+}
+
+fn staging(c: &mut Criterion) {
+    match gdr_tests::cuda_gpu("staging bench") {
+        Some((driver, _)) => bench_on::<hal_cuda::cuda::CudaApi>(c, "h200", || driver.clone()),
+        None => {
+            let faults = gdr_sim::FaultPlan::new();
+            bench_on::<gdr_sim::SimCudaApi>(c, "sim", move || {
+                SimCuda::new(vec![GpuConfig::default()], faults.clone())
+            })
+        }
+    }
+}
+
+criterion_group!(benches, staging);
+criterion_main!(benches);
