@@ -545,6 +545,9 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     /// Driver threads running ([`Engine::spawn_driver`]): while there is
     /// one, a pending `Future` waits to be woken instead of re-polling.
     drivers: Arc<std::sync::atomic::AtomicUsize>,
+    /// Whether the engine's own progress thread runs (started by the first
+    /// grant of a staging-rung region, which only progress serves).
+    own_driver: std::sync::atomic::AtomicBool,
     /// For each GPU (by ordinal), the engine's NICs nearest it (all at the
     /// least PCIe distance); none listed: no preference (the distance is
     /// unknown).
@@ -664,6 +667,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             nics,
             next_grant: AtomicU64::new(1),
             drivers: Arc::default(),
+            own_driver: Default::default(),
             nearest_nics,
         };
         tracing::info!(
@@ -1116,7 +1120,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     pub fn progress(&self) -> usize {
         let (handled, staged) = self.progress_locked();
         if staged {
-            self.serve_staged();
+            return handled + self.serve_staged();
         }
         handled
     }
@@ -1171,7 +1175,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         state.core.handle_timeout(now);
         Self::expire_rendezvous(state, now);
-        self.pump_pipes(state, now);
+        handled += self.pump_pipes(state, now);
         self.run_actions(state);
         self.post_ready(state);
         (handled, Self::staged_pending(state))
@@ -1674,6 +1678,39 @@ impl Drop for Driver {
 }
 
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// Starts the engine's own progress thread, once: it holds the engine
+    /// weakly and ends when the engine is dropped. A peer's rendezvous on a
+    /// staging-rung grant is served only by progress here, which nothing
+    /// else may make (the owner may never wait on anything).
+    fn ensure_own_driver(&self) {
+        if self.shared.own_driver.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak = Arc::downgrade(&self.shared);
+        let running = Arc::clone(&self.shared.drivers);
+        running.fetch_add(1, Ordering::AcqRel);
+        let spawned = std::thread::Builder::new()
+            .name("gdr-engine-own".into())
+            .spawn(move || {
+                let mut backoff = Duration::from_micros(1);
+                while let Some(shared) = weak.upgrade() {
+                    let busy = Engine { shared }.progress() > 0;
+                    if busy {
+                        backoff = Duration::from_micros(1);
+                    } else {
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(Duration::from_millis(1));
+                    }
+                }
+                running.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "no progress thread of the engine's own");
+            self.shared.drivers.fetch_sub(1, Ordering::AcqRel);
+            self.shared.own_driver.store(false, Ordering::Release);
+        }
+    }
+
     /// Starts a thread that makes progress: it polls while work completes
     /// and backs off (up to `idle`) while nothing does. Dropping the
     /// returned [`Driver`] stops it.
@@ -2231,6 +2268,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             len,
             rights,
         });
+        if served.is_some() {
+            self.engine.ensure_own_driver();
+        }
         self.read_peer(|_, p| {
             p.granted.insert(descriptor.grant, bytes);
             if let Some(served) = served {

@@ -169,10 +169,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// free their slot), slices off the wire get their copy (or free their
     /// slot), new slices start while slots are free, and pipes with
     /// nothing left deliver their outcome.
-    pub(super) fn pump_pipes(&self, state: &mut super::State<V, C>, now: Instant) {
+    /// Returns how many slices moved on (a driver counts it as work).
+    pub(super) fn pump_pipes(&self, state: &mut super::State<V, C>, now: Instant) -> usize {
         if state.pipes.is_empty() {
-            return;
+            return 0;
         }
+        let mut moved = 0;
         let super::State {
             core,
             peers,
@@ -196,13 +198,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     continue;
                 }
             };
-            self.advance(core, peer, pool, pipe);
+            moved += self.advance(core, peer, pool, pipe);
             if now >= pipe.deadline {
                 pipe.fail(TransferError::Timeout {
                     after: pipe.timeout,
                 });
             }
-            self.start_slices(core, peer, pool, pipe);
+            moved += self.start_slices(core, peer, pool, pipe);
         }
         pipes.retain(|pipe| {
             let done = pipe.slices.is_empty() && (pipe.next >= pipe.len || pipe.error.is_some());
@@ -211,6 +213,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             !done
         });
+        moved
     }
 
     /// Moves each slice of `pipe` as far as it can go now.
@@ -220,7 +223,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         peer: &PeerState<V, C>,
         pool: &mut StagingPool<V, C>,
         pipe: &mut Pipe<V, C>,
-    ) {
+    ) -> usize {
+        let mut moved = 0;
         let mut index = 0;
         while index < pipe.slices.len() {
             let slice = &mut pipe.slices[index];
@@ -264,6 +268,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     Some(Err(e)) => Some(Err(Some(e))),
                 },
             };
+            moved += usize::from(next.is_some());
             match next {
                 None => index += 1,
                 Some(Ok(stage)) => {
@@ -280,6 +285,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
         }
+        moved
     }
 
     /// Starts slices of `pipe` while slots are free.
@@ -289,11 +295,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         peer: &PeerState<V, C>,
         pool: &mut StagingPool<V, C>,
         pipe: &mut Pipe<V, C>,
-    ) {
+    ) -> usize {
+        let mut started = 0;
         while pipe.error.is_none() && pipe.next < pipe.len {
             let Some(slot) = pool.free.pop() else {
-                return;
+                return started;
             };
+            started += 1;
             let offset = pipe.next;
             // A slice never crosses a segment of the remote grant.
             let remote_at = pipe.remote_offset + offset;
@@ -340,6 +348,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
         }
+        started
     }
 
     /// Submits one slice's RDMA request (between pool slot `slot` and

@@ -23,7 +23,8 @@
 //! control messages and a grant announcement and registration (our range,
 //! or a whole-range bounce buffer when both ends are staged), and needs
 //! the owner's progress: it is served only while the owner's engine makes
-//! progress (a driver thread, or any wait on it). The owner's RDMA op may
+//! progress: granting a staging-rung region starts the engine's own
+//! progress thread (it ends with the engine). The owner's RDMA op may
 //! travel on another queue pair than its reply; the reply is sent after
 //! that op's completion, by which the data has reached this side's memory.
 //! The naive path costs a bounce buffer allocated, pinned and registered
@@ -262,7 +263,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Serves the peers' rendezvous requests and answers those whose op
     /// ended. Runs outside the engine's lock (it copies, registers and
     /// submits).
-    pub(super) fn serve_staged(&self) {
+    /// Returns how many requests it started or answered.
+    pub(super) fn serve_staged(&self) -> usize {
         let (asks, ended) = {
             let mut state = lock(&self.shared.state);
             let state = &mut *state;
@@ -286,6 +288,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             state.serving = serving;
             (asks, ended)
         };
+        let worked = asks.len() + ended.len();
         for (slot, ask, served, theirs) in asks {
             if let Err(status) = self.start_serving(slot, ask, served, theirs) {
                 self.reply(slot, ask.id, status);
@@ -305,6 +308,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             self.reply(done.slot, done.id, status);
         }
+        worked
     }
 
     fn reply(&self, slot: usize, id: u64, status: u32) {
