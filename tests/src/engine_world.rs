@@ -250,15 +250,17 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
             "{what} WRITE {from:?}->{to:?}: the data"
         );
         let (back_buf, back) = self.a.alloc(from, len, 0);
-        let cuts: Vec<u64> = (0..=parts)
+        let mut cuts: Vec<u64> = (0..=parts)
             .map(|i| {
                 if i == parts {
                     len
                 } else {
-                    i * (len / parts) + i
+                    (i * (len / parts) + i).min(len)
                 }
             })
             .collect();
+        // Tiny lengths: no empty transfer.
+        cuts.dedup();
         let reads: Vec<_> = cuts
             .windows(2)
             .map(|c| Transfer::read(&back, c[0], &remote, c[0], c[1] - c[0]))

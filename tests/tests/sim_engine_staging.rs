@@ -198,7 +198,7 @@ fn pipelined_sizes_from_one_byte_up() {
             Kind::Host,
             len,
             i as u8 + 1,
-            1,
+            2,
             &format!("{len} B"),
         );
     }
