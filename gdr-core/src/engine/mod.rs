@@ -1451,7 +1451,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 return;
             }
             let hello = self.hello(Role::Connect, job.session, job.index as u16, job.count);
-            let mut params = self.connect_params(left.min(Duration::from_secs(5)));
+            // One attempt may take all the time left: an attempt given up
+            // early leaves the acceptor's listener waiting on it (up to the
+            // same bound) while the next one queues behind it.
+            let mut params = self.connect_params(left);
             params.source = job.path.source;
             let n = &shared.nics[job.nic];
             let attempt = shared.cm.connect(
@@ -1882,6 +1885,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     .pending
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
+                // A connector that gave up on a queue pair and asked again:
+                // the newer connection is the one it uses.
+                pending
+                    .retain(|(h, _, _)| (h.session, h.qp_index) != (hello.session, hello.qp_index));
                 pending.push((hello, conn, nic));
                 inner.arrived.notify_all();
             }
@@ -1944,7 +1951,7 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
-            if let Some(session) = complete_session::<V>(&pending) {
+            if let Some(session) = complete_session(pending.iter().map(|(h, _, _)| h)) {
                 let mut conns: Vec<PendingQp<V>> = Vec::new();
                 let mut rest = Vec::new();
                 for entry in pending.drain(..) {
@@ -1981,14 +1988,23 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
     }
 }
 
-/// A session whose queue pairs have all arrived.
-fn complete_session<V: Api>(pending: &[PendingQp<V>]) -> Option<u64> {
-    pending.iter().find_map(|(h, _, _)| {
-        let have = pending
-            .iter()
-            .filter(|(o, _, _)| o.session == h.session)
-            .count();
-        (have == usize::from(h.qp_count)).then_some(h.session)
+/// A session whose queue pairs have all arrived: every index below its
+/// count, once each.
+fn complete_session<'a>(hellos: impl Iterator<Item = &'a Hello> + Clone) -> Option<u64> {
+    hellos.clone().find_map(|h| {
+        let mut indices: Vec<u16> = hellos
+            .clone()
+            .filter(|o| o.session == h.session)
+            .map(|o| o.qp_index)
+            .collect();
+        indices.sort_unstable();
+        indices.dedup();
+        (indices.len() == usize::from(h.qp_count)
+            && indices
+                .iter()
+                .enumerate()
+                .all(|(i, &q)| usize::from(q) == i))
+        .then_some(h.session)
     })
 }
 
@@ -2226,6 +2242,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         mut ready: impl FnMut(&mut PeerState<V, C>) -> Option<T>,
     ) -> Result<T, EngineError> {
         let deadline = Instant::now() + timeout;
+        let mut idle = Idle::default();
         loop {
             let (found, gone) = self.read_peer(|_, p| (ready(p), p.gone.clone()))?;
             if let Some(found) = found {
@@ -2237,9 +2254,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             if Instant::now() >= deadline {
                 return Err(EngineError::Timeout(timeout));
             }
-            if self.engine.progress() == 0 {
-                std::thread::yield_now();
-            }
+            idle.after(self.engine.progress());
         }
     }
 
@@ -2539,6 +2554,31 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     }
 }
 
+/// How a thread that waits by making progress idles: it spins while work
+/// comes, yields after a few empty rounds, and sleeps (briefly, so a
+/// completion is seen within tens of microseconds) after many, rather
+/// than burn a core while nothing happens.
+#[derive(Default)]
+struct Idle {
+    empty: u32,
+}
+
+impl Idle {
+    /// After a progress call that handled `handled` things.
+    fn after(&mut self, handled: usize) {
+        if handled > 0 {
+            self.empty = 0;
+            return;
+        }
+        self.empty = self.empty.saturating_add(1);
+        match self.empty {
+            0..=64 => {}
+            65..=4096 => std::thread::yield_now(),
+            _ => std::thread::sleep(Duration::from_micros(20)),
+        }
+    }
+}
+
 /// Returns a send slot to its pool when the SEND using it is retired.
 struct SendSlot {
     free: Arc<std::sync::Mutex<Vec<usize>>>,
@@ -2687,22 +2727,16 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// returned for the wait, the batch's own deadline still runs).
     pub fn wait(&self, timeout: Duration) -> Outcome {
         let deadline = Instant::now() + timeout;
-        let mut idle = 0u32;
+        let mut idle = Idle::default();
         loop {
             if let Some(outcome) = self.outcome() {
                 return self.fenced(outcome);
             }
-            if self.engine.progress() == 0 {
-                idle += 1;
-                if Instant::now() >= deadline {
-                    return Err(TransferError::Timeout { after: timeout });
-                }
-                if idle > 64 {
-                    std::thread::yield_now();
-                }
-            } else {
-                idle = 0;
+            let handled = self.engine.progress();
+            if handled == 0 && Instant::now() >= deadline {
+                return Err(TransferError::Timeout { after: timeout });
             }
+            idle.after(handled);
         }
     }
 
@@ -2755,5 +2789,40 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
                 Poll::Pending
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(session: u64, qp_index: u16, qp_count: u16) -> Hello {
+        Hello {
+            role: Role::Connect,
+            engine: 1,
+            session,
+            qp_index,
+            qp_count,
+            max_message: 4096,
+            recv_depth: 8,
+            max_slice: 1 << 20,
+        }
+    }
+
+    /// A session is complete with every index below its count, once each:
+    /// a request repeated for one index does not stand in for another.
+    #[test]
+    fn a_session_is_complete_with_every_queue_pair_index() {
+        let repeated = [hello(7, 0, 2), hello(7, 0, 2)];
+        assert_eq!(complete_session(repeated.iter()), None);
+        let both = [hello(7, 0, 2), hello(9, 0, 1), hello(7, 1, 2)];
+        assert_eq!(complete_session(both.iter()), Some(7));
+        assert_eq!(
+            complete_session(both[..2].iter()),
+            Some(9),
+            "7 lacks index 1"
+        );
+        let out_of_range = [hello(7, 0, 2), hello(7, 2, 2)];
+        assert_eq!(complete_session(out_of_range.iter()), None);
     }
 }
