@@ -46,7 +46,7 @@ case "${1:-}" in
     out=$TMPDIR/bw-client.$port
     for _ in $(seq 60); do
       sleep 0.5
-      if timeout 30 "${BW[@]}" -p "$port" "$@" "$host" > "$out" 2>&1; then
+      if timeout 100 "${BW[@]}" -p "$port" "$@" "$host" > "$out" 2>&1; then
         awk -v l="$label" '$1 == 65536 && NF >= 5 { print "selftest: bw " l " " $4 " MB/s"; f = 1 }
                            END { exit !f }' "$out" || { cat "$out"; fail "no result line"; }
         exit 0
