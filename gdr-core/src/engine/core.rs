@@ -22,7 +22,8 @@
 //! the outcome was delivered earlier by force.
 
 use std::any::Any;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -113,7 +114,86 @@ struct BatchRecord {
     error: Option<TransferError>,
     deadline: Option<(Instant, Duration)>,
     ended: bool,
-    _keep: Vec<Keep>,
+}
+
+/// One slot of the batch table: the batch it holds (if any), what that
+/// batch keeps alive, and a generation that makes the ids of the slot's
+/// earlier batches stale.
+#[derive(Debug, Default)]
+struct Slot {
+    generation: u32,
+    record: Option<BatchRecord>,
+    /// Emptied (not freed) when the batch goes: the next batch of the
+    /// slot reuses the allocation.
+    keep: Vec<Keep>,
+}
+
+/// The live batches, indexed by id: a batch's id is its slot's index
+/// (low 32 bits) and the slot's generation when it was taken (high 32
+/// bits, from 1: id 0 is never live). A slot whose generation is spent is
+/// never reused, so an id is never given twice: a stale id (a batch that
+/// ended) finds nothing.
+#[derive(Debug, Default)]
+struct Batches {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    live: usize,
+}
+
+impl Batches {
+    fn insert(&mut self, record: BatchRecord, keep: impl IntoIterator<Item = Keep>) -> BatchId {
+        let index = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(Slot::default());
+            u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 batches live")
+        });
+        let slot = &mut self.slots[index as usize];
+        slot.generation += 1;
+        slot.record = Some(record);
+        slot.keep.extend(keep);
+        self.live += 1;
+        (u64::from(slot.generation) << 32) | u64::from(index)
+    }
+
+    fn slot(&self, id: BatchId) -> Option<&Slot> {
+        self.slots
+            .get(id as u32 as usize)
+            .filter(|s| s.generation == (id >> 32) as u32)
+    }
+
+    fn get(&self, id: BatchId) -> Option<&BatchRecord> {
+        self.slot(id)?.record.as_ref()
+    }
+
+    fn get_mut(&mut self, id: BatchId) -> Option<&mut BatchRecord> {
+        let slot = self.slots.get_mut(id as u32 as usize)?;
+        if slot.generation != (id >> 32) as u32 {
+            return None;
+        }
+        slot.record.as_mut()
+    }
+
+    /// Takes the batch out, releasing what it kept alive.
+    fn remove(&mut self, id: BatchId) -> Option<BatchRecord> {
+        let index = id as u32;
+        let slot = self.slots.get_mut(index as usize)?;
+        if slot.generation != (id >> 32) as u32 {
+            return None;
+        }
+        let record = slot.record.take()?;
+        slot.keep.clear();
+        self.live -= 1;
+        if slot.generation != u32::MAX {
+            self.free.push(index);
+        }
+        Some(record)
+    }
+
+    /// Whether `(at, id)` is the live deadline of a batch (the deadline
+    /// heap keeps the entries of batches that ended until they surface).
+    fn is_deadline(&self, at: Instant, id: BatchId) -> bool {
+        self.get(id)
+            .is_some_and(|r| r.deadline.is_some_and(|(d, _)| d == at))
+    }
 }
 
 /// Something the driver must do for the core.
@@ -146,18 +226,19 @@ const FLUSH_GRACE: Duration = Duration::from_secs(1);
 #[derive(Debug, Default)]
 pub(crate) struct Core {
     qps: Vec<QpRecord>,
-    batches: HashMap<BatchId, BatchRecord>,
-    deadlines: BTreeSet<(Instant, BatchId)>,
-    next_batch: BatchId,
+    batches: Batches,
+    /// Earliest first; an entry whose batch ended (or moved its deadline)
+    /// stays until it surfaces or the heap is compacted
+    /// ([`Core::submit`]): ending a batch costs no search.
+    deadlines: BinaryHeap<Reverse<(Instant, BatchId)>>,
     actions: VecDeque<Action>,
+    /// The last submitted batch's work list, emptied.
+    spare_work: Vec<(QpId, Work)>,
 }
 
 impl Core {
     pub fn new() -> Self {
-        Self {
-            next_batch: 1,
-            ..Self::default()
-        }
+        Self::default()
     }
 
     /// Adds a queue pair (index `index` within its peer).
@@ -235,7 +316,7 @@ impl Core {
         r.health = Health::Drained(cause.clone());
         let queued: Vec<Work> = r.queue.drain(..).collect();
         for work in queued {
-            self.retire(work.batch, Err(cause.clone()));
+            self.retire(work.batch, 1, Err(cause.clone()));
         }
     }
 
@@ -259,50 +340,64 @@ impl Core {
     /// Batches not yet retired.
     #[cfg(test)]
     pub fn batches_live(&self) -> usize {
-        self.batches.len()
+        self.batches.live
+    }
+
+    /// Entries in the deadline heap, live or not.
+    #[cfg(test)]
+    fn deadline_entries(&self) -> usize {
+        self.deadlines.len()
     }
 
     /// Queues a batch of work (each item on its queue pair), to end by
     /// `deadline` (`now + timeout`), keeping `keep` alive until its last
     /// request is retired. An empty batch succeeds at once. Work for a
-    /// queue pair that is not ready fails the batch.
+    /// queue pair that is not ready fails the batch. A batch that ended
+    /// at once gets id 0, which names no batch.
     pub fn submit(
         &mut self,
-        work: Vec<(QpId, Work)>,
+        mut work: Vec<(QpId, Work)>,
         cell: Arc<CompletionCell>,
         deadline: Option<(Instant, Duration)>,
-        keep: Vec<Keep>,
+        keep: impl IntoIterator<Item = Keep>,
     ) -> BatchId {
-        let id = self.next_batch;
-        self.next_batch += 1;
         if work.is_empty() {
             cell.complete(Ok(()));
-            return id;
+            return 0;
         }
-        let mut record = BatchRecord {
-            cell,
-            unfinished: 0,
-            error: None,
-            deadline,
-            ended: false,
-            _keep: keep,
-        };
         if let Some(failing) = work.iter().find_map(|(qp, _)| match &self.qps[*qp].health {
             Health::Ready | Health::Reconnecting(_) => None,
             Health::Failing(e) | Health::Drained(e) => Some(e.clone()),
         }) {
-            record.cell.complete(Err(failing));
-            return id;
+            cell.complete(Err(failing));
+            return 0;
         }
-        record.unfinished = work.len();
-        for (qp, mut item) in work {
+        let record = BatchRecord {
+            cell,
+            unfinished: work.len(),
+            error: None,
+            deadline,
+            ended: false,
+        };
+        let id = self.batches.insert(record, keep);
+        for (qp, mut item) in work.drain(..) {
             item.batch = id;
             self.qps[qp].queue.push_back(item);
         }
-        if let Some((at, _)) = deadline {
-            self.deadlines.insert((at, id));
+        if work.capacity() > self.spare_work.capacity() {
+            self.spare_work = work;
         }
-        self.batches.insert(id, record);
+        if let Some((at, _)) = deadline {
+            self.deadlines.push(Reverse((at, id)));
+            // Entries of ended batches wait for their time to surface; past
+            // twice the live ones, they go (amortised: the heap has grown
+            // by as many since the last time).
+            if self.deadlines.len() > 2 * self.batches.live + 64 {
+                let batches = &self.batches;
+                self.deadlines
+                    .retain(|&Reverse((at, id))| batches.is_deadline(at, id));
+            }
+        }
         id
     }
 
@@ -416,7 +511,7 @@ impl Core {
         }
         let tail_reported = r.in_flight.back().is_none_or(|last| last.signaled);
         for item in gone {
-            self.retire(item.batch, Err(error.clone()));
+            self.retire(item.batch, 1, Err(error.clone()));
         }
         if !tail_reported {
             // What was posted ends in an unsignaled request that nothing
@@ -440,8 +535,19 @@ impl Core {
             return;
         }
         let index = r.index;
-        let health = r.health.clone();
-        let first_error = !status.is_success() && health == Health::Ready;
+        let first_error = !status.is_success() && r.health == Health::Ready;
+        // What every request retired here ends with, but the failed one.
+        let common: Outcome = match &r.health {
+            Health::Failing(cause) | Health::Drained(cause) | Health::Reconnecting(cause) => {
+                Err(TransferError::Flushed {
+                    qp: index,
+                    cause: cause.to_string(),
+                })
+            }
+            Health::Ready => Ok(()),
+        };
+        // Consecutive requests of one batch are retired together.
+        let mut run: Option<(BatchId, usize)> = None;
         loop {
             let r = &mut self.qps[qp];
             let Some(item) = r.in_flight.front() else {
@@ -458,19 +564,28 @@ impl Core {
             if item.send && returned {
                 r.sends_in_flight -= 1;
             }
-            let result = match &health {
-                Health::Failing(cause) | Health::Drained(cause) | Health::Reconnecting(cause) => {
-                    Err(TransferError::Flushed {
-                        qp: index,
-                        cause: cause.to_string(),
-                    })
+            if item.seq == wr_id && first_error {
+                if let Some((batch, n)) = run.take() {
+                    self.retire(batch, n, common.clone());
                 }
-                Health::Ready if item.seq == wr_id && first_error => {
-                    Err(TransferError::from_status(status, vendor_err))
+                self.retire(
+                    item.batch,
+                    1,
+                    Err(TransferError::from_status(status, vendor_err)),
+                );
+                continue;
+            }
+            match &mut run {
+                Some((batch, n)) if *batch == item.batch => *n += 1,
+                _ => {
+                    if let Some((batch, n)) = run.replace((item.batch, 1)) {
+                        self.retire(batch, n, common.clone());
+                    }
                 }
-                Health::Ready => Ok(()),
-            };
-            self.retire(item.batch, result);
+            }
+        }
+        if let Some((batch, n)) = run {
+            self.retire(batch, n, common);
         }
         if first_error {
             tracing::debug!(qp = index, %status, "queue pair failed");
@@ -497,7 +612,7 @@ impl Core {
         let gone: Vec<InFlight> = r.in_flight.drain(..).collect();
         r.sends_in_flight = 0;
         for item in gone {
-            self.retire(item.batch, Err(cause.clone()));
+            self.retire(item.batch, 1, Err(cause.clone()));
         }
         self.check_drained(qp);
     }
@@ -514,7 +629,7 @@ impl Core {
         };
         let queued: Vec<Work> = r.queue.drain(..).collect();
         for work in queued {
-            self.retire(work.batch, Err(flushed.clone()));
+            self.retire(work.batch, 1, Err(flushed.clone()));
         }
     }
 
@@ -528,12 +643,12 @@ impl Core {
         }
     }
 
-    /// One request of `batch` is done with `result`.
-    fn retire(&mut self, batch: BatchId, result: Outcome) {
-        let Some(record) = self.batches.get_mut(&batch) else {
+    /// `n` requests of `batch` are done with `result`.
+    fn retire(&mut self, batch: BatchId, n: usize, result: Outcome) {
+        let Some(record) = self.batches.get_mut(batch) else {
             return;
         };
-        record.unfinished -= 1;
+        record.unfinished -= n;
         if let Err(e) = result
             && record.error.is_none()
         {
@@ -546,13 +661,11 @@ impl Core {
 
     /// Delivers `batch`'s outcome once none of its requests is left.
     fn finish_if_done(&mut self, batch: BatchId) {
-        if self.batches.get(&batch).is_none_or(|r| r.unfinished != 0) {
+        if self.batches.get(batch).is_none_or(|r| r.unfinished != 0) {
             return;
         }
-        let record = self.batches.remove(&batch).expect("just found");
-        if let Some((at, _)) = record.deadline {
-            self.deadlines.remove(&(at, batch));
-        }
+        // Its deadline's entry stays in the heap, stale.
+        let record = self.batches.remove(batch).expect("just found");
         let outcome = record.error.map_or(Ok(()), Err);
         record.cell.complete(outcome);
     }
@@ -565,7 +678,7 @@ impl Core {
             r.queue.retain(|w| w.batch != batch);
             dropped += before - r.queue.len();
         }
-        if let Some(record) = self.batches.get_mut(&batch) {
+        if let Some(record) = self.batches.get_mut(batch) {
             record.unfinished -= dropped;
         }
     }
@@ -573,7 +686,7 @@ impl Core {
     /// Cancels a batch: what is not posted is dropped; it ends
     /// [`TransferError::Cancelled`] once nothing of it is in flight.
     pub fn cancel(&mut self, batch: BatchId) {
-        let Some(record) = self.batches.get_mut(&batch) else {
+        let Some(record) = self.batches.get_mut(batch) else {
             return;
         };
         if record.error.is_none() {
@@ -585,8 +698,14 @@ impl Core {
 
     /// The earliest deadline the driver must call [`Core::handle_timeout`]
     /// at.
-    pub fn next_deadline(&self) -> Option<Instant> {
-        self.deadlines.first().map(|(at, _)| *at)
+    pub fn next_deadline(&mut self) -> Option<Instant> {
+        while let Some(&Reverse((at, batch))) = self.deadlines.peek() {
+            if self.batches.is_deadline(at, batch) {
+                return Some(at);
+            }
+            self.deadlines.pop();
+        }
+        None
     }
 
     /// Handles every deadline up to `now`: a batch past its deadline
@@ -594,12 +713,16 @@ impl Core {
     /// the rest (their other requests flush); if the flushes do not come
     /// within a grace period, its outcome is delivered anyway.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some(&(at, batch)) = self.deadlines.first() {
+        while let Some(&Reverse((at, batch))) = self.deadlines.peek() {
             if at > now {
                 break;
             }
-            self.deadlines.pop_first();
-            let Some(record) = self.batches.get_mut(&batch) else {
+            self.deadlines.pop();
+            if !self.batches.is_deadline(at, batch) {
+                // The batch ended (or this deadline was moved).
+                continue;
+            }
+            let Some(record) = self.batches.get_mut(batch) else {
                 continue;
             };
             let after = record.deadline.map_or(Duration::ZERO, |(_, t)| t);
@@ -623,7 +746,7 @@ impl Core {
             let cause = record.error.clone().expect("just set");
             let grace = at + FLUSH_GRACE;
             record.deadline = Some((grace, after));
-            self.deadlines.insert((grace, batch));
+            self.deadlines.push(Reverse((grace, batch)));
             self.drop_queued(batch);
             let holders: Vec<QpId> = (0..self.qps.len())
                 .filter(|&qp| self.qps[qp].in_flight.iter().any(|f| f.batch == batch))
@@ -918,6 +1041,153 @@ mod tests {
             Some(Err(TransferError::Flushed { .. }))
         ));
         assert_eq!(core.poll_action(), Some(Action::QpDrained(qp)));
+    }
+
+    #[test]
+    fn one_completion_retires_the_runs_of_several_batches() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(16, 16));
+        let (a, b, c) = (cell(), cell(), cell());
+        core.submit(vec![(qp, write(1)); 3], a.clone(), None, vec![]);
+        core.submit(vec![(qp, write(1)); 1], b.clone(), None, vec![]);
+        core.submit(vec![(qp, write(1)); 2], c.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        assert_eq!(out.len(), 6);
+        // The 5th (c's first) retires a and b whole, and half of c.
+        core.on_completion(qp, out[4].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!((a.outcome(), b.outcome()), (Some(Ok(())), Some(Ok(()))));
+        assert!(!c.is_done(), "one of c's requests is still in flight");
+        assert_eq!(core.batches_live(), 1);
+        core.on_completion(qp, out[5].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(c.outcome(), Some(Ok(())));
+        assert_eq!(core.batches_live(), 0);
+    }
+
+    #[test]
+    fn an_error_in_a_run_fails_its_batch_only_and_flushes_the_runs_behind() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(16, 16));
+        let (a, b, c) = (cell(), cell(), cell());
+        core.submit(vec![(qp, write(1)); 2], a.clone(), None, vec![]);
+        core.submit(vec![(qp, write(1)); 2], b.clone(), None, vec![]);
+        core.submit(vec![(qp, write(1)); 2], c.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        // b's second request fails: a and b's first succeeded before it.
+        core.on_completion(qp, out[3].wr_id, WcStatus::REM_ACCESS_ERR, 3);
+        assert_eq!(a.outcome(), Some(Ok(())));
+        assert!(matches!(
+            b.outcome(),
+            Some(Err(TransferError::RemoteAccess { vendor_err: 3, .. }))
+        ));
+        assert!(!c.is_done());
+        core.on_completion(qp, out[5].wr_id, WcStatus::WR_FLUSH_ERR, 0);
+        assert!(matches!(
+            c.outcome(),
+            Some(Err(TransferError::Flushed { .. }))
+        ));
+        assert_eq!(core.batches_live(), 0);
+        assert_eq!(core.load(qp), 0);
+    }
+
+    #[test]
+    fn a_stale_batch_id_names_no_batch() {
+        let mut core = Core::new();
+        let qp = core.add_qp(0, limits(4, 1));
+        let (old, new) = (cell(), cell());
+        let old_id = core.submit(vec![(qp, write(1))], old.clone(), None, vec![]);
+        let mut out = Vec::new();
+        core.take_postable(qp, &mut out);
+        core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(old.outcome(), Some(Ok(())));
+        // The next batch takes the ended one's slot, under a new id.
+        let new_id = core.submit(vec![(qp, write(1))], new.clone(), None, vec![]);
+        assert_ne!(old_id, new_id);
+        assert_eq!(old_id as u32, new_id as u32, "the slot is reused");
+        core.cancel(old_id);
+        let empty = core.submit(vec![], cell(), None, vec![]);
+        core.cancel(empty);
+        core.take_postable(qp, &mut out);
+        core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
+        assert_eq!(new.outcome(), Some(Ok(())), "not cancelled by a stale id");
+    }
+
+    #[test]
+    fn deadlines_of_mixed_timeouts_fire_in_time_order() {
+        let t0 = Instant::now();
+        let mut core = Core::new();
+        let (a, b) = (core.add_qp(0, limits(4, 1)), core.add_qp(1, limits(4, 1)));
+        let (long, short) = (cell(), cell());
+        let (tl, ts) = (Duration::from_millis(50), Duration::from_millis(10));
+        core.submit(
+            vec![(a, write(1))],
+            long.clone(),
+            Some((t0 + tl, tl)),
+            vec![],
+        );
+        core.submit(
+            vec![(b, write(1))],
+            short.clone(),
+            Some((t0 + ts, ts)),
+            vec![],
+        );
+        let mut out = Vec::new();
+        core.take_postable(a, &mut out);
+        core.take_postable(b, &mut out);
+        assert_eq!(core.next_deadline(), Some(t0 + ts));
+        core.handle_timeout(t0 + ts);
+        assert_eq!(core.poll_action(), Some(Action::StopQp(b)));
+        assert_eq!(core.poll_action(), None, "the long batch runs on");
+        core.on_completion(b, out[0].wr_id, WcStatus::WR_FLUSH_ERR, 0);
+        assert!(matches!(
+            short.outcome(),
+            Some(Err(TransferError::Timeout { after })) if after == ts
+        ));
+        assert_eq!(core.poll_action(), Some(Action::QpDrained(b)));
+        assert!(core.is_ready(a));
+        assert_eq!(core.next_deadline(), Some(t0 + tl));
+        core.handle_timeout(t0 + tl);
+        assert_eq!(core.poll_action(), Some(Action::StopQp(a)));
+    }
+
+    #[test]
+    fn ended_batches_leave_the_deadline_heap_bounded_and_live_deadlines_in_it() {
+        let t0 = Instant::now();
+        let mut core = Core::new();
+        let (slow_qp, qp) = (core.add_qp(0, limits(4, 1)), core.add_qp(1, limits(4, 1)));
+        let t = Duration::from_millis(10);
+        let slow = cell();
+        core.submit(
+            vec![(slow_qp, write(1))],
+            slow.clone(),
+            Some((t0 + t, t)),
+            vec![],
+        );
+        let mut out = Vec::new();
+        core.take_postable(slow_qp, &mut out);
+        let keep: Keep = Arc::new(0u8);
+        for i in 0..1000u32 {
+            let at = t0 + t + Duration::from_micros(u64::from(i));
+            let c = cell();
+            core.submit(
+                vec![(qp, write(1))],
+                c.clone(),
+                Some((at, t)),
+                vec![keep.clone()],
+            );
+            core.take_postable(qp, &mut out);
+            core.on_completion(qp, out[0].wr_id, WcStatus::SUCCESS, 0);
+            assert_eq!(c.outcome(), Some(Ok(())));
+            // Bounded by the batches live when it last grew (this one too).
+            assert!(core.deadline_entries() <= 2 * (core.batches_live() + 1) + 64);
+        }
+        assert_eq!(Arc::strong_count(&keep), 1, "ended batches keep nothing");
+        assert_eq!(core.next_deadline(), Some(t0 + t));
+        core.handle_timeout(t0 + t + Duration::from_millis(5));
+        assert_eq!(core.poll_action(), Some(Action::StopQp(slow_qp)));
+        assert_eq!(core.poll_action(), None, "no ended batch times out");
+        assert_eq!(core.next_deadline(), Some(t0 + t + FLUSH_GRACE));
     }
 
     #[test]
