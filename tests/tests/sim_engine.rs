@@ -428,3 +428,59 @@ fn a_driver_wakes_an_awaited_batch_instead_of_a_busy_task() {
     }
     drop(driver);
 }
+
+/// One batch moving to two grants, interleaved, over both NICs: the
+/// submit looks a grant up once per descriptor and reuses a segment per
+/// queue pair, so each slice must still take its own grant's segment on
+/// its own queue pair's NIC (the wrong one would write the other buffer,
+/// or fail on the other NIC's rkey); and a descriptor that differs from
+/// the announced one is refused even behind a valid one in the batch.
+#[test]
+fn a_batch_over_two_grants_reaches_each_and_checks_each() {
+    let mut cfg = config(4);
+    cfg.slice_size = 4096;
+    let w = world(2, GpuConfig::default(), cfg);
+    let ab = &w.ab;
+    const LEN: u64 = 1 << 16;
+    let (_s, src) = w.a.host(2 * LEN, 6);
+    let (one_buf, one) = w.b.host(LEN, 0);
+    let (two_buf, two) = w.b.host(LEN, 0);
+    let (_g1, first) = w.b_grants(&one, GrantRights::ReadWrite);
+    let (_g2, second) = w.b_grants(&two, GrantRights::ReadWrite);
+    let half = LEN / 2;
+    let transfers = [
+        Transfer::write(&src, 0, &first, 0, half),
+        Transfer::write(&src, LEN, &second, 0, half),
+        Transfer::write(&src, half, &first, half, half),
+        Transfer::write(&src, LEN + half, &second, half, half),
+    ];
+    ab.submit(&transfers).unwrap().wait(T).unwrap();
+    let expected = pattern(2 * LEN as usize, 6);
+    assert_eq!(w.b.bytes(&one_buf), expected[..LEN as usize]);
+    assert_eq!(w.b.bytes(&two_buf), expected[LEN as usize..]);
+    // A copy equal to the announced descriptor is fine; one with any field
+    // changed (here the rkey of a segment) is not, wherever it stands.
+    let copy = first.clone();
+    let mut forged = first.clone();
+    match &mut forged.reach {
+        gdr_core::descriptor::Reach::Direct(segments) => segments[0].rkey ^= 1,
+        other => panic!("a direct grant expected, got {other:?}"),
+    }
+    let before = ab.counters();
+    let err = ab
+        .submit(&[
+            Transfer::read(&src, 0, &first, 0, 16),
+            Transfer::read(&src, 0, &copy, 0, 16),
+            Transfer::read(&src, 0, &forged, 0, 16),
+        ])
+        .unwrap_err();
+    assert!(matches!(err, EngineError::NotGranted { .. }), "{err}");
+    assert_eq!(ab.counters(), before, "nothing was posted");
+    ab.submit(&[
+        Transfer::read(&src, 0, &first, 0, 16),
+        Transfer::read(&src, 0, &copy, 0, 16),
+    ])
+    .unwrap()
+    .wait(T)
+    .unwrap();
+}

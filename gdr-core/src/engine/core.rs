@@ -232,7 +232,8 @@ pub(crate) struct Core {
     /// ([`Core::submit`]): ending a batch costs no search.
     deadlines: BinaryHeap<Reverse<(Instant, BatchId)>>,
     actions: VecDeque<Action>,
-    /// The last submitted batch's work list, emptied.
+    /// The last submitted batch's work list, emptied: the next submit
+    /// fills it again ([`Core::work_buffer`]).
     spare_work: Vec<(QpId, Work)>,
 }
 
@@ -347,6 +348,12 @@ impl Core {
     #[cfg(test)]
     fn deadline_entries(&self) -> usize {
         self.deadlines.len()
+    }
+
+    /// An empty work list to fill for [`Core::submit`] (the last one's
+    /// allocation, reused).
+    pub fn work_buffer(&mut self) -> Vec<(QpId, Work)> {
+        std::mem::take(&mut self.spare_work)
     }
 
     /// Queues a batch of work (each item on its queue pair), to end by

@@ -2402,8 +2402,13 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
+            // The grant is looked up once per descriptor in a row: the same
+            // reference within this call is the same, unchanged descriptor.
+            let mut checked: Option<&MemoryDescriptor> = None;
             for t in transfers {
-                check_transfer(peer, t)?;
+                let known = checked.is_some_and(|d| std::ptr::eq(d, t.remote));
+                check_transfer_of(peer, t, known)?;
+                checked = Some(t.remote);
             }
             if !peer.qps.iter().any(|q| core.accepts_work(q.core)) {
                 return Err(EngineError::PeerGone("every queue pair failed".into()));
@@ -2417,16 +2422,15 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 Core::accepts_work
             };
             let slices: u64 = transfers.iter().map(|t| t.len.div_ceil(slice_size)).sum();
-            let mut work = Vec::with_capacity(slices as usize);
-            let mut keep: Vec<Keep> = Vec::with_capacity(1);
-            let mut kept: Option<*const RegionInner<V>> = None;
+            let mut work = core.work_buffer();
+            work.reserve(slices as usize);
+            // The segment each queue pair (by its index modulo the size)
+            // last used, and the descriptor it came from: a descriptor's
+            // segments of one device do not overlap, so one holding the
+            // offset is the one `segment` would find.
+            let mut segments: [Option<(usize, &MemoryDescriptor, &Segment)>; 8] =
+                Default::default();
             for t in transfers {
-                // One hold per distinct region in a row (a batch usually
-                // moves one region).
-                if kept != Some(Arc::as_ptr(&t.local.inner)) {
-                    kept = Some(Arc::as_ptr(&t.local.inner));
-                    keep.push(Arc::clone(&t.local.inner) as Keep);
-                }
                 // GPU memory goes over the NICs nearest its GPU, when a
                 // queue pair on one of them is usable.
                 let prefer = match t.local.inner.location {
@@ -2442,17 +2446,33 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 let mut done = 0;
                 while done < t.len {
                     // The next usable queue pair in turn (one exists).
-                    let qp = loop {
-                        let qp = &peer.qps[peer.next_qp % peer.qps.len()];
+                    let (qi, qp) = loop {
+                        let qi = peer.next_qp % peer.qps.len();
                         peer.next_qp = peer.next_qp.wrapping_add(1);
+                        let qp = &peer.qps[qi];
                         if usable(core, qp.core) && prefer.is_none_or(|near| near.contains(&qp.nic))
                         {
-                            break qp;
+                            break (qi, qp);
                         }
                     };
-                    let remote_device = qp.remote_device.as_deref().unwrap_or("");
                     let remote_offset = t.remote_offset + done;
-                    let segment = t.remote.segment(remote_device, remote_offset, 1)?;
+                    let cached = &mut segments[qi % 8];
+                    let segment = match *cached {
+                        Some((q, d, s))
+                            if q == qi
+                                && std::ptr::eq(d, t.remote)
+                                && s.offset <= remote_offset
+                                && remote_offset < s.offset + s.len =>
+                        {
+                            s
+                        }
+                        _ => {
+                            let remote_device = qp.remote_device.as_deref().unwrap_or("");
+                            let s = t.remote.segment(remote_device, remote_offset, 1)?;
+                            *cached = Some((qi, t.remote, s));
+                            s
+                        }
+                    };
                     let in_segment = segment.offset + segment.len - remote_offset;
                     let len = (t.len - done).min(slice_size).min(in_segment);
                     let local = &t.local.inner.per_nic[qp.nic];
@@ -2496,6 +2516,15 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     done += len;
                 }
             }
+            // One hold per distinct region in a row (a batch usually moves
+            // one region).
+            let keep = transfers
+                .iter()
+                .enumerate()
+                .filter(|&(i, t)| {
+                    i == 0 || !Arc::ptr_eq(&transfers[i - 1].local.inner, &t.local.inner)
+                })
+                .map(|(_, t)| Arc::clone(&t.local.inner) as Keep);
             let deadline = now.checked_add(timeout).map(|at| (at, timeout));
             Ok(core.submit(work, Arc::clone(&cell), deadline, keep))
         })??;
@@ -2613,18 +2642,32 @@ fn check_transfer<V: Api, C: hal_cuda::Api>(
     peer: &PeerState<V, C>,
     t: &Transfer<'_, V>,
 ) -> Result<(), EngineError> {
+    check_transfer_of(peer, t, false)
+}
+
+/// [`check_transfer`], but the grant lookup is skipped when `known`: the
+/// transfer's descriptor passed it in this call already.
+fn check_transfer_of<V: Api, C: hal_cuda::Api>(
+    peer: &PeerState<V, C>,
+    t: &Transfer<'_, V>,
+    known: bool,
+) -> Result<(), EngineError> {
     t.local.check(t.local_offset, t.len)?;
     let d = t.remote;
-    let not_granted = || EngineError::NotGranted {
-        owner: d.owner,
-        grant: d.grant,
-    };
-    if d.owner != peer.engine || peer.revoked.contains(&d.grant) {
-        return Err(not_granted());
-    }
-    match peer.remote_grants.get(&d.grant) {
-        Some(live) if live == d => {}
-        _ => return Err(not_granted()),
+    if !known {
+        let not_granted = || EngineError::NotGranted {
+            owner: d.owner,
+            grant: d.grant,
+        };
+        if d.owner != peer.engine || peer.revoked.contains(&d.grant) {
+            return Err(not_granted());
+        }
+        // Field by field: a descriptor that differs from the announced one
+        // in anything (a forged range, rkey or address) is refused.
+        match peer.remote_grants.get(&d.grant) {
+            Some(live) if live == d => {}
+            _ => return Err(not_granted()),
+        }
     }
     let (allowed, op) = match t.op {
         Op::Read => (d.rights.allows_read(), "READ"),
