@@ -1144,9 +1144,20 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 // take those first, so requests fail with their cause.
                 self.poll_async_events(state);
             }
+            // Completions come in runs of one queue pair: its lookup is
+            // made once a run.
+            let mut last: Option<(u32, Option<(usize, usize)>)> = None;
             for wc in &completions {
                 handled += 1;
-                let Some(&(slot, index)) = state.by_qp_num.get(&(nic_index, wc.qp_num)) else {
+                let found = match last {
+                    Some((qp_num, found)) if qp_num == wc.qp_num => found,
+                    _ => {
+                        let found = state.by_qp_num.get(&(nic_index, wc.qp_num)).copied();
+                        last = Some((wc.qp_num, found));
+                        found
+                    }
+                };
+                let Some((slot, index)) = found else {
                     continue;
                 };
                 if wc.wr_id & RECV_BIT != 0 {
