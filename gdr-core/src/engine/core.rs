@@ -261,6 +261,7 @@ impl Core {
         self.qps.len() - 1
     }
 
+    #[inline]
     pub fn is_ready(&self, qp: QpId) -> bool {
         self.qps[qp].health == Health::Ready
     }
@@ -427,60 +428,72 @@ impl Core {
         if r.health != Health::Ready {
             return;
         }
-        while (r.in_flight.len() as u32) < r.depth {
-            let Some(front) = r.queue.front() else { break };
-            let send = front.is_send();
-            #[cfg(loom)]
-            let limited = !crate::cache::mutant::active("send-limit-ignored");
-            #[cfg(not(loom))]
-            let limited = true;
-            if send && limited && r.sends_in_flight >= r.send_limit {
-                break;
+        // How many of the queue's front go: as many as there is room for,
+        // up to a SEND the peer has no receive left for.
+        let room = (r.depth as usize).saturating_sub(r.in_flight.len());
+        let mut sends = r.sends_in_flight;
+        let mut n = 0;
+        for work in r.queue.iter().take(room) {
+            if work.is_send() {
+                #[cfg(loom)]
+                let limited = !crate::cache::mutant::active("send-limit-ignored");
+                #[cfg(not(loom))]
+                let limited = true;
+                if limited && sends >= r.send_limit {
+                    break;
+                }
+                sends += 1;
             }
-            let Some(mut work) = r.queue.pop_front() else {
-                break;
-            };
+            n += 1;
+        }
+        if n == 0 {
+            return;
+        }
+        r.sends_in_flight = sends;
+        out.reserve(n);
+        r.in_flight.reserve(n);
+        let (mut bytes, mut signaled) = (0, 0);
+        for mut work in r.queue.drain(..n) {
             let seq = r.next_seq;
             r.next_seq += 1;
-            work.request.wr_id = seq;
             r.since_signal += 1;
-            if r.since_signal >= r.signal_every {
-                work.request.flags |= SendFlags::SIGNALED;
-            } else {
-                work.request.flags -= SendFlags::SIGNALED;
-            }
-            if work.request.flags.contains(SendFlags::SIGNALED) {
+            let signal = r.since_signal >= r.signal_every;
+            if signal {
                 r.since_signal = 0;
+                signaled += 1;
             }
-            if send {
-                r.sends_in_flight += 1;
-            }
-            r.counters.posted += 1;
-            r.counters.bytes += work.request.byte_len();
+            work.request.wr_id = seq;
+            work.request.flags.set(SendFlags::SIGNALED, signal);
+            bytes += work
+                .request
+                .sg_list
+                .iter()
+                .map(|s| u64::from(s.length))
+                .sum::<u64>();
             r.in_flight.push_back(InFlight {
                 seq,
                 batch: work.batch,
-                send,
-                signaled: work.request.flags.contains(SendFlags::SIGNALED),
+                send: work.is_send(),
+                signaled: signal,
             });
             out.push(work.request);
         }
+        // The last of a post always asks for a completion, so that the
+        // queue's tail is reported.
         if let Some(last) = out.last_mut()
             && !last.flags.contains(SendFlags::SIGNALED)
         {
             last.flags |= SendFlags::SIGNALED;
             r.since_signal = 0;
+            signaled += 1;
             if let Some(tail) = r.in_flight.back_mut() {
                 tail.signaled = true;
             }
         }
-        if !out.is_empty() {
-            r.counters.doorbells += 1;
-            r.counters.signaled += out
-                .iter()
-                .filter(|w| w.flags.contains(SendFlags::SIGNALED))
-                .count() as u64;
-        }
+        r.counters.posted += n as u64;
+        r.counters.bytes += bytes;
+        r.counters.doorbells += 1;
+        r.counters.signaled += signaled;
     }
 
     /// The provider refused part of the last post of `qp`: the first

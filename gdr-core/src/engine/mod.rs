@@ -2458,8 +2458,14 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 while done < t.len {
                     // The next usable queue pair in turn (one exists).
                     let (qi, qp) = loop {
-                        let qi = peer.next_qp % peer.qps.len();
-                        peer.next_qp = peer.next_qp.wrapping_add(1);
+                        // (No division on the way: `next_qp` stays below
+                        // the count once wrapped.)
+                        let count = peer.qps.len();
+                        let qi = match peer.next_qp {
+                            n if n < count => n,
+                            n => n % count,
+                        };
+                        peer.next_qp = qi + 1;
                         let qp = &peer.qps[qi];
                         if usable(core, qp.core) && prefer.is_none_or(|near| near.contains(&qp.nic))
                         {
