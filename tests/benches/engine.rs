@@ -26,6 +26,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{Batch, Engine, EngineConfig, Path, Peer, Region, Transfer};
+use gdr_core::ladder::LadderConfig;
 use gdr_sim::{DeviceConfig, NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
 use gdr_tests::pair::{Buf, Pair, PairConfig, SimBackend};
 use hal_verbs::{
@@ -175,6 +176,15 @@ impl Engines {
             signal_every,
             inline_threshold: 0,
             default_timeout: T,
+            // The self-check proves GPU rungs with a loopback pair of QPs
+            // per engine; host memory never uses it, and its four idle QPs
+            // would only make every one of the sim's QP lookups (a BTreeMap
+            // by number, the connection's QPs last) dearer than the bare
+            // loop's two-QP fabric: a cost of the sim, not of the engine.
+            ladder: LadderConfig {
+                self_check: false,
+                ..LadderConfig::default()
+            },
             ..EngineConfig::default()
         };
         let node = |name: &str| {
