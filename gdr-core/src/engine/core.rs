@@ -450,10 +450,9 @@ impl Core {
             return;
         }
         r.sends_in_flight = sends;
-        out.reserve(n);
-        r.in_flight.reserve(n);
         let (mut bytes, mut signaled) = (0, 0);
-        for mut work in r.queue.drain(..n) {
+        for _ in 0..n {
+            let mut work = r.queue.pop_front().expect("counted");
             let seq = r.next_seq;
             r.next_seq += 1;
             r.since_signal += 1;
@@ -675,17 +674,25 @@ impl Core {
             record.error = Some(e);
             // Fail fast: the batch's work not yet posted is dropped.
             self.drop_queued(batch);
+            self.finish_if_done(batch);
+        } else if record.unfinished == 0 {
+            self.finish(batch);
         }
-        self.finish_if_done(batch);
     }
 
     /// Delivers `batch`'s outcome once none of its requests is left.
     fn finish_if_done(&mut self, batch: BatchId) {
-        if self.batches.get(batch).is_none_or(|r| r.unfinished != 0) {
-            return;
+        if self.batches.get(batch).is_some_and(|r| r.unfinished == 0) {
+            self.finish(batch);
         }
-        // Its deadline's entry stays in the heap, stale.
-        let record = self.batches.remove(batch).expect("just found");
+    }
+
+    /// Delivers `batch`'s outcome (none of its requests is left); its
+    /// deadline's entry stays in the heap, stale.
+    fn finish(&mut self, batch: BatchId) {
+        let Some(record) = self.batches.remove(batch) else {
+            return;
+        };
         let outcome = record.error.map_or(Ok(()), Err);
         record.cell.complete(outcome);
     }
