@@ -2786,6 +2786,10 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// still running then is not cancelled ([`TransferError::Timeout`] is
     /// returned for the wait, the batch's own deadline still runs).
     pub fn wait(&self, timeout: Duration) -> Outcome {
+        // Already over (a wait after progress elsewhere): no clock read.
+        if let Some(outcome) = self.outcome() {
+            return self.fenced(outcome);
+        }
         let deadline = Instant::now() + timeout;
         let mut idle = Idle::default();
         loop {
