@@ -2028,6 +2028,16 @@ pub enum Op {
     Write,
 }
 
+impl Op {
+    /// The verbs operation at `remote_addr` under `rkey`.
+    fn send_op(self, remote_addr: u64, rkey: u32) -> SendOp {
+        match self {
+            Op::Read => SendOp::Read { remote_addr, rkey },
+            Op::Write => SendOp::Write { remote_addr, rkey },
+        }
+    }
+}
+
 /// One transfer of a batch: `len` bytes between `local` at `local_offset`
 /// and the granted remote range `remote` at `remote_offset`.
 #[derive(Debug)]
@@ -2496,17 +2506,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     let mr = local.mr().ok_or_else(|| {
                         EngineError::Refused("a staging-rung region on a direct path".into())
                     })?;
-                    let remote_addr = segment.addr + (remote_offset - segment.offset);
-                    let op = match t.op {
-                        Op::Read => SendOp::Read {
-                            remote_addr,
-                            rkey: segment.rkey,
-                        },
-                        Op::Write => SendOp::Write {
-                            remote_addr,
-                            rkey: segment.rkey,
-                        },
-                    };
+                    let op = t.op.send_op(
+                        segment.addr + (remote_offset - segment.offset),
+                        segment.rkey,
+                    );
                     let mut flags = SendFlags::empty();
                     if t.op == Op::Write && local.cpu_readable() && len <= u64::from(qp.max_inline)
                     {

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hal_cuda::{Context as _, Event as _, Stream as _};
-use hal_verbs::{Api, MemoryRegion as _, SendFlags, SendOp, SendRequest, SgList, Sge};
+use hal_verbs::{Api, MemoryRegion as _, SendFlags, SendRequest, SgList, Sge};
 
 use super::completion::CompletionCell;
 use super::core::{Core, Keep, Work};
@@ -388,17 +388,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let Some(mr) = pool.region.inner.per_nic[qp.nic].mr() else {
             return Err(local("the staging pool has no MR".into()));
         };
-        let remote_addr = segment.addr + (at - segment.offset);
-        let rdma = match op {
-            Op::Read => SendOp::Read {
-                remote_addr,
-                rkey: segment.rkey,
-            },
-            Op::Write => SendOp::Write {
-                remote_addr,
-                rkey: segment.rkey,
-            },
-        };
+        let rdma = op.send_op(segment.addr + (at - segment.offset), segment.rkey);
         let mut sg_list = SgList::new();
         sg_list.push(Sge {
             addr: pool.slot_addr(slot),
@@ -438,30 +428,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         slot: usize,
         len: u64,
     ) -> Result<Stage<C>, Option<TransferError>> {
-        let failed = |e: hal_cuda::CudaError| {
-            Some(TransferError::Local {
-                what: format!("staging copy to host: {e}"),
-            })
-        };
-        let event = self
-            .gpu_context(gpu)
-            .map_err(|e| {
-                Some(TransferError::Local {
-                    what: e.to_string(),
-                })
-            })?
-            .create_event()
-            .map_err(failed)?;
-        // SAFETY: the slot is this slice's alone until its slot is freed, which
-        // is after this copy's event has passed; `src..src + len` lies in the
-        // staged region the pipe holds, checked against its bounds at submit.
-        unsafe {
-            pool.to_host
-                .copy_device_to_host(pool.slot_addr(slot) as *mut u8, src, len as usize)
-        }
-        .map_err(failed)?;
-        pool.to_host.record(&event).map_err(failed)?;
-        Ok(Stage::Copying(event))
+        self.queue_copy(gpu, &pool.to_host, "to host", |stream| {
+            // SAFETY: the slot is this slice's alone until it is freed, which
+            // is after this copy's event has passed; `src..src + len` lies in
+            // the staged region the pipe holds, checked against its bounds
+            // at submit.
+            unsafe {
+                stream.copy_device_to_host(pool.slot_addr(slot) as *mut u8, src, len as usize)
+            }
+        })
     }
 
     /// Queues the host→device copy of `len` bytes of slot `slot` to `dst`.
@@ -473,29 +448,37 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         slot: usize,
         len: u64,
     ) -> Result<Stage<C>, Option<TransferError>> {
-        let failed = |e: hal_cuda::CudaError| {
+        self.queue_copy(gpu, &pool.to_device, "to the GPU", |stream| {
+            // SAFETY: the slot holds the slice the NIC finished writing (its
+            // completion came) and stays this slice's until the event has
+            // passed; `dst..dst + len` lies in the staged region the pipe
+            // holds.
+            unsafe {
+                stream.copy_host_to_device(dst, pool.slot_addr(slot) as *const u8, len as usize)
+            }
+        })
+    }
+
+    /// Queues `copy` on `stream` of GPU `gpu` and an event after it.
+    fn queue_copy(
+        &self,
+        gpu: u32,
+        stream: &C::Stream,
+        what: &str,
+        copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
+    ) -> Result<Stage<C>, Option<TransferError>> {
+        let failed = |e: &dyn std::fmt::Display| {
             Some(TransferError::Local {
-                what: format!("staging copy to the GPU: {e}"),
+                what: format!("staging copy {what}: {e}"),
             })
         };
         let event = self
             .gpu_context(gpu)
-            .map_err(|e| {
-                Some(TransferError::Local {
-                    what: e.to_string(),
-                })
-            })?
+            .map_err(|e| failed(&e))?
             .create_event()
-            .map_err(failed)?;
-        // SAFETY: the slot holds the slice the NIC finished writing (its
-        // completion came) and stays this slice's until the event has passed;
-        // `dst..dst + len` lies in the staged region the pipe holds.
-        unsafe {
-            pool.to_device
-                .copy_host_to_device(dst, pool.slot_addr(slot) as *const u8, len as usize)
-        }
-        .map_err(failed)?;
-        pool.to_device.record(&event).map_err(failed)?;
+            .map_err(|e| failed(&e))?;
+        copy(stream).map_err(|e| failed(&e))?;
+        stream.record(&event).map_err(|e| failed(&e))?;
         Ok(Stage::Copying(event))
     }
 }
