@@ -16,6 +16,8 @@
 //! - `naive_*`: the same with the pipeline off (copy all, then send).
 //!
 //! The goal (issue): pipelined ≥ 0.9 × its slowest stage at ≥ 16 MiB.
+//! With `GDR_STAGING_SWEEP=1` (on a GPU) it sweeps the pipeline's slice
+//! size and slot count instead (`staging_sweep`).
 //! Run: `cargo bench -p gdr-tests --bench staging -- --warm-up-time 1
 //! --measurement-time 3`.
 
@@ -123,8 +125,36 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
     group.finish();
 }
 
+/// The pipeline's knobs against each other: a 256 MiB staged GPU→host
+/// WRITE for each slice size and slot count (`staging_sweep/<slice>x<slots>`),
+/// to choose the defaults.
+fn sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
+    const LEN: u64 = 256 << 20;
+    let mut group = c.benchmark_group("staging_sweep");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes(LEN));
+    for slice in [1u64 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20] {
+        for slots in [2usize, 4, 8, 16] {
+            let mut config = config(true);
+            config.staging_slice = slice;
+            config.staging_slots = slots;
+            let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config, T, |_| cuda());
+            let (_gs, gpu_src) = w.a.alloc(Kind::Gpu, LEN, 2);
+            let (_hd, host_dst) = w.b.alloc(Kind::Host, LEN, 0);
+            let (_g, to_host) = w.b_grants(&host_dst, GrantRights::Write);
+            let transfer = Transfer::write(&gpu_src, 0, &to_host, 0, LEN);
+            group.bench_function(format!("{}MiBx{slots}", slice >> 20), |b| {
+                b.iter(|| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap())
+            });
+        }
+    }
+    group.finish();
+}
+
 fn staging(c: &mut Criterion) {
+    let sweep = std::env::var("GDR_STAGING_SWEEP").is_ok_and(|v| v == "1");
     match gdr_tests::cuda_gpu("staging bench") {
+        Some((driver, _)) if sweep => sweep_on::<hal_cuda::cuda::CudaApi>(c, || driver.clone()),
         Some((driver, _)) => bench_on::<hal_cuda::cuda::CudaApi>(c, "h200", || driver.clone()),
         None => {
             let faults = gdr_sim::FaultPlan::new();
