@@ -275,3 +275,31 @@ fn a_failed_staging_copy_fails_only_its_transfer() {
         .unwrap_or_else(|e| panic!("the other transfer: {e}"));
     assert!(w.b.bytes(&dst_buf) == pattern(LEN as usize, 8));
 }
+
+/// The pipeline's slices in flight spread over the peer's queue pairs
+/// (each slot's slice on its own), not all on the first one.
+#[test]
+fn pipelined_slices_spread_over_the_queue_pairs() {
+    const LEN: u64 = 256 * 1024;
+    let w = staging_world_with(4, |c| {
+        c.staging_slice = 16 * 1024;
+        c.staging_slots = 4;
+    });
+    let before = w.ab.counters();
+    w.write_and_read_back(Kind::Gpu, Kind::Host, LEN, 5, 1, "spread");
+    let after = w.ab.counters();
+    let moved: Vec<u64> = before
+        .iter()
+        .zip(&after)
+        .map(|((_, _, b), (_, _, a))| a.posted - b.posted)
+        .collect();
+    assert!(
+        moved.iter().all(|&n| n > 0),
+        "slices per queue pair: {moved:?}"
+    );
+    assert_eq!(
+        moved.iter().sum::<u64>(),
+        2 * LEN / (16 * 1024),
+        "{moved:?}"
+    );
+}

@@ -40,6 +40,7 @@ use crate::descriptor::MemoryDescriptor;
 
 /// The pinned bounce slots of one GPU, registered on every NIC.
 pub(super) struct StagingPool<V: Api, C: hal_cuda::Api> {
+    gpu: u32,
     slot_size: u64,
     /// Free slot indices, lowest first out.
     free: Vec<usize>,
@@ -156,6 +157,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let region = self.register(&buffer)?;
         tracing::info!(gpu, slots, slot_size, "staging pool ready");
         Ok(vacant.insert(StagingPool {
+            gpu,
             slot_size,
             free: (0..slots).rev().collect(),
             region,
@@ -370,12 +372,28 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         timeout: Duration,
     ) -> Result<Stage<C>, Option<TransferError>> {
         let local = |what: String| Some(TransferError::Local { what });
-        let Some(qp) = peer
-            .qps
-            .iter()
-            .find(|q| core.is_ready(q.core))
-            .or_else(|| peer.qps.iter().find(|q| core.accepts_work(q.core)))
-        else {
+        // The queue pairs that are up (else those being re-established),
+        // on the NICs nearest the pool's GPU when one of those is among
+        // them; slices in flight hold distinct slots, so the slot spreads
+        // them over the candidates.
+        let up: Vec<_> = match peer.qps.iter().any(|q| core.is_ready(q.core)) {
+            true => peer.qps.iter().filter(|q| core.is_ready(q.core)).collect(),
+            false => peer
+                .qps
+                .iter()
+                .filter(|q| core.accepts_work(q.core))
+                .collect(),
+        };
+        let near: Vec<_> = match self.shared.nearest_nics.get(&pool.gpu) {
+            Some(nics) => up
+                .iter()
+                .copied()
+                .filter(|q| nics.contains(&q.nic))
+                .collect(),
+            None => Vec::new(),
+        };
+        let candidates = if near.is_empty() { &up } else { &near };
+        let Some(&qp) = candidates.get(slot % candidates.len().max(1)) else {
             return Err(Some(TransferError::PeerGone {
                 reason: "every queue pair failed".into(),
             }));
