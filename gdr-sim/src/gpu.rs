@@ -824,6 +824,25 @@ enum Work {
         queue: Arc<Mutex<StreamQueue>>,
         upto: u64,
     },
+    /// Blocks the stream until the word at `at` is at least `value`.
+    WaitValue {
+        at: Resolved,
+        value: u32,
+    },
+    /// Stores `value` at `at`.
+    WriteValue {
+        at: Resolved,
+        value: u32,
+    },
+}
+
+/// The 32-bit word a stream memory operation reads or writes.
+fn word(at: &Resolved) -> &std::sync::atomic::AtomicU32 {
+    // SAFETY: the caller of the (unsafe) wait/write promised 4-byte aligned
+    // memory that stays valid until the operation has run, which is while
+    // this reference is used; others touch it only atomically (the host
+    // stores to release a wait).
+    unsafe { &*at.ptr.cast::<std::sync::atomic::AtomicU32>() }
 }
 
 #[derive(Debug, Default)]
@@ -859,8 +878,22 @@ fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
                 // streams waiting on each other cannot deadlock here.
                 drop(q);
                 run_until(&other, upto);
+                let blocked = lock(&other).completed < upto;
                 q = lock(queue);
+                if blocked {
+                    // The other stream is itself blocked (a value wait):
+                    // this one stays blocked behind it.
+                    q.pending.push_front((seq, Work::Wait { queue: other, upto }));
+                    return;
+                }
             }
+            Work::WaitValue { at, value } => {
+                if word(&at).load(Ordering::Acquire) < value {
+                    q.pending.push_front((seq, Work::WaitValue { at, value }));
+                    return;
+                }
+            }
+            Work::WriteValue { at, value } => word(&at).store(value, Ordering::Release),
         }
         q.completed = seq;
     }
@@ -945,10 +978,45 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
         Ok(())
     }
 
+    unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()> {
+        const OP: &str = "cuStreamWaitValue32";
+        let at = self.value_word(addr, OP)?;
+        self.enqueue(OP, Work::WaitValue { at, value })
+    }
+
+    unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()> {
+        const OP: &str = "cuStreamWriteValue32";
+        let at = self.value_word(addr, OP)?;
+        self.enqueue(OP, Work::WriteValue { at, value })
+    }
+
     fn synchronize(&self) -> Result<()> {
         check_alive(&self.ctx.gpu, "cuStreamSynchronize")?;
-        run_until(&self.queue, u64::MAX);
-        Ok(())
+        // Blocks, as the driver does, until everything queued ran (a value
+        // wait until a host thread releases it).
+        loop {
+            run_until(&self.queue, u64::MAX);
+            let q = lock(&self.queue);
+            if q.completed >= q.enqueued {
+                return Ok(());
+            }
+            drop(q);
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+}
+
+impl SimStream {
+    /// The word of a stream memory operation: 4-byte aligned, in device
+    /// memory of this GPU or in host memory.
+    fn value_word(&self, addr: u64, operation: &'static str) -> Result<Resolved> {
+        if addr % 4 != 0 {
+            return Err(CudaError::invalid(operation, "address not 4-byte aligned"));
+        }
+        match self.ctx.device_range(addr, 4, operation) {
+            Ok(resolved) => Ok(resolved),
+            Err(_) => Self::host(addr as *const u8, 4, operation),
+        }
     }
 }
 

@@ -158,6 +158,24 @@ pub trait Stream<A: Api>: Send + Sync + Debug {
     fn record(&self, event: &A::Event) -> Result<()>;
     /// Makes later work on this stream wait for `event`.
     fn wait(&self, event: &A::Event) -> Result<()>;
+    /// Makes later work on this stream wait until the 32-bit value at
+    /// `addr` is at least `value` (`cuStreamWaitValue32`, GEQ): a host
+    /// thread releases the stream by storing to it, no CPU thread blocks.
+    /// [`crate::CudaError::NotSupported`] without stream memory operations.
+    ///
+    /// # Safety
+    /// `addr` must be 4-byte aligned and lie in memory the device can read
+    /// (pinned host memory of the driver, or device memory), valid until
+    /// the wait has passed.
+    unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()>;
+    /// Writes `value` to the 32-bit word at `addr` once the work queued
+    /// before it is done (`cuStreamWriteValue32`).
+    /// [`crate::CudaError::NotSupported`] without stream memory operations.
+    ///
+    /// # Safety
+    /// As for [`Stream::wait_value32`], and the device must be allowed to
+    /// write there.
+    unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()>;
     /// Blocks until the stream's work is done.
     fn synchronize(&self) -> Result<()>;
 }

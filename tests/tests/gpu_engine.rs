@@ -87,3 +87,82 @@ fn naive_staging_on_the_real_gpu() {
         w.write_and_read_back(Kind::Gpu, Kind::Gpu, len, 9, 2, &format!("naive {len} B"));
     }
 }
+
+/// A stream-ordered fence on the real driver (`cuStreamWaitValue32` on the
+/// engine's pinned word): a copy queued after the fence does not run while
+/// the batch is held (the sim fabric paused), runs once it ends, and sees
+/// the data. Prints the delay from the batch's end (seen by a spinning
+/// host thread) to the stream moving on, against waiting on the host and
+/// then queuing the copy (median and p99 of 200): a measurement, not an
+/// assertion.
+#[test]
+fn a_stream_fence_on_the_real_gpu() {
+    use gdr_core::buffer::Buffer;
+    use gdr_core::descriptor::GrantRights;
+    use gdr_core::engine::Transfer;
+    use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
+
+    let name = "a_stream_fence_on_the_real_gpu";
+    let Some(w) = world(name, Policy::Fallback, true) else {
+        return;
+    };
+    const LEN: u64 = 1 << 20;
+    let (_s, src) = w.b.alloc(Kind::Host, LEN, 6);
+    let (_g, remote) = w.b_grants(&src, GrantRights::Read);
+    let (gpu_buf, gpu_region) = w.a.alloc(Kind::Gpu, LEN, 0);
+    let ctx = w.a.cuda.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let out = Buffer::<CudaApi>::alloc_pinned(&ctx, LEN).unwrap();
+    let event = ctx.create_event().unwrap();
+    w.fabric().set_paused(true);
+    let batch =
+        w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, LEN)])
+            .unwrap();
+    batch.fence_stream(&stream).unwrap();
+    // SAFETY: both ranges hold LEN bytes and outlive the stream's work.
+    unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), LEN as usize) }
+        .unwrap();
+    stream.record(&event).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        !event.is_complete().unwrap(),
+        "the copy after the fence ran before the batch ended"
+    );
+    w.fabric().set_paused(false);
+    event.synchronize().unwrap();
+    assert_eq!(batch.status(), Some(Ok(())));
+    assert!(
+        out.to_vec().unwrap() == gdr_tests::pattern(LEN as usize, 6),
+        "the copy after the fence saw the data"
+    );
+    // The delay, fence against host wait, small READs.
+    let mut fenced = Vec::new();
+    let mut hosted = Vec::new();
+    for _ in 0..200 {
+        let batch =
+            w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, 4096)])
+                .unwrap();
+        batch.fence_stream(&stream).unwrap();
+        stream.record(&event).unwrap();
+        while batch.status().is_none() {}
+        let ended = std::time::Instant::now();
+        while !event.is_complete().unwrap() {}
+        fenced.push(ended.elapsed());
+        let batch =
+            w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, 4096)])
+                .unwrap();
+        batch.wait(T).unwrap();
+        let ended = std::time::Instant::now();
+        stream.record(&event).unwrap();
+        while !event.is_complete().unwrap() {}
+        hosted.push(ended.elapsed());
+    }
+    for (what, mut v) in [("stream fence", fenced), ("host wait", hosted)] {
+        v.sort();
+        eprintln!(
+            "fence delay ({what}): median {:?} p99 {:?}",
+            v[v.len() / 2],
+            v[v.len() * 99 / 100]
+        );
+    }
+}

@@ -64,6 +64,7 @@
 pub mod completion;
 mod core;
 pub mod error;
+pub mod fence;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub mod pipeline;
@@ -534,6 +535,10 @@ struct State<V: Api, C: hal_cuda::Api> {
     pools: HashMap<u32, pipeline::StagingPool<V, C>>,
     /// Staged transfers going through a pool.
     pipes: Vec<pipeline::Pipe<V, C>>,
+    /// The page of words streams wait on, made at the first stream fence.
+    fence_words: Option<fence::FenceWords<C>>,
+    /// Stream fences whose batch has not ended.
+    stream_fences: Vec<fence::StreamFence>,
     completions: Vec<Completion>,
     to_post: Vec<SendRequest>,
     ticks: u64,
@@ -663,6 +668,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 serving: Vec::new(),
                 pools: HashMap::new(),
                 pipes: Vec::new(),
+                fence_words: None,
+                stream_fences: Vec::new(),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
@@ -1193,6 +1200,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         state.core.handle_timeout(now);
         Self::expire_rendezvous(state, now);
         handled += self.pump_pipes(state, now);
+        handled += self.release_stream_fences(state);
         self.run_actions(state);
         self.post_ready(state);
         (handled, Self::staged_pending(state))
@@ -2715,7 +2723,9 @@ pub struct Batch<V: Api, C: hal_cuda::Api> {
     /// GPUs this batch READ into: fenced once it succeeds, before
     /// [`Batch::wait`] or the `Future` returns.
     fence: Vec<u32>,
-    fenced: std::sync::atomic::AtomicBool,
+    /// Set by whoever applied the GPU fence (a waiter, or the release of a
+    /// stream fence): once is enough.
+    fenced: Arc<std::sync::atomic::AtomicBool>,
     /// Rendezvous with the peer for staging-rung grants: each ends with
     /// the owner's reply.
     parts: Vec<Arc<CompletionCell>>,
@@ -2811,6 +2821,34 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             }
             idle.after(handled);
         }
+    }
+
+    /// Makes `stream` wait for this batch without blocking a thread: work
+    /// queued on `stream` after this call runs once the batch has ended
+    /// and, where the GPU needs it, its inbound writes were flushed (see
+    /// [`fence`]). The stream is released however the batch ends: work
+    /// after the fence may use the data only if the batch succeeded
+    /// ([`Batch::status`]). Not for a batch that stages through whole-range
+    /// bounce buffers (the naive path, or both ends staged): their copies
+    /// run in [`Batch::wait`].
+    pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {
+        let staged_copies = !self
+            .after
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .copies
+            .is_empty();
+        if staged_copies {
+            return Err(EngineError::Refused(
+                "a batch staged through whole-range bounce buffers cannot fence a stream".into(),
+            ));
+        }
+        let cells = std::iter::once(&self.cell)
+            .chain(&self.parts)
+            .cloned()
+            .collect();
+        self.engine
+            .queue_stream_fence(stream, cells, self.fence.clone(), Arc::clone(&self.fenced))
     }
 
     /// Cancels the batch: what is not posted is dropped; it ends

@@ -107,6 +107,36 @@ impl Stream<CudaApi> for CudaStream {
         })
     }
 
+    unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()> {
+        const OP: &str = "cuStreamWaitValue32";
+        let memops = self.ctx.drv.memops.as_ref().ok_or(CudaError::NotSupported {
+            operation: OP,
+            reason: "the driver has no stream memory operations".into(),
+            code: None,
+        })?;
+        let _current = self.ctx.enter()?;
+        // SAFETY: the caller guarantees `addr` is device-readable memory
+        // valid until the wait passes; flags 0 is CU_STREAM_WAIT_VALUE_GEQ.
+        check(OP, unsafe {
+            (memops.cuStreamWaitValue32_v2)(self.raw, addr, value, 0)
+        })
+    }
+
+    unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()> {
+        const OP: &str = "cuStreamWriteValue32";
+        let memops = self.ctx.drv.memops.as_ref().ok_or(CudaError::NotSupported {
+            operation: OP,
+            reason: "the driver has no stream memory operations".into(),
+            code: None,
+        })?;
+        let _current = self.ctx.enter()?;
+        // SAFETY: the caller guarantees `addr` is device-writable memory
+        // valid until the write is done; flags 0 is the default write.
+        check(OP, unsafe {
+            (memops.cuStreamWriteValue32_v2)(self.raw, addr, value, 0)
+        })
+    }
+
     fn synchronize(&self) -> Result<()> {
         let _current = self.ctx.enter()?;
         // SAFETY: the stream is alive for the call.

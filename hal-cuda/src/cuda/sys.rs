@@ -287,6 +287,15 @@ entry_points! {
     }
 }
 
+entry_points! {
+    /// Stream memory operations (CUDA 11.7+ `_v2` names): a stream waits
+    /// on, or writes, a 32-bit value in memory.
+    struct StreamMemOps {
+        cuStreamWaitValue32_v2: fn(CuStrm, CuDevicePtr, u32, c_uint);
+        cuStreamWriteValue32_v2: fn(CuStrm, CuDevicePtr, u32, c_uint);
+    }
+}
+
 /// The loaded driver: required entry points, and the optional groups that
 /// the library has.
 #[derive(Debug)]
@@ -295,6 +304,7 @@ pub(crate) struct Driver {
     pub(crate) dmabuf: Option<DmabufExport>,
     pub(crate) flush: Option<FlushWrites>,
     pub(crate) vmm: Option<Vmm>,
+    pub(crate) memops: Option<StreamMemOps>,
     /// The file name that opened.
     pub(crate) library: &'static str,
 }
@@ -340,6 +350,8 @@ fn open() -> std::result::Result<Driver, CudaError> {
         let flush = unsafe { FlushWrites::resolve(&lib) }.ok();
         // SAFETY: as above.
         let vmm = unsafe { Vmm::resolve(&lib) }.ok();
+        // SAFETY: as above.
+        let memops = unsafe { StreamMemOps::resolve(&lib) }.ok();
         // The pointers above must stay valid for the process's life.
         std::mem::forget(lib);
         return Ok(Driver {
@@ -347,6 +359,7 @@ fn open() -> std::result::Result<Driver, CudaError> {
             dmabuf,
             flush,
             vmm,
+            memops,
             library: name_static(name),
         });
     }
