@@ -439,6 +439,58 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     }
 }
 
+impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
+    /// The stream-fence scenario: a READ of `len` bytes of b's host memory
+    /// (holding `pattern(len, seed)`) into a's GPU memory, held on the
+    /// paused fabric; a stream of a's GPU fenced on it, and a copy of the
+    /// GPU memory into pinned memory queued after the fence. Checks that
+    /// the copy does not run while the batch is held; then resumes the
+    /// fabric, polls the copy's event (no thread waits on the batch: the
+    /// engine's own progress ends it) and checks the copy saw the data.
+    /// Returns the batch (ended) and its stream and event, for more.
+    pub fn fenced_copy_after_a_held_read(
+        &self,
+        len: u64,
+        seed: u8,
+    ) -> (Batch<SimVerbsApi, C>, C::Stream, C::Event) {
+        use hal_cuda::Event as _;
+        let (_s, src) = self.b.host(len, seed);
+        let (_g, remote) = self.b_grants(&src, GrantRights::Read);
+        let (gpu_buf, gpu_region) = self.a.alloc(Kind::Gpu, len, 0);
+        let ctx = self.a.cuda.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        let out = Buffer::<C>::alloc_pinned(&ctx, len).unwrap();
+        let event = ctx.create_event().unwrap();
+        self.fabric().set_paused(true);
+        let batch = self
+            .ab
+            .submit(&[Transfer::read(&gpu_region, 0, &remote, 0, len)])
+            .unwrap();
+        batch.fence_stream(&stream).unwrap();
+        // SAFETY: both ranges hold `len` bytes and outlive the stream's
+        // work (its event is waited for below).
+        unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize) }
+            .unwrap();
+        stream.record(&event).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(
+            !event.is_complete().unwrap(),
+            "the copy after the fence ran before the batch ended"
+        );
+        self.fabric().set_paused(false);
+        let start = std::time::Instant::now();
+        while !event.is_complete().unwrap() {
+            assert!(start.elapsed() < self.timeout, "the stream never moved on");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            out.to_vec().unwrap() == pattern(len as usize, seed),
+            "the copy after the fence saw the data"
+        );
+        (batch, stream, event)
+    }
+}
+
 impl EngineWorld<SimVerbsApi> {
     /// Pauses the fabric (nothing moves until it is resumed) and submits a
     /// WRITE of the first 4 KiB of `h` that must end within `deadline`: a

@@ -97,44 +97,19 @@ fn naive_staging_on_the_real_gpu() {
 /// assertion.
 #[test]
 fn a_stream_fence_on_the_real_gpu() {
-    use gdr_core::buffer::Buffer;
     use gdr_core::descriptor::GrantRights;
     use gdr_core::engine::Transfer;
-    use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
+    use hal_cuda::{Event as _, Stream as _};
 
     let name = "a_stream_fence_on_the_real_gpu";
     let Some(w) = world(name, Policy::Fallback, true) else {
         return;
     };
-    const LEN: u64 = 1 << 20;
-    let (_s, src) = w.b.alloc(Kind::Host, LEN, 6);
-    let (_g, remote) = w.b_grants(&src, GrantRights::Read);
-    let (gpu_buf, gpu_region) = w.a.alloc(Kind::Gpu, LEN, 0);
-    let ctx = w.a.cuda.context(0).unwrap();
-    let stream = ctx.create_stream().unwrap();
-    let out = Buffer::<CudaApi>::alloc_pinned(&ctx, LEN).unwrap();
-    let event = ctx.create_event().unwrap();
-    w.fabric().set_paused(true);
-    let batch =
-        w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, LEN)])
-            .unwrap();
-    batch.fence_stream(&stream).unwrap();
-    // SAFETY: both ranges hold LEN bytes and outlive the stream's work.
-    unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), LEN as usize) }
-        .unwrap();
-    stream.record(&event).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    assert!(
-        !event.is_complete().unwrap(),
-        "the copy after the fence ran before the batch ended"
-    );
-    w.fabric().set_paused(false);
-    event.synchronize().unwrap();
+    let (batch, stream, event) = w.fenced_copy_after_a_held_read(1 << 20, 6);
     assert_eq!(batch.status(), Some(Ok(())));
-    assert!(
-        out.to_vec().unwrap() == gdr_tests::pattern(LEN as usize, 6),
-        "the copy after the fence saw the data"
-    );
+    let (_s, src) = w.b.alloc(Kind::Host, 4096, 6);
+    let (_g, remote) = w.b_grants(&src, GrantRights::Read);
+    let (_gpu_buf, gpu_region) = w.a.alloc(Kind::Gpu, 4096, 0);
     // The delay, fence against host wait, small READs.
     let mut fenced = Vec::new();
     let mut hosted = Vec::new();

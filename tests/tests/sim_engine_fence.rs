@@ -6,12 +6,10 @@
 
 use std::time::{Duration, Instant};
 
-use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, Transfer, TransferError};
 use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
 use gdr_tests::engine_world::EngineWorld;
-use gdr_tests::pattern;
 use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
 
 const T: Duration = Duration::from_secs(10);
@@ -46,38 +44,8 @@ fn a_stream_waits_for_the_batch_without_a_thread_blocking() {
         (hal_cuda::WritesOrdering::Owner, 0),
     ] {
         let w = world(ordering);
-        let (_s, src) = w.b.host(LEN, 4);
-        let (_g, remote) = w.b_grants(&src, GrantRights::Read);
-        let (gpu_buf, gpu_region) = w.a.gpu(LEN, 0);
-        let ctx = w.a.cuda.context(0).unwrap();
-        let stream = ctx.create_stream().unwrap();
-        let out = Buffer::<SimCudaApi>::alloc_pinned(&ctx, LEN).unwrap();
-        let event = ctx.create_event().unwrap();
-        // Nothing moves until the fabric resumes: the batch stays in flight.
-        w.fabric().set_paused(true);
-        let batch =
-            w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, LEN)])
-                .unwrap();
-        batch.fence_stream(&stream).unwrap();
-        // SAFETY: both ranges hold LEN bytes and outlive the stream's work
-        // (the event is waited for below).
-        unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), LEN as usize) }
-            .unwrap();
-        stream.record(&event).unwrap();
-        std::thread::sleep(Duration::from_millis(30));
-        assert!(
-            !event.is_complete().unwrap(),
-            "{ordering:?}: the copy after the fence ran before the batch ended"
-        );
-        w.fabric().set_paused(false);
-        // No thread waits on the batch: the engine's own progress ends it
-        // and releases the stream.
-        wait_for(&event, &format!("{ordering:?}"));
-        assert_eq!(batch.status(), Some(Ok(())));
-        assert!(
-            out.to_vec().unwrap() == pattern(LEN as usize, 4),
-            "{ordering:?}: the copy after the fence saw the data"
-        );
+        let (batch, _stream, _event) = w.fenced_copy_after_a_held_read(LEN, 4);
+        assert_eq!(batch.status(), Some(Ok(())), "{ordering:?}");
         assert_eq!(w.a.cuda.flushes(0), flushes, "{ordering:?}: the GPU fence");
     }
 }

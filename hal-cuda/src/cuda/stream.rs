@@ -109,11 +109,7 @@ impl Stream<CudaApi> for CudaStream {
 
     unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()> {
         const OP: &str = "cuStreamWaitValue32";
-        let memops = self.ctx.drv.memops.as_ref().ok_or(CudaError::NotSupported {
-            operation: OP,
-            reason: "the driver has no stream memory operations".into(),
-            code: None,
-        })?;
+        let memops = self.memops(OP)?;
         let _current = self.ctx.enter()?;
         // SAFETY: the caller guarantees `addr` is device-readable memory
         // valid until the wait passes; flags 0 is CU_STREAM_WAIT_VALUE_GEQ.
@@ -124,11 +120,7 @@ impl Stream<CudaApi> for CudaStream {
 
     unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()> {
         const OP: &str = "cuStreamWriteValue32";
-        let memops = self.ctx.drv.memops.as_ref().ok_or(CudaError::NotSupported {
-            operation: OP,
-            reason: "the driver has no stream memory operations".into(),
-            code: None,
-        })?;
+        let memops = self.memops(OP)?;
         let _current = self.ctx.enter()?;
         // SAFETY: the caller guarantees `addr` is device-writable memory
         // valid until the write is done; flags 0 is the default write.
@@ -143,6 +135,21 @@ impl Stream<CudaApi> for CudaStream {
         check("cuStreamSynchronize", unsafe {
             (self.ctx.drv.req.cuStreamSynchronize)(self.raw)
         })
+    }
+}
+
+impl CudaStream {
+    /// The stream memory operations, or NotSupported for `operation`.
+    fn memops(&self, operation: &'static str) -> Result<&sys::StreamMemOps> {
+        self.ctx
+            .drv
+            .memops
+            .as_ref()
+            .ok_or(CudaError::NotSupported {
+                operation,
+                reason: "the driver has no stream memory operations".into(),
+                code: None,
+            })
     }
 }
 
