@@ -825,15 +825,9 @@ enum Work {
         upto: u64,
     },
     /// Blocks the stream until the word at `at` is at least `value`.
-    WaitValue {
-        at: Resolved,
-        value: u32,
-    },
+    WaitValue { at: Resolved, value: u32 },
     /// Stores `value` at `at`.
-    WriteValue {
-        at: Resolved,
-        value: u32,
-    },
+    WriteValue { at: Resolved, value: u32 },
 }
 
 /// The 32-bit word a stream memory operation reads or writes.
@@ -883,7 +877,8 @@ fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
                 if blocked {
                     // The other stream is itself blocked (a value wait):
                     // this one stays blocked behind it.
-                    q.pending.push_front((seq, Work::Wait { queue: other, upto }));
+                    q.pending
+                        .push_front((seq, Work::Wait { queue: other, upto }));
                     return;
                 }
             }

@@ -141,15 +141,11 @@ impl Stream<CudaApi> for CudaStream {
 impl CudaStream {
     /// The stream memory operations, or NotSupported for `operation`.
     fn memops(&self, operation: &'static str) -> Result<&sys::StreamMemOps> {
-        self.ctx
-            .drv
-            .memops
-            .as_ref()
-            .ok_or(CudaError::NotSupported {
-                operation,
-                reason: "the driver has no stream memory operations".into(),
-                code: None,
-            })
+        self.ctx.drv.memops.as_ref().ok_or(CudaError::NotSupported {
+            operation,
+            reason: "the driver has no stream memory operations".into(),
+            code: None,
+        })
     }
 }
 
