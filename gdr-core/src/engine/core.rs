@@ -49,6 +49,26 @@ pub(crate) struct Work {
 }
 
 impl Work {
+    /// One request of one SG entry (`addr`, `len`, `lkey`); its `wr_id`,
+    /// batch and signalling are the core's to set.
+    pub fn single(op: SendOp, addr: u64, len: u32, lkey: u32, flags: SendFlags) -> Self {
+        let mut sg_list = hal_verbs::SgList::new();
+        sg_list.push(hal_verbs::Sge {
+            addr,
+            length: len,
+            lkey,
+        });
+        Self {
+            batch: 0,
+            request: SendRequest {
+                wr_id: 0,
+                op,
+                sg_list,
+                flags,
+            },
+        }
+    }
+
     fn is_send(&self) -> bool {
         matches!(self.request.op, SendOp::Send | SendOp::SendWithImm { .. })
     }
@@ -807,24 +827,11 @@ pub(crate) fn test_send(len: u32) -> Work {
 /// A WRITE of `len` bytes for the core's tests and loom models.
 #[cfg(test)]
 pub(crate) fn test_write(len: u32) -> Work {
-    let mut sg_list = hal_verbs::SgList::new();
-    sg_list.push(hal_verbs::Sge {
-        addr: 0x1000,
-        length: len,
-        lkey: 1,
-    });
-    Work {
-        batch: 0,
-        request: SendRequest {
-            wr_id: 0,
-            op: SendOp::Write {
-                remote_addr: 0x2000,
-                rkey: 2,
-            },
-            sg_list,
-            flags: SendFlags::empty(),
-        },
-    }
+    let op = SendOp::Write {
+        remote_addr: 0x2000,
+        rkey: 2,
+    };
+    Work::single(op, 0x1000, len, 1, SendFlags::empty())
 }
 
 #[cfg(test)]

@@ -484,12 +484,6 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
                 }));
                 continue;
             };
-            let mut sg_list = SgList::new();
-            sg_list.push(Sge {
-                addr: self.control.send_region.inner.addr + offset,
-                length: message.bytes.len() as u32,
-                lkey: mr.lkey(),
-            });
             let mut flags = SendFlags::empty();
             if message.bytes.len() <= qp.max_inline as usize {
                 flags |= SendFlags::INLINE;
@@ -498,19 +492,15 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
                 Arc::new(guard) as Keep,
                 Arc::clone(&self.control.send_region.inner) as Keep,
             ];
+            let work = Work::single(
+                SendOp::Send,
+                self.control.send_region.inner.addr + offset,
+                message.bytes.len() as u32,
+                mr.lkey(),
+                flags,
+            );
             core.submit(
-                vec![(
-                    qp.core,
-                    Work {
-                        batch: 0,
-                        request: SendRequest {
-                            wr_id: 0,
-                            op: SendOp::Send,
-                            sg_list,
-                            flags,
-                        },
-                    },
-                )],
+                vec![(qp.core, work)],
                 message.cell,
                 Some((message.deadline, message.timeout)),
                 keep,
@@ -1100,16 +1090,20 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
-        use hal_cuda::Context as _;
-        let gpu = self
-            .shared
+    /// GPU `ordinal` of the engine (every NIC's ladder opened the same).
+    fn gpu(&self, ordinal: u32) -> Result<&Gpu<C>, EngineError> {
+        self.shared
             .nics
             .first()
             .and_then(|n| n.ladder.gpu(ordinal))
             .ok_or_else(|| {
                 EngineError::Unavailable(format!("GPU {ordinal} is not one of the engine's"))
-            })?;
+            })
+    }
+
+    fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
+        use hal_cuda::Context as _;
+        let gpu = self.gpu(ordinal)?;
         if gpu.attributes.needs_flush_before_kernels()? {
             let _span = tracing::debug_span!("gpu_fence", ordinal).entered();
             gpu.context
@@ -1720,16 +1714,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let spawned = std::thread::Builder::new()
             .name("gdr-engine-own".into())
             .spawn(move || {
-                let mut backoff = Duration::from_micros(1);
-                while let Some(shared) = weak.upgrade() {
-                    let busy = Engine { shared }.progress() > 0;
-                    if busy {
-                        backoff = Duration::from_micros(1);
-                    } else {
-                        std::thread::sleep(backoff);
-                        backoff = (backoff * 2).min(Duration::from_millis(1));
-                    }
-                }
+                drive(Duration::from_millis(1), || {
+                    weak.upgrade().map(|shared| Engine { shared }.progress())
+                });
                 running.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
@@ -1749,15 +1736,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let thread = std::thread::Builder::new()
             .name("gdr-engine".into())
             .spawn(move || {
-                let mut backoff = Duration::from_micros(1);
-                while !flag.load(Ordering::Acquire) {
-                    if engine.progress() > 0 {
-                        backoff = Duration::from_micros(1);
-                    } else {
-                        std::thread::sleep(backoff);
-                        backoff = (backoff * 2).min(idle.max(Duration::from_micros(1)));
-                    }
-                }
+                drive(idle, || {
+                    (!flag.load(Ordering::Acquire)).then(|| engine.progress())
+                })
             })
             .expect("spawning the engine's driver thread");
         let running = Arc::clone(&self.shared.drivers);
@@ -1766,6 +1747,21 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             stop,
             thread: Some(thread),
             running,
+        }
+    }
+}
+
+/// A driver thread's loop: `step` makes progress and says how much it
+/// handled (`None`: stop); while it handles nothing, the thread sleeps,
+/// backing off from 1 µs up to `idle`.
+fn drive(idle: Duration, mut step: impl FnMut() -> Option<usize>) {
+    let mut backoff = Duration::from_micros(1);
+    while let Some(handled) = step() {
+        if handled > 0 {
+            backoff = Duration::from_micros(1);
+        } else {
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(idle.max(Duration::from_micros(1)));
         }
     }
 }
@@ -2529,23 +2525,15 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     {
                         flags |= SendFlags::INLINE;
                     }
-                    let mut sg_list = SgList::new();
-                    sg_list.push(Sge {
-                        addr: t.local.inner.addr + t.local_offset + done,
-                        length: len as u32,
-                        lkey: mr.lkey(),
-                    });
                     work.push((
                         qp.core,
-                        Work {
-                            batch: 0,
-                            request: SendRequest {
-                                wr_id: 0,
-                                op,
-                                sg_list,
-                                flags,
-                            },
-                        },
+                        Work::single(
+                            op,
+                            t.local.inner.addr + t.local_offset + done,
+                            len as u32,
+                            mr.lkey(),
+                            flags,
+                        ),
                     ));
                     done += len;
                 }

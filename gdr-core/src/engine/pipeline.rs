@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hal_cuda::{Context as _, Event as _, Stream as _};
-use hal_verbs::{Api, MemoryRegion as _, SendFlags, SendRequest, SgList, Sge};
+use hal_verbs::{Api, MemoryRegion as _, SendFlags};
 
 use super::completion::CompletionCell;
 use super::core::{Core, Keep, Work};
@@ -152,7 +152,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let slot_size = config.staging_slice.max(4096);
         let slots = config.staging_slots.max(1);
         let _span = tracing::debug_span!("staging_pool", gpu, slots, slot_size).entered();
-        let context = self.gpu_context(gpu)?;
+        let context = &self.gpu(gpu)?.context;
         let buffer = Buffer::alloc_pinned(context, slot_size * slots as u64)?;
         let region = self.register(&buffer)?;
         tracing::info!(gpu, slots, slot_size, "staging pool ready");
@@ -407,27 +407,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return Err(local("the staging pool has no MR".into()));
         };
         let rdma = op.send_op(segment.addr + (at - segment.offset), segment.rkey);
-        let mut sg_list = SgList::new();
-        sg_list.push(Sge {
-            addr: pool.slot_addr(slot),
-            length: len as u32,
-            lkey: mr.lkey(),
-        });
+        let work = Work::single(
+            rdma,
+            pool.slot_addr(slot),
+            len as u32,
+            mr.lkey(),
+            SendFlags::empty(),
+        );
         let cell = Arc::new(CompletionCell::new());
         let keep: Vec<Keep> = vec![Arc::clone(&pool.region.inner) as Keep];
         core.submit(
-            vec![(
-                qp.core,
-                Work {
-                    batch: 0,
-                    request: SendRequest {
-                        wr_id: 0,
-                        op: rdma,
-                        sg_list,
-                        flags: SendFlags::empty(),
-                    },
-                },
-            )],
+            vec![(qp.core, work)],
             Arc::clone(&cell),
             Some((deadline, timeout)),
             keep,
@@ -491,8 +481,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             })
         };
         let event = self
-            .gpu_context(gpu)
+            .gpu(gpu)
             .map_err(|e| failed(&e))?
+            .context
             .create_event()
             .map_err(|e| failed(&e))?;
         copy(stream).map_err(|e| failed(&e))?;

@@ -167,26 +167,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// (pageable host memory if pinning fails), registered on every NIC.
     fn bounce(&self, ordinal: Option<u32>, len: u64) -> Result<Bounce<V, C>, EngineError> {
         let pinned = ordinal
-            .and_then(|o| self.shared.nics.first().and_then(|n| n.ladder.gpu(o)))
+            .and_then(|o| self.gpu(o).ok())
             .and_then(|gpu| Buffer::alloc_pinned(&gpu.context, len).ok());
         let buffer = pinned.unwrap_or_else(|| Buffer::alloc_host(len));
         let region = self.register(&buffer)?;
         Ok(Bounce { region, buffer })
     }
 
-    pub(super) fn gpu_context(&self, ordinal: u32) -> Result<&C::Context, EngineError> {
-        self.shared
-            .nics
-            .first()
-            .and_then(|n| n.ladder.gpu(ordinal))
-            .map(|g| &g.context)
-            .ok_or_else(|| EngineError::Unavailable(format!("GPU {ordinal} is not the engine's")))
-    }
-
     /// Copies `into.len()` bytes at device address `src` of GPU `ordinal`
     /// into host buffer `into`.
     fn copy_from_gpu(&self, ordinal: u32, src: u64, into: &Buffer<C>) -> Result<(), EngineError> {
-        let stream = self.gpu_context(ordinal)?.create_stream()?;
+        let stream = self.gpu(ordinal)?.context.create_stream()?;
         // SAFETY: `into` is gdr's own host allocation of `into.len()` bytes,
         // written by nothing else while the bounce is private to this
         // transfer; `src..src + len` lies in a registered GPU region (its
@@ -198,7 +189,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Copies host buffer `from` to device address `dst` of GPU `ordinal`.
     fn copy_to_gpu(&self, ordinal: u32, dst: u64, from: &Buffer<C>) -> Result<(), EngineError> {
-        let stream = self.gpu_context(ordinal)?.create_stream()?;
+        let stream = self.gpu(ordinal)?.context.create_stream()?;
         // SAFETY: as in `copy_from_gpu`, the other way: `from` holds
         // `from.len()` bytes no NIC writes any more (its transfer ended).
         unsafe { stream.copy_host_to_device(dst, from.addr() as *const u8, from.len() as usize) }?;
