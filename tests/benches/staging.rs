@@ -8,7 +8,8 @@
 //!   device memory and pinned memory, on a stream, synchronised: the copy
 //!   stages alone;
 //! - `wire`: an engine WRITE of host memory into the peer's host memory:
-//!   the wire alone;
+//!   the wire alone; `wire_read`: the same bytes READ back (the direction
+//!   the owner of staged memory uses in a rendezvous);
 //! - `pipelined`: an engine WRITE from staged GPU memory into the peer's
 //!   host memory (device→host copies overlapped with the wire), and
 //!   `pipelined_in`: host memory into the peer's staged GPU memory (the
@@ -97,10 +98,19 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
             let (_gs, gpu_src) = w.a.alloc(Kind::Gpu, len, 2);
             let (_hd, host_dst) = w.b.alloc(Kind::Host, len, 0);
             let (_gd, gpu_dst) = w.b.alloc(Kind::Gpu, len, 0);
-            let (_g1, to_host) = w.b_grants(&host_dst, GrantRights::Write);
+            let (_g1, to_host) = w.b_grants(&host_dst, GrantRights::ReadWrite);
             let (_g2, to_gpu) = w.b_grants(&gpu_dst, GrantRights::Write);
             // The owner serves rendezvous on its driver thread.
             let _driver = w.b.engine.spawn_driver(Duration::from_micros(50));
+            // What a rendezvous adds on the requester's side: a grant
+            // of the range to the owner, announced, then revoked (a driver
+            // sends the announcements: nothing else makes progress here).
+            if *pipeline {
+                let _sender = w.a.engine.spawn_driver(Duration::from_micros(50));
+                group.bench_function(BenchmarkId::new("grant", len), |b| {
+                    b.iter(|| drop(w.ab.grant(&host_src, 0, len, GrantRights::Read).unwrap()))
+                });
+            }
             let mut run = |name: String, transfer: Transfer<'_, SimVerbsApi>| {
                 group.bench_function(BenchmarkId::new(name, len), |b| {
                     b.iter(|| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap())
@@ -110,6 +120,12 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
                 run(
                     "wire".into(),
                     Transfer::write(&host_src, 0, &to_host, 0, len),
+                );
+                // The owner's side of a rendezvous into staged GPU memory
+                // READs: the wire as that direction sees it.
+                run(
+                    "wire_read".into(),
+                    Transfer::read(&host_src, 0, &to_host, 0, len),
                 );
             }
             run(
