@@ -65,7 +65,7 @@ fi
 # Every loom model, unbounded; then each mutant (a deliberate bug in the
 # loom build) against the models named for it: each of those runs must fail.
 stage loom "$ROOT/scripts/loom-mutants.sh" || failed=1
-for target in descriptor handshake control; do
+for target in descriptor handshake control uri; do
   stage "fuzz-$target" "$ROOT/scripts/fuzz.sh" "${GDR_FUZZ_SECONDS:-20}" "$target" || failed=1
 done
 summary

@@ -92,6 +92,7 @@ pub mod ladder;
 mod lifetime;
 pub mod loopback;
 pub mod prelude;
+pub mod uri;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;
