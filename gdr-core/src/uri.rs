@@ -501,7 +501,7 @@ mod tests {
                 "lowercase hex",
             ),
             (
-                format!("gdr://v1/device/0/size/1/ipc"),
+                "gdr://v1/device/0/size/1/ipc".to_string(),
                 "expected \"a value\"",
             ),
             (v2("10", "10", "1"), "not inside the allocation"),
