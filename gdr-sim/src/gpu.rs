@@ -484,7 +484,8 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 } else {
                     AllocationKind::Legacy
                 },
-                gpu_direct_rdma_capable: gpu.config.gpu_direct_rdma_supported,
+                gpu_direct_rdma_capable: gpu.config.gpu_direct_rdma_supported
+                    && range.gpu_direct_rdma_capable,
             });
         }
         if addr >= memory::DEVICE_WINDOW_START {
@@ -678,6 +679,10 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn create_physical(&self, len: usize) -> Result<SimPhysicalMemory> {
+        self.create_physical_with(len, true)
+    }
+
+    fn create_physical_with(&self, len: usize, gpu_direct_rdma: bool) -> Result<SimPhysicalMemory> {
         const OP: &str = "cuMemCreate";
         self.vmm(OP)?;
         self.process.fault(FaultSite::CudaAlloc, &self.gpu, OP)?;
@@ -694,6 +699,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         let mut physical = Physical {
             backing: None,
             len,
+            gpu_direct_rdma_capable: gpu_direct_rdma && self.gpu.config.gpu_direct_rdma_supported,
             gpu: Arc::clone(&self.gpu),
         };
         let backing = Backing::new(len).map_err(|e| CudaError::Os {
@@ -704,6 +710,16 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         Ok(SimPhysicalMemory {
             inner: Arc::new(physical),
         })
+    }
+
+    fn address_range(&self, addr: u64) -> Result<(u64, u64)> {
+        check_alive(&self.gpu, "cuMemGetAddressRange")?;
+        let range = memory::lookup(addr).ok_or_else(|| CudaError::InvalidArgument {
+            operation: "cuMemGetAddressRange",
+            reason: format!("{addr:#x} is not mapped device memory"),
+            code: Some(1),
+        })?;
+        Ok((range.base, range.len as u64))
     }
 
     fn map(
@@ -746,6 +762,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             self.gpu.ordinal,
             self.process.id,
             self.gpu.config.peermem,
+            physical.inner.gpu_direct_rdma_capable,
             backing,
         )
         .ok_or_else(|| CudaError::InvalidArgument {
@@ -1184,6 +1201,7 @@ impl hal_cuda::VirtualReservation for SimVirtualReservation {
 struct Physical {
     backing: Option<Arc<Backing>>,
     len: usize,
+    gpu_direct_rdma_capable: bool,
     gpu: Arc<SimGpu>,
 }
 
@@ -1206,7 +1224,7 @@ impl hal_cuda::PhysicalMemory for SimPhysicalMemory {
     }
 
     fn gpu_direct_rdma_capable(&self) -> bool {
-        self.inner.gpu.config.gpu_direct_rdma_supported
+        self.inner.gpu_direct_rdma_capable
     }
 }
 
