@@ -28,8 +28,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use hal_cuda::{
-    Context as _, CudaError, DeviceMemory as _, IpcMapping as _, IpcMemHandle, MemoryType,
-    PinnedHostMemory as _, PointerAttributes,
+    AllocationKind, Context as _, CudaError, DeviceMemory as _, IpcMapping as _, IpcMemHandle,
+    MemoryType, PhysicalMemory as _, PinnedHostMemory as _, PointerAttributes,
+    VirtualReservation as _,
 };
 use hal_verbs::Api;
 
@@ -111,6 +112,90 @@ impl Drop for HostAllocation {
     }
 }
 
+/// One physical chunk of CUDA VMM memory behind a buffer: each mapped
+/// chunk is an allocation of its own for CUDA (its own buffer id), so a
+/// range over several is registered chunk by chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    /// First device address of the chunk (`cuMemGetAddressRange`).
+    pub base: u64,
+    /// Its size.
+    pub len: u64,
+    /// Its CUDA buffer id (a chunk mapped again gets a new one).
+    pub buffer_id: u64,
+    /// Whether it was created `gpuDirectRDMACapable`
+    /// (`CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE`); one that was
+    /// not is staged.
+    pub gpu_direct_rdma_capable: bool,
+}
+
+impl Chunk {
+    fn end(&self) -> u64 {
+        self.base + self.len
+    }
+}
+
+/// CUDA VMM memory gdr made: a reservation with physical chunks mapped
+/// into it. Field order is drop order: unmapped, then released, then the
+/// range freed (each mapping also keeps both alive).
+struct VmmMemory<C: hal_cuda::Api> {
+    _mappings: Vec<C::VirtualMapping>,
+    _physical: Vec<C::PhysicalMemory>,
+    _reservation: C::VirtualReservation,
+}
+
+/// The chunks of CUDA VMM memory covering `addr..end`, as the driver sees
+/// them now (pointer attributes and `cuMemGetAddressRange` at the start and
+/// at each chunk's end). An address inside the range with nothing mapped
+/// (a gap), or memory of another kind or GPU, is an error.
+fn walk_chunks<C: hal_cuda::Api>(
+    context: &C::Context,
+    operation: &'static str,
+    addr: u64,
+    end: u64,
+) -> Result<Vec<Chunk>, CudaError> {
+    let mut chunks = Vec::new();
+    let mut at = addr;
+    let mut ordinal = None;
+    while at < end {
+        let gap = |why: String| {
+            CudaError::invalid(
+                operation,
+                format!(
+                    "{} bytes at {addr:#x} are not all mapped CUDA VMM memory: {at:#x} {why}",
+                    end - addr
+                ),
+            )
+        };
+        let attrs = context
+            .pointer_attributes(at)
+            .map_err(|e| gap(format!("is not mapped ({e})")))?;
+        if attrs.memory_type != MemoryType::Device || attrs.buffer_id == 0 {
+            return Err(gap(format!("is {:?} memory", attrs.memory_type)));
+        }
+        if *ordinal.get_or_insert(attrs.device_ordinal) != attrs.device_ordinal {
+            return Err(gap(format!("belongs to GPU {:?}", attrs.device_ordinal)));
+        }
+        let (base, len) = context
+            .address_range(at)
+            .map_err(|e| gap(format!("has no address range ({e})")))?;
+        if len == 0 || base > at || base.saturating_add(len) <= at {
+            return Err(gap(format!(
+                "lies outside the range {base:#x}+{len:#x} the driver gives for it"
+            )));
+        }
+        let chunk = Chunk {
+            base,
+            len,
+            buffer_id: attrs.buffer_id,
+            gpu_direct_rdma_capable: attrs.gpu_direct_rdma_capable,
+        };
+        at = chunk.end();
+        chunks.push(chunk);
+    }
+    Ok(chunks)
+}
+
 enum Memory<C: hal_cuda::Api> {
     /// Host memory gdr allocated (pageable).
     Host(HostAllocation),
@@ -120,6 +205,8 @@ enum Memory<C: hal_cuda::Api> {
     Device(#[allow(dead_code)] C::DeviceMemory),
     /// Another process's allocation, mapped from its IPC handle.
     Ipc(#[allow(dead_code)] C::IpcMapping),
+    /// CUDA VMM memory gdr reserved, created and mapped.
+    Vmm(#[allow(dead_code)] VmmMemory<C>),
     /// The caller's memory.
     Borrowed,
 }
@@ -147,6 +234,9 @@ pub(crate) struct Target<'a> {
     pub(crate) buffer_id: u64,
     pub(crate) allocation_base: u64,
     pub(crate) allocation_size: u64,
+    /// False for a CUDA VMM chunk created without `gpuDirectRDMACapable`:
+    /// no GPUDirect rung is tried.
+    pub(crate) gpu_direct_rdma_capable: bool,
     pub(crate) owner: OwnerId,
     pub(crate) memory: &'a Arc<dyn Leased>,
 }
@@ -160,6 +250,9 @@ pub struct Buffer<C: hal_cuda::Api> {
     buffer_id: u64,
     allocation_base: u64,
     allocation_size: u64,
+    /// The physical chunks of CUDA VMM memory, as found when the buffer
+    /// was made (empty for other memory).
+    chunks: Vec<Chunk>,
     owner: OwnerId,
     release_timeout: Duration,
     registered_with: Mutex<Vec<Arc<dyn Forget>>>,
@@ -178,6 +271,7 @@ impl<C: hal_cuda::Api> fmt::Debug for Buffer<C> {
             Memory::Pinned(_) => "pinned",
             Memory::Device(_) => "device",
             Memory::Ipc(_) => "ipc",
+            Memory::Vmm(_) => "vmm",
             Memory::Borrowed => "borrowed",
         };
         f.debug_struct("Buffer")
@@ -186,6 +280,7 @@ impl<C: hal_cuda::Api> fmt::Debug for Buffer<C> {
             .field("memory_type", &self.memory_type)
             .field("device_ordinal", &self.device_ordinal)
             .field("buffer_id", &self.buffer_id)
+            .field("chunks", &self.chunks.len())
             .field("owner", &self.owner)
             .field("origin", &origin)
             .field("leases", &self.backing.leases.live())
@@ -221,6 +316,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
             buffer_id,
             allocation_base,
             allocation_size,
+            chunks: Vec::new(),
             owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             registered_with: Mutex::new(Vec::new()),
@@ -269,6 +365,56 @@ impl<C: hal_cuda::Api> Buffer<C> {
         Ok(Self::new(Memory::Ipc(mapping), addr, len, Some(attrs)))
     }
 
+    /// `len` bytes of CUDA VMM memory on `context`'s GPU, as PyTorch's
+    /// expandable segments and vLLM make it: a reserved range with physical
+    /// chunks of `chunk_len` bytes (a multiple of the VMM granularity)
+    /// mapped into it, each its own allocation for CUDA. The buffer owns
+    /// them all, freed like other memory gdr allocated.
+    pub fn alloc_vmm(context: &C::Context, len: u64, chunk_len: u64) -> Result<Self, CudaError> {
+        const OP: &str = "Buffer::alloc_vmm";
+        let granularity = context.vmm_granularity()? as u64;
+        if len == 0 || chunk_len == 0 || chunk_len % granularity != 0 {
+            return Err(CudaError::invalid(
+                OP,
+                format!(
+                    "{len} bytes in chunks of {chunk_len}: the chunk must be a positive \
+                     multiple of the granularity ({granularity}), and the length positive"
+                ),
+            ));
+        }
+        let chunks = len.div_ceil(chunk_len);
+        let reserved = chunks
+            .checked_mul(chunk_len)
+            .ok_or_else(|| CudaError::invalid(OP, format!("{len} bytes is too long")))?;
+        let reservation = context.reserve_address_range(alloc_size(OP, reserved)?)?;
+        let chunk = alloc_size(OP, chunk_len)?;
+        let mut physical = Vec::with_capacity(chunks as usize);
+        let mut mappings = Vec::with_capacity(chunks as usize);
+        for i in 0..chunks as usize {
+            let memory = context.create_physical(chunk)?;
+            mappings.push(context.map(&reservation, i * chunk, &memory)?);
+            physical.push(memory);
+        }
+        let addr = reservation.base();
+        let attrs = context.pointer_attributes(addr)?;
+        let found = walk_chunks::<C>(context, OP, addr, addr + len)?;
+        debug_assert!(
+            physical
+                .iter()
+                .zip(&found)
+                .all(|(p, c)| p.len() as u64 == c.len),
+            "one chunk per physical allocation"
+        );
+        let memory = Memory::Vmm(VmmMemory {
+            _mappings: mappings,
+            _physical: physical,
+            _reservation: reservation,
+        });
+        let mut buffer = Self::new(memory, addr, len, Some(attrs));
+        buffer.chunks = found;
+        Ok(buffer)
+    }
+
     /// Wraps `len` bytes at `addr` that the caller owns. The memory type is
     /// read from CUDA's pointer attributes when `context` is given (else it
     /// is taken as pageable host memory); `memory_type` overrides it. Memory
@@ -291,6 +437,20 @@ impl<C: hal_cuda::Api> Buffer<C> {
             return Err(invalid(format!("{len} bytes at {addr:#x} is not a range")));
         };
         let attrs = context.map(|c| c.pointer_attributes(addr)).transpose()?;
+        let vmm = attrs
+            .as_ref()
+            .filter(|a| a.allocation_kind == AllocationKind::VirtualMemoryManagement);
+        if let (Some(context), Some(a)) = (context, vmm) {
+            // Each mapped chunk is an allocation of its own: the range may
+            // cover several (but no gap).
+            let chunks = walk_chunks::<C>(context, "Buffer::wrap", addr, end)?;
+            let mut buffer = Self::new(Memory::Borrowed, addr, len, Some(*a));
+            buffer.chunks = chunks;
+            if let Some(kind) = memory_type {
+                buffer.memory_type = kind;
+            }
+            return Ok(buffer);
+        }
         if let Some(a) = attrs.as_ref().filter(|a| a.buffer_id != 0) {
             let alloc_end = a.allocation_base.saturating_add(a.allocation_size);
             if addr < a.allocation_base || end > alloc_end {
@@ -333,9 +493,19 @@ impl<C: hal_cuda::Api> Buffer<C> {
         self.device_ordinal
     }
 
-    /// The CUDA buffer id (0 for memory CUDA does not know).
+    /// The CUDA buffer id (0 for memory CUDA does not know; for CUDA VMM
+    /// memory, the first chunk's).
     pub fn buffer_id(&self) -> u64 {
         self.buffer_id
+    }
+
+    /// The physical chunks of CUDA VMM memory covering the buffer, in
+    /// address order, as found when it was made (the first may start
+    /// before the buffer, the last end after it); empty for other memory.
+    /// Registration reads them again for memory the caller owns, so a
+    /// chunk remapped since is registered anew.
+    pub fn chunks(&self) -> &[Chunk] {
+        &self.chunks
     }
 
     /// The id its cache entries are owned by.
@@ -453,9 +623,54 @@ impl<C: hal_cuda::Api> Buffer<C> {
             buffer_id: self.buffer_id,
             allocation_base: self.allocation_base,
             allocation_size: self.allocation_size,
+            gpu_direct_rdma_capable: true,
             owner: self.owner,
             memory: &self.leased,
         }
+    }
+
+    /// The target of the buffer's part in `chunk`: the chunk is the
+    /// allocation, and the cache never registers past the buffer or the
+    /// chunk.
+    fn chunk_target(&self, chunk: &Chunk) -> Target<'_> {
+        let start = self.addr.max(chunk.base);
+        let end = (self.addr + self.len).min(chunk.end());
+        Target {
+            addr: start,
+            len: end.saturating_sub(start),
+            buffer_id: chunk.buffer_id,
+            allocation_base: chunk.base,
+            allocation_size: chunk.len,
+            gpu_direct_rdma_capable: chunk.gpu_direct_rdma_capable,
+            ..self.target()
+        }
+    }
+
+    /// The chunks covering `addr..addr + len` of the buffer: read again from
+    /// the driver for memory the caller owns (a chunk unmapped and mapped
+    /// again has a new buffer id, so its old registrations are stale, never
+    /// reused), the ones found at allocation for gdr's own.
+    fn chunks_now<V: Api>(
+        &self,
+        ladder: &Ladder<V, C>,
+        addr: u64,
+        len: u64,
+    ) -> Result<Vec<Chunk>, LadderError> {
+        let end = addr + len;
+        if !self.borrowed() {
+            return Ok(self
+                .chunks
+                .iter()
+                .filter(|c| c.base < end && addr < c.end())
+                .copied()
+                .collect());
+        }
+        let ordinal = self.device_ordinal.unwrap_or(0);
+        let gpu = ladder
+            .gpu(ordinal)
+            .ok_or(LadderError::UnknownGpu { ordinal })?;
+        walk_chunks::<C>(&gpu.context, "register", addr, end)
+            .map_err(|source| LadderError::Attributes { addr, source })
     }
 
     /// Registers `len` bytes at `offset` with `ladder`'s NIC, on the first
@@ -483,8 +698,58 @@ impl<C: hal_cuda::Api> Buffer<C> {
         offset: u64,
         len: u64,
     ) -> Result<LadderRegistration<V>, LadderError> {
+        let mut pieces = self.register_pieces(ladder, offset, len)?;
+        if pieces.len() != 1 {
+            return Err(LadderError::SpansChunks {
+                addr: self.addr + offset,
+                len,
+                chunks: pieces.len(),
+            });
+        }
+        Ok(pieces.remove(0).registration)
+    }
+
+    /// Registers `len` bytes at `offset` as [`Buffer::register_owned`]
+    /// does, one registration per physical chunk of CUDA VMM memory the
+    /// range covers (one for other memory), in address order. A chunk no
+    /// GPUDirect rung takes is on the staging rung, like any GPU memory.
+    pub(crate) fn register_pieces<V: Api>(
+        &self,
+        ladder: &Ladder<V, C>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<Piece<V>>, LadderError> {
         let addr = range_within(self.addr, self.len, offset, len)?;
-        let inner = ladder.register_target(&self.target(), addr, len)?;
+        let pieces = if self.chunks.is_empty() {
+            vec![Piece {
+                offset: 0,
+                registration: ladder.register_target(&self.target(), addr, len)?,
+            }]
+        } else {
+            let end = addr + len;
+            self.chunks_now(ladder, addr, len)?
+                .iter()
+                .map(|chunk| {
+                    let start = addr.max(chunk.base);
+                    let registration = ladder.register_target(
+                        &self.chunk_target(chunk),
+                        start,
+                        end.min(chunk.end()) - start,
+                    )?;
+                    Ok(Piece {
+                        offset: start - addr,
+                        registration,
+                    })
+                })
+                .collect::<Result<Vec<_>, LadderError>>()?
+        };
+        self.remember(ladder);
+        Ok(pieces)
+    }
+
+    /// Notes that `ladder` holds registrations of the buffer, to unlink
+    /// them when it goes.
+    fn remember<V: Api>(&self, ladder: &Ladder<V, C>) {
         let forget = ladder.forgetter();
         let mut registered = self
             .registered_with
@@ -493,7 +758,6 @@ impl<C: hal_cuda::Api> Buffer<C> {
         if !registered.iter().any(|f| Arc::ptr_eq(f, forget)) {
             registered.push(Arc::clone(forget));
         }
-        Ok(inner)
     }
 
     /// Registers `len` bytes at `offset` and grants them to a peer with
@@ -580,6 +844,24 @@ impl<C: hal_cuda::Api> Drop for Buffer<C> {
 fn alloc_size(what: &'static str, len: u64) -> Result<usize, CudaError> {
     usize::try_from(len)
         .map_err(|_| CudaError::invalid(what, format!("{len} bytes do not fit the address space")))
+}
+
+/// The part of a registered range lying in one physical chunk: its offset
+/// from the range's start and its registration.
+pub struct Piece<V: Api> {
+    /// Bytes from the start of the registered range.
+    pub offset: u64,
+    /// The part's registration.
+    pub registration: LadderRegistration<V>,
+}
+
+impl<V: Api> fmt::Debug for Piece<V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Piece")
+            .field("offset", &self.offset)
+            .field("registration", &self.registration)
+            .finish()
+    }
 }
 
 /// A range of a [`Buffer`] registered on one NIC, borrowing the buffer.

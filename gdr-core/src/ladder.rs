@@ -305,6 +305,21 @@ pub enum LadderError {
         #[source]
         source: RegisterError,
     },
+    /// The range covers several physical chunks of CUDA VMM memory, and
+    /// one registration covers one chunk: register it through the engine
+    /// (a region of one registration per chunk), or chunk by chunk.
+    #[error(
+        "{len} bytes at {addr:#x} cover {chunks} physical chunks of CUDA VMM memory; \
+         one registration covers one chunk"
+    )]
+    SpansChunks {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// Chunks covered.
+        chunks: usize,
+    },
     /// The policy forbids every rung that would work.
     #[error("no rung the policy {policy:?} allows works: {}", list(failures))]
     NoAllowedRung {
@@ -1343,6 +1358,19 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         };
         let mut failures = Vec::new();
         for rung in [Rung::Dmabuf, Rung::Peermem] {
+            if !target.gpu_direct_rdma_capable {
+                // The driver may export such memory (the H200 does), but
+                // whether a NIC can take it is unknown: it is staged.
+                failures.push(RungFailure {
+                    rung,
+                    refusal: Refusal::Gpu(format!(
+                        "the CUDA VMM chunk at {base:#x} was created without \
+                         gpuDirectRDMACapable (IS_GPU_DIRECT_RDMA_CAPABLE is 0)"
+                    )),
+                    from_probe: false,
+                });
+                continue;
+            }
             if !self.config.policy.allows(rung) {
                 failures.push(RungFailure {
                     rung,

@@ -349,6 +349,49 @@ impl SimGpuContext {
     }
 }
 
+impl SimGpuContext {
+    /// `len` bytes at device address `addr`, resolved to host memory one
+    /// piece per mapping they cover: CUDA VMM chunks mapped side by side in
+    /// one reservation are one range to the GPU's copies, as on the real
+    /// driver; other allocations must hold the whole range.
+    fn device_spans(&self, addr: u64, len: usize, operation: &'static str) -> Result<Vec<Span>> {
+        let end = addr + len as u64;
+        let mut spans = Vec::new();
+        let mut at = addr;
+        let mut reservation = None;
+        loop {
+            let here = memory::lookup(at)
+                .filter(|r| reservation.is_none() || r.reservation == reservation)
+                .ok_or_else(|| {
+                    CudaError::invalid(
+                        operation,
+                        format!("{len} bytes at {addr:#x}: {at:#x} is not device memory"),
+                    )
+                })?;
+            let left = (here.base + here.len as u64 - at).min(end - at);
+            let resolved = self.device_range(at, left as usize, operation)?;
+            spans.push(Span {
+                at: resolved,
+                len: left as usize,
+            });
+            at += left;
+            if at >= end {
+                return Ok(spans);
+            }
+            if here.reservation.is_none() {
+                return Err(CudaError::invalid(
+                    operation,
+                    format!(
+                        "{len} bytes at {addr:#x} run past the allocation at {:#x} ({} bytes)",
+                        here.base, here.len
+                    ),
+                ));
+            }
+            reservation = here.reservation;
+        }
+    }
+}
+
 impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     fn ordinal(&self) -> u32 {
         self.gpu.ordinal
@@ -484,7 +527,8 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 } else {
                     AllocationKind::Legacy
                 },
-                gpu_direct_rdma_capable: gpu.config.gpu_direct_rdma_supported,
+                gpu_direct_rdma_capable: gpu.config.gpu_direct_rdma_supported
+                    && range.gpu_direct_rdma_capable,
             });
         }
         if addr >= memory::DEVICE_WINDOW_START {
@@ -678,6 +722,10 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn create_physical(&self, len: usize) -> Result<SimPhysicalMemory> {
+        self.create_physical_with(len, true)
+    }
+
+    fn create_physical_with(&self, len: usize, gpu_direct_rdma: bool) -> Result<SimPhysicalMemory> {
         const OP: &str = "cuMemCreate";
         self.vmm(OP)?;
         self.process.fault(FaultSite::CudaAlloc, &self.gpu, OP)?;
@@ -694,6 +742,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         let mut physical = Physical {
             backing: None,
             len,
+            gpu_direct_rdma_capable: gpu_direct_rdma && self.gpu.config.gpu_direct_rdma_supported,
             gpu: Arc::clone(&self.gpu),
         };
         let backing = Backing::new(len).map_err(|e| CudaError::Os {
@@ -704,6 +753,16 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         Ok(SimPhysicalMemory {
             inner: Arc::new(physical),
         })
+    }
+
+    fn address_range(&self, addr: u64) -> Result<(u64, u64)> {
+        check_alive(&self.gpu, "cuMemGetAddressRange")?;
+        let range = memory::lookup(addr).ok_or_else(|| CudaError::InvalidArgument {
+            operation: "cuMemGetAddressRange",
+            reason: format!("{addr:#x} is not mapped device memory"),
+            code: Some(1),
+        })?;
+        Ok((range.base, range.len as u64))
     }
 
     fn map(
@@ -746,6 +805,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             self.gpu.ordinal,
             self.process.id,
             self.gpu.config.peermem,
+            physical.inner.gpu_direct_rdma_capable,
             backing,
         )
         .ok_or_else(|| CudaError::InvalidArgument {
@@ -808,26 +868,78 @@ struct Resolved {
 // memory stays valid until the copy completes.
 unsafe impl Send for Resolved {}
 
+impl Resolved {
+    fn offset(&self, by: usize) -> Self {
+        Self {
+            ptr: self.ptr.wrapping_add(by),
+            _keep: self._keep.clone(),
+        }
+    }
+}
+
+/// A piece of a copy's endpoint: `len` bytes at `at`.
+#[derive(Debug)]
+struct Span {
+    at: Resolved,
+    len: usize,
+}
+
+/// Pairs the pieces of a copy's two endpoints (cut where either one's
+/// pieces are): `(dst, src, len)` each.
+fn pair(dst: Vec<Span>, src: Vec<Span>) -> Vec<(Resolved, Resolved, usize)> {
+    let mut pairs = Vec::new();
+    let mut src = src.into_iter();
+    let mut from = src.next();
+    let mut used_src = 0;
+    for d in dst {
+        let mut done = 0;
+        while done < d.len {
+            let Some(s) = &from else { return pairs };
+            let len = (d.len - done).min(s.len - used_src);
+            pairs.push((d.at.offset(done), s.at.offset(used_src), len));
+            done += len;
+            used_src += len;
+            if used_src == s.len {
+                from = src.next();
+                used_src = 0;
+            }
+        }
+    }
+    pairs
+}
+
+fn host_span(ptr: *const u8, len: usize) -> Vec<Span> {
+    vec![Span {
+        at: Resolved {
+            ptr: ptr.cast_mut(),
+            _keep: None,
+        },
+        len,
+    }]
+}
+
 #[derive(Debug)]
 enum Work {
-    Copy {
-        dst: Resolved,
-        src: Resolved,
-        len: usize,
-    },
+    /// Copies each `(dst, src, len)` in turn.
+    Copy(Vec<(Resolved, Resolved, usize)>),
     Fill {
-        dst: Resolved,
+        dst: Vec<Span>,
         value: u8,
-        len: usize,
     },
     Wait {
         queue: Arc<Mutex<StreamQueue>>,
         upto: u64,
     },
     /// Blocks the stream until the word at `at` is at least `value`.
-    WaitValue { at: Resolved, value: u32 },
+    WaitValue {
+        at: Resolved,
+        value: u32,
+    },
     /// Stores `value` at `at`.
-    WriteValue { at: Resolved, value: u32 },
+    WriteValue {
+        at: Resolved,
+        value: u32,
+    },
 }
 
 /// The 32-bit word a stream memory operation reads or writes.
@@ -857,15 +969,19 @@ fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
             return;
         };
         match work {
-            Work::Copy { dst, src, len } => {
-                // SAFETY: both ranges were checked to lie in live memory when
-                // queued, and the caller of the unsafe copy promised they stay
-                // valid until completion; `copy` allows overlap.
-                unsafe { std::ptr::copy(src.ptr, dst.ptr, len) }
+            Work::Copy(pieces) => {
+                for (dst, src, len) in pieces {
+                    // SAFETY: both ranges were checked to lie in live memory
+                    // when queued, and the caller of the unsafe copy promised
+                    // they stay valid until completion; `copy` allows overlap.
+                    unsafe { std::ptr::copy(src.ptr, dst.ptr, len) }
+                }
             }
-            Work::Fill { dst, value, len } => {
-                // SAFETY: as for copies.
-                unsafe { std::ptr::write_bytes(dst.ptr, value, len) }
+            Work::Fill { dst, value } => {
+                for span in dst {
+                    // SAFETY: as for copies.
+                    unsafe { std::ptr::write_bytes(span.at.ptr, value, span.len) }
+                }
             }
             Work::Wait { queue: other, upto } => {
                 // Another stream's lock is taken with ours released, so two
@@ -928,29 +1044,29 @@ impl SimStream {
 impl hal_cuda::Stream<SimCudaApi> for SimStream {
     unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
         const OP: &str = "cuMemcpyHtoDAsync";
-        let dst = self.ctx.device_range(dst, len, OP)?;
-        let src = Self::host(src, len, OP)?;
-        self.enqueue(OP, Work::Copy { dst, src, len })
+        let dst = self.ctx.device_spans(dst, len, OP)?;
+        Self::host(src, len, OP)?;
+        self.enqueue(OP, Work::Copy(pair(dst, host_span(src, len))))
     }
 
     unsafe fn copy_device_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
         const OP: &str = "cuMemcpyDtoHAsync";
-        let src = self.ctx.device_range(src, len, OP)?;
-        let dst = Self::host(dst, len, OP)?;
-        self.enqueue(OP, Work::Copy { dst, src, len })
+        let src = self.ctx.device_spans(src, len, OP)?;
+        Self::host(dst, len, OP)?;
+        self.enqueue(OP, Work::Copy(pair(host_span(dst, len), src)))
     }
 
     unsafe fn copy_device_to_device(&self, dst: u64, src: u64, len: usize) -> Result<()> {
         const OP: &str = "cuMemcpyDtoDAsync";
-        let dst = self.ctx.device_range(dst, len, OP)?;
-        let src = self.ctx.device_range(src, len, OP)?;
-        self.enqueue(OP, Work::Copy { dst, src, len })
+        let dst = self.ctx.device_spans(dst, len, OP)?;
+        let src = self.ctx.device_spans(src, len, OP)?;
+        self.enqueue(OP, Work::Copy(pair(dst, src)))
     }
 
     unsafe fn memset(&self, dst: u64, value: u8, len: usize) -> Result<()> {
         const OP: &str = "cuMemsetD8Async";
-        let dst = self.ctx.device_range(dst, len, OP)?;
-        self.enqueue(OP, Work::Fill { dst, value, len })
+        let dst = self.ctx.device_spans(dst, len, OP)?;
+        self.enqueue(OP, Work::Fill { dst, value })
     }
 
     fn record(&self, event: &SimEvent) -> Result<()> {
@@ -1184,6 +1300,7 @@ impl hal_cuda::VirtualReservation for SimVirtualReservation {
 struct Physical {
     backing: Option<Arc<Backing>>,
     len: usize,
+    gpu_direct_rdma_capable: bool,
     gpu: Arc<SimGpu>,
 }
 
@@ -1206,7 +1323,7 @@ impl hal_cuda::PhysicalMemory for SimPhysicalMemory {
     }
 
     fn gpu_direct_rdma_capable(&self) -> bool {
-        self.inner.gpu.config.gpu_direct_rdma_supported
+        self.inner.gpu_direct_rdma_capable
     }
 }
 

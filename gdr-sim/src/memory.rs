@@ -88,6 +88,9 @@ pub struct DeviceRange {
     /// Its address is not recycled by the allocator when unmapped (the
     /// reservation owns it).
     pub reservation: Option<(u64, u64)>,
+    /// False for VMM memory created without `gpuDirectRDMACapable` (its
+    /// `IS_GPU_DIRECT_RDMA_CAPABLE` reads 0).
+    pub gpu_direct_rdma_capable: bool,
 }
 
 #[derive(Default)]
@@ -156,6 +159,7 @@ pub(crate) fn map(
         peermem,
         backing,
         reservation: None,
+        gpu_direct_rdma_capable: true,
     });
     space.ranges.insert(base, Arc::clone(&range));
     range
@@ -175,6 +179,7 @@ pub(crate) fn reserve(len: u64) -> u64 {
 /// Maps `backing` at the fixed address `base` (`cuMemMap` into
 /// `reservation`, its `(base, len)`), with a fresh buffer id; `None` if any
 /// byte of `base..base+len` is mapped already.
+#[allow(clippy::too_many_arguments)] // one per field of the range
 pub(crate) fn map_fixed(
     reservation: (u64, u64),
     base: u64,
@@ -182,6 +187,7 @@ pub(crate) fn map_fixed(
     ordinal: u32,
     process: u64,
     peermem: bool,
+    gpu_direct_rdma_capable: bool,
     backing: Arc<Backing>,
 ) -> Option<Arc<DeviceRange>> {
     let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
@@ -203,6 +209,7 @@ pub(crate) fn map_fixed(
         peermem,
         backing,
         reservation: Some(reservation),
+        gpu_direct_rdma_capable,
     });
     space.ranges.insert(base, Arc::clone(&range));
     Some(range)

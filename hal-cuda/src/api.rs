@@ -114,6 +114,15 @@ pub trait Context<A: Api>: Send + Sync + Debug {
     /// memory on this device (`cuMemCreate`), GPUDirect RDMA capable where
     /// the device supports that for VMM memory.
     fn create_physical(&self, len: usize) -> Result<A::PhysicalMemory>;
+    /// As [`Context::create_physical`], with `gpuDirectRDMACapable` asked
+    /// for only when `gpu_direct_rdma` is true (and the device supports it):
+    /// memory as other allocators (PyTorch, vLLM) may create it.
+    fn create_physical_with(&self, len: usize, gpu_direct_rdma: bool) -> Result<A::PhysicalMemory>;
+    /// `cuMemGetAddressRange`: the base and size of the allocation holding
+    /// `addr`; for CUDA VMM memory, of the one mapped physical chunk (where
+    /// [`Context::pointer_attributes`] may report the whole reservation).
+    /// An error for an address nothing is mapped at.
+    fn address_range(&self, addr: u64) -> Result<(u64, u64)>;
     /// Maps all of `physical` at `reservation.base() + offset` (`cuMemMap`;
     /// `offset` a multiple of the granularity, the range inside the
     /// reservation and not mapped already) and gives this device read and

@@ -128,14 +128,127 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
         if buffer.memory_type() != hal_cuda::MemoryType::Device {
             return buffer.to_vec().expect("host memory is CPU-readable");
         }
+        self.device_bytes(buffer.addr(), buffer.len() as usize)
+    }
+
+    /// `len` bytes of device memory at `addr`, through a stream copy.
+    pub fn device_bytes(&self, addr: u64, len: usize) -> Vec<u8> {
         let ctx = self.cuda.context(0).unwrap();
-        let mut out = vec![0; buffer.len() as usize];
+        let mut out = vec![0; len];
         let stream = ctx.create_stream().unwrap();
-        // SAFETY: `out` holds the buffer's length, and the stream is
-        // synchronised before `out` is read.
-        unsafe { stream.copy_device_to_host(out.as_mut_ptr(), buffer.addr(), out.len()) }.unwrap();
+        // SAFETY: `out` holds `len` bytes, the caller names `len` mapped
+        // bytes at `addr`, and the stream is synchronised before `out` is
+        // read.
+        unsafe { stream.copy_device_to_host(out.as_mut_ptr(), addr, len) }.unwrap();
         stream.synchronize().unwrap();
         out
+    }
+
+    /// Copies `data` into device memory at `addr` (mapped for its length).
+    pub fn write_device(&self, addr: u64, data: &[u8]) {
+        let ctx = self.cuda.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        // SAFETY: the caller names `data.len()` mapped bytes at `addr`; the
+        // stream is synchronised before `data` goes.
+        unsafe { stream.copy_host_to_device(addr, data.as_ptr(), data.len()) }.unwrap();
+        stream.synchronize().unwrap();
+    }
+
+    /// CUDA VMM memory as PyTorch's allocator makes it: a reservation of
+    /// `slots` chunks of the granularity, the first `chunks` mapped, each
+    /// created `gpuDirectRDMACapable` unless its index is in `plain`.
+    /// `None` (the reason printed) where the GPU has no VMM API.
+    pub fn vmm_memory(&self, slots: usize, chunks: usize, plain: &[usize]) -> Option<VmmMemory<C>> {
+        use hal_cuda::VirtualReservation as _;
+        let ctx = self.cuda.context(0).unwrap();
+        let chunk = match ctx.vmm_granularity() {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("no CUDA VMM: {e}");
+                return None;
+            }
+        };
+        let reservation = ctx.reserve_address_range(slots * chunk).unwrap();
+        let mut memory = VmmMemory {
+            base: reservation.base(),
+            chunk: chunk as u64,
+            mappings: Vec::new(),
+            physical: Vec::new(),
+            reservation,
+        };
+        for i in 0..chunks {
+            let physical = ctx
+                .create_physical_with(chunk, !plain.contains(&i))
+                .unwrap();
+            memory.mappings.push(Some(
+                ctx.map(&memory.reservation, i * chunk, &physical).unwrap(),
+            ));
+            memory.physical.push(physical);
+        }
+        Some(memory)
+    }
+
+    /// `len` bytes at `offset` of `memory` holding `pattern(len, seed)`,
+    /// wrapped as a buffer (pointer attributes read: its chunks found) and
+    /// registered.
+    pub fn wrap_vmm(
+        &self,
+        memory: &VmmMemory<C>,
+        offset: u64,
+        len: u64,
+        seed: u8,
+    ) -> (WorldBuffer<C>, Region<V>) {
+        let addr = memory.base + offset;
+        self.write_device(addr, &pattern(len as usize, seed));
+        let ctx = self.cuda.context(0).unwrap();
+        // SAFETY: the range is mapped (the caller's `memory`), and tests
+        // drop the buffer before the memory (or remap under it on purpose,
+        // to see the remap detected).
+        let buffer = unsafe { Buffer::wrap(Some(&ctx), addr, len, None) }.unwrap();
+        let region = self.engine.register(&buffer).unwrap();
+        (buffer, region)
+    }
+}
+
+/// CUDA VMM memory made through the HAL ([`Side::vmm_memory`]). Field order
+/// is drop order.
+#[derive(Debug)]
+pub struct VmmMemory<C: hal_cuda::Api> {
+    /// The mapping of each chunk slot (`None`: unmapped).
+    pub mappings: Vec<Option<C::VirtualMapping>>,
+    /// The physical chunks created, in order.
+    pub physical: Vec<C::PhysicalMemory>,
+    /// The reserved range.
+    pub reservation: C::VirtualReservation,
+    /// Its first address.
+    pub base: u64,
+    /// The chunk size (the VMM granularity).
+    pub chunk: u64,
+}
+
+impl<C: hal_cuda::Api> VmmMemory<C> {
+    /// Unmaps slot `slot`'s chunk and maps fresh physical memory there (a
+    /// new buffer id at the same address); the old physical memory is
+    /// mapped at slot `spare` (to read what it holds). Returns the old
+    /// chunk's address there.
+    pub fn remap(&mut self, ctx: &C::Context, slot: usize, spare: usize) -> u64 {
+        use hal_cuda::VirtualMapping as _;
+        let chunk = self.chunk as usize;
+        drop(self.mappings[slot].take());
+        let fresh = ctx.create_physical(chunk).unwrap();
+        let mapped = ctx.map(&self.reservation, slot * chunk, &fresh).unwrap();
+        assert_eq!(mapped.device_ptr(), self.base + (slot * chunk) as u64);
+        self.mappings[slot] = Some(mapped);
+        let old = ctx
+            .map(&self.reservation, spare * chunk, &self.physical[slot])
+            .unwrap();
+        let at = old.device_ptr();
+        while self.mappings.len() <= spare {
+            self.mappings.push(None);
+        }
+        self.mappings[spare] = Some(old);
+        self.physical.push(fresh);
+        at
     }
 }
 
@@ -275,6 +388,169 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
             "{what} READ {to:?}->{from:?}: the data"
         );
         (src.rungs(), dst.rungs(), remote)
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
+    /// Runs `transfers` on `peer` as one batch and waits for it.
+    fn run(&self, peer: &WorldPeer<V, C>, transfers: &[Transfer<'_, V>], what: &str) {
+        peer.submit(transfers)
+            .unwrap_or_else(|e| panic!("{what}: submit: {e}"))
+            .wait(self.timeout)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+
+    /// The CUDA VMM scenario: a's buffer wraps 3 chunks and 1000 bytes of
+    /// VMM memory (four chunks, starting 12345 bytes into the first; the
+    /// chunks whose index is in `plain` created without
+    /// `gpuDirectRDMACapable`), b's is [`Buffer::alloc_vmm`] memory of the
+    /// same length, granted to a. a WRITEs all of its buffer into b's and
+    /// READs it back (after clearing its own) in three transfers cut off
+    /// the chunk boundaries; then a grants its buffer to b, which READs two
+    /// chunks' worth across a boundary and WRITEs across another. Every
+    /// byte is verified. Returns the rung of each of a's pieces (on its
+    /// first NIC) and the descriptor b got for a's grant; `None` where the
+    /// GPU has no VMM API.
+    pub fn vmm_round_trip(&self, plain: &[usize]) -> Option<(Vec<Rung>, MemoryDescriptor)> {
+        let memory = self.a.vmm_memory(4, 4, plain)?;
+        let g = memory.chunk;
+        let (offset, len, seed) = (12_345, 3 * g + 1000, 21);
+        let want = pattern(len as usize, seed);
+        let (src_buf, src) = self.a.wrap_vmm(&memory, offset, len, seed);
+        assert_eq!(src_buf.chunks().len(), 4, "the range covers four chunks");
+        let pieces = src.pieces(0).unwrap();
+        let offsets: Vec<u64> = pieces.iter().map(|p| p.offset).collect();
+        // Chunk k starts k * g - offset bytes into the buffer.
+        let boundary = |k: u64| k * g - offset;
+        assert_eq!(
+            offsets,
+            [0, boundary(1), boundary(2), boundary(3)],
+            "one piece per chunk"
+        );
+        let rungs: Vec<Rung> = pieces.iter().map(|p| p.registration.rung()).collect();
+
+        let ctx = self.b.cuda.context(0).unwrap();
+        let dst_buf = Buffer::<C>::alloc_vmm(&ctx, len, g).unwrap();
+        assert_eq!(dst_buf.chunks().len(), 4);
+        let dst = self.b.engine.register(&dst_buf).unwrap();
+        let (_g, remote) = self.b_grants(&dst, GrantRights::ReadWrite);
+        self.run(
+            &self.ab,
+            &[Transfer::write(&src, 0, &remote, 0, len)],
+            "VMM WRITE",
+        );
+        assert!(self.b.bytes(&dst_buf) == want, "VMM WRITE: the data");
+
+        self.a.write_device(src_buf.addr(), &vec![0; len as usize]);
+        let cuts = [0, boundary(1) - 7, boundary(2) + 13, len];
+        let reads: Vec<_> = cuts
+            .windows(2)
+            .map(|c| Transfer::read(&src, c[0], &remote, c[0], c[1] - c[0]))
+            .collect();
+        self.run(&self.ab, &reads, "VMM READ back");
+        assert!(self.a.bytes(&src_buf) == want, "VMM READ back: the data");
+
+        // b reaches a's chunks through a's grant.
+        let (_a_grant, a_remote) = grant_to(
+            &self.ab,
+            &self.ba,
+            &src,
+            GrantRights::ReadWrite,
+            self.timeout,
+        );
+        let (across, at) = (2 * g, boundary(1) - 100);
+        let (host_buf, host) = self.b.host(across, 0);
+        self.run(
+            &self.ba,
+            &[Transfer::read(&host, 0, &a_remote, at, across)],
+            "b READs a's chunks",
+        );
+        assert!(
+            host_buf.to_vec().unwrap()[..] == want[at as usize..(at + across) as usize],
+            "b READs a's chunks: the data"
+        );
+        let (put, put_at) = (g + 200, boundary(2) - g / 2);
+        let (_h, from) = self.b.host(put, 77);
+        self.run(
+            &self.ba,
+            &[Transfer::write(&from, 0, &a_remote, put_at, put)],
+            "b WRITEs a's chunks",
+        );
+        let mut expect = want;
+        expect[put_at as usize..(put_at + put) as usize]
+            .copy_from_slice(&pattern(put as usize, 77));
+        assert!(
+            self.a.bytes(&src_buf) == expect,
+            "b WRITEs a's chunks: the data"
+        );
+        Some((rungs, a_remote))
+    }
+
+    /// A chunk remapped under a registered CUDA VMM buffer is registered
+    /// anew: a's buffer wraps three chunks (a fourth slot spare), is
+    /// registered and READ into; then chunk 1 is unmapped and fresh
+    /// physical memory mapped at the same address (a new buffer id), the
+    /// old chunk mapped in the spare slot. Registering the buffer again
+    /// gives chunk 1 a new registration (chunks 0 and 2 hit the cache:
+    /// where not staged), and a READ into it lands in the new memory,
+    /// never the old. `None` where the GPU has no VMM API.
+    pub fn vmm_remap_is_stale(&self) -> Option<()> {
+        let mut memory = self.a.vmm_memory(4, 3, &[])?;
+        let g = memory.chunk;
+        let (offset, len) = (100, 3 * g - 200);
+        let (src_buf, src) = self.b.host(len, 31);
+        let (_g, remote) = self.b_grants(&src, GrantRights::Read);
+        let (buf, first) = self.a.wrap_vmm(&memory, offset, len, 0);
+        self.run(
+            &self.ab,
+            &[Transfer::read(&first, 0, &remote, 0, len)],
+            "READ before the remap",
+        );
+        assert!(self.a.bytes(&buf) == pattern(len as usize, 31));
+
+        let ctx = self.a.cuda.context(0).unwrap();
+        let old_at = memory.remap(&ctx, 1, 3);
+        let now = ctx.pointer_attributes(memory.base + g).unwrap();
+        assert_ne!(
+            now.buffer_id,
+            buf.chunks()[1].buffer_id,
+            "the remapped chunk has a new buffer id"
+        );
+        src_buf.write_at(0, &pattern(len as usize, 32)).unwrap();
+        let again = self.a.engine.register(&buf).unwrap();
+        let (before, after) = (first.pieces(0).unwrap(), again.pieces(0).unwrap());
+        assert_eq!(after.len(), 3);
+        for (i, (b, a)) in before.iter().zip(after).enumerate() {
+            let (Some(old), Some(new)) = (b.registration.handle(), a.registration.handle()) else {
+                assert_eq!(a.registration.rung(), Rung::Staging, "no MR: staged");
+                continue;
+            };
+            assert_eq!(
+                old.same_registration(new),
+                i != 1,
+                "chunk {i}: a cache hit unless remapped"
+            );
+            if i == 1 {
+                assert_eq!(new.identity().buffer_id(), Some(now.buffer_id));
+            }
+        }
+        self.run(
+            &self.ab,
+            &[Transfer::read(&again, 0, &remote, 0, len)],
+            "READ after the remap",
+        );
+        assert!(
+            self.a.bytes(&buf) == pattern(len as usize, 32),
+            "the READ landed in the memory mapped now"
+        );
+        let old_chunk = self.a.device_bytes(old_at, g as usize);
+        let old_part = &pattern(len as usize, 31)[(g - offset) as usize..(2 * g - offset) as usize];
+        assert!(
+            old_chunk == old_part,
+            "the old chunk kept what it held: nothing went through a stale MR"
+        );
+        drop((again, first, buf));
+        Some(())
     }
 }
 

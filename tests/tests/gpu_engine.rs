@@ -141,3 +141,42 @@ fn a_stream_fence_on_the_real_gpu() {
         );
     }
 }
+
+/// CUDA VMM memory on the real driver through the engine over the sim NIC:
+/// four chunks (cuMemCreate/cuMemMap, 2 MiB each on the H200) wrapped as
+/// one buffer, one piece per chunk, WRITE and READ back across chunk
+/// boundaries, and the peer through a's grant; data verified. The sim NIC
+/// cannot reach the real GPU's memory, so every piece is staged: the
+/// staging copies run over the chunks of one reservation.
+#[test]
+fn vmm_chunks_through_the_engine_on_the_real_gpu() {
+    let name = "vmm_chunks_through_the_engine_on_the_real_gpu";
+    let Some(w) = world(name, Policy::Fallback, true) else {
+        return;
+    };
+    let Some((rungs, granted)) = w.vmm_round_trip(&[]) else {
+        gdr_tests::skip_gpu(name, "the GPU has no CUDA VMM API");
+        return;
+    };
+    eprintln!("pieces' rungs {rungs:?}, a's grant {:?}", granted.reach);
+    assert_eq!(rungs.len(), 4, "one piece per chunk");
+    // A chunk created without gpuDirectRDMACapable moves too.
+    let Some((rungs, _)) = w.vmm_round_trip(&[1]) else {
+        return;
+    };
+    assert_eq!(rungs[1], Rung::Staging, "the plain chunk is staged");
+}
+
+/// A chunk remapped at the same address under a registered buffer (the
+/// driver gives it a new buffer id) is registered anew, and a READ lands
+/// in the memory mapped now, not the old chunk.
+#[test]
+fn a_vmm_chunk_remapped_on_the_real_gpu_is_registered_anew() {
+    let name = "a_vmm_chunk_remapped_on_the_real_gpu_is_registered_anew";
+    let Some(w) = world(name, Policy::Fallback, true) else {
+        return;
+    };
+    if w.vmm_remap_is_stale().is_none() {
+        gdr_tests::skip_gpu(name, "the GPU has no CUDA VMM API");
+    }
+}

@@ -68,6 +68,7 @@ pub mod fence;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub mod pipeline;
+mod region;
 pub mod staging;
 pub mod topology;
 pub mod wire;
@@ -92,13 +93,14 @@ use hal_verbs::{
 use crate::buffer::Buffer;
 use crate::cache::{CacheConfig, RegistrationCache};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
-use crate::ladder::{DmabufExports, Gpu, Grant, Ladder, LadderConfig, LadderRegistration, Rung};
+use crate::ladder::{DmabufExports, Gpu, Grant, Ladder, LadderConfig, Rung};
 use crate::sync::{Mutex, MutexGuard, lock};
 
 pub use self::completion::{CompletionCell, Outcome};
 use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
 pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
+pub use self::region::Region;
 use self::wire::{Control, Hello, RejectReason, Role};
 
 /// Where the engine's time comes from: the deterministic core reads no
@@ -260,78 +262,6 @@ struct Nic<V: Api, C: hal_cuda::Api> {
     cq: V::CompletionQueue,
     ladder: Ladder<V, C>,
     context: V::Context,
-}
-
-/// A registered buffer: its registration on each of the engine's NICs.
-/// Cloning shares it; the MRs (and the memory) stay while any clone, grant
-/// or request in flight holds it.
-pub struct Region<V: Api> {
-    inner: Arc<RegionInner<V>>,
-}
-
-struct RegionInner<V: Api> {
-    addr: u64,
-    len: u64,
-    location: MemoryLocation,
-    per_nic: Vec<LadderRegistration<V>>,
-}
-
-impl<V: Api> Clone for Region<V> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: Arc::clone(&self.inner),
-        }
-    }
-}
-
-impl<V: Api> fmt::Debug for Region<V> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Region")
-            .field("addr", &format_args!("{:#x}", self.inner.addr))
-            .field("len", &self.inner.len)
-            .field("location", &self.inner.location)
-            .field(
-                "rungs",
-                &self
-                    .inner
-                    .per_nic
-                    .iter()
-                    .map(|r| r.rung())
-                    .collect::<Vec<_>>(),
-            )
-            .finish()
-    }
-}
-
-impl<V: Api> Region<V> {
-    /// Its length.
-    pub fn len(&self) -> u64 {
-        self.inner.len
-    }
-
-    /// Never true (empty buffers are not registered).
-    pub fn is_empty(&self) -> bool {
-        self.inner.len == 0
-    }
-
-    /// Host or GPU memory.
-    pub fn location(&self) -> MemoryLocation {
-        self.inner.location
-    }
-
-    /// The rung taken on each NIC, in the engine's NIC order.
-    pub fn rungs(&self) -> Vec<Rung> {
-        self.inner.per_nic.iter().map(|r| r.rung()).collect()
-    }
-
-    /// The registration on NIC `nic` (the engine's order).
-    pub fn registration(&self, nic: usize) -> Option<&LadderRegistration<V>> {
-        self.inner.per_nic.get(nic)
-    }
-
-    fn check(&self, offset: u64, len: u64) -> Result<(), EngineError> {
-        check_within("local region", offset, len, self.inner.len)
-    }
 }
 
 /// One queue pair of a peer.
@@ -717,33 +647,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         len: u64,
     ) -> Result<Region<V>, EngineError> {
         let _span = tracing::debug_span!("engine_register", len).entered();
-        let per_nic = self
-            .shared
-            .nics
-            .iter()
-            .map(|nic| buffer.register_owned(&nic.ladder, offset, len))
-            .collect::<Result<Vec<_>, _>>()?;
-        let location = match buffer.device_ordinal() {
-            Some(ordinal)
-                if matches!(
-                    buffer.memory_type(),
-                    hal_cuda::MemoryType::Device | hal_cuda::MemoryType::Managed
-                ) =>
-            {
-                MemoryLocation::Gpu {
-                    ordinal: ordinal as u16,
-                }
-            }
-            _ => MemoryLocation::Host,
-        };
-        Ok(Region {
-            inner: Arc::new(RegionInner {
-                addr: buffer.addr() + offset,
-                len,
-                location,
-                per_nic,
-            }),
-        })
+        Region::register(
+            buffer,
+            offset,
+            len,
+            self.shared.nics.iter().map(|nic| &nic.ladder),
+        )
     }
 
     /// Listens for peers on `addr` (port 0: one is assigned).
@@ -2357,12 +2266,14 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         } else {
             let mut segments: Vec<Segment> = Vec::new();
             for &nic in &nics {
-                let n = &shared.nics[nic];
-                let grant = n
-                    .ladder
-                    .grant(&region.inner.per_nic[nic], offset, len, rights)?;
-                segments.push(grant.segment(0));
-                grants.push(grant);
+                region.inner.per_nic[nic].grant(
+                    &shared.nics[nic].ladder,
+                    offset,
+                    len,
+                    rights,
+                    &mut segments,
+                    &mut grants,
+                )?;
             }
             segments.sort_by(|a, b| (&a.device, a.offset).cmp(&(&b.device, b.offset)));
             Reach::Direct(segments)
@@ -2511,8 +2422,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                         }
                     };
                     let in_segment = segment.offset + segment.len - remote_offset;
-                    let len = (t.len - done).min(slice_size).min(in_segment);
-                    let local = &t.local.inner.per_nic[qp.nic];
+                    // Cut at the local piece's end too (CUDA VMM chunks).
+                    let (local, in_piece) =
+                        t.local.inner.per_nic[qp.nic].at(t.local_offset + done, t.local.inner.len);
+                    let len = (t.len - done).min(slice_size).min(in_segment).min(in_piece);
                     let mr = local.mr().ok_or_else(|| {
                         EngineError::Refused("a staging-rung region on a direct path".into())
                     })?;

@@ -130,13 +130,6 @@ impl CudaContext {
         self.inner.raw.cast()
     }
 
-    /// `cuMemGetAddressRange`: the base and size of the allocation (for VMM
-    /// memory: of the one physical chunk) holding `addr`.
-    pub fn address_range(&self, addr: u64) -> Result<(u64, u64)> {
-        let _current = self.inner.enter()?;
-        address_range(self.inner.drv, addr)
-    }
-
     /// Synchronous `cuMemcpyHtoD` (the baseline a benchmark compares with).
     ///
     /// # Safety
@@ -589,7 +582,20 @@ impl Context<CudaApi> for CudaContext {
     }
 
     fn create_physical(&self, len: usize) -> Result<CudaPhysicalMemory> {
-        CudaPhysicalMemory::new(&self.inner, len)
+        CudaPhysicalMemory::new(&self.inner, len, true)
+    }
+
+    fn create_physical_with(
+        &self,
+        len: usize,
+        gpu_direct_rdma: bool,
+    ) -> Result<CudaPhysicalMemory> {
+        CudaPhysicalMemory::new(&self.inner, len, gpu_direct_rdma)
+    }
+
+    fn address_range(&self, addr: u64) -> Result<(u64, u64)> {
+        let _current = self.inner.enter()?;
+        address_range(self.inner.drv, addr)
     }
 
     fn map(

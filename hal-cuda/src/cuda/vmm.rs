@@ -56,16 +56,17 @@ fn location(ctx: &ContextInner) -> sys::CuMemLocation {
 }
 
 /// The allocation properties gdr creates physical memory with: pinned device
-/// memory of the context's device, GPUDirect RDMA capable where the device
-/// supports that for VMM memory.
-fn properties(ctx: &ContextInner) -> sys::CuMemAllocationProp {
-    let rdma = super::attribute_of(
-        ctx.drv,
-        ctx.dev,
-        C::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
-    )
-    .unwrap_or(0)
-        != 0;
+/// memory of the context's device, GPUDirect RDMA capable where
+/// `gpu_direct_rdma` asks for it and the device supports that for VMM memory.
+fn properties(ctx: &ContextInner, gpu_direct_rdma: bool) -> sys::CuMemAllocationProp {
+    let rdma = gpu_direct_rdma
+        && super::attribute_of(
+            ctx.drv,
+            ctx.dev,
+            C::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+        )
+        .unwrap_or(0)
+            != 0;
     sys::CuMemAllocationProp {
         type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
         requestedHandleTypes: CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
@@ -85,7 +86,7 @@ pub(crate) fn granularity(ctx: &ContextInner) -> Result<usize> {
     const OP: &str = "cuMemGetAllocationGranularity";
     let vmm = vmm(ctx, OP)?;
     let _current = ctx.enter()?;
-    let prop = properties(ctx);
+    let prop = properties(ctx, true);
     let mut granularity: usize = 0;
     // SAFETY: both pointers are valid for the call; `prop` has cuda.h's layout.
     check(OP, unsafe {
@@ -203,12 +204,12 @@ pub struct CudaPhysicalMemory {
 }
 
 impl CudaPhysicalMemory {
-    pub(crate) fn new(ctx: &Arc<ContextInner>, len: usize) -> Result<Self> {
+    pub(crate) fn new(ctx: &Arc<ContextInner>, len: usize, gpu_direct_rdma: bool) -> Result<Self> {
         const OP: &str = "cuMemCreate";
         let vmm = vmm(ctx, OP)?;
         check_granular(ctx, OP, len)?;
         let _current = ctx.enter()?;
-        let prop = properties(ctx);
+        let prop = properties(ctx, gpu_direct_rdma);
         let mut handle: sys::CuMemHandle = 0;
         // SAFETY: `handle` is a valid out-pointer, `prop` has cuda.h's layout
         // and lives across the call; flags must be 0.
