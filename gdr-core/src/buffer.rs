@@ -365,6 +365,36 @@ impl<C: hal_cuda::Api> Buffer<C> {
         Ok(Self::new(Memory::Ipc(mapping), addr, len, Some(attrs)))
     }
 
+    /// Maps another process's allocation from its IPC handle, as
+    /// [`Buffer::import_ipc`], and makes the buffer the `len` bytes at
+    /// `offset` of it (what a `gdr://` URI names: the handle always opens
+    /// the whole allocation). `allocation`, where known, is the size the
+    /// exporter stated: a mapping of another size means the handle names
+    /// another allocation than the one described, and is refused.
+    pub fn import_ipc_range(
+        context: &C::Context,
+        handle: &IpcMemHandle,
+        allocation: Option<u64>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Self, CudaError> {
+        let mapping = context.ipc_open(handle)?;
+        let (base, mapped) = (mapping.device_ptr(), mapping.len() as u64);
+        let invalid = |why: String| CudaError::invalid("Buffer::import_ipc_range", why);
+        if let Some(stated) = allocation.filter(|&stated| stated != mapped) {
+            return Err(invalid(format!(
+                "the handle opens an allocation of {mapped} bytes, not the {stated} stated"
+            )));
+        }
+        let addr = range_within(base, mapped, offset, len).map_err(|_| {
+            invalid(format!(
+                "{len} bytes at offset {offset} do not lie in the {mapped}-byte allocation"
+            ))
+        })?;
+        let attrs = context.pointer_attributes(addr)?;
+        Ok(Self::new(Memory::Ipc(mapping), addr, len, Some(attrs)))
+    }
+
     /// `len` bytes of CUDA VMM memory on `context`'s GPU, as PyTorch's
     /// expandable segments and vLLM make it: a reserved range with physical
     /// chunks of `chunk_len` bytes (a multiple of the VMM granularity)
@@ -497,6 +527,17 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// memory, the first chunk's).
     pub fn buffer_id(&self) -> u64 {
         self.buffer_id
+    }
+
+    /// First address of the CUDA allocation holding the buffer (the
+    /// buffer's own address for memory CUDA does not know).
+    pub fn allocation_base(&self) -> u64 {
+        self.allocation_base
+    }
+
+    /// Size of that allocation.
+    pub fn allocation_size(&self) -> u64 {
+        self.allocation_size
     }
 
     /// The physical chunks of CUDA VMM memory covering the buffer, in

@@ -1,0 +1,541 @@
+//! The exported functions and the C types they take. Every function returns
+//! a [`GdrResult`], runs behind [`ffi_boundary!`], checks every pointer and
+//! handle it is given, and writes its outputs only on success. Thread
+//! safety is stated per function; "any thread" means concurrent calls on
+//! the same handles are safe.
+
+use std::ffi::c_char;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use gdr_core::backend::BackendChoice;
+use gdr_core::ladder::Rung;
+use gdr_core::uri::BufferUri;
+
+use crate::boundary::{Out, TextOut, ffi_boundary, text_arg};
+use crate::handle::{Kind, Table};
+use crate::instance::{AnyBuffer, Backend, MemoryKind};
+use crate::result::{FfiError, GdrResult};
+
+/// A context: the backends (RDMA verbs, CUDA) a process uses, chosen once.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdrContext {
+    /// Opaque; 0 is never a live context.
+    pub id: u64,
+}
+
+/// A buffer of host or GPU memory.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdrBuffer {
+    /// Opaque; 0 is never a live buffer.
+    pub id: u64,
+}
+
+/// Which backends a context uses.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdrBackend {
+    /// `GDR_BACKEND=sim` or `real` in the environment decides; unset:
+    /// real.
+    Default = 0,
+    /// Real rdma-core and CUDA, or an error: never the simulation.
+    Real = 1,
+    /// The simulated NIC and GPU (tests, machines without hardware).
+    Sim = 2,
+}
+
+/// Options of [`gdr_context_new`]; NULL means all defaults.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdrOptions {
+    /// Which backends.
+    pub backend: GdrBackend,
+}
+
+/// Memory kinds.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdrMemory {
+    /// Ordinary (pageable) host memory.
+    Host = 0,
+    /// Page-locked host memory.
+    Pinned = 1,
+    /// GPU memory.
+    Device = 2,
+    /// CUDA managed memory (never registered).
+    Managed = 3,
+}
+
+/// How a NIC reaches a GPU's memory (the registration ladder's rungs).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdrRung {
+    /// GPUDirect RDMA through a dma-buf of the GPU memory.
+    Dmabuf = 0,
+    /// GPUDirect RDMA through nvidia-peermem.
+    Peermem = 1,
+    /// Through pinned host bounce buffers (no GPUDirect).
+    Staging = 2,
+}
+
+/// What [`gdr_buffer_info`] reports.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdrBufferInfo {
+    /// First byte (a device address for GPU memory).
+    pub addr: u64,
+    /// Length in bytes.
+    pub size: u64,
+    /// Memory kind.
+    pub memory: GdrMemory,
+    /// The GPU for device and managed memory, else -1.
+    pub device: i32,
+}
+
+static CONTEXTS: Table<ContextObject> = Table::new(Kind::Context);
+static BUFFERS: Table<BufferObject> = Table::new(Kind::Buffer);
+
+struct ContextObject {
+    backend: Arc<dyn Backend>,
+}
+
+/// A buffer and the backend that made it. `None` while being freed.
+struct BufferObject {
+    context: u64,
+    backend: Arc<dyn Backend>,
+    buffer: Mutex<Option<AnyBuffer>>,
+}
+
+impl BufferObject {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&dyn Backend, &AnyBuffer) -> Result<T, FfiError>,
+    ) -> Result<T, FfiError> {
+        let guard = self.buffer.lock().unwrap_or_else(PoisonError::into_inner);
+        let buffer = guard
+            .as_ref()
+            .ok_or_else(|| FfiError::new(GdrResult::InvalidHandle, "the buffer is being freed"))?;
+        f(&*self.backend, buffer)
+    }
+}
+
+fn context(handle: GdrContext) -> Result<Arc<ContextObject>, FfiError> {
+    CONTEXTS.get(handle.id)
+}
+
+fn buffer(handle: GdrBuffer) -> Result<Arc<BufferObject>, FfiError> {
+    BUFFERS.get(handle.id)
+}
+
+/// Stores a new buffer of `context`; writes its handle to `out`.
+///
+/// # Safety
+/// `out` was checked by [`Out::new`] and is valid for a write.
+unsafe fn new_buffer(
+    handle: GdrContext,
+    context: &ContextObject,
+    buffer: AnyBuffer,
+    out: Out<GdrBuffer>,
+) -> Result<(), FfiError> {
+    let object = BufferObject {
+        context: handle.id,
+        backend: Arc::clone(&context.backend),
+        buffer: Mutex::new(Some(buffer)),
+    };
+    let id = BUFFERS.insert(Arc::new(object))?;
+    // SAFETY: the caller's contract.
+    unsafe { out.write(GdrBuffer { id }) };
+    Ok(())
+}
+
+/// The ABI version: major in the high 16 bits, minor in the low. A new
+/// minor only adds; a new major breaks. Any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn gdr_abi_version() -> u32 {
+    crate::ABI_VERSION
+}
+
+/// Copies this thread's last error message (with the native code and
+/// context; the result codes say less) into `buf` of `len` bytes,
+/// NUL-terminated. `needed` (may be NULL) gets the bytes the message needs,
+/// NUL included; `buf` may be NULL with `len` 0 to ask for that. With no
+/// error yet on this thread the message is empty. Returns
+/// `GDR_RESULT_BUFFER_TOO_SMALL` (nothing written to `buf`) when it does
+/// not fit. Reading it does not clear it. Any thread (each has its own).
+///
+/// # Safety
+/// `buf` must be valid for `len` bytes of writes, `needed` NULL or valid
+/// for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_last_error_message(
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> GdrResult {
+    let message = crate::boundary::last_error().unwrap_or_default();
+    // (This one does not go through the boundary's recording: reading the
+    // last error must not replace it.)
+    let out = match TextOut::new(buf, len, needed) {
+        Ok(out) => out,
+        Err(e) => return e.result,
+    };
+    // SAFETY: the caller's contract.
+    match unsafe { out.write(&message) } {
+        Ok(()) => GdrResult::Ok,
+        Err(e) => e.result,
+    }
+}
+
+/// Creates a context with `options` (NULL: defaults) and writes its handle
+/// to `out`. The simulation is used only when asked for, by the option or
+/// `GDR_BACKEND=sim`: without hardware, a default context fails (with the
+/// reason in the last error message). Any thread.
+///
+/// # Safety
+/// `options` must be NULL or valid for a read; `out` valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_context_new(
+    options: *const GdrOptions,
+    out: *mut GdrContext,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("out", out)?;
+        let backend = if options.is_null() {
+            GdrBackend::Default
+        } else {
+            if !options.is_aligned() {
+                return Err(FfiError::invalid("options", "misaligned"));
+            }
+            // SAFETY: not NULL, aligned, valid by the caller's contract;
+            // read as a u32 first, so an out-of-range value is refused
+            // rather than read as the enum.
+            let raw = unsafe { options.cast::<u32>().read() };
+            match raw {
+                0 => GdrBackend::Default,
+                1 => GdrBackend::Real,
+                2 => GdrBackend::Sim,
+                other => return Err(FfiError::invalid("options.backend", format!("{other} is no backend"))),
+            }
+        };
+        let choice = match backend {
+            GdrBackend::Real => BackendChoice::Real,
+            GdrBackend::Sim => BackendChoice::Sim,
+            GdrBackend::Default => match std::env::var("GDR_BACKEND").as_deref() {
+                Ok("sim") => BackendChoice::Sim,
+                Ok("real") | Err(std::env::VarError::NotPresent) => BackendChoice::Real,
+                Ok(other) => return Err(FfiError::invalid("GDR_BACKEND", format!("{other:?} is neither \"real\" nor \"sim\""))),
+                Err(e) => return Err(FfiError::invalid("GDR_BACKEND", e)),
+            },
+        };
+        let backend = crate::instance::open(choice)?;
+        let id = CONTEXTS.insert(Arc::new(ContextObject { backend }))?;
+        // SAFETY: checked by Out::new; valid by the caller's contract.
+        unsafe { out.write(GdrContext { id }) };
+        Ok(())
+    }
+}
+
+/// Frees a context. Its buffers stay usable until freed (each keeps the
+/// backends alive). Any thread; the handle is invalid afterwards.
+#[unsafe(no_mangle)]
+pub extern "C" fn gdr_context_free(context: GdrContext) -> GdrResult {
+    ffi_boundary! {
+        CONTEXTS.remove(context.id)?;
+        Ok(())
+    }
+}
+
+/// Writes which backends the context uses, and why (each fallback and
+/// missing library explained), as text. See [`gdr_last_error_message`]
+/// for `buf`, `len` and `needed`. Any thread.
+///
+/// # Safety
+/// As for [`gdr_last_error_message`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_context_describe(
+    context: GdrContext,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = TextOut::new(buf, len, needed)?;
+        let text = self::context(context)?.backend.describe();
+        // SAFETY: the caller's contract.
+        unsafe { out.write(&text) }
+    }
+}
+
+/// Writes the number of GPUs and of RDMA devices (NICs) the context sees.
+/// Either output may be NULL. Any thread.
+///
+/// # Safety
+/// `gpus` and `nics` must each be NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_device_count(
+    context: GdrContext,
+    gpus: *mut u32,
+    nics: *mut u32,
+) -> GdrResult {
+    ffi_boundary! {
+        let gpus = (!gpus.is_null()).then(|| Out::new("gpus", gpus)).transpose()?;
+        let nics = (!nics.is_null()).then(|| Out::new("nics", nics)).transpose()?;
+        let context = self::context(context)?;
+        let (gpu_count, nic_count) = (context.backend.gpu_count(), context.backend.nic_names().len() as u32);
+        // SAFETY: checked by Out::new; valid by the caller's contract.
+        unsafe {
+            if let Some(out) = gpus {
+                out.write(gpu_count);
+            }
+            if let Some(out) = nics {
+                out.write(nic_count);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How NIC `nic` reaches GPU `gpu`'s memory: the rung gdr takes, probed
+/// with a loopback self-check on first use (then remembered), and in
+/// `why_not` (see [`gdr_last_error_message`] for `buf`, `len`, `needed`;
+/// `why_not` may be NULL with `len` 0) why each higher rung does not work.
+/// Any thread.
+///
+/// # Safety
+/// `rung` valid for a write; `why_not` valid for `len` bytes of writes;
+/// `needed` NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_path_rung(
+    context: GdrContext,
+    gpu: u32,
+    nic: u32,
+    rung: *mut GdrRung,
+    why_not: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> GdrResult {
+    ffi_boundary! {
+        let rung = Out::new("rung", rung)?;
+        let text = TextOut::new(why_not, len, needed)?;
+        let facts = self::context(context)?.backend.path(gpu, nic)?;
+        let value = match facts.rung {
+            Rung::Dmabuf => GdrRung::Dmabuf,
+            Rung::Peermem => GdrRung::Peermem,
+            Rung::Staging | Rung::HostMemory => GdrRung::Staging,
+        };
+        if !why_not.is_null() {
+            // SAFETY: the caller's contract.
+            unsafe { text.write(&facts.why_not) }?;
+        }
+        // SAFETY: checked by Out::new; valid by the caller's contract.
+        unsafe { rung.write(value) };
+        Ok(())
+    }
+}
+
+/// Whether GPUDirect RDMA works for some (GPU, NIC) pair of the context
+/// (probing each pair as [`gdr_path_rung`] does). Any thread.
+///
+/// # Safety
+/// `available` valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_gdr_available(context: GdrContext, available: *mut bool) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("available", available)?;
+        let context = self::context(context)?;
+        let backend = &context.backend;
+        let nics = backend.nic_names().len() as u32;
+        let mut any = false;
+        'pairs: for gpu in 0..backend.gpu_count() {
+            for nic in 0..nics {
+                if backend.path(gpu, nic)?.rung.is_gpu_direct() {
+                    any = true;
+                    break 'pairs;
+                }
+            }
+        }
+        // SAFETY: checked by Out::new; valid by the caller's contract.
+        unsafe { out.write(any) };
+        Ok(())
+    }
+}
+
+/// Allocates `size` bytes of `memory` (host, pinned host, or device
+/// memory of GPU `device`; `device` is ignored for host memory) and writes
+/// the buffer's handle to `out`. Any thread.
+///
+/// # Safety
+/// `out` valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_buffer_alloc(
+    context: GdrContext,
+    memory: u32,
+    device: u32,
+    size: u64,
+    out: *mut GdrBuffer,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("out", out)?;
+        let kind = match memory {
+            0 => MemoryKind::Host,
+            1 => MemoryKind::Pinned,
+            2 => MemoryKind::Device,
+            3 => MemoryKind::Managed,
+            other => return Err(FfiError::invalid("memory", format!("{other} is no memory kind"))),
+        };
+        let owner = self::context(context)?;
+        let buffer = owner.backend.alloc(kind, device, size)?;
+        // SAFETY: `out` checked; valid by the caller's contract.
+        unsafe { new_buffer(context, &owner, buffer, out) }
+    }
+}
+
+/// Wraps `size` bytes at `addr` that the caller owns (host memory, or
+/// device memory by its device address) as a buffer; its kind is what
+/// CUDA says of the address. Any thread.
+///
+/// # Safety
+/// The range must stay mapped, and not be freed, until the buffer is freed
+/// with [`gdr_buffer_free`] returning `GDR_RESULT_OK`; `out` valid for a
+/// write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_buffer_wrap(
+    context: GdrContext,
+    addr: u64,
+    size: u64,
+    out: *mut GdrBuffer,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("out", out)?;
+        if addr == 0 {
+            return Err(FfiError::invalid("addr", "NULL"));
+        }
+        let owner = self::context(context)?;
+        // SAFETY: the caller's contract is wrap's.
+        let buffer = unsafe { owner.backend.wrap(addr, size) }?;
+        // SAFETY: `out` checked; valid by the caller's contract.
+        unsafe { new_buffer(context, &owner, buffer, out) }
+    }
+}
+
+/// Opens the GPU buffer a `gdr://` URI names (another process's memory,
+/// through its CUDA IPC handle) on GPU `device` of the URI, confined to
+/// the URI's range. The whole allocation is mapped: accept URIs only from
+/// processes trusted with all of it. Any thread.
+///
+/// # Safety
+/// `uri` a NUL-terminated string; `out` valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_buffer_open_uri(
+    context: GdrContext,
+    uri: *const c_char,
+    out: *mut GdrBuffer,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("out", out)?;
+        // SAFETY: the caller's contract.
+        let text = unsafe { text_arg("uri", uri) }?;
+        let uri: BufferUri = text.parse()?;
+        let owner = self::context(context)?;
+        let buffer = owner.backend.open_uri(&uri)?;
+        // SAFETY: `out` checked; valid by the caller's contract.
+        unsafe { new_buffer(context, &owner, buffer, out) }
+    }
+}
+
+/// Writes the `gdr://v2/...` URI of a GPU buffer (its allocation's CUDA IPC
+/// handle and the buffer's range in it) into `buf` (see
+/// [`gdr_last_error_message`] for `buf`, `len`, `needed`). The URI is a
+/// capability for the whole allocation. Any thread.
+///
+/// # Safety
+/// As for [`gdr_last_error_message`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_buffer_export_uri(
+    buffer: GdrBuffer,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = TextOut::new(buf, len, needed)?;
+        let uri = self::buffer(buffer)?.with(|backend, b| backend.export_uri(b))?;
+        // SAFETY: the caller's contract.
+        unsafe { out.write(&uri.to_string()) }
+    }
+}
+
+/// Writes a buffer's address, size, memory kind and device. Any thread.
+///
+/// # Safety
+/// `info` valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_buffer_info(buffer: GdrBuffer, info: *mut GdrBufferInfo) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("info", info)?;
+        let facts = self::buffer(buffer)?.with(|backend, b| backend.facts(b))?;
+        let memory = match facts.kind {
+            MemoryKind::Host => GdrMemory::Host,
+            MemoryKind::Pinned => GdrMemory::Pinned,
+            MemoryKind::Device => GdrMemory::Device,
+            MemoryKind::Managed => GdrMemory::Managed,
+        };
+        let value = GdrBufferInfo {
+            addr: facts.addr,
+            size: facts.size,
+            memory,
+            device: facts.device.map_or(-1, |d| d as i32),
+        };
+        // SAFETY: checked; valid by the caller's contract.
+        unsafe { out.write(value) };
+        Ok(())
+    }
+}
+
+/// Frees a buffer: memory gdr allocated is freed once nothing registered
+/// uses it; for wrapped memory this waits (a bounded time) until no memory
+/// registration covers it, and returns `GDR_RESULT_BUSY`, the handle still
+/// valid, if one still does. Calls on the same buffer from other threads
+/// meanwhile fail with `GDR_RESULT_INVALID_HANDLE`.
+#[unsafe(no_mangle)]
+pub extern "C" fn gdr_buffer_free(buffer: GdrBuffer) -> GdrResult {
+    ffi_boundary! {
+        let object = self::buffer(buffer)?;
+        let taken = object
+            .buffer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| FfiError::new(GdrResult::InvalidHandle, "the buffer is being freed"))?;
+        match object.backend.release(taken) {
+            Ok(()) => {
+                BUFFERS.remove(buffer.id)?;
+                Ok(())
+            }
+            Err((kept, error)) => {
+                *object.buffer.lock().unwrap_or_else(PoisonError::into_inner) = Some(kept);
+                Err(error)
+            }
+        }
+    }
+}
+
+/// The context a buffer was made in (for callers that keep only buffers).
+/// Any thread.
+///
+/// # Safety
+/// `context` valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_buffer_context(
+    buffer: GdrBuffer,
+    context: *mut GdrContext,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("context", context)?;
+        let id = self::buffer(buffer)?.context;
+        // SAFETY: checked; valid by the caller's contract.
+        unsafe { out.write(GdrContext { id }) };
+        Ok(())
+    }
+}

@@ -1,0 +1,218 @@
+//! The one result type of the C ABI, and the error the Rust side carries
+//! to the boundary (a code and the full message, which the caller can read
+//! with `gdr_last_error_message`).
+
+use std::ffi::CStr;
+
+use gdr_core::engine::EngineError;
+use gdr_core::ladder::LadderError;
+use gdr_core::uri::UriError;
+use hal_cuda::CudaError;
+use hal_verbs::VerbsError;
+
+/// Result of every gdr C function. `GDR_RESULT_OK` is 0; errors start at 7000 so
+/// they never collide with errno values or CUresult codes a caller also sees.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdrResult {
+    /// Success.
+    Ok = 0,
+    /// A native library (libibverbs, librdmacm, libcuda) is missing.
+    LibraryUnavailable = 7001,
+    /// No RDMA device or GPU.
+    NoDevice = 7002,
+    /// The machine cannot do this (e.g. no dma-buf).
+    NotSupported = 7003,
+    /// Out of memory, MRs, QPs, locked pages.
+    OutOfResources = 7004,
+    /// A queue is full; poll and retry.
+    QueueFull = 7005,
+    /// A bad argument: NULL where a pointer is required, a misaligned
+    /// pointer, a zero length, a malformed URI or descriptor.
+    InvalidArgument = 7006,
+    /// The device is gone; rebuild.
+    DeviceLost = 7007,
+    /// Any other OS or driver error.
+    Other = 7008,
+    /// A panic was caught at the boundary (a gdr bug).
+    Panic = 7009,
+    /// A bounded wait ran out (e.g. connecting to a peer that never listened).
+    Timeout = 7010,
+    /// The peer refused the connection.
+    ConnectionRejected = 7011,
+    /// The GPU context hit a sticky error (an illegal address, a failed
+    /// launch, ...): every later call in it fails; release everything made
+    /// in it and start again (a new process, or after the device's reset).
+    ContextUnusable = 7012,
+    /// The GPU exists but cannot be used now (exclusive-process mode with
+    /// another process holding it, compute prohibited): may change later;
+    /// not a lost device.
+    DeviceUnavailable = 7013,
+    /// A handle that is not live: zero, freed already, of another kind,
+    /// or made by another instance of the library.
+    InvalidHandle = 7014,
+    /// An output buffer is too short; the length needed was written where
+    /// the function takes one.
+    BufferTooSmall = 7015,
+    /// The peer refused the request (not granted, not allowed, out of the
+    /// grant's bounds) or is gone.
+    Refused = 7016,
+    /// The object is still in use (e.g. a buffer with registrations a
+    /// transfer or grant still holds).
+    Busy = 7017,
+}
+
+impl GdrResult {
+    /// Every result, for lookups by number.
+    pub(crate) const ALL: [GdrResult; 18] = [
+        GdrResult::Ok,
+        GdrResult::LibraryUnavailable,
+        GdrResult::NoDevice,
+        GdrResult::NotSupported,
+        GdrResult::OutOfResources,
+        GdrResult::QueueFull,
+        GdrResult::InvalidArgument,
+        GdrResult::DeviceLost,
+        GdrResult::Other,
+        GdrResult::Panic,
+        GdrResult::Timeout,
+        GdrResult::ConnectionRejected,
+        GdrResult::ContextUnusable,
+        GdrResult::DeviceUnavailable,
+        GdrResult::InvalidHandle,
+        GdrResult::BufferTooSmall,
+        GdrResult::Refused,
+        GdrResult::Busy,
+    ];
+
+    pub(crate) fn message(self) -> &'static CStr {
+        match self {
+            Self::Ok => c"success",
+            Self::LibraryUnavailable => c"a native library is unavailable",
+            Self::NoDevice => c"no device",
+            Self::NotSupported => c"not supported",
+            Self::OutOfResources => c"out of resources",
+            Self::QueueFull => c"queue full",
+            Self::InvalidArgument => c"invalid argument",
+            Self::DeviceLost => c"device lost",
+            Self::Other => c"operating system or driver error",
+            Self::Panic => c"internal error (panic caught at the C boundary)",
+            Self::Timeout => c"timed out",
+            Self::ConnectionRejected => c"connection rejected by the peer",
+            Self::ContextUnusable => c"GPU context unusable after a sticky error",
+            Self::DeviceUnavailable => c"GPU device unavailable now",
+            Self::InvalidHandle => {
+                c"invalid handle (zero, freed, another kind or library instance)"
+            }
+            Self::BufferTooSmall => c"output buffer too small",
+            Self::Refused => c"refused by the peer",
+            Self::Busy => c"still in use",
+        }
+    }
+}
+
+impl From<&VerbsError> for GdrResult {
+    fn from(error: &VerbsError) -> Self {
+        match error {
+            VerbsError::LibraryUnavailable { .. } => Self::LibraryUnavailable,
+            VerbsError::NoDevice { .. } => Self::NoDevice,
+            VerbsError::NotSupported { .. } => Self::NotSupported,
+            VerbsError::OutOfResources { .. } => Self::OutOfResources,
+            VerbsError::QueueFull { .. } => Self::QueueFull,
+            VerbsError::InvalidArgument { .. } => Self::InvalidArgument,
+            VerbsError::DeviceLost { .. } => Self::DeviceLost,
+            VerbsError::Timeout { .. } => Self::Timeout,
+            VerbsError::ConnectionRejected { .. } => Self::ConnectionRejected,
+            _ => Self::Other,
+        }
+    }
+}
+
+impl From<&CudaError> for GdrResult {
+    fn from(error: &CudaError) -> Self {
+        match error {
+            CudaError::LibraryUnavailable { .. } => Self::LibraryUnavailable,
+            CudaError::NoDevice { .. } => Self::NoDevice,
+            CudaError::NotSupported { .. } => Self::NotSupported,
+            CudaError::OutOfMemory { .. } => Self::OutOfResources,
+            CudaError::InvalidArgument { .. } => Self::InvalidArgument,
+            CudaError::DeviceLost { .. } => Self::DeviceLost,
+            CudaError::ContextUnusable { .. } => Self::ContextUnusable,
+            CudaError::DeviceUnavailable { .. } => Self::DeviceUnavailable,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// An error on its way to the C caller: the code it returns and the whole
+/// message (with the native code and context) it can read afterwards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FfiError {
+    pub result: GdrResult,
+    pub message: String,
+}
+
+impl FfiError {
+    pub fn new(result: GdrResult, message: impl Into<String>) -> Self {
+        Self {
+            result,
+            message: message.into(),
+        }
+    }
+
+    /// A bad argument, saying which and why.
+    pub fn invalid(argument: &str, why: impl std::fmt::Display) -> Self {
+        Self::new(GdrResult::InvalidArgument, format!("{argument}: {why}"))
+    }
+}
+
+impl From<VerbsError> for FfiError {
+    fn from(error: VerbsError) -> Self {
+        Self::new(GdrResult::from(&error), error.to_string())
+    }
+}
+
+impl From<CudaError> for FfiError {
+    fn from(error: CudaError) -> Self {
+        Self::new(GdrResult::from(&error), error.to_string())
+    }
+}
+
+impl From<UriError> for FfiError {
+    fn from(error: UriError) -> Self {
+        Self::new(GdrResult::InvalidArgument, error.to_string())
+    }
+}
+
+impl From<LadderError> for FfiError {
+    fn from(error: LadderError) -> Self {
+        let result = match &error {
+            LadderError::Attributes { source, .. } => GdrResult::from(source),
+            LadderError::ManagedMemory { .. } => GdrResult::NotSupported,
+            LadderError::OutsideAllocation { .. } | LadderError::UnknownGpu { .. } => {
+                GdrResult::InvalidArgument
+            }
+            _ => GdrResult::Other,
+        };
+        Self::new(result, error.to_string())
+    }
+}
+
+impl From<EngineError> for FfiError {
+    fn from(error: EngineError) -> Self {
+        let result = match &error {
+            EngineError::Verbs { source, .. } => GdrResult::from(source),
+            EngineError::Ladder(_) => return Self::new(GdrResult::Other, error.to_string()),
+            EngineError::Descriptor(_) | EngineError::Wire(_) => GdrResult::InvalidArgument,
+            EngineError::OutOfBounds { .. } | EngineError::MessageTooLarge { .. } => {
+                GdrResult::InvalidArgument
+            }
+            EngineError::NotGranted { .. }
+            | EngineError::AccessDenied { .. }
+            | EngineError::Refused(_)
+            | EngineError::PeerGone(_) => GdrResult::Refused,
+            _ => GdrResult::Other,
+        };
+        Self::new(result, error.to_string())
+    }
+}
