@@ -55,6 +55,30 @@ pub trait Driver<A: Api>: Send + Sync + Debug {
     fn device_attributes(&self, ordinal: u32) -> Result<DeviceAttributes>;
     /// Retains GPU `ordinal`'s primary context (released on drop).
     fn context(&self, ordinal: u32) -> Result<A::Context>;
+    /// Names the address space this driver's device pointers live in: two
+    /// drivers with the same token share device addresses (one process),
+    /// and an IPC handle exported by one opens only in a driver of another
+    /// token. The real driver: one token per OS process; the simulated
+    /// one: one per simulated process.
+    fn process_token(&self) -> u64 {
+        os_process_token()
+    }
+}
+
+/// A token of this OS process, random per run (a pid is reused; this is
+/// not): the default [`Driver::process_token`].
+pub fn os_process_token() -> u64 {
+    static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        hasher.write_u128(nanos);
+        hasher.finish().max(1)
+    })
 }
 
 /// A device context. Every method makes it current on the calling thread
@@ -97,6 +121,13 @@ pub trait Context<A: Api>: Send + Sync + Debug {
     fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle>;
     /// Maps another process's allocation from its IPC handle.
     fn ipc_open(&self, handle: &IpcMemHandle) -> Result<A::IpcMapping>;
+    /// Lets this context's copies and kernels reach `peer`'s device memory
+    /// directly (`cuCtxEnablePeerAccess`: over NVLink or PCIe peer to
+    /// peer) instead of through host memory. `Ok(true)`: enabled (or
+    /// already, or `peer` is this very device); `Ok(false)`: the devices
+    /// cannot reach each other (`cuDeviceCanAccessPeer`), and copies
+    /// between them still work, staged by the driver.
+    fn enable_peer_access(&self, peer: &A::Context) -> Result<bool>;
     /// Makes inbound GPUDirect RDMA writes visible (`cuFlushGPUDirectRDMAWrites`).
     fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()>;
     /// Waits for all work in the context.

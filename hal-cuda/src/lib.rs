@@ -19,6 +19,7 @@ mod types;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use api::os_process_token;
 pub use api::{
     Api, Context, DeviceMemory, Driver, Event, HostRegistration, IpcMapping, PhysicalMemory,
     PinnedHostMemory, Stream, VirtualMapping, VirtualReservation,
