@@ -1388,7 +1388,7 @@ mod tests {
             control_edited(revoke.clone(), |b| b[1] = 2),
             WireError::Version { ours: 1, theirs: 2 }
         );
-        for kind in [0, 8, 0xFF] {
+        for kind in [0, 10, 0xFF] {
             assert_eq!(
                 control_edited(revoke.clone(), |b| b[2] = kind),
                 WireError::UnknownKind(kind)
