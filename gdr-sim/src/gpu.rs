@@ -146,6 +146,8 @@ type PinnedRanges = BTreeMap<u64, (usize, u64)>;
 #[derive(Debug)]
 struct ProcessState {
     id: u64,
+    /// The simulated node (the GPUs' set), shared by its processes.
+    node: u64,
     gpus: Vec<Arc<SimGpu>>,
     faults: FaultPlan,
     pinned: Mutex<PinnedRanges>,
@@ -216,13 +218,15 @@ impl SimCuda {
                 })
             })
             .collect();
-        Self::with_gpus(gpus, faults)
+        let node = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
+        Self::with_gpus(node, gpus, faults)
     }
 
-    fn with_gpus(gpus: Vec<Arc<SimGpu>>, faults: FaultPlan) -> Self {
+    fn with_gpus(node: u64, gpus: Vec<Arc<SimGpu>>, faults: FaultPlan) -> Self {
         Self {
             process: Arc::new(ProcessState {
                 id: NEXT_PROCESS.fetch_add(1, Ordering::Relaxed),
+                node,
                 gpus,
                 faults,
                 pinned: Mutex::new(BTreeMap::new()),
@@ -234,7 +238,11 @@ impl SimCuda {
     /// Another simulated process on the same node: same GPUs, its own
     /// address mappings, so IPC handles from this one can be opened there.
     pub fn other_process(&self) -> Self {
-        Self::with_gpus(self.process.gpus.clone(), self.process.faults.clone())
+        Self::with_gpus(
+            self.process.node,
+            self.process.gpus.clone(),
+            self.process.faults.clone(),
+        )
     }
 
     /// While paused, event and stream queries report queued work as not yet
@@ -296,6 +304,15 @@ impl hal_cuda::Driver<SimCudaApi> for SimCuda {
     /// addresses are not another's), within this OS process's token.
     fn process_token(&self) -> u64 {
         hal_cuda::os_process_token() ^ self.process.id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// The simulated node: the processes of one [`SimCuda::new`] (its
+    /// [`SimCuda::other_process`]es) share its GPUs; another `new` is
+    /// another machine.
+    fn host_token(&self) -> Option<[u8; 16]> {
+        let mut token = *b"gdr-sim-node\0\0\0\0";
+        token[12..].copy_from_slice(&(self.process.node as u32).to_le_bytes());
+        Some(token)
     }
 }
 

@@ -63,6 +63,44 @@ pub trait Driver<A: Api>: Send + Sync + Debug {
     fn process_token(&self) -> u64 {
         os_process_token()
     }
+    /// Names the machine (kernel) the driver's GPUs belong to: two drivers
+    /// with the same token see the same GPUs, so their memory is reachable
+    /// by device copies (in one process) or CUDA IPC (across processes).
+    /// The real driver: the kernel's boot id ([`boot_id`]); the simulated
+    /// one: its simulated node. `None`: unknown (never the same host).
+    fn host_token(&self) -> Option<[u8; 16]> {
+        boot_id()
+    }
+}
+
+/// The kernel's boot id (`/proc/sys/kernel/random/boot_id`, a random UUID
+/// per boot): two processes that read the same one run on one machine,
+/// whatever their network namespaces. `None` when absent or malformed.
+pub fn boot_id() -> Option<[u8; 16]> {
+    static ID: std::sync::OnceLock<Option<[u8; 16]>> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        parse_uuid(&text)
+    })
+}
+
+/// The 16 bytes of a textual UUID (hex digits, dashes ignored); never all
+/// zero.
+pub fn parse_uuid(text: &str) -> Option<[u8; 16]> {
+    let digits: Vec<u8> = text
+        .trim()
+        .chars()
+        .filter(|&c| c != '-')
+        .map(|c| c.to_digit(16).map(|d| d as u8))
+        .collect::<Option<_>>()?;
+    if digits.len() != 32 {
+        return None;
+    }
+    let mut out = [0; 16];
+    for (byte, pair) in out.iter_mut().zip(digits.chunks(2)) {
+        *byte = (pair[0] << 4) | pair[1];
+    }
+    (out != [0; 16]).then_some(out)
 }
 
 /// A token of this OS process, random per run (a pid is reused; this is
@@ -308,5 +346,25 @@ pub trait VirtualMapping: Send + Sync + Debug {
     /// True for an empty mapping (never made).
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_uuid;
+
+    #[test]
+    fn boot_ids_parse_as_uuids_and_nothing_else() {
+        assert_eq!(
+            parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n"),
+            Some([
+                0x0f, 0x1e, 0x2d, 0x3c, 0x4b, 0x5a, 0x69, 0x78, 0x87, 0x96, 0xa5, 0xb4, 0xc3, 0xd2,
+                0xe1, 0xf0
+            ])
+        );
+        assert_eq!(parse_uuid(""), None);
+        assert_eq!(parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1"), None);
+        assert_eq!(parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1fg"), None);
+        assert_eq!(parse_uuid("00000000-0000-0000-0000-000000000000"), None);
     }
 }

@@ -304,3 +304,12 @@ fn a_stream_fence_waits_for_a_peer_copy() {
         "the copy after the fence saw the data"
     );
 }
+
+/// Two simulated nodes (each its own `SimCuda`, as in every other engine
+/// test) are two hosts: their GPUs never reach each other by copies.
+#[test]
+fn engines_of_two_simulated_nodes_use_the_nic() {
+    let w = EngineWorld::sim(1, GpuConfig::default(), config(), T);
+    assert_eq!(w.ab.peer_copy(), PeerCopyRoute::Nic);
+    w.peer_copy_round_trip((0, 0), MIB + 1, 2, PeerCopyRoute::Nic);
+}

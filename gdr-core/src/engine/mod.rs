@@ -679,7 +679,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 pipes: Vec::new(),
                 fence_words: None,
                 stream_fences: Vec::new(),
-                peer_copy: peer_copy::Copies::new(cuda.map(hal_cuda::Driver::process_token)),
+                peer_copy: peer_copy::Copies::new(cuda),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,

@@ -8,8 +8,8 @@
 //!
 //! - Both engines allow it ([`super::EngineConfig::peer_copy`], on by
 //!   default) and run on one host: each sends a [`Control::Locality`]
-//!   (the kernel's boot id and its CUDA driver's process token,
-//!   [`hal_cuda::Driver::process_token`]) before its paths when the
+//!   (its CUDA driver's host token, the kernel's boot id, and process
+//!   token: [`hal_cuda::Driver::host_token`], [`hal_cuda::Driver::process_token`]) before its paths when the
 //!   connection is made; an engine that allows no peer copy sends none,
 //!   and its peer then sees it as remote.
 //! - A batch goes by peer copy when every transfer has GPU memory on this
@@ -62,7 +62,7 @@
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, LazyLock, OnceLock, Weak};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
 use hal_cuda::{Context as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
@@ -87,12 +87,6 @@ pub(super) struct Locality {
 }
 
 impl Locality {
-    /// This process's, with its CUDA driver's process token; `None` where
-    /// the boot id cannot be read (then no peer is ever on this host).
-    pub(super) fn here(process: u64) -> Option<Self> {
-        boot_id().map(|host| Self { host, process })
-    }
-
     /// The message that tells a peer.
     pub(super) fn message(&self) -> Control<'static> {
         Control::Locality {
@@ -100,36 +94,6 @@ impl Locality {
             process: self.process,
         }
     }
-}
-
-/// The kernel's boot id (a random UUID per boot): two processes that read
-/// the same one run on one machine (and one kernel), whatever their
-/// network namespaces. `None` when absent or malformed.
-fn boot_id() -> Option<[u8; 16]> {
-    static ID: OnceLock<Option<[u8; 16]>> = OnceLock::new();
-    *ID.get_or_init(|| {
-        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
-        parse_uuid(&text)
-    })
-}
-
-/// The 16 bytes of a textual UUID (hex digits, dashes ignored); never all
-/// zero.
-fn parse_uuid(text: &str) -> Option<[u8; 16]> {
-    let digits: Vec<u8> = text
-        .trim()
-        .chars()
-        .filter(|&c| c != '-')
-        .map(|c| c.to_digit(16).map(|d| d as u8))
-        .collect::<Option<_>>()?;
-    if digits.len() != 32 {
-        return None;
-    }
-    let mut out = [0; 16];
-    for (byte, pair) in out.iter_mut().zip(digits.chunks(2)) {
-        *byte = (pair[0] << 4) | pair[1];
-    }
-    (out != [0; 16]).then_some(out)
 }
 
 /// How a peer's transfers of GPU memory travel.
@@ -257,11 +221,16 @@ pub(super) struct Copies<C: hal_cuda::Api> {
 }
 
 impl<C: hal_cuda::Api> Copies<C> {
-    /// The state of an engine whose CUDA driver has process token
-    /// `process` (`None`: no driver).
-    pub(super) fn new(process: Option<u64>) -> Self {
+    /// The state of an engine over CUDA driver `cuda` (none: host memory
+    /// only, never a peer copy).
+    pub(super) fn new<D: hal_cuda::Driver<C>>(cuda: Option<&D>) -> Self {
         Self {
-            here: process.and_then(Locality::here),
+            here: cuda.and_then(|d| {
+                Some(Locality {
+                    host: d.host_token()?,
+                    process: d.process_token(),
+                })
+            }),
             streams: HashMap::new(),
             mappings: HashMap::new(),
             peer_access: HashSet::new(),
@@ -787,21 +756,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn boot_ids_parse_as_uuids_and_nothing_else() {
-        assert_eq!(
-            parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n"),
-            Some([
-                0x0f, 0x1e, 0x2d, 0x3c, 0x4b, 0x5a, 0x69, 0x78, 0x87, 0x96, 0xa5, 0xb4, 0xc3, 0xd2,
-                0xe1, 0xf0
-            ])
-        );
-        assert_eq!(parse_uuid(""), None);
-        assert_eq!(parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1"), None);
-        assert_eq!(parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1fg"), None);
-        assert_eq!(parse_uuid("00000000-0000-0000-0000-000000000000"), None);
-    }
 
     #[test]
     fn the_route_follows_host_and_process() {
