@@ -104,6 +104,10 @@ struct SimGpu {
     used: AtomicU64,
     /// `cuFlushGPUDirectRDMAWrites` calls that succeeded.
     flushes: AtomicU64,
+    /// `cuCtxEnablePeerAccess` calls that succeeded.
+    peers_enabled: AtomicU64,
+    /// Device-to-device copies queued on its streams.
+    device_copies: AtomicU64,
 }
 
 /// The allocations that IPC handles can name, by buffer id.
@@ -142,6 +146,8 @@ type PinnedRanges = BTreeMap<u64, (usize, u64)>;
 #[derive(Debug)]
 struct ProcessState {
     id: u64,
+    /// The simulated node (the GPUs' set), shared by its processes.
+    node: u64,
     gpus: Vec<Arc<SimGpu>>,
     faults: FaultPlan,
     pinned: Mutex<PinnedRanges>,
@@ -207,16 +213,20 @@ impl SimCuda {
                     lost: AtomicBool::new(false),
                     used: AtomicU64::new(0),
                     flushes: AtomicU64::new(0),
+                    peers_enabled: AtomicU64::new(0),
+                    device_copies: AtomicU64::new(0),
                 })
             })
             .collect();
-        Self::with_gpus(gpus, faults)
+        let node = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
+        Self::with_gpus(node, gpus, faults)
     }
 
-    fn with_gpus(gpus: Vec<Arc<SimGpu>>, faults: FaultPlan) -> Self {
+    fn with_gpus(node: u64, gpus: Vec<Arc<SimGpu>>, faults: FaultPlan) -> Self {
         Self {
             process: Arc::new(ProcessState {
                 id: NEXT_PROCESS.fetch_add(1, Ordering::Relaxed),
+                node,
                 gpus,
                 faults,
                 pinned: Mutex::new(BTreeMap::new()),
@@ -228,7 +238,11 @@ impl SimCuda {
     /// Another simulated process on the same node: same GPUs, its own
     /// address mappings, so IPC handles from this one can be opened there.
     pub fn other_process(&self) -> Self {
-        Self::with_gpus(self.process.gpus.clone(), self.process.faults.clone())
+        Self::with_gpus(
+            self.process.node,
+            self.process.gpus.clone(),
+            self.process.faults.clone(),
+        )
     }
 
     /// While paused, event and stream queries report queued work as not yet
@@ -285,6 +299,21 @@ impl hal_cuda::Driver<SimCudaApi> for SimCuda {
             process: Arc::clone(&self.process),
         })
     }
+
+    /// Each simulated process is an address space of its own (its device
+    /// addresses are not another's), within this OS process's token.
+    fn process_token(&self) -> u64 {
+        hal_cuda::os_process_token() ^ self.process.id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// The simulated node: the processes of one [`SimCuda::new`] (its
+    /// [`SimCuda::other_process`]es) share its GPUs; another `new` is
+    /// another machine.
+    fn host_token(&self) -> Option<[u8; 16]> {
+        let mut token = *b"gdr-sim-node\0\0\0\0";
+        token[12..].copy_from_slice(&(self.process.node as u32).to_le_bytes());
+        Some(token)
+    }
 }
 
 impl SimCuda {
@@ -293,6 +322,19 @@ impl SimCuda {
     pub fn flushes(&self, ordinal: u32) -> u64 {
         self.gpu(ordinal)
             .map_or(0, |gpu| gpu.flushes.load(Ordering::SeqCst))
+    }
+
+    /// How many `cuCtxEnablePeerAccess` calls GPU `ordinal` took.
+    pub fn peer_access_enabled(&self, ordinal: u32) -> u64 {
+        self.gpu(ordinal)
+            .map_or(0, |gpu| gpu.peers_enabled.load(Ordering::SeqCst))
+    }
+
+    /// How many device-to-device copies were queued on GPU `ordinal`'s
+    /// streams (by any simulated process).
+    pub fn device_copies(&self, ordinal: u32) -> u64 {
+        self.gpu(ordinal)
+            .map_or(0, |gpu| gpu.device_copies.load(Ordering::SeqCst))
     }
 
     fn gpu(&self, ordinal: u32) -> Result<Arc<SimGpu>> {
@@ -331,6 +373,14 @@ impl SimGpuContext {
         let range = memory::lookup(addr).ok_or_else(|| {
             CudaError::invalid(operation, format!("{addr:#x} is not device memory"))
         })?;
+        if range.process != self.process.id {
+            // Another process's mapping: its address means nothing here
+            // (an IPC open gives this process a mapping of its own).
+            return Err(CudaError::invalid(
+                operation,
+                format!("{addr:#x} is mapped in another process"),
+            ));
+        }
         let offset = addr - range.base;
         if offset + len as u64 > range.len as u64 {
             return Err(CudaError::invalid(
@@ -681,6 +731,15 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             Arc::clone(&source.backing),
         );
         Ok(SimIpcMapping { range })
+    }
+
+    fn enable_peer_access(&self, peer: &SimGpuContext) -> Result<bool> {
+        check_alive(&self.gpu, "cuCtxEnablePeerAccess")?;
+        check_alive(&peer.gpu, "cuCtxEnablePeerAccess")?;
+        // The simulated GPUs of a node all reach each other (as the H200
+        // pair over NVLink does); copies between them work either way.
+        self.gpu.peers_enabled.fetch_add(1, Ordering::SeqCst);
+        Ok(true)
     }
 
     fn flush_gpu_direct_rdma_writes(&self, _scope: FlushScope) -> Result<()> {
@@ -1060,7 +1119,9 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
         const OP: &str = "cuMemcpyDtoDAsync";
         let dst = self.ctx.device_spans(dst, len, OP)?;
         let src = self.ctx.device_spans(src, len, OP)?;
-        self.enqueue(OP, Work::Copy(pair(dst, src)))
+        self.enqueue(OP, Work::Copy(pair(dst, src)))?;
+        self.ctx.gpu.device_copies.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     unsafe fn memset(&self, dst: u64, value: u8, len: usize) -> Result<()> {

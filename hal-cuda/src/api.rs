@@ -55,6 +55,68 @@ pub trait Driver<A: Api>: Send + Sync + Debug {
     fn device_attributes(&self, ordinal: u32) -> Result<DeviceAttributes>;
     /// Retains GPU `ordinal`'s primary context (released on drop).
     fn context(&self, ordinal: u32) -> Result<A::Context>;
+    /// Names the address space this driver's device pointers live in: two
+    /// drivers with the same token share device addresses (one process),
+    /// and an IPC handle exported by one opens only in a driver of another
+    /// token. The real driver: one token per OS process; the simulated
+    /// one: one per simulated process.
+    fn process_token(&self) -> u64 {
+        os_process_token()
+    }
+    /// Names the machine (kernel) the driver's GPUs belong to: two drivers
+    /// with the same token see the same GPUs, so their memory is reachable
+    /// by device copies (in one process) or CUDA IPC (across processes).
+    /// The real driver: the kernel's boot id ([`boot_id`]); the simulated
+    /// one: its simulated node. `None`: unknown (never the same host).
+    fn host_token(&self) -> Option<[u8; 16]> {
+        boot_id()
+    }
+}
+
+/// The kernel's boot id (`/proc/sys/kernel/random/boot_id`, a random UUID
+/// per boot): two processes that read the same one run on one machine,
+/// whatever their network namespaces. `None` when absent or malformed.
+pub fn boot_id() -> Option<[u8; 16]> {
+    static ID: std::sync::OnceLock<Option<[u8; 16]>> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        parse_uuid(&text)
+    })
+}
+
+/// The 16 bytes of a textual UUID (hex digits, dashes ignored); never all
+/// zero.
+pub fn parse_uuid(text: &str) -> Option<[u8; 16]> {
+    let digits: Vec<u8> = text
+        .trim()
+        .chars()
+        .filter(|&c| c != '-')
+        .map(|c| c.to_digit(16).map(|d| d as u8))
+        .collect::<Option<_>>()?;
+    if digits.len() != 32 {
+        return None;
+    }
+    let mut out = [0; 16];
+    for (byte, pair) in out.iter_mut().zip(digits.chunks(2)) {
+        *byte = (pair[0] << 4) | pair[1];
+    }
+    (out != [0; 16]).then_some(out)
+}
+
+/// A token of this OS process, random per run (a pid is reused; this is
+/// not): the default [`Driver::process_token`].
+pub fn os_process_token() -> u64 {
+    static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        hasher.write_u128(nanos);
+        hasher.finish().max(1)
+    })
 }
 
 /// A device context. Every method makes it current on the calling thread
@@ -97,6 +159,13 @@ pub trait Context<A: Api>: Send + Sync + Debug {
     fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle>;
     /// Maps another process's allocation from its IPC handle.
     fn ipc_open(&self, handle: &IpcMemHandle) -> Result<A::IpcMapping>;
+    /// Lets this context's copies and kernels reach `peer`'s device memory
+    /// directly (`cuCtxEnablePeerAccess`: over NVLink or PCIe peer to
+    /// peer) instead of through host memory. `Ok(true)`: enabled (or
+    /// already, or `peer` is this very device); `Ok(false)`: the devices
+    /// cannot reach each other (`cuDeviceCanAccessPeer`), and copies
+    /// between them still work, staged by the driver.
+    fn enable_peer_access(&self, peer: &A::Context) -> Result<bool>;
     /// Makes inbound GPUDirect RDMA writes visible (`cuFlushGPUDirectRDMAWrites`).
     fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()>;
     /// Waits for all work in the context.
@@ -286,5 +355,25 @@ pub trait VirtualMapping: Send + Sync + Debug {
     /// True for an empty mapping (never made).
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_uuid;
+
+    #[test]
+    fn boot_ids_parse_as_uuids_and_nothing_else() {
+        assert_eq!(
+            parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n"),
+            Some([
+                0x0f, 0x1e, 0x2d, 0x3c, 0x4b, 0x5a, 0x69, 0x78, 0x87, 0x96, 0xa5, 0xb4, 0xc3, 0xd2,
+                0xe1, 0xf0
+            ])
+        );
+        assert_eq!(parse_uuid(""), None);
+        assert_eq!(parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1"), None);
+        assert_eq!(parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1fg"), None);
+        assert_eq!(parse_uuid("00000000-0000-0000-0000-000000000000"), None);
     }
 }

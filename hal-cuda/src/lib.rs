@@ -23,6 +23,7 @@ pub use api::{
     Api, Context, DeviceMemory, Driver, Event, HostRegistration, IpcMapping, PhysicalMemory,
     PinnedHostMemory, Stream, VirtualMapping, VirtualReservation,
 };
+pub use api::{boot_id, os_process_token, parse_uuid};
 pub use error::{CudaError, Result, result_name};
 pub use types::{
     AllocationKind, DeviceAttributes, FlushScope, FlushWritesOptions, HostRegisterFlags,

@@ -41,6 +41,8 @@ fn config(pipeline: bool) -> EngineConfig {
         qps_per_peer: 2,
         default_timeout: T,
         staging_pipeline: pipeline,
+        // The staging path is measured: both engines share the GPU here.
+        peer_copy: false,
         ladder: LadderConfig {
             policy: Policy::Only(Rung::Staging),
             ..LadderConfig::default()

@@ -17,8 +17,8 @@ use std::time::Duration;
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Engine, EngineConfig, EngineError, Path, Peer, Region, RegionGrant, Transfer,
-    TransferError,
+    Batch, Engine, EngineConfig, EngineError, Path, Peer, PeerCopyRoute, Region, RegionGrant,
+    Transfer, TransferError,
 };
 use gdr_core::ladder::Rung;
 use gdr_sim::{
@@ -101,7 +101,12 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
     /// `len` bytes of GPU memory holding `pattern(len, seed)` (copied in
     /// on a stream), registered on whichever rung the ladder takes.
     pub fn gpu(&self, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
-        let ctx = self.cuda.context(0).unwrap();
+        self.gpu_on(0, len, seed)
+    }
+
+    /// [`Side::gpu`] on GPU `ordinal`.
+    pub fn gpu_on(&self, ordinal: u32, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
+        let ctx = self.cuda.context(ordinal).unwrap();
         let buffer = Buffer::alloc_device(&ctx, len).unwrap();
         let data = pattern(len as usize, seed);
         let stream = ctx.create_stream().unwrap();
@@ -128,12 +133,16 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
         if buffer.memory_type() != hal_cuda::MemoryType::Device {
             return buffer.to_vec().expect("host memory is CPU-readable");
         }
-        self.device_bytes(buffer.addr(), buffer.len() as usize)
+        self.device_bytes(
+            buffer.device_ordinal().unwrap_or(0),
+            buffer.addr(),
+            buffer.len() as usize,
+        )
     }
 
-    /// `len` bytes of device memory at `addr`, through a stream copy.
-    pub fn device_bytes(&self, addr: u64, len: usize) -> Vec<u8> {
-        let ctx = self.cuda.context(0).unwrap();
+    /// `len` bytes of GPU `ordinal`'s memory at `addr`, through a stream copy.
+    pub fn device_bytes(&self, ordinal: u32, addr: u64, len: usize) -> Vec<u8> {
+        let ctx = self.cuda.context(ordinal).unwrap();
         let mut out = vec![0; len];
         let stream = ctx.create_stream().unwrap();
         // SAFETY: `out` holds `len` bytes, the caller names `len` mapped
@@ -543,7 +552,7 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
             self.a.bytes(&buf) == pattern(len as usize, 32),
             "the READ landed in the memory mapped now"
         );
-        let old_chunk = self.a.device_bytes(old_at, g as usize);
+        let old_chunk = self.a.device_bytes(0, old_at, g as usize);
         let old_part = &pattern(len as usize, 31)[(g - offset) as usize..(2 * g - offset) as usize];
         assert!(
             old_chunk == old_part,
@@ -551,6 +560,76 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
         );
         drop((again, first, buf));
         Some(())
+    }
+}
+
+/// The GPUs two engines of one host use in the peer-copy scenarios: 0 and
+/// 1 where the driver has two or more, else 0 for both.
+pub fn peer_copy_gpus<C: hal_cuda::Api>(cuda: &C::Driver) -> (u32, u32) {
+    match cuda.device_count() {
+        Ok(n) if n >= 2 => (0, 1),
+        _ => (0, 0),
+    }
+}
+
+/// The sum of a peer's queue pairs' posted work requests (the NIC's work).
+pub fn posted<V: Api, C: hal_cuda::Api>(peer: &WorldPeer<V, C>) -> u64 {
+    peer.counters().iter().map(|(_, _, c)| c.posted).sum()
+}
+
+impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
+    /// The peer-copy scenario: `len` bytes of a's GPU `gpus.0` memory
+    /// WRITTEN into b's GPU `gpus.1` memory (granted read-write), then READ
+    /// back into fresh memory of a's GPU in two transfers at an odd cut,
+    /// both verified byte for byte; checks a's peer b takes `route`, the
+    /// engine's peer-copy counters grew by exactly these two batches, and
+    /// a's queue pairs posted nothing for them (the NIC moved no byte).
+    pub fn peer_copy_round_trip(&self, gpus: (u32, u32), len: u64, seed: u8, route: PeerCopyRoute) {
+        let t = self.timeout;
+        let what = format!("{len} B GPU {} <-> GPU {}", gpus.0, gpus.1);
+        assert_eq!(self.ab.peer_copy(), route, "{what}: the route");
+        let (_s, src) = self.a.gpu_on(gpus.0, len, seed);
+        let (dst_buf, dst) = self.b.gpu_on(gpus.1, len, 0);
+        let (_g, remote) = self.b_grants(&dst, GrantRights::ReadWrite);
+        let (back_buf, back) = self.a.gpu_on(gpus.0, len, 0);
+        let stats = self.a.engine.peer_copy_stats();
+        let nic_work = posted(&self.ab);
+        self.ab
+            .submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+            .unwrap()
+            .wait(t)
+            .unwrap_or_else(|e| panic!("{what}: WRITE: {e}"));
+        assert!(
+            self.b.bytes(&dst_buf) == pattern(len as usize, seed),
+            "{what}: the WRITE's data"
+        );
+        let cut = (len / 2) | 1;
+        let mut reads = vec![Transfer::read(&back, 0, &remote, 0, cut.min(len))];
+        if cut < len {
+            reads.push(Transfer::read(&back, cut, &remote, cut, len - cut));
+        }
+        self.ab
+            .submit(&reads)
+            .unwrap()
+            .wait(t)
+            .unwrap_or_else(|e| panic!("{what}: READ: {e}"));
+        assert!(
+            self.a.bytes(&back_buf) == pattern(len as usize, seed),
+            "{what}: the READ's data"
+        );
+        let after = self.a.engine.peer_copy_stats();
+        if route == PeerCopyRoute::Nic {
+            assert_eq!(after.bytes, stats.bytes, "{what}: no peer copy");
+            assert!(posted(&self.ab) > nic_work, "{what}: the NIC moved it");
+        } else {
+            assert_eq!(
+                after.batches - stats.batches,
+                2,
+                "{what}: two peer-copy batches"
+            );
+            assert_eq!(after.bytes - stats.bytes, 2 * len, "{what}: their bytes");
+            assert_eq!(posted(&self.ab), nic_work, "{what}: no NIC work request");
+        }
     }
 }
 
@@ -666,9 +745,20 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         timeout: Duration,
         cuda: impl Fn(&SimFabric) -> C::Driver,
     ) -> Self {
+        Self::sim_sides(nics, (config.clone(), config), timeout, cuda)
+    }
+
+    /// [`EngineWorld::sim_with`] with a's engine configured as
+    /// `configs.0` and b's as `configs.1` (`cuda` is called for a first).
+    pub fn sim_sides(
+        nics: usize,
+        configs: (EngineConfig, EngineConfig),
+        timeout: Duration,
+        cuda: impl Fn(&SimFabric) -> C::Driver,
+    ) -> Self {
         init_tracing();
         let fabric = SimFabric::new();
-        let side = |name: &str| {
+        let side = |name: &str, config: EngineConfig| {
             let verbs = fabric.add_node(
                 name,
                 NodeConfig {
@@ -676,10 +766,10 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
                     devices: vec![DeviceConfig::default(); nics],
                 },
             );
-            Side::new(verbs, cuda(&fabric), config.clone())
+            Side::new(verbs, cuda(&fabric), config)
         };
-        let a = side("a");
-        let b = side("b");
+        let a = side("a", configs.0);
+        let b = side("b", configs.1);
         let ip = |side: &Side<SimVerbsApi, C>, nic: &str| {
             IpAddr::V4(side.verbs.device_ipv4(nic).unwrap())
         };

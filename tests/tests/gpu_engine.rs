@@ -17,12 +17,26 @@ use hal_cuda::cuda::CudaApi;
 
 const T: Duration = Duration::from_secs(120);
 
+/// Two engines of this process over the sim NIC with the real GPU. The
+/// peer-copy path is off (both engines share the GPUs and the process, so
+/// it would take every GPU-to-GPU transfer): these tests are about the
+/// staging path.
 fn world(test: &str, policy: Policy, pipeline: bool) -> Option<EngineWorld<SimVerbsApi, CudaApi>> {
+    world_with(test, policy, pipeline, false)
+}
+
+fn world_with(
+    test: &str,
+    policy: Policy,
+    pipeline: bool,
+    peer_copy: bool,
+) -> Option<EngineWorld<SimVerbsApi, CudaApi>> {
     let (driver, _ctx) = gdr_tests::cuda_gpu(test)?;
     let config = EngineConfig {
         qps_per_peer: 2,
         default_timeout: T,
         staging_pipeline: pipeline,
+        peer_copy,
         ladder: LadderConfig {
             policy,
             ..LadderConfig::default()
@@ -179,4 +193,150 @@ fn a_vmm_chunk_remapped_on_the_real_gpu_is_registered_anew() {
     if w.vmm_remap_is_stale().is_none() {
         gdr_tests::skip_gpu(name, "the GPU has no CUDA VMM API");
     }
+}
+
+/// Sizes of the peer-copy tests on the real driver.
+const PEER_COPY_SIZES: [u64; 6] = [1, 4097, (16 << 20) + 3, 64 << 20, (256 << 20) + 1, 1 << 30];
+
+/// Two engines of this process (the sim NIC between them) with the real
+/// GPU memory: transfers go by CUDA device copies, GPU 0 to GPU 1 where
+/// there are two GPUs (peer access enabled: NVLink), GPU 0 to itself on a
+/// one-GPU machine; data verified, no NIC work request for them.
+#[test]
+fn two_engines_of_one_process_copy_by_peer_copy_on_the_real_gpu() {
+    use gdr_core::engine::PeerCopyRoute;
+    use gdr_tests::engine_world::peer_copy_gpus;
+
+    let name = "two_engines_of_one_process_copy_by_peer_copy_on_the_real_gpu";
+    let Some(w) = world_with(name, Policy::Fallback, true, true) else {
+        return;
+    };
+    let gpus = peer_copy_gpus::<CudaApi>(&w.a.cuda);
+    eprintln!("peer copy between GPU {} and GPU {}", gpus.0, gpus.1);
+    for (i, len) in PEER_COPY_SIZES.into_iter().enumerate() {
+        w.peer_copy_round_trip(gpus, len, i as u8 + 1, PeerCopyRoute::SameProcess);
+    }
+}
+
+/// Where the child of the two-process test connects (set only in it).
+const PEER_COPY_CHILD_ENV: &str = "GDR_PEER_COPY_CHILD_CONNECT";
+const PEER_COPY_LEN: u64 = (64 << 20) + 5;
+
+/// Two processes on this host, the engines connected over SoftRoCE
+/// (`rxe0`: the only way two processes' engines meet without an RDMA NIC;
+/// skipped without it, or failed with `GDR_EXPECT_RXE=1`), the child the
+/// test binary itself: the child grants its GPU memory, this process
+/// READs it and WRITEs into it by device copies through the CUDA IPC
+/// handle the child sent (opened on this process's context), and the child
+/// checks what arrived.
+#[test]
+fn two_processes_copy_through_cuda_ipc_on_the_real_gpu() {
+    use gdr_core::engine::{PeerCopyRoute, Transfer};
+    use gdr_tests::engine_world::{Side, peer_copy_gpus};
+    use gdr_tests::{pattern, rxe};
+    use hal_verbs::rdma::RdmaApi;
+
+    let name = "two_processes_copy_through_cuda_ipc_on_the_real_gpu";
+    if let Ok(addr) = std::env::var(PEER_COPY_CHILD_ENV) {
+        peer_copy_child(name, addr.parse().expect("the parent's address"));
+        return;
+    }
+    let Some((driver, _ctx)) = gdr_tests::cuda_gpu(name) else {
+        return;
+    };
+    let Some((provider, _rctx)) = rxe::open_rxe(name) else {
+        return;
+    };
+    let gpus = peer_copy_gpus::<CudaApi>(&driver);
+    let side = Side::<RdmaApi, CudaApi>::new(provider, driver, rxe_config());
+    let mut listener = side
+        .engine
+        .listen(std::net::SocketAddr::new(rxe::expected_ip(), 0))
+        .unwrap();
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(PEER_COPY_CHILD_ENV, listener.local_addr().to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning the child");
+    let peer = listener.accept(T).expect("the child connects");
+    assert_eq!(peer.peer_copy(), PeerCopyRoute::Ipc, "another process");
+    let id = peer.recv(T).expect("the child's grant id");
+    let id = u64::from_le_bytes(id.try_into().expect("8 bytes"));
+    let remote = peer.wait_grant(id, T).unwrap();
+    let len = PEER_COPY_LEN;
+    let (back_buf, back) = side.gpu_on(gpus.0, len, 0);
+    let before = side.engine.peer_copy_stats();
+    peer.submit(&[Transfer::read(&back, 0, &remote, 0, len)])
+        .unwrap()
+        .wait(T)
+        .unwrap_or_else(|e| panic!("READ: {e}"));
+    assert!(
+        side.bytes(&back_buf) == pattern(len as usize, 0x5a),
+        "the child's memory, READ"
+    );
+    let (_s, src) = side.gpu_on(gpus.0, len, 0x6b);
+    peer.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+        .unwrap()
+        .wait(T)
+        .unwrap_or_else(|e| panic!("WRITE: {e}"));
+    let after = side.engine.peer_copy_stats();
+    assert_eq!(
+        after.bytes - before.bytes,
+        2 * len,
+        "both went by peer copy"
+    );
+    peer.send(b"check").unwrap().wait(T).unwrap();
+    let verdict = peer.recv(T).expect("the child's verdict");
+    let out = child.wait_with_output().unwrap();
+    eprintln!(
+        "child stderr:\n{}\nchild stdout:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(verdict, b"ok", "the child saw the WRITE's data");
+    assert!(out.status.success(), "the child failed: {:?}", out.status);
+}
+
+fn rxe_config() -> EngineConfig {
+    EngineConfig {
+        devices: Some(vec![gdr_tests::rxe::device_name()]),
+        default_timeout: T,
+        ..EngineConfig::default()
+    }
+}
+
+/// The child half: connects, grants its GPU memory (holding a pattern),
+/// sends the grant's id, and checks what the parent wrote when told.
+fn peer_copy_child(name: &str, addr: std::net::SocketAddr) {
+    use gdr_core::descriptor::GrantRights;
+    use gdr_tests::engine_world::{Side, peer_copy_gpus};
+    use gdr_tests::{pattern, rxe};
+    use hal_verbs::rdma::RdmaApi;
+
+    let (driver, _ctx) = gdr_tests::cuda_gpu(name).expect("child: the GPU");
+    let (provider, _rctx) = rxe::open_rxe(name).expect("child: rxe0");
+    let gpus = peer_copy_gpus::<CudaApi>(&driver);
+    let side = Side::<RdmaApi, CudaApi>::new(provider, driver, rxe_config());
+    let peer = side.engine.connect(addr, T).expect("child: connect");
+    let len = PEER_COPY_LEN;
+    let (buf, region) = side.gpu_on(gpus.1, len, 0x5a);
+    let grant = peer
+        .grant(&region, 0, len, GrantRights::ReadWrite)
+        .expect("child: grant");
+    peer.send(&grant.descriptor().grant.to_le_bytes())
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert_eq!(peer.recv(T).expect("child: told to check"), b"check");
+    let ok = side.bytes(&buf) == pattern(len as usize, 0x6b);
+    peer.send(if ok { b"ok" } else { b"no" })
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    // The parent reads the verdict before we go.
+    std::thread::sleep(Duration::from_millis(500));
+    drop(grant);
+    assert!(ok, "child: the parent's WRITE did not arrive");
 }

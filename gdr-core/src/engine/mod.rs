@@ -67,6 +67,7 @@ pub mod error;
 pub mod fence;
 #[cfg(all(test, loom))]
 mod loom_tests;
+pub mod peer_copy;
 pub mod pipeline;
 mod region;
 pub mod staging;
@@ -100,6 +101,7 @@ pub use self::completion::{CompletionCell, Outcome};
 use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
 pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
+pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::wire::{Control, Hello, RejectReason, Role};
 
@@ -170,6 +172,17 @@ pub struct EngineConfig {
     pub staging_slice: u64,
     /// Slots of each GPU's staging pool (slices in flight at most).
     pub staging_slots: usize,
+    /// GPU memory of a peer on this host (another engine of this process,
+    /// or of another process through CUDA IPC) is moved by device copies,
+    /// over NVLink where the GPUs have it, instead of through a NIC (see
+    /// [`peer_copy`]). A trust decision: a peer process of this host is
+    /// sent the CUDA IPC handle of each allocation it is granted part of,
+    /// which opens the whole allocation; `false` keeps every transfer on
+    /// the NIC and sends no handle.
+    pub peer_copy: bool,
+    /// Largest single device copy of the peer-copy path: larger transfers
+    /// are cut into slices of this size spread over a few streams.
+    pub peer_copy_slice: u64,
     /// Where the PCI tree is read (which NIC is nearest each GPU: a
     /// transfer of GPU memory goes over the peer's queue pairs on the
     /// nearest NICs when any is up).
@@ -197,6 +210,8 @@ impl Default for EngineConfig {
             staging_pipeline: true,
             staging_slice: 4 << 20,
             staging_slots: 8,
+            peer_copy: true,
+            peer_copy_slice: 64 << 20,
             topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
         }
@@ -319,6 +334,8 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     /// id.
     rendezvous: HashMap<u64, staging::Rendezvous<V>>,
     control: ControlBuffers<V, C>,
+    /// Where the peer runs and its grants' IPC handles.
+    peer_copy: peer_copy::PeerLink<C>,
     remote_grants: HashMap<u64, MemoryDescriptor>,
     revoked: HashSet<u64>,
     inbox: VecDeque<Vec<u8>>,
@@ -459,6 +476,8 @@ struct State<V: Api, C: hal_cuda::Api> {
     fence_words: Option<fence::FenceWords<C>>,
     /// Stream fences whose batch has not ended.
     stream_fences: Vec<fence::StreamFence>,
+    /// The peer-copy path's streams, mappings and batches in flight.
+    peer_copy: peer_copy::Copies<C>,
     completions: Vec<Completion>,
     to_post: Vec<SendRequest>,
     ticks: u64,
@@ -590,6 +609,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 pipes: Vec::new(),
                 fence_words: None,
                 stream_fences: Vec::new(),
+                peer_copy: peer_copy::Copies::new(cuda),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
@@ -907,6 +927,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 free_send: Arc::new(std::sync::Mutex::new((0..send_slots).rev().collect())),
                 slot: peer_max,
             },
+            peer_copy: peer_copy::PeerLink::default(),
             remote_grants: HashMap::new(),
             revoked: HashSet::new(),
             inbox: VecDeque::new(),
@@ -1103,6 +1124,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         state.core.handle_timeout(now);
         Self::expire_rendezvous(state, now);
         handled += self.pump_pipes(state, now);
+        handled += self.pump_peer_copies(state, now);
         handled += self.release_stream_fences(state);
         self.run_actions(state);
         self.post_ready(state);
@@ -1165,7 +1187,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             Ok(Control::GrantRevoke { grant }) => {
                 peer.remote_grants.remove(&grant);
                 peer.revoked.insert(grant);
+                peer.peer_copy.on_revoke(grant);
             }
+            Ok(Control::Locality { host, process }) => peer.peer_copy.on_locality(host, process),
+            Ok(Control::GrantIpc {
+                grant,
+                offset,
+                handle,
+            }) => peer.peer_copy.on_grant_ipc(grant, offset, handle),
             Ok(Control::Paths { devices }) => {
                 let names = String::from_utf8_lossy(devices);
                 for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {
@@ -2049,6 +2078,8 @@ pub struct RegionGrant<V: Api, C: hal_cuda::Api> {
     peer: Peer<V, C>,
     // After the notice is queued, the MRs go (field order).
     _grants: Vec<Grant<V>>,
+    /// Its entry for a peer-copy peer of this process.
+    _published: Option<peer_copy::Publication>,
 }
 
 impl<V: Api, C: hal_cuda::Api> fmt::Debug for RegionGrant<V, C> {
@@ -2164,6 +2195,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 .collect::<Vec<_>>()
                 .join(",")
         })?;
+        // Where we run goes first: known to the peer once it has our paths.
+        self.send_locality()?;
         let batch = self.send_control(&Control::Paths {
             devices: devices.as_bytes(),
         })?;
@@ -2216,6 +2249,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         };
         let mut bytes = vec![0; announce.encoded_len()];
         announce.encode_into(&mut bytes)?;
+        let published = self.publish_for_peer_copy(region, offset, &descriptor);
         self.send_control(&announce)?;
         let served = grants.is_empty().then(|| staging::Served {
             region: region.clone(),
@@ -2236,6 +2270,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             descriptor,
             peer: self.clone(),
             _grants: grants,
+            _published: published,
         })
     }
 
@@ -2319,6 +2354,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         transfers: &[Transfer<'_, V>],
         timeout: Duration,
     ) -> Result<Batch<V, C>, EngineError> {
+        if let Some(batch) = self.submit_peer_copy(transfers, timeout)? {
+            return Ok(batch);
+        }
         if transfers
             .iter()
             .any(|t| matches!(t.remote.reach, Reach::Staged) || t.local.is_staged())
@@ -2755,8 +2793,9 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// Cancels the batch: what is not posted is dropped; it ends
     /// [`TransferError::Cancelled`] once nothing of it is in flight.
     pub fn cancel(&self) {
-        if let Some(id) = self.id {
-            lock(&self.engine.shared.state).core.cancel(id);
+        match self.id {
+            Some(id) => lock(&self.engine.shared.state).core.cancel(id),
+            None => self.engine.cancel_peer_copy(&self.cell),
         }
     }
 

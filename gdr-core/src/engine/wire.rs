@@ -72,9 +72,13 @@
 //! | 5 | [`Control::StagedRequest`] | `id` u64, `grant` u64 nonzero, `offset` u64, `len` u64 nonzero with `offset + len` in u64, `write` u8 (0 or 1), 7 reserved zero bytes (40 bytes) |
 //! | 6 | [`Control::StagedReply`] | `id` u64, `status` u32, 4 reserved zero bytes (16 bytes) |
 //! | 7 | [`Control::Paths`] | the sender's NIC of each of its queue pairs to this peer, in queue-pair order: names joined by `,`, each 1..=63 bytes of `[A-Za-z0-9_-]`, at most [`MAX_QPS_PER_PEER`] |
+//! | 8 | [`Control::Locality`] | `host` 16 bytes (the boot id), `process` u64 (24 bytes) |
+//! | 9 | [`Control::GrantIpc`] | `grant` u64 nonzero, `offset` u64, `handle` 64 bytes (80 bytes) |
 //!
 //! A whole message (header included) is at most [`MAX_MESSAGE`] bytes; the
-//! fixed-size messages all fit in [`MIN_MESSAGE`].
+//! fixed-size messages all fit in [`MIN_MESSAGE`], except
+//! [`Control::GrantIpc`] (88 bytes), which is sent only to a peer whose
+//! `max_message` holds it (without it, that peer's transfers take the NIC).
 
 use std::fmt;
 
@@ -106,10 +110,14 @@ const KIND_GOODBYE: u8 = 4;
 const KIND_STAGED_REQUEST: u8 = 5;
 const KIND_STAGED_REPLY: u8 = 6;
 const KIND_PATHS: u8 = 7;
+const KIND_LOCALITY: u8 = 8;
+const KIND_GRANT_IPC: u8 = 9;
 
 const GRANT_REVOKE_BODY: usize = 8;
 const STAGED_REQUEST_BODY: usize = 40;
 const STAGED_REPLY_BODY: usize = 16;
+const LOCALITY_BODY: usize = 24;
+const GRANT_IPC_BODY: usize = 80;
 
 const _: () = assert!(Hello::ENCODED_LEN <= MAX_CONNECT_PRIVATE_DATA);
 const _: () = assert!(Hello::ENCODED_LEN <= MAX_ACCEPT_PRIVATE_DATA);
@@ -117,6 +125,7 @@ const _: () = assert!(RejectReason::ENCODED_LEN <= MAX_REJECT_PRIVATE_DATA);
 const _: () = assert!(HEADER_LEN + STAGED_REQUEST_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + STAGED_REPLY_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + GRANT_REVOKE_BODY <= MIN_MESSAGE as usize);
+const _: () = assert!(HEADER_LEN + LOCALITY_BODY <= MIN_MESSAGE as usize);
 
 /// Why bytes off the wire were refused, or why a message cannot be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -589,6 +598,26 @@ pub enum Control<'a> {
         /// The names, joined by `,`.
         devices: &'a [u8],
     },
+    /// Where the sender runs, sent (before [`Control::Paths`]) only by an
+    /// engine that allows the peer-copy path: the same `host` (boot id)
+    /// means one machine, the same `process` too one address space.
+    Locality {
+        /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`).
+        host: [u8; 16],
+        /// The sender's CUDA driver's process token.
+        process: u64,
+    },
+    /// The CUDA IPC handle behind a grant of GPU memory, sent (before its
+    /// [`Control::GrantAnnounce`]) only to a peer of the same host in
+    /// another process: a capability for the whole allocation.
+    GrantIpc {
+        /// The grant, nonzero.
+        grant: u64,
+        /// Where the grant starts within the allocation.
+        offset: u64,
+        /// The allocation's `CUipcMemHandle`.
+        handle: [u8; 64],
+    },
 }
 
 impl<'a> Control<'a> {
@@ -601,6 +630,8 @@ impl<'a> Control<'a> {
             Control::StagedRequest { .. } => KIND_STAGED_REQUEST,
             Control::StagedReply { .. } => KIND_STAGED_REPLY,
             Control::Paths { .. } => KIND_PATHS,
+            Control::Locality { .. } => KIND_LOCALITY,
+            Control::GrantIpc { .. } => KIND_GRANT_IPC,
         }
     }
 
@@ -613,6 +644,8 @@ impl<'a> Control<'a> {
             Control::Goodbye => 0,
             Control::StagedRequest { .. } => STAGED_REQUEST_BODY,
             Control::StagedReply { .. } => STAGED_REPLY_BODY,
+            Control::Locality { .. } => LOCALITY_BODY,
+            Control::GrantIpc { .. } => GRANT_IPC_BODY,
         }
     }
 
@@ -639,6 +672,10 @@ impl<'a> Control<'a> {
             }),
             Control::GrantRevoke { grant: 0 } => Err(WireError::OutOfRange {
                 field: "grant revocation grant id (nonzero)",
+                value: 0,
+            }),
+            Control::GrantIpc { grant: 0, .. } => Err(WireError::OutOfRange {
+                field: "grant IPC handle grant id (nonzero)",
                 value: 0,
             }),
             Control::StagedRequest {
@@ -711,6 +748,19 @@ impl<'a> Control<'a> {
                 w.put(&status.to_le_bytes());
                 w.put(&[0; 4]);
             }
+            Control::Locality { host, process } => {
+                w.put(&host);
+                w.put(&process.to_le_bytes());
+            }
+            Control::GrantIpc {
+                grant,
+                offset,
+                handle,
+            } => {
+                w.put(&grant.to_le_bytes());
+                w.put(&offset.to_le_bytes());
+                w.put(&handle);
+            }
         }
         debug_assert_eq!(w.pos, need);
         Ok(need)
@@ -755,7 +805,7 @@ impl<'a> Control<'a> {
                 max: MAX_MESSAGE as usize,
             });
         }
-        if !(KIND_USER..=KIND_PATHS).contains(&kind) {
+        if !(KIND_USER..=KIND_GRANT_IPC).contains(&kind) {
             return Err(WireError::UnknownKind(kind));
         }
         if flags != 0 {
@@ -835,6 +885,21 @@ impl<'a> Control<'a> {
                 let status = b.u32()?;
                 b.reserved::<4>("staged reply bytes 12..16")?;
                 Control::StagedReply { id, status }
+            }
+            KIND_LOCALITY => {
+                exact("locality body", LOCALITY_BODY)?;
+                Control::Locality {
+                    host: b.array::<16>()?,
+                    process: b.u64()?,
+                }
+            }
+            KIND_GRANT_IPC => {
+                exact("grant IPC handle body", GRANT_IPC_BODY)?;
+                Control::GrantIpc {
+                    grant: b.u64()?,
+                    offset: b.u64()?,
+                    handle: b.array::<64>()?,
+                }
             }
             other => return Err(WireError::UnknownKind(other)),
         };
@@ -1165,6 +1230,15 @@ mod tests {
                 id: 7,
                 status: 0xDEAD_BEEF,
             },
+            Control::Locality {
+                host: *b"0123456789abcdef",
+                process: 0x1122_3344_5566_7788,
+            },
+            Control::GrantIpc {
+                grant: 5,
+                offset: 1 << 21,
+                handle: std::array::from_fn(|i| i as u8),
+            },
         ]
     }
 
@@ -1242,6 +1316,11 @@ mod tests {
         let bad = [
             Control::GrantAnnounce { descriptor: b"" },
             Control::GrantRevoke { grant: 0 },
+            Control::GrantIpc {
+                grant: 0,
+                offset: 0,
+                handle: [0; 64],
+            },
             Control::StagedRequest {
                 id: 1,
                 grant: 0,
@@ -1309,7 +1388,7 @@ mod tests {
             control_edited(revoke.clone(), |b| b[1] = 2),
             WireError::Version { ours: 1, theirs: 2 }
         );
-        for kind in [0, 8, 0xFF] {
+        for kind in [0, 10, 0xFF] {
             assert_eq!(
                 control_edited(revoke.clone(), |b| b[2] = kind),
                 WireError::UnknownKind(kind)
@@ -1370,6 +1449,21 @@ mod tests {
                 40,
             ),
             (Control::StagedReply { id: 1, status: 0 }, 16),
+            (
+                Control::Locality {
+                    host: [1; 16],
+                    process: 2,
+                },
+                24,
+            ),
+            (
+                Control::GrantIpc {
+                    grant: 1,
+                    offset: 0,
+                    handle: [3; 64],
+                },
+                80,
+            ),
         ];
         for (message, body) in fixed {
             for delta in [-1isize, 1] {
@@ -1387,6 +1481,8 @@ mod tests {
                             Control::GrantRevoke { .. } => "grant revocation body",
                             Control::Goodbye => "goodbye body",
                             Control::StagedRequest { .. } => "staged request body",
+                            Control::Locality { .. } => "locality body",
+                            Control::GrantIpc { .. } => "grant IPC handle body",
                             _ => "staged reply body",
                         },
                         expected: body,
@@ -1484,8 +1580,17 @@ mod tests {
     }
 
     fn random_control<'a>(rng: &mut Rng, payload: &'a [u8]) -> Control<'a> {
-        match rng.below(6) {
+        match rng.below(8) {
             0 => Control::User(payload),
+            6 => Control::Locality {
+                host: std::array::from_fn(|_| rng.next() as u8),
+                process: rng.next(),
+            },
+            7 => Control::GrantIpc {
+                grant: rng.nonzero(),
+                offset: rng.next(),
+                handle: std::array::from_fn(|_| rng.next() as u8),
+            },
             1 => Control::GrantAnnounce {
                 descriptor: if payload.is_empty() { b"d" } else { payload },
             },
@@ -1601,6 +1706,8 @@ mod tests {
             "staged-request-write",
             "staged-request-read",
             "staged-reply",
+            "locality",
+            "grant-ipc",
         ];
         for (name, message) in names.into_iter().zip(controls()) {
             seeds.push(("control", name.into(), message.encode().unwrap()));

@@ -543,6 +543,43 @@ impl Context<CudaApi> for CudaContext {
         CudaIpcMapping::open(&self.inner, handle)
     }
 
+    fn enable_peer_access(&self, peer: &CudaContext) -> Result<bool> {
+        const OP: &str = "cuCtxEnablePeerAccess";
+        if peer.inner.dev == self.inner.dev {
+            return Ok(true);
+        }
+        let _span = tracing::debug_span!(
+            "cuda_enable_peer_access",
+            ordinal = self.inner.ordinal,
+            peer = peer.inner.ordinal
+        )
+        .entered();
+        let Some(access) = &self.inner.drv.peer else {
+            return Err(CudaError::unsupported(
+                OP,
+                "the loaded libcuda does not export the peer access calls",
+            ));
+        };
+        let mut can: c_int = 0;
+        // SAFETY: `can` is a valid out-pointer; both devices are live
+        // handles of this driver.
+        check("cuDeviceCanAccessPeer", unsafe {
+            (access.cuDeviceCanAccessPeer)(&mut can, self.inner.dev, peer.inner.dev)
+        })?;
+        if can == 0 {
+            return Ok(false);
+        }
+        // Enabling is a property of the current context (ours).
+        let _current = self.inner.enter()?;
+        // SAFETY: `peer.inner.raw` is a retained primary context; flags must
+        // be 0.
+        let code = unsafe { (access.cuCtxEnablePeerAccess)(peer.inner.raw, 0) };
+        match code {
+            C::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
+            code => check(OP, code).map(|()| true),
+        }
+    }
+
     fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()> {
         const OP: &str = "cuFlushGPUDirectRDMAWrites";
         let Some(flush) = &self.inner.drv.flush else {

@@ -96,6 +96,9 @@ pub(crate) mod consts {
     pub(crate) const CUDA_ERROR_STUB_LIBRARY: u32 = CUresult::CUDA_ERROR_STUB_LIBRARY as u32;
     /// `CUDA_ERROR_NOT_READY`.
     pub(crate) const CUDA_ERROR_NOT_READY: u32 = CUresult::CUDA_ERROR_NOT_READY as u32;
+    /// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`.
+    pub(crate) const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: u32 =
+        CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED as u32;
 
     pub(crate) const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int =
         Dev::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as c_int;
@@ -296,6 +299,15 @@ entry_points! {
     }
 }
 
+entry_points! {
+    /// Peer access between devices (CUDA 4.0+; optional so that a driver
+    /// lacking it still serves one GPU).
+    struct PeerAccess {
+        cuDeviceCanAccessPeer: fn(*mut c_int, CuDevice, CuDevice);
+        cuCtxEnablePeerAccess: fn(CuCtx, c_uint);
+    }
+}
+
 /// The loaded driver: required entry points, and the optional groups that
 /// the library has.
 #[derive(Debug)]
@@ -305,6 +317,7 @@ pub(crate) struct Driver {
     pub(crate) flush: Option<FlushWrites>,
     pub(crate) vmm: Option<Vmm>,
     pub(crate) memops: Option<StreamMemOps>,
+    pub(crate) peer: Option<PeerAccess>,
     /// The file name that opened.
     pub(crate) library: &'static str,
 }
@@ -352,6 +365,8 @@ fn open() -> std::result::Result<Driver, CudaError> {
         let vmm = unsafe { Vmm::resolve(&lib) }.ok();
         // SAFETY: as above.
         let memops = unsafe { StreamMemOps::resolve(&lib) }.ok();
+        // SAFETY: as above.
+        let peer = unsafe { PeerAccess::resolve(&lib) }.ok();
         // The pointers above must stay valid for the process's life.
         std::mem::forget(lib);
         return Ok(Driver {
@@ -360,6 +375,7 @@ fn open() -> std::result::Result<Driver, CudaError> {
             flush,
             vmm,
             memops,
+            peer,
             library: name_static(name),
         });
     }

@@ -1,0 +1,778 @@
+//! The peer-copy path: GPU memory of two engines on one host is moved by
+//! CUDA device-to-device copies (over NVLink where the GPUs are peers),
+//! not through a NIC, as Mooncake's NVLink transport and UCX's `cuda_ipc`
+//! do. The API is the NIC path's: [`super::Peer::submit`], the batch's
+//! wait, status, `Future`, cancel and [`super::Batch::fence_stream`].
+//!
+//! # When it is used
+//!
+//! - Both engines allow it ([`super::EngineConfig::peer_copy`], on by
+//!   default) and run on one host: each sends a [`Control::Locality`]
+//!   (its CUDA driver's host token, the kernel's boot id, and process
+//!   token: [`hal_cuda::Driver::host_token`], [`hal_cuda::Driver::process_token`]) before its paths when the
+//!   connection is made; an engine that allows no peer copy sends none,
+//!   and its peer then sees it as remote.
+//! - A batch goes by peer copy when every transfer has GPU memory on this
+//!   side and a grant of GPU memory the path reaches on the other;
+//!   otherwise all of it takes the NIC path as before. A batch is not
+//!   split between the two (callers mixing both submit two batches).
+//! - Requests are checked exactly as on the NIC path (the grant live on
+//!   this connection, its rights, its bounds) before any copy is queued:
+//!   the requester is the one copying, so it enforces the grant itself.
+//!
+//! # Capabilities, and the trust boundary
+//!
+//! No address crosses the wire.
+//! - One process (the same process token): the owner publishes each grant
+//!   to this peer in a process-wide registry, keyed by (owner engine,
+//!   grant) and naming the engine it was granted to, holding the region
+//!   weakly; the requester looks it up, and the entry goes when the grant
+//!   is revoked. (CUDA refuses to open an IPC handle in the process that
+//!   exported it, and there is nothing to open: the address space is
+//!   shared.)
+//! - Another process of the host: the owner sends, per grant and only to
+//!   such a peer, a [`Control::GrantIpc`] with the allocation's CUDA IPC
+//!   handle and the grant's offset in it, before announcing the grant. An
+//!   IPC handle opens the **whole allocation**, not only the granted
+//!   range: turning the path on trusts a peer of the same host with every
+//!   allocation it was granted any part of (bounds and rights are
+//!   enforced by gdr on the requesting side, not by hardware). A caller
+//!   that does not trust local peers that far sets `peer_copy = false`
+//!   (or grants from allocations of their own). The requester opens the
+//!   handle on its own GPU's context (`cuIpcOpenMemHandle`, lazy peer
+//!   access), caches the mapping per handle, and closes it once the grant
+//!   is revoked (or the peer is gone) and no copy uses it. CUDA VMM memory
+//!   has no legacy IPC handle: its grants take the NIC path.
+//!
+//! # Copies and completion
+//!
+//! Each transfer is cut into slices of [`super::EngineConfig::peer_copy_slice`]
+//! queued round-robin on a few streams of the local GPU (so several
+//! requests and slices are in flight), then an event is recorded on each
+//! stream used. The engine's progress (its own thread, started by the first
+//! peer copy, or whoever waits) polls the events and completes the batch
+//! once, when all have passed. Between two GPUs of one process the engine
+//! enables peer access once per pair ([`hal_cuda::Context::enable_peer_access`]).
+//! A copy that cannot be queued fails its batch only (after what was
+//! queued has run). Copies cannot be recalled: a deadline ends the batch
+//! with [`TransferError::Timeout`] and a cancel with
+//! [`TransferError::Cancelled`] once the queued copies have run, and the
+//! memory (regions, IPC mappings) is held until then. A stream fence
+//! needs no GPUDirect flush: a CUDA copy is ordered for kernels.
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, LazyLock, Weak};
+use std::time::{Duration, Instant};
+
+use hal_cuda::{Context as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
+use hal_verbs::Api;
+
+use super::completion::CompletionCell;
+use super::core::Keep;
+use super::wire::Control;
+use super::{Batch, Engine, EngineError, Op, Peer, Region, State, Transfer, TransferError};
+use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
+use crate::sync::lock;
+
+/// Streams of each GPU that peer copies rotate over.
+const STREAMS_PER_GPU: usize = 4;
+
+/// Where an engine runs: one host when the boot ids match, one address
+/// space (process) when the process tokens do too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Locality {
+    host: [u8; 16],
+    process: u64,
+}
+
+impl Locality {
+    /// The message that tells a peer.
+    pub(super) fn message(&self) -> Control<'static> {
+        Control::Locality {
+            host: self.host,
+            process: self.process,
+        }
+    }
+}
+
+/// How a peer's transfers of GPU memory travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerCopyRoute {
+    /// Through the NIC: another host, or the path is off on either side.
+    Nic,
+    /// Device copies between the two engines' memory in this process.
+    SameProcess,
+    /// Device copies through the CUDA IPC handles of the peer's grants.
+    Ipc,
+}
+
+/// What the engine's peer copies have done (for tests and benchmarks to
+/// see the route taken).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerCopyStats {
+    /// Batches submitted by peer copy.
+    pub batches: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Device copies queued (slices).
+    pub copies: u64,
+}
+
+/// The peer-copy side of one peer's state.
+pub(super) struct PeerLink<C: hal_cuda::Api> {
+    /// Where the peer runs, once it said (only if it allows the path).
+    remote: Option<Locality>,
+    /// The IPC handles of the peer's grants, by grant id.
+    ipc: HashMap<u64, IpcGrant<C>>,
+}
+
+impl<C: hal_cuda::Api> Default for PeerLink<C> {
+    fn default() -> Self {
+        Self {
+            remote: None,
+            ipc: HashMap::new(),
+        }
+    }
+}
+
+struct IpcGrant<C: hal_cuda::Api> {
+    handle: IpcMemHandle,
+    /// Where the grant starts in the allocation.
+    offset: u64,
+    /// The allocation mapped on a local GPU (the last one used).
+    mapping: Option<(u32, Arc<Mapping<C>>)>,
+}
+
+impl<C: hal_cuda::Api> PeerLink<C> {
+    /// The peer said where it runs.
+    pub(super) fn on_locality(&mut self, host: [u8; 16], process: u64) {
+        self.remote = Some(Locality { host, process });
+    }
+
+    /// The peer sent the IPC handle of one of its grants.
+    pub(super) fn on_grant_ipc(&mut self, grant: u64, offset: u64, handle: [u8; 64]) {
+        self.ipc.insert(
+            grant,
+            IpcGrant {
+                handle: IpcMemHandle(handle),
+                offset,
+                mapping: None,
+            },
+        );
+    }
+
+    /// The peer revoked a grant: its handle (and mapping, once no copy
+    /// uses it) goes.
+    pub(super) fn on_revoke(&mut self, grant: u64) {
+        self.ipc.remove(&grant);
+    }
+
+    fn route(&self, here: Option<Locality>) -> PeerCopyRoute {
+        route(here, self.remote)
+    }
+}
+
+/// The route between an engine at `here` and a peer at `there`.
+fn route(here: Option<Locality>, there: Option<Locality>) -> PeerCopyRoute {
+    match (here, there) {
+        (Some(here), Some(there)) if here.host == there.host => {
+            if here.process == there.process {
+                PeerCopyRoute::SameProcess
+            } else {
+                PeerCopyRoute::Ipc
+            }
+        }
+        _ => PeerCopyRoute::Nic,
+    }
+}
+
+/// Another process's allocation mapped on a local GPU; closed on drop.
+struct Mapping<C: hal_cuda::Api> {
+    mapping: C::IpcMapping,
+}
+
+/// A batch of copies queued on the GPU.
+struct Flight<C: hal_cuda::Api> {
+    cell: Arc<CompletionCell>,
+    /// One per stream the batch used, recorded after its last copy there.
+    events: Vec<C::Event>,
+    error: Option<TransferError>,
+    cancelled: bool,
+    deadline: Option<Instant>,
+    timeout: Duration,
+    /// The memory copied from and to, until the copies have run.
+    _keep: Vec<Keep>,
+}
+
+/// The engine's peer-copy state (under its lock).
+pub(super) struct Copies<C: hal_cuda::Api> {
+    /// Where this engine runs; `None`: no CUDA driver, or no boot id.
+    here: Option<Locality>,
+    /// Each local GPU's streams, and the next one to use.
+    streams: HashMap<u32, (Vec<C::Stream>, usize)>,
+    /// Mappings of IPC handles, by (local GPU, handle), shared by grants of
+    /// one allocation.
+    mappings: HashMap<(u32, IpcMemHandle), Weak<Mapping<C>>>,
+    /// (local GPU, other GPU) pairs peer access was asked for.
+    peer_access: HashSet<(u32, u32)>,
+    flights: Vec<Flight<C>>,
+    stats: PeerCopyStats,
+}
+
+impl<C: hal_cuda::Api> Copies<C> {
+    /// The state of an engine over CUDA driver `cuda` (none: host memory
+    /// only, never a peer copy).
+    pub(super) fn new<D: hal_cuda::Driver<C>>(cuda: Option<&D>) -> Self {
+        Self {
+            here: cuda.and_then(|d| {
+                Some(Locality {
+                    host: d.host_token()?,
+                    process: d.process_token(),
+                })
+            }),
+            streams: HashMap::new(),
+            mappings: HashMap::new(),
+            peer_access: HashSet::new(),
+            flights: Vec::new(),
+            stats: PeerCopyStats::default(),
+        }
+    }
+}
+
+/// A grant published for a peer engine of this process.
+struct Published {
+    /// The engine the grant was made to.
+    grantee: u64,
+    process: u64,
+    ordinal: u32,
+    addr: u64,
+    len: u64,
+    rights: GrantRights,
+    /// The region (weak: the grant holds it).
+    region: Weak<dyn Any + Send + Sync>,
+}
+
+/// Grants of GPU memory published to engines of this process, by (owner
+/// engine, grant).
+static PUBLISHED: LazyLock<std::sync::Mutex<HashMap<(u64, u64), Published>>> =
+    LazyLock::new(Default::default);
+
+fn published() -> std::sync::MutexGuard<'static, HashMap<(u64, u64), Published>> {
+    PUBLISHED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A grant's entry in the process-wide registry, removed on drop (with
+/// the grant). Holds the region, so the memory stays while it is granted.
+pub(super) struct Publication {
+    key: (u64, u64),
+    _region: Keep,
+}
+
+impl Drop for Publication {
+    fn drop(&mut self) {
+        published().remove(&self.key);
+    }
+}
+
+/// One transfer resolved to device addresses.
+struct Planned {
+    op: Op,
+    ordinal: u32,
+    local: u64,
+    remote: u64,
+    len: u64,
+}
+
+impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
+    /// How this peer's transfers of GPU memory travel.
+    pub fn peer_copy(&self) -> PeerCopyRoute {
+        let state = lock(&self.engine.shared.state);
+        let here = state.peer_copy.here;
+        match state.peers.get(self.slot).and_then(Option::as_ref) {
+            Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
+                peer.peer_copy.route(here)
+            }
+            _ => PeerCopyRoute::Nic,
+        }
+    }
+
+    /// Tells the peer where this engine runs (before the paths, so that it
+    /// knows once the connection is up), if the path is allowed here.
+    pub(super) fn send_locality(&self) -> Result<(), EngineError> {
+        if !self.engine.shared.config.peer_copy {
+            return Ok(());
+        }
+        let here = lock(&self.engine.shared.state).peer_copy.here;
+        if let Some(here) = here {
+            self.send_control(&here.message())?;
+        }
+        Ok(())
+    }
+
+    /// Makes a new grant of GPU memory reachable by peer copy: published
+    /// in the registry for a peer of this process, its IPC handle sent to
+    /// a peer of another process of this host (before the announcement).
+    /// Anything else, or any failure (VMM memory has no IPC handle), leaves
+    /// the grant to the NIC path.
+    pub(super) fn publish_for_peer_copy(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        descriptor: &MemoryDescriptor,
+    ) -> Option<Publication> {
+        let MemoryLocation::Gpu { ordinal } = region.inner.location else {
+            return None;
+        };
+        let ordinal = u32::from(ordinal);
+        let route = self.peer_copy();
+        let addr = region.inner.addr + offset;
+        match route {
+            PeerCopyRoute::Nic => None,
+            PeerCopyRoute::SameProcess => {
+                let here = lock(&self.engine.shared.state).peer_copy.here?;
+                let key = (self.engine.shared.id, descriptor.grant);
+                let keep: Keep = Arc::clone(&region.inner) as Keep;
+                published().insert(
+                    key,
+                    Published {
+                        grantee: self.remote_engine(),
+                        process: here.process,
+                        ordinal,
+                        addr,
+                        len: descriptor.len,
+                        rights: descriptor.rights,
+                        region: Arc::downgrade(&keep),
+                    },
+                );
+                Some(Publication { key, _region: keep })
+            }
+            PeerCopyRoute::Ipc => {
+                let _span =
+                    tracing::debug_span!("peer_copy_export", grant = descriptor.grant).entered();
+                let exported = self.engine.gpu(ordinal).and_then(|gpu| {
+                    let handle = gpu.context.ipc_export(addr)?;
+                    let base = gpu.context.pointer_attributes(addr)?.allocation_base;
+                    Ok((handle, addr - base))
+                });
+                match exported {
+                    Ok((handle, offset)) => {
+                        let message = Control::GrantIpc {
+                            grant: descriptor.grant,
+                            offset,
+                            handle: handle.0,
+                        };
+                        if let Err(e) = self.send_control(&message) {
+                            tracing::debug!(error = %e, "no IPC handle sent: the NIC path");
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "no IPC handle: the NIC path"),
+                }
+                None
+            }
+        }
+    }
+
+    /// Submits `transfers` by peer copy if every one can go that way
+    /// (`Ok(None)`: the NIC path takes the batch); checks each as the NIC
+    /// path does first.
+    pub(super) fn submit_peer_copy(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Option<Batch<V, C>>, EngineError> {
+        let engine = &self.engine;
+        let config = &engine.shared.config;
+        if !config.peer_copy || transfers.is_empty() {
+            return Ok(None);
+        }
+        let mut guard = lock(&engine.shared.state);
+        let State {
+            peers,
+            peer_copy: copies,
+            ..
+        } = &mut *guard;
+        let peer = peers[self.slot]
+            .as_mut()
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        let route = peer.peer_copy.route(copies.here);
+        if route == PeerCopyRoute::Nic {
+            return Ok(None);
+        }
+        if let Some(why) = &peer.gone {
+            return Err(EngineError::PeerGone(why.clone()));
+        }
+        let _span =
+            tracing::debug_span!("peer_copy_submit", transfers = transfers.len(), ?route).entered();
+        for t in transfers {
+            super::check_transfer(peer, t)?;
+        }
+        let mut plan = Vec::with_capacity(transfers.len());
+        let mut keep: Vec<Keep> = Vec::new();
+        for t in transfers {
+            let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
+                return Ok(None);
+            };
+            if !matches!(t.remote.location, MemoryLocation::Gpu { .. }) {
+                return Ok(None);
+            }
+            let ordinal = u32::from(ordinal);
+            let remote = match route {
+                PeerCopyRoute::SameProcess => {
+                    engine.published_remote(copies, t, ordinal, &mut keep)?
+                }
+                _ => engine.mapped_remote(copies, &mut peer.peer_copy, t, ordinal, &mut keep)?,
+            };
+            let Some(remote) = remote else {
+                return Ok(None);
+            };
+            keep.push(Arc::clone(&t.local.inner) as Keep);
+            plan.push(Planned {
+                op: t.op,
+                ordinal,
+                local: t.local.inner.addr + t.local_offset,
+                remote,
+                len: t.len,
+            });
+        }
+        let cell = Arc::new(CompletionCell::new());
+        let deadline = config.clock.now().checked_add(timeout);
+        engine.launch(copies, &plan, Arc::clone(&cell), deadline, timeout, keep);
+        drop(guard);
+        engine.ensure_own_driver();
+        Ok(Some(Batch::of_cell(engine.clone(), cell)))
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// What this engine's peer copies have done.
+    pub fn peer_copy_stats(&self) -> PeerCopyStats {
+        lock(&self.shared.state).peer_copy.stats
+    }
+
+    /// The device address of `t`'s remote range through the registry (a
+    /// peer engine of this process), holding the owner's region in `keep`;
+    /// `None`: not published to us.
+    fn published_remote(
+        &self,
+        copies: &mut Copies<C>,
+        t: &Transfer<'_, V>,
+        ordinal: u32,
+        keep: &mut Vec<Keep>,
+    ) -> Result<Option<u64>, EngineError> {
+        let d = t.remote;
+        let (addr, owner_gpu, region) = {
+            let registry = published();
+            let Some(entry) = registry.get(&(d.owner, d.grant)) else {
+                return Ok(None);
+            };
+            let ours = copies.here.map(|h| h.process);
+            if entry.grantee != self.shared.id
+                || Some(entry.process) != ours
+                || entry.len != d.len
+                || entry.rights != d.rights
+            {
+                return Ok(None);
+            }
+            let Some(region) = entry.region.upgrade() else {
+                return Ok(None);
+            };
+            super::check_within("remote grant", t.remote_offset, t.len, entry.len)?;
+            (entry.addr, entry.ordinal, region)
+        };
+        keep.push(region);
+        self.enable_peer_access(copies, ordinal, owner_gpu);
+        Ok(Some(addr + t.remote_offset))
+    }
+
+    /// Lets GPU `local`'s copies reach GPU `other` directly, once per pair.
+    fn enable_peer_access(&self, copies: &mut Copies<C>, local: u32, other: u32) {
+        if local == other || !copies.peer_access.insert((local, other)) {
+            return;
+        }
+        let enabled = self.gpu(local).and_then(|l| {
+            let o = self.gpu(other)?;
+            Ok(l.context.enable_peer_access(&o.context)?)
+        });
+        match enabled {
+            Ok(true) => tracing::info!(local, other, "peer access enabled"),
+            Ok(false) => {
+                tracing::info!(local, other, "no peer access: copies staged by the driver")
+            }
+            Err(e) => tracing::warn!(local, other, error = %e, "enabling peer access"),
+        }
+    }
+
+    /// The device address of `t`'s remote range through the peer's IPC
+    /// handle, mapped on GPU `ordinal` (cached), the mapping held in
+    /// `keep`; `None`: no handle for the grant, or it does not open.
+    fn mapped_remote(
+        &self,
+        copies: &mut Copies<C>,
+        link: &mut PeerLink<C>,
+        t: &Transfer<'_, V>,
+        ordinal: u32,
+        keep: &mut Vec<Keep>,
+    ) -> Result<Option<u64>, EngineError> {
+        let d = t.remote;
+        let Some(grant) = link.ipc.get_mut(&d.grant) else {
+            return Ok(None);
+        };
+        let mapping = match &grant.mapping {
+            Some((gpu, mapping)) if *gpu == ordinal => Arc::clone(mapping),
+            _ => match self.open_mapping(copies, ordinal, &grant.handle) {
+                Ok(mapping) => {
+                    grant.mapping = Some((ordinal, Arc::clone(&mapping)));
+                    mapping
+                }
+                Err(e) => {
+                    tracing::warn!(grant = d.grant, error = %e, "opening a peer's IPC handle: the NIC path");
+                    return Ok(None);
+                }
+            },
+        };
+        // The peer names the offset; the mapping bounds it: nothing
+        // outside the allocation it exported is ever touched.
+        let size = mapping.mapping.len() as u64;
+        let end = grant.offset.checked_add(d.len);
+        if end.is_none_or(|end| end > size) {
+            return Err(EngineError::Refused(format!(
+                "grant {} of {} bytes at offset {} lies outside its {size}-byte allocation",
+                d.grant, d.len, grant.offset
+            )));
+        }
+        let addr = mapping.mapping.device_ptr() + grant.offset + t.remote_offset;
+        keep.push(mapping as Keep);
+        Ok(Some(addr))
+    }
+
+    /// The mapping of `handle` on GPU `ordinal`: the cached one while any
+    /// grant or copy holds it, else newly opened.
+    fn open_mapping(
+        &self,
+        copies: &mut Copies<C>,
+        ordinal: u32,
+        handle: &IpcMemHandle,
+    ) -> Result<Arc<Mapping<C>>, EngineError> {
+        if let Some(mapping) = copies
+            .mappings
+            .get(&(ordinal, *handle))
+            .and_then(Weak::upgrade)
+        {
+            return Ok(mapping);
+        }
+        let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal).entered();
+        let mapping = Arc::new(Mapping {
+            mapping: self.gpu(ordinal)?.context.ipc_open(handle)?,
+        });
+        copies.mappings.retain(|_, m| m.strong_count() > 0);
+        copies
+            .mappings
+            .insert((ordinal, *handle), Arc::downgrade(&mapping));
+        Ok(mapping)
+    }
+
+    /// Stream `index` of GPU `ordinal`'s peer-copy streams, made at first
+    /// use; rotates.
+    fn next_stream<'c>(
+        &self,
+        copies: &'c mut Copies<C>,
+        ordinal: u32,
+    ) -> Result<(&'c C::Stream, usize), EngineError> {
+        use std::collections::hash_map::Entry;
+        let (streams, next) = match copies.streams.entry(ordinal) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(vacant) => {
+                let context = &self.gpu(ordinal)?.context;
+                let streams = (0..STREAMS_PER_GPU)
+                    .map(|_| context.create_stream())
+                    .collect::<Result<Vec<_>, _>>()?;
+                vacant.insert((streams, 0))
+            }
+        };
+        let index = *next;
+        *next = (index + 1) % streams.len();
+        Ok((&streams[index], index))
+    }
+
+    /// Queues the copies of `plan` in slices over the local GPUs' streams,
+    /// records an event on each stream used, and tracks the batch.
+    fn launch(
+        &self,
+        copies: &mut Copies<C>,
+        plan: &[Planned],
+        cell: Arc<CompletionCell>,
+        deadline: Option<Instant>,
+        timeout: Duration,
+        keep: Vec<Keep>,
+    ) {
+        let slice = self.shared.config.peer_copy_slice.max(1);
+        let mut used: Vec<(u32, usize)> = Vec::new();
+        let mut error = None;
+        let mut queued = 0u64;
+        'plan: for p in plan {
+            let mut done = 0;
+            while done < p.len {
+                let len = (p.len - done).min(slice);
+                let (dst, src) = match p.op {
+                    Op::Write => (p.remote + done, p.local + done),
+                    Op::Read => (p.local + done, p.remote + done),
+                };
+                let copied = self
+                    .next_stream(copies, p.ordinal)
+                    .and_then(|(stream, index)| {
+                        // SAFETY: both ranges were checked to lie in device
+                        // memory this batch holds (the local region, and the
+                        // owner's region or the IPC mapping, in `keep`) until
+                        // the events recorded after these copies have passed.
+                        unsafe { stream.copy_device_to_device(dst, src, len as usize) }?;
+                        Ok(index)
+                    });
+                match copied {
+                    Ok(index) => {
+                        if !used.contains(&(p.ordinal, index)) {
+                            used.push((p.ordinal, index));
+                        }
+                        queued += 1;
+                    }
+                    Err(e) => {
+                        error = Some(TransferError::Local {
+                            what: format!("a peer copy of {len} bytes: {e}"),
+                        });
+                        break 'plan;
+                    }
+                }
+                done += len;
+            }
+        }
+        let mut events = Vec::with_capacity(used.len());
+        for (ordinal, index) in used {
+            let Some(stream) = copies.streams.get(&ordinal).map(|(s, _)| &s[index]) else {
+                continue;
+            };
+            let recorded = self.gpu(ordinal).and_then(|gpu| {
+                let event = gpu.context.create_event()?;
+                stream.record(&event)?;
+                Ok(event)
+            });
+            match recorded {
+                Ok(event) => events.push(event),
+                Err(e) => {
+                    // Without an event, wait for the stream here: the
+                    // memory must outlive the copies queued on it.
+                    if let Err(e) = stream.synchronize() {
+                        tracing::warn!(error = %e, "synchronizing a peer-copy stream");
+                    }
+                    error.get_or_insert(TransferError::Local {
+                        what: format!("recording a peer copy's event: {e}"),
+                    });
+                }
+            }
+        }
+        if error.is_none() {
+            copies.stats.batches += 1;
+            copies.stats.bytes += plan.iter().map(|p| p.len).sum::<u64>();
+        }
+        copies.stats.copies += queued;
+        copies.flights.push(Flight {
+            cell,
+            events,
+            error,
+            cancelled: false,
+            deadline,
+            timeout,
+            _keep: keep,
+        });
+    }
+
+    /// Ends the peer-copy batches whose copies have run, and those past
+    /// their deadline (their memory held until the copies have run);
+    /// drops the IPC handles of peers that are gone. Returns how many
+    /// batches ended.
+    pub(super) fn pump_peer_copies(&self, state: &mut State<V, C>, now: Instant) -> usize {
+        for peer in state.peers.iter_mut().flatten() {
+            if peer.gone.is_some() && !peer.peer_copy.ipc.is_empty() {
+                peer.peer_copy.ipc.clear();
+            }
+        }
+        let flights = &mut state.peer_copy.flights;
+        if flights.is_empty() {
+            return 0;
+        }
+        let mut ended = 0;
+        flights.retain_mut(|flight| {
+            let mut pending = false;
+            for event in &flight.events {
+                match event.is_complete() {
+                    Ok(true) => {}
+                    Ok(false) => pending = true,
+                    Err(e) => {
+                        flight.error.get_or_insert(TransferError::Local {
+                            what: format!("a peer copy: {e}"),
+                        });
+                    }
+                }
+            }
+            if pending {
+                if flight.deadline.is_some_and(|at| now >= at)
+                    && flight.cell.complete(Err(TransferError::Timeout {
+                        after: flight.timeout,
+                    }))
+                {
+                    ended += 1;
+                }
+                return true;
+            }
+            let outcome = match (flight.cancelled, flight.error.take()) {
+                (true, _) => Err(TransferError::Cancelled),
+                (false, Some(e)) => Err(e),
+                (false, None) => Ok(()),
+            };
+            if flight.cell.complete(outcome) {
+                ended += 1;
+            }
+            false
+        });
+        ended
+    }
+
+    /// Cancels the peer-copy batch of `cell`, if it is one: it ends
+    /// [`TransferError::Cancelled`] once its queued copies have run.
+    pub(super) fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
+        let mut state = lock(&self.shared.state);
+        if let Some(flight) = state
+            .peer_copy
+            .flights
+            .iter_mut()
+            .find(|f| Arc::ptr_eq(&f.cell, cell))
+        {
+            flight.cancelled = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_route_follows_host_and_process() {
+        let at = |host: u8, process: u64| {
+            Some(Locality {
+                host: [host; 16],
+                process,
+            })
+        };
+        assert_eq!(route(at(1, 7), None), PeerCopyRoute::Nic, "not told");
+        assert_eq!(
+            route(at(1, 7), at(2, 7)),
+            PeerCopyRoute::Nic,
+            "another host"
+        );
+        assert_eq!(route(at(1, 7), at(1, 8)), PeerCopyRoute::Ipc);
+        assert_eq!(route(at(1, 7), at(1, 7)), PeerCopyRoute::SameProcess);
+        assert_eq!(route(None, at(1, 7)), PeerCopyRoute::Nic, "no boot id here");
+    }
+}

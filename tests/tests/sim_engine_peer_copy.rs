@@ -1,0 +1,315 @@
+//! The peer-copy path on the simulated node with two GPUs: engine a's
+//! memory on GPU 0, engine b's on GPU 1, in one process (the registry
+//! path) and in two simulated processes (the CUDA IPC path: b's grants
+//! reach a as IPC handles that a opens on its own context; the simulated
+//! driver refuses another process's device addresses, so nothing but the
+//! opened mapping can work). WRITE and READ from 1 byte to 64 MiB, data
+//! verified, the route asserted (peer-copy counters, no NIC work request);
+//! rights, bounds and revoked grants refused; a copy fault fails only its
+//! batch; deadlines, cancel and a stream fence; `peer_copy = false` takes
+//! the NIC.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use gdr_core::descriptor::GrantRights;
+use gdr_core::engine::{EngineConfig, EngineError, PeerCopyRoute, Transfer, TransferError};
+use gdr_sim::{Fault, FaultSite, GpuConfig, SimCuda, SimVerbsApi};
+use gdr_tests::engine_world::EngineWorld;
+use gdr_tests::pattern;
+use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
+
+const T: Duration = Duration::from_secs(20);
+const MIB: u64 = 1 << 20;
+
+/// Slices smaller than the transfers, so several streams carry one batch.
+fn config() -> EngineConfig {
+    EngineConfig {
+        default_timeout: T,
+        peer_copy_slice: MIB + 3,
+        ..EngineConfig::default()
+    }
+}
+
+/// Two engines on one simulated node with two GPUs: in one simulated
+/// process, or b in another (`ipc`). Returns the world and a's driver.
+fn world_of(
+    configs: (EngineConfig, EngineConfig),
+    ipc: bool,
+) -> (EngineWorld<SimVerbsApi>, SimCuda) {
+    let made: Mutex<Option<SimCuda>> = Mutex::new(None);
+    let w = EngineWorld::sim_sides(1, configs, T, |fabric| {
+        let mut made = made.lock().unwrap();
+        match &*made {
+            None => {
+                let second = GpuConfig {
+                    pci_bus_id: "0000:2a:00.0".into(),
+                    ..GpuConfig::default()
+                };
+                let cuda = SimCuda::new(vec![GpuConfig::default(), second], fabric.faults());
+                *made = Some(cuda.clone());
+                cuda
+            }
+            Some(first) if ipc => first.other_process(),
+            Some(first) => first.clone(),
+        }
+    });
+    let cuda = made.into_inner().unwrap().expect("a's driver");
+    (w, cuda)
+}
+
+fn world(ipc: bool) -> (EngineWorld<SimVerbsApi>, SimCuda) {
+    world_of((config(), config()), ipc)
+}
+
+const SIZES: [u64; 5] = [1, 4097, 3 * MIB + 5, 7 * MIB, 64 * MIB];
+
+#[test]
+fn engines_of_one_process_copy_between_their_gpus() {
+    let (w, cuda) = world(false);
+    assert_eq!(w.ba.peer_copy(), PeerCopyRoute::SameProcess, "both ways");
+    let copies = cuda.device_copies(0);
+    for (i, len) in SIZES.into_iter().enumerate() {
+        w.peer_copy_round_trip((0, 1), len, i as u8 + 1, PeerCopyRoute::SameProcess);
+    }
+    assert!(
+        cuda.peer_access_enabled(0) >= 1,
+        "GPU 0 was given access to GPU 1"
+    );
+    let slices: u64 = SIZES.iter().map(|l| 2 * l.div_ceil(MIB + 3) + 1).sum();
+    assert!(
+        cuda.device_copies(0) - copies >= slices - SIZES.len() as u64,
+        "the copies ran on a's GPU, slice by slice"
+    );
+}
+
+#[test]
+fn engines_of_one_process_on_one_gpu() {
+    let (w, _cuda) = world(false);
+    w.peer_copy_round_trip((0, 0), 5 * MIB + 1, 9, PeerCopyRoute::SameProcess);
+}
+
+#[test]
+fn an_engine_of_another_process_is_reached_through_ipc() {
+    let (w, cuda) = world(true);
+    assert_eq!(w.ba.peer_copy(), PeerCopyRoute::Ipc, "both ways");
+    for (i, len) in SIZES.into_iter().enumerate() {
+        w.peer_copy_round_trip((0, 1), len, i as u8 + 20, PeerCopyRoute::Ipc);
+    }
+    assert_eq!(
+        cuda.peer_access_enabled(0),
+        0,
+        "an IPC mapping needs no explicit peer access"
+    );
+}
+
+/// Off on either side (that side sends no locality and no handle, and
+/// routes nothing by peer copy): the NIC moves the data.
+#[test]
+fn peer_copy_off_on_either_side_takes_the_nic() {
+    for a_off in [true, false] {
+        let off = EngineConfig {
+            peer_copy: false,
+            ..config()
+        };
+        let configs = if a_off {
+            (off, config())
+        } else {
+            (config(), off)
+        };
+        let (w, _cuda) = world_of(configs, false);
+        assert_eq!(w.ab.peer_copy(), PeerCopyRoute::Nic, "a off: {a_off}");
+        assert_eq!(w.ba.peer_copy(), PeerCopyRoute::Nic, "a off: {a_off}");
+        w.peer_copy_round_trip((0, 1), 3 * MIB + 1, 4, PeerCopyRoute::Nic);
+    }
+}
+
+#[test]
+fn rights_and_bounds_are_refused_before_any_copy() {
+    for ipc in [false, true] {
+        let (w, cuda) = world(ipc);
+        let (_s, src) = w.a.gpu_on(0, 8192, 1);
+        let (_d, dst) = w.b.gpu_on(1, 8192, 0);
+        let (_g, read_only) = w.b_grants(&dst, GrantRights::Read);
+        let copies = cuda.device_copies(0);
+        let err =
+            w.ab.submit(&[Transfer::write(&src, 0, &read_only, 0, 8192)])
+                .unwrap_err();
+        assert!(
+            matches!(err, EngineError::AccessDenied { .. }),
+            "ipc {ipc}: {err}"
+        );
+        let err =
+            w.ab.submit(&[Transfer::read(&src, 0, &read_only, 4096, 4097)])
+                .unwrap_err();
+        assert!(
+            matches!(err, EngineError::OutOfBounds { .. }),
+            "ipc {ipc}: {err}"
+        );
+        let err =
+            w.ab.submit(&[Transfer::read(&src, 4096, &read_only, 0, 4097)])
+                .unwrap_err();
+        assert!(
+            matches!(err, EngineError::OutOfBounds { .. }),
+            "ipc {ipc}: the local side: {err}"
+        );
+        assert_eq!(cuda.device_copies(0), copies, "ipc {ipc}: nothing copied");
+        assert_eq!(w.a.engine.peer_copy_stats().batches, 0, "ipc {ipc}");
+    }
+}
+
+#[test]
+fn a_revoked_grant_is_refused() {
+    for ipc in [false, true] {
+        let (w, _cuda) = world(ipc);
+        let (_s, src) = w.a.gpu_on(0, 4096, 1);
+        let (_d, dst) = w.b.gpu_on(1, 4096, 0);
+        let (grant, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+            .unwrap()
+            .wait(T)
+            .unwrap();
+        grant.revoke();
+        let start = std::time::Instant::now();
+        while w.ab.remote_grant(remote.grant).is_some() {
+            assert!(start.elapsed() < T, "the revocation never arrived");
+            w.a.engine.progress();
+        }
+        let err =
+            w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+                .unwrap_err();
+        assert!(
+            matches!(err, EngineError::NotGranted { .. }),
+            "ipc {ipc}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_copy_fault_fails_only_its_batch() {
+    for ipc in [false, true] {
+        let (w, cuda) = world(ipc);
+        let len = 3 * MIB;
+        let (_s, src) = w.a.gpu_on(0, len, 8);
+        let (dst_buf, dst) = w.b.gpu_on(1, len, 0);
+        let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+        let failure = hal_cuda::CudaError::Driver {
+            operation: "cuMemcpyDtoDAsync",
+            code: 700,
+            name: "CUDA_ERROR_ILLEGAL_ADDRESS",
+        };
+        // The second slice of the first batch (3 slices) fails to queue.
+        let faults = w.fabric().faults();
+        let calls = faults.calls(FaultSite::CudaCopy);
+        faults.fail_nth(FaultSite::CudaCopy, calls + 2, Fault::Cuda(failure));
+        let failed =
+            w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+                .unwrap();
+        let other =
+            w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+                .unwrap();
+        let err = failed.wait(T).unwrap_err();
+        assert!(
+            matches!(&err, TransferError::Local { what } if what.contains("peer copy")),
+            "ipc {ipc}: {err}"
+        );
+        other
+            .wait(T)
+            .unwrap_or_else(|e| panic!("ipc {ipc}: the other batch: {e}"));
+        assert!(
+            w.b.bytes(&dst_buf) == pattern(len as usize, 8),
+            "ipc {ipc}: the data"
+        );
+        w.fabric().faults().assert_all_fired();
+        assert_eq!(
+            w.a.engine.peer_copy_stats().batches,
+            1,
+            "ipc {ipc}: only the other batch counts as moved"
+        );
+        drop(cuda);
+    }
+}
+
+#[test]
+fn a_peer_copy_batch_times_out_or_is_cancelled_and_holds_its_memory_till_the_copies_ran() {
+    let (w, cuda) = world(false);
+    let len = 2 * MIB;
+    let (_s, src) = w.a.gpu_on(0, len, 3);
+    let (dst_buf, dst) = w.b.gpu_on(1, len, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+    // Paused, the simulated GPUs run nothing: the copies stay queued.
+    cuda.set_paused(true);
+    let late =
+        w.ab.submit_with_timeout(
+            &[Transfer::write(&src, 0, &remote, 0, len)],
+            Duration::from_millis(20),
+        )
+        .unwrap();
+    let cancelled =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+            .unwrap();
+    cancelled.cancel();
+    let err = late.wait(T).unwrap_err();
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err}");
+    assert_eq!(
+        cancelled.status(),
+        None,
+        "a cancelled batch ends once its copies ran, not before"
+    );
+    assert!(
+        w.b.bytes(&dst_buf) == pattern(len as usize, 0),
+        "nothing ran while paused"
+    );
+    cuda.set_paused(false);
+    assert_eq!(cancelled.wait(T), Err(TransferError::Cancelled));
+    assert!(
+        w.b.bytes(&dst_buf) == pattern(len as usize, 3),
+        "queued copies cannot be recalled: they ran"
+    );
+}
+
+#[test]
+fn a_stream_fence_waits_for_a_peer_copy() {
+    let (w, cuda) = world(true);
+    let len = 3 * MIB + 7;
+    let (_s, src) = w.a.gpu_on(0, len, 12);
+    let (_d, dst) = w.b.gpu_on(1, len, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+    let (back_buf, back) = w.a.gpu_on(0, len, 0);
+    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    let ctx = cuda.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let out = gdr_core::buffer::Buffer::<gdr_sim::SimCudaApi>::alloc_pinned(&ctx, len).unwrap();
+    let event = ctx.create_event().unwrap();
+    let batch =
+        w.ab.submit(&[Transfer::read(&back, 0, &remote, 0, len)])
+            .unwrap();
+    batch.fence_stream(&stream).unwrap();
+    // SAFETY: both ranges hold `len` bytes and outlive the stream's work
+    // (its event is waited for below).
+    unsafe { stream.copy_device_to_host(out.addr() as *mut u8, back_buf.addr(), len as usize) }
+        .unwrap();
+    stream.record(&event).unwrap();
+    let start = std::time::Instant::now();
+    while !event.is_complete().unwrap() {
+        assert!(start.elapsed() < T, "the stream never moved on");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(batch.status(), Some(Ok(())));
+    assert!(
+        out.to_vec().unwrap() == pattern(len as usize, 12),
+        "the copy after the fence saw the data"
+    );
+}
+
+/// Two simulated nodes (each its own `SimCuda`, as in every other engine
+/// test) are two hosts: their GPUs never reach each other by copies.
+#[test]
+fn engines_of_two_simulated_nodes_use_the_nic() {
+    let w = EngineWorld::sim(1, GpuConfig::default(), config(), T);
+    assert_eq!(w.ab.peer_copy(), PeerCopyRoute::Nic);
+    w.peer_copy_round_trip((0, 0), MIB + 1, 2, PeerCopyRoute::Nic);
+}
