@@ -109,7 +109,10 @@ fn a_stream_without_memory_operations_opens_its_gate_by_the_event() {
     assert_eq!(batch.status(), None);
     g.held.release();
     assert_eq!(batch.wait(T), Ok(()));
-    assert!(g.moved(&w), "the batch moved what the stream copied in first");
+    assert!(
+        g.moved(&w),
+        "the batch moved what the stream copied in first"
+    );
 }
 
 #[test]
@@ -127,7 +130,10 @@ fn a_gate_that_never_opens_times_out_and_posts_nothing() {
     g.held.release();
     g.held.stream.synchronize().unwrap();
     g.assert_nothing_moved(&w, 30, "after the timeout");
-    assert_eq!(batch.status(), Some(Err(TransferError::Timeout { after: bound })));
+    assert_eq!(
+        batch.status(),
+        Some(Err(TransferError::Timeout { after: bound }))
+    );
     // A later gate on the engine still opens when its stream gets there.
     w.gated_write_after_a_held_stream(LEN, 15);
 }
@@ -186,7 +192,10 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
     let too_long = Transfer::write(&g.gpu_region, 0, &g.remote, 1, LEN);
     let refused = w.ab.submit_after_stream(&g.held.stream, &[too_long], T);
     assert!(
-        matches!(refused, Err(gdr_core::engine::EngineError::OutOfBounds { .. })),
+        matches!(
+            refused,
+            Err(gdr_core::engine::EngineError::OutOfBounds { .. })
+        ),
         "{refused:?}"
     );
     let batch =
