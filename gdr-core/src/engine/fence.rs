@@ -19,7 +19,7 @@
 //!
 //! The reverse, a batch that starts when a stream reaches a point
 //! ([`super::Peer::submit_after_stream`], [`super::gate`]), takes its words
-//! from the same page ([`WordBook`]): there the stream writes the word and
+//! from the same page (a word book): there the stream writes the word and
 //! the engine reads it. Such a word goes back to the free list only once
 //! the stream's write has landed, so a late write for a gate that ended
 //! early (timed out, cancelled) can never lower the word under a later

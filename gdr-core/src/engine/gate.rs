@@ -16,7 +16,7 @@
 //!
 //! A stream without memory operations (the driver has none:
 //! `NotSupported`) gets only the event, which progress polls. On the word
-//! path the event is polled too, every [`EVENT_EVERY`] progress calls: it
+//! path the event is polled too, every 64th progress call: it
 //! is how a stream that failed before the gate is told
 //! ([`TransferError::StreamFailed`]).
 //!
@@ -30,7 +30,7 @@
 //! word book), so that late write can never touch a later gate's word.
 //!
 //! While a gate waits, the engine's own thread does not back off to its
-//! idle millisecond: like a waiter ([`Idle`]) it spins briefly, then
+//! idle millisecond: like a thread in `Batch::wait` it spins briefly, then
 //! yields, then sleeps about 20 µs between looks.
 
 use std::sync::Arc;
