@@ -580,6 +580,16 @@ impl<C: hal_cuda::Api> GatedWrite<C> {
         Transfer::write(&self.gpu_region, 0, &self.remote, 0, self.len)
     }
 
+    /// Submits the WRITE gated on the held stream, bounded by `timeout`.
+    pub fn submit(
+        &self,
+        w: &EngineWorld<SimVerbsApi, C>,
+        timeout: Duration,
+    ) -> Batch<SimVerbsApi, C> {
+        w.ab.submit_after_stream(&self.held.stream, &[self.transfer()], timeout)
+            .unwrap()
+    }
+
     /// Whether b's memory holds what the stream copied in before the gate.
     pub fn moved(&self, w: &EngineWorld<SimVerbsApi, C>) -> bool {
         w.b.bytes(&self.dst) == pattern(self.len as usize, self.seed)
@@ -643,10 +653,7 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     /// own progress opens the gate.
     pub fn gated_write_after_a_held_stream(&self, len: u64, seed: u8) {
         let g = self.gated_write(len, seed);
-        let batch = self
-            .ab
-            .submit_after_stream(&g.held.stream, &[g.transfer()], self.timeout)
-            .unwrap();
+        let batch = g.submit(self, self.timeout);
         g.assert_nothing_moved(self, 30, "while the stream is held");
         assert_eq!(batch.status(), None, "the batch ended before its gate");
         g.held.release();

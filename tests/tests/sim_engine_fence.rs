@@ -101,9 +101,7 @@ fn a_stream_without_memory_operations_opens_its_gate_by_the_event() {
             code: None,
         }),
     );
-    let batch =
-        w.ab.submit_after_stream(&g.held.stream, &[g.transfer()], T)
-            .unwrap();
+    let batch = g.submit(&w, T);
     w.fabric().faults().assert_all_fired();
     g.assert_nothing_moved(&w, 30, "event gate, stream held");
     assert_eq!(batch.status(), None);
@@ -120,9 +118,7 @@ fn a_gate_that_never_opens_times_out_and_posts_nothing() {
     let w = world(hal_cuda::WritesOrdering::Owner);
     let g = w.gated_write(LEN, 14);
     let bound = Duration::from_millis(200);
-    let batch =
-        w.ab.submit_after_stream(&g.held.stream, &[g.transfer()], bound)
-            .unwrap();
+    let batch = g.submit(&w, bound);
     let outcome = batch.wait(T);
     assert_eq!(outcome, Err(TransferError::Timeout { after: bound }));
     // The stream runs now (its late write lands on the gate's word): the
@@ -142,9 +138,7 @@ fn a_gate_that_never_opens_times_out_and_posts_nothing() {
 fn a_gated_batch_cancelled_before_its_gate_posts_nothing() {
     let w = world(hal_cuda::WritesOrdering::Owner);
     let g = w.gated_write(LEN, 16);
-    let batch =
-        w.ab.submit_after_stream(&g.held.stream, &[g.transfer()], T)
-            .unwrap();
+    let batch = g.submit(&w, T);
     g.assert_nothing_moved(&w, 5, "before the cancel");
     batch.cancel();
     assert_eq!(batch.status(), Some(Err(TransferError::Cancelled)));
@@ -158,9 +152,7 @@ fn a_gated_batch_cancelled_before_its_gate_posts_nothing() {
 fn a_failed_stream_fails_its_gated_batch() {
     let w = world(hal_cuda::WritesOrdering::Owner);
     let g = w.gated_write(LEN, 17);
-    let batch =
-        w.ab.submit_after_stream(&g.held.stream, &[g.transfer()], T)
-            .unwrap();
+    let batch = g.submit(&w, T);
     // The GPU is lost (the next allocation finds out): the stream never
     // reaches the gate, and its event says why.
     w.fabric()
@@ -198,9 +190,7 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
         ),
         "{refused:?}"
     );
-    let batch =
-        w.ab.submit_after_stream(&g.held.stream, &[g.transfer()], T)
-            .unwrap();
+    let batch = g.submit(&w, T);
     w.ab.close().unwrap();
     let outcome = batch.wait(T);
     assert!(
