@@ -37,6 +37,10 @@ pub enum FaultSite {
     CudaAlloc,
     /// Any async copy or memset queued on a stream.
     CudaCopy,
+    /// `cuStreamWaitValue32` / `cuStreamWriteValue32` (before the copy
+    /// site counts them): e.g. `NotSupported`, as from a driver without
+    /// stream memory operations.
+    CudaStreamMemOp,
     /// `cuMemGetHandleForAddressRange`.
     CudaExportDmabuf,
     /// `cuIpcOpenMemHandle`.

@@ -556,6 +556,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         Ok(SimEvent {
             recorded: Mutex::new(None),
             paused: Arc::clone(&self.process),
+            gpu: Arc::clone(&self.gpu),
         })
     }
 
@@ -1152,12 +1153,18 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
 
     unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()> {
         const OP: &str = "cuStreamWaitValue32";
+        self.ctx
+            .process
+            .fault(FaultSite::CudaStreamMemOp, &self.ctx.gpu, OP)?;
         let at = self.value_word(addr, OP)?;
         self.enqueue(OP, Work::WaitValue { at, value })
     }
 
     unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()> {
         const OP: &str = "cuStreamWriteValue32";
+        self.ctx
+            .process
+            .fault(FaultSite::CudaStreamMemOp, &self.ctx.gpu, OP)?;
         let at = self.value_word(addr, OP)?;
         self.enqueue(OP, Work::WriteValue { at, value })
     }
@@ -1197,10 +1204,13 @@ impl SimStream {
 pub struct SimEvent {
     recorded: Mutex<Option<(Arc<Mutex<StreamQueue>>, u64)>>,
     paused: Arc<ProcessState>,
+    /// A lost GPU fails queries, as a failed context does.
+    gpu: Arc<SimGpu>,
 }
 
 impl hal_cuda::Event for SimEvent {
     fn is_complete(&self) -> Result<bool> {
+        check_alive(&self.gpu, "cuEventQuery")?;
         let Some((queue, upto)) = lock(&self.recorded).clone() else {
             return Ok(true);
         };

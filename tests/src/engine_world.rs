@@ -857,6 +857,185 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     }
 }
 
+/// A stream of a GPU held by a value wait on a pinned word the test owns:
+/// nothing queued on it after the hold runs until [`HeldStream::release`].
+/// Dropping it releases the stream and waits for what it holds to run
+/// (the word must outlive the stream's wait).
+#[derive(Debug)]
+pub struct HeldStream<C: hal_cuda::Api> {
+    /// The stream.
+    pub stream: C::Stream,
+    word: Buffer<C>,
+    /// The value the last hold waits for.
+    held: std::sync::atomic::AtomicU32,
+}
+
+impl<C: hal_cuda::Api> HeldStream<C> {
+    /// A new stream of `ctx`, held.
+    pub fn new(ctx: &C::Context) -> Self {
+        let word = Buffer::<C>::alloc_pinned(ctx, 4096).unwrap();
+        word.write_at(0, &[0; 4]).unwrap();
+        let held = Self {
+            stream: ctx.create_stream().unwrap(),
+            word,
+            held: Default::default(),
+        };
+        held.hold();
+        held
+    }
+
+    fn word(&self) -> &std::sync::atomic::AtomicU32 {
+        // SAFETY: the word is this stream's own pinned page (page aligned),
+        // alive as long as `self`; host and device touch it only with
+        // aligned 32-bit atomic accesses.
+        unsafe { &*(self.word.addr() as *const std::sync::atomic::AtomicU32) }
+    }
+
+    /// Holds the stream again: work queued from now on waits for the next
+    /// [`HeldStream::release`].
+    pub fn hold(&self) {
+        let value = self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        // SAFETY: the word is 4-byte aligned pinned memory of the stream's
+        // driver, alive until the stream drained (Drop).
+        unsafe { self.stream.wait_value32(self.word.addr(), value) }.unwrap();
+    }
+
+    /// Lets the stream run past its last hold.
+    pub fn release(&self) {
+        let value = self.held.load(std::sync::atomic::Ordering::SeqCst);
+        self.word()
+            .store(value, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl<C: hal_cuda::Api> Drop for HeldStream<C> {
+    fn drop(&mut self) {
+        self.release();
+        // The word is freed next: the stream's wait must be behind it (a
+        // failed stream's error is of no use here).
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// The gate scenario's memory ([`EngineWorld::gated_write`]): a's GPU
+/// buffer, which a copy queued on the held stream fills with
+/// `pattern(len, seed)` (it held other bytes before), and b's host memory
+/// granted to a, holding other bytes still.
+/// Field order is drop order: the stream before the memory it copies.
+#[derive(Debug)]
+pub struct GatedWrite<C: hal_cuda::Api> {
+    /// The stream the gate is queued on, held, the copy queued on it.
+    pub held: HeldStream<C>,
+    /// b's grant of `dst`.
+    pub grant: WorldGrant<SimVerbsApi, C>,
+    /// The descriptor a received for it.
+    pub remote: MemoryDescriptor,
+    /// b's memory the batch WRITEs into.
+    pub dst: WorldBuffer<C>,
+    /// a's GPU region the batch WRITEs from.
+    pub gpu_region: Region<SimVerbsApi>,
+    _gpu: WorldBuffer<C>,
+    _staged: WorldBuffer<C>,
+    len: u64,
+    seed: u8,
+}
+
+impl<C: hal_cuda::Api> GatedWrite<C> {
+    /// The WRITE of all of a's GPU buffer into b's memory.
+    pub fn transfer(&self) -> Transfer<'_, SimVerbsApi> {
+        Transfer::write(&self.gpu_region, 0, &self.remote, 0, self.len)
+    }
+
+    /// Submits the WRITE gated on the held stream, bounded by `timeout`.
+    pub fn submit(
+        &self,
+        w: &EngineWorld<SimVerbsApi, C>,
+        timeout: Duration,
+    ) -> Batch<SimVerbsApi, C> {
+        w.ab.submit_after_stream(&self.held.stream, &[self.transfer()], timeout)
+            .unwrap()
+    }
+
+    /// Whether b's memory holds what the stream copied in before the gate.
+    pub fn moved(&self, w: &EngineWorld<SimVerbsApi, C>) -> bool {
+        w.b.bytes(&self.dst) == pattern(self.len as usize, self.seed)
+    }
+
+    /// Drives both engines' progress `rounds` times (a millisecond apart)
+    /// and checks b's memory is as it was: nothing of the batch moved.
+    pub fn assert_nothing_moved(&self, w: &EngineWorld<SimVerbsApi, C>, rounds: u32, what: &str) {
+        for _ in 0..rounds {
+            w.a.engine.progress();
+            w.b.engine.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            w.b.bytes(&self.dst) == pattern(self.len as usize, self.seed.wrapping_add(2)),
+            "{what}: b's memory changed"
+        );
+    }
+}
+
+impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
+    /// The gate scenario's memory and held stream ([`GatedWrite`]): b's
+    /// host memory (`pattern(len, seed + 2)`) granted to a for WRITEs, a's
+    /// GPU memory (`pattern(len, seed + 1)`), and a held stream of a's GPU
+    /// with a copy of `pattern(len, seed)` from pinned memory into the GPU
+    /// memory queued on it.
+    pub fn gated_write(&self, len: u64, seed: u8) -> GatedWrite<C> {
+        let (dst, dst_region) = self.b.host(len, seed.wrapping_add(2));
+        let (grant, remote) = self.b_grants(&dst_region, GrantRights::Write);
+        let (gpu, gpu_region) = self.a.alloc(Kind::Gpu, len, seed.wrapping_add(1));
+        let ctx = self.a.cuda.context(0).unwrap();
+        let staged = Buffer::<C>::alloc_pinned(&ctx, len).unwrap();
+        staged.write_at(0, &pattern(len as usize, seed)).unwrap();
+        let held = HeldStream::<C>::new(&ctx);
+        // SAFETY: both ranges hold `len` bytes and outlive the stream's
+        // work (the stream is dropped, and drained, first).
+        unsafe {
+            held.stream
+                .copy_host_to_device(gpu.addr(), staged.addr() as *const u8, len as usize)
+        }
+        .unwrap();
+        GatedWrite {
+            held,
+            grant,
+            remote,
+            dst,
+            gpu_region,
+            _gpu: gpu,
+            _staged: staged,
+            len,
+            seed,
+        }
+    }
+
+    /// The gate scenario: a WRITE of a's GPU memory into b's, gated on a
+    /// held stream that first copies new bytes into the GPU memory. Checks
+    /// nothing moves while the stream is held (progress driven), then
+    /// releases the stream and checks the batch ends and b holds the bytes
+    /// the stream copied in before the gate: the batch started after the
+    /// stream's work, not before. Nobody waits on the stream; the engine's
+    /// own progress opens the gate.
+    pub fn gated_write_after_a_held_stream(&self, len: u64, seed: u8) {
+        let g = self.gated_write(len, seed);
+        let batch = g.submit(self, self.timeout);
+        g.assert_nothing_moved(self, 30, "while the stream is held");
+        assert_eq!(batch.status(), None, "the batch ended before its gate");
+        g.held.release();
+        let start = std::time::Instant::now();
+        while batch.cell().outcome().is_none() {
+            assert!(start.elapsed() < self.timeout, "the gate never opened");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(batch.wait(self.timeout), Ok(()));
+        assert!(
+            g.moved(self),
+            "the batch did not move what the stream copied in before the gate"
+        );
+    }
+}
+
 impl EngineWorld<SimVerbsApi> {
     /// Pauses the fabric (nothing moves until it is resumed) and submits a
     /// WRITE of the first 4 KiB of `h` that must end within `deadline`: a

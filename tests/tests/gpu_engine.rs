@@ -340,3 +340,89 @@ fn peer_copy_child(name: &str, addr: std::net::SocketAddr) {
     drop(grant);
     assert!(ok, "child: the parent's WRITE did not arrive");
 }
+
+/// A gated batch on the real driver (`cuStreamWriteValue32` into the
+/// engine's pinned word): a WRITE of GPU memory gated on a held stream that
+/// first copies new bytes into it moves nothing while the stream is held,
+/// and moves those bytes once released. Prints the delay from the
+/// stream's write (seen by a spinning host thread on a marker the stream
+/// writes just before the gate) to the batch being posted by the engine's
+/// own thread, against a host thread that waits for the stream's event and
+/// then submits (median and p99 of 200, 4 KiB WRITEs of host memory, so no
+/// staging copy is timed): a measurement, not an assertion.
+#[test]
+fn a_gated_batch_on_the_real_gpu() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Instant;
+
+    use gdr_core::buffer::Buffer;
+    use gdr_core::descriptor::GrantRights;
+    use gdr_core::engine::Transfer;
+    use gdr_tests::engine_world::HeldStream;
+    use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
+
+    let name = "a_gated_batch_on_the_real_gpu";
+    let Some(w) = world(name, Policy::Fallback, true) else {
+        return;
+    };
+    w.gated_write_after_a_held_stream(1 << 20, 21);
+
+    let (_s, src) = w.a.alloc(Kind::Host, 4096, 3);
+    let (_d, dst) = w.b.alloc(Kind::Host, 4096, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
+    let write = [Transfer::write(&src, 0, &remote, 0, 4096)];
+    let ctx = w.a.cuda.context(0).unwrap();
+    let marker = Buffer::<CudaApi>::alloc_pinned(&ctx, 4096).unwrap();
+    marker.write_at(0, &[0; 4]).unwrap();
+    let held = HeldStream::<CudaApi>::new(&ctx);
+    let event = ctx.create_event().unwrap();
+    // SAFETY: the marker is pinned memory of this test (page aligned),
+    // alive until the end (the stream is drained first: declared after);
+    // host and device touch it only with aligned 32-bit accesses.
+    let marker_word = unsafe { &*(marker.addr() as *const AtomicU32) };
+    let posted = || -> u64 { w.ab.counters().iter().map(|(_, _, c)| c.posted).sum() };
+    // The stream writes `value` to the marker, then is released; returns
+    // when the host sees the write.
+    let marked_release = |value: u32| {
+        held.release();
+        while marker_word.load(Ordering::Acquire) < value {
+            std::hint::spin_loop();
+        }
+        Instant::now()
+    };
+    let mut gated = Vec::new();
+    let mut hosted = Vec::new();
+    for i in 1..=200u32 {
+        // SAFETY: as above; the marker outlives the stream's work.
+        unsafe { held.stream.write_value32(marker.addr(), 2 * i - 1) }.unwrap();
+        let before = posted();
+        let batch = w.ab.submit_after_stream(&held.stream, &write, T).unwrap();
+        let written = marked_release(2 * i - 1);
+        while posted() == before {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        }
+        gated.push(written.elapsed());
+        batch.wait(T).unwrap();
+        held.hold();
+
+        // SAFETY: as above.
+        unsafe { held.stream.write_value32(marker.addr(), 2 * i) }.unwrap();
+        held.stream.record(&event).unwrap();
+        let written = marked_release(2 * i);
+        while !event.is_complete().unwrap() {}
+        let batch = w.ab.submit(&write).unwrap();
+        hosted.push(written.elapsed());
+        batch.wait(T).unwrap();
+        held.hold();
+    }
+    for (what, mut v) in [("gate", gated), ("host wait", hosted)] {
+        v.sort();
+        eprintln!(
+            "stream write to batch posted ({what}): median {:?} p99 {:?}",
+            v[v.len() / 2],
+            v[v.len() * 99 / 100]
+        );
+    }
+}

@@ -3,12 +3,18 @@
 //! queued on the stream after the fence runs only once the batch has ended
 //! (and the GPU's inbound writes were flushed where its write ordering asks
 //! for it), and sees the data. A batch that fails releases the stream too.
+//!
+//! And the reverse, gated batches (`Peer::submit_after_stream`): a batch
+//! held until a stream reaches its gate moves nothing while the stream is
+//! held, and moves what the stream produced before the gate once it is
+//! released; it times out, is cancelled, fails with its stream, and works
+//! by the event where the stream has no memory operations.
 
 use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, Transfer, TransferError};
-use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_sim::{Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
 use gdr_tests::engine_world::EngineWorld;
 use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
 
@@ -69,6 +75,126 @@ fn a_failed_batch_releases_the_stream_too() {
     let outcome = batch.status().expect("ended");
     assert!(
         matches!(outcome, Err(TransferError::RemoteAccess { .. })),
+        "{outcome:?}"
+    );
+}
+
+#[test]
+fn a_gated_batch_starts_when_its_stream_reaches_the_gate() {
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    w.gated_write_after_a_held_stream(LEN, 11);
+    // Again on the same engine: the gate's word went back and is reused
+    // with a larger value.
+    w.gated_write_after_a_held_stream(LEN, 12);
+}
+
+#[test]
+fn a_stream_without_memory_operations_opens_its_gate_by_the_event() {
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    let g = w.gated_write(LEN, 13);
+    // The gate's cuStreamWriteValue32 is the next memory operation.
+    w.fabric().faults().fail_next(
+        FaultSite::CudaStreamMemOp,
+        Fault::Cuda(hal_cuda::CudaError::NotSupported {
+            operation: "cuStreamWriteValue32",
+            reason: "no stream memory operations (scripted)".into(),
+            code: None,
+        }),
+    );
+    let batch = g.submit(&w, T);
+    w.fabric().faults().assert_all_fired();
+    g.assert_nothing_moved(&w, 30, "event gate, stream held");
+    assert_eq!(batch.status(), None);
+    g.held.release();
+    assert_eq!(batch.wait(T), Ok(()));
+    assert!(
+        g.moved(&w),
+        "the batch moved what the stream copied in first"
+    );
+}
+
+#[test]
+fn a_gate_that_never_opens_times_out_and_posts_nothing() {
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    let g = w.gated_write(LEN, 14);
+    let bound = Duration::from_millis(200);
+    let batch = g.submit(&w, bound);
+    let outcome = batch.wait(T);
+    assert_eq!(outcome, Err(TransferError::Timeout { after: bound }));
+    // The stream runs now (its late write lands on the gate's word): the
+    // batch stays timed out and nothing moves.
+    g.held.release();
+    g.held.stream.synchronize().unwrap();
+    g.assert_nothing_moved(&w, 30, "after the timeout");
+    assert_eq!(
+        batch.status(),
+        Some(Err(TransferError::Timeout { after: bound }))
+    );
+    // A later gate on the engine still opens when its stream gets there.
+    w.gated_write_after_a_held_stream(LEN, 15);
+}
+
+#[test]
+fn a_gated_batch_cancelled_before_its_gate_posts_nothing() {
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    let g = w.gated_write(LEN, 16);
+    let batch = g.submit(&w, T);
+    g.assert_nothing_moved(&w, 5, "before the cancel");
+    batch.cancel();
+    assert_eq!(batch.status(), Some(Err(TransferError::Cancelled)));
+    g.held.release();
+    g.held.stream.synchronize().unwrap();
+    g.assert_nothing_moved(&w, 30, "the stream passed a cancelled gate");
+    assert_eq!(batch.wait(T), Err(TransferError::Cancelled));
+}
+
+#[test]
+fn a_failed_stream_fails_its_gated_batch() {
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    let g = w.gated_write(LEN, 17);
+    let batch = g.submit(&w, T);
+    // The GPU is lost (the next allocation finds out): the stream never
+    // reaches the gate, and its event says why.
+    w.fabric()
+        .faults()
+        .fail_next(FaultSite::CudaAlloc, Fault::DeviceLost);
+    let ctx = w.a.cuda.context(0).unwrap();
+    assert!(ctx.alloc(4096).is_err(), "the scripted loss");
+    let outcome = batch.wait(T);
+    assert!(
+        matches!(
+            outcome,
+            Err(TransferError::StreamFailed {
+                source: hal_cuda::CudaError::DeviceLost { .. }
+            })
+        ),
+        "{outcome:?}"
+    );
+    assert!(
+        w.b.bytes(&g.dst) == gdr_tests::pattern(LEN as usize, 19),
+        "nothing moved"
+    );
+}
+
+#[test]
+fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    let g = w.gated_write(LEN, 20);
+    // Checked at the call: out of the grant's bounds.
+    let too_long = Transfer::write(&g.gpu_region, 0, &g.remote, 1, LEN);
+    let refused = w.ab.submit_after_stream(&g.held.stream, &[too_long], T);
+    assert!(
+        matches!(
+            refused,
+            Err(gdr_core::engine::EngineError::OutOfBounds { .. })
+        ),
+        "{refused:?}"
+    );
+    let batch = g.submit(&w, T);
+    w.ab.close().unwrap();
+    let outcome = batch.wait(T);
+    assert!(
+        matches!(outcome, Err(TransferError::PeerGone { .. })),
         "{outcome:?}"
     );
 }

@@ -70,6 +70,15 @@ pub enum TransferError {
         /// The NIC.
         device: String,
     },
+    /// The CUDA stream a gated batch waited on failed before reaching the
+    /// gate ([`crate::engine::Peer::submit_after_stream`]): nothing of the
+    /// batch was posted.
+    #[error("the stream the batch waited on failed: {source}")]
+    StreamFailed {
+        /// The driver's error, with its native code.
+        #[source]
+        source: hal_cuda::CudaError,
+    },
     /// The owner of a staging-rung region did not carry out a rendezvous
     /// transfer of it: `status` is its wire code.
     #[error("the peer refused the staged transfer: {what} (status {status})")]

@@ -16,6 +16,14 @@
 //! can never release a later one. The page of words is never freed once a
 //! fence was queued: a stream may still read its word after the engine is
 //! gone.
+//!
+//! The reverse, a batch that starts when a stream reaches a point
+//! ([`super::Peer::submit_after_stream`], [`super::gate`]), takes its words
+//! from the same page (a word book): there the stream writes the word and
+//! the engine reads it. Such a word goes back to the free list only once
+//! the stream's write has landed, so a late write for a gate that ended
+//! early (timed out, cancelled) can never lower the word under a later
+//! gate's value.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -34,18 +42,106 @@ const WORDS: usize = 1024;
 pub(super) struct FenceWords<C: hal_cuda::Api> {
     /// Never dropped (see the module docs): a stream may read it later.
     buffer: std::mem::ManuallyDrop<Buffer<C>>,
-    free: Vec<usize>,
-    /// The last value each word was released with.
-    released: Vec<u32>,
+    pub(super) book: WordBook,
 }
 
 impl<C: hal_cuda::Api> FenceWords<C> {
-    fn word(&self, index: usize) -> &AtomicU32 {
+    /// The word at `index`, for the host to load or store.
+    pub(super) fn word(&self, index: usize) -> &AtomicU32 {
         let addr = self.buffer.addr() as usize + index * 4;
         // SAFETY: the page is gdr's own pinned memory of WORDS words,
         // 4-byte aligned (page aligned), never freed; the host touches it
-        // only atomically, the device only reads it.
+        // only atomically, the device only through stream memory
+        // operations (32-bit, aligned).
         unsafe { &*(addr as *const AtomicU32) }
+    }
+
+    /// The device address of word `index`.
+    pub(super) fn addr(&self, index: usize) -> u64 {
+        self.buffer.addr() + (index * 4) as u64
+    }
+
+    /// Frees the words that awaited a stream's late write and got it.
+    pub(super) fn collect_late_writes(&mut self) -> usize {
+        let Self { buffer, book } = self;
+        let base = buffer.addr() as usize;
+        book.collect(|index| {
+            // SAFETY: as in `word`.
+            unsafe { &*((base + index * 4) as *const AtomicU32) }.load(Ordering::Acquire)
+        })
+    }
+}
+
+/// Which words of the page are free, the last value each carried, and
+/// which await a stream's write. A word's values only rise: each use
+/// takes one larger than any it carried, and a word whose values are spent
+/// (`u32::MAX`) is not used again, so a value never wraps to a small one
+/// that an old, larger one would satisfy.
+#[derive(Debug)]
+pub(super) struct WordBook {
+    free: Vec<usize>,
+    last: Vec<u32>,
+    /// (word, value): a stream will write `value` there (its gate ended
+    /// before it did); the word stays out of use until the write lands.
+    awaiting: Vec<(usize, u32)>,
+}
+
+impl WordBook {
+    /// `words` words, all free, none used yet.
+    pub(super) fn new(words: usize) -> Self {
+        Self {
+            free: (0..words).rev().collect(),
+            last: vec![0; words],
+            awaiting: Vec::new(),
+        }
+    }
+
+    /// A free word and the value its next use carries (larger than any it
+    /// carried); `None` when every word is out.
+    pub(super) fn take(&mut self) -> Option<(usize, u32)> {
+        let word = self.free.pop()?;
+        Some((word, self.last[word] + 1))
+    }
+
+    /// `word` now holds `value` (the host stored it, or the stream's write
+    /// was seen): free again, unless its values are spent.
+    pub(super) fn done(&mut self, word: usize, value: u32) {
+        self.last[word] = self.last[word].max(value);
+        if self.last[word] < u32::MAX {
+            self.free.push(word);
+        }
+    }
+
+    /// `word` was taken but nothing was queued on it: free again as it was.
+    pub(super) fn unused(&mut self, word: usize) {
+        self.free.push(word);
+    }
+
+    /// A stream will still write `value` to `word`: it stays out of use
+    /// until [`WordBook::collect`] sees the write.
+    pub(super) fn await_write(&mut self, word: usize, value: u32) {
+        self.awaiting.push((word, value));
+    }
+
+    /// Frees the awaited words whose write landed (`read` loads a word);
+    /// returns how many. A stream that never writes (it failed) keeps its
+    /// word out for good.
+    pub(super) fn collect(&mut self, read: impl Fn(usize) -> u32) -> usize {
+        if self.awaiting.is_empty() {
+            return 0;
+        }
+        let mut landed = Vec::new();
+        self.awaiting.retain(|&(word, value)| {
+            let written = read(word) >= value;
+            if written {
+                landed.push((word, value));
+            }
+            !written
+        });
+        for &(word, value) in &landed {
+            self.done(word, value);
+        }
+        landed.len()
     }
 }
 
@@ -72,31 +168,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     ) -> Result<(), EngineError> {
         let _span = tracing::debug_span!("fence_stream").entered();
         let mut state = crate::sync::lock(&self.shared.state);
-        if state.fence_words.is_none() {
-            let context = self
-                .shared
-                .nics
-                .first()
-                .and_then(|n| n.ladder.gpus().first())
-                .map(|g| &g.context)
-                .ok_or_else(|| EngineError::Unavailable("no GPU to fence a stream of".into()))?;
-            let buffer = Buffer::alloc_pinned(context, (WORDS * 4) as u64)?;
-            state.fence_words = Some(FenceWords {
-                buffer: std::mem::ManuallyDrop::new(buffer),
-                free: (0..WORDS).rev().collect(),
-                released: vec![0; WORDS],
-            });
-        }
-        let words = state.fence_words.as_mut().expect("just made");
-        let word = words.free.pop().ok_or_else(|| {
-            EngineError::Refused(format!("{WORDS} stream fences are already outstanding"))
+        let words = self.fence_words(&mut state)?;
+        let (word, value) = words.book.take().ok_or_else(|| {
+            EngineError::Refused(format!(
+                "{WORDS} stream fences and gates are already outstanding"
+            ))
         })?;
-        let value = words.released[word].wrapping_add(1).max(1);
-        let addr = words.buffer.addr() + (word * 4) as u64;
+        let addr = words.addr(word);
         // SAFETY: the word is 4-byte aligned pinned host memory the device
         // can read (unified addressing), never freed (module docs).
         if let Err(e) = unsafe { stream.wait_value32(addr, value) } {
-            words.free.push(word);
+            words.book.unused(word);
             return Err(e.into());
         }
         state.stream_fences.push(StreamFence {
@@ -109,6 +191,30 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         drop(state);
         self.ensure_own_driver();
         Ok(())
+    }
+
+    /// The engine's page of words, made at its first use.
+    pub(super) fn fence_words<'s>(
+        &self,
+        state: &'s mut State<V, C>,
+    ) -> Result<&'s mut FenceWords<C>, EngineError> {
+        if state.fence_words.is_none() {
+            let context = self
+                .shared
+                .nics
+                .first()
+                .and_then(|n| n.ladder.gpus().first())
+                .map(|g| &g.context)
+                .ok_or_else(|| {
+                    EngineError::Unavailable("no GPU for the stream fence page".into())
+                })?;
+            let buffer = Buffer::alloc_pinned(context, (WORDS * 4) as u64)?;
+            state.fence_words = Some(FenceWords {
+                buffer: std::mem::ManuallyDrop::new(buffer),
+                book: WordBook::new(WORDS),
+            });
+        }
+        Ok(state.fence_words.as_mut().expect("just made"))
     }
 
     /// Releases the streams waiting for batches that have ended; returns
@@ -142,11 +248,44 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
             words.word(fence.word).store(fence.value, Ordering::Release);
-            words.released[fence.word] = fence.value;
-            words.free.push(fence.word);
+            words.book.done(fence.word, fence.value);
             released += 1;
             false
         });
         released
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WordBook;
+
+    #[test]
+    fn a_word_awaiting_a_late_write_stays_out_until_it_lands() {
+        let mut book = WordBook::new(1);
+        let (word, first) = book.take().expect("one free");
+        book.await_write(word, first);
+        assert_eq!(book.take(), None, "handed out before the late write");
+        assert_eq!(book.collect(|_| first - 1), 0, "not written yet");
+        assert_eq!(book.take(), None);
+        assert_eq!(book.collect(|_| first), 1);
+        let (again, second) = book.take().expect("free once written");
+        assert_eq!(again, word);
+        assert!(second > first, "{second} after {first}: values must rise");
+    }
+
+    #[test]
+    fn values_rise_per_word_and_a_spent_word_is_retired() {
+        let mut book = WordBook::new(2);
+        let (a, v1) = book.take().unwrap();
+        book.done(a, v1);
+        let (b, v2) = book.take().unwrap();
+        assert_eq!(b, a, "the word just freed comes back first");
+        assert!(v2 > v1);
+        book.done(b, u32::MAX);
+        let (c, _) = book.take().unwrap();
+        assert_ne!(c, a, "a word whose values are spent must not be reused");
+        book.unused(c);
+        assert_eq!(book.take().map(|(w, _)| w), Some(c));
     }
 }

@@ -65,6 +65,7 @@ pub mod completion;
 mod core;
 pub mod error;
 pub mod fence;
+pub mod gate;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub mod peer_copy;
@@ -478,6 +479,8 @@ struct State<V: Api, C: hal_cuda::Api> {
     stream_fences: Vec<fence::StreamFence>,
     /// The peer-copy path's streams, mappings and batches in flight.
     peer_copy: peer_copy::Copies<C>,
+    /// Batches held until a stream reaches their gate.
+    gates: gate::Gates<V, C>,
     completions: Vec<Completion>,
     to_post: Vec<SendRequest>,
     ticks: u64,
@@ -610,6 +613,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 fence_words: None,
                 stream_fences: Vec::new(),
                 peer_copy: peer_copy::Copies::new(cuda),
+                gates: Default::default(),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
@@ -1055,16 +1059,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// handled. Waiting calls make progress themselves; call this when
     /// nothing waits (or from a thread of your own).
     pub fn progress(&self) -> usize {
-        let (handled, staged) = self.progress_locked();
+        let (mut handled, staged, gated) = self.progress_locked();
         if staged {
-            return handled + self.serve_staged();
+            handled += self.serve_staged();
+        }
+        if gated {
+            handled += self.serve_gates();
         }
         handled
     }
 
     /// [`Engine::progress`] under the lock; says whether rendezvous work
-    /// waits (served outside the lock).
-    fn progress_locked(&self) -> (usize, bool) {
+    /// and opened gates wait (served outside the lock).
+    fn progress_locked(&self) -> (usize, bool, bool) {
         let shared = &*self.shared;
         let mut state = lock(&shared.state);
         let state = &mut *state;
@@ -1126,9 +1133,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         handled += self.pump_pipes(state, now);
         handled += self.pump_peer_copies(state, now);
         handled += self.release_stream_fences(state);
+        handled += self.poll_gates(state, now);
         self.run_actions(state);
         self.post_ready(state);
-        (handled, Self::staged_pending(state))
+        (
+            handled,
+            Self::staged_pending(state),
+            state.gates.serve_pending(),
+        )
     }
 
     fn on_receive(&self, state: &mut State<V, C>, slot: usize, nic: usize, wc: &Completion) {
@@ -1652,8 +1664,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let spawned = std::thread::Builder::new()
             .name("gdr-engine-own".into())
             .spawn(move || {
+                let mut idle = Idle::default();
                 drive(Duration::from_millis(1), || {
-                    weak.upgrade().map(|shared| Engine { shared }.progress())
+                    weak.upgrade().map(|shared| {
+                        let engine = Engine { shared };
+                        engine.pace_gates(engine.progress(), &mut idle)
+                    })
                 });
                 running.fetch_sub(1, Ordering::AcqRel);
             });
@@ -2665,6 +2681,9 @@ pub struct Batch<V: Api, C: hal_cuda::Api> {
     /// Set by whoever applied the GPU fence (a waiter, or the release of a
     /// stream fence): once is enough.
     fenced: Arc<std::sync::atomic::AtomicBool>,
+    /// A gated batch's link to the batch its gate opens into
+    /// ([`Peer::submit_after_stream`]).
+    gate: Option<Arc<gate::GateLink<V, C>>>,
     /// Rendezvous with the peer for staging-rung grants: each ends with
     /// the owner's reply.
     parts: Vec<Arc<CompletionCell>>,
@@ -2691,6 +2710,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             id: None,
             fence: Vec::new(),
             fenced: Default::default(),
+            gate: None,
             parts: Vec::new(),
             after: Default::default(),
         }
@@ -2791,8 +2811,12 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     }
 
     /// Cancels the batch: what is not posted is dropped; it ends
-    /// [`TransferError::Cancelled`] once nothing of it is in flight.
+    /// [`TransferError::Cancelled`] once nothing of it is in flight (a
+    /// gated batch whose gate has not opened: at once, nothing posted).
     pub fn cancel(&self) {
+        if let Some(gate) = &self.gate {
+            gate.cancel();
+        }
         match self.id {
             Some(id) => lock(&self.engine.shared.state).core.cancel(id),
             None => self.engine.cancel_peer_copy(&self.cell),
