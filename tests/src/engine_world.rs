@@ -841,7 +841,8 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         std::thread::sleep(Duration::from_millis(30));
         assert!(
             !event.is_complete().unwrap(),
-            "the copy after the fence ran before the batch ended"
+            "the copy after the fence ran before the batch ended (batch status now {:?})",
+            batch.status()
         );
         self.fabric().set_paused(false);
         let start = std::time::Instant::now();

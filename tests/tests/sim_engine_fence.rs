@@ -198,3 +198,21 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
         "{outcome:?}"
     );
 }
+
+/// The same on the staging rung (as the H200's memory over the sim NIC):
+/// the READ goes through the pipeline's pool, the fence waits for its parts.
+#[test]
+fn a_stream_waits_for_a_staged_batch_too() {
+    let config = EngineConfig {
+        qps_per_peer: 2,
+        default_timeout: T,
+        ladder: gdr_core::ladder::LadderConfig {
+            policy: gdr_core::ladder::Policy::Only(gdr_core::ladder::Rung::Staging),
+            ..Default::default()
+        },
+        ..EngineConfig::default()
+    };
+    let w = EngineWorld::sim(1, GpuConfig::default(), config, T);
+    let (batch, _stream, _event) = w.fenced_copy_after_a_held_read(1 << 20, 4);
+    assert_eq!(batch.status(), Some(Ok(())));
+}
