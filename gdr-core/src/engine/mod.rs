@@ -68,6 +68,7 @@ pub mod fence;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub mod pipeline;
+mod rendezvous;
 pub mod staging;
 pub mod topology;
 pub mod wire;
@@ -168,6 +169,11 @@ pub struct EngineConfig {
     pub staging_slice: u64,
     /// Slots of each GPU's staging pool (slices in flight at most).
     pub staging_slots: usize,
+    /// Landing slots (of `staging_slice` bytes, pinned, registered once)
+    /// this engine lends each peer that asks for a rendezvous on its
+    /// staging-rung memory: that peer's slices in flight at most
+    /// ([`rendezvous`]).
+    pub rendezvous_slots: usize,
     /// Where the PCI tree is read (which NIC is nearest each GPU: a
     /// transfer of GPU memory goes over the peer's queue pairs on the
     /// nearest NICs when any is up).
@@ -195,6 +201,7 @@ impl Default for EngineConfig {
             staging_pipeline: true,
             staging_slice: 4 << 20,
             staging_slots: 8,
+            rendezvous_slots: 4,
             topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
         }
@@ -388,6 +395,11 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     /// This side's rendezvous requests waiting for the peer's reply, by
     /// id.
     rendezvous: HashMap<u64, staging::Rendezvous<V>>,
+    /// The landing slots this side lends the peer, and its requests
+    /// served through them.
+    landing: rendezvous::Landing<V, C>,
+    /// This side's requests through the peer's landing slots.
+    asks: rendezvous::Asks<V, C>,
     control: ControlBuffers<V, C>,
     remote_grants: HashMap<u64, MemoryDescriptor>,
     revoked: HashSet<u64>,
@@ -989,6 +1001,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             served: HashMap::new(),
             staged_inbox: VecDeque::new(),
             rendezvous: HashMap::new(),
+            landing: Default::default(),
+            asks: Default::default(),
             control: ControlBuffers {
                 recv,
                 recv_region,
@@ -1194,6 +1208,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         state.core.handle_timeout(now);
         Self::expire_rendezvous(state, now);
         handled += self.pump_pipes(state, now);
+        handled += self.pump_rendezvous(state, now);
         handled += self.release_stream_fences(state);
         self.run_actions(state);
         self.post_ready(state);
@@ -1238,9 +1253,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
             tracing::warn!(error = %e, "reading a control message");
         }
-        match Control::decode(&bytes) {
-            Ok(Control::User(payload)) => peer.inbox.push_back(payload.to_vec()),
-            Ok(Control::GrantAnnounce { descriptor }) => {
+        let message = Control::decode(&bytes).map(|m| rendezvous::receive(peer, m));
+        match message.map(|m| m.err()) {
+            Ok(None) => {}
+            Ok(Some(Control::User(payload))) => peer.inbox.push_back(payload.to_vec()),
+            Ok(Some(Control::GrantAnnounce { descriptor })) => {
                 match MemoryDescriptor::decode(descriptor) {
                     Ok(d) if d.owner == peer.engine => {
                         tracing::debug!(grant = d.grant, "grant announced");
@@ -1253,35 +1270,36 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     Err(e) => tracing::warn!(error = %e, "a malformed grant announcement"),
                 }
             }
-            Ok(Control::GrantRevoke { grant }) => {
+            Ok(Some(Control::GrantRevoke { grant })) => {
                 peer.remote_grants.remove(&grant);
                 peer.revoked.insert(grant);
             }
-            Ok(Control::Paths { devices }) => {
+            Ok(Some(Control::Paths { devices })) => {
                 let names = String::from_utf8_lossy(devices);
                 for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {
                     qp.remote_device = Some(name.to_owned());
                 }
                 peer.paths_known = true;
             }
-            Ok(Control::Goodbye) => {
+            Ok(Some(Control::Goodbye)) => {
                 peer.gone
                     .get_or_insert_with(|| "the peer said goodbye".into());
             }
-            Ok(Control::StagedRequest {
+            Ok(Some(Control::StagedRequest {
                 id,
                 grant,
                 offset,
                 len,
                 write,
-            }) => peer.staged_inbox.push_back(staging::StagedAsk {
+                ..
+            })) => peer.staged_inbox.push_back(staging::StagedAsk {
                 id,
                 grant,
                 offset,
                 len,
                 write,
             }),
-            Ok(Control::StagedReply { id, status }) => {
+            Ok(Some(Control::StagedReply { id, status })) => {
                 if let Some(rendezvous) = peer.rendezvous.remove(&id) {
                     rendezvous.finish(staging::reply_outcome(status));
                     // The owner's access to our range ended with the MRs.
@@ -1295,6 +1313,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     }
                 }
             }
+            // Handled above (`rendezvous::receive`).
+            Ok(Some(
+                Control::Slots { .. }
+                | Control::SlotReady { .. }
+                | Control::SlotFilled { .. }
+                | Control::SlotDone { .. }
+                | Control::StagedCancel { .. },
+            )) => {}
             Err(e) => tracing::warn!(error = %e, "a malformed control message: dropped"),
         }
     }

@@ -47,11 +47,14 @@ use crate::ladder::{Grant, Rung};
 use crate::sync::lock;
 
 /// Reply codes of a [`Control::StagedReply`].
-const OK: u32 = 0;
-const NOT_GRANTED: u32 = 1;
-const ACCESS_DENIED: u32 = 2;
-const OUT_OF_BOUNDS: u32 = 3;
-const FAILED: u32 = 4;
+pub(super) const OK: u32 = 0;
+pub(super) const NOT_GRANTED: u32 = 1;
+pub(super) const ACCESS_DENIED: u32 = 2;
+pub(super) const OUT_OF_BOUNDS: u32 = 3;
+pub(super) const FAILED: u32 = 4;
+/// A slot credit that matches no slot lent to the request (a peer that
+/// breaks the protocol).
+pub(super) const BAD_CREDIT: u32 = 5;
 
 /// What a reply's status means for the requester.
 pub(super) fn reply_outcome(status: u32) -> Outcome {
@@ -61,6 +64,7 @@ pub(super) fn reply_outcome(status: u32) -> Outcome {
         ACCESS_DENIED => "the grant does not allow it",
         OUT_OF_BOUNDS => "outside the grant",
         FAILED => "staging failed at the owner",
+        BAD_CREDIT => "a slot credit that matches no slot lent to the request",
         _ => "unknown status",
     };
     Err(TransferError::StagedRefused { status, what })
@@ -227,7 +231,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .peers
                 .iter()
                 .flatten()
-                .any(|p| !p.staged_inbox.is_empty())
+                .any(|p| !p.staged_inbox.is_empty() || p.landing.wants_slots())
     }
 
     /// Fails rendezvous requests of this side past their deadline.
@@ -279,7 +283,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             state.serving = serving;
             (asks, ended)
         };
-        let worked = asks.len() + ended.len();
+        let worked = asks.len() + ended.len() + self.make_landings();
         for (slot, ask, served, theirs) in asks {
             if let Err(status) = self.start_serving(slot, ask, served, theirs) {
                 self.reply(slot, ask.id, status);
@@ -422,13 +426,29 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 .try_for_each(|t| super::check_transfer(p, t))
         })??;
         let config = &engine.shared.config;
+        let mut parts = Vec::new();
         // Ours staged, theirs direct: through the GPU's pipeline.
         let piped = |t: &Transfer<'_, V>| {
             config.staging_pipeline
                 && t.local.is_staged()
                 && !matches!(t.remote.reach, Reach::Staged)
         };
-        let mut parts = Vec::new();
+        // Theirs staged: through the owner's landing slots (ours, staged
+        // too, through our pool slice by slice).
+        let slotted = |t: &Transfer<'_, V>| {
+            config.staging_pipeline && matches!(t.remote.reach, Reach::Staged)
+        };
+        let mut fence = Vec::new();
+        for t in transfers.iter().filter(|t| slotted(t)) {
+            parts.push(self.ask_slots(t, timeout)?);
+            // Our READ into GPU memory the NIC reaches: fenced as any.
+            if t.op == Op::Read
+                && !t.local.is_staged()
+                && let MemoryLocation::Gpu { ordinal } = t.local.inner.location
+            {
+                fence.push(u32::from(ordinal));
+            }
+        }
         let now = config.clock.now();
         let mut pipes = Vec::new();
         for t in transfers.iter().filter(|t| piped(t)) {
@@ -461,7 +481,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         // Bounces next (the transfers below borrow them).
         let mut bounces: Vec<Option<(Bounce<V, C>, u32)>> = Vec::with_capacity(transfers.len());
         for t in transfers {
-            bounces.push(if t.local.is_staged() && !piped(t) {
+            bounces.push(if t.local.is_staged() && !piped(t) && !slotted(t) {
                 Some(engine.bounce_for(t.local, t.local_offset, t.len, t.op == Op::Write)?)
             } else {
                 None
@@ -469,7 +489,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         }
         let mut direct = Vec::new();
         let mut after = After::<V, C>::default();
-        for (t, bounce) in transfers.iter().zip(&bounces).filter(|(t, _)| !piped(t)) {
+        for (t, bounce) in transfers
+            .iter()
+            .zip(&bounces)
+            .filter(|(t, _)| !piped(t) && !slotted(t))
+        {
             let (local, local_offset) = match bounce {
                 Some((b, _)) => (&b.region, 0),
                 None => (t.local, t.local_offset),
@@ -508,6 +532,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             }
         }
         batch.parts = parts;
+        batch.fence.extend(fence);
+        batch.fence.sort_unstable();
+        batch.fence.dedup();
         batch.after = std::sync::Mutex::new(after);
         Ok(batch)
     }
@@ -551,6 +578,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     offset: t.remote_offset,
                     len: t.len,
                     write: t.op == Op::Write,
+                    slots: false,
                 },
                 now,
                 timeout,
