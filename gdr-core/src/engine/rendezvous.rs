@@ -382,11 +382,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             match self.landing_slots(&peer, gpu) {
                 Ok((slots, announce)) => {
                     let sent = peer.update_peer(|core, p| {
+                        if p.landing.slots.is_some() {
+                            // Another thread's progress made them first.
+                            return Ok(None);
+                        }
                         let now = self.shared.config.clock.now();
                         p.landing.slots = Some(slots);
                         let cell = p.enqueue(&announce.as_control(), now, self.timeout());
                         p.flush_backlog(core, now);
-                        cell
+                        cell.map(Some)
                     });
                     match sent {
                         Ok(Ok(_)) => {}
