@@ -2843,7 +2843,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// [`fence`]). The stream is released however the batch ends: work
     /// after the fence may use the data only if the batch succeeded
     /// ([`Batch::status`]). Not for a batch that stages through whole-range
-    /// bounce buffers (the naive path, or both ends staged): their copies
+    /// bounce buffers (the naive path): their copies
     /// run in [`Batch::wait`].
     pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {
         let staged_copies = !self
