@@ -509,7 +509,8 @@ fn the_owner_refuses_forged_slot_credits() {
         .wait(T)
         .unwrap();
     assert!(w.b.bytes(&warm_buf) == pattern(4096, 6));
-    let forgeries: [(&str, fn(u64) -> Control<'static>); 3] = [
+    type Forge = fn(u64) -> Control<'static>;
+    let forgeries: [(&str, Forge); 3] = [
         ("a slot not lent", |id| Control::SlotFilled { id, slot: 3 }),
         ("a slot out of range", |id| Control::SlotFilled {
             id,

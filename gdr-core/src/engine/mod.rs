@@ -68,7 +68,7 @@ pub mod fence;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub mod pipeline;
-mod rendezvous;
+pub mod rendezvous;
 pub mod staging;
 pub mod topology;
 pub mod wire;

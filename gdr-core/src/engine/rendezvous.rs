@@ -3,7 +3,7 @@
 //! slice through landing slots the owner lent to the requester, with
 //! credits (the shape of UCX's pipelined rendezvous).
 //!
-//! - **Landing slots** (the owner's side, [`Landing`]): at a peer's first
+//! - **Landing slots** (the owner's side, `Landing`): at a peer's first
 //!   rendezvous the owner allocates
 //!   [`super::EngineConfig::rendezvous_slots`] slots of
 //!   [`super::EngineConfig::staging_slice`] bytes of pinned host memory
@@ -542,7 +542,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
                 return false;
             }
-            !(s.failed.is_some() && !holds)
+            s.failed.is_none() || holds
         });
         moved += send.len();
         for message in send {
