@@ -13,7 +13,10 @@
 //! - `pipelined`: an engine WRITE from staged GPU memory into the peer's
 //!   host memory (device→host copies overlapped with the wire), and
 //!   `pipelined_in`: host memory into the peer's staged GPU memory (the
-//!   owner's wire and host→device copies overlapped);
+//!   owner's wire and host→device copies overlapped), and
+//!   `pipelined_gpu`: staged GPU memory into the peer's staged GPU memory
+//!   (both ends staged, no GDR anywhere: the requester's device→host
+//!   copies, the wire and the owner's host→device copies overlapped);
 //! - `naive_*`: the same with the pipeline off (copy all, then send).
 //!
 //! The goal (issue): pipelined ≥ 0.9 × its slowest stage at ≥ 16 MiB.
@@ -137,6 +140,10 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
             run(
                 format!("{prefix}pipelined_in"),
                 Transfer::write(&host_src, 0, &to_gpu, 0, len),
+            );
+            run(
+                format!("{prefix}pipelined_gpu"),
+                Transfer::write(&gpu_src, 0, &to_gpu, 0, len),
             );
         }
     }

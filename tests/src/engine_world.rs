@@ -805,6 +805,47 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     }
 }
 
+impl EngineWorld<SimVerbsApi> {
+    /// A third node `name` on the fabric (one NIC, one simulated GPU, an
+    /// engine configured as `config`) connected to b: returns it, its end
+    /// of the connection and b's. For b serving two peers at once.
+    pub fn connect_another_to_b(
+        &self,
+        name: &str,
+        config: EngineConfig,
+    ) -> (
+        Side<SimVerbsApi>,
+        WorldPeer<SimVerbsApi>,
+        WorldPeer<SimVerbsApi>,
+    ) {
+        let fabric = self.fabric();
+        let verbs = fabric.add_node(
+            name,
+            NodeConfig {
+                ipv4: None,
+                devices: vec![DeviceConfig::default()],
+            },
+        );
+        let cuda = SimCuda::new(vec![GpuConfig::default()], fabric.faults());
+        let c = Side::new(verbs, cuda, config);
+        let mut listener = self
+            .b
+            .engine
+            .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+            .unwrap();
+        let ip = IpAddr::V4(self.b.verbs.device_ipv4("sim0").unwrap());
+        let peer = SocketAddr::new(ip, listener.local_addr().port());
+        let timeout = self.timeout;
+        let (cb, bc) = std::thread::scope(|scope| {
+            let accepting = scope.spawn(move || listener.accept(timeout));
+            let path = Path { source: None, peer };
+            let cb = c.engine.connect_paths(&[path], timeout).unwrap();
+            (cb, accepting.join().unwrap().unwrap())
+        });
+        (c, cb, bc)
+    }
+}
+
 impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     /// The stream-fence scenario: a READ of `len` bytes of b's host memory
     /// (holding `pattern(len, seed)`) into a's GPU memory, held on the

@@ -303,3 +303,256 @@ fn pipelined_slices_spread_over_the_queue_pairs() {
         "{moved:?}"
     );
 }
+
+/// The first request id a requester gives its slotted rendezvous on a
+/// peer is this plus one, then counting up (the engine's choice, relied on
+/// here to forge messages about a request in flight).
+const FIRST_ASK: u64 = (1 << 63) + 1;
+
+/// A world for the landing slots: small slices (4 KiB, the least) so that
+/// a few KiB go in many turns through 4 slots on the owner and 2 in each
+/// side's own pool.
+fn slots_world() -> EngineWorld<SimVerbsApi> {
+    staging_world_with(2, |c| {
+        c.staging_slice = 4096;
+        c.staging_slots = 2;
+        c.rendezvous_slots = 4;
+    })
+}
+
+/// Through the owner's landing slots, both directions: host → staged GPU
+/// and staged GPU → staged GPU (WRITE, then READ back), 1 byte, odd sizes
+/// and several times slots × slice, data verified; and the requester makes
+/// no grant of its own for any of it (its grant ids run on uninterrupted).
+#[test]
+fn rendezvous_through_landing_slots_moves_every_size_without_a_temporary_grant() {
+    let w = slots_world();
+    let probe = |seed| {
+        let (buf, region) = w.a.alloc(Kind::Host, 64, seed);
+        let grant = w.ab.grant(&region, 0, 64, GrantRights::Read).unwrap();
+        (grant.descriptor().grant, buf, region)
+    };
+    let (before, _b1, _r1) = probe(1);
+    let sizes = [1u64, 4095, 4097, 12_345, 3 * 4 * 4096 + 5];
+    for (i, len) in sizes.into_iter().enumerate() {
+        for from in [Kind::Host, Kind::Gpu] {
+            let what = format!("slots {len} B from {from:?}");
+            let (_, dst_rungs, remote) =
+                w.write_and_read_back(from, Kind::Gpu, len, i as u8 + 2, 2, &what);
+            assert_eq!(dst_rungs, [Rung::Staging]);
+            assert!(matches!(remote.reach, Reach::Staged));
+        }
+    }
+    let (after, _b2, _r2) = probe(2);
+    assert_eq!(
+        after,
+        before + 1,
+        "the requester granted nothing between its two grants"
+    );
+}
+
+/// The naive path still grants the requester's range per request: the
+/// contrast that shows the probe above can see a temporary grant.
+#[test]
+fn the_naive_rendezvous_still_grants_per_request() {
+    let w = staging_world_with(1, |c| c.staging_pipeline = false);
+    let (_s, src) = w.a.alloc(Kind::Host, 64, 1);
+    let first = w.ab.grant(&src, 0, 64, GrantRights::Read).unwrap();
+    w.write_and_read_back(Kind::Host, Kind::Gpu, 8192, 3, 1, "naive");
+    let second = w.ab.grant(&src, 0, 64, GrantRights::Read).unwrap();
+    assert!(
+        second.descriptor().grant > first.descriptor().grant + 1,
+        "a grant per rendezvous"
+    );
+}
+
+/// Several requests at once from two peers into one owner's staged GPU
+/// memory (each peer through its own slots), larger than the slots: each
+/// waits its turn, all arrive.
+#[test]
+fn two_peers_and_many_requests_share_one_owner() {
+    const PART: u64 = 5 * 4096 + 77;
+    const PARTS: u64 = 6;
+    let w = slots_world();
+    let config = w.a.engine.config().clone();
+    let (c, cb, bc) = w.connect_another_to_b("c", config);
+    let (dst_buf, dst) = w.b.alloc(Kind::Gpu, 2 * PART * PARTS, 0);
+    let (_ga, to_a) = w.b_grants(&dst, GrantRights::Write);
+    let (_gc, to_c) = gdr_tests::engine_world::grant_to(&bc, &cb, &dst, GrantRights::Write, T);
+    let (_sa, from_a) = w.a.alloc(Kind::Gpu, 2 * PART * PARTS, 4);
+    let (_sc, from_c) = c.alloc(Kind::Host, 2 * PART * PARTS, 4);
+    // a writes the even parts, c the odd ones, all in flight at once.
+    let mut batches = Vec::new();
+    for i in 0..2 * PARTS {
+        let at = i * PART;
+        batches.push(if i % 2 == 0 {
+            w.ab.submit(&[Transfer::write(&from_a, at, &to_a, at, PART)])
+                .unwrap()
+        } else {
+            cb.submit(&[Transfer::write(&from_c, at, &to_c, at, PART)])
+                .unwrap()
+        });
+    }
+    for (i, batch) in batches.iter().enumerate() {
+        batch.wait(T).unwrap_or_else(|e| panic!("part {i}: {e}"));
+    }
+    assert!(
+        w.b.bytes(&dst_buf) == pattern((2 * PART * PARTS) as usize, 4),
+        "every part of both peers arrived"
+    );
+}
+
+/// A CUDA copy failing at the owner fails the one request whose slice it
+/// was; the other request in flight, and a later one, go through (the
+/// failed request's slots came back).
+#[test]
+fn a_failed_landing_copy_fails_only_its_request() {
+    use gdr_sim::{Fault, FaultSite};
+    const LEN: u64 = 8 * 4096;
+    let w = slots_world();
+    let (_s, src) = w.a.alloc(Kind::Host, 2 * LEN, 8);
+    let (dst_buf, dst) = w.b.alloc(Kind::Gpu, 2 * LEN, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
+    // Warm: the owner's slots exist (the failure lands on a slice copy).
+    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 1)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    let failure = hal_cuda::CudaError::Driver {
+        operation: "cuMemcpyHtoDAsync",
+        code: 700,
+        name: "CUDA_ERROR_ILLEGAL_ADDRESS",
+    };
+    w.fabric()
+        .faults()
+        .fail_next(FaultSite::CudaCopy, Fault::Cuda(failure));
+    let halves: Vec<_> = [0, LEN]
+        .iter()
+        .map(|&at| {
+            w.ab.submit(&[Transfer::write(&src, at, &remote, at, LEN)])
+                .unwrap()
+        })
+        .collect();
+    let outcomes: Vec<_> = halves.iter().map(|b| b.wait(T)).collect();
+    let failed: Vec<usize> = (0..2).filter(|&i| outcomes[i].is_err()).collect();
+    assert_eq!(failed.len(), 1, "exactly one request failed: {outcomes:?}");
+    assert!(
+        matches!(
+            outcomes[failed[0]],
+            Err(TransferError::StagedRefused { status: 4, .. })
+        ),
+        "{outcomes:?}"
+    );
+    let ok = 1 - failed[0];
+    let range = |i: usize| (i as u64 * LEN) as usize..((i as u64 + 1) * LEN) as usize;
+    let whole = pattern((2 * LEN) as usize, 8);
+    assert!(
+        w.b.bytes(&dst_buf)[range(ok)] == whole[range(ok)],
+        "the other request's data"
+    );
+    // Again, the failed half: every slot is usable again.
+    let again = failed[0] as u64 * LEN;
+    w.ab.submit(&[Transfer::write(&src, again, &remote, again, LEN)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(w.b.bytes(&dst_buf) == whole, "all of it after the retry");
+}
+
+/// A requester past its deadline fails with `Timeout` (once), tells the
+/// owner, and the owner's slots serve the next request.
+#[test]
+fn a_late_rendezvous_times_out_and_frees_its_slots() {
+    const LEN: u64 = 6 * 4096;
+    let w = slots_world();
+    let (_s, src) = w.a.alloc(Kind::Host, LEN, 5);
+    let (dst_buf, dst) = w.b.alloc(Kind::Gpu, LEN, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
+    w.fabric().set_paused(true);
+    let late =
+        w.ab.submit_with_timeout(
+            &[Transfer::write(&src, 0, &remote, 0, LEN)],
+            Duration::from_millis(50),
+        )
+        .unwrap();
+    let err = late.wait(T).unwrap_err();
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err}");
+    w.fabric().set_paused(false);
+    assert!(
+        matches!(late.wait(T), Err(TransferError::Timeout { .. })),
+        "the outcome stays"
+    );
+    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(w.b.bytes(&dst_buf) == pattern(LEN as usize, 5));
+}
+
+/// A hostile requester's slot credits are checked by the owner: a
+/// `SlotFilled` for a slot not lent, a slot out of range, a `SlotDone` on
+/// a WRITE each fail the request they name (`StagedRefused` 5) and no copy
+/// runs from the slot (the GPU memory keeps what it held); credits for an
+/// unknown request are dropped; the engine serves on.
+#[test]
+fn the_owner_refuses_forged_slot_credits() {
+    use gdr_core::engine::wire::Control;
+    let w = slots_world();
+    let (_s, src) = w.a.alloc(Kind::Host, 4096, 6);
+    let (dst_buf, dst) = w.b.alloc(Kind::Gpu, 4096, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
+    let (warm_buf, warm) = w.b.alloc(Kind::Gpu, 4096, 0);
+    let (_gw, to_warm) = w.b_grants(&warm, GrantRights::Write);
+    // Request FIRST_ASK: slot 0 of the owner holds its data afterwards.
+    w.ab.submit(&[Transfer::write(&src, 0, &to_warm, 0, 4096)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(w.b.bytes(&warm_buf) == pattern(4096, 6));
+    type Forge = fn(u64) -> Control<'static>;
+    let forgeries: [(&str, Forge); 3] = [
+        ("a slot not lent", |id| Control::SlotFilled { id, slot: 3 }),
+        ("a slot out of range", |id| Control::SlotFilled {
+            id,
+            slot: 99,
+        }),
+        ("a SlotDone on a WRITE", |id| Control::SlotDone {
+            id,
+            slot: 0,
+        }),
+    ];
+    for (i, (what, forge)) in forgeries.into_iter().enumerate() {
+        let id = FIRST_ASK + 1 + i as u64;
+        let batch =
+            w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+                .unwrap();
+        // After the request on the same queue pair: the owner reads it
+        // before any honest credit of it.
+        w.ab.send_raw_control(&forge(id)).unwrap();
+        let err = batch.wait(T).unwrap_err();
+        assert!(
+            matches!(err, TransferError::StagedRefused { status: 5, .. }),
+            "{what}: {err}"
+        );
+        assert!(
+            w.b.bytes(&dst_buf) == pattern(4096, 0),
+            "{what}: nothing copied into the GPU"
+        );
+    }
+    // Credits for requests that do not exist: dropped.
+    for message in [
+        Control::SlotFilled {
+            id: FIRST_ASK + 999,
+            slot: 0,
+        },
+        Control::SlotDone { id: 7, slot: 1 },
+        Control::StagedCancel { id: 12 },
+    ] {
+        w.ab.send_raw_control(&message).unwrap().wait(T).unwrap();
+    }
+    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(w.b.bytes(&dst_buf) == pattern(4096, 6), "served on");
+}

@@ -71,6 +71,7 @@ mod loom_tests;
 pub mod peer_copy;
 pub mod pipeline;
 mod region;
+pub mod rendezvous;
 pub mod staging;
 pub mod topology;
 pub mod wire;
@@ -184,6 +185,11 @@ pub struct EngineConfig {
     /// Largest single device copy of the peer-copy path: larger transfers
     /// are cut into slices of this size spread over a few streams.
     pub peer_copy_slice: u64,
+    /// Landing slots (of `staging_slice` bytes, pinned, registered once)
+    /// this engine lends each peer that asks for a rendezvous on its
+    /// staging-rung memory: that peer's slices in flight at most
+    /// ([`rendezvous`]).
+    pub rendezvous_slots: usize,
     /// Where the PCI tree is read (which NIC is nearest each GPU: a
     /// transfer of GPU memory goes over the peer's queue pairs on the
     /// nearest NICs when any is up).
@@ -213,6 +219,7 @@ impl Default for EngineConfig {
             staging_slots: 8,
             peer_copy: true,
             peer_copy_slice: 64 << 20,
+            rendezvous_slots: 4,
             topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
         }
@@ -334,6 +341,11 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     /// This side's rendezvous requests waiting for the peer's reply, by
     /// id.
     rendezvous: HashMap<u64, staging::Rendezvous<V>>,
+    /// The landing slots this side lends the peer, and its requests
+    /// served through them.
+    landing: rendezvous::Landing<V, C>,
+    /// This side's requests through the peer's landing slots.
+    asks: rendezvous::Asks<V, C>,
     control: ControlBuffers<V, C>,
     /// Where the peer runs and its grants' IPC handles.
     peer_copy: peer_copy::PeerLink<C>,
@@ -922,6 +934,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             served: HashMap::new(),
             staged_inbox: VecDeque::new(),
             rendezvous: HashMap::new(),
+            landing: Default::default(),
+            asks: Default::default(),
             control: ControlBuffers {
                 recv,
                 recv_region,
@@ -1132,6 +1146,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         Self::expire_rendezvous(state, now);
         handled += self.pump_pipes(state, now);
         handled += self.pump_peer_copies(state, now);
+        handled += self.pump_rendezvous(state, now);
         handled += self.release_stream_fences(state);
         handled += self.poll_gates(state, now);
         self.run_actions(state);
@@ -1181,9 +1196,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
             tracing::warn!(error = %e, "reading a control message");
         }
-        match Control::decode(&bytes) {
-            Ok(Control::User(payload)) => peer.inbox.push_back(payload.to_vec()),
-            Ok(Control::GrantAnnounce { descriptor }) => {
+        let message = Control::decode(&bytes).map(|m| rendezvous::receive(peer, m));
+        match message.map(|m| m.err()) {
+            Ok(None) => {}
+            Ok(Some(Control::User(payload))) => peer.inbox.push_back(payload.to_vec()),
+            Ok(Some(Control::GrantAnnounce { descriptor })) => {
                 match MemoryDescriptor::decode(descriptor) {
                     Ok(d) if d.owner == peer.engine => {
                         tracing::debug!(grant = d.grant, "grant announced");
@@ -1196,42 +1213,45 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     Err(e) => tracing::warn!(error = %e, "a malformed grant announcement"),
                 }
             }
-            Ok(Control::GrantRevoke { grant }) => {
+            Ok(Some(Control::GrantRevoke { grant })) => {
                 peer.remote_grants.remove(&grant);
                 peer.revoked.insert(grant);
                 peer.peer_copy.on_revoke(grant);
             }
-            Ok(Control::Locality { host, process }) => peer.peer_copy.on_locality(host, process),
-            Ok(Control::GrantIpc {
+            Ok(Some(Control::Locality { host, process })) => {
+                peer.peer_copy.on_locality(host, process)
+            }
+            Ok(Some(Control::GrantIpc {
                 grant,
                 offset,
                 handle,
-            }) => peer.peer_copy.on_grant_ipc(grant, offset, handle),
-            Ok(Control::Paths { devices }) => {
+            })) => peer.peer_copy.on_grant_ipc(grant, offset, handle),
+            Ok(Some(Control::Paths { devices })) => {
                 let names = String::from_utf8_lossy(devices);
                 for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {
                     qp.remote_device = Some(name.to_owned());
                 }
                 peer.paths_known = true;
             }
-            Ok(Control::Goodbye) => {
+            Ok(Some(Control::Goodbye)) => {
                 peer.gone
                     .get_or_insert_with(|| "the peer said goodbye".into());
             }
-            Ok(Control::StagedRequest {
+            Ok(Some(Control::StagedRequest {
                 id,
                 grant,
                 offset,
                 len,
                 write,
-            }) => peer.staged_inbox.push_back(staging::StagedAsk {
+                ..
+            })) => peer.staged_inbox.push_back(staging::StagedAsk {
                 id,
                 grant,
                 offset,
                 len,
                 write,
             }),
-            Ok(Control::StagedReply { id, status }) => {
+            Ok(Some(Control::StagedReply { id, status })) => {
                 if let Some(rendezvous) = peer.rendezvous.remove(&id) {
                     rendezvous.finish(staging::reply_outcome(status));
                     // The owner's access to our range ended with the MRs.
@@ -1245,6 +1265,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     }
                 }
             }
+            // Handled above (`rendezvous::receive`).
+            Ok(Some(
+                Control::Slots { .. }
+                | Control::SlotReady { .. }
+                | Control::SlotFilled { .. }
+                | Control::SlotDone { .. }
+                | Control::StagedCancel { .. },
+            )) => {}
             Err(e) => tracing::warn!(error = %e, "a malformed control message: dropped"),
         }
     }
@@ -2788,7 +2816,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// [`fence`]). The stream is released however the batch ends: work
     /// after the fence may use the data only if the batch succeeded
     /// ([`Batch::status`]). Not for a batch that stages through whole-range
-    /// bounce buffers (the naive path, or both ends staged): their copies
+    /// bounce buffers (the naive path): their copies
     /// run in [`Batch::wait`].
     pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {
         let staged_copies = !self

@@ -40,18 +40,18 @@ use crate::descriptor::MemoryDescriptor;
 
 /// The pinned bounce slots of one GPU, registered on every NIC.
 pub(super) struct StagingPool<V: Api, C: hal_cuda::Api> {
-    gpu: u32,
-    slot_size: u64,
+    pub gpu: u32,
+    pub slot_size: u64,
     /// Free slot indices, lowest first out.
-    free: Vec<usize>,
-    region: Region<V>,
-    to_host: C::Stream,
-    to_device: C::Stream,
+    pub free: Vec<usize>,
+    pub region: Region<V>,
+    pub to_host: C::Stream,
+    pub to_device: C::Stream,
     _buffer: Buffer<C>,
 }
 
 impl<V: Api, C: hal_cuda::Api> StagingPool<V, C> {
-    fn slot_addr(&self, slot: usize) -> u64 {
+    pub fn slot_addr(&self, slot: usize) -> u64 {
         self.region.inner.addr + slot as u64 * self.slot_size
     }
 }
@@ -138,7 +138,7 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The pool of GPU `gpu`, made (allocated, pinned, registered on every
     /// NIC) at its first use.
-    fn pool<'p>(
+    pub(super) fn pool<'p>(
         &self,
         pools: &'p mut std::collections::HashMap<u32, StagingPool<V, C>>,
         gpu: u32,
@@ -371,11 +371,45 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Stage<C>, Option<TransferError>> {
-        let local = |what: String| Some(TransferError::Local { what });
+        let at = remote_offset + offset;
+        let cell = self.post_rdma(
+            core,
+            peer,
+            Some(pool.gpu),
+            slot,
+            op,
+            remote,
+            at,
+            &pool.region,
+            pool.slot_addr(slot),
+            len,
+            (deadline, timeout),
+        )?;
+        Ok(Stage::OnWire(cell))
+    }
+
+    /// Submits one RDMA request of `len` bytes between `local_addr` (in
+    /// `local`) and `remote` at `remote_at` to the core, on a queue pair of
+    /// the peer that is up, nearest GPU `gpu` when one is; `spread` picks
+    /// among the candidates (requests in flight at once spread over them).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn post_rdma(
+        &self,
+        core: &mut Core,
+        peer: &PeerState<V, C>,
+        gpu: Option<u32>,
+        spread: usize,
+        op: Op,
+        remote: &MemoryDescriptor,
+        remote_at: u64,
+        local: &Region<V>,
+        local_addr: u64,
+        len: u64,
+        (deadline, timeout): (Instant, Duration),
+    ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
+        let local_error = |what: String| Some(TransferError::Local { what });
         // The queue pairs that are up (else those being re-established),
-        // on the NICs nearest the pool's GPU when one of those is among
-        // them; slices in flight hold distinct slots, so the slot spreads
-        // them over the candidates.
+        // on the NICs nearest the GPU when one of those is among them.
         let up: Vec<_> = match peer.qps.iter().any(|q| core.is_ready(q.core)) {
             true => peer.qps.iter().filter(|q| core.is_ready(q.core)).collect(),
             false => peer
@@ -384,7 +418,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .filter(|q| core.accepts_work(q.core))
                 .collect(),
         };
-        let near: Vec<_> = match self.shared.nearest_nics.get(&pool.gpu) {
+        let near: Vec<_> = match gpu.and_then(|g| self.shared.nearest_nics.get(&g)) {
             Some(nics) => up
                 .iter()
                 .copied()
@@ -393,36 +427,29 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             None => Vec::new(),
         };
         let candidates = if near.is_empty() { &up } else { &near };
-        let Some(&qp) = candidates.get(slot % candidates.len().max(1)) else {
+        let Some(&qp) = candidates.get(spread % candidates.len().max(1)) else {
             return Err(Some(TransferError::PeerGone {
                 reason: "every queue pair failed".into(),
             }));
         };
         let device = qp.remote_device.as_deref().unwrap_or("");
-        let at = remote_offset + offset;
         let segment = remote
-            .segment(device, at, len)
-            .map_err(|e| local(format!("the slice's remote segment: {e}")))?;
-        let Some(mr) = pool.region.inner.per_nic[qp.nic].mr() else {
-            return Err(local("the staging pool has no MR".into()));
+            .segment(device, remote_at, len)
+            .map_err(|e| local_error(format!("the slice's remote segment: {e}")))?;
+        let Some(mr) = local.inner.per_nic[qp.nic].mr() else {
+            return Err(local_error("the local memory has no MR".into()));
         };
-        let rdma = op.send_op(segment.addr + (at - segment.offset), segment.rkey);
-        let work = Work::single(
-            rdma,
-            pool.slot_addr(slot),
-            len as u32,
-            mr.lkey(),
-            SendFlags::empty(),
-        );
+        let rdma = op.send_op(segment.addr + (remote_at - segment.offset), segment.rkey);
+        let work = Work::single(rdma, local_addr, len as u32, mr.lkey(), SendFlags::empty());
         let cell = Arc::new(CompletionCell::new());
-        let keep: Vec<Keep> = vec![Arc::clone(&pool.region.inner) as Keep];
+        let keep: Vec<Keep> = vec![Arc::clone(&local.inner) as Keep];
         core.submit(
             vec![(qp.core, work)],
             Arc::clone(&cell),
             Some((deadline, timeout)),
             keep,
         );
-        Ok(Stage::OnWire(cell))
+        Ok(cell)
     }
 }
 
@@ -475,10 +502,22 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         what: &str,
         copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
     ) -> Result<Stage<C>, Option<TransferError>> {
-        let failed = |e: &dyn std::fmt::Display| {
-            Some(TransferError::Local {
-                what: format!("staging copy {what}: {e}"),
-            })
+        self.copy_event(gpu, stream, what, copy)
+            .map(Stage::Copying)
+            .map_err(Some)
+    }
+
+    /// Queues `copy` on `stream` of GPU `gpu` and returns an event recorded
+    /// after it.
+    pub(super) fn copy_event(
+        &self,
+        gpu: u32,
+        stream: &C::Stream,
+        what: &str,
+        copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
+    ) -> Result<C::Event, TransferError> {
+        let failed = |e: &dyn std::fmt::Display| TransferError::Local {
+            what: format!("staging copy {what}: {e}"),
         };
         let event = self
             .gpu(gpu)
@@ -488,6 +527,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .map_err(|e| failed(&e))?;
         copy(stream).map_err(|e| failed(&e))?;
         stream.record(&event).map_err(|e| failed(&e))?;
-        Ok(Stage::Copying(event))
+        Ok(event)
     }
 }

@@ -69,11 +69,16 @@
 //! | 2 | [`Control::GrantAnnounce`] | the encoded descriptor, nonempty |
 //! | 3 | [`Control::GrantRevoke`] | `grant` u64, nonzero (8 bytes) |
 //! | 4 | [`Control::Goodbye`] | empty |
-//! | 5 | [`Control::StagedRequest`] | `id` u64, `grant` u64 nonzero, `offset` u64, `len` u64 nonzero with `offset + len` in u64, `write` u8 (0 or 1), 7 reserved zero bytes (40 bytes) |
+//! | 5 | [`Control::StagedRequest`] | `id` u64, `grant` u64 nonzero, `offset` u64, `len` u64 nonzero with `offset + len` in u64, `write` u8 (0 or 1), `slots` u8 (0 or 1), 6 reserved zero bytes (40 bytes) |
 //! | 6 | [`Control::StagedReply`] | `id` u64, `status` u32, 4 reserved zero bytes (16 bytes) |
 //! | 7 | [`Control::Paths`] | the sender's NIC of each of its queue pairs to this peer, in queue-pair order: names joined by `,`, each 1..=63 bytes of `[A-Za-z0-9_-]`, at most [`MAX_QPS_PER_PEER`] |
 //! | 8 | [`Control::Locality`] | `host` 16 bytes (the boot id), `process` u64 (24 bytes) |
 //! | 9 | [`Control::GrantIpc`] | `grant` u64 nonzero, `offset` u64, `handle` 64 bytes (80 bytes) |
+//! | 10 | [`Control::Slots`] | `slot_len` u64 nonzero, `count` u32 nonzero, 4 reserved zero bytes, then the encoded descriptor, nonempty (at least 17 bytes) |
+//! | 11 | [`Control::SlotReady`] | `id` u64, `offset` u64, `len` u64 nonzero with `offset + len` in u64, `slot` u32, 4 reserved zero bytes (32 bytes) |
+//! | 12 | [`Control::SlotFilled`] | `id` u64, `slot` u32, 4 reserved zero bytes (16 bytes) |
+//! | 13 | [`Control::SlotDone`] | `id` u64, `slot` u32, 4 reserved zero bytes (16 bytes) |
+//! | 14 | [`Control::StagedCancel`] | `id` u64 (8 bytes) |
 //!
 //! A whole message (header included) is at most [`MAX_MESSAGE`] bytes; the
 //! fixed-size messages all fit in [`MIN_MESSAGE`], except
@@ -112,12 +117,22 @@ const KIND_STAGED_REPLY: u8 = 6;
 const KIND_PATHS: u8 = 7;
 const KIND_LOCALITY: u8 = 8;
 const KIND_GRANT_IPC: u8 = 9;
+const KIND_SLOTS: u8 = 10;
+const KIND_SLOT_READY: u8 = 11;
+const KIND_SLOT_FILLED: u8 = 12;
+const KIND_SLOT_DONE: u8 = 13;
+const KIND_STAGED_CANCEL: u8 = 14;
 
 const GRANT_REVOKE_BODY: usize = 8;
 const STAGED_REQUEST_BODY: usize = 40;
 const STAGED_REPLY_BODY: usize = 16;
 const LOCALITY_BODY: usize = 24;
 const GRANT_IPC_BODY: usize = 80;
+/// The fixed part of a [`Control::Slots`] body, before the descriptor.
+const SLOTS_HEAD: usize = 16;
+const SLOT_READY_BODY: usize = 32;
+const SLOT_CREDIT_BODY: usize = 16;
+const STAGED_CANCEL_BODY: usize = 8;
 
 const _: () = assert!(Hello::ENCODED_LEN <= MAX_CONNECT_PRIVATE_DATA);
 const _: () = assert!(Hello::ENCODED_LEN <= MAX_ACCEPT_PRIVATE_DATA);
@@ -126,6 +141,9 @@ const _: () = assert!(HEADER_LEN + STAGED_REQUEST_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + STAGED_REPLY_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + GRANT_REVOKE_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + LOCALITY_BODY <= MIN_MESSAGE as usize);
+const _: () = assert!(HEADER_LEN + SLOT_READY_BODY <= MIN_MESSAGE as usize);
+const _: () = assert!(HEADER_LEN + SLOT_CREDIT_BODY <= MIN_MESSAGE as usize);
+const _: () = assert!(HEADER_LEN + STAGED_CANCEL_BODY <= MIN_MESSAGE as usize);
 
 /// Why bytes off the wire were refused, or why a message cannot be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -571,7 +589,8 @@ pub enum Control<'a> {
     },
     /// Orderly close: the sender posts nothing more.
     Goodbye,
-    /// Rendezvous for a staging-rung region (reserved for later use).
+    /// Rendezvous for a staging-rung region: the requester asks the owner
+    /// of staged grant `grant` to move a range of it.
     StagedRequest {
         /// The request's id, echoed in the reply.
         id: u64,
@@ -583,6 +602,10 @@ pub enum Control<'a> {
         len: u64,
         /// Whether the requester writes the range (else it reads it).
         write: bool,
+        /// Through the owner's landing slots lent to the requester
+        /// ([`Control::Slots`], slice by slice with [`Control::SlotReady`]
+        /// credits); else against the requester's grant whose id is `id`.
+        slots: bool,
     },
     /// The answer to a [`Control::StagedRequest`].
     StagedReply {
@@ -618,6 +641,53 @@ pub enum Control<'a> {
         /// The allocation's `CUipcMemHandle`.
         handle: [u8; 64],
     },
+    /// The sender's landing slots lent to the receiver (the receiver's
+    /// rendezvous go through them): `count` slots of `slot_len` bytes, slot
+    /// `i` at offset `i * slot_len` of the grant `descriptor` encodes.
+    Slots {
+        /// Bytes of one slot, nonzero.
+        slot_len: u64,
+        /// Slots, nonzero.
+        count: u32,
+        /// The encoded descriptor of the slots' grant, nonempty.
+        descriptor: &'a [u8],
+    },
+    /// The owner's credit: landing slot `slot` is the requester's for the
+    /// slice at `offset` (within request `id`) of `len` bytes: to WRITE
+    /// into, or (a READ) holding the slice to READ.
+    SlotReady {
+        /// The request's id.
+        id: u64,
+        /// The slice's offset within the request.
+        offset: u64,
+        /// The slice's length, nonzero; `offset + len` fits in u64.
+        len: u64,
+        /// The slot.
+        slot: u32,
+    },
+    /// The requester's WRITE into landing slot `slot` for request `id`
+    /// completed: the slot holds the slice.
+    SlotFilled {
+        /// The request's id.
+        id: u64,
+        /// The slot.
+        slot: u32,
+    },
+    /// The requester's READ of landing slot `slot` for request `id`
+    /// completed: the slot is the owner's again.
+    SlotDone {
+        /// The request's id.
+        id: u64,
+        /// The slot.
+        slot: u32,
+    },
+    /// The requester gave up request `id` (failed, late or cancelled) and
+    /// has nothing of it in flight: every slot lent to it is the owner's
+    /// again.
+    StagedCancel {
+        /// The request's id.
+        id: u64,
+    },
 }
 
 impl<'a> Control<'a> {
@@ -632,6 +702,11 @@ impl<'a> Control<'a> {
             Control::Paths { .. } => KIND_PATHS,
             Control::Locality { .. } => KIND_LOCALITY,
             Control::GrantIpc { .. } => KIND_GRANT_IPC,
+            Control::Slots { .. } => KIND_SLOTS,
+            Control::SlotReady { .. } => KIND_SLOT_READY,
+            Control::SlotFilled { .. } => KIND_SLOT_FILLED,
+            Control::SlotDone { .. } => KIND_SLOT_DONE,
+            Control::StagedCancel { .. } => KIND_STAGED_CANCEL,
         }
     }
 
@@ -646,6 +721,10 @@ impl<'a> Control<'a> {
             Control::StagedReply { .. } => STAGED_REPLY_BODY,
             Control::Locality { .. } => LOCALITY_BODY,
             Control::GrantIpc { .. } => GRANT_IPC_BODY,
+            Control::Slots { descriptor, .. } => SLOTS_HEAD + descriptor.len(),
+            Control::SlotReady { .. } => SLOT_READY_BODY,
+            Control::SlotFilled { .. } | Control::SlotDone { .. } => SLOT_CREDIT_BODY,
+            Control::StagedCancel { .. } => STAGED_CANCEL_BODY,
         }
     }
 
@@ -700,6 +779,45 @@ impl<'a> Control<'a> {
                     Ok(())
                 }
             }
+            Control::Slots {
+                slot_len,
+                count,
+                descriptor,
+            } => {
+                if slot_len == 0 {
+                    Err(WireError::OutOfRange {
+                        field: "slots slot_len (nonzero)",
+                        value: 0,
+                    })
+                } else if count == 0 {
+                    Err(WireError::OutOfRange {
+                        field: "slots count (nonzero)",
+                        value: 0,
+                    })
+                } else if descriptor.is_empty() {
+                    Err(WireError::OutOfRange {
+                        field: "slots descriptor length (nonzero)",
+                        value: 0,
+                    })
+                } else {
+                    Ok(())
+                }
+            }
+            Control::SlotReady { offset, len, .. } => {
+                if len == 0 {
+                    Err(WireError::OutOfRange {
+                        field: "slot ready len (nonzero)",
+                        value: 0,
+                    })
+                } else if offset.checked_add(len).is_none() {
+                    Err(WireError::OutOfRange {
+                        field: "slot ready offset (offset + len overflows u64)",
+                        value: offset,
+                    })
+                } else {
+                    Ok(())
+                }
+            }
             _ => Ok(()),
         }
     }
@@ -736,12 +854,13 @@ impl<'a> Control<'a> {
                 offset,
                 len,
                 write,
+                slots,
             } => {
                 w.put(&id.to_le_bytes());
                 w.put(&grant.to_le_bytes());
                 w.put(&offset.to_le_bytes());
                 w.put(&len.to_le_bytes());
-                w.put(&[u8::from(write), 0, 0, 0, 0, 0, 0, 0]);
+                w.put(&[u8::from(write), u8::from(slots), 0, 0, 0, 0, 0, 0]);
             }
             Control::StagedReply { id, status } => {
                 w.put(&id.to_le_bytes());
@@ -761,6 +880,34 @@ impl<'a> Control<'a> {
                 w.put(&offset.to_le_bytes());
                 w.put(&handle);
             }
+            Control::Slots {
+                slot_len,
+                count,
+                descriptor,
+            } => {
+                w.put(&slot_len.to_le_bytes());
+                w.put(&count.to_le_bytes());
+                w.put(&[0; 4]);
+                w.put(descriptor);
+            }
+            Control::SlotReady {
+                id,
+                offset,
+                len,
+                slot,
+            } => {
+                w.put(&id.to_le_bytes());
+                w.put(&offset.to_le_bytes());
+                w.put(&len.to_le_bytes());
+                w.put(&slot.to_le_bytes());
+                w.put(&[0; 4]);
+            }
+            Control::SlotFilled { id, slot } | Control::SlotDone { id, slot } => {
+                w.put(&id.to_le_bytes());
+                w.put(&slot.to_le_bytes());
+                w.put(&[0; 4]);
+            }
+            Control::StagedCancel { id } => w.put(&id.to_le_bytes()),
         }
         debug_assert_eq!(w.pos, need);
         Ok(need)
@@ -805,7 +952,7 @@ impl<'a> Control<'a> {
                 max: MAX_MESSAGE as usize,
             });
         }
-        if !(KIND_USER..=KIND_GRANT_IPC).contains(&kind) {
+        if !(KIND_USER..=KIND_STAGED_CANCEL).contains(&kind) {
             return Err(WireError::UnknownKind(kind));
         }
         if flags != 0 {
@@ -860,23 +1007,24 @@ impl<'a> Control<'a> {
                 let grant = b.u64()?;
                 let offset = b.u64()?;
                 let len = b.u64()?;
-                let write = match b.u8()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(WireError::OutOfRange {
-                            field: "staged request write (0 or 1)",
-                            value: other.into(),
-                        });
-                    }
+                let flag = |value: u8, field| match value {
+                    0 => Ok(false),
+                    1 => Ok(true),
+                    other => Err(WireError::OutOfRange {
+                        field,
+                        value: other.into(),
+                    }),
                 };
-                b.reserved::<7>("staged request bytes 33..40")?;
+                let write = flag(b.u8()?, "staged request write (0 or 1)")?;
+                let slots = flag(b.u8()?, "staged request slots (0 or 1)")?;
+                b.reserved::<6>("staged request bytes 34..40")?;
                 Control::StagedRequest {
                     id,
                     grant,
                     offset,
                     len,
                     write,
+                    slots,
                 }
             }
             KIND_STAGED_REPLY => {
@@ -900,6 +1048,52 @@ impl<'a> Control<'a> {
                     offset: b.u64()?,
                     handle: b.array::<64>()?,
                 }
+            }
+            KIND_SLOTS => {
+                if body.len() < SLOTS_HEAD {
+                    return Err(WireError::LengthMismatch {
+                        what: "slots body (at least its fixed part)",
+                        expected: SLOTS_HEAD,
+                        got: body.len(),
+                    });
+                }
+                let slot_len = b.u64()?;
+                let count = b.u32()?;
+                b.reserved::<4>("slots bytes 12..16")?;
+                Control::Slots {
+                    slot_len,
+                    count,
+                    descriptor: b.rest,
+                }
+            }
+            KIND_SLOT_READY => {
+                exact("slot ready body", SLOT_READY_BODY)?;
+                let id = b.u64()?;
+                let offset = b.u64()?;
+                let len = b.u64()?;
+                let slot = b.u32()?;
+                b.reserved::<4>("slot ready bytes 28..32")?;
+                Control::SlotReady {
+                    id,
+                    offset,
+                    len,
+                    slot,
+                }
+            }
+            KIND_SLOT_FILLED | KIND_SLOT_DONE => {
+                exact("slot credit body", SLOT_CREDIT_BODY)?;
+                let id = b.u64()?;
+                let slot = b.u32()?;
+                b.reserved::<4>("slot credit bytes 12..16")?;
+                if kind == KIND_SLOT_FILLED {
+                    Control::SlotFilled { id, slot }
+                } else {
+                    Control::SlotDone { id, slot }
+                }
+            }
+            KIND_STAGED_CANCEL => {
+                exact("staged cancel body", STAGED_CANCEL_BODY)?;
+                Control::StagedCancel { id: b.u64()? }
             }
             other => return Err(WireError::UnknownKind(other)),
         };
@@ -1218,6 +1412,7 @@ mod tests {
                 offset: 4096,
                 len: 1 << 16,
                 write: true,
+                slots: false,
             },
             Control::StagedRequest {
                 id: 0,
@@ -1225,6 +1420,7 @@ mod tests {
                 offset: u64::MAX - 1,
                 len: 1,
                 write: false,
+                slots: false,
             },
             Control::StagedReply {
                 id: 7,
@@ -1239,6 +1435,31 @@ mod tests {
                 offset: 1 << 21,
                 handle: std::array::from_fn(|i| i as u8),
             },
+            Control::StagedRequest {
+                id: 8,
+                grant: 3,
+                offset: 0,
+                len: 5,
+                write: true,
+                slots: true,
+            },
+            Control::Slots {
+                slot_len: 4 << 20,
+                count: 4,
+                descriptor: b"\x01opaque slots descriptor",
+            },
+            Control::SlotReady {
+                id: 8,
+                offset: 1 << 22,
+                len: 4 << 20,
+                slot: 3,
+            },
+            Control::SlotFilled { id: 8, slot: 3 },
+            Control::SlotDone {
+                id: u64::MAX,
+                slot: u32::MAX,
+            },
+            Control::StagedCancel { id: 8 },
         ]
     }
 
@@ -1266,6 +1487,7 @@ mod tests {
             offset: 3,
             len: 4,
             write: true,
+            slots: false,
         }
         .encode()
         .unwrap();
@@ -1276,6 +1498,45 @@ mod tests {
             assert!(bytes[at + 1..at + 8].iter().all(|&b| b == 0));
         }
         assert_eq!(bytes[HEADER_LEN + 32], 1);
+        assert_eq!(bytes[HEADER_LEN + 33], 0, "not through slots");
+        let bytes = Control::SlotReady {
+            id: 1,
+            offset: 2,
+            len: 3,
+            slot: 4,
+        }
+        .encode()
+        .unwrap();
+        assert_eq!(&bytes[..8], &[0xC7, 1, 11, 0, 32, 0, 0, 0]);
+        for (at, value) in [(0, 1u8), (8, 2), (16, 3), (24, 4)] {
+            assert_eq!(bytes[HEADER_LEN + at], value, "byte {at}");
+        }
+        let filled = Control::SlotFilled { id: 5, slot: 6 }.encode().unwrap();
+        assert_eq!(
+            filled,
+            [
+                0xC7, 1, 12, 0, 16, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0
+            ]
+        );
+        let done = Control::SlotDone { id: 5, slot: 6 }.encode().unwrap();
+        assert_eq!(done[2], 13);
+        assert_eq!(done[HEADER_LEN..], filled[HEADER_LEN..]);
+        let cancel = Control::StagedCancel { id: 0x0102 }.encode().unwrap();
+        assert_eq!(cancel, [0xC7, 1, 14, 0, 8, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+        let slots = Control::Slots {
+            slot_len: 0x10,
+            count: 2,
+            descriptor: b"d",
+        }
+        .encode()
+        .unwrap();
+        assert_eq!(
+            slots,
+            [
+                0xC7, 1, 10, 0, 17, 0, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0,
+                b'd'
+            ]
+        );
         let bytes = Control::User(b"ab").encode().unwrap();
         assert_eq!(bytes, [0xC7, 1, 1, 0, 2, 0, 0, 0, b'a', b'b']);
     }
@@ -1327,6 +1588,7 @@ mod tests {
                 offset: 0,
                 len: 1,
                 write: false,
+                slots: false,
             },
             Control::StagedRequest {
                 id: 1,
@@ -1334,6 +1596,7 @@ mod tests {
                 offset: 0,
                 len: 0,
                 write: false,
+                slots: false,
             },
             Control::StagedRequest {
                 id: 1,
@@ -1341,6 +1604,34 @@ mod tests {
                 offset: u64::MAX,
                 len: 1,
                 write: false,
+                slots: false,
+            },
+            Control::Slots {
+                slot_len: 0,
+                count: 1,
+                descriptor: b"d",
+            },
+            Control::Slots {
+                slot_len: 1,
+                count: 0,
+                descriptor: b"d",
+            },
+            Control::Slots {
+                slot_len: 1,
+                count: 1,
+                descriptor: b"",
+            },
+            Control::SlotReady {
+                id: 1,
+                offset: 0,
+                len: 0,
+                slot: 0,
+            },
+            Control::SlotReady {
+                id: 1,
+                offset: u64::MAX,
+                len: 1,
+                slot: 0,
             },
         ];
         for message in bad {
@@ -1388,7 +1679,7 @@ mod tests {
             control_edited(revoke.clone(), |b| b[1] = 2),
             WireError::Version { ours: 1, theirs: 2 }
         );
-        for kind in [0, 10, 0xFF] {
+        for kind in [0, 15, 0xFF] {
             assert_eq!(
                 control_edited(revoke.clone(), |b| b[2] = kind),
                 WireError::UnknownKind(kind)
@@ -1445,6 +1736,7 @@ mod tests {
                     offset: 0,
                     len: 1,
                     write: false,
+                    slots: false,
                 },
                 40,
             ),
@@ -1464,6 +1756,18 @@ mod tests {
                 },
                 80,
             ),
+            (
+                Control::SlotReady {
+                    id: 1,
+                    offset: 0,
+                    len: 1,
+                    slot: 0,
+                },
+                32,
+            ),
+            (Control::SlotFilled { id: 1, slot: 0 }, 16),
+            (Control::SlotDone { id: 1, slot: 0 }, 16),
+            (Control::StagedCancel { id: 1 }, 8),
         ];
         for (message, body) in fixed {
             for delta in [-1isize, 1] {
@@ -1483,6 +1787,10 @@ mod tests {
                             Control::StagedRequest { .. } => "staged request body",
                             Control::Locality { .. } => "locality body",
                             Control::GrantIpc { .. } => "grant IPC handle body",
+                            Control::SlotReady { .. } => "slot ready body",
+                            Control::SlotFilled { .. } | Control::SlotDone { .. } =>
+                                "slot credit body",
+                            Control::StagedCancel { .. } => "staged cancel body",
                             _ => "staged reply body",
                         },
                         expected: body,
@@ -1502,6 +1810,7 @@ mod tests {
             offset: 100,
             len: 10,
             write: true,
+            slots: false,
         };
         let field = |err: WireError| match err {
             WireError::OutOfRange { field, .. } => field,
@@ -1525,14 +1834,58 @@ mod tests {
         );
         let err = control_edited(request.clone(), |b| b[40] = 2);
         assert!(field(err).contains("write"));
-        for at in 41..48 {
+        let err = control_edited(request.clone(), |b| b[41] = 2);
+        assert!(field(err).contains("slots"));
+        for at in 42..48 {
             let err = control_edited(request.clone(), |b| b[at] = 1);
             assert!(matches!(err, WireError::Reserved { .. }), "byte {at}");
         }
         for at in 20..24 {
             let err = control_edited(Control::StagedReply { id: 1, status: 2 }, |b| b[at] = 1);
             assert!(matches!(err, WireError::Reserved { .. }), "byte {at}");
+            let err = control_edited(Control::SlotFilled { id: 1, slot: 2 }, |b| b[at] = 1);
+            assert!(matches!(err, WireError::Reserved { .. }), "byte {at}");
+            let err = control_edited(Control::SlotDone { id: 1, slot: 2 }, |b| b[at] = 1);
+            assert!(matches!(err, WireError::Reserved { .. }), "byte {at}");
         }
+        let ready = Control::SlotReady {
+            id: 1,
+            offset: 2,
+            len: 3,
+            slot: 4,
+        };
+        let err = control_edited(ready.clone(), |b| set_u64(b, 24, 0));
+        assert!(field(err).contains("slot ready len"));
+        let err = control_edited(ready.clone(), |b| set_u64(b, 16, u64::MAX - 1));
+        assert!(field(err).contains("slot ready offset"));
+        for at in 36..40 {
+            let err = control_edited(ready.clone(), |b| b[at] = 1);
+            assert!(matches!(err, WireError::Reserved { .. }), "byte {at}");
+        }
+        let slots = Control::Slots {
+            slot_len: 8,
+            count: 2,
+            descriptor: b"dd",
+        };
+        let err = control_edited(slots.clone(), |b| set_u64(b, 8, 0));
+        assert!(field(err).contains("slot_len"));
+        let err = control_edited(slots.clone(), |b| b[16] = 0);
+        assert!(field(err).contains("count"));
+        for at in 20..24 {
+            let err = control_edited(slots.clone(), |b| b[at] = 1);
+            assert!(matches!(err, WireError::Reserved { .. }), "byte {at}");
+        }
+        // No descriptor, and not even the fixed part.
+        let err = control_edited(slots.clone(), |b| {
+            b.truncate(HEADER_LEN + 16);
+            b[4] = 16;
+        });
+        assert!(field(err).contains("descriptor"));
+        let err = control_edited(slots, |b| {
+            b.truncate(HEADER_LEN + 15);
+            b[4] = 15;
+        });
+        assert!(matches!(err, WireError::LengthMismatch { .. }), "{err:?}");
     }
 
     /// splitmix64: a deterministic stream for the property loops.
@@ -1580,7 +1933,7 @@ mod tests {
     }
 
     fn random_control<'a>(rng: &mut Rng, payload: &'a [u8]) -> Control<'a> {
-        match rng.below(8) {
+        match rng.below(13) {
             0 => Control::User(payload),
             6 => Control::Locality {
                 host: std::array::from_fn(|_| rng.next() as u8),
@@ -1607,12 +1960,36 @@ mod tests {
                     offset: rng.below(u64::MAX - len + 1),
                     len,
                     write: rng.below(2) == 1,
+                    slots: rng.below(2) == 1,
                 }
             }
-            _ => Control::StagedReply {
+            5 => Control::StagedReply {
                 id: rng.next(),
                 status: rng.next() as u32,
             },
+            8 => Control::Slots {
+                slot_len: rng.nonzero(),
+                count: (rng.next() as u32).max(1),
+                descriptor: if payload.is_empty() { b"d" } else { payload },
+            },
+            9 => {
+                let len = (rng.nonzero() >> rng.below(64)).max(1);
+                Control::SlotReady {
+                    id: rng.next(),
+                    offset: rng.below(u64::MAX - len + 1),
+                    len,
+                    slot: rng.next() as u32,
+                }
+            }
+            10 => Control::SlotFilled {
+                id: rng.next(),
+                slot: rng.next() as u32,
+            },
+            11 => Control::SlotDone {
+                id: rng.next(),
+                slot: rng.next() as u32,
+            },
+            _ => Control::StagedCancel { id: rng.next() },
         }
     }
 
@@ -1708,6 +2085,12 @@ mod tests {
             "staged-reply",
             "locality",
             "grant-ipc",
+            "staged-request-slots",
+            "slots",
+            "slot-ready",
+            "slot-filled",
+            "slot-done",
+            "staged-cancel",
         ];
         for (name, message) in names.into_iter().zip(controls()) {
             seeds.push(("control", name.into(), message.encode().unwrap()));

@@ -1,0 +1,1290 @@
+//! The pipelined rendezvous: a transfer against a peer's staging-rung
+//! grant (GPU memory no NIC reaches, so no MR to name) moves slice by
+//! slice through landing slots the owner lent to the requester, with
+//! credits (the shape of UCX's pipelined rendezvous).
+//!
+//! - **Landing slots** (the owner's side, `Landing`): at a peer's first
+//!   rendezvous the owner allocates
+//!   [`super::EngineConfig::rendezvous_slots`] slots of
+//!   [`super::EngineConfig::staging_slice`] bytes of pinned host memory
+//!   (pinned with the GPU's context), registers them once, grants them to
+//!   that peer only (read and write) and tells it so
+//!   ([`Control::Slots`], the descriptor inside). They are freed when the
+//!   peer goes.
+//! - **The requester WRITEs** into the owner's staged memory: the owner
+//!   hands out a free slot as a credit ([`Control::SlotReady`]: request,
+//!   slice offset, slot, length); the requester RDMA-WRITEs the slice into
+//!   it and, on that WRITE's completion, says so
+//!   ([`Control::SlotFilled`]); the owner copies the slot to the GPU on a
+//!   stream and, once the copy's event has passed, lends the slot again.
+//!   After the last slice's copy: [`Control::StagedReply`] OK.
+//! - **The requester READs**: the owner copies a slice GPU → slot, and once
+//!   the copy's event passed sends `SlotReady`; the requester RDMA-READs
+//!   the slot and returns the credit ([`Control::SlotDone`]). The
+//!   requester's part ends when every slice arrived (the owner replies
+//!   only to say it failed).
+//! - **Both ends staged** (GPU→GPU without GDR anywhere): the requester's
+//!   side of each slice goes through its own GPU's bounce pool
+//!   ([`super::pipeline`]): device→host copy then WRITE from the pool
+//!   slot, or READ into a pool slot then host→device copy. So the
+//!   requester's copy, the wire and the owner's copy of different slices
+//!   overlap.
+//! - **Fairness, back-pressure**: a peer's slots go round-robin over its
+//!   requests; a request larger than the slots goes in turns; slots of one
+//!   peer are never another's, so peers do not wait on each other.
+//! - **Failures**: a CUDA copy failure at the owner fails its request
+//!   ([`Control::StagedReply`] FAILED); one at the requester, a failed
+//!   RDMA op, the deadline or the peer going fail the request here. A
+//!   requester that gives up waits for its requests in flight to end, then
+//!   tells the owner ([`Control::StagedCancel`]), which takes back every
+//!   slot lent to the request. Each request completes exactly once.
+//!
+//! # Trust
+//!
+//! A peer may be hostile. Its slots are lent to it alone, and the owner
+//! only ever copies between a slot and the GPU range of a request that
+//! peer made and the owner checked against its grant (rights and bounds,
+//! at the request). A peer can write anything into its slots at any time:
+//! what it can corrupt is the data of its own transfers, nothing else. The
+//! owner refuses (the request fails, [`super::staging`]'s `BAD_CREDIT`) a
+//! `SlotFilled` or `SlotDone` naming a slot out of range, one not lent, one
+//! lent to another request, or the wrong direction; so no copy runs from a
+//! slot the owner did not lend for exactly that slice. An unknown request
+//! id is dropped. A peer that never returns a credit holds up only its own
+//! slots. The requester in turn checks each `SlotReady` (slot in range, the
+//! slice inside its request and inside one slot) before touching its
+//! memory.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hal_cuda::{Context as _, Event as _, Stream as _};
+use hal_verbs::Api;
+
+use super::completion::CompletionCell;
+use super::core::Core;
+use super::staging::{self, BAD_CREDIT, FAILED, OK};
+use super::wire::Control;
+use super::{Engine, EngineError, Op, PeerState, Region, State, TransferError};
+use crate::buffer::Buffer;
+use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
+use crate::ladder::Grant;
+
+/// Request ids of this side's slotted rendezvous: a bit no grant id
+/// reaches (the naive path's requests are named by grant ids).
+const ASK_ID_BASE: u64 = 1 << 63;
+
+/// A message of the peer about the requests this side serves, in order.
+#[derive(Debug, Clone, Copy)]
+enum ToOwner {
+    Request(staging::StagedAsk),
+    Filled { id: u64, slot: u32 },
+    Done { id: u64, slot: u32 },
+    Cancel { id: u64 },
+}
+
+/// A message of the peer about this side's requests, in order.
+#[derive(Debug, Clone)]
+enum ToAsker {
+    Slots {
+        slot_len: u64,
+        count: u32,
+        descriptor: Vec<u8>,
+    },
+    Ready {
+        id: u64,
+        offset: u64,
+        len: u64,
+        slot: u32,
+    },
+    Reply {
+        id: u64,
+        status: u32,
+    },
+}
+
+/// Takes a rendezvous message off the wire: `Err` gives it back when it is
+/// none of this module's (the naive path's reply, among others).
+pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
+    peer: &mut PeerState<V, C>,
+    message: Control<'a>,
+) -> Result<(), Control<'a>> {
+    let owner = &mut peer.landing.inbox;
+    let asker = &mut peer.asks.inbox;
+    match message {
+        Control::StagedRequest {
+            id,
+            grant,
+            offset,
+            len,
+            write,
+            slots: true,
+        } => owner.push_back(ToOwner::Request(staging::StagedAsk {
+            id,
+            grant,
+            offset,
+            len,
+            write,
+        })),
+        Control::SlotFilled { id, slot } => owner.push_back(ToOwner::Filled { id, slot }),
+        Control::SlotDone { id, slot } => owner.push_back(ToOwner::Done { id, slot }),
+        Control::StagedCancel { id } => owner.push_back(ToOwner::Cancel { id }),
+        Control::Slots {
+            slot_len,
+            count,
+            descriptor,
+        } => asker.push_back(ToAsker::Slots {
+            slot_len,
+            count,
+            descriptor: descriptor.to_vec(),
+        }),
+        Control::SlotReady {
+            id,
+            offset,
+            len,
+            slot,
+        } => asker.push_back(ToAsker::Ready {
+            id,
+            offset,
+            len,
+            slot,
+        }),
+        Control::StagedReply { id, status } if peer.asks.asking.contains_key(&id) => {
+            asker.push_back(ToAsker::Reply { id, status })
+        }
+        other => return Err(other),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- owner
+
+/// The owner's side of one peer: the landing slots lent to it (made at its
+/// first request) and the requests served through them.
+pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
+    inbox: VecDeque<ToOwner>,
+    slots: Option<Slots<V, C>>,
+    /// Requests served, in arrival order (the slots go round-robin).
+    serving: Vec<Serve<V>>,
+    turn: usize,
+}
+
+impl<V: Api, C: hal_cuda::Api> Default for Landing<V, C> {
+    fn default() -> Self {
+        Self {
+            inbox: VecDeque::new(),
+            slots: None,
+            serving: Vec::new(),
+            turn: 0,
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
+    /// Whether the peer's requests wait for slots not made yet (made
+    /// outside the engine's lock).
+    pub fn wants_slots(&self) -> bool {
+        self.slots.is_none() && self.inbox.iter().any(|m| matches!(m, ToOwner::Request(_)))
+    }
+
+    /// Whether anything waits to be handled.
+    fn is_idle(&self) -> bool {
+        self.inbox.is_empty() && self.serving.is_empty()
+    }
+}
+
+/// Where one landing slot is.
+enum SlotUse<C: hal_cuda::Api> {
+    Free,
+    /// Lent to request `id` for its slice at `offset` (its `SlotReady`
+    /// sent).
+    Lent {
+        id: u64,
+        offset: u64,
+        len: u64,
+    },
+    /// The owner's copy for that slice runs: slot → GPU (the requester
+    /// WRITEs) or GPU → slot (it READs).
+    Copying {
+        id: u64,
+        offset: u64,
+        len: u64,
+        event: C::Event,
+    },
+}
+
+impl<C: hal_cuda::Api> SlotUse<C> {
+    fn request(&self) -> Option<u64> {
+        match self {
+            SlotUse::Free => None,
+            SlotUse::Lent { id, .. } | SlotUse::Copying { id, .. } => Some(*id),
+        }
+    }
+}
+
+/// Pinned host slots registered once and granted to one peer. Field order
+/// is drop order: the copies are waited for, the grant's MRs go, then the
+/// registration, then the memory.
+struct Slots<V: Api, C: hal_cuda::Api> {
+    /// Per GPU: (device→host, host→device) streams.
+    streams: HashMap<u32, (C::Stream, C::Stream)>,
+    slot_len: u64,
+    uses: Vec<SlotUse<C>>,
+    _grants: Vec<Grant<V>>,
+    _region: Region<V>,
+    buffer: Buffer<C>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Drop for Slots<V, C> {
+    fn drop(&mut self) {
+        // Copies into or out of the slots may still run: wait for them
+        // before the memory goes (errors change nothing then).
+        for (to_host, to_device) in self.streams.values() {
+            let _ = to_host.synchronize();
+            let _ = to_device.synchronize();
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Slots<V, C> {
+    fn slot_addr(&self, slot: usize) -> u64 {
+        self.buffer.addr() + slot as u64 * self.slot_len
+    }
+}
+
+/// A request this side serves through a peer's slots.
+struct Serve<V: Api> {
+    id: u64,
+    write: bool,
+    gpu: u32,
+    /// Device address of the request's first byte.
+    gpu_addr: u64,
+    len: u64,
+    /// Next offset to lend a slot for.
+    next: u64,
+    /// Bytes whose owner's part ended.
+    landed: u64,
+    /// Why it failed (a reply status), once it has.
+    failed: Option<u32>,
+    replied: bool,
+    cancelled: bool,
+    /// The staged region (its memory stays while the request runs).
+    _region: Region<V>,
+}
+
+// ------------------------------------------------------------ requester
+
+/// This side's requests through one peer's landing slots.
+pub(super) struct Asks<V: Api, C: hal_cuda::Api> {
+    inbox: VecDeque<ToAsker>,
+    slots: Option<PeerSlots>,
+    asking: HashMap<u64, Asking<V, C>>,
+    next_id: u64,
+}
+
+impl<V: Api, C: hal_cuda::Api> Default for Asks<V, C> {
+    fn default() -> Self {
+        Self {
+            inbox: VecDeque::new(),
+            slots: None,
+            asking: HashMap::new(),
+            next_id: ASK_ID_BASE,
+        }
+    }
+}
+
+/// The peer's landing slots lent to this side.
+struct PeerSlots {
+    descriptor: MemoryDescriptor,
+    slot_len: u64,
+    count: u32,
+}
+
+/// One of this side's requests through the peer's slots.
+struct Asking<V: Api, C: hal_cuda::Api> {
+    write: bool,
+    cell: Arc<CompletionCell>,
+    deadline: Instant,
+    timeout: Duration,
+    local: Region<V>,
+    /// Address of the local range's first byte.
+    local_addr: u64,
+    len: u64,
+    /// The local range is staged: its side of each slice goes through
+    /// this GPU's pool.
+    staged_gpu: Option<u32>,
+    slices: Vec<AskSlice<C>>,
+    done: u64,
+    reply: Option<u32>,
+    error: Option<TransferError>,
+}
+
+/// A slice the owner lent a slot for. Through this side's pool it moves in
+/// chunks of at most a pool slot.
+struct AskSlice<C: hal_cuda::Api> {
+    slot: u32,
+    offset: u64,
+    len: u64,
+    /// Bytes of the slice whose chunk ended.
+    pos: u64,
+    chunk: u64,
+    pool_slot: Option<usize>,
+    stage: AskStage<C>,
+}
+
+enum AskStage<C: hal_cuda::Api> {
+    /// The next chunk waits for a pool slot (or to be posted).
+    Waiting,
+    /// Device→host into the pool slot (a WRITE through the pool).
+    CopyOut(C::Event),
+    Wire(Arc<CompletionCell>),
+    /// Pool slot → device (a READ through the pool).
+    CopyIn(C::Event),
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// Makes the landing slots of every peer whose requests wait for
+    /// them: outside the engine's lock (it allocates and registers).
+    /// Returns how many it made.
+    pub(super) fn make_landings(&self) -> usize {
+        let wanting: Vec<(usize, Option<u32>)> = {
+            let state = crate::sync::lock(&self.shared.state);
+            state
+                .peers
+                .iter()
+                .enumerate()
+                .filter_map(|(slot, p)| {
+                    let p = p.as_ref()?;
+                    if !p.landing.wants_slots() || p.gone.is_some() {
+                        return None;
+                    }
+                    // Pinned with the GPU of the first request's grant.
+                    let gpu = p.landing.inbox.iter().find_map(|m| match m {
+                        ToOwner::Request(ask) => {
+                            match p.served.get(&ask.grant)?.region.location() {
+                                MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
+                                MemoryLocation::Host => None,
+                            }
+                        }
+                        _ => None,
+                    });
+                    Some((slot, gpu))
+                })
+                .collect()
+        };
+        let mut made = 0;
+        for (slot, gpu) in wanting {
+            let peer = super::Peer {
+                engine: self.clone(),
+                slot,
+            };
+            match self.landing_slots(&peer, gpu) {
+                Ok((slots, announce)) => {
+                    let sent = peer.update_peer(|core, p| {
+                        if p.landing.slots.is_some() {
+                            // Another thread's progress made them first.
+                            return Ok(None);
+                        }
+                        let now = self.shared.config.clock.now();
+                        p.landing.slots = Some(slots);
+                        let cell = p.enqueue(&announce.as_control(), now, self.timeout());
+                        p.flush_backlog(core, now);
+                        cell.map(Some)
+                    });
+                    match sent {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) | Err(e) => {
+                            tracing::warn!(error = %e, "announcing landing slots")
+                        }
+                    }
+                    made += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "making landing slots: the requests fail");
+                    let _ = peer.update_peer(|core, p| {
+                        let now = self.shared.config.clock.now();
+                        let asks: Vec<u64> = p
+                            .landing
+                            .inbox
+                            .iter()
+                            .filter_map(|m| match m {
+                                ToOwner::Request(a) => Some(a.id),
+                                _ => None,
+                            })
+                            .collect();
+                        p.landing.inbox.clear();
+                        for id in asks {
+                            let _ = p.enqueue(
+                                &Control::StagedReply { id, status: FAILED },
+                                now,
+                                self.timeout(),
+                            );
+                        }
+                        p.flush_backlog(core, now);
+                    });
+                }
+            }
+        }
+        made
+    }
+
+    fn timeout(&self) -> Duration {
+        self.shared.config.default_timeout
+    }
+
+    /// Allocates, registers and grants (to `peer` only) its landing slots.
+    fn landing_slots(
+        &self,
+        peer: &super::Peer<V, C>,
+        gpu: Option<u32>,
+    ) -> Result<(Slots<V, C>, SlotsAnnounce), EngineError> {
+        let config = &self.shared.config;
+        let slot_len = config
+            .staging_slice
+            .clamp(4096, u64::from(u32::MAX) & !4095);
+        let count = config.rendezvous_slots.clamp(1, u32::MAX as usize);
+        let _span =
+            tracing::debug_span!("landing_slots", peer = peer.slot, count, slot_len).entered();
+        let len = slot_len * count as u64;
+        let pinned = gpu
+            .and_then(|o| self.gpu(o).ok())
+            .and_then(|g| Buffer::alloc_pinned(&g.context, len).ok());
+        let buffer = pinned.unwrap_or_else(|| Buffer::alloc_host(len));
+        let region = self.register(&buffer)?;
+        let (descriptor, grants) = peer.make_grant(&region, 0, len, GrantRights::ReadWrite)?;
+        if grants.is_empty() {
+            return Err(EngineError::Refused(
+                "landing slots on the staging rung".into(),
+            ));
+        }
+        let announce = SlotsAnnounce {
+            slot_len,
+            count: count as u32,
+            descriptor: descriptor.encode()?,
+        };
+        tracing::info!(peer = peer.slot, count, slot_len, "landing slots lent");
+        Ok((
+            Slots {
+                streams: HashMap::new(),
+                slot_len,
+                uses: (0..count).map(|_| SlotUse::Free).collect(),
+                _grants: grants,
+                _region: region,
+                buffer,
+            },
+            announce,
+        ))
+    }
+
+    /// Steps every peer's rendezvous, both sides. Returns how many things
+    /// moved on (a driver counts them as work).
+    pub(super) fn pump_rendezvous(&self, state: &mut State<V, C>, now: Instant) -> usize {
+        let State {
+            core, peers, pools, ..
+        } = state;
+        let mut moved = 0;
+        for peer in peers.iter_mut().flatten() {
+            if !peer.landing.is_idle() {
+                moved += self.pump_landing(peer, now);
+            }
+            if !peer.asks.inbox.is_empty() || !peer.asks.asking.is_empty() {
+                moved += self.pump_asks(core, peer, pools, now);
+            }
+            peer.flush_backlog(core, now);
+        }
+        moved
+    }
+
+    // ------------------------------------------------------------ owner
+
+    fn pump_landing(&self, peer: &mut PeerState<V, C>, now: Instant) -> usize {
+        if peer.gone.is_some() {
+            // Its slots go with it (the copies waited for).
+            peer.landing = Landing::default();
+            return 1;
+        }
+        if peer.landing.slots.is_none() && peer.landing.wants_slots() {
+            // Made outside the lock first.
+            return 0;
+        }
+        let mut moved = 0;
+        let timeout = self.timeout();
+        let mut send = Vec::new();
+        while let Some(message) = peer.landing.inbox.pop_front() {
+            moved += 1;
+            self.owner_message(peer, message, &mut send);
+        }
+        let landing = &mut peer.landing;
+        if let Some(slots) = landing.slots.as_mut() {
+            moved += self.owner_copies_ended(slots, &mut landing.serving, &mut send);
+            moved += self.lend_slots(slots, &mut landing.serving, &mut landing.turn, &mut send);
+        }
+        // Finish: failures answered once; done requests answered (a WRITE)
+        // and dropped; failed ones dropped once no slot is theirs.
+        let uses = landing.slots.as_ref().map(|s| &s.uses);
+        landing.serving.retain_mut(|s| {
+            if let Some(status) = s.failed
+                && !s.replied
+            {
+                s.replied = true;
+                if !s.cancelled {
+                    send.push(Control::StagedReply { id: s.id, status });
+                }
+            }
+            let holds = uses.is_some_and(|u| u.iter().any(|u| u.request() == Some(s.id)));
+            if s.failed.is_none() && s.landed == s.len && !holds {
+                if s.write {
+                    send.push(Control::StagedReply {
+                        id: s.id,
+                        status: OK,
+                    });
+                }
+                return false;
+            }
+            s.failed.is_none() || holds
+        });
+        moved += send.len();
+        for message in send {
+            if let Err(e) = peer.enqueue(&message, now, timeout) {
+                tracing::debug!(error = %e, "a rendezvous message not sent");
+            }
+        }
+        moved
+    }
+
+    /// Handles one message of the peer about the requests served here.
+    fn owner_message(
+        &self,
+        peer: &mut PeerState<V, C>,
+        message: ToOwner,
+        send: &mut Vec<Control<'static>>,
+    ) {
+        let landing = &mut peer.landing;
+        match message {
+            ToOwner::Request(ask) => match self.check_ask(&peer.served, ask) {
+                Ok(serve) if !landing.serving.iter().any(|s| s.id == ask.id) => {
+                    landing.serving.push(serve)
+                }
+                Ok(_) => tracing::warn!(id = ask.id, "a peer repeated a request id: ignored"),
+                Err(status) => send.push(Control::StagedReply { id: ask.id, status }),
+            },
+            ToOwner::Cancel { id } => {
+                if let Some(s) = landing.serving.iter_mut().find(|s| s.id == id) {
+                    s.cancelled = true;
+                    s.failed.get_or_insert(FAILED);
+                }
+                if let Some(slots) = landing.slots.as_mut() {
+                    for u in &mut slots.uses {
+                        if matches!(u, SlotUse::Lent { id: i, .. } if *i == id) {
+                            *u = SlotUse::Free;
+                        }
+                    }
+                }
+            }
+            ToOwner::Filled { id, slot } | ToOwner::Done { id, slot } => {
+                let filled = matches!(message, ToOwner::Filled { .. });
+                let Some(serve) = landing.serving.iter_mut().find(|s| s.id == id) else {
+                    tracing::debug!(id, "a slot credit for no request here: dropped");
+                    return;
+                };
+                let lent =
+                    landing
+                        .slots
+                        .as_mut()
+                        .and_then(|slots| match slots.uses.get(slot as usize) {
+                            Some(&SlotUse::Lent {
+                                id: i, offset, len, ..
+                            }) if i == id && serve.write == filled => Some((slots, offset, len)),
+                            _ => None,
+                        });
+                let Some((slots, offset, len)) = lent else {
+                    tracing::warn!(id, slot, filled, "a slot credit not matching a lent slot");
+                    serve.failed.get_or_insert(BAD_CREDIT);
+                    return;
+                };
+                let slot = slot as usize;
+                if !filled || serve.failed.is_some() {
+                    // Read by the requester (or of a failed request): free.
+                    if !filled {
+                        serve.landed += len;
+                    }
+                    slots.uses[slot] = SlotUse::Free;
+                    return;
+                }
+                // Filled: into the GPU.
+                let dst = serve.gpu_addr + offset;
+                let src = slots.slot_addr(slot);
+                match self.landing_copy(slots, serve.gpu, true, |stream| {
+                    // SAFETY: the slot (gdr's pinned memory, `len` ≤ a slot
+                    // bytes at its address) is this slice's until the copy's
+                    // event has passed; `dst..dst + len` lies in the staged
+                    // grant's range (the request was checked against it and
+                    // `offset + len` ≤ its length by the lending); the
+                    // region is held by the request.
+                    unsafe { stream.copy_host_to_device(dst, src as *const u8, len as usize) }
+                }) {
+                    Ok(event) => {
+                        slots.uses[slot] = SlotUse::Copying {
+                            id,
+                            offset,
+                            len,
+                            event,
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a landing copy to the GPU");
+                        serve.failed.get_or_insert(FAILED);
+                        slots.uses[slot] = SlotUse::Free;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A request checked against the grant it names; `Err`: the status to
+    /// answer.
+    fn check_ask(
+        &self,
+        served: &HashMap<u64, staging::Served<V>>,
+        ask: staging::StagedAsk,
+    ) -> Result<Serve<V>, u32> {
+        let served = served.get(&ask.grant).ok_or(staging::NOT_GRANTED)?;
+        let allowed = if ask.write {
+            served.rights.allows_write()
+        } else {
+            served.rights.allows_read()
+        };
+        if !allowed {
+            return Err(staging::ACCESS_DENIED);
+        }
+        if ask.len == 0
+            || ask
+                .offset
+                .checked_add(ask.len)
+                .is_none_or(|e| e > served.len)
+        {
+            return Err(staging::OUT_OF_BOUNDS);
+        }
+        let MemoryLocation::Gpu { ordinal } = served.region.location() else {
+            return Err(FAILED);
+        };
+        Ok(Serve {
+            id: ask.id,
+            write: ask.write,
+            gpu: u32::from(ordinal),
+            gpu_addr: served.region.inner.addr + served.offset + ask.offset,
+            len: ask.len,
+            next: 0,
+            landed: 0,
+            failed: None,
+            replied: false,
+            cancelled: false,
+            _region: served.region.clone(),
+        })
+    }
+
+    /// Queues a copy for the slots on GPU `gpu`'s stream of that direction
+    /// and returns its event.
+    fn landing_copy(
+        &self,
+        slots: &mut Slots<V, C>,
+        gpu: u32,
+        to_device: bool,
+        copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
+    ) -> Result<C::Event, TransferError> {
+        use std::collections::hash_map::Entry;
+        let streams = match slots.streams.entry(gpu) {
+            Entry::Occupied(s) => s.into_mut(),
+            Entry::Vacant(v) => {
+                let context = &self
+                    .gpu(gpu)
+                    .map_err(|e| TransferError::Local {
+                        what: e.to_string(),
+                    })?
+                    .context;
+                let stream = || {
+                    context.create_stream().map_err(|e| TransferError::Local {
+                        what: format!("a landing stream: {e}"),
+                    })
+                };
+                v.insert((stream()?, stream()?))
+            }
+        };
+        let (stream, what) = if to_device {
+            (&streams.1, "to the GPU")
+        } else {
+            (&streams.0, "to host")
+        };
+        self.copy_event(gpu, stream, what, copy)
+    }
+
+    /// Slots whose copy ended: a WRITE's slice landed (the slot is free),
+    /// a READ's slice is in the slot (lent to the requester).
+    fn owner_copies_ended(
+        &self,
+        slots: &mut Slots<V, C>,
+        serving: &mut [Serve<V>],
+        send: &mut Vec<Control<'static>>,
+    ) -> usize {
+        let mut moved = 0;
+        for (index, u) in slots.uses.iter_mut().enumerate() {
+            let SlotUse::Copying {
+                id,
+                offset,
+                len,
+                event,
+            } = u
+            else {
+                continue;
+            };
+            let ended = event.is_complete();
+            if matches!(ended, Ok(false)) {
+                continue;
+            }
+            moved += 1;
+            let (id, offset, len) = (*id, *offset, *len);
+            let serve = serving.iter_mut().find(|s| s.id == id);
+            *u = SlotUse::Free;
+            let Some(serve) = serve else { continue };
+            if let Err(e) = ended {
+                tracing::warn!(error = %e, id, "a landing copy failed");
+                serve.failed.get_or_insert(FAILED);
+                continue;
+            }
+            if serve.failed.is_some() {
+                continue;
+            }
+            if serve.write {
+                serve.landed += len;
+            } else {
+                *u = SlotUse::Lent { id, offset, len };
+                send.push(Control::SlotReady {
+                    id,
+                    offset,
+                    len,
+                    slot: index as u32,
+                });
+            }
+        }
+        moved
+    }
+
+    /// Lends the free slots round-robin over the requests with slices
+    /// left: a WRITE's slot at once, a READ's once its slice is copied in.
+    fn lend_slots(
+        &self,
+        slots: &mut Slots<V, C>,
+        serving: &mut [Serve<V>],
+        turn: &mut usize,
+        send: &mut Vec<Control<'static>>,
+    ) -> usize {
+        let mut moved = 0;
+        for index in 0..slots.uses.len() {
+            if !matches!(slots.uses[index], SlotUse::Free) {
+                continue;
+            }
+            let n = serving.len();
+            let Some(k) = (0..n).map(|i| (*turn + i) % n).find(|&k| {
+                let s = &serving[k];
+                s.failed.is_none() && s.next < s.len
+            }) else {
+                break;
+            };
+            *turn = (k + 1) % n;
+            let s = &mut serving[k];
+            let (id, offset) = (s.id, s.next);
+            let len = (s.len - offset).min(slots.slot_len);
+            s.next += len;
+            moved += 1;
+            if s.write {
+                slots.uses[index] = SlotUse::Lent { id, offset, len };
+                send.push(Control::SlotReady {
+                    id,
+                    offset,
+                    len,
+                    slot: index as u32,
+                });
+                continue;
+            }
+            let src = s.gpu_addr + offset;
+            let dst = slots.slot_addr(index);
+            match self.landing_copy(slots, s.gpu, false, |stream| {
+                // SAFETY: the slot is free (no peer access lent, no copy
+                // running) and holds `len` ≤ a slot bytes; `src..src +
+                // len` lies in the request's checked range of the staged
+                // region it holds.
+                unsafe { stream.copy_device_to_host(dst as *mut u8, src, len as usize) }
+            }) {
+                Ok(event) => {
+                    slots.uses[index] = SlotUse::Copying {
+                        id,
+                        offset,
+                        len,
+                        event,
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "a landing copy to host");
+                    s.failed.get_or_insert(FAILED);
+                }
+            }
+        }
+        moved
+    }
+
+    // -------------------------------------------------------- requester
+
+    fn pump_asks(
+        &self,
+        core: &mut Core,
+        peer: &mut PeerState<V, C>,
+        pools: &mut HashMap<u32, super::pipeline::StagingPool<V, C>>,
+        now: Instant,
+    ) -> usize {
+        let mut moved = 0;
+        let mut send: Vec<Control<'static>> = Vec::new();
+        while let Some(message) = peer.asks.inbox.pop_front() {
+            moved += 1;
+            let asks = &mut peer.asks;
+            match message {
+                ToAsker::Slots {
+                    slot_len,
+                    count,
+                    descriptor,
+                } => match MemoryDescriptor::decode(&descriptor) {
+                    Ok(d)
+                        if d.owner == peer.engine
+                            && matches!(d.reach, Reach::Direct(_))
+                            && d.rights == GrantRights::ReadWrite
+                            && slot_len.checked_mul(u64::from(count)) == Some(d.len) =>
+                    {
+                        asks.slots = Some(PeerSlots {
+                            descriptor: d,
+                            slot_len,
+                            count,
+                        })
+                    }
+                    _ => tracing::warn!("the peer lent landing slots that do not add up: ignored"),
+                },
+                ToAsker::Reply { id, status } => {
+                    if let Some(a) = asks.asking.get_mut(&id) {
+                        a.reply.get_or_insert(status);
+                    }
+                }
+                ToAsker::Ready {
+                    id,
+                    offset,
+                    len,
+                    slot,
+                } => {
+                    let Some(a) = asks.asking.get_mut(&id) else {
+                        // Crossed our cancel: the owner takes it back.
+                        continue;
+                    };
+                    let fits = asks.slots.as_ref().is_some_and(|s| {
+                        slot < s.count
+                            && len <= s.slot_len
+                            && offset.checked_add(len).is_some_and(|end| end <= a.len)
+                    });
+                    if !fits {
+                        a.error.get_or_insert(TransferError::Local {
+                            what: format!(
+                                "the owner lent slot {slot} for {len} bytes at {offset}, \
+                                 outside the request or its slots"
+                            ),
+                        });
+                        continue;
+                    }
+                    a.slices.push(AskSlice {
+                        slot,
+                        offset,
+                        len,
+                        pos: 0,
+                        chunk: 0,
+                        pool_slot: None,
+                        stage: AskStage::Waiting,
+                    });
+                }
+            }
+        }
+        let gone = peer.gone.clone();
+        let ids: Vec<u64> = peer.asks.asking.keys().copied().collect();
+        for id in ids {
+            let Some(mut a) = peer.asks.asking.remove(&id) else {
+                continue;
+            };
+            if let Some(why) = &gone {
+                a.error.get_or_insert(TransferError::PeerGone {
+                    reason: why.clone(),
+                });
+            }
+            if now >= a.deadline {
+                a.error
+                    .get_or_insert(TransferError::Timeout { after: a.timeout });
+            }
+            if let Some(status) = a.reply.filter(|&s| s != OK) {
+                a.error.get_or_insert_with(|| {
+                    staging::reply_outcome(status).expect_err("a failure status")
+                });
+            }
+            moved += self.advance_ask(core, peer, pools, id, &mut a, &mut send);
+            let finished = a.slices.is_empty()
+                && (a.error.is_some()
+                    || (a.write && a.reply.is_some())
+                    || (!a.write && a.done == a.len));
+            if !finished {
+                peer.asks.asking.insert(id, a);
+                continue;
+            }
+            moved += 1;
+            let outcome = match a.error.take() {
+                Some(e) => {
+                    if gone.is_none() {
+                        send.push(Control::StagedCancel { id });
+                    }
+                    Err(e)
+                }
+                None if a.done == a.len => Ok(()),
+                None => Err(TransferError::Local {
+                    what: "the owner ended the request before every slice".into(),
+                }),
+            };
+            a.cell.complete(outcome);
+        }
+        let timeout = self.timeout();
+        for message in send {
+            if let Err(e) = peer.enqueue(&message, now, timeout) {
+                tracing::debug!(error = %e, "a rendezvous message not sent");
+            }
+        }
+        moved
+    }
+
+    /// Moves each slice of request `a` as far as it can go now.
+    fn advance_ask(
+        &self,
+        core: &mut Core,
+        peer: &PeerState<V, C>,
+        pools: &mut HashMap<u32, super::pipeline::StagingPool<V, C>>,
+        id: u64,
+        a: &mut Asking<V, C>,
+        send: &mut Vec<Control<'static>>,
+    ) -> usize {
+        let Some(slots) = peer.asks.slots.as_ref() else {
+            return 0;
+        };
+        let mut pool = match a.staged_gpu {
+            Some(gpu) => match self.pool(pools, gpu) {
+                Ok(pool) => Some(pool),
+                Err(e) => {
+                    a.error.get_or_insert(TransferError::Local {
+                        what: format!("the staging pool: {e}"),
+                    });
+                    None
+                }
+            },
+            None => None,
+        };
+        let op = if a.write { Op::Write } else { Op::Read };
+        let window = (a.deadline, a.timeout);
+        let mut moved = 0;
+        let mut index = 0;
+        while index < a.slices.len() {
+            let slice = &mut a.slices[index];
+            let remote_at = u64::from(slice.slot) * slots.slot_len + slice.pos;
+            // What this step did: `None` nothing; `Some(Ok(()))` the slice
+            // moved on; `Some(Err(e))` it ends (`e`: why it failed).
+            let mut step: Option<Result<(), Option<TransferError>>> = None;
+            match &slice.stage {
+                AskStage::Waiting if a.error.is_some() => step = Some(Err(None)),
+                AskStage::Waiting => match pool.as_deref_mut() {
+                    None => {
+                        // Direct: the whole slice in one RDMA op.
+                        slice.chunk = slice.len;
+                        let local_addr = a.local_addr + slice.offset;
+                        step = Some(
+                            self.post_rdma(
+                                core,
+                                peer,
+                                a.staged_gpu,
+                                slice.slot as usize,
+                                op,
+                                &slots.descriptor,
+                                remote_at,
+                                &a.local,
+                                local_addr,
+                                slice.len,
+                                window,
+                            )
+                            .map(|cell| slice.stage = AskStage::Wire(cell)),
+                        );
+                    }
+                    Some(pool) => {
+                        if let Some(pool_slot) = pool.free.pop() {
+                            slice.pool_slot = Some(pool_slot);
+                            slice.chunk = (slice.len - slice.pos).min(pool.slot_size);
+                            let gpu_addr = a.local_addr + slice.offset + slice.pos;
+                            let at = pool.slot_addr(pool_slot);
+                            let chunk = slice.chunk;
+                            step = Some(if a.write {
+                                self.copy_event(pool.gpu, &pool.to_host, "to host", |stream| {
+                                    // SAFETY: the pool slot is this chunk's
+                                    // until freed (after its WRITE); the
+                                    // source lies in the request's checked
+                                    // local range (the slice is inside the
+                                    // request), held by it.
+                                    unsafe {
+                                        stream.copy_device_to_host(
+                                            at as *mut u8,
+                                            gpu_addr,
+                                            chunk as usize,
+                                        )
+                                    }
+                                })
+                                .map(|event| slice.stage = AskStage::CopyOut(event))
+                                .map_err(Some)
+                            } else {
+                                self.post_rdma(
+                                    core,
+                                    peer,
+                                    Some(pool.gpu),
+                                    pool_slot,
+                                    Op::Read,
+                                    &slots.descriptor,
+                                    remote_at,
+                                    &pool.region,
+                                    at,
+                                    chunk,
+                                    window,
+                                )
+                                .map(|cell| slice.stage = AskStage::Wire(cell))
+                            });
+                        }
+                    }
+                },
+                AskStage::CopyOut(event) => match event.is_complete() {
+                    Ok(false) => {}
+                    Ok(true) if a.error.is_some() => step = Some(Err(None)),
+                    Ok(true) => {
+                        let pool = pool.as_deref().expect("a pool slot has its pool");
+                        let at = pool.slot_addr(slice.pool_slot.expect("a pool slot"));
+                        step = Some(
+                            self.post_rdma(
+                                core,
+                                peer,
+                                Some(pool.gpu),
+                                slice.slot as usize,
+                                Op::Write,
+                                &slots.descriptor,
+                                remote_at,
+                                &pool.region,
+                                at,
+                                slice.chunk,
+                                window,
+                            )
+                            .map(|cell| slice.stage = AskStage::Wire(cell)),
+                        );
+                    }
+                    Err(e) => {
+                        step = Some(Err(Some(TransferError::Local {
+                            what: format!("staging copy to host: {e}"),
+                        })))
+                    }
+                },
+                AskStage::Wire(cell) => match cell.outcome() {
+                    None => {}
+                    Some(Err(e)) => step = Some(Err(Some(e))),
+                    Some(Ok(())) => {
+                        let last = slice.pos + slice.chunk == slice.len;
+                        if !a.write && last {
+                            // Read whole: the owner's slot is free again.
+                            send.push(Control::SlotDone {
+                                id,
+                                slot: slice.slot,
+                            });
+                        }
+                        let through_pool = pool.is_some() && !a.write && a.error.is_none();
+                        match pool.as_deref() {
+                            Some(pool) if through_pool => {
+                                let pool_slot = slice.pool_slot.expect("a pool slot");
+                                let from = pool.slot_addr(pool_slot);
+                                let dst = a.local_addr + slice.offset + slice.pos;
+                                let chunk = slice.chunk;
+                                step = Some(
+                                    self.copy_event(
+                                        pool.gpu,
+                                        &pool.to_device,
+                                        "to the GPU",
+                                        |stream| {
+                                            // SAFETY: the READ into the
+                                            // pool slot completed and the
+                                            // slot stays this chunk's until
+                                            // the copy's event passed; the
+                                            // destination lies in the
+                                            // request's checked local range.
+                                            unsafe {
+                                                stream.copy_host_to_device(
+                                                    dst,
+                                                    from as *const u8,
+                                                    chunk as usize,
+                                                )
+                                            }
+                                        },
+                                    )
+                                    .map(|event| slice.stage = AskStage::CopyIn(event))
+                                    .map_err(Some),
+                                );
+                            }
+                            _ => {
+                                if a.write && last {
+                                    send.push(Control::SlotFilled {
+                                        id,
+                                        slot: slice.slot,
+                                    });
+                                }
+                                step = Some(Self::chunk_done(slice, pool.as_deref_mut()));
+                            }
+                        }
+                    }
+                },
+                AskStage::CopyIn(event) => match event.is_complete() {
+                    Ok(false) => {}
+                    Ok(true) => step = Some(Self::chunk_done(slice, pool.as_deref_mut())),
+                    Err(e) => {
+                        step = Some(Err(Some(TransferError::Local {
+                            what: format!("staging copy to the GPU: {e}"),
+                        })))
+                    }
+                },
+            }
+            match step {
+                None => index += 1,
+                Some(Ok(())) => {
+                    moved += 1;
+                    index += 1;
+                }
+                Some(Err(e)) => {
+                    moved += 1;
+                    let slice = a.slices.remove(index);
+                    if let (Some(pool), Some(s)) = (pool.as_deref_mut(), slice.pool_slot) {
+                        pool.free.push(s);
+                    }
+                    if slice.pos == slice.len {
+                        a.done += slice.len;
+                    }
+                    if let Some(e) = e {
+                        a.error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        moved
+    }
+
+    /// A chunk of `slice` ended: its pool slot is free; `Err(None)` when
+    /// it was the slice's last (the slice is done).
+    fn chunk_done(
+        slice: &mut AskSlice<C>,
+        pool: Option<&mut super::pipeline::StagingPool<V, C>>,
+    ) -> Result<(), Option<TransferError>> {
+        if let (Some(pool), Some(s)) = (pool, slice.pool_slot.take()) {
+            pool.free.push(s);
+        }
+        slice.pos += slice.chunk;
+        if slice.pos == slice.len {
+            return Err(None);
+        }
+        slice.stage = AskStage::Waiting;
+        Ok(())
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> super::Peer<V, C> {
+    /// Asks the owner of staged grant `t.remote` to move `t` through the
+    /// landing slots it lends this side; the returned cell ends with the
+    /// request.
+    pub(super) fn ask_slots(
+        &self,
+        t: &super::Transfer<'_, V>,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        let staged_gpu = match (t.local.is_staged(), t.local.location()) {
+            (false, _) => None,
+            (true, MemoryLocation::Gpu { ordinal }) => Some(u32::from(ordinal)),
+            (true, MemoryLocation::Host) => {
+                return Err(EngineError::Refused(
+                    "host memory on the staging rung".into(),
+                ));
+            }
+        };
+        let config = &self.engine.shared.config;
+        let cell = Arc::new(CompletionCell::new());
+        self.update_peer(|core, peer| -> Result<(), EngineError> {
+            let now = config.clock.now();
+            let id = peer.asks.next_id + 1;
+            let _span = tracing::debug_span!("ask_slots", id, len = t.len).entered();
+            peer.enqueue(
+                &Control::StagedRequest {
+                    id,
+                    grant: t.remote.grant,
+                    offset: t.remote_offset,
+                    len: t.len,
+                    write: t.op == Op::Write,
+                    slots: true,
+                },
+                now,
+                timeout,
+            )?;
+            peer.asks.next_id = id;
+            peer.asks.asking.insert(
+                id,
+                Asking {
+                    write: t.op == Op::Write,
+                    cell: Arc::clone(&cell),
+                    deadline: now + timeout,
+                    timeout,
+                    local: t.local.clone(),
+                    local_addr: t.local.inner.addr + t.local_offset,
+                    len: t.len,
+                    staged_gpu,
+                    slices: Vec::new(),
+                    done: 0,
+                    reply: None,
+                    error: None,
+                },
+            );
+            peer.flush_backlog(core, now);
+            Ok(())
+        })??;
+        Ok(cell)
+    }
+
+    /// Sends any control message, as a peer of the engine's could: for
+    /// tests of the engine's defences against a hostile peer (a forged
+    /// slot credit, an unknown request). Not for applications.
+    #[doc(hidden)]
+    pub fn send_raw_control(
+        &self,
+        message: &Control<'_>,
+    ) -> Result<super::Batch<V, C>, EngineError> {
+        self.send_control(message)
+    }
+}
+
+/// The announcement of a peer's landing slots.
+struct SlotsAnnounce {
+    slot_len: u64,
+    count: u32,
+    descriptor: Vec<u8>,
+}
+
+impl SlotsAnnounce {
+    fn as_control(&self) -> Control<'_> {
+        Control::Slots {
+            slot_len: self.slot_len,
+            count: self.count,
+            descriptor: &self.descriptor,
+        }
+    }
+}
