@@ -500,6 +500,10 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             operation: "mmap",
             errno: e.raw_os_error().unwrap_or(libc::ENOMEM),
         })?;
+        // cuMemHostAlloc does not zero what it returns (the driver recycles
+        // freed pinned memory): neither does the sim, so code that relies on
+        // zeroed pinned memory fails here as it would there.
+        map.fill(NOT_ZEROED);
         let ptr = map.as_mut_ptr();
         lock(&self.process.pinned).insert(ptr as u64, (len, memory::next_buffer_id()));
         Ok(SimPinnedHostMemory {
@@ -1059,7 +1063,10 @@ fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
                 }
             }
             Work::WaitValue { at, value } => {
-                if word(&at).load(Ordering::Acquire) < value {
+                // CUDA's GEQ: `(int32_t)(*addr - value) >= 0`, a wrapping
+                // comparison (a word far "below" the value passes).
+                let now = word(&at).load(Ordering::Acquire);
+                if (now.wrapping_sub(value) as i32) < 0 {
                     q.pending.push_front((seq, Work::WaitValue { at, value }));
                     return;
                 }
@@ -1069,6 +1076,10 @@ fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
         q.completed = seq;
     }
 }
+
+/// What a new pinned allocation holds: not zero (see `alloc_pinned`); as a
+/// 32-bit word, "ahead" of small values by CUDA's wrapping comparison.
+const NOT_ZEROED: u8 = 0x3c;
 
 /// A simulated stream.
 #[derive(Debug)]

@@ -209,10 +209,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     EngineError::Unavailable("no GPU for the stream fence page".into())
                 })?;
             let buffer = Buffer::alloc_pinned(context, (WORDS * 4) as u64)?;
-            state.fence_words = Some(FenceWords {
+            let words = FenceWords {
                 buffer: std::mem::ManuallyDrop::new(buffer),
                 book: WordBook::new(WORDS),
-            });
+            };
+            // Pinned memory comes back from the driver as it was left (a
+            // recycled page may hold anything): every word starts at 0, the
+            // value no wait or gate waits for, before any stream sees it.
+            for index in 0..WORDS {
+                words.word(index).store(0, Ordering::Release);
+            }
+            state.fence_words = Some(words);
         }
         Ok(state.fence_words.as_mut().expect("just made"))
     }
