@@ -3,13 +3,15 @@
 # Idempotent: a second run installs nothing.
 #  - cmake, clang, libclang-dev: rdma-mummy-sys builds its loader shim with
 #    cmake and runs bindgen at build time;
+#  - gcc (with its ASan and UBSan runtimes), Valgrind and python3: the C
+#    ABI's tests (scripts/c-tests.sh);
 #  - rustfmt and clippy, where rustup lacks them;
 #  - the SoftRoCE VM (softroce/setup.sh): QEMU, rdma-core's libraries and
 #    tools, a Debian kernel and the guest initramfs.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export DEBIAN_FRONTEND=noninteractive
-PKGS="cmake clang libclang-dev pkg-config"
+PKGS="cmake clang libclang-dev pkg-config gcc valgrind python3"
 MISSING=
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || MISSING="$MISSING $p"

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The whole test suite, from a fresh machine: set-up, then
 #   1. every test on the host (simulation always; SoftRoCE and GPU tests skip
-#      here with a printed reason);
+#      here with a printed reason), then the C ABI's C tests (scripts/c-tests.sh);
 #   2. the SoftRoCE harness self-test;
 #   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
 #      guest with rxe0, as cargo's runner); rdma_cm between two guests; the
@@ -20,6 +20,8 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 failed=0
 stage setup "$ROOT/scripts/setup.sh" || exit 1
 stage host-tests cargo test --workspace || failed=1
+# The C ABI from C: gcc's ASan + UBSan on the C side, Valgrind on the Rust side.
+stage c-abi "$ROOT/scripts/c-tests.sh" || failed=1
 stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
 # Build on the host, run inside the guest: the runner boots one VM per binary.
 rxe_tests=()

@@ -157,7 +157,7 @@ typedef struct gdr_buffer {
   uint64_t id;
 } gdr_buffer;
 
-// What [`gdr_buffer_info`] reports.
+// What [`gdr_buffer_get_info`] reports.
 typedef struct gdr_buffer_info {
   // First byte (a device address for GPU memory).
   uint64_t addr;
@@ -247,7 +247,7 @@ gdr_result gdr_path_rung(struct gdr_context context,
 //
 // # Safety
 // `available` valid for a write.
-gdr_result gdr_gdr_available(struct gdr_context context, bool *available);
+gdr_result gdr_gpudirect_available(struct gdr_context context, bool *available);
 
 // Allocates `size` bytes of `memory` (host, pinned host, or device
 // memory of GPU `device`; `device` is ignored for host memory) and writes
@@ -296,7 +296,7 @@ gdr_result gdr_buffer_export_uri(struct gdr_buffer buffer, char *buf, size_t len
 //
 // # Safety
 // `info` valid for a write.
-gdr_result gdr_buffer_info(struct gdr_buffer buffer, struct gdr_buffer_info *info);
+gdr_result gdr_buffer_get_info(struct gdr_buffer buffer, struct gdr_buffer_info *info);
 
 // Frees a buffer: memory gdr allocated is freed once nothing registered
 // uses it; for wrapped memory this waits (a bounded time) until no memory

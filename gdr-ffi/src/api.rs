@@ -79,7 +79,7 @@ pub enum GdrRung {
     Staging = 2,
 }
 
-/// What [`gdr_buffer_info`] reports.
+/// What [`gdr_buffer_get_info`] reports.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GdrBufferInfo {
@@ -340,7 +340,10 @@ pub unsafe extern "C" fn gdr_path_rung(
 /// # Safety
 /// `available` valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gdr_gdr_available(context: GdrContext, available: *mut bool) -> GdrResult {
+pub unsafe extern "C" fn gdr_gpudirect_available(
+    context: GdrContext,
+    available: *mut bool,
+) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("available", available)?;
         let context = self::context(context)?;
@@ -471,7 +474,10 @@ pub unsafe extern "C" fn gdr_buffer_export_uri(
 /// # Safety
 /// `info` valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gdr_buffer_info(buffer: GdrBuffer, info: *mut GdrBufferInfo) -> GdrResult {
+pub unsafe extern "C" fn gdr_buffer_get_info(
+    buffer: GdrBuffer,
+    info: *mut GdrBufferInfo,
+) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("info", info)?;
         let facts = self::buffer(buffer)?.with(|backend, b| backend.facts(b))?;

@@ -1,0 +1,33 @@
+#!/bin/bash
+# c-tests.sh: the C ABI from C. Builds libgdr (gdr-ffi) and, against
+# include/gdr.h, tests/c/abi.c (buffers, URIs between two contexts, every
+# promised refusal, a second dlopen'ed copy of the library) and hostile.c
+# (generated from gdr.h: every export fed zero, NULL, freed and short
+# arguments). Each runs twice: built with gcc's AddressSanitizer and UBSan,
+# and without them under Valgrind (the Rust side's memory checked there).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT="$ROOT/target/c-tests"
+LIB="$ROOT/target/debug"
+mkdir -p "$OUT"
+cargo build -p gdr-ffi
+python3 gdr-ffi/tests/c/gen_hostile.py gdr-ffi/include/gdr.h "$OUT/hostile.c"
+# A second file of the same library: dlopen loads it as another instance.
+cp "$LIB/libgdr.so" "$OUT/libgdr-copy.so"
+CFLAGS=(-std=c11 -Wall -Wextra -Werror -g -I gdr-ffi/include)
+LINK=(-L "$LIB" -lgdr -ldl -Wl,-rpath,"$LIB")
+failed=0
+for test in abi hostile; do
+  src="gdr-ffi/tests/c/$test.c"
+  [ "$test" = hostile ] && src="$OUT/hostile.c"
+  gcc "${CFLAGS[@]}" -fsanitize=address,undefined -fno-omit-frame-pointer \
+    -fno-sanitize-recover=undefined "$src" "${LINK[@]}" -o "$OUT/$test-asan"
+  gcc "${CFLAGS[@]}" "$src" "${LINK[@]}" -o "$OUT/$test"
+  echo "== $test (gcc ASan + UBSan)"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 "$OUT/$test-asan" "$OUT/libgdr-copy.so" || failed=1
+  echo "== $test (Valgrind memcheck)"
+  valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite --show-possibly-lost=no \
+    "$OUT/$test" "$OUT/libgdr-copy.so" || failed=1
+done
+exit $failed
