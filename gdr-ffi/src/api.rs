@@ -1,5 +1,5 @@
 //! The exported functions and the C types they take. Every function returns
-//! a [`GdrResult`], runs behind [`ffi_boundary!`], checks every pointer and
+//! a [`GdrResult`], runs behind the panic boundary (`ffi_boundary!`), checks every pointer and
 //! handle it is given, and writes its outputs only on success. Thread
 //! safety is stated per function; "any thread" means concurrent calls on
 //! the same handles are safe.
