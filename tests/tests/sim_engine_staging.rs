@@ -556,3 +556,50 @@ fn the_owner_refuses_forged_slot_credits() {
         .unwrap();
     assert!(w.b.bytes(&dst_buf) == pattern(4096, 6), "served on");
 }
+
+/// Cancelling a batch reaches its staged parts: a WRITE through the
+/// owner's landing slots and a WRITE of this side's staged GPU memory
+/// through its pool, both held on the paused fabric, end `Cancelled`
+/// exactly once after the fabric resumes (their slices in flight drained);
+/// the slots and the pool serve the next transfers.
+#[test]
+fn a_cancelled_batch_cancels_its_staged_parts() {
+    const LEN: u64 = 6 * 4096;
+    let w = slots_world();
+    let (_s, src) = w.a.alloc(Kind::Host, LEN, 5);
+    let (_gs, gpu_src) = w.a.alloc(Kind::Gpu, LEN, 6);
+    let (dst_buf, dst) = w.b.alloc(Kind::Gpu, LEN, 0);
+    let (host_buf, host_dst) = w.b.alloc(Kind::Host, LEN, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
+    let (_h, to_host) = w.b_grants(&host_dst, GrantRights::Write);
+    w.fabric().set_paused(true);
+    let through_slots =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
+            .unwrap();
+    let through_pool =
+        w.ab.submit(&[Transfer::write(&gpu_src, 0, &to_host, 0, LEN)])
+            .unwrap();
+    through_slots.cancel();
+    through_pool.cancel();
+    w.fabric().set_paused(false);
+    for (what, batch) in [("slots", &through_slots), ("pool", &through_pool)] {
+        let outcome = batch.wait(T);
+        assert_eq!(outcome, Err(TransferError::Cancelled), "{what}");
+        assert_eq!(batch.wait(T), outcome, "{what}: the outcome stays");
+    }
+    w.ab.submit(&[
+        Transfer::write(&src, 0, &remote, 0, LEN),
+        Transfer::write(&gpu_src, 0, &to_host, 0, LEN),
+    ])
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    assert!(
+        w.b.bytes(&dst_buf) == pattern(LEN as usize, 5),
+        "slots serve on"
+    );
+    assert!(
+        w.b.bytes(&host_buf) == pattern(LEN as usize, 6),
+        "the pool serves on"
+    );
+}

@@ -2849,6 +2849,13 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             Some(id) => lock(&self.engine.shared.state).core.cancel(id),
             None => self.engine.cancel_peer_copy(&self.cell),
         }
+        if !self.parts.is_empty() {
+            // The staged parts: pipelines and requests through a peer's
+            // landing slots (the naive rendezvous ends by its reply).
+            let mut state = lock(&self.engine.shared.state);
+            Engine::cancel_pipes(&mut state, &self.parts);
+            Engine::cancel_asks(&mut state, &self.parts);
+        }
     }
 
     /// The completion cell (for a driver that waits elsewhere).

@@ -136,6 +136,17 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// Cancels the pipes whose outcome goes to one of `cells`: no new slice
+    /// starts; each ends [`TransferError::Cancelled`] once its slices in
+    /// flight have drained.
+    pub(super) fn cancel_pipes(state: &mut super::State<V, C>, cells: &[Arc<CompletionCell>]) {
+        for pipe in state.pipes.iter_mut() {
+            if cells.iter().any(|c| Arc::ptr_eq(c, &pipe.cell)) {
+                pipe.fail(TransferError::Cancelled);
+            }
+        }
+    }
+
     /// The pool of GPU `gpu`, made (allocated, pinned, registered on every
     /// NIC) at its first use.
     pub(super) fn pool<'p>(

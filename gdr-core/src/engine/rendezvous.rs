@@ -477,6 +477,20 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         ))
     }
 
+    /// Cancels this side's requests through a peer's landing slots whose
+    /// outcome goes to one of `cells`: no new slice starts; each ends
+    /// [`TransferError::Cancelled`] once its slices in flight have drained,
+    /// and the owner is told to take its slots back ([`Control::StagedCancel`]).
+    pub(super) fn cancel_asks(state: &mut State<V, C>, cells: &[Arc<CompletionCell>]) {
+        for peer in state.peers.iter_mut().flatten() {
+            for ask in peer.asks.asking.values_mut() {
+                if cells.iter().any(|c| Arc::ptr_eq(c, &ask.cell)) {
+                    ask.error.get_or_insert(TransferError::Cancelled);
+                }
+            }
+        }
+    }
+
     /// Steps every peer's rendezvous, both sides. Returns how many things
     /// moved on (a driver counts them as work).
     pub(super) fn pump_rendezvous(&self, state: &mut State<V, C>, now: Instant) -> usize {
