@@ -1238,18 +1238,7 @@ impl<V: Api, C: hal_cuda::Api> super::Peer<V, C> {
             let now = config.clock.now();
             let id = peer.asks.next_id + 1;
             let _span = tracing::debug_span!("ask_slots", id, len = t.len).entered();
-            peer.enqueue(
-                &Control::StagedRequest {
-                    id,
-                    grant: t.remote.grant,
-                    offset: t.remote_offset,
-                    len: t.len,
-                    write: t.op == Op::Write,
-                    slots: true,
-                },
-                now,
-                timeout,
-            )?;
+            peer.enqueue(&staging::staged_request(id, t, true), now, timeout)?;
             peer.asks.next_id = id;
             peer.asks.asking.insert(
                 id,

@@ -76,6 +76,23 @@ pub(super) const FAILED: u32 = 4;
 /// breaks the protocol).
 pub(super) const BAD_CREDIT: u32 = 5;
 
+/// The rendezvous request for transfer `t` (through the owner's landing
+/// slots when `slots`, else against our temporary grant `id`).
+pub(super) fn staged_request<V: Api>(
+    id: u64,
+    t: &Transfer<'_, V>,
+    slots: bool,
+) -> Control<'static> {
+    Control::StagedRequest {
+        id,
+        grant: t.remote.grant,
+        offset: t.remote_offset,
+        len: t.len,
+        write: t.op == Op::Write,
+        slots,
+    }
+}
+
 /// What a reply's status means for the requester.
 pub(super) fn reply_outcome(status: u32) -> Outcome {
     let what = match status {
@@ -591,18 +608,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 now,
                 timeout,
             )?;
-            peer.enqueue(
-                &Control::StagedRequest {
-                    id,
-                    grant: t.remote.grant,
-                    offset: t.remote_offset,
-                    len: t.len,
-                    write: t.op == Op::Write,
-                    slots: false,
-                },
-                now,
-                timeout,
-            )?;
+            peer.enqueue(&staged_request(id, t, false), now, timeout)?;
             peer.rendezvous.insert(
                 id,
                 Rendezvous {
