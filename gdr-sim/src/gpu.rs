@@ -1598,3 +1598,55 @@ impl Drop for SimVirtualMapping {
         memory::unmap(self.range.base);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use hal_cuda::{Context, DeviceMemory, Driver};
+
+    use super::*;
+
+    /// The handle of a fresh allocation (kept alive by the returned memory).
+    fn exported(len: usize) -> (SimDeviceMemory, SimIpcHandle) {
+        let driver = SimCuda::new(vec![GpuConfig::default()], FaultPlan::new());
+        let ctx = driver.context(0).unwrap();
+        let mem = ctx.alloc(len).unwrap();
+        let handle = SimIpcHandle::decode(&ctx.ipc_export(mem.device_ptr()).unwrap()).unwrap();
+        (mem, handle)
+    }
+
+    #[test]
+    fn handle_round_trips_and_names_the_export_fd() {
+        let (mem, handle) = exported(8192);
+        assert_eq!(SimIpcHandle::decode(&handle.encode()), Some(handle));
+        assert_eq!(handle.os_pid, std::process::id());
+        assert_eq!(handle.len, 8192);
+        assert_eq!(handle.tag, mem.range.backing.tag());
+        // Reopened as another OS process would (through /proc), the same bytes.
+        let adopted = open_foreign(&handle).unwrap();
+        // SAFETY: both mappings are 8192 bytes long and live here.
+        unsafe { mem.range.backing.as_ptr().add(100).write(0xab) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { adopted.as_ptr().add(100).read() }, 0xab);
+    }
+
+    #[test]
+    fn foreign_open_checks_size_and_liveness() {
+        let (mem, handle) = exported(8192);
+        let wrong_size = SimIpcHandle {
+            len: 4096,
+            ..handle
+        };
+        let err = open_foreign(&wrong_size).unwrap_err();
+        assert!(err.contains("holds 8192 bytes"), "{err}");
+        drop(mem);
+        // The export fd is closed (or its number reused by another file).
+        let err = open_foreign(&handle).unwrap_err();
+        assert!(err.contains("freed"), "{err}");
+        let closed = SimIpcHandle {
+            fd: i32::MAX,
+            ..handle
+        };
+        let err = open_foreign(&closed).unwrap_err();
+        assert!(err.contains("cannot open"), "{err}");
+    }
+}
