@@ -6,6 +6,20 @@
 //! memfd, so a dma-buf MR sees the same bytes; IPC handles name the
 //! allocation and another simulated process maps the same memfd again.
 //!
+//! IPC across OS processes: a handle carries the exporter's OS pid and the
+//! number of an fd it keeps open on the allocation's memfd until the
+//! allocation is freed, with the allocation's size and the random tag in the
+//! memfd's name. Another simulated process of the same OS process finds the
+//! allocation in an in-process table (the exporting simulated process itself
+//! is refused, as CUDA refuses); another OS process reopens
+//! `/proc/<pid>/fd/<fd>`, checks the name and size, and maps it as a mapping
+//! of its own. Limits of the simulation: both processes run as the same user
+//! (the kernel's ptrace read check on `/proc/<pid>/fd`, so a setuid or
+//! non-dumpable exporter cannot be opened either), `/proc` is mounted, and
+//! the exporter is alive while the handle is opened (an open mapping outlives
+//! it, as the memfd does). A handle of a freed allocation, or one whose fd
+//! number was since reused for another file, fails with `InvalidArgument`.
+//!
 //! Streams queue their copies; work runs when the stream or an event is
 //! synchronized, or queried while the GPU is not [`SimCuda::set_paused`]. So
 //! nothing moves behind a test's back, and "in flight" can be observed.
@@ -28,6 +42,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, Weak};
 
@@ -111,8 +126,74 @@ struct SimGpu {
 }
 
 /// The allocations that IPC handles can name, by buffer id.
-static IPC_EXPORTS: LazyLock<Mutex<HashMap<u64, Weak<DeviceRange>>>> =
-    LazyLock::new(Default::default);
+static IPC_EXPORTS: LazyLock<Mutex<HashMap<u64, IpcExport>>> = LazyLock::new(Default::default);
+
+/// One exported allocation.
+#[derive(Debug)]
+struct IpcExport {
+    range: Weak<DeviceRange>,
+    /// A duplicate of the backing's memfd, the one handles name for other OS
+    /// processes (through `/proc/<pid>/fd/<fd>`). It is closed when the
+    /// allocation is freed, even while other holders (a queued copy, an MR,
+    /// an IPC mapping) keep the backing itself open, so a handle to freed
+    /// memory no longer opens.
+    fd: OwnedFd,
+}
+
+/// What a simulated IPC handle's 64 bytes hold (little-endian).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SimIpcHandle {
+    /// Bytes 8..16: the allocation's buffer id.
+    buffer_id: u64,
+    /// Bytes 16..24: the exporting simulated process.
+    exporter: u64,
+    /// Bytes 24..28: the exporting OS process.
+    os_pid: u32,
+    /// Bytes 28..32: the [`IpcExport::fd`] in that process.
+    fd: i32,
+    /// Bytes 32..40: the allocation's size.
+    len: u64,
+    /// Bytes 40..48: the backing's tag ([`Backing::tag`]).
+    tag: u64,
+    /// Bytes 48..52: the GPU ordinal it lives on (52..64 are zero).
+    ordinal: u32,
+}
+
+/// Bytes 0..8 of a simulated IPC handle.
+const IPC_MAGIC: &[u8; 8] = b"gdrsimIP";
+
+impl SimIpcHandle {
+    fn encode(&self) -> IpcMemHandle {
+        let mut bytes = [0u8; 64];
+        bytes[..8].copy_from_slice(IPC_MAGIC);
+        bytes[8..16].copy_from_slice(&self.buffer_id.to_le_bytes());
+        bytes[16..24].copy_from_slice(&self.exporter.to_le_bytes());
+        bytes[24..28].copy_from_slice(&self.os_pid.to_le_bytes());
+        bytes[28..32].copy_from_slice(&self.fd.to_le_bytes());
+        bytes[32..40].copy_from_slice(&self.len.to_le_bytes());
+        bytes[40..48].copy_from_slice(&self.tag.to_le_bytes());
+        bytes[48..52].copy_from_slice(&self.ordinal.to_le_bytes());
+        IpcMemHandle(bytes)
+    }
+
+    fn decode(handle: &IpcMemHandle) -> Option<Self> {
+        let bytes = &handle.0;
+        let u64_at = |i: usize| Some(u64::from_le_bytes(bytes[i..i + 8].try_into().ok()?));
+        let u32_at = |i: usize| Some(u32::from_le_bytes(bytes[i..i + 4].try_into().ok()?));
+        if &bytes[..8] != IPC_MAGIC || bytes[52..].iter().any(|&b| b != 0) {
+            return None;
+        }
+        Some(Self {
+            buffer_id: u64_at(8)?,
+            exporter: u64_at(16)?,
+            os_pid: u32_at(24)?,
+            fd: i32::from_le_bytes(bytes[28..32].try_into().ok()?),
+            len: u64_at(32)?,
+            tag: u64_at(40)?,
+            ordinal: u32_at(48)?,
+        })
+    }
+}
 
 /// Where each exported dma-buf fd starts inside its memfd, keyed by fd number
 /// and checked by inode: a real dma-buf of a sub-range begins at that
@@ -672,68 +753,116 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle> {
-        check_alive(&self.gpu, "cuIpcGetMemHandle")?;
-        let range = memory::lookup(addr).ok_or_else(|| {
-            CudaError::invalid(
-                "cuIpcGetMemHandle",
-                format!("{addr:#x} is not device memory"),
-            )
-        })?;
+        const OP: &str = "cuIpcGetMemHandle";
+        let _span =
+            tracing::debug_span!("sim_ipc_export", addr = format_args!("{addr:#x}")).entered();
+        check_alive(&self.gpu, OP)?;
+        let range = memory::lookup(addr)
+            .ok_or_else(|| CudaError::invalid(OP, format!("{addr:#x} is not device memory")))?;
         if range.reservation.is_some() {
             // Memory mapped with cuMemMap is not legacy-IPC capable.
             return Err(CudaError::InvalidArgument {
-                operation: "cuIpcGetMemHandle",
+                operation: OP,
                 reason: format!("{addr:#x} is CUDA VMM memory, not legacy-IPC capable"),
                 code: Some(1),
             });
         }
-        lock(&IPC_EXPORTS).insert(range.buffer_id, Arc::downgrade(&range));
-        let mut handle = [0u8; 64];
-        handle[..8].copy_from_slice(IPC_MAGIC);
-        handle[8..16].copy_from_slice(&range.buffer_id.to_le_bytes());
-        handle[16..24].copy_from_slice(&range.process.to_le_bytes());
-        Ok(IpcMemHandle(handle))
+        let mut exports = lock(&IPC_EXPORTS);
+        let fd = match exports.get(&range.buffer_id) {
+            // Exported before: the same handle, as CUDA gives.
+            Some(export) => export.fd.as_raw_fd(),
+            None => {
+                let fd = range
+                    .backing
+                    .memfd()
+                    .try_clone_to_owned()
+                    .map_err(|e| CudaError::Os {
+                        operation: "dup",
+                        errno: e.raw_os_error().unwrap_or(libc::EMFILE),
+                    })?;
+                let raw = fd.as_raw_fd();
+                exports.insert(
+                    range.buffer_id,
+                    IpcExport {
+                        range: Arc::downgrade(&range),
+                        fd,
+                    },
+                );
+                raw
+            }
+        };
+        Ok(SimIpcHandle {
+            buffer_id: range.buffer_id,
+            exporter: range.process,
+            os_pid: std::process::id(),
+            fd,
+            len: range.len as u64,
+            tag: range.backing.tag(),
+            ordinal: range.ordinal,
+        }
+        .encode())
     }
 
     fn ipc_open(&self, handle: &IpcMemHandle) -> Result<SimIpcMapping> {
         const OP: &str = "cuIpcOpenMemHandle";
+        let _span = tracing::debug_span!("sim_ipc_open").entered();
         check_alive(&self.gpu, OP)?;
         self.process.fault(FaultSite::CudaIpcOpen, &self.gpu, OP)?;
-        let bytes = &handle.0;
-        if &bytes[..8] != IPC_MAGIC {
-            return Err(CudaError::InvalidArgument {
-                operation: OP,
-                reason: "not an IPC handle".into(),
-                code: Some(1),
-            });
-        }
-        let field = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap_or_default());
-        let (buffer_id, exporter) = (field(8), field(16));
-        if exporter == self.process.id {
-            // CUDA refuses to open a handle in the process that exported it.
-            return Err(CudaError::Driver {
-                operation: OP,
-                code: 201,
-                name: hal_cuda::result_name(201),
-            });
-        }
-        let source = lock(&IPC_EXPORTS)
-            .get(&buffer_id)
-            .and_then(Weak::upgrade)
-            .ok_or_else(|| CudaError::InvalidArgument {
-                operation: OP,
-                reason: "the exported allocation has been freed".into(),
-                code: Some(1),
+        let invalid = |reason: String| CudaError::InvalidArgument {
+            operation: OP,
+            reason,
+            code: Some(1),
+        };
+        let handle =
+            SimIpcHandle::decode(handle).ok_or_else(|| invalid("not an IPC handle".into()))?;
+        let gpu = self
+            .process
+            .gpus
+            .get(handle.ordinal as usize)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "the allocation is on GPU {}, which this process does not see",
+                    handle.ordinal
+                ))
             })?;
+        let backing = if handle.os_pid == std::process::id() {
+            if handle.exporter == self.process.id {
+                // CUDA refuses to open a handle in the process that exported it.
+                return Err(CudaError::Driver {
+                    operation: OP,
+                    code: 201,
+                    name: hal_cuda::result_name(201),
+                });
+            }
+            let exports = lock(&IPC_EXPORTS);
+            let source = exports
+                .get(&handle.buffer_id)
+                .and_then(|export| export.range.upgrade())
+                .ok_or_else(|| invalid("the exported allocation has been freed".into()))?;
+            if source.backing.tag() != handle.tag || source.len as u64 != handle.len {
+                return Err(invalid(format!(
+                    "buffer {} is not the allocation the handle names (a forged or stale handle)",
+                    handle.buffer_id
+                )));
+            }
+            Arc::clone(&source.backing)
+        } else {
+            Arc::new(open_foreign(&handle).map_err(invalid)?)
+        };
         // A host-visible allocation's backing already has a host address;
         // its IPC mapping needs one of its own, so it goes in the window.
         let range = memory::map(
-            source.len,
-            source.ordinal,
+            handle.len as usize,
+            handle.ordinal,
             self.process.id,
-            self.process.gpus[source.ordinal as usize].config.peermem,
+            gpu.config.peermem,
             false,
-            Arc::clone(&source.backing),
+            backing,
+        );
+        tracing::debug!(
+            base = format_args!("{:#x}", range.base),
+            exporter_pid = handle.os_pid,
+            "opened"
         );
         Ok(SimIpcMapping { range })
     }
@@ -905,6 +1034,34 @@ impl SimGpuContext {
     }
 }
 
+/// Maps the allocation another OS process exported: reopens its export fd
+/// through `/proc/<pid>/fd/<fd>` and checks that it is the simulated GPU
+/// memory the handle names (see [`Backing::adopt`]).
+fn open_foreign(handle: &SimIpcHandle) -> std::result::Result<Backing, String> {
+    let path = format!("/proc/{}/fd/{}", handle.os_pid, handle.fd);
+    let len = usize::try_from(handle.len).map_err(|_| format!("{} bytes", handle.len))?;
+    let not_it = |why: String| {
+        format!("{path} is not the exported allocation (freed, or a stale or forged handle): {why}")
+    };
+    let gone = |e: std::io::Error| {
+        format!(
+            "cannot open {path} ({e}): the exported allocation has been freed, \
+             its process exited, or it belongs to another user"
+        )
+    };
+    // Looked at before it is opened, so a reused fd number's file (a pipe,
+    // a device) is not opened at all; checked again once open.
+    let name = std::fs::read_link(&path).map_err(gone)?;
+    memory::check_memfd_name(&name, handle.tag).map_err(not_it)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(&path)
+        .map_err(gone)?;
+    Backing::adopt(file.into(), len, handle.tag).map_err(not_it)
+}
+
 fn granular(operation: &'static str, len: usize) -> Result<()> {
     let granularity = memory::DEVICE_ALLOCATION_GRANULARITY as usize;
     if len == 0 || len % granularity != 0 {
@@ -916,8 +1073,6 @@ fn granular(operation: &'static str, len: usize) -> Result<()> {
     }
     Ok(())
 }
-
-const IPC_MAGIC: &[u8; 8] = b"gdrsimIP";
 
 /// Host-visible view of a copy endpoint, keeping device backing alive while
 /// the copy is queued.
@@ -1266,6 +1421,7 @@ impl hal_cuda::DeviceMemory for SimDeviceMemory {
 impl Drop for SimDeviceMemory {
     fn drop(&mut self) {
         memory::unmap(self.range.base);
+        // Closes the export's fd: other OS processes can no longer open it.
         lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
         self.gpu
             .used
@@ -1351,6 +1507,8 @@ impl hal_cuda::IpcMapping for SimIpcMapping {
 impl Drop for SimIpcMapping {
     fn drop(&mut self) {
         memory::unmap(self.range.base);
+        // Had the mapping been exported again, its handles die with it.
+        lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
     }
 }
 
@@ -1438,5 +1596,57 @@ impl hal_cuda::VirtualMapping for SimVirtualMapping {
 impl Drop for SimVirtualMapping {
     fn drop(&mut self) {
         memory::unmap(self.range.base);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hal_cuda::{Context, DeviceMemory, Driver};
+
+    use super::*;
+
+    /// The handle of a fresh allocation (kept alive by the returned memory).
+    fn exported(len: usize) -> (SimDeviceMemory, SimIpcHandle) {
+        let driver = SimCuda::new(vec![GpuConfig::default()], FaultPlan::new());
+        let ctx = driver.context(0).unwrap();
+        let mem = ctx.alloc(len).unwrap();
+        let handle = SimIpcHandle::decode(&ctx.ipc_export(mem.device_ptr()).unwrap()).unwrap();
+        (mem, handle)
+    }
+
+    #[test]
+    fn handle_round_trips_and_names_the_export_fd() {
+        let (mem, handle) = exported(8192);
+        assert_eq!(SimIpcHandle::decode(&handle.encode()), Some(handle));
+        assert_eq!(handle.os_pid, std::process::id());
+        assert_eq!(handle.len, 8192);
+        assert_eq!(handle.tag, mem.range.backing.tag());
+        // Reopened as another OS process would (through /proc), the same bytes.
+        let adopted = open_foreign(&handle).unwrap();
+        // SAFETY: both mappings are 8192 bytes long and live here.
+        unsafe { mem.range.backing.as_ptr().add(100).write(0xab) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { adopted.as_ptr().add(100).read() }, 0xab);
+    }
+
+    #[test]
+    fn foreign_open_checks_size_and_liveness() {
+        let (mem, handle) = exported(8192);
+        let wrong_size = SimIpcHandle {
+            len: 4096,
+            ..handle
+        };
+        let err = open_foreign(&wrong_size).unwrap_err();
+        assert!(err.contains("holds 8192 bytes"), "{err}");
+        drop(mem);
+        // The export fd is closed (or its number reused by another file).
+        let err = open_foreign(&handle).unwrap_err();
+        assert!(err.contains("freed"), "{err}");
+        let closed = SimIpcHandle {
+            fd: i32::MAX,
+            ..handle
+        };
+        let err = open_foreign(&closed).unwrap_err();
+        assert!(err.contains("cannot open"), "{err}");
     }
 }

@@ -4,15 +4,18 @@
 //! dereference (they are non-canonical on x86-64, so a stray host access
 //! faults at once, as it would on real device memory). Each allocation is
 //! backed by a memfd mapped into this process: the memfd is what dma-buf
-//! export hands out and what an IPC open maps again, so every view of an
-//! allocation (device address, dma-buf MR, IPC mapping) sees the same bytes.
+//! export hands out and what an IPC open maps again (in this OS process, or
+//! reopened through `/proc` in another: see [`crate::gpu`]), so every view of
+//! an allocation (device address, dma-buf MR, IPC mapping) sees the same
+//! bytes.
 //!
 //! The window is process-wide, like CUDA's unified address space; every
 //! simulated "process" takes its addresses from it, so addresses never
 //! collide between them.
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsFd, OwnedFd};
+use std::hash::BuildHasher;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, RwLock};
 
 use memmap2::MmapRaw;
@@ -29,19 +32,61 @@ pub fn is_device_address(addr: u64) -> bool {
 }
 
 /// Host memory backing one device allocation: a memfd and its mapping.
+///
+/// The memfd is named `gdr-sim-gpu:<tag>` with a random 64-bit tag, which an
+/// IPC handle carries too: another OS process that reopens the memfd through
+/// `/proc` checks the name, so a stale fd number (reused by then for another
+/// file) is refused rather than mapped.
 #[derive(Debug)]
 pub struct Backing {
     memfd: OwnedFd,
     map: MmapRaw,
+    tag: u64,
 }
+
+/// The prefix of every backing memfd's name.
+const MEMFD_NAME: &str = "gdr-sim-gpu";
 
 impl Backing {
     /// A zero-filled backing of `len` bytes.
     pub(crate) fn new(len: usize) -> std::io::Result<Self> {
-        let memfd = rustix::fs::memfd_create("gdr-sim-gpu", rustix::fs::MemfdFlags::CLOEXEC)?;
+        let tag = random_tag();
+        let memfd = rustix::fs::memfd_create(
+            format!("{MEMFD_NAME}:{tag:016x}"),
+            rustix::fs::MemfdFlags::CLOEXEC,
+        )?;
         rustix::fs::ftruncate(&memfd, len as u64)?;
         let map = MmapRaw::map_raw(&std::fs::File::from(memfd.try_clone()?))?;
-        Ok(Self { memfd, map })
+        Ok(Self { memfd, map, tag })
+    }
+
+    /// The backing another OS process made: `memfd` (reopened through
+    /// `/proc`) mapped shared, if it is a simulated GPU's memfd named with
+    /// `tag` and exactly `len` bytes long; why not otherwise.
+    pub(crate) fn adopt(memfd: OwnedFd, len: usize, tag: u64) -> Result<Self, String> {
+        // What is open, not what the path named before it was opened (the
+        // exporter may have closed and reused the fd number in between).
+        let link = format!("/proc/self/fd/{}", memfd.as_raw_fd());
+        let name = std::fs::read_link(&link).map_err(|e| format!("readlink {link}: {e}"))?;
+        check_memfd_name(&name, tag)?;
+        let size = rustix::fs::fstat(&memfd)
+            .map_err(|e| format!("fstat: {e}"))?
+            .st_size;
+        if u64::try_from(size).ok() != Some(len as u64) {
+            return Err(format!(
+                "the memfd holds {size} bytes, the handle says {len}"
+            ));
+        }
+        let map = MmapRaw::map_raw(&std::fs::File::from(
+            memfd.try_clone().map_err(|e| format!("dup: {e}"))?,
+        ))
+        .map_err(|e| format!("mmap: {e}"))?;
+        Ok(Self { memfd, map, tag })
+    }
+
+    /// The random tag in the memfd's name.
+    pub fn tag(&self) -> u64 {
+        self.tag
     }
 
     /// The memfd (what a dma-buf export duplicates).
@@ -119,6 +164,29 @@ pub(crate) fn next_buffer_id() -> u64 {
     let id = *next;
     *next += 1;
     id
+}
+
+/// Checks that `name`, what `/proc/<pid>/fd/<fd>` links to, is a simulated
+/// GPU's memfd tagged `tag`; why not otherwise.
+pub(crate) fn check_memfd_name(name: &std::path::Path, tag: u64) -> Result<(), String> {
+    // What the kernel shows for a memfd: "/memfd:<name> (deleted)".
+    let expected = format!("/memfd:{MEMFD_NAME}:{tag:016x} (deleted)");
+    if name.as_os_str() == expected.as_str() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the fd is {}, not the simulated GPU memory tagged {tag:016x}",
+            name.display()
+        ))
+    }
+}
+
+/// A random 64-bit value: std's randomly keyed SipHash of a counter (each
+/// `RandomState` is keyed afresh), so tags are neither guessable nor repeated.
+fn random_tag() -> u64 {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::hash::RandomState::new().hash_one((n, std::process::id()))
 }
 
 fn reserved_size(len: usize) -> u64 {

@@ -213,6 +213,119 @@ fn ipc_handle_opens_in_another_process_and_shares_bytes() {
 }
 
 #[test]
+fn in_process_ipc_refuses_a_handle_with_the_wrong_tag() {
+    let (driver, ctx, _) = gpu(GpuConfig::default());
+    let mem = ctx.alloc(4096).unwrap();
+    let handle = ctx.ipc_export(mem.device_ptr()).unwrap();
+    let other_ctx = driver.other_process().context(0).unwrap();
+    let err = other_ctx.ipc_open(&forge_tag(&handle)).unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument { .. }),
+        "a forged handle: {err}"
+    );
+    other_ctx
+        .ipc_open(&handle)
+        .expect("the genuine handle opens");
+}
+
+/// `handle` with another tag (the sim's handle holds it in bytes 40..48):
+/// same pid, fd, buffer id and size, so only the tag tells it from the real one.
+fn forge_tag(handle: &hal_cuda::IpcMemHandle) -> hal_cuda::IpcMemHandle {
+    let mut forged = *handle;
+    forged.0[40] ^= 0x5a;
+    forged
+}
+
+/// Set in the child of [`ipc_handle_opens_in_another_os_process`]: the URIs
+/// of the live allocation, of it with a forged tag, and of a freed one.
+const IPC_CHILD_ENV: &str = "GDR_SIM_IPC_CHILD";
+const IPC_CHILD_LEN: usize = 3 << 20;
+
+/// The test binary spawns itself: the child opens (through `gdr://` URIs)
+/// the handle this process exported, reads the bytes written here, writes
+/// new ones that this process then sees, and is refused a forged handle
+/// and a freed allocation's.
+#[test]
+fn ipc_handle_opens_in_another_os_process() {
+    use gdr_core::uri::BufferUri;
+
+    let name = "ipc_handle_opens_in_another_os_process";
+    if let Ok(uris) = std::env::var(IPC_CHILD_ENV) {
+        ipc_child(&uris);
+        return;
+    }
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let len = IPC_CHILD_LEN;
+    let mem = ctx.alloc(len).unwrap();
+    write_device(&ctx, mem.device_ptr(), &pattern(len, 42));
+    let handle = ctx.ipc_export(mem.device_ptr()).unwrap();
+    let freed = ctx.alloc(len).unwrap();
+    let freed_handle = ctx.ipc_export(freed.device_ptr()).unwrap();
+    drop(freed);
+    let uri = |handle| {
+        BufferUri::V1 {
+            device: 0,
+            size: len as u64,
+            handle,
+        }
+        .to_string()
+    };
+    let uris = [uri(handle), uri(forge_tag(&handle)), uri(freed_handle)].join(" ");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(IPC_CHILD_ENV, uris)
+        .output()
+        .expect("running the child");
+    eprintln!("child stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "the child failed ({:?}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the child ran the test"
+    );
+    assert!(
+        read_device(&ctx, mem.device_ptr(), len) == pattern(len, 7),
+        "the child's writes through its mapping land in this process's allocation"
+    );
+}
+
+/// The child half: another OS process with a simulated GPU of its own.
+fn ipc_child(uris: &str) {
+    use gdr_core::uri::BufferUri;
+
+    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    let uris: Vec<BufferUri> = uris
+        .split(' ')
+        .map(|u| u.parse().expect("child: a URI"))
+        .collect();
+    let [live, forged, freed] = uris[..] else {
+        panic!("child: three URIs");
+    };
+    let len = IPC_CHILD_LEN;
+    let mapping = ctx.ipc_open(live.handle()).expect("child: open the handle");
+    assert_eq!(mapping.len(), len);
+    assert!(
+        read_device(&ctx, mapping.device_ptr(), len) == pattern(len, 42),
+        "child: the parent's bytes"
+    );
+    write_device(&ctx, mapping.device_ptr(), &pattern(len, 7));
+    for (what, uri) in [("forged", forged), ("freed", freed)] {
+        match ctx.ipc_open(uri.handle()) {
+            Err(CudaError::InvalidArgument { reason, .. }) => {
+                eprintln!("child: the {what} handle refused: {reason}");
+            }
+            Err(other) => panic!("child: the {what} handle: the wrong error: {other}"),
+            Ok(_) => panic!("child: the {what} handle opened"),
+        }
+    }
+}
+
+#[test]
 fn reallocation_at_a_freed_address_gets_a_new_buffer_id() {
     let (_driver, ctx, _) = gpu(GpuConfig::default());
     // A size no other test uses: freed addresses are reused per size class,
