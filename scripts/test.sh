@@ -20,6 +20,8 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 failed=0
 stage setup "$ROOT/scripts/setup.sh" || exit 1
 stage host-tests cargo test --workspace || failed=1
+# Every publishable crate packs for crates.io (scripts/package-check.sh).
+stage package "$ROOT/scripts/package-check.sh" || failed=1
 # The C ABI from C: gcc's ASan + UBSan on the C side, Valgrind on the Rust side.
 stage c-abi "$ROOT/scripts/c-tests.sh" || failed=1
 stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
