@@ -100,3 +100,10 @@ mod sync;
 pub mod cache;
 
 pub use lifetime::MemoryLease;
+
+/// The user guide (`docs/guide.md`): its Rust examples run as doc tests
+/// here (they use `backend`, hence the `sim` feature; `cargo test
+/// --workspace` turns it on).
+#[cfg(all(doctest, feature = "sim"))]
+#[doc = include_str!("../../docs/guide.md")]
+mod user_guide {}
