@@ -47,6 +47,7 @@ if [ -n "$prefix" ]; then
   install -D -m 755 "$build/libgdr.so" "$prefix/lib/libgdr.so"
   install -D -m 644 "$build/libgdr.a" "$prefix/lib/libgdr.a"
   mkdir -p "$prefix/lib/pkgconfig"
+  # shellcheck disable=SC2016  # pkg-config expands ${prefix}, not the shell
   render "$prefix" '${prefix}/lib' '${prefix}/include' >"$prefix/lib/pkgconfig/gdr.pc"
   echo "gdr-pc: installed gdr.h, libgdr.so, libgdr.a and gdr.pc under $prefix"
 fi
