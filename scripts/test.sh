@@ -1,7 +1,9 @@
 #!/bin/bash
 # The whole test suite, from a fresh machine: set-up, then
 #   1. every test on the host (simulation always; SoftRoCE and GPU tests skip
-#      here with a printed reason), then the C ABI's C tests (scripts/c-tests.sh);
+#      here with a printed reason; the guide's Rust examples as doc tests),
+#      crates.io packaging (scripts/package-check.sh), the C ABI's C tests
+#      (scripts/c-tests.sh), the guide's C examples (scripts/docs-check.sh);
 #   2. the SoftRoCE harness self-test;
 #   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
 #      guest with rxe0, as cargo's runner); rdma_cm between two guests; the
@@ -20,8 +22,14 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 failed=0
 stage setup "$ROOT/scripts/setup.sh" || exit 1
 stage host-tests cargo test --workspace || failed=1
+# Every publishable crate packs for crates.io (scripts/package-check.sh).
+stage package "$ROOT/scripts/package-check.sh" || failed=1
 # The C ABI from C: gcc's ASan + UBSan on the C side, Valgrind on the Rust side.
 stage c-abi "$ROOT/scripts/c-tests.sh" || failed=1
+# The user guide's C examples, built through pkg-config against libgdr.so
+# and libgdr.a and run on the simulation (its Rust examples are doc tests,
+# run by host-tests).
+stage guide-examples "$ROOT/scripts/docs-check.sh" || failed=1
 stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
 # Build on the host, run inside the guest: the runner boots one VM per binary.
 rxe_tests=()

@@ -5,6 +5,34 @@
 //! generic over the `hal-verbs` and `hal-cuda` traits. Concurrency goes
 //! through a `sync` shim (std or loom) so loom can check it.
 //!
+//! # When to use it
+//!
+//! This is the crate a Rust application depends on to move bytes between
+//! host memory, GPU memory and remote peers over RDMA: a storage client,
+//! a KV-cache transfer engine, an inference runtime. `use
+//! gdr_core::prelude::*;` is the one import; [`engine`] is the transfer
+//! engine, [`buffer`] the memory it moves, [`ladder`] how GPU memory is
+//! registered (dma-buf, nvidia-peermem, or staged through pinned host
+//! memory), [`descriptor`] and [`uri`] what peers and processes exchange.
+//! The user guide (`docs/guide.md` in the repository) covers
+//! prerequisites, run-time behaviour and tuning; from C, use `gdr-ffi`.
+//!
+//! # Features
+//!
+//! None by default: the library is generic over the HAL traits and builds
+//! with nothing native. Each feature adds a backend to the run-time
+//! choice in `backend` (the module needs `sim`, or both `rdma` and
+//! `cuda`):
+//!
+//! | feature | backend | build needs |
+//! | --- | --- | --- |
+//! | `sim` | gdr-sim's simulated NIC and GPU | nothing native |
+//! | `rdma` | rdma-core (`hal-verbs/rdma-core`), loaded at run time | cmake, libclang |
+//! | `cuda` | the CUDA driver (`hal-cuda/cuda`), loaded at run time | nothing native |
+//!
+//! Without features, name the backend types yourself (as below with
+//! gdr-sim's, or `hal_verbs::rdma::RdmaApi` and `hal_cuda::cuda::CudaApi`).
+//!
 //! # Using it: a storage client on the simulator
 //!
 //! Two nodes, each with an engine; the server grants a GPU buffer, the
@@ -100,3 +128,10 @@ mod sync;
 pub mod cache;
 
 pub use lifetime::MemoryLease;
+
+/// The user guide (`docs/guide.md`): its Rust examples run as doc tests
+/// here (they use `backend`, hence the `sim` feature; `cargo test
+/// --workspace` turns it on).
+#[cfg(all(doctest, feature = "sim"))]
+#[doc = include_str!("../../docs/guide.md")]
+mod user_guide {}

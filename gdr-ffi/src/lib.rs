@@ -16,8 +16,55 @@
 //!   hardware, or the simulation only when asked for
 //!   ([`api::GdrBackend`], `GDR_BACKEND=sim`), never silently.
 //!
-//! Use it from C (or any language with a C FFI); from Rust, use gdr-core.
-//! Thread safety is stated on each function.
+//! # When to use it
+//!
+//! From C, C++ or any language with a C FFI (Python's ctypes or cffi,
+//! Go's cgo): it builds `libgdr.so` and `libgdr.a`; the header is
+//! `include/gdr.h` and `scripts/gdr-pc.sh` writes a pkg-config file
+//! (`gdr.pc`). From Rust, use gdr-core. The repository's README ("C
+//! usage") has the compile and link lines, and `docs/guide.md` the
+//! conventions and a complete C program. Thread safety is stated on each
+//! function.
+//!
+//! # Features
+//!
+//! None: every backend is built in (rdma-core's loader shim needs cmake
+//! and libclang to build) and chosen when a context is made.
+//!
+//! # Example
+//!
+//! The ABI called from Rust, as a C program would call it: a context on
+//! the simulation, a GPU buffer, its `gdr://` URI.
+//!
+//! ```
+//! use gdr::GdrResult;
+//! use gdr::api::*;
+//!
+//! let options = GdrOptions { backend: GdrBackend::Sim };
+//! let mut context = GdrContext { id: 0 };
+//! // SAFETY: both pointers are valid for the call.
+//! let result = unsafe { gdr_context_new(&options, &mut context) };
+//! assert_eq!(result, GdrResult::Ok);
+//!
+//! let mut buffer = GdrBuffer { id: 0 };
+//! // SAFETY: `buffer` is valid for a write.
+//! let result = unsafe { gdr_buffer_alloc(context, GdrMemory::Device as u32, 0, 1 << 20, &mut buffer) };
+//! assert_eq!(result, GdrResult::Ok);
+//!
+//! let mut uri = [0u8; 512];
+//! // SAFETY: `uri` is valid for its length; `needed` may be NULL.
+//! let result = unsafe {
+//!     gdr_buffer_export_uri(buffer, uri.as_mut_ptr().cast(), uri.len(), std::ptr::null_mut())
+//! };
+//! assert_eq!(result, GdrResult::Ok);
+//! let uri = std::ffi::CStr::from_bytes_until_nul(&uri).expect("NUL-terminated");
+//! assert!(uri.to_str().expect("ASCII").starts_with("gdr://v2/device/0/"));
+//!
+//! // A freed handle is refused, never trusted.
+//! assert_eq!(gdr_buffer_free(buffer), GdrResult::Ok);
+//! assert_eq!(gdr_buffer_free(buffer), GdrResult::InvalidHandle);
+//! assert_eq!(gdr_context_free(context), GdrResult::Ok);
+//! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

@@ -1,15 +1,65 @@
 //! # hal-verbs
 //!
 //! The verbs hardware-abstraction layer of gdr: traits ([`Api`] and its role
-//! traits), plain types and one error enum over ibverbs. Backends implement
-//! the traits: the real one over rdma-core (loaded at run time) and the
-//! simulated one in `gdr-sim`. Nothing here names a layer above.
+//! traits), plain types and one error enum over ibverbs and rdma_cm.
+//! Backends implement the traits: the real one over rdma-core (loaded at
+//! run time), the simulated one in `gdr-sim`, and mockall mocks. Nothing
+//! here names a layer above.
 //!
-//! With the `rdma-core` feature (on by default) `rdma` is the real backend
-//! over libibverbs, loaded at run time.
+//! ## When to use it
 //!
-//! With the `mock` feature every role trait has a mockall mock, and
-//! `mock::MockApi` ties them together as a backend.
+//! To write code generic over a NIC backend (real, simulated, mocked)
+//! below gdr's transfer engine: device and port queries, protection
+//! domains and memory regions, completion queues, RC queue pairs and
+//! rdma_cm connections. To move bytes between buffers and peers, use
+//! `gdr-core`'s engine instead, which is built on this.
+//!
+//! Each handle owns its parents and releases itself on `Drop` (which never
+//! panics); every error keeps the native errno and the call that failed
+//! ([`VerbsError`]).
+//!
+//! ## Features
+//!
+//! | feature | default | what it adds | build needs |
+//! | --- | --- | --- | --- |
+//! | `rdma-core` | yes | `rdma`: the real backend, libibverbs and librdmacm opened at run time (rdma-mummy-sys) | cmake, libclang |
+//! | `mock` | no | `mock`: a mockall mock of every role trait, tied together by `mock::MockApi` | nothing |
+//!
+//! ## Example
+//!
+//! Code is written once against the traits. This function lists a
+//! provider's devices and the RoCE v2 GID of each port; it runs against
+//! rdma-core here (on a machine without RDMA it says so) and against
+//! `gdr-sim`'s simulated NIC in that crate's docs.
+//!
+//! ```
+//! use hal_verbs::{AddressFamily, Api, Context as _, Provider as _, VerbsError};
+//!
+//! fn describe<A: Api>(provider: &A::Provider) -> Result<Vec<String>, VerbsError> {
+//!     let mut lines = Vec::new();
+//!     for device in provider.devices()? {
+//!         let context = provider.open(&device.name)?;
+//!         let ports = context.query_device()?.phys_port_cnt;
+//!         for port in 1..=ports {
+//!             let gids = context.gid_table(port)?;
+//!             let gid = hal_verbs::select_roce_v2_gid(&gids, AddressFamily::V4)
+//!                 .map_or("no RoCE v2 GID".to_owned(), |g| g.gid.to_ip().to_string());
+//!             lines.push(format!("{} port {port}: {gid}", device.name));
+//!         }
+//!     }
+//!     Ok(lines)
+//! }
+//!
+//! # #[cfg(feature = "rdma-core")]
+//! match hal_verbs::rdma::RdmaProvider::load() {
+//!     Ok(provider) => match describe::<hal_verbs::rdma::RdmaApi>(&provider) {
+//!         Ok(lines) => lines.iter().for_each(|l| println!("{l}")),
+//!         Err(e) => println!("rdma-core: {e}"),
+//!     },
+//!     // No libibverbs here: the error says what was missing.
+//!     Err(e) => println!("rdma-core unavailable: {e}"),
+//! }
+//! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

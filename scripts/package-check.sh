@@ -1,0 +1,44 @@
+#!/bin/bash
+# package-check.sh: every publishable crate packs for crates.io.
+# The crates are packaged in one `cargo package` so that each one's
+# workspace dependencies (not on crates.io yet) resolve to the others'
+# packages; a crate packaged alone fails with "no matching package".
+# Then each .crate is checked for size (crates.io takes at most 10 MiB;
+# we want far less) and for a README, and no file in it may be large.
+# GDR_PACKAGE_VERIFY=1 also builds each package from its own sources
+# (slow: the whole workspace again, rdma-core's loader shim included).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+# In dependency order; gdr-tests and the fuzz workspace are not published.
+CRATES=(hal-verbs hal-cuda gdr-sim gdr-core gdr-ffi gdr-cli)
+MAX_CRATE_BYTES=$((2 * 1024 * 1024))
+MAX_FILE_BYTES=$((512 * 1024))
+args=()
+for c in "${CRATES[@]}"; do args+=(-p "$c"); done
+verify=--no-verify
+[ "${GDR_PACKAGE_VERIFY:-0}" = 1 ] && verify=
+# --allow-dirty: CI checks the tree as it is; a release is cut from a clean one.
+cargo package --allow-dirty $verify "${args[@]}"
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
+failed=0
+for c in "${CRATES[@]}"; do
+  crate="target/package/$c-$version.crate"
+  if [ ! -f "$crate" ]; then echo "package: $crate missing" >&2; failed=1; continue; fi
+  size=$(stat -c %s "$crate")
+  if [ "$size" -gt "$MAX_CRATE_BYTES" ]; then
+    echo "package: $crate is $size bytes (> $MAX_CRATE_BYTES)" >&2; failed=1
+  fi
+  listing=$(tar -tvzf "$crate")
+  if ! grep -q " $c-$version/README.md$" <<<"$listing"; then
+    echo "package: $crate has no README.md" >&2; failed=1
+  fi
+  big=$(awk -v max="$MAX_FILE_BYTES" '$3 > max { print $3, $6 }' <<<"$listing")
+  if [ -n "$big" ]; then echo "package: large files in $crate:" >&2; echo "$big" >&2; failed=1; fi
+  echo "package: $c $version: $size bytes, $(wc -l <<<"$listing") files"
+done
+# gdr-tests must never be published.
+if ! grep -q '^publish = false' tests/Cargo.toml; then
+  echo "package: tests/Cargo.toml lacks publish = false" >&2; failed=1
+fi
+exit $failed
