@@ -275,8 +275,11 @@ mod tests {
         assert!(err.contains("odd number"), "{err}");
         let err = explain("zz", true).unwrap_err().to_string();
         assert!(err.contains("not hex"), "{err}");
-        let err = explain("00", true).unwrap_err().to_string();
+        // "GDRM", version 2, and nothing more.
+        let err = explain("4744524d02", true).unwrap_err().to_string();
         assert!(err.contains("truncated"), "{err}");
+        let err = explain("00", true).unwrap_err().to_string();
+        assert!(err.contains("bad magic"), "{err}");
         let err = explain("http://x", false).unwrap_err().to_string();
         assert!(err.contains("neither"), "{err}");
     }

@@ -397,7 +397,7 @@ pub(crate) fn gather(choice: BackendChoice) -> Report {
     }
     // After the backends: libcuda is then loaded (and in /proc/self/maps)
     // where it could be.
-    gather_host(&host, choice, &mut report);
+    gather_host(&host, &mut report);
     gather_real_libraries(&host, choice, &mut report);
     finish(&host, &mut report);
     report
@@ -412,7 +412,7 @@ fn choice_name(choice: BackendChoice) -> &'static str {
 }
 
 /// The parts that read only files: kernel modules, kernel release, memlock.
-fn gather_host(host: &HostFiles, _choice: BackendChoice, report: &mut Report) {
+fn gather_host(host: &HostFiles, report: &mut Report) {
     report.nvidia.kernel_module = nvidia_module(host);
     let modules = host.read("/proc/modules").unwrap_or_default();
     report.nvidia.peermem_module = ["nvidia_peermem", "nv_peer_mem"]
@@ -1096,8 +1096,7 @@ pub(crate) fn hints(report: &Report) -> Vec<Hint> {
             "install rdma-core: `apt install rdma-core ibverbs-providers` (Debian, Ubuntu) or \
              `dnf install rdma-core libibverbs` (RHEL, Fedora)",
         );
-    } else if libs.libibverbs.found == Some(true) && (!real_verbs || report.rdma.devices.is_empty())
-    {
+    } else if libs.libibverbs.found == Some(true) && libs.libibverbs.devices == Some(0) {
         hint(
             "rdma-core is installed but lists no RDMA device".to_owned(),
             "load the NIC's RDMA driver (`modprobe mlx5_ib`; `rdma link` lists devices); to \
@@ -1827,7 +1826,7 @@ mod tests {
         std::fs::write(root.join("proc/self_limits"), LIMITS).unwrap();
         let host = HostFiles::at(&root);
         let mut report = Report::default();
-        gather_host(&host, BackendChoice::Sim, &mut report);
+        gather_host(&host, &mut report);
         assert_eq!(
             report.nvidia.kernel_module,
             Some(parse_nvidia_version(PROPRIETARY))
@@ -1845,9 +1844,55 @@ mod tests {
         )
         .unwrap();
         let mut report = Report::default();
-        gather_host(&HostFiles::at(&root), BackendChoice::Sim, &mut report);
+        gather_host(&HostFiles::at(&root), &mut report);
         assert_eq!(report.nvidia.peermem_module.as_deref(), Some("nv_peer_mem"));
         assert_eq!(report.nvidia.kernel_module, None);
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// The rung each simulated GPU leads to, with why the higher ones
+    /// were refused.
+    #[test]
+    fn rungs_are_the_first_that_works_on_the_sim() {
+        use gdr_sim::{GpuConfig, NodeConfig, SimFabric};
+        let gathered = |gpu: GpuConfig| {
+            let backends = Backends::sim(&SimFabric::new(), NodeConfig::default(), vec![gpu]);
+            GatherDevices.run(backends)
+        };
+        let all = gathered(GpuConfig::default());
+        assert_eq!(all.rungs.pairs.len(), 1);
+        let pair = &all.rungs.pairs[0];
+        assert_eq!((pair.nic.as_str(), pair.rung.as_str()), ("sim0", "dma-buf"));
+        assert_eq!(pair.checks.len(), 2);
+        assert!(pair.checks[0].works && pair.checks[0].reason.is_none());
+        assert!(all.gpus.gpus[0].dma_buf);
+        assert_eq!(all.rdma.devices[0].ports[0].roce_v2_gid_index, Some(3));
+
+        let peermem = gathered(GpuConfig {
+            dma_buf_supported: false,
+            peermem: true,
+            ..GpuConfig::default()
+        });
+        let pair = &peermem.rungs.pairs[0];
+        assert_eq!(pair.rung, "peermem");
+        assert_eq!(pair.checks[0].refused_by.as_deref(), Some("gpu"));
+        assert!(!peermem.gpus.gpus[0].dma_buf);
+
+        let neither = gathered(GpuConfig {
+            dma_buf_supported: false,
+            peermem: false,
+            ..GpuConfig::default()
+        });
+        let pair = &neither.rungs.pairs[0];
+        assert_eq!(pair.rung, "staging");
+        assert!(pair.checks.iter().all(|c| !c.works && c.reason.is_some()));
+
+        let no_gpu = GatherDevices.run(Backends::sim(
+            &SimFabric::new(),
+            NodeConfig::default(),
+            Vec::new(),
+        ));
+        assert!(!no_gpu.rungs.probed && no_gpu.rungs.pairs.is_empty());
+        assert!(no_gpu.gpus.error.is_some());
     }
 }
