@@ -131,3 +131,21 @@ fn uri_refuses_malformed_input_naming_the_fault() {
     assert!(stderr(&out).contains("odd number"), "{}", stderr(&out));
     assert!(out.stdout.is_empty());
 }
+
+/// `--backend real` on a machine without rdma-core's devices cannot be met:
+/// the report is still printed, then the reason, and the exit is a failure,
+/// not a panic. Where real devices are found it succeeds.
+#[test]
+fn info_real_reports_even_when_real_cannot_be_met() {
+    let out = gdr(&["--backend", "real", "info"]);
+    assert_ne!(out.status.code(), Some(101), "panicked: {}", stderr(&out));
+    assert!(stdout(&out).contains("Libraries"), "{}", stdout(&out));
+    if !out.status.success() {
+        assert!(
+            stderr(&out).contains("real RDMA verbs asked for"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).contains("backends: real RDMA verbs asked for"));
+    }
+}
