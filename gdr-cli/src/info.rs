@@ -1131,7 +1131,12 @@ pub(crate) fn hints(report: &Report) -> Vec<Hint> {
              `nvidia-open`); dma-buf needs it (Turing or newer)",
         );
     }
-    if (report.nvidia.kernel_module.is_some() || real_gpus) && !report.nvidia.peermem_loaded {
+    // peermem matters only beside a real NIC.
+    let real_nics = libs.libibverbs.devices.unwrap_or(0) > 0;
+    if (report.nvidia.kernel_module.is_some() || real_gpus)
+        && real_nics
+        && !report.nvidia.peermem_loaded
+    {
         let dmabuf_works = report
             .rungs
             .pairs
