@@ -42,6 +42,7 @@
 use std::collections::VecDeque;
 use std::error::Error;
 use std::fmt::{self, Write as _};
+use std::io::IsTerminal as _;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -56,6 +57,7 @@ use hal_verbs::{
     MemoryRegion as _, ProtectionDomain as _, Provider as _, QpCaps, QueuePair as _, SendFlags,
     SendOp, SendRequest, SgList, Sge,
 };
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 
 use crate::parse_size;
 use gdr_core::backend::Backends;
@@ -418,8 +420,10 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
             "op", "size", "iters", "MB/s", "Gb/s", "msg/s", "seconds"
         );
     }
+    let progress = progress_bar(args.ops.len() * args.sizes.len());
     for &op in &args.ops {
         for &size in &args.sizes {
+            progress.set_message(format!("{} {size} bytes", op.name()));
             let iterations = args
                 .iterations
                 .unwrap_or_else(|| iterations_for(size, args.volume))
@@ -451,18 +455,22 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
             }
             let m = measure::<A>(&pair, &cq, &local.mr, &remote.mr, plan)
                 .map_err(|e| drain_after_failure::<A>(&pair, &cq, e))?;
+            progress.inc(1);
             if args.common.json {
-                println!("{}", json_line(&m, provider.backend_name(), &device));
+                emit(&progress, json_line(&m, provider.backend_name(), &device));
             } else {
-                println!(
-                    "{:<6} {:>9} {:>10} {:>10.2} {:>9.3} {:>10.0} {:>9.3}",
-                    op.name(),
-                    size,
-                    iterations,
-                    m.mib_per_s(),
-                    m.gbit_per_s(),
-                    m.per_s(),
-                    m.seconds()
+                emit(
+                    &progress,
+                    format!(
+                        "{:<6} {:>9} {:>10} {:>10.2} {:>9.3} {:>10.0} {:>9.3}",
+                        op.name(),
+                        size,
+                        iterations,
+                        m.mib_per_s(),
+                        m.gbit_per_s(),
+                        m.per_s(),
+                        m.seconds()
+                    ),
                 );
             }
             tracing::debug!(
@@ -475,7 +483,35 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
             );
         }
     }
+    progress.finish_and_clear();
     Ok(())
+}
+
+/// A progress bar over a run's `measurements` (op, size) pairs, on
+/// stderr, naming the one running, with a spinner and the time spent so a
+/// long measurement shows it is alive. Hidden where stderr is not a
+/// terminal (a pipe, a file, CI), so captured output stays clean; cleared
+/// when the run ends or fails. The spinner ticks from a thread of its own
+/// every 200 ms: nothing next to the measured loop.
+fn progress_bar(measurements: usize) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let style = ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} measurements: {msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let bar =
+        ProgressBar::with_draw_target(Some(measurements as u64), ProgressDrawTarget::stderr())
+            .with_style(style)
+            .with_finish(ProgressFinish::AndClear);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// Prints a result line on stdout, the bar (on stderr) out of its way.
+fn emit(progress: &ProgressBar, line: String) {
+    progress.suspend(|| println!("{line}"));
 }
 
 /// How long a failed measurement's queue pair may take to flush.
@@ -1225,8 +1261,10 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
         );
     }
     let mut measured = Vec::new();
+    let progress = progress_bar(args.ops.len() * args.sizes.len());
     for &op in &args.ops {
         for &size in &args.sizes {
+            progress.set_message(format!("{} {size} bytes", op.name()));
             let budget = match (args.duration, args.iterations, args.volume) {
                 (_, Some(n), _) => Budget::Requests(n.max(1)),
                 (_, None, Some(volume)) => Budget::Requests(iterations_for(size, Some(volume))),
@@ -1251,30 +1289,35 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
                 measure_engine(&target, &local, warm, args)?;
             }
             let m = measure_engine(&target, &local, plan, args)?;
+            progress.inc(1);
             if args.common.json {
-                println!(
-                    "{}",
-                    engine_json_line(&m, backend, &target.device, qps, slice, args.progress)
+                emit(
+                    &progress,
+                    engine_json_line(&m, backend, &target.device, qps, slice, args.progress),
                 );
             } else {
-                println!(
-                    "{:<6} {:>9} {:>6} {:>9} {:>10.2} {:>9.3} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>8.3}",
-                    op.name(),
-                    size,
-                    plan.batch,
-                    m.requests,
-                    m.mib_per_s(),
-                    m.gbit_per_s(),
-                    m.per_s(),
-                    m.latency_us(0.5),
-                    m.latency_us(0.99),
-                    m.latency_us(0.999),
-                    m.seconds()
+                emit(
+                    &progress,
+                    format!(
+                        "{:<6} {:>9} {:>6} {:>9} {:>10.2} {:>9.3} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>8.3}",
+                        op.name(),
+                        size,
+                        plan.batch,
+                        m.requests,
+                        m.mib_per_s(),
+                        m.gbit_per_s(),
+                        m.per_s(),
+                        m.latency_us(0.5),
+                        m.latency_us(0.99),
+                        m.latency_us(0.999),
+                        m.seconds()
+                    ),
                 );
             }
             measured.push(m);
         }
     }
+    progress.finish_and_clear();
     if !args.common.json {
         for (index, nic, c) in target.peer.counters() {
             println!(

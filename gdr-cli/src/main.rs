@@ -1,7 +1,11 @@
 //! `gdr`: what this machine can do, and transfers that prove it.
 //!
-//! `gdr info` lists the RDMA devices and GPUs found through the real backends
-//! (rdma-core and the CUDA driver, both loaded at run time). `gdr loopback`
+//! `gdr info` is the doctor: what this machine has (rdma-core, the CUDA
+//! driver, NVIDIA kernel modules, RDMA devices and GPUs, PCIe distances,
+//! memlock), which registration rung each (GPU, NIC) pair takes and why,
+//! and what to do about each "no" (`--json` for machines). `gdr uri`
+//! decodes a `gdr://` URI or a memory descriptor and says what it grants.
+//! `gdr loopback`
 //! proves the data path through the transfer engine: two engines in this
 //! process connected over rdma_cm, an RDMA WRITE and a READ back through
 //! host memory, then through GPU memory on the first registration rung that
@@ -9,20 +13,19 @@
 //! no hardware is found, both say so and run on the simulation backend.
 
 use std::error::Error;
+use std::io::Write as _;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 use gdr_core::buffer::Buffer;
-use gdr_core::cache::{CacheConfig, RegistrationCache};
-use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig};
 use gdr_core::prelude::{EngineConfig, GrantRights, Rung, Transfer};
 use hal_cuda::{Context as _, Driver as _, Stream as _};
-use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
 mod bench;
+mod decode;
+mod info;
 
 #[derive(Debug, Parser)]
 #[command(name = "gdr", version, about = "GPU-aware RDMA data movement")]
@@ -44,8 +47,23 @@ enum Backend {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// List RDMA devices and GPUs and what they can do.
-    Info,
+    /// The doctor: what this machine has, which GPU registration rung each
+    /// (GPU, NIC) pair takes and why, and what to do about each "no".
+    Info {
+        /// The report as JSON, for machines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Decode a gdr:// buffer URI or a memory descriptor (text form
+    /// `gdr-md:v2:...`, or the binary form as hex with --hex) and say what
+    /// it grants.
+    Uri {
+        /// The URI or descriptor.
+        text: String,
+        /// TEXT is a binary descriptor written as hex digits.
+        #[arg(long)]
+        hex: bool,
+    },
     /// Prove the data path: two transfer engines in this process, RDMA
     /// WRITE and READ back through host and then GPU memory.
     Loopback {
@@ -73,123 +91,6 @@ fn parse_size(text: &str) -> Result<usize, String> {
         .checked_shl(shift)
         .filter(|v| *v > 0 && v >> shift == value)
         .ok_or_else(|| format!("{text:?} is out of range"))
-}
-
-fn print_verbs<A: hal_verbs::Api>(provider: &A::Provider) -> Result<(), Box<dyn Error>> {
-    println!("RDMA ({}):", provider.backend_name());
-    for device in provider.devices()? {
-        let ctx = provider.open(&device.name)?;
-        let attrs = ctx.query_device()?;
-        println!(
-            "  {}  PCI {}  fw {}  vendor {:#06x}:{:#x}  ports {}  max MR {} GiB  max QP WR {}",
-            device.name,
-            device
-                .pci_bus_id
-                .as_deref()
-                .unwrap_or("none (software device)"),
-            attrs.fw_ver,
-            attrs.vendor_id,
-            attrs.vendor_part_id,
-            attrs.phys_port_cnt,
-            attrs.max_mr_size >> 30,
-            attrs.max_qp_wr
-        );
-        for port in 1..=attrs.phys_port_cnt {
-            let p = ctx.query_port(port)?;
-            let table = ctx.gid_table(port)?;
-            let gid = hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4).map_or_else(
-                || "none".to_owned(),
-                |g| format!("{} (index {})", g.gid.to_ip(), g.index),
-            );
-            println!(
-                "    port {port}: {:?}, {:?}, MTU {} (max {}), RoCE v2 GID {gid}",
-                p.state,
-                p.link_layer,
-                p.active_mtu.bytes(),
-                p.max_mtu.bytes()
-            );
-        }
-    }
-    Ok(())
-}
-
-fn print_cuda<A: hal_cuda::Api>(driver: &A::Driver) -> Result<(), Box<dyn Error>> {
-    println!("GPUs ({}):", driver.backend_name());
-    for ordinal in 0..driver.device_count()? {
-        let a = driver.device_attributes(ordinal)?;
-        println!(
-            "  {ordinal}: {}  {}  {} GiB  sm_{}{}",
-            a.name,
-            a.pci_bus_id,
-            a.total_memory >> 30,
-            a.compute_capability.0,
-            a.compute_capability.1
-        );
-        println!(
-            "     dma-buf {}  GPUDirect RDMA {}  writes ordering {:?}  flush options {:?}",
-            a.dma_buf_supported,
-            a.gpu_direct_rdma_supported,
-            a.writes_ordering,
-            a.flush_writes_options
-        );
-    }
-    Ok(())
-}
-
-/// `gdr info`: the RDMA devices and GPUs, then which GPU registration rungs
-/// each NIC can take.
-fn info<V: hal_verbs::Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
-) -> Result<(), Box<dyn Error>> {
-    print_verbs::<V>(backends.verbs())?;
-    if let Some(driver) = backends.cuda() {
-        print_cuda::<C>(driver)?;
-    }
-    // Which GPU rungs each NIC can take, probed with a loopback self-check;
-    // only where the NIC can reach the GPU's memory.
-    match backends.registrable_cuda() {
-        Some(driver) => print_rungs::<V, C>(backends.verbs(), driver),
-        None => {
-            println!("GPU registration rungs: not probed (no GPU memory this NIC can reach)");
-            Ok(())
-        }
-    }
-}
-
-fn print_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
-    provider: &V::Provider,
-    driver: &C::Driver,
-) -> Result<(), Box<dyn Error>> {
-    println!("GPU registration rungs (probed, loopback self-check):");
-    for device in provider.devices()? {
-        let ctx = provider.open(&device.name)?;
-        let gpus = (0..driver.device_count()?)
-            .map(|ordinal| Gpu::<C>::open(driver, ordinal))
-            .collect::<Result<Vec<_>, _>>()?;
-        let ladder = Ladder::<V, C>::new(
-            &ctx,
-            gpus,
-            Arc::new(RegistrationCache::new(CacheConfig::default())),
-            Arc::new(DmabufExports::new()),
-            LadderConfig::default(),
-        );
-        let ladder = match ladder {
-            Ok(ladder) => ladder,
-            Err(e) => {
-                println!("  {}: {e}", device.name);
-                continue;
-            }
-        };
-        for (ordinal, rung, verdict) in ladder.probe_all() {
-            match verdict {
-                Ok(()) => println!("  {} x GPU {ordinal}: {rung:?} works", device.name),
-                Err(refusal) => {
-                    println!("  {} x GPU {ordinal}: {rung:?} no: {refusal}", device.name)
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Bound on connecting, granting and each transfer of `gdr loopback`:
@@ -403,10 +304,34 @@ impl BackendTask for Run {
             println!("{note}");
         }
         match self.0 {
-            Command::Info => info(&backends),
+            // Handled before the backends are chosen.
+            Command::Info { .. } | Command::Uri { .. } => Ok(()),
             Command::Loopback { size } => loopback(&backends, size),
             Command::Bench(what) => bench::run(&backends, what),
         }
+    }
+}
+
+/// `gdr info`: the report, for people or as JSON; an error (after the
+/// report) only where `--backend` could not be met.
+fn print_info(choice: BackendChoice, json: bool) -> Result<(), Box<dyn Error>> {
+    let report = info::gather(choice);
+    let mut out = std::io::stdout().lock();
+    let written = if json {
+        serde_json::to_writer_pretty(&mut out, &report)
+            .map_err(std::io::Error::from)
+            .and_then(|()| writeln!(out))
+    } else {
+        info::write_human(&report, &mut out)
+    };
+    match written {
+        // Read by `head`: what was wanted was read.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        other => other?,
+    }
+    match report.backends.error {
+        Some(error) => Err(error.into()),
+        None => Ok(()),
     }
 }
 
@@ -423,7 +348,13 @@ fn main() -> ExitCode {
         Backend::Real => BackendChoice::Real,
         Backend::Sim => BackendChoice::Sim,
     };
-    let result = run_with(choice, Run(cli.command)).unwrap_or_else(|e| Err(e.into()));
+    let result = match cli.command {
+        Command::Info { json } => print_info(choice, json),
+        Command::Uri { text, hex } => {
+            decode::explain(&text, hex).map(|explained| print!("{explained}"))
+        }
+        command => run_with(choice, Run(command)).unwrap_or_else(|e| Err(e.into())),
+    };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,0 +1,151 @@
+//! The built `gdr` binary: `info` (for people and as JSON) and `uri` on
+//! valid and malformed input. Runs on any machine: without RDMA or a GPU
+//! the backends fall back to the simulation, and `info` must still succeed.
+
+use std::process::{Command, Output};
+
+fn gdr(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gdr"))
+        .args(args)
+        .output()
+        .expect("the gdr binary runs")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+const HANDLE: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\
+                      00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+#[test]
+fn info_reports_every_section_on_any_machine() {
+    for args in [&["info"][..], &["--backend", "sim", "info"][..]] {
+        let out = gdr(args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        let text = stdout(&out);
+        for section in [
+            "Libraries",
+            "libibverbs",
+            "libcuda",
+            "nvidia-peermem",
+            "memlock",
+            "RDMA devices",
+            "GPUs",
+            "PCIe distance",
+            "GPU registration rungs",
+            "What to do",
+        ] {
+            assert!(
+                text.contains(section),
+                "{args:?}: no {section:?} in\n{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn info_json_has_the_report_keys() {
+    for args in [
+        &["info", "--json"][..],
+        &["--backend", "sim", "info", "--json"][..],
+    ] {
+        let out = gdr(args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        let report: serde_json::Value =
+            serde_json::from_slice(&out.stdout).expect("info --json prints JSON");
+        for key in [
+            "backends",
+            "libraries",
+            "nvidia",
+            "kernel_release",
+            "memlock",
+            "rdma",
+            "gpus",
+            "topology",
+            "rungs",
+            "hints",
+        ] {
+            assert!(report.get(key).is_some(), "{args:?}: no key {key:?}");
+        }
+        for lib in ["libibverbs", "librdmacm", "libcuda"] {
+            assert!(
+                report["libraries"][lib]["soname"].is_string(),
+                "{args:?}: {lib}"
+            );
+        }
+        assert!(report["memlock"]["verdict"].is_string());
+        assert!(report["rdma"]["devices"].is_array());
+        assert!(report["hints"].is_array());
+    }
+    // Under --backend sim the simulation's devices are listed and probed.
+    let out = gdr(&["--backend", "sim", "info", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["backends"]["verbs"], "sim");
+    assert_eq!(report["rdma"]["devices"][0]["name"], "sim0");
+    assert_eq!(report["rungs"]["pairs"][0]["rung"], "dma-buf");
+    assert_eq!(
+        report["libraries"]["libcuda"]["found"],
+        serde_json::Value::Null
+    );
+}
+
+#[test]
+fn uri_decodes_a_valid_uri_and_descriptor() {
+    let uri = format!("gdr://v2/device/1/allocation/65536/offset/0/size/4096/ipc/{HANDLE}");
+    let out = gdr(&["uri", &uri]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("GPU 1"), "{text}");
+    assert!(text.contains("whole allocation"), "{text}");
+
+    let out = gdr(&["uri", "gdr-md:v2:a:b:host:w:1000:rxe0@0+1000=5000/9"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("write only"), "{text}");
+    assert!(text.contains("rxe0: 1 segment"), "{text}");
+}
+
+#[test]
+fn uri_refuses_malformed_input_naming_the_fault() {
+    // A trailing slash after the handle.
+    let uri = format!("gdr://v1/device/0/size/4096/ipc/{HANDLE}/");
+    let out = gdr(&["uri", &uri]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("after the handle"),
+        "{}",
+        stderr(&out)
+    );
+    // Rights that do not exist.
+    let out = gdr(&["uri", "gdr-md:v2:a:b:host:x:1000:staged"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("rights"), "{}", stderr(&out));
+    // Odd hex.
+    let out = gdr(&["uri", "--hex", "474"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("odd number"), "{}", stderr(&out));
+    assert!(out.stdout.is_empty());
+}
+
+/// `--backend real` on a machine without rdma-core's devices cannot be met:
+/// the report is still printed, then the reason, and the exit is a failure,
+/// not a panic. Where real devices are found it succeeds.
+#[test]
+fn info_real_reports_even_when_real_cannot_be_met() {
+    let out = gdr(&["--backend", "real", "info"]);
+    assert_ne!(out.status.code(), Some(101), "panicked: {}", stderr(&out));
+    assert!(stdout(&out).contains("Libraries"), "{}", stdout(&out));
+    if !out.status.success() {
+        assert!(
+            stderr(&out).contains("real RDMA verbs asked for"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).contains("backends: real RDMA verbs asked for"));
+    }
+}
