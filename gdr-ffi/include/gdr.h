@@ -564,8 +564,10 @@ gdr_result gdr_listener_local_addr(struct gdr_listener listener,
                                    size_t *needed);
 
 // Waits up to `timeout_ms` for a peer to connect and writes its handle to
-// `out`; `GDR_RESULT_TIMEOUT` if none did. Any thread; concurrent
-// accepts on one listener take turns.
+// `out`; `GDR_RESULT_TIMEOUT` if none did. The connection's handshake
+// finishes here: a peer's [`gdr_engine_connect`] completes only while
+// this side accepts (call it on another thread, or in another process).
+// Any thread; concurrent accepts on one listener take turns.
 //
 // # Safety
 // `out` valid for a write.
@@ -579,7 +581,9 @@ gdr_result gdr_listener_accept(struct gdr_listener listener,
 gdr_result gdr_listener_free(struct gdr_listener listener);
 
 // Connects to the engine listening at `addr` (`"ip:port"`), waiting at
-// most `timeout_ms`, and writes the peer's handle to `out`. Any thread.
+// most `timeout_ms`, and writes the peer's handle to `out`. The other
+// side must be in [`gdr_listener_accept`] meanwhile (another thread or
+// process): the handshake needs both. Any thread.
 //
 // # Safety
 // `addr` a NUL-terminated string; `out` valid for a write.

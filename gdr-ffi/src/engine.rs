@@ -807,8 +807,10 @@ pub unsafe extern "C" fn gdr_listener_local_addr(
 }
 
 /// Waits up to `timeout_ms` for a peer to connect and writes its handle to
-/// `out`; `GDR_RESULT_TIMEOUT` if none did. Any thread; concurrent
-/// accepts on one listener take turns.
+/// `out`; `GDR_RESULT_TIMEOUT` if none did. The connection's handshake
+/// finishes here: a peer's [`gdr_engine_connect`] completes only while
+/// this side accepts (call it on another thread, or in another process).
+/// Any thread; concurrent accepts on one listener take turns.
 ///
 /// # Safety
 /// `out` valid for a write.
@@ -845,7 +847,9 @@ pub extern "C" fn gdr_listener_free(listener: GdrListener) -> GdrResult {
 }
 
 /// Connects to the engine listening at `addr` (`"ip:port"`), waiting at
-/// most `timeout_ms`, and writes the peer's handle to `out`. Any thread.
+/// most `timeout_ms`, and writes the peer's handle to `out`. The other
+/// side must be in [`gdr_listener_accept`] meanwhile (another thread or
+/// process): the handshake needs both. Any thread.
 ///
 /// # Safety
 /// `addr` a NUL-terminated string; `out` valid for a write.
