@@ -453,7 +453,7 @@ gdr_result gdr_buffer_context(struct gdr_buffer buffer, struct gdr_context *cont
 // `src` must be valid for reads of `len` bytes.
 gdr_result gdr_buffer_copy_in(struct gdr_buffer buffer,
                               uint64_t offset,
-                              const uint8_t *src,
+                              const void *src,
                               size_t len);
 
 // Copies `len` bytes of `buffer` at `offset` to `dst`, synchronously (see
@@ -461,7 +461,7 @@ gdr_result gdr_buffer_copy_in(struct gdr_buffer buffer,
 //
 // # Safety
 // `dst` must be valid for writes of `len` bytes.
-gdr_result gdr_buffer_copy_out(struct gdr_buffer buffer, uint64_t offset, uint8_t *dst, size_t len);
+gdr_result gdr_buffer_copy_out(struct gdr_buffer buffer, uint64_t offset, void *dst, size_t len);
 
 // Creates a transfer engine over every NIC of `context` and the GPUs
 // those NICs reach, with `options` (NULL: defaults), and writes its

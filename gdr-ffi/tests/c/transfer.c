@@ -191,6 +191,15 @@ int main(void) {
   EXPECT(gdr_engine_fence_inbound_writes(ea, rgpu, NULL), GDR_RESULT_INVALID_ARGUMENT);
   EXPECT(gdr_buffer_copy_out(bgpu, 0, gpu_back, LEN), GDR_RESULT_OK);
   CHECK(memcmp(gpu_back, src, LEN) == 0, "WRITE into b's GPU memory: the data");
+  /* Copies at an offset, device and host memory. */
+  gdr_buffer at_offset[] = {bgpu, bdst};
+  for (size_t i = 0; i < 2; i++) {
+    uint8_t some[5] = {0};
+    EXPECT(gdr_buffer_copy_in(at_offset[i], 100, "xyz", 3), GDR_RESULT_OK);
+    EXPECT(gdr_buffer_copy_out(at_offset[i], 99, some, 5), GDR_RESULT_OK);
+    CHECK(some[0] == src[99] && memcmp(some + 1, "xyz", 3) == 0 && some[4] == src[103],
+          "buffer %zu: copies land at their offset", i);
+  }
 
   /* Refusals, each before anything is posted. */
   gdr_transfer beyond = {GDR_OP_READ, rback, 0, binary, 1, LEN};
