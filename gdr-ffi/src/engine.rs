@@ -19,7 +19,7 @@
 //! the C ABI.
 
 use std::any::Any;
-use std::ffi::c_char;
+use std::ffi::{c_char, c_void};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -483,7 +483,7 @@ unsafe fn write_bytes(
 pub unsafe extern "C" fn gdr_buffer_copy_in(
     buffer: GdrBuffer,
     offset: u64,
-    src: *const u8,
+    src: *const c_void,
     len: usize,
 ) -> GdrResult {
     ffi_boundary! {
@@ -495,7 +495,7 @@ pub unsafe extern "C" fn gdr_buffer_copy_in(
         }
         let object = crate::api::buffer(buffer)?;
         // SAFETY: `src` is valid for `len` bytes (the caller's contract).
-        object.with(|backend, b| unsafe { backend.copy_in(b, offset, src, len) })
+        object.with(|backend, b| unsafe { backend.copy_in(b, offset, src.cast(), len) })
     }
 }
 
@@ -508,7 +508,7 @@ pub unsafe extern "C" fn gdr_buffer_copy_in(
 pub unsafe extern "C" fn gdr_buffer_copy_out(
     buffer: GdrBuffer,
     offset: u64,
-    dst: *mut u8,
+    dst: *mut c_void,
     len: usize,
 ) -> GdrResult {
     ffi_boundary! {
@@ -520,7 +520,7 @@ pub unsafe extern "C" fn gdr_buffer_copy_out(
         }
         let object = crate::api::buffer(buffer)?;
         // SAFETY: `dst` is valid for `len` bytes (the caller's contract).
-        object.with(|backend, b| unsafe { backend.copy_out(b, offset, dst, len) })
+        object.with(|backend, b| unsafe { backend.copy_out(b, offset, dst.cast(), len) })
     }
 }
 
