@@ -4,10 +4,10 @@
 //! READs and WRITEs, and the GPU fence for inbound writes.
 //!
 //! As for contexts, the C functions are written once: they call the
-//! object-safe traits below ([`AnyEngine`], [`AnyRegion`], [`AnyListener`],
-//! [`AnyPeer`], [`AnyGrant`], [`AnyBatch`]), which gdr-core's generic
-//! types implement once for every backend pair; a context's backend makes
-//! its engine ([`crate::instance::Backend::engine`]).
+//! object-safe traits of this module (`AnyEngine`, `AnyRegion`,
+//! `AnyListener`, `AnyPeer`, `AnyGrant`, `AnyBatch`), which gdr-core's
+//! generic types implement once for every backend pair; a context's
+//! backend makes its engine (`Backend::engine`).
 //!
 //! Objects refer to each other by what they hold, as in Rust: a region
 //! keeps its registrations (and the engine's NICs) alive, a grant its
