@@ -1,9 +1,10 @@
 #!/bin/bash
 # c-tests.sh: the C ABI from C. Builds libgdr (gdr-ffi) and, against
 # include/gdr.h, tests/c/abi.c (buffers, URIs between two contexts, every
-# promised refusal, a second dlopen'ed copy of the library) and hostile.c
-# (generated from gdr.h: every export fed zero, NULL, freed and short
-# arguments). Each runs twice: built with gcc's AddressSanitizer and UBSan,
+# promised refusal, a second dlopen'ed copy of the library), transfer.c (two
+# engines of one process: grants, descriptors, batched READs and WRITEs of
+# host and device memory, the refusals) and hostile.c (generated from gdr.h:
+# every export fed zero, NULL, freed and short arguments). Each runs twice: built with gcc's AddressSanitizer and UBSan,
 # and without them under Valgrind (the Rust side's memory checked there).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,10 +16,10 @@ cargo build -p gdr-ffi
 python3 gdr-ffi/tests/c/gen_hostile.py gdr-ffi/include/gdr.h "$OUT/hostile.c"
 # A second file of the same library: dlopen loads it as another instance.
 cp "$LIB/libgdr.so" "$OUT/libgdr-copy.so"
-CFLAGS=(-std=c11 -Wall -Wextra -Werror -g -I gdr-ffi/include)
+CFLAGS=(-std=c11 -Wall -Wextra -Werror -g -pthread -I gdr-ffi/include -I gdr-ffi/tests/c)
 LINK=(-L "$LIB" -lgdr -ldl -Wl,-rpath,"$LIB")
 failed=0
-for test in abi hostile; do
+for test in abi transfer hostile; do
   src="gdr-ffi/tests/c/$test.c"
   [ "$test" = hostile ] && src="$OUT/hostile.c"
   gcc "${CFLAGS[@]}" -fsanitize=address,undefined -fno-omit-frame-pointer \

@@ -64,6 +64,11 @@ enum gdr_result
   // The object is still in use (e.g. a buffer with registrations a
   // transfer or grant still holds).
   GDR_RESULT_BUSY = 7017,
+  // The caller cancelled the batch; nothing of it still runs.
+  GDR_RESULT_CANCELLED = 7018,
+  // The peer is gone (closed, disconnected, not answering): its
+  // requests fail; connect again.
+  GDR_RESULT_PEER_GONE = 7019,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -107,6 +112,8 @@ enum gdr_rung
   GDR_RUNG_PEERMEM = 1,
   // Through pinned host bounce buffers (no GPUDirect).
   GDR_RUNG_STAGING = 2,
+  // Host memory, registered as such (a region's rung; never a path's).
+  GDR_RUNG_HOST = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -139,6 +146,46 @@ typedef uint32_t gdr_memory;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// What a peer may do with a grant (the `rights` of [`gdr_peer_grant`]).
+enum gdr_rights
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // RDMA READ from the range.
+  GDR_RIGHTS_READ = 1,
+  // RDMA WRITE into the range.
+  GDR_RIGHTS_WRITE = 2,
+  // Both.
+  GDR_RIGHTS_READ_WRITE = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gdr_rights gdr_rights;
+#else
+typedef uint32_t gdr_rights;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// The direction of a transfer (the `op` of a [`GdrTransfer`]).
+enum gdr_op
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The peer's granted memory into the local region.
+  GDR_OP_READ = 0,
+  // The local region into the peer's granted memory.
+  GDR_OP_WRITE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gdr_op gdr_op;
+#else
+typedef uint32_t gdr_op;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Options of [`gdr_context_new`]; NULL means all defaults.
 typedef struct gdr_options {
   // Which backends.
@@ -168,6 +215,90 @@ typedef struct gdr_buffer_info {
   // The GPU for device and managed memory, else -1.
   int32_t device;
 } gdr_buffer_info;
+
+// Options of [`gdr_engine_new`]; NULL means all defaults, and so does 0
+// in a field.
+typedef struct gdr_engine_options {
+  // RC queue pairs per peer (at most 65535); 0: 2.
+  uint32_t qps_per_peer;
+  // Bound on a batch submitted without a timeout of its own, in
+  // milliseconds; 0: 30 s.
+  uint32_t default_timeout_ms;
+} gdr_engine_options;
+
+// A transfer engine: the NICs and GPUs of a context, its regions and
+// peers.
+typedef struct gdr_engine {
+  // Opaque; 0 is never a live engine.
+  uint64_t id;
+} gdr_engine;
+
+// A registered range of a buffer, for transfers and grants.
+typedef struct gdr_region {
+  // Opaque; 0 is never a live region.
+  uint64_t id;
+} gdr_region;
+
+// An engine listening for peers.
+typedef struct gdr_listener {
+  // Opaque; 0 is never a live listener.
+  uint64_t id;
+} gdr_listener;
+
+// A connection to another engine.
+typedef struct gdr_peer {
+  // Opaque; 0 is never a live peer.
+  uint64_t id;
+} gdr_peer;
+
+// A grant of part of a region to a peer.
+typedef struct gdr_grant {
+  // Opaque; 0 is never a live grant.
+  uint64_t id;
+} gdr_grant;
+
+// A peer's grant as this side knows it (a memory descriptor).
+typedef struct gdr_descriptor {
+  // Opaque; 0 is never a live descriptor.
+  uint64_t id;
+} gdr_descriptor;
+
+// What [`gdr_descriptor_get_info`] reports.
+typedef struct gdr_descriptor_info {
+  // The granting engine's id.
+  uint64_t owner;
+  // The grant's id on that engine (what [`gdr_peer_wait_grant`] takes).
+  uint64_t grant;
+  // Bytes granted.
+  uint64_t len;
+  // A `gdr_rights`.
+  uint32_t rights;
+  // The owner's GPU for GPU memory, else -1.
+  int32_t device;
+} gdr_descriptor_info;
+
+// One transfer of a batch: `len` bytes between `region` at
+// `local_offset` and the peer's grant `remote` at `remote_offset`.
+typedef struct gdr_transfer {
+  // A `gdr_op`: `GDR_OP_READ` or `GDR_OP_WRITE`.
+  uint32_t op;
+  // The local region (of the peer's engine).
+  struct gdr_region region;
+  // Offset in the region.
+  uint64_t local_offset;
+  // The peer's grant.
+  struct gdr_descriptor remote;
+  // Offset in the grant.
+  uint64_t remote_offset;
+  // Bytes, never 0.
+  uint64_t len;
+} gdr_transfer;
+
+// A submitted batch of transfers.
+typedef struct gdr_batch {
+  // Opaque; 0 is never a live batch.
+  uint64_t id;
+} gdr_batch;
 
 #ifdef __cplusplus
 extern "C" {
@@ -311,6 +442,297 @@ gdr_result gdr_buffer_free(struct gdr_buffer buffer);
 // # Safety
 // `context` valid for a write.
 gdr_result gdr_buffer_context(struct gdr_buffer buffer, struct gdr_context *context);
+
+// Copies `len` bytes from `src` into `buffer` at `offset`, synchronously:
+// a CPU copy for host memory, a copy on a stream of the buffer's GPU
+// (waited for) for device memory. For setting up and checking data, not
+// for speed; order it against transfers on the range yourself. Any
+// thread.
+//
+// # Safety
+// `src` must be valid for reads of `len` bytes.
+gdr_result gdr_buffer_copy_in(struct gdr_buffer buffer,
+                              uint64_t offset,
+                              const void *src,
+                              size_t len);
+
+// Copies `len` bytes of `buffer` at `offset` to `dst`, synchronously (see
+// [`gdr_buffer_copy_in`]). Any thread.
+//
+// # Safety
+// `dst` must be valid for writes of `len` bytes.
+gdr_result gdr_buffer_copy_out(struct gdr_buffer buffer, uint64_t offset, void *dst, size_t len);
+
+// Creates a transfer engine over every NIC of `context` and the GPUs
+// those NICs reach, with `options` (NULL: defaults), and writes its
+// handle to `out`. Every simulated context of a process is a node of one
+// simulated fabric, so engines of two sim contexts connect to each other
+// (see [`gdr_engine_nic_address`]). Any thread; an engine's functions may
+// be called from any thread, concurrently.
+//
+// # Safety
+// `options` NULL or valid for a read; `out` valid for a write.
+gdr_result gdr_engine_new(struct gdr_context context,
+                          const struct gdr_engine_options *options,
+                          struct gdr_engine *out);
+
+// Frees the engine's handle. The engine itself goes once its regions,
+// listeners, peers, grants and batches are freed (each holds it). Any
+// thread; the handle is invalid afterwards.
+gdr_result gdr_engine_free(struct gdr_engine engine);
+
+// Writes the number of NICs the engine uses (NIC indices run from 0).
+// Any thread.
+//
+// # Safety
+// `count` valid for a write.
+gdr_result gdr_engine_nic_count(struct gdr_engine engine, uint32_t *count);
+
+// Writes the IP address peers reach the engine's NIC `nic` at (its RoCE
+// v2 address), as text, e.g. `10.128.0.1`: listen on it (with a port)
+// and connect to it. See [`crate::api::gdr_last_error_message`] for
+// `buf`, `len` and `needed`. Any thread.
+//
+// # Safety
+// `buf` valid for `len` bytes of writes; `needed` NULL or valid for a
+// write.
+gdr_result gdr_engine_nic_address(struct gdr_engine engine,
+                                  uint32_t nic,
+                                  char *buf,
+                                  size_t len,
+                                  size_t *needed);
+
+// Registers `len` bytes at `offset` of `buffer` (a buffer of the
+// engine's context) on every NIC of the engine, each on the first rung
+// of the registration ladder that works there ([`gdr_region_rungs`]),
+// and writes the region's handle to `out`. The buffer cannot be freed
+// (`GDR_RESULT_BUSY`) while regions, grants or transfers use it. Any
+// thread.
+//
+// # Safety
+// `out` valid for a write.
+gdr_result gdr_region_register(struct gdr_engine engine,
+                               struct gdr_buffer buffer,
+                               uint64_t offset,
+                               uint64_t len,
+                               struct gdr_region *out);
+
+// Frees the region's handle; its registrations go once no grant or
+// batch holds them. Any thread; the handle is invalid afterwards.
+gdr_result gdr_region_free(struct gdr_region region);
+
+// Writes the rung the region took on each NIC of its engine, in NIC
+// order, into `rungs` (room for `len`; NULL with `len` 0 to ask), and the
+// number of NICs to `count` (may be NULL). `GDR_RESULT_BUFFER_TOO_SMALL`
+// (nothing written to `rungs`) when `len` is short. Any thread.
+//
+// # Safety
+// `rungs` valid for `len` writes; `count` NULL or valid for a write.
+gdr_result gdr_region_rungs(struct gdr_region region, gdr_rung *rungs, size_t len, size_t *count);
+
+// The GPU fence for data a peer WROTE into `region` (a region of
+// `engine`): call it once the peer says its WRITE batch completed;
+// kernels launched afterwards see the data. Flushes only where the GPU
+// needs it; host memory needs nothing. `flushed` (may be NULL) says
+// whether a flush was made. Any thread.
+//
+// # Safety
+// `flushed` NULL or valid for a write.
+gdr_result gdr_engine_fence_inbound_writes(struct gdr_engine engine,
+                                           struct gdr_region region,
+                                           bool *flushed);
+
+// Listens for peers on `addr`, `"ip:port"` (port 0: one is assigned; see
+// [`gdr_listener_local_addr`]); the IP is one of the engine's NICs'
+// ([`gdr_engine_nic_address`]) or `0.0.0.0` for all. Connect requests
+// are answered by a thread of the engine; [`gdr_listener_accept`] hands
+// out the peers. Any thread.
+//
+// # Safety
+// `addr` a NUL-terminated string; `out` valid for a write.
+gdr_result gdr_engine_listen(struct gdr_engine engine, const char *addr, struct gdr_listener *out);
+
+// Writes the address the listener is bound to, `"ip:port"` (see
+// [`crate::api::gdr_last_error_message`] for `buf`, `len`, `needed`).
+// Any thread, also while another accepts.
+//
+// # Safety
+// As for [`crate::api::gdr_last_error_message`].
+gdr_result gdr_listener_local_addr(struct gdr_listener listener,
+                                   char *buf,
+                                   size_t len,
+                                   size_t *needed);
+
+// Waits up to `timeout_ms` for a peer to connect and writes its handle to
+// `out`; `GDR_RESULT_TIMEOUT` if none did. The connection's handshake
+// finishes here: a peer's [`gdr_engine_connect`] completes only while
+// this side accepts (call it on another thread, or in another process).
+// Any thread; concurrent accepts on one listener take turns.
+//
+// # Safety
+// `out` valid for a write.
+gdr_result gdr_listener_accept(struct gdr_listener listener,
+                               uint32_t timeout_ms,
+                               struct gdr_peer *out);
+
+// Frees the listener: new peers are refused; peers accepted stay. Any
+// thread; the handle is invalid afterwards (an accept running meanwhile
+// finishes first).
+gdr_result gdr_listener_free(struct gdr_listener listener);
+
+// Connects to the engine listening at `addr` (`"ip:port"`), waiting at
+// most `timeout_ms`, and writes the peer's handle to `out`. The other
+// side must be in [`gdr_listener_accept`] meanwhile (another thread or
+// process): the handshake needs both. Any thread.
+//
+// # Safety
+// `addr` a NUL-terminated string; `out` valid for a write.
+gdr_result gdr_engine_connect(struct gdr_engine engine,
+                              const char *addr,
+                              uint32_t timeout_ms,
+                              struct gdr_peer *out);
+
+// Closes the connection (transfers in flight on it fail) and frees the
+// handle. Grants to the peer stay valid handles until revoked. Any
+// thread; the handle is invalid afterwards.
+gdr_result gdr_peer_free(struct gdr_peer peer);
+
+// Grants `len` bytes at `offset` of `region` (a region of the peer's
+// engine) to `peer` with `rights` (a `gdr_rights`): registrations of
+// exactly that range and rights, announced to the peer, which receives
+// it with [`gdr_peer_wait_grant`] (by [`gdr_grant_id`]) or from the
+// descriptor sent some other way. Any thread.
+//
+// # Safety
+// `out` valid for a write.
+gdr_result gdr_peer_grant(struct gdr_peer peer,
+                          struct gdr_region region,
+                          uint64_t offset,
+                          uint64_t len,
+                          uint32_t rights,
+                          struct gdr_grant *out);
+
+// Writes the grant's id (what the peer's [`gdr_peer_wait_grant`] waits
+// for). Any thread.
+//
+// # Safety
+// `id` valid for a write.
+gdr_result gdr_grant_id(struct gdr_grant grant, uint64_t *id);
+
+// Writes the grant's descriptor in binary form into `buf` of `len` bytes
+// (`needed`, may be NULL, gets its length; `buf` may be NULL with `len` 0
+// to ask; `GDR_RESULT_BUFFER_TOO_SMALL`, nothing written, when short).
+// The peer parses it with [`gdr_descriptor_decode`]; it is usable only
+// on the connection it was granted on. Any thread.
+//
+// # Safety
+// `buf` valid for `len` bytes of writes; `needed` NULL or valid for a
+// write.
+gdr_result gdr_grant_descriptor(struct gdr_grant grant, uint8_t *buf, size_t len, size_t *needed);
+
+// Writes the grant's descriptor as text (`gdr-md:v2:...`, NUL-terminated;
+// see [`crate::api::gdr_last_error_message`] for `buf`, `len`, `needed`).
+// The peer parses it with [`gdr_descriptor_parse_text`]. Any thread.
+//
+// # Safety
+// As for [`crate::api::gdr_last_error_message`].
+gdr_result gdr_grant_descriptor_text(struct gdr_grant grant, char *buf, size_t len, size_t *needed);
+
+// Revokes the grant and frees its handle: the peer is told, and its NIC
+// access ends with the grant's registrations (a request of the peer
+// racing the revocation fails with `GDR_RESULT_REFUSED`). Any thread;
+// the handle is invalid afterwards.
+gdr_result gdr_grant_revoke(struct gdr_grant grant);
+
+// Waits up to `timeout_ms` for the peer to announce grant `grant_id` on
+// this connection and writes a descriptor handle for it to `out`;
+// `GDR_RESULT_TIMEOUT` if it did not. Any thread.
+//
+// # Safety
+// `out` valid for a write.
+gdr_result gdr_peer_wait_grant(struct gdr_peer peer,
+                               uint64_t grant_id,
+                               uint32_t timeout_ms,
+                               struct gdr_descriptor *out);
+
+// Parses a descriptor's text form (from [`gdr_grant_descriptor_text`])
+// into a handle. A descriptor is only usable on the connection its grant
+// was made on, and only while it is what the peer announced there: a
+// forged or altered one is refused at submit. Any thread.
+//
+// # Safety
+// `text` a NUL-terminated string; `out` valid for a write.
+gdr_result gdr_descriptor_parse_text(const char *text, struct gdr_descriptor *out);
+
+// Decodes a descriptor's binary form (`len` bytes at `bytes`, from
+// [`gdr_grant_descriptor`]) into a handle; see
+// [`gdr_descriptor_parse_text`]. Any thread.
+//
+// # Safety
+// `bytes` valid for reads of `len` bytes; `out` valid for a write.
+gdr_result gdr_descriptor_decode(const uint8_t *bytes, size_t len, struct gdr_descriptor *out);
+
+// Writes what a descriptor says: its owner engine, grant id, length,
+// rights and memory. Any thread.
+//
+// # Safety
+// `info` valid for a write.
+gdr_result gdr_descriptor_get_info(struct gdr_descriptor descriptor,
+                                   struct gdr_descriptor_info *info);
+
+// Frees a descriptor handle (batches submitted with it are not
+// affected). Any thread; the handle is invalid afterwards.
+gdr_result gdr_descriptor_free(struct gdr_descriptor descriptor);
+
+// Submits `count` transfers to `peer` as one batch that must end within
+// `timeout_ms` (0: the engine's default timeout) and writes its handle to
+// `out`. Every transfer is checked before anything is posted: its region
+// of the peer's engine and in bounds, its descriptor a live grant of this
+// peer on this connection allowing the operation and holding the range
+// (`GDR_RESULT_REFUSED` otherwise). The batch ends exactly once:
+// [`gdr_batch_poll`], [`gdr_batch_wait`]. Stream-ordered fences (a
+// `CUstream` waiting for a batch) are not yet in the C ABI. Any thread.
+//
+// # Safety
+// `transfers` valid for reads of `count` elements; `out` valid for a
+// write.
+gdr_result gdr_peer_submit(struct gdr_peer peer,
+                           const struct gdr_transfer *transfers,
+                           size_t count,
+                           uint32_t timeout_ms,
+                           struct gdr_batch *out);
+
+// Whether the batch has ended, without blocking (it makes progress
+// once): `done` gets that, and once done `result` gets its outcome
+// (`GDR_RESULT_OK`, or the first failure's code with its message in the
+// thread's last error); `result` is left alone while running. Stream-ordered
+// fences are not yet in the C ABI. Any thread.
+//
+// # Safety
+// `done` and `result` valid for writes.
+gdr_result gdr_batch_poll(struct gdr_batch batch, bool *done, gdr_result *result);
+
+// Waits up to `timeout_ms` for the batch to end, making progress, and
+// returns its outcome: `GDR_RESULT_OK`, or the first failure's code
+// (message in the last error): `GDR_RESULT_REFUSED` (the peer's NIC
+// refused the access: revoked, out of the grant), `GDR_RESULT_PEER_GONE`,
+// `GDR_RESULT_CANCELLED`, `GDR_RESULT_TIMEOUT` (its own deadline
+// passed). Still running after `timeout_ms`: `GDR_RESULT_TIMEOUT` too,
+// the batch left running ([`gdr_batch_poll`] tells the two apart). A
+// batch that READ into GPU memory is fenced for kernels before this
+// returns `GDR_RESULT_OK`; stream-ordered fences are not yet in the C
+// ABI. Any thread; several may wait on one batch.
+gdr_result gdr_batch_wait(struct gdr_batch batch, uint32_t timeout_ms);
+
+// Cancels the batch: what is not posted is dropped; it ends with
+// `GDR_RESULT_CANCELLED` once nothing of it is in flight (unless it ended
+// first). Any thread.
+gdr_result gdr_batch_cancel(struct gdr_batch batch);
+
+// Frees the batch's handle. A batch still running is not cancelled: it
+// runs to its end (its regions held until then). Any thread; the handle
+// is invalid afterwards.
+gdr_result gdr_batch_free(struct gdr_batch batch);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -77,6 +77,8 @@ pub enum GdrRung {
     Peermem = 1,
     /// Through pinned host bounce buffers (no GPUDirect).
     Staging = 2,
+    /// Host memory, registered as such (a region's rung; never a path's).
+    Host = 3,
 }
 
 /// What [`gdr_buffer_get_info`] reports.
@@ -96,19 +98,21 @@ pub struct GdrBufferInfo {
 static CONTEXTS: Table<ContextObject> = Table::new(Kind::Context);
 static BUFFERS: Table<BufferObject> = Table::new(Kind::Buffer);
 
-struct ContextObject {
-    backend: Arc<dyn Backend>,
+pub(crate) struct ContextObject {
+    pub(crate) backend: Arc<dyn Backend>,
 }
 
 /// A buffer and the backend that made it. `None` while being freed.
-struct BufferObject {
-    context: u64,
+pub(crate) struct BufferObject {
+    pub(crate) context: u64,
     backend: Arc<dyn Backend>,
     buffer: Mutex<Option<AnyBuffer>>,
 }
 
 impl BufferObject {
-    fn with<T>(
+    /// Runs `f` on the buffer and its backend (refused while it is being
+    /// freed).
+    pub(crate) fn with<T>(
         &self,
         f: impl FnOnce(&dyn Backend, &AnyBuffer) -> Result<T, FfiError>,
     ) -> Result<T, FfiError> {
@@ -120,11 +124,11 @@ impl BufferObject {
     }
 }
 
-fn context(handle: GdrContext) -> Result<Arc<ContextObject>, FfiError> {
+pub(crate) fn context(handle: GdrContext) -> Result<Arc<ContextObject>, FfiError> {
     CONTEXTS.get(handle.id)
 }
 
-fn buffer(handle: GdrBuffer) -> Result<Arc<BufferObject>, FfiError> {
+pub(crate) fn buffer(handle: GdrBuffer) -> Result<Arc<BufferObject>, FfiError> {
     BUFFERS.get(handle.id)
 }
 

@@ -36,6 +36,12 @@ pub(crate) fn call(body: impl FnOnce() -> Result<(), FfiError>) -> GdrResult {
     result
 }
 
+/// Records `error` as the thread's last error without failing the call
+/// (an outcome an export reports through an output, e.g. a batch's).
+pub(crate) fn record(error: FfiError) {
+    let _ = LAST_ERROR.try_with(|last| *last.borrow_mut() = Some(error));
+}
+
 /// The body of every `extern "C"` function of this crate: a closure
 /// returning `Result<(), FfiError>`, run behind the panic boundary.
 macro_rules! ffi_boundary {

@@ -29,6 +29,13 @@ const MAX_SLOTS: usize = 1 << INDEX_BITS;
 pub(crate) enum Kind {
     Context = 1,
     Buffer = 2,
+    Engine = 3,
+    Region = 4,
+    Listener = 5,
+    Peer = 6,
+    Grant = 7,
+    Descriptor = 8,
+    Batch = 9,
 }
 
 impl Kind {
@@ -36,6 +43,13 @@ impl Kind {
         match self {
             Self::Context => "context",
             Self::Buffer => "buffer",
+            Self::Engine => "engine",
+            Self::Region => "region",
+            Self::Listener => "listener",
+            Self::Peer => "peer",
+            Self::Grant => "grant",
+            Self::Descriptor => "descriptor",
+            Self::Batch => "batch",
         }
     }
 }

@@ -6,16 +6,21 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 use gdr_core::buffer::Buffer;
 use gdr_core::cache::{CacheConfig, RegistrationCache};
+use gdr_core::engine::{Engine, EngineConfig};
 use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, Rung};
 use gdr_core::uri::BufferUri;
-use hal_cuda::{Context as _, Driver as _, MemoryType};
-use hal_verbs::Provider as _;
+use gdr_sim::{DeviceConfig, GpuConfig, NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+use hal_cuda::{Context as _, Driver as _, MemoryType, Stream as _};
+use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
+use crate::engine::AnyEngine;
 use crate::result::{FfiError, GdrResult};
 
 /// A buffer of some backend, type-erased (`Buffer<C>` inside).
@@ -67,6 +72,34 @@ pub(crate) trait Backend: Send + Sync {
     /// Frees `buffer` unless MRs still cover it past its release timeout;
     /// handed back then.
     fn release(&self, buffer: AnyBuffer) -> Result<(), (AnyBuffer, FfiError)>;
+    /// Copies `len` bytes from `src` into `buffer` at `offset` (a stream
+    /// copy for device memory, synchronized).
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes.
+    unsafe fn copy_in(
+        &self,
+        buffer: &AnyBuffer,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), FfiError>;
+    /// Copies `len` bytes of `buffer` at `offset` to `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes.
+    unsafe fn copy_out(
+        &self,
+        buffer: &AnyBuffer,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), FfiError>;
+    /// A transfer engine over the context's NICs and the GPUs they reach.
+    fn engine(&self, config: EngineConfig) -> Result<Arc<dyn AnyEngine>, FfiError>;
+    /// The address NIC `nic` is reached at (its RoCE v2 GID on port 1,
+    /// IPv4 first).
+    fn nic_address(&self, nic: &str) -> Result<IpAddr, FfiError>;
 }
 
 /// A context's backends, with the GPUs' contexts retained.
@@ -97,8 +130,51 @@ impl BackendTask for Open {
     }
 }
 
-/// Opens the backends `choice` names.
+/// The simulated fabric of this process: every simulated context is a node
+/// of it, so engines of two sim contexts reach each other as two machines
+/// on one network would.
+static SIM_FABRIC: LazyLock<SimFabric> = LazyLock::new(SimFabric::new);
+
+/// First address of the sim contexts' nodes: 10.128.0.0/9, four
+/// addresses per node (apart from the `10.77.<node>.1` the fabric assigns
+/// itself).
+const SIM_NODE_BASE: Ipv4Addr = Ipv4Addr::new(10, 128, 0, 1);
+
+/// The simulation for a new context: a node of [`SIM_FABRIC`] with one
+/// NIC at an address of its own, and one simulated GPU.
+fn sim_node() -> Result<Backends<SimVerbsApi, SimCudaApi>, FfiError> {
+    static NODES: AtomicU32 = AtomicU32::new(0);
+    let node = NODES.fetch_add(1, Ordering::Relaxed);
+    let addr = node
+        .checked_mul(4)
+        .and_then(|o| u32::from(SIM_NODE_BASE).checked_add(o))
+        .map(Ipv4Addr::from)
+        .filter(|a| a.octets()[0] == 10)
+        .ok_or_else(|| {
+            FfiError::new(
+                GdrResult::OutOfResources,
+                "the process's simulated fabric has no address left for another context",
+            )
+        })?;
+    let backends = Backends::sim(
+        &SIM_FABRIC,
+        NodeConfig {
+            ipv4: Some(addr),
+            devices: vec![DeviceConfig::default()],
+        },
+        vec![GpuConfig::default()],
+    );
+    Ok(backends.with_note(format!(
+        "simulated node {addr} on this process's simulated fabric (shared by every sim context)"
+    )))
+}
+
+/// Opens the backends `choice` names: the simulation as a node of the
+/// process's simulated fabric.
 pub(crate) fn open(choice: BackendChoice) -> Result<Arc<dyn Backend>, FfiError> {
+    if choice == BackendChoice::Sim {
+        return Open.run(sim_node()?);
+    }
     run_with(choice, Open).map_err(|e| {
         let result = match &e {
             gdr_core::backend::BackendError::Verbs { source } => GdrResult::from(source),
@@ -326,5 +402,99 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backend for Instance<V, C> {
                 ),
             )
         })
+    }
+
+    unsafe fn copy_in(
+        &self,
+        buffer: &AnyBuffer,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), FfiError> {
+        let buffer = self.buffer(buffer)?;
+        check_range(buffer, offset, len)?;
+        if buffer.memory_type() == MemoryType::Device {
+            let stream = self
+                .gpu(buffer.device_ordinal().unwrap_or(0))?
+                .create_stream()?;
+            // SAFETY: `len` bytes at `offset` lie in the device buffer
+            // (checked), `src` holds `len` readable bytes (the caller's
+            // contract), and the stream is synchronized before returning.
+            unsafe { stream.copy_host_to_device(buffer.addr() + offset, src, len) }?;
+            return Ok(stream.synchronize()?);
+        }
+        // SAFETY: `src` is valid for reads of `len` bytes (the caller's
+        // contract); not NULL (checked by the export).
+        let data = unsafe { std::slice::from_raw_parts(src, len) };
+        buffer
+            .write_at(offset, data)
+            .map_err(|e| FfiError::invalid("buffer", e))
+    }
+
+    unsafe fn copy_out(
+        &self,
+        buffer: &AnyBuffer,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), FfiError> {
+        let buffer = self.buffer(buffer)?;
+        check_range(buffer, offset, len)?;
+        if buffer.memory_type() == MemoryType::Device {
+            let stream = self
+                .gpu(buffer.device_ordinal().unwrap_or(0))?
+                .create_stream()?;
+            // SAFETY: as in copy_in, the other way.
+            unsafe { stream.copy_device_to_host(dst, buffer.addr() + offset, len) }?;
+            return Ok(stream.synchronize()?);
+        }
+        // SAFETY: `dst` is valid for writes of `len` bytes (the caller's
+        // contract), not NULL (checked by the export), and not the
+        // buffer's own memory as a Rust reference (read_at copies through
+        // raw pointers).
+        let out = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+        buffer
+            .read_at(offset, out)
+            .map_err(|e| FfiError::invalid("buffer", e))
+    }
+
+    fn engine(&self, config: EngineConfig) -> Result<Arc<dyn AnyEngine>, FfiError> {
+        let engine = Engine::<V, C>::new(
+            self.backends.verbs(),
+            self.backends.registrable_cuda(),
+            config,
+        )?;
+        Ok(Arc::new(engine))
+    }
+
+    fn nic_address(&self, nic: &str) -> Result<IpAddr, FfiError> {
+        let table = self.backends.verbs().open(nic)?.gid_table(1)?;
+        hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4)
+            .or_else(|| hal_verbs::select_roce_v2_gid(&table, AddressFamily::V6))
+            .map(|entry| entry.gid.to_ip())
+            .ok_or_else(|| {
+                FfiError::new(
+                    GdrResult::NotSupported,
+                    format!("{nic} port 1 has no RoCE v2 address"),
+                )
+            })
+    }
+}
+
+/// `len` bytes at `offset` lie in `buffer`.
+fn check_range<C: hal_cuda::Api>(
+    buffer: &Buffer<C>,
+    offset: u64,
+    len: usize,
+) -> Result<(), FfiError> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= buffer.len() => Ok(()),
+        _ => Err(FfiError::invalid(
+            "len",
+            format!(
+                "{len} bytes at offset {offset} exceed the buffer's {} bytes",
+                buffer.len()
+            ),
+        )),
     }
 }

@@ -72,6 +72,7 @@ use std::ffi::{CStr, c_char};
 
 pub mod api;
 mod boundary;
+pub mod engine;
 mod handle;
 mod instance;
 mod result;

@@ -4,7 +4,7 @@
 
 use std::ffi::CStr;
 
-use gdr_core::engine::EngineError;
+use gdr_core::engine::{EngineError, TransferError};
 use gdr_core::ladder::LadderError;
 use gdr_core::uri::UriError;
 use hal_cuda::CudaError;
@@ -60,11 +60,16 @@ pub enum GdrResult {
     /// The object is still in use (e.g. a buffer with registrations a
     /// transfer or grant still holds).
     Busy = 7017,
+    /// The caller cancelled the batch; nothing of it still runs.
+    Cancelled = 7018,
+    /// The peer is gone (closed, disconnected, not answering): its
+    /// requests fail; connect again.
+    PeerGone = 7019,
 }
 
 impl GdrResult {
     /// Every result, for lookups by number.
-    pub(crate) const ALL: [GdrResult; 18] = [
+    pub(crate) const ALL: [GdrResult; 20] = [
         GdrResult::Ok,
         GdrResult::LibraryUnavailable,
         GdrResult::NoDevice,
@@ -83,6 +88,8 @@ impl GdrResult {
         GdrResult::BufferTooSmall,
         GdrResult::Refused,
         GdrResult::Busy,
+        GdrResult::Cancelled,
+        GdrResult::PeerGone,
     ];
 
     pub(crate) fn message(self) -> &'static CStr {
@@ -107,6 +114,8 @@ impl GdrResult {
             Self::BufferTooSmall => c"output buffer too small",
             Self::Refused => c"refused by the peer",
             Self::Busy => c"still in use",
+            Self::Cancelled => c"cancelled",
+            Self::PeerGone => c"the peer is gone",
         }
     }
 }
@@ -184,17 +193,44 @@ impl From<UriError> for FfiError {
     }
 }
 
+impl From<&LadderError> for GdrResult {
+    fn from(error: &LadderError) -> Self {
+        match error {
+            LadderError::Attributes { source, .. } => Self::from(source),
+            LadderError::ManagedMemory { .. } => Self::NotSupported,
+            LadderError::OutsideAllocation { .. } | LadderError::UnknownGpu { .. } => {
+                Self::InvalidArgument
+            }
+            _ => Self::Other,
+        }
+    }
+}
+
 impl From<LadderError> for FfiError {
     fn from(error: LadderError) -> Self {
-        let result = match &error {
-            LadderError::Attributes { source, .. } => GdrResult::from(source),
-            LadderError::ManagedMemory { .. } => GdrResult::NotSupported,
-            LadderError::OutsideAllocation { .. } | LadderError::UnknownGpu { .. } => {
-                GdrResult::InvalidArgument
+        Self::new(GdrResult::from(&error), error.to_string())
+    }
+}
+
+impl From<&TransferError> for GdrResult {
+    fn from(error: &TransferError) -> Self {
+        match error {
+            TransferError::RemoteAccess { .. } | TransferError::StagedRefused { .. } => {
+                Self::Refused
             }
-            _ => GdrResult::Other,
-        };
-        Self::new(result, error.to_string())
+            TransferError::RetryExceeded { .. } | TransferError::PeerGone { .. } => Self::PeerGone,
+            TransferError::Timeout { .. } => Self::Timeout,
+            TransferError::Cancelled => Self::Cancelled,
+            TransferError::DeviceFatal { .. } => Self::DeviceLost,
+            TransferError::StreamFailed { source } => Self::from(source),
+            _ => Self::Other,
+        }
+    }
+}
+
+impl From<TransferError> for FfiError {
+    fn from(error: TransferError) -> Self {
+        Self::new(GdrResult::from(&error), error.to_string())
     }
 }
 
@@ -202,15 +238,21 @@ impl From<EngineError> for FfiError {
     fn from(error: EngineError) -> Self {
         let result = match &error {
             EngineError::Verbs { source, .. } => GdrResult::from(source),
-            EngineError::Ladder(_) => return Self::new(GdrResult::Other, error.to_string()),
+            EngineError::Ladder(source) => GdrResult::from(source),
+            EngineError::Cuda(source) => GdrResult::from(source),
             EngineError::Descriptor(_) | EngineError::Wire(_) => GdrResult::InvalidArgument,
+            // Outside the peer's grant: the grant refuses it.
+            EngineError::OutOfBounds { what, .. } if *what == "remote grant" => GdrResult::Refused,
             EngineError::OutOfBounds { .. } | EngineError::MessageTooLarge { .. } => {
                 GdrResult::InvalidArgument
             }
             EngineError::NotGranted { .. }
             | EngineError::AccessDenied { .. }
-            | EngineError::Refused(_)
-            | EngineError::PeerGone(_) => GdrResult::Refused,
+            | EngineError::Refused(_) => GdrResult::Refused,
+            EngineError::PeerGone(_) => GdrResult::PeerGone,
+            EngineError::Handshake { .. } => GdrResult::ConnectionRejected,
+            EngineError::Timeout(_) => GdrResult::Timeout,
+            EngineError::Unavailable(_) => GdrResult::NoDevice,
             _ => GdrResult::Other,
         };
         Self::new(result, error.to_string())

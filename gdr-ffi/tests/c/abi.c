@@ -9,33 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "gdr.h"
-
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                      \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                    \
-      fprintf(stderr, __VA_ARGS__);                                           \
-      fprintf(stderr, "\n");                                                  \
-      failures++;                                                             \
-    }                                                                         \
-  } while (0)
-
-static const char *last_error(void) {
-  static char buf[1024];
-  if (gdr_last_error_message(buf, sizeof buf, NULL) != GDR_RESULT_OK)
-    strcpy(buf, "(no message)");
-  return buf;
-}
-
-#define EXPECT(call, want)                                                    \
-  do {                                                                        \
-    gdr_result got_ = (call);                                                 \
-    CHECK(got_ == (want), "%s: %u (%s), want %u", #call, (unsigned)got_,      \
-          gdr_result_message(got_), (unsigned)(want));                        \
-  } while (0)
 
 static gdr_context sim_context(void) {
   gdr_options options = {.backend = GDR_BACKEND_SIM};
