@@ -484,3 +484,31 @@ fn a_batch_over_two_grants_reaches_each_and_checks_each() {
     .wait(T)
     .unwrap();
 }
+
+/// A region belongs to the engine that registered it (its MRs are in that
+/// engine's protection domains): another engine refuses to post it or
+/// grant it, before anything reaches a NIC.
+#[test]
+fn a_region_of_another_engine_is_refused() {
+    let w = world(1, GpuConfig::default(), config(2));
+    let (_s, theirs) = w.b.host(1 << 16, 1);
+    let (_d, dst) = w.b.host(1 << 16, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+    let before = w.ab.counters();
+    let err =
+        w.ab.submit(&[Transfer::write(&theirs, 0, &remote, 0, 16)])
+            .unwrap_err();
+    assert!(
+        matches!(&err, EngineError::Refused(why) if why.contains("region of engine")),
+        "{err}"
+    );
+    let err =
+        w.ab.grant(&theirs, 0, 4096, GrantRights::Read)
+            .map(|_| ())
+            .unwrap_err();
+    assert!(
+        matches!(&err, EngineError::Refused(why) if why.contains("region of engine")),
+        "{err}"
+    );
+    assert_eq!(w.ab.counters(), before, "nothing posted");
+}

@@ -320,6 +320,8 @@ struct ControlBuffers<V: Api, C: hal_cuda::Api> {
 
 struct PeerState<V: Api, C: hal_cuda::Api> {
     addr: SocketAddr,
+    /// This engine's id (regions of another engine are refused).
+    local_engine: u64,
     engine: u64,
     session: u64,
     /// This side connected (and so re-establishes failed queue pairs).
@@ -684,6 +686,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     ) -> Result<Region<V>, EngineError> {
         let _span = tracing::debug_span!("engine_register", len).entered();
         Region::register(
+            self.shared.id,
             buffer,
             offset,
             len,
@@ -923,6 +926,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         let mut peer = PeerState {
             addr,
+            local_engine: self.shared.id,
             engine: hello.engine,
             session,
             connector,
@@ -2348,7 +2352,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         len: u64,
         rights: GrantRights,
     ) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError> {
-        region.check(offset, len)?;
+        region.check(self.engine.shared.id, offset, len)?;
         let nics = self.read_peer(|_, p| {
             let mut nics: Vec<usize> = p.qps.iter().map(|q| q.nic).collect();
             nics.sort_unstable();
@@ -2689,7 +2693,7 @@ fn check_transfer_of<V: Api, C: hal_cuda::Api>(
     t: &Transfer<'_, V>,
     known: bool,
 ) -> Result<(), EngineError> {
-    t.local.check(t.local_offset, t.len)?;
+    t.local.check(peer.local_engine, t.local_offset, t.len)?;
     let d = t.remote;
     if !known {
         let not_granted = || EngineError::NotGranted {

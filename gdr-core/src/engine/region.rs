@@ -29,6 +29,9 @@ pub struct Region<V: Api> {
 }
 
 pub(super) struct RegionInner<V: Api> {
+    /// The engine that registered it: its MRs are in that engine's
+    /// protection domains, so no other engine may post or grant them.
+    pub(super) engine: u64,
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) location: MemoryLocation,
@@ -136,6 +139,7 @@ impl<V: Api> fmt::Debug for Region<V> {
 impl<V: Api> Region<V> {
     /// Registers `len` bytes at `offset` of `buffer` on each of `ladders`.
     pub(super) fn register<'l, C: hal_cuda::Api + 'l>(
+        engine: u64,
         buffer: &Buffer<C>,
         offset: u64,
         len: u64,
@@ -170,6 +174,7 @@ impl<V: Api> Region<V> {
         };
         Ok(Self {
             inner: Arc::new(RegionInner {
+                engine,
                 addr: buffer.addr() + offset,
                 len,
                 location,
@@ -216,7 +221,15 @@ impl<V: Api> Region<V> {
         self.inner.per_nic.get(nic).map(|n| n.pieces.as_slice())
     }
 
-    pub(super) fn check(&self, offset: u64, len: u64) -> Result<(), EngineError> {
+    /// Checks that engine `engine` may use `len` bytes at `offset`: the
+    /// region is its own and the range lies inside.
+    pub(super) fn check(&self, engine: u64, offset: u64, len: u64) -> Result<(), EngineError> {
+        if self.inner.engine != engine {
+            return Err(EngineError::Refused(format!(
+                "a region of engine {:#x} used with engine {engine:#x}",
+                self.inner.engine
+            )));
+        }
         check_within("local region", offset, len, self.inner.len)
     }
 }
