@@ -5,7 +5,9 @@
 # engines of one process: grants, descriptors, batched READs and WRITEs of
 # host and device memory, the refusals) and hostile.c (generated from gdr.h:
 # every export fed zero, NULL, freed and short arguments). Each runs twice: built with gcc's AddressSanitizer and UBSan,
-# and without them under Valgrind (the Rust side's memory checked there).
+# and without them under Valgrind (the Rust side's memory checked there);
+# on the simulation (GDR_BACKEND=sim). uri_share.c shares a GPU buffer
+# between two processes by its gdr:// URI (the sim's IPC across processes).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -19,16 +21,16 @@ cp "$LIB/libgdr.so" "$OUT/libgdr-copy.so"
 CFLAGS=(-std=c11 -Wall -Wextra -Werror -g -pthread -I gdr-ffi/include -I gdr-ffi/tests/c)
 LINK=(-L "$LIB" -lgdr -ldl -Wl,-rpath,"$LIB")
 failed=0
-for test in abi transfer hostile; do
+for test in abi transfer uri_share hostile; do
   src="gdr-ffi/tests/c/$test.c"
   [ "$test" = hostile ] && src="$OUT/hostile.c"
   gcc "${CFLAGS[@]}" -fsanitize=address,undefined -fno-omit-frame-pointer \
     -fno-sanitize-recover=undefined "$src" "${LINK[@]}" -o "$OUT/$test-asan"
   gcc "${CFLAGS[@]}" "$src" "${LINK[@]}" -o "$OUT/$test"
   echo "== $test (gcc ASan + UBSan)"
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 "$OUT/$test-asan" "$OUT/libgdr-copy.so" || failed=1
+  GDR_BACKEND=sim ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 "$OUT/$test-asan" "$OUT/libgdr-copy.so" || failed=1
   echo "== $test (Valgrind memcheck)"
-  valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite --show-possibly-lost=no \
-    "$OUT/$test" "$OUT/libgdr-copy.so" || failed=1
+  GDR_BACKEND=sim valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite \
+    --show-possibly-lost=no "$OUT/$test" "$OUT/libgdr-copy.so" || failed=1
 done
 exit $failed

@@ -84,13 +84,19 @@ enum gdr_backend
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
-  // `GDR_BACKEND=sim` or `real` in the environment decides; unset:
-  // real.
+  // `GDR_BACKEND=sim`, `real` or `auto` in the environment decides;
+  // unset: real.
   GDR_BACKEND_DEFAULT = 0,
   // Real rdma-core and CUDA, or an error: never the simulation.
   GDR_BACKEND_REAL = 1,
   // The simulated NIC and GPU (tests, machines without hardware).
   GDR_BACKEND_SIM = 2,
+  // Real hardware where found, the simulation standing in for what is
+  // missing (e.g. a GPU machine without an RDMA NIC: real CUDA, the
+  // simulated NIC), each stand-in said by [`gdr_context_describe`].
+  // Asked for, never taken silently; such a context's simulated NIC
+  // reaches no other context.
+  GDR_BACKEND_AUTO = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -36,13 +36,19 @@ pub struct GdrBuffer {
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GdrBackend {
-    /// `GDR_BACKEND=sim` or `real` in the environment decides; unset:
-    /// real.
+    /// `GDR_BACKEND=sim`, `real` or `auto` in the environment decides;
+    /// unset: real.
     Default = 0,
     /// Real rdma-core and CUDA, or an error: never the simulation.
     Real = 1,
     /// The simulated NIC and GPU (tests, machines without hardware).
     Sim = 2,
+    /// Real hardware where found, the simulation standing in for what is
+    /// missing (e.g. a GPU machine without an RDMA NIC: real CUDA, the
+    /// simulated NIC), each stand-in said by [`gdr_context_describe`].
+    /// Asked for, never taken silently; such a context's simulated NIC
+    /// reaches no other context.
+    Auto = 3,
 }
 
 /// Options of [`gdr_context_new`]; NULL means all defaults.
@@ -219,16 +225,19 @@ pub unsafe extern "C" fn gdr_context_new(
                 0 => GdrBackend::Default,
                 1 => GdrBackend::Real,
                 2 => GdrBackend::Sim,
+                3 => GdrBackend::Auto,
                 other => return Err(FfiError::invalid("options.backend", format!("{other} is no backend"))),
             }
         };
         let choice = match backend {
             GdrBackend::Real => BackendChoice::Real,
             GdrBackend::Sim => BackendChoice::Sim,
+            GdrBackend::Auto => BackendChoice::Auto,
             GdrBackend::Default => match std::env::var("GDR_BACKEND").as_deref() {
                 Ok("sim") => BackendChoice::Sim,
+                Ok("auto") => BackendChoice::Auto,
                 Ok("real") | Err(std::env::VarError::NotPresent) => BackendChoice::Real,
-                Ok(other) => return Err(FfiError::invalid("GDR_BACKEND", format!("{other:?} is neither \"real\" nor \"sim\""))),
+                Ok(other) => return Err(FfiError::invalid("GDR_BACKEND", format!("{other:?} is not \"real\", \"sim\" or \"auto\""))),
                 Err(e) => return Err(FfiError::invalid("GDR_BACKEND", e)),
             },
         };
