@@ -171,3 +171,20 @@ fn a_peer_gone_for_good_is_given_up_within_the_reconnect_bound() {
     assert!(matches!(refused, EngineError::PeerGone(_)), "{refused}");
     drop(a);
 }
+
+/// The accepting side re-establishes queue pair 0 without anyone making
+/// progress on it (a server that only grants and never waits): its own
+/// thread drains the old queue pair and installs the new one with its
+/// control receives, so the connecting side's SEND goes through.
+#[test]
+fn the_accepting_side_installs_a_re_established_queue_pair_on_its_own() {
+    let w = world(1, T);
+    let h = w.host_pair(1 << 16, 5, GrantRights::ReadWrite);
+    fail_a_queue_pair(&w, &h);
+    // Only a makes progress from here on (its waits, its reconnect thread).
+    w.ab.send(b"ping")
+        .unwrap()
+        .wait(T)
+        .unwrap_or_else(|e| panic!("a SEND over the re-established queue pair: {e}"));
+    assert_eq!(w.ba.recv(T).unwrap(), b"ping");
+}

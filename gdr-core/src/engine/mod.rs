@@ -1955,6 +1955,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     },
                 );
             }
+            // The old queue pair must drain before the new one is installed
+            // (and, for queue pair 0, gets its receives): that takes this
+            // engine's progress, which nobody here may be making (a server
+            // that only serves grants): its own thread does it.
+            self.post_ready(state);
+            drop(guard);
+            self.ensure_own_driver();
+            return;
         }
         self.post_ready(state);
     }
