@@ -31,6 +31,9 @@ stage c-abi "$ROOT/scripts/c-tests.sh" || failed=1
 # run by host-tests).
 stage guide-examples "$ROOT/scripts/docs-check.sh" || failed=1
 stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
+# The C ABI's transfer test against rdma-core (rxe0) in the guest, the
+# binary scripts/c-tests.sh built (host memory: the guest has no GPU).
+stage c-abi-rxe env GDR_BACKEND=real "$ROOT/softroce/run-in-vm.sh" "$ROOT/target/c-tests/transfer" || failed=1
 # Build on the host, run inside the guest: the runner boots one VM per binary.
 rxe_tests=()
 for t in tests/tests/rxe_*.rs; do
