@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 cargo build -p gdr-ffi
 "$ROOT/scripts/gdr-pc.sh" --profile debug --prefix "$OUT/prefix" >/dev/null
 export PKG_CONFIG_PATH="$OUT/prefix/lib/pkgconfig"
-CFLAGS=(-std=c11 -Wall -Wextra -Werror -g)
+CFLAGS=(-std=c11 -Wall -Wextra -Werror -g -pthread)
 read -r -a cflags <<<"$(pkg-config --cflags gdr)"
 read -r -a libs <<<"$(pkg-config --libs gdr)"
 # The static link names the archive itself: -lgdr would take the .so beside it.
