@@ -21,7 +21,9 @@
 //!
 //! The goal (issue): pipelined ≥ 0.9 × its slowest stage at ≥ 16 MiB.
 //! With `GDR_STAGING_SWEEP=1` (on a GPU) it sweeps the pipeline's slice
-//! size and slot count instead (`staging_sweep`).
+//! size and slot count instead (`staging_sweep`); with
+//! `GDR_STAGING_SWEEP=rendezvous` the landing slots per peer and the slice
+//! size of the rendezvous (`rendezvous_sweep`, on the sim without a GPU).
 //! Run: `cargo bench -p gdr-tests --bench staging -- --warm-up-time 1
 //! --measurement-time 3`.
 
@@ -176,8 +178,53 @@ fn sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
     group.finish();
 }
 
+/// The rendezvous's knobs against each other: 16 MiB host → staged GPU
+/// (`in`) and staged GPU → staged GPU (`gpu`) for each landing-slot count
+/// and slice size (`rendezvous_sweep/<dir>/<slice>x<slots>`).
+fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
+    const LEN: u64 = 16 << 20;
+    let mut group = c.benchmark_group("rendezvous_sweep");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes(LEN));
+    for slice in [1u64 << 20, 4 << 20] {
+        for slots in [2usize, 4, 8, 16] {
+            let mut config = config(true);
+            config.staging_slice = slice;
+            config.rendezvous_slots = slots;
+            let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config, T, |_| cuda());
+            let (_hs, host_src) = w.a.alloc(Kind::Host, LEN, 1);
+            let (_gs, gpu_src) = w.a.alloc(Kind::Gpu, LEN, 2);
+            let (_gd, gpu_dst) = w.b.alloc(Kind::Gpu, LEN, 0);
+            let (_g, to_gpu) = w.b_grants(&gpu_dst, GrantRights::Write);
+            let _driver = w.b.engine.spawn_driver(Duration::from_micros(50));
+            for (dir, src) in [("in", &host_src), ("gpu", &gpu_src)] {
+                let transfer = Transfer::write(src, 0, &to_gpu, 0, LEN);
+                group.bench_function(format!("{dir}/{}MiBx{slots}", slice >> 20), |b| {
+                    b.iter(|| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap())
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
 fn staging(c: &mut Criterion) {
-    let sweep = std::env::var("GDR_STAGING_SWEEP").is_ok_and(|v| v == "1");
+    let sweep = std::env::var("GDR_STAGING_SWEEP").unwrap_or_default();
+    if sweep == "rendezvous" {
+        match gdr_tests::cuda_gpu("staging bench") {
+            Some((driver, _)) => {
+                rendezvous_sweep_on::<hal_cuda::cuda::CudaApi>(c, || driver.clone())
+            }
+            None => {
+                let faults = gdr_sim::FaultPlan::new();
+                rendezvous_sweep_on::<gdr_sim::SimCudaApi>(c, move || {
+                    SimCuda::new(vec![GpuConfig::default()], faults.clone())
+                })
+            }
+        }
+        return;
+    }
+    let sweep = sweep == "1";
     match gdr_tests::cuda_gpu("staging bench") {
         Some((driver, _)) if sweep => sweep_on::<hal_cuda::cuda::CudaApi>(c, || driver.clone()),
         Some((driver, _)) => bench_on::<hal_cuda::cuda::CudaApi>(c, "h200", || driver.clone()),
