@@ -487,16 +487,23 @@ pub unsafe extern "C" fn gdr_buffer_copy_in(
     len: usize,
 ) -> GdrResult {
     ffi_boundary! {
-        if src.is_null() {
-            return Err(FfiError::invalid("src", "NULL"));
-        }
-        if len == 0 || isize::try_from(len).is_err() {
-            return Err(FfiError::invalid("len", format!("{len}")));
-        }
+        caller_range("src", src.is_null(), len)?;
         let object = crate::api::buffer(buffer)?;
         // SAFETY: `src` is valid for `len` bytes (the caller's contract).
         object.with(|backend, b| unsafe { backend.copy_in(b, offset, src.cast(), len) })
     }
+}
+
+/// Checks the caller's side of a copy: memory at a non-NULL `name`, a
+/// length neither 0 nor beyond what one object may span.
+fn caller_range(name: &str, null: bool, len: usize) -> Result<(), FfiError> {
+    if null {
+        return Err(FfiError::invalid(name, "NULL"));
+    }
+    if len == 0 || isize::try_from(len).is_err() {
+        return Err(FfiError::invalid("len", format!("{len}")));
+    }
+    Ok(())
 }
 
 /// Copies `len` bytes of `buffer` at `offset` to `dst`, synchronously (see
@@ -512,12 +519,7 @@ pub unsafe extern "C" fn gdr_buffer_copy_out(
     len: usize,
 ) -> GdrResult {
     ffi_boundary! {
-        if dst.is_null() {
-            return Err(FfiError::invalid("dst", "NULL"));
-        }
-        if len == 0 || isize::try_from(len).is_err() {
-            return Err(FfiError::invalid("len", format!("{len}")));
-        }
+        caller_range("dst", dst.is_null(), len)?;
         let object = crate::api::buffer(buffer)?;
         // SAFETY: `dst` is valid for `len` bytes (the caller's contract).
         object.with(|backend, b| unsafe { backend.copy_out(b, offset, dst.cast(), len) })
