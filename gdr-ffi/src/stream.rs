@@ -6,11 +6,10 @@
 //! (`gdr_peer_submit_after_stream`).
 //!
 //! As for buffers and engines, the functions are written once: a context's
-//! backend makes the stream ([`crate::instance::Backend::stream`]) and the
-//! stream is erased behind [`AnyStream`], implemented once for every CUDA
-//! backend.
+//! backend makes the stream (`Backend::stream`) and the stream is erased
+//! behind `AnyStream`, implemented once for every CUDA backend.
 //!
-//! A copy queued on a stream holds both its buffers ([`BufferHold`]):
+//! A copy queued on a stream holds both its buffers:
 //! `gdr_buffer_free` refuses them with `GDR_RESULT_BUSY` until a
 //! [`gdr_stream_synchronize`] that began after the copy was queued
 //! returns `GDR_RESULT_OK`, or the stream is freed ([`gdr_stream_free`]
@@ -88,18 +87,20 @@ impl<C: hal_cuda::Api> AnyStream for StreamOf<C> {
     }
 
     unsafe fn copy(&self, dst: CopyEnd, src: CopyEnd, len: usize) -> Result<(), FfiError> {
-        // SAFETY (each arm): the caller's contract: both ranges are memory
-        // of their kind, valid until the stream has passed the copy.
         let queued = match (dst, src) {
-            (CopyEnd::Device(dst), CopyEnd::Host(src)) => unsafe {
-                self.0.copy_host_to_device(dst, src, len)
-            },
-            (CopyEnd::Host(dst), CopyEnd::Device(src)) => unsafe {
-                self.0.copy_device_to_host(dst, src, len)
-            },
-            (CopyEnd::Device(dst), CopyEnd::Device(src)) => unsafe {
-                self.0.copy_device_to_device(dst, src, len)
-            },
+            (CopyEnd::Device(dst), CopyEnd::Host(src)) => {
+                // SAFETY: the caller's contract: both ranges are memory of
+                // their kind, valid until the stream has passed the copy.
+                unsafe { self.0.copy_host_to_device(dst, src, len) }
+            }
+            (CopyEnd::Host(dst), CopyEnd::Device(src)) => {
+                // SAFETY: as above.
+                unsafe { self.0.copy_device_to_host(dst, src, len) }
+            }
+            (CopyEnd::Device(dst), CopyEnd::Device(src)) => {
+                // SAFETY: as above.
+                unsafe { self.0.copy_device_to_device(dst, src, len) }
+            }
             (CopyEnd::Host(_), CopyEnd::Host(_)) => {
                 return Err(FfiError::new(
                     GdrResult::NotSupported,
