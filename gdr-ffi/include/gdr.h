@@ -306,6 +306,12 @@ typedef struct gdr_batch {
   uint64_t id;
 } gdr_batch;
 
+// A CUDA stream gdr made on one GPU of a context.
+typedef struct gdr_stream {
+  // Opaque; 0 is never a live stream.
+  uint64_t id;
+} gdr_stream;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -438,8 +444,11 @@ gdr_result gdr_buffer_get_info(struct gdr_buffer buffer, struct gdr_buffer_info 
 // Frees a buffer: memory gdr allocated is freed once nothing registered
 // uses it; for wrapped memory this waits (a bounded time) until no memory
 // registration covers it, and returns `GDR_RESULT_BUSY`, the handle still
-// valid, if one still does. Calls on the same buffer from other threads
-// meanwhile fail with `GDR_RESULT_INVALID_HANDLE`.
+// valid, if one still does. A buffer a stream copy
+// ([`crate::stream::gdr_stream_copy`]) still uses is refused with
+// `GDR_RESULT_BUSY` at once (synchronize or free that stream first).
+// Calls on the same buffer from other threads meanwhile fail with
+// `GDR_RESULT_INVALID_HANDLE`.
 gdr_result gdr_buffer_free(struct gdr_buffer buffer);
 
 // The context a buffer was made in (for callers that keep only buffers).
@@ -696,8 +705,8 @@ gdr_result gdr_descriptor_free(struct gdr_descriptor descriptor);
 // of the peer's engine and in bounds, its descriptor a live grant of this
 // peer on this connection allowing the operation and holding the range
 // (`GDR_RESULT_REFUSED` otherwise). The batch ends exactly once:
-// [`gdr_batch_poll`], [`gdr_batch_wait`]. Stream-ordered fences (a
-// `CUstream` waiting for a batch) are not yet in the C ABI. Any thread.
+// [`gdr_batch_poll`], [`gdr_batch_wait`]; a CUDA stream can wait for it
+// ([`gdr_batch_fence_stream`]). Any thread.
 //
 // # Safety
 // `transfers` valid for reads of `count` elements; `out` valid for a
@@ -708,11 +717,47 @@ gdr_result gdr_peer_submit(struct gdr_peer peer,
                            uint32_t timeout_ms,
                            struct gdr_batch *out);
 
+// Submits `count` transfers to `peer` as one batch that starts only once
+// `stream` reaches this point: what was queued on the stream before the
+// call (kernels, [`crate::stream::gdr_stream_copy`]) is done, and its
+// writes visible, before anything of the batch is posted, so a WRITE
+// sends the data the stream produced. No thread blocks: the engine's own
+// thread watches the stream. The transfers are checked at the call as
+// [`gdr_peer_submit`] checks them. The batch must end within
+// `timeout_ms` (0: the engine's default) counted from the call: a stream
+// that has not reached the point by then ends it `GDR_RESULT_TIMEOUT`,
+// nothing posted; a stream that fails before it ends it with the
+// stream's error; [`gdr_batch_cancel`] before the stream gets there ends
+// it `GDR_RESULT_CANCELLED` at once. Wait for it as for any batch. The
+// stream may be of any context of the same backends. Any thread.
+//
+// # Safety
+// As for [`gdr_peer_submit`].
+gdr_result gdr_peer_submit_after_stream(struct gdr_peer peer,
+                                        struct gdr_stream stream,
+                                        const struct gdr_transfer *transfers,
+                                        size_t count,
+                                        uint32_t timeout_ms,
+                                        struct gdr_batch *out);
+
+// Makes `stream` wait for the batch without blocking a thread: work
+// queued on the stream after this call (kernels,
+// [`crate::stream::gdr_stream_copy`]) runs once the batch has ended and,
+// where the GPU needs it, its inbound writes were flushed, so it sees
+// the data a READ brought into GPU memory. The stream is released however
+// the batch ends: check the batch's outcome ([`gdr_batch_wait`],
+// [`gdr_batch_poll`]) before trusting the data. `GDR_RESULT_REFUSED` for
+// a batch staged through whole-range bounce buffers (its copies run in
+// [`gdr_batch_wait`]). Several streams may wait for one batch, and a
+// stream for several batches. The stream may be of any context of the
+// same backends. Any thread.
+gdr_result gdr_batch_fence_stream(struct gdr_batch batch, struct gdr_stream stream);
+
 // Whether the batch has ended, without blocking (it makes progress
 // once): `done` gets that, and once done `result` gets its outcome
 // (`GDR_RESULT_OK`, or the first failure's code with its message in the
-// thread's last error); `result` is left alone while running. Stream-ordered
-// fences are not yet in the C ABI. Any thread.
+// thread's last error); `result` is left alone while running. Any
+// thread.
 //
 // # Safety
 // `done` and `result` valid for writes.
@@ -726,8 +771,8 @@ gdr_result gdr_batch_poll(struct gdr_batch batch, bool *done, gdr_result *result
 // passed). Still running after `timeout_ms`: `GDR_RESULT_TIMEOUT` too,
 // the batch left running ([`gdr_batch_poll`] tells the two apart). A
 // batch that READ into GPU memory is fenced for kernels before this
-// returns `GDR_RESULT_OK`; stream-ordered fences are not yet in the C
-// ABI. Any thread; several may wait on one batch.
+// returns `GDR_RESULT_OK` (a stream can wait for it instead:
+// [`gdr_batch_fence_stream`]). Any thread; several may wait on one batch.
 gdr_result gdr_batch_wait(struct gdr_batch batch, uint32_t timeout_ms);
 
 // Cancels the batch: what is not posted is dropped; it ends with
@@ -739,6 +784,59 @@ gdr_result gdr_batch_cancel(struct gdr_batch batch);
 // runs to its end (its regions held until then). Any thread; the handle
 // is invalid afterwards.
 gdr_result gdr_batch_free(struct gdr_batch batch);
+
+// Creates a CUDA stream on GPU `device` of `context` (non-blocking: no
+// implicit synchronization with the legacy default stream) and writes its
+// handle to `out`. `GDR_RESULT_NO_DEVICE` without that GPU. Any thread;
+// a stream's functions may be called from any thread (work is queued in
+// the order the calls queue it).
+//
+// # Safety
+// `out` valid for a write.
+gdr_result gdr_stream_new(struct gdr_context context, uint32_t device, struct gdr_stream *out);
+
+// Waits until the work queued on the stream is done (a fence until its
+// batch has ended), then destroys the stream; the buffers its copies held
+// are let go. Returns the stream's failure if its work failed (e.g.
+// `GDR_RESULT_CONTEXT_UNUSABLE`); the handle is invalid afterwards
+// whatever it returns. Any thread.
+gdr_result gdr_stream_free(struct gdr_stream stream);
+
+// Writes the stream's native handle to `out`: with the real CUDA backend
+// its `CUstream` (cast it to `CUstream`), valid until
+// [`gdr_stream_free`], on which the caller may queue its own kernels,
+// copies and events (in the stream's GPU's primary context; do not
+// destroy it). With the simulated GPU an opaque non-NULL token that no
+// CUDA function accepts. Any thread.
+//
+// # Safety
+// `out` valid for a write.
+gdr_result gdr_stream_raw(struct gdr_stream stream, void **out);
+
+// Blocks until the work queued on the stream so far is done (fences
+// until their batches have ended). Once it returns `GDR_RESULT_OK`, the
+// buffers of the copies queued before the call can be freed again. Any
+// thread.
+gdr_result gdr_stream_synchronize(struct gdr_stream stream);
+
+// Queues on the stream an asynchronous copy of `len` bytes from
+// `src_buffer` at `src_offset` to `dst_buffer` at `dst_offset`: host to
+// device, device to host or device to device (device memory of the
+// stream's GPU; both buffers of the stream's context; the ranges must not
+// overlap). It runs in stream order: after work queued before it (a
+// fence's batch included), before work queued after it (a gated batch
+// included). Both buffers are held until the stream is seen past the copy
+// ([`gdr_stream_synchronize`] returning `GDR_RESULT_OK`, or
+// [`gdr_stream_free`]): meanwhile [`crate::api::gdr_buffer_free`] refuses
+// them with `GDR_RESULT_BUSY`. Memory the caller wrapped
+// (`gdr_buffer_wrap`) must stay mapped until then. Touching either range
+// from the host before then races with the copy. Any thread.
+gdr_result gdr_stream_copy(struct gdr_stream stream,
+                           struct gdr_buffer dst_buffer,
+                           uint64_t dst_offset,
+                           struct gdr_buffer src_buffer,
+                           uint64_t src_offset,
+                           size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"

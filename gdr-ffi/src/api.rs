@@ -5,6 +5,7 @@
 //! the same handles are safe.
 
 use std::ffi::c_char;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use gdr_core::backend::BackendChoice;
@@ -113,6 +114,19 @@ pub(crate) struct BufferObject {
     pub(crate) context: u64,
     backend: Arc<dyn Backend>,
     buffer: Mutex<Option<AnyBuffer>>,
+    /// Copies queued on streams that have not yet been seen done
+    /// ([`BufferHold`]): the buffer is not freed while any is.
+    stream_holds: AtomicUsize,
+}
+
+/// A claim on a buffer's memory for a copy queued on a stream: while it
+/// lives, [`gdr_buffer_free`] refuses the buffer (`GDR_RESULT_BUSY`).
+pub(crate) struct BufferHold(Arc<BufferObject>);
+
+impl Drop for BufferHold {
+    fn drop(&mut self) {
+        self.0.stream_holds.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl BufferObject {
@@ -127,6 +141,22 @@ impl BufferObject {
             .as_ref()
             .ok_or_else(|| FfiError::new(GdrResult::InvalidHandle, "the buffer is being freed"))?;
         f(&*self.backend, buffer)
+    }
+
+    /// Holds the buffer for a copy queued on a stream (refused while it
+    /// is being freed). Counted under the buffer's lock, as
+    /// [`gdr_buffer_free`] checks the count, so no hold is taken on a
+    /// buffer that free has already let go.
+    pub(crate) fn hold(self: &Arc<Self>) -> Result<BufferHold, FfiError> {
+        let guard = self.buffer.lock().unwrap_or_else(PoisonError::into_inner);
+        if guard.is_none() {
+            return Err(FfiError::new(
+                GdrResult::InvalidHandle,
+                "the buffer is being freed",
+            ));
+        }
+        self.stream_holds.fetch_add(1, Ordering::SeqCst);
+        Ok(BufferHold(Arc::clone(self)))
     }
 }
 
@@ -152,6 +182,7 @@ unsafe fn new_buffer(
         context: handle.id,
         backend: Arc::clone(&context.backend),
         buffer: Mutex::new(Some(buffer)),
+        stream_holds: AtomicUsize::new(0),
     };
     let id = BUFFERS.insert(Arc::new(object))?;
     // SAFETY: the caller's contract.
@@ -515,18 +546,28 @@ pub unsafe extern "C" fn gdr_buffer_get_info(
 /// Frees a buffer: memory gdr allocated is freed once nothing registered
 /// uses it; for wrapped memory this waits (a bounded time) until no memory
 /// registration covers it, and returns `GDR_RESULT_BUSY`, the handle still
-/// valid, if one still does. Calls on the same buffer from other threads
-/// meanwhile fail with `GDR_RESULT_INVALID_HANDLE`.
+/// valid, if one still does. A buffer a stream copy
+/// ([`crate::stream::gdr_stream_copy`]) still uses is refused with
+/// `GDR_RESULT_BUSY` at once (synchronize or free that stream first).
+/// Calls on the same buffer from other threads meanwhile fail with
+/// `GDR_RESULT_INVALID_HANDLE`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gdr_buffer_free(buffer: GdrBuffer) -> GdrResult {
     ffi_boundary! {
         let object = self::buffer(buffer)?;
-        let taken = object
-            .buffer
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| FfiError::new(GdrResult::InvalidHandle, "the buffer is being freed"))?;
+        let taken = {
+            let mut guard = object.buffer.lock().unwrap_or_else(PoisonError::into_inner);
+            let held = object.stream_holds.load(Ordering::SeqCst);
+            if held != 0 && guard.is_some() {
+                return Err(FfiError::new(
+                    GdrResult::Busy,
+                    format!("{held} copies queued on streams still use the buffer (synchronize or free their streams first)"),
+                ));
+            }
+            guard
+                .take()
+                .ok_or_else(|| FfiError::new(GdrResult::InvalidHandle, "the buffer is being freed"))?
+        };
         match object.backend.release(taken) {
             Ok(()) => {
                 BUFFERS.remove(buffer.id)?;

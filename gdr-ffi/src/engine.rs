@@ -15,8 +15,10 @@
 //! handle drops the caller's reference only; the object goes when nothing
 //! else holds it.
 //!
-//! Stream-ordered fences (a `CUstream` waiting for a batch) are not yet in
-//! the C ABI.
+//! Stream-ordered fences, both ways, take a stream of [`crate::stream`]: a
+//! stream that waits for a batch ([`gdr_batch_fence_stream`]) and a batch
+//! that starts when a stream reaches a point
+//! ([`gdr_peer_submit_after_stream`]).
 
 use std::any::Any;
 use std::ffi::{c_char, c_void};
@@ -38,6 +40,7 @@ use crate::boundary::{Out, TextOut, ffi_boundary, text_arg};
 use crate::handle::{Kind, Table};
 use crate::instance::{AnyBuffer, Backend};
 use crate::result::{FfiError, GdrResult};
+use crate::stream::{AnyStream, GdrStream, StreamOf};
 
 // ---------------------------------------------------------------------------
 // The erased engine, implemented once for every backend pair.
@@ -97,6 +100,14 @@ pub(crate) trait AnyPeer: Send + Sync {
         transfers: &[ErasedTransfer<'_>],
         timeout: Option<Duration>,
     ) -> Result<Box<dyn AnyBatch>, FfiError>;
+    /// A batch that starts once `stream` reaches this point; `timeout`
+    /// `None`: the engine's default.
+    fn submit_after_stream(
+        &self,
+        stream: &dyn AnyStream,
+        transfers: &[ErasedTransfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn AnyBatch>, FfiError>;
     fn close(&self) -> Result<(), FfiError>;
 }
 
@@ -110,6 +121,27 @@ pub(crate) trait AnyBatch: Send + Sync {
     fn status(&self) -> Option<Outcome>;
     fn wait(&self, timeout: Duration) -> Outcome;
     fn cancel(&self);
+    /// Makes `stream` wait for the batch.
+    fn fence_stream(&self, stream: &dyn AnyStream) -> Result<(), FfiError>;
+}
+
+/// The transfers with their regions of backend `V`.
+fn unerased<'a, V: Api>(
+    transfers: &[ErasedTransfer<'a>],
+) -> Result<Vec<Transfer<'a, V>>, FfiError> {
+    transfers
+        .iter()
+        .map(|t| {
+            Ok(Transfer {
+                op: t.op,
+                local: region_of::<V>(t.local)?,
+                local_offset: t.local_offset,
+                remote: t.remote,
+                remote_offset: t.remote_offset,
+                len: t.len,
+            })
+        })
+        .collect()
 }
 
 fn region_of<V: Api>(region: &dyn AnyRegion) -> Result<&Region<V>, FfiError> {
@@ -200,23 +232,24 @@ impl<V: Api, C: hal_cuda::Api> AnyPeer for Peer<V, C> {
         transfers: &[ErasedTransfer<'_>],
         timeout: Option<Duration>,
     ) -> Result<Box<dyn AnyBatch>, FfiError> {
-        let transfers = transfers
-            .iter()
-            .map(|t| {
-                Ok(Transfer {
-                    op: t.op,
-                    local: region_of::<V>(t.local)?,
-                    local_offset: t.local_offset,
-                    remote: t.remote,
-                    remote_offset: t.remote_offset,
-                    len: t.len,
-                })
-            })
-            .collect::<Result<Vec<_>, FfiError>>()?;
+        let transfers = unerased::<V>(transfers)?;
         let batch = match timeout {
             Some(timeout) => self.submit_with_timeout(&transfers, timeout)?,
             None => Peer::submit(self, &transfers)?,
         };
+        Ok(Box::new(batch))
+    }
+
+    fn submit_after_stream(
+        &self,
+        stream: &dyn AnyStream,
+        transfers: &[ErasedTransfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn AnyBatch>, FfiError> {
+        let stream = StreamOf::<C>::of(stream)?;
+        let transfers = unerased::<V>(transfers)?;
+        let timeout = timeout.unwrap_or(self.engine().config().default_timeout);
+        let batch = Peer::submit_after_stream(self, stream, &transfers, timeout)?;
         Ok(Box::new(batch))
     }
 
@@ -242,6 +275,10 @@ impl<V: Api, C: hal_cuda::Api> AnyBatch for Batch<V, C> {
 
     fn cancel(&self) {
         Batch::cancel(self)
+    }
+
+    fn fence_stream(&self, stream: &dyn AnyStream) -> Result<(), FfiError> {
+        Ok(Batch::fence_stream(self, StreamOf::<C>::of(stream)?)?)
     }
 }
 
@@ -1125,14 +1162,80 @@ pub extern "C" fn gdr_descriptor_free(descriptor: GdrDescriptor) -> GdrResult {
 /// Most transfers in one batch.
 const MAX_BATCH: usize = 1 << 20;
 
+/// Checks `count` transfers at `transfers` for `peer` and submits them
+/// with `submit`; writes the batch's handle to `out`.
+///
+/// # Safety
+/// As for [`gdr_peer_submit`].
+unsafe fn submit_checked(
+    peer: GdrPeer,
+    transfers: *const GdrTransfer,
+    count: usize,
+    out: *mut GdrBatch,
+    submit: impl FnOnce(&dyn AnyPeer, &[ErasedTransfer<'_>]) -> Result<Box<dyn AnyBatch>, FfiError>,
+) -> Result<(), FfiError> {
+    let out = Out::new("out", out)?;
+    if transfers.is_null() {
+        return Err(FfiError::invalid("transfers", "NULL"));
+    }
+    if !transfers.is_aligned() {
+        return Err(FfiError::invalid("transfers", "misaligned"));
+    }
+    if count == 0 || count > MAX_BATCH {
+        return Err(FfiError::invalid(
+            "count",
+            format!("{count} (1 to {MAX_BATCH})"),
+        ));
+    }
+    let peer = PEERS.get(peer.id)?;
+    let mut held = Vec::with_capacity(count);
+    for i in 0..count {
+        // SAFETY: `transfers` holds `count` aligned elements (the
+        // caller's contract); plain integers, any bit pattern valid.
+        let t = unsafe { transfers.add(i).read() };
+        let op = match t.op {
+            0 => Op::Read,
+            1 => Op::Write,
+            other => {
+                return Err(FfiError::invalid(
+                    &format!("transfers[{i}].op"),
+                    format!("{other} is no gdr_op"),
+                ));
+            }
+        };
+        let region = REGIONS.get(t.region.id)?;
+        same_engine(peer.engine, &region)?;
+        let remote = DESCRIPTORS.get(t.remote.id)?;
+        held.push((op, region, t.local_offset, remote, t.remote_offset, t.len));
+    }
+    let erased: Vec<ErasedTransfer<'_>> = held
+        .iter()
+        .map(
+            |(op, region, local_offset, remote, remote_offset, len)| ErasedTransfer {
+                op: *op,
+                local: &*region.region,
+                local_offset: *local_offset,
+                remote,
+                remote_offset: *remote_offset,
+                len: *len,
+            },
+        )
+        .collect();
+    let batch = submit(&*peer.peer, &erased)?;
+    let id = BATCHES.insert(Arc::from(batch))?;
+    // SAFETY: checked; valid by the caller's contract.
+    unsafe { out.write(GdrBatch { id }) };
+    Ok(())
+}
+
 /// Submits `count` transfers to `peer` as one batch that must end within
 /// `timeout_ms` (0: the engine's default timeout) and writes its handle to
 /// `out`. Every transfer is checked before anything is posted: its region
 /// of the peer's engine and in bounds, its descriptor a live grant of this
 /// peer on this connection allowing the operation and holding the range
 /// (`GDR_RESULT_REFUSED` otherwise). The batch ends exactly once:
-/// [`gdr_batch_poll`], [`gdr_batch_wait`]. Stream-ordered fences (a
-/// `CUstream` waiting for a batch) are not yet in the C ABI. Any thread.
+/// [`gdr_batch_poll`], [`gdr_batch_wait`]; a CUDA stream can wait for it
+/// ([`gdr_batch_fence_stream`]). Any thread.
 ///
 /// # Safety
 /// `transfers` valid for reads of `count` elements; `out` valid for a
@@ -1146,57 +1249,74 @@ pub unsafe extern "C" fn gdr_peer_submit(
     out: *mut GdrBatch,
 ) -> GdrResult {
     ffi_boundary! {
-        let out = Out::new("out", out)?;
-        if transfers.is_null() {
-            return Err(FfiError::invalid("transfers", "NULL"));
-        }
-        if !transfers.is_aligned() {
-            return Err(FfiError::invalid("transfers", "misaligned"));
-        }
-        if count == 0 || count > MAX_BATCH {
-            return Err(FfiError::invalid("count", format!("{count} (1 to {MAX_BATCH})")));
-        }
-        let peer = PEERS.get(peer.id)?;
-        let mut held = Vec::with_capacity(count);
-        for i in 0..count {
-            // SAFETY: `transfers` holds `count` aligned elements (the
-            // caller's contract); plain integers, any bit pattern valid.
-            let t = unsafe { transfers.add(i).read() };
-            let op = match t.op {
-                0 => Op::Read,
-                1 => Op::Write,
-                other => return Err(FfiError::invalid(&format!("transfers[{i}].op"), format!("{other} is no gdr_op"))),
-            };
-            let region = REGIONS.get(t.region.id)?;
-            same_engine(peer.engine, &region)?;
-            let remote = DESCRIPTORS.get(t.remote.id)?;
-            held.push((op, region, t.local_offset, remote, t.remote_offset, t.len));
-        }
-        let erased: Vec<ErasedTransfer<'_>> = held
-            .iter()
-            .map(|(op, region, local_offset, remote, remote_offset, len)| ErasedTransfer {
-                op: *op,
-                local: &*region.region,
-                local_offset: *local_offset,
-                remote,
-                remote_offset: *remote_offset,
-                len: *len,
-            })
-            .collect();
         let timeout = (timeout_ms != 0).then(|| millis(timeout_ms));
-        let batch = peer.peer.submit(&erased, timeout)?;
-        let id = BATCHES.insert(Arc::from(batch))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrBatch { id }) };
-        Ok(())
+        // SAFETY: the caller's contract.
+        unsafe { submit_checked(peer, transfers, count, out, |peer, erased| peer.submit(erased, timeout)) }
+    }
+}
+
+/// Submits `count` transfers to `peer` as one batch that starts only once
+/// `stream` reaches this point: what was queued on the stream before the
+/// call (kernels, [`crate::stream::gdr_stream_copy`]) is done, and its
+/// writes visible, before anything of the batch is posted, so a WRITE
+/// sends the data the stream produced. No thread blocks: the engine's own
+/// thread watches the stream. The transfers are checked at the call as
+/// [`gdr_peer_submit`] checks them. The batch must end within
+/// `timeout_ms` (0: the engine's default) counted from the call: a stream
+/// that has not reached the point by then ends it `GDR_RESULT_TIMEOUT`,
+/// nothing posted; a stream that fails before it ends it with the
+/// stream's error; [`gdr_batch_cancel`] before the stream gets there ends
+/// it `GDR_RESULT_CANCELLED` at once. Wait for it as for any batch. The
+/// stream may be of any context of the same backends. Any thread.
+///
+/// # Safety
+/// As for [`gdr_peer_submit`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_peer_submit_after_stream(
+    peer: GdrPeer,
+    stream: GdrStream,
+    transfers: *const GdrTransfer,
+    count: usize,
+    timeout_ms: u32,
+    out: *mut GdrBatch,
+) -> GdrResult {
+    ffi_boundary! {
+        let timeout = (timeout_ms != 0).then(|| millis(timeout_ms));
+        let stream = crate::stream::stream(stream)?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            submit_checked(peer, transfers, count, out, |peer, erased| {
+                peer.submit_after_stream(&*stream.stream, erased, timeout)
+            })
+        }
+    }
+}
+
+/// Makes `stream` wait for the batch without blocking a thread: work
+/// queued on the stream after this call (kernels,
+/// [`crate::stream::gdr_stream_copy`]) runs once the batch has ended and,
+/// where the GPU needs it, its inbound writes were flushed, so it sees
+/// the data a READ brought into GPU memory. The stream is released however
+/// the batch ends: check the batch's outcome ([`gdr_batch_wait`],
+/// [`gdr_batch_poll`]) before trusting the data. `GDR_RESULT_REFUSED` for
+/// a batch staged through whole-range bounce buffers (its copies run in
+/// [`gdr_batch_wait`]). Several streams may wait for one batch, and a
+/// stream for several batches. The stream may be of any context of the
+/// same backends. Any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn gdr_batch_fence_stream(batch: GdrBatch, stream: GdrStream) -> GdrResult {
+    ffi_boundary! {
+        let batch = BATCHES.get(batch.id)?;
+        let stream = crate::stream::stream(stream)?;
+        batch.fence_stream(&*stream.stream)
     }
 }
 
 /// Whether the batch has ended, without blocking (it makes progress
 /// once): `done` gets that, and once done `result` gets its outcome
 /// (`GDR_RESULT_OK`, or the first failure's code with its message in the
-/// thread's last error); `result` is left alone while running. Stream-ordered
-/// fences are not yet in the C ABI. Any thread.
+/// thread's last error); `result` is left alone while running. Any
+/// thread.
 ///
 /// # Safety
 /// `done` and `result` valid for writes.
@@ -1238,8 +1358,8 @@ pub unsafe extern "C" fn gdr_batch_poll(
 /// passed). Still running after `timeout_ms`: `GDR_RESULT_TIMEOUT` too,
 /// the batch left running ([`gdr_batch_poll`] tells the two apart). A
 /// batch that READ into GPU memory is fenced for kernels before this
-/// returns `GDR_RESULT_OK`; stream-ordered fences are not yet in the C
-/// ABI. Any thread; several may wait on one batch.
+/// returns `GDR_RESULT_OK` (a stream can wait for it instead:
+/// [`gdr_batch_fence_stream`]). Any thread; several may wait on one batch.
 #[unsafe(no_mangle)]
 pub extern "C" fn gdr_batch_wait(batch: GdrBatch, timeout_ms: u32) -> GdrResult {
     ffi_boundary! {

@@ -36,6 +36,7 @@ pub(crate) enum Kind {
     Grant = 7,
     Descriptor = 8,
     Batch = 9,
+    Stream = 10,
 }
 
 impl Kind {
@@ -50,6 +51,7 @@ impl Kind {
             Self::Grant => "grant",
             Self::Descriptor => "descriptor",
             Self::Batch => "batch",
+            Self::Stream => "stream",
         }
     }
 }

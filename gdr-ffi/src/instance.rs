@@ -22,6 +22,7 @@ use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
 use crate::engine::AnyEngine;
 use crate::result::{FfiError, GdrResult};
+use crate::stream::{AnyStream, StreamOf};
 
 /// A buffer of some backend, type-erased (`Buffer<C>` inside).
 pub(crate) type AnyBuffer = Box<dyn Any + Send + Sync>;
@@ -97,6 +98,8 @@ pub(crate) trait Backend: Send + Sync {
     ) -> Result<(), FfiError>;
     /// A transfer engine over the context's NICs and the GPUs they reach.
     fn engine(&self, config: EngineConfig) -> Result<Arc<dyn AnyEngine>, FfiError>;
+    /// A new stream on GPU `device`.
+    fn stream(&self, device: u32) -> Result<Box<dyn AnyStream>, FfiError>;
     /// The address NIC `nic` is reached at (its RoCE v2 GID on port 1,
     /// IPv4 first).
     fn nic_address(&self, nic: &str) -> Result<IpAddr, FfiError>;
@@ -465,6 +468,11 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backend for Instance<V, C> {
             config,
         )?;
         Ok(Arc::new(engine))
+    }
+
+    fn stream(&self, device: u32) -> Result<Box<dyn AnyStream>, FfiError> {
+        let stream = self.gpu(device)?.create_stream()?;
+        Ok(Box::new(StreamOf::<C>(stream)))
     }
 
     fn nic_address(&self, nic: &str) -> Result<IpAddr, FfiError> {

@@ -76,6 +76,7 @@ pub mod engine;
 mod handle;
 mod instance;
 mod result;
+pub mod stream;
 
 pub use result::GdrResult;
 

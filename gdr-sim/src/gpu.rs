@@ -1349,6 +1349,13 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
             std::thread::sleep(std::time::Duration::from_micros(20));
         }
     }
+
+    /// An opaque token, not a `CUstream` (no CUDA API accepts it): the
+    /// address of the stream's queue, distinct for each live stream and
+    /// never NULL.
+    fn raw(&self) -> *mut std::ffi::c_void {
+        Arc::as_ptr(&self.queue).cast_mut().cast()
+    }
 }
 
 impl SimStream {

@@ -256,6 +256,11 @@ pub trait Stream<A: Api>: Send + Sync + Debug {
     unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()>;
     /// Blocks until the stream's work is done.
     fn synchronize(&self) -> Result<()>;
+    /// The native handle: the `CUstream` for the real driver (valid while
+    /// `self` lives), for a caller's own kernels and copies on the stream;
+    /// a backend without one returns an opaque non-NULL token that no CUDA
+    /// API accepts.
+    fn raw(&self) -> *mut std::ffi::c_void;
 }
 
 /// An event marking a point in a stream.

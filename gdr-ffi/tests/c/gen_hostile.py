@@ -34,7 +34,8 @@ def params(args):
 
 # Every handle kind: each has live_<kind>() (a fresh live handle) and
 # freed_<kind> (made and freed) in the prologue below.
-KINDS = ["context", "buffer", "engine", "region", "listener", "peer", "grant", "descriptor", "batch"]
+KINDS = ["context", "buffer", "engine", "region", "listener", "peer", "grant", "descriptor", "batch",
+         "stream"]
 
 
 def value(ty, mode):
@@ -44,6 +45,10 @@ def value(ty, mode):
             return {1: f"(gdr_{kind}){{0}}", 2: f"live_{kind}()", 3: f"freed_{kind}"}[mode]
     if ty == "const char *":
         return {1: "NULL", 2: "NULL", 3: '"gdr://v2/bogus"'}[mode]
+    if ty == "void **":
+        # An output for a native handle: NULL, then scratch (the call
+        # still fails with the freed handle, writing nothing).
+        return {1: "NULL", 2: "NULL", 3: "(void **)scratch"}[mode]
     if ty.endswith("*"):
         return {1: "NULL", 2: "NULL", 3: f"({ty})scratch"}[mode]
     if ty == "size_t":
@@ -159,6 +164,11 @@ static gdr_batch live_batch(void) {
   SETUP(gdr_peer_submit(world_ab, &t, 1, 0, &b));
   return b;
 }
+static gdr_stream live_stream(void) {
+  gdr_stream s = {0};
+  SETUP(gdr_stream_new(base, 0, &s));
+  return s;
+}
 static void expect_error(const char *call, gdr_result r) {
   calls++;
   if (r == GDR_RESULT_OK) { fprintf(stderr, "FAIL %s succeeded\n", call); failures++; }
@@ -168,7 +178,7 @@ static void expect_error(const char *call, gdr_result r) {
 FREES = {
     "context": "gdr_context_free", "buffer": "gdr_buffer_free", "engine": "gdr_engine_free",
     "region": "gdr_region_free", "listener": "gdr_listener_free", "peer": "gdr_peer_free",
-    "grant": "gdr_grant_revoke", "descriptor": "gdr_descriptor_free", "batch": "gdr_batch_free",
+    "grant": "gdr_grant_revoke", "descriptor": "gdr_descriptor_free", "batch": "gdr_batch_free", "stream": "gdr_stream_free",
 }
 lines = PROLOGUE.splitlines()
 lines += [f"static gdr_{kind} freed_{kind};" for kind in KINDS]

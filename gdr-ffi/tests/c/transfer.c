@@ -6,7 +6,8 @@
  * with gdr_buffer_copy_in/out); then the refusals: out of the grant, out of
  * the region, a read-only grant written, a forged descriptor, another
  * engine's region, a revoked grant, nobody listening; a batch waited with
- * no time, a cancelled one. Built with -fsanitize=address,undefined by
+ * no time, a cancelled one. Where the contexts have a GPU, the
+ * stream-ordered fences (stream_ordering below). Built with -fsanitize=address,undefined by
  * scripts/c-tests.sh, and run under Valgrind without them. */
 #include <pthread.h>
 #include <stdint.h>
@@ -96,6 +97,89 @@ static gdr_descriptor decoded(gdr_grant g, uint8_t **bytes, size_t *len) {
   gdr_descriptor d = {0};
   EXPECT(gdr_descriptor_decode(*bytes, need, &d), GDR_RESULT_OK);
   return d;
+}
+
+/* The stream-ordered fences, both ways, on a stream of a's GPU 0 (b's GPU
+ * memory `bgpu`, granted to a as `dgpu`, registered on b as `rgpu`):
+ * 1. a stream waits for a READ of b's GPU memory into a's: a device-to-host
+ *    copy queued after the fence sees the data the batch brought;
+ * 2. a batch waits for a stream: a host-to-device copy into a's GPU memory,
+ *    then a WRITE of it into b's gated on the stream: b gets what the
+ *    stream copied, not what was there before;
+ * and the streams' refusals: buffers held by queued copies are busy until
+ * the stream is synchronized, ranges and kinds checked. */
+static void stream_ordering(gdr_context ca, gdr_engine ea, gdr_peer ab, gdr_engine eb,
+                            gdr_buffer bgpu, gdr_region rgpu, gdr_descriptor dgpu) {
+  static uint8_t expected[LEN], seen[LEN], before[LEN], streamed[LEN];
+  gdr_stream stream = {0};
+  EXPECT(gdr_stream_new(ca, 7, &stream), GDR_RESULT_NO_DEVICE);
+  EXPECT(gdr_stream_new(ca, 0, &stream), GDR_RESULT_OK);
+  void *raw = NULL;
+  EXPECT(gdr_stream_raw(stream, &raw), GDR_RESULT_OK);
+  CHECK(raw != NULL, "a stream's native handle is never NULL");
+  gdr_buffer agpu = {0}, ahost = {0}, abytes = {0};
+  EXPECT(gdr_buffer_alloc(ca, GDR_MEMORY_DEVICE, 0, LEN, &agpu), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_alloc(ca, GDR_MEMORY_HOST, 0, LEN, &ahost), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_alloc(ca, GDR_MEMORY_PINNED, 0, LEN, &abytes), GDR_RESULT_OK);
+  gdr_region ragpu = {0};
+  EXPECT(gdr_region_register(ea, agpu, 0, LEN, &ragpu), GDR_RESULT_OK);
+
+  /* 1. The fence: a's GPU memory starts as `before`, b's holds `expected`. */
+  pattern(before, LEN, 77);
+  EXPECT(gdr_buffer_copy_in(agpu, 0, before, LEN), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_copy_out(bgpu, 0, expected, LEN), GDR_RESULT_OK);
+  CHECK(memcmp(expected, before, LEN) != 0, "b's data differs from a's before the READ");
+  gdr_transfer read = {GDR_OP_READ, ragpu, 0, dgpu, 0, LEN};
+  gdr_batch batch = {0};
+  EXPECT(gdr_peer_submit(ab, &read, 1, 0, &batch), GDR_RESULT_OK);
+  EXPECT(gdr_batch_fence_stream(batch, stream), GDR_RESULT_OK);
+  EXPECT(gdr_stream_copy(stream, ahost, 0, agpu, 0, LEN), GDR_RESULT_OK);
+  /* Held by the queued copy: not freed under it. */
+  EXPECT(gdr_buffer_free(ahost), GDR_RESULT_BUSY);
+  EXPECT(gdr_buffer_free(agpu), GDR_RESULT_BUSY);
+  EXPECT(gdr_stream_synchronize(stream), GDR_RESULT_OK);
+  EXPECT(gdr_batch_wait(batch, WAIT_MS), GDR_RESULT_OK);
+  EXPECT(gdr_batch_free(batch), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_copy_out(ahost, 0, seen, LEN), GDR_RESULT_OK);
+  CHECK(memcmp(seen, expected, LEN) == 0,
+        "the copy queued after the fence ran after the READ and saw b's data");
+
+  /* 2. The gate: the stream copies `streamed` into a's GPU memory; the
+   * WRITE gated on it sends that to b. */
+  pattern(streamed, LEN, 91);
+  EXPECT(gdr_buffer_copy_in(abytes, 0, streamed, LEN), GDR_RESULT_OK);
+  EXPECT(gdr_stream_copy(stream, agpu, 0, abytes, 0, LEN), GDR_RESULT_OK);
+  gdr_transfer write = {GDR_OP_WRITE, ragpu, 0, dgpu, 0, LEN};
+  EXPECT(gdr_peer_submit_after_stream(ab, stream, &write, 1, 0, &batch), GDR_RESULT_OK);
+  EXPECT(gdr_batch_wait(batch, WAIT_MS), GDR_RESULT_OK);
+  EXPECT(gdr_batch_free(batch), GDR_RESULT_OK);
+  EXPECT(gdr_engine_fence_inbound_writes(eb, rgpu, NULL), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_copy_out(bgpu, 0, seen, LEN), GDR_RESULT_OK);
+  CHECK(memcmp(seen, streamed, LEN) == 0,
+        "the WRITE gated on the stream sent what the stream copied");
+  /* Refused at the call: a transfer out of the grant, nothing queued. */
+  gdr_transfer beyond = {GDR_OP_WRITE, ragpu, 0, dgpu, 1, LEN};
+  EXPECT(gdr_peer_submit_after_stream(ab, stream, &beyond, 1, 0, &batch), GDR_RESULT_REFUSED);
+  EXPECT(gdr_peer_submit_after_stream(ab, (gdr_stream){0}, &write, 1, 0, &batch),
+         GDR_RESULT_INVALID_HANDLE);
+
+  /* The copies' refusals. */
+  EXPECT(gdr_stream_copy(stream, ahost, 1, agpu, 0, LEN), GDR_RESULT_INVALID_ARGUMENT);
+  EXPECT(gdr_stream_copy(stream, ahost, 0, agpu, 0, 0), GDR_RESULT_INVALID_ARGUMENT);
+  EXPECT(gdr_stream_copy(stream, ahost, 0, abytes, 0, LEN), GDR_RESULT_NOT_SUPPORTED);
+  EXPECT(gdr_stream_copy(stream, agpu, 0, agpu, 16, 64), GDR_RESULT_INVALID_ARGUMENT);
+  EXPECT(gdr_stream_copy(stream, agpu, 0, bgpu, 0, 64), GDR_RESULT_INVALID_ARGUMENT);
+  /* Device to device, then freed with the stream: free waits for it. */
+  EXPECT(gdr_stream_copy(stream, agpu, 0, agpu, LEN / 2, LEN / 2), GDR_RESULT_OK);
+  EXPECT(gdr_stream_free(stream), GDR_RESULT_OK);
+  EXPECT(gdr_stream_free(stream), GDR_RESULT_INVALID_HANDLE);
+  EXPECT(gdr_stream_synchronize(stream), GDR_RESULT_INVALID_HANDLE);
+  EXPECT(gdr_buffer_copy_out(agpu, 0, seen, LEN / 2), GDR_RESULT_OK);
+  CHECK(memcmp(seen, streamed + LEN / 2, LEN / 2) == 0, "the device-to-device copy ran");
+  EXPECT(gdr_region_free(ragpu), GDR_RESULT_OK);
+  gdr_buffer buffers[] = {agpu, ahost, abytes};
+  for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++)
+    EXPECT(gdr_buffer_free(buffers[i]), GDR_RESULT_OK);
 }
 
 int main(void) {
@@ -214,6 +298,9 @@ int main(void) {
       CHECK(some[0] == src[99] && memcmp(some + 1, "xyz", 3) == 0 && some[4] == src[103],
             "buffer %zu: copies land at their offset", i);
     }
+    stream_ordering(ca, ea, ab, eb, bgpu, rgpu, dgpu);
+  } else {
+    printf("transfer: no GPU in the context: device memory and streams skipped\n");
   }
 
   /* Refusals, each before anything is posted. */

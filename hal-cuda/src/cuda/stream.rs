@@ -136,6 +136,10 @@ impl Stream<CudaApi> for CudaStream {
             (self.ctx.drv.req.cuStreamSynchronize)(self.raw)
         })
     }
+
+    fn raw(&self) -> *mut std::ffi::c_void {
+        CudaStream::raw(self)
+    }
 }
 
 impl CudaStream {
