@@ -5,12 +5,12 @@
 # engines of one process: grants, descriptors, batched READs and WRITEs of
 # host and device memory, the refusals, the stream-ordered fences both ways
 # where the context has a GPU) and hostile.c (generated from gdr.h:
-# every export fed zero, NULL, freed and short arguments). Each runs twice: built with gcc's AddressSanitizer and UBSan,
-# and without them under Valgrind (the Rust side's memory checked there);
-# on the simulation (GDR_BACKEND=sim). uri_share.c shares a GPU buffer
-# between two processes by its gdr:// URI (the sim's IPC across processes).
-# tests/c/lsan.supp and valgrind.supp: the one leak by design (the
-# stream-fence page).
+# every export fed zero, NULL, freed and short arguments). uri_share.c
+# shares a GPU buffer between two processes by its gdr:// URI (the sim's
+# IPC across processes). Each runs twice, on the simulation
+# (GDR_BACKEND=sim): built with gcc's AddressSanitizer (leaks included)
+# and UBSan, and without them under Valgrind (the Rust side's memory
+# checked there). No suppressions.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -31,10 +31,10 @@ for test in abi transfer uri_share hostile; do
     -fno-sanitize-recover=undefined "$src" "${LINK[@]}" -o "$OUT/$test-asan"
   gcc "${CFLAGS[@]}" "$src" "${LINK[@]}" -o "$OUT/$test"
   echo "== $test (gcc ASan + UBSan)"
-  GDR_BACKEND=sim ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:fast_unwind_on_malloc=0 \
-    LSAN_OPTIONS=suppressions="$ROOT/gdr-ffi/tests/c/lsan.supp" "$OUT/$test-asan" "$OUT/libgdr-copy.so" || failed=1
+  GDR_BACKEND=sim ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
+    "$OUT/$test-asan" "$OUT/libgdr-copy.so" || failed=1
   echo "== $test (Valgrind memcheck)"
-  GDR_BACKEND=sim valgrind -q --error-exitcode=99 --suppressions="$ROOT/gdr-ffi/tests/c/valgrind.supp" --leak-check=full --errors-for-leak-kinds=definite \
+  GDR_BACKEND=sim valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite \
     --show-possibly-lost=no "$OUT/$test" "$OUT/libgdr-copy.so" || failed=1
 done
 exit $failed

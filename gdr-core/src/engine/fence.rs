@@ -40,15 +40,34 @@ const WORDS: usize = 1024;
 
 /// The engine's page of fence words.
 pub(super) struct FenceWords<C: hal_cuda::Api> {
-    /// Never dropped (see the module docs): a stream may read it later.
-    buffer: std::mem::ManuallyDrop<Buffer<C>>,
+    /// Never freed (see the module docs): a stream may read it later. When
+    /// the engine goes it is parked in [`PARKED_PAGES`] for the life of the
+    /// process, still reachable (not a leak a checker reports).
+    buffer: Option<Buffer<C>>,
+    /// The page's first address (host and device: pinned, mapped).
+    base: u64,
     pub(super) book: WordBook,
+}
+
+/// Fence pages of engines that are gone: kept for the life of the process.
+static PARKED_PAGES: std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>> =
+    std::sync::Mutex::new(Vec::new());
+
+impl<C: hal_cuda::Api> Drop for FenceWords<C> {
+    fn drop(&mut self) {
+        if let Some(page) = self.buffer.take() {
+            PARKED_PAGES
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(Box::new(page));
+        }
+    }
 }
 
 impl<C: hal_cuda::Api> FenceWords<C> {
     /// The word at `index`, for the host to load or store.
     pub(super) fn word(&self, index: usize) -> &AtomicU32 {
-        let addr = self.buffer.addr() as usize + index * 4;
+        let addr = self.base as usize + index * 4;
         // SAFETY: the page is gdr's own pinned memory of WORDS words,
         // 4-byte aligned (page aligned), never freed; the host touches it
         // only atomically, the device only through stream memory
@@ -58,13 +77,13 @@ impl<C: hal_cuda::Api> FenceWords<C> {
 
     /// The device address of word `index`.
     pub(super) fn addr(&self, index: usize) -> u64 {
-        self.buffer.addr() + (index * 4) as u64
+        self.base + (index * 4) as u64
     }
 
     /// Frees the words that awaited a stream's late write and got it.
     pub(super) fn collect_late_writes(&mut self) -> usize {
-        let Self { buffer, book } = self;
-        let base = buffer.addr() as usize;
+        let base = self.base as usize;
+        let book = &mut self.book;
         book.collect(|index| {
             // SAFETY: as in `word`.
             unsafe { &*((base + index * 4) as *const AtomicU32) }.load(Ordering::Acquire)
@@ -210,7 +229,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 })?;
             let buffer = Buffer::alloc_pinned(context, (WORDS * 4) as u64)?;
             let words = FenceWords {
-                buffer: std::mem::ManuallyDrop::new(buffer),
+                base: buffer.addr(),
+                buffer: Some(buffer),
                 book: WordBook::new(WORDS),
             };
             // Pinned memory comes back from the driver as it was left (a
