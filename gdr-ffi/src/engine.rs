@@ -1053,11 +1053,23 @@ pub unsafe extern "C" fn gdr_peer_wait_grant(
     ffi_boundary! {
         let out = Out::new("out", out)?;
         let descriptor = PEERS.get(peer.id)?.peer.wait_grant(grant_id, millis(timeout_ms))?;
-        let id = DESCRIPTORS.insert(Arc::new(descriptor))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrDescriptor { id }) };
-        Ok(())
+        // SAFETY: `out` checked; valid by the caller's contract.
+        unsafe { new_descriptor(descriptor, out) }
     }
+}
+
+/// Stores `descriptor` and writes its new handle to `out`.
+///
+/// # Safety
+/// `out` was checked by [`Out::new`] and is valid for a write.
+unsafe fn new_descriptor(
+    descriptor: MemoryDescriptor,
+    out: Out<GdrDescriptor>,
+) -> Result<(), FfiError> {
+    let id = DESCRIPTORS.insert(Arc::new(descriptor))?;
+    // SAFETY: the caller's contract.
+    unsafe { out.write(GdrDescriptor { id }) };
+    Ok(())
 }
 
 /// Parses a descriptor's text form (from [`gdr_grant_descriptor_text`])
@@ -1079,10 +1091,8 @@ pub unsafe extern "C" fn gdr_descriptor_parse_text(
         let descriptor: MemoryDescriptor = text
             .parse()
             .map_err(|e| FfiError::invalid("text", e))?;
-        let id = DESCRIPTORS.insert(Arc::new(descriptor))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrDescriptor { id }) };
-        Ok(())
+        // SAFETY: `out` checked; valid by the caller's contract.
+        unsafe { new_descriptor(descriptor, out) }
     }
 }
 
@@ -1110,10 +1120,8 @@ pub unsafe extern "C" fn gdr_descriptor_decode(
         // `len` small.
         let bytes = unsafe { std::slice::from_raw_parts(bytes, len) };
         let descriptor = MemoryDescriptor::decode(bytes).map_err(|e| FfiError::invalid("bytes", e))?;
-        let id = DESCRIPTORS.insert(Arc::new(descriptor))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrDescriptor { id }) };
-        Ok(())
+        // SAFETY: `out` checked; valid by the caller's contract.
+        unsafe { new_descriptor(descriptor, out) }
     }
 }
 

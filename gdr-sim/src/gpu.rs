@@ -429,6 +429,19 @@ impl SimCuda {
     }
 }
 
+/// A descriptor of its own for the memfd behind `range` (a dma-buf
+/// export, an IPC export).
+fn dup_memfd(range: &memory::DeviceRange) -> Result<std::os::fd::OwnedFd> {
+    range
+        .backing
+        .memfd()
+        .try_clone_to_owned()
+        .map_err(|e| CudaError::Os {
+            operation: "dup",
+            errno: e.raw_os_error().unwrap_or(libc::EMFILE),
+        })
+}
+
 fn check_alive(gpu: &SimGpu, operation: &'static str) -> Result<()> {
     if gpu.lost.load(Ordering::SeqCst) {
         Err(CudaError::DeviceLost {
@@ -727,14 +740,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 reason: format!("{len} bytes at {addr:#x} are not inside one allocation"),
                 code: Some(1),
             })?;
-        let fd = range
-            .backing
-            .memfd()
-            .try_clone_to_owned()
-            .map_err(|e| CudaError::Os {
-                operation: "dup",
-                errno: e.raw_os_error().unwrap_or(libc::EMFILE),
-            })?;
+        let fd = dup_memfd(&range)?;
         let inode = rustix::fs::fstat(&fd)
             .map_err(|e| CudaError::Os {
                 operation: "fstat",
@@ -772,14 +778,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             // Exported before: the same handle, as CUDA gives.
             Some(export) => export.fd.as_raw_fd(),
             None => {
-                let fd = range
-                    .backing
-                    .memfd()
-                    .try_clone_to_owned()
-                    .map_err(|e| CudaError::Os {
-                        operation: "dup",
-                        errno: e.raw_os_error().unwrap_or(libc::EMFILE),
-                    })?;
+                let fd = dup_memfd(&range)?;
                 let raw = fd.as_raw_fd();
                 exports.insert(
                     range.buffer_id,
