@@ -505,8 +505,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             if !peer.asks.inbox.is_empty() || !peer.asks.asking.is_empty() {
                 moved += self.pump_asks(core, peer, pools, now);
             }
-            peer.flush_backlog(core, now);
         }
+        // (What they queued goes out with the progress call's post_ready,
+        // which flushes every backlog.)
         moved
     }
 
