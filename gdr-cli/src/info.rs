@@ -12,12 +12,10 @@
 use std::fmt::Write as _;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
-use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::engine::topology::{PciDistance, PciTopology};
-use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, Refusal, Rung};
+use gdr_core::ladder::{Gpu, Ladder, Refusal, Rung};
 use gdr_core::prelude::EngineConfig;
 use hal_cuda::{Driver as _, FlushWritesOptions, WritesOrdering};
 use hal_verbs::{AddressFamily, Context as _, GidType, Provider as _};
@@ -912,14 +910,7 @@ fn probe_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
                     .map(|ordinal| Gpu::<C>::open(driver, ordinal))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| e.to_string())?;
-                Ladder::<V, C>::new(
-                    &ctx,
-                    gpus,
-                    Arc::new(RegistrationCache::new(CacheConfig::default())),
-                    Arc::new(DmabufExports::new()),
-                    LadderConfig::default(),
-                )
-                .map_err(|e| e.to_string())
+                Ladder::<V, C>::standalone(&ctx, gpus).map_err(|e| e.to_string())
             });
         let ladder = match ladder {
             Ok(ladder) => ladder,

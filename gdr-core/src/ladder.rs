@@ -43,8 +43,8 @@ use hal_verbs::{
 
 use crate::buffer::{Forget, Target};
 use crate::cache::{
-    Bounds, BudgetExceeded, BudgetLimits, CacheError, CacheHandle, DomainBudget, DomainId, Limits,
-    OwnerId, Registrar, RegistrationCache, Request, Reservation,
+    Bounds, BudgetExceeded, BudgetLimits, CacheConfig, CacheError, CacheHandle, DomainBudget,
+    DomainId, Limits, OwnerId, Registrar, RegistrationCache, Request, Reservation,
 };
 pub use crate::descriptor::GrantRights;
 use crate::descriptor::{MemoryLocation, Segment};
@@ -993,6 +993,20 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for Ladder<V, C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
+    /// A ladder of its own on NIC `context` for `gpus` (a private cache and
+    /// dma-buf exports, the default configuration): to ask what the NIC can
+    /// do with those GPUs' memory ([`Ladder::probe_all`]) outside any
+    /// engine, as `gdr info` and the C ABI's `gdr_path_rung` do.
+    pub fn standalone(context: &V::Context, gpus: Vec<Gpu<C>>) -> Result<Self, LadderError> {
+        Self::new(
+            context,
+            gpus,
+            Arc::new(RegistrationCache::new(CacheConfig::default())),
+            Arc::new(DmabufExports::new()),
+            LadderConfig::default(),
+        )
+    }
+
     /// A ladder on NIC `context` (a PD of its own), for memory of `gpus`,
     /// registering through `cache` (shared by every NIC's ladder) and
     /// exporting dma-bufs through `exports` (shared likewise). Every MR of

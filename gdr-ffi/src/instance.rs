@@ -12,9 +12,8 @@ use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 use gdr_core::buffer::Buffer;
-use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::engine::{Engine, EngineConfig};
-use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, Rung};
+use gdr_core::ladder::{Gpu, Ladder, Rung};
 use gdr_core::uri::BufferUri;
 use gdr_sim::{DeviceConfig, GpuConfig, NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
 use hal_cuda::{Context as _, Driver as _, MemoryType, Stream as _};
@@ -225,13 +224,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
         };
         let context = self.backends.verbs().open(&name)?;
         let gpus = vec![Gpu::<C>::open(driver, gpu)?];
-        let ladder = Ladder::<V, C>::new(
-            &context,
-            gpus,
-            Arc::new(RegistrationCache::new(CacheConfig::default())),
-            Arc::new(DmabufExports::new()),
-            LadderConfig::default(),
-        )?;
+        let ladder = Ladder::<V, C>::standalone(&context, gpus)?;
         let mut why_not = Vec::new();
         for (_, rung, verdict) in ladder.probe_all() {
             match verdict {
