@@ -102,6 +102,8 @@ pub struct GdrBufferInfo {
     pub device: i32,
 }
 
+crate::handle::c_handles!(GdrContext, GdrBuffer);
+
 static CONTEXTS: Table<ContextObject> = Table::new(Kind::Context);
 static BUFFERS: Table<BufferObject> = Table::new(Kind::Buffer);
 
@@ -184,10 +186,8 @@ unsafe fn new_buffer(
         buffer: Mutex::new(Some(buffer)),
         stream_holds: AtomicUsize::new(0),
     };
-    let id = BUFFERS.insert(Arc::new(object))?;
-    // SAFETY: the caller's contract.
-    unsafe { out.write(GdrBuffer { id }) };
-    Ok(())
+    // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+    unsafe { BUFFERS.publish(Arc::new(object), out) }
 }
 
 /// The ABI version: major in the high 16 bits, minor in the low. A new
@@ -273,10 +273,8 @@ pub unsafe extern "C" fn gdr_context_new(
             },
         };
         let backend = crate::instance::open(choice)?;
-        let id = CONTEXTS.insert(Arc::new(ContextObject { backend }))?;
-        // SAFETY: checked by Out::new; valid by the caller's contract.
-        unsafe { out.write(GdrContext { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { CONTEXTS.publish(Arc::new(ContextObject { backend }), out) }
     }
 }
 

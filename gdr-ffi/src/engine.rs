@@ -342,6 +342,16 @@ pub struct GdrBatch {
     pub id: u64,
 }
 
+crate::handle::c_handles!(
+    GdrEngine,
+    GdrRegion,
+    GdrListener,
+    GdrPeer,
+    GdrGrant,
+    GdrDescriptor,
+    GdrBatch,
+);
+
 /// Options of [`gdr_engine_new`]; NULL means all defaults, and so does 0
 /// in a field.
 #[repr(C)]
@@ -607,10 +617,8 @@ pub unsafe extern "C" fn gdr_engine_new(
             backend: Arc::clone(&owner.backend),
             engine,
         };
-        let id = ENGINES.insert(Arc::new(object))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrEngine { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { ENGINES.publish(Arc::new(object), out) }
     }
 }
 
@@ -696,10 +704,8 @@ pub unsafe extern "C" fn gdr_region_register(
         }
         let region = memory.with(|_, b| owner.engine.register(b, offset, len))?;
         let object = RegionObject { engine: owner.engine.id(), region };
-        let id = REGIONS.insert(Arc::new(object))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrRegion { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { REGIONS.publish(Arc::new(object), out) }
     }
 }
 
@@ -817,10 +823,8 @@ pub unsafe extern "C" fn gdr_engine_listen(
             addr: listener.local_addr(),
             listener: Mutex::new(listener),
         };
-        let id = LISTENERS.insert(Arc::new(object))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrListener { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { LISTENERS.publish(Arc::new(object), out) }
     }
 }
 
@@ -867,10 +871,8 @@ pub unsafe extern "C" fn gdr_listener_accept(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .accept(millis(timeout_ms))?;
-        let id = PEERS.insert(Arc::new(PeerObject { engine: object.engine, peer }))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrPeer { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { PEERS.publish(Arc::new(PeerObject { engine: object.engine, peer }), out) }
     }
 }
 
@@ -905,10 +907,8 @@ pub unsafe extern "C" fn gdr_engine_connect(
         let addr = unsafe { addr_arg("addr", addr) }?;
         let owner = ENGINES.get(engine.id)?;
         let peer = owner.engine.connect(addr, millis(timeout_ms))?;
-        let id = PEERS.insert(Arc::new(PeerObject { engine: owner.engine.id(), peer }))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrPeer { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { PEERS.publish(Arc::new(PeerObject { engine: owner.engine.id(), peer }), out) }
     }
 }
 
@@ -957,10 +957,8 @@ pub unsafe extern "C" fn gdr_peer_grant(
         let region = REGIONS.get(region.id)?;
         same_engine(peer.engine, &region)?;
         let grant = peer.peer.grant(&*region.region, offset, len, rights)?;
-        let id = GRANTS.insert(Arc::from(grant))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrGrant { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { GRANTS.publish(Arc::from(grant), out) }
     }
 }
 
@@ -1054,22 +1052,8 @@ pub unsafe extern "C" fn gdr_peer_wait_grant(
         let out = Out::new("out", out)?;
         let descriptor = PEERS.get(peer.id)?.peer.wait_grant(grant_id, millis(timeout_ms))?;
         // SAFETY: `out` checked; valid by the caller's contract.
-        unsafe { new_descriptor(descriptor, out) }
+        unsafe { DESCRIPTORS.publish(Arc::new(descriptor), out) }
     }
-}
-
-/// Stores `descriptor` and writes its new handle to `out`.
-///
-/// # Safety
-/// `out` was checked by [`Out::new`] and is valid for a write.
-unsafe fn new_descriptor(
-    descriptor: MemoryDescriptor,
-    out: Out<GdrDescriptor>,
-) -> Result<(), FfiError> {
-    let id = DESCRIPTORS.insert(Arc::new(descriptor))?;
-    // SAFETY: the caller's contract.
-    unsafe { out.write(GdrDescriptor { id }) };
-    Ok(())
 }
 
 /// Parses a descriptor's text form (from [`gdr_grant_descriptor_text`])
@@ -1092,7 +1076,7 @@ pub unsafe extern "C" fn gdr_descriptor_parse_text(
             .parse()
             .map_err(|e| FfiError::invalid("text", e))?;
         // SAFETY: `out` checked; valid by the caller's contract.
-        unsafe { new_descriptor(descriptor, out) }
+        unsafe { DESCRIPTORS.publish(Arc::new(descriptor), out) }
     }
 }
 
@@ -1121,7 +1105,7 @@ pub unsafe extern "C" fn gdr_descriptor_decode(
         let bytes = unsafe { std::slice::from_raw_parts(bytes, len) };
         let descriptor = MemoryDescriptor::decode(bytes).map_err(|e| FfiError::invalid("bytes", e))?;
         // SAFETY: `out` checked; valid by the caller's contract.
-        unsafe { new_descriptor(descriptor, out) }
+        unsafe { DESCRIPTORS.publish(Arc::new(descriptor), out) }
     }
 }
 
@@ -1230,10 +1214,8 @@ unsafe fn submit_checked(
         )
         .collect();
     let batch = submit(&*peer.peer, &erased)?;
-    let id = BATCHES.insert(Arc::from(batch))?;
-    // SAFETY: checked; valid by the caller's contract.
-    unsafe { out.write(GdrBatch { id }) };
-    Ok(())
+    // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+    unsafe { BATCHES.publish(Arc::from(batch), out) }
 }
 
 /// Submits `count` transfers to `peer` as one batch that must end within

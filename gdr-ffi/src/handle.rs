@@ -16,6 +16,7 @@
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use crate::boundary::Out;
 use crate::result::{FfiError, GdrResult};
 
 const INDEX_BITS: u32 = 24;
@@ -94,6 +95,23 @@ struct Slots<T: ?Sized> {
     free: Vec<usize>,
 }
 
+/// A C handle type: a struct of one opaque `id`.
+pub(crate) trait CHandle {
+    fn from_id(id: u64) -> Self;
+}
+
+/// Implements [`CHandle`] for handle structs of one `id` field.
+macro_rules! c_handles {
+    ($($handle:ty),+ $(,)?) => {
+        $(impl $crate::handle::CHandle for $handle {
+            fn from_id(id: u64) -> Self {
+                Self { id }
+            }
+        })+
+    };
+}
+pub(crate) use c_handles;
+
 /// The live objects of one kind.
 pub(crate) struct Table<T: ?Sized> {
     kind: Kind,
@@ -137,6 +155,18 @@ impl<T: ?Sized> Table<T> {
         let slot = &mut slots.slots[index];
         slot.value = Some(value);
         Ok(encode(self.kind, slot.generation, index))
+    }
+
+    /// Stores `value` and writes its handle to `out`: the last step of a
+    /// call that made an object (nothing is written if the store fails).
+    ///
+    /// # Safety
+    /// `out` (checked by [`Out::new`]) must be valid for a write.
+    pub unsafe fn publish<H: CHandle>(&self, value: Arc<T>, out: Out<H>) -> Result<(), FfiError> {
+        let id = self.insert(value)?;
+        // SAFETY: the caller's contract.
+        unsafe { out.write(H::from_id(id)) };
+        Ok(())
     }
 
     /// The slot index `handle` names, if it is one of ours of this kind and

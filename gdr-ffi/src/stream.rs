@@ -36,6 +36,8 @@ pub struct GdrStream {
     pub id: u64,
 }
 
+crate::handle::c_handles!(GdrStream);
+
 /// One end of a stream copy: host memory by its pointer, or device memory
 /// by its device address.
 #[derive(Debug, Clone, Copy)]
@@ -186,10 +188,8 @@ pub unsafe extern "C" fn gdr_stream_new(
         let owner = crate::api::context(context)?;
         let stream = owner.backend.stream(device)?;
         let object = StreamObject { context: context.id, device, stream, holds: Mutex::new(Vec::new()) };
-        let id = STREAMS.insert(Arc::new(object))?;
-        // SAFETY: checked; valid by the caller's contract.
-        unsafe { out.write(GdrStream { id }) };
-        Ok(())
+        // SAFETY: `out` checked by Out::new; valid by the caller's contract.
+        unsafe { STREAMS.publish(Arc::new(object), out) }
     }
 }
 
