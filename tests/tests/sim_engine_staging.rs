@@ -237,7 +237,6 @@ fn a_busy_pool_makes_transfers_wait_not_fail() {
 /// the same batch's neighbours, and later transfers, go through.
 #[test]
 fn a_failed_staging_copy_fails_only_its_transfer() {
-    use gdr_sim::{Fault, FaultSite};
     const LEN: u64 = 64 * 1024;
     let w = staging_world_with(1, |c| {
         c.staging_slice = 16 * 1024;
@@ -247,18 +246,7 @@ fn a_failed_staging_copy_fails_only_its_transfer() {
     let (dst_buf, dst) = w.b.alloc(Kind::Host, LEN, 0);
     let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
     // Warm the pool (its first use allocates and registers it).
-    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 1)])
-        .unwrap()
-        .wait(T)
-        .unwrap();
-    let failure = hal_cuda::CudaError::Driver {
-        operation: "cuMemcpyDtoHAsync",
-        code: 700,
-        name: "CUDA_ERROR_ILLEGAL_ADDRESS",
-    };
-    w.fabric()
-        .faults()
-        .fail_next(FaultSite::CudaCopy, Fault::Cuda(failure));
+    warm_then_fail_next_copy(&w, &src, &remote, "cuMemcpyDtoHAsync");
     let failed =
         w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
             .unwrap();
@@ -274,6 +262,30 @@ fn a_failed_staging_copy_fails_only_its_transfer() {
         .wait(T)
         .unwrap_or_else(|e| panic!("the other transfer: {e}"));
     assert!(w.b.bytes(&dst_buf) == pattern(LEN as usize, 8));
+}
+
+/// WRITEs one byte of `src` into `remote` (so the staging pool or the
+/// owner's landing slots exist), then scripts the next CUDA copy to fail
+/// as `operation` with an illegal address.
+fn warm_then_fail_next_copy(
+    w: &EngineWorld<SimVerbsApi>,
+    src: &gdr_core::engine::Region<SimVerbsApi>,
+    remote: &gdr_core::descriptor::MemoryDescriptor,
+    operation: &'static str,
+) {
+    use gdr_sim::{Fault, FaultSite};
+    w.ab.submit(&[Transfer::write(src, 0, remote, 0, 1)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    let failure = hal_cuda::CudaError::Driver {
+        operation,
+        code: 700,
+        name: "CUDA_ERROR_ILLEGAL_ADDRESS",
+    };
+    w.fabric()
+        .faults()
+        .fail_next(FaultSite::CudaCopy, Fault::Cuda(failure));
 }
 
 /// The pipeline's slices in flight spread over the peer's queue pairs
@@ -407,25 +419,13 @@ fn two_peers_and_many_requests_share_one_owner() {
 /// failed request's slots came back).
 #[test]
 fn a_failed_landing_copy_fails_only_its_request() {
-    use gdr_sim::{Fault, FaultSite};
     const LEN: u64 = 8 * 4096;
     let w = slots_world();
     let (_s, src) = w.a.alloc(Kind::Host, 2 * LEN, 8);
     let (dst_buf, dst) = w.b.alloc(Kind::Gpu, 2 * LEN, 0);
     let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
     // Warm: the owner's slots exist (the failure lands on a slice copy).
-    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 1)])
-        .unwrap()
-        .wait(T)
-        .unwrap();
-    let failure = hal_cuda::CudaError::Driver {
-        operation: "cuMemcpyHtoDAsync",
-        code: 700,
-        name: "CUDA_ERROR_ILLEGAL_ADDRESS",
-    };
-    w.fabric()
-        .faults()
-        .fail_next(FaultSite::CudaCopy, Fault::Cuda(failure));
+    warm_then_fail_next_copy(&w, &src, &remote, "cuMemcpyHtoDAsync");
     let halves: Vec<_> = [0, LEN]
         .iter()
         .map(|&at| {
