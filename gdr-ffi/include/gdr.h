@@ -323,6 +323,16 @@ const char *gdr_version(void);
 // "unknown result". Never NULL.
 const char *gdr_result_message(uint32_t result);
 
+// The name of a rung (`GDR_RUNG_*`): "dma-buf", "peermem", "staging" or
+// "host"; "unknown rung" for any other number. A static string: never
+// freed. Any thread.
+const char *gdr_rung_name(uint32_t rung);
+
+// The name of a memory kind (`GDR_MEMORY_*`): "host", "pinned", "device"
+// or "managed"; "unknown memory kind" for any other number. A static
+// string: never freed. Any thread.
+const char *gdr_memory_kind_name(uint32_t memory);
+
 // The ABI version: major in the high 16 bits, minor in the low. A new
 // minor only adds; a new major breaks. Any thread.
 uint32_t gdr_abi_version(void);

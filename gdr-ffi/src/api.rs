@@ -4,7 +4,7 @@
 //! safety is stated per function; "any thread" means concurrent calls on
 //! the same handles are safe.
 
-use std::ffi::c_char;
+use std::ffi::{CStr, c_char};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -86,6 +86,56 @@ pub enum GdrRung {
     Staging = 2,
     /// Host memory, registered as such (a region's rung; never a path's).
     Host = 3,
+}
+
+impl GdrRung {
+    const ALL: [Self; 4] = [Self::Dmabuf, Self::Peermem, Self::Staging, Self::Host];
+
+    fn name(self) -> &'static CStr {
+        match self {
+            Self::Dmabuf => c"dma-buf",
+            Self::Peermem => c"peermem",
+            Self::Staging => c"staging",
+            Self::Host => c"host",
+        }
+    }
+}
+
+impl GdrMemory {
+    const ALL: [Self; 4] = [Self::Host, Self::Pinned, Self::Device, Self::Managed];
+
+    fn name(self) -> &'static CStr {
+        match self {
+            Self::Host => c"host",
+            Self::Pinned => c"pinned",
+            Self::Device => c"device",
+            Self::Managed => c"managed",
+        }
+    }
+}
+
+/// The name of a rung (`GDR_RUNG_*`): "dma-buf", "peermem", "staging" or
+/// "host"; "unknown rung" for any other number. A static string: never
+/// freed. Any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn gdr_rung_name(rung: u32) -> *const c_char {
+    GdrRung::ALL
+        .into_iter()
+        .find(|r| *r as u32 == rung)
+        .map_or(c"unknown rung", GdrRung::name)
+        .as_ptr()
+}
+
+/// The name of a memory kind (`GDR_MEMORY_*`): "host", "pinned", "device"
+/// or "managed"; "unknown memory kind" for any other number. A static
+/// string: never freed. Any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn gdr_memory_kind_name(memory: u32) -> *const c_char {
+    GdrMemory::ALL
+        .into_iter()
+        .find(|m| *m as u32 == memory)
+        .map_or(c"unknown memory kind", GdrMemory::name)
+        .as_ptr()
 }
 
 /// What [`gdr_buffer_get_info`] reports.
@@ -595,5 +645,79 @@ pub unsafe extern "C" fn gdr_buffer_context(
         // SAFETY: checked; valid by the caller's contract.
         unsafe { out.write(GdrContext { id }) };
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(name: *const c_char) -> &'static str {
+        // SAFETY: the name functions return static NUL-terminated strings.
+        unsafe { CStr::from_ptr(name) }.to_str().unwrap()
+    }
+
+    #[test]
+    fn rungs_and_memory_kinds_have_names() {
+        let rungs: Vec<_> = (0..5).map(|n| text(gdr_rung_name(n))).collect();
+        assert_eq!(
+            rungs,
+            ["dma-buf", "peermem", "staging", "host", "unknown rung"]
+        );
+        let kinds: Vec<_> = (0..5).map(|n| text(gdr_memory_kind_name(n))).collect();
+        assert_eq!(
+            kinds,
+            ["host", "pinned", "device", "managed", "unknown memory kind"]
+        );
+        assert_eq!(text(gdr_memory_kind_name(u32::MAX)), "unknown memory kind");
+    }
+
+    /// Through the C ABI: after a buffer's slot would have wrapped, its
+    /// stale handle neither answers for nor frees the buffer made next.
+    #[test]
+    fn a_stale_buffer_handle_never_reaches_a_later_buffer() {
+        let options = GdrOptions {
+            backend: GdrBackend::Sim,
+        };
+        let mut context = GdrContext { id: 0 };
+        // SAFETY: valid pointers to locals.
+        assert_eq!(
+            unsafe { gdr_context_new(&options, &mut context) },
+            GdrResult::Ok
+        );
+        let alloc = |size: u64| {
+            let mut buffer = GdrBuffer { id: 0 };
+            // SAFETY: a valid pointer to a local.
+            let result = unsafe { gdr_buffer_alloc(context, 0, 0, size, &mut buffer) };
+            assert_eq!(result, GdrResult::Ok);
+            buffer
+        };
+        let info = |buffer: GdrBuffer| {
+            let mut info = GdrBufferInfo {
+                addr: 0,
+                size: 0,
+                memory: GdrMemory::Host,
+                device: -1,
+            };
+            // SAFETY: a valid pointer to a local.
+            let result = unsafe { gdr_buffer_get_info(buffer, &mut info) };
+            (result, info.size)
+        };
+        let stale = alloc(4096);
+        assert_eq!(gdr_buffer_free(stale), GdrResult::Ok);
+        // 65,533 more buffers made and freed in that slot.
+        assert!(BUFFERS.set_free_slot_generation(stale.id, u16::MAX));
+        assert_eq!(gdr_buffer_free(alloc(4096)), GdrResult::Ok);
+        let other = alloc(8192);
+        assert_ne!(other, stale);
+        assert_eq!(info(stale).0, GdrResult::InvalidHandle);
+        assert_eq!(gdr_buffer_free(stale), GdrResult::InvalidHandle);
+        assert_eq!(
+            info(other),
+            (GdrResult::Ok, 8192),
+            "the later buffer lives on"
+        );
+        assert_eq!(gdr_buffer_free(other), GdrResult::Ok);
+        assert_eq!(gdr_context_free(context), GdrResult::Ok);
     }
 }

@@ -7,11 +7,14 @@
 //!
 //! Layout, high bits first: instance tag (16), kind (8), generation (16),
 //! slot index (24). The instance tag is drawn once per loaded copy of the
-//! library and is never 0, so no valid handle is 0. A slot reused 65536
-//! times sees its generation come round again; a handle kept that long
-//! after its free could then name the new object (the documented limit of
-//! the check). Another instance's handle matches ours only where the two
-//! tags collide (1 in 65535).
+//! library and is never 0, so no valid handle is 0. A slot's generation
+//! never comes round again: a slot whose generation would wrap is retired
+//! (never reused), so a stale handle, kept however long, never names a new
+//! object. Retiring costs one slot per 65,535 objects made in it; once
+//! every one of the 2^24 slots is live or retired (about 10^12 objects of
+//! one kind), making another fails with `GDR_OUT_OF_RESOURCES`. Another
+//! instance's handle matches ours only where the two tags collide (1 in
+//! 65535).
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -41,6 +44,20 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
+    #[cfg(test)]
+    const ALL: [Self; 10] = [
+        Self::Context,
+        Self::Buffer,
+        Self::Engine,
+        Self::Region,
+        Self::Listener,
+        Self::Peer,
+        Self::Grant,
+        Self::Descriptor,
+        Self::Batch,
+        Self::Stream,
+    ];
+
     fn name(self) -> &'static str {
         match self {
             Self::Context => "context",
@@ -92,6 +109,8 @@ struct Slot<T: ?Sized> {
 
 struct Slots<T: ?Sized> {
     slots: Vec<Slot<T>>,
+    /// Free slots whose generation can still move on; a retired slot is in
+    /// neither this list nor use.
     free: Vec<usize>,
 }
 
@@ -115,13 +134,21 @@ pub(crate) use c_handles;
 /// The live objects of one kind.
 pub(crate) struct Table<T: ?Sized> {
     kind: Kind,
+    /// How many slots the table may have: [`MAX_SLOTS`], less in tests.
+    max_slots: usize,
     slots: Mutex<Slots<T>>,
 }
 
 impl<T: ?Sized> Table<T> {
     pub const fn new(kind: Kind) -> Self {
+        Self::with_max_slots(kind, MAX_SLOTS)
+    }
+
+    const fn with_max_slots(kind: Kind, max_slots: usize) -> Self {
+        assert!(max_slots <= MAX_SLOTS, "a slot index has INDEX_BITS");
         Self {
             kind,
+            max_slots,
             slots: Mutex::new(Slots {
                 slots: Vec::new(),
                 free: Vec::new(),
@@ -138,7 +165,7 @@ impl<T: ?Sized> Table<T> {
         let mut slots = self.lock();
         let index = match slots.free.pop() {
             Some(index) => index,
-            None if slots.slots.len() < MAX_SLOTS => {
+            None if slots.slots.len() < self.max_slots => {
                 slots.slots.push(Slot {
                     generation: 1,
                     value: None,
@@ -148,7 +175,13 @@ impl<T: ?Sized> Table<T> {
             None => {
                 return Err(FfiError::new(
                     GdrResult::OutOfResources,
-                    format!("more than {MAX_SLOTS} live {} handles", self.kind.name()),
+                    format!(
+                        "no {} handle left: all {} slots are live or retired \
+                         (a slot retires after {} objects)",
+                        self.kind.name(),
+                        self.max_slots,
+                        u16::MAX
+                    ),
                 ));
             }
         };
@@ -212,9 +245,27 @@ impl<T: ?Sized> Table<T> {
         let index = self.index(&slots, handle)?;
         let slot = &mut slots.slots[index];
         let value = slot.value.take().expect("checked live");
-        slot.generation = slot.generation.checked_add(1).unwrap_or(1);
-        slots.free.push(index);
+        // A generation that would wrap retires the slot: reusing it would
+        // one day hand a stale handle's exact value to a new object.
+        if let Some(next) = slot.generation.checked_add(1) {
+            slot.generation = next;
+            slots.free.push(index);
+        }
         Ok(value)
+    }
+
+    /// Test hook: moves the generation of the free slot `freed` named (a
+    /// handle already removed) to `generation`, standing in for that many
+    /// objects made and freed in it. False if the slot is not free now.
+    #[cfg(test)]
+    pub fn set_free_slot_generation(&self, freed: u64, generation: u16) -> bool {
+        let mut slots = self.lock();
+        let index = (freed & (MAX_SLOTS as u64 - 1)) as usize;
+        if !slots.free.contains(&index) {
+            return false;
+        }
+        slots.slots[index].generation = generation;
+        true
     }
 }
 
@@ -255,5 +306,54 @@ mod tests {
         assert_eq!(*buffers.get(b).unwrap(), 8);
         // An index past the table.
         assert!(buffers.get(b | 0xff_fff0).is_err());
+    }
+
+    /// A slot whose generation would wrap is retired: the stale handle of
+    /// its first object is refused, never handed to a new one (before
+    /// retiring, the 65,536th object in a slot got the first one's handle).
+    #[test]
+    fn a_slot_is_retired_before_its_generation_wraps_in_every_kind() {
+        for kind in Kind::ALL {
+            let table: Table<u32> = Table::new(kind);
+            let stale = table.insert(Arc::new(1)).unwrap();
+            table.remove(stale).unwrap();
+            // 65,533 more objects made and freed in that slot.
+            assert!(table.set_free_slot_generation(stale, u16::MAX));
+            let last = table.insert(Arc::new(2)).unwrap();
+            assert_eq!(last & 0xff_ffff, stale & 0xff_ffff, "{kind:?}: same slot");
+            table.remove(last).unwrap();
+            let fresh = table.insert(Arc::new(3)).unwrap();
+            assert_ne!(fresh, stale, "{kind:?}: a stale handle names a new object");
+            assert_ne!(
+                fresh & 0xff_ffff,
+                stale & 0xff_ffff,
+                "{kind:?}: slot reused"
+            );
+            for gone in [stale, last] {
+                let err = table.get(gone).unwrap_err();
+                assert_eq!(err.result, GdrResult::InvalidHandle, "{kind:?}");
+                assert!(table.remove(gone).is_err(), "{kind:?}");
+            }
+            assert_eq!(*table.get(fresh).unwrap(), 3, "{kind:?}");
+        }
+    }
+
+    /// Past the last slot, with every other slot retired, making an object
+    /// fails with a typed error and loses nothing that is live.
+    #[test]
+    fn a_table_of_retired_slots_refuses_new_objects() {
+        let table: Table<u32> = Table::with_max_slots(Kind::Peer, 3);
+        let live = table.insert(Arc::new(7)).unwrap();
+        for _ in 0..2 {
+            let h = table.insert(Arc::new(0)).unwrap();
+            table.remove(h).unwrap();
+            assert!(table.set_free_slot_generation(h, u16::MAX));
+            let h = table.insert(Arc::new(0)).unwrap();
+            table.remove(h).unwrap();
+        }
+        let err = table.insert(Arc::new(8)).unwrap_err();
+        assert_eq!(err.result, GdrResult::OutOfResources);
+        assert!(err.message.contains("retired"), "{}", err.message);
+        assert_eq!(*table.get(live).unwrap(), 7);
     }
 }

@@ -156,6 +156,12 @@ int main(int argc, char **argv) {
   CHECK(strncmp(gdr_version(), "gdr ", 4) == 0, "version %s", gdr_version());
   CHECK(strcmp(gdr_result_message(GDR_RESULT_INVALID_HANDLE), "unknown result") != 0,
         "every result has a message");
+  CHECK(strcmp(gdr_rung_name(GDR_RUNG_STAGING), "staging") == 0, "rung %s",
+        gdr_rung_name(GDR_RUNG_STAGING));
+  CHECK(strcmp(gdr_rung_name(99), "unknown rung") == 0, "rung 99");
+  CHECK(strcmp(gdr_memory_kind_name(GDR_MEMORY_DEVICE), "device") == 0, "memory %s",
+        gdr_memory_kind_name(GDR_MEMORY_DEVICE));
+  CHECK(strcmp(gdr_memory_kind_name(99), "unknown memory kind") == 0, "memory 99");
   buffers_and_uris();
   if (argc > 1) foreign_instance(argv[1]);
   if (failures) {
