@@ -622,11 +622,12 @@ fn measure<A: Api>(
             for (i, request) in batch[..n].iter_mut().enumerate() {
                 let seq = posted + i as u64;
                 request.wr_id = seq;
-                request.flags = if (seq + 1) % plan.cq_mod == 0 || seq + 1 == plan.iterations {
-                    SendFlags::SIGNALED
-                } else {
-                    SendFlags::empty()
-                };
+                request.flags =
+                    if (seq + 1).is_multiple_of(plan.cq_mod) || seq + 1 == plan.iterations {
+                        SendFlags::SIGNALED
+                    } else {
+                        SendFlags::empty()
+                    };
             }
             // SAFETY: the SG entries lie in `local`, and the remote range in
             // `remote`, both registered and alive until after this function

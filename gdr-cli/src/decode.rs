@@ -50,7 +50,7 @@ fn shorten(text: &str) -> String {
 fn parse_hex(text: &str) -> Result<Vec<u8>, String> {
     let digits: String = text.split_whitespace().collect();
     let digits = digits.strip_prefix("0x").unwrap_or(&digits);
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return Err(format!(
             "--hex: an odd number of hex digits ({})",
             digits.len()

@@ -403,7 +403,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     pub fn alloc_vmm(context: &C::Context, len: u64, chunk_len: u64) -> Result<Self, CudaError> {
         const OP: &str = "Buffer::alloc_vmm";
         let granularity = context.vmm_granularity()? as u64;
-        if len == 0 || chunk_len == 0 || chunk_len % granularity != 0 {
+        if len == 0 || chunk_len == 0 || !chunk_len.is_multiple_of(granularity) {
             return Err(CudaError::invalid(
                 OP,
                 format!(

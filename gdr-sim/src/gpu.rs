@@ -726,7 +726,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 code: Some(801),
             });
         }
-        if addr % PAGE != 0 || len as u64 % PAGE != 0 || len == 0 {
+        if !addr.is_multiple_of(PAGE) || !(len as u64).is_multiple_of(PAGE) || len == 0 {
             return Err(CudaError::InvalidArgument {
                 operation: OP,
                 reason: format!("{len} bytes at {addr:#x} are not host-page aligned"),
@@ -965,7 +965,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     ) -> Result<SimVirtualMapping> {
         const OP: &str = "cuMemMap";
         self.vmm(OP)?;
-        if offset % memory::DEVICE_ALLOCATION_GRANULARITY as usize != 0 {
+        if !offset.is_multiple_of(memory::DEVICE_ALLOCATION_GRANULARITY as usize) {
             return Err(CudaError::InvalidArgument {
                 operation: OP,
                 reason: format!("offset {offset} is not a multiple of the granularity"),
@@ -1063,7 +1063,7 @@ fn open_foreign(handle: &SimIpcHandle) -> std::result::Result<Backing, String> {
 
 fn granular(operation: &'static str, len: usize) -> Result<()> {
     let granularity = memory::DEVICE_ALLOCATION_GRANULARITY as usize;
-    if len == 0 || len % granularity != 0 {
+    if len == 0 || !len.is_multiple_of(granularity) {
         return Err(CudaError::InvalidArgument {
             operation,
             reason: format!("{len} is not a positive multiple of the granularity ({granularity})"),
@@ -1361,7 +1361,7 @@ impl SimStream {
     /// The word of a stream memory operation: 4-byte aligned, in device
     /// memory of this GPU or in host memory.
     fn value_word(&self, addr: u64, operation: &'static str) -> Result<Resolved> {
-        if addr % 4 != 0 {
+        if !addr.is_multiple_of(4) {
             return Err(CudaError::invalid(operation, "address not 4-byte aligned"));
         }
         match self.ctx.device_range(addr, 4, operation) {

@@ -1138,7 +1138,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         // Connection and async events cost a system call each (per QP, per
         // NIC): look every 64th progress call, not on every empty poll of
         // a wait loop. Error completions look at async events at once.
-        if state.ticks % 64 == 0 {
+        if state.ticks.is_multiple_of(64) {
             self.poll_connections(state);
             self.poll_async_events(state);
         }

@@ -432,7 +432,7 @@ impl Context<CudaApi> for CudaContext {
         if len == 0 {
             return Err(CudaError::invalid(OP, "empty range"));
         }
-        if addr % page != 0 || len as u64 % page != 0 {
+        if !addr.is_multiple_of(page) || !(len as u64).is_multiple_of(page) {
             return Err(CudaError::invalid(
                 OP,
                 format!(

@@ -104,7 +104,7 @@ pub(crate) fn granularity(ctx: &ContextInner) -> Result<usize> {
 
 fn check_granular(ctx: &ContextInner, operation: &'static str, len: usize) -> Result<usize> {
     let granularity = granularity(ctx)?;
-    if len == 0 || len % granularity != 0 {
+    if len == 0 || !len.is_multiple_of(granularity) {
         return Err(CudaError::invalid(
             operation,
             format!("{len} bytes is not a positive multiple of the granularity ({granularity})"),
@@ -271,7 +271,7 @@ impl CudaVirtualMapping {
             ));
         }
         let granularity = check_granular(ctx, OP, len)?;
-        if offset % granularity != 0 {
+        if !offset.is_multiple_of(granularity) {
             return Err(CudaError::invalid(
                 OP,
                 format!("offset {offset} is not a multiple of the granularity ({granularity})"),
