@@ -14,8 +14,11 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-OUT="$ROOT/target/c-tests"
-LIB="$ROOT/target/debug"
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+TARGET=$(cargo_target_dir)
+OUT="$TARGET/c-tests"
+LIB="$TARGET/debug"
 mkdir -p "$OUT"
 cargo build -p gdr-ffi
 python3 gdr-ffi/tests/c/gen_hostile.py gdr-ffi/include/gdr.h "$OUT/hostile.c"

@@ -13,7 +13,9 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-OUT="$ROOT/target/docs-check"
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+OUT="$(cargo_target_dir)/docs-check"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 cargo build -p gdr-ffi

@@ -3,8 +3,9 @@
 # installation of the C library.
 #
 #   scripts/gdr-pc.sh [--profile debug|release]
-#       writes target/<profile>/pkgconfig/gdr.pc pointing into this tree
-#       (gdr-ffi/include, target/<profile>): for building against a clone;
+#       writes <target>/<profile>/pkgconfig/gdr.pc pointing into this tree
+#       (gdr-ffi/include, <target>/<profile>): for building against a clone;
+#       <target> is cargo's target directory (CARGO_TARGET_DIR where set);
 #   scripts/gdr-pc.sh --prefix DIR [--profile ...]
 #       also installs DIR/include/gdr.h, DIR/lib/libgdr.so, DIR/lib/libgdr.a
 #       and DIR/lib/pkgconfig/gdr.pc (the same file with DIR's paths).
@@ -15,6 +16,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
 profile=release
 prefix=
 while [ $# -gt 0 ]; do
@@ -24,7 +27,9 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--profile debug|release] [--prefix DIR]" >&2; exit 2 ;;
   esac
 done
-build="$ROOT/target/$profile"
+target=$(cargo_target_dir)
+[ -n "$target" ] || { echo "gdr-pc: cargo metadata named no target directory" >&2; exit 1; }
+build="$target/$profile"
 for f in libgdr.so libgdr.a; do
   [ -f "$build/$f" ] || {
     echo "gdr-pc: $build/$f missing: cargo build $([ "$profile" = release ] && echo --release) -p gdr-ffi" >&2

@@ -17,3 +17,9 @@ summary() {
   echo "::: stage timings" >&2
   printf '%s\n' "${STAGES[@]}" >&2
 }
+# cargo_target_dir: cargo's target directory, as cargo itself resolves it
+# (CARGO_TARGET_DIR, relative or not; build.target-dir; else ./target).
+cargo_target_dir() {
+  cargo metadata --no-deps --format-version 1 \
+    | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p'
+}

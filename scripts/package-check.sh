@@ -5,8 +5,17 @@
 # packages; a crate packaged alone fails with "no matching package".
 # Then each .crate is checked for size (crates.io takes at most 10 MiB;
 # we want far less) and for a README, and no file in it may be large.
-# GDR_PACKAGE_VERIFY=1 also builds each package from its own sources
-# (slow: the whole workspace again, rdma-core's loader shim included).
+#
+# Each package is verified (built from its own .crate, as a user of
+# crates.io would): every one differs from the tree. gdr-sim, gdr-core,
+# gdr-ffi and gdr-cli name workspace crates by path, which the package
+# replaces by the packaged versions; every crate's Cargo.toml is
+# normalised and gets only the files under its own folder (gdr-core's
+# crate docs include ../docs/guide.md for doc tests only, so they are not
+# in the package: its doc tests run from the tree, never the package).
+# Verifying hal-verbs and hal-cuda costs nearly nothing more: the other
+# packages build them from their packages anyway.
+# GDR_PACKAGE_VERIFY=0 skips verification (a quick look at the contents).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -16,8 +25,8 @@ MAX_CRATE_BYTES=$((2 * 1024 * 1024))
 MAX_FILE_BYTES=$((512 * 1024))
 args=()
 for c in "${CRATES[@]}"; do args+=(-p "$c"); done
-verify=--no-verify
-[ "${GDR_PACKAGE_VERIFY:-0}" = 1 ] && verify=
+verify=
+[ "${GDR_PACKAGE_VERIFY:-1}" = 0 ] && verify=--no-verify
 # --allow-dirty: CI checks the tree as it is; a release is cut from a clean one.
 cargo package --allow-dirty $verify "${args[@]}"
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)

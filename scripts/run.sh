@@ -7,7 +7,10 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
 "$ROOT/scripts/setup.sh" --no-vm
 cargo build --release -p gdr-cli
-"$ROOT/target/release/gdr" info
-"$ROOT/target/release/gdr" loopback "$@"
+gdr="$(cargo_target_dir)/release/gdr"
+"$gdr" info
+"$gdr" loopback "$@"

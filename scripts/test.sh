@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh machine: set-up, then
 #   1. every test on the host (simulation always; SoftRoCE and GPU tests skip
 #      here with a printed reason; the guide's Rust examples as doc tests),
-#      crates.io packaging (scripts/package-check.sh), the C ABI's C tests
+#      crates.io packaging, each package built from its .crate
+#      (scripts/package-check.sh), the C ABI's C tests
 #      (scripts/c-tests.sh), the guide's C examples (scripts/docs-check.sh);
 #   2. the SoftRoCE harness self-test;
 #   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
@@ -22,7 +23,8 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 failed=0
 stage setup "$ROOT/scripts/setup.sh" || exit 1
 stage host-tests cargo test --workspace || failed=1
-# Every publishable crate packs for crates.io (scripts/package-check.sh).
+# Every publishable crate packs for crates.io and builds from its package
+# (scripts/package-check.sh).
 stage package "$ROOT/scripts/package-check.sh" || failed=1
 # The C ABI from C: gcc's ASan + UBSan on the C side, Valgrind on the Rust side.
 stage c-abi "$ROOT/scripts/c-tests.sh" || failed=1
@@ -33,7 +35,7 @@ stage guide-examples "$ROOT/scripts/docs-check.sh" || failed=1
 stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
 # The C ABI's transfer test against rdma-core (rxe0) in the guest, the
 # binary scripts/c-tests.sh built (host memory: the guest has no GPU).
-stage c-abi-rxe env GDR_BACKEND=real "$ROOT/softroce/run-in-vm.sh" "$ROOT/target/c-tests/transfer" || failed=1
+stage c-abi-rxe env GDR_BACKEND=real "$ROOT/softroce/run-in-vm.sh" "$(cargo_target_dir)/c-tests/transfer" || failed=1
 # Build on the host, run inside the guest: the runner boots one VM per binary.
 rxe_tests=()
 for t in tests/tests/rxe_*.rs; do

@@ -1,0 +1,54 @@
+#!/bin/bash
+# features.sh: each crate builds with its own features, not the union
+# `cargo test --workspace` compiles. `cargo check` (not test: it is the
+# features that are in question, and check is a fraction of the time) of
+#   - hal-verbs, hal-cuda, gdr-sim, gdr-ffi, gdr-cli: every feature alone,
+#     none, and the defaults (cargo hack --each-feature);
+#   - gdr-core: no feature, `sim`, `rdma`+`cuda`, and each combination
+#     with `sim`; `rdma` or `cuda` alone must be refused with its
+#     compile_error (the run-time backend choice needs a verbs and a CUDA
+#     backend);
+# then what the README promises a build leaves out: gdr-core with no
+# feature or with `sim` only, hal-verbs without `rdma-core` and hal-cuda
+# without `cuda` link nothing native (no rdma-mummy-sys, cudarc or
+# libloading in their dependency trees).
+# Dev-dependencies play no part: only libraries and binaries are checked,
+# and the resolver does not unify dev-dependencies' features into them.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+PATH="$("$ROOT/scripts/ci-tools.sh"):$PATH" || exit 1
+failed=0
+note() { echo "features: $*"; }
+fail() { echo "features: FAILED: $*" >&2; failed=1; }
+
+cargo hack check --each-feature -p hal-verbs -p hal-cuda -p gdr-sim -p gdr-ffi -p gdr-cli \
+  || fail "cargo hack --each-feature"
+
+for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda"; do
+  note "gdr-core --features '$features'"
+  cargo check -q -p gdr-core --no-default-features --features "$features" \
+    || fail "gdr-core with features '$features'"
+done
+for features in rdma cuda; do
+  out=$(cargo check -q -p gdr-core --no-default-features --features "$features" 2>&1)
+  if grep -q 'gdr_core::backend needs feature `sim`, or both `rdma` and `cuda`' <<<"$out"; then
+    note "gdr-core --features '$features' refused, as it should be"
+  else
+    fail "gdr-core with only '$features' was not refused by its compile_error: $out"
+  fi
+done
+
+# native PACKAGE ARGS...: the native-facing crates in PACKAGE's tree.
+native() {
+  local package=$1; shift
+  cargo tree -q -p "$package" -e normal,build --prefix none "$@" \
+    | grep -oE '^(rdma-mummy-sys|cudarc|libloading) ' | sort -u | tr -d ' ' | tr '\n' ' '
+}
+for build in "gdr-core --no-default-features" "gdr-core --no-default-features --features sim" \
+  "hal-verbs --no-default-features" "hal-cuda --no-default-features"; do
+  # shellcheck disable=SC2086  # the words of $build are arguments
+  found=$(native $build)
+  if [ -n "$found" ]; then fail "$build pulls in $found"; else note "$build: nothing native"; fi
+done
+exit $failed
