@@ -740,8 +740,11 @@ impl<C: hal_cuda::Api> Gpu<C> {
 }
 
 /// A buffer range registered on one NIC for local use: the rung taken, why
-/// each higher one was not, and (except for staging) the cached MR, which
-/// may cover more than the range and carries local rights only.
+/// each higher one was not, (except for staging) the cached MR, which may
+/// cover more than the range and carries local rights only, and a lease on
+/// the buffer's memory on every rung: whatever reaches the memory through
+/// a registration (a NIC through its MR, the staging path through copies
+/// by address) holds it, so no path can outlive the memory.
 pub struct LadderRegistration<V: Api> {
     rung: Rung,
     failures: Vec<RungFailure>,
@@ -749,8 +752,12 @@ pub struct LadderRegistration<V: Api> {
     len: u64,
     location: MemoryLocation,
     device: Arc<str>,
+    // Field order is drop order: the cached MR before the lease.
     handle: Option<CacheHandle<NicRegistration<V>>>,
     cache_hit: bool,
+    /// The staging rung makes no MR, so without this nothing would hold
+    /// the memory its copies reach by address.
+    _lease: MemoryLease,
 }
 
 impl<V: Api> fmt::Debug for LadderRegistration<V> {
@@ -1284,6 +1291,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                             source,
                         })?;
                 self.registration(
+                    target,
                     Rung::HostMemory,
                     Vec::new(),
                     addr,
@@ -1323,8 +1331,10 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         Ok((handle, !registrar.registered.load(Ordering::Relaxed)))
     }
 
+    #[allow(clippy::too_many_arguments)] // one per field of the registration
     fn registration(
         &self,
+        target: &Target<'_>,
         rung: Rung,
         failures: Vec<RungFailure>,
         addr: u64,
@@ -1342,6 +1352,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             device: self.device.clone(),
             handle: handle.map(|(handle, _)| handle),
             cache_hit,
+            _lease: MemoryLease::new(target.memory),
         }
     }
 
@@ -1404,6 +1415,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             match self.register_on(gpu, rung, target, addr, len) {
                 Ok(handle) => {
                     return Ok(self.registration(
+                        target,
                         rung,
                         failures,
                         addr,
@@ -1420,7 +1432,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             }
         }
         if self.config.policy.allows(Rung::Staging) {
-            Ok(self.registration(Rung::Staging, failures, addr, len, location, None))
+            Ok(self.registration(target, Rung::Staging, failures, addr, len, location, None))
         } else {
             Err(LadderError::NoAllowedRung {
                 policy: self.config.policy,

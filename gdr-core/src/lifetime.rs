@@ -3,7 +3,9 @@
 //! Every memory region over a [`crate::buffer::Buffer`] (a cached
 //! registration, a grant, in-flight work later) holds a [`MemoryLease`] on the
 //! buffer's memory, declared after the MR so that it is released only once
-//! the MR is deregistered. A lease keeps the memory itself alive when gdr
+//! the MR is deregistered; so does every ladder registration, on every rung
+//! (the staging rung has no MR, and its copies reach the memory by
+//! address). A lease keeps the memory itself alive when gdr
 //! owns it (the last lease, or the buffer, frees it) and is counted, so a
 //! buffer over memory gdr does not own can wait for the last one before it
 //! lets the caller free that memory. The rule itself is written once, in the

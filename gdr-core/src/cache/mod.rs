@@ -116,9 +116,14 @@
 //!    until no lease is left, and aborts the process past the bound rather
 //!    than return while a NIC can still write into memory the caller is
 //!    about to free ([`crate::buffer::Buffer::release`] is the form that
-//!    hands the buffer back instead). Raw registrars
-//!    ([`crate::ladder::NicRegistrar::new`]) have no leases: their caller
-//!    promises the same rule, which is why constructing one is `unsafe`.
+//!    hands the buffer back instead). The rule covers every way a path
+//!    reaches the memory, not only MRs: each
+//!    [`crate::ladder::LadderRegistration`] holds a lease too, on every
+//!    rung, so the staging rung (no MR; its copies reach the memory by
+//!    address) keeps the memory as long as any region built on it.
+//!    Raw registrars ([`crate::ladder::NicRegistrar::new`]) have no leases:
+//!    their caller promises the same rule, which is why constructing one is
+//!    `unsafe`.
 //! 2. **An MR stays registered from the first post that uses it to its last
 //!    completion, and while a descriptor naming its rkey is granted.** The
 //!    engine holds a handle (or the grant) in each posted request until its

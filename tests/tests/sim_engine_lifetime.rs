@@ -1,0 +1,119 @@
+//! What keeps memory alive under the engine's paths (simulated NICs and
+//! GPUs): a region holds its buffer's memory through the buffer's lease on
+//! every rung, the staging rung included, so a buffer dropped (or caller
+//! memory released) under a live region or grant is never written after
+//! it is freed, by a peer or by this side.
+
+use std::time::Duration;
+
+use gdr_core::buffer::Buffer;
+use gdr_core::descriptor::GrantRights;
+use gdr_core::engine::{EngineConfig, Transfer};
+use gdr_core::ladder::{LadderConfig, Policy, Rung};
+use gdr_sim::{GpuConfig, SimVerbsApi};
+use gdr_tests::engine_world::EngineWorld;
+use gdr_tests::pattern;
+use hal_cuda::{Context as _, DeviceMemory as _, Driver as _};
+
+const T: Duration = Duration::from_secs(10);
+const LEN: u64 = 64 * 1024;
+
+/// GPU memory takes only the staging rung (no MR over it).
+fn staging_world() -> EngineWorld<SimVerbsApi> {
+    let config = EngineConfig {
+        qps_per_peer: 1,
+        slice_size: 16 * 1024,
+        default_timeout: T,
+        ladder: LadderConfig {
+            policy: Policy::Only(Rung::Staging),
+            ..LadderConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    EngineWorld::sim(1, GpuConfig::default(), config, T)
+}
+
+/// A GPU buffer of `LEN` bytes on b holding `pattern(LEN, seed)`, made
+/// after the staged buffer was dropped: the allocator may hand back the
+/// dropped buffer's address (CUDA's does; so does the simulator's).
+fn later_allocation(w: &EngineWorld<SimVerbsApi>, seed: u8) -> Buffer<gdr_sim::SimCudaApi> {
+    let ctx = w.b.cuda.context(0).unwrap();
+    let later = Buffer::alloc_device(&ctx, LEN).unwrap();
+    w.b.write_device(later.addr(), &pattern(LEN as usize, seed));
+    later
+}
+
+/// Finding 1 of the engine review, the peer's side: b's staged GPU buffer
+/// is dropped while its region and grant live, and another allocation of
+/// the same size follows. a's WRITE through the old grant must not reach
+/// the later allocation (it overwrote 65,280 of its 65,536 bytes when the
+/// staging rung held nothing of the buffer).
+#[test]
+fn a_peer_write_through_a_staged_grant_never_reaches_a_later_allocation() {
+    let w = staging_world();
+    let (_src_buf, src) = w.a.host(LEN, 5);
+    let (gpu_buf, gpu) = w.b.gpu(LEN, 0);
+    assert_eq!(gpu.rungs(), [Rung::Staging]);
+    let (_grant, remote) = w.b_grants(&gpu, GrantRights::ReadWrite);
+    drop(gpu_buf);
+    let later = later_allocation(&w, 77);
+    let outcome =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, LEN)])
+            .unwrap()
+            .wait(T);
+    assert!(
+        w.b.bytes(&later) == pattern(LEN as usize, 77),
+        "the later allocation was written through the old grant ({outcome:?})"
+    );
+    // The region (and so the memory) is still b's: the WRITE landed there.
+    assert_eq!(outcome, Ok(()));
+}
+
+/// Finding 1, the local side: b READs into its own staged region whose
+/// buffer was dropped; the bytes must land in the region's memory, not in
+/// a later allocation at the same address.
+#[test]
+fn a_local_read_into_a_staged_region_never_reaches_a_later_allocation() {
+    let w = staging_world();
+    let (_src_buf, src) = w.a.host(LEN, 9);
+    let (gpu_buf, gpu) = w.b.gpu(LEN, 0);
+    let (_grant, remote) =
+        gdr_tests::engine_world::grant_to(&w.ab, &w.ba, &src, GrantRights::Read, T);
+    drop(gpu_buf);
+    let later = later_allocation(&w, 78);
+    let outcome =
+        w.ba.submit(&[Transfer::read(&gpu, 0, &remote, 0, LEN)])
+            .unwrap()
+            .wait(T);
+    assert!(
+        w.b.bytes(&later) == pattern(LEN as usize, 78),
+        "the later allocation was written by a READ into the old region ({outcome:?})"
+    );
+    assert_eq!(outcome, Ok(()));
+}
+
+/// Finding 1 for caller memory: a staged region over `Buffer::wrap`ped GPU
+/// memory holds a lease, so `Buffer::release` does not hand the memory
+/// back while the region lives (and does once it is gone).
+#[test]
+fn wrapped_gpu_memory_on_the_staging_rung_is_not_released_under_a_region() {
+    let w = staging_world();
+    let ctx = w.b.cuda.context(0).unwrap();
+    let memory = ctx.alloc(LEN as usize).unwrap();
+    // SAFETY: `memory` outlives the buffer (released before it is dropped).
+    let wrapped =
+        unsafe { Buffer::<gdr_sim::SimCudaApi>::wrap(Some(&ctx), memory.device_ptr(), LEN, None) }
+            .unwrap();
+    let region = w.b.engine.register(&wrapped).unwrap();
+    assert_eq!(region.rungs(), [Rung::Staging]);
+    let wrapped = match wrapped.release(Duration::from_millis(50)) {
+        Ok(()) => panic!("the wrapped memory was released while a staged region covers it"),
+        Err(kept) => kept,
+    };
+    drop(region);
+    assert!(
+        wrapped.release(T).is_ok(),
+        "released once the region is gone"
+    );
+    drop(memory);
+}
