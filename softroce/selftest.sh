@@ -42,10 +42,15 @@ case "${1:-}" in
     timeout 120 "${BW[@]}" -p "$port" "$@" > "$out" 2>&1 || { cat "$out"; fail "ib_write_bw server $*"; }
     exit 0 ;;
   guest-bw-client)   # LABEL HOST PORT [perftest options]; retries until the server listens
+    # (and, with SERVER_PID set, only while that server process lives)
     label=$2 host=$3 port=$4; shift 4
     out=$TMPDIR/bw-client.$port
     for _ in $(seq 60); do
       sleep 0.5
+      if [ -n "${SERVER_PID:-}" ] && ! kill -0 "$SERVER_PID" 2>/dev/null; then
+        echo "selftest: the server on port $port is gone" > "$out"
+        break
+      fi
       if timeout 100 "${BW[@]}" -p "$port" "$@" "$host" > "$out" 2>&1; then
         awk -v l="$label" '$1 == 65536 && NF >= 5 { print "selftest: bw " l " " $4 " MB/s"; f = 1 }
                            END { exit !f }' "$out" || { cat "$out"; fail "no result line"; }
@@ -63,10 +68,14 @@ case "${1:-}" in
       ok=0
       for attempt in 1 2; do
         "$SELF" guest-bw-server "$port" "${opt[@]}" & sp=$!
-        if "$SELF" guest-bw-client "one-guest-$mode" 10.99.0.1 "$port" "${opt[@]}" && wait "$sp"; then
+        if SERVER_PID=$sp "$SELF" guest-bw-client "one-guest-$mode" 10.99.0.1 "$port" "${opt[@]}" \
+          && wait "$sp"; then
           ok=1; break
         fi
-        kill "$sp" 2>/dev/null; wait "$sp" 2>/dev/null
+        # Under set -e: the server may be gone (kill fails) or have failed
+        # (wait returns its status); either must not end the retry.
+        kill "$sp" 2>/dev/null || true
+        wait "$sp" 2>/dev/null || true
         echo "selftest: one-guest $mode pair failed (attempt $attempt)" >&2
         port=$((port + 100))
       done
