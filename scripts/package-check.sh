@@ -13,14 +13,15 @@
 # normalised and gets only the files under its own folder (gdr-core's
 # crate docs include ../docs/guide.md for doc tests only, so they are not
 # in the package: its doc tests run from the tree, never the package).
-# Verifying hal-verbs and hal-cuda costs nearly nothing more: the other
-# packages build them from their packages anyway.
+# Verifying hal-verbs, hal-cuda and gdr-proto (no workspace dependency
+# each) costs nearly nothing more: the other packages build them from
+# their packages anyway.
 # GDR_PACKAGE_VERIFY=0 skips verification (a quick look at the contents).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 # In dependency order; gdr-tests and the fuzz workspace are not published.
-CRATES=(hal-verbs hal-cuda gdr-sim gdr-core gdr-ffi gdr-cli)
+CRATES=(hal-verbs hal-cuda gdr-sim gdr-proto gdr-core gdr-ffi gdr-cli)
 MAX_CRATE_BYTES=$((2 * 1024 * 1024))
 MAX_FILE_BYTES=$((512 * 1024))
 args=()

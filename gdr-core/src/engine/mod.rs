@@ -74,7 +74,8 @@ mod region;
 pub mod rendezvous;
 pub mod staging;
 pub mod topology;
-pub mod wire;
+/// The engine's wire formats (they live in the sans-IO protocol crate).
+pub use gdr_proto::wire;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -106,6 +107,11 @@ pub use self::error::{EngineError, TransferError};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::wire::{Control, Hello, RejectReason, Role};
+
+// The handshake and the reject ride in rdma_cm's private data.
+const _: () = assert!(Hello::ENCODED_LEN <= hal_verbs::MAX_CONNECT_PRIVATE_DATA);
+const _: () = assert!(Hello::ENCODED_LEN <= hal_verbs::MAX_ACCEPT_PRIVATE_DATA);
+const _: () = assert!(RejectReason::ENCODED_LEN <= hal_verbs::MAX_REJECT_PRIVATE_DATA);
 
 /// Where the engine's time comes from: the deterministic core reads no
 /// clock; the driver asks this one.

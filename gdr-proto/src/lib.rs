@@ -1,0 +1,19 @@
+//! The sans-IO protocol of gdr's transfer engine.
+//!
+//! Everything here is plain data and state machines in quinn-proto's shape:
+//! no I/O, no threads, no locks, no clock reads, no HAL. Inputs come in as
+//! method calls (a control message received, a connection event, a request
+//! that ended, `handle_timeout(now)` with a time the caller read); what to
+//! do comes out as return values and `poll_*` methods, each of which says
+//! which calls may change its answer. The engine in `gdr-core` is the
+//! driver: it reads the clock, owns the NICs and GPUs, feeds the state
+//! machines here and carries out what they decide. Because nothing here
+//! touches a device, every protocol is tested in memory, two endpoints
+//! driven step by step, with no simulator.
+//!
+//! - [`wire`]: the formats on the wire (connection handshake, rejects,
+//!   control messages), strict decoders that never panic.
+
+#![deny(missing_docs)]
+
+pub mod wire;
