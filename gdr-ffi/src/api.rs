@@ -681,10 +681,8 @@ mod tests {
         };
         let mut context = GdrContext { id: 0 };
         // SAFETY: valid pointers to locals.
-        assert_eq!(
-            unsafe { gdr_context_new(&options, &mut context) },
-            GdrResult::Ok
-        );
+        let made = unsafe { gdr_context_new(&options, &mut context) };
+        assert_eq!(made, GdrResult::Ok);
         let alloc = |size: u64| {
             let mut buffer = GdrBuffer { id: 0 };
             // SAFETY: a valid pointer to a local.
