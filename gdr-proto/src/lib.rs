@@ -13,7 +13,21 @@
 //!
 //! - [`wire`]: the formats on the wire (connection handshake, rejects,
 //!   control messages), strict decoders that never panic.
+//! - [`limits`]: every bound on what a peer can make this side hold, and
+//!   the deadlines of what waits on it ([`PeerLimits`]); a peer past one
+//!   misbehaves ([`PeerMisbehaved`]).
+//! - [`grants`]: the grants this side made (with the revocation fence:
+//!   once a revoke completes, no byte moves under the grant) and the ones
+//!   a peer announced (bounded).
+//! - [`inbox`]: the peer's messages nobody received yet (bounded).
 
 #![deny(missing_docs)]
 
+mod error;
+pub mod grants;
+pub mod inbox;
+pub mod limits;
 pub mod wire;
+
+pub use error::PeerMisbehaved;
+pub use limits::PeerLimits;

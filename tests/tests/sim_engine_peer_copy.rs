@@ -169,7 +169,7 @@ fn a_revoked_grant_is_refused() {
             .unwrap()
             .wait(T)
             .unwrap();
-        grant.revoke();
+        grant.revoke(T).unwrap();
         let start = std::time::Instant::now();
         while w.ab.remote_grant(remote.grant).is_some() {
             assert!(start.elapsed() < T, "the revocation never arrived");

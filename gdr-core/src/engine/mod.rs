@@ -77,7 +77,7 @@ pub mod topology;
 /// The engine's wire formats (they live in the sans-IO protocol crate).
 pub use gdr_proto::wire;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -107,6 +107,9 @@ pub use self::error::{EngineError, TransferError};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::wire::{Control, Hello, RejectReason, Role};
+use gdr_proto::grants::{LocalGrants, RemoteGrants, Revoked};
+use gdr_proto::inbox::Inbox;
+pub use gdr_proto::{PeerLimits, PeerMisbehaved};
 
 // The handshake and the reject ride in rdma_cm's private data.
 const _: () = assert!(Hello::ENCODED_LEN <= hal_verbs::MAX_CONNECT_PRIVATE_DATA);
@@ -202,6 +205,11 @@ pub struct EngineConfig {
     pub topology: topology::PciTopology,
     /// Where time comes from.
     pub clock: Arc<dyn Clock>,
+    /// What one peer may make this engine hold (grants it announced,
+    /// messages not yet received, staged requests), and for how long: past
+    /// a bound its request is refused or the peer dropped, by name
+    /// ([`gdr_proto::PeerMisbehaved`]).
+    pub peer_limits: PeerLimits,
 }
 
 impl Default for EngineConfig {
@@ -228,6 +236,7 @@ impl Default for EngineConfig {
             rendezvous_slots: 4,
             topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
+            peer_limits: PeerLimits::default(),
         }
     }
 }
@@ -341,9 +350,10 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     granted: HashMap<u64, Vec<u8>>,
     /// Replaced queue pairs 0 whose receives have not all come back.
     retired: Vec<V::Connection>,
-    /// This side's live grants of staging-rung regions, served by
-    /// rendezvous.
-    served: HashMap<u64, staging::Served<V>>,
+    /// This side's grants of staging-rung regions, served by rendezvous:
+    /// live, or revoked while a request under them still runs (the
+    /// revocation fence, [`gdr_proto::grants`]).
+    served: LocalGrants<staging::Served<V>>,
     /// The peer's rendezvous requests not yet served.
     staged_inbox: VecDeque<staging::StagedAsk>,
     /// This side's rendezvous requests waiting for the peer's reply, by
@@ -357,9 +367,10 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     control: ControlBuffers<V, C>,
     /// Where the peer runs and its grants' IPC handles.
     peer_copy: peer_copy::PeerLink<C>,
-    remote_grants: HashMap<u64, MemoryDescriptor>,
-    revoked: HashSet<u64>,
-    inbox: VecDeque<Vec<u8>>,
+    /// The peer's live grants to this side (bounded).
+    remote_grants: RemoteGrants<MemoryDescriptor>,
+    /// The peer's messages not yet received (bounded).
+    inbox: Inbox,
     backlog: VecDeque<Outgoing>,
     next_qp: usize,
     paths_known: bool,
@@ -930,6 +941,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 reconnect_by: None,
             });
         }
+        let limits = &self.shared.config.peer_limits;
         let mut peer = PeerState {
             addr,
             local_engine: self.shared.id,
@@ -941,7 +953,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             peer_recv_depth: u32::from(hello.recv_depth),
             granted: HashMap::new(),
             retired: Vec::new(),
-            served: HashMap::new(),
+            served: LocalGrants::default(),
             staged_inbox: VecDeque::new(),
             rendezvous: HashMap::new(),
             landing: Default::default(),
@@ -956,9 +968,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 slot: peer_max,
             },
             peer_copy: peer_copy::PeerLink::default(),
-            remote_grants: HashMap::new(),
-            revoked: HashSet::new(),
-            inbox: VecDeque::new(),
+            remote_grants: RemoteGrants::new(limits.max_remote_grants),
+            inbox: Inbox::new(limits.max_inbox_messages, limits.max_inbox_bytes),
             backlog: VecDeque::new(),
             next_qp: 0,
             paths_known: false,
@@ -1179,8 +1190,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         peer.control.recv_owner[index] = None;
-        if wc.status.is_success() {
-            self.on_message(peer, index, wc.byte_len as usize);
+        if wc.status.is_success()
+            && let Err(why) = self.on_message(peer, index, wc.byte_len as usize)
+        {
+            drop_misbehaving(core, peer, &why);
         }
         // Repost the slot (on queue pair 0 as it is now: a flush from a
         // replaced one frees its slot for the new one).
@@ -1198,8 +1211,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         });
     }
 
-    /// Handles the control message in receive slot `index`.
-    fn on_message(&self, peer: &mut PeerState<V, C>, index: usize, len: usize) {
+    /// Handles the control message in receive slot `index`; `Err`: the
+    /// peer broke the protocol and is to be dropped.
+    fn on_message(
+        &self,
+        peer: &mut PeerState<V, C>,
+        index: usize,
+        len: usize,
+    ) -> Result<(), PeerMisbehaved> {
         let size = self.shared.config.max_message as usize;
         let len = len.min(size);
         let mut bytes = vec![0; len];
@@ -1209,12 +1228,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let message = Control::decode(&bytes).map(|m| rendezvous::receive(peer, m));
         match message.map(|m| m.err()) {
             Ok(None) => {}
-            Ok(Some(Control::User(payload))) => peer.inbox.push_back(payload.to_vec()),
+            Ok(Some(Control::User(payload))) => peer.inbox.push(payload.to_vec())?,
             Ok(Some(Control::GrantAnnounce { descriptor })) => {
                 match MemoryDescriptor::decode(descriptor) {
                     Ok(d) if d.owner == peer.engine => {
                         tracing::debug!(grant = d.grant, "grant announced");
-                        peer.remote_grants.insert(d.grant, d);
+                        peer.remote_grants.announce(d.grant, d)?;
                     }
                     Ok(d) => tracing::warn!(
                         owner = d.owner,
@@ -1224,8 +1243,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
             Ok(Some(Control::GrantRevoke { grant })) => {
-                peer.remote_grants.remove(&grant);
-                peer.revoked.insert(grant);
+                peer.remote_grants.revoke(grant);
                 peer.peer_copy.on_revoke(grant);
             }
             Ok(Some(Control::Locality { host, process })) => {
@@ -1285,6 +1303,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             )) => {}
             Err(e) => tracing::warn!(error = %e, "a malformed control message: dropped"),
         }
+        Ok(())
     }
 
     fn poll_connections(&self, state: &mut State<V, C>) {
@@ -2178,17 +2197,41 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
         &self.descriptor
     }
 
-    /// Revokes now.
-    pub fn revoke(self) {}
+    /// Revokes the grant and waits, at most `timeout`, for the revocation
+    /// fence: once this returns `Ok`, no byte moves under the grant by any
+    /// path, the requests the peer had under way included (they fail).
+    /// A grant the NIC reaches is fenced as soon as its MRs are
+    /// deregistered (here); a staged one once the copies under way under it
+    /// have ended. Past `timeout` it returns [`EngineError::Timeout`], the
+    /// revoke still under way.
+    ///
+    /// Dropping a grant starts the same revoke without waiting.
+    pub fn revoke(self, timeout: Duration) -> Result<(), EngineError> {
+        let grant = self.descriptor.grant;
+        let peer = self.peer.clone();
+        drop(self);
+        match peer.progress_until(timeout, |p| p.served.is_fenced(grant).then_some(())) {
+            Err(EngineError::PeerGone(_)) => Ok(()),
+            other => other,
+        }
+    }
 }
 
 impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
-        let _ = self.peer.read_peer(|_, p| {
+        let fenced = self.peer.read_peer(|_, p| {
             p.granted.remove(&grant);
-            p.served.remove(&grant);
+            let revoked = p.served.revoke(grant);
+            if let Revoked::Draining { .. } = revoked {
+                // Requests under it stop at once; the fence waits for
+                // their copies under way.
+                rendezvous::revoke_requests(p, grant);
+            }
+            revoked
         });
+        // A staged region's last hold may go here: outside the lock.
+        drop(fenced);
         let notice = Control::GrantRevoke { grant };
         // Best effort: a peer that is gone needs no notice; its NIC access
         // ends with the MRs either way.
@@ -2332,7 +2375,6 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let mut bytes = vec![0; announce.encoded_len()];
         announce.encode_into(&mut bytes)?;
         let published = self.publish_for_peer_copy(region, offset, &descriptor);
-        self.send_control(&announce)?;
         let served = grants.is_empty().then(|| staging::Served {
             region: region.clone(),
             offset,
@@ -2342,18 +2384,22 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if served.is_some() {
             self.engine.ensure_own_driver();
         }
+        // Recorded before it is announced: the peer may use it at once.
         self.read_peer(|_, p| {
             p.granted.insert(descriptor.grant, bytes);
             if let Some(served) = served {
-                p.served.insert(descriptor.grant, served);
+                p.served.insert(descriptor.grant, served.terms(), served);
             }
         })?;
-        Ok(RegionGrant {
+        let grant = RegionGrant {
             descriptor,
             peer: self.clone(),
             _grants: grants,
             _published: published,
-        })
+        };
+        // A failed announcement revokes it again (the drop).
+        self.send_control(&announce)?;
+        Ok(grant)
     }
 
     /// The MRs and descriptor of a grant of `len` bytes at `offset` of
@@ -2408,7 +2454,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
     /// A grant the peer announced on this connection, by id.
     pub fn remote_grant(&self, grant: u64) -> Option<MemoryDescriptor> {
-        self.read_peer(|_, p| p.remote_grants.get(&grant).cloned())
+        self.read_peer(|_, p| p.remote_grants.get(grant).cloned())
             .ok()
             .flatten()
     }
@@ -2419,7 +2465,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         grant: u64,
         timeout: Duration,
     ) -> Result<MemoryDescriptor, EngineError> {
-        self.progress_until(timeout, |p| p.remote_grants.get(&grant).cloned())
+        self.progress_until(timeout, |p| p.remote_grants.get(grant).cloned())
     }
 
     /// Submits a batch with the engine's default timeout.
@@ -2614,7 +2660,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
     /// The next control message from the peer, waiting up to `timeout`.
     pub fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
-        self.progress_until(timeout, |p| p.inbox.pop_front())
+        self.progress_until(timeout, |p| p.inbox.pop())
     }
 
     /// Says goodbye and disconnects every queue pair: what is in flight
@@ -2635,6 +2681,28 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 );
             }
         })
+    }
+}
+
+/// Drops a peer that broke the protocol: every queue pair disconnected
+/// and failed (what is in flight flushes), the reason kept as why it is
+/// gone.
+fn drop_misbehaving<V: Api, C: hal_cuda::Api>(
+    core: &mut Core,
+    peer: &mut PeerState<V, C>,
+    why: &PeerMisbehaved,
+) {
+    tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
+    let reason = format!("dropped: {why}");
+    peer.gone.get_or_insert_with(|| reason.clone());
+    for qp in &peer.qps {
+        let _ = qp.conn.disconnect();
+        core.fail_qp(
+            qp.core,
+            TransferError::PeerGone {
+                reason: reason.clone(),
+            },
+        );
     }
 }
 
@@ -2714,12 +2782,12 @@ fn check_transfer_of<V: Api, C: hal_cuda::Api>(
             owner: d.owner,
             grant: d.grant,
         };
-        if d.owner != peer.engine || peer.revoked.contains(&d.grant) {
+        if d.owner != peer.engine {
             return Err(not_granted());
         }
         // Field by field: a descriptor that differs from the announced one
         // in anything (a forged range, rkey or address) is refused.
-        match peer.remote_grants.get(&d.grant) {
+        match peer.remote_grants.get(d.grant) {
             Some(live) if live == d => {}
             _ => return Err(not_granted()),
         }

@@ -70,6 +70,7 @@ use super::{Engine, EngineError, Op, PeerState, Region, State, TransferError};
 use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::Grant;
+use gdr_proto::grants::LocalGrants;
 
 /// Request ids of this side's slotted rendezvous: a bit no grant id
 /// reaches (the naive path's requests are named by grant ids).
@@ -253,9 +254,19 @@ impl<V: Api, C: hal_cuda::Api> Slots<V, C> {
     }
 }
 
-/// A request this side serves through a peer's slots.
+/// A request this side serves through a peer's slots: it holds a use of
+/// its grant (the revocation fence) until it has failed with no copy of it
+/// running, or ended.
 struct Serve<V: Api> {
     id: u64,
+    /// The grant it runs under.
+    grant: u64,
+    /// Whether it still holds its use of the grant. A slot lent to a
+    /// failed request needs none: what the requester puts there is never
+    /// copied.
+    holds_use: bool,
+    /// Past this it fails and its slots are taken back.
+    deadline: Instant,
     write: bool,
     gpu: u32,
     /// Device address of the request's first byte.
@@ -343,6 +354,18 @@ enum AskStage<C: hal_cuda::Api> {
     CopyIn(C::Event),
 }
 
+/// Grant `grant` to the peer was revoked: every request served under it
+/// fails now (no slot is lent for it, no copy of it starts); the copies
+/// already running end on their own, and the grant's use ends with the
+/// request.
+pub(super) fn revoke_requests<V: Api, C: hal_cuda::Api>(peer: &mut PeerState<V, C>, grant: u64) {
+    for s in &mut peer.landing.serving {
+        if s.grant == grant {
+            s.failed.get_or_insert(staging::REVOKED);
+        }
+    }
+}
+
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Makes the landing slots of every peer whose requests wait for
     /// them: outside the engine's lock (it allocates and registers).
@@ -361,12 +384,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     }
                     // Pinned with the GPU of the first request's grant.
                     let gpu = p.landing.inbox.iter().find_map(|m| match m {
-                        ToOwner::Request(ask) => {
-                            match p.served.get(&ask.grant)?.region.location() {
-                                MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
-                                MemoryLocation::Host => None,
-                            }
-                        }
+                        ToOwner::Request(ask) => match p.served.get(ask.grant)?.region.location() {
+                            MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
+                            MemoryLocation::Host => None,
+                        },
                         _ => None,
                     });
                     Some((slot, gpu))
@@ -528,9 +549,25 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let mut send = Vec::new();
         while let Some(message) = peer.landing.inbox.pop_front() {
             moved += 1;
-            self.owner_message(peer, message, &mut send);
+            self.owner_message(peer, message, now, &mut send);
         }
         let landing = &mut peer.landing;
+        // Requests past their deadline fail; the slots lent to them come
+        // back (a requester that never returns a credit holds none for
+        // long).
+        for s in landing.serving.iter_mut() {
+            if s.failed.is_none() && s.deadline <= now {
+                tracing::warn!(id = s.id, "a staged request outlived its deadline");
+                s.failed = Some(staging::TIMED_OUT);
+                if let Some(slots) = landing.slots.as_mut() {
+                    for u in &mut slots.uses {
+                        if matches!(u, SlotUse::Lent { id, .. } if *id == s.id) {
+                            *u = SlotUse::Free;
+                        }
+                    }
+                }
+            }
+        }
         if let Some(slots) = landing.slots.as_mut() {
             moved += self.owner_copies_ended(slots, &mut landing.serving, &mut send);
             moved += self.lend_slots(slots, &mut landing.serving, &mut landing.turn, &mut send);
@@ -538,6 +575,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         // Finish: failures answered once; done requests answered (a WRITE)
         // and dropped; failed ones dropped once no slot is theirs.
         let uses = landing.slots.as_ref().map(|s| &s.uses);
+        let mut ended = Vec::new();
         landing.serving.retain_mut(|s| {
             if let Some(status) = s.failed
                 && !s.replied
@@ -548,17 +586,29 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
             let holds = uses.is_some_and(|u| u.iter().any(|u| u.request() == Some(s.id)));
-            if s.failed.is_none() && s.landed == s.len && !holds {
-                if s.write {
-                    send.push(Control::StagedReply {
-                        id: s.id,
-                        status: OK,
-                    });
-                }
-                return false;
+            let copying = uses.is_some_and(|u| {
+                u.iter()
+                    .any(|u| matches!(u, SlotUse::Copying { id, .. } if *id == s.id))
+            });
+            let done = s.failed.is_none() && s.landed == s.len && !holds;
+            if done && s.write {
+                send.push(Control::StagedReply {
+                    id: s.id,
+                    status: OK,
+                });
             }
-            s.failed.is_none() || holds
+            let keep = !done && (s.failed.is_none() || holds);
+            if s.holds_use && (!keep || (s.failed.is_some() && !copying)) {
+                s.holds_use = false;
+                ended.push(s.grant);
+            }
+            keep
         });
+        // Their uses of the grants end (a revoke waiting may be fenced
+        // now).
+        for grant in ended {
+            drop(peer.served.end_use(grant));
+        }
         moved += send.len();
         for message in send {
             if let Err(e) = peer.enqueue(&message, now, timeout) {
@@ -573,17 +623,27 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         &self,
         peer: &mut PeerState<V, C>,
         message: ToOwner,
+        now: Instant,
         send: &mut Vec<Control<'static>>,
     ) {
         let landing = &mut peer.landing;
+        let limits = &self.shared.config.peer_limits;
         match message {
-            ToOwner::Request(ask) => match self.check_ask(&peer.served, ask) {
-                Ok(serve) if !landing.serving.iter().any(|s| s.id == ask.id) => {
-                    landing.serving.push(serve)
+            ToOwner::Request(ask) if landing.serving.iter().any(|s| s.id == ask.id) => {
+                tracing::warn!(id = ask.id, "a peer repeated a request id: ignored")
+            }
+            ToOwner::Request(ask) if landing.serving.len() >= limits.max_staged_requests => send
+                .push(Control::StagedReply {
+                    id: ask.id,
+                    status: staging::BUSY,
+                }),
+            ToOwner::Request(ask) => {
+                let deadline = now + limits.staged_request_timeout;
+                match Self::check_ask(&mut peer.served, ask, deadline) {
+                    Ok(serve) => landing.serving.push(serve),
+                    Err(status) => send.push(Control::StagedReply { id: ask.id, status }),
                 }
-                Ok(_) => tracing::warn!(id = ask.id, "a peer repeated a request id: ignored"),
-                Err(status) => send.push(Control::StagedReply { id: ask.id, status }),
-            },
+            }
             ToOwner::Cancel { id } => {
                 if let Some(s) = landing.serving.iter_mut().find(|s| s.id == id) {
                     s.cancelled = true;
@@ -657,35 +717,27 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    /// A request checked against the grant it names; `Err`: the status to
-    /// answer.
+    /// A request checked against the grant it names (rights and range),
+    /// holding a use of it; `Err`: the status to answer.
     fn check_ask(
-        &self,
-        served: &HashMap<u64, staging::Served<V>>,
+        served: &mut LocalGrants<staging::Served<V>>,
         ask: staging::StagedAsk,
+        deadline: Instant,
     ) -> Result<Serve<V>, u32> {
-        let served = served.get(&ask.grant).ok_or(staging::NOT_GRANTED)?;
-        let allowed = if ask.write {
-            served.rights.allows_write()
-        } else {
-            served.rights.allows_read()
-        };
-        if !allowed {
-            return Err(staging::ACCESS_DENIED);
-        }
-        if ask.len == 0
-            || ask
-                .offset
-                .checked_add(ask.len)
-                .is_none_or(|e| e > served.len)
-        {
-            return Err(staging::OUT_OF_BOUNDS);
-        }
-        let MemoryLocation::Gpu { ordinal } = served.region.location() else {
+        let grant = served
+            .check(ask.grant, staging::access(ask.write), ask.offset, ask.len)
+            .map_err(staging::refusal_status)?;
+        let MemoryLocation::Gpu { ordinal } = grant.region.location() else {
             return Err(FAILED);
         };
+        let served = served
+            .begin_use(ask.grant, staging::access(ask.write), ask.offset, ask.len)
+            .expect("checked just now");
         Ok(Serve {
             id: ask.id,
+            grant: ask.grant,
+            holds_use: true,
+            deadline,
             write: ask.write,
             gpu: u32::from(ordinal),
             gpu_addr: served.region.inner.addr + served.offset + ask.offset,

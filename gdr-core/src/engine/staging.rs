@@ -65,6 +65,7 @@ use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryLocation, Reach};
 use crate::ladder::{Grant, Rung};
 use crate::sync::lock;
+use gdr_proto::grants::{Access, Refusal, Rights, Terms};
 
 /// Reply codes of a [`Control::StagedReply`].
 pub(super) const OK: u32 = 0;
@@ -75,6 +76,15 @@ pub(super) const FAILED: u32 = 4;
 /// A slot credit that matches no slot lent to the request (a peer that
 /// breaks the protocol).
 pub(super) const BAD_CREDIT: u32 = 5;
+/// The grant was revoked while the request ran: the owner moved nothing
+/// more under it.
+pub(super) const REVOKED: u32 = 6;
+/// The owner serves [`gdr_proto::PeerLimits::max_staged_requests`] of the
+/// requester's already: nothing of this one was kept.
+pub(super) const BUSY: u32 = 7;
+/// The request outlived [`gdr_proto::PeerLimits::staged_request_timeout`]
+/// at the owner, which took back every slot lent to it.
+pub(super) const TIMED_OUT: u32 = 8;
 
 /// The rendezvous request for transfer `t` (through the owner's landing
 /// slots when `slots`, else against our temporary grant `id`).
@@ -102,6 +112,9 @@ pub(super) fn reply_outcome(status: u32) -> Outcome {
         OUT_OF_BOUNDS => "outside the grant",
         FAILED => "staging failed at the owner",
         BAD_CREDIT => "a slot credit that matches no slot lent to the request",
+        REVOKED => "the grant was revoked",
+        BUSY => "the owner serves as many of this peer's requests as it allows",
+        TIMED_OUT => "the request outlived the owner's deadline",
         _ => "unknown status",
     };
     Err(TransferError::StagedRefused { status, what })
@@ -113,6 +126,34 @@ pub(super) struct Served<V: Api> {
     pub offset: u64,
     pub len: u64,
     pub rights: GrantRights,
+}
+
+impl<V: Api> Served<V> {
+    /// Its range and rights, as the grant table checks them.
+    pub(super) fn terms(&self) -> Terms {
+        Terms {
+            len: self.len,
+            rights: match self.rights {
+                GrantRights::Read => Rights::Read,
+                GrantRights::Write => Rights::Write,
+                GrantRights::ReadWrite => Rights::ReadWrite,
+            },
+        }
+    }
+}
+
+/// The reply status of a request the grant table refused.
+pub(super) fn refusal_status(refusal: Refusal) -> u32 {
+    match refusal {
+        Refusal::NotGranted(_) => NOT_GRANTED,
+        Refusal::AccessDenied { .. } => ACCESS_DENIED,
+        Refusal::OutOfBounds { .. } => OUT_OF_BOUNDS,
+    }
+}
+
+/// What a staged request does to the owner's granted memory.
+pub(super) fn access(write: bool) -> Access {
+    if write { Access::Write } else { Access::Read }
 }
 
 /// A peer's rendezvous request, as received.
@@ -188,6 +229,8 @@ impl<V: Api, C: hal_cuda::Api> After<V, C> {
 pub(super) struct Serving<V: Api, C: hal_cuda::Api> {
     slot: usize,
     id: u64,
+    /// The grant it runs under: a use of it is held until it ends.
+    grant: u64,
     cell: Arc<CompletionCell>,
     /// The naive path's bounce (none through the pipeline).
     bounce: Option<Bounce<V, C>>,
@@ -297,32 +340,54 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// submits).
     /// Returns how many requests it started or answered.
     pub(super) fn serve_staged(&self) -> usize {
-        let (asks, ended) = {
+        let (asks, refused, ended) = {
             let mut state = lock(&self.shared.state);
             let state = &mut *state;
             let mut asks = Vec::new();
+            let mut refused = Vec::new();
+            let max = self.shared.config.peer_limits.max_staged_requests;
             for (slot, peer) in state.peers.iter_mut().enumerate() {
                 let Some(peer) = peer else { continue };
+                let mut running = state.serving.iter().filter(|s| s.slot == slot).count();
                 while let Some(ask) = peer.staged_inbox.pop_front() {
-                    let served = peer.served.get(&ask.grant).map(|s| Served {
-                        region: s.region.clone(),
-                        offset: s.offset,
-                        len: s.len,
-                        rights: s.rights,
-                    });
-                    let theirs = peer.remote_grants.get(&ask.id).cloned();
-                    asks.push((slot, ask, served, theirs));
+                    if running >= max {
+                        refused.push((slot, ask.id, BUSY));
+                        continue;
+                    }
+                    // A use of the grant until the request ends: its
+                    // revoke is fenced only then.
+                    let served = peer
+                        .served
+                        .begin_use(ask.grant, access(ask.write), ask.offset, ask.len)
+                        .map(|s| Served {
+                            region: s.region.clone(),
+                            offset: s.offset,
+                            len: s.len,
+                            rights: s.rights,
+                        });
+                    match served {
+                        Ok(served) => {
+                            running += 1;
+                            let theirs = peer.remote_grants.get(ask.id).cloned();
+                            asks.push((slot, ask, served, theirs));
+                        }
+                        Err(refusal) => refused.push((slot, ask.id, refusal_status(refusal))),
+                    }
                 }
             }
             let (ended, serving): (Vec<_>, Vec<_>) = std::mem::take(&mut state.serving)
                 .into_iter()
                 .partition(|s| s.cell.is_done());
             state.serving = serving;
-            (asks, ended)
+            (asks, refused, ended)
         };
-        let worked = asks.len() + ended.len() + self.make_landings();
+        let worked = asks.len() + refused.len() + ended.len() + self.make_landings();
+        for (slot, id, status) in refused {
+            self.reply(slot, id, status);
+        }
         for (slot, ask, served, theirs) in asks {
             if let Err(status) = self.start_serving(slot, ask, served, theirs) {
+                self.end_use(slot, ask.grant);
                 self.reply(slot, ask.id, status);
             }
         }
@@ -331,6 +396,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 Some(Ok(())) => OK,
                 _ => FAILED,
             };
+            // The copy into the granted memory only while the grant is
+            // live (its revoke waits for this request's use to end).
+            if status == OK && done.copy_back.is_some() && !self.grant_live(done.slot, done.grant) {
+                status = REVOKED;
+            }
             if status == OK
                 && let (Some((ordinal, dst)), Some(bounce)) = (done.copy_back, &done.bounce)
                 && let Err(e) = self.copy_to_gpu(ordinal, dst, &bounce.buffer)
@@ -338,9 +408,31 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 tracing::warn!(error = %e, "staging a peer's WRITE into GPU memory");
                 status = FAILED;
             }
+            self.end_use(done.slot, done.grant);
             self.reply(done.slot, done.id, status);
         }
         worked
+    }
+
+    /// Whether grant `grant` to the peer in `slot` is live.
+    fn grant_live(&self, slot: usize, grant: u64) -> bool {
+        let state = lock(&self.shared.state);
+        state.peers[slot]
+            .as_ref()
+            .is_some_and(|p| p.served.is_live(grant))
+    }
+
+    /// Ends a use of grant `grant` to the peer in `slot` (a revoke waiting
+    /// for it may complete).
+    fn end_use(&self, slot: usize, grant: u64) {
+        let mut state = lock(&self.shared.state);
+        let fenced = state.peers[slot]
+            .as_mut()
+            .and_then(|p| p.served.end_use(grant));
+        drop(state);
+        // The region goes outside the lock (its registrations may be the
+        // last).
+        drop(fenced);
     }
 
     fn reply(&self, slot: usize, id: u64, status: u32) {
@@ -359,11 +451,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         &self,
         slot: usize,
         ask: StagedAsk,
-        served: Option<Served<V>>,
+        served: Served<V>,
         theirs: Option<crate::descriptor::MemoryDescriptor>,
     ) -> Result<(), u32> {
         let _span = tracing::debug_span!("serve_staged", id = ask.id, len = ask.len).entered();
-        let served = served.ok_or(NOT_GRANTED)?;
         let theirs = theirs.ok_or(NOT_GRANTED)?;
         let allowed = if ask.write {
             served.rights.allows_write() && theirs.rights.allows_read()
@@ -410,6 +501,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             state.serving.push(Serving {
                 slot,
                 id: ask.id,
+                grant: ask.grant,
                 cell,
                 bounce: None,
                 copy_back: None,
@@ -436,6 +528,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let serving = Serving {
             slot,
             id: ask.id,
+            grant: ask.grant,
             cell: Arc::clone(batch.cell()),
             bounce: Some(bounce),
             copy_back: ask

@@ -1,0 +1,151 @@
+//! Every state a peer creates on our side is bounded, and what waits on
+//! the peer has a deadline (simulated NICs and GPUs): past a bound of
+//! [`PeerLimits`] the peer's request is refused with a status it sees, or
+//! the peer is dropped by name; a staged request that outlives its
+//! deadline gives back the slots lent to it. Each bound is tested once
+//! here; the reliability suite attacks them at scale.
+
+use std::time::{Duration, Instant};
+
+use gdr_core::descriptor::GrantRights;
+use gdr_core::engine::wire::Control;
+use gdr_core::engine::{EngineConfig, EngineError, PeerLimits, Transfer, TransferError};
+use gdr_core::ladder::{LadderConfig, Policy, Rung};
+use gdr_sim::{GpuConfig, SimVerbsApi};
+use gdr_tests::engine_world::{EngineWorld, Kind};
+use gdr_tests::pattern;
+
+const T: Duration = Duration::from_secs(10);
+
+fn world(limits: PeerLimits) -> EngineWorld<SimVerbsApi> {
+    let config = EngineConfig {
+        qps_per_peer: 1,
+        default_timeout: T,
+        staging_slice: 4096,
+        staging_slots: 2,
+        rendezvous_slots: 4,
+        ladder: LadderConfig {
+            policy: Policy::Only(Rung::Staging),
+            ..LadderConfig::default()
+        },
+        peer_limits: limits,
+        ..EngineConfig::default()
+    };
+    EngineWorld::sim(1, GpuConfig::default(), config, T)
+}
+
+fn gone_because(err: EngineError, why: &str) {
+    assert!(
+        matches!(&err, EngineError::PeerGone(reason) if reason.contains(why)),
+        "expected the peer dropped because {why:?}, got {err}"
+    );
+}
+
+/// Finding 3 of the engine review: staged requests that never return a
+/// credit were all accepted and kept. Now the owner serves at most
+/// `max_staged_requests` of a peer's: the next is refused at once (BUSY,
+/// status 7, nothing kept), and once the hostile ones pass their
+/// deadline their slots come back and the peer is served again.
+#[test]
+fn staged_requests_past_the_bound_are_refused_and_stalled_ones_expire() {
+    let limits = PeerLimits {
+        max_staged_requests: 3,
+        staged_request_timeout: Duration::from_millis(300),
+        ..PeerLimits::default()
+    };
+    let w = world(limits);
+    let (_src_buf, src) = w.a.alloc(Kind::Host, 4096, 4);
+    let (dst_buf, dst) = w.b.alloc(Kind::Gpu, 4096, 0);
+    let (_grant, remote) = w.b_grants(&dst, GrantRights::Write);
+    // Three WRITE requests that will never fill the slots lent to them.
+    for id in 1..=3 {
+        let ask = Control::StagedRequest {
+            id,
+            grant: remote.grant,
+            offset: 0,
+            len: 4096,
+            write: true,
+            slots: true,
+        };
+        w.ab.send_raw_control(&ask).unwrap().wait(T).unwrap();
+    }
+    let sent = Instant::now();
+    let refused =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+            .unwrap()
+            .wait(T);
+    assert!(
+        matches!(refused, Err(TransferError::StagedRefused { status: 7, .. })),
+        "the fourth request: {refused:?}"
+    );
+    assert!(
+        sent.elapsed() < limits.staged_request_timeout,
+        "refused at once, not after the stalled ones expired"
+    );
+    // Past the deadline the stalled requests fail and give their slots
+    // back: an honest request goes through.
+    std::thread::sleep(limits.staged_request_timeout * 2);
+    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(w.b.bytes(&dst_buf) == pattern(4096, 4));
+}
+
+/// A peer that announces more live grants than `max_remote_grants` is
+/// dropped by name; nothing past the bound is kept.
+#[test]
+fn a_peer_announcing_too_many_grants_is_dropped() {
+    let w = world(PeerLimits {
+        max_remote_grants: 3,
+        ..PeerLimits::default()
+    });
+    let (_buf, region) = w.a.alloc(Kind::Host, 4096, 1);
+    let grants: Vec<_> = (0..4)
+        .map(|i| {
+            w.ab.grant(&region, i * 1024, 1024, GrantRights::Read)
+                .unwrap()
+        })
+        .collect();
+    let err = w.ba.recv(T).unwrap_err();
+    gone_because(err, "more than 3 live grants");
+    assert!(
+        w.ba.remote_grant(grants[3].descriptor().grant).is_none(),
+        "the grant past the bound was not kept"
+    );
+}
+
+/// Messages nobody receives are bounded: the peer that sends more than
+/// `max_inbox_messages` is dropped by name, and the messages kept before
+/// are still delivered.
+#[test]
+fn a_peer_flooding_messages_nobody_receives_is_dropped() {
+    let w = world(PeerLimits {
+        max_inbox_messages: 8,
+        ..PeerLimits::default()
+    });
+    for i in 0..9u8 {
+        // The 9th may fail here once b has dropped a.
+        let _ = w.ab.send(&[i; 16]).map(|b| b.wait(T));
+    }
+    for i in 0..8u8 {
+        assert_eq!(w.ba.recv(T).unwrap(), vec![i; 16], "message {i} kept");
+    }
+    gone_because(w.ba.recv(T).unwrap_err(), "more than 8 messages");
+}
+
+/// Bytes of messages nobody receives are bounded too.
+#[test]
+fn a_peer_flooding_message_bytes_is_dropped() {
+    let w = world(PeerLimits {
+        max_inbox_bytes: 1000,
+        ..PeerLimits::default()
+    });
+    for i in 0..3u8 {
+        let _ = w.ab.send(&[i; 400]).map(|b| b.wait(T));
+    }
+    for i in 0..2u8 {
+        assert_eq!(w.ba.recv(T).unwrap(), vec![i; 400]);
+    }
+    gone_because(w.ba.recv(T).unwrap_err(), "more than 1000 bytes");
+}
