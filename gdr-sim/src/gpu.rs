@@ -53,7 +53,7 @@ use hal_cuda::{
 use memmap2::MmapMut;
 
 use crate::faults::{Fault, FaultPlan, FaultSite};
-use crate::memory::{self, Backing, DeviceRange};
+use crate::memory::{self, Backing, DeviceRange, GpuAllocator, UseAfterFree};
 
 const PAGE: u64 = 4096;
 
@@ -92,6 +92,13 @@ pub struct GpuConfig {
     /// `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`: reservations, `cuMemCreate`
     /// and `cuMemMap` work.
     pub virtual_memory_management: bool,
+    /// Hand a freed address to this GPU's next allocation of the same size,
+    /// with a new buffer id, as CUDA's allocator does (what stale
+    /// registration tests need). Off by default: freed memory is
+    /// quarantined instead, so that any access to it is refused and
+    /// reported ([`SimCuda::use_after_free_reports`]); see
+    /// [`crate::memory`].
+    pub reuse_freed_addresses: bool,
 }
 
 impl Default for GpuConfig {
@@ -107,6 +114,7 @@ impl Default for GpuConfig {
             writes_ordering: WritesOrdering::Owner,
             host_visible: false,
             virtual_memory_management: true,
+            reuse_freed_addresses: false,
         }
     }
 }
@@ -123,6 +131,8 @@ struct SimGpu {
     peers_enabled: AtomicU64,
     /// Device-to-device copies queued on its streams.
     device_copies: AtomicU64,
+    /// Its part in the address space: frees, quarantine, reports.
+    allocator: Arc<GpuAllocator>,
 }
 
 /// The allocations that IPC handles can name, by buffer id.
@@ -290,6 +300,7 @@ impl SimCuda {
             .map(|(ordinal, config)| {
                 Arc::new(SimGpu {
                     ordinal: ordinal as u32,
+                    allocator: GpuAllocator::new(ordinal as u32, config.reuse_freed_addresses),
                     config,
                     lost: AtomicBool::new(false),
                     used: AtomicU64::new(0),
@@ -418,6 +429,22 @@ impl SimCuda {
             .map_or(0, |gpu| gpu.device_copies.load(Ordering::SeqCst))
     }
 
+    /// The uses after free of memory GPU `ordinal` freed (the first
+    /// [`memory::USE_AFTER_FREE_REPORTS_KEPT`]), by any simulated process
+    /// of the node: each access was also refused. A test that expects none
+    /// asserts this is empty; its GPUs are its own, so tests running in
+    /// parallel do not see each other's.
+    pub fn use_after_free_reports(&self, ordinal: u32) -> Vec<UseAfterFree> {
+        self.gpu(ordinal)
+            .map_or_else(|_| Vec::new(), |gpu| gpu.allocator.reports())
+    }
+
+    /// How many uses after free of GPU `ordinal`'s freed memory were
+    /// reported in all (kept or not).
+    pub fn use_after_free_count(&self, ordinal: u32) -> u64 {
+        self.gpu(ordinal).map_or(0, |gpu| gpu.allocator.reported())
+    }
+
     fn gpu(&self, ordinal: u32) -> Result<Arc<SimGpu>> {
         self.process
             .gpus
@@ -442,6 +469,38 @@ fn dup_memfd(range: &memory::DeviceRange) -> Result<std::os::fd::OwnedFd> {
         })
 }
 
+/// The error for an access by `operation` of `len` bytes at `addr` whose
+/// byte `at` is not mapped device memory: CUDA's `CUDA_ERROR_INVALID_VALUE`
+/// for a pointer it does not know, and a use-after-free report where `at`
+/// was freed (see [`memory`]).
+fn not_mapped(operation: &'static str, addr: u64, len: usize, at: u64) -> CudaError {
+    match memory::use_after_free(operation, addr, len, at) {
+        Some(report) => CudaError::InvalidArgument {
+            operation,
+            reason: report.to_string(),
+            code: Some(1),
+        },
+        None if at == addr => {
+            CudaError::invalid(operation, format!("{addr:#x} is not device memory"))
+        }
+        None => CudaError::invalid(
+            operation,
+            format!("{len} bytes at {addr:#x}: {at:#x} is not device memory"),
+        ),
+    }
+}
+
+/// Why a query (no access: nothing reported) finds no mapping at `addr`.
+fn unmapped_reason(addr: u64) -> String {
+    match memory::freed(addr) {
+        Some(freed) => format!(
+            "{addr:#x} is in buffer {} ({} bytes at {:#x}), freed by {}",
+            freed.buffer_id, freed.len, freed.base, freed.freed_by
+        ),
+        None => format!("{addr:#x} is not mapped"),
+    }
+}
+
 fn check_alive(gpu: &SimGpu, operation: &'static str) -> Result<()> {
     if gpu.lost.load(Ordering::SeqCst) {
         Err(CudaError::DeviceLost {
@@ -464,9 +523,7 @@ impl SimGpuContext {
     /// A range of device memory `len` bytes at `addr`, resolved to host
     /// memory, or the error CUDA gives for an address it does not know.
     fn device_range(&self, addr: u64, len: usize, operation: &'static str) -> Result<Resolved> {
-        let range = memory::lookup(addr).ok_or_else(|| {
-            CudaError::invalid(operation, format!("{addr:#x} is not device memory"))
-        })?;
+        let range = memory::lookup(addr).ok_or_else(|| not_mapped(operation, addr, len, addr))?;
         if range.process != self.process.id {
             // Another process's mapping: its address means nothing here
             // (an IPC open gives this process a mapping of its own).
@@ -506,12 +563,7 @@ impl SimGpuContext {
         loop {
             let here = memory::lookup(at)
                 .filter(|r| reservation.is_none() || r.reservation == reservation)
-                .ok_or_else(|| {
-                    CudaError::invalid(
-                        operation,
-                        format!("{len} bytes at {addr:#x}: {at:#x} is not device memory"),
-                    )
-                })?;
+                .ok_or_else(|| not_mapped(operation, addr, len, at))?;
             let left = (here.base + here.len as u64 - at).min(end - at);
             let resolved = self.device_range(at, left as usize, operation)?;
             spans.push(Span {
@@ -562,8 +614,8 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             errno: e.raw_os_error().unwrap_or(libc::EIO),
         })?;
         let range = memory::map(
+            &self.gpu.allocator,
             len,
-            self.gpu.ordinal,
             self.process.id,
             self.gpu.config.peermem,
             self.gpu.config.host_visible,
@@ -683,7 +735,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         if addr >= memory::DEVICE_WINDOW_START {
             return Err(CudaError::invalid(
                 "cuPointerGetAttributes",
-                format!("{addr:#x} is not mapped"),
+                unmapped_reason(addr),
             ));
         }
         let pinned = lock(&self.process.pinned);
@@ -733,13 +785,16 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 code: Some(1),
             });
         }
-        let range = memory::lookup(addr)
-            .filter(|r| addr - r.base + len as u64 <= (r.len as u64).next_multiple_of(PAGE))
-            .ok_or_else(|| CudaError::InvalidArgument {
+        let Some(range) = memory::lookup(addr) else {
+            return Err(not_mapped(OP, addr, len, addr));
+        };
+        if addr - range.base + len as u64 > (range.len as u64).next_multiple_of(PAGE) {
+            return Err(CudaError::InvalidArgument {
                 operation: OP,
                 reason: format!("{len} bytes at {addr:#x} are not inside one allocation"),
                 code: Some(1),
-            })?;
+            });
+        }
         let fd = dup_memfd(&range)?;
         let inode = rustix::fs::fstat(&fd)
             .map_err(|e| CudaError::Os {
@@ -763,8 +818,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         let _span =
             tracing::debug_span!("sim_ipc_export", addr = format_args!("{addr:#x}")).entered();
         check_alive(&self.gpu, OP)?;
-        let range = memory::lookup(addr)
-            .ok_or_else(|| CudaError::invalid(OP, format!("{addr:#x} is not device memory")))?;
+        let range = memory::lookup(addr).ok_or_else(|| not_mapped(OP, addr, 1, addr))?;
         if range.reservation.is_some() {
             // Memory mapped with cuMemMap is not legacy-IPC capable.
             return Err(CudaError::InvalidArgument {
@@ -851,8 +905,8 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         // A host-visible allocation's backing already has a host address;
         // its IPC mapping needs one of its own, so it goes in the window.
         let range = memory::map(
+            &gpu.allocator,
             handle.len as usize,
-            handle.ordinal,
             self.process.id,
             gpu.config.peermem,
             false,
@@ -951,7 +1005,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         check_alive(&self.gpu, "cuMemGetAddressRange")?;
         let range = memory::lookup(addr).ok_or_else(|| CudaError::InvalidArgument {
             operation: "cuMemGetAddressRange",
-            reason: format!("{addr:#x} is not mapped device memory"),
+            reason: unmapped_reason(addr),
             code: Some(1),
         })?;
         Ok((range.base, range.len as u64))
@@ -991,10 +1045,10 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         };
         let base = reservation.inner.base + offset as u64;
         let range = memory::map_fixed(
+            &self.gpu.allocator,
             (reservation.inner.base, reservation.inner.len as u64),
             base,
             len,
-            self.gpu.ordinal,
             self.process.id,
             self.gpu.config.peermem,
             physical.inner.gpu_direct_rdma_capable,
@@ -1364,9 +1418,12 @@ impl SimStream {
         if !addr.is_multiple_of(4) {
             return Err(CudaError::invalid(operation, "address not 4-byte aligned"));
         }
-        match self.ctx.device_range(addr, 4, operation) {
-            Ok(resolved) => Ok(resolved),
-            Err(_) => Self::host(addr as *const u8, 4, operation),
+        // The device window is never host memory (a freed word there is
+        // reported by the device lookup).
+        if memory::is_device_address(addr) {
+            self.ctx.device_range(addr, 4, operation)
+        } else {
+            Self::host(addr as *const u8, 4, operation)
         }
     }
 }
@@ -1400,7 +1457,8 @@ impl hal_cuda::Event for SimEvent {
     }
 }
 
-/// Simulated device memory; freed (and its address made reusable) on drop.
+/// Simulated device memory; freed on drop (its address quarantined, or
+/// made reusable: [`GpuConfig::reuse_freed_addresses`]).
 #[derive(Debug)]
 pub struct SimDeviceMemory {
     range: Arc<DeviceRange>,
@@ -1426,7 +1484,7 @@ impl hal_cuda::DeviceMemory for SimDeviceMemory {
 
 impl Drop for SimDeviceMemory {
     fn drop(&mut self) {
-        memory::unmap(self.range.base);
+        memory::unmap(self.range.base, "cuMemFree");
         // Closes the export's fd: other OS processes can no longer open it.
         lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
         self.gpu
@@ -1512,7 +1570,7 @@ impl hal_cuda::IpcMapping for SimIpcMapping {
 
 impl Drop for SimIpcMapping {
     fn drop(&mut self) {
-        memory::unmap(self.range.base);
+        memory::unmap(self.range.base, "cuIpcCloseMemHandle");
         // Had the mapping been exported again, its handles die with it.
         lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
     }
@@ -1601,7 +1659,7 @@ impl hal_cuda::VirtualMapping for SimVirtualMapping {
 
 impl Drop for SimVirtualMapping {
     fn drop(&mut self) {
-        memory::unmap(self.range.base);
+        memory::unmap(self.range.base, "cuMemUnmap");
     }
 }
 
