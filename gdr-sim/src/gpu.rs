@@ -50,10 +50,10 @@ use hal_cuda::{
     AllocationKind, CudaError, DeviceAttributes, FlushScope, FlushWritesOptions, HostRegisterFlags,
     IpcMemHandle, MemoryType, PointerAttributes, Result, WritesOrdering,
 };
-use memmap2::MmapMut;
+use memmap2::{MmapMut, MmapRaw};
 
 use crate::faults::{Fault, FaultPlan, FaultSite};
-use crate::memory::{self, Backing, DeviceRange, GpuAllocator, UseAfterFree};
+use crate::memory::{self, Backing, DeviceRange, FreedAllocation, GpuAllocator, UseAfterFree};
 
 const PAGE: u64 = 4096;
 
@@ -94,10 +94,10 @@ pub struct GpuConfig {
     pub virtual_memory_management: bool,
     /// Hand a freed address to this GPU's next allocation of the same size,
     /// with a new buffer id, as CUDA's allocator does (what stale
-    /// registration tests need). Off by default: freed memory is
-    /// quarantined instead, so that any access to it is refused and
-    /// reported ([`SimCuda::use_after_free_reports`]); see
-    /// [`crate::memory`].
+    /// registration tests need), and unmap freed pinned host memory. Off by
+    /// default: freed memory is quarantined instead, so that any access to
+    /// it is refused and reported ([`SimCuda::use_after_free_reports`]);
+    /// see [`crate::memory`].
     pub reuse_freed_addresses: bool,
 }
 
@@ -231,8 +231,19 @@ pub fn dmabuf_extent(fd: RawFd) -> Option<(u64, u64)> {
 
 static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
 
-/// Pinned host ranges of one simulated process: start → (len, buffer id).
-type PinnedRanges = BTreeMap<u64, (usize, u64)>;
+/// Pinned host ranges of one simulated process, by start.
+type PinnedRanges = BTreeMap<u64, PinnedRange>;
+
+/// One pinned host range: `cuMemHostAlloc` memory or a `cuMemHostRegister`
+/// of the caller's.
+#[derive(Debug)]
+struct PinnedRange {
+    len: usize,
+    buffer_id: u64,
+    /// The mapping, for memory the simulation allocated: copies queued on
+    /// it keep it (see [`PinnedMapping`]).
+    mapping: Weak<PinnedMapping>,
+}
 
 #[derive(Debug)]
 struct ProcessState {
@@ -475,11 +486,7 @@ fn dup_memfd(range: &memory::DeviceRange) -> Result<std::os::fd::OwnedFd> {
 /// was freed (see [`memory`]).
 fn not_mapped(operation: &'static str, addr: u64, len: usize, at: u64) -> CudaError {
     match memory::use_after_free(operation, addr, len, at) {
-        Some(report) => CudaError::InvalidArgument {
-            operation,
-            reason: report.to_string(),
-            code: Some(1),
-        },
+        Some(report) => use_after_free_error(report),
         None if at == addr => {
             CudaError::invalid(operation, format!("{addr:#x} is not device memory"))
         }
@@ -487,6 +494,16 @@ fn not_mapped(operation: &'static str, addr: u64, len: usize, at: u64) -> CudaEr
             operation,
             format!("{len} bytes at {addr:#x}: {at:#x} is not device memory"),
         ),
+    }
+}
+
+/// CUDA's answer to a freed pointer: `CUDA_ERROR_INVALID_VALUE`, as for
+/// any pointer it does not know (nothing sticky).
+fn use_after_free_error(report: UseAfterFree) -> CudaError {
+    CudaError::InvalidArgument {
+        operation: report.operation,
+        reason: report.to_string(),
+        code: Some(1),
     }
 }
 
@@ -545,7 +562,9 @@ impl SimGpuContext {
         Ok(Resolved {
             // SAFETY: offset + len lies within the backing (checked above).
             ptr: unsafe { range.backing.as_ptr().add(offset as usize) },
-            _keep: Some(Arc::clone(&range.backing)),
+            _keep: Some(Keep::Device {
+                _backing: Arc::clone(&range.backing),
+            }),
         })
     }
 }
@@ -650,11 +669,22 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         // freed pinned memory): neither does the sim, so code that relies on
         // zeroed pinned memory fails here as it would there.
         map.fill(NOT_ZEROED);
-        let ptr = map.as_mut_ptr();
-        lock(&self.process.pinned).insert(ptr as u64, (len, memory::next_buffer_id()));
+        let mapping = Arc::new(PinnedMapping {
+            map: Some(MmapRaw::from(map)),
+            buffer_id: memory::next_buffer_id(),
+            process: self.process.id,
+            gpu: Arc::clone(&self.gpu),
+        });
+        lock(&self.process.pinned).insert(
+            mapping.start(),
+            PinnedRange {
+                len,
+                buffer_id: mapping.buffer_id,
+                mapping: Arc::downgrade(&mapping),
+            },
+        );
         Ok(SimPinnedHostMemory {
-            map,
-            ptr,
+            mapping,
             process: Arc::clone(&self.process),
         })
     }
@@ -673,11 +703,14 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             ));
         }
         let start = ptr as u64;
+        if let Some(report) = memory::use_after_free("cuMemHostRegister", start, len, start) {
+            return Err(use_after_free_error(report));
+        }
         let mut pinned = lock(&self.process.pinned);
         let overlaps = pinned
             .range(..start + len as u64)
             .next_back()
-            .is_some_and(|(&s, &(l, _))| s + l as u64 > start);
+            .is_some_and(|(&s, r)| s + r.len as u64 > start);
         if overlaps {
             return Err(CudaError::Driver {
                 operation: "cuMemHostRegister",
@@ -685,7 +718,14 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 name: hal_cuda::result_name(712),
             });
         }
-        pinned.insert(start, (len, memory::next_buffer_id()));
+        pinned.insert(
+            start,
+            PinnedRange {
+                len,
+                buffer_id: memory::next_buffer_id(),
+                mapping: Weak::new(),
+            },
+        );
         Ok(SimHostRegistration {
             ptr,
             len,
@@ -739,15 +779,15 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             ));
         }
         let pinned = lock(&self.process.pinned);
-        if let Some((&start, &(len, buffer_id))) = pinned.range(..=addr).next_back()
-            && addr < start + len as u64
+        if let Some((&start, range)) = pinned.range(..=addr).next_back()
+            && addr < start + range.len as u64
         {
             return Ok(PointerAttributes {
                 memory_type: MemoryType::PinnedHost,
                 device_ordinal: None,
                 allocation_base: start,
-                allocation_size: len as u64,
-                buffer_id,
+                allocation_size: range.len as u64,
+                buffer_id: range.buffer_id,
                 allocation_kind: AllocationKind::Other,
                 gpu_direct_rdma_capable: false,
             });
@@ -1132,7 +1172,15 @@ fn granular(operation: &'static str, len: usize) -> Result<()> {
 #[derive(Debug)]
 struct Resolved {
     ptr: *mut u8,
-    _keep: Option<Arc<Backing>>,
+    _keep: Option<Keep>,
+}
+
+/// What a queued copy keeps alive of its endpoint's memory (held, never
+/// read).
+#[derive(Debug, Clone)]
+enum Keep {
+    Device { _backing: Arc<Backing> },
+    Pinned { _mapping: Arc<PinnedMapping> },
 }
 
 // SAFETY: the pointer is only dereferenced by the stream executing the copy,
@@ -1178,16 +1226,6 @@ fn pair(dst: Vec<Span>, src: Vec<Span>) -> Vec<(Resolved, Resolved, usize)> {
         }
     }
     pairs
-}
-
-fn host_span(ptr: *const u8, len: usize) -> Vec<Span> {
-    vec![Span {
-        at: Resolved {
-            ptr: ptr.cast_mut(),
-            _keep: None,
-        },
-        len,
-    }]
 }
 
 #[derive(Debug)]
@@ -1309,13 +1347,26 @@ impl SimStream {
         Ok(())
     }
 
-    fn host(ptr: *const u8, len: usize, operation: &'static str) -> Result<Resolved> {
+    /// A copy's host endpoint: refused (and reported) in freed pinned
+    /// memory; keeping this process's pinned mapping it lies in, if any,
+    /// until the copy has run (as `cuMemFreeHost` waits for it).
+    fn host(&self, ptr: *const u8, len: usize, operation: &'static str) -> Result<Resolved> {
         if ptr.is_null() && len > 0 {
             return Err(CudaError::invalid(operation, "null host pointer"));
         }
+        let at = ptr as u64;
+        if let Some(report) = memory::use_after_free(operation, at, len, at) {
+            return Err(use_after_free_error(report));
+        }
+        let pinned = lock(&self.ctx.process.pinned);
+        let mapping = pinned
+            .range(..=at)
+            .next_back()
+            .filter(|&(&start, range)| at < start + range.len as u64)
+            .and_then(|(_, range)| range.mapping.upgrade());
         Ok(Resolved {
             ptr: ptr.cast_mut(),
-            _keep: None,
+            _keep: mapping.map(|m| Keep::Pinned { _mapping: m }),
         })
     }
 }
@@ -1324,15 +1375,15 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
     unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
         const OP: &str = "cuMemcpyHtoDAsync";
         let dst = self.ctx.device_spans(dst, len, OP)?;
-        Self::host(src, len, OP)?;
-        self.enqueue(OP, Work::Copy(pair(dst, host_span(src, len))))
+        let src = self.host(src, len, OP)?;
+        self.enqueue(OP, Work::Copy(pair(dst, vec![Span { at: src, len }])))
     }
 
     unsafe fn copy_device_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
         const OP: &str = "cuMemcpyDtoHAsync";
         let src = self.ctx.device_spans(src, len, OP)?;
-        Self::host(dst, len, OP)?;
-        self.enqueue(OP, Work::Copy(pair(host_span(dst, len), src)))
+        let dst = self.host(dst, len, OP)?;
+        self.enqueue(OP, Work::Copy(pair(vec![Span { at: dst, len }], src)))
     }
 
     unsafe fn copy_device_to_device(&self, dst: u64, src: u64, len: usize) -> Result<()> {
@@ -1423,7 +1474,7 @@ impl SimStream {
         if memory::is_device_address(addr) {
             self.ctx.device_range(addr, 4, operation)
         } else {
-            Self::host(addr as *const u8, 4, operation)
+            self.host(addr as *const u8, 4, operation)
         }
     }
 }
@@ -1493,33 +1544,72 @@ impl Drop for SimDeviceMemory {
     }
 }
 
-/// Simulated pinned host memory.
+/// Simulated pinned host memory; freed on drop (quarantined: see
+/// [`memory`]).
 #[derive(Debug)]
 pub struct SimPinnedHostMemory {
-    map: MmapMut,
-    ptr: *mut u8,
+    mapping: Arc<PinnedMapping>,
     process: Arc<ProcessState>,
 }
 
-// SAFETY: the pointer is the start of `map`, which this value owns; handing
-// the owner to another thread is as safe as moving the MmapMut.
-unsafe impl Send for SimPinnedHostMemory {}
-// SAFETY: shared references expose only the address, never the bytes.
-unsafe impl Sync for SimPinnedHostMemory {}
-
 impl hal_cuda::PinnedHostMemory for SimPinnedHostMemory {
     fn as_ptr(&self) -> *mut u8 {
-        self.ptr
+        self.mapping.start() as *mut u8
     }
 
     fn len(&self) -> usize {
-        self.map.len()
+        self.mapping.map.as_ref().map_or(0, MmapRaw::len)
     }
 }
 
 impl Drop for SimPinnedHostMemory {
     fn drop(&mut self) {
-        lock(&self.process.pinned).remove(&(self.ptr as u64));
+        // Freed for CUDA now; the mapping goes with its last queued copy.
+        lock(&self.process.pinned).remove(&self.mapping.start());
+    }
+}
+
+/// The mapping behind `cuMemHostAlloc` memory, held by the memory and by
+/// the copies queued on it. When the last holder goes, it is quarantined
+/// (made inaccessible, its addresses kept from reuse: [`memory`]), or
+/// unmapped where its GPU reuses freed addresses.
+#[derive(Debug)]
+struct PinnedMapping {
+    /// `None` only while dropped.
+    map: Option<MmapRaw>,
+    buffer_id: u64,
+    process: u64,
+    gpu: Arc<SimGpu>,
+}
+
+impl PinnedMapping {
+    fn start(&self) -> u64 {
+        self.map.as_ref().map_or(0, |m| m.as_mut_ptr() as u64)
+    }
+}
+
+impl Drop for PinnedMapping {
+    fn drop(&mut self) {
+        let Some(map) = self.map.take() else {
+            return;
+        };
+        let ptr = map.as_mut_ptr();
+        let freed = FreedAllocation {
+            buffer_id: self.buffer_id,
+            base: ptr as u64,
+            len: map.len(),
+            ordinal: self.gpu.ordinal,
+            process: self.process,
+            freed_by: "cuMemFreeHost",
+        };
+        // SAFETY: `map` is this value's own private anonymous mapping of
+        // `map.len()` bytes; on success it is forgotten (never unmapped by
+        // it). The memory and every copy that held it are gone: whatever
+        // still has its address (a stale pointer, an MR) is a use after
+        // free, which the inaccessible reservation makes fault.
+        if unsafe { memory::quarantine_host(&self.gpu.allocator, ptr, freed) } {
+            std::mem::forget(map);
+        }
     }
 }
 

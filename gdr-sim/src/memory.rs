@@ -44,6 +44,16 @@
 //! reservation's own reuse). Host-visible allocations
 //! ([`crate::GpuConfig::host_visible`]) have addresses the kernel gave:
 //! they are neither quarantined nor reused on purpose.
+//!
+//! Freed pinned host memory (`cuMemHostAlloc`'s) is not unmapped: its pages
+//! are replaced by an inaccessible (`PROT_NONE`) reservation, kept in a
+//! quarantine of its own ([`PINNED_QUARANTINE_RECORDS`] per GPU, each one a
+//! kernel mapping). Meanwhile the kernel cannot hand the addresses to
+//! another mapping, a CPU or NIC access through a stale pointer faults at
+//! once (`SIGSEGV`), and a CUDA copy, `cuMemHostRegister` or `ibv_reg_mr`
+//! naming them fails and is reported. A forgotten record is unmapped. The
+//! swap waits for CUDA copies queued on the memory before its free (what
+//! `cuMemFreeHost` waits for), not for MRs over it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -60,6 +70,9 @@ pub const DEVICE_ALLOCATION_GRANULARITY: u64 = 2 << 20;
 /// oldest records are forgotten (accesses there fail as to any unmapped
 /// address, unreported), their addresses still never reused.
 pub const QUARANTINE_RECORDS: usize = 4096;
+/// How many freed pinned host allocations one GPU keeps quarantined (each
+/// holds a `PROT_NONE` mapping, so a kernel VMA, until forgotten).
+pub const PINNED_QUARANTINE_RECORDS: usize = 256;
 /// How many [`UseAfterFree`] reports one GPU keeps: the first ones, since
 /// the first use after free is the one to explain (all are counted).
 pub const USE_AFTER_FREE_REPORTS_KEPT: usize = 256;
@@ -251,6 +264,9 @@ struct AllocatorState {
     quarantined: VecDeque<(u64, u64)>,
     /// Records forgotten past [`QUARANTINE_RECORDS`].
     forgotten: u64,
+    /// The pinned host records in the space's index, oldest first, each
+    /// with the reservation it keeps.
+    pinned: VecDeque<(u64, u64, HostReservation)>,
     /// The first [`USE_AFTER_FREE_REPORTS_KEPT`] reports.
     reports: Vec<UseAfterFree>,
     /// Every report.
@@ -288,6 +304,12 @@ impl GpuAllocator {
         (state.quarantined.len(), state.forgotten)
     }
 
+    /// Pinned host records held.
+    #[cfg(test)]
+    pub(crate) fn pinned_quarantine_len(&self) -> usize {
+        self.lock().pinned.len()
+    }
+
     fn record(&self, report: UseAfterFree) {
         let mut state = self.lock();
         state.reported += 1;
@@ -306,7 +328,99 @@ impl Drop for GpuAllocator {
         for &(base, seq) in &state.quarantined {
             space.forget(base, seq);
         }
+        for &(base, seq, _) in &state.pinned {
+            space.forget(base, seq);
+        }
+        // The reservations are unmapped after this, with the state: their
+        // records are gone from the index by then.
     }
+}
+
+/// An inaccessible (`PROT_NONE`) mapping held over freed pinned host
+/// memory, so the kernel does not reuse its addresses; unmapped on drop.
+#[derive(Debug)]
+struct HostReservation {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the value owns the reservation (nothing else unmaps or touches
+// it); moving or sharing it moves only the address.
+unsafe impl Send for HostReservation {}
+// SAFETY: as above; `&HostReservation` exposes nothing.
+unsafe impl Sync for HostReservation {}
+
+impl Drop for HostReservation {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is ours (see `quarantine_host`), unmapped
+        // once, here; nothing can be using it (PROT_NONE).
+        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) } {
+            tracing::warn!(error = %e, "sim: munmap of a quarantined pinned range");
+        }
+    }
+}
+
+/// Quarantines freed pinned host memory, `freed.len` bytes at `ptr`, for
+/// `owner`'s GPU: replaces its pages with an inaccessible reservation that
+/// the quarantine keeps (and unmaps when it forgets it). False where the
+/// GPU reuses freed addresses or the kernel refused the reservation: the
+/// caller then unmaps the memory as before.
+///
+/// # Safety
+///
+/// `ptr..ptr + freed.len` is a private anonymous mapping the caller owns
+/// and gives up on `true`: it must neither unmap it nor let anything access
+/// it any more.
+pub(crate) unsafe fn quarantine_host(
+    owner: &Arc<GpuAllocator>,
+    ptr: *mut u8,
+    freed: FreedAllocation,
+) -> bool {
+    use rustix::mm::{MapFlags, ProtFlags};
+    if owner.reuse_freed_addresses {
+        return false;
+    }
+    let len = freed.len;
+    // SAFETY: MAP_FIXED over the caller's own mapping (the contract), which
+    // is replaced at once, whole: nothing else of the process is there.
+    let remapped = unsafe {
+        rustix::mm::mmap_anonymous(
+            ptr.cast(),
+            len,
+            ProtFlags::empty(),
+            MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE,
+        )
+    };
+    if let Err(e) = remapped {
+        tracing::warn!(error = %e, "sim: pinned memory freed without quarantine");
+        return false;
+    }
+    let reservation = HostReservation { ptr, len };
+    let mut space = SPACE.write().unwrap_or_else(PoisonError::into_inner);
+    let seq = space.next_seq;
+    space.next_seq += 1;
+    let base = ptr as u64;
+    space.quarantine.insert(
+        base,
+        Freed {
+            end: base + len as u64,
+            seq,
+            freed,
+            owner: Arc::downgrade(owner),
+        },
+    );
+    let mut state = owner.lock();
+    state.pinned.push_back((base, seq, reservation));
+    while state.pinned.len() > PINNED_QUARANTINE_RECORDS {
+        let Some((base, seq, oldest)) = state.pinned.pop_front() else {
+            break;
+        };
+        // Out of the index before its addresses can be mapped again.
+        space.forget(base, seq);
+        drop(oldest);
+        state.forgotten += 1;
+    }
+    true
 }
 
 /// A quarantine record: a freed range, or what is left of it after
@@ -766,6 +880,56 @@ mod tests {
         // A GPU gone takes its records with it.
         drop(gpu);
         assert_eq!(freed(last), None);
+    }
+
+    #[test]
+    fn the_pinned_quarantine_is_bounded_and_unmaps_what_it_forgets() {
+        let gpu = GpuAllocator::new(0, false);
+        let freed_bases: Vec<u64> = (0..PINNED_QUARANTINE_RECORDS + 2)
+            .map(|i| {
+                let map = memmap2::MmapMut::map_anon(4096).unwrap();
+                let ptr = map.as_ptr().cast_mut();
+                let freed = FreedAllocation {
+                    buffer_id: i as u64,
+                    base: ptr as u64,
+                    len: 4096,
+                    ordinal: 0,
+                    process: 1,
+                    freed_by: "cuMemFreeHost",
+                };
+                // SAFETY: `map` is ours and forgotten once quarantined.
+                assert!(unsafe { quarantine_host(&gpu, ptr, freed) });
+                std::mem::forget(map);
+                ptr as u64
+            })
+            .collect();
+        assert_eq!(gpu.pinned_quarantine_len(), PINNED_QUARANTINE_RECORDS);
+        assert_eq!(gpu.quarantine_len().1, 2, "two forgotten");
+        // Their addresses are the kernel's again (a later mapping of this
+        // loop may well be there, under a record of its own; nothing else
+        // is probed: another test's thread may map there).
+        for (i, &base) in freed_bases[..2].iter().enumerate() {
+            assert_ne!(freed(base).map(|f| f.buffer_id), Some(i as u64));
+        }
+        let last = *freed_bases.last().unwrap();
+        assert_eq!(freed(last + 4095).map(|f| f.base), Some(last));
+        drop(gpu);
+        assert_eq!(freed(last), None, "unmapped with its GPU");
+
+        // A GPU that reuses freed addresses does not quarantine.
+        let reusing = GpuAllocator::new(0, true);
+        let map = memmap2::MmapMut::map_anon(4096).unwrap();
+        let freed = FreedAllocation {
+            buffer_id: 0,
+            base: map.as_ptr() as u64,
+            len: 4096,
+            ordinal: 0,
+            process: 1,
+            freed_by: "cuMemFreeHost",
+        };
+        // SAFETY: refused, so `map` stays ours (and is unmapped below).
+        assert!(!unsafe { quarantine_host(&reusing, map.as_ptr().cast_mut(), freed) });
+        drop(map);
     }
 
     #[test]
