@@ -50,10 +50,10 @@ use hal_cuda::{
     AllocationKind, CudaError, DeviceAttributes, FlushScope, FlushWritesOptions, HostRegisterFlags,
     IpcMemHandle, MemoryType, PointerAttributes, Result, WritesOrdering,
 };
-use memmap2::MmapMut;
+use memmap2::{MmapMut, MmapRaw};
 
 use crate::faults::{Fault, FaultPlan, FaultSite};
-use crate::memory::{self, Backing, DeviceRange};
+use crate::memory::{self, Backing, DeviceRange, FreedAllocation, GpuAllocator, UseAfterFree};
 
 const PAGE: u64 = 4096;
 
@@ -92,6 +92,13 @@ pub struct GpuConfig {
     /// `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`: reservations, `cuMemCreate`
     /// and `cuMemMap` work.
     pub virtual_memory_management: bool,
+    /// Hand a freed address to this GPU's next allocation of the same size,
+    /// with a new buffer id, as CUDA's allocator does (what stale
+    /// registration tests need), and unmap freed pinned host memory. Off by
+    /// default: freed memory is quarantined instead, so that any access to
+    /// it is refused and reported ([`SimCuda::use_after_free_reports`]);
+    /// see [`crate::memory`].
+    pub reuse_freed_addresses: bool,
 }
 
 impl Default for GpuConfig {
@@ -107,6 +114,7 @@ impl Default for GpuConfig {
             writes_ordering: WritesOrdering::Owner,
             host_visible: false,
             virtual_memory_management: true,
+            reuse_freed_addresses: false,
         }
     }
 }
@@ -123,6 +131,8 @@ struct SimGpu {
     peers_enabled: AtomicU64,
     /// Device-to-device copies queued on its streams.
     device_copies: AtomicU64,
+    /// Its part in the address space: frees, quarantine, reports.
+    allocator: Arc<GpuAllocator>,
 }
 
 /// The allocations that IPC handles can name, by buffer id.
@@ -221,8 +231,19 @@ pub fn dmabuf_extent(fd: RawFd) -> Option<(u64, u64)> {
 
 static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
 
-/// Pinned host ranges of one simulated process: start → (len, buffer id).
-type PinnedRanges = BTreeMap<u64, (usize, u64)>;
+/// Pinned host ranges of one simulated process, by start.
+type PinnedRanges = BTreeMap<u64, PinnedRange>;
+
+/// One pinned host range: `cuMemHostAlloc` memory or a `cuMemHostRegister`
+/// of the caller's.
+#[derive(Debug)]
+struct PinnedRange {
+    len: usize,
+    buffer_id: u64,
+    /// The mapping, for memory the simulation allocated: copies queued on
+    /// it keep it (see [`PinnedMapping`]).
+    mapping: Weak<PinnedMapping>,
+}
 
 #[derive(Debug)]
 struct ProcessState {
@@ -290,6 +311,7 @@ impl SimCuda {
             .map(|(ordinal, config)| {
                 Arc::new(SimGpu {
                     ordinal: ordinal as u32,
+                    allocator: GpuAllocator::new(ordinal as u32, config.reuse_freed_addresses),
                     config,
                     lost: AtomicBool::new(false),
                     used: AtomicU64::new(0),
@@ -418,6 +440,22 @@ impl SimCuda {
             .map_or(0, |gpu| gpu.device_copies.load(Ordering::SeqCst))
     }
 
+    /// The uses after free of memory GPU `ordinal` freed (the first
+    /// [`memory::USE_AFTER_FREE_REPORTS_KEPT`]), by any simulated process
+    /// of the node: each access was also refused. A test that expects none
+    /// asserts this is empty; its GPUs are its own, so tests running in
+    /// parallel do not see each other's.
+    pub fn use_after_free_reports(&self, ordinal: u32) -> Vec<UseAfterFree> {
+        self.gpu(ordinal)
+            .map_or_else(|_| Vec::new(), |gpu| gpu.allocator.reports())
+    }
+
+    /// How many uses after free of GPU `ordinal`'s freed memory were
+    /// reported in all (kept or not).
+    pub fn use_after_free_count(&self, ordinal: u32) -> u64 {
+        self.gpu(ordinal).map_or(0, |gpu| gpu.allocator.reported())
+    }
+
     fn gpu(&self, ordinal: u32) -> Result<Arc<SimGpu>> {
         self.process
             .gpus
@@ -442,6 +480,44 @@ fn dup_memfd(range: &memory::DeviceRange) -> Result<std::os::fd::OwnedFd> {
         })
 }
 
+/// The error for an access by `operation` of `len` bytes at `addr` whose
+/// byte `at` is not mapped device memory: CUDA's `CUDA_ERROR_INVALID_VALUE`
+/// for a pointer it does not know, and a use-after-free report where `at`
+/// was freed (see [`memory`]).
+fn not_mapped(operation: &'static str, addr: u64, len: usize, at: u64) -> CudaError {
+    match memory::use_after_free(operation, addr, len, at) {
+        Some(report) => use_after_free_error(report),
+        None if at == addr => {
+            CudaError::invalid(operation, format!("{addr:#x} is not device memory"))
+        }
+        None => CudaError::invalid(
+            operation,
+            format!("{len} bytes at {addr:#x}: {at:#x} is not device memory"),
+        ),
+    }
+}
+
+/// CUDA's answer to a freed pointer: `CUDA_ERROR_INVALID_VALUE`, as for
+/// any pointer it does not know (nothing sticky).
+fn use_after_free_error(report: UseAfterFree) -> CudaError {
+    CudaError::InvalidArgument {
+        operation: report.operation,
+        reason: report.to_string(),
+        code: Some(1),
+    }
+}
+
+/// Why a query (no access: nothing reported) finds no mapping at `addr`.
+fn unmapped_reason(addr: u64) -> String {
+    match memory::freed(addr) {
+        Some(freed) => format!(
+            "{addr:#x} is in buffer {} ({} bytes at {:#x}), freed by {}",
+            freed.buffer_id, freed.len, freed.base, freed.freed_by
+        ),
+        None => format!("{addr:#x} is not mapped"),
+    }
+}
+
 fn check_alive(gpu: &SimGpu, operation: &'static str) -> Result<()> {
     if gpu.lost.load(Ordering::SeqCst) {
         Err(CudaError::DeviceLost {
@@ -464,9 +540,7 @@ impl SimGpuContext {
     /// A range of device memory `len` bytes at `addr`, resolved to host
     /// memory, or the error CUDA gives for an address it does not know.
     fn device_range(&self, addr: u64, len: usize, operation: &'static str) -> Result<Resolved> {
-        let range = memory::lookup(addr).ok_or_else(|| {
-            CudaError::invalid(operation, format!("{addr:#x} is not device memory"))
-        })?;
+        let range = memory::lookup(addr).ok_or_else(|| not_mapped(operation, addr, len, addr))?;
         if range.process != self.process.id {
             // Another process's mapping: its address means nothing here
             // (an IPC open gives this process a mapping of its own).
@@ -488,7 +562,9 @@ impl SimGpuContext {
         Ok(Resolved {
             // SAFETY: offset + len lies within the backing (checked above).
             ptr: unsafe { range.backing.as_ptr().add(offset as usize) },
-            _keep: Some(Arc::clone(&range.backing)),
+            _keep: Some(Keep::Device {
+                _backing: Arc::clone(&range.backing),
+            }),
         })
     }
 }
@@ -506,12 +582,7 @@ impl SimGpuContext {
         loop {
             let here = memory::lookup(at)
                 .filter(|r| reservation.is_none() || r.reservation == reservation)
-                .ok_or_else(|| {
-                    CudaError::invalid(
-                        operation,
-                        format!("{len} bytes at {addr:#x}: {at:#x} is not device memory"),
-                    )
-                })?;
+                .ok_or_else(|| not_mapped(operation, addr, len, at))?;
             let left = (here.base + here.len as u64 - at).min(end - at);
             let resolved = self.device_range(at, left as usize, operation)?;
             spans.push(Span {
@@ -562,8 +633,8 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             errno: e.raw_os_error().unwrap_or(libc::EIO),
         })?;
         let range = memory::map(
+            &self.gpu.allocator,
             len,
-            self.gpu.ordinal,
             self.process.id,
             self.gpu.config.peermem,
             self.gpu.config.host_visible,
@@ -598,11 +669,22 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         // freed pinned memory): neither does the sim, so code that relies on
         // zeroed pinned memory fails here as it would there.
         map.fill(NOT_ZEROED);
-        let ptr = map.as_mut_ptr();
-        lock(&self.process.pinned).insert(ptr as u64, (len, memory::next_buffer_id()));
+        let mapping = Arc::new(PinnedMapping {
+            map: Some(MmapRaw::from(map)),
+            buffer_id: memory::next_buffer_id(),
+            process: self.process.id,
+            gpu: Arc::clone(&self.gpu),
+        });
+        lock(&self.process.pinned).insert(
+            mapping.start(),
+            PinnedRange {
+                len,
+                buffer_id: mapping.buffer_id,
+                mapping: Arc::downgrade(&mapping),
+            },
+        );
         Ok(SimPinnedHostMemory {
-            map,
-            ptr,
+            mapping,
             process: Arc::clone(&self.process),
         })
     }
@@ -621,11 +703,14 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
             ));
         }
         let start = ptr as u64;
+        if let Some(report) = memory::use_after_free("cuMemHostRegister", start, len, start) {
+            return Err(use_after_free_error(report));
+        }
         let mut pinned = lock(&self.process.pinned);
         let overlaps = pinned
             .range(..start + len as u64)
             .next_back()
-            .is_some_and(|(&s, &(l, _))| s + l as u64 > start);
+            .is_some_and(|(&s, r)| s + r.len as u64 > start);
         if overlaps {
             return Err(CudaError::Driver {
                 operation: "cuMemHostRegister",
@@ -633,7 +718,14 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 name: hal_cuda::result_name(712),
             });
         }
-        pinned.insert(start, (len, memory::next_buffer_id()));
+        pinned.insert(
+            start,
+            PinnedRange {
+                len,
+                buffer_id: memory::next_buffer_id(),
+                mapping: Weak::new(),
+            },
+        );
         Ok(SimHostRegistration {
             ptr,
             len,
@@ -683,19 +775,19 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         if addr >= memory::DEVICE_WINDOW_START {
             return Err(CudaError::invalid(
                 "cuPointerGetAttributes",
-                format!("{addr:#x} is not mapped"),
+                unmapped_reason(addr),
             ));
         }
         let pinned = lock(&self.process.pinned);
-        if let Some((&start, &(len, buffer_id))) = pinned.range(..=addr).next_back()
-            && addr < start + len as u64
+        if let Some((&start, range)) = pinned.range(..=addr).next_back()
+            && addr < start + range.len as u64
         {
             return Ok(PointerAttributes {
                 memory_type: MemoryType::PinnedHost,
                 device_ordinal: None,
                 allocation_base: start,
-                allocation_size: len as u64,
-                buffer_id,
+                allocation_size: range.len as u64,
+                buffer_id: range.buffer_id,
                 allocation_kind: AllocationKind::Other,
                 gpu_direct_rdma_capable: false,
             });
@@ -733,13 +825,16 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 code: Some(1),
             });
         }
-        let range = memory::lookup(addr)
-            .filter(|r| addr - r.base + len as u64 <= (r.len as u64).next_multiple_of(PAGE))
-            .ok_or_else(|| CudaError::InvalidArgument {
+        let Some(range) = memory::lookup(addr) else {
+            return Err(not_mapped(OP, addr, len, addr));
+        };
+        if addr - range.base + len as u64 > (range.len as u64).next_multiple_of(PAGE) {
+            return Err(CudaError::InvalidArgument {
                 operation: OP,
                 reason: format!("{len} bytes at {addr:#x} are not inside one allocation"),
                 code: Some(1),
-            })?;
+            });
+        }
         let fd = dup_memfd(&range)?;
         let inode = rustix::fs::fstat(&fd)
             .map_err(|e| CudaError::Os {
@@ -763,8 +858,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         let _span =
             tracing::debug_span!("sim_ipc_export", addr = format_args!("{addr:#x}")).entered();
         check_alive(&self.gpu, OP)?;
-        let range = memory::lookup(addr)
-            .ok_or_else(|| CudaError::invalid(OP, format!("{addr:#x} is not device memory")))?;
+        let range = memory::lookup(addr).ok_or_else(|| not_mapped(OP, addr, 1, addr))?;
         if range.reservation.is_some() {
             // Memory mapped with cuMemMap is not legacy-IPC capable.
             return Err(CudaError::InvalidArgument {
@@ -851,8 +945,8 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         // A host-visible allocation's backing already has a host address;
         // its IPC mapping needs one of its own, so it goes in the window.
         let range = memory::map(
+            &gpu.allocator,
             handle.len as usize,
-            handle.ordinal,
             self.process.id,
             gpu.config.peermem,
             false,
@@ -951,7 +1045,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         check_alive(&self.gpu, "cuMemGetAddressRange")?;
         let range = memory::lookup(addr).ok_or_else(|| CudaError::InvalidArgument {
             operation: "cuMemGetAddressRange",
-            reason: format!("{addr:#x} is not mapped device memory"),
+            reason: unmapped_reason(addr),
             code: Some(1),
         })?;
         Ok((range.base, range.len as u64))
@@ -991,10 +1085,10 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         };
         let base = reservation.inner.base + offset as u64;
         let range = memory::map_fixed(
+            &self.gpu.allocator,
             (reservation.inner.base, reservation.inner.len as u64),
             base,
             len,
-            self.gpu.ordinal,
             self.process.id,
             self.gpu.config.peermem,
             physical.inner.gpu_direct_rdma_capable,
@@ -1078,7 +1172,15 @@ fn granular(operation: &'static str, len: usize) -> Result<()> {
 #[derive(Debug)]
 struct Resolved {
     ptr: *mut u8,
-    _keep: Option<Arc<Backing>>,
+    _keep: Option<Keep>,
+}
+
+/// What a queued copy keeps alive of its endpoint's memory (held, never
+/// read).
+#[derive(Debug, Clone)]
+enum Keep {
+    Device { _backing: Arc<Backing> },
+    Pinned { _mapping: Arc<PinnedMapping> },
 }
 
 // SAFETY: the pointer is only dereferenced by the stream executing the copy,
@@ -1124,16 +1226,6 @@ fn pair(dst: Vec<Span>, src: Vec<Span>) -> Vec<(Resolved, Resolved, usize)> {
         }
     }
     pairs
-}
-
-fn host_span(ptr: *const u8, len: usize) -> Vec<Span> {
-    vec![Span {
-        at: Resolved {
-            ptr: ptr.cast_mut(),
-            _keep: None,
-        },
-        len,
-    }]
 }
 
 #[derive(Debug)]
@@ -1255,13 +1347,26 @@ impl SimStream {
         Ok(())
     }
 
-    fn host(ptr: *const u8, len: usize, operation: &'static str) -> Result<Resolved> {
+    /// A copy's host endpoint: refused (and reported) in freed pinned
+    /// memory; keeping this process's pinned mapping it lies in, if any,
+    /// until the copy has run (as `cuMemFreeHost` waits for it).
+    fn host(&self, ptr: *const u8, len: usize, operation: &'static str) -> Result<Resolved> {
         if ptr.is_null() && len > 0 {
             return Err(CudaError::invalid(operation, "null host pointer"));
         }
+        let at = ptr as u64;
+        if let Some(report) = memory::use_after_free(operation, at, len, at) {
+            return Err(use_after_free_error(report));
+        }
+        let pinned = lock(&self.ctx.process.pinned);
+        let mapping = pinned
+            .range(..=at)
+            .next_back()
+            .filter(|&(&start, range)| at < start + range.len as u64)
+            .and_then(|(_, range)| range.mapping.upgrade());
         Ok(Resolved {
             ptr: ptr.cast_mut(),
-            _keep: None,
+            _keep: mapping.map(|m| Keep::Pinned { _mapping: m }),
         })
     }
 }
@@ -1270,15 +1375,15 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
     unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
         const OP: &str = "cuMemcpyHtoDAsync";
         let dst = self.ctx.device_spans(dst, len, OP)?;
-        Self::host(src, len, OP)?;
-        self.enqueue(OP, Work::Copy(pair(dst, host_span(src, len))))
+        let src = self.host(src, len, OP)?;
+        self.enqueue(OP, Work::Copy(pair(dst, vec![Span { at: src, len }])))
     }
 
     unsafe fn copy_device_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
         const OP: &str = "cuMemcpyDtoHAsync";
         let src = self.ctx.device_spans(src, len, OP)?;
-        Self::host(dst, len, OP)?;
-        self.enqueue(OP, Work::Copy(pair(host_span(dst, len), src)))
+        let dst = self.host(dst, len, OP)?;
+        self.enqueue(OP, Work::Copy(pair(vec![Span { at: dst, len }], src)))
     }
 
     unsafe fn copy_device_to_device(&self, dst: u64, src: u64, len: usize) -> Result<()> {
@@ -1364,9 +1469,12 @@ impl SimStream {
         if !addr.is_multiple_of(4) {
             return Err(CudaError::invalid(operation, "address not 4-byte aligned"));
         }
-        match self.ctx.device_range(addr, 4, operation) {
-            Ok(resolved) => Ok(resolved),
-            Err(_) => Self::host(addr as *const u8, 4, operation),
+        // The device window is never host memory (a freed word there is
+        // reported by the device lookup).
+        if memory::is_device_address(addr) {
+            self.ctx.device_range(addr, 4, operation)
+        } else {
+            self.host(addr as *const u8, 4, operation)
         }
     }
 }
@@ -1400,7 +1508,8 @@ impl hal_cuda::Event for SimEvent {
     }
 }
 
-/// Simulated device memory; freed (and its address made reusable) on drop.
+/// Simulated device memory; freed on drop (its address quarantined, or
+/// made reusable: [`GpuConfig::reuse_freed_addresses`]).
 #[derive(Debug)]
 pub struct SimDeviceMemory {
     range: Arc<DeviceRange>,
@@ -1426,7 +1535,7 @@ impl hal_cuda::DeviceMemory for SimDeviceMemory {
 
 impl Drop for SimDeviceMemory {
     fn drop(&mut self) {
-        memory::unmap(self.range.base);
+        memory::unmap(self.range.base, "cuMemFree");
         // Closes the export's fd: other OS processes can no longer open it.
         lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
         self.gpu
@@ -1435,33 +1544,72 @@ impl Drop for SimDeviceMemory {
     }
 }
 
-/// Simulated pinned host memory.
+/// Simulated pinned host memory; freed on drop (quarantined: see
+/// [`memory`]).
 #[derive(Debug)]
 pub struct SimPinnedHostMemory {
-    map: MmapMut,
-    ptr: *mut u8,
+    mapping: Arc<PinnedMapping>,
     process: Arc<ProcessState>,
 }
 
-// SAFETY: the pointer is the start of `map`, which this value owns; handing
-// the owner to another thread is as safe as moving the MmapMut.
-unsafe impl Send for SimPinnedHostMemory {}
-// SAFETY: shared references expose only the address, never the bytes.
-unsafe impl Sync for SimPinnedHostMemory {}
-
 impl hal_cuda::PinnedHostMemory for SimPinnedHostMemory {
     fn as_ptr(&self) -> *mut u8 {
-        self.ptr
+        self.mapping.start() as *mut u8
     }
 
     fn len(&self) -> usize {
-        self.map.len()
+        self.mapping.map.as_ref().map_or(0, MmapRaw::len)
     }
 }
 
 impl Drop for SimPinnedHostMemory {
     fn drop(&mut self) {
-        lock(&self.process.pinned).remove(&(self.ptr as u64));
+        // Freed for CUDA now; the mapping goes with its last queued copy.
+        lock(&self.process.pinned).remove(&self.mapping.start());
+    }
+}
+
+/// The mapping behind `cuMemHostAlloc` memory, held by the memory and by
+/// the copies queued on it. When the last holder goes, it is quarantined
+/// (made inaccessible, its addresses kept from reuse: [`memory`]), or
+/// unmapped where its GPU reuses freed addresses.
+#[derive(Debug)]
+struct PinnedMapping {
+    /// `None` only while dropped.
+    map: Option<MmapRaw>,
+    buffer_id: u64,
+    process: u64,
+    gpu: Arc<SimGpu>,
+}
+
+impl PinnedMapping {
+    fn start(&self) -> u64 {
+        self.map.as_ref().map_or(0, |m| m.as_mut_ptr() as u64)
+    }
+}
+
+impl Drop for PinnedMapping {
+    fn drop(&mut self) {
+        let Some(map) = self.map.take() else {
+            return;
+        };
+        let ptr = map.as_mut_ptr();
+        let freed = FreedAllocation {
+            buffer_id: self.buffer_id,
+            base: ptr as u64,
+            len: map.len(),
+            ordinal: self.gpu.ordinal,
+            process: self.process,
+            freed_by: "cuMemFreeHost",
+        };
+        // SAFETY: `map` is this value's own private anonymous mapping of
+        // `map.len()` bytes; on success it is forgotten (never unmapped by
+        // it). The memory and every copy that held it are gone: whatever
+        // still has its address (a stale pointer, an MR) is a use after
+        // free, which the inaccessible reservation makes fault.
+        if unsafe { memory::quarantine_host(&self.gpu.allocator, ptr, freed) } {
+            std::mem::forget(map);
+        }
     }
 }
 
@@ -1512,7 +1660,7 @@ impl hal_cuda::IpcMapping for SimIpcMapping {
 
 impl Drop for SimIpcMapping {
     fn drop(&mut self) {
-        memory::unmap(self.range.base);
+        memory::unmap(self.range.base, "cuIpcCloseMemHandle");
         // Had the mapping been exported again, its handles die with it.
         lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
     }
@@ -1601,7 +1749,7 @@ impl hal_cuda::VirtualMapping for SimVirtualMapping {
 
 impl Drop for SimVirtualMapping {
     fn drop(&mut self) {
-        memory::unmap(self.range.base);
+        memory::unmap(self.range.base, "cuMemUnmap");
     }
 }
 

@@ -16,6 +16,9 @@
 //! follows rxe and ConnectX where they agree and takes a profile where
 //! they differ ([`DeviceConfig::mlx5_like`], [`DeviceConfig::rxe_like`]);
 //! one conformance suite runs the same scenarios on it and on rxe.
+//! Freed GPU memory is quarantined, so a use after free is refused and
+//! reported ([`SimCuda::use_after_free_reports`]) even where real CUDA
+//! would have reused the address silently (see [`memory`]).
 //!
 //! Nodes of one [`SimFabric`] reach each other by IPv4 address over
 //! simulated rdma_cm; each [`SimCuda`] is a GPU set of one simulated
@@ -79,6 +82,7 @@ pub mod nic;
 
 pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
 pub use gpu::{GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
+pub use memory::{FreedAllocation, UseAfterFree};
 pub use nic::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};
 pub use nic::{
     DeviceConfig, NodeConfig, SimCm, SimCompChannel, SimConnectRequest, SimConnection, SimContext,

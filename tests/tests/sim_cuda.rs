@@ -327,7 +327,12 @@ fn ipc_child(uris: &str) {
 
 #[test]
 fn reallocation_at_a_freed_address_gets_a_new_buffer_id() {
-    let (_driver, ctx, _) = gpu(GpuConfig::default());
+    // CUDA's allocator: the freed address comes back (the sim's default
+    // quarantines it).
+    let (_driver, ctx, _) = gpu(GpuConfig {
+        reuse_freed_addresses: true,
+        ..GpuConfig::default()
+    });
     // A size no other test uses: freed addresses are reused per size class,
     // and tests run in parallel.
     let size = 7 << 20;

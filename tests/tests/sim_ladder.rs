@@ -325,6 +325,8 @@ fn a_reallocated_address_gets_a_new_registration() {
         vec![DeviceConfig::rxe_like()],
         GpuConfig {
             peermem: true,
+            // CUDA's allocator: the freed address comes back.
+            reuse_freed_addresses: true,
             ..GpuConfig::default()
         },
     );

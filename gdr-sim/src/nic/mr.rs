@@ -145,7 +145,10 @@ impl ProtectionDomain<SimVerbsApi> for SimPd {
             match e {
                 // What the kernel answers when no peer-memory client claims
                 // device memory and get_user_pages fails on it.
-                NicAccessError::NoPeerMemory { .. } | NicAccessError::NotMapped { .. } => {
+                // A freed range (reported as a use after free): the same.
+                NicAccessError::NoPeerMemory { .. }
+                | NicAccessError::NotMapped { .. }
+                | NicAccessError::Freed(_) => {
                     VerbsError::from_errno(OP, &state.devices[device].name, libc::EFAULT)
                 }
             }

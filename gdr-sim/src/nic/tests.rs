@@ -129,8 +129,9 @@ fn device_memory_registers_only_with_peermem() {
     let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
     connect(&a, &b);
     let backing = Arc::new(Backing::new(8192).unwrap());
-    let with = memory::map(8192, 0, 1, true, false, Arc::clone(&backing));
-    let without = memory::map(8192, 0, 1, false, false, Arc::clone(&backing));
+    let gpu = memory::GpuAllocator::new(0, false);
+    let with = memory::map(&gpu, 8192, 1, true, false, Arc::clone(&backing));
+    let without = memory::map(&gpu, 8192, 1, false, false, Arc::clone(&backing));
 
     // SAFETY: the device range stays mapped past the registration.
     let err = unsafe { b.pd.register(without.base, 4096, AccessFlags::transfer()) }.unwrap_err();
@@ -168,8 +169,8 @@ fn device_memory_registers_only_with_peermem() {
     let landed = unsafe { std::slice::from_raw_parts(backing.as_ptr().add(5000), 100) };
     assert_eq!(landed, &src[..]);
     drop((mr, smr));
-    memory::unmap(with.base);
-    memory::unmap(without.base);
+    memory::unmap(with.base, "test");
+    memory::unmap(without.base, "test");
 }
 
 #[test]
