@@ -33,6 +33,13 @@ fn staging_world() -> EngineWorld<SimVerbsApi> {
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 
+/// The simulator saw no access to freed memory of b's GPU (it refuses and
+/// reports each, whether or not the address was handed out again).
+fn no_use_after_free(w: &EngineWorld<SimVerbsApi>) {
+    let reports = w.b.cuda.use_after_free_reports(0);
+    assert!(reports.is_empty(), "use after free: {reports:?}");
+}
+
 /// A GPU buffer of `LEN` bytes on b holding `pattern(LEN, seed)`, made
 /// after the staged buffer was dropped: the allocator may hand back the
 /// dropped buffer's address (CUDA's does; so does the simulator's).
@@ -67,6 +74,7 @@ fn a_peer_write_through_a_staged_grant_never_reaches_a_later_allocation() {
     );
     // The region (and so the memory) is still b's: the WRITE landed there.
     assert_eq!(outcome, Ok(()));
+    no_use_after_free(&w);
 }
 
 /// Finding 1, the local side: b READs into its own staged region whose
@@ -90,6 +98,7 @@ fn a_local_read_into_a_staged_region_never_reaches_a_later_allocation() {
         "the later allocation was written by a READ into the old region ({outcome:?})"
     );
     assert_eq!(outcome, Ok(()));
+    no_use_after_free(&w);
 }
 
 /// Finding 1 for caller memory: a staged region over `Buffer::wrap`ped GPU
@@ -179,4 +188,5 @@ fn a_revoked_staged_grant_stops_the_requests_already_accepted() {
         fenced != pattern(BIG as usize, 3),
         "every slice landed before the revoke (the test proved nothing)"
     );
+    no_use_after_free(&w);
 }
