@@ -27,6 +27,7 @@ mod error;
 pub mod grants;
 pub mod inbox;
 pub mod limits;
+pub mod rendezvous;
 pub mod wire;
 
 pub use error::PeerMisbehaved;
