@@ -507,8 +507,8 @@ impl Owner {
         let Some(slots) = self.slots.as_mut() else {
             return;
         };
-        for index in 0..slots.len() {
-            if slots[index] != Slot::Free {
+        for (index, slot) in slots.iter_mut().enumerate() {
+            if *slot != Slot::Free {
                 continue;
             }
             let n = self.serving.len();
@@ -524,7 +524,7 @@ impl Owner {
             let len = (s.len - offset).min(self.slot_len);
             s.next += len;
             if s.write {
-                slots[index] = Slot::Lent { id, offset, len };
+                *slot = Slot::Lent { id, offset, len };
                 self.actions.push_back(OwnerAction::SlotReady {
                     id,
                     offset,
@@ -534,7 +534,7 @@ impl Owner {
             } else {
                 let copy = self.next_copy;
                 self.next_copy += 1;
-                slots[index] = Slot::Copying {
+                *slot = Slot::Copying {
                     id,
                     offset,
                     len,
