@@ -956,7 +956,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             served: LocalGrants::default(),
             staged_inbox: VecDeque::new(),
             rendezvous: HashMap::new(),
-            landing: Default::default(),
+            landing: rendezvous::Landing::new(limits),
             asks: Default::default(),
             control: ControlBuffers {
                 recv,

@@ -32,6 +32,11 @@
 //! - **Fairness, back-pressure**: a peer's slots go round-robin over its
 //!   requests; a request larger than the slots goes in turns; slots of one
 //!   peer are never another's, so peers do not wait on each other.
+//! - **The owner's decisions are the protocol's**: which slot serves which
+//!   slice, which credit is honoured, what a revoke, the bound and the
+//!   deadline do, live in [`gdr_proto::rendezvous::Owner`] (sans-IO,
+//!   tested in memory); this module makes the slots and runs the copies
+//!   it asks for.
 //! - **Failures**: a CUDA copy failure at the owner fails its request
 //!   ([`Control::StagedReply`] FAILED); one at the requester, a failed
 //!   RDMA op, the deadline or the peer going fail the request here. A
@@ -64,13 +69,14 @@ use hal_verbs::Api;
 
 use super::completion::CompletionCell;
 use super::core::Core;
-use super::staging::{self, BAD_CREDIT, FAILED, OK};
+use super::staging::{self, OK};
 use super::wire::Control;
 use super::{Engine, EngineError, Op, PeerState, Region, State, TransferError};
 use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::Grant;
-use gdr_proto::grants::LocalGrants;
+use gdr_proto::PeerLimits;
+use gdr_proto::rendezvous::{CopyId, Owner, OwnerAction, Placement, StagedAsk};
 
 /// Request ids of this side's slotted rendezvous: a bit no grant id
 /// reaches (the naive path's requests are named by grant ids).
@@ -161,66 +167,42 @@ pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
 
 // ---------------------------------------------------------------- owner
 
-/// The owner's side of one peer: the landing slots lent to it (made at its
-/// first request) and the requests served through them.
+/// The owner's side of one peer: the protocol ([`Owner`]: which request
+/// each landing slot serves, credits, revokes, bounds and deadlines) and
+/// what carries it out here: the slots' memory, registration and grant
+/// (made at the peer's first request) and the copies running.
 pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
     inbox: VecDeque<ToOwner>,
+    owner: Owner,
+    /// Field order is drop order: the copies' events, then the slots
+    /// (whose drop waits for their streams).
+    copies: HashMap<CopyId, C::Event>,
     slots: Option<Slots<V, C>>,
-    /// Requests served, in arrival order (the slots go round-robin).
-    serving: Vec<Serve<V>>,
-    turn: usize,
-}
-
-impl<V: Api, C: hal_cuda::Api> Default for Landing<V, C> {
-    fn default() -> Self {
-        Self {
-            inbox: VecDeque::new(),
-            slots: None,
-            serving: Vec::new(),
-            turn: 0,
-        }
-    }
 }
 
 impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
-    /// Whether the peer's requests wait for slots not made yet (made
-    /// outside the engine's lock).
-    pub fn wants_slots(&self) -> bool {
-        self.slots.is_none() && self.inbox.iter().any(|m| matches!(m, ToOwner::Request(_)))
+    /// Nothing lent yet, under `limits`.
+    pub fn new(limits: &PeerLimits) -> Self {
+        Self {
+            inbox: VecDeque::new(),
+            owner: Owner::new(limits),
+            copies: HashMap::new(),
+            slots: None,
+        }
+    }
+
+    /// The GPU to pin landing slots with when the peer's requests wait for
+    /// slots not made yet (made outside the engine's lock).
+    pub fn wants_slots(&self) -> Option<u32> {
+        if self.slots.is_some() {
+            return None;
+        }
+        self.owner.wants_slots()
     }
 
     /// Whether anything waits to be handled.
     fn is_idle(&self) -> bool {
-        self.inbox.is_empty() && self.serving.is_empty()
-    }
-}
-
-/// Where one landing slot is.
-enum SlotUse<C: hal_cuda::Api> {
-    Free,
-    /// Lent to request `id` for its slice at `offset` (its `SlotReady`
-    /// sent).
-    Lent {
-        id: u64,
-        offset: u64,
-        len: u64,
-    },
-    /// The owner's copy for that slice runs: slot → GPU (the requester
-    /// WRITEs) or GPU → slot (it READs).
-    Copying {
-        id: u64,
-        offset: u64,
-        len: u64,
-        event: C::Event,
-    },
-}
-
-impl<C: hal_cuda::Api> SlotUse<C> {
-    fn request(&self) -> Option<u64> {
-        match self {
-            SlotUse::Free => None,
-            SlotUse::Lent { id, .. } | SlotUse::Copying { id, .. } => Some(*id),
-        }
+        self.inbox.is_empty() && self.owner.is_idle() && self.copies.is_empty()
     }
 }
 
@@ -231,7 +213,7 @@ struct Slots<V: Api, C: hal_cuda::Api> {
     /// Per GPU: (device→host, host→device) streams.
     streams: HashMap<u32, (C::Stream, C::Stream)>,
     slot_len: u64,
-    uses: Vec<SlotUse<C>>,
+    count: u32,
     _grants: Vec<Grant<V>>,
     _region: Region<V>,
     buffer: Buffer<C>,
@@ -249,39 +231,20 @@ impl<V: Api, C: hal_cuda::Api> Drop for Slots<V, C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> Slots<V, C> {
-    fn slot_addr(&self, slot: usize) -> u64 {
-        self.buffer.addr() + slot as u64 * self.slot_len
+    fn slot_addr(&self, slot: u32) -> u64 {
+        self.buffer.addr() + u64::from(slot) * self.slot_len
     }
 }
 
-/// A request this side serves through a peer's slots: it holds a use of
-/// its grant (the revocation fence) until it has failed with no copy of it
-/// running, or ended.
-struct Serve<V: Api> {
-    id: u64,
-    /// The grant it runs under.
-    grant: u64,
-    /// Whether it still holds its use of the grant. A slot lent to a
-    /// failed request needs none: what the requester puts there is never
-    /// copied.
-    holds_use: bool,
-    /// Past this it fails and its slots are taken back.
-    deadline: Instant,
-    write: bool,
-    gpu: u32,
-    /// Device address of the request's first byte.
-    gpu_addr: u64,
-    len: u64,
-    /// Next offset to lend a slot for.
-    next: u64,
-    /// Bytes whose owner's part ended.
-    landed: u64,
-    /// Why it failed (a reply status), once it has.
-    failed: Option<u32>,
-    replied: bool,
-    cancelled: bool,
-    /// The staged region (its memory stays while the request runs).
-    _region: Region<V>,
+/// Where a staged grant's bytes are, for the protocol.
+fn placement<V: Api>(served: &staging::Served<V>) -> Option<Placement> {
+    match served.region.location() {
+        MemoryLocation::Gpu { ordinal } => Some(Placement {
+            gpu: u32::from(ordinal),
+            addr: served.region.inner.addr + served.offset,
+        }),
+        MemoryLocation::Host => None,
+    }
 }
 
 // ------------------------------------------------------------ requester
@@ -359,11 +322,7 @@ enum AskStage<C: hal_cuda::Api> {
 /// already running end on their own, and the grant's use ends with the
 /// request.
 pub(super) fn revoke_requests<V: Api, C: hal_cuda::Api>(peer: &mut PeerState<V, C>, grant: u64) {
-    for s in &mut peer.landing.serving {
-        if s.grant == grant {
-            s.failed.get_or_insert(staging::REVOKED);
-        }
-    }
+    peer.landing.owner.revoke(grant);
 }
 
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
@@ -378,19 +337,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .iter()
                 .enumerate()
                 .filter_map(|(slot, p)| {
-                    let p = p.as_ref()?;
-                    if !p.landing.wants_slots() || p.gone.is_some() {
-                        return None;
-                    }
+                    let p = p.as_ref().filter(|p| p.gone.is_none())?;
                     // Pinned with the GPU of the first request's grant.
-                    let gpu = p.landing.inbox.iter().find_map(|m| match m {
-                        ToOwner::Request(ask) => match p.served.get(ask.grant)?.region.location() {
-                            MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
-                            MemoryLocation::Host => None,
-                        },
-                        _ => None,
-                    });
-                    Some((slot, gpu))
+                    let gpu = p.landing.wants_slots()?;
+                    Some((slot, Some(gpu)))
                 })
                 .collect()
         };
@@ -408,6 +358,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                             return Ok(None);
                         }
                         let now = self.shared.config.clock.now();
+                        p.landing.owner.slots_made(slots.count, slots.slot_len);
                         p.landing.slots = Some(slots);
                         let cell = p.enqueue(&announce.as_control(), now, self.timeout());
                         p.flush_backlog(core, now);
@@ -423,27 +374,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "making landing slots: the requests fail");
-                    let _ = peer.update_peer(|core, p| {
-                        let now = self.shared.config.clock.now();
-                        let asks: Vec<u64> = p
-                            .landing
-                            .inbox
-                            .iter()
-                            .filter_map(|m| match m {
-                                ToOwner::Request(a) => Some(a.id),
-                                _ => None,
-                            })
-                            .collect();
-                        p.landing.inbox.clear();
-                        for id in asks {
-                            let _ = p.enqueue(
-                                &Control::StagedReply { id, status: FAILED },
-                                now,
-                                self.timeout(),
-                            );
-                        }
-                        p.flush_backlog(core, now);
-                    });
+                    // The protocol answers them (FAILED) at its next step.
+                    let _ = peer.update_peer(|_, p| p.landing.owner.slots_failed());
                 }
             }
         }
@@ -489,7 +421,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             Slots {
                 streams: HashMap::new(),
                 slot_len,
-                uses: (0..count).map(|_| SlotUse::Free).collect(),
+                count: count as u32,
                 _grants: grants,
                 _region: region,
                 buffer,
@@ -534,82 +466,120 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     // ------------------------------------------------------------ owner
 
+    /// Carries the owner's protocol with one peer one step: the peer's
+    /// messages in, copies that ended, deadlines, then what the protocol
+    /// decides (messages out, copies started).
     fn pump_landing(&self, peer: &mut PeerState<V, C>, now: Instant) -> usize {
         if peer.gone.is_some() {
             // Its slots go with it (the copies waited for).
-            peer.landing = Landing::default();
+            peer.landing = Landing::new(&self.shared.config.peer_limits);
             return 1;
         }
-        if peer.landing.slots.is_none() && peer.landing.wants_slots() {
-            // Made outside the lock first.
-            return 0;
-        }
         let mut moved = 0;
-        let timeout = self.timeout();
         let mut send = Vec::new();
-        while let Some(message) = peer.landing.inbox.pop_front() {
-            moved += 1;
-            self.owner_message(peer, message, now, &mut send);
-        }
-        let landing = &mut peer.landing;
-        // Requests past their deadline fail; the slots lent to them come
-        // back (a requester that never returns a credit holds none for
-        // long).
-        for s in landing.serving.iter_mut() {
-            if s.failed.is_none() && s.deadline <= now {
-                tracing::warn!(id = s.id, "a staged request outlived its deadline");
-                s.failed = Some(staging::TIMED_OUT);
-                if let Some(slots) = landing.slots.as_mut() {
-                    for u in &mut slots.uses {
-                        if matches!(u, SlotUse::Lent { id, .. } if *id == s.id) {
-                            *u = SlotUse::Free;
+        let mut fenced = Vec::new();
+        {
+            let PeerState {
+                landing, served, ..
+            } = &mut *peer;
+            while let Some(message) = landing.inbox.pop_front() {
+                moved += 1;
+                match message {
+                    ToOwner::Request(ask) => landing.owner.on_request(
+                        served,
+                        StagedAsk {
+                            id: ask.id,
+                            grant: ask.grant,
+                            offset: ask.offset,
+                            len: ask.len,
+                            write: ask.write,
+                        },
+                        placement,
+                        now,
+                    ),
+                    ToOwner::Filled { id, slot } => landing.owner.on_filled(id, slot),
+                    ToOwner::Done { id, slot } => landing.owner.on_done(id, slot),
+                    ToOwner::Cancel { id } => landing.owner.on_cancel(id),
+                }
+            }
+            let mut ended = Vec::new();
+            landing
+                .copies
+                .retain(|&copy, event| match event.is_complete() {
+                    Ok(false) => true,
+                    Ok(true) => {
+                        ended.push((copy, true));
+                        false
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a landing copy failed");
+                        ended.push((copy, false));
+                        false
+                    }
+                });
+            for (copy, ok) in ended {
+                moved += 1;
+                landing.owner.copy_ended(copy, ok);
+            }
+            landing.owner.handle_timeout(now);
+            loop {
+                landing.owner.step(served, &mut fenced);
+                let mut acted = false;
+                while let Some(action) = landing.owner.poll_action() {
+                    acted = true;
+                    moved += 1;
+                    match action {
+                        OwnerAction::Reply { id, status } => {
+                            if status == staging::TIMED_OUT {
+                                tracing::warn!(id, "a staged request outlived its deadline");
+                            }
+                            send.push(Control::StagedReply { id, status })
                         }
+                        OwnerAction::SlotReady {
+                            id,
+                            offset,
+                            len,
+                            slot,
+                        } => send.push(Control::SlotReady {
+                            id,
+                            offset,
+                            len,
+                            slot,
+                        }),
+                        OwnerAction::Copy {
+                            copy,
+                            slot,
+                            to_gpu,
+                            gpu,
+                            gpu_addr,
+                            len,
+                        } => match self.start_landing_copy(
+                            landing.slots.as_mut(),
+                            slot,
+                            to_gpu,
+                            gpu,
+                            gpu_addr,
+                            len,
+                        ) {
+                            Ok(event) => {
+                                landing.copies.insert(copy, event);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, to_gpu, "a landing copy");
+                                landing.owner.copy_ended(copy, false);
+                            }
+                        },
                     }
                 }
-            }
-        }
-        if let Some(slots) = landing.slots.as_mut() {
-            moved += self.owner_copies_ended(slots, &mut landing.serving, &mut send);
-            moved += self.lend_slots(slots, &mut landing.serving, &mut landing.turn, &mut send);
-        }
-        // Finish: failures answered once; done requests answered (a WRITE)
-        // and dropped; failed ones dropped once no slot is theirs.
-        let uses = landing.slots.as_ref().map(|s| &s.uses);
-        let mut ended = Vec::new();
-        landing.serving.retain_mut(|s| {
-            if let Some(status) = s.failed
-                && !s.replied
-            {
-                s.replied = true;
-                if !s.cancelled {
-                    send.push(Control::StagedReply { id: s.id, status });
+                if !acted {
+                    break;
                 }
             }
-            let holds = uses.is_some_and(|u| u.iter().any(|u| u.request() == Some(s.id)));
-            let copying = uses.is_some_and(|u| {
-                u.iter()
-                    .any(|u| matches!(u, SlotUse::Copying { id, .. } if *id == s.id))
-            });
-            let done = s.failed.is_none() && s.landed == s.len && !holds;
-            if done && s.write {
-                send.push(Control::StagedReply {
-                    id: s.id,
-                    status: OK,
-                });
-            }
-            let keep = !done && (s.failed.is_none() || holds);
-            if s.holds_use && (!keep || (s.failed.is_some() && !copying)) {
-                s.holds_use = false;
-                ended.push(s.grant);
-            }
-            keep
-        });
-        // Their uses of the grants end (a revoke waiting may be fenced
-        // now).
-        for grant in ended {
-            drop(peer.served.end_use(grant));
         }
-        moved += send.len();
+        // Grants fenced now: their regions go (under the lock: a staged
+        // region holds no MR to deregister).
+        drop(fenced);
+        let timeout = self.timeout();
         for message in send {
             if let Err(e) = peer.enqueue(&message, now, timeout) {
                 tracing::debug!(error = %e, "a rendezvous message not sent");
@@ -618,136 +588,41 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         moved
     }
 
-    /// Handles one message of the peer about the requests served here.
-    fn owner_message(
+    /// Starts copy `len` bytes between landing slot `slot` and device
+    /// address `gpu_addr` of GPU `gpu` (into the GPU when `to_gpu`), as
+    /// the owner's protocol decided; its event.
+    fn start_landing_copy(
         &self,
-        peer: &mut PeerState<V, C>,
-        message: ToOwner,
-        now: Instant,
-        send: &mut Vec<Control<'static>>,
-    ) {
-        let landing = &mut peer.landing;
-        let limits = &self.shared.config.peer_limits;
-        match message {
-            ToOwner::Request(ask) if landing.serving.iter().any(|s| s.id == ask.id) => {
-                tracing::warn!(id = ask.id, "a peer repeated a request id: ignored")
-            }
-            ToOwner::Request(ask) if landing.serving.len() >= limits.max_staged_requests => send
-                .push(Control::StagedReply {
-                    id: ask.id,
-                    status: staging::BUSY,
-                }),
-            ToOwner::Request(ask) => {
-                let deadline = now + limits.staged_request_timeout;
-                match Self::check_ask(&mut peer.served, ask, deadline) {
-                    Ok(serve) => landing.serving.push(serve),
-                    Err(status) => send.push(Control::StagedReply { id: ask.id, status }),
-                }
-            }
-            ToOwner::Cancel { id } => {
-                if let Some(s) = landing.serving.iter_mut().find(|s| s.id == id) {
-                    s.cancelled = true;
-                    s.failed.get_or_insert(FAILED);
-                }
-                if let Some(slots) = landing.slots.as_mut() {
-                    for u in &mut slots.uses {
-                        if matches!(u, SlotUse::Lent { id: i, .. } if *i == id) {
-                            *u = SlotUse::Free;
-                        }
-                    }
-                }
-            }
-            ToOwner::Filled { id, slot } | ToOwner::Done { id, slot } => {
-                let filled = matches!(message, ToOwner::Filled { .. });
-                let Some(serve) = landing.serving.iter_mut().find(|s| s.id == id) else {
-                    tracing::debug!(id, "a slot credit for no request here: dropped");
-                    return;
-                };
-                let lent =
-                    landing
-                        .slots
-                        .as_mut()
-                        .and_then(|slots| match slots.uses.get(slot as usize) {
-                            Some(&SlotUse::Lent {
-                                id: i, offset, len, ..
-                            }) if i == id && serve.write == filled => Some((slots, offset, len)),
-                            _ => None,
-                        });
-                let Some((slots, offset, len)) = lent else {
-                    tracing::warn!(id, slot, filled, "a slot credit not matching a lent slot");
-                    serve.failed.get_or_insert(BAD_CREDIT);
-                    return;
-                };
-                let slot = slot as usize;
-                if !filled || serve.failed.is_some() {
-                    // Read by the requester (or of a failed request): free.
-                    if !filled {
-                        serve.landed += len;
-                    }
-                    slots.uses[slot] = SlotUse::Free;
-                    return;
-                }
-                // Filled: into the GPU.
-                let dst = serve.gpu_addr + offset;
-                let src = slots.slot_addr(slot);
-                match self.landing_copy(slots, serve.gpu, true, |stream| {
-                    // SAFETY: the slot (gdr's pinned memory, `len` ≤ a slot
-                    // bytes at its address) is this slice's until the copy's
-                    // event has passed; `dst..dst + len` lies in the staged
-                    // grant's range (the request was checked against it and
-                    // `offset + len` ≤ its length by the lending); the
-                    // region is held by the request.
-                    unsafe { stream.copy_host_to_device(dst, src as *const u8, len as usize) }
-                }) {
-                    Ok(event) => {
-                        slots.uses[slot] = SlotUse::Copying {
-                            id,
-                            offset,
-                            len,
-                            event,
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a landing copy to the GPU");
-                        serve.failed.get_or_insert(FAILED);
-                        slots.uses[slot] = SlotUse::Free;
-                    }
-                }
-            }
+        slots: Option<&mut Slots<V, C>>,
+        slot: u32,
+        to_gpu: bool,
+        gpu: u32,
+        gpu_addr: u64,
+        len: u64,
+    ) -> Result<C::Event, TransferError> {
+        let slots = slots.ok_or_else(|| TransferError::Local {
+            what: "a landing copy before the slots were made".into(),
+        })?;
+        if slot >= slots.count || len > slots.slot_len {
+            return Err(TransferError::Local {
+                what: format!("landing slot {slot} of {len} bytes is not one of ours"),
+            });
         }
-    }
-
-    /// A request checked against the grant it names (rights and range),
-    /// holding a use of it; `Err`: the status to answer.
-    fn check_ask(
-        served: &mut LocalGrants<staging::Served<V>>,
-        ask: staging::StagedAsk,
-        deadline: Instant,
-    ) -> Result<Serve<V>, u32> {
-        let grant = served
-            .check(ask.grant, staging::access(ask.write), ask.offset, ask.len)
-            .map_err(staging::refusal_status)?;
-        let MemoryLocation::Gpu { ordinal } = grant.region.location() else {
-            return Err(FAILED);
-        };
-        let served = served
-            .begin_use(ask.grant, staging::access(ask.write), ask.offset, ask.len)
-            .expect("checked just now");
-        Ok(Serve {
-            id: ask.id,
-            grant: ask.grant,
-            holds_use: true,
-            deadline,
-            write: ask.write,
-            gpu: u32::from(ordinal),
-            gpu_addr: served.region.inner.addr + served.offset + ask.offset,
-            len: ask.len,
-            next: 0,
-            landed: 0,
-            failed: None,
-            replied: false,
-            cancelled: false,
-            _region: served.region.clone(),
+        let host = slots.slot_addr(slot);
+        self.landing_copy(slots, gpu, to_gpu, |stream| {
+            if to_gpu {
+                // SAFETY: the slot (gdr's pinned memory; `len` ≤ a slot,
+                // checked above) is this slice's until the copy's event has
+                // passed (the protocol lends it to no one meanwhile);
+                // `gpu_addr..gpu_addr + len` lies in the request's range of
+                // a staged grant the protocol checked, and the grant's
+                // region (its memory) is held until this copy has ended.
+                unsafe { stream.copy_host_to_device(gpu_addr, host as *const u8, len as usize) }
+            } else {
+                // SAFETY: as above, the other way: the slot is neither lent
+                // nor copied into by anything else until the event passed.
+                unsafe { stream.copy_device_to_host(host as *mut u8, gpu_addr, len as usize) }
+            }
         })
     }
 
@@ -784,120 +659,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             (&streams.0, "to host")
         };
         self.copy_event(gpu, stream, what, copy)
-    }
-
-    /// Slots whose copy ended: a WRITE's slice landed (the slot is free),
-    /// a READ's slice is in the slot (lent to the requester).
-    fn owner_copies_ended(
-        &self,
-        slots: &mut Slots<V, C>,
-        serving: &mut [Serve<V>],
-        send: &mut Vec<Control<'static>>,
-    ) -> usize {
-        let mut moved = 0;
-        for (index, u) in slots.uses.iter_mut().enumerate() {
-            let SlotUse::Copying {
-                id,
-                offset,
-                len,
-                event,
-            } = u
-            else {
-                continue;
-            };
-            let ended = event.is_complete();
-            if matches!(ended, Ok(false)) {
-                continue;
-            }
-            moved += 1;
-            let (id, offset, len) = (*id, *offset, *len);
-            let serve = serving.iter_mut().find(|s| s.id == id);
-            *u = SlotUse::Free;
-            let Some(serve) = serve else { continue };
-            if let Err(e) = ended {
-                tracing::warn!(error = %e, id, "a landing copy failed");
-                serve.failed.get_or_insert(FAILED);
-                continue;
-            }
-            if serve.failed.is_some() {
-                continue;
-            }
-            if serve.write {
-                serve.landed += len;
-            } else {
-                *u = SlotUse::Lent { id, offset, len };
-                send.push(Control::SlotReady {
-                    id,
-                    offset,
-                    len,
-                    slot: index as u32,
-                });
-            }
-        }
-        moved
-    }
-
-    /// Lends the free slots round-robin over the requests with slices
-    /// left: a WRITE's slot at once, a READ's once its slice is copied in.
-    fn lend_slots(
-        &self,
-        slots: &mut Slots<V, C>,
-        serving: &mut [Serve<V>],
-        turn: &mut usize,
-        send: &mut Vec<Control<'static>>,
-    ) -> usize {
-        let mut moved = 0;
-        for index in 0..slots.uses.len() {
-            if !matches!(slots.uses[index], SlotUse::Free) {
-                continue;
-            }
-            let n = serving.len();
-            let Some(k) = (0..n).map(|i| (*turn + i) % n).find(|&k| {
-                let s = &serving[k];
-                s.failed.is_none() && s.next < s.len
-            }) else {
-                break;
-            };
-            *turn = (k + 1) % n;
-            let s = &mut serving[k];
-            let (id, offset) = (s.id, s.next);
-            let len = (s.len - offset).min(slots.slot_len);
-            s.next += len;
-            moved += 1;
-            if s.write {
-                slots.uses[index] = SlotUse::Lent { id, offset, len };
-                send.push(Control::SlotReady {
-                    id,
-                    offset,
-                    len,
-                    slot: index as u32,
-                });
-                continue;
-            }
-            let src = s.gpu_addr + offset;
-            let dst = slots.slot_addr(index);
-            match self.landing_copy(slots, s.gpu, false, |stream| {
-                // SAFETY: the slot is free (no peer access lent, no copy
-                // running) and holds `len` ≤ a slot bytes; `src..src +
-                // len` lies in the request's checked range of the staged
-                // region it holds.
-                unsafe { stream.copy_device_to_host(dst as *mut u8, src, len as usize) }
-            }) {
-                Ok(event) => {
-                    slots.uses[index] = SlotUse::Copying {
-                        id,
-                        offset,
-                        len,
-                        event,
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "a landing copy to host");
-                    s.failed.get_or_insert(FAILED);
-                }
-            }
-        }
-        moved
     }
 
     // -------------------------------------------------------- requester

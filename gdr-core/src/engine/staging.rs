@@ -65,26 +65,13 @@ use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryLocation, Reach};
 use crate::ladder::{Grant, Rung};
 use crate::sync::lock;
-use gdr_proto::grants::{Access, Refusal, Rights, Terms};
+use gdr_proto::grants::{Access, Rights, Terms};
+use gdr_proto::rendezvous::status::of_refusal;
 
-/// Reply codes of a [`Control::StagedReply`].
-pub(super) const OK: u32 = 0;
-pub(super) const NOT_GRANTED: u32 = 1;
-pub(super) const ACCESS_DENIED: u32 = 2;
-pub(super) const OUT_OF_BOUNDS: u32 = 3;
-pub(super) const FAILED: u32 = 4;
-/// A slot credit that matches no slot lent to the request (a peer that
-/// breaks the protocol).
-pub(super) const BAD_CREDIT: u32 = 5;
-/// The grant was revoked while the request ran: the owner moved nothing
-/// more under it.
-pub(super) const REVOKED: u32 = 6;
-/// The owner serves [`gdr_proto::PeerLimits::max_staged_requests`] of the
-/// requester's already: nothing of this one was kept.
-pub(super) const BUSY: u32 = 7;
-/// The request outlived [`gdr_proto::PeerLimits::staged_request_timeout`]
-/// at the owner, which took back every slot lent to it.
-pub(super) const TIMED_OUT: u32 = 8;
+/// Reply codes of a [`Control::StagedReply`] (the protocol's).
+pub(super) use gdr_proto::rendezvous::status::{
+    ACCESS_DENIED, BAD_CREDIT, BUSY, FAILED, NOT_GRANTED, OK, OUT_OF_BOUNDS, REVOKED, TIMED_OUT,
+};
 
 /// The rendezvous request for transfer `t` (through the owner's landing
 /// slots when `slots`, else against our temporary grant `id`).
@@ -139,15 +126,6 @@ impl<V: Api> Served<V> {
                 GrantRights::ReadWrite => Rights::ReadWrite,
             },
         }
-    }
-}
-
-/// The reply status of a request the grant table refused.
-pub(super) fn refusal_status(refusal: Refusal) -> u32 {
-    match refusal {
-        Refusal::NotGranted(_) => NOT_GRANTED,
-        Refusal::AccessDenied { .. } => ACCESS_DENIED,
-        Refusal::OutOfBounds { .. } => OUT_OF_BOUNDS,
     }
 }
 
@@ -311,7 +289,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .peers
                 .iter()
                 .flatten()
-                .any(|p| !p.staged_inbox.is_empty() || p.landing.wants_slots())
+                .any(|p| !p.staged_inbox.is_empty() || p.landing.wants_slots().is_some())
     }
 
     /// Fails rendezvous requests of this side past their deadline.
@@ -371,7 +349,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                             let theirs = peer.remote_grants.get(ask.id).cloned();
                             asks.push((slot, ask, served, theirs));
                         }
-                        Err(refusal) => refused.push((slot, ask.id, refusal_status(refusal))),
+                        Err(refusal) => refused.push((slot, ask.id, of_refusal(refusal))),
                     }
                 }
             }
