@@ -13,7 +13,11 @@
 //!
 //! - [`wire`]: the formats on the wire (connection handshake, rejects,
 //!   control messages), strict decoders that never panic.
+//! - [`setup`]: connection set-up: the listener's backlog of sessions
+//!   waiting for accept (bounded, with deadlines) and the connector's dial
+//!   (one deadline, teardown on failure).
 
 #![deny(missing_docs)]
 
+pub mod setup;
 pub mod wire;

@@ -87,7 +87,6 @@
 
 use std::fmt;
 
-
 /// The version of every format in this module; a peer speaking another is
 /// refused with [`WireError::Version`].
 pub const WIRE_VERSION: u8 = 1;
