@@ -61,6 +61,11 @@ pub const MIN_ACCEPT_DEADLINE: Duration = Duration::from_millis(10);
 /// it): a peer may hold queue pairs here unaccepted no longer.
 pub const MAX_ACCEPT_DEADLINE: Duration = Duration::from_secs(3600);
 
+/// The least time a connector gives its answer (its own paths) once the
+/// listener accepted, even past its timeout: it was accepted, and the
+/// answer is one message to a side whose receives are posted.
+pub const ANSWER_GRACE: Duration = Duration::from_secs(1);
+
 const _: () = assert!(1 <= DEFAULT_BACKLOG && DEFAULT_BACKLOG <= MAX_BACKLOG);
 const _: () = assert!(MAX_BACKLOG_QPS / MAX_QPS_PER_PEER as usize == MAX_BACKLOG);
 const _: () = assert!(MIN_ACCEPT_DEADLINE.as_nanos() <= DEFAULT_ACCEPT_DEADLINE.as_nanos());
