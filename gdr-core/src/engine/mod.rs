@@ -2194,12 +2194,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The listener's thread: takes connect requests, and drops the peers
     /// that gave up or waited too long, until the engine is dropped.
     fn serve_listener(weak: std::sync::Weak<Shared<V, C>>, inner: Arc<ListenerInner<V>>) {
+        // A look polls every waiting connection: one a poll interval (or
+        // at the next deadline), not one per connect request of a burst.
+        let mut look_at = Instant::now();
         loop {
-            // Held only between waits: the engine's drop ends the thread.
-            let wait = match weak.upgrade() {
-                Some(shared) => Engine { shared }.reap_waiting(&inner),
-                None => return,
-            };
+            let now = Instant::now();
+            if now >= look_at {
+                // Held only between waits: the engine's drop ends the thread.
+                let Some(shared) = weak.upgrade() else { return };
+                look_at = now + Engine { shared }.reap_waiting(&inner);
+            }
+            let wait = look_at
+                .saturating_duration_since(now)
+                .max(Duration::from_millis(1));
             let request = match inner.listener.next_request(wait) {
                 Ok(r) => r,
                 Err(hal_verbs::VerbsError::Timeout { .. }) => continue,
