@@ -4,6 +4,7 @@
 
 use std::ffi::CStr;
 
+use gdr_core::engine::setup::NotAccepted;
 use gdr_core::engine::{EngineError, TransferError};
 use gdr_core::ladder::LadderError;
 use gdr_core::uri::UriError;
@@ -250,7 +251,15 @@ impl From<EngineError> for FfiError {
             | EngineError::AccessDenied { .. }
             | EngineError::Refused(_) => GdrResult::Refused,
             EngineError::PeerGone(_) => GdrResult::PeerGone,
-            EngineError::Handshake { .. } => GdrResult::ConnectionRejected,
+            EngineError::Handshake { .. } | EngineError::Rejected { .. } => {
+                GdrResult::ConnectionRejected
+            }
+            // Nobody accepted in time: a bounded wait ran out.
+            EngineError::NotAccepted {
+                reason: NotAccepted::Timeout { .. },
+                ..
+            } => GdrResult::Timeout,
+            EngineError::NotAccepted { .. } => GdrResult::ConnectionRejected,
             EngineError::Timeout(_) => GdrResult::Timeout,
             EngineError::Unavailable(_) => GdrResult::NoDevice,
             _ => GdrResult::Other,

@@ -20,6 +20,11 @@
 //!   once a revoke completes, no byte moves under the grant) and the ones
 //!   a peer announced (bounded).
 //! - [`inbox`]: the peer's messages nobody received yet (bounded).
+//! - [`rendezvous`]: the owner's side of the slotted rendezvous (slots,
+//!   credits, revokes, the bound and deadline of a peer's staged requests).
+//! - [`setup`]: connection set-up: the listener's backlog of sessions
+//!   waiting for accept (bounded, with deadlines) and the connector's dial
+//!   (one deadline, teardown on failure).
 
 #![deny(missing_docs)]
 
@@ -28,6 +33,7 @@ pub mod grants;
 pub mod inbox;
 pub mod limits;
 pub mod rendezvous;
+pub mod setup;
 pub mod wire;
 
 pub use error::PeerMisbehaved;

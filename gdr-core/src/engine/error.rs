@@ -6,7 +6,8 @@
 use hal_verbs::{VerbsError, WcStatus};
 
 use crate::descriptor::DescriptorError;
-use crate::engine::wire::WireError;
+use crate::engine::setup::NotAccepted;
+use crate::engine::wire::{RejectReason, WireError};
 use crate::ladder::LadderError;
 
 /// Why a request (a transfer slice, a batch, a control message) failed.
@@ -175,6 +176,30 @@ pub enum EngineError {
         peer: String,
         /// What went wrong.
         why: String,
+    },
+    /// The listener refused a queue pair of the connection, saying why:
+    /// [`RejectReason::Busy`] means its backlog of connections waiting for
+    /// accept is full (or it is closing): try again later. Nothing of the
+    /// attempt remains on either side.
+    #[error("{peer} rejected the connection: {reason}")]
+    Rejected {
+        /// The peer's address.
+        peer: String,
+        /// The reject's reason.
+        reason: RejectReason,
+    },
+    /// Every queue pair connected, but the listening engine did not accept
+    /// the connection: nobody accepted it within the connect's timeout, or
+    /// the listener dropped it first (its
+    /// [`accept_timeout`](crate::engine::EngineConfig::accept_timeout)).
+    /// Nothing of the attempt remains on either side: connecting again
+    /// succeeds once the listener accepts.
+    #[error("{peer} did not accept the connection: {reason}")]
+    NotAccepted {
+        /// The peer's address.
+        peer: String,
+        /// Which way it was not accepted.
+        reason: NotAccepted,
     },
     /// Waiting ran out of time.
     #[error("timed out after {0:?}")]

@@ -14,6 +14,12 @@
 //!   (each an rdma_cm connection, versioned handshake in the private data,
 //!   [`wire::Hello`]), queue pair 0 also carrying control messages
 //!   (SEND/RECV, [`wire::Control`]).
+//! - Connections are set up as [`setup`] says: a listener keeps new
+//!   peers' queue pairs in a bounded backlog, each peer until a deadline,
+//!   for [`EngineListener::accept`], which never hands out a peer whose
+//!   connector gave up; a connect that is refused or not accepted fails
+//!   typed ([`EngineError::Rejected`], [`EngineError::NotAccepted`]) and
+//!   leaves nothing behind on either side.
 //! - A peer reaches memory only through a grant: [`Peer::grant`] makes MRs of
 //!   exactly the range and rights (one per NIC the peer's queue pairs use),
 //!   announces the [`MemoryDescriptor`] on the connection, and revokes it on
@@ -74,6 +80,9 @@ mod region;
 pub mod rendezvous;
 pub mod staging;
 pub mod topology;
+/// Connection set-up's state machines (they live in the sans-IO protocol
+/// crate).
+pub use gdr_proto::setup;
 /// The engine's wire formats (they live in the sans-IO protocol crate).
 pub use gdr_proto::wire;
 
@@ -106,6 +115,7 @@ pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
+use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, DialState, Token};
 use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::grants::{LocalGrants, RemoteGrants, Revoked};
 use gdr_proto::inbox::Inbox;
@@ -160,6 +170,20 @@ pub struct EngineConfig {
     /// connecting side reconnects it, the accepting side waits for that)
     /// before it is given up; work queued for it meanwhile waits.
     pub reconnect_timeout: Duration,
+    /// Connecting peers that may wait at a listener for
+    /// [`EngineListener::accept`] at once (each a session of queue pairs,
+    /// connected as they arrive): a new one beyond them is refused with
+    /// [`wire::RejectReason::Busy`] ([`EngineError::Rejected`] on its
+    /// side), so a peer cannot make a listener hold connections without
+    /// bound. Default [`setup::DEFAULT_BACKLOG`] (16); brought into
+    /// `1..=`[`setup::MAX_BACKLOG`].
+    pub accept_backlog: usize,
+    /// How long a connecting peer may wait at a listener for accept, from
+    /// its first queue pair: past it, its queue pairs are disconnected
+    /// (the connector, if still waiting, gets [`EngineError::NotAccepted`]).
+    /// Default [`setup::DEFAULT_ACCEPT_DEADLINE`] (10 s); brought into
+    /// [`setup::MIN_ACCEPT_DEADLINE`]`..=`[`setup::MAX_ACCEPT_DEADLINE`].
+    pub accept_timeout: Duration,
     /// The queue pairs' connection parameters (caps are derived from the
     /// fields above).
     pub connect: ConnectParams,
@@ -224,6 +248,8 @@ impl Default for EngineConfig {
             recv_depth: 32,
             default_timeout: Duration::from_secs(30),
             reconnect_timeout: Duration::from_secs(10),
+            accept_backlog: setup::DEFAULT_BACKLOG,
+            accept_timeout: setup::DEFAULT_ACCEPT_DEADLINE,
             connect: ConnectParams::default(),
             devices: None,
             ladder: LadderConfig::default(),
@@ -374,6 +400,9 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     backlog: VecDeque<Outgoing>,
     next_qp: usize,
     paths_known: bool,
+    /// Set up: both sides have the other's paths. Until then a failed
+    /// queue pair fails the set-up (it is not re-established).
+    established: bool,
     gone: Option<String>,
 }
 
@@ -688,6 +717,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         &self.shared.config
     }
 
+    /// Peers this engine holds: those connected or accepted, closed ones
+    /// included (until the engine goes). A connect or accept that failed
+    /// leaves none.
+    pub fn peer_count(&self) -> usize {
+        lock(&self.shared.state).peers.iter().flatten().count()
+    }
+
     /// Registers the whole of `buffer` on every NIC (each on the first
     /// rung that works there) as a region for transfers and grants.
     pub fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
@@ -718,11 +754,21 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .cm
             .listen(addr, 64)
             .map_err(|e| EngineError::verbs(format!("listening on {addr}"), e))?;
+        let config = &self.shared.config;
+        let backlog = Backlog::new(BacklogConfig {
+            max_sessions: config.accept_backlog,
+            deadline: config.accept_timeout,
+            ..BacklogConfig::default()
+        });
+        tracing::debug!(%addr, bounds = ?backlog.config(), "listening");
         let inner = Arc::new(ListenerInner {
             listener,
-            pending: std::sync::Mutex::new(Vec::new()),
+            waiting: std::sync::Mutex::new(Waiting {
+                backlog,
+                conns: HashMap::new(),
+                next_token: 0,
+            }),
             arrived: std::sync::Condvar::new(),
-            open: std::sync::atomic::AtomicBool::new(true),
         });
         let weak = Arc::downgrade(&self.shared);
         let served = Arc::clone(&inner);
@@ -752,6 +798,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// picks the local NIC, and the peer's address on one of its NICs): the
     /// queue pairs are spread over them in turn, so slices travel over
     /// every NIC.
+    ///
+    /// `timeout` bounds the whole set-up, waiting for the listener's
+    /// [`EngineListener::accept`] included. A listener that refuses says
+    /// why ([`EngineError::Rejected`]; busy: its backlog is full); one
+    /// that does not accept in time, or drops the connection unaccepted,
+    /// is [`EngineError::NotAccepted`]. On any failure every queue pair
+    /// made is disconnected and nothing of the attempt is kept: connecting
+    /// again is a fresh attempt.
     pub fn connect_paths(
         &self,
         paths: &[Path],
@@ -760,73 +814,242 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let first = paths
             .first()
             .ok_or_else(|| EngineError::Refused("no path to connect over".into()))?;
-        let config = &self.shared.config;
-        let session = fresh_id();
-        let count = config.qps_per_peer.max(1);
-        let mut conns = Vec::with_capacity(count as usize);
+        let clock = &self.shared.config.clock;
+        let count = self.shared.config.qps_per_peer.max(1);
+        let mut dial = Dial::new(fresh_id(), count, clock.now(), timeout);
+        let _span = tracing::debug_span!(
+            "engine_connect",
+            peer = %first.peer,
+            session = format_args!("{:#x}", dial.session())
+        )
+        .entered();
+        // Queue pair i's connection is token i.
+        let mut conns: Vec<(V::Connection, usize, Option<Path>)> = Vec::with_capacity(count.into());
         let mut acceptor: Option<Hello> = None;
-        for index in 0..count {
-            let path = paths[index as usize % paths.len()];
-            let device = match path.source {
-                Some(source) => self.device_of_address(source)?,
-                None => self
-                    .shared
-                    .cm
-                    .route_device(path.peer.ip(), timeout)
-                    .map_err(|e| EngineError::verbs(format!("route to {}", path.peer), e))?,
+        while let Some(index) = dial.next_index() {
+            let path = paths[usize::from(index) % paths.len()];
+            dial.handle_timeout(clock.now());
+            if let DialState::Failed(error) = dial.state() {
+                return Err(self.dial_failed(&mut dial, conns, path.peer, error));
+            }
+            let left = dial.remaining(clock.now());
+            let failure = match self.connect_qp(path, &dial, index, left) {
+                Ok((conn, nic)) => match Hello::decode(&conn.peer_private_data()) {
+                    Ok(reply) => {
+                        conns.push((conn, nic, Some(path)));
+                        match dial.on_connected(Token(index.into()), &reply) {
+                            Ok(()) => {
+                                acceptor.get_or_insert(reply);
+                                continue;
+                            }
+                            Err(error) => error,
+                        }
+                    }
+                    Err(e) => {
+                        conns.push((conn, nic, Some(path)));
+                        dial.abort();
+                        let e = EngineError::from(e);
+                        return Err(self.dial_failed(&mut dial, conns, path.peer, e));
+                    }
+                },
+                Err(QpRefused::Rejected(reason)) => dial.on_rejected(reason),
+                Err(QpRefused::Failed(e)) => {
+                    dial.abort();
+                    return Err(self.dial_failed(&mut dial, conns, path.peer, e));
+                }
             };
-            let nic = self.nic_index(&device)?;
-            let hello = self.hello(Role::Connect, session, index, count);
-            let mut params = self.connect_params(timeout);
-            params.source = path.source;
-            let n = &self.shared.nics[nic];
-            let conn = self
+            return Err(self.dial_failed(&mut dial, conns, path.peer, failure));
+        }
+        let Some(hello) = acceptor else {
+            return Err(Self::dial_error(first.peer, DialError::OutOfOrder));
+        };
+        let peer = match self.add_peer(first.peer, &hello, dial.session(), conns) {
+            Ok(peer) => peer,
+            Err(e) => {
+                // Its connections went with it (dropped: disconnected).
+                dial.abort();
+                return Err(e);
+            }
+        };
+        // The acceptor's paths are its sign that it accepted.
+        let failure = match peer.wait_paths(dial.remaining(clock.now())) {
+            Ok(()) => match dial.on_accepted() {
+                Ok(()) => {
+                    // One message to a side whose receives are posted: it
+                    // gets what is left of the timeout, or the grace.
+                    let left = dial.remaining(clock.now()).max(setup::ANSWER_GRACE);
+                    match peer.send_paths(left) {
+                        Ok(()) => {
+                            peer.read_peer(|_, p| p.established = true)?;
+                            tracing::debug!(
+                                engine = format_args!("{:#x}", hello.engine),
+                                "accepted"
+                            );
+                            return Ok(peer);
+                        }
+                        Err(e) => {
+                            dial.abort();
+                            e
+                        }
+                    }
+                }
+                Err(error) => Self::dial_error(first.peer, error),
+            },
+            Err(EngineError::Timeout(_)) => {
+                // The wait was bounded by the dial's deadline.
+                if let Some(at) = dial.poll_timeout() {
+                    dial.handle_timeout(at.max(clock.now()));
+                }
+                Self::dial_error(first.peer, dial.abort())
+            }
+            Err(EngineError::PeerGone(_)) => Self::dial_error(first.peer, dial.on_gone()),
+            Err(e) => {
+                dial.abort();
+                e
+            }
+        };
+        let torn: Vec<Token> = std::iter::from_fn(|| dial.poll_teardown()).collect();
+        debug_assert_eq!(torn.len(), usize::from(count), "every queue pair goes");
+        self.tear_down(peer.slot, &format!("connect failed: {failure}"));
+        Err(failure)
+    }
+
+    /// Connects queue pair `index` of `dial`'s session over `path`,
+    /// within `timeout`: the connection and its NIC.
+    fn connect_qp(
+        &self,
+        path: Path,
+        dial: &Dial,
+        index: u16,
+        timeout: Duration,
+    ) -> Result<(V::Connection, usize), QpRefused> {
+        let device = match path.source {
+            Some(source) => self.device_of_address(source)?,
+            None => self
                 .shared
                 .cm
-                .connect(
-                    path.peer,
-                    n.ladder.pd(),
-                    &n.cq,
-                    &n.cq,
-                    &params,
-                    &hello.encode(),
-                )
-                .map_err(|e| {
-                    let why = match &e {
-                        hal_verbs::VerbsError::ConnectionRejected { private_data, .. } => {
-                            RejectReason::decode(private_data)
-                                .map(|r| format!("rejected: {r}"))
-                                .unwrap_or_else(|_| e.to_string())
-                        }
-                        _ => e.to_string(),
-                    };
-                    EngineError::Handshake {
-                        peer: path.peer.to_string(),
-                        why,
+                .route_device(path.peer.ip(), timeout)
+                .map_err(|e| EngineError::verbs(format!("route to {}", path.peer), e))?,
+        };
+        let nic = self.nic_index(&device)?;
+        let hello = self.hello(Role::Connect, dial.session(), index, dial.qp_count());
+        let mut params = self.connect_params(timeout);
+        params.source = path.source;
+        let n = &self.shared.nics[nic];
+        match self.shared.cm.connect(
+            path.peer,
+            n.ladder.pd(),
+            &n.cq,
+            &n.cq,
+            &params,
+            &hello.encode(),
+        ) {
+            Ok(conn) => Ok((conn, nic)),
+            Err(e) => {
+                let reason = match &e {
+                    hal_verbs::VerbsError::ConnectionRejected { private_data, .. } => {
+                        RejectReason::decode(private_data).ok()
                     }
-                })?;
-            let reply = Hello::decode(&conn.peer_private_data())?;
-            if reply.role != Role::Accept || reply.session != session || reply.qp_index != index {
-                return Err(EngineError::Handshake {
-                    peer: path.peer.to_string(),
-                    why: format!("unexpected reply {reply:?}"),
-                });
+                    _ => None,
+                };
+                Err(match reason {
+                    Some(reason) => QpRefused::Rejected(reason),
+                    // Unreachable, timed out, or a reject without our
+                    // private data.
+                    None => QpRefused::Failed(EngineError::Handshake {
+                        peer: path.peer.to_string(),
+                        why: e.to_string(),
+                    }),
+                })
             }
-            if let Some(a) = &acceptor
-                && a.engine != reply.engine
-            {
-                return Err(EngineError::Handshake {
-                    peer: path.peer.to_string(),
-                    why: "queue pairs reached two different engines".into(),
-                });
-            }
-            acceptor = Some(reply);
-            conns.push((conn, nic, Some(path)));
         }
-        let hello = acceptor.expect("at least one queue pair");
-        let peer = self.add_peer(first.peer, &hello, session, conns)?;
-        peer.exchange_paths(timeout)?;
-        Ok(peer)
+    }
+
+    /// A connect failed with `error` before its peer was added: the
+    /// queue pairs `dial` names are disconnected (the rest of `conns` goes
+    /// with them).
+    fn dial_failed(
+        &self,
+        dial: &mut Dial,
+        conns: Vec<(V::Connection, usize, Option<Path>)>,
+        peer: SocketAddr,
+        error: impl Into<DialFailure>,
+    ) -> EngineError {
+        let error = match error.into() {
+            DialFailure::Dial(error) => Self::dial_error(peer, error),
+            DialFailure::Engine(error) => error,
+        };
+        while let Some(Token(index)) = dial.poll_teardown() {
+            if let Some((conn, _, _)) = usize::try_from(index).ok().and_then(|i| conns.get(i))
+                && let Err(e) = conn.disconnect()
+            {
+                tracing::debug!(error = %e, qp = index, "disconnecting a queue pair");
+            }
+        }
+        tracing::info!(
+            %peer,
+            session = format_args!("{:#x}", dial.session()),
+            queue_pairs = conns.len(),
+            %error,
+            "connect failed: its queue pairs are disconnected"
+        );
+        error
+    }
+
+    /// The error a failed dial is for the caller.
+    fn dial_error(peer: SocketAddr, error: DialError) -> EngineError {
+        let peer = peer.to_string();
+        match error {
+            DialError::Rejected { reason, .. } => EngineError::Rejected { peer, reason },
+            DialError::NotAccepted(reason) => EngineError::NotAccepted { peer, reason },
+            DialError::ConnectTimeout { after, .. } => EngineError::Timeout(after),
+            other => EngineError::Handshake {
+                peer,
+                why: other.to_string(),
+            },
+        }
+    }
+
+    /// Forgets the peer in `slot`, whose set-up failed: its queue pairs
+    /// are disconnected, what they hold fails, and its state goes (its
+    /// connections destroyed before its buffers), so no live-looking peer
+    /// remains.
+    fn tear_down(&self, slot: usize, why: &str) {
+        let mut guard = lock(&self.shared.state);
+        let state = &mut *guard;
+        let Some(mut peer) = state.peers.get_mut(slot).and_then(Option::take) else {
+            return;
+        };
+        peer.gone.get_or_insert_with(|| why.to_owned());
+        let cause = TransferError::PeerGone {
+            reason: why.to_owned(),
+        };
+        for q in &mut peer.qps {
+            if let Err(e) = q.conn.disconnect() {
+                tracing::debug!(error = %e, "disconnecting a queue pair");
+            }
+            state.by_qp_num.remove(&(q.nic, q.conn.qp().qp_num()));
+            if q.reconnect_by.take().is_some() {
+                state.reconnecting -= 1;
+            }
+            drop(q.replacement.take());
+            // Destroyed below, before anything it holds is released: no
+            // flush comes back.
+            state.core.abandon_qp(q.core, cause.clone());
+        }
+        let nic0 = peer.qps[0].nic;
+        for old in &peer.retired {
+            state.by_qp_num.remove(&(nic0, old.qp().qp_num()));
+        }
+        self.run_actions(state);
+        drop(guard);
+        tracing::info!(
+            peer = %peer.addr,
+            session = format_args!("{:#x}", peer.session),
+            why,
+            "peer torn down"
+        );
+        drop(peer);
     }
 
     /// The NIC that holds local address `source` (a RoCE GID of one of its
@@ -973,6 +1196,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             backlog: VecDeque::new(),
             next_qp: 0,
             paths_known: false,
+            established: false,
             gone: None,
         };
         // Receives for control messages, before anything can arrive.
@@ -1409,6 +1633,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
+        if !peer.established {
+            // A set-up in progress fails (its connect or accept tears it
+            // down); re-establishing would make a session nobody accepted.
+            peer.gone
+                .get_or_insert_with(|| format!("queue pair {index} failed during set-up"));
+        }
         let q = &mut peer.qps[index];
         if peer.gone.is_some() || state.dead_nics[q.nic] {
             drop(q.replacement.take());
@@ -1816,6 +2046,38 @@ pub struct Path {
     pub peer: SocketAddr,
 }
 
+/// Why a queue pair of a connect did not connect.
+enum QpRefused {
+    /// The listener rejected it, saying why.
+    Rejected(RejectReason),
+    /// Anything else (no route, no answer, a reject not of an engine).
+    Failed(EngineError),
+}
+
+impl From<EngineError> for QpRefused {
+    fn from(error: EngineError) -> Self {
+        Self::Failed(error)
+    }
+}
+
+/// How a connect failed: as its dial decided, or on the driver's side.
+enum DialFailure {
+    Dial(DialError),
+    Engine(EngineError),
+}
+
+impl From<DialError> for DialFailure {
+    fn from(error: DialError) -> Self {
+        Self::Dial(error)
+    }
+}
+
+impl From<EngineError> for DialFailure {
+    fn from(error: EngineError) -> Self {
+        Self::Engine(error)
+    }
+}
+
 /// A queue pair to re-establish (what the reconnecting thread needs).
 struct Reconnect {
     slot: usize,
@@ -1828,25 +2090,105 @@ struct Reconnect {
 }
 
 /// A listening engine: accepts peers. A thread of the engine takes the
-/// connect requests: new peers' queue pairs wait here for
-/// [`EngineListener::accept`]; a peer re-establishing a queue pair of a
-/// session accepted here is served at once. Dropping this handle refuses
-/// new peers; re-establishment is served until the engine goes (the
-/// address stays bound until then).
+/// connect requests as they arrive: a new peer's queue pairs are connected
+/// and wait for [`EngineListener::accept`], in a bounded backlog
+/// ([`EngineConfig::accept_backlog`] peers; one more is refused busy), each
+/// at most [`EngineConfig::accept_timeout`] (then disconnected); a peer
+/// re-establishing a queue pair of a session accepted here is served at
+/// once. Dropping this handle disconnects the peers still waiting and
+/// refuses new ones (busy); re-establishment is served until the engine
+/// goes (the address stays bound until then).
 pub struct EngineListener<V: Api, C: hal_cuda::Api> {
     engine: Engine<V, C>,
     inner: Arc<ListenerInner<V>>,
 }
 
-/// Queue pairs of a peer not yet accepted: (its hello, the connection,
+/// A queue pair of a peer not yet accepted: (its hello, the connection,
 /// the NIC).
 type PendingQp<V> = (Hello, <V as Api>::Connection, usize);
 
+/// How often the listener looks for connectors that gave up (and for
+/// deadlines) while nothing else wakes it.
+const LISTENER_POLL: Duration = Duration::from_millis(50);
+
 struct ListenerInner<V: Api> {
     listener: V::Listener,
-    pending: std::sync::Mutex<Vec<PendingQp<V>>>,
+    waiting: std::sync::Mutex<Waiting<V>>,
+    /// Signalled when a session completes.
     arrived: std::sync::Condvar,
-    open: std::sync::atomic::AtomicBool,
+}
+
+impl<V: Api> ListenerInner<V> {
+    fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting<V>> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// New peers' queue pairs waiting for accept: the backlog decides what
+/// may wait and what must go; the connections wait here, by token.
+struct Waiting<V: Api> {
+    backlog: Backlog,
+    conns: HashMap<Token, PendingQp<V>>,
+    next_token: u64,
+}
+
+impl<V: Api> Waiting<V> {
+    fn token(&mut self) -> Token {
+        self.next_token += 1;
+        Token(self.next_token)
+    }
+
+    /// Disconnects and forgets the queue pairs the backlog dropped.
+    fn disconnect_dropped(&mut self) {
+        while let Some(dropped) = self.backlog.poll_dropped() {
+            let Some((hello, conn, _)) = self.conns.remove(&dropped.token) else {
+                continue;
+            };
+            tracing::info!(
+                peer = %conn.peer_addr(),
+                session = format_args!("{:#x}", dropped.session),
+                qp = hello.qp_index,
+                reason = %dropped.reason,
+                "a queue pair waiting for accept is disconnected"
+            );
+            if let Err(e) = conn.disconnect() {
+                tracing::debug!(error = %e, "disconnecting a queue pair");
+            }
+        }
+    }
+
+    /// Drops the sessions whose connector gave up (a queue pair of theirs
+    /// is disconnected) and those past their deadline at `now`.
+    fn reap(&mut self, now: Instant) {
+        let gone: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, (_, conn, _))| match conn.poll_state(Duration::ZERO) {
+                Ok(state) => state != ConnectionState::Connected,
+                Err(e) => {
+                    tracing::debug!(error = %e, "polling a waiting connection's events");
+                    false
+                }
+            })
+            .map(|(&token, _)| token)
+            .collect();
+        for token in gone {
+            let Some((hello, conn, _)) = self.conns.remove(&token) else {
+                continue;
+            };
+            if self.backlog.on_disconnected(token).is_some() {
+                tracing::info!(
+                    peer = %conn.peer_addr(),
+                    session = format_args!("{:#x}", hello.session),
+                    "a connector gave up before accept: its session is dropped"
+                );
+            }
+        }
+        self.backlog.handle_timeout(now);
+        self.disconnect_dropped();
+    }
 }
 
 impl<V: Api, C: hal_cuda::Api> fmt::Debug for EngineListener<V, C> {
@@ -1859,27 +2201,37 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for EngineListener<V, C> {
 
 impl<V: Api, C: hal_cuda::Api> Drop for EngineListener<V, C> {
     fn drop(&mut self) {
-        self.inner.open.store(false, Ordering::Release);
-        self.inner
-            .pending
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clear();
+        let mut waiting = self.inner.waiting();
+        waiting.backlog.close();
+        waiting.disconnect_dropped();
+        drop(waiting);
+        tracing::debug!(addr = %self.local_addr(), "listener closed: new peers are refused");
     }
 }
 
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
-    /// The listener's thread: takes connect requests until the engine is
-    /// dropped.
+    /// The listener's thread: takes connect requests, and drops the peers
+    /// that gave up or waited too long, until the engine is dropped.
     fn serve_listener(weak: std::sync::Weak<Shared<V, C>>, inner: Arc<ListenerInner<V>>) {
-        const POLL: Duration = Duration::from_millis(50);
-        while weak.strong_count() > 0 {
-            let request = match inner.listener.next_request(POLL) {
+        // A look polls every waiting connection: one a poll interval (or
+        // at the next deadline), not one per connect request of a burst.
+        let mut look_at = Instant::now();
+        loop {
+            let now = Instant::now();
+            if now >= look_at {
+                // Held only between waits: the engine's drop ends the thread.
+                let Some(shared) = weak.upgrade() else { return };
+                look_at = now + Engine { shared }.reap_waiting(&inner);
+            }
+            let wait = look_at
+                .saturating_duration_since(now)
+                .max(Duration::from_millis(1));
+            let request = match inner.listener.next_request(wait) {
                 Ok(r) => r,
                 Err(hal_verbs::VerbsError::Timeout { .. }) => continue,
                 Err(e) => {
                     tracing::debug!(error = %e, "waiting for a connect request");
-                    std::thread::sleep(POLL);
+                    std::thread::sleep(wait);
                     continue;
                 }
             };
@@ -1888,9 +2240,23 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    /// One connect request: a new peer's queue pair (kept for `accept`),
-    /// or a queue pair of a peer already accepted being re-established.
+    /// Drops what waits for accept in vain; says how long the listener may
+    /// wait before it looks again.
+    fn reap_waiting(&self, inner: &ListenerInner<V>) -> Duration {
+        let now = self.shared.config.clock.now();
+        let mut waiting = inner.waiting();
+        waiting.reap(now);
+        waiting.backlog.poll_timeout().map_or(LISTENER_POLL, |at| {
+            at.saturating_duration_since(now)
+                .clamp(Duration::from_millis(1), LISTENER_POLL)
+        })
+    }
+
+    /// One connect request: a new peer's queue pair (to wait for `accept`,
+    /// if the backlog takes it), or a queue pair of a peer already
+    /// accepted being re-established.
     fn on_connect_request(&self, inner: &ListenerInner<V>, request: V::ConnectRequest) {
+        let from = request.peer_addr();
         let hello = match Hello::decode(&request.private_data()) {
             Ok(h) if h.role == Role::Connect => h,
             Ok(_) => {
@@ -1898,7 +2264,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 return;
             }
             Err(e) => {
-                tracing::warn!(peer = %request.peer_addr(), error = %e, "bad hello: rejected");
+                tracing::warn!(peer = %from, error = %e, "bad hello: rejected");
                 let _ = request.reject(&RejectReason::for_hello_error(&e).encode());
                 return;
             }
@@ -1915,11 +2281,33 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     .is_some_and(|p| !p.connector && p.session == hello.session)
             })
         };
-        let reconnect = known.is_some();
-        if !reconnect && !inner.open.load(Ordering::Acquire) {
-            let _ = request.reject(&RejectReason::Busy.encode());
-            return;
+        /// Where the queue pair goes once connected.
+        enum Destination {
+            /// Re-established for the peer in this slot.
+            Reconnect(usize),
+            /// A new peer's: it waits for accept.
+            Backlog(Arrival),
         }
+        let destination = match known {
+            Some(slot) => Destination::Reconnect(slot),
+            None => {
+                let mut waiting = inner.waiting();
+                let arrival = Arrival::of_hello(&hello, waiting.token());
+                if let Err(e) = waiting.backlog.check(&arrival) {
+                    drop(waiting);
+                    tracing::info!(
+                        peer = %from,
+                        session = format_args!("{:#x}", hello.session),
+                        qp = hello.qp_index,
+                        error = %e,
+                        "connect request refused"
+                    );
+                    let _ = request.reject(&e.reject_reason().encode());
+                    return;
+                }
+                Destination::Backlog(arrival)
+            }
+        };
         let reply = self.hello(Role::Accept, hello.session, hello.qp_index, hello.qp_count);
         let params = self.connect_params(self.shared.config.reconnect_timeout);
         let n = &self.shared.nics[nic];
@@ -1930,19 +2318,34 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 return;
             }
         };
-        match known {
-            Some(slot) => self.on_reconnected(slot, usize::from(hello.qp_index), conn),
-            None => {
-                let mut pending = inner
-                    .pending
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                // A connector that gave up on a queue pair and asked again:
-                // the newer connection is the one it uses.
-                pending
-                    .retain(|(h, _, _)| (h.session, h.qp_index) != (hello.session, hello.qp_index));
-                pending.push((hello, conn, nic));
-                inner.arrived.notify_all();
+        let arrival = match destination {
+            Destination::Reconnect(slot) => {
+                return self.on_reconnected(slot, usize::from(hello.qp_index), conn);
+            }
+            Destination::Backlog(arrival) => arrival,
+        };
+        let now = self.shared.config.clock.now();
+        let mut waiting = inner.waiting();
+        match waiting.backlog.admit(now, arrival) {
+            Ok(admitted) => {
+                tracing::debug!(
+                    peer = %from,
+                    session = format_args!("{:#x}", hello.session),
+                    qp = hello.qp_index,
+                    ?admitted,
+                    "a queue pair waits for accept"
+                );
+                waiting.conns.insert(arrival.token, (hello, conn, nic));
+                if admitted == Admitted::Complete {
+                    inner.arrived.notify_all();
+                }
+            }
+            Err(e) => {
+                drop(waiting);
+                tracing::info!(peer = %from, error = %e, "a connected queue pair refused");
+                if let Err(e) = conn.disconnect() {
+                    tracing::debug!(error = %e, "disconnecting a queue pair");
+                }
             }
         }
     }
@@ -1999,73 +2402,118 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
         self.inner.listener.local_addr()
     }
 
-    /// Waits up to `timeout` for a peer: its queue pairs are accepted as
-    /// they arrive (each connect request's hello checked; a malformed or
-    /// other-version one is rejected with the reason); returns once all of
-    /// one peer's have arrived and the paths are exchanged.
+    /// Peers waiting for accept (each a session whose queue pairs are
+    /// connected as they arrive; complete or not).
+    pub fn waiting(&self) -> usize {
+        self.inner.waiting().backlog.len()
+    }
+
+    /// Waits up to `timeout` for a peer and sets it up: the first whose
+    /// queue pairs have all arrived (each connect request's hello checked;
+    /// a malformed or other-version one is rejected with the reason) is
+    /// taken; this side sends its paths first, the connector's sign that
+    /// it was accepted, and returns once the connector's came back. A peer
+    /// whose connector gave up meanwhile (its queue pairs disconnected, or
+    /// the exchange failed) is dropped, never returned: accept keeps
+    /// waiting for another until `timeout`.
     pub fn accept(&mut self, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
         let deadline = Instant::now() + timeout;
-        let mut pending = self
-            .inner
-            .pending
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
-            if let Some(session) = complete_session(pending.iter().map(|(h, _, _)| h)) {
-                let mut conns: Vec<PendingQp<V>> = Vec::new();
-                let mut rest = Vec::new();
-                for entry in pending.drain(..) {
-                    if entry.0.session == session {
-                        conns.push(entry);
-                    } else {
-                        rest.push(entry);
-                    }
-                }
-                *pending = rest;
-                drop(pending);
-                conns.sort_by_key(|(h, _, _)| h.qp_index);
-                let hello = conns[0].0.clone();
-                let addr = conns[0].1.peer_addr();
-                let conns = conns
-                    .into_iter()
-                    .map(|(_, c, nic)| (c, nic, None))
+            let Some((session, conns)) = self.next_session(deadline) else {
+                return Err(EngineError::Timeout(timeout));
+            };
+            match self.engine.set_up_accepted(session, conns, deadline) {
+                Ok(peer) => return Ok(peer),
+                Err(AcceptFailure::Local(e)) => return Err(e),
+                Err(AcceptFailure::ConnectorGone(e)) => tracing::info!(
+                    session = format_args!("{session:#x}"),
+                    error = %e,
+                    "a connector gave up during accept: dropped; waiting for another"
+                ),
+            }
+        }
+    }
+
+    /// Waits until `deadline` for a complete session whose queue pairs are
+    /// still connected, and takes it (its connections in index order).
+    fn next_session(&self, deadline: Instant) -> Option<(u64, Vec<PendingQp<V>>)> {
+        let clock = &self.engine.shared.config.clock;
+        let mut waiting = self.inner.waiting();
+        loop {
+            // Connectors that gave up are dropped before one is taken.
+            waiting.reap(clock.now());
+            if let Some(session) = waiting.backlog.take_complete() {
+                let conns: Vec<PendingQp<V>> = session
+                    .tokens
+                    .iter()
+                    .filter_map(|token| waiting.conns.remove(token))
                     .collect();
-                let peer = self.engine.add_peer(addr, &hello, session, conns)?;
-                peer.exchange_paths(deadline.saturating_duration_since(Instant::now()))?;
-                return Ok(peer);
+                debug_assert_eq!(conns.len(), session.tokens.len());
+                return Some((session.id, conns));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(EngineError::Timeout(timeout));
+                return None;
             }
-            pending = self
+            waiting = self
                 .inner
                 .arrived
-                .wait_timeout(pending, left)
+                .wait_timeout(waiting, left.min(LISTENER_POLL))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
     }
 }
 
-/// A session whose queue pairs have all arrived: every index below its
-/// count, once each.
-fn complete_session<'a>(hellos: impl Iterator<Item = &'a Hello> + Clone) -> Option<u64> {
-    hellos.clone().find_map(|h| {
-        let mut indices: Vec<u16> = hellos
-            .clone()
-            .filter(|o| o.session == h.session)
-            .map(|o| o.qp_index)
+/// Why a session `accept` took was not set up.
+enum AcceptFailure {
+    /// This side failed (its buffers could not be registered).
+    Local(EngineError),
+    /// The connector is gone (or never answered in time): the session was
+    /// torn down.
+    ConnectorGone(EngineError),
+}
+
+impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// Sets up `session`, which accept took with its connections `conns`:
+    /// the peer's state, our paths first, the connector's awaited until
+    /// `deadline`. An exchange that fails means the connector is gone: the
+    /// peer is torn down.
+    fn set_up_accepted(
+        &self,
+        session: u64,
+        conns: Vec<PendingQp<V>>,
+        deadline: Instant,
+    ) -> Result<Peer<V, C>, AcceptFailure> {
+        let Some((hello, first, _)) = conns.first() else {
+            return Err(AcceptFailure::Local(EngineError::Refused(
+                "a session without queue pairs".into(),
+            )));
+        };
+        let (hello, addr) = (hello.clone(), first.peer_addr());
+        let conns = conns
+            .into_iter()
+            .map(|(_, c, nic)| (c, nic, None))
             .collect();
-        indices.sort_unstable();
-        indices.dedup();
-        (indices.len() == usize::from(h.qp_count)
-            && indices
-                .iter()
-                .enumerate()
-                .all(|(i, &q)| usize::from(q) == i))
-        .then_some(h.session)
-    })
+        let peer = self
+            .add_peer(addr, &hello, session, conns)
+            .map_err(AcceptFailure::Local)?;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let exchanged = peer
+            .send_paths(left())
+            .and_then(|()| peer.wait_paths(left()))
+            .and_then(|()| peer.read_peer(|_, p| p.established = true));
+        match exchanged {
+            Ok(()) => {
+                tracing::debug!(peer = %addr, session = format_args!("{session:#x}"), "accepted");
+                Ok(peer)
+            }
+            Err(e) => {
+                self.tear_down(peer.slot, &format!("accept failed: {e}"));
+                Err(AcceptFailure::ConnectorGone(e))
+            }
+        }
+    }
 }
 
 /// One direction of a transfer.
@@ -2310,8 +2758,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         .unwrap_or_default()
     }
 
-    /// Sends our queue pairs' NICs and waits for the peer's.
-    fn exchange_paths(&self, timeout: Duration) -> Result<(), EngineError> {
+    /// Sends where we run and our queue pairs' NICs, and waits up to
+    /// `timeout` for the peer's NIC to have them. The acceptor sends first
+    /// (once its application accepted); the connector answers.
+    fn send_paths(&self, timeout: Duration) -> Result<(), EngineError> {
         let nics = &self.engine.shared.nics;
         let devices = self.read_peer(|_, p| {
             p.qps
@@ -2328,7 +2778,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         batch.wait(timeout).map_err(|e| EngineError::Handshake {
             peer: self.addr().map(|a| a.to_string()).unwrap_or_default(),
             why: format!("sending paths: {e}"),
-        })?;
+        })
+    }
+
+    /// Waits up to `timeout` for the peer's paths.
+    fn wait_paths(&self, timeout: Duration) -> Result<(), EngineError> {
         self.progress_until(timeout, |p| p.paths_known.then_some(()))
     }
 
@@ -3005,40 +3459,5 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
                 Poll::Pending
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn hello(session: u64, qp_index: u16, qp_count: u16) -> Hello {
-        Hello {
-            role: Role::Connect,
-            engine: 1,
-            session,
-            qp_index,
-            qp_count,
-            max_message: 4096,
-            recv_depth: 8,
-            max_slice: 1 << 20,
-        }
-    }
-
-    /// A session is complete with every index below its count, once each:
-    /// a request repeated for one index does not stand in for another.
-    #[test]
-    fn a_session_is_complete_with_every_queue_pair_index() {
-        let repeated = [hello(7, 0, 2), hello(7, 0, 2)];
-        assert_eq!(complete_session(repeated.iter()), None);
-        let both = [hello(7, 0, 2), hello(9, 0, 1), hello(7, 1, 2)];
-        assert_eq!(complete_session(both.iter()), Some(7));
-        assert_eq!(
-            complete_session(both[..2].iter()),
-            Some(9),
-            "7 lacks index 1"
-        );
-        let out_of_range = [hello(7, 0, 2), hello(7, 2, 2)];
-        assert_eq!(complete_session(out_of_range.iter()), None);
     }
 }

@@ -1,0 +1,244 @@
+//! Connection set-up between two simulated engines: a connect nobody
+//! accepts fails typed and leaves nothing behind on either side (the
+//! listener's next accept does not hand out the abandoned peer, and a
+//! retry succeeds once the server accepts); the listener's backlog is
+//! bounded (a new connection past it is refused busy, typed) and has a
+//! deadline (an unaccepted connection is dropped after it, the waiting
+//! connector told typed); a closed listener refuses busy.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use gdr_core::engine::setup::NotAccepted;
+use gdr_core::engine::wire::RejectReason;
+use gdr_core::engine::{EngineConfig, EngineError, EngineListener};
+use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_tests::engine_world::{EngineWorld, WorldPeer};
+
+const T: Duration = Duration::from_secs(10);
+/// A connect or accept that is meant to give up.
+const SHORT: Duration = Duration::from_millis(300);
+
+type Listener = EngineListener<SimVerbsApi, SimCudaApi>;
+
+/// Two simulated nodes, a connected to b (two queue pairs a peer), b's
+/// engine configured by `b_config` on top of the defaults.
+fn world(b_config: impl FnOnce(&mut EngineConfig)) -> EngineWorld<SimVerbsApi> {
+    let a = EngineConfig {
+        qps_per_peer: 2,
+        default_timeout: T,
+        ..EngineConfig::default()
+    };
+    let mut b = a.clone();
+    b_config(&mut b);
+    EngineWorld::sim_sides(1, (a, b), T, |fabric| {
+        gdr_sim::SimCuda::new(vec![GpuConfig::default()], fabric.faults())
+    })
+}
+
+/// A second listener of b's engine, and the address a reaches it at.
+fn listen(w: &EngineWorld<SimVerbsApi>) -> (Listener, SocketAddr) {
+    let listener =
+        w.b.engine
+            .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+            .unwrap();
+    let ip = IpAddr::V4(w.b.verbs.device_ipv4("sim0").unwrap());
+    let addr = SocketAddr::new(ip, listener.local_addr().port());
+    (listener, addr)
+}
+
+/// A message each way between the two ends of one connection.
+fn round_trip(x: &WorldPeer<SimVerbsApi>, y: &WorldPeer<SimVerbsApi>) {
+    x.send(b"ping").unwrap().wait(T).unwrap();
+    assert_eq!(y.recv(T).unwrap(), b"ping");
+    y.send(b"pong").unwrap().wait(T).unwrap();
+    assert_eq!(x.recv(T).unwrap(), b"pong");
+}
+
+/// Connects a to b at `addr` while b accepts on `listener`: both ends.
+fn connect_accepted(
+    w: &EngineWorld<SimVerbsApi>,
+    listener: &mut Listener,
+    addr: SocketAddr,
+) -> (WorldPeer<SimVerbsApi>, WorldPeer<SimVerbsApi>) {
+    std::thread::scope(|scope| {
+        let accepting = scope.spawn(|| listener.accept(T));
+        let ab =
+            w.a.engine
+                .connect(addr, T)
+                .unwrap_or_else(|e| panic!("connecting with accept running: {e}"));
+        let ba = accepting
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("accepting: {e}"));
+        (ab, ba)
+    })
+}
+
+/// Finding 4: a connect while nobody is in accept fails saying the
+/// listener did not accept; the connector keeps no peer; the listener's
+/// next accept does not hand out the abandoned connection; a retry with
+/// accept running succeeds and carries messages.
+#[test]
+fn a_connect_nobody_accepts_fails_typed_and_a_retry_succeeds() {
+    let w = world(|_| {});
+    let (mut listener, addr) = listen(&w);
+    let err = w.a.engine.connect(addr, SHORT).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::NotAccepted {
+                reason: NotAccepted::Timeout { .. },
+                ..
+            }
+        ),
+        "not a typed not-accepted: {err}"
+    );
+    assert_eq!(
+        w.a.engine.peer_count(),
+        1,
+        "the connector holds no peer for the failed connect (only the world's)"
+    );
+    match listener.accept(SHORT) {
+        Err(EngineError::Timeout(_)) => {}
+        Ok(peer) => panic!(
+            "accept returned the abandoned peer (session {:#x})",
+            peer.session()
+        ),
+        Err(e) => panic!("accept: {e}"),
+    }
+    assert_eq!(w.b.engine.peer_count(), 1, "the listener kept no peer");
+    assert_eq!(listener.waiting(), 0, "nothing waits for accept");
+
+    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    assert_eq!(ab.session(), ba.session());
+    assert_eq!(ab.remote_engine(), w.b.engine.id());
+    round_trip(&ab, &ba);
+    assert_eq!((w.a.engine.peer_count(), w.b.engine.peer_count()), (2, 2));
+    // The world's first connection is untouched.
+    round_trip(&w.ab, &w.ba);
+}
+
+/// The listener's side of finding 4 alone: whatever the connector's error,
+/// an accept after it gave up returns no peer (on the old engine it handed
+/// out the abandoned one, on which `send` reported success).
+#[test]
+fn accept_never_returns_a_peer_whose_connector_gave_up() {
+    let w = world(|_| {});
+    let (mut listener, addr) = listen(&w);
+    let err = w.a.engine.connect(addr, SHORT).unwrap_err();
+    eprintln!("the connector's error: {err}");
+    let accepted = listener.accept(SHORT);
+    if let Ok(peer) = &accepted {
+        let sent = peer.send(b"anyone?").map(|b| b.wait(SHORT));
+        panic!(
+            "accept returned the abandoned peer (session {:#x}); send on it: {sent:?}",
+            peer.session()
+        );
+    }
+    assert!(
+        matches!(accepted, Err(EngineError::Timeout(_))),
+        "{accepted:?}"
+    );
+}
+
+/// Past the backlog's bound a new connection is refused busy, at once and
+/// typed, while the one waiting is accepted later and works.
+#[test]
+fn past_the_backlog_a_new_connection_is_refused_busy() {
+    let w = world(|b| b.accept_backlog = 1);
+    let (mut listener, addr) = listen(&w);
+    std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| w.a.engine.connect(addr, T));
+        let start = Instant::now();
+        while listener.waiting() < 1 {
+            assert!(start.elapsed() < T, "the first connection never arrived");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let start = Instant::now();
+        let err = w.a.engine.connect(addr, T).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EngineError::Rejected {
+                    reason: RejectReason::Busy,
+                    ..
+                }
+            ),
+            "not a typed busy rejection: {err}"
+        );
+        assert!(
+            start.elapsed() < T / 2,
+            "refused at once, not by a timeout ({:?})",
+            start.elapsed()
+        );
+        assert_eq!(listener.waiting(), 1, "the first still waits");
+        let ba = listener.accept(T).unwrap();
+        let ab = waiting.join().unwrap().unwrap();
+        assert_eq!(ab.session(), ba.session());
+        round_trip(&ab, &ba);
+    });
+    assert_eq!(
+        w.a.engine.peer_count(),
+        2,
+        "the world's and the accepted one: the refused left nothing"
+    );
+}
+
+/// A connection nobody accepts is disconnected at the listener's accept
+/// deadline: the connector, waiting longer, is told at once and typed;
+/// nothing is left to accept.
+#[test]
+fn an_unaccepted_connection_is_dropped_at_the_listeners_deadline() {
+    let deadline = Duration::from_millis(500);
+    let w = world(|b| b.accept_timeout = deadline);
+    let (mut listener, addr) = listen(&w);
+    let start = Instant::now();
+    let err = w.a.engine.connect(addr, T).unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        matches!(
+            err,
+            EngineError::NotAccepted {
+                reason: NotAccepted::Dropped,
+                ..
+            }
+        ),
+        "not a typed drop: {err}"
+    );
+    assert!(
+        took >= deadline && took < T / 2,
+        "dropped at the listener's deadline, not the connector's: {took:?}"
+    );
+    assert_eq!(listener.waiting(), 0);
+    assert!(matches!(
+        listener.accept(SHORT),
+        Err(EngineError::Timeout(_))
+    ));
+    assert_eq!((w.a.engine.peer_count(), w.b.engine.peer_count()), (1, 1));
+    // Within the deadline, accepted as usual.
+    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    round_trip(&ab, &ba);
+}
+
+/// A listener whose handle was dropped refuses new connections busy,
+/// typed; the engine's other connection carries on.
+#[test]
+fn a_closed_listener_refuses_busy() {
+    let w = world(|_| {});
+    let (listener, addr) = listen(&w);
+    drop(listener);
+    let err = w.a.engine.connect(addr, T).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::Rejected {
+                reason: RejectReason::Busy,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(w.a.engine.peer_count(), 1);
+    round_trip(&w.ab, &w.ba);
+}
