@@ -425,6 +425,33 @@ impl Owner {
         }
     }
 
+    /// This side is closing the connection: every request fails now and
+    /// starts no copy (the copies running end on their own), and every
+    /// slot lent comes back. Nothing is answered: the peer is told goodbye.
+    pub fn close(&mut self) {
+        let ids: Vec<RequestId> = self
+            .serving
+            .iter_mut()
+            .map(|s| {
+                s.cancelled = true;
+                s.failed.get_or_insert(status::FAILED);
+                s.id
+            })
+            .collect();
+        for id in ids {
+            self.take_back_lent(id);
+        }
+    }
+
+    /// Whether a copy this machine asked for may still run (the driver
+    /// reports each end with [`Owner::copy_ended`]).
+    pub fn copying(&self) -> bool {
+        self.slots
+            .iter()
+            .flatten()
+            .any(|s| matches!(s, Slot::Copying { .. }))
+    }
+
     /// Grant `grant` was revoked: every request under it fails now and
     /// starts no copy; the copies running end on their own, and each
     /// request's use of the grant ends once none of its copies runs.

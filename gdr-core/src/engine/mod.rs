@@ -3118,8 +3118,17 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     }
 
     /// Says goodbye and disconnects every queue pair: what is in flight
-    /// flushes and fails.
+    /// flushes and fails. The peer's staged requests served here stop
+    /// first (no copy starts, the running ones end before the goodbye
+    /// goes), so nothing moves into or out of this side's memory for the
+    /// peer once it has heard goodbye.
     pub fn close(&self) -> Result<(), EngineError> {
+        self.read_peer(|_, p| p.landing.close())?;
+        // Bounded: a copy that never ends is the GPU's failure, and the
+        // goodbye goes anyway.
+        let _ = self.progress_until(Duration::from_secs(1), |p| {
+            (!p.landing.copying()).then_some(())
+        });
         if let Ok(batch) = self.send_control(&Control::Goodbye) {
             let _ = batch.wait(Duration::from_secs(1));
         }

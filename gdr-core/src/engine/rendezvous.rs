@@ -200,6 +200,17 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
         self.owner.wants_slots()
     }
 
+    /// This side closes the connection: the peer's requests stop (see
+    /// [`Owner::close`]).
+    pub fn close(&mut self) {
+        self.owner.close();
+    }
+
+    /// Whether a copy for the peer's requests may still run.
+    pub fn copying(&self) -> bool {
+        !self.copies.is_empty() || self.owner.copying()
+    }
+
     /// Whether anything waits to be handled.
     fn is_idle(&self) -> bool {
         self.inbox.is_empty() && self.owner.is_idle() && self.copies.is_empty()

@@ -439,3 +439,37 @@ fn every_copy_lies_inside_the_grant() {
         assert_eq!(copied, LEN + (LEN - 1) + 1 + 4097 + 20_000);
     }
 }
+
+/// Closing: every request stops (no copy starts, not even of data the peer
+/// put in a lent slot), nothing is answered, and the running copy is
+/// still reported until it ends.
+#[test]
+fn closing_stops_every_request_without_replies() {
+    let (mut grants, mut owner) = setup(1 << 20, Rights::Write, 2, 8);
+    owner.on_request(
+        &mut grants,
+        ask(1, 0, 64 * 1024, true),
+        place,
+        Instant::now(),
+    );
+    step(&mut owner, &mut grants);
+    owner.on_filled(1, 0);
+    let running = match drain(&mut owner).as_slice() {
+        [OwnerAction::Copy { copy, .. }] => *copy,
+        other => panic!("one copy expected: {other:?}"),
+    };
+    owner.close();
+    owner.on_filled(1, 1);
+    assert_eq!(step(&mut owner, &mut grants).0, [], "no copy, no reply");
+    assert!(owner.copying());
+    owner.copy_ended(running, true);
+    assert!(!owner.copying());
+    let (actions, _) = step(&mut owner, &mut grants);
+    assert_eq!(actions, []);
+    assert!(owner.is_idle());
+    assert_eq!(
+        grants.revoke(GRANT),
+        Revoked::Fenced("region"),
+        "the use ended"
+    );
+}
