@@ -2646,12 +2646,14 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
     }
 
     /// Revokes the grant and waits, at most `timeout`, for the revocation
-    /// fence: once this returns `Ok`, no byte moves under the grant by any
-    /// path, the requests the peer had under way included (they fail).
-    /// A grant the NIC reaches is fenced as soon as its MRs are
-    /// deregistered (here); a staged one once the copies under way under it
-    /// have ended. Past `timeout` it returns [`EngineError::Timeout`], the
-    /// revoke still under way.
+    /// fence: once this returns `Ok`, no byte moves under the grant through
+    /// the NIC or the staged path, the requests the peer had under way
+    /// included (they fail). A grant the NIC reaches is fenced as soon as
+    /// its MRs are deregistered (here); a staged one once the copies under
+    /// way under it have ended. Not yet the peer-copy path (GPUs of one
+    /// host): copies the peer already queued run to their end (a known gap;
+    /// set `peer_copy: false` where that matters). Past `timeout` it
+    /// returns [`EngineError::Timeout`], the revoke still under way.
     ///
     /// Dropping a grant starts the same revoke without waiting.
     pub fn revoke(self, timeout: Duration) -> Result<(), EngineError> {
