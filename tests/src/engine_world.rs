@@ -20,7 +20,7 @@ use gdr_core::engine::{
     Batch, Engine, EngineConfig, EngineError, Path, Peer, PeerCopyRoute, Region, RegionGrant,
     Transfer, TransferError,
 };
-use gdr_core::ladder::Rung;
+use gdr_core::ladder::{LadderConfig, Policy, Rung};
 use gdr_sim::{
     DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi,
 };
@@ -39,6 +39,29 @@ pub type WorldPeer<V, C = SimCudaApi> = Peer<V, C>;
 pub type WorldGrant<V, C = SimCudaApi> = RegionGrant<V, C>;
 /// A buffer of the GPU's driver (host, pinned or device memory).
 pub type WorldBuffer<C = SimCudaApi> = Buffer<C>;
+
+/// `base` with GPU memory on the staging rung only (no GPUDirect rung).
+pub fn staged_only(base: EngineConfig) -> EngineConfig {
+    EngineConfig {
+        ladder: LadderConfig {
+            policy: Policy::Only(Rung::Staging),
+            ..base.ladder
+        },
+        ..base
+    }
+}
+
+/// [`staged_only`], and a peer's staged regions reached through the
+/// owner's landing slots in 4 KiB slices (4 slots lent, 2 slots of the
+/// local pool): many slices for a small transfer.
+pub fn staged_through_slots(base: EngineConfig) -> EngineConfig {
+    EngineConfig {
+        staging_slice: 4096,
+        staging_slots: 2,
+        rendezvous_slots: 4,
+        ..staged_only(base)
+    }
+}
 
 /// The memory a region is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,27 +10,19 @@ use std::time::{Duration, Instant};
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::wire::Control;
 use gdr_core::engine::{EngineConfig, EngineError, PeerLimits, Transfer, TransferError};
-use gdr_core::ladder::{LadderConfig, Policy, Rung};
 use gdr_sim::{GpuConfig, SimVerbsApi};
-use gdr_tests::engine_world::{EngineWorld, Kind};
+use gdr_tests::engine_world::{EngineWorld, Kind, staged_through_slots};
 use gdr_tests::pattern;
 
 const T: Duration = Duration::from_secs(10);
 
 fn world(limits: PeerLimits) -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
+    let config = staged_through_slots(EngineConfig {
         qps_per_peer: 1,
         default_timeout: T,
-        staging_slice: 4096,
-        staging_slots: 2,
-        rendezvous_slots: 4,
-        ladder: LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..LadderConfig::default()
-        },
         peer_limits: limits,
         ..EngineConfig::default()
-    };
+    });
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

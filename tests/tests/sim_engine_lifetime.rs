@@ -9,9 +9,9 @@ use std::time::Duration;
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, Transfer};
-use gdr_core::ladder::{LadderConfig, Policy, Rung};
+use gdr_core::ladder::Rung;
 use gdr_sim::{GpuConfig, SimVerbsApi};
-use gdr_tests::engine_world::EngineWorld;
+use gdr_tests::engine_world::{EngineWorld, staged_only, staged_through_slots};
 use gdr_tests::pattern;
 use hal_cuda::{Context as _, DeviceMemory as _, Driver as _};
 
@@ -20,16 +20,12 @@ const LEN: u64 = 64 * 1024;
 
 /// GPU memory takes only the staging rung (no MR over it).
 fn staging_world() -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
+    let config = staged_only(EngineConfig {
         qps_per_peer: 1,
         slice_size: 16 * 1024,
         default_timeout: T,
-        ladder: LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..LadderConfig::default()
-        },
         ..EngineConfig::default()
-    };
+    });
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 
@@ -130,19 +126,12 @@ fn wrapped_gpu_memory_on_the_staging_rung_is_not_released_under_a_region() {
 /// GPU memory staged, peers' staged regions reached through the owner's
 /// landing slots in 4 KiB slices.
 fn slots_world() -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
+    let config = staged_through_slots(EngineConfig {
         qps_per_peer: 1,
         slice_size: 64 * 1024,
         default_timeout: T,
-        staging_slice: 4096,
-        staging_slots: 2,
-        rendezvous_slots: 4,
-        ladder: LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..LadderConfig::default()
-        },
         ..EngineConfig::default()
-    };
+    });
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor, Reach};
 use gdr_core::engine::{Batch, EngineConfig, PeerCopyRoute, Region, Transfer, TransferError};
-use gdr_core::ladder::{LadderConfig, Policy, Rung};
+use gdr_core::ladder::Rung;
 use gdr_sim::{GpuConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi};
-use gdr_tests::engine_world::{EngineWorld, Side, WorldGrant, WorldPeer};
+use gdr_tests::engine_world::{EngineWorld, Side, WorldGrant, WorldPeer, staged_through_slots};
 use gdr_tests::pattern;
 use hal_cuda::{Context as _, Driver as _, Stream as _};
 use hal_verbs::PortState;
@@ -209,16 +209,7 @@ fn config(path: PathKind) -> EngineConfig {
     };
     match path {
         PathKind::Nic => base,
-        PathKind::Staged => EngineConfig {
-            staging_slice: 4096,
-            staging_slots: 2,
-            rendezvous_slots: 4,
-            ladder: LadderConfig {
-                policy: Policy::Only(Rung::Staging),
-                ..LadderConfig::default()
-            },
-            ..base
-        },
+        PathKind::Staged => staged_through_slots(base),
         PathKind::PeerSameProcess | PathKind::PeerIpc => EngineConfig {
             peer_copy_slice: 64 * 1024,
             ..base
