@@ -164,6 +164,40 @@ impl Slot {
     }
 }
 
+/// A copy of one slice between a slot and the GPU, about to start.
+struct Copy {
+    slot: u32,
+    id: RequestId,
+    offset: u64,
+    len: u64,
+    to_gpu: bool,
+    gpu: u32,
+    gpu_addr: u64,
+}
+
+impl Copy {
+    /// Queues it as the next copy (`next` numbers them); the slot's
+    /// state while it runs.
+    fn start(self, next: &mut CopyId, actions: &mut VecDeque<OwnerAction>) -> Slot {
+        let copy = *next;
+        *next += 1;
+        actions.push_back(OwnerAction::Copy {
+            copy,
+            slot: self.slot,
+            to_gpu: self.to_gpu,
+            gpu: self.gpu,
+            gpu_addr: self.gpu_addr,
+            len: self.len,
+        });
+        Slot::Copying {
+            id: self.id,
+            offset: self.offset,
+            len: self.len,
+            copy,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Serve {
     id: RequestId,
@@ -345,22 +379,16 @@ impl Owner {
             slots[index] = Slot::Free;
             return;
         }
-        let copy = self.next_copy;
-        self.next_copy += 1;
-        slots[index] = Slot::Copying {
+        let copy = Copy {
+            slot,
             id,
             offset,
             len,
-            copy,
-        };
-        self.actions.push_back(OwnerAction::Copy {
-            copy,
-            slot,
             to_gpu: true,
             gpu: serve.gpu,
             gpu_addr: serve.addr + offset,
-            len,
-        });
+        };
+        slots[index] = copy.start(&mut self.next_copy, &mut self.actions);
     }
 
     /// The peer gave request `id` up: it ends without a reply, and the
@@ -547,35 +575,30 @@ impl Owner {
             };
             self.turn = (k + 1) % n;
             let s = &mut self.serving[k];
-            let (id, offset) = (s.id, s.next);
+            let (id, offset, write, gpu, addr) = (s.id, s.next, s.write, s.gpu, s.addr);
             let len = (s.len - offset).min(self.slot_len);
             s.next += len;
-            if s.write {
-                *slot = Slot::Lent { id, offset, len };
+            let index = index as u32;
+            *slot = if write {
                 self.actions.push_back(OwnerAction::SlotReady {
                     id,
                     offset,
                     len,
-                    slot: index as u32,
+                    slot: index,
                 });
+                Slot::Lent { id, offset, len }
             } else {
-                let copy = self.next_copy;
-                self.next_copy += 1;
-                *slot = Slot::Copying {
+                let copy = Copy {
+                    slot: index,
                     id,
                     offset,
                     len,
-                    copy,
-                };
-                self.actions.push_back(OwnerAction::Copy {
-                    copy,
-                    slot: index as u32,
                     to_gpu: false,
-                    gpu: s.gpu,
-                    gpu_addr: s.addr + offset,
-                    len,
-                });
-            }
+                    gpu,
+                    gpu_addr: addr + offset,
+                };
+                copy.start(&mut self.next_copy, &mut self.actions)
+            };
         }
     }
 

@@ -76,7 +76,7 @@ use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::Grant;
 use gdr_proto::PeerLimits;
-use gdr_proto::rendezvous::{CopyId, Owner, OwnerAction, Placement, StagedAsk};
+use gdr_proto::rendezvous::{CopyId, Owner, OwnerAction, Placement};
 
 /// Request ids of this side's slotted rendezvous: a bit no grant id
 /// reaches (the naive path's requests are named by grant ids).
@@ -496,18 +496,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             while let Some(message) = landing.inbox.pop_front() {
                 moved += 1;
                 match message {
-                    ToOwner::Request(ask) => landing.owner.on_request(
-                        served,
-                        StagedAsk {
-                            id: ask.id,
-                            grant: ask.grant,
-                            offset: ask.offset,
-                            len: ask.len,
-                            write: ask.write,
-                        },
-                        placement,
-                        now,
-                    ),
+                    ToOwner::Request(ask) => landing.owner.on_request(served, ask, placement, now),
                     ToOwner::Filled { id, slot } => landing.owner.on_filled(id, slot),
                     ToOwner::Done { id, slot } => landing.owner.on_done(id, slot),
                     ToOwner::Cancel { id } => landing.owner.on_cancel(id),

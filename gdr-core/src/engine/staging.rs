@@ -134,15 +134,8 @@ pub(super) fn access(write: bool) -> Access {
     if write { Access::Write } else { Access::Read }
 }
 
-/// A peer's rendezvous request, as received.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct StagedAsk {
-    pub id: u64,
-    pub grant: u64,
-    pub offset: u64,
-    pub len: u64,
-    pub write: bool,
-}
+/// A peer's rendezvous request, as received (the protocol's).
+pub(super) use gdr_proto::rendezvous::StagedAsk;
 
 /// This side's rendezvous request, waiting for the owner's reply; the
 /// owner's access to our range (the MRs) ends when it does.
