@@ -22,6 +22,9 @@
 //! - [`inbox`]: the peer's messages nobody received yet (bounded).
 //! - [`rendezvous`]: the owner's side of the slotted rendezvous (slots,
 //!   credits, revokes, the bound and deadline of a peer's staged requests).
+//! - [`peer_copy`]: the peer-copy path (the requester's device copies,
+//!   queued a window at a time so that a revoke stops them; the owner's
+//!   exported IPC handles kept until the importer released them).
 //! - [`setup`]: connection set-up: the listener's backlog of sessions
 //!   waiting for accept (bounded, with deadlines) and the connector's dial
 //!   (one deadline, teardown on failure).
@@ -32,6 +35,7 @@ mod error;
 pub mod grants;
 pub mod inbox;
 pub mod limits;
+pub mod peer_copy;
 pub mod rendezvous;
 pub mod setup;
 pub mod wire;

@@ -79,6 +79,7 @@
 //! | 12 | [`Control::SlotFilled`] | `id` u64, `slot` u32, 4 reserved zero bytes (16 bytes) |
 //! | 13 | [`Control::SlotDone`] | `id` u64, `slot` u32, 4 reserved zero bytes (16 bytes) |
 //! | 14 | [`Control::StagedCancel`] | `id` u64 (8 bytes) |
+//! | 15 | [`Control::GrantReleased`] | `grant` u64, nonzero (8 bytes) |
 //!
 //! A whole message (header included) is at most [`MAX_MESSAGE`] bytes; the
 //! fixed-size messages all fit in [`MIN_MESSAGE`], except
@@ -120,6 +121,7 @@ const KIND_SLOT_READY: u8 = 11;
 const KIND_SLOT_FILLED: u8 = 12;
 const KIND_SLOT_DONE: u8 = 13;
 const KIND_STAGED_CANCEL: u8 = 14;
+const KIND_GRANT_RELEASED: u8 = 15;
 
 const GRANT_REVOKE_BODY: usize = 8;
 const STAGED_REQUEST_BODY: usize = 40;
@@ -131,6 +133,7 @@ const SLOTS_HEAD: usize = 16;
 const SLOT_READY_BODY: usize = 32;
 const SLOT_CREDIT_BODY: usize = 16;
 const STAGED_CANCEL_BODY: usize = 8;
+const GRANT_RELEASED_BODY: usize = 8;
 
 const _: () = assert!(HEADER_LEN + STAGED_REQUEST_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + STAGED_REPLY_BODY <= MIN_MESSAGE as usize);
@@ -139,6 +142,7 @@ const _: () = assert!(HEADER_LEN + LOCALITY_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + SLOT_READY_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + SLOT_CREDIT_BODY <= MIN_MESSAGE as usize);
 const _: () = assert!(HEADER_LEN + STAGED_CANCEL_BODY <= MIN_MESSAGE as usize);
+const _: () = assert!(HEADER_LEN + GRANT_RELEASED_BODY <= MIN_MESSAGE as usize);
 
 /// Why bytes off the wire were refused, or why a message cannot be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -683,6 +687,14 @@ pub enum Control<'a> {
         /// The request's id.
         id: u64,
     },
+    /// The answer of a peer that had grant `grant`'s CUDA IPC handle
+    /// ([`Control::GrantIpc`]) to its [`Control::GrantRevoke`]: nothing it
+    /// queued under the grant runs any more, and it queues nothing more.
+    /// Until it comes (or a bound passes) the owner keeps the memory.
+    GrantReleased {
+        /// The grant, nonzero.
+        grant: u64,
+    },
 }
 
 impl<'a> Control<'a> {
@@ -702,6 +714,7 @@ impl<'a> Control<'a> {
             Control::SlotFilled { .. } => KIND_SLOT_FILLED,
             Control::SlotDone { .. } => KIND_SLOT_DONE,
             Control::StagedCancel { .. } => KIND_STAGED_CANCEL,
+            Control::GrantReleased { .. } => KIND_GRANT_RELEASED,
         }
     }
 
@@ -720,6 +733,7 @@ impl<'a> Control<'a> {
             Control::SlotReady { .. } => SLOT_READY_BODY,
             Control::SlotFilled { .. } | Control::SlotDone { .. } => SLOT_CREDIT_BODY,
             Control::StagedCancel { .. } => STAGED_CANCEL_BODY,
+            Control::GrantReleased { .. } => GRANT_RELEASED_BODY,
         }
     }
 
@@ -750,6 +764,10 @@ impl<'a> Control<'a> {
             }),
             Control::GrantIpc { grant: 0, .. } => Err(WireError::OutOfRange {
                 field: "grant IPC handle grant id (nonzero)",
+                value: 0,
+            }),
+            Control::GrantReleased { grant: 0 } => Err(WireError::OutOfRange {
+                field: "grant release grant id (nonzero)",
                 value: 0,
             }),
             Control::StagedRequest {
@@ -903,6 +921,7 @@ impl<'a> Control<'a> {
                 w.put(&[0; 4]);
             }
             Control::StagedCancel { id } => w.put(&id.to_le_bytes()),
+            Control::GrantReleased { grant } => w.put(&grant.to_le_bytes()),
         }
         debug_assert_eq!(w.pos, need);
         Ok(need)
@@ -947,7 +966,7 @@ impl<'a> Control<'a> {
                 max: MAX_MESSAGE as usize,
             });
         }
-        if !(KIND_USER..=KIND_STAGED_CANCEL).contains(&kind) {
+        if !(KIND_USER..=KIND_GRANT_RELEASED).contains(&kind) {
             return Err(WireError::UnknownKind(kind));
         }
         if flags != 0 {
@@ -1089,6 +1108,10 @@ impl<'a> Control<'a> {
             KIND_STAGED_CANCEL => {
                 exact("staged cancel body", STAGED_CANCEL_BODY)?;
                 Control::StagedCancel { id: b.u64()? }
+            }
+            KIND_GRANT_RELEASED => {
+                exact("grant release body", GRANT_RELEASED_BODY)?;
+                Control::GrantReleased { grant: b.u64()? }
             }
             other => return Err(WireError::UnknownKind(other)),
         };
@@ -1455,6 +1478,7 @@ mod tests {
                 slot: u32::MAX,
             },
             Control::StagedCancel { id: 8 },
+            Control::GrantReleased { grant: 9 },
         ]
     }
 
@@ -1572,6 +1596,7 @@ mod tests {
         let bad = [
             Control::GrantAnnounce { descriptor: b"" },
             Control::GrantRevoke { grant: 0 },
+            Control::GrantReleased { grant: 0 },
             Control::GrantIpc {
                 grant: 0,
                 offset: 0,
@@ -1674,7 +1699,7 @@ mod tests {
             control_edited(revoke.clone(), |b| b[1] = 2),
             WireError::Version { ours: 1, theirs: 2 }
         );
-        for kind in [0, 15, 0xFF] {
+        for kind in [0, 16, 0xFF] {
             assert_eq!(
                 control_edited(revoke.clone(), |b| b[2] = kind),
                 WireError::UnknownKind(kind)
@@ -1763,6 +1788,7 @@ mod tests {
             (Control::SlotFilled { id: 1, slot: 0 }, 16),
             (Control::SlotDone { id: 1, slot: 0 }, 16),
             (Control::StagedCancel { id: 1 }, 8),
+            (Control::GrantReleased { grant: 1 }, 8),
         ];
         for (message, body) in fixed {
             for delta in [-1isize, 1] {
@@ -1786,6 +1812,7 @@ mod tests {
                             Control::SlotFilled { .. } | Control::SlotDone { .. } =>
                                 "slot credit body",
                             Control::StagedCancel { .. } => "staged cancel body",
+                            Control::GrantReleased { .. } => "grant release body",
                             _ => "staged reply body",
                         },
                         expected: body,
@@ -1928,8 +1955,11 @@ mod tests {
     }
 
     fn random_control<'a>(rng: &mut Rng, payload: &'a [u8]) -> Control<'a> {
-        match rng.below(13) {
+        match rng.below(14) {
             0 => Control::User(payload),
+            12 => Control::GrantReleased {
+                grant: rng.nonzero(),
+            },
             6 => Control::Locality {
                 host: std::array::from_fn(|_| rng.next() as u8),
                 process: rng.next(),
