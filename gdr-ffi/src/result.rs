@@ -216,9 +216,9 @@ impl From<LadderError> for FfiError {
 impl From<&TransferError> for GdrResult {
     fn from(error: &TransferError) -> Self {
         match error {
-            TransferError::RemoteAccess { .. } | TransferError::StagedRefused { .. } => {
-                Self::Refused
-            }
+            TransferError::RemoteAccess { .. }
+            | TransferError::StagedRefused { .. }
+            | TransferError::Revoked { .. } => Self::Refused,
             TransferError::RetryExceeded { .. } | TransferError::PeerGone { .. } => Self::PeerGone,
             TransferError::Timeout { .. } => Self::Timeout,
             TransferError::Cancelled => Self::Cancelled,

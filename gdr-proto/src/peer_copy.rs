@@ -20,7 +20,7 @@
 //! - [`Releases`]: the importer's side: the releases it owes, sent once no
 //!   flight uses the revoked grant any more.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::grants::GrantId;
@@ -200,7 +200,14 @@ impl CopyFlight {
 #[derive(Debug)]
 pub struct Exports<K> {
     grants: HashMap<GrantId, Export<K>>,
+    /// The last grants given up on at the bound (at most
+    /// [`GIVEN_UP_KEPT`]), so that a revoke waiting on one learns that it
+    /// was not confirmed.
+    given_up: VecDeque<GrantId>,
 }
+
+/// Grants given up on that [`Exports::release`] still reports as such.
+pub const GIVEN_UP_KEPT: usize = 64;
 
 #[derive(Debug)]
 struct Export<K> {
@@ -215,6 +222,7 @@ impl<K> Default for Exports<K> {
     fn default() -> Self {
         Self {
             grants: HashMap::new(),
+            given_up: VecDeque::new(),
         }
     }
 }
@@ -226,6 +234,9 @@ pub enum Release {
     Released,
     /// The importer has not said it released the handle's copies yet.
     Awaiting,
+    /// The bound passed without the importer's release: the memory was
+    /// given back unconfirmed (among the last [`GIVEN_UP_KEPT`] such).
+    GivenUp,
 }
 
 impl<K> Exports<K> {
@@ -272,6 +283,8 @@ impl<K> Exports<K> {
     pub fn release(&self, grant: GrantId) -> Release {
         if self.grants.contains_key(&grant) {
             Release::Awaiting
+        } else if self.given_up.contains(&grant) {
+            Release::GivenUp
         } else {
             Release::Released
         }
@@ -286,6 +299,12 @@ impl<K> Exports<K> {
             .filter(|(_, e)| e.release_by.is_some_and(|at| now >= at))
             .map(|(&g, _)| g)
             .collect();
+        for &grant in &expired {
+            if self.given_up.len() == GIVEN_UP_KEPT {
+                self.given_up.pop_front();
+            }
+            self.given_up.push_back(grant);
+        }
         expired
             .into_iter()
             .filter_map(|g| self.grants.remove(&g).map(|e| (g, e.keep)))
@@ -327,7 +346,10 @@ impl Releases {
     /// The releases to send now: those of grants no flight uses any more
     /// (`in_use` says which are), handed out once. Changes after
     /// [`Releases::owe`] and whenever a flight drains.
-    pub fn poll_release(&mut self, mut in_use: impl FnMut(u64, GrantId) -> bool) -> Vec<(u64, GrantId)> {
+    pub fn poll_release(
+        &mut self,
+        mut in_use: impl FnMut(u64, GrantId) -> bool,
+    ) -> Vec<(u64, GrantId)> {
         let mut ready = Vec::new();
         self.owed.retain(|&(peer, grant)| {
             if in_use(peer, grant) {

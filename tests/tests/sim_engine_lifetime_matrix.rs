@@ -179,23 +179,6 @@ fn expected(path: PathKind, event: Event) -> Expect {
     }
 }
 
-/// Cases where the engine breaks a promise: left out of the matrix tests,
-/// each run by an ignored test of its own (at the end), which names the
-/// symptom. One cause: a peer-copy grant is never fenced. Its revoke
-/// returns at once (the owner's `served` grants hold only staged ones, so
-/// `is_fenced` is true), while the requester's copies under it stay queued
-/// on its GPU (`peer_copy::Flight` knows no grant) and run afterwards.
-const KNOWN_BUGS: &[(PathKind, Event, Op)] = &[
-    (PathKind::PeerSameProcess, Event::GrantRevoked, Op::Write),
-    (PathKind::PeerSameProcess, Event::GrantRevoked, Op::Read),
-    (PathKind::PeerSameProcess, Event::GrantDropped, Op::Write),
-    (PathKind::PeerSameProcess, Event::GrantDropped, Op::Read),
-    (PathKind::PeerIpc, Event::GrantRevoked, Op::Write),
-    (PathKind::PeerIpc, Event::GrantRevoked, Op::Read),
-    (PathKind::PeerIpc, Event::GrantDropped, Op::Write),
-    (PathKind::PeerIpc, Event::GrantDropped, Op::Read),
-];
-
 fn config(path: PathKind) -> EngineConfig {
     let base = EngineConfig {
         qps_per_peer: 1,
@@ -709,15 +692,12 @@ fn check_path(
     }
 }
 
-/// Every case of `path` but the known bugs; fails naming every case that
-/// failed, after running them all.
+/// Every case of `path`; fails naming every case that failed, after
+/// running them all.
 fn matrix(path: PathKind) {
     let mut failed = Vec::new();
     for event in EVENTS {
         for op in [Op::Write, Op::Read] {
-            if KNOWN_BUGS.contains(&(path, event, op)) {
-                continue;
-            }
             match std::panic::catch_unwind(|| case(path, event, op)) {
                 Ok(summary) => eprintln!("ok   {summary}"),
                 Err(panic) => {
@@ -758,70 +738,4 @@ fn the_peer_copy_path_of_one_process_keeps_every_lifetime_promise() {
 #[test]
 fn the_peer_copy_path_through_ipc_keeps_every_lifetime_promise() {
     matrix(PathKind::PeerIpc);
-}
-
-// The known bugs (see [`KNOWN_BUGS`]), one test each.
-
-#[test]
-#[ignore = "BUG: revoke(T) returns Ok while a's peer copies under the grant are queued; \
-            they run after it: all 262144 bytes of b's granted memory change after the \
-            revoke returned, and the batch ends Ok"]
-fn bug_peer_copy_same_process_revoke_write() {
-    case(PathKind::PeerSameProcess, Event::GrantRevoked, Op::Write);
-}
-
-#[test]
-#[ignore = "BUG: revoke(T) returns Ok while a's peer copies under the grant are queued; \
-            they READ the granted memory after it: all 262144 bytes a gets are what b wrote \
-            there after the revoke returned, and the batch ends Ok"]
-fn bug_peer_copy_same_process_revoke_read() {
-    case(PathKind::PeerSameProcess, Event::GrantRevoked, Op::Read);
-}
-
-#[test]
-#[ignore = "BUG: a batch whose grant was dropped mid-flight ends Ok: its queued peer \
-            copies all run into the revoked grant (expected to fail, as on the NIC and \
-            staged paths)"]
-fn bug_peer_copy_same_process_grant_dropped_write() {
-    case(PathKind::PeerSameProcess, Event::GrantDropped, Op::Write);
-}
-
-#[test]
-#[ignore = "BUG: a batch whose grant was dropped mid-flight ends Ok: its queued peer \
-            copies all run out of the revoked grant (expected to fail, as on the NIC and \
-            staged paths)"]
-fn bug_peer_copy_same_process_grant_dropped_read() {
-    case(PathKind::PeerSameProcess, Event::GrantDropped, Op::Read);
-}
-
-#[test]
-#[ignore = "BUG: revoke(T) returns Ok while a's peer copies through the grant's IPC \
-            mapping are queued; they run after it: all 262144 bytes of b's granted memory \
-            change after the revoke returned, and the batch ends Ok"]
-fn bug_peer_copy_ipc_revoke_write() {
-    case(PathKind::PeerIpc, Event::GrantRevoked, Op::Write);
-}
-
-#[test]
-#[ignore = "BUG: revoke(T) returns Ok while a's peer copies through the grant's IPC \
-            mapping are queued; they READ the granted memory after it: all 262144 bytes a \
-            gets are what b wrote there after the revoke returned, and the batch ends Ok"]
-fn bug_peer_copy_ipc_revoke_read() {
-    case(PathKind::PeerIpc, Event::GrantRevoked, Op::Read);
-}
-
-#[test]
-#[ignore = "BUG: a batch whose grant was dropped mid-flight ends Ok: its queued peer \
-            copies all run through the IPC mapping into the revoked grant (expected to \
-            fail, as on the NIC and staged paths)"]
-fn bug_peer_copy_ipc_grant_dropped_write() {
-    case(PathKind::PeerIpc, Event::GrantDropped, Op::Write);
-}
-
-#[test]
-#[ignore = "BUG: a batch whose grant was dropped mid-flight ends Ok: its queued peer \
-            copies all run through the IPC mapping out of the revoked grant (expected to \
-            fail, as on the NIC and staged paths)"]
-fn bug_peer_copy_ipc_grant_dropped_read() {
-    case(PathKind::PeerIpc, Event::GrantDropped, Op::Read);
 }

@@ -313,3 +313,79 @@ fn engines_of_two_simulated_nodes_use_the_nic() {
     assert_eq!(w.ab.peer_copy(), PeerCopyRoute::Nic);
     w.peer_copy_round_trip((0, 0), MIB + 1, 2, PeerCopyRoute::Nic);
 }
+
+/// Slices of 64 KiB: a 4 MiB transfer is 64 of them, queued a window (one
+/// slice per stream, 4 streams) at a time, two windows at most.
+fn small_slices() -> EngineConfig {
+    EngineConfig {
+        peer_copy_slice: 64 * 1024,
+        ..config()
+    }
+}
+
+#[test]
+fn a_revoke_stops_a_peer_copy_at_its_next_window_and_returns_once_nothing_of_it_runs() {
+    for ipc in [false, true] {
+        let (w, cuda) = world_of((small_slices(), small_slices()), ipc);
+        let len = 4 * MIB;
+        let (_s, src) = w.a.gpu_on(0, len, 5);
+        let (dst_buf, dst) = w.b.gpu_on(1, len, 0);
+        let (grant, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+        let grant_id = remote.grant;
+        // a's GPU holds the first windows queued until the revoke is under
+        // way.
+        cuda.set_paused(true);
+        let batch =
+            w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+                .unwrap();
+        let fenced = std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(100));
+                cuda.set_paused(false);
+            });
+            grant
+                .revoke(T)
+                .unwrap_or_else(|e| panic!("ipc {ipc}: the revoke was not confirmed: {e}"));
+            w.b.bytes(&dst_buf)
+        });
+        assert_eq!(
+            batch.wait(T),
+            Err(TransferError::Revoked { grant: grant_id }),
+            "ipc {ipc}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        w.a.engine.progress();
+        assert!(
+            w.b.bytes(&dst_buf) == fenced,
+            "ipc {ipc}: bytes moved under the grant after its revoke returned"
+        );
+        let want = pattern(len as usize, 5);
+        let landed = fenced.iter().zip(&want).filter(|(a, b)| a == b).count();
+        assert!(
+            landed <= 8 * 64 * 1024 + len as usize / 256,
+            "ipc {ipc}: {landed} of {len} bytes landed: the revoke did not stop the copies \
+             queued after it (two windows of four 64 KiB slices may run)"
+        );
+    }
+}
+
+#[test]
+fn a_revoke_a_peer_process_has_not_confirmed_reports_timeout() {
+    let (w, cuda) = world_of((small_slices(), small_slices()), true);
+    let len = MIB;
+    let (_s, src) = w.a.gpu_on(0, len, 6);
+    let (_d, dst) = w.b.gpu_on(1, len, 0);
+    let (grant, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+    cuda.set_paused(true);
+    let batch =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
+            .unwrap();
+    // The importer's copies stay queued: it cannot release the grant.
+    let err = grant.revoke(Duration::from_millis(300)).unwrap_err();
+    assert!(matches!(err, EngineError::Timeout(_)), "{err}");
+    cuda.set_paused(false);
+    assert!(
+        matches!(batch.wait(T), Err(TransferError::Revoked { .. })),
+        "the batch under the revoked grant fails"
+    );
+}

@@ -89,6 +89,13 @@ pub enum TransferError {
         /// What it means.
         what: &'static str,
     },
+    /// The owner revoked the grant while the request was under way: it
+    /// stopped (what it moved before the revoke may have landed).
+    #[error("the grant {grant} was revoked while the request was under way")]
+    Revoked {
+        /// The grant.
+        grant: u64,
+    },
 }
 
 impl TransferError {

@@ -119,6 +119,7 @@ use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, Di
 use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::grants::{LocalGrants, RemoteGrants, Revoked};
 use gdr_proto::inbox::Inbox;
+use gdr_proto::peer_copy::Release;
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
 
 // The handshake and the reject ride in rdma_cm's private data.
@@ -216,8 +217,16 @@ pub struct EngineConfig {
     /// the NIC and sends no handle.
     pub peer_copy: bool,
     /// Largest single device copy of the peer-copy path: larger transfers
-    /// are cut into slices of this size spread over a few streams.
+    /// are cut into slices of this size spread over a few streams (and
+    /// queued a few at a time, so that a revoke stops a transfer within
+    /// about `8 x peer_copy_slice` bytes).
     pub peer_copy_slice: u64,
+    /// How long a revoked grant's memory is kept for a peer process that
+    /// had its CUDA IPC handle and has not answered that it released it
+    /// ([`peer_copy`]): past it the memory is given back unconfirmed (a
+    /// peer that does not cooperate cannot be fenced; `peer_copy: false`
+    /// sends no handle).
+    pub peer_copy_release_timeout: Duration,
     /// Landing slots (of `staging_slice` bytes, pinned, registered once)
     /// this engine lends each peer that asks for a rendezvous on its
     /// staging-rung memory: that peer's slices in flight at most
@@ -259,6 +268,7 @@ impl Default for EngineConfig {
             staging_slots: 8,
             peer_copy: true,
             peer_copy_slice: 64 << 20,
+            peer_copy_release_timeout: Duration::from_secs(10),
             rendezvous_slots: 4,
             topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
@@ -1478,6 +1488,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 offset,
                 handle,
             })) => peer.peer_copy.on_grant_ipc(grant, offset, handle),
+            Ok(Some(Control::GrantReleased { grant })) => peer.peer_copy.on_released(grant),
             Ok(Some(Control::Paths { devices })) => {
                 let names = String::from_utf8_lossy(devices);
                 for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {
@@ -2646,23 +2657,47 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
     }
 
     /// Revokes the grant and waits, at most `timeout`, for the revocation
-    /// fence: once this returns `Ok`, no byte moves under the grant through
-    /// the NIC or the staged path, the requests the peer had under way
-    /// included (they fail). A grant the NIC reaches is fenced as soon as
-    /// its MRs are deregistered (here); a staged one once the copies under
-    /// way under it have ended. Not yet the peer-copy path (GPUs of one
-    /// host): copies the peer already queued run to their end (a known gap;
-    /// set `peer_copy: false` where that matters). Past `timeout` it
-    /// returns [`EngineError::Timeout`], the revoke still under way.
+    /// fence: once this returns `Ok`, no byte moves under the grant by any
+    /// path, the requests the peer had under way included (they fail). A
+    /// grant the NIC reaches is fenced as soon as its MRs are deregistered
+    /// (here); a staged one once the copies under way under it have ended;
+    /// a peer-copy one once the peer's copies queued under it have run (an
+    /// engine of this process: its batches stop at their next window) or
+    /// the peer process that had its IPC handle answered that it released
+    /// it ([`peer_copy`]). Past `timeout` it returns
+    /// [`EngineError::Timeout`], the revoke still under way; a peer process
+    /// that never answers leaves it unconfirmed: `Timeout` too, even once
+    /// its memory was given back at
+    /// [`EngineConfig::peer_copy_release_timeout`].
     ///
     /// Dropping a grant starts the same revoke without waiting.
     pub fn revoke(self, timeout: Duration) -> Result<(), EngineError> {
         let grant = self.descriptor.grant;
         let peer = self.peer.clone();
+        let same_process = self._published.as_ref().map(|p| Arc::clone(&p.fence));
         drop(self);
-        match peer.progress_until(timeout, |p| p.served.is_fenced(grant).then_some(())) {
-            Err(EngineError::PeerGone(_)) => Ok(()),
-            other => other,
+        let deadline = Instant::now() + timeout;
+        let mut idle = Idle::default();
+        loop {
+            let (staged, exported) = {
+                let state = lock(&peer.engine.shared.state);
+                let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
+                    // A gone peer's served grants went with it.
+                    Some(p) => p.gone.is_some() || p.served.is_fenced(grant),
+                    None => true,
+                };
+                (staged, state.peer_copy.exports.release(grant))
+            };
+            let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
+            match exported {
+                Release::Released if staged && copies_fenced => return Ok(()),
+                Release::GivenUp => return Err(EngineError::Timeout(timeout)),
+                _ => {}
+            }
+            if Instant::now() >= deadline {
+                return Err(EngineError::Timeout(timeout));
+            }
+            idle.after(peer.engine.progress());
         }
     }
 }
@@ -2670,6 +2705,15 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
 impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
+        {
+            // An exported IPC handle: its memory stays until the importer
+            // released it (or the bound passed).
+            let config = &self.peer.engine.shared.config;
+            lock(&self.peer.engine.shared.state)
+                .peer_copy
+                .exports
+                .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
+        }
         let fenced = self.peer.read_peer(|_, p| {
             p.granted.remove(&grant);
             let revoked = p.served.revoke(grant);

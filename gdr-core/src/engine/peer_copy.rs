@@ -54,16 +54,42 @@
 //! once, when all have passed. Between two GPUs of one process the engine
 //! enables peer access once per pair ([`hal_cuda::Context::enable_peer_access`]).
 //! A copy that cannot be queued fails its batch only (after what was
-//! queued has run). Copies cannot be recalled: a deadline ends the batch
-//! with [`TransferError::Timeout`] and a cancel with
-//! [`TransferError::Cancelled`] once the queued copies have run, and the
-//! memory (regions, IPC mappings) is held until then. A stream fence
-//! needs no GPUDirect flush: a CUDA copy is ordered for kernels.
+//! queued has run). Copies cannot be recalled once queued, so a batch's
+//! slices are queued a *window* at a time (one slice per stream, at most
+//! two windows on the GPU: [`gdr_proto::peer_copy::CopyFlight`]), and
+//! before each window every grant the batch copies under is checked: a
+//! cancel, a deadline or a revoke stops the batch there. A deadline ends it
+//! with [`TransferError::Timeout`] at once, a cancel with
+//! [`TransferError::Cancelled`] and a revoke with [`TransferError::Revoked`]
+//! once the windows already queued have run; the memory (regions, IPC
+//! mappings) is held until then. A stream fence needs no GPUDirect flush: a
+//! CUDA copy is ordered for kernels.
+//!
+//! # Revocation
+//!
+//! The requester copies, so the owner's revoke needs its help:
+//! - One process: the registry entry carries a fence the requester's
+//!   batches take a use of while anything of theirs is queued; the revoke
+//!   marks it, batches stop at their next window, and
+//!   [`super::RegionGrant::revoke`] returns once the last use ended. This
+//!   holds whatever the requester does: both engines are gdr in one
+//!   process.
+//! - Another process: a CUDA IPC handle cannot be taken back. The owner
+//!   keeps the grant's memory until the importer answers the revoke with a
+//!   [`Control::GrantReleased`] (sent once none of its batches has
+//!   anything queued under the grant) or until
+//!   [`super::EngineConfig::peer_copy_release_timeout`] passes; the revoke
+//!   returns `Ok` only on the answer. Only a cooperating peer can be
+//!   fenced this way: `peer_copy: false` is the setting for peers not
+//!   trusted that far.
 
 use std::any::Any;
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
+
+use gdr_proto::peer_copy::{CopyFlight, Exports, Releases, Slice, Stop, Windows};
 
 use hal_cuda::{Context as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
 use hal_verbs::Api;
@@ -77,6 +103,9 @@ use crate::sync::lock;
 
 /// Streams of each GPU that peer copies rotate over.
 const STREAMS_PER_GPU: usize = 4;
+/// Windows of a batch on the GPU at once: two keep it busy while the
+/// engine learns that one ended and queues the next.
+const WINDOWS_IN_FLIGHT: usize = 2;
 
 /// Where an engine runs: one host when the boot ids match, one address
 /// space (process) when the process tokens do too.
@@ -111,7 +140,8 @@ pub enum PeerCopyRoute {
 /// see the route taken).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PeerCopyStats {
-    /// Batches submitted by peer copy.
+    /// Batches moved by peer copy (counted when their copies have run,
+    /// unless one failed).
     pub batches: u64,
     /// Their bytes.
     pub bytes: u64,
@@ -125,6 +155,13 @@ pub(super) struct PeerLink<C: hal_cuda::Api> {
     remote: Option<Locality>,
     /// The IPC handles of the peer's grants, by grant id.
     ipc: HashMap<u64, IpcGrant<C>>,
+    /// Grants whose handle we had that the peer revoked: a release is
+    /// owed (moved to [`Copies`] by the next pump; at most one per grant
+    /// the peer sent a handle for).
+    revoked_ipc: Vec<u64>,
+    /// The peer's releases of our exported grants, for the next pump
+    /// (bounded by what one progress call receives).
+    released: Vec<u64>,
 }
 
 impl<C: hal_cuda::Api> Default for PeerLink<C> {
@@ -132,6 +169,8 @@ impl<C: hal_cuda::Api> Default for PeerLink<C> {
         Self {
             remote: None,
             ipc: HashMap::new(),
+            revoked_ipc: Vec::new(),
+            released: Vec::new(),
         }
     }
 }
@@ -165,7 +204,14 @@ impl<C: hal_cuda::Api> PeerLink<C> {
     /// The peer revoked a grant: its handle (and mapping, once no copy
     /// uses it) goes.
     pub(super) fn on_revoke(&mut self, grant: u64) {
-        self.ipc.remove(&grant);
+        if self.ipc.remove(&grant).is_some() {
+            self.revoked_ipc.push(grant);
+        }
+    }
+
+    /// The peer released one of our exported grants it had been revoked.
+    pub(super) fn on_released(&mut self, grant: u64) {
+        self.released.push(grant);
     }
 
     fn route(&self, here: Option<Locality>) -> PeerCopyRoute {
@@ -192,17 +238,78 @@ struct Mapping<C: hal_cuda::Api> {
     mapping: C::IpcMapping,
 }
 
-/// A batch of copies queued on the GPU.
+/// A batch of copies, queued on the GPU a window at a time.
 struct Flight<C: hal_cuda::Api> {
     cell: Arc<CompletionCell>,
-    /// One per stream the batch used, recorded after its last copy there.
-    events: Vec<C::Event>,
+    proto: CopyFlight,
+    plan: Vec<Planned>,
+    /// The windows queued and not yet seen done, oldest first: the events
+    /// recorded after each (one per stream it used).
+    windows: VecDeque<Vec<C::Event>>,
+    /// Why it failed, when a copy could not be queued or ran wrong.
     error: Option<TransferError>,
-    cancelled: bool,
-    deadline: Option<Instant>,
     timeout: Duration,
-    /// The memory copied from and to, until the copies have run.
+    /// Its bytes (counted in the stats unless a copy failed).
+    bytes: u64,
+    /// The grants it copies under, checked before each window.
+    grants: Vec<GrantUse>,
+    /// The memory copied from and to, until nothing of it is queued.
     _keep: Vec<Keep>,
+}
+
+/// A flight's hold on a grant it copies under.
+enum GrantUse {
+    /// A use of a same-process grant's fence (ends on drop).
+    SameProcess { grant: u64, fence: FenceUse },
+    /// A grant of peer `slot` reached through its IPC handle: live while
+    /// the handle is.
+    Ipc { slot: usize, grant: u64 },
+}
+
+/// The revocation fence of a grant published to an engine of this
+/// process: the owner marks it revoked; the requester's batches take a use
+/// while anything of theirs is queued under it.
+#[derive(Debug, Default)]
+pub(super) struct CopyFence {
+    revoked: AtomicBool,
+    uses: AtomicUsize,
+}
+
+impl CopyFence {
+    /// No batch queues anything more under the grant.
+    fn revoke(&self) {
+        self.revoked.store(true, Ordering::SeqCst);
+    }
+
+    fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::SeqCst)
+    }
+
+    /// Revoked, and no batch has anything queued under it.
+    pub(super) fn is_fenced(&self) -> bool {
+        self.is_revoked() && self.uses.load(Ordering::SeqCst) == 0
+    }
+}
+
+/// A batch's use of a [`CopyFence`]; ends on drop.
+struct FenceUse(Arc<CopyFence>);
+
+impl FenceUse {
+    /// A use, unless the grant is revoked. The count goes up before the
+    /// flag is read and the revoke sets the flag before it reads the
+    /// count (both sequentially consistent): a revoke that finds no use
+    /// is never followed by a use that missed its flag.
+    fn take(fence: &Arc<CopyFence>) -> Option<Self> {
+        fence.uses.fetch_add(1, Ordering::SeqCst);
+        let taken = Self(Arc::clone(fence));
+        (!fence.is_revoked()).then_some(taken)
+    }
+}
+
+impl Drop for FenceUse {
+    fn drop(&mut self) {
+        self.0.uses.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The engine's peer-copy state (under its lock).
@@ -218,6 +325,12 @@ pub(super) struct Copies<C: hal_cuda::Api> {
     peer_access: HashSet<(u32, u32)>,
     flights: Vec<Flight<C>>,
     stats: PeerCopyStats,
+    /// Our grants whose IPC handle went to a peer of another process, each
+    /// holding its region until the importer released it.
+    pub(super) exports: Exports<Keep>,
+    /// The releases we owe owners that revoked a grant we had the handle
+    /// of, by (peer slot, grant).
+    releases: Releases,
 }
 
 impl<C: hal_cuda::Api> Copies<C> {
@@ -236,6 +349,8 @@ impl<C: hal_cuda::Api> Copies<C> {
             peer_access: HashSet::new(),
             flights: Vec::new(),
             stats: PeerCopyStats::default(),
+            exports: Exports::default(),
+            releases: Releases::default(),
         }
     }
 }
@@ -251,6 +366,7 @@ struct Published {
     rights: GrantRights,
     /// The region (weak: the grant holds it).
     region: Weak<dyn Any + Send + Sync>,
+    fence: Arc<CopyFence>,
 }
 
 /// Grants of GPU memory published to engines of this process, by (owner
@@ -268,11 +384,15 @@ fn published() -> std::sync::MutexGuard<'static, HashMap<(u64, u64), Published>>
 /// the grant). Holds the region, so the memory stays while it is granted.
 pub(super) struct Publication {
     key: (u64, u64),
+    pub(super) fence: Arc<CopyFence>,
     _region: Keep,
 }
 
 impl Drop for Publication {
     fn drop(&mut self) {
+        // Batches under way stop at their next window; the region stays
+        // held by theirs until they drained.
+        self.fence.revoke();
         published().remove(&self.key);
     }
 }
@@ -283,7 +403,6 @@ struct Planned {
     ordinal: u32,
     local: u64,
     remote: u64,
-    len: u64,
 }
 
 impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
@@ -335,6 +454,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 let here = lock(&self.engine.shared.state).peer_copy.here?;
                 let key = (self.engine.shared.id, descriptor.grant);
                 let keep: Keep = Arc::clone(&region.inner) as Keep;
+                let fence = Arc::new(CopyFence::default());
                 published().insert(
                     key,
                     Published {
@@ -345,9 +465,14 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                         len: descriptor.len,
                         rights: descriptor.rights,
                         region: Arc::downgrade(&keep),
+                        fence: Arc::clone(&fence),
                     },
                 );
-                Some(Publication { key, _region: keep })
+                Some(Publication {
+                    key,
+                    fence,
+                    _region: keep,
+                })
             }
             PeerCopyRoute::Ipc => {
                 let _span =
@@ -364,8 +489,21 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                             offset,
                             handle: handle.0,
                         };
-                        if let Err(e) = self.send_control(&message) {
-                            tracing::debug!(error = %e, "no IPC handle sent: the NIC path");
+                        match self.send_control(&message) {
+                            // Held until the importer releases it (after
+                            // the revoke) or the bound passes.
+                            Ok(_) => {
+                                let keep: Keep = Arc::clone(&region.inner) as Keep;
+                                let session = self.session();
+                                lock(&self.engine.shared.state).peer_copy.exports.export(
+                                    descriptor.grant,
+                                    session,
+                                    keep,
+                                );
+                            }
+                            Err(e) => {
+                                tracing::debug!(error = %e, "no IPC handle sent: the NIC path")
+                            }
                         }
                     }
                     Err(e) => tracing::debug!(error = %e, "no IPC handle: the NIC path"),
@@ -410,7 +548,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             super::check_transfer(peer, t)?;
         }
         let mut plan = Vec::with_capacity(transfers.len());
+        let mut lens = Vec::with_capacity(transfers.len());
         let mut keep: Vec<Keep> = Vec::new();
+        let mut grants: Vec<GrantUse> = Vec::new();
         for t in transfers {
             let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
                 return Ok(None);
@@ -421,9 +561,24 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             let ordinal = u32::from(ordinal);
             let remote = match route {
                 PeerCopyRoute::SameProcess => {
-                    engine.published_remote(copies, t, ordinal, &mut keep)?
+                    engine.published_remote(copies, t, ordinal, &mut keep, &mut grants)?
                 }
-                _ => engine.mapped_remote(copies, &mut peer.peer_copy, t, ordinal, &mut keep)?,
+                _ => {
+                    let remote =
+                        engine.mapped_remote(copies, &mut peer.peer_copy, t, ordinal, &mut keep)?;
+                    let grant = t.remote.grant;
+                    if remote.is_some()
+                        && !grants
+                            .iter()
+                            .any(|g| matches!(g, GrantUse::Ipc { grant: g, .. } if *g == grant))
+                    {
+                        grants.push(GrantUse::Ipc {
+                            slot: self.slot,
+                            grant,
+                        });
+                    }
+                    remote
+                }
             };
             let Some(remote) = remote else {
                 return Ok(None);
@@ -434,12 +589,30 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 ordinal,
                 local: t.local.inner.addr + t.local_offset,
                 remote,
-                len: t.len,
             });
+            lens.push(t.len);
         }
         let cell = Arc::new(CompletionCell::new());
         let deadline = config.clock.now().checked_add(timeout);
-        engine.launch(copies, &plan, Arc::clone(&cell), deadline, timeout, keep);
+        let bytes = lens.iter().sum::<u64>();
+        let windows = Windows {
+            slice: config.peer_copy_slice,
+            slices: STREAMS_PER_GPU,
+            in_flight: WINDOWS_IN_FLIGHT,
+        };
+        let mut flight = Flight {
+            cell: Arc::clone(&cell),
+            proto: CopyFlight::new(lens, windows, deadline),
+            plan,
+            windows: VecDeque::new(),
+            error: None,
+            timeout,
+            bytes,
+            grants,
+            _keep: keep,
+        };
+        engine.queue_windows(copies, &mut flight);
+        copies.flights.push(flight);
         drop(guard);
         engine.ensure_own_driver();
         Ok(Some(Batch::of_cell(engine.clone(), cell)))
@@ -461,9 +634,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         t: &Transfer<'_, V>,
         ordinal: u32,
         keep: &mut Vec<Keep>,
+        grants: &mut Vec<GrantUse>,
     ) -> Result<Option<u64>, EngineError> {
         let d = t.remote;
-        let (addr, owner_gpu, region) = {
+        let (addr, owner_gpu, region, fence) = {
             let registry = published();
             let Some(entry) = registry.get(&(d.owner, d.grant)) else {
                 return Ok(None);
@@ -480,8 +654,25 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 return Ok(None);
             };
             super::check_within("remote grant", t.remote_offset, t.len, entry.len)?;
-            (entry.addr, entry.ordinal, region)
+            (entry.addr, entry.ordinal, region, Arc::clone(&entry.fence))
         };
+        if !grants
+            .iter()
+            .any(|g| matches!(g, GrantUse::SameProcess { grant, .. } if *grant == d.grant))
+        {
+            // Revoked since it was looked up: refused as the NIC path
+            // refuses a revoked grant.
+            let Some(fence) = FenceUse::take(&fence) else {
+                return Err(EngineError::Refused(format!(
+                    "grant {} was revoked",
+                    d.grant
+                )));
+            };
+            grants.push(GrantUse::SameProcess {
+                grant: d.grant,
+                fence,
+            });
+        }
         keep.push(region);
         self.enable_peer_access(copies, ordinal, owner_gpu);
         Ok(Some(addr + t.remote_offset))
@@ -597,54 +788,69 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         Ok((&streams[index], index))
     }
 
-    /// Queues the copies of `plan` in slices over the local GPUs' streams,
-    /// records an event on each stream used, and tracks the batch.
-    fn launch(
+    /// Queues the windows `flight` may have on the GPU now: each window's
+    /// slices over the local GPUs' streams, then an event on each stream
+    /// it used. A copy that cannot be queued stops the flight (what was
+    /// queued still drains).
+    fn queue_windows(&self, copies: &mut Copies<C>, flight: &mut Flight<C>) {
+        while let Some(window) = flight.proto.poll_window() {
+            let (events, error) = self.queue_window(copies, &flight.plan, &window);
+            if let Some(e) = error {
+                flight.error.get_or_insert(e);
+                flight.proto.stop(Stop::Failed);
+            }
+            if events.is_empty() {
+                // Nothing to wait for: either nothing was queued or the
+                // streams were synchronized (see `queue_window`).
+                flight.proto.window_done();
+            } else {
+                flight.windows.push_back(events);
+            }
+        }
+    }
+
+    /// Queues one window's slices; the events recorded after them, and the
+    /// error that stopped it, if any.
+    fn queue_window(
         &self,
         copies: &mut Copies<C>,
         plan: &[Planned],
-        cell: Arc<CompletionCell>,
-        deadline: Option<Instant>,
-        timeout: Duration,
-        keep: Vec<Keep>,
-    ) {
-        let slice = self.shared.config.peer_copy_slice.max(1);
+        window: &[Slice],
+    ) -> (Vec<C::Event>, Option<TransferError>) {
         let mut used: Vec<(u32, usize)> = Vec::new();
         let mut error = None;
-        let mut queued = 0u64;
-        'plan: for p in plan {
-            let mut done = 0;
-            while done < p.len {
-                let len = (p.len - done).min(slice);
-                let (dst, src) = match p.op {
-                    Op::Write => (p.remote + done, p.local + done),
-                    Op::Read => (p.local + done, p.remote + done),
-                };
-                let copied = self
-                    .next_stream(copies, p.ordinal)
-                    .and_then(|(stream, index)| {
-                        // SAFETY: both ranges were checked to lie in device
-                        // memory this batch holds (the local region, and the
-                        // owner's region or the IPC mapping, in `keep`) until
-                        // the events recorded after these copies have passed.
-                        unsafe { stream.copy_device_to_device(dst, src, len as usize) }?;
-                        Ok(index)
-                    });
-                match copied {
-                    Ok(index) => {
-                        if !used.contains(&(p.ordinal, index)) {
-                            used.push((p.ordinal, index));
-                        }
-                        queued += 1;
+        for slice in window {
+            let p = &plan[slice.transfer];
+            let (dst, src) = match p.op {
+                Op::Write => (p.remote + slice.offset, p.local + slice.offset),
+                Op::Read => (p.local + slice.offset, p.remote + slice.offset),
+            };
+            let len = slice.len;
+            let copied = self
+                .next_stream(copies, p.ordinal)
+                .and_then(|(stream, index)| {
+                    // SAFETY: both ranges were checked to lie in device
+                    // memory this batch holds (the local region, and the
+                    // owner's region or the IPC mapping, in the flight's
+                    // `_keep`) until the events recorded after these
+                    // copies have passed; the grant was live when this
+                    // window was queued (checked by the pump).
+                    unsafe { stream.copy_device_to_device(dst, src, len as usize) }?;
+                    Ok(index)
+                });
+            match copied {
+                Ok(index) => {
+                    if !used.contains(&(p.ordinal, index)) {
+                        used.push((p.ordinal, index));
                     }
-                    Err(e) => {
-                        error = Some(TransferError::Local {
-                            what: format!("a peer copy of {len} bytes: {e}"),
-                        });
-                        break 'plan;
-                    }
+                    copies.stats.copies += 1;
                 }
-                done += len;
+                Err(e) => {
+                    error = Some(TransferError::Local {
+                        what: format!("a peer copy of {len} bytes: {e}"),
+                    });
+                    break;
+                }
             }
         }
         let mut events = Vec::with_capacity(used.len());
@@ -671,75 +877,137 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
         }
-        if error.is_none() {
-            copies.stats.batches += 1;
-            copies.stats.bytes += plan.iter().map(|p| p.len).sum::<u64>();
-        }
-        copies.stats.copies += queued;
-        copies.flights.push(Flight {
-            cell,
-            events,
-            error,
-            cancelled: false,
-            deadline,
-            timeout,
-            _keep: keep,
-        });
+        (events, error)
     }
 
-    /// Ends the peer-copy batches whose copies have run, and those past
-    /// their deadline (their memory held until the copies have run);
-    /// drops the IPC handles of peers that are gone. Returns how many
+    /// Moves the peer-copy batches on: retires their windows that ran,
+    /// stops those whose grant was revoked (or whose deadline passed, or
+    /// that were cancelled), queues their next windows, and ends each
+    /// batch once; drops the IPC handles of peers that are gone; takes the
+    /// importers' releases of our exported grants and gives up on those
+    /// past their bound; sends the releases we owe. Returns how many
     /// batches ended.
     pub(super) fn pump_peer_copies(&self, state: &mut State<V, C>, now: Instant) -> usize {
-        for peer in state.peers.iter_mut().flatten() {
-            if peer.gone.is_some() && !peer.peer_copy.ipc.is_empty() {
-                peer.peer_copy.ipc.clear();
+        let State {
+            peers,
+            peer_copy: copies,
+            ..
+        } = state;
+        for (slot, peer) in peers.iter_mut().enumerate() {
+            let Some(peer) = peer else { continue };
+            let link = &mut peer.peer_copy;
+            if peer.gone.is_some() && !link.ipc.is_empty() {
+                link.ipc.clear();
+            }
+            for grant in link.revoked_ipc.drain(..) {
+                copies.releases.owe(slot as u64, grant);
+            }
+            for grant in link.released.drain(..) {
+                if copies.exports.on_released(grant, peer.session).is_some() {
+                    tracing::debug!(grant, "the importer released a revoked grant");
+                }
             }
         }
-        let flights = &mut state.peer_copy.flights;
-        if flights.is_empty() {
-            return 0;
+        for (grant, _) in copies.exports.handle_timeout(now) {
+            tracing::warn!(
+                grant,
+                "no release of a revoked grant's IPC handle within the bound: its memory is given back unconfirmed"
+            );
         }
+        let mut flights = std::mem::take(&mut copies.flights);
         let mut ended = 0;
         flights.retain_mut(|flight| {
-            let mut pending = false;
-            for event in &flight.events {
-                match event.is_complete() {
-                    Ok(true) => {}
-                    Ok(false) => pending = true,
-                    Err(e) => {
-                        flight.error.get_or_insert(TransferError::Local {
-                            what: format!("a peer copy: {e}"),
-                        });
+            // The windows that ran.
+            while let Some(events) = flight.windows.front() {
+                let mut pending = false;
+                for event in events {
+                    match event.is_complete() {
+                        Ok(true) => {}
+                        Ok(false) => pending = true,
+                        Err(e) => {
+                            flight.error.get_or_insert(TransferError::Local {
+                                what: format!("a peer copy: {e}"),
+                            });
+                            flight.proto.stop(Stop::Failed);
+                        }
                     }
                 }
+                if pending {
+                    break;
+                }
+                flight.windows.pop_front();
+                flight.proto.window_done();
             }
-            if pending {
-                if flight.deadline.is_some_and(|at| now >= at)
-                    && flight.cell.complete(Err(TransferError::Timeout {
+            // The grants, before anything more is queued under them.
+            for grant in &flight.grants {
+                let live = match grant {
+                    GrantUse::SameProcess { fence, .. } => !fence.0.is_revoked(),
+                    GrantUse::Ipc { slot, grant } => peers
+                        .get(*slot)
+                        .and_then(Option::as_ref)
+                        .is_some_and(|p| p.peer_copy.ipc.contains_key(grant)),
+                };
+                if !live {
+                    let grant = match grant {
+                        GrantUse::SameProcess { grant, .. } | GrantUse::Ipc { grant, .. } => *grant,
+                    };
+                    flight.proto.stop(Stop::Revoked { grant });
+                }
+            }
+            flight.proto.handle_timeout(now);
+            self.queue_windows(copies, flight);
+            if flight.proto.is_drained() && flight.proto.stopped() != Some(Stop::Failed) {
+                // Counted once: a drained flight is dropped below.
+                copies.stats.batches += 1;
+                copies.stats.bytes += flight.bytes;
+            }
+            if let Some(outcome) = flight.proto.poll_outcome() {
+                let outcome = match outcome {
+                    Ok(()) => Ok(()),
+                    Err(Stop::TimedOut) => Err(TransferError::Timeout {
                         after: flight.timeout,
-                    }))
-                {
+                    }),
+                    Err(Stop::Cancelled) => Err(TransferError::Cancelled),
+                    Err(Stop::Revoked { grant }) => Err(TransferError::Revoked { grant }),
+                    Err(Stop::Failed) => Err(flight.error.take().unwrap_or(TransferError::Local {
+                        what: "a peer copy failed".into(),
+                    })),
+                };
+                if flight.cell.complete(outcome) {
                     ended += 1;
                 }
-                return true;
             }
-            let outcome = match (flight.cancelled, flight.error.take()) {
-                (true, _) => Err(TransferError::Cancelled),
-                (false, Some(e)) => Err(e),
-                (false, None) => Ok(()),
-            };
-            if flight.cell.complete(outcome) {
-                ended += 1;
-            }
-            false
+            !flight.proto.is_drained()
         });
+        copies.flights = flights;
+        // The releases owed whose grants no batch has anything queued under.
+        let flights = &copies.flights;
+        let ready = copies.releases.poll_release(|slot, grant| {
+            flights.iter().any(|f| {
+                f.grants.iter().any(|g| {
+                    matches!(g, GrantUse::Ipc { slot: s, grant: g } if *s as u64 == slot && *g == grant)
+                })
+            })
+        });
+        for (slot, grant) in ready {
+            let Some(peer) = peers.get_mut(slot as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            let config = &self.shared.config;
+            if let Err(e) = peer.enqueue(
+                &Control::GrantReleased { grant },
+                now,
+                config.default_timeout,
+            ) {
+                tracing::debug!(grant, error = %e, "a grant release not sent");
+            }
+        }
         ended
     }
 
-    /// Cancels the peer-copy batch of `cell`, if it is one: it ends
-    /// [`TransferError::Cancelled`] once its queued copies have run.
+    /// Cancels the peer-copy batch of `cell`, if it is one: it queues
+    /// nothing more and ends [`TransferError::Cancelled`] once its queued
+    /// copies have run.
     pub(super) fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
         let mut state = lock(&self.shared.state);
         if let Some(flight) = state
@@ -748,7 +1016,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .iter_mut()
             .find(|f| Arc::ptr_eq(&f.cell, cell))
         {
-            flight.cancelled = true;
+            flight.proto.stop(Stop::Cancelled);
         }
     }
 }

@@ -64,7 +64,10 @@ fn windows_cover_every_byte_once_in_order() {
     let mut gpu = Gpu::new(lens.len());
     loop {
         gpu.feed(&mut flight);
-        assert!(gpu.queue.len() <= WINDOWS.in_flight, "too many windows on the GPU");
+        assert!(
+            gpu.queue.len() <= WINDOWS.in_flight,
+            "too many windows on the GPU"
+        );
         if !gpu.run_one(&mut flight) {
             break;
         }
@@ -93,8 +96,15 @@ fn a_revoke_mid_transfer_stops_it_after_the_windows_already_queued() {
     let queued_before_revoke = gpu.queue.len() as u64 * WINDOWS.slice * WINDOWS.slices as u64;
     let copied_before_revoke = gpu.bytes(0);
     flight.stop(Stop::Revoked { grant: 7 });
-    assert_eq!(flight.poll_window(), None, "nothing queued after the revoke");
-    assert!(!flight.is_drained(), "not fenced while windows are on the GPU");
+    assert_eq!(
+        flight.poll_window(),
+        None,
+        "nothing queued after the revoke"
+    );
+    assert!(
+        !flight.is_drained(),
+        "not fenced while windows are on the GPU"
+    );
     assert_eq!(flight.poll_outcome(), None, "no outcome before it drained");
     while gpu.run_one(&mut flight) {
         assert_eq!(flight.poll_window(), None);
@@ -291,7 +301,15 @@ fn an_importer_that_never_releases_is_given_up_on_at_the_bound() {
     assert!(owner.handle_timeout(t0 + bound / 2).is_empty());
     assert_eq!(owner.release(3), Release::Awaiting);
     assert_eq!(owner.handle_timeout(t0 + bound), vec![(3, 30)]);
-    assert_eq!(owner.release(3), Release::Released);
+    assert_eq!(owner.release(3), Release::GivenUp, "not confirmed");
+    assert!(owner.is_empty());
+    // The record of it is bounded.
+    for g in 100..100 + GIVEN_UP_KEPT as u64 {
+        owner.export(g, CONN, 0);
+        owner.revoke(g, t0, bound);
+    }
+    assert_eq!(owner.handle_timeout(t0 + bound).len(), GIVEN_UP_KEPT);
+    assert_eq!(owner.release(3), Release::Released, "forgotten");
     assert_eq!(owner.poll_timeout(), None);
 }
 
@@ -300,7 +318,11 @@ fn a_release_of_a_live_grant_or_from_another_peer_changes_nothing() {
     let t0 = Instant::now();
     let mut owner: Exports<u32> = Exports::default();
     owner.export(4, CONN, 40);
-    assert_eq!(owner.on_released(4, CONN), None, "not revoked: still granted");
+    assert_eq!(
+        owner.on_released(4, CONN),
+        None,
+        "not revoked: still granted"
+    );
     owner.revoke(4, t0, Duration::from_secs(1));
     assert_eq!(owner.on_released(4, CONN + 1), None, "another connection");
     assert_eq!(owner.on_released(99, CONN), None, "never exported");
