@@ -179,3 +179,52 @@ fn a_revoked_staged_grant_stops_the_requests_already_accepted() {
     );
     no_use_after_free(&w);
 }
+
+/// A staged grant revoked after its peer was closed while a copy into the
+/// granted memory still ran (the owner's GPU held): the revoke returns only
+/// once that copy has ended. It returned at once when it saw the peer gone
+/// before the engine's progress had waited for the copy, which then wrote
+/// the granted memory after the fence (3 runs in 6 before the fix).
+#[test]
+fn a_staged_grant_revoked_after_its_peer_went_waits_for_the_copies_still_running() {
+    const BIG: u64 = 1 << 20;
+    let w = slots_world();
+    let (_src_buf, src) = w.a.host(BIG, 4);
+    let (dst_buf, dst) = w.b.gpu(BIG, 0);
+    let (grant, remote) = w.b_grants(&dst, GrantRights::Write);
+    let _a_driver = w.a.engine.spawn_driver(Duration::from_micros(50));
+    // b's GPU runs nothing: the landing copies of the slices a fills stay
+    // under way.
+    w.b.cuda.set_paused(true);
+    let batch =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, BIG)])
+            .unwrap();
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(300) {
+        w.b.engine.progress();
+        std::thread::yield_now();
+    }
+    assert!(
+        w.b.bytes(&dst_buf) == pattern(BIG as usize, 0),
+        "nothing landed while b's GPU was held"
+    );
+    // b closes the peer: it waits a second for the copies, then goes.
+    w.ba.close().unwrap();
+    let fenced = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            w.b.cuda.set_paused(false);
+        });
+        grant.revoke(T).expect("the revoke is fenced");
+        w.b.bytes(&dst_buf)
+    });
+    let _ = batch.wait(T);
+    for _ in 0..100 {
+        w.b.engine.progress();
+    }
+    assert!(
+        w.b.bytes(&dst_buf) == fenced,
+        "bytes moved under the grant after its revoke completed"
+    );
+    no_use_after_free(&w);
+}

@@ -2682,8 +2682,13 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
             let (staged, exported) = {
                 let state = lock(&peer.engine.shared.state);
                 let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
-                    // A gone peer's served grants went with it.
-                    Some(p) => p.gone.is_some() || p.served.is_fenced(grant),
+                    // A gone peer's served grants go with it, once the
+                    // copies still running for it have ended (the next
+                    // progress waits for them).
+                    Some(p) => {
+                        p.served.is_fenced(grant) || (p.gone.is_some() && !p.landing.copying())
+                    }
+                    // Its state dropped: its copies were waited for.
                     None => true,
                 };
                 (staged, state.peer_copy.exports.release(grant))
