@@ -1,32 +1,44 @@
 #!/usr/bin/env python3
-# Planted bugs in gdr-proto/src/peer_copy.rs: each is applied alone, the
-# crate's peer_copy tests run, and the file restored. Every one must be
+# Planted bugs in gdr-proto's peer-copy and gate protocols: each is applied
+# alone, the module's tests run, and the file restored. Every one must be
 # caught (the test suite fails). Run from the repository root.
 import subprocess, sys
-p='gdr-proto/src/peer_copy.rs'
-orig=open(p).read()
+PC='gdr-proto/src/peer_copy.rs'
+GATE='gdr-proto/src/gate.rs'
 muts=[
- ("stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
- ("one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
- ("drained with windows queued","self.queued == 0 && (self.stop.is_some() || self.exhausted())","(self.stop.is_some() || self.exhausted())"),
- ("outcome twice","        self.ended = true;\n        Some(outcome)","        Some(outcome)"),
- ("release of a live grant","Some(e) if e.peer == peer && e.release_by.is_some() =>","Some(e) if e.peer == peer =>"),
- ("release from another peer","Some(e) if e.peer == peer && e.release_by.is_some() =>","Some(e) if e.release_by.is_some() =>"),
- ("release owed sent while in use","            if in_use(peer, grant) {","            if in_use(peer, grant) && false {"),
- ("last stop wins","        self.stop.get_or_insert(why);","        self.stop = Some(why);"),
- ("deadline off by one","if self.deadline.is_some_and(|at| now >= at)","if self.deadline.is_some_and(|at| now > at)"),
- ("given up not recorded","            self.given_up.push_back(grant);","            let _ = grant;"),
- ("bound never expires",".filter(|(_, e)| e.release_by.is_some_and(|at| now >= at))",".filter(|(_, e)| e.release_by.is_some_and(|at| now > at + Duration::from_secs(3600)))"),
+ (PC,"stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
+ (PC,"one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
+ (PC,"drained with windows queued","self.queued == 0 && (self.stop.is_some() || self.exhausted())","(self.stop.is_some() || self.exhausted())"),
+ (PC,"outcome twice","        self.ended = true;\n        Some(outcome)","        Some(outcome)"),
+ (PC,"release of a live grant","Some(e) if e.peer == peer && e.release_by.is_some() =>","Some(e) if e.peer == peer =>"),
+ (PC,"release from another peer","Some(e) if e.peer == peer && e.release_by.is_some() =>","Some(e) if e.release_by.is_some() =>"),
+ (PC,"release owed sent while in use","            if in_use(peer, grant) {","            if in_use(peer, grant) && false {"),
+ (PC,"last stop wins","        self.stop.get_or_insert(why);","        self.stop = Some(why);"),
+ (PC,"deadline off by one","if self.deadline.is_some_and(|at| now >= at)","if self.deadline.is_some_and(|at| now > at)"),
+ (PC,"given up not recorded","            self.given_up.push_back(grant);","            let _ = grant;"),
+ (PC,"bound never expires",".filter(|(_, e)| e.release_by.is_some_and(|at| now >= at))",".filter(|(_, e)| e.release_by.is_some_and(|at| now > at + Duration::from_secs(3600)))"),
+ (GATE,"cancel loses to a reached stream","        if cancelled {\n            return Step::End(GateEnd::Cancelled);\n        }\n        match seen {\n            Seen::Reached => Step::Open,","        match seen {\n            Seen::Reached => Step::Open,\n            _ if cancelled => Step::End(GateEnd::Cancelled),"),
+ (GATE,"gone peer ignored","            Seen::NotYet if peer_gone => Step::End(GateEnd::PeerGone),\n",""),
+ (GATE,"deadline off by one","            Seen::NotYet if now >= self.deadline","            Seen::NotYet if now > self.deadline"),
+ (GATE,"word freed before the late write","            if opened && word_now >= value {","            if true {"),
+ (GATE,"spent word reused","        if self.last[word] < u32::MAX {\n            self.free.push(word);","        {\n            self.free.push(word);"),
+ (GATE,"values do not rise","        Some((word, self.last[word] + 1))","        Some((word, self.last[word].max(1)))"),
+ (GATE,"event looked at every step","            Signal::Word { .. } => tick.is_multiple_of(EVENT_EVERY),","            Signal::Word { .. } => true,"),
+ (GATE,"cancel at open ignored","    if cancelled {\n        return Err(GateEnd::Cancelled);\n    }\n    let left","    let left"),
 ]
 caught=0
-for name,a,b in muts:
+for p,name,a,b in muts:
+    orig=open(p).read()
+    module=p.split('/')[-1][:-3]
     assert orig.count(a)==1,(name,a)
-    open(p,'w').write(orig.replace(a,b))
-    r=subprocess.run(["cargo","test","-q","-p","gdr-proto","peer_copy"],capture_output=True,text=True)
+    try:
+        open(p,'w').write(orig.replace(a,b))
+        r=subprocess.run(["cargo","test","-q","-p","gdr-proto",module+"::"],capture_output=True,text=True)
+    finally:
+        open(p,'w').write(orig)
     ok = r.returncode!=0
     caught+=ok
-    fails=[l for l in r.stdout.splitlines() if l.startswith("    peer_copy::")]
-    print(("CAUGHT " if ok else "MISSED ")+name, fails[:3], flush=True)
-open(p,'w').write(orig)
+    fails=[l.strip() for l in r.stdout.splitlines() if l.startswith("    "+module+"::")]
+    print(("CAUGHT " if ok else "MISSED ")+module+": "+name, fails[:3], flush=True)
 print(f"{caught}/{len(muts)} caught")
 sys.exit(0 if caught == len(muts) else 1)

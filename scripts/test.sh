@@ -80,6 +80,9 @@ fi
 # Every loom model, unbounded; then each mutant (a deliberate bug in the
 # loom build) against the models named for it: each of those runs must fail.
 stage loom "$ROOT/scripts/loom-mutants.sh" || failed=1
+# Planted bugs in gdr-proto's peer-copy and gate protocols: its in-memory
+# tests must catch each one.
+stage proto-mutants python3 "$ROOT/scripts/proto-planted-bugs.py" || failed=1
 for target in descriptor handshake control uri; do
   stage "fuzz-$target" "$ROOT/scripts/fuzz.sh" "${GDR_FUZZ_SECONDS:-20}" "$target" || failed=1
 done

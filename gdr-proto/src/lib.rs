@@ -16,6 +16,10 @@
 //! - [`limits`]: every bound on what a peer can make this side hold, and
 //!   the deadlines of what waits on it ([`PeerLimits`]); a peer past one
 //!   misbehaves ([`PeerMisbehaved`]).
+//! - [`gate`]: gated batches (held until a GPU stream reaches a point):
+//!   what a gate does with what the driver saw of its stream, and the
+//!   page of words the streams write (a late write never opens a later
+//!   gate).
 //! - [`grants`]: the grants this side made (with the revocation fence:
 //!   once a revoke completes, no byte moves under the grant) and the ones
 //!   a peer announced (bounded).
@@ -32,6 +36,7 @@
 #![deny(missing_docs)]
 
 mod error;
+pub mod gate;
 pub mod grants;
 pub mod inbox;
 pub mod limits;

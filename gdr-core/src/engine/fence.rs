@@ -31,6 +31,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use hal_cuda::Stream as _;
 use hal_verbs::Api;
 
+use gdr_proto::gate::WordBook;
+
 use super::completion::CompletionCell;
 use super::{Engine, EngineError, State};
 use crate::buffer::Buffer;
@@ -88,79 +90,6 @@ impl<C: hal_cuda::Api> FenceWords<C> {
             // SAFETY: as in `word`.
             unsafe { &*((base + index * 4) as *const AtomicU32) }.load(Ordering::Acquire)
         })
-    }
-}
-
-/// Which words of the page are free, the last value each carried, and
-/// which await a stream's write. A word's values only rise: each use
-/// takes one larger than any it carried, and a word whose values are spent
-/// (`u32::MAX`) is not used again, so a value never wraps to a small one
-/// that an old, larger one would satisfy.
-#[derive(Debug)]
-pub(super) struct WordBook {
-    free: Vec<usize>,
-    last: Vec<u32>,
-    /// (word, value): a stream will write `value` there (its gate ended
-    /// before it did); the word stays out of use until the write lands.
-    awaiting: Vec<(usize, u32)>,
-}
-
-impl WordBook {
-    /// `words` words, all free, none used yet.
-    pub(super) fn new(words: usize) -> Self {
-        Self {
-            free: (0..words).rev().collect(),
-            last: vec![0; words],
-            awaiting: Vec::new(),
-        }
-    }
-
-    /// A free word and the value its next use carries (larger than any it
-    /// carried); `None` when every word is out.
-    pub(super) fn take(&mut self) -> Option<(usize, u32)> {
-        let word = self.free.pop()?;
-        Some((word, self.last[word] + 1))
-    }
-
-    /// `word` now holds `value` (the host stored it, or the stream's write
-    /// was seen): free again, unless its values are spent.
-    pub(super) fn done(&mut self, word: usize, value: u32) {
-        self.last[word] = self.last[word].max(value);
-        if self.last[word] < u32::MAX {
-            self.free.push(word);
-        }
-    }
-
-    /// `word` was taken but nothing was queued on it: free again as it was.
-    pub(super) fn unused(&mut self, word: usize) {
-        self.free.push(word);
-    }
-
-    /// A stream will still write `value` to `word`: it stays out of use
-    /// until [`WordBook::collect`] sees the write.
-    pub(super) fn await_write(&mut self, word: usize, value: u32) {
-        self.awaiting.push((word, value));
-    }
-
-    /// Frees the awaited words whose write landed (`read` loads a word);
-    /// returns how many. A stream that never writes (it failed) keeps its
-    /// word out for good.
-    pub(super) fn collect(&mut self, read: impl Fn(usize) -> u32) -> usize {
-        if self.awaiting.is_empty() {
-            return 0;
-        }
-        let mut landed = Vec::new();
-        self.awaiting.retain(|&(word, value)| {
-            let written = read(word) >= value;
-            if written {
-                landed.push((word, value));
-            }
-            !written
-        });
-        for &(word, value) in &landed {
-            self.done(word, value);
-        }
-        landed.len()
     }
 }
 
@@ -280,39 +209,5 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             false
         });
         released
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::WordBook;
-
-    #[test]
-    fn a_word_awaiting_a_late_write_stays_out_until_it_lands() {
-        let mut book = WordBook::new(1);
-        let (word, first) = book.take().expect("one free");
-        book.await_write(word, first);
-        assert_eq!(book.take(), None, "handed out before the late write");
-        assert_eq!(book.collect(|_| first - 1), 0, "not written yet");
-        assert_eq!(book.take(), None);
-        assert_eq!(book.collect(|_| first), 1);
-        let (again, second) = book.take().expect("free once written");
-        assert_eq!(again, word);
-        assert!(second > first, "{second} after {first}: values must rise");
-    }
-
-    #[test]
-    fn values_rise_per_word_and_a_spent_word_is_retired() {
-        let mut book = WordBook::new(2);
-        let (a, v1) = book.take().unwrap();
-        book.done(a, v1);
-        let (b, v2) = book.take().unwrap();
-        assert_eq!(b, a, "the word just freed comes back first");
-        assert!(v2 > v1);
-        book.done(b, u32::MAX);
-        let (c, _) = book.take().unwrap();
-        assert_ne!(c, a, "a word whose values are spent must not be reused");
-        book.unused(c);
-        assert_eq!(book.take().map(|(w, _)| w), Some(c));
     }
 }

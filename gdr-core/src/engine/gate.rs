@@ -37,6 +37,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use gdr_proto::gate::{GateEnd, GateWait, Seen, Signal, Step, at_open};
 use hal_cuda::{Context as _, Event as _, Stream as _};
 use hal_verbs::Api;
 
@@ -47,11 +48,6 @@ use super::{
 };
 use crate::descriptor::MemoryDescriptor;
 use crate::sync::{Mutex, lock};
-
-/// On the word path, the gate's event (a failed stream) is looked at every
-/// this many progress calls: an event query is a driver call, the word a
-/// load.
-const EVENT_EVERY: u64 = 64;
 
 /// The gates of an engine, in its state.
 pub(super) struct Gates<V: Api, C: hal_cuda::Api> {
@@ -152,23 +148,14 @@ struct Held<V: Api, C: hal_cuda::Api> {
     span: tracing::Span,
 }
 
-/// How a gate learns that its stream reached it.
-enum Signal<C: hal_cuda::Api> {
-    /// The stream writes `value` into `word` of the fence page; `event`,
-    /// recorded after the write, tells a stream that failed.
-    Word {
-        word: usize,
-        value: u32,
-        event: C::Event,
-    },
-    /// No stream memory operations: an event recorded at the gate.
-    Event(C::Event),
-}
-
-/// A gate its stream has not reached yet.
+/// A gate its stream has not reached yet: what the protocol decides with
+/// ([`GateWait`]), and the event recorded on the stream after the gate
+/// (after the word's write, where there is one: it tells a stream that
+/// failed).
 struct Gate<V: Api, C: hal_cuda::Api> {
     held: Held<V, C>,
-    signal: Signal<C>,
+    wait: GateWait,
+    event: C::Event,
 }
 
 impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
@@ -221,14 +208,18 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         };
         {
             let mut state = lock(&engine.shared.state);
-            let signal = engine.queue_gate(&mut state, stream)?;
-            if let Signal::Word { word, value, .. } = &signal {
+            let (signal, event) = engine.queue_gate(&mut state, stream)?;
+            if let Signal::Word { word, value } = signal {
                 span.record("word", word);
                 tracing::debug!(value, "gate queued on the stream (memory operation)");
             } else {
                 tracing::debug!("gate queued on the stream (event)");
             }
-            state.gates.waiting.push(Gate { held, signal });
+            let wait = GateWait {
+                signal,
+                deadline: held.deadline,
+            };
+            state.gates.waiting.push(Gate { held, wait, event });
         }
         engine.ensure_own_driver();
         Ok(Batch {
@@ -245,7 +236,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         &self,
         state: &mut State<V, C>,
         stream: &C::Stream,
-    ) -> Result<Signal<C>, EngineError> {
+    ) -> Result<(Signal, C::Event), EngineError> {
         let words = self.fence_words(state)?;
         let (word, value) = words.book.take().ok_or_else(|| {
             EngineError::Refused("every word of the fence page is outstanding".into())
@@ -256,7 +247,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let written = unsafe { stream.write_value32(words.addr(word), value) };
         match written {
             Ok(()) => match self.record_gate_event(stream) {
-                Ok(event) => Ok(Signal::Word { word, value, event }),
+                Ok(event) => Ok((Signal::Word { word, value }, event)),
                 Err(e) => {
                     // The write is queued: the word waits for it.
                     words.book.await_write(word, value);
@@ -265,7 +256,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             },
             Err(hal_cuda::CudaError::NotSupported { .. }) => {
                 words.book.unused(word);
-                Ok(Signal::Event(self.record_gate_event(stream)?))
+                Ok((Signal::Event, self.record_gate_event(stream)?))
             }
             Err(e) => {
                 words.book.unused(word);
@@ -312,66 +303,71 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let mut handled = fence_words
             .as_mut()
             .map_or(0, |words| words.collect_late_writes());
-        let look_at_events = *ticks % EVENT_EVERY == 0;
+        let tick = *ticks;
+        let word_now = |wait: &GateWait, words: &Option<super::fence::FenceWords<C>>| match (
+            wait.signal,
+            words,
+        ) {
+            (Signal::Word { word, .. }, Some(words)) => words.word(word).load(Ordering::Acquire),
+            _ => 0,
+        };
         let mut i = 0;
         while i < gates.waiting.len() {
             let gate = &gates.waiting[i];
             let held = &gate.held;
-            let reached = if held.link.cancelled.load(Ordering::Acquire) {
-                Err(TransferError::Cancelled)
+            // What was seen of the stream: the word (a load) each time,
+            // the event (a driver call) when the protocol says.
+            let mut failure = None;
+            let seen = if gate.wait.word_reached(word_now(&gate.wait, fence_words)) {
+                Seen::Reached
+            } else if gate.wait.looks_at_event(tick) {
+                match gate.event.is_complete() {
+                    Ok(true) => Seen::Reached,
+                    Ok(false) => Seen::NotYet,
+                    Err(source) => {
+                        failure = Some(source);
+                        Seen::StreamFailed
+                    }
+                }
             } else {
-                match &gate.signal {
-                    Signal::Word { word, value, event } => {
-                        let words = fence_words.as_ref().expect("a word gate has its page");
-                        if words.word(*word).load(Ordering::Acquire) >= *value {
-                            Ok(true)
-                        } else if look_at_events {
-                            event
-                                .is_complete()
-                                .map_err(|source| TransferError::StreamFailed { source })
-                        } else {
-                            Ok(false)
-                        }
-                    }
-                    Signal::Event(event) => event
-                        .is_complete()
-                        .map_err(|source| TransferError::StreamFailed { source }),
+                Seen::NotYet
+            };
+            let peer = peers.get(held.slot).and_then(Option::as_ref);
+            let peer_gone = peer.is_none_or(|p| p.gone.is_some());
+            let cancelled = held.link.cancelled.load(Ordering::Acquire);
+            let step = gate.wait.step(cancelled, seen, peer_gone, now);
+            let verdict = match step {
+                Step::Wait => {
+                    i += 1;
+                    continue;
                 }
+                Step::Open => Ok(()),
+                Step::End(GateEnd::Cancelled) => Err(TransferError::Cancelled),
+                Step::End(GateEnd::TimedOut) => Err(TransferError::Timeout {
+                    after: held.link.timeout,
+                }),
+                Step::End(GateEnd::PeerGone) => Err(TransferError::PeerGone {
+                    reason: peer
+                        .and_then(|p| p.gone.clone())
+                        .unwrap_or_else(|| "closed".to_owned()),
+                }),
+                Step::End(GateEnd::StreamFailed) => match failure {
+                    Some(source) => Err(TransferError::StreamFailed { source }),
+                    None => Err(TransferError::Local {
+                        what: "the gate's stream failed".into(),
+                    }),
+                },
             };
-            let gone = || match peers.get(held.slot).and_then(Option::as_ref) {
-                None => Some("closed".to_owned()),
-                Some(peer) => peer.gone.clone(),
-            };
-            let verdict = match reached {
-                Ok(true) => Ok(()),
-                Err(e) => Err(e),
-                Ok(false) => {
-                    if let Some(reason) = gone() {
-                        Err(TransferError::PeerGone { reason })
-                    } else if now >= held.deadline {
-                        Err(TransferError::Timeout {
-                            after: held.link.timeout,
-                        })
-                    } else {
-                        i += 1;
-                        continue;
-                    }
-                }
-            };
-            let Gate { held, signal } = gates.waiting.swap_remove(i);
+            let Gate { held, wait, .. } = gates.waiting.swap_remove(i);
             handled += 1;
             let span = held.span.clone();
             let _entered = span.enter();
-            if let Signal::Word { word, value, .. } = signal {
-                let words = fence_words.as_mut().expect("a word gate has its page");
-                // Reached through the event, the write came before it; a
-                // word not showing it yet still waits for it, as does one
-                // whose gate ended first.
-                if verdict.is_ok() && words.word(word).load(Ordering::Acquire) >= value {
-                    words.book.done(word, value);
-                } else {
-                    words.book.await_write(word, value);
-                }
+            // Reached through the event, the write came before it; a word
+            // not showing it yet still waits for it, as does one whose gate
+            // ended first.
+            let word = word_now(&wait, fence_words);
+            if let Some(words) = fence_words.as_mut() {
+                wait.retire(&mut words.book, verdict.is_ok(), word);
             }
             match verdict {
                 Ok(()) => {
@@ -429,17 +425,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             None
         };
         let mut opened = lock(&link.opened);
-        if link.cancelled.load(Ordering::SeqCst) {
-            return end(TransferError::Cancelled);
-        }
-        let left = held
-            .deadline
-            .saturating_duration_since(self.shared.config.clock.now());
-        if left.is_zero() {
-            return end(TransferError::Timeout {
-                after: link.timeout,
-            });
-        }
+        let left = match at_open(
+            link.cancelled.load(Ordering::SeqCst),
+            self.shared.config.clock.now(),
+            held.deadline,
+        ) {
+            Ok(left) => left,
+            Err(GateEnd::Cancelled) => return end(TransferError::Cancelled),
+            Err(_) => {
+                return end(TransferError::Timeout {
+                    after: link.timeout,
+                });
+            }
+        };
         let transfers: Vec<Transfer<'_, V>> =
             held.transfers.iter().map(HeldTransfer::transfer).collect();
         let peer = Peer {
