@@ -141,3 +141,25 @@ fn a_peer_flooding_message_bytes_is_dropped() {
     }
     gone_because(w.ba.recv(T).unwrap_err(), "more than 1000 bytes");
 }
+
+/// The CUDA IPC handles a peer sends (one per grant of GPU memory, for the
+/// peer-copy path) are bounded like its grants: one past
+/// `max_remote_grants` and the peer is dropped by name. They were kept
+/// without bound.
+#[test]
+fn a_peer_flooding_ipc_handles_is_dropped() {
+    let w = world(PeerLimits {
+        max_remote_grants: 3,
+        ..PeerLimits::default()
+    });
+    for grant in 1..=4u64 {
+        let handle = Control::GrantIpc {
+            grant,
+            offset: 0,
+            handle: [grant as u8; 64],
+        };
+        // The 4th may fail here once b has dropped a.
+        let _ = w.ab.send_raw_control(&handle).map(|b| b.wait(T));
+    }
+    gone_because(w.ba.recv(T).unwrap_err(), "more than 3 live grants");
+}

@@ -402,7 +402,6 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     asks: rendezvous::Asks<V, C>,
     control: ControlBuffers<V, C>,
     /// Where the peer runs and its grants' IPC handles.
-    peer_copy: peer_copy::PeerLink<C>,
     /// The peer's live grants to this side (bounded).
     remote_grants: RemoteGrants<MemoryDescriptor>,
     /// The peer's messages not yet received (bounded).
@@ -1200,7 +1199,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 free_send: Arc::new(std::sync::Mutex::new((0..send_slots).rev().collect())),
                 slot: peer_max,
             },
-            peer_copy: peer_copy::PeerLink::default(),
             remote_grants: RemoteGrants::new(limits.max_remote_grants),
             inbox: Inbox::new(limits.max_inbox_messages, limits.max_inbox_bytes),
             backlog: VecDeque::new(),
@@ -1414,7 +1412,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     }
 
     fn on_receive(&self, state: &mut State<V, C>, slot: usize, nic: usize, wc: &Completion) {
-        let State { core, peers, .. } = state;
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = state;
         let Some(peer) = peers[slot].as_mut() else {
             return;
         };
@@ -1425,7 +1428,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         peer.control.recv_owner[index] = None;
         if wc.status.is_success()
-            && let Err(why) = self.on_message(peer, index, wc.byte_len as usize)
+            && let Err(why) = self.on_message(peer, peer_copy, slot, index, wc.byte_len as usize)
         {
             drop_misbehaving(core, peer, &why);
         }
@@ -1450,6 +1453,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     fn on_message(
         &self,
         peer: &mut PeerState<V, C>,
+        peer_copy: &mut peer_copy::Copies<C>,
+        slot: usize,
         index: usize,
         len: usize,
     ) -> Result<(), PeerMisbehaved> {
@@ -1459,7 +1464,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
             tracing::warn!(error = %e, "reading a control message");
         }
-        let message = Control::decode(&bytes).map(|m| rendezvous::receive(peer, m));
+        let message = Control::decode(&bytes);
+        if let Ok(m) = &message {
+            // The peer-copy path owns what it knows of the peer.
+            let max = self.shared.config.peer_limits.max_remote_grants;
+            peer_copy.on_control(slot, peer.session, m, max)?;
+        }
+        let message = message.map(|m| rendezvous::receive(peer, m));
         match message.map(|m| m.err()) {
             Ok(None) => {}
             Ok(Some(Control::User(payload))) => peer.inbox.push(payload.to_vec())?,
@@ -1478,17 +1489,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             Ok(Some(Control::GrantRevoke { grant })) => {
                 peer.remote_grants.revoke(grant);
-                peer.peer_copy.on_revoke(grant);
             }
-            Ok(Some(Control::Locality { host, process })) => {
-                peer.peer_copy.on_locality(host, process)
-            }
-            Ok(Some(Control::GrantIpc {
-                grant,
-                offset,
-                handle,
-            })) => peer.peer_copy.on_grant_ipc(grant, offset, handle),
-            Ok(Some(Control::GrantReleased { grant })) => peer.peer_copy.on_released(grant),
+            // Taken by the peer-copy path above.
+            Ok(Some(
+                Control::Locality { .. } | Control::GrantIpc { .. } | Control::GrantReleased { .. },
+            )) => {}
             Ok(Some(Control::Paths { devices })) => {
                 let names = String::from_utf8_lossy(devices);
                 for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {

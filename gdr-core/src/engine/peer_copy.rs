@@ -89,6 +89,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
+use gdr_proto::PeerMisbehaved;
 use gdr_proto::peer_copy::{CopyFlight, Exports, Releases, Slice, Stop, Windows};
 
 use hal_cuda::{Context as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
@@ -149,19 +150,13 @@ pub struct PeerCopyStats {
     pub copies: u64,
 }
 
-/// The peer-copy side of one peer's state.
-pub(super) struct PeerLink<C: hal_cuda::Api> {
+/// What the peer-copy path knows of one peer (in [`Copies`], by the
+/// peer's slot: the path owns it, not the peer's state).
+struct PeerLink<C: hal_cuda::Api> {
     /// Where the peer runs, once it said (only if it allows the path).
     remote: Option<Locality>,
     /// The IPC handles of the peer's grants, by grant id.
     ipc: HashMap<u64, IpcGrant<C>>,
-    /// Grants whose handle we had that the peer revoked: a release is
-    /// owed (moved to [`Copies`] by the next pump; at most one per grant
-    /// the peer sent a handle for).
-    revoked_ipc: Vec<u64>,
-    /// The peer's releases of our exported grants, for the next pump
-    /// (bounded by what one progress call receives).
-    released: Vec<u64>,
 }
 
 impl<C: hal_cuda::Api> Default for PeerLink<C> {
@@ -169,8 +164,6 @@ impl<C: hal_cuda::Api> Default for PeerLink<C> {
         Self {
             remote: None,
             ipc: HashMap::new(),
-            revoked_ipc: Vec::new(),
-            released: Vec::new(),
         }
     }
 }
@@ -183,39 +176,65 @@ struct IpcGrant<C: hal_cuda::Api> {
     mapping: Option<(u32, Arc<Mapping<C>>)>,
 }
 
-impl<C: hal_cuda::Api> PeerLink<C> {
-    /// The peer said where it runs.
-    pub(super) fn on_locality(&mut self, host: [u8; 16], process: u64) {
-        self.remote = Some(Locality { host, process });
-    }
-
-    /// The peer sent the IPC handle of one of its grants.
-    pub(super) fn on_grant_ipc(&mut self, grant: u64, offset: u64, handle: [u8; 64]) {
-        self.ipc.insert(
-            grant,
-            IpcGrant {
-                handle: IpcMemHandle(handle),
+impl<C: hal_cuda::Api> Copies<C> {
+    /// Takes the control messages of the peer in `slot` (connection
+    /// `session`) that concern this path; the others change nothing here.
+    /// The IPC handles a peer sent and has not revoked are bounded by
+    /// `max_handles` (its live grants' bound): one more, and the peer
+    /// misbehaves.
+    pub(super) fn on_control(
+        &mut self,
+        slot: usize,
+        session: u64,
+        message: &Control<'_>,
+        max_handles: usize,
+    ) -> Result<(), PeerMisbehaved> {
+        match *message {
+            Control::Locality { host, process } => {
+                self.links.entry(slot).or_default().remote = Some(Locality { host, process });
+            }
+            Control::GrantIpc {
+                grant,
                 offset,
-                mapping: None,
-            },
-        );
-    }
-
-    /// The peer revoked a grant: its handle (and mapping, once no copy
-    /// uses it) goes.
-    pub(super) fn on_revoke(&mut self, grant: u64) {
-        if self.ipc.remove(&grant).is_some() {
-            self.revoked_ipc.push(grant);
+                handle,
+            } => {
+                let ipc = &mut self.links.entry(slot).or_default().ipc;
+                if ipc.len() >= max_handles && !ipc.contains_key(&grant) {
+                    return Err(PeerMisbehaved::TooManyGrants { max: max_handles });
+                }
+                ipc.insert(
+                    grant,
+                    IpcGrant {
+                        handle: IpcMemHandle(handle),
+                        offset,
+                        mapping: None,
+                    },
+                );
+            }
+            // The peer revoked a grant: its handle goes (the mapping once
+            // no copy uses it) and we owe a release once none of our
+            // batches has anything queued under it.
+            Control::GrantRevoke { grant } => {
+                if let Some(link) = self.links.get_mut(&slot)
+                    && link.ipc.remove(&grant).is_some()
+                {
+                    self.releases.owe(slot as u64, grant);
+                }
+            }
+            // The importer of one of our revoked grants released it.
+            Control::GrantReleased { grant } => {
+                if self.exports.on_released(grant, session).is_some() {
+                    tracing::debug!(grant, "the importer released a revoked grant");
+                }
+            }
+            _ => {}
         }
+        Ok(())
     }
 
-    /// The peer released one of our exported grants it had been revoked.
-    pub(super) fn on_released(&mut self, grant: u64) {
-        self.released.push(grant);
-    }
-
-    fn route(&self, here: Option<Locality>) -> PeerCopyRoute {
-        route(here, self.remote)
+    /// How the peer in `slot`'s transfers of GPU memory travel.
+    fn route_of(&self, slot: usize) -> PeerCopyRoute {
+        route(self.here, self.links.get(&slot).and_then(|l| l.remote))
     }
 }
 
@@ -325,6 +344,8 @@ pub(super) struct Copies<C: hal_cuda::Api> {
     peer_access: HashSet<(u32, u32)>,
     flights: Vec<Flight<C>>,
     stats: PeerCopyStats,
+    /// What the path knows of each peer, by slot.
+    links: HashMap<usize, PeerLink<C>>,
     /// Our grants whose IPC handle went to a peer of another process, each
     /// holding its region until the importer released it.
     pub(super) exports: Exports<Keep>,
@@ -349,6 +370,7 @@ impl<C: hal_cuda::Api> Copies<C> {
             peer_access: HashSet::new(),
             flights: Vec::new(),
             stats: PeerCopyStats::default(),
+            links: HashMap::new(),
             exports: Exports::default(),
             releases: Releases::default(),
         }
@@ -409,10 +431,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// How this peer's transfers of GPU memory travel.
     pub fn peer_copy(&self) -> PeerCopyRoute {
         let state = lock(&self.engine.shared.state);
-        let here = state.peer_copy.here;
         match state.peers.get(self.slot).and_then(Option::as_ref) {
             Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
-                peer.peer_copy.route(here)
+                state.peer_copy.route_of(self.slot)
             }
             _ => PeerCopyRoute::Nic,
         }
@@ -535,7 +556,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let peer = peers[self.slot]
             .as_mut()
             .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
-        let route = peer.peer_copy.route(copies.here);
+        let route = copies.route_of(self.slot);
         if route == PeerCopyRoute::Nic {
             return Ok(None);
         }
@@ -564,8 +585,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     engine.published_remote(copies, t, ordinal, &mut keep, &mut grants)?
                 }
                 _ => {
-                    let remote =
-                        engine.mapped_remote(copies, &mut peer.peer_copy, t, ordinal, &mut keep)?;
+                    let remote = engine.mapped_remote(copies, self.slot, t, ordinal, &mut keep)?;
                     let grant = t.remote.grant;
                     if remote.is_some()
                         && !grants
@@ -702,20 +722,27 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     fn mapped_remote(
         &self,
         copies: &mut Copies<C>,
-        link: &mut PeerLink<C>,
+        slot: usize,
         t: &Transfer<'_, V>,
         ordinal: u32,
         keep: &mut Vec<Keep>,
     ) -> Result<Option<u64>, EngineError> {
         let d = t.remote;
-        let Some(grant) = link.ipc.get_mut(&d.grant) else {
+        let Some(grant) = copies.links.get(&slot).and_then(|l| l.ipc.get(&d.grant)) else {
             return Ok(None);
         };
+        let (handle, offset) = (grant.handle, grant.offset);
         let mapping = match &grant.mapping {
             Some((gpu, mapping)) if *gpu == ordinal => Arc::clone(mapping),
-            _ => match self.open_mapping(copies, ordinal, &grant.handle) {
+            _ => match self.open_mapping(copies, ordinal, &handle) {
                 Ok(mapping) => {
-                    grant.mapping = Some((ordinal, Arc::clone(&mapping)));
+                    if let Some(grant) = copies
+                        .links
+                        .get_mut(&slot)
+                        .and_then(|l| l.ipc.get_mut(&d.grant))
+                    {
+                        grant.mapping = Some((ordinal, Arc::clone(&mapping)));
+                    }
                     mapping
                 }
                 Err(e) => {
@@ -727,14 +754,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         // The peer names the offset; the mapping bounds it: nothing
         // outside the allocation it exported is ever touched.
         let size = mapping.mapping.len() as u64;
-        let end = grant.offset.checked_add(d.len);
+        let end = offset.checked_add(d.len);
         if end.is_none_or(|end| end > size) {
             return Err(EngineError::Refused(format!(
                 "grant {} of {} bytes at offset {} lies outside its {size}-byte allocation",
-                d.grant, d.len, grant.offset
+                d.grant, d.len, offset
             )));
         }
-        let addr = mapping.mapping.device_ptr() + grant.offset + t.remote_offset;
+        let addr = mapping.mapping.device_ptr() + offset + t.remote_offset;
         keep.push(mapping as Keep);
         Ok(Some(addr))
     }
@@ -893,26 +920,27 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             peer_copy: copies,
             ..
         } = state;
-        for (slot, peer) in peers.iter_mut().enumerate() {
-            let Some(peer) = peer else { continue };
-            let link = &mut peer.peer_copy;
-            if peer.gone.is_some() && !link.ipc.is_empty() {
-                link.ipc.clear();
-            }
-            for grant in link.revoked_ipc.drain(..) {
-                copies.releases.owe(slot as u64, grant);
-            }
-            for grant in link.released.drain(..) {
-                if copies.exports.on_released(grant, peer.session).is_some() {
-                    tracing::debug!(grant, "the importer released a revoked grant");
+        // A gone peer's handles go (their mappings once no copy uses them);
+        // so does everything of a peer whose state is gone.
+        copies.links.retain(
+            |&slot, link| match peers.get(slot).and_then(Option::as_ref) {
+                None => false,
+                Some(peer) => {
+                    if peer.gone.is_some() {
+                        link.ipc.clear();
+                    }
+                    true
                 }
-            }
-        }
+            },
+        );
         for (grant, _) in copies.exports.handle_timeout(now) {
             tracing::warn!(
                 grant,
                 "no release of a revoked grant's IPC handle within the bound: its memory is given back unconfirmed"
             );
+        }
+        if copies.flights.is_empty() && copies.releases.is_empty() {
+            return 0;
         }
         let mut flights = std::mem::take(&mut copies.flights);
         let mut ended = 0;
@@ -942,10 +970,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             for grant in &flight.grants {
                 let live = match grant {
                     GrantUse::SameProcess { fence, .. } => !fence.0.is_revoked(),
-                    GrantUse::Ipc { slot, grant } => peers
-                        .get(*slot)
-                        .and_then(Option::as_ref)
-                        .is_some_and(|p| p.peer_copy.ipc.contains_key(grant)),
+                    GrantUse::Ipc { slot, grant } => copies
+                        .links
+                        .get(slot)
+                        .is_some_and(|l| l.ipc.contains_key(grant)),
                 };
                 if !live {
                     let grant = match grant {
