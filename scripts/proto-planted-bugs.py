@@ -5,6 +5,7 @@
 import subprocess, sys
 PC='gdr-proto/src/peer_copy.rs'
 GATE='gdr-proto/src/gate.rs'
+REQ='gdr-proto/src/rendezvous/requester.rs'
 muts=[
  (PC,"stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
  (PC,"one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
@@ -25,11 +26,17 @@ muts=[
  (GATE,"values do not rise","        Some((word, self.last[word] + 1))","        Some((word, self.last[word].max(1)))"),
  (GATE,"event looked at every step","            Signal::Word { .. } => tick.is_multiple_of(EVENT_EVERY),","            Signal::Word { .. } => true,"),
  (GATE,"cancel at open ignored","    if cancelled {\n        return Err(GateEnd::Cancelled);\n    }\n    let left","    let left"),
-]
+ (REQ,"a busy slot lent again","        if !fits || busy {","        if !fits {"),
+ (REQ,"a credit past the request","                && offset.checked_add(len).is_some_and(|end| end <= a.len)","                && offset.checked_add(len).is_some()"),
+ (REQ,"credits moved for a failed request","        if a.failure.is_some() {\n            return;\n        }\n        let busy","        let busy"),
+ (REQ,"ends with slices in flight","                a.in_flight == 0\n                    && (a.failure","                (a.failure"),
+ (REQ,"Ok with bytes missing","                None if a.done == a.len => Ok(()),\n                None => Err(AskFailure::Incomplete),","                None => Ok(()),"),
+ (REQ,"cancel sent to a gone peer","                    if !self.gone {\n                        self.actions.push_back(RequesterAction::Cancel { id });\n                    }","                    self.actions.push_back(RequesterAction::Cancel { id });"),
+ (REQ,"a failed reply ignored","            if status != status::OK {\n                a.failure.get_or_insert(AskFailure::Refused(status));\n            }",""),]
 caught=0
 for p,name,a,b in muts:
     orig=open(p).read()
-    module=p.split('/')[-1][:-3]
+    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous'}[p.split('/')[-1]]
     assert orig.count(a)==1,(name,a)
     try:
         open(p,'w').write(orig.replace(a,b))

@@ -1,4 +1,5 @@
-//! The owner's side of the slotted rendezvous, sans-IO: a peer's requests
+//! The slotted rendezvous, sans-IO: the requester's side ([`Requester`])
+//! and the owner's. The owner's side: a peer's requests
 //! against this side's staged grants (GPU memory no NIC reaches), served
 //! slice by slice through landing slots lent to that peer alone, with
 //! credits.
@@ -32,6 +33,11 @@ use std::time::{Duration, Instant};
 
 use crate::PeerLimits;
 use crate::grants::{Access, GrantId, LocalGrants, Refusal};
+
+#[cfg(test)]
+mod pair_tests;
+mod requester;
+pub use requester::{AskFailure, Requester, RequesterAction};
 
 /// The status of a `StagedReply` (on the wire: a `u32`).
 pub mod status {

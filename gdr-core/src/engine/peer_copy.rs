@@ -222,10 +222,10 @@ impl<C: hal_cuda::Api> Copies<C> {
                 }
             }
             // The importer of one of our revoked grants released it.
-            Control::GrantReleased { grant } => {
-                if self.exports.on_released(grant, session).is_some() {
-                    tracing::debug!(grant, "the importer released a revoked grant");
-                }
+            Control::GrantReleased { grant }
+                if self.exports.on_released(grant, session).is_some() =>
+            {
+                tracing::debug!(grant, "the importer released a revoked grant");
             }
             _ => {}
         }

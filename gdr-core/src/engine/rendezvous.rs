@@ -36,7 +36,10 @@
 //!   slice, which credit is honoured, what a revoke, the bound and the
 //!   deadline do, live in [`gdr_proto::rendezvous::Owner`] (sans-IO,
 //!   tested in memory); this module makes the slots and runs the copies
-//!   it asks for.
+//!   it asks for. So are the requester's ([`gdr_proto::rendezvous::Requester`]:
+//!   which credit moves a slice, what the owner is told, how a request
+//!   ends, tested against the owner in memory); this module moves the
+//!   slices (RDMA ops, its staging pool's copies).
 //! - **Failures**: a CUDA copy failure at the owner fails its request
 //!   ([`Control::StagedReply`] FAILED); one at the requester, a failed
 //!   RDMA op, the deadline or the peer going fail the request here. A
@@ -56,8 +59,9 @@
 //! lent to another request, or the wrong direction; so no copy runs from a
 //! slot the owner did not lend for exactly that slice. An unknown request
 //! id is dropped. A peer that never returns a credit holds up only its own
-//! slots. The requester in turn checks each `SlotReady` (slot in range, the
-//! slice inside its request and inside one slot) before touching its
+//! slots. The requester in turn checks each `SlotReady` (slot in range and
+//! not carrying another slice, the slice inside its request and inside one
+//! slot) before touching its
 //! memory.
 
 use std::collections::{HashMap, VecDeque};
@@ -69,14 +73,16 @@ use hal_verbs::Api;
 
 use super::completion::CompletionCell;
 use super::core::Core;
-use super::staging::{self, OK};
+use super::staging;
 use super::wire::Control;
 use super::{Engine, EngineError, Op, PeerState, Region, State, TransferError};
 use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::Grant;
 use gdr_proto::PeerLimits;
-use gdr_proto::rendezvous::{CopyId, Owner, OwnerAction, Placement};
+use gdr_proto::rendezvous::{
+    AskFailure, CopyId, Owner, OwnerAction, Placement, Requester, RequesterAction,
+};
 
 /// Request ids of this side's slotted rendezvous: a bit no grant id
 /// reaches (the naive path's requests are named by grant ids).
@@ -157,7 +163,7 @@ pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
             len,
             slot,
         }),
-        Control::StagedReply { id, status } if peer.asks.asking.contains_key(&id) => {
+        Control::StagedReply { id, status } if peer.asks.proto.knows(id) => {
             asker.push_back(ToAsker::Reply { id, status })
         }
         other => return Err(other),
@@ -260,21 +266,24 @@ fn placement<V: Api>(served: &staging::Served<V>) -> Option<Placement> {
 
 // ------------------------------------------------------------ requester
 
-/// This side's requests through one peer's landing slots.
+/// This side's requests through one peer's landing slots: the protocol
+/// ([`Requester`]: which slices may move, what the owner is told, how each
+/// request ends) and what the driver holds of each request.
 pub(super) struct Asks<V: Api, C: hal_cuda::Api> {
     inbox: VecDeque<ToAsker>,
+    proto: Requester,
+    /// The peer's landing slots lent to this side (their grant).
     slots: Option<PeerSlots>,
     asking: HashMap<u64, Asking<V, C>>,
-    next_id: u64,
 }
 
 impl<V: Api, C: hal_cuda::Api> Default for Asks<V, C> {
     fn default() -> Self {
         Self {
             inbox: VecDeque::new(),
+            proto: Requester::new(ASK_ID_BASE),
             slots: None,
             asking: HashMap::new(),
-            next_id: ASK_ID_BASE,
         }
     }
 }
@@ -283,10 +292,10 @@ impl<V: Api, C: hal_cuda::Api> Default for Asks<V, C> {
 struct PeerSlots {
     descriptor: MemoryDescriptor,
     slot_len: u64,
-    count: u32,
 }
 
-/// One of this side's requests through the peer's slots.
+/// What the driver holds of one of this side's requests through the
+/// peer's slots.
 struct Asking<V: Api, C: hal_cuda::Api> {
     write: bool,
     cell: Arc<CompletionCell>,
@@ -295,14 +304,22 @@ struct Asking<V: Api, C: hal_cuda::Api> {
     local: Region<V>,
     /// Address of the local range's first byte.
     local_addr: u64,
-    len: u64,
     /// The local range is staged: its side of each slice goes through
     /// this GPU's pool.
     staged_gpu: Option<u32>,
     slices: Vec<AskSlice<C>>,
-    done: u64,
-    reply: Option<u32>,
+    /// Why a slice failed here (the protocol knows only that one did).
     error: Option<TransferError>,
+}
+
+/// What moving a request's slices did, for its protocol: slots whose
+/// slice's wire op ended, slices that ended (slot, length, whole), and
+/// whether one failed.
+#[derive(Default)]
+struct SliceEvents {
+    wired: Vec<u32>,
+    ended: Vec<(u32, u64, bool)>,
+    failed: bool,
 }
 
 /// A slice the owner lent a slot for. Through this side's pool it moves in
@@ -447,9 +464,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// and the owner is told to take its slots back ([`Control::StagedCancel`]).
     pub(super) fn cancel_asks(state: &mut State<V, C>, cells: &[Arc<CompletionCell>]) {
         for peer in state.peers.iter_mut().flatten() {
-            for ask in peer.asks.asking.values_mut() {
+            let Asks { proto, asking, .. } = &mut peer.asks;
+            for (&id, ask) in asking.iter() {
                 if cells.iter().any(|c| Arc::ptr_eq(c, &ask.cell)) {
-                    ask.error.get_or_insert(TransferError::Cancelled);
+                    proto.fail(id, AskFailure::Cancelled);
                 }
             }
         }
@@ -466,7 +484,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             if !peer.landing.is_idle() {
                 moved += self.pump_landing(peer, now);
             }
-            if !peer.asks.inbox.is_empty() || !peer.asks.asking.is_empty() {
+            if !peer.asks.inbox.is_empty() || !peer.asks.proto.is_idle() {
                 moved += self.pump_asks(core, peer, pools, now);
             }
         }
@@ -690,100 +708,114 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         asks.slots = Some(PeerSlots {
                             descriptor: d,
                             slot_len,
-                            count,
-                        })
+                        });
+                        asks.proto.on_slots(slot_len, count);
                     }
                     _ => tracing::warn!("the peer lent landing slots that do not add up: ignored"),
                 },
-                ToAsker::Reply { id, status } => {
-                    if let Some(a) = asks.asking.get_mut(&id) {
-                        a.reply.get_or_insert(status);
-                    }
-                }
+                ToAsker::Reply { id, status } => asks.proto.on_reply(id, status),
                 ToAsker::Ready {
                     id,
                     offset,
                     len,
                     slot,
-                } => {
-                    let Some(a) = asks.asking.get_mut(&id) else {
-                        // Crossed our cancel: the owner takes it back.
-                        continue;
-                    };
-                    let fits = asks.slots.as_ref().is_some_and(|s| {
-                        slot < s.count
-                            && len <= s.slot_len
-                            && offset.checked_add(len).is_some_and(|end| end <= a.len)
-                    });
-                    if !fits {
-                        a.error.get_or_insert(TransferError::Local {
-                            what: format!(
-                                "the owner lent slot {slot} for {len} bytes at {offset}, \
-                                 outside the request or its slots"
-                            ),
-                        });
-                        continue;
-                    }
-                    a.slices.push(AskSlice {
-                        slot,
-                        offset,
-                        len,
-                        pos: 0,
-                        chunk: 0,
-                        pool_slot: None,
-                        stage: AskStage::Waiting,
-                    });
-                }
+                } => asks.proto.on_ready(id, offset, len, slot),
             }
         }
-        let gone = peer.gone.clone();
+        if peer.gone.is_some() {
+            peer.asks.proto.peer_gone();
+        }
+        peer.asks.proto.handle_timeout(now);
+        moved += Self::take_ask_actions(peer, &mut send);
         let ids: Vec<u64> = peer.asks.asking.keys().copied().collect();
         for id in ids {
             let Some(mut a) = peer.asks.asking.remove(&id) else {
                 continue;
             };
-            if let Some(why) = &gone {
-                a.error.get_or_insert(TransferError::PeerGone {
-                    reason: why.clone(),
-                });
+            let failing = peer.asks.proto.is_failing(id);
+            let mut events = SliceEvents::default();
+            moved += self.advance_ask(core, peer, pools, &mut a, failing, &mut events);
+            let proto = &mut peer.asks.proto;
+            for slot in events.wired {
+                proto.wired(id, slot);
             }
-            if now >= a.deadline {
-                a.error
-                    .get_or_insert(TransferError::Timeout { after: a.timeout });
+            for (slot, len, whole) in events.ended {
+                proto.slice_ended(id, slot, len, whole);
             }
-            if let Some(status) = a.reply.filter(|&s| s != OK) {
-                a.error.get_or_insert_with(|| {
-                    staging::reply_outcome(status).expect_err("a failure status")
-                });
+            if events.failed {
+                proto.fail(id, AskFailure::Local);
             }
-            moved += self.advance_ask(core, peer, pools, id, &mut a, &mut send);
-            let finished = a.slices.is_empty()
-                && (a.error.is_some()
-                    || (a.write && a.reply.is_some())
-                    || (!a.write && a.done == a.len));
-            if !finished {
-                peer.asks.asking.insert(id, a);
-                continue;
-            }
-            moved += 1;
-            let outcome = match a.error.take() {
-                Some(e) => {
-                    if gone.is_none() {
-                        send.push(Control::StagedCancel { id });
-                    }
-                    Err(e)
-                }
-                None if a.done == a.len => Ok(()),
-                None => Err(TransferError::Local {
-                    what: "the owner ended the request before every slice".into(),
-                }),
-            };
-            a.cell.complete(outcome);
+            peer.asks.asking.insert(id, a);
         }
+        peer.asks.proto.step();
+        moved += Self::take_ask_actions(peer, &mut send);
         let timeout = self.timeout();
         for message in send {
             if let Err(e) = peer.enqueue(&message, now, timeout) {
                 tracing::debug!(error = %e, "a rendezvous message not sent");
+            }
+        }
+        moved
+    }
+
+    /// Carries out what the requester's protocol decided: slices to move
+    /// (handed to their request), messages for the owner (into `send`),
+    /// requests that ended (their batch completed once).
+    fn take_ask_actions(peer: &mut PeerState<V, C>, send: &mut Vec<Control<'static>>) -> usize {
+        let mut moved = 0;
+        let gone = peer.gone.clone();
+        while let Some(action) = peer.asks.proto.poll_action() {
+            moved += 1;
+            match action {
+                RequesterAction::Move {
+                    id,
+                    slot,
+                    offset,
+                    len,
+                } => {
+                    if let Some(a) = peer.asks.asking.get_mut(&id) {
+                        a.slices.push(AskSlice {
+                            slot,
+                            offset,
+                            len,
+                            pos: 0,
+                            chunk: 0,
+                            pool_slot: None,
+                            stage: AskStage::Waiting,
+                        });
+                    }
+                }
+                RequesterAction::Filled { id, slot } => send.push(Control::SlotFilled { id, slot }),
+                RequesterAction::Done { id, slot } => send.push(Control::SlotDone { id, slot }),
+                RequesterAction::Cancel { id } => send.push(Control::StagedCancel { id }),
+                RequesterAction::End { id, outcome } => {
+                    let Some(mut a) = peer.asks.asking.remove(&id) else {
+                        continue;
+                    };
+                    let outcome = outcome.map_err(|why| match why {
+                        AskFailure::Refused(status) => {
+                            staging::reply_outcome(status).expect_err("a failure status")
+                        }
+                        AskFailure::PeerGone => TransferError::PeerGone {
+                            reason: gone.clone().unwrap_or_else(|| "closed".into()),
+                        },
+                        AskFailure::TimedOut => TransferError::Timeout { after: a.timeout },
+                        AskFailure::Cancelled => TransferError::Cancelled,
+                        AskFailure::BadCredit { slot, offset, len } => TransferError::Local {
+                            what: format!(
+                                "the owner lent slot {slot} for {len} bytes at {offset}, \
+                                 outside the request or its slots, or a slot still in use"
+                            ),
+                        },
+                        AskFailure::Local => a.error.take().unwrap_or(TransferError::Local {
+                            what: "a slice of the rendezvous failed".into(),
+                        }),
+                        AskFailure::Incomplete => TransferError::Local {
+                            what: "the owner ended the request before every slice".into(),
+                        },
+                    });
+                    a.cell.complete(outcome);
+                }
             }
         }
         moved
@@ -795,9 +827,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         core: &mut Core,
         peer: &PeerState<V, C>,
         pools: &mut HashMap<u32, super::pipeline::StagingPool<V, C>>,
-        id: u64,
         a: &mut Asking<V, C>,
-        send: &mut Vec<Control<'static>>,
+        mut failing: bool,
+        events: &mut SliceEvents,
     ) -> usize {
         let Some(slots) = peer.asks.slots.as_ref() else {
             return 0;
@@ -809,6 +841,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     a.error.get_or_insert(TransferError::Local {
                         what: format!("the staging pool: {e}"),
                     });
+                    failing = true;
+                    events.failed = true;
                     None
                 }
             },
@@ -825,7 +859,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             // moved on; `Some(Err(e))` it ends (`e`: why it failed).
             let mut step: Option<Result<(), Option<TransferError>>> = None;
             match &slice.stage {
-                AskStage::Waiting if a.error.is_some() => step = Some(Err(None)),
+                AskStage::Waiting if failing => step = Some(Err(None)),
                 AskStage::Waiting => match pool.as_deref_mut() {
                     None => {
                         // Direct: the whole slice in one RDMA op.
@@ -893,7 +927,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 },
                 AskStage::CopyOut(event) => match event.is_complete() {
                     Ok(false) => {}
-                    Ok(true) if a.error.is_some() => step = Some(Err(None)),
+                    Ok(true) if failing => step = Some(Err(None)),
                     Ok(true) => {
                         let pool = pool.as_deref().expect("a pool slot has its pool");
                         let at = pool.slot_addr(slice.pool_slot.expect("a pool slot"));
@@ -925,14 +959,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     Some(Err(e)) => step = Some(Err(Some(e))),
                     Some(Ok(())) => {
                         let last = slice.pos + slice.chunk == slice.len;
-                        if !a.write && last {
-                            // Read whole: the owner's slot is free again.
-                            send.push(Control::SlotDone {
-                                id,
-                                slot: slice.slot,
-                            });
+                        if last {
+                            // The slot holds the slice (a WRITE) or is the
+                            // owner's again (a READ): the protocol says so.
+                            events.wired.push(slice.slot);
                         }
-                        let through_pool = pool.is_some() && !a.write && a.error.is_none();
+                        let through_pool = pool.is_some() && !a.write && !failing;
                         match pool.as_deref() {
                             Some(pool) if through_pool => {
                                 let pool_slot = slice.pool_slot.expect("a pool slot");
@@ -965,12 +997,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                                 );
                             }
                             _ => {
-                                if a.write && last {
-                                    send.push(Control::SlotFilled {
-                                        id,
-                                        slot: slice.slot,
-                                    });
-                                }
                                 step = Some(Self::chunk_done(slice, pool.as_deref_mut()));
                             }
                         }
@@ -998,11 +1024,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     if let (Some(pool), Some(s)) = (pool.as_deref_mut(), slice.pool_slot) {
                         pool.free.push(s);
                     }
-                    if slice.pos == slice.len {
-                        a.done += slice.len;
-                    }
+                    events
+                        .ended
+                        .push((slice.slot, slice.len, slice.pos == slice.len));
                     if let Some(e) = e {
                         a.error.get_or_insert(e);
+                        failing = true;
+                        events.failed = true;
                     }
                 }
             }
@@ -1050,10 +1078,14 @@ impl<V: Api, C: hal_cuda::Api> super::Peer<V, C> {
         let cell = Arc::new(CompletionCell::new());
         self.update_peer(|core, peer| -> Result<(), EngineError> {
             let now = config.clock.now();
-            let id = peer.asks.next_id + 1;
+            let id = peer.asks.proto.next_id();
             let _span = tracing::debug_span!("ask_slots", id, len = t.len).entered();
             peer.enqueue(&staging::staged_request(id, t, true), now, timeout)?;
-            peer.asks.next_id = id;
+            let started = peer
+                .asks
+                .proto
+                .start(t.op == Op::Write, t.len, now, timeout);
+            debug_assert_eq!(started, id);
             peer.asks.asking.insert(
                 id,
                 Asking {
@@ -1063,11 +1095,8 @@ impl<V: Api, C: hal_cuda::Api> super::Peer<V, C> {
                     timeout,
                     local: t.local.clone(),
                     local_addr: t.local.inner.addr + t.local_offset,
-                    len: t.len,
                     staged_gpu,
                     slices: Vec::new(),
-                    done: 0,
-                    reply: None,
                     error: None,
                 },
             );
