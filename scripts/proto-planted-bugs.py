@@ -6,6 +6,7 @@ import subprocess, sys
 PC='gdr-proto/src/peer_copy.rs'
 GATE='gdr-proto/src/gate.rs'
 REQ='gdr-proto/src/rendezvous/requester.rs'
+PIPE='gdr-proto/src/pipeline.rs'
 muts=[
  (PC,"stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
  (PC,"one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
@@ -32,11 +33,19 @@ muts=[
  (REQ,"ends with slices in flight","                a.in_flight == 0\n                    && (a.failure","                (a.failure"),
  (REQ,"Ok with bytes missing","                None if a.done == a.len => Ok(()),\n                None => Err(AskFailure::Incomplete),","                None => Ok(()),"),
  (REQ,"cancel sent to a gone peer","                    if !self.gone {\n                        self.actions.push_back(RequesterAction::Cancel { id });\n                    }","                    self.actions.push_back(RequesterAction::Cancel { id });"),
- (REQ,"a failed reply ignored","            if status != status::OK {\n                a.failure.get_or_insert(AskFailure::Refused(status));\n            }",""),]
+ (REQ,"a failed reply ignored","            if status != status::OK {\n                a.failure.get_or_insert(AskFailure::Refused(status));\n            }",""),
+ (PIPE,"a slice starts after a failure","        while self.failure.is_none() && self.next < self.len {","        while self.next < self.len {"),
+ (PIPE,"copied out after a failure goes on the wire","            Stage::CopyingOut if self.failure.is_none() => {","            Stage::CopyingOut => {"),
+ (PIPE,"slot never freed after the wire","        } else {\n            self.actions.push_back(PipeAction::Free { slot: slice.slot });\n        }\n    }\n\n    /// It fails","        }\n    }\n\n    /// It fails"),
+ (PIPE,"ends with slices in flight","        let over = self.slices.is_empty()\n            && self.actions.is_empty()","        let over = self.actions.is_empty()"),
+ (PIPE,"outcome twice","        if self.ended || !over {","        if !over {"),
+ (PIPE,"deadline ignored","        if now >= self.deadline {\n            self.fail(PipeFailure::TimedOut);\n        }",""),
+ (PIPE,"slice past the bound","            let len = (self.len - offset).min(max_len(offset).max(1));","            let len = self.len - offset;"),
+]
 caught=0
 for p,name,a,b in muts:
     orig=open(p).read()
-    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous'}[p.split('/')[-1]]
+    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline'}[p.split('/')[-1]]
     assert orig.count(a)==1,(name,a)
     try:
         open(p,'w').write(orig.replace(a,b))

@@ -24,7 +24,9 @@
 //!   once a revoke completes, no byte moves under the grant) and the ones
 //!   a peer announced (bounded).
 //! - [`inbox`]: the peer's messages nobody received yet (bounded).
-//! - [`rendezvous`]: the owner's side of the slotted rendezvous (slots,
+//! - [`pipeline`]: the staging pipeline (slices through a pinned bounce
+//!   pool, copies and the wire overlapped; failures drain, exactly once).
+//! - [`rendezvous`]: both sides of the slotted rendezvous (slots,
 //!   credits, revokes, the bound and deadline of a peer's staged requests).
 //! - [`peer_copy`]: the peer-copy path (the requester's device copies,
 //!   queued a window at a time so that a revoke stops them; the owner's
@@ -41,6 +43,7 @@ pub mod grants;
 pub mod inbox;
 pub mod limits;
 pub mod peer_copy;
+pub mod pipeline;
 pub mod rendezvous;
 pub mod setup;
 pub mod wire;

@@ -23,9 +23,11 @@
 //!
 //! The engine steps every pipeline from [`super::Engine::progress`]: CUDA
 //! events are polled there, so a pipeline moves while someone makes
-//! progress (a waiter, or a driver thread).
+//! progress (a waiter, or a driver thread). Which slice starts, what each
+//! does next and how the transfer ends are the protocol's
+//! ([`gdr_proto::pipeline::Pipe`], tested in memory); this module runs the
+//! copies and wire ops it asks for.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +39,7 @@ use super::core::{Core, Keep, Work};
 use super::{Engine, EngineError, Op, PeerState, Region, TransferError};
 use crate::buffer::Buffer;
 use crate::descriptor::MemoryDescriptor;
+use gdr_proto::pipeline::{PipeAction, PipeFailure, Slice};
 
 /// The pinned bounce slots of one GPU, registered on every NIC.
 pub(super) struct StagingPool<V: Api, C: hal_cuda::Api> {
@@ -64,14 +67,6 @@ enum Stage<C: hal_cuda::Api> {
     OnWire(Arc<CompletionCell>),
 }
 
-struct Slice<C: hal_cuda::Api> {
-    /// Offset within the transfer.
-    offset: u64,
-    len: u64,
-    slot: usize,
-    stage: Stage<C>,
-}
-
 /// One staged transfer going through its GPU's pool.
 pub(super) struct Pipe<V: Api, C: hal_cuda::Api> {
     peer: usize,
@@ -79,12 +74,13 @@ pub(super) struct Pipe<V: Api, C: hal_cuda::Api> {
     gpu: u32,
     /// Device address of the transfer's first byte.
     gpu_addr: u64,
-    len: u64,
     remote: MemoryDescriptor,
     remote_offset: u64,
-    /// Next offset to start a slice at.
-    next: u64,
-    slices: VecDeque<Slice<C>>,
+    /// The protocol: which slice starts, what each does next, the end.
+    proto: gdr_proto::pipeline::Pipe,
+    /// The copies and wire ops under way, by slice.
+    running: Vec<(Slice, Stage<C>)>,
+    /// Why it failed, in the engine's terms (the first failure).
     error: Option<TransferError>,
     deadline: Instant,
     timeout: Duration,
@@ -116,11 +112,10 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
             op,
             gpu,
             gpu_addr: region.inner.addr + offset,
-            len,
             remote: remote.clone(),
             remote_offset,
-            next: 0,
-            slices: VecDeque::new(),
+            proto: gdr_proto::pipeline::Pipe::new(op == Op::Write, len, now + timeout),
+            running: Vec::new(),
             error: None,
             deadline: now + timeout,
             timeout,
@@ -131,6 +126,12 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
     }
 
     fn fail(&mut self, error: TransferError) {
+        self.proto.fail(match error {
+            TransferError::Cancelled => PipeFailure::Cancelled,
+            TransferError::Timeout { .. } => PipeFailure::TimedOut,
+            TransferError::PeerGone { .. } => PipeFailure::PeerGone,
+            _ => PipeFailure::Failed,
+        });
         self.error.get_or_insert(error);
     }
 }
@@ -211,157 +212,156 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     continue;
                 }
             };
-            moved += self.advance(core, peer, pool, pipe);
+            moved += self.advance(pipe);
+            // Next steps and freed slots first: a slot freed now serves a
+            // new slice in this same call.
+            self.carry_out(core, peer, pool, pipe);
             if now >= pipe.deadline {
                 pipe.fail(TransferError::Timeout {
                     after: pipe.timeout,
                 });
             }
-            moved += self.start_slices(core, peer, pool, pipe);
+            let slot_size = pool.slot_size;
+            let (remote, remote_offset) = (&pipe.remote, pipe.remote_offset);
+            let free = &mut pool.free;
+            moved += pipe.proto.start(
+                || free.pop(),
+                // A slice never crosses a segment of the remote grant.
+                |offset| {
+                    let remote_at = remote_offset + offset;
+                    let in_segment = remote
+                        .segments()
+                        .iter()
+                        .filter(|s| s.offset <= remote_at && remote_at < s.offset + s.len)
+                        .map(|s| s.offset + s.len - remote_at)
+                        .min()
+                        .unwrap_or(u64::MAX);
+                    slot_size.min(in_segment)
+                },
+            );
+            self.carry_out(core, peer, pool, pipe);
         }
-        pipes.retain(|pipe| {
-            let done = pipe.slices.is_empty() && (pipe.next >= pipe.len || pipe.error.is_some());
-            if done {
-                pipe.cell.complete(pipe.error.clone().map_or(Ok(()), Err));
-            }
-            !done
+        pipes.retain_mut(|pipe| {
+            let Some(outcome) = pipe.proto.poll_outcome() else {
+                return true;
+            };
+            let outcome = outcome.map_err(|why| {
+                pipe.error.take().unwrap_or(match why {
+                    PipeFailure::TimedOut => TransferError::Timeout {
+                        after: pipe.timeout,
+                    },
+                    PipeFailure::Cancelled => TransferError::Cancelled,
+                    PipeFailure::PeerGone => TransferError::PeerGone {
+                        reason: "closed".into(),
+                    },
+                    PipeFailure::Failed => TransferError::Local {
+                        what: "a staged slice failed".into(),
+                    },
+                })
+            });
+            pipe.cell.complete(outcome);
+            false
         });
         moved
     }
 
-    /// Moves each slice of `pipe` as far as it can go now.
-    fn advance(
-        &self,
-        core: &mut Core,
-        peer: &PeerState<V, C>,
-        pool: &mut StagingPool<V, C>,
-        pipe: &mut Pipe<V, C>,
-    ) -> usize {
-        let mut moved = 0;
-        let mut index = 0;
-        while index < pipe.slices.len() {
-            let slice = &mut pipe.slices[index];
-            let next = match &slice.stage {
+    /// Reports the copies and wire ops of `pipe` that ended to its
+    /// protocol; returns how many.
+    fn advance(&self, pipe: &mut Pipe<V, C>) -> usize {
+        let mut ended = Vec::new();
+        pipe.running.retain(|(slice, stage)| {
+            let end = match stage {
                 Stage::Copying(event) => match event.is_complete() {
-                    Ok(false) => None,
-                    Ok(true) if pipe.op == Op::Write && pipe.error.is_none() => {
-                        // Copied out: on the wire.
-                        Some(self.post_slice(
-                            core,
-                            peer,
-                            pool,
-                            pipe.op,
-                            &pipe.remote,
-                            pipe.remote_offset,
-                            slice.offset,
-                            slice.len,
-                            slice.slot,
-                            pipe.deadline,
-                            pipe.timeout,
-                        ))
-                    }
-                    Ok(true) => Some(Err(None)),
-                    Err(e) => Some(Err(Some(TransferError::Local {
-                        what: format!("staging copy: {e}"),
-                    }))),
+                    Ok(false) => return true,
+                    Ok(true) => (true, None),
+                    Err(e) => (
+                        true,
+                        Some(TransferError::Local {
+                            what: format!("staging copy: {e}"),
+                        }),
+                    ),
                 },
                 Stage::OnWire(cell) => match cell.outcome() {
-                    None => None,
-                    Some(Ok(())) if pipe.op == Op::Read && pipe.error.is_none() => {
-                        // Landed in the slot: copy it in.
-                        Some(self.copy_in(
-                            pool,
-                            pipe.gpu,
-                            pipe.gpu_addr + slice.offset,
-                            slice.slot,
-                            slice.len,
-                        ))
-                    }
-                    Some(Ok(())) => Some(Err(None)),
-                    Some(Err(e)) => Some(Err(Some(e))),
+                    None => return true,
+                    Some(Ok(())) => (false, None),
+                    Some(Err(e)) => (false, Some(e)),
                 },
             };
-            moved += usize::from(next.is_some());
-            match next {
-                None => index += 1,
-                Some(Ok(stage)) => {
-                    pipe.slices[index].stage = stage;
-                    index += 1;
-                }
-                Some(Err(error)) => {
-                    // The slice is done (or failed): its slot is free.
-                    let slice = pipe.slices.remove(index).expect("in range");
-                    pool.free.push(slice.slot);
-                    if let Some(e) = error {
-                        pipe.fail(e);
-                    }
-                }
+            ended.push((slice.id, end));
+            false
+        });
+        let moved = ended.len();
+        for (id, (copy, error)) in ended {
+            let ok = error.is_none();
+            if let Some(e) = error {
+                pipe.error.get_or_insert(e);
+            }
+            if copy {
+                pipe.proto.copy_ended(id, ok);
+            } else {
+                pipe.proto.wire_ended(id, ok);
             }
         }
         moved
     }
 
-    /// Starts slices of `pipe` while slots are free.
-    fn start_slices(
+    /// Carries out what `pipe`'s protocol asks: copies, wire ops, slots
+    /// freed. A step that cannot start is reported failed at once.
+    fn carry_out(
         &self,
         core: &mut Core,
         peer: &PeerState<V, C>,
         pool: &mut StagingPool<V, C>,
         pipe: &mut Pipe<V, C>,
-    ) -> usize {
-        let mut started = 0;
-        while pipe.error.is_none() && pipe.next < pipe.len {
-            let Some(slot) = pool.free.pop() else {
-                return started;
-            };
-            started += 1;
-            let offset = pipe.next;
-            // A slice never crosses a segment of the remote grant.
-            let remote_at = pipe.remote_offset + offset;
-            let in_segment = pipe
-                .remote
-                .segments()
-                .iter()
-                .filter(|s| s.offset <= remote_at && remote_at < s.offset + s.len)
-                .map(|s| s.offset + s.len - remote_at)
-                .min()
-                .unwrap_or(u64::MAX);
-            let len = (pipe.len - offset).min(pool.slot_size).min(in_segment);
-            let stage = match pipe.op {
-                Op::Write => self.copy_out(pool, pipe.gpu, pipe.gpu_addr + offset, slot, len),
-                Op::Read => self.post_slice(
-                    core,
-                    peer,
-                    pool,
-                    Op::Read,
-                    &pipe.remote,
-                    pipe.remote_offset,
-                    offset,
-                    len,
-                    slot,
-                    pipe.deadline,
-                    pipe.timeout,
+    ) {
+        while let Some(action) = pipe.proto.poll_action() {
+            let (slice, started, copy) = match action {
+                PipeAction::Free { slot } => {
+                    pool.free.push(slot);
+                    continue;
+                }
+                PipeAction::CopyOut(s) => (
+                    s,
+                    self.copy_out(pool, pipe.gpu, pipe.gpu_addr + s.offset, s.slot, s.len),
+                    true,
+                ),
+                PipeAction::CopyIn(s) => (
+                    s,
+                    self.copy_in(pool, pipe.gpu, pipe.gpu_addr + s.offset, s.slot, s.len),
+                    true,
+                ),
+                PipeAction::Post(s) => (
+                    s,
+                    self.post_slice(
+                        core,
+                        peer,
+                        pool,
+                        pipe.op,
+                        &pipe.remote,
+                        pipe.remote_offset,
+                        s.offset,
+                        s.len,
+                        s.slot,
+                        pipe.deadline,
+                        pipe.timeout,
+                    ),
+                    false,
                 ),
             };
-            match stage {
-                Ok(stage) => {
-                    pipe.next += len;
-                    pipe.slices.push_back(Slice {
-                        offset,
-                        len,
-                        slot,
-                        stage,
-                    });
-                }
+            match started {
+                Ok(stage) => pipe.running.push((slice, stage)),
                 Err(e) => {
-                    pool.free.push(slot);
-                    pipe.fail(e.unwrap_or(TransferError::Local {
+                    pipe.error.get_or_insert(e.unwrap_or(TransferError::Local {
                         what: "a staged slice did not start".into(),
                     }));
+                    if copy {
+                        pipe.proto.copy_ended(slice.id, false);
+                    } else {
+                        pipe.proto.wire_ended(slice.id, false);
+                    }
                 }
             }
         }
-        started
     }
 
     /// Submits one slice's RDMA request (between pool slot `slot` and
