@@ -36,7 +36,7 @@ muts=[
  (REQ,"a failed reply ignored","            if status != status::OK {\n                a.failure.get_or_insert(AskFailure::Refused(status));\n            }",""),
  (PIPE,"a slice starts after a failure","        while self.failure.is_none() && self.next < self.len {","        while self.next < self.len {"),
  (PIPE,"copied out after a failure goes on the wire","            Stage::CopyingOut if self.failure.is_none() => {","            Stage::CopyingOut => {"),
- (PIPE,"slot never freed after the wire","        } else {\n            self.actions.push_back(PipeAction::Free { slot: slice.slot });\n        }\n    }\n\n    /// It fails","        }\n    }\n\n    /// It fails"),
+ (PIPE,"slot never freed after the wire","        } else {\n            self.actions\n                .push_back(PipeAction::Free { slot: slice.slot });\n        }\n    }\n\n    /// It fails","        }\n    }\n\n    /// It fails"),
  (PIPE,"ends with slices in flight","        let over = self.slices.is_empty()\n            && self.actions.is_empty()","        let over = self.actions.is_empty()"),
  (PIPE,"outcome twice","        if self.ended || !over {","        if !over {"),
  (PIPE,"deadline ignored","        if now >= self.deadline {\n            self.fail(PipeFailure::TimedOut);\n        }",""),
