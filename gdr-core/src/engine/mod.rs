@@ -401,7 +401,6 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     /// This side's requests through the peer's landing slots.
     asks: rendezvous::Asks<V, C>,
     control: ControlBuffers<V, C>,
-    /// Where the peer runs and its grants' IPC handles.
     /// The peer's live grants to this side (bounded).
     remote_grants: RemoteGrants<MemoryDescriptor>,
     /// The peer's messages not yet received (bounded).
@@ -1953,6 +1952,27 @@ impl Drop for Driver {
 }
 
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+    /// Makes progress until `decide`, looking at the engine's state under
+    /// its lock, gives an answer, or `timeout` passes.
+    fn progress_until<T>(
+        &self,
+        timeout: Duration,
+        mut decide: impl FnMut(&mut State<V, C>) -> Option<Result<T, EngineError>>,
+    ) -> Result<T, EngineError> {
+        let deadline = Instant::now() + timeout;
+        let mut idle = Idle::default();
+        loop {
+            let decided = decide(&mut lock(&self.shared.state));
+            if let Some(decided) = decided {
+                return decided;
+            }
+            if Instant::now() >= deadline {
+                return Err(EngineError::Timeout(timeout));
+            }
+            idle.after(self.progress());
+        }
+    }
+
     /// Starts the engine's own progress thread, once: it holds the engine
     /// weakly and ends when the engine is dropped. A peer's rendezvous on a
     /// staging-rung grant is served only by progress here, which nothing
@@ -2681,34 +2701,22 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
         let peer = self.peer.clone();
         let same_process = self._published.as_ref().map(|p| Arc::clone(&p.fence));
         drop(self);
-        let deadline = Instant::now() + timeout;
-        let mut idle = Idle::default();
-        loop {
-            let (staged, exported) = {
-                let state = lock(&peer.engine.shared.state);
-                let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
-                    // A gone peer's served grants go with it, once the
-                    // copies still running for it have ended (the next
-                    // progress waits for them).
-                    Some(p) => {
-                        p.served.is_fenced(grant) || (p.gone.is_some() && !p.landing.copying())
-                    }
-                    // Its state dropped: its copies were waited for.
-                    None => true,
-                };
-                (staged, state.peer_copy.exports.release(grant))
+        peer.engine.progress_until(timeout, |state| {
+            let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
+                // A gone peer's served grants go with it, once the copies
+                // still running for it have ended (the next progress waits
+                // for them).
+                Some(p) => p.served.is_fenced(grant) || (p.gone.is_some() && !p.landing.copying()),
+                // Its state dropped: its copies were waited for.
+                None => true,
             };
             let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
-            match exported {
-                Release::Released if staged && copies_fenced => return Ok(()),
-                Release::GivenUp => return Err(EngineError::Timeout(timeout)),
-                _ => {}
+            match state.peer_copy.exports.release(grant) {
+                Release::Released if staged && copies_fenced => Some(Ok(())),
+                Release::GivenUp => Some(Err(EngineError::Timeout(timeout))),
+                _ => None,
             }
-            if Instant::now() >= deadline {
-                return Err(EngineError::Timeout(timeout));
-            }
-            idle.after(peer.engine.progress());
-        }
+        })
     }
 }
 
@@ -2849,21 +2857,15 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         timeout: Duration,
         mut ready: impl FnMut(&mut PeerState<V, C>) -> Option<T>,
     ) -> Result<T, EngineError> {
-        let deadline = Instant::now() + timeout;
-        let mut idle = Idle::default();
-        loop {
-            let (found, gone) = self.read_peer(|_, p| (ready(p), p.gone.clone()))?;
-            if let Some(found) = found {
-                return Ok(found);
+        self.engine.progress_until(timeout, |state| {
+            let Some(p) = state.peers[self.slot].as_mut() else {
+                return Some(Err(EngineError::PeerGone("closed".into())));
+            };
+            if let Some(found) = ready(p) {
+                return Some(Ok(found));
             }
-            if let Some(why) = gone {
-                return Err(EngineError::PeerGone(why));
-            }
-            if Instant::now() >= deadline {
-                return Err(EngineError::Timeout(timeout));
-            }
-            idle.after(self.engine.progress());
-        }
+            p.gone.clone().map(|why| Err(EngineError::PeerGone(why)))
+        })
     }
 
     /// Grants `len` bytes at `offset` of `region` to this peer with

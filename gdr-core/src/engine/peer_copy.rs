@@ -285,6 +285,14 @@ enum GrantUse {
     Ipc { slot: usize, grant: u64 },
 }
 
+impl GrantUse {
+    fn grant(&self) -> u64 {
+        match *self {
+            Self::SameProcess { grant, .. } | Self::Ipc { grant, .. } => grant,
+        }
+    }
+}
+
 /// The revocation fence of a grant published to an engine of this
 /// process: the owner marks it revoked; the requester's batches take a use
 /// while anything of theirs is queued under it.
@@ -587,11 +595,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 _ => {
                     let remote = engine.mapped_remote(copies, self.slot, t, ordinal, &mut keep)?;
                     let grant = t.remote.grant;
-                    if remote.is_some()
-                        && !grants
-                            .iter()
-                            .any(|g| matches!(g, GrantUse::Ipc { grant: g, .. } if *g == grant))
-                    {
+                    if remote.is_some() && !grants.iter().any(|g| g.grant() == grant) {
                         grants.push(GrantUse::Ipc {
                             slot: self.slot,
                             grant,
@@ -676,10 +680,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             super::check_within("remote grant", t.remote_offset, t.len, entry.len)?;
             (entry.addr, entry.ordinal, region, Arc::clone(&entry.fence))
         };
-        if !grants
-            .iter()
-            .any(|g| matches!(g, GrantUse::SameProcess { grant, .. } if *grant == d.grant))
-        {
+        if !grants.iter().any(|g| g.grant() == d.grant) {
             // Revoked since it was looked up: refused as the NIC path
             // refuses a revoked grant.
             let Some(fence) = FenceUse::take(&fence) else {
@@ -976,10 +977,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         .is_some_and(|l| l.ipc.contains_key(grant)),
                 };
                 if !live {
-                    let grant = match grant {
-                        GrantUse::SameProcess { grant, .. } | GrantUse::Ipc { grant, .. } => *grant,
-                    };
-                    flight.proto.stop(Stop::Revoked { grant });
+                    flight.proto.stop(Stop::Revoked {
+                        grant: grant.grant(),
+                    });
                 }
             }
             flight.proto.handle_timeout(now);

@@ -198,14 +198,13 @@ impl Requester {
     /// `offset` of `len` bytes. One for a request that ended (it crossed
     /// our cancel) changes nothing.
     pub fn on_ready(&mut self, id: RequestId, offset: u64, len: u64, slot: u32) {
+        let busy = self.asks.values().any(|other| other.held.contains(&slot));
         let Some(a) = self.asks.get_mut(&id) else {
             return;
         };
         if a.failure.is_some() {
             return;
         }
-        let busy = self.asks.values().any(|other| other.held.contains(&slot));
-        let a = self.asks.get_mut(&id).expect("looked up above");
         let fits = self.slots.is_some_and(|(slot_len, count)| {
             slot < count
                 && len > 0
