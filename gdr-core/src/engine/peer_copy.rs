@@ -144,7 +144,8 @@ pub struct PeerCopyStats {
     /// Batches moved by peer copy (counted when their copies have run,
     /// unless one failed).
     pub batches: u64,
-    /// Their bytes.
+    /// Their bytes copied (a batch stopped by a cancel, deadline or
+    /// revoke counts what it had queued).
     pub bytes: u64,
     /// Device copies queued (slices).
     pub copies: u64,
@@ -268,8 +269,9 @@ struct Flight<C: hal_cuda::Api> {
     /// Why it failed, when a copy could not be queued or ran wrong.
     error: Option<TransferError>,
     timeout: Duration,
-    /// Its bytes (counted in the stats unless a copy failed).
-    bytes: u64,
+    /// Its bytes queued so far (counted in the stats once it drained,
+    /// unless a copy failed).
+    queued: u64,
     /// The grants it copies under, checked before each window.
     grants: Vec<GrantUse>,
     /// The memory copied from and to, until nothing of it is queued.
@@ -618,7 +620,6 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         }
         let cell = Arc::new(CompletionCell::new());
         let deadline = config.clock.now().checked_add(timeout);
-        let bytes = lens.iter().sum::<u64>();
         let windows = Windows {
             slice: config.peer_copy_slice,
             slices: STREAMS_PER_GPU,
@@ -631,7 +632,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             windows: VecDeque::new(),
             error: None,
             timeout,
-            bytes,
+            queued: 0,
             grants,
             _keep: keep,
         };
@@ -822,7 +823,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// queued still drains).
     fn queue_windows(&self, copies: &mut Copies<C>, flight: &mut Flight<C>) {
         while let Some(window) = flight.proto.poll_window() {
-            let (events, error) = self.queue_window(copies, &flight.plan, &window);
+            let (events, queued, error) = self.queue_window(copies, &flight.plan, &window);
+            flight.queued += queued;
             if let Some(e) = error {
                 flight.error.get_or_insert(e);
                 flight.proto.stop(Stop::Failed);
@@ -837,15 +839,16 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    /// Queues one window's slices; the events recorded after them, and the
-    /// error that stopped it, if any.
+    /// Queues one window's slices; the events recorded after them, the
+    /// bytes queued, and the error that stopped it, if any.
     fn queue_window(
         &self,
         copies: &mut Copies<C>,
         plan: &[Planned],
         window: &[Slice],
-    ) -> (Vec<C::Event>, Option<TransferError>) {
+    ) -> (Vec<C::Event>, u64, Option<TransferError>) {
         let mut used: Vec<(u32, usize)> = Vec::new();
+        let mut queued = 0;
         let mut error = None;
         for slice in window {
             let p = &plan[slice.transfer];
@@ -872,6 +875,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         used.push((p.ordinal, index));
                     }
                     copies.stats.copies += 1;
+                    queued += len;
                 }
                 Err(e) => {
                     error = Some(TransferError::Local {
@@ -905,7 +909,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
         }
-        (events, error)
+        (events, queued, error)
     }
 
     /// Moves the peer-copy batches on: retires their windows that ran,
@@ -987,7 +991,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             if flight.proto.is_drained() && flight.proto.stopped() != Some(Stop::Failed) {
                 // Counted once: a drained flight is dropped below.
                 copies.stats.batches += 1;
-                copies.stats.bytes += flight.bytes;
+                copies.stats.bytes += flight.queued;
             }
             if let Some(outcome) = flight.proto.poll_outcome() {
                 let outcome = match outcome {
