@@ -214,7 +214,9 @@ struct Export<K> {
     /// The connection the handle went to.
     peer: u64,
     keep: K,
-    /// Revoked: released by then at the latest.
+    revoked: bool,
+    /// When a revoked grant is given up on (`None`: never, for a bound
+    /// past what an `Instant` holds).
     release_by: Option<Instant>,
 }
 
@@ -248,6 +250,7 @@ impl<K> Exports<K> {
             Export {
                 peer,
                 keep,
+                revoked: false,
                 release_by: None,
             },
         );
@@ -258,9 +261,10 @@ impl<K> Exports<K> {
     pub fn revoke(&mut self, grant: GrantId, now: Instant, bound: Duration) -> Release {
         match self.grants.get_mut(&grant) {
             Some(export) => {
-                export
-                    .release_by
-                    .get_or_insert(now.checked_add(bound).unwrap_or(now));
+                if !export.revoked {
+                    export.revoked = true;
+                    export.release_by = now.checked_add(bound);
+                }
                 Release::Awaiting
             }
             None => Release::Released,
@@ -272,9 +276,7 @@ impl<K> Exports<K> {
     /// grant, or from another peer, changes nothing).
     pub fn on_released(&mut self, grant: GrantId, peer: u64) -> Option<K> {
         match self.grants.get(&grant) {
-            Some(e) if e.peer == peer && e.release_by.is_some() => {
-                self.grants.remove(&grant).map(|e| e.keep)
-            }
+            Some(e) if e.peer == peer && e.revoked => self.grants.remove(&grant).map(|e| e.keep),
             _ => None,
         }
     }

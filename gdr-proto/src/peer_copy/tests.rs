@@ -436,3 +436,18 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_bound_past_what_an_instant_holds_never_gives_up() {
+    let t0 = Instant::now();
+    let mut owner: Exports<u32> = Exports::default();
+    owner.export(6, CONN, 60);
+    owner.revoke(6, t0, Duration::MAX);
+    assert!(
+        owner
+            .handle_timeout(t0 + Duration::from_secs(1 << 30))
+            .is_empty()
+    );
+    assert_eq!(owner.release(6), Release::Awaiting);
+    assert_eq!(owner.on_released(6, CONN), Some(60), "still revoked");
+}

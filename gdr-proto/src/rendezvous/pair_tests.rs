@@ -484,3 +484,13 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_timeout_past_what_an_instant_holds_never_passes() {
+    let t0 = Instant::now();
+    let mut r = Requester::new(0);
+    let id = r.start(true, SLOT, t0, Duration::MAX);
+    r.handle_timeout(t0 + Duration::from_secs(1 << 30));
+    assert!(!r.is_failing(id));
+    assert_eq!(r.poll_timeout(), None);
+}

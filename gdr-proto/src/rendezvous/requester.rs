@@ -102,7 +102,8 @@ pub enum RequesterAction {
 struct Ask {
     write: bool,
     len: u64,
-    deadline: Instant,
+    /// `None`: a bound past what an `Instant` holds, which never passes.
+    deadline: Option<Instant>,
     /// Its slices moving (from their credit to their end).
     in_flight: usize,
     /// Slots lent to it whose slice's wire op has not ended: the owner's
@@ -152,7 +153,7 @@ impl Requester {
             Ask {
                 write,
                 len,
-                deadline: now.checked_add(timeout).unwrap_or(now),
+                deadline: now.checked_add(timeout),
                 in_flight: 0,
                 held: Vec::new(),
                 done: 0,
@@ -276,7 +277,7 @@ impl Requester {
     /// Fails the requests past their deadline at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         for a in self.asks.values_mut() {
-            if now >= a.deadline {
+            if a.deadline.is_some_and(|at| now >= at) {
                 a.failure.get_or_insert(AskFailure::TimedOut);
             }
         }
@@ -287,7 +288,7 @@ impl Requester {
         self.asks
             .values()
             .filter(|a| a.failure.is_none())
-            .map(|a| a.deadline)
+            .filter_map(|a| a.deadline)
             .min()
     }
 
