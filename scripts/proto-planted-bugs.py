@@ -29,7 +29,7 @@ muts=[
  (GATE,"cancel at open ignored","    if cancelled {\n        return Err(GateEnd::Cancelled);\n    }\n    let left","    let left"),
  (REQ,"a busy slot lent again","        if !fits || busy {","        if !fits {"),
  (REQ,"a credit past the request","                && offset.checked_add(len).is_some_and(|end| end <= a.len)","                && offset.checked_add(len).is_some()"),
- (REQ,"credits moved for a failed request","        if a.failure.is_some() {\n            return;\n        }\n        let busy","        let busy"),
+ (REQ,"credits moved for a failed request","        if a.failure.is_some() {\n            return;\n        }\n        let fits","        let fits"),
  (REQ,"ends with slices in flight","                a.in_flight == 0\n                    && (a.failure","                (a.failure"),
  (REQ,"Ok with bytes missing","                None if a.done == a.len => Ok(()),\n                None => Err(AskFailure::Incomplete),","                None => Ok(()),"),
  (REQ,"cancel sent to a gone peer","                    if !self.gone {\n                        self.actions.push_back(RequesterAction::Cancel { id });\n                    }","                    self.actions.push_back(RequesterAction::Cancel { id });"),
