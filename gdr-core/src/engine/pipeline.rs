@@ -125,14 +125,10 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
         (pipe, cell)
     }
 
-    fn fail(&mut self, error: TransferError) {
-        self.proto.fail(match error {
-            TransferError::Cancelled => PipeFailure::Cancelled,
-            TransferError::Timeout { .. } => PipeFailure::TimedOut,
-            TransferError::PeerGone { .. } => PipeFailure::PeerGone,
-            _ => PipeFailure::Failed,
-        });
+    /// A failure here (not one of its slices): the pipe fails with it.
+    fn fail_local(&mut self, error: TransferError) {
         self.error.get_or_insert(error);
+        self.proto.fail(PipeFailure::Failed);
     }
 }
 
@@ -143,7 +139,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     pub(super) fn cancel_pipes(state: &mut super::State<V, C>, cells: &[Arc<CompletionCell>]) {
         for pipe in state.pipes.iter_mut() {
             if cells.iter().any(|c| Arc::ptr_eq(c, &pipe.cell)) {
-                pipe.fail(TransferError::Cancelled);
+                pipe.proto.fail(PipeFailure::Cancelled);
             }
         }
     }
@@ -198,15 +194,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         } = state;
         for pipe in pipes.iter_mut() {
             let Some(peer) = peers.get(pipe.peer).and_then(Option::as_ref) else {
-                pipe.fail(TransferError::PeerGone {
-                    reason: "closed".into(),
-                });
+                pipe.proto.fail(PipeFailure::PeerGone);
                 continue;
             };
             let pool = match self.pool(pools, pipe.gpu) {
                 Ok(pool) => pool,
                 Err(e) => {
-                    pipe.fail(TransferError::Local {
+                    pipe.fail_local(TransferError::Local {
                         what: format!("the staging pool: {e}"),
                     });
                     continue;
@@ -216,11 +210,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             // Next steps and freed slots first: a slot freed now serves a
             // new slice in this same call.
             self.carry_out(core, peer, pool, pipe);
-            if now >= pipe.deadline {
-                pipe.fail(TransferError::Timeout {
-                    after: pipe.timeout,
-                });
-            }
+            pipe.proto.handle_timeout(now);
             let slot_size = pool.slot_size;
             let (remote, remote_offset) = (&pipe.remote, pipe.remote_offset);
             let free = &mut pool.free;
@@ -245,19 +235,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             let Some(outcome) = pipe.proto.poll_outcome() else {
                 return true;
             };
-            let outcome = outcome.map_err(|why| {
-                pipe.error.take().unwrap_or(match why {
-                    PipeFailure::TimedOut => TransferError::Timeout {
-                        after: pipe.timeout,
-                    },
-                    PipeFailure::Cancelled => TransferError::Cancelled,
-                    PipeFailure::PeerGone => TransferError::PeerGone {
-                        reason: "closed".into(),
-                    },
-                    PipeFailure::Failed => TransferError::Local {
-                        what: "a staged slice failed".into(),
-                    },
-                })
+            // The first failure, as the protocol recorded it; the details
+            // of the pipe's own failures are the driver's.
+            let outcome = outcome.map_err(|why| match why {
+                PipeFailure::TimedOut => TransferError::Timeout {
+                    after: pipe.timeout,
+                },
+                PipeFailure::Cancelled => TransferError::Cancelled,
+                PipeFailure::PeerGone => TransferError::PeerGone {
+                    reason: "closed".into(),
+                },
+                PipeFailure::Failed => pipe.error.take().unwrap_or(TransferError::Local {
+                    what: "a staged slice failed".into(),
+                }),
             });
             pipe.cell.complete(outcome);
             false
