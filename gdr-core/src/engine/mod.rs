@@ -74,10 +74,12 @@ pub mod fence;
 pub mod gate;
 #[cfg(all(test, loom))]
 mod loom_tests;
+mod path;
 pub mod peer_copy;
 pub mod pipeline;
 mod region;
 pub mod rendezvous;
+mod resources;
 pub mod staging;
 pub mod topology;
 /// Connection set-up's state machines (they live in the sans-IO protocol
@@ -113,8 +115,10 @@ pub use self::completion::{CompletionCell, Outcome};
 use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
 pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
+use self::path::{PeerView, Wire};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
+use self::resources::{Nic, Resources};
 use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, DialState, Token};
 use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::grants::{LocalGrants, RemoteGrants, Revoked};
@@ -277,36 +281,6 @@ impl Default for EngineConfig {
     }
 }
 
-/// For each GPU of the NICs' ladders, the NICs at the least known PCIe
-/// distance from it.
-fn nearest_nics<V: Api, C: hal_cuda::Api>(
-    topology: &topology::PciTopology,
-    nics: &[Nic<V, C>],
-) -> HashMap<u32, Vec<usize>> {
-    let names: Vec<&str> = nics.iter().map(|n| n.name.as_str()).collect();
-    let mut nearest = HashMap::new();
-    let Some(first) = nics.first() else {
-        return nearest;
-    };
-    for gpu in first.ladder.gpus() {
-        let distances = topology.nic_distances(Some(&gpu.attributes.pci_bus_id), &names);
-        let Some(best) = distances.iter().flatten().min().copied() else {
-            continue;
-        };
-        let chosen: Vec<usize> = (0..nics.len())
-            .filter(|&i| distances[i] == Some(best))
-            .collect();
-        tracing::info!(
-            gpu = gpu.attributes.ordinal,
-            nics = ?chosen.iter().map(|&i| names[i]).collect::<Vec<_>>(),
-            distance = ?best,
-            "nearest NICs"
-        );
-        nearest.insert(gpu.attributes.ordinal, chosen);
-    }
-    nearest
-}
-
 /// The top bit of a receive's `wr_id`: send-queue ids come from the core.
 const RECV_BIT: u64 = 1 << 63;
 
@@ -328,14 +302,6 @@ fn fresh_id() -> u64 {
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^= x >> 31;
     x.max(1)
-}
-
-/// One NIC of the engine.
-struct Nic<V: Api, C: hal_cuda::Api> {
-    name: String,
-    cq: V::CompletionQueue,
-    ladder: Ladder<V, C>,
-    context: V::Context,
 }
 
 /// One queue pair of a peer.
@@ -554,25 +520,118 @@ struct State<V: Api, C: hal_cuda::Api> {
     ticks: u64,
 }
 
+/// The peers' connections as the paths see them ([`path::Wire`]): the
+/// core (which posts on the queue pairs) and the peers' control channels.
+#[allow(dead_code)] // used as the paths move behind the seam
+struct Connections<'a, V: Api, C: hal_cuda::Api> {
+    core: &'a mut Core,
+    peers: &'a mut [Option<PeerState<V, C>>],
+    res: &'a Resources<V, C>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
+    fn peer(&self, slot: usize) -> Option<PeerView<'_>> {
+        let peer = self.peers.get(slot)?.as_ref()?;
+        Some(PeerView {
+            engine: peer.engine,
+            session: peer.session,
+            gone: peer.gone.as_deref(),
+        })
+    }
+
+    fn send(
+        &mut self,
+        slot: usize,
+        message: &Control<'_>,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        let peer = self
+            .peers
+            .get_mut(slot)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        let now = self.res.config.clock.now();
+        let cell = peer.enqueue(message, now, timeout)?;
+        peer.flush_backlog(self.core, now);
+        Ok(cell)
+    }
+
+    fn post_rdma(
+        &mut self,
+        slot: usize,
+        gpu: Option<u32>,
+        spread: usize,
+        op: Op,
+        remote: &MemoryDescriptor,
+        remote_at: u64,
+        local: &Region<V>,
+        local_addr: u64,
+        len: u64,
+        (deadline, timeout): (Instant, Duration),
+    ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
+        let core = &mut *self.core;
+        let Some(peer) = self.peers.get(slot).and_then(Option::as_ref) else {
+            return Err(Some(TransferError::PeerGone {
+                reason: "closed".into(),
+            }));
+        };
+        let local_error = |what: String| Some(TransferError::Local { what });
+        // The queue pairs that are up (else those being re-established),
+        // on the NICs nearest the GPU when one of those is among them.
+        let up: Vec<_> = match peer.qps.iter().any(|q| core.is_ready(q.core)) {
+            true => peer.qps.iter().filter(|q| core.is_ready(q.core)).collect(),
+            false => peer
+                .qps
+                .iter()
+                .filter(|q| core.accepts_work(q.core))
+                .collect(),
+        };
+        let near: Vec<_> = match gpu.and_then(|g| self.res.nearest_nics.get(&g)) {
+            Some(nics) => up
+                .iter()
+                .copied()
+                .filter(|q| nics.contains(&q.nic))
+                .collect(),
+            None => Vec::new(),
+        };
+        let candidates = if near.is_empty() { &up } else { &near };
+        let Some(&qp) = candidates.get(spread % candidates.len().max(1)) else {
+            return Err(Some(TransferError::PeerGone {
+                reason: "every queue pair failed".into(),
+            }));
+        };
+        let device = qp.remote_device.as_deref().unwrap_or("");
+        let segment = remote
+            .segment(device, remote_at, len)
+            .map_err(|e| local_error(format!("the slice's remote segment: {e}")))?;
+        let Some(mr) = local.inner.per_nic[qp.nic].mr() else {
+            return Err(local_error("the local memory has no MR".into()));
+        };
+        let rdma = op.send_op(segment.addr + (remote_at - segment.offset), segment.rkey);
+        let work = Work::single(rdma, local_addr, len as u32, mr.lkey(), SendFlags::empty());
+        let cell = Arc::new(CompletionCell::new());
+        let keep: Vec<Keep> = vec![Arc::clone(&local.inner) as Keep];
+        core.submit(
+            vec![(qp.core, work)],
+            Arc::clone(&cell),
+            Some((deadline, timeout)),
+            keep,
+        );
+        Ok(cell)
+    }
+}
+
 struct Shared<V: Api, C: hal_cuda::Api> {
     // Field order is drop order: connections (in the state) before the
-    // NICs' CQs, PDs and contexts.
+    // NICs' CQs, PDs and contexts (in the resources).
     state: Mutex<State<V, C>>,
-    id: u64,
-    config: EngineConfig,
-    cm: V::ConnectionManager,
-    nics: Vec<Nic<V, C>>,
-    next_grant: AtomicU64,
+    res: Resources<V, C>,
     /// Driver threads running ([`Engine::spawn_driver`]): while there is
     /// one, a pending `Future` waits to be woken instead of re-polling.
     drivers: Arc<std::sync::atomic::AtomicUsize>,
     /// Whether the engine's own progress thread runs (started by the first
     /// grant of a staging-rung region, which only progress serves).
     own_driver: std::sync::atomic::AtomicBool,
-    /// For each GPU (by ordinal), the engine's NICs nearest it (all at the
-    /// least PCIe distance); none listed: no preference (the distance is
-    /// unknown).
-    nearest_nics: HashMap<u32, Vec<usize>>,
 }
 
 /// The transfer engine over verbs backend `V` and CUDA backend `C`.
@@ -666,7 +725,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 context,
             });
         }
-        let nearest_nics = nearest_nics(&config.topology, &nics);
         let shared = Shared {
             state: Mutex::new(State {
                 core: Core::new(),
@@ -686,14 +744,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
             }),
-            id: fresh_id(),
-            config,
-            cm,
-            nics,
-            next_grant: AtomicU64::new(1),
+            res: Resources::new(fresh_id(), config, cm, nics),
             drivers: Arc::default(),
             own_driver: Default::default(),
-            nearest_nics,
         };
         tracing::info!(
             engine = format_args!("{:#x}", shared.id),
@@ -735,7 +788,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Registers the whole of `buffer` on every NIC (each on the first
     /// rung that works there) as a region for transfers and grants.
     pub fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
-        self.register_range(buffer, 0, buffer.len())
+        self.shared.res.register(buffer)
     }
 
     /// Registers `len` bytes at `offset` of `buffer` on every NIC.
@@ -745,14 +798,16 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         offset: u64,
         len: u64,
     ) -> Result<Region<V>, EngineError> {
-        let _span = tracing::debug_span!("engine_register", len).entered();
-        Region::register(
-            self.shared.id,
-            buffer,
-            offset,
-            len,
-            self.shared.nics.iter().map(|nic| &nic.ladder),
-        )
+        self.shared.res.register_range(buffer, offset, len)
+    }
+
+    /// GPU `ordinal` of the engine.
+    fn gpu(&self, ordinal: u32) -> Result<&Gpu<C>, EngineError> {
+        self.shared.res.gpu(ordinal)
+    }
+
+    fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
+        self.shared.res.fence_gpu(ordinal)
     }
 
     /// Listens for peers on `addr` (port 0: one is assigned).
@@ -1287,30 +1342,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         match region.inner.location {
             MemoryLocation::Host => Ok(Fence::NotNeeded),
             MemoryLocation::Gpu { ordinal } => self.fence_gpu(u32::from(ordinal)),
-        }
-    }
-
-    /// GPU `ordinal` of the engine (every NIC's ladder opened the same).
-    fn gpu(&self, ordinal: u32) -> Result<&Gpu<C>, EngineError> {
-        self.shared
-            .nics
-            .first()
-            .and_then(|n| n.ladder.gpu(ordinal))
-            .ok_or_else(|| {
-                EngineError::Unavailable(format!("GPU {ordinal} is not one of the engine's"))
-            })
-    }
-
-    fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
-        use hal_cuda::Context as _;
-        let gpu = self.gpu(ordinal)?;
-        if gpu.attributes.needs_flush_before_kernels()? {
-            let _span = tracing::debug_span!("gpu_fence", ordinal).entered();
-            gpu.context
-                .flush_gpu_direct_rdma_writes(hal_cuda::FlushScope::Owner)?;
-            Ok(Fence::Flushed)
-        } else {
-            Ok(Fence::NotNeeded)
         }
     }
 

@@ -1,0 +1,189 @@
+//! The path seam: how the engine moves a transfer's bytes.
+//!
+//! A *path* is one way bytes go between this side's memory and a peer's:
+//! the RDMA path (the NIC reads or writes the peer's memory directly), the
+//! staged path (GPU memory no NIC reaches goes through pinned bounce
+//! slices; the peer's by the slotted rendezvous) and the peer-copy path
+//! (the GPU's own copy engines, when the peer's memory is a GPU this
+//! process can map). Gating ([`super::gate`]) is not a path: it holds any
+//! path's batch until a GPU stream reaches a point.
+//!
+//! The seam is in the shape of NIXL's backend engine: a path is asked what
+//! it can carry ([`TransferPath::carries`], the capability predicate), is
+//! handed a batch it said it carries ([`TransferPath::post`], which checks
+//! everything before anything moves: NIXL's prepare and post in one call,
+//! since nothing here is worth preparing twice), is advanced by
+//! [`TransferPath::progress`], takes the control messages of its own
+//! protocol ([`TransferPath::on_control`]), and releases what it holds of
+//! a peer ([`TransferPath::release_peer`]). Each path owns its state; the
+//! engine keeps the peers, the grants and the choice of path per batch,
+//! and carries out what the paths ask through [`PathCx`]: the engine's
+//! [`Resources`] (read only) and the [`Wire`] (the peers' queue pairs and
+//! control channel). No path module reaches the engine, or another path.
+//!
+//! # The lifetime contract, at the seam
+//!
+//! - Whatever a path holds of a buffer's memory, it holds through the
+//!   buffer's lease: a [`super::Region`] (every rung, the staging rung
+//!   included, keeps its `Buffer`'s memory alive), or a `Keep` handed to
+//!   the core with the work.
+//! - A revoke is a fence: once a grant's revoke completes, no byte moves
+//!   under it by any path. A path that serves a peer's requests under a
+//!   grant ends each one before the revoke completes (the staged path's
+//!   [`gdr_proto::grants`] fence, the peer-copy path's
+//!   [`gdr_proto::peer_copy`] windows and released exports).
+//! - Every state a peer creates on this side is bounded and has a
+//!   deadline ([`gdr_proto::PeerLimits`]); past it the peer is refused or
+//!   dropped with a named reason.
+//! - Every batch a path takes ends exactly once, through its
+//!   [`CompletionCell`].
+//!
+//! # How a TCP path would fit
+//!
+//! A TCP path (for peers no NIC reaches) is one more implementation of
+//! [`TransferPath`] beside these, owning its sockets and its framing: its
+//! `carries` says yes for a peer whose connection is TCP, `post` copies
+//! (or `sendfile`s) the local range out and frames the request, its
+//! `progress` reads and writes the sockets it owns, and its control
+//! messages ride its own stream. Grants stay the engine's: the TCP path
+//! checks a request against the same grant tables and the same revocation
+//! fence before touching memory, so none of the other paths changes.
+
+// The paths move behind this seam one by one; until the last has, parts
+// of it have no user yet.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hal_verbs::Api;
+
+use super::completion::CompletionCell;
+use super::resources::Resources;
+use super::wire::Control;
+use super::{EngineError, Op, Region, Transfer, TransferError};
+use crate::descriptor::MemoryDescriptor;
+use gdr_proto::PeerMisbehaved;
+
+/// Which path a batch took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathKind {
+    /// The NIC moves the bytes directly (one-sided RDMA).
+    Rdma,
+    /// Through pinned bounce slices (the staging rung; the peer's by the
+    /// slotted rendezvous).
+    Staged,
+    /// The GPU's copy engines, to a peer GPU this process maps.
+    PeerCopy,
+}
+
+/// What the engine knows of a peer, for a path.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PeerView<'a> {
+    /// The peer's engine id.
+    pub(crate) engine: u64,
+    /// The connection's session id.
+    pub(crate) session: u64,
+    /// Why the peer is gone, once it is.
+    pub(crate) gone: Option<&'a str>,
+}
+
+/// The engine's side of the seam: the peers' connections, which a path
+/// asks to carry its control messages and its RDMA operations.
+pub(crate) trait Wire<V: Api> {
+    /// The peer in `slot`, if there is one.
+    fn peer(&self, slot: usize) -> Option<PeerView<'_>>;
+
+    /// Queues control message `message` for the peer in `slot`, to go out
+    /// within `timeout`; the cell ends when the peer's NIC has it.
+    fn send(
+        &mut self,
+        slot: usize,
+        message: &Control<'_>,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError>;
+
+    /// Posts one RDMA `op` of `len` bytes between `local` (at address
+    /// `local_addr`) and the peer's `remote` grant (at offset `remote_at`)
+    /// on one of the peer's queue pairs: those on the NICs nearest GPU
+    /// `gpu` when one is up, the `spread`-th among the candidates. The
+    /// cell ends when the op does, by `deadline`. `Err(None)`: nothing to
+    /// report beyond what the caller knows (the peer is gone).
+    #[allow(clippy::too_many_arguments)]
+    fn post_rdma(
+        &mut self,
+        slot: usize,
+        gpu: Option<u32>,
+        spread: usize,
+        op: Op,
+        remote: &MemoryDescriptor,
+        remote_at: u64,
+        local: &Region<V>,
+        local_addr: u64,
+        len: u64,
+        deadline: (Instant, Duration),
+    ) -> Result<Arc<CompletionCell>, Option<TransferError>>;
+}
+
+/// What a path is handed for one step: the engine's resources, the wire,
+/// and the time the driver read (a path reads no clock).
+pub(crate) struct PathCx<'a, V: Api, C: hal_cuda::Api> {
+    /// The engine's shared, unchanging resources.
+    pub(crate) res: &'a Resources<V, C>,
+    /// The peers' connections.
+    pub(crate) wire: &'a mut dyn Wire<V>,
+    /// Now, as the engine's clock read it for this step.
+    pub(crate) now: Instant,
+}
+
+/// One way of moving a batch's bytes (see the module docs).
+///
+/// The engine calls these under its state lock; none blocks on a device
+/// (a path that needs a synchronous copy hands it out as work to run
+/// outside the lock).
+pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
+    /// Which path this is.
+    fn kind(&self) -> PathKind;
+
+    /// Whether this path carries `transfers` for the peer in `slot` (the
+    /// capability predicate). The engine asks the paths in a fixed order
+    /// (peer copy, staged, RDMA) and posts to the first that says yes.
+    fn carries(&self, res: &Resources<V, C>, slot: usize, transfers: &[Transfer<'_, V>]) -> bool;
+
+    /// Checks `transfers` (local bounds, the grant, its rights and range)
+    /// and starts them for the peer in `slot`; the returned cell ends
+    /// exactly once, by `timeout`. On `Err` nothing started.
+    fn post(
+        &mut self,
+        cx: &mut PathCx<'_, V, C>,
+        slot: usize,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError>;
+
+    /// Advances the path: what ended since the last call, deadlines
+    /// passed at `cx.now`, what may start now. Returns how much moved (a
+    /// driver counts it as work).
+    fn progress(&mut self, cx: &mut PathCx<'_, V, C>) -> usize;
+
+    /// A control message from the peer in `slot`: the path takes those of
+    /// its own protocol (`Ok(None)`) and hands the others back.
+    fn on_control<'m>(
+        &mut self,
+        cx: &mut PathCx<'_, V, C>,
+        slot: usize,
+        message: Control<'m>,
+    ) -> Result<Option<Control<'m>>, PeerMisbehaved>;
+
+    /// Stops the batches whose outcome goes to one of `cells`; each ends
+    /// [`TransferError::Cancelled`] once nothing of it is in flight.
+    fn cancel(&mut self, cells: &[Arc<CompletionCell>]);
+
+    /// The peer in `slot` is gone: end what the path does for or with it
+    /// and free what it holds of it (once nothing in flight uses it).
+    fn release_peer(&mut self, cx: &mut PathCx<'_, V, C>, slot: usize);
+
+    /// The earliest deadline of what the path holds: the driver calls
+    /// [`TransferPath::progress`] by then.
+    fn next_deadline(&self) -> Option<Instant>;
+}

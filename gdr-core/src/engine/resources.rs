@@ -1,0 +1,148 @@
+//! What every path of the engine shares and nothing changes after start:
+//! the engine's id and configuration, its NICs (each a completion queue and
+//! a registration [`Ladder`]), the GPUs they reach and which NICs are
+//! nearest each GPU.
+//!
+//! It is the seam's read-only half: a path is handed `&Resources` with its
+//! [`super::path::PathCx`] and never the engine itself, so no path module
+//! reaches the engine's state or another path's.
+
+use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::atomic::AtomicU64;
+
+use hal_verbs::Api;
+
+use super::{EngineConfig, EngineError, Fence, Region, topology};
+use crate::buffer::Buffer;
+use crate::ladder::{Gpu, Ladder};
+
+/// One NIC of the engine.
+pub(crate) struct Nic<V: Api, C: hal_cuda::Api> {
+    pub(crate) name: String,
+    pub(crate) cq: V::CompletionQueue,
+    pub(crate) ladder: Ladder<V, C>,
+    pub(crate) context: V::Context,
+}
+
+/// The engine's shared, unchanging resources.
+pub(crate) struct Resources<V: Api, C: hal_cuda::Api> {
+    pub(crate) id: u64,
+    pub(crate) config: EngineConfig,
+    pub(crate) cm: V::ConnectionManager,
+    // After `cm`: the NICs' CQs, PDs and contexts go after the connection
+    // manager (and the state's connections, dropped before all of this).
+    pub(crate) nics: Vec<Nic<V, C>>,
+    pub(crate) next_grant: AtomicU64,
+    /// For each GPU (by ordinal), the engine's NICs nearest it (all at the
+    /// least PCIe distance); none listed: no preference (the distance is
+    /// unknown).
+    pub(crate) nearest_nics: HashMap<u32, Vec<usize>>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
+    /// Resources over `nics` (the nearest NICs of each GPU read from the
+    /// configured topology).
+    pub(crate) fn new(
+        id: u64,
+        config: EngineConfig,
+        cm: V::ConnectionManager,
+        nics: Vec<Nic<V, C>>,
+    ) -> Self {
+        let nearest_nics = nearest_nics(&config.topology, &nics);
+        Self {
+            id,
+            config,
+            cm,
+            nics,
+            next_grant: AtomicU64::new(1),
+            nearest_nics,
+        }
+    }
+
+    /// GPU `ordinal` of the engine (every NIC's ladder opened the same).
+    pub(crate) fn gpu(&self, ordinal: u32) -> Result<&Gpu<C>, EngineError> {
+        self.nics
+            .first()
+            .and_then(|n| n.ladder.gpu(ordinal))
+            .ok_or_else(|| {
+                EngineError::Unavailable(format!("GPU {ordinal} is not one of the engine's"))
+            })
+    }
+
+    /// Makes the NIC's writes into GPU `ordinal` visible to kernels
+    /// launched after this, where the GPU asks for it.
+    pub(crate) fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
+        use hal_cuda::Context as _;
+        let gpu = self.gpu(ordinal)?;
+        if gpu.attributes.needs_flush_before_kernels()? {
+            let _span = tracing::debug_span!("gpu_fence", ordinal).entered();
+            gpu.context
+                .flush_gpu_direct_rdma_writes(hal_cuda::FlushScope::Owner)?;
+            Ok(Fence::Flushed)
+        } else {
+            Ok(Fence::NotNeeded)
+        }
+    }
+
+    /// Registers `len` bytes at `offset` of `buffer` on every NIC (each on
+    /// the first rung that works there).
+    pub(crate) fn register_range(
+        &self,
+        buffer: &Buffer<C>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Region<V>, EngineError> {
+        let _span = tracing::debug_span!("engine_register", len).entered();
+        Region::register(
+            self.id,
+            buffer,
+            offset,
+            len,
+            self.nics.iter().map(|nic| &nic.ladder),
+        )
+    }
+
+    /// Registers the whole of `buffer` on every NIC.
+    pub(crate) fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
+        self.register_range(buffer, 0, buffer.len())
+    }
+}
+
+/// Lets the engine's shared part read as its resources.
+impl<V: Api, C: hal_cuda::Api> Deref for super::Shared<V, C> {
+    type Target = Resources<V, C>;
+    fn deref(&self) -> &Resources<V, C> {
+        &self.res
+    }
+}
+
+/// For each GPU of the NICs' ladders, the NICs at the least known PCIe
+/// distance from it.
+fn nearest_nics<V: Api, C: hal_cuda::Api>(
+    topology: &topology::PciTopology,
+    nics: &[Nic<V, C>],
+) -> HashMap<u32, Vec<usize>> {
+    let names: Vec<&str> = nics.iter().map(|n| n.name.as_str()).collect();
+    let mut nearest = HashMap::new();
+    let Some(first) = nics.first() else {
+        return nearest;
+    };
+    for gpu in first.ladder.gpus() {
+        let distances = topology.nic_distances(Some(&gpu.attributes.pci_bus_id), &names);
+        let Some(best) = distances.iter().flatten().min().copied() else {
+            continue;
+        };
+        let chosen: Vec<usize> = (0..nics.len())
+            .filter(|&i| distances[i] == Some(best))
+            .collect();
+        tracing::info!(
+            gpu = gpu.attributes.ordinal,
+            nics = ?chosen.iter().map(|&i| names[i]).collect::<Vec<_>>(),
+            distance = ?best,
+            "nearest NICs"
+        );
+        nearest.insert(gpu.attributes.ordinal, chosen);
+    }
+    nearest
+}
