@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-# Planted bugs in gdr-proto's peer-copy and gate protocols: each is applied
+# Planted bugs in gdr-proto's protocols (peer copy, gates, the requester,
+# the pipeline, reconnection): each is applied
 # alone, the module's tests run, and the file restored. Every one must be
 # caught (the test suite fails). Run from the repository root.
 import subprocess, sys
@@ -7,6 +8,7 @@ PC='gdr-proto/src/peer_copy.rs'
 GATE='gdr-proto/src/gate.rs'
 REQ='gdr-proto/src/rendezvous/requester.rs'
 PIPE='gdr-proto/src/pipeline.rs'
+REC='gdr-proto/src/reconnect.rs'
 muts=[
  (PC,"stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
  (PC,"one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
@@ -41,11 +43,24 @@ muts=[
  (PIPE,"outcome twice","        if self.ended || !over {","        if !over {"),
  (PIPE,"deadline ignored","        if now >= self.deadline {\n            self.fail(PipeFailure::TimedOut);\n        }",""),
  (PIPE,"slice past the bound","            let len = (self.len - offset).min(max_len(offset).max(1));","            let len = self.len - offset;"),
+ (REC,"a failure during set-up re-established","        if !self.established {\n            self.qps[index] = QpState::Down;\n            return self.drained_gone(Gone::FailedDuringSetUp { index });\n        }\n",""),
+ (REC,"a gone peer re-established","        if peer_gone || nic_dead || self.gone.is_some() {","        if nic_dead || self.gone.is_some() {"),
+ (REC,"never given up late",".filter(|&i| matches!(self.qps[i], QpState::Reconnecting { by: Some(by) } if by <= now))",".filter(|&i| matches!(self.qps[i], QpState::Reconnecting { by: Some(by) } if by < now - Duration::from_secs(1)))"),
+ (REC,"given up twice","        if !matches!(self.qps.get(index), Some(QpState::Reconnecting { .. })) {\n            return false;\n        }",""),
+ (REC,"the last give-up leaves the peer","        if self.all_down() {\n            self.mark_gone(Gone::GivenUp(why));\n        }",""),
+ (REC,"a given-up queue pair takes a replacement","            (_, OldQp::Down) | (QpState::Down, _) => Replacement::Refuse,","            (_, OldQp::Down) => Replacement::Refuse,"),
+ (REC,"a live old queue pair not failed","                Replacement::FailOldThenWait\n","                Replacement::Wait\n"),
+ (REC,"a closed peer still wanted","        self.qps.fill(QpState::Down);",""),
+ (REC,"gone reported twice","        if self.gone_taken {\n            return None;\n        }",""),
+ (REC,"the deadline forgotten","                let by = now.checked_add(self.timeout);","                let by = None;"),
 ]
+# An argument keeps the mutants of the files whose path contains it.
+if len(sys.argv)>1:
+    muts=[m for m in muts if sys.argv[1] in m[0]]
 caught=0
 for p,name,a,b in muts:
     orig=open(p).read()
-    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline'}[p.split('/')[-1]]
+    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect'}[p.split('/')[-1]]
     assert orig.count(a)==1,(name,a)
     try:
         open(p,'w').write(orig.replace(a,b))

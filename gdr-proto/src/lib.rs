@@ -31,6 +31,8 @@
 //! - [`peer_copy`]: the peer-copy path (the requester's device copies,
 //!   queued a window at a time so that a revoke stops them; the owner's
 //!   exported IPC handles kept until the importer released them).
+//! - [`reconnect`]: re-establishing a peer's failed queue pairs (what
+//!   each side does once one drained, its deadline, when the peer is gone).
 //! - [`setup`]: connection set-up: the listener's backlog of sessions
 //!   waiting for accept (bounded, with deadlines) and the connector's dial
 //!   (one deadline, teardown on failure).
@@ -44,6 +46,7 @@ pub mod inbox;
 pub mod limits;
 pub mod peer_copy;
 pub mod pipeline;
+pub mod reconnect;
 pub mod rendezvous;
 pub mod setup;
 pub mod wire;

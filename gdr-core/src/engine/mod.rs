@@ -42,7 +42,9 @@
 //!   by slot, live grants are announced again). Work submitted meanwhile
 //!   goes to the queue pairs still up, or waits for this one; past
 //!   [`EngineConfig::reconnect_timeout`] it is given up, and a peer with no
-//!   queue pair left is gone ([`EngineError::PeerGone`]).
+//!   queue pair left is gone ([`EngineError::PeerGone`]). What to do at
+//!   each step is the sans-IO [`gdr_proto::reconnect::Recovery`]'s; the
+//!   engine dials, installs and fails what it says.
 //! - GPU memory no NIC reaches (the ladder's staging rung) is moved through
 //!   bounce buffers, a peer's by rendezvous over control messages: see
 //!   [`staging`] for how and what it costs.
@@ -124,6 +126,7 @@ use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::grants::{LocalGrants, RemoteGrants, Revoked};
 use gdr_proto::inbox::Inbox;
 use gdr_proto::peer_copy::Release;
+use gdr_proto::reconnect::{Backoff, Drained, GiveUp, OldQp, Recovery, Replacement};
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
 
 // The handshake and the reject ride in rdma_cm's private data.
@@ -317,8 +320,6 @@ struct PeerQp<V: Api> {
     /// A new connection the peer made for this index while the old one
     /// still drains: installed once it has.
     replacement: Option<V::Connection>,
-    /// Being re-established: given up past this.
-    reconnect_by: Option<Instant>,
 }
 
 /// The host buffers of a peer's control messages.
@@ -341,8 +342,9 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     local_engine: u64,
     engine: u64,
     session: u64,
-    /// This side connected (and so re-establishes failed queue pairs).
-    connector: bool,
+    /// Re-establishing failed queue pairs ([`gdr_proto::reconnect`]);
+    /// also whether this side connected, and whether set-up is done.
+    recovery: Recovery,
     qps: Vec<PeerQp<V>>,
     peer_max_message: usize,
     peer_recv_depth: u32,
@@ -374,9 +376,6 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     backlog: VecDeque<Outgoing>,
     next_qp: usize,
     paths_known: bool,
-    /// Set up: both sides have the other's paths. Until then a failed
-    /// queue pair fails the set-up (it is not re-established).
-    established: bool,
     gone: Option<String>,
 }
 
@@ -943,7 +942,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     let left = dial.remaining(clock.now()).max(setup::ANSWER_GRACE);
                     match peer.send_paths(left) {
                         Ok(()) => {
-                            peer.read_peer(|_, p| p.established = true)?;
+                            peer.read_peer(|_, p| p.recovery.establish())?;
                             tracing::debug!(
                                 engine = format_args!("{:#x}", hello.engine),
                                 "accepted"
@@ -1083,6 +1082,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let Some(mut peer) = state.peers.get_mut(slot).and_then(Option::take) else {
             return;
         };
+        state.reconnecting -= peer.recovery.close();
         peer.gone.get_or_insert_with(|| why.to_owned());
         let cause = TransferError::PeerGone {
             reason: why.to_owned(),
@@ -1092,9 +1092,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 tracing::debug!(error = %e, "disconnecting a queue pair");
             }
             state.by_qp_num.remove(&(q.nic, q.conn.qp().qp_num()));
-            if q.reconnect_by.take().is_some() {
-                state.reconnecting -= 1;
-            }
             drop(q.replacement.take());
             // Destroyed below, before anything it holds is released: no
             // flush comes back.
@@ -1224,7 +1221,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 remote_device: None,
                 path,
                 replacement: None,
-                reconnect_by: None,
             });
         }
         let limits = &self.shared.config.peer_limits;
@@ -1233,7 +1229,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             local_engine: self.shared.id,
             engine: hello.engine,
             session,
-            connector,
+            recovery: Recovery::new(qps.len(), connector, config.reconnect_timeout),
             qps,
             peer_max_message: peer_max,
             peer_recv_depth: u32::from(hello.recv_depth),
@@ -1258,7 +1254,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             backlog: VecDeque::new(),
             next_qp: 0,
             paths_known: false,
-            established: false,
             gone: None,
         };
         // Receives for control messages, before anything can arrive.
@@ -1679,53 +1674,49 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
-        if !peer.established {
-            // A set-up in progress fails (its connect or accept tears it
-            // down); re-establishing would make a session nobody accepted.
-            peer.gone
-                .get_or_insert_with(|| format!("queue pair {index} failed during set-up"));
-        }
-        let q = &mut peer.qps[index];
-        if peer.gone.is_some() || state.dead_nics[q.nic] {
-            drop(q.replacement.take());
-            if peer.qps.iter().all(|q| state.core.is_down(q.core)) {
-                peer.gone
-                    .get_or_insert_with(|| "every queue pair failed".into());
+        let now = self.shared.config.clock.now();
+        let nic_dead = state.dead_nics[peer.qps[index].nic];
+        let peer_gone = peer.gone.is_some();
+        match peer.recovery.on_drained(index, now, peer_gone, nic_dead) {
+            Drained::Gone(why) => {
+                drop(peer.qps[index].replacement.take());
+                peer.gone.get_or_insert_with(|| why.to_string());
             }
-            return;
-        }
-        if let Some(conn) = q.replacement.take() {
-            self.install(state, slot, index, conn);
-            return;
-        }
-        if !state.core.begin_reconnect(qp) {
-            return;
-        }
-        state.reconnecting += 1;
-        // Tell the peer (its side of this queue pair may be healthy): the
-        // connecting side then reconnects.
-        if let Err(e) = q.conn.disconnect() {
-            tracing::debug!(error = %e, "disconnecting a failed queue pair");
-        }
-        let config = &self.shared.config;
-        q.reconnect_by = Some(config.clock.now() + config.reconnect_timeout);
-        tracing::info!(peer = %peer.addr, qp = index, "re-establishing a queue pair");
-        if let Some(path) = q.path {
-            let engine = self.clone();
-            let job = Reconnect {
-                slot,
-                index,
-                path,
-                nic: q.nic,
-                session: peer.session,
-                count: peer.qps.len() as u16,
-                engine_id: peer.engine,
-            };
-            if let Err(e) = std::thread::Builder::new()
-                .name("gdr-reconnect".into())
-                .spawn(move || engine.reconnect(job))
-            {
-                tracing::warn!(error = %e, "no thread to re-establish a queue pair");
+            Drained::StaysDown => drop(peer.qps[index].replacement.take()),
+            Drained::Install => match peer.qps[index].replacement.take() {
+                Some(conn) => self.install(state, slot, index, conn),
+                None => tracing::warn!(qp = index, "no new connection to install"),
+            },
+            Drained::Reconnect { dial, .. } => {
+                if !state.core.begin_reconnect(qp) {
+                    return;
+                }
+                state.reconnecting += 1;
+                let q = &peer.qps[index];
+                // Tell the peer (its side of this queue pair may be
+                // healthy): the connecting side then reconnects.
+                if let Err(e) = q.conn.disconnect() {
+                    tracing::debug!(error = %e, "disconnecting a failed queue pair");
+                }
+                tracing::info!(peer = %peer.addr, qp = index, "re-establishing a queue pair");
+                if let (true, Some(path)) = (dial, q.path) {
+                    let engine = self.clone();
+                    let job = Reconnect {
+                        slot,
+                        index,
+                        path,
+                        nic: q.nic,
+                        session: peer.session,
+                        count: peer.qps.len() as u16,
+                        engine_id: peer.engine,
+                    };
+                    if let Err(e) = std::thread::Builder::new()
+                        .name("gdr-reconnect".into())
+                        .spawn(move || engine.reconnect(job))
+                    {
+                        tracing::warn!(error = %e, "no thread to re-establish a queue pair");
+                    }
+                }
             }
         }
     }
@@ -1735,23 +1726,26 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// no longer wanted (given up, or the peer gone).
     fn reconnect(&self, job: Reconnect) {
         let shared = &self.shared;
-        let mut backoff = Duration::from_millis(5);
+        let mut backoff = Backoff::default();
+        // A wanted queue pair with no bound still tries an hour at a time.
+        const LONGEST_ATTEMPT: Duration = Duration::from_secs(3600);
         loop {
-            let deadline = {
+            let left = {
                 let state = lock(&shared.state);
                 let Some(peer) = state.peers[job.slot].as_ref() else {
                     return;
                 };
-                let q = &peer.qps[job.index];
-                match q.reconnect_by {
-                    Some(at) if peer.gone.is_none() => at,
-                    _ => return,
+                if peer.gone.is_some() {
+                    return;
+                }
+                match peer
+                    .recovery
+                    .time_left(job.index, shared.config.clock.now())
+                {
+                    Some(left) => left.min(LONGEST_ATTEMPT),
+                    None => return,
                 }
             };
-            let left = deadline.saturating_duration_since(shared.config.clock.now());
-            if left.is_zero() {
-                return;
-            }
             let hello = self.hello(Role::Connect, job.session, job.index as u16, job.count);
             // One attempt may take all the time left: an attempt given up
             // early leaves the acceptor's listener waiting on it (up to the
@@ -1773,24 +1767,32 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     &mut state,
                     job.slot,
                     job.index,
-                    TransferError::PeerGone {
-                        reason: format!("re-establishing queue pair {}: {why}", job.index),
+                    GiveUp::Refused {
+                        index: job.index,
+                        why,
                     },
                 );
             };
             match attempt {
                 Ok(conn) => {
-                    match Hello::decode(&conn.peer_private_data()) {
-                        Ok(reply)
-                            if reply.role == Role::Accept
-                                && reply.session == job.session
-                                && usize::from(reply.qp_index) == job.index
-                                && reply.engine == job.engine_id => {}
-                        other => return refused(format!("unexpected reply {other:?}")),
+                    let reply = Hello::decode(&conn.peer_private_data())
+                        .map_err(|e| e.to_string())
+                        .and_then(|reply| {
+                            gdr_proto::reconnect::check_reply(
+                                &reply,
+                                job.session,
+                                job.index,
+                                job.engine_id,
+                            )
+                            .map_err(|m| m.to_string())
+                        });
+                    if let Err(why) = reply {
+                        return refused(format!("unexpected reply: {why}"));
                     }
                     let mut state = lock(&shared.state);
+                    let now = shared.config.clock.now();
                     let wanted = state.peers[job.slot].as_ref().is_some_and(|p| {
-                        p.gone.is_none() && p.qps[job.index].reconnect_by.is_some()
+                        p.gone.is_none() && p.recovery.time_left(job.index, now).is_some()
                     });
                     if wanted {
                         self.install(&mut state, job.slot, job.index, conn);
@@ -1806,8 +1808,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, qp = job.index, "reconnect attempt failed");
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    std::thread::sleep(backoff.next_wait());
                 }
             }
         }
@@ -1832,10 +1833,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let Some(peer) = peers[slot].as_mut() else {
             return;
         };
-        let q = &mut peer.qps[index];
-        if q.reconnect_by.take().is_some() {
+        if peer.recovery.installed(index) {
             *reconnecting -= 1;
         }
+        let q = &mut peer.qps[index];
         q.max_inline = conn
             .qp()
             .caps()
@@ -1871,42 +1872,44 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Re-establishing queue pair `index` failed for good: what waits for
     /// it fails; a peer with no queue pair left is gone.
-    fn give_up_qp(&self, state: &mut State<V, C>, slot: usize, index: usize, cause: TransferError) {
+    fn give_up_qp(&self, state: &mut State<V, C>, slot: usize, index: usize, why: GiveUp) {
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
-        let q = &mut peer.qps[index];
-        if q.reconnect_by.take().is_some() {
-            state.reconnecting -= 1;
+        if !peer.recovery.give_up(index, why.clone()) {
+            return;
         }
+        state.reconnecting -= 1;
+        let cause = TransferError::PeerGone {
+            reason: why.to_string(),
+        };
         tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
-        state.core.give_up(q.core, cause.clone());
-        if peer.qps.iter().all(|q| state.core.is_down(q.core)) {
-            peer.gone.get_or_insert_with(|| cause.to_string());
+        state.core.give_up(peer.qps[index].core, cause);
+        if let Some(gone) = peer.recovery.poll_gone() {
+            peer.gone.get_or_insert_with(|| gone.to_string());
         }
     }
 
     /// Gives up the queue pairs not re-established in time.
     fn give_up_late_reconnects(&self, state: &mut State<V, C>, now: Instant) {
-        let mut late = Vec::new();
-        for (slot, peer) in state.peers.iter().enumerate() {
-            let Some(peer) = peer else { continue };
-            for (index, q) in peer.qps.iter().enumerate() {
-                if q.reconnect_by.is_some_and(|at| at <= now) {
-                    late.push((slot, index));
-                }
+        let State {
+            core,
+            peers,
+            reconnecting,
+            ..
+        } = state;
+        for peer in peers.iter_mut().flatten() {
+            for (index, why) in peer.recovery.handle_timeout(now) {
+                *reconnecting -= 1;
+                let cause = TransferError::PeerGone {
+                    reason: why.to_string(),
+                };
+                tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
+                core.give_up(peer.qps[index].core, cause);
             }
-        }
-        let after = self.shared.config.reconnect_timeout;
-        for (slot, index) in late {
-            self.give_up_qp(
-                state,
-                slot,
-                index,
-                TransferError::PeerGone {
-                    reason: format!("queue pair {index} not re-established within {after:?}"),
-                },
-            );
+            if let Some(gone) = peer.recovery.poll_gone() {
+                peer.gone.get_or_insert_with(|| gone.to_string());
+            }
         }
     }
 
@@ -2345,7 +2348,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             let state = lock(&self.shared.state);
             state.peers.iter().position(|p| {
                 p.as_ref()
-                    .is_some_and(|p| !p.connector && p.session == hello.session)
+                    .is_some_and(|p| !p.recovery.is_connector() && p.session == hello.session)
             })
         };
         /// Where the queue pair goes once connected.
@@ -2437,27 +2440,43 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         let qp = q.core;
-        if state.core.accepts_work(qp) && !state.core.is_ready(qp) {
-            self.install(state, slot, index, conn);
+        let core = &mut state.core;
+        let old = if core.is_ready(qp) {
+            OldQp::Ready
+        } else if core.accepts_work(qp) {
+            OldQp::Reconnecting
+        } else if core.is_down(qp) {
+            OldQp::Down
         } else {
-            q.replacement = Some(conn);
-            if state.core.is_ready(qp) {
-                let _ = q.conn.disconnect();
-                state.core.fail_qp(
-                    qp,
-                    TransferError::PeerGone {
-                        reason: "the peer re-established this queue pair".into(),
-                    },
-                );
+            OldQp::Failing
+        };
+        match peer.recovery.on_replacement(index, old) {
+            Replacement::Install => self.install(state, slot, index, conn),
+            Replacement::Refuse => {
+                tracing::debug!(qp = index, "a new connection for a queue pair given up");
+                drop(conn);
             }
-            // The old queue pair must drain before the new one is installed
-            // (and, for queue pair 0, gets its receives): that takes this
-            // engine's progress, which nobody here may be making (a server
-            // that only serves grants): its own thread does it.
-            self.post_ready(state);
-            drop(guard);
-            self.ensure_own_driver();
-            return;
+            step @ (Replacement::Wait | Replacement::FailOldThenWait) => {
+                q.replacement = Some(conn);
+                if step == Replacement::FailOldThenWait {
+                    let _ = q.conn.disconnect();
+                    core.fail_qp(
+                        qp,
+                        TransferError::PeerGone {
+                            reason: "the peer re-established this queue pair".into(),
+                        },
+                    );
+                }
+                // The old queue pair must drain before the new one is
+                // installed (and, for queue pair 0, gets its receives):
+                // that takes this engine's progress, which nobody here may
+                // be making (a server that only serves grants): its own
+                // thread does it.
+                self.post_ready(state);
+                drop(guard);
+                self.ensure_own_driver();
+                return;
+            }
         }
         self.post_ready(state);
     }
@@ -2569,7 +2588,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let exchanged = peer
             .send_paths(left())
             .and_then(|()| peer.wait_paths(left()))
-            .and_then(|()| peer.read_peer(|_, p| p.established = true));
+            .and_then(|()| peer.read_peer(|_, p| p.recovery.establish()));
         match exchanged {
             Ok(()) => {
                 tracing::debug!(peer = %addr, session = format_args!("{session:#x}"), "accepted");
