@@ -180,13 +180,46 @@ fn sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
 
 /// The rendezvous's knobs against each other: 16 MiB host → staged GPU
 /// (`in`) and staged GPU → staged GPU (`gpu`) for each landing-slot count
-/// and slice size (`rendezvous_sweep/<dir>/<slice>x<slots>`).
+/// and slice size (`rendezvous_sweep/<dir>/<slice KiB>x<slots>`), beside
+/// the stages alone (`wire`, `h2d`) in the same run.
 fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
     const LEN: u64 = 16 << 20;
     let mut group = c.benchmark_group("rendezvous_sweep");
     group.sample_size(10);
     group.throughput(Throughput::Bytes(LEN));
-    for slice in [1u64 << 20, 4 << 20] {
+    // The stages alone, in the same run: the wire (host → host WRITE)
+    // and the owner's host → device copy.
+    {
+        let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config(true), T, |_| cuda());
+        let (_hs, host_src) = w.a.alloc(Kind::Host, LEN, 1);
+        let (_hd, host_dst) = w.b.alloc(Kind::Host, LEN, 0);
+        let (_g, to_host) = w.b_grants(&host_dst, GrantRights::Write);
+        let transfer = Transfer::write(&host_src, 0, &to_host, 0, LEN);
+        group.bench_function("wire", |b| {
+            b.iter(|| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap())
+        });
+        let driver = cuda();
+        let ctx = driver.context(0).expect("GPU 0");
+        let stream = ctx.create_stream().expect("a stream");
+        let device = Buffer::<C>::alloc_device(&ctx, LEN).expect("device memory");
+        let pinned = Buffer::<C>::alloc_pinned(&ctx, LEN).expect("pinned memory");
+        group.bench_function("h2d", |b| {
+            b.iter(|| {
+                // SAFETY: both buffers hold `LEN` bytes and outlive the
+                // synchronised copy.
+                unsafe {
+                    stream.copy_host_to_device(
+                        device.addr(),
+                        pinned.addr() as *const u8,
+                        LEN as usize,
+                    )
+                }
+                .unwrap();
+                stream.synchronize().unwrap();
+            })
+        });
+    }
+    for slice in [512u64 << 10, 1 << 20, 2 << 20, 4 << 20] {
         for slots in [2usize, 4, 8, 16] {
             let mut config = config(true);
             config.staging_slice = slice;
@@ -199,7 +232,7 @@ fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C
             let _driver = w.b.engine.spawn_driver(Duration::from_micros(50));
             for (dir, src) in [("in", &host_src), ("gpu", &gpu_src)] {
                 let transfer = Transfer::write(src, 0, &to_gpu, 0, LEN);
-                group.bench_function(format!("{dir}/{}MiBx{slots}", slice >> 20), |b| {
+                group.bench_function(format!("{dir}/{}KiBx{slots}", slice >> 10), |b| {
                     b.iter(|| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap())
                 });
             }
