@@ -68,6 +68,10 @@ pub(super) trait Opened: Send {
     fn ended(&self) -> Option<Outcome>;
 }
 
+/// What submitting an opened gate's batch gave: the engine's batch, or
+/// why it was refused.
+pub(super) type Submitted = Result<Box<dyn Opened>, EngineError>;
+
 /// The gates of an engine, in its state.
 pub(super) struct Gates<V: Api, C: hal_cuda::Api> {
     /// Not yet reached by their stream.
@@ -374,11 +378,7 @@ impl<V: Api> Serve<V> {
     pub(super) fn run(
         self,
         clock: impl Fn() -> Instant,
-        mut submit: impl FnMut(
-            usize,
-            &[Transfer<'_, V>],
-            Duration,
-        ) -> Result<Box<dyn Opened>, EngineError>,
+        mut submit: impl FnMut(usize, &[Transfer<'_, V>], Duration) -> Submitted,
     ) -> (usize, Vec<Arc<GateLink>>) {
         let mut handled = 0;
         let mut running = Vec::new();
@@ -405,7 +405,7 @@ impl<V: Api> Held<V> {
     fn open(
         self,
         clock: impl Fn() -> Instant,
-        submit: impl FnOnce(usize, &[Transfer<'_, V>], Duration) -> Result<Box<dyn Opened>, EngineError>,
+        submit: impl FnOnce(usize, &[Transfer<'_, V>], Duration) -> Submitted,
     ) -> Option<Arc<GateLink>> {
         let _entered = self.span.enter();
         let link = self.link;
