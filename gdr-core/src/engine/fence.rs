@@ -3,13 +3,14 @@
 //!
 //! [`super::Batch::fence_stream`] queues on the caller's stream a wait
 //! (`cuStreamWaitValue32`, "at least") on a word of pinned host memory the
-//! engine owns; when the batch ends, the engine's progress (its own thread,
-//! started by the first fence) applies the batch's GPU fence where the
-//! device needs one (`cuFlushGPUDirectRDMAWrites`) and then stores the
-//! word, which releases the stream: work queued after the fence sees the
-//! batch's data. The stream is released however the batch ends; work after
-//! the fence may rely on the data only if the batch succeeded
-//! ([`super::Batch::status`]).
+//! engine owns (`StreamFences::queue`); when the batch ends, the engine's
+//! progress (its own thread, started by the first fence) applies the
+//! batch's GPU fence where the device needs one
+//! (`cuFlushGPUDirectRDMAWrites`) and then stores the word
+//! (`StreamFences::release`), which releases the stream: work queued
+//! after the fence sees the batch's data. The stream is released however
+//! the batch ends; work after the fence may rely on the data only if the
+//! batch succeeded ([`super::Batch::status`]).
 //!
 //! Each outstanding fence holds its own word, and each use of a word waits
 //! for a larger value than the last, so a late store for an earlier fence
@@ -24,31 +25,40 @@
 //! the stream's write has landed, so a late write for a gate that ended
 //! early (timed out, cancelled) can never lower the word under a later
 //! gate's value.
+//!
+//! `StreamFences` owns the page and the fences waiting on it; the gates
+//! (`super::gate::Gates`) own their held batches and are lent the page
+//! for each step (its word methods below). One page and one book serve
+//! both, as before the split: one pinned allocation, one bound on what is
+//! outstanding, and a word a late gate write still owns is never handed to
+//! a fence. It reads the engine's `Resources` only (the first GPU, for
+//! the page; the GPU fence), never the engine.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use hal_cuda::Stream as _;
 use hal_verbs::Api;
 
-use gdr_proto::gate::WordBook;
+use gdr_proto::gate::{GateWait, Signal, WordBook};
 
+use super::EngineError;
 use super::completion::CompletionCell;
-use super::{Engine, EngineError, State};
+use super::resources::Resources;
 use crate::buffer::Buffer;
 
 /// Words a page holds: the fences that may be outstanding at once.
 const WORDS: usize = 1024;
 
 /// The engine's page of fence words.
-pub(super) struct FenceWords<C: hal_cuda::Api> {
+struct FenceWords<C: hal_cuda::Api> {
     /// Never freed (see the module docs): a stream may read it later. When
     /// the engine goes it is parked in [`PARKED_PAGES`] for the life of the
     /// process, still reachable (not a leak a checker reports).
     buffer: Option<Buffer<C>>,
     /// The page's first address (host and device: pinned, mapped).
     base: u64,
-    pub(super) book: WordBook,
+    book: WordBook,
 }
 
 /// Fence pages of engines that are gone: kept for the life of the process.
@@ -68,7 +78,7 @@ impl<C: hal_cuda::Api> Drop for FenceWords<C> {
 
 impl<C: hal_cuda::Api> FenceWords<C> {
     /// The word at `index`, for the host to load or store.
-    pub(super) fn word(&self, index: usize) -> &AtomicU32 {
+    fn word(&self, index: usize) -> &AtomicU32 {
         let addr = self.base as usize + index * 4;
         // SAFETY: the page is gdr's own pinned memory of WORDS words,
         // 4-byte aligned (page aligned), never freed; the host touches it
@@ -78,12 +88,12 @@ impl<C: hal_cuda::Api> FenceWords<C> {
     }
 
     /// The device address of word `index`.
-    pub(super) fn addr(&self, index: usize) -> u64 {
+    fn addr(&self, index: usize) -> u64 {
         self.base + (index * 4) as u64
     }
 
     /// Frees the words that awaited a stream's late write and got it.
-    pub(super) fn collect_late_writes(&mut self) -> usize {
+    fn collect_late_writes(&mut self) -> usize {
         let base = self.base as usize;
         let book = &mut self.book;
         book.collect(|index| {
@@ -94,29 +104,45 @@ impl<C: hal_cuda::Api> FenceWords<C> {
 }
 
 /// A fence queued on a stream, waiting for its batch to end.
-pub(super) struct StreamFence {
+struct StreamFence {
     cells: Vec<Arc<CompletionCell>>,
     /// GPUs to fence (flush) before the release, if the batch succeeded.
     gpus: Vec<u32>,
     /// The batch's "fence applied" flag, shared with its waiters.
-    fenced: Arc<std::sync::atomic::AtomicBool>,
+    fenced: Arc<AtomicBool>,
     word: usize,
     value: u32,
 }
 
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+/// The engine's page of fence words (made at its first use) and the
+/// stream fences waiting on it.
+pub(super) struct StreamFences<C: hal_cuda::Api> {
+    words: Option<FenceWords<C>>,
+    /// Fences whose batch has not ended.
+    fences: Vec<StreamFence>,
+}
+
+impl<C: hal_cuda::Api> Default for StreamFences<C> {
+    fn default() -> Self {
+        Self {
+            words: None,
+            fences: Vec::new(),
+        }
+    }
+}
+
+impl<C: hal_cuda::Api> StreamFences<C> {
     /// Queues on `stream` a wait for the batch of `cells` (its GPU fence on
     /// `gpus` applied on success): see the module docs.
-    pub(super) fn queue_stream_fence(
-        &self,
+    pub(super) fn queue<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
         stream: &C::Stream,
         cells: Vec<Arc<CompletionCell>>,
         gpus: Vec<u32>,
-        fenced: Arc<std::sync::atomic::AtomicBool>,
+        fenced: Arc<AtomicBool>,
     ) -> Result<(), EngineError> {
-        let _span = tracing::debug_span!("fence_stream").entered();
-        let mut state = crate::sync::lock(&self.shared.state);
-        let words = self.fence_words(&mut state)?;
+        let words = self.words(res)?;
         let (word, value) = words.book.take().ok_or_else(|| {
             EngineError::Refused(format!(
                 "{WORDS} stream fences and gates are already outstanding"
@@ -129,26 +155,20 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             words.book.unused(word);
             return Err(e.into());
         }
-        state.stream_fences.push(StreamFence {
+        self.fences.push(StreamFence {
             cells,
             gpus,
             fenced,
             word,
             value,
         });
-        drop(state);
-        self.ensure_own_driver();
         Ok(())
     }
 
-    /// The engine's page of words, made at its first use.
-    pub(super) fn fence_words<'s>(
-        &self,
-        state: &'s mut State<V, C>,
-    ) -> Result<&'s mut FenceWords<C>, EngineError> {
-        if state.fence_words.is_none() {
-            let context = self
-                .shared
+    /// The page of words, made at its first use.
+    fn words<V: Api>(&mut self, res: &Resources<V, C>) -> Result<&mut FenceWords<C>, EngineError> {
+        if self.words.is_none() {
+            let context = res
                 .nics
                 .first()
                 .and_then(|n| n.ladder.gpus().first())
@@ -168,27 +188,22 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             for index in 0..WORDS {
                 words.word(index).store(0, Ordering::Release);
             }
-            state.fence_words = Some(words);
+            self.words = Some(words);
         }
-        Ok(state.fence_words.as_mut().expect("just made"))
+        Ok(self.words.as_mut().expect("just made"))
     }
 
     /// Releases the streams waiting for batches that have ended; returns
     /// how many.
-    pub(super) fn release_stream_fences(&self, state: &mut State<V, C>) -> usize {
-        if state.stream_fences.is_empty() {
+    pub(super) fn release<V: Api>(&mut self, res: &Resources<V, C>) -> usize {
+        if self.fences.is_empty() {
             return 0;
         }
-        let State {
-            stream_fences,
-            fence_words,
-            ..
-        } = state;
-        let Some(words) = fence_words.as_mut() else {
+        let Some(words) = self.words.as_mut() else {
             return 0;
         };
         let mut released = 0;
-        stream_fences.retain(|fence| {
+        self.fences.retain(|fence| {
             let mut ok = true;
             for cell in &fence.cells {
                 match cell.outcome() {
@@ -198,7 +213,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             if ok && !fence.gpus.is_empty() && !fence.fenced.swap(true, Ordering::AcqRel) {
                 for &gpu in &fence.gpus {
-                    if let Err(e) = self.fence_gpu(gpu) {
+                    if let Err(e) = res.fence_gpu(gpu) {
                         tracing::warn!(gpu, error = %e, "the GPU fence before a stream release");
                     }
                 }
@@ -209,5 +224,68 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             false
         });
         released
+    }
+
+    // The gates' use of the page (`super::gate`).
+
+    /// Queues a gate's signal on `stream`: a word's write where the stream
+    /// has memory operations (`Signal::Word`), none where the driver has
+    /// none (`Signal::Event`: the gate's event alone tells).
+    pub(super) fn gate_signal<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
+        stream: &C::Stream,
+    ) -> Result<Signal, EngineError> {
+        let words = self.words(res)?;
+        let (word, value) = words.book.take().ok_or_else(|| {
+            EngineError::Refused("every word of the fence page is outstanding".into())
+        })?;
+        // SAFETY: the word is 4-byte aligned pinned (portable) host memory
+        // of the engine's, which the device may write (unified addressing)
+        // and which is never freed (module docs).
+        let written = unsafe { stream.write_value32(words.addr(word), value) };
+        match written {
+            Ok(()) => Ok(Signal::Word { word, value }),
+            Err(hal_cuda::CudaError::NotSupported { .. }) => {
+                words.book.unused(word);
+                Ok(Signal::Event)
+            }
+            Err(e) => {
+                words.book.unused(word);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// A gate whose `signal` was queued never came to wait (its event
+    /// failed): a queued write keeps its word out of use until it lands.
+    pub(super) fn abandon_gate(&mut self, signal: Signal) {
+        if let (Signal::Word { word, value }, Some(words)) = (signal, self.words.as_mut()) {
+            words.book.await_write(word, value);
+        }
+    }
+
+    /// What a gate's word holds now (0 for a gate without one).
+    pub(super) fn gate_word(&self, signal: Signal) -> u32 {
+        match (signal, &self.words) {
+            (Signal::Word { word, .. }, Some(words)) => words.word(word).load(Ordering::Acquire),
+            _ => 0,
+        }
+    }
+
+    /// Gives back the word of a gate that left waiting (`opened` or not),
+    /// which held `word_now` then ([`GateWait::retire`]).
+    pub(super) fn retire_gate(&mut self, wait: &GateWait, opened: bool, word_now: u32) {
+        if let Some(words) = self.words.as_mut() {
+            wait.retire(&mut words.book, opened, word_now);
+        }
+    }
+
+    /// Frees the words that awaited a gate's late write and got it;
+    /// returns how many.
+    pub(super) fn collect_late_writes(&mut self) -> usize {
+        self.words
+            .as_mut()
+            .map_or(0, FenceWords::collect_late_writes)
     }
 }

@@ -2,17 +2,20 @@
 //! point (the data a kernel or a copy produced), without any CPU thread
 //! synchronising with the stream.
 //!
-//! [`Peer::submit_after_stream`] checks the transfers at once (local
+//! [`super::Peer::submit_after_stream`] checks the transfers at once (local
 //! bounds, the grant live on this connection, its rights and bounds, as
-//! [`Peer::submit_with_timeout`] does), then queues on the stream a write
-//! of a fresh value into a word of the engine's pinned fence page
+//! [`super::Peer::submit_with_timeout`] does), then queues on the stream a
+//! write of a fresh value into a word of the engine's pinned fence page
 //! (`cuStreamWriteValue32`, [`super::fence`]) and an event after it, and
-//! holds the batch unposted. The engine's progress (its own thread, so
-//! nobody has to poll) sees the word reach the value and submits the batch
-//! through the same path as [`Peer::submit_with_timeout`] (staged
-//! transfers included). The stream's write carries the default memory
-//! barrier: what the stream did before the gate is done and visible when
-//! the word changes, so the batch moves the data the stream produced.
+//! hands the batch to `Gates::wait`, which holds it unposted. The
+//! engine's progress (its own thread, so nobody has to poll) calls
+//! `Gates::poll`, which sees the word reach the value; `Gates::serve`
+//! then hands the opened batches out, and the engine, outside its lock,
+//! submits each through the same path as
+//! [`super::Peer::submit_with_timeout`] (staged transfers included) with
+//! `Serve::run`. The stream's write carries the default memory barrier:
+//! what the stream did before the gate is done and visible when the word
+//! changes, so the batch moves the data the stream produced.
 //!
 //! A stream without memory operations (the driver has none:
 //! `NotSupported`) gets only the event, which progress polls. On the word
@@ -22,7 +25,7 @@
 //!
 //! The batch's deadline counts from the call: a gate that has not opened
 //! by then ends the batch with [`TransferError::Timeout`]; a peer gone
-//! meanwhile ends it with [`TransferError::PeerGone`]; [`Batch::cancel`]
+//! meanwhile ends it with [`TransferError::PeerGone`]; [`super::Batch::cancel`]
 //! before it opens ends it [`TransferError::Cancelled`] at once, and
 //! nothing of it is ever posted. Dropping the batch does not cancel it (as
 //! for any batch). A gate that ended before its stream wrote the word
@@ -31,32 +34,55 @@
 //!
 //! While a gate waits, the engine's own thread does not back off to its
 //! idle millisecond: like a thread in `Batch::wait` it spins briefly, then
-//! yields, then sleeps about 20 µs between looks.
+//! yields, then sleeps about 20 µs between looks (`Gates::waiting`).
+//!
+//! Gating is a wrapper over any path, not a path: `Gates` owns the held
+//! batches and what it saw of their streams and decides (with
+//! [`gdr_proto::gate`]); the engine records the event on the caller's
+//! stream, lends the fence page (`StreamFences`) and the peers (the
+//! `PathCx`'s wire) for each step, and carries out the submits. The
+//! batch a gate opened into is the engine's, seen here as `Opened`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gdr_proto::gate::{GateEnd, GateWait, Seen, Signal, Step, at_open};
-use hal_cuda::{Context as _, Event as _, Stream as _};
+use hal_cuda::Event as _;
 use hal_verbs::Api;
 
-use super::completion::CompletionCell;
-use super::{
-    Batch, Engine, EngineError, Idle, Op, Peer, Region, State, Transfer, TransferError,
-    check_transfer,
-};
+use super::completion::{CompletionCell, Outcome};
+use super::fence::StreamFences;
+use super::path::PathCx;
+use super::{EngineError, Op, Region, Transfer, TransferError};
 use crate::descriptor::MemoryDescriptor;
 use crate::sync::{Mutex, lock};
+
+/// The batch a gate opened into (the engine's), as the gate sees it.
+pub(super) trait Opened: Send {
+    /// Cancels the batch.
+    fn cancel(&self);
+
+    /// The batch's outcome once it has ended, with what it applies at its
+    /// end (staging copies, GPU fence) applied; `None` while it runs.
+    fn ended(&self) -> Option<Outcome>;
+}
+
+/// What submitting an opened gate's batch gave: the engine's batch, or
+/// why it was refused.
+pub(super) type Submitted = Result<Box<dyn Opened>, EngineError>;
 
 /// The gates of an engine, in its state.
 pub(super) struct Gates<V: Api, C: hal_cuda::Api> {
     /// Not yet reached by their stream.
     waiting: Vec<Gate<V, C>>,
     /// Reached, to be submitted outside the engine's lock.
-    ready: Vec<Held<V, C>>,
+    ready: Vec<Held<V>>,
     /// Submitted: their batch's outcome is handed to the caller's batch.
-    opened: Vec<Arc<GateLink<V, C>>>,
+    opened: Vec<Arc<GateLink>>,
+    /// Polls so far: the event is looked at on some of them
+    /// ([`GateWait::looks_at_event`]).
+    polls: u64,
 }
 
 impl<V: Api, C: hal_cuda::Api> Default for Gates<V, C> {
@@ -65,29 +91,28 @@ impl<V: Api, C: hal_cuda::Api> Default for Gates<V, C> {
             waiting: Vec::new(),
             ready: Vec::new(),
             opened: Vec::new(),
+            polls: 0,
         }
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
-    /// Whether [`Engine::serve_gates`] has work (outside the lock).
-    pub(super) fn serve_pending(&self) -> bool {
-        !self.ready.is_empty() || !self.opened.is_empty()
-    }
-}
-
-/// What the caller's [`Batch`] and the engine share of a gated batch.
-pub(super) struct GateLink<V: Api, C: hal_cuda::Api> {
+/// What the caller's batch and the engine share of a gated batch.
+pub(super) struct GateLink {
     /// The caller's batch's outcome.
     cell: Arc<CompletionCell>,
     cancelled: AtomicBool,
     /// The batch the gate opened into, until its outcome is handed on.
-    opened: Mutex<Option<Batch<V, C>>>,
+    opened: Mutex<Option<Box<dyn Opened>>>,
     /// The bound the caller gave (reported by a timeout).
     timeout: Duration,
 }
 
-impl<V: Api, C: hal_cuda::Api> GateLink<V, C> {
+impl GateLink {
+    /// The caller's batch's outcome.
+    pub(super) fn cell(&self) -> &Arc<CompletionCell> {
+        &self.cell
+    }
+
     /// Cancels the gated batch: before the gate opens it ends now and
     /// nothing is posted; after, the opened batch is cancelled.
     pub(super) fn cancel(&self) {
@@ -101,6 +126,31 @@ impl<V: Api, C: hal_cuda::Api> GateLink<V, C> {
                 self.cell.complete(Err(TransferError::Cancelled));
             }
         }
+    }
+
+    /// Hands the opened batch's outcome (its staging copies and GPU fence
+    /// applied) to the caller's batch, once it has ended; true then.
+    fn hand_on(&self) -> bool {
+        let mut opened = lock(&self.opened);
+        let Some(batch) = opened.as_ref() else {
+            return true;
+        };
+        let Some(outcome) = batch.ended() else {
+            return false;
+        };
+        let outcome = outcome.map_err(|e| match e {
+            // The caller's bound, counted from the call.
+            TransferError::Timeout { .. } => TransferError::Timeout {
+                after: self.timeout,
+            },
+            e => e,
+        });
+        self.cell.complete(outcome);
+        let batch = opened.take();
+        // The batch goes after the lock: dropping it may take the engine's.
+        drop(opened);
+        drop(batch);
+        true
     }
 }
 
@@ -139,8 +189,8 @@ impl<V: Api> HeldTransfer<V> {
 }
 
 /// A gated batch, held unposted.
-struct Held<V: Api, C: hal_cuda::Api> {
-    link: Arc<GateLink<V, C>>,
+struct Held<V: Api> {
+    link: Arc<GateLink>,
     /// The peer's slot.
     slot: usize,
     transfers: Vec<HeldTransfer<V>>,
@@ -153,43 +203,36 @@ struct Held<V: Api, C: hal_cuda::Api> {
 /// (after the word's write, where there is one: it tells a stream that
 /// failed).
 struct Gate<V: Api, C: hal_cuda::Api> {
-    held: Held<V, C>,
+    held: Held<V>,
     wait: GateWait,
     event: C::Event,
 }
 
-impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
-    /// Submits a batch that starts only once `stream` has reached this
-    /// point: work queued on `stream` before this call (a kernel, a copy)
-    /// is done, and its memory visible, before anything of the batch is
-    /// posted; no CPU thread waits for the stream (see [`super::gate`]).
-    ///
-    /// Every transfer is checked now, as by [`Peer::submit_with_timeout`],
-    /// and a refusal returns at once. `timeout` counts from this call and
-    /// covers the wait for the stream: a gate that never opens ends the
-    /// batch with [`TransferError::Timeout`]. A stream that fails first
-    /// ends it with [`TransferError::StreamFailed`]. [`Batch::cancel`]
-    /// before the gate opens ends it at once, with nothing posted.
-    pub fn submit_after_stream(
-        &self,
-        stream: &C::Stream,
+/// What the gates hand the engine to carry out outside its lock
+/// ([`Gates::serve`], [`Serve::run`]).
+pub(super) struct Serve<V: Api> {
+    /// Gates their stream reached: submit their batch.
+    ready: Vec<Held<V>>,
+    /// Opened batches: hand on their outcome once they end.
+    opened: Vec<Arc<GateLink>>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
+    /// Holds the batch of `transfers` for the peer in `slot` until
+    /// `stream`'s `signal` (queued there, then `event` recorded after it)
+    /// says the stream reached the gate; `timeout` counts from `now`.
+    /// Returns what the caller's batch shares with the gate.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn wait(
+        &mut self,
+        slot: usize,
         transfers: &[Transfer<'_, V>],
         timeout: Duration,
-    ) -> Result<Batch<V, C>, EngineError> {
-        let span = tracing::debug_span!(
-            "gate",
-            transfers = transfers.len(),
-            word = tracing::field::Empty
-        );
-        let _entered = span.enter();
-        let engine = &self.engine;
-        self.read_peer(|_, peer| -> Result<(), EngineError> {
-            if let Some(why) = &peer.gone {
-                return Err(EngineError::PeerGone(why.clone()));
-            }
-            transfers.iter().try_for_each(|t| check_transfer(peer, t))
-        })??;
-        let now = engine.shared.config.clock.now();
+        now: Instant,
+        signal: Signal,
+        event: C::Event,
+        span: &tracing::Span,
+    ) -> Arc<GateLink> {
         let link = Arc::new(GateLink {
             cell: Arc::new(CompletionCell::new()),
             cancelled: AtomicBool::new(false),
@@ -198,7 +241,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         });
         let held = Held {
             link: Arc::clone(&link),
-            slot: self.slot,
+            slot,
             transfers: transfers.iter().map(HeldTransfer::of).collect(),
             // A bound past what an Instant holds never passes.
             deadline: now
@@ -206,119 +249,49 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 .unwrap_or(now + Duration::from_secs(1 << 32)),
             span: span.clone(),
         };
-        {
-            let mut state = lock(&engine.shared.state);
-            let (signal, event) = engine.queue_gate(&mut state, stream)?;
-            if let Signal::Word { word, value } = signal {
-                span.record("word", word);
-                tracing::debug!(value, "gate queued on the stream (memory operation)");
-            } else {
-                tracing::debug!("gate queued on the stream (event)");
-            }
-            let wait = GateWait {
-                signal,
-                deadline: held.deadline,
-            };
-            state.gates.waiting.push(Gate { held, wait, event });
+        if let Signal::Word { word, value } = signal {
+            span.record("word", word);
+            tracing::debug!(value, "gate queued on the stream (memory operation)");
+        } else {
+            tracing::debug!("gate queued on the stream (event)");
         }
-        engine.ensure_own_driver();
-        Ok(Batch {
-            gate: Some(Arc::clone(&link)),
-            ..Batch::of_cell(engine.clone(), Arc::clone(&link.cell))
-        })
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
-    /// Queues the gate's signal on `stream`: the word write where the
-    /// stream has memory operations, and an event after it.
-    fn queue_gate(
-        &self,
-        state: &mut State<V, C>,
-        stream: &C::Stream,
-    ) -> Result<(Signal, C::Event), EngineError> {
-        let words = self.fence_words(state)?;
-        let (word, value) = words.book.take().ok_or_else(|| {
-            EngineError::Refused("every word of the fence page is outstanding".into())
-        })?;
-        // SAFETY: the word is 4-byte aligned pinned (portable) host memory
-        // of the engine's, which the device may write (unified addressing)
-        // and which is never freed (`fence`'s module docs).
-        let written = unsafe { stream.write_value32(words.addr(word), value) };
-        match written {
-            Ok(()) => match self.record_gate_event(stream) {
-                Ok(event) => Ok((Signal::Word { word, value }, event)),
-                Err(e) => {
-                    // The write is queued: the word waits for it.
-                    words.book.await_write(word, value);
-                    Err(e)
-                }
-            },
-            Err(hal_cuda::CudaError::NotSupported { .. }) => {
-                words.book.unused(word);
-                Ok((Signal::Event, self.record_gate_event(stream)?))
-            }
-            Err(e) => {
-                words.book.unused(word);
-                Err(e.into())
-            }
-        }
-    }
-
-    /// An event recorded on `stream` now. An event records only on a
-    /// stream of its own context, and which GPU `stream` belongs to is
-    /// not known here: each of the engine's GPUs is tried in turn.
-    fn record_gate_event(&self, stream: &C::Stream) -> Result<C::Event, EngineError> {
-        let gpus = self
-            .shared
-            .nics
-            .first()
-            .map_or(&[][..], |n| n.ladder.gpus());
-        let mut refused = None;
-        for gpu in gpus {
-            let event = gpu.context.create_event()?;
-            match stream.record(&event) {
-                Ok(()) => return Ok(event),
-                Err(e) => refused = Some(e),
-            }
-        }
-        Err(refused.map_or_else(
-            || EngineError::Unavailable("no GPU to record a gate's event on".into()),
-            EngineError::from,
-        ))
-    }
-
-    /// Looks at every waiting gate (under the engine's lock): those their
-    /// stream reached move to `ready`, those that ended (cancelled, timed
-    /// out, stream failed, peer gone) end their batch. Returns how many
-    /// gates and late-written words it handled.
-    pub(super) fn poll_gates(&self, state: &mut State<V, C>, now: Instant) -> usize {
-        let State {
-            gates,
-            fence_words,
-            peers,
-            ticks,
-            ..
-        } = state;
-        let mut handled = fence_words
-            .as_mut()
-            .map_or(0, |words| words.collect_late_writes());
-        let tick = *ticks;
-        let word_now = |wait: &GateWait, words: &Option<super::fence::FenceWords<C>>| match (
-            wait.signal,
-            words,
-        ) {
-            (Signal::Word { word, .. }, Some(words)) => words.word(word).load(Ordering::Acquire),
-            _ => 0,
+        let wait = GateWait {
+            signal,
+            deadline: held.deadline,
         };
+        self.waiting.push(Gate { held, wait, event });
+        link
+    }
+
+    /// Whether a gate waits for its stream (the engine's own thread then
+    /// paces itself as a waiter does).
+    pub(super) fn waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Whether [`Gates::serve`] has work (outside the lock).
+    pub(super) fn serve_pending(&self) -> bool {
+        !self.ready.is_empty() || !self.opened.is_empty()
+    }
+
+    /// Looks at every waiting gate (under the engine's lock; the fence
+    /// page `words` lent): those their stream reached move to `ready`,
+    /// those that ended (cancelled, timed out, stream failed, peer gone)
+    /// end their batch. Returns how many gates and late-written words it
+    /// handled.
+    pub(super) fn poll(&mut self, cx: &mut PathCx<'_, V, C>, words: &mut StreamFences<C>) -> usize {
+        let mut handled = words.collect_late_writes();
+        self.polls += 1;
+        let tick = self.polls;
+        let now = cx.now;
         let mut i = 0;
-        while i < gates.waiting.len() {
-            let gate = &gates.waiting[i];
+        while i < self.waiting.len() {
+            let gate = &self.waiting[i];
             let held = &gate.held;
             // What was seen of the stream: the word (a load) each time,
             // the event (a driver call) when the protocol says.
             let mut failure = None;
-            let seen = if gate.wait.word_reached(word_now(&gate.wait, fence_words)) {
+            let seen = if gate.wait.word_reached(words.gate_word(gate.wait.signal)) {
                 Seen::Reached
             } else if gate.wait.looks_at_event(tick) {
                 match gate.event.is_complete() {
@@ -332,7 +305,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             } else {
                 Seen::NotYet
             };
-            let peer = peers.get(held.slot).and_then(Option::as_ref);
+            let peer = cx.wire.peer(held.slot);
             let peer_gone = peer.is_none_or(|p| p.gone.is_some());
             let cancelled = held.link.cancelled.load(Ordering::Acquire);
             let step = gate.wait.step(cancelled, seen, peer_gone, now);
@@ -347,9 +320,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     after: held.link.timeout,
                 }),
                 Step::End(GateEnd::PeerGone) => Err(TransferError::PeerGone {
-                    reason: peer
-                        .and_then(|p| p.gone.clone())
-                        .unwrap_or_else(|| "closed".to_owned()),
+                    reason: peer.and_then(|p| p.gone).unwrap_or("closed").to_owned(),
                 }),
                 Step::End(GateEnd::StreamFailed) => match failure {
                     Some(source) => Err(TransferError::StreamFailed { source }),
@@ -358,21 +329,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     }),
                 },
             };
-            let Gate { held, wait, .. } = gates.waiting.swap_remove(i);
+            let Gate { held, wait, .. } = self.waiting.swap_remove(i);
             handled += 1;
             let span = held.span.clone();
             let _entered = span.enter();
             // Reached through the event, the write came before it; a word
             // not showing it yet still waits for it, as does one whose gate
             // ended first.
-            let word = word_now(&wait, fence_words);
-            if let Some(words) = fence_words.as_mut() {
-                wait.retire(&mut words.book, verdict.is_ok(), word);
-            }
+            let word = words.gate_word(wait.signal);
+            words.retire_gate(&wait, verdict.is_ok(), word);
             match verdict {
                 Ok(()) => {
                     tracing::debug!("the stream reached the gate");
-                    gates.ready.push(held);
+                    self.ready.push(held);
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "the gate ended before it opened");
@@ -383,42 +352,63 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         handled
     }
 
-    /// Submits the batches whose gate opened and hands on the outcomes of
-    /// those that ended (outside the engine's lock: submitting takes it).
-    pub(super) fn serve_gates(&self) -> usize {
-        let (ready, opened) = {
-            let mut state = lock(&self.shared.state);
-            (
-                std::mem::take(&mut state.gates.ready),
-                std::mem::take(&mut state.gates.opened),
-            )
-        };
+    /// Takes the work to do outside the engine's lock: the batches whose
+    /// gate opened, to submit, and the opened batches, to hand on.
+    pub(super) fn serve(&mut self) -> Serve<V> {
+        Serve {
+            ready: std::mem::take(&mut self.ready),
+            opened: std::mem::take(&mut self.opened),
+        }
+    }
+
+    /// Takes back the opened batches [`Serve::run`] left running.
+    pub(super) fn running(&mut self, running: Vec<Arc<GateLink>>) {
+        self.opened.extend(running);
+    }
+}
+
+impl<V: Api> Serve<V> {
+    /// Carries it out (outside the engine's lock: submitting takes it):
+    /// hands on the outcomes of the opened batches that ended, and submits
+    /// with `submit` (the peer's slot, the transfers, the time left) the
+    /// batch of each gate its stream reached, unless it was cancelled or
+    /// its deadline passed at `clock`'s time, which ends it instead.
+    /// Returns how many it handled and the opened batches still running
+    /// (for [`Gates::running`]).
+    pub(super) fn run(
+        self,
+        clock: impl Fn() -> Instant,
+        mut submit: impl FnMut(usize, &[Transfer<'_, V>], Duration) -> Submitted,
+    ) -> (usize, Vec<Arc<GateLink>>) {
         let mut handled = 0;
         let mut running = Vec::new();
-        for link in opened {
-            if self.hand_on(&link) {
+        for link in self.opened {
+            if link.hand_on() {
                 handled += 1;
             } else {
                 running.push(link);
             }
         }
-        for held in ready {
+        for held in self.ready {
             handled += 1;
-            if let Some(link) = self.open(held) {
+            if let Some(link) = held.open(&clock, &mut submit) {
                 running.push(link);
             }
         }
-        if !running.is_empty() {
-            lock(&self.shared.state).gates.opened.extend(running);
-        }
-        handled
+        (handled, running)
     }
+}
 
+impl<V: Api> Held<V> {
     /// Submits the batch of a gate its stream reached, unless it was
     /// cancelled or its deadline passed; returns its link while it runs.
-    fn open(&self, held: Held<V, C>) -> Option<Arc<GateLink<V, C>>> {
-        let _entered = held.span.enter();
-        let link = held.link;
+    fn open(
+        self,
+        clock: impl Fn() -> Instant,
+        submit: impl FnOnce(usize, &[Transfer<'_, V>], Duration) -> Submitted,
+    ) -> Option<Arc<GateLink>> {
+        let _entered = self.span.enter();
+        let link = self.link;
         let end = |e: TransferError| {
             tracing::debug!(error = %e, "the gate opened too late");
             link.cell.complete(Err(e));
@@ -427,8 +417,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let mut opened = lock(&link.opened);
         let left = match at_open(
             link.cancelled.load(Ordering::SeqCst),
-            self.shared.config.clock.now(),
-            held.deadline,
+            clock(),
+            self.deadline,
         ) {
             Ok(left) => left,
             Err(GateEnd::Cancelled) => return end(TransferError::Cancelled),
@@ -439,12 +429,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
         };
         let transfers: Vec<Transfer<'_, V>> =
-            held.transfers.iter().map(HeldTransfer::transfer).collect();
-        let peer = Peer {
-            engine: self.clone(),
-            slot: held.slot,
-        };
-        match peer.submit_with_timeout(&transfers, left) {
+            self.transfers.iter().map(HeldTransfer::transfer).collect();
+        match submit(self.slot, &transfers, left) {
             Ok(batch) => {
                 tracing::debug!("gate opened: the batch is submitted");
                 *opened = Some(batch);
@@ -456,48 +442,5 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 what: format!("refused when its gate opened: {e}"),
             }),
         }
-    }
-
-    /// Hands the opened batch's outcome (its staging copies and GPU fence
-    /// applied) to the caller's batch, once it has ended; true then.
-    fn hand_on(&self, link: &GateLink<V, C>) -> bool {
-        let mut opened = lock(&link.opened);
-        let Some(batch) = opened.as_ref() else {
-            return true;
-        };
-        let Some(outcome) = batch.outcome() else {
-            return false;
-        };
-        let outcome = batch.fenced(outcome).map_err(|e| match e {
-            // The caller's bound, counted from the call.
-            TransferError::Timeout { .. } => TransferError::Timeout {
-                after: link.timeout,
-            },
-            e => e,
-        });
-        link.cell.complete(outcome);
-        let batch = opened.take();
-        drop(opened);
-        drop(batch);
-        true
-    }
-
-    /// Whether a gate waits for its stream (the own thread then paces
-    /// itself as a waiter does).
-    fn gates_waiting(&self) -> bool {
-        !lock(&self.shared.state).gates.waiting.is_empty()
-    }
-
-    /// The own progress thread's pace: after a call that handled
-    /// `handled`, while a gate waits, `idle` spins, yields or sleeps
-    /// briefly and the call counts as work (the thread does not back off
-    /// to its idle millisecond); otherwise `handled` as it was.
-    pub(super) fn pace_gates(&self, handled: usize, idle: &mut Idle) -> usize {
-        if handled > 0 || !self.gates_waiting() {
-            *idle = Idle::default();
-            return handled;
-        }
-        idle.after(0);
-        1
     }
 }

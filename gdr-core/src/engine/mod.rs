@@ -117,7 +117,7 @@ pub use self::completion::{CompletionCell, Outcome};
 use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
 pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
-use self::path::{PeerView, Wire};
+use self::path::{PathCx, PeerView, Wire};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
@@ -506,10 +506,9 @@ struct State<V: Api, C: hal_cuda::Api> {
     pools: HashMap<u32, pipeline::StagingPool<V, C>>,
     /// Staged transfers going through a pool.
     pipes: Vec<pipeline::Pipe<V, C>>,
-    /// The page of words streams wait on, made at the first stream fence.
-    fence_words: Option<fence::FenceWords<C>>,
-    /// Stream fences whose batch has not ended.
-    stream_fences: Vec<fence::StreamFence>,
+    /// The page of words streams wait on (made at the first stream fence
+    /// or gate) and the stream fences whose batch has not ended.
+    stream_fences: fence::StreamFences<C>,
     /// The peer-copy path's streams, mappings and batches in flight.
     peer_copy: peer_copy::Copies<C>,
     /// Batches held until a stream reaches their gate.
@@ -521,7 +520,6 @@ struct State<V: Api, C: hal_cuda::Api> {
 
 /// The peers' connections as the paths see them ([`path::Wire`]): the
 /// core (which posts on the queue pairs) and the peers' control channels.
-#[allow(dead_code)] // used as the paths move behind the seam
 struct Connections<'a, V: Api, C: hal_cuda::Api> {
     core: &'a mut Core,
     peers: &'a mut [Option<PeerState<V, C>>],
@@ -735,8 +733,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 serving: Vec::new(),
                 pools: HashMap::new(),
                 pipes: Vec::new(),
-                fence_words: None,
-                stream_fences: Vec::new(),
+                stream_fences: Default::default(),
                 peer_copy: peer_copy::Copies::new(cuda),
                 gates: Default::default(),
                 completions: Vec::with_capacity(256),
@@ -1425,8 +1422,27 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         handled += self.pump_pipes(state, now);
         handled += self.pump_peer_copies(state, now);
         handled += self.pump_rendezvous(state, now);
-        handled += self.release_stream_fences(state);
-        handled += self.poll_gates(state, now);
+        handled += state.stream_fences.release(&shared.res);
+        {
+            let State {
+                core,
+                peers,
+                stream_fences,
+                gates,
+                ..
+            } = &mut *state;
+            let mut wire = Connections {
+                core,
+                peers,
+                res: &shared.res,
+            };
+            let mut cx = PathCx {
+                res: &shared.res,
+                wire: &mut wire,
+                now,
+            };
+            handled += gates.poll(&mut cx, stream_fences);
+        }
         self.run_actions(state);
         self.post_ready(state);
         (
@@ -2060,6 +2076,64 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             running,
         }
     }
+
+    /// Submits the batches whose gate opened and hands on the outcomes of
+    /// those that ended (outside the engine's lock: submitting takes it).
+    fn serve_gates(&self) -> usize {
+        let serve = lock(&self.shared.state).gates.serve();
+        let (handled, running) = serve.run(
+            || self.shared.config.clock.now(),
+            |slot, transfers, left| {
+                let peer = Peer {
+                    engine: self.clone(),
+                    slot,
+                };
+                let batch = peer.submit_with_timeout(transfers, left)?;
+                Ok(Box::new(batch) as Box<dyn gate::Opened>)
+            },
+        );
+        if !running.is_empty() {
+            lock(&self.shared.state).gates.running(running);
+        }
+        handled
+    }
+
+    /// The own progress thread's pace: after a call that handled
+    /// `handled`, while a gate waits, `idle` spins, yields or sleeps
+    /// briefly and the call counts as work (the thread does not back off
+    /// to its idle millisecond); otherwise `handled` as it was.
+    fn pace_gates(&self, handled: usize, idle: &mut Idle) -> usize {
+        if handled > 0 || !lock(&self.shared.state).gates.waiting() {
+            *idle = Idle::default();
+            return handled;
+        }
+        idle.after(0);
+        1
+    }
+}
+
+/// An event recorded on `stream` now, after a gate's signal. An event
+/// records only on a stream of its own context, and which GPU `stream`
+/// belongs to is not known here: each of the engine's GPUs is tried in
+/// turn.
+fn record_gate_event<V: Api, C: hal_cuda::Api>(
+    res: &Resources<V, C>,
+    stream: &C::Stream,
+) -> Result<C::Event, EngineError> {
+    use hal_cuda::{Context as _, Stream as _};
+    let gpus = res.nics.first().map_or(&[][..], |n| n.ladder.gpus());
+    let mut refused = None;
+    for gpu in gpus {
+        let event = gpu.context.create_event()?;
+        match stream.record(&event) {
+            Ok(()) => return Ok(event),
+            Err(e) => refused = Some(e),
+        }
+    }
+    Err(refused.map_or_else(
+        || EngineError::Unavailable("no GPU to record a gate's event on".into()),
+        EngineError::from,
+    ))
 }
 
 /// A driver thread's loop: `step` makes progress and says how much it
@@ -3253,6 +3327,63 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             }
         })
     }
+
+    /// Submits a batch that starts only once `stream` has reached this
+    /// point: work queued on `stream` before this call (a kernel, a copy)
+    /// is done, and its memory visible, before anything of the batch is
+    /// posted; no CPU thread waits for the stream (see [`gate`]).
+    ///
+    /// Every transfer is checked now, as by [`Peer::submit_with_timeout`],
+    /// and a refusal returns at once. `timeout` counts from this call and
+    /// covers the wait for the stream: a gate that never opens ends the
+    /// batch with [`TransferError::Timeout`]. A stream that fails first
+    /// ends it with [`TransferError::StreamFailed`]. [`Batch::cancel`]
+    /// before the gate opens ends it at once, with nothing posted.
+    pub fn submit_after_stream(
+        &self,
+        stream: &C::Stream,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Batch<V, C>, EngineError> {
+        let span = tracing::debug_span!(
+            "gate",
+            transfers = transfers.len(),
+            word = tracing::field::Empty
+        );
+        let _entered = span.enter();
+        let engine = &self.engine;
+        self.read_peer(|_, peer| -> Result<(), EngineError> {
+            if let Some(why) = &peer.gone {
+                return Err(EngineError::PeerGone(why.clone()));
+            }
+            transfers.iter().try_for_each(|t| check_transfer(peer, t))
+        })??;
+        let now = engine.shared.config.clock.now();
+        let link = {
+            let mut state = lock(&engine.shared.state);
+            let State {
+                stream_fences,
+                gates,
+                ..
+            } = &mut *state;
+            let res = &engine.shared.res;
+            // The word's write, then the event after it.
+            let signal = stream_fences.gate_signal(res, stream)?;
+            let event = match record_gate_event(res, stream) {
+                Ok(event) => event,
+                Err(e) => {
+                    stream_fences.abandon_gate(signal);
+                    return Err(e);
+                }
+            };
+            gates.wait(self.slot, transfers, timeout, now, signal, event, &span)
+        };
+        engine.ensure_own_driver();
+        Ok(Batch {
+            gate: Some(Arc::clone(&link)),
+            ..Batch::of_cell(engine.clone(), Arc::clone(link.cell()))
+        })
+    }
 }
 
 /// Drops a peer that broke the protocol: every queue pair disconnected
@@ -3388,7 +3519,7 @@ pub struct Batch<V: Api, C: hal_cuda::Api> {
     fenced: Arc<std::sync::atomic::AtomicBool>,
     /// A gated batch's link to the batch its gate opens into
     /// ([`Peer::submit_after_stream`]).
-    gate: Option<Arc<gate::GateLink<V, C>>>,
+    gate: Option<Arc<gate::GateLink>>,
     /// Rendezvous with the peer for staging-rung grants: each ends with
     /// the owner's reply.
     parts: Vec<Arc<CompletionCell>>,
@@ -3511,8 +3642,17 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             .chain(&self.parts)
             .cloned()
             .collect();
-        self.engine
-            .queue_stream_fence(stream, cells, self.fence.clone(), Arc::clone(&self.fenced))
+        let _span = tracing::debug_span!("fence_stream").entered();
+        let engine = &self.engine;
+        lock(&engine.shared.state).stream_fences.queue(
+            &engine.shared.res,
+            stream,
+            cells,
+            self.fence.clone(),
+            Arc::clone(&self.fenced),
+        )?;
+        engine.ensure_own_driver();
+        Ok(())
     }
 
     /// Cancels the batch: what is not posted is dropped; it ends
@@ -3538,6 +3678,17 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// The completion cell (for a driver that waits elsewhere).
     pub fn cell(&self) -> &Arc<CompletionCell> {
         &self.cell
+    }
+}
+
+/// A gate opens into a batch of the engine's ([`Peer::submit_after_stream`]).
+impl<V: Api, C: hal_cuda::Api> gate::Opened for Batch<V, C> {
+    fn cancel(&self) {
+        Batch::cancel(self);
+    }
+
+    fn ended(&self) -> Option<Outcome> {
+        self.outcome().map(|outcome| self.fenced(outcome))
     }
 }
 
