@@ -629,6 +629,83 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     /// Whether the engine's own progress thread runs (started by the first
     /// grant of a staging-rung region, which only progress serves).
     own_driver: std::sync::atomic::AtomicBool,
+    /// How the engine's internal threads hold it (one step at a time).
+    holds: Arc<InternalHolds>,
+}
+
+thread_local! {
+    /// Set on the engine's internal threads (its own driver, a listener's):
+    /// an engine handle dropped there never waits for [`InternalHolds`].
+    static INTERNAL_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The engine's internal threads (its own driver, each listener's) hold
+/// it only for one step at a time, within a read guard of `closed`. The
+/// last handle of the caller's closes it under the write guard, so no
+/// internal step holds the engine then: its teardown (which stops and
+/// settles its work) runs in the caller's drop, and none of its work moves
+/// after that drop returned. Without this, a step under way at that
+/// moment would tear the engine down later, on its own thread.
+#[derive(Debug, Default)]
+struct InternalHolds {
+    closed: std::sync::RwLock<bool>,
+    /// Internal steps holding the engine now (read before taking the
+    /// write guard: a handle with more holders than these is not last).
+    stepping: std::sync::atomic::AtomicUsize,
+}
+
+impl InternalHolds {
+    /// Runs `step` with the engine behind `weak`, if it is still open.
+    fn step<V: Api, C: hal_cuda::Api, T>(
+        &self,
+        weak: &std::sync::Weak<Shared<V, C>>,
+        step: impl FnOnce(&Engine<V, C>) -> T,
+    ) -> Option<T> {
+        let closed = self
+            .closed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *closed {
+            return None;
+        }
+        self.stepping.fetch_add(1, Ordering::SeqCst);
+        let out = weak.upgrade().map(|shared| step(&Engine { shared }));
+        self.stepping.fetch_sub(1, Ordering::SeqCst);
+        drop(closed);
+        out
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
+    fn drop(&mut self) {
+        // Another handle of the caller's lives on: nothing to do (the
+        // count is read before the internal steps, which count themselves
+        // before they take the engine).
+        let count = Arc::strong_count(&self.shared);
+        let holds = &self.shared.holds;
+        if count > 1 + holds.stepping.load(Ordering::SeqCst) || INTERNAL_THREAD.with(|i| i.get()) {
+            return;
+        }
+        // Wait for the internal steps under way (bounded: a step that
+        // never ends must not hang a drop; the engine then goes when it
+        // ends, as it would without this).
+        let start = Instant::now();
+        let mut closed = loop {
+            match holds.closed.try_write() {
+                Ok(guard) => break guard,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    if start.elapsed() > Duration::from_secs(1) {
+                        return;
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        };
+        if Arc::strong_count(&self.shared) == 1 {
+            *closed = true;
+        }
+    }
 }
 
 /// The transfer engine over verbs backend `V` and CUDA backend `C`.
@@ -743,6 +820,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             res: Resources::new(fresh_id(), config, cm, nics),
             drivers: Arc::default(),
             own_driver: Default::default(),
+            holds: Arc::default(),
         };
         tracing::info!(
             engine = format_args!("{:#x}", shared.id),
@@ -830,10 +908,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             arrived: std::sync::Condvar::new(),
         });
         let weak = Arc::downgrade(&self.shared);
+        let holds = Arc::clone(&self.shared.holds);
         let served = Arc::clone(&inner);
         std::thread::Builder::new()
             .name("gdr-listener".into())
-            .spawn(move || Self::serve_listener(weak, served))
+            .spawn(move || Self::serve_listener(weak, holds, served))
             .map_err(|e| EngineError::Unavailable(format!("no listener thread: {e}")))?;
         Ok(EngineListener {
             engine: self.clone(),
@@ -2032,15 +2111,16 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         let weak = Arc::downgrade(&self.shared);
+        let holds = Arc::clone(&self.shared.holds);
         let running = Arc::clone(&self.shared.drivers);
         running.fetch_add(1, Ordering::AcqRel);
         let spawned = std::thread::Builder::new()
             .name("gdr-engine-own".into())
             .spawn(move || {
+                INTERNAL_THREAD.with(|i| i.set(true));
                 let mut idle = Idle::default();
                 drive(Duration::from_millis(1), || {
-                    weak.upgrade().map(|shared| {
-                        let engine = Engine { shared };
+                    holds.step(&weak, |engine| {
                         engine.pace_gates(engine.progress(), &mut idle)
                     })
                 });
@@ -2356,7 +2436,12 @@ impl<V: Api, C: hal_cuda::Api> Drop for EngineListener<V, C> {
 impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The listener's thread: takes connect requests, and drops the peers
     /// that gave up or waited too long, until the engine is dropped.
-    fn serve_listener(weak: std::sync::Weak<Shared<V, C>>, inner: Arc<ListenerInner<V>>) {
+    fn serve_listener(
+        weak: std::sync::Weak<Shared<V, C>>,
+        holds: Arc<InternalHolds>,
+        inner: Arc<ListenerInner<V>>,
+    ) {
+        INTERNAL_THREAD.with(|i| i.set(true));
         // A look polls every waiting connection: one a poll interval (or
         // at the next deadline), not one per connect request of a burst.
         let mut look_at = Instant::now();
@@ -2364,8 +2449,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             let now = Instant::now();
             if now >= look_at {
                 // Held only between waits: the engine's drop ends the thread.
-                let Some(shared) = weak.upgrade() else { return };
-                look_at = now + Engine { shared }.reap_waiting(&inner);
+                let Some(wait) = holds.step(&weak, |engine| engine.reap_waiting(&inner)) else {
+                    return;
+                };
+                look_at = now + wait;
             }
             let wait = look_at
                 .saturating_duration_since(now)
@@ -2379,8 +2466,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     continue;
                 }
             };
-            let Some(shared) = weak.upgrade() else { return };
-            Engine { shared }.on_connect_request(&inner, request);
+            if holds
+                .step(&weak, |engine| engine.on_connect_request(&inner, request))
+                .is_none()
+            {
+                return;
+            }
         }
     }
 
