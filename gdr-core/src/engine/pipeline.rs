@@ -21,13 +21,13 @@
 //!   deadline no new slice starts; those in flight end by the same
 //!   deadline (their queue pairs are stopped as for any request).
 //!
-//! The staged path ([`super::staging::StagedPath`]) owns the pools and the
+//! The staged path (`staging::StagedPath`) owns the pools and the
 //! pipes and steps them from its progress: CUDA events are polled there,
 //! so a pipeline moves while someone makes progress (a waiter, or a
 //! driver thread). Which slice starts, what each does next and how the
 //! transfer ends are the protocol's ([`gdr_proto::pipeline::Pipe`], tested
 //! in memory); this module runs the copies it asks for and posts its wire
-//! ops through the seam ([`super::path::Wire::post_rdma`]).
+//! ops through the seam (`Wire::post_rdma`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

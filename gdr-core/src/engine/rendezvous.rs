@@ -32,6 +32,12 @@
 //! - **Fairness, back-pressure**: a peer's slots go round-robin over its
 //!   requests; a request larger than the slots goes in turns; slots of one
 //!   peer are never another's, so peers do not wait on each other.
+//! - **Whose state**: a peer's `Landing` and `Asks` are the staged
+//!   path's (`staging::StagedPath`); the functions here step them
+//!   through the seam's `PathCx` (messages and RDMA ops on the wire,
+//!   copies on the engine's GPUs), never the engine itself. Landing slots
+//!   are made outside the engine's lock (`make_slots`, the engine
+//!   granting them) and installed under it (`Landing::install`).
 //! - **The owner's decisions are the protocol's**: which slot serves which
 //!   slice, which credit is honoured, what a revoke, the bound and the
 //!   deadline do, live in [`gdr_proto::rendezvous::Owner`] (sans-IO,
@@ -521,7 +527,7 @@ pub(super) fn staged_gpu<V: Api>(t: &Transfer<'_, V>) -> Result<Option<u32>, Eng
     }
 }
 
-// ------------------------------------------------------------ owner
+// ------------------------------------------------------ owner's steps
 
 /// Carries the owner's protocol with the peer in `slot` one step: the
 /// peer's messages in, copies that ended, deadlines, then what the
@@ -710,7 +716,7 @@ fn landing_copy<V: Api, C: hal_cuda::Api>(
     copy_event(res, gpu, stream, what, copy)
 }
 
-// -------------------------------------------------------- requester
+// -------------------------------------------------- requester's steps
 
 /// Carries this side's requests through the landing slots of the peer in
 /// `slot` one step: the owner's messages in, the slices moved as far as

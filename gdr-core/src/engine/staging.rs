@@ -49,6 +49,22 @@
 //! (it ends with the engine). The naive path costs a bounce buffer
 //! allocated, pinned and registered per transfer and a synchronous copy of
 //! the whole range, and the naive rendezvous a grant per request.
+//!
+//! # The staged path
+//!
+//! `StagedPath` is one path behind the seam (`super::path`): it owns
+//! the pools and pipes ([`super::pipeline`]), the requests this side
+//! serves, and per peer slot a `StagedPeer`: this side's grants of
+//! staging-rung regions, the naive requests both ways, the landing slots
+//! lent and the requests through the peer's. It reaches the peers only
+//! through `PathCx` (the engine's resources and the wire). What must
+//! run outside the engine's lock (the naive form's registrations,
+//! synchronous copies and submits, making landing slots) it hands out as
+//! `Unlocked` work from `StagedPath::take_serve_work`; the engine runs
+//! it and hands each result back. The pipelined form is its
+//! `TransferPath::post`; the requester's side of the naive form
+//! (bounces, the direct rest, its temporary grant) is the engine's, which
+//! calls `StagedPath::rendezvous` for the request itself.
 
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
