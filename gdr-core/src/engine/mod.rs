@@ -117,13 +117,13 @@ pub use self::completion::{CompletionCell, Outcome};
 use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
 pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
-use self::path::{PathCx, PeerView, Wire};
+use self::path::{PathCx, PeerView, TransferPath, Wire};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
 use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, DialState, Token};
 use self::wire::{Control, Hello, RejectReason, Role};
-use gdr_proto::grants::{LocalGrants, RemoteGrants, Revoked};
+use gdr_proto::grants::RemoteGrants;
 use gdr_proto::inbox::Inbox;
 use gdr_proto::peer_copy::Release;
 use gdr_proto::reconnect::{Backoff, Drained, GiveUp, OldQp, Recovery, Replacement};
@@ -354,20 +354,6 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     granted: HashMap<u64, Vec<u8>>,
     /// Replaced queue pairs 0 whose receives have not all come back.
     retired: Vec<V::Connection>,
-    /// This side's grants of staging-rung regions, served by rendezvous:
-    /// live, or revoked while a request under them still runs (the
-    /// revocation fence, [`gdr_proto::grants`]).
-    served: LocalGrants<staging::Served<V>>,
-    /// The peer's rendezvous requests not yet served.
-    staged_inbox: VecDeque<staging::StagedAsk>,
-    /// This side's rendezvous requests waiting for the peer's reply, by
-    /// id.
-    rendezvous: HashMap<u64, staging::Rendezvous<V>>,
-    /// The landing slots this side lends the peer, and its requests
-    /// served through them.
-    landing: rendezvous::Landing<V, C>,
-    /// This side's requests through the peer's landing slots.
-    asks: rendezvous::Asks<V, C>,
     control: ControlBuffers<V, C>,
     /// The peer's live grants to this side (bounded).
     remote_grants: RemoteGrants<MemoryDescriptor>,
@@ -500,12 +486,8 @@ struct State<V: Api, C: hal_cuda::Api> {
     dead_nics: Vec<bool>,
     /// Queue pairs being re-established.
     reconnecting: usize,
-    /// Rendezvous this side serves whose RDMA op is in flight.
-    serving: Vec<staging::Serving<V, C>>,
-    /// Each GPU's staging pool, made at its first staged transfer.
-    pools: HashMap<u32, pipeline::StagingPool<V, C>>,
-    /// Staged transfers going through a pool.
-    pipes: Vec<pipeline::Pipe<V, C>>,
+    /// The staged path: pools, pipes, rendezvous both ways, by peer.
+    staged: staging::StagedPath<V, C>,
     /// The page of words streams wait on (made at the first stream fence
     /// or gate) and the stream fences whose batch has not ended.
     stream_fences: fence::StreamFences<C>,
@@ -534,6 +516,11 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
             session: peer.session,
             gone: peer.gone.as_deref(),
         })
+    }
+
+    fn remote_grant(&self, slot: usize, grant: u64) -> Option<MemoryDescriptor> {
+        let peer = self.peers.get(slot)?.as_ref()?;
+        peer.remote_grants.get(grant).cloned()
     }
 
     fn send(
@@ -807,9 +794,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 qp_owner: Vec::new(),
                 dead_nics: vec![false; nics.len()],
                 reconnecting: 0,
-                serving: Vec::new(),
-                pools: HashMap::new(),
-                pipes: Vec::new(),
+                staged: Default::default(),
                 stream_fences: Default::default(),
                 peer_copy: peer_copy::Copies::new(cuda),
                 gates: Default::default(),
@@ -1311,11 +1296,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             peer_recv_depth: u32::from(hello.recv_depth),
             granted: HashMap::new(),
             retired: Vec::new(),
-            served: LocalGrants::default(),
-            staged_inbox: VecDeque::new(),
-            rendezvous: HashMap::new(),
-            landing: rendezvous::Landing::new(limits),
-            asks: Default::default(),
             control: ControlBuffers {
                 recv,
                 recv_region,
@@ -1336,6 +1316,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         self.post_free_receives(&mut peer)
             .map_err(|e| EngineError::verbs("posting control receives", e))?;
         state.peers.push(Some(peer));
+        state.staged.add_peer(slot, limits);
         tracing::info!(
             peer = %addr,
             engine = format_args!("{:#x}", hello.engine),
@@ -1497,10 +1478,26 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             self.give_up_late_reconnects(state, now);
         }
         state.core.handle_timeout(now);
-        Self::expire_rendezvous(state, now);
-        handled += self.pump_pipes(state, now);
+        {
+            let State {
+                core,
+                peers,
+                staged,
+                ..
+            } = &mut *state;
+            let mut wire = Connections {
+                core,
+                peers,
+                res: &shared.res,
+            };
+            let mut cx = PathCx {
+                res: &shared.res,
+                wire: &mut wire,
+                now,
+            };
+            handled += staged.progress(&mut cx);
+        }
         handled += self.pump_peer_copies(state, now);
-        handled += self.pump_rendezvous(state, now);
         handled += state.stream_fences.release(&shared.res);
         {
             let State {
@@ -1526,7 +1523,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         self.post_ready(state);
         (
             handled,
-            Self::staged_pending(state),
+            state.staged.serve_pending(),
             state.gates.serve_pending(),
         )
     }
@@ -1536,6 +1533,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             core,
             peers,
             peer_copy,
+            staged,
             ..
         } = state;
         let Some(peer) = peers[slot].as_mut() else {
@@ -1548,7 +1546,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         peer.control.recv_owner[index] = None;
         if wc.status.is_success()
-            && let Err(why) = self.on_message(peer, peer_copy, slot, index, wc.byte_len as usize)
+            && let Err(why) =
+                self.on_message(peer, peer_copy, staged, slot, index, wc.byte_len as usize)
         {
             drop_misbehaving(core, peer, &why);
         }
@@ -1574,6 +1573,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         &self,
         peer: &mut PeerState<V, C>,
         peer_copy: &mut peer_copy::Copies<C>,
+        staged: &mut staging::StagedPath<V, C>,
         slot: usize,
         index: usize,
         len: usize,
@@ -1590,8 +1590,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             let max = self.shared.config.peer_limits.max_remote_grants;
             peer_copy.on_control(slot, peer.session, m, max)?;
         }
-        let message = message.map(|m| rendezvous::receive(peer, m));
-        match message.map(|m| m.err()) {
+        // The staged path takes its protocols' messages (what it answers
+        // goes out at its next step).
+        let message = message.map(|m| staged.receive(slot, m));
+        match message {
             Ok(None) => {}
             Ok(Some(Control::User(payload))) => peer.inbox.push(payload.to_vec())?,
             Ok(Some(Control::GrantAnnounce { descriptor })) => {
@@ -1625,37 +1627,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 peer.gone
                     .get_or_insert_with(|| "the peer said goodbye".into());
             }
-            Ok(Some(Control::StagedRequest {
-                id,
-                grant,
-                offset,
-                len,
-                write,
-                ..
-            })) => peer.staged_inbox.push_back(staging::StagedAsk {
-                id,
-                grant,
-                offset,
-                len,
-                write,
-            }),
-            Ok(Some(Control::StagedReply { id, status })) => {
-                if let Some(rendezvous) = peer.rendezvous.remove(&id) {
-                    rendezvous.finish(staging::reply_outcome(status));
-                    // The owner's access to our range ended with the MRs.
-                    let config = &self.shared.config;
-                    if let Err(e) = peer.enqueue(
-                        &Control::GrantRevoke { grant: id },
-                        config.clock.now(),
-                        config.default_timeout,
-                    ) {
-                        tracing::debug!(error = %e, "revoking a rendezvous grant");
-                    }
-                }
-            }
-            // Handled above (`rendezvous::receive`).
+            // Taken by the staged path above.
             Ok(Some(
-                Control::Slots { .. }
+                Control::StagedRequest { .. }
+                | Control::StagedReply { .. }
+                | Control::Slots { .. }
                 | Control::SlotReady { .. }
                 | Control::SlotFilled { .. }
                 | Control::SlotDone { .. }
@@ -2048,6 +2024,86 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
         }
         self.run_actions(state);
+    }
+
+    /// Serves the peers' rendezvous requests and answers those whose op
+    /// ended: the staged path decides under the lock and hands out what
+    /// runs outside it (landing slots to make, naive serves to copy and
+    /// submit, copies into granted memory), each result handed back.
+    /// Returns how many requests it started or answered.
+    fn serve_staged(&self) -> usize {
+        let res = &self.shared.res;
+        let staging::ServeWork {
+            mut worked,
+            unlocked,
+            fenced,
+        } = self.with_staged(|staged, cx| staged.take_serve_work(cx));
+        // Outside the lock (their registrations may be the last).
+        drop(fenced);
+        for work in unlocked {
+            match work {
+                staging::Unlocked::Landing { slot, gpu } => {
+                    let peer = Peer {
+                        engine: self.clone(),
+                        slot,
+                    };
+                    let made = staging::make_landing(res, slot, gpu, |region, len| {
+                        peer.make_grant(region, 0, len, GrantRights::ReadWrite)
+                    });
+                    worked += self.with_staged(|staged, cx| staged.landing_made(cx, slot, made));
+                }
+                staging::Unlocked::Serve(serve) => {
+                    let peer = Peer {
+                        engine: self.clone(),
+                        slot: serve.slot(),
+                    };
+                    let started = serve.run(res, |t| {
+                        peer.submit(std::slice::from_ref(t))
+                            .map(|batch| Arc::clone(batch.cell()))
+                    });
+                    let fenced = self.with_staged(|staged, cx| staged.serve_started(cx, started));
+                    drop(fenced);
+                }
+                staging::Unlocked::CopyBack(done) => {
+                    let copied = staging::copy_back(done, res);
+                    let fenced = self.with_staged(|staged, cx| staged.serve_ended(cx, copied));
+                    drop(fenced);
+                }
+            }
+        }
+        worked
+    }
+
+    /// Runs `f` on the staged path, with the peers' connections, under the
+    /// engine's lock; what it queued is posted before the lock goes.
+    fn with_staged<T>(
+        &self,
+        f: impl FnOnce(&mut staging::StagedPath<V, C>, &mut PathCx<'_, V, C>) -> T,
+    ) -> T {
+        let shared = &*self.shared;
+        let mut guard = lock(&shared.state);
+        let state = &mut *guard;
+        let out = {
+            let State {
+                core,
+                peers,
+                staged,
+                ..
+            } = &mut *state;
+            let mut wire = Connections {
+                core,
+                peers,
+                res: &shared.res,
+            };
+            let mut cx = PathCx {
+                res: &shared.res,
+                wire: &mut wire,
+                now: shared.config.clock.now(),
+            };
+            f(staged, &mut cx)
+        };
+        self.post_ready(state);
+        out
     }
 }
 
@@ -2918,10 +2974,7 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
         drop(self);
         peer.engine.progress_until(timeout, |state| {
             let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
-                // A gone peer's served grants go with it, once the copies
-                // still running for it have ended (the next progress waits
-                // for them).
-                Some(p) => p.served.is_fenced(grant) || (p.gone.is_some() && !p.landing.copying()),
+                Some(p) => state.staged.is_fenced(peer.slot, grant, p.gone.is_some()),
                 // Its state dropped: its copies were waited for.
                 None => true,
             };
@@ -2947,16 +3000,15 @@ impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
                 .exports
                 .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
         }
-        let fenced = self.peer.read_peer(|_, p| {
-            p.granted.remove(&grant);
-            let revoked = p.served.revoke(grant);
-            if let Revoked::Draining { .. } = revoked {
-                // Requests under it stop at once; the fence waits for
-                // their copies under way.
-                rendezvous::revoke_requests(p, grant);
+        let fenced = {
+            let mut state = lock(&self.peer.engine.shared.state);
+            if let Some(p) = state.peers[self.peer.slot].as_mut() {
+                p.granted.remove(&grant);
             }
-            revoked
-        });
+            // Requests under it stop at once; the fence waits for their
+            // copies under way.
+            state.staged.revoke(self.peer.slot, grant)
+        };
         // A staged region's last hold may go here: outside the lock.
         drop(fenced);
         let notice = Control::GrantRevoke { grant };
@@ -3112,12 +3164,16 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             self.engine.ensure_own_driver();
         }
         // Recorded before it is announced: the peer may use it at once.
-        self.read_peer(|_, p| {
+        {
+            let mut state = lock(&self.engine.shared.state);
+            let p = state.peers[self.slot]
+                .as_mut()
+                .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
             p.granted.insert(descriptor.grant, bytes);
             if let Some(served) = served {
-                p.served.insert(descriptor.grant, served.terms(), served);
+                state.staged.grant(self.slot, descriptor.grant, served)?;
             }
-        })?;
+        }
         let grant = RegionGrant {
             descriptor,
             peer: self.clone(),
@@ -3396,11 +3452,21 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// goes), so nothing moves into or out of this side's memory for the
     /// peer once it has heard goodbye.
     pub fn close(&self) -> Result<(), EngineError> {
-        self.read_peer(|_, p| p.landing.close())?;
+        {
+            let mut state = lock(&self.engine.shared.state);
+            if state.peers[self.slot].is_none() {
+                return Err(EngineError::PeerGone("closed".into()));
+            }
+            state.staged.close_peer(self.slot);
+        }
         // Bounded: a copy that never ends is the GPU's failure, and the
         // goodbye goes anyway.
-        let _ = self.progress_until(Duration::from_secs(1), |p| {
-            (!p.landing.copying()).then_some(())
+        let _ = self.engine.progress_until(Duration::from_secs(1), |state| {
+            if !state.staged.copying(self.slot) {
+                return Some(Ok(()));
+            }
+            let gone = state.peers[self.slot].as_ref().and_then(|p| p.gone.clone());
+            gone.map(|why| Err(EngineError::PeerGone(why)))
         });
         if let Ok(batch) = self.send_control(&Control::Goodbye) {
             let _ = batch.wait(Duration::from_secs(1));
@@ -3474,6 +3540,119 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             gate: Some(Arc::clone(&link)),
             ..Batch::of_cell(engine.clone(), Arc::clone(link.cell()))
         })
+    }
+
+    /// Submits a batch some of whose transfers involve a staging-rung
+    /// region (ours, or the peer's grant): the staged path takes those it
+    /// pipelines; with the pipeline off, bounce buffers for ours and the
+    /// naive rendezvous for the peer's; the direct rest as usual.
+    fn submit_staged(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Batch<V, C>, EngineError> {
+        let engine = &self.engine;
+        let res = &engine.shared.res;
+        self.read_peer(|_, p| transfers.iter().try_for_each(|t| check_transfer(p, t)))??;
+        let pipelined = |t: &Transfer<'_, V>| staging::pipelined(&res.config, t);
+        let carried: Vec<Transfer<'_, V>> = transfers.iter().copied().filter(pipelined).collect();
+        let mut parts = Vec::new();
+        if !carried.is_empty() {
+            let posted =
+                engine.with_staged(|staged, cx| staged.post(cx, self.slot, &carried, timeout));
+            parts.push(posted?);
+        }
+        let fence = staging::read_fence(&carried);
+        // Bounces next (the transfers below borrow them).
+        let mut bounces = Vec::with_capacity(transfers.len());
+        for t in transfers {
+            bounces.push(if t.local.is_staged() && !pipelined(t) {
+                Some(staging::bounce_for(
+                    res,
+                    t.local,
+                    t.local_offset,
+                    t.len,
+                    t.op == Op::Write,
+                )?)
+            } else {
+                None
+            });
+        }
+        let mut direct = Vec::new();
+        let mut after = staging::After::<V, C>::default();
+        for (t, bounce) in transfers
+            .iter()
+            .zip(&bounces)
+            .filter(|(t, _)| !pipelined(t))
+        {
+            let (local, local_offset) = match bounce {
+                Some((b, _)) => (b.region(), 0),
+                None => (t.local, t.local_offset),
+            };
+            if matches!(t.remote.reach, Reach::Staged) {
+                parts.push(self.rendezvous(t, local, local_offset, timeout)?);
+            } else {
+                direct.push(Transfer {
+                    local,
+                    local_offset,
+                    ..*t
+                });
+            }
+        }
+        let mut batch = if direct.is_empty() {
+            let cell = Arc::new(CompletionCell::new());
+            cell.complete(Ok(()));
+            Batch::of_cell(engine.clone(), cell)
+        } else {
+            self.submit_with_timeout(&direct, timeout)?
+        };
+        drop(direct);
+        for (t, bounce) in transfers.iter().zip(bounces) {
+            if let Some((bounce, ordinal)) = bounce {
+                after.hold(t, bounce, ordinal);
+            }
+        }
+        batch.parts = parts;
+        batch.fence.extend(fence);
+        batch.fence.sort_unstable();
+        batch.fence.dedup();
+        batch.after = std::sync::Mutex::new(after);
+        Ok(batch)
+    }
+
+    /// Asks the owner of staged grant `t.remote` to carry out `t` against
+    /// `local` at `local_offset` (which this grants it for the purpose):
+    /// the naive rendezvous.
+    fn rendezvous(
+        &self,
+        t: &Transfer<'_, V>,
+        local: &Region<V>,
+        local_offset: u64,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        let rights = match t.op {
+            Op::Write => GrantRights::Read,
+            Op::Read => GrantRights::Write,
+        };
+        let (descriptor, grants) = self.make_grant(local, local_offset, t.len, rights)?;
+        if grants.is_empty() {
+            return Err(EngineError::Refused(
+                "both ends of a rendezvous on the staging rung".into(),
+            ));
+        }
+        let encoded = descriptor.encode()?;
+        let id = descriptor.grant;
+        self.engine.with_staged(|staged, cx| {
+            staged.rendezvous(cx, self.slot, t, id, &encoded, grants, timeout)
+        })
+    }
+
+    /// Sends any control message, as a peer of the engine's could: for
+    /// tests of the engine's defences against a hostile peer (a forged
+    /// slot credit, an unknown request). Not for applications.
+    #[doc(hidden)]
+    pub fn send_raw_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
+        self.send_control(message)
     }
 }
 
@@ -3670,7 +3849,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             self.after
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .run(&self.engine)
+                .run(&self.engine.shared.res)
                 .map_err(|e| TransferError::Local {
                     what: format!("staging into GPU memory after the batch: {e}"),
                 })?;
@@ -3760,9 +3939,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         if !self.parts.is_empty() {
             // The staged parts: pipelines and requests through a peer's
             // landing slots (the naive rendezvous ends by its reply).
-            let mut state = lock(&self.engine.shared.state);
-            Engine::cancel_pipes(&mut state, &self.parts);
-            Engine::cancel_asks(&mut state, &self.parts);
+            lock(&self.engine.shared.state).staged.cancel(&self.parts);
         }
     }
 

@@ -32,6 +32,12 @@
 //! - **Fairness, back-pressure**: a peer's slots go round-robin over its
 //!   requests; a request larger than the slots goes in turns; slots of one
 //!   peer are never another's, so peers do not wait on each other.
+//! - **Whose state**: a peer's `Landing` and `Asks` are the staged
+//!   path's (`staging::StagedPath`); the functions here step them
+//!   through the seam's `PathCx` (messages and RDMA ops on the wire,
+//!   copies on the engine's GPUs), never the engine itself. Landing slots
+//!   are made outside the engine's lock (`make_slots`, the engine
+//!   granting them) and installed under it (`Landing::install`).
 //! - **The owner's decisions are the protocol's**: which slot serves which
 //!   slice, which credit is honoured, what a revoke, the bound and the
 //!   deadline do, live in [`gdr_proto::rendezvous::Owner`] (sans-IO,
@@ -72,14 +78,17 @@ use hal_cuda::{Context as _, Event as _, Stream as _};
 use hal_verbs::Api;
 
 use super::completion::CompletionCell;
-use super::core::Core;
+use super::path::PathCx;
+use super::pipeline::{self, StagingPool, copy_event};
+use super::resources::Resources;
 use super::staging;
 use super::wire::Control;
-use super::{Engine, EngineError, Op, PeerState, Region, State, TransferError};
+use super::{EngineError, Op, Region, Transfer, TransferError};
 use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::Grant;
 use gdr_proto::PeerLimits;
+use gdr_proto::grants::LocalGrants;
 use gdr_proto::rendezvous::{
     AskFailure, CopyId, Owner, OwnerAction, Placement, Requester, RequesterAction,
 };
@@ -117,14 +126,20 @@ enum ToAsker {
     },
 }
 
-/// Takes a rendezvous message off the wire: `Err` gives it back when it is
-/// none of this module's (the naive path's reply, among others).
+/// Takes a rendezvous message off the wire into the peer's `landing` (the
+/// owner's side) or `asks` (the requester's): `Err` gives it back when it
+/// is none of this module's (the naive path's, among others).
 pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
-    peer: &mut PeerState<V, C>,
+    landing: &mut Landing<V, C>,
+    asks: &mut Asks<V, C>,
     message: Control<'a>,
 ) -> Result<(), Control<'a>> {
-    let owner = &mut peer.landing.inbox;
-    let asker = &mut peer.asks.inbox;
+    let owner = &mut landing.inbox;
+    let Asks {
+        inbox: asker,
+        proto,
+        ..
+    } = asks;
     match message {
         Control::StagedRequest {
             id,
@@ -163,7 +178,7 @@ pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
             len,
             slot,
         }),
-        Control::StagedReply { id, status } if peer.asks.proto.knows(id) => {
+        Control::StagedReply { id, status } if proto.knows(id) => {
             asker.push_back(ToAsker::Reply { id, status })
         }
         other => return Err(other),
@@ -218,7 +233,7 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
     }
 
     /// Whether anything waits to be handled.
-    fn is_idle(&self) -> bool {
+    pub fn is_idle(&self) -> bool {
         self.inbox.is_empty() && self.owner.is_idle() && self.copies.is_empty()
     }
 }
@@ -345,529 +360,561 @@ enum AskStage<C: hal_cuda::Api> {
     CopyIn(C::Event),
 }
 
-/// Grant `grant` to the peer was revoked: every request served under it
-/// fails now (no slot is lent for it, no copy of it starts); the copies
-/// already running end on their own, and the grant's use ends with the
-/// request.
-pub(super) fn revoke_requests<V: Api, C: hal_cuda::Api>(peer: &mut PeerState<V, C>, grant: u64) {
-    peer.landing.owner.revoke(grant);
+impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
+    /// Grant `grant` to the peer was revoked: every request served under
+    /// it fails now (no slot is lent for it, no copy of it starts); the
+    /// copies already running end on their own, and the grant's use ends
+    /// with the request.
+    pub fn revoke(&mut self, grant: u64) {
+        self.owner.revoke(grant);
+    }
+
+    /// Making the slots failed: the requests waiting for them fail
+    /// (FAILED, at the protocol's next step).
+    pub fn slots_failed(&mut self) {
+        self.owner.slots_failed();
+    }
+
+    /// Installs the slots made for the peer: the announcement to send, or
+    /// `None` when they were made already (another thread's progress made
+    /// them first; these go).
+    pub fn install(&mut self, made: LandingSlots<V, C>) -> Option<SlotsAnnounce> {
+        if self.slots.is_some() {
+            return None;
+        }
+        let LandingSlots { slots, announce } = made;
+        self.owner.slots_made(slots.count, slots.slot_len);
+        self.slots = Some(slots);
+        Some(announce)
+    }
+
+    /// The protocol's earliest deadline.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.owner.poll_timeout()
+    }
 }
 
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
-    /// Makes the landing slots of every peer whose requests wait for
-    /// them: outside the engine's lock (it allocates and registers).
-    /// Returns how many it made.
-    pub(super) fn make_landings(&self) -> usize {
-        let wanting: Vec<(usize, Option<u32>)> = {
-            let state = crate::sync::lock(&self.shared.state);
-            state
-                .peers
-                .iter()
-                .enumerate()
-                .filter_map(|(slot, p)| {
-                    let p = p.as_ref().filter(|p| p.gone.is_none())?;
-                    // Pinned with the GPU of the first request's grant.
-                    let gpu = p.landing.wants_slots()?;
-                    Some((slot, Some(gpu)))
-                })
-                .collect()
-        };
-        let mut made = 0;
-        for (slot, gpu) in wanting {
-            let peer = super::Peer {
-                engine: self.clone(),
-                slot,
-            };
-            match self.landing_slots(&peer, gpu) {
-                Ok((slots, announce)) => {
-                    let sent = peer.update_peer(|core, p| {
-                        if p.landing.slots.is_some() {
-                            // Another thread's progress made them first.
-                            return Ok(None);
-                        }
-                        let now = self.shared.config.clock.now();
-                        p.landing.owner.slots_made(slots.count, slots.slot_len);
-                        p.landing.slots = Some(slots);
-                        let cell = p.enqueue(&announce.as_control(), now, self.timeout());
-                        p.flush_backlog(core, now);
-                        cell.map(Some)
-                    });
-                    match sent {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) | Err(e) => {
-                            tracing::warn!(error = %e, "announcing landing slots")
-                        }
-                    }
-                    made += 1;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "making landing slots: the requests fail");
-                    // The protocol answers them (FAILED) at its next step.
-                    let _ = peer.update_peer(|_, p| p.landing.owner.slots_failed());
-                }
-            }
-        }
-        made
-    }
+/// Landing slots made for one peer (outside the engine's lock) and their
+/// announcement, to install ([`Landing::install`]).
+pub(crate) struct LandingSlots<V: Api, C: hal_cuda::Api> {
+    slots: Slots<V, C>,
+    announce: SlotsAnnounce,
+}
 
-    fn timeout(&self) -> Duration {
-        self.shared.config.default_timeout
+/// Allocates and registers landing slots for the peer in slot `peer`
+/// (pinned with GPU `gpu`'s context) and grants them with `grant` (to
+/// that peer only: the engine's grant of `len` bytes of the region, read
+/// and write). Runs outside the engine's lock.
+pub(super) fn make_slots<V: Api, C: hal_cuda::Api>(
+    res: &Resources<V, C>,
+    peer: usize,
+    gpu: Option<u32>,
+    grant: impl FnOnce(&Region<V>, u64) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError>,
+) -> Result<LandingSlots<V, C>, EngineError> {
+    let config = &res.config;
+    let slot_len = config
+        .staging_slice
+        .clamp(4096, u64::from(u32::MAX) & !4095);
+    let count = config.rendezvous_slots.clamp(1, u32::MAX as usize);
+    let _span = tracing::debug_span!("landing_slots", peer, count, slot_len).entered();
+    let len = slot_len * count as u64;
+    let pinned = gpu
+        .and_then(|o| res.gpu(o).ok())
+        .and_then(|g| Buffer::alloc_pinned(&g.context, len).ok());
+    let buffer = pinned.unwrap_or_else(|| Buffer::alloc_host(len));
+    let region = res.register(&buffer)?;
+    let (descriptor, grants) = grant(&region, len)?;
+    if grants.is_empty() {
+        return Err(EngineError::Refused(
+            "landing slots on the staging rung".into(),
+        ));
     }
-
-    /// Allocates, registers and grants (to `peer` only) its landing slots.
-    fn landing_slots(
-        &self,
-        peer: &super::Peer<V, C>,
-        gpu: Option<u32>,
-    ) -> Result<(Slots<V, C>, SlotsAnnounce), EngineError> {
-        let config = &self.shared.config;
-        let slot_len = config
-            .staging_slice
-            .clamp(4096, u64::from(u32::MAX) & !4095);
-        let count = config.rendezvous_slots.clamp(1, u32::MAX as usize);
-        let _span =
-            tracing::debug_span!("landing_slots", peer = peer.slot, count, slot_len).entered();
-        let len = slot_len * count as u64;
-        let pinned = gpu
-            .and_then(|o| self.gpu(o).ok())
-            .and_then(|g| Buffer::alloc_pinned(&g.context, len).ok());
-        let buffer = pinned.unwrap_or_else(|| Buffer::alloc_host(len));
-        let region = self.register(&buffer)?;
-        let (descriptor, grants) = peer.make_grant(&region, 0, len, GrantRights::ReadWrite)?;
-        if grants.is_empty() {
-            return Err(EngineError::Refused(
-                "landing slots on the staging rung".into(),
-            ));
-        }
-        let announce = SlotsAnnounce {
+    let announce = SlotsAnnounce {
+        slot_len,
+        count: count as u32,
+        descriptor: descriptor.encode()?,
+    };
+    tracing::info!(peer, count, slot_len, "landing slots lent");
+    Ok(LandingSlots {
+        slots: Slots {
+            streams: HashMap::new(),
             slot_len,
             count: count as u32,
-            descriptor: descriptor.encode()?,
-        };
-        tracing::info!(peer = peer.slot, count, slot_len, "landing slots lent");
-        Ok((
-            Slots {
-                streams: HashMap::new(),
-                slot_len,
-                count: count as u32,
-                _grants: grants,
-                _region: region,
-                buffer,
+            _grants: grants,
+            _region: region,
+            buffer,
+        },
+        announce,
+    })
+}
+
+impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
+    /// Cancels this side's requests whose outcome goes to one of `cells`:
+    /// no new slice starts; each ends [`TransferError::Cancelled`] once its
+    /// slices in flight have drained, and the owner is told to take its
+    /// slots back ([`Control::StagedCancel`]).
+    pub fn cancel(&mut self, cells: &[Arc<CompletionCell>]) {
+        let Asks { proto, asking, .. } = self;
+        for (&id, ask) in asking.iter() {
+            if cells.iter().any(|c| Arc::ptr_eq(c, &ask.cell)) {
+                proto.fail(id, AskFailure::Cancelled);
+            }
+        }
+    }
+
+    /// Whether nothing waits to be handled.
+    pub fn is_idle(&self) -> bool {
+        self.inbox.is_empty() && self.proto.is_idle()
+    }
+
+    /// The peer is gone: every request fails (once its slices in flight
+    /// drained).
+    pub fn peer_gone(&mut self) {
+        self.proto.peer_gone();
+    }
+
+    /// The protocol's earliest deadline.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.proto.poll_timeout()
+    }
+
+    /// Asks the owner (the peer in `peer`) of staged grant `t.remote` to
+    /// move `t` through the landing slots it lends this side; the returned
+    /// cell ends with the request.
+    pub fn ask(
+        &mut self,
+        cx: &mut PathCx<'_, V, C>,
+        peer: usize,
+        t: &Transfer<'_, V>,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        let staged_gpu = staged_gpu(t)?;
+        let cell = Arc::new(CompletionCell::new());
+        let now = cx.now;
+        let id = self.proto.next_id();
+        let _span = tracing::debug_span!("ask_slots", id, len = t.len).entered();
+        cx.wire
+            .send(peer, &staging::staged_request(id, t, true), timeout)?;
+        let started = self.proto.start(t.op == Op::Write, t.len, now, timeout);
+        debug_assert_eq!(started, id);
+        self.asking.insert(
+            id,
+            Asking {
+                write: t.op == Op::Write,
+                cell: Arc::clone(&cell),
+                deadline: now + timeout,
+                timeout,
+                local: t.local.clone(),
+                local_addr: t.local.inner.addr + t.local_offset,
+                staged_gpu,
+                slices: Vec::new(),
+                error: None,
             },
-            announce,
-        ))
+        );
+        Ok(cell)
     }
+}
 
-    /// Cancels this side's requests through a peer's landing slots whose
-    /// outcome goes to one of `cells`: no new slice starts; each ends
-    /// [`TransferError::Cancelled`] once its slices in flight have drained,
-    /// and the owner is told to take its slots back ([`Control::StagedCancel`]).
-    pub(super) fn cancel_asks(state: &mut State<V, C>, cells: &[Arc<CompletionCell>]) {
-        for peer in state.peers.iter_mut().flatten() {
-            let Asks { proto, asking, .. } = &mut peer.asks;
-            for (&id, ask) in asking.iter() {
-                if cells.iter().any(|c| Arc::ptr_eq(c, &ask.cell)) {
-                    proto.fail(id, AskFailure::Cancelled);
-                }
-            }
+/// The GPU whose pool carries this side of `t`'s slices: `None` when its
+/// local memory is not staged; refused for staged host memory.
+pub(super) fn staged_gpu<V: Api>(t: &Transfer<'_, V>) -> Result<Option<u32>, EngineError> {
+    match (t.local.is_staged(), t.local.location()) {
+        (false, _) => Ok(None),
+        (true, MemoryLocation::Gpu { ordinal }) => Ok(Some(u32::from(ordinal))),
+        (true, MemoryLocation::Host) => Err(EngineError::Refused(
+            "host memory on the staging rung".into(),
+        )),
+    }
+}
+
+// ------------------------------------------------------ owner's steps
+
+/// Carries the owner's protocol with the peer in `slot` one step: the
+/// peer's messages in, copies that ended, deadlines, then what the
+/// protocol decides (messages out, copies started). `served`: this side's
+/// grants to the peer of staging-rung regions.
+pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
+    cx: &mut PathCx<'_, V, C>,
+    slot: usize,
+    landing: &mut Landing<V, C>,
+    served: &mut LocalGrants<staging::Served<V>>,
+) -> usize {
+    if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
+        // Its slots go with it (the copies waited for).
+        *landing = Landing::new(&cx.res.config.peer_limits);
+        return 1;
+    }
+    let now = cx.now;
+    let mut moved = 0;
+    let mut send = Vec::new();
+    let mut fenced = Vec::new();
+    while let Some(message) = landing.inbox.pop_front() {
+        moved += 1;
+        match message {
+            ToOwner::Request(ask) => landing.owner.on_request(served, ask, placement, now),
+            ToOwner::Filled { id, slot } => landing.owner.on_filled(id, slot),
+            ToOwner::Done { id, slot } => landing.owner.on_done(id, slot),
+            ToOwner::Cancel { id } => landing.owner.on_cancel(id),
         }
     }
-
-    /// Steps every peer's rendezvous, both sides. Returns how many things
-    /// moved on (a driver counts them as work).
-    pub(super) fn pump_rendezvous(&self, state: &mut State<V, C>, now: Instant) -> usize {
-        let State {
-            core, peers, pools, ..
-        } = state;
-        let mut moved = 0;
-        for peer in peers.iter_mut().flatten() {
-            if !peer.landing.is_idle() {
-                moved += self.pump_landing(peer, now);
+    let mut ended = Vec::new();
+    landing
+        .copies
+        .retain(|&copy, event| match event.is_complete() {
+            Ok(false) => true,
+            Ok(true) => {
+                ended.push((copy, true));
+                false
             }
-            if !peer.asks.inbox.is_empty() || !peer.asks.proto.is_idle() {
-                moved += self.pump_asks(core, peer, pools, now);
+            Err(e) => {
+                tracing::warn!(error = %e, "a landing copy failed");
+                ended.push((copy, false));
+                false
             }
-        }
-        // (What they queued goes out with the progress call's post_ready,
-        // which flushes every backlog.)
-        moved
+        });
+    for (copy, ok) in ended {
+        moved += 1;
+        landing.owner.copy_ended(copy, ok);
     }
-
-    // ------------------------------------------------------------ owner
-
-    /// Carries the owner's protocol with one peer one step: the peer's
-    /// messages in, copies that ended, deadlines, then what the protocol
-    /// decides (messages out, copies started).
-    fn pump_landing(&self, peer: &mut PeerState<V, C>, now: Instant) -> usize {
-        if peer.gone.is_some() {
-            // Its slots go with it (the copies waited for).
-            peer.landing = Landing::new(&self.shared.config.peer_limits);
-            return 1;
-        }
-        let mut moved = 0;
-        let mut send = Vec::new();
-        let mut fenced = Vec::new();
-        {
-            let PeerState {
-                landing, served, ..
-            } = &mut *peer;
-            while let Some(message) = landing.inbox.pop_front() {
-                moved += 1;
-                match message {
-                    ToOwner::Request(ask) => landing.owner.on_request(served, ask, placement, now),
-                    ToOwner::Filled { id, slot } => landing.owner.on_filled(id, slot),
-                    ToOwner::Done { id, slot } => landing.owner.on_done(id, slot),
-                    ToOwner::Cancel { id } => landing.owner.on_cancel(id),
-                }
-            }
-            let mut ended = Vec::new();
-            landing
-                .copies
-                .retain(|&copy, event| match event.is_complete() {
-                    Ok(false) => true,
-                    Ok(true) => {
-                        ended.push((copy, true));
-                        false
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a landing copy failed");
-                        ended.push((copy, false));
-                        false
-                    }
-                });
-            for (copy, ok) in ended {
-                moved += 1;
-                landing.owner.copy_ended(copy, ok);
-            }
-            landing.owner.handle_timeout(now);
-            loop {
-                landing.owner.step(served, &mut fenced);
-                let mut acted = false;
-                while let Some(action) = landing.owner.poll_action() {
-                    acted = true;
-                    moved += 1;
-                    match action {
-                        OwnerAction::Reply { id, status } => {
-                            if status == staging::TIMED_OUT {
-                                tracing::warn!(id, "a staged request outlived its deadline");
-                            }
-                            send.push(Control::StagedReply { id, status })
-                        }
-                        OwnerAction::SlotReady {
-                            id,
-                            offset,
-                            len,
-                            slot,
-                        } => send.push(Control::SlotReady {
-                            id,
-                            offset,
-                            len,
-                            slot,
-                        }),
-                        OwnerAction::Copy {
-                            copy,
-                            slot,
-                            to_gpu,
-                            gpu,
-                            gpu_addr,
-                            len,
-                        } => match self.start_landing_copy(
-                            landing.slots.as_mut(),
-                            slot,
-                            to_gpu,
-                            gpu,
-                            gpu_addr,
-                            len,
-                        ) {
-                            Ok(event) => {
-                                landing.copies.insert(copy, event);
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, to_gpu, "a landing copy");
-                                landing.owner.copy_ended(copy, false);
-                            }
-                        },
-                    }
-                }
-                if !acted {
-                    break;
-                }
-            }
-        }
-        // Grants fenced now: their regions go (under the lock: a staged
-        // region holds no MR to deregister).
-        drop(fenced);
-        let timeout = self.timeout();
-        for message in send {
-            if let Err(e) = peer.enqueue(&message, now, timeout) {
-                tracing::debug!(error = %e, "a rendezvous message not sent");
-            }
-        }
-        moved
-    }
-
-    /// Starts copy `len` bytes between landing slot `slot` and device
-    /// address `gpu_addr` of GPU `gpu` (into the GPU when `to_gpu`), as
-    /// the owner's protocol decided; its event.
-    fn start_landing_copy(
-        &self,
-        slots: Option<&mut Slots<V, C>>,
-        slot: u32,
-        to_gpu: bool,
-        gpu: u32,
-        gpu_addr: u64,
-        len: u64,
-    ) -> Result<C::Event, TransferError> {
-        let slots = slots.ok_or_else(|| TransferError::Local {
-            what: "a landing copy before the slots were made".into(),
-        })?;
-        if slot >= slots.count || len > slots.slot_len {
-            return Err(TransferError::Local {
-                what: format!("landing slot {slot} of {len} bytes is not one of ours"),
-            });
-        }
-        let host = slots.slot_addr(slot);
-        self.landing_copy(slots, gpu, to_gpu, |stream| {
-            if to_gpu {
-                // SAFETY: the slot (gdr's pinned memory; `len` ≤ a slot,
-                // checked above) is this slice's until the copy's event has
-                // passed (the protocol lends it to no one meanwhile);
-                // `gpu_addr..gpu_addr + len` lies in the request's range of
-                // a staged grant the protocol checked, and the grant's
-                // region (its memory) is held until this copy has ended.
-                unsafe { stream.copy_host_to_device(gpu_addr, host as *const u8, len as usize) }
-            } else {
-                // SAFETY: as above, the other way: the slot is neither lent
-                // nor copied into by anything else until the event passed.
-                unsafe { stream.copy_device_to_host(host as *mut u8, gpu_addr, len as usize) }
-            }
-        })
-    }
-
-    /// Queues a copy for the slots on GPU `gpu`'s stream of that direction
-    /// and returns its event.
-    fn landing_copy(
-        &self,
-        slots: &mut Slots<V, C>,
-        gpu: u32,
-        to_device: bool,
-        copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
-    ) -> Result<C::Event, TransferError> {
-        use std::collections::hash_map::Entry;
-        let streams = match slots.streams.entry(gpu) {
-            Entry::Occupied(s) => s.into_mut(),
-            Entry::Vacant(v) => {
-                let context = &self
-                    .gpu(gpu)
-                    .map_err(|e| TransferError::Local {
-                        what: e.to_string(),
-                    })?
-                    .context;
-                let stream = || {
-                    context.create_stream().map_err(|e| TransferError::Local {
-                        what: format!("a landing stream: {e}"),
-                    })
-                };
-                v.insert((stream()?, stream()?))
-            }
-        };
-        let (stream, what) = if to_device {
-            (&streams.1, "to the GPU")
-        } else {
-            (&streams.0, "to host")
-        };
-        self.copy_event(gpu, stream, what, copy)
-    }
-
-    // -------------------------------------------------------- requester
-
-    fn pump_asks(
-        &self,
-        core: &mut Core,
-        peer: &mut PeerState<V, C>,
-        pools: &mut HashMap<u32, super::pipeline::StagingPool<V, C>>,
-        now: Instant,
-    ) -> usize {
-        let mut moved = 0;
-        let mut send: Vec<Control<'static>> = Vec::new();
-        while let Some(message) = peer.asks.inbox.pop_front() {
-            moved += 1;
-            let asks = &mut peer.asks;
-            match message {
-                ToAsker::Slots {
-                    slot_len,
-                    count,
-                    descriptor,
-                } => match MemoryDescriptor::decode(&descriptor) {
-                    Ok(d)
-                        if d.owner == peer.engine
-                            && matches!(d.reach, Reach::Direct(_))
-                            && d.rights == GrantRights::ReadWrite
-                            && slot_len.checked_mul(u64::from(count)) == Some(d.len) =>
-                    {
-                        asks.slots = Some(PeerSlots {
-                            descriptor: d,
-                            slot_len,
-                        });
-                        asks.proto.on_slots(slot_len, count);
-                    }
-                    _ => tracing::warn!("the peer lent landing slots that do not add up: ignored"),
-                },
-                ToAsker::Reply { id, status } => asks.proto.on_reply(id, status),
-                ToAsker::Ready {
-                    id,
-                    offset,
-                    len,
-                    slot,
-                } => asks.proto.on_ready(id, offset, len, slot),
-            }
-        }
-        if peer.gone.is_some() {
-            peer.asks.proto.peer_gone();
-        }
-        peer.asks.proto.handle_timeout(now);
-        moved += Self::take_ask_actions(peer, &mut send);
-        let ids: Vec<u64> = peer.asks.asking.keys().copied().collect();
-        for id in ids {
-            let Some(mut a) = peer.asks.asking.remove(&id) else {
-                continue;
-            };
-            let failing = peer.asks.proto.is_failing(id);
-            let mut events = SliceEvents::default();
-            moved += self.advance_ask(core, peer, pools, &mut a, failing, &mut events);
-            let proto = &mut peer.asks.proto;
-            for slot in events.wired {
-                proto.wired(id, slot);
-            }
-            for (slot, len, whole) in events.ended {
-                proto.slice_ended(id, slot, len, whole);
-            }
-            if events.failed {
-                proto.fail(id, AskFailure::Local);
-            }
-            peer.asks.asking.insert(id, a);
-        }
-        peer.asks.proto.step();
-        moved += Self::take_ask_actions(peer, &mut send);
-        let timeout = self.timeout();
-        for message in send {
-            if let Err(e) = peer.enqueue(&message, now, timeout) {
-                tracing::debug!(error = %e, "a rendezvous message not sent");
-            }
-        }
-        moved
-    }
-
-    /// Carries out what the requester's protocol decided: slices to move
-    /// (handed to their request), messages for the owner (into `send`),
-    /// requests that ended (their batch completed once).
-    fn take_ask_actions(peer: &mut PeerState<V, C>, send: &mut Vec<Control<'static>>) -> usize {
-        let mut moved = 0;
-        let gone = peer.gone.clone();
-        while let Some(action) = peer.asks.proto.poll_action() {
+    landing.owner.handle_timeout(now);
+    loop {
+        landing.owner.step(served, &mut fenced);
+        let mut acted = false;
+        while let Some(action) = landing.owner.poll_action() {
+            acted = true;
             moved += 1;
             match action {
-                RequesterAction::Move {
+                OwnerAction::Reply { id, status } => {
+                    if status == staging::TIMED_OUT {
+                        tracing::warn!(id, "a staged request outlived its deadline");
+                    }
+                    send.push(Control::StagedReply { id, status })
+                }
+                OwnerAction::SlotReady {
                     id,
-                    slot,
                     offset,
                     len,
-                } => {
-                    if let Some(a) = peer.asks.asking.get_mut(&id) {
-                        a.slices.push(AskSlice {
-                            slot,
-                            offset,
-                            len,
-                            pos: 0,
-                            chunk: 0,
-                            pool_slot: None,
-                            stage: AskStage::Waiting,
-                        });
+                    slot,
+                } => send.push(Control::SlotReady {
+                    id,
+                    offset,
+                    len,
+                    slot,
+                }),
+                OwnerAction::Copy {
+                    copy,
+                    slot,
+                    to_gpu,
+                    gpu,
+                    gpu_addr,
+                    len,
+                } => match start_landing_copy(
+                    cx.res,
+                    landing.slots.as_mut(),
+                    slot,
+                    to_gpu,
+                    gpu,
+                    gpu_addr,
+                    len,
+                ) {
+                    Ok(event) => {
+                        landing.copies.insert(copy, event);
                     }
-                }
-                RequesterAction::Filled { id, slot } => send.push(Control::SlotFilled { id, slot }),
-                RequesterAction::Done { id, slot } => send.push(Control::SlotDone { id, slot }),
-                RequesterAction::Cancel { id } => send.push(Control::StagedCancel { id }),
-                RequesterAction::End { id, outcome } => {
-                    let Some(mut a) = peer.asks.asking.remove(&id) else {
-                        continue;
-                    };
-                    let outcome = outcome.map_err(|why| match why {
-                        AskFailure::Refused(status) => {
-                            staging::reply_outcome(status).expect_err("a failure status")
-                        }
-                        AskFailure::PeerGone => TransferError::PeerGone {
-                            reason: gone.clone().unwrap_or_else(|| "closed".into()),
-                        },
-                        AskFailure::TimedOut => TransferError::Timeout { after: a.timeout },
-                        AskFailure::Cancelled => TransferError::Cancelled,
-                        AskFailure::BadCredit { slot, offset, len } => TransferError::Local {
-                            what: format!(
-                                "the owner lent slot {slot} for {len} bytes at {offset}, \
-                                 outside the request or its slots, or a slot still in use"
-                            ),
-                        },
-                        AskFailure::Local => a.error.take().unwrap_or(TransferError::Local {
-                            what: "a slice of the rendezvous failed".into(),
-                        }),
-                        AskFailure::Incomplete => TransferError::Local {
-                            what: "the owner ended the request before every slice".into(),
-                        },
-                    });
-                    a.cell.complete(outcome);
-                }
+                    Err(e) => {
+                        tracing::warn!(error = %e, to_gpu, "a landing copy");
+                        landing.owner.copy_ended(copy, false);
+                    }
+                },
             }
         }
-        moved
+        if !acted {
+            break;
+        }
     }
+    // Grants fenced now: their regions go (under the lock: a staged region
+    // holds no MR to deregister).
+    drop(fenced);
+    let timeout = cx.res.config.default_timeout;
+    for message in send {
+        if let Err(e) = cx.wire.send(slot, &message, timeout) {
+            tracing::debug!(error = %e, "a rendezvous message not sent");
+        }
+    }
+    moved
+}
 
-    /// Moves each slice of request `a` as far as it can go now.
-    fn advance_ask(
-        &self,
-        core: &mut Core,
-        peer: &PeerState<V, C>,
-        pools: &mut HashMap<u32, super::pipeline::StagingPool<V, C>>,
-        a: &mut Asking<V, C>,
-        mut failing: bool,
-        events: &mut SliceEvents,
-    ) -> usize {
-        let Some(slots) = peer.asks.slots.as_ref() else {
-            return 0;
-        };
-        let mut pool = match a.staged_gpu {
-            Some(gpu) => match self.pool(pools, gpu) {
-                Ok(pool) => Some(pool),
-                Err(e) => {
-                    a.error.get_or_insert(TransferError::Local {
-                        what: format!("the staging pool: {e}"),
+/// Starts copy `len` bytes between landing slot `slot` and device
+/// address `gpu_addr` of GPU `gpu` (into the GPU when `to_gpu`), as
+/// the owner's protocol decided; its event.
+fn start_landing_copy<V: Api, C: hal_cuda::Api>(
+    res: &Resources<V, C>,
+    slots: Option<&mut Slots<V, C>>,
+    slot: u32,
+    to_gpu: bool,
+    gpu: u32,
+    gpu_addr: u64,
+    len: u64,
+) -> Result<C::Event, TransferError> {
+    let slots = slots.ok_or_else(|| TransferError::Local {
+        what: "a landing copy before the slots were made".into(),
+    })?;
+    if slot >= slots.count || len > slots.slot_len {
+        return Err(TransferError::Local {
+            what: format!("landing slot {slot} of {len} bytes is not one of ours"),
+        });
+    }
+    let host = slots.slot_addr(slot);
+    landing_copy(res, slots, gpu, to_gpu, |stream| {
+        if to_gpu {
+            // SAFETY: the slot (gdr's pinned memory; `len` ≤ a slot,
+            // checked above) is this slice's until the copy's event has
+            // passed (the protocol lends it to no one meanwhile);
+            // `gpu_addr..gpu_addr + len` lies in the request's range of
+            // a staged grant the protocol checked, and the grant's
+            // region (its memory) is held until this copy has ended.
+            unsafe { stream.copy_host_to_device(gpu_addr, host as *const u8, len as usize) }
+        } else {
+            // SAFETY: as above, the other way: the slot is neither lent
+            // nor copied into by anything else until the event passed.
+            unsafe { stream.copy_device_to_host(host as *mut u8, gpu_addr, len as usize) }
+        }
+    })
+}
+
+/// Queues a copy for the slots on GPU `gpu`'s stream of that direction
+/// and returns its event.
+fn landing_copy<V: Api, C: hal_cuda::Api>(
+    res: &Resources<V, C>,
+    slots: &mut Slots<V, C>,
+    gpu: u32,
+    to_device: bool,
+    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
+) -> Result<C::Event, TransferError> {
+    use std::collections::hash_map::Entry;
+    let streams = match slots.streams.entry(gpu) {
+        Entry::Occupied(s) => s.into_mut(),
+        Entry::Vacant(v) => {
+            let context = &res
+                .gpu(gpu)
+                .map_err(|e| TransferError::Local {
+                    what: e.to_string(),
+                })?
+                .context;
+            let stream = || {
+                context.create_stream().map_err(|e| TransferError::Local {
+                    what: format!("a landing stream: {e}"),
+                })
+            };
+            v.insert((stream()?, stream()?))
+        }
+    };
+    let (stream, what) = if to_device {
+        (&streams.1, "to the GPU")
+    } else {
+        (&streams.0, "to host")
+    };
+    copy_event(res, gpu, stream, what, copy)
+}
+
+// -------------------------------------------------- requester's steps
+
+/// Carries this side's requests through the landing slots of the peer in
+/// `slot` one step: the owner's messages in, the slices moved as far as
+/// they go, then what the protocol decides (messages out, requests that
+/// ended). Slices of staged local memory go through `pools`.
+pub(super) fn pump_asks<V: Api, C: hal_cuda::Api>(
+    cx: &mut PathCx<'_, V, C>,
+    slot: usize,
+    asks: &mut Asks<V, C>,
+    pools: &mut HashMap<u32, StagingPool<V, C>>,
+) -> usize {
+    let now = cx.now;
+    let (engine, gone) = match cx.wire.peer(slot) {
+        Some(p) => (p.engine, p.gone.map(str::to_owned)),
+        None => (0, Some("closed".to_owned())),
+    };
+    let mut moved = 0;
+    let mut send: Vec<Control<'static>> = Vec::new();
+    while let Some(message) = asks.inbox.pop_front() {
+        moved += 1;
+        match message {
+            ToAsker::Slots {
+                slot_len,
+                count,
+                descriptor,
+            } => match MemoryDescriptor::decode(&descriptor) {
+                Ok(d)
+                    if d.owner == engine
+                        && matches!(d.reach, Reach::Direct(_))
+                        && d.rights == GrantRights::ReadWrite
+                        && slot_len.checked_mul(u64::from(count)) == Some(d.len) =>
+                {
+                    asks.slots = Some(PeerSlots {
+                        descriptor: d,
+                        slot_len,
                     });
-                    failing = true;
-                    events.failed = true;
-                    None
+                    asks.proto.on_slots(slot_len, count);
                 }
+                _ => tracing::warn!("the peer lent landing slots that do not add up: ignored"),
             },
-            None => None,
+            ToAsker::Reply { id, status } => asks.proto.on_reply(id, status),
+            ToAsker::Ready {
+                id,
+                offset,
+                len,
+                slot,
+            } => asks.proto.on_ready(id, offset, len, slot),
+        }
+    }
+    if gone.is_some() {
+        asks.proto.peer_gone();
+    }
+    asks.proto.handle_timeout(now);
+    moved += take_ask_actions(asks, &gone, &mut send);
+    let ids: Vec<u64> = asks.asking.keys().copied().collect();
+    for id in ids {
+        let Some(mut a) = asks.asking.remove(&id) else {
+            continue;
         };
-        let op = if a.write { Op::Write } else { Op::Read };
-        let window = (a.deadline, a.timeout);
-        let mut moved = 0;
-        let mut index = 0;
-        while index < a.slices.len() {
-            let slice = &mut a.slices[index];
-            let remote_at = u64::from(slice.slot) * slots.slot_len + slice.pos;
-            // What this step did: `None` nothing; `Some(Ok(()))` the slice
-            // moved on; `Some(Err(e))` it ends (`e`: why it failed).
-            let mut step: Option<Result<(), Option<TransferError>>> = None;
-            match &slice.stage {
-                AskStage::Waiting if failing => step = Some(Err(None)),
-                AskStage::Waiting => match pool.as_deref_mut() {
-                    None => {
-                        // Direct: the whole slice in one RDMA op.
-                        slice.chunk = slice.len;
-                        let local_addr = a.local_addr + slice.offset;
-                        step = Some(
-                            self.post_rdma(
-                                core,
+        let failing = asks.proto.is_failing(id);
+        let mut events = SliceEvents::default();
+        if let Some(slots) = asks.slots.as_ref() {
+            moved += advance_ask(cx, slot, slots, pools, &mut a, failing, &mut events);
+        }
+        let proto = &mut asks.proto;
+        for slot in events.wired {
+            proto.wired(id, slot);
+        }
+        for (slot, len, whole) in events.ended {
+            proto.slice_ended(id, slot, len, whole);
+        }
+        if events.failed {
+            proto.fail(id, AskFailure::Local);
+        }
+        asks.asking.insert(id, a);
+    }
+    asks.proto.step();
+    moved += take_ask_actions(asks, &gone, &mut send);
+    let timeout = cx.res.config.default_timeout;
+    for message in send {
+        if let Err(e) = cx.wire.send(slot, &message, timeout) {
+            tracing::debug!(error = %e, "a rendezvous message not sent");
+        }
+    }
+    moved
+}
+
+/// Carries out what the requester's protocol decided: slices to move
+/// (handed to their request), messages for the owner (into `send`),
+/// requests that ended (their batch completed once).
+fn take_ask_actions<V: Api, C: hal_cuda::Api>(
+    asks: &mut Asks<V, C>,
+    gone: &Option<String>,
+    send: &mut Vec<Control<'static>>,
+) -> usize {
+    let mut moved = 0;
+    while let Some(action) = asks.proto.poll_action() {
+        moved += 1;
+        match action {
+            RequesterAction::Move {
+                id,
+                slot,
+                offset,
+                len,
+            } => {
+                if let Some(a) = asks.asking.get_mut(&id) {
+                    a.slices.push(AskSlice {
+                        slot,
+                        offset,
+                        len,
+                        pos: 0,
+                        chunk: 0,
+                        pool_slot: None,
+                        stage: AskStage::Waiting,
+                    });
+                }
+            }
+            RequesterAction::Filled { id, slot } => send.push(Control::SlotFilled { id, slot }),
+            RequesterAction::Done { id, slot } => send.push(Control::SlotDone { id, slot }),
+            RequesterAction::Cancel { id } => send.push(Control::StagedCancel { id }),
+            RequesterAction::End { id, outcome } => {
+                let Some(mut a) = asks.asking.remove(&id) else {
+                    continue;
+                };
+                let outcome = outcome.map_err(|why| match why {
+                    AskFailure::Refused(status) => {
+                        staging::reply_outcome(status).expect_err("a failure status")
+                    }
+                    AskFailure::PeerGone => TransferError::PeerGone {
+                        reason: gone.clone().unwrap_or_else(|| "closed".into()),
+                    },
+                    AskFailure::TimedOut => TransferError::Timeout { after: a.timeout },
+                    AskFailure::Cancelled => TransferError::Cancelled,
+                    AskFailure::BadCredit { slot, offset, len } => TransferError::Local {
+                        what: format!(
+                            "the owner lent slot {slot} for {len} bytes at {offset}, \
+                             outside the request or its slots, or a slot still in use"
+                        ),
+                    },
+                    AskFailure::Local => a.error.take().unwrap_or(TransferError::Local {
+                        what: "a slice of the rendezvous failed".into(),
+                    }),
+                    AskFailure::Incomplete => TransferError::Local {
+                        what: "the owner ended the request before every slice".into(),
+                    },
+                });
+                a.cell.complete(outcome);
+            }
+        }
+    }
+    moved
+}
+
+/// Moves each slice of request `a` as far as it can go now.
+#[allow(clippy::too_many_arguments)]
+fn advance_ask<V: Api, C: hal_cuda::Api>(
+    cx: &mut PathCx<'_, V, C>,
+    peer: usize,
+    slots: &PeerSlots,
+    pools: &mut HashMap<u32, StagingPool<V, C>>,
+    a: &mut Asking<V, C>,
+    mut failing: bool,
+    events: &mut SliceEvents,
+) -> usize {
+    let mut pool = match a.staged_gpu {
+        Some(gpu) => match pipeline::pool(cx.res, pools, gpu) {
+            Ok(pool) => Some(pool),
+            Err(e) => {
+                a.error.get_or_insert(TransferError::Local {
+                    what: format!("the staging pool: {e}"),
+                });
+                failing = true;
+                events.failed = true;
+                None
+            }
+        },
+        None => None,
+    };
+    let op = if a.write { Op::Write } else { Op::Read };
+    let window = (a.deadline, a.timeout);
+    let mut moved = 0;
+    let mut index = 0;
+    while index < a.slices.len() {
+        let slice = &mut a.slices[index];
+        let remote_at = u64::from(slice.slot) * slots.slot_len + slice.pos;
+        // What this step did: `None` nothing; `Some(Ok(()))` the slice
+        // moved on; `Some(Err(e))` it ends (`e`: why it failed).
+        let mut step: Option<Result<(), Option<TransferError>>> = None;
+        match &slice.stage {
+            AskStage::Waiting if failing => step = Some(Err(None)),
+            AskStage::Waiting => match pool.as_deref_mut() {
+                None => {
+                    // Direct: the whole slice in one RDMA op.
+                    slice.chunk = slice.len;
+                    let local_addr = a.local_addr + slice.offset;
+                    step = Some(
+                        cx.wire
+                            .post_rdma(
                                 peer,
                                 a.staged_gpu,
                                 slice.slot as usize,
@@ -880,35 +927,35 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                                 window,
                             )
                             .map(|cell| slice.stage = AskStage::Wire(cell)),
-                        );
-                    }
-                    Some(pool) => {
-                        if let Some(pool_slot) = pool.free.pop() {
-                            slice.pool_slot = Some(pool_slot);
-                            slice.chunk = (slice.len - slice.pos).min(pool.slot_size);
-                            let gpu_addr = a.local_addr + slice.offset + slice.pos;
-                            let at = pool.slot_addr(pool_slot);
-                            let chunk = slice.chunk;
-                            step = Some(if a.write {
-                                self.copy_event(pool.gpu, &pool.to_host, "to host", |stream| {
-                                    // SAFETY: the pool slot is this chunk's
-                                    // until freed (after its WRITE); the
-                                    // source lies in the request's checked
-                                    // local range (the slice is inside the
-                                    // request), held by it.
-                                    unsafe {
-                                        stream.copy_device_to_host(
-                                            at as *mut u8,
-                                            gpu_addr,
-                                            chunk as usize,
-                                        )
-                                    }
-                                })
-                                .map(|event| slice.stage = AskStage::CopyOut(event))
-                                .map_err(Some)
-                            } else {
-                                self.post_rdma(
-                                    core,
+                    );
+                }
+                Some(pool) => {
+                    if let Some(pool_slot) = pool.free.pop() {
+                        slice.pool_slot = Some(pool_slot);
+                        slice.chunk = (slice.len - slice.pos).min(pool.slot_size);
+                        let gpu_addr = a.local_addr + slice.offset + slice.pos;
+                        let at = pool.slot_addr(pool_slot);
+                        let chunk = slice.chunk;
+                        step = Some(if a.write {
+                            copy_event(cx.res, pool.gpu, &pool.to_host, "to host", |stream| {
+                                // SAFETY: the pool slot is this chunk's
+                                // until freed (after its WRITE); the
+                                // source lies in the request's checked
+                                // local range (the slice is inside the
+                                // request), held by it.
+                                unsafe {
+                                    stream.copy_device_to_host(
+                                        at as *mut u8,
+                                        gpu_addr,
+                                        chunk as usize,
+                                    )
+                                }
+                            })
+                            .map(|event| slice.stage = AskStage::CopyOut(event))
+                            .map_err(Some)
+                        } else {
+                            cx.wire
+                                .post_rdma(
                                     peer,
                                     Some(pool.gpu),
                                     pool_slot,
@@ -921,19 +968,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                                     window,
                                 )
                                 .map(|cell| slice.stage = AskStage::Wire(cell))
-                            });
-                        }
+                        });
                     }
-                },
-                AskStage::CopyOut(event) => match event.is_complete() {
-                    Ok(false) => {}
-                    Ok(true) if failing => step = Some(Err(None)),
-                    Ok(true) => {
-                        let pool = pool.as_deref().expect("a pool slot has its pool");
-                        let at = pool.slot_addr(slice.pool_slot.expect("a pool slot"));
-                        step = Some(
-                            self.post_rdma(
-                                core,
+                }
+            },
+            AskStage::CopyOut(event) => match event.is_complete() {
+                Ok(false) => {}
+                Ok(true) if failing => step = Some(Err(None)),
+                Ok(true) => {
+                    let pool = pool.as_deref().expect("a pool slot has its pool");
+                    let at = pool.slot_addr(slice.pool_slot.expect("a pool slot"));
+                    step = Some(
+                        cx.wire
+                            .post_rdma(
                                 peer,
                                 Some(pool.gpu),
                                 slice.slot as usize,
@@ -946,187 +993,125 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                                 window,
                             )
                             .map(|cell| slice.stage = AskStage::Wire(cell)),
-                        );
-                    }
-                    Err(e) => {
-                        step = Some(Err(Some(TransferError::Local {
-                            what: format!("staging copy to host: {e}"),
-                        })))
-                    }
-                },
-                AskStage::Wire(cell) => match cell.outcome() {
-                    None => {}
-                    Some(Err(e)) => step = Some(Err(Some(e))),
-                    Some(Ok(())) => {
-                        let last = slice.pos + slice.chunk == slice.len;
-                        if last {
-                            // The slot holds the slice (a WRITE) or is the
-                            // owner's again (a READ): the protocol says so.
-                            events.wired.push(slice.slot);
-                        }
-                        let through_pool = pool.is_some() && !a.write && !failing;
-                        match pool.as_deref() {
-                            Some(pool) if through_pool => {
-                                let pool_slot = slice.pool_slot.expect("a pool slot");
-                                let from = pool.slot_addr(pool_slot);
-                                let dst = a.local_addr + slice.offset + slice.pos;
-                                let chunk = slice.chunk;
-                                step = Some(
-                                    self.copy_event(
-                                        pool.gpu,
-                                        &pool.to_device,
-                                        "to the GPU",
-                                        |stream| {
-                                            // SAFETY: the READ into the
-                                            // pool slot completed and the
-                                            // slot stays this chunk's until
-                                            // the copy's event passed; the
-                                            // destination lies in the
-                                            // request's checked local range.
-                                            unsafe {
-                                                stream.copy_host_to_device(
-                                                    dst,
-                                                    from as *const u8,
-                                                    chunk as usize,
-                                                )
-                                            }
-                                        },
-                                    )
-                                    .map(|event| slice.stage = AskStage::CopyIn(event))
-                                    .map_err(Some),
-                                );
-                            }
-                            _ => {
-                                step = Some(Self::chunk_done(slice, pool.as_deref_mut()));
-                            }
-                        }
-                    }
-                },
-                AskStage::CopyIn(event) => match event.is_complete() {
-                    Ok(false) => {}
-                    Ok(true) => step = Some(Self::chunk_done(slice, pool.as_deref_mut())),
-                    Err(e) => {
-                        step = Some(Err(Some(TransferError::Local {
-                            what: format!("staging copy to the GPU: {e}"),
-                        })))
-                    }
-                },
-            }
-            match step {
-                None => index += 1,
+                    );
+                }
+                Err(e) => {
+                    step = Some(Err(Some(TransferError::Local {
+                        what: format!("staging copy to host: {e}"),
+                    })))
+                }
+            },
+            AskStage::Wire(cell) => match cell.outcome() {
+                None => {}
+                Some(Err(e)) => step = Some(Err(Some(e))),
                 Some(Ok(())) => {
-                    moved += 1;
-                    index += 1;
+                    let last = slice.pos + slice.chunk == slice.len;
+                    if last {
+                        // The slot holds the slice (a WRITE) or is the
+                        // owner's again (a READ): the protocol says so.
+                        events.wired.push(slice.slot);
+                    }
+                    let through_pool = pool.is_some() && !a.write && !failing;
+                    match pool.as_deref() {
+                        Some(pool) if through_pool => {
+                            let pool_slot = slice.pool_slot.expect("a pool slot");
+                            let from = pool.slot_addr(pool_slot);
+                            let dst = a.local_addr + slice.offset + slice.pos;
+                            let chunk = slice.chunk;
+                            step = Some(
+                                copy_event(
+                                    cx.res,
+                                    pool.gpu,
+                                    &pool.to_device,
+                                    "to the GPU",
+                                    |stream| {
+                                        // SAFETY: the READ into the
+                                        // pool slot completed and the
+                                        // slot stays this chunk's until
+                                        // the copy's event passed; the
+                                        // destination lies in the
+                                        // request's checked local range.
+                                        unsafe {
+                                            stream.copy_host_to_device(
+                                                dst,
+                                                from as *const u8,
+                                                chunk as usize,
+                                            )
+                                        }
+                                    },
+                                )
+                                .map(|event| slice.stage = AskStage::CopyIn(event))
+                                .map_err(Some),
+                            );
+                        }
+                        _ => {
+                            step = Some(chunk_done(slice, pool.as_deref_mut()));
+                        }
+                    }
                 }
-                Some(Err(e)) => {
-                    moved += 1;
-                    let slice = a.slices.remove(index);
-                    if let (Some(pool), Some(s)) = (pool.as_deref_mut(), slice.pool_slot) {
-                        pool.free.push(s);
-                    }
-                    events
-                        .ended
-                        .push((slice.slot, slice.len, slice.pos == slice.len));
-                    if let Some(e) = e {
-                        a.error.get_or_insert(e);
-                        failing = true;
-                        events.failed = true;
-                    }
+            },
+            AskStage::CopyIn(event) => match event.is_complete() {
+                Ok(false) => {}
+                Ok(true) => step = Some(chunk_done(slice, pool.as_deref_mut())),
+                Err(e) => {
+                    step = Some(Err(Some(TransferError::Local {
+                        what: format!("staging copy to the GPU: {e}"),
+                    })))
+                }
+            },
+        }
+        match step {
+            None => index += 1,
+            Some(Ok(())) => {
+                moved += 1;
+                index += 1;
+            }
+            Some(Err(e)) => {
+                moved += 1;
+                let slice = a.slices.remove(index);
+                if let (Some(pool), Some(s)) = (pool.as_deref_mut(), slice.pool_slot) {
+                    pool.free.push(s);
+                }
+                events
+                    .ended
+                    .push((slice.slot, slice.len, slice.pos == slice.len));
+                if let Some(e) = e {
+                    a.error.get_or_insert(e);
+                    failing = true;
+                    events.failed = true;
                 }
             }
         }
-        moved
     }
-
-    /// A chunk of `slice` ended: its pool slot is free; `Err(None)` when
-    /// it was the slice's last (the slice is done).
-    fn chunk_done(
-        slice: &mut AskSlice<C>,
-        pool: Option<&mut super::pipeline::StagingPool<V, C>>,
-    ) -> Result<(), Option<TransferError>> {
-        if let (Some(pool), Some(s)) = (pool, slice.pool_slot.take()) {
-            pool.free.push(s);
-        }
-        slice.pos += slice.chunk;
-        if slice.pos == slice.len {
-            return Err(None);
-        }
-        slice.stage = AskStage::Waiting;
-        Ok(())
-    }
+    moved
 }
 
-impl<V: Api, C: hal_cuda::Api> super::Peer<V, C> {
-    /// Asks the owner of staged grant `t.remote` to move `t` through the
-    /// landing slots it lends this side; the returned cell ends with the
-    /// request.
-    pub(super) fn ask_slots(
-        &self,
-        t: &super::Transfer<'_, V>,
-        timeout: Duration,
-    ) -> Result<Arc<CompletionCell>, EngineError> {
-        let staged_gpu = match (t.local.is_staged(), t.local.location()) {
-            (false, _) => None,
-            (true, MemoryLocation::Gpu { ordinal }) => Some(u32::from(ordinal)),
-            (true, MemoryLocation::Host) => {
-                return Err(EngineError::Refused(
-                    "host memory on the staging rung".into(),
-                ));
-            }
-        };
-        let config = &self.engine.shared.config;
-        let cell = Arc::new(CompletionCell::new());
-        self.update_peer(|core, peer| -> Result<(), EngineError> {
-            let now = config.clock.now();
-            let id = peer.asks.proto.next_id();
-            let _span = tracing::debug_span!("ask_slots", id, len = t.len).entered();
-            peer.enqueue(&staging::staged_request(id, t, true), now, timeout)?;
-            let started = peer
-                .asks
-                .proto
-                .start(t.op == Op::Write, t.len, now, timeout);
-            debug_assert_eq!(started, id);
-            peer.asks.asking.insert(
-                id,
-                Asking {
-                    write: t.op == Op::Write,
-                    cell: Arc::clone(&cell),
-                    deadline: now + timeout,
-                    timeout,
-                    local: t.local.clone(),
-                    local_addr: t.local.inner.addr + t.local_offset,
-                    staged_gpu,
-                    slices: Vec::new(),
-                    error: None,
-                },
-            );
-            peer.flush_backlog(core, now);
-            Ok(())
-        })??;
-        Ok(cell)
+/// A chunk of `slice` ended: its pool slot is free; `Err(None)` when
+/// it was the slice's last (the slice is done).
+fn chunk_done<V: Api, C: hal_cuda::Api>(
+    slice: &mut AskSlice<C>,
+    pool: Option<&mut StagingPool<V, C>>,
+) -> Result<(), Option<TransferError>> {
+    if let (Some(pool), Some(s)) = (pool, slice.pool_slot.take()) {
+        pool.free.push(s);
     }
-
-    /// Sends any control message, as a peer of the engine's could: for
-    /// tests of the engine's defences against a hostile peer (a forged
-    /// slot credit, an unknown request). Not for applications.
-    #[doc(hidden)]
-    pub fn send_raw_control(
-        &self,
-        message: &Control<'_>,
-    ) -> Result<super::Batch<V, C>, EngineError> {
-        self.send_control(message)
+    slice.pos += slice.chunk;
+    if slice.pos == slice.len {
+        return Err(None);
     }
+    slice.stage = AskStage::Waiting;
+    Ok(())
 }
 
 /// The announcement of a peer's landing slots.
-struct SlotsAnnounce {
+pub(crate) struct SlotsAnnounce {
     slot_len: u64,
     count: u32,
     descriptor: Vec<u8>,
 }
 
 impl SlotsAnnounce {
-    fn as_control(&self) -> Control<'_> {
+    pub fn as_control(&self) -> Control<'_> {
         Control::Slots {
             slot_len: self.slot_len,
             count: self.count,
