@@ -3997,3 +3997,45 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
         }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod teardown_tests {
+    use super::*;
+    use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+
+    /// The caller's last handle tears the engine down even while one of
+    /// its internal threads is in a step: the drop waits for the step, so
+    /// once it returns nothing of the engine is left to run its work
+    /// (without the wait, the step's thread would drop it later).
+    #[test]
+    fn the_last_handle_tears_the_engine_down_while_an_internal_step_holds_it() {
+        let fabric = SimFabric::new();
+        let nic = fabric.add_node("a", NodeConfig::default());
+        let engine =
+            Engine::<SimVerbsApi, SimCudaApi>::new(&nic, None, EngineConfig::default()).unwrap();
+        let weak = Arc::downgrade(&engine.shared);
+        let holds = Arc::clone(&engine.shared.holds);
+        let (started, step_started) = std::sync::mpsc::channel();
+        let internal = {
+            let weak = weak.clone();
+            std::thread::spawn(move || {
+                INTERNAL_THREAD.with(|i| i.set(true));
+                holds.step(&weak, |_engine| {
+                    started.send(()).unwrap();
+                    std::thread::sleep(Duration::from_millis(200));
+                })
+            })
+        };
+        step_started.recv().unwrap();
+        drop(engine);
+        assert!(
+            weak.upgrade().is_none(),
+            "the engine outlived its last handle's drop"
+        );
+        assert_eq!(internal.join().unwrap(), Some(()));
+        // Closed: an internal thread finds no engine any more.
+        let holds = InternalHolds::default();
+        *holds.closed.write().unwrap() = true;
+        assert_eq!(holds.step(&weak, |_| ()), None);
+    }
+}
