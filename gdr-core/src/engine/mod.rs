@@ -115,7 +115,7 @@ pub use self::completion::{CompletionCell, Outcome};
 use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
 pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
-use self::path::{PeerView, Wire};
+use self::path::{PathCx, PeerView, TransferPath, Wire};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
@@ -511,8 +511,9 @@ struct State<V: Api, C: hal_cuda::Api> {
     fence_words: Option<fence::FenceWords<C>>,
     /// Stream fences whose batch has not ended.
     stream_fences: Vec<fence::StreamFence>,
-    /// The peer-copy path's streams, mappings and batches in flight.
-    peer_copy: peer_copy::Copies<C>,
+    /// The peer-copy path (its peers, streams, mappings and batches in
+    /// flight).
+    peer_copy: peer_copy::PeerCopyPath<C>,
     /// Batches held until a stream reaches their gate.
     gates: gate::Gates<V, C>,
     completions: Vec<Completion>,
@@ -522,7 +523,6 @@ struct State<V: Api, C: hal_cuda::Api> {
 
 /// The peers' connections as the paths see them ([`path::Wire`]): the
 /// core (which posts on the queue pairs) and the peers' control channels.
-#[allow(dead_code)] // used as the paths move behind the seam
 struct Connections<'a, V: Api, C: hal_cuda::Api> {
     core: &'a mut Core,
     peers: &'a mut [Option<PeerState<V, C>>],
@@ -738,7 +738,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 pipes: Vec::new(),
                 fence_words: None,
                 stream_fences: Vec::new(),
-                peer_copy: peer_copy::Copies::new(cuda),
+                peer_copy: peer_copy::PeerCopyPath::new(cuda),
                 gates: Default::default(),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
@@ -1458,10 +1458,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         peer.control.recv_owner[index] = None;
         if wc.status.is_success()
-            && let Err(why) = self.on_message(peer, peer_copy, slot, index, wc.byte_len as usize)
+            && let Err(why) =
+                self.on_message(core, peers, peer_copy, slot, index, wc.byte_len as usize)
+            && let Some(peer) = peers[slot].as_mut()
         {
             drop_misbehaving(core, peer, &why);
         }
+        let Some(peer) = peers[slot].as_mut() else {
+            return;
+        };
         // Repost the slot (on queue pair 0 as it is now: a flush from a
         // replaced one frees its slot for the new one).
         if core.is_ready(peer.qps[0].core)
@@ -1482,8 +1487,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// peer broke the protocol and is to be dropped.
     fn on_message(
         &self,
-        peer: &mut PeerState<V, C>,
-        peer_copy: &mut peer_copy::Copies<C>,
+        core: &mut Core,
+        peers: &mut [Option<PeerState<V, C>>],
+        peer_copy: &mut peer_copy::PeerCopyPath<C>,
         slot: usize,
         index: usize,
         len: usize,
@@ -1491,17 +1497,32 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let size = self.shared.config.max_message as usize;
         let len = len.min(size);
         let mut bytes = vec![0; len];
+        let Some(peer) = peers[slot].as_mut() else {
+            return Ok(());
+        };
         if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
             tracing::warn!(error = %e, "reading a control message");
         }
-        let message = Control::decode(&bytes);
-        if let Ok(m) = &message {
-            // The peer-copy path owns what it knows of the peer.
-            let max = self.shared.config.peer_limits.max_remote_grants;
-            peer_copy.on_control(slot, peer.session, m, max)?;
-        }
-        let message = message.map(|m| rendezvous::receive(peer, m));
-        match message.map(|m| m.err()) {
+        let message = match Control::decode(&bytes) {
+            // The peer-copy path owns what it knows of the peer: it takes
+            // the messages of its protocol and hands the others back.
+            Ok(m) => {
+                let res = &self.shared.res;
+                let mut wire = Connections { core, peers, res };
+                let mut cx = PathCx {
+                    res,
+                    wire: &mut wire,
+                    now: res.config.clock.now(),
+                };
+                Ok(peer_copy.on_control(&mut cx, slot, m)?)
+            }
+            Err(e) => Err(e),
+        };
+        let Some(peer) = peers[slot].as_mut() else {
+            return Ok(());
+        };
+        let message = message.map(|m| m.and_then(|m| rendezvous::receive(peer, m).err()));
+        match message {
             Ok(None) => {}
             Ok(Some(Control::User(payload))) => peer.inbox.push(payload.to_vec())?,
             Ok(Some(Control::GrantAnnounce { descriptor })) => {
@@ -1520,7 +1541,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             Ok(Some(Control::GrantRevoke { grant })) => {
                 peer.remote_grants.revoke(grant);
             }
-            // Taken by the peer-copy path above.
+            // Taken by the peer-copy path above (never handed back).
             Ok(Some(
                 Control::Locality { .. } | Control::GrantIpc { .. } | Control::GrantReleased { .. },
             )) => {}
@@ -1950,6 +1971,39 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
         }
         self.run_actions(state);
+    }
+
+    // The peer-copy path's calls ([`peer_copy`]).
+
+    /// What this engine's peer copies have done.
+    pub fn peer_copy_stats(&self) -> PeerCopyStats {
+        lock(&self.shared.state).peer_copy.stats()
+    }
+
+    /// Moves the peer-copy batches on ([`TransferPath::progress`]):
+    /// returns how many ended.
+    fn pump_peer_copies(&self, state: &mut State<V, C>, now: Instant) -> usize {
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = state;
+        let res = &self.shared.res;
+        let mut wire = Connections { core, peers, res };
+        peer_copy.progress(&mut PathCx {
+            res,
+            wire: &mut wire,
+            now,
+        })
+    }
+
+    /// Cancels the peer-copy batch of `cell`, if it is one: it queues
+    /// nothing more and ends [`TransferError::Cancelled`] once its queued
+    /// copies have run.
+    fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
+        let mut state = lock(&self.shared.state);
+        TransferPath::<V, C>::cancel(&mut state.peer_copy, std::slice::from_ref(cell));
     }
 }
 
@@ -3233,6 +3287,108 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 );
             }
         })
+    }
+
+    // The peer-copy path's calls ([`peer_copy`]).
+
+    /// How this peer's transfers of GPU memory travel.
+    pub fn peer_copy(&self) -> PeerCopyRoute {
+        let state = lock(&self.engine.shared.state);
+        match state.peers.get(self.slot).and_then(Option::as_ref) {
+            Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
+                state.peer_copy.route(self.slot)
+            }
+            _ => PeerCopyRoute::Nic,
+        }
+    }
+
+    /// Tells the peer where this engine runs (before the paths, so that it
+    /// knows once the connection is up), if the path is allowed here.
+    fn send_locality(&self) -> Result<(), EngineError> {
+        if !self.engine.shared.config.peer_copy {
+            return Ok(());
+        }
+        let message = lock(&self.engine.shared.state).peer_copy.locality();
+        if let Some(message) = message {
+            self.send_control(&message)?;
+        }
+        Ok(())
+    }
+
+    /// Makes a new grant of GPU memory reachable by peer copy (see
+    /// [`peer_copy::PeerCopyPath::publish`]); what it sends is posted
+    /// before the lock is released.
+    fn publish_for_peer_copy(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        descriptor: &MemoryDescriptor,
+    ) -> Option<peer_copy::Publication> {
+        let shared = &*self.engine.shared;
+        let mut guard = lock(&shared.state);
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = &mut *guard;
+        let res = &shared.res;
+        let mut wire = Connections { core, peers, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        };
+        let published = peer_copy.publish(&mut cx, self.slot, region, offset, descriptor);
+        self.engine.post_ready(&mut guard);
+        published
+    }
+
+    /// Submits `transfers` by peer copy if the path carries them all
+    /// (`Ok(None)`: another path takes the batch); checks each as the NIC
+    /// path does first.
+    fn submit_peer_copy(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Option<Batch<V, C>>, EngineError> {
+        let engine = &self.engine;
+        let res = &engine.shared.res;
+        if !res.config.peer_copy || transfers.is_empty() {
+            return Ok(None);
+        }
+        let mut guard = lock(&engine.shared.state);
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = &mut *guard;
+        let peer = peers[self.slot]
+            .as_ref()
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        if peer_copy.route(self.slot) == PeerCopyRoute::Nic {
+            return Ok(None);
+        }
+        if let Some(why) = &peer.gone {
+            return Err(EngineError::PeerGone(why.clone()));
+        }
+        for t in transfers {
+            check_transfer(peer, t)?;
+        }
+        if !peer_copy.carries(res, self.slot, transfers) {
+            return Ok(None);
+        }
+        let mut wire = Connections { core, peers, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        };
+        let cell = peer_copy.post(&mut cx, self.slot, transfers, timeout)?;
+        drop(guard);
+        engine.ensure_own_driver();
+        Ok(Some(Batch::of_cell(engine.clone(), cell)))
     }
 }
 
