@@ -491,8 +491,9 @@ struct State<V: Api, C: hal_cuda::Api> {
     /// The page of words streams wait on (made at the first stream fence
     /// or gate) and the stream fences whose batch has not ended.
     stream_fences: fence::StreamFences<C>,
-    /// The peer-copy path's streams, mappings and batches in flight.
-    peer_copy: peer_copy::Copies<C>,
+    /// The peer-copy path (its peers, streams, mappings and batches in
+    /// flight).
+    peer_copy: peer_copy::PeerCopyPath<C>,
     /// Batches held until a stream reaches their gate.
     gates: gate::Gates<V, C>,
     completions: Vec<Completion>,
@@ -796,7 +797,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 reconnecting: 0,
                 staged: Default::default(),
                 stream_fences: Default::default(),
-                peer_copy: peer_copy::Copies::new(cuda),
+                peer_copy: peer_copy::PeerCopyPath::new(cuda),
                 gates: Default::default(),
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
@@ -858,11 +859,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         len: u64,
     ) -> Result<Region<V>, EngineError> {
         self.shared.res.register_range(buffer, offset, len)
-    }
-
-    /// GPU `ordinal` of the engine.
-    fn gpu(&self, ordinal: u32) -> Result<&Gpu<C>, EngineError> {
-        self.shared.res.gpu(ordinal)
     }
 
     fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
@@ -1546,11 +1542,22 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         peer.control.recv_owner[index] = None;
         if wc.status.is_success()
-            && let Err(why) =
-                self.on_message(peer, peer_copy, staged, slot, index, wc.byte_len as usize)
+            && let Err(why) = self.on_message(
+                core,
+                peers,
+                peer_copy,
+                staged,
+                slot,
+                index,
+                wc.byte_len as usize,
+            )
+            && let Some(peer) = peers[slot].as_mut()
         {
             drop_misbehaving(core, peer, &why);
         }
+        let Some(peer) = peers[slot].as_mut() else {
+            return;
+        };
         // Repost the slot (on queue pair 0 as it is now: a flush from a
         // replaced one frees its slot for the new one).
         if core.is_ready(peer.qps[0].core)
@@ -1569,10 +1576,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Handles the control message in receive slot `index`; `Err`: the
     /// peer broke the protocol and is to be dropped.
+    #[allow(clippy::too_many_arguments)]
     fn on_message(
         &self,
-        peer: &mut PeerState<V, C>,
-        peer_copy: &mut peer_copy::Copies<C>,
+        core: &mut Core,
+        peers: &mut [Option<PeerState<V, C>>],
+        peer_copy: &mut peer_copy::PeerCopyPath<C>,
         staged: &mut staging::StagedPath<V, C>,
         slot: usize,
         index: usize,
@@ -1581,18 +1590,33 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let size = self.shared.config.max_message as usize;
         let len = len.min(size);
         let mut bytes = vec![0; len];
+        let Some(peer) = peers[slot].as_mut() else {
+            return Ok(());
+        };
         if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
             tracing::warn!(error = %e, "reading a control message");
         }
-        let message = Control::decode(&bytes);
-        if let Ok(m) = &message {
-            // The peer-copy path owns what it knows of the peer.
-            let max = self.shared.config.peer_limits.max_remote_grants;
-            peer_copy.on_control(slot, peer.session, m, max)?;
-        }
-        // The staged path takes its protocols' messages (what it answers
-        // goes out at its next step).
-        let message = message.map(|m| staged.receive(slot, m));
+        let message = match Control::decode(&bytes) {
+            // The paths own what they know of the peer: each takes the
+            // messages of its protocol and hands the others back.
+            Ok(m) => {
+                let res = &self.shared.res;
+                let mut wire = Connections { core, peers, res };
+                let mut cx = PathCx {
+                    res,
+                    wire: &mut wire,
+                    now: res.config.clock.now(),
+                };
+                match peer_copy.on_control(&mut cx, slot, m)? {
+                    Some(m) => Ok(staged.on_control(&mut cx, slot, m)?),
+                    None => Ok(None),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        let Some(peer) = peers[slot].as_mut() else {
+            return Ok(());
+        };
         match message {
             Ok(None) => {}
             Ok(Some(Control::User(payload))) => peer.inbox.push(payload.to_vec())?,
@@ -1612,7 +1636,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             Ok(Some(Control::GrantRevoke { grant })) => {
                 peer.remote_grants.revoke(grant);
             }
-            // Taken by the peer-copy path above.
+            // Taken by the peer-copy path above (never handed back).
             Ok(Some(
                 Control::Locality { .. } | Control::GrantIpc { .. } | Control::GrantReleased { .. },
             )) => {}
@@ -2104,6 +2128,39 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         };
         self.post_ready(state);
         out
+    }
+
+    // The peer-copy path's calls ([`peer_copy`]).
+
+    /// What this engine's peer copies have done.
+    pub fn peer_copy_stats(&self) -> PeerCopyStats {
+        lock(&self.shared.state).peer_copy.stats()
+    }
+
+    /// Moves the peer-copy batches on ([`TransferPath::progress`]):
+    /// returns how many ended.
+    fn pump_peer_copies(&self, state: &mut State<V, C>, now: Instant) -> usize {
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = state;
+        let res = &self.shared.res;
+        let mut wire = Connections { core, peers, res };
+        peer_copy.progress(&mut PathCx {
+            res,
+            wire: &mut wire,
+            now,
+        })
+    }
+
+    /// Cancels the peer-copy batch of `cell`, if it is one: it queues
+    /// nothing more and ends [`TransferError::Cancelled`] once its queued
+    /// copies have run.
+    fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
+        let mut state = lock(&self.shared.state);
+        TransferPath::<V, C>::cancel(&mut state.peer_copy, std::slice::from_ref(cell));
     }
 }
 
@@ -3653,6 +3710,108 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     #[doc(hidden)]
     pub fn send_raw_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
         self.send_control(message)
+    }
+
+    // The peer-copy path's calls ([`peer_copy`]).
+
+    /// How this peer's transfers of GPU memory travel.
+    pub fn peer_copy(&self) -> PeerCopyRoute {
+        let state = lock(&self.engine.shared.state);
+        match state.peers.get(self.slot).and_then(Option::as_ref) {
+            Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
+                state.peer_copy.route(self.slot)
+            }
+            _ => PeerCopyRoute::Nic,
+        }
+    }
+
+    /// Tells the peer where this engine runs (before the paths, so that it
+    /// knows once the connection is up), if the path is allowed here.
+    fn send_locality(&self) -> Result<(), EngineError> {
+        if !self.engine.shared.config.peer_copy {
+            return Ok(());
+        }
+        let message = lock(&self.engine.shared.state).peer_copy.locality();
+        if let Some(message) = message {
+            self.send_control(&message)?;
+        }
+        Ok(())
+    }
+
+    /// Makes a new grant of GPU memory reachable by peer copy (see
+    /// [`peer_copy::PeerCopyPath::publish`]); what it sends is posted
+    /// before the lock is released.
+    fn publish_for_peer_copy(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        descriptor: &MemoryDescriptor,
+    ) -> Option<peer_copy::Publication> {
+        let shared = &*self.engine.shared;
+        let mut guard = lock(&shared.state);
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = &mut *guard;
+        let res = &shared.res;
+        let mut wire = Connections { core, peers, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        };
+        let published = peer_copy.publish(&mut cx, self.slot, region, offset, descriptor);
+        self.engine.post_ready(&mut guard);
+        published
+    }
+
+    /// Submits `transfers` by peer copy if the path carries them all
+    /// (`Ok(None)`: another path takes the batch); checks each as the NIC
+    /// path does first.
+    fn submit_peer_copy(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Option<Batch<V, C>>, EngineError> {
+        let engine = &self.engine;
+        let res = &engine.shared.res;
+        if !res.config.peer_copy || transfers.is_empty() {
+            return Ok(None);
+        }
+        let mut guard = lock(&engine.shared.state);
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = &mut *guard;
+        let peer = peers[self.slot]
+            .as_ref()
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        if peer_copy.route(self.slot) == PeerCopyRoute::Nic {
+            return Ok(None);
+        }
+        if let Some(why) = &peer.gone {
+            return Err(EngineError::PeerGone(why.clone()));
+        }
+        for t in transfers {
+            check_transfer(peer, t)?;
+        }
+        if !peer_copy.carries(res, self.slot, transfers) {
+            return Ok(None);
+        }
+        let mut wire = Connections { core, peers, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        };
+        let cell = peer_copy.post(&mut cx, self.slot, transfers, timeout)?;
+        drop(guard);
+        engine.ensure_own_driver();
+        Ok(Some(Batch::of_cell(engine.clone(), cell)))
     }
 }
 

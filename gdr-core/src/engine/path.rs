@@ -152,7 +152,15 @@ pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
     /// Whether this path carries `transfers` for the peer in `slot` (the
     /// capability predicate). The engine asks the paths in a fixed order
     /// (peer copy, staged, RDMA) and posts to the first that says yes.
-    fn carries(&self, res: &Resources<V, C>, slot: usize, transfers: &[Transfer<'_, V>]) -> bool;
+    /// `&mut`: a path may have to open what it would carry them through
+    /// to know (the peer-copy path opens, and caches, a peer's IPC handle:
+    /// one that does not open here leaves the batch to the NIC).
+    fn carries(
+        &mut self,
+        res: &Resources<V, C>,
+        slot: usize,
+        transfers: &[Transfer<'_, V>],
+    ) -> bool;
 
     /// Checks `transfers` (local bounds, the grant, its rights and range)
     /// and starts them for the peer in `slot`; the returned cell ends

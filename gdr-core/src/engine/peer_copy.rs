@@ -82,6 +82,20 @@
 //!   returns `Ok` only on the answer. Only a cooperating peer can be
 //!   fenced this way: `peer_copy: false` is the setting for peers not
 //!   trusted that far.
+//!
+//! # The path, and the engine
+//!
+//! [`PeerCopyPath`] is the path ([`TransferPath`]): it owns what it knows
+//! of each peer (by slot: where it runs, the IPC handles of its grants),
+//! the streams, IPC mappings and batches in flight, our exported grants
+//! and the releases we owe. It reaches the engine only through its
+//! [`PathCx`]: the GPUs and settings in [`Resources`], the peers (engine
+//! id, session, gone) and their control channels through the wire. The
+//! engine (`engine/mod.rs`) keeps the public calls ([`super::Peer::peer_copy`],
+//! [`super::Engine::peer_copy_stats`], the routing in `submit`, the
+//! publishing at grant time, a batch's cancel), checks a batch against the
+//! peer's grants before [`TransferPath::post`], hands the path the
+//! control messages, and sends the [`Control::Locality`] it gives.
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -97,10 +111,11 @@ use hal_verbs::Api;
 
 use super::completion::CompletionCell;
 use super::core::Keep;
+use super::path::{PathCx, PathKind, TransferPath};
+use super::resources::Resources;
 use super::wire::Control;
-use super::{Batch, Engine, EngineError, Op, Peer, Region, State, Transfer, TransferError};
+use super::{EngineError, Op, Region, Transfer, TransferError};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
-use crate::sync::lock;
 
 /// Streams of each GPU that peer copies rotate over.
 const STREAMS_PER_GPU: usize = 4;
@@ -151,7 +166,7 @@ pub struct PeerCopyStats {
     pub copies: u64,
 }
 
-/// What the peer-copy path knows of one peer (in [`Copies`], by the
+/// What the peer-copy path knows of one peer (in [`PeerCopyPath`], by the
 /// peer's slot: the path owns it, not the peer's state).
 struct PeerLink<C: hal_cuda::Api> {
     /// Where the peer runs, once it said (only if it allows the path).
@@ -175,68 +190,6 @@ struct IpcGrant<C: hal_cuda::Api> {
     offset: u64,
     /// The allocation mapped on a local GPU (the last one used).
     mapping: Option<(u32, Arc<Mapping<C>>)>,
-}
-
-impl<C: hal_cuda::Api> Copies<C> {
-    /// Takes the control messages of the peer in `slot` (connection
-    /// `session`) that concern this path; the others change nothing here.
-    /// The IPC handles a peer sent and has not revoked are bounded by
-    /// `max_handles` (its live grants' bound): one more, and the peer
-    /// misbehaves.
-    pub(super) fn on_control(
-        &mut self,
-        slot: usize,
-        session: u64,
-        message: &Control<'_>,
-        max_handles: usize,
-    ) -> Result<(), PeerMisbehaved> {
-        match *message {
-            Control::Locality { host, process } => {
-                self.links.entry(slot).or_default().remote = Some(Locality { host, process });
-            }
-            Control::GrantIpc {
-                grant,
-                offset,
-                handle,
-            } => {
-                let ipc = &mut self.links.entry(slot).or_default().ipc;
-                if ipc.len() >= max_handles && !ipc.contains_key(&grant) {
-                    return Err(PeerMisbehaved::TooManyGrants { max: max_handles });
-                }
-                ipc.insert(
-                    grant,
-                    IpcGrant {
-                        handle: IpcMemHandle(handle),
-                        offset,
-                        mapping: None,
-                    },
-                );
-            }
-            // The peer revoked a grant: its handle goes (the mapping once
-            // no copy uses it) and we owe a release once none of our
-            // batches has anything queued under it.
-            Control::GrantRevoke { grant } => {
-                if let Some(link) = self.links.get_mut(&slot)
-                    && link.ipc.remove(&grant).is_some()
-                {
-                    self.releases.owe(slot as u64, grant);
-                }
-            }
-            // The importer of one of our revoked grants released it.
-            Control::GrantReleased { grant }
-                if self.exports.on_released(grant, session).is_some() =>
-            {
-                tracing::debug!(grant, "the importer released a revoked grant");
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// How the peer in `slot`'s transfers of GPU memory travel.
-    fn route_of(&self, slot: usize) -> PeerCopyRoute {
-        route(self.here, self.links.get(&slot).and_then(|l| l.remote))
-    }
 }
 
 /// The route between an engine at `here` and a peer at `there`.
@@ -341,8 +294,9 @@ impl Drop for FenceUse {
     }
 }
 
-/// The engine's peer-copy state (under its lock).
-pub(super) struct Copies<C: hal_cuda::Api> {
+/// The peer-copy path: its state (under the engine's lock) and, through
+/// [`TransferPath`], its moves.
+pub(super) struct PeerCopyPath<C: hal_cuda::Api> {
     /// Where this engine runs; `None`: no CUDA driver, or no boot id.
     here: Option<Locality>,
     /// Each local GPU's streams, and the next one to use.
@@ -364,7 +318,7 @@ pub(super) struct Copies<C: hal_cuda::Api> {
     releases: Releases,
 }
 
-impl<C: hal_cuda::Api> Copies<C> {
+impl<C: hal_cuda::Api> PeerCopyPath<C> {
     /// The state of an engine over CUDA driver `cuda` (none: host memory
     /// only, never a peer copy).
     pub(super) fn new<D: hal_cuda::Driver<C>>(cuda: Option<&D>) -> Self {
@@ -437,38 +391,51 @@ struct Planned {
     remote: u64,
 }
 
-impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
-    /// How this peer's transfers of GPU memory travel.
-    pub fn peer_copy(&self) -> PeerCopyRoute {
-        let state = lock(&self.engine.shared.state);
-        match state.peers.get(self.slot).and_then(Option::as_ref) {
-            Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
-                state.peer_copy.route_of(self.slot)
-            }
+/// What a batch holds while it resolves: the memory it copies from and to,
+/// and the grants it copies under.
+#[derive(Default)]
+struct Held {
+    keep: Vec<Keep>,
+    grants: Vec<GrantUse>,
+}
+
+impl<C: hal_cuda::Api> PeerCopyPath<C> {
+    /// How the peer in `slot`'s transfers of GPU memory travel, as far as
+    /// the path knows (the engine adds the setting and whether the peer is
+    /// gone).
+    pub(super) fn route(&self, slot: usize) -> PeerCopyRoute {
+        route(self.here, self.links.get(&slot).and_then(|l| l.remote))
+    }
+
+    /// [`PeerCopyPath::route`] to the peer in `slot` as the wire sees it:
+    /// the NIC when the path is off here or the peer is closed or gone.
+    fn route_to<V: Api>(&self, cx: &PathCx<'_, V, C>, slot: usize) -> PeerCopyRoute {
+        match cx.wire.peer(slot) {
+            Some(peer) if cx.res.config.peer_copy && peer.gone.is_none() => self.route(slot),
             _ => PeerCopyRoute::Nic,
         }
     }
 
-    /// Tells the peer where this engine runs (before the paths, so that it
-    /// knows once the connection is up), if the path is allowed here.
-    pub(super) fn send_locality(&self) -> Result<(), EngineError> {
-        if !self.engine.shared.config.peer_copy {
-            return Ok(());
-        }
-        let here = lock(&self.engine.shared.state).peer_copy.here;
-        if let Some(here) = here {
-            self.send_control(&here.message())?;
-        }
-        Ok(())
+    /// The message that tells a peer where this engine runs (sent before
+    /// the paths when the connection is made); `None`: not known here.
+    pub(super) fn locality(&self) -> Option<Control<'static>> {
+        self.here.map(|here| here.message())
     }
 
-    /// Makes a new grant of GPU memory reachable by peer copy: published
-    /// in the registry for a peer of this process, its IPC handle sent to
-    /// a peer of another process of this host (before the announcement).
-    /// Anything else, or any failure (VMM memory has no IPC handle), leaves
-    /// the grant to the NIC path.
-    pub(super) fn publish_for_peer_copy(
-        &self,
+    /// What this engine's peer copies have done.
+    pub(super) fn stats(&self) -> PeerCopyStats {
+        self.stats
+    }
+
+    /// Makes a new grant of GPU memory reachable by peer copy for the peer
+    /// in `slot`: published in the registry for a peer of this process,
+    /// its IPC handle sent to a peer of another process of this host
+    /// (before the announcement). Anything else, or any failure (VMM
+    /// memory has no IPC handle), leaves the grant to the NIC path.
+    pub(super) fn publish<V: Api>(
+        &mut self,
+        cx: &mut PathCx<'_, V, C>,
+        slot: usize,
         region: &Region<V>,
         offset: u64,
         descriptor: &MemoryDescriptor,
@@ -477,19 +444,18 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             return None;
         };
         let ordinal = u32::from(ordinal);
-        let route = self.peer_copy();
         let addr = region.inner.addr + offset;
-        match route {
+        match self.route_to(cx, slot) {
             PeerCopyRoute::Nic => None,
             PeerCopyRoute::SameProcess => {
-                let here = lock(&self.engine.shared.state).peer_copy.here?;
-                let key = (self.engine.shared.id, descriptor.grant);
+                let here = self.here?;
+                let key = (cx.res.id, descriptor.grant);
                 let keep: Keep = Arc::clone(&region.inner) as Keep;
                 let fence = Arc::new(CopyFence::default());
                 published().insert(
                     key,
                     Published {
-                        grantee: self.remote_engine(),
+                        grantee: cx.wire.peer(slot).map_or(0, |p| p.engine),
                         process: here.process,
                         ordinal,
                         addr,
@@ -508,7 +474,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             PeerCopyRoute::Ipc => {
                 let _span =
                     tracing::debug_span!("peer_copy_export", grant = descriptor.grant).entered();
-                let exported = self.engine.gpu(ordinal).and_then(|gpu| {
+                let exported = cx.res.gpu(ordinal).and_then(|gpu| {
                     let handle = gpu.context.ipc_export(addr)?;
                     let base = gpu.context.pointer_attributes(addr)?.allocation_base;
                     Ok((handle, addr - base))
@@ -520,17 +486,13 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                             offset,
                             handle: handle.0,
                         };
-                        match self.send_control(&message) {
+                        match cx.wire.send(slot, &message, cx.res.config.default_timeout) {
                             // Held until the importer releases it (after
                             // the revoke) or the bound passes.
                             Ok(_) => {
                                 let keep: Keep = Arc::clone(&region.inner) as Keep;
-                                let session = self.session();
-                                lock(&self.engine.shared.state).peer_copy.exports.export(
-                                    descriptor.grant,
-                                    session,
-                                    keep,
-                                );
+                                let session = cx.wire.peer(slot).map_or(0, |p| p.session);
+                                self.exports.export(descriptor.grant, session, keep);
                             }
                             Err(e) => {
                                 tracing::debug!(error = %e, "no IPC handle sent: the NIC path")
@@ -544,122 +506,54 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         }
     }
 
-    /// Submits `transfers` by peer copy if every one can go that way
-    /// (`Ok(None)`: the NIC path takes the batch); checks each as the NIC
-    /// path does first.
-    pub(super) fn submit_peer_copy(
-        &self,
-        transfers: &[Transfer<'_, V>],
-        timeout: Duration,
-    ) -> Result<Option<Batch<V, C>>, EngineError> {
-        let engine = &self.engine;
-        let config = &engine.shared.config;
-        if !config.peer_copy || transfers.is_empty() {
+    /// The device address of `t`'s remote range as seen from GPU
+    /// `ordinal` over `route`; `None`: the path does not reach it (another
+    /// path takes the batch). With `held` (posting), the batch takes what
+    /// it copies under; without (asking whether the path carries it),
+    /// nothing is taken beyond the cached IPC mapping.
+    fn resolve<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
+        slot: usize,
+        route: PeerCopyRoute,
+        t: &Transfer<'_, V>,
+        held: Option<&mut Held>,
+    ) -> Result<Option<(u32, u64)>, EngineError> {
+        let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
+            return Ok(None);
+        };
+        if !matches!(t.remote.location, MemoryLocation::Gpu { .. }) {
             return Ok(None);
         }
-        let mut guard = lock(&engine.shared.state);
-        let State {
-            peers,
-            peer_copy: copies,
-            ..
-        } = &mut *guard;
-        let peer = peers[self.slot]
-            .as_mut()
-            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
-        let route = copies.route_of(self.slot);
-        if route == PeerCopyRoute::Nic {
-            return Ok(None);
-        }
-        if let Some(why) = &peer.gone {
-            return Err(EngineError::PeerGone(why.clone()));
-        }
-        let _span =
-            tracing::debug_span!("peer_copy_submit", transfers = transfers.len(), ?route).entered();
-        for t in transfers {
-            super::check_transfer(peer, t)?;
-        }
-        let mut plan = Vec::with_capacity(transfers.len());
-        let mut lens = Vec::with_capacity(transfers.len());
-        let mut keep: Vec<Keep> = Vec::new();
-        let mut grants: Vec<GrantUse> = Vec::new();
-        for t in transfers {
-            let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
-                return Ok(None);
-            };
-            if !matches!(t.remote.location, MemoryLocation::Gpu { .. }) {
-                return Ok(None);
-            }
-            let ordinal = u32::from(ordinal);
-            let remote = match route {
-                PeerCopyRoute::SameProcess => {
-                    engine.published_remote(copies, t, ordinal, &mut keep, &mut grants)?
-                }
-                _ => {
-                    let remote = engine.mapped_remote(copies, self.slot, t, ordinal, &mut keep)?;
+        let ordinal = u32::from(ordinal);
+        let remote = match route {
+            PeerCopyRoute::Nic => None,
+            PeerCopyRoute::SameProcess => self.published_remote(res, t, ordinal, held)?,
+            PeerCopyRoute::Ipc => match held {
+                Some(held) => {
+                    let remote = self.mapped_remote(res, slot, t, ordinal, Some(&mut held.keep))?;
                     let grant = t.remote.grant;
-                    if remote.is_some() && !grants.iter().any(|g| g.grant() == grant) {
-                        grants.push(GrantUse::Ipc {
-                            slot: self.slot,
-                            grant,
-                        });
+                    if remote.is_some() && !held.grants.iter().any(|g| g.grant() == grant) {
+                        held.grants.push(GrantUse::Ipc { slot, grant });
                     }
                     remote
                 }
-            };
-            let Some(remote) = remote else {
-                return Ok(None);
-            };
-            keep.push(Arc::clone(&t.local.inner) as Keep);
-            plan.push(Planned {
-                op: t.op,
-                ordinal,
-                local: t.local.inner.addr + t.local_offset,
-                remote,
-            });
-            lens.push(t.len);
-        }
-        let cell = Arc::new(CompletionCell::new());
-        let deadline = config.clock.now().checked_add(timeout);
-        let windows = Windows {
-            slice: config.peer_copy_slice,
-            slices: STREAMS_PER_GPU,
-            in_flight: WINDOWS_IN_FLIGHT,
+                None => self.mapped_remote(res, slot, t, ordinal, None)?,
+            },
         };
-        let mut flight = Flight {
-            cell: Arc::clone(&cell),
-            proto: CopyFlight::new(lens, windows, deadline),
-            plan,
-            windows: VecDeque::new(),
-            error: None,
-            timeout,
-            queued: 0,
-            grants,
-            _keep: keep,
-        };
-        engine.queue_windows(copies, &mut flight);
-        copies.flights.push(flight);
-        drop(guard);
-        engine.ensure_own_driver();
-        Ok(Some(Batch::of_cell(engine.clone(), cell)))
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
-    /// What this engine's peer copies have done.
-    pub fn peer_copy_stats(&self) -> PeerCopyStats {
-        lock(&self.shared.state).peer_copy.stats
+        Ok(remote.map(|remote| (ordinal, remote)))
     }
 
     /// The device address of `t`'s remote range through the registry (a
-    /// peer engine of this process), holding the owner's region in `keep`;
-    /// `None`: not published to us.
-    fn published_remote(
-        &self,
-        copies: &mut Copies<C>,
+    /// peer engine of this process); `None`: not published to us. With
+    /// `held`, the owner's region and a use of the grant's fence go there
+    /// and peer access is enabled.
+    fn published_remote<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
         t: &Transfer<'_, V>,
         ordinal: u32,
-        keep: &mut Vec<Keep>,
-        grants: &mut Vec<GrantUse>,
+        held: Option<&mut Held>,
     ) -> Result<Option<u64>, EngineError> {
         let d = t.remote;
         let (addr, owner_gpu, region, fence) = {
@@ -667,8 +561,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             let Some(entry) = registry.get(&(d.owner, d.grant)) else {
                 return Ok(None);
             };
-            let ours = copies.here.map(|h| h.process);
-            if entry.grantee != self.shared.id
+            let ours = self.here.map(|h| h.process);
+            if entry.grantee != res.id
                 || Some(entry.process) != ours
                 || entry.len != d.len
                 || entry.rights != d.rights
@@ -681,32 +575,36 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             super::check_within("remote grant", t.remote_offset, t.len, entry.len)?;
             (entry.addr, entry.ordinal, region, Arc::clone(&entry.fence))
         };
-        if !grants.iter().any(|g| g.grant() == d.grant) {
-            // Revoked since it was looked up: refused as the NIC path
-            // refuses a revoked grant.
-            let Some(fence) = FenceUse::take(&fence) else {
-                return Err(EngineError::Refused(format!(
-                    "grant {} was revoked",
-                    d.grant
-                )));
+        // Revoked since it was looked up: refused as the NIC path refuses
+        // a revoked grant.
+        let revoked = || EngineError::Refused(format!("grant {} was revoked", d.grant));
+        let Some(held) = held else {
+            return match fence.is_revoked() {
+                true => Err(revoked()),
+                false => Ok(Some(addr + t.remote_offset)),
             };
-            grants.push(GrantUse::SameProcess {
+        };
+        if !held.grants.iter().any(|g| g.grant() == d.grant) {
+            let Some(fence) = FenceUse::take(&fence) else {
+                return Err(revoked());
+            };
+            held.grants.push(GrantUse::SameProcess {
                 grant: d.grant,
                 fence,
             });
         }
-        keep.push(region);
-        self.enable_peer_access(copies, ordinal, owner_gpu);
+        held.keep.push(region);
+        self.enable_peer_access(res, ordinal, owner_gpu);
         Ok(Some(addr + t.remote_offset))
     }
 
     /// Lets GPU `local`'s copies reach GPU `other` directly, once per pair.
-    fn enable_peer_access(&self, copies: &mut Copies<C>, local: u32, other: u32) {
-        if local == other || !copies.peer_access.insert((local, other)) {
+    fn enable_peer_access<V: Api>(&mut self, res: &Resources<V, C>, local: u32, other: u32) {
+        if local == other || !self.peer_access.insert((local, other)) {
             return;
         }
-        let enabled = self.gpu(local).and_then(|l| {
-            let o = self.gpu(other)?;
+        let enabled = res.gpu(local).and_then(|l| {
+            let o = res.gpu(other)?;
             Ok(l.context.enable_peer_access(&o.context)?)
         });
         match enabled {
@@ -720,25 +618,26 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// The device address of `t`'s remote range through the peer's IPC
     /// handle, mapped on GPU `ordinal` (cached), the mapping held in
-    /// `keep`; `None`: no handle for the grant, or it does not open.
-    fn mapped_remote(
-        &self,
-        copies: &mut Copies<C>,
+    /// `keep` when given; `None`: no handle for the grant, or it does not
+    /// open.
+    fn mapped_remote<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
         slot: usize,
         t: &Transfer<'_, V>,
         ordinal: u32,
-        keep: &mut Vec<Keep>,
+        keep: Option<&mut Vec<Keep>>,
     ) -> Result<Option<u64>, EngineError> {
         let d = t.remote;
-        let Some(grant) = copies.links.get(&slot).and_then(|l| l.ipc.get(&d.grant)) else {
+        let Some(grant) = self.links.get(&slot).and_then(|l| l.ipc.get(&d.grant)) else {
             return Ok(None);
         };
         let (handle, offset) = (grant.handle, grant.offset);
         let mapping = match &grant.mapping {
             Some((gpu, mapping)) if *gpu == ordinal => Arc::clone(mapping),
-            _ => match self.open_mapping(copies, ordinal, &handle) {
+            _ => match self.open_mapping(res, ordinal, &handle) {
                 Ok(mapping) => {
-                    if let Some(grant) = copies
+                    if let Some(grant) = self
                         .links
                         .get_mut(&slot)
                         .and_then(|l| l.ipc.get_mut(&d.grant))
@@ -764,19 +663,21 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             )));
         }
         let addr = mapping.mapping.device_ptr() + offset + t.remote_offset;
-        keep.push(mapping as Keep);
+        if let Some(keep) = keep {
+            keep.push(mapping as Keep);
+        }
         Ok(Some(addr))
     }
 
     /// The mapping of `handle` on GPU `ordinal`: the cached one while any
     /// grant or copy holds it, else newly opened.
-    fn open_mapping(
-        &self,
-        copies: &mut Copies<C>,
+    fn open_mapping<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
         ordinal: u32,
         handle: &IpcMemHandle,
     ) -> Result<Arc<Mapping<C>>, EngineError> {
-        if let Some(mapping) = copies
+        if let Some(mapping) = self
             .mappings
             .get(&(ordinal, *handle))
             .and_then(Weak::upgrade)
@@ -785,27 +686,26 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal).entered();
         let mapping = Arc::new(Mapping {
-            mapping: self.gpu(ordinal)?.context.ipc_open(handle)?,
+            mapping: res.gpu(ordinal)?.context.ipc_open(handle)?,
         });
-        copies.mappings.retain(|_, m| m.strong_count() > 0);
-        copies
-            .mappings
+        self.mappings.retain(|_, m| m.strong_count() > 0);
+        self.mappings
             .insert((ordinal, *handle), Arc::downgrade(&mapping));
         Ok(mapping)
     }
 
     /// Stream `index` of GPU `ordinal`'s peer-copy streams, made at first
     /// use; rotates.
-    fn next_stream<'c>(
-        &self,
-        copies: &'c mut Copies<C>,
+    fn next_stream<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
         ordinal: u32,
-    ) -> Result<(&'c C::Stream, usize), EngineError> {
+    ) -> Result<(&C::Stream, usize), EngineError> {
         use std::collections::hash_map::Entry;
-        let (streams, next) = match copies.streams.entry(ordinal) {
+        let (streams, next) = match self.streams.entry(ordinal) {
             Entry::Occupied(entry) => entry.into_mut(),
             Entry::Vacant(vacant) => {
-                let context = &self.gpu(ordinal)?.context;
+                let context = &res.gpu(ordinal)?.context;
                 let streams = (0..STREAMS_PER_GPU)
                     .map(|_| context.create_stream())
                     .collect::<Result<Vec<_>, _>>()?;
@@ -821,9 +721,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// slices over the local GPUs' streams, then an event on each stream
     /// it used. A copy that cannot be queued stops the flight (what was
     /// queued still drains).
-    fn queue_windows(&self, copies: &mut Copies<C>, flight: &mut Flight<C>) {
+    fn queue_windows<V: Api>(&mut self, res: &Resources<V, C>, flight: &mut Flight<C>) {
         while let Some(window) = flight.proto.poll_window() {
-            let (events, queued, error) = self.queue_window(copies, &flight.plan, &window);
+            let (events, queued, error) = self.queue_window(res, &flight.plan, &window);
             flight.queued += queued;
             if let Some(e) = error {
                 flight.error.get_or_insert(e);
@@ -841,9 +741,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Queues one window's slices; the events recorded after them, the
     /// bytes queued, and the error that stopped it, if any.
-    fn queue_window(
-        &self,
-        copies: &mut Copies<C>,
+    fn queue_window<V: Api>(
+        &mut self,
+        res: &Resources<V, C>,
         plan: &[Planned],
         window: &[Slice],
     ) -> (Vec<C::Event>, u64, Option<TransferError>) {
@@ -858,14 +758,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             };
             let len = slice.len;
             let copied = self
-                .next_stream(copies, p.ordinal)
+                .next_stream(res, p.ordinal)
                 .and_then(|(stream, index)| {
                     // SAFETY: both ranges were checked to lie in device
                     // memory this batch holds (the local region, and the
                     // owner's region or the IPC mapping, in the flight's
                     // `_keep`) until the events recorded after these
                     // copies have passed; the grant was live when this
-                    // window was queued (checked by the pump).
+                    // window was queued (checked by `progress`).
                     unsafe { stream.copy_device_to_device(dst, src, len as usize) }?;
                     Ok(index)
                 });
@@ -874,7 +774,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     if !used.contains(&(p.ordinal, index)) {
                         used.push((p.ordinal, index));
                     }
-                    copies.stats.copies += 1;
+                    self.stats.copies += 1;
                     queued += len;
                 }
                 Err(e) => {
@@ -887,10 +787,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         let mut events = Vec::with_capacity(used.len());
         for (ordinal, index) in used {
-            let Some(stream) = copies.streams.get(&ordinal).map(|(s, _)| &s[index]) else {
+            let Some(stream) = self.streams.get(&ordinal).map(|(s, _)| &s[index]) else {
                 continue;
             };
-            let recorded = self.gpu(ordinal).and_then(|gpu| {
+            let recorded = res.gpu(ordinal).and_then(|gpu| {
                 let event = gpu.context.create_event()?;
                 stream.record(&event)?;
                 Ok(event)
@@ -911,43 +811,131 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         (events, queued, error)
     }
+}
 
-    /// Moves the peer-copy batches on: retires their windows that ran,
-    /// stops those whose grant was revoked (or whose deadline passed, or
-    /// that were cancelled), queues their next windows, and ends each
-    /// batch once; drops the IPC handles of peers that are gone; takes the
-    /// importers' releases of our exported grants and gives up on those
-    /// past their bound; sends the releases we owe. Returns how many
-    /// batches ended.
-    pub(super) fn pump_peer_copies(&self, state: &mut State<V, C>, now: Instant) -> usize {
-        let State {
-            peers,
-            peer_copy: copies,
-            ..
-        } = state;
+impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
+    fn kind(&self) -> PathKind {
+        PathKind::PeerCopy
+    }
+
+    /// Every transfer has GPU memory on this side and a grant of GPU
+    /// memory the path reaches on the other: published to us (a peer of
+    /// this process) or whose IPC handle the peer sent and that opens here
+    /// (the mapping is opened, and cached, to know). The first transfer
+    /// the path would refuse (a revoked grant, a range outside the
+    /// exported allocation) ends the question: [`TransferPath::post`]
+    /// refuses the batch.
+    fn carries(
+        &mut self,
+        res: &Resources<V, C>,
+        slot: usize,
+        transfers: &[Transfer<'_, V>],
+    ) -> bool {
+        if !res.config.peer_copy || transfers.is_empty() {
+            return false;
+        }
+        let route = self.route(slot);
+        if route == PeerCopyRoute::Nic {
+            return false;
+        }
+        for t in transfers {
+            match self.resolve(res, slot, route, t, None) {
+                Ok(Some(_)) => {}
+                Ok(None) => return false,
+                Err(_) => return true,
+            }
+        }
+        true
+    }
+
+    /// Resolves each transfer to device addresses (holding the memory and
+    /// the grants it copies under) and queues the batch's first windows.
+    /// The engine checked the transfers against the peer's grants first.
+    fn post(
+        &mut self,
+        cx: &mut PathCx<'_, V, C>,
+        slot: usize,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        let route = self.route(slot);
+        let _span =
+            tracing::debug_span!("peer_copy_submit", transfers = transfers.len(), ?route).entered();
+        let mut plan = Vec::with_capacity(transfers.len());
+        let mut lens = Vec::with_capacity(transfers.len());
+        let mut held = Held::default();
+        for t in transfers {
+            let Some((ordinal, remote)) = self.resolve(cx.res, slot, route, t, Some(&mut held))?
+            else {
+                // `carries` said yes under this lock: only the owner
+                // revoking the grant since (in its own engine) gets here.
+                return Err(EngineError::Refused(format!(
+                    "grant {} is not reachable by peer copy",
+                    t.remote.grant
+                )));
+            };
+            held.keep.push(Arc::clone(&t.local.inner) as Keep);
+            plan.push(Planned {
+                op: t.op,
+                ordinal,
+                local: t.local.inner.addr + t.local_offset,
+                remote,
+            });
+            lens.push(t.len);
+        }
+        let cell = Arc::new(CompletionCell::new());
+        let deadline = cx.now.checked_add(timeout);
+        let windows = Windows {
+            slice: cx.res.config.peer_copy_slice,
+            slices: STREAMS_PER_GPU,
+            in_flight: WINDOWS_IN_FLIGHT,
+        };
+        let mut flight = Flight {
+            cell: Arc::clone(&cell),
+            proto: CopyFlight::new(lens, windows, deadline),
+            plan,
+            windows: VecDeque::new(),
+            error: None,
+            timeout,
+            queued: 0,
+            grants: held.grants,
+            _keep: held.keep,
+        };
+        self.queue_windows(cx.res, &mut flight);
+        self.flights.push(flight);
+        Ok(cell)
+    }
+
+    /// Moves the batches on: retires their windows that ran, stops those
+    /// whose grant was revoked (or whose deadline passed, or that were
+    /// cancelled), queues their next windows, and ends each batch once;
+    /// drops the IPC handles of peers that are gone; takes the importers'
+    /// releases of our exported grants and gives up on those past their
+    /// bound; sends the releases we owe. Returns how many batches ended.
+    fn progress(&mut self, cx: &mut PathCx<'_, V, C>) -> usize {
+        let now = cx.now;
         // A gone peer's handles go (their mappings once no copy uses them);
         // so does everything of a peer whose state is gone.
-        copies.links.retain(
-            |&slot, link| match peers.get(slot).and_then(Option::as_ref) {
-                None => false,
-                Some(peer) => {
-                    if peer.gone.is_some() {
-                        link.ipc.clear();
-                    }
-                    true
+        let wire = &*cx.wire;
+        self.links.retain(|&slot, link| match wire.peer(slot) {
+            None => false,
+            Some(peer) => {
+                if peer.gone.is_some() {
+                    link.ipc.clear();
                 }
-            },
-        );
-        for (grant, _) in copies.exports.handle_timeout(now) {
+                true
+            }
+        });
+        for (grant, _) in self.exports.handle_timeout(now) {
             tracing::warn!(
                 grant,
                 "no release of a revoked grant's IPC handle within the bound: its memory is given back unconfirmed"
             );
         }
-        if copies.flights.is_empty() && copies.releases.is_empty() {
+        if self.flights.is_empty() && self.releases.is_empty() {
             return 0;
         }
-        let mut flights = std::mem::take(&mut copies.flights);
+        let mut flights = std::mem::take(&mut self.flights);
         let mut ended = 0;
         flights.retain_mut(|flight| {
             // The windows that ran.
@@ -975,7 +963,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             for grant in &flight.grants {
                 let live = match grant {
                     GrantUse::SameProcess { fence, .. } => !fence.0.is_revoked(),
-                    GrantUse::Ipc { slot, grant } => copies
+                    GrantUse::Ipc { slot, grant } => self
                         .links
                         .get(slot)
                         .is_some_and(|l| l.ipc.contains_key(grant)),
@@ -987,11 +975,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
             flight.proto.handle_timeout(now);
-            self.queue_windows(copies, flight);
+            self.queue_windows(cx.res, flight);
             if flight.proto.is_drained() && flight.proto.stopped() != Some(Stop::Failed) {
                 // Counted once: a drained flight is dropped below.
-                copies.stats.batches += 1;
-                copies.stats.bytes += flight.queued;
+                self.stats.batches += 1;
+                self.stats.bytes += flight.queued;
             }
             if let Some(outcome) = flight.proto.poll_outcome() {
                 let outcome = match outcome {
@@ -1011,10 +999,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             !flight.proto.is_drained()
         });
-        copies.flights = flights;
+        self.flights = flights;
         // The releases owed whose grants no batch has anything queued under.
-        let flights = &copies.flights;
-        let ready = copies.releases.poll_release(|slot, grant| {
+        let flights = &self.flights;
+        let ready = self.releases.poll_release(|slot, grant| {
             flights.iter().any(|f| {
                 f.grants.iter().any(|g| {
                     matches!(g, GrantUse::Ipc { slot: s, grant: g } if *s as u64 == slot && *g == grant)
@@ -1022,34 +1010,115 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             })
         });
         for (slot, grant) in ready {
-            let Some(peer) = peers.get_mut(slot as usize).and_then(Option::as_mut) else {
+            let slot = slot as usize;
+            if cx.wire.peer(slot).is_none() {
                 continue;
-            };
-            let config = &self.shared.config;
-            if let Err(e) = peer.enqueue(
-                &Control::GrantReleased { grant },
-                now,
-                config.default_timeout,
-            ) {
+            }
+            let message = Control::GrantReleased { grant };
+            if let Err(e) = cx.wire.send(slot, &message, cx.res.config.default_timeout) {
                 tracing::debug!(grant, error = %e, "a grant release not sent");
             }
         }
         ended
     }
 
-    /// Cancels the peer-copy batch of `cell`, if it is one: it queues
-    /// nothing more and ends [`TransferError::Cancelled`] once its queued
-    /// copies have run.
-    pub(super) fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
-        let mut state = lock(&self.shared.state);
-        if let Some(flight) = state
-            .peer_copy
-            .flights
-            .iter_mut()
-            .find(|f| Arc::ptr_eq(&f.cell, cell))
-        {
-            flight.proto.stop(Stop::Cancelled);
+    /// Takes where the peer runs, the IPC handles of its grants and its
+    /// releases of ours; notes its revokes (the release we owe) and hands
+    /// them back, with every other message. The IPC handles a peer sent
+    /// and has not revoked are bounded by its live grants' bound: one
+    /// more, and the peer misbehaves.
+    fn on_control<'m>(
+        &mut self,
+        cx: &mut PathCx<'_, V, C>,
+        slot: usize,
+        message: Control<'m>,
+    ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
+        match message {
+            Control::Locality { host, process } => {
+                self.links.entry(slot).or_default().remote = Some(Locality { host, process });
+                Ok(None)
+            }
+            Control::GrantIpc {
+                grant,
+                offset,
+                handle,
+            } => {
+                let max_handles = cx.res.config.peer_limits.max_remote_grants;
+                let ipc = &mut self.links.entry(slot).or_default().ipc;
+                if ipc.len() >= max_handles && !ipc.contains_key(&grant) {
+                    return Err(PeerMisbehaved::TooManyGrants { max: max_handles });
+                }
+                ipc.insert(
+                    grant,
+                    IpcGrant {
+                        handle: IpcMemHandle(handle),
+                        offset,
+                        mapping: None,
+                    },
+                );
+                Ok(None)
+            }
+            // The peer revoked a grant: its handle goes (the mapping once
+            // no copy uses it) and we owe a release once none of our
+            // batches has anything queued under it. The engine's record of
+            // the grant goes too: handed back.
+            Control::GrantRevoke { grant } => {
+                if let Some(link) = self.links.get_mut(&slot)
+                    && link.ipc.remove(&grant).is_some()
+                {
+                    self.releases.owe(slot as u64, grant);
+                }
+                Ok(Some(message))
+            }
+            // The importer of one of our revoked grants released it.
+            Control::GrantReleased { grant } => {
+                if let Some(peer) = cx.wire.peer(slot)
+                    && self.exports.on_released(grant, peer.session).is_some()
+                {
+                    tracing::debug!(grant, "the importer released a revoked grant");
+                }
+                Ok(None)
+            }
+            other => Ok(Some(other)),
         }
+    }
+
+    /// Stops the batches of `cells`: they queue nothing more and end
+    /// [`TransferError::Cancelled`] once their queued copies have run.
+    fn cancel(&mut self, cells: &[Arc<CompletionCell>]) {
+        for flight in &mut self.flights {
+            if cells.iter().any(|cell| Arc::ptr_eq(&flight.cell, cell)) {
+                flight.proto.stop(Stop::Cancelled);
+            }
+        }
+    }
+
+    /// Drops the peer's IPC handles (its batches stop at their next
+    /// window; the mappings close once no copy uses them) and the releases
+    /// owed to it (it can take none); [`TransferPath::progress`] does the
+    /// same for every peer it finds gone.
+    fn release_peer(&mut self, cx: &mut PathCx<'_, V, C>, slot: usize) {
+        match cx.wire.peer(slot) {
+            None => {
+                self.links.remove(&slot);
+            }
+            Some(_) => {
+                if let Some(link) = self.links.get_mut(&slot) {
+                    link.ipc.clear();
+                }
+            }
+        }
+        self.releases.forget(slot as u64);
+    }
+
+    /// The earliest deadline of a batch in flight or of an exported
+    /// grant's release.
+    fn next_deadline(&self) -> Option<Instant> {
+        self.flights
+            .iter()
+            .filter_map(|f| f.proto.poll_timeout())
+            .chain(self.exports.poll_timeout())
+            .min()
     }
 }
 

@@ -1019,7 +1019,12 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
     }
 
     /// The local region is staged or the peer's grant is.
-    fn carries(&self, _res: &Resources<V, C>, _slot: usize, transfers: &[Transfer<'_, V>]) -> bool {
+    fn carries(
+        &mut self,
+        _res: &Resources<V, C>,
+        _slot: usize,
+        transfers: &[Transfer<'_, V>],
+    ) -> bool {
         transfers.iter().any(|t| t.local.is_staged() || slotted(t))
     }
 
