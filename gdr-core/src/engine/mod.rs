@@ -621,6 +621,14 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     holds: Arc<InternalHolds>,
 }
 
+/// Lets the engine's shared part read as its resources.
+impl<V: Api, C: hal_cuda::Api> std::ops::Deref for Shared<V, C> {
+    type Target = Resources<V, C>;
+    fn deref(&self) -> &Resources<V, C> {
+        &self.res
+    }
+}
+
 thread_local! {
     /// Set on the engine's internal threads (its own driver, a listener's):
     /// an engine handle dropped there never waits for [`InternalHolds`].
@@ -1158,6 +1166,23 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         for old in &peer.retired {
             state.by_qp_num.remove(&(nic0, old.qp().qp_num()));
         }
+        // Each path ends what it does with the peer and lets go of it.
+        let State {
+            core,
+            peers,
+            staged,
+            peer_copy,
+            ..
+        } = &mut *state;
+        let res = &self.shared.res;
+        let mut wire = Connections { core, peers, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        };
+        staged.release_peer(&mut cx, slot);
+        peer_copy.release_peer(&mut cx, slot);
         self.run_actions(state);
         drop(guard);
         tracing::info!(
@@ -1396,7 +1421,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The earliest deadline of a request in flight: a driver that waits
     /// for completion events must call [`Engine::progress`] by then.
     pub fn next_deadline(&self) -> Option<Instant> {
-        lock(&self.shared.state).core.next_deadline()
+        let mut state = lock(&self.shared.state);
+        [
+            state.core.next_deadline(),
+            TransferPath::<V, C>::next_deadline(&state.staged),
+            TransferPath::<V, C>::next_deadline(&state.peer_copy),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Polls every NIC's completions, handles deadlines and connection

@@ -8,6 +8,12 @@
 //! process can map). Gating ([`super::gate`]) is not a path: it holds any
 //! path's batch until a GPU stream reaches a point.
 //!
+//! The RDMA path is the engine's own, not an implementation of
+//! [`TransferPath`]: its state is the peers' queue pairs and the batches
+//! in flight on them (the engine's deterministic core), which the other
+//! paths ride as well (the control channel, the staged path's slices), so
+//! it is the [`Wire`] the seam hands them rather than a path beside them.
+//!
 //! The seam is in the shape of NIXL's backend engine: a path is asked what
 //! it can carry ([`TransferPath::carries`], the capability predicate), is
 //! handed a batch it said it carries ([`TransferPath::post`], which checks
@@ -49,10 +55,6 @@
 //! checks a request against the same grant tables and the same revocation
 //! fence before touching memory, so none of the other paths changes.
 
-// The paths move behind this seam one by one; until the last has, parts
-// of it have no user yet.
-#![allow(dead_code)]
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -64,18 +66,6 @@ use super::wire::Control;
 use super::{EngineError, Op, Region, Transfer, TransferError};
 use crate::descriptor::MemoryDescriptor;
 use gdr_proto::PeerMisbehaved;
-
-/// Which path a batch took.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PathKind {
-    /// The NIC moves the bytes directly (one-sided RDMA).
-    Rdma,
-    /// Through pinned bounce slices (the staging rung; the peer's by the
-    /// slotted rendezvous).
-    Staged,
-    /// The GPU's copy engines, to a peer GPU this process maps.
-    PeerCopy,
-}
 
 /// What the engine knows of a peer, for a path.
 #[derive(Clone, Copy, Debug)]
@@ -146,12 +136,11 @@ pub(crate) struct PathCx<'a, V: Api, C: hal_cuda::Api> {
 /// (a path that needs a synchronous copy hands it out as work to run
 /// outside the lock).
 pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
-    /// Which path this is.
-    fn kind(&self) -> PathKind;
-
     /// Whether this path carries `transfers` for the peer in `slot` (the
-    /// capability predicate). The engine asks the paths in a fixed order
-    /// (peer copy, staged, RDMA) and posts to the first that says yes.
+    /// capability predicate). The engine asks the peer-copy path, then the
+    /// staged path, and posts to the first that says yes; what neither
+    /// carries goes over the NIC directly (the RDMA path: the batch sliced
+    /// over the peer's queue pairs, as [`Wire::post_rdma`] posts one op).
     /// `&mut`: a path may have to open what it would carry them through
     /// to know (the peer-copy path opens, and caches, a peer's IPC handle:
     /// one that does not open here leaves the batch to the NIC).
@@ -162,8 +151,10 @@ pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
         transfers: &[Transfer<'_, V>],
     ) -> bool;
 
-    /// Checks `transfers` (local bounds, the grant, its rights and range)
-    /// and starts them for the peer in `slot`; the returned cell ends
+    /// Starts `transfers` for the peer in `slot`, which the engine checked
+    /// first (local bounds; the grant live on this connection, its rights
+    /// and range): the path checks what is its own (a mapping that opens,
+    /// a pool it can make) before anything moves. The returned cell ends
     /// exactly once, by `timeout`. On `Err` nothing started.
     fn post(
         &mut self,

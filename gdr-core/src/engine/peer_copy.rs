@@ -111,7 +111,7 @@ use hal_verbs::Api;
 
 use super::completion::CompletionCell;
 use super::core::Keep;
-use super::path::{PathCx, PathKind, TransferPath};
+use super::path::{PathCx, TransferPath};
 use super::resources::Resources;
 use super::wire::Control;
 use super::{EngineError, Op, Region, Transfer, TransferError};
@@ -814,10 +814,6 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
-    fn kind(&self) -> PathKind {
-        PathKind::PeerCopy
-    }
-
     /// Every transfer has GPU memory on this side and a grant of GPU
     /// memory the path reaches on the other: published to us (a peer of
     /// this process) or whose IPC handle the peer sent and that opens here

@@ -8,7 +8,6 @@
 //! reaches the engine's state or another path's.
 
 use std::collections::HashMap;
-use std::ops::Deref;
 use std::sync::atomic::AtomicU64;
 
 use hal_verbs::Api;
@@ -106,14 +105,6 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
     /// Registers the whole of `buffer` on every NIC.
     pub(crate) fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
         self.register_range(buffer, 0, buffer.len())
-    }
-}
-
-/// Lets the engine's shared part read as its resources.
-impl<V: Api, C: hal_cuda::Api> Deref for super::Shared<V, C> {
-    type Target = Resources<V, C>;
-    fn deref(&self) -> &Resources<V, C> {
-        &self.res
     }
 }
 

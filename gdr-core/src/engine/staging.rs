@@ -75,7 +75,7 @@ use hal_cuda::{Context as _, Stream as _};
 use hal_verbs::Api;
 
 use super::completion::{CompletionCell, Outcome};
-use super::path::{PathCx, PathKind, TransferPath};
+use super::path::{PathCx, TransferPath};
 use super::pipeline::{self, Pipe, StagingPool};
 use super::rendezvous::{self, Asks, Landing, LandingSlots};
 use super::resources::Resources;
@@ -1014,10 +1014,6 @@ fn reply<V: Api, C: hal_cuda::Api>(cx: &mut PathCx<'_, V, C>, slot: usize, id: u
 }
 
 impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
-    fn kind(&self) -> PathKind {
-        PathKind::Staged
-    }
-
     /// The local region is staged or the peer's grant is.
     fn carries(
         &mut self,
