@@ -642,12 +642,28 @@ thread_local! {
 /// settles its work) runs in the caller's drop, and none of its work moves
 /// after that drop returned. Without this, a step under way at that
 /// moment would tear the engine down later, on its own thread.
-#[derive(Debug, Default)]
 struct InternalHolds {
-    closed: std::sync::RwLock<bool>,
+    closed: crate::sync::RwLock<bool>,
     /// Internal steps holding the engine now (read before taking the
     /// write guard: a handle with more holders than these is not last).
-    stepping: std::sync::atomic::AtomicUsize,
+    stepping: crate::sync::atomic::AtomicUsize,
+}
+
+impl Default for InternalHolds {
+    fn default() -> Self {
+        Self {
+            closed: crate::sync::RwLock::new(false),
+            stepping: crate::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+}
+
+impl fmt::Debug for InternalHolds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InternalHolds")
+            .field("stepping", &self.stepping.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
 }
 
 impl InternalHolds {
@@ -657,10 +673,7 @@ impl InternalHolds {
         weak: &std::sync::Weak<Shared<V, C>>,
         step: impl FnOnce(&Engine<V, C>) -> T,
     ) -> Option<T> {
-        let closed = self
-            .closed
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let closed = crate::sync::read(&self.closed);
         if *closed {
             return None;
         }
@@ -4227,7 +4240,7 @@ mod teardown_tests {
         assert_eq!(internal.join().unwrap(), Some(()));
         // Closed: an internal thread finds no engine any more.
         let holds = InternalHolds::default();
-        *holds.closed.write().unwrap() = true;
+        *crate::sync::write(&holds.closed) = true;
         assert_eq!(holds.step(&weak, |_| ()), None);
     }
 }
