@@ -2,7 +2,8 @@
 //! memory that no NIC reaches (the ladder's policy allows only the staging
 //! rung) on either side or both, against host, pinned and GPU memory,
 //! WRITE and READ, data verified byte for byte; and the owner refusing a
-//! rendezvous outside its grant's rights.
+//! rendezvous outside its grant's rights, or not through its landing
+//! slots.
 
 use std::time::Duration;
 
