@@ -756,11 +756,9 @@ gdr_result gdr_peer_submit_after_stream(struct gdr_peer peer,
 // where the GPU needs it, its inbound writes were flushed, so it sees
 // the data a READ brought into GPU memory. The stream is released however
 // the batch ends: check the batch's outcome ([`gdr_batch_wait`],
-// [`gdr_batch_poll`]) before trusting the data. `GDR_RESULT_REFUSED` for
-// a batch staged through whole-range bounce buffers (its copies run in
-// [`gdr_batch_wait`]). Several streams may wait for one batch, and a
-// stream for several batches. The stream may be of any context of the
-// same backends. Any thread.
+// [`gdr_batch_poll`]) before trusting the data. Several streams may wait
+// for one batch, and a stream for several batches. The stream may be of
+// any context of the same backends. Any thread.
 gdr_result gdr_batch_fence_stream(struct gdr_batch batch, struct gdr_stream stream);
 
 // Whether the batch has ended, without blocking (it makes progress

@@ -45,7 +45,9 @@ pub mod status {
     pub const OK: u32 = 0;
     /// No live grant of that id on this connection.
     pub const NOT_GRANTED: u32 = 1;
-    /// The grant does not allow it.
+    /// The grant does not allow it. Also the answer to a request not
+    /// through landing slots (`slots: false`, the naive rendezvous): the
+    /// engine no longer serves that form.
     pub const ACCESS_DENIED: u32 = 2;
     /// Outside the grant.
     pub const OUT_OF_BOUNDS: u32 = 3;

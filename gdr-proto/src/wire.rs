@@ -603,7 +603,9 @@ pub enum Control<'a> {
         write: bool,
         /// Through the owner's landing slots lent to the requester
         /// ([`Control::Slots`], slice by slice with [`Control::SlotReady`]
-        /// credits); else against the requester's grant whose id is `id`.
+        /// credits); else against the requester's grant whose id is `id`
+        /// (the naive rendezvous of older engines: refused,
+        /// [`crate::rendezvous::status::ACCESS_DENIED`]).
         slots: bool,
     },
     /// The answer to a [`Control::StagedRequest`].

@@ -17,7 +17,18 @@
 //!   `pipelined_gpu`: staged GPU memory into the peer's staged GPU memory
 //!   (both ends staged, no GDR anywhere: the requester's device→host
 //!   copies, the wire and the owner's host→device copies overlapped);
-//! - `naive_*`: the same with the pipeline off (copy all, then send).
+//! - `naive_*`: the baseline, copy all, then send: the same transfers
+//!   with no overlap, built here on the engine's public API (the engine
+//!   has no such path): `naive_pipelined` is a synchronous device→pinned
+//!   copy of the whole range on a stream, then an engine WRITE from that
+//!   pinned buffer (host memory the NIC reaches) into the peer's host
+//!   memory; `naive_pipelined_in` is an engine WRITE of host memory into a
+//!   pinned host buffer the owner granted, then the owner's synchronous
+//!   host→device copy of the whole range into its GPU memory (run here,
+//!   on the owner's driver, once the WRITE ended: the message that would
+//!   tell the owner is left out); `naive_pipelined_gpu` is both. The
+//!   pinned buffers are allocated and registered once, outside the
+//!   measurement.
 //!
 //! The goal (issue): pipelined ≥ 0.9 × its slowest stage at ≥ 16 MiB.
 //! With `GDR_STAGING_SWEEP=1` (on a GPU) it sweeps the pipeline's slice
@@ -41,11 +52,10 @@ use hal_cuda::{Context as _, Driver as _, Stream as _};
 const T: Duration = Duration::from_secs(120);
 const SIZES: [u64; 4] = [64 << 10, 1 << 20, 16 << 20, 256 << 20];
 
-fn config(pipeline: bool) -> EngineConfig {
+fn config() -> EngineConfig {
     EngineConfig {
         qps_per_peer: 2,
         default_timeout: T,
-        staging_pipeline: pipeline,
         // The staging path is measured: both engines share the GPU here.
         peer_copy: false,
         ladder: LadderConfig {
@@ -56,14 +66,38 @@ fn config(pipeline: bool) -> EngineConfig {
     }
 }
 
+/// A synchronous copy of `len` bytes from device address `src` into host
+/// memory at `dst` on `stream`.
+///
+/// # Safety
+/// `dst` and `src` name `len` bytes each, mapped, alive until it returns.
+unsafe fn d2h<C: hal_cuda::Api>(stream: &C::Stream, dst: u64, src: u64, len: u64) {
+    // SAFETY: the caller's.
+    unsafe { stream.copy_device_to_host(dst as *mut u8, src, len as usize) }.unwrap();
+    stream.synchronize().unwrap();
+}
+
+/// A synchronous copy of `len` bytes from host memory at `src` to device
+/// address `dst` on `stream`.
+///
+/// # Safety
+/// As [`d2h`].
+unsafe fn h2d<C: hal_cuda::Api>(stream: &C::Stream, dst: u64, src: u64, len: u64) {
+    // SAFETY: the caller's.
+    unsafe { stream.copy_host_to_device(dst, src as *const u8, len as usize) }.unwrap();
+    stream.synchronize().unwrap();
+}
+
 fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> C::Driver) {
-    let worlds: Vec<(bool, EngineWorld<SimVerbsApi, C>)> = [true, false]
-        .into_iter()
-        .map(|p| (p, EngineWorld::sim_with(1, config(p), T, |_| cuda())))
-        .collect();
+    let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config(), T, |_| cuda());
     let driver = cuda();
     let ctx = driver.context(0).expect("GPU 0");
     let stream = ctx.create_stream().expect("a stream");
+    // The baseline's copies, on each side's own GPU.
+    let a_stream = w.a.cuda.context(0).unwrap().create_stream().unwrap();
+    let b_stream = w.b.cuda.context(0).unwrap().create_stream().unwrap();
+    // The owner serves rendezvous on its driver thread.
+    let _driver = w.b.engine.spawn_driver(Duration::from_micros(50));
     let mut group = c.benchmark_group(format!("staging_{what}"));
     group.sample_size(10);
     for len in SIZES {
@@ -72,82 +106,81 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
         let pinned = Buffer::<C>::alloc_pinned(&ctx, len).expect("pinned memory");
         group.bench_function(BenchmarkId::new("d2h", len), |b| {
             b.iter(|| {
-                // SAFETY: both buffers hold `len` bytes and outlive the
-                // synchronised copy.
-                unsafe {
-                    stream.copy_device_to_host(
-                        pinned.addr() as *mut u8,
-                        device.addr(),
-                        len as usize,
-                    )
-                }
-                .unwrap();
-                stream.synchronize().unwrap();
+                // SAFETY: both buffers hold `len` bytes and outlive the copy.
+                unsafe { d2h::<C>(&stream, pinned.addr(), device.addr(), len) }
             })
         });
         group.bench_function(BenchmarkId::new("h2d", len), |b| {
             b.iter(|| {
                 // SAFETY: as above.
-                unsafe {
-                    stream.copy_host_to_device(
-                        device.addr(),
-                        pinned.addr() as *const u8,
-                        len as usize,
-                    )
-                }
-                .unwrap();
-                stream.synchronize().unwrap();
+                unsafe { h2d::<C>(&stream, device.addr(), pinned.addr(), len) }
             })
         });
-        for (pipeline, w) in &worlds {
-            let prefix = if *pipeline { "" } else { "naive_" };
-            let (_hs, host_src) = w.a.alloc(Kind::Host, len, 1);
-            let (_gs, gpu_src) = w.a.alloc(Kind::Gpu, len, 2);
-            let (_hd, host_dst) = w.b.alloc(Kind::Host, len, 0);
-            let (_gd, gpu_dst) = w.b.alloc(Kind::Gpu, len, 0);
-            let (_g1, to_host) = w.b_grants(&host_dst, GrantRights::ReadWrite);
-            let (_g2, to_gpu) = w.b_grants(&gpu_dst, GrantRights::Write);
-            // The owner serves rendezvous on its driver thread.
-            let _driver = w.b.engine.spawn_driver(Duration::from_micros(50));
-            // What a rendezvous adds on the requester's side: a grant
-            // of the range to the owner, announced, then revoked (a driver
-            // sends the announcements: nothing else makes progress here).
-            if *pipeline {
-                let _sender = w.a.engine.spawn_driver(Duration::from_micros(50));
-                group.bench_function(BenchmarkId::new("grant", len), |b| {
-                    b.iter(|| drop(w.ab.grant(&host_src, 0, len, GrantRights::Read).unwrap()))
-                });
-            }
-            let mut run = |name: String, transfer: Transfer<'_, SimVerbsApi>| {
-                group.bench_function(BenchmarkId::new(name, len), |b| {
-                    b.iter(|| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap())
-                });
-            };
-            if *pipeline {
-                run(
-                    "wire".into(),
-                    Transfer::write(&host_src, 0, &to_host, 0, len),
-                );
-                // The owner's side of a rendezvous into staged GPU memory
-                // READs: the wire as that direction sees it.
-                run(
-                    "wire_read".into(),
-                    Transfer::read(&host_src, 0, &to_host, 0, len),
-                );
-            }
-            run(
-                format!("{prefix}pipelined"),
-                Transfer::write(&gpu_src, 0, &to_host, 0, len),
-            );
-            run(
-                format!("{prefix}pipelined_in"),
-                Transfer::write(&host_src, 0, &to_gpu, 0, len),
-            );
-            run(
-                format!("{prefix}pipelined_gpu"),
-                Transfer::write(&gpu_src, 0, &to_gpu, 0, len),
-            );
+        let (_hs, host_src) = w.a.alloc(Kind::Host, len, 1);
+        let (gpu_src_buf, gpu_src) = w.a.alloc(Kind::Gpu, len, 2);
+        let (pinned_src_buf, pinned_src) = w.a.alloc(Kind::Pinned, len, 0);
+        let (_hd, host_dst) = w.b.alloc(Kind::Host, len, 0);
+        let (gpu_dst_buf, gpu_dst) = w.b.alloc(Kind::Gpu, len, 0);
+        let (pinned_dst_buf, pinned_dst) = w.b.alloc(Kind::Pinned, len, 0);
+        let (_g1, to_host) = w.b_grants(&host_dst, GrantRights::ReadWrite);
+        let (_g2, to_gpu) = w.b_grants(&gpu_dst, GrantRights::Write);
+        let (_g3, to_pinned) = w.b_grants(&pinned_dst, GrantRights::Write);
+        // What a rendezvous would add on the requester's side if it granted
+        // its range: a grant to the owner, announced, then revoked (a
+        // driver sends the announcements: nothing else makes progress here).
+        {
+            let _sender = w.a.engine.spawn_driver(Duration::from_micros(50));
+            group.bench_function(BenchmarkId::new("grant", len), |b| {
+                b.iter(|| drop(w.ab.grant(&host_src, 0, len, GrantRights::Read).unwrap()))
+            });
         }
+        let write = |transfer: Transfer<'_, SimVerbsApi>| {
+            w.ab.submit(&[transfer]).unwrap().wait(T).unwrap()
+        };
+        let mut run = |name: &str, transfer: Transfer<'_, SimVerbsApi>| {
+            group.bench_function(BenchmarkId::new(name, len), |b| b.iter(|| write(transfer)));
+        };
+        run("wire", Transfer::write(&host_src, 0, &to_host, 0, len));
+        // The owner's side of a rendezvous into staged GPU memory READs:
+        // the wire as that direction sees it.
+        run("wire_read", Transfer::read(&host_src, 0, &to_host, 0, len));
+        run("pipelined", Transfer::write(&gpu_src, 0, &to_host, 0, len));
+        run(
+            "pipelined_in",
+            Transfer::write(&host_src, 0, &to_gpu, 0, len),
+        );
+        run(
+            "pipelined_gpu",
+            Transfer::write(&gpu_src, 0, &to_gpu, 0, len),
+        );
+        // The baseline: copy all, then send (or send all, then copy).
+        let (gs, ps) = (gpu_src_buf.addr(), pinned_src_buf.addr());
+        let (gd, pd) = (gpu_dst_buf.addr(), pinned_dst_buf.addr());
+        group.bench_function(BenchmarkId::new("naive_pipelined", len), |b| {
+            b.iter(|| {
+                // SAFETY: a's GPU and pinned buffers hold `len` bytes and
+                // outlive the copy; no transfer uses them meanwhile.
+                unsafe { d2h::<C>(&a_stream, ps, gs, len) };
+                write(Transfer::write(&pinned_src, 0, &to_host, 0, len));
+            })
+        });
+        group.bench_function(BenchmarkId::new("naive_pipelined_in", len), |b| {
+            b.iter(|| {
+                write(Transfer::write(&host_src, 0, &to_pinned, 0, len));
+                // SAFETY: b's GPU and pinned buffers hold `len` bytes and
+                // outlive the copy; the WRITE into the pinned one ended.
+                unsafe { h2d::<C>(&b_stream, gd, pd, len) };
+            })
+        });
+        group.bench_function(BenchmarkId::new("naive_pipelined_gpu", len), |b| {
+            b.iter(|| {
+                // SAFETY: as in the two above.
+                unsafe { d2h::<C>(&a_stream, ps, gs, len) };
+                write(Transfer::write(&pinned_src, 0, &to_pinned, 0, len));
+                // SAFETY: as above.
+                unsafe { h2d::<C>(&b_stream, gd, pd, len) };
+            })
+        });
     }
     group.finish();
 }
@@ -162,7 +195,7 @@ fn sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
     group.throughput(Throughput::Bytes(LEN));
     for slice in [1u64 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20] {
         for slots in [2usize, 4, 8, 16] {
-            let mut config = config(true);
+            let mut config = config();
             config.staging_slice = slice;
             config.staging_slots = slots;
             let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config, T, |_| cuda());
@@ -190,7 +223,7 @@ fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C
     // The stages alone, in the same run: the wire (host → host WRITE)
     // and the owner's host → device copy.
     {
-        let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config(true), T, |_| cuda());
+        let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config(), T, |_| cuda());
         let (_hs, host_src) = w.a.alloc(Kind::Host, LEN, 1);
         let (_hd, host_dst) = w.b.alloc(Kind::Host, LEN, 0);
         let (_g, to_host) = w.b_grants(&host_dst, GrantRights::Write);
@@ -221,7 +254,7 @@ fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C
     }
     for slice in [512u64 << 10, 1 << 20, 2 << 20, 4 << 20] {
         for slots in [2usize, 4, 8, 16] {
-            let mut config = config(true);
+            let mut config = config();
             config.staging_slice = slice;
             config.rendezvous_slots = slots;
             let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config, T, |_| cuda());

@@ -1,8 +1,8 @@
 //! The engine's staging path on the real CUDA driver (the H200): two
 //! engines on two nodes of the simulated NIC fabric, each with the real
 //! GPU. The sim NIC moves host memory only, so GPU memory goes through the
-//! staging rung: the pipelined bounce pool (and the naive path), device
-//! memory copied by the real driver. GPU→GPU, GPU→host and host→GPU, WRITE
+//! staging rung: the pipelined bounce pool, device memory copied by the
+//! real driver. GPU→GPU, GPU→host and host→GPU, WRITE
 //! and READ back, from 1 byte to 1 GiB including sizes that are not
 //! multiples of the slice, data verified byte for byte. Skipped (with the
 //! reason printed) without a GPU; a failure then with `GDR_EXPECT_GPU=1`.
@@ -21,21 +21,19 @@ const T: Duration = Duration::from_secs(120);
 /// peer-copy path is off (both engines share the GPUs and the process, so
 /// it would take every GPU-to-GPU transfer): these tests are about the
 /// staging path.
-fn world(test: &str, policy: Policy, pipeline: bool) -> Option<EngineWorld<SimVerbsApi, CudaApi>> {
-    world_with(test, policy, pipeline, false)
+fn world(test: &str, policy: Policy) -> Option<EngineWorld<SimVerbsApi, CudaApi>> {
+    world_with(test, policy, false)
 }
 
 fn world_with(
     test: &str,
     policy: Policy,
-    pipeline: bool,
     peer_copy: bool,
 ) -> Option<EngineWorld<SimVerbsApi, CudaApi>> {
     let (driver, _ctx) = gdr_tests::cuda_gpu(test)?;
     let config = EngineConfig {
         qps_per_peer: 2,
         default_timeout: T,
-        staging_pipeline: pipeline,
         peer_copy,
         ladder: LadderConfig {
             policy,
@@ -52,7 +50,7 @@ fn world_with(
 #[test]
 fn real_gpu_memory_over_the_sim_nic_takes_the_staging_rung() {
     let name = "real_gpu_memory_over_the_sim_nic_takes_the_staging_rung";
-    let Some(w) = world(name, Policy::Fallback, true) else {
+    let Some(w) = world(name, Policy::Fallback) else {
         return;
     };
     let (src_rungs, dst_rungs, _) =
@@ -65,7 +63,7 @@ fn real_gpu_memory_over_the_sim_nic_takes_the_staging_rung() {
 #[test]
 fn pipelined_staging_on_the_real_gpu() {
     let name = "pipelined_staging_on_the_real_gpu";
-    let Some(w) = world(name, Policy::Only(Rung::Staging), true) else {
+    let Some(w) = world(name, Policy::Only(Rung::Staging)) else {
         return;
     };
     let slice = w.a.engine.config().staging_slice;
@@ -89,19 +87,6 @@ fn pipelined_staging_on_the_real_gpu() {
     }
 }
 
-/// The naive path (copy all, then send) on the real GPU, for the
-/// benchmark's baseline to be right too.
-#[test]
-fn naive_staging_on_the_real_gpu() {
-    let name = "naive_staging_on_the_real_gpu";
-    let Some(w) = world(name, Policy::Only(Rung::Staging), false) else {
-        return;
-    };
-    for len in [1, 4 << 20, (16 << 20) + 3] {
-        w.write_and_read_back(Kind::Gpu, Kind::Gpu, len, 9, 2, &format!("naive {len} B"));
-    }
-}
-
 /// A stream-ordered fence on the real driver (`cuStreamWaitValue32` on the
 /// engine's pinned word): a copy queued after the fence does not run while
 /// the batch is held (the sim fabric paused), runs once it ends, and sees
@@ -116,7 +101,7 @@ fn a_stream_fence_on_the_real_gpu() {
     use hal_cuda::{Event as _, Stream as _};
 
     let name = "a_stream_fence_on_the_real_gpu";
-    let Some(w) = world(name, Policy::Fallback, true) else {
+    let Some(w) = world(name, Policy::Fallback) else {
         return;
     };
     let (batch, stream, event) = w.fenced_copy_after_a_held_read(1 << 20, 6);
@@ -165,7 +150,7 @@ fn a_stream_fence_on_the_real_gpu() {
 #[test]
 fn vmm_chunks_through_the_engine_on_the_real_gpu() {
     let name = "vmm_chunks_through_the_engine_on_the_real_gpu";
-    let Some(w) = world(name, Policy::Fallback, true) else {
+    let Some(w) = world(name, Policy::Fallback) else {
         return;
     };
     let Some((rungs, granted)) = w.vmm_round_trip(&[]) else {
@@ -187,7 +172,7 @@ fn vmm_chunks_through_the_engine_on_the_real_gpu() {
 #[test]
 fn a_vmm_chunk_remapped_on_the_real_gpu_is_registered_anew() {
     let name = "a_vmm_chunk_remapped_on_the_real_gpu_is_registered_anew";
-    let Some(w) = world(name, Policy::Fallback, true) else {
+    let Some(w) = world(name, Policy::Fallback) else {
         return;
     };
     if w.vmm_remap_is_stale().is_none() {
@@ -208,7 +193,7 @@ fn two_engines_of_one_process_copy_by_peer_copy_on_the_real_gpu() {
     use gdr_tests::engine_world::peer_copy_gpus;
 
     let name = "two_engines_of_one_process_copy_by_peer_copy_on_the_real_gpu";
-    let Some(w) = world_with(name, Policy::Fallback, true, true) else {
+    let Some(w) = world_with(name, Policy::Fallback, true) else {
         return;
     };
     let gpus = peer_copy_gpus::<CudaApi>(&w.a.cuda);
@@ -362,7 +347,7 @@ fn a_gated_batch_on_the_real_gpu() {
     use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
 
     let name = "a_gated_batch_on_the_real_gpu";
-    let Some(w) = world(name, Policy::Fallback, true) else {
+    let Some(w) = world(name, Policy::Fallback) else {
         return;
     };
     w.gated_write_after_a_held_stream(1 << 20, 21);

@@ -2,12 +2,14 @@
 //! memory that no NIC reaches (the ladder's policy allows only the staging
 //! rung) on either side or both, against host, pinned and GPU memory,
 //! WRITE and READ, data verified byte for byte; and the owner refusing a
-//! rendezvous outside its grant's rights.
+//! rendezvous outside its grant's rights, or not through its landing
+//! slots.
 
 use std::time::Duration;
 
 use gdr_core::descriptor::{GrantRights, Reach};
-use gdr_core::engine::{EngineConfig, Transfer, TransferError};
+use gdr_core::engine::wire::Control;
+use gdr_core::engine::{EngineConfig, PeerLimits, Transfer, TransferError};
 use gdr_core::ladder::{LadderConfig, Policy, Rung};
 use gdr_sim::{GpuConfig, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, Kind};
@@ -37,21 +39,14 @@ fn staging_world_with(qps: u16, tune: impl FnOnce(&mut EngineConfig)) -> EngineW
 }
 
 /// Every pair of memory kinds where at least one side is staged GPU
-/// memory: the local side through the pipeline (or a bounce buffer, on the
-/// naive path), the remote side by rendezvous with its owner (served by
-/// the owner's own progress thread: nothing here waits on the owner), the
-/// transfers longer than the pool so slices take turns in its slots.
+/// memory: the local side through the pipeline, the remote side by
+/// rendezvous with its owner (served by the owner's own progress thread:
+/// nothing here waits on the owner), the transfers longer than the pool so
+/// slices take turns in its slots.
 #[test]
 fn staged_gpu_memory_moves_both_ways_against_every_kind() {
-    for pipeline in [true, false] {
-        every_kind_against_staged_gpu_memory(pipeline);
-    }
-}
-
-fn every_kind_against_staged_gpu_memory(pipeline: bool) {
     const LEN: u64 = 200 * 1024 + 3;
     let w = staging_world_with(2, |c| {
-        c.staging_pipeline = pipeline;
         c.staging_slice = 16 * 1024;
         c.staging_slots = 3;
     });
@@ -64,8 +59,7 @@ fn every_kind_against_staged_gpu_memory(pipeline: bool) {
                 continue;
             }
             let seed = (i * 3 + j) as u8 + 1;
-            let what = if pipeline { "pipelined" } else { "naive" };
-            let (src_rungs, _, remote) = w.write_and_read_back(from, to, LEN, seed, 2, what);
+            let (src_rungs, _, remote) = w.write_and_read_back(from, to, LEN, seed, 2, "pipelined");
             if from == Kind::Gpu {
                 assert_eq!(src_rungs, [Rung::Staging]);
             }
@@ -363,19 +357,84 @@ fn rendezvous_through_landing_slots_moves_every_size_without_a_temporary_grant()
     );
 }
 
-/// The naive path still grants the requester's range per request: the
-/// contrast that shows the probe above can see a temporary grant.
+/// The contrast that shows the probe above can see a temporary grant: a
+/// grant made between its two grants (here by the test itself, beside a
+/// rendezvous; the naive rendezvous, no longer the engine's, made one per
+/// request) shows in their ids.
 #[test]
-fn the_naive_rendezvous_still_grants_per_request() {
-    let w = staging_world_with(1, |c| c.staging_pipeline = false);
+fn the_probe_sees_a_grant_made_between_its_two_grants() {
+    let w = staging_world(1);
     let (_s, src) = w.a.alloc(Kind::Host, 64, 1);
     let first = w.ab.grant(&src, 0, 64, GrantRights::Read).unwrap();
-    w.write_and_read_back(Kind::Host, Kind::Gpu, 8192, 3, 1, "naive");
+    w.write_and_read_back(Kind::Host, Kind::Gpu, 8192, 3, 1, "slots");
+    let _between = w.ab.grant(&src, 0, 64, GrantRights::Read).unwrap();
     let second = w.ab.grant(&src, 0, 64, GrantRights::Read).unwrap();
     assert!(
         second.descriptor().grant > first.descriptor().grant + 1,
-        "a grant per rendezvous"
+        "a grant between the probes"
     );
+}
+
+/// A request not through landing slots (`slots: false`: the naive
+/// rendezvous against the requester's grant, which the engine no longer
+/// serves; an older or a hostile peer may still send one) is refused at
+/// once with ACCESS_DENIED (status 2), and nothing of it is kept. The
+/// status is seen through a request of the requester's own in flight with
+/// the same id (the owner's answer ends it); then more such requests than
+/// the owner serves at once leave it serving an honest request at once
+/// (kept ones would make it BUSY, as in `sim_engine_bounds`).
+#[test]
+fn a_request_not_through_landing_slots_is_refused_and_nothing_kept() {
+    let limits = PeerLimits {
+        max_staged_requests: 2,
+        staged_request_timeout: Duration::from_millis(500),
+        ..PeerLimits::default()
+    };
+    let w = staging_world_with(2, |c| {
+        c.staging_slice = 4096;
+        c.staging_slots = 2;
+        c.rendezvous_slots = 4;
+        c.peer_limits = limits;
+    });
+    let (_s, src) = w.a.alloc(Kind::Host, 4096, 8);
+    let (dst_buf, dst) = w.b.alloc(Kind::Gpu, 4096, 0);
+    let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+    let naive = |id, write| Control::StagedRequest {
+        id,
+        grant: remote.grant,
+        offset: 0,
+        len: 4096,
+        write,
+        slots: false,
+    };
+    // After the request on the same queue pair: the owner refuses the
+    // forged one before the honest one can end.
+    let batch =
+        w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+            .unwrap();
+    w.ab.send_raw_control(&naive(FIRST_ASK, true)).unwrap();
+    let err = batch.wait(T).unwrap_err();
+    assert!(
+        matches!(err, TransferError::StagedRefused { status: 2, .. }),
+        "refused ACCESS_DENIED: {err}"
+    );
+    // Ids the requester does not know: the answers are dropped there.
+    for id in 1..=2 * limits.max_staged_requests as u64 + 1 {
+        w.ab.send_raw_control(&naive(id, id % 2 == 0))
+            .unwrap()
+            .wait(T)
+            .unwrap();
+    }
+    let sent = std::time::Instant::now();
+    w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(
+        sent.elapsed() < limits.staged_request_timeout,
+        "served at once, not after anything expired"
+    );
+    assert!(w.b.bytes(&dst_buf) == pattern(4096, 8), "served on");
 }
 
 /// Several requests at once from two peers into one owner's staged GPU
@@ -496,7 +555,6 @@ fn a_late_rendezvous_times_out_and_frees_its_slots() {
 /// unknown request are dropped; the engine serves on.
 #[test]
 fn the_owner_refuses_forged_slot_credits() {
-    use gdr_core::engine::wire::Control;
     let w = slots_world();
     let (_s, src) = w.a.alloc(Kind::Host, 4096, 6);
     let (dst_buf, dst) = w.b.alloc(Kind::Gpu, 4096, 0);

@@ -201,10 +201,6 @@ pub struct EngineConfig {
     pub ladder: LadderConfig,
     /// The registration cache shared by the NICs.
     pub cache: CacheConfig,
-    /// Staging-rung GPU memory against a peer's direct grant goes through
-    /// the pipelined bounce pool ([`pipeline`]); `false`: the naive path
-    /// (copy all, then send; a benchmark baseline).
-    pub staging_pipeline: bool,
     /// Bytes of one slot of a GPU's staging pool (a slice of the pipeline).
     /// Default 4 MiB with 8 slots: on the H200 over the sim NIC (`bench
     /// staging` with `GDR_STAGING_SWEEP=1`, 256 MiB GPU→host) every slice
@@ -270,7 +266,6 @@ impl Default for EngineConfig {
             devices: None,
             ladder: LadderConfig::default(),
             cache: CacheConfig::default(),
-            staging_pipeline: true,
             staging_slice: 4 << 20,
             staging_slots: 8,
             peer_copy: true,
@@ -517,11 +512,6 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
             session: peer.session,
             gone: peer.gone.as_deref(),
         })
-    }
-
-    fn remote_grant(&self, slot: usize, grant: u64) -> Option<MemoryDescriptor> {
-        let peer = self.peers.get(slot)?.as_ref()?;
-        peer.remote_grants.get(grant).cloned()
     }
 
     fn send(
@@ -1452,7 +1442,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     pub fn progress(&self) -> usize {
         let (mut handled, staged, gated) = self.progress_locked();
         if staged {
-            handled += self.serve_staged();
+            handled += self.make_landings();
         }
         if gated {
             handled += self.serve_gates();
@@ -1460,7 +1450,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         handled
     }
 
-    /// [`Engine::progress`] under the lock; says whether rendezvous work
+    /// [`Engine::progress`] under the lock; says whether landing slots to make
     /// and opened gates wait (served outside the lock).
     fn progress_locked(&self) -> (usize, bool, bool) {
         let shared = &*self.shared;
@@ -1565,7 +1555,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         self.post_ready(state);
         (
             handled,
-            state.staged.serve_pending(),
+            state.staged.landings_pending(),
             state.gates.serve_pending(),
         )
     }
@@ -2096,50 +2086,23 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         self.run_actions(state);
     }
 
-    /// Serves the peers' rendezvous requests and answers those whose op
-    /// ended: the staged path decides under the lock and hands out what
-    /// runs outside it (landing slots to make, naive serves to copy and
-    /// submit, copies into granted memory), each result handed back.
-    /// Returns how many requests it started or answered.
-    fn serve_staged(&self) -> usize {
+    /// Makes the landing slots the staged path wants for the peers'
+    /// rendezvous requests: it decides under the lock, the slots are made
+    /// outside it (allocated, pinned, registered, granted), each result
+    /// handed back. Returns how many were made.
+    fn make_landings(&self) -> usize {
         let res = &self.shared.res;
-        let staging::ServeWork {
-            mut worked,
-            unlocked,
-            fenced,
-        } = self.with_staged(|staged, cx| staged.take_serve_work(cx));
-        // Outside the lock (their registrations may be the last).
-        drop(fenced);
-        for work in unlocked {
-            match work {
-                staging::Unlocked::Landing { slot, gpu } => {
-                    let peer = Peer {
-                        engine: self.clone(),
-                        slot,
-                    };
-                    let made = staging::make_landing(res, slot, gpu, |region, len| {
-                        peer.make_grant(region, 0, len, GrantRights::ReadWrite)
-                    });
-                    worked += self.with_staged(|staged, cx| staged.landing_made(cx, slot, made));
-                }
-                staging::Unlocked::Serve(serve) => {
-                    let peer = Peer {
-                        engine: self.clone(),
-                        slot: serve.slot(),
-                    };
-                    let started = serve.run(res, |t| {
-                        peer.submit(std::slice::from_ref(t))
-                            .map(|batch| Arc::clone(batch.cell()))
-                    });
-                    let fenced = self.with_staged(|staged, cx| staged.serve_started(cx, started));
-                    drop(fenced);
-                }
-                staging::Unlocked::CopyBack(done) => {
-                    let copied = staging::copy_back(done, res);
-                    let fenced = self.with_staged(|staged, cx| staged.serve_ended(cx, copied));
-                    drop(fenced);
-                }
-            }
+        let wanted = self.with_staged(|staged, cx| staged.landings_wanted(cx));
+        let mut worked = 0;
+        for (slot, gpu) in wanted {
+            let peer = Peer {
+                engine: self.clone(),
+                slot,
+            };
+            let made = staging::make_landing(res, slot, Some(gpu), |region, len| {
+                peer.make_grant(region, 0, len, GrantRights::ReadWrite)
+            });
+            worked += self.with_staged(|staged, cx| staged.landing_made(cx, slot, made));
         }
         worked
     }
@@ -3371,10 +3334,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if let Some(batch) = self.submit_peer_copy(transfers, timeout)? {
             return Ok(batch);
         }
-        if transfers
-            .iter()
-            .any(|t| matches!(t.remote.reach, Reach::Staged) || t.local.is_staged())
-        {
+        if transfers.iter().any(staging::staged) {
             return self.submit_staged(transfers, timeout);
         }
         let shared = &self.engine.shared;
@@ -3646,62 +3606,19 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     }
 
     /// Submits a batch some of whose transfers involve a staging-rung
-    /// region (ours, or the peer's grant): the staged path takes those it
-    /// pipelines; with the pipeline off, bounce buffers for ours and the
-    /// naive rendezvous for the peer's; the direct rest as usual.
+    /// region (ours, or the peer's grant): the staged path takes those;
+    /// the direct rest as usual.
     fn submit_staged(
         &self,
         transfers: &[Transfer<'_, V>],
         timeout: Duration,
     ) -> Result<Batch<V, C>, EngineError> {
         let engine = &self.engine;
-        let res = &engine.shared.res;
         self.read_peer(|_, p| transfers.iter().try_for_each(|t| check_transfer(p, t)))??;
-        let pipelined = |t: &Transfer<'_, V>| staging::pipelined(&res.config, t);
-        let carried: Vec<Transfer<'_, V>> = transfers.iter().copied().filter(pipelined).collect();
-        let mut parts = Vec::new();
-        if !carried.is_empty() {
-            let posted =
-                engine.with_staged(|staged, cx| staged.post(cx, self.slot, &carried, timeout));
-            parts.push(posted?);
-        }
-        let fence = staging::read_fence(&carried);
-        // Bounces next (the transfers below borrow them).
-        let mut bounces = Vec::with_capacity(transfers.len());
-        for t in transfers {
-            bounces.push(if t.local.is_staged() && !pipelined(t) {
-                Some(staging::bounce_for(
-                    res,
-                    t.local,
-                    t.local_offset,
-                    t.len,
-                    t.op == Op::Write,
-                )?)
-            } else {
-                None
-            });
-        }
-        let mut direct = Vec::new();
-        let mut after = staging::After::<V, C>::default();
-        for (t, bounce) in transfers
-            .iter()
-            .zip(&bounces)
-            .filter(|(t, _)| !pipelined(t))
-        {
-            let (local, local_offset) = match bounce {
-                Some((b, _)) => (b.region(), 0),
-                None => (t.local, t.local_offset),
-            };
-            if matches!(t.remote.reach, Reach::Staged) {
-                parts.push(self.rendezvous(t, local, local_offset, timeout)?);
-            } else {
-                direct.push(Transfer {
-                    local,
-                    local_offset,
-                    ..*t
-                });
-            }
-        }
+        let (carried, direct): (Vec<Transfer<'_, V>>, Vec<Transfer<'_, V>>) =
+            transfers.iter().partition(|t| staging::staged(t));
+        let posted =
+            engine.with_staged(|staged, cx| staged.post(cx, self.slot, &carried, timeout))?;
         let mut batch = if direct.is_empty() {
             let cell = Arc::new(CompletionCell::new());
             cell.complete(Ok(()));
@@ -3709,45 +3626,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         } else {
             self.submit_with_timeout(&direct, timeout)?
         };
-        drop(direct);
-        for (t, bounce) in transfers.iter().zip(bounces) {
-            if let Some((bounce, ordinal)) = bounce {
-                after.hold(t, bounce, ordinal);
-            }
-        }
-        batch.parts = parts;
-        batch.fence.extend(fence);
+        batch.parts = vec![posted];
+        batch.fence.extend(staging::read_fence(&carried));
         batch.fence.sort_unstable();
         batch.fence.dedup();
-        batch.after = std::sync::Mutex::new(after);
         Ok(batch)
-    }
-
-    /// Asks the owner of staged grant `t.remote` to carry out `t` against
-    /// `local` at `local_offset` (which this grants it for the purpose):
-    /// the naive rendezvous.
-    fn rendezvous(
-        &self,
-        t: &Transfer<'_, V>,
-        local: &Region<V>,
-        local_offset: u64,
-        timeout: Duration,
-    ) -> Result<Arc<CompletionCell>, EngineError> {
-        let rights = match t.op {
-            Op::Write => GrantRights::Read,
-            Op::Read => GrantRights::Write,
-        };
-        let (descriptor, grants) = self.make_grant(local, local_offset, t.len, rights)?;
-        if grants.is_empty() {
-            return Err(EngineError::Refused(
-                "both ends of a rendezvous on the staging rung".into(),
-            ));
-        }
-        let encoded = descriptor.encode()?;
-        let id = descriptor.grant;
-        self.engine.with_staged(|staged, cx| {
-            staged.rendezvous(cx, self.slot, t, id, &encoded, grants, timeout)
-        })
     }
 
     /// Sends any control message, as a peer of the engine's could: for
@@ -3995,12 +3878,9 @@ pub struct Batch<V: Api, C: hal_cuda::Api> {
     /// A gated batch's link to the batch its gate opens into
     /// ([`Peer::submit_after_stream`]).
     gate: Option<Arc<gate::GateLink>>,
-    /// Rendezvous with the peer for staging-rung grants: each ends with
-    /// the owner's reply.
+    /// The staged path's part of the batch (pipes, requests through the
+    /// peer's landing slots): ends with them.
     parts: Vec<Arc<CompletionCell>>,
-    /// Bounce-buffer copies into staging-rung regions, run once the batch
-    /// succeeded (before the fence), and the bounces held till then.
-    after: std::sync::Mutex<staging::After<V, C>>,
 }
 
 impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
@@ -4023,7 +3903,6 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             fenced: Default::default(),
             gate: None,
             parts: Vec::new(),
-            after: Default::default(),
         }
     }
 
@@ -4047,18 +3926,8 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         self.outcome().map(|o| self.fenced(o))
     }
 
-    /// The batch's outcome with its staging copies and GPU fence applied
-    /// (once).
+    /// The batch's outcome with its GPU fence applied (once).
     fn fenced(&self, outcome: Outcome) -> Outcome {
-        if outcome.is_ok() {
-            self.after
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .run(&self.engine.shared.res)
-                .map_err(|e| TransferError::Local {
-                    what: format!("staging into GPU memory after the batch: {e}"),
-                })?;
-        }
         if outcome.is_ok() && !self.fence.is_empty() && !self.fenced.swap(true, Ordering::AcqRel) {
             for &ordinal in &self.fence {
                 self.engine
@@ -4098,21 +3967,8 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// and, where the GPU needs it, its inbound writes were flushed (see
     /// [`fence`]). The stream is released however the batch ends: work
     /// after the fence may use the data only if the batch succeeded
-    /// ([`Batch::status`]). Not for a batch that stages through whole-range
-    /// bounce buffers (the naive path): their copies
-    /// run in [`Batch::wait`].
+    /// ([`Batch::status`]).
     pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {
-        let staged_copies = !self
-            .after
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .copies
-            .is_empty();
-        if staged_copies {
-            return Err(EngineError::Refused(
-                "a batch staged through whole-range bounce buffers cannot fence a stream".into(),
-            ));
-        }
         let cells = std::iter::once(&self.cell)
             .chain(&self.parts)
             .cloned()
@@ -4143,7 +3999,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         }
         if !self.parts.is_empty() {
             // The staged parts: pipelines and requests through a peer's
-            // landing slots (the naive rendezvous ends by its reply).
+            // landing slots.
             lock(&self.engine.shared.state).staged.cancel(&self.parts);
         }
     }

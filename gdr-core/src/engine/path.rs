@@ -84,10 +84,6 @@ pub(crate) trait Wire<V: Api> {
     /// The peer in `slot`, if there is one.
     fn peer(&self, slot: usize) -> Option<PeerView<'_>>;
 
-    /// The grant the peer in `slot` announced on its connection, by id (a
-    /// path serving the peer's requests checks them against it).
-    fn remote_grant(&self, slot: usize, grant: u64) -> Option<MemoryDescriptor>;
-
     /// Queues control message `message` for the peer in `slot`, to go out
     /// within `timeout`; the cell ends when the peer's NIC has it.
     fn send(

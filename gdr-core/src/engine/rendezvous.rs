@@ -94,7 +94,8 @@ use gdr_proto::rendezvous::{
 };
 
 /// Request ids of this side's slotted rendezvous: a bit no grant id
-/// reaches (the naive path's requests are named by grant ids).
+/// reaches (older engines named their requests not through landing slots
+/// by grant ids).
 const ASK_ID_BASE: u64 = 1 << 63;
 
 /// A message of the peer about the requests this side serves, in order.
@@ -128,7 +129,8 @@ enum ToAsker {
 
 /// Takes a rendezvous message off the wire into the peer's `landing` (the
 /// owner's side) or `asks` (the requester's): `Err` gives it back when it
-/// is none of this module's (the naive path's, among others).
+/// is none of this module's (a request not through landing slots, which
+/// the staged path refuses, among others).
 pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
     landing: &mut Landing<V, C>,
     asks: &mut Asks<V, C>,
@@ -494,7 +496,7 @@ impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
         let id = self.proto.next_id();
         let _span = tracing::debug_span!("ask_slots", id, len = t.len).entered();
         cx.wire
-            .send(peer, &staging::staged_request(id, t, true), timeout)?;
+            .send(peer, &staging::staged_request(id, t), timeout)?;
         let started = self.proto.start(t.op == Op::Write, t.len, now, timeout);
         debug_assert_eq!(started, id);
         self.asking.insert(

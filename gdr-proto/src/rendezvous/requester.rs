@@ -126,8 +126,8 @@ pub struct Requester {
 }
 
 impl Requester {
-    /// No request yet; ids from `first_id` on (kept apart from the naive
-    /// path's).
+    /// No request yet; ids from `first_id` on (kept apart from grant ids,
+    /// which older engines' requests not through landing slots used).
     pub fn new(first_id: RequestId) -> Self {
         Self {
             slots: None,
