@@ -85,16 +85,16 @@
 //!
 //! # The path, and the engine
 //!
-//! [`PeerCopyPath`] is the path ([`TransferPath`]): it owns what it knows
+//! `PeerCopyPath` is the path (`TransferPath`): it owns what it knows
 //! of each peer (by slot: where it runs, the IPC handles of its grants),
 //! the streams, IPC mappings and batches in flight, our exported grants
 //! and the releases we owe. It reaches the engine only through its
-//! [`PathCx`]: the GPUs and settings in [`Resources`], the peers (engine
+//! `PathCx`: the GPUs and settings in `Resources`, the peers (engine
 //! id, session, gone) and their control channels through the wire. The
 //! engine (`engine/mod.rs`) keeps the public calls ([`super::Peer::peer_copy`],
 //! [`super::Engine::peer_copy_stats`], the routing in `submit`, the
 //! publishing at grant time, a batch's cancel), checks a batch against the
-//! peer's grants before [`TransferPath::post`], hands the path the
+//! peer's grants before `TransferPath::post`, hands the path the
 //! control messages, and sends the [`Control::Locality`] it gives.
 
 use std::any::Any;
