@@ -1,0 +1,201 @@
+//! [`Batch`]: what a submit returns; it ends exactly once (`wait`,
+//! `status`, `cancel`, a stream fence, or `.await` as a `Future`), after
+//! the GPU fence where the batch read into GPU memory.
+
+use super::*;
+
+/// A submitted batch (or control message): ends exactly once.
+pub struct Batch<V: Api, C: hal_cuda::Api> {
+    pub(super) engine: Engine<V, C>,
+    pub(super) cell: Arc<CompletionCell>,
+    /// The core's id; `None` for a control message (not cancellable).
+    pub(super) id: Option<BatchId>,
+    /// GPUs this batch READ into: fenced once it succeeds, before
+    /// [`Batch::wait`] or the `Future` returns.
+    pub(super) fence: Vec<u32>,
+    /// Set by whoever applied the GPU fence (a waiter, or the release of a
+    /// stream fence): once is enough.
+    pub(super) fenced: Arc<std::sync::atomic::AtomicBool>,
+    /// A gated batch's link to the batch its gate opens into
+    /// ([`Peer::submit_after_stream`]).
+    pub(super) gate: Option<Arc<gate::GateLink>>,
+    /// The staged path's part of the batch (pipes, requests through the
+    /// peer's landing slots): ends with them.
+    pub(super) parts: Vec<Arc<CompletionCell>>,
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Batch")
+            .field("id", &self.id)
+            .field("outcome", &self.cell.outcome())
+            .finish()
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+    /// A batch that is just `cell` (a control message, an empty batch).
+    pub(super) fn of_cell(engine: Engine<V, C>, cell: Arc<CompletionCell>) -> Self {
+        Self {
+            engine,
+            cell,
+            id: None,
+            fence: Vec::new(),
+            fenced: Default::default(),
+            gate: None,
+            parts: Vec::new(),
+        }
+    }
+
+    /// The outcome once every part has ended: the first error, in order.
+    pub(super) fn outcome(&self) -> Option<Outcome> {
+        let mut first = Ok(());
+        for cell in std::iter::once(&self.cell).chain(&self.parts) {
+            match cell.outcome()? {
+                Err(e) if first.is_ok() => first = Err(e),
+                _ => {}
+            }
+        }
+        Some(first)
+    }
+
+    /// The outcome, if it has ended (makes progress first).
+    pub fn status(&self) -> Option<Outcome> {
+        if self.outcome().is_none() {
+            self.engine.progress();
+        }
+        self.outcome().map(|o| self.fenced(o))
+    }
+
+    /// The batch's outcome with its GPU fence applied (once).
+    pub(super) fn fenced(&self, outcome: Outcome) -> Outcome {
+        if outcome.is_ok() && !self.fence.is_empty() && !self.fenced.swap(true, Ordering::AcqRel) {
+            for &ordinal in &self.fence {
+                self.engine
+                    .fence_gpu(ordinal)
+                    .map_err(|e| TransferError::Local {
+                        what: format!("GPU fence after the batch: {e}"),
+                    })?;
+            }
+        }
+        outcome
+    }
+
+    /// Waits for the outcome, making progress, at most `timeout`; a batch
+    /// still running then is not cancelled ([`TransferError::Timeout`] is
+    /// returned for the wait, the batch's own deadline still runs).
+    pub fn wait(&self, timeout: Duration) -> Outcome {
+        // Already over (a wait after progress elsewhere): no clock read.
+        if let Some(outcome) = self.outcome() {
+            return self.fenced(outcome);
+        }
+        let deadline = Instant::now() + timeout;
+        let mut idle = Idle::default();
+        loop {
+            if let Some(outcome) = self.outcome() {
+                return self.fenced(outcome);
+            }
+            let handled = self.engine.progress();
+            if handled == 0 && Instant::now() >= deadline {
+                return Err(TransferError::Timeout { after: timeout });
+            }
+            idle.after(handled);
+        }
+    }
+
+    /// Makes `stream` wait for this batch without blocking a thread: work
+    /// queued on `stream` after this call runs once the batch has ended
+    /// and, where the GPU needs it, its inbound writes were flushed (see
+    /// [`fence`]). The stream is released however the batch ends: work
+    /// after the fence may use the data only if the batch succeeded
+    /// ([`Batch::status`]).
+    pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {
+        let cells = std::iter::once(&self.cell)
+            .chain(&self.parts)
+            .cloned()
+            .collect();
+        let _span = tracing::debug_span!("fence_stream").entered();
+        let engine = &self.engine;
+        lock(&engine.shared.state).stream_fences.queue(
+            &engine.shared.res,
+            stream,
+            cells,
+            self.fence.clone(),
+            Arc::clone(&self.fenced),
+        )?;
+        engine.ensure_own_driver();
+        Ok(())
+    }
+
+    /// Cancels the batch: what is not posted is dropped; it ends
+    /// [`TransferError::Cancelled`] once nothing of it is in flight (a
+    /// gated batch whose gate has not opened: at once, nothing posted).
+    pub fn cancel(&self) {
+        if let Some(gate) = &self.gate {
+            gate.cancel();
+        }
+        match self.id {
+            Some(id) => lock(&self.engine.shared.state).core.cancel(id),
+            None => self.engine.cancel_peer_copy(&self.cell),
+        }
+        if !self.parts.is_empty() {
+            // The staged parts: pipelines and requests through a peer's
+            // landing slots.
+            lock(&self.engine.shared.state).staged.cancel(&self.parts);
+        }
+    }
+
+    /// The completion cell (for a driver that waits elsewhere).
+    pub fn cell(&self) -> &Arc<CompletionCell> {
+        &self.cell
+    }
+}
+
+/// A gate opens into a batch of the engine's ([`Peer::submit_after_stream`]).
+impl<V: Api, C: hal_cuda::Api> gate::Opened for Batch<V, C> {
+    fn cancel(&self) {
+        Batch::cancel(self);
+    }
+
+    fn ended(&self) -> Option<Outcome> {
+        self.outcome().map(|outcome| self.fenced(outcome))
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+    /// Polls every part, registering the task's waker with those pending.
+    pub(super) fn poll_parts(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        let mut pending = false;
+        for cell in std::iter::once(&self.cell).chain(&self.parts) {
+            pending |= cell.poll(cx).is_pending();
+        }
+        match self.outcome() {
+            Some(outcome) if !pending => Poll::Ready(outcome),
+            _ => Poll::Pending,
+        }
+    }
+}
+
+/// Awaiting a batch is runtime-agnostic. With a driver thread running
+/// ([`Engine::spawn_driver`]) the task sleeps until the batch ends (the
+/// driver completes it and wakes the task); without one, each poll makes
+/// progress and the task wakes itself while the batch runs (a busy task).
+impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
+    type Output = Outcome;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        if let Poll::Ready(outcome) = self.poll_parts(cx) {
+            return Poll::Ready(self.fenced(outcome));
+        }
+        self.engine.progress();
+        match self.poll_parts(cx) {
+            Poll::Ready(outcome) => Poll::Ready(self.fenced(outcome)),
+            Poll::Pending => {
+                if self.engine.shared.drivers.load(Ordering::Acquire) == 0 {
+                    cx.waker().wake_by_ref();
+                }
+                Poll::Pending
+            }
+        }
+    }
+}

@@ -1,0 +1,781 @@
+//! A connection to another engine, as the caller holds it: [`Peer`] (grants,
+//! submits, control messages, closing) and [`RegionGrant`] (a grant's
+//! revoke, waiting or on drop). Each call checks what is the engine's to
+//! check (the peer, the grant, its rights and range) and hands the batch to
+//! the path that carries it ([`super::path`]).
+
+use super::*;
+
+/// A connected peer. Dropping it leaves the connection up (the engine
+/// holds it); [`Peer::close`] ends it.
+pub struct Peer<V: Api, C: hal_cuda::Api> {
+    pub(super) engine: Engine<V, C>,
+    pub(super) slot: usize,
+}
+
+impl<V: Api, C: hal_cuda::Api> Clone for Peer<V, C> {
+    fn clone(&self) -> Self {
+        Self {
+            engine: self.engine.clone(),
+            slot: self.slot,
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for Peer<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peer").field("slot", &self.slot).finish()
+    }
+}
+
+/// A grant this engine gave a peer: MRs of exactly the range and rights on
+/// each NIC the peer's queue pairs use. Dropping it revokes it (the peer is
+/// told, then the MRs are deregistered).
+pub struct RegionGrant<V: Api, C: hal_cuda::Api> {
+    pub(super) descriptor: MemoryDescriptor,
+    pub(super) peer: Peer<V, C>,
+    // After the notice is queued, the MRs go (field order).
+    pub(super) _grants: Vec<Grant<V>>,
+    /// Its entry for a peer-copy peer of this process.
+    pub(super) _published: Option<peer_copy::Publication>,
+}
+
+impl<V: Api, C: hal_cuda::Api> fmt::Debug for RegionGrant<V, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionGrant")
+            .field("descriptor", &self.descriptor)
+            .finish()
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
+    /// What the peer uses (it got it on the connection too).
+    pub fn descriptor(&self) -> &MemoryDescriptor {
+        &self.descriptor
+    }
+
+    /// Revokes the grant and waits, at most `timeout`, for the revocation
+    /// fence: once this returns `Ok`, no byte moves under the grant by any
+    /// path, the requests the peer had under way included (they fail). A
+    /// grant the NIC reaches is fenced as soon as its MRs are deregistered
+    /// (here); a staged one once the copies under way under it have ended;
+    /// a peer-copy one once the peer's copies queued under it have run (an
+    /// engine of this process: its batches stop at their next window) or
+    /// the peer process that had its IPC handle answered that it released
+    /// it ([`peer_copy`]). Past `timeout` it returns
+    /// [`EngineError::Timeout`], the revoke still under way; a peer process
+    /// that never answers leaves it unconfirmed: `Timeout` too, even once
+    /// its memory was given back at
+    /// [`EngineConfig::peer_copy_release_timeout`].
+    ///
+    /// Dropping a grant starts the same revoke without waiting.
+    pub fn revoke(self, timeout: Duration) -> Result<(), EngineError> {
+        let grant = self.descriptor.grant;
+        let peer = self.peer.clone();
+        let same_process = self._published.as_ref().map(|p| Arc::clone(&p.fence));
+        drop(self);
+        peer.engine.progress_until(timeout, |state| {
+            let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
+                Some(p) => state.staged.is_fenced(peer.slot, grant, p.gone.is_some()),
+                // Its state dropped: its copies were waited for.
+                None => true,
+            };
+            let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
+            match state.peer_copy.exports.release(grant) {
+                Release::Released if staged && copies_fenced => Some(Ok(())),
+                Release::GivenUp => Some(Err(EngineError::Timeout(timeout))),
+                _ => None,
+            }
+        })
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
+    fn drop(&mut self) {
+        let grant = self.descriptor.grant;
+        {
+            // An exported IPC handle: its memory stays until the importer
+            // released it (or the bound passed).
+            let config = &self.peer.engine.shared.config;
+            lock(&self.peer.engine.shared.state)
+                .peer_copy
+                .exports
+                .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
+        }
+        let fenced = {
+            let mut state = lock(&self.peer.engine.shared.state);
+            if let Some(p) = state.peers[self.peer.slot].as_mut() {
+                p.granted.remove(&grant);
+            }
+            // Requests under it stop at once; the fence waits for their
+            // copies under way.
+            state.staged.revoke(self.peer.slot, grant)
+        };
+        // A staged region's last hold may go here: outside the lock.
+        drop(fenced);
+        let notice = Control::GrantRevoke { grant };
+        // Best effort: a peer that is gone needs no notice; its NIC access
+        // ends with the MRs either way.
+        if let Err(e) = self.peer.send_control(&notice) {
+            tracing::debug!(error = %e, "revocation notice not sent");
+        }
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
+    /// Runs `f` on the core and this peer's state, under the engine's
+    /// lock.
+    pub(super) fn read_peer<T>(
+        &self,
+        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+    ) -> Result<T, EngineError> {
+        let mut guard: MutexGuard<'_, State<V, C>> = lock(&self.engine.shared.state);
+        Self::on_peer(&mut guard, self.slot, f)
+    }
+
+    /// [`Peer::read_peer`] for a call that queues work: what it queued
+    /// is posted before the lock is released.
+    pub(super) fn update_peer<T>(
+        &self,
+        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+    ) -> Result<T, EngineError> {
+        let mut guard: MutexGuard<'_, State<V, C>> = lock(&self.engine.shared.state);
+        let out = Self::on_peer(&mut guard, self.slot, f)?;
+        self.engine.post_ready(&mut guard);
+        Ok(out)
+    }
+
+    pub(super) fn on_peer<T>(
+        state: &mut State<V, C>,
+        slot: usize,
+        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+    ) -> Result<T, EngineError> {
+        let State { core, peers, .. } = state;
+        let peer = peers[slot]
+            .as_mut()
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        Ok(f(core, peer))
+    }
+
+    /// The engine this peer belongs to.
+    pub fn engine(&self) -> &Engine<V, C> {
+        &self.engine
+    }
+
+    /// The peer engine's id.
+    pub fn remote_engine(&self) -> u64 {
+        self.read_peer(|_, p| p.engine).unwrap_or(0)
+    }
+
+    /// The connection's session id (chosen by the connecting side, the
+    /// same on each of its queue pairs).
+    pub fn session(&self) -> u64 {
+        self.read_peer(|_, p| p.session).unwrap_or(0)
+    }
+
+    /// The peer's address.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.read_peer(|_, p| p.addr).ok()
+    }
+
+    /// Counters of each queue pair (index, NIC name, counters).
+    pub fn counters(&self) -> Vec<(u16, String, QpCounters)> {
+        let nics = &self.engine.shared.nics;
+        self.read_peer(|core, p| {
+            p.qps
+                .iter()
+                .enumerate()
+                .map(|(i, q)| (i as u16, nics[q.nic].name.clone(), core.counters(q.core)))
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+
+    /// Sends where we run and our queue pairs' NICs, and waits up to
+    /// `timeout` for the peer's NIC to have them. The acceptor sends first
+    /// (once its application accepted); the connector answers.
+    pub(super) fn send_paths(&self, timeout: Duration) -> Result<(), EngineError> {
+        let nics = &self.engine.shared.nics;
+        let devices = self.read_peer(|_, p| {
+            p.qps
+                .iter()
+                .map(|q| nics[q.nic].name.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        })?;
+        // Where we run goes first: known to the peer once it has our paths.
+        self.send_locality()?;
+        let batch = self.send_control(&Control::Paths {
+            devices: devices.as_bytes(),
+        })?;
+        batch.wait(timeout).map_err(|e| EngineError::Handshake {
+            peer: self.addr().map(|a| a.to_string()).unwrap_or_default(),
+            why: format!("sending paths: {e}"),
+        })
+    }
+
+    /// Waits up to `timeout` for the peer's paths.
+    pub(super) fn wait_paths(&self, timeout: Duration) -> Result<(), EngineError> {
+        self.progress_until(timeout, |p| p.paths_known.then_some(()))
+    }
+
+    /// Makes progress until `ready` finds what it waits for in the peer's
+    /// state, the peer goes, or `timeout` passes.
+    pub(super) fn progress_until<T>(
+        &self,
+        timeout: Duration,
+        mut ready: impl FnMut(&mut PeerState<V, C>) -> Option<T>,
+    ) -> Result<T, EngineError> {
+        self.engine.progress_until(timeout, |state| {
+            let Some(p) = state.peers[self.slot].as_mut() else {
+                return Some(Err(EngineError::PeerGone("closed".into())));
+            };
+            if let Some(found) = ready(p) {
+                return Some(Ok(found));
+            }
+            p.gone.clone().map(|why| Err(EngineError::PeerGone(why)))
+        })
+    }
+
+    /// Grants `len` bytes at `offset` of `region` to this peer with
+    /// `rights`: MRs of exactly that range on each NIC the peer's queue
+    /// pairs use, announced on the connection. The descriptor names this
+    /// engine and the grant; the peer may use it only on this connection.
+    pub fn grant(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<RegionGrant<V, C>, EngineError> {
+        let (descriptor, grants) = self.make_grant(region, offset, len, rights)?;
+        let encoded = descriptor.encode()?;
+        let announce = Control::GrantAnnounce {
+            descriptor: &encoded,
+        };
+        let mut bytes = vec![0; announce.encoded_len()];
+        announce.encode_into(&mut bytes)?;
+        let published = self.publish_for_peer_copy(region, offset, &descriptor);
+        let served = grants.is_empty().then(|| staging::Served {
+            region: region.clone(),
+            offset,
+            len,
+            rights,
+        });
+        if served.is_some() {
+            self.engine.ensure_own_driver();
+        }
+        // Recorded before it is announced: the peer may use it at once.
+        {
+            let mut state = lock(&self.engine.shared.state);
+            let p = state.peers[self.slot]
+                .as_mut()
+                .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+            p.granted.insert(descriptor.grant, bytes);
+            if let Some(served) = served {
+                state.staged.grant(self.slot, descriptor.grant, served)?;
+            }
+        }
+        let grant = RegionGrant {
+            descriptor,
+            peer: self.clone(),
+            _grants: grants,
+            _published: published,
+        };
+        // A failed announcement revokes it again (the drop).
+        self.send_control(&announce)?;
+        Ok(grant)
+    }
+
+    /// The MRs and descriptor of a grant of `len` bytes at `offset` of
+    /// `region` to this peer (not announced): no MR for a region on the
+    /// staging rung (its descriptor says `Staged`).
+    pub(super) fn make_grant(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError> {
+        region.check(self.engine.shared.id, offset, len)?;
+        let nics = self.read_peer(|_, p| {
+            let mut nics: Vec<usize> = p.qps.iter().map(|q| q.nic).collect();
+            nics.sort_unstable();
+            nics.dedup();
+            nics
+        })?;
+        let shared = &self.engine.shared;
+        let staged = nics
+            .iter()
+            .any(|&nic| region.inner.per_nic[nic].rung() == Rung::Staging);
+        let mut grants = Vec::new();
+        let reach = if staged {
+            Reach::Staged
+        } else {
+            let mut segments: Vec<Segment> = Vec::new();
+            for &nic in &nics {
+                region.inner.per_nic[nic].grant(
+                    &shared.nics[nic].ladder,
+                    offset,
+                    len,
+                    rights,
+                    &mut segments,
+                    &mut grants,
+                )?;
+            }
+            segments.sort_by(|a, b| (&a.device, a.offset).cmp(&(&b.device, b.offset)));
+            Reach::Direct(segments)
+        };
+        let descriptor = MemoryDescriptor {
+            owner: shared.id,
+            grant: shared.next_grant.fetch_add(1, Ordering::Relaxed),
+            location: region.inner.location,
+            rights,
+            len,
+            reach,
+        };
+        Ok((descriptor, grants))
+    }
+
+    /// A grant the peer announced on this connection, by id.
+    pub fn remote_grant(&self, grant: u64) -> Option<MemoryDescriptor> {
+        self.read_peer(|_, p| p.remote_grants.get(grant).cloned())
+            .ok()
+            .flatten()
+    }
+
+    /// Waits up to `timeout` for the peer to announce grant `grant`.
+    pub fn wait_grant(
+        &self,
+        grant: u64,
+        timeout: Duration,
+    ) -> Result<MemoryDescriptor, EngineError> {
+        self.progress_until(timeout, |p| p.remote_grants.get(grant).cloned())
+    }
+
+    /// Submits a batch with the engine's default timeout.
+    pub fn submit(&self, transfers: &[Transfer<'_, V>]) -> Result<Batch<V, C>, EngineError> {
+        self.submit_with_timeout(transfers, self.engine.shared.config.default_timeout)
+    }
+
+    /// Submits a batch that must end within `timeout`: every transfer is
+    /// checked (local bounds, the grant live on this connection, its rights
+    /// and bounds) before anything is posted, then cut into slices over the
+    /// peer's queue pairs.
+    pub fn submit_with_timeout(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Batch<V, C>, EngineError> {
+        if let Some(batch) = self.submit_peer_copy(transfers, timeout)? {
+            return Ok(batch);
+        }
+        if transfers.iter().any(staging::staged) {
+            return self.submit_staged(transfers, timeout);
+        }
+        let shared = &self.engine.shared;
+        let _span = tracing::debug_span!("submit", transfers = transfers.len()).entered();
+        let cell = Arc::new(CompletionCell::new());
+        let now = shared.config.clock.now();
+        let slice_size = shared.config.slice_size.clamp(1, u64::from(u32::MAX));
+        let mut fence: Vec<u32> = transfers
+            .iter()
+            .filter(|t| t.op == Op::Read)
+            .filter_map(|t| match t.local.inner.location {
+                MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
+                MemoryLocation::Host => None,
+            })
+            .collect();
+        fence.sort_unstable();
+        fence.dedup();
+        let id = self.update_peer(|core, peer| -> Result<BatchId, EngineError> {
+            if let Some(why) = &peer.gone {
+                return Err(EngineError::PeerGone(why.clone()));
+            }
+            // The grant is looked up once per descriptor in a row: the same
+            // reference within this call is the same, unchanged descriptor.
+            let mut checked: Option<&MemoryDescriptor> = None;
+            for t in transfers {
+                let known = checked.is_some_and(|d| std::ptr::eq(d, t.remote));
+                check_transfer_of(peer, t, known)?;
+                checked = Some(t.remote);
+            }
+            if !peer.qps.iter().any(|q| core.accepts_work(q.core)) {
+                return Err(EngineError::PeerGone("every queue pair failed".into()));
+            }
+            // Work goes to the queue pairs that are up; only when none is,
+            // it waits for those being re-established.
+            let usable: fn(&Core, QpId) -> bool = if peer.qps.iter().any(|q| core.is_ready(q.core))
+            {
+                Core::is_ready
+            } else {
+                Core::accepts_work
+            };
+            let slices: u64 = transfers.iter().map(|t| t.len.div_ceil(slice_size)).sum();
+            let mut work = core.work_buffer();
+            work.reserve(slices as usize);
+            // The segment each queue pair (by its index modulo the size)
+            // last used, and the descriptor it came from: a descriptor's
+            // segments of one device do not overlap, so one holding the
+            // offset is the one `segment` would find.
+            let mut segments: [Option<(usize, &MemoryDescriptor, &Segment)>; 8] =
+                Default::default();
+            for t in transfers {
+                // GPU memory goes over the NICs nearest its GPU, when a
+                // queue pair on one of them is usable.
+                let prefer = match t.local.inner.location {
+                    MemoryLocation::Gpu { ordinal } => {
+                        shared.nearest_nics.get(&u32::from(ordinal)).filter(|near| {
+                            peer.qps
+                                .iter()
+                                .any(|q| near.contains(&q.nic) && usable(core, q.core))
+                        })
+                    }
+                    MemoryLocation::Host => None,
+                };
+                let mut done = 0;
+                while done < t.len {
+                    // The next usable queue pair in turn (one exists).
+                    let (qi, qp) = loop {
+                        // (No division on the way: `next_qp` stays below
+                        // the count once wrapped.)
+                        let count = peer.qps.len();
+                        let qi = match peer.next_qp {
+                            n if n < count => n,
+                            n => n % count,
+                        };
+                        peer.next_qp = qi + 1;
+                        let qp = &peer.qps[qi];
+                        if usable(core, qp.core) && prefer.is_none_or(|near| near.contains(&qp.nic))
+                        {
+                            break (qi, qp);
+                        }
+                    };
+                    let remote_offset = t.remote_offset + done;
+                    let cached = &mut segments[qi % 8];
+                    let segment = match *cached {
+                        Some((q, d, s))
+                            if q == qi
+                                && std::ptr::eq(d, t.remote)
+                                && s.offset <= remote_offset
+                                && remote_offset < s.offset + s.len =>
+                        {
+                            s
+                        }
+                        _ => {
+                            let remote_device = qp.remote_device.as_deref().unwrap_or("");
+                            let s = t.remote.segment(remote_device, remote_offset, 1)?;
+                            *cached = Some((qi, t.remote, s));
+                            s
+                        }
+                    };
+                    let in_segment = segment.offset + segment.len - remote_offset;
+                    // Cut at the local piece's end too (CUDA VMM chunks).
+                    let (local, in_piece) =
+                        t.local.inner.per_nic[qp.nic].at(t.local_offset + done, t.local.inner.len);
+                    let len = (t.len - done).min(slice_size).min(in_segment).min(in_piece);
+                    let mr = local.mr().ok_or_else(|| {
+                        EngineError::Refused("a staging-rung region on a direct path".into())
+                    })?;
+                    let op = t.op.send_op(
+                        segment.addr + (remote_offset - segment.offset),
+                        segment.rkey,
+                    );
+                    let mut flags = SendFlags::empty();
+                    if t.op == Op::Write && local.cpu_readable() && len <= u64::from(qp.max_inline)
+                    {
+                        flags |= SendFlags::INLINE;
+                    }
+                    work.push((
+                        qp.core,
+                        Work::single(
+                            op,
+                            t.local.inner.addr + t.local_offset + done,
+                            len as u32,
+                            mr.lkey(),
+                            flags,
+                        ),
+                    ));
+                    done += len;
+                }
+            }
+            // One hold per distinct region in a row (a batch usually moves
+            // one region).
+            let keep = transfers
+                .iter()
+                .enumerate()
+                .filter(|&(i, t)| {
+                    i == 0 || !Arc::ptr_eq(&transfers[i - 1].local.inner, &t.local.inner)
+                })
+                .map(|(_, t)| Arc::clone(&t.local.inner) as Keep);
+            let deadline = now.checked_add(timeout).map(|at| (at, timeout));
+            Ok(core.submit(work, Arc::clone(&cell), deadline, keep))
+        })??;
+        Ok(Batch {
+            id: Some(id),
+            fence,
+            ..Batch::of_cell(self.engine.clone(), cell)
+        })
+    }
+
+    /// Sends a control message to the peer (at most the peer's
+    /// `max_message` less the header); the returned batch completes when
+    /// the peer's NIC has it.
+    pub fn send(&self, message: &[u8]) -> Result<Batch<V, C>, EngineError> {
+        self.send_control(&Control::User(message))
+    }
+
+    /// Queues a control message: it goes out as soon as a send slot and
+    /// one of the peer's receives are free (never blocking the caller: the
+    /// peer may be this very thread); the batch ends when the peer's NIC
+    /// has it, or at the engine's default timeout.
+    pub(super) fn send_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
+        let config = &self.engine.shared.config;
+        let cell = self.update_peer(|core, peer| {
+            let now = config.clock.now();
+            let cell = peer.enqueue(message, now, config.default_timeout)?;
+            peer.flush_backlog(core, now);
+            Ok::<_, EngineError>(cell)
+        })??;
+        Ok(Batch::of_cell(self.engine.clone(), cell))
+    }
+
+    /// The next control message from the peer, waiting up to `timeout`.
+    pub fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
+        self.progress_until(timeout, |p| p.inbox.pop())
+    }
+
+    /// Says goodbye and disconnects every queue pair: what is in flight
+    /// flushes and fails. The peer's staged requests served here stop
+    /// first (no copy starts, the running ones end before the goodbye
+    /// goes), so nothing moves into or out of this side's memory for the
+    /// peer once it has heard goodbye.
+    pub fn close(&self) -> Result<(), EngineError> {
+        {
+            let mut state = lock(&self.engine.shared.state);
+            if state.peers[self.slot].is_none() {
+                return Err(EngineError::PeerGone("closed".into()));
+            }
+            state.staged.close_peer(self.slot);
+        }
+        // Bounded: a copy that never ends is the GPU's failure, and the
+        // goodbye goes anyway.
+        let _ = self.engine.progress_until(Duration::from_secs(1), |state| {
+            if !state.staged.copying(self.slot) {
+                return Some(Ok(()));
+            }
+            let gone = state.peers[self.slot].as_ref().and_then(|p| p.gone.clone());
+            gone.map(|why| Err(EngineError::PeerGone(why)))
+        });
+        if let Ok(batch) = self.send_control(&Control::Goodbye) {
+            let _ = batch.wait(Duration::from_secs(1));
+        }
+        self.update_peer(|core, peer| {
+            peer.gone.get_or_insert_with(|| "closed by us".into());
+            for qp in &peer.qps {
+                let _ = qp.conn.disconnect();
+                core.fail_qp(
+                    qp.core,
+                    TransferError::PeerGone {
+                        reason: "closed by us".into(),
+                    },
+                );
+            }
+        })
+    }
+
+    /// Submits a batch that starts only once `stream` has reached this
+    /// point: work queued on `stream` before this call (a kernel, a copy)
+    /// is done, and its memory visible, before anything of the batch is
+    /// posted; no CPU thread waits for the stream (see [`gate`]).
+    ///
+    /// Every transfer is checked now, as by [`Peer::submit_with_timeout`],
+    /// and a refusal returns at once. `timeout` counts from this call and
+    /// covers the wait for the stream: a gate that never opens ends the
+    /// batch with [`TransferError::Timeout`]. A stream that fails first
+    /// ends it with [`TransferError::StreamFailed`]. [`Batch::cancel`]
+    /// before the gate opens ends it at once, with nothing posted.
+    pub fn submit_after_stream(
+        &self,
+        stream: &C::Stream,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Batch<V, C>, EngineError> {
+        let span = tracing::debug_span!(
+            "gate",
+            transfers = transfers.len(),
+            word = tracing::field::Empty
+        );
+        let _entered = span.enter();
+        let engine = &self.engine;
+        self.read_peer(|_, peer| -> Result<(), EngineError> {
+            if let Some(why) = &peer.gone {
+                return Err(EngineError::PeerGone(why.clone()));
+            }
+            transfers.iter().try_for_each(|t| check_transfer(peer, t))
+        })??;
+        let now = engine.shared.config.clock.now();
+        let link = {
+            let mut state = lock(&engine.shared.state);
+            let State {
+                stream_fences,
+                gates,
+                ..
+            } = &mut *state;
+            let res = &engine.shared.res;
+            // The word's write, then the event after it.
+            let signal = stream_fences.gate_signal(res, stream)?;
+            let event = match record_gate_event(res, stream) {
+                Ok(event) => event,
+                Err(e) => {
+                    stream_fences.abandon_gate(signal);
+                    return Err(e);
+                }
+            };
+            gates.wait(self.slot, transfers, timeout, now, signal, event, &span)
+        };
+        engine.ensure_own_driver();
+        Ok(Batch {
+            gate: Some(Arc::clone(&link)),
+            ..Batch::of_cell(engine.clone(), Arc::clone(link.cell()))
+        })
+    }
+
+    /// Submits a batch some of whose transfers involve a staging-rung
+    /// region (ours, or the peer's grant): the staged path takes those;
+    /// the direct rest as usual.
+    pub(super) fn submit_staged(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Batch<V, C>, EngineError> {
+        let engine = &self.engine;
+        self.read_peer(|_, p| transfers.iter().try_for_each(|t| check_transfer(p, t)))??;
+        let (carried, direct): (Vec<Transfer<'_, V>>, Vec<Transfer<'_, V>>) =
+            transfers.iter().partition(|t| staging::staged(t));
+        let posted =
+            engine.with_staged(|staged, cx| staged.post(cx, self.slot, &carried, timeout))?;
+        let mut batch = if direct.is_empty() {
+            let cell = Arc::new(CompletionCell::new());
+            cell.complete(Ok(()));
+            Batch::of_cell(engine.clone(), cell)
+        } else {
+            self.submit_with_timeout(&direct, timeout)?
+        };
+        batch.parts = vec![posted];
+        batch.fence.extend(staging::read_fence(&carried));
+        batch.fence.sort_unstable();
+        batch.fence.dedup();
+        Ok(batch)
+    }
+
+    /// Sends any control message, as a peer of the engine's could: for
+    /// tests of the engine's defences against a hostile peer (a forged
+    /// slot credit, an unknown request). Not for applications.
+    #[doc(hidden)]
+    pub fn send_raw_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
+        self.send_control(message)
+    }
+
+    // The peer-copy path's calls ([`peer_copy`]).
+
+    /// How this peer's transfers of GPU memory travel.
+    pub fn peer_copy(&self) -> PeerCopyRoute {
+        let state = lock(&self.engine.shared.state);
+        match state.peers.get(self.slot).and_then(Option::as_ref) {
+            Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
+                state.peer_copy.route(self.slot)
+            }
+            _ => PeerCopyRoute::Nic,
+        }
+    }
+
+    /// Tells the peer where this engine runs (before the paths, so that it
+    /// knows once the connection is up), if the path is allowed here.
+    pub(super) fn send_locality(&self) -> Result<(), EngineError> {
+        if !self.engine.shared.config.peer_copy {
+            return Ok(());
+        }
+        let message = lock(&self.engine.shared.state).peer_copy.locality();
+        if let Some(message) = message {
+            self.send_control(&message)?;
+        }
+        Ok(())
+    }
+
+    /// Makes a new grant of GPU memory reachable by peer copy (see
+    /// [`peer_copy::PeerCopyPath::publish`]); what it sends is posted
+    /// before the lock is released.
+    pub(super) fn publish_for_peer_copy(
+        &self,
+        region: &Region<V>,
+        offset: u64,
+        descriptor: &MemoryDescriptor,
+    ) -> Option<peer_copy::Publication> {
+        let shared = &*self.engine.shared;
+        let mut guard = lock(&shared.state);
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = &mut *guard;
+        let res = &shared.res;
+        let mut wire = Connections { core, peers, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        };
+        let published = peer_copy.publish(&mut cx, self.slot, region, offset, descriptor);
+        self.engine.post_ready(&mut guard);
+        published
+    }
+
+    /// Submits `transfers` by peer copy if the path carries them all
+    /// (`Ok(None)`: another path takes the batch); checks each as the NIC
+    /// path does first.
+    pub(super) fn submit_peer_copy(
+        &self,
+        transfers: &[Transfer<'_, V>],
+        timeout: Duration,
+    ) -> Result<Option<Batch<V, C>>, EngineError> {
+        let engine = &self.engine;
+        let res = &engine.shared.res;
+        if !res.config.peer_copy || transfers.is_empty() {
+            return Ok(None);
+        }
+        let mut guard = lock(&engine.shared.state);
+        let State {
+            core,
+            peers,
+            peer_copy,
+            ..
+        } = &mut *guard;
+        let peer = peers[self.slot]
+            .as_ref()
+            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+        if peer_copy.route(self.slot) == PeerCopyRoute::Nic {
+            return Ok(None);
+        }
+        if let Some(why) = &peer.gone {
+            return Err(EngineError::PeerGone(why.clone()));
+        }
+        for t in transfers {
+            check_transfer(peer, t)?;
+        }
+        if !peer_copy.carries(res, self.slot, transfers) {
+            return Ok(None);
+        }
+        let mut wire = Connections { core, peers, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        };
+        let cell = peer_copy.post(&mut cx, self.slot, transfers, timeout)?;
+        drop(guard);
+        engine.ensure_own_driver();
+        Ok(Some(Batch::of_cell(engine.clone(), cell)))
+    }
+}
