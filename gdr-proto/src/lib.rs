@@ -24,6 +24,8 @@
 //!   once a revoke completes, no byte moves under the grant) and the ones
 //!   a peer announced (bounded).
 //! - [`inbox`]: the peer's messages nobody received yet (bounded).
+//! - [`outbox`]: this side's messages waiting for a send slot (bounded,
+//!   each with a deadline, in order).
 //! - [`pipeline`]: the staging pipeline (slices through a pinned bounce
 //!   pool, copies and the wire overlapped; failures drain, exactly once).
 //! - [`rendezvous`]: both sides of the slotted rendezvous (slots,
@@ -44,6 +46,7 @@ pub mod gate;
 pub mod grants;
 pub mod inbox;
 pub mod limits;
+pub mod outbox;
 pub mod peer_copy;
 pub mod pipeline;
 pub mod reconnect;

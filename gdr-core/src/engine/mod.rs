@@ -93,7 +93,7 @@ pub use gdr_proto::setup;
 /// The engine's wire formats (they live in the sans-IO protocol crate).
 pub use gdr_proto::wire;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -131,6 +131,7 @@ use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, Di
 use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::grants::RemoteGrants;
 use gdr_proto::inbox::Inbox;
+use gdr_proto::outbox::Outbox;
 use gdr_proto::peer_copy::Release;
 use gdr_proto::reconnect::{Backoff, Drained, GiveUp, OldQp, Recovery, Replacement};
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
@@ -360,22 +361,15 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     remote_grants: RemoteGrants<MemoryDescriptor>,
     /// The peer's messages not yet received (bounded).
     inbox: Inbox,
-    backlog: VecDeque<Outgoing>,
+    /// This side's control messages waiting for a send slot (bounded).
+    outbox: Outbox<Arc<CompletionCell>>,
     next_qp: usize,
     paths_known: bool,
     gone: Option<String>,
 }
 
 /// Control messages a peer may have waiting for a send slot.
-const MAX_BACKLOG: usize = 1 << 16;
-
-/// A control message waiting for a send slot.
-struct Outgoing {
-    bytes: Vec<u8>,
-    cell: Arc<CompletionCell>,
-    deadline: Instant,
-    timeout: Duration,
-}
+const MAX_OUTBOX: usize = 1 << 16;
 
 impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
     /// Queues control message `message` for the peer, to go out by
@@ -394,30 +388,21 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
         if len > max {
             return Err(EngineError::MessageTooLarge { len, max });
         }
-        if self.backlog.len() >= MAX_BACKLOG {
-            return Err(EngineError::Refused(format!(
-                "{MAX_BACKLOG} control messages already wait for the peer"
-            )));
-        }
         let mut bytes = vec![0; len];
         message.encode_into(&mut bytes)?;
         let cell = Arc::new(CompletionCell::new());
-        self.backlog.push_back(Outgoing {
-            bytes,
-            cell: Arc::clone(&cell),
-            deadline: now + timeout,
-            timeout,
-        });
+        self.outbox
+            .push(bytes, Arc::clone(&cell), now, timeout)
+            .map_err(|(full, _)| EngineError::Refused(full.to_string()))?;
         Ok(cell)
     }
 
     /// Moves waiting control messages into free send slots and hands them
     /// to the core; fails those past their deadline.
-    fn flush_backlog(&mut self, core: &mut Core, now: Instant) {
-        while let Some(front) = self.backlog.front() {
-            if front.deadline <= now {
-                let late = self.backlog.pop_front().expect("front exists");
-                late.cell.complete(Err(TransferError::Timeout {
+    fn flush_outbox(&mut self, core: &mut Core, now: Instant) {
+        while !self.outbox.is_empty() {
+            if let Some(late) = self.outbox.poll_expired(now) {
+                late.token.complete(Err(TransferError::Timeout {
                     after: late.timeout,
                 }));
                 continue;
@@ -433,21 +418,21 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .pop();
             let Some(slot) = slot else { break };
-            let message = self.backlog.pop_front().expect("front exists");
+            let message = self.outbox.pop().expect("not empty");
             let guard = SendSlot {
                 free: Arc::clone(&self.control.free_send),
                 slot,
             };
             let offset = (slot * self.control.slot) as u64;
             if let Err(e) = self.control.send.write_at(offset, &message.bytes) {
-                message.cell.complete(Err(TransferError::Local {
+                message.token.complete(Err(TransferError::Local {
                     what: e.to_string(),
                 }));
                 continue;
             }
             let qp = &self.qps[0];
             let Some(mr) = self.control.send_region.inner.per_nic[qp.nic].mr() else {
-                message.cell.complete(Err(TransferError::Local {
+                message.token.complete(Err(TransferError::Local {
                     what: "the send buffer has no MR".into(),
                 }));
                 continue;
@@ -469,8 +454,8 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
             );
             core.submit(
                 vec![(qp.core, work)],
-                message.cell,
-                Some((message.deadline, message.timeout)),
+                message.token,
+                message.deadline.map(|at| (at, message.timeout)),
                 keep,
             );
         }
@@ -533,7 +518,7 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
             .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
         let now = self.res.config.clock.now();
         let cell = peer.enqueue(message, now, timeout)?;
-        peer.flush_backlog(self.core, now);
+        peer.flush_outbox(self.core, now);
         Ok(cell)
     }
 
@@ -1301,7 +1286,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             },
             remote_grants: RemoteGrants::new(limits.max_remote_grants),
             inbox: Inbox::new(limits.max_inbox_messages, limits.max_inbox_bytes),
-            backlog: VecDeque::new(),
+            outbox: Outbox::new(MAX_OUTBOX),
             next_qp: 0,
             paths_known: false,
             gone: None,
@@ -1957,12 +1942,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             let now = self.shared.config.clock.now();
             let timeout = self.shared.config.default_timeout;
             for bytes in peer.granted.values() {
-                peer.backlog.push_back(Outgoing {
-                    bytes: bytes.clone(),
-                    cell: Arc::new(CompletionCell::new()),
-                    deadline: now + timeout,
-                    timeout,
-                });
+                let cell = Arc::new(CompletionCell::new());
+                if let Err((full, _)) = peer.outbox.push(bytes.clone(), cell, now, timeout) {
+                    tracing::warn!(%full, "announcing a grant again");
+                }
             }
         } else {
             by_qp_num.remove(&(q.nic, old.qp().qp_num()));
@@ -2022,8 +2005,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             ..
         } = state;
         for peer in peers.iter_mut().flatten() {
-            if !peer.backlog.is_empty() {
-                peer.flush_backlog(core, self.shared.config.clock.now());
+            if !peer.outbox.is_empty() {
+                peer.flush_outbox(core, self.shared.config.clock.now());
             }
         }
         for peer in peers.iter().flatten() {

@@ -534,7 +534,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let cell = self.update_peer(|core, peer| {
             let now = config.clock.now();
             let cell = peer.enqueue(message, now, config.default_timeout)?;
-            peer.flush_backlog(core, now);
+            peer.flush_outbox(core, now);
             Ok::<_, EngineError>(cell)
         })??;
         Ok(Batch::of_cell(self.engine.clone(), cell))
