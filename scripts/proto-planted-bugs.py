@@ -9,6 +9,7 @@ GATE='gdr-proto/src/gate.rs'
 REQ='gdr-proto/src/rendezvous/requester.rs'
 PIPE='gdr-proto/src/pipeline.rs'
 REC='gdr-proto/src/reconnect.rs'
+OUT='gdr-proto/src/outbox.rs'
 muts=[
  (PC,"stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
  (PC,"one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
@@ -53,6 +54,10 @@ muts=[
  (REC,"a closed peer still wanted","        self.qps.fill(QpState::Down);",""),
  (REC,"gone reported twice","        if self.gone_taken {\n            return None;\n        }",""),
  (REC,"the deadline forgotten","                let by = now.checked_add(self.timeout);","                let by = None;"),
+ (OUT,"no bound","        if self.queue.len() >= self.max {","        if self.queue.len() > self.max {"),
+ (OUT,"never expires","            Some(at) if at <= now => self.queue.pop_front(),","            Some(at) if at < now => self.queue.pop_front(),"),
+ (OUT,"out of order","        self.queue.push_back(Waiting {","        self.queue.push_front(Waiting {"),
+ (OUT,"overflowed deadline expires at once","            deadline: now.checked_add(timeout),","            deadline: now.checked_add(timeout).or(Some(now)),"),
 ]
 # An argument keeps the mutants of the files whose path contains it.
 if len(sys.argv)>1:
@@ -60,7 +65,7 @@ if len(sys.argv)>1:
 caught=0
 for p,name,a,b in muts:
     orig=open(p).read()
-    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect'}[p.split('/')[-1]]
+    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox'}[p.split('/')[-1]]
     assert orig.count(a)==1,(name,a)
     try:
         open(p,'w').write(orig.replace(a,b))
