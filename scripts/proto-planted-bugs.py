@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-# Planted bugs in gdr-proto's protocols (peer copy, gates, the requester,
-# the pipeline, reconnection): each is applied
-# alone, the module's tests run, and the file restored. Every one must be
-# caught (the test suite fails). Run from the repository root.
-import subprocess, sys
+# Planted bugs in gdr-proto's protocols (peer copy, gates, the requester
+# and the owner of the rendezvous, the pipeline, reconnection): each is
+# applied alone, the module's tests run (or, for an entry that names one,
+# the two-endpoint pair test of gdr-proto/tests/ that must catch it), and
+# the file restored. Every one must be caught (the tests fail). Run from
+# the repository root, after `cargo fmt` (the patterns are formatted code).
+import re, subprocess, sys
 PC='gdr-proto/src/peer_copy.rs'
+RDV='gdr-proto/src/rendezvous.rs'
 GATE='gdr-proto/src/gate.rs'
 REQ='gdr-proto/src/rendezvous/requester.rs'
 PIPE='gdr-proto/src/pipeline.rs'
 REC='gdr-proto/src/reconnect.rs'
 OUT='gdr-proto/src/outbox.rs'
+# The pair tests (both ends of a protocol over an encoded link).
+PRDV='pair_rendezvous'
+PPC='pair_peer_copy'
 muts=[
  (PC,"stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
  (PC,"one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
@@ -58,23 +64,54 @@ muts=[
  (OUT,"never expires","            Some(at) if at <= now => self.queue.pop_front(),","            Some(at) if at < now => self.queue.pop_front(),"),
  (OUT,"out of order","        self.queue.push_back(Waiting {","        self.queue.push_front(Waiting {"),
  (OUT,"overflowed deadline expires at once","            deadline: now.checked_add(timeout),","            deadline: now.checked_add(timeout).or(Some(now)),"),
+ (RDV,"a WRITE slice copied to the request's start","            gpu_addr: serve.addr + offset,","            gpu_addr: serve.addr,",PRDV),
+ (RDV,"a READ's slot lent before its copy out of the GPU","            *slot = if write {","            *slot = if true {",PRDV),
+ (RDV,"a revoked request's use ended while its copy runs","if s.holds_use && (!keep || (s.failed.is_some() && !copying)) {","if s.holds_use && (!keep || s.failed.is_some()) {",PRDV),
+ (RDV,"a failed request's slot copied","        if !filled || serve.failed.is_some() {","        if !filled {",PRDV),
+ (RDV,"a cancelled request answered","                if !s.cancelled {\n                    actions.push_back(OwnerAction::Reply { id: s.id, status });\n                }","                actions.push_back(OwnerAction::Reply { id: s.id, status });",PRDV),
+ (RDV,"the owner's deadline off by one",".filter(|s| s.failed.is_none() && s.deadline <= now)",".filter(|s| s.failed.is_none() && s.deadline < now)",PRDV),
+ (RDV,"a timed-out request's slots kept","        for id in late {\n            self.take_back_lent(id);\n        }\n","",PRDV),
+ (RDV,"no bound on staged requests","        if self.serving.len() >= self.max_requests {","        if self.serving.len() > self.max_requests {",PRDV),
+ (RDV,"a credit of the wrong direction honoured","}) if lent_to == id && serve.write == filled => Some((slots, offset, len)),","}) if lent_to == id => Some((slots, offset, len)),",PRDV),
+ (RDV,"a slot lent to another request honoured","}) if lent_to == id && serve.write == filled => Some((slots, offset, len)),","}) if serve.write == filled => Some((slots, offset, len)),",PRDV),
+ (RDV,"a closed connection's requests answered","                s.cancelled = true;\n                s.failed.get_or_insert(status::FAILED);\n                s.id","                s.failed.get_or_insert(status::FAILED);\n                s.id",PRDV),
+ (REQ,"the last failure wins","            a.failure.get_or_insert(why);","            a.failure = Some(why);",PRDV),
+ (REQ,"a refusal overrides the cancel","                a.failure.get_or_insert(AskFailure::Refused(status));","                a.failure = Some(AskFailure::Refused(status));",PRDV),
+ (REQ,"a credit for the slot past the last","            slot < count\n","            slot <= count\n",PRDV),
+ (REQ,"a credit longer than a slot","                && len <= slot_len\n","",PRDV),
+ (REQ,"a gone peer's requests not failed","            a.failure.get_or_insert(AskFailure::PeerGone);\n","",PRDV),
+ (REQ,"the requester's deadline off by one","if a.deadline.is_some_and(|at| now >= at) {","if a.deadline.is_some_and(|at| now > at) {",PRDV),
+ (PC,"a slice past its transfer's end","            let len = (self.lens[transfer] - offset).min(self.windows.slice);","            let len = self.windows.slice;",PPC),
+ (PC,"windows all counted done at the first's end","        self.queued = self.queued.saturating_sub(1);","        self.queued = 0;",PPC),
+ (PC,"a stopped batch ends before its windows ran","            _ if !self.is_drained() => return None,","            _ if !self.is_drained() && self.stop.is_none() => return None,",PPC),
+ (PC,"given up at the revoke","                    export.release_by = now.checked_add(bound);","                    export.release_by = Some(now);",PPC),
+ (PC,"the given-up record unbounded","            if self.given_up.len() == GIVEN_UP_KEPT {\n                self.given_up.pop_front();\n            }\n","",PPC),
+ (PC,"the release bound off by one",".filter(|(_, e)| e.release_by.is_some_and(|at| now >= at))",".filter(|(_, e)| e.release_by.is_some_and(|at| now > at))",PPC),
 ]
-# An argument keeps the mutants of the files whose path contains it.
+# An argument keeps the mutants of the files whose path contains it, or
+# of the pair test it names ("pair_" keeps every pair test's).
 if len(sys.argv)>1:
-    muts=[m for m in muts if sys.argv[1] in m[0]]
+    muts=[m for m in muts if any(sys.argv[1] in f for f in (m[0],)+m[4:])]
 caught=0
-for p,name,a,b in muts:
+for p,name,a,b,*pair in muts:
     orig=open(p).read()
-    module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox'}[p.split('/')[-1]]
+    if pair:
+        # The pair test named must catch it.
+        module=pair[0]
+        args=["--test",module]
+    else:
+        module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox'}[p.split('/')[-1]]
+        args=[module+"::"]
     assert orig.count(a)==1,(name,a)
     try:
         open(p,'w').write(orig.replace(a,b))
-        r=subprocess.run(["cargo","test","-q","-p","gdr-proto",module+"::"],capture_output=True,text=True)
+        r=subprocess.run(["cargo","test","-q","-p","gdr-proto"]+args,capture_output=True,text=True)
     finally:
         open(p,'w').write(orig)
     ok = r.returncode!=0
     caught+=ok
-    fails=[l.strip() for l in r.stdout.splitlines() if l.startswith("    "+module+"::")]
+    # The failing tests, as the summary after "failures:" lists them.
+    fails=[l.strip() for l in r.stdout.splitlines() if l.startswith("    ") and re.fullmatch(r"[\w:]+",l.strip())]
     print(("CAUGHT " if ok else "MISSED ")+module+": "+name, fails[:3], flush=True)
 print(f"{caught}/{len(muts)} caught")
 sys.exit(0 if caught == len(muts) else 1)
