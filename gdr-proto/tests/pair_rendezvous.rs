@@ -454,6 +454,14 @@ impl Pair {
         assert!(untouched(&local[..GUARD]) && untouched(&local[local.len() - GUARD..]));
     }
 
+    /// The end of a scenario: nothing written outside, nothing held on
+    /// either side, no use of the grant left.
+    fn assert_settled(&mut self) {
+        self.assert_guards();
+        assert!(self.idle());
+        self.assert_no_use_left();
+    }
+
     /// Every use of the grant ended: its revoke fences at once.
     fn assert_no_use_left(&mut self) {
         assert!(
@@ -497,9 +505,7 @@ fn a_write_and_a_read_of_more_slices_than_slots_land_exactly_in_their_ranges() {
         [(w, status::OK)],
         "a READ is answered only to fail"
     );
-    p.assert_guards();
-    assert!(p.idle());
-    p.assert_no_use_left();
+    p.assert_settled();
 }
 
 #[test]
@@ -696,9 +702,7 @@ fn a_request_past_the_owners_deadline_is_dropped_there_and_the_requester_told_ti
     assert_eq!(p.o.copies_started, 0);
     assert!(p.o.gpu == gpu0);
     assert_eq!(p.o.cancels, [id], "told, and nothing to take back");
-    p.assert_guards();
-    assert!(p.idle());
-    p.assert_no_use_left();
+    p.assert_settled();
 }
 
 #[test]
