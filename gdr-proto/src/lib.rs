@@ -11,6 +11,10 @@
 //! touches a device, every protocol is tested in memory, two endpoints
 //! driven step by step, with no simulator.
 //!
+//! - [`batches`]: batches of work requests on a peer's queue pairs
+//!   (depth, selective signalling, the peer's receives, deadlines with a
+//!   grace for the flushes; each batch told once, its memory held until
+//!   the NIC gave back its last request).
 //! - [`wire`]: the formats on the wire (connection handshake, rejects,
 //!   control messages), strict decoders that never panic.
 //! - [`limits`]: every bound on what a peer can make this side hold, and
@@ -41,11 +45,13 @@
 
 #![deny(missing_docs)]
 
+pub mod batches;
 mod error;
 pub mod gate;
 pub mod grants;
 pub mod inbox;
 pub mod limits;
+mod mutant;
 pub mod outbox;
 pub mod peer_copy;
 pub mod pipeline;

@@ -13,8 +13,8 @@ use loom::thread;
 
 use hal_verbs::WcStatus;
 
+use super::batches::{Core, QpLimits, Work, test_send, test_write};
 use super::completion::CompletionCell;
-use super::core::{Core, QpLimits, Work, test_send, test_write};
 use super::error::TransferError;
 
 fn write() -> Work {

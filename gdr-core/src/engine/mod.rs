@@ -5,8 +5,9 @@
 //!
 //! - [`Engine`] owns the NICs it was given (one [`Ladder`] and one
 //!   completion queue each), registers buffers as [`Region`]s, listens and
-//!   connects with rdma_cm. Its book-keeping is a deterministic core
-//!   (`engine::core`: no clock reads, no threads, no I/O); the engine is the
+//!   connects with rdma_cm. Its book-keeping of queue pairs and batches is
+//!   [`gdr_proto::batches`] (no clock reads, no threads, no I/O; carried
+//!   out by `engine::batches`); the engine is the
 //!   driver that feeds it completions, connection events and time
 //!   ([`Clock`]) and posts what it hands out. Progress is made by whoever
 //!   waits ([`Batch::wait`], [`Peer::recv`]) or by [`Engine::progress`].
@@ -70,8 +71,8 @@
 //! 3FS's `hf3fs_iovsync` synchronizes the whole device instead.
 
 mod batch;
+mod batches;
 pub mod completion;
-mod core;
 pub mod error;
 pub mod fence;
 pub mod gate;
@@ -117,9 +118,9 @@ use crate::ladder::{DmabufExports, Gpu, Grant, Ladder, LadderConfig, Rung};
 use crate::sync::{Mutex, MutexGuard, lock};
 
 pub use self::batch::Batch;
+use self::batches::{Action, Core, Keep, QpId, QpLimits, single_work};
+pub use self::batches::{BatchId, QpCounters};
 pub use self::completion::{CompletionCell, Outcome};
-use self::core::{Action, Core, Keep, QpId, QpLimits, Work};
-pub use self::core::{BatchId, QpCounters};
 pub use self::error::{EngineError, TransferError};
 pub use self::listener::EngineListener;
 use self::path::{PathCx, PeerView, TransferPath, Wire};
@@ -141,7 +142,7 @@ const _: () = assert!(Hello::ENCODED_LEN <= hal_verbs::MAX_CONNECT_PRIVATE_DATA)
 const _: () = assert!(Hello::ENCODED_LEN <= hal_verbs::MAX_ACCEPT_PRIVATE_DATA);
 const _: () = assert!(RejectReason::ENCODED_LEN <= hal_verbs::MAX_REJECT_PRIVATE_DATA);
 
-/// Where the engine's time comes from: the deterministic core reads no
+/// Where the engine's time comes from: the protocol (`gdr-proto`) reads no
 /// clock; the driver asks this one.
 pub trait Clock: Send + Sync + fmt::Debug {
     /// Now.
@@ -445,7 +446,7 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
                 Arc::new(guard) as Keep,
                 Arc::clone(&self.control.send_region.inner) as Keep,
             ];
-            let work = Work::single(
+            let work = single_work(
                 SendOp::Send,
                 self.control.send_region.inner.addr + offset,
                 message.bytes.len() as u32,
@@ -574,7 +575,7 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
             return Err(local_error("the local memory has no MR".into()));
         };
         let rdma = op.send_op(segment.addr + (remote_at - segment.offset), segment.rkey);
-        let work = Work::single(rdma, local_addr, len as u32, mr.lkey(), SendFlags::empty());
+        let work = single_work(rdma, local_addr, len as u32, mr.lkey(), SendFlags::empty());
         let cell = Arc::new(CompletionCell::new());
         let keep: Vec<Keep> = vec![Arc::clone(&local.inner) as Keep];
         core.submit(

@@ -10,7 +10,7 @@
 //!
 //! The RDMA path is the engine's own, not an implementation of
 //! [`TransferPath`]: its state is the peers' queue pairs and the batches
-//! in flight on them (the engine's deterministic core), which the other
+//! in flight on them ([`gdr_proto::batches`]), which the other
 //! paths ride as well (the control channel, the staged path's slices), so
 //! it is the [`Wire`] the seam hands them rather than a path beside them.
 //!

@@ -488,7 +488,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     }
                     work.push((
                         qp.core,
-                        Work::single(
+                        single_work(
                             op,
                             t.local.inner.addr + t.local_offset + done,
                             len as u32,

@@ -109,8 +109,8 @@ use gdr_proto::peer_copy::{CopyFlight, Exports, Releases, Slice, Stop, Windows};
 use hal_cuda::{Context as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
 use hal_verbs::Api;
 
+use super::batches::Keep;
 use super::completion::CompletionCell;
-use super::core::Keep;
 use super::path::{PathCx, TransferPath};
 use super::resources::Resources;
 use super::wire::Control;
