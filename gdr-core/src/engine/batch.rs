@@ -116,7 +116,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             .collect();
         let _span = tracing::debug_span!("fence_stream").entered();
         let engine = &self.engine;
-        lock(&engine.shared.state).stream_fences.queue(
+        lock(&engine.shared.state).paths.stream_fences.queue(
             &engine.shared.res,
             stream,
             cells,
@@ -141,7 +141,10 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         if !self.parts.is_empty() {
             // The staged parts: pipelines and requests through a peer's
             // landing slots.
-            lock(&self.engine.shared.state).staged.cancel(&self.parts);
+            lock(&self.engine.shared.state)
+                .paths
+                .staged
+                .cancel(&self.parts);
         }
     }
 

@@ -473,6 +473,17 @@ struct State<V: Api, C: hal_cuda::Api> {
     dead_nics: Vec<bool>,
     /// Queue pairs being re-established.
     reconnecting: usize,
+    /// The paths beside the queue pairs, each with its own state.
+    paths: Paths<V, C>,
+    completions: Vec<Completion>,
+    to_post: Vec<SendRequest>,
+    ticks: u64,
+}
+
+/// The paths the engine carries batches over besides the queue pairs
+/// ([`path`]), each owning its state; the engine hands each step of one
+/// the same context ([`State::with_paths`]).
+struct Paths<V: Api, C: hal_cuda::Api> {
     /// The staged path: pools, pipes, rendezvous both ways, by peer.
     staged: staging::StagedPath<V, C>,
     /// The page of words streams wait on (made at the first stream fence
@@ -483,9 +494,30 @@ struct State<V: Api, C: hal_cuda::Api> {
     peer_copy: peer_copy::PeerCopyPath<C>,
     /// Batches held until a stream reaches their gate.
     gates: gate::Gates<V, C>,
-    completions: Vec<Completion>,
-    to_post: Vec<SendRequest>,
-    ticks: u64,
+}
+
+impl<V: Api, C: hal_cuda::Api> State<V, C> {
+    /// Runs `f` on the paths with the context of one path step: the
+    /// engine's resources, the wire over the peers' connections, `now`.
+    fn with_paths<T>(
+        &mut self,
+        res: &Resources<V, C>,
+        now: Instant,
+        f: impl FnOnce(&mut Paths<V, C>, &mut PathCx<'_, V, C>) -> T,
+    ) -> T {
+        let State {
+            core, peers, paths, ..
+        } = self;
+        let mut wire = Connections { core, peers, res };
+        f(
+            paths,
+            &mut PathCx {
+                res,
+                wire: &mut wire,
+                now,
+            },
+        )
+    }
 }
 
 /// The peers' connections as the paths see them ([`path::Wire`]): the
@@ -798,10 +830,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 qp_owner: Vec::new(),
                 dead_nics: vec![false; nics.len()],
                 reconnecting: 0,
-                staged: Default::default(),
-                stream_fences: Default::default(),
-                peer_copy: peer_copy::PeerCopyPath::new(cuda),
-                gates: Default::default(),
+                paths: Paths {
+                    staged: Default::default(),
+                    stream_fences: Default::default(),
+                    peer_copy: peer_copy::PeerCopyPath::new(cuda),
+                    gates: Default::default(),
+                },
                 completions: Vec::with_capacity(256),
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
@@ -1126,22 +1160,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             state.by_qp_num.remove(&(nic0, old.qp().qp_num()));
         }
         // Each path ends what it does with the peer and lets go of it.
-        let State {
-            core,
-            peers,
-            staged,
-            peer_copy,
-            ..
-        } = &mut *state;
         let res = &self.shared.res;
-        let mut wire = Connections { core, peers, res };
-        let mut cx = PathCx {
-            res,
-            wire: &mut wire,
-            now: res.config.clock.now(),
-        };
-        staged.release_peer(&mut cx, slot);
-        peer_copy.release_peer(&mut cx, slot);
+        state.with_paths(res, res.config.clock.now(), |paths, cx| {
+            paths.staged.release_peer(cx, slot);
+            paths.peer_copy.release_peer(cx, slot);
+        });
         self.run_actions(state);
         drop(guard);
         tracing::info!(
@@ -1296,7 +1319,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         self.post_free_receives(&mut peer)
             .map_err(|e| EngineError::verbs("posting control receives", e))?;
         state.peers.push(Some(peer));
-        state.staged.add_peer(slot, limits);
+        state.paths.staged.add_peer(slot, limits);
         tracing::info!(
             peer = %addr,
             engine = format_args!("{:#x}", hello.engine),
@@ -1383,8 +1406,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let mut state = lock(&self.shared.state);
         [
             state.core.next_deadline(),
-            TransferPath::<V, C>::next_deadline(&state.staged),
-            TransferPath::<V, C>::next_deadline(&state.peer_copy),
+            TransferPath::<V, C>::next_deadline(&state.paths.staged),
+            TransferPath::<V, C>::next_deadline(&state.paths.peer_copy),
         ]
         .into_iter()
         .flatten()
@@ -1466,65 +1489,23 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             self.give_up_late_reconnects(state, now);
         }
         state.core.handle_timeout(now);
-        {
-            let State {
-                core,
-                peers,
-                staged,
-                ..
-            } = &mut *state;
-            let mut wire = Connections {
-                core,
-                peers,
-                res: &shared.res,
-            };
-            let mut cx = PathCx {
-                res: &shared.res,
-                wire: &mut wire,
-                now,
-            };
-            handled += staged.progress(&mut cx);
-        }
-        handled += self.pump_peer_copies(state, now);
-        handled += state.stream_fences.release(&shared.res);
-        {
-            let State {
-                core,
-                peers,
-                stream_fences,
-                gates,
-                ..
-            } = &mut *state;
-            let mut wire = Connections {
-                core,
-                peers,
-                res: &shared.res,
-            };
-            let mut cx = PathCx {
-                res: &shared.res,
-                wire: &mut wire,
-                now,
-            };
-            handled += gates.poll(&mut cx, stream_fences);
-        }
+        handled += state.with_paths(&shared.res, now, |paths, cx| {
+            let mut handled = paths.staged.progress(cx);
+            handled += paths.peer_copy.progress(cx);
+            handled += paths.stream_fences.release(cx.res);
+            handled + paths.gates.poll(cx, &mut paths.stream_fences)
+        });
         self.run_actions(state);
         self.post_ready(state);
         (
             handled,
-            state.staged.landings_pending(),
-            state.gates.serve_pending(),
+            state.paths.staged.landings_pending(),
+            state.paths.gates.serve_pending(),
         )
     }
 
     fn on_receive(&self, state: &mut State<V, C>, slot: usize, nic: usize, wc: &Completion) {
-        let State {
-            core,
-            peers,
-            peer_copy,
-            staged,
-            ..
-        } = state;
-        let Some(peer) = peers[slot].as_mut() else {
+        let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
         let index = (wc.wr_id & !RECV_BIT) as usize;
@@ -1533,16 +1514,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         peer.control.recv_owner[index] = None;
-        if wc.status.is_success()
-            && let Err(why) = self.on_message(
-                core,
-                peers,
-                peer_copy,
-                staged,
-                slot,
-                index,
-                wc.byte_len as usize,
-            )
+        let failed = match wc.status.is_success() {
+            true => self
+                .on_message(state, slot, index, wc.byte_len as usize)
+                .err(),
+            false => None,
+        };
+        let State { core, peers, .. } = state;
+        if let Some(why) = failed
             && let Some(peer) = peers[slot].as_mut()
         {
             drop_misbehaving(core, peer, &why);
@@ -1568,13 +1547,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Handles the control message in receive slot `index`; `Err`: the
     /// peer broke the protocol and is to be dropped.
-    #[allow(clippy::too_many_arguments)]
     fn on_message(
         &self,
-        core: &mut Core,
-        peers: &mut [Option<PeerState<V, C>>],
-        peer_copy: &mut peer_copy::PeerCopyPath<C>,
-        staged: &mut staging::StagedPath<V, C>,
+        state: &mut State<V, C>,
         slot: usize,
         index: usize,
         len: usize,
@@ -1582,7 +1557,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let size = self.shared.config.max_message as usize;
         let len = len.min(size);
         let mut bytes = vec![0; len];
-        let Some(peer) = peers[slot].as_mut() else {
+        let Some(peer) = state.peers[slot].as_mut() else {
             return Ok(());
         };
         if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
@@ -1593,20 +1568,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             // messages of its protocol and hands the others back.
             Ok(m) => {
                 let res = &self.shared.res;
-                let mut wire = Connections { core, peers, res };
-                let mut cx = PathCx {
-                    res,
-                    wire: &mut wire,
-                    now: res.config.clock.now(),
-                };
-                match peer_copy.on_control(&mut cx, slot, m)? {
-                    Some(m) => Ok(staged.on_control(&mut cx, slot, m)?),
-                    None => Ok(None),
-                }
+                let handed_back = state
+                    .with_paths(res, res.config.clock.now(), |paths, cx| {
+                        match paths.peer_copy.on_control(cx, slot, m)? {
+                            Some(m) => Ok(paths.staged.on_control(cx, slot, m)?),
+                            None => Ok(None),
+                        }
+                    })
+                    .map_err(|e: PeerMisbehaved| e)?;
+                Ok(handed_back)
             }
             Err(e) => Err(e),
         };
-        let Some(peer) = peers[slot].as_mut() else {
+        let Some(peer) = state.peers[slot].as_mut() else {
             return Ok(());
         };
         match message {
@@ -2046,7 +2020,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// handed back. Returns how many were made.
     fn make_landings(&self) -> usize {
         let res = &self.shared.res;
-        let wanted = self.with_staged(|staged, cx| staged.landings_wanted(cx));
+        let wanted = self.with_paths(|paths, cx| paths.staged.landings_wanted(cx));
         let mut worked = 0;
         for (slot, gpu) in wanted {
             let peer = Peer {
@@ -2056,40 +2030,18 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             let made = staging::make_landing(res, slot, Some(gpu), |region, len| {
                 peer.make_grant(region, 0, len, GrantRights::ReadWrite)
             });
-            worked += self.with_staged(|staged, cx| staged.landing_made(cx, slot, made));
+            worked += self.with_paths(|paths, cx| paths.staged.landing_made(cx, slot, made));
         }
         worked
     }
 
-    /// Runs `f` on the staged path, with the peers' connections, under the
-    /// engine's lock; what it queued is posted before the lock goes.
-    fn with_staged<T>(
-        &self,
-        f: impl FnOnce(&mut staging::StagedPath<V, C>, &mut PathCx<'_, V, C>) -> T,
-    ) -> T {
+    /// Runs `f` on the paths ([`State::with_paths`]) under the engine's
+    /// lock; what it queued is posted before the lock goes.
+    fn with_paths<T>(&self, f: impl FnOnce(&mut Paths<V, C>, &mut PathCx<'_, V, C>) -> T) -> T {
         let shared = &*self.shared;
         let mut guard = lock(&shared.state);
-        let state = &mut *guard;
-        let out = {
-            let State {
-                core,
-                peers,
-                staged,
-                ..
-            } = &mut *state;
-            let mut wire = Connections {
-                core,
-                peers,
-                res: &shared.res,
-            };
-            let mut cx = PathCx {
-                res: &shared.res,
-                wire: &mut wire,
-                now: shared.config.clock.now(),
-            };
-            f(staged, &mut cx)
-        };
-        self.post_ready(state);
+        let out = guard.with_paths(&shared.res, shared.config.clock.now(), f);
+        self.post_ready(&mut guard);
         out
     }
 
@@ -2097,25 +2049,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// What this engine's peer copies have done.
     pub fn peer_copy_stats(&self) -> PeerCopyStats {
-        lock(&self.shared.state).peer_copy.stats()
-    }
-
-    /// Moves the peer-copy batches on ([`TransferPath::progress`]):
-    /// returns how many ended.
-    fn pump_peer_copies(&self, state: &mut State<V, C>, now: Instant) -> usize {
-        let State {
-            core,
-            peers,
-            peer_copy,
-            ..
-        } = state;
-        let res = &self.shared.res;
-        let mut wire = Connections { core, peers, res };
-        peer_copy.progress(&mut PathCx {
-            res,
-            wire: &mut wire,
-            now,
-        })
+        lock(&self.shared.state).paths.peer_copy.stats()
     }
 
     /// Cancels the peer-copy batch of `cell`, if it is one: it queues
@@ -2123,7 +2057,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// copies have run.
     fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
         let mut state = lock(&self.shared.state);
-        TransferPath::<V, C>::cancel(&mut state.peer_copy, std::slice::from_ref(cell));
+        TransferPath::<V, C>::cancel(&mut state.paths.peer_copy, std::slice::from_ref(cell));
     }
 }
 
@@ -2236,7 +2170,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Submits the batches whose gate opened and hands on the outcomes of
     /// those that ended (outside the engine's lock: submitting takes it).
     fn serve_gates(&self) -> usize {
-        let serve = lock(&self.shared.state).gates.serve();
+        let serve = lock(&self.shared.state).paths.gates.serve();
         let (handled, running) = serve.run(
             || self.shared.config.clock.now(),
             |slot, transfers, left| {
@@ -2249,7 +2183,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             },
         );
         if !running.is_empty() {
-            lock(&self.shared.state).gates.running(running);
+            lock(&self.shared.state).paths.gates.running(running);
         }
         handled
     }
@@ -2259,7 +2193,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// briefly and the call counts as work (the thread does not back off
     /// to its idle millisecond); otherwise `handled` as it was.
     fn pace_gates(&self, handled: usize, idle: &mut Idle) -> usize {
-        if handled > 0 || !lock(&self.shared.state).gates.waiting() {
+        if handled > 0 || !lock(&self.shared.state).paths.gates.waiting() {
             *idle = Idle::default();
             return handled;
         }

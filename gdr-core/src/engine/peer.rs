@@ -76,12 +76,15 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
         drop(self);
         peer.engine.progress_until(timeout, |state| {
             let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
-                Some(p) => state.staged.is_fenced(peer.slot, grant, p.gone.is_some()),
+                Some(p) => state
+                    .paths
+                    .staged
+                    .is_fenced(peer.slot, grant, p.gone.is_some()),
                 // Its state dropped: its copies were waited for.
                 None => true,
             };
             let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
-            match state.peer_copy.exports.release(grant) {
+            match state.paths.peer_copy.exports.release(grant) {
                 Release::Released if staged && copies_fenced => Some(Ok(())),
                 Release::GivenUp => Some(Err(EngineError::Timeout(timeout))),
                 _ => None,
@@ -98,6 +101,7 @@ impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
             // released it (or the bound passed).
             let config = &self.peer.engine.shared.config;
             lock(&self.peer.engine.shared.state)
+                .paths
                 .peer_copy
                 .exports
                 .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
@@ -109,7 +113,7 @@ impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
             }
             // Requests under it stop at once; the fence waits for their
             // copies under way.
-            state.staged.revoke(self.peer.slot, grant)
+            state.paths.staged.revoke(self.peer.slot, grant)
         };
         // A staged region's last hold may go here: outside the lock.
         drop(fenced);
@@ -273,7 +277,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
             p.granted.insert(descriptor.grant, bytes);
             if let Some(served) = served {
-                state.staged.grant(self.slot, descriptor.grant, served)?;
+                state
+                    .paths
+                    .staged
+                    .grant(self.slot, descriptor.grant, served)?;
             }
         }
         let grant = RegionGrant {
@@ -556,12 +563,12 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             if state.peers[self.slot].is_none() {
                 return Err(EngineError::PeerGone("closed".into()));
             }
-            state.staged.close_peer(self.slot);
+            state.paths.staged.close_peer(self.slot);
         }
         // Bounded: a copy that never ends is the GPU's failure, and the
         // goodbye goes anyway.
         let _ = self.engine.progress_until(Duration::from_secs(1), |state| {
-            if !state.staged.copying(self.slot) {
+            if !state.paths.staged.copying(self.slot) {
                 return Some(Ok(()));
             }
             let gone = state.peers[self.slot].as_ref().and_then(|p| p.gone.clone());
@@ -617,11 +624,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let now = engine.shared.config.clock.now();
         let link = {
             let mut state = lock(&engine.shared.state);
-            let State {
+            let Paths {
                 stream_fences,
                 gates,
                 ..
-            } = &mut *state;
+            } = &mut state.paths;
             let res = &engine.shared.res;
             // The word's write, then the event after it.
             let signal = stream_fences.gate_signal(res, stream)?;
@@ -654,7 +661,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let (carried, direct): (Vec<Transfer<'_, V>>, Vec<Transfer<'_, V>>) =
             transfers.iter().partition(|t| staging::staged(t));
         let posted =
-            engine.with_staged(|staged, cx| staged.post(cx, self.slot, &carried, timeout))?;
+            engine.with_paths(|paths, cx| paths.staged.post(cx, self.slot, &carried, timeout))?;
         let mut batch = if direct.is_empty() {
             let cell = Arc::new(CompletionCell::new());
             cell.complete(Ok(()));
@@ -684,7 +691,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let state = lock(&self.engine.shared.state);
         match state.peers.get(self.slot).and_then(Option::as_ref) {
             Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
-                state.peer_copy.route(self.slot)
+                state.paths.peer_copy.route(self.slot)
             }
             _ => PeerCopyRoute::Nic,
         }
@@ -696,7 +703,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if !self.engine.shared.config.peer_copy {
             return Ok(());
         }
-        let message = lock(&self.engine.shared.state).peer_copy.locality();
+        let message = lock(&self.engine.shared.state).paths.peer_copy.locality();
         if let Some(message) = message {
             self.send_control(&message)?;
         }
@@ -712,24 +719,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         offset: u64,
         descriptor: &MemoryDescriptor,
     ) -> Option<peer_copy::Publication> {
-        let shared = &*self.engine.shared;
-        let mut guard = lock(&shared.state);
-        let State {
-            core,
-            peers,
-            peer_copy,
-            ..
-        } = &mut *guard;
-        let res = &shared.res;
-        let mut wire = Connections { core, peers, res };
-        let mut cx = PathCx {
-            res,
-            wire: &mut wire,
-            now: res.config.clock.now(),
-        };
-        let published = peer_copy.publish(&mut cx, self.slot, region, offset, descriptor);
-        self.engine.post_ready(&mut guard);
-        published
+        self.engine.with_paths(|paths, cx| {
+            paths
+                .peer_copy
+                .publish(cx, self.slot, region, offset, descriptor)
+        })
     }
 
     /// Submits `transfers` by peer copy if the path carries them all
@@ -746,12 +740,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             return Ok(None);
         }
         let mut guard = lock(&engine.shared.state);
-        let State {
-            core,
-            peers,
-            peer_copy,
-            ..
-        } = &mut *guard;
+        let state = &mut *guard;
+        let (peer_copy, peers) = (&mut state.paths.peer_copy, &state.peers);
         let peer = peers[self.slot]
             .as_ref()
             .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
@@ -767,13 +757,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if !peer_copy.carries(res, self.slot, transfers) {
             return Ok(None);
         }
-        let mut wire = Connections { core, peers, res };
-        let mut cx = PathCx {
-            res,
-            wire: &mut wire,
-            now: res.config.clock.now(),
-        };
-        let cell = peer_copy.post(&mut cx, self.slot, transfers, timeout)?;
+        let cell = state.with_paths(res, res.config.clock.now(), |paths, cx| {
+            paths.peer_copy.post(cx, self.slot, transfers, timeout)
+        })?;
         drop(guard);
         engine.ensure_own_driver();
         Ok(Some(Batch::of_cell(engine.clone(), cell)))
