@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# Planted bugs in gdr-proto's protocols (peer copy, gates, the requester
+# Planted bugs in gdr-proto's protocols (batches, peer copy, gates, the requester
 # and the owner of the rendezvous, the pipeline, reconnection): each is
 # applied alone, the module's tests run (or, for an entry that names one,
 # the two-endpoint pair test of gdr-proto/tests/ that must catch it), and
@@ -13,10 +13,22 @@ REQ='gdr-proto/src/rendezvous/requester.rs'
 PIPE='gdr-proto/src/pipeline.rs'
 REC='gdr-proto/src/reconnect.rs'
 OUT='gdr-proto/src/outbox.rs'
+BAT='gdr-proto/src/batches.rs'
 # The pair tests (both ends of a protocol over an encoded link).
 PRDV='pair_rendezvous'
 PPC='pair_peer_copy'
 muts=[
+ (BAT,"told with requests in flight after an error","            self.drop_queued(batch);\n            self.finish_if_done(batch);\n        } else if","            self.drop_queued(batch);\n            self.finish(batch);\n        } else if"),
+ (BAT,"hold released at the grace","                continue;\n            }\n            record.ended = true;","                self.batches.remove(batch);\n                continue;\n            }\n            record.ended = true;"),
+ (BAT,"the grace tells nothing","            if record.ended {","            if record.ended && false {"),
+ (BAT,"a timed-out batch's queue pair not stopped","                self.stop(qp, cause.clone());\n",""),
+ (BAT,"cancel tells at once","        self.drop_queued(batch);\n        self.finish_if_done(batch);\n    }\n\n    /// The earliest","        self.drop_queued(batch);\n        self.finish(batch);\n    }\n\n    /// The earliest"),
+ (BAT,"a batch id given twice","        slot.generation += 1;","        slot.generation = 1;"),
+ (BAT,"the tail of a post unsignaled","            let signal = r.since_signal >= r.signal_every || i + 1 == n;","            let signal = r.since_signal >= r.signal_every;"),
+ (BAT,"an unreported tail left running","        if !tail_reported {","        if false {"),
+ (BAT,"the deadline heap unbounded","            if self.deadlines.len() > 2 * self.batches.live + 64 {","            if false {"),
+ (BAT,"a failed queue pair takes work","                Health::Ready | Health::Reconnecting(_) => None,\n                Health::Failing(e) | Health::Drained(e) => Some(Err(e.clone())),\n","                _ => None,\n"),
+ (BAT,"a SEND credit kept after its completion","            if item.send && returned {","            if item.send && returned && false {"),
  (PC,"stop ignored by poll_window","if self.stop.is_some() || self.exhausted() || self.queued >= self.windows.in_flight","if self.exhausted() || self.queued >= self.windows.in_flight"),
  (PC,"one window too many","|| self.queued >= self.windows.in_flight {","|| self.queued > self.windows.in_flight {"),
  (PC,"drained with windows queued","self.queued == 0 && (self.stop.is_some() || self.exhausted())","(self.stop.is_some() || self.exhausted())"),
@@ -100,7 +112,7 @@ for p,name,a,b,*pair in muts:
         module=pair[0]
         args=["--test",module]
     else:
-        module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox'}[p.split('/')[-1]]
+        module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox','batches.rs':'batches'}[p.split('/')[-1]]
         args=[module+"::"]
     assert orig.count(a)==1,(name,a)
     try:

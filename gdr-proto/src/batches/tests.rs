@@ -638,3 +638,30 @@ fn a_reconnecting_qp_holds_work_until_revived_or_given_up() {
     assert_eq!(abandoned.outcome(), Some(Err(gone)));
     assert!(core.is_down(qp));
 }
+
+/// A batch spread over two queue pairs fails on one: its outcome waits
+/// for its request on the other (the NIC still has it), and so does the
+/// release of what it holds.
+#[test]
+fn a_failure_waits_for_the_batchs_requests_on_other_queue_pairs() {
+    let mut core = Core::new();
+    let (a, b) = (core.add_qp(0, limits(8, 8)), core.add_qp(1, limits(8, 8)));
+    let c = cell();
+    let keep = Arc::new(1u8);
+    core.submit(
+        vec![(a, write(1)), (b, write(1))],
+        c.clone(),
+        None,
+        vec![Arc::clone(&keep)],
+    );
+    let (mut on_a, mut on_b) = (Vec::new(), Vec::new());
+    core.take_postable(a, &mut on_a);
+    core.take_postable(b, &mut on_b);
+    core.on_completion(a, on_a[0].wr_id, remote_access(4));
+    assert!(!c.is_done(), "told while its request on b is in flight");
+    assert_eq!(Arc::strong_count(&keep), 2, "held while the NIC has it");
+    core.on_completion(b, on_b[0].wr_id, OK);
+    assert_eq!(c.outcome(), Some(Err(E::RemoteAccess { vendor_err: 4 })));
+    assert_eq!(Arc::strong_count(&keep), 1);
+    assert_eq!(core.batches_live(), 0);
+}
