@@ -36,7 +36,9 @@
 //! `GDR_STAGING_SWEEP=rendezvous` the landing slots per peer and the slice
 //! size of the rendezvous (`rendezvous_sweep`, on the sim without a GPU).
 //! Run: `cargo bench -p gdr-tests --bench staging -- --warm-up-time 1
-//! --measurement-time 3`.
+//! --measurement-time 3`. With `GDR_BENCH_TRACE=<filter>` (an
+//! `EnvFilter`, e.g. `gdr_core::engine::rendezvous=trace,gdr_sim=debug`)
+//! the events it lets through go to stderr with the time since start.
 
 use std::time::Duration;
 
@@ -274,7 +276,24 @@ fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C
     group.finish();
 }
 
+/// With `GDR_BENCH_TRACE=<filter>` (an `EnvFilter`, e.g.
+/// `gdr_core::engine::rendezvous=trace`), the events it lets through go to
+/// stderr, stamped with the time since start: the trace of a run.
+fn trace_from_env() {
+    let Ok(filter) = std::env::var("GDR_BENCH_TRACE") else {
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_timer(tracing_subscriber::fmt::time::Uptime::default())
+        .with_ansi(false)
+        .with_thread_ids(true)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 fn staging(c: &mut Criterion) {
+    trace_from_env();
     let sweep = std::env::var("GDR_STAGING_SWEEP").unwrap_or_default();
     if sweep == "rendezvous" {
         match gdr_tests::cuda_gpu("staging bench") {

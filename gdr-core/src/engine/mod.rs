@@ -209,13 +209,16 @@ pub struct EngineConfig {
     pub ladder: LadderConfig,
     /// The registration cache shared by the NICs.
     pub cache: CacheConfig,
-    /// Bytes of one slot of a GPU's staging pool (a slice of the pipeline).
-    /// Default 4 MiB with 8 slots: on the H200 over the sim NIC (`bench
+    /// Bytes of one slot of a GPU's staging pool (a slice of the pipeline),
+    /// and of each landing slot of a rendezvous.
+    /// Default 2 MiB with 8 slots: on the H200 over the sim NIC (`bench
     /// staging` with `GDR_STAGING_SWEEP=1`, 256 MiB GPU→host) every slice
     /// of 1-16 MiB and 2-16 slots ran within 5.2-7.1 GiB/s, bound by the
-    /// sim NIC's CPU copy (the wire); 4 MiB × 8 keeps 32 MiB pinned per GPU
-    /// and several slices on a real NIC's wire while copies run. Re-measure
-    /// on a machine with a GPU and a NIC.
+    /// sim NIC's CPU copy (the wire); smaller slices start the first copy
+    /// sooner and, with a rendezvous requester keeping at most two slices
+    /// on the wire at once (`rendezvous`), let the owner's copies run
+    /// behind the wire rather than after it. 2 MiB × 8 keeps 16 MiB pinned
+    /// per GPU. Re-measure on a machine with a GPU and a NIC.
     pub staging_slice: u64,
     /// Slots of each GPU's staging pool (slices in flight at most).
     pub staging_slots: usize,
@@ -274,7 +277,7 @@ impl Default for EngineConfig {
             devices: None,
             ladder: LadderConfig::default(),
             cache: CacheConfig::default(),
-            staging_slice: 4 << 20,
+            staging_slice: 2 << 20,
             staging_slots: 8,
             peer_copy: true,
             peer_copy_slice: 64 << 20,

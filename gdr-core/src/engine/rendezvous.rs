@@ -98,6 +98,13 @@ use gdr_proto::rendezvous::{
 /// by grant ids).
 const ASK_ID_BASE: u64 = 1 << 63;
 
+/// Slices of one request a requester has on the wire (RDMA ops posted,
+/// not ended) at once. With every credited slice posted together, their
+/// WRITEs landed together and the owner's copies of them ran only after
+/// the wire (a trace of the H200 bench): two keep the wire busy while the
+/// owner's copy of the slice before runs behind it.
+pub(crate) const WIRE_WINDOW: usize = 2;
+
 /// A message of the peer about the requests this side serves, in order.
 #[derive(Debug, Clone, Copy)]
 enum ToOwner {
@@ -553,9 +560,24 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
     while let Some(message) = landing.inbox.pop_front() {
         moved += 1;
         match message {
-            ToOwner::Request(ask) => landing.owner.on_request(served, ask, placement, now),
-            ToOwner::Filled { id, slot } => landing.owner.on_filled(id, slot),
-            ToOwner::Done { id, slot } => landing.owner.on_done(id, slot),
+            ToOwner::Request(ask) => {
+                tracing::trace!(
+                    peer = slot,
+                    id = ask.id,
+                    len = ask.len,
+                    write = ask.write,
+                    "rendezvous owner: request accepted"
+                );
+                landing.owner.on_request(served, ask, placement, now)
+            }
+            ToOwner::Filled { id, slot: s } => {
+                tracing::trace!(id, slot = s, "rendezvous owner: slot filled");
+                landing.owner.on_filled(id, s)
+            }
+            ToOwner::Done { id, slot: s } => {
+                tracing::trace!(id, slot = s, "rendezvous owner: slot returned");
+                landing.owner.on_done(id, s)
+            }
             ToOwner::Cancel { id } => landing.owner.on_cancel(id),
         }
     }
@@ -576,6 +598,7 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
         });
     for (copy, ok) in ended {
         moved += 1;
+        tracing::trace!(?copy, ok, "rendezvous owner: copy done");
         landing.owner.copy_ended(copy, ok);
     }
     landing.owner.handle_timeout(now);
@@ -597,12 +620,15 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
                     offset,
                     len,
                     slot,
-                } => send.push(Control::SlotReady {
-                    id,
-                    offset,
-                    len,
-                    slot,
-                }),
+                } => {
+                    tracing::trace!(id, offset, len, slot, "rendezvous owner: slot lent");
+                    send.push(Control::SlotReady {
+                        id,
+                        offset,
+                        len,
+                        slot,
+                    })
+                }
                 OwnerAction::Copy {
                     copy,
                     slot,
@@ -620,6 +646,17 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
                     len,
                 ) {
                     Ok(event) => {
+                        tracing::trace!(
+                            ?copy,
+                            slot,
+                            len,
+                            "{}",
+                            if to_gpu {
+                                "rendezvous owner: copy in started"
+                            } else {
+                                "rendezvous owner: copy out started"
+                            }
+                        );
                         landing.copies.insert(copy, event);
                     }
                     Err(e) => {
@@ -781,7 +818,7 @@ pub(super) fn pump_asks<V: Api, C: hal_cuda::Api>(
         let failing = asks.proto.is_failing(id);
         let mut events = SliceEvents::default();
         if let Some(slots) = asks.slots.as_ref() {
-            moved += advance_ask(cx, slot, slots, pools, &mut a, failing, &mut events);
+            moved += advance_ask(cx, slot, slots, pools, id, &mut a, failing, &mut events);
         }
         let proto = &mut asks.proto;
         for slot in events.wired {
@@ -836,8 +873,14 @@ fn take_ask_actions<V: Api, C: hal_cuda::Api>(
                     });
                 }
             }
-            RequesterAction::Filled { id, slot } => send.push(Control::SlotFilled { id, slot }),
-            RequesterAction::Done { id, slot } => send.push(Control::SlotDone { id, slot }),
+            RequesterAction::Filled { id, slot } => {
+                tracing::trace!(id, slot, "rendezvous asker: credit back (filled)");
+                send.push(Control::SlotFilled { id, slot })
+            }
+            RequesterAction::Done { id, slot } => {
+                tracing::trace!(id, slot, "rendezvous asker: credit back (done)");
+                send.push(Control::SlotDone { id, slot })
+            }
             RequesterAction::Cancel { id } => send.push(Control::StagedCancel { id }),
             RequesterAction::End { id, outcome } => {
                 let Some(mut a) = asks.asking.remove(&id) else {
@@ -872,13 +915,15 @@ fn take_ask_actions<V: Api, C: hal_cuda::Api>(
     moved
 }
 
-/// Moves each slice of request `a` as far as it can go now.
+/// Moves each slice of request `a` (`id`) as far as it can go now, with
+/// at most [`WIRE_WINDOW`] of them on the wire at once.
 #[allow(clippy::too_many_arguments)]
 fn advance_ask<V: Api, C: hal_cuda::Api>(
     cx: &mut PathCx<'_, V, C>,
     peer: usize,
     slots: &PeerSlots,
     pools: &mut HashMap<u32, StagingPool<V, C>>,
+    id: u64,
     a: &mut Asking<V, C>,
     mut failing: bool,
     events: &mut SliceEvents,
@@ -901,14 +946,26 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
     let window = (a.deadline, a.timeout);
     let mut moved = 0;
     let mut index = 0;
+    // Slices on the wire now: no other wire op is posted while
+    // WIRE_WINDOW are.
+    let mut on_wire = a
+        .slices
+        .iter()
+        .filter(|s| matches!(s.stage, AskStage::Wire(_)))
+        .count();
     while index < a.slices.len() {
         let slice = &mut a.slices[index];
         let remote_at = u64::from(slice.slot) * slots.slot_len + slice.pos;
         // What this step did: `None` nothing; `Some(Ok(()))` the slice
         // moved on; `Some(Err(e))` it ends (`e`: why it failed).
         let mut step: Option<Result<(), Option<TransferError>>> = None;
+        let wire_full = on_wire >= WIRE_WINDOW;
         match &slice.stage {
             AskStage::Waiting if failing => step = Some(Err(None)),
+            // A READ through the pool and a direct op post at once: they
+            // wait for room on the wire (a WRITE through the pool copies
+            // out first, then waits in `CopyOut`).
+            AskStage::Waiting if wire_full && (pool.is_none() || !a.write) => {}
             AskStage::Waiting => match pool.as_deref_mut() {
                 None => {
                     // Direct: the whole slice in one RDMA op.
@@ -928,7 +985,16 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                                 slice.len,
                                 window,
                             )
-                            .map(|cell| slice.stage = AskStage::Wire(cell)),
+                            .map(|cell| {
+                                on_wire += 1;
+                                tracing::trace!(
+                                    id,
+                                    slot = slice.slot,
+                                    len = slice.len,
+                                    "rendezvous asker: wire post"
+                                );
+                                slice.stage = AskStage::Wire(cell)
+                            }),
                     );
                 }
                 Some(pool) => {
@@ -953,7 +1019,15 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                                     )
                                 }
                             })
-                            .map(|event| slice.stage = AskStage::CopyOut(event))
+                            .map(|event| {
+                                tracing::trace!(
+                                    id,
+                                    slot = slice.slot,
+                                    chunk,
+                                    "rendezvous asker: copy out"
+                                );
+                                slice.stage = AskStage::CopyOut(event)
+                            })
                             .map_err(Some)
                         } else {
                             cx.wire
@@ -969,7 +1043,16 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                                     chunk,
                                     window,
                                 )
-                                .map(|cell| slice.stage = AskStage::Wire(cell))
+                                .map(|cell| {
+                                    on_wire += 1;
+                                    tracing::trace!(
+                                        id,
+                                        slot = slice.slot,
+                                        chunk,
+                                        "rendezvous asker: wire post"
+                                    );
+                                    slice.stage = AskStage::Wire(cell)
+                                })
                         });
                     }
                 }
@@ -977,6 +1060,8 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
             AskStage::CopyOut(event) => match event.is_complete() {
                 Ok(false) => {}
                 Ok(true) if failing => step = Some(Err(None)),
+                // Copied out; posted once the wire has room.
+                Ok(true) if wire_full => {}
                 Ok(true) => {
                     let pool = pool.as_deref().expect("a pool slot has its pool");
                     let at = pool.slot_addr(slice.pool_slot.expect("a pool slot"));
@@ -994,7 +1079,16 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                                 slice.chunk,
                                 window,
                             )
-                            .map(|cell| slice.stage = AskStage::Wire(cell)),
+                            .map(|cell| {
+                                on_wire += 1;
+                                tracing::trace!(
+                                    id,
+                                    slot = slice.slot,
+                                    chunk = slice.chunk,
+                                    "rendezvous asker: copied out, wire post"
+                                );
+                                slice.stage = AskStage::Wire(cell)
+                            }),
                     );
                 }
                 Err(e) => {
@@ -1005,8 +1099,19 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
             },
             AskStage::Wire(cell) => match cell.outcome() {
                 None => {}
-                Some(Err(e)) => step = Some(Err(Some(e))),
+                Some(Err(e)) => {
+                    on_wire -= 1;
+                    tracing::trace!(id, slot = slice.slot, error = %e, "rendezvous asker: wire failed");
+                    step = Some(Err(Some(e)))
+                }
                 Some(Ok(())) => {
+                    on_wire -= 1;
+                    tracing::trace!(
+                        id,
+                        slot = slice.slot,
+                        chunk = slice.chunk,
+                        "rendezvous asker: wire done"
+                    );
                     let last = slice.pos + slice.chunk == slice.len;
                     if last {
                         // The slot holds the slice (a WRITE) or is the

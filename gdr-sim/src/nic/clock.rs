@@ -243,12 +243,25 @@ pub(crate) struct Wait {
 }
 
 /// A request that has left the send queue without its completion queued
-/// yet: a READ whose response is due, or a later request that completed
-/// behind it (completions of a send queue come in posting order).
+/// yet: a READ whose response is due, a large transfer whose bytes move
+/// outside the fabric lock, or a later request that completed behind them
+/// (completions of a send queue come in posting order).
 pub(crate) enum Inflight {
     Read {
         wqe: super::state::SendWqe,
         due: Duration,
+    },
+    /// Checked; its bytes move outside the lock under `ticket`
+    /// ([`Copies`](super::state::Copies)). The QP starts nothing else until
+    /// `done` (its requests' bytes land in posting order, as an RC
+    /// responder places them); the next progress completes it. `flushed`:
+    /// its QP flushed while the copy ran; it completes with WR_FLUSH_ERR
+    /// once `done`, and what is behind it with it.
+    Moving {
+        wqe: super::state::SendWqe,
+        ticket: u64,
+        done: bool,
+        flushed: bool,
     },
     Done {
         wqe: super::state::SendWqe,
@@ -285,15 +298,29 @@ impl QpTiming {
     pub fn reads_outstanding(&self) -> usize {
         self.inflight
             .iter()
-            .filter(|entry| matches!(entry, Inflight::Read { .. }))
+            .filter(|entry| match entry {
+                Inflight::Read { .. } => true,
+                Inflight::Moving { wqe, done, .. } => {
+                    !done && matches!(wqe.op, hal_verbs::SendOp::Read { .. })
+                }
+                Inflight::Done { .. } => false,
+            })
             .count()
+    }
+
+    /// Whether bytes of a request of this QP are still moving outside the
+    /// lock (nothing else of the QP starts meanwhile).
+    pub fn moving(&self) -> bool {
+        self.inflight
+            .iter()
+            .any(|entry| matches!(entry, Inflight::Moving { done: false, .. }))
     }
 
     /// The earliest of the QP's timers.
     pub fn deadline(&self) -> Option<Duration> {
         let read = self.inflight.iter().find_map(|entry| match entry {
             Inflight::Read { due, .. } => Some(*due),
-            Inflight::Done { .. } => None,
+            Inflight::Moving { .. } | Inflight::Done { .. } => None,
         });
         let wait = self
             .wait

@@ -8,15 +8,8 @@ use std::time::Duration;
 use hal_verbs::{AccessFlags, QpState, SendFlags, SendOp, SgList, WcOpcode, WcStatus};
 
 use super::clock::{ClockMode, Inflight, Wait, WaitCause, ack_timeout, rnr_nak_timer};
-use super::state::{FabricState, NicPtr, QpRecord, SendWqe};
+use super::state::{Deferred, FabricState, MOVE_OUTSIDE_FROM, NicPtr, Piece, QpRecord, SendWqe};
 use crate::faults::{Fault, FaultSite};
-
-/// One contiguous piece of a transfer.
-struct Piece {
-    src: NicPtr,
-    dst: NicPtr,
-    len: usize,
-}
 
 /// How the responder fails along with the requester.
 struct ResponderFailure {
@@ -64,14 +57,20 @@ enum SgFault {
 }
 
 /// Moves the bytes of a planned transfer.
-fn copy_all(copies: &[Piece]) {
+///
+/// # Safety
+/// Every piece's source and destination were resolved, under the fabric
+/// lock, inside a registration (or the queued request's own inline buffer,
+/// still owned by its WQE), bounds-checked against it, and that
+/// registration stays registered until this returns: the caller holds the
+/// fabric lock, or the copy is counted in [`Copies::outside`](super::state::Copies)
+/// since before the lock was let go (deregistration waits for that count).
+pub(crate) unsafe fn copy_all(copies: &[Piece]) {
     for copy in copies {
-        // SAFETY: every source and destination was resolved just now, under
-        // the fabric lock, inside a live registration (or the queued
-        // request's own inline buffer, still owned by its WQE),
-        // bounds-checked against it; registered memory stays valid while
-        // registered (the contract of `register`, or our own mapping or
-        // backing). Ranges may overlap inside one process: `copy` allows it.
+        // SAFETY: the caller's: both ranges lie in memory that stays valid
+        // while registered (the contract of `register`, or our own mapping
+        // or backing). Ranges may overlap inside one process: `copy`
+        // allows it.
         unsafe { std::ptr::copy(copy.src.0.cast_const(), copy.dst.0, copy.len) };
     }
 }
@@ -308,7 +307,7 @@ impl FabricState {
             .and_then(|qp| self.plan_transfer(qpn, qp, &wqe));
         match plan {
             Some(Plan::Run { copies, .. }) => {
-                copy_all(&copies);
+                self.copy_in_lock(&copies);
                 self.complete_send(qpn, &wqe, WcStatus::SUCCESS);
             }
             Some(Plan::Fail { status, responder }) => {
@@ -561,6 +560,21 @@ impl FabricState {
             return Step::Idle;
         }
         match qp.timing.inflight.front() {
+            Some(Inflight::Moving { done: true, .. }) => {
+                if let Some(Inflight::Moving { wqe, flushed, .. }) = self
+                    .qps
+                    .get_mut(&qpn)
+                    .and_then(|qp| qp.timing.inflight.pop_front())
+                {
+                    let status = if flushed {
+                        WcStatus::WR_FLUSH_ERR
+                    } else {
+                        WcStatus::SUCCESS
+                    };
+                    self.complete_send(qpn, &wqe, status);
+                }
+                return Step::Ran;
+            }
             Some(Inflight::Done { .. }) => {
                 if let Some(Inflight::Done { wqe, status }) = self
                     .qps
@@ -577,6 +591,11 @@ impl FabricState {
         let Some(head) = qp.sq.front() else {
             return Step::Idle;
         };
+        if qp.timing.moving() {
+            // Bytes of an earlier request are still landing: nothing later
+            // of this QP starts before they have.
+            return Step::Idle;
+        }
         let reads = qp.timing.reads_outstanding();
         if head.flags.contains(SendFlags::FENCE) && reads > 0 {
             return Step::Idle;
@@ -657,6 +676,7 @@ impl FabricState {
                 len,
             } => {
                 let latency = self.clock.read_latency;
+                let defer = self.copies.defer;
                 let Some(qp) = self.qps.get_mut(&qpn) else {
                     return Step::Idle;
                 };
@@ -670,7 +690,31 @@ impl FabricState {
                     qp.timing.inflight.push_back(Inflight::Read { wqe, due });
                     return Step::Ran;
                 }
-                copy_all(&copies);
+                let one_sided = matches!(wqe.op, SendOp::Write { .. } | SendOp::Read { .. });
+                if defer
+                    && one_sided
+                    && recv.is_none()
+                    && wqe.inline.is_none()
+                    && len >= MOVE_OUTSIDE_FROM
+                {
+                    // Checked; its bytes move outside the lock, before the
+                    // poll running this lets the lock go (`Copies`).
+                    let ticket = self.copies.next_ticket;
+                    self.copies.next_ticket += 1;
+                    qp.timing.inflight.push_back(Inflight::Moving {
+                        wqe,
+                        ticket,
+                        done: false,
+                        flushed: false,
+                    });
+                    self.copies.deferred.push(Deferred {
+                        ticket,
+                        qpn,
+                        pieces: copies,
+                    });
+                    return Step::Ran;
+                }
+                self.copy_in_lock(&copies);
                 let solicited = wqe.flags.contains(hal_verbs::SendFlags::SOLICITED);
                 self.finish(qpn, wqe, WcStatus::SUCCESS);
                 if let Some((opcode, imm)) = recv {
@@ -684,5 +728,86 @@ impl FabricState {
             }
         }
         Step::Ran
+    }
+}
+
+impl FabricState {
+    /// Moves the bytes of a transfer planned just now, under the lock.
+    fn copy_in_lock(&self, copies: &[Piece]) {
+        #[cfg(test)]
+        if let Some(hook) = &self.copy_hook {
+            hook(copies.iter().map(|p| p.len).sum());
+        }
+        // SAFETY: planned by the caller under the lock it still holds (the
+        // `&self` borrows the state behind it): every registration the
+        // pieces lie in is registered until it lets the lock go.
+        unsafe { copy_all(copies) };
+    }
+
+    /// Takes every deferred copy to run outside the lock: each is planned
+    /// and counted in `outside` before the lock is let go.
+    pub(crate) fn plan_copies(&mut self) -> Vec<Deferred> {
+        let batch = std::mem::take(&mut self.copies.deferred);
+        for deferred in &batch {
+            self.copies.planned.insert(deferred.ticket);
+        }
+        self.copies.outside += batch.len();
+        batch
+    }
+
+    /// The copies of `done` (tickets and QPNs) have finished: they are no
+    /// longer counted, their transfers are done, and a flushed QP's
+    /// requests held behind them complete (a ready QP's complete in its
+    /// next progress).
+    pub(crate) fn copies_done(&mut self, done: &[(u64, u32)]) {
+        for &(ticket, qpn) in done {
+            if self.copies.planned.remove(&ticket) {
+                self.copies.outside -= 1;
+            }
+            let Some(qp) = self.qps.get_mut(&qpn) else {
+                // Destroyed meanwhile: nobody is told.
+                continue;
+            };
+            for entry in &mut qp.timing.inflight {
+                if let Inflight::Moving {
+                    ticket: t, done, ..
+                } = entry
+                    && *t == ticket
+                {
+                    *done = true;
+                }
+            }
+            self.settle_flushed(qpn);
+        }
+    }
+
+    /// Completes, in order, what a flush of `qpn` left behind copies that
+    /// have finished since.
+    fn settle_flushed(&mut self, qpn: u32) {
+        loop {
+            let Some(qp) = self.qps.get_mut(&qpn) else {
+                return;
+            };
+            let (wqe, status) = match qp.timing.inflight.front() {
+                Some(Inflight::Moving {
+                    done: true,
+                    flushed: true,
+                    ..
+                }) => match qp.timing.inflight.pop_front() {
+                    Some(Inflight::Moving { wqe, .. }) => (wqe, WcStatus::WR_FLUSH_ERR),
+                    _ => return,
+                },
+                // Behind a flushed transfer (a ready QP's are completed by
+                // its progress instead).
+                Some(Inflight::Done { .. }) if qp.state == QpState::Error => {
+                    match qp.timing.inflight.pop_front() {
+                        Some(Inflight::Done { wqe, status }) => (wqe, status),
+                        _ => return,
+                    }
+                }
+                _ => return,
+            };
+            self.complete_send(qpn, &wqe, status);
+        }
     }
 }

@@ -14,6 +14,13 @@
 //! explicitly. [`SimFabric::set_paused`] holds progress, so a test can keep
 //! requests outstanding (to flush them with `to_error`, for instance).
 //!
+//! One exception to "under the lock": on the Auto clock, the bytes of a
+//! large RDMA WRITE or READ (64 KiB or more) run by a poll move with the
+//! fabric lock released, by the polling thread, as a real NIC's DMA runs
+//! while other threads poll; its checks are made under the lock before,
+//! and its completion comes after, in order (see `state::Copies`).
+//! Deregistrations, QP resets and destructions wait for such copies.
+//!
 //! Time is virtual ([`SimFabric::clock`], the [`clock`] module): ACK
 //! timeouts with `retry_cnt`, RNR NAK timers with `rnr_retry`, and READ round
 //! trips with FENCE run on it. By default ([`ClockMode::Auto`]) progress
@@ -429,6 +436,9 @@ pub struct SimFabric {
     /// Signalled on every connection-manager change (listen, request,
     /// answer, disconnect), for the sides waiting on one.
     cm_cond: Arc<Condvar>,
+    /// Signalled when the last copy running outside the lock has finished
+    /// ([`state::Copies`]), for the deregistrations waiting on it.
+    copies_cond: Arc<Condvar>,
 }
 
 impl fmt::Debug for SimFabric {
@@ -461,6 +471,7 @@ impl SimFabric {
         Self {
             shared: Arc::new(Mutex::new(FabricState::new(plan))),
             cm_cond: Arc::new(Condvar::new()),
+            copies_cond: Arc::new(Condvar::new()),
         }
     }
 
@@ -473,6 +484,70 @@ impl SimFabric {
     // failure behind a poison error, and Drop impls must not panic.
     pub(crate) fn lock(&self) -> MutexGuard<'_, FabricState> {
         self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The lock, once no copy runs outside it ([`state::Copies`]): what
+    /// anything that may free or unmap registered memory (deregistration)
+    /// or forget a transfer whose bytes may be moving (a QP reset or
+    /// destroyed) takes instead of [`lock`](Self::lock).
+    pub(crate) fn lock_without_copies(&self) -> MutexGuard<'_, FabricState> {
+        let mut state = self.lock();
+        while state.copies.outside > 0 {
+            state.copies.waiters += 1;
+            state = self
+                .copies_cond
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+            state.copies.waiters -= 1;
+        }
+        state
+    }
+
+    /// The progress a poll makes, returning the lock held after it. On the
+    /// Auto clock the bytes of large one-sided transfers move with the lock
+    /// released ([`state::Copies`]), by this thread, as a real NIC's DMA
+    /// runs while other threads poll; then their completions are made, in
+    /// order. On the Manual clock, or paused, it is
+    /// [`FabricState::progress`] under the lock, as before.
+    pub(crate) fn progress_for_poll(&self) -> MutexGuard<'_, FabricState> {
+        let mut state = self.lock();
+        if state.clock.mode != ClockMode::Auto || state.paused {
+            state.progress();
+            return state;
+        }
+        loop {
+            // While a deregistration waits for the copies outside to end,
+            // no new one starts (they run under the lock meanwhile), so it
+            // cannot be starved by pollers taking turns.
+            state.copies.defer = state.copies.waiters == 0;
+            state.progress();
+            state.copies.defer = false;
+            let batch = state.plan_copies();
+            if batch.is_empty() {
+                return state;
+            }
+            #[cfg(test)]
+            let hook = state.copy_hook.clone();
+            let outside = Outside {
+                fabric: self,
+                done: batch.iter().map(|d| (d.ticket, d.qpn)).collect(),
+            };
+            drop(state);
+            for deferred in &batch {
+                #[cfg(test)]
+                if let Some(hook) = &hook {
+                    hook(deferred.pieces.iter().map(|p| p.len).sum());
+                }
+                // SAFETY: the pieces were resolved under the lock inside
+                // live registrations by the progress above, and planned
+                // (counted in `copies.outside`) before the lock was let go
+                // in the same holding; no registration is removed while
+                // that count is above zero (`lock_without_copies`), and
+                // `outside` lowers it only after this loop.
+                unsafe { engine::copy_all(&deferred.pieces) };
+            }
+            state = outside.finish();
+        }
     }
 
     /// Adds a node with the devices of `config` and returns its provider.
@@ -505,6 +580,41 @@ impl SimFabric {
     /// Whether progress is held.
     pub fn is_paused(&self) -> bool {
         self.lock().paused
+    }
+}
+
+/// Copies running outside the lock, accounted for when they end (or when
+/// the thread running them unwinds).
+struct Outside<'a> {
+    fabric: &'a SimFabric,
+    /// (ticket, QPN) of each.
+    done: Vec<(u64, u32)>,
+}
+
+impl<'a> Outside<'a> {
+    /// The copies have finished: the lock again, with them accounted.
+    fn finish(mut self) -> MutexGuard<'a, FabricState> {
+        let done = std::mem::take(&mut self.done);
+        let mut state = self.fabric.lock();
+        Self::account(self.fabric, &mut state, &done);
+        state
+    }
+
+    fn account(fabric: &SimFabric, state: &mut FabricState, done: &[(u64, u32)]) {
+        state.copies_done(done);
+        if state.copies.outside == 0 {
+            fabric.copies_cond.notify_all();
+        }
+    }
+}
+
+impl Drop for Outside<'_> {
+    fn drop(&mut self) {
+        if !self.done.is_empty() {
+            let done = std::mem::take(&mut self.done);
+            let mut state = self.fabric.lock();
+            Self::account(self.fabric, &mut state, &done);
+        }
     }
 }
 

@@ -369,7 +369,9 @@ impl SimMr {
     /// removed all the same).
     fn release(&self) -> Result<()> {
         let (removed, result) = {
-            let mut state = self.pd.fabric.lock();
+            // Bytes moving outside the lock may be this MR's: they land
+            // before it goes (and its memory may be unmapped or freed).
+            let mut state = self.pd.fabric.lock_without_copies();
             let removed = state.mrs.remove(&self.lkey);
             if removed.is_some() && self.rkey != 0 {
                 state.rkeys.remove(&self.rkey);

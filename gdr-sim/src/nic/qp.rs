@@ -82,8 +82,9 @@ impl CompletionQueue for SimCq {
     /// order. On a lost device the completions already there (its flushes)
     /// are still handed out; once none is left, polling fails.
     fn poll(&self, out: &mut [Completion]) -> Result<usize> {
-        let mut state = self.fabric.lock();
-        state.progress();
+        // Large transfers' bytes move with the lock released, by this
+        // thread, before it takes the completions.
+        let mut state = self.fabric.progress_for_poll();
         let Some(cq) = state.cqs.get_mut(&self.id) else {
             return Err(VerbsError::invalid("ibv_poll_cq", "CQ is gone"));
         };
@@ -272,10 +273,17 @@ impl SimQp {
     fn modify(
         &self,
         operation: &'static str,
+        reset: bool,
         change: impl FnOnce(&mut FabricState, usize, u32) -> Result<()>,
     ) -> Result<()> {
         let device = self.pd.device;
-        let mut state = self.pd.fabric.lock();
+        // A reset forgets the requests in flight: none may have bytes still
+        // moving then (a flush to ERROR keeps them, `FabricState::flush`).
+        let mut state = if reset {
+            self.pd.fabric.lock_without_copies()
+        } else {
+            self.pd.fabric.lock()
+        };
         state.alive(device, operation)?;
         state.fault(device, FaultSite::VerbsModifyQp, operation)?;
         change(&mut state, device, self.qpn)?;
@@ -352,7 +360,7 @@ impl QueuePair for SimQp {
 
     fn to_init(&self, params: &InitParams) -> Result<()> {
         const OP: &str = "ibv_modify_qp(INIT)";
-        self.modify(OP, |state, device, qpn| {
+        self.modify(OP, false, |state, device, qpn| {
             check_port(state, device, OP, params.port)?;
             let from = record(state, qpn)?.state;
             if !matches!(from, QpState::Reset | QpState::Init) {
@@ -367,7 +375,7 @@ impl QueuePair for SimQp {
 
     fn to_rtr(&self, params: &RtrParams) -> Result<()> {
         const OP: &str = "ibv_modify_qp(RTR)";
-        self.modify(OP, |state, device, qpn| {
+        self.modify(OP, false, |state, device, qpn| {
             check_port(state, device, OP, params.port)?;
             let from = record(state, qpn)?.state;
             if from != QpState::Init {
@@ -425,7 +433,7 @@ impl QueuePair for SimQp {
 
     fn to_rts(&self, params: &RtsParams) -> Result<()> {
         const OP: &str = "ibv_modify_qp(RTS)";
-        self.modify(OP, |state, device, qpn| {
+        self.modify(OP, false, |state, device, qpn| {
             params.validate()?;
             let from = record(state, qpn)?.state;
             if !matches!(from, QpState::ReadyToReceive | QpState::ReadyToSend) {
@@ -444,7 +452,7 @@ impl QueuePair for SimQp {
     }
 
     fn to_error(&self) -> Result<()> {
-        self.modify("ibv_modify_qp(ERR)", |state, _, qpn| {
+        self.modify("ibv_modify_qp(ERR)", false, |state, _, qpn| {
             state.set_error(qpn);
             Ok(())
         })
@@ -455,7 +463,7 @@ impl QueuePair for SimQp {
     /// a destroyed QP's completions (ConnectX-like), its completions still
     /// in its CQs go too, as libmlx5's reset cleans the CQs.
     fn to_reset(&self) -> Result<()> {
-        self.modify("ibv_modify_qp(RESET)", |state, device, qpn| {
+        self.modify("ibv_modify_qp(RESET)", true, |state, device, qpn| {
             let purge = state.devices[device].config.destroy_qp_purges_cq;
             let qp = record(state, qpn)?;
             qp.state = QpState::Reset;
@@ -716,7 +724,8 @@ impl Drop for SimQp {
         // ([`DeviceConfig::destroy_qp_purges_cq`](super::DeviceConfig)), the
         // completions of the QP still in its CQs go too.
         let removed = {
-            let mut state = self.pd.fabric.lock();
+            // Its requests whose bytes move outside the lock land first.
+            let mut state = self.pd.fabric.lock_without_copies();
             let removed = state.qps.remove(&self.qpn);
             if let Some(qp) = &removed {
                 if state.devices[qp.device].config.destroy_qp_purges_cq {

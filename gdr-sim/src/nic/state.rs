@@ -2,7 +2,7 @@
 //! up by key the way a NIC looks them up, plus the helpers that complete,
 //! flush and fail them.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
@@ -12,6 +12,7 @@ use hal_verbs::{
 };
 use memmap2::MmapRaw;
 
+use super::clock::Inflight;
 use super::{DeviceConfig, NodeConfig};
 use crate::faults::{Fault, FaultPlan, FaultSite};
 use crate::memory::Backing;
@@ -41,11 +42,80 @@ pub(crate) struct DeviceState {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct NicPtr(pub *mut u8);
 
-// SAFETY: a NicPtr is only dereferenced by the engine while the fabric lock
-// is held and the registration it came from is live; the memory it points to
-// is process memory that the registration's contract keeps valid, and which
+// SAFETY: a NicPtr is only dereferenced by the engine while the
+// registration it came from is live: with the fabric lock held, or by a
+// poller moving a large transfer's bytes outside the lock while counted in
+// [`Copies::outside`], which every deregistration waits to see at zero
+// ([`super::SimFabric::lock_without_copies`]). The memory it points to is
+// process memory that the registration's contract keeps valid, and which
 // thread touches it does not matter.
 unsafe impl Send for NicPtr {}
+
+/// One contiguous piece of a transfer.
+#[derive(Debug)]
+pub(crate) struct Piece {
+    pub src: NicPtr,
+    pub dst: NicPtr,
+    pub len: usize,
+}
+
+/// Only one-sided transfers of at least this many bytes move their bytes
+/// outside the fabric lock ([`Copies`]).
+pub(crate) const MOVE_OUTSIDE_FROM: u64 = 64 << 10;
+
+/// A transfer whose checks passed and whose bytes are still to move, outside
+/// the lock: see [`Copies`].
+#[derive(Debug)]
+pub(crate) struct Deferred {
+    pub ticket: u64,
+    pub qpn: u32,
+    pub pieces: Vec<Piece>,
+}
+
+/// The book-keeping of the bytes that move outside the fabric lock.
+///
+/// A real NIC's DMA runs while the host polls; the simulated wire is a CPU
+/// copy, and a large one made under the fabric's one lock stops every other
+/// thread of the fabric (another engine's driver, polling its own CQ) for
+/// as long. So a large RDMA WRITE or READ (at least [`MOVE_OUTSIDE_FROM`]
+/// bytes; no receive consumed, no inline data) run by the progress of a
+/// poll on the Auto clock ([`super::SimFabric::progress_for_poll`]) is
+/// checked under the lock as any other (an access error is decided before a
+/// byte moves), then leaves its send queue as
+/// [`Inflight::Moving`](super::clock::Inflight::Moving): its pieces wait
+/// here in `deferred`; before it lets the lock go, that poll takes them all
+/// (`planned`, counted in `outside`), copies them with the lock released,
+/// and takes the lock again to mark them done; the next progress completes
+/// them, in order. Everything else (small transfers, SENDs, WRITEs with
+/// immediate, the Manual clock, [`super::SimFabric::progress`]) moves its
+/// bytes under the lock as before.
+///
+/// `deferred` is empty whenever the lock is free: the progress that fills
+/// it and the planning that empties it run under one holding of the lock,
+/// so the pointers of a planned copy were resolved against registrations
+/// that were live when `outside` counted it, and deregistrations wait for
+/// `outside` to fall to zero before they remove one.
+#[derive(Debug, Default)]
+pub(crate) struct Copies {
+    /// Whether the progress running now may defer copies (set by
+    /// `progress_for_poll` around its progress calls).
+    pub defer: bool,
+    /// Checked transfers whose bytes have not started to move.
+    pub deferred: Vec<Deferred>,
+    /// The next transfer's ticket.
+    pub next_ticket: u64,
+    /// Tickets whose bytes are moving outside the lock now.
+    pub planned: HashSet<u64>,
+    /// Copies running outside the lock now (the tickets in `planned`).
+    pub outside: usize,
+    /// Threads waiting for `outside` to fall to zero (seen by tests).
+    pub waiters: usize,
+}
+
+/// A test's hook, called with a transfer's length before its bytes move
+/// (outside the lock for a deferred copy, under it otherwise).
+#[cfg(test)]
+pub(crate) type CopyHook = std::sync::Arc<dyn Fn(usize) + Send + Sync>;
 
 /// What keeps a registration's memory mapped.
 #[derive(Debug)]
@@ -195,6 +265,10 @@ pub(crate) struct FabricState {
     pub clock: super::clock::ClockState,
     /// Completion channels' and contexts' event routing.
     pub events: super::events::EventState,
+    /// Large transfers whose bytes move outside the lock.
+    pub copies: Copies,
+    #[cfg(test)]
+    pub copy_hook: Option<CopyHook>,
     next_id: u64,
     next_key: u32,
     next_qpn: u32,
@@ -224,6 +298,9 @@ impl FabricState {
             cm: super::cm::CmState::default(),
             clock: super::clock::ClockState::default(),
             events: super::events::EventState::default(),
+            copies: Copies::default(),
+            #[cfg(test)]
+            copy_hook: None,
             next_id: 1,
             next_key: 0,
             // Low QPNs are reserved on real devices (0 and 1 are special).
@@ -530,20 +607,59 @@ impl FabricState {
         // first, in posting order.
         qp.timing.next_request();
         let inflight = std::mem::take(&mut qp.timing.inflight);
+        // A transfer whose bytes are moving outside the lock right now
+        // cannot be recalled: it stays, marked flushed, and completes with
+        // WR_FLUSH_ERR once its copy is done and accounted (the poller that
+        // moves it settles it); everything behind it waits there too, so
+        // completions stay in posting order and no flushed completion is
+        // out while bytes of its request may still land. One whose copy
+        // has not started never copies: it flushes now, as a transfer whose
+        // copy is done does.
+        let mut held: VecDeque<Inflight> = VecDeque::new();
         for entry in inflight {
-            match entry {
-                super::clock::Inflight::Read { wqe, .. } => {
-                    self.complete_send(qpn, &wqe, WcStatus::WR_FLUSH_ERR);
+            let entry = match entry {
+                Inflight::Moving { wqe, ticket, .. } if self.copies.planned.contains(&ticket) => {
+                    Inflight::Moving {
+                        wqe,
+                        ticket,
+                        done: false,
+                        flushed: true,
+                    }
                 }
-                super::clock::Inflight::Done { wqe, status } => {
+                Inflight::Moving { wqe, ticket, .. } => {
+                    self.copies.deferred.retain(|d| d.ticket != ticket);
+                    Inflight::Done {
+                        wqe,
+                        status: WcStatus::WR_FLUSH_ERR,
+                    }
+                }
+                Inflight::Read { wqe, .. } => Inflight::Done {
+                    wqe,
+                    status: WcStatus::WR_FLUSH_ERR,
+                },
+                done @ Inflight::Done { .. } => done,
+            };
+            match entry {
+                Inflight::Done { wqe, status } if held.is_empty() => {
                     self.complete_send(qpn, &wqe, status);
                 }
+                entry => held.push_back(entry),
             }
         }
         // WR_FLUSH_ERR is an error status, so unsignaled requests report it
         // too, as on real hardware.
-        for wqe in &sends {
-            self.complete_send(qpn, wqe, WcStatus::WR_FLUSH_ERR);
+        for wqe in sends {
+            if held.is_empty() {
+                self.complete_send(qpn, &wqe, WcStatus::WR_FLUSH_ERR);
+            } else {
+                held.push_back(Inflight::Done {
+                    wqe,
+                    status: WcStatus::WR_FLUSH_ERR,
+                });
+            }
+        }
+        if let Some(qp) = self.qps.get_mut(&qpn) {
+            qp.timing.inflight = held;
         }
         for wqe in &recvs {
             self.complete_recv(qpn, wqe, WcStatus::WR_FLUSH_ERR, WcOpcode::Recv, 0, None);

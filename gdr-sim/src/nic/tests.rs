@@ -253,3 +253,231 @@ fn deregistered_or_destroyed_objects_fail_queued_requests() {
     drop((mr, dst));
     assert_eq!(fabric.lock().mrs.len(), 0, "every registration released");
 }
+
+/// Bytes of the large transfers in the tests of copies outside the lock.
+const BIG: usize = 4 << 20;
+
+/// How long a test waits for something that must happen before it gives
+/// up and fails (never a timing assertion: the waits end as soon as it
+/// does).
+const PATIENCE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// A registered buffer of `len` bytes filled with `fill`.
+struct Buf {
+    data: Vec<u8>,
+    mr: Option<SimMr>,
+}
+
+impl Buf {
+    fn new(pd: &SimPd, len: usize, fill: impl Fn(usize) -> u8) -> Self {
+        let mut data: Vec<u8> = (0..len).map(fill).collect();
+        // SAFETY: `data` is never reallocated and outlives the
+        // registration (dropped before it in every test, or with it here).
+        let mr =
+            unsafe { pd.register(data.as_mut_ptr() as u64, len, AccessFlags::transfer()) }.unwrap();
+        Self { data, mr: Some(mr) }
+    }
+
+    fn mr(&self) -> &SimMr {
+        self.mr.as_ref().unwrap()
+    }
+
+    fn sge(&self) -> Sge {
+        Sge {
+            addr: self.mr().addr(),
+            length: self.data.len() as u32,
+            lkey: self.mr().lkey(),
+        }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        drop(self.mr.take());
+    }
+}
+
+/// A hook that holds copies of at least [`BIG`] bytes: each says it started
+/// on the returned receiver, then waits for a word on the returned sender.
+fn hold_big_copies(
+    fabric: &SimFabric,
+) -> (
+    std::sync::mpsc::Receiver<()>,
+    std::sync::mpsc::SyncSender<()>,
+) {
+    let (started_tx, started_rx) = std::sync::mpsc::sync_channel(8);
+    let (go_tx, go_rx) = std::sync::mpsc::sync_channel::<()>(8);
+    let go_rx = std::sync::Mutex::new(go_rx);
+    fabric.lock().copy_hook = Some(Arc::new(move |len: usize| {
+        if len >= BIG {
+            let _ = started_tx.send(());
+            // Longer than any test waits for the others, so a test fails
+            // before its hold ends by itself.
+            let _ = go_rx.lock().unwrap().recv_timeout(3 * PATIENCE);
+        }
+    }));
+    (started_rx, go_tx)
+}
+
+/// Polls `cq` until it gives one completion.
+fn poll_until_one(cq: &SimCq) -> Completion {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let mut slot = [Completion::default()];
+    loop {
+        if cq.poll(&mut slot).unwrap() == 1 {
+            return slot[0];
+        }
+        assert!(std::time::Instant::now() < deadline, "no completion came");
+        std::thread::yield_now();
+    }
+}
+
+/// While one thread's poll moves a large WRITE's bytes (held in the copy
+/// hook), another thread posts and polls on another pair of QPs and gets
+/// its completion: the fabric lock is free during the copy. The large
+/// WRITE's own completion is not out before its bytes landed.
+#[test]
+fn another_poller_gets_its_completion_while_a_large_transfer_moves() {
+    let fabric = SimFabric::new();
+    let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
+    let (c, d) = (end(&fabric, "c", 16), end(&fabric, "d", 16));
+    connect(&a, &b);
+    connect(&c, &d);
+    let big_src = Buf::new(&a.pd, BIG, |i| (i % 251) as u8);
+    let big_dst = Buf::new(&b.pd, BIG, |_| 0);
+    let small_src = Buf::new(&c.pd, 64, |i| i as u8 + 1);
+    let small_dst = Buf::new(&d.pd, 64, |_| 0);
+    let (started, go) = hold_big_copies(&fabric);
+    let big = write(1, big_src.sge(), big_dst.mr().addr(), big_dst.mr().rkey());
+    // SAFETY: both MRs outlive the polls below.
+    unsafe { a.qp.post_send(&[big]) }.unwrap();
+
+    std::thread::scope(|s| {
+        let mover = s.spawn(|| poll_until_one(&a.cq));
+        started
+            .recv_timeout(PATIENCE)
+            .expect("the large WRITE's copy started");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (c, small_src, small_dst) = (&c, &small_src, &small_dst);
+        s.spawn(move || {
+            let small = write(
+                2,
+                small_src.sge(),
+                small_dst.mr().addr(),
+                small_dst.mr().rkey(),
+            );
+            // SAFETY: both MRs outlive the poll.
+            unsafe { c.qp.post_send(&[small]) }.unwrap();
+            let _ = tx.send(poll_until_one(&c.cq));
+        });
+        let other = rx.recv_timeout(PATIENCE);
+        // The large WRITE is still held: its completion is not out.
+        let mut slot = [Completion::default()];
+        let early = if other.is_ok() {
+            a.cq.poll(&mut slot).unwrap()
+        } else {
+            0
+        };
+        let _ = go.send(());
+        let other = other.expect("the other poller got its completion while the copy moved");
+        assert_eq!(other.wr_id, 2);
+        assert_eq!(other.status, WcStatus::SUCCESS);
+        assert_eq!(small_dst.data, small_src.data);
+        assert_eq!(early, 0, "no completion before the bytes landed");
+        let wc = mover.join().unwrap();
+        assert_eq!((wc.wr_id, wc.status), (1, WcStatus::SUCCESS));
+    });
+    assert_eq!(big_dst.data, big_src.data);
+    assert_eq!(fabric.lock().copies.outside, 0);
+}
+
+/// A deregistration of the MR that a large WRITE's bytes are moving into,
+/// outside the lock, waits until they have landed.
+#[test]
+fn a_deregistration_waits_for_bytes_moving_outside_the_lock() {
+    let fabric = SimFabric::new();
+    let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
+    connect(&a, &b);
+    let src = Buf::new(&a.pd, BIG, |i| (i % 253) as u8);
+    let mut dst = Buf::new(&b.pd, BIG, |_| 0);
+    let (started, go) = hold_big_copies(&fabric);
+    let big = write(7, src.sge(), dst.mr().addr(), dst.mr().rkey());
+    // SAFETY: `src` outlives the poll; `dst`'s memory outlives its MR.
+    unsafe { a.qp.post_send(&[big]) }.unwrap();
+    let dst_mr = dst.mr.take().unwrap();
+    let deregistered = std::sync::atomic::AtomicBool::new(false);
+
+    std::thread::scope(|s| {
+        let mover = s.spawn(|| poll_until_one(&a.cq));
+        started
+            .recv_timeout(PATIENCE)
+            .expect("the large WRITE's copy started");
+        let deregistered = &deregistered;
+        let dereg = s.spawn(move || {
+            dst_mr.deregister().unwrap();
+            deregistered.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        // Until the deregistration waits for the copy, or (wrongly) ends.
+        let deadline = std::time::Instant::now() + PATIENCE;
+        while fabric.lock().copies.waiters == 0
+            && !deregistered.load(std::sync::atomic::Ordering::SeqCst)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::yield_now();
+        }
+        let early = deregistered.load(std::sync::atomic::Ordering::SeqCst);
+        let waiting = fabric.lock().copies.waiters;
+        let _ = go.send(());
+        assert!(!early, "the deregistration ended while bytes were moving");
+        assert_eq!(waiting, 1, "the deregistration waits for the copy");
+        dereg.join().unwrap();
+        assert!(deregistered.load(std::sync::atomic::Ordering::SeqCst));
+        let wc = mover.join().unwrap();
+        assert_eq!((wc.wr_id, wc.status), (7, WcStatus::SUCCESS));
+    });
+    assert_eq!(dst.data, src.data, "every byte landed before the MR went");
+    assert_eq!(fabric.lock().mrs.len(), 1, "only the source is registered");
+}
+
+/// A QP flushed while a large WRITE's bytes move outside the lock: the
+/// WRITE, and a request queued behind it, complete with WR_FLUSH_ERR only
+/// once the bytes have landed, in posting order.
+#[test]
+fn a_flush_completes_a_moving_transfer_once_its_bytes_landed() {
+    let fabric = SimFabric::new();
+    let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
+    connect(&a, &b);
+    let src = Buf::new(&a.pd, BIG, |i| (i % 241) as u8);
+    let dst = Buf::new(&b.pd, BIG, |_| 0);
+    let (started, go) = hold_big_copies(&fabric);
+    let first = write(1, src.sge(), dst.mr().addr(), dst.mr().rkey());
+    let second = write(2, src.sge(), dst.mr().addr(), dst.mr().rkey());
+    // SAFETY: both MRs outlive the polls.
+    unsafe { a.qp.post_send(&[first, second]) }.unwrap();
+
+    std::thread::scope(|s| {
+        let mover = s.spawn(|| {
+            let mut got = Vec::new();
+            while got.len() < 2 {
+                got.push(poll_until_one(&a.cq));
+            }
+            got
+        });
+        started
+            .recv_timeout(PATIENCE)
+            .expect("the first WRITE's copy started");
+        a.qp.to_error().unwrap();
+        let mut slots = [Completion::default(); 4];
+        let early = a.cq.poll(&mut slots).unwrap();
+        let _ = go.send(());
+        assert_eq!(early, 0, "nothing completes while the bytes move");
+        let got = mover.join().unwrap();
+        let seen: Vec<_> = got.iter().map(|wc| (wc.wr_id, wc.status)).collect();
+        assert_eq!(
+            seen,
+            [(1, WcStatus::WR_FLUSH_ERR), (2, WcStatus::WR_FLUSH_ERR)]
+        );
+    });
+    assert_eq!(dst.data, src.data, "the first WRITE's bytes all landed");
+    assert_eq!(fabric.lock().copies.outside, 0);
+}
