@@ -14,12 +14,14 @@
 //! explicitly. [`SimFabric::set_paused`] holds progress, so a test can keep
 //! requests outstanding (to flush them with `to_error`, for instance).
 //!
-//! One exception to "under the lock": on the Auto clock, the bytes of a
-//! large RDMA WRITE or READ (64 KiB or more) run by a poll move with the
-//! fabric lock released, by the polling thread, as a real NIC's DMA runs
-//! while other threads poll; its checks are made under the lock before,
-//! and its completion comes after, in order (see `state::Copies`).
-//! Deregistrations, QP resets and destructions wait for such copies.
+//! One exception to "no threads" and "under the lock": on the Auto clock,
+//! the bytes of a large RDMA WRITE or READ (64 KiB or more) run by a poll
+//! move with the fabric lock released, on the fabric's DMA thread (started
+//! at the first such transfer, ended with the fabric), as a real NIC's DMA
+//! runs while the host's threads poll and work; its checks are made under
+//! the lock before, and its completion comes after, in order (see
+//! `state::Copies`). Deregistrations, QP resets and destructions wait for
+//! such copies.
 //!
 //! Time is virtual ([`SimFabric::clock`], the [`clock`] module): ACK
 //! timeouts with `retry_cnt`, RNR NAK timers with `rnr_retry`, and READ round
@@ -60,7 +62,8 @@ mod state;
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use hal_verbs::{
     Api, AsyncEvent, Context, CqModerationCaps, DeviceAttributes, DeviceInfo, GidEntry, Mtu,
@@ -439,6 +442,18 @@ pub struct SimFabric {
     /// Signalled when the last copy running outside the lock has finished
     /// ([`state::Copies`]), for the deregistrations waiting on it.
     copies_cond: Arc<Condvar>,
+    /// The fabric's DMA thread, started at the first copy it runs: it
+    /// moves the bytes of large transfers with the lock released.
+    dma: Arc<OnceLock<Sender<DmaJob>>>,
+}
+
+/// Copies planned (counted in `copies.outside`) for the DMA thread, with
+/// what it needs to account for them: the fabric's state is kept alive
+/// until they are.
+struct DmaJob {
+    batch: Vec<state::Deferred>,
+    shared: Arc<Mutex<FabricState>>,
+    copies_cond: Arc<Condvar>,
 }
 
 impl fmt::Debug for SimFabric {
@@ -472,6 +487,7 @@ impl SimFabric {
             shared: Arc::new(Mutex::new(FabricState::new(plan))),
             cm_cond: Arc::new(Condvar::new()),
             copies_cond: Arc::new(Condvar::new()),
+            dma: Arc::default(),
         }
     }
 
@@ -483,7 +499,7 @@ impl SimFabric {
     // A test that panicked while holding the lock must not hide its own
     // failure behind a poison error, and Drop impls must not panic.
     pub(crate) fn lock(&self) -> MutexGuard<'_, FabricState> {
-        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.shared)
     }
 
     /// The lock, once no copy runs outside it ([`state::Copies`]): what
@@ -505,49 +521,54 @@ impl SimFabric {
 
     /// The progress a poll makes, returning the lock held after it. On the
     /// Auto clock the bytes of large one-sided transfers move with the lock
-    /// released ([`state::Copies`]), by this thread, as a real NIC's DMA
-    /// runs while other threads poll; then their completions are made, in
-    /// order. On the Manual clock, or paused, it is
-    /// [`FabricState::progress`] under the lock, as before.
+    /// released ([`state::Copies`]), on the fabric's DMA thread, as a real
+    /// NIC's DMA runs while the host's threads poll and work; their
+    /// completions come once they have moved, in order. On the Manual
+    /// clock, or paused, it is [`FabricState::progress`] under the lock, as
+    /// before.
     pub(crate) fn progress_for_poll(&self) -> MutexGuard<'_, FabricState> {
         let mut state = self.lock();
-        if state.clock.mode != ClockMode::Auto || state.paused {
-            state.progress();
+        let batch = progress_deferring(&mut state);
+        if batch.is_empty() {
             return state;
         }
-        loop {
-            // While a deregistration waits for the copies outside to end,
-            // no new one starts (they run under the lock meanwhile), so it
-            // cannot be starved by pollers taking turns.
-            state.copies.defer = state.copies.waiters == 0;
-            state.progress();
-            state.copies.defer = false;
-            let batch = state.plan_copies();
-            if batch.is_empty() {
-                return state;
+        match self.start_dma(batch) {
+            Ok(()) => state,
+            Err(job) => {
+                // No DMA thread: this poller moves the bytes itself, with
+                // the lock released as the thread would.
+                drop(state);
+                run_dma(job);
+                self.lock()
             }
-            #[cfg(test)]
-            let hook = state.copy_hook.clone();
-            let outside = Outside {
-                fabric: self,
-                done: batch.iter().map(|d| (d.ticket, d.qpn)).collect(),
-            };
-            drop(state);
-            for deferred in &batch {
-                #[cfg(test)]
-                if let Some(hook) = &hook {
-                    hook(deferred.pieces.iter().map(|p| p.len).sum());
-                }
-                // SAFETY: the pieces were resolved under the lock inside
-                // live registrations by the progress above, and planned
-                // (counted in `copies.outside`) before the lock was let go
-                // in the same holding; no registration is removed while
-                // that count is above zero (`lock_without_copies`), and
-                // `outside` lowers it only after this loop.
-                unsafe { engine::copy_all(&deferred.pieces) };
-            }
-            state = outside.finish();
         }
+    }
+
+    /// Hands planned copies to the DMA thread (started now if it is not);
+    /// gives the job back when there is no thread to run it.
+    fn start_dma(&self, batch: Vec<state::Deferred>) -> Result<(), DmaJob> {
+        let job = DmaJob {
+            batch,
+            shared: Arc::clone(&self.shared),
+            copies_cond: Arc::clone(&self.copies_cond),
+        };
+        let sender = self.dma.get_or_init(|| {
+            let (sender, jobs) = mpsc::channel::<DmaJob>();
+            // It ends when the last handle on the fabric (and with it the
+            // sender) is gone; a job keeps the state alive, not the sender.
+            let spawned = std::thread::Builder::new()
+                .name("gdr-sim-dma".into())
+                .spawn(move || {
+                    for job in jobs {
+                        run_dma(job);
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "the sim's DMA thread did not start: copies run in the poller");
+            }
+            sender
+        });
+        sender.send(job).map_err(|mpsc::SendError(job)| job)
     }
 
     /// Adds a node with the devices of `config` and returns its provider.
@@ -586,7 +607,8 @@ impl SimFabric {
 /// Copies running outside the lock, accounted for when they end (or when
 /// the thread running them unwinds).
 struct Outside<'a> {
-    fabric: &'a SimFabric,
+    shared: &'a Mutex<FabricState>,
+    copies_cond: &'a Condvar,
     /// (ticket, QPN) of each.
     done: Vec<(u64, u32)>,
 }
@@ -595,15 +617,15 @@ impl<'a> Outside<'a> {
     /// The copies have finished: the lock again, with them accounted.
     fn finish(mut self) -> MutexGuard<'a, FabricState> {
         let done = std::mem::take(&mut self.done);
-        let mut state = self.fabric.lock();
-        Self::account(self.fabric, &mut state, &done);
+        let mut state = lock(self.shared);
+        Self::account(self.copies_cond, &mut state, &done);
         state
     }
 
-    fn account(fabric: &SimFabric, state: &mut FabricState, done: &[(u64, u32)]) {
+    fn account(copies_cond: &Condvar, state: &mut FabricState, done: &[(u64, u32)]) {
         state.copies_done(done);
         if state.copies.outside == 0 {
-            fabric.copies_cond.notify_all();
+            copies_cond.notify_all();
         }
     }
 }
@@ -612,9 +634,66 @@ impl Drop for Outside<'_> {
     fn drop(&mut self) {
         if !self.done.is_empty() {
             let done = std::mem::take(&mut self.done);
-            let mut state = self.fabric.lock();
-            Self::account(self.fabric, &mut state, &done);
+            let mut state = lock(self.shared);
+            Self::account(self.copies_cond, &mut state, &done);
         }
+    }
+}
+
+// A test that panicked while holding the lock must not hide its own
+// failure behind a poison error, and Drop impls must not panic.
+fn lock(shared: &Mutex<FabricState>) -> MutexGuard<'_, FabricState> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Progress under the lock, the large transfers' bytes deferred (Auto
+/// clock, not paused, no deregistration waiting for copies to end: it
+/// must not be starved by pollers taking turns); returns the copies
+/// planned, counted in `copies.outside` before the lock is let go.
+fn progress_deferring(state: &mut FabricState) -> Vec<state::Deferred> {
+    if state.clock.mode != ClockMode::Auto || state.paused {
+        state.progress();
+        return Vec::new();
+    }
+    state.copies.defer = state.copies.waiters == 0;
+    state.progress();
+    state.copies.defer = false;
+    state.plan_copies()
+}
+
+/// The DMA thread's work: moves the bytes of a job's planned copies with
+/// the lock released, accounts for them, then makes the progress they let
+/// happen (their completions, in order, for pollers and for threads that
+/// wait without polling), moving any copies it defers in turn.
+fn run_dma(job: DmaJob) {
+    let DmaJob {
+        mut batch,
+        shared,
+        copies_cond,
+    } = job;
+    while !batch.is_empty() {
+        #[cfg(test)]
+        let hook = lock(&shared).copy_hook.clone();
+        let outside = Outside {
+            shared: &shared,
+            copies_cond: &copies_cond,
+            done: batch.iter().map(|d| (d.ticket, d.qpn)).collect(),
+        };
+        for deferred in &batch {
+            #[cfg(test)]
+            if let Some(hook) = &hook {
+                hook(deferred.pieces.iter().map(|p| p.len).sum());
+            }
+            // SAFETY: the pieces were resolved under the lock inside live
+            // registrations by the progress that deferred them, and planned
+            // (counted in `copies.outside`) in the same holding of the lock;
+            // no registration is removed while that count is above zero
+            // (`lock_without_copies`), and `outside` lowers it only after
+            // this loop. The job holds the fabric's state alive.
+            unsafe { engine::copy_all(&deferred.pieces) };
+        }
+        let mut state = outside.finish();
+        batch = progress_deferring(&mut state);
     }
 }
 

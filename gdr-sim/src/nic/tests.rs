@@ -391,6 +391,45 @@ fn another_poller_gets_its_completion_while_a_large_transfer_moves() {
     assert_eq!(fabric.lock().copies.outside, 0);
 }
 
+/// The poster's own poll does not move a large WRITE's bytes (a NIC's DMA
+/// does not take the host's thread): while its copy is held on the DMA
+/// thread, the thread that posted it polls and returns with nothing, and
+/// gets the completion once the bytes landed.
+#[test]
+fn the_posters_poll_returns_while_the_dma_thread_moves_a_large_transfer() {
+    let fabric = SimFabric::new();
+    let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
+    connect(&a, &b);
+    let src = Buf::new(&a.pd, BIG, |i| (i % 241) as u8);
+    let dst = Buf::new(&b.pd, BIG, |_| 0);
+    let (started, go) = hold_big_copies(&fabric);
+    let big = write(7, src.sge(), dst.mr().addr(), dst.mr().rkey());
+    // SAFETY: both MRs outlive the polls below.
+    unsafe { a.qp.post_send(&[big]) }.unwrap();
+    let (polled_tx, polled_rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // The first poll defers the bytes to the DMA thread and returns.
+            let mut slot = [Completion::default()];
+            let first = a.cq.poll(&mut slot).unwrap();
+            let _ = polled_tx.send(first);
+        });
+        started
+            .recv_timeout(PATIENCE)
+            .expect("the large WRITE's copy started");
+        let first = polled_rx.recv_timeout(PATIENCE);
+        let _ = go.send(());
+        assert_eq!(
+            first.expect("the poster's poll returned while its bytes moved"),
+            0,
+            "no completion before the bytes landed"
+        );
+    });
+    let wc = poll_until_one(&a.cq);
+    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::SUCCESS));
+    assert_eq!(dst.data, src.data);
+}
+
 /// A deregistration of the MR that a large WRITE's bytes are moving into,
 /// outside the lock, waits until they have landed.
 #[test]
