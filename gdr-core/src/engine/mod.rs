@@ -211,14 +211,17 @@ pub struct EngineConfig {
     pub cache: CacheConfig,
     /// Bytes of one slot of a GPU's staging pool (a slice of the pipeline),
     /// and of each landing slot of a rendezvous.
-    /// Default 2 MiB with 8 slots: on the H200 over the sim NIC (`bench
+    /// Default 1 MiB with 8 slots: on the H200 over the sim NIC (`bench
     /// staging` with `GDR_STAGING_SWEEP=1`, 256 MiB GPU→host) every slice
     /// of 1-16 MiB and 2-16 slots ran within 5.2-7.1 GiB/s, bound by the
-    /// sim NIC's CPU copy (the wire); smaller slices start the first copy
-    /// sooner and, with a rendezvous requester keeping at most two slices
-    /// on the wire at once (`rendezvous`), let the owner's copies run
-    /// behind the wire rather than after it. 2 MiB × 8 keeps 16 MiB pinned
-    /// per GPU. Re-measure on a machine with a GPU and a NIC.
+    /// sim NIC's CPU copy (the wire); for a rendezvous (16 MiB, staged GPU
+    /// to staged GPU and host to staged GPU, `GDR_STAGING_SWEEP=rendezvous`)
+    /// 1 MiB × 8 landing slots was the fastest of 0.5-4 MiB × 2-16: 0.91 ×
+    /// the wire alone, against 0.87-0.88 for 2 MiB × 8 and 0.85 for 2 MiB ×
+    /// 4 (smaller slices start the first copy sooner and end the last one
+    /// sooner; more of them keep the wire busy while a round trip of
+    /// credits runs). 1 MiB × 8 keeps 8 MiB pinned per GPU and 8 MiB per
+    /// peer. Re-measure on a machine with a GPU and a NIC.
     pub staging_slice: u64,
     /// Slots of each GPU's staging pool (slices in flight at most).
     pub staging_slots: usize,
@@ -277,12 +280,12 @@ impl Default for EngineConfig {
             devices: None,
             ladder: LadderConfig::default(),
             cache: CacheConfig::default(),
-            staging_slice: 2 << 20,
+            staging_slice: 1 << 20,
             staging_slots: 8,
             peer_copy: true,
             peer_copy_slice: 64 << 20,
             peer_copy_release_timeout: Duration::from_secs(10),
-            rendezvous_slots: 4,
+            rendezvous_slots: 8,
             topology: topology::PciTopology::system(),
             clock: Arc::new(SystemClock),
             peer_limits: PeerLimits::default(),
