@@ -373,9 +373,9 @@ fn the_gpu_fence_follows_the_batch_that_wrote() {
     }
 }
 
-/// A task awaiting a batch while a driver thread runs is not re-polled
-/// until the batch ends: the driver wakes it (no busy task). Without a
-/// driver, the future wakes itself to make progress.
+/// A task awaiting a batch is not re-polled until the batch ends (no busy
+/// task): with no driver thread of the caller's the engine's own thread
+/// drives the batch and wakes the task; with one, that driver does.
 #[test]
 fn a_driver_wakes_an_awaited_batch_instead_of_a_busy_task() {
     use std::future::Future;
@@ -391,42 +391,48 @@ fn a_driver_wakes_an_awaited_batch_instead_of_a_busy_task() {
     }
     let w = world(1, GpuConfig::default(), config(1));
     let h = w.host_pair(1 << 16, 4, GrantRights::ReadWrite);
-    let wakes = Arc::new(Count(AtomicUsize::new(0)));
-    let waker = Waker::from(Arc::clone(&wakes));
-    let mut cx = Context::from_waker(&waker);
-    // Without a driver: a pending poll wakes itself.
-    w.fabric().set_paused(true);
-    let mut batch =
-        w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)])
-            .unwrap();
-    assert!(std::pin::Pin::new(&mut batch).poll(&mut cx).is_pending());
-    assert_eq!(
-        wakes.0.load(Ordering::SeqCst),
-        1,
-        "no driver: woken to poll again"
-    );
-    let driver = w.a.engine.spawn_driver(Duration::from_millis(1));
-    assert!(std::pin::Pin::new(&mut batch).poll(&mut cx).is_pending());
-    std::thread::sleep(Duration::from_millis(20));
-    assert_eq!(
-        wakes.0.load(Ordering::SeqCst),
-        1,
-        "with a driver: not woken while the batch cannot end"
-    );
-    w.fabric().set_paused(false);
-    let deadline = std::time::Instant::now() + T;
-    while wakes.0.load(Ordering::SeqCst) < 2 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the driver never woke the task"
+    let until_woken = |wakes: &Count, n: usize, who: &str| {
+        let deadline = std::time::Instant::now() + T;
+        while wakes.0.load(Ordering::SeqCst) < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{who} never woke the task"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    for with_driver in [false, true] {
+        let wakes = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        w.fabric().set_paused(true);
+        let driver = with_driver.then(|| w.a.engine.spawn_driver(Duration::from_millis(1)));
+        let mut batch =
+            w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)])
+                .unwrap();
+        assert!(std::pin::Pin::new(&mut batch).poll(&mut cx).is_pending());
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(
+            wakes.0.load(Ordering::SeqCst),
+            0,
+            "driver {with_driver}: woken while the batch cannot end"
         );
-        std::thread::sleep(Duration::from_millis(1));
+        w.fabric().set_paused(false);
+        until_woken(
+            &wakes,
+            1,
+            if with_driver {
+                "the driver"
+            } else {
+                "the engine's own thread"
+            },
+        );
+        match std::pin::Pin::new(&mut batch).poll(&mut cx) {
+            Poll::Ready(outcome) => outcome.unwrap(),
+            Poll::Pending => panic!("woken, but the batch is not done"),
+        }
+        drop(driver);
     }
-    match std::pin::Pin::new(&mut batch).poll(&mut cx) {
-        Poll::Ready(outcome) => outcome.unwrap(),
-        Poll::Pending => panic!("woken, but the batch is not done"),
-    }
-    drop(driver);
 }
 
 /// One batch moving to two grants, interleaved, over both NICs: the

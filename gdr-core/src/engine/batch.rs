@@ -89,17 +89,15 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         if let Some(outcome) = self.outcome() {
             return self.fenced(outcome);
         }
-        let deadline = Instant::now() + timeout;
-        let mut idle = Idle::default();
-        loop {
-            if let Some(outcome) = self.outcome() {
-                return self.fenced(outcome);
-            }
-            let handled = self.engine.progress();
-            if handled == 0 && Instant::now() >= deadline {
-                return Err(TransferError::Timeout { after: timeout });
-            }
-            idle.after(handled);
+        let engine = &self.engine;
+        let deadline = engine.shared.config.clock.now().checked_add(timeout);
+        engine
+            .shared
+            .reactor
+            .wait_until(engine, deadline, || self.outcome().is_some());
+        match self.outcome() {
+            Some(outcome) => self.fenced(outcome),
+            None => Err(TransferError::Timeout { after: timeout }),
         }
     }
 
@@ -124,6 +122,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             Arc::clone(&self.fenced),
         )?;
         engine.ensure_own_driver();
+        engine.wake();
         Ok(())
     }
 
@@ -146,6 +145,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
                 .staged
                 .cancel(&self.parts);
         }
+        self.engine.wake();
     }
 
     /// The completion cell (for a driver that waits elsewhere).
@@ -194,8 +194,10 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
         match self.poll_parts(cx) {
             Poll::Ready(outcome) => Poll::Ready(self.fenced(outcome)),
             Poll::Pending => {
+                // The engine's own thread drives it while nobody else
+                // does; the batch's end wakes the waker registered above.
                 if self.engine.shared.drivers.load(Ordering::Acquire) == 0 {
-                    cx.waker().wake_by_ref();
+                    self.engine.ensure_own_driver();
                 }
                 Poll::Pending
             }

@@ -24,8 +24,15 @@ pub struct EngineListener<V: Api, C: hal_cuda::Api> {
 type PendingQp<V> = (Hello, <V as Api>::Connection, usize);
 
 /// How often the listener looks for connectors that gave up (and for
-/// deadlines) while nothing else wakes it.
+/// deadlines) while connections wait to be accepted and nothing else
+/// wakes it.
 pub(super) const LISTENER_POLL: Duration = Duration::from_millis(50);
+
+/// How long the listener's thread waits for a connect request while no
+/// connection waits to be accepted: it looks only whether its engine is
+/// gone (so an idle engine's listener wakes once a second, not twenty
+/// times).
+pub(super) const LISTENER_IDLE: Duration = Duration::from_secs(1);
 
 pub(super) struct ListenerInner<V: Api> {
     pub(super) listener: V::Listener,
@@ -209,7 +216,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let now = self.shared.config.clock.now();
         let mut waiting = inner.waiting();
         waiting.reap(now);
-        waiting.backlog.poll_timeout().map_or(LISTENER_POLL, |at| {
+        waiting.backlog.poll_timeout().map_or(LISTENER_IDLE, |at| {
             at.saturating_duration_since(now)
                 .clamp(Duration::from_millis(1), LISTENER_POLL)
         })

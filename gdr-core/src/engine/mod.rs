@@ -83,6 +83,7 @@ mod path;
 mod peer;
 pub mod peer_copy;
 pub mod pipeline;
+mod reactor;
 mod region;
 pub mod rendezvous;
 mod resources;
@@ -639,6 +640,8 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     own_driver: std::sync::atomic::AtomicBool,
     /// How the engine's internal threads hold it (one step at a time).
     holds: Arc<InternalHolds>,
+    /// How the engine waits ([`reactor`]).
+    reactor: Arc<reactor::Reactor>,
 }
 
 /// Lets the engine's shared part read as its resources.
@@ -717,7 +720,9 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
         }
         // Wait for the internal steps under way (bounded: a step that
         // never ends must not hang a drop; the engine then goes when it
-        // ends, as it would without this).
+        // ends, as it would without this). A step parked in the reactor
+        // is told to return.
+        self.shared.reactor.nudge();
         let start = Instant::now();
         let mut closed = loop {
             match holds.closed.try_write() {
@@ -818,12 +823,24 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .query_device()
                 .map(|a| a.max_cqe.max(1).min(cq_depth))
                 .unwrap_or(cq_depth);
-            let cq = context
-                .create_cq(depth)
-                .map_err(|e| EngineError::verbs(format!("creating a CQ on {name}"), e))?;
+            // On a completion channel where the provider makes one, so a
+            // waiting engine can park until a completion comes.
+            let channel = match context.create_comp_channel() {
+                Ok(channel) => Some(channel),
+                Err(e) => {
+                    tracing::debug!(device = %name, error = %e, "no completion channel: the CQ is polled");
+                    None
+                }
+            };
+            let cq = match &channel {
+                Some(channel) => context.create_cq_on_channel(depth, channel, 0),
+                None => context.create_cq(depth),
+            }
+            .map_err(|e| EngineError::verbs(format!("creating a CQ on {name}"), e))?;
             nics.push(Nic {
                 name,
                 cq,
+                channel,
                 ladder,
                 context,
             });
@@ -850,6 +867,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             drivers: Arc::default(),
             own_driver: Default::default(),
             holds: Arc::default(),
+            reactor: Arc::new(reactor::Reactor::new().map_err(|e| {
+                EngineError::Unavailable(format!("the engine's wake-up eventfd: {e}"))
+            })?),
         };
         tracing::info!(
             engine = format_args!("{:#x}", shared.id),
@@ -1432,7 +1452,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         if gated {
             handled += self.serve_gates();
         }
+        if handled > 0 {
+            // Threads waiting on a batch this may have ended look again.
+            self.shared.reactor.progressed();
+        }
         handled
+    }
+
+    /// Tells a parked engine that it has work no fd announces (a batch
+    /// queued behind a full queue pair, a cancel, a gate, a revoke).
+    pub(super) fn wake(&self) {
+        self.shared.reactor.wake();
     }
 
     /// [`Engine::progress`] under the lock; says whether landing slots to make
@@ -2076,6 +2106,7 @@ pub struct Driver {
     stop: Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     running: Arc<std::sync::atomic::AtomicUsize>,
+    reactor: Arc<reactor::Reactor>,
 }
 
 impl fmt::Debug for Driver {
@@ -2087,6 +2118,7 @@ impl fmt::Debug for Driver {
 impl Drop for Driver {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        self.reactor.nudge();
         if let Some(thread) = self.thread.take()
             && thread.join().is_err()
         {
@@ -2104,18 +2136,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         timeout: Duration,
         mut decide: impl FnMut(&mut State<V, C>) -> Option<Result<T, EngineError>>,
     ) -> Result<T, EngineError> {
-        let deadline = Instant::now() + timeout;
-        let mut idle = Idle::default();
-        loop {
-            let decided = decide(&mut lock(&self.shared.state));
-            if let Some(decided) = decided {
-                return decided;
-            }
-            if Instant::now() >= deadline {
-                return Err(EngineError::Timeout(timeout));
-            }
-            idle.after(self.progress());
-        }
+        let now = self.shared.config.clock.now();
+        let mut decided = None;
+        self.shared
+            .reactor
+            .wait_until(self, now.checked_add(timeout), || {
+                decided = decide(&mut lock(&self.shared.state));
+                decided.is_some()
+            });
+        decided.unwrap_or(Err(EngineError::Timeout(timeout)))
     }
 
     /// Starts the engine's own progress thread, once: it holds the engine
@@ -2134,12 +2163,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .name("gdr-engine-own".into())
             .spawn(move || {
                 INTERNAL_THREAD.with(|i| i.set(true));
-                let mut idle = Idle::default();
-                drive(Duration::from_millis(1), || {
-                    holds.step(&weak, |engine| {
-                        engine.pace_gates(engine.progress(), &mut idle)
+                precise_sleeps();
+                // One step leads (or follows) until the engine's last
+                // handle nudges it; then the next finds the engine closed.
+                while holds
+                    .step(&weak, |engine| {
+                        let reactor = &engine.shared.reactor;
+                        let seen = reactor.nudges();
+                        reactor.wait_until(engine, None, || reactor.nudges() != seen);
                     })
-                });
+                    .is_some()
+                {}
                 running.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
@@ -2149,19 +2183,28 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    /// Starts a thread that makes progress: it polls while work completes
-    /// and backs off (up to `idle`) while nothing does. Dropping the
-    /// returned [`Driver`] stops it.
+    /// Starts a thread that drives the engine: it makes progress while
+    /// work comes and parks on the engine's fds while none does
+    /// ([`reactor`]), so a waiting batch or `Future` is woken without
+    /// polling of its own. `idle` is no longer used: the thread sleeps
+    /// until a completion, a submission or a deadline wakes it. Dropping
+    /// the returned [`Driver`] stops it.
     pub fn spawn_driver(&self, idle: Duration) -> Driver {
+        let _ = idle;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let engine = self.clone();
         let flag = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
             .name("gdr-engine".into())
             .spawn(move || {
-                drive(idle, || {
-                    (!flag.load(Ordering::Acquire)).then(|| engine.progress())
-                })
+                precise_sleeps();
+                let reactor = &engine.shared.reactor;
+                while !flag.load(Ordering::Acquire) {
+                    let seen = reactor.nudges();
+                    reactor.wait_until(&engine, None, || {
+                        flag.load(Ordering::Acquire) || reactor.nudges() != seen
+                    });
+                }
             })
             .expect("spawning the engine's driver thread");
         let running = Arc::clone(&self.shared.drivers);
@@ -2170,6 +2213,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             stop,
             thread: Some(thread),
             running,
+            reactor: Arc::clone(&self.shared.reactor),
         }
     }
 
@@ -2193,18 +2237,58 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         handled
     }
+}
 
-    /// The own progress thread's pace: after a call that handled
-    /// `handled`, while a gate waits, `idle` spins, yields or sleeps
-    /// briefly and the call counts as work (the thread does not back off
-    /// to its idle millisecond); otherwise `handled` as it was.
-    fn pace_gates(&self, handled: usize, idle: &mut Idle) -> usize {
-        if handled > 0 || !lock(&self.shared.state).paths.gates.waiting() {
-            *idle = Idle::default();
-            return handled;
+impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
+    fn progress(&self) -> usize {
+        Engine::progress(self)
+    }
+
+    fn polls(&self) -> bool {
+        let state = lock(&self.shared.state);
+        self.shared.nics.iter().any(|n| n.channel.is_none())
+            || state.reconnecting > 0
+            || TransferPath::<V, C>::polls(&state.paths.staged)
+            || TransferPath::<V, C>::polls(&state.paths.peer_copy)
+            || state.paths.gates.waiting()
+    }
+
+    fn arm(&self) {
+        for nic in self.shared.nics.iter().filter(|n| n.channel.is_some()) {
+            if let Err(e) = nic.cq.req_notify(hal_verbs::CqNotify::Next) {
+                tracing::debug!(device = %nic.name, error = %e, "arming the CQ");
+            }
         }
-        idle.after(0);
-        1
+    }
+
+    fn park_set(&self, fds: &mut Vec<std::os::fd::RawFd>) -> Option<Instant> {
+        use hal_verbs::{CompletionChannel as _, Connection as _, Context as _};
+        for nic in self.shared.nics.iter() {
+            if let Some(channel) = &nic.channel {
+                fds.push(channel.fd());
+            }
+            fds.push(nic.context.async_fd());
+        }
+        let state = lock(&self.shared.state);
+        for peer in state.peers.iter().flatten() {
+            fds.extend(peer.qps.iter().map(|qp| qp.conn.event_fd()));
+        }
+        drop(state);
+        self.next_deadline()
+    }
+
+    fn drain(&self) {
+        use hal_verbs::CompletionChannel as _;
+        for nic in self.shared.nics.iter() {
+            let Some(channel) = &nic.channel else {
+                continue;
+            };
+            while let Ok(Some(_)) = channel.get_cq_event() {}
+        }
+    }
+
+    fn now(&self) -> Instant {
+        self.shared.config.clock.now()
     }
 }
 
@@ -2230,22 +2314,6 @@ fn record_gate_event<V: Api, C: hal_cuda::Api>(
         || EngineError::Unavailable("no GPU to record a gate's event on".into()),
         EngineError::from,
     ))
-}
-
-/// A driver thread's loop: `step` makes progress and says how much it
-/// handled (`None`: stop); while it handles nothing, the thread sleeps,
-/// backing off from 1 µs up to `idle`.
-fn drive(idle: Duration, mut step: impl FnMut() -> Option<usize>) {
-    precise_sleeps();
-    let mut backoff = Duration::from_micros(1);
-    while let Some(handled) = step() {
-        if handled > 0 {
-            backoff = Duration::from_micros(1);
-        } else {
-            std::thread::sleep(backoff);
-            backoff = (backoff * 2).min(idle.max(Duration::from_micros(1)));
-        }
-    }
 }
 
 /// Makes this thread's short sleeps short: Linux lets a sleep run up to the
@@ -2429,31 +2497,6 @@ fn drop_misbehaving<V: Api, C: hal_cuda::Api>(
                 reason: reason.clone(),
             },
         );
-    }
-}
-
-/// How a thread that waits by making progress idles: it spins while work
-/// comes, yields after a few empty rounds, and sleeps (briefly, so a
-/// completion is seen within tens of microseconds) after many, rather
-/// than burn a core while nothing happens.
-#[derive(Default)]
-struct Idle {
-    empty: u32,
-}
-
-impl Idle {
-    /// After a progress call that handled `handled` things.
-    fn after(&mut self, handled: usize) {
-        if handled > 0 {
-            self.empty = 0;
-            return;
-        }
-        self.empty = self.empty.saturating_add(1);
-        match self.empty {
-            0..=64 => {}
-            65..=4096 => std::thread::yield_now(),
-            _ => std::thread::sleep(Duration::from_micros(20)),
-        }
     }
 }
 

@@ -185,4 +185,9 @@ pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
     /// The earliest deadline of what the path holds: the driver calls
     /// [`TransferPath::progress`] by then.
     fn next_deadline(&self) -> Option<Instant>;
+
+    /// Whether the path has work whose end only polling sees (GPU copies
+    /// and their events: CUDA has no fd to wait on), so a parked engine
+    /// must look again soon ([`super::reactor::GPU_POLL`]).
+    fn polls(&self) -> bool;
 }

@@ -117,6 +117,7 @@ impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
         };
         // A staged region's last hold may go here: outside the lock.
         drop(fenced);
+        self.peer.engine.wake();
         let notice = Control::GrantRevoke { grant };
         // Best effort: a peer that is gone needs no notice; its NIC access
         // ends with the MRs either way.
@@ -375,10 +376,16 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         timeout: Duration,
     ) -> Result<Batch<V, C>, EngineError> {
         if let Some(batch) = self.submit_peer_copy(transfers, timeout)? {
+            // A parked engine looks at what it now holds: a path's GPU
+            // copies are seen only by polling. (What goes to the NIC needs
+            // no wake-up: its completion comes on the CQ's channel.)
+            self.engine.wake();
             return Ok(batch);
         }
         if transfers.iter().any(staging::staged) {
-            return self.submit_staged(transfers, timeout);
+            let batch = self.submit_staged(transfers, timeout);
+            self.engine.wake();
+            return batch;
         }
         let shared = &self.engine.shared;
         let _span = tracing::debug_span!("submit", transfers = transfers.len()).entered();
@@ -544,6 +551,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             peer.flush_outbox(core, now);
             Ok::<_, EngineError>(cell)
         })??;
+        self.engine.wake();
         Ok(Batch::of_cell(self.engine.clone(), cell))
     }
 
@@ -642,6 +650,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             gates.wait(self.slot, transfers, timeout, now, signal, event, &span)
         };
         engine.ensure_own_driver();
+        engine.wake();
         Ok(Batch {
             gate: Some(Arc::clone(&link)),
             ..Batch::of_cell(engine.clone(), Arc::clone(link.cell()))

@@ -1116,6 +1116,10 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
             .chain(self.exports.poll_timeout())
             .min()
     }
+
+    fn polls(&self) -> bool {
+        !self.flights.is_empty()
+    }
 }
 
 #[cfg(test)]

@@ -312,6 +312,14 @@ impl<V: Api, C: hal_cuda::Api> Default for Asks<V, C> {
     }
 }
 
+impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
+    /// Whether a request through the peer's landing slots runs (its
+    /// staged side copies through a pool, seen by polling).
+    pub fn asking(&self) -> bool {
+        !self.asking.is_empty()
+    }
+}
+
 /// The peer's landing slots lent to this side.
 struct PeerSlots {
     descriptor: MemoryDescriptor,

@@ -20,6 +20,9 @@ use crate::ladder::{Gpu, Ladder};
 pub(crate) struct Nic<V: Api, C: hal_cuda::Api> {
     pub(crate) name: String,
     pub(crate) cq: V::CompletionQueue,
+    /// The CQ's completion channel, which a parked engine waits on
+    /// (`None`: the provider made none; the CQ is then polled).
+    pub(crate) channel: Option<V::CompletionChannel>,
     pub(crate) ladder: Ladder<V, C>,
     pub(crate) context: V::Context,
 }

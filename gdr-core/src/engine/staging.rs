@@ -579,4 +579,13 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
         });
         self.pipes.iter().map(Pipe::deadline).chain(peers).min()
     }
+
+    fn polls(&self) -> bool {
+        !self.pipes.is_empty()
+            || self
+                .peers
+                .iter()
+                .flatten()
+                .any(|p| p.landing.copying() || p.asks.asking())
+    }
 }

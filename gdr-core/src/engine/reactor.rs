@@ -1,0 +1,404 @@
+//! The engine's one way of waiting: make progress while work comes, spin a
+//! little, then park on what can bring more work until the protocol's next
+//! deadline.
+//!
+//! What wakes a parked engine ([`Parkable::park_set`]): the completion
+//! channels of its CQs (armed before parking, then polled once more, as
+//! verbs requires: arm, then poll), each NIC's async-event fd, each queue
+//! pair's connection-event fd, and the reactor's own eventfd, which
+//! [`Reactor::wake`] writes for work no fd announces (a batch queued behind
+//! a full queue pair, a cancel, a gate opened, a grant revoked). The park's
+//! timeout is the earliest deadline the engine holds, on its
+//! [`Clock`](super::Clock); while a path has work only polling sees (GPU
+//! copies and stream events: CUDA has no fd) it is at most
+//! [`GPU_POLL`].
+//!
+//! One thread at a time leads: it makes progress and parks on the fds.
+//! Other waiters follow: they sleep on a condition variable until the
+//! leader (or anyone calling [`Engine::progress`](super::Engine::progress))
+//! has made progress, or the leader leaves, when one of them takes over.
+//! So two threads never park on the same fds, and a waiter whose batch
+//! another thread completed is told at once. Three ways drive the reactor:
+//! a caller's wait ([`Batch::wait`](super::Batch::wait)), one owned thread
+//! ([`Engine::spawn_driver`](super::Engine::spawn_driver), and the
+//! engine's own thread that serves peers' rendezvous), or a `Future` whose
+//! poll registers its waker while the owned thread drives.
+//!
+//! The spin before parking is the one policy ([`SPIN_ROUNDS`]): a request
+//! posted back to back completes within a few polls, which a park (two
+//! system calls and a wake-up) would delay. While a path has work only
+//! polling sees ([`Parkable::polls`]) the leader yields ([`YIELD_ROUNDS`])
+//! and then parks at most [`GPU_POLL`] at a time.
+
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{Condvar, Mutex, lock, wait, wait_timeout};
+
+/// Empty progress rounds a leader makes before it parks: about the time a
+/// request posted back to back takes to complete on a NIC (a few µs), far
+/// less than a park and its wake-up cost.
+pub(crate) const SPIN_ROUNDS: u32 = 200;
+
+/// Empty rounds, after the spin, in which a leader whose engine has work
+/// only polling sees yields its core before it parks.
+pub(crate) const YIELD_ROUNDS: u32 = 4096;
+
+/// The longest park while a path has work whose end only polling sees.
+pub(crate) const GPU_POLL: Duration = Duration::from_micros(20);
+
+/// What the reactor drives: the engine, as the reactor sees it (the
+/// reactor names no engine type).
+pub(crate) trait Parkable {
+    /// One round of progress; how much it handled.
+    fn progress(&self) -> usize;
+    /// Whether work runs whose end only polling sees (GPU copies, stream
+    /// events), or a CQ that cannot be armed.
+    fn polls(&self) -> bool;
+    /// Arms every CQ's completion channel for its next completion.
+    fn arm(&self);
+    /// Fills `fds` with what can wake a park (completion channels, async
+    /// and connection fds) and says when the park must end at the latest
+    /// (the engine's next deadline).
+    fn park_set(&self, fds: &mut Vec<RawFd>) -> Option<Instant>;
+    /// Takes what woke the park (acknowledges CQ events), so the fds are
+    /// quiet again.
+    fn drain(&self);
+    /// Now, on the engine's clock.
+    fn now(&self) -> Instant;
+}
+
+/// Who leads, and how far progress has come (for the followers).
+#[derive(Debug, Default)]
+struct Lead {
+    leading: bool,
+    /// Bumped after progress that handled something, and when the leader
+    /// leaves.
+    generation: u64,
+}
+
+/// The engine's waiting, shared by every thread that waits on it.
+#[derive(Debug)]
+pub(crate) struct Reactor {
+    wake: WakeFd,
+    /// Someone gave the engine work no fd announces, since the leader last
+    /// looked.
+    pending: AtomicBool,
+    /// The leader is parked (or about to be) on the fds.
+    parked: AtomicBool,
+    lead: Mutex<Lead>,
+    changed: Condvar,
+    /// Followers asleep on `changed`.
+    followers: AtomicUsize,
+    /// Counts [`Reactor::nudge`]s: a driving thread's wait ends at the
+    /// next.
+    nudges: AtomicUsize,
+}
+
+impl Reactor {
+    /// A reactor with its wake-up eventfd.
+    pub(crate) fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            wake: WakeFd::new()?,
+            pending: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            lead: Mutex::new(Lead::default()),
+            changed: Condvar::new(),
+            followers: AtomicUsize::new(0),
+            nudges: AtomicUsize::new(0),
+        })
+    }
+
+    /// Tells the reactor the engine has work no fd announces (or a batch
+    /// ended outside progress): a parked leader wakes, one about to park
+    /// does not park, followers look again.
+    pub(crate) fn wake(&self) {
+        // With `parked` below, Dekker's pattern (both SeqCst): either the
+        // leader sees `pending` before it parks, or this sees `parked` and
+        // writes the eventfd.
+        self.pending.store(true, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            self.wake.signal();
+        }
+        // What changed may have ended a follower's batch (a cancel).
+        self.progressed();
+    }
+
+    /// Ends the waits of the threads that drive the engine (they compare
+    /// [`Reactor::nudges`]): a driver stopping, the engine closing.
+    pub(crate) fn nudge(&self) {
+        self.nudges.fetch_add(1, Ordering::SeqCst);
+        self.wake();
+        lock(&self.lead).generation += 1;
+        self.changed.notify_all();
+    }
+
+    /// How many nudges there have been.
+    pub(crate) fn nudges(&self) -> usize {
+        self.nudges.load(Ordering::SeqCst)
+    }
+
+    /// Progress handled something: followers look at their batches again.
+    pub(crate) fn progressed(&self) {
+        if self.followers.load(Ordering::SeqCst) > 0 {
+            lock(&self.lead).generation += 1;
+            self.changed.notify_all();
+        }
+    }
+
+    /// Drives `engine` until `done` says so (`true`) or `deadline` passes
+    /// (`false`; `None`: no deadline).
+    pub(crate) fn wait_until(
+        &self,
+        engine: &impl Parkable,
+        deadline: Option<Instant>,
+        mut done: impl FnMut() -> bool,
+    ) -> bool {
+        let mut fds = Vec::new();
+        loop {
+            if done() {
+                return true;
+            }
+            if deadline.is_some_and(|d| engine.now() >= d) {
+                return done();
+            }
+            match self.take_lead() {
+                Some(leading) => {
+                    let finished = self.lead_until(engine, deadline, &mut done, &mut fds);
+                    drop(leading);
+                    return finished;
+                }
+                None => self.follow(engine, deadline, &mut done),
+            }
+        }
+    }
+
+    /// Leads until `done` or `deadline`: progress, spin, park.
+    fn lead_until(
+        &self,
+        engine: &impl Parkable,
+        deadline: Option<Instant>,
+        done: &mut impl FnMut() -> bool,
+        fds: &mut Vec<RawFd>,
+    ) -> bool {
+        let mut empty = 0u32;
+        loop {
+            // (Progress that handled something tells the followers.)
+            if engine.progress() > 0 {
+                empty = 0;
+            } else {
+                empty = empty.saturating_add(1);
+            }
+            if done() {
+                return true;
+            }
+            let now = engine.now();
+            if deadline.is_some_and(|d| now >= d) {
+                return false;
+            }
+            if empty <= SPIN_ROUNDS {
+                std::hint::spin_loop();
+                continue;
+            }
+            let polls = engine.polls();
+            if polls && empty <= SPIN_ROUNDS + YIELD_ROUNDS {
+                std::thread::yield_now();
+                continue;
+            }
+            if !polls {
+                empty = 0;
+            }
+            self.park(engine, deadline, now, polls, fds);
+        }
+    }
+
+    /// Parks on the engine's fds until one is readable, work is handed over
+    /// ([`Reactor::wake`]), or the earliest of `deadline` and the engine's
+    /// own passes.
+    fn park(
+        &self,
+        engine: &impl Parkable,
+        deadline: Option<Instant>,
+        now: Instant,
+        polls: bool,
+        fds: &mut Vec<RawFd>,
+    ) {
+        engine.arm();
+        self.parked.store(true, Ordering::SeqCst);
+        // Arm, then poll: a completion that came before the arm fires
+        // nothing; work handed over before `parked` was set is seen here.
+        if self.pending.swap(false, Ordering::SeqCst) || engine.progress() > 0 {
+            self.parked.store(false, Ordering::SeqCst);
+            return;
+        }
+        fds.clear();
+        let engine_wake = engine.park_set(fds);
+        let polled = polls.then(|| now + GPU_POLL);
+        let until = [deadline, engine_wake, polled].into_iter().flatten().min();
+        let timeout = until.map(|u| u.saturating_duration_since(now));
+        fds.push(self.wake.fd());
+        let span = tracing::trace_span!("park", fds = fds.len(), ?timeout).entered();
+        poll_readable(fds, timeout);
+        drop(span);
+        self.parked.store(false, Ordering::SeqCst);
+        self.wake.clear();
+        self.pending.store(false, Ordering::SeqCst);
+        engine.drain();
+    }
+
+    /// Becomes the leader if nobody leads.
+    fn take_lead(&self) -> Option<Leading<'_>> {
+        let mut lead = lock(&self.lead);
+        if lead.leading {
+            return None;
+        }
+        lead.leading = true;
+        Some(Leading { reactor: self })
+    }
+
+    /// Sleeps until progress was made or the leader left (or `deadline`),
+    /// unless `done` says so first. It makes progress itself for a spin's
+    /// worth of rounds before it sleeps: a request waited on back to back
+    /// ends within them, without the leader's wake-up and a hand-over.
+    fn follow(
+        &self,
+        engine: &impl Parkable,
+        deadline: Option<Instant>,
+        done: &mut impl FnMut() -> bool,
+    ) {
+        for _ in 0..SPIN_ROUNDS {
+            if done() {
+                return;
+            }
+            if engine.progress() == 0 {
+                std::hint::spin_loop();
+            }
+        }
+        let mut lead = lock(&self.lead);
+        if !lead.leading {
+            return;
+        }
+        let seen = lead.generation;
+        self.followers.fetch_add(1, Ordering::SeqCst);
+        // Counted before looking (`progressed` counts followers after it
+        // ended a batch): either this sees the batch ended, or the leader
+        // sees this follower and bumps the generation under the lock.
+        if done() {
+            self.followers.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        while lead.leading && lead.generation == seen {
+            lead = match deadline {
+                None => wait(&self.changed, lead),
+                Some(d) => {
+                    let left = d.saturating_duration_since(engine.now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    wait_timeout(&self.changed, lead, left)
+                }
+            };
+        }
+        self.followers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The lead, given back (and a follower told) when dropped.
+struct Leading<'a> {
+    reactor: &'a Reactor,
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let mut lead = lock(&self.reactor.lead);
+        lead.leading = false;
+        lead.generation += 1;
+        drop(lead);
+        self.reactor.changed.notify_all();
+    }
+}
+
+/// Waits until one of `fds` is readable or `timeout` passes (`None`: no
+/// timeout). Errors (an fd closed under it, EINTR) end the wait early:
+/// the caller looks at everything again.
+fn poll_readable(fds: &[RawFd], timeout: Option<Duration>) {
+    let mut polled: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // ppoll: microseconds matter here (a GPU poll interval), poll(2)
+    // counts milliseconds.
+    let spec = timeout.map(|t| libc::timespec {
+        tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(t.subsec_nanos() as i32),
+    });
+    let spec_ptr = spec
+        .as_ref()
+        .map_or(std::ptr::null(), |s| s as *const libc::timespec);
+    // SAFETY: `polled` is a live, writable array of `polled.len()` pollfd
+    // structs and `spec_ptr` null or a live timespec, both for the
+    // duration of the call; a null signal mask leaves the mask alone.
+    let n = unsafe {
+        libc::ppoll(
+            polled.as_mut_ptr(),
+            polled.len() as libc::nfds_t,
+            spec_ptr,
+            std::ptr::null(),
+        )
+    };
+    if n < 0 {
+        tracing::trace!(
+            error = %std::io::Error::last_os_error(),
+            "poll(2) of the engine's fds"
+        );
+    }
+}
+
+/// A non-blocking eventfd that wakes a parked leader.
+#[derive(Debug)]
+struct WakeFd {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl WakeFd {
+    fn new() -> std::io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: eventfd takes no pointer; the flags are valid.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened by eventfd and is owned by no one
+        // else.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        Ok(Self { fd })
+    }
+
+    fn fd(&self) -> RawFd {
+        use std::os::fd::AsRawFd;
+        self.fd.as_raw_fd()
+    }
+
+    fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our open eventfd; a
+        // full counter (EAGAIN) still leaves it readable, which is all a
+        // signal needs.
+        let _ = unsafe { libc::write(self.fd(), (&raw const one).cast(), 8) };
+    }
+
+    fn clear(&self) {
+        let mut value: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from our open eventfd;
+        // EAGAIN (nothing signalled) leaves it untouched.
+        let _ = unsafe { libc::read(self.fd(), (&raw mut value).cast(), 8) };
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests;

@@ -1,0 +1,299 @@
+//! The reactor against a scripted engine: what wakes a park, what a
+//! follower is told, and that an idle leader parks instead of spinning.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// Far longer than any wake-up takes: a wait that runs into it failed.
+const LONG: Duration = Duration::from_secs(20);
+
+/// An engine whose work is scripted: `work` is what the next progress
+/// handles; `fd` is an eventfd it parks on (a completion channel).
+struct Scripted {
+    work: AtomicUsize,
+    progress_calls: AtomicUsize,
+    arms: AtomicUsize,
+    drains: AtomicUsize,
+    polls: AtomicBool,
+    deadline: Mutex<Option<Instant>>,
+    fd: WakeFd,
+    /// Set by progress that handled work: what a batch's end looks like.
+    ended: AtomicUsize,
+    /// At the next arm (the leader about to park), hand over work that
+    /// only polling sees, with a wake: the race a park must not lose.
+    hand_over_at_arm: AtomicBool,
+    reactor: Arc<Reactor>,
+}
+
+impl Scripted {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            work: AtomicUsize::new(0),
+            progress_calls: AtomicUsize::new(0),
+            arms: AtomicUsize::new(0),
+            drains: AtomicUsize::new(0),
+            polls: AtomicBool::new(false),
+            deadline: Mutex::new(None),
+            fd: WakeFd::new().unwrap(),
+            ended: AtomicUsize::new(0),
+            hand_over_at_arm: AtomicBool::new(false),
+            reactor: Arc::new(Reactor::new().unwrap()),
+        })
+    }
+
+    /// Work arrives as a completion would: handled by the next progress,
+    /// announced on the fd.
+    fn complete(&self, n: usize) {
+        self.work.fetch_add(n, Ordering::SeqCst);
+        self.fd.signal();
+    }
+}
+
+impl Parkable for Scripted {
+    fn progress(&self) -> usize {
+        self.progress_calls.fetch_add(1, Ordering::SeqCst);
+        let handled = self.work.swap(0, Ordering::SeqCst);
+        if handled > 0 {
+            self.ended.fetch_add(handled, Ordering::SeqCst);
+            self.reactor.progressed();
+        }
+        handled
+    }
+
+    fn polls(&self) -> bool {
+        self.polls.load(Ordering::SeqCst)
+    }
+
+    fn arm(&self) {
+        self.arms.fetch_add(1, Ordering::SeqCst);
+        if self.hand_over_at_arm.swap(false, Ordering::SeqCst) {
+            self.polls.store(true, Ordering::SeqCst);
+            self.reactor.wake();
+        }
+    }
+
+    fn park_set(&self, fds: &mut Vec<RawFd>) -> Option<Instant> {
+        fds.push(self.fd.fd());
+        *lock(&self.deadline)
+    }
+
+    fn drain(&self) {
+        self.drains.fetch_add(1, Ordering::SeqCst);
+        self.fd.clear();
+    }
+
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+}
+
+/// Waits on `engine` until `ended` reaches `want`, from another thread;
+/// `true` when the wait ended that way long before its deadline (a wait
+/// that slept to its deadline missed the wake-up it was owed).
+fn waiter(engine: &Arc<Scripted>, want: usize) -> std::thread::JoinHandle<bool> {
+    waiter_for(engine, want, LONG)
+}
+
+fn waiter_for(
+    engine: &Arc<Scripted>,
+    want: usize,
+    patience: Duration,
+) -> std::thread::JoinHandle<bool> {
+    let engine = Arc::clone(engine);
+    std::thread::spawn(move || {
+        let reactor = Arc::clone(&engine.reactor);
+        let start = Instant::now();
+        let ended = reactor.wait_until(&*engine, Some(start + patience), || {
+            engine.ended.load(Ordering::SeqCst) >= want
+        });
+        ended && start.elapsed() < patience / 2
+    })
+}
+
+/// Until the reactor's leader is parked (it armed and set `parked`).
+fn until_parked(engine: &Scripted) {
+    let start = Instant::now();
+    while !(engine.reactor.parked.load(Ordering::SeqCst) && engine.arms.load(Ordering::SeqCst) > 0)
+    {
+        assert!(start.elapsed() < LONG, "the leader never parked");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_parked_leader_wakes_when_its_fd_turns_readable() {
+    let engine = Scripted::new();
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    engine.complete(1);
+    assert!(waiting.join().unwrap(), "the wait ended at its deadline");
+    assert!(
+        engine.drains.load(Ordering::SeqCst) >= 1,
+        "the fd was drained"
+    );
+}
+
+#[test]
+fn a_parked_leader_wakes_for_work_handed_over() {
+    let engine = Scripted::new();
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    // Work no fd announces: only `wake` tells the leader.
+    engine.work.fetch_add(1, Ordering::SeqCst);
+    engine.reactor.wake();
+    assert!(waiting.join().unwrap(), "the wait ended at its deadline");
+}
+
+#[test]
+fn an_idle_leader_parks_instead_of_spinning() {
+    let engine = Scripted::new();
+    let reactor = Arc::clone(&engine.reactor);
+    let start = Instant::now();
+    let ended = reactor.wait_until(&*engine, Some(start + Duration::from_millis(300)), || false);
+    assert!(!ended);
+    // A spinning leader makes millions of progress calls in 300 ms; one
+    // that parks makes its spin's worth, once.
+    let calls = engine.progress_calls.load(Ordering::SeqCst);
+    assert!(
+        calls < 10 * SPIN_ROUNDS as usize,
+        "{calls} progress calls while idle"
+    );
+    assert!(engine.arms.load(Ordering::SeqCst) >= 1);
+}
+
+#[test]
+fn a_park_ends_at_the_engines_own_deadline() {
+    let engine = Scripted::new();
+    // The engine's next deadline (a request's timeout) comes long before
+    // the caller's: the park must end there so progress can fail it.
+    *lock(&engine.deadline) = Some(Instant::now() + Duration::from_millis(50));
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    let parks_before = engine.arms.load(Ordering::SeqCst);
+    let start = Instant::now();
+    while engine.arms.load(Ordering::SeqCst) == parks_before {
+        assert!(
+            start.elapsed() < LONG,
+            "the park outlived the engine's deadline"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    *lock(&engine.deadline) = None;
+    engine.complete(1);
+    assert!(waiting.join().unwrap());
+}
+
+#[test]
+fn a_follower_is_told_when_the_leaders_progress_ends_its_batch() {
+    let engine = Scripted::new();
+    // The leader waits for two ends, the follower for one.
+    let leader = waiter(&engine, 2);
+    until_parked(&engine);
+    let follower = waiter(&engine, 1);
+    // The follower has gone to sleep on the condition variable.
+    let start = Instant::now();
+    while engine.reactor.followers.load(Ordering::SeqCst) == 0 {
+        assert!(start.elapsed() < LONG, "the second waiter never followed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    engine.complete(1);
+    assert!(
+        follower.join().unwrap(),
+        "the follower slept to its deadline"
+    );
+    engine.complete(1);
+    assert!(leader.join().unwrap());
+}
+
+#[test]
+fn a_follower_takes_the_lead_when_the_leader_leaves() {
+    let engine = Scripted::new();
+    let leader = waiter(&engine, 1);
+    until_parked(&engine);
+    let follower = waiter(&engine, 2);
+    let start = Instant::now();
+    while engine.reactor.followers.load(Ordering::SeqCst) == 0 {
+        assert!(start.elapsed() < LONG, "the second waiter never followed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    engine.complete(1);
+    assert!(leader.join().unwrap());
+    // Now only the follower waits: it must be parked on the fd as leader,
+    // or this completion is never seen.
+    until_parked(&engine);
+    engine.complete(1);
+    assert!(follower.join().unwrap(), "nobody led after the leader left");
+}
+
+#[test]
+fn a_nudge_ends_a_driving_wait() {
+    let engine = Scripted::new();
+    let (ended_tx, ended) = std::sync::mpsc::channel();
+    {
+        let engine = Arc::clone(&engine);
+        std::thread::spawn(move || {
+            let reactor = Arc::clone(&engine.reactor);
+            let seen = reactor.nudges();
+            let _ = ended_tx.send(reactor.wait_until(&*engine, None, || reactor.nudges() != seen));
+        });
+    }
+    until_parked(&engine);
+    engine.reactor.nudge();
+    assert_eq!(
+        ended.recv_timeout(LONG),
+        Ok(true),
+        "the nudge did not end the wait"
+    );
+}
+
+#[test]
+fn work_handed_over_as_the_leader_parks_is_not_lost() {
+    let engine = Scripted::new();
+    // Between the leader's look at the engine and its park, work arrives
+    // that only polling sees, and the wake comes before `parked` is set.
+    engine.hand_over_at_arm.store(true, Ordering::SeqCst);
+    let waiting = waiter(&engine, 1);
+    let start = Instant::now();
+    while engine.hand_over_at_arm.load(Ordering::SeqCst) {
+        assert!(start.elapsed() < LONG, "the leader never armed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    engine.work.fetch_add(1, Ordering::SeqCst);
+    assert!(waiting.join().unwrap(), "the park lost the hand-over");
+}
+
+#[test]
+fn work_only_polling_sees_bounds_the_park() {
+    let engine = Scripted::new();
+    engine.polls.store(true, Ordering::SeqCst);
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    // No fd, no wake: the work is found by polling again.
+    engine.work.fetch_add(1, Ordering::SeqCst);
+    assert!(
+        waiting.join().unwrap(),
+        "the park outlived the poll interval"
+    );
+}
+
+#[test]
+fn a_sleeping_follower_takes_the_lead_when_the_leader_gives_up() {
+    let engine = Scripted::new();
+    // The leader gives up at its own deadline, having made no progress:
+    // only its leaving can wake the follower.
+    let leader = waiter_for(&engine, 1, Duration::from_millis(300));
+    until_parked(&engine);
+    let follower = waiter(&engine, 1);
+    let start = Instant::now();
+    while engine.reactor.followers.load(Ordering::SeqCst) == 0 {
+        assert!(start.elapsed() < LONG, "the second waiter never followed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!leader.join().unwrap(), "nothing ended the leader's wait");
+    until_parked(&engine);
+    engine.complete(1);
+    assert!(follower.join().unwrap(), "nobody led after the leader left");
+}

@@ -1,0 +1,200 @@
+//! What waiting costs (the reactor issue's figures): two engines on two
+//! nodes of the simulator, connected, b's host region granted to a, in
+//! three ways of driving them:
+//!
+//! - `caller`: no driver thread; the caller's `Batch::wait` drives;
+//! - `driver_1ms`, `driver_20us`: `spawn_driver(1 ms)` / `(20 µs)` on both.
+//!
+//! For each: the process's CPU time and voluntary context switches
+//! (`getrusage`) over `GDR_IDLE_SECS` (10) seconds with nothing to do;
+//! lone 4 KiB WRITEs submitted and waited for back to back
+//! (`GDR_B2B_SAMPLES`, 10,000), and after `GDR_IDLE_GAP_MS` (100) ms of
+//! idleness each (`GDR_IDLE_SAMPLES`, 50): p50 and p99 of each.
+//!
+//! It uses only the engine's public API, so the same file builds against an
+//! older engine for a side-by-side run: `cargo bench -p gdr-tests --bench
+//! idle`. A measurement, not a test: it asserts nothing about the figures.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use gdr_core::buffer::Buffer;
+use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
+use gdr_core::engine::{Driver, Engine, EngineConfig, Path, Peer, Region, Transfer};
+use gdr_core::ladder::LadderConfig;
+use gdr_sim::{DeviceConfig, NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+
+type SimEngine = Engine<SimVerbsApi, SimCudaApi>;
+type SimPeer = Peer<SimVerbsApi, SimCudaApi>;
+
+const REQ: u64 = 4096;
+const T: Duration = Duration::from_secs(30);
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Two connected engines, b's region granted to a.
+struct Engines {
+    _fabric: SimFabric,
+    a: SimEngine,
+    b: SimEngine,
+    a_to_b: SimPeer,
+    _b_to_a: SimPeer,
+    _buffers: (Buffer<SimCudaApi>, Buffer<SimCudaApi>),
+    local: Region<SimVerbsApi>,
+    _grant: gdr_core::engine::RegionGrant<SimVerbsApi, SimCudaApi>,
+    remote: MemoryDescriptor,
+}
+
+impl Engines {
+    fn new() -> Self {
+        let fabric = SimFabric::new();
+        let config = EngineConfig {
+            default_timeout: T,
+            ladder: LadderConfig {
+                self_check: false,
+                ..LadderConfig::default()
+            },
+            ..EngineConfig::default()
+        };
+        let node = |name: &str| {
+            fabric.add_node(
+                name,
+                NodeConfig {
+                    ipv4: None,
+                    devices: vec![DeviceConfig::default()],
+                },
+            )
+        };
+        let (va, vb) = (node("a"), node("b"));
+        let a = SimEngine::new(&va, None, config.clone()).expect("engine a");
+        let b = SimEngine::new(&vb, None, config).expect("engine b");
+        let mut listener = b
+            .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+            .expect("listen");
+        let port = listener.local_addr().port();
+        let accepting = std::thread::spawn(move || listener.accept(T));
+        let path = Path {
+            source: None,
+            peer: SocketAddr::new(IpAddr::V4(vb.device_ipv4("sim0").expect("b's IP")), port),
+        };
+        let a_to_b = a.connect_paths(&[path], T).expect("connect");
+        let b_to_a = accepting.join().expect("accept thread").expect("accept");
+        let src = Buffer::<SimCudaApi>::alloc_host(REQ);
+        let dst = Buffer::<SimCudaApi>::alloc_host(REQ);
+        let local = a.register(&src).expect("register a");
+        let region_b = b.register(&dst).expect("register b");
+        let grant = b_to_a
+            .grant(&region_b, 0, REQ, GrantRights::ReadWrite)
+            .expect("grant");
+        let remote = a_to_b
+            .wait_grant(grant.descriptor().grant, T)
+            .expect("grant seen");
+        Self {
+            _fabric: fabric,
+            a,
+            b,
+            a_to_b,
+            _b_to_a: b_to_a,
+            _buffers: (src, dst),
+            local,
+            _grant: grant,
+            remote,
+        }
+    }
+
+    /// One 4 KiB WRITE, submitted and waited for: its latency.
+    fn write(&self) -> Duration {
+        let transfer = Transfer::write(&self.local, 0, &self.remote, 0, REQ);
+        let start = Instant::now();
+        self.a_to_b
+            .submit(&[transfer])
+            .expect("submit")
+            .wait(T)
+            .expect("write");
+        start.elapsed()
+    }
+}
+
+/// The process's CPU time and voluntary context switches so far.
+fn usage() -> (Duration, u64) {
+    // SAFETY: an all-zero rusage is a valid value for getrusage to fill.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid rusage to write; RUSAGE_SELF is a constant.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    assert_eq!(rc, 0, "getrusage");
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    (tv(ru.ru_utime) + tv(ru.ru_stime), ru.ru_nvcsw as u64)
+}
+
+fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+    samples.sort();
+    let at = ((samples.len() as f64 - 1.0) * p).round() as usize;
+    samples[at]
+}
+
+fn run(mode: &str, drivers: impl Fn(&Engines) -> Vec<Driver>) {
+    let idle_secs = env_or("GDR_IDLE_SECS", 10);
+    let b2b = env_or("GDR_B2B_SAMPLES", 10_000);
+    let lone = env_or("GDR_IDLE_SAMPLES", 50);
+    let gap = Duration::from_millis(env_or("GDR_IDLE_GAP_MS", 100));
+    let engines = Engines::new();
+    let _drivers = drivers(&engines);
+    // Warm: the first requests set up what the rest reuse.
+    for _ in 0..1000 {
+        engines.write();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (cpu0, csw0) = usage();
+    let wall = Instant::now();
+    std::thread::sleep(Duration::from_secs(idle_secs));
+    let (cpu1, csw1) = usage();
+    let secs = wall.elapsed().as_secs_f64();
+    let idle_cpu = (cpu1 - cpu0).as_secs_f64() / secs * 100.0;
+    let wakeups = (csw1 - csw0) as f64 / secs;
+    let mut back_to_back: Vec<Duration> = (0..b2b).map(|_| engines.write()).collect();
+    let mut after_idle: Vec<Duration> = (0..lone)
+        .map(|_| {
+            std::thread::sleep(gap);
+            engines.write()
+        })
+        .collect();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "idle/{mode}: idle {idle_cpu:.2} % of a core, {wakeups:.1} voluntary switches/s over {secs:.1} s; \
+         back-to-back 4 KiB WRITE p50 {:.1} us p99 {:.1} us (n={b2b}); after {} ms idle p50 {:.1} us p99 {:.1} us (n={lone})",
+        us(percentile(&mut back_to_back, 0.5)),
+        us(percentile(&mut back_to_back, 0.99)),
+        gap.as_millis(),
+        us(percentile(&mut after_idle, 0.5)),
+        us(percentile(&mut after_idle, 0.99)),
+    );
+    drop(_drivers);
+    let _ = (&engines.a, &engines.b);
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter picks modes.
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let wanted = |mode: &str| filter.is_empty() || filter.iter().any(|f| mode.contains(f.as_str()));
+    if wanted("caller") {
+        run("caller", |_| Vec::new());
+    }
+    for (mode, idle) in [
+        ("driver_1ms", Duration::from_millis(1)),
+        ("driver_20us", Duration::from_micros(20)),
+    ] {
+        if wanted(mode) {
+            run(mode, |e| {
+                vec![e.a.spawn_driver(idle), e.b.spawn_driver(idle)]
+            });
+        }
+    }
+}
