@@ -796,30 +796,22 @@ fn send_message<V: Api, C: hal_cuda::Api>(
     Ok(())
 }
 
-/// The peer's next message, polling gently (a millisecond's sleep between
-/// polls): the waiting side must not take the CPU that moves the packets.
+/// The peer's next message: the engine's reactor parks the waiting
+/// thread (after a short spin), so it does not take the CPU that moves
+/// the packets.
 fn recv_message<V: Api, C: hal_cuda::Api>(
     peer: &Peer<V, C>,
     tag: &[u8; 4],
     timeout: Duration,
 ) -> Result<u64, Box<dyn Error>> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        peer.engine().progress();
-        match peer.recv(Duration::ZERO) {
-            Ok(m) => return parse_message(tag, &m),
-            Err(EngineError::Timeout(_)) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(EngineError::Timeout(_)) => {
-                return Err(format!(
-                    "no {:?} message from the peer within {timeout:?}",
-                    String::from_utf8_lossy(tag)
-                )
-                .into());
-            }
-            Err(e) => return Err(e.into()),
-        }
+    match peer.recv(timeout) {
+        Ok(m) => parse_message(tag, &m),
+        Err(EngineError::Timeout(_)) => Err(format!(
+            "no {:?} message from the peer within {timeout:?}",
+            String::from_utf8_lossy(tag)
+        )
+        .into()),
+        Err(e) => Err(e.into()),
     }
 }
 
