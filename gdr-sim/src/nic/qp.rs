@@ -513,7 +513,7 @@ impl QueuePair for SimQp {
     }
 
     /// Queues the requests, then makes the progress a post makes on the
-    /// Auto clock ([`SimFabric::progress_after_post`]): they run now, as
+    /// Auto clock (`SimFabric::progress_after_post`): they run now, as
     /// far as they can, without a poll.
     unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError> {
         let mut state = self.pd.fabric.lock();

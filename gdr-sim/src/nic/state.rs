@@ -84,7 +84,7 @@ pub(crate) struct Deferred {
 /// ([`super::SimFabric::progress_after_post`],
 /// [`super::SimFabric::progress_for_poll`]) is checked under the lock as
 /// any other (an access error is decided before a byte moves), then leaves
-/// its send queue as [`Inflight::Moving`](super::clock::Inflight::Moving):
+/// its send queue as [`Inflight::Moving`]:
 /// its pieces wait here in `deferred`; before it lets the lock go, that
 /// progress takes them all (`planned`, counted in `outside`) and hands them
 /// to the NIC thread, which copies them with the lock released, takes the
