@@ -732,6 +732,9 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
                     if start.elapsed() > Duration::from_secs(1) {
                         return;
                     }
+                    // Again: a step that began after the last nudge waits
+                    // for the next one.
+                    self.shared.reactor.nudge();
                     std::thread::yield_now();
                 }
             }
