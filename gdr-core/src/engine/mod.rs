@@ -670,6 +670,9 @@ struct InternalHolds {
     /// Internal steps holding the engine now (read before taking the
     /// write guard: a handle with more holders than these is not last).
     stepping: crate::sync::atomic::AtomicUsize,
+    /// The last handle is closing the engine: a step under way ends, and
+    /// a thread between steps lets the closing take the write guard.
+    closing: crate::sync::atomic::AtomicBool,
 }
 
 impl Default for InternalHolds {
@@ -677,6 +680,7 @@ impl Default for InternalHolds {
         Self {
             closed: crate::sync::RwLock::new(false),
             stepping: crate::sync::atomic::AtomicUsize::new(0),
+            closing: crate::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -722,6 +726,7 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
         // never ends must not hang a drop; the engine then goes when it
         // ends, as it would without this). A step parked in the reactor
         // is told to return.
+        holds.closing.store(true, Ordering::SeqCst);
         self.shared.reactor.nudge();
         let start = Instant::now();
         let mut closed = loop {
@@ -730,6 +735,7 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
                 Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
                 Err(std::sync::TryLockError::WouldBlock) => {
                     if start.elapsed() > Duration::from_secs(1) {
+                        holds.closing.store(false, Ordering::SeqCst);
                         return;
                     }
                     // Again: a step that began after the last nudge waits
@@ -742,6 +748,9 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
         if Arc::strong_count(&self.shared) == 1 {
             *closed = true;
         }
+        // Under the write guard: the next step sees `closed` (or, if
+        // another handle appeared, runs as before).
+        holds.closing.store(false, Ordering::SeqCst);
     }
 }
 
@@ -2173,10 +2182,19 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     .step(&weak, |engine| {
                         let reactor = &engine.shared.reactor;
                         let seen = reactor.nudges();
-                        reactor.wait_until(engine, None, || reactor.nudges() != seen);
+                        reactor.wait_until(engine, None, || {
+                            reactor.nudges() != seen || holds.closing.load(Ordering::SeqCst)
+                        });
                     })
                     .is_some()
-                {}
+                {
+                    // Between steps, the closing handle's turn: it polls
+                    // for the write guard, which a step taken at once
+                    // again would never leave it.
+                    while holds.closing.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                }
                 running.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
