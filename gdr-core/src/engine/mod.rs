@@ -2153,7 +2153,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         self.shared
             .reactor
             .wait_until(self, now.checked_add(timeout), || {
-                decided = decide(&mut lock(&self.shared.state));
+                if decided.is_none() {
+                    decided = decide(&mut lock(&self.shared.state));
+                }
                 decided.is_some()
             });
         decided.unwrap_or(Err(EngineError::Timeout(timeout)))

@@ -169,7 +169,13 @@ impl Reactor {
                     drop(leading);
                     return finished;
                 }
-                None => self.follow(engine, deadline, &mut done),
+                None => {
+                    // `done` may consume what it found (a message): once
+                    // it said so, it is not asked again.
+                    if self.follow(engine, deadline, &mut done) {
+                        return true;
+                    }
+                }
             }
         }
     }
@@ -258,18 +264,19 @@ impl Reactor {
     }
 
     /// Sleeps until progress was made or the leader left (or `deadline`),
-    /// unless `done` says so first. It makes progress itself for a spin's
-    /// worth of rounds before it sleeps: a request waited on back to back
-    /// ends within them, without the leader's wake-up and a hand-over.
+    /// unless `done` says so first (then `true`). It makes progress itself
+    /// for a spin's worth of rounds before it sleeps: a request waited on
+    /// back to back ends within them, without the leader's wake-up and a
+    /// hand-over.
     fn follow(
         &self,
         engine: &impl Parkable,
         deadline: Option<Instant>,
         done: &mut impl FnMut() -> bool,
-    ) {
+    ) -> bool {
         for _ in 0..SPIN_ROUNDS {
             if done() {
-                return;
+                return true;
             }
             if engine.progress() == 0 {
                 std::hint::spin_loop();
@@ -277,7 +284,7 @@ impl Reactor {
         }
         let mut lead = lock(&self.lead);
         if !lead.leading {
-            return;
+            return false;
         }
         let seen = lead.generation;
         self.followers.fetch_add(1, Ordering::SeqCst);
@@ -286,7 +293,7 @@ impl Reactor {
         // sees this follower and bumps the generation under the lock.
         if done() {
             self.followers.fetch_sub(1, Ordering::SeqCst);
-            return;
+            return true;
         }
         while lead.leading && lead.generation == seen {
             lead = match deadline {
@@ -301,6 +308,7 @@ impl Reactor {
             };
         }
         self.followers.fetch_sub(1, Ordering::SeqCst);
+        false
     }
 }
 

@@ -297,3 +297,33 @@ fn a_sleeping_follower_takes_the_lead_when_the_leader_gives_up() {
     engine.complete(1);
     assert!(follower.join().unwrap(), "nobody led after the leader left");
 }
+
+#[test]
+fn a_done_that_takes_what_it_found_is_not_asked_again() {
+    let engine = Scripted::new();
+    let leader = waiter(&engine, 1);
+    until_parked(&engine);
+    // The follower's `done` takes a message from an inbox, as
+    // `Peer::recv` does, and finds it at its second look (in the
+    // follower's spin): asked again, it finds the inbox empty.
+    let inbox = Arc::new(AtomicUsize::new(1));
+    let follower = {
+        let (engine, inbox) = (Arc::clone(&engine), Arc::clone(&inbox));
+        std::thread::spawn(move || {
+            let reactor = Arc::clone(&engine.reactor);
+            let start = Instant::now();
+            let mut looks = 0;
+            let took = reactor.wait_until(&*engine, Some(start + LONG), || {
+                looks += 1;
+                looks >= 2
+                    && inbox
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                        .is_ok()
+            });
+            took && start.elapsed() < LONG / 2
+        })
+    };
+    assert!(follower.join().unwrap(), "the message taken was lost");
+    engine.complete(1);
+    assert!(leader.join().unwrap());
+}
