@@ -3,8 +3,11 @@
 //! A simulated RDMA fabric and simulated GPUs behind the `hal-verbs` and
 //! `hal-cuda` traits, on real memory: bytes really move, bounds and access
 //! rights are really checked, dma-buf exports are real file descriptors.
-//! Deterministic and thread-free: work runs when a caller polls or
-//! synchronizes. A shared [`FaultPlan`] scripts failures.
+//! Work runs when a caller posts, polls or synchronizes; on the NIC's
+//! default clock its one background thread also moves large transfers and
+//! steps RNR waits for a caller parked on a completion channel, and on its
+//! Manual clock the NIC is thread-free and deterministic (see [`nic`]). A
+//! shared [`FaultPlan`] scripts failures.
 //!
 //! ## When to use it
 //!

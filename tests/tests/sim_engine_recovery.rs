@@ -157,6 +157,11 @@ fn the_other_queue_pair_carries_on_while_one_is_re_established() {
 fn a_peer_gone_for_good_is_given_up_within_the_reconnect_bound() {
     let w = world(2, Duration::from_millis(300));
     let h = w.host_pair(1 << 16, 3, GrantRights::ReadWrite);
+    // Gone without a word: the fabric is held while b goes, so the
+    // revocation notice its grant's drop posts dies with its queue pairs
+    // (the sim's posts make progress, as a NIC's do: it would arrive).
+    let fabric = w.fabric().clone();
+    fabric.set_paused(true);
     let EngineWorld { ab, ba, a, b, .. } = w;
     let HostPair {
         grant,
@@ -167,6 +172,7 @@ fn a_peer_gone_for_good_is_given_up_within_the_reconnect_bound() {
         dst_buf,
     } = h;
     drop((grant, ba, dst, dst_buf, b));
+    fabric.set_paused(false);
     let refused = gdr_tests::engine_world::submit_until_gone(&ab, &src, &remote, T);
     assert!(matches!(refused, EngineError::PeerGone(_)), "{refused}");
     drop(a);

@@ -610,15 +610,19 @@ fn an_outstanding_read_flushes_in_order() {
 }
 
 /// Auto mode (the default) keeps what tests written before the clock
-/// expect: a dead peer fails in the poll that finds it, the clock having
-/// run through every timeout; each poll is one RNR timer period.
+/// expect: a request to a dead peer fails in the progress that finds it
+/// (the post's, since posts make progress), the clock having run through
+/// every timeout; each poll is one RNR timer period (a post records no RNR
+/// NAK and moves no RNR timer, and with no CQ armed the NIC thread steps
+/// none).
 #[test]
 fn auto_mode_runs_transport_timeouts_within_a_poll_and_one_rnr_period_per_poll() {
     let p = Pair::connected(ClockMode::Auto, rts(14, 2, 7), 12);
     let src = p.a.buf(32);
     let dst = p.b.buf(32);
-    post(&p.qa, 1, dst.write_op(), src.whole(), SendFlags::empty());
+    // Gone before the post: on the Auto clock the post sends at once.
     let p = destroy_b(p);
+    post(&p.qa, 1, dst.write_op(), src.whole(), SendFlags::empty());
     assert_eq!(drain(&p.cqa), [(1, WcStatus::RETRY_EXC_ERR)]);
     assert_eq!(p.now(), ack_timeout(14).unwrap() * 3);
 

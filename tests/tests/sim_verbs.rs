@@ -972,11 +972,13 @@ fn drain_hands_over_every_completion_before_destroy() {
     fabric.set_paused(true);
     let none = SendFlags::empty();
     post(&qc, &[req(100, write(&dst, 0), &[src.sge(0, 8)], SIG)]);
-    // qa's send queue is full (3 of 3), mostly unsignaled.
+    // qa's send queue is full (3 of 3), mostly unsignaled, and stuck: its
+    // head is a SEND that qb has no receive for (releasing the pause runs
+    // what can run, as a post does; an RNR wait is left to polls).
     post(
         &qa,
         &[
-            req(1, write(&dst, 8), &[src.sge(0, 8)], none),
+            req(1, SendOp::Send, &[src.sge(0, 8)], none),
             req(2, write(&dst, 16), &[src.sge(0, 8)], SIG),
             req(3, write(&dst, 24), &[src.sge(0, 8)], none),
         ],

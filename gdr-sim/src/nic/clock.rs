@@ -7,18 +7,28 @@
 //!
 //! - **[`Auto`](ClockMode::Auto)** (the default) keeps the behaviour every
 //!   test written before the clock relies on. Within one progress call (every
-//!   [`poll`](hal_verbs::CompletionQueue::poll) makes one) nothing outside the
-//!   fabric can change, so the clock runs through every transport (ACK)
-//!   timeout and every outstanding READ on the way: a request to a dead peer
-//!   fails with `RETRY_EXC_ERR` in the poll that finds it, after
-//!   `(retry_cnt + 1)` timeouts of virtual time. An RNR wait is different:
-//!   the peer is alive and may post its receive between two polls, so each
-//!   progress call moves the clock past at most one RNR timer period that
-//!   was already pending when it started (a poll is one RNR retry).
+//!   post and every [`poll`](hal_verbs::CompletionQueue::poll) makes one)
+//!   nothing outside the fabric can change, so the clock runs through every
+//!   transport (ACK) timeout and every outstanding READ on the way: a
+//!   request to a dead peer fails with `RETRY_EXC_ERR` in the post (or
+//!   poll) that finds it, after `(retry_cnt + 1)` timeouts of virtual time.
+//!   An RNR wait is different: the peer is alive and may post its receive
+//!   between two polls, so each poll's progress moves the clock past at
+//!   most one RNR timer period that was already pending when it started (a
+//!   poll is one RNR retry). A post's progress records no RNR NAK and moves
+//!   no RNR timer, but a wait whose receive the post brought is retried at
+//!   once (the clock moving to its deadline). When nobody polls, the
+//!   fabric's NIC thread makes a poll's progress for QPs whose send CQ is
+//!   armed, one RNR timer period of virtual time per RNR timer of real time
+//!   (at least 1 ms; see the [module docs](super) of the NIC). That is the
+//!   only real time the Auto clock follows.
 //! - **[`Manual`](ClockMode::Manual)**: the clock moves only when the test
 //!   calls [`SimClock::advance`] (or [`SimFabric::advance`]); progress runs
 //!   what is runnable *now* and nothing else. Every timer fires exactly at
 //!   its deadline, in deadline order, during the `advance` that passes it.
+//!   Nothing runs by itself: a post only queues (its work runs at the next
+//!   poll, [`SimFabric::progress`] or `advance`), and no thread moves work
+//!   or time, so a test on this clock is deterministic to the nanosecond.
 //!
 //! What is time-driven (see the engine):
 //!
@@ -87,7 +97,8 @@ use super::SimFabric;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ClockMode {
     /// Progress moves the clock through transport timeouts and READ round
-    /// trips at once, and one pending RNR timer period per progress call.
+    /// trips at once, and one pending RNR timer period per poll (or per
+    /// RNR timer of real time for a parked waiter, on the NIC thread).
     #[default]
     Auto,
     /// Only [`SimClock::advance`] moves the clock.
@@ -163,7 +174,10 @@ impl SimClock {
     }
 
     /// The earliest pending timer (an ACK timeout, an RNR wait, an
-    /// outstanding READ, a CQ moderation period), if any.
+    /// outstanding READ, a CQ moderation period), if any, in virtual time:
+    /// what a test on the Manual clock advances to. An engine parked on the
+    /// fabric's fds on the Auto clock needs none: the fabric wakes them
+    /// itself (see the [module docs](super) of the NIC).
     pub fn next_deadline(&self) -> Option<Duration> {
         let state = self.fabric.lock();
         let moderation = state
@@ -316,12 +330,17 @@ impl QpTiming {
             .any(|entry| matches!(entry, Inflight::Moving { done: false, .. }))
     }
 
-    /// The earliest of the QP's timers.
-    pub fn deadline(&self) -> Option<Duration> {
-        let read = self.inflight.iter().find_map(|entry| match entry {
+    /// When the first outstanding READ's response is due.
+    pub fn read_due(&self) -> Option<Duration> {
+        self.inflight.iter().find_map(|entry| match entry {
             Inflight::Read { due, .. } => Some(*due),
             Inflight::Moving { .. } | Inflight::Done { .. } => None,
-        });
+        })
+    }
+
+    /// The earliest of the QP's timers.
+    pub fn deadline(&self) -> Option<Duration> {
+        let read = self.read_due();
         let wait = self
             .wait
             .map(|w| w.ack_at.map_or(w.until, |ack| ack.min(w.until)));

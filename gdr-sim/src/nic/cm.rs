@@ -10,11 +10,12 @@
 //! `to_init`/`to_rtr`/`to_rts` (so the checks of those transitions apply),
 //! towards each other's GID, QPN and PSN.
 //!
-//! The sim starts no thread: connect and accept block their callers, so a
+//! The connection manager starts no thread: connect and accept block their callers, so a
 //! test runs the two sides on two threads (`std::thread::scope`). They meet
 //! through a condition variable beside the fabric's lock, and every wait is
 //! bounded by the caller's timeout: on the real clock while the fabric's
-//! clock is [`ClockMode::Auto`] (the sim's only reads of the real clock),
+//! clock is [`ClockMode::Auto`] (with the NIC thread's RNR pace, the sim's
+//! only reads of the real clock),
 //! on the virtual clock while it is [`ClockMode::Manual`], where only
 //! [`SimClock::advance`](super::SimClock::advance) ends a wait with its
 //! timeout (see the [clock](super::clock) docs). What rdma_cm does is mirrored: nobody listening is

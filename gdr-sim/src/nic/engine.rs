@@ -3,7 +3,7 @@
 //! then applied (bytes moved, completions queued, QPs failed): a failed
 //! check therefore never moves a byte.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hal_verbs::{AccessFlags, QpState, SendFlags, SendOp, SgList, WcOpcode, WcStatus};
 
@@ -105,6 +105,11 @@ fn pair(src: &[(NicPtr, usize)], dst: &[(NicPtr, usize)]) -> Vec<Piece> {
     copies
 }
 
+/// The shortest real time the NIC thread waits before it steps an RNR
+/// wait ([`FabricState::nic_pace`]): RNR timers shorter than this (codes 1
+/// to 8) run slower than real time when nobody polls, rather than spin.
+pub(crate) const NIC_PACE_MIN: Duration = Duration::from_millis(1);
+
 /// Bound on the clock jumps of one progress call in Auto mode (each ACK
 /// timeout is one; retry counts are at most 6, so this is never reached in
 /// practice).
@@ -114,6 +119,15 @@ impl FabricState {
     /// Runs queued requests until none can run; returns how many ran. In
     /// Auto mode the clock moves first and on the way, as the `clock` module
     /// describes; in Manual mode it does not move.
+    ///
+    /// With `post_time` set (Auto mode only: the progress of a post, of an
+    /// unpause, of the NIC thread after a copy) it is what a poll's would be,
+    /// except that RNR waits stay the polls' (and the NIC thread's timed
+    /// steps'): no NAK is recorded and no RNR timer moves, unless the
+    /// receive a waiting request needs is there now (it is retried at its
+    /// deadline). So a post completes what it can at once, and a caller
+    /// that counts RNR retries per poll counts what it counted before posts
+    /// made progress.
     pub fn progress(&mut self) -> usize {
         if self.paused {
             return 0;
@@ -121,18 +135,30 @@ impl FabricState {
         if self.clock.mode == ClockMode::Manual {
             return self.run();
         }
-        // One RNR period per call, and only one that was pending already.
-        let mut rnr_jump = self.qps.values().any(|qp| {
-            qp.timing
-                .wait
-                .is_some_and(|wait| wait.cause == WaitCause::Rnr)
-        });
+        let post = self.post_time;
+        if !post {
+            self.last_full_progress = Instant::now();
+        }
+        // One RNR period per call, and only one that was pending already
+        // (not one that has passed: its retry is due now); none at a post.
+        let now = self.clock.now;
+        let mut rnr_jump = !post
+            && self.qps.values().any(|qp| {
+                qp.timing
+                    .wait
+                    .is_some_and(|wait| wait.cause == WaitCause::Rnr && wait.until > now)
+            });
         let mut ran = self.run();
         for _ in 0..MAX_JUMPS {
-            let Some((at, rnr)) = self.next_timer() else {
+            let next = if post {
+                self.next_timer_at_post()
+            } else {
+                self.next_timer()
+            };
+            let Some((at, rnr)) = next else {
                 break;
             };
-            if rnr {
+            if rnr && !post {
                 if !rnr_jump {
                     break;
                 }
@@ -180,6 +206,55 @@ impl FabricState {
                 Some((deadline, rnr))
             })
             .min()
+    }
+
+    /// The earliest timer a post's progress may run to: every timer but
+    /// those of a QP whose head still waits for a receive (its READs'
+    /// responses excepted); an RNR wait whose receive has come is one.
+    fn next_timer_at_post(&self) -> Option<(Duration, bool)> {
+        self.qps
+            .iter()
+            .filter(|(_, qp)| qp.state == QpState::ReadyToSend && !self.devices[qp.device].lost)
+            .filter_map(|(&qpn, qp)| {
+                if self.blocked_on_rnr(qpn) {
+                    return qp.timing.read_due().map(|due| (due, false));
+                }
+                qp.timing.deadline().map(|at| (at, false))
+            })
+            .min()
+    }
+
+    /// How long the NIC thread waits, in real time without a poll, before
+    /// it steps the fabric as a poll would, when a parked waiter needs it:
+    /// a QP whose send CQ is armed (someone waits on its channel) has an
+    /// RNR wait pending, or a head blocked on RNR not yet NAKed (a post
+    /// records no NAK). The wait's remaining virtual time, so one RNR
+    /// period of virtual time passes per RNR timer of real time, and at
+    /// least [`NIC_PACE_MIN`]. `None`: nothing needs it (paused, the Manual
+    /// clock, no such QP), as then only polls or the test move time.
+    pub fn nic_pace(&self) -> Option<Duration> {
+        if self.paused || self.clock.mode != ClockMode::Auto {
+            return None;
+        }
+        let now = self.clock.now;
+        self.qps
+            .iter()
+            .filter(|(_, qp)| qp.state == QpState::ReadyToSend && !self.devices[qp.device].lost)
+            .filter(|(_, qp)| {
+                self.cqs
+                    .get(&qp.send_cq)
+                    .is_some_and(|cq| cq.events.armed.is_some() && cq.events.channel.is_some())
+            })
+            .filter_map(|(&qpn, qp)| match qp.timing.wait {
+                Some(wait) if wait.cause == WaitCause::Rnr => {
+                    let at = qp.timing.deadline().unwrap_or(wait.until);
+                    Some(at.saturating_sub(now))
+                }
+                Some(_) => None,
+                None => self.blocked_on_rnr(qpn).then_some(Duration::ZERO),
+            })
+            .min()
+            .map(|pace| pace.max(NIC_PACE_MIN))
     }
 
     /// The earliest pending timer.
@@ -610,6 +685,11 @@ impl FabricState {
             if reads >= usize::from(depth) {
                 return Step::Idle;
             }
+        }
+        if self.post_time && self.blocked_on_rnr(qpn) {
+            // A post leaves RNR waits to polls and the NIC thread
+            // (`post_time`).
+            return Step::Idle;
         }
         if let Some(mut wait) = qp.timing.wait {
             if let Some(ack_at) = wait.ack_at.filter(|&at| now >= at) {

@@ -33,6 +33,16 @@
 //!   `rdma_event_channel` consumes its events (a device loss is reported on
 //!   the async fd, not there).
 //!
+//! When completions are added, and so when an armed CQ fires: on the Auto
+//! clock, by the post that runs the request (on the poster's thread, before
+//! the post returns), by a poll, or by the fabric's NIC thread (the
+//! completion of a large transfer once its bytes moved; an RNR wait stepped
+//! for a QP whose send CQ is armed), so a thread parked in epoll on the
+//! channel's fd needs nobody to poll (see the [module docs](super) of the
+//! NIC). On the Manual clock only the test's polls,
+//! [`SimFabric::progress`](super::SimFabric::progress) and
+//! [`advance`](super::SimClock::advance) add them: nothing fires by itself.
+//!
 //! What raises events by itself: a responder that meets a remote access
 //! violation (`REM_ACCESS_ERR` at the requester) raises
 //! [`AsyncEvent::QpAccessError`] on the responder's QP, an invalid request

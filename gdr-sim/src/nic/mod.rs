@@ -7,28 +7,66 @@
 //! QPs, connect them with [`hal_verbs::ConnectionInfo`], post work requests
 //! and poll completions.
 //!
-//! The fabric is deterministic and has no threads: posted work requests are
-//! queued, and run when the fabric makes progress, which every
-//! [`CompletionQueue::poll`](hal_verbs::CompletionQueue::poll) does first (so
-//! ordinary poll loops just work) and [`SimFabric::progress`] does
-//! explicitly. [`SimFabric::set_paused`] holds progress, so a test can keep
-//! requests outstanding (to flush them with `to_error`, for instance).
+//! Posted work requests are queued, and run when the fabric makes
+//! progress. On the default clock ([`ClockMode::Auto`]) that happens as on a
+//! real NIC: the post itself runs what it can (a WRITE lands, a SEND meets
+//! its receive, a dead peer's retries run out), so completions land and an
+//! armed CQ's channel fires with nobody polling, and a receive posted for a
+//! SEND that waits for it lets that SEND through. Every
+//! [`CompletionQueue::poll`](hal_verbs::CompletionQueue::poll) makes
+//! progress too (so ordinary poll loops just work), and
+//! [`SimFabric::progress`] does explicitly. [`SimFabric::set_paused`]
+//! holds all of it, so a test can keep requests outstanding (to flush them
+//! with `to_error`, for instance); releasing it runs what was held, as a
+//! post would.
 //!
-//! One exception to "no threads" and "under the lock": on the Auto clock,
-//! the bytes of a large RDMA WRITE or READ (64 KiB or more) run by a poll
-//! move with the fabric lock released, on the fabric's DMA thread (started
-//! at the first such transfer, ended with the fabric), as a real NIC's DMA
-//! runs while the host's threads poll and work; its checks are made under
-//! the lock before, and its completion comes after, in order (see
-//! `state::Copies`). Deregistrations, QP resets and destructions wait for
-//! such copies.
+//! The fabric's NIC thread (started at its first work, ended with the
+//! fabric) does, on the Auto clock, what must happen while nobody calls in:
+//!
+//! - The bytes of a large RDMA WRITE or READ (64 KiB or more) move on it,
+//!   with the fabric lock released, as a real NIC's DMA runs while the
+//!   host's threads poll and work; its checks are made under the lock
+//!   before, and its completion (with its channel event) comes after, in
+//!   order (see `state::Copies`). Deregistrations, QP resets and
+//!   destructions wait for such copies.
+//! - RNR waits. A post records no RNR NAK and moves no RNR timer (each poll
+//!   moves one period, as before: tests count retries per poll), so a SEND
+//!   waiting for a receive the peer never posts would never fail for a
+//!   waiter parked on its channel. While a QP whose send CQ is armed (so
+//!   someone may be parked on its channel) has an RNR wait, and no poll
+//!   comes, the thread makes a poll's progress itself, one RNR timer period
+//!   of virtual time per RNR timer of real time (at least 1 ms, see
+//!   `FabricState::nic_pace`): the request is retried, and fails with
+//!   `RNR_RETRY_EXC_ERR` (or, rxe-like, `RETRY_EXC_ERR`) when its retries
+//!   run out, without a poll.
+//!
+//! Nothing else in the sim is time-driven on the Auto clock (ACK timeouts
+//! and READ round trips run through within one progress), so an engine
+//! parked on its completion channels' fds (armed, then polled: arm then
+//! poll), its async fd and its own timers sees every completion and event
+//! the sim makes, with no deadline of the sim's to wait for: it needs no
+//! `next_deadline` ([`SimClock::next_deadline`] is virtual time, for tests
+//! on the Manual clock).
+//!
+//! How the sim's own tests stay deterministic: on the Manual clock
+//! ([`ClockMode::Manual`]) the fabric is thread-free and deterministic as
+//! it always was: a post only queues, nothing runs on a real-time timer,
+//! and work moves only when the test polls, calls [`SimFabric::progress`]
+//! or advances the clock (the clock tests and the conformance suite's
+//! timing scenarios run there). On the Auto clock a post's progress is
+//! deterministic too (the poster's thread runs it, in QPN order, before
+//! the post returns); only the NIC thread's work depends on real time:
+//! when a large copy's completion lands (a test holds it with the copy
+//! hook, or polls until it comes), and RNR steps for armed CQs (a test
+//! that counts retries per poll arms none).
 //!
 //! Time is virtual ([`SimFabric::clock`], the [`clock`] module): ACK
 //! timeouts with `retry_cnt`, RNR NAK timers with `rnr_retry`, and READ round
 //! trips with FENCE run on it. By default ([`ClockMode::Auto`]) progress
-//! moves it as far as the old, timeless behaviour went; a test that wants to
-//! watch a timer sets [`ClockMode::Manual`] and moves it with
-//! [`SimFabric::advance`].
+//! moves it as far as the old, timeless behaviour went (RNR waits one
+//! period per poll, or per RNR timer of real time for a parked waiter); a
+//! test that wants to watch a timer sets [`ClockMode::Manual`] and moves it
+//! with [`SimFabric::advance`].
 //!
 //! Where ConnectX (libmlx5) and rxe differ in ways an engine must survive,
 //! the device's [`DeviceConfig`] says which one it is:
@@ -62,8 +100,9 @@ mod state;
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::time::Instant;
 
 use hal_verbs::{
     Api, AsyncEvent, Context, CqModerationCaps, DeviceAttributes, DeviceInfo, GidEntry, Mtu,
@@ -442,12 +481,22 @@ pub struct SimFabric {
     /// Signalled when the last copy running outside the lock has finished
     /// ([`state::Copies`]), for the deregistrations waiting on it.
     copies_cond: Arc<Condvar>,
-    /// The fabric's DMA thread, started at the first copy it runs: it
-    /// moves the bytes of large transfers with the lock released.
-    dma: Arc<OnceLock<Sender<DmaJob>>>,
+    /// The fabric's NIC thread, started at the first work it gets (see
+    /// [`nic_thread`]): it moves the bytes of large transfers with the lock
+    /// released, and steps RNR waits for parked waiters.
+    nic: Arc<OnceLock<Sender<NicWork>>>,
 }
 
-/// Copies planned (counted in `copies.outside`) for the DMA thread, with
+/// What the NIC thread is handed.
+enum NicWork {
+    /// Copies to move outside the lock.
+    Copies(DmaJob),
+    /// Look at the fabric's timed work again ([`FabricState::nic_pace`]):
+    /// sooner than planned, or for the first time.
+    Timers,
+}
+
+/// Copies planned (counted in `copies.outside`) for the NIC thread, with
 /// what it needs to account for them: the fabric's state is kept alive
 /// until they are.
 struct DmaJob {
@@ -487,7 +536,7 @@ impl SimFabric {
             shared: Arc::new(Mutex::new(FabricState::new(plan))),
             cm_cond: Arc::new(Condvar::new()),
             copies_cond: Arc::new(Condvar::new()),
-            dma: Arc::default(),
+            nic: Arc::default(),
         }
     }
 
@@ -521,7 +570,7 @@ impl SimFabric {
 
     /// The progress a poll makes, returning the lock held after it. On the
     /// Auto clock the bytes of large one-sided transfers move with the lock
-    /// released ([`state::Copies`]), on the fabric's DMA thread, as a real
+    /// released ([`state::Copies`]), on the fabric's NIC thread, as a real
     /// NIC's DMA runs while the host's threads poll and work; their
     /// completions come once they have moved, in order. On the Manual
     /// clock, or paused, it is [`FabricState::progress`] under the lock, as
@@ -529,13 +578,39 @@ impl SimFabric {
     pub(crate) fn progress_for_poll(&self) -> MutexGuard<'_, FabricState> {
         let mut state = self.lock();
         let batch = progress_deferring(&mut state);
+        self.wake_nic(&mut state);
+        self.hand_off(state, batch)
+    }
+
+    /// The progress a post makes, in the holding of the lock that queued
+    /// it (consumed: the lock is free when this returns): on the Auto
+    /// clock and not paused, what a poll's would, RNR waits aside
+    /// ([`FabricState::progress`] with `post_time`), so completions land and armed
+    /// channels fire without a poll, as on a real NIC. On the Manual clock,
+    /// or paused, nothing: there work moves only when the test says.
+    pub(crate) fn progress_after_post<'a>(&'a self, mut state: MutexGuard<'a, FabricState>) {
+        if state.clock.mode != ClockMode::Auto || state.paused {
+            return;
+        }
+        let batch = post_progress_deferring(&mut state);
+        self.wake_nic(&mut state);
+        drop(self.hand_off(state, batch));
+    }
+
+    /// Hands planned copies to the NIC thread, or, when there is none,
+    /// moves them in this thread with the lock released; returns the lock.
+    fn hand_off<'a>(
+        &'a self,
+        state: MutexGuard<'a, FabricState>,
+        batch: Vec<state::Deferred>,
+    ) -> MutexGuard<'a, FabricState> {
         if batch.is_empty() {
             return state;
         }
         match self.start_dma(batch) {
             Ok(()) => state,
             Err(job) => {
-                // No DMA thread: this poller moves the bytes itself, with
+                // No NIC thread: this caller moves the bytes itself, with
                 // the lock released as the thread would.
                 drop(state);
                 run_dma(job);
@@ -544,7 +619,7 @@ impl SimFabric {
         }
     }
 
-    /// Hands planned copies to the DMA thread (started now if it is not);
+    /// Hands planned copies to the NIC thread (started now if it is not);
     /// gives the job back when there is no thread to run it.
     fn start_dma(&self, batch: Vec<state::Deferred>) -> Result<(), DmaJob> {
         let job = DmaJob {
@@ -552,23 +627,52 @@ impl SimFabric {
             shared: Arc::clone(&self.shared),
             copies_cond: Arc::clone(&self.copies_cond),
         };
-        let sender = self.dma.get_or_init(|| {
-            let (sender, jobs) = mpsc::channel::<DmaJob>();
+        match self.nic_sender().send(NicWork::Copies(job)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::SendError(NicWork::Copies(job))) => Err(job),
+            Err(mpsc::SendError(NicWork::Timers)) => unreachable!("a job was sent"),
+        }
+    }
+
+    /// The NIC thread's inbox, the thread started at the first call.
+    fn nic_sender(&self) -> &Sender<NicWork> {
+        self.nic.get_or_init(|| {
+            let (sender, work) = mpsc::channel::<NicWork>();
             // It ends when the last handle on the fabric (and with it the
-            // sender) is gone; a job keeps the state alive, not the sender.
+            // sender) is gone; a copy job keeps the state alive, the thread
+            // itself only a weak reference.
+            let shared = Arc::downgrade(&self.shared);
+            let copies_cond = Arc::downgrade(&self.copies_cond);
             let spawned = std::thread::Builder::new()
-                .name("gdr-sim-dma".into())
-                .spawn(move || {
-                    for job in jobs {
-                        run_dma(job);
-                    }
-                });
+                .name("gdr-sim-nic".into())
+                .spawn(move || nic_thread(&work, &shared, &copies_cond));
             if let Err(e) = spawned {
-                tracing::warn!(error = %e, "the sim's DMA thread did not start: copies run in the poller");
+                tracing::warn!(
+                    error = %e,
+                    "the sim's NIC thread did not start: copies run in the poster or poller, \
+                     RNR waits move only when polled"
+                );
             }
             sender
-        });
-        sender.send(job).map_err(|mpsc::SendError(job)| job)
+        })
+    }
+
+    /// Tells the NIC thread when a parked waiter needs the fabric stepped
+    /// ([`FabricState::nic_pace`]), if that is sooner than it planned.
+    fn wake_nic(&self, state: &mut FabricState) {
+        let Some(pace) = state.nic_pace() else {
+            return;
+        };
+        let due = state.last_full_progress + pace;
+        if state.nic_due.is_some_and(|planned| planned <= due) {
+            return;
+        }
+        state.nic_due = Some(due);
+        if self.nic_sender().send(NicWork::Timers).is_err() {
+            // No thread: polls step the waits (warned when it failed to
+            // start); `nic_due` stays set so this is not tried per poll.
+            tracing::trace!("sim: no NIC thread to step RNR waits");
+        }
     }
 
     /// Adds a node with the devices of `config` and returns its provider.
@@ -589,13 +693,23 @@ impl SimFabric {
     /// Runs every queued work request that can run, until none can; returns
     /// how many ran. Does nothing while paused.
     pub fn progress(&self) -> usize {
-        self.lock().progress()
+        let mut state = self.lock();
+        let ran = state.progress();
+        self.wake_nic(&mut state);
+        ran
     }
 
     /// Holds (`true`) or releases (`false`) progress: while held, posted work
-    /// requests stay outstanding and polls find nothing new.
+    /// requests stay outstanding, polls find nothing new and nothing moves
+    /// by itself. Releasing it on the Auto clock makes the progress a post
+    /// makes: what was held completes, and fires armed channels, without a
+    /// poll.
     pub fn set_paused(&self, paused: bool) {
-        self.lock().paused = paused;
+        let mut state = self.lock();
+        state.paused = paused;
+        if !paused {
+            self.progress_after_post(state);
+        }
     }
 
     /// Whether progress is held.
@@ -661,7 +775,81 @@ fn progress_deferring(state: &mut FabricState) -> Vec<state::Deferred> {
     state.plan_copies()
 }
 
-/// The DMA thread's work: moves the bytes of a job's planned copies with
+/// The fabric's NIC thread (started at its first work, ended when the
+/// fabric's last handle goes): it moves the bytes of large transfers
+/// ([`run_dma`]), and while a parked waiter needs it
+/// ([`FabricState::nic_pace`]) it stands in for the poll that waiter does
+/// not make: once no full progress has run for the pace, it makes one, as
+/// a poll would (one RNR timer period, its completions and channel
+/// events). It never runs on the Manual clock or while paused.
+fn nic_thread(
+    work: &mpsc::Receiver<NicWork>,
+    shared: &Weak<Mutex<FabricState>>,
+    copies_cond: &Weak<Condvar>,
+) {
+    let mut due: Option<Instant> = None;
+    loop {
+        let next = match due {
+            None => work.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(at) => work.recv_timeout(at.saturating_duration_since(Instant::now())),
+        };
+        match next {
+            Ok(NicWork::Copies(job)) => run_dma(job),
+            Ok(NicWork::Timers) | Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        let (Some(shared), Some(copies_cond)) = (shared.upgrade(), copies_cond.upgrade()) else {
+            return;
+        };
+        due = step_for_waiters(&shared, &copies_cond);
+    }
+}
+
+/// The NIC thread's timed step: a full progress if one is due for a parked
+/// waiter; returns when to look again (`None`: nothing to time).
+fn step_for_waiters(
+    shared: &Arc<Mutex<FabricState>>,
+    copies_cond: &Arc<Condvar>,
+) -> Option<Instant> {
+    let mut state = lock(shared);
+    let Some(pace) = state.nic_pace() else {
+        state.nic_due = None;
+        return None;
+    };
+    let at = state.last_full_progress + pace;
+    if Instant::now() < at {
+        state.nic_due = Some(at);
+        return Some(at);
+    }
+    tracing::trace!(
+        ?pace,
+        "sim: the NIC thread steps RNR waits for a parked waiter"
+    );
+    let batch = progress_deferring(&mut state);
+    if !batch.is_empty() {
+        drop(state);
+        run_dma(DmaJob {
+            batch,
+            shared: Arc::clone(shared),
+            copies_cond: Arc::clone(copies_cond),
+        });
+        state = lock(shared);
+    }
+    let due = state.nic_pace().map(|pace| state.last_full_progress + pace);
+    state.nic_due = due;
+    due
+}
+
+/// [`progress_deferring`] as a post makes it (RNR waits left alone: see
+/// `post_time` on [`FabricState::progress`]).
+fn post_progress_deferring(state: &mut FabricState) -> Vec<state::Deferred> {
+    state.post_time = state.clock.mode == ClockMode::Auto;
+    let batch = progress_deferring(state);
+    state.post_time = false;
+    batch
+}
+
+/// The NIC thread's copy work: moves the bytes of a job's planned copies with
 /// the lock released, accounts for them, then makes the progress they let
 /// happen (their completions, in order, for pollers and for threads that
 /// wait without polling), moving any copies it defers in turn.
@@ -693,7 +881,8 @@ fn run_dma(job: DmaJob) {
             unsafe { engine::copy_all(&deferred.pieces) };
         }
         let mut state = outside.finish();
-        batch = progress_deferring(&mut state);
+        // A post's progress: this is no poll, and counts as no RNR retry.
+        batch = post_progress_deferring(&mut state);
     }
 }
 

@@ -131,6 +131,9 @@ impl CompletionQueue for SimCq {
         if cq.events.armed != Some(CqNotify::Next) {
             cq.events.armed = Some(notify);
         }
+        // Someone may park on the channel now: RNR waits of its QPs move
+        // without polls from here (`FabricState::nic_pace`).
+        self.fabric.wake_nic(&mut state);
         Ok(())
     }
 
@@ -509,11 +512,40 @@ impl QueuePair for SimQp {
         })
     }
 
+    /// Queues the requests, then makes the progress a post makes on the
+    /// Auto clock (`SimFabric::progress_after_post`): they run now, as
+    /// far as they can, without a poll.
     unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError> {
+        let mut state = self.pd.fabric.lock();
+        // SAFETY: forwarded from our caller's contract.
+        let result = unsafe { self.queue_sends(&mut state, requests) };
+        self.pd.fabric.progress_after_post(state);
+        result
+    }
+
+    /// Queues the receives, then makes the progress a post makes on the
+    /// Auto clock: a SEND that waits for one of them runs now.
+    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
+        let mut state = self.pd.fabric.lock();
+        let result = self.queue_recvs(&mut state, requests);
+        self.pd.fabric.progress_after_post(state);
+        result
+    }
+}
+
+impl SimQp {
+    /// `post_send` under the fabric lock, without its progress.
+    ///
+    /// # Safety
+    /// As `post_send`: the SG entries lie in live registrations (inline ones
+    /// in readable host memory).
+    unsafe fn queue_sends(
+        &self,
+        state: &mut FabricState,
+        requests: &[SendRequest],
+    ) -> Result<(), PostError> {
         const OP: &str = "ibv_post_send";
         let device = self.pd.device;
-        let mut guard = self.pd.fabric.lock();
-        let state = &mut *guard;
         let at = |accepted: usize| move |error: VerbsError| PostError::prefix(accepted, error);
         state.alive(device, OP).map_err(at(0))?;
         let mode = match record(state, self.qpn).map_err(at(0))?.state {
@@ -550,11 +582,14 @@ impl QueuePair for SimQp {
         result
     }
 
-    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
+    /// `post_recv` under the fabric lock, without its progress.
+    fn queue_recvs(
+        &self,
+        state: &mut FabricState,
+        requests: &[RecvRequest],
+    ) -> Result<(), PostError> {
         const OP: &str = "ibv_post_recv";
         let device = self.pd.device;
-        let mut guard = self.pd.fabric.lock();
-        let state = &mut *guard;
         let at = |accepted: usize| move |error: VerbsError| PostError::prefix(accepted, error);
         state.alive(device, OP).map_err(at(0))?;
         let mode = match record(state, self.qpn).map_err(at(0))?.state {
@@ -583,9 +618,7 @@ impl QueuePair for SimQp {
         );
         result
     }
-}
 
-impl SimQp {
     /// Checks and queues one send request.
     ///
     /// # Safety

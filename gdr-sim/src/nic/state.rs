@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use hal_verbs::{
     AccessFlags, Completion, GidEntry, QpCaps, QpState, SendFlags, SendOp, SgList, VerbsError,
@@ -44,7 +45,7 @@ pub(crate) struct NicPtr(pub *mut u8);
 
 // SAFETY: a NicPtr is only dereferenced by the engine while the
 // registration it came from is live: with the fabric lock held, or by a
-// poller moving a large transfer's bytes outside the lock while counted in
+// thread moving a large transfer's bytes outside the lock while counted in
 // [`Copies::outside`], which every deregistration waits to see at zero
 // ([`super::SimFabric::lock_without_copies`]). The memory it points to is
 // process memory that the registration's contract keeps valid, and which
@@ -79,14 +80,16 @@ pub(crate) struct Deferred {
 /// thread of the fabric (another engine's driver, polling its own CQ) for
 /// as long. So a large RDMA WRITE or READ (at least [`MOVE_OUTSIDE_FROM`]
 /// bytes; no receive consumed, no inline data) run by the progress of a
-/// poll on the Auto clock ([`super::SimFabric::progress_for_poll`]) is
-/// checked under the lock as any other (an access error is decided before a
-/// byte moves), then leaves its send queue as
-/// [`Inflight::Moving`](super::clock::Inflight::Moving): its pieces wait
-/// here in `deferred`; before it lets the lock go, that poll takes them all
-/// (`planned`, counted in `outside`), copies them with the lock released,
-/// and takes the lock again to mark them done; the next progress completes
-/// them, in order. Everything else (small transfers, SENDs, WRITEs with
+/// post, a poll or the NIC thread on the Auto clock
+/// ([`super::SimFabric::progress_after_post`],
+/// [`super::SimFabric::progress_for_poll`]) is checked under the lock as
+/// any other (an access error is decided before a byte moves), then leaves
+/// its send queue as [`Inflight::Moving`]:
+/// its pieces wait here in `deferred`; before it lets the lock go, that
+/// progress takes them all (`planned`, counted in `outside`) and hands them
+/// to the NIC thread, which copies them with the lock released, takes the
+/// lock again to mark them done, and makes the progress that completes
+/// them, in order (firing armed channels). Everything else (small transfers, SENDs, WRITEs with
 /// immediate, the Manual clock, [`super::SimFabric::progress`]) moves its
 /// bytes under the lock as before.
 ///
@@ -98,7 +101,7 @@ pub(crate) struct Deferred {
 #[derive(Debug, Default)]
 pub(crate) struct Copies {
     /// Whether the progress running now may defer copies (set by
-    /// `progress_for_poll` around its progress calls).
+    /// `progress_deferring` around its progress calls).
     pub defer: bool,
     /// Checked transfers whose bytes have not started to move.
     pub deferred: Vec<Deferred>,
@@ -267,6 +270,15 @@ pub(crate) struct FabricState {
     pub events: super::events::EventState,
     /// Large transfers whose bytes move outside the lock.
     pub copies: Copies,
+    /// Set during the progress a post makes (see [`FabricState::progress`]).
+    pub post_time: bool,
+    /// When a full progress (a poll's, [`super::SimFabric::progress`]'s,
+    /// the NIC thread's) last ran on the Auto clock: the NIC thread stands
+    /// in for a poll only when none came for its pace.
+    pub last_full_progress: Instant,
+    /// When the NIC thread means to step the fabric's RNR waits for a
+    /// parked waiter (`None`: it is not timing any).
+    pub nic_due: Option<Instant>,
     #[cfg(test)]
     pub copy_hook: Option<CopyHook>,
     next_id: u64,
@@ -299,6 +311,9 @@ impl FabricState {
             clock: super::clock::ClockState::default(),
             events: super::events::EventState::default(),
             copies: Copies::default(),
+            post_time: false,
+            last_full_progress: Instant::now(),
+            nic_due: None,
             #[cfg(test)]
             copy_hook: None,
             next_id: 1,

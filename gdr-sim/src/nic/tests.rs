@@ -392,7 +392,7 @@ fn another_poller_gets_its_completion_while_a_large_transfer_moves() {
 }
 
 /// The poster's own poll does not move a large WRITE's bytes (a NIC's DMA
-/// does not take the host's thread): while its copy is held on the DMA
+/// does not take the host's thread): while its copy is held on the NIC
 /// thread, the thread that posted it polls and returns with nothing, and
 /// gets the completion once the bytes landed.
 #[test]
@@ -409,7 +409,7 @@ fn the_posters_poll_returns_while_the_dma_thread_moves_a_large_transfer() {
     let (polled_tx, polled_rx) = std::sync::mpsc::channel();
     std::thread::scope(|s| {
         s.spawn(|| {
-            // The first poll defers the bytes to the DMA thread and returns.
+            // The post handed the bytes to the NIC thread: this poll returns.
             let mut slot = [Completion::default()];
             let first = a.cq.poll(&mut slot).unwrap();
             let _ = polled_tx.send(first);
@@ -520,3 +520,5 @@ fn a_flush_completes_a_moving_transfer_once_its_bytes_landed() {
     assert_eq!(dst.data, src.data, "the first WRITE's bytes all landed");
     assert_eq!(fabric.lock().copies.outside, 0);
 }
+
+mod parked;
