@@ -2208,7 +2208,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Starts a thread that drives the engine: it makes progress while
     /// work comes and parks on the engine's fds while none does
-    /// ([`reactor`]), so a waiting batch or `Future` is woken without
+    /// (the engine's reactor), so a waiting batch or `Future` is woken without
     /// polling of its own. `idle` is no longer used: the thread sleeps
     /// until a completion, a submission or a deadline wakes it. Dropping
     /// the returned [`Driver`] stops it.
