@@ -123,6 +123,15 @@ fn until_parked(engine: &Scripted) {
     }
 }
 
+/// Until a second waiter sleeps as a follower.
+fn until_following(engine: &Scripted) {
+    let start = Instant::now();
+    while engine.reactor.followers.load(Ordering::SeqCst) == 0 {
+        assert!(start.elapsed() < LONG, "the second waiter never followed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn a_parked_leader_wakes_when_its_fd_turns_readable() {
     let engine = Scripted::new();
@@ -194,11 +203,7 @@ fn a_follower_is_told_when_the_leaders_progress_ends_its_batch() {
     until_parked(&engine);
     let follower = waiter(&engine, 1);
     // The follower has gone to sleep on the condition variable.
-    let start = Instant::now();
-    while engine.reactor.followers.load(Ordering::SeqCst) == 0 {
-        assert!(start.elapsed() < LONG, "the second waiter never followed");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_following(&engine);
     engine.complete(1);
     assert!(
         follower.join().unwrap(),
@@ -214,11 +219,7 @@ fn a_follower_takes_the_lead_when_the_leader_leaves() {
     let leader = waiter(&engine, 1);
     until_parked(&engine);
     let follower = waiter(&engine, 2);
-    let start = Instant::now();
-    while engine.reactor.followers.load(Ordering::SeqCst) == 0 {
-        assert!(start.elapsed() < LONG, "the second waiter never followed");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_following(&engine);
     engine.complete(1);
     assert!(leader.join().unwrap());
     // Now only the follower waits: it must be parked on the fd as leader,
@@ -287,11 +288,7 @@ fn a_sleeping_follower_takes_the_lead_when_the_leader_gives_up() {
     let leader = waiter_for(&engine, 1, Duration::from_millis(300));
     until_parked(&engine);
     let follower = waiter(&engine, 1);
-    let start = Instant::now();
-    while engine.reactor.followers.load(Ordering::SeqCst) == 0 {
-        assert!(start.elapsed() < LONG, "the second waiter never followed");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_following(&engine);
     assert!(!leader.join().unwrap(), "nothing ended the leader's wait");
     until_parked(&engine);
     engine.complete(1);
