@@ -23,12 +23,18 @@
 //! clock (both are single-threaded busy loops, so on a quiet machine the
 //! two agree; on a busy one the CPU time leaves out the time the thread
 //! was not running).
+//!
+//! Instructions per request, under callgrind (`scripts/engine-callgrind.sh`
+//! runs it): `GDR_BENCH_ONLY=<write|read>/<bare_hal|engine>/<B>` and
+//! `GDR_BENCH_ITERS=<n>` run that one loop for `n` batches outside
+//! criterion, between two callgrind toggles (`CALLGRIND_TOGGLE` below), so
+//! the set-up is not counted.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{Batch, Engine, EngineConfig, Path, Peer, Region, Transfer};
@@ -351,4 +357,51 @@ fn per_batch_costs(c: &mut Criterion) {
 }
 
 criterion_group!(benches, engine_vs_bare, per_batch_costs);
-criterion_main!(benches);
+
+/// `GDR_BENCH_ONLY` and `GDR_BENCH_ITERS`: one loop, for callgrind.
+fn only(spec: &str, iters: u64) {
+    let parts: Vec<&str> = spec.split('/').collect();
+    let [dir, kind, b] = parts[..] else {
+        panic!("GDR_BENCH_ONLY={spec:?}: want <write|read>/<bare_hal|engine>/<batch>");
+    };
+    let dir = match dir {
+        "write" => Dir::Write,
+        "read" => Dir::Read,
+        other => panic!("GDR_BENCH_ONLY: no direction {other:?}"),
+    };
+    let b: usize = b.parse().expect("GDR_BENCH_ONLY: a batch size");
+    // Warm both the same way; callgrind counts only between the toggles
+    // (`--collect-atstart=no --toggle-collect=<this function>`).
+    match kind {
+        "bare_hal" => {
+            let bare = Bare::new();
+            bare.run(dir, b, 1000);
+            measured(|| bare.run(dir, b, iters));
+        }
+        "engine" => {
+            let engines = Engines::new(b as u32);
+            engines.run(dir, b, 1000);
+            measured(|| engines.run(dir, b, iters));
+        }
+        other => panic!("GDR_BENCH_ONLY: no loop {other:?}"),
+    }
+}
+
+/// What callgrind counts (`--toggle-collect=*measured*`).
+#[inline(never)]
+fn measured(run: impl FnOnce() -> Duration) {
+    std::hint::black_box(run());
+}
+
+fn main() {
+    if let Ok(spec) = std::env::var("GDR_BENCH_ONLY") {
+        let iters = std::env::var("GDR_BENCH_ITERS")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(10_000);
+        only(&spec, iters);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
