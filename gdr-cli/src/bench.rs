@@ -15,8 +15,11 @@
 //! is shared with the kernel's rxe packet processing): only every
 //! `cq-mod`-th request is signaled, up to `post-list` requests are linked
 //! into one post (one doorbell: on rxe, one system call), completions are
-//! polled in batches, and an empty poll gives the CPU away (`--idle yield`)
-//! rather than spinning.
+//! polled in batches, and an empty poll gives the CPU away rather than
+//! spinning: by default (`--idle park`) the poller waits as the engine does
+//! (`gdr_core::cq_wait`: a short spin, then asleep on the CQ's completion
+//! channel until a completion comes); `--idle yield` yields instead,
+//! `--idle spin` polls again at once (perftest's way).
 //!
 //! `gdr bench engine` measures the transfer engine instead: two engines in
 //! this process (one on the backends' provider listening on the device's
@@ -26,7 +29,9 @@
 //! `--duration` seconds (or `-n`/`--volume`, as above) are spent. Per (op,
 //! size): MB/s, Gb/s, requests/s, and the latency of a batch (submit to its
 //! end being seen) at p50/p99/p999. Progress is made from the bench loop
-//! itself by default (`--progress inline`, idle policy `--idle` as above):
+//! itself by default (`--progress inline`; with `--idle park` the loop
+//! waits on its oldest batch, which runs the engine's reactor in this
+//! thread; `--idle spin|yield` calls `Engine::progress` in a loop):
 //! measured faster on rxe than a driver thread (`--progress driver`), which
 //! cost 4 KiB and 64 KiB READs about half their throughput there, the
 //! thread and the poster sharing two vCPUs with rxe's kernel work.
@@ -47,6 +52,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand, ValueEnum};
+use gdr_core::cq_wait::CqWaiter;
 use gdr_core::loopback::{PairConfig, QpPair};
 use gdr_core::prelude::{
     Batch, Buffer, Engine, EngineConfig, EngineError, GrantRights, MemoryDescriptor, Peer, Region,
@@ -103,55 +109,25 @@ pub(crate) enum Idle {
     /// `sched_yield` first, so kernel work (rxe's tasks, softirqs) waiting
     /// for this CPU runs.
     Yield,
-    /// Back off: spin briefly, then sleep 20 µs, doubling up to 1 ms while
-    /// the CQ stays empty. An idle vCPU halts, which under emulation gives
-    /// its host core to the vCPU doing rxe's packet work. Costs at most a
-    /// millisecond per signaled completion, which the window hides: it
-    /// holds far more than a millisecond of work.
-    Sleep,
+    /// The library's one waiting policy (`gdr_core::cq_wait`, the
+    /// engine's reactor): poll while completions come, spin briefly, then
+    /// arm the CQ's completion channel and sleep on its fd until one comes
+    /// (perftest's `--use_event`, after a spin). A sleeping vCPU halts,
+    /// which under emulation gives its host core to the vCPU doing rxe's
+    /// packet work.
+    Park,
 }
 
-/// Empty polls spun before [`Idle::Sleep`] starts sleeping.
-const SPIN_BEFORE_SLEEP: u32 = 64;
-/// First and longest sleep of [`Idle::Sleep`].
-const SLEEP_FIRST: Duration = Duration::from_micros(20);
-const SLEEP_MAX: Duration = Duration::from_millis(1);
-
-/// A poller's [`Idle`] policy and its back-off state.
-#[derive(Debug, Clone, Copy)]
-struct Idler {
-    policy: Idle,
-    empty_streak: u32,
-    nap: Duration,
-}
-
-impl Idler {
-    fn new(policy: Idle) -> Self {
-        Self {
-            policy,
-            empty_streak: 0,
-            nap: SLEEP_FIRST,
-        }
-    }
-
-    /// A poll found nothing.
-    fn empty(&mut self) {
-        match self.policy {
-            Idle::Spin => {}
-            Idle::Yield => std::thread::yield_now(),
-            Idle::Sleep if self.empty_streak < SPIN_BEFORE_SLEEP => self.empty_streak += 1,
-            Idle::Sleep => {
-                std::thread::sleep(self.nap);
-                self.nap = (self.nap * 2).min(SLEEP_MAX);
-            }
-        }
-    }
-
-    /// A poll found work: back to spinning first.
-    fn busy(&mut self) {
-        (self.empty_streak, self.nap) = (0, SLEEP_FIRST);
+/// A poller's [`Idle`] policy for an empty poll: spin or yield (parking
+/// is [`CqWaiter`]'s, the caller's business).
+fn idle_after_empty_poll(policy: Idle) {
+    if policy == Idle::Yield {
+        std::thread::yield_now();
     }
 }
+
+/// How long a parked poller waits for a completion before it gives up.
+const PARK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Options of `gdr bench rdma`.
 #[derive(Debug, Args)]
@@ -184,7 +160,7 @@ pub(crate) struct RdmaArgs {
     #[arg(long)]
     post_list: Option<u32>,
     /// Empty-CQ policy of the poller.
-    #[arg(long, value_enum, default_value_t = Idle::Sleep)]
+    #[arg(long, value_enum, default_value_t = Idle::Park)]
     idle: Idle,
     /// Untimed messages before each measurement (0: none, as perftest).
     #[arg(long, default_value_t = 0)]
@@ -378,7 +354,18 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
 
     let pd = ctx.alloc_pd()?;
     // Every request may be signaled (cq-mod 1): room for a window's worth.
-    let cq = ctx.create_cq(depth)?;
+    // On a completion channel, where the provider makes one, for `--idle
+    // park`.
+    let channel = ctx.create_comp_channel().ok();
+    let cq = match &channel {
+        Some(channel) => ctx.create_cq_on_channel(depth, channel, 0)?,
+        None => ctx.create_cq(depth)?,
+    };
+    let waiter = Waiter::<A> {
+        cq: &cq,
+        channel: channel.as_ref(),
+        cq_waiter: CqWaiter::new()?,
+    };
     let config = PairConfig {
         caps: QpCaps {
             max_send_wr: depth,
@@ -450,10 +437,10 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
                     cq_mod: plan.cq_mod.min(args.warmup),
                     ..plan
                 };
-                measure::<A>(&pair, &cq, &local.mr, &remote.mr, warm)
+                measure::<A>(&pair, &waiter, &local.mr, &remote.mr, warm)
                     .map_err(|e| drain_after_failure::<A>(&pair, &cq, e))?;
             }
-            let m = measure::<A>(&pair, &cq, &local.mr, &remote.mr, plan)
+            let m = measure::<A>(&pair, &waiter, &local.mr, &remote.mr, plan)
                 .map_err(|e| drain_after_failure::<A>(&pair, &cq, e))?;
             progress.inc(1);
             if args.common.json {
@@ -517,6 +504,14 @@ fn emit(progress: &ProgressBar, line: String) {
 /// How long a failed measurement's queue pair may take to flush.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The bench's CQ, its channel (when the provider made one) and the
+/// library's waiter on them (`--idle park`).
+struct Waiter<'q, A: Api> {
+    cq: &'q A::CompletionQueue,
+    channel: Option<&'q A::CompletionChannel>,
+    cq_waiter: CqWaiter,
+}
+
 /// A measurement failed with requests still outstanding on the requester:
 /// drains it (to ERROR, every outstanding request flushed and polled)
 /// before the pair and the regions are torn down, since ConnectX drops a
@@ -577,7 +572,7 @@ fn json_line(m: &Measurement, backend: &str, device: &str) -> String {
 /// request up to `i`: an RC send queue completes in order.
 fn measure<A: Api>(
     pair: &QpPair<A>,
-    cq: &A::CompletionQueue,
+    waiter: &Waiter<'_, A>,
     local: &A::MemoryRegion,
     remote: &A::MemoryRegion,
     plan: Plan,
@@ -609,7 +604,8 @@ fn measure<A: Api>(
     let qp = &pair.requester;
     let (mut posted, mut completed) = (0u64, 0u64);
     let (mut posts, mut polls, mut empty_polls) = (0u64, 0u64, 0u64);
-    let mut idler = Idler::new(plan.idle);
+    let cq = waiter.cq;
+    let mut parked = Vec::new();
 
     let started = Instant::now();
     while completed < plan.iterations {
@@ -638,15 +634,33 @@ fn measure<A: Api>(
             posted += n as u64;
             posts += 1;
         }
-        let got = cq.poll(&mut completions)?;
+        let mut got = cq.poll(&mut completions)?;
         polls += 1;
+        let mut retired = &completions[..got];
         if got == 0 {
             empty_polls += 1;
-            idler.empty();
-            continue;
+            if plan.idle != Idle::Park {
+                idle_after_empty_poll(plan.idle);
+                continue;
+            }
+            parked.clear();
+            got = waiter.cq_waiter.wait::<A>(
+                cq,
+                waiter.channel,
+                Some(Instant::now() + PARK_TIMEOUT),
+                &mut parked,
+            )?;
+            if got == 0 {
+                return Err(format!(
+                    "no completion of {} {} bytes within {PARK_TIMEOUT:?}",
+                    plan.op.name(),
+                    plan.size
+                )
+                .into());
+            }
+            retired = &parked;
         }
-        idler.busy();
-        for c in &completions[..got] {
+        for c in retired {
             if !c.status.is_success() {
                 return Err(format!(
                     "{} of {} bytes (request {}) completed with {}",
@@ -730,8 +744,10 @@ pub(crate) struct EngineArgs {
     /// Who polls the engine.
     #[arg(long, value_enum, default_value_t = Progress::Inline)]
     progress: Progress,
-    /// Empty-poll policy of `--progress inline` (as `gdr bench rdma`).
-    #[arg(long, value_enum, default_value_t = Idle::Sleep)]
+    /// Empty-poll policy of `--progress inline` (as `gdr bench rdma`;
+    /// `park`: the bench thread waits on the oldest batch, driving the
+    /// engine's reactor).
+    #[arg(long, value_enum, default_value_t = Idle::Park)]
     idle: Idle,
     /// Serve one `--connect` client on this address (e.g. 0.0.0.0:18515)
     /// instead of measuring: grant it the memory it asks for, exit once it
@@ -1349,7 +1365,6 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
         VecDeque::with_capacity(plan.depth as usize);
     let mut latencies = Vec::new();
     let (mut submitted, mut requests, mut batches) = (0u64, 0u64, 0u64);
-    let mut idler = Idler::new(args.idle);
     let started = Instant::now();
     let mut finished = started;
     loop {
@@ -1372,11 +1387,24 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
             break;
         };
         match args.progress {
+            // The engine's reactor in this thread: it spins, then parks
+            // until the oldest batch ends (or any other does: all are
+            // looked at below).
+            Progress::Inline if args.idle == Idle::Park => {
+                // (Its outcome, failed or not, is taken below.)
+                let _ = oldest.wait(ENGINE_TIMEOUT);
+                if oldest.status().is_none() {
+                    return Err(format!(
+                        "a batch of {} {} bytes did not end within {ENGINE_TIMEOUT:?}",
+                        plan.op.name(),
+                        plan.size
+                    )
+                    .into());
+                }
+            }
             Progress::Inline => {
                 if engine.progress() == 0 {
-                    idler.empty();
-                } else {
-                    idler.busy();
+                    idle_after_empty_poll(args.idle);
                 }
             }
             Progress::Driver => {
@@ -1498,9 +1526,9 @@ mod tests {
         let node = SimFabric::new().add_node("a", NodeConfig::default());
         for (tx_depth, cq_mod, post_list, iterations, idle) in [
             (128, 16, Some(16), 300, Idle::Spin),
-            (8, 100, Some(1), 37, Idle::Sleep),
+            (8, 100, Some(1), 37, Idle::Park),
             (5, 3, Some(4), 11, Idle::Yield),
-            (1, 1, None, 3, Idle::Sleep),
+            (1, 1, None, 3, Idle::Park),
         ] {
             let args = RdmaArgs {
                 sizes: vec![4096, 65536],
@@ -1575,7 +1603,7 @@ mod tests {
                 volume: None,
                 warmup: 1,
                 progress,
-                idle: Idle::Sleep,
+                idle: Idle::Park,
                 listen: None,
                 connect: None,
                 common: Common {
@@ -1620,7 +1648,7 @@ mod tests {
             volume: None,
             warmup: 1,
             progress: Progress::Inline,
-            idle: Idle::Sleep,
+            idle: Idle::Park,
             listen,
             connect,
             common: Common {

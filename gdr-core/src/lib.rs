@@ -114,6 +114,7 @@
 #[cfg(any(feature = "sim", feature = "rdma", feature = "cuda"))]
 pub mod backend;
 pub mod buffer;
+pub mod cq_wait;
 pub mod descriptor;
 pub mod engine;
 pub mod ladder;

@@ -12,12 +12,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::cache::{DomainBudget, Reservation};
+use crate::cq_wait::CqWaiter;
 
 use hal_verbs::{
-    AccessFlags, AddressFamily, Api, Completion, CompletionQueue, ConnectionInfo, Context, Gid,
-    InitParams, LinkLayer, MemoryRegion, Mtu, PortState, ProtectionDomain, QpCaps, QueuePair,
-    RtrParams, RtsParams, SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcStatus,
-    select_roce_v2_gid,
+    AccessFlags, AddressFamily, Api, ConnectionInfo, Context, Gid, InitParams, LinkLayer,
+    MemoryRegion, Mtu, PortState, ProtectionDomain, QpCaps, QueuePair, RtrParams, RtsParams,
+    SendFlags, SendOp, SendRequest, SgList, Sge, VerbsError, WcStatus, select_roce_v2_gid,
 };
 
 /// Why a loopback operation failed.
@@ -77,6 +77,12 @@ pub enum LoopbackError {
     /// The PD's budget of MRs is spent.
     #[error("{0}")]
     Budget(crate::cache::BudgetExceeded),
+    /// No eventfd could be made to wait on (the process is out of fds).
+    #[error("no eventfd to wait for completions on (errno {errno})")]
+    WakeFd {
+        /// The errno of `eventfd(2)`.
+        errno: i32,
+    },
     /// The bytes read back differ from those written.
     #[error("data read back differs from data written at byte {first_difference}")]
     Mismatch {
@@ -193,9 +199,14 @@ struct Pair<A: Api> {
 /// Two RC queue pairs on one device connected to each other.
 #[derive(Debug)]
 pub struct Loopback<A: Api> {
-    // Field order is drop order: QPs before the CQ and PD they use.
+    // Field order is drop order: QPs before the CQ and PD they use, the
+    // CQ before its channel.
     pair: Mutex<Pair<A>>,
     cq: A::CompletionQueue,
+    /// Where the CQ reports once armed, so a wait sleeps instead of
+    /// polling (`None`: the provider made none; the CQ is polled).
+    channel: Option<A::CompletionChannel>,
+    waiter: CqWaiter,
     pd: Arc<A::ProtectionDomain>,
     path: Path,
     timeout: Duration,
@@ -220,11 +231,23 @@ impl<A: Api> Loopback<A> {
         port: u8,
     ) -> Result<Self, LoopbackError> {
         let path = Path::discover::<A>(context, port)?;
-        let cq = context.create_cq(64)?;
+        let channel = context
+            .create_comp_channel()
+            .inspect_err(|e| tracing::debug!(error = %e, "no completion channel: the CQ is polled"))
+            .ok();
+        let cq = match &channel {
+            Some(channel) => context.create_cq_on_channel(64, channel, 0)?,
+            None => context.create_cq(64)?,
+        };
+        let waiter = CqWaiter::new().map_err(|e| LoopbackError::WakeFd {
+            errno: e.raw_os_error().unwrap_or(0),
+        })?;
         let pair = connect_pair::<A>(&pd, &cq, path, &PairConfig::default())?;
         Ok(Self {
             pair: Mutex::new(pair),
             cq,
+            channel,
+            waiter,
             pd,
             path,
             timeout: Duration::from_secs(10),
@@ -342,13 +365,27 @@ impl<A: Api> Loopback<A> {
     }
 
     /// Waits for the completion of request `wr_id` of QP `qp_num`; other
-    /// completions (late ones of earlier operations) are skipped.
+    /// completions (late ones of earlier operations) are skipped. Waits as
+    /// the engine does ([`CqWaiter`]): spins, then sleeps on the CQ's
+    /// channel.
     fn wait(&self, qp_num: u32, wr_id: u64, operation: &'static str) -> Result<(), LoopbackError> {
         let deadline = Instant::now() + self.timeout;
-        let mut completions = [Completion::default(); 4];
+        let mut completions = Vec::new();
         loop {
-            let n = self.cq.poll(&mut completions)?;
-            if let Some(c) = completions[..n]
+            completions.clear();
+            let got = self.waiter.wait::<A>(
+                &self.cq,
+                self.channel.as_ref(),
+                Some(deadline),
+                &mut completions,
+            )?;
+            if got == 0 {
+                return Err(LoopbackError::Timeout {
+                    operation,
+                    timeout: self.timeout,
+                });
+            }
+            if let Some(c) = completions
                 .iter()
                 .find(|c| c.qp_num == qp_num && c.wr_id == wr_id)
             {
@@ -360,15 +397,6 @@ impl<A: Api> Loopback<A> {
                         status: c.status,
                     })
                 };
-            }
-            if n == 0 {
-                if Instant::now() >= deadline {
-                    return Err(LoopbackError::Timeout {
-                        operation,
-                        timeout: self.timeout,
-                    });
-                }
-                std::thread::yield_now();
             }
         }
     }

@@ -83,7 +83,7 @@ mod path;
 mod peer;
 pub mod peer_copy;
 pub mod pipeline;
-mod reactor;
+pub(crate) mod reactor;
 mod region;
 pub mod rendezvous;
 mod resources;
