@@ -125,6 +125,19 @@ impl Reactor {
         self.progressed();
     }
 
+    /// A deadline was added (a batch submitted to a NIC): a parked leader
+    /// wakes, since its park was bounded by the deadlines it knew, and
+    /// parks again bounded by this one too. A leader not parked reads the
+    /// engine's deadlines when it parks ([`Parkable::park_set`]), after
+    /// setting `parked`: with this load after the deadline was recorded
+    /// (under the engine's lock), either it sees the deadline or this sees
+    /// it parked.
+    pub(crate) fn deadline_added(&self) {
+        if self.parked.load(Ordering::SeqCst) {
+            self.wake.signal();
+        }
+    }
+
     /// Ends the waits of the threads that drive the engine (they compare
     /// [`Reactor::nudges`]): a driver stopping, the engine closing.
     pub(crate) fn nudge(&self) {

@@ -324,3 +324,27 @@ fn a_done_that_takes_what_it_found_is_not_asked_again() {
     engine.complete(1);
     assert!(leader.join().unwrap());
 }
+
+#[test]
+fn a_deadline_added_while_the_leader_is_parked_bounds_its_park() {
+    let engine = Scripted::new();
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    let parks_before = engine.arms.load(Ordering::SeqCst);
+    // A batch submitted now, with a deadline the park did not know of: the
+    // leader must wake and park again bounded by it (then, at it, once
+    // more).
+    *lock(&engine.deadline) = Some(Instant::now() + Duration::from_millis(50));
+    engine.reactor.deadline_added();
+    let start = Instant::now();
+    while engine.arms.load(Ordering::SeqCst) < parks_before + 2 {
+        assert!(
+            start.elapsed() < LONG,
+            "the park never learnt of the new deadline"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    *lock(&engine.deadline) = None;
+    engine.complete(1);
+    assert!(waiting.join().unwrap());
+}
