@@ -13,10 +13,10 @@
 //! channels, the NICs' async fds, the connections' event fds and the
 //! reactor's wake eventfd), registered with tokio's [`AsyncFd`], raced
 //! with a tokio timer at the engine's next deadline. While work runs that
-//! only polling sees (GPU copies and stream events: CUDA has no fd) it
-//! does not park at all: it yields and looks again (tokio's timer counts
-//! milliseconds, the reactor's GPU poll interval is 20 µs), so a worker
-//! stays busy while GPU copies run.
+//! only polling sees (GPU copies and stream events: CUDA has no fd; a
+//! queue pair being re-established) it does not park at all: it yields
+//! and looks again (tokio's timer counts milliseconds, the reactor's GPU
+//! poll interval is 20 µs), so a worker stays busy while GPU copies run.
 //!
 //! Like the engine's own thread, the task holds the engine only for one
 //! step at a time (its `InternalHolds`): it never keeps the engine alive,
@@ -144,9 +144,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// What it costs and what it needs:
     /// - After work, the task spins the reactor's rounds with a
     ///   `yield_now` each, then parks; an idle engine's task is not polled.
-    /// - While GPU copies or stream events run (their end only polling
-    ///   sees), it yields and looks again without parking: one worker
-    ///   stays busy until they end.
+    /// - While work runs whose end only polling sees (GPU copies, stream
+    ///   events, a queue pair being re-established), it yields and looks
+    ///   again without parking: one worker stays busy until that work
+    ///   ends.
     /// - One leader drives at a time: while a thread leads (a blocking
     ///   [`Batch::wait`](super::Batch::wait), a [`Driver`](super::Driver),
     ///   the engine's own thread), the task waits for the lead (the
@@ -162,6 +163,27 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     ///   than the system's the task wakes when that distance has passed in
     ///   real time, and looks at the engine's clock again then (as a
     ///   thread's park does).
+    /// - It holds the engine only while it makes progress: it ends when
+    ///   the engine's last handle is dropped, and the engine is torn down
+    ///   in that drop, not on a runtime worker.
+    ///
+    /// ```
+    /// use gdr_core::engine::{Engine, EngineConfig};
+    /// use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+    ///
+    /// #[tokio::main]
+    /// async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    ///     let fabric = SimFabric::new();
+    ///     let node = fabric.add_node("a", NodeConfig::default());
+    ///     let engine =
+    ///         Engine::<SimVerbsApi, SimCudaApi>::new(&node, None, EngineConfig::default())?;
+    ///     let driver = engine.drive_on_tokio()?;
+    ///     // ... submit batches and `.await` them: the task wakes them ...
+    ///     assert!(driver.is_running());
+    ///     drop(driver); // the task stops
+    ///     Ok(())
+    /// }
+    /// ```
     pub fn drive_on_tokio(&self) -> Result<AsyncDriver, AsyncDriverError> {
         let handle =
             tokio::runtime::Handle::try_current().map_err(|_| AsyncDriverError::NoRuntime)?;
