@@ -6,17 +6,17 @@
 //! (`reactor::Spin`): it makes progress, spins (`reactor::SPIN_ROUNDS`
 //! empty rounds, each a `yield_now`, so the tasks that share its worker
 //! run between them), then parks. Its park is the reactor's
-//! (`Reactor::park_begin`, the same
-//! arm-then-poll and the same handshake with
-//! `Reactor::wake`), but instead of ppoll(2) it
-//! awaits one fd: an epoll set of the park's fds (the CQs' completion
-//! channels, the NICs' async fds, the connections' event fds and the
-//! reactor's wake eventfd), registered with tokio's [`AsyncFd`], raced
-//! with a tokio timer at the engine's next deadline. While work runs that
-//! only polling sees (GPU copies and stream events: CUDA has no fd; a
-//! queue pair being re-established) it does not park at all: it yields
-//! and looks again (tokio's timer counts milliseconds, the reactor's GPU
-//! poll interval is 20 µs), so a worker stays busy while GPU copies run.
+//! (`Reactor::park_begin` and `park_end`: the same arm-then-poll, the
+//! same `pending`/`parked` handshake with `Reactor::wake`), but instead of
+//! ppoll(2) it awaits one fd: an epoll set of the park's fds (the CQs'
+//! completion channels, the NICs' async fds, the connections' event fds
+//! and the reactor's wake eventfd), registered with tokio's [`AsyncFd`],
+//! raced with a tokio timer at the engine's next deadline. While work
+//! runs that only polling sees (GPU copies and stream events: CUDA has no
+//! fd; a queue pair being re-established) it does not park at all: it
+//! yields and looks again (tokio's timer counts milliseconds, the
+//! reactor's GPU poll interval is 20 µs), so a worker stays busy while
+//! GPU copies run.
 //!
 //! Like the engine's own thread, the task holds the engine only for one
 //! step at a time (its `InternalHolds`): it never keeps the engine alive,
