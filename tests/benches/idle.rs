@@ -6,8 +6,8 @@
 //! - `driver_1ms`, `driver_20us`: `spawn_driver(1 ms)` / `(20 µs)` on both;
 //! - `tokio_current`, `tokio_multi`: a task of `drive_on_tokio` on both
 //!   (gdr-core's feature `tokio`), on a current-thread runtime or on a
-//!   multi-thread one of two workers; everything runs inside the runtime's
-//!   `block_on` (idle time is a tokio sleep, each WRITE is awaited).
+//!   multi-thread one of two workers; the measurement runs in a task of
+//!   the runtime (idle time is a tokio sleep, each WRITE is awaited).
 //!
 //! For each: the process's CPU time and voluntary context switches
 //! (`getrusage`) over `GDR_IDLE_SECS` (10) seconds with nothing to do
@@ -236,47 +236,54 @@ fn run(mode: &str, drivers: impl Fn(&Engines) -> Vec<Driver>) {
 }
 
 /// The same figures with both engines driven by `drive_on_tokio` tasks on
-/// `rt`, everything inside its `block_on`.
+/// `rt`, measured in a task of `rt` (as a server's work runs; on the
+/// multi-thread runtime it may share a worker with a driver task).
 fn run_tokio(mode: &str, rt: tokio::runtime::Runtime) {
-    let (idle_secs, b2b, lone, gap) = knobs();
-    let engines = Engines::new();
-    let figures = rt.block_on(async {
-        let drivers = (
-            engines.a.drive_on_tokio().expect("a's driver task"),
-            engines.b.drive_on_tokio().expect("b's driver task"),
-        );
-        for _ in 0..1000 {
-            engines.write_async().await;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let polls0 = drivers.0.polls() + drivers.1.polls();
-        let (cpu0, csw0) = usage();
-        let wall = Instant::now();
-        tokio::time::sleep(Duration::from_secs(idle_secs)).await;
-        let (cpu1, csw1) = usage();
-        let secs = wall.elapsed().as_secs_f64();
-        let task_polls = drivers.0.polls() + drivers.1.polls() - polls0;
-        let mut back_to_back = Vec::with_capacity(b2b as usize);
-        for _ in 0..b2b {
-            back_to_back.push(engines.write_async().await);
-        }
-        let mut after_idle = Vec::with_capacity(lone as usize);
-        for _ in 0..lone {
-            tokio::time::sleep(gap).await;
-            after_idle.push(engines.write_async().await);
-        }
-        Figures {
-            idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
-            wakeups: (csw1 - csw0) as f64 / secs,
-            secs,
-            back_to_back,
-            after_idle,
-            gap,
-            task_polls: Some(task_polls),
-        }
-    });
+    let engines = std::sync::Arc::new(Engines::new());
+    let measured = std::sync::Arc::clone(&engines);
+    let figures = rt
+        .block_on(async { tokio::spawn(measure_async(measured)).await })
+        .expect("the measuring task");
     figures.print(mode);
     drop(rt);
+    drop(engines);
+}
+
+async fn measure_async(engines: std::sync::Arc<Engines>) -> Figures {
+    let (idle_secs, b2b, lone, gap) = knobs();
+    let drivers = (
+        engines.a.drive_on_tokio().expect("a's driver task"),
+        engines.b.drive_on_tokio().expect("b's driver task"),
+    );
+    for _ in 0..1000 {
+        engines.write_async().await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let polls0 = drivers.0.polls() + drivers.1.polls();
+    let (cpu0, csw0) = usage();
+    let wall = Instant::now();
+    tokio::time::sleep(Duration::from_secs(idle_secs)).await;
+    let (cpu1, csw1) = usage();
+    let secs = wall.elapsed().as_secs_f64();
+    let task_polls = drivers.0.polls() + drivers.1.polls() - polls0;
+    let mut back_to_back = Vec::with_capacity(b2b as usize);
+    for _ in 0..b2b {
+        back_to_back.push(engines.write_async().await);
+    }
+    let mut after_idle = Vec::with_capacity(lone as usize);
+    for _ in 0..lone {
+        tokio::time::sleep(gap).await;
+        after_idle.push(engines.write_async().await);
+    }
+    Figures {
+        idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
+        wakeups: (csw1 - csw0) as f64 / secs,
+        secs,
+        back_to_back,
+        after_idle,
+        gap,
+        task_polls: Some(task_polls),
+    }
 }
 
 fn main() {
