@@ -5,13 +5,15 @@
 #   - hal-verbs, hal-cuda, gdr-sim, gdr-proto, gdr-ffi, gdr-cli: every feature alone,
 #     none, and the defaults (cargo hack --each-feature);
 #   - gdr-core: no feature, `sim`, `rdma`+`cuda`, and each combination
-#     with `sim`; `rdma` or `cuda` alone must be refused with its
-#     compile_error (the run-time backend choice needs a verbs and a CUDA
-#     backend);
+#     with `sim`; `tokio` (the async driver) alone and with `sim`; `rdma`
+#     or `cuda` alone must be refused with its compile_error (the run-time
+#     backend choice needs a verbs and a CUDA backend);
 # then what the README promises a build leaves out: gdr-core with no
-# feature or with `sim` only, hal-verbs without `rdma-core` and hal-cuda
-# without `cuda` link nothing native (no rdma-mummy-sys, cudarc or
-# libloading in their dependency trees).
+# feature, with `sim` only or with `sim` and `tokio`, hal-verbs without
+# `rdma-core` and hal-cuda without `cuda` link nothing native (no
+# rdma-mummy-sys, cudarc or libloading in their dependency trees).
+# (The async driver's tests run with the rest: gdr-tests enables
+# gdr-core's `tokio`, so `cargo test --workspace` builds it.)
 # Dev-dependencies play no part: only libraries and binaries are checked,
 # and the resolver does not unify dev-dependencies' features into them.
 set -uo pipefail
@@ -25,7 +27,7 @@ fail() { echo "features: FAILED: $*" >&2; failed=1; }
 cargo hack check --each-feature -p hal-verbs -p hal-cuda -p gdr-sim -p gdr-proto -p gdr-ffi -p gdr-cli \
   || fail "cargo hack --each-feature"
 
-for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda"; do
+for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda" tokio "sim,tokio"; do
   note "gdr-core --features '$features'"
   cargo check -q -p gdr-core --no-default-features --features "$features" \
     || fail "gdr-core with features '$features'"
@@ -46,6 +48,7 @@ native() {
     | grep -oE '^(rdma-mummy-sys|cudarc|libloading) ' | sort -u | tr -d ' ' | tr '\n' ' '
 }
 for build in "gdr-core --no-default-features" "gdr-core --no-default-features --features sim" \
+  "gdr-core --no-default-features --features sim,tokio" \
   "hal-verbs --no-default-features" "hal-cuda --no-default-features"; do
   # shellcheck disable=SC2086  # the words of $build are arguments
   found=$(native $build)

@@ -8,17 +8,21 @@
 //! READs of every part back into other memory, each batch's outcome
 //! checked and the bytes verified after each round.
 //!
-//! Two rules make it work on any runtime:
-//! - each engine runs a driver thread ([`Engine::spawn_driver`]): it makes
-//!   progress (completions, deadlines, connection events) and wakes the
-//!   tasks whose batches ended, so nothing depends on how, or how often, a
-//!   future is polled;
+//! Two rules make it work:
+//! - each engine has a driver: it makes progress (completions, deadlines,
+//!   connection events) and wakes the tasks whose batches ended, so nothing
+//!   depends on how, or how often, a future is polled. With gdr-core's
+//!   feature `tokio` it is a task on this runtime
+//!   (`Engine::drive_on_tokio`), which awaits the readiness of the
+//!   engine's fds; without it, a thread ([`Engine::spawn_driver`]);
 //! - the engine's blocking calls (connecting and accepting, waiting for a
 //!   grant, [`Batch::wait`](gdr_core::engine::Batch::wait)) run on a blocking
 //!   thread ([`tokio::task::spawn_blocking`]), never on a runtime worker.
 //!
-//! Run it with `cargo run -p gdr-core --example engine_tokio`; `cargo test`
-//! runs it too (it is an example with `test = true`).
+//! Run it with `cargo run -p gdr-core --features tokio --example
+//! engine_tokio` (or without the feature, for the driver thread); `cargo
+//! test` runs it too (it is an example with `test = true`; the workspace's
+//! tests build gdr-core with `tokio`).
 
 use std::error::Error;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -124,6 +128,29 @@ async fn every_part(
     Ok(())
 }
 
+/// A task on this runtime drives each engine (gdr-core's feature `tokio`).
+#[cfg(feature = "tokio")]
+fn drivers(
+    a: &SimEngine,
+    b: &SimEngine,
+) -> Result<(gdr_core::engine::AsyncDriver, gdr_core::engine::AsyncDriver), BoxError> {
+    println!("driven by tokio tasks (Engine::drive_on_tokio)");
+    Ok((a.drive_on_tokio()?, b.drive_on_tokio()?))
+}
+
+/// A thread drives each engine (without gdr-core's feature `tokio`).
+#[cfg(not(feature = "tokio"))]
+fn drivers(
+    a: &SimEngine,
+    b: &SimEngine,
+) -> Result<(gdr_core::engine::Driver, gdr_core::engine::Driver), BoxError> {
+    println!("driven by threads (Engine::spawn_driver)");
+    Ok((
+        a.spawn_driver(Duration::from_millis(1)),
+        b.spawn_driver(Duration::from_millis(1)),
+    ))
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), BoxError> {
     // The memory first: it outlives everything that could still move it.
@@ -142,10 +169,7 @@ async fn main() -> Result<(), BoxError> {
     };
     // One driver per engine: progress and wake-ups come from them, until
     // they are dropped at the end of `main`.
-    let _drivers = (
-        a.spawn_driver(Duration::from_millis(1)),
-        b.spawn_driver(Duration::from_millis(1)),
-    );
+    let _drivers = drivers(&a, &b)?;
 
     let src_region = a.register(&src)?;
     let back_region = a.register(&back)?;

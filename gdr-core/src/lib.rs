@@ -20,9 +20,9 @@
 //! # Features
 //!
 //! None by default: the library is generic over the HAL traits and builds
-//! with nothing native. Each feature adds a backend to the run-time
-//! choice in `backend` (the module needs `sim`, or both `rdma` and
-//! `cuda`):
+//! with nothing native. `sim`, `rdma` and `cuda` each add a backend to
+//! the run-time choice in `backend` (the module needs `sim`, or both
+//! `rdma` and `cuda`):
 //!
 //! | feature | backend | build needs |
 //! | --- | --- | --- |
@@ -32,6 +32,11 @@
 //!
 //! Without features, name the backend types yourself (as below with
 //! gdr-sim's, or `hal_verbs::rdma::RdmaApi` and `hal_cuda::cuda::CudaApi`).
+//!
+//! One more feature is not a backend: `tokio` adds
+//! `Engine::drive_on_tokio`, which drives an engine from a task on the
+//! caller's tokio runtime through fd readiness instead of from a thread
+//! (nothing native either).
 //!
 //! # Using it: a storage client on the simulator
 //!

@@ -4,6 +4,8 @@
 
 pub use crate::buffer::{Buffer, BufferAccessError};
 pub use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
+#[cfg(all(feature = "tokio", not(loom)))]
+pub use crate::engine::{AsyncDriver, AsyncDriverError};
 pub use crate::engine::{
     Batch, Driver, Engine, EngineConfig, EngineError, EngineListener, Fence, Op, Outcome, Path,
     Peer, Region, RegionGrant, Transfer, TransferError,

@@ -3,17 +3,23 @@
 //! three ways of driving them:
 //!
 //! - `caller`: no driver thread; the caller's `Batch::wait` drives;
-//! - `driver_1ms`, `driver_20us`: `spawn_driver(1 ms)` / `(20 µs)` on both.
+//! - `driver_1ms`, `driver_20us`: `spawn_driver(1 ms)` / `(20 µs)` on both;
+//! - `tokio_current`, `tokio_multi`: a task of `drive_on_tokio` on both
+//!   (gdr-core's feature `tokio`), on a current-thread runtime or on a
+//!   multi-thread one of two workers; the measurement runs in a task of
+//!   the runtime (idle time is a tokio sleep, each WRITE is awaited).
 //!
 //! For each: the process's CPU time and voluntary context switches
-//! (`getrusage`) over `GDR_IDLE_SECS` (10) seconds with nothing to do;
-//! lone 4 KiB WRITEs submitted and waited for back to back
+//! (`getrusage`) over `GDR_IDLE_SECS` (10) seconds with nothing to do
+//! (and, for the tokio modes, how often the driver tasks were polled);
+//! lone 4 KiB WRITEs submitted and waited for (or awaited) back to back
 //! (`GDR_B2B_SAMPLES`, 10,000), and after `GDR_IDLE_GAP_MS` (100) ms of
 //! idleness each (`GDR_IDLE_SAMPLES`, 50): p50 and p99 of each.
 //!
-//! It uses only the engine's public API, so the same file builds against an
-//! older engine for a side-by-side run: `cargo bench -p gdr-tests --bench
-//! idle`. A measurement, not a test: it asserts nothing about the figures.
+//! It uses only the engine's public API: `cargo bench -p gdr-tests --bench
+//! idle [MODE...]` (a mode is picked when its name contains an argument:
+//! `tokio` picks both tokio modes). A measurement, not a test: it asserts
+//! nothing about the figures.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -118,6 +124,63 @@ impl Engines {
             .expect("write");
         start.elapsed()
     }
+
+    /// One 4 KiB WRITE, submitted and awaited: its latency.
+    async fn write_async(&self) -> Duration {
+        let transfer = Transfer::write(&self.local, 0, &self.remote, 0, REQ);
+        let start = Instant::now();
+        let batch = self.a_to_b.submit(&[transfer]).expect("submit");
+        tokio::time::timeout(T, batch)
+            .await
+            .expect("the WRITE was never woken")
+            .expect("write");
+        start.elapsed()
+    }
+}
+
+/// What was measured in one mode.
+struct Figures {
+    idle_cpu: f64,
+    wakeups: f64,
+    secs: f64,
+    back_to_back: Vec<Duration>,
+    after_idle: Vec<Duration>,
+    gap: Duration,
+    /// Polls of the driver tasks over the idle time (tokio modes).
+    task_polls: Option<u64>,
+}
+
+impl Figures {
+    fn print(mut self, mode: &str) {
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let polls = self.task_polls.map_or(String::new(), |p| {
+            format!(", driver tasks polled {p} times")
+        });
+        let (b2b, lone) = (self.back_to_back.len(), self.after_idle.len());
+        println!(
+            "idle/{mode}: idle {:.2} % of a core, {:.1} voluntary switches/s over {:.1} s{polls}; \
+             back-to-back 4 KiB WRITE p50 {:.1} us p99 {:.1} us (n={b2b}); after {} ms idle p50 {:.1} us p99 {:.1} us (n={lone})",
+            self.idle_cpu,
+            self.wakeups,
+            self.secs,
+            us(percentile(&mut self.back_to_back, 0.5)),
+            us(percentile(&mut self.back_to_back, 0.99)),
+            self.gap.as_millis(),
+            us(percentile(&mut self.after_idle, 0.5)),
+            us(percentile(&mut self.after_idle, 0.99)),
+        );
+    }
+}
+
+/// The knobs: idle seconds, back-to-back samples, after-idle samples, the
+/// idle gap before each of those.
+fn knobs() -> (u64, u64, u64, Duration) {
+    (
+        env_or("GDR_IDLE_SECS", 10),
+        env_or("GDR_B2B_SAMPLES", 10_000),
+        env_or("GDR_IDLE_SAMPLES", 50),
+        Duration::from_millis(env_or("GDR_IDLE_GAP_MS", 100)),
+    )
 }
 
 /// The process's CPU time and voluntary context switches so far.
@@ -138,10 +201,7 @@ fn percentile(samples: &mut [Duration], p: f64) -> Duration {
 }
 
 fn run(mode: &str, drivers: impl Fn(&Engines) -> Vec<Driver>) {
-    let idle_secs = env_or("GDR_IDLE_SECS", 10);
-    let b2b = env_or("GDR_B2B_SAMPLES", 10_000);
-    let lone = env_or("GDR_IDLE_SAMPLES", 50);
-    let gap = Duration::from_millis(env_or("GDR_IDLE_GAP_MS", 100));
+    let (idle_secs, b2b, lone, gap) = knobs();
     let engines = Engines::new();
     let _drivers = drivers(&engines);
     // Warm: the first requests set up what the rest reuse.
@@ -154,27 +214,76 @@ fn run(mode: &str, drivers: impl Fn(&Engines) -> Vec<Driver>) {
     std::thread::sleep(Duration::from_secs(idle_secs));
     let (cpu1, csw1) = usage();
     let secs = wall.elapsed().as_secs_f64();
-    let idle_cpu = (cpu1 - cpu0).as_secs_f64() / secs * 100.0;
-    let wakeups = (csw1 - csw0) as f64 / secs;
-    let mut back_to_back: Vec<Duration> = (0..b2b).map(|_| engines.write()).collect();
-    let mut after_idle: Vec<Duration> = (0..lone)
+    let back_to_back: Vec<Duration> = (0..b2b).map(|_| engines.write()).collect();
+    let after_idle: Vec<Duration> = (0..lone)
         .map(|_| {
             std::thread::sleep(gap);
             engines.write()
         })
         .collect();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    println!(
-        "idle/{mode}: idle {idle_cpu:.2} % of a core, {wakeups:.1} voluntary switches/s over {secs:.1} s; \
-         back-to-back 4 KiB WRITE p50 {:.1} us p99 {:.1} us (n={b2b}); after {} ms idle p50 {:.1} us p99 {:.1} us (n={lone})",
-        us(percentile(&mut back_to_back, 0.5)),
-        us(percentile(&mut back_to_back, 0.99)),
-        gap.as_millis(),
-        us(percentile(&mut after_idle, 0.5)),
-        us(percentile(&mut after_idle, 0.99)),
-    );
+    Figures {
+        idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
+        wakeups: (csw1 - csw0) as f64 / secs,
+        secs,
+        back_to_back,
+        after_idle,
+        gap,
+        task_polls: None,
+    }
+    .print(mode);
     drop(_drivers);
     let _ = (&engines.a, &engines.b);
+}
+
+/// The same figures with both engines driven by `drive_on_tokio` tasks on
+/// `rt`, measured in a task of `rt` (as a server's work runs; on the
+/// multi-thread runtime it may share a worker with a driver task).
+fn run_tokio(mode: &str, rt: tokio::runtime::Runtime) {
+    let engines = std::sync::Arc::new(Engines::new());
+    let measured = std::sync::Arc::clone(&engines);
+    let figures = rt
+        .block_on(async { tokio::spawn(measure_async(measured)).await })
+        .expect("the measuring task");
+    figures.print(mode);
+    drop(rt);
+    drop(engines);
+}
+
+async fn measure_async(engines: std::sync::Arc<Engines>) -> Figures {
+    let (idle_secs, b2b, lone, gap) = knobs();
+    let drivers = (
+        engines.a.drive_on_tokio().expect("a's driver task"),
+        engines.b.drive_on_tokio().expect("b's driver task"),
+    );
+    for _ in 0..1000 {
+        engines.write_async().await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let polls0 = drivers.0.polls() + drivers.1.polls();
+    let (cpu0, csw0) = usage();
+    let wall = Instant::now();
+    tokio::time::sleep(Duration::from_secs(idle_secs)).await;
+    let (cpu1, csw1) = usage();
+    let secs = wall.elapsed().as_secs_f64();
+    let task_polls = drivers.0.polls() + drivers.1.polls() - polls0;
+    let mut back_to_back = Vec::with_capacity(b2b as usize);
+    for _ in 0..b2b {
+        back_to_back.push(engines.write_async().await);
+    }
+    let mut after_idle = Vec::with_capacity(lone as usize);
+    for _ in 0..lone {
+        tokio::time::sleep(gap).await;
+        after_idle.push(engines.write_async().await);
+    }
+    Figures {
+        idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
+        wakeups: (csw1 - csw0) as f64 / secs,
+        secs,
+        back_to_back,
+        after_idle,
+        gap,
+        task_polls: Some(task_polls),
+    }
 }
 
 fn main() {
@@ -196,5 +305,20 @@ fn main() {
                 vec![e.a.spawn_driver(idle), e.b.spawn_driver(idle)]
             });
         }
+    }
+    if wanted("tokio_current") {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a current-thread runtime");
+        run_tokio("tokio_current", rt);
+    }
+    if wanted("tokio_multi") {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a multi-thread runtime");
+        run_tokio("tokio_multi", rt);
     }
 }

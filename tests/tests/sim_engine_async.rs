@@ -176,14 +176,19 @@ fn batches_joined_in_one_task() {
 }
 
 /// A batch whose deadline passes while nothing moves ends its future with
-/// `Timeout`: the driver's deadline check wakes the task.
+/// `Timeout`: the driver's deadline check wakes the task, also when the
+/// batch was submitted while the driver was parked.
 #[test]
 fn a_batch_past_its_deadline_ends_its_future_with_timeout() {
     let w = world(1);
     let h = w.host_pair(1 << 16, 5, GrantRights::ReadWrite);
     let _driver = w.a.engine.spawn_driver(Duration::from_millis(1));
-    let batch = w.stalled_write(&h, Duration::from_millis(50));
+    // The driver parks first: the batch's deadline must reach a parked
+    // driver (its park was bounded by the deadlines it knew).
+    std::thread::sleep(Duration::from_millis(50));
+    // (Before the submit: its deadline counts from there.)
     let start = std::time::Instant::now();
+    let batch = w.stalled_write(&h, Duration::from_millis(50));
     let outcome = multi_thread().block_on(async { timeout(T, batch).await });
     let took = start.elapsed();
     let err = outcome

@@ -179,28 +179,25 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     }
 }
 
-/// Awaiting a batch is runtime-agnostic. With a driver thread running
-/// ([`Engine::spawn_driver`]) the task sleeps until the batch ends (the
-/// driver completes it and wakes the task); without one, each poll makes
-/// progress and the task wakes itself while the batch runs (a busy task).
+/// Awaiting a batch is runtime-agnostic, and its poll only registers the
+/// task's waker: a driver completes the batch and wakes the task
+/// ([`Engine::spawn_driver`]'s thread, or, with feature `tokio`, the task
+/// of `Engine::drive_on_tokio`). With no driver running, the first
+/// pending poll starts the engine's own thread, which drives from then on.
+/// No poll makes progress itself, and a task is not re-polled before its
+/// batch ends.
 impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
     type Output = Outcome;
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        // The waker is registered with every part still running before
+        // their outcomes are read: an end after that wakes it.
         if let Poll::Ready(outcome) = self.poll_parts(cx) {
             return Poll::Ready(self.fenced(outcome));
         }
-        self.engine.progress();
-        match self.poll_parts(cx) {
-            Poll::Ready(outcome) => Poll::Ready(self.fenced(outcome)),
-            Poll::Pending => {
-                // The engine's own thread drives it while nobody else
-                // does; the batch's end wakes the waker registered above.
-                if self.engine.shared.drivers.load(Ordering::Acquire) == 0 {
-                    self.engine.ensure_own_driver();
-                }
-                Poll::Pending
-            }
+        if self.engine.shared.drivers.load(Ordering::Acquire) == 0 {
+            self.engine.ensure_own_driver();
         }
+        Poll::Pending
     }
 }

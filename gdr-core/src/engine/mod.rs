@@ -88,6 +88,8 @@ mod region;
 pub mod rendezvous;
 mod resources;
 pub mod staging;
+#[cfg(all(feature = "tokio", not(loom)))]
+mod tokio_driver;
 pub mod topology;
 /// Connection set-up's state machines (they live in the sans-IO protocol
 /// crate).
@@ -130,6 +132,8 @@ pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
 use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, DialState, Token};
+#[cfg(all(feature = "tokio", not(loom)))]
+pub use self::tokio_driver::{AsyncDriver, AsyncDriverError};
 use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::grants::RemoteGrants;
 use gdr_proto::inbox::Inbox;
@@ -632,8 +636,10 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     // NICs' CQs, PDs and contexts (in the resources).
     state: Mutex<State<V, C>>,
     res: Resources<V, C>,
-    /// Driver threads running ([`Engine::spawn_driver`]): while there is
-    /// one, a pending `Future` waits to be woken instead of re-polling.
+    /// Drivers running (threads of [`Engine::spawn_driver`], the engine's
+    /// own thread, tasks of `Engine::drive_on_tokio`): while there is one,
+    /// a pending `Future` only registers its waker; with none, it starts
+    /// the engine's own thread.
     drivers: Arc<std::sync::atomic::AtomicUsize>,
     /// Whether the engine's own progress thread runs (started by the first
     /// grant of a staging-rung region, which only progress serves).

@@ -378,7 +378,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if let Some(batch) = self.submit_peer_copy(transfers, timeout)? {
             // A parked engine looks at what it now holds: a path's GPU
             // copies are seen only by polling. (What goes to the NIC needs
-            // no wake-up: its completion comes on the CQ's channel.)
+            // no wake-up for its end, which comes on the CQ's channel; only
+            // its deadline is told, below.)
             self.engine.wake();
             return Ok(batch);
         }
@@ -525,6 +526,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             let deadline = now.checked_add(timeout).map(|at| (at, timeout));
             Ok(core.submit(work, Arc::clone(&cell), deadline, keep))
         })??;
+        // A parked leader's park ends at the deadlines it knew when it
+        // parked: this batch's may come first (a NIC that never answers
+        // must still see it fail at its deadline).
+        shared.reactor.deadline_added();
         Ok(Batch {
             id: Some(id),
             fence,

@@ -21,8 +21,14 @@
 //! another thread completed is told at once. Three ways drive the reactor:
 //! a caller's wait ([`Batch::wait`](super::Batch::wait)), one owned thread
 //! ([`Engine::spawn_driver`](super::Engine::spawn_driver), and the
-//! engine's own thread that serves peers' rendezvous), or a `Future` whose
-//! poll registers its waker while the owned thread drives.
+//! engine's own thread that serves peers' rendezvous), or an async task
+//! (`Engine::drive_on_tokio`, feature `tokio`) that leads through fd
+//! readiness; a `Future`'s poll only registers its waker while one of them
+//! drives. The task is not a thread: it asks for the lead with a [`Waker`]
+//! ([`Reactor::try_lead_or_wait`]), which the reactor wakes when the lead
+//! is given back, and parks in two halves ([`Reactor::park_begin`], then
+//! its own wait for readiness, then [`Reactor::park_end`]) with the same
+//! handshake as a thread's park. Nothing here names a runtime.
 //!
 //! The spin before parking is the one policy ([`SPIN_ROUNDS`]): a request
 //! posted back to back completes within a few polls, which a park (two
@@ -31,6 +37,7 @@
 //! and then parks at most [`GPU_POLL`] at a time.
 
 use std::os::fd::RawFd;
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -76,6 +83,55 @@ struct Lead {
     /// Bumped after progress that handled something, and when the leader
     /// leaves.
     generation: u64,
+    /// Tasks waiting for the lead ([`Reactor::try_lead_or_wait`]): woken
+    /// when it is given back.
+    waiting: Vec<Waker>,
+}
+
+/// What a leader does after a round of progress: the one policy of
+/// spinning, yielding and parking ([`SPIN_ROUNDS`], [`YIELD_ROUNDS`]),
+/// for a leading thread and an async leader alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Within the spin: look again at once.
+    Spin,
+    /// Past the spin, with work only polling sees: give the core away,
+    /// then look again.
+    Yield,
+    /// Park; `polls`: work only polling sees runs (the park is bounded by
+    /// [`GPU_POLL`]).
+    Park { polls: bool },
+}
+
+/// Counts a leader's empty rounds for [`Next`].
+#[derive(Debug, Default)]
+pub(crate) struct Spin {
+    empty: u32,
+}
+
+impl Spin {
+    /// What to do after a round that handled `handled`; `polls` (the
+    /// engine's [`Parkable::polls`]) is asked only once the spin is over.
+    pub(crate) fn next(&mut self, handled: usize, polls: impl FnOnce() -> bool) -> Next {
+        if handled > 0 {
+            self.empty = 0;
+        } else {
+            self.empty = self.empty.saturating_add(1);
+        }
+        if self.empty <= SPIN_ROUNDS {
+            return Next::Spin;
+        }
+        let polls = polls();
+        if polls && self.empty <= SPIN_ROUNDS + YIELD_ROUNDS {
+            return Next::Yield;
+        }
+        if !polls {
+            // After a park the leader spins again: what woke it is often
+            // followed by more.
+            self.empty = 0;
+        }
+        Next::Park { polls }
+    }
 }
 
 /// The engine's waiting, shared by every thread that waits on it.
@@ -123,6 +179,19 @@ impl Reactor {
         }
         // What changed may have ended a follower's batch (a cancel).
         self.progressed();
+    }
+
+    /// A deadline was added (a batch submitted to a NIC): a parked leader
+    /// wakes, since its park was bounded by the deadlines it knew, and
+    /// parks again bounded by this one too. A leader not parked reads the
+    /// engine's deadlines when it parks ([`Parkable::park_set`]), after
+    /// setting `parked`: with this load after the deadline was recorded
+    /// (under the engine's lock), either it sees the deadline or this sees
+    /// it parked.
+    pub(crate) fn deadline_added(&self) {
+        if self.parked.load(Ordering::SeqCst) {
+            self.wake.signal();
+        }
     }
 
     /// Ends the waits of the threads that drive the engine (they compare
@@ -188,14 +257,10 @@ impl Reactor {
         done: &mut impl FnMut() -> bool,
         fds: &mut Vec<RawFd>,
     ) -> bool {
-        let mut empty = 0u32;
+        let mut spin = Spin::default();
         loop {
             // (Progress that handled something tells the followers.)
-            if engine.progress() > 0 {
-                empty = 0;
-            } else {
-                empty = empty.saturating_add(1);
-            }
+            let handled = engine.progress();
             if done() {
                 return true;
             }
@@ -203,19 +268,11 @@ impl Reactor {
             if deadline.is_some_and(|d| now >= d) {
                 return false;
             }
-            if empty <= SPIN_ROUNDS {
-                std::hint::spin_loop();
-                continue;
+            match spin.next(handled, || engine.polls()) {
+                Next::Spin => std::hint::spin_loop(),
+                Next::Yield => std::thread::yield_now(),
+                Next::Park { polls } => self.park(engine, deadline, now, polls, fds),
             }
-            let polls = engine.polls();
-            if polls && empty <= SPIN_ROUNDS + YIELD_ROUNDS {
-                std::thread::yield_now();
-                continue;
-            }
-            if !polls {
-                empty = 0;
-            }
-            self.park(engine, deadline, now, polls, fds);
         }
     }
 
@@ -230,27 +287,62 @@ impl Reactor {
         polls: bool,
         fds: &mut Vec<RawFd>,
     ) {
+        let Some(until) = self.park_begin(engine, deadline, now, polls, fds) else {
+            return;
+        };
+        let timeout = until.map(|u| u.saturating_duration_since(now));
+        let span = tracing::trace_span!("park", fds = fds.len(), ?timeout).entered();
+        poll_readable(fds, timeout);
+        drop(span);
+        self.park_end(engine);
+    }
+
+    /// The first half of a park, up to the wait: arms the CQs, says the
+    /// leader is parked, and looks once more. `None`: work came (handed
+    /// over, or a completion before the arm): do not park (`parked` is
+    /// cleared again). Otherwise `fds` holds what must wake the park (the
+    /// engine's [`Parkable::park_set`], then the reactor's wake eventfd)
+    /// and the park ends at the latest at the time returned (`None`: no
+    /// bound), on the engine's clock. Whoever parks then waits for one of
+    /// `fds` or that time, and calls [`Reactor::park_end`], always.
+    pub(crate) fn park_begin(
+        &self,
+        engine: &impl Parkable,
+        deadline: Option<Instant>,
+        now: Instant,
+        polls: bool,
+        fds: &mut Vec<RawFd>,
+    ) -> Option<Option<Instant>> {
         engine.arm();
         self.parked.store(true, Ordering::SeqCst);
         // Arm, then poll: a completion that came before the arm fires
         // nothing; work handed over before `parked` was set is seen here.
         if self.pending.swap(false, Ordering::SeqCst) || engine.progress() > 0 {
             self.parked.store(false, Ordering::SeqCst);
-            return;
+            return None;
         }
         fds.clear();
         let engine_wake = engine.park_set(fds);
         let polled = polls.then(|| now + GPU_POLL);
         let until = [deadline, engine_wake, polled].into_iter().flatten().min();
-        let timeout = until.map(|u| u.saturating_duration_since(now));
         fds.push(self.wake.fd());
-        let span = tracing::trace_span!("park", fds = fds.len(), ?timeout).entered();
-        poll_readable(fds, timeout);
-        drop(span);
+        Some(until)
+    }
+
+    /// The second half of a park, after the wait: the leader is no longer
+    /// parked, the wake eventfd and the pending flag are taken, and the
+    /// engine's fds are drained.
+    pub(crate) fn park_end(&self, engine: &impl Parkable) {
+        self.unpark();
+        engine.drain();
+    }
+
+    /// [`Reactor::park_end`]'s part that needs no engine (an async
+    /// leader's park that ended with the engine closed, or was dropped).
+    pub(crate) fn unpark(&self) {
         self.parked.store(false, Ordering::SeqCst);
         self.wake.clear();
         self.pending.store(false, Ordering::SeqCst);
-        engine.drain();
     }
 
     /// Becomes the leader if nobody leads.
@@ -261,6 +353,42 @@ impl Reactor {
         }
         lead.leading = true;
         Some(Leading { reactor: self })
+    }
+
+    /// Becomes the leader if nobody leads (a lead that lives as long as
+    /// the returned [`OwnedLead`], which holds the reactor); otherwise
+    /// `waker` is woken when the lead is given back, and the caller asks
+    /// again then. For a leader that is a task, not a thread.
+    #[cfg(all(feature = "tokio", not(loom)))]
+    pub(crate) fn try_lead_or_wait(
+        self: &std::sync::Arc<Self>,
+        waker: &Waker,
+    ) -> Option<OwnedLead> {
+        let mut lead = lock(&self.lead);
+        if lead.leading {
+            if !lead.waiting.iter().any(|w| w.will_wake(waker)) {
+                lead.waiting.push(waker.clone());
+            }
+            return None;
+        }
+        lead.leading = true;
+        Some(OwnedLead {
+            reactor: std::sync::Arc::clone(self),
+        })
+    }
+
+    /// Gives the lead back: followers look again (one takes over), tasks
+    /// waiting for it are woken.
+    fn give_back(&self) {
+        let mut lead = lock(&self.lead);
+        lead.leading = false;
+        lead.generation += 1;
+        let waiting = std::mem::take(&mut lead.waiting);
+        drop(lead);
+        self.changed.notify_all();
+        for waker in waiting {
+            waker.wake();
+        }
     }
 
     /// Sleeps until progress was made or the leader left (or `deadline`),
@@ -319,11 +447,26 @@ struct Leading<'a> {
 
 impl Drop for Leading<'_> {
     fn drop(&mut self) {
-        let mut lead = lock(&self.reactor.lead);
-        lead.leading = false;
-        lead.generation += 1;
-        drop(lead);
-        self.reactor.changed.notify_all();
+        self.reactor.give_back();
+    }
+}
+
+/// The lead of a task ([`Reactor::try_lead_or_wait`]): given back when
+/// dropped, wherever the task stops (its loop ended, or its runtime
+/// dropped it mid-park: then `parked` is cleared too, so a `wake` no
+/// longer writes the eventfd for a park nobody is in; what it left there
+/// ends the next leader's first park at once, which is harmless).
+#[cfg(all(feature = "tokio", not(loom)))]
+#[derive(Debug)]
+pub(crate) struct OwnedLead {
+    reactor: std::sync::Arc<Reactor>,
+}
+
+#[cfg(all(feature = "tokio", not(loom)))]
+impl Drop for OwnedLead {
+    fn drop(&mut self) {
+        self.reactor.parked.store(false, Ordering::SeqCst);
+        self.reactor.give_back();
     }
 }
 

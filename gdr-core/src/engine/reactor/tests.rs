@@ -324,3 +324,60 @@ fn a_done_that_takes_what_it_found_is_not_asked_again() {
     engine.complete(1);
     assert!(leader.join().unwrap());
 }
+
+#[test]
+fn a_deadline_added_while_the_leader_is_parked_bounds_its_park() {
+    let engine = Scripted::new();
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    let parks_before = engine.arms.load(Ordering::SeqCst);
+    // A batch submitted now, with a deadline the park did not know of: the
+    // leader must wake and park again bounded by it (then, at it, once
+    // more).
+    *lock(&engine.deadline) = Some(Instant::now() + Duration::from_millis(50));
+    engine.reactor.deadline_added();
+    let start = Instant::now();
+    while engine.arms.load(Ordering::SeqCst) < parks_before + 2 {
+        assert!(
+            start.elapsed() < LONG,
+            "the park never learnt of the new deadline"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    *lock(&engine.deadline) = None;
+    engine.complete(1);
+    assert!(waiting.join().unwrap());
+}
+
+#[cfg(feature = "tokio")]
+#[test]
+fn a_task_waiting_for_the_lead_is_woken_when_it_is_given_back() {
+    use std::task::Wake;
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let engine = Scripted::new();
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    let woken = Arc::new(Count(AtomicUsize::new(0)));
+    let waker = Waker::from(Arc::clone(&woken));
+    assert!(engine.reactor.try_lead_or_wait(&waker).is_none());
+    // Asked twice: registered once.
+    assert!(engine.reactor.try_lead_or_wait(&waker).is_none());
+    engine.complete(1);
+    assert!(waiting.join().unwrap());
+    assert_eq!(woken.0.load(Ordering::SeqCst), 1, "the task was not woken");
+    let lead = engine.reactor.try_lead_or_wait(&waker);
+    assert!(lead.is_some(), "the lead given back was not free");
+    // A thread that comes while the task leads follows; the task's drop
+    // of the lead lets it lead.
+    let follower = waiter(&engine, 2);
+    until_following(&engine);
+    drop(lead);
+    until_parked(&engine);
+    engine.complete(1);
+    assert!(follower.join().unwrap(), "nobody led after the task left");
+}
