@@ -33,17 +33,21 @@
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
+use crate::cache::mutant;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use crate::sync::{Condvar, Mutex, lock, wait, wait_timeout};
+use crate::sync::{Condvar, Mutex, dekker_fence, lock, wait, wait_timeout};
 
-// The eventfd and ppoll.
+// The eventfd and ppoll; loom cannot run system calls, and models them.
+#[cfg_attr(loom, path = "reactor/sys_model.rs")]
 mod sys;
 use sys::{WakeFd, poll_readable};
 
 /// Empty progress rounds a leader makes before it parks: about the time a
 /// request posted back to back takes to complete on a NIC (a few µs), far
-/// less than a park and its wake-up cost.
-pub(crate) const SPIN_ROUNDS: u32 = 200;
+/// less than a park and its wake-up cost. (Under loom, none: the spin is a
+/// latency policy, not a step of the protocol, and each round multiplies
+/// what the models explore.)
+pub(crate) const SPIN_ROUNDS: u32 = if cfg!(loom) { 0 } else { 200 };
 
 /// Empty rounds, after the spin, in which a leader whose engine has work
 /// only polling sees yields its core before it parks.
@@ -122,7 +126,8 @@ impl Reactor {
         // leader sees `pending` before it parks, or this sees `parked` and
         // writes the eventfd.
         self.pending.store(true, Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
+        dekker_fence();
+        if self.parked.load(Ordering::SeqCst) && !mutant::active("wake-skips-eventfd") {
             self.wake.signal();
         }
         // What changed may have ended a follower's batch (a cancel).
@@ -133,7 +138,9 @@ impl Reactor {
     /// [`Reactor::nudges`]): a driver stopping, the engine closing.
     pub(crate) fn nudge(&self) {
         self.nudges.fetch_add(1, Ordering::SeqCst);
-        self.wake();
+        if !mutant::active("nudge-skips-wake") {
+            self.wake();
+        }
         lock(&self.lead).generation += 1;
         self.changed.notify_all();
     }
@@ -145,7 +152,10 @@ impl Reactor {
 
     /// Progress handled something: followers look at their batches again.
     pub(crate) fn progressed(&self) {
-        if self.followers.load(Ordering::SeqCst) > 0 {
+        // With `follow`'s count, Dekker's pattern: what ended a batch was
+        // stored before `followers` is loaded.
+        dekker_fence();
+        if self.followers.load(Ordering::SeqCst) > 0 && !mutant::active("followers-not-told") {
             lock(&self.lead).generation += 1;
             self.changed.notify_all();
         }
@@ -185,6 +195,8 @@ impl Reactor {
     }
 
     /// Leads until `done` or `deadline`: progress, spin, park.
+    // (Under loom there is no spin: `empty <= SPIN_ROUNDS` is `empty == 0`.)
+    #[cfg_attr(loom, allow(clippy::absurd_extreme_comparisons))]
     fn lead_until(
         &self,
         engine: &impl Parkable,
@@ -234,11 +246,16 @@ impl Reactor {
         polls: bool,
         fds: &mut Vec<RawFd>,
     ) {
-        engine.arm();
+        if !mutant::active("park-skips-arm") {
+            engine.arm();
+        }
         self.parked.store(true, Ordering::SeqCst);
+        dekker_fence();
         // Arm, then poll: a completion that came before the arm fires
         // nothing; work handed over before `parked` was set is seen here.
-        if self.pending.swap(false, Ordering::SeqCst) || engine.progress() > 0 {
+        let handed_over = !mutant::active("park-skips-pending-check")
+            && self.pending.swap(false, Ordering::SeqCst);
+        if handed_over || (!mutant::active("arm-without-poll") && engine.progress() > 0) {
             self.parked.store(false, Ordering::SeqCst);
             return;
         }
@@ -260,7 +277,7 @@ impl Reactor {
     /// Becomes the leader if nobody leads.
     fn take_lead(&self) -> Option<Leading<'_>> {
         let mut lead = lock(&self.lead);
-        if lead.leading {
+        if lead.leading && !mutant::active("lead-taken-twice") {
             return None;
         }
         lead.leading = true;
@@ -272,6 +289,8 @@ impl Reactor {
     /// for a spin's worth of rounds before it sleeps: a request waited on
     /// back to back ends within them, without the leader's wake-up and a
     /// hand-over.
+    // (Under loom there is no spin: the spin's range is empty.)
+    #[cfg_attr(loom, allow(clippy::reversed_empty_ranges))]
     fn follow(
         &self,
         engine: &impl Parkable,
@@ -291,11 +310,19 @@ impl Reactor {
             return false;
         }
         let seen = lead.generation;
-        self.followers.fetch_add(1, Ordering::SeqCst);
         // Counted before looking (`progressed` counts followers after it
         // ended a batch): either this sees the batch ended, or the leader
         // sees this follower and bumps the generation under the lock.
-        if done() {
+        let counted_late = mutant::active("follower-counted-late");
+        if !counted_late {
+            self.followers.fetch_add(1, Ordering::SeqCst);
+            dekker_fence();
+        }
+        let finished = done();
+        if counted_late {
+            self.followers.fetch_add(1, Ordering::SeqCst);
+        }
+        if finished {
             self.followers.fetch_sub(1, Ordering::SeqCst);
             return true;
         }
@@ -325,11 +352,16 @@ impl Drop for Leading<'_> {
     fn drop(&mut self) {
         let mut lead = lock(&self.reactor.lead);
         lead.leading = false;
+        if mutant::active("leader-leaves-silently") {
+            return;
+        }
         lead.generation += 1;
         drop(lead);
         self.reactor.changed.notify_all();
     }
 }
 
+#[cfg(all(test, loom))]
+mod loom_tests;
 #[cfg(all(test, not(loom)))]
 mod tests;

@@ -1,5 +1,5 @@
 //! The reactor's system calls: the eventfd that wakes a parked leader, and
-//! the ppoll it parks in.
+//! the ppoll it parks in. (Under loom, `sys_model.rs` stands in.)
 
 use std::os::fd::RawFd;
 use std::time::Duration;
