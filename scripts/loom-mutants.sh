@@ -47,9 +47,12 @@ timeout-delivers-in-flight                engine::loom_tests::a_deadline_racing_
 send-limit-ignored                        engine::loom_tests::sends_never_outrun_the_peers_receives_and_every_credit_comes_back
 send-credit-leak                          engine::loom_tests::sends_never_outrun_the_peers_receives_and_every_credit_comes_back
 wake-skips-eventfd                        engine::reactor::loom_tests::a_wake_reaches_a_leader_about_to_park
-park-skips-pending-check                  engine::reactor::loom_tests::a_wake_reaches_a_leader_about_to_park
+park-skips-change-check                   engine::reactor::loom_tests::a_wake_reaches_a_leader_about_to_park
 park-skips-arm                            engine::reactor::loom_tests::a_completion_around_the_arm_is_not_lost
 arm-without-poll                          engine::reactor::loom_tests::a_completion_around_the_arm_is_not_lost
+progressed-skips-leader                   engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
+wake-skips-eventfd                        engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
+park-skips-change-check                   engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
 followers-not-told                        engine::reactor::loom_tests::a_follower_is_told_when_the_leaders_progress_ends_its_batch
 follower-counted-late                     engine::reactor::loom_tests::a_follower_is_told_when_the_leaders_progress_ends_its_batch
 leader-leaves-silently                    engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves

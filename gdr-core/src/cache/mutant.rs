@@ -111,11 +111,11 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
     ),
     (
         "wake-skips-eventfd",
-        "a wake does not write the eventfd although the leader is parked",
+        "a wake (or progress elsewhere) does not write the eventfd although the leader is parked",
     ),
     (
-        "park-skips-pending-check",
-        "a leader parks without looking at `pending` once `parked` is set",
+        "park-skips-change-check",
+        "a leader parks without looking whether anything changed since it last looked at its wait",
     ),
     (
         "park-skips-arm",
@@ -124,6 +124,10 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
     (
         "arm-without-poll",
         "a leader arms the CQs and parks without polling them once more",
+    ),
+    (
+        "progressed-skips-leader",
+        "progress that handled something tells only the followers, not a leader about to park",
     ),
     (
         "followers-not-told",

@@ -7,7 +7,10 @@
 //! verbs requires: arm, then poll), each NIC's async-event fd, each queue
 //! pair's connection-event fd, and the reactor's own eventfd, which
 //! [`Reactor::wake`] writes for work no fd announces (a batch queued behind
-//! a full queue pair, a cancel, a gate opened, a grant revoked). The park's
+//! a full queue pair, a cancel, a gate opened, a grant revoked), and
+//! [`Reactor::progressed`] for progress another thread made (it may have
+//! taken the completion the leader waits for, which then fires no event).
+//! The park's
 //! timeout is the earliest deadline the engine holds, on its
 //! [`Clock`](super::Clock); while a path has work only polling sees (GPU
 //! copies and stream events: CUDA has no fd) it is at most
@@ -90,9 +93,10 @@ struct Lead {
 #[derive(Debug)]
 pub(crate) struct Reactor {
     wake: WakeFd,
-    /// Someone gave the engine work no fd announces, since the leader last
-    /// looked.
-    pending: AtomicBool,
+    /// Counts what may end a wait without an fd to say so (a wake, progress
+    /// that handled something, by whichever thread): a leader parks only if
+    /// it did not move since the leader last looked at its `done`.
+    changes: AtomicUsize,
     /// The leader is parked (or about to be) on the fds.
     parked: AtomicBool,
     lead: Mutex<Lead>,
@@ -109,7 +113,7 @@ impl Reactor {
     pub(crate) fn new() -> std::io::Result<Self> {
         Ok(Self {
             wake: WakeFd::new()?,
-            pending: AtomicBool::new(false),
+            changes: AtomicUsize::new(0),
             parked: AtomicBool::new(false),
             lead: Mutex::new(Lead::default()),
             changed: Condvar::new(),
@@ -122,16 +126,7 @@ impl Reactor {
     /// ended outside progress): a parked leader wakes, one about to park
     /// does not park, followers look again.
     pub(crate) fn wake(&self) {
-        // With `parked` below, Dekker's pattern (both SeqCst): either the
-        // leader sees `pending` before it parks, or this sees `parked` and
-        // writes the eventfd.
-        self.pending.store(true, Ordering::SeqCst);
-        dekker_fence();
-        if self.parked.load(Ordering::SeqCst) && !mutant::active("wake-skips-eventfd") {
-            self.wake.signal();
-        }
-        // What changed may have ended a follower's batch (a cancel).
-        self.progressed();
+        self.look_again();
     }
 
     /// Ends the waits of the threads that drive the engine (they compare
@@ -150,11 +145,37 @@ impl Reactor {
         self.nudges.load(Ordering::SeqCst)
     }
 
-    /// Progress handled something: followers look at their batches again.
+    /// Progress handled something: whoever waits looks at its batch
+    /// again. The leader too: a follower's spin or a thread calling
+    /// [`Engine::progress`](super::Engine::progress) may have taken the
+    /// completion that ends the leader's batch, which then fires no event.
     pub(crate) fn progressed(&self) {
-        // With `follow`'s count, Dekker's pattern: what ended a batch was
-        // stored before `followers` is loaded.
+        if mutant::active("progressed-skips-leader") {
+            // The bug: only the followers are told (after the fence
+            // `look_again` has).
+            dekker_fence();
+            self.tell_followers();
+            return;
+        }
+        self.look_again();
+    }
+
+    /// Something changed that a wait may end on: a leader about to park
+    /// does not park, a parked one wakes, followers look again.
+    fn look_again(&self) {
+        // With `parked` below, Dekker's pattern (both SeqCst): either the
+        // leader sees `changes` move before it parks, or this sees `parked`
+        // and writes the eventfd.
+        self.changes.fetch_add(1, Ordering::SeqCst);
         dekker_fence();
+        if self.parked.load(Ordering::SeqCst) && !mutant::active("wake-skips-eventfd") {
+            self.wake.signal();
+        }
+        self.tell_followers();
+    }
+
+    /// Followers asleep look again (the generation moves).
+    fn tell_followers(&self) {
         if self.followers.load(Ordering::SeqCst) > 0 && !mutant::active("followers-not-told") {
             lock(&self.lead).generation += 1;
             self.changed.notify_all();
@@ -212,6 +233,9 @@ impl Reactor {
             } else {
                 empty = empty.saturating_add(1);
             }
+            // What changed before this, `done` sees; what changes after,
+            // the park does.
+            let looked = self.changes.load(Ordering::SeqCst);
             if done() {
                 return true;
             }
@@ -231,31 +255,36 @@ impl Reactor {
             if !polls {
                 empty = 0;
             }
-            self.park(engine, deadline, now, polls, fds);
+            self.park(engine, deadline, now, polls, looked, fds);
         }
     }
 
-    /// Parks on the engine's fds until one is readable, work is handed over
-    /// ([`Reactor::wake`]), or the earliest of `deadline` and the engine's
-    /// own passes.
+    /// Parks on the engine's fds until one is readable, something changes
+    /// ([`Reactor::wake`], [`Reactor::progressed`]), or the earliest of
+    /// `deadline` and the engine's own passes; at once if something changed
+    /// since `looked` (the leader's last look at its `done`).
     fn park(
         &self,
         engine: &impl Parkable,
         deadline: Option<Instant>,
         now: Instant,
         polls: bool,
+        looked: usize,
         fds: &mut Vec<RawFd>,
     ) {
         if !mutant::active("park-skips-arm") {
             engine.arm();
         }
+        // Arm, then poll: a completion that came before the arm fires
+        // nothing.
+        if !mutant::active("arm-without-poll") && engine.progress() > 0 {
+            return;
+        }
         self.parked.store(true, Ordering::SeqCst);
         dekker_fence();
-        // Arm, then poll: a completion that came before the arm fires
-        // nothing; work handed over before `parked` was set is seen here.
-        let handed_over = !mutant::active("park-skips-pending-check")
-            && self.pending.swap(false, Ordering::SeqCst);
-        if handed_over || (!mutant::active("arm-without-poll") && engine.progress() > 0) {
+        if self.changes.load(Ordering::SeqCst) != looked
+            && !mutant::active("park-skips-change-check")
+        {
             self.parked.store(false, Ordering::SeqCst);
             return;
         }
@@ -270,7 +299,6 @@ impl Reactor {
         drop(span);
         self.parked.store(false, Ordering::SeqCst);
         self.wake.clear();
-        self.pending.store(false, Ordering::SeqCst);
         engine.drain();
     }
 
@@ -310,9 +338,9 @@ impl Reactor {
             return false;
         }
         let seen = lead.generation;
-        // Counted before looking (`progressed` counts followers after it
-        // ended a batch): either this sees the batch ended, or the leader
-        // sees this follower and bumps the generation under the lock.
+        // Counted before looking (`look_again` counts followers after what
+        // it announces): either this sees the batch ended, or the one who
+        // ended it sees this follower and moves the generation.
         let counted_late = mutant::active("follower-counted-late");
         if !counted_late {
             self.followers.fetch_add(1, Ordering::SeqCst);

@@ -161,6 +161,27 @@ fn a_completion_around_the_arm_is_not_lost() {
     });
 }
 
+/// The waiter leads; its batch completes and another thread's progress
+/// (a follower's spin, a caller of `Engine::progress`) takes the
+/// completion and ends the batch after the leader looked at it: the
+/// completion fires no event for the leader's park, so that progress must
+/// tell the leader.
+#[test]
+fn a_leader_is_told_when_another_threads_progress_ends_its_batch() {
+    explore(
+        "a_leader_is_told_when_another_threads_progress_ends_its_batch",
+        || {
+            let engine = Fake::new();
+            let other = on_thread(&engine, |engine| {
+                engine.complete(0);
+                engine.progress();
+            });
+            engine.wait_for(0);
+            other.join().unwrap();
+        },
+    );
+}
+
 /// Batch 0 has completed; one thread waits for it, the other for the
 /// first's return (told by a wake): whichever follows is told when the
 /// leader's progress ends its wait.
