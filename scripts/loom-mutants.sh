@@ -1,12 +1,13 @@
 #!/bin/bash
-# The loom models of gdr-core (the registration cache and the engine), and the proof that each
-# can fail: builds the loom tests once, runs every model on the real code
-# (all must pass, explored without a preemption bound), then runs the models
-# named for each mutant (gdr-core/src/cache/mutant.rs) with
-# GDR_MUTANT=<mutant> and requires each of those runs to fail. Prints one
-# line per mutant; exits non-zero if a model fails on the real code, if a
-# mutant survives a model named for it, or if the table below and the code
-# disagree (a mutant or a model left out).
+# The loom models of gdr-core (the registration cache, the engine and its
+# reactor), and the proof that each can fail: builds the loom tests once,
+# runs every model on the real code (all must pass, explored without a
+# preemption bound), then runs the models named for each mutant
+# (gdr-core/src/cache/mutant.rs) with GDR_MUTANT=<mutant> and requires each
+# of those runs to fail. Prints one line per mutant; exits non-zero if a
+# model fails on the real code, if a mutant survives a model named for it,
+# or if the table below and the code disagree (a mutant or a model left
+# out).
 #
 # Usage: scripts/loom-mutants.sh   (env: CARGO_TARGET_DIR, default target/loom;
 #        LOOM_MUTANT_TIMEOUT, seconds per mutant run, default 120)
@@ -45,6 +46,18 @@ notify-skips-a-waiter                     engine::loom_tests::a_completion_racin
 timeout-delivers-in-flight                engine::loom_tests::a_deadline_racing_the_completion_of_a_batch_in_flight
 send-limit-ignored                        engine::loom_tests::sends_never_outrun_the_peers_receives_and_every_credit_comes_back
 send-credit-leak                          engine::loom_tests::sends_never_outrun_the_peers_receives_and_every_credit_comes_back
+wake-skips-eventfd                        engine::reactor::loom_tests::a_wake_reaches_a_leader_about_to_park
+park-skips-change-check                   engine::reactor::loom_tests::a_wake_reaches_a_leader_about_to_park
+park-skips-arm                            engine::reactor::loom_tests::a_completion_around_the_arm_is_not_lost
+arm-without-poll                          engine::reactor::loom_tests::a_completion_around_the_arm_is_not_lost
+progressed-skips-leader                   engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
+wake-skips-eventfd                        engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
+park-skips-change-check                   engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
+followers-not-told                        engine::reactor::loom_tests::a_follower_is_told_when_the_leaders_progress_ends_its_batch
+follower-counted-late                     engine::reactor::loom_tests::a_follower_is_told_when_the_leaders_progress_ends_its_batch
+leader-leaves-silently                    engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves
+lead-taken-twice                          engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves
+nudge-skips-wake                          engine::reactor::loom_tests::a_nudge_ends_a_driving_wait
 "
 
 build_log=$(mktemp)
@@ -68,6 +81,8 @@ models=$({
     | sed -n 's/^fn \([a-z0-9_]*\)().*/\1/p'
   grep -A1 '^#\[test\]' gdr-core/src/engine/loom_tests.rs \
     | sed -n 's/^fn \([a-z0-9_]*\)().*/engine::loom_tests::\1/p'
+  grep -A1 '^#\[test\]' gdr-core/src/engine/reactor/loom_tests.rs \
+    | sed -n 's/^fn \([a-z0-9_]*\)().*/engine::reactor::loom_tests::\1/p'
 } | sort -u)
 tabled_mutants=$(awk 'NF == 2 { print $1 }' <<<"$table" | sort -u)
 tabled_models=$(awk 'NF == 2 { print $2 }' <<<"$table" | sort -u)

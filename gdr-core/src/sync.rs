@@ -16,6 +16,18 @@ pub(crate) use std::sync::{
     Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, atomic,
 };
 
+/// Between a SeqCst store and a SeqCst load of another atomic, in Dekker's
+/// pattern (each of two threads stores, then loads what the other stores:
+/// one of them sees the other's store). SeqCst accesses guarantee it, so
+/// outside loom this is nothing; loom models them as AcqRel, which does
+/// not, and would report wake-ups lost that cannot be: under loom it is
+/// the SeqCst fence loom does model.
+#[inline(always)]
+pub(crate) fn dekker_fence() {
+    #[cfg(loom)]
+    atomic::fence(atomic::Ordering::SeqCst);
+}
+
 /// Locks a mutex, recovering the data if a panicking thread poisoned it: a
 /// panic elsewhere must not turn every later call into a second panic.
 #[cfg(not(loom))]

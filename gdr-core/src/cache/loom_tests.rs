@@ -162,7 +162,7 @@ fn cache(max_entries: u64) -> Arc<Cache> {
 /// Runs `model` under loom, and checks that loom did explore more than one
 /// interleaving (a model whose threads loom sees as independent would pass
 /// vacuously).
-fn explore(name: &str, model: impl Fn() + Sync + Send + 'static) {
+pub(crate) fn explore(name: &str, model: impl Fn() + Sync + Send + 'static) {
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = std::sync::Arc::clone(&runs);
     let started = std::time::Instant::now();

@@ -170,7 +170,7 @@ mod stats;
 #[cfg(all(test, not(loom)))]
 mod abandon_tests;
 #[cfg(all(test, loom))]
-mod loom_tests;
+pub(crate) mod loom_tests;
 #[cfg(all(test, not(loom)))]
 mod tests;
 

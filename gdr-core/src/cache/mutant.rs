@@ -1,13 +1,14 @@
 //! Deliberate bugs, compiled into the loom build only, so that each loom
 //! model can be shown to fail on the bug it is named after.
 //!
-//! A hook in the cache reads `if mutant::active("name") { <the bug> }`.
-//! Outside loom, [`active`] is a `const fn` answering `false`: the hooks
-//! compile to nothing. Under `--cfg loom` it answers whether the environment
-//! variable `GDR_MUTANT` names that mutant, so one loom build serves every
-//! mutant: `GDR_MUTANT=no-invalidate-pending cargo test ... loom` must fail,
-//! and `scripts/loom-mutants.sh` requires it of each mutant and the models
-//! named for it (its table pairs them).
+//! A hook (in the cache, the engine, its reactor) reads
+//! `if mutant::active("name") { <the bug> }`. Outside loom, [`active`] is
+//! a `const fn` answering `false`: the hooks compile to nothing. Under
+//! `--cfg loom` it answers whether the environment variable `GDR_MUTANT`
+//! names that mutant, so one loom build serves every mutant:
+//! `GDR_MUTANT=no-invalidate-pending cargo test ... loom` must fail, and
+//! `scripts/loom-mutants.sh` requires it of each mutant and the models named
+//! for it (its table pairs them).
 //!
 //! A name in `GDR_MUTANT` that is not in [`MUTANTS`] ends the process with
 //! exit status 2 (not a test failure, which would pass for a caught mutant).
@@ -107,6 +108,46 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
     (
         "budget-check-then-act",
         "a budget reservation checks the limit and counts itself under two locks",
+    ),
+    (
+        "wake-skips-eventfd",
+        "a wake (or progress elsewhere) does not write the eventfd although the leader is parked",
+    ),
+    (
+        "park-skips-change-check",
+        "a leader parks without looking whether anything changed since it last looked at its wait",
+    ),
+    (
+        "park-skips-arm",
+        "a leader parks without arming the CQs' completion channels",
+    ),
+    (
+        "arm-without-poll",
+        "a leader arms the CQs and parks without polling them once more",
+    ),
+    (
+        "progressed-skips-leader",
+        "progress that handled something tells only the followers, not a leader about to park",
+    ),
+    (
+        "followers-not-told",
+        "a wake or progress does not move the generation for the followers asleep",
+    ),
+    (
+        "follower-counted-late",
+        "a follower counts itself after looking at its wait, not before",
+    ),
+    (
+        "leader-leaves-silently",
+        "a leader leaving does not move the generation nor wake the followers",
+    ),
+    (
+        "lead-taken-twice",
+        "a waiter takes the lead although another leads",
+    ),
+    (
+        "nudge-skips-wake",
+        "a nudge tells the followers but does not wake a parked leader",
     ),
 ];
 

@@ -7,7 +7,10 @@
 //! verbs requires: arm, then poll), each NIC's async-event fd, each queue
 //! pair's connection-event fd, and the reactor's own eventfd, which
 //! [`Reactor::wake`] writes for work no fd announces (a batch queued behind
-//! a full queue pair, a cancel, a gate opened, a grant revoked). The park's
+//! a full queue pair, a cancel, a gate opened, a grant revoked), and
+//! [`Reactor::progressed`] for progress another thread made (it may have
+//! taken the completion the leader waits for, which then fires no event).
+//! The park's
 //! timeout is the earliest deadline the engine holds, on its
 //! [`Clock`](super::Clock); while a path has work only polling sees (GPU
 //! copies and stream events: CUDA has no fd) it is at most
@@ -40,13 +43,21 @@ use std::os::fd::RawFd;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
+use crate::cache::mutant;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use crate::sync::{Condvar, Mutex, lock, wait, wait_timeout};
+use crate::sync::{Condvar, Mutex, dekker_fence, lock, wait, wait_timeout};
+
+// The eventfd and ppoll; loom cannot run system calls, and models them.
+#[cfg_attr(loom, path = "reactor/sys_model.rs")]
+mod sys;
+use sys::{WakeFd, poll_readable};
 
 /// Empty progress rounds a leader makes before it parks: about the time a
 /// request posted back to back takes to complete on a NIC (a few µs), far
-/// less than a park and its wake-up cost.
-pub(crate) const SPIN_ROUNDS: u32 = 200;
+/// less than a park and its wake-up cost. (Under loom, none: the spin is a
+/// latency policy, not a step of the protocol, and each round multiplies
+/// what the models explore.)
+pub(crate) const SPIN_ROUNDS: u32 = if cfg!(loom) { 0 } else { 200 };
 
 /// Empty rounds, after the spin, in which a leader whose engine has work
 /// only polling sees yields its core before it parks.
@@ -138,9 +149,10 @@ impl Spin {
 #[derive(Debug)]
 pub(crate) struct Reactor {
     wake: WakeFd,
-    /// Someone gave the engine work no fd announces, since the leader last
-    /// looked.
-    pending: AtomicBool,
+    /// Counts what may end a wait without an fd to say so (a wake, progress
+    /// that handled something, by whichever thread): a leader parks only if
+    /// it did not move since the leader last looked at its `done`.
+    changes: AtomicUsize,
     /// The leader is parked (or about to be) on the fds.
     parked: AtomicBool,
     lead: Mutex<Lead>,
@@ -157,7 +169,7 @@ impl Reactor {
     pub(crate) fn new() -> std::io::Result<Self> {
         Ok(Self {
             wake: WakeFd::new()?,
-            pending: AtomicBool::new(false),
+            changes: AtomicUsize::new(0),
             parked: AtomicBool::new(false),
             lead: Mutex::new(Lead::default()),
             changed: Condvar::new(),
@@ -170,15 +182,7 @@ impl Reactor {
     /// ended outside progress): a parked leader wakes, one about to park
     /// does not park, followers look again.
     pub(crate) fn wake(&self) {
-        // With `parked` below, Dekker's pattern (both SeqCst): either the
-        // leader sees `pending` before it parks, or this sees `parked` and
-        // writes the eventfd.
-        self.pending.store(true, Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
-            self.wake.signal();
-        }
-        // What changed may have ended a follower's batch (a cancel).
-        self.progressed();
+        self.look_again();
     }
 
     /// A deadline was added (a batch submitted to a NIC): a parked leader
@@ -198,9 +202,18 @@ impl Reactor {
     /// [`Reactor::nudges`]): a driver stopping, the engine closing.
     pub(crate) fn nudge(&self) {
         self.nudges.fetch_add(1, Ordering::SeqCst);
-        self.wake();
+        if !mutant::active("nudge-skips-wake") {
+            self.wake();
+        }
         lock(&self.lead).generation += 1;
         self.changed.notify_all();
+    }
+
+    /// How many changes a wait may end on there have been (a leader reads
+    /// it after its round of progress, and parks only if it did not move:
+    /// [`Reactor::park_begin`]).
+    pub(crate) fn changes(&self) -> usize {
+        self.changes.load(Ordering::SeqCst)
     }
 
     /// How many nudges there have been.
@@ -208,9 +221,38 @@ impl Reactor {
         self.nudges.load(Ordering::SeqCst)
     }
 
-    /// Progress handled something: followers look at their batches again.
+    /// Progress handled something: whoever waits looks at its batch
+    /// again. The leader too: a follower's spin or a thread calling
+    /// [`Engine::progress`](super::Engine::progress) may have taken the
+    /// completion that ends the leader's batch, which then fires no event.
     pub(crate) fn progressed(&self) {
-        if self.followers.load(Ordering::SeqCst) > 0 {
+        if mutant::active("progressed-skips-leader") {
+            // The bug: only the followers are told (after the fence
+            // `look_again` has).
+            dekker_fence();
+            self.tell_followers();
+            return;
+        }
+        self.look_again();
+    }
+
+    /// Something changed that a wait may end on: a leader about to park
+    /// does not park, a parked one wakes, followers look again.
+    fn look_again(&self) {
+        // With `parked` below, Dekker's pattern (both SeqCst): either the
+        // leader sees `changes` move before it parks, or this sees `parked`
+        // and writes the eventfd.
+        self.changes.fetch_add(1, Ordering::SeqCst);
+        dekker_fence();
+        if self.parked.load(Ordering::SeqCst) && !mutant::active("wake-skips-eventfd") {
+            self.wake.signal();
+        }
+        self.tell_followers();
+    }
+
+    /// Followers asleep look again (the generation moves).
+    fn tell_followers(&self) {
+        if self.followers.load(Ordering::SeqCst) > 0 && !mutant::active("followers-not-told") {
             lock(&self.lead).generation += 1;
             self.changed.notify_all();
         }
@@ -250,6 +292,8 @@ impl Reactor {
     }
 
     /// Leads until `done` or `deadline`: progress, spin, park.
+    // (Under loom there is no spin: `empty <= SPIN_ROUNDS` is `empty == 0`.)
+    #[cfg_attr(loom, allow(clippy::absurd_extreme_comparisons))]
     fn lead_until(
         &self,
         engine: &impl Parkable,
@@ -261,6 +305,9 @@ impl Reactor {
         loop {
             // (Progress that handled something tells the followers.)
             let handled = engine.progress();
+            // What changed before this, `done` sees; what changes after,
+            // the park does.
+            let looked = self.changes();
             if done() {
                 return true;
             }
@@ -271,23 +318,25 @@ impl Reactor {
             match spin.next(handled, || engine.polls()) {
                 Next::Spin => std::hint::spin_loop(),
                 Next::Yield => std::thread::yield_now(),
-                Next::Park { polls } => self.park(engine, deadline, now, polls, fds),
+                Next::Park { polls } => self.park(engine, deadline, now, polls, looked, fds),
             }
         }
     }
 
-    /// Parks on the engine's fds until one is readable, work is handed over
-    /// ([`Reactor::wake`]), or the earliest of `deadline` and the engine's
-    /// own passes.
+    /// Parks on the engine's fds until one is readable, something changes
+    /// ([`Reactor::wake`], [`Reactor::progressed`]), or the earliest of
+    /// `deadline` and the engine's own passes; at once if something changed
+    /// since `looked` (the leader's last look at its `done`).
     fn park(
         &self,
         engine: &impl Parkable,
         deadline: Option<Instant>,
         now: Instant,
         polls: bool,
+        looked: usize,
         fds: &mut Vec<RawFd>,
     ) {
-        let Some(until) = self.park_begin(engine, deadline, now, polls, fds) else {
+        let Some(until) = self.park_begin(engine, deadline, now, polls, looked, fds) else {
             return;
         };
         let timeout = until.map(|u| u.saturating_duration_since(now));
@@ -297,27 +346,38 @@ impl Reactor {
         self.park_end(engine);
     }
 
-    /// The first half of a park, up to the wait: arms the CQs, says the
-    /// leader is parked, and looks once more. `None`: work came (handed
-    /// over, or a completion before the arm): do not park (`parked` is
-    /// cleared again). Otherwise `fds` holds what must wake the park (the
-    /// engine's [`Parkable::park_set`], then the reactor's wake eventfd)
-    /// and the park ends at the latest at the time returned (`None`: no
-    /// bound), on the engine's clock. Whoever parks then waits for one of
-    /// `fds` or that time, and calls [`Reactor::park_end`], always.
+    /// The first half of a park, up to the wait: arms the CQs, polls once
+    /// more, says the leader is parked, and looks whether anything changed
+    /// since `looked` (the leader's last look at its `done`, or for a
+    /// task, at its last round). `None`: work came (a completion before
+    /// the arm, or a change): do not park (`parked` is cleared again).
+    /// Otherwise `fds` holds what must wake the park (the engine's
+    /// [`Parkable::park_set`], then the reactor's wake eventfd) and the
+    /// park ends at the latest at the time returned (`None`: no bound), on
+    /// the engine's clock. Whoever parks then waits for one of `fds` or
+    /// that time, and calls [`Reactor::park_end`], always.
     pub(crate) fn park_begin(
         &self,
         engine: &impl Parkable,
         deadline: Option<Instant>,
         now: Instant,
         polls: bool,
+        looked: usize,
         fds: &mut Vec<RawFd>,
     ) -> Option<Option<Instant>> {
-        engine.arm();
-        self.parked.store(true, Ordering::SeqCst);
+        if !mutant::active("park-skips-arm") {
+            engine.arm();
+        }
         // Arm, then poll: a completion that came before the arm fires
-        // nothing; work handed over before `parked` was set is seen here.
-        if self.pending.swap(false, Ordering::SeqCst) || engine.progress() > 0 {
+        // nothing.
+        if !mutant::active("arm-without-poll") && engine.progress() > 0 {
+            return None;
+        }
+        self.parked.store(true, Ordering::SeqCst);
+        dekker_fence();
+        if self.changes.load(Ordering::SeqCst) != looked
+            && !mutant::active("park-skips-change-check")
+        {
             self.parked.store(false, Ordering::SeqCst);
             return None;
         }
@@ -330,8 +390,8 @@ impl Reactor {
     }
 
     /// The second half of a park, after the wait: the leader is no longer
-    /// parked, the wake eventfd and the pending flag are taken, and the
-    /// engine's fds are drained.
+    /// parked, the wake eventfd is taken, and the engine's fds are
+    /// drained.
     pub(crate) fn park_end(&self, engine: &impl Parkable) {
         self.unpark();
         engine.drain();
@@ -342,13 +402,12 @@ impl Reactor {
     pub(crate) fn unpark(&self) {
         self.parked.store(false, Ordering::SeqCst);
         self.wake.clear();
-        self.pending.store(false, Ordering::SeqCst);
     }
 
     /// Becomes the leader if nobody leads.
     fn take_lead(&self) -> Option<Leading<'_>> {
         let mut lead = lock(&self.lead);
-        if lead.leading {
+        if lead.leading && !mutant::active("lead-taken-twice") {
             return None;
         }
         lead.leading = true;
@@ -382,6 +441,9 @@ impl Reactor {
     fn give_back(&self) {
         let mut lead = lock(&self.lead);
         lead.leading = false;
+        if mutant::active("leader-leaves-silently") {
+            return;
+        }
         lead.generation += 1;
         let waiting = std::mem::take(&mut lead.waiting);
         drop(lead);
@@ -396,6 +458,8 @@ impl Reactor {
     /// for a spin's worth of rounds before it sleeps: a request waited on
     /// back to back ends within them, without the leader's wake-up and a
     /// hand-over.
+    // (Under loom there is no spin: the spin's range is empty.)
+    #[cfg_attr(loom, allow(clippy::reversed_empty_ranges))]
     fn follow(
         &self,
         engine: &impl Parkable,
@@ -415,11 +479,19 @@ impl Reactor {
             return false;
         }
         let seen = lead.generation;
-        self.followers.fetch_add(1, Ordering::SeqCst);
-        // Counted before looking (`progressed` counts followers after it
-        // ended a batch): either this sees the batch ended, or the leader
-        // sees this follower and bumps the generation under the lock.
-        if done() {
+        // Counted before looking (`look_again` counts followers after what
+        // it announces): either this sees the batch ended, or the one who
+        // ended it sees this follower and moves the generation.
+        let counted_late = mutant::active("follower-counted-late");
+        if !counted_late {
+            self.followers.fetch_add(1, Ordering::SeqCst);
+            dekker_fence();
+        }
+        let finished = done();
+        if counted_late {
+            self.followers.fetch_add(1, Ordering::SeqCst);
+        }
+        if finished {
             self.followers.fetch_sub(1, Ordering::SeqCst);
             return true;
         }
@@ -470,86 +542,7 @@ impl Drop for OwnedLead {
     }
 }
 
-/// Waits until one of `fds` is readable or `timeout` passes (`None`: no
-/// timeout). Errors (an fd closed under it, EINTR) end the wait early:
-/// the caller looks at everything again.
-fn poll_readable(fds: &[RawFd], timeout: Option<Duration>) {
-    let mut polled: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    // ppoll: microseconds matter here (a GPU poll interval), poll(2)
-    // counts milliseconds.
-    let spec = timeout.map(|t| libc::timespec {
-        tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
-        tv_nsec: libc::c_long::from(t.subsec_nanos() as i32),
-    });
-    let spec_ptr = spec
-        .as_ref()
-        .map_or(std::ptr::null(), |s| s as *const libc::timespec);
-    // SAFETY: `polled` is a live, writable array of `polled.len()` pollfd
-    // structs and `spec_ptr` null or a live timespec, both for the
-    // duration of the call; a null signal mask leaves the mask alone.
-    let n = unsafe {
-        libc::ppoll(
-            polled.as_mut_ptr(),
-            polled.len() as libc::nfds_t,
-            spec_ptr,
-            std::ptr::null(),
-        )
-    };
-    if n < 0 {
-        tracing::trace!(
-            error = %std::io::Error::last_os_error(),
-            "poll(2) of the engine's fds"
-        );
-    }
-}
-
-/// A non-blocking eventfd that wakes a parked leader.
-#[derive(Debug)]
-struct WakeFd {
-    fd: std::os::fd::OwnedFd,
-}
-
-impl WakeFd {
-    fn new() -> std::io::Result<Self> {
-        use std::os::fd::FromRawFd;
-        // SAFETY: eventfd takes no pointer; the flags are valid.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just opened by eventfd and is owned by no one
-        // else.
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-        Ok(Self { fd })
-    }
-
-    fn fd(&self) -> RawFd {
-        use std::os::fd::AsRawFd;
-        self.fd.as_raw_fd()
-    }
-
-    fn signal(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our open eventfd; a
-        // full counter (EAGAIN) still leaves it readable, which is all a
-        // signal needs.
-        let _ = unsafe { libc::write(self.fd(), (&raw const one).cast(), 8) };
-    }
-
-    fn clear(&self) {
-        let mut value: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from our open eventfd;
-        // EAGAIN (nothing signalled) leaves it untouched.
-        let _ = unsafe { libc::read(self.fd(), (&raw mut value).cast(), 8) };
-    }
-}
-
+#[cfg(all(test, loom))]
+mod loom_tests;
 #[cfg(all(test, not(loom)))]
 mod tests;

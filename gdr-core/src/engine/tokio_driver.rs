@@ -7,7 +7,7 @@
 //! empty rounds, each a `yield_now`, so the tasks that share its worker
 //! run between them), then parks. Its park is the reactor's
 //! (`Reactor::park_begin` and `park_end`: the same arm-then-poll, the
-//! same `pending`/`parked` handshake with `Reactor::wake`), but instead of
+//! same `changes`/`parked` handshake with `Reactor::wake`), but instead of
 //! ppoll(2) it awaits one fd: an epoll set of the park's fds (the CQs'
 //! completion channels, the NICs' async fds, the connections' event fds
 //! and the reactor's wake eventfd), registered with tokio's [`AsyncFd`],
@@ -249,10 +249,13 @@ async fn drive<V: Api, C: hal_cuda::Api>(
         let round = step(&weak, &holds, |engine| {
             // (Progress that handled something tells the followers.)
             let handled = Parkable::progress(engine);
+            // What changes after this (another thread's progress, a wake)
+            // keeps the park from happening.
+            let looked = reactor.changes();
             match spin.next(handled, || engine.polls()) {
                 Next::Park { polls: false } => {
                     let now = engine.now();
-                    match reactor.park_begin(engine, None, now, false, &mut fds) {
+                    match reactor.park_begin(engine, None, now, false, looked, &mut fds) {
                         None => Round::Again,
                         Some(until) => {
                             epoll.get_ref().sync(&mut members, &fds);

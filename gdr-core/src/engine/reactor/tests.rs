@@ -25,6 +25,9 @@ struct Scripted {
     /// At the next arm (the leader about to park), hand over work that
     /// only polling sees, with a wake: the race a park must not lose.
     hand_over_at_arm: AtomicBool,
+    /// At the next arm, another thread's progress has just taken a
+    /// completion and ended a batch (no fd will say so): the other race.
+    end_elsewhere_at_arm: AtomicBool,
     reactor: Arc<Reactor>,
 }
 
@@ -40,6 +43,7 @@ impl Scripted {
             fd: WakeFd::new().unwrap(),
             ended: AtomicUsize::new(0),
             hand_over_at_arm: AtomicBool::new(false),
+            end_elsewhere_at_arm: AtomicBool::new(false),
             reactor: Arc::new(Reactor::new().unwrap()),
         })
     }
@@ -72,6 +76,10 @@ impl Parkable for Scripted {
         if self.hand_over_at_arm.swap(false, Ordering::SeqCst) {
             self.polls.store(true, Ordering::SeqCst);
             self.reactor.wake();
+        }
+        if self.end_elsewhere_at_arm.swap(false, Ordering::SeqCst) {
+            self.ended.fetch_add(1, Ordering::SeqCst);
+            self.reactor.progressed();
         }
     }
 
@@ -264,6 +272,20 @@ fn work_handed_over_as_the_leader_parks_is_not_lost() {
     }
     engine.work.fetch_add(1, Ordering::SeqCst);
     assert!(waiting.join().unwrap(), "the park lost the hand-over");
+}
+
+#[test]
+fn a_batch_ended_by_another_threads_progress_as_the_leader_parks_is_not_lost() {
+    let engine = Scripted::new();
+    // Between the leader's look at its batch and its park, another thread's
+    // progress takes the batch's completion and ends it: only that
+    // progress can tell the leader.
+    engine.end_elsewhere_at_arm.store(true, Ordering::SeqCst);
+    let waiting = waiter(&engine, 1);
+    assert!(
+        waiting.join().unwrap(),
+        "the leader parked on an ended batch"
+    );
 }
 
 #[test]
