@@ -529,7 +529,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         // A parked leader's park ends at the deadlines it knew when it
         // parked: this batch's may come first (a NIC that never answers
         // must still see it fail at its deadline).
-        shared.reactor.deadline_added();
+        if let Some(at) = now.checked_add(timeout) {
+            shared.reactor.deadline_added(at);
+        }
         Ok(Batch {
             id: Some(id),
             fence,

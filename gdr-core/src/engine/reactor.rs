@@ -155,6 +155,10 @@ pub(crate) struct Reactor {
     changes: AtomicUsize,
     /// The leader is parked (or about to be) on the fds.
     parked: AtomicBool,
+    /// When the parked leader's park ends at the latest (`None`: not known
+    /// yet, or no bound): a deadline added before it wakes the leader
+    /// ([`Reactor::deadline_added`]), a later one need not.
+    park_until: Mutex<Option<Instant>>,
     lead: Mutex<Lead>,
     changed: Condvar,
     /// Followers asleep on `changed`.
@@ -171,6 +175,7 @@ impl Reactor {
             wake: WakeFd::new()?,
             changes: AtomicUsize::new(0),
             parked: AtomicBool::new(false),
+            park_until: Mutex::new(None),
             lead: Mutex::new(Lead::default()),
             changed: Condvar::new(),
             followers: AtomicUsize::new(0),
@@ -185,16 +190,20 @@ impl Reactor {
         self.look_again();
     }
 
-    /// A deadline was added (a batch submitted to a NIC): a parked leader
-    /// wakes, since its park was bounded by the deadlines it knew, and
-    /// parks again bounded by this one too. A leader not parked reads the
-    /// engine's deadlines when it parks ([`Parkable::park_set`]), after
-    /// setting `parked`: with this load after the deadline was recorded
-    /// (under the engine's lock), either it sees the deadline or this sees
-    /// it parked.
-    pub(crate) fn deadline_added(&self) {
+    /// A deadline `at` was added (a batch submitted to a NIC): a parked
+    /// leader whose park ends later (or is not bounded) wakes, and parks
+    /// again bounded by `at` too. A leader not parked reads the engine's
+    /// deadlines when it parks ([`Parkable::park_set`]), after setting
+    /// `parked` and clearing `park_until`: with this load after the
+    /// deadline was recorded (under the engine's lock), either the park
+    /// saw the deadline or this sees it parked, and then either the park's
+    /// end or `None` (not known yet: wake).
+    pub(crate) fn deadline_added(&self, at: Instant) {
         if self.parked.load(Ordering::SeqCst) {
-            self.wake.signal();
+            let until = *lock(&self.park_until);
+            if until.is_none_or(|until| at < until) {
+                self.wake.signal();
+            }
         }
     }
 
@@ -373,6 +382,7 @@ impl Reactor {
         if !mutant::active("arm-without-poll") && engine.progress() > 0 {
             return None;
         }
+        *lock(&self.park_until) = None;
         self.parked.store(true, Ordering::SeqCst);
         dekker_fence();
         if self.changes.load(Ordering::SeqCst) != looked
@@ -385,6 +395,7 @@ impl Reactor {
         let engine_wake = engine.park_set(fds);
         let polled = polls.then(|| now + GPU_POLL);
         let until = [deadline, engine_wake, polled].into_iter().flatten().min();
+        *lock(&self.park_until) = until;
         fds.push(self.wake.fd());
         Some(until)
     }

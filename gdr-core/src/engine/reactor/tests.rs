@@ -356,8 +356,9 @@ fn a_deadline_added_while_the_leader_is_parked_bounds_its_park() {
     // A batch submitted now, with a deadline the park did not know of: the
     // leader must wake and park again bounded by it (then, at it, once
     // more).
-    *lock(&engine.deadline) = Some(Instant::now() + Duration::from_millis(50));
-    engine.reactor.deadline_added();
+    let at = Instant::now() + Duration::from_millis(50);
+    *lock(&engine.deadline) = Some(at);
+    engine.reactor.deadline_added(at);
     let start = Instant::now();
     while engine.arms.load(Ordering::SeqCst) < parks_before + 2 {
         assert!(
@@ -367,6 +368,29 @@ fn a_deadline_added_while_the_leader_is_parked_bounds_its_park() {
         std::thread::sleep(Duration::from_millis(1));
     }
     *lock(&engine.deadline) = None;
+    engine.complete(1);
+    assert!(waiting.join().unwrap());
+}
+
+/// A deadline after the park's own end does not wake the leader (it wakes
+/// before that deadline anyway): a submit to a parked engine costs no
+/// wake-up unless its deadline comes first.
+#[test]
+fn a_deadline_after_the_parks_end_does_not_wake_the_leader() {
+    let engine = Scripted::new();
+    // The park ends at the waiter's own deadline (`LONG`) at the latest.
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    let parks_before = engine.arms.load(Ordering::SeqCst);
+    engine
+        .reactor
+        .deadline_added(Instant::now() + LONG + Duration::from_secs(60));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        engine.arms.load(Ordering::SeqCst),
+        parks_before,
+        "the leader was woken (and parked again) for a deadline after its park's end"
+    );
     engine.complete(1);
     assert!(waiting.join().unwrap());
 }
