@@ -43,6 +43,13 @@
 //! only waits, polling gently, since the requests are one-sided
 //! (`softroce/perftest-compare-wire.sh` puts it next to `ib_write_bw` and
 //! `ib_read_bw` between two SoftRoCE guests).
+//!
+//! `gdr bench idle` (`bench/idle.rs`) measures what waiting costs: the
+//! process's CPU time and voluntary context switches while nothing
+//! happens, and the latency of a lone 4 KiB WRITE back to back and after
+//! idleness, through the engine pair above (no driver thread, or one per
+//! engine) and through a bare queue pair waited on by a
+//! [`CqWaiter`] (the floor).
 
 use std::collections::VecDeque;
 use std::error::Error;
@@ -68,6 +75,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 use crate::parse_size;
 use gdr_core::backend::Backends;
 
+mod idle;
+
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
 pub(crate) enum BenchCommand {
@@ -81,6 +90,11 @@ pub(crate) enum BenchCommand {
     /// requests into and out of it (or, across two nodes, `--listen` on
     /// one and `--connect` on the other).
     Engine(Box<EngineArgs>),
+    /// What waiting costs: idle CPU and voluntary context switches, and
+    /// the latency of a lone 4 KiB WRITE back to back and after idleness,
+    /// through the engine (no driver thread, or one per engine) and through
+    /// a bare queue pair (the floor).
+    Idle(Box<idle::IdleArgs>),
 }
 
 /// The operation measured.
@@ -169,14 +183,14 @@ pub(crate) struct RdmaArgs {
     common: Common,
 }
 
-/// Options of both benchmarks: the device, and how results are printed.
+/// Options of every benchmark: the device, and how results are printed.
 #[derive(Debug, Args)]
 pub(crate) struct Common {
     /// RDMA device (default: the first).
     #[arg(long, short = 'd')]
     device: Option<String>,
-    /// Port of the device (`gdr bench engine`: whose RoCE v2 address the
-    /// in-process engines connect to).
+    /// Port of the device (`gdr bench engine` and `idle`: whose RoCE v2
+    /// address the in-process engines connect to).
     #[arg(long, default_value_t = 1)]
     port: u8,
     /// One JSON object per result on stdout instead of the table.
@@ -292,6 +306,12 @@ pub(crate) fn run<V: Api, C: hal_cuda::Api>(
                 println!("(simulated NIC: the figures measure gdr-sim, not a device)");
             }
             engine_bench(backends, &args).map(|_| ())
+        }
+        BenchCommand::Idle(args) => {
+            if backends.verbs_name() == "sim" && !args.common.json {
+                println!("(simulated NIC: the figures measure gdr-sim, not a device)");
+            }
+            idle::idle_bench(backends, &args).map(|_| ())
         }
     }
 }
@@ -917,25 +937,21 @@ struct InProcessServer<V: Api, C: hal_cuda::Api> {
     _grant: RegionGrant<V, C>,
     _region: Region<V>,
     _buffer: Buffer<C>,
-    _pair: EnginePair<V, C>,
+    pair: EnginePair<V, C>,
 }
 
 impl<V: Api, C: hal_cuda::Api> Target<V, C> {
-    /// Two engines in this process ([`connect_engines`]), the server
-    /// granting `span` bytes of host memory.
+    /// Two engines in this process ([`connect_engines`], on `device` or
+    /// the first, listening on `port`'s address), the server granting
+    /// `span` bytes of host memory.
     fn in_process(
         backends: &Backends<V, C>,
-        args: &EngineArgs,
+        device: Option<&str>,
+        port: u8,
         config: EngineConfig,
         span: u64,
     ) -> Result<Self, Box<dyn Error>> {
-        let pair = connect_engines(
-            backends,
-            args.common.device.as_deref(),
-            args.common.port,
-            None,
-            config,
-        )?;
+        let pair = connect_engines(backends, device, port, None, config)?;
         let buffer = Buffer::<C>::alloc_host(span);
         buffer.write_at(0, &vec![0xa5; span as usize])?;
         let region = pair.server.register(&buffer)?;
@@ -955,7 +971,7 @@ impl<V: Api, C: hal_cuda::Api> Target<V, C> {
                 _grant: grant,
                 _region: region,
                 _buffer: buffer,
-                _pair: pair,
+                pair,
             }),
         })
     }
@@ -1219,7 +1235,13 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
 
     let target = match args.connect {
         Some(addr) => Target::remote(backends, addr, args.common.device.as_deref(), config, span)?,
-        None => Target::in_process(backends, args, config, span)?,
+        None => Target::in_process(
+            backends,
+            args.common.device.as_deref(),
+            args.common.port,
+            config,
+            span,
+        )?,
     };
     let local_buffer = Buffer::<C>::alloc_host(span);
     local_buffer.write_at(0, &vec![0x5a; span as usize])?;

@@ -71,8 +71,8 @@ enum Command {
         #[arg(long, default_value = "1M", value_parser = parse_size)]
         size: usize,
     },
-    /// Measure throughput (see `gdr bench rdma --help`, `gdr bench engine
-    /// --help`).
+    /// Measure throughput, latency and the cost of waiting (see `gdr bench
+    /// rdma --help`, `gdr bench engine --help`, `gdr bench idle --help`).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }

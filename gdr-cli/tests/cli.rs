@@ -1,6 +1,7 @@
 //! The built `gdr` binary: `info` (for people and as JSON) and `uri` on
-//! valid and malformed input. Runs on any machine: without RDMA or a GPU
-//! the backends fall back to the simulation, and `info` must still succeed.
+//! valid and malformed input, and the shape of `bench idle`'s output on the
+//! sim. Runs on any machine: without RDMA or a GPU the backends fall back to
+//! the simulation, and `info` must still succeed.
 
 use std::process::{Command, Output};
 
@@ -147,5 +148,99 @@ fn info_real_reports_even_when_real_cannot_be_met() {
             stderr(&out)
         );
         assert!(stdout(&out).contains("backends: real RDMA verbs asked for"));
+    }
+}
+
+/// `gdr bench idle` on the sim, short: the table's header and one row per
+/// mode (the floor first), each of six numbers; with `--json` one object
+/// per mode with the figures' keys. A measurement: only its shape is
+/// checked.
+#[test]
+fn bench_idle_prints_a_row_per_mode() {
+    let short = [
+        "--backend",
+        "sim",
+        "bench",
+        "idle",
+        "--seconds",
+        "1",
+        "--samples",
+        "100",
+        "--idle-samples",
+        "3",
+        "--gap-ms",
+        "10",
+    ];
+    let out = gdr(&short);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    let header = lines
+        .iter()
+        .position(|l| l.split_whitespace().next() == Some("mode"))
+        .unwrap_or_else(|| panic!("no header row in\n{text}"));
+    assert_eq!(
+        lines[header].split_whitespace().collect::<Vec<_>>(),
+        [
+            "mode",
+            "idle",
+            "%cpu",
+            "switches/s",
+            "b2b",
+            "p50",
+            "b2b",
+            "p99",
+            "idle",
+            "p50",
+            "idle",
+            "p99"
+        ],
+        "{text}"
+    );
+    let rows = &lines[header + 1..];
+    assert_eq!(rows.len(), 3, "{text}");
+    for (row, mode) in rows.iter().zip(["verbs", "caller", "driver"]) {
+        let fields: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(fields.len(), 7, "{row}");
+        assert_eq!(fields[0], mode, "{row}");
+        for figure in &fields[1..] {
+            let value: f64 = figure
+                .parse()
+                .unwrap_or_else(|_| panic!("{figure} in {row}"));
+            assert!(value >= 0.0, "{row}");
+        }
+        // A WRITE takes time.
+        assert!(fields[3].parse::<f64>().unwrap() > 0.0, "{row}");
+    }
+
+    let mut json = short.to_vec();
+    json[5] = "0.2";
+    json.extend(["--mode", "caller,verbs", "--json"]);
+    let out = gdr(&json);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let objects: Vec<serde_json::Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(objects.len(), 2, "{}", stdout(&out));
+    for (object, mode) in objects.iter().zip(["caller", "verbs"]) {
+        assert_eq!(object["bench"], "idle");
+        assert_eq!(object["backend"], "sim");
+        assert_eq!(object["mode"], mode);
+        assert_eq!(object["size"], 4096);
+        assert_eq!(object["b2b_samples"], 100);
+        assert_eq!(object["after_idle_samples"], 3);
+        assert_eq!(object["gap_ms"], 10);
+        for key in [
+            "idle_seconds",
+            "idle_cpu_pct",
+            "voluntary_switches_per_s",
+            "b2b_p50_us",
+            "b2b_p99_us",
+            "after_idle_p50_us",
+            "after_idle_p99_us",
+        ] {
+            assert!(object[key].as_f64().is_some(), "{key} in {object}");
+        }
     }
 }
