@@ -7,7 +7,12 @@
 //! - `tokio_current`, `tokio_multi`: a task of `drive_on_tokio` on both
 //!   (gdr-core's feature `tokio`), on a current-thread runtime or on a
 //!   multi-thread one of two workers; the measurement runs in a task of
-//!   the runtime (idle time is a tokio sleep, each WRITE is awaited).
+//!   the runtime (idle time is a tokio sleep, each WRITE is awaited);
+//! - `verbs`: no engine, the floor: two QPs of one node connected to each
+//!   other (`gdr_core::loopback::QpPair`), a signaled 4 KiB WRITE posted
+//!   and its completion waited for with `gdr_core::cq_wait::CqWaiter` (the
+//!   reactor's policy on a bare CQ). What the machine costs a lone request
+//!   after idleness (cold caches) shows here without the engine's code.
 //!
 //! For each: the process's CPU time and voluntary context switches
 //! (`getrusage`) over `GDR_IDLE_SECS` (10) seconds with nothing to do
@@ -286,6 +291,96 @@ async fn measure_async(engines: std::sync::Arc<Engines>) -> Figures {
     }
 }
 
+/// The floor: the bare verbs loop, waited for by the reactor's policy.
+fn run_verbs() {
+    use gdr_core::cq_wait::CqWaiter;
+    use gdr_core::loopback::{PairConfig, QpPair};
+    use hal_verbs::{
+        AccessFlags, Context as _, MemoryRegion as _, ProtectionDomain as _, Provider as _,
+        QueuePair as _, SendFlags, SendOp, SendRequest, SgList, Sge,
+    };
+
+    let (idle_secs, b2b, lone, gap) = knobs();
+    let fabric = SimFabric::new();
+    let ctx = fabric
+        .add_node("n", NodeConfig::default())
+        .open("sim0")
+        .expect("sim0");
+    let pd = ctx.alloc_pd().expect("pd");
+    let channel = ctx.create_comp_channel().expect("a completion channel");
+    let cq = ctx.create_cq_on_channel(16, &channel, 0).expect("cq");
+    let pair = QpPair::<SimVerbsApi>::connect(&ctx, &pd, &cq, 1, &PairConfig::default())
+        .expect("a connected pair");
+    let mut memory = vec![0u8; 2 * REQ as usize];
+    // SAFETY: `memory` outlives the MR (dropped at the end of this
+    // function, after every WRITE completed).
+    let mr = unsafe {
+        pd.register(
+            memory.as_mut_ptr() as u64,
+            memory.len(),
+            AccessFlags::transfer(),
+        )
+    }
+    .expect("register");
+    let waiter = CqWaiter::new().expect("a waiter");
+    let request = SendRequest {
+        wr_id: 1,
+        op: SendOp::Write {
+            remote_addr: mr.addr() + REQ,
+            rkey: mr.rkey(),
+        },
+        sg_list: SgList::from_slice(&[Sge {
+            addr: mr.addr(),
+            length: REQ as u32,
+            lkey: mr.lkey(),
+        }]),
+        flags: SendFlags::SIGNALED,
+    };
+    let mut completions = Vec::with_capacity(16);
+    let mut write = || {
+        let start = Instant::now();
+        // SAFETY: both ranges lie in `mr`, alive until after the wait
+        // below has seen this request complete.
+        unsafe { pair.requester.post_send(std::slice::from_ref(&request)) }.expect("post");
+        completions.clear();
+        let got = waiter
+            .wait::<SimVerbsApi>(&cq, Some(&channel), Some(start + T), &mut completions)
+            .expect("poll");
+        assert!(
+            got == 1 && completions[0].status.is_success(),
+            "{completions:?}"
+        );
+        start.elapsed()
+    };
+    for _ in 0..1000 {
+        write();
+    }
+    let (cpu0, csw0) = usage();
+    let wall = Instant::now();
+    std::thread::sleep(Duration::from_secs(idle_secs));
+    let (cpu1, csw1) = usage();
+    let secs = wall.elapsed().as_secs_f64();
+    let back_to_back: Vec<Duration> = (0..b2b).map(|_| write()).collect();
+    let after_idle: Vec<Duration> = (0..lone)
+        .map(|_| {
+            std::thread::sleep(gap);
+            write()
+        })
+        .collect();
+    Figures {
+        idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
+        wakeups: (csw1 - csw0) as f64 / secs,
+        secs,
+        back_to_back,
+        after_idle,
+        gap,
+        task_polls: None,
+    }
+    .print("verbs");
+    drop(mr);
+    drop(memory);
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; a filter picks modes.
     let filter: Vec<String> = std::env::args()
@@ -293,6 +388,9 @@ fn main() {
         .filter(|a| !a.starts_with("--"))
         .collect();
     let wanted = |mode: &str| filter.is_empty() || filter.iter().any(|f| mode.contains(f.as_str()));
+    if wanted("verbs") {
+        run_verbs();
+    }
     if wanted("caller") {
         run("caller", |_| Vec::new());
     }
