@@ -1447,7 +1447,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The earliest deadline of a request in flight: a driver that waits
     /// for completion events must call [`Engine::progress`] by then.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let mut state = lock(&self.shared.state);
+        Self::next_deadline_of(&mut lock(&self.shared.state))
+    }
+
+    /// [`Engine::next_deadline`], under the lock already held.
+    fn next_deadline_of(state: &mut State<V, C>) -> Option<Instant> {
         [
             state.core.next_deadline(),
             TransferPath::<V, C>::next_deadline(&state.paths.staged),
@@ -2298,12 +2302,12 @@ impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
             }
             fds.push(nic.context.async_fd());
         }
-        let state = lock(&self.shared.state);
+        // One look under the lock: the connections' fds and the deadline.
+        let mut state = lock(&self.shared.state);
         for peer in state.peers.iter().flatten() {
             fds.extend(peer.qps.iter().map(|qp| qp.conn.event_fd()));
         }
-        drop(state);
-        self.next_deadline()
+        Self::next_deadline_of(&mut state)
     }
 
     fn drain(&self) {
