@@ -28,9 +28,17 @@ args=()
 for c in "${CRATES[@]}"; do args+=(-p "$c"); done
 verify=
 [ "${GDR_PACKAGE_VERIFY:-1}" = 0 ] && verify=--no-verify
+# Verification unpacks the packages of a local registry under
+# $CARGO_HOME/registry/src/-<hash>/ (keyed by the registry's path) and never
+# unpacks a version again that is there already: on a machine that ran this
+# before (from the same folder), our own crates from that earlier tree would
+# be built instead of these. Gone first (only our crates, only there).
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
+for c in "${CRATES[@]}"; do
+  rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/"$c-$version"
+done
 # --allow-dirty: CI checks the tree as it is; a release is cut from a clean one.
 cargo package --allow-dirty $verify "${args[@]}"
-version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
 failed=0
 for c in "${CRATES[@]}"; do
   crate="target/package/$c-$version.crate"
