@@ -205,37 +205,69 @@ fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples[at]
 }
 
-fn run(mode: &str, drivers: impl Fn(&Engines) -> Vec<Driver>) {
+/// CPU time and voluntary context switches over an idle span.
+struct IdleMeter {
+    cpu: Duration,
+    switches: u64,
+    wall: Instant,
+}
+
+impl IdleMeter {
+    fn start() -> Self {
+        let (cpu, switches) = usage();
+        Self {
+            cpu,
+            switches,
+            wall: Instant::now(),
+        }
+    }
+
+    /// Since the start: % of a core, voluntary switches a second, seconds.
+    fn stop(self) -> (f64, f64, f64) {
+        let (cpu, switches) = usage();
+        let secs = self.wall.elapsed().as_secs_f64();
+        (
+            (cpu - self.cpu).as_secs_f64() / secs * 100.0,
+            (switches - self.switches) as f64 / secs,
+            secs,
+        )
+    }
+}
+
+/// The figures of `write` (one lone request, its latency) after a warm-up:
+/// idle for the knobs' seconds, then back to back, then each after a gap.
+fn sample(mut write: impl FnMut() -> Duration) -> Figures {
     let (idle_secs, b2b, lone, gap) = knobs();
-    let engines = Engines::new();
-    let _drivers = drivers(&engines);
     // Warm: the first requests set up what the rest reuse.
     for _ in 0..1000 {
-        engines.write();
+        write();
     }
     std::thread::sleep(Duration::from_millis(200));
-    let (cpu0, csw0) = usage();
-    let wall = Instant::now();
+    let meter = IdleMeter::start();
     std::thread::sleep(Duration::from_secs(idle_secs));
-    let (cpu1, csw1) = usage();
-    let secs = wall.elapsed().as_secs_f64();
-    let back_to_back: Vec<Duration> = (0..b2b).map(|_| engines.write()).collect();
+    let (idle_cpu, wakeups, secs) = meter.stop();
+    let back_to_back: Vec<Duration> = (0..b2b).map(|_| write()).collect();
     let after_idle: Vec<Duration> = (0..lone)
         .map(|_| {
             std::thread::sleep(gap);
-            engines.write()
+            write()
         })
         .collect();
     Figures {
-        idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
-        wakeups: (csw1 - csw0) as f64 / secs,
+        idle_cpu,
+        wakeups,
         secs,
         back_to_back,
         after_idle,
         gap,
         task_polls: None,
     }
-    .print(mode);
+}
+
+fn run(mode: &str, drivers: impl Fn(&Engines) -> Vec<Driver>) {
+    let engines = Engines::new();
+    let _drivers = drivers(&engines);
+    sample(|| engines.write()).print(mode);
     drop(_drivers);
     let _ = (&engines.a, &engines.b);
 }
@@ -265,11 +297,9 @@ async fn measure_async(engines: std::sync::Arc<Engines>) -> Figures {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let polls0 = drivers.0.polls() + drivers.1.polls();
-    let (cpu0, csw0) = usage();
-    let wall = Instant::now();
+    let meter = IdleMeter::start();
     tokio::time::sleep(Duration::from_secs(idle_secs)).await;
-    let (cpu1, csw1) = usage();
-    let secs = wall.elapsed().as_secs_f64();
+    let (idle_cpu, wakeups, secs) = meter.stop();
     let task_polls = drivers.0.polls() + drivers.1.polls() - polls0;
     let mut back_to_back = Vec::with_capacity(b2b as usize);
     for _ in 0..b2b {
@@ -281,8 +311,8 @@ async fn measure_async(engines: std::sync::Arc<Engines>) -> Figures {
         after_idle.push(engines.write_async().await);
     }
     Figures {
-        idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
-        wakeups: (csw1 - csw0) as f64 / secs,
+        idle_cpu,
+        wakeups,
         secs,
         back_to_back,
         after_idle,
@@ -300,7 +330,6 @@ fn run_verbs() {
         QueuePair as _, SendFlags, SendOp, SendRequest, SgList, Sge,
     };
 
-    let (idle_secs, b2b, lone, gap) = knobs();
     let fabric = SimFabric::new();
     let ctx = fabric
         .add_node("n", NodeConfig::default())
@@ -337,7 +366,7 @@ fn run_verbs() {
         flags: SendFlags::SIGNALED,
     };
     let mut completions = Vec::with_capacity(16);
-    let mut write = || {
+    let write = || {
         let start = Instant::now();
         // SAFETY: both ranges lie in `mr`, alive until after the wait
         // below has seen this request complete.
@@ -352,31 +381,7 @@ fn run_verbs() {
         );
         start.elapsed()
     };
-    for _ in 0..1000 {
-        write();
-    }
-    let (cpu0, csw0) = usage();
-    let wall = Instant::now();
-    std::thread::sleep(Duration::from_secs(idle_secs));
-    let (cpu1, csw1) = usage();
-    let secs = wall.elapsed().as_secs_f64();
-    let back_to_back: Vec<Duration> = (0..b2b).map(|_| write()).collect();
-    let after_idle: Vec<Duration> = (0..lone)
-        .map(|_| {
-            std::thread::sleep(gap);
-            write()
-        })
-        .collect();
-    Figures {
-        idle_cpu: (cpu1 - cpu0).as_secs_f64() / secs * 100.0,
-        wakeups: (csw1 - csw0) as f64 / secs,
-        secs,
-        back_to_back,
-        after_idle,
-        gap,
-        task_polls: None,
-    }
-    .print("verbs");
+    sample(write).print("verbs");
     drop(mr);
     drop(memory);
 }

@@ -3,6 +3,7 @@
 
 use std::sync::Once;
 
+pub mod awaiting;
 pub mod conformance;
 pub mod engine_world;
 pub mod fd;

@@ -13,17 +13,15 @@
 use std::time::Duration;
 
 use gdr_core::descriptor::GrantRights;
-use gdr_core::engine::{Batch, EngineConfig, Transfer, TransferError};
-use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_core::engine::{EngineConfig, Transfer, TransferError};
+use gdr_sim::{GpuConfig, SimVerbsApi};
+use gdr_tests::awaiting::{await_each, parts};
 use gdr_tests::engine_world::EngineWorld;
 use gdr_tests::pattern;
 use tokio::runtime::{Builder, Runtime};
-use tokio::task::JoinSet;
 use tokio::time::timeout;
 
 const T: Duration = Duration::from_secs(10);
-
-type SimBatch = Batch<SimVerbsApi, SimCudaApi>;
 
 fn world(qps: u16) -> EngineWorld<SimVerbsApi> {
     let config = EngineConfig {
@@ -47,37 +45,6 @@ fn current_thread() -> Runtime {
     Builder::new_current_thread().enable_time().build().unwrap()
 }
 
-/// Parts of different lengths (odd ones included) covering `len` bytes:
-/// (offset, length) each.
-fn parts(count: u64) -> (Vec<(u64, u64)>, u64) {
-    let mut parts = Vec::new();
-    let mut offset = 0;
-    for i in 0..count {
-        let len = 4096 * (1 + i % 5) + (i * 7) % 13;
-        parts.push((offset, len));
-        offset += len;
-    }
-    (parts, offset)
-}
-
-/// Awaits every batch in a task of its own, all at once, bounded by `T`;
-/// checks each ended, with success. `what` names them in failures.
-async fn await_each(what: &'static str, batches: Vec<SimBatch>) {
-    let mut tasks = JoinSet::new();
-    for (i, batch) in batches.into_iter().enumerate() {
-        tasks.spawn(async move { (i, timeout(T, batch).await) });
-    }
-    let mut ended = 0;
-    while let Some(joined) = tasks.join_next().await {
-        let (i, outcome) = joined.unwrap();
-        outcome
-            .unwrap_or_else(|_| panic!("{what} {i}: never woken within {T:?}"))
-            .unwrap_or_else(|e| panic!("{what} {i}: {e}"));
-        ended += 1;
-    }
-    assert!(ended > 0, "{what}: nothing awaited");
-}
-
 /// `count` WRITEs from a to b of parts of different lengths, submitted
 /// together, each awaited in a task of its own, all at once, every outcome
 /// checked; b holds a's bytes. Then the same parts READ back into other
@@ -98,7 +65,7 @@ fn concurrent_writes_then_reads(rt: &Runtime, count: u64) {
                 .unwrap()
         })
         .collect();
-    rt.block_on(await_each("WRITE", writes));
+    rt.block_on(await_each("WRITE", writes, T));
     assert_eq!(
         w.b.bytes(&h.dst_buf),
         pattern(len as usize, 3),
@@ -115,7 +82,7 @@ fn concurrent_writes_then_reads(rt: &Runtime, count: u64) {
             .unwrap()
         })
         .collect();
-    rt.block_on(await_each("READ", reads));
+    rt.block_on(await_each("READ", reads, T));
     assert_eq!(
         w.a.bytes(&back_buf),
         pattern(len as usize, 3),

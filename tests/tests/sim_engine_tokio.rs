@@ -27,10 +27,10 @@ use std::time::{Duration, Instant};
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{AsyncDriver, Batch, EngineConfig, Transfer, TransferError};
 use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_tests::awaiting::{await_each, parts};
 use gdr_tests::engine_world::{EngineWorld, HostPair};
 use gdr_tests::pattern;
 use tokio::runtime::{Builder, Runtime};
-use tokio::task::JoinSet;
 use tokio::time::timeout;
 
 const T: Duration = Duration::from_secs(10);
@@ -108,37 +108,6 @@ async fn write(w: &World, h: &HostPair<SimVerbsApi>) {
         .unwrap();
 }
 
-/// Parts of different lengths (odd ones included) covering `len` bytes:
-/// (offset, length) each.
-fn parts(count: u64) -> (Vec<(u64, u64)>, u64) {
-    let mut parts = Vec::new();
-    let mut offset = 0;
-    for i in 0..count {
-        let len = 4096 * (1 + i % 5) + (i * 7) % 13;
-        parts.push((offset, len));
-        offset += len;
-    }
-    (parts, offset)
-}
-
-/// Awaits every batch in a task of its own, all at once, bounded by `T`;
-/// checks each ended with success.
-async fn await_each(what: &'static str, batches: Vec<SimBatch>) {
-    let mut tasks = JoinSet::new();
-    for (i, batch) in batches.into_iter().enumerate() {
-        tasks.spawn(async move { (i, timeout(T, batch).await) });
-    }
-    let mut ended = 0;
-    while let Some(joined) = tasks.join_next().await {
-        let (i, outcome) = joined.unwrap();
-        outcome
-            .unwrap_or_else(|_| panic!("{what} {i}: never woken within {T:?}"))
-            .unwrap_or_else(|e| panic!("{what} {i}: {e}"));
-        ended += 1;
-    }
-    assert!(ended > 0, "{what}: nothing awaited");
-}
-
 /// 64 WRITEs from a to b, submitted together, each awaited in a task of
 /// its own; then the same parts READ back, two transfers a batch. Only
 /// the tasks drive: no thread of the engine's starts.
@@ -158,7 +127,7 @@ fn many_batches_at_once(rt: &Runtime) {
                 .unwrap()
         })
         .collect();
-    rt.block_on(await_each("WRITE", writes));
+    rt.block_on(await_each("WRITE", writes, T));
     assert_eq!(w.b.bytes(&h.dst_buf), pattern(len as usize, 3));
     let reads = parts
         .iter()
@@ -171,7 +140,7 @@ fn many_batches_at_once(rt: &Runtime) {
             .unwrap()
         })
         .collect();
-    rt.block_on(await_each("READ", reads));
+    rt.block_on(await_each("READ", reads, T));
     assert_eq!(w.a.bytes(&back_buf), pattern(len as usize, 3));
     assert!(drivers.0.is_running() && drivers.1.is_running());
     assert_eq!(own_threads(), 0, "the engine's own thread was started");
@@ -418,7 +387,7 @@ fn blocking_waits_on_other_threads_work_beside_the_task() {
     let outcome = rt.block_on(async {
         let start = Instant::now();
         let following = tokio::task::spawn_blocking(move || followed.wait(T));
-        let awaiting = tokio::spawn(await_each("WRITE beside a blocking wait", awaited));
+        let awaiting = tokio::spawn(await_each("WRITE beside a blocking wait", awaited, T));
         tokio::time::sleep(Duration::from_millis(50)).await;
         w.fabric().set_paused(false);
         awaiting.await.unwrap();
