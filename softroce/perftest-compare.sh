@@ -25,7 +25,12 @@
 # Knobs: COMPARE_VOLUME=32M (bytes per measurement), COMPARE_ROUNDS=3,
 # COMPARE_SIZES="4K 64K 1M 4M", GDR_BENCH_ARGS (extra `gdr bench rdma`
 # options), ENGINE_BENCH_ARGS (extra `gdr bench engine` options, e.g.
-# "--batch 8 --qps 1"), COMPARE_ENGINE=0 (leave the engine out),
+# "--batch 8 --qps 1"), COMPARE_ENGINE_DEPTH=16 (the engine's batches in
+# flight: its bench's own default, 4 batches of 256 KiB, keeps 1 MiB in
+# flight where perftest keeps 128 requests (8 MiB at 64 KiB), and a parked
+# engine's wake-up then idles the wire: measured 2026-12-05, READ 64K-4M
+# 0.95-0.97 of perftest at 4, 0.99-1.02 at 16), COMPARE_ENGINE=0 (leave the
+# engine out),
 # PERFTEST_ARGS (extra perftest options), and run-in-vm.sh's RXEVM_* knobs.
 # Internal: `--in-guest BINARY` is what runs inside the guest.
 set -euo pipefail
@@ -37,6 +42,7 @@ read -r -a SIZES <<< "${COMPARE_SIZES:-4K 64K 1M 4M}"
 read -r -a GDR_EXTRA <<< "${GDR_BENCH_ARGS:-}"
 read -r -a ENGINE_EXTRA <<< "${ENGINE_BENCH_ARGS:-}"
 ENGINE=${COMPARE_ENGINE:-1}
+ENGINE_DEPTH=${COMPARE_ENGINE_DEPTH:-16}
 read -r -a PT_EXTRA <<< "${PERFTEST_ARGS:-}"
 TX_DEPTH=128
 DEV=rxe0
@@ -72,7 +78,7 @@ in_guest() {
   local rdma_cmd=("$gdr" --backend real bench rdma --json --sizes "$sizes_csv" --ops "write,read"
     --volume "$VOLUME" --tx-depth "$TX_DEPTH" -d "$DEV" "${GDR_EXTRA[@]}")
   local engine_cmd=("$gdr" --backend real bench engine --json --sizes "$sizes_csv" --ops "write,read"
-    --volume "$VOLUME" -d "$DEV" "${ENGINE_EXTRA[@]}")
+    --volume "$VOLUME" --depth "$ENGINE_DEPTH" -d "$DEV" "${ENGINE_EXTRA[@]}")
   t0=$(date +%s.%N)
   # Untimed warm-up round: for the first ~10 s after boot transfers run
   # ~30% slower (measured: every figure of a first round), which would
