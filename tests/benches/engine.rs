@@ -31,23 +31,18 @@
 //! the set-up is not counted.
 
 use std::collections::VecDeque;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
-use gdr_core::buffer::Buffer;
-use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
-use gdr_core::engine::{Batch, Engine, EngineConfig, Path, Peer, Region, Transfer};
+use gdr_core::engine::{Batch, EngineConfig, Transfer};
 use gdr_core::ladder::LadderConfig;
-use gdr_sim::{DeviceConfig, NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+use gdr_sim::{DeviceConfig, SimCudaApi, SimVerbsApi};
+use gdr_tests::engine_world::{SimHostPeers, sim_host_peers};
 use gdr_tests::pair::{Buf, Pair, PairConfig, SimBackend};
 use hal_verbs::{
     AccessFlags, Completion, CompletionQueue as _, MemoryRegion as _, QpCaps, SendFlags, SendOp,
     SendRequest,
 };
-
-type SimEngine = Engine<SimVerbsApi, SimCudaApi>;
-type SimPeer = Peer<SimVerbsApi, SimCudaApi>;
 
 /// Bytes per request.
 const REQ: usize = 4096;
@@ -203,20 +198,17 @@ impl Bare {
 }
 
 /// Two engines on two nodes, connected, b's region granted to a.
-struct Engines {
-    _fabric: SimFabric,
-    _b: SimEngine,
-    a_to_b: SimPeer,
-    _b_to_a: SimPeer,
-    _buffers: (Buffer<SimCudaApi>, Buffer<SimCudaApi>),
-    local: Region<SimVerbsApi>,
-    _grant: gdr_core::engine::RegionGrant<SimVerbsApi, SimCudaApi>,
-    remote: MemoryDescriptor,
+struct Engines(SimHostPeers);
+
+impl std::ops::Deref for Engines {
+    type Target = SimHostPeers;
+    fn deref(&self) -> &SimHostPeers {
+        &self.0
+    }
 }
 
 impl Engines {
     fn new(signal_every: u32) -> Self {
-        let fabric = SimFabric::new();
         let config = EngineConfig {
             qps_per_peer: 1,
             qp_depth: WINDOW as u32,
@@ -234,50 +226,7 @@ impl Engines {
             },
             ..EngineConfig::default()
         };
-        let node = |name: &str| {
-            fabric.add_node(
-                name,
-                NodeConfig {
-                    ipv4: None,
-                    devices: vec![DeviceConfig::default()],
-                },
-            )
-        };
-        let (va, vb) = (node("a"), node("b"));
-        let a = SimEngine::new(&va, None, config.clone()).expect("engine a");
-        let b = SimEngine::new(&vb, None, config).expect("engine b");
-        let mut listener = b
-            .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
-            .expect("listen");
-        let port = listener.local_addr().port();
-        let accepting = std::thread::spawn(move || listener.accept(T));
-        let path = Path {
-            source: None,
-            peer: SocketAddr::new(IpAddr::V4(vb.device_ipv4("sim0").expect("b's IP")), port),
-        };
-        let a_to_b = a.connect_paths(&[path], T).expect("connect");
-        let b_to_a = accepting.join().expect("accept thread").expect("accept");
-        let len = (WINDOW * REQ) as u64;
-        let src = Buffer::<SimCudaApi>::alloc_host(len);
-        let dst = Buffer::<SimCudaApi>::alloc_host(len);
-        let local = a.register(&src).expect("register a");
-        let region_b = b.register(&dst).expect("register b");
-        let grant = b_to_a
-            .grant(&region_b, 0, len, GrantRights::ReadWrite)
-            .expect("grant");
-        let remote = a_to_b
-            .wait_grant(grant.descriptor().grant, T)
-            .expect("grant seen");
-        Self {
-            _fabric: fabric,
-            _b: b,
-            a_to_b,
-            _b_to_a: b_to_a,
-            _buffers: (src, dst),
-            local,
-            _grant: grant,
-            remote,
-        }
+        Self(sim_host_peers(config, (WINDOW * REQ) as u64, T))
     }
 
     /// `iters` batches of `b` retired (and as many submitted) in steady

@@ -26,17 +26,12 @@
 //! `tokio` picks both tokio modes). A measurement, not a test: it asserts
 //! nothing about the figures.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use gdr_core::buffer::Buffer;
-use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
-use gdr_core::engine::{Driver, Engine, EngineConfig, Path, Peer, Region, Transfer};
+use gdr_core::engine::{Driver, EngineConfig, Transfer};
 use gdr_core::ladder::LadderConfig;
-use gdr_sim::{DeviceConfig, NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
-
-type SimEngine = Engine<SimVerbsApi, SimCudaApi>;
-type SimPeer = Peer<SimVerbsApi, SimCudaApi>;
+use gdr_sim::{NodeConfig, SimFabric, SimVerbsApi};
+use gdr_tests::engine_world::{SimHostPeers, sim_host_peers};
 
 const REQ: u64 = 4096;
 const T: Duration = Duration::from_secs(30);
@@ -49,21 +44,17 @@ fn env_or(name: &str, default: u64) -> u64 {
 }
 
 /// Two connected engines, b's region granted to a.
-struct Engines {
-    _fabric: SimFabric,
-    a: SimEngine,
-    b: SimEngine,
-    a_to_b: SimPeer,
-    _b_to_a: SimPeer,
-    _buffers: (Buffer<SimCudaApi>, Buffer<SimCudaApi>),
-    local: Region<SimVerbsApi>,
-    _grant: gdr_core::engine::RegionGrant<SimVerbsApi, SimCudaApi>,
-    remote: MemoryDescriptor,
+struct Engines(SimHostPeers);
+
+impl std::ops::Deref for Engines {
+    type Target = SimHostPeers;
+    fn deref(&self) -> &SimHostPeers {
+        &self.0
+    }
 }
 
 impl Engines {
     fn new() -> Self {
-        let fabric = SimFabric::new();
         let config = EngineConfig {
             default_timeout: T,
             ladder: LadderConfig {
@@ -72,50 +63,7 @@ impl Engines {
             },
             ..EngineConfig::default()
         };
-        let node = |name: &str| {
-            fabric.add_node(
-                name,
-                NodeConfig {
-                    ipv4: None,
-                    devices: vec![DeviceConfig::default()],
-                },
-            )
-        };
-        let (va, vb) = (node("a"), node("b"));
-        let a = SimEngine::new(&va, None, config.clone()).expect("engine a");
-        let b = SimEngine::new(&vb, None, config).expect("engine b");
-        let mut listener = b
-            .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
-            .expect("listen");
-        let port = listener.local_addr().port();
-        let accepting = std::thread::spawn(move || listener.accept(T));
-        let path = Path {
-            source: None,
-            peer: SocketAddr::new(IpAddr::V4(vb.device_ipv4("sim0").expect("b's IP")), port),
-        };
-        let a_to_b = a.connect_paths(&[path], T).expect("connect");
-        let b_to_a = accepting.join().expect("accept thread").expect("accept");
-        let src = Buffer::<SimCudaApi>::alloc_host(REQ);
-        let dst = Buffer::<SimCudaApi>::alloc_host(REQ);
-        let local = a.register(&src).expect("register a");
-        let region_b = b.register(&dst).expect("register b");
-        let grant = b_to_a
-            .grant(&region_b, 0, REQ, GrantRights::ReadWrite)
-            .expect("grant");
-        let remote = a_to_b
-            .wait_grant(grant.descriptor().grant, T)
-            .expect("grant seen");
-        Self {
-            _fabric: fabric,
-            a,
-            b,
-            a_to_b,
-            _b_to_a: b_to_a,
-            _buffers: (src, dst),
-            local,
-            _grant: grant,
-            remote,
-        }
+        Self(sim_host_peers(config, REQ, T))
     }
 
     /// One 4 KiB WRITE, submitted and waited for: its latency.

@@ -1161,3 +1161,80 @@ impl EngineWorld<RdmaApi> {
         ))
     }
 }
+
+/// Two engines on two nodes of a fresh simulator (one NIC each, no GPU, no
+/// tracing subscriber: what the benchmarks measure), a connected to b, and
+/// `len` bytes of b's host memory granted read-write to a, which holds as
+/// much host memory registered as `local` ([`sim_host_peers`]).
+/// Field order is drop order.
+#[derive(Debug)]
+pub struct SimHostPeers {
+    /// The fabric both nodes are on.
+    pub fabric: SimFabric,
+    /// The connecting engine.
+    pub a: Engine<SimVerbsApi, SimCudaApi>,
+    /// The listening engine.
+    pub b: Engine<SimVerbsApi, SimCudaApi>,
+    /// a's peer b.
+    pub a_to_b: Peer<SimVerbsApi, SimCudaApi>,
+    /// b's peer a.
+    pub b_to_a: Peer<SimVerbsApi, SimCudaApi>,
+    /// a's memory and b's.
+    pub buffers: (Buffer<SimCudaApi>, Buffer<SimCudaApi>),
+    /// a's region of its memory.
+    pub local: Region<SimVerbsApi>,
+    /// b's grant of its memory to a.
+    pub grant: RegionGrant<SimVerbsApi, SimCudaApi>,
+    /// The grant as a received it.
+    pub remote: MemoryDescriptor,
+}
+
+/// [`SimHostPeers`] with both engines configured as `config`; connecting
+/// and waiting for the grant may take `timeout` each.
+pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> SimHostPeers {
+    let fabric = SimFabric::new();
+    let node = |name: &str| {
+        fabric.add_node(
+            name,
+            NodeConfig {
+                ipv4: None,
+                devices: vec![DeviceConfig::default()],
+            },
+        )
+    };
+    let (va, vb) = (node("a"), node("b"));
+    let a = Engine::new(&va, None, config.clone()).expect("engine a");
+    let b = Engine::new(&vb, None, config).expect("engine b");
+    let mut listener = b
+        .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+        .expect("listen");
+    let port = listener.local_addr().port();
+    let accepting = std::thread::spawn(move || listener.accept(timeout));
+    let path = Path {
+        source: None,
+        peer: SocketAddr::new(IpAddr::V4(vb.device_ipv4("sim0").expect("b's IP")), port),
+    };
+    let a_to_b = a.connect_paths(&[path], timeout).expect("connect");
+    let b_to_a = accepting.join().expect("accept thread").expect("accept");
+    let src = Buffer::<SimCudaApi>::alloc_host(len);
+    let dst = Buffer::<SimCudaApi>::alloc_host(len);
+    let local = a.register(&src).expect("register a");
+    let region_b = b.register(&dst).expect("register b");
+    let grant = b_to_a
+        .grant(&region_b, 0, len, GrantRights::ReadWrite)
+        .expect("grant");
+    let remote = a_to_b
+        .wait_grant(grant.descriptor().grant, timeout)
+        .expect("grant seen");
+    SimHostPeers {
+        fabric,
+        a,
+        b,
+        a_to_b,
+        b_to_a,
+        buffers: (src, dst),
+        local,
+        grant,
+        remote,
+    }
+}
