@@ -32,9 +32,11 @@
 //! itself by default (`--progress inline`; with `--idle park` the loop
 //! waits on its oldest batch, which runs the engine's reactor in this
 //! thread; `--idle spin|yield` calls `Engine::progress` in a loop):
-//! measured faster on rxe than a driver thread (`--progress driver`), which
-//! cost 4 KiB and 64 KiB READs about half their throughput there, the
-//! thread and the poster sharing two vCPUs with rxe's kernel work.
+//! measured faster on rxe than a driver thread (`--progress driver`) when
+//! that thread still polled and slept (before the engine's reactor; not
+//! measured since): it cost 4 KiB and 64 KiB READs about half their
+//! throughput there, the thread and the poster sharing two vCPUs with rxe's
+//! kernel work.
 //!
 //! Across two nodes, `gdr bench engine --listen ADDR` on one serves a
 //! single `gdr bench engine --connect ADDR` on the other, which measures as
