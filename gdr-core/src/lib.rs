@@ -122,6 +122,8 @@ pub mod buffer;
 pub mod cq_wait;
 pub mod descriptor;
 pub mod engine;
+#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
+pub mod facade;
 pub mod ladder;
 mod lifetime;
 pub mod loopback;
@@ -134,6 +136,22 @@ mod sync;
 pub mod cache;
 
 pub use lifetime::MemoryLease;
+
+#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
+pub use backend::BackendChoice;
+pub use descriptor::{GrantRights, MemoryDescriptor};
+pub use engine::{EngineConfig, Fence, Op, Outcome, TransferError};
+/// The facade's types, at the crate's root: what a library user names.
+#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
+pub use facade::{
+    Batch, Buffer, Context, Engine, Error, Grant, Listener, MemoryKind, PathInfo, Peer, Region,
+    Stream, Transfer, Unsupported,
+};
+
+/// The simulated NIC and GPU (gdr-sim), for tests and for trying gdr
+/// without hardware.
+#[cfg(feature = "sim")]
+pub use gdr_sim as sim;
 
 /// The user guide (`docs/guide.md`): its Rust examples run as doc tests
 /// here (they use `backend`, hence the `sim` feature; `cargo test

@@ -1,0 +1,345 @@
+//! [`Buffer`]: memory of a context (host, pinned, device, an IPC import or
+//! the caller's), erased once; registered with an engine as a
+//! [`Region`](super::Region).
+
+use std::any::Any;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use hal_cuda::{Context as _, MemoryType, Stream as _};
+
+use super::context::Instance;
+use super::{Context, Error, Unsupported};
+use crate::buffer::Buffer as BufferOfC;
+use crate::uri::BufferUri;
+
+/// What kind of memory a buffer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// Ordinary (pageable) host memory.
+    Host,
+    /// Page-locked host memory the GPU can reach.
+    Pinned,
+    /// GPU memory.
+    Device,
+    /// CUDA managed memory (never registered).
+    Managed,
+}
+
+/// A context's memory: cheap to clone (a shared handle). The memory is
+/// freed when the last handle, region, grant and transfer of it are gone,
+/// or by [`release`](Self::release).
+#[derive(Clone)]
+pub struct Buffer {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    context: Context,
+    addr: u64,
+    len: u64,
+    kind: MemoryKind,
+    device: Option<u32>,
+    /// `None` once released.
+    inner: Mutex<Option<Box<dyn DynBuffer>>>,
+    /// Copies queued on streams not yet seen done ([`BufferHold`]).
+    stream_holds: AtomicUsize,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("addr", &format_args!("{:#x}", self.shared.addr))
+            .field("len", &self.shared.len)
+            .field("kind", &self.shared.kind)
+            .field("device", &self.shared.device)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A claim on a buffer for a copy queued on a stream: while it lives,
+/// [`Buffer::release`] refuses the buffer and its memory stays.
+pub(super) struct BufferHold(Buffer);
+
+impl Drop for BufferHold {
+    fn drop(&mut self) {
+        self.0.shared.stream_holds.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Buffer {
+    pub(super) fn new(context: Context, inner: Box<dyn DynBuffer>) -> Self {
+        let facts = inner.facts();
+        Self {
+            shared: Arc::new(Shared {
+                context,
+                addr: facts.addr,
+                len: facts.len,
+                kind: facts.kind,
+                device: facts.device,
+                inner: Mutex::new(Some(inner)),
+                stream_holds: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// The context it was made in.
+    pub fn context(&self) -> &Context {
+        &self.shared.context
+    }
+
+    /// Its address (a host pointer, or a device address).
+    pub fn addr(&self) -> u64 {
+        self.shared.addr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.shared.len
+    }
+
+    /// Whether it is empty (never, for a buffer a context made).
+    pub fn is_empty(&self) -> bool {
+        self.shared.len == 0
+    }
+
+    /// What kind of memory it is.
+    pub fn kind(&self) -> MemoryKind {
+        self.shared.kind
+    }
+
+    /// The GPU it lives on (device memory), or whose driver pinned it.
+    pub fn device(&self) -> Option<u32> {
+        self.shared.device
+    }
+
+    /// Copies `data` into the buffer at `offset`: a CPU copy for host
+    /// memory, a synchronized stream copy for device memory.
+    pub fn copy_from_host(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        self.check_range("data", offset, data.len())?;
+        self.with(|b| b.copy_in(offset, data))
+    }
+
+    /// Copies `out.len()` bytes of the buffer at `offset` into `out`.
+    pub fn copy_to_host(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        self.check_range("out", offset, out.len())?;
+        self.with(|b| b.copy_out(offset, out))
+    }
+
+    /// The whole buffer, copied to host memory.
+    pub fn to_vec(&self) -> Result<Vec<u8>, Error> {
+        let len = usize::try_from(self.len()).map_err(|_| Error::BadSize {
+            what: "buffer",
+            size: self.len(),
+        })?;
+        let mut out = vec![0; len];
+        self.copy_to_host(0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Its `gdr://` URI (device memory: a CUDA IPC handle of the whole
+    /// allocation; see the trust boundary in the guide).
+    pub fn export_uri(&self) -> Result<BufferUri, Error> {
+        self.with(|b| b.export_uri())
+    }
+
+    /// Frees the memory now, waiting up to its release timeout for
+    /// registrations (regions, grants, transfers in flight) to let go.
+    /// Refused, with the buffer left as it was, while copies queued on
+    /// streams use it ([`Error::StreamCopiesPending`]) or registrations
+    /// still cover it ([`Error::StillRegistered`]). Every handle is spent
+    /// after ([`Error::Released`]).
+    pub fn release(&self) -> Result<(), Error> {
+        let taken = {
+            let mut guard = self.inner();
+            let copies = self.shared.stream_holds.load(Ordering::SeqCst);
+            if copies != 0 && guard.is_some() {
+                return Err(Error::StreamCopiesPending { copies });
+            }
+            guard.take().ok_or(Error::Released)?
+        };
+        let timeout = taken.release_timeout();
+        taken.release(timeout).map_err(|kept| {
+            *self.inner() = Some(kept);
+            Error::StillRegistered
+        })
+    }
+
+    /// Runs `f` on the live buffer.
+    pub(super) fn with<T>(
+        &self,
+        f: impl FnOnce(&dyn DynBuffer) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let guard = self.inner();
+        f(guard.as_deref().ok_or(Error::Released)?)
+    }
+
+    /// Holds the buffer for a copy queued on a stream. Counted under the
+    /// buffer's lock, as `release` checks the count, so no hold is taken on
+    /// a buffer already released.
+    pub(super) fn hold(&self) -> Result<BufferHold, Error> {
+        let guard = self.inner();
+        if guard.is_none() {
+            return Err(Error::Released);
+        }
+        self.shared.stream_holds.fetch_add(1, Ordering::SeqCst);
+        Ok(BufferHold(self.clone()))
+    }
+
+    /// `len` bytes at `offset` lie in the buffer.
+    pub(super) fn check_range(
+        &self,
+        what: &'static str,
+        offset: u64,
+        len: usize,
+    ) -> Result<(), Error> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(Error::OutOfRange {
+                what,
+                offset,
+                len: len as u64,
+                size: self.len(),
+            }),
+        }
+    }
+
+    /// Whether `self` and `other` are handles of one buffer.
+    pub fn same(&self, other: &Buffer) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    fn inner(&self) -> MutexGuard<'_, Option<Box<dyn DynBuffer>>> {
+        self.shared
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A buffer's facts, read once.
+pub(super) struct Facts {
+    pub(super) addr: u64,
+    pub(super) len: u64,
+    pub(super) kind: MemoryKind,
+    pub(super) device: Option<u32>,
+}
+
+/// A buffer of some CUDA backend.
+pub(super) trait DynBuffer: Send + Sync {
+    fn facts(&self) -> Facts;
+    fn export_uri(&self) -> Result<BufferUri, Error>;
+    /// `data` into the buffer at `offset` (in range: checked).
+    fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error>;
+    /// The buffer at `offset` into `out` (in range: checked).
+    fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error>;
+    fn release_timeout(&self) -> Duration;
+    /// Frees it unless MRs still cover it past `timeout`; handed back then.
+    fn release(self: Box<Self>, timeout: Duration) -> Result<(), Box<dyn DynBuffer>>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// The buffer of backends `V`, `C`, with the context's GPUs at hand.
+pub(super) struct BufferOf<V: hal_verbs::Api, C: hal_cuda::Api> {
+    pub(super) instance: Arc<Instance<V, C>>,
+    pub(super) buffer: BufferOfC<C>,
+}
+
+impl<V: hal_verbs::Api, C: hal_cuda::Api> DynBuffer for BufferOf<V, C> {
+    fn facts(&self) -> Facts {
+        let kind = match self.buffer.memory_type() {
+            MemoryType::PageableHost => MemoryKind::Host,
+            MemoryType::PinnedHost => MemoryKind::Pinned,
+            MemoryType::Device => MemoryKind::Device,
+            MemoryType::Managed => MemoryKind::Managed,
+        };
+        Facts {
+            addr: self.buffer.addr(),
+            len: self.buffer.len(),
+            kind,
+            device: self.buffer.device_ordinal(),
+        }
+    }
+
+    fn export_uri(&self) -> Result<BufferUri, Error> {
+        let buffer = &self.buffer;
+        let (Some(device), MemoryType::Device) = (buffer.device_ordinal(), buffer.memory_type())
+        else {
+            return Err(Unsupported::UriOfHostMemory.into());
+        };
+        let handle = self.instance.gpu(device)?.ipc_export(buffer.addr())?;
+        let uri = BufferUri::V2 {
+            device,
+            allocation: buffer.allocation_size(),
+            offset: buffer.addr() - buffer.allocation_base(),
+            size: buffer.len(),
+            handle,
+        };
+        uri.validate()?;
+        Ok(uri)
+    }
+
+    fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        if self.buffer.memory_type() == MemoryType::Device {
+            let gpu = self
+                .instance
+                .gpu(self.buffer.device_ordinal().unwrap_or(0))?;
+            let stream = gpu.create_stream()?;
+            // SAFETY: `data.len()` bytes at `offset` lie in the device
+            // buffer (checked by the caller), `data` is a live slice, and
+            // the stream is synchronized before `data` is let go.
+            unsafe {
+                stream.copy_host_to_device(self.buffer.addr() + offset, data.as_ptr(), data.len())
+            }?;
+            return Ok(stream.synchronize()?);
+        }
+        Ok(self.buffer.write_at(offset, data)?)
+    }
+
+    fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        if self.buffer.memory_type() == MemoryType::Device {
+            let gpu = self
+                .instance
+                .gpu(self.buffer.device_ordinal().unwrap_or(0))?;
+            let stream = gpu.create_stream()?;
+            // SAFETY: as in copy_in, the other way: `out` is a live,
+            // exclusive slice until the stream is synchronized.
+            unsafe {
+                stream.copy_device_to_host(out.as_mut_ptr(), self.buffer.addr() + offset, out.len())
+            }?;
+            return Ok(stream.synchronize()?);
+        }
+        Ok(self.buffer.read_at(offset, out)?)
+    }
+
+    fn release_timeout(&self) -> Duration {
+        self.buffer.release_timeout()
+    }
+
+    fn release(self: Box<Self>, timeout: Duration) -> Result<(), Box<dyn DynBuffer>> {
+        let Self { instance, buffer } = *self;
+        buffer
+            .release(timeout)
+            .map_err(|buffer| Box::new(BufferOf::<V, C> { instance, buffer }) as Box<dyn DynBuffer>)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl<V: hal_verbs::Api, C: hal_cuda::Api> BufferOf<V, C> {
+    /// `buffer` as a buffer of backends `V`, `C`.
+    pub(super) fn of(buffer: &dyn DynBuffer) -> Result<&BufferOfC<C>, Error> {
+        buffer
+            .as_any()
+            .downcast_ref::<Self>()
+            .map(|b| &b.buffer)
+            .ok_or(Error::Foreign {
+                what: "buffer",
+                owner: "context",
+            })
+    }
+}

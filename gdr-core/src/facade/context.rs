@@ -1,0 +1,408 @@
+//! [`Context`]: the backends chosen at run time (real or simulated NIC and
+//! GPU), erased once; buffers, streams and engines are made from it.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+
+use hal_cuda::{Context as _, Driver as _};
+use hal_verbs::{AddressFamily, Context as _, Provider as _};
+
+use super::buffer::{Buffer, BufferOf, DynBuffer, MemoryKind};
+use super::engine::{DynEngine, Engine};
+use super::stream::{Stream, StreamOf};
+use super::{Error, Unsupported};
+use crate::backend::{BackendChoice, BackendTask, Backends, run_with};
+use crate::buffer::Buffer as BufferOfC;
+use crate::engine::{Engine as EngineOf, EngineConfig};
+use crate::ladder::{Gpu, Ladder, Rung};
+use crate::uri::BufferUri;
+
+/// The backends of this process, chosen once ([`BackendChoice`]): the
+/// verbs provider and its NICs, the CUDA driver and its GPUs. Cheap to
+/// clone (a shared handle); what is made from it keeps it alive.
+///
+/// Simulated contexts are nodes of one simulated fabric per process, with
+/// one NIC and one GPU each: engines of two sim contexts connect to each
+/// other as two machines on one network would.
+#[derive(Clone)]
+pub struct Context {
+    pub(super) inner: Arc<dyn DynContext>,
+    pub(super) id: u64,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("id", &self.id)
+            .field("verbs", &self.inner.verbs_name())
+            .field("cuda", &self.inner.cuda_name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How GPU memory of a (GPU, NIC) pair is registered, probed once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathInfo {
+    /// The first rung that works (staging always does).
+    pub rung: Rung,
+    /// Why each higher rung does not, one line each.
+    pub why_not: Vec<String>,
+}
+
+static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(1);
+
+impl Context {
+    /// Opens the backends `choice` names. [`BackendChoice::Sim`] adds a
+    /// node to this process's simulated fabric.
+    pub fn open(choice: BackendChoice) -> Result<Self, Error> {
+        let inner = open(choice)?;
+        Ok(Self {
+            inner,
+            id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// The verbs backend's name (`rdma-core`, `sim`).
+    pub fn verbs_backend(&self) -> &'static str {
+        self.inner.verbs_name()
+    }
+
+    /// The CUDA backend's name (`cuda`, `sim`); `None` without a GPU.
+    pub fn cuda_backend(&self) -> Option<&'static str> {
+        self.inner.cuda_name()
+    }
+
+    /// Why each backend was chosen where it was not the one asked for, and
+    /// what that limits.
+    pub fn notes(&self) -> &[String] {
+        self.inner.notes()
+    }
+
+    /// The backends in use and why, as text (one line, then the notes).
+    pub fn describe(&self) -> String {
+        let mut text = format!(
+            "verbs: {}; cuda: {}",
+            self.verbs_backend(),
+            self.cuda_backend().unwrap_or("none")
+        );
+        for note in self.notes() {
+            text.push('\n');
+            text.push_str(note);
+        }
+        text
+    }
+
+    /// The GPUs this context can use.
+    pub fn gpu_count(&self) -> u32 {
+        self.inner.gpu_count()
+    }
+
+    /// The NICs' names.
+    pub fn nics(&self) -> Vec<String> {
+        self.inner.nics()
+    }
+
+    /// The address NIC `nic` is reached at: its RoCE v2 GID on port 1, IPv4
+    /// first. Give it (with a port) to [`Engine::listen`] and to the peer.
+    pub fn nic_address(&self, nic: &str) -> Result<IpAddr, Error> {
+        self.inner.nic_address(nic)
+    }
+
+    /// How GPU `gpu`'s memory registers on NIC `nic` (probed once).
+    pub fn path(&self, gpu: u32, nic: u32) -> Result<PathInfo, Error> {
+        self.inner.path(gpu, nic)
+    }
+
+    /// `size` zeroed bytes of ordinary host memory.
+    pub fn alloc_host(&self, size: u64) -> Result<Buffer, Error> {
+        self.buffer(self.inner.alloc(MemoryKind::Host, 0, size)?)
+    }
+
+    /// `size` bytes of pinned host memory (needs a GPU's driver).
+    pub fn alloc_pinned(&self, size: u64) -> Result<Buffer, Error> {
+        self.buffer(self.inner.alloc(MemoryKind::Pinned, 0, size)?)
+    }
+
+    /// `size` bytes of device memory on GPU `gpu`.
+    pub fn alloc_device(&self, gpu: u32, size: u64) -> Result<Buffer, Error> {
+        self.buffer(self.inner.alloc(MemoryKind::Device, gpu, size)?)
+    }
+
+    /// The caller's memory at `addr` as a buffer: host memory, or device
+    /// memory CUDA knows.
+    ///
+    /// # Safety
+    /// The range stays mapped and unfreed while the buffer, or any region,
+    /// grant or transfer of it, lives (a buffer over caller memory waits
+    /// for them when dropped).
+    pub unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Buffer, Error> {
+        // SAFETY: the caller's contract is this function's.
+        let buffer = unsafe { self.inner.wrap(addr, size) }?;
+        self.buffer(buffer)
+    }
+
+    /// Opens the device memory a `gdr://` URI names (a CUDA IPC handle).
+    pub fn open_uri(&self, uri: &BufferUri) -> Result<Buffer, Error> {
+        self.buffer(self.inner.open_uri(uri)?)
+    }
+
+    /// A new stream on GPU `gpu` (non-blocking).
+    pub fn stream(&self, gpu: u32) -> Result<Stream, Error> {
+        Ok(Stream::new(self.id, gpu, self.inner.stream(gpu)?))
+    }
+
+    /// A transfer engine over this context's NICs and the GPUs they reach.
+    pub fn engine(&self, config: EngineConfig) -> Result<Engine, Error> {
+        Ok(Engine::new(self.clone(), self.inner.engine(config)?))
+    }
+
+    fn buffer(&self, inner: Box<dyn DynBuffer>) -> Result<Buffer, Error> {
+        Ok(Buffer::new(self.clone(), inner))
+    }
+}
+
+/// A context's backends, whatever they are.
+pub(super) trait DynContext: Send + Sync {
+    fn verbs_name(&self) -> &'static str;
+    fn cuda_name(&self) -> Option<&'static str>;
+    fn notes(&self) -> &[String];
+    fn gpu_count(&self) -> u32;
+    fn nics(&self) -> Vec<String>;
+    fn nic_address(&self, nic: &str) -> Result<IpAddr, Error>;
+    fn path(&self, gpu: u32, nic: u32) -> Result<PathInfo, Error>;
+    fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<Box<dyn DynBuffer>, Error>;
+    /// # Safety
+    /// As for [`Context::wrap`].
+    unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Box<dyn DynBuffer>, Error>;
+    fn open_uri(&self, uri: &BufferUri) -> Result<Box<dyn DynBuffer>, Error>;
+    fn stream(&self, gpu: u32) -> Result<Box<dyn super::stream::DynStream>, Error>;
+    fn engine(&self, config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error>;
+}
+
+/// The backends `V`, `C`, with the GPUs' contexts retained.
+pub(super) struct Instance<V: hal_verbs::Api, C: hal_cuda::Api> {
+    backends: Backends<V, C>,
+    gpus: Vec<C::Context>,
+    paths: Mutex<HashMap<(u32, u32), PathInfo>>,
+}
+
+impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
+    pub(super) fn gpu(&self, index: u32) -> Result<&C::Context, Error> {
+        self.gpus.get(index as usize).ok_or(Error::NoGpu {
+            index,
+            count: self.gpus.len() as u32,
+        })
+    }
+
+    /// Any GPU's context (CUDA's unified addressing answers for all).
+    fn any_gpu(&self) -> Option<&C::Context> {
+        self.gpus.first()
+    }
+
+    fn probe(&self, gpu: u32, nic: u32) -> Result<PathInfo, Error> {
+        let nics = self.nics();
+        let name = nics.get(nic as usize).ok_or(Error::NoNic {
+            index: nic,
+            count: nics.len() as u32,
+        })?;
+        let Some(driver) = self.backends.registrable_cuda() else {
+            return Ok(PathInfo {
+                rung: Rung::Staging,
+                why_not: vec![format!(
+                    "{name} cannot reach GPU memory of this CUDA backend"
+                )],
+            });
+        };
+        let context = self.backends.verbs().open(name)?;
+        let ladder = Ladder::<V, C>::standalone(&context, vec![Gpu::<C>::open(driver, gpu)?])?;
+        let mut why_not = Vec::new();
+        for (_, rung, verdict) in ladder.probe_all() {
+            match verdict {
+                Ok(()) => return Ok(PathInfo { rung, why_not }),
+                Err(refusal) => why_not.push(format!("{rung:?}: {refusal}")),
+            }
+        }
+        Ok(PathInfo {
+            rung: Rung::Staging,
+            why_not,
+        })
+    }
+
+    fn wrap_buffer(self: &Arc<Self>, buffer: BufferOfC<C>) -> Box<dyn DynBuffer> {
+        Box::new(BufferOf {
+            instance: Arc::clone(self),
+            buffer,
+        })
+    }
+}
+
+/// A context as the facade holds it: the instance behind an `Arc` so its
+/// buffers can reach its GPUs.
+struct Shared<V: hal_verbs::Api, C: hal_cuda::Api>(Arc<Instance<V, C>>);
+
+impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
+    fn verbs_name(&self) -> &'static str {
+        self.0.backends.verbs_name()
+    }
+
+    fn cuda_name(&self) -> Option<&'static str> {
+        self.0.backends.cuda_name()
+    }
+
+    fn notes(&self) -> &[String] {
+        self.0.backends.notes()
+    }
+
+    fn gpu_count(&self) -> u32 {
+        self.0.gpus.len() as u32
+    }
+
+    fn nics(&self) -> Vec<String> {
+        self.0.nics()
+    }
+
+    fn nic_address(&self, nic: &str) -> Result<IpAddr, Error> {
+        let table = self.0.backends.verbs().open(nic)?.gid_table(1)?;
+        hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4)
+            .or_else(|| hal_verbs::select_roce_v2_gid(&table, AddressFamily::V6))
+            .map(|entry| entry.gid.to_ip())
+            .ok_or_else(|| Unsupported::NoRoceAddress { nic: nic.into() }.into())
+    }
+
+    fn path(&self, gpu: u32, nic: u32) -> Result<PathInfo, Error> {
+        self.0.gpu(gpu)?;
+        let paths = || self.0.paths.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(known) = paths().get(&(gpu, nic)) {
+            return Ok(known.clone());
+        }
+        let info = self.0.probe(gpu, nic)?;
+        paths().insert((gpu, nic), info.clone());
+        Ok(info)
+    }
+
+    fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<Box<dyn DynBuffer>, Error> {
+        if size == 0 || isize::try_from(size).is_err() {
+            return Err(Error::BadSize { what: "size", size });
+        }
+        let buffer = match kind {
+            MemoryKind::Host => BufferOfC::<C>::alloc_host(size),
+            MemoryKind::Pinned => {
+                let gpu = self.0.any_gpu().ok_or(Error::NeedsGpu {
+                    what: "pinned memory",
+                })?;
+                BufferOfC::<C>::alloc_pinned(gpu, size)?
+            }
+            MemoryKind::Device => BufferOfC::<C>::alloc_device(self.0.gpu(gpu)?, size)?,
+            MemoryKind::Managed => return Err(Unsupported::ManagedMemory.into()),
+        };
+        Ok(self.0.wrap_buffer(buffer))
+    }
+
+    unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Box<dyn DynBuffer>, Error> {
+        // SAFETY: the caller's contract is Buffer::wrap's.
+        let buffer = unsafe { BufferOfC::<C>::wrap(self.0.any_gpu(), addr, size, None) }?;
+        Ok(self.0.wrap_buffer(buffer))
+    }
+
+    fn open_uri(&self, uri: &BufferUri) -> Result<Box<dyn DynBuffer>, Error> {
+        let gpu = self.0.gpu(uri.device())?;
+        let buffer = BufferOfC::<C>::import_ipc_range(
+            gpu,
+            uri.handle(),
+            uri.allocation(),
+            uri.offset(),
+            uri.size(),
+        )?;
+        Ok(self.0.wrap_buffer(buffer))
+    }
+
+    fn stream(&self, gpu: u32) -> Result<Box<dyn super::stream::DynStream>, Error> {
+        Ok(Box::new(StreamOf::<C>(self.0.gpu(gpu)?.create_stream()?)))
+    }
+
+    fn engine(&self, config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error> {
+        let engine = EngineOf::<V, C>::new(
+            self.0.backends.verbs(),
+            self.0.backends.registrable_cuda(),
+            config,
+        )?;
+        Ok(Arc::new(engine))
+    }
+}
+
+impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
+    fn nics(&self) -> Vec<String> {
+        self.backends
+            .verbs()
+            .devices()
+            .map(|devices| devices.into_iter().map(|d| d.name).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Makes the context for the backends chosen.
+struct Open;
+
+impl BackendTask for Open {
+    type Output = Result<Arc<dyn DynContext>, Error>;
+
+    fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
+        let gpus = match backends.cuda() {
+            Some(driver) => (0..driver.device_count().unwrap_or(0))
+                .map(|ordinal| driver.context(ordinal))
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
+        Ok(Arc::new(Shared(Arc::new(Instance {
+            backends,
+            gpus,
+            paths: Mutex::new(HashMap::new()),
+        }))))
+    }
+}
+
+/// The simulated fabric of this process: every simulated context is a node
+/// of it.
+#[cfg(feature = "sim")]
+static SIM_FABRIC: LazyLock<gdr_sim::SimFabric> = LazyLock::new(gdr_sim::SimFabric::new);
+
+/// First address of the sim contexts' nodes: 10.128.0.0/9, four addresses
+/// per node (apart from the `10.77.<node>.1` the fabric assigns itself).
+#[cfg(feature = "sim")]
+const SIM_NODE_BASE: Ipv4Addr = Ipv4Addr::new(10, 128, 0, 1);
+
+/// The simulation for a new context: a node of [`SIM_FABRIC`] with one NIC
+/// at an address of its own, and one simulated GPU.
+#[cfg(feature = "sim")]
+fn sim_node() -> Result<Backends<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi>, Error> {
+    use gdr_sim::{DeviceConfig, GpuConfig, NodeConfig};
+    static NODES: AtomicU32 = AtomicU32::new(0);
+    let node = NODES.fetch_add(1, Ordering::Relaxed);
+    let addr = node
+        .checked_mul(4)
+        .and_then(|o| u32::from(SIM_NODE_BASE).checked_add(o))
+        .map(Ipv4Addr::from)
+        .filter(|a| a.octets()[0] == 10)
+        .ok_or(Error::SimFabricFull)?;
+    let backends = Backends::sim(
+        &SIM_FABRIC,
+        NodeConfig {
+            ipv4: Some(addr),
+            devices: vec![DeviceConfig::default()],
+        },
+        vec![GpuConfig::default()],
+    );
+    Ok(backends.with_note(format!(
+        "simulated node {addr} on this process's simulated fabric (shared by every sim context)"
+    )))
+}
+
+fn open(choice: BackendChoice) -> Result<Arc<dyn DynContext>, Error> {
+    #[cfg(feature = "sim")]
+    if choice == BackendChoice::Sim {
+        return Open.run(sim_node()?);
+    }
+    run_with(choice, Open)?
+}

@@ -1,0 +1,790 @@
+//! The engine's facade: [`Engine`], [`Region`], [`Listener`], [`Peer`],
+//! [`Grant`], [`Batch`] and [`Transfer`], each the generic engine's type
+//! behind one object-safe trait, implemented once for every backend pair.
+
+use std::any::Any;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+
+use hal_verbs::Api;
+
+use super::buffer::{BufferOf, DynBuffer};
+use super::stream::StreamOf;
+use super::{Buffer, Context, Error, Stream};
+use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
+use crate::engine::{
+    Batch as BatchOf, Driver, Engine as EngineOf, EngineConfig, EngineError, EngineListener, Fence,
+    Op, Outcome, Peer as PeerOf, Region as RegionOf, RegionGrant, Transfer as TransferOf,
+};
+use crate::ladder::Rung;
+
+/// A transfer engine over a context's NICs and the GPUs they reach: it
+/// registers buffers, listens and connects, and moves bytes between its
+/// regions and peers' grants. Cheap to clone (a shared handle).
+#[derive(Clone)]
+pub struct Engine {
+    context: Context,
+    inner: Arc<dyn DynEngine>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("id", &format_args!("{:#x}", self.inner.id()))
+            .field("nics", &self.inner.nics())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    pub(super) fn new(context: Context, inner: Arc<dyn DynEngine>) -> Self {
+        Self { context, inner }
+    }
+
+    /// An engine on backends of its own: [`Context::open`] then
+    /// [`Context::engine`].
+    pub fn open(
+        choice: crate::backend::BackendChoice,
+        config: EngineConfig,
+    ) -> Result<Self, Error> {
+        Context::open(choice)?.engine(config)
+    }
+
+    /// Its context (to allocate buffers and streams).
+    pub fn context(&self) -> &Context {
+        &self.context
+    }
+
+    /// Its id (random, named in the descriptors of its grants).
+    pub fn id(&self) -> u64 {
+        self.inner.id()
+    }
+
+    /// Its NICs' names.
+    pub fn nics(&self) -> Vec<String> {
+        self.inner.nics()
+    }
+
+    /// The address NIC `nic` is reached at ([`Context::nic_address`]).
+    pub fn nic_address(&self, nic: &str) -> Result<IpAddr, Error> {
+        self.context.nic_address(nic)
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &EngineConfig {
+        self.inner.config()
+    }
+
+    /// Registers all of `buffer` (a buffer of this engine's context).
+    pub fn register(&self, buffer: &Buffer) -> Result<Region, Error> {
+        self.register_range(buffer, 0, buffer.len())
+    }
+
+    /// Registers `len` bytes of `buffer` at `offset`: on each NIC, by the
+    /// first rung of the registration ladder that takes it.
+    pub fn register_range(&self, buffer: &Buffer, offset: u64, len: u64) -> Result<Region, Error> {
+        if buffer.context().id != self.context.id {
+            return Err(Error::Foreign {
+                what: "buffer",
+                owner: "context (the engine's)",
+            });
+        }
+        let inner = buffer.with(|b| self.inner.register(b, offset, len))?;
+        Ok(Region {
+            engine: self.inner.id(),
+            inner,
+        })
+    }
+
+    /// Listens for peers at `addr` (an address of one of its NICs; port 0
+    /// picks one).
+    pub fn listen(&self, addr: SocketAddr) -> Result<Listener, Error> {
+        Ok(Listener {
+            inner: self.inner.listen(addr)?,
+        })
+    }
+
+    /// Connects to the engine listening at `addr`.
+    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer, Error> {
+        Ok(Peer {
+            engine: self.inner.id(),
+            inner: self.inner.connect(addr, timeout)?.into(),
+        })
+    }
+
+    /// The GPU fence for what peers WROTE into `region`: once this returns,
+    /// this process's kernels see it. [`Fence::NotNeeded`] for host memory
+    /// and GPUs that order inbound writes themselves.
+    pub fn fence_inbound_writes(&self, region: &Region) -> Result<Fence, Error> {
+        self.same_engine(region)?;
+        self.inner.fence_inbound_writes(&*region.inner)
+    }
+
+    /// Starts a thread that drives the engine (completions, deadlines,
+    /// staged copies): it parks on the engine's fds while nothing happens.
+    /// Dropping the [`Driver`] stops it. Without one, [`Batch::wait`]
+    /// drives in the caller's thread and an awaited batch starts the
+    /// engine's own thread.
+    pub fn spawn_driver(&self) -> Driver {
+        self.inner.spawn_driver()
+    }
+
+    /// Drives the engine from the current tokio runtime (a task awaiting
+    /// the engine's fds) instead of a thread.
+    #[cfg(all(feature = "tokio", not(loom)))]
+    pub fn drive_on_tokio(
+        &self,
+    ) -> Result<crate::engine::AsyncDriver, crate::engine::AsyncDriverError> {
+        self.inner.drive_on_tokio()
+    }
+
+    fn same_engine(&self, region: &Region) -> Result<(), Error> {
+        if region.engine == self.inner.id() {
+            Ok(())
+        } else {
+            Err(Error::Foreign {
+                what: "region",
+                owner: "engine",
+            })
+        }
+    }
+}
+
+/// A registered range of a buffer, for transfers and grants. It keeps the
+/// registrations, and the memory under them, alive. Cheap to clone.
+#[derive(Clone)]
+pub struct Region {
+    engine: u64,
+    inner: Arc<dyn DynRegion>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("len", &self.inner.len())
+            .field("rungs", &self.inner.rungs())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Region {
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where its memory is.
+    pub fn location(&self) -> MemoryLocation {
+        self.inner.location()
+    }
+
+    /// The rung each NIC registered it by.
+    pub fn rungs(&self) -> Vec<Rung> {
+        self.inner.rungs()
+    }
+
+    /// The id of the engine that registered it.
+    pub fn engine_id(&self) -> u64 {
+        self.engine
+    }
+}
+
+/// A listening engine: accepts peers.
+pub struct Listener {
+    inner: Box<dyn DynListener>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("local_addr", &self.inner.local_addr())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Listener {
+    /// The address it listens at (the port picked where 0 was given).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr()
+    }
+
+    /// Waits up to `timeout` for a peer to connect.
+    pub fn accept(&mut self, timeout: Duration) -> Result<Peer, Error> {
+        let inner: Arc<dyn DynPeer> = self.inner.accept(timeout)?.into();
+        Ok(Peer {
+            engine: inner.engine_id(),
+            inner,
+        })
+    }
+}
+
+/// A connected peer: grants to it, and batches of READs and WRITEs
+/// against its grants. Cheap to clone.
+#[derive(Clone)]
+pub struct Peer {
+    engine: u64,
+    inner: Arc<dyn DynPeer>,
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer")
+            .field(
+                "remote_engine",
+                &format_args!("{:#x}", self.inner.remote_engine()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// One READ or WRITE of a batch: `len` bytes between `local` at
+/// `local_offset` and the peer's grant `remote` at `remote_offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct Transfer<'a> {
+    /// READ or WRITE.
+    pub op: Op,
+    /// The local region.
+    pub local: &'a Region,
+    /// Offset in it.
+    pub local_offset: u64,
+    /// The peer's grant.
+    pub remote: &'a MemoryDescriptor,
+    /// Offset in the grant.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl<'a> Transfer<'a> {
+    /// A WRITE of `len` bytes from `local` at `local_offset` into `remote`
+    /// at `remote_offset`.
+    pub fn write(
+        local: &'a Region,
+        local_offset: u64,
+        remote: &'a MemoryDescriptor,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            op: Op::Write,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+        }
+    }
+
+    /// A READ of `len` bytes of `remote` at `remote_offset` into `local`
+    /// at `local_offset`.
+    pub fn read(
+        local: &'a Region,
+        local_offset: u64,
+        remote: &'a MemoryDescriptor,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            op: Op::Read,
+            ..Self::write(local, local_offset, remote, remote_offset, len)
+        }
+    }
+}
+
+impl Peer {
+    /// The remote engine's id.
+    pub fn remote_engine(&self) -> u64 {
+        self.inner.remote_engine()
+    }
+
+    /// Grants `len` bytes at `offset` of `region` to this peer with
+    /// `rights`, announced on the connection. Dropping the grant revokes
+    /// it.
+    pub fn grant(
+        &self,
+        region: &Region,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<Grant, Error> {
+        self.same_engine(region)?;
+        Ok(Grant {
+            inner: self.inner.grant(&*region.inner, offset, len, rights)?,
+        })
+    }
+
+    /// Waits up to `timeout` for the peer to announce grant `grant`.
+    pub fn wait_grant(&self, grant: u64, timeout: Duration) -> Result<MemoryDescriptor, Error> {
+        Ok(self.inner.wait_grant(grant, timeout)?)
+    }
+
+    /// Submits a batch with the engine's default timeout.
+    pub fn submit(&self, transfers: &[Transfer<'_>]) -> Result<Batch, Error> {
+        self.submit_inner(transfers, None)
+    }
+
+    /// Submits a batch that must end within `timeout`: every transfer is
+    /// checked (local bounds, the grant live on this connection, its
+    /// rights and bounds) before anything is posted.
+    pub fn submit_with_timeout(
+        &self,
+        transfers: &[Transfer<'_>],
+        timeout: Duration,
+    ) -> Result<Batch, Error> {
+        self.submit_inner(transfers, Some(timeout))
+    }
+
+    /// A WRITE of all of `local` into `remote` at `remote_offset`.
+    pub fn write(
+        &self,
+        local: &Region,
+        remote: &MemoryDescriptor,
+        remote_offset: u64,
+    ) -> Result<Batch, Error> {
+        self.submit(&[Transfer::write(
+            local,
+            0,
+            remote,
+            remote_offset,
+            local.len(),
+        )])
+    }
+
+    /// A READ into all of `local` from `remote` at `remote_offset`.
+    pub fn read(
+        &self,
+        local: &Region,
+        remote: &MemoryDescriptor,
+        remote_offset: u64,
+    ) -> Result<Batch, Error> {
+        self.submit(&[Transfer::read(local, 0, remote, remote_offset, local.len())])
+    }
+
+    /// Submits a batch that starts once `stream` reaches this point (no CPU
+    /// thread waits for the stream); `timeout` (`None`: the engine's
+    /// default) covers the wait.
+    pub fn submit_after_stream(
+        &self,
+        stream: &Stream,
+        transfers: &[Transfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Batch, Error> {
+        for t in transfers {
+            self.same_engine(t.local)?;
+        }
+        Ok(Batch {
+            inner: self.inner.submit_after_stream(stream, transfers, timeout)?,
+        })
+    }
+
+    /// Sends a control message (at most the negotiated size).
+    pub fn send(&self, message: &[u8]) -> Result<Batch, Error> {
+        Ok(Batch {
+            inner: self.inner.send(message)?,
+        })
+    }
+
+    /// Waits up to `timeout` for the peer's next control message.
+    pub fn recv(&self, timeout: Duration) -> Result<Vec<u8>, Error> {
+        Ok(self.inner.recv(timeout)?)
+    }
+
+    /// Closes the connection: requests under way fail, the peer is told.
+    pub fn close(&self) -> Result<(), Error> {
+        Ok(self.inner.close()?)
+    }
+
+    fn submit_inner(
+        &self,
+        transfers: &[Transfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Batch, Error> {
+        for t in transfers {
+            self.same_engine(t.local)?;
+        }
+        Ok(Batch {
+            inner: self.inner.submit(transfers, timeout)?,
+        })
+    }
+
+    fn same_engine(&self, region: &Region) -> Result<(), Error> {
+        if region.engine == self.engine {
+            Ok(())
+        } else {
+            Err(Error::Foreign {
+                what: "region",
+                owner: "engine (the peer's)",
+            })
+        }
+    }
+}
+
+/// Memory granted to a peer; dropping it revokes the grant.
+pub struct Grant {
+    inner: Box<dyn DynGrant>,
+}
+
+impl std::fmt::Debug for Grant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grant")
+            .field("descriptor", self.inner.descriptor())
+            .finish()
+    }
+}
+
+impl Grant {
+    /// What the peer uses (it got it on the connection too).
+    pub fn descriptor(&self) -> &MemoryDescriptor {
+        self.inner.descriptor()
+    }
+
+    /// The grant's id (the descriptor's).
+    pub fn id(&self) -> u64 {
+        self.descriptor().grant
+    }
+
+    /// Revokes the grant and waits, at most `timeout`, for the revocation
+    /// fence: once this returns `Ok`, no byte moves under the grant by any
+    /// path, the requests the peer had under way included (they fail).
+    pub fn revoke(self, timeout: Duration) -> Result<(), Error> {
+        Ok(self.inner.revoke(timeout)?)
+    }
+}
+
+/// A submitted batch: ends exactly once (`wait`, `status`, `cancel`, or
+/// `.await`).
+pub struct Batch {
+    inner: Box<dyn DynBatch>,
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("status", &self.inner.status())
+            .finish()
+    }
+}
+
+impl Batch {
+    /// The outcome, if it has ended.
+    pub fn status(&self) -> Option<Outcome> {
+        self.inner.status()
+    }
+
+    /// Waits up to `timeout` for the batch to end (driving the engine in
+    /// this thread when no other does); `TransferError::Timeout` if it
+    /// has not, the batch still running.
+    pub fn wait(&self, timeout: Duration) -> Outcome {
+        self.inner.wait(timeout)
+    }
+
+    /// Cancels it: it ends with `TransferError::Cancelled` unless it ended
+    /// first; nothing of it runs in the NIC after.
+    pub fn cancel(&self) {
+        self.inner.cancel()
+    }
+
+    /// Makes `stream` wait for the batch (its GPU fence included): work
+    /// queued on it after this call sees what the batch READ.
+    pub fn fence_stream(&self, stream: &Stream) -> Result<(), Error> {
+        self.inner.fence_stream(stream)
+    }
+}
+
+impl Future for Batch {
+    type Output = Outcome;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        self.inner.poll(cx)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The erasure: each generic type behind one trait.
+
+pub(super) trait DynEngine: Send + Sync {
+    fn id(&self) -> u64;
+    fn nics(&self) -> Vec<String>;
+    fn config(&self) -> &EngineConfig;
+    fn register(
+        &self,
+        buffer: &dyn DynBuffer,
+        offset: u64,
+        len: u64,
+    ) -> Result<Arc<dyn DynRegion>, Error>;
+    fn listen(&self, addr: SocketAddr) -> Result<Box<dyn DynListener>, EngineError>;
+    fn connect(&self, addr: SocketAddr, timeout: Duration)
+    -> Result<Box<dyn DynPeer>, EngineError>;
+    fn fence_inbound_writes(&self, region: &dyn DynRegion) -> Result<Fence, Error>;
+    fn spawn_driver(&self) -> Driver;
+    #[cfg(all(feature = "tokio", not(loom)))]
+    fn drive_on_tokio(&self)
+    -> Result<crate::engine::AsyncDriver, crate::engine::AsyncDriverError>;
+}
+
+pub(super) trait DynRegion: Send + Sync {
+    fn len(&self) -> u64;
+    fn location(&self) -> MemoryLocation;
+    fn rungs(&self) -> Vec<Rung>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+pub(super) trait DynListener: Send {
+    fn local_addr(&self) -> SocketAddr;
+    fn accept(&mut self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError>;
+}
+
+pub(super) trait DynPeer: Send + Sync {
+    fn engine_id(&self) -> u64;
+    fn remote_engine(&self) -> u64;
+    fn grant(
+        &self,
+        region: &dyn DynRegion,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<Box<dyn DynGrant>, Error>;
+    fn wait_grant(&self, grant: u64, timeout: Duration) -> Result<MemoryDescriptor, EngineError>;
+    fn submit(
+        &self,
+        transfers: &[Transfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn DynBatch>, Error>;
+    fn submit_after_stream(
+        &self,
+        stream: &Stream,
+        transfers: &[Transfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn DynBatch>, Error>;
+    fn send(&self, message: &[u8]) -> Result<Box<dyn DynBatch>, EngineError>;
+    fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError>;
+    fn close(&self) -> Result<(), EngineError>;
+}
+
+pub(super) trait DynGrant: Send + Sync {
+    fn descriptor(&self) -> &MemoryDescriptor;
+    fn revoke(self: Box<Self>, timeout: Duration) -> Result<(), EngineError>;
+}
+
+pub(super) trait DynBatch: Send + Sync {
+    fn status(&self) -> Option<Outcome>;
+    fn wait(&self, timeout: Duration) -> Outcome;
+    fn cancel(&self);
+    fn fence_stream(&self, stream: &Stream) -> Result<(), Error>;
+    fn poll(&mut self, cx: &mut TaskContext<'_>) -> Poll<Outcome>;
+}
+
+/// `region` as a region of verbs backend `V`.
+fn region_of<V: Api>(region: &dyn DynRegion) -> Result<&RegionOf<V>, Error> {
+    region
+        .as_any()
+        .downcast_ref::<RegionOf<V>>()
+        .ok_or(Error::Foreign {
+            what: "region",
+            owner: "engine",
+        })
+}
+
+/// The transfers with their regions of backend `V`. Small batches stay on
+/// the stack.
+fn unerased<'a, V: Api>(transfers: &[Transfer<'a>]) -> Result<Vec<TransferOf<'a, V>>, Error> {
+    transfers
+        .iter()
+        .map(|t| {
+            Ok(TransferOf {
+                op: t.op,
+                local: region_of::<V>(&*t.local.inner)?,
+                local_offset: t.local_offset,
+                remote: t.remote,
+                remote_offset: t.remote_offset,
+                len: t.len,
+            })
+        })
+        .collect()
+}
+
+impl<V: Api, C: hal_cuda::Api> DynEngine for EngineOf<V, C> {
+    fn id(&self) -> u64 {
+        EngineOf::id(self)
+    }
+
+    fn nics(&self) -> Vec<String> {
+        EngineOf::nics(self)
+    }
+
+    fn config(&self) -> &EngineConfig {
+        EngineOf::config(self)
+    }
+
+    fn register(
+        &self,
+        buffer: &dyn DynBuffer,
+        offset: u64,
+        len: u64,
+    ) -> Result<Arc<dyn DynRegion>, Error> {
+        let buffer = BufferOf::<V, C>::of(buffer)?;
+        Ok(Arc::new(self.register_range(buffer, offset, len)?))
+    }
+
+    fn listen(&self, addr: SocketAddr) -> Result<Box<dyn DynListener>, EngineError> {
+        Ok(Box::new(EngineOf::listen(self, addr)?))
+    }
+
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Result<Box<dyn DynPeer>, EngineError> {
+        Ok(Box::new(EngineOf::connect(self, addr, timeout)?))
+    }
+
+    fn fence_inbound_writes(&self, region: &dyn DynRegion) -> Result<Fence, Error> {
+        Ok(EngineOf::fence_inbound_writes(
+            self,
+            region_of::<V>(region)?,
+        )?)
+    }
+
+    fn spawn_driver(&self) -> Driver {
+        EngineOf::spawn_driver(self, Duration::ZERO)
+    }
+
+    #[cfg(all(feature = "tokio", not(loom)))]
+    fn drive_on_tokio(
+        &self,
+    ) -> Result<crate::engine::AsyncDriver, crate::engine::AsyncDriverError> {
+        EngineOf::drive_on_tokio(self)
+    }
+}
+
+impl<V: Api> DynRegion for RegionOf<V> {
+    fn len(&self) -> u64 {
+        RegionOf::len(self)
+    }
+
+    fn location(&self) -> MemoryLocation {
+        RegionOf::location(self)
+    }
+
+    fn rungs(&self) -> Vec<Rung> {
+        RegionOf::rungs(self)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> DynListener for EngineListener<V, C> {
+    fn local_addr(&self) -> SocketAddr {
+        EngineListener::local_addr(self)
+    }
+
+    fn accept(&mut self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError> {
+        Ok(Box::new(EngineListener::accept(self, timeout)?))
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> DynPeer for PeerOf<V, C> {
+    fn engine_id(&self) -> u64 {
+        self.engine().id()
+    }
+
+    fn remote_engine(&self) -> u64 {
+        PeerOf::remote_engine(self)
+    }
+
+    fn grant(
+        &self,
+        region: &dyn DynRegion,
+        offset: u64,
+        len: u64,
+        rights: GrantRights,
+    ) -> Result<Box<dyn DynGrant>, Error> {
+        let grant = PeerOf::grant(self, region_of::<V>(region)?, offset, len, rights)?;
+        Ok(Box::new(grant))
+    }
+
+    fn wait_grant(&self, grant: u64, timeout: Duration) -> Result<MemoryDescriptor, EngineError> {
+        PeerOf::wait_grant(self, grant, timeout)
+    }
+
+    fn submit(
+        &self,
+        transfers: &[Transfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn DynBatch>, Error> {
+        let transfers = unerased::<V>(transfers)?;
+        let batch = match timeout {
+            Some(timeout) => self.submit_with_timeout(&transfers, timeout)?,
+            None => PeerOf::submit(self, &transfers)?,
+        };
+        Ok(Box::new(batch))
+    }
+
+    fn submit_after_stream(
+        &self,
+        stream: &Stream,
+        transfers: &[Transfer<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn DynBatch>, Error> {
+        let stream = StreamOf::<C>::of(stream)?;
+        let transfers = unerased::<V>(transfers)?;
+        let timeout = timeout.unwrap_or(self.engine().config().default_timeout);
+        let batch = PeerOf::submit_after_stream(self, stream, &transfers, timeout)?;
+        Ok(Box::new(batch))
+    }
+
+    fn send(&self, message: &[u8]) -> Result<Box<dyn DynBatch>, EngineError> {
+        Ok(Box::new(PeerOf::send(self, message)?))
+    }
+
+    fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
+        PeerOf::recv(self, timeout)
+    }
+
+    fn close(&self) -> Result<(), EngineError> {
+        PeerOf::close(self)
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> DynGrant for RegionGrant<V, C> {
+    fn descriptor(&self) -> &MemoryDescriptor {
+        RegionGrant::descriptor(self)
+    }
+
+    fn revoke(self: Box<Self>, timeout: Duration) -> Result<(), EngineError> {
+        RegionGrant::revoke(*self, timeout)
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> DynBatch for BatchOf<V, C> {
+    fn status(&self) -> Option<Outcome> {
+        BatchOf::status(self)
+    }
+
+    fn wait(&self, timeout: Duration) -> Outcome {
+        BatchOf::wait(self, timeout)
+    }
+
+    fn cancel(&self) {
+        BatchOf::cancel(self)
+    }
+
+    fn fence_stream(&self, stream: &Stream) -> Result<(), Error> {
+        Ok(BatchOf::fence_stream(self, StreamOf::<C>::of(stream)?)?)
+    }
+
+    fn poll(&mut self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        Pin::new(self).poll(cx)
+    }
+}

@@ -1,0 +1,43 @@
+//! The front door: one type-erased [`Context`], [`Engine`], [`Buffer`],
+//! [`Region`], [`Peer`], [`Grant`], [`Batch`] and [`Stream`] over whichever
+//! backends were chosen at run time (wgpu over wgpu-hal is the model). The
+//! C ABI, the `gdr` command and the Python package sit on these; the
+//! generic types of [`crate::engine`] stay for code that picks its HAL
+//! backends at compile time.
+//!
+//! ```
+//! use std::time::Duration;
+//! use gdr_core::{BackendChoice, Context, EngineConfig, GrantRights};
+//!
+//! // Two engines on this process's simulated fabric.
+//! let (a, b) = (Context::open(BackendChoice::Sim)?, Context::open(BackendChoice::Sim)?);
+//! let (server, client) = (a.engine(EngineConfig::default())?, b.engine(EngineConfig::default())?);
+//! let nic = server.nics()[0].clone();
+//! let mut listener = server.listen((server.nic_address(&nic)?, 0).into())?;
+//! let addr = listener.local_addr();
+//! let accepting = std::thread::spawn(move || listener.accept(Duration::from_secs(5)));
+//! let peer = client.connect(addr, Duration::from_secs(5))?;
+//! let accepted = accepting.join().expect("accept")?;
+//!
+//! // The server grants 4 KiB of GPU memory; the client writes into it.
+//! let gpu = a.alloc_device(0, 4096)?;
+//! let grant = accepted.grant(&server.register(&gpu)?, 0, 4096, GrantRights::ReadWrite)?;
+//! let remote = peer.wait_grant(grant.id(), Duration::from_secs(5))?;
+//! let host = b.alloc_host(4096)?;
+//! host.copy_from_host(0, &[7; 4096])?;
+//! peer.write(&client.register(&host)?, &remote, 0)?.wait(Duration::from_secs(5))?;
+//! assert_eq!(gpu.to_vec()?, vec![7; 4096]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod buffer;
+mod context;
+mod engine;
+mod error;
+mod stream;
+
+pub use buffer::{Buffer, MemoryKind};
+pub use context::{Context, PathInfo};
+pub use engine::{Batch, Engine, Grant, Listener, Peer, Region, Transfer};
+pub use error::{Error, Unsupported};
+pub use stream::Stream;
