@@ -147,6 +147,9 @@ pub use facade::{
     Batch, Buffer, Context, Engine, Error, Grant, Listener, MemoryKind, PathInfo, Peer, Region,
     Stream, Transfer, Unsupported,
 };
+/// The HAL errors the facade's [`Error`] carries (with their native codes).
+pub use hal_cuda::CudaError;
+pub use hal_verbs::{VerbsError, WcStatus};
 
 /// The simulated NIC and GPU (gdr-sim), for tests and for trying gdr
 /// without hardware.

@@ -5,16 +5,15 @@
 //! the same handles are safe.
 
 use std::ffi::{CStr, c_char};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use gdr_core::backend::BackendChoice;
 use gdr_core::ladder::Rung;
 use gdr_core::uri::BufferUri;
+use gdr_core::{Buffer, Context, MemoryKind};
 
 use crate::boundary::{Out, TextOut, ffi_boundary, text_arg};
 use crate::handle::{Kind, Table};
-use crate::instance::{AnyBuffer, Backend, MemoryKind};
 use crate::result::{FfiError, GdrResult};
 
 /// A context: the backends (RDMA verbs, CUDA) a process uses, chosen once.
@@ -158,58 +157,13 @@ static CONTEXTS: Table<ContextObject> = Table::new(Kind::Context);
 static BUFFERS: Table<BufferObject> = Table::new(Kind::Buffer);
 
 pub(crate) struct ContextObject {
-    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) context: Context,
 }
 
-/// A buffer and the backend that made it. `None` while being freed.
+/// A buffer and the context (handle) that made it.
 pub(crate) struct BufferObject {
     pub(crate) context: u64,
-    backend: Arc<dyn Backend>,
-    buffer: Mutex<Option<AnyBuffer>>,
-    /// Copies queued on streams that have not yet been seen done
-    /// ([`BufferHold`]): the buffer is not freed while any is.
-    stream_holds: AtomicUsize,
-}
-
-/// A claim on a buffer's memory for a copy queued on a stream: while it
-/// lives, [`gdr_buffer_free`] refuses the buffer (`GDR_RESULT_BUSY`).
-pub(crate) struct BufferHold(Arc<BufferObject>);
-
-impl Drop for BufferHold {
-    fn drop(&mut self) {
-        self.0.stream_holds.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl BufferObject {
-    /// Runs `f` on the buffer and its backend (refused while it is being
-    /// freed).
-    pub(crate) fn with<T>(
-        &self,
-        f: impl FnOnce(&dyn Backend, &AnyBuffer) -> Result<T, FfiError>,
-    ) -> Result<T, FfiError> {
-        let guard = self.buffer.lock().unwrap_or_else(PoisonError::into_inner);
-        let buffer = guard
-            .as_ref()
-            .ok_or_else(|| FfiError::new(GdrResult::InvalidHandle, "the buffer is being freed"))?;
-        f(&*self.backend, buffer)
-    }
-
-    /// Holds the buffer for a copy queued on a stream (refused while it
-    /// is being freed). Counted under the buffer's lock, as
-    /// [`gdr_buffer_free`] checks the count, so no hold is taken on a
-    /// buffer that free has already let go.
-    pub(crate) fn hold(self: &Arc<Self>) -> Result<BufferHold, FfiError> {
-        let guard = self.buffer.lock().unwrap_or_else(PoisonError::into_inner);
-        if guard.is_none() {
-            return Err(FfiError::new(
-                GdrResult::InvalidHandle,
-                "the buffer is being freed",
-            ));
-        }
-        self.stream_holds.fetch_add(1, Ordering::SeqCst);
-        Ok(BufferHold(Arc::clone(self)))
-    }
+    pub(crate) buffer: Buffer,
 }
 
 pub(crate) fn context(handle: GdrContext) -> Result<Arc<ContextObject>, FfiError> {
@@ -226,15 +180,12 @@ pub(crate) fn buffer(handle: GdrBuffer) -> Result<Arc<BufferObject>, FfiError> {
 /// `out` was checked by [`Out::new`] and is valid for a write.
 unsafe fn new_buffer(
     handle: GdrContext,
-    context: &ContextObject,
-    buffer: AnyBuffer,
+    buffer: Buffer,
     out: Out<GdrBuffer>,
 ) -> Result<(), FfiError> {
     let object = BufferObject {
         context: handle.id,
-        backend: Arc::clone(&context.backend),
-        buffer: Mutex::new(Some(buffer)),
-        stream_holds: AtomicUsize::new(0),
+        buffer,
     };
     // SAFETY: `out` checked by Out::new; valid by the caller's contract.
     unsafe { BUFFERS.publish(Arc::new(object), out) }
@@ -322,9 +273,9 @@ pub unsafe extern "C" fn gdr_context_new(
                 Err(e) => return Err(FfiError::invalid("GDR_BACKEND", e)),
             },
         };
-        let backend = crate::instance::open(choice)?;
+        let context = Context::open(choice)?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
-        unsafe { CONTEXTS.publish(Arc::new(ContextObject { backend }), out) }
+        unsafe { CONTEXTS.publish(Arc::new(ContextObject { context }), out) }
     }
 }
 
@@ -353,7 +304,7 @@ pub unsafe extern "C" fn gdr_context_describe(
 ) -> GdrResult {
     ffi_boundary! {
         let out = TextOut::new(buf, len, needed)?;
-        let text = self::context(context)?.backend.describe();
+        let text = self::context(context)?.context.describe();
         // SAFETY: the caller's contract.
         unsafe { out.write(&text) }
     }
@@ -374,7 +325,7 @@ pub unsafe extern "C" fn gdr_device_count(
         let gpus = (!gpus.is_null()).then(|| Out::new("gpus", gpus)).transpose()?;
         let nics = (!nics.is_null()).then(|| Out::new("nics", nics)).transpose()?;
         let context = self::context(context)?;
-        let (gpu_count, nic_count) = (context.backend.gpu_count(), context.backend.nic_names().len() as u32);
+        let (gpu_count, nic_count) = (context.context.gpu_count(), context.context.nics().len() as u32);
         // SAFETY: checked by Out::new; valid by the caller's contract.
         unsafe {
             if let Some(out) = gpus {
@@ -410,7 +361,7 @@ pub unsafe extern "C" fn gdr_path_rung(
     ffi_boundary! {
         let rung = Out::new("rung", rung)?;
         let text = TextOut::new(why_not, len, needed)?;
-        let facts = self::context(context)?.backend.path(gpu, nic)?;
+        let facts = self::context(context)?.context.path(gpu, nic)?;
         let value = match facts.rung {
             Rung::Dmabuf => GdrRung::Dmabuf,
             Rung::Peermem => GdrRung::Peermem,
@@ -418,7 +369,7 @@ pub unsafe extern "C" fn gdr_path_rung(
         };
         if !why_not.is_null() {
             // SAFETY: the caller's contract.
-            unsafe { text.write(&facts.why_not) }?;
+            unsafe { text.write(&facts.why_not.join("\n")) }?;
         }
         // SAFETY: checked by Out::new; valid by the caller's contract.
         unsafe { rung.write(value) };
@@ -439,8 +390,8 @@ pub unsafe extern "C" fn gdr_gpudirect_available(
     ffi_boundary! {
         let out = Out::new("available", available)?;
         let context = self::context(context)?;
-        let backend = &context.backend;
-        let nics = backend.nic_names().len() as u32;
+        let backend = &context.context;
+        let nics = backend.nics().len() as u32;
         let mut any = false;
         'pairs: for gpu in 0..backend.gpu_count() {
             for nic in 0..nics {
@@ -472,17 +423,16 @@ pub unsafe extern "C" fn gdr_buffer_alloc(
 ) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("out", out)?;
-        let kind = match memory {
-            0 => MemoryKind::Host,
-            1 => MemoryKind::Pinned,
-            2 => MemoryKind::Device,
-            3 => MemoryKind::Managed,
+        let owner = self::context(context)?;
+        let buffer = match memory {
+            0 => owner.context.alloc_host(size)?,
+            1 => owner.context.alloc_pinned(size)?,
+            2 => owner.context.alloc_device(device, size)?,
+            3 => return Err(gdr_core::Unsupported::ManagedMemory.into()),
             other => return Err(FfiError::invalid("memory", format!("{other} is no memory kind"))),
         };
-        let owner = self::context(context)?;
-        let buffer = owner.backend.alloc(kind, device, size)?;
         // SAFETY: `out` checked; valid by the caller's contract.
-        unsafe { new_buffer(context, &owner, buffer, out) }
+        unsafe { new_buffer(context, buffer, out) }
     }
 }
 
@@ -508,9 +458,9 @@ pub unsafe extern "C" fn gdr_buffer_wrap(
         }
         let owner = self::context(context)?;
         // SAFETY: the caller's contract is wrap's.
-        let buffer = unsafe { owner.backend.wrap(addr, size) }?;
+        let buffer = unsafe { owner.context.wrap(addr, size) }?;
         // SAFETY: `out` checked; valid by the caller's contract.
-        unsafe { new_buffer(context, &owner, buffer, out) }
+        unsafe { new_buffer(context, buffer, out) }
     }
 }
 
@@ -533,9 +483,9 @@ pub unsafe extern "C" fn gdr_buffer_open_uri(
         let text = unsafe { text_arg("uri", uri) }?;
         let uri: BufferUri = text.parse()?;
         let owner = self::context(context)?;
-        let buffer = owner.backend.open_uri(&uri)?;
+        let buffer = owner.context.open_uri(&uri)?;
         // SAFETY: `out` checked; valid by the caller's contract.
-        unsafe { new_buffer(context, &owner, buffer, out) }
+        unsafe { new_buffer(context, buffer, out) }
     }
 }
 
@@ -555,7 +505,7 @@ pub unsafe extern "C" fn gdr_buffer_export_uri(
 ) -> GdrResult {
     ffi_boundary! {
         let out = TextOut::new(buf, len, needed)?;
-        let uri = self::buffer(buffer)?.with(|backend, b| backend.export_uri(b))?;
+        let uri = self::buffer(buffer)?.buffer.export_uri()?;
         // SAFETY: the caller's contract.
         unsafe { out.write(&uri.to_string()) }
     }
@@ -572,18 +522,19 @@ pub unsafe extern "C" fn gdr_buffer_get_info(
 ) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("info", info)?;
-        let facts = self::buffer(buffer)?.with(|backend, b| backend.facts(b))?;
-        let memory = match facts.kind {
+        let object = self::buffer(buffer)?;
+        let facts = &object.buffer;
+        let memory = match facts.kind() {
             MemoryKind::Host => GdrMemory::Host,
             MemoryKind::Pinned => GdrMemory::Pinned,
             MemoryKind::Device => GdrMemory::Device,
-            MemoryKind::Managed => GdrMemory::Managed,
+            _ => GdrMemory::Managed,
         };
         let value = GdrBufferInfo {
-            addr: facts.addr,
-            size: facts.size,
+            addr: facts.addr(),
+            size: facts.len(),
             memory,
-            device: facts.device.map_or(-1, |d| d as i32),
+            device: facts.device().map_or(-1, |d| d as i32),
         };
         // SAFETY: checked; valid by the caller's contract.
         unsafe { out.write(value) };
@@ -603,29 +554,9 @@ pub unsafe extern "C" fn gdr_buffer_get_info(
 pub extern "C" fn gdr_buffer_free(buffer: GdrBuffer) -> GdrResult {
     ffi_boundary! {
         let object = self::buffer(buffer)?;
-        let taken = {
-            let mut guard = object.buffer.lock().unwrap_or_else(PoisonError::into_inner);
-            let held = object.stream_holds.load(Ordering::SeqCst);
-            if held != 0 && guard.is_some() {
-                return Err(FfiError::new(
-                    GdrResult::Busy,
-                    format!("{held} copies queued on streams still use the buffer (synchronize or free their streams first)"),
-                ));
-            }
-            guard
-                .take()
-                .ok_or_else(|| FfiError::new(GdrResult::InvalidHandle, "the buffer is being freed"))?
-        };
-        match object.backend.release(taken) {
-            Ok(()) => {
-                BUFFERS.remove(buffer.id)?;
-                Ok(())
-            }
-            Err((kept, error)) => {
-                *object.buffer.lock().unwrap_or_else(PoisonError::into_inner) = Some(kept);
-                Err(error)
-            }
-        }
+        object.buffer.release()?;
+        BUFFERS.remove(buffer.id)?;
+        Ok(())
     }
 }
 

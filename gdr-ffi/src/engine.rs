@@ -3,11 +3,9 @@
 //! and the descriptors a peer receives for them, batches of one-sided
 //! READs and WRITEs, and the GPU fence for inbound writes.
 //!
-//! As for contexts, the C functions are written once: they call the
-//! object-safe traits of this module (`AnyEngine`, `AnyRegion`,
-//! `AnyListener`, `AnyPeer`, `AnyGrant`, `AnyBatch`), which gdr-core's
-//! generic types implement once for every backend pair; a context's
-//! backend makes its engine (`Backend::engine`).
+//! The C functions call gdr-core's facade ([`gdr_core::Engine`] and its
+//! kin), which erases the backends once; this module only checks what C
+//! hands it and keeps the objects behind their handles.
 //!
 //! Objects refer to each other by what they hold, as in Rust: a region
 //! keeps its registrations (and the engine's NICs) alive, a grant its
@@ -20,267 +18,21 @@
 //! that starts when a stream reaches a point
 //! ([`gdr_peer_submit_after_stream`]).
 
-use std::any::Any;
 use std::ffi::{c_char, c_void};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
-use gdr_core::engine::{
-    Batch, Engine, EngineConfig, EngineListener, Fence, Op, Outcome, Peer, Region, RegionGrant,
-    Transfer, TransferError,
-};
+use gdr_core::engine::{EngineConfig, Fence, Op, TransferError};
 use gdr_core::ladder::Rung;
-use hal_verbs::Api;
+use gdr_core::{Batch, Engine, Grant, Listener, Peer, Region, Transfer};
 
 use crate::api::{GdrBuffer, GdrContext, GdrRung};
 use crate::boundary::{Out, TextOut, ffi_boundary, text_arg};
 use crate::handle::{Kind, Table};
-use crate::instance::{AnyBuffer, Backend};
 use crate::result::{FfiError, GdrResult};
-use crate::stream::{AnyStream, GdrStream, StreamOf};
-
-// ---------------------------------------------------------------------------
-// The erased engine, implemented once for every backend pair.
-
-/// An engine of some backends.
-pub(crate) trait AnyEngine: Send + Sync {
-    fn id(&self) -> u64;
-    fn nics(&self) -> Vec<String>;
-    fn register(
-        &self,
-        buffer: &AnyBuffer,
-        offset: u64,
-        len: u64,
-    ) -> Result<Arc<dyn AnyRegion>, FfiError>;
-    fn listen(&self, addr: SocketAddr) -> Result<Box<dyn AnyListener>, FfiError>;
-    fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Box<dyn AnyPeer>, FfiError>;
-    /// The GPU fence for a peer's WRITEs into `region`: whether a flush
-    /// was needed.
-    fn fence_inbound_writes(&self, region: &dyn AnyRegion) -> Result<bool, FfiError>;
-}
-
-/// A registered region (`Region<V>` inside).
-pub(crate) trait AnyRegion: Send + Sync {
-    fn rungs(&self) -> Vec<Rung>;
-    fn as_any(&self) -> &dyn Any;
-}
-
-/// A listening engine.
-pub(crate) trait AnyListener: Send {
-    fn local_addr(&self) -> SocketAddr;
-    fn accept(&mut self, timeout: Duration) -> Result<Box<dyn AnyPeer>, FfiError>;
-}
-
-/// One transfer, erased: the region is downcast by the peer.
-pub(crate) struct ErasedTransfer<'a> {
-    op: Op,
-    local: &'a dyn AnyRegion,
-    local_offset: u64,
-    remote: &'a MemoryDescriptor,
-    remote_offset: u64,
-    len: u64,
-}
-
-/// A connected peer.
-pub(crate) trait AnyPeer: Send + Sync {
-    fn grant(
-        &self,
-        region: &dyn AnyRegion,
-        offset: u64,
-        len: u64,
-        rights: GrantRights,
-    ) -> Result<Box<dyn AnyGrant>, FfiError>;
-    fn wait_grant(&self, grant: u64, timeout: Duration) -> Result<MemoryDescriptor, FfiError>;
-    /// `timeout` `None`: the engine's default.
-    fn submit(
-        &self,
-        transfers: &[ErasedTransfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn AnyBatch>, FfiError>;
-    /// A batch that starts once `stream` reaches this point; `timeout`
-    /// `None`: the engine's default.
-    fn submit_after_stream(
-        &self,
-        stream: &dyn AnyStream,
-        transfers: &[ErasedTransfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn AnyBatch>, FfiError>;
-    fn close(&self) -> Result<(), FfiError>;
-}
-
-/// A grant (revoked when dropped).
-pub(crate) trait AnyGrant: Send + Sync {
-    fn descriptor(&self) -> &MemoryDescriptor;
-}
-
-/// A submitted batch.
-pub(crate) trait AnyBatch: Send + Sync {
-    fn status(&self) -> Option<Outcome>;
-    fn wait(&self, timeout: Duration) -> Outcome;
-    fn cancel(&self);
-    /// Makes `stream` wait for the batch.
-    fn fence_stream(&self, stream: &dyn AnyStream) -> Result<(), FfiError>;
-}
-
-/// The transfers with their regions of backend `V`.
-fn unerased<'a, V: Api>(
-    transfers: &[ErasedTransfer<'a>],
-) -> Result<Vec<Transfer<'a, V>>, FfiError> {
-    transfers
-        .iter()
-        .map(|t| {
-            Ok(Transfer {
-                op: t.op,
-                local: region_of::<V>(t.local)?,
-                local_offset: t.local_offset,
-                remote: t.remote,
-                remote_offset: t.remote_offset,
-                len: t.len,
-            })
-        })
-        .collect()
-}
-
-fn region_of<V: Api>(region: &dyn AnyRegion) -> Result<&Region<V>, FfiError> {
-    region.as_any().downcast_ref::<Region<V>>().ok_or_else(|| {
-        FfiError::new(
-            GdrResult::InvalidHandle,
-            "the region belongs to an engine of other backends",
-        )
-    })
-}
-
-impl<V: Api, C: hal_cuda::Api> AnyEngine for Engine<V, C> {
-    fn id(&self) -> u64 {
-        Engine::id(self)
-    }
-
-    fn nics(&self) -> Vec<String> {
-        Engine::nics(self)
-    }
-
-    fn register(
-        &self,
-        buffer: &AnyBuffer,
-        offset: u64,
-        len: u64,
-    ) -> Result<Arc<dyn AnyRegion>, FfiError> {
-        let buffer = buffer.downcast_ref::<Buffer<C>>().ok_or_else(|| {
-            FfiError::new(
-                GdrResult::InvalidHandle,
-                "the buffer belongs to a context of other backends",
-            )
-        })?;
-        Ok(Arc::new(self.register_range(buffer, offset, len)?))
-    }
-
-    fn listen(&self, addr: SocketAddr) -> Result<Box<dyn AnyListener>, FfiError> {
-        Ok(Box::new(Engine::listen(self, addr)?))
-    }
-
-    fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Box<dyn AnyPeer>, FfiError> {
-        Ok(Box::new(Engine::connect(self, addr, timeout)?))
-    }
-
-    fn fence_inbound_writes(&self, region: &dyn AnyRegion) -> Result<bool, FfiError> {
-        let fence = Engine::fence_inbound_writes(self, region_of::<V>(region)?)?;
-        Ok(fence == Fence::Flushed)
-    }
-}
-
-impl<V: Api> AnyRegion for Region<V> {
-    fn rungs(&self) -> Vec<Rung> {
-        Region::rungs(self)
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> AnyListener for EngineListener<V, C> {
-    fn local_addr(&self) -> SocketAddr {
-        EngineListener::local_addr(self)
-    }
-
-    fn accept(&mut self, timeout: Duration) -> Result<Box<dyn AnyPeer>, FfiError> {
-        Ok(Box::new(EngineListener::accept(self, timeout)?))
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> AnyPeer for Peer<V, C> {
-    fn grant(
-        &self,
-        region: &dyn AnyRegion,
-        offset: u64,
-        len: u64,
-        rights: GrantRights,
-    ) -> Result<Box<dyn AnyGrant>, FfiError> {
-        let grant = Peer::grant(self, region_of::<V>(region)?, offset, len, rights)?;
-        Ok(Box::new(grant))
-    }
-
-    fn wait_grant(&self, grant: u64, timeout: Duration) -> Result<MemoryDescriptor, FfiError> {
-        Ok(Peer::wait_grant(self, grant, timeout)?)
-    }
-
-    fn submit(
-        &self,
-        transfers: &[ErasedTransfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn AnyBatch>, FfiError> {
-        let transfers = unerased::<V>(transfers)?;
-        let batch = match timeout {
-            Some(timeout) => self.submit_with_timeout(&transfers, timeout)?,
-            None => Peer::submit(self, &transfers)?,
-        };
-        Ok(Box::new(batch))
-    }
-
-    fn submit_after_stream(
-        &self,
-        stream: &dyn AnyStream,
-        transfers: &[ErasedTransfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn AnyBatch>, FfiError> {
-        let stream = StreamOf::<C>::of(stream)?;
-        let transfers = unerased::<V>(transfers)?;
-        let timeout = timeout.unwrap_or(self.engine().config().default_timeout);
-        let batch = Peer::submit_after_stream(self, stream, &transfers, timeout)?;
-        Ok(Box::new(batch))
-    }
-
-    fn close(&self) -> Result<(), FfiError> {
-        Ok(Peer::close(self)?)
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> AnyGrant for RegionGrant<V, C> {
-    fn descriptor(&self) -> &MemoryDescriptor {
-        RegionGrant::descriptor(self)
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> AnyBatch for Batch<V, C> {
-    fn status(&self) -> Option<Outcome> {
-        Batch::status(self)
-    }
-
-    fn wait(&self, timeout: Duration) -> Outcome {
-        Batch::wait(self, timeout)
-    }
-
-    fn cancel(&self) {
-        Batch::cancel(self)
-    }
-
-    fn fence_stream(&self, stream: &dyn AnyStream) -> Result<(), FfiError> {
-        Ok(Batch::fence_stream(self, StreamOf::<C>::of(stream)?)?)
-    }
-}
+use crate::stream::GdrStream;
 
 // ---------------------------------------------------------------------------
 // The C types.
@@ -426,35 +178,34 @@ pub struct GdrDescriptorInfo {
 
 struct EngineObject {
     context: u64,
-    backend: Arc<dyn Backend>,
-    engine: Arc<dyn AnyEngine>,
+    engine: Engine,
 }
 
 struct RegionObject {
     /// The engine's id (not its handle): a region is used only with it.
     engine: u64,
-    region: Arc<dyn AnyRegion>,
+    region: Region,
 }
 
 struct ListenerObject {
     engine: u64,
     addr: SocketAddr,
     /// One accept at a time.
-    listener: Mutex<Box<dyn AnyListener>>,
+    listener: Mutex<Listener>,
 }
 
 struct PeerObject {
     engine: u64,
-    peer: Box<dyn AnyPeer>,
+    peer: Peer,
 }
 
 static ENGINES: Table<EngineObject> = Table::new(Kind::Engine);
 static REGIONS: Table<RegionObject> = Table::new(Kind::Region);
 static LISTENERS: Table<ListenerObject> = Table::new(Kind::Listener);
 static PEERS: Table<PeerObject> = Table::new(Kind::Peer);
-static GRANTS: Table<dyn AnyGrant> = Table::new(Kind::Grant);
+static GRANTS: Table<Grant> = Table::new(Kind::Grant);
 static DESCRIPTORS: Table<MemoryDescriptor> = Table::new(Kind::Descriptor);
-static BATCHES: Table<dyn AnyBatch> = Table::new(Kind::Batch);
+static BATCHES: Table<Batch> = Table::new(Kind::Batch);
 
 /// A timeout in milliseconds.
 fn millis(ms: u32) -> Duration {
@@ -536,8 +287,10 @@ pub unsafe extern "C" fn gdr_buffer_copy_in(
     ffi_boundary! {
         caller_range("src", src.is_null(), len)?;
         let object = crate::api::buffer(buffer)?;
-        // SAFETY: `src` is valid for `len` bytes (the caller's contract).
-        object.with(|backend, b| unsafe { backend.copy_in(b, offset, src.cast(), len) })
+        // SAFETY: `src` is valid for reads of `len` bytes (the caller's
+        // contract), not NULL (checked).
+        let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), len) };
+        Ok(object.buffer.copy_from_host(offset, data)?)
     }
 }
 
@@ -568,8 +321,11 @@ pub unsafe extern "C" fn gdr_buffer_copy_out(
     ffi_boundary! {
         caller_range("dst", dst.is_null(), len)?;
         let object = crate::api::buffer(buffer)?;
-        // SAFETY: `dst` is valid for `len` bytes (the caller's contract).
-        object.with(|backend, b| unsafe { backend.copy_out(b, offset, dst.cast(), len) })
+        // SAFETY: `dst` is valid for writes of `len` bytes (the caller's
+        // contract), not NULL (checked), and not the buffer's own memory
+        // as a Rust reference (the buffer copies through raw pointers).
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
+        Ok(object.buffer.copy_to_host(offset, out)?)
     }
 }
 
@@ -611,10 +367,9 @@ pub unsafe extern "C" fn gdr_engine_new(
             }
         }
         let owner = crate::api::context(context)?;
-        let engine = owner.backend.engine(config)?;
+        let engine = owner.context.engine(config)?;
         let object = EngineObject {
             context: context.id,
-            backend: Arc::clone(&owner.backend),
             engine,
         };
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
@@ -672,7 +427,7 @@ pub unsafe extern "C" fn gdr_engine_nic_address(
         let name = nics.get(nic as usize).ok_or_else(|| {
             FfiError::new(GdrResult::NoDevice, format!("no NIC {nic} ({} in the engine)", nics.len()))
         })?;
-        let ip = object.backend.nic_address(name)?;
+        let ip = object.engine.nic_address(name)?;
         // SAFETY: the caller's contract.
         unsafe { out.write(&ip.to_string()) }
     }
@@ -702,7 +457,7 @@ pub unsafe extern "C" fn gdr_region_register(
         if memory.context != owner.context {
             return Err(FfiError::invalid("buffer", "made in another context than the engine's"));
         }
-        let region = memory.with(|_, b| owner.engine.register(b, offset, len))?;
+        let region = owner.engine.register_range(&memory.buffer, offset, len)?;
         let object = RegionObject { engine: owner.engine.id(), region };
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
         unsafe { REGIONS.publish(Arc::new(object), out) }
@@ -786,7 +541,7 @@ pub unsafe extern "C" fn gdr_engine_fence_inbound_writes(
         let owner = ENGINES.get(engine.id)?;
         let region = REGIONS.get(region.id)?;
         same_engine(owner.engine.id(), &region)?;
-        let did = owner.engine.fence_inbound_writes(&*region.region)?;
+        let did = owner.engine.fence_inbound_writes(&region.region)? == Fence::Flushed;
         if let Some(out) = out {
             // SAFETY: checked; valid by the caller's contract.
             unsafe { out.write(did) };
@@ -956,9 +711,9 @@ pub unsafe extern "C" fn gdr_peer_grant(
         let peer = PEERS.get(peer.id)?;
         let region = REGIONS.get(region.id)?;
         same_engine(peer.engine, &region)?;
-        let grant = peer.peer.grant(&*region.region, offset, len, rights)?;
+        let grant = peer.peer.grant(&region.region, offset, len, rights)?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
-        unsafe { GRANTS.publish(Arc::from(grant), out) }
+        unsafe { GRANTS.publish(Arc::new(grant), out) }
     }
 }
 
@@ -1164,7 +919,7 @@ unsafe fn submit_checked(
     transfers: *const GdrTransfer,
     count: usize,
     out: *mut GdrBatch,
-    submit: impl FnOnce(&dyn AnyPeer, &[ErasedTransfer<'_>]) -> Result<Box<dyn AnyBatch>, FfiError>,
+    submit: impl FnOnce(&Peer, &[Transfer<'_>]) -> Result<Batch, FfiError>,
 ) -> Result<(), FfiError> {
     let out = Out::new("out", out)?;
     if transfers.is_null() {
@@ -1200,12 +955,12 @@ unsafe fn submit_checked(
         let remote = DESCRIPTORS.get(t.remote.id)?;
         held.push((op, region, t.local_offset, remote, t.remote_offset, t.len));
     }
-    let erased: Vec<ErasedTransfer<'_>> = held
+    let erased: Vec<Transfer<'_>> = held
         .iter()
         .map(
-            |(op, region, local_offset, remote, remote_offset, len)| ErasedTransfer {
+            |(op, region, local_offset, remote, remote_offset, len)| Transfer {
                 op: *op,
-                local: &*region.region,
+                local: &region.region,
                 local_offset: *local_offset,
                 remote,
                 remote_offset: *remote_offset,
@@ -1213,9 +968,9 @@ unsafe fn submit_checked(
             },
         )
         .collect();
-    let batch = submit(&*peer.peer, &erased)?;
+    let batch = submit(&peer.peer, &erased)?;
     // SAFETY: `out` checked by Out::new; valid by the caller's contract.
-    unsafe { BATCHES.publish(Arc::from(batch), out) }
+    unsafe { BATCHES.publish(Arc::new(batch), out) }
 }
 
 /// Submits `count` transfers to `peer` as one batch that must end within
@@ -1241,7 +996,12 @@ pub unsafe extern "C" fn gdr_peer_submit(
     ffi_boundary! {
         let timeout = (timeout_ms != 0).then(|| millis(timeout_ms));
         // SAFETY: the caller's contract.
-        unsafe { submit_checked(peer, transfers, count, out, |peer, erased| peer.submit(erased, timeout)) }
+        unsafe { submit_checked(peer, transfers, count, out, |peer, erased| {
+            Ok(match timeout {
+                Some(timeout) => peer.submit_with_timeout(erased, timeout)?,
+                None => peer.submit(erased)?,
+            })
+        }) }
     }
 }
 
@@ -1276,7 +1036,7 @@ pub unsafe extern "C" fn gdr_peer_submit_after_stream(
         // SAFETY: the caller's contract.
         unsafe {
             submit_checked(peer, transfers, count, out, |peer, erased| {
-                peer.submit_after_stream(&*stream.stream, erased, timeout)
+                Ok(peer.submit_after_stream(&stream.stream, erased, timeout)?)
             })
         }
     }
@@ -1296,7 +1056,7 @@ pub extern "C" fn gdr_batch_fence_stream(batch: GdrBatch, stream: GdrStream) -> 
     ffi_boundary! {
         let batch = BATCHES.get(batch.id)?;
         let stream = crate::stream::stream(stream)?;
-        batch.fence_stream(&*stream.stream)
+        Ok(batch.fence_stream(&stream.stream)?)
     }
 }
 

@@ -74,7 +74,6 @@ pub mod api;
 mod boundary;
 pub mod engine;
 mod handle;
-mod instance;
 mod result;
 pub mod stream;
 
@@ -104,8 +103,8 @@ pub extern "C" fn gdr_result_message(result: u32) -> *const c_char {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hal_cuda::CudaError;
-    use hal_verbs::VerbsError;
+    use gdr_core::CudaError;
+    use gdr_core::VerbsError;
 
     #[test]
     fn hal_errors_map_to_distinct_codes_with_messages() {

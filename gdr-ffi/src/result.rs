@@ -4,12 +4,12 @@
 
 use std::ffi::CStr;
 
+use gdr_core::CudaError;
+use gdr_core::VerbsError;
 use gdr_core::engine::setup::NotAccepted;
 use gdr_core::engine::{EngineError, TransferError};
 use gdr_core::ladder::LadderError;
 use gdr_core::uri::UriError;
-use hal_cuda::CudaError;
-use hal_verbs::VerbsError;
 
 /// Result of every gdr C function. `GDR_RESULT_OK` is 0; errors start at 7000 so
 /// they never collide with errno values or CUresult codes a caller also sees.
@@ -237,7 +237,13 @@ impl From<TransferError> for FfiError {
 
 impl From<EngineError> for FfiError {
     fn from(error: EngineError) -> Self {
-        let result = match &error {
+        Self::new(GdrResult::from(&error), error.to_string())
+    }
+}
+
+impl From<&EngineError> for GdrResult {
+    fn from(error: &EngineError) -> Self {
+        match error {
             EngineError::Verbs { source, .. } => GdrResult::from(source),
             EngineError::Ladder(source) => GdrResult::from(source),
             EngineError::Cuda(source) => GdrResult::from(source),
@@ -263,7 +269,46 @@ impl From<EngineError> for FfiError {
             EngineError::Timeout(_) => GdrResult::Timeout,
             EngineError::Unavailable(_) => GdrResult::NoDevice,
             _ => GdrResult::Other,
-        };
-        Self::new(result, error.to_string())
+        }
+    }
+}
+
+impl From<&gdr_core::Error> for GdrResult {
+    fn from(error: &gdr_core::Error) -> Self {
+        use gdr_core::Error;
+        match error {
+            Error::Backend(gdr_core::backend::BackendError::Verbs { source }) => Self::from(source),
+            Error::Backend(_) | Error::Unsupported(_) => Self::NotSupported,
+            Error::Engine(source) => Self::from(source),
+            Error::Verbs(source) => Self::from(source),
+            Error::Cuda(source) => Self::from(source),
+            Error::Ladder(source) => Self::from(source),
+            Error::Uri(_)
+            | Error::BufferAccess(_)
+            | Error::BadSize { .. }
+            | Error::OutOfRange { .. }
+            | Error::Overlap
+            | Error::WrongGpu { .. }
+            // An object of another context or engine given.
+            | Error::Foreign { .. } => Self::InvalidArgument,
+            // A buffer being freed by another thread meanwhile.
+            Error::Released => Self::InvalidHandle,
+            Error::NoGpu { .. } | Error::NeedsGpu { .. } | Error::NoNic { .. } => Self::NoDevice,
+            Error::SimFabricFull => Self::OutOfResources,
+            Error::StreamCopiesPending { .. } | Error::StillRegistered => Self::Busy,
+            _ => Self::Other,
+        }
+    }
+}
+
+impl From<gdr_core::Error> for FfiError {
+    fn from(error: gdr_core::Error) -> Self {
+        Self::new(GdrResult::from(&error), error.to_string())
+    }
+}
+
+impl From<gdr_core::Unsupported> for FfiError {
+    fn from(error: gdr_core::Unsupported) -> Self {
+        gdr_core::Error::from(error).into()
     }
 }

@@ -5,9 +5,8 @@
 //! (`gdr_batch_fence_stream`) and a batch that waits for a stream
 //! (`gdr_peer_submit_after_stream`).
 //!
-//! As for buffers and engines, the functions are written once: a context's
-//! backend makes the stream (`Backend::stream`) and the stream is erased
-//! behind `AnyStream`, implemented once for every CUDA backend.
+//! The stream is gdr-core's facade [`gdr_core::Stream`]; this module checks
+//! what C hands it.
 //!
 //! A copy queued on a stream holds both its buffers:
 //! `gdr_buffer_free` refuses them with `GDR_RESULT_BUSY` until a
@@ -16,16 +15,12 @@
 //! waits for its work first). So memory gdr owns is never freed under a
 //! copy the GPU may still run.
 
-use std::any::Any;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
-use hal_cuda::Stream as _;
-
-use crate::api::{BufferHold, BufferObject, GdrBuffer, GdrContext};
+use crate::api::{GdrBuffer, GdrContext};
 use crate::boundary::{Out, ffi_boundary};
 use crate::handle::{Kind, Table};
-use crate::instance::MemoryKind;
 use crate::result::{FfiError, GdrResult};
 
 /// A CUDA stream gdr made on one GPU of a context.
@@ -38,129 +33,10 @@ pub struct GdrStream {
 
 crate::handle::c_handles!(GdrStream);
 
-/// One end of a stream copy: host memory by its pointer, or device memory
-/// by its device address.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum CopyEnd {
-    Host(*mut u8),
-    Device(u64),
-}
-
-/// A stream of some CUDA backend ([`StreamOf`] inside).
-pub(crate) trait AnyStream: Send + Sync {
-    /// The native handle (see `hal_cuda::Stream::raw`).
-    fn raw(&self) -> *mut c_void;
-    fn synchronize(&self) -> Result<(), FfiError>;
-    /// Queues a copy of `len` bytes from `src` to `dst`.
-    ///
-    /// # Safety
-    /// Both ranges must be memory of their kind, valid until the stream
-    /// has passed the copy, and not overlap.
-    unsafe fn copy(&self, dst: CopyEnd, src: CopyEnd, len: usize) -> Result<(), FfiError>;
-    fn as_any(&self) -> &dyn Any;
-}
-
-/// The stream of CUDA backend `C`.
-pub(crate) struct StreamOf<C: hal_cuda::Api>(pub C::Stream);
-
-impl<C: hal_cuda::Api> StreamOf<C> {
-    /// `stream` as a stream of backend `C`, or the error for another's.
-    pub(crate) fn of(stream: &dyn AnyStream) -> Result<&C::Stream, FfiError> {
-        stream
-            .as_any()
-            .downcast_ref::<Self>()
-            .map(|s| &s.0)
-            .ok_or_else(|| {
-                FfiError::new(
-                    GdrResult::InvalidHandle,
-                    "the stream belongs to a context of other backends",
-                )
-            })
-    }
-}
-
-impl<C: hal_cuda::Api> AnyStream for StreamOf<C> {
-    fn raw(&self) -> *mut c_void {
-        self.0.raw()
-    }
-
-    fn synchronize(&self) -> Result<(), FfiError> {
-        Ok(self.0.synchronize()?)
-    }
-
-    unsafe fn copy(&self, dst: CopyEnd, src: CopyEnd, len: usize) -> Result<(), FfiError> {
-        let queued = match (dst, src) {
-            (CopyEnd::Device(dst), CopyEnd::Host(src)) => {
-                // SAFETY: the caller's contract: both ranges are memory of
-                // their kind, valid until the stream has passed the copy.
-                unsafe { self.0.copy_host_to_device(dst, src, len) }
-            }
-            (CopyEnd::Host(dst), CopyEnd::Device(src)) => {
-                // SAFETY: as above.
-                unsafe { self.0.copy_device_to_host(dst, src, len) }
-            }
-            (CopyEnd::Device(dst), CopyEnd::Device(src)) => {
-                // SAFETY: as above.
-                unsafe { self.0.copy_device_to_device(dst, src, len) }
-            }
-            (CopyEnd::Host(_), CopyEnd::Host(_)) => {
-                return Err(FfiError::new(
-                    GdrResult::NotSupported,
-                    "a stream copies to or from GPU memory; host to host is the caller's memcpy",
-                ));
-            }
-        };
-        Ok(queued?)
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-/// A stream and the buffers its queued copies hold.
+/// A stream and the context (handle) that made it; it holds the buffers
+/// of its queued copies ([`gdr_core::Stream::copy`]).
 pub(crate) struct StreamObject {
-    context: u64,
-    device: u32,
-    pub(crate) stream: Box<dyn AnyStream>,
-    /// The buffers of copies queued and not yet seen done. Locked across
-    /// queueing a copy and recording its holds, so a synchronize's
-    /// snapshot holds exactly copies queued before it began.
-    holds: Mutex<Vec<BufferHold>>,
-}
-
-impl StreamObject {
-    fn holds(&self) -> std::sync::MutexGuard<'_, Vec<BufferHold>> {
-        self.holds.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Waits for the work queued so far; on success lets go of the buffers
-    /// of the copies that were among it.
-    fn synchronize(&self) -> Result<(), FfiError> {
-        let queued_before = std::mem::take(&mut *self.holds());
-        match self.stream.synchronize() {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                // Not seen done: still held.
-                self.holds().extend(queued_before);
-                Err(error)
-            }
-        }
-    }
-}
-
-impl Drop for StreamObject {
-    fn drop(&mut self) {
-        let holds = std::mem::take(self.holds.get_mut().unwrap_or_else(PoisonError::into_inner));
-        if !holds.is_empty()
-            && let Err(error) = self.stream.synchronize()
-        {
-            // The stream's context failed (a sticky error, a lost device):
-            // it runs nothing more, so the buffers can go.
-            tracing::warn!(error = %error.message, "a stream failed before its copies were seen done");
-        }
-        drop(holds);
-    }
+    pub(crate) stream: gdr_core::Stream,
 }
 
 static STREAMS: Table<StreamObject> = Table::new(Kind::Stream);
@@ -186,8 +62,8 @@ pub unsafe extern "C" fn gdr_stream_new(
     ffi_boundary! {
         let out = Out::new("out", out)?;
         let owner = crate::api::context(context)?;
-        let stream = owner.backend.stream(device)?;
-        let object = StreamObject { context: context.id, device, stream, holds: Mutex::new(Vec::new()) };
+        let stream = owner.context.stream(device)?;
+        let object = StreamObject { stream };
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
         unsafe { STREAMS.publish(Arc::new(object), out) }
     }
@@ -202,7 +78,7 @@ pub unsafe extern "C" fn gdr_stream_new(
 pub extern "C" fn gdr_stream_free(stream: GdrStream) -> GdrResult {
     ffi_boundary! {
         let object = STREAMS.remove(stream.id)?;
-        object.synchronize()
+        Ok(object.stream.synchronize()?)
     }
 }
 
@@ -233,65 +109,8 @@ pub unsafe extern "C" fn gdr_stream_raw(stream: GdrStream, out: *mut *mut c_void
 #[unsafe(no_mangle)]
 pub extern "C" fn gdr_stream_synchronize(stream: GdrStream) -> GdrResult {
     ffi_boundary! {
-        self::stream(stream)?.synchronize()
+        Ok(self::stream(stream)?.stream.synchronize()?)
     }
-}
-
-/// The end of a copy in `buffer` at `offset`, `len` bytes: in the stream's
-/// context, in range, host memory or device memory of the stream's GPU.
-fn copy_end(
-    stream: &StreamObject,
-    buffer: &BufferObject,
-    name: &str,
-    offset: u64,
-    len: usize,
-) -> Result<CopyEnd, FfiError> {
-    if buffer.context != stream.context {
-        return Err(FfiError::invalid(
-            name,
-            "made in another context than the stream's",
-        ));
-    }
-    let facts = buffer.with(|backend, b| backend.facts(b))?;
-    let in_range = offset
-        .checked_add(len as u64)
-        .is_some_and(|end| end <= facts.size);
-    if !in_range {
-        return Err(FfiError::invalid(
-            name,
-            format!(
-                "{len} bytes at offset {offset} exceed the buffer's {} bytes",
-                facts.size
-            ),
-        ));
-    }
-    let addr = facts.addr + offset;
-    match facts.kind {
-        MemoryKind::Host | MemoryKind::Pinned => Ok(CopyEnd::Host(addr as *mut u8)),
-        MemoryKind::Device if facts.device == Some(stream.device) => Ok(CopyEnd::Device(addr)),
-        MemoryKind::Device => Err(FfiError::invalid(
-            name,
-            format!(
-                "memory of GPU {:?}, the stream is on GPU {}",
-                facts.device, stream.device
-            ),
-        )),
-        MemoryKind::Managed => Err(FfiError::new(
-            GdrResult::NotSupported,
-            format!("{name}: managed memory is not copied on streams by gdr"),
-        )),
-    }
-}
-
-/// The addresses of two ends overlap (same address space: host pointers
-/// and device addresses are compared only with their kind).
-fn overlap(a: CopyEnd, b: CopyEnd, len: usize) -> bool {
-    let (a, b) = match (a, b) {
-        (CopyEnd::Host(a), CopyEnd::Host(b)) => (a as u64, b as u64),
-        (CopyEnd::Device(a), CopyEnd::Device(b)) => (a, b),
-        _ => return false,
-    };
-    a < b + len as u64 && b < a + len as u64
 }
 
 /// Queues on the stream an asynchronous copy of `len` bytes from
@@ -322,22 +141,6 @@ pub extern "C" fn gdr_stream_copy(
         let stream = self::stream(stream)?;
         let dst = crate::api::buffer(dst_buffer)?;
         let src = crate::api::buffer(src_buffer)?;
-        // Held before their addresses are taken: from here neither buffer
-        // can be freed.
-        let holds = [dst.hold()?, src.hold()?];
-        let dst_end = copy_end(&stream, &dst, "dst_buffer", dst_offset, len)?;
-        let src_end = copy_end(&stream, &src, "src_buffer", src_offset, len)?;
-        if overlap(dst_end, src_end, len) {
-            return Err(FfiError::invalid("src_offset", "the source and destination ranges overlap"));
-        }
-        let mut held = stream.holds();
-        // SAFETY: both ranges lie in their buffers (checked) and are of
-        // the kinds given (the buffers' facts), do not overlap (checked),
-        // and stay valid until the stream is seen past the copy: the holds
-        // recorded below keep gdr_buffer_free from freeing either until
-        // then (wrapped memory: the caller's contract, as documented).
-        unsafe { stream.stream.copy(dst_end, src_end, len) }?;
-        held.extend(holds);
-        Ok(())
+        Ok(stream.stream.copy(&dst.buffer, dst_offset, &src.buffer, src_offset, len)?)
     }
 }
