@@ -1,0 +1,261 @@
+//! The facade (`gdr_core::{Context, Engine, Buffer, ...}`) on the sim: two
+//! contexts of this process's simulated fabric, host and GPU memory moved
+//! both ways and checked through the safe copies, and each refusal the
+//! facade itself owns (objects of another context or engine, a buffer a
+//! stream copy still holds, a spent handle, ranges and sizes).
+
+use std::time::Duration;
+
+use gdr_core::{
+    BackendChoice, Buffer, Context, Engine, EngineConfig, Error, GrantRights, MemoryKind, Peer,
+    Transfer, TransferError,
+};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Two engines of two sim contexts, connected: (listening side, its peer
+/// object, connecting side, its peer object).
+fn pair() -> (Engine, Peer, Engine, Peer) {
+    let server = Context::open(BackendChoice::Sim)
+        .and_then(|c| c.engine(EngineConfig::default()))
+        .expect("server engine");
+    let client = Context::open(BackendChoice::Sim)
+        .and_then(|c| c.engine(EngineConfig::default()))
+        .expect("client engine");
+    let nic = server.nics()[0].clone();
+    let ip = server.nic_address(&nic).expect("the sim NIC's address");
+    let mut listener = server.listen((ip, 0).into()).expect("listen");
+    let addr = listener.local_addr();
+    let accepting = std::thread::spawn(move || listener.accept(WAIT));
+    let to_server = client.connect(addr, WAIT).expect("connect");
+    let to_client = accepting.join().expect("accept thread").expect("accept");
+    (server, to_client, client, to_server)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+#[test]
+fn host_and_gpu_memory_move_both_ways_through_the_facade() {
+    let (server, to_client, client, to_server) = pair();
+    let gpu = server
+        .context()
+        .alloc_device(0, 1 << 16)
+        .expect("GPU memory");
+    assert_eq!(gpu.kind(), MemoryKind::Device);
+    gpu.copy_from_host(0, &pattern(1 << 16, 1))
+        .expect("copy in");
+    let granted = server.register(&gpu).expect("register");
+    let grant = to_client
+        .grant(&granted, 0, 1 << 16, GrantRights::ReadWrite)
+        .expect("grant");
+    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+
+    let host = client.context().alloc_host(1 << 16).expect("host memory");
+    let local = client.register(&host).expect("register");
+    to_server
+        .read(&local, &remote, 0)
+        .expect("submit")
+        .wait(WAIT)
+        .expect("READ");
+    assert_eq!(host.to_vec().expect("host bytes"), pattern(1 << 16, 1));
+
+    host.copy_from_host(0, &pattern(1 << 16, 2))
+        .expect("copy in");
+    let batch = to_server
+        .submit(&[
+            Transfer::write(&local, 0, &remote, 4096, 4096),
+            Transfer::write(&local, 8192, &remote, 0, 100),
+        ])
+        .expect("submit");
+    batch.wait(WAIT).expect("WRITEs");
+    let mut out = vec![0; 4096];
+    gpu.copy_to_host(4096, &mut out).expect("copy out");
+    assert_eq!(out, pattern(1 << 16, 2)[..4096]);
+    gpu.copy_to_host(0, &mut out[..100]).expect("copy out");
+    assert_eq!(out[..100], pattern(1 << 16, 2)[8192..8292]);
+}
+
+#[test]
+fn a_batch_is_awaited_under_tokio_with_the_engine_driven_by_a_task() {
+    let (server, to_client, client, to_server) = pair();
+    let target = server.context().alloc_host(4096).expect("memory");
+    let grant = to_client
+        .grant(
+            &server.register(&target).expect("register"),
+            0,
+            4096,
+            GrantRights::Write,
+        )
+        .expect("grant");
+    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+    let source = client.context().alloc_host(4096).expect("memory");
+    source.copy_from_host(0, &[9; 4096]).expect("copy in");
+    let local = client.register(&source).expect("register");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let _driving = client.drive_on_tokio().expect("driver task");
+        let _server_driving = server.drive_on_tokio().expect("driver task");
+        let outcome =
+            tokio::time::timeout(WAIT, to_server.write(&local, &remote, 0).expect("submit"))
+                .await
+                .expect("the batch ended");
+        outcome.expect("WRITE");
+    });
+    assert_eq!(target.to_vec().expect("bytes"), vec![9; 4096]);
+}
+
+#[test]
+fn objects_of_another_context_or_engine_are_refused() {
+    let (server, to_client, client, to_server) = pair();
+    let elsewhere = Context::open(BackendChoice::Sim).expect("third context");
+    let foreign = elsewhere.alloc_host(4096).expect("memory");
+    assert!(matches!(
+        server.register(&foreign),
+        Err(Error::Foreign { what: "buffer", .. })
+    ));
+
+    // A region of the client's engine granted by the server's peer object:
+    // both are sim engines, so only the facade's own check stops it.
+    let client_memory = client.context().alloc_host(4096).expect("memory");
+    let client_region = client.register(&client_memory).expect("register");
+    assert!(matches!(
+        to_client.grant(&client_region, 0, 4096, GrantRights::Read),
+        Err(Error::Foreign { what: "region", .. })
+    ));
+
+    let server_memory = server.context().alloc_host(4096).expect("memory");
+    let server_region = server.register(&server_memory).expect("register");
+    let grant = to_client
+        .grant(&server_region, 0, 4096, GrantRights::ReadWrite)
+        .expect("grant");
+    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+    // The server's region through the client's peer object.
+    assert!(matches!(
+        to_server.submit(&[Transfer::write(&server_region, 0, &remote, 0, 64)]),
+        Err(Error::Foreign { what: "region", .. })
+    ));
+    // A stream of another context.
+    let stream = elsewhere.stream(0).expect("stream");
+    let gpu = client.context().alloc_device(0, 4096).expect("GPU memory");
+    assert!(matches!(
+        stream.copy(&gpu, 0, &client_memory, 0, 64),
+        Err(Error::Foreign { what: "buffer", .. })
+    ));
+}
+
+#[test]
+fn a_buffer_a_stream_copy_holds_is_not_released_until_the_stream_is_seen_past_it() {
+    let context = Context::open(BackendChoice::Sim).expect("context");
+    let gpu = context.alloc_device(0, 1 << 20).expect("GPU memory");
+    let host = context.alloc_pinned(1 << 20).expect("pinned memory");
+    host.copy_from_host(0, &pattern(1 << 20, 3))
+        .expect("copy in");
+    let stream = context.stream(0).expect("stream");
+    stream.copy(&gpu, 0, &host, 0, 1 << 20).expect("queued");
+    assert!(matches!(
+        host.release(),
+        Err(Error::StreamCopiesPending { copies: 1 })
+    ));
+    assert!(matches!(
+        gpu.release(),
+        Err(Error::StreamCopiesPending { copies: 1 })
+    ));
+    stream.synchronize().expect("synchronized");
+    assert_eq!(gpu.to_vec().expect("bytes"), pattern(1 << 20, 3));
+    gpu.release()
+        .expect("released once the stream is past the copy");
+    assert!(matches!(gpu.to_vec(), Err(Error::Released)));
+    assert!(matches!(gpu.release(), Err(Error::Released)));
+    // A clone is a handle of the same, released, buffer.
+    let again: Buffer = host.clone();
+    host.release().expect("released");
+    assert!(matches!(
+        again.copy_from_host(0, &[1]),
+        Err(Error::Released)
+    ));
+}
+
+#[test]
+fn bad_sizes_ranges_and_devices_are_refused_with_what_was_wrong() {
+    let context = Context::open(BackendChoice::Sim).expect("context");
+    assert!(matches!(
+        context.alloc_host(0),
+        Err(Error::BadSize { size: 0, .. })
+    ));
+    assert!(matches!(
+        context.alloc_device(7, 4096),
+        Err(Error::NoGpu { index: 7, count: 1 })
+    ));
+    let buffer = context.alloc_host(4096).expect("memory");
+    assert!(matches!(
+        buffer.copy_from_host(4000, &[0; 100]),
+        Err(Error::OutOfRange {
+            offset: 4000,
+            len: 100,
+            size: 4096,
+            ..
+        })
+    ));
+    let stream = context.stream(0).expect("stream");
+    let other = context.alloc_host(4096).expect("memory");
+    assert!(matches!(
+        stream.copy(&other, 0, &buffer, 0, 64),
+        Err(Error::Unsupported(
+            gdr_core::Unsupported::HostToHostStreamCopy
+        ))
+    ));
+    let gpu = context.alloc_device(0, 4096).expect("GPU memory");
+    assert!(matches!(
+        stream.copy(&gpu, 0, &gpu, 32, 64),
+        Err(Error::Overlap)
+    ));
+    assert!(matches!(
+        buffer.export_uri(),
+        Err(Error::Unsupported(gdr_core::Unsupported::UriOfHostMemory))
+    ));
+    let uri = gpu.export_uri().expect("a device buffer's URI");
+    // As CUDA, the exporting context does not open its own handle.
+    assert!(matches!(context.open_uri(&uri), Err(Error::Cuda(_))));
+}
+
+#[test]
+fn a_revoked_grant_refuses_the_peers_next_request() {
+    let (server, to_client, client, to_server) = pair();
+    let target = server.context().alloc_host(4096).expect("memory");
+    let grant = to_client
+        .grant(
+            &server.register(&target).expect("register"),
+            0,
+            4096,
+            GrantRights::Write,
+        )
+        .expect("grant");
+    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+    let source = client.context().alloc_host(4096).expect("memory");
+    source.copy_from_host(0, &[5; 4096]).expect("copy in");
+    let local = client.register(&source).expect("register");
+    to_server
+        .write(&local, &remote, 0)
+        .expect("submit")
+        .wait(WAIT)
+        .expect("WRITE");
+    grant.revoke(WAIT).expect("revoked");
+    target.copy_from_host(0, &[0; 4096]).expect("cleared");
+    // Refused at submit (the revoke reached this side) or by the NIC.
+    match to_server.write(&local, &remote, 0) {
+        Err(Error::Engine(_)) => {}
+        Ok(batch) => assert!(matches!(
+            batch.wait(WAIT),
+            Err(TransferError::RemoteAccess { .. } | TransferError::Revoked { .. })
+        )),
+        Err(other) => panic!("unexpected: {other}"),
+    }
+    assert_eq!(target.to_vec().expect("bytes"), vec![0; 4096]);
+}
