@@ -1432,7 +1432,8 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
                 }
             }
             Progress::Driver => {
-                if oldest.cell().wait(Some(ENGINE_TIMEOUT)).is_none() {
+                // The driver thread makes progress; this only waits.
+                if oldest.wait(ENGINE_TIMEOUT).is_err() && oldest.status().is_none() {
                     return Err(format!(
                         "a batch of {} {} bytes did not end within {ENGINE_TIMEOUT:?}",
                         plan.op.name(),
@@ -1446,7 +1447,7 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
         let now = Instant::now();
         let mut i = 0;
         while i < in_flight.len() {
-            if !in_flight[i].0.cell().is_done() {
+            if in_flight[i].0.status().is_none() {
                 i += 1;
                 continue;
             }

@@ -131,8 +131,7 @@ fn loopback<V: hal_verbs::Api, C: hal_cuda::Api>(
         None => println!("  GPU memory: no GPU beside this NIC"),
     }
     for (who, engine) in [("connecting", &pair.client), ("listening", &pair.server)] {
-        if let Some(ladder) = engine.ladder(0) {
-            let stats = ladder.cache().stats();
+        if let Some(stats) = engine.cache_stats(0) {
             println!(
                 "  registration cache ({who} engine): {} entries, {} hits, {} misses",
                 stats.entries, stats.hits, stats.misses
@@ -241,10 +240,8 @@ fn prove_kind<V: hal_verbs::Api, C: hal_cuda::Api>(
     } else {
         println!("  {what}: {rung:?} rung (the listening engine's buffer: {target_rung:?})");
     }
-    if let Some(registration) = source_region.registration(0) {
-        for failure in registration.failures() {
-            println!("    not {failure}");
-        }
+    for failure in source_region.rung_failures(0) {
+        println!("    not {failure}");
     }
     if [rung, target_rung].contains(&Rung::Staging) {
         println!(

@@ -148,7 +148,9 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         self.engine.wake();
     }
 
-    /// The completion cell (for a driver that waits elsewhere).
+    /// The completion cell (for a driver that waits elsewhere). Feature
+    /// `testing`.
+    #[cfg(feature = "testing")]
     pub fn cell(&self) -> &Arc<CompletionCell> {
         &self.cell
     }

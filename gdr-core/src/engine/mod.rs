@@ -95,7 +95,12 @@ pub mod topology;
 /// crate).
 pub use gdr_proto::setup;
 /// The engine's wire formats (they live in the sans-IO protocol crate).
+/// The control messages on the wire (feature `testing`: the fuzz targets
+/// and the hostile-peer tests forge them).
+#[cfg(feature = "testing")]
 pub use gdr_proto::wire;
+#[cfg(not(feature = "testing"))]
+pub(crate) use gdr_proto::wire;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -909,7 +914,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         self.shared.nics.iter().map(|n| n.name.clone()).collect()
     }
 
-    /// The ladder of NIC `nic`.
+    /// The registration cache's counters on NIC `nic`.
+    pub fn cache_stats(&self, nic: usize) -> Option<crate::cache::CacheStats> {
+        self.shared.nics.get(nic).map(|n| n.ladder.cache().stats())
+    }
+
+    /// The ladder of NIC `nic`. Feature `testing`.
+    #[cfg(feature = "testing")]
     pub fn ladder(&self, nic: usize) -> Option<&Ladder<V, C>> {
         self.shared.nics.get(nic).map(|n| &n.ladder)
     }

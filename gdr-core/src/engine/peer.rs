@@ -694,8 +694,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
     /// Sends any control message, as a peer of the engine's could: for
     /// tests of the engine's defences against a hostile peer (a forged
-    /// slot credit, an unknown request). Not for applications.
-    #[doc(hidden)]
+    /// slot credit, an unknown request). Feature `testing`; not for
+    /// applications.
+    #[cfg(feature = "testing")]
     pub fn send_raw_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
         self.send_control(message)
     }

@@ -199,14 +199,24 @@ impl<V: Api> Region<V> {
     }
 
     /// The rung taken on each NIC, in the engine's NIC order: for a region
-    /// in several pieces, staging where any piece is staged (see
-    /// [`Region::pieces`] for each piece's).
+    /// in several pieces, staging where any piece is staged.
     pub fn rungs(&self) -> Vec<Rung> {
         self.inner.per_nic.iter().map(NicPieces::rung).collect()
     }
 
+    /// Each rung above the one NIC `nic` took, and why it was not taken
+    /// (for a region in several pieces, the first piece's).
+    pub fn rung_failures(&self, nic: usize) -> &[crate::ladder::RungFailure] {
+        self.inner
+            .per_nic
+            .get(nic)
+            .map_or(&[], |n| n.pieces[0].registration.failures())
+    }
+
     /// The registration on NIC `nic` (the engine's order); for a region in
-    /// several pieces, the first piece's.
+    /// several pieces, the first piece's. Feature `testing`: the HAL's MR
+    /// handles are not for applications.
+    #[cfg(feature = "testing")]
     pub fn registration(&self, nic: usize) -> Option<&LadderRegistration<V>> {
         self.inner
             .per_nic
@@ -216,7 +226,8 @@ impl<V: Api> Region<V> {
 
     /// The pieces on NIC `nic`: one registration per physical chunk of CUDA
     /// VMM memory the region covers (one for other memory), in address
-    /// order, each with its offset in the region.
+    /// order, each with its offset in the region. Feature `testing`.
+    #[cfg(feature = "testing")]
     pub fn pieces(&self, nic: usize) -> Option<&[Piece<V>]> {
         self.inner.per_nic.get(nic).map(|n| n.pieces.as_slice())
     }
