@@ -1,7 +1,8 @@
 #!/bin/bash
 # c-tests.sh: the C ABI from C. Builds libgdr (gdr-ffi) and, against
 # include/gdr.h, tests/c/abi.c (buffers, URIs between two contexts, every
-# promised refusal, a second dlopen'ed copy of the library), transfer.c (two
+# promised refusal, a second dlopen'ed copy of the library, the doctor's
+# JSON report), transfer.c (two
 # engines of one process: grants, descriptors, batched READs and WRITEs of
 # host and device memory, the refusals, the stream-ordered fences both ways
 # where the context has a GPU) and hostile.c (generated from gdr.h:

@@ -7,9 +7,10 @@
 #   - gdr-core: no feature, `sim`, `rdma`+`cuda`, and each combination
 #     with `sim`; `tokio` (the async driver) alone and with `sim`; `rdma`
 #     or `cuda` alone must be refused with its compile_error (the run-time
-#     backend choice needs a verbs and a CUDA backend);
+#     backend choice needs a verbs and a CUDA backend); `doctor` with `sim`
+#     and with `rdma`+`cuda`, and alone refused (it needs a backend);
 # then what the README promises a build leaves out: gdr-core with no
-# feature, with `sim` only or with `sim` and `tokio`, hal-verbs without
+# feature, with `sim` only, with `sim` and `tokio` or with `sim` and `doctor`, hal-verbs without
 # `rdma-core` and hal-cuda without `cuda` link nothing native (no
 # rdma-mummy-sys, cudarc or libloading in their dependency trees).
 # (The async driver's tests run with the rest: gdr-tests enables
@@ -27,7 +28,8 @@ fail() { echo "features: FAILED: $*" >&2; failed=1; }
 cargo hack check --each-feature -p hal-verbs -p hal-cuda -p gdr-sim -p gdr-proto -p gdr-ffi -p gdr-cli \
   || fail "cargo hack --each-feature"
 
-for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda" tokio "sim,tokio"; do
+for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda" tokio "sim,tokio" \
+  "sim,doctor" "rdma,cuda,doctor"; do
   note "gdr-core --features '$features'"
   cargo check -q -p gdr-core --no-default-features --features "$features" \
     || fail "gdr-core with features '$features'"
@@ -40,6 +42,12 @@ for features in rdma cuda; do
     fail "gdr-core with only '$features' was not refused by its compile_error: $out"
   fi
 done
+out=$(cargo check -q -p gdr-core --no-default-features --features doctor 2>&1)
+if grep -q 'gdr_core::doctor needs a backend feature' <<<"$out"; then
+  note "gdr-core --features 'doctor' refused, as it should be"
+else
+  fail "gdr-core with only 'doctor' was not refused by its compile_error: $out"
+fi
 
 # native PACKAGE ARGS...: the native-facing crates in PACKAGE's tree.
 native() {
@@ -49,6 +57,7 @@ native() {
 }
 for build in "gdr-core --no-default-features" "gdr-core --no-default-features --features sim" \
   "gdr-core --no-default-features --features sim,tokio" \
+  "gdr-core --no-default-features --features sim,doctor" \
   "hal-verbs --no-default-features" "hal-cuda --no-default-features"; do
   # shellcheck disable=SC2086  # the words of $build are arguments
   found=$(native $build)

@@ -10,7 +10,7 @@ use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation, Reach};
 use gdr_core::prelude::GrantRights;
 use gdr_core::uri::BufferUri;
 
-use crate::info::bytes_text;
+use gdr_core::doctor::bytes_text;
 
 /// What `text` is, decoded and explained; an error naming what is wrong.
 pub(crate) fn explain(text: &str, hex: bool) -> Result<String, Box<dyn Error>> {

@@ -13,7 +13,6 @@
 //! no hardware is found, both say so and run on the simulation backend.
 
 use std::error::Error;
-use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -309,29 +308,6 @@ impl BackendTask for Run {
     }
 }
 
-/// `gdr info`: the report, for people or as JSON; an error (after the
-/// report) only where `--backend` could not be met.
-fn print_info(choice: BackendChoice, json: bool) -> Result<(), Box<dyn Error>> {
-    let report = info::gather(choice);
-    let mut out = std::io::stdout().lock();
-    let written = if json {
-        serde_json::to_writer_pretty(&mut out, &report)
-            .map_err(std::io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        info::write_human(&report, &mut out)
-    };
-    match written {
-        // Read by `head`: what was wanted was read.
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-        other => other?,
-    }
-    match report.backends.error {
-        Some(error) => Err(error.into()),
-        None => Ok(()),
-    }
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -346,7 +322,7 @@ fn main() -> ExitCode {
         Backend::Sim => BackendChoice::Sim,
     };
     let result = match cli.command {
-        Command::Info { json } => print_info(choice, json),
+        Command::Info { json } => info::print(choice, json),
         Command::Uri { text, hex } => {
             decode::explain(&text, hex).map(|explained| print!("{explained}"))
         }

@@ -33,10 +33,12 @@
 //! Without features, name the backend types yourself (as below with
 //! gdr-sim's, or `hal_verbs::rdma::RdmaApi` and `hal_cuda::cuda::CudaApi`).
 //!
-//! One more feature is not a backend: `tokio` adds
+//! Two more features are not backends: `tokio` adds
 //! `Engine::drive_on_tokio`, which drives an engine from a task on the
 //! caller's tokio runtime through fd readiness instead of from a thread
-//! (nothing native either).
+//! (nothing native either); `doctor` adds the doctor (`doctor`): one typed
+//! report of what this machine can do, as text or JSON (serde), which
+//! `gdr info` prints; it needs a backend feature, as `backend` does.
 //!
 //! # Using it: a storage client on the simulator
 //!
@@ -121,6 +123,18 @@ pub mod backend;
 pub mod buffer;
 pub mod cq_wait;
 pub mod descriptor;
+#[cfg(all(
+    feature = "doctor",
+    any(feature = "sim", feature = "rdma", feature = "cuda")
+))]
+pub mod doctor;
+#[cfg(all(
+    feature = "doctor",
+    not(any(feature = "sim", feature = "rdma", feature = "cuda"))
+))]
+compile_error!(
+    "gdr_core::doctor needs a backend feature: `sim`, or both `rdma` and `cuda` (as gdr_core::backend)"
+);
 pub mod engine;
 #[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
 pub mod facade;

@@ -371,6 +371,33 @@ gdr_result gdr_context_free(struct gdr_context context);
 // As for [`gdr_last_error_message`].
 gdr_result gdr_context_describe(struct gdr_context context, char *buf, size_t len, size_t *needed);
 
+// Writes the doctor's report (what `gdr info --json` prints) as JSON
+// text: the native libraries, the NVIDIA kernel modules, RDMA devices and
+// GPUs, PCIe distances, the rung each (NIC, GPU) pair takes with why each
+// higher rung does not work, and what to do about each "no". Its
+// top-level keys: `backends`, `libraries`, `nvidia`, `kernel_release`,
+// `memlock`, `rdma`, `gpus`, `topology`, `rungs`, `hints`.
+//
+// The backends are chosen as [`gdr_context_new`] chooses them from
+// `options` (NULL: defaults), for this call only: no context is needed,
+// so it also says why a context cannot be made. A choice that cannot be
+// met is not an error here: the report says why in `backends.error`.
+// Each call gathers the report anew (and probes each GPU rung with a
+// loopback transfer: milliseconds on the simulation, more on hardware),
+// so pass a generous buffer (64 KiB, say) and, on
+// `GDR_RESULT_BUFFER_TOO_SMALL`, call again with the `needed` bytes (that
+// report's size: the next one may differ a little).
+// See [`gdr_last_error_message`] for `buf`, `len` and `needed`. Any
+// thread.
+//
+// # Safety
+// `options` must be NULL or valid for a read; `buf` valid for `len` bytes
+// of writes; `needed` NULL or valid for a write.
+gdr_result gdr_doctor_report(const struct gdr_options *options,
+                             char *buf,
+                             size_t len,
+                             size_t *needed);
+
 // Writes the number of GPUs and of RDMA devices (NICs) the context sees.
 // Either output may be NULL. Any thread.
 //

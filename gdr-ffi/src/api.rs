@@ -243,40 +243,60 @@ pub unsafe extern "C" fn gdr_context_new(
 ) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("out", out)?;
-        let backend = if options.is_null() {
-            GdrBackend::Default
-        } else {
-            if !options.is_aligned() {
-                return Err(FfiError::invalid("options", "misaligned"));
-            }
-            // SAFETY: not NULL, aligned, valid by the caller's contract;
-            // read as a u32 first, so an out-of-range value is refused
-            // rather than read as the enum.
-            let raw = unsafe { options.cast::<u32>().read() };
-            match raw {
-                0 => GdrBackend::Default,
-                1 => GdrBackend::Real,
-                2 => GdrBackend::Sim,
-                3 => GdrBackend::Auto,
-                other => return Err(FfiError::invalid("options.backend", format!("{other} is no backend"))),
-            }
-        };
-        let choice = match backend {
-            GdrBackend::Real => BackendChoice::Real,
-            GdrBackend::Sim => BackendChoice::Sim,
-            GdrBackend::Auto => BackendChoice::Auto,
-            GdrBackend::Default => match std::env::var("GDR_BACKEND").as_deref() {
-                Ok("sim") => BackendChoice::Sim,
-                Ok("auto") => BackendChoice::Auto,
-                Ok("real") | Err(std::env::VarError::NotPresent) => BackendChoice::Real,
-                Ok(other) => return Err(FfiError::invalid("GDR_BACKEND", format!("{other:?} is not \"real\", \"sim\" or \"auto\""))),
-                Err(e) => return Err(FfiError::invalid("GDR_BACKEND", e)),
-            },
-        };
+        // SAFETY: the caller's contract.
+        let choice = unsafe { backend_choice(options) }?;
         let context = Context::open(choice)?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
         unsafe { CONTEXTS.publish(Arc::new(ContextObject { context }), out) }
     }
+}
+
+/// The backend choice `options` (NULL: defaults) asks for: `GDR_BACKEND`
+/// decides the default (unset: real).
+///
+/// # Safety
+/// `options` must be NULL or valid for a read.
+unsafe fn backend_choice(options: *const GdrOptions) -> Result<BackendChoice, FfiError> {
+    let backend = if options.is_null() {
+        GdrBackend::Default
+    } else {
+        if !options.is_aligned() {
+            return Err(FfiError::invalid("options", "misaligned"));
+        }
+        // SAFETY: not NULL, aligned, valid by the caller's contract;
+        // read as a u32 first, so an out-of-range value is refused
+        // rather than read as the enum.
+        let raw = unsafe { options.cast::<u32>().read() };
+        match raw {
+            0 => GdrBackend::Default,
+            1 => GdrBackend::Real,
+            2 => GdrBackend::Sim,
+            3 => GdrBackend::Auto,
+            other => {
+                return Err(FfiError::invalid(
+                    "options.backend",
+                    format!("{other} is no backend"),
+                ));
+            }
+        }
+    };
+    Ok(match backend {
+        GdrBackend::Real => BackendChoice::Real,
+        GdrBackend::Sim => BackendChoice::Sim,
+        GdrBackend::Auto => BackendChoice::Auto,
+        GdrBackend::Default => match std::env::var("GDR_BACKEND").as_deref() {
+            Ok("sim") => BackendChoice::Sim,
+            Ok("auto") => BackendChoice::Auto,
+            Ok("real") | Err(std::env::VarError::NotPresent) => BackendChoice::Real,
+            Ok(other) => {
+                return Err(FfiError::invalid(
+                    "GDR_BACKEND",
+                    format!("{other:?} is not \"real\", \"sim\" or \"auto\""),
+                ));
+            }
+            Err(e) => return Err(FfiError::invalid("GDR_BACKEND", e)),
+        },
+    })
 }
 
 /// Frees a context. Its buffers stay usable until freed (each keeps the
@@ -307,6 +327,48 @@ pub unsafe extern "C" fn gdr_context_describe(
         let text = self::context(context)?.context.describe();
         // SAFETY: the caller's contract.
         unsafe { out.write(&text) }
+    }
+}
+
+/// Writes the doctor's report (what `gdr info --json` prints) as JSON
+/// text: the native libraries, the NVIDIA kernel modules, RDMA devices and
+/// GPUs, PCIe distances, the rung each (NIC, GPU) pair takes with why each
+/// higher rung does not work, and what to do about each "no". Its
+/// top-level keys: `backends`, `libraries`, `nvidia`, `kernel_release`,
+/// `memlock`, `rdma`, `gpus`, `topology`, `rungs`, `hints`.
+///
+/// The backends are chosen as [`gdr_context_new`] chooses them from
+/// `options` (NULL: defaults), for this call only: no context is needed,
+/// so it also says why a context cannot be made. A choice that cannot be
+/// met is not an error here: the report says why in `backends.error`.
+/// Each call gathers the report anew (and probes each GPU rung with a
+/// loopback transfer: milliseconds on the simulation, more on hardware),
+/// so pass a generous buffer (64 KiB, say) and, on
+/// `GDR_RESULT_BUFFER_TOO_SMALL`, call again with the `needed` bytes (that
+/// report's size: the next one may differ a little).
+/// See [`gdr_last_error_message`] for `buf`, `len` and `needed`. Any
+/// thread.
+///
+/// # Safety
+/// `options` must be NULL or valid for a read; `buf` valid for `len` bytes
+/// of writes; `needed` NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_doctor_report(
+    options: *const GdrOptions,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = TextOut::new(buf, len, needed)?;
+        // SAFETY: the caller's contract.
+        let choice = unsafe { backend_choice(options) }?;
+        let report = gdr_core::doctor::report(choice, &gdr_core::doctor::DoctorOptions::default());
+        let json = report
+            .to_json()
+            .map_err(|e| FfiError::new(GdrResult::Other, e.to_string()))?;
+        // SAFETY: the caller's contract.
+        unsafe { out.write(&json) }
     }
 }
 
@@ -648,5 +710,67 @@ mod tests {
         );
         assert_eq!(gdr_buffer_free(other), GdrResult::Ok);
         assert_eq!(gdr_context_free(context), GdrResult::Ok);
+    }
+
+    /// The doctor's JSON on the simulation: asked for its length, then
+    /// written; a short buffer is refused and left alone.
+    #[test]
+    fn the_doctor_report_is_json_with_every_section() {
+        let options = GdrOptions {
+            backend: GdrBackend::Sim,
+        };
+        let mut needed = 0usize;
+        // SAFETY: NULL with length 0 asks for the length; `needed` is a local.
+        let asked = unsafe { gdr_doctor_report(&options, std::ptr::null_mut(), 0, &mut needed) };
+        assert_eq!(asked, GdrResult::BufferTooSmall);
+        assert!(needed > 2, "{needed}");
+        let mut short = [0x55u8; 8];
+        // SAFETY: `short` is valid for its length.
+        let refused = unsafe {
+            gdr_doctor_report(
+                &options,
+                short.as_mut_ptr().cast(),
+                short.len(),
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(refused, GdrResult::BufferTooSmall);
+        assert_eq!(short, [0x55u8; 8], "nothing written on failure");
+        let mut buf = vec![0u8; 1 << 16];
+        // SAFETY: `buf` is valid for its length; `needed` is a local.
+        let result =
+            unsafe { gdr_doctor_report(&options, buf.as_mut_ptr().cast(), buf.len(), &mut needed) };
+        assert_eq!(result, GdrResult::Ok);
+        let json = CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap();
+        assert_eq!(json.len() + 1, needed);
+        assert!(
+            json.starts_with('{') && json.contains("\"backends\""),
+            "{json}"
+        );
+        assert!(json.contains("\"asked\": \"sim\""), "{json}");
+        for key in [
+            "libraries",
+            "nvidia",
+            "memlock",
+            "rdma",
+            "gpus",
+            "topology",
+            "rungs",
+            "hints",
+        ] {
+            assert!(json.contains(&format!("\"{key}\":")), "{key} missing");
+        }
+        // A backend number out of range is refused, not read as the enum.
+        let bogus = 9u32;
+        // SAFETY: a u32 has GdrOptions's size and alignment.
+        let refused = unsafe {
+            gdr_doctor_report(
+                (&bogus as *const u32).cast(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(refused, GdrResult::InvalidArgument);
     }
 }

@@ -1,9 +1,10 @@
 /* The C ABI from C: contexts on the simulation, buffers, gdr:// URIs shared
  * between two contexts (two simulated processes), capabilities, and every
  * refusal the ABI promises (NULL, misaligned and short outputs, zero, freed,
- * wrong-kind and foreign handles, malformed URIs). Built with
- * -fsanitize=address,undefined by scripts/c-tests.sh, and run under
- * Valgrind without them. Usage: abi <path of a second copy of libgdr.so>. */
+ * wrong-kind and foreign handles, malformed URIs), and the doctor's JSON
+ * report. Built with -fsanitize=address,undefined by scripts/c-tests.sh,
+ * and run under Valgrind without them. Usage: abi <path of a second copy
+ * of libgdr.so>. */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,6 +130,44 @@ static void buffers_and_uris(void) {
   EXPECT(gdr_context_free(a), GDR_RESULT_INVALID_HANDLE);
 }
 
+/* The doctor's report as JSON, no context needed: the length first, then
+ * the text; every top-level key there, and the simulation's facts in it. */
+static void doctor_report(void) {
+  gdr_options options = {.backend = GDR_BACKEND_SIM};
+  size_t needed = 0;
+  EXPECT(gdr_doctor_report(&options, NULL, 0, &needed), GDR_RESULT_BUFFER_TOO_SMALL);
+  CHECK(needed > 2, "the report needs %zu bytes", needed);
+  char short_buf[4] = "abc";
+  EXPECT(gdr_doctor_report(&options, short_buf, sizeof short_buf, NULL),
+         GDR_RESULT_BUFFER_TOO_SMALL);
+  CHECK(strcmp(short_buf, "abc") == 0, "a short buffer is left alone");
+  /* Room to spare: each call gathers the report anew. */
+  size_t len = needed + 4096;
+  char *json = malloc(len);
+  CHECK(json != NULL, "malloc");
+  if (json == NULL) return;
+  EXPECT(gdr_doctor_report(&options, json, len, &needed), GDR_RESULT_OK);
+  CHECK(strlen(json) + 1 == needed, "%zu bytes written, %zu needed", strlen(json) + 1, needed);
+  CHECK(json[0] == '{', "JSON: %.40s", json);
+  static const char *const keys[] = {"backends", "libraries", "nvidia", "kernel_release",
+                                     "memlock",  "rdma",      "gpus",   "topology",
+                                     "rungs",    "hints"};
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+    char key[64];
+    snprintf(key, sizeof key, "\n  \"%s\": ", keys[i]);
+    CHECK(strstr(json, key) != NULL, "top-level key %s missing", keys[i]);
+  }
+  CHECK(strstr(json, "\"asked\": \"sim\"") != NULL, "asked sim");
+  CHECK(strstr(json, "\"rung\": \"dma-buf\"") != NULL, "the sim's GPU takes dma-buf");
+  free(json);
+  /* NULL options: the defaults (GDR_BACKEND=sim under this test). */
+  EXPECT(gdr_doctor_report(NULL, NULL, 0, &needed), GDR_RESULT_BUFFER_TOO_SMALL);
+  /* A backend number out of range is refused. */
+  uint32_t bogus = 9;
+  EXPECT(gdr_doctor_report((const gdr_options *)&bogus, short_buf, sizeof short_buf, NULL),
+         GDR_RESULT_INVALID_ARGUMENT);
+}
+
 /* A second loaded copy of the library: its handles are not ours. */
 static void foreign_instance(const char *copy) {
   void *lib = dlopen(copy, RTLD_NOW | RTLD_LOCAL);
@@ -163,6 +202,7 @@ int main(int argc, char **argv) {
         gdr_memory_kind_name(GDR_MEMORY_DEVICE));
   CHECK(strcmp(gdr_memory_kind_name(99), "unknown memory kind") == 0, "memory 99");
   buffers_and_uris();
+  doctor_report();
   if (argc > 1) foreign_instance(argv[1]);
   if (failures) {
     fprintf(stderr, "%d checks failed\n", failures);
