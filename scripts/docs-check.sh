@@ -55,4 +55,17 @@ for snippet in "$OUT"/guide-*.c; do
   echo "== docs/guide.md block $(basename "$snippet")"
   gcc "${CFLAGS[@]}" "${cflags[@]}" -c "$snippet" -o "${snippet%.c}.o" || failed=1
 done
+# The README's dependency line and Rust example as a user's crate has them:
+# its first gdr-core line (the path stands in for crates.io) and its one
+# Rust block as src/main.rs, built and run on its own.
+echo "== README.md: the dependency line and the Rust example, as a crate of their own"
+user="$OUT/readme-user"
+mkdir -p "$user/src"
+dep=$(sed -n '/^```toml/,/^```/p' README.md | grep -m1 '^gdr-core = ' |
+  sed "s|version = \"0.1\"|version = \"0.1\", path = \"$ROOT/gdr-core\"|")
+[ -n "$dep" ] || { echo "docs: no gdr-core line in the README's toml" >&2; exit 1; }
+printf '[package]\nname = "readme-user"\nedition = "2024"\npublish = false\n\n[workspace]\n\n[dependencies]\n%s\n' "$dep" >"$user/Cargo.toml"
+awk '/^```rust[[:space:]]*$/ { inside = 1; next } /^```/ && inside { inside = 0; next } inside { print }' \
+  README.md >"$user/src/main.rs"
+CARGO_TARGET_DIR="$(cargo_target_dir)" cargo run -q --manifest-path "$user/Cargo.toml" || failed=1
 exit $failed

@@ -61,12 +61,13 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand, ValueEnum};
+use gdr_core::buffer::Buffer;
 use gdr_core::cq_wait::CqWaiter;
-use gdr_core::loopback::{PairConfig, QpPair};
-use gdr_core::prelude::{
-    Batch, Buffer, Engine, EngineConfig, EngineError, GrantRights, MemoryDescriptor, Peer, Region,
-    RegionGrant, Transfer,
+use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
+use gdr_core::engine::{
+    Batch, Engine, EngineConfig, EngineError, Peer, Region, RegionGrant, Transfer,
 };
+use gdr_core::loopback::{PairConfig, QpPair};
 use hal_verbs::{
     AccessFlags, AddressFamily, Api, Completion, CompletionQueue as _, Context as _,
     MemoryRegion as _, ProtectionDomain as _, Provider as _, QpCaps, QueuePair as _, SendFlags,

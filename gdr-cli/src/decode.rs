@@ -6,8 +6,8 @@
 use std::error::Error;
 use std::fmt::Write as _;
 
+use gdr_core::descriptor::GrantRights;
 use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation, Reach};
-use gdr_core::prelude::GrantRights;
 use gdr_core::uri::BufferUri;
 
 use gdr_core::doctor::bytes_text;

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 use gdr_core::buffer::Buffer;
-use gdr_core::prelude::{EngineConfig, GrantRights, Rung, Transfer};
+use gdr_core::descriptor::GrantRights;
+use gdr_core::engine::{EngineConfig, Transfer};
+use gdr_core::ladder::Rung;
 use hal_cuda::{Context as _, Driver as _, Stream as _};
 
 mod bench;

@@ -1,119 +1,97 @@
 //! # gdr-core
 //!
-//! The part of gdr that knows no backend: buffers and memory kinds, the
-//! registration ladder and cache, descriptors, and the transfer engine, all
-//! generic over the `hal-verbs` and `hal-cuda` traits. Concurrency goes
-//! through a `sync` shim (std or loom) so loom can check it.
+//! Moves bytes between host memory, GPU memory and remote peers over RDMA:
+//! GPU memory is registered with the NIC directly (GPUDirect RDMA) where
+//! the machine allows, and staged through pinned host memory, per buffer
+//! and transparently, where it does not.
 //!
-//! # When to use it
+//! # The front door: the facade
 //!
-//! This is the crate a Rust application depends on to move bytes between
-//! host memory, GPU memory and remote peers over RDMA: a storage client,
-//! a KV-cache transfer engine, an inference runtime. `use
-//! gdr_core::prelude::*;` is the one import; [`engine`] is the transfer
-//! engine, [`buffer`] the memory it moves, [`ladder`] how GPU memory is
-//! registered (dma-buf, nvidia-peermem, or staged through pinned host
-//! memory), [`descriptor`] and [`uri`] what peers and processes exchange.
-//! The user guide (`docs/guide.md` in the repository) covers
-//! prerequisites, run-time behaviour and tuning; from C, use `gdr-ffi`.
+//! A [`Context`] opens the backends once, at run time
+//! ([`BackendChoice`]: real rdma-core and CUDA where found, the simulation
+//! otherwise, or either on demand); it allocates [`Buffer`]s (host, pinned,
+//! GPU, the caller's memory, a `gdr://` URI's) and [`Stream`]s, and makes
+//! [`Engine`]s. An engine registers buffers as [`Region`]s (each NIC on
+//! the first rung of the registration ladder that works), listens and
+//! connects ([`Peer`]), grants a range of a region to a peer with explicit
+//! rights ([`Grant`]; its [`MemoryDescriptor`] goes to the peer on the
+//! connection) and moves bytes with [`Batch`]es of [`Transfer`]s that end
+//! exactly once (`wait`, or `.await`). Every call fails with one
+//! [`Error`] that keeps each layer's typed error. `use
+//! gdr_core::prelude::*;` brings these.
+//!
+//! Under the facade, the generic layer is what it erases: [`engine`],
+//! [`buffer`], [`ladder`] and [`cache`] over the `hal-verbs` and
+//! `hal-cuda` traits, for code that picks its backends at compile time.
+//! [`descriptor`] and [`uri`] are what peers and processes exchange;
+//! [`doctor`] (feature `doctor`) is `gdr info`'s report. The user guide
+//! (`docs/guide.md` in the repository) covers prerequisites, run-time
+//! behaviour and tuning; from C, use `gdr-ffi`.
 //!
 //! # Features
 //!
-//! None by default: the library is generic over the HAL traits and builds
-//! with nothing native. `sim`, `rdma` and `cuda` each add a backend to
-//! the run-time choice in `backend` (the module needs `sim`, or both
-//! `rdma` and `cuda`):
+//! None by default: the generic layer builds with nothing native. The
+//! facade and the run-time choice ([`backend`]) need `sim`, or both `rdma`
+//! and `cuda`:
 //!
 //! | feature | backend | build needs |
 //! | --- | --- | --- |
-//! | `sim` | gdr-sim's simulated NIC and GPU | nothing native |
+//! | `sim` | gdr-sim's simulated NIC and GPU (also at [`sim`]) | nothing native |
 //! | `rdma` | rdma-core (`hal-verbs/rdma-core`), loaded at run time | cmake, libclang |
 //! | `cuda` | the CUDA driver (`hal-cuda/cuda`), loaded at run time | nothing native |
 //!
-//! Without features, name the backend types yourself (as below with
-//! gdr-sim's, or `hal_verbs::rdma::RdmaApi` and `hal_cuda::cuda::CudaApi`).
-//!
-//! Two more features are not backends: `tokio` adds
-//! `Engine::drive_on_tokio`, which drives an engine from a task on the
-//! caller's tokio runtime through fd readiness instead of from a thread
-//! (nothing native either); `doctor` adds the doctor (`doctor`): one typed
-//! report of what this machine can do, as text or JSON (serde), which
-//! `gdr info` prints; it needs a backend feature, as `backend` does.
+//! Not backends: `tokio` adds [`Engine::drive_on_tokio`] (an engine driven
+//! by a task on the caller's tokio runtime through fd readiness instead of
+//! a thread); `doctor` adds [`doctor`] (serde); `testing` opens the wire
+//! format and test hooks to the fuzz targets and the tests, not to
+//! applications.
 //!
 //! # Using it: a storage client on the simulator
 //!
-//! Two nodes, each with an engine; the server grants a GPU buffer, the
-//! client WRITEs a host buffer into it and READs it back into GPU memory of
-//! its own, then registers again (a cache hit). The same code runs on
-//! rdma-core and CUDA: only the providers differ (see `backend`, behind
-//! the `sim`, `rdma` and `cuda` features).
+//! Two contexts of this process's simulated fabric (on hardware:
+//! `BackendChoice::Auto`), each with an engine; the server grants a GPU
+//! buffer, the client WRITEs host memory into it and READs it back into GPU
+//! memory of its own, then checks the bytes.
 //!
 //! ```
-//! use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 //! use std::time::Duration;
 //!
 //! use gdr_core::prelude::*;
-//! use gdr_sim::{GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi};
 //!
-//! // The engine is generic over the verbs and CUDA backends.
-//! type SimEngine = Engine<SimVerbsApi, SimCudaApi>;
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let wait = Duration::from_secs(5);
+//!     let server = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
+//!     let client = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
 //!
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let fabric = SimFabric::new();
-//! let (server_nic, client_nic) = (
-//!     fabric.add_node("server", NodeConfig::default()),
-//!     fabric.add_node("client", NodeConfig::default()),
-//! );
-//! let (server_gpu, client_gpu) = (
-//!     SimCuda::new(vec![GpuConfig::default()], Default::default()),
-//!     SimCuda::new(vec![GpuConfig::default()], Default::default()),
-//! );
-//! let server = SimEngine::new(&server_nic, Some(&server_gpu), EngineConfig::default())?;
-//! let client = SimEngine::new(&client_nic, Some(&client_gpu), EngineConfig::default())?;
+//!     // The server listens on its NIC's address; the client connects.
+//!     let nic = &server.nics()[0];
+//!     let mut listener = server.listen((server.nic_address(nic)?, 0).into())?;
+//!     let addr = listener.local_addr();
+//!     let accepting = std::thread::spawn(move || listener.accept(wait));
+//!     let to_server = client.connect(addr, wait)?;
+//!     let to_client = accepting.join().expect("accept thread")?;
 //!
-//! // The server listens; the client connects (each side gets a Peer).
-//! let mut listener = server.listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
-//! let port = listener.local_addr().port();
-//! let accepting = std::thread::spawn(move || listener.accept(Duration::from_secs(5)));
-//! let server_ip = IpAddr::V4(server_nic.device_ipv4("sim0").expect("an address"));
-//! let to_server = client.connect(SocketAddr::new(server_ip, port), Duration::from_secs(5))?;
-//! let to_client = accepting.join().expect("accept thread")?;
+//!     // The server's GPU buffer, granted for READ and WRITE.
+//!     const LEN: u64 = 1 << 20;
+//!     let gpu = server.context().alloc_device(0, LEN)?;
+//!     let grant = to_client.grant(&server.register(&gpu)?, 0, LEN, GrantRights::ReadWrite)?;
+//!     // (A real server sends the grant id in its own protocol; here we share it.)
+//!     let remote = to_server.wait_grant(grant.id(), wait)?;
 //!
-//! // The server's GPU buffer, granted for READ and WRITE.
-//! const LEN: u64 = 1 << 20;
-//! let gpu = Buffer::alloc_device(&server_gpu.context(0)?, LEN)?;
-//! let gpu_region = server.register(&gpu)?;
-//! let grant = to_client.grant(&gpu_region, 0, LEN, GrantRights::ReadWrite)?;
-//! // (A real server sends the grant id in its own protocol; here we share it.)
-//! let remote = to_server.wait_grant(grant.descriptor().grant, Duration::from_secs(5))?;
-//!
-//! // WRITE a host buffer into it, READ it back into the client's GPU.
-//! let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
-//! let host = Buffer::alloc_host(LEN);
-//! host.write_at(0, &data)?;
-//! let host_region = client.register(&host)?;
-//! to_server
-//!     .submit(&[Transfer::write(&host_region, 0, &remote, 0, LEN)])?
-//!     .wait(Duration::from_secs(5))?;
-//! let back = Buffer::alloc_device(&client_gpu.context(0)?, LEN)?;
-//! let back_region = client.register(&back)?;
-//! // Success returns after the GPU fence: kernels may read `back` now.
-//! to_server
-//!     .submit(&[Transfer::read(&back_region, 0, &remote, 0, LEN)])?
-//!     .wait(Duration::from_secs(5))?;
-//!
-//! let mut check = vec![0u8; LEN as usize];
-//! let stream = client_gpu.context(0)?.create_stream()?;
-//! // SAFETY: `check` holds LEN bytes; `back` is LEN bytes of device memory.
-//! unsafe { stream.copy_device_to_host(check.as_mut_ptr(), back.addr(), check.len())? };
-//! stream.synchronize()?;
-//! assert_eq!(check, data);
-//!
-//! // Registering the same buffer again hits the cache.
-//! let again = client.register(&host)?;
-//! assert!(again.registration(0).expect("one NIC").cache_hit());
-//! # Ok(())
-//! # }
+//!     // WRITE a host buffer into it, READ it back into the client's GPU.
+//!     let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+//!     let host = client.context().alloc_host(LEN)?;
+//!     host.copy_from_host(0, &data)?;
+//!     to_server.write(&client.register(&host)?, &remote, 0)?.wait(wait)?;
+//!     let back = client.context().alloc_device(0, LEN)?;
+//!     let back_region = client.register(&back)?;
+//!     // Success returns after the GPU fence: kernels may read `back` now.
+//!     to_server
+//!         .submit(&[Transfer::read(&back_region, 0, &remote, 0, LEN)])?
+//!         .wait(wait)?;
+//!     assert_eq!(back.to_vec()?, data);
+//!     Ok(())
+//! }
 //! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -176,3 +154,42 @@ pub use gdr_sim as sim;
 #[cfg(all(doctest, feature = "sim"))]
 #[doc = include_str!("../../docs/guide.md")]
 mod user_guide {}
+
+/// The README's Rust example is the crate docs' (which runs as a doc test):
+/// the same lines, less the doc test's hidden ones.
+#[cfg(test)]
+mod readme {
+    fn rust_blocks(markdown: &str) -> Vec<String> {
+        let mut blocks = Vec::new();
+        let mut current: Option<Vec<&str>> = None;
+        for line in markdown.lines() {
+            match (&mut current, line.trim_start()) {
+                (None, "```rust") => current = Some(Vec::new()),
+                (Some(_), "```") => blocks.push(current.take().expect("open").join("\n")),
+                (Some(lines), _) => lines.push(line),
+                _ => {}
+            }
+        }
+        blocks
+    }
+
+    #[test]
+    fn the_readmes_example_is_the_crate_docs_doc_test() {
+        let readme = include_str!("../../README.md");
+        let docs: String = include_str!("lib.rs")
+            .lines()
+            .filter_map(|l| l.strip_prefix("//!"))
+            .map(|l| l.strip_prefix(' ').unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let start = docs.find("```\nuse ").expect("the crate docs' example") + 4;
+        let end = start + docs[start..].find("\n```").expect("its end");
+        let example: Vec<&str> = docs[start..end]
+            .lines()
+            .filter(|l| !(l.starts_with("# ") || *l == "#"))
+            .collect();
+        let blocks = rust_blocks(readme);
+        assert_eq!(blocks.len(), 1, "the README has one Rust example");
+        assert_eq!(blocks[0], example.join("\n"));
+    }
+}

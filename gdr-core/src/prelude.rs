@@ -1,16 +1,12 @@
 //! One import for a library user: `use gdr_core::prelude::*;` brings the
-//! engine, its requests and errors, buffers, grants and descriptors, and
-//! (anonymously) the HAL traits whose methods those types are used with.
+//! facade (a `Context` of backends chosen at run time, its `Engine`,
+//! `Buffer`s and `Stream`s; `Region`s, `Peer`s, `Grant`s and `Batch`es of
+//! `Transfer`s: features `sim`, or `rdma` and `cuda`), its configuration,
+//! and the errors a caller matches on. The generic layer
+//! (`gdr_core::engine`, `buffer`, `ladder`) is imported by path.
 
-pub use crate::buffer::{Buffer, BufferAccessError};
-pub use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
-#[cfg(all(feature = "tokio", not(loom)))]
-pub use crate::engine::{AsyncDriver, AsyncDriverError};
-pub use crate::engine::{
-    Batch, Driver, Engine, EngineConfig, EngineError, EngineListener, Fence, Op, Outcome, Path,
-    Peer, Region, RegionGrant, Transfer, TransferError,
+#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
+pub use crate::{
+    BackendChoice, Batch, Buffer, Context, Engine, Error, Grant, Peer, Region, Stream, Transfer,
 };
-pub use crate::ladder::{LadderConfig, Policy, Rung};
-
-pub use hal_cuda::{Context as _, Driver as _, Stream as _};
-pub use hal_verbs::{Context as _, Provider as _};
+pub use crate::{EngineConfig, GrantRights, MemoryDescriptor, TransferError};

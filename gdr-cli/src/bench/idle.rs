@@ -29,10 +29,11 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
+use gdr_core::buffer::Buffer;
 use gdr_core::cq_wait::CqWaiter;
+use gdr_core::engine::{Driver, EngineConfig, Transfer};
 use gdr_core::ladder::LadderConfig;
 use gdr_core::loopback::{PairConfig, QpPair};
-use gdr_core::prelude::{Buffer, Driver, EngineConfig, Transfer};
 use hal_verbs::{
     AccessFlags, Api, Completion, Context as _, MemoryRegion as _, Provider as _, QpCaps,
     QueuePair as _, SendFlags, SendOp, SendRequest, SgList, Sge,

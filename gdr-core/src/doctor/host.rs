@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::{HostFiles, KernelModule, Library, Limit, Memlock, MemlockVerdict, Report};
 use crate::backend::BackendChoice;
-use crate::prelude::EngineConfig;
+use crate::engine::EngineConfig;
 
 /// Linux's capability number of `CAP_IPC_LOCK`: with it, RLIMIT_MEMLOCK
 /// does not bound what a process pins.
