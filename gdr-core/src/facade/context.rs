@@ -64,6 +64,27 @@ impl Context {
         })
     }
 
+    /// A node of this process's simulated fabric with the devices and GPUs
+    /// given (a GPU without dma-buf or peermem, two NICs, a NIC that
+    /// cannot reach GPU memory, ...): what [`Context::open`] with
+    /// [`BackendChoice::Sim`] makes with the defaults.
+    #[cfg(feature = "sim")]
+    pub fn sim(node: gdr_sim::NodeConfig, gpus: Vec<gdr_sim::GpuConfig>) -> Result<Self, Error> {
+        let backends = Backends::sim(&SIM_FABRIC, node, gpus)
+            .with_note("simulated node on this process's simulated fabric (shared by every sim context)");
+        Ok(Self {
+            inner: Open.run(backends)?,
+            id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// Whether the NICs can register GPU memory of this context's GPUs:
+    /// false without a GPU, and where a simulated NIC stands beside a real
+    /// GPU.
+    pub fn nic_reaches_gpu(&self) -> bool {
+        self.inner.nic_reaches_gpu()
+    }
+
     /// The verbs backend's name (`rdma-core`, `sim`).
     pub fn verbs_backend(&self) -> &'static str {
         self.inner.verbs_name()
@@ -169,6 +190,7 @@ pub(super) trait DynContext: Send + Sync {
     fn cuda_name(&self) -> Option<&'static str>;
     fn notes(&self) -> &[String];
     fn gpu_count(&self) -> u32;
+    fn nic_reaches_gpu(&self) -> bool;
     fn nics(&self) -> Vec<String>;
     fn nic_address(&self, nic: &str) -> Result<IpAddr, Error>;
     fn path(&self, gpu: u32, nic: u32) -> Result<PathInfo, Error>;
@@ -261,6 +283,10 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
 
     fn nics(&self) -> Vec<String> {
         self.0.nics()
+    }
+
+    fn nic_reaches_gpu(&self) -> bool {
+        self.0.backends.nic_reaches_gpu() && !self.0.gpus.is_empty()
     }
 
     fn nic_address(&self, nic: &str) -> Result<IpAddr, Error> {

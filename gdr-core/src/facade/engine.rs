@@ -124,6 +124,18 @@ impl Engine {
         self.inner.fence_inbound_writes(&*region.inner)
     }
 
+    /// Makes progress once in this thread (completions, deadlines, staged
+    /// copies), without waiting: how many events it handled. For callers
+    /// that drive the engine from a loop of their own.
+    pub fn progress(&self) -> usize {
+        self.inner.progress()
+    }
+
+    /// The registration cache's counters on NIC `nic`.
+    pub fn cache_stats(&self, nic: usize) -> Option<crate::cache::CacheStats> {
+        self.inner.cache_stats(nic)
+    }
+
     /// Starts a thread that drives the engine (completions, deadlines,
     /// staged copies): it parks on the engine's fds while nothing happens.
     /// Dropping the [`Driver`] stops it. Without one, [`Batch::wait`]
@@ -190,6 +202,11 @@ impl Region {
     /// The rung each NIC registered it by.
     pub fn rungs(&self) -> Vec<Rung> {
         self.inner.rungs()
+    }
+
+    /// Each rung above the one NIC `nic` took, and why it was not taken.
+    pub fn rung_failures(&self, nic: usize) -> Vec<crate::ladder::RungFailure> {
+        self.inner.rung_failures(nic)
     }
 
     /// The id of the engine that registered it.
@@ -526,6 +543,8 @@ pub(super) trait DynEngine: Send + Sync {
     -> Result<Box<dyn DynPeer>, EngineError>;
     fn fence_inbound_writes(&self, region: &dyn DynRegion) -> Result<Fence, Error>;
     fn spawn_driver(&self) -> Driver;
+    fn progress(&self) -> usize;
+    fn cache_stats(&self, nic: usize) -> Option<crate::cache::CacheStats>;
     #[cfg(all(feature = "tokio", not(loom)))]
     fn drive_on_tokio(&self)
     -> Result<crate::engine::AsyncDriver, crate::engine::AsyncDriverError>;
@@ -535,6 +554,7 @@ pub(super) trait DynRegion: Send + Sync {
     fn len(&self) -> u64;
     fn location(&self) -> MemoryLocation;
     fn rungs(&self) -> Vec<Rung>;
+    fn rung_failures(&self, nic: usize) -> Vec<crate::ladder::RungFailure>;
     fn as_any(&self) -> &dyn Any;
 }
 
@@ -658,6 +678,14 @@ impl<V: Api, C: hal_cuda::Api> DynEngine for EngineOf<V, C> {
         EngineOf::spawn_driver(self, Duration::ZERO)
     }
 
+    fn progress(&self) -> usize {
+        EngineOf::progress(self)
+    }
+
+    fn cache_stats(&self, nic: usize) -> Option<crate::cache::CacheStats> {
+        EngineOf::cache_stats(self, nic)
+    }
+
     #[cfg(all(feature = "tokio", not(loom)))]
     fn drive_on_tokio(
         &self,
@@ -677,6 +705,10 @@ impl<V: Api> DynRegion for RegionOf<V> {
 
     fn rungs(&self) -> Vec<Rung> {
         RegionOf::rungs(self)
+    }
+
+    fn rung_failures(&self, nic: usize) -> Vec<crate::ladder::RungFailure> {
+        RegionOf::rung_failures(self, nic).to_vec()
     }
 
     fn as_any(&self) -> &dyn Any {
