@@ -2,7 +2,7 @@
 # features.sh: each crate builds with its own features, not the union
 # `cargo test --workspace` compiles. `cargo check` (not test: it is the
 # features that are in question, and check is a fraction of the time) of
-#   - hal-verbs, hal-cuda, gdr-sim, gdr-proto, gdr-ffi, gdr-cli: every feature alone,
+#   - hal-verbs, hal-cuda, gdr-sim, gdr-proto, gdr-ffi, gdr-bench, gdr-cli: every feature alone,
 #     none, and the defaults (cargo hack --each-feature);
 #   - gdr-core: no feature, `sim`, `rdma`+`cuda`, and each combination
 #     with `sim`; `tokio` (the async driver) alone and with `sim`; `rdma`
@@ -25,7 +25,7 @@ failed=0
 note() { echo "features: $*"; }
 fail() { echo "features: FAILED: $*" >&2; failed=1; }
 
-cargo hack check --each-feature -p hal-verbs -p hal-cuda -p gdr-sim -p gdr-proto -p gdr-ffi -p gdr-cli \
+cargo hack check --each-feature -p hal-verbs -p hal-cuda -p gdr-sim -p gdr-proto -p gdr-ffi -p gdr-bench -p gdr-cli \
   || fail "cargo hack --each-feature"
 
 for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda" tokio "sim,tokio" \

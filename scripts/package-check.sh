@@ -21,7 +21,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 # In dependency order; gdr-tests and the fuzz workspace are not published.
-CRATES=(hal-verbs hal-cuda gdr-sim gdr-proto gdr-core gdr-ffi gdr-cli)
+CRATES=(hal-verbs hal-cuda gdr-sim gdr-proto gdr-core gdr-ffi gdr-bench gdr-cli)
 MAX_CRATE_BYTES=$((2 * 1024 * 1024))
 MAX_FILE_BYTES=$((512 * 1024))
 args=()

@@ -17,11 +17,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
+use gdr_core::backend::BackendChoice;
 use gdr_core::ladder::Rung;
 use gdr_core::{Buffer, Context, Engine, EngineConfig, GrantRights, Peer, Transfer};
 
-mod bench;
 mod decode;
 mod info;
 
@@ -66,29 +65,13 @@ enum Command {
     /// WRITE and READ back through host and then GPU memory.
     Loopback {
         /// Bytes per transfer (suffixes K, M, G: powers of 1024).
-        #[arg(long, default_value = "1M", value_parser = parse_size)]
+        #[arg(long, default_value = "1M", value_parser = gdr_bench::parse_size)]
         size: usize,
     },
     /// Measure throughput, latency and the cost of waiting (see `gdr bench
     /// rdma --help`, `gdr bench engine --help`, `gdr bench idle --help`).
     #[command(subcommand)]
-    Bench(bench::BenchCommand),
-}
-
-fn parse_size(text: &str) -> Result<usize, String> {
-    let (digits, shift) = match text.trim_end_matches(['i', 'B']).chars().last() {
-        Some('K' | 'k') => (&text[..text.find(['K', 'k']).unwrap_or(0)], 10),
-        Some('M' | 'm') => (&text[..text.find(['M', 'm']).unwrap_or(0)], 20),
-        Some('G' | 'g') => (&text[..text.find(['G', 'g']).unwrap_or(0)], 30),
-        _ => (text, 0),
-    };
-    let value: usize = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size"))?;
-    value
-        .checked_shl(shift)
-        .filter(|v| *v > 0 && v >> shift == value)
-        .ok_or_else(|| format!("{text:?} is out of range"))
+    Bench(gdr_bench::BenchCommand),
 }
 
 /// Bound on connecting, granting and each transfer of `gdr loopback`:
@@ -115,7 +98,9 @@ fn loopback(context: &Context, size: usize) -> Result<(), Box<dyn Error>> {
     let addr = listener.local_addr();
     let accepting = std::thread::spawn(move || listener.accept(LOOPBACK_TIMEOUT));
     let to_server = client.connect(addr, LOOPBACK_TIMEOUT)?;
-    let to_client = accepting.join().map_err(|_| "the accepting thread panicked")??;
+    let to_client = accepting
+        .join()
+        .map_err(|_| "the accepting thread panicked")??;
     println!(
         "loopback on {device} ({}), {size} bytes: two transfer engines over rdma_cm, one \
          listening on {addr}, {qps} queue pairs",
@@ -258,27 +243,6 @@ fn prove_kind(pair: &Pair, gpu: Option<u32>, size: usize) -> Result<(), Box<dyn 
     Ok(())
 }
 
-/// A command, run on whichever backends `--backend` leads to: each command
-/// is one generic function, compiled for every combination.
-struct Run(Command);
-
-impl BackendTask for Run {
-    type Output = Result<(), Box<dyn Error>>;
-
-    fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
-        for note in backends.notes() {
-            println!("{note}");
-        }
-        match self.0 {
-            // Handled before the backends are chosen.
-            Command::Info { .. } | Command::Uri { .. } => Ok(()),
-            // Handled on the facade.
-            Command::Loopback { .. } => Ok(()),
-            Command::Bench(what) => bench::run(&backends, what),
-        }
-    }
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -305,7 +269,7 @@ fn main() -> ExitCode {
                 }
                 loopback(&context, size)
             }),
-        command => run_with(choice, Run(command)).unwrap_or_else(|e| Err(e.into())),
+        Command::Bench(what) => gdr_bench::run(choice, what),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -318,7 +282,8 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::{loopback, parse_size};
+    use super::loopback;
+    use gdr_bench::parse_size;
     use gdr_core::sim::{GpuConfig, NodeConfig};
     use gdr_core::{BackendChoice, Context};
 

@@ -70,8 +70,9 @@ impl Context {
     /// [`BackendChoice::Sim`] makes with the defaults.
     #[cfg(feature = "sim")]
     pub fn sim(node: gdr_sim::NodeConfig, gpus: Vec<gdr_sim::GpuConfig>) -> Result<Self, Error> {
-        let backends = Backends::sim(&SIM_FABRIC, node, gpus)
-            .with_note("simulated node on this process's simulated fabric (shared by every sim context)");
+        let backends = Backends::sim(&SIM_FABRIC, node, gpus).with_note(
+            "simulated node on this process's simulated fabric (shared by every sim context)",
+        );
         Ok(Self {
             inner: Open.run(backends)?,
             id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),

@@ -78,7 +78,7 @@ impl WaitMode {
 
 /// Options of `gdr bench idle`.
 #[derive(Debug, Args)]
-pub(crate) struct IdleArgs {
+pub struct IdleArgs {
     /// Seconds of idleness over which CPU time and voluntary context
     /// switches are counted.
     #[arg(long, default_value_t = 10.0)]

@@ -1,3 +1,11 @@
+//! # gdr-bench
+//!
+//! The measurements behind `gdr bench`, as a library: they run on the HAL
+//! (the bare queue-pair loop is the floor the engine is compared with), so
+//! they are generic over the HAL traits and dispatched once on the
+//! backends chosen at run time ([`run`]); the `gdr` command parses the
+//! arguments ([`BenchCommand`]) and calls it, naming no HAL type itself.
+//!
 //! `gdr bench rdma`: host-memory RDMA WRITE and READ throughput between two
 //! RC queue pairs connected to each other on one device, measured the way
 //! perftest's `ib_write_bw`/`ib_read_bw` measure it, so the two can be put
@@ -46,7 +54,7 @@
 //! (`softroce/perftest-compare-wire.sh` puts it next to `ib_write_bw` and
 //! `ib_read_bw` between two SoftRoCE guests).
 //!
-//! `gdr bench idle` (`bench/idle.rs`) measures what waiting costs: the
+//! `gdr bench idle` (`idle.rs`) measures what waiting costs: the
 //! process's CPU time and voluntary context switches while nothing
 //! happens, and the latency of a lone 4 KiB WRITE back to back and after
 //! idleness, through the engine pair above (no driver thread, or one per
@@ -75,14 +83,13 @@ use hal_verbs::{
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 
-use crate::parse_size;
-use gdr_core::backend::Backends;
+use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 
 mod idle;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
-pub(crate) enum BenchCommand {
+pub enum BenchCommand {
     /// RDMA WRITE and READ throughput through host memory, between two RC
     /// QPs connected to each other on one device (perftest's
     /// ib_write_bw/ib_read_bw, client and server in one process).
@@ -148,7 +155,7 @@ const PARK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Options of `gdr bench rdma`.
 #[derive(Debug, Args)]
-pub(crate) struct RdmaArgs {
+pub struct RdmaArgs {
     /// Message sizes, comma-separated (suffixes K, M, G: powers of 1024).
     #[arg(long, value_delimiter = ',', default_value = "64K,1M,4M", value_parser = parse_size)]
     sizes: Vec<usize>,
@@ -293,7 +300,44 @@ impl<A: Api> HostRegion<A> {
     }
 }
 
-pub(crate) fn run<V: Api, C: hal_cuda::Api>(
+/// Runs `command` on the backends `choice` leads to (their notes printed
+/// first, as every `gdr` command does).
+pub fn run(choice: BackendChoice, command: BenchCommand) -> Result<(), Box<dyn Error>> {
+    struct Bench(BenchCommand);
+
+    impl BackendTask for Bench {
+        type Output = Result<(), Box<dyn Error>>;
+
+        fn run<V: Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
+            for note in backends.notes() {
+                println!("{note}");
+            }
+            run_on(&backends, self.0)
+        }
+    }
+
+    run_with(choice, Bench(command)).unwrap_or_else(|e| Err(e.into()))
+}
+
+/// A size with an optional binary suffix (K, M, G: powers of 1024; `KiB`
+/// and `KB` read the same), greater than zero.
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let (digits, shift) = match text.trim_end_matches(['i', 'B']).chars().last() {
+        Some('K' | 'k') => (&text[..text.find(['K', 'k']).unwrap_or(0)], 10),
+        Some('M' | 'm') => (&text[..text.find(['M', 'm']).unwrap_or(0)], 20),
+        Some('G' | 'g') => (&text[..text.find(['G', 'g']).unwrap_or(0)], 30),
+        _ => (text, 0),
+    };
+    let value: usize = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size"))?;
+    value
+        .checked_shl(shift)
+        .filter(|v| *v > 0 && v >> shift == value)
+        .ok_or_else(|| format!("{text:?} is out of range"))
+}
+
+fn run_on<V: Api, C: hal_cuda::Api>(
     backends: &Backends<V, C>,
     command: BenchCommand,
 ) -> Result<(), Box<dyn Error>> {
@@ -719,7 +763,7 @@ pub(crate) enum Progress {
 
 /// Options of `gdr bench engine`.
 #[derive(Debug, Args)]
-pub(crate) struct EngineArgs {
+pub struct EngineArgs {
     /// Sizes of one request, comma-separated (suffixes K, M, G: powers of
     /// 1024).
     #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,4M", value_parser = parse_size)]
