@@ -486,7 +486,10 @@ pub enum EngineError {
     /// A remote descriptor is malformed or does not fit the request.
     #[error("remote descriptor: {0}")]
     Descriptor(#[from] DescriptorError),
-    /// The peer's handshake or a control message is malformed.
+    /// A control message could not be encoded (a wire-format limit). A
+    /// peer's hello that does not decode is [`HandshakeFailure::Malformed`]
+    /// and a peer's control message that does not decode drops the peer
+    /// ([`PeerMisbehaved::Malformed`]).
     #[error("wire format: {0}")]
     Wire(#[from] WireError),
     /// A request was refused before anything was posted.
