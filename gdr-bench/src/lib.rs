@@ -1164,9 +1164,10 @@ pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
     let (to_server, to_client) = std::thread::scope(|s| {
         let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
         let connected = client.connect(addr, ENGINE_TIMEOUT);
+        // A panic of the accepting thread is this thread's.
         let accepted = accepting
             .join()
-            .unwrap_or_else(|_| Err(EngineError::Refused("the accepting thread panicked".into())));
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         Ok::<_, EngineError>((connected?, accepted?))
     })?;
     Ok(EnginePair {

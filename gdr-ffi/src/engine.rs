@@ -1114,7 +1114,7 @@ pub extern "C" fn gdr_batch_wait(batch: GdrBatch, timeout_ms: u32) -> GdrResult 
         let batch = BATCHES.get(batch.id)?;
         let outcome = match batch.wait(millis(timeout_ms)) {
             // The wait's timeout, or the batch's own: the status says.
-            Err(TransferError::Timeout { .. }) => match batch.status() {
+            Err(TransferError::Timeout(_)) => match batch.status() {
                 Some(outcome) => outcome,
                 None => {
                     return Err(FfiError::new(

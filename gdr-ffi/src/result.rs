@@ -7,7 +7,7 @@ use std::ffi::CStr;
 use gdr_core::CudaError;
 use gdr_core::VerbsError;
 use gdr_core::engine::setup::NotAccepted;
-use gdr_core::engine::{EngineError, TransferError};
+use gdr_core::engine::{EngineError, HandshakeFailure, TransferError};
 use gdr_core::ladder::LadderError;
 use gdr_core::uri::UriError;
 
@@ -219,8 +219,8 @@ impl From<&TransferError> for GdrResult {
             TransferError::RemoteAccess { .. }
             | TransferError::StagedRefused { .. }
             | TransferError::Revoked { .. } => Self::Refused,
-            TransferError::RetryExceeded { .. } | TransferError::PeerGone { .. } => Self::PeerGone,
-            TransferError::Timeout { .. } => Self::Timeout,
+            TransferError::RetryExceeded { .. } | TransferError::PeerGone(_) => Self::PeerGone,
+            TransferError::Timeout(_) => Self::Timeout,
             TransferError::Cancelled => Self::Cancelled,
             TransferError::DeviceFatal { .. } => Self::DeviceLost,
             TransferError::StreamFailed { source } => Self::from(source),
@@ -257,6 +257,12 @@ impl From<&EngineError> for GdrResult {
             | EngineError::AccessDenied { .. }
             | EngineError::Refused(_) => GdrResult::Refused,
             EngineError::PeerGone(_) => GdrResult::PeerGone,
+            // The peer's hello did not decode: a wire format error, as
+            // before the handshake's failure was typed.
+            EngineError::Handshake {
+                why: HandshakeFailure::Malformed(_) | HandshakeFailure::Version { .. },
+                ..
+            } => GdrResult::InvalidArgument,
             EngineError::Handshake { .. } | EngineError::Rejected { .. } => {
                 GdrResult::ConnectionRejected
             }
@@ -310,5 +316,104 @@ impl From<gdr_core::Error> for FfiError {
 impl From<gdr_core::Unsupported> for FfiError {
     fn from(error: gdr_core::Unsupported) -> Self {
         gdr_core::Error::from(error).into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use gdr_core::engine::setup::DialError;
+    use gdr_core::engine::{PeerGone, PeerMisbehaved, Refusal, TimedOut, Unavailable};
+    use gdr_core::WcStatus;
+
+    use super::*;
+
+    fn code(error: EngineError) -> GdrResult {
+        FfiError::from(error).result
+    }
+
+    /// The typed causes keep the codes their string forms had: a malformed
+    /// or other-version hello is still a wire error, the rest of a
+    /// handshake still a rejected connection.
+    #[test]
+    fn typed_engine_errors_keep_their_codes() {
+        let peer = String::from("192.0.2.1:7000");
+        let version = HandshakeFailure::Version { ours: 1, theirs: 2 };
+        let cases = [
+            (
+                EngineError::Handshake {
+                    peer: peer.clone(),
+                    why: version,
+                },
+                GdrResult::InvalidArgument,
+            ),
+            (
+                EngineError::Handshake {
+                    peer: peer.clone(),
+                    why: HandshakeFailure::Dial(DialError::Aborted),
+                },
+                GdrResult::ConnectionRejected,
+            ),
+            (
+                EngineError::Handshake {
+                    peer,
+                    why: HandshakeFailure::Connect(VerbsError::invalid("connect", "test")),
+                },
+                GdrResult::ConnectionRejected,
+            ),
+            (EngineError::Refused(Refusal::NoPath), GdrResult::Refused),
+            (
+                EngineError::Unavailable(Unavailable::NoRdmaDevice),
+                GdrResult::NoDevice,
+            ),
+            (
+                EngineError::PeerGone(PeerGone::Misbehaved(PeerMisbehaved::EndedEarly)),
+                GdrResult::PeerGone,
+            ),
+            (
+                EngineError::Timeout(TimedOut {
+                    after: Duration::from_secs(1),
+                }),
+                GdrResult::Timeout,
+            ),
+        ];
+        for (error, want) in cases {
+            let message = error.to_string();
+            assert_eq!(code(error), want, "{message}");
+        }
+    }
+
+    /// What was `TransferError::Local` stays `Other`; a peer gone and a
+    /// timeout keep theirs.
+    #[test]
+    fn typed_transfer_errors_keep_their_codes() {
+        let cases = [
+            (
+                TransferError::LocalCompletion {
+                    status: WcStatus::LOC_PROT_ERR,
+                    vendor_err: 0,
+                },
+                GdrResult::Other,
+            ),
+            (TransferError::Internal { what: "test" }, GdrResult::Other),
+            (
+                TransferError::Misbehaved(PeerMisbehaved::EndedEarly),
+                GdrResult::Other,
+            ),
+            (
+                TransferError::PeerGone(PeerGone::Closed),
+                GdrResult::PeerGone,
+            ),
+            (
+                TransferError::Timeout(TimedOut {
+                    after: Duration::from_secs(1),
+                }),
+                GdrResult::Timeout,
+            ),
+        ];
+        for (error, want) in cases {
+            assert_eq!(GdrResult::from(&error), want, "{error}");
+        }
     }
 }

@@ -727,7 +727,7 @@ pub fn submit_until_gone<V: Api, C: hal_cuda::Api>(
                     assert!(
                         matches!(
                             e,
-                            TransferError::PeerGone { .. }
+                            TransferError::PeerGone(_)
                                 | TransferError::RetryExceeded { .. }
                                 | TransferError::Flushed { .. }
                         ),

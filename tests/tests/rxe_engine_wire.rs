@@ -516,9 +516,9 @@ fn is_dead_peer(e: &TransferError) -> bool {
     matches!(
         e,
         TransferError::RetryExceeded { .. }
-            | TransferError::PeerGone { .. }
+            | TransferError::PeerGone(_)
             | TransferError::Flushed { .. }
-            | TransferError::Timeout { .. }
+            | TransferError::Timeout(_)
     )
 }
 

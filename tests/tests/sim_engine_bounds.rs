@@ -8,8 +8,10 @@
 use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::GrantRights;
-use gdr_core::engine::wire::Control;
-use gdr_core::engine::{EngineConfig, EngineError, PeerLimits, Transfer, TransferError};
+use gdr_core::engine::wire::{Control, WireError};
+use gdr_core::engine::{
+    EngineConfig, EngineError, PeerGone, PeerLimits, PeerMisbehaved, Transfer, TransferError,
+};
 use gdr_sim::{GpuConfig, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, Kind, staged_through_slots};
 use gdr_tests::pattern;
@@ -26,9 +28,9 @@ fn world(limits: PeerLimits) -> EngineWorld<SimVerbsApi> {
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 
-fn gone_because(err: EngineError, why: &str) {
+fn gone_because(err: EngineError, why: PeerMisbehaved) {
     assert!(
-        matches!(&err, EngineError::PeerGone(reason) if reason.contains(why)),
+        matches!(&err, EngineError::PeerGone(PeerGone::Misbehaved(m)) if *m == why),
         "expected the peer dropped because {why:?}, got {err}"
     );
 }
@@ -100,7 +102,7 @@ fn a_peer_announcing_too_many_grants_is_dropped() {
         })
         .collect();
     let err = w.ba.recv(T).unwrap_err();
-    gone_because(err, "more than 3 live grants");
+    gone_because(err, PeerMisbehaved::TooManyGrants { max: 3 });
     assert!(
         w.ba.remote_grant(grants[3].descriptor().grant).is_none(),
         "the grant past the bound was not kept"
@@ -123,7 +125,10 @@ fn a_peer_flooding_messages_nobody_receives_is_dropped() {
     for i in 0..8u8 {
         assert_eq!(w.ba.recv(T).unwrap(), vec![i; 16], "message {i} kept");
     }
-    gone_because(w.ba.recv(T).unwrap_err(), "more than 8 messages");
+    gone_because(
+        w.ba.recv(T).unwrap_err(),
+        PeerMisbehaved::TooManyMessages { max: 8 },
+    );
 }
 
 /// Bytes of messages nobody receives are bounded too.
@@ -139,7 +144,10 @@ fn a_peer_flooding_message_bytes_is_dropped() {
     for i in 0..2u8 {
         assert_eq!(w.ba.recv(T).unwrap(), vec![i; 400]);
     }
-    gone_because(w.ba.recv(T).unwrap_err(), "more than 1000 bytes");
+    gone_because(
+        w.ba.recv(T).unwrap_err(),
+        PeerMisbehaved::TooManyMessageBytes { max: 1000 },
+    );
 }
 
 /// The CUDA IPC handles a peer sends (one per grant of GPU memory, for the
@@ -161,5 +169,67 @@ fn a_peer_flooding_ipc_handles_is_dropped() {
         // The 4th may fail here once b has dropped a.
         let _ = w.ab.send_raw_control(&handle).map(|b| b.wait(T));
     }
-    gone_because(w.ba.recv(T).unwrap_err(), "more than 3 live grants");
+    gone_because(
+        w.ba.recv(T).unwrap_err(),
+        PeerMisbehaved::TooManyGrants { max: 3 },
+    );
+}
+
+/// A control message that does not decode (here of a kind no version
+/// knows) drops the peer, naming the wire error; it was logged and
+/// dropped, the peer kept.
+#[test]
+fn a_peer_sending_a_malformed_control_message_is_dropped() {
+    let w = world(PeerLimits::default());
+    let mut bytes = vec![0; Control::Goodbye.encoded_len()];
+    Control::Goodbye.encode_into(&mut bytes).unwrap();
+    bytes[2] = 200; // The kind.
+    let _ = w.ab.send_raw_bytes(&bytes).map(|b| b.wait(T));
+    gone_because(
+        w.ba.recv(T).unwrap_err(),
+        PeerMisbehaved::Malformed(WireError::UnknownKind(200)),
+    );
+    // What the caller does next is refused with the same cause.
+    let (_buf, region) = w.b.alloc(Kind::Host, 4096, 0);
+    let err =
+        w.ba.grant(&region, 0, 4096, GrantRights::Read)
+            .map(|_| ())
+            .unwrap_err();
+    gone_because(err, PeerMisbehaved::Malformed(WireError::UnknownKind(200)));
+}
+
+/// A grant announcement whose descriptor does not decode drops the peer by
+/// name (it was logged and ignored).
+#[test]
+fn a_peer_announcing_a_malformed_grant_is_dropped() {
+    let w = world(PeerLimits::default());
+    let garbage = [0x5a; 24];
+    let announce = Control::GrantAnnounce {
+        descriptor: &garbage,
+    };
+    let _ = w.ab.send_raw_control(&announce).map(|b| b.wait(T));
+    gone_because(w.ba.recv(T).unwrap_err(), PeerMisbehaved::MalformedGrant);
+}
+
+/// A peer announcing a grant of another engine (here the receiver's own)
+/// is dropped, naming both engines (it was logged and ignored).
+#[test]
+fn a_peer_announcing_a_grant_of_another_engine_is_dropped() {
+    let w = world(PeerLimits::default());
+    let (_buf, dst) = w.b.alloc(Kind::Host, 4096, 0);
+    let (_grant, theirs) = w.b_grants(&dst, GrantRights::Read);
+    let encoded = theirs.encode().unwrap();
+    let announce = Control::GrantAnnounce {
+        descriptor: &encoded,
+    };
+    let _ = w.ab.send_raw_control(&announce).map(|b| b.wait(T));
+    let err = w.ba.recv(T).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            EngineError::PeerGone(PeerGone::Misbehaved(PeerMisbehaved::ForeignGrant { owner, peer }))
+                if *owner == theirs.owner && *peer != theirs.owner
+        ),
+        "{err}"
+    );
 }

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::GrantRights;
-use gdr_core::engine::{EngineConfig, Transfer, TransferError};
+use gdr_core::engine::{EngineConfig, TimedOut, Transfer, TransferError};
 use gdr_sim::{Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
 use gdr_tests::engine_world::EngineWorld;
 use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
@@ -120,7 +120,10 @@ fn a_gate_that_never_opens_times_out_and_posts_nothing() {
     let bound = Duration::from_millis(200);
     let batch = g.submit(&w, bound);
     let outcome = batch.wait(T);
-    assert_eq!(outcome, Err(TransferError::Timeout { after: bound }));
+    assert_eq!(
+        outcome,
+        Err(TransferError::Timeout(TimedOut { after: bound }))
+    );
     // The stream runs now (its late write lands on the gate's word): the
     // batch stays timed out and nothing moves.
     g.held.release();
@@ -128,7 +131,7 @@ fn a_gate_that_never_opens_times_out_and_posts_nothing() {
     g.assert_nothing_moved(&w, 30, "after the timeout");
     assert_eq!(
         batch.status(),
-        Some(Err(TransferError::Timeout { after: bound }))
+        Some(Err(TransferError::Timeout(TimedOut { after: bound })))
     );
     // A later gate on the engine still opens when its stream gets there.
     w.gated_write_after_a_held_stream(LEN, 15);
@@ -194,7 +197,7 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
     w.ab.close().unwrap();
     let outcome = batch.wait(T);
     assert!(
-        matches!(outcome, Err(TransferError::PeerGone { .. })),
+        matches!(outcome, Err(TransferError::PeerGone(_))),
         "{outcome:?}"
     );
 }

@@ -29,7 +29,9 @@ use std::time::{Duration, Instant};
 
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor, Reach};
-use gdr_core::engine::{Batch, EngineConfig, PeerCopyRoute, Region, Transfer, TransferError};
+use gdr_core::engine::{
+    Batch, EngineConfig, PeerCopyRoute, Region, TimedOut, Transfer, TransferError,
+};
 use gdr_core::ladder::Rung;
 use gdr_sim::{GpuConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, Side, WorldGrant, WorldPeer, staged_through_slots};
@@ -527,7 +529,7 @@ fn run(path: PathKind, event: Event, op: Op) -> String {
         let outcome = batch.wait(T);
         assert_ne!(
             outcome,
-            Err(TransferError::Timeout { after: T }),
+            Err(TransferError::Timeout(TimedOut { after: T })),
             "{what}: HANG: the batch never ended"
         );
         outcome

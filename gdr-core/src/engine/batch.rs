@@ -73,9 +73,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             for &ordinal in &self.fence {
                 self.engine
                     .fence_gpu(ordinal)
-                    .map_err(|e| TransferError::Local {
-                        what: format!("GPU fence after the batch: {e}"),
-                    })?;
+                    .map_err(|e| TransferError::from_engine("GPU fence after the batch", e))?;
             }
         }
         outcome
@@ -97,7 +95,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             .wait_until(engine, deadline, || self.outcome().is_some());
         match self.outcome() {
             Some(outcome) => self.fenced(outcome),
-            None => Err(TransferError::Timeout { after: timeout }),
+            None => Err(TransferError::Timeout(TimedOut { after: timeout })),
         }
     }
 

@@ -71,12 +71,12 @@ impl Requests for Verbs {
     fn flushed(qp: u16, cause: &TransferError) -> TransferError {
         TransferError::Flushed {
             qp,
-            cause: cause.to_string(),
+            cause: Box::new(cause.clone()),
         }
     }
 
     fn timeout(after: Duration) -> TransferError {
-        TransferError::Timeout { after }
+        TransferError::Timeout(super::TimedOut { after })
     }
 
     fn cancelled() -> TransferError {

@@ -3,12 +3,278 @@
 //! that set things up or are refused before anything is posted
 //! ([`EngineError`]).
 
-use hal_verbs::{VerbsError, WcStatus};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
+use gdr_proto::PeerMisbehaved;
+use gdr_proto::outbox::OutboxFull;
+use gdr_proto::reconnect::{GiveUp, Gone};
+use gdr_proto::setup::DialError;
+use hal_verbs::{AsyncEvent, ConnectionState, VerbsError, WcStatus};
+
+use crate::buffer::BufferAccessError;
 use crate::descriptor::DescriptorError;
 use crate::engine::setup::NotAccepted;
 use crate::engine::wire::{RejectReason, WireError};
 use crate::ladder::LadderError;
+
+/// A bound that passed: the one definition of a timeout, carried by both
+/// [`TransferError::Timeout`] (a request's deadline) and
+/// [`EngineError::Timeout`] (a call that waited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("timed out after {after:?}")]
+pub struct TimedOut {
+    /// The bound that passed.
+    pub after: Duration,
+}
+
+/// Why a peer is gone (or one of its queue pairs failed for good): the one
+/// definition, carried by both [`TransferError::PeerGone`] and
+/// [`EngineError::PeerGone`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerGone {
+    /// This side closed the peer ([`crate::engine::Peer::close`], or the
+    /// engine dropped it).
+    #[error("closed by this side")]
+    Closed,
+    /// The peer closed the connection (it said goodbye).
+    #[error("closed by the peer (it said goodbye)")]
+    ClosedByPeer,
+    /// A queue pair's connection left the connected state (the
+    /// connection manager's event): it is re-established, or given up.
+    #[error("connection {state:?}")]
+    Disconnected {
+        /// Where the connection stands now.
+        state: ConnectionState,
+    },
+    /// The peer re-established this queue pair: what was in flight on
+    /// the old one failed.
+    #[error("the peer re-established this queue pair")]
+    QueuePairReplaced,
+    /// Every queue pair is down (failed and not re-established).
+    #[error("every queue pair failed")]
+    EveryQueuePairFailed,
+    /// A queue pair failed before the session was established.
+    #[error("queue pair {index} failed during set-up")]
+    FailedDuringSetUp {
+        /// The queue pair.
+        index: usize,
+    },
+    /// Re-establishing a queue pair was given up (the last one, for a
+    /// peer gone).
+    #[error("{0}")]
+    GivenUp(GiveUp),
+    /// This side dropped the peer: it broke the protocol.
+    #[error("dropped: {0}")]
+    Misbehaved(PeerMisbehaved),
+    /// The NIC every remaining queue pair used reported a fatal error.
+    #[error("device {device} failed")]
+    DeviceFailed {
+        /// The NIC.
+        device: String,
+    },
+    /// Connecting failed after the peer was added (the connect returned
+    /// why): what it held was failed with this.
+    #[error("connect failed")]
+    ConnectFailed,
+    /// Accepting failed after the peer was added (the accept returned
+    /// why): what it held was failed with this.
+    #[error("accept failed")]
+    AcceptFailed,
+}
+
+impl From<Gone> for PeerGone {
+    fn from(gone: Gone) -> Self {
+        match gone {
+            Gone::FailedDuringSetUp { index } => Self::FailedDuringSetUp { index },
+            Gone::EveryQueuePairFailed => Self::EveryQueuePairFailed,
+            Gone::GivenUp(why) => Self::GivenUp(why),
+        }
+    }
+}
+
+/// Why a request or call was refused before anything was posted (or, for
+/// a gated batch, when its gate opened).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// A region registered by another engine.
+    #[error("a region of engine {region_engine:#x} used with engine {engine:#x}")]
+    ForeignRegion {
+        /// The engine that registered the region.
+        region_engine: u64,
+        /// The engine it was used with.
+        engine: u64,
+    },
+    /// A region on the staging rung used where only a directly registered
+    /// one can go.
+    #[error("a staging-rung region on a direct path")]
+    StagingRungOnDirectPath,
+    /// A transfer of no staging-rung region handed to the staged path.
+    #[error("the staged path carries only staging-rung transfers")]
+    NotStaged,
+    /// Landing slots asked for on memory of the staging rung.
+    #[error("landing slots on the staging rung")]
+    LandingSlotsOnStagingRung,
+    /// Host memory on the staging rung (the rung is for GPU memory).
+    #[error("host memory on the staging rung")]
+    HostMemoryOnStagingRung,
+    /// The grant was revoked.
+    #[error("grant {grant} was revoked")]
+    GrantRevoked {
+        /// The grant.
+        grant: u64,
+    },
+    /// The grant's range lies outside the GPU allocation it names.
+    #[error(
+        "grant {grant} of {len} bytes at offset {offset} lies outside its {size}-byte allocation"
+    )]
+    GrantOutsideAllocation {
+        /// The grant.
+        grant: u64,
+        /// Its offset in the allocation.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The allocation's size.
+        size: u64,
+    },
+    /// The grant cannot be reached by the peer-copy path.
+    #[error("grant {grant} is not reachable by peer copy")]
+    NotPeerCopyReachable {
+        /// The grant.
+        grant: u64,
+    },
+    /// As many control messages as the outbox holds already wait.
+    #[error("{max} control messages already wait for the peer")]
+    OutboxFull {
+        /// The bound.
+        max: usize,
+    },
+    /// Every word of the stream-fence page is held by a stream fence or a
+    /// gate outstanding.
+    #[error("{max} stream fences and gates are already outstanding")]
+    FencesOutstanding {
+        /// The bound (the words of the page).
+        max: usize,
+    },
+    /// Connecting was asked with no path.
+    #[error("no path to connect over")]
+    NoPath,
+    /// A session to accept with no queue pair.
+    #[error("a session without queue pairs")]
+    NoQueuePairs,
+}
+
+impl From<OutboxFull> for Refusal {
+    fn from(full: OutboxFull) -> Self {
+        Self::OutboxFull { max: full.max }
+    }
+}
+
+/// Why no device or path could serve a call.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unavailable {
+    /// The provider lists no RDMA device the engine may use.
+    #[error("no RDMA device to use")]
+    NoRdmaDevice,
+    /// No NIC of the engine has the source address asked for.
+    #[error("no NIC of this engine has address {address}")]
+    NoNicWithAddress {
+        /// The address.
+        address: IpAddr,
+    },
+    /// The route to the peer leaves through a NIC the engine was not
+    /// given.
+    #[error("the route uses {device}, which this engine was not given")]
+    RouteDeviceNotGiven {
+        /// The route's NIC.
+        device: String,
+    },
+    /// The engine has no GPU for what was asked.
+    #[error("no GPU {purpose}")]
+    NoGpu {
+        /// What it was needed for.
+        purpose: &'static str,
+    },
+    /// A GPU the engine was not given.
+    #[error("GPU {ordinal} is not one of the engine's")]
+    UnknownGpu {
+        /// The GPU asked for.
+        ordinal: u32,
+    },
+    /// The operating system refused a resource (a thread, an eventfd).
+    #[error("{what}: {source}")]
+    Os {
+        /// What the engine asked for.
+        what: &'static str,
+        /// The OS's error, with its errno.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why a connection's handshake failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeFailure {
+    /// The peer speaks another version of the wire formats.
+    #[error("wire version {theirs} received, this side speaks version {ours}")]
+    Version {
+        /// This side's version.
+        ours: u8,
+        /// The peer's.
+        theirs: u8,
+    },
+    /// The peer's hello does not decode.
+    #[error("malformed hello: {0}")]
+    Malformed(WireError),
+    /// The connection attempt failed: no route, no answer, or a reject
+    /// that is not an engine's.
+    #[error("{0}")]
+    Connect(VerbsError),
+    /// The set-up failed another way (a reply that does not answer the
+    /// connect, an abort).
+    #[error("{0}")]
+    Dial(DialError),
+    /// Sending this side's paths, the last step, failed.
+    #[error("sending paths: {0}")]
+    SendingPaths(TransferError),
+}
+
+impl From<WireError> for HandshakeFailure {
+    fn from(error: WireError) -> Self {
+        match error {
+            WireError::Version { ours, theirs } => Self::Version { ours, theirs },
+            other => Self::Malformed(other),
+        }
+    }
+}
+
+/// An [`EngineError`] a request's outcome carries ([`TransferError::Setup`]):
+/// shared, so that the outcome stays [`Clone`]. Two are equal when they are
+/// the same failure (clones of one another), not when their messages agree.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(transparent)]
+pub struct SharedEngineError(Arc<EngineError>);
+
+impl SharedEngineError {
+    /// The engine's error.
+    pub fn get(&self) -> &EngineError {
+        &self.0
+    }
+}
+
+impl PartialEq for SharedEngineError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for SharedEngineError {}
 
 /// Why a request (a transfer slice, a batch, a control message) failed.
 /// Every request ends exactly once: with success or one of these.
@@ -33,18 +299,12 @@ pub enum TransferError {
     },
     /// The peer disconnected, or its queue pair went away, before the
     /// request ran.
-    #[error("the peer is gone: {reason}")]
-    PeerGone {
-        /// What said so.
-        reason: String,
-    },
+    #[error("the peer is gone: {0}")]
+    PeerGone(PeerGone),
     /// The request did not complete within its deadline. Its queue pair
     /// was stopped first, so nothing of it still runs in the NIC.
-    #[error("timed out after {after:?}")]
-    Timeout {
-        /// The bound that passed.
-        after: std::time::Duration,
-    },
+    #[error(transparent)]
+    Timeout(TimedOut),
     /// The caller cancelled it; nothing of it still runs in the NIC.
     #[error("cancelled")]
     Cancelled,
@@ -56,14 +316,76 @@ pub enum TransferError {
         /// The QP's index within the peer.
         qp: u16,
         /// What failed it first.
-        cause: String,
+        cause: Box<TransferError>,
     },
-    /// The local side failed: a local protection or length error, or a
-    /// post the provider refused.
+    /// A work completion failed on this side (a local protection or length
+    /// error, a QP operation error).
+    #[error("local failure: {status} (vendor error {vendor_err:#x})")]
+    LocalCompletion {
+        /// The completion's status.
+        status: WcStatus,
+        /// Vendor syndrome.
+        vendor_err: u32,
+    },
+    /// The provider refused to post the request.
+    #[error("local failure: posting: {source}")]
+    PostFailed {
+        /// The HAL's error, with the native code.
+        #[source]
+        source: VerbsError,
+    },
+    /// The queue pair's NIC reported an async error for it (QP fatal,
+    /// request or access error).
+    #[error("local failure: async event {event:?}")]
+    QpAsyncError {
+        /// The event.
+        event: AsyncEvent,
+    },
+    /// A GPU call the request needed failed (a staging or peer copy, its
+    /// event, the GPU fence after the batch).
+    #[error("local failure: {what}: {source}")]
+    Gpu {
+        /// What the engine was doing.
+        what: &'static str,
+        /// The driver's error, with its native code.
+        #[source]
+        source: hal_cuda::CudaError,
+    },
+    /// The remote descriptor has no segment for this slice on the NIC the
+    /// queue pair reaches.
+    #[error("local failure: the slice's remote segment: {source}")]
+    RemoteSegment {
+        /// Why.
+        #[source]
+        source: DescriptorError,
+    },
+    /// A control message could not be written into its send slot.
+    #[error("local failure: {source}")]
+    SendBuffer {
+        /// Why.
+        #[source]
+        source: BufferAccessError,
+    },
+    /// Setting up what the request needed failed on this side (a staging
+    /// pool, a GPU), or a gated batch was refused when its gate opened.
+    #[error("local failure: {what}: {source}")]
+    Setup {
+        /// What the engine was doing.
+        what: &'static str,
+        /// The engine's error.
+        #[source]
+        source: SharedEngineError,
+    },
+    /// The peer broke the protocol of this request (a staged request's
+    /// slots or slices): the request fails.
+    #[error("the peer broke the protocol: {0}")]
+    Misbehaved(PeerMisbehaved),
+    /// A failure whose cause the engine did not keep (a gdr bug when it
+    /// shows): `what` says where.
     #[error("local failure: {what}")]
-    Local {
-        /// The status or error.
-        what: String,
+    Internal {
+        /// Where.
+        what: &'static str,
     },
     /// The device reported a fatal error: everything on it failed.
     #[error("device {device} failed (fatal async event)")]
@@ -106,10 +428,41 @@ impl TransferError {
                 Self::RemoteAccess { status, vendor_err }
             }
             WcStatus::RETRY_EXC_ERR | WcStatus::RNR_RETRY_EXC_ERR => Self::RetryExceeded { status },
-            _ => Self::Local {
-                what: format!("{status} (vendor error {vendor_err:#x})"),
+            _ => Self::LocalCompletion { status, vendor_err },
+        }
+    }
+
+    /// The outcome a request gets when an engine call it needed failed
+    /// with `error` while `what`: a peer gone or a timeout stays one, a
+    /// GPU call's error is [`Self::Gpu`], anything else [`Self::Setup`].
+    pub(crate) fn from_engine(what: &'static str, error: EngineError) -> Self {
+        match error {
+            EngineError::PeerGone(why) => Self::PeerGone(why),
+            EngineError::Timeout(t) => Self::Timeout(t),
+            EngineError::Cuda(source) => Self::Gpu { what, source },
+            error => Self::Setup {
+                what,
+                source: SharedEngineError(Arc::new(error)),
             },
         }
+    }
+}
+
+impl From<PeerGone> for TransferError {
+    fn from(why: PeerGone) -> Self {
+        Self::PeerGone(why)
+    }
+}
+
+impl From<TimedOut> for TransferError {
+    fn from(t: TimedOut) -> Self {
+        Self::Timeout(t)
+    }
+}
+
+impl From<PeerMisbehaved> for TransferError {
+    fn from(why: PeerMisbehaved) -> Self {
+        Self::Misbehaved(why)
     }
 }
 
@@ -133,12 +486,15 @@ pub enum EngineError {
     /// A remote descriptor is malformed or does not fit the request.
     #[error("remote descriptor: {0}")]
     Descriptor(#[from] DescriptorError),
-    /// The peer's handshake or a control message is malformed.
+    /// A control message could not be encoded (a wire-format limit). A
+    /// peer's hello that does not decode is [`HandshakeFailure::Malformed`]
+    /// and a peer's control message that does not decode drops the peer
+    /// ([`PeerMisbehaved::Malformed`]).
     #[error("wire format: {0}")]
     Wire(#[from] WireError),
     /// A request was refused before anything was posted.
     #[error("refused: {0}")]
-    Refused(String),
+    Refused(#[from] Refusal),
     /// The descriptor names a grant this peer has not announced on this
     /// connection, or has revoked.
     #[error("grant {grant:#x} of engine {owner:#x} is not live on this connection")]
@@ -182,7 +538,7 @@ pub enum EngineError {
         /// The peer's address.
         peer: String,
         /// What went wrong.
-        why: String,
+        why: HandshakeFailure,
     },
     /// The listener refused a queue pair of the connection, saying why:
     /// [`RejectReason::Busy`] means its backlog of connections waiting for
@@ -209,14 +565,14 @@ pub enum EngineError {
         reason: NotAccepted,
     },
     /// Waiting ran out of time.
-    #[error("timed out after {0:?}")]
-    Timeout(std::time::Duration),
+    #[error(transparent)]
+    Timeout(#[from] TimedOut),
     /// The peer is gone (closed, failed, disconnected).
     #[error("the peer is gone: {0}")]
-    PeerGone(String),
+    PeerGone(#[from] PeerGone),
     /// No device, no path.
     #[error("{0}")]
-    Unavailable(String),
+    Unavailable(#[from] Unavailable),
     /// A CUDA call failed (the GPU fence).
     #[error("GPU: {0}")]
     Cuda(#[from] hal_cuda::CudaError),

@@ -42,9 +42,9 @@ use hal_verbs::Api;
 
 use gdr_proto::gate::{GateWait, Signal, WordBook};
 
-use super::EngineError;
 use super::completion::CompletionCell;
 use super::resources::Resources;
+use super::{EngineError, Refusal, Unavailable};
 use crate::buffer::Buffer;
 
 /// Words a page holds: the fences that may be outstanding at once.
@@ -143,11 +143,13 @@ impl<C: hal_cuda::Api> StreamFences<C> {
         fenced: Arc<AtomicBool>,
     ) -> Result<(), EngineError> {
         let words = self.words(res)?;
-        let (word, value) = words.book.take().ok_or_else(|| {
-            EngineError::Refused(format!(
-                "{WORDS} stream fences and gates are already outstanding"
-            ))
-        })?;
+        let (word, value) =
+            words
+                .book
+                .take()
+                .ok_or(EngineError::Refused(Refusal::FencesOutstanding {
+                    max: WORDS,
+                }))?;
         let addr = words.addr(word);
         // SAFETY: the word is 4-byte aligned pinned host memory the device
         // can read (unified addressing), never freed (module docs).
@@ -173,8 +175,10 @@ impl<C: hal_cuda::Api> StreamFences<C> {
                 .first()
                 .and_then(|n| n.ladder.gpus().first())
                 .map(|g| &g.context)
-                .ok_or_else(|| {
-                    EngineError::Unavailable("no GPU for the stream fence page".into())
+                .ok_or({
+                    EngineError::Unavailable(Unavailable::NoGpu {
+                        purpose: "for the stream fence page",
+                    })
                 })?;
             let buffer = Buffer::alloc_pinned(context, (WORDS * 4) as u64)?;
             let words = FenceWords {
@@ -237,9 +241,13 @@ impl<C: hal_cuda::Api> StreamFences<C> {
         stream: &C::Stream,
     ) -> Result<Signal, EngineError> {
         let words = self.words(res)?;
-        let (word, value) = words.book.take().ok_or_else(|| {
-            EngineError::Refused("every word of the fence page is outstanding".into())
-        })?;
+        let (word, value) =
+            words
+                .book
+                .take()
+                .ok_or(EngineError::Refused(Refusal::FencesOutstanding {
+                    max: WORDS,
+                }))?;
         // SAFETY: the word is 4-byte aligned pinned (portable) host memory
         // of the engine's, which the device may write (unified addressing)
         // and which is never freed (module docs).

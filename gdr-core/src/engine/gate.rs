@@ -54,7 +54,7 @@ use hal_verbs::Api;
 use super::completion::{CompletionCell, Outcome};
 use super::fence::StreamFences;
 use super::path::PathCx;
-use super::{EngineError, Op, Region, Transfer, TransferError};
+use super::{EngineError, Op, PeerGone, Region, TimedOut, Transfer, TransferError};
 use crate::descriptor::MemoryDescriptor;
 use crate::sync::{Mutex, lock};
 
@@ -140,9 +140,9 @@ impl GateLink {
         };
         let outcome = outcome.map_err(|e| match e {
             // The caller's bound, counted from the call.
-            TransferError::Timeout { .. } => TransferError::Timeout {
+            TransferError::Timeout(_) => TransferError::Timeout(TimedOut {
                 after: self.timeout,
-            },
+            }),
             e => e,
         });
         self.cell.complete(outcome);
@@ -316,16 +316,17 @@ impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
                 }
                 Step::Open => Ok(()),
                 Step::End(GateEnd::Cancelled) => Err(TransferError::Cancelled),
-                Step::End(GateEnd::TimedOut) => Err(TransferError::Timeout {
+                Step::End(GateEnd::TimedOut) => Err(TransferError::Timeout(TimedOut {
                     after: held.link.timeout,
-                }),
-                Step::End(GateEnd::PeerGone) => Err(TransferError::PeerGone {
-                    reason: peer.and_then(|p| p.gone).unwrap_or("closed").to_owned(),
-                }),
+                })),
+                Step::End(GateEnd::PeerGone) => Err(TransferError::PeerGone(
+                    peer.and_then(|p| p.gone.cloned())
+                        .unwrap_or(PeerGone::Closed),
+                )),
                 Step::End(GateEnd::StreamFailed) => match failure {
                     Some(source) => Err(TransferError::StreamFailed { source }),
-                    None => Err(TransferError::Local {
-                        what: "the gate's stream failed".into(),
+                    None => Err(TransferError::Internal {
+                        what: "the gate's stream failed",
                     }),
                 },
             };
@@ -423,9 +424,9 @@ impl<V: Api> Held<V> {
             Ok(left) => left,
             Err(GateEnd::Cancelled) => return end(TransferError::Cancelled),
             Err(_) => {
-                return end(TransferError::Timeout {
+                return end(TransferError::Timeout(TimedOut {
                     after: link.timeout,
-                });
+                }));
             }
         };
         let transfers: Vec<Transfer<'_, V>> =
@@ -437,10 +438,10 @@ impl<V: Api> Held<V> {
                 drop(opened);
                 Some(link)
             }
-            Err(EngineError::PeerGone(reason)) => end(TransferError::PeerGone { reason }),
-            Err(e) => end(TransferError::Local {
-                what: format!("refused when its gate opened: {e}"),
-            }),
+            Err(e) => end(TransferError::from_engine(
+                "refused when its gate opened",
+                e,
+            )),
         }
     }
 }

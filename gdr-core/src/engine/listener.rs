@@ -162,7 +162,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         std::thread::Builder::new()
             .name("gdr-listener".into())
             .spawn(move || Self::serve_listener(weak, holds, served))
-            .map_err(|e| EngineError::Unavailable(format!("no listener thread: {e}")))?;
+            .map_err(|source| {
+                EngineError::Unavailable(Unavailable::Os {
+                    what: "no listener thread",
+                    source,
+                })
+            })?;
         Ok(EngineListener {
             engine: self.clone(),
             inner,
@@ -360,12 +365,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 q.replacement = Some(conn);
                 if step == Replacement::FailOldThenWait {
                     let _ = q.conn.disconnect();
-                    core.fail_qp(
-                        qp,
-                        TransferError::PeerGone {
-                            reason: "the peer re-established this queue pair".into(),
-                        },
-                    );
+                    core.fail_qp(qp, TransferError::PeerGone(PeerGone::QueuePairReplaced));
                 }
                 // The old queue pair must drain before the new one is
                 // installed (and, for queue pair 0, gets its receives):
@@ -406,7 +406,7 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
         let deadline = Instant::now() + timeout;
         loop {
             let Some((session, conns)) = self.next_session(deadline) else {
-                return Err(EngineError::Timeout(timeout));
+                return Err(EngineError::Timeout(TimedOut { after: timeout }));
             };
             match self.engine.set_up_accepted(session, conns, deadline) {
                 Ok(peer) => return Ok(peer),
@@ -473,7 +473,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     ) -> Result<Peer<V, C>, AcceptFailure> {
         let Some((hello, first, _)) = conns.first() else {
             return Err(AcceptFailure::Local(EngineError::Refused(
-                "a session without queue pairs".into(),
+                Refusal::NoQueuePairs,
             )));
         };
         let (hello, addr) = (hello.clone(), first.peer_addr());
@@ -495,7 +495,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 Ok(peer)
             }
             Err(e) => {
-                self.tear_down(peer.slot, &format!("accept failed: {e}"));
+                self.tear_down(peer.slot, PeerGone::AcceptFailed);
                 Err(AcceptFailure::ConnectorGone(e))
             }
         }

@@ -129,7 +129,10 @@ pub use self::batch::Batch;
 use self::batches::{Action, Core, Keep, QpId, QpLimits, single_work};
 pub use self::batches::{BatchId, QpCounters};
 pub use self::completion::{CompletionCell, Outcome};
-pub use self::error::{EngineError, TransferError};
+pub use self::error::{
+    EngineError, HandshakeFailure, PeerGone, Refusal, SharedEngineError, TimedOut, TransferError,
+    Unavailable,
+};
 pub use self::listener::EngineListener;
 use self::path::{PathCx, PeerView, TransferPath, Wire};
 pub use self::peer::{Peer, RegionGrant};
@@ -144,7 +147,8 @@ use gdr_proto::grants::RemoteGrants;
 use gdr_proto::inbox::Inbox;
 use gdr_proto::outbox::Outbox;
 use gdr_proto::peer_copy::Release;
-use gdr_proto::reconnect::{Backoff, Drained, GiveUp, OldQp, Recovery, Replacement};
+pub use gdr_proto::reconnect::GiveUp;
+use gdr_proto::reconnect::{Backoff, Drained, OldQp, Recovery, Replacement};
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
 
 // The handshake and the reject ride in rdma_cm's private data.
@@ -382,7 +386,7 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     outbox: Outbox<Arc<CompletionCell>>,
     next_qp: usize,
     paths_known: bool,
-    gone: Option<String>,
+    gone: Option<PeerGone>,
 }
 
 /// Control messages a peer may have waiting for a send slot.
@@ -397,9 +401,6 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
         now: Instant,
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
-        if let Some(why) = &self.gone {
-            return Err(EngineError::PeerGone(why.clone()));
-        }
         let len = message.encoded_len();
         let max = self.peer_max_message;
         if len > max {
@@ -407,10 +408,27 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
         }
         let mut bytes = vec![0; len];
         message.encode_into(&mut bytes)?;
+        self.enqueue_bytes(bytes, now, timeout)
+    }
+
+    /// Queues the encoded control message `bytes` (see [`Self::enqueue`]).
+    fn enqueue_bytes(
+        &mut self,
+        bytes: Vec<u8>,
+        now: Instant,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        if let Some(why) = &self.gone {
+            return Err(EngineError::PeerGone(why.clone()));
+        }
+        let (len, max) = (bytes.len(), self.peer_max_message);
+        if len > max {
+            return Err(EngineError::MessageTooLarge { len, max });
+        }
         let cell = Arc::new(CompletionCell::new());
         self.outbox
             .push(bytes, Arc::clone(&cell), now, timeout)
-            .map_err(|(full, _)| EngineError::Refused(full.to_string()))?;
+            .map_err(|(full, _)| EngineError::Refused(full.into()))?;
         Ok(cell)
     }
 
@@ -419,9 +437,9 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
     fn flush_outbox(&mut self, core: &mut Core, now: Instant) {
         while !self.outbox.is_empty() {
             if let Some(late) = self.outbox.poll_expired(now) {
-                late.token.complete(Err(TransferError::Timeout {
+                late.token.complete(Err(TransferError::Timeout(TimedOut {
                     after: late.timeout,
-                }));
+                })));
                 continue;
             }
             if !core.is_ready(self.qps[0].core) {
@@ -442,15 +460,15 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
             };
             let offset = (slot * self.control.slot) as u64;
             if let Err(e) = self.control.send.write_at(offset, &message.bytes) {
-                message.token.complete(Err(TransferError::Local {
-                    what: e.to_string(),
-                }));
+                message
+                    .token
+                    .complete(Err(TransferError::SendBuffer { source: e }));
                 continue;
             }
             let qp = &self.qps[0];
             let Some(mr) = self.control.send_region.inner.per_nic[qp.nic].mr() else {
-                message.token.complete(Err(TransferError::Local {
-                    what: "the send buffer has no MR".into(),
+                message.token.complete(Err(TransferError::Internal {
+                    what: "the send buffer has no MR",
                 }));
                 continue;
             };
@@ -550,7 +568,7 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
         Some(PeerView {
             engine: peer.engine,
             session: peer.session,
-            gone: peer.gone.as_deref(),
+            gone: peer.gone.as_ref(),
         })
     }
 
@@ -564,7 +582,7 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
             .peers
             .get_mut(slot)
             .and_then(Option::as_mut)
-            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+            .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
         let now = self.res.config.clock.now();
         let cell = peer.enqueue(message, now, timeout)?;
         peer.flush_outbox(self.core, now);
@@ -586,11 +604,8 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
     ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
         let core = &mut *self.core;
         let Some(peer) = self.peers.get(slot).and_then(Option::as_ref) else {
-            return Err(Some(TransferError::PeerGone {
-                reason: "closed".into(),
-            }));
+            return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
         };
-        let local_error = |what: String| Some(TransferError::Local { what });
         // The queue pairs that are up (else those being re-established),
         // on the NICs nearest the GPU when one of those is among them.
         let up: Vec<_> = match peer.qps.iter().any(|q| core.is_ready(q.core)) {
@@ -611,16 +626,18 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
         };
         let candidates = if near.is_empty() { &up } else { &near };
         let Some(&qp) = candidates.get(spread % candidates.len().max(1)) else {
-            return Err(Some(TransferError::PeerGone {
-                reason: "every queue pair failed".into(),
-            }));
+            return Err(Some(TransferError::PeerGone(
+                PeerGone::EveryQueuePairFailed,
+            )));
         };
         let device = qp.remote_device.as_deref().unwrap_or("");
         let segment = remote
             .segment(device, remote_at, len)
-            .map_err(|e| local_error(format!("the slice's remote segment: {e}")))?;
+            .map_err(|source| Some(TransferError::RemoteSegment { source }))?;
         let Some(mr) = local.inner.per_nic[qp.nic].mr() else {
-            return Err(local_error("the local memory has no MR".into()));
+            return Err(Some(TransferError::Internal {
+                what: "the local memory has no MR",
+            }));
         };
         let rdma = op.send_op(segment.addr + (remote_at - segment.offset), segment.rkey);
         let work = single_work(rdma, local_addr, len as u32, mr.lkey(), SendFlags::empty());
@@ -809,7 +826,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .collect(),
         };
         if names.is_empty() {
-            return Err(EngineError::Unavailable("no RDMA device to use".into()));
+            return Err(EngineError::Unavailable(Unavailable::NoRdmaDevice));
         }
         let cm = provider
             .connection_manager()
@@ -891,7 +908,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             own_driver: Default::default(),
             holds: Arc::default(),
             reactor: Arc::new(reactor::Reactor::new().map_err(|e| {
-                EngineError::Unavailable(format!("the engine's wake-up eventfd: {e}"))
+                EngineError::Unavailable(Unavailable::Os {
+                    what: "the engine's wake-up eventfd",
+                    source: e,
+                })
             })?),
         };
         tracing::info!(
@@ -986,9 +1006,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         paths: &[Path],
         timeout: Duration,
     ) -> Result<Peer<V, C>, EngineError> {
-        let first = paths
-            .first()
-            .ok_or_else(|| EngineError::Refused("no path to connect over".into()))?;
+        let first = paths.first().ok_or(EngineError::Refused(Refusal::NoPath))?;
         let clock = &self.shared.config.clock;
         let count = self.shared.config.qps_per_peer.max(1);
         let mut dial = Dial::new(fresh_id(), count, clock.now(), timeout);
@@ -1023,7 +1041,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     Err(e) => {
                         conns.push((conn, nic, Some(path)));
                         dial.abort();
-                        let e = EngineError::from(e);
+                        // The peer's hello does not decode (or speaks
+                        // another version).
+                        let e = EngineError::Handshake {
+                            peer: path.peer.to_string(),
+                            why: e.into(),
+                        };
                         return Err(self.dial_failed(&mut dial, conns, path.peer, e));
                     }
                 },
@@ -1085,7 +1108,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         };
         let torn: Vec<Token> = std::iter::from_fn(|| dial.poll_teardown()).collect();
         debug_assert_eq!(torn.len(), usize::from(count), "every queue pair goes");
-        self.tear_down(peer.slot, &format!("connect failed: {failure}"));
+        self.tear_down(peer.slot, PeerGone::ConnectFailed);
         Err(failure)
     }
 
@@ -1133,7 +1156,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     // private data.
                     None => QpRefused::Failed(EngineError::Handshake {
                         peer: path.peer.to_string(),
-                        why: e.to_string(),
+                        why: HandshakeFailure::Connect(e),
                     }),
                 })
             }
@@ -1177,10 +1200,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         match error {
             DialError::Rejected { reason, .. } => EngineError::Rejected { peer, reason },
             DialError::NotAccepted(reason) => EngineError::NotAccepted { peer, reason },
-            DialError::ConnectTimeout { after, .. } => EngineError::Timeout(after),
+            DialError::ConnectTimeout { after, .. } => EngineError::Timeout(TimedOut { after }),
             other => EngineError::Handshake {
                 peer,
-                why: other.to_string(),
+                why: HandshakeFailure::Dial(other),
             },
         }
     }
@@ -1189,17 +1212,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// are disconnected, what they hold fails, and its state goes (its
     /// connections destroyed before its buffers), so no live-looking peer
     /// remains.
-    fn tear_down(&self, slot: usize, why: &str) {
+    fn tear_down(&self, slot: usize, why: PeerGone) {
         let mut guard = lock(&self.shared.state);
         let state = &mut *guard;
         let Some(mut peer) = state.peers.get_mut(slot).and_then(Option::take) else {
             return;
         };
         state.reconnecting -= peer.recovery.close();
-        peer.gone.get_or_insert_with(|| why.to_owned());
-        let cause = TransferError::PeerGone {
-            reason: why.to_owned(),
-        };
+        let cause = TransferError::PeerGone(why.clone());
+        peer.gone.get_or_insert(why);
         for q in &mut peer.qps {
             if let Err(e) = q.conn.disconnect() {
                 tracing::debug!(error = %e, "disconnecting a queue pair");
@@ -1225,7 +1246,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         tracing::info!(
             peer = %peer.addr,
             session = format_args!("{:#x}", peer.session),
-            why,
+            why = %cause,
             "peer torn down"
         );
         drop(peer);
@@ -1251,9 +1272,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
         }
-        Err(EngineError::Unavailable(format!(
-            "no NIC of this engine has address {source}"
-        )))
+        Err(EngineError::Unavailable(Unavailable::NoNicWithAddress {
+            address: source,
+        }))
     }
 
     fn nic_index(&self, device: &str) -> Result<usize, EngineError> {
@@ -1262,9 +1283,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .iter()
             .position(|n| n.name == device)
             .ok_or_else(|| {
-                EngineError::Unavailable(format!(
-                    "the route uses {device}, which this engine was not given"
-                ))
+                EngineError::Unavailable(Unavailable::RouteDeviceNotGiven {
+                    device: device.to_owned(),
+                })
             })
     }
 
@@ -1637,57 +1658,63 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             // messages of its protocol and hands the others back.
             Ok(m) => {
                 let res = &self.shared.res;
-                let handed_back = state
+
+                state
                     .with_paths(res, res.config.clock.now(), |paths, cx| {
                         match paths.peer_copy.on_control(cx, slot, m)? {
                             Some(m) => Ok(paths.staged.on_control(cx, slot, m)?),
                             None => Ok(None),
                         }
                     })
-                    .map_err(|e: PeerMisbehaved| e)?;
-                Ok(handed_back)
+                    .map_err(|e: PeerMisbehaved| e)?
             }
-            Err(e) => Err(e),
+            // A control message that does not decode: the peer broke the
+            // protocol (the version was agreed in the handshake).
+            Err(e) => return Err(PeerMisbehaved::Malformed(e)),
         };
         let Some(peer) = state.peers[slot].as_mut() else {
             return Ok(());
         };
         match message {
-            Ok(None) => {}
-            Ok(Some(Control::User(payload))) => peer.inbox.push(payload.to_vec())?,
-            Ok(Some(Control::GrantAnnounce { descriptor })) => {
+            None => {}
+            Some(Control::User(payload)) => peer.inbox.push(payload.to_vec())?,
+            Some(Control::GrantAnnounce { descriptor }) => {
                 match MemoryDescriptor::decode(descriptor) {
                     Ok(d) if d.owner == peer.engine => {
                         tracing::debug!(grant = d.grant, "grant announced");
                         peer.remote_grants.announce(d.grant, d)?;
                     }
-                    Ok(d) => tracing::warn!(
-                        owner = d.owner,
-                        "a peer announced a grant of another engine: ignored"
-                    ),
-                    Err(e) => tracing::warn!(error = %e, "a malformed grant announcement"),
+                    Ok(d) => {
+                        return Err(PeerMisbehaved::ForeignGrant {
+                            owner: d.owner,
+                            peer: peer.engine,
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a malformed grant announcement");
+                        return Err(PeerMisbehaved::MalformedGrant);
+                    }
                 }
             }
-            Ok(Some(Control::GrantRevoke { grant })) => {
+            Some(Control::GrantRevoke { grant }) => {
                 peer.remote_grants.revoke(grant);
             }
             // Taken by the peer-copy path above (never handed back).
-            Ok(Some(
+            Some(
                 Control::Locality { .. } | Control::GrantIpc { .. } | Control::GrantReleased { .. },
-            )) => {}
-            Ok(Some(Control::Paths { devices })) => {
+            ) => {}
+            Some(Control::Paths { devices }) => {
                 let names = String::from_utf8_lossy(devices);
                 for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {
                     qp.remote_device = Some(name.to_owned());
                 }
                 peer.paths_known = true;
             }
-            Ok(Some(Control::Goodbye)) => {
-                peer.gone
-                    .get_or_insert_with(|| "the peer said goodbye".into());
+            Some(Control::Goodbye) => {
+                peer.gone.get_or_insert(PeerGone::ClosedByPeer);
             }
             // Taken by the staged path above.
-            Ok(Some(
+            Some(
                 Control::StagedRequest { .. }
                 | Control::StagedReply { .. }
                 | Control::Slots { .. }
@@ -1695,8 +1722,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 | Control::SlotFilled { .. }
                 | Control::SlotDone { .. }
                 | Control::StagedCancel { .. },
-            )) => {}
-            Err(e) => tracing::warn!(error = %e, "a malformed control message: dropped"),
+            ) => {}
         }
         Ok(())
     }
@@ -1713,10 +1739,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         // This queue pair only: it is re-established (or
                         // given up, and the peer with it, once none is
                         // left).
-                        let why = format!("connection {other:?}");
-                        state
-                            .core
-                            .fail_qp(qp.core, TransferError::PeerGone { reason: why });
+                        let why = PeerGone::Disconnected { state: other };
+                        state.core.fail_qp(qp.core, TransferError::PeerGone(why));
                     }
                     Err(e) => tracing::debug!(error = %e, "polling a connection's events"),
                 }
@@ -1750,8 +1774,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                                 state.core.abandon_qp(qp.core, cause.clone());
                             }
                             if peer.qps.iter().all(|q| !state.core.is_ready(q.core)) {
-                                peer.gone
-                                    .get_or_insert_with(|| format!("device {} failed", nic.name));
+                                peer.gone.get_or_insert_with(|| PeerGone::DeviceFailed {
+                                    device: nic.name.clone(),
+                                });
                             }
                         }
                     }
@@ -1764,9 +1789,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         {
                             state.core.fail_qp(
                                 peer.qps[index].core,
-                                TransferError::Local {
-                                    what: format!("async event {event:?}"),
-                                },
+                                TransferError::QpAsyncError { event },
                             );
                         }
                     }
@@ -1810,7 +1833,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         match peer.recovery.on_drained(index, now, peer_gone, nic_dead) {
             Drained::Gone(why) => {
                 drop(peer.qps[index].replacement.take());
-                peer.gone.get_or_insert_with(|| why.to_string());
+                peer.gone.get_or_insert_with(|| why.into());
             }
             Drained::StaysDown => drop(peer.qps[index].replacement.take()),
             Drained::Install => match peer.qps[index].replacement.take() {
@@ -2008,13 +2031,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         state.reconnecting -= 1;
-        let cause = TransferError::PeerGone {
-            reason: why.to_string(),
-        };
+        let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
         tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
         state.core.give_up(peer.qps[index].core, cause);
         if let Some(gone) = peer.recovery.poll_gone() {
-            peer.gone.get_or_insert_with(|| gone.to_string());
+            peer.gone.get_or_insert_with(|| gone.into());
         }
     }
 
@@ -2029,14 +2050,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         for peer in peers.iter_mut().flatten() {
             for (index, why) in peer.recovery.handle_timeout(now) {
                 *reconnecting -= 1;
-                let cause = TransferError::PeerGone {
-                    reason: why.to_string(),
-                };
+                let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
                 tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
                 core.give_up(peer.qps[index].core, cause);
             }
             if let Some(gone) = peer.recovery.poll_gone() {
-                peer.gone.get_or_insert_with(|| gone.to_string());
+                peer.gone.get_or_insert_with(|| gone.into());
             }
         }
     }
@@ -2073,9 +2092,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         qp.core,
                         taken,
                         accepted,
-                        TransferError::Local {
-                            what: error.to_string(),
-                        },
+                        TransferError::PostFailed { source: error },
                     );
                 }
             }
@@ -2179,7 +2196,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
                 decided.is_some()
             });
-        decided.unwrap_or(Err(EngineError::Timeout(timeout)))
+        decided.unwrap_or(Err(EngineError::Timeout(TimedOut { after: timeout })))
     }
 
     /// Starts the engine's own progress thread, once: it holds the engine
@@ -2355,7 +2372,11 @@ fn record_gate_event<V: Api, C: hal_cuda::Api>(
         }
     }
     Err(refused.map_or_else(
-        || EngineError::Unavailable("no GPU to record a gate's event on".into()),
+        || {
+            EngineError::Unavailable(Unavailable::NoGpu {
+                purpose: "to record a gate's event on",
+            })
+        },
         EngineError::from,
     ))
 }
@@ -2531,16 +2552,11 @@ fn drop_misbehaving<V: Api, C: hal_cuda::Api>(
     why: &PeerMisbehaved,
 ) {
     tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
-    let reason = format!("dropped: {why}");
+    let reason = PeerGone::Misbehaved(why.clone());
     peer.gone.get_or_insert_with(|| reason.clone());
     for qp in &peer.qps {
         let _ = qp.conn.disconnect();
-        core.fail_qp(
-            qp.core,
-            TransferError::PeerGone {
-                reason: reason.clone(),
-            },
-        );
+        core.fail_qp(qp.core, TransferError::PeerGone(reason.clone()));
     }
 }
 

@@ -75,7 +75,7 @@ pub(crate) struct PeerView<'a> {
     /// The connection's session id.
     pub(crate) session: u64,
     /// Why the peer is gone, once it is.
-    pub(crate) gone: Option<&'a str>,
+    pub(crate) gone: Option<&'a super::PeerGone>,
 }
 
 /// The engine's side of the seam: the peers' connections, which a path

@@ -86,7 +86,7 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
             let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
             match state.paths.peer_copy.exports.release(grant) {
                 Release::Released if staged && copies_fenced => Some(Ok(())),
-                Release::GivenUp => Some(Err(EngineError::Timeout(timeout))),
+                Release::GivenUp => Some(Err(EngineError::Timeout(TimedOut { after: timeout }))),
                 _ => None,
             }
         })
@@ -158,7 +158,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let State { core, peers, .. } = state;
         let peer = peers[slot]
             .as_mut()
-            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+            .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
         Ok(f(core, peer))
     }
 
@@ -215,7 +215,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         })?;
         batch.wait(timeout).map_err(|e| EngineError::Handshake {
             peer: self.addr().map(|a| a.to_string()).unwrap_or_default(),
-            why: format!("sending paths: {e}"),
+            why: HandshakeFailure::SendingPaths(e),
         })
     }
 
@@ -233,7 +233,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     ) -> Result<T, EngineError> {
         self.engine.progress_until(timeout, |state| {
             let Some(p) = state.peers[self.slot].as_mut() else {
-                return Some(Err(EngineError::PeerGone("closed".into())));
+                return Some(Err(EngineError::PeerGone(PeerGone::Closed)));
             };
             if let Some(found) = ready(p) {
                 return Some(Ok(found));
@@ -275,7 +275,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             let mut state = lock(&self.engine.shared.state);
             let p = state.peers[self.slot]
                 .as_mut()
-                .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+                .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
             p.granted.insert(descriptor.grant, bytes);
             if let Some(served) = served {
                 state
@@ -416,7 +416,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 checked = Some(t.remote);
             }
             if !peer.qps.iter().any(|q| core.accepts_work(q.core)) {
-                return Err(EngineError::PeerGone("every queue pair failed".into()));
+                return Err(EngineError::PeerGone(PeerGone::EveryQueuePairFailed));
             }
             // Work goes to the queue pairs that are up; only when none is,
             // it waits for those being re-established.
@@ -489,9 +489,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                     let (local, in_piece) =
                         t.local.inner.per_nic[qp.nic].at(t.local_offset + done, t.local.inner.len);
                     let len = (t.len - done).min(slice_size).min(in_segment).min(in_piece);
-                    let mr = local.mr().ok_or_else(|| {
-                        EngineError::Refused("a staging-rung region on a direct path".into())
-                    })?;
+                    let mr = local
+                        .mr()
+                        .ok_or(EngineError::Refused(Refusal::StagingRungOnDirectPath))?;
                     let op = t.op.send_op(
                         segment.addr + (remote_offset - segment.offset),
                         segment.rkey,
@@ -576,7 +576,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         {
             let mut state = lock(&self.engine.shared.state);
             if state.peers[self.slot].is_none() {
-                return Err(EngineError::PeerGone("closed".into()));
+                return Err(EngineError::PeerGone(PeerGone::Closed));
             }
             state.paths.staged.close_peer(self.slot);
         }
@@ -593,15 +593,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             let _ = batch.wait(Duration::from_secs(1));
         }
         self.update_peer(|core, peer| {
-            peer.gone.get_or_insert_with(|| "closed by us".into());
+            peer.gone.get_or_insert(PeerGone::Closed);
             for qp in &peer.qps {
                 let _ = qp.conn.disconnect();
-                core.fail_qp(
-                    qp.core,
-                    TransferError::PeerGone {
-                        reason: "closed by us".into(),
-                    },
-                );
+                core.fail_qp(qp.core, TransferError::PeerGone(PeerGone::Closed));
             }
         })
     }
@@ -701,6 +696,22 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         self.send_control(message)
     }
 
+    /// Sends `bytes` as a control message, unchecked (they need not
+    /// decode): for tests of the engine's defences against a peer that
+    /// breaks the wire format. Feature `testing`; not for applications.
+    #[cfg(feature = "testing")]
+    pub fn send_raw_bytes(&self, bytes: &[u8]) -> Result<Batch<V, C>, EngineError> {
+        let config = &self.engine.shared.config;
+        let cell = self.update_peer(|core, peer| {
+            let now = config.clock.now();
+            let cell = peer.enqueue_bytes(bytes.to_vec(), now, config.default_timeout)?;
+            peer.flush_outbox(core, now);
+            Ok::<_, EngineError>(cell)
+        })??;
+        self.engine.wake();
+        Ok(Batch::of_cell(self.engine.clone(), cell))
+    }
+
     // The peer-copy path's calls ([`peer_copy`]).
 
     /// How this peer's transfers of GPU memory travel.
@@ -761,7 +772,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let (peer_copy, peers) = (&mut state.paths.peer_copy, &state.peers);
         let peer = peers[self.slot]
             .as_ref()
-            .ok_or_else(|| EngineError::PeerGone("closed".into()))?;
+            .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
         if peer_copy.route(self.slot) == PeerCopyRoute::Nic {
             return Ok(None);
         }

@@ -114,7 +114,7 @@ use super::completion::CompletionCell;
 use super::path::{PathCx, TransferPath};
 use super::resources::Resources;
 use super::wire::Control;
-use super::{EngineError, Op, Region, Transfer, TransferError};
+use super::{EngineError, Op, Refusal, Region, TimedOut, Transfer, TransferError};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
 
 /// Streams of each GPU that peer copies rotate over.
@@ -577,7 +577,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
         };
         // Revoked since it was looked up: refused as the NIC path refuses
         // a revoked grant.
-        let revoked = || EngineError::Refused(format!("grant {} was revoked", d.grant));
+        let revoked = || EngineError::Refused(Refusal::GrantRevoked { grant: d.grant });
         let Some(held) = held else {
             return match fence.is_revoked() {
                 true => Err(revoked()),
@@ -657,10 +657,12 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
         let size = mapping.mapping.len() as u64;
         let end = offset.checked_add(d.len);
         if end.is_none_or(|end| end > size) {
-            return Err(EngineError::Refused(format!(
-                "grant {} of {} bytes at offset {} lies outside its {size}-byte allocation",
-                d.grant, d.len, offset
-            )));
+            return Err(EngineError::Refused(Refusal::GrantOutsideAllocation {
+                grant: d.grant,
+                offset,
+                len: d.len,
+                size,
+            }));
         }
         let addr = mapping.mapping.device_ptr() + offset + t.remote_offset;
         if let Some(keep) = keep {
@@ -778,9 +780,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
                     queued += len;
                 }
                 Err(e) => {
-                    error = Some(TransferError::Local {
-                        what: format!("a peer copy of {len} bytes: {e}"),
-                    });
+                    error = Some(TransferError::from_engine("a peer copy", e));
                     break;
                 }
             }
@@ -803,9 +803,10 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
                     if let Err(e) = stream.synchronize() {
                         tracing::warn!(error = %e, "synchronizing a peer-copy stream");
                     }
-                    error.get_or_insert(TransferError::Local {
-                        what: format!("recording a peer copy's event: {e}"),
-                    });
+                    error.get_or_insert(TransferError::from_engine(
+                        "recording a peer copy's event",
+                        e,
+                    ));
                 }
             }
         }
@@ -865,10 +866,9 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
             else {
                 // `carries` said yes under this lock: only the owner
                 // revoking the grant since (in its own engine) gets here.
-                return Err(EngineError::Refused(format!(
-                    "grant {} is not reachable by peer copy",
-                    t.remote.grant
-                )));
+                return Err(EngineError::Refused(Refusal::NotPeerCopyReachable {
+                    grant: t.remote.grant,
+                }));
             };
             held.keep.push(Arc::clone(&t.local.inner) as Keep);
             plan.push(Planned {
@@ -942,8 +942,9 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
                         Ok(true) => {}
                         Ok(false) => pending = true,
                         Err(e) => {
-                            flight.error.get_or_insert(TransferError::Local {
-                                what: format!("a peer copy: {e}"),
+                            flight.error.get_or_insert(TransferError::Gpu {
+                                what: "a peer copy",
+                                source: e,
                             });
                             flight.proto.stop(Stop::Failed);
                         }
@@ -980,14 +981,16 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
             if let Some(outcome) = flight.proto.poll_outcome() {
                 let outcome = match outcome {
                     Ok(()) => Ok(()),
-                    Err(Stop::TimedOut) => Err(TransferError::Timeout {
+                    Err(Stop::TimedOut) => Err(TransferError::Timeout(TimedOut {
                         after: flight.timeout,
-                    }),
+                    })),
                     Err(Stop::Cancelled) => Err(TransferError::Cancelled),
                     Err(Stop::Revoked { grant }) => Err(TransferError::Revoked { grant }),
-                    Err(Stop::Failed) => Err(flight.error.take().unwrap_or(TransferError::Local {
-                        what: "a peer copy failed".into(),
-                    })),
+                    Err(Stop::Failed) => {
+                        Err(flight.error.take().unwrap_or(TransferError::Internal {
+                            what: "a peer copy failed",
+                        }))
+                    }
                 };
                 if flight.cell.complete(outcome) {
                     ended += 1;

@@ -40,7 +40,7 @@ use std::collections::HashMap;
 use super::completion::CompletionCell;
 use super::path::PathCx;
 use super::resources::Resources;
-use super::{EngineError, Op, Region, TransferError};
+use super::{EngineError, Op, PeerGone, Region, TimedOut, TransferError};
 use crate::buffer::Buffer;
 use crate::descriptor::MemoryDescriptor;
 use gdr_proto::pipeline::{PipeAction, PipeFailure, Slice};
@@ -225,9 +225,7 @@ pub(super) fn pump<V: Api, C: hal_cuda::Api>(
         let pool = match pool(cx.res, pools, pipe.gpu) {
             Ok(pool) => pool,
             Err(e) => {
-                pipe.fail_local(TransferError::Local {
-                    what: format!("the staging pool: {e}"),
-                });
+                pipe.fail_local(TransferError::from_engine("the staging pool", e));
                 continue;
             }
         };
@@ -263,15 +261,18 @@ pub(super) fn pump<V: Api, C: hal_cuda::Api>(
         // The first failure, as the protocol recorded it; the details of
         // the pipe's own failures are the driver's.
         let outcome = outcome.map_err(|why| match why {
-            PipeFailure::TimedOut => TransferError::Timeout {
+            PipeFailure::TimedOut => TransferError::Timeout(TimedOut {
                 after: pipe.timeout,
-            },
+            }),
             PipeFailure::Cancelled => TransferError::Cancelled,
-            PipeFailure::PeerGone => TransferError::PeerGone {
-                reason: "closed".into(),
-            },
-            PipeFailure::Failed => pipe.error.take().unwrap_or(TransferError::Local {
-                what: "a staged slice failed".into(),
+            PipeFailure::PeerGone => TransferError::PeerGone(
+                cx.wire
+                    .peer(pipe.peer)
+                    .and_then(|p| p.gone.cloned())
+                    .unwrap_or(PeerGone::Closed),
+            ),
+            PipeFailure::Failed => pipe.error.take().unwrap_or(TransferError::Internal {
+                what: "a staged slice failed",
             }),
         });
         pipe.cell.complete(outcome);
@@ -291,8 +292,9 @@ fn advance<V: Api, C: hal_cuda::Api>(pipe: &mut Pipe<V, C>) -> usize {
                 Ok(true) => (true, None),
                 Err(e) => (
                     true,
-                    Some(TransferError::Local {
-                        what: format!("staging copy: {e}"),
+                    Some(TransferError::Gpu {
+                        what: "staging copy",
+                        source: e,
                     }),
                 ),
             },
@@ -367,9 +369,10 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
         match started {
             Ok(stage) => pipe.running.push((slice, stage)),
             Err(e) => {
-                pipe.error.get_or_insert(e.unwrap_or(TransferError::Local {
-                    what: "a staged slice did not start".into(),
-                }));
+                pipe.error
+                    .get_or_insert(e.unwrap_or(TransferError::Internal {
+                        what: "a staged slice did not start",
+                    }));
                 if copy {
                     pipe.proto.copy_ended(slice.id, false);
                 } else {
@@ -388,7 +391,7 @@ fn copy_out<V: Api, C: hal_cuda::Api>(
     slot: usize,
     len: u64,
 ) -> Result<Stage<C>, Option<TransferError>> {
-    queue_copy(res, pool.gpu, &pool.to_host, "to host", |stream| {
+    queue_copy(res, pool.gpu, &pool.to_host, TO_HOST, |stream| {
         // SAFETY: the slot is this slice's alone until it is freed, which is
         // after this copy's event has passed; `src..src + len` lies in the
         // staged region the pipe holds, checked against its bounds at
@@ -405,7 +408,7 @@ fn copy_in<V: Api, C: hal_cuda::Api>(
     slot: usize,
     len: u64,
 ) -> Result<Stage<C>, Option<TransferError>> {
-    queue_copy(res, pool.gpu, &pool.to_device, "to the GPU", |stream| {
+    queue_copy(res, pool.gpu, &pool.to_device, TO_GPU, |stream| {
         // SAFETY: the slot holds the slice the NIC finished writing (its
         // completion came) and stays this slice's until the event has
         // passed; `dst..dst + len` lies in the staged region the pipe holds.
@@ -413,12 +416,18 @@ fn copy_in<V: Api, C: hal_cuda::Api>(
     })
 }
 
+/// What a failed staging copy to host says it was doing
+/// ([`TransferError::Gpu`]).
+pub(super) const TO_HOST: &str = "staging copy to host";
+/// What a failed staging copy to the GPU says it was doing.
+pub(super) const TO_GPU: &str = "staging copy to the GPU";
+
 /// Queues `copy` on `stream` of GPU `gpu` and an event after it.
 fn queue_copy<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     gpu: u32,
     stream: &C::Stream,
-    what: &str,
+    what: &'static str,
     copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
 ) -> Result<Stage<C>, Option<TransferError>> {
     copy_event(res, gpu, stream, what, copy)
@@ -432,19 +441,17 @@ pub(super) fn copy_event<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     gpu: u32,
     stream: &C::Stream,
-    what: &str,
+    what: &'static str,
     copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
 ) -> Result<C::Event, TransferError> {
-    let failed = |e: &dyn std::fmt::Display| TransferError::Local {
-        what: format!("staging copy {what}: {e}"),
-    };
+    let failed = |source| TransferError::Gpu { what, source };
     let event = res
         .gpu(gpu)
-        .map_err(|e| failed(&e))?
+        .map_err(|e| TransferError::from_engine(what, e))?
         .context
         .create_event()
-        .map_err(|e| failed(&e))?;
-    copy(stream).map_err(|e| failed(&e))?;
-    stream.record(&event).map_err(|e| failed(&e))?;
+        .map_err(failed)?;
+    copy(stream).map_err(failed)?;
+    stream.record(&event).map_err(failed)?;
     Ok(event)
 }

@@ -236,10 +236,10 @@ impl<V: Api> Region<V> {
     /// region is its own and the range lies inside.
     pub(super) fn check(&self, engine: u64, offset: u64, len: u64) -> Result<(), EngineError> {
         if self.inner.engine != engine {
-            return Err(EngineError::Refused(format!(
-                "a region of engine {:#x} used with engine {engine:#x}",
-                self.inner.engine
-            )));
+            return Err(EngineError::Refused(super::Refusal::ForeignRegion {
+                region_engine: self.inner.engine,
+                engine,
+            }));
         }
         check_within("local region", offset, len, self.inner.len)
     }

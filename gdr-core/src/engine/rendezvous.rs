@@ -79,11 +79,13 @@ use hal_verbs::Api;
 
 use super::completion::CompletionCell;
 use super::path::PathCx;
-use super::pipeline::{self, StagingPool, copy_event};
+use super::pipeline::{self, StagingPool, TO_GPU, TO_HOST, copy_event};
 use super::resources::Resources;
 use super::staging;
 use super::wire::Control;
-use super::{EngineError, Op, Region, Transfer, TransferError};
+use super::{
+    EngineError, Op, PeerGone, PeerMisbehaved, Refusal, Region, TimedOut, Transfer, TransferError,
+};
 use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::Grant;
@@ -442,9 +444,7 @@ pub(super) fn make_slots<V: Api, C: hal_cuda::Api>(
     let region = res.register(&buffer)?;
     let (descriptor, grants) = grant(&region, len)?;
     if grants.is_empty() {
-        return Err(EngineError::Refused(
-            "landing slots on the staging rung".into(),
-        ));
+        return Err(EngineError::Refused(Refusal::LandingSlotsOnStagingRung));
     }
     let announce = SlotsAnnounce {
         slot_len,
@@ -538,9 +538,7 @@ pub(super) fn staged_gpu<V: Api>(t: &Transfer<'_, V>) -> Result<Option<u32>, Eng
     match (t.local.is_staged(), t.local.location()) {
         (false, _) => Ok(None),
         (true, MemoryLocation::Gpu { ordinal }) => Ok(Some(u32::from(ordinal))),
-        (true, MemoryLocation::Host) => Err(EngineError::Refused(
-            "host memory on the staging rung".into(),
-        )),
+        (true, MemoryLocation::Host) => Err(EngineError::Refused(Refusal::HostMemoryOnStagingRung)),
     }
 }
 
@@ -702,13 +700,11 @@ fn start_landing_copy<V: Api, C: hal_cuda::Api>(
     gpu_addr: u64,
     len: u64,
 ) -> Result<C::Event, TransferError> {
-    let slots = slots.ok_or_else(|| TransferError::Local {
-        what: "a landing copy before the slots were made".into(),
+    let slots = slots.ok_or(TransferError::Internal {
+        what: "a landing copy before the slots were made",
     })?;
     if slot >= slots.count || len > slots.slot_len {
-        return Err(TransferError::Local {
-            what: format!("landing slot {slot} of {len} bytes is not one of ours"),
-        });
+        return Err(PeerMisbehaved::UnknownSlot { slot, len }.into());
     }
     let host = slots.slot_addr(slot);
     landing_copy(res, slots, gpu, to_gpu, |stream| {
@@ -743,22 +739,23 @@ fn landing_copy<V: Api, C: hal_cuda::Api>(
         Entry::Vacant(v) => {
             let context = &res
                 .gpu(gpu)
-                .map_err(|e| TransferError::Local {
-                    what: e.to_string(),
-                })?
+                .map_err(|e| TransferError::from_engine("the landing GPU", e))?
                 .context;
             let stream = || {
-                context.create_stream().map_err(|e| TransferError::Local {
-                    what: format!("a landing stream: {e}"),
-                })
+                context
+                    .create_stream()
+                    .map_err(|source| TransferError::Gpu {
+                        what: "a landing stream",
+                        source,
+                    })
             };
             v.insert((stream()?, stream()?))
         }
     };
     let (stream, what) = if to_device {
-        (&streams.1, "to the GPU")
+        (&streams.1, TO_GPU)
     } else {
-        (&streams.0, "to host")
+        (&streams.0, TO_HOST)
     };
     copy_event(res, gpu, stream, what, copy)
 }
@@ -777,8 +774,8 @@ pub(super) fn pump_asks<V: Api, C: hal_cuda::Api>(
 ) -> usize {
     let now = cx.now;
     let (engine, gone) = match cx.wire.peer(slot) {
-        Some(p) => (p.engine, p.gone.map(str::to_owned)),
-        None => (0, Some("closed".to_owned())),
+        Some(p) => (p.engine, p.gone.cloned()),
+        None => (0, Some(PeerGone::Closed)),
     };
     let mut moved = 0;
     let mut send: Vec<Control<'static>> = Vec::new();
@@ -856,7 +853,7 @@ pub(super) fn pump_asks<V: Api, C: hal_cuda::Api>(
 /// requests that ended (their batch completed once).
 fn take_ask_actions<V: Api, C: hal_cuda::Api>(
     asks: &mut Asks<V, C>,
-    gone: &Option<String>,
+    gone: &Option<PeerGone>,
     send: &mut Vec<Control<'static>>,
 ) -> usize {
     let mut moved = 0;
@@ -898,23 +895,18 @@ fn take_ask_actions<V: Api, C: hal_cuda::Api>(
                     AskFailure::Refused(status) => {
                         staging::reply_outcome(status).expect_err("a failure status")
                     }
-                    AskFailure::PeerGone => TransferError::PeerGone {
-                        reason: gone.clone().unwrap_or_else(|| "closed".into()),
-                    },
-                    AskFailure::TimedOut => TransferError::Timeout { after: a.timeout },
+                    AskFailure::PeerGone => {
+                        TransferError::PeerGone(gone.clone().unwrap_or(PeerGone::Closed))
+                    }
+                    AskFailure::TimedOut => TransferError::Timeout(TimedOut { after: a.timeout }),
                     AskFailure::Cancelled => TransferError::Cancelled,
-                    AskFailure::BadCredit { slot, offset, len } => TransferError::Local {
-                        what: format!(
-                            "the owner lent slot {slot} for {len} bytes at {offset}, \
-                             outside the request or its slots, or a slot still in use"
-                        ),
-                    },
-                    AskFailure::Local => a.error.take().unwrap_or(TransferError::Local {
-                        what: "a slice of the rendezvous failed".into(),
+                    AskFailure::BadCredit { slot, offset, len } => {
+                        PeerMisbehaved::BadCredit { slot, offset, len }.into()
+                    }
+                    AskFailure::Local => a.error.take().unwrap_or(TransferError::Internal {
+                        what: "a slice of the rendezvous failed",
                     }),
-                    AskFailure::Incomplete => TransferError::Local {
-                        what: "the owner ended the request before every slice".into(),
-                    },
+                    AskFailure::Incomplete => PeerMisbehaved::EndedEarly.into(),
                 });
                 a.cell.complete(outcome);
             }
@@ -940,9 +932,8 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
         Some(gpu) => match pipeline::pool(cx.res, pools, gpu) {
             Ok(pool) => Some(pool),
             Err(e) => {
-                a.error.get_or_insert(TransferError::Local {
-                    what: format!("the staging pool: {e}"),
-                });
+                a.error
+                    .get_or_insert(TransferError::from_engine("the staging pool", e));
                 failing = true;
                 events.failed = true;
                 None
@@ -1013,7 +1004,7 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                         let at = pool.slot_addr(pool_slot);
                         let chunk = slice.chunk;
                         step = Some(if a.write {
-                            copy_event(cx.res, pool.gpu, &pool.to_host, "to host", |stream| {
+                            copy_event(cx.res, pool.gpu, &pool.to_host, TO_HOST, |stream| {
                                 // SAFETY: the pool slot is this chunk's
                                 // until freed (after its WRITE); the
                                 // source lies in the request's checked
@@ -1100,8 +1091,9 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                     );
                 }
                 Err(e) => {
-                    step = Some(Err(Some(TransferError::Local {
-                        what: format!("staging copy to host: {e}"),
+                    step = Some(Err(Some(TransferError::Gpu {
+                        what: TO_HOST,
+                        source: e,
                     })))
                 }
             },
@@ -1134,27 +1126,21 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                             let dst = a.local_addr + slice.offset + slice.pos;
                             let chunk = slice.chunk;
                             step = Some(
-                                copy_event(
-                                    cx.res,
-                                    pool.gpu,
-                                    &pool.to_device,
-                                    "to the GPU",
-                                    |stream| {
-                                        // SAFETY: the READ into the
-                                        // pool slot completed and the
-                                        // slot stays this chunk's until
-                                        // the copy's event passed; the
-                                        // destination lies in the
-                                        // request's checked local range.
-                                        unsafe {
-                                            stream.copy_host_to_device(
-                                                dst,
-                                                from as *const u8,
-                                                chunk as usize,
-                                            )
-                                        }
-                                    },
-                                )
+                                copy_event(cx.res, pool.gpu, &pool.to_device, TO_GPU, |stream| {
+                                    // SAFETY: the READ into the
+                                    // pool slot completed and the
+                                    // slot stays this chunk's until
+                                    // the copy's event passed; the
+                                    // destination lies in the
+                                    // request's checked local range.
+                                    unsafe {
+                                        stream.copy_host_to_device(
+                                            dst,
+                                            from as *const u8,
+                                            chunk as usize,
+                                        )
+                                    }
+                                })
                                 .map(|event| slice.stage = AskStage::CopyIn(event))
                                 .map_err(Some),
                             );
@@ -1169,8 +1155,9 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                 Ok(false) => {}
                 Ok(true) => step = Some(chunk_done(slice, pool.as_deref_mut())),
                 Err(e) => {
-                    step = Some(Err(Some(TransferError::Local {
-                        what: format!("staging copy to the GPU: {e}"),
+                    step = Some(Err(Some(TransferError::Gpu {
+                        what: TO_GPU,
+                        source: e,
                     })))
                 }
             },

@@ -67,9 +67,9 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
         self.nics
             .first()
             .and_then(|n| n.ladder.gpu(ordinal))
-            .ok_or_else(|| {
-                EngineError::Unavailable(format!("GPU {ordinal} is not one of the engine's"))
-            })
+            .ok_or(EngineError::Unavailable(super::Unavailable::UnknownGpu {
+                ordinal,
+            }))
     }
 
     /// Makes the NIC's writes into GPU `ordinal` visible to kernels

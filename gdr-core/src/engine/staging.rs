@@ -77,7 +77,7 @@ use super::pipeline::{self, Pipe, StagingPool};
 use super::rendezvous::{self, Asks, Landing, LandingSlots};
 use super::resources::Resources;
 use super::wire::Control;
-use super::{EngineError, Op, Region, Transfer, TransferError};
+use super::{EngineError, Op, PeerGone, Refusal, Region, Transfer, TransferError};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::{Grant, Rung};
 use gdr_proto::grants::{LocalGrants, Revoked, Rights, Terms};
@@ -271,7 +271,7 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
         self.peers
             .get_mut(slot)
             .and_then(Option::as_mut)
-            .ok_or_else(|| EngineError::PeerGone("closed".into()))
+            .ok_or(EngineError::PeerGone(PeerGone::Closed))
     }
 
     fn peer(&self, slot: usize) -> Option<&StagedPeer<V, C>> {
@@ -464,9 +464,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
         if !transfers.iter().all(staged) {
-            return Err(EngineError::Refused(
-                "the staged path carries only staging-rung transfers".into(),
-            ));
+            return Err(EngineError::Refused(Refusal::NotStaged));
         }
         let mut gpus = Vec::with_capacity(transfers.len());
         for t in transfers {
