@@ -40,8 +40,8 @@ use hal_verbs::{
 };
 
 use super::{
-    Common, DRIVER_IDLE, ENGINE_TIMEOUT, HostRegion, PARK_TIMEOUT, Target, drain_after_failure,
-    percentile, pick_device,
+    Common, ENGINE_TIMEOUT, HostRegion, PARK_TIMEOUT, Target, drain_after_failure, percentile,
+    pick_device,
 };
 use gdr_core::backend::Backends;
 
@@ -292,8 +292,8 @@ fn engines<V: Api, C: hal_cuda::Api>(
     let local = target.engine.register(&buffer)?;
     let _drivers: Vec<Driver> = match (mode, &target.server) {
         (WaitMode::Driver, Some(server)) => vec![
-            target.engine.spawn_driver(DRIVER_IDLE),
-            server.pair.server.spawn_driver(DRIVER_IDLE),
+            target.engine.spawn_driver(),
+            server.pair.server.spawn_driver(),
         ],
         _ => Vec::new(),
     };

@@ -834,9 +834,6 @@ pub struct EngineArgs {
 /// NIC under software emulation.
 const ENGINE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Longest a driver thread sleeps while nothing completes.
-const DRIVER_IDLE: Duration = Duration::from_micros(100);
-
 /// How long a `--listen` server waits for its client, and for it to be
 /// done measuring.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(600);
@@ -1294,8 +1291,7 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
     let local_buffer = Buffer::<C>::alloc_host(span);
     local_buffer.write_at(0, &vec![0x5a; span as usize])?;
     let local = target.engine.register(&local_buffer)?;
-    let _driver =
-        (args.progress == Progress::Driver).then(|| target.engine.spawn_driver(DRIVER_IDLE));
+    let _driver = (args.progress == Progress::Driver).then(|| target.engine.spawn_driver());
 
     let backend = backends.verbs_name();
     if !args.common.json {

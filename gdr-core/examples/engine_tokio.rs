@@ -145,10 +145,7 @@ fn drivers(
     b: &SimEngine,
 ) -> Result<(gdr_core::engine::Driver, gdr_core::engine::Driver), BoxError> {
     println!("driven by threads (Engine::spawn_driver)");
-    Ok((
-        a.spawn_driver(Duration::from_millis(1)),
-        b.spawn_driver(Duration::from_millis(1)),
-    ))
+    Ok((a.spawn_driver(), b.spawn_driver()))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

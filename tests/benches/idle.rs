@@ -3,7 +3,8 @@
 //! three ways of driving them:
 //!
 //! - `caller`: no driver thread; the caller's `Batch::wait` drives;
-//! - `driver_1ms`, `driver_20us`: `spawn_driver(1 ms)` / `(20 µs)` on both;
+//! - `driver`: `spawn_driver()` on both (a thread each, parked on the
+//!   engine's reactor while nothing happens);
 //! - `tokio_current`, `tokio_multi`: a task of `drive_on_tokio` on both
 //!   (gdr-core's feature `tokio`), on a current-thread runtime or on a
 //!   multi-thread one of two workers; the measurement runs in a task of
@@ -347,15 +348,8 @@ fn main() {
     if wanted("caller") {
         run("caller", |_| Vec::new());
     }
-    for (mode, idle) in [
-        ("driver_1ms", Duration::from_millis(1)),
-        ("driver_20us", Duration::from_micros(20)),
-    ] {
-        if wanted(mode) {
-            run(mode, |e| {
-                vec![e.a.spawn_driver(idle), e.b.spawn_driver(idle)]
-            });
-        }
+    if wanted("driver") {
+        run("driver", |e| vec![e.a.spawn_driver(), e.b.spawn_driver()]);
     }
     if wanted("tokio_current") {
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -249,7 +249,7 @@ fn connect(
     );
     let id = u64::from_le_bytes(recv(&peer, SETUP).try_into().expect("a grant id"));
     let remote = peer.wait_grant(id, SETUP).unwrap();
-    let driver = engine.spawn_driver(Duration::from_millis(1));
+    let driver = engine.spawn_driver();
     (peer, remote, driver)
 }
 

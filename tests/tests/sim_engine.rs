@@ -234,7 +234,7 @@ fn control_messages_both_ways_and_a_message_too_large() {
     let EngineWorld { ab, ba, .. } = &w;
     // a sends more than b keeps receives posted for: the rest goes out as
     // b reposts, which a sees only if it makes progress meanwhile.
-    let driver = w.a.engine.spawn_driver(Duration::from_millis(1));
+    let driver = w.a.engine.spawn_driver();
     for i in 0..100u32 {
         ab.send(&i.to_le_bytes()).unwrap();
     }
@@ -406,7 +406,7 @@ fn a_driver_wakes_an_awaited_batch_instead_of_a_busy_task() {
         let waker = Waker::from(Arc::clone(&wakes));
         let mut cx = Context::from_waker(&waker);
         w.fabric().set_paused(true);
-        let driver = with_driver.then(|| w.a.engine.spawn_driver(Duration::from_millis(1)));
+        let driver = with_driver.then(|| w.a.engine.spawn_driver());
         let mut batch =
             w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)])
                 .unwrap();

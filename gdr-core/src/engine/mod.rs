@@ -2247,11 +2247,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Starts a thread that drives the engine: it makes progress while
     /// work comes and parks on the engine's fds while none does
     /// (the engine's reactor), so a waiting batch or `Future` is woken without
-    /// polling of its own. `idle` is no longer used: the thread sleeps
-    /// until a completion, a submission or a deadline wakes it. Dropping
-    /// the returned [`Driver`] stops it.
-    pub fn spawn_driver(&self, idle: Duration) -> Driver {
-        let _ = idle;
+    /// polling of its own: the thread sleeps until a completion, a
+    /// submission or a deadline wakes it. Dropping the returned [`Driver`]
+    /// stops it.
+    pub fn spawn_driver(&self) -> Driver {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let engine = self.clone();
         let flag = Arc::clone(&stop);

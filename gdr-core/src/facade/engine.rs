@@ -675,7 +675,7 @@ impl<V: Api, C: hal_cuda::Api> DynEngine for EngineOf<V, C> {
     }
 
     fn spawn_driver(&self) -> Driver {
-        EngineOf::spawn_driver(self, Duration::ZERO)
+        EngineOf::spawn_driver(self)
     }
 
     fn progress(&self) -> usize {
