@@ -323,9 +323,9 @@ impl From<gdr_core::Unsupported> for FfiError {
 mod tests {
     use std::time::Duration;
 
+    use gdr_core::WcStatus;
     use gdr_core::engine::setup::DialError;
     use gdr_core::engine::{PeerGone, PeerMisbehaved, Refusal, TimedOut, Unavailable};
-    use gdr_core::WcStatus;
 
     use super::*;
 
