@@ -102,7 +102,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// Makes `stream` wait for this batch without blocking a thread: work
     /// queued on `stream` after this call runs once the batch has ended
     /// and, where the GPU needs it, its inbound writes were flushed (see
-    /// [`fence`]). The stream is released however the batch ends: work
+    /// `fence`). The stream is released however the batch ends: work
     /// after the fence may use the data only if the batch succeeded
     /// ([`Batch::status`]).
     pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {

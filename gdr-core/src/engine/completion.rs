@@ -109,12 +109,14 @@ impl CompletionCell {
     }
 
     /// Whether the outcome is set.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // the benches wait on a bare cell
     pub fn is_done(&self) -> bool {
         matches!(*lock(&self.state), CellState::Done(_))
     }
 
     /// Waits for the outcome, at most `timeout` (`None`: as long as it
     /// takes); `None` when it was not set in time.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // the benches wait on a bare cell
     pub fn wait(&self, timeout: Option<Duration>) -> Option<Outcome> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
         let mut state = lock(&self.state);

@@ -48,9 +48,9 @@
 //!   engine dials, installs and fails what it says.
 //! - GPU memory no NIC reaches (the ladder's staging rung) is moved through
 //!   bounce buffers, a peer's by rendezvous over control messages: see
-//!   [`staging`] for how and what it costs.
+//!   `staging` for how and what it costs.
 //! - Slices of GPU memory go over the peer's queue pairs on the NICs
-//!   nearest the GPU ([`topology::PciTopology`], read at start), when one
+//!   nearest the GPU (`topology::PciTopology`, read at start), when one
 //!   is up.
 //!
 //! # The GPU fence
@@ -72,31 +72,39 @@
 
 mod batch;
 mod batches;
-pub mod completion;
-pub mod error;
-pub mod fence;
-pub mod gate;
+mod completion;
+mod error;
+mod fence;
+mod gate;
 mod listener;
 #[cfg(all(test, loom))]
 mod loom_tests;
 mod path;
 mod peer;
-pub mod peer_copy;
-pub mod pipeline;
+mod peer_copy;
+mod pipeline;
 pub(crate) mod reactor;
 mod region;
-pub mod rendezvous;
+mod rendezvous;
 mod resources;
-pub mod staging;
+mod staging;
 #[cfg(all(feature = "tokio", not(loom)))]
 mod tokio_driver;
+// PCIe distances between GPUs and NICs: the tests' (feature `testing`).
+#[cfg(feature = "testing")]
 pub mod topology;
-/// Connection set-up's state machines (they live in the sans-IO protocol
-/// crate).
+#[cfg(not(feature = "testing"))]
+pub(crate) mod topology;
+/// Connection set-up's state machines, from the sans-IO protocol crate
+/// (feature `testing`; the errors they give are re-exported here).
+#[cfg(feature = "testing")]
 pub use gdr_proto::setup;
-/// The engine's wire formats (they live in the sans-IO protocol crate).
-/// The control messages on the wire (feature `testing`: the fuzz targets
-/// and the hostile-peer tests forge them).
+#[cfg(not(feature = "testing"))]
+pub(crate) use gdr_proto::setup;
+pub use gdr_proto::setup::{DialError, NotAccepted};
+/// The control messages on the wire, from the sans-IO protocol crate
+/// (feature `testing`: the fuzz targets and the hostile-peer tests forge
+/// them).
 #[cfg(feature = "testing")]
 pub use gdr_proto::wire;
 #[cfg(not(feature = "testing"))]
@@ -126,9 +134,16 @@ use crate::ladder::{DmabufExports, Gpu, Grant, Ladder, LadderConfig, Rung};
 use crate::sync::{Mutex, MutexGuard, lock};
 
 pub use self::batch::Batch;
+pub(crate) use self::batches::BatchId;
+pub use self::batches::QpCounters;
 use self::batches::{Action, Core, Keep, QpId, QpLimits, single_work};
-pub use self::batches::{BatchId, QpCounters};
-pub use self::completion::{CompletionCell, Outcome};
+/// A request's completion, shared by the engine and the waiters (feature
+/// `testing`: the benches wait on it bare).
+#[cfg(feature = "testing")]
+pub use self::completion::CompletionCell;
+#[cfg(not(feature = "testing"))]
+pub(crate) use self::completion::CompletionCell;
+pub use self::completion::Outcome;
 pub use self::error::{
     EngineError, HandshakeFailure, PeerGone, Refusal, SharedEngineError, TimedOut, TransferError,
     Unavailable,
@@ -139,7 +154,7 @@ pub use self::peer::{Peer, RegionGrant};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
-use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, DialState, Token};
+use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialState, Token};
 #[cfg(all(feature = "tokio", not(loom)))]
 pub use self::tokio_driver::{AsyncDriver, AsyncDriverError};
 use self::wire::{Control, Hello, RejectReason, Role};
@@ -242,7 +257,7 @@ pub struct EngineConfig {
     /// GPU memory of a peer on this host (another engine of this process,
     /// or of another process through CUDA IPC) is moved by device copies,
     /// over NVLink where the GPUs have it, instead of through a NIC (see
-    /// [`peer_copy`]). A trust decision: a peer process of this host is
+    /// `peer_copy`). A trust decision: a peer process of this host is
     /// sent the CUDA IPC handle of each allocation it is granted part of,
     /// which opens the whole allocation; `false` keeps every transfer on
     /// the NIC and sends no handle.
@@ -254,14 +269,14 @@ pub struct EngineConfig {
     pub peer_copy_slice: u64,
     /// How long a revoked grant's memory is kept for a peer process that
     /// had its CUDA IPC handle and has not answered that it released it
-    /// ([`peer_copy`]): past it the memory is given back unconfirmed (a
+    /// (`peer_copy`): past it the memory is given back unconfirmed (a
     /// peer that does not cooperate cannot be fenced; `peer_copy: false`
     /// sends no handle).
     pub peer_copy_release_timeout: Duration,
     /// Landing slots (of `staging_slice` bytes, pinned, registered once)
     /// this engine lends each peer that asks for a rendezvous on its
     /// staging-rung memory: that peer's slices in flight at most
-    /// ([`rendezvous`]).
+    /// (`rendezvous`).
     pub rendezvous_slots: usize,
     /// Where the PCI tree is read (which NIC is nearest each GPU: a
     /// transfer of GPU memory goes over the peer's queue pairs on the

@@ -62,7 +62,7 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
     /// a peer-copy one once the peer's copies queued under it have run (an
     /// engine of this process: its batches stop at their next window) or
     /// the peer process that had its IPC handle answered that it released
-    /// it ([`peer_copy`]). Past `timeout` it returns
+    /// it (`peer_copy`). Past `timeout` it returns
     /// [`EngineError::Timeout`], the revoke still under way; a peer process
     /// that never answers leaves it unconfirmed: `Timeout` too, even once
     /// its memory was given back at
@@ -604,7 +604,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// Submits a batch that starts only once `stream` has reached this
     /// point: work queued on `stream` before this call (a kernel, a copy)
     /// is done, and its memory visible, before anything of the batch is
-    /// posted; no CPU thread waits for the stream (see [`gate`]).
+    /// posted; no CPU thread waits for the stream (see `gate`).
     ///
     /// Every transfer is checked now, as by [`Peer::submit_with_timeout`],
     /// and a refusal returns at once. `timeout` counts from this call and
