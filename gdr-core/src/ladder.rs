@@ -75,13 +75,35 @@ impl Rung {
     }
 }
 
+/// What the GPU (or its memory) lacks for a GPUDirect rung.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuLacks {
+    /// No dma-buf export.
+    #[error("CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0")]
+    DmaBuf,
+    /// No GPUDirect RDMA (nvidia-peermem's rung).
+    #[error("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED is 0")]
+    GpuDirectRdma,
+    /// A CUDA VMM chunk made without `gpuDirectRDMACapable`: the driver
+    /// may export it, but whether a NIC can take it is unknown.
+    #[error(
+        "the CUDA VMM chunk at {base:#x} was created without gpuDirectRDMACapable \
+         (IS_GPU_DIRECT_RDMA_CAPABLE is 0)"
+    )]
+    VmmChunkNotRdmaCapable {
+        /// The chunk's address.
+        base: u64,
+    },
+}
+
 /// Why a rung was not taken.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {
     /// The GPU reports it cannot (an attribute is 0).
     #[error("not supported by the GPU: {0}")]
-    Gpu(String),
+    Gpu(GpuLacks),
     /// The CUDA driver refused (e.g. the dma-buf export).
     #[error("refused by the CUDA driver: {0}")]
     Driver(CudaError),
@@ -1388,10 +1410,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                 // whether a NIC can take it is unknown: it is staged.
                 failures.push(RungFailure {
                     rung,
-                    refusal: Refusal::Gpu(format!(
-                        "the CUDA VMM chunk at {base:#x} was created without \
-                         gpuDirectRDMACapable (IS_GPU_DIRECT_RDMA_CAPABLE is 0)"
-                    )),
+                    refusal: Refusal::Gpu(GpuLacks::VmmChunkNotRdmaCapable { base }),
                     from_probe: false,
                 });
                 continue;
@@ -1560,14 +1579,10 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         let a = &gpu.attributes;
         match rung {
             Rung::Dmabuf if !a.dma_buf_supported => {
-                return Err(Refusal::Gpu(
-                    "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0".into(),
-                ));
+                return Err(Refusal::Gpu(GpuLacks::DmaBuf));
             }
             Rung::Peermem if !a.gpu_direct_rdma_supported => {
-                return Err(Refusal::Gpu(
-                    "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED is 0".into(),
-                ));
+                return Err(Refusal::Gpu(GpuLacks::GpuDirectRdma));
             }
             _ => {}
         }

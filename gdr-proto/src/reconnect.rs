@@ -33,7 +33,7 @@
 use std::time::{Duration, Instant};
 
 use crate::setup::ReplyMismatch;
-use crate::wire::{Hello, Role};
+use crate::wire::{Hello, RejectReason, Role, WireError};
 
 /// Why a peer is gone, as the recovery decided.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -69,8 +69,26 @@ pub enum GiveUp {
         /// The queue pair.
         index: usize,
         /// What the peer answered.
-        why: String,
+        why: DialRefused,
     },
+}
+
+/// How the peer refused a re-dial of a queue pair, or answered it wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DialRefused {
+    /// It rejected the connect request, saying why.
+    #[error("rejected: {0}")]
+    Rejected(RejectReason),
+    /// It rejected the connect request without a reason we could read.
+    #[error("rejected")]
+    RejectedUnexplained,
+    /// Its answer is not a hello.
+    #[error("unexpected reply: {0}")]
+    Malformed(WireError),
+    /// Its hello answers another dial (role, session, queue pair or engine).
+    #[error("unexpected reply: {0}")]
+    Mismatch(ReplyMismatch),
 }
 
 /// What to do with a queue pair that drained.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::Reach;
 use gdr_core::engine::EngineConfig;
-use gdr_core::ladder::{Refusal, Rung};
+use gdr_core::ladder::{GpuLacks, Refusal, Rung};
 use gdr_sim::{FaultPlan, GpuConfig, SimCuda, SimCudaApi, SimVerbsApi};
 use gdr_tests::engine_world::EngineWorld;
 use hal_cuda::{Context as _, Driver as _};
@@ -80,7 +80,10 @@ fn the_staged_chunk_says_why() {
     assert_eq!(failures.len(), 2, "{failures:?}");
     for f in failures {
         assert!(
-            matches!(&f.refusal, Refusal::Gpu(why) if why.contains("gpuDirectRDMACapable")),
+            matches!(
+                f.refusal,
+                Refusal::Gpu(GpuLacks::VmmChunkNotRdmaCapable { .. })
+            ),
             "{f:?}"
         );
     }

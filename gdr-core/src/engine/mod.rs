@@ -162,8 +162,8 @@ use gdr_proto::grants::RemoteGrants;
 use gdr_proto::inbox::Inbox;
 use gdr_proto::outbox::Outbox;
 use gdr_proto::peer_copy::Release;
-pub use gdr_proto::reconnect::GiveUp;
 use gdr_proto::reconnect::{Backoff, Drained, OldQp, Recovery, Replacement};
+pub use gdr_proto::reconnect::{DialRefused, GiveUp};
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
 
 // The handshake and the reject ride in rdma_cm's private data.
@@ -1929,7 +1929,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 &params,
                 &hello.encode(),
             );
-            let refused = |why: String| {
+            let refused = |why: DialRefused| {
                 let mut state = lock(&shared.state);
                 self.give_up_qp(
                     &mut state,
@@ -1944,7 +1944,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             match attempt {
                 Ok(conn) => {
                     let reply = Hello::decode(&conn.peer_private_data())
-                        .map_err(|e| e.to_string())
+                        .map_err(DialRefused::Malformed)
                         .and_then(|reply| {
                             gdr_proto::reconnect::check_reply(
                                 &reply,
@@ -1952,10 +1952,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                                 job.index,
                                 job.engine_id,
                             )
-                            .map_err(|m| m.to_string())
+                            .map_err(DialRefused::Mismatch)
                         });
                     if let Err(why) = reply {
-                        return refused(format!("unexpected reply: {why}"));
+                        return refused(why);
                     }
                     let mut state = lock(&shared.state);
                     let now = shared.config.clock.now();
@@ -1970,8 +1970,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
                 Err(hal_verbs::VerbsError::ConnectionRejected { private_data, .. }) => {
                     let why = RejectReason::decode(&private_data)
-                        .map(|r| format!("rejected: {r}"))
-                        .unwrap_or_else(|_| "rejected".into());
+                        .map_or(DialRefused::RejectedUnexplained, DialRefused::Rejected);
                     return refused(why);
                 }
                 Err(e) => {

@@ -109,7 +109,7 @@ fn a_refused_dial_gives_up_once() {
     r.on_drained(0, now, false, false);
     let why = GiveUp::Refused {
         index: 0,
-        why: "rejected: busy".into(),
+        why: DialRefused::Rejected(crate::wire::RejectReason::Busy),
     };
     assert!(r.give_up(0, why.clone()));
     assert!(!r.give_up(0, why.clone()), "twice changes nothing");
