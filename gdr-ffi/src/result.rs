@@ -6,7 +6,7 @@ use std::ffi::CStr;
 
 use gdr_core::CudaError;
 use gdr_core::VerbsError;
-use gdr_core::engine::setup::NotAccepted;
+use gdr_core::engine::NotAccepted;
 use gdr_core::engine::{EngineError, HandshakeFailure, TransferError};
 use gdr_core::ladder::LadderError;
 use gdr_core::uri::UriError;
@@ -324,7 +324,7 @@ mod tests {
     use std::time::Duration;
 
     use gdr_core::WcStatus;
-    use gdr_core::engine::setup::DialError;
+    use gdr_core::engine::DialError;
     use gdr_core::engine::{PeerGone, PeerMisbehaved, Refusal, TimedOut, Unavailable};
 
     use super::*;
