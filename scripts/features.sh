@@ -9,6 +9,7 @@
 #     or `cuda` alone must be refused with its compile_error (the run-time
 #     backend choice needs a verbs and a CUDA backend); `doctor` with `sim`
 #     and with `rdma`+`cuda`, and alone refused (it needs a backend);
+#     `testing` (the test hooks) alone and with `sim`;
 # then what the README promises a build leaves out: gdr-core with no
 # feature, with `sim` only, with `sim` and `tokio` or with `sim` and `doctor`, hal-verbs without
 # `rdma-core` and hal-cuda without `cuda` link nothing native (no
@@ -29,7 +30,7 @@ cargo hack check --each-feature -p hal-verbs -p hal-cuda -p gdr-sim -p gdr-proto
   || fail "cargo hack --each-feature"
 
 for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda" tokio "sim,tokio" \
-  "sim,doctor" "rdma,cuda,doctor"; do
+  "sim,doctor" "rdma,cuda,doctor" testing "sim,testing"; do
   note "gdr-core --features '$features'"
   cargo check -q -p gdr-core --no-default-features --features "$features" \
     || fail "gdr-core with features '$features'"
