@@ -15,7 +15,7 @@ use hal_verbs::WcStatus;
 
 use super::batches::{Core, QpLimits, Work, test_send, test_write};
 use super::completion::CompletionCell;
-use super::error::TransferError;
+use super::error::{TimedOut, TransferError};
 
 fn write() -> Work {
     test_write(8)
@@ -35,9 +35,9 @@ fn a_completion_racing_a_timeout_and_a_waiter() {
         let timer = {
             let cell = Arc::clone(&cell);
             thread::spawn(move || {
-                cell.complete(Err(TransferError::Timeout {
+                cell.complete(Err(TransferError::Timeout(TimedOut {
                     after: Duration::from_secs(1),
-                }))
+                })))
             })
         };
         let seen = cell.wait(None).expect("waited without a bound");
