@@ -4,14 +4,15 @@
 #  - cmake, clang, libclang-dev: rdma-mummy-sys builds its loader shim with
 #    cmake and runs bindgen at build time;
 #  - gcc (with its ASan and UBSan runtimes), Valgrind and python3: the C
-#    ABI's tests (scripts/c-tests.sh);
+#    ABI's tests (scripts/c-tests.sh); python3-venv: the Python package's
+#    (scripts/python-tests.sh: a virtual environment, its tools from PyPI);
 #  - rustfmt and clippy, where rustup lacks them;
 #  - the SoftRoCE VM (softroce/setup.sh): QEMU, rdma-core's libraries and
 #    tools, a Debian kernel and the guest initramfs.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export DEBIAN_FRONTEND=noninteractive
-PKGS="cmake clang libclang-dev pkg-config gcc valgrind python3"
+PKGS="cmake clang libclang-dev pkg-config gcc valgrind python3 python3-venv"
 MISSING=
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || MISSING="$MISSING $p"

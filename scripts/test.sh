@@ -4,7 +4,8 @@
 #      here with a printed reason; the guide's Rust examples as doc tests),
 #      crates.io packaging, each package built from its .crate
 #      (scripts/package-check.sh), the C ABI's C tests
-#      (scripts/c-tests.sh), the guide's C examples (scripts/docs-check.sh);
+#      (scripts/c-tests.sh), the guide's C examples (scripts/docs-check.sh),
+#      the Python package's pytest suite (scripts/python-tests.sh);
 #   2. the SoftRoCE harness self-test;
 #   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
 #      guest with rxe0, as cargo's runner); rdma_cm between two guests; the
@@ -32,6 +33,10 @@ stage c-abi "$ROOT/scripts/c-tests.sh" || failed=1
 # and libgdr.a and run on the simulation (its Rust examples are doc tests,
 # run by host-tests).
 stage guide-examples "$ROOT/scripts/docs-check.sh" || failed=1
+# The Python package: its wheel built (the dev profile, reusing host-tests'
+# compiled dependencies), installed into a virtual environment, and its
+# pytest suite on the simulation.
+stage python "$ROOT/scripts/python-tests.sh" || failed=1
 stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
 # The C ABI's transfer test against rdma-core (rxe0) in the guest, the
 # binary scripts/c-tests.sh built (host memory: the guest has no GPU).

@@ -190,6 +190,16 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
     type Output = Outcome;
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        self.poll_ended(cx)
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+    /// The `Future`'s poll through a shared reference (a batch awaited by
+    /// a runtime that holds it behind a handle, Python's asyncio): the
+    /// outcome once ended, else the task's waker registered (with the
+    /// engine's own thread started when nothing drives).
+    pub fn poll_ended(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
         // The waker is registered with every part still running before
         // their outcomes are read: an end after that wakes it.
         if let Poll::Ready(outcome) = self.poll_parts(cx) {

@@ -510,6 +510,14 @@ impl Batch {
         self.inner.cancel()
     }
 
+    /// The `Future`'s poll through a shared reference: the outcome once
+    /// ended, else `cx`'s waker registered to be woken when it ends (for
+    /// runtimes that hold batches behind handles, as Python's asyncio
+    /// glue does).
+    pub fn poll_ended(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        self.inner.poll(cx)
+    }
+
     /// Makes `stream` wait for the batch (its GPU fence included): work
     /// queued on it after this call sees what the batch READ.
     pub fn fence_stream(&self, stream: &Stream) -> Result<(), Error> {
@@ -520,7 +528,7 @@ impl Batch {
 impl Future for Batch {
     type Output = Outcome;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
         self.inner.poll(cx)
     }
 }
@@ -600,7 +608,7 @@ pub(super) trait DynBatch: Send + Sync {
     fn wait(&self, timeout: Duration) -> Outcome;
     fn cancel(&self);
     fn fence_stream(&self, stream: &Stream) -> Result<(), Error>;
-    fn poll(&mut self, cx: &mut TaskContext<'_>) -> Poll<Outcome>;
+    fn poll(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome>;
 }
 
 /// `region` as a region of verbs backend `V`.
@@ -816,7 +824,7 @@ impl<V: Api, C: hal_cuda::Api> DynBatch for BatchOf<V, C> {
         Ok(BatchOf::fence_stream(self, StreamOf::<C>::of(stream)?)?)
     }
 
-    fn poll(&mut self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
-        Pin::new(self).poll(cx)
+    fn poll(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
+        self.poll_ended(cx)
     }
 }

@@ -1,0 +1,105 @@
+//! gdr's errors as the package's exceptions (`gdr.errors`, defined in
+//! Python so each can also derive from the builtin a caller already
+//! catches): the engine's typed errors mapped to a class, the message
+//! the Rust error's own.
+
+use gdr_core::engine::{EngineError, NotAccepted};
+use gdr_core::{Error, TransferError};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+/// The `gdr.errors` module, imported once.
+static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+/// An exception of class `gdr.errors.<kind>` with `message`.
+pub(crate) fn raise(py: Python<'_>, kind: &str, message: String) -> PyErr {
+    let class = ERRORS
+        .get_or_try_init(py, || py.import("gdr.errors").map(Bound::unbind))
+        .and_then(|module| module.bind(py).getattr(kind));
+    match class {
+        Ok(class) => match class.call1((message,)) {
+            Ok(instance) => PyErr::from_value(instance),
+            Err(e) => e,
+        },
+        // The package's Python part is missing: still an error, not a panic.
+        Err(_) => PyRuntimeError::new_err(format!("{kind}: {message}")),
+    }
+}
+
+/// The class for an engine error.
+fn engine_kind(error: &EngineError) -> &'static str {
+    match error {
+        EngineError::Timeout(_) => "Timeout",
+        EngineError::PeerGone(_) => "PeerGone",
+        EngineError::NotAccepted {
+            reason: NotAccepted::Timeout { .. },
+            ..
+        } => "Timeout",
+        EngineError::Handshake { .. }
+        | EngineError::Rejected { .. }
+        | EngineError::NotAccepted { .. } => "ConnectFailed",
+        EngineError::NotGranted { .. }
+        | EngineError::AccessDenied { .. }
+        | EngineError::Refused(_) => "Refused",
+        EngineError::OutOfBounds { what, .. } if *what == "remote grant" => "Refused",
+        EngineError::OutOfBounds { .. }
+        | EngineError::MessageTooLarge { .. }
+        | EngineError::Descriptor(_)
+        | EngineError::Wire(_) => "InvalidArgument",
+        EngineError::Unavailable(_) => "Unavailable",
+        EngineError::Verbs { .. } | EngineError::Cuda(_) | EngineError::Ladder(_) => "DeviceError",
+        _ => "GdrError",
+    }
+}
+
+/// A facade error as its exception.
+pub(crate) fn raise_error(py: Python<'_>, error: &Error) -> PyErr {
+    let kind = match error {
+        Error::Engine(e) => engine_kind(e),
+        Error::Backend(_) => "Unavailable",
+        Error::NoGpu { .. } | Error::NeedsGpu { .. } | Error::NoNic { .. } => "Unavailable",
+        Error::Unsupported(_) => "NotSupported",
+        Error::Verbs(_) | Error::Cuda(_) | Error::Ladder(_) => "DeviceError",
+        Error::StreamCopiesPending { .. } | Error::StillRegistered => "Busy",
+        Error::Uri(_)
+        | Error::BufferAccess(_)
+        | Error::Foreign { .. }
+        | Error::BadSize { .. }
+        | Error::OutOfRange { .. }
+        | Error::Overlap
+        | Error::WrongGpu { .. }
+        | Error::Released => "InvalidArgument",
+        _ => "GdrError",
+    };
+    raise(py, kind, error_chain(error))
+}
+
+/// A batch's failure as its exception.
+pub(crate) fn raise_outcome(py: Python<'_>, error: &TransferError) -> PyErr {
+    let kind = match error {
+        TransferError::Timeout(_) => "Timeout",
+        TransferError::Cancelled => "Cancelled",
+        TransferError::PeerGone(_) | TransferError::RetryExceeded { .. } => "PeerGone",
+        TransferError::Revoked { .. } => "Revoked",
+        TransferError::RemoteAccess { .. } | TransferError::StagedRefused { .. } => "Refused",
+        TransferError::DeviceFatal { .. } => "DeviceError",
+        _ => "TransferFailed",
+    };
+    raise(py, kind, error_chain(error))
+}
+
+/// The error's message and its causes', as `a: b: c`.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,183 @@
+"""What the package keeps alive, and for how long; the GIL released while
+it waits; asyncio without a thread per batch."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+import time
+import weakref
+
+import numpy as np
+
+import gdr
+
+from conftest import WAIT
+
+
+def test_the_object_is_released_once_its_region_and_batches_are_gone(granted) -> None:
+    pair, _target, _grant, remote = granted
+    array = np.ones(1 << 16, dtype=np.uint8)
+    released = []
+    weakref.finalize(array, released.append, True)
+    region = pair.client.register(array)
+    batch = pair.to_server.write(region, remote)
+    del array
+    gc.collect()
+    assert not released, "the region holds the array"
+    del region
+    gc.collect()
+    assert not released, "the batch holds its region"
+    batch.wait(WAIT)
+    del batch
+    gc.collect()
+    assert released == [True], "nothing holds the array once region and batch are gone"
+
+
+def test_deleting_the_tensor_mid_transfer_is_safe(granted) -> None:
+    pair, target, _grant, remote = granted
+    source = np.full(1 << 20, 9, dtype=np.uint8)
+    released = []
+    weakref.finalize(source, released.append, True)
+    batch = pair.to_server.write(pair.client.register(source), remote)
+    del source  # the region (held by the batch) keeps it
+    gc.collect()
+    assert not released
+    batch.wait(WAIT)
+    assert (target == 9).all(), "the bytes arrived whole"
+    del batch
+    gc.collect()
+    assert released == [True]
+
+
+def test_a_pending_batch_dropped_is_waited_for_before_its_memory_goes(granted) -> None:
+    pair, target, _grant, remote = granted
+    source = np.full(1 << 20, 3, dtype=np.uint8)
+    released = []
+    weakref.finalize(source, released.append, True)
+    pair.to_server.write(pair.client.register(source), remote)  # dropped at once
+    del source
+    gc.collect()
+    # Whatever the timing, once the array is gone the batch had ended.
+    assert released == [True]
+    assert (target == 3).all()
+
+
+def test_a_grant_holds_its_region(pair) -> None:
+    array = np.zeros(4096, dtype=np.uint8)
+    released = []
+    weakref.finalize(array, released.append, True)
+    grant = pair.to_client.grant(pair.server.register(array))
+    del array
+    gc.collect()
+    assert not released
+    grant.revoke(WAIT)
+    del grant
+    gc.collect()
+    assert released == [True]
+
+
+def test_the_gil_is_released_while_waiting(pair) -> None:
+    ticks = 0
+    stop = threading.Event()
+
+    def tick() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    started = time.monotonic()
+    try:
+        pair.to_client.recv(0.5)  # nothing comes: waits 0.5 s
+    except gdr.Timeout:
+        pass
+    finally:
+        stop.set()
+        thread.join()
+    assert time.monotonic() - started >= 0.45
+    assert ticks >= 50, f"the other thread ran only {ticks} times during a 0.5 s wait"
+
+
+def _threads() -> int:
+    """The process's threads, native ones included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_thousand_batches_awaited_at_once_add_no_thread(granted) -> None:
+    pair, target, _grant, remote = granted
+    source = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
+    region = pair.client.register(source)
+
+    async def run(n: int) -> None:
+        batches = [
+            pair.to_server.write(
+                region, remote, local_offset=(i % 256) * 4096, remote_offset=(i % 256) * 4096, length=4096
+            )
+            for i in range(n)
+        ]
+        await asyncio.gather(*batches)
+
+    most = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal most
+        while not stop.is_set():
+            most = max(most, _threads())
+
+    async def main() -> int:
+        await run(1)  # the engine's own thread (one per engine) is started
+        before = _threads()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            await run(1000)
+        finally:
+            stop.set()
+            sampler.join()
+        return before
+
+    before = asyncio.run(main())
+    # `before` was counted without the sampler; it is the one thread more.
+    assert most <= before + 1, f"{most - before - 1} threads more while awaiting 1000 batches"
+    assert np.array_equal(target, source)
+
+
+def test_an_awaited_batch_raises_its_failure(granted) -> None:
+    pair, _target, grant, remote = granted
+    region = pair.client.register(np.zeros(4096, dtype=np.uint8))
+
+    async def main() -> None:
+        batch = pair.to_server.write(region, remote, length=4096)
+        await batch
+        pair.to_client.close()
+        await asyncio.sleep(0.05)
+        try:
+            await pair.to_server.write(region, remote, length=4096)
+        except (gdr.PeerGone, gdr.Refused):
+            return
+        raise AssertionError("a write to a closed peer succeeded")
+
+    asyncio.run(main())
+
+
+def test_a_block_list_batch_holds_its_region(granted) -> None:
+    pair, _target, _grant, remote = granted
+    pool = np.ones(1 << 16, dtype=np.uint8)
+    released = []
+    weakref.finalize(pool, released.append, True)
+    region = pair.client.register(pool)
+    offsets = np.arange(16, dtype=np.uint64) * 4096
+    batch = pair.to_server.write(region, remote, offsets, offsets, 4096)
+    del pool, region
+    gc.collect()
+    assert not released, "the batch holds its region"
+    batch.wait(WAIT)
+    del batch
+    gc.collect()
+    assert released == [True]

@@ -1,0 +1,39 @@
+#!/bin/bash
+# python-tests.sh: the Python package (gdr-py) as a user installs it, then
+# its pytest suite on the simulation.
+#   1. a virtual environment (<target>/py-venv, made once) with maturin,
+#      pytest and numpy from PyPI;
+#   2. the abi3 wheel built by maturin with the dev profile into the
+#      workspace's target directory, so the dependencies host-tests
+#      compiled are reused (gdr-core itself is rebuilt for the package's
+#      own features);
+#   3. the wheel installed (no index, no dependencies: the one just built);
+#   4. the type stubs checked: stubtest compares gdr/_gdr.pyi with the
+#      native module as built, and mypy --strict checks the package and its
+#      examples against them;
+#   5. pytest on gdr-py/tests. Its exit 5 (no test collected) is a failure
+#      like any other.
+# PYTHON picks the interpreter (default python3).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+TARGET=$(cargo_target_dir)
+VENV="$TARGET/py-venv"
+WHEELS="$TARGET/wheels"
+[ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.8,<2" "pytest>=7" "numpy>=1.21" "mypy>=1.18"
+rm -rf "$WHEELS"
+"$VENV/bin/maturin" build --profile dev --manifest-path gdr-py/Cargo.toml --out "$WHEELS"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+  --force-reinstall "$WHEELS"/gdr-*.whl
+cd gdr-py
+"$VENV/bin/python" -m mypy.stubtest gdr._gdr
+"$VENV/bin/python" -m mypy --strict python/gdr examples
+status=0
+"$VENV/bin/python" -m pytest -ra tests || status=$?
+if [ "$status" = 5 ]; then
+  echo "python-tests: pytest collected no test" >&2
+fi
+exit "$status"
