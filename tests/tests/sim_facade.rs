@@ -32,6 +32,42 @@ fn pair() -> (Engine, Peer, Engine, Peer) {
     (server, to_client, client, to_server)
 }
 
+/// A pair with 4 KiB of the server's host memory granted for WRITE to the
+/// client, and 4 KiB of the client's filled with `fill`, registered.
+struct WriteWorld {
+    server: Engine,
+    client: Engine,
+    to_server: Peer,
+    target: Buffer,
+    grant: gdr_core::Grant,
+    remote: gdr_core::MemoryDescriptor,
+    local: gdr_core::Region,
+}
+
+impl WriteWorld {
+    fn new(fill: u8) -> Self {
+        let (server, to_client, client, to_server) = pair();
+        let target = server.context().alloc_host(4096).expect("memory");
+        let region = server.register(&target).expect("register");
+        let grant = to_client
+            .grant(&region, 0, 4096, GrantRights::Write)
+            .expect("grant");
+        let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+        let source = client.context().alloc_host(4096).expect("memory");
+        source.copy_from_host(0, &[fill; 4096]).expect("copy in");
+        let local = client.register(&source).expect("register");
+        Self {
+            server,
+            client,
+            to_server,
+            target,
+            grant,
+            remote,
+            local,
+        }
+    }
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31) ^ seed)
@@ -81,20 +117,16 @@ fn host_and_gpu_memory_move_both_ways_through_the_facade() {
 
 #[test]
 fn a_batch_is_awaited_under_tokio_with_the_engine_driven_by_a_task() {
-    let (server, to_client, client, to_server) = pair();
-    let target = server.context().alloc_host(4096).expect("memory");
-    let grant = to_client
-        .grant(
-            &server.register(&target).expect("register"),
-            0,
-            4096,
-            GrantRights::Write,
-        )
-        .expect("grant");
-    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
-    let source = client.context().alloc_host(4096).expect("memory");
-    source.copy_from_host(0, &[9; 4096]).expect("copy in");
-    let local = client.register(&source).expect("register");
+    let w = WriteWorld::new(9);
+    let (server, client, to_server, target, _grant, remote, local) = (
+        w.server,
+        w.client,
+        w.to_server,
+        w.target,
+        w.grant,
+        w.remote,
+        w.local,
+    );
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -227,20 +259,9 @@ fn bad_sizes_ranges_and_devices_are_refused_with_what_was_wrong() {
 
 #[test]
 fn a_revoked_grant_refuses_the_peers_next_request() {
-    let (server, to_client, client, to_server) = pair();
-    let target = server.context().alloc_host(4096).expect("memory");
-    let grant = to_client
-        .grant(
-            &server.register(&target).expect("register"),
-            0,
-            4096,
-            GrantRights::Write,
-        )
-        .expect("grant");
-    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
-    let source = client.context().alloc_host(4096).expect("memory");
-    source.copy_from_host(0, &[5; 4096]).expect("copy in");
-    let local = client.register(&source).expect("register");
+    let w = WriteWorld::new(5);
+    let (to_server, target, grant, remote, local) =
+        (w.to_server, w.target, w.grant, w.remote, w.local);
     to_server
         .write(&local, &remote, 0)
         .expect("submit")
