@@ -26,8 +26,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyType};
 
+mod arrays;
 mod errors;
 
+use arrays::U64Array;
 use errors::{raise, raise_error, raise_outcome};
 
 /// `seconds` as a timeout (`None`: the engine's default where there is one).
@@ -615,57 +617,56 @@ impl Peer {
         self.submit_list(py, &list, timeout, held)
     }
 
-    /// Submits one batch of `count` transfers of `op` between `region` and
-    /// the grant `descriptor`, their local offsets, remote offsets and
-    /// lengths read from three arrays of `count` little-endian u64 each at
-    /// the addresses given (a paged KV cache's block lists, handed over as
-    /// numpy arrays without a Python loop). The package passes addresses of
-    /// arrays it keeps alive and contiguous for the call.
+    /// Submits one batch of transfers of `op` between `region` and the
+    /// grant `descriptor`: their local offsets, remote offsets and lengths
+    /// from arrays of uint64 read in place (numpy, `array.array("Q")`; a
+    /// paged KV cache's block lists, no Python loop), or one length for
+    /// all (an int).
+    #[pyo3(signature = (op, region, descriptor, local_offsets, remote_offsets, lengths, timeout = None))]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (op, region, descriptor, local_offsets, remote_offsets, lengths, count, timeout = None))]
     fn submit_arrays(
         &self,
         py: Python<'_>,
         op: u8,
         region: Py<Region>,
         descriptor: PyRef<'_, Descriptor>,
-        local_offsets: usize,
-        remote_offsets: usize,
-        lengths: usize,
-        count: usize,
+        local_offsets: &Bound<'_, PyAny>,
+        remote_offsets: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
         timeout: Option<f64>,
     ) -> PyResult<Batch> {
         let op = op_of(py, op)?;
+        let local = U64Array::of(py, local_offsets, "local_offset")?;
+        let remote = U64Array::of(py, remote_offsets, "remote_offset")?;
+        let (local, remote) = (local.values(), remote.values());
+        let count = local.len();
         if count == 0 || count > 1 << 20 {
             return Err(raise(
                 py,
                 "InvalidArgument",
-                format!("{count} transfers (1 to 1 Mi)"),
+                format!("local_offset: {count} transfers (1 to 1 Mi)"),
             ));
         }
-        for (what, addr) in [
-            ("local_offsets", local_offsets),
-            ("remote_offsets", remote_offsets),
-            ("lengths", lengths),
-        ] {
-            if addr == 0 || addr % std::mem::align_of::<u64>() != 0 {
-                return Err(raise(
-                    py,
-                    "InvalidArgument",
-                    format!("{what}: not an aligned u64 array"),
-                ));
-            }
+        if remote.len() != count {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!("remote_offset: {} entries, {count} expected", remote.len()),
+            ));
         }
-        // SAFETY: the package passes the data addresses of three live,
-        // C-contiguous, aligned arrays of `count` u64 each (checked in
-        // Python: dtype, contiguity, length), kept alive across this call.
-        let (local, remote, lens) = unsafe {
-            (
-                std::slice::from_raw_parts(local_offsets as *const u64, count),
-                std::slice::from_raw_parts(remote_offsets as *const u64, count),
-                std::slice::from_raw_parts(lengths as *const u64, count),
-            )
+        let uniform: Option<u64> = lengths.extract().ok();
+        let array = match uniform {
+            Some(_) => None,
+            None => Some(U64Array::of(py, lengths, "length")?),
         };
+        let lens = array.as_ref().map_or(&[][..], U64Array::values);
+        if uniform.is_none() && lens.len() != count {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!("length: {} entries, {count} expected", lens.len()),
+            ));
+        }
         let r = region.get();
         let list: Vec<Transfer<'_>> = (0..count)
             .map(|i| Transfer {
@@ -674,7 +675,7 @@ impl Peer {
                 local_offset: local[i],
                 remote: &descriptor.descriptor,
                 remote_offset: remote[i],
-                len: lens[i],
+                len: uniform.unwrap_or_else(|| lens[i]),
             })
             .collect();
         self.submit_list(py, &list, timeout, vec![region.clone_ref(py)])

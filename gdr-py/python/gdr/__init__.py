@@ -276,17 +276,15 @@ class _LoopNotifier:
             future.set_result(None)
 
 
-def _u64_array(values: Any, name: str, count: Optional[int]) -> Any:
-    """``values`` as a C-contiguous uint64 numpy array (no copy when it is
-    one already)."""
+def _u64_array(values: Any) -> Any:
+    """``values`` as an array of uint64 the engine reads in place: a
+    C-contiguous numpy ``uint64`` array as it is, anything else converted
+    (the engine checks the element type and the counts)."""
     import numpy as np
 
-    array = np.ascontiguousarray(values, dtype=np.uint64)
-    if array.ndim != 1:
-        raise InvalidArgument(f"{name}: a one-dimensional array of offsets or lengths")
-    if count is not None and array.shape[0] != count:
-        raise InvalidArgument(f"{name}: {array.shape[0]} entries, {count} expected")
-    return array
+    if type(values) is np.ndarray and values.dtype == np.uint64 and values.flags.c_contiguous:
+        return values
+    return np.ascontiguousarray(values, dtype=np.uint64)
 
 
 class Peer:
@@ -333,33 +331,20 @@ class Peer:
         length: Optional[_Offsets],
         timeout: Optional[float],
     ) -> Batch:
-        scalar = all(
-            isinstance(v, int) or v is None for v in (local_offset, remote_offset, length)
-        )
-        if scalar:
-            n = len(region) - int(local_offset) if length is None else int(length)  # type: ignore[arg-type]
-            transfer = (op, region._native, int(local_offset), remote, int(remote_offset), n)  # type: ignore[arg-type]
+        if type(local_offset) is int and type(remote_offset) is int and (length is None or type(length) is int):
+            n = len(region) - local_offset if length is None else length
+            transfer = (op, region._native, local_offset, remote, remote_offset, n)
             return Batch(self._native.submit([transfer], timeout))
-        local = _u64_array(local_offset, "local_offset", None)
-        count = int(local.shape[0])
-        remote_offsets = _u64_array(remote_offset, "remote_offset", count)
         if length is None:
             raise InvalidArgument("length: needed with arrays of offsets")
-        if isinstance(length, int):
-            import numpy as np
-
-            lengths = np.full(count, length, dtype=np.uint64)
-        else:
-            lengths = _u64_array(length, "length", count)
         return Batch(
             self._native.submit_arrays(
                 op,
                 region._native,
                 remote,
-                local.ctypes.data,
-                remote_offsets.ctypes.data,
-                lengths.ctypes.data,
-                count,
+                _u64_array(local_offset),
+                _u64_array(remote_offset),
+                length if type(length) is int else _u64_array(length),
                 timeout,
             )
         )

@@ -89,10 +89,9 @@ class Peer:
         op: int,
         region: Region,
         descriptor: Descriptor,
-        local_offsets: int,
-        remote_offsets: int,
-        lengths: int,
-        count: int,
+        local_offsets: Any,
+        remote_offsets: Any,
+        lengths: Any,
         timeout: Optional[float] = None,
     ) -> Batch: ...
     def send(self, message: bytes) -> Batch: ...

@@ -1,0 +1,135 @@
+//! One-dimensional arrays of unsigned 64-bit integers (numpy `uint64`,
+//! `array.array("Q")`, a memoryview of either) read in place through the
+//! buffer protocol: a paged KV cache's block lists reach the engine with
+//! no Python loop and no copy.
+//!
+//! The abi3-py39 limited API has no buffer functions (they joined it in
+//! 3.11); `PyObject_GetBuffer` and `PyBuffer_Release` are exported by every
+//! CPython 3 and `Py_buffer`'s layout has not changed since 3.3 (it is the
+//! one 3.11's stable ABI fixed), so they are declared here.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::errors::raise;
+
+#[repr(C)]
+struct RawBuffer {
+    buf: *mut c_void,
+    obj: *mut ffi::PyObject,
+    len: isize,
+    itemsize: isize,
+    readonly: c_int,
+    ndim: c_int,
+    format: *mut c_char,
+    shape: *mut isize,
+    strides: *mut isize,
+    suboffsets: *mut isize,
+    internal: *mut c_void,
+}
+
+// CPython's flags (Include/pybuffer.h).
+const PYBUF_FORMAT: c_int = 0x0004;
+const PYBUF_ND: c_int = 0x0008;
+const PYBUF_STRIDES: c_int = 0x0010 | PYBUF_ND;
+const PYBUF_C_CONTIGUOUS: c_int = 0x0020 | PYBUF_STRIDES;
+
+unsafe extern "C" {
+    fn PyObject_GetBuffer(obj: *mut ffi::PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
+    fn PyBuffer_Release(view: *mut RawBuffer);
+}
+
+/// A C-contiguous array of u64 held through the buffer protocol; released
+/// when dropped (with the GIL held: it lives within one call).
+pub(crate) struct U64Array<'py> {
+    view: RawBuffer,
+    _py: Python<'py>,
+}
+
+impl<'py> U64Array<'py> {
+    /// `obj`'s buffer as u64s; `InvalidArgument` naming `what` for anything
+    /// else (another element type, not contiguous, not one-dimensional).
+    pub(crate) fn of(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        let mut view = RawBuffer {
+            buf: std::ptr::null_mut(),
+            obj: std::ptr::null_mut(),
+            len: 0,
+            itemsize: 0,
+            readonly: 0,
+            ndim: 0,
+            format: std::ptr::null_mut(),
+            shape: std::ptr::null_mut(),
+            strides: std::ptr::null_mut(),
+            suboffsets: std::ptr::null_mut(),
+            internal: std::ptr::null_mut(),
+        };
+        // SAFETY: `obj` is a live object (the GIL is held, through `py`);
+        // `view` is a Py_buffer-shaped struct the call fills and, on
+        // success, owns a reference and an export in, released by `Drop`.
+        let failed = unsafe {
+            PyObject_GetBuffer(obj.as_ptr(), &mut view, PYBUF_C_CONTIGUOUS | PYBUF_FORMAT)
+        };
+        if failed != 0 {
+            // The exporter's own error (not contiguous, no buffer) is
+            // replaced by ours, which names the argument.
+            drop(PyErr::take(py));
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!("{what}: not a C-contiguous array of uint64"),
+            ));
+        }
+        let array = Self { view, _py: py };
+        // SAFETY: set by a successful PyObject_GetBuffer with PYBUF_FORMAT:
+        // NUL-terminated, valid while the view is held.
+        let format = (!array.view.format.is_null())
+            .then(|| {
+                unsafe { CStr::from_ptr(array.view.format) }
+                    .to_bytes()
+                    .to_vec()
+            })
+            .unwrap_or_else(|| b"B".to_vec());
+        let unsigned_64 = matches!(
+            format.as_slice(),
+            b"Q" | b"<Q" | b"=Q" | b"@Q" | b"L" | b"<L" | b"=L" | b"@L"
+        ) && std::mem::size_of::<std::ffi::c_ulong>() == 8
+            || matches!(format.as_slice(), b"Q" | b"<Q" | b"=Q" | b"@Q");
+        if !unsigned_64 || array.view.itemsize != 8 || array.view.ndim > 1 {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!(
+                    "{what}: a one-dimensional array of uint64 (got format {:?}, {} dimensions)",
+                    String::from_utf8_lossy(&format),
+                    array.view.ndim
+                ),
+            ));
+        }
+        if array.view.buf as usize % std::mem::align_of::<u64>() != 0 {
+            return Err(raise(py, "InvalidArgument", format!("{what}: misaligned")));
+        }
+        Ok(array)
+    }
+
+    /// The values.
+    pub(crate) fn values(&self) -> &[u64] {
+        let count = self.view.len as usize / 8;
+        if count == 0 {
+            return &[];
+        }
+        // SAFETY: a C-contiguous, aligned (checked) buffer of `len` bytes of
+        // 8-byte items (checked), valid and pinned by its export while
+        // `self` (and so the view) lives; the slice borrows `self`.
+        unsafe { std::slice::from_raw_parts(self.view.buf.cast::<u64>(), count) }
+    }
+}
+
+impl Drop for U64Array<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer and
+        // is released once, with the GIL held (the `'py` lifetime).
+        unsafe { PyBuffer_Release(&mut self.view) };
+    }
+}
