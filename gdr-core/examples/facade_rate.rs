@@ -25,7 +25,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let grant = to_client.grant(&server.register(&target)?, 0, LEN, GrantRights::Write)?;
     let remote = to_server.wait_grant(grant.id(), wait)?;
     let source = client.register(&client.context().alloc_host(LEN)?)?;
-    for (shape, count, size) in [("1x4KiB", 1u64, 4096u64), ("64x4KiB", 64, 4096), ("1024x64B", 1024, 64)] {
+    for (shape, count, size) in [
+        ("1x4KiB", 1u64, 4096u64),
+        ("64x4KiB", 64, 4096),
+        ("1024x64B", 1024, 64),
+    ] {
         let transfers: Vec<Transfer<'_>> = (0..count)
             .map(|i| Transfer::write(&source, i * size, &remote, (count - 1 - i) * size, size))
             .collect();

@@ -82,20 +82,23 @@ impl<'py> U64Array<'py> {
             ));
         }
         let array = Self { view, _py: py };
-        // SAFETY: set by a successful PyObject_GetBuffer with PYBUF_FORMAT:
-        // NUL-terminated, valid while the view is held.
-        let format = (!array.view.format.is_null())
-            .then(|| {
-                unsafe { CStr::from_ptr(array.view.format) }
-                    .to_bytes()
-                    .to_vec()
-            })
-            .unwrap_or_else(|| b"B".to_vec());
-        let unsigned_64 = matches!(
-            format.as_slice(),
-            b"Q" | b"<Q" | b"=Q" | b"@Q" | b"L" | b"<L" | b"=L" | b"@L"
-        ) && std::mem::size_of::<std::ffi::c_ulong>() == 8
-            || matches!(format.as_slice(), b"Q" | b"<Q" | b"=Q" | b"@Q");
+        let format = if array.view.format.is_null() {
+            b"B".to_vec()
+        } else {
+            // SAFETY: set by a successful PyObject_GetBuffer with
+            // PYBUF_FORMAT: NUL-terminated, valid while the view is held.
+            unsafe { CStr::from_ptr(array.view.format) }
+                .to_bytes()
+                .to_vec()
+        };
+        // 'Q' is unsigned long long; 'L' (numpy's uint64 on LP64) is
+        // unsigned long, 8 bytes only there.
+        let long_is_64 = std::mem::size_of::<std::ffi::c_ulong>() == 8;
+        let unsigned_64 = match format.as_slice() {
+            b"Q" | b"<Q" | b"=Q" | b"@Q" => true,
+            b"L" | b"<L" | b"=L" | b"@L" => long_is_64,
+            _ => false,
+        };
         if !unsigned_64 || array.view.itemsize != 8 || array.view.ndim > 1 {
             return Err(raise(
                 py,
