@@ -110,7 +110,7 @@ impl<'py> U64Array<'py> {
                 ),
             ));
         }
-        if array.view.buf as usize % std::mem::align_of::<u64>() != 0 {
+        if !array.view.buf.cast::<u64>().is_aligned() {
             return Err(raise(py, "InvalidArgument", format!("{what}: misaligned")));
         }
         Ok(array)
