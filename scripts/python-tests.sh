@@ -14,6 +14,11 @@
 #   5. pytest on gdr-py/tests. Its exit 5 (no test collected) is a failure
 #      like any other.
 # PYTHON picks the interpreter (default python3).
+#
+# With --rxe: the tests that need rdma-core (gdr-py/tests/test_rxe.py: two
+# Python processes over rxe0), run inside the SoftRoCE guest with the
+# environment and wheel a run without --rxe left (the guest boots with the
+# host's /), GDR_EXPECT_RXE=1 so a missing device fails rather than skips.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -22,6 +27,12 @@ cd "$ROOT"
 TARGET=$(cargo_target_dir)
 VENV="$TARGET/py-venv"
 WHEELS="$TARGET/wheels"
+if [ "${1:-}" = --rxe ]; then
+  [ -x "$VENV/bin/python" ] || { echo "python-tests: no $VENV (run without --rxe first)" >&2; exit 1; }
+  cd gdr-py
+  exec env GDR_EXPECT_RXE=1 "$ROOT/softroce/run-in-vm.sh" \
+    "$VENV/bin/python" -m pytest -ra -p no:cacheprovider tests/test_rxe.py
+fi
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.8,<2" "pytest>=7" "numpy>=1.21" "mypy>=1.18"
 rm -rf "$WHEELS"

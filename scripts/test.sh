@@ -7,7 +7,8 @@
 #      (scripts/c-tests.sh), the guide's C examples (scripts/docs-check.sh),
 #      the Python package's pytest suite (scripts/python-tests.sh);
 #   2. the SoftRoCE harness self-test;
-#   3. the rdma-core tests inside the SoftRoCE VM (each test binary boots a
+#   3. the rdma-core tests inside the SoftRoCE VM (the C ABI's, the Python
+#      package's two processes, and each Rust test binary, which boots a
 #      guest with rxe0, as cargo's runner); rdma_cm between two guests; the
 #      transfer engine between two guests (two wires, then a guest killed);
 #   4. the loom models of gdr-core's concurrency, and each against its
@@ -41,6 +42,9 @@ stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
 # The C ABI's transfer test against rdma-core (rxe0) in the guest, the
 # binary scripts/c-tests.sh built (host memory: the guest has no GPU).
 stage c-abi-rxe env GDR_BACKEND=real "$ROOT/softroce/run-in-vm.sh" "$(cargo_target_dir)/c-tests/transfer" || failed=1
+# The Python package on rdma-core: two Python processes over rxe0 in the
+# guest (the environment and wheel the python stage built).
+stage python-rxe "$ROOT/scripts/python-tests.sh" --rxe || failed=1
 # Build on the host, run inside the guest: the runner boots one VM per binary.
 rxe_tests=()
 for t in tests/tests/rxe_*.rs; do
