@@ -176,33 +176,18 @@ pub struct GdrDescriptorInfo {
 // ---------------------------------------------------------------------------
 // The objects behind the handles.
 
-struct EngineObject {
-    context: u64,
-    engine: Engine,
-}
-
-struct RegionObject {
-    /// The engine's id (not its handle): a region is used only with it.
-    engine: u64,
-    region: Region,
-}
-
 struct ListenerObject {
-    engine: u64,
     addr: SocketAddr,
     /// One accept at a time.
     listener: Mutex<Listener>,
 }
 
-struct PeerObject {
-    engine: u64,
-    peer: Peer,
-}
-
-static ENGINES: Table<EngineObject> = Table::new(Kind::Engine);
-static REGIONS: Table<RegionObject> = Table::new(Kind::Region);
+// Engines, regions and peers are the facade's own: it refuses an object of
+// another context or engine itself (`gdr_core::Error::Foreign`).
+static ENGINES: Table<Engine> = Table::new(Kind::Engine);
+static REGIONS: Table<Region> = Table::new(Kind::Region);
 static LISTENERS: Table<ListenerObject> = Table::new(Kind::Listener);
-static PEERS: Table<PeerObject> = Table::new(Kind::Peer);
+static PEERS: Table<Peer> = Table::new(Kind::Peer);
 static GRANTS: Table<Grant> = Table::new(Kind::Grant);
 static DESCRIPTORS: Table<MemoryDescriptor> = Table::new(Kind::Descriptor);
 static BATCHES: Table<Batch> = Table::new(Kind::Batch);
@@ -221,17 +206,6 @@ unsafe fn addr_arg(name: &str, ptr: *const c_char) -> Result<SocketAddr, FfiErro
     let text = unsafe { text_arg(name, ptr) }?;
     text.parse()
         .map_err(|e| FfiError::invalid(name, format!("{text:?} is not ip:port ({e})")))
-}
-
-/// Checks that `region` was registered with the engine `engine`.
-fn same_engine(engine: u64, region: &RegionObject) -> Result<(), FfiError> {
-    if region.engine != engine {
-        return Err(FfiError::invalid(
-            "region",
-            "registered with another engine than the peer's",
-        ));
-    }
-    Ok(())
 }
 
 /// Writes bytes into a caller's buffer: all or (with
@@ -368,12 +342,8 @@ pub unsafe extern "C" fn gdr_engine_new(
         }
         let owner = crate::api::context(context)?;
         let engine = owner.context.engine(config)?;
-        let object = EngineObject {
-            context: context.id,
-            engine,
-        };
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
-        unsafe { ENGINES.publish(Arc::new(object), out) }
+        unsafe { ENGINES.publish(Arc::new(engine), out) }
     }
 }
 
@@ -397,7 +367,7 @@ pub extern "C" fn gdr_engine_free(engine: GdrEngine) -> GdrResult {
 pub unsafe extern "C" fn gdr_engine_nic_count(engine: GdrEngine, count: *mut u32) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("count", count)?;
-        let n = ENGINES.get(engine.id)?.engine.nics().len() as u32;
+        let n = ENGINES.get(engine.id)?.nics().len() as u32;
         // SAFETY: checked; valid by the caller's contract.
         unsafe { out.write(n) };
         Ok(())
@@ -423,11 +393,11 @@ pub unsafe extern "C" fn gdr_engine_nic_address(
     ffi_boundary! {
         let out = TextOut::new(buf, len, needed)?;
         let object = ENGINES.get(engine.id)?;
-        let nics = object.engine.nics();
+        let nics = object.nics();
         let name = nics.get(nic as usize).ok_or_else(|| {
             FfiError::new(GdrResult::NoDevice, format!("no NIC {nic} ({} in the engine)", nics.len()))
         })?;
-        let ip = object.engine.nic_address(name)?;
+        let ip = object.nic_address(name)?;
         // SAFETY: the caller's contract.
         unsafe { out.write(&ip.to_string()) }
     }
@@ -454,13 +424,9 @@ pub unsafe extern "C" fn gdr_region_register(
         let out = Out::new("out", out)?;
         let owner = ENGINES.get(engine.id)?;
         let memory = crate::api::buffer(buffer)?;
-        if memory.context != owner.context {
-            return Err(FfiError::invalid("buffer", "made in another context than the engine's"));
-        }
-        let region = owner.engine.register_range(&memory.buffer, offset, len)?;
-        let object = RegionObject { engine: owner.engine.id(), region };
+        let region = owner.register_range(&memory.buffer, offset, len)?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
-        unsafe { REGIONS.publish(Arc::new(object), out) }
+        unsafe { REGIONS.publish(Arc::new(region), out) }
     }
 }
 
@@ -496,7 +462,7 @@ pub unsafe extern "C" fn gdr_region_rungs(
             return Err(FfiError::invalid("rungs", "misaligned"));
         }
         let count = (!count.is_null()).then(|| Out::new("count", count)).transpose()?;
-        let taken = REGIONS.get(region.id)?.region.rungs();
+        let taken = REGIONS.get(region.id)?.rungs();
         if let Some(count) = count {
             // SAFETY: checked; valid by the caller's contract.
             unsafe { count.write(taken.len()) };
@@ -540,8 +506,7 @@ pub unsafe extern "C" fn gdr_engine_fence_inbound_writes(
         let out = (!flushed.is_null()).then(|| Out::new("flushed", flushed)).transpose()?;
         let owner = ENGINES.get(engine.id)?;
         let region = REGIONS.get(region.id)?;
-        same_engine(owner.engine.id(), &region)?;
-        let did = owner.engine.fence_inbound_writes(&region.region)? == Fence::Flushed;
+        let did = owner.fence_inbound_writes(&region)? == Fence::Flushed;
         if let Some(out) = out {
             // SAFETY: checked; valid by the caller's contract.
             unsafe { out.write(did) };
@@ -572,9 +537,8 @@ pub unsafe extern "C" fn gdr_engine_listen(
         // SAFETY: the caller's contract.
         let addr = unsafe { addr_arg("addr", addr) }?;
         let owner = ENGINES.get(engine.id)?;
-        let listener = owner.engine.listen(addr)?;
+        let listener = owner.listen(addr)?;
         let object = ListenerObject {
-            engine: owner.engine.id(),
             addr: listener.local_addr(),
             listener: Mutex::new(listener),
         };
@@ -627,7 +591,7 @@ pub unsafe extern "C" fn gdr_listener_accept(
             .unwrap_or_else(PoisonError::into_inner)
             .accept(millis(timeout_ms))?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
-        unsafe { PEERS.publish(Arc::new(PeerObject { engine: object.engine, peer }), out) }
+        unsafe { PEERS.publish(Arc::new(peer), out) }
     }
 }
 
@@ -661,9 +625,9 @@ pub unsafe extern "C" fn gdr_engine_connect(
         // SAFETY: the caller's contract.
         let addr = unsafe { addr_arg("addr", addr) }?;
         let owner = ENGINES.get(engine.id)?;
-        let peer = owner.engine.connect(addr, millis(timeout_ms))?;
+        let peer = owner.connect(addr, millis(timeout_ms))?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
-        unsafe { PEERS.publish(Arc::new(PeerObject { engine: owner.engine.id(), peer }), out) }
+        unsafe { PEERS.publish(Arc::new(peer), out) }
     }
 }
 
@@ -675,7 +639,7 @@ pub extern "C" fn gdr_peer_free(peer: GdrPeer) -> GdrResult {
     ffi_boundary! {
         let object = PEERS.remove(peer.id)?;
         // A peer that is gone already needs no closing: not an error here.
-        let _ = object.peer.close();
+        let _ = object.close();
         Ok(())
     }
 }
@@ -710,8 +674,7 @@ pub unsafe extern "C" fn gdr_peer_grant(
         };
         let peer = PEERS.get(peer.id)?;
         let region = REGIONS.get(region.id)?;
-        same_engine(peer.engine, &region)?;
-        let grant = peer.peer.grant(&region.region, offset, len, rights)?;
+        let grant = peer.grant(&region, offset, len, rights)?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
         unsafe { GRANTS.publish(Arc::new(grant), out) }
     }
@@ -805,7 +768,7 @@ pub unsafe extern "C" fn gdr_peer_wait_grant(
 ) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("out", out)?;
-        let descriptor = PEERS.get(peer.id)?.peer.wait_grant(grant_id, millis(timeout_ms))?;
+        let descriptor = PEERS.get(peer.id)?.wait_grant(grant_id, millis(timeout_ms))?;
         // SAFETY: `out` checked; valid by the caller's contract.
         unsafe { DESCRIPTORS.publish(Arc::new(descriptor), out) }
     }
@@ -951,7 +914,6 @@ unsafe fn submit_checked(
             }
         };
         let region = REGIONS.get(t.region.id)?;
-        same_engine(peer.engine, &region)?;
         let remote = DESCRIPTORS.get(t.remote.id)?;
         held.push((op, region, t.local_offset, remote, t.remote_offset, t.len));
     }
@@ -960,7 +922,7 @@ unsafe fn submit_checked(
         .map(
             |(op, region, local_offset, remote, remote_offset, len)| Transfer {
                 op: *op,
-                local: &region.region,
+                local: region,
                 local_offset: *local_offset,
                 remote,
                 remote_offset: *remote_offset,
@@ -968,7 +930,7 @@ unsafe fn submit_checked(
             },
         )
         .collect();
-    let batch = submit(&peer.peer, &erased)?;
+    let batch = submit(&peer, &erased)?;
     // SAFETY: `out` checked by Out::new; valid by the caller's contract.
     unsafe { BATCHES.publish(Arc::new(batch), out) }
 }
