@@ -21,7 +21,7 @@ import json
 import weakref
 from typing import Any, Generator, Iterable, Optional, Sequence, Tuple, Union
 
-from . import _gdr
+from . import _gdr, errors
 from ._gdr import Descriptor
 from ._memory import Memory, memory_of
 from .errors import (
@@ -52,19 +52,7 @@ __all__ = [
     "memory_of",
     "READ",
     "WRITE",
-    "GdrError",
-    "InvalidArgument",
-    "NotSupported",
-    "Unavailable",
-    "DeviceError",
-    "Busy",
-    "Timeout",
-    "PeerGone",
-    "ConnectFailed",
-    "Refused",
-    "Revoked",
-    "Cancelled",
-    "TransferFailed",
+    *errors.__all__,
 ]
 
 READ = 0
