@@ -61,6 +61,18 @@ struct FenceWords<C: hal_cuda::Api> {
     book: WordBook,
 }
 
+impl<C: hal_cuda::Api> FenceWords<C> {
+    /// A free word and the value to wait for, or the refusal when every
+    /// word of the page is outstanding (fences and gates share the page).
+    fn take_word(&mut self) -> Result<(usize, u32), EngineError> {
+        self.book
+            .take()
+            .ok_or(EngineError::Refused(Refusal::FencesOutstanding {
+                max: WORDS,
+            }))
+    }
+}
+
 /// Fence pages of engines that are gone: kept for the life of the process.
 static PARKED_PAGES: std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>> =
     std::sync::Mutex::new(Vec::new());
@@ -143,13 +155,7 @@ impl<C: hal_cuda::Api> StreamFences<C> {
         fenced: Arc<AtomicBool>,
     ) -> Result<(), EngineError> {
         let words = self.words(res)?;
-        let (word, value) =
-            words
-                .book
-                .take()
-                .ok_or(EngineError::Refused(Refusal::FencesOutstanding {
-                    max: WORDS,
-                }))?;
+        let (word, value) = words.take_word()?;
         let addr = words.addr(word);
         // SAFETY: the word is 4-byte aligned pinned host memory the device
         // can read (unified addressing), never freed (module docs).
@@ -175,11 +181,9 @@ impl<C: hal_cuda::Api> StreamFences<C> {
                 .first()
                 .and_then(|n| n.ladder.gpus().first())
                 .map(|g| &g.context)
-                .ok_or({
-                    EngineError::Unavailable(Unavailable::NoGpu {
-                        purpose: "for the stream fence page",
-                    })
-                })?;
+                .ok_or(EngineError::Unavailable(Unavailable::NoGpu {
+                    purpose: "for the stream fence page",
+                }))?;
             let buffer = Buffer::alloc_pinned(context, (WORDS * 4) as u64)?;
             let words = FenceWords {
                 base: buffer.addr(),
@@ -241,13 +245,7 @@ impl<C: hal_cuda::Api> StreamFences<C> {
         stream: &C::Stream,
     ) -> Result<Signal, EngineError> {
         let words = self.words(res)?;
-        let (word, value) =
-            words
-                .book
-                .take()
-                .ok_or(EngineError::Refused(Refusal::FencesOutstanding {
-                    max: WORDS,
-                }))?;
+        let (word, value) = words.take_word()?;
         // SAFETY: the word is 4-byte aligned pinned (portable) host memory
         // of the engine's, which the device may write (unified addressing)
         // and which is never freed (module docs).
