@@ -834,12 +834,12 @@ impl Batch {
 }
 
 impl Batch {
-    fn release_regions(&self, py: Python<'_>) {
-        let regions =
-            std::mem::take(&mut *self.regions.lock().unwrap_or_else(PoisonError::into_inner));
-        // Dropped here, the GIL held: their buffers' drops release it.
-        let _ = py;
-        drop(regions);
+    /// Lets go of the regions once the batch has ended; `_py`: with the
+    /// GIL held (a region's drop releases it while its buffer lets go).
+    fn release_regions(&self, _py: Python<'_>) {
+        drop(std::mem::take(
+            &mut *self.regions.lock().unwrap_or_else(PoisonError::into_inner),
+        ));
     }
 }
 

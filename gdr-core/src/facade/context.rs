@@ -139,17 +139,17 @@ impl Context {
 
     /// `size` zeroed bytes of ordinary host memory.
     pub fn alloc_host(&self, size: u64) -> Result<Buffer, Error> {
-        self.buffer(self.inner.alloc(MemoryKind::Host, 0, size)?)
+        Ok(self.buffer(self.inner.alloc(MemoryKind::Host, 0, size)?))
     }
 
     /// `size` bytes of pinned host memory (needs a GPU's driver).
     pub fn alloc_pinned(&self, size: u64) -> Result<Buffer, Error> {
-        self.buffer(self.inner.alloc(MemoryKind::Pinned, 0, size)?)
+        Ok(self.buffer(self.inner.alloc(MemoryKind::Pinned, 0, size)?))
     }
 
     /// `size` bytes of device memory on GPU `gpu`.
     pub fn alloc_device(&self, gpu: u32, size: u64) -> Result<Buffer, Error> {
-        self.buffer(self.inner.alloc(MemoryKind::Device, gpu, size)?)
+        Ok(self.buffer(self.inner.alloc(MemoryKind::Device, gpu, size)?))
     }
 
     /// The caller's memory at `addr` as a buffer: host memory, or device
@@ -162,12 +162,12 @@ impl Context {
     pub unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Buffer, Error> {
         // SAFETY: the caller's contract is this function's.
         let buffer = unsafe { self.inner.wrap(addr, size) }?;
-        self.buffer(buffer)
+        Ok(self.buffer(buffer))
     }
 
     /// Opens the device memory a `gdr://` URI names (a CUDA IPC handle).
     pub fn open_uri(&self, uri: &BufferUri) -> Result<Buffer, Error> {
-        self.buffer(self.inner.open_uri(uri)?)
+        Ok(self.buffer(self.inner.open_uri(uri)?))
     }
 
     /// A new stream on GPU `gpu` (non-blocking).
@@ -180,8 +180,8 @@ impl Context {
         Ok(Engine::new(self.clone(), self.inner.engine(config)?))
     }
 
-    fn buffer(&self, inner: Box<dyn DynBuffer>) -> Result<Buffer, Error> {
-        Ok(Buffer::new(self.clone(), inner))
+    fn buffer(&self, inner: Box<dyn DynBuffer>) -> Buffer {
+        Buffer::new(self.clone(), inner)
     }
 }
 
