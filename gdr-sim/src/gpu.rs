@@ -254,6 +254,9 @@ struct ProcessState {
     faults: FaultPlan,
     pinned: Mutex<PinnedRanges>,
     paused: AtomicBool,
+    /// This process's live streams by their [`hal_cuda::Stream::raw`]
+    /// token, with their GPU: what `borrow_stream` may take.
+    streams: Mutex<HashMap<usize, (u32, Weak<Mutex<StreamQueue>>)>>,
 }
 
 impl ProcessState {
@@ -334,6 +337,7 @@ impl SimCuda {
                 faults,
                 pinned: Mutex::new(BTreeMap::new()),
                 paused: AtomicBool::new(false),
+                streams: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -735,10 +739,46 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
 
     fn create_stream(&self) -> Result<SimStream> {
         check_alive(&self.gpu, "cuStreamCreate")?;
+        let queue = Arc::new(Mutex::new(StreamQueue::default()));
+        let mut streams = lock(&self.process.streams);
+        streams.retain(|_, (_, live)| live.strong_count() > 0);
+        streams.insert(
+            Arc::as_ptr(&queue) as usize,
+            (self.gpu.ordinal, Arc::downgrade(&queue)),
+        );
         Ok(SimStream {
             ctx: self.clone(),
-            queue: Arc::new(Mutex::new(StreamQueue::default())),
+            queue,
         })
+    }
+
+    unsafe fn borrow_stream(&self, raw: *mut std::ffi::c_void) -> Result<SimStream> {
+        const OP: &str = "cuStreamBorrow";
+        check_alive(&self.gpu, OP)?;
+        let found = lock(&self.process.streams).get(&(raw as usize)).cloned();
+        match found {
+            Some((ordinal, live)) if ordinal == self.gpu.ordinal => match live.upgrade() {
+                Some(queue) => Ok(SimStream {
+                    ctx: self.clone(),
+                    queue,
+                }),
+                None => Err(CudaError::invalid(
+                    OP,
+                    format!("stream {raw:?} was destroyed"),
+                )),
+            },
+            Some((ordinal, _)) => Err(CudaError::invalid(
+                OP,
+                format!(
+                    "stream {raw:?} is GPU {ordinal}'s, not GPU {}'s",
+                    self.gpu.ordinal
+                ),
+            )),
+            None => Err(CudaError::invalid(
+                OP,
+                format!("{raw:?} is no stream of this process"),
+            )),
+        }
     }
 
     fn create_event(&self) -> Result<SimEvent> {

@@ -146,6 +146,18 @@ pub trait Context<A: Api>: Send + Sync + Debug {
     ) -> Result<A::HostRegistration>;
     /// Creates a non-blocking stream.
     fn create_stream(&self) -> Result<A::Stream>;
+    /// A stream someone else made in this context (a framework's, such as
+    /// torch's current stream), used in place and never destroyed here.
+    /// The real backend takes any `CUstream` handle (the special
+    /// `CU_STREAM_LEGACY` 0x1 and `CU_STREAM_PER_THREAD` 0x2 included); the
+    /// simulation only the [`Stream::raw`] of one of its live streams of
+    /// this GPU, and refuses anything else.
+    ///
+    /// # Safety
+    /// On the real backend `raw` is a stream of this device's primary
+    /// context that outlives the returned stream (the driver cannot check
+    /// a handle).
+    unsafe fn borrow_stream(&self, raw: *mut std::ffi::c_void) -> Result<A::Stream>;
     /// Creates an event (timing disabled: the cheap kind).
     fn create_event(&self) -> Result<A::Event>;
     /// Pointer attributes of any address (host or device).

@@ -280,3 +280,72 @@ fn a_revoked_grant_refuses_the_peers_next_request() {
     }
     assert_eq!(target.to_vec().expect("bytes"), vec![0; 4096]);
 }
+
+#[test]
+fn a_batch_gated_on_a_borrowed_stream_moves_what_the_streams_owner_queued_first() {
+    const LEN: usize = 1 << 16;
+    let (server, to_client, client, to_server) = pair();
+    let target = server.context().alloc_host(LEN as u64).expect("memory");
+    let granted = server.register(&target).expect("register");
+    let grant = to_client
+        .grant(&granted, 0, LEN as u64, GrantRights::Write)
+        .expect("grant");
+    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+
+    let context = client.context();
+    let gpu = context.alloc_device(0, LEN as u64).expect("GPU memory");
+    gpu.copy_from_host(0, &pattern(LEN, 1)).expect("copy in");
+    let local = client.register(&gpu).expect("register");
+    let staged = context.alloc_pinned(LEN as u64).expect("pinned memory");
+    staged.copy_from_host(0, &pattern(LEN, 2)).expect("copy in");
+    // "The framework's" stream writes the GPU memory; gdr only borrows it.
+    let owner = context.stream(0).expect("stream");
+    owner.copy(&gpu, 0, &staged, 0, LEN).expect("queued");
+    // SAFETY: `owner` is a stream of this context and outlives `borrowed`.
+    let borrowed = unsafe { context.borrow_stream(0, owner.raw()) }.expect("borrowed");
+    let batch = to_server
+        .submit_after_stream(
+            &borrowed,
+            &[Transfer::write(&local, 0, &remote, 0, LEN as u64)],
+            Some(WAIT),
+        )
+        .expect("submit");
+    batch.wait(WAIT).expect("WRITE");
+    assert_eq!(
+        target.to_vec().expect("bytes"),
+        pattern(LEN, 2),
+        "the batch did not wait for the copy its owner queued before it"
+    );
+
+    // What the simulation cannot take is refused, typed (the real driver
+    // cannot check a handle: there the contract is the caller's).
+    for raw in [0x1000_usize, 1, 0] {
+        // SAFETY: the simulation looks the token up and touches nothing.
+        let refused = unsafe { context.borrow_stream(0, raw as *mut std::ffi::c_void) };
+        assert!(
+            matches!(
+                refused,
+                Err(Error::Cuda(hal_cuda::CudaError::InvalidArgument { .. }))
+            ),
+            "{raw:#x}: {refused:?}"
+        );
+    }
+    // SAFETY: as above.
+    let no_gpu = unsafe { context.borrow_stream(7, owner.raw()) };
+    assert!(
+        matches!(no_gpu, Err(Error::NoGpu { index: 7, .. })),
+        "{no_gpu:?}"
+    );
+    let token = owner.raw();
+    drop(borrowed);
+    drop(owner);
+    // SAFETY: the simulation looks the token up and touches nothing.
+    let gone = unsafe { context.borrow_stream(0, token) };
+    assert!(
+        matches!(
+            gone,
+            Err(Error::Cuda(hal_cuda::CudaError::InvalidArgument { .. }))
+        ),
+        "a destroyed stream: {gone:?}"
+    );
+}

@@ -2,6 +2,7 @@
 //! GPU), erased once; buffers, streams and engines are made from it.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
@@ -175,6 +176,23 @@ impl Context {
         Ok(Stream::new(self.id, gpu, self.inner.stream(gpu)?))
     }
 
+    /// A stream someone else made on GPU `gpu` (a framework's: torch's
+    /// `cuda_stream`, CuPy's `ptr`, a `__cuda_array_interface__`'s
+    /// `stream`), so that gdr's work can be ordered with theirs
+    /// ([`Peer::submit_after_stream`](super::Peer::submit_after_stream)).
+    /// Never destroyed by gdr. The simulation takes only another of its
+    /// streams' [`Stream::raw`] and refuses anything else.
+    ///
+    /// # Safety
+    /// On real CUDA, `raw` is a `CUstream` of GPU `gpu`'s primary context
+    /// (or `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) that outlives the
+    /// returned stream.
+    pub unsafe fn borrow_stream(&self, gpu: u32, raw: *mut c_void) -> Result<Stream, Error> {
+        // SAFETY: the caller's contract is this function's.
+        let inner = unsafe { self.inner.borrow_stream(gpu, raw) }?;
+        Ok(Stream::new(self.id, gpu, inner))
+    }
+
     /// A transfer engine over this context's NICs and the GPUs they reach.
     pub fn engine(&self, config: EngineConfig) -> Result<Engine, Error> {
         Ok(Engine::new(self.clone(), self.inner.engine(config)?))
@@ -201,6 +219,13 @@ pub(super) trait DynContext: Send + Sync {
     unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Box<dyn DynBuffer>, Error>;
     fn open_uri(&self, uri: &BufferUri) -> Result<Box<dyn DynBuffer>, Error>;
     fn stream(&self, gpu: u32) -> Result<Box<dyn super::stream::DynStream>, Error>;
+    /// # Safety
+    /// As for [`Context::borrow_stream`].
+    unsafe fn borrow_stream(
+        &self,
+        gpu: u32,
+        raw: *mut c_void,
+    ) -> Result<Box<dyn super::stream::DynStream>, Error>;
     fn engine(&self, config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error>;
 }
 
@@ -347,6 +372,16 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
 
     fn stream(&self, gpu: u32) -> Result<Box<dyn super::stream::DynStream>, Error> {
         Ok(Box::new(StreamOf::<C>(self.0.gpu(gpu)?.create_stream()?)))
+    }
+
+    unsafe fn borrow_stream(
+        &self,
+        gpu: u32,
+        raw: *mut c_void,
+    ) -> Result<Box<dyn super::stream::DynStream>, Error> {
+        // SAFETY: the caller's contract is Context::borrow_stream's.
+        let stream = unsafe { self.0.gpu(gpu)?.borrow_stream(raw) }?;
+        Ok(Box::new(StreamOf::<C>(stream)))
     }
 
     fn engine(&self, config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error> {

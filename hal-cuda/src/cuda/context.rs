@@ -410,6 +410,11 @@ impl Context<CudaApi> for CudaContext {
         CudaStream::new(&self.inner)
     }
 
+    unsafe fn borrow_stream(&self, raw: *mut std::ffi::c_void) -> Result<CudaStream> {
+        // SAFETY: the caller's contract is this function's.
+        Ok(unsafe { CudaStream::borrowed(&self.inner, raw.cast()) })
+    }
+
     fn create_event(&self) -> Result<CudaEvent> {
         CudaEvent::new(&self.inner)
     }

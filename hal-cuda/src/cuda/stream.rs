@@ -8,12 +8,14 @@ use super::{CudaApi, check, check_logged};
 use crate::api::{Event, Stream};
 use crate::error::{CudaError, Result};
 
-/// A non-blocking stream (`CU_STREAM_NON_BLOCKING`: no implicit
-/// synchronisation with the legacy default stream), destroyed on drop.
+/// A stream: one this backend made (non-blocking, `CU_STREAM_NON_BLOCKING`:
+/// no implicit synchronisation with the legacy default stream), destroyed
+/// on drop, or one borrowed from whoever made it, left to them.
 #[derive(Debug)]
 pub struct CudaStream {
     ctx: Arc<ContextInner>,
     raw: sys::CuStrm,
+    owned: bool,
 }
 
 // SAFETY: a CUstream is a driver handle usable from any thread; the driver
@@ -33,7 +35,21 @@ impl CudaStream {
         Ok(Self {
             ctx: ctx.clone(),
             raw,
+            owned: true,
         })
+    }
+
+    /// `raw`, made by someone else, used in place and never destroyed.
+    ///
+    /// # Safety
+    /// `raw` is a stream of `ctx`'s primary context (or a special handle)
+    /// that outlives the returned value.
+    pub(crate) unsafe fn borrowed(ctx: &Arc<ContextInner>, raw: sys::CuStrm) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            raw,
+            owned: false,
+        }
     }
 
     /// The raw `CUstream`, valid while `self` lives.
@@ -155,6 +171,9 @@ impl CudaStream {
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let _current = self.ctx.enter_logged();
         // SAFETY: `raw` came from cuStreamCreate and is destroyed once, here;
         // the driver lets queued work finish first.
