@@ -200,6 +200,34 @@ impl Engine {
         Ok(Region::new(region, Some(buffer), None))
     }
 
+    /// A new stream of the engine's context on GPU `gpu` (non-blocking).
+    fn stream(&self, py: Python<'_>, gpu: u32) -> PyResult<Stream> {
+        let stream = self
+            .engine
+            .context()
+            .stream(gpu)
+            .map_err(|e| raise_error(py, &e))?;
+        Ok(Stream { stream })
+    }
+
+    /// Another's stream on GPU `gpu`, by its handle (a `CUstream`: torch's
+    /// `cuda_stream`, CuPy's `ptr`, a CUDA array interface's `stream`),
+    /// borrowed to order gdr's work after theirs, never destroyed.
+    ///
+    /// The caller (the package's Python part) passes the handle of a live
+    /// stream of GPU `gpu`'s primary context, as the CUDA array interface
+    /// and DLPack promise theirs are, and drops the borrow before it.
+    fn borrow_stream(&self, py: Python<'_>, gpu: u32, handle: u64) -> PyResult<Stream> {
+        let context = self.engine.context();
+        // SAFETY: the handle is a live stream of this device's primary
+        // context (the contract above, which the package documents for
+        // `stream=`); the simulation checks its tokens itself.
+        let stream =
+            unsafe { context.borrow_stream(gpu, handle as usize as *mut std::ffi::c_void) }
+                .map_err(|e| raise_error(py, &e))?;
+        Ok(Stream { stream })
+    }
+
     /// Listens at `host:port` (port 0 picks one).
     fn listen(&self, py: Python<'_>, host: &str, port: u16) -> PyResult<Listener> {
         let addr = socket_addr(py, host, port)?;
@@ -582,6 +610,18 @@ impl Peer {
         })
     }
 
+    /// How GPU memory moves with this peer: `"nic"`, `"same_process"`
+    /// (device copies between two engines of this process) or `"ipc"`
+    /// (device copies through CUDA IPC, another process on this machine).
+    #[getter]
+    fn route(&self) -> &'static str {
+        match self.peer.route() {
+            gdr_core::engine::PeerCopyRoute::Nic => "nic",
+            gdr_core::engine::PeerCopyRoute::SameProcess => "same_process",
+            gdr_core::engine::PeerCopyRoute::Ipc => "ipc",
+        }
+    }
+
     /// Waits up to `timeout` seconds for the peer to announce grant `id`.
     fn wait_grant(&self, py: Python<'_>, id: u64, timeout: f64) -> PyResult<Descriptor> {
         let timeout = seconds(timeout, "timeout")?;
@@ -592,12 +632,13 @@ impl Peer {
 
     /// Submits `transfers` as one batch (`timeout` seconds, or the
     /// engine's default).
-    #[pyo3(signature = (transfers, timeout = None))]
+    #[pyo3(signature = (transfers, timeout = None, after = None))]
     fn submit(
         &self,
         py: Python<'_>,
         transfers: Vec<TransferArgs>,
         timeout: Option<f64>,
+        after: Option<PyRef<'_, Stream>>,
     ) -> PyResult<Batch> {
         let mut list = Vec::with_capacity(transfers.len());
         for (op, region, local_offset, descriptor, remote_offset, len) in &transfers {
@@ -614,7 +655,7 @@ impl Peer {
             .iter()
             .map(|(_, region, ..)| region.clone_ref(py))
             .collect();
-        self.submit_list(py, &list, timeout, held)
+        self.submit_list(py, &list, timeout, after.as_deref(), held)
     }
 
     /// Submits one batch of transfers of `op` between `region` and the
@@ -622,7 +663,7 @@ impl Peer {
     /// from arrays of uint64 read in place (numpy, `array.array("Q")`; a
     /// paged KV cache's block lists, no Python loop), or one length for
     /// all (an int).
-    #[pyo3(signature = (op, region, descriptor, local_offsets, remote_offsets, lengths, timeout = None))]
+    #[pyo3(signature = (op, region, descriptor, local_offsets, remote_offsets, lengths, timeout = None, after = None))]
     #[allow(clippy::too_many_arguments)]
     fn submit_arrays(
         &self,
@@ -634,6 +675,7 @@ impl Peer {
         remote_offsets: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
         timeout: Option<f64>,
+        after: Option<PyRef<'_, Stream>>,
     ) -> PyResult<Batch> {
         let op = op_of(py, op)?;
         let local = U64Array::of(py, local_offsets, "local_offset")?;
@@ -678,7 +720,13 @@ impl Peer {
                 len: uniform.unwrap_or_else(|| lens[i]),
             })
             .collect();
-        self.submit_list(py, &list, timeout, vec![region.clone_ref(py)])
+        self.submit_list(
+            py,
+            &list,
+            timeout,
+            after.as_deref(),
+            vec![region.clone_ref(py)],
+        )
     }
 
     /// Sends a control message to the peer.
@@ -709,16 +757,68 @@ impl Peer {
         py: Python<'_>,
         list: &[Transfer<'_>],
         timeout: Option<f64>,
+        after: Option<&Stream>,
         held: Vec<Py<Region>>,
     ) -> PyResult<Batch> {
         let timeout = timeout.map(|t| seconds(t, "timeout")).transpose()?;
         let batch = py
-            .detach(|| match timeout {
-                Some(t) => self.peer.submit_with_timeout(list, t),
-                None => self.peer.submit(list),
+            .detach(|| match (after, timeout) {
+                // Starts once the stream reaches this point: no thread
+                // waits for it, and nothing else on the GPU is waited for.
+                (Some(stream), timeout) => {
+                    self.peer.submit_after_stream(&stream.stream, list, timeout)
+                }
+                (None, Some(t)) => self.peer.submit_with_timeout(list, t),
+                (None, None) => self.peer.submit(list),
             })
             .map_err(|e| raise_error(py, &e))?;
         Ok(Batch::new(batch, held))
+    }
+}
+
+/// A CUDA stream of one GPU: one the engine made, or another's borrowed.
+#[pyclass(module = "gdr._gdr", frozen)]
+struct Stream {
+    stream: gdr_core::Stream,
+}
+
+#[pymethods]
+impl Stream {
+    /// Its handle (a `CUstream`; the simulation's own token on the sim).
+    #[getter]
+    fn handle(&self) -> u64 {
+        self.stream.raw() as usize as u64
+    }
+
+    /// The GPU it runs on.
+    #[getter]
+    fn gpu(&self) -> u32 {
+        self.stream.gpu()
+    }
+
+    /// Queues a copy of `length` bytes from `src` at `src_offset` to `dst`
+    /// at `dst_offset` (host and this GPU's memory, both of this engine's
+    /// context); both regions' memory is held until the stream is seen
+    /// past it.
+    fn copy(
+        &self,
+        py: Python<'_>,
+        dst: PyRef<'_, Region>,
+        dst_offset: u64,
+        src: PyRef<'_, Region>,
+        src_offset: u64,
+        length: usize,
+    ) -> PyResult<()> {
+        let (dst, src) = (dst.buffer(py)?, src.buffer(py)?);
+        self.stream
+            .copy(&dst, dst_offset, &src, src_offset, length)
+            .map_err(|e| raise_error(py, &e))
+    }
+
+    /// Waits for the work queued so far (the GIL released).
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.stream.synchronize())
+            .map_err(|e| raise_error(py, &e))
     }
 }
 
@@ -945,6 +1045,7 @@ fn _gdr(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Grant>()?;
     m.add_class::<Descriptor>()?;
     m.add_class::<Batch>()?;
+    m.add_class::<Stream>()?;
     m.add_class::<Notifier>()?;
     Ok(())
 }

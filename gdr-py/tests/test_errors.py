@@ -134,3 +134,18 @@ def test_a_second_engine_pair_is_independent() -> None:
     a, b = gdr.Engine(backend="sim"), gdr.Engine(backend="sim")
     connected = connect(a, b)
     assert connected.to_server.remote_engine == a.id
+
+
+def test_a_stream_that_is_none_is_refused(granted) -> None:
+    pair, _target, _grant, remote = granted
+    region = pair.client.register(np.zeros(4096, dtype=np.uint8))
+    with pytest.raises(gdr.InvalidArgument, match="is not a stream"):
+        pair.to_server.write(region, remote, stream="the current one")
+    # An int that is no stream of the simulation's: refused, nothing moves.
+    with pytest.raises(gdr.GdrError, match="no stream of this process"):
+        pair.to_server.write(region, remote, stream=0x1000)
+    gpu = pair.client.alloc(4096, kind="device")
+    with pytest.raises(gdr.InvalidArgument, match="via"):
+        pair.client.register(gpu, via="magic")
+    with pytest.raises(gdr.InvalidArgument, match="no __dlpack__"):
+        pair.client.register(gpu, via="dlpack")

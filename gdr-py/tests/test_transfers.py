@@ -140,3 +140,50 @@ def test_describe_is_the_doctors_report(pair) -> None:
     verbs, cuda, notes = pair.server.backends()
     assert (verbs, cuda) == ("sim", "sim") and notes
     assert pair.server.nics() == ["sim0"] and pair.server.gpu_count() == 1
+
+
+class _StreamedArray:
+    """A foreign GPU array whose producer names its stream in the CUDA
+    array interface (as CuPy does)."""
+
+    def __init__(self, owner: gdr.Region, stream: int) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (len(owner),),
+            "typestr": "|u1",
+            "data": (owner.address, False),
+            "strides": None,
+            "version": 3,
+            "stream": stream,
+        }
+
+
+def _staged_on_a_stream(pair, seed: int):
+    """GPU memory holding ``pattern(.., seed + 1)``, a copy of
+    ``pattern(.., seed)`` into it queued on a stream nobody synchronizes,
+    and that stream."""
+    n = 1 << 16
+    gpu = pair.client.alloc(n, kind="device")
+    gpu.write_bytes(pattern(n, seed + 1).tobytes())
+    pinned = pair.client.alloc(n, kind="pinned")
+    pinned.write_bytes(pattern(n, seed).tobytes())
+    stream = pair.client.stream(0)
+    stream.copy(gpu, 0, pinned, 0, n)
+    return gpu, stream
+
+
+def test_a_transfer_waits_for_the_stream_its_object_names(granted) -> None:
+    pair, target, _grant, remote = granted
+    gpu, stream = _staged_on_a_stream(pair, 40)
+    region = pair.client.register(_StreamedArray(gpu, stream.handle))
+    pair.to_server.write(region, remote, length=1 << 16).wait(WAIT)
+    assert np.array_equal(target[: 1 << 16], pattern(1 << 16, 40)), "the WRITE ran before the stream's copy"
+
+
+def test_a_transfer_waits_for_the_stream_it_is_given(granted) -> None:
+    pair, target, _grant, remote = granted
+    for seed, as_handle in ((50, False), (60, True)):
+        gpu, stream = _staged_on_a_stream(pair, seed)
+        given = stream.handle if as_handle else stream
+        pair.to_server.submit([(gdr.WRITE, gpu, 0, remote, 0, 1 << 16)], stream=given).wait(WAIT)
+        assert np.array_equal(target[: 1 << 16], pattern(1 << 16, seed)), f"stream as handle: {as_handle}"

@@ -256,8 +256,11 @@ struct ProcessState {
     paused: AtomicBool,
     /// This process's live streams by their [`hal_cuda::Stream::raw`]
     /// token, with their GPU: what `borrow_stream` may take.
-    streams: Mutex<HashMap<usize, (u32, Weak<Mutex<StreamQueue>>)>>,
+    streams: Mutex<HashMap<usize, LiveStream>>,
 }
+
+/// A stream's GPU ordinal and its queue while it lives.
+type LiveStream = (u32, Weak<Mutex<StreamQueue>>);
 
 impl ProcessState {
     fn fault(&self, site: FaultSite, gpu: &SimGpu, operation: &'static str) -> Result<()> {

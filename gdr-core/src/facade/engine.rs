@@ -323,6 +323,13 @@ impl Peer {
         self.inner.remote_engine()
     }
 
+    /// How transfers with this peer move GPU memory: through the NIC, or
+    /// by device copies (the peer an engine of this process, or of another
+    /// process on this machine reached through CUDA IPC).
+    pub fn route(&self) -> crate::engine::PeerCopyRoute {
+        self.inner.route()
+    }
+
     /// Grants `len` bytes at `offset` of `region` to this peer with
     /// `rights`, announced on the connection. Dropping the grant revokes
     /// it.
@@ -574,6 +581,7 @@ pub(super) trait DynListener: Send {
 pub(super) trait DynPeer: Send + Sync {
     fn engine_id(&self) -> u64;
     fn remote_engine(&self) -> u64;
+    fn route(&self) -> crate::engine::PeerCopyRoute;
     fn grant(
         &self,
         region: &dyn DynRegion,
@@ -741,6 +749,10 @@ impl<V: Api, C: hal_cuda::Api> DynPeer for PeerOf<V, C> {
 
     fn remote_engine(&self) -> u64 {
         PeerOf::remote_engine(self)
+    }
+
+    fn route(&self) -> crate::engine::PeerCopyRoute {
+        PeerOf::peer_copy(self)
     }
 
     fn grant(

@@ -48,6 +48,7 @@ __all__ = [
     "Grant",
     "Descriptor",
     "Batch",
+    "Stream",
     "Memory",
     "memory_of",
     "READ",
@@ -66,11 +67,12 @@ class Region:
     It keeps the object it was registered from alive until it, and every
     grant and batch of it, are gone."""
 
-    __slots__ = ("_native", "_engine", "__weakref__")
+    __slots__ = ("_native", "_engine", "_memory", "__weakref__")
 
-    def __init__(self, native: Any, engine: "Engine") -> None:
+    def __init__(self, native: Any, engine: "Engine", memory: Optional[Memory] = None) -> None:
         self._native = native
         self._engine = engine
+        self._memory = memory
 
     def __len__(self) -> int:
         return len(self._native)
@@ -275,6 +277,107 @@ def _u64_array(values: Any) -> Any:
     return np.ascontiguousarray(values, dtype=np.uint64)
 
 
+def _stream_handle(stream: Any) -> Tuple[int, Optional[int]]:
+    """``(handle, GPU or None)`` of a stream given as a transfer's
+    ``stream=``."""
+    if type(stream) is int:
+        return stream, None
+    if hasattr(stream, "__cuda_stream__"):
+        _version, handle = stream.__cuda_stream__()
+        return int(handle), None
+    device = getattr(stream, "device", None)
+    gpu = getattr(device, "index", None)
+    if gpu is None:
+        gpu = getattr(stream, "device_id", None)
+    for attribute in ("cuda_stream", "ptr"):  # torch's, CuPy's
+        handle = getattr(stream, attribute, None)
+        if type(handle) is int:
+            return handle, gpu
+    raise InvalidArgument(
+        f"stream: {type(stream).__name__} is not a stream (torch's or CuPy's, a gdr.Stream, "
+        "anything with __cuda_stream__, a CUstream handle as an int, None or False)"
+    )
+
+
+class Stream:
+    """A CUDA stream of one GPU that the engine made (:meth:`Engine.stream`):
+    copies between host and GPU memory queued on it, and a transfer's
+    ``stream=`` to start after them."""
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    @property
+    def handle(self) -> int:
+        """Its ``CUstream`` handle (the simulation's own token on the sim)."""
+        return int(self._native.handle)
+
+    @property
+    def gpu(self) -> int:
+        """The GPU it runs on."""
+        return int(self._native.gpu)
+
+    def copy(self, dst: Region, dst_offset: int, src: Region, src_offset: int, length: int) -> None:
+        """Queues a copy of ``length`` bytes from ``src`` at ``src_offset``
+        to ``dst`` at ``dst_offset`` (host memory and this GPU's, of this
+        stream's engine); both are held until the stream is seen past it."""
+        self._native.copy(dst._native, dst_offset, src._native, src_offset, length)
+
+    def synchronize(self) -> None:
+        """Waits for the work queued so far (the GIL released)."""
+        self._native.synchronize()
+
+    def __repr__(self) -> str:
+        return f"<gdr.Stream of GPU {self.gpu} {self.handle:#x}>"
+
+
+def _gate(engine: "Engine", regions: Sequence[Region], stream: Any) -> Any:
+    """The native stream a batch of ``regions`` waits for, per
+    ``stream=``; None for none."""
+    if stream is False:
+        return None
+    gpus = {r.device for r in regions if r.device is not None}
+    if stream is not None:
+        if isinstance(stream, Stream):
+            return stream._native
+        handle, gpu = _stream_handle(stream)
+        if gpu is None:
+            gpu = min(gpus) if gpus else 0
+        return engine._engine().borrow_stream(gpu, handle)
+    if not gpus:
+        return None
+    if len(gpus) > 1:
+        raise InvalidArgument("the batch moves memory of several GPUs: name its stream (stream=)")
+    gpu = gpus.pop()
+    gates: dict[int, Any] = {}
+    for region in regions:
+        memory = region._memory
+        if memory is None or region.device is None:
+            continue
+        if memory.via == "dlpack":
+            # DLPack's exchange: the producer makes our stream wait for
+            # its current one (an event, no host wait); the capsule is
+            # not used.
+            own = engine._own_stream(gpu)
+            try:
+                memory.source.__dlpack__(stream=own.handle)
+            except TypeError:
+                raise InvalidArgument(
+                    f"{type(memory.source).__name__}.__dlpack__ takes no stream: name the "
+                    "batch's stream (stream=), or stream=False once you have synchronized"
+                ) from None
+            gates[own.handle] = own._native
+        elif memory.via == "cai":
+            named = memory.source.__cuda_array_interface__.get("stream")
+            if named is not None:
+                gates.setdefault(int(named), engine._engine().borrow_stream(gpu, int(named)))
+    if len(gates) > 1:
+        raise InvalidArgument("the batch's objects name different streams: name one (stream=)")
+    return next(iter(gates.values()), None)
+
+
 class Peer:
     """A connected peer: grants to it, and READs and WRITEs against its
     grants."""
@@ -289,6 +392,14 @@ class Peer:
     def remote_engine(self) -> int:
         """The peer engine's id."""
         return int(self._native.remote_engine)
+
+    @property
+    def route(self) -> str:
+        """How GPU memory moves with this peer: ``"nic"``,
+        ``"same_process"`` (device copies between two engines of this
+        process) or ``"ipc"`` (device copies through CUDA IPC: another
+        process on this machine)."""
+        return str(self._native.route)
 
     def grant(
         self,
@@ -318,11 +429,13 @@ class Peer:
         remote_offset: _Offsets,
         length: Optional[_Offsets],
         timeout: Optional[float],
+        stream: Any,
     ) -> Batch:
+        after = _gate(self._engine, (region,), stream)
         if type(local_offset) is int and type(remote_offset) is int and (length is None or type(length) is int):
             n = len(region) - local_offset if length is None else length
             transfer = (op, region._native, local_offset, remote, remote_offset, n)
-            return Batch(self._native.submit([transfer], timeout))
+            return Batch(self._native.submit([transfer], timeout, after))
         if length is None:
             raise InvalidArgument("length: needed with arrays of offsets")
         return Batch(
@@ -334,6 +447,7 @@ class Peer:
                 _u64_array(remote_offset),
                 length if type(length) is int else _u64_array(length),
                 timeout,
+                after,
             )
         )
 
@@ -345,12 +459,23 @@ class Peer:
         remote_offset: _Offsets = 0,
         length: Optional[_Offsets] = None,
         timeout: Optional[float] = None,
+        stream: Any = None,
     ) -> Batch:
         """WRITEs ``region`` into the peer's grant ``remote``: one transfer
         (offsets and a length as ints; the rest of the region by default),
         or many in one batch (offsets and lengths as arrays, e.g. numpy
-        ``uint64``: a paged KV cache's blocks, no Python loop)."""
-        return self._one_or_many(WRITE, region, remote, local_offset, remote_offset, length, timeout)
+        ``uint64``: a paged KV cache's blocks, no Python loop).
+
+        ``stream``: what the batch waits for on the GPU, with no thread and
+        nothing else on the GPU waited for. ``None`` (the default): the
+        stream of the region's object (GPU memory registered through
+        DLPack: the producer's current stream, by DLPack's exchange;
+        through the CUDA array interface: the stream it names). A stream
+        (torch's, CuPy's, :class:`Stream`, anything with
+        ``__cuda_stream__``, or a ``CUstream`` handle as an int, live until
+        this call returns): after the work queued on it so far. ``False``:
+        nothing (the caller has synchronized)."""
+        return self._one_or_many(WRITE, region, remote, local_offset, remote_offset, length, timeout, stream)
 
     def read(
         self,
@@ -360,21 +485,27 @@ class Peer:
         remote_offset: _Offsets = 0,
         length: Optional[_Offsets] = None,
         timeout: Optional[float] = None,
+        stream: Any = None,
     ) -> Batch:
         """READs the peer's grant ``remote`` into ``region``; as
-        :meth:`write`."""
-        return self._one_or_many(READ, region, remote, local_offset, remote_offset, length, timeout)
+        :meth:`write` (``stream``: the batch starts after its work, so a
+        READ does not overwrite memory a kernel queued before still
+        reads)."""
+        return self._one_or_many(READ, region, remote, local_offset, remote_offset, length, timeout, stream)
 
     def submit(
         self,
         transfers: Iterable[Tuple[int, Region, int, Descriptor, int, int]],
         timeout: Optional[float] = None,
+        stream: Any = None,
     ) -> Batch:
         """One batch of ``(op, region, local_offset, remote, remote_offset,
         length)`` transfers (op :data:`READ` or :data:`WRITE`), checked
-        whole before anything is posted."""
-        native = [(op, r._native, lo, d, ro, n) for (op, r, lo, d, ro, n) in transfers]
-        return Batch(self._native.submit(native, timeout))
+        whole before anything is posted; ``stream`` as for :meth:`write`."""
+        listed = list(transfers)
+        after = _gate(self._engine, [t[1] for t in listed], stream)
+        native = [(op, r._native, lo, d, ro, n) for (op, r, lo, d, ro, n) in listed]
+        return Batch(self._native.submit(native, timeout, after))
 
     def send(self, message: bytes) -> Batch:
         """Sends a small control message."""
@@ -421,6 +552,7 @@ class Engine:
 
     def __init__(self, backend: str = "auto", **config: Any) -> None:
         self._native: Any = _gdr.Engine(backend, **config)
+        self._streams: dict[int, "Stream"] = {}
 
     def __enter__(self) -> "Engine":
         return self
@@ -432,6 +564,7 @@ class Engine:
         """Lets go of the engine (it goes once its regions, peers, grants
         and batches are gone too)."""
         self._native = None
+        self._streams = {}
 
     def _engine(self) -> Any:
         if self._native is None:
@@ -474,14 +607,28 @@ class Engine:
         address: str = self._engine().nic_address(nic)
         return address
 
-    def register(self, obj: Any) -> Region:
+    def register(self, obj: Any, via: Optional[str] = None) -> Region:
         """Registers ``obj``'s memory (see :mod:`gdr._memory` for what is
         accepted: numpy arrays, ``bytearray``, torch and CuPy tensors on
-        any device, ``(address, length, device)``). The region keeps
-        ``obj`` alive."""
-        memory = memory_of(obj)
+        any device, ``(address, length, device)``), taken through ``via``
+        (``"dlpack"``, ``"cai"``, ``"buffer"``; by default the first the
+        object offers). The region keeps ``obj`` alive."""
+        memory = memory_of(obj, via=via)
         keepalive = memory.keepalive if memory.keepalive is not None else obj
-        return Region(self._engine().register_memory(memory.address, memory.length, keepalive), self)
+        native = self._engine().register_memory(memory.address, memory.length, keepalive)
+        return Region(native, self, memory)
+
+    def stream(self, gpu: int = 0) -> "Stream":
+        """A new stream of GPU ``gpu`` (non-blocking): to queue copies on,
+        or to name as a transfer's ``stream=``."""
+        return Stream(self._engine().stream(gpu))
+
+    def _own_stream(self, gpu: int) -> "Stream":
+        # The stream DLPack producers order their work before (one per GPU,
+        # made on first use).
+        if gpu not in self._streams:
+            self._streams[gpu] = self.stream(gpu)
+        return self._streams[gpu]
 
     def alloc(self, length: int, kind: str = "host", gpu: int = 0) -> Region:
         """``length`` bytes the engine allocates and registers: ``"host"``,

@@ -3,16 +3,22 @@ keeps them valid (the object, plus the export that pins it: a memoryview
 keeps a ``bytearray`` from being resized, a DLPack capsule owns its
 tensor's reference).
 
-Accepted, in this order:
+Accepted, in this order (``via=`` picks one):
 
 - ``(address, length, device)``: the raw form NIXL and Mooncake take
   (``device`` ``None`` or -1 for host memory); the caller keeps the memory
   valid while gdr uses it;
+- ``__dlpack__`` (torch, CuPy, numpy, JAX): C-contiguous;
 - ``__cuda_array_interface__`` (CuPy, torch CUDA tensors, Numba): version 2
   or later, C-contiguous;
-- ``__dlpack__`` (torch, CuPy, numpy, JAX): C-contiguous;
 - the buffer protocol (``bytes`` for reading, ``bytearray``,
   ``memoryview``, numpy arrays, ``array.array``, ``mmap``): C-contiguous.
+
+DLPack comes first where an object has both: a transfer of GPU memory
+registered through it is ordered after the work queued on the producer's
+current stream by DLPack's own exchange (``__dlpack__(stream=...)``), with
+no wait on anything else. Through the CUDA array interface it is ordered
+after the stream the interface names, if it names one.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ class Memory:
     device: Optional[int]
     readonly: bool
     keepalive: Any
-    stream: Optional[int] = None
+    #: How it was taken: ``"raw"``, ``"dlpack"``, ``"cai"`` or ``"buffer"``.
+    via: str = "raw"
+    #: The object itself (what a transfer asks for its stream).
+    source: Any = None
 
 
 class _PyBuffer(ctypes.Structure):
@@ -113,8 +122,7 @@ def _from_cuda_array_interface(obj: Any, cai: dict[str, Any]) -> Memory:
     length = itemsize
     for extent in shape:
         length *= extent
-    stream = cai.get("stream")
-    return Memory(int(address), length, None, bool(readonly), obj, None if stream is None else int(stream))
+    return Memory(int(address), length, None, bool(readonly), obj, "cai", obj)
 
 
 class _DLDevice(ctypes.Structure):
@@ -173,13 +181,22 @@ def _from_dlpack(obj: Any) -> Memory:
     else:
         raise InvalidArgument(f"DLPack device type {kind} is not host or CUDA memory")
     address = int(tensor.data or 0) + int(tensor.byte_offset)
-    return Memory(address, length, device, False, (obj, capsule))
+    return Memory(address, length, device, False, (obj, capsule), "dlpack", obj)
 
 
-def memory_of(obj: Any, *, writable: bool = False) -> Memory:
-    """Where ``obj``'s memory is; raises :class:`InvalidArgument` for an
-    object gdr cannot take memory from."""
-    if isinstance(obj, tuple):
+_VIAS = ("dlpack", "cai", "buffer")
+
+
+def memory_of(obj: Any, *, writable: bool = False, via: Optional[str] = None) -> Memory:
+    """Where ``obj``'s memory is, taken through ``via`` (``"dlpack"``,
+    ``"cai"``, ``"buffer"``; ``None``: the first the object offers, in the
+    order above); raises :class:`InvalidArgument` for an object gdr cannot
+    take memory from that way."""
+    if via is not None and via not in _VIAS:
+        raise InvalidArgument(f'via: {via!r} is not "dlpack", "cai" or "buffer"')
+    if via is not None:
+        memory = _memory_via(obj, via)
+    elif isinstance(obj, tuple):
         if len(obj) != 3:
             raise InvalidArgument("a raw memory tuple is (address, length, device)")
         address, length, device = obj
@@ -188,9 +205,6 @@ def memory_of(obj: Any, *, writable: bool = False) -> Memory:
         if device is not None and (not isinstance(device, int) or device < -1):
             raise InvalidArgument(f"raw memory: device {device!r} is not a GPU index, -1 or None")
         return Memory(address, length, None if device in (None, -1) else device, False, None)
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:
-        memory = _from_cuda_array_interface(obj, cai)
     elif hasattr(obj, "__dlpack__") and not isinstance(obj, (bytes, bytearray, memoryview)):
         try:
             memory = _from_dlpack(obj)
@@ -198,6 +212,8 @@ def memory_of(obj: Any, *, writable: bool = False) -> Memory:
             # A read-only numpy array refuses DLPack export: its buffer
             # still serves.
             memory = _from_buffer(obj)
+    elif getattr(obj, "__cuda_array_interface__", None) is not None:
+        memory = _from_cuda_array_interface(obj, obj.__cuda_array_interface__)
     else:
         memory = _from_buffer(obj)
     if writable and memory.readonly:
@@ -205,6 +221,19 @@ def memory_of(obj: Any, *, writable: bool = False) -> Memory:
     if memory.length <= 0:
         raise InvalidArgument("the object holds no bytes")
     return memory
+
+
+def _memory_via(obj: Any, via: str) -> Memory:
+    if via == "dlpack":
+        if not hasattr(obj, "__dlpack__"):
+            raise InvalidArgument(f"{type(obj).__name__} has no __dlpack__")
+        return _from_dlpack(obj)
+    if via == "cai":
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        if cai is None:
+            raise InvalidArgument(f"{type(obj).__name__} has no __cuda_array_interface__")
+        return _from_cuda_array_interface(obj, cai)
+    return _from_buffer(obj)
 
 
 def _from_buffer(obj: Any) -> Memory:
@@ -221,4 +250,4 @@ def _from_buffer(obj: Any) -> Memory:
         raise InvalidArgument("the object holds no bytes")
     # The memoryview stays with the region: while it lives a bytearray
     # cannot be resized (its memory moved) under the NIC.
-    return Memory(_buffer_address(view), view.nbytes, None, bool(view.readonly), (obj, view))
+    return Memory(_buffer_address(view), view.nbytes, None, bool(view.readonly), (obj, view), "buffer", obj)
