@@ -11,6 +11,7 @@ import time
 import weakref
 
 import numpy as np
+import pytest
 
 import gdr
 
@@ -181,3 +182,29 @@ def test_a_block_list_batch_holds_its_region(granted) -> None:
     del batch
     gc.collect()
     assert released == [True]
+
+
+def test_a_cancelled_await_cancels_the_batch(granted) -> None:
+    pair, _target, _grant, remote = granted
+    region = pair.client.register(np.ones(1 << 20, dtype=np.uint8))
+    zeros = np.zeros(256, dtype=np.uint64)
+
+    async def main() -> gdr.Batch:
+        # 256 MiB of WRITEs: still running when the task is cancelled.
+        batch = pair.to_server.write(region, remote, zeros, zeros, 1 << 20)
+        task = asyncio.ensure_future(_await(batch))
+        await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return batch
+        raise AssertionError("the task was not cancelled")
+
+    batch = asyncio.run(main())
+    with pytest.raises(gdr.Cancelled):
+        batch.wait(WAIT)
+
+
+async def _await(batch: gdr.Batch) -> None:
+    await batch

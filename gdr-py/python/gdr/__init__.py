@@ -202,6 +202,8 @@ class Batch:
         self._native.cancel()
 
     def __await__(self) -> Generator[Any, None, None]:
+        """Awaits its end under asyncio; cancelling the awaiting task
+        cancels the batch."""
         return _LoopNotifier.of(asyncio.get_running_loop()).wait(self).__await__()
 
     def __repr__(self) -> str:
@@ -234,6 +236,9 @@ class _LoopNotifier:
 
     def wait(self, batch: Batch) -> "asyncio.Future[None]":
         future: asyncio.Future[None] = self._loop.create_future()
+        # A cancelled await (task.cancel(), asyncio.wait_for's timeout)
+        # cancels the batch: nothing of it runs after.
+        future.add_done_callback(lambda done: batch.cancel() if done.cancelled() else None)
         token = next(self._tokens)
         if batch._native.notify(self._native, token):
             self._settle(future, batch)
