@@ -15,6 +15,9 @@
 #      like any other.
 # PYTHON picks the interpreter (default python3).
 #
+# With --pip: the README's `pip install ./gdr-py` into a fresh virtual
+# environment, and the suite against it.
+#
 # With --rxe: the tests that need rdma-core (gdr-py/tests/test_rxe.py: two
 # Python processes over rxe0), run inside the SoftRoCE guest with the
 # environment and wheel a run without --rxe left (the guest boots with the
@@ -27,6 +30,22 @@ cd "$ROOT"
 TARGET=$(cargo_target_dir)
 VENV="$TARGET/py-venv"
 WHEELS="$TARGET/wheels"
+if [ "${1:-}" = --pip ]; then
+  # The README's install, as a user runs it: a fresh virtual environment,
+  # `pip install ./gdr-py` (maturin from PyPI builds the extension, release
+  # profile), then the suite against that install (pytest and numpy added).
+  fresh=$(mktemp -d)
+  trap 'rm -rf "$fresh"' EXIT
+  "${PYTHON:-python3}" -m venv "$fresh/venv"
+  "$fresh/venv/bin/pip" install -q --disable-pip-version-check ./gdr-py
+  "$fresh/venv/bin/pip" install -q --disable-pip-version-check "pytest>=7" "numpy>=1.21"
+  cd gdr-py
+  site=$("$fresh/venv/bin/python" -c 'import gdr, os; print(os.path.dirname(gdr.__file__))')
+  case $site in "$fresh"/*) ;; *) echo "python-tests: gdr came from $site, not the install" >&2; exit 1 ;; esac
+  status=0
+  "$fresh/venv/bin/python" -m pytest -q -p no:cacheprovider tests || status=$?
+  exit "$status"
+fi
 if [ "${1:-}" = --rxe ]; then
   [ -x "$VENV/bin/python" ] || { echo "python-tests: no $VENV (run without --rxe first)" >&2; exit 1; }
   cd gdr-py

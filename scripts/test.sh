@@ -38,6 +38,9 @@ stage guide-examples "$ROOT/scripts/docs-check.sh" || failed=1
 # compiled dependencies), installed into a virtual environment, and its
 # pytest suite on the simulation.
 stage python "$ROOT/scripts/python-tests.sh" || failed=1
+# The README's `pip install ./gdr-py` into a fresh virtual environment, and
+# the suite against that install.
+stage python-pip "$ROOT/scripts/python-tests.sh" --pip || failed=1
 stage softroce-selftest "$ROOT/softroce/selftest.sh" || failed=1
 # The C ABI's transfer test against rdma-core (rxe0) in the guest, the
 # binary scripts/c-tests.sh built (host memory: the guest has no GPU).
