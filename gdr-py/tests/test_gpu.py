@@ -192,4 +192,7 @@ def test_describe_reports_the_gpu(torch: Any) -> None:
     with gdr.Engine(backend="auto") as engine:
         report = engine.describe()
         assert engine.gpu_count() == torch.cuda.device_count()
-        assert "gpus" in report and len(report["gpus"]) == torch.cuda.device_count(), report.keys()
+        gpus = report["gpus"]["gpus"]
+        assert len(gpus) == torch.cuda.device_count(), report["gpus"]
+        assert torch.cuda.get_device_name(0) in gpus[0]["name"] or gpus[0]["name"] in torch.cuda.get_device_name(0)
+        assert report["backends"]["cuda"] not in (None, "sim"), report["backends"]

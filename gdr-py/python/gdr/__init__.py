@@ -67,12 +67,13 @@ class Region:
     It keeps the object it was registered from alive until it, and every
     grant and batch of it, are gone."""
 
-    __slots__ = ("_native", "_engine", "_memory", "__weakref__")
+    __slots__ = ("_native", "_engine", "_memory", "_device", "__weakref__")
 
     def __init__(self, native: Any, engine: "Engine", memory: Optional[Memory] = None) -> None:
         self._native = native
         self._engine = engine
         self._memory = memory
+        self._device: Optional[int] = native.device
 
     def __len__(self) -> int:
         return len(self._native)
@@ -85,8 +86,7 @@ class Region:
     @property
     def device(self) -> Optional[int]:
         """The GPU it lives on; None for host memory."""
-        device: Optional[int] = self._native.device
-        return device
+        return self._device
 
     @property
     def obj(self) -> Any:
@@ -436,7 +436,9 @@ class Peer:
         timeout: Optional[float],
         stream: Any,
     ) -> Batch:
-        after = _gate(self._engine, (region,), stream)
+        # Host memory with no stream named: nothing to order after (the
+        # common case, kept cheap).
+        after = None if stream is None and region._device is None else _gate(self._engine, (region,), stream)
         if type(local_offset) is int and type(remote_offset) is int and (length is None or type(length) is int):
             n = len(region) - local_offset if length is None else length
             transfer = (op, region._native, local_offset, remote, remote_offset, n)
