@@ -94,7 +94,9 @@ fi
 stage loom "$ROOT/scripts/loom-mutants.sh" || failed=1
 # Planted bugs in gdr-proto's peer-copy and gate protocols: its in-memory
 # tests must catch each one.
-stage proto-mutants python3 "$ROOT/scripts/proto-planted-bugs.py" || failed=1
+# Incremental for this stage alone: each planted bug rebuilds gdr-proto and
+# its tests, and the unchanged rest is reused (CI turns incremental off).
+stage proto-mutants env CARGO_INCREMENTAL=1 python3 "$ROOT/scripts/proto-planted-bugs.py" || failed=1
 for target in descriptor handshake control uri; do
   stage "fuzz-$target" "$ROOT/scripts/fuzz.sh" "${GDR_FUZZ_SECONDS:-20}" "$target" || failed=1
 done
