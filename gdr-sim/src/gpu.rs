@@ -284,6 +284,29 @@ impl ProcessState {
     }
 }
 
+/// What a simulated process holds ([`SimCuda::resources`]). Exported
+/// dma-buf and IPC fds are plain fds of the process: count them in
+/// `/proc/self/fd`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaResources {
+    /// Device memory allocated on the process's node's GPUs (shared with
+    /// the node's other processes).
+    pub device_bytes: u64,
+    /// Pinned host memory the simulation allocated for this process.
+    pub pinned_bytes: u64,
+    /// Host memory this process registered (`cuMemHostRegister`).
+    pub host_registered_bytes: u64,
+    /// Streams alive.
+    pub streams: usize,
+}
+
+impl CudaResources {
+    /// Whether nothing is left.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// The simulated CUDA backend's handle types.
 #[derive(Debug)]
 pub struct SimCudaApi;
@@ -359,6 +382,26 @@ impl SimCuda {
     /// done; synchronizing still runs it.
     pub fn set_paused(&self, paused: bool) {
         self.process.paused.store(paused, Ordering::SeqCst);
+    }
+
+    /// What this process holds of the simulated CUDA now: what a test
+    /// asserts is back to zero once everything using it is dropped.
+    pub fn resources(&self) -> CudaResources {
+        let pinned = lock(&self.process.pinned);
+        let (allocated, registered): (Vec<_>, Vec<_>) = pinned
+            .values()
+            .partition(|range| range.mapping.strong_count() > 0);
+        CudaResources {
+            device_bytes: (0..self.process.gpus.len() as u32)
+                .map(|ordinal| self.used_bytes(ordinal))
+                .sum(),
+            pinned_bytes: allocated.iter().map(|range| range.len as u64).sum(),
+            host_registered_bytes: registered.iter().map(|range| range.len as u64).sum(),
+            streams: lock(&self.process.streams)
+                .values()
+                .filter(|(_, live)| live.strong_count() > 0)
+                .count(),
+        }
     }
 
     /// Device memory in use on GPU `ordinal`, in bytes.

@@ -84,10 +84,11 @@ pub mod memory;
 pub mod nic;
 
 pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
-pub use gpu::{GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
+pub use gpu::{CudaResources, GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
 pub use memory::{FreedAllocation, UseAfterFree};
 pub use nic::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};
 pub use nic::{
-    DeviceConfig, NodeConfig, SimCm, SimCompChannel, SimConnectRequest, SimConnection, SimContext,
-    SimCq, SimFabric, SimListener, SimMr, SimPd, SimQp, SimVerbs, SimVerbsApi,
+    DeviceConfig, NicResources, NodeConfig, SimCm, SimCompChannel, SimConnectRequest,
+    SimConnection, SimContext, SimCq, SimFabric, SimListener, SimMr, SimPd, SimQp, SimVerbs,
+    SimVerbsApi,
 };

@@ -829,6 +829,33 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
 }
 
 impl EngineWorld<SimVerbsApi> {
+    /// Drops the world (both engines, their peers and all they hold) and
+    /// checks nothing is left: no MR, QP, CQ, listener, connection or
+    /// connection request on the fabric, no device or pinned byte, host
+    /// registration or stream in either process's simulated CUDA. The
+    /// caller drops its own buffers, regions, grants and batches first.
+    pub fn close_and_check_released(self) {
+        let fabric = self.fabric().clone();
+        let cudas = [self.a.cuda.clone(), self.b.cuda.clone()];
+        drop(self);
+        // KNOWN DEFECT (issue 23, found by this check): each listener's
+        // thread notices its engine's drop only at the end of its idle
+        // wait (`LISTENER_IDLE`, 1 s), and holds the connection manager's
+        // listener (its port) until then. Waited for here, bounded, until
+        // the thread is woken at the engine's teardown.
+        let dropped = std::time::Instant::now();
+        let mut left = fabric.resources();
+        while left.listeners > 0 && dropped.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(1));
+            left = fabric.resources();
+        }
+        assert!(left.is_empty(), "the fabric kept {left:?}");
+        for (side, cuda) in ["a", "b"].into_iter().zip(cudas) {
+            let left = cuda.resources();
+            assert!(left.is_empty(), "{side}'s simulated CUDA kept {left:?}");
+        }
+    }
+
     /// A third node `name` on the fabric (one NIC, one simulated GPU, an
     /// engine configured as `config`) connected to b: returns it, its end
     /// of the connection and b's. For b serving two peers at once.

@@ -195,7 +195,6 @@ impl Core {
     }
 
     /// Batches not yet released.
-    #[cfg(all(test, loom))]
     pub fn batches_live(&self) -> usize {
         self.batches.batches_live()
     }

@@ -407,6 +407,57 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
 /// Control messages a peer may have waiting for a send slot.
 const MAX_OUTBOX: usize = 1 << 16;
 
+/// What an engine holds ([`Engine::resources`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineResources {
+    /// Drivers running: threads of `spawn_driver`, the engine's own
+    /// thread, tokio tasks.
+    pub drivers: usize,
+    /// Whether the engine's own progress thread runs.
+    pub own_driver: bool,
+    /// Batches on queue pairs not ended.
+    pub batches: usize,
+    /// Staged transfers going through a staging pool.
+    pub staged_transfers: usize,
+    /// Posts of several staged transfers not ended.
+    pub staged_groups: usize,
+    /// Each peer the engine holds (closed ones included until the engine
+    /// goes).
+    pub peers: Vec<PeerResources>,
+}
+
+/// What an engine holds for one peer ([`EngineResources::peers`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PeerResources {
+    /// The peer's engine id.
+    pub remote_engine: u64,
+    /// Whether the peer is gone (closed, failed, given up).
+    pub gone: bool,
+    /// Queue pairs to it.
+    pub queue_pairs: usize,
+    /// This side's grants announced to it and not revoked.
+    pub grants_announced: usize,
+    /// Its grants to this side (bounded by the engine's limit).
+    pub remote_grants: usize,
+    /// Its messages not yet received (bounded by count and bytes).
+    pub inbox_messages: usize,
+    /// Their bytes.
+    pub inbox_bytes: usize,
+    /// This side's control messages waiting for a send slot (bounded).
+    pub outbox_messages: usize,
+    /// This side's grants of staging-rung memory to it: live, or revoked
+    /// while a request under them still runs.
+    pub staged_grants: usize,
+    /// Its requests served through the landing slots lent to it (bounded).
+    pub requests_served: usize,
+    /// Copies into or out of those slots running.
+    pub copies: usize,
+    /// This side's requests through its landing slots.
+    pub requests_asked: usize,
+}
+
 impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
     /// Queues control message `message` for the peer, to go out by
     /// `now + timeout`; the cell ends when the peer's NIC has it.
@@ -963,6 +1014,47 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The configuration.
     pub fn config(&self) -> &EngineConfig {
         &self.shared.config
+    }
+
+    /// What the engine holds now: its work in flight and each peer's
+    /// state on this side (every part of it bounded by the engine's
+    /// limits). Tests read it to see state come back to the engine's
+    /// baseline once the work and the peers are gone.
+    pub fn resources(&self) -> EngineResources {
+        let state = lock(&self.shared.state);
+        let (staged_transfers, staged_groups) = state.paths.staged.load();
+        let peers = state
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, peer)| peer.as_ref().map(|p| (slot, p)))
+            .map(|(slot, peer)| {
+                let (staged_grants, requests_served, copies, requests_asked) =
+                    state.paths.staged.peer_load(slot);
+                PeerResources {
+                    remote_engine: peer.engine,
+                    gone: peer.gone.is_some(),
+                    queue_pairs: peer.qps.len(),
+                    grants_announced: peer.granted.len(),
+                    remote_grants: peer.remote_grants.len(),
+                    inbox_messages: peer.inbox.len(),
+                    inbox_bytes: peer.inbox.bytes(),
+                    outbox_messages: peer.outbox.len(),
+                    staged_grants,
+                    requests_served,
+                    copies,
+                    requests_asked,
+                }
+            })
+            .collect();
+        EngineResources {
+            drivers: self.shared.drivers.load(Ordering::Acquire),
+            own_driver: self.shared.own_driver.load(Ordering::Acquire),
+            batches: state.core.batches_live(),
+            staged_transfers,
+            staged_groups,
+            peers,
+        }
     }
 
     /// Peers this engine holds: those connected or accepted, closed ones

@@ -213,6 +213,12 @@ pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
 }
 
 impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
+    /// The peer's requests served through the landing slots now, and the
+    /// copies in or out of them running.
+    pub fn load(&self) -> (usize, usize) {
+        (self.owner.requests(), self.copies.len())
+    }
+
     /// Nothing lent yet, under `limits`.
     pub fn new(limits: &PeerLimits) -> Self {
         Self {
@@ -301,6 +307,13 @@ pub(super) struct Asks<V: Api, C: hal_cuda::Api> {
     /// The peer's landing slots lent to this side (their grant).
     slots: Option<PeerSlots>,
     asking: HashMap<u64, Asking<V, C>>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
+    /// This side's requests through the peer's landing slots now.
+    pub fn asked(&self) -> usize {
+        self.asking.len()
+    }
 }
 
 impl<V: Api, C: hal_cuda::Api> Default for Asks<V, C> {

@@ -259,6 +259,26 @@ impl<V: Api, C: hal_cuda::Api> Default for StagedPath<V, C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
+    /// What the staged path holds for the peer in `slot`: this side's
+    /// staged grants (live, or revoked while a request under them runs),
+    /// the peer's requests served, copies running for them, and this
+    /// side's requests asked.
+    pub(crate) fn peer_load(&self, slot: usize) -> (usize, usize, usize, usize) {
+        match self.peers.get(slot).and_then(Option::as_ref) {
+            Some(peer) => {
+                let (served, copies) = peer.landing.load();
+                (peer.served.len(), served, copies, peer.asks.asked())
+            }
+            None => (0, 0, 0, 0),
+        }
+    }
+
+    /// Staged transfers going through a pool, and posts of several
+    /// transfers not ended.
+    pub(crate) fn load(&self) -> (usize, usize) {
+        (self.pipes.len(), self.groups.len())
+    }
+
     /// A peer connected in `slot`: nothing staged with it yet.
     pub(crate) fn add_peer(&mut self, slot: usize, limits: &PeerLimits) {
         if self.peers.len() <= slot {

@@ -114,6 +114,11 @@ struct ConnRecord {
 }
 
 impl CmState {
+    /// Listeners, pending connection requests and live connections.
+    pub(crate) fn counts(&self) -> (usize, usize, usize) {
+        (self.listeners.len(), self.requests.len(), self.conns.len())
+    }
+
     fn port(&mut self, ip: Ipv4Addr) -> u16 {
         if self.next_port < FIRST_EPHEMERAL_PORT {
             self.next_port = FIRST_EPHEMERAL_PORT;

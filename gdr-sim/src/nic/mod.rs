@@ -886,6 +886,48 @@ fn run_dma(job: DmaJob) {
     }
 }
 
+/// What lives on a fabric (or one node of it): what a test asserts is back
+/// to zero once everything using it is dropped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NicResources {
+    /// Memory regions registered.
+    pub mrs: usize,
+    /// Queue pairs.
+    pub qps: usize,
+    /// Completion queues.
+    pub cqs: usize,
+    /// Connection-manager listeners (the whole fabric's only).
+    pub listeners: usize,
+    /// Connection requests not yet accepted or refused (the whole
+    /// fabric's only).
+    pub requests: usize,
+    /// Connections of the connection manager (the whole fabric's only).
+    pub connections: usize,
+}
+
+impl NicResources {
+    /// Whether nothing is left.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+impl SimFabric {
+    /// What lives on the fabric now.
+    pub fn resources(&self) -> NicResources {
+        let state = self.lock();
+        let (listeners, requests, connections) = state.cm.counts();
+        NicResources {
+            mrs: state.mrs.len(),
+            qps: state.qps.len(),
+            cqs: state.cqs.len(),
+            listeners,
+            requests,
+            connections,
+        }
+    }
+}
+
 /// One simulated node's verbs provider.
 #[derive(Debug, Clone)]
 pub struct SimVerbs {
@@ -897,6 +939,31 @@ impl SimVerbs {
     /// The fabric the node is on.
     pub fn fabric(&self) -> &SimFabric {
         &self.fabric
+    }
+
+    /// What lives on the node's devices now: MRs, QPs and CQs (the
+    /// connection manager's records are the fabric's: zero here).
+    pub fn resources(&self) -> NicResources {
+        let state = self.fabric.lock();
+        let devices = &state.nodes[self.node].devices;
+        NicResources {
+            mrs: state
+                .mrs
+                .values()
+                .filter(|m| devices.contains(&m.device))
+                .count(),
+            qps: state
+                .qps
+                .values()
+                .filter(|q| devices.contains(&q.device))
+                .count(),
+            cqs: state
+                .cqs
+                .values()
+                .filter(|c| devices.contains(&c.device))
+                .count(),
+            ..NicResources::default()
+        }
     }
 
     /// The node's name, as given to [`SimFabric::add_node`].
