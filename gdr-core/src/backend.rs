@@ -362,18 +362,45 @@ fn real_verbs<C: hal_cuda::Api>(
     backends
 }
 
-/// The simulated NIC (node `local` of a new fabric, one default device)
+/// The simulated fabric of this process: every simulated NIC the library
+/// opens by itself ([`BackendChoice::Sim`], or the fallback where rdma-core
+/// has no device) is a node of it, so the engines of one process reach
+/// each other as machines of one network do.
+#[cfg(feature = "sim")]
+pub(crate) static SIM_FABRIC: std::sync::LazyLock<SimFabric> =
+    std::sync::LazyLock::new(SimFabric::new);
+
+/// First address of [`SIM_FABRIC`]'s nodes: 10.128.0.0/9, four addresses
+/// a node (apart from the `10.77.<node>.1` the fabric assigns itself).
+#[cfg(feature = "sim")]
+const SIM_NODE_BASE: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 128, 0, 1);
+
+/// An address of its own for the next node of [`SIM_FABRIC`]; `None` once
+/// 10.128.0.0/9 is used up.
+#[cfg(feature = "sim")]
+pub(crate) fn next_sim_node_address() -> Option<std::net::Ipv4Addr> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NODES: AtomicU32 = AtomicU32::new(0);
+    NODES
+        .fetch_add(1, Ordering::Relaxed)
+        .checked_mul(4)
+        .and_then(|o| u32::from(SIM_NODE_BASE).checked_add(o))
+        .map(std::net::Ipv4Addr::from)
+        .filter(|a| a.octets()[0] == 10)
+}
+
+/// The simulated NIC (a new node of [`SIM_FABRIC`], one default device)
 /// beside `cuda`.
 #[cfg(feature = "sim")]
 fn sim_verbs<C: hal_cuda::Api>(
     cuda: Option<C::Driver>,
     notes: Vec<String>,
 ) -> Backends<SimVerbsApi, C> {
-    let sim = Backends::<SimVerbsApi, SimCudaApi>::sim(
-        &SimFabric::new(),
-        NodeConfig::default(),
-        Vec::new(),
-    );
+    let node = NodeConfig {
+        ipv4: next_sim_node_address(),
+        ..NodeConfig::default()
+    };
+    let sim = Backends::<SimVerbsApi, SimCudaApi>::sim(&SIM_FABRIC, node, Vec::new());
     Backends {
         verbs: sim.verbs,
         cuda,

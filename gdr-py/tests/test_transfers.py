@@ -9,7 +9,7 @@ import numpy as np
 
 import gdr
 
-from conftest import WAIT
+from conftest import WAIT, connect
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -187,3 +187,19 @@ def test_a_transfer_waits_for_the_stream_it_is_given(granted) -> None:
         given = stream.handle if as_handle else stream
         pair.to_server.submit([(gdr.WRITE, gpu, 0, remote, 0, 1 << 16)], stream=given).wait(WAIT)
         assert np.array_equal(target[: 1 << 16], pattern(1 << 16, seed)), f"stream as handle: {as_handle}"
+
+
+def test_two_auto_engines_of_one_process_reach_each_other() -> None:
+    # Where no RDMA device is, "auto" falls back to the simulated NIC: a
+    # node of the process's one simulated fabric each, at an address of
+    # its own, as "sim" does.
+    server, client = gdr.Engine(backend="auto"), gdr.Engine(backend="auto")
+    if server.backends()[0] != "sim":
+        return  # real RDMA here: nothing falls back
+    assert server.nic_address() != client.nic_address()
+    pair = connect(server, client)
+    target = np.zeros(4096, dtype=np.uint8)
+    grant = pair.to_client.grant(pair.server.register(target))
+    remote = pair.to_server.wait_grant(grant.id, WAIT)
+    pair.to_server.write(pair.client.register(pattern(4096, 5)), remote).wait(WAIT)
+    assert np.array_equal(target, pattern(4096, 5))

@@ -3,9 +3,9 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use hal_cuda::{Context as _, Driver as _};
 use hal_verbs::{AddressFamily, Context as _, Provider as _};
@@ -71,7 +71,7 @@ impl Context {
     /// [`BackendChoice::Sim`] makes with the defaults.
     #[cfg(feature = "sim")]
     pub fn sim(node: gdr_sim::NodeConfig, gpus: Vec<gdr_sim::GpuConfig>) -> Result<Self, Error> {
-        let backends = Backends::sim(&SIM_FABRIC, node, gpus).with_note(
+        let backends = Backends::sim(&crate::backend::SIM_FABRIC, node, gpus).with_note(
             "simulated node on this process's simulated fabric (shared by every sim context)",
         );
         Ok(Self {
@@ -425,31 +425,14 @@ impl BackendTask for Open {
     }
 }
 
-/// The simulated fabric of this process: every simulated context is a node
-/// of it.
-#[cfg(feature = "sim")]
-static SIM_FABRIC: LazyLock<gdr_sim::SimFabric> = LazyLock::new(gdr_sim::SimFabric::new);
-
-/// First address of the sim contexts' nodes: 10.128.0.0/9, four addresses
-/// per node (apart from the `10.77.<node>.1` the fabric assigns itself).
-#[cfg(feature = "sim")]
-const SIM_NODE_BASE: Ipv4Addr = Ipv4Addr::new(10, 128, 0, 1);
-
-/// The simulation for a new context: a node of [`SIM_FABRIC`] with one NIC
-/// at an address of its own, and one simulated GPU.
+/// The simulation for a new context: a node of the process's simulated
+/// fabric with one NIC at an address of its own, and one simulated GPU.
 #[cfg(feature = "sim")]
 fn sim_node() -> Result<Backends<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi>, Error> {
     use gdr_sim::{DeviceConfig, GpuConfig, NodeConfig};
-    static NODES: AtomicU32 = AtomicU32::new(0);
-    let node = NODES.fetch_add(1, Ordering::Relaxed);
-    let addr = node
-        .checked_mul(4)
-        .and_then(|o| u32::from(SIM_NODE_BASE).checked_add(o))
-        .map(Ipv4Addr::from)
-        .filter(|a| a.octets()[0] == 10)
-        .ok_or(Error::SimFabricFull)?;
+    let addr = crate::backend::next_sim_node_address().ok_or(Error::SimFabricFull)?;
     let backends = Backends::sim(
-        &SIM_FABRIC,
+        &crate::backend::SIM_FABRIC,
         NodeConfig {
             ipv4: Some(addr),
             devices: vec![DeviceConfig::default()],
