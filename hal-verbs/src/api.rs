@@ -364,6 +364,10 @@ pub trait Listener<A: Api>: Send + Sync + Debug {
     /// Waits up to `timeout` for the next connect request
     /// ([`crate::VerbsError::Timeout`] when none came).
     fn next_request(&self, timeout: Duration) -> Result<A::ConnectRequest>;
+    /// Ends the `next_request` waiting now, or else the next one to wait,
+    /// at once with [`crate::VerbsError::Timeout`]: for the thread serving
+    /// the listener to look at something else (its owner going).
+    fn wake(&self);
 }
 
 /// A connect request, to accept or reject. Dropping it rejects it.

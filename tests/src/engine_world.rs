@@ -838,17 +838,7 @@ impl EngineWorld<SimVerbsApi> {
         let fabric = self.fabric().clone();
         let cudas = [self.a.cuda.clone(), self.b.cuda.clone()];
         drop(self);
-        // KNOWN DEFECT (issue 23, found by this check): each listener's
-        // thread notices its engine's drop only at the end of its idle
-        // wait (`LISTENER_IDLE`, 1 s), and holds the connection manager's
-        // listener (its port) until then. Waited for here, bounded, until
-        // the thread is woken at the engine's teardown.
-        let dropped = std::time::Instant::now();
-        let mut left = fabric.resources();
-        while left.listeners > 0 && dropped.elapsed() < Duration::from_secs(2) {
-            std::thread::sleep(Duration::from_millis(1));
-            left = fabric.resources();
-        }
+        let left = fabric.resources();
         assert!(left.is_empty(), "the fabric kept {left:?}");
         for (side, cuda) in ["a", "b"].into_iter().zip(cudas) {
             let left = cuda.resources();

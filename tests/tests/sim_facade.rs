@@ -349,3 +349,19 @@ fn a_batch_gated_on_a_borrowed_stream_moves_what_the_streams_owner_queued_first(
         "a destroyed stream: {gone:?}"
     );
 }
+
+#[test]
+fn a_dropped_engines_port_can_be_listened_on_again_at_once() {
+    let context = Context::open(BackendChoice::Sim).expect("context");
+    let first = context.engine(EngineConfig::default()).expect("engine");
+    let ip = first.nic_address(&first.nics()[0]).expect("address");
+    let listener = first.listen((ip, 0).into()).expect("listen");
+    let addr = listener.local_addr();
+    drop(listener);
+    drop(first);
+    // The engine's listener thread went with it (it used to keep the port
+    // until the end of its idle wait, up to a second).
+    let second = context.engine(EngineConfig::default()).expect("engine");
+    let again = second.listen(addr);
+    assert!(again.is_ok(), "{addr} is still taken: {again:?}");
+}

@@ -41,6 +41,29 @@ pub(super) struct ListenerInner<V: Api> {
     pub(super) arrived: std::sync::Condvar,
 }
 
+/// A listener's serving thread, as its engine keeps it.
+pub(super) struct ListenerThread<V: Api> {
+    listener: std::sync::Weak<ListenerInner<V>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl<V: Api> ListenerThread<V> {
+    fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Wakes the thread (its engine closed: its next step ends it) and
+    /// waits for it to end, which drops the listener.
+    pub(super) fn stop(self) {
+        if let Some(inner) = self.listener.upgrade() {
+            inner.listener.wake();
+        }
+        if self.thread.join().is_err() {
+            tracing::warn!("a listener's thread panicked");
+        }
+    }
+}
+
 impl<V: Api> ListenerInner<V> {
     pub(super) fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting<V>> {
         self.waiting
@@ -159,7 +182,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let weak = Arc::downgrade(&self.shared);
         let holds = Arc::clone(&self.shared.holds);
         let served = Arc::clone(&inner);
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("gdr-listener".into())
             .spawn(move || Self::serve_listener(weak, holds, served))
             .map_err(|source| {
@@ -168,6 +191,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     source,
                 })
             })?;
+        let mut threads = super::lock(&self.shared.listener_threads);
+        // Threads that ended already (none do while the engine lives) go.
+        threads.retain(|t| !t.is_finished());
+        threads.push(ListenerThread {
+            listener: Arc::downgrade(&inner),
+            thread,
+        });
+        drop(threads);
         Ok(EngineListener {
             engine: self.clone(),
             inner,

@@ -736,6 +736,10 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     holds: Arc<InternalHolds>,
     /// How the engine waits ([`reactor`]).
     reactor: Arc<reactor::Reactor>,
+    /// Each listener's thread: woken and joined when the engine closes, so
+    /// its listener (and port) goes with the engine, not at the end of the
+    /// thread's idle wait.
+    listener_threads: Mutex<Vec<listener::ListenerThread<V>>>,
 }
 
 /// Lets the engine's shared part read as its resources.
@@ -839,12 +843,23 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
                 }
             }
         };
-        if Arc::strong_count(&self.shared) == 1 {
+        let last = Arc::strong_count(&self.shared) == 1;
+        if last {
             *closed = true;
         }
         // Under the write guard: the next step sees `closed` (or, if
         // another handle appeared, runs as before).
         holds.closing.store(false, Ordering::SeqCst);
+        drop(closed);
+        if last {
+            // Each listener's thread sees `closed` at its next step: told
+            // to take it now, and waited for, its listener goes before the
+            // engine's drop returns.
+            let threads = std::mem::take(&mut *lock(&self.shared.listener_threads));
+            for thread in threads {
+                thread.stop();
+            }
+        }
     }
 }
 
@@ -972,6 +987,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             res: Resources::new(fresh_id(), config, cm, nics),
             drivers: Arc::default(),
             own_driver: Default::default(),
+            listener_threads: Mutex::default(),
             holds: Arc::default(),
             reactor: Arc::new(reactor::Reactor::new().map_err(|e| {
                 EngineError::Unavailable(Unavailable::Os {

@@ -544,6 +544,7 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
             fabric: self.fabric.clone(),
             key: (ip, port),
             id,
+            woken: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -717,11 +718,20 @@ pub struct SimListener {
     fabric: SimFabric,
     key: (Ipv4Addr, u16),
     id: u64,
+    /// Set by [`Listener::wake`], taken by the wait it ends.
+    woken: std::sync::atomic::AtomicBool,
 }
 
 impl Listener<SimVerbsApi> for SimListener {
     fn local_addr(&self) -> SocketAddr {
         SocketAddr::from(self.key)
+    }
+
+    fn wake(&self) {
+        // Under the fabric's lock: a wait checks the flag before it sleeps.
+        let _state = self.fabric.lock();
+        self.woken.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.fabric.cm_cond.notify_all();
     }
 
     fn next_request(&self, timeout: Duration) -> Result<SimConnectRequest> {
@@ -751,6 +761,13 @@ impl Listener<SimVerbsApi> for SimListener {
                     });
                 }
                 continue;
+            }
+            if self.woken.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                return Err(VerbsError::Timeout {
+                    operation: OP,
+                    waited: deadline.waited(&state),
+                    detail: format!("woken while waiting on {}", self.local_addr()),
+                });
             }
             let (guard, late) = self.fabric.cm_wait(state, deadline);
             state = guard;

@@ -477,7 +477,7 @@ pub struct SimFabric {
     shared: Arc<Mutex<FabricState>>,
     /// Signalled on every connection-manager change (listen, request,
     /// answer, disconnect), for the sides waiting on one.
-    cm_cond: Arc<Condvar>,
+    pub(crate) cm_cond: Arc<Condvar>,
     /// Signalled when the last copy running outside the lock has finished
     /// ([`state::Copies`]), for the deregistrations waiting on it.
     copies_cond: Arc<Condvar>,

@@ -59,6 +59,7 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -302,6 +303,12 @@ impl Channel {
 
     /// The next event, waiting up to `timeout`; `Ok(None)` when none came.
     fn next(&self, timeout: Duration) -> Result<Option<Event>> {
+        self.next_or_woken(timeout, None)
+    }
+
+    /// [`Channel::next`], also ending (`Ok(None)`) once `wake` (an eventfd)
+    /// is readable; its count is taken.
+    fn next_or_woken(&self, timeout: Duration, wake: Option<c_int>) -> Result<Option<Event>> {
         let deadline = Instant::now() + timeout;
         loop {
             let mut ev: *mut sys::rdma_cm_event = std::ptr::null_mut();
@@ -352,15 +359,32 @@ impl Channel {
             if now >= deadline {
                 return Ok(None);
             }
-            let mut pfd = libc::pollfd {
-                fd: self.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd, for the given count.
-            let n = unsafe { libc::poll(&mut pfd, 1, ms(deadline - now)) };
+            let mut pfds = [
+                libc::pollfd {
+                    fd: self.fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    // A negative fd is ignored by poll.
+                    fd: wake.unwrap_or(-1),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: two valid pollfds, for the given count.
+            let n = unsafe { libc::poll(pfds.as_mut_ptr(), 2, ms(deadline - now)) };
             if n < 0 && errno_or_eio() != libc::EINTR {
                 return Err(verb_error("poll(rdma_cm channel)", "-", errno_or_eio()));
+            }
+            if let Some(fd) = wake
+                && pfds[1].revents & libc::POLLIN != 0
+            {
+                let mut count = 0u64;
+                // SAFETY: reads the eventfd's 8-byte count into `count`;
+                // the fd is non-blocking and lives while the listener does.
+                unsafe { libc::read(fd, (&raw mut count).cast(), 8) };
+                return Ok(None);
             }
         }
     }
@@ -829,9 +853,16 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
         }
         let local = cm.src_addr();
         tracing::debug!(%local, device = ?cm.device(), "listening");
+        // SAFETY: eventfd takes no pointer; the fd returned is owned below.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake < 0 {
+            return Err(verb_error("eventfd (listener wake)", "-", errno_or_eio()));
+        }
         Ok(RdmaListener {
             local,
             cm: Mutex::new(cm),
+            // SAFETY: a new fd nobody else owns.
+            wake: unsafe { std::os::fd::OwnedFd::from_raw_fd(wake) },
         })
     }
 
@@ -911,11 +942,20 @@ pub struct RdmaListener {
     local: SocketAddr,
     /// Held while reading the channel, so one caller at a time does.
     cm: Mutex<CmId>,
+    /// Written by [`Listener::wake`]: ends a wait for a request.
+    wake: std::os::fd::OwnedFd,
 }
 
 impl Listener<RdmaApi> for RdmaListener {
     fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    fn wake(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from `one` to the listener's eventfd (a
+        // full count cannot happen: each wait takes it).
+        unsafe { libc::write(self.wake.as_raw_fd(), (&raw const one).cast(), 8) };
     }
 
     #[tracing::instrument(level = "debug", skip(self), fields(local = %self.local))]
@@ -929,7 +969,10 @@ impl Listener<RdmaApi> for RdmaListener {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let Some(ev) = cm.channel.next(left)? else {
+            let Some(ev) = cm
+                .channel
+                .next_or_woken(left, Some(self.wake.as_raw_fd()))?
+            else {
                 return Err(VerbsError::Timeout {
                     operation: OP,
                     waited: start.elapsed(),
