@@ -554,37 +554,3 @@ fn disconnect_while_poll_state_waits_returns_promptly() {
         ConnectionState::Disconnected
     );
 }
-
-#[test]
-fn a_woken_listener_stops_waiting_at_once() {
-    let (_fabric, server, _client) = pair();
-    let listener = server
-        .cm
-        .listen(SocketAddr::new(server.ip(), 7480), 8)
-        .unwrap();
-    let start = Instant::now();
-    let err = std::thread::scope(|scope| {
-        let waiting = scope.spawn(|| listener.next_request(Duration::from_secs(30)));
-        std::thread::sleep(Duration::from_millis(50));
-        listener.wake();
-        waiting.join().unwrap()
-    })
-    .unwrap_err();
-    assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
-    assert!(
-        start.elapsed() < Duration::from_secs(10),
-        "the wake did not end the wait"
-    );
-    // A wake before the wait ends the next one, and only that one.
-    listener.wake();
-    let start = Instant::now();
-    assert!(matches!(
-        listener.next_request(Duration::from_secs(30)),
-        Err(VerbsError::Timeout { .. })
-    ));
-    assert!(start.elapsed() < Duration::from_secs(10));
-    assert!(matches!(
-        listener.next_request(Duration::from_millis(100)),
-        Err(VerbsError::Timeout { .. })
-    ));
-}

@@ -211,6 +211,24 @@ fn under_attack(
     report
 }
 
+/// a sends `count` messages (`message(i)`) to b, waiting for them 256 at
+/// a time, until b drops it.
+fn flood(w: &EngineWorld<SimVerbsApi>, count: usize, message: impl Fn(usize) -> Vec<u8>) -> Kept {
+    let mut pending = Vec::new();
+    for i in 0..count {
+        match w.ab.send(&message(i)) {
+            Ok(batch) => pending.push(batch),
+            Err(_) => break, // b dropped a
+        }
+        if pending.len() == 256 {
+            for batch in pending.drain(..) {
+                let _ = batch.wait(T);
+            }
+        }
+    }
+    Box::new(())
+}
+
 #[test]
 fn a_flood_of_messages_nobody_receives_is_cut_at_the_default_bound() {
     let limits = PeerLimits::default();
@@ -218,22 +236,7 @@ fn a_flood_of_messages_nobody_receives_is_cut_at_the_default_bound() {
     let mut report = under_attack(
         "messages",
         limits,
-        |w| {
-            let ab = &w.ab;
-            let mut pending = Vec::new();
-            for i in 0..=max {
-                match ab.send(&(i as u32).to_le_bytes()) {
-                    Ok(batch) => pending.push(batch),
-                    Err(_) => break, // b dropped us
-                }
-                if pending.len() == 256 {
-                    for batch in pending.drain(..) {
-                        let _ = batch.wait(T);
-                    }
-                }
-            }
-            Box::new(())
-        },
+        |w| flood(w, max + 1, |i| (i as u32).to_le_bytes().to_vec()),
         PeerMisbehaved::TooManyMessages { max },
     );
     assert!(
@@ -256,23 +259,7 @@ fn a_flood_of_message_bytes_is_cut_at_the_default_bound() {
     let mut report = under_attack(
         "message bytes",
         limits,
-        |w| {
-            let ab = &w.ab;
-            let message = vec![0x5a; 2000];
-            let mut pending = Vec::new();
-            for _ in 0..=max / message.len() {
-                match ab.send(&message) {
-                    Ok(batch) => pending.push(batch),
-                    Err(_) => break,
-                }
-                if pending.len() == 256 {
-                    for batch in pending.drain(..) {
-                        let _ = batch.wait(T);
-                    }
-                }
-            }
-            Box::new(())
-        },
+        |w| flood(w, max / 2000 + 1, |_| vec![0x5a; 2000]),
         PeerMisbehaved::TooManyMessageBytes { max },
     );
     assert!(

@@ -184,3 +184,43 @@ pub fn cm_reject_carries_private_data<B: Backend>(b: &B) {
         other => panic!("{other:?}"),
     }
 }
+
+/// A listener's wake ends the wait for a connect request under way at
+/// once (a timeout), and a wake before a wait ends the next one, and only
+/// that one: how a listener's serving thread is told its owner is going.
+pub fn cm_listener_wake_ends_the_wait<B: Backend>(b: &B) {
+    let Some((server, _client)) = b.cm_sides() else {
+        return;
+    };
+    let listener = server
+        .cm
+        .listen(SocketAddr::new(server.ip, 0), 8)
+        .expect("listen");
+    let long = Duration::from_secs(30);
+    let start = std::time::Instant::now();
+    let err = std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| listener.next_request(long));
+        std::thread::sleep(Duration::from_millis(100));
+        listener.wake();
+        waiting.join().expect("the waiting thread")
+    })
+    .expect_err("no connect request came");
+    assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+    assert!(start.elapsed() < long / 3, "the wake did not end the wait");
+    listener.wake();
+    let start = std::time::Instant::now();
+    assert!(matches!(
+        listener.next_request(long),
+        Err(VerbsError::Timeout { .. })
+    ));
+    assert!(start.elapsed() < long / 3, "a wake before the wait");
+    let start = std::time::Instant::now();
+    assert!(matches!(
+        listener.next_request(Duration::from_millis(200)),
+        Err(VerbsError::Timeout { .. })
+    ));
+    assert!(
+        start.elapsed() >= Duration::from_millis(200),
+        "a wake ends one wait only"
+    );
+}

@@ -20,7 +20,10 @@ mod memory;
 pub mod timing;
 mod transfers;
 
-pub use cm::{cm_connect_accept_write_read_disconnect, cm_reject_carries_private_data};
+pub use cm::{
+    cm_connect_accept_write_read_disconnect, cm_listener_wake_ends_the_wait,
+    cm_reject_carries_private_data,
+};
 pub use errors::{
     destroying_a_qp_with_completions_in_its_cq, drain_flushes_everything_posted,
     error_completions_carry_no_opcode_or_length, local_protection_errors,
@@ -76,6 +79,7 @@ macro_rules! conformance_tests {
             drain_flushes_everything_posted,
             cm_connect_accept_write_read_disconnect,
             cm_reject_carries_private_data,
+            cm_listener_wake_ends_the_wait,
             zero_length_requests,
             unsignaled_requests_hold_their_slots,
             qp_access_flags_are_enforced,
