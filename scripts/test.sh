@@ -85,7 +85,7 @@ two_guest_engine() {
   bin=$(test_binary rxe_engine_wire)
   [ -x "$bin" ] || { echo "test: no rxe_engine_wire test binary" >&2; return 1; }
   "$ROOT/softroce/two-guest-engine.sh" "$bin" --kill-server 1 && return 0
-  # Seen once in five runs on 2026-12-05: a 32 MiB WRITE between the two
+  # Seen once in four runs on 2026-12-05: a 32 MiB WRITE between the two
   # TCG guests stalled to its 120 s deadline (the same binary passed when
   # run again). Run once more, saying so, while it is looked into (issue
   # 23's wire campaign); a second failure fails the stage.
