@@ -48,10 +48,6 @@ pub(super) struct ListenerThread<V: Api> {
 }
 
 impl<V: Api> ListenerThread<V> {
-    fn is_finished(&self) -> bool {
-        self.thread.is_finished()
-    }
-
     /// Wakes the thread (its engine closed: its next step ends it) and
     /// waits for it to end, which drops the listener.
     pub(super) fn stop(self) {
@@ -191,14 +187,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     source,
                 })
             })?;
-        let mut threads = super::lock(&self.shared.listener_threads);
-        // Threads that ended already (none do while the engine lives) go.
-        threads.retain(|t| !t.is_finished());
-        threads.push(ListenerThread {
+        // A listener's thread ends only when its engine closes: kept until then.
+        super::lock(&self.shared.listener_threads).push(ListenerThread {
             listener: Arc::downgrade(&inner),
             thread,
         });
-        drop(threads);
         Ok(EngineListener {
             engine: self.clone(),
             inner,
