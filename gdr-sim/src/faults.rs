@@ -61,6 +61,16 @@ pub enum Fault {
     /// The device dies: this call and every later one on it fails with
     /// "device lost"; its QPs flush.
     DeviceLost,
+    /// The send queue's CQ overruns (only meaningful at
+    /// [`FaultSite::VerbsCompletion`]): the request's completion is lost,
+    /// the CQ is marked overrun (polling it fails from then on, as a real
+    /// overrun is fatal to the CQ) with a CQ error event, and the QP goes
+    /// to the error state.
+    CqOverrun,
+    /// The QP goes to the error state on its own, with a QP fatal event
+    /// (only meaningful at [`FaultSite::VerbsCompletion`]): the request and
+    /// everything queued behind it flush.
+    QpFatal,
 }
 
 /// One fault in a plan.
@@ -89,10 +99,50 @@ fn describe(faults: &[ScriptedFault]) -> String {
         .join(", ")
 }
 
+/// Faults drawn at random, reproducibly: the `n`th call at a site fails
+/// when a hash of (`seed`, site, `n`) falls under the site's rate, with a
+/// fault of its menu the same hash picks. Whether a call fails depends on
+/// the seed and on how many calls that site saw before, never on the
+/// order in which threads reach different sites.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RandomFaults {
+    /// The seed.
+    pub seed: u64,
+    /// Entries of a site, each: the chance that a call fails, in parts per
+    /// million, and the faults it fails with (one picked at random). A site
+    /// may have several entries (a rare fault at a rate of its own); the
+    /// first that fires wins.
+    pub menu: Vec<(FaultSite, u32, Vec<Fault>)>,
+}
+
+/// How often one fault of a [`RandomFaults`] menu fired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FiredCount {
+    /// Where.
+    pub site: FaultSite,
+    /// What.
+    pub fault: Fault,
+    /// How many times.
+    pub fired: u64,
+}
+
 #[derive(Default)]
 struct PlanState {
     calls: HashMap<FaultSite, u64>,
     faults: Vec<ScriptedFault>,
+    random: Option<RandomFaults>,
+    /// Whether the random faults fire (calls are counted either way).
+    random_active: bool,
+    /// By (menu entry, fault of its list): times fired.
+    random_fired: HashMap<(usize, usize), u64>,
+}
+
+/// SplitMix64's finaliser: a well-mixed 64-bit hash of `x`.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// A shared, cloneable script of faults. An empty plan never fails anything.
@@ -152,10 +202,76 @@ impl FaultPlan {
         let scripted = state
             .faults
             .iter_mut()
-            .find(|f| f.site == site && f.nth == nth && !f.fired)?;
-        scripted.fired = true;
-        tracing::debug!(?site, nth, fault = ?scripted.fault, "scripted fault fires");
-        Some(scripted.fault.clone())
+            .find(|f| f.site == site && f.nth == nth && !f.fired);
+        if let Some(scripted) = scripted {
+            scripted.fired = true;
+            tracing::debug!(?site, nth, fault = ?scripted.fault, "scripted fault fires");
+            return Some(scripted.fault.clone());
+        }
+        let (entry, pick, fault) = {
+            let random = state.random.as_ref().filter(|_| state.random_active)?;
+            // Each menu entry of the site draws on its own, the first
+            // that fires wins.
+            random
+                .menu
+                .iter()
+                .enumerate()
+                .filter(|(_, (s, _, faults))| *s == site && !faults.is_empty())
+                .find_map(|(entry, (_, rate, faults))| {
+                    let h = mix(random.seed ^ mix(((entry as u64) << 48) ^ nth));
+                    (h % 1_000_000 < u64::from(*rate)).then(|| {
+                        let pick = (h / 1_000_000) as usize % faults.len();
+                        (entry, pick, faults[pick].clone())
+                    })
+                })?
+        };
+        *state.random_fired.entry((entry, pick)).or_insert(0) += 1;
+        tracing::debug!(?site, nth, ?fault, "random fault fires");
+        Some(fault)
+    }
+
+    /// A plan that also fails calls at random as `random` says (scripted
+    /// faults come first).
+    pub fn random(random: RandomFaults) -> Self {
+        let plan = Self::new();
+        {
+            let mut state = plan.lock();
+            state.random = Some(random);
+            state.random_active = true;
+        }
+        plan
+    }
+
+    /// Turns the random faults off (`false`: calls are still counted, so
+    /// the faults drawn later stay those of the seed) or on again: a test
+    /// sets its world up, or inspects it, without them.
+    pub fn set_random_active(&self, active: bool) {
+        self.lock().random_active = active;
+    }
+
+    /// Each fault of the random menu with how many times it fired (zero
+    /// included), in menu order.
+    pub fn random_fired(&self) -> Vec<FiredCount> {
+        let state = self.lock();
+        let Some(random) = &state.random else {
+            return Vec::new();
+        };
+        random
+            .menu
+            .iter()
+            .enumerate()
+            .flat_map(|(entry, (site, _, faults))| {
+                faults
+                    .iter()
+                    .enumerate()
+                    .map(move |(pick, fault)| (entry, pick, site, fault))
+            })
+            .map(|(entry, pick, site, fault)| FiredCount {
+                site: *site,
+                fault: fault.clone(),
+                fired: state.random_fired.get(&(entry, pick)).copied().unwrap_or(0),
+            })
+            .collect()
     }
 
     /// Calls counted at `site` so far.
@@ -221,5 +337,39 @@ mod tests {
         assert!(err.to_string().contains("CudaCopy"), "{err}");
         let result = std::panic::catch_unwind(|| plan.assert_all_fired());
         assert!(result.is_err());
+    }
+
+    #[test]
+    fn random_faults_replay_from_their_seed_at_the_menus_rate() {
+        let menu = vec![(
+            FaultSite::VerbsPostSend,
+            100_000, // 10 %
+            vec![Fault::DeviceLost, Fault::QpFatal],
+        )];
+        let run = |seed| {
+            let plan = FaultPlan::random(RandomFaults {
+                seed,
+                menu: menu.clone(),
+            });
+            let hits: Vec<Option<Fault>> = (0..10_000)
+                .map(|_| plan.hit(FaultSite::VerbsPostSend))
+                .collect();
+            // A site off the menu never fails.
+            assert_eq!(plan.hit(FaultSite::CudaCopy), None);
+            (hits, plan.random_fired())
+        };
+        let (first, fired) = run(7);
+        assert_eq!(run(7).0, first, "the same seed, the same faults");
+        assert_ne!(run(8).0, first, "another seed, other faults");
+        let total: u64 = fired.iter().map(|f| f.fired).sum();
+        assert_eq!(total, first.iter().flatten().count() as u64);
+        assert!(
+            (800..1200).contains(&total),
+            "about 10 % of 10,000: {total}"
+        );
+        assert!(
+            fired.iter().all(|f| f.fired > 300),
+            "both faults drawn: {fired:?}"
+        );
     }
 }

@@ -83,7 +83,9 @@ pub mod gpu;
 pub mod memory;
 pub mod nic;
 
-pub use faults::{Fault, FaultPlan, FaultSite, ScriptedFault, UnfiredFaults};
+pub use faults::{
+    Fault, FaultPlan, FaultSite, FiredCount, RandomFaults, ScriptedFault, UnfiredFaults,
+};
 pub use gpu::{CudaResources, GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
 pub use memory::{FreedAllocation, UseAfterFree};
 pub use nic::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};

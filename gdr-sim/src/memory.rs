@@ -732,6 +732,26 @@ pub fn lookup(addr: u64) -> Option<Arc<DeviceRange>> {
     (addr < range.base + range.len as u64).then(|| Arc::clone(range))
 }
 
+/// A test's look at device memory: the `len` bytes at `addr`, inside one
+/// mapped allocation, copied out directly (no stream, no fault site, no
+/// use-after-free report). `None` when they are not mapped. The caller
+/// makes sure nothing writes those bytes meanwhile.
+pub fn peek(addr: u64, len: usize) -> Option<Vec<u8>> {
+    let range = lookup(addr)?;
+    let offset = (addr - range.base) as usize;
+    if offset.checked_add(len)? > range.len {
+        return None;
+    }
+    let mut out = vec![0; len];
+    // SAFETY: offset + len lies inside the allocation (checked above) and
+    // the backing is at least its length; the `Arc` keeps the backing
+    // mapped while we copy; `out` is a separate allocation of `len` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(range.backing.as_ptr().add(offset), out.as_mut_ptr(), len);
+    }
+    Some(out)
+}
+
 /// The freed allocation whose quarantined range holds `addr`, if any (a
 /// query: nothing is reported).
 pub fn freed(addr: u64) -> Option<FreedAllocation> {

@@ -25,6 +25,10 @@ enum Plan {
     Unreachable,
     /// A scripted device loss.
     DeviceLost,
+    /// A scripted CQ overrun ([`Fault::CqOverrun`]).
+    CqOverrun,
+    /// A scripted fatal QP error ([`Fault::QpFatal`]).
+    QpFatal,
     /// The request completes in error; nothing moves; the QP (and the
     /// responder's, where it saw the request) goes to the error state.
     Fail {
@@ -497,6 +501,8 @@ impl FabricState {
         if !qp.timing.attempted {
             match self.faults.hit(FaultSite::VerbsCompletion) {
                 Some(Fault::DeviceLost) => return Some(Plan::DeviceLost),
+                Some(Fault::CqOverrun) => return Some(Plan::CqOverrun),
+                Some(Fault::QpFatal) => return Some(Plan::QpFatal),
                 Some(Fault::CompletionStatus(status)) => {
                     return Some(Plan::Fail {
                         status,
@@ -748,6 +754,18 @@ impl FabricState {
                 return Step::Idle;
             }
             Plan::DeviceLost => self.lose_device(device),
+            Plan::CqOverrun => {
+                let cq = self.qps.get(&qpn).map(|qp| qp.send_cq);
+                if let Some(cq) = cq {
+                    self.overrun(cq);
+                }
+                self.set_error(qpn);
+            }
+            Plan::QpFatal => {
+                let event = hal_verbs::AsyncEvent::QpFatal { qp_num: qpn };
+                self.events.raise(device, event, &self.qps);
+                self.set_error(qpn);
+            }
             Plan::Fail { status, responder } => self.fail_head(qpn, status, responder),
             Plan::Run {
                 target,

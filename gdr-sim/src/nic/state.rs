@@ -443,6 +443,14 @@ impl FabricState {
                 tracing::warn!(?site, %error, "sim: CUDA fault scripted at a verbs site; ignored");
                 Ok(None)
             }
+            Some(fault @ (Fault::CqOverrun | Fault::QpFatal)) => {
+                tracing::warn!(
+                    ?site,
+                    ?fault,
+                    "sim: a completion fault scripted at another site; ignored"
+                );
+                Ok(None)
+            }
         }
     }
 
@@ -485,15 +493,7 @@ impl FabricState {
         };
         if cq.entries.len() >= cq.depth as usize {
             tracing::warn!(wr_id = entry.wc.wr_id, depth = cq.depth, "sim: CQ overrun");
-            if !cq.overrun {
-                let device = cq.device;
-                self.events.raise(
-                    device,
-                    hal_verbs::AsyncEvent::CqError { cq: cq_id },
-                    &self.qps,
-                );
-            }
-            cq.overrun = true;
+            self.overrun(cq_id);
             return;
         }
         let error = !entry.wc.status.is_success();
@@ -596,6 +596,25 @@ impl FabricState {
         };
         let cq = qp.recv_cq;
         self.complete(cq, entry);
+    }
+
+    /// Marks `cq` overrun (its later polls fail), raising a CQ error event
+    /// the first time.
+    pub fn overrun(&mut self, cq_id: u64) {
+        let Some(cq) = self.cqs.get_mut(&cq_id) else {
+            return;
+        };
+        if !cq.overrun {
+            let device = cq.device;
+            self.events.raise(
+                device,
+                hal_verbs::AsyncEvent::CqError { cq: cq_id },
+                &self.qps,
+            );
+        }
+        if let Some(cq) = self.cqs.get_mut(&cq_id) {
+            cq.overrun = true;
+        }
     }
 
     /// Moves a QP to the error state and flushes every outstanding request.
