@@ -242,3 +242,52 @@ fn a_closed_listener_refuses_busy() {
     assert_eq!(w.a.engine.peer_count(), 1);
     round_trip(&w.ab, &w.ba);
 }
+
+/// Found by the soak (seed 1): a receive post refused part-way while a
+/// peer was being added (its first receive taken, the second refused)
+/// left the new queue pairs' entries pointing at a peer slot that was
+/// never filled; the flush of the receive that was taken then reached
+/// that slot and the engine's driver panicked (index out of bounds). The
+/// connect must fail typed, both engines keep going, a retry connects and
+/// nothing of the failed attempt is left.
+#[test]
+fn a_receive_post_refused_while_adding_a_peer_fails_the_connect_and_leaves_nothing() {
+    let w = world(|_| {});
+    let (mut listener, addr) = listen(&w);
+    // The second receive of the next post: one taken, then a refusal.
+    let faults = w.fabric().faults();
+    let nth = faults.calls(gdr_sim::FaultSite::VerbsPostRecv) + 2;
+    faults.fail_nth(
+        gdr_sim::FaultSite::VerbsPostRecv,
+        nth,
+        gdr_sim::Fault::Verbs(hal_verbs::VerbsError::from_errno(
+            "ibv_post_recv",
+            "sim0",
+            libc::ENOMEM,
+        )),
+    );
+    let (connected, accepted) = std::thread::scope(|scope| {
+        let accepting = scope.spawn(|| listener.accept(SHORT));
+        let connected = w.a.engine.connect(addr, SHORT);
+        (connected, accepting.join().unwrap())
+    });
+    faults.assert_all_fired();
+    assert!(
+        connected.is_err() || accepted.is_err(),
+        "one side's set-up failed: {:?} / {:?}",
+        connected.as_ref().map(|p| p.session()),
+        accepted.as_ref().map(|p| p.session())
+    );
+    drop((connected, accepted));
+    // The flushes of the failed attempt come in; progress must survive
+    // them (it panicked here).
+    for _ in 0..100 {
+        w.a.engine.progress();
+        w.b.engine.progress();
+    }
+    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    round_trip(&ab, &ba);
+    round_trip(&w.ab, &w.ba);
+    drop((ab, ba, listener));
+    w.close_and_check_released();
+}

@@ -1,7 +1,9 @@
-//! The seeded soak (simulated NICs and GPUs): three engines, each
-//! connected to the other two, move random transfers (WRITE and READ, 1 B
-//! to 64 KiB, host, pinned and GPU memory, a GPU on the NIC's rung on two
-//! nodes and on the staging rung on the third) under faults drawn at
+//! The seeded soak (simulated NICs and GPUs): four engines, connected in
+//! four pairs, move random batches of one to three transfers (WRITE and
+//! READ, 1 B to 64 KiB, host, pinned and GPU memory: GPU memory on the
+//! dma-buf rung, the peermem rung and the staging rung, and GPU to GPU by
+//! CUDA IPC between two processes of one node; some batches gated on a
+//! GPU stream) under faults drawn at
 //! random at every verbs and CUDA site of the simulation (each error
 //! status a completion can carry, CQ overruns, QPs failing on their own,
 //! devices lost), with random deadlines, cancels, buffers dropped under
@@ -49,7 +51,7 @@ use gdr_sim::{
     SimFabric, SimVerbsApi,
 };
 use gdr_tests::engine_world::{Kind, Side, WorldGrant, WorldPeer, staged_through_slots};
-use hal_cuda::{CudaError, Driver as _, MemoryType};
+use hal_cuda::{Context as _, CudaError, Driver as _, MemoryType};
 use hal_verbs::{VerbsError, WcStatus};
 
 type Sim = SimVerbsApi;
@@ -200,6 +202,8 @@ fn menu(scale: f64) -> Vec<(FaultSite, u32, Vec<Fault>)> {
 struct Node {
     side: Side<Sim>,
     ip: IpAddr,
+    /// The GPU its device memory is on.
+    gpu: u32,
 }
 
 /// A region one end grants the other, with the bytes around the grant
@@ -258,6 +262,8 @@ struct Running {
     batch: Batch<Sim, gdr_sim::SimCudaApi>,
     conn: usize,
     parts: Vec<Part>,
+    /// The stream a gated batch waits for.
+    _stream: Option<<gdr_sim::SimCudaApi as hal_cuda::Api>::Stream>,
     must_end_by: Instant,
 }
 
@@ -320,13 +326,13 @@ fn alloc(
         Kind::Pinned => node
             .side
             .cuda
-            .context(0)
+            .context(node.gpu)
             .map_err(EngineError::from)
             .and_then(|ctx| Buffer::alloc_pinned(&ctx, len).map_err(EngineError::from)),
         Kind::Gpu => node
             .side
             .cuda
-            .context(0)
+            .context(node.gpu)
             .map_err(EngineError::from)
             .and_then(|ctx| Buffer::alloc_device(&ctx, len).map_err(EngineError::from)),
     };
@@ -442,14 +448,35 @@ impl Round<'_> {
             peer_limits: LIMITS,
             ..EngineConfig::default()
         };
-        // Two nodes whose GPU memory the NIC reaches, one where it goes
-        // through the staging rung (and its peers through landing slots).
-        let configs = [base.clone(), base.clone(), staged_through_slots(base)];
+        // n0: GPU memory on the dma-buf rung, two GPUs (its own on 0); n1:
+        // on the peermem rung; n2: on the staging rung (its peers reach it
+        // through landing slots); n3: another process of n0's node, on
+        // n0's GPU 1 (GPU to GPU with n0 by CUDA IPC, no NIC).
+        let peermem = GpuConfig {
+            dma_buf_supported: false,
+            peermem: true,
+            ..GpuConfig::default()
+        };
+        let second = GpuConfig {
+            pci_bus_id: "0000:2a:00.0".into(),
+            ..GpuConfig::default()
+        };
+        let n0_cuda = SimCuda::new(vec![GpuConfig::default(), second], plan.clone());
+        let kinds: [(EngineConfig, SimCuda, u32); 4] = [
+            (base.clone(), n0_cuda.clone(), 0),
+            (base.clone(), SimCuda::new(vec![peermem], plan.clone()), 0),
+            (
+                staged_through_slots(base.clone()),
+                SimCuda::new(vec![GpuConfig::default()], plan.clone()),
+                0,
+            ),
+            (base, n0_cuda.other_process(), 1),
+        ];
         let mut cudas = Vec::new();
-        let nodes: Vec<Node> = configs
+        let nodes: Vec<Node> = kinds
             .into_iter()
             .enumerate()
-            .map(|(n, config)| {
+            .map(|(n, (config, cuda, gpu))| {
                 let verbs = fabric.add_node(
                     &format!("n{n}"),
                     NodeConfig {
@@ -457,12 +484,12 @@ impl Round<'_> {
                         devices: vec![DeviceConfig::default()],
                     },
                 );
-                let cuda = SimCuda::new(vec![GpuConfig::default()], plan.clone());
                 cudas.push(cuda.clone());
                 let ip = IpAddr::V4(verbs.device_ipv4("sim0").expect("sim0"));
                 Node {
                     side: Side::new(verbs, cuda, config),
                     ip,
+                    gpu,
                 }
             })
             .collect();
@@ -478,7 +505,7 @@ impl Round<'_> {
             next_message: 0,
             figures,
         };
-        for (i, j) in [(0, 1), (0, 2), (1, 2)] {
+        for (i, j) in [(0, 1), (0, 2), (1, 2), (0, 3)] {
             let peers = connect(&round.nodes, i, j);
             assert!(
                 peers.is_some(),
@@ -681,7 +708,21 @@ impl Round<'_> {
             T
         };
         let peer = &self.conns[c].peers.as_ref().expect("live")[user];
-        let submitted = peer.submit_with_timeout(&transfers, timeout);
+        // One batch in six waits for a GPU stream of the local node.
+        let node = &self.nodes[local_node];
+        let stream = if self.rng.u32(..6) == 0 {
+            node.side
+                .cuda
+                .context(node.gpu)
+                .and_then(|ctx| ctx.create_stream())
+                .ok()
+        } else {
+            None
+        };
+        let submitted = match &stream {
+            Some(stream) => peer.submit_after_stream(stream, &transfers, timeout),
+            None => peer.submit_with_timeout(&transfers, timeout),
+        };
         drop(transfers);
         let batch = match submitted {
             Ok(batch) => batch,
@@ -704,6 +745,7 @@ impl Round<'_> {
             batch,
             conn: c,
             parts,
+            _stream: stream,
             must_end_by: Instant::now() + timeout + GRACE,
         });
     }
@@ -1031,12 +1073,14 @@ impl Round<'_> {
 
     fn check_no_use_after_free(&self) {
         for (n, cuda) in self.cudas.iter().enumerate() {
-            let reports = cuda.use_after_free_reports(0);
-            assert!(
-                reports.is_empty(),
-                "seed {}: n{n}'s GPU memory was used after it was freed: {reports:?}",
-                self.seed
-            );
+            for gpu in 0..2 {
+                let reports = cuda.use_after_free_reports(gpu);
+                assert!(
+                    reports.is_empty(),
+                    "seed {}: n{n}'s GPU {gpu} memory was used after it was freed: {reports:?}",
+                    self.seed
+                );
+            }
         }
     }
 

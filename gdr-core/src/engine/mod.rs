@@ -1487,7 +1487,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             });
         }
         let limits = &self.shared.config.peer_limits;
-        let mut peer = PeerState {
+        let peer = PeerState {
             addr,
             local_engine: self.shared.id,
             engine: hello.engine,
@@ -1514,11 +1514,22 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             paths_known: false,
             gone: None,
         };
-        // Receives for control messages, before anything can arrive.
-        self.post_free_receives(&mut peer)
-            .map_err(|e| EngineError::verbs("posting control receives", e))?;
         state.peers.push(Some(peer));
         state.paths.staged.add_peer(slot, limits);
+        // Receives for control messages, before anything can arrive (the
+        // lock is held throughout). The peer is in its slot first: a
+        // refused post tears it down whole, its queue pairs' entries
+        // included, so no completion of theirs can find a slot that is
+        // not there.
+        let posted = match state.peers[slot].as_mut() {
+            Some(peer) => self.post_free_receives(peer),
+            None => Ok(()),
+        };
+        if let Err(e) = posted {
+            drop(state);
+            self.tear_down(slot, PeerGone::FailedDuringSetUp { index: 0 });
+            return Err(EngineError::verbs("posting control receives", e));
+        }
         tracing::info!(
             peer = %addr,
             engine = format_args!("{:#x}", hello.engine),
@@ -1560,12 +1571,21 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         // peer state as long as the queue pair) and gdr's own host memory;
         // nothing else writes it, and each slot is posted on one queue pair
         // at a time (`recv_owner`).
-        unsafe { qp0.conn.qp().post_recv(&recvs) }.map_err(|e| e.error)?;
+        let posted = unsafe { qp0.conn.qp().post_recv(&recvs) };
+        // The receives the queue pair took are owned by it, a refusal
+        // part-way included: their slots must not be posted again while
+        // they are there. Where the provider cannot say how many it took,
+        // all are taken as posted (a slot never completed is lost; one
+        // posted twice would take two messages into one buffer).
+        let taken = match &posted {
+            Ok(()) => free.len(),
+            Err(e) => e.accepted().unwrap_or(free.len()),
+        };
         let owner = Some((qp0.nic, qp0.conn.qp().qp_num()));
-        for i in free {
+        for &i in &free[..taken.min(free.len())] {
             peer.control.recv_owner[i] = owner;
         }
-        Ok(())
+        posted.map_err(|e| e.error)
     }
 
     fn recv_request(peer: &PeerState<V, C>, slot: usize, size: usize) -> RecvRequest {
