@@ -222,7 +222,9 @@ impl From<&TransferError> for GdrResult {
             TransferError::RetryExceeded { .. } | TransferError::PeerGone(_) => Self::PeerGone,
             TransferError::Timeout(_) => Self::Timeout,
             TransferError::Cancelled => Self::Cancelled,
-            TransferError::DeviceFatal { .. } => Self::DeviceLost,
+            TransferError::DeviceFatal { .. } | TransferError::CompletionQueueFailed { .. } => {
+                Self::DeviceLost
+            }
             TransferError::StreamFailed { source } => Self::from(source),
             _ => Self::Other,
         }

@@ -83,7 +83,9 @@ pub(crate) fn raise_outcome(py: Python<'_>, error: &TransferError) -> PyErr {
         TransferError::PeerGone(_) | TransferError::RetryExceeded { .. } => "PeerGone",
         TransferError::Revoked { .. } => "Revoked",
         TransferError::RemoteAccess { .. } | TransferError::StagedRefused { .. } => "Refused",
-        TransferError::DeviceFatal { .. } => "DeviceError",
+        TransferError::DeviceFatal { .. } | TransferError::CompletionQueueFailed { .. } => {
+            "DeviceError"
+        }
         _ => "TransferFailed",
     };
     raise(py, kind, error_chain(error))

@@ -314,6 +314,38 @@ fn a_fatal_device_event_fails_everything_on_that_device_at_once() {
     w.fabric().set_paused(false);
 }
 
+/// Found by the soak: a CQ that overran (completions lost) failed every
+/// poll after it with only a warning, and each request on the NIC waited
+/// for its deadline. Now the overrun fails everything on that NIC at once,
+/// typed, and the peer is gone (its only queue pair was there).
+#[test]
+fn a_completion_queue_overrun_fails_everything_on_that_nic_at_once() {
+    let w = world(1, GpuConfig::default(), config(1));
+    let h = w.host_pair(1 << 16, 5, GrantRights::ReadWrite);
+    w.fabric().faults().fail_next(
+        gdr_sim::FaultSite::VerbsCompletion,
+        gdr_sim::Fault::CqOverrun,
+    );
+    // Its deadline is a minute away; the wait gives it ten seconds (a
+    // wait that runs out says Timeout, not the CQ's failure).
+    let batch =
+        w.ab.submit_with_timeout(
+            &[Transfer::write(&h.src, 0, &h.remote, 0, 1 << 16)],
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    let err = batch.wait(Duration::from_secs(10)).unwrap_err();
+    w.fabric().faults().assert_all_fired();
+    assert!(
+        matches!(&err, TransferError::CompletionQueueFailed { device, .. } if device == "sim0"),
+        "{err}"
+    );
+    assert!(matches!(
+        w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 16)]),
+        Err(EngineError::PeerGone(_))
+    ));
+}
+
 /// The GPU fence is tied to the batch: a READ into GPU memory flushes that
 /// GPU once before `wait` returns, where the GPU's write ordering asks for
 /// it, and never where it orders writes itself; a peer's WRITE is fenced

@@ -47,8 +47,8 @@ use gdr_core::engine::{
     Batch, EngineConfig, EngineError, Path, PeerLimits, Region, Transfer, TransferError,
 };
 use gdr_sim::{
-    DeviceConfig, Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, RandomFaults, SimCuda,
-    SimFabric, SimVerbsApi,
+    CudaResources, DeviceConfig, Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, RandomFaults,
+    SimCuda, SimFabric, SimVerbsApi,
 };
 use gdr_tests::engine_world::{Kind, Side, WorldGrant, WorldPeer, staged_through_slots};
 use hal_cuda::{Context as _, CudaError, Driver as _, MemoryType};
@@ -70,6 +70,9 @@ const IN_FLIGHT: usize = 12;
 const GRACE: Duration = Duration::from_secs(10);
 /// Blocking calls of the soak itself (connect, wait for a grant, revoke).
 const T: Duration = Duration::from_secs(5);
+/// A transfer's deadline, unless it draws a short one (a request a fault
+/// stalls ends at it).
+const DEADLINE: Duration = Duration::from_secs(2);
 /// The engines' bounds on what a peer may make them hold (small, so the
 /// message bursts reach them).
 const LIMITS: PeerLimits = PeerLimits {
@@ -443,7 +446,7 @@ impl Round<'_> {
             // up to 16 requests, queued behind one another.
             slice_size: 4096,
             qp_depth: 8,
-            default_timeout: T,
+            default_timeout: DEADLINE,
             reconnect_timeout: Duration::from_secs(2),
             peer_limits: LIMITS,
             ..EngineConfig::default()
@@ -705,7 +708,7 @@ impl Round<'_> {
         let timeout = if self.rng.u32(..8) == 0 {
             Duration::from_millis(self.rng.u64(1..=50))
         } else {
-            T
+            DEADLINE
         };
         let peer = &self.conns[c].peers.as_ref().expect("live")[user];
         // One batch in six waits for a GPU stream of the local node.
@@ -1121,6 +1124,14 @@ impl Round<'_> {
         let seed = self.seed;
         let fabric = self.fabric.clone();
         let cudas = self.cudas.clone();
+        // What an engine keeps past its end, by design: its stream-fence
+        // page (one per engine that fenced or gated, each node's engine on
+        // its own simulated process).
+        let kept: Vec<u64> = self
+            .nodes
+            .iter()
+            .map(|n| n.side.engine.resources().fence_page_bytes)
+            .collect();
         drop(self.running);
         drop(self.conns);
         drop(self.nodes);
@@ -1128,7 +1139,15 @@ impl Round<'_> {
         assert!(left.is_empty(), "seed {seed}: the fabric kept {left:?}");
         for (n, cuda) in cudas.iter().enumerate() {
             let left = cuda.resources();
-            assert!(left.is_empty(), "seed {seed}: n{n}'s GPU kept {left:?}");
+            let rest = CudaResources {
+                pinned_bytes: 0,
+                ..left
+            };
+            assert!(
+                rest.is_empty() && left.pinned_bytes == kept[n],
+                "seed {seed}: n{n}'s GPU kept {left:?} (its fence page: {} bytes)",
+                kept[n]
+            );
         }
     }
 }

@@ -393,6 +393,16 @@ pub enum TransferError {
         /// The NIC.
         device: String,
     },
+    /// The NIC's completion queue failed (it overran, or polling it
+    /// failed): completions were lost, so everything on the NIC failed
+    /// with this, as for a fatal device error.
+    #[error("the completion queue of {device} failed: {source}")]
+    CompletionQueueFailed {
+        /// The NIC.
+        device: String,
+        /// What polling it (or its async event) said.
+        source: hal_verbs::VerbsError,
+    },
     /// The CUDA stream a gated batch waited on failed before reaching the
     /// gate ([`crate::engine::Peer::submit_after_stream`]): nothing of the
     /// batch was posted.

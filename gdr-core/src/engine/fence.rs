@@ -173,6 +173,11 @@ impl<C: hal_cuda::Api> StreamFences<C> {
         Ok(())
     }
 
+    /// Bytes of the page of words, once made (0 before).
+    pub(super) fn page_bytes(&self) -> u64 {
+        self.words.as_ref().map_or(0, |_| (WORDS * 4) as u64)
+    }
+
     /// The page of words, made at its first use.
     fn words<V: Api>(&mut self, res: &Resources<V, C>) -> Result<&mut FenceWords<C>, EngineError> {
         if self.words.is_none() {

@@ -425,6 +425,11 @@ pub struct EngineResources {
     /// Each peer the engine holds (closed ones included until the engine
     /// goes).
     pub peers: Vec<PeerResources>,
+    /// Pinned bytes of the engine's stream-fence page (made at the first
+    /// stream fence or gated batch, 0 before): the one thing the engine
+    /// keeps after it is dropped, for the life of the process, since a
+    /// stream may still read or write its words later.
+    pub fence_page_bytes: u64,
 }
 
 /// What an engine holds for one peer ([`EngineResources::peers`]).
@@ -1070,6 +1075,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             staged_transfers,
             staged_groups,
             peers,
+            fence_page_bytes: state.paths.stream_fences.page_bytes(),
         }
     }
 
@@ -1672,8 +1678,21 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let mut handled = 0;
         for (nic_index, nic) in shared.nics.iter().enumerate() {
             state.completions.clear();
+            if state.dead_nics[nic_index] {
+                continue;
+            }
             if let Err(e) = nic.cq.poll_into(&mut state.completions) {
-                tracing::warn!(device = %nic.name, error = %e, "polling the CQ failed");
+                // A CQ that fails to poll (an overrun lost completions, the
+                // device died) completes nothing again: what runs on the
+                // NIC fails now rather than at its deadline. The device's
+                // own event, when it came, names the cause first.
+                self.poll_async_events(state);
+                let cause = TransferError::CompletionQueueFailed {
+                    device: nic.name.clone(),
+                    source: e,
+                };
+                Self::fail_nic(state, nic_index, &nic.name, cause);
+                continue;
             }
             let completions = std::mem::take(&mut state.completions);
             if completions.iter().any(|wc| !wc.status.is_success()) {
@@ -1908,20 +1927,20 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 tracing::warn!(device = %nic.name, ?event, "async event");
                 match event {
                     hal_verbs::AsyncEvent::DeviceFatal => {
-                        state.dead_nics[nic_index] = true;
                         let cause = TransferError::DeviceFatal {
                             device: nic.name.clone(),
                         };
-                        for peer in state.peers.iter_mut().flatten() {
-                            for qp in peer.qps.iter().filter(|q| q.nic == nic_index) {
-                                state.core.abandon_qp(qp.core, cause.clone());
-                            }
-                            if peer.qps.iter().all(|q| !state.core.is_ready(q.core)) {
-                                peer.gone.get_or_insert_with(|| PeerGone::DeviceFailed {
-                                    device: nic.name.clone(),
-                                });
-                            }
-                        }
+                        Self::fail_nic(state, nic_index, &nic.name, cause);
+                    }
+                    hal_verbs::AsyncEvent::CqError { .. } => {
+                        let cause = TransferError::CompletionQueueFailed {
+                            device: nic.name.clone(),
+                            source: hal_verbs::VerbsError::OutOfResources {
+                                operation: "the CQ error event (completions were lost)",
+                                errno: None,
+                            },
+                        };
+                        Self::fail_nic(state, nic_index, &nic.name, cause);
                     }
                     hal_verbs::AsyncEvent::QpFatal { qp_num }
                     | hal_verbs::AsyncEvent::QpRequestError { qp_num }
@@ -1938,6 +1957,28 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     }
                     _ => {}
                 }
+            }
+        }
+    }
+
+    /// NIC `nic_index` can no longer complete anything (a fatal device
+    /// error, or its CQ lost completions): it is dead for this engine;
+    /// every request on its queue pairs fails now with `cause`, and a peer
+    /// with no queue pair left is gone.
+    fn fail_nic(state: &mut State<V, C>, nic_index: usize, name: &str, cause: TransferError) {
+        if state.dead_nics[nic_index] {
+            return;
+        }
+        tracing::warn!(device = %name, error = %cause, "NIC failed");
+        state.dead_nics[nic_index] = true;
+        for peer in state.peers.iter_mut().flatten() {
+            for qp in peer.qps.iter().filter(|q| q.nic == nic_index) {
+                state.core.abandon_qp(qp.core, cause.clone());
+            }
+            if peer.qps.iter().all(|q| !state.core.is_ready(q.core)) {
+                peer.gone.get_or_insert_with(|| PeerGone::DeviceFailed {
+                    device: name.to_string(),
+                });
             }
         }
     }
