@@ -368,6 +368,12 @@ impl SimCuda {
         }
     }
 
+    /// The simulated process's id: clones share it, [`SimCuda::other_process`]
+    /// has its own.
+    pub fn process_id(&self) -> u64 {
+        self.process.id
+    }
+
     /// Another simulated process on the same node: same GPUs, its own
     /// address mappings, so IPC handles from this one can be opened there.
     pub fn other_process(&self) -> Self {

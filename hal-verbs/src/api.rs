@@ -353,6 +353,13 @@ pub trait ConnectionManager<A: Api>: Send + Sync + Debug {
         params: &ConnectParams,
         private_data: &[u8],
     ) -> Result<A::Connection>;
+
+    /// Ends every [`ConnectionManager::connect`] of this connection manager
+    /// that is under way now, within one short wait of its own, with
+    /// [`crate::VerbsError::Timeout`] (saying it was aborted); a connect
+    /// started afterwards is not affected. For an owner going away while
+    /// one of its threads still connects.
+    fn abort_connects(&self);
 }
 
 /// A listening endpoint. Dropping it stops listening; requests already

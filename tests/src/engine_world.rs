@@ -12,6 +12,8 @@
 //! with the engine.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use gdr_core::buffer::Buffer;
@@ -84,6 +86,16 @@ pub struct Side<V: Api, C: hal_cuda::Api = SimCudaApi> {
     pub cuda: C::Driver,
     /// The engine.
     pub engine: WorldEngine<V, C>,
+    /// Its engine's stream-fence page bytes, read when the side goes (the
+    /// world's release check allows for them).
+    fence_page: Arc<AtomicU64>,
+}
+
+impl<V: Api, C: hal_cuda::Api> Drop for Side<V, C> {
+    fn drop(&mut self) {
+        self.fence_page
+            .store(self.engine.resources().fence_page_bytes, Ordering::Release);
+    }
 }
 
 impl<V: Api, C: hal_cuda::Api> Side<V, C> {
@@ -95,6 +107,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
             verbs,
             cuda,
             engine,
+            fence_page: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -297,7 +310,63 @@ pub struct EngineWorld<V: Api, C: hal_cuda::Api = SimCudaApi> {
     pub b: Side<V, C>,
     /// How long connecting and waiting for a grant may take.
     pub timeout: Duration,
+    /// On the simulation: checks, once everything of the world is gone,
+    /// that nothing is left on its fabric or GPUs (dropped last).
+    released: Option<ReleaseCheck>,
 }
+
+/// What a simulated world must give back: every MR, QP, CQ, listener and
+/// connection of its fabric, every device and pinned byte, registration
+/// and stream of its simulated CUDA processes, but for each engine's
+/// stream-fence page (kept for the life of the process, by design). Checked
+/// when the world is dropped, after its engines and peers: a test that
+/// ends with a region, buffer or grant of its own still alive declares it
+/// after the world (it is then dropped first), as tests do. Like mockall's
+/// expectations, the check fails the test from `drop`, unless the test is
+/// failing already.
+#[derive(Debug)]
+struct ReleaseCheck {
+    fabric: SimFabric,
+    /// Each side's simulated CUDA (none for a real GPU driver).
+    cudas: Vec<Option<SimCuda>>,
+    /// Each side's engine's fence page, read as its side goes.
+    fence_pages: Vec<Arc<AtomicU64>>,
+}
+
+impl Drop for ReleaseCheck {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let left = self.fabric.resources();
+        assert!(left.is_empty(), "the world's fabric kept {left:?}");
+        // Two sides of one simulated process (peer-copy worlds) share it.
+        let mut seen: Vec<(&SimCuda, u64)> = Vec::new();
+        for (cuda, page) in self.cudas.iter().zip(&self.fence_pages) {
+            let page = page.load(Ordering::Acquire);
+            let Some(cuda) = cuda else { continue };
+            match seen
+                .iter_mut()
+                .find(|(c, _)| c.process_id() == cuda.process_id())
+            {
+                Some((_, kept)) => *kept += page,
+                None => seen.push((cuda, page)),
+            }
+        }
+        for (cuda, kept) in seen {
+            let left = cuda.resources();
+            let rest = gdr_sim::CudaResources {
+                pinned_bytes: left.pinned_bytes.saturating_sub(kept),
+                ..left
+            };
+            assert!(
+                rest.is_empty(),
+                "the world's simulated CUDA kept {left:?} (its engines' fence pages: {kept} bytes)"
+            );
+        }
+    }
+}
+
 
 impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
     /// b listens on `listen` (an assigned port) and accepts on a thread;
@@ -337,7 +406,13 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
             a,
             b,
             timeout,
+            released: None,
         }
+    }
+
+    fn with_release_check(mut self, check: ReleaseCheck) -> Self {
+        self.released = Some(check);
+        self
     }
 
     /// b grants all of `region` to a, which waits for the announcement
@@ -793,6 +868,16 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         };
         let a = side("a", configs.0);
         let b = side("b", configs.1);
+        let sim_cuda = |side: &Side<SimVerbsApi, C>| {
+            (&side.cuda as &dyn std::any::Any)
+                .downcast_ref::<SimCuda>()
+                .cloned()
+        };
+        let released = ReleaseCheck {
+            fabric: fabric.clone(),
+            cudas: vec![sim_cuda(&a), sim_cuda(&b)],
+            fence_pages: vec![Arc::clone(&a.fence_page), Arc::clone(&b.fence_page)],
+        };
         let ip = |side: &Side<SimVerbsApi, C>, nic: &str| {
             IpAddr::V4(side.verbs.device_ipv4(nic).unwrap())
         };
@@ -820,6 +905,7 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
             },
             timeout,
         )
+        .with_release_check(released)
     }
 
     /// The fabric both nodes are on (its pause switch).

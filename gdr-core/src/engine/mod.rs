@@ -815,6 +815,27 @@ impl InternalHolds {
     }
 }
 
+/// The thread that re-establishes a failed queue pair (see
+/// [`Engine::reconnect_once`]): one attempt per step of the engine, a
+/// back-off between them holding nothing, until the queue pair is up,
+/// refused, not wanted any more, or the engine closed.
+fn reconnect_thread<V: Api, C: hal_cuda::Api>(
+    weak: &std::sync::Weak<Shared<V, C>>,
+    holds: &InternalHolds,
+    job: &Reconnect,
+) {
+    INTERNAL_THREAD.with(|internal| internal.set(true));
+    let mut backoff = Backoff::default();
+    while holds.step(weak, |engine| engine.reconnect_once(job)) == Some(true) {
+        let wait = backoff.next_wait();
+        let until = Instant::now() + wait;
+        // In short naps: a closed engine ends the thread soon.
+        while weak.strong_count() > 0 && Instant::now() < until {
+            std::thread::sleep(wait.min(Duration::from_millis(20)));
+        }
+    }
+}
+
 impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
     fn drop(&mut self) {
         // Another handle of the caller's lives on: nothing to do (the
@@ -831,6 +852,8 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
         // is told to return.
         holds.closing.store(true, Ordering::SeqCst);
         self.shared.reactor.nudge();
+        // A reconnect attempt under way holds the engine: it ends now.
+        self.shared.cm.abort_connects();
         let start = Instant::now();
         let mut closed = loop {
             match holds.closed.try_write() {
@@ -2037,7 +2060,6 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
                 tracing::info!(peer = %peer.addr, qp = index, "re-establishing a queue pair");
                 if let (true, Some(path)) = (dial, q.path) {
-                    let engine = self.clone();
                     let job = Reconnect {
                         slot,
                         index,
@@ -2047,9 +2069,16 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         count: peer.qps.len() as u16,
                         engine_id: peer.engine,
                     };
+                    // An internal thread: it holds the engine only for
+                    // one attempt at a time (`InternalHolds`), so the
+                    // engine closes when its caller's last handle goes,
+                    // which ends the attempt under way
+                    // (`ConnectionManager::abort_connects`).
+                    let weak = Arc::downgrade(&self.shared);
+                    let holds = Arc::clone(&self.shared.holds);
                     if let Err(e) = std::thread::Builder::new()
                         .name("gdr-reconnect".into())
-                        .spawn(move || engine.reconnect(job))
+                        .spawn(move || reconnect_thread(&weak, &holds, &job))
                     {
                         tracing::warn!(error = %e, "no thread to re-establish a queue pair");
                     }
@@ -2058,29 +2087,29 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    /// Makes a new connection for a failed queue pair of a peer this side
-    /// connected to, retrying with back-off until it is up, refused, or
-    /// no longer wanted (given up, or the peer gone).
-    fn reconnect(&self, job: Reconnect) {
+    /// One attempt at a new connection for a failed queue pair of a peer
+    /// this side connected to: `true` when it should be tried again (after
+    /// a back-off), `false` once it is up, refused, or no longer wanted
+    /// (given up, or the peer gone).
+    fn reconnect_once(&self, job: &Reconnect) -> bool {
         let shared = &self.shared;
-        let mut backoff = Backoff::default();
         // A wanted queue pair with no bound still tries an hour at a time.
         const LONGEST_ATTEMPT: Duration = Duration::from_secs(3600);
-        loop {
+        {
             let left = {
                 let state = lock(&shared.state);
                 let Some(peer) = state.peers[job.slot].as_ref() else {
-                    return;
+                    return false;
                 };
                 if peer.gone.is_some() {
-                    return;
+                    return false;
                 }
                 match peer
                     .recovery
                     .time_left(job.index, shared.config.clock.now())
                 {
                     Some(left) => left.min(LONGEST_ATTEMPT),
-                    None => return,
+                    None => return false,
                 }
             };
             let hello = self.hello(Role::Connect, job.session, job.index as u16, job.count);
@@ -2124,7 +2153,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                             .map_err(DialRefused::Mismatch)
                         });
                     if let Err(why) = reply {
-                        return refused(why);
+                        refused(why);
+                        return false;
                     }
                     let mut state = lock(&shared.state);
                     let now = shared.config.clock.now();
@@ -2135,16 +2165,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         self.install(&mut state, job.slot, job.index, conn);
                         self.post_ready(&mut state);
                     }
-                    return;
+                    false
                 }
                 Err(hal_verbs::VerbsError::ConnectionRejected { private_data, .. }) => {
                     let why = RejectReason::decode(&private_data)
                         .map_or(DialRefused::RejectedUnexplained, DialRefused::Rejected);
-                    return refused(why);
+                    refused(why);
+                    false
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, qp = job.index, "reconnect attempt failed");
-                    std::thread::sleep(backoff.next_wait());
+                    true
                 }
             }
         }

@@ -407,14 +407,25 @@ fn bring_up(
 pub struct SimCm {
     pub(crate) fabric: SimFabric,
     pub(crate) node: usize,
+    /// Bumped (under the fabric lock) by `abort_connects`: a connect that
+    /// sees it changed since it began ends.
+    pub(crate) aborts: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// Why a connect ended early, in its Timeout's detail.
+const ABORTED: &str = "aborted (abort_connects: the connection manager's owner is going)";
 
 impl SimCm {
     /// Takes the client's side of a request once it is answered.
+    fn aborted_since(&self, generation: u64) -> bool {
+        self.aborts.load(std::sync::atomic::Ordering::SeqCst) != generation
+    }
+
     fn await_answer(
         &self,
         request: u64,
         deadline: CmDeadline,
+        generation: u64,
     ) -> std::result::Result<(Side, Vec<u8>, u64), Answer> {
         let mut state = self.fabric.lock();
         loop {
@@ -438,6 +449,11 @@ impl SimCm {
                     return Err(Answer::Retry("the listener went away".into()));
                 }
                 _ => {}
+            }
+            if self.aborted_since(generation) {
+                abandon(&mut state, request);
+                self.fabric.cm_notify();
+                return Err(Answer::Retry(ABORTED.into()));
             }
             let (guard, late) = self.fabric.cm_wait(state, deadline);
             state = guard;
@@ -485,6 +501,15 @@ fn abandon(state: &mut FabricState, request: u64) {
 }
 
 impl ConnectionManager<SimVerbsApi> for SimCm {
+    fn abort_connects(&self) {
+        {
+            let _state = self.fabric.lock();
+            self.aborts
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.fabric.cm_notify();
+    }
+
     fn route_device(&self, peer: IpAddr, _timeout: Duration) -> Result<String> {
         const OP: &str = "rdma_resolve_addr";
         let peer = ipv4(OP, peer)?;
@@ -573,6 +598,7 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
             check_pd(&state, &self.fabric, pd, device, OP)?;
             (device, deadline)
         };
+        let generation = self.aborts.load(std::sync::atomic::Ordering::SeqCst);
         let mut attempts = 0u32;
         let mut last = String::from("nobody listening");
         loop {
@@ -629,6 +655,12 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                     } else {
                         format!("rejected: nobody listening on {peer} (status 8)")
                     };
+                    // Checked under the lock `abort_connects` takes: an abort
+                    // is seen here or wakes the wait.
+                    if self.aborted_since(generation) {
+                        last = ABORTED.into();
+                        break None;
+                    }
                     let (guard, late) = self.fabric.cm_wait(state, deadline);
                     state = guard;
                     if late {
@@ -644,7 +676,8 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                 });
             };
             self.fabric.cm_notify();
-            let (server, peer_private, conn) = match self.await_answer(request, deadline) {
+            let (server, peer_private, conn) = match self.await_answer(request, deadline, generation)
+            {
                 Ok(answer) => answer,
                 Err(Answer::Rejected(private_data)) => {
                     return Err(VerbsError::ConnectionRejected {
@@ -656,7 +689,7 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                 Err(Answer::Retry(why)) => {
                     last = why;
                     let state = self.fabric.lock();
-                    if deadline.passed(&state) {
+                    if deadline.passed(&state) || self.aborted_since(generation) {
                         return Err(VerbsError::Timeout {
                             operation: OP,
                             waited: deadline.waited(&state),

@@ -1079,6 +1079,7 @@ impl Provider<SimVerbsApi> for SimVerbs {
         Ok(SimCm {
             fabric: self.fabric.clone(),
             node: self.node,
+            aborts: Default::default(),
         })
     }
 }

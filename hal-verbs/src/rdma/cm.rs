@@ -85,8 +85,13 @@ const REJ_CONSUMER_DEFINED: c_int = 28;
 /// The connection manager of the rdma-core backend (librdmacm).
 #[derive(Debug, Clone)]
 pub struct RdmaCm {
-    _private: (),
+    /// Bumped by `abort_connects`: a connect that sees it changed since it
+    /// began ends at its next look (every `ABORT_CHECK`).
+    aborts: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// How often a connect's waits look whether it was aborted.
+const ABORT_CHECK: Duration = Duration::from_millis(50);
 
 impl RdmaCm {
     /// Checks that librdmacm was loaded by the shim and has its entry
@@ -120,7 +125,7 @@ impl RdmaCm {
                 reason: "the library that loaded lacks rdma_cm entry points".into(),
             });
         }
-        Ok(Self { _private: () })
+        Ok(Self { aborts: Default::default() })
     }
 }
 
@@ -501,6 +506,23 @@ impl CmId {
         }
     }
 
+    /// [`CmId::wait`] that also ends, with `None`, once `aborted` says so
+    /// (looked at every [`ABORT_CHECK`]).
+    fn wait_or(&self, deadline: Instant, aborted: &dyn Fn() -> bool) -> Result<Option<Event>> {
+        loop {
+            let now = Instant::now();
+            if now >= deadline || aborted() {
+                return Ok(None);
+            }
+            let slice = (deadline - now).min(ABORT_CHECK);
+            match self.channel.next(slice)? {
+                Some(ev) if ev.id == self.id => return Ok(Some(ev)),
+                Some(ev) => tracing::debug!(?ev, "rdma_cm event of another id; dropped"),
+                None => {}
+            }
+        }
+    }
+
     /// Attributes for moving a queue pair to `state`, from the CM.
     fn init_qp_attr(&self, state: u32) -> Result<(sys::ibv_qp_attr, c_int)> {
         // SAFETY: ibv_qp_attr is integers and unions of them; all-zero is
@@ -673,6 +695,8 @@ struct ConnectArgs<'a> {
     params: &'a ConnectParams,
     private_data: &'a [u8],
     deadline: Instant,
+    /// Whether `abort_connects` was called since the connect began.
+    aborted: &'a dyn Fn() -> bool,
 }
 
 impl RdmaCm {
@@ -681,6 +705,7 @@ impl RdmaCm {
         peer: SocketAddr,
         source: Option<IpAddr>,
         deadline: Instant,
+        aborted: &dyn Fn() -> bool,
     ) -> std::result::Result<CmId, Attempt> {
         let cm = CmId::new()?;
         let mut dst = to_sockaddr(&peer);
@@ -712,7 +737,7 @@ impl RdmaCm {
                 _ => Attempt::Fatal(cm_error("rdma_resolve_addr", "-")),
             });
         }
-        match cm.wait(deadline)? {
+        match cm.wait_or(deadline, aborted)? {
             Some(ev) if ev.kind == sys::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED => Ok(cm),
             Some(ev) => Err(Attempt::Retry(format!(
                 "address resolution: {} (status {})",
@@ -726,7 +751,7 @@ impl RdmaCm {
     fn try_connect(&self, a: &ConnectArgs<'_>) -> std::result::Result<RdmaConnection, Attempt> {
         use sys::rdma_cm_event_type as t;
         const OP: &str = "rdma_connect";
-        let cm = Self::resolve_addr(a.peer, a.params.source, a.deadline)?;
+        let cm = Self::resolve_addr(a.peer, a.params.source, a.deadline, a.aborted)?;
         let device = check_device(&cm, a.pd, OP)?;
         let left = a.deadline.saturating_duration_since(Instant::now());
         clear_errno();
@@ -737,7 +762,7 @@ impl RdmaCm {
                 errno_or_eio()
             )));
         }
-        match cm.wait(a.deadline)? {
+        match cm.wait_or(a.deadline, a.aborted)? {
             Some(ev) if ev.kind == t::RDMA_CM_EVENT_ROUTE_RESOLVED => {}
             Some(ev) => {
                 return Err(Attempt::Retry(format!(
@@ -765,7 +790,7 @@ impl RdmaCm {
         if unsafe { sys::rdma_connect(cm.id, &mut param) } != 0 {
             return Err(Attempt::Fatal(cm_error(OP, &device)));
         }
-        let ev = match cm.wait(a.deadline)? {
+        let ev = match cm.wait_or(a.deadline, a.aborted)? {
             Some(ev) => ev,
             None => return Err(Attempt::Retry("connect: no answer".into())),
         };
@@ -812,11 +837,16 @@ impl RdmaCm {
 }
 
 impl ConnectionManager<RdmaApi> for RdmaCm {
+    fn abort_connects(&self) {
+        self.aborts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
     #[tracing::instrument(level = "debug", skip(self))]
     fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String> {
         const OP: &str = "rdma_resolve_addr";
         let start = Instant::now();
-        match Self::resolve_addr(SocketAddr::new(peer, 0), None, start + timeout) {
+        match Self::resolve_addr(SocketAddr::new(peer, 0), None, start + timeout, &|| false) {
             Ok(cm) => cm
                 .device()
                 .ok_or_else(|| VerbsError::invalid(OP, "resolved, yet bound to no device")),
@@ -884,6 +914,8 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
         const OP: &str = "rdma_connect";
         params.validate(OP, private_data, MAX_CONNECT_PRIVATE_DATA)?;
         let start = Instant::now();
+        let generation = self.aborts.load(std::sync::atomic::Ordering::SeqCst);
+        let aborted = || self.aborts.load(std::sync::atomic::Ordering::SeqCst) != generation;
         let args = ConnectArgs {
             peer,
             pd,
@@ -892,6 +924,7 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
             params,
             private_data,
             deadline: start + params.timeout,
+            aborted: &aborted,
         };
         let mut backoff = Duration::from_millis(50);
         let mut attempts = 0u32;
@@ -918,6 +951,16 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
             if now < args.deadline || last.is_none() {
                 last = Some(why);
             }
+            if aborted() {
+                return Err(VerbsError::Timeout {
+                    operation: OP,
+                    waited: now - start,
+                    detail: format!(
+                        "{attempts} attempt(s); aborted (abort_connects: the connection \
+                         manager's owner is going)"
+                    ),
+                });
+            }
             if now >= args.deadline {
                 return Err(VerbsError::Timeout {
                     operation: OP,
@@ -928,7 +971,11 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
                     ),
                 });
             }
-            std::thread::sleep(backoff.min(args.deadline - now));
+            // In looks of ABORT_CHECK: an abort ends the back-off too.
+            let until = now + backoff.min(args.deadline - now);
+            while !aborted() && Instant::now() < until {
+                std::thread::sleep(ABORT_CHECK.min(until.saturating_duration_since(Instant::now())));
+            }
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
