@@ -97,8 +97,9 @@ if [ -e tests/tests/rxe_engine_wire.rs ]; then
   stage two-guest-engine two_guest_engine || failed=1
 fi
 # The same engines with the wire between the guests really cut: silently
-# (tc in guest B), by the cable pulled (qemu's set_link), flapping for a
-# minute, and impaired by netem; one boot for all four (~4 min under TCG).
+# (tc in guest B), by the cable pulled (qemu's set_link), past the
+# reconnect bound, flapping for a minute, and impaired by netem; one boot
+# for all five (~4 min under TCG).
 # No second run: a failure here is news about recovery.
 # shellcheck disable=SC2317  # called through stage
 two_guest_wire() {

@@ -2,13 +2,16 @@
 # two-guest-wire.sh TEST_BINARY
 # The transfer engine across two SoftRoCE guests whose wire is really cut
 # (tests/tests/rxe_engine_wire.rs's wire tests; A serves, B is the client;
-# one boot for all four):
+# one boot for all five):
 #   engine_wire_cut_silent  B's end of wire 0 drops every packet with the
 #                           link up (tc: netem loss 100% out, an ingress drop
 #                           rule in) while WRITE batches are in flight
 #   engine_wire_cut_link    the cable pulled: on B's "GDR_WIRE_LINK off|on"
 #                           this script sets both guests' eth0 link through
 #                           their qemu's QMP monitor (set_link)
+#   engine_wire_cut_outlasting  a silent cut longer than the reconnect
+#                           bound (5 s there): B's peer is gone, typed; once
+#                           the wire is back B connects afresh
 #   engine_wire_flapping    on B's "GDR_WIRE_FLAP S" the link is pulled and
 #                           plugged by WIRE_FLAP_SCHEDULE for S seconds while B
 #                           WRITEs and READs back
@@ -17,7 +20,7 @@
 #                           must complete and verify, B prints the figures
 # Each side must report each test passed (require_passed).
 # Env (exported, so the guests see it too): GDR_WIRE_PORT (7480; these tests
-# use ports +3..+6), GDR_WIRE_ACK_TIMEOUT (18), GDR_WIRE_RETRY (the HAL's 3),
+# use ports +3..+7), GDR_WIRE_ACK_TIMEOUT (18), GDR_WIRE_RETRY (the HAL's 3),
 # GDR_WIRE_NETEM; WIRE_TESTS (which of the four, in order; default all);
 # WIRE_FLAP_SCHEDULE ("DOWN:UP ..." seconds, repeated; default "1:4 5:6 2:3
 # 6:8": outages shorter and longer than the queue pairs' retry time); the
@@ -30,7 +33,7 @@ ME=two-guest-wire
 two_guest_setup "$ME" 0 "$@"
 SCHEDULE=${WIRE_FLAP_SCHEDULE:-1:4 5:6 2:3 6:8}
 run() { echo "'$BIN' --exact $1 --nocapture --test-threads=1"; }
-TESTS=${WIRE_TESTS:-engine_wire_cut_silent engine_wire_cut_link engine_wire_flapping engine_wire_impaired}
+TESTS=${WIRE_TESTS:-engine_wire_cut_silent engine_wire_cut_link engine_wire_cut_outlasting engine_wire_flapping engine_wire_impaired}
 ENV="env GDR_EXPECT_RXE=1"
 CA=; CB=
 for t in $TESTS; do

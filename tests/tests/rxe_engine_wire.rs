@@ -23,10 +23,19 @@
 //!   ends by itself with a typed [`TransferError`] (its `DEAD-PEER` line
 //!   says which and when).
 //!
+//! - With the wire really cut (`softroce/two-guest-wire.sh`, one wire):
+//!   `engine_wire_cut_silent` (packets dropped with the link up),
+//!   `engine_wire_cut_link` (the cable pulled), `engine_wire_cut_outlasting`
+//!   (a cut past the reconnect bound), `engine_wire_flapping` (a minute of
+//!   flapping), `engine_wire_impaired` (netem delay and loss): see the
+//!   section below and softroce/README.md.
+//!
 //! Env: `GDR_WIRE_ROLE`; `GDR_WIRE_PEER` and `GDR_WIRE_PEER2`, A's address
 //! on wire 0 and wire 1 (10.99.0.1, 10.99.1.1); `GDR_WIRE_PORT`, the first
 //! test's port (7480; each test listens on its own); `GDR_WIRE_ACK_TIMEOUT`,
-//! the queue pairs' ACK timeout code (see [`ack_timeout`]).
+//! the queue pairs' ACK timeout code (see [`ack_timeout`]);
+//! `GDR_WIRE_RETRY`, their transport retries (see [`retry_count`] and
+//! [`impaired_retry`]); `GDR_WIRE_NETEM`, the impaired test's netem words.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::MutexGuard;
@@ -409,13 +418,9 @@ fn address(provider: &RdmaProvider, device: &str) -> IpAddr {
 
 /// Bytes sent by the netdev under `device` (rxe's packets leave by it).
 fn tx_bytes(device: &str) -> u64 {
-    let ndev = std::fs::read_to_string(format!(
-        "/sys/class/infiniband/{device}/ports/1/gid_attrs/ndevs/0"
-    ))
-    .unwrap_or_else(|e| panic!("{device}'s netdev: {e}"));
     std::fs::read_to_string(format!(
         "/sys/class/net/{}/statistics/tx_bytes",
-        ndev.trim()
+        netdev(device)
     ))
     .unwrap()
     .trim()
@@ -635,9 +640,8 @@ const FLUSH_GRACE: Duration = Duration::from_secs(1);
 /// Room for a loaded host on top of the promise when waiting for an end
 /// (a wait that gave up would be reported as a hang).
 const LOAD_SLACK: Duration = Duration::from_secs(15);
-/// The wire tests' `reconnect_timeout`: longer than their longest outage
-/// plus the connection manager's wait before it resends a lost connect
-/// request (~8.6 s on rxe).
+/// The wire tests' `reconnect_timeout`: well past their longest outage
+/// (9 s) plus the re-dial after it (2-4 s measured).
 const RECONNECT: Duration = Duration::from_secs(40);
 /// A cut test's batches: 8 MiB, 8 transfers of 1 MiB, slices over `QPS`.
 const CUT_LEN: u64 = 8 << 20;
@@ -1455,4 +1459,163 @@ fn engine_wire_impaired() {
     );
     eprintln!("{T}: IMPAIRED: {clean}");
     eprintln!("{T}: IMPAIRED: {impaired}; netem dropped {dropped} of B's packets");
+}
+
+/// The outlasting test's `reconnect_timeout`: shorter than its cut.
+const SHORT_RECONNECT: Duration = Duration::from_secs(5);
+/// How long the outlasting test's wire stays cut: past the retry time and
+/// the reconnect bound, with room.
+const LONG_CUT: Duration = Duration::from_secs(16);
+
+/// A cut that outlasts the promise: B's queue pairs fail, are not
+/// re-established within `SHORT_RECONNECT`, and B's peer is gone: its
+/// requests end typed, a submit is refused with `PeerGone`. Once the wire
+/// is back B connects afresh and moves verified bytes; A, idle, learns of
+/// its old peer only when it sends to it (RC has no keepalive and neither
+/// does the engine): that send must end typed too.
+#[test]
+fn engine_wire_cut_outlasting() {
+    const T: &str = "engine_wire_cut_outlasting";
+    let mut config = wire_config(&["rxe0"]);
+    config.reconnect_timeout = SHORT_RECONNECT;
+    let Some(guest) = guest_with(T, config) else {
+        return;
+    };
+    let engine = &guest.engine;
+    if guest.role == Role::Server {
+        let (buffer, region) = host(engine, CUT_LEN, &[]);
+        let mut listener = engine
+            .listen(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port(7))))
+            .unwrap_or_else(|e| panic!("{T}: listening: {e}"));
+        let mut accept = |what: &str| {
+            let start = Instant::now();
+            let peer = loop {
+                match listener.accept(SETUP.saturating_sub(start.elapsed())) {
+                    Ok(peer) => break peer,
+                    Err(e @ EngineError::Timeout(_)) => panic!("{T}: accepting {what}: {e}"),
+                    Err(e) => eprintln!("{T}: server: accepting {what} failed ({e}); again"),
+                }
+            };
+            let grant = peer
+                .grant(&region, 0, region.len(), GrantRights::ReadWrite)
+                .unwrap();
+            send(&peer, &grant.descriptor().grant.to_le_bytes());
+            (peer, grant)
+        };
+        let (old, _old_grant) = accept("the first connection");
+        let (new, _new_grant) = accept("the connection after the cut");
+        let gone = engine.resources().peers.iter().filter(|p| p.gone).count();
+        eprintln!(
+            "{T}: server: B connected afresh; {} peers here, {gone} of them known gone",
+            engine.resources().peers.len()
+        );
+        // The old peer's queue pairs looked fine here; a SEND finds out.
+        let start = Instant::now();
+        // A has no driver thread: this wait makes the progress.
+        let outcome = match old.send(b"anyone there?") {
+            Ok(batch) => {
+                let _ = batch.wait(CUT_DEADLINE + FLUSH_GRACE + LOAD_SLACK);
+                batch
+                    .status()
+                    .unwrap_or_else(|| panic!("{T}: a SEND to the old peer hung"))
+                    .map_err(|e| format!("{e:?}"))
+            }
+            Err(e) => Err(format!("refused: {e:?}")),
+        };
+        eprintln!(
+            "{T}: OUTLASTING: A's SEND to its old, idle peer ended in {:.2?}: {outcome:?}",
+            start.elapsed()
+        );
+        assert!(
+            outcome.is_err(),
+            "{T}: a SEND to a peer that is gone succeeded"
+        );
+        assert_eq!(recv(&new, SETUP), b"written");
+        assert!(
+            buffer.to_vec().unwrap() == pattern(CUT_LEN as usize, CLIENT_SEED),
+            "{T}: B's WRITE over the new connection landed whole"
+        );
+        send(&new, b"checked");
+        assert_eq!(recv(&new, SETUP), b"done");
+        return;
+    }
+    let ndev = netdev("rxe0");
+    let (old, remote, driver) = connect(T, engine, &[path_to_a(7)]);
+    let mine = pattern(CUT_LEN as usize, CLIENT_SEED);
+    let (_src_buf, src) = host(engine, CUT_LEN, &mine);
+    let (back_buf, back) = host(engine, CUT_LEN, &[]);
+    let writes = transfers(true, &src, &remote, CUT_LEN);
+    ended_within(&old.submit(&writes).unwrap(), CUT_DEADLINE)
+        .expect("ended")
+        .unwrap_or_else(|e| panic!("{T}: a WRITE before the cut: {e}"));
+    let in_flight: Vec<_> = (0..CUT_DEPTH)
+        .map(|_| old.submit(&writes).unwrap())
+        .collect();
+    let ready = Cut::Silent.ready(&ndev);
+    let cut_at = Instant::now();
+    ready.apply();
+    // What was in flight ends, ok if it made it before the cut.
+    let caught: Vec<_> = in_flight
+        .iter()
+        .map(|batch| {
+            let outcome = ended_within(batch, CUT_DEADLINE)
+                .unwrap_or_else(|| panic!("{T}: a batch in flight hung"));
+            if let Err(e) = &outcome {
+                assert!(is_cut_error(e, Cut::Silent), "{T}: {e:?}");
+            }
+            (outcome, cut_at.elapsed())
+        })
+        .collect();
+    // Until the peer is gone, work waits for the queue pairs being
+    // re-established and ends at its deadline (or with the peer gone).
+    let refused = loop {
+        match old.submit_with_timeout(&writes, DURING_CUT_DEADLINE) {
+            Err(e) => break e,
+            Ok(batch) => {
+                let outcome = ended_within(&batch, DURING_CUT_DEADLINE)
+                    .unwrap_or_else(|| panic!("{T}: a batch during the cut hung"));
+                let e = outcome.expect_err("nothing succeeds while the wire is cut");
+                assert!(is_cut_error(&e, Cut::Silent), "{T}: {e:?}");
+            }
+        }
+        assert!(
+            cut_at.elapsed() < stated_retry() + SHORT_RECONNECT + LOAD_SLACK,
+            "{T}: the peer was not given up within the retry time and the reconnect bound"
+        );
+    };
+    let gone_after = cut_at.elapsed();
+    assert!(
+        matches!(refused, EngineError::PeerGone(_)),
+        "{T}: {refused}"
+    );
+    thread::sleep(LONG_CUT.saturating_sub(cut_at.elapsed()));
+    Cut::Silent.restore(&ndev);
+    drop(driver);
+    let start = Instant::now();
+    let (new, remote, _driver) = connect(T, engine, &[path_to_a(7)]);
+    let reconnected = start.elapsed();
+    let (write, _) = until_ok(
+        "a WRITE over the new connection",
+        &new,
+        &transfers(true, &src, &remote, CUT_LEN),
+    );
+    let (read, _) = until_ok(
+        "a READ back over the new connection",
+        &new,
+        &transfers(false, &back, &remote, CUT_LEN),
+    );
+    assert!(
+        back_buf.to_vec().unwrap() == mine,
+        "{T}: READ back what was written"
+    );
+    client_wrote(&new);
+    send(&new, b"done");
+    eprintln!(
+        "{T}: OUTLASTING: the batches in flight: {caught:?}; the peer was given up {gone_after:.2?} after it ({refused}; promise: stated retry time \
+         {:.2?} + reconnect bound {SHORT_RECONNECT:?}); wire cut for {LONG_CUT:?}; a fresh \
+         connect took {reconnected:.2?}, then WRITE {write:.2?} and READ back {read:.2?}, \
+         verified",
+        stated_retry()
+    );
+    drop(old);
 }
