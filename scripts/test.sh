@@ -99,7 +99,7 @@ fi
 # The same engines with the wire between the guests really cut: silently
 # (tc in guest B), by the cable pulled (qemu's set_link), past the
 # reconnect bound, flapping for a minute, and impaired by netem; one boot
-# for all five (~4 min under TCG).
+# for all five (4-5 min under TCG).
 # No second run: a failure here is news about recovery.
 # shellcheck disable=SC2317  # called through stage
 two_guest_wire() {

@@ -1523,8 +1523,10 @@ fn engine_wire_cut_outlasting() {
             Err(e) => Err(format!("refused: {e:?}")),
         };
         eprintln!(
-            "{T}: OUTLASTING: A's SEND to its old, idle peer ended in {:.2?}: {outcome:?}",
-            start.elapsed()
+            "{T}: OUTLASTING: A's SEND to its old, idle peer ended in {:.2?}: {outcome:?}; \
+             rxe0: {}",
+            start.elapsed(),
+            rxe_counters()
         );
         assert!(
             outcome.is_err(),
