@@ -10,7 +10,8 @@
 #   3. the rdma-core tests inside the SoftRoCE VM (the C ABI's, the Python
 #      package's two processes, and each Rust test binary, which boots a
 #      guest with rxe0, as cargo's runner); rdma_cm between two guests; the
-#      transfer engine between two guests (two wires, then a guest killed);
+#      transfer engine between two guests (two wires, then a guest killed),
+#      and with the wire between them cut, pulled, flapping and impaired;
 #   4. the loom models of gdr-core's concurrency, and each against its
 #      mutants (scripts/loom-mutants.sh);
 #   5. a short coverage-guided fuzz run of each parser (scripts/fuzz.sh).
@@ -94,6 +95,21 @@ two_guest_engine() {
 }
 if [ -e tests/tests/rxe_engine_wire.rs ]; then
   stage two-guest-engine two_guest_engine || failed=1
+fi
+# The same engines with the wire between the guests really cut: silently
+# (tc in guest B), by the cable pulled (qemu's set_link), past the
+# reconnect bound, flapping for a minute, and impaired by netem; one boot
+# for all five (4-5 min under TCG).
+# No second run: a failure here is news about recovery.
+# shellcheck disable=SC2317  # called through stage
+two_guest_wire() {
+  local bin
+  bin=$(test_binary rxe_engine_wire)
+  [ -x "$bin" ] || { echo "test: no rxe_engine_wire test binary" >&2; return 1; }
+  "$ROOT/softroce/two-guest-wire.sh" "$bin"
+}
+if [ -e tests/tests/rxe_engine_wire.rs ]; then
+  stage two-guest-wire two_guest_wire || failed=1
 fi
 # Every loom model, unbounded; then each mutant (a deliberate bug in the
 # loom build) against the models named for it: each of those runs must fail.

@@ -26,7 +26,12 @@ flock 9
 #                    when a device is added, which modules.dep does not show;
 #                    without it "rdma link add" fails with ENOENT
 #  rdma_rxe rdma_ucm -- SoftRoCE, and rdma_cm for userspace
+#  sch_netem sch_ingress cls_matchall act_gact -- the wire tests' impairments
+#                    through the host's tc (seen through the 9p root): netem
+#                    delays and drops what leaves, an ingress matchall rule
+#                    with a drop action what arrives (softroce/two-guest-wire.sh)
 WANT="virtio_pci virtio_console 9pnet_virtio 9p dummy virtio_net crc32_generic rdma_rxe rdma_ucm"
+WANT="$WANT sch_netem sch_ingress cls_matchall act_gact"
 OPTIONAL="crc32-pclmul"   # faster ICRC where the CPU has PCLMULQDQ; may fail to load
 
 kernel_cached() {

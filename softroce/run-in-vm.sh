@@ -35,6 +35,12 @@
 #                          a guest tmpfs, since unix sockets cannot live on 9p
 #   RXEVM_TIMEOUT=1800     wall-clock limit for the VM, seconds
 #   RXEVM_PIDFILE=<path>   qemu writes its PID there
+#   RXEVM_MONITOR=<path>   qemu's QMP monitor on the FIFOs <path>.in (commands, e.g.
+#                          {"execute":"set_link","arguments":{"name":"n0","up":false}}
+#                          after {"execute":"qmp_capabilities"}; n0 is eth0's netdev,
+#                          n1 eth1's) and <path>.out (replies), made here if missing.
+#                          Open them read-write (<>), which never blocks; replies
+#                          (~16 bytes a command) may be left unread: a FIFO holds 64 KiB
 #   RXEVM_VERBOSE=0        1: one timing line on stderr (accel, boot to rxe0 ready,
 #                          VM wall time); 2: also the guest console log and memory
 set -euo pipefail
@@ -101,6 +107,11 @@ if [ -n "${RXEVM_NIC:-}" ]; then
   fi
 fi
 PIDARGS=(); [ -z "${RXEVM_PIDFILE:-}" ] || PIDARGS=(-pidfile "$RXEVM_PIDFILE")
+if [ -n "${RXEVM_MONITOR:-}" ]; then
+  for f in "$RXEVM_MONITOR.in" "$RXEVM_MONITOR.out"; do [ -p "$f" ] || mkfifo "$f"; done
+  # qemu opens both FIFOs read-write: neither open waits for the other end.
+  PIDARGS+=(-chardev "pipe,id=mon,path=$RXEVM_MONITOR" -mon chardev=mon,mode=control)
+fi
 APPEND="console=ttyS0 quiet loglevel=4 panic=-1 rxevm_dir=$RUN rxevm_netdev=$NETDEV"
 APPEND="$APPEND rxevm_ip=${RXEVM_IP:-10.99.0.1/24} rxevm_cache=${RXEVM_9P_CACHE:-mmap}"
 [ -z "${RXEVM_MTU:-}" ] || APPEND="$APPEND rxevm_mtu=$RXEVM_MTU"

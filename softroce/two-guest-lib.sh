@@ -92,3 +92,71 @@ pair_run_killing() {
   echo "$script: exit $rb (B's, after A was killed)" >&2
   exit "$rb"
 }
+
+# qmp DIR GUEST JSON: one QMP command to guest GUEST's qemu (a or b), through
+# the monitor FIFOs two-guests.sh gives it (DIR/GUEST.mon.in and .out, see
+# RXEVM_MONITOR in run-in-vm.sh); the session's capabilities are negotiated
+# the first time. Replies so far are appended to DIR/GUEST.qmp.log. Opening
+# the FIFOs read-write never blocks, even once qemu is gone.
+qmp() {
+  local dir=$1 g=$2
+  if [ ! -e "$dir/$g.qmp.log" ]; then
+    printf '%s\n' '{"execute":"qmp_capabilities"}' 1<>"$dir/$g.mon.in"
+    : > "$dir/$g.qmp.log"
+  fi
+  printf '%s\n' "$3" 1<>"$dir/$g.mon.in"
+  qmp_drain "$dir" "$g"
+}
+
+# qmp_drain DIR GUEST: what guest GUEST's monitor answered so far, appended
+# to DIR/GUEST.qmp.log.
+qmp_drain() {
+  dd iflag=nonblock status=none 0<>"$1/$2.mon.out" >> "$1/$2.qmp.log" 2>/dev/null || true
+}
+
+# set_link DIR on|off: the wire 0 cable between the guests plugged in or
+# pulled: both guests' eth0 (netdev n0) get their link set (each guest sees
+# its carrier change; packets to or from a NIC that is down are dropped).
+set_link() {
+  local up=false g
+  [ "$2" != on ] || up=true
+  for g in a b; do
+    qmp "$1" "$g" '{"execute":"set_link","arguments":{"name":"n0","up":'"$up"'}}'
+  done
+}
+
+# flap_link DIR SECONDS SCHEDULE SCRIPT: pulls and plugs the wire 0 cable
+# for SECONDS by SCHEDULE, "DOWN:UP ..." in seconds, repeated; ends plugged.
+flap_link() {
+  local dir=$1 secs=$2 schedule=$3 script=$4 end spec flaps=0
+  end=$(($(date +%s) + secs))
+  while :; do
+    for spec in $schedule; do
+      [ "$(date +%s)" -lt "$end" ] || break 2
+      set_link "$dir" off; flaps=$((flaps + 1)); sleep "${spec%%:*}"
+      set_link "$dir" on; sleep "${spec#*:}"
+    done
+  done
+  set_link "$dir" on
+  echo "$script: flapping done: the link went down $flaps times in ${secs}s (schedule $schedule)"
+}
+
+# drive_link DIR SCRIPT SCHEDULE: a filter over two-guests.sh's merged
+# output (copied through) that does what guest B asks of the wire:
+# "GDR_WIRE_LINK off|on" sets the link (set_link), "GDR_WIRE_FLAP S" flaps
+# it for S seconds (flap_link with SCHEDULE, in the background).
+drive_link() {
+  local dir=$1 script=$2 schedule=$3 line
+  while IFS= read -r line; do
+    printf '%s\n' "$line"
+    case "$line" in
+      "B| GDR_WIRE_LINK off"*|"B| GDR_WIRE_LINK on"*)
+        set_link "$dir" "${line##* }"
+        echo "$script: link ${line##* } at $(date +%T.%N)" ;;
+      "B| GDR_WIRE_FLAP "*)
+        flap_link "$dir" "${line##* }" "$schedule" "$script" & ;;
+    esac
+  done
+  wait
+  qmp_drain "$dir" a; qmp_drain "$dir" b
+}

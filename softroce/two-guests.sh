@@ -8,7 +8,9 @@
 # and exits 0 if both exit 0, else with A's status if nonzero, else B's.
 # Start order is not guaranteed: a client must retry until its server listens.
 # Env: RXEVM_PAIR_DIR  folder for the sockets and qemu PIDs (a.pid, b.pid),
-#                      e.g. to kill one guest; default: a temporary one
+#                      e.g. to kill one guest, and their monitors' FIFOs
+#                      (a.mon.in, b.mon.in: see RXEVM_MONITOR in run-in-vm.sh,
+#                      and monitor in two-guest-lib.sh); default: a temporary one
 #      RXEVM_PAIR_WIRES=1  2: a second wire between a second virtio-net NIC
 #                      of each guest, eth1, carrying rxe1: A 10.99.1.1, B
 #                      10.99.1.2 (two rxe devices in one guest do not reach
@@ -43,7 +45,7 @@ export RXEVM_TIMEOUT=${RXEVM_TIMEOUT:-600} RXEVM_VERBOSE=${RXEVM_VERBOSE:-1}
 "$HERE/build-initramfs.sh"
 WIRES=${RXEVM_PAIR_WIRES:-1}
 case "$WIRES" in 1|2) ;; *) echo "two-guests: RXEVM_PAIR_WIRES=$WIRES: 1 or 2" >&2; exit 2 ;; esac
-rm -f "$D"/[ab].sock "$D"/[ab]1.sock "$D/a.pid" "$D/b.pid" "$D/a.rc" "$D/b.rc"
+rm -f "$D"/[ab].sock "$D"/[ab]1.sock "$D/a.pid" "$D/b.pid" "$D/a.rc" "$D/b.rc" "$D"/[ab].mon.*
 T0=$(date +%s.%N)
 
 # wire LOCAL REMOTE: a QEMU netdev, one end of a datagram wire
@@ -55,7 +57,7 @@ guest() {
   [ "$WIRES" = 1 ] || nic2=$(wire "${me}1.sock" "${3}1.sock")
   RXEVM_NIC=$(wire "$me.sock" "$3.sock") RXEVM_MAC=52:54:00:99:00:0$2 RXEVM_IP=10.99.0.$2/24 \
     RXEVM_NIC2=$nic2 RXEVM_MAC2=52:54:00:99:01:0$2 RXEVM_IP2=10.99.1.$2/24 \
-    RXEVM_PIDFILE=$D/$me.pid "$HERE/run-in-vm.sh" sh -c "$4" 2>&1 | sed -u "s/^/$1| /" || rc=${PIPESTATUS[0]}
+    RXEVM_PIDFILE=$D/$me.pid RXEVM_MONITOR=$D/$me.mon "$HERE/run-in-vm.sh" sh -c "$4" 2>&1 | sed -u "s/^/$1| /" || rc=${PIPESTATUS[0]}
   echo "$rc" > "$D/$me.rc"
 }
 guest A 1 b "$CA" &
