@@ -179,7 +179,7 @@ fn menu(scale: f64) -> Vec<(FaultSite, u32, Vec<Fault>)> {
             rate(2_000.0),
             vec![cuda("cuMemcpyAsync", 700), cuda("cuMemcpyAsync", 719)], // illegal address, launch failed
         ),
-        (FaultSite::CudaCopy, rate(20.0), vec![Fault::DeviceLost]),
+        (FaultSite::CudaCopy, rate(300.0), vec![Fault::DeviceLost]),
         (
             FaultSite::CudaStreamMemOp,
             rate(20_000.0),
