@@ -13,7 +13,9 @@
 #      transfer engine between two guests (two wires, then a guest killed),
 #      and with the wire between them cut, pulled, flapping and impaired;
 #   4. the loom models of gdr-core's concurrency, and each against its
-#      mutants (scripts/loom-mutants.sh);
+#      mutants (scripts/loom-mutants.sh); gdr-proto's planted bugs against
+#      its tests; the engine's planted bugs against the seeded soak
+#      (scripts/soak-planted-bugs.py);
 #   5. a short coverage-guided fuzz run of each parser (scripts/fuzz.sh).
 # Prints each stage's time; exits non-zero if any stage failed.
 set -uo pipefail
@@ -119,6 +121,11 @@ stage loom "$ROOT/scripts/loom-mutants.sh" || failed=1
 # Incremental for this stage alone: each planted bug rebuilds gdr-proto and
 # its tests, and the unchanged rest is reused (CI turns incremental off).
 stage proto-mutants env CARGO_INCREMENTAL=1 python3 "$ROOT/scripts/proto-planted-bugs.py" || failed=1
+# Planted bugs in the engine (a skipped lease, a double completion, an
+# unbounded queue, a revoke that does not fence, a group told done early):
+# the seeded soak (tests/tests/sim_soak.rs) must catch each within its
+# seeds; each run stops at the first failure, at most 60 s.
+stage soak-mutants env CARGO_INCREMENTAL=1 python3 "$ROOT/scripts/soak-planted-bugs.py" || failed=1
 for target in descriptor handshake control uri; do
   stage "fuzz-$target" "$ROOT/scripts/fuzz.sh" "${GDR_FUZZ_SECONDS:-20}" "$target" || failed=1
 done
