@@ -367,7 +367,6 @@ impl Drop for ReleaseCheck {
     }
 }
 
-
 impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
     /// b listens on `listen` (an assigned port) and accepts on a thread;
     /// a connects over the paths `paths` makes of b's address. Checks both

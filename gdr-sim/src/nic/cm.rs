@@ -676,29 +676,29 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                 });
             };
             self.fabric.cm_notify();
-            let (server, peer_private, conn) = match self.await_answer(request, deadline, generation)
-            {
-                Ok(answer) => answer,
-                Err(Answer::Rejected(private_data)) => {
-                    return Err(VerbsError::ConnectionRejected {
-                        peer: peer.to_string(),
-                        status: REJ_CONSUMER_DEFINED,
-                        private_data,
-                    });
-                }
-                Err(Answer::Retry(why)) => {
-                    last = why;
-                    let state = self.fabric.lock();
-                    if deadline.passed(&state) || self.aborted_since(generation) {
-                        return Err(VerbsError::Timeout {
-                            operation: OP,
-                            waited: deadline.waited(&state),
-                            detail: format!("{attempts} attempt(s); last: {last}"),
+            let (server, peer_private, conn) =
+                match self.await_answer(request, deadline, generation) {
+                    Ok(answer) => answer,
+                    Err(Answer::Rejected(private_data)) => {
+                        return Err(VerbsError::ConnectionRejected {
+                            peer: peer.to_string(),
+                            status: REJ_CONSUMER_DEFINED,
+                            private_data,
                         });
                     }
-                    continue;
-                }
-            };
+                    Err(Answer::Retry(why)) => {
+                        last = why;
+                        let state = self.fabric.lock();
+                        if deadline.passed(&state) || self.aborted_since(generation) {
+                            return Err(VerbsError::Timeout {
+                                operation: OP,
+                                waited: deadline.waited(&state),
+                                detail: format!("{attempts} attempt(s); last: {last}"),
+                            });
+                        }
+                        continue;
+                    }
+                };
             let rd = params.responder_resources;
             let init = params.initiator_depth;
             if let Err(e) = bring_up(&self.fabric, &qp, client, server, params, rd, init) {

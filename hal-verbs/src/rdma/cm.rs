@@ -125,7 +125,9 @@ impl RdmaCm {
                 reason: "the library that loaded lacks rdma_cm entry points".into(),
             });
         }
-        Ok(Self { aborts: Default::default() })
+        Ok(Self {
+            aborts: Default::default(),
+        })
     }
 }
 
@@ -974,7 +976,9 @@ impl ConnectionManager<RdmaApi> for RdmaCm {
             // In looks of ABORT_CHECK: an abort ends the back-off too.
             let until = now + backoff.min(args.deadline - now);
             while !aborted() && Instant::now() < until {
-                std::thread::sleep(ABORT_CHECK.min(until.saturating_duration_since(Instant::now())));
+                std::thread::sleep(
+                    ABORT_CHECK.min(until.saturating_duration_since(Instant::now())),
+                );
             }
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
