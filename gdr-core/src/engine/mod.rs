@@ -1727,7 +1727,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         peer.control.recv_owner[index] = None;
-        let failed = match wc.status.is_success() {
+        // A peer dropped for misbehaving is not listened to any more: what
+        // it had already sent would build up again what the drop let go.
+        let dropped = matches!(peer.gone, Some(PeerGone::Misbehaved(_)));
+        let failed = match wc.status.is_success() && !dropped {
             true => self
                 .on_message(state, slot, index, wc.byte_len as usize)
                 .err(),
@@ -1841,6 +1844,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 Control::StagedRequest { .. }
                 | Control::StagedReply { .. }
                 | Control::Slots { .. }
+                // Nothing reaches its grants any more: their table goes
+                // now, not when the engine does.
+                peer.remote_grants.clear();
                 | Control::SlotReady { .. }
                 | Control::SlotFilled { .. }
                 | Control::SlotDone { .. }
@@ -2681,6 +2687,9 @@ fn drop_misbehaving<V: Api, C: hal_cuda::Api>(
     }
 }
 
+    // Nothing reaches its grants any more: their table (up to
+    // `max_remote_grants` descriptors) goes now, not when the engine does.
+    peer.remote_grants.clear();
 /// Returns a send slot to its pool when the SEND using it is retired.
 struct SendSlot {
     free: Arc<std::sync::Mutex<Vec<usize>>>,
