@@ -443,6 +443,9 @@ pub struct PeerResources {
     pub remote_grants: usize,
     /// Its messages not yet received (bounded by count and bytes).
     pub inbox_messages: usize,
+    /// The CUDA IPC handles of its grants, for the peer-copy path
+    /// (bounded like its grants).
+    pub ipc_handles: usize,
     /// Their bytes.
     pub inbox_bytes: usize,
     /// This side's control messages waiting for a send slot (bounded).
@@ -1055,6 +1058,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     remote_grants: peer.remote_grants.len(),
                     inbox_messages: peer.inbox.len(),
                     inbox_bytes: peer.inbox.bytes(),
+                    ipc_handles: state.paths.peer_copy.ipc_handles(slot),
                     outbox_messages: peer.outbox.len(),
                     staged_grants,
                     requests_served,
