@@ -205,7 +205,9 @@ pub struct EngineConfig {
     /// WRITEs of host memory up to this many bytes go inline (the CPU
     /// copies them into the work request); never GPU memory. 0: never.
     pub inline_threshold: u32,
-    /// Largest control message this engine receives (header included).
+    /// Largest control message this engine receives (header included):
+    /// a peer's [`Peer::send`] carries at most this less
+    /// [`wire::HEADER_LEN`] bytes of payload.
     pub max_message: u32,
     /// Receives kept posted for control messages.
     pub recv_depth: u16,
@@ -441,11 +443,11 @@ pub struct PeerResources {
     pub grants_announced: usize,
     /// Its grants to this side (bounded by the engine's limit).
     pub remote_grants: usize,
-    /// Its messages not yet received (bounded by count and bytes).
-    pub inbox_messages: usize,
     /// The CUDA IPC handles of its grants, for the peer-copy path
     /// (bounded like its grants).
     pub ipc_handles: usize,
+    /// Its messages not yet received (bounded by count and bytes).
+    pub inbox_messages: usize,
     /// Their bytes.
     pub inbox_bytes: usize,
     /// This side's control messages waiting for a send slot (bounded).
@@ -1056,9 +1058,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     queue_pairs: peer.qps.len(),
                     grants_announced: peer.granted.len(),
                     remote_grants: peer.remote_grants.len(),
+                    ipc_handles: state.paths.peer_copy.ipc_handles(slot),
                     inbox_messages: peer.inbox.len(),
                     inbox_bytes: peer.inbox.bytes(),
-                    ipc_handles: state.paths.peer_copy.ipc_handles(slot),
                     outbox_messages: peer.outbox.len(),
                     staged_grants,
                     requests_served,
@@ -1842,15 +1844,15 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             Some(Control::Goodbye) => {
                 peer.gone.get_or_insert(PeerGone::ClosedByPeer);
+                // Nothing reaches its grants any more: their table goes
+                // now, not when the engine does.
+                peer.remote_grants.clear();
             }
             // Taken by the staged path above.
             Some(
                 Control::StagedRequest { .. }
                 | Control::StagedReply { .. }
                 | Control::Slots { .. }
-                // Nothing reaches its grants any more: their table goes
-                // now, not when the engine does.
-                peer.remote_grants.clear();
                 | Control::SlotReady { .. }
                 | Control::SlotFilled { .. }
                 | Control::SlotDone { .. }
@@ -2685,15 +2687,15 @@ fn drop_misbehaving<V: Api, C: hal_cuda::Api>(
     tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
     let reason = PeerGone::Misbehaved(why.clone());
     peer.gone.get_or_insert_with(|| reason.clone());
+    // Nothing reaches its grants any more: their table (up to
+    // `max_remote_grants` descriptors) goes now, not when the engine does.
+    peer.remote_grants.clear();
     for qp in &peer.qps {
         let _ = qp.conn.disconnect();
         core.fail_qp(qp.core, TransferError::PeerGone(reason.clone()));
     }
 }
 
-    // Nothing reaches its grants any more: their table (up to
-    // `max_remote_grants` descriptors) goes now, not when the engine does.
-    peer.remote_grants.clear();
 /// Returns a send slot to its pool when the SEND using it is retired.
 struct SendSlot {
     free: Arc<std::sync::Mutex<Vec<usize>>>,
