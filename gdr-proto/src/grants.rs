@@ -317,6 +317,12 @@ impl<D> RemoteGrants<D> {
         self.grants.remove(&id)
     }
 
+    /// Forgets every grant (the peer is gone: none can be used again),
+    /// giving their memory back.
+    pub fn clear(&mut self) {
+        self.grants = HashMap::new();
+    }
+
     /// Live grant `id`.
     pub fn get(&self, id: GrantId) -> Option<&D> {
         self.grants.get(&id)

@@ -109,6 +109,48 @@ fn a_peer_announcing_too_many_grants_is_dropped() {
     );
 }
 
+/// A peer's grant table goes as soon as the peer is gone (here it said
+/// goodbye, and another was dropped for one grant too many), not when the
+/// engine does: a gone peer's grants can never be used, and peers that
+/// went would otherwise each keep up to `max_remote_grants` descriptors.
+#[test]
+fn a_gone_peers_grants_are_let_go_at_once() {
+    let held = |w: &EngineWorld<SimVerbsApi>| {
+        let peers = w.b.engine.resources().peers;
+        assert_eq!(peers.len(), 1);
+        (peers[0].gone, peers[0].remote_grants)
+    };
+    for misbehave in [false, true] {
+        let w = world(PeerLimits {
+            max_remote_grants: 3,
+            ..PeerLimits::default()
+        });
+        let (_buf, region) = w.a.alloc(Kind::Host, 4096, 1);
+        let grants: Vec<_> = (0..3)
+            .map(|i| {
+                w.ab.grant(&region, i * 1024, 1024, GrantRights::Read)
+                    .unwrap()
+            })
+            .collect();
+        for grant in &grants {
+            w.ba.wait_grant(grant.descriptor().grant, T).unwrap();
+        }
+        assert_eq!(held(&w), (false, 3));
+        if misbehave {
+            let _ = w.ab.grant(&region, 3072, 1024, GrantRights::Read);
+        } else {
+            w.ab.close().unwrap();
+        }
+        let start = Instant::now();
+        // b learns of it by its own progress.
+        while !held(&w).0 {
+            assert!(start.elapsed() < T, "b never saw a go");
+            w.b.engine.progress();
+        }
+        assert_eq!(held(&w), (true, 0), "misbehaving: {misbehave}");
+    }
+}
+
 /// Messages nobody receives are bounded: the peer that sends more than
 /// `max_inbox_messages` is dropped by name, and the messages kept before
 /// are still delivered.

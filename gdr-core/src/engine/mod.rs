@@ -205,7 +205,9 @@ pub struct EngineConfig {
     /// WRITEs of host memory up to this many bytes go inline (the CPU
     /// copies them into the work request); never GPU memory. 0: never.
     pub inline_threshold: u32,
-    /// Largest control message this engine receives (header included).
+    /// Largest control message this engine receives (header included):
+    /// a peer's [`Peer::send`] carries at most this less
+    /// [`wire::HEADER_LEN`] bytes of payload.
     pub max_message: u32,
     /// Receives kept posted for control messages.
     pub recv_depth: u16,
@@ -446,6 +448,9 @@ pub struct PeerResources {
     pub grants_announced: usize,
     /// Its grants to this side (bounded by the engine's limit).
     pub remote_grants: usize,
+    /// The CUDA IPC handles of its grants, for the peer-copy path
+    /// (bounded like its grants).
+    pub ipc_handles: usize,
     /// Its messages not yet received (bounded by count and bytes).
     pub inbox_messages: usize,
     /// Their bytes.
@@ -1081,6 +1086,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     queue_pairs: peer.qps.len(),
                     grants_announced: peer.granted.len(),
                     remote_grants: peer.remote_grants.len(),
+                    ipc_handles: state.paths.peer_copy.ipc_handles(slot),
                     inbox_messages: peer.inbox.len(),
                     inbox_bytes: peer.inbox.bytes(),
                     outbox_messages: peer.outbox.len(),
@@ -1789,7 +1795,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         peer.control.recv_owner[index] = None;
-        let failed = match wc.status.is_success() {
+        // A peer dropped for misbehaving is not listened to any more: what
+        // it had already sent would build up again what the drop let go.
+        let dropped = matches!(peer.gone, Some(PeerGone::Misbehaved(_)));
+        let failed = match wc.status.is_success() && !dropped {
             true => self
                 .on_message(state, slot, index, wc.byte_len as usize)
                 .err(),
@@ -1897,6 +1906,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             Some(Control::Goodbye) => {
                 peer.gone.get_or_insert(PeerGone::ClosedByPeer);
+                // Nothing reaches its grants any more: their table goes
+                // now, not when the engine does.
+                peer.remote_grants.clear();
             }
             // Taken by the staged path above.
             Some(
@@ -2767,6 +2779,9 @@ fn drop_misbehaving<V: Api, C: hal_cuda::Api>(
     tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
     let reason = PeerGone::Misbehaved(why.clone());
     peer.gone.get_or_insert_with(|| reason.clone());
+    // Nothing reaches its grants any more: their table (up to
+    // `max_remote_grants` descriptors) goes now, not when the engine does.
+    peer.remote_grants.clear();
     for qp in &peer.qps {
         let _ = qp.conn.disconnect();
         core.fail_qp(qp.core, TransferError::PeerGone(reason.clone()));

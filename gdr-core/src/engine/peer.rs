@@ -539,9 +539,12 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         })
     }
 
-    /// Sends a control message to the peer (at most the peer's
-    /// `max_message` less the header); the returned batch completes when
-    /// the peer's NIC has it.
+    /// Sends a control message to the peer; the returned batch completes
+    /// when the peer's NIC has it. Its payload is at most the peer's
+    /// [`EngineConfig::max_message`] less the control header
+    /// ([`wire::HEADER_LEN`], 8 bytes): 4,088 bytes at the default 4 KiB.
+    /// A longer one is refused here with [`EngineError::MessageTooLarge`]
+    /// (which names the whole message's length and the peer's bound).
     pub fn send(&self, message: &[u8]) -> Result<Batch<V, C>, EngineError> {
         self.send_control(&Control::User(message))
     }

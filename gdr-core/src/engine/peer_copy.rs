@@ -422,6 +422,12 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
         self.here.map(|here| here.message())
     }
 
+    /// The IPC handles of the peer in `slot`'s grants held here (bounded
+    /// like its grants).
+    pub(super) fn ipc_handles(&self, slot: usize) -> usize {
+        self.links.get(&slot).map_or(0, |link| link.ipc.len())
+    }
+
     /// What this engine's peer copies have done.
     pub(super) fn stats(&self) -> PeerCopyStats {
         self.stats

@@ -33,11 +33,12 @@
 //! its own wait for readiness, then [`Reactor::park_end`]) with the same
 //! handshake as a thread's park. Nothing here names a runtime.
 //!
-//! The spin before parking is the one policy ([`SPIN_ROUNDS`]): a request
-//! posted back to back completes within a few polls, which a park (two
-//! system calls and a wake-up) would delay. While a path has work only
-//! polling sees ([`Parkable::polls`]) the leader yields ([`YIELD_ROUNDS`])
-//! and then parks at most [`GPU_POLL`] at a time.
+//! The spin before parking is the one policy ([`SPIN_ROUNDS`], at most
+//! [`SPIN_TIME`]): a request posted back to back completes within a few
+//! polls, which a park (two system calls and a wake-up) would delay. While
+//! a path has work only polling sees ([`Parkable::polls`]) the leader
+//! yields ([`YIELD_ROUNDS`]) and then parks at most [`GPU_POLL`] at a
+//! time.
 
 use std::os::fd::RawFd;
 use std::task::Waker;
@@ -58,6 +59,14 @@ use sys::{WakeFd, poll_readable};
 /// latency policy, not a step of the protocol, and each round multiplies
 /// what the models explore.)
 pub(crate) const SPIN_ROUNDS: u32 = if cfg!(loom) { 0 } else { 200 };
+
+/// The longest a spin lasts, whatever rounds are left: on a NIC a round
+/// costs well under a microsecond and the rounds run out first; where a
+/// round is dear (the simulated fabric, a debug build, a lock other
+/// threads hold) 200 of them took milliseconds, and a spinning thread kept
+/// the core the thread it waited for needed (on a loaded 2-core machine a
+/// peer's control messages then went 2-3 times slower, issue 23).
+pub(crate) const SPIN_TIME: Duration = Duration::from_micros(50);
 
 /// Empty rounds, after the spin, in which a leader whose engine has work
 /// only polling sees yields its core before it parks.
@@ -114,10 +123,12 @@ pub(crate) enum Next {
     Park { polls: bool },
 }
 
-/// Counts a leader's empty rounds for [`Next`].
+/// Counts a leader's empty rounds for [`Next`], and times them.
 #[derive(Debug, Default)]
 pub(crate) struct Spin {
     empty: u32,
+    /// When the first empty round of the spin ended.
+    since: Option<Instant>,
 }
 
 impl Spin {
@@ -126,12 +137,19 @@ impl Spin {
     pub(crate) fn next(&mut self, handled: usize, polls: impl FnOnce() -> bool) -> Next {
         if handled > 0 {
             self.empty = 0;
-        } else {
-            self.empty = self.empty.saturating_add(1);
-        }
-        if self.empty <= SPIN_ROUNDS {
+            self.since = None;
             return Next::Spin;
         }
+        self.empty = self.empty.saturating_add(1);
+        if self.empty <= SPIN_ROUNDS {
+            let since = *self.since.get_or_insert_with(Instant::now);
+            if since.elapsed() < SPIN_TIME {
+                return Next::Spin;
+            }
+            // Out of time: the spin is over, as if its rounds were.
+            self.empty = SPIN_ROUNDS + 1;
+        }
+        self.since = None;
         let polls = polls();
         if polls && self.empty <= SPIN_ROUNDS + YIELD_ROUNDS {
             return Next::Yield;
@@ -466,9 +484,9 @@ impl Reactor {
 
     /// Sleeps until progress was made or the leader left (or `deadline`),
     /// unless `done` says so first (then `true`). It makes progress itself
-    /// for a spin's worth of rounds before it sleeps: a request waited on
-    /// back to back ends within them, without the leader's wake-up and a
-    /// hand-over.
+    /// for a spin's worth of rounds ([`SPIN_ROUNDS`], at most
+    /// [`SPIN_TIME`]) before it sleeps: a request waited on back to back
+    /// ends within them, without the leader's wake-up and a hand-over.
     // (Under loom there is no spin: the spin's range is empty.)
     #[cfg_attr(loom, allow(clippy::reversed_empty_ranges))]
     fn follow(
@@ -477,12 +495,16 @@ impl Reactor {
         deadline: Option<Instant>,
         done: &mut impl FnMut() -> bool,
     ) -> bool {
+        let spun = (SPIN_ROUNDS > 0).then(Instant::now);
         for _ in 0..SPIN_ROUNDS {
             if done() {
                 return true;
             }
             if engine.progress() == 0 {
                 std::hint::spin_loop();
+            }
+            if spun.is_some_and(|start| start.elapsed() >= SPIN_TIME) {
+                break;
             }
         }
         let mut lead = lock(&self.lead);

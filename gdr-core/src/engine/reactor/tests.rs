@@ -28,6 +28,9 @@ struct Scripted {
     /// At the next arm, another thread's progress has just taken a
     /// completion and ended a batch (no fd will say so): the other race.
     end_elsewhere_at_arm: AtomicBool,
+    /// How long each progress round takes (a dear one: the simulated
+    /// fabric's, a debug build's, a contended lock's).
+    round_cost: Mutex<Duration>,
     reactor: Arc<Reactor>,
 }
 
@@ -44,6 +47,7 @@ impl Scripted {
             ended: AtomicUsize::new(0),
             hand_over_at_arm: AtomicBool::new(false),
             end_elsewhere_at_arm: AtomicBool::new(false),
+            round_cost: Mutex::new(Duration::ZERO),
             reactor: Arc::new(Reactor::new().unwrap()),
         })
     }
@@ -59,6 +63,10 @@ impl Scripted {
 impl Parkable for Scripted {
     fn progress(&self) -> usize {
         self.progress_calls.fetch_add(1, Ordering::SeqCst);
+        let cost = *lock(&self.round_cost);
+        if !cost.is_zero() {
+            std::thread::sleep(cost);
+        }
         let handled = self.work.swap(0, Ordering::SeqCst);
         if handled > 0 {
             self.ended.fetch_add(handled, Ordering::SeqCst);
@@ -179,6 +187,45 @@ fn an_idle_leader_parks_instead_of_spinning() {
         "{calls} progress calls while idle"
     );
     assert!(engine.arms.load(Ordering::SeqCst) >= 1);
+}
+
+/// A spin is bounded by time as well as rounds: with rounds of 200 µs,
+/// [`SPIN_ROUNDS`] of them took 40 ms of a core before the park (issue
+/// 23: a loaded machine's other threads starved meanwhile).
+#[test]
+fn a_leader_whose_rounds_are_dear_parks_once_its_spin_time_is_up() {
+    let engine = Scripted::new();
+    *lock(&engine.round_cost) = Duration::from_micros(200);
+    let waiting = waiter(&engine, 1);
+    until_parked(&engine);
+    let calls = engine.progress_calls.load(Ordering::SeqCst);
+    engine.complete(1);
+    assert!(waiting.join().unwrap(), "the wait ended at its deadline");
+    // Rounds of 200 µs: SPIN_TIME is over after the first (and the
+    // park's own poll after the arm).
+    assert!(
+        calls < SPIN_ROUNDS as usize / 4,
+        "{calls} progress calls of 200 µs before the park"
+    );
+}
+
+/// A follower's spin too: it sleeps once its spin time is up.
+#[test]
+fn a_follower_whose_rounds_are_dear_sleeps_once_its_spin_time_is_up() {
+    let engine = Scripted::new();
+    *lock(&engine.round_cost) = Duration::from_micros(200);
+    let leading = waiter(&engine, 1);
+    until_parked(&engine);
+    let before = engine.progress_calls.load(Ordering::SeqCst);
+    let following = waiter(&engine, 1);
+    until_following(&engine);
+    let calls = engine.progress_calls.load(Ordering::SeqCst) - before;
+    engine.complete(1);
+    assert!(leading.join().unwrap() && following.join().unwrap());
+    assert!(
+        calls < SPIN_ROUNDS as usize / 4,
+        "{calls} progress calls of 200 µs before the follower slept"
+    );
 }
 
 #[test]
