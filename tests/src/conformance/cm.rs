@@ -224,3 +224,59 @@ pub fn cm_listener_wake_ends_the_wait<B: Backend>(b: &B) {
         "a wake ends one wait only"
     );
 }
+
+/// `abort_connects` ends a connect under way (here one retrying a port
+/// nobody listens on, with half a minute left) at once, with `Timeout`;
+/// a connect begun after it is not affected.
+pub fn cm_abort_connects_ends_a_connect_under_way<B: Backend>(b: &B) {
+    let Some((server, client)) = b.cm_sides() else {
+        return;
+    };
+    // A port that was listened on and is no more.
+    let dead = {
+        let listener = server
+            .cm
+            .listen(SocketAddr::new(server.ip, 0), 8)
+            .expect("listen");
+        listener.local_addr()
+    };
+    let device = client
+        .cm
+        .route_device(server.ip, Duration::from_secs(5))
+        .expect("route");
+    let node = Node::<B::A>::new(client.provider.open(&device).expect("open"));
+    let cq = node.ctx.create_cq(16).expect("CQ");
+    let long = ConnectParams {
+        timeout: Duration::from_secs(30),
+        ..ConnectParams::default()
+    };
+    let start = std::time::Instant::now();
+    let err = std::thread::scope(|scope| {
+        let connecting = scope.spawn(|| client.cm.connect(dead, &node.pd, &cq, &cq, &long, HELLO));
+        std::thread::sleep(Duration::from_millis(300));
+        client.cm.abort_connects();
+        connecting.join().expect("the connecting thread")
+    })
+    .expect_err("nobody listens");
+    assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+    assert!(
+        start.elapsed() < long.timeout / 3,
+        "the abort did not end the connect: {:?}",
+        start.elapsed()
+    );
+    let short = ConnectParams {
+        timeout: Duration::from_millis(400),
+        ..ConnectParams::default()
+    };
+    let start = std::time::Instant::now();
+    let err = client
+        .cm
+        .connect(dead, &node.pd, &cq, &cq, &short, HELLO)
+        .expect_err("nobody listens");
+    assert!(matches!(err, VerbsError::Timeout { .. }), "{err}");
+    assert!(
+        start.elapsed() >= short.timeout,
+        "a connect after the abort ran its own course: {:?}",
+        start.elapsed()
+    );
+}

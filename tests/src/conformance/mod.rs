@@ -21,8 +21,8 @@ pub mod timing;
 mod transfers;
 
 pub use cm::{
-    cm_connect_accept_write_read_disconnect, cm_listener_wake_ends_the_wait,
-    cm_reject_carries_private_data,
+    cm_abort_connects_ends_a_connect_under_way, cm_connect_accept_write_read_disconnect,
+    cm_listener_wake_ends_the_wait, cm_reject_carries_private_data,
 };
 pub use errors::{
     destroying_a_qp_with_completions_in_its_cq, drain_flushes_everything_posted,
@@ -80,6 +80,7 @@ macro_rules! conformance_tests {
             cm_connect_accept_write_read_disconnect,
             cm_reject_carries_private_data,
             cm_listener_wake_ends_the_wait,
+            cm_abort_connects_ends_a_connect_under_way,
             zero_length_requests,
             unsignaled_requests_hold_their_slots,
             qp_access_flags_are_enforced,
