@@ -333,10 +333,23 @@ struct ReleaseCheck {
     fence_pages: Vec<Arc<AtomicU64>>,
 }
 
+/// How long the release check waits for what the engines' last steps let
+/// go on their own threads (an engine whose internal step outlasted its
+/// drop closes when the step ends, saying so in a warning).
+const RELEASE_GRACE: Duration = Duration::from_secs(5);
+
 impl Drop for ReleaseCheck {
     fn drop(&mut self) {
         if std::thread::panicking() {
             return;
+        }
+        let start = std::time::Instant::now();
+        while !self.fabric.resources().is_empty() && start.elapsed() < RELEASE_GRACE {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let late = start.elapsed();
+        if late > Duration::from_millis(50) {
+            eprintln!("release check: the world's fabric was released {late:?} after its drop");
         }
         let left = self.fabric.resources();
         assert!(left.is_empty(), "the world's fabric kept {left:?}");

@@ -841,6 +841,12 @@ fn reconnect_thread<V: Api, C: hal_cuda::Api>(
     }
 }
 
+/// How long the last handle's drop waits for an internal step under way
+/// (each is told to end: a parked one by a nudge, a reconnect attempt by
+/// `abort_connects`, a listener's wait by its wake); past it the engine
+/// closes when the step ends, on that step's thread.
+const CLOSE_PATIENCE: Duration = Duration::from_secs(10);
+
 impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
     fn drop(&mut self) {
         // Another handle of the caller's lives on: nothing to do (the
@@ -865,14 +871,26 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
                 Ok(guard) => break guard,
                 Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
                 Err(std::sync::TryLockError::WouldBlock) => {
-                    if start.elapsed() > Duration::from_secs(1) {
+                    let waited = start.elapsed();
+                    if waited > CLOSE_PATIENCE {
+                        tracing::warn!(
+                            ?waited,
+                            "an internal step of the engine did not end: it closes when it does, \
+                             on that thread"
+                        );
                         holds.closing.store(false, Ordering::SeqCst);
                         return;
                     }
                     // Again: a step that began after the last nudge waits
-                    // for the next one.
+                    // for the next one. Past the first millisecond the
+                    // wait sleeps: on a loaded machine the step's thread
+                    // needs the core this one would spin on.
                     self.shared.reactor.nudge();
-                    std::thread::yield_now();
+                    if waited < Duration::from_millis(1) {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
                 }
             }
         };
