@@ -120,55 +120,32 @@ fn menu(scale: f64) -> Vec<(FaultSite, u32, Vec<Fault>)> {
     let mut completion: Vec<Fault> = statuses.into_iter().map(Fault::CompletionStatus).collect();
     completion.push(Fault::CqOverrun);
     completion.push(Fault::QpFatal);
+    // A verbs site failing with each of `errnos` (as `op` reports them).
+    let verbs_site = |site, ppm, op: &'static str, errnos: &[i32]| {
+        let faults = errnos.iter().map(|&e| verbs(op, e)).collect();
+        (site, rate(ppm), faults)
+    };
+    use FaultSite::*;
+    use libc::{EFAULT, EINVAL, ENOMEM, EOPNOTSUPP, ETIMEDOUT};
     vec![
-        (
-            FaultSite::VerbsRegister,
-            rate(20_000.0),
-            vec![
-                verbs("ibv_reg_mr", libc::ENOMEM),
-                verbs("ibv_reg_mr", libc::EFAULT),
-            ],
+        verbs_site(VerbsRegister, 20_000.0, "ibv_reg_mr", &[ENOMEM, EFAULT]),
+        verbs_site(
+            VerbsRegisterDmabuf,
+            20_000.0,
+            "ibv_reg_dmabuf_mr",
+            &[ENOMEM, EOPNOTSUPP],
         ),
-        (
-            FaultSite::VerbsRegisterDmabuf,
-            rate(20_000.0),
-            vec![
-                verbs("ibv_reg_dmabuf_mr", libc::ENOMEM),
-                verbs("ibv_reg_dmabuf_mr", libc::EOPNOTSUPP),
-            ],
+        verbs_site(VerbsCreateQp, 20_000.0, "ibv_create_qp", &[ENOMEM]),
+        verbs_site(
+            VerbsModifyQp,
+            5_000.0,
+            "ibv_modify_qp",
+            &[EINVAL, ETIMEDOUT],
         ),
-        (
-            FaultSite::VerbsCreateQp,
-            rate(20_000.0),
-            vec![verbs("ibv_create_qp", libc::ENOMEM)],
-        ),
-        (
-            FaultSite::VerbsModifyQp,
-            rate(5_000.0),
-            vec![
-                verbs("ibv_modify_qp", libc::EINVAL),
-                verbs("ibv_modify_qp", libc::ETIMEDOUT),
-            ],
-        ),
-        (
-            FaultSite::VerbsPostSend,
-            rate(1_000.0),
-            vec![
-                verbs("ibv_post_send", libc::ENOMEM),
-                verbs("ibv_post_send", libc::EINVAL),
-            ],
-        ),
-        (
-            FaultSite::VerbsPostRecv,
-            rate(1_000.0),
-            vec![verbs("ibv_post_recv", libc::ENOMEM)],
-        ),
-        (FaultSite::VerbsCompletion, rate(1_500.0), completion),
-        (
-            FaultSite::VerbsCompletion,
-            rate(20.0),
-            vec![Fault::DeviceLost],
-        ),
+        verbs_site(VerbsPostSend, 1_000.0, "ibv_post_send", &[ENOMEM, EINVAL]),
+        verbs_site(VerbsPostRecv, 1_000.0, "ibv_post_recv", &[ENOMEM]),
+        (VerbsCompletion, rate(1_500.0), completion),
+        (VerbsCompletion, rate(60.0), vec![Fault::DeviceLost]),
         (
             FaultSite::CudaAlloc,
             rate(20_000.0),
@@ -179,7 +156,7 @@ fn menu(scale: f64) -> Vec<(FaultSite, u32, Vec<Fault>)> {
             rate(2_000.0),
             vec![cuda("cuMemcpyAsync", 700), cuda("cuMemcpyAsync", 719)], // illegal address, launch failed
         ),
-        (FaultSite::CudaCopy, rate(300.0), vec![Fault::DeviceLost]),
+        (CudaCopy, rate(300.0), vec![Fault::DeviceLost]),
         (
             FaultSite::CudaStreamMemOp,
             rate(20_000.0),
