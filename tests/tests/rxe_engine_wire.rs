@@ -650,6 +650,8 @@ const CUT_LEN: u64 = 8 << 20;
 const CUT_DEADLINE: Duration = Duration::from_secs(60);
 /// Batches kept in flight while the wire is cut.
 const CUT_DEPTH: usize = 2;
+/// Batches submitted while the cut is applied, at most.
+const CUT_MOST: usize = 64;
 /// How long the wire stays cut (from the cut).
 const CUT_HOLD: Duration = Duration::from_secs(9);
 /// The deadline of a batch submitted while the wire is cut.
@@ -998,7 +1000,28 @@ fn cut_client(test: &str, guest: &Guest, how: Cut, offset: u16) {
         in_flight.push_back(peer.submit_with_timeout(&writes, CUT_DEADLINE).unwrap());
     }
     let cut_at = Instant::now();
-    ready.apply();
+    // Applying the cut takes hundreds of milliseconds in the guest, as
+    // long as a batch or two may take: the pipe is kept full meanwhile
+    // (CUT_DEPTH batches not ended, at most CUT_MOST in all), so batches
+    // are in flight when the cut bites, however fast the wire is (a CI
+    // run saw both of two batches end before it did).
+    let applied = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            ready.apply();
+            applied.store(true, std::sync::atomic::Ordering::Release);
+        });
+        while !applied.load(std::sync::atomic::Ordering::Acquire) {
+            let running = in_flight
+                .iter()
+                .filter(|b: &&Batch<RdmaApi, SimCudaApi>| b.status().is_none())
+                .count();
+            if running < CUT_DEPTH && in_flight.len() < CUT_MOST {
+                in_flight.push_back(peer.submit_with_timeout(&writes, CUT_DEADLINE).unwrap());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
     let cut_took = cut_at.elapsed();
     eprintln!(
         "{test}: wire cut ({how:?}) in {cut_took:.2?} with {} batches in flight",
