@@ -7,7 +7,6 @@
 # An argument keeps the planted bugs whose name contains it.
 import os, re, subprocess, sys, time
 PIPE = 'gdr-core/src/engine/pipeline.rs'
-PEER = 'gdr-core/src/engine/peer.rs'
 STAGING = 'gdr-core/src/engine/staging.rs'
 BATCHES = 'gdr-proto/src/batches.rs'
 INBOX = 'gdr-proto/src/inbox.rs'
@@ -21,9 +20,6 @@ bugs = [
     ]),
     ("an unbounded queue: the inbox keeps every message", [
         (INBOX, "        if self.messages.len() >= self.max_messages {", "        if false {"),
-    ]),
-    ("a revoke that does not wait for the staged copies under it", [
-        (PEER, "                Release::Released if staged && copies_fenced => Some(Ok(())),", "                Release::Released if copies_fenced => Some(Ok(())),"),
     ]),
     ("a posted group told done before its last part", [
         (STAGING, "            match part.outcome() {\n                None => return false,", "            match part.outcome() {\n                None => continue,"),

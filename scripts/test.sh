@@ -122,7 +122,7 @@ stage loom "$ROOT/scripts/loom-mutants.sh" || failed=1
 # its tests, and the unchanged rest is reused (CI turns incremental off).
 stage proto-mutants env CARGO_INCREMENTAL=1 python3 "$ROOT/scripts/proto-planted-bugs.py" || failed=1
 # Planted bugs in the engine (a skipped lease, a double completion, an
-# unbounded queue, a revoke that does not fence, a group told done early):
+# unbounded queue, a group told done early):
 # the seeded soak (tests/tests/sim_soak.rs) must catch each within its
 # seeds; each run stops at the first failure, at most 60 s.
 stage soak-mutants env CARGO_INCREMENTAL=1 python3 "$ROOT/scripts/soak-planted-bugs.py" || failed=1

@@ -721,6 +721,9 @@ impl Round<'_> {
                 part.local = None;
             }
         }
+        // Now and then a grant is revoked right under the batch just
+        // submitted: the revoke must fence what it started.
+        let revoke_now = (self.rng.u32(..8) == 0).then(|| parts[0].target);
         self.running.push(Running {
             batch,
             conn: c,
@@ -728,6 +731,9 @@ impl Round<'_> {
             _stream: stream,
             must_end_by: Instant::now() + timeout + GRACE,
         });
+        if let Some(t) = revoke_now {
+            self.revoke_target(c, t);
+        }
     }
 
     /// Takes the batches that ended (waiting for one when `block`) and
@@ -859,6 +865,11 @@ impl Round<'_> {
             };
             (c, self.rng.usize(..self.conns[c].targets.len()))
         };
+        self.revoke_target(c, t);
+    }
+
+    /// Revokes target `t` of connection `c`'s grant, if it has one.
+    fn revoke_target(&mut self, c: usize, t: usize) {
         let target = &mut self.conns[c].targets[t];
         let Some((grant, remote)) = target.grant.take() else {
             return;
