@@ -844,8 +844,8 @@ fn reconnect_thread<V: Api, C: hal_cuda::Api>(
 /// How long the last handle's drop waits for an internal step under way
 /// (each is told to end: a parked one by a nudge, a reconnect attempt by
 /// `abort_connects`, a listener's wait by its wake); past it the engine
-/// closes when the step ends, on that step's thread.
-const CLOSE_PATIENCE: Duration = Duration::from_secs(10);
+/// closes when the step ends, on that step's thread (and says so).
+const CLOSE_PATIENCE: Duration = Duration::from_secs(1);
 
 impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
     fn drop(&mut self) {
@@ -882,15 +882,9 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
                         return;
                     }
                     // Again: a step that began after the last nudge waits
-                    // for the next one. Past the first millisecond the
-                    // wait sleeps: on a loaded machine the step's thread
-                    // needs the core this one would spin on.
+                    // for the next one.
                     self.shared.reactor.nudge();
-                    if waited < Duration::from_millis(1) {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(Duration::from_micros(200));
-                    }
+                    std::thread::yield_now();
                 }
             }
         };
