@@ -178,6 +178,21 @@ fn menu(scale: f64) -> Vec<(FaultSite, u32, Vec<Fault>)> {
     ]
 }
 
+/// One of the soak's operations on a round.
+type Operation = fn(&mut Round<'_>);
+
+/// The operations a round draws from: each takes the draws below its
+/// bound (out of 100) not taken by those before it.
+const OPERATIONS: [(u32, &str, Operation); 7] = [
+    (65, "transfer", |r| r.transfer()),
+    (70, "revoke", |r| r.revoke()),
+    (72, "close", |r| r.close()),
+    (76, "reconnect", |r| r.reconnect()),
+    (86, "message", |r| r.message()),
+    (88, "burst", |r| r.burst()),
+    (100, "cancel", |r| r.cancel_one()),
+];
+
 /// One engine of the soak.
 struct Node {
     side: Side<Sim>,
@@ -545,37 +560,13 @@ impl Round<'_> {
             }
             self.figures.ops += 1;
             let began = Instant::now();
-            let op = match self.rng.u32(..100) {
-                0..=64 => {
-                    self.transfer();
-                    "transfer"
-                }
-                65..=69 => {
-                    self.revoke();
-                    "revoke"
-                }
-                70..=71 => {
-                    self.close();
-                    "close"
-                }
-                72..=75 => {
-                    self.reconnect();
-                    "reconnect"
-                }
-                76..=85 => {
-                    self.message();
-                    "message"
-                }
-                86..=87 => {
-                    self.burst();
-                    "burst"
-                }
-                _ => {
-                    self.cancel_one();
-                    "cancel"
-                }
-            };
-            *self.figures.time.entry(op).or_default() += began.elapsed();
+            let draw = self.rng.u32(..100);
+            let (_, op, run) = OPERATIONS
+                .iter()
+                .find(|(upto, _, _)| draw < *upto)
+                .expect("the last operation takes every draw");
+            run(self);
+            *self.figures.time.entry(*op).or_default() += began.elapsed();
             let began = Instant::now();
             while self.running.len() >= IN_FLIGHT {
                 self.reap(true);
