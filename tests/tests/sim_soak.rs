@@ -285,8 +285,9 @@ impl Figures {
     }
 }
 
-/// A short name for what a request ended with.
-fn outcome_name(e: &TransferError) -> String {
+/// A short name for an error: its variant's (the first word of its
+/// `Debug`).
+fn variant_name(e: &dyn std::fmt::Debug) -> String {
     let debug = format!("{e:?}");
     debug
         .split(|c: char| !c.is_alphanumeric())
@@ -699,7 +700,7 @@ impl Round<'_> {
             Ok(batch) => batch,
             Err(e) => {
                 self.figures
-                    .outcome(format!("submit refused: {}", short(&e)));
+                    .outcome(format!("submit refused: {}", variant_name(&e)));
                 return;
             }
         };
@@ -769,7 +770,7 @@ impl Round<'_> {
         );
         match &outcome {
             Ok(()) => self.figures.outcome("ok"),
-            Err(e) => self.figures.outcome(outcome_name(e)),
+            Err(e) => self.figures.outcome(variant_name(e)),
         }
         for part in &r.parts {
             let target = &mut self.conns[r.conn].targets[part.target];
@@ -872,7 +873,8 @@ impl Round<'_> {
             Err(e) => {
                 // Unconfirmed (the peer went, a fault): not checked, not
                 // granted again.
-                self.figures.outcome(format!("revoke: {}", short(&e)));
+                self.figures
+                    .outcome(format!("revoke: {}", variant_name(&e)));
                 target.retired = true;
             }
         }
@@ -1133,15 +1135,6 @@ impl Round<'_> {
 
 fn gone(e: EngineError) -> bool {
     matches!(e, EngineError::PeerGone(_))
-}
-
-fn short(e: &EngineError) -> String {
-    let debug = format!("{e:?}");
-    debug
-        .split(|c: char| !c.is_alphanumeric())
-        .next()
-        .unwrap_or("?")
-        .to_string()
 }
 
 /// Prints the replay command if the round's thread panics.

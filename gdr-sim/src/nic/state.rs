@@ -604,17 +604,15 @@ impl FabricState {
         let Some(cq) = self.cqs.get_mut(&cq_id) else {
             return;
         };
-        if !cq.overrun {
-            let device = cq.device;
-            self.events.raise(
-                device,
-                hal_verbs::AsyncEvent::CqError { cq: cq_id },
-                &self.qps,
-            );
+        if std::mem::replace(&mut cq.overrun, true) {
+            return;
         }
-        if let Some(cq) = self.cqs.get_mut(&cq_id) {
-            cq.overrun = true;
-        }
+        let device = cq.device;
+        self.events.raise(
+            device,
+            hal_verbs::AsyncEvent::CqError { cq: cq_id },
+            &self.qps,
+        );
     }
 
     /// Moves a QP to the error state and flushes every outstanding request.
