@@ -131,6 +131,15 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backends<V, C> {
         }
     }
 
+    /// The same backends with NICs that cannot register the GPUs' memory
+    /// (as a simulated NIC beside a real GPU): GPU memory takes the
+    /// staging rung, and [`nic_reaches_gpu`](Self::nic_reaches_gpu) is
+    /// false.
+    pub fn nic_cannot_reach_gpu(mut self) -> Self {
+        self.gpu_reachable = false;
+        self
+    }
+
     /// Adds a note on what was chosen.
     pub fn with_note(mut self, note: impl Into<String>) -> Self {
         self.notes.push(note.into());
@@ -392,7 +401,7 @@ pub(crate) fn next_sim_node_address() -> Option<std::net::Ipv4Addr> {
 /// The simulated NIC (a new node of [`SIM_FABRIC`], one default device)
 /// beside `cuda`.
 #[cfg(feature = "sim")]
-fn sim_verbs<C: hal_cuda::Api>(
+pub(crate) fn sim_verbs<C: hal_cuda::Api>(
     cuda: Option<C::Driver>,
     notes: Vec<String>,
 ) -> Backends<SimVerbsApi, C> {
@@ -454,10 +463,12 @@ pub fn run_with<T: BackendTask>(choice: BackendChoice, task: T) -> Result<T::Out
         }
         #[cfg(all(feature = "sim", feature = "cuda"))]
         (VerbsPick::Sim, CudaPick::Real(d)) => {
-            notes.push("a simulated NIC cannot reach real GPU memory: host memory only".to_owned());
-            let mut backends = sim_verbs::<CudaApi>(Some(d), notes);
-            backends.gpu_reachable = false;
-            task.run(backends)
+            notes.push(
+                "a simulated NIC cannot reach real GPU memory: GPU memory is staged through \
+                 pinned host memory, and moves between engines of this process by device copies"
+                    .to_owned(),
+            );
+            task.run(sim_verbs::<CudaApi>(Some(d), notes).nic_cannot_reach_gpu())
         }
         #[cfg(feature = "sim")]
         (VerbsPick::Sim, CudaPick::Sim) => {

@@ -44,7 +44,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{
+    Arc, LazyLock, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak,
+};
 
 use hal_cuda::{
     AllocationKind, CudaError, DeviceAttributes, FlushScope, FlushWritesOptions, HostRegisterFlags,
@@ -257,12 +259,55 @@ struct ProcessState {
     /// This process's live streams by their [`hal_cuda::Stream::raw`]
     /// token, with their GPU: what `borrow_stream` may take.
     streams: Mutex<HashMap<usize, LiveStream>>,
+    /// The driver's lock, as the real driver behaves (measured on an H100,
+    /// driver 580, issue 33): a free (`cuMemFree`, `cuMemFreeHost`,
+    /// `cuMemHostUnregister`) holds it while it waits for every stream of
+    /// the process to drain, value waits included, and other threads'
+    /// `cuEventCreate`, `cuStreamCreate`, `cuMemAlloc`, `cuMemHostAlloc`
+    /// and `cuMemHostRegister` wait for it meanwhile. Queuing work and
+    /// querying it does not take it.
+    driver: RwLock<()>,
 }
 
 /// A stream's GPU ordinal and its queue while it lives.
-type LiveStream = (u32, Weak<Mutex<StreamQueue>>);
+/// The third part is the stream handles' token: a stream lives while a
+/// handle does (events recorded on it may keep its queue longer, as the
+/// driver keeps a destroyed stream's work).
+type LiveStream = (u32, Weak<Mutex<StreamQueue>>, Weak<()>);
 
 impl ProcessState {
+    /// The driver lock as a call that creates something takes it.
+    fn creating(&self) -> RwLockReadGuard<'_, ()> {
+        self.driver.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What a free does first on the real driver: takes the driver lock and
+    /// waits, holding it, until every live stream of the process has run
+    /// what was queued on it so far (a stream held by a value wait until a
+    /// host thread releases it). Returns the lock, held until the free is
+    /// done.
+    fn synchronize_for_free(&self) -> RwLockWriteGuard<'_, ()> {
+        let held = self.driver.write().unwrap_or_else(PoisonError::into_inner);
+        let queued: Vec<(Arc<Mutex<StreamQueue>>, u64)> = lock(&self.streams)
+            .values()
+            .filter_map(|(_, queue, _)| queue.upgrade())
+            .map(|queue| {
+                let upto = lock(&queue).enqueued;
+                (queue, upto)
+            })
+            .collect();
+        for (queue, upto) in queued {
+            loop {
+                run_until(&queue, upto);
+                if lock(&queue).completed >= upto {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        }
+        held
+    }
+
     fn fault(&self, site: FaultSite, gpu: &SimGpu, operation: &'static str) -> Result<()> {
         match self.faults.hit(site) {
             None => Ok(()),
@@ -364,6 +409,7 @@ impl SimCuda {
                 pinned: Mutex::new(BTreeMap::new()),
                 paused: AtomicBool::new(false),
                 streams: Mutex::new(HashMap::new()),
+                driver: RwLock::new(()),
             }),
         }
     }
@@ -405,7 +451,7 @@ impl SimCuda {
             host_registered_bytes: registered.iter().map(|range| range.len as u64).sum(),
             streams: lock(&self.process.streams)
                 .values()
-                .filter(|(_, live)| live.strong_count() > 0)
+                .filter(|(_, _, live)| live.strong_count() > 0)
                 .count(),
         }
     }
@@ -670,6 +716,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
 
     fn alloc(&self, len: usize) -> Result<SimDeviceMemory> {
         let _span = tracing::debug_span!("sim_cuMemAlloc", len).entered();
+        let _driver = self.process.creating();
         check_alive(&self.gpu, "cuMemAlloc")?;
         self.process
             .fault(FaultSite::CudaAlloc, &self.gpu, "cuMemAlloc")?;
@@ -704,10 +751,12 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         Ok(SimDeviceMemory {
             range,
             gpu: Arc::clone(&self.gpu),
+            process: Arc::clone(&self.process),
         })
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<SimPinnedHostMemory> {
+        let _driver = self.process.creating();
         check_alive(&self.gpu, "cuMemHostAlloc")?;
         self.process
             .fault(FaultSite::CudaAlloc, &self.gpu, "cuMemHostAlloc")?;
@@ -751,6 +800,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         len: usize,
         _flags: HostRegisterFlags,
     ) -> Result<SimHostRegistration> {
+        let _driver = self.process.creating();
         check_alive(&self.gpu, "cuMemHostRegister")?;
         if ptr.is_null() || len == 0 {
             return Err(CudaError::invalid(
@@ -790,17 +840,24 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn create_stream(&self) -> Result<SimStream> {
+        let _driver = self.process.creating();
         check_alive(&self.gpu, "cuStreamCreate")?;
         let queue = Arc::new(Mutex::new(StreamQueue::default()));
+        let handle = Arc::new(());
         let mut streams = lock(&self.process.streams);
-        streams.retain(|_, (_, live)| live.strong_count() > 0);
+        streams.retain(|_, (_, _, live)| live.strong_count() > 0);
         streams.insert(
             Arc::as_ptr(&queue) as usize,
-            (self.gpu.ordinal, Arc::downgrade(&queue)),
+            (
+                self.gpu.ordinal,
+                Arc::downgrade(&queue),
+                Arc::downgrade(&handle),
+            ),
         );
         Ok(SimStream {
             ctx: self.clone(),
             queue,
+            _handle: handle,
         })
     }
 
@@ -809,17 +866,20 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         check_alive(&self.gpu, OP)?;
         let found = lock(&self.process.streams).get(&(raw as usize)).cloned();
         match found {
-            Some((ordinal, live)) if ordinal == self.gpu.ordinal => match live.upgrade() {
-                Some(queue) => Ok(SimStream {
-                    ctx: self.clone(),
-                    queue,
-                }),
-                None => Err(CudaError::invalid(
-                    OP,
-                    format!("stream {raw:?} was destroyed"),
-                )),
-            },
-            Some((ordinal, _)) => Err(CudaError::invalid(
+            Some((ordinal, queue, live)) if ordinal == self.gpu.ordinal => {
+                match live.upgrade().zip(queue.upgrade()) {
+                    Some((handle, queue)) => Ok(SimStream {
+                        ctx: self.clone(),
+                        queue,
+                        _handle: handle,
+                    }),
+                    None => Err(CudaError::invalid(
+                        OP,
+                        format!("stream {raw:?} was destroyed"),
+                    )),
+                }
+            }
+            Some((ordinal, ..)) => Err(CudaError::invalid(
                 OP,
                 format!(
                     "stream {raw:?} is GPU {ordinal}'s, not GPU {}'s",
@@ -834,6 +894,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn create_event(&self) -> Result<SimEvent> {
+        let _driver = self.process.creating();
         check_alive(&self.gpu, "cuEventCreate")?;
         Ok(SimEvent {
             recorded: Mutex::new(None),
@@ -1424,6 +1485,8 @@ const NOT_ZEROED: u8 = 0x3c;
 pub struct SimStream {
     ctx: SimGpuContext,
     queue: Arc<Mutex<StreamQueue>>,
+    /// Held by every handle of the stream (its owner's and borrowers').
+    _handle: Arc<()>,
 }
 
 impl SimStream {
@@ -1606,6 +1669,7 @@ impl hal_cuda::Event for SimEvent {
 pub struct SimDeviceMemory {
     range: Arc<DeviceRange>,
     gpu: Arc<SimGpu>,
+    process: Arc<ProcessState>,
 }
 
 impl SimDeviceMemory {
@@ -1627,6 +1691,7 @@ impl hal_cuda::DeviceMemory for SimDeviceMemory {
 
 impl Drop for SimDeviceMemory {
     fn drop(&mut self) {
+        let _driver = self.process.synchronize_for_free();
         memory::unmap(self.range.base, "cuMemFree");
         // Closes the export's fd: other OS processes can no longer open it.
         lock(&IPC_EXPORTS).remove(&self.range.buffer_id);
@@ -1656,6 +1721,7 @@ impl hal_cuda::PinnedHostMemory for SimPinnedHostMemory {
 
 impl Drop for SimPinnedHostMemory {
     fn drop(&mut self) {
+        let _driver = self.process.synchronize_for_free();
         // Freed for CUDA now; the mapping goes with its last queued copy.
         lock(&self.process.pinned).remove(&self.mapping.start());
     }
@@ -1730,6 +1796,7 @@ impl hal_cuda::HostRegistration for SimHostRegistration {
 
 impl Drop for SimHostRegistration {
     fn drop(&mut self) {
+        let _driver = self.process.synchronize_for_free();
         lock(&self.process.pinned).remove(&(self.ptr as u64));
     }
 }

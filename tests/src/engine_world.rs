@@ -1037,6 +1037,82 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     }
 }
 
+impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
+    /// Two engines' GPU tests of one process hung on the H200 so (issue
+    /// 33): a stream fenced on a staged READ that the paused fabric holds,
+    /// and another thread freeing pinned memory meanwhile. On the real
+    /// driver (and on the simulated one, which now behaves alike) the free
+    /// waits for every stream, the fenced one included, holding the
+    /// driver's lock; the READ must still end (its progress may make no
+    /// event then), which lets the free return and the stream move on with
+    /// the data. A deadlock aborts the test binary with a message (the
+    /// stuck threads cannot be unwound).
+    pub fn fenced_read_while_another_thread_frees(&self, len: u64, seed: u8) {
+        use hal_cuda::Event as _;
+        use std::io::Write as _;
+        let (_s, src) = self.b.host(len, seed);
+        let (_g, remote) = self.b_grants(&src, GrantRights::Read);
+        let (gpu_buf, gpu_region) = self.a.alloc(Kind::Gpu, len, 0);
+        let read = [Transfer::read(&gpu_region, 0, &remote, 0, len)];
+        // Other bytes through first: the staging pool exists, as in an
+        // engine at work (its making is not what is tested).
+        let (_w, warm_src) = self.b.host(len, seed.wrapping_add(1));
+        let (_wg, warm) = self.b_grants(&warm_src, GrantRights::Read);
+        self.ab
+            .submit(&[Transfer::read(&gpu_region, 0, &warm, 0, len)])
+            .unwrap()
+            .wait(self.timeout)
+            .unwrap();
+        let ctx = self.a.cuda.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        let out = Buffer::<C>::alloc_pinned(&ctx, len).unwrap();
+        let freed_meanwhile = Buffer::<C>::alloc_pinned(&ctx, 4096).unwrap();
+        let event = ctx.create_event().unwrap();
+        self.fabric().set_paused(true);
+        let batch = self.ab.submit(&read).unwrap();
+        batch.fence_stream(&stream).unwrap();
+        // SAFETY: both ranges hold `len` bytes and outlive the stream's
+        // work (its event is waited for below).
+        unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize) }
+            .unwrap();
+        stream.record(&event).unwrap();
+        let (freed_tx, freed) = std::sync::mpsc::channel();
+        let freeing = std::thread::spawn(move || {
+            drop(freed_meanwhile);
+            let _ = freed_tx.send(());
+        });
+        // The free is under way, waiting for the fenced stream.
+        std::thread::sleep(Duration::from_millis(50));
+        self.fabric().set_paused(false);
+        let deadlocked = |what: &str| -> ! {
+            // Straight to fd 2 (the harness captures only the print macros).
+            let _ = writeln!(
+                std::io::stderr(),
+                "DEADLOCK: {what} within {:?}: a free waited for the fenced stream \
+                 while the fence waited for the engine's progress",
+                self.timeout,
+            );
+            std::process::abort()
+        };
+        if freed.recv_timeout(self.timeout).is_err() {
+            deadlocked("the free did not return");
+        }
+        freeing.join().unwrap();
+        let start = std::time::Instant::now();
+        while !event.is_complete().unwrap() {
+            if start.elapsed() > self.timeout {
+                deadlocked("the fenced stream did not move on");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(batch.status(), Some(Ok(())));
+        assert!(
+            out.to_vec().unwrap() == pattern(len as usize, seed),
+            "the copy after the fence saw the data"
+        );
+    }
+}
+
 /// A stream of a GPU held by a value wait on a pinned word the test owns:
 /// nothing queued on it after the hold runs until [`HeldStream::release`].
 /// Dropping it releases the stream and waits for what it holds to run

@@ -219,3 +219,23 @@ fn a_stream_waits_for_a_staged_batch_too() {
     let (batch, _stream, _event) = w.fenced_copy_after_a_held_read(1 << 20, 4);
     assert_eq!(batch.status(), Some(Ok(())));
 }
+
+/// Another thread frees CUDA memory while a stream waits on a staged
+/// batch's fence: the free waits for the fenced stream holding the
+/// driver's lock (as the real driver does), and the batch must still end
+/// (issue 33: two engines' GPU tests in one process deadlocked so on the
+/// H200, the engine's progress creating a copy's event behind the free).
+#[test]
+fn a_free_while_a_fence_waits_does_not_deadlock_the_staged_batch() {
+    let config = EngineConfig {
+        qps_per_peer: 2,
+        default_timeout: T,
+        ladder: gdr_core::ladder::LadderConfig {
+            policy: gdr_core::ladder::Policy::Only(gdr_core::ladder::Rung::Staging),
+            ..Default::default()
+        },
+        ..EngineConfig::default()
+    };
+    let w = EngineWorld::sim(1, GpuConfig::default(), config, T);
+    w.fenced_read_while_another_thread_frees(1 << 20, 9);
+}

@@ -365,3 +365,74 @@ fn a_dropped_engines_port_can_be_listened_on_again_at_once() {
     let again = second.listen(addr);
     assert!(again.is_ok(), "{addr} is still taken: {again:?}");
 }
+
+/// Two engines of contexts whose NIC cannot register GPU memory at all
+/// (what `auto` makes on a GPU machine without an RDMA device: a
+/// simulated NIC beside the real GPU). GPU memory still registers, on the
+/// staging rung, and moves both ways over the NIC path; with the
+/// peer-copy path on, the two engines of this process share the GPU and
+/// move it by device copies (issue 33: the facade refused GPU memory here,
+/// "GPU 0 is not one of this ladder's GPUs").
+#[test]
+fn gpu_memory_moves_where_the_nic_cannot_reach_the_gpu() {
+    use gdr_core::engine::PeerCopyRoute;
+    use gdr_core::ladder::Rung;
+
+    for peer_copy in [false, true] {
+        let open = || {
+            Context::sim_nic_beside_unreachable_gpu()
+                .and_then(|c| {
+                    assert!(!c.nic_reaches_gpu());
+                    assert_eq!(c.gpu_count(), 1);
+                    c.engine(EngineConfig {
+                        peer_copy,
+                        ..EngineConfig::default()
+                    })
+                })
+                .expect("engine")
+        };
+        let (server, client) = (open(), open());
+        let nic = server.nics()[0].clone();
+        let ip = server.nic_address(&nic).expect("address");
+        let mut listener = server.listen((ip, 0).into()).expect("listen");
+        let addr = listener.local_addr();
+        let accepting = std::thread::spawn(move || listener.accept(WAIT));
+        let to_server = client.connect(addr, WAIT).expect("connect");
+        let to_client = accepting.join().expect("accept thread").expect("accept");
+        let expected = if peer_copy {
+            PeerCopyRoute::SameProcess
+        } else {
+            PeerCopyRoute::Nic
+        };
+        assert_eq!(to_server.route(), expected);
+
+        let len = (1 << 20) + 3;
+        let target = server.context().alloc_device(0, len).expect("GPU memory");
+        let granted = server.register(&target).expect("register GPU memory");
+        assert_eq!(granted.rungs(), [Rung::Staging], "peer_copy {peer_copy}");
+        let grant = to_client
+            .grant(&granted, 0, len, GrantRights::ReadWrite)
+            .expect("grant");
+        let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+        let source = client.context().alloc_device(0, len).expect("GPU memory");
+        source
+            .copy_from_host(0, &pattern(len as usize, 7))
+            .expect("copy in");
+        let local = client.register(&source).expect("register GPU memory");
+        assert_eq!(local.rungs(), [Rung::Staging]);
+        to_server
+            .write(&local, &remote, 0)
+            .expect("submit")
+            .wait(WAIT)
+            .expect("WRITE");
+        assert_eq!(target.to_vec().expect("bytes"), pattern(len as usize, 7));
+        let back = client.context().alloc_device(0, len).expect("GPU memory");
+        let back_region = client.register(&back).expect("register");
+        to_server
+            .read(&back_region, &remote, 0)
+            .expect("submit")
+            .wait(WAIT)
+            .expect("READ");
+        assert_eq!(back.to_vec().expect("bytes"), pattern(len as usize, 7));
+    }
+}

@@ -52,6 +52,7 @@ use hal_cuda::Event as _;
 use hal_verbs::Api;
 
 use super::completion::{CompletionCell, Outcome};
+use super::events::PooledEvent;
 use super::fence::StreamFences;
 use super::path::PathCx;
 use super::{EngineError, Op, PeerGone, Region, TimedOut, Transfer, TransferError};
@@ -205,7 +206,7 @@ struct Held<V: Api> {
 struct Gate<V: Api, C: hal_cuda::Api> {
     held: Held<V>,
     wait: GateWait,
-    event: C::Event,
+    event: PooledEvent<C>,
 }
 
 /// What the gates hand the engine to carry out outside its lock
@@ -230,7 +231,7 @@ impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
         timeout: Duration,
         now: Instant,
         signal: Signal,
-        event: C::Event,
+        event: PooledEvent<C>,
         span: &tracing::Span,
     ) -> Arc<GateLink> {
         let link = Arc::new(GateLink {

@@ -74,6 +74,7 @@ mod batch;
 mod batches;
 mod completion;
 mod error;
+mod events;
 mod fence;
 mod gate;
 mod listener;
@@ -2597,12 +2598,12 @@ impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
 fn record_gate_event<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     stream: &C::Stream,
-) -> Result<C::Event, EngineError> {
-    use hal_cuda::{Context as _, Stream as _};
+) -> Result<events::PooledEvent<C>, EngineError> {
+    use hal_cuda::Stream as _;
     let gpus = res.nics.first().map_or(&[][..], |n| n.ladder.gpus());
     let mut refused = None;
     for gpu in gpus {
-        let event = gpu.context.create_event()?;
+        let event = res.events.take(gpu)?;
         match stream.record(&event) {
             Ok(()) => return Ok(event),
             Err(e) => refused = Some(e),

@@ -111,6 +111,7 @@ use hal_verbs::Api;
 
 use super::batches::Keep;
 use super::completion::CompletionCell;
+use super::events::PooledEvent;
 use super::path::{PathCx, TransferPath};
 use super::resources::Resources;
 use super::wire::Control;
@@ -218,7 +219,7 @@ struct Flight<C: hal_cuda::Api> {
     plan: Vec<Planned>,
     /// The windows queued and not yet seen done, oldest first: the events
     /// recorded after each (one per stream it used).
-    windows: VecDeque<Vec<C::Event>>,
+    windows: VecDeque<Vec<PooledEvent<C>>>,
     /// Why it failed, when a copy could not be queued or ran wrong.
     error: Option<TransferError>,
     timeout: Duration,
@@ -754,7 +755,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
         res: &Resources<V, C>,
         plan: &[Planned],
         window: &[Slice],
-    ) -> (Vec<C::Event>, u64, Option<TransferError>) {
+    ) -> (Vec<PooledEvent<C>>, u64, Option<TransferError>) {
         let mut used: Vec<(u32, usize)> = Vec::new();
         let mut queued = 0;
         let mut error = None;
@@ -797,7 +798,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
                 continue;
             };
             let recorded = res.gpu(ordinal).and_then(|gpu| {
-                let event = gpu.context.create_event()?;
+                let event = res.events.take(gpu)?;
                 stream.record(&event)?;
                 Ok(event)
             });

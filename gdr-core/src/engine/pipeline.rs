@@ -38,6 +38,7 @@ use hal_verbs::Api;
 use std::collections::HashMap;
 
 use super::completion::CompletionCell;
+use super::events::PooledEvent;
 use super::path::PathCx;
 use super::resources::Resources;
 use super::{EngineError, Op, PeerGone, Region, TimedOut, TransferError};
@@ -66,7 +67,7 @@ impl<V: Api, C: hal_cuda::Api> StagingPool<V, C> {
 /// Where one slice is.
 enum Stage<C: hal_cuda::Api> {
     /// Its copy (device→host for a WRITE, host→device for a READ) runs.
-    Copying(C::Event),
+    Copying(PooledEvent<C>),
     /// Its RDMA request is with the engine's core.
     OnWire(Arc<CompletionCell>),
 }
@@ -443,14 +444,13 @@ pub(super) fn copy_event<V: Api, C: hal_cuda::Api>(
     stream: &C::Stream,
     what: &'static str,
     copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
-) -> Result<C::Event, TransferError> {
+) -> Result<PooledEvent<C>, TransferError> {
     let failed = |source| TransferError::Gpu { what, source };
-    let event = res
+    // From the pool: progress must not create events (see `super::events`).
+    let gpu = res
         .gpu(gpu)
-        .map_err(|e| TransferError::from_engine(what, e))?
-        .context
-        .create_event()
-        .map_err(failed)?;
+        .map_err(|e| TransferError::from_engine(what, e))?;
+    let event = res.events.take(gpu).map_err(failed)?;
     copy(stream).map_err(failed)?;
     stream.record(&event).map_err(failed)?;
     Ok(event)

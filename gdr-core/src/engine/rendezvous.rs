@@ -78,6 +78,7 @@ use hal_cuda::{Context as _, Event as _, Stream as _};
 use hal_verbs::Api;
 
 use super::completion::CompletionCell;
+use super::events::PooledEvent;
 use super::path::PathCx;
 use super::pipeline::{self, StagingPool, TO_GPU, TO_HOST, copy_event};
 use super::resources::Resources;
@@ -208,7 +209,7 @@ pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
     owner: Owner,
     /// Field order is drop order: the copies' events, then the slots
     /// (whose drop waits for their streams).
-    copies: HashMap<CopyId, C::Event>,
+    copies: HashMap<CopyId, PooledEvent<C>>,
     slots: Option<Slots<V, C>>,
 }
 
@@ -386,10 +387,10 @@ enum AskStage<C: hal_cuda::Api> {
     /// The next chunk waits for a pool slot (or to be posted).
     Waiting,
     /// Device→host into the pool slot (a WRITE through the pool).
-    CopyOut(C::Event),
+    CopyOut(PooledEvent<C>),
     Wire(Arc<CompletionCell>),
     /// Pool slot → device (a READ through the pool).
-    CopyIn(C::Event),
+    CopyIn(PooledEvent<C>),
 }
 
 impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
@@ -712,7 +713,7 @@ fn start_landing_copy<V: Api, C: hal_cuda::Api>(
     gpu: u32,
     gpu_addr: u64,
     len: u64,
-) -> Result<C::Event, TransferError> {
+) -> Result<PooledEvent<C>, TransferError> {
     let slots = slots.ok_or(TransferError::Internal {
         what: "a landing copy before the slots were made",
     })?;
@@ -745,7 +746,7 @@ fn landing_copy<V: Api, C: hal_cuda::Api>(
     gpu: u32,
     to_device: bool,
     copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
-) -> Result<C::Event, TransferError> {
+) -> Result<PooledEvent<C>, TransferError> {
     use std::collections::hash_map::Entry;
     let streams = match slots.streams.entry(gpu) {
         Entry::Occupied(s) => s.into_mut(),

@@ -12,6 +12,7 @@ use std::sync::atomic::AtomicU64;
 
 use hal_verbs::Api;
 
+use super::events::EventPools;
 use super::{EngineConfig, EngineError, Fence, Region, topology};
 use crate::buffer::Buffer;
 use crate::ladder::{Gpu, Ladder};
@@ -40,6 +41,9 @@ pub(crate) struct Resources<V: Api, C: hal_cuda::Api> {
     /// least PCIe distance); none listed: no preference (the distance is
     /// unknown).
     pub(crate) nearest_nics: HashMap<u32, Vec<usize>>,
+    /// The events progress records on its GPU copies (never made there:
+    /// see [`super::events`]).
+    pub(crate) events: EventPools<C>,
 }
 
 impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
@@ -52,6 +56,12 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
         nics: Vec<Nic<V, C>>,
     ) -> Self {
         let nearest_nics = nearest_nics(&config.topology, &nics);
+        // Enough for every staging slot's copy in both directions and the
+        // landing and peer-copy copies beside them; more are made on demand.
+        let events = EventPools::new(
+            nics.first().map_or(&[][..], |n| n.ladder.gpus()),
+            2 * config.staging_slots + 32,
+        );
         Self {
             id,
             config,
@@ -59,6 +69,7 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
             nics,
             next_grant: AtomicU64::new(1),
             nearest_nics,
+            events,
         }
     }
 

@@ -17,7 +17,7 @@ use super::{Error, Unsupported};
 use crate::backend::{BackendChoice, BackendTask, Backends, run_with};
 use crate::buffer::Buffer as BufferOfC;
 use crate::engine::{Engine as EngineOf, EngineConfig};
-use crate::ladder::{Gpu, Ladder, Rung};
+use crate::ladder::{Gpu, Ladder, Policy, Rung};
 use crate::uri::BufferUri;
 
 /// The backends of this process, chosen once ([`BackendChoice`]): the
@@ -71,6 +71,41 @@ impl Context {
     /// [`BackendChoice::Sim`] makes with the defaults.
     #[cfg(feature = "sim")]
     pub fn sim(node: gdr_sim::NodeConfig, gpus: Vec<gdr_sim::GpuConfig>) -> Result<Self, Error> {
+        Self::sim_backends(node, gpus)
+    }
+
+    /// A node of this process's simulated fabric beside simulated GPUs its
+    /// NIC cannot register at all: what [`BackendChoice::Auto`] makes on a
+    /// GPU machine without an RDMA device (a simulated NIC beside the real
+    /// GPU), on the simulation. GPU memory takes the staging rung. Every
+    /// such context shares one simulated GPU of this process (as every
+    /// context shares the real driver), so engines of two of them copy GPU
+    /// memory to each other by device copies where their peer-copy path
+    /// is on.
+    #[cfg(feature = "sim")]
+    pub fn sim_nic_beside_unreachable_gpu() -> Result<Self, Error> {
+        static GPU: std::sync::LazyLock<gdr_sim::SimCuda> = std::sync::LazyLock::new(|| {
+            gdr_sim::SimCuda::new(
+                vec![gdr_sim::GpuConfig::default()],
+                crate::backend::SIM_FABRIC.faults(),
+            )
+        });
+        let backends = crate::backend::sim_verbs::<gdr_sim::SimCudaApi>(
+            Some(GPU.clone()),
+            vec!["a simulated NIC beside simulated GPUs it cannot reach".to_owned()],
+        )
+        .nic_cannot_reach_gpu();
+        Ok(Self {
+            inner: Open.run(backends)?,
+            id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    #[cfg(feature = "sim")]
+    fn sim_backends(
+        node: gdr_sim::NodeConfig,
+        gpus: Vec<gdr_sim::GpuConfig>,
+    ) -> Result<Self, Error> {
         let backends = Backends::sim(&crate::backend::SIM_FABRIC, node, gpus).with_note(
             "simulated node on this process's simulated fabric (shared by every sim context)",
         );
@@ -384,12 +419,15 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
         Ok(Box::new(StreamOf::<C>(stream)))
     }
 
-    fn engine(&self, config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error> {
-        let engine = EngineOf::<V, C>::new(
-            self.0.backends.verbs(),
-            self.0.backends.registrable_cuda(),
-            config,
-        )?;
+    fn engine(&self, mut config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error> {
+        if !self.0.backends.nic_reaches_gpu() && config.ladder.policy == Policy::Fallback {
+            // The NIC cannot register GPU memory at all (a simulated NIC
+            // beside a real GPU): straight to the staging rung, which
+            // moves it all the same, without probing rungs that cannot be.
+            config.ladder.policy = Policy::Only(Rung::Staging);
+        }
+        let engine =
+            EngineOf::<V, C>::new(self.0.backends.verbs(), self.0.backends.cuda(), config)?;
         Ok(Arc::new(engine))
     }
 }

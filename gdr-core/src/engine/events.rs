@@ -1,0 +1,113 @@
+//! The CUDA events the engine's progress records, made when the engine
+//! starts and recycled, so progress never has to create one.
+//!
+//! Why: on the real driver `cuMemFree`, `cuMemFreeHost` and
+//! `cuMemHostUnregister` wait for every stream of the context to drain, a
+//! stream held by a stream fence (`cuStreamWaitValue32` on the engine's
+//! word) included, and while one waits, other threads' `cuEventCreate` and
+//! `cuMemAlloc` block on a driver lock (measured on an H100, driver 580,
+//! `.device/lock_probe.cu` of issue 33). A fence is released by the
+//! engine's progress once its batch ended. Had that progress to create an
+//! event for a staging copy, any thread of the process freeing CUDA memory
+//! while the fence waited would deadlock both: the free waits for the
+//! fenced stream, the fence for the progress, the progress for the free's
+//! lock. Two engines' GPU tests in one process hung exactly so.
+//!
+//! A [`PooledEvent`] goes back to its GPU's pool when dropped, whether its
+//! copy ended, failed or was abandoned (re-recording an event resets it).
+//! A pool that runs dry makes one more event: the bound below which
+//! progress makes none is [`EventPools::new`]'s count per GPU.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use hal_cuda::Context as _;
+
+use crate::ladder::Gpu;
+use crate::sync::{Mutex, lock};
+
+/// Events kept per GPU at most; more than that in flight at once are
+/// destroyed when they come back.
+const KEPT_PER_GPU: usize = 4096;
+
+/// One GPU's free events.
+struct Pool<C: hal_cuda::Api> {
+    free: Mutex<Vec<C::Event>>,
+}
+
+/// The engine's events, per GPU ordinal.
+pub(crate) struct EventPools<C: hal_cuda::Api> {
+    pools: HashMap<u32, Arc<Pool<C>>>,
+}
+
+impl<C: hal_cuda::Api> EventPools<C> {
+    /// Pools for `gpus`, each filled with `per_gpu` events now (as many as
+    /// the driver makes: a GPU that makes none gets them on demand).
+    pub(crate) fn new<'g>(gpus: impl IntoIterator<Item = &'g Gpu<C>>, per_gpu: usize) -> Self {
+        let pools = gpus
+            .into_iter()
+            .map(|gpu| {
+                let free = (0..per_gpu)
+                    .map_while(|_| gpu.context.create_event().ok())
+                    .collect();
+                (
+                    gpu.attributes.ordinal,
+                    Arc::new(Pool {
+                        free: Mutex::new(free),
+                    }),
+                )
+            })
+            .collect();
+        Self { pools }
+    }
+
+    /// An event of `gpu`'s context: a free one, else a new one.
+    pub(crate) fn take(&self, gpu: &Gpu<C>) -> Result<PooledEvent<C>, hal_cuda::CudaError> {
+        let pool = self.pools.get(&gpu.attributes.ordinal);
+        let event = match pool.and_then(|p| lock(&p.free).pop()) {
+            Some(event) => event,
+            None => gpu.context.create_event()?,
+        };
+        Ok(PooledEvent {
+            event: Some(event),
+            pool: pool.cloned(),
+        })
+    }
+
+    /// Free events of GPU `ordinal` now (tests).
+    #[cfg(test)]
+    pub(crate) fn free(&self, ordinal: u32) -> usize {
+        self.pools.get(&ordinal).map_or(0, |p| lock(&p.free).len())
+    }
+}
+
+/// An event lent by a GPU's pool; goes back to it when dropped.
+pub(crate) struct PooledEvent<C: hal_cuda::Api> {
+    /// `None` only while dropping.
+    event: Option<C::Event>,
+    /// `None`: a GPU without a pool (the event is destroyed on drop).
+    pool: Option<Arc<Pool<C>>>,
+}
+
+impl<C: hal_cuda::Api> std::ops::Deref for PooledEvent<C> {
+    type Target = C::Event;
+
+    fn deref(&self) -> &C::Event {
+        // Taken only by `drop`.
+        self.event
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a pooled event in use is not dropped"))
+    }
+}
+
+impl<C: hal_cuda::Api> Drop for PooledEvent<C> {
+    fn drop(&mut self) {
+        let (Some(event), Some(pool)) = (self.event.take(), self.pool.as_ref()) else {
+            return;
+        };
+        let mut free = lock(&pool.free);
+        if free.len() < KEPT_PER_GPU {
+            free.push(event);
+        }
+    }
+}
