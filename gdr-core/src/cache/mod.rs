@@ -177,7 +177,7 @@ mod tests;
 pub use budget::{BudgetExceeded, BudgetLimits, BudgetUsage, DomainBudget, Reservation};
 pub use error::CacheError;
 pub use handle::CacheHandle;
-pub use key::{AllocationIdentity, Bounds, DomainId, MemoryKind, OwnerId, Request};
+pub use key::{Access, AllocationIdentity, Bounds, DomainId, MemoryKind, OwnerId, Request};
 pub use stats::CacheStats;
 
 use std::fmt;
