@@ -52,6 +52,28 @@ static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 /// over it to be deregistered.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// What gdr may do to a buffer's memory. Every buffer gdr allocates is
+/// [`Access::ReadWrite`]; memory the caller wraps is what the caller says
+/// ([`Buffer::wrap_read_only`]). Read-only memory (an immutable Python
+/// `bytes`, a read-only mapping or array) is registered with no local or
+/// remote write access, is never granted with write rights, never READ
+/// into and never written by the CPU through gdr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Access {
+    /// Read only: nothing gdr does writes it.
+    ReadOnly,
+    /// Read and write.
+    #[default]
+    ReadWrite,
+}
+
+impl Access {
+    /// Whether the memory may be written.
+    pub fn is_writable(self) -> bool {
+        self == Self::ReadWrite
+    }
+}
+
 /// Why the CPU could not read or write a buffer's bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -72,6 +94,14 @@ pub enum BufferAccessError {
         len: u64,
         /// The buffer's length.
         buffer_len: u64,
+    },
+    /// The buffer is read-only memory ([`Access::ReadOnly`]).
+    #[error("the buffer is read-only memory: {len} bytes at offset {offset} not written")]
+    ReadOnly {
+        /// Offset asked for.
+        offset: u64,
+        /// Bytes asked for.
+        len: u64,
     },
 }
 
@@ -237,6 +267,8 @@ pub(crate) struct Target<'a> {
     /// False for a CUDA VMM chunk created without `gpuDirectRDMACapable`:
     /// no GPUDirect rung is tried.
     pub(crate) gpu_direct_rdma_capable: bool,
+    /// Read-only memory gets MRs without write access.
+    pub(crate) access: Access,
     pub(crate) owner: OwnerId,
     pub(crate) memory: &'a Arc<dyn Leased>,
 }
@@ -253,6 +285,7 @@ pub struct Buffer<C: hal_cuda::Api> {
     /// The physical chunks of CUDA VMM memory, as found when the buffer
     /// was made (empty for other memory).
     chunks: Vec<Chunk>,
+    access: Access,
     owner: OwnerId,
     release_timeout: Duration,
     registered_with: Mutex<Vec<Arc<dyn Forget>>>,
@@ -281,6 +314,7 @@ impl<C: hal_cuda::Api> fmt::Debug for Buffer<C> {
             .field("device_ordinal", &self.device_ordinal)
             .field("buffer_id", &self.buffer_id)
             .field("chunks", &self.chunks.len())
+            .field("access", &self.access)
             .field("owner", &self.owner)
             .field("origin", &origin)
             .field("leases", &self.backing.leases.live())
@@ -317,6 +351,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
             allocation_base,
             allocation_size,
             chunks: Vec::new(),
+            access: Access::ReadWrite,
             owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             registered_with: Mutex::new(Vec::new()),
@@ -462,6 +497,40 @@ impl<C: hal_cuda::Api> Buffer<C> {
         len: u64,
         memory_type: Option<MemoryType>,
     ) -> Result<Self, CudaError> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { Self::wrap_as(Access::ReadWrite, context, addr, len, memory_type) }
+    }
+
+    /// Wraps `len` bytes at `addr` that the caller owns and that nothing
+    /// may write through gdr, as [`Buffer::wrap`] does: the buffer is
+    /// [`Access::ReadOnly`]. Its registrations have no local or remote
+    /// write access, so a grant of it with write rights is refused
+    /// ([`LadderError::ReadOnly`]), and so are a CPU write into it
+    /// ([`BufferAccessError::ReadOnly`]) and an engine READ into it.
+    ///
+    /// # Safety
+    /// As for [`Buffer::wrap`].
+    pub unsafe fn wrap_read_only(
+        context: Option<&C::Context>,
+        addr: u64,
+        len: u64,
+        memory_type: Option<MemoryType>,
+    ) -> Result<Self, CudaError> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { Self::wrap_as(Access::ReadOnly, context, addr, len, memory_type) }
+    }
+
+    /// [`Buffer::wrap`] with the memory's access.
+    ///
+    /// # Safety
+    /// As for [`Buffer::wrap`].
+    unsafe fn wrap_as(
+        access: Access,
+        context: Option<&C::Context>,
+        addr: u64,
+        len: u64,
+        memory_type: Option<MemoryType>,
+    ) -> Result<Self, CudaError> {
         let invalid = |why: String| CudaError::invalid("Buffer::wrap", why);
         let Some(end) = addr.checked_add(len).filter(|_| len != 0) else {
             return Err(invalid(format!("{len} bytes at {addr:#x} is not a range")));
@@ -476,6 +545,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
             let chunks = walk_chunks::<C>(context, "Buffer::wrap", addr, end)?;
             let mut buffer = Self::new(Memory::Borrowed, addr, len, Some(*a));
             buffer.chunks = chunks;
+            buffer.access = access;
             if let Some(kind) = memory_type {
                 buffer.memory_type = kind;
             }
@@ -492,6 +562,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
             }
         }
         let mut buffer = Self::new(Memory::Borrowed, addr, len, attrs);
+        buffer.access = access;
         if let Some(kind) = memory_type {
             buffer.memory_type = kind;
         }
@@ -547,6 +618,11 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// chunk remapped since is registered anew.
     pub fn chunks(&self) -> &[Chunk] {
         &self.chunks
+    }
+
+    /// Whether gdr may write the memory ([`Buffer::wrap_read_only`]).
+    pub fn access(&self) -> Access {
+        self.access
     }
 
     /// The id its cache entries are owned by.
@@ -626,8 +702,14 @@ impl<C: hal_cuda::Api> Buffer<C> {
 
     /// Copies `data` into the buffer at `offset`. Host and pinned memory
     /// only; the caller orders it against transfers that read or write the
-    /// range.
+    /// range. Refused for read-only memory ([`BufferAccessError::ReadOnly`]).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), BufferAccessError> {
+        if !self.access.is_writable() {
+            return Err(BufferAccessError::ReadOnly {
+                offset,
+                len: data.len() as u64,
+            });
+        }
         let dst = self.cpu_range(offset, data.len())?;
         let _serial = self
             .cpu_access
@@ -665,6 +747,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
             allocation_base: self.allocation_base,
             allocation_size: self.allocation_size,
             gpu_direct_rdma_capable: true,
+            access: self.access,
             owner: self.owner,
             memory: &self.leased,
         }

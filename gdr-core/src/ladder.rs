@@ -41,7 +41,7 @@ use hal_verbs::{
     AccessFlags, Api, Context as _, MemoryRegion as _, ProtectionDomain as _, VerbsError, WcStatus,
 };
 
-use crate::buffer::{Forget, Target};
+use crate::buffer::{Access, Forget, Target};
 use crate::cache::{
     Bounds, BudgetExceeded, BudgetLimits, CacheConfig, CacheError, CacheHandle, DomainBudget,
     DomainId, Limits, OwnerId, Registrar, RegistrationCache, Request, Reservation,
@@ -247,8 +247,14 @@ impl Default for LadderConfig {
 }
 
 /// Rights on a registration that local use needs (the local side of READs
-/// writes it). No remote rights: those come with a [`Grant`].
-const LOCAL_ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE;
+/// writes it). No remote rights: those come with a [`Grant`]. Read-only
+/// memory gets none at all: the NIC may only read it.
+fn local_access(access: Access) -> AccessFlags {
+    match access {
+        Access::ReadWrite => AccessFlags::LOCAL_WRITE,
+        Access::ReadOnly => AccessFlags::empty(),
+    }
+}
 
 /// Why a buffer could not be registered at all.
 #[derive(Debug, thiserror::Error)]
@@ -341,6 +347,17 @@ pub enum LadderError {
         len: u64,
         /// Chunks covered.
         chunks: usize,
+    },
+    /// A grant with write rights of read-only memory
+    /// ([`Access::ReadOnly`]): refused, never downgraded.
+    #[error("{len} bytes at {addr:#x} are read-only memory: no grant with {rights:?} rights")]
+    ReadOnly {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// The rights asked for.
+        rights: GrantRights,
     },
     /// The policy forbids every rung that would work.
     #[error("no rung the policy {policy:?} allows works: {}", list(failures))]
@@ -651,7 +668,7 @@ impl<V: Api> NicRegistrar<V> {
                         Some(export),
                         export.base + request.start,
                         request.len,
-                        LOCAL_ACCESS,
+                        local_access(request.access),
                     )
                 }?
             }
@@ -663,7 +680,14 @@ impl<V: Api> NicRegistrar<V> {
                 .into());
             }
             // SAFETY: as above.
-            _ => unsafe { self.register_range(None, request.start, request.len, LOCAL_ACCESS) }?,
+            _ => unsafe {
+                self.register_range(
+                    None,
+                    request.start,
+                    request.len,
+                    local_access(request.access),
+                )
+            }?,
         };
         Ok(NicRegistration {
             mr,
@@ -773,6 +797,7 @@ pub struct LadderRegistration<V: Api> {
     addr: u64,
     len: u64,
     location: MemoryLocation,
+    access: Access,
     device: Arc<str>,
     // Field order is drop order: the cached MR before the lease.
     handle: Option<CacheHandle<NicRegistration<V>>>,
@@ -789,6 +814,7 @@ impl<V: Api> fmt::Debug for LadderRegistration<V> {
             .field("failures", &self.failures)
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
+            .field("access", &self.access)
             .field("device", &self.device)
             .field("cache_hit", &self.cache_hit)
             .finish()
@@ -844,6 +870,12 @@ impl<V: Api> LadderRegistration<V> {
     /// Host or GPU memory.
     pub fn location(&self) -> MemoryLocation {
         self.location
+    }
+
+    /// What the registration may do to the memory: read-only memory's has
+    /// no write access, and grants of it are read-only.
+    pub fn access(&self) -> Access {
+        self.access
     }
 
     /// The cache handle, for comparing registrations.
@@ -1166,6 +1198,9 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         rights: GrantRights,
     ) -> Result<Grant<V>, LadderError> {
         let addr = range_within(registration.addr, registration.len, offset, len)?;
+        if rights.allows_write() && !registration.access.is_writable() {
+            return Err(LadderError::ReadOnly { addr, len, rights });
+        }
         let handle = registration
             .handle
             .as_ref()
@@ -1304,7 +1339,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                     identity,
                     ..Request::host(self.domain, addr, len)
                 }
-                .within(target.owner, Bounds::new(target.addr, target.len));
+                .within(target.owner, Bounds::new(target.addr, target.len))
+                .with_access(target.access);
                 let registrar = BufferRegistrar::new(&self.registrar, target.memory, None);
                 let handle =
                     self.cached(&registrar, &request)
@@ -1371,6 +1407,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             addr,
             len,
             location,
+            access: target.access,
             device: self.device.clone(),
             handle: handle.map(|(handle, _)| handle),
             cache_hit,
@@ -1474,7 +1511,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             Rung::Dmabuf => {
                 let request =
                     Request::dmabuf(self.domain, ordinal, target.buffer_id, addr - base, len)
-                        .within(target.owner, Bounds::new(target.addr - base, target.len));
+                        .within(target.owner, Bounds::new(target.addr - base, target.len))
+                        .with_access(target.access);
                 // A hit needs no export (its registration holds one): look
                 // the export up only for a miss.
                 if let Some(handle) = self.cache.get(&request) {
@@ -1495,7 +1533,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
             }
             _ => (
                 Request::device(self.domain, ordinal, target.buffer_id, addr, len)
-                    .within(target.owner, Bounds::new(target.addr, target.len)),
+                    .within(target.owner, Bounds::new(target.addr, target.len))
+                    .with_access(target.access),
                 None,
             ),
         };

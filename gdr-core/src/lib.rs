@@ -141,6 +141,7 @@ pub use lifetime::MemoryLease;
 
 #[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
 pub use backend::BackendChoice;
+pub use buffer::Access;
 pub use descriptor::{GrantRights, MemoryDescriptor};
 pub use engine::{EngineConfig, Fence, Op, Outcome, TransferError};
 /// The facade's types, at the crate's root: what a library user names.

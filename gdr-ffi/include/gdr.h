@@ -443,7 +443,8 @@ gdr_result gdr_buffer_alloc(struct gdr_context context,
 
 // Wraps `size` bytes at `addr` that the caller owns (host memory, or
 // device memory by its device address) as a buffer; its kind is what
-// CUDA says of the address. Any thread.
+// CUDA says of the address. Memory gdr must not write is wrapped with
+// [`gdr_buffer_wrap_read_only`]. Any thread.
 //
 // # Safety
 // The range must stay mapped, and not be freed, until the buffer is freed
@@ -453,6 +454,20 @@ gdr_result gdr_buffer_wrap(struct gdr_context context,
                            uint64_t addr,
                            uint64_t size,
                            struct gdr_buffer *out);
+
+// Wraps `size` bytes at `addr` that the caller owns and that gdr must
+// never write (a constant table, a read-only mapping), as
+// [`gdr_buffer_wrap`] does. Its memory registrations have no local or
+// remote write access; a grant of it with write rights, a READ into it,
+// `gdr_buffer_copy_in` and a stream copy into it fail with
+// `GDR_RESULT_INVALID_ARGUMENT`, nothing written. Any thread.
+//
+// # Safety
+// As for [`gdr_buffer_wrap`].
+gdr_result gdr_buffer_wrap_read_only(struct gdr_context context,
+                                     uint64_t addr,
+                                     uint64_t size,
+                                     struct gdr_buffer *out);
 
 // Opens the GPU buffer a `gdr://` URI names (another process's memory,
 // through its CUDA IPC handle) on GPU `device` of the URI, confined to

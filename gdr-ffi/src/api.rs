@@ -500,7 +500,8 @@ pub unsafe extern "C" fn gdr_buffer_alloc(
 
 /// Wraps `size` bytes at `addr` that the caller owns (host memory, or
 /// device memory by its device address) as a buffer; its kind is what
-/// CUDA says of the address. Any thread.
+/// CUDA says of the address. Memory gdr must not write is wrapped with
+/// [`gdr_buffer_wrap_read_only`]. Any thread.
 ///
 /// # Safety
 /// The range must stay mapped, and not be freed, until the buffer is freed
@@ -521,6 +522,35 @@ pub unsafe extern "C" fn gdr_buffer_wrap(
         let owner = self::context(context)?;
         // SAFETY: the caller's contract is wrap's.
         let buffer = unsafe { owner.context.wrap(addr, size) }?;
+        // SAFETY: `out` checked; valid by the caller's contract.
+        unsafe { new_buffer(context, buffer, out) }
+    }
+}
+
+/// Wraps `size` bytes at `addr` that the caller owns and that gdr must
+/// never write (a constant table, a read-only mapping), as
+/// [`gdr_buffer_wrap`] does. Its memory registrations have no local or
+/// remote write access; a grant of it with write rights, a READ into it,
+/// `gdr_buffer_copy_in` and a stream copy into it fail with
+/// `GDR_RESULT_INVALID_ARGUMENT`, nothing written. Any thread.
+///
+/// # Safety
+/// As for [`gdr_buffer_wrap`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gdr_buffer_wrap_read_only(
+    context: GdrContext,
+    addr: u64,
+    size: u64,
+    out: *mut GdrBuffer,
+) -> GdrResult {
+    ffi_boundary! {
+        let out = Out::new("out", out)?;
+        if addr == 0 {
+            return Err(FfiError::invalid("addr", "NULL"));
+        }
+        let owner = self::context(context)?;
+        // SAFETY: the caller's contract is wrap's.
+        let buffer = unsafe { owner.context.wrap_read_only(addr, size) }?;
         // SAFETY: `out` checked; valid by the caller's contract.
         unsafe { new_buffer(context, buffer, out) }
     }

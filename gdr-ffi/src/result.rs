@@ -199,9 +199,9 @@ impl From<&LadderError> for GdrResult {
         match error {
             LadderError::Attributes { source, .. } => Self::from(source),
             LadderError::ManagedMemory { .. } => Self::NotSupported,
-            LadderError::OutsideAllocation { .. } | LadderError::UnknownGpu { .. } => {
-                Self::InvalidArgument
-            }
+            LadderError::OutsideAllocation { .. }
+            | LadderError::UnknownGpu { .. }
+            | LadderError::ReadOnly { .. } => Self::InvalidArgument,
             _ => Self::Other,
         }
     }
@@ -252,9 +252,10 @@ impl From<&EngineError> for GdrResult {
             EngineError::Descriptor(_) | EngineError::Wire(_) => GdrResult::InvalidArgument,
             // Outside the peer's grant: the grant refuses it.
             EngineError::OutOfBounds { what, .. } if *what == "remote grant" => GdrResult::Refused,
-            EngineError::OutOfBounds { .. } | EngineError::MessageTooLarge { .. } => {
-                GdrResult::InvalidArgument
-            }
+            // Read-only memory written (a write grant, a READ into it).
+            EngineError::OutOfBounds { .. }
+            | EngineError::MessageTooLarge { .. }
+            | EngineError::ReadOnly(_) => GdrResult::InvalidArgument,
             EngineError::NotGranted { .. }
             | EngineError::AccessDenied { .. }
             | EngineError::Refused(_) => GdrResult::Refused,

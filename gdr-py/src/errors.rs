@@ -4,6 +4,7 @@
 //! the Rust error's own.
 
 use gdr_core::engine::{EngineError, NotAccepted};
+use gdr_core::ladder::LadderError;
 use gdr_core::{Error, TransferError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -46,7 +47,9 @@ fn engine_kind(error: &EngineError) -> &'static str {
         EngineError::OutOfBounds { .. }
         | EngineError::MessageTooLarge { .. }
         | EngineError::Descriptor(_)
-        | EngineError::Wire(_) => "InvalidArgument",
+        | EngineError::Wire(_)
+        | EngineError::ReadOnly(_)
+        | EngineError::Ladder(LadderError::ReadOnly { .. }) => "InvalidArgument",
         EngineError::Unavailable(_) => "Unavailable",
         EngineError::Verbs { .. } | EngineError::Cuda(_) | EngineError::Ladder(_) => "DeviceError",
         _ => "GdrError",
@@ -60,6 +63,7 @@ pub(crate) fn raise_error(py: Python<'_>, error: &Error) -> PyErr {
         Error::Backend(_) => "Unavailable",
         Error::NoGpu { .. } | Error::NeedsGpu { .. } | Error::NoNic { .. } => "Unavailable",
         Error::Unsupported(_) => "NotSupported",
+        Error::Ladder(LadderError::ReadOnly { .. }) => "InvalidArgument",
         Error::Verbs(_) | Error::Cuda(_) | Error::Ladder(_) => "DeviceError",
         Error::StreamCopiesPending { .. } | Error::StillRegistered => "Busy",
         Error::Uri(_)

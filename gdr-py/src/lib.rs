@@ -144,16 +144,20 @@ impl Engine {
 
     /// Registers `length` bytes at `address` (memory `keepalive` owns,
     /// which the region holds until every region, grant and batch of it is
-    /// gone).
+    /// gone). `readonly` memory (a `bytes`, a read-only array or view) is
+    /// registered as such: no write access, never granted for writing,
+    /// never READ or copied into.
     ///
     /// The caller (the package's Python part) passes an address and length
     /// that lie in memory `keepalive` keeps mapped while it lives.
+    #[pyo3(signature = (address, length, keepalive, readonly = false))]
     fn register_memory(
         &self,
         py: Python<'_>,
         address: u64,
         length: u64,
         keepalive: Py<PyAny>,
+        readonly: bool,
     ) -> PyResult<Region> {
         if address == 0 || length == 0 {
             return Err(raise(
@@ -169,7 +173,14 @@ impl Engine {
         // lives, or the caller's explicit `(address, length, device)` with
         // its documented contract), and the region holds `keepalive` until
         // the buffer is dropped, which waits for every MR of it to go.
-        let buffer = unsafe { context.wrap(address, length) }.map_err(|e| raise_error(py, &e))?;
+        let buffer = unsafe {
+            if readonly {
+                context.wrap_read_only(address, length)
+            } else {
+                context.wrap(address, length)
+            }
+        }
+        .map_err(|e| raise_error(py, &e))?;
         let region = py
             .detach(|| self.engine.register(&buffer))
             .map_err(|e| raise_error(py, &e))?;
@@ -359,6 +370,14 @@ impl Region {
     #[getter]
     fn address(&self, py: Python<'_>) -> PyResult<u64> {
         Ok(self.buffer(py)?.addr())
+    }
+
+    /// Whether its memory is read-only (registered from a `bytes`, a
+    /// read-only array or view): granted for reading only, never READ or
+    /// copied into.
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.region().access() == gdr_core::Access::ReadOnly
     }
 
     /// The GPU it lives on, None for host memory.

@@ -6,9 +6,11 @@
 
 use std::time::Duration;
 
+use gdr_core::buffer::BufferAccessError;
+use gdr_core::engine::{EngineError, ReadOnlyUse};
 use gdr_core::{
-    BackendChoice, Buffer, Context, Engine, EngineConfig, Error, GrantRights, MemoryKind, Peer,
-    Transfer, TransferError,
+    Access, BackendChoice, Buffer, Context, Engine, EngineConfig, Error, GrantRights, MemoryKind,
+    Peer, Transfer, TransferError,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -180,6 +182,86 @@ fn objects_of_another_context_or_engine_are_refused() {
         stream.copy(&gpu, 0, &client_memory, 0, 64),
         Err(Error::Foreign { what: "buffer", .. })
     ));
+}
+
+/// Issue 33: read-only memory was registered read-write, so a peer could
+/// WRITE into it and a READ landed in it. Wrapped with
+/// `Context::wrap_read_only`, it is granted for reading only (a peer READs
+/// it), and a grant with write rights, a READ into it, a copy into it
+/// (host or device memory) and a stream copy into it are refused, typed;
+/// its bytes never change.
+#[test]
+fn read_only_memory_is_never_written_by_a_grant_a_read_or_a_copy() {
+    let (server, to_client, client, to_server) = pair();
+    let constant = pattern(4096, 21);
+    let (server_ctx, client_ctx) = (server.context().clone(), client.context().clone());
+    // SAFETY: `constant` outlives the buffer (dropped at the end, before
+    // it), and nothing gdr does writes it: that is what this tests.
+    let ro = unsafe { server_ctx.wrap_read_only(constant.as_ptr() as u64, 4096) }.expect("wrap");
+    assert_eq!(
+        (ro.kind(), ro.access()),
+        (MemoryKind::Host, Access::ReadOnly)
+    );
+    let region = server.register(&ro).expect("register");
+    assert_eq!(region.access(), Access::ReadOnly);
+    for rights in [GrantRights::Write, GrantRights::ReadWrite] {
+        assert!(
+            matches!(
+                to_client.grant(&region, 0, 4096, rights),
+                Err(Error::Engine(EngineError::ReadOnly(ReadOnlyUse::WriteGrant { rights: asked })))
+                    if asked == rights
+            ),
+            "{rights:?}"
+        );
+    }
+    let grant = to_client
+        .grant(&region, 0, 4096, GrantRights::Read)
+        .expect("a read grant");
+    let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
+    let back = client_ctx.alloc_host(4096).expect("memory");
+    let back_region = client.register(&back).expect("register");
+    to_server
+        .read(&back_region, &remote, 0)
+        .expect("submit")
+        .wait(WAIT)
+        .expect("READ");
+    assert_eq!(back.to_vec().expect("bytes"), constant, "a READ of it");
+
+    // The client's read-only memory: never READ into.
+    let mine = pattern(4096, 22);
+    // SAFETY: as above, for `mine`.
+    let mine_ro = unsafe { client_ctx.wrap_read_only(mine.as_ptr() as u64, 4096) }.expect("wrap");
+    let mine_region = client.register(&mine_ro).expect("register");
+    assert!(matches!(
+        to_server.read(&mine_region, &remote, 0),
+        Err(Error::Engine(EngineError::ReadOnly(ReadOnlyUse::ReadInto)))
+    ));
+    let read_only_copy = |result: Result<(), Error>| {
+        matches!(
+            result,
+            Err(Error::BufferAccess(BufferAccessError::ReadOnly { .. }))
+        )
+    };
+    assert!(read_only_copy(ro.copy_from_host(0, &[0; 16])));
+    assert!(read_only_copy(mine_ro.copy_from_host(100, &[0; 16])));
+    let gpu = client_ctx.alloc_device(0, 4096).expect("GPU memory");
+    let stream = client_ctx.stream(0).expect("stream");
+    assert!(read_only_copy(stream.copy(&mine_ro, 0, &gpu, 0, 64)));
+    // Device memory wrapped read-only: the copy in is a stream copy.
+    // SAFETY: `gpu` outlives the buffer.
+    let gpu_ro = unsafe { client_ctx.wrap_read_only(gpu.addr(), 4096) }.expect("wrap");
+    assert_eq!(gpu_ro.kind(), MemoryKind::Device);
+    assert!(read_only_copy(gpu_ro.copy_from_host(0, &[1; 64])));
+    assert!(read_only_copy(stream.copy(&gpu_ro, 0, &back, 0, 64)));
+    stream.synchronize().expect("synchronized");
+    assert_eq!(gpu.to_vec().expect("bytes"), vec![0; 4096]);
+
+    drop((grant, region, mine_region, back_region));
+    for buffer in [ro, mine_ro, gpu_ro] {
+        buffer.release().expect("released");
+    }
+    assert_eq!(constant, pattern(4096, 21), "the server's constant");
+    assert_eq!(mine, pattern(4096, 22), "the client's constant");
 }
 
 #[test]

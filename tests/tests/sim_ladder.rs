@@ -6,17 +6,18 @@
 
 use std::sync::Arc;
 
-use gdr_core::buffer::Buffer;
+use gdr_core::buffer::{Access, Buffer, BufferAccessError};
+use gdr_core::cache::{Bounds, Request};
 use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation, Reach};
 use gdr_core::ladder::{
     Gpu, GrantRights, Ladder, LadderConfig, LadderError, Policy, Refusal, Rung,
 };
-use gdr_core::loopback::Loopback;
+use gdr_core::loopback::{Loopback, LoopbackError};
 use gdr_sim::{DeviceConfig, Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
 use gdr_tests::ladder_world::LadderWorld;
 use gdr_tests::pattern;
 use hal_cuda::{Context as _, Driver as _, MemoryType, Stream as _};
-use hal_verbs::{MemoryRegion as _, Provider as _, SendOp, Sge, VerbsError, WcStatus};
+use hal_verbs::{AccessFlags, MemoryRegion as _, Provider as _, SendOp, Sge, VerbsError, WcStatus};
 
 type World = LadderWorld;
 
@@ -288,6 +289,137 @@ fn self_check_refuses_a_rung_that_registers_but_does_not_transfer() {
         reg.failures()
     );
     w.plan.assert_all_fired();
+}
+
+/// Read-only memory (`Buffer::wrap_read_only`) registers with no write
+/// access, host and GPU memory alike; its cache entries are its own (a
+/// read-write request of the same owner and range finds nothing); a grant
+/// of it with write rights is refused, never downgraded, and a read
+/// grant's MR allows READs only. The NIC holds to it: a WRITE through the
+/// read grant and a READ into the registration both fail, the bytes
+/// unchanged, while a READ of it works.
+#[test]
+fn read_only_memory_registers_and_grants_without_write_access() {
+    let w = world(vec![DeviceConfig::default()], GpuConfig::default());
+    let ladder = w.ladder("sim0", LadderConfig::default());
+    let writes = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let owner = Buffer::<SimCudaApi>::alloc_host(8192);
+    owner.write_at(0, &pattern(8192, 5)).unwrap();
+    // SAFETY: `owner` holds the memory and outlives the buffer.
+    let ro =
+        unsafe { Buffer::<SimCudaApi>::wrap_read_only(None, owner.addr(), 8192, None) }.unwrap();
+    assert_eq!(ro.access(), Access::ReadOnly);
+    assert_eq!(
+        ro.write_at(0, &[1]),
+        Err(BufferAccessError::ReadOnly { offset: 0, len: 1 })
+    );
+    let reg = ro.register(&ladder, 0, 8192).unwrap();
+    assert_eq!(
+        (reg.rung(), reg.access()),
+        (Rung::HostMemory, Access::ReadOnly)
+    );
+    let flags = reg.mr().unwrap().access();
+    assert!(!flags.intersects(writes), "{flags:?}");
+    let request = Request::host(ladder.domain(), ro.addr(), 8192)
+        .within(ro.owner(), Bounds::new(ro.addr(), 8192));
+    assert!(
+        w.cache.get(&request).is_none(),
+        "a read-write request never finds a read-only entry"
+    );
+    let entry = w.cache.get(&request.with_access(Access::ReadOnly)).unwrap();
+    assert!(entry.same_registration(reg.handle().unwrap()));
+    for rights in [GrantRights::Write, GrantRights::ReadWrite] {
+        assert!(
+            matches!(
+                ladder.grant(&reg, 0, 8192, rights),
+                Err(LadderError::ReadOnly { rights: asked, len: 8192, .. }) if asked == rights
+            ),
+            "{rights:?}"
+        );
+        assert!(matches!(
+            ro.grant(&ladder, 0, 4096, rights),
+            Err(LadderError::ReadOnly { .. })
+        ));
+    }
+    let grant = ladder.grant(&reg, 0, 8192, GrantRights::Read).unwrap();
+    assert_eq!(grant.mr().access(), AccessFlags::REMOTE_READ);
+
+    // GPU memory on the dma-buf rung: no write access either.
+    let gpu_owner = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 1 << 16).unwrap();
+    // SAFETY: `gpu_owner` holds the memory and outlives the buffer.
+    let gpu_ro = unsafe {
+        Buffer::<SimCudaApi>::wrap_read_only(Some(&w.gpu()), gpu_owner.addr(), 1 << 16, None)
+    }
+    .unwrap();
+    let gpu_reg = gpu_ro.register(&ladder, 0, 1 << 16).unwrap();
+    assert_eq!(gpu_reg.rung(), Rung::Dmabuf);
+    assert!(!gpu_reg.mr().unwrap().access().intersects(writes));
+
+    // The NIC: a WRITE through the read grant, a READ into the
+    // registration.
+    let scratch = Buffer::<SimCudaApi>::alloc_host(8192);
+    scratch.write_at(0, &pattern(8192, 9)).unwrap();
+    let scratch_reg = scratch.register(&ladder, 0, 8192).unwrap();
+    let scratch_grant = ladder
+        .grant(&scratch_reg, 0, 8192, GrantRights::ReadWrite)
+        .unwrap();
+    let ctx = w.node.open("sim0").unwrap();
+    let loopback = Loopback::<SimVerbsApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
+    let sge = |mr: &<SimVerbsApi as hal_verbs::Api>::MemoryRegion| Sge {
+        addr: mr.addr(),
+        length: 8192,
+        lkey: mr.lkey(),
+    };
+    let failed = |operation, status| Err(LoopbackError::Completion { operation, status });
+    // SAFETY: each SG entry lies in a live registration of the ladder's PD
+    // (its memory outlives the call), and `run` waits for the completion.
+    let write = unsafe {
+        loopback.run(
+            SendOp::Write {
+                remote_addr: grant.addr(),
+                rkey: grant.mr().rkey(),
+            },
+            sge(scratch_reg.mr().unwrap()),
+            "RDMA WRITE",
+        )
+    };
+    assert_eq!(write, failed("RDMA WRITE", WcStatus::REM_ACCESS_ERR));
+    // SAFETY: as above.
+    let read_into = unsafe {
+        loopback.run(
+            SendOp::Read {
+                remote_addr: scratch_grant.addr(),
+                rkey: scratch_grant.mr().rkey(),
+            },
+            sge(reg.mr().unwrap()),
+            "RDMA READ",
+        )
+    };
+    assert_eq!(read_into, failed("RDMA READ", WcStatus::LOC_PROT_ERR));
+    assert_eq!(owner.to_vec().unwrap(), pattern(8192, 5), "unchanged");
+    // SAFETY: as above.
+    unsafe {
+        loopback.run(
+            SendOp::Read {
+                remote_addr: grant.addr(),
+                rkey: grant.mr().rkey(),
+            },
+            sge(scratch_reg.mr().unwrap()),
+            "RDMA READ",
+        )
+    }
+    .unwrap();
+    assert_eq!(scratch.to_vec().unwrap(), pattern(8192, 5), "a READ of it");
+    drop((
+        grant,
+        entry,
+        reg,
+        gpu_reg,
+        scratch_grant,
+        scratch_reg,
+        loopback,
+    ));
+    drop((ro, gpu_ro));
 }
 
 #[test]

@@ -3,6 +3,8 @@
 
 use hal_cuda::{MemoryType, PointerAttributes};
 
+pub use crate::buffer::Access;
+
 /// Identifies a protection domain (the engine numbers its PDs; one PD per
 /// NIC, so per-domain limits are per-device limits).
 pub type DomainId = u64;
@@ -145,9 +147,20 @@ pub struct Request {
     pub owner: OwnerId,
     /// The allocation the range lies in (same units as `start`).
     pub bounds: Bounds,
+    /// What the registration may do to the memory: a read-only request is
+    /// registered without write access, and read-only and read-write
+    /// entries live in indexes of their own, so neither ever serves the
+    /// other (a write through a read-only MR would fail; a read-only
+    /// buffer must never get an MR with write access).
+    pub access: Access,
 }
 
 impl Request {
+    /// The same request with `access`.
+    pub fn with_access(self, access: Access) -> Self {
+        Self { access, ..self }
+    }
+
     /// The same request, owned by `owner` and bounded by `bounds`.
     pub fn within(self, owner: OwnerId, bounds: Bounds) -> Self {
         Self {
@@ -167,6 +180,7 @@ impl Request {
             len,
             owner: 0,
             bounds: Bounds::UNBOUNDED,
+            access: Access::ReadWrite,
         }
     }
 
@@ -186,6 +200,7 @@ impl Request {
             len,
             owner: 0,
             bounds: Bounds::UNBOUNDED,
+            access: Access::ReadWrite,
         })
     }
 
@@ -199,6 +214,7 @@ impl Request {
             len,
             owner: 0,
             bounds: Bounds::UNBOUNDED,
+            access: Access::ReadWrite,
         }
     }
 
@@ -213,6 +229,7 @@ impl Request {
             len,
             owner: 0,
             bounds: Bounds::UNBOUNDED,
+            access: Access::ReadWrite,
         }
     }
 
@@ -226,11 +243,12 @@ impl Request {
             domain: self.domain,
             space: Space::of(self.identity),
             owner: self.owner,
+            access: self.access,
         }
     }
 }
 
-/// Which index an entry lives in (per domain and owner): one for everything registered
+/// Which index an entry lives in (per domain, owner and access): one for everything registered
 /// by address (host, pinned and device memory share it, so an address reused
 /// by another kind of allocation is caught as stale too), and one per domain
 /// and dma-buf allocation for offset ranges.
@@ -255,6 +273,7 @@ pub(crate) struct SpaceKey {
     pub(crate) domain: DomainId,
     pub(crate) space: Space,
     pub(crate) owner: OwnerId,
+    pub(crate) access: Access,
 }
 
 /// A small multiplicative hasher for the index maps: keys are a few

@@ -98,7 +98,10 @@
 //! each other's registrations, even over one allocation; and nothing
 //! outside a request's bounds is ever registered for it, merges included: a
 //! registration never spans two allocations. [`RegistrationCache::invalidate_owner`]
-//! unlinks everything a buffer owns when it is dropped.
+//! unlinks everything a buffer owns when it is dropped. A request's
+//! [`Access`] splits the indexes further: a read-only request is registered
+//! without write access and never finds, nor merges with, a read-write
+//! entry, and the other way round.
 //!
 //! ## Lifetimes: the rule
 //!
@@ -177,7 +180,7 @@ mod tests;
 pub use budget::{BudgetExceeded, BudgetLimits, BudgetUsage, DomainBudget, Reservation};
 pub use error::CacheError;
 pub use handle::CacheHandle;
-pub use key::{AllocationIdentity, Bounds, DomainId, MemoryKind, OwnerId, Request};
+pub use key::{Access, AllocationIdentity, Bounds, DomainId, MemoryKind, OwnerId, Request};
 pub use stats::CacheStats;
 
 use std::fmt;

@@ -14,7 +14,7 @@ use gdr_proto::setup::DialError;
 use hal_verbs::{AsyncEvent, ConnectionState, VerbsError, WcStatus};
 
 use crate::buffer::BufferAccessError;
-use crate::descriptor::DescriptorError;
+use crate::descriptor::{DescriptorError, GrantRights};
 use crate::engine::setup::NotAccepted;
 use crate::engine::wire::{RejectReason, WireError};
 use crate::ladder::LadderError;
@@ -172,6 +172,21 @@ impl From<OutboxFull> for Refusal {
     fn from(full: OutboxFull) -> Self {
         Self::OutboxFull { max: full.max }
     }
+}
+
+/// What would have written read-only memory ([`EngineError::ReadOnly`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReadOnlyUse {
+    /// A grant with write rights (grant it [`GrantRights::Read`]).
+    #[error("no grant with {rights:?} rights (Read only)")]
+    WriteGrant {
+        /// The rights asked for.
+        rights: GrantRights,
+    },
+    /// A READ into it (it may be the source of a WRITE only).
+    #[error("no READ into it")]
+    ReadInto,
 }
 
 /// Why no device or path could serve a call.
@@ -522,6 +537,11 @@ pub enum EngineError {
         /// READ or WRITE.
         op: &'static str,
     },
+    /// The local region is read-only memory
+    /// ([`crate::buffer::Access::ReadOnly`]) and the call would have let it
+    /// be written: refused, nothing posted or granted.
+    #[error("the region is read-only memory: {0}")]
+    ReadOnly(ReadOnlyUse),
     /// Offset and length fall outside a region or grant.
     #[error("{what}: {len} bytes at offset {offset} exceed its {size} bytes")]
     OutOfBounds {

@@ -146,8 +146,8 @@ pub use self::completion::CompletionCell;
 pub(crate) use self::completion::CompletionCell;
 pub use self::completion::Outcome;
 pub use self::error::{
-    EngineError, HandshakeFailure, PeerGone, Refusal, SharedEngineError, TimedOut, TransferError,
-    Unavailable,
+    EngineError, HandshakeFailure, PeerGone, ReadOnlyUse, Refusal, SharedEngineError, TimedOut,
+    TransferError, Unavailable,
 };
 pub use self::listener::EngineListener;
 use self::path::{PathCx, PeerView, TransferPath, Wire};
@@ -2829,8 +2829,9 @@ fn check_within(what: &'static str, offset: u64, len: u64, size: u64) -> Result<
     Ok(())
 }
 
-/// Checks a transfer before anything is posted: local bounds, the grant
-/// live on this connection, its rights, its bounds.
+/// Checks a transfer before anything is posted: local bounds, a READ's
+/// local memory writable, the grant live on this connection, its rights,
+/// its bounds.
 fn check_transfer<V: Api, C: hal_cuda::Api>(
     peer: &PeerState<V, C>,
     t: &Transfer<'_, V>,
@@ -2846,6 +2847,11 @@ fn check_transfer_of<V: Api, C: hal_cuda::Api>(
     known: bool,
 ) -> Result<(), EngineError> {
     t.local.check(peer.local_engine, t.local_offset, t.len)?;
+    // Every path (NIC, staging, peer copy, gated) checks here before it
+    // writes local memory, by NIC or by GPU copy.
+    if t.op == Op::Read {
+        t.local.check_writable(ReadOnlyUse::ReadInto)?;
+    }
     let d = t.remote;
     if !known {
         let not_granted = || EngineError::NotGranted {

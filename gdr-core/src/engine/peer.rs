@@ -306,6 +306,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         rights: GrantRights,
     ) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError> {
         region.check(self.engine.shared.id, offset, len)?;
+        if rights.allows_write() {
+            region.check_writable(ReadOnlyUse::WriteGrant { rights })?;
+        }
         let nics = self.read_peer(|_, p| {
             let mut nics: Vec<usize> = p.qps.iter().map(|q| q.nic).collect();
             nics.sort_unstable();

@@ -15,11 +15,11 @@ use std::sync::Arc;
 
 use hal_verbs::Api;
 
-use crate::buffer::{Buffer, Piece};
+use crate::buffer::{Access, Buffer, Piece};
 use crate::descriptor::{GrantRights, MemoryLocation, Segment};
 use crate::ladder::{Grant, Ladder, LadderError, LadderRegistration, Rung};
 
-use super::{EngineError, check_within};
+use super::{EngineError, ReadOnlyUse, check_within};
 
 /// A registered buffer: its registration on each of the engine's NICs.
 /// Cloning shares it; the MRs (and the memory) stay while any clone, grant
@@ -35,6 +35,8 @@ pub(super) struct RegionInner<V: Api> {
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) location: MemoryLocation,
+    /// Read-only memory: never granted with write rights, never READ into.
+    pub(super) access: Access,
     pub(super) per_nic: Vec<NicPieces<V>>,
 }
 
@@ -127,6 +129,7 @@ impl<V: Api> fmt::Debug for Region<V> {
             .field("addr", &format_args!("{:#x}", self.inner.addr))
             .field("len", &self.inner.len)
             .field("location", &self.inner.location)
+            .field("access", &self.inner.access)
             .field("rungs", &self.rungs())
             .field(
                 "pieces",
@@ -178,6 +181,7 @@ impl<V: Api> Region<V> {
                 addr: buffer.addr() + offset,
                 len,
                 location,
+                access: buffer.access(),
                 per_nic,
             }),
         })
@@ -196,6 +200,13 @@ impl<V: Api> Region<V> {
     /// Host or GPU memory.
     pub fn location(&self) -> MemoryLocation {
         self.inner.location
+    }
+
+    /// What may be done to its memory: a read-only region
+    /// ([`Buffer::wrap_read_only`]) is never granted with write rights nor
+    /// READ into.
+    pub fn access(&self) -> Access {
+        self.inner.access
     }
 
     /// The rung taken on each NIC, in the engine's NIC order: for a region
@@ -242,5 +253,15 @@ impl<V: Api> Region<V> {
             }));
         }
         check_within("local region", offset, len, self.inner.len)
+    }
+
+    /// Checks that the region's memory may be written the way `write`
+    /// says: read-only memory never may.
+    pub(super) fn check_writable(&self, write: ReadOnlyUse) -> Result<(), EngineError> {
+        if self.inner.access.is_writable() {
+            Ok(())
+        } else {
+            Err(EngineError::ReadOnly(write))
+        }
     }
 }

@@ -11,7 +11,7 @@ use hal_cuda::{Context as _, MemoryType, Stream as _};
 
 use super::context::Instance;
 use super::{Context, Error, Unsupported};
-use crate::buffer::Buffer as BufferOfC;
+use crate::buffer::{Access, Buffer as BufferOfC, BufferAccessError};
 use crate::uri::BufferUri;
 
 /// What kind of memory a buffer is.
@@ -42,6 +42,7 @@ struct Shared {
     len: u64,
     kind: MemoryKind,
     device: Option<u32>,
+    access: Access,
     /// `None` once released.
     inner: Mutex<Option<Box<dyn DynBuffer>>>,
     /// Copies queued on streams not yet seen done ([`BufferHold`]).
@@ -55,6 +56,7 @@ impl std::fmt::Debug for Buffer {
             .field("len", &self.shared.len)
             .field("kind", &self.shared.kind)
             .field("device", &self.shared.device)
+            .field("access", &self.shared.access)
             .finish_non_exhaustive()
     }
 }
@@ -79,6 +81,7 @@ impl Buffer {
                 len: facts.len,
                 kind: facts.kind,
                 device: facts.device,
+                access: facts.access,
                 inner: Mutex::new(Some(inner)),
                 stream_holds: AtomicUsize::new(0),
             }),
@@ -115,11 +118,30 @@ impl Buffer {
         self.shared.device
     }
 
+    /// Whether gdr may write its memory ([`Context::wrap_read_only`]).
+    pub fn access(&self) -> Access {
+        self.shared.access
+    }
+
     /// Copies `data` into the buffer at `offset`: a CPU copy for host
-    /// memory, a synchronized stream copy for device memory.
+    /// memory, a synchronized stream copy for device memory. Refused for
+    /// read-only memory ([`BufferAccessError::ReadOnly`]).
     pub fn copy_from_host(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        self.check_writable(offset, data.len())?;
         self.check_range("data", offset, data.len())?;
         self.with(|b| b.copy_in(offset, data))
+    }
+
+    /// Refuses a write of `len` bytes at `offset` into read-only memory.
+    pub(super) fn check_writable(&self, offset: u64, len: usize) -> Result<(), Error> {
+        if self.shared.access.is_writable() {
+            return Ok(());
+        }
+        Err(BufferAccessError::ReadOnly {
+            offset,
+            len: len as u64,
+        }
+        .into())
     }
 
     /// Copies `out.len()` bytes of the buffer at `offset` into `out`.
@@ -225,6 +247,7 @@ pub(super) struct Facts {
     pub(super) len: u64,
     pub(super) kind: MemoryKind,
     pub(super) device: Option<u32>,
+    pub(super) access: Access,
 }
 
 /// A buffer of some CUDA backend.
@@ -260,6 +283,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynBuffer for BufferOf<V, C> {
             len: self.buffer.len(),
             kind,
             device: self.buffer.device_ordinal(),
+            access: self.buffer.access(),
         }
     }
 

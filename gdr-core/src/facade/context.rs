@@ -15,7 +15,7 @@ use super::engine::{DynEngine, Engine};
 use super::stream::{Stream, StreamOf};
 use super::{Error, Unsupported};
 use crate::backend::{BackendChoice, BackendTask, Backends, run_with};
-use crate::buffer::Buffer as BufferOfC;
+use crate::buffer::{Access, Buffer as BufferOfC};
 use crate::engine::{Engine as EngineOf, EngineConfig};
 use crate::ladder::{Gpu, Ladder, Policy, Rung};
 use crate::uri::BufferUri;
@@ -197,7 +197,21 @@ impl Context {
     /// for them when dropped).
     pub unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Buffer, Error> {
         // SAFETY: the caller's contract is this function's.
-        let buffer = unsafe { self.inner.wrap(addr, size) }?;
+        let buffer = unsafe { self.inner.wrap(addr, size, Access::ReadWrite) }?;
+        Ok(self.buffer(buffer))
+    }
+
+    /// The caller's read-only memory at `addr` as a buffer, as
+    /// [`Context::wrap`]: nothing gdr does writes it. Its registrations
+    /// have no local or remote write access; a grant of it with write
+    /// rights, a READ into it and [`Buffer::copy_from_host`] into it are
+    /// refused.
+    ///
+    /// # Safety
+    /// As for [`Context::wrap`].
+    pub unsafe fn wrap_read_only(&self, addr: u64, size: u64) -> Result<Buffer, Error> {
+        // SAFETY: the caller's contract is this function's.
+        let buffer = unsafe { self.inner.wrap(addr, size, Access::ReadOnly) }?;
         Ok(self.buffer(buffer))
     }
 
@@ -251,7 +265,12 @@ pub(super) trait DynContext: Send + Sync {
     fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<Box<dyn DynBuffer>, Error>;
     /// # Safety
     /// As for [`Context::wrap`].
-    unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Box<dyn DynBuffer>, Error>;
+    unsafe fn wrap(
+        &self,
+        addr: u64,
+        size: u64,
+        access: Access,
+    ) -> Result<Box<dyn DynBuffer>, Error>;
     fn open_uri(&self, uri: &BufferUri) -> Result<Box<dyn DynBuffer>, Error>;
     fn stream(&self, gpu: u32) -> Result<Box<dyn super::stream::DynStream>, Error>;
     /// # Safety
@@ -387,9 +406,20 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
         Ok(self.0.wrap_buffer(buffer))
     }
 
-    unsafe fn wrap(&self, addr: u64, size: u64) -> Result<Box<dyn DynBuffer>, Error> {
+    unsafe fn wrap(
+        &self,
+        addr: u64,
+        size: u64,
+        access: Access,
+    ) -> Result<Box<dyn DynBuffer>, Error> {
+        let gpu = self.0.any_gpu();
         // SAFETY: the caller's contract is Buffer::wrap's.
-        let buffer = unsafe { BufferOfC::<C>::wrap(self.0.any_gpu(), addr, size, None) }?;
+        let buffer = unsafe {
+            match access {
+                Access::ReadWrite => BufferOfC::<C>::wrap(gpu, addr, size, None),
+                Access::ReadOnly => BufferOfC::<C>::wrap_read_only(gpu, addr, size, None),
+            }
+        }?;
         Ok(self.0.wrap_buffer(buffer))
     }
 

@@ -15,6 +15,7 @@ use hal_verbs::Api;
 use super::buffer::{BufferOf, DynBuffer};
 use super::stream::StreamOf;
 use super::{Buffer, Context, Error, Stream};
+use crate::buffer::Access;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
 use crate::engine::{
     Batch as BatchOf, Driver, Engine as EngineOf, EngineConfig, EngineError, EngineListener, Fence,
@@ -202,6 +203,13 @@ impl Region {
     /// The rung each NIC registered it by.
     pub fn rungs(&self) -> Vec<Rung> {
         self.inner.rungs()
+    }
+
+    /// Whether its memory may be written: a region of a read-only buffer
+    /// ([`Context::wrap_read_only`]) is never granted with write rights
+    /// nor READ into.
+    pub fn access(&self) -> Access {
+        self.inner.access()
     }
 
     /// Each rung above the one NIC `nic` took, and why it was not taken.
@@ -568,6 +576,7 @@ pub(super) trait DynEngine: Send + Sync {
 pub(super) trait DynRegion: Send + Sync {
     fn len(&self) -> u64;
     fn location(&self) -> MemoryLocation;
+    fn access(&self) -> Access;
     fn rungs(&self) -> Vec<Rung>;
     fn rung_failures(&self, nic: usize) -> Vec<crate::ladder::RungFailure>;
     fn as_any(&self) -> &dyn Any;
@@ -717,6 +726,10 @@ impl<V: Api> DynRegion for RegionOf<V> {
 
     fn location(&self) -> MemoryLocation {
         RegionOf::location(self)
+    }
+
+    fn access(&self) -> Access {
+        RegionOf::access(self)
     }
 
     fn rungs(&self) -> Vec<Rung> {

@@ -77,9 +77,10 @@ impl Stream {
     /// Queues a copy of `len` bytes from `src` at `src_offset` to `dst` at
     /// `dst_offset`: host to device, device to host or device to device
     /// (device memory of this stream's GPU; both buffers of this stream's
-    /// context; the ranges must not overlap). Both buffers are held until
-    /// the stream is seen past the copy ([`synchronize`](Self::synchronize)
-    /// succeeding, or the stream dropped): meanwhile
+    /// context; the ranges must not overlap; `dst` not read-only). Both
+    /// buffers are held until the stream is seen past the copy
+    /// ([`synchronize`](Self::synchronize) succeeding, or the stream
+    /// dropped): meanwhile
     /// [`Buffer::release`] refuses them. Touching either range from the
     /// host before then races with the copy.
     pub fn copy(
@@ -98,6 +99,7 @@ impl Stream {
         }
         // Held before their addresses are taken: from here neither buffer
         // can be released.
+        dst.check_writable(dst_offset, len)?;
         let holds = [dst.hold()?, src.hold()?];
         let dst_end = self.end(dst, "dst", dst_offset, len)?;
         let src_end = self.end(src, "src", src_offset, len)?;

@@ -3,10 +3,11 @@
  * address and accepts on a second thread while a connects. b grants host
  * memory a WRITEs a pattern into and READs back (descriptors through both
  * the binary and the text form), then device memory (filled and checked
- * with gdr_buffer_copy_in/out); then the refusals: out of the grant, out of
- * the region, a read-only grant written, a forged descriptor, another
- * engine's region, a revoked grant, nobody listening; a batch waited with
- * no time, a cancelled one. Where the contexts have a GPU, the
+ * with gdr_buffer_copy_in/out); read-only memory (gdr_buffer_wrap_read_only)
+ * granted for reading only, never READ into or copied into; then the
+ * refusals: out of the grant, out of the region, a read-only grant written,
+ * a forged descriptor, another engine's region, a revoked grant, nobody
+ * listening; a batch waited with no time, a cancelled one. Where the contexts have a GPU, the
  * stream-ordered fences (stream_ordering below). Built with -fsanitize=address,undefined by
  * scripts/c-tests.sh, and run under Valgrind without them. */
 #include <pthread.h>
@@ -302,6 +303,57 @@ int main(void) {
   } else {
     printf("transfer: no GPU in the context: device memory and streams skipped\n");
   }
+
+  /* Read-only memory (gdr_buffer_wrap_read_only): b grants its constant
+   * for reading only and a READs it; a grant of it with write rights, a
+   * READ into a's read-only memory and copies into either are refused,
+   * nothing written; a WRITE from it works. */
+  static _Alignas(64) uint8_t constant[LEN], mine[LEN], constant_was[LEN], mine_was[LEN];
+  pattern(constant, LEN, 61);
+  pattern(mine, LEN, 62);
+  memcpy(constant_was, constant, LEN);
+  memcpy(mine_was, mine, LEN);
+  gdr_buffer bconst = {0}, bmine = {0};
+  EXPECT(gdr_buffer_wrap_read_only(cb, (uint64_t)(uintptr_t)constant, LEN, &bconst),
+         GDR_RESULT_OK);
+  EXPECT(gdr_buffer_wrap_read_only(ca, (uint64_t)(uintptr_t)mine, LEN, &bmine), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_wrap_read_only(ca, 0, LEN, &(gdr_buffer){0}), GDR_RESULT_INVALID_ARGUMENT);
+  gdr_region rconst = region(eb, bconst, GDR_RUNG_HOST), rmine = region(ea, bmine, GDR_RUNG_HOST);
+  EXPECT(gdr_peer_grant(ba, rconst, 0, LEN, GDR_RIGHTS_WRITE, &(gdr_grant){0}),
+         GDR_RESULT_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(), "read-only") != NULL, "a write grant of read-only memory: %s",
+        last_error());
+  EXPECT(gdr_peer_grant(ba, rconst, 0, LEN, GDR_RIGHTS_READ_WRITE, &(gdr_grant){0}),
+         GDR_RESULT_INVALID_ARGUMENT);
+  gdr_grant gconst = {0};
+  EXPECT(gdr_peer_grant(ba, rconst, 0, LEN, GDR_RIGHTS_READ, &gconst), GDR_RESULT_OK);
+  uint64_t gconst_id = 0;
+  EXPECT(gdr_grant_id(gconst, &gconst_id), GDR_RESULT_OK);
+  gdr_descriptor dconst = {0};
+  EXPECT(gdr_peer_wait_grant(ab, gconst_id, WAIT_MS, &dconst), GDR_RESULT_OK);
+  gdr_transfer read_const = {GDR_OP_READ, rback, 0, dconst, 0, LEN};
+  EXPECT(run(ab, &read_const, 1), GDR_RESULT_OK);
+  CHECK(memcmp(back, constant_was, LEN) == 0, "a READ of b's read-only memory: the data");
+  gdr_transfer into_mine[] = {{GDR_OP_READ, rmine, 0, dconst, 0, LEN},
+                              {GDR_OP_READ, rmine, 0, binary, 0, LEN}};
+  for (size_t i = 0; i < 2; i++) {
+    EXPECT(run(ab, &into_mine[i], 1), GDR_RESULT_INVALID_ARGUMENT);
+    CHECK(strstr(last_error(), "read-only") != NULL, "a READ into read-only memory: %s",
+          last_error());
+  }
+  gdr_transfer from_mine = {GDR_OP_WRITE, rmine, 0, binary, 0, LEN};
+  EXPECT(run(ab, &from_mine, 1), GDR_RESULT_OK);
+  CHECK(memcmp(dst, mine_was, LEN) == 0, "a WRITE from a's read-only memory: the data");
+  EXPECT(gdr_buffer_copy_in(bconst, 0, "xyz", 3), GDR_RESULT_INVALID_ARGUMENT);
+  EXPECT(gdr_buffer_copy_in(bmine, 100, "xyz", 3), GDR_RESULT_INVALID_ARGUMENT);
+  EXPECT(gdr_grant_revoke(gconst), GDR_RESULT_OK);
+  EXPECT(gdr_descriptor_free(dconst), GDR_RESULT_OK);
+  EXPECT(gdr_region_free(rconst), GDR_RESULT_OK);
+  EXPECT(gdr_region_free(rmine), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_free(bconst), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_free(bmine), GDR_RESULT_OK);
+  CHECK(memcmp(constant, constant_was, LEN) == 0 && memcmp(mine, mine_was, LEN) == 0,
+        "read-only memory unchanged");
 
   /* Refusals, each before anything is posted. */
   gdr_transfer beyond = {GDR_OP_READ, rback, 0, binary, 1, LEN};

@@ -89,6 +89,13 @@ class Region:
         return self._device
 
     @property
+    def readonly(self) -> bool:
+        """Whether its memory is read-only (a ``bytes``, a read-only numpy
+        array or memoryview): granted for reading only, never READ into or
+        written by :meth:`write_bytes` (:class:`InvalidArgument`)."""
+        return bool(self._native.readonly)
+
+    @property
     def obj(self) -> Any:
         """The object it was registered from (None for memory the engine
         allocated)."""
@@ -106,7 +113,8 @@ class Region:
         return data
 
     def write_bytes(self, data: Union[bytes, bytearray, memoryview], offset: int = 0) -> None:
-        """Copies ``data`` in at ``offset`` (GPU memory included)."""
+        """Copies ``data`` in at ``offset`` (GPU memory included); refused
+        for read-only memory (:class:`InvalidArgument`)."""
         self._native.write_bytes(bytes(data), offset)
 
     @property
@@ -411,13 +419,18 @@ class Peer:
         region: Region,
         offset: int = 0,
         length: Optional[int] = None,
-        rights: str = "read_write",
+        rights: Optional[str] = None,
     ) -> Grant:
         """Grants ``length`` bytes (the rest of the region by default) at
         ``offset`` of ``region`` with ``rights`` (``"read"``, ``"write"``,
-        ``"read_write"``); the descriptor is announced on the connection."""
+        ``"read_write"``; by default ``"read_write"``, and ``"read"`` for a
+        read-only region, which refuses the others with
+        :class:`InvalidArgument`); the descriptor is announced on the
+        connection."""
         if length is None:
             length = len(region) - offset
+        if rights is None:
+            rights = "read" if region.readonly else "read_write"
         return Grant(self._native.grant(region._native, offset, length, _rights(rights)), region)
 
     def wait_grant(self, grant_id: int, timeout: float = _DEFAULT_TIMEOUT) -> Descriptor:
@@ -497,7 +510,8 @@ class Peer:
         """READs the peer's grant ``remote`` into ``region``; as
         :meth:`write` (``stream``: the batch starts after its work, so a
         READ does not overwrite memory a kernel queued before still
-        reads)."""
+        reads). A read-only ``region`` is refused (:class:`InvalidArgument`),
+        nothing moved."""
         return self._one_or_many(READ, region, remote, local_offset, remote_offset, length, timeout, stream)
 
     def submit(
@@ -619,10 +633,14 @@ class Engine:
         accepted: numpy arrays, ``bytearray``, torch and CuPy tensors on
         any device, ``(address, length, device)``), taken through ``via``
         (``"dlpack"``, ``"cai"``, ``"buffer"``; by default the first the
-        object offers). The region keeps ``obj`` alive."""
+        object offers). The region keeps ``obj`` alive. Read-only memory
+        (``bytes``, a read-only array or view) is registered read-only
+        (:attr:`Region.readonly`)."""
         memory = memory_of(obj, via=via)
         keepalive = memory.keepalive if memory.keepalive is not None else obj
-        native = self._engine().register_memory(memory.address, memory.length, keepalive)
+        native = self._engine().register_memory(
+            memory.address, memory.length, keepalive, readonly=memory.readonly
+        )
         return Region(native, self, memory)
 
     def stream(self, gpu: int = 0) -> "Stream":
