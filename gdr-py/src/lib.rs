@@ -144,16 +144,24 @@ impl Engine {
 
     /// Registers `length` bytes at `address` (memory `keepalive` owns,
     /// which the region holds until every region, grant and batch of it is
-    /// gone).
+    /// gone, and hands back as its `obj`). `pin`: what else keeps the
+    /// memory valid (a DLPack capsule), held as long and never handed out.
+    /// `export`: the region holds a buffer export of `keepalive` itself,
+    /// checked to be this memory (a `bytearray` cannot be resized under
+    /// it, and no Python code can release it).
     ///
     /// The caller (the package's Python part) passes an address and length
-    /// that lie in memory `keepalive` keeps mapped while it lives.
+    /// that lie in memory `keepalive` (with `pin`) keeps mapped while it
+    /// lives.
+    #[pyo3(signature = (address, length, keepalive, pin = None, export = false))]
     fn register_memory(
         &self,
         py: Python<'_>,
         address: u64,
         length: u64,
         keepalive: Py<PyAny>,
+        pin: Option<Py<PyAny>>,
+        export: bool,
     ) -> PyResult<Region> {
         if address == 0 || length == 0 {
             return Err(raise(
@@ -162,18 +170,31 @@ impl Engine {
                 format!("no memory to register: {length} bytes at {address:#x}"),
             ));
         }
+        // Taken before the memory is wrapped: from here on it cannot move.
+        let export = match export {
+            true => Some(arrays::Export::of(
+                py,
+                keepalive.bind(py),
+                address,
+                length,
+            )?),
+            false => None,
+        };
         let context = self.engine.context();
         // SAFETY: the package resolved `address..address + length` from
-        // `keepalive`'s own memory (the buffer protocol, DLPack or the CUDA
-        // array interface, whose producers keep it mapped while the object
-        // lives, or the caller's explicit `(address, length, device)` with
-        // its documented contract), and the region holds `keepalive` until
-        // the buffer is dropped, which waits for every MR of it to go.
+        // `keepalive`'s own memory (the buffer protocol, checked against
+        // the export just taken, DLPack or the CUDA array interface, whose
+        // producers keep it mapped while the object and `pin` live, or the
+        // caller's explicit `(address, length, device)` with its documented
+        // contract), and the region holds `keepalive`, `pin` and the export
+        // until the buffer is dropped, which waits for every MR of it to go.
         let buffer = unsafe { context.wrap(address, length) }.map_err(|e| raise_error(py, &e))?;
         let region = py
             .detach(|| self.engine.register(&buffer))
             .map_err(|e| raise_error(py, &e))?;
-        Ok(Region::new(region, Some(buffer), Some(keepalive)))
+        let mut region = Region::new(region, Some(buffer), Some(keepalive));
+        region.pin = Pin { export, held: pin };
+        Ok(region)
     }
 
     /// `length` bytes of memory the engine allocates: `"host"`, `"pinned"`
@@ -269,7 +290,19 @@ struct Region {
     /// Dropped with the GIL released: a buffer over caller memory waits
     /// for its MRs (a transfer still running) before it lets go.
     buffer: Mutex<Option<gdr_core::Buffer>>,
+    /// The object registered (its `obj`).
     keepalive: Option<Py<PyAny>>,
+    /// What pins the memory besides: let go after the buffer.
+    pin: Pin,
+}
+
+/// What keeps a region's memory where it is, out of Python's reach: a
+/// buffer export of the object, or another object (a DLPack capsule) that
+/// is never handed out.
+#[derive(Default)]
+struct Pin {
+    export: Option<arrays::Export>,
+    held: Option<Py<PyAny>>,
 }
 
 impl Region {
@@ -282,6 +315,7 @@ impl Region {
             region: Some(region),
             buffer: Mutex::new(buffer),
             keepalive,
+            pin: Pin::default(),
         }
     }
 
@@ -317,11 +351,18 @@ impl Drop for Region {
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if buffer.is_some() {
-            // The last handle of caller memory waits for its MRs: not with
-            // the GIL held (an engine thread never needs it, but other
-            // Python threads should run meanwhile).
-            Python::attach(|py| py.detach(move || drop(buffer)));
+        let export = self.pin.export.take();
+        if buffer.is_some() || export.is_some() {
+            Python::attach(|py| {
+                // The last handle of caller memory waits for its MRs: not
+                // with the GIL held (an engine thread never needs it, but
+                // other Python threads should run meanwhile).
+                py.detach(move || drop(buffer));
+                // Only then may the memory move.
+                if let Some(mut export) = export {
+                    export.release(py);
+                }
+            });
         }
     }
 }

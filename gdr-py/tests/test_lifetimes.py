@@ -208,3 +208,59 @@ def test_a_cancelled_await_cancels_the_batch(granted) -> None:
 
 async def _await(batch: gdr.Batch) -> None:
     await batch
+
+
+def _release_every_view(root: object) -> int:
+    """Releases every memoryview reachable from ``root`` through Python
+    objects (what a user can reach), as a careless or hostile caller
+    could; how many it released."""
+    seen: set[int] = set()
+    stack = [root]
+    released = 0
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, (type, type(gc))):
+            continue
+        seen.add(id(item))
+        if isinstance(item, memoryview):
+            item.release()
+            released += 1
+            continue
+        stack.extend(gc.get_referents(item))
+        for name in getattr(type(item), "__slots__", ()):
+            stack.append(getattr(item, name, None))
+        if isinstance(item, tuple):
+            stack.extend(item)
+    return released
+
+
+def test_a_granted_bytearray_cannot_be_unpinned(pair) -> None:
+    target = bytearray(1 << 16)
+    region = pair.server.register(target)
+    assert region.obj is target, "region.obj is the object registered"
+    grant = pair.to_client.grant(region)
+    remote = pair.to_server.wait_grant(grant.id, WAIT)
+    # Whatever a user reaches from the region, released.
+    _release_every_view(region)
+    _release_every_view(region.obj)
+    _release_every_view(grant)
+    with pytest.raises(BufferError):
+        target.extend(bytes(1 << 20))  # would move it
+    with pytest.raises(BufferError):
+        del target[:]
+    assert len(target) == 1 << 16
+    source = np.full(1 << 16, 0x5A, dtype=np.uint8)
+    pair.to_server.write(pair.client.register(source), remote).wait(WAIT)
+    assert target == bytes([0x5A]) * (1 << 16), "the peer's WRITE landed in the bytearray"
+    grant.revoke(WAIT)
+    del grant, region
+    gc.collect()
+    target.extend(b"x")  # the pin went with the region
+    assert len(target) == (1 << 16) + 1
+
+
+def test_a_dlpack_region_hands_back_its_object(pair) -> None:
+    array = np.zeros(4096, dtype=np.uint8)
+    region = pair.server.register(array, via="dlpack")
+    assert region.obj is array
+    assert _release_every_view(region) == 0

@@ -16,6 +16,7 @@ and a :class:`Batch` can be awaited under asyncio with no thread per batch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import weakref
@@ -621,9 +622,18 @@ class Engine:
         (``"dlpack"``, ``"cai"``, ``"buffer"``; by default the first the
         object offers). The region keeps ``obj`` alive."""
         memory = memory_of(obj, via=via)
-        keepalive = memory.keepalive if memory.keepalive is not None else obj
-        native = self._engine().register_memory(memory.address, memory.length, keepalive)
-        return Region(native, self, memory)
+        registered = memory.source if memory.source is not None else obj
+        if memory.via == "buffer":
+            # The region holds a buffer export of the object natively, out
+            # of Python's reach (a memoryview could be released by whoever
+            # reaches it, and the object then resized under a grant).
+            native = self._engine().register_memory(memory.address, memory.length, registered, export=True)
+        else:
+            native = self._engine().register_memory(
+                memory.address, memory.length, registered, pin=memory.keepalive
+            )
+        # The region keeps where and how, not what pins it.
+        return Region(native, self, dataclasses.replace(memory, keepalive=None))
 
     def stream(self, gpu: int = 0) -> "Stream":
         """A new stream of GPU ``gpu`` (non-blocking): to queue copies on,

@@ -40,6 +40,10 @@ class Memory:
     length: int
     device: Optional[int]
     readonly: bool
+    #: What keeps it valid while this Memory lives (the object, with the
+    #: memoryview or DLPack capsule that pins it). A region does not keep
+    #: it: it holds its own export of the object (or the capsule) where no
+    #: Python code can release it.
     keepalive: Any
     #: How it was taken: ``"raw"``, ``"dlpack"``, ``"cai"`` or ``"buffer"``.
     via: str = "raw"
