@@ -264,3 +264,61 @@ def test_a_dlpack_region_hands_back_its_object(pair) -> None:
     region = pair.server.register(array, via="dlpack")
     assert region.obj is array
     assert _release_every_view(region) == 0
+
+
+def _eventfds() -> int:
+    """The process's open eventfds."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]":
+                count += 1
+        except OSError:  # the listing's own fd, closed meanwhile
+            pass
+    return count
+
+
+def test_event_loops_that_awaited_batches_go_with_their_eventfds(granted) -> None:
+    pair, _target, _grant, remote = granted
+    region = pair.client.register(np.ones(4096, dtype=np.uint8))
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        await pair.to_server.write(region, remote, length=4096)
+
+    asyncio.run(main())  # whatever the engine opens once, opened
+    gc.collect()
+    before = _eventfds()
+    for _ in range(20):
+        asyncio.run(main())
+    gc.collect()
+    alive = sum(1 for loop in loops if loop() is not None)
+    assert alive == 0, f"{alive} of {len(loops)} closed event loops are still alive"
+    assert _eventfds() <= before, f"{_eventfds() - before} eventfds more after 20 loops"
+
+
+def test_a_cancelled_await_lets_go_of_its_batch_once_the_loop_is_closed(granted) -> None:
+    pair, _target, _grant, remote = granted
+    pool = np.ones(1 << 20, dtype=np.uint8)
+    released = []
+    weakref.finalize(pool, released.append, True)
+    zeros = np.zeros(256, dtype=np.uint64)
+    batches: list[weakref.ref[gdr.Batch]] = []
+
+    async def main() -> None:
+        # 256 MiB of WRITEs: still running when the task is cancelled.
+        batch = pair.to_server.write(pair.client.register(pool), remote, zeros, zeros, 1 << 20)
+        batches.append(weakref.ref(batch))
+        task = asyncio.ensure_future(_await(batch))
+        del batch
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    del pool
+    gc.collect()
+    assert batches[0]() is None, "the cancelled batch is still referenced"
+    assert released == [True], "the cancelled batch's memory is still held"

@@ -214,14 +214,20 @@ class Batch:
 class _LoopNotifier:
     """One per asyncio loop: the batches awaited on it, told of their end
     through one eventfd the loop watches (no thread per batch, no thread
-    taking the GIL)."""
+    taking the GIL).
 
-    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopNotifier]" = (
+    Only the loop holds it (through its reader): the table of notifiers
+    holds the loop and the notifier weakly, and the notifier never holds
+    the loop, so a loop that is let go goes, and its notifier (and eventfd)
+    with it; closing the loop drops its reader, and so the notifier, at
+    once. An await that is cancelled drops its entry at once: a batch never
+    waits for a loop that will not run again."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[_LoopNotifier]]" = (
         weakref.WeakKeyDictionary()
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
         self._native = _gdr.Notifier()
         self._tokens = itertools.count(1)
         self._waiting: dict[int, Tuple[asyncio.Future[None], Batch]] = {}
@@ -229,22 +235,34 @@ class _LoopNotifier:
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> "_LoopNotifier":
-        notifier = cls._by_loop.get(loop)
+        known = cls._by_loop.get(loop)
+        notifier = None if known is None else known()
         if notifier is None:
             notifier = cls(loop)
-            cls._by_loop[loop] = notifier
+            cls._by_loop[loop] = weakref.ref(notifier)
         return notifier
 
     def wait(self, batch: Batch) -> "asyncio.Future[None]":
-        future: asyncio.Future[None] = self._loop.create_future()
-        # A cancelled await (task.cancel(), asyncio.wait_for's timeout)
-        # cancels the batch: nothing of it runs after.
-        future.add_done_callback(lambda done: batch.cancel() if done.cancelled() else None)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         token = next(self._tokens)
         if batch._native.notify(self._native, token):
             self._settle(future, batch)
-        else:
-            self._waiting[token] = (future, batch)
+            return future
+        self._waiting[token] = (future, batch)
+        # A cancelled await (task.cancel(), asyncio.wait_for's timeout)
+        # cancels the batch (nothing of it runs after) and forgets it here.
+        # Held weakly: the notifier (and its eventfd) goes with its loop.
+        notifier = weakref.ref(self)
+
+        def on_done(done: "asyncio.Future[None]") -> None:
+            if not done.cancelled():
+                return
+            batch.cancel()
+            this = notifier()
+            if this is not None:
+                this._waiting.pop(token, None)
+
+        future.add_done_callback(on_done)
         return future
 
     def _on_ready(self) -> None:
