@@ -172,12 +172,7 @@ impl Engine {
         }
         // Taken before the memory is wrapped: from here on it cannot move.
         let export = match export {
-            true => Some(arrays::Export::of(
-                py,
-                keepalive.bind(py),
-                address,
-                length,
-            )?),
+            true => Some(arrays::Export::of(py, keepalive.bind(py), address, length)?),
             false => None,
         };
         let context = self.engine.context();
@@ -429,8 +424,32 @@ impl Region {
         length: Option<u64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let buffer = self.buffer(py)?;
-        let length = length.unwrap_or_else(|| buffer.len().saturating_sub(offset));
-        let mut out = vec![0; length as usize];
+        let size = buffer.len();
+        let length = length.unwrap_or_else(|| size.saturating_sub(offset));
+        // The range first: a length past the region is the caller's
+        // mistake, not an allocation to try.
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!(
+                    "read_bytes: {length} bytes at offset {offset} exceed the region's {size} bytes"
+                ),
+            ));
+        }
+        // Then an allocation that fails as an exception, not an abort.
+        let mut out = Vec::new();
+        usize::try_from(length)
+            .ok()
+            .and_then(|n| out.try_reserve_exact(n).ok())
+            .ok_or_else(|| {
+                raise(
+                    py,
+                    "OutOfMemory",
+                    format!("read_bytes: {length} bytes could not be allocated"),
+                )
+            })?;
+        out.resize(length as usize, 0);
         py.detach(|| buffer.copy_to_host(offset, &mut out))
             .map_err(|e| raise_error(py, &e))?;
         Ok(PyBytes::new(py, &out))

@@ -430,6 +430,16 @@ pub enum TransferError {
     },
 }
 
+/// [`EngineError::OutOfBounds`]'s text: a zero length says so, not that it
+/// exceeds anything.
+fn out_of_bounds(what: &str, offset: u64, len: u64, size: u64) -> String {
+    if len == 0 {
+        format!("{what}: a length of 0 bytes (at offset {offset}): nothing to move")
+    } else {
+        format!("{what}: {len} bytes at offset {offset} exceed its {size} bytes")
+    }
+}
+
 impl TransferError {
     /// The error a failed work completion means.
     pub fn from_status(status: WcStatus, vendor_err: u32) -> Self {
@@ -522,8 +532,9 @@ pub enum EngineError {
         /// READ or WRITE.
         op: &'static str,
     },
-    /// Offset and length fall outside a region or grant.
-    #[error("{what}: {len} bytes at offset {offset} exceed its {size} bytes")]
+    /// Offset and length fall outside a region or grant, or the length is
+    /// zero (nothing to move).
+    #[error("{}", out_of_bounds(what, *offset, *len, *size))]
     OutOfBounds {
         /// Which side.
         what: &'static str,

@@ -144,6 +144,7 @@ pub use self::completion::CompletionCell;
 #[cfg(not(feature = "testing"))]
 pub(crate) use self::completion::CompletionCell;
 pub use self::completion::Outcome;
+use self::completion::RevokedGrants;
 pub use self::error::{
     EngineError, HandshakeFailure, PeerGone, Refusal, SharedEngineError, TimedOut, TransferError,
     Unavailable,
@@ -397,6 +398,10 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     control: ControlBuffers<V, C>,
     /// The peer's live grants to this side (bounded).
     remote_grants: RemoteGrants<MemoryDescriptor>,
+    /// The grants the peer told this side it revoked (bounded): a
+    /// descriptor of one is refused as revoked, not as unknown, and a
+    /// batch its owner's NIC refused under one failed for the revocation.
+    revoked: Arc<RevokedGrants>,
     /// The peer's messages not yet received (bounded).
     inbox: Inbox,
     /// This side's control messages waiting for a send slot (bounded).
@@ -1555,6 +1560,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 slot: peer_max,
             },
             remote_grants: RemoteGrants::new(limits.max_remote_grants),
+            revoked: Arc::default(),
             inbox: Inbox::new(limits.max_inbox_messages, limits.max_inbox_bytes),
             outbox: Outbox::new(MAX_OUTBOX),
             next_qp: 0,
@@ -1903,7 +1909,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
             Some(Control::GrantRevoke { grant }) => {
-                peer.remote_grants.revoke(grant);
+                if peer.remote_grants.revoke(grant).is_some() {
+                    peer.revoked.record(grant);
+                }
             }
             // Taken by the peer-copy path above (never handed back).
             Some(
@@ -2858,6 +2866,11 @@ fn check_transfer_of<V: Api, C: hal_cuda::Api>(
         // in anything (a forged range, rkey or address) is refused.
         match peer.remote_grants.get(d.grant) {
             Some(live) if live == d => {}
+            None if peer.revoked.contains(d.grant) => {
+                return Err(EngineError::Refused(Refusal::GrantRevoked {
+                    grant: d.grant,
+                }));
+            }
             _ => return Err(not_granted()),
         }
     }

@@ -410,11 +410,16 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             // The grant is looked up once per descriptor in a row: the same
             // reference within this call is the same, unchanged descriptor.
             let mut checked: Option<&MemoryDescriptor> = None;
+            let mut grants: Vec<u64> = Vec::new();
             for t in transfers {
                 let known = checked.is_some_and(|d| std::ptr::eq(d, t.remote));
                 check_transfer_of(peer, t, known)?;
+                if !known && !grants.contains(&t.remote.grant) {
+                    grants.push(t.remote.grant);
+                }
                 checked = Some(t.remote);
             }
+            cell.watch_revocations(grants, Arc::clone(&peer.revoked));
             if !peer.qps.iter().any(|q| core.accepts_work(q.core)) {
                 return Err(EngineError::PeerGone(PeerGone::EveryQueuePairFailed));
             }

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import operator
 import weakref
 from typing import Any, Generator, Iterable, Optional, Sequence, Tuple, Union
 
@@ -33,6 +34,7 @@ from .errors import (
     GdrError,
     InvalidArgument,
     NotSupported,
+    OutOfMemory,
     PeerGone,
     Refused,
     Revoked,
@@ -61,6 +63,39 @@ READ = 0
 WRITE = 1
 
 _DEFAULT_TIMEOUT = 10.0
+
+
+def _is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (an int, a numpy integer scalar: not a
+    bool, not a float)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as a byte offset or length: an integer from 0 to 2^64 - 1
+    (an int or a numpy integer scalar); :class:`InvalidArgument` naming
+    ``what`` otherwise (a float is refused, not truncated)."""
+    if not _is_int(value):
+        raise InvalidArgument(f"{what}: {value!r} is not an integer (offsets and lengths are whole bytes)")
+    n = operator.index(value)
+    if n < 0:
+        raise InvalidArgument(f"{what}: {n} is negative")
+    if n >= 1 << 64:
+        raise InvalidArgument(f"{what}: {n} does not fit in 64 bits")
+    return n
+
+
+def _rest(size: int, offset: int, what: str) -> int:
+    """The bytes of ``size`` from ``offset`` on (the default length)."""
+    if offset > size:
+        raise InvalidArgument(f"{what}: {offset} is past the {size} bytes")
+    return size - offset
 
 
 class Region:
@@ -103,12 +138,14 @@ class Region:
 
     def read_bytes(self, offset: int = 0, length: Optional[int] = None) -> bytes:
         """A copy of ``length`` bytes at ``offset`` (GPU memory included)."""
+        offset = _count(offset, "offset")
+        length = None if length is None else _count(length, "length")
         data: bytes = self._native.read_bytes(offset, length)
         return data
 
     def write_bytes(self, data: Union[bytes, bytearray, memoryview], offset: int = 0) -> None:
         """Copies ``data`` in at ``offset`` (GPU memory included)."""
-        self._native.write_bytes(bytes(data), offset)
+        self._native.write_bytes(bytes(data), _count(offset, "offset"))
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -290,15 +327,27 @@ class _LoopNotifier:
             future.set_result(None)
 
 
-def _u64_array(values: Any) -> Any:
+def _u64_array(values: Any, what: str) -> Any:
     """``values`` as an array of uint64 the engine reads in place: a
-    C-contiguous numpy ``uint64`` array as it is, anything else converted
-    (the engine checks the element type and the counts)."""
+    C-contiguous numpy ``uint64`` array as it is, other integers converted
+    (the engine checks the counts); floats and negative values refused
+    (:class:`InvalidArgument` naming ``what``), never truncated or wrapped."""
     import numpy as np
 
     if type(values) is np.ndarray and values.dtype == np.uint64 and values.flags.c_contiguous:
         return values
-    return np.ascontiguousarray(values, dtype=np.uint64)
+    array = np.asarray(values)
+    if array.ndim == 0:
+        raise InvalidArgument(f"{what}: {values!r} is not an integer (offsets and lengths are whole bytes)")
+    if array.ndim != 1:
+        raise InvalidArgument(f"{what}: {values!r} is neither an integer nor a one-dimensional array of them")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what}: an array of {array.dtype}, not of integers (offsets and lengths are whole bytes)")
+    if array.dtype.kind == "i" and array.min() < 0:
+        raise InvalidArgument(f"{what}: {int(array[array < 0][0])} is negative")
+    return np.ascontiguousarray(array, dtype=np.uint64)
 
 
 def _stream_handle(stream: Any) -> Tuple[int, Optional[int]]:
@@ -347,7 +396,13 @@ class Stream:
         """Queues a copy of ``length`` bytes from ``src`` at ``src_offset``
         to ``dst`` at ``dst_offset`` (host memory and this GPU's, of this
         stream's engine); both are held until the stream is seen past it."""
-        self._native.copy(dst._native, dst_offset, src._native, src_offset, length)
+        self._native.copy(
+            dst._native,
+            _count(dst_offset, "dst_offset"),
+            src._native,
+            _count(src_offset, "src_offset"),
+            _count(length, "length"),
+        )
 
     def synchronize(self) -> None:
         """Waits for the work queued so far (the GIL released)."""
@@ -435,8 +490,8 @@ class Peer:
         """Grants ``length`` bytes (the rest of the region by default) at
         ``offset`` of ``region`` with ``rights`` (``"read"``, ``"write"``,
         ``"read_write"``); the descriptor is announced on the connection."""
-        if length is None:
-            length = len(region) - offset
+        offset = _count(offset, "offset")
+        length = _rest(len(region), offset, "offset") if length is None else _count(length, "length")
         return Grant(self._native.grant(region._native, offset, length, _rights(rights)), region)
 
     def wait_grant(self, grant_id: int, timeout: float = _DEFAULT_TIMEOUT) -> Descriptor:
@@ -458,9 +513,11 @@ class Peer:
         # Host memory with no stream named: nothing to order after (the
         # common case, kept cheap).
         after = None if stream is None and region._device is None else _gate(self._engine, (region,), stream)
-        if type(local_offset) is int and type(remote_offset) is int and (length is None or type(length) is int):
-            n = len(region) - local_offset if length is None else length
-            transfer = (op, region._native, local_offset, remote, remote_offset, n)
+        if _is_int(local_offset) and _is_int(remote_offset) and (length is None or _is_int(length)):
+            lo = _count(local_offset, "local_offset")
+            ro = _count(remote_offset, "remote_offset")
+            n = _rest(len(region), lo, "local_offset") if length is None else _count(length, "length")
+            transfer = (op, region._native, lo, remote, ro, n)
             return Batch(self._native.submit([transfer], timeout, after))
         if length is None:
             raise InvalidArgument("length: needed with arrays of offsets")
@@ -469,9 +526,9 @@ class Peer:
                 op,
                 region._native,
                 remote,
-                _u64_array(local_offset),
-                _u64_array(remote_offset),
-                length if type(length) is int else _u64_array(length),
+                _u64_array(local_offset, "local_offset"),
+                _u64_array(remote_offset, "remote_offset"),
+                _count(length, "length") if _is_int(length) else _u64_array(length, "length"),
                 timeout,
                 after,
             )
@@ -530,7 +587,17 @@ class Peer:
         whole before anything is posted; ``stream`` as for :meth:`write`."""
         listed = list(transfers)
         after = _gate(self._engine, [t[1] for t in listed], stream)
-        native = [(op, r._native, lo, d, ro, n) for (op, r, lo, d, ro, n) in listed]
+        native = [
+            (
+                op,
+                r._native,
+                _count(lo, "local_offset"),
+                d,
+                _count(ro, "remote_offset"),
+                _count(n, "length"),
+            )
+            for (op, r, lo, d, ro, n) in listed
+        ]
         return Batch(self._native.submit(native, timeout, after))
 
     def send(self, message: bytes) -> Batch:
@@ -669,7 +736,7 @@ class Engine:
         """``length`` bytes the engine allocates and registers: ``"host"``,
         ``"pinned"``, or ``"device"`` memory of GPU ``gpu`` (which exposes
         ``__cuda_array_interface__``)."""
-        return Region(self._engine().alloc(length, kind, gpu), self)
+        return Region(self._engine().alloc(_count(length, "length"), kind, _count(gpu, "gpu")), self)
 
     def listen(self, host: Optional[str] = None, port: int = 0) -> Listener:
         """Listens at ``host`` (the first NIC's address by default) and

@@ -117,6 +117,8 @@ def _from_cuda_array_interface(obj: Any, cai: dict[str, Any]) -> Memory:
     if version < 2:
         raise InvalidArgument(f"__cuda_array_interface__ version {version} (2 or later needed)")
     shape = tuple(int(n) for n in cai["shape"])
+    if any(extent < 0 for extent in shape):
+        raise InvalidArgument(f"__cuda_array_interface__ shape {shape} has a negative extent")
     itemsize = _itemsize(str(cai["typestr"]))
     strides = cai.get("strides")
     strides = None if strides is None else tuple(int(s) for s in strides)
@@ -163,11 +165,20 @@ def _from_dlpack(obj: Any) -> Memory:
         capsule = obj.__dlpack__(stream=None)
     # A DLManagedTensor starts with its DLTensor. The capsule is kept (not
     # consumed): its destructor hands the tensor back once gdr lets go.
-    pointer = _capsule_pointer(capsule, b"dltensor")
+    try:
+        pointer = _capsule_pointer(capsule, b"dltensor")
+    except ValueError:
+        # Renamed "used_dltensor" by a consumer (or no DLPack capsule at all).
+        raise InvalidArgument(
+            f"{type(obj).__name__}.__dlpack__ returned a capsule that is not an unconsumed "
+            "DLPack tensor (was it consumed already?)"
+        ) from None
     if not pointer:
         raise InvalidArgument("__dlpack__ returned no DLPack tensor")
     tensor = _DLTensor.from_address(pointer)
     shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    if any(extent < 0 for extent in shape):
+        raise InvalidArgument(f"the DLPack tensor's shape {shape} has a negative extent")
     itemsize = max(1, tensor.dtype.bits * tensor.dtype.lanes // 8)
     strides = None
     if tensor.strides:

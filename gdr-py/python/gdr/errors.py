@@ -1,7 +1,8 @@
 """gdr's exceptions: one hierarchy under :class:`GdrError`, mirroring the
 engine's typed errors. Each also derives from the builtin a Python caller
 already catches where one fits (``ValueError``, ``TimeoutError``,
-``ConnectionError``). The message is the Rust error's, with its cause.
+``ConnectionError``, ``MemoryError``). The message is the Rust error's,
+with its cause.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "Revoked",
     "Cancelled",
     "TransferFailed",
+    "OutOfMemory",
 ]
 
 
@@ -71,7 +73,8 @@ class Refused(GdrError):
 
 
 class Revoked(Refused):
-    """The grant was revoked while the request was under way."""
+    """The grant was revoked: before the request (its owner's notice had
+    come) or while it was under way."""
 
 
 class Cancelled(GdrError):
@@ -81,3 +84,8 @@ class Cancelled(GdrError):
 class TransferFailed(GdrError):
     """A request failed locally or was flushed after another one on its
     queue pair failed; the message says which."""
+
+
+class OutOfMemory(GdrError, MemoryError):
+    """An allocation was refused (the size is more than the machine can
+    give); nothing was done, and the process goes on."""
