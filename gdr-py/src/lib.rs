@@ -188,7 +188,7 @@ impl Engine {
             .detach(|| self.engine.register(&buffer))
             .map_err(|e| raise_error(py, &e))?;
         let mut region = Region::new(region, Some(buffer), Some(keepalive));
-        region.pin = Pin { export, held: pin };
+        region.pin = Pin { export, _held: pin };
         Ok(region)
     }
 
@@ -197,19 +197,21 @@ impl Engine {
     #[pyo3(signature = (length, kind = "host", gpu = 0))]
     fn alloc(&self, py: Python<'_>, length: u64, kind: &str, gpu: u32) -> PyResult<Region> {
         let context = self.engine.context();
-        let buffer = match kind {
-            "host" => context.alloc_host(length),
-            "pinned" => context.alloc_pinned(length),
-            "device" => context.alloc_device(gpu, length),
-            other => {
-                return Err(raise(
-                    py,
-                    "InvalidArgument",
-                    format!("kind: {other:?} is not \"host\", \"pinned\" or \"device\""),
-                ));
-            }
+        if !matches!(kind, "host" | "pinned" | "device") {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!("kind: {kind:?} is not \"host\", \"pinned\" or \"device\""),
+            ));
         }
-        .map_err(|e| raise_error(py, &e))?;
+        // Pinning and device allocations can take a while.
+        let buffer = py
+            .detach(|| match kind {
+                "host" => context.alloc_host(length),
+                "pinned" => context.alloc_pinned(length),
+                _ => context.alloc_device(gpu, length),
+            })
+            .map_err(|e| raise_error(py, &e))?;
         let region = py
             .detach(|| self.engine.register(&buffer))
             .map_err(|e| raise_error(py, &e))?;
@@ -297,7 +299,7 @@ struct Region {
 #[derive(Default)]
 struct Pin {
     export: Option<arrays::Export>,
-    held: Option<Py<PyAny>>,
+    _held: Option<Py<PyAny>>,
 }
 
 impl Region {
@@ -574,6 +576,21 @@ struct Grant {
     _region: Py<Region>,
 }
 
+impl Drop for Grant {
+    fn drop(&mut self) {
+        let grant = self
+            .grant
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if grant.is_some() {
+            // Its revoke takes the engine's lock and tells the peer: not
+            // with the GIL held.
+            Python::attach(|py| py.detach(move || drop(grant)));
+        }
+    }
+}
+
 #[pymethods]
 impl Grant {
     /// The grant's id (the descriptor's).
@@ -659,9 +676,10 @@ impl Peer {
                 ));
             }
         };
-        let grant = self
-            .peer
-            .grant(region.get().region(), offset, length, rights)
+        let granted = region.get();
+        // Registers the range on each NIC and takes the engine's lock.
+        let grant = py
+            .detach(|| self.peer.grant(granted.region(), offset, length, rights))
             .map_err(|e| raise_error(py, &e))?;
         Ok(Grant {
             descriptor: grant.descriptor().clone(),
@@ -791,7 +809,9 @@ impl Peer {
 
     /// Sends a control message to the peer.
     fn send(&self, py: Python<'_>, message: &[u8]) -> PyResult<Batch> {
-        let batch = self.peer.send(message).map_err(|e| raise_error(py, &e))?;
+        let batch = py
+            .detach(|| self.peer.send(message))
+            .map_err(|e| raise_error(py, &e))?;
         Ok(Batch::new(batch, Vec::new()))
     }
 
@@ -870,8 +890,7 @@ impl Stream {
         length: usize,
     ) -> PyResult<()> {
         let (dst, src) = (dst.buffer(py)?, src.buffer(py)?);
-        self.stream
-            .copy(&dst, dst_offset, &src, src_offset, length)
+        py.detach(|| self.stream.copy(&dst, dst_offset, &src, src_offset, length))
             .map_err(|e| raise_error(py, &e))
     }
 
@@ -958,15 +977,15 @@ impl Batch {
         Ok(())
     }
 
-    /// Whether it has ended.
-    fn done(&self) -> bool {
-        self.batch.status().is_some()
+    /// Whether it has ended (driving the engine once: the GIL released).
+    fn done(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.batch.status()).is_some()
     }
 
     /// None while running; after it ended, None on success or raises what
     /// it ended with.
     fn result(&self, py: Python<'_>) -> PyResult<Option<bool>> {
-        match self.batch.status() {
+        match py.detach(|| self.batch.status()) {
             None => Ok(None),
             Some(Ok(())) => {
                 self.release_regions(py);
@@ -977,19 +996,21 @@ impl Batch {
     }
 
     /// Cancels it: it ends with `Cancelled` unless it ended first.
-    fn cancel(&self) {
-        self.batch.cancel();
+    fn cancel(&self, py: Python<'_>) {
+        py.detach(|| self.batch.cancel());
     }
 
     /// Asks `notifier` to be told (token `token`) when the batch ends;
     /// True if it has ended already (nothing is told then).
-    fn notify(&self, notifier: &Notifier, token: u64) -> bool {
+    fn notify(&self, py: Python<'_>, notifier: &Notifier, token: u64) -> bool {
         let waker = Waker::from(Arc::new(Wakeup {
             shared: Arc::clone(&notifier.shared),
             token,
         }));
-        let mut cx = TaskContext::from_waker(&waker);
-        matches!(self.batch.poll_ended(&mut cx), Poll::Ready(_))
+        py.detach(|| {
+            let mut cx = TaskContext::from_waker(&waker);
+            matches!(self.batch.poll_ended(&mut cx), Poll::Ready(_))
+        })
     }
 }
 

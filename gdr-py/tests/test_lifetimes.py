@@ -4,11 +4,16 @@ it waits; asyncio without a thread per batch."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import itertools
+import operator
 import os
+import sys
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -322,3 +327,62 @@ def test_a_cancelled_await_lets_go_of_its_batch_once_the_loop_is_closed(granted)
     gc.collect()
     assert batches[0]() is None, "the cancelled batch is still referenced"
     assert released == [True], "the cancelled batch's memory is still held"
+
+
+def _lets_another_thread_run(call: Any, arg: Any, calls: int) -> bool:
+    """Whether ``call(arg)``, made ``calls`` times in a row from C (no
+    bytecode between the calls, so nothing but the calls themselves can
+    give the GIL away), let a thread waiting for the GIL run before the
+    last one: the waiting thread asks for the GIL after the switch
+    interval, and the next release hands it over."""
+    remaining = iter(itertools.repeat(arg, calls))
+    seen: list[int] = []
+    ready = threading.Event()
+
+    def other() -> None:
+        ready.wait()
+        seen.append(operator.length_hint(remaining))
+
+    thread = threading.Thread(target=other)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)
+    try:
+        thread.start()
+        ready.set()  # it now waits for the GIL
+        # Kept (not dropped one by one): only the calls themselves count.
+        kept = list(map(call, remaining))
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join()
+    del kept
+    return 0 < seen[0] < calls
+
+
+def _calls_for(call: Any, arg: Any, seconds: float) -> int:
+    """How many calls of ``call(arg)`` take about ``seconds``."""
+    started = time.perf_counter()
+    for _ in range(200):
+        call(arg)
+    each = (time.perf_counter() - started) / 200
+    return max(1000, int(seconds / max(each, 1e-7)))
+
+
+def test_done_result_and_grant_let_other_threads_run(granted) -> None:
+    pair, _target, _grant, remote = granted
+    region = pair.client.register(np.ones(1 << 16, dtype=np.uint8))
+    batch = pair.to_server.write(region, remote)
+    batch.wait(WAIT)  # each call as quick as the next
+    native = type(batch._native)
+    for method in (native.done, native.result):
+        calls = _calls_for(method, batch._native, 0.1)
+        assert any(
+            _lets_another_thread_run(method, batch._native, calls) for _ in range(3)
+        ), f"Batch.{method.__name__} held the GIL throughout {calls} calls"
+    theirs = pair.server.register(np.zeros(4096, dtype=np.uint8))._native
+
+    # A C callable: no bytecode runs between the calls.
+    grant = functools.partial(pair.to_client._native.grant, offset=0, length=4096, rights="read")
+    # Few: each is announced, then revoked as it is dropped.
+    assert any(
+        _lets_another_thread_run(grant, theirs, 256) for _ in range(3)
+    ), "Peer.grant held the GIL throughout"
