@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import json
 import operator
+import warnings
 import weakref
 from typing import Any, Generator, Iterable, Optional, Sequence, Tuple, Union
 
@@ -56,6 +57,7 @@ __all__ = [
     "memory_of",
     "READ",
     "WRITE",
+    "SimulationFallbackWarning",
     *errors.__all__,
 ]
 
@@ -634,6 +636,35 @@ class Listener:
         return Peer(self._native.accept(timeout), self._engine)
 
 
+class SimulationFallbackWarning(RuntimeWarning):
+    """``backend="auto"`` found no RDMA device (or no GPU) and uses the
+    simulation for it: nothing leaves this process. Told once per process;
+    ``backend="real"`` refuses instead, ``backend="sim"`` asks for it (and
+    is not warned of)."""
+
+
+_fallback_told = False
+
+
+def _warn_of_fallback(engine: "Engine") -> None:
+    """Warns, once per process, when an ``"auto"`` engine fell back to the
+    simulation."""
+    global _fallback_told
+    verbs, cuda, notes = engine.backends()
+    simulated = [what for what, backend in (("NIC", verbs), ("GPU", cuda)) if backend == "sim"]
+    if _fallback_told or not simulated:
+        return
+    _fallback_told = True
+    why = "; ".join(" ".join(note.split()) for note in notes)
+    warnings.warn(
+        SimulationFallbackWarning(
+            f'gdr: backend="auto" uses the simulated {" and ".join(simulated)} (nothing leaves this '
+            f'process): {why}. backend="real" refuses instead; backend="sim" chooses the simulation.'
+        ),
+        stacklevel=3,
+    )
+
+
 class Engine:
     """A transfer engine over the NICs (and the GPUs they reach) of the
     backends chosen: ``"auto"`` (real rdma-core and CUDA where found, the
@@ -646,6 +677,8 @@ class Engine:
     def __init__(self, backend: str = "auto", **config: Any) -> None:
         self._native: Any = _gdr.Engine(backend, **config)
         self._streams: dict[int, "Stream"] = {}
+        if backend == "auto":
+            _warn_of_fallback(self)
 
     def __enter__(self) -> "Engine":
         return self
