@@ -13,6 +13,7 @@ __all__ = [
     "NotSupported",
     "Unavailable",
     "DeviceError",
+    "OutOfMemory",
     "Busy",
     "Timeout",
     "PeerGone",
@@ -21,7 +22,6 @@ __all__ = [
     "Revoked",
     "Cancelled",
     "TransferFailed",
-    "OutOfMemory",
 ]
 
 
@@ -47,6 +47,12 @@ class Unavailable(GdrError):
 
 class DeviceError(GdrError):
     """A verbs or CUDA call failed; the message keeps the native code."""
+
+
+class OutOfMemory(GdrError, MemoryError):
+    """Memory of that size could not be allocated (host memory the
+    allocator refuses, pinned or device memory CUDA refuses). Nothing was
+    allocated; the process goes on."""
 
 
 class Busy(GdrError):
@@ -84,8 +90,3 @@ class Cancelled(GdrError):
 class TransferFailed(GdrError):
     """A request failed locally or was flushed after another one on its
     queue pair failed; the message says which."""
-
-
-class OutOfMemory(GdrError, MemoryError):
-    """An allocation was refused (the size is more than the machine can
-    give); nothing was done, and the process goes on."""
