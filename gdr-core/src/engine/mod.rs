@@ -1909,7 +1909,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
             Some(Control::GrantRevoke { grant }) => {
-                if peer.remote_grants.revoke(grant).is_some() {
+                // Only a grant it announced: ids are never reused, so one
+                // revoked stays revoked.
+                let announced = peer.remote_grants.revoke(grant).is_some();
+                if announced {
                     peer.revoked.record(grant);
                 }
             }
