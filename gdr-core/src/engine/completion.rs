@@ -124,10 +124,20 @@ impl CompletionCell {
     /// set before the cell's request is submitted.
     pub(crate) fn watch_revocations(
         &self,
-        grants: Vec<u64>,
+        grants: impl IntoIterator<Item = u64>,
         revoked: std::sync::Arc<RevokedGrants>,
     ) {
-        let _ = self.revocations.set(Revocations { grants, revoked });
+        // Each once: a batch names few grants, mostly one in a row.
+        let mut kept: Vec<u64> = Vec::new();
+        for grant in grants {
+            if kept.last() != Some(&grant) && !kept.contains(&grant) {
+                kept.push(grant);
+            }
+        }
+        let _ = self.revocations.set(Revocations {
+            grants: kept,
+            revoked,
+        });
     }
 
     /// Sets the outcome unless one is set already; true when this call set

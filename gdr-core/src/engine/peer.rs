@@ -407,7 +407,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
-            cell.watch_revocations(grants_of(transfers), Arc::clone(&peer.revoked));
+            let grants = transfers.iter().map(|t| t.remote.grant);
+            cell.watch_revocations(grants, Arc::clone(&peer.revoked));
             // The grant is looked up once per descriptor in a row: the same
             // reference within this call is the same, unchanged descriptor.
             let mut checked: Option<&MemoryDescriptor> = None;
@@ -796,15 +797,4 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         engine.ensure_own_driver();
         Ok(Some(Batch::of_cell(engine.clone(), cell)))
     }
-}
-
-/// The grants `transfers` move under, each once (a batch names few).
-fn grants_of<V: Api>(transfers: &[Transfer<'_, V>]) -> Vec<u64> {
-    let mut grants: Vec<u64> = Vec::new();
-    for t in transfers {
-        if grants.last() != Some(&t.remote.grant) && !grants.contains(&t.remote.grant) {
-            grants.push(t.remote.grant);
-        }
-    }
-    grants
 }
