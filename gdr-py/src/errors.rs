@@ -3,7 +3,7 @@
 //! catches): the engine's typed errors mapped to a class, the message
 //! the Rust error's own.
 
-use gdr_core::engine::{EngineError, NotAccepted, Refusal};
+use gdr_core::engine::{EngineError, NotAccepted};
 use gdr_core::{Error, TransferError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -39,7 +39,7 @@ fn engine_kind(error: &EngineError) -> &'static str {
         EngineError::Handshake { .. }
         | EngineError::Rejected { .. }
         | EngineError::NotAccepted { .. } => "ConnectFailed",
-        EngineError::Refused(Refusal::GrantRevoked { .. }) => "Revoked",
+        EngineError::Refused(gdr_core::engine::Refusal::GrantRevoked { .. }) => "Revoked",
         EngineError::NotGranted { .. }
         | EngineError::AccessDenied { .. }
         | EngineError::Refused(_) => "Refused",
