@@ -430,8 +430,8 @@ pub enum TransferError {
     },
 }
 
-/// [`EngineError::OutOfBounds`]'s text: a zero length says so, not that it
-/// exceeds anything.
+/// [`EngineError::OutOfBounds`]'s text: a zero length (nothing to move)
+/// says so, not that it exceeds anything.
 fn out_of_bounds(what: &str, offset: u64, len: u64, size: u64) -> String {
     if len == 0 {
         format!("{what}: a length of 0 bytes (at offset {offset}): nothing to move")
@@ -532,8 +532,7 @@ pub enum EngineError {
         /// READ or WRITE.
         op: &'static str,
     },
-    /// Offset and length fall outside a region or grant, or the length is
-    /// zero (nothing to move).
+    /// Offset and length fall outside a region or grant.
     #[error("{}", out_of_bounds(what, *offset, *len, *size))]
     OutOfBounds {
         /// Which side.
