@@ -1,7 +1,9 @@
-//! One-dimensional arrays of unsigned 64-bit integers (numpy `uint64`,
-//! `array.array("Q")`, a memoryview of either) read in place through the
-//! buffer protocol: a paged KV cache's block lists reach the engine with
-//! no Python loop and no copy.
+//! The buffer protocol from Rust: one-dimensional arrays of unsigned 64-bit
+//! integers (numpy `uint64`, `array.array("Q")`, a memoryview of either)
+//! read in place (a paged KV cache's block lists reach the engine with no
+//! Python loop and no copy), and the export a region holds on the object
+//! it was registered from ([`Export`]: while it is held, a `bytearray`
+//! cannot be resized nor an `mmap` closed).
 //!
 //! The abi3-py39 limited API has no buffer functions (they joined it in
 //! 3.11); `PyObject_GetBuffer` and `PyBuffer_Release` are exported by every
@@ -48,23 +50,103 @@ pub(crate) struct U64Array<'py> {
     _py: Python<'py>,
 }
 
+/// An empty `Py_buffer`, for `PyObject_GetBuffer` to fill.
+fn empty_view() -> RawBuffer {
+    RawBuffer {
+        buf: std::ptr::null_mut(),
+        obj: std::ptr::null_mut(),
+        len: 0,
+        itemsize: 0,
+        readonly: 0,
+        ndim: 0,
+        format: std::ptr::null_mut(),
+        shape: std::ptr::null_mut(),
+        strides: std::ptr::null_mut(),
+        suboffsets: std::ptr::null_mut(),
+        internal: std::ptr::null_mut(),
+    }
+}
+
+/// A buffer export held natively: the memory it names cannot move or go
+/// (a `bytearray` refuses to resize, an `mmap` to close) until it is
+/// released. Held by a region for its whole life, where no Python code can
+/// reach it (a memoryview would be: anyone holding it can `release()` it).
+pub(crate) struct Export {
+    view: RawBuffer,
+}
+
+// SAFETY: the view is only read or released with the GIL held (`release`
+// takes a `Python` token, `Drop` attaches), which serialises every use of
+// it across threads.
+unsafe impl Send for Export {}
+// SAFETY: as for `Send`: no method touches the view without the GIL.
+unsafe impl Sync for Export {}
+
+impl Export {
+    /// Exports `obj`'s buffer (C-contiguous) and checks that it is the
+    /// `length` bytes at `address` the caller resolved; `InvalidArgument`
+    /// otherwise (the memory moved since, or it is not this object's).
+    pub(crate) fn of(
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        address: u64,
+        length: u64,
+    ) -> PyResult<Self> {
+        let mut view = empty_view();
+        // SAFETY: `obj` is a live object (the GIL is held, through `py`);
+        // `view` is a Py_buffer-shaped struct the call fills and, on
+        // success, owns a reference and an export in, released by
+        // `release` or `Drop`.
+        let failed = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut view, PYBUF_C_CONTIGUOUS) };
+        if failed != 0 {
+            drop(PyErr::take(py));
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                "the object's buffer cannot be exported C-contiguous".into(),
+            ));
+        }
+        let export = Self { view };
+        let (at, len) = (export.view.buf as u64, export.view.len as u64);
+        if at != address || len != length {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!(
+                    "the object's memory is {len} bytes at {at:#x}, not the {length} bytes at \
+                     {address:#x} resolved (was it resized meanwhile?)"
+                ),
+            ));
+        }
+        Ok(export)
+    }
+
+    /// Lets go of the export (once; later calls do nothing).
+    pub(crate) fn release(&mut self, _py: Python<'_>) {
+        if self.view.obj.is_null() {
+            return;
+        }
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer
+        // and not released yet (its `obj` is cleared below and by the
+        // release itself); the GIL is held (`_py`).
+        unsafe { PyBuffer_Release(&mut self.view) };
+        self.view.obj = std::ptr::null_mut();
+    }
+}
+
+impl Drop for Export {
+    fn drop(&mut self) {
+        if !self.view.obj.is_null() {
+            Python::attach(|py| self.release(py));
+        }
+    }
+}
+
 impl<'py> U64Array<'py> {
     /// `obj`'s buffer as u64s; `InvalidArgument` naming `what` for anything
     /// else (another element type, not contiguous, not one-dimensional).
     pub(crate) fn of(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
-        let mut view = RawBuffer {
-            buf: std::ptr::null_mut(),
-            obj: std::ptr::null_mut(),
-            len: 0,
-            itemsize: 0,
-            readonly: 0,
-            ndim: 0,
-            format: std::ptr::null_mut(),
-            shape: std::ptr::null_mut(),
-            strides: std::ptr::null_mut(),
-            suboffsets: std::ptr::null_mut(),
-            internal: std::ptr::null_mut(),
-        };
+        let mut view = empty_view();
         // SAFETY: `obj` is a live object (the GIL is held, through `py`);
         // `view` is a Py_buffer-shaped struct the call fills and, on
         // success, owns a reference and an export in, released by `Drop`.

@@ -40,6 +40,7 @@ fn engine_kind(error: &EngineError) -> &'static str {
         EngineError::Handshake { .. }
         | EngineError::Rejected { .. }
         | EngineError::NotAccepted { .. } => "ConnectFailed",
+        EngineError::Refused(gdr_core::engine::Refusal::GrantRevoked { .. }) => "Revoked",
         EngineError::NotGranted { .. }
         | EngineError::AccessDenied { .. }
         | EngineError::Refused(_) => "Refused",

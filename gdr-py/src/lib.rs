@@ -144,13 +144,18 @@ impl Engine {
 
     /// Registers `length` bytes at `address` (memory `keepalive` owns,
     /// which the region holds until every region, grant and batch of it is
-    /// gone). `readonly` memory (a `bytes`, a read-only array or view) is
-    /// registered as such: no write access, never granted for writing,
-    /// never READ or copied into.
+    /// gone, and hands back as its `obj`). `pin`: what else keeps the
+    /// memory valid (a DLPack capsule), held as long and never handed out.
+    /// `export`: the region holds a buffer export of `keepalive` itself,
+    /// checked to be this memory (a `bytearray` cannot be resized under
+    /// it, and no Python code can release it). `readonly` memory (a
+    /// `bytes`, a read-only array or view) is registered as such: no write
+    /// access, never granted for writing, never READ or copied into.
     ///
     /// The caller (the package's Python part) passes an address and length
-    /// that lie in memory `keepalive` keeps mapped while it lives.
-    #[pyo3(signature = (address, length, keepalive, readonly = false))]
+    /// that lie in memory `keepalive` (with `pin`) keeps mapped while it
+    /// lives.
+    #[pyo3(signature = (address, length, keepalive, readonly = false, pin = None, export = false))]
     fn register_memory(
         &self,
         py: Python<'_>,
@@ -158,6 +163,8 @@ impl Engine {
         length: u64,
         keepalive: Py<PyAny>,
         readonly: bool,
+        pin: Option<Py<PyAny>>,
+        export: bool,
     ) -> PyResult<Region> {
         if address == 0 || length == 0 {
             return Err(raise(
@@ -166,13 +173,19 @@ impl Engine {
                 format!("no memory to register: {length} bytes at {address:#x}"),
             ));
         }
+        // Taken before the memory is wrapped: from here on it cannot move.
+        let export = match export {
+            true => Some(arrays::Export::of(py, keepalive.bind(py), address, length)?),
+            false => None,
+        };
         let context = self.engine.context();
         // SAFETY: the package resolved `address..address + length` from
-        // `keepalive`'s own memory (the buffer protocol, DLPack or the CUDA
-        // array interface, whose producers keep it mapped while the object
-        // lives, or the caller's explicit `(address, length, device)` with
-        // its documented contract), and the region holds `keepalive` until
-        // the buffer is dropped, which waits for every MR of it to go.
+        // `keepalive`'s own memory (the buffer protocol, checked against
+        // the export just taken, DLPack or the CUDA array interface, whose
+        // producers keep it mapped while the object and `pin` live, or the
+        // caller's explicit `(address, length, device)` with its documented
+        // contract), and the region holds `keepalive`, `pin` and the export
+        // until the buffer is dropped, which waits for every MR of it to go.
         let buffer = unsafe {
             if readonly {
                 context.wrap_read_only(address, length)
@@ -184,7 +197,9 @@ impl Engine {
         let region = py
             .detach(|| self.engine.register(&buffer))
             .map_err(|e| raise_error(py, &e))?;
-        Ok(Region::new(region, Some(buffer), Some(keepalive)))
+        let mut region = Region::new(region, Some(buffer), Some(keepalive));
+        region.pin = Pin { export, _held: pin };
+        Ok(region)
     }
 
     /// `length` bytes of memory the engine allocates: `"host"`, `"pinned"`
@@ -192,19 +207,21 @@ impl Engine {
     #[pyo3(signature = (length, kind = "host", gpu = 0))]
     fn alloc(&self, py: Python<'_>, length: u64, kind: &str, gpu: u32) -> PyResult<Region> {
         let context = self.engine.context();
-        let buffer = match kind {
-            "host" => context.alloc_host(length),
-            "pinned" => context.alloc_pinned(length),
-            "device" => context.alloc_device(gpu, length),
-            other => {
-                return Err(raise(
-                    py,
-                    "InvalidArgument",
-                    format!("kind: {other:?} is not \"host\", \"pinned\" or \"device\""),
-                ));
-            }
+        if !matches!(kind, "host" | "pinned" | "device") {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!("kind: {kind:?} is not \"host\", \"pinned\" or \"device\""),
+            ));
         }
-        .map_err(|e| raise_error(py, &e))?;
+        // Pinning and device allocations can take a while.
+        let buffer = py
+            .detach(|| match kind {
+                "host" => context.alloc_host(length),
+                "pinned" => context.alloc_pinned(length),
+                _ => context.alloc_device(gpu, length),
+            })
+            .map_err(|e| raise_error(py, &e))?;
         let region = py
             .detach(|| self.engine.register(&buffer))
             .map_err(|e| raise_error(py, &e))?;
@@ -280,7 +297,19 @@ struct Region {
     /// Dropped with the GIL released: a buffer over caller memory waits
     /// for its MRs (a transfer still running) before it lets go.
     buffer: Mutex<Option<gdr_core::Buffer>>,
+    /// The object registered (its `obj`).
     keepalive: Option<Py<PyAny>>,
+    /// What pins the memory besides: let go after the buffer.
+    pin: Pin,
+}
+
+/// What keeps a region's memory where it is, out of Python's reach: a
+/// buffer export of the object, or another object (a DLPack capsule) that
+/// is never handed out.
+#[derive(Default)]
+struct Pin {
+    export: Option<arrays::Export>,
+    _held: Option<Py<PyAny>>,
 }
 
 impl Region {
@@ -293,6 +322,7 @@ impl Region {
             region: Some(region),
             buffer: Mutex::new(buffer),
             keepalive,
+            pin: Pin::default(),
         }
     }
 
@@ -328,11 +358,18 @@ impl Drop for Region {
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if buffer.is_some() {
-            // The last handle of caller memory waits for its MRs: not with
-            // the GIL held (an engine thread never needs it, but other
-            // Python threads should run meanwhile).
-            Python::attach(|py| py.detach(move || drop(buffer)));
+        let export = self.pin.export.take();
+        if buffer.is_some() || export.is_some() {
+            Python::attach(|py| {
+                // The last handle of caller memory waits for its MRs: not
+                // with the GIL held (an engine thread never needs it, but
+                // other Python threads should run meanwhile).
+                py.detach(move || drop(buffer));
+                // Only then may the memory move.
+                if let Some(mut export) = export {
+                    export.release(py);
+                }
+            });
         }
     }
 }
@@ -407,8 +444,32 @@ impl Region {
         length: Option<u64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let buffer = self.buffer(py)?;
-        let length = length.unwrap_or_else(|| buffer.len().saturating_sub(offset));
-        let mut out = vec![0; length as usize];
+        let size = buffer.len();
+        let length = length.unwrap_or_else(|| size.saturating_sub(offset));
+        // The range first: a length past the region is the caller's
+        // mistake, not an allocation to try.
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(raise(
+                py,
+                "InvalidArgument",
+                format!(
+                    "read_bytes: {length} bytes at offset {offset} exceed the region's {size} bytes"
+                ),
+            ));
+        }
+        // Then an allocation that fails as an exception, not an abort.
+        let mut out = Vec::new();
+        usize::try_from(length)
+            .ok()
+            .and_then(|n| out.try_reserve_exact(n).ok())
+            .ok_or_else(|| {
+                raise(
+                    py,
+                    "OutOfMemory",
+                    format!("read_bytes: {length} bytes could not be allocated"),
+                )
+            })?;
+        out.resize(length as usize, 0);
         py.detach(|| buffer.copy_to_host(offset, &mut out))
             .map_err(|e| raise_error(py, &e))?;
         Ok(PyBytes::new(py, &out))
@@ -533,6 +594,21 @@ struct Grant {
     _region: Py<Region>,
 }
 
+impl Drop for Grant {
+    fn drop(&mut self) {
+        let grant = self
+            .grant
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if grant.is_some() {
+            // Its revoke takes the engine's lock and tells the peer: not
+            // with the GIL held.
+            Python::attach(|py| py.detach(move || drop(grant)));
+        }
+    }
+}
+
 #[pymethods]
 impl Grant {
     /// The grant's id (the descriptor's).
@@ -618,9 +694,10 @@ impl Peer {
                 ));
             }
         };
-        let grant = self
-            .peer
-            .grant(region.get().region(), offset, length, rights)
+        let granted = region.get();
+        // Registers the range on each NIC and takes the engine's lock.
+        let grant = py
+            .detach(|| self.peer.grant(granted.region(), offset, length, rights))
             .map_err(|e| raise_error(py, &e))?;
         Ok(Grant {
             descriptor: grant.descriptor().clone(),
@@ -750,7 +827,9 @@ impl Peer {
 
     /// Sends a control message to the peer.
     fn send(&self, py: Python<'_>, message: &[u8]) -> PyResult<Batch> {
-        let batch = self.peer.send(message).map_err(|e| raise_error(py, &e))?;
+        let batch = py
+            .detach(|| self.peer.send(message))
+            .map_err(|e| raise_error(py, &e))?;
         Ok(Batch::new(batch, Vec::new()))
     }
 
@@ -829,8 +908,7 @@ impl Stream {
         length: usize,
     ) -> PyResult<()> {
         let (dst, src) = (dst.buffer(py)?, src.buffer(py)?);
-        self.stream
-            .copy(&dst, dst_offset, &src, src_offset, length)
+        py.detach(|| self.stream.copy(&dst, dst_offset, &src, src_offset, length))
             .map_err(|e| raise_error(py, &e))
     }
 
@@ -917,15 +995,15 @@ impl Batch {
         Ok(())
     }
 
-    /// Whether it has ended.
-    fn done(&self) -> bool {
-        self.batch.status().is_some()
+    /// Whether it has ended (driving the engine once: the GIL released).
+    fn done(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.batch.status()).is_some()
     }
 
     /// None while running; after it ended, None on success or raises what
     /// it ended with.
     fn result(&self, py: Python<'_>) -> PyResult<Option<bool>> {
-        match self.batch.status() {
+        match py.detach(|| self.batch.status()) {
             None => Ok(None),
             Some(Ok(())) => {
                 self.release_regions(py);
@@ -936,19 +1014,21 @@ impl Batch {
     }
 
     /// Cancels it: it ends with `Cancelled` unless it ended first.
-    fn cancel(&self) {
-        self.batch.cancel();
+    fn cancel(&self, py: Python<'_>) {
+        py.detach(|| self.batch.cancel());
     }
 
     /// Asks `notifier` to be told (token `token`) when the batch ends;
     /// True if it has ended already (nothing is told then).
-    fn notify(&self, notifier: &Notifier, token: u64) -> bool {
+    fn notify(&self, py: Python<'_>, notifier: &Notifier, token: u64) -> bool {
         let waker = Waker::from(Arc::new(Wakeup {
             shared: Arc::clone(&notifier.shared),
             token,
         }));
-        let mut cx = TaskContext::from_waker(&waker);
-        matches!(self.batch.poll_ended(&mut cx), Poll::Ready(_))
+        py.detach(|| {
+            let mut cx = TaskContext::from_waker(&waker);
+            matches!(self.batch.poll_ended(&mut cx), Poll::Ready(_))
+        })
     }
 }
 

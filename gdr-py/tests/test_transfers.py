@@ -5,7 +5,10 @@ descriptors' bytes and text forms."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import pytest
 
 import gdr
 
@@ -203,3 +206,25 @@ def test_two_auto_engines_of_one_process_reach_each_other() -> None:
     remote = pair.to_server.wait_grant(grant.id, WAIT)
     pair.to_server.write(pair.client.register(pattern(4096, 5)), remote).wait(WAIT)
     assert np.array_equal(target, pattern(4096, 5))
+
+
+def test_a_fallback_to_the_simulation_is_told_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gdr, "_fallback_told", False)  # as in a new process
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        gdr.Engine(backend="sim")  # asked for: nothing to tell
+        first = gdr.Engine(backend="auto")
+        gdr.Engine(backend="auto")
+    verbs, cuda, _notes = first.backends()
+    fallbacks = [w for w in told if issubclass(w.category, gdr.SimulationFallbackWarning)]
+    if "sim" not in (verbs, cuda):
+        assert not fallbacks, "nothing fell back here"
+        return
+    assert len(fallbacks) == 1, [str(w.message) for w in told]
+    message = str(fallbacks[0].message)
+    assert 'backend="real"' in message and "simulated" in message
+    assert fallbacks[0].filename == __file__, "it points at the caller's line"
+    assert issubclass(gdr.SimulationFallbackWarning, RuntimeWarning)
+    monkeypatch.setattr(gdr, "_fallback_told", False)
+    with pytest.warns(gdr.SimulationFallbackWarning, match="nothing leaves this process"):
+        gdr.Engine(backend="auto")

@@ -171,7 +171,8 @@ fn requests_outside_their_grant_are_refused_before_posting() {
         refused(Transfer::read(&src, 0, &forged, 0, 16)),
         EngineError::NotGranted { .. }
     ));
-    // Revoked: once the peer's notice arrives, the grant is refused.
+    // Revoked: once the peer's notice arrives, the grant is refused as
+    // revoked (not as one never announced).
     let id = read_only.descriptor().grant;
     drop(read_only);
     let deadline = std::time::Instant::now() + T;
@@ -184,7 +185,7 @@ fn requests_outside_their_grant_are_refused_before_posting() {
     }
     assert!(matches!(
         refused(Transfer::read(&src, 0, &remote, 0, 16)),
-        EngineError::NotGranted { .. }
+        EngineError::Refused(Refusal::GrantRevoked { grant }) if grant == id
     ));
     assert_eq!(ab.counters(), before, "nothing was posted");
     // The valid request still works.
@@ -197,9 +198,10 @@ fn requests_outside_their_grant_are_refused_before_posting() {
 }
 
 /// A grant revoked while the peer has not yet heard of it: its request
-/// fails on its queue pair with a remote access error, the queue pair's
-/// other requests flush, the other queue pairs go on, and later batches
-/// succeed on them.
+/// fails on its queue pair with a remote access error (told as the
+/// revocation it was: the notice has come by the time the error does), the
+/// queue pair's other requests flush, the other queue pairs go on, and
+/// later batches succeed on them.
 #[test]
 fn a_queue_pair_failure_fails_only_its_requests() {
     let mut cfg = config(2);
@@ -214,7 +216,10 @@ fn a_queue_pair_failure_fails_only_its_requests() {
         w.ab.submit(&[Transfer::write(&h.src, 0, &doomed, 0, 4096)])
             .unwrap();
     let err = failed.wait(T).unwrap_err();
-    assert!(matches!(err, TransferError::RemoteAccess { .. }), "{err}");
+    assert!(
+        matches!(err, TransferError::Revoked { grant } if grant == doomed.grant),
+        "{err}"
+    );
     // Later batches go over the queue pair still up.
     for _ in 0..4 {
         w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 1 << 16)])

@@ -74,7 +74,7 @@ fn a_failed_batch_releases_the_stream_too() {
     wait_for(&event, "a failed batch");
     let outcome = batch.status().expect("ended");
     assert!(
-        matches!(outcome, Err(TransferError::RemoteAccess { .. })),
+        matches!(outcome, Err(TransferError::Revoked { .. })),
         "{outcome:?}"
     );
 }

@@ -13,7 +13,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use gdr_core::descriptor::GrantRights;
-use gdr_core::engine::{EngineConfig, EngineError, PeerCopyRoute, Transfer, TransferError};
+use gdr_core::engine::{
+    EngineConfig, EngineError, PeerCopyRoute, Refusal, Transfer, TransferError,
+};
 use gdr_sim::{Fault, FaultSite, GpuConfig, SimCuda, SimVerbsApi};
 use gdr_tests::engine_world::EngineWorld;
 use gdr_tests::pattern;
@@ -179,7 +181,7 @@ fn a_revoked_grant_is_refused() {
             w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, 4096)])
                 .unwrap_err();
         assert!(
-            matches!(err, EngineError::NotGranted { .. }),
+            matches!(err, EngineError::Refused(Refusal::GrantRevoked { grant }) if grant == remote.grant),
             "ipc {ipc}: {err}"
         );
     }

@@ -41,7 +41,8 @@ fn eventually<R>(w: &EngineWorld<SimVerbsApi>, what: &str, mut f: impl FnMut() -
 }
 
 /// Fails the queue pair a's next slice goes to: a WRITE through a grant b
-/// revoked before a heard of it meets a remote access error.
+/// revoked before a heard of it meets a remote access error (told as the
+/// revocation).
 fn fail_a_queue_pair(w: &EngineWorld<SimVerbsApi>, h: &HostPair<SimVerbsApi>) {
     let (doomed_grant, doomed) = w.b_grants(&h.dst, GrantRights::ReadWrite);
     drop(doomed_grant);
@@ -50,7 +51,7 @@ fn fail_a_queue_pair(w: &EngineWorld<SimVerbsApi>, h: &HostPair<SimVerbsApi>) {
             .unwrap()
             .wait(T)
             .unwrap_err();
-    assert!(matches!(err, TransferError::RemoteAccess { .. }), "{err}");
+    assert!(matches!(err, TransferError::Revoked { .. }), "{err}");
 }
 
 /// With a single queue pair, a remote access error takes down the only

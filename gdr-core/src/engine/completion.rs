@@ -34,6 +34,70 @@ enum CellState {
 pub struct CompletionCell {
     state: Mutex<CellState>,
     done: Condvar,
+    /// A NIC batch's grants and what their owner revoked: its remote
+    /// access error is told as the revocation it was.
+    revocations: std::sync::OnceLock<Revocations>,
+}
+
+/// Grant ids a peer revoked lately, as its notices said (bounded: the
+/// oldest is forgotten first). Ids are never reused, so one stays revoked.
+#[derive(Debug, Default)]
+pub(crate) struct RevokedGrants {
+    ids: std::sync::Mutex<std::collections::VecDeque<u64>>,
+}
+
+impl RevokedGrants {
+    /// Revocations remembered per peer.
+    const REMEMBERED: usize = 1024;
+
+    /// The peer revoked `grant`.
+    pub(crate) fn record(&self, grant: u64) {
+        let mut ids = self
+            .ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if ids.len() >= Self::REMEMBERED {
+            ids.pop_front();
+        }
+        ids.push_back(grant);
+    }
+
+    /// Whether the peer revoked `grant` (lately).
+    pub(crate) fn contains(&self, grant: u64) -> bool {
+        self.ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(&grant)
+    }
+}
+
+/// The grants a NIC batch moves under, and their owner's revocations.
+#[derive(Debug)]
+struct Revocations {
+    grants: Vec<u64>,
+    revoked: std::sync::Arc<RevokedGrants>,
+}
+
+impl Revocations {
+    /// A remote access error (or a flush after one) under a grant whose
+    /// revocation notice has come is the revocation: the owner's NIC
+    /// refused the access because the grant's MRs were gone.
+    fn refine(&self, outcome: Outcome) -> Outcome {
+        let access = match &outcome {
+            Err(TransferError::RemoteAccess { .. }) => true,
+            Err(TransferError::Flushed { cause, .. }) => {
+                matches!(**cause, TransferError::RemoteAccess { .. })
+            }
+            _ => false,
+        };
+        if !access {
+            return outcome;
+        }
+        match self.grants.iter().find(|&&g| self.revoked.contains(g)) {
+            Some(&grant) => Err(TransferError::Revoked { grant }),
+            None => outcome,
+        }
+    }
 }
 
 impl Default for CompletionCell {
@@ -51,12 +115,38 @@ impl CompletionCell {
                 blocked: 0,
             }),
             done: Condvar::new(),
+            revocations: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Tells a remote access error under one of `grants` (once the peer's
+    /// notice of its revocation has come) as [`TransferError::Revoked`];
+    /// set before the cell's request is submitted.
+    pub(crate) fn watch_revocations(
+        &self,
+        grants: impl IntoIterator<Item = u64>,
+        revoked: std::sync::Arc<RevokedGrants>,
+    ) {
+        // Each once: a batch names few grants, mostly one in a row.
+        let mut kept: Vec<u64> = Vec::new();
+        for grant in grants {
+            if kept.last() != Some(&grant) && !kept.contains(&grant) {
+                kept.push(grant);
+            }
+        }
+        let _ = self.revocations.set(Revocations {
+            grants: kept,
+            revoked,
+        });
     }
 
     /// Sets the outcome unless one is set already; true when this call set
     /// it (the caller then owns the request's accounting).
     pub fn complete(&self, outcome: Outcome) -> bool {
+        let outcome = match (&outcome, self.revocations.get()) {
+            (Err(_), Some(revocations)) => revocations.refine(outcome),
+            _ => outcome,
+        };
         let wakers = {
             #[cfg(loom)]
             if crate::cache::mutant::active("complete-check-then-act") {

@@ -445,6 +445,16 @@ pub enum TransferError {
     },
 }
 
+/// [`EngineError::OutOfBounds`]'s text: a zero length (nothing to move)
+/// says so, not that it exceeds anything.
+fn out_of_bounds(what: &str, offset: u64, len: u64, size: u64) -> String {
+    if len == 0 {
+        format!("{what}: a length of 0 bytes (at offset {offset}): nothing to move")
+    } else {
+        format!("{what}: {len} bytes at offset {offset} exceed its {size} bytes")
+    }
+}
+
 impl TransferError {
     /// The error a failed work completion means.
     pub fn from_status(status: WcStatus, vendor_err: u32) -> Self {
@@ -543,7 +553,7 @@ pub enum EngineError {
     #[error("the region is read-only memory: {0}")]
     ReadOnly(ReadOnlyUse),
     /// Offset and length fall outside a region or grant.
-    #[error("{what}: {len} bytes at offset {offset} exceed its {size} bytes")]
+    #[error("{}", out_of_bounds(what, *offset, *len, *size))]
     OutOfBounds {
         /// Which side.
         what: &'static str,

@@ -145,6 +145,7 @@ pub use self::completion::CompletionCell;
 #[cfg(not(feature = "testing"))]
 pub(crate) use self::completion::CompletionCell;
 pub use self::completion::Outcome;
+use self::completion::RevokedGrants;
 pub use self::error::{
     EngineError, HandshakeFailure, PeerGone, ReadOnlyUse, Refusal, SharedEngineError, TimedOut,
     TransferError, Unavailable,
@@ -398,6 +399,10 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     control: ControlBuffers<V, C>,
     /// The peer's live grants to this side (bounded).
     remote_grants: RemoteGrants<MemoryDescriptor>,
+    /// The grants the peer told this side it revoked (bounded): a
+    /// descriptor of one is refused as revoked, not as unknown, and a
+    /// batch its owner's NIC refused under one failed for the revocation.
+    revoked: Arc<RevokedGrants>,
     /// The peer's messages not yet received (bounded).
     inbox: Inbox,
     /// This side's control messages waiting for a send slot (bounded).
@@ -1556,6 +1561,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 slot: peer_max,
             },
             remote_grants: RemoteGrants::new(limits.max_remote_grants),
+            revoked: Arc::default(),
             inbox: Inbox::new(limits.max_inbox_messages, limits.max_inbox_bytes),
             outbox: Outbox::new(MAX_OUTBOX),
             next_qp: 0,
@@ -1904,7 +1910,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 }
             }
             Some(Control::GrantRevoke { grant }) => {
-                peer.remote_grants.revoke(grant);
+                // Only a grant it announced: ids are never reused, so one
+                // revoked stays revoked.
+                let announced = peer.remote_grants.revoke(grant).is_some();
+                if announced {
+                    peer.revoked.record(grant);
+                }
             }
             // Taken by the peer-copy path above (never handed back).
             Some(
@@ -2865,6 +2876,11 @@ fn check_transfer_of<V: Api, C: hal_cuda::Api>(
         // in anything (a forged range, rkey or address) is refused.
         match peer.remote_grants.get(d.grant) {
             Some(live) if live == d => {}
+            None if peer.revoked.contains(d.grant) => {
+                return Err(EngineError::Refused(Refusal::GrantRevoked {
+                    grant: d.grant,
+                }));
+            }
             _ => return Err(not_granted()),
         }
     }

@@ -410,6 +410,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
+            let grants = transfers.iter().map(|t| t.remote.grant);
+            cell.watch_revocations(grants, Arc::clone(&peer.revoked));
             // The grant is looked up once per descriptor in a row: the same
             // reference within this call is the same, unchanged descriptor.
             let mut checked: Option<&MemoryDescriptor> = None;

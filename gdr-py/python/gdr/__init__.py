@@ -16,8 +16,11 @@ and a :class:`Batch` can be awaited under asyncio with no thread per batch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
+import operator
+import warnings
 import weakref
 from typing import Any, Generator, Iterable, Optional, Sequence, Tuple, Union
 
@@ -32,6 +35,7 @@ from .errors import (
     GdrError,
     InvalidArgument,
     NotSupported,
+    OutOfMemory,
     PeerGone,
     Refused,
     Revoked,
@@ -53,6 +57,7 @@ __all__ = [
     "memory_of",
     "READ",
     "WRITE",
+    "SimulationFallbackWarning",
     *errors.__all__,
 ]
 
@@ -60,6 +65,39 @@ READ = 0
 WRITE = 1
 
 _DEFAULT_TIMEOUT = 10.0
+
+
+def _is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (an int, a numpy integer scalar: not a
+    bool, not a float)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as a byte offset or length: an integer from 0 to 2^64 - 1
+    (an int or a numpy integer scalar); :class:`InvalidArgument` naming
+    ``what`` otherwise (a float is refused, not truncated)."""
+    if not _is_int(value):
+        raise InvalidArgument(f"{what}: {value!r} is not an integer (offsets and lengths are whole bytes)")
+    n = operator.index(value)
+    if n < 0:
+        raise InvalidArgument(f"{what}: {n} is negative")
+    if n >= 1 << 64:
+        raise InvalidArgument(f"{what}: {n} does not fit in 64 bits")
+    return n
+
+
+def _rest(size: int, offset: int, what: str) -> int:
+    """The bytes of ``size`` from ``offset`` on (the default length)."""
+    if offset > size:
+        raise InvalidArgument(f"{what}: {offset} is past the {size} bytes")
+    return size - offset
 
 
 class Region:
@@ -109,13 +147,15 @@ class Region:
 
     def read_bytes(self, offset: int = 0, length: Optional[int] = None) -> bytes:
         """A copy of ``length`` bytes at ``offset`` (GPU memory included)."""
+        offset = _count(offset, "offset")
+        length = None if length is None else _count(length, "length")
         data: bytes = self._native.read_bytes(offset, length)
         return data
 
     def write_bytes(self, data: Union[bytes, bytearray, memoryview], offset: int = 0) -> None:
         """Copies ``data`` in at ``offset`` (GPU memory included); refused
         for read-only memory (:class:`InvalidArgument`)."""
-        self._native.write_bytes(bytes(data), offset)
+        self._native.write_bytes(bytes(data), _count(offset, "offset"))
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -221,14 +261,20 @@ class Batch:
 class _LoopNotifier:
     """One per asyncio loop: the batches awaited on it, told of their end
     through one eventfd the loop watches (no thread per batch, no thread
-    taking the GIL)."""
+    taking the GIL).
 
-    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopNotifier]" = (
+    Only the loop holds it (through its reader): the table of notifiers
+    holds the loop and the notifier weakly, and the notifier never holds
+    the loop, so a loop that is let go goes, and its notifier (and eventfd)
+    with it; closing the loop drops its reader, and so the notifier, at
+    once. An await that is cancelled drops its entry at once: a batch never
+    waits for a loop that will not run again."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[_LoopNotifier]]" = (
         weakref.WeakKeyDictionary()
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
         self._native = _gdr.Notifier()
         self._tokens = itertools.count(1)
         self._waiting: dict[int, Tuple[asyncio.Future[None], Batch]] = {}
@@ -236,22 +282,34 @@ class _LoopNotifier:
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> "_LoopNotifier":
-        notifier = cls._by_loop.get(loop)
+        known = cls._by_loop.get(loop)
+        notifier = None if known is None else known()
         if notifier is None:
             notifier = cls(loop)
-            cls._by_loop[loop] = notifier
+            cls._by_loop[loop] = weakref.ref(notifier)
         return notifier
 
     def wait(self, batch: Batch) -> "asyncio.Future[None]":
-        future: asyncio.Future[None] = self._loop.create_future()
-        # A cancelled await (task.cancel(), asyncio.wait_for's timeout)
-        # cancels the batch: nothing of it runs after.
-        future.add_done_callback(lambda done: batch.cancel() if done.cancelled() else None)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         token = next(self._tokens)
         if batch._native.notify(self._native, token):
             self._settle(future, batch)
-        else:
-            self._waiting[token] = (future, batch)
+            return future
+        self._waiting[token] = (future, batch)
+        # A cancelled await (task.cancel(), asyncio.wait_for's timeout)
+        # cancels the batch (nothing of it runs after) and forgets it here.
+        # Held weakly: the notifier (and its eventfd) goes with its loop.
+        notifier = weakref.ref(self)
+
+        def on_done(done: "asyncio.Future[None]") -> None:
+            if not done.cancelled():
+                return
+            batch.cancel()
+            this = notifier()
+            if this is not None:
+                this._waiting.pop(token, None)
+
+        future.add_done_callback(on_done)
         return future
 
     def _on_ready(self) -> None:
@@ -279,15 +337,27 @@ class _LoopNotifier:
             future.set_result(None)
 
 
-def _u64_array(values: Any) -> Any:
+def _u64_array(values: Any, what: str) -> Any:
     """``values`` as an array of uint64 the engine reads in place: a
-    C-contiguous numpy ``uint64`` array as it is, anything else converted
-    (the engine checks the element type and the counts)."""
+    C-contiguous numpy ``uint64`` array as it is, other integers converted
+    (the engine checks the counts); floats and negative values refused
+    (:class:`InvalidArgument` naming ``what``), never truncated or wrapped."""
     import numpy as np
 
     if type(values) is np.ndarray and values.dtype == np.uint64 and values.flags.c_contiguous:
         return values
-    return np.ascontiguousarray(values, dtype=np.uint64)
+    array = np.asarray(values)
+    if array.ndim == 0:
+        raise InvalidArgument(f"{what}: {values!r} is not an integer (offsets and lengths are whole bytes)")
+    if array.ndim != 1:
+        raise InvalidArgument(f"{what}: {values!r} is neither an integer nor a one-dimensional array of them")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what}: an array of {array.dtype}, not of integers (offsets and lengths are whole bytes)")
+    if array.dtype.kind == "i" and array.min() < 0:
+        raise InvalidArgument(f"{what}: {int(array[array < 0][0])} is negative")
+    return np.ascontiguousarray(array, dtype=np.uint64)
 
 
 def _stream_handle(stream: Any) -> Tuple[int, Optional[int]]:
@@ -336,7 +406,13 @@ class Stream:
         """Queues a copy of ``length`` bytes from ``src`` at ``src_offset``
         to ``dst`` at ``dst_offset`` (host memory and this GPU's, of this
         stream's engine); both are held until the stream is seen past it."""
-        self._native.copy(dst._native, dst_offset, src._native, src_offset, length)
+        self._native.copy(
+            dst._native,
+            _count(dst_offset, "dst_offset"),
+            src._native,
+            _count(src_offset, "src_offset"),
+            _count(length, "length"),
+        )
 
     def synchronize(self) -> None:
         """Waits for the work queued so far (the GIL released)."""
@@ -427,8 +503,8 @@ class Peer:
         read-only region, which refuses the others with
         :class:`InvalidArgument`); the descriptor is announced on the
         connection."""
-        if length is None:
-            length = len(region) - offset
+        offset = _count(offset, "offset")
+        length = _rest(len(region), offset, "offset") if length is None else _count(length, "length")
         if rights is None:
             rights = "read" if region.readonly else "read_write"
         return Grant(self._native.grant(region._native, offset, length, _rights(rights)), region)
@@ -452,9 +528,11 @@ class Peer:
         # Host memory with no stream named: nothing to order after (the
         # common case, kept cheap).
         after = None if stream is None and region._device is None else _gate(self._engine, (region,), stream)
-        if type(local_offset) is int and type(remote_offset) is int and (length is None or type(length) is int):
-            n = len(region) - local_offset if length is None else length
-            transfer = (op, region._native, local_offset, remote, remote_offset, n)
+        if _is_int(local_offset) and _is_int(remote_offset) and (length is None or _is_int(length)):
+            lo = _count(local_offset, "local_offset")
+            ro = _count(remote_offset, "remote_offset")
+            n = _rest(len(region), lo, "local_offset") if length is None else _count(length, "length")
+            transfer = (op, region._native, lo, remote, ro, n)
             return Batch(self._native.submit([transfer], timeout, after))
         if length is None:
             raise InvalidArgument("length: needed with arrays of offsets")
@@ -463,9 +541,9 @@ class Peer:
                 op,
                 region._native,
                 remote,
-                _u64_array(local_offset),
-                _u64_array(remote_offset),
-                length if type(length) is int else _u64_array(length),
+                _u64_array(local_offset, "local_offset"),
+                _u64_array(remote_offset, "remote_offset"),
+                _count(length, "length") if _is_int(length) else _u64_array(length, "length"),
                 timeout,
                 after,
             )
@@ -525,7 +603,17 @@ class Peer:
         whole before anything is posted; ``stream`` as for :meth:`write`."""
         listed = list(transfers)
         after = _gate(self._engine, [t[1] for t in listed], stream)
-        native = [(op, r._native, lo, d, ro, n) for (op, r, lo, d, ro, n) in listed]
+        native = [
+            (
+                op,
+                r._native,
+                _count(lo, "local_offset"),
+                d,
+                _count(ro, "remote_offset"),
+                _count(n, "length"),
+            )
+            for (op, r, lo, d, ro, n) in listed
+        ]
         return Batch(self._native.submit(native, timeout, after))
 
     def send(self, message: bytes) -> Batch:
@@ -562,6 +650,35 @@ class Listener:
         return Peer(self._native.accept(timeout), self._engine)
 
 
+class SimulationFallbackWarning(RuntimeWarning):
+    """``backend="auto"`` found no RDMA device (or no GPU) and uses the
+    simulation for it: nothing leaves this process. Told once per process;
+    ``backend="real"`` refuses instead, ``backend="sim"`` asks for it (and
+    is not warned of)."""
+
+
+_fallback_told = False
+
+
+def _warn_of_fallback(engine: "Engine") -> None:
+    """Warns, once per process, when an ``"auto"`` engine fell back to the
+    simulation."""
+    global _fallback_told
+    verbs, cuda, notes = engine.backends()
+    simulated = [what for what, backend in (("NIC", verbs), ("GPU", cuda)) if backend == "sim"]
+    if _fallback_told or not simulated:
+        return
+    _fallback_told = True
+    why = "; ".join(" ".join(note.split()) for note in notes)
+    warnings.warn(
+        SimulationFallbackWarning(
+            f'gdr: backend="auto" uses the simulated {" and ".join(simulated)} (nothing leaves this '
+            f'process): {why}. backend="real" refuses instead; backend="sim" chooses the simulation.'
+        ),
+        stacklevel=3,
+    )
+
+
 class Engine:
     """A transfer engine over the NICs (and the GPUs they reach) of the
     backends chosen: ``"auto"`` (real rdma-core and CUDA where found, the
@@ -574,6 +691,8 @@ class Engine:
     def __init__(self, backend: str = "auto", **config: Any) -> None:
         self._native: Any = _gdr.Engine(backend, **config)
         self._streams: dict[int, "Stream"] = {}
+        if backend == "auto":
+            _warn_of_fallback(self)
 
     def __enter__(self) -> "Engine":
         return self
@@ -637,11 +756,20 @@ class Engine:
         (``bytes``, a read-only array or view) is registered read-only
         (:attr:`Region.readonly`)."""
         memory = memory_of(obj, via=via)
-        keepalive = memory.keepalive if memory.keepalive is not None else obj
-        native = self._engine().register_memory(
-            memory.address, memory.length, keepalive, readonly=memory.readonly
-        )
-        return Region(native, self, memory)
+        registered = memory.source if memory.source is not None else obj
+        if memory.via == "buffer":
+            # The region holds a buffer export of the object natively, out
+            # of Python's reach (a memoryview could be released by whoever
+            # reaches it, and the object then resized under a grant).
+            native = self._engine().register_memory(
+                memory.address, memory.length, registered, readonly=memory.readonly, export=True
+            )
+        else:
+            native = self._engine().register_memory(
+                memory.address, memory.length, registered, readonly=memory.readonly, pin=memory.keepalive
+            )
+        # The region keeps where and how, not what pins it.
+        return Region(native, self, dataclasses.replace(memory, keepalive=None))
 
     def stream(self, gpu: int = 0) -> "Stream":
         """A new stream of GPU ``gpu`` (non-blocking): to queue copies on,
@@ -659,7 +787,7 @@ class Engine:
         """``length`` bytes the engine allocates and registers: ``"host"``,
         ``"pinned"``, or ``"device"`` memory of GPU ``gpu`` (which exposes
         ``__cuda_array_interface__``)."""
-        return Region(self._engine().alloc(length, kind, gpu), self)
+        return Region(self._engine().alloc(_count(length, "length"), kind, _count(gpu, "gpu")), self)
 
     def listen(self, host: Optional[str] = None, port: int = 0) -> Listener:
         """Listens at ``host`` (the first NIC's address by default) and

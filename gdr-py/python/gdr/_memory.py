@@ -40,6 +40,10 @@ class Memory:
     length: int
     device: Optional[int]
     readonly: bool
+    #: What keeps it valid while this Memory lives (the object, with the
+    #: memoryview or DLPack capsule that pins it). A region does not keep
+    #: it: it holds its own export of the object (or the capsule) where no
+    #: Python code can release it.
     keepalive: Any
     #: How it was taken: ``"raw"``, ``"dlpack"``, ``"cai"`` or ``"buffer"``.
     via: str = "raw"
@@ -113,6 +117,8 @@ def _from_cuda_array_interface(obj: Any, cai: dict[str, Any]) -> Memory:
     if version < 2:
         raise InvalidArgument(f"__cuda_array_interface__ version {version} (2 or later needed)")
     shape = tuple(int(n) for n in cai["shape"])
+    if any(extent < 0 for extent in shape):
+        raise InvalidArgument(f"__cuda_array_interface__ shape {shape} has a negative extent")
     itemsize = _itemsize(str(cai["typestr"]))
     strides = cai.get("strides")
     strides = None if strides is None else tuple(int(s) for s in strides)
@@ -159,11 +165,20 @@ def _from_dlpack(obj: Any) -> Memory:
         capsule = obj.__dlpack__(stream=None)
     # A DLManagedTensor starts with its DLTensor. The capsule is kept (not
     # consumed): its destructor hands the tensor back once gdr lets go.
-    pointer = _capsule_pointer(capsule, b"dltensor")
+    try:
+        pointer = _capsule_pointer(capsule, b"dltensor")
+    except ValueError:
+        # Renamed "used_dltensor" by a consumer (or no DLPack capsule at all).
+        raise InvalidArgument(
+            f"{type(obj).__name__}.__dlpack__ returned a capsule that is not an unconsumed "
+            "DLPack tensor (was it consumed already?)"
+        ) from None
     if not pointer:
         raise InvalidArgument("__dlpack__ returned no DLPack tensor")
     tensor = _DLTensor.from_address(pointer)
     shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    if any(extent < 0 for extent in shape):
+        raise InvalidArgument(f"the DLPack tensor's shape {shape} has a negative extent")
     itemsize = max(1, tensor.dtype.bits * tensor.dtype.lanes // 8)
     strides = None
     if tensor.strides:

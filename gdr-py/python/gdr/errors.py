@@ -1,7 +1,8 @@
 """gdr's exceptions: one hierarchy under :class:`GdrError`, mirroring the
 engine's typed errors. Each also derives from the builtin a Python caller
 already catches where one fits (``ValueError``, ``TimeoutError``,
-``ConnectionError``). The message is the Rust error's, with its cause.
+``ConnectionError``, ``MemoryError``). The message is the Rust error's,
+with its cause.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ __all__ = [
     "NotSupported",
     "Unavailable",
     "DeviceError",
+    "OutOfMemory",
     "Busy",
     "Timeout",
     "PeerGone",
@@ -47,6 +49,12 @@ class DeviceError(GdrError):
     """A verbs or CUDA call failed; the message keeps the native code."""
 
 
+class OutOfMemory(GdrError, MemoryError):
+    """Memory of that size could not be allocated (host memory the
+    allocator refuses, pinned or device memory CUDA refuses). Nothing was
+    allocated; the process goes on."""
+
+
 class Busy(GdrError):
     """Still in use: release it once what uses it has ended."""
 
@@ -71,7 +79,8 @@ class Refused(GdrError):
 
 
 class Revoked(Refused):
-    """The grant was revoked while the request was under way."""
+    """The grant was revoked: before the request (its owner's notice had
+    come) or while it was under way."""
 
 
 class Cancelled(GdrError):
