@@ -156,6 +156,7 @@ impl Engine {
     /// that lie in memory `keepalive` (with `pin`) keeps mapped while it
     /// lives.
     #[pyo3(signature = (address, length, keepalive, readonly = false, pin = None, export = false))]
+    #[allow(clippy::too_many_arguments)] // Python's keywords, one each
     fn register_memory(
         &self,
         py: Python<'_>,
