@@ -73,12 +73,6 @@ impl<C: hal_cuda::Api> EventPools<C> {
             pool: pool.cloned(),
         })
     }
-
-    /// Free events of GPU `ordinal` now (tests).
-    #[cfg(test)]
-    pub(crate) fn free(&self, ordinal: u32) -> usize {
-        self.pools.get(&ordinal).map_or(0, |p| lock(&p.free).len())
-    }
 }
 
 /// An event lent by a GPU's pool; goes back to it when dropped.
