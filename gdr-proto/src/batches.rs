@@ -411,6 +411,12 @@ impl<R: Requests> Batches<R> {
         record.queue.len() + record.in_flight.len()
     }
 
+    /// Requests queued on `qp`, not yet posted (they wait for room, a
+    /// receive of the peer's, or the queue pair to be up again).
+    pub fn queued(&self, qp: QpId) -> usize {
+        self.qps[qp].queue.len()
+    }
+
     /// SENDs in flight on `qp` (each holds one of the peer's receives).
     pub fn sends_in_flight(&self, qp: QpId) -> u32 {
         self.qps[qp].sends_in_flight

@@ -259,6 +259,42 @@ fn control_messages_both_ways_and_a_message_too_large() {
     drop(driver);
 }
 
+/// Issue 33, item 5: a side that only grants (it never waits and never
+/// calls `progress`, as in the crate docs' example) announced 32 grants,
+/// then nothing: control SENDs on queue pair 0 are bounded by the peer's
+/// receives, and their completions were reaped by nobody. Every
+/// announcement and revocation notice now goes out on its own.
+#[test]
+fn a_side_that_only_grants_announces_every_grant_and_revocation() {
+    let w = world(1, GpuConfig::default(), config(1));
+    let (_dst_buf, dst) = w.b.host(4096, 1);
+    let soon = Duration::from_secs(2);
+    let mut kept = Vec::new();
+    for i in 0..100 {
+        let grant = w.ba.grant(&dst, 0, 4096, GrantRights::Read).unwrap();
+        let id = grant.descriptor().grant;
+        let start = std::time::Instant::now();
+        w.ab.wait_grant(id, soon)
+            .unwrap_or_else(|e| panic!("grant {i} not seen: {e}"));
+        if i % 3 == 0 {
+            // Revoked: a sees the notice (its own progress only).
+            drop(grant);
+            while w.ab.remote_grant(id).is_some() {
+                assert!(start.elapsed() < soon, "revocation {i} not seen");
+                w.a.engine.progress();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        } else {
+            kept.push(grant);
+        }
+    }
+    assert_eq!(kept.len(), 66);
+    for grant in &kept {
+        let id = grant.descriptor().grant;
+        assert!(w.ab.remote_grant(id).is_some(), "grant {id} still live");
+    }
+}
+
 #[test]
 fn a_peer_that_goes_away_fails_requests_typed() {
     let w = world(1, GpuConfig::default(), config(2));

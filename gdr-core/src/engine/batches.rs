@@ -194,6 +194,11 @@ impl Core {
         self.batches.sends_in_flight(qp)
     }
 
+    /// See [`Batches::queued`].
+    pub fn queued(&self, qp: QpId) -> usize {
+        self.batches.queued(qp)
+    }
+
     /// Batches not yet released.
     pub fn batches_live(&self) -> usize {
         self.batches.batches_live()

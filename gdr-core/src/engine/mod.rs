@@ -739,8 +739,9 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     /// a pending `Future` only registers its waker; with none, it starts
     /// the engine's own thread.
     drivers: Arc<std::sync::atomic::AtomicUsize>,
-    /// Whether the engine's own progress thread runs (started by the first
-    /// grant of a staging-rung region, which only progress serves).
+    /// Whether the engine's own progress thread runs (started where work
+    /// only progress serves has no driver: a staging-rung grant, control
+    /// messages held back, a peer copy, a gate, a stream fence).
     own_driver: std::sync::atomic::AtomicBool,
     /// How the engine's internal threads hold it (one step at a time).
     holds: Arc<InternalHolds>,
@@ -2336,6 +2337,24 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
         }
         self.run_actions(state);
+        self.drive_held_control(state);
+    }
+
+    /// Control messages that could not go out now (the peer's receives
+    /// all taken by SENDs whose completions nobody reaped, no free send
+    /// slot, queue pair 0 being re-established) go only with progress,
+    /// which nobody may be making: a side that only grants or sends never
+    /// waits. With no driver running, the engine's own thread makes it.
+    fn drive_held_control(&self, state: &State<V, C>) {
+        if self.shared.drivers.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let held = state.peers.iter().flatten().any(|p| {
+            p.gone.is_none() && (!p.outbox.is_empty() || state.core.queued(p.qps[0].core) > 0)
+        });
+        if held {
+            self.ensure_own_driver();
+        }
     }
 
     /// Makes the landing slots the staged path wants for the peers'
@@ -2440,7 +2459,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Starts the engine's own progress thread, once: it holds the engine
     /// weakly and ends when the engine is dropped. A peer's rendezvous on a
     /// staging-rung grant is served only by progress here, which nothing
-    /// else may make (the owner may never wait on anything).
+    /// else may make (the owner may never wait on anything); so are
+    /// control messages held back ([`Engine::drive_held_control`]).
     fn ensure_own_driver(&self) {
         if self.shared.own_driver.swap(true, Ordering::AcqRel) {
             return;
