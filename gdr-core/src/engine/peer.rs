@@ -750,10 +750,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         offset: u64,
         descriptor: &MemoryDescriptor,
     ) -> Option<peer_copy::Publication> {
+        let owner = Arc::downgrade(&self.engine.shared.reactor);
         self.engine.with_paths(|paths, cx| {
             paths
                 .peer_copy
-                .publish(cx, self.slot, region, offset, descriptor)
+                .publish(cx, self.slot, region, offset, descriptor, owner)
         })
     }
 
