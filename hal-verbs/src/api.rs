@@ -342,8 +342,11 @@ pub trait ConnectionManager<A: Api>: Send + Sync + Debug {
     /// pair in `pd` with the given CQs, sends `private_data` with the
     /// request and waits until established. A peer that is not listening yet
     /// (rejected, unreachable, no route) is retried until `params.timeout`,
-    /// then [`crate::VerbsError::Timeout`]; a peer application's reject is
-    /// [`crate::VerbsError::ConnectionRejected`] at once.
+    /// then [`crate::VerbsError::Timeout`] (the simulated fabric, which
+    /// no other process reaches, retries about a second at most, then
+    /// [`crate::VerbsError::NotListeningInSimulation`]); a peer
+    /// application's reject is [`crate::VerbsError::ConnectionRejected`]
+    /// at once.
     fn connect(
         &self,
         peer: SocketAddr,

@@ -9,9 +9,10 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
+use gdr_core::VerbsError;
 use gdr_core::engine::setup::NotAccepted;
 use gdr_core::engine::wire::RejectReason;
-use gdr_core::engine::{EngineConfig, EngineError, EngineListener};
+use gdr_core::engine::{EngineConfig, EngineError, EngineListener, HandshakeFailure};
 use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, WorldPeer};
 
@@ -117,6 +118,58 @@ fn a_connect_nobody_accepts_fails_typed_and_a_retry_succeeds() {
     assert_eq!((w.a.engine.peer_count(), w.b.engine.peer_count()), (2, 2));
     // The world's first connection is untouched.
     round_trip(&w.ab, &w.ba);
+}
+
+/// Issue 33, item 7: a connect to an address where no engine of this
+/// process's simulated fabric listens (a server of another process, each
+/// with a fabric of its own) waited its whole timeout (30 s) before it
+/// failed "nobody listening". It now fails within the listener window,
+/// typed, saying the simulation does not span processes; and a listener
+/// started a moment after the connect began is still reached.
+#[test]
+fn a_connect_nobody_of_this_process_listens_for_fails_typed_within_the_window() {
+    let w = world(|_| {});
+    // A port of b's address nobody listens on.
+    let ip = IpAddr::V4(w.b.verbs.device_ipv4("sim0").unwrap());
+    let dead = SocketAddr::new(ip, 9);
+    let start = Instant::now();
+    let err =
+        w.a.engine
+            .connect(dead, Duration::from_secs(30))
+            .unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        matches!(
+            &err,
+            EngineError::Handshake {
+                why: HandshakeFailure::Connect(VerbsError::NotListeningInSimulation { .. }),
+                ..
+            }
+        ),
+        "not the simulation's typed not-listening: {err}"
+    );
+    assert!(err.to_string().contains("does not span processes"), "{err}");
+    assert!(
+        took < Duration::from_secs(3),
+        "failed after {took:?}, not within the listener window"
+    );
+    assert_eq!(w.a.engine.peer_count(), 1, "only the world's peer");
+    // A listener that comes 200 ms after the connect began is reached.
+    let any = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), dead.port());
+    let (ab, ba) = std::thread::scope(|scope| {
+        let connecting = scope.spawn(|| w.a.engine.connect(dead, T));
+        std::thread::sleep(Duration::from_millis(200));
+        let mut listener = w.b.engine.listen(any).unwrap();
+        let ba = listener
+            .accept(T)
+            .unwrap_or_else(|e| panic!("accepting: {e}"));
+        let ab = connecting
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("connecting before the listener came: {e}"));
+        (ab, ba)
+    });
+    round_trip(&ab, &ba);
 }
 
 /// The listener's side of finding 4 alone: whatever the connector's error,
