@@ -105,18 +105,15 @@ pub enum VerbsError {
     /// connect waits. (Real rdma_cm retries until the connect's timeout:
     /// [`VerbsError::Timeout`].)
     #[error(
-        "{operation} to {peer}: {detail} on this process's simulated fabric after {waited:?}: \
-         the simulation does not span processes (a listener of another process is never reached)"
+        "rdma_connect to {peer}: nobody of this process's simulated fabric listens there \
+         (waited {waited:?}): the simulation does not span processes (a listener of another \
+         process is never reached)"
     )]
     NotListeningInSimulation {
-        /// The verb that failed, e.g. `rdma_connect`.
-        operation: &'static str,
         /// The peer's address.
         peer: String,
         /// How long it waited for a listener.
         waited: std::time::Duration,
-        /// What the last look found (nobody listening, or no such device).
-        detail: String,
     },
     /// `ibv_poll_cq` failed. Its negative return is a provider code, not an
     /// errno (libmlx5 answers -1 for a CQ in error, e.g. after an overrun):

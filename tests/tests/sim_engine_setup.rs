@@ -59,7 +59,7 @@ fn round_trip(x: &WorldPeer<SimVerbsApi>, y: &WorldPeer<SimVerbsApi>) {
 /// Connects a to b at `addr` while b accepts on `listener`: both ends.
 fn connect_accepted(
     w: &EngineWorld<SimVerbsApi>,
-    listener: &mut Listener,
+    listener: &Listener,
     addr: SocketAddr,
 ) -> (WorldPeer<SimVerbsApi>, WorldPeer<SimVerbsApi>) {
     std::thread::scope(|scope| {
@@ -83,7 +83,7 @@ fn connect_accepted(
 #[test]
 fn a_connect_nobody_accepts_fails_typed_and_a_retry_succeeds() {
     let w = world(|_| {});
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     let err = w.a.engine.connect(addr, SHORT).unwrap_err();
     assert!(
         matches!(
@@ -111,7 +111,7 @@ fn a_connect_nobody_accepts_fails_typed_and_a_retry_succeeds() {
     assert_eq!(w.b.engine.peer_count(), 1, "the listener kept no peer");
     assert_eq!(listener.waiting(), 0, "nothing waits for accept");
 
-    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    let (ab, ba) = connect_accepted(&w, &listener, addr);
     assert_eq!(ab.session(), ba.session());
     assert_eq!(ab.remote_engine(), w.b.engine.id());
     round_trip(&ab, &ba);
@@ -159,7 +159,7 @@ fn a_connect_nobody_of_this_process_listens_for_fails_typed_within_the_window() 
     let (ab, ba) = std::thread::scope(|scope| {
         let connecting = scope.spawn(|| w.a.engine.connect(dead, T));
         std::thread::sleep(Duration::from_millis(200));
-        let mut listener = w.b.engine.listen(any).unwrap();
+        let listener = w.b.engine.listen(any).unwrap();
         let ba = listener
             .accept(T)
             .unwrap_or_else(|e| panic!("accepting: {e}"));
@@ -178,7 +178,7 @@ fn a_connect_nobody_of_this_process_listens_for_fails_typed_within_the_window() 
 #[test]
 fn accept_never_returns_a_peer_whose_connector_gave_up() {
     let w = world(|_| {});
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     let err = w.a.engine.connect(addr, SHORT).unwrap_err();
     eprintln!("the connector's error: {err}");
     let accepted = listener.accept(SHORT);
@@ -200,7 +200,7 @@ fn accept_never_returns_a_peer_whose_connector_gave_up() {
 #[test]
 fn past_the_backlog_a_new_connection_is_refused_busy() {
     let w = world(|b| b.accept_backlog = 1);
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     std::thread::scope(|scope| {
         let waiting = scope.spawn(|| w.a.engine.connect(addr, T));
         let start = Instant::now();
@@ -245,7 +245,7 @@ fn past_the_backlog_a_new_connection_is_refused_busy() {
 fn an_unaccepted_connection_is_dropped_at_the_listeners_deadline() {
     let deadline = Duration::from_millis(500);
     let w = world(|b| b.accept_timeout = deadline);
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     let start = Instant::now();
     let err = w.a.engine.connect(addr, T).unwrap_err();
     let took = start.elapsed();
@@ -270,7 +270,7 @@ fn an_unaccepted_connection_is_dropped_at_the_listeners_deadline() {
     ));
     assert_eq!((w.a.engine.peer_count(), w.b.engine.peer_count()), (1, 1));
     // Within the deadline, accepted as usual.
-    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    let (ab, ba) = connect_accepted(&w, &listener, addr);
     round_trip(&ab, &ba);
 }
 
@@ -306,7 +306,7 @@ fn a_closed_listener_refuses_busy() {
 #[test]
 fn a_receive_post_refused_while_adding_a_peer_fails_the_connect_and_leaves_nothing() {
     let w = world(|_| {});
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     // The second receive of the next post: one taken, then a refusal.
     let faults = w.fabric().faults();
     let nth = faults.calls(gdr_sim::FaultSite::VerbsPostRecv) + 2;
@@ -338,7 +338,7 @@ fn a_receive_post_refused_while_adding_a_peer_fails_the_connect_and_leaves_nothi
         w.a.engine.progress();
         w.b.engine.progress();
     }
-    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    let (ab, ba) = connect_accepted(&w, &listener, addr);
     round_trip(&ab, &ba);
     round_trip(&w.ab, &w.ba);
     drop((ab, ba, listener));

@@ -78,7 +78,7 @@ fn staged_gpu_memory_moves_both_ways_against_every_kind() {
 fn a_batch_mixing_direct_and_staged_transfers_ends_once_both_have() {
     const LEN: u64 = 64 * 1024;
     let w = staging_world(1);
-    let _b_driver = w.b.engine.spawn_driver();
+    let _b_driver = w.b.engine.spawn_driver().unwrap();
     let (_s, src) = w.a.alloc(Kind::Host, 2 * LEN, 7);
     let (host_buf, host) = w.b.alloc(Kind::Host, LEN, 0);
     let (gpu_buf, gpu) = w.b.alloc(Kind::Gpu, LEN, 0);
@@ -182,7 +182,7 @@ fn a_mixed_batch_whose_direct_part_fails_starts_nothing() {
 fn the_owner_refuses_a_rendezvous_its_grant_does_not_cover() {
     const LEN: u64 = 16 * 1024;
     let w = staging_world(1);
-    let _b_driver = w.b.engine.spawn_driver();
+    let _b_driver = w.b.engine.spawn_driver().unwrap();
     let (_s, src) = w.a.alloc(Kind::Host, LEN, 9);
     let (gpu_buf, gpu) = w.b.alloc(Kind::Gpu, LEN, 0);
     let (read_only, remote) = w.b_grants(&gpu, GrantRights::Read);

@@ -2507,8 +2507,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// (the engine's reactor), so a waiting batch or `Future` is woken without
     /// polling of its own: the thread sleeps until a completion, a
     /// submission or a deadline wakes it. Dropping the returned [`Driver`]
-    /// stops it.
-    pub fn spawn_driver(&self) -> Driver {
+    /// stops it. A thread the OS refuses is
+    /// [`Unavailable::Os`] (nothing was started).
+    pub fn spawn_driver(&self) -> Result<Driver, EngineError> {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let engine = self.clone();
         let flag = Arc::clone(&stop);
@@ -2524,15 +2525,20 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     });
                 }
             })
-            .expect("spawning the engine's driver thread");
+            .map_err(|source| {
+                EngineError::Unavailable(Unavailable::Os {
+                    what: "the engine's driver thread",
+                    source,
+                })
+            })?;
         let running = Arc::clone(&self.shared.drivers);
         running.fetch_add(1, Ordering::AcqRel);
-        Driver {
+        Ok(Driver {
             stop,
             thread: Some(thread),
             running,
             reactor: Arc::clone(&self.shared.reactor),
-        }
+        })
     }
 
     /// Submits the batches whose gate opened and hands on the outcomes of

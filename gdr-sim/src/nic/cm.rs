@@ -688,10 +688,8 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                     let waited = window.waited(&state);
                     tracing::info!(%peer, ?waited, %last, "sim: nobody of this process listens");
                     return Err(VerbsError::NotListeningInSimulation {
-                        operation: OP,
                         peer: peer.to_string(),
                         waited,
-                        detail: last,
                     });
                 }
                 Err(false) => {
