@@ -332,6 +332,8 @@ pub trait QueuePair: Send + Sync + Debug {
 pub trait ConnectionManager<A: Api>: Send + Sync + Debug {
     /// The device a connection to `peer` would use (address resolution
     /// only), so the caller can open it and allocate a PD there first.
+    /// On the simulated fabric an address no device of it has is
+    /// [`crate::VerbsError::NotListeningInSimulation`] at once.
     fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String>;
 
     /// Listens on `addr` (port 0: one is assigned, see

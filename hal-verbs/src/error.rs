@@ -105,9 +105,8 @@ pub enum VerbsError {
     /// connect waits. (Real rdma_cm retries until the connect's timeout:
     /// [`VerbsError::Timeout`].)
     #[error(
-        "rdma_connect to {peer}: nobody of this process's simulated fabric listens there \
-         (waited {waited:?}): the simulation does not span processes (a listener of another \
-         process is never reached)"
+        "nobody of this process's simulated fabric listens at {peer} (waited {waited:?}): the \
+         simulation does not span processes (a listener of another process is never reached)"
     )]
     NotListeningInSimulation {
         /// The peer's address.

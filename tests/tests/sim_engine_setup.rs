@@ -154,6 +154,28 @@ fn a_connect_nobody_of_this_process_listens_for_fails_typed_within_the_window() 
         "failed after {took:?}, not within the listener window"
     );
     assert_eq!(w.a.engine.peer_count(), 1, "only the world's peer");
+    // An address no device of this fabric has: the same, at once.
+    let nowhere = SocketAddr::from((Ipv4Addr::new(10, 77, 250, 250), 9));
+    let start = Instant::now();
+    let err =
+        w.a.engine
+            .connect(nowhere, Duration::from_secs(30))
+            .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            EngineError::Handshake {
+                why: HandshakeFailure::Connect(VerbsError::NotListeningInSimulation { .. }),
+                ..
+            }
+        ),
+        "no device there: {err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
     // A listener that comes 200 ms after the connect began is reached.
     let any = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), dead.port());
     let (ab, ba) = std::thread::scope(|scope| {

@@ -1298,7 +1298,18 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .shared
                 .cm
                 .route_device(path.peer.ip(), timeout)
-                .map_err(|e| EngineError::verbs(format!("route to {}", path.peer), e))?,
+                .map_err(|e| match e {
+                    // Nobody there, as for a connect to a device nobody
+                    // listens on (the simulation's fabric is this
+                    // process's own).
+                    e @ hal_verbs::VerbsError::NotListeningInSimulation { .. } => {
+                        EngineError::Handshake {
+                            peer: path.peer.to_string(),
+                            why: HandshakeFailure::Connect(e),
+                        }
+                    }
+                    e => EngineError::verbs(format!("route to {}", path.peer), e),
+                })?,
         };
         let nic = self.nic_index(&device)?;
         let hello = self.hello(Role::Connect, dial.session(), index, dial.qp_count());

@@ -22,7 +22,8 @@
 //! retried until [`ConnectParams::timeout`], then [`VerbsError::Timeout`], but for at most
 //! [`LISTENER_WINDOW`]: the fabric is this process's own, so a listener that has not come by then
 //! (one of another process, which the simulation never reaches) fails the connect with
-//! [`VerbsError::NotListeningInSimulation`] instead of the whole timeout;
+//! [`VerbsError::NotListeningInSimulation`] instead of the whole timeout (as is
+//! `route_device` at once for an address no device of the fabric has);
 //! a reject (or a request dropped unanswered) is
 //! [`VerbsError::ConnectionRejected`] with status 28 at once; private data
 //! over the limits, a PD of another device than the one the address picks,
@@ -524,10 +525,12 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
         let peer = ipv4(OP, peer)?;
         let state = self.fabric.lock();
         if device_by_ip(&state, peer).is_none() {
-            return Err(VerbsError::Timeout {
-                operation: OP,
+            // No device of this process's fabric has it: nobody here will
+            // ever listen there (another process's fabric is not reached).
+            tracing::info!(%peer, "sim: no simulated device has this address");
+            return Err(VerbsError::NotListeningInSimulation {
+                peer: peer.to_string(),
                 waited: Duration::ZERO,
-                detail: format!("no simulated device has address {peer}"),
             });
         }
         let device = route(&state, self.node, peer, None, OP)?;
