@@ -411,10 +411,14 @@ impl<R: Requests> Batches<R> {
         record.queue.len() + record.in_flight.len()
     }
 
-    /// Requests queued on `qp`, not yet posted (they wait for room, a
-    /// receive of the peer's, or the queue pair to be up again).
-    pub fn queued(&self, qp: QpId) -> usize {
-        self.qps[qp].queue.len()
+    /// Whether a SEND is next in `qp`'s queue, not yet posted: once all
+    /// that could be was, it waits for one of the peer's receives (SENDs
+    /// in flight completing), for room, or for the queue pair to be up.
+    pub fn send_waits(&self, qp: QpId) -> bool {
+        self.qps[qp]
+            .queue
+            .front()
+            .is_some_and(|w| R::is_send(&w.request))
     }
 
     /// SENDs in flight on `qp` (each holds one of the peer's receives).

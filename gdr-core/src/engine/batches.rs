@@ -194,9 +194,9 @@ impl Core {
         self.batches.sends_in_flight(qp)
     }
 
-    /// See [`Batches::queued`].
-    pub fn queued(&self, qp: QpId) -> usize {
-        self.batches.queued(qp)
+    /// See [`Batches::send_waits`].
+    pub fn send_waits(&self, qp: QpId) -> bool {
+        self.batches.send_waits(qp)
     }
 
     /// Batches not yet released.

@@ -2361,7 +2361,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             return;
         }
         let held = state.peers.iter().flatten().any(|p| {
-            p.gone.is_none() && (!p.outbox.is_empty() || state.core.queued(p.qps[0].core) > 0)
+            p.gone.is_none() && (!p.outbox.is_empty() || state.core.send_waits(p.qps[0].core))
         });
         if held {
             self.ensure_own_driver();
