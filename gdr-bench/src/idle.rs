@@ -292,8 +292,8 @@ fn engines<V: Api, C: hal_cuda::Api>(
     let local = target.engine.register(&buffer)?;
     let _drivers: Vec<Driver> = match (mode, &target.server) {
         (WaitMode::Driver, Some(server)) => vec![
-            target.engine.spawn_driver(),
-            server.pair.server.spawn_driver(),
+            target.engine.spawn_driver()?,
+            server.pair.server.spawn_driver()?,
         ],
         _ => Vec::new(),
     };

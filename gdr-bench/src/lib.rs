@@ -921,7 +921,7 @@ fn serve_engine<V: Api, C: hal_cuda::Api>(
     config: EngineConfig,
 ) -> Result<(), Box<dyn Error>> {
     let engine = engine_on(backends, device, config)?;
-    let mut listener = engine.listen(addr)?;
+    let listener = engine.listen(addr)?;
     println!(
         "gdr bench engine: serving on {} ({}, {})",
         listener.local_addr(),
@@ -1156,7 +1156,7 @@ pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
             ..config
         },
     )?;
-    let mut listener = server.listen(SocketAddr::new(ip, 0))?;
+    let listener = server.listen(SocketAddr::new(ip, 0))?;
     let addr = listener.local_addr();
     let (to_server, to_client) = std::thread::scope(|s| {
         let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
@@ -1291,7 +1291,10 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
     let local_buffer = Buffer::<C>::alloc_host(span);
     local_buffer.write_at(0, &vec![0x5a; span as usize])?;
     let local = target.engine.register(&local_buffer)?;
-    let _driver = (args.progress == Progress::Driver).then(|| target.engine.spawn_driver());
+    let _driver = match args.progress {
+        Progress::Driver => Some(target.engine.spawn_driver()?),
+        Progress::Inline => None,
+    };
 
     let backend = backends.verbs_name();
     if !args.common.json {

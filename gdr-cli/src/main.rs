@@ -94,7 +94,7 @@ fn loopback(context: &Context, size: usize) -> Result<(), Box<dyn Error>> {
     let server = context.engine(config.clone())?;
     let client = context.engine(config)?;
     let device = server.nics().into_iter().next().ok_or("no RDMA device")?;
-    let mut listener = server.listen((server.nic_address(&device)?, 0).into())?;
+    let listener = server.listen((server.nic_address(&device)?, 0).into())?;
     let addr = listener.local_addr();
     let accepting = std::thread::spawn(move || listener.accept(LOOPBACK_TIMEOUT));
     let to_server = client.connect(addr, LOOPBACK_TIMEOUT)?;

@@ -73,7 +73,7 @@ fn connect(
     b: &SimEngine,
     b_node: &SimVerbs,
 ) -> Result<(SimPeer, SimPeer), BoxError> {
-    let mut listener = b.listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
+    let listener = b.listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
     let ip = b_node.device_ipv4("sim0").ok_or("sim0 has no address")?;
     let addr = SocketAddr::new(IpAddr::V4(ip), listener.local_addr().port());
     let accepting = std::thread::spawn(move || listener.accept(T));
@@ -145,7 +145,7 @@ fn drivers(
     b: &SimEngine,
 ) -> Result<(gdr_core::engine::Driver, gdr_core::engine::Driver), BoxError> {
     println!("driven by threads (Engine::spawn_driver)");
-    Ok((a.spawn_driver(), b.spawn_driver()))
+    Ok((a.spawn_driver()?, b.spawn_driver()?))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let wait = Duration::from_secs(10);
     let server = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
     let client = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
-    let mut listener = server.listen((server.nic_address(&server.nics()[0])?, 0).into())?;
+    let listener = server.listen((server.nic_address(&server.nics()[0])?, 0).into())?;
     let addr = listener.local_addr();
     let accepting = std::thread::spawn(move || listener.accept(wait));
     let to_server = client.connect(addr, wait)?;

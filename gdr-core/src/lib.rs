@@ -65,7 +65,7 @@
 //!
 //!     // The server listens on its NIC's address; the client connects.
 //!     let nic = &server.nics()[0];
-//!     let mut listener = server.listen((server.nic_address(nic)?, 0).into())?;
+//!     let listener = server.listen((server.nic_address(nic)?, 0).into())?;
 //!     let addr = listener.local_addr();
 //!     let accepting = std::thread::spawn(move || listener.accept(wait));
 //!     let to_server = client.connect(addr, wait)?;

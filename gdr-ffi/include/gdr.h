@@ -634,7 +634,8 @@ gdr_result gdr_listener_local_addr(struct gdr_listener listener,
 // `out`; `GDR_RESULT_TIMEOUT` if none did. The connection's handshake
 // finishes here: a peer's [`gdr_engine_connect`] completes only while
 // this side accepts (call it on another thread, or in another process).
-// Any thread; concurrent accepts on one listener take turns.
+// Any thread; concurrent accepts on one listener each wait on their own,
+// and a peer goes to one of them.
 //
 // # Safety
 // `out` valid for a write.

@@ -20,7 +20,7 @@
 
 use std::ffi::{c_char, c_void};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
@@ -178,8 +178,9 @@ pub struct GdrDescriptorInfo {
 
 struct ListenerObject {
     addr: SocketAddr,
-    /// One accept at a time.
-    listener: Mutex<Listener>,
+    /// Accepts run at once, each waiting on its own (no lock across the
+    /// wait: a second caller is not held for the first one's timeout).
+    listener: Listener,
 }
 
 // Engines, regions and peers are the facade's own: it refuses an object of
@@ -540,7 +541,7 @@ pub unsafe extern "C" fn gdr_engine_listen(
         let listener = owner.listen(addr)?;
         let object = ListenerObject {
             addr: listener.local_addr(),
-            listener: Mutex::new(listener),
+            listener,
         };
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
         unsafe { LISTENERS.publish(Arc::new(object), out) }
@@ -572,7 +573,8 @@ pub unsafe extern "C" fn gdr_listener_local_addr(
 /// `out`; `GDR_RESULT_TIMEOUT` if none did. The connection's handshake
 /// finishes here: a peer's [`gdr_engine_connect`] completes only while
 /// this side accepts (call it on another thread, or in another process).
-/// Any thread; concurrent accepts on one listener take turns.
+/// Any thread; concurrent accepts on one listener each wait on their own,
+/// and a peer goes to one of them.
 ///
 /// # Safety
 /// `out` valid for a write.
@@ -585,11 +587,7 @@ pub unsafe extern "C" fn gdr_listener_accept(
     ffi_boundary! {
         let out = Out::new("out", out)?;
         let object = LISTENERS.get(listener.id)?;
-        let peer = object
-            .listener
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .accept(millis(timeout_ms))?;
+        let peer = object.listener.accept(millis(timeout_ms))?;
         // SAFETY: `out` checked by Out::new; valid by the caller's contract.
         unsafe { PEERS.publish(Arc::new(peer), out) }
     }

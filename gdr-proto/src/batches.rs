@@ -411,6 +411,16 @@ impl<R: Requests> Batches<R> {
         record.queue.len() + record.in_flight.len()
     }
 
+    /// Whether a SEND is next in `qp`'s queue, not yet posted: once all
+    /// that could be was, it waits for one of the peer's receives (SENDs
+    /// in flight completing), for room, or for the queue pair to be up.
+    pub fn send_waits(&self, qp: QpId) -> bool {
+        self.qps[qp]
+            .queue
+            .front()
+            .is_some_and(|w| R::is_send(&w.request))
+    }
+
     /// SENDs in flight on `qp` (each holds one of the peer's receives).
     pub fn sends_in_flight(&self, qp: QpId) -> u32 {
         self.qps[qp].sends_in_flight

@@ -90,7 +90,7 @@ pub use gpu::{CudaResources, GpuConfig, SimCuda, SimCudaApi, SimGpuContext};
 pub use memory::{FreedAllocation, UseAfterFree};
 pub use nic::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};
 pub use nic::{
-    DeviceConfig, NicResources, NodeConfig, SimCm, SimCompChannel, SimConnectRequest,
-    SimConnection, SimContext, SimCq, SimFabric, SimListener, SimMr, SimPd, SimQp, SimVerbs,
-    SimVerbsApi,
+    DeviceConfig, LISTENER_WINDOW, NicResources, NodeConfig, SimCm, SimCompChannel,
+    SimConnectRequest, SimConnection, SimContext, SimCq, SimFabric, SimListener, SimMr, SimPd,
+    SimQp, SimVerbs, SimVerbsApi,
 };

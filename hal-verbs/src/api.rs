@@ -332,6 +332,8 @@ pub trait QueuePair: Send + Sync + Debug {
 pub trait ConnectionManager<A: Api>: Send + Sync + Debug {
     /// The device a connection to `peer` would use (address resolution
     /// only), so the caller can open it and allocate a PD there first.
+    /// On the simulated fabric an address no device of it has is
+    /// [`crate::VerbsError::NotListeningInSimulation`] at once.
     fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String>;
 
     /// Listens on `addr` (port 0: one is assigned, see
@@ -342,8 +344,11 @@ pub trait ConnectionManager<A: Api>: Send + Sync + Debug {
     /// pair in `pd` with the given CQs, sends `private_data` with the
     /// request and waits until established. A peer that is not listening yet
     /// (rejected, unreachable, no route) is retried until `params.timeout`,
-    /// then [`crate::VerbsError::Timeout`]; a peer application's reject is
-    /// [`crate::VerbsError::ConnectionRejected`] at once.
+    /// then [`crate::VerbsError::Timeout`] (the simulated fabric, which
+    /// no other process reaches, retries about a second at most, then
+    /// [`crate::VerbsError::NotListeningInSimulation`]); a peer
+    /// application's reject is [`crate::VerbsError::ConnectionRejected`]
+    /// at once.
     fn connect(
         &self,
         peer: SocketAddr,

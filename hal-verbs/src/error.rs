@@ -98,6 +98,22 @@ pub enum VerbsError {
         /// The private data of the reject.
         private_data: Vec<u8>,
     },
+    /// On the simulated fabric, nobody listened at the peer's address (or
+    /// no device has it) within the retry window a listener started a
+    /// moment later needs. The simulated fabric is this process's own: a
+    /// listener of another process is never reached, however long the
+    /// connect waits. (Real rdma_cm retries until the connect's timeout:
+    /// [`VerbsError::Timeout`].)
+    #[error(
+        "nobody of this process's simulated fabric listens at {peer} (waited {waited:?}): the \
+         simulation does not span processes (a listener of another process is never reached)"
+    )]
+    NotListeningInSimulation {
+        /// The peer's address.
+        peer: String,
+        /// How long it waited for a listener.
+        waited: std::time::Duration,
+    },
     /// `ibv_poll_cq` failed. Its negative return is a provider code, not an
     /// errno (libmlx5 answers -1 for a CQ in error, e.g. after an overrun):
     /// the completion queue cannot be trusted any more.
@@ -203,6 +219,7 @@ impl VerbsError {
             | Self::NoDevice { .. }
             | Self::QueueFull { .. }
             | Self::Timeout { .. }
+            | Self::NotListeningInSimulation { .. }
             | Self::CompletionQueue { .. }
             | Self::ConnectionRejected { .. } => None,
         }

@@ -349,7 +349,9 @@ fn main() {
         run("caller", |_| Vec::new());
     }
     if wanted("driver") {
-        run("driver", |e| vec![e.a.spawn_driver(), e.b.spawn_driver()]);
+        run("driver", |e| {
+            vec![e.a.spawn_driver().unwrap(), e.b.spawn_driver().unwrap()]
+        });
     }
     if wanted("tokio_current") {
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -99,7 +99,7 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
     let a_stream = w.a.cuda.context(0).unwrap().create_stream().unwrap();
     let b_stream = w.b.cuda.context(0).unwrap().create_stream().unwrap();
     // The owner serves rendezvous on its driver thread.
-    let _driver = w.b.engine.spawn_driver();
+    let _driver = w.b.engine.spawn_driver().unwrap();
     let mut group = c.benchmark_group(format!("staging_{what}"));
     group.sample_size(10);
     for len in SIZES {
@@ -131,7 +131,7 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
         // its range: a grant to the owner, announced, then revoked (a
         // driver sends the announcements: nothing else makes progress here).
         {
-            let _sender = w.a.engine.spawn_driver();
+            let _sender = w.a.engine.spawn_driver().unwrap();
             group.bench_function(BenchmarkId::new("grant", len), |b| {
                 b.iter(|| drop(w.ab.grant(&host_src, 0, len, GrantRights::Read).unwrap()))
             });
@@ -264,7 +264,7 @@ fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C
             let (_gs, gpu_src) = w.a.alloc(Kind::Gpu, LEN, 2);
             let (_gd, gpu_dst) = w.b.alloc(Kind::Gpu, LEN, 0);
             let (_g, to_gpu) = w.b_grants(&gpu_dst, GrantRights::Write);
-            let _driver = w.b.engine.spawn_driver();
+            let _driver = w.b.engine.spawn_driver().unwrap();
             for (dir, src) in [("in", &host_src), ("gpu", &gpu_src)] {
                 let transfer = Transfer::write(src, 0, &to_gpu, 0, LEN);
                 group.bench_function(format!("{dir}/{}KiBx{slots}", slice >> 10), |b| {

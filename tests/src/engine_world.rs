@@ -391,7 +391,7 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
         paths: impl FnOnce(SocketAddr) -> Vec<Path>,
         timeout: Duration,
     ) -> Self {
-        let mut listener = b
+        let listener = b
             .engine
             .listen(SocketAddr::new(listen, 0))
             .unwrap_or_else(|e| panic!("listening on {listen}: {e}"));
@@ -966,7 +966,7 @@ impl EngineWorld<SimVerbsApi> {
         );
         let cuda = SimCuda::new(vec![GpuConfig::default()], fabric.faults());
         let c = Side::new(verbs, cuda, config);
-        let mut listener = self
+        let listener = self
             .b
             .engine
             .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
@@ -1396,7 +1396,7 @@ pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> SimH
     let (va, vb) = (node("a"), node("b"));
     let a = Engine::new(&va, None, config.clone()).expect("engine a");
     let b = Engine::new(&vb, None, config).expect("engine b");
-    let mut listener = b
+    let listener = b
         .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
         .expect("listen");
     let port = listener.local_addr().port();

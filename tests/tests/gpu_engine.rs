@@ -234,7 +234,7 @@ fn two_processes_copy_through_cuda_ipc_on_the_real_gpu() {
     };
     let gpus = peer_copy_gpus::<CudaApi>(&driver);
     let side = Side::<RdmaApi, CudaApi>::new(provider, driver, rxe_config());
-    let mut listener = side
+    let listener = side
         .engine
         .listen(std::net::SocketAddr::new(rxe::expected_ip(), 0))
         .unwrap();

@@ -159,7 +159,7 @@ fn control_messages_both_ways_over_rxe() {
     let EngineWorld { a, ab, ba, .. } = &w;
     // More messages than b keeps receives posted for: the rest go out as b
     // reposts, which a sees only while something makes progress on it.
-    let driver = a.engine.spawn_driver();
+    let driver = a.engine.spawn_driver().unwrap();
     for i in 0..100u32 {
         ab.send(&i.to_le_bytes()).unwrap();
     }

@@ -220,7 +220,7 @@ fn send(peer: &WirePeer, message: &[u8]) {
 /// A's side: listens on every address at `port`, accepts B, grants it
 /// `region` (sending the grant's id), and returns the peer and the grant.
 fn serve(test: &str, engine: &WireEngine, port: u16, region: &WireRegion) -> (WirePeer, WireGrant) {
-    let mut listener = engine
+    let listener = engine
         .listen(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))
         .unwrap_or_else(|e| panic!("{test}: listening on port {port}: {e}"));
     eprintln!("{test}: server listening on {}", listener.local_addr());
@@ -273,7 +273,7 @@ fn connect(
     );
     let id = u64::from_le_bytes(recv(&peer, SETUP).try_into().expect("a grant id"));
     let remote = peer.wait_grant(id, SETUP).unwrap();
-    let driver = engine.spawn_driver();
+    let driver = engine.spawn_driver().unwrap();
     (peer, remote, driver)
 }
 
@@ -1507,10 +1507,10 @@ fn engine_wire_cut_outlasting() {
     let engine = &guest.engine;
     if guest.role == Role::Server {
         let (buffer, region) = host(engine, CUT_LEN, &[]);
-        let mut listener = engine
+        let listener = engine
             .listen(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port(7))))
             .unwrap_or_else(|e| panic!("{T}: listening: {e}"));
-        let mut accept = |what: &str| {
+        let accept = |what: &str| {
             let start = Instant::now();
             let peer = loop {
                 match listener.accept(SETUP.saturating_sub(start.elapsed())) {

@@ -294,11 +294,32 @@ fn connect_accept_exchange_a_descriptor_then_write_and_read() {
 /// clock: Timeout exactly when virtual time passes the bound (not before,
 /// though 100 ms of real time pass one tick before it), reporting the
 /// virtual time waited. (A connect that waits on the real clock fails
-/// here within 5 s: it is never seen waiting on the virtual one.)
+/// here within 5 s: it is never seen waiting on the virtual one.) A bound
+/// past the listener window ends at the window instead, saying the
+/// simulation does not span processes (issue 33, item 7).
 #[test]
 fn connect_with_nobody_listening_times_out_at_the_virtual_bound() {
     let (fabric, server, client) = manual_pair();
-    let bound = Duration::from_secs(2);
+    let long = ConnectParams {
+        timeout: Duration::from_secs(30),
+        ..ConnectParams::default()
+    };
+    let peer = SocketAddr::new(server.ip(), 9);
+    let err = at_the_virtual_bound(&fabric, gdr_sim::LISTENER_WINDOW, || {
+        client
+            .cm
+            .connect(peer, &client.pd, &client.cq, &client.cq, &long, HELLO)
+            .unwrap_err()
+    });
+    assert!(
+        matches!(
+            &err,
+            VerbsError::NotListeningInSimulation { waited, .. } if *waited == gdr_sim::LISTENER_WINDOW
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("does not span processes"), "{err}");
+    let bound = gdr_sim::LISTENER_WINDOW / 2;
     let params = ConnectParams {
         timeout: bound,
         ..ConnectParams::default()

@@ -239,7 +239,7 @@ fn control_messages_both_ways_and_a_message_too_large() {
     let EngineWorld { ab, ba, .. } = &w;
     // a sends more than b keeps receives posted for: the rest goes out as
     // b reposts, which a sees only if it makes progress meanwhile.
-    let driver = w.a.engine.spawn_driver();
+    let driver = w.a.engine.spawn_driver().unwrap();
     for i in 0..100u32 {
         ab.send(&i.to_le_bytes()).unwrap();
     }
@@ -262,6 +262,42 @@ fn control_messages_both_ways_and_a_message_too_large() {
         EngineError::Timeout(_)
     ));
     drop(driver);
+}
+
+/// Issue 33, item 5: a side that only grants (it never waits and never
+/// calls `progress`, as in the crate docs' example) announced 32 grants,
+/// then nothing: control SENDs on queue pair 0 are bounded by the peer's
+/// receives, and their completions were reaped by nobody. Every
+/// announcement and revocation notice now goes out on its own.
+#[test]
+fn a_side_that_only_grants_announces_every_grant_and_revocation() {
+    let w = world(1, GpuConfig::default(), config(1));
+    let (_dst_buf, dst) = w.b.host(4096, 1);
+    let soon = Duration::from_secs(2);
+    let mut kept = Vec::new();
+    for i in 0..100 {
+        let grant = w.ba.grant(&dst, 0, 4096, GrantRights::Read).unwrap();
+        let id = grant.descriptor().grant;
+        let start = std::time::Instant::now();
+        w.ab.wait_grant(id, soon)
+            .unwrap_or_else(|e| panic!("grant {i} not seen: {e}"));
+        if i % 3 == 0 {
+            // Revoked: a sees the notice (its own progress only).
+            drop(grant);
+            while w.ab.remote_grant(id).is_some() {
+                assert!(start.elapsed() < soon, "revocation {i} not seen");
+                w.a.engine.progress();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        } else {
+            kept.push(grant);
+        }
+    }
+    assert_eq!(kept.len(), 66);
+    for grant in &kept {
+        let id = grant.descriptor().grant;
+        assert!(w.ab.remote_grant(id).is_some(), "grant {id} still live");
+    }
 }
 
 #[test]
@@ -443,7 +479,7 @@ fn a_driver_wakes_an_awaited_batch_instead_of_a_busy_task() {
         let waker = Waker::from(Arc::clone(&wakes));
         let mut cx = Context::from_waker(&waker);
         w.fabric().set_paused(true);
-        let driver = with_driver.then(|| w.a.engine.spawn_driver());
+        let driver = with_driver.then(|| w.a.engine.spawn_driver().unwrap());
         let mut batch =
             w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)])
                 .unwrap();
@@ -554,4 +590,74 @@ fn a_region_of_another_engine_is_refused() {
         "{err}"
     );
     assert_eq!(w.ab.counters(), before, "nothing posted");
+}
+
+/// Issue 33, item 9: `spawn_driver` panicked where the OS made no thread
+/// (the engine's own thread already handled that); it is a typed error
+/// now, and nothing was started. The OS refuses a thread here in a child
+/// process of this test whose address space is capped just above what it
+/// uses (no thread stack fits; RLIMIT_NPROC does not bind root).
+#[test]
+fn spawn_driver_without_a_thread_is_a_typed_error() {
+    const CHILD: &str = "GDR_TEST_NO_THREAD_CHILD";
+    const NAME: &str = "spawn_driver_without_a_thread_is_a_typed_error";
+    if std::env::var_os(CHILD).is_some() {
+        no_thread_child();
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--test-threads=1", "--nocapture"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "the child ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(
+        stdout.contains("spawn_driver refused: "),
+        "the child never ran the capped spawn:\n{stdout}"
+    );
+}
+
+/// The child's part: an engine, then the address space capped, then
+/// `spawn_driver`.
+fn no_thread_child() {
+    use gdr_core::engine::{Engine, Unavailable};
+    use gdr_sim::{NodeConfig, SimCudaApi, SimFabric};
+    let fabric = SimFabric::new();
+    let nic = fabric.add_node("a", NodeConfig::default());
+    let engine = Engine::<SimVerbsApi, SimCudaApi>::new(&nic, None, config(1)).unwrap();
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().next().unwrap().parse().unwrap();
+    // SAFETY: sysconf reads a constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `old` is a valid rlimit to write.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut old) }, 0);
+    // Room for small allocations, none for a thread's stack (2 MiB).
+    let capped = libc::rlimit {
+        rlim_cur: pages * page + (512 << 10),
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: a valid rlimit; the soft limit is lowered only.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &capped) }, 0);
+    let spawned = engine.spawn_driver();
+    // SAFETY: a valid rlimit; the soft limit goes back up to what it was.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &old) }, 0);
+    let err = spawned.map(drop).unwrap_err();
+    assert!(
+        matches!(&err, EngineError::Unavailable(Unavailable::Os { .. })),
+        "{err}"
+    );
+    assert_eq!(engine.resources().drivers, 0, "no driver counted");
+    println!("spawn_driver refused: {err}");
 }

@@ -54,7 +54,10 @@ fn concurrent_writes_then_reads(rt: &Runtime, count: u64) {
     let (parts, len) = parts(count);
     let h = w.host_pair(len, 3, GrantRights::ReadWrite);
     let (back_buf, back) = w.a.host(len, 9);
-    let _drivers = (w.a.engine.spawn_driver(), w.b.engine.spawn_driver());
+    let _drivers = (
+        w.a.engine.spawn_driver().unwrap(),
+        w.b.engine.spawn_driver().unwrap(),
+    );
     let writes = parts
         .iter()
         .map(|&(offset, len)| {
@@ -105,7 +108,10 @@ fn batches_joined_in_one_task() {
     const LEN: u64 = 1 << 18;
     let h = w.host_pair(LEN, 5, GrantRights::ReadWrite);
     let (back_buf, back) = w.a.host(LEN, 0);
-    let _drivers = (w.a.engine.spawn_driver(), w.b.engine.spawn_driver());
+    let _drivers = (
+        w.a.engine.spawn_driver().unwrap(),
+        w.b.engine.spawn_driver().unwrap(),
+    );
     let half = LEN / 2;
     // First half WRITTEN, then, joined: the second half WRITTEN and the
     // first READ back.
@@ -143,7 +149,7 @@ fn batches_joined_in_one_task() {
 fn a_batch_past_its_deadline_ends_its_future_with_timeout() {
     let w = world(1);
     let h = w.host_pair(1 << 16, 5, GrantRights::ReadWrite);
-    let _driver = w.a.engine.spawn_driver();
+    let _driver = w.a.engine.spawn_driver().unwrap();
     // The driver parks first: the batch's deadline must reach a parked
     // driver (its park was bounded by the deadlines it knew).
     std::thread::sleep(Duration::from_millis(50));

@@ -150,7 +150,7 @@ fn a_revoked_staged_grant_stops_the_requests_already_accepted() {
     let (dst_buf, dst) = w.b.gpu(BIG, 0);
     let (grant, remote) = w.b_grants(&dst, GrantRights::Write);
     // a's slices move while this thread watches b's memory.
-    let _a_driver = w.a.engine.spawn_driver();
+    let _a_driver = w.a.engine.spawn_driver().unwrap();
     let batch =
         w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, BIG)])
             .unwrap();
@@ -194,7 +194,7 @@ fn a_staged_grant_revoked_after_its_peer_went_waits_for_the_copies_still_running
     let (_src_buf, src) = w.a.host(BIG, 4);
     let (dst_buf, dst) = w.b.gpu(BIG, 0);
     let (grant, remote) = w.b_grants(&dst, GrantRights::Write);
-    let _a_driver = w.a.engine.spawn_driver();
+    let _a_driver = w.a.engine.spawn_driver().unwrap();
     // b's GPU runs nothing: the landing copies of the slices a fills stay
     // under way.
     w.b.cuda.set_paused(true);

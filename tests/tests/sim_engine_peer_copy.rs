@@ -346,16 +346,25 @@ fn a_revoke_stops_a_peer_copy_at_its_next_window_and_returns_once_nothing_of_it_
         let batch =
             w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)])
                 .unwrap();
-        let fenced = std::thread::scope(|s| {
+        let (fenced, took) = std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(100));
                 cuda.set_paused(false);
             });
+            let start = std::time::Instant::now();
             grant
                 .revoke(T)
                 .unwrap_or_else(|e| panic!("ipc {ipc}: the revoke was not confirmed: {e}"));
-            w.b.bytes(&dst_buf)
+            let took = start.elapsed();
+            (w.b.bytes(&dst_buf), took)
         });
+        // Issue 33, item 6: the end of the copies' use of the grant wakes
+        // the owner's revoke, which took its whole timeout.
+        assert!(
+            took < Duration::from_secs(3),
+            "ipc {ipc}: the revoke returned after {took:?}, not once the copies ended ({T:?} \
+             allowed)"
+        );
         assert_eq!(
             batch.wait(T),
             Err(TransferError::Revoked { grant: grant_id }),

@@ -68,7 +68,7 @@ fn the_only_queue_pair_fails_and_is_re_established() {
     let waiting =
         w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 1 << 16)])
             .unwrap_or_else(|e| panic!("submit while re-establishing: {e}"));
-    let driver = w.b.engine.spawn_driver();
+    let driver = w.b.engine.spawn_driver().unwrap();
     waiting
         .wait(T)
         .unwrap_or_else(|e| panic!("the batch that waited for the new queue pair: {e}"));
@@ -116,7 +116,7 @@ fn a_queue_pair_stopped_at_a_deadline_comes_back() {
         .unwrap_err();
     assert!(matches!(err, TransferError::Timeout(_)), "{err}");
     w.fabric().set_paused(false);
-    let _driver = w.b.engine.spawn_driver();
+    let _driver = w.b.engine.spawn_driver().unwrap();
     w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 1 << 16)])
         .unwrap()
         .wait(T)
@@ -131,7 +131,7 @@ fn the_other_queue_pair_carries_on_while_one_is_re_established() {
     let w = world(2, T);
     let h = w.host_pair(1 << 16, 9, GrantRights::ReadWrite);
     fail_a_queue_pair(&w, &h);
-    let _driver = w.b.engine.spawn_driver();
+    let _driver = w.b.engine.spawn_driver().unwrap();
     // Until both are up again, batches still succeed.
     let both_up = eventually(&w, "both queue pairs carry slices again", || {
         let before = w.ab.counters();

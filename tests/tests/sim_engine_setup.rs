@@ -9,9 +9,10 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
+use gdr_core::VerbsError;
 use gdr_core::engine::setup::NotAccepted;
 use gdr_core::engine::wire::RejectReason;
-use gdr_core::engine::{EngineConfig, EngineError, EngineListener};
+use gdr_core::engine::{EngineConfig, EngineError, EngineListener, HandshakeFailure};
 use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, WorldPeer};
 
@@ -58,7 +59,7 @@ fn round_trip(x: &WorldPeer<SimVerbsApi>, y: &WorldPeer<SimVerbsApi>) {
 /// Connects a to b at `addr` while b accepts on `listener`: both ends.
 fn connect_accepted(
     w: &EngineWorld<SimVerbsApi>,
-    listener: &mut Listener,
+    listener: &Listener,
     addr: SocketAddr,
 ) -> (WorldPeer<SimVerbsApi>, WorldPeer<SimVerbsApi>) {
     std::thread::scope(|scope| {
@@ -82,7 +83,7 @@ fn connect_accepted(
 #[test]
 fn a_connect_nobody_accepts_fails_typed_and_a_retry_succeeds() {
     let w = world(|_| {});
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     let err = w.a.engine.connect(addr, SHORT).unwrap_err();
     assert!(
         matches!(
@@ -110,7 +111,7 @@ fn a_connect_nobody_accepts_fails_typed_and_a_retry_succeeds() {
     assert_eq!(w.b.engine.peer_count(), 1, "the listener kept no peer");
     assert_eq!(listener.waiting(), 0, "nothing waits for accept");
 
-    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    let (ab, ba) = connect_accepted(&w, &listener, addr);
     assert_eq!(ab.session(), ba.session());
     assert_eq!(ab.remote_engine(), w.b.engine.id());
     round_trip(&ab, &ba);
@@ -119,13 +120,87 @@ fn a_connect_nobody_accepts_fails_typed_and_a_retry_succeeds() {
     round_trip(&w.ab, &w.ba);
 }
 
+/// Issue 33, item 7: a connect to an address where no engine of this
+/// process's simulated fabric listens (a server of another process, each
+/// with a fabric of its own) waited its whole timeout (30 s) before it
+/// failed "nobody listening". It now fails within the listener window,
+/// typed, saying the simulation does not span processes; and a listener
+/// started a moment after the connect began is still reached.
+#[test]
+fn a_connect_nobody_of_this_process_listens_for_fails_typed_within_the_window() {
+    let w = world(|_| {});
+    // A port of b's address nobody listens on.
+    let ip = IpAddr::V4(w.b.verbs.device_ipv4("sim0").unwrap());
+    let dead = SocketAddr::new(ip, 9);
+    let start = Instant::now();
+    let err =
+        w.a.engine
+            .connect(dead, Duration::from_secs(30))
+            .unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        matches!(
+            &err,
+            EngineError::Handshake {
+                why: HandshakeFailure::Connect(VerbsError::NotListeningInSimulation { .. }),
+                ..
+            }
+        ),
+        "not the simulation's typed not-listening: {err}"
+    );
+    assert!(err.to_string().contains("does not span processes"), "{err}");
+    assert!(
+        took < Duration::from_secs(3),
+        "failed after {took:?}, not within the listener window"
+    );
+    assert_eq!(w.a.engine.peer_count(), 1, "only the world's peer");
+    // An address no device of this fabric has: the same, at once.
+    let nowhere = SocketAddr::from((Ipv4Addr::new(10, 77, 250, 250), 9));
+    let start = Instant::now();
+    let err =
+        w.a.engine
+            .connect(nowhere, Duration::from_secs(30))
+            .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            EngineError::Handshake {
+                why: HandshakeFailure::Connect(VerbsError::NotListeningInSimulation { .. }),
+                ..
+            }
+        ),
+        "no device there: {err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+    // A listener that comes 200 ms after the connect began is reached.
+    let any = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), dead.port());
+    let (ab, ba) = std::thread::scope(|scope| {
+        let connecting = scope.spawn(|| w.a.engine.connect(dead, T));
+        std::thread::sleep(Duration::from_millis(200));
+        let listener = w.b.engine.listen(any).unwrap();
+        let ba = listener
+            .accept(T)
+            .unwrap_or_else(|e| panic!("accepting: {e}"));
+        let ab = connecting
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("connecting before the listener came: {e}"));
+        (ab, ba)
+    });
+    round_trip(&ab, &ba);
+}
+
 /// The listener's side of finding 4 alone: whatever the connector's error,
 /// an accept after it gave up returns no peer (on the old engine it handed
 /// out the abandoned one, on which `send` reported success).
 #[test]
 fn accept_never_returns_a_peer_whose_connector_gave_up() {
     let w = world(|_| {});
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     let err = w.a.engine.connect(addr, SHORT).unwrap_err();
     eprintln!("the connector's error: {err}");
     let accepted = listener.accept(SHORT);
@@ -147,7 +222,7 @@ fn accept_never_returns_a_peer_whose_connector_gave_up() {
 #[test]
 fn past_the_backlog_a_new_connection_is_refused_busy() {
     let w = world(|b| b.accept_backlog = 1);
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     std::thread::scope(|scope| {
         let waiting = scope.spawn(|| w.a.engine.connect(addr, T));
         let start = Instant::now();
@@ -192,7 +267,7 @@ fn past_the_backlog_a_new_connection_is_refused_busy() {
 fn an_unaccepted_connection_is_dropped_at_the_listeners_deadline() {
     let deadline = Duration::from_millis(500);
     let w = world(|b| b.accept_timeout = deadline);
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     let start = Instant::now();
     let err = w.a.engine.connect(addr, T).unwrap_err();
     let took = start.elapsed();
@@ -217,7 +292,7 @@ fn an_unaccepted_connection_is_dropped_at_the_listeners_deadline() {
     ));
     assert_eq!((w.a.engine.peer_count(), w.b.engine.peer_count()), (1, 1));
     // Within the deadline, accepted as usual.
-    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    let (ab, ba) = connect_accepted(&w, &listener, addr);
     round_trip(&ab, &ba);
 }
 
@@ -253,7 +328,7 @@ fn a_closed_listener_refuses_busy() {
 #[test]
 fn a_receive_post_refused_while_adding_a_peer_fails_the_connect_and_leaves_nothing() {
     let w = world(|_| {});
-    let (mut listener, addr) = listen(&w);
+    let (listener, addr) = listen(&w);
     // The second receive of the next post: one taken, then a refusal.
     let faults = w.fabric().faults();
     let nth = faults.calls(gdr_sim::FaultSite::VerbsPostRecv) + 2;
@@ -285,7 +360,7 @@ fn a_receive_post_refused_while_adding_a_peer_fails_the_connect_and_leaves_nothi
         w.a.engine.progress();
         w.b.engine.progress();
     }
-    let (ab, ba) = connect_accepted(&w, &mut listener, addr);
+    let (ab, ba) = connect_accepted(&w, &listener, addr);
     round_trip(&ab, &ba);
     round_trip(&w.ab, &w.ba);
     drop((ab, ba, listener));

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use gdr_core::descriptor::{GrantRights, Reach};
 use gdr_core::engine::wire::Control;
-use gdr_core::engine::{EngineConfig, PeerLimits, Transfer, TransferError};
+use gdr_core::engine::{EngineConfig, EngineError, PeerLimits, Transfer, TransferError};
 use gdr_core::ladder::{LadderConfig, Policy, Rung};
 use gdr_sim::{GpuConfig, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, Kind};
@@ -78,7 +78,7 @@ fn staged_gpu_memory_moves_both_ways_against_every_kind() {
 fn a_batch_mixing_direct_and_staged_transfers_ends_once_both_have() {
     const LEN: u64 = 64 * 1024;
     let w = staging_world(1);
-    let _b_driver = w.b.engine.spawn_driver();
+    let _b_driver = w.b.engine.spawn_driver().unwrap();
     let (_s, src) = w.a.alloc(Kind::Host, 2 * LEN, 7);
     let (host_buf, host) = w.b.alloc(Kind::Host, LEN, 0);
     let (gpu_buf, gpu) = w.b.alloc(Kind::Gpu, LEN, 0);
@@ -102,6 +102,79 @@ fn a_batch_mixing_direct_and_staged_transfers_ends_once_both_have() {
     );
 }
 
+/// Issue 33, item 8: a batch mixing staged and direct transfers posted its
+/// staged part first; when its direct part then failed (here a grant whose
+/// descriptor names no segment on the device the queue pair reaches),
+/// `submit` returned `Err` while the staged bytes kept moving. Every part
+/// is now resolved before any starts: on `Err` nothing moved.
+#[test]
+fn a_mixed_batch_whose_direct_part_fails_starts_nothing() {
+    use gdr_core::descriptor::{MemoryDescriptor, MemoryLocation, Segment};
+    const LEN: u64 = 64 * 1024;
+    let w = staging_world(1);
+    let (_g, gpu_src) = w.a.alloc(Kind::Gpu, LEN, 7);
+    let (_h, host_src) = w.a.alloc(Kind::Host, LEN, 8);
+    let (dst_buf, dst) = w.b.alloc(Kind::Host, LEN, 0);
+    let (_grant, to_host) = w.b_grants(&dst, GrantRights::Write);
+    // A grant of b's whose only segment is on a NIC a reaches none of.
+    let forged = MemoryDescriptor {
+        owner: w.b.engine.id(),
+        grant: to_host.grant + 1000,
+        location: MemoryLocation::Host,
+        rights: GrantRights::Write,
+        len: LEN,
+        reach: Reach::Direct(vec![Segment {
+            offset: 0,
+            len: LEN,
+            addr: 0x1000,
+            rkey: 1,
+            device: "nic9".into(),
+        }]),
+    };
+    let encoded = forged.encode().unwrap();
+    w.ba.send_raw_control(&Control::GrantAnnounce {
+        descriptor: &encoded,
+    })
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    let forged = w.ab.wait_grant(forged.grant, T).unwrap();
+    let before = w.b.bytes(&dst_buf);
+    let posted = gdr_tests::engine_world::posted(&w.ab);
+    let err =
+        w.ab.submit(&[
+            Transfer::write(&gpu_src, 0, &to_host, 0, LEN),
+            Transfer::write(&host_src, 0, &forged, 0, LEN),
+        ])
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(err, EngineError::Descriptor(_)),
+        "the direct part's missing segment: {err}"
+    );
+    // Whatever would move, would move with progress.
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_millis(300) {
+        w.a.engine.progress();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        w.b.bytes(&dst_buf) == before,
+        "bytes of the staged part landed though submit returned Err"
+    );
+    assert_eq!(
+        gdr_tests::engine_world::posted(&w.ab),
+        posted,
+        "a's queue pairs posted work for a batch refused"
+    );
+    let held = w.a.engine.resources();
+    assert_eq!(
+        (held.staged_transfers, held.staged_groups, held.batches),
+        (0, 0, 0),
+        "a holds work of a batch refused"
+    );
+}
+
 /// The owner checks a rendezvous against its grant: a WRITE into a
 /// read-only staged grant is refused before anything is posted here, and a
 /// grant revoked meanwhile is refused by the owner (typed, nothing moved).
@@ -109,7 +182,7 @@ fn a_batch_mixing_direct_and_staged_transfers_ends_once_both_have() {
 fn the_owner_refuses_a_rendezvous_its_grant_does_not_cover() {
     const LEN: u64 = 16 * 1024;
     let w = staging_world(1);
-    let _b_driver = w.b.engine.spawn_driver();
+    let _b_driver = w.b.engine.spawn_driver().unwrap();
     let (_s, src) = w.a.alloc(Kind::Host, LEN, 9);
     let (gpu_buf, gpu) = w.b.alloc(Kind::Gpu, LEN, 0);
     let (read_only, remote) = w.b_grants(&gpu, GrantRights::Read);

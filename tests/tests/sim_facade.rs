@@ -26,7 +26,7 @@ fn pair() -> (Engine, Peer, Engine, Peer) {
         .expect("client engine");
     let nic = server.nics()[0].clone();
     let ip = server.nic_address(&nic).expect("the sim NIC's address");
-    let mut listener = server.listen((ip, 0).into()).expect("listen");
+    let listener = server.listen((ip, 0).into()).expect("listen");
     let addr = listener.local_addr();
     let accepting = std::thread::spawn(move || listener.accept(WAIT));
     let to_server = client.connect(addr, WAIT).expect("connect");

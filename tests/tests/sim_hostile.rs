@@ -150,8 +150,8 @@ fn under_attack(
     let (source, source_region) = c.alloc(Kind::Host, 4096, 7);
     // Both ends driven: the attacker's messages go out as fast as its NIC
     // takes them, whatever the attack waits for.
-    let driver = w.b.engine.spawn_driver();
-    let attacker_driver = w.a.engine.spawn_driver();
+    let driver = w.b.engine.spawn_driver().unwrap();
+    let attacker_driver = w.a.engine.spawn_driver().unwrap();
     let attacker = w.a.engine.id();
     let of_attacker = |w: &World| -> Option<PeerResources> {
         w.b.engine

@@ -368,7 +368,7 @@ fn alloc(
 /// `i` connects to `j` (a listener of its own on `j`); `None` when a fault
 /// refused it.
 fn connect(nodes: &[Node], i: usize, j: usize) -> Option<[WorldPeer<Sim>; 2]> {
-    let mut listener = nodes[j]
+    let listener = nodes[j]
         .side
         .engine
         .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
@@ -553,7 +553,7 @@ impl Round<'_> {
         let drivers: Vec<_> = self
             .nodes
             .iter()
-            .map(|n| n.side.engine.spawn_driver())
+            .map(|n| n.side.engine.spawn_driver().unwrap())
             .collect();
         for _ in 0..OPS_PER_ROUND {
             if Instant::now() >= until {

@@ -194,6 +194,11 @@ impl Core {
         self.batches.sends_in_flight(qp)
     }
 
+    /// See [`Batches::send_waits`].
+    pub fn send_waits(&self, qp: QpId) -> bool {
+        self.batches.send_waits(qp)
+    }
+
     /// Batches not yet released.
     pub fn batches_live(&self) -> usize {
         self.batches.batches_live()

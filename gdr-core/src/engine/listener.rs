@@ -425,8 +425,9 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
     /// it was accepted, and returns once the connector's came back. A peer
     /// whose connector gave up meanwhile (its queue pairs disconnected, or
     /// the exchange failed) is dropped, never returned: accept keeps
-    /// waiting for another until `timeout`.
-    pub fn accept(&mut self, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
+    /// waiting for another until `timeout`. Threads may accept at once:
+    /// each session goes to one of them.
+    pub fn accept(&self, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
         let deadline = Instant::now() + timeout;
         loop {
             let Some((session, conns)) = self.next_session(deadline) else {

@@ -745,8 +745,9 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     /// a pending `Future` only registers its waker; with none, it starts
     /// the engine's own thread.
     drivers: Arc<std::sync::atomic::AtomicUsize>,
-    /// Whether the engine's own progress thread runs (started by the first
-    /// grant of a staging-rung region, which only progress serves).
+    /// Whether the engine's own progress thread runs (started where work
+    /// only progress serves has no driver: a staging-rung grant, control
+    /// messages held back, a peer copy, a gate, a stream fence).
     own_driver: std::sync::atomic::AtomicBool,
     /// How the engine's internal threads hold it (one step at a time).
     holds: Arc<InternalHolds>,
@@ -1303,7 +1304,18 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 .shared
                 .cm
                 .route_device(path.peer.ip(), timeout)
-                .map_err(|e| EngineError::verbs(format!("route to {}", path.peer), e))?,
+                .map_err(|e| match e {
+                    // Nobody there, as for a connect to a device nobody
+                    // listens on (the simulation's fabric is this
+                    // process's own).
+                    e @ hal_verbs::VerbsError::NotListeningInSimulation { .. } => {
+                        EngineError::Handshake {
+                            peer: path.peer.to_string(),
+                            why: HandshakeFailure::Connect(e),
+                        }
+                    }
+                    e => EngineError::verbs(format!("route to {}", path.peer), e),
+                })?,
         };
         let nic = self.nic_index(&device)?;
         let hello = self.hello(Role::Connect, dial.session(), index, dial.qp_count());
@@ -2348,6 +2360,24 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
         }
         self.run_actions(state);
+        self.drive_held_control(state);
+    }
+
+    /// Control messages that could not go out now (the peer's receives
+    /// all taken by SENDs whose completions nobody reaped, no free send
+    /// slot, queue pair 0 being re-established) go only with progress,
+    /// which nobody may be making: a side that only grants or sends never
+    /// waits. With no driver running, the engine's own thread makes it.
+    fn drive_held_control(&self, state: &State<V, C>) {
+        if self.shared.drivers.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let held = state.peers.iter().flatten().any(|p| {
+            p.gone.is_none() && (!p.outbox.is_empty() || state.core.send_waits(p.qps[0].core))
+        });
+        if held {
+            self.ensure_own_driver();
+        }
     }
 
     /// Makes the landing slots the staged path wants for the peers'
@@ -2452,7 +2482,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Starts the engine's own progress thread, once: it holds the engine
     /// weakly and ends when the engine is dropped. A peer's rendezvous on a
     /// staging-rung grant is served only by progress here, which nothing
-    /// else may make (the owner may never wait on anything).
+    /// else may make (the owner may never wait on anything); so are
+    /// control messages held back ([`Engine::drive_held_control`]).
     fn ensure_own_driver(&self) {
         if self.shared.own_driver.swap(true, Ordering::AcqRel) {
             return;
@@ -2499,8 +2530,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// (the engine's reactor), so a waiting batch or `Future` is woken without
     /// polling of its own: the thread sleeps until a completion, a
     /// submission or a deadline wakes it. Dropping the returned [`Driver`]
-    /// stops it.
-    pub fn spawn_driver(&self) -> Driver {
+    /// stops it. A thread the OS refuses is
+    /// [`Unavailable::Os`] (nothing was started).
+    pub fn spawn_driver(&self) -> Result<Driver, EngineError> {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let engine = self.clone();
         let flag = Arc::clone(&stop);
@@ -2516,15 +2548,20 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                     });
                 }
             })
-            .expect("spawning the engine's driver thread");
+            .map_err(|source| {
+                EngineError::Unavailable(Unavailable::Os {
+                    what: "the engine's driver thread",
+                    source,
+                })
+            })?;
         let running = Arc::clone(&self.shared.drivers);
         running.fetch_add(1, Ordering::AcqRel);
-        Driver {
+        Ok(Driver {
             stop,
             thread: Some(thread),
             running,
             reactor: Arc::clone(&self.shared.reactor),
-        }
+        })
     }
 
     /// Submits the batches whose gate opened and hands on the outcomes of

@@ -391,21 +391,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             self.engine.wake();
             return batch;
         }
-        let shared = &self.engine.shared;
         let _span = tracing::debug_span!("submit", transfers = transfers.len()).entered();
         let cell = Arc::new(CompletionCell::new());
-        let now = shared.config.clock.now();
-        let slice_size = shared.config.slice_size.clamp(1, u64::from(u32::MAX));
-        let mut fence: Vec<u32> = transfers
-            .iter()
-            .filter(|t| t.op == Op::Read)
-            .filter_map(|t| match t.local.inner.location {
-                MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
-                MemoryLocation::Host => None,
-            })
-            .collect();
-        fence.sort_unstable();
-        fence.dedup();
+        let now = self.engine.shared.config.clock.now();
         let id = self.update_peer(|core, peer| -> Result<BatchId, EngineError> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
@@ -420,128 +408,135 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
                 check_transfer_of(peer, t, known)?;
                 checked = Some(t.remote);
             }
-            if !peer.qps.iter().any(|q| core.accepts_work(q.core)) {
-                return Err(EngineError::PeerGone(PeerGone::EveryQueuePairFailed));
-            }
-            // Work goes to the queue pairs that are up; only when none is,
-            // it waits for those being re-established.
-            let usable: fn(&Core, QpId) -> bool = if peer.qps.iter().any(|q| core.is_ready(q.core))
-            {
-                Core::is_ready
-            } else {
-                Core::accepts_work
-            };
-            let slices: u64 = transfers.iter().map(|t| t.len.div_ceil(slice_size)).sum();
-            let mut work = core.work_buffer();
-            work.reserve(slices as usize);
-            // The segment each queue pair (by its index modulo the size)
-            // last used, and the descriptor it came from: a descriptor's
-            // segments of one device do not overlap, so one holding the
-            // offset is the one `segment` would find.
-            let mut segments: [Option<(usize, &MemoryDescriptor, &Segment)>; 8] =
-                Default::default();
-            for t in transfers {
-                // GPU memory goes over the NICs nearest its GPU, when a
-                // queue pair on one of them is usable.
-                let prefer = match t.local.inner.location {
-                    MemoryLocation::Gpu { ordinal } => {
-                        shared.nearest_nics.get(&u32::from(ordinal)).filter(|near| {
-                            peer.qps
-                                .iter()
-                                .any(|q| near.contains(&q.nic) && usable(core, q.core))
-                        })
-                    }
-                    MemoryLocation::Host => None,
-                };
-                let mut done = 0;
-                while done < t.len {
-                    // The next usable queue pair in turn (one exists).
-                    let (qi, qp) = loop {
-                        // (No division on the way: `next_qp` stays below
-                        // the count once wrapped.)
-                        let count = peer.qps.len();
-                        let qi = match peer.next_qp {
-                            n if n < count => n,
-                            n => n % count,
-                        };
-                        peer.next_qp = qi + 1;
-                        let qp = &peer.qps[qi];
-                        if usable(core, qp.core) && prefer.is_none_or(|near| near.contains(&qp.nic))
-                        {
-                            break (qi, qp);
-                        }
-                    };
-                    let remote_offset = t.remote_offset + done;
-                    let cached = &mut segments[qi % 8];
-                    let segment = match *cached {
-                        Some((q, d, s))
-                            if q == qi
-                                && std::ptr::eq(d, t.remote)
-                                && s.offset <= remote_offset
-                                && remote_offset < s.offset + s.len =>
-                        {
-                            s
-                        }
-                        _ => {
-                            let remote_device = qp.remote_device.as_deref().unwrap_or("");
-                            let s = t.remote.segment(remote_device, remote_offset, 1)?;
-                            *cached = Some((qi, t.remote, s));
-                            s
-                        }
-                    };
-                    let in_segment = segment.offset + segment.len - remote_offset;
-                    // Cut at the local piece's end too (CUDA VMM chunks).
-                    let (local, in_piece) =
-                        t.local.inner.per_nic[qp.nic].at(t.local_offset + done, t.local.inner.len);
-                    let len = (t.len - done).min(slice_size).min(in_segment).min(in_piece);
-                    let mr = local
-                        .mr()
-                        .ok_or(EngineError::Refused(Refusal::StagingRungOnDirectPath))?;
-                    let op = t.op.send_op(
-                        segment.addr + (remote_offset - segment.offset),
-                        segment.rkey,
-                    );
-                    let mut flags = SendFlags::empty();
-                    if t.op == Op::Write && local.cpu_readable() && len <= u64::from(qp.max_inline)
-                    {
-                        flags |= SendFlags::INLINE;
-                    }
-                    work.push((
-                        qp.core,
-                        single_work(
-                            op,
-                            t.local.inner.addr + t.local_offset + done,
-                            len as u32,
-                            mr.lkey(),
-                            flags,
-                        ),
-                    ));
-                    done += len;
-                }
-            }
-            // One hold per distinct region in a row (a batch usually moves
-            // one region).
-            let keep = transfers
-                .iter()
-                .enumerate()
-                .filter(|&(i, t)| {
-                    i == 0 || !Arc::ptr_eq(&transfers[i - 1].local.inner, &t.local.inner)
-                })
-                .map(|(_, t)| Arc::clone(&t.local.inner) as Keep);
+            let work = self.plan_direct(core, peer, transfers)?;
             let deadline = now.checked_add(timeout).map(|at| (at, timeout));
-            Ok(core.submit(work, Arc::clone(&cell), deadline, keep))
+            Ok(core.submit(work, Arc::clone(&cell), deadline, holds(transfers)))
         })??;
-        // A parked leader's park ends at the deadlines it knew when it
-        // parked: this batch's may come first (a NIC that never answers
-        // must still see it fail at its deadline).
-        if let Some(at) = now.checked_add(timeout) {
-            shared.reactor.deadline_added(at);
-        }
+        self.deadline_added(now, timeout);
         Ok(Batch {
             id: Some(id),
-            fence,
+            fence: gpu_reads(transfers),
             ..Batch::of_cell(self.engine.clone(), cell)
         })
+    }
+
+    /// A parked leader's park ends at the deadlines it knew when it
+    /// parked: a batch's submitted at `now` with `timeout` may come first
+    /// (a NIC that never answers must still see it fail at its deadline).
+    fn deadline_added(&self, now: Instant, timeout: Duration) {
+        if let Some(at) = now.checked_add(timeout) {
+            self.engine.shared.reactor.deadline_added(at);
+        }
+    }
+
+    /// The work of `transfers` (checked already) on the peer's queue
+    /// pairs: each cut into slices over the usable ones, each slice's
+    /// remote segment and local MR resolved. Nothing is queued: on `Err`
+    /// nothing of it started.
+    fn plan_direct<'t>(
+        &self,
+        core: &mut Core,
+        peer: &mut PeerState<V, C>,
+        transfers: &'t [Transfer<'t, V>],
+    ) -> Result<Vec<(QpId, batches::Work)>, EngineError> {
+        let shared = &self.engine.shared;
+        let slice_size = shared.config.slice_size.clamp(1, u64::from(u32::MAX));
+        if !peer.qps.iter().any(|q| core.accepts_work(q.core)) {
+            return Err(EngineError::PeerGone(PeerGone::EveryQueuePairFailed));
+        }
+        // Work goes to the queue pairs that are up; only when none is,
+        // it waits for those being re-established.
+        let usable: fn(&Core, QpId) -> bool = if peer.qps.iter().any(|q| core.is_ready(q.core)) {
+            Core::is_ready
+        } else {
+            Core::accepts_work
+        };
+        let slices: u64 = transfers.iter().map(|t| t.len.div_ceil(slice_size)).sum();
+        let mut work = core.work_buffer();
+        work.reserve(slices as usize);
+        // The segment each queue pair (by its index modulo the size)
+        // last used, and the descriptor it came from: a descriptor's
+        // segments of one device do not overlap, so one holding the
+        // offset is the one `segment` would find.
+        let mut segments: [Option<(usize, &MemoryDescriptor, &Segment)>; 8] = Default::default();
+        for t in transfers {
+            // GPU memory goes over the NICs nearest its GPU, when a
+            // queue pair on one of them is usable.
+            let prefer = match t.local.inner.location {
+                MemoryLocation::Gpu { ordinal } => {
+                    shared.nearest_nics.get(&u32::from(ordinal)).filter(|near| {
+                        peer.qps
+                            .iter()
+                            .any(|q| near.contains(&q.nic) && usable(core, q.core))
+                    })
+                }
+                MemoryLocation::Host => None,
+            };
+            let mut done = 0;
+            while done < t.len {
+                // The next usable queue pair in turn (one exists).
+                let (qi, qp) = loop {
+                    // (No division on the way: `next_qp` stays below
+                    // the count once wrapped.)
+                    let count = peer.qps.len();
+                    let qi = match peer.next_qp {
+                        n if n < count => n,
+                        n => n % count,
+                    };
+                    peer.next_qp = qi + 1;
+                    let qp = &peer.qps[qi];
+                    if usable(core, qp.core) && prefer.is_none_or(|near| near.contains(&qp.nic)) {
+                        break (qi, qp);
+                    }
+                };
+                let remote_offset = t.remote_offset + done;
+                let cached = &mut segments[qi % 8];
+                let segment = match *cached {
+                    Some((q, d, s))
+                        if q == qi
+                            && std::ptr::eq(d, t.remote)
+                            && s.offset <= remote_offset
+                            && remote_offset < s.offset + s.len =>
+                    {
+                        s
+                    }
+                    _ => {
+                        let remote_device = qp.remote_device.as_deref().unwrap_or("");
+                        let s = t.remote.segment(remote_device, remote_offset, 1)?;
+                        *cached = Some((qi, t.remote, s));
+                        s
+                    }
+                };
+                let in_segment = segment.offset + segment.len - remote_offset;
+                // Cut at the local piece's end too (CUDA VMM chunks).
+                let (local, in_piece) =
+                    t.local.inner.per_nic[qp.nic].at(t.local_offset + done, t.local.inner.len);
+                let len = (t.len - done).min(slice_size).min(in_segment).min(in_piece);
+                let mr = local
+                    .mr()
+                    .ok_or(EngineError::Refused(Refusal::StagingRungOnDirectPath))?;
+                let op = t.op.send_op(
+                    segment.addr + (remote_offset - segment.offset),
+                    segment.rkey,
+                );
+                let mut flags = SendFlags::empty();
+                if t.op == Op::Write && local.cpu_readable() && len <= u64::from(qp.max_inline) {
+                    flags |= SendFlags::INLINE;
+                }
+                work.push((
+                    qp.core,
+                    single_work(
+                        op,
+                        t.local.inner.addr + t.local_offset + done,
+                        len as u32,
+                        mr.lkey(),
+                        flags,
+                    ),
+                ));
+                done += len;
+            }
+        }
+        Ok(work)
     }
 
     /// Sends a control message to the peer; the returned batch completes
@@ -676,23 +671,69 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         timeout: Duration,
     ) -> Result<Batch<V, C>, EngineError> {
         let engine = &self.engine;
-        self.read_peer(|_, p| transfers.iter().try_for_each(|t| check_transfer(p, t)))??;
+        let shared = &engine.shared;
         let (carried, direct): (Vec<Transfer<'_, V>>, Vec<Transfer<'_, V>>) =
             transfers.iter().partition(|t| staging::staged(t));
-        let posted =
-            engine.with_paths(|paths, cx| paths.staged.post(cx, self.slot, &carried, timeout))?;
-        let mut batch = if direct.is_empty() {
-            let cell = Arc::new(CompletionCell::new());
-            cell.complete(Ok(()));
-            Batch::of_cell(engine.clone(), cell)
-        } else {
-            self.submit_with_timeout(&direct, timeout)?
+        let cell = Arc::new(CompletionCell::new());
+        let now = shared.config.clock.now();
+        // Under one hold of the lock, every transfer is checked and the
+        // direct part's work resolved on the queue pairs before the staged
+        // part is posted: on `Err` nothing of the batch started (the path
+        // seam's promise). The direct part takes the NIC.
+        let (posted, id) = {
+            let mut guard = lock(&shared.state);
+            let state = &mut *guard;
+            let planned = Self::on_peer(state, self.slot, |core, peer| {
+                if let Some(why) = &peer.gone {
+                    return Err(EngineError::PeerGone(why.clone()));
+                }
+                transfers.iter().try_for_each(|t| check_transfer(peer, t))?;
+                match direct.is_empty() {
+                    true => Ok(None),
+                    false => self.plan_direct(core, peer, &direct).map(Some),
+                }
+            })??;
+            let posted = state.with_paths(&shared.res, now, |paths, cx| {
+                paths.staged.post(cx, self.slot, &carried, timeout)
+            });
+            let posted = match posted {
+                Ok(posted) => posted,
+                Err(e) => {
+                    engine.post_ready(state);
+                    return Err(e);
+                }
+            };
+            let id = planned.map(|work| {
+                let deadline = now.checked_add(timeout).map(|at| (at, timeout));
+                state
+                    .core
+                    .submit(work, Arc::clone(&cell), deadline, holds(&direct))
+            });
+            engine.post_ready(state);
+            (posted, id)
         };
-        batch.parts = vec![posted];
-        batch.fence.extend(staging::read_fence(&carried));
-        batch.fence.sort_unstable();
-        batch.fence.dedup();
-        Ok(batch)
+        let mut fence = gpu_reads(&direct);
+        fence.extend(staging::read_fence(&carried));
+        fence.sort_unstable();
+        fence.dedup();
+        let batch = match id {
+            Some(id) => {
+                self.deadline_added(now, timeout);
+                Batch {
+                    id: Some(id),
+                    ..Batch::of_cell(engine.clone(), cell)
+                }
+            }
+            None => {
+                cell.complete(Ok(()));
+                Batch::of_cell(engine.clone(), cell)
+            }
+        };
+        Ok(Batch {
+            fence,
+            parts: vec![posted],
+            ..batch
+        })
     }
 
     /// Sends any control message, as a peer of the engine's could: for
@@ -755,10 +796,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         offset: u64,
         descriptor: &MemoryDescriptor,
     ) -> Option<peer_copy::Publication> {
+        let owner = Arc::downgrade(&self.engine.shared.reactor);
         self.engine.with_paths(|paths, cx| {
             paths
                 .peer_copy
-                .publish(cx, self.slot, region, offset, descriptor)
+                .publish(cx, self.slot, region, offset, descriptor, owner)
         })
     }
 
@@ -800,4 +842,30 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         engine.ensure_own_driver();
         Ok(Some(Batch::of_cell(engine.clone(), cell)))
     }
+}
+
+/// The regions `transfers` move, one hold per distinct region in a row (a
+/// batch usually moves one region).
+fn holds<'a, V: Api>(transfers: &'a [Transfer<'a, V>]) -> impl Iterator<Item = Keep> + 'a {
+    transfers
+        .iter()
+        .enumerate()
+        .filter(|&(i, t)| i == 0 || !Arc::ptr_eq(&transfers[i - 1].local.inner, &t.local.inner))
+        .map(|(_, t)| Arc::clone(&t.local.inner) as Keep)
+}
+
+/// The GPUs `transfers` READ into over the NIC: fenced once the batch
+/// succeeded.
+fn gpu_reads<V: Api>(transfers: &[Transfer<'_, V>]) -> Vec<u32> {
+    let mut fence: Vec<u32> = transfers
+        .iter()
+        .filter(|t| t.op == Op::Read)
+        .filter_map(|t| match t.local.inner.location {
+            MemoryLocation::Gpu { ordinal } => Some(u32::from(ordinal)),
+            MemoryLocation::Host => None,
+        })
+        .collect();
+    fence.sort_unstable();
+    fence.dedup();
+    fence
 }

@@ -256,9 +256,20 @@ impl GrantUse {
 pub(super) struct CopyFence {
     revoked: AtomicBool,
     uses: AtomicUsize,
+    /// The owner's reactor: the last use's end wakes its revoke, which no
+    /// fd of the owner's announces.
+    owner: Weak<super::reactor::Reactor>,
 }
 
 impl CopyFence {
+    /// The fence of a grant of the engine whose reactor is `owner`.
+    pub(super) fn new(owner: Weak<super::reactor::Reactor>) -> Self {
+        Self {
+            owner,
+            ..Self::default()
+        }
+    }
+
     /// No batch queues anything more under the grant.
     fn revoke(&self) {
         self.revoked.store(true, Ordering::SeqCst);
@@ -291,7 +302,16 @@ impl FenceUse {
 
 impl Drop for FenceUse {
     fn drop(&mut self) {
-        self.0.uses.fetch_sub(1, Ordering::SeqCst);
+        // Revoked before the count fell (both sequentially consistent):
+        // the revoke either sees no use left when it looks, or is woken
+        // here to look again.
+        let left = self.0.uses.fetch_sub(1, Ordering::SeqCst) - 1;
+        if left == 0
+            && self.0.is_revoked()
+            && let Some(owner) = self.0.owner.upgrade()
+        {
+            owner.wake();
+        }
     }
 }
 
@@ -446,6 +466,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
         region: &Region<V>,
         offset: u64,
         descriptor: &MemoryDescriptor,
+        owner: Weak<super::reactor::Reactor>,
     ) -> Option<Publication> {
         let MemoryLocation::Gpu { ordinal } = region.inner.location else {
             return None;
@@ -458,7 +479,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
                 let here = self.here?;
                 let key = (cx.res.id, descriptor.grant);
                 let keep: Keep = Arc::clone(&region.inner) as Keep;
-                let fence = Arc::new(CopyFence::default());
+                let fence = Arc::new(CopyFence::new(owner));
                 published().insert(
                     key,
                     Published {

@@ -141,9 +141,10 @@ impl Engine {
     /// staged copies): it parks on the engine's fds while nothing happens.
     /// Dropping the [`Driver`] stops it. Without one, [`Batch::wait`]
     /// drives in the caller's thread and an awaited batch starts the
-    /// engine's own thread.
-    pub fn spawn_driver(&self) -> Driver {
-        self.inner.spawn_driver()
+    /// engine's own thread. A thread the OS refuses is
+    /// `EngineError::Unavailable` ([`crate::engine::Unavailable::Os`]).
+    pub fn spawn_driver(&self) -> Result<Driver, Error> {
+        Ok(self.inner.spawn_driver()?)
     }
 
     /// Drives the engine from the current tokio runtime (a task awaiting
@@ -242,8 +243,10 @@ impl Listener {
         self.inner.local_addr()
     }
 
-    /// Waits up to `timeout` for a peer to connect.
-    pub fn accept(&mut self, timeout: Duration) -> Result<Peer, Error> {
+    /// Waits up to `timeout` for a peer to connect. Threads may accept on
+    /// one listener at once: each waits on its own, and a peer goes to
+    /// one of them.
+    pub fn accept(&self, timeout: Duration) -> Result<Peer, Error> {
         let inner: Arc<dyn DynPeer> = self.inner.accept(timeout)?.into();
         Ok(Peer {
             engine: inner.engine_id(),
@@ -565,7 +568,7 @@ pub(super) trait DynEngine: Send + Sync {
     fn connect(&self, addr: SocketAddr, timeout: Duration)
     -> Result<Box<dyn DynPeer>, EngineError>;
     fn fence_inbound_writes(&self, region: &dyn DynRegion) -> Result<Fence, Error>;
-    fn spawn_driver(&self) -> Driver;
+    fn spawn_driver(&self) -> Result<Driver, EngineError>;
     fn progress(&self) -> usize;
     fn cache_stats(&self, nic: usize) -> Option<crate::cache::CacheStats>;
     #[cfg(all(feature = "tokio", not(loom)))]
@@ -582,9 +585,9 @@ pub(super) trait DynRegion: Send + Sync {
     fn as_any(&self) -> &dyn Any;
 }
 
-pub(super) trait DynListener: Send {
+pub(super) trait DynListener: Send + Sync {
     fn local_addr(&self) -> SocketAddr;
-    fn accept(&mut self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError>;
+    fn accept(&self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError>;
 }
 
 pub(super) trait DynPeer: Send + Sync {
@@ -699,7 +702,7 @@ impl<V: Api, C: hal_cuda::Api> DynEngine for EngineOf<V, C> {
         )?)
     }
 
-    fn spawn_driver(&self) -> Driver {
+    fn spawn_driver(&self) -> Result<Driver, EngineError> {
         EngineOf::spawn_driver(self)
     }
 
@@ -750,7 +753,7 @@ impl<V: Api, C: hal_cuda::Api> DynListener for EngineListener<V, C> {
         EngineListener::local_addr(self)
     }
 
-    fn accept(&mut self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError> {
+    fn accept(&self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError> {
         Ok(Box::new(EngineListener::accept(self, timeout)?))
     }
 }

@@ -13,7 +13,7 @@
 //! let (a, b) = (Context::open(BackendChoice::Sim)?, Context::open(BackendChoice::Sim)?);
 //! let (server, client) = (a.engine(EngineConfig::default())?, b.engine(EngineConfig::default())?);
 //! let nic = server.nics()[0].clone();
-//! let mut listener = server.listen((server.nic_address(&nic)?, 0).into())?;
+//! let listener = server.listen((server.nic_address(&nic)?, 0).into())?;
 //! let addr = listener.local_addr();
 //! let accepting = std::thread::spawn(move || listener.accept(Duration::from_secs(5)));
 //! let peer = client.connect(addr, Duration::from_secs(5))?;

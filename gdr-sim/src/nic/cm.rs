@@ -19,7 +19,11 @@
 //! on the virtual clock while it is [`ClockMode::Manual`], where only
 //! [`SimClock::advance`](super::SimClock::advance) ends a wait with its
 //! timeout (see the [clock](super::clock) docs). What rdma_cm does is mirrored: nobody listening is
-//! retried until [`ConnectParams::timeout`], then [`VerbsError::Timeout`];
+//! retried until [`ConnectParams::timeout`], then [`VerbsError::Timeout`], but for at most
+//! [`LISTENER_WINDOW`]: the fabric is this process's own, so a listener that has not come by then
+//! (one of another process, which the simulation never reaches) fails the connect with
+//! [`VerbsError::NotListeningInSimulation`] instead of the whole timeout (as is
+//! `route_device` at once for an address no device of the fabric has);
 //! a reject (or a request dropped unanswered) is
 //! [`VerbsError::ConnectionRejected`] with status 28 at once; private data
 //! over the limits, a PD of another device than the one the address picks,
@@ -47,6 +51,12 @@ use super::{SimCq, SimFabric, SimPd, SimQp, SimVerbsApi};
 
 /// IB CM reject reason of a reject by the peer's application.
 const REJ_CONSUMER_DEFINED: i32 = 28;
+/// How long a connect waits for a listener at the peer's address before it
+/// fails with [`VerbsError::NotListeningInSimulation`] (when its timeout is
+/// longer): time for a listener started a moment after the connect (a
+/// server thread coming up), not for one of another process, which the
+/// simulation never reaches.
+pub const LISTENER_WINDOW: Duration = Duration::from_secs(1);
 /// First port handed out for port 0 and for connecting sides.
 const FIRST_EPHEMERAL_PORT: u16 = 20_000;
 
@@ -515,10 +525,12 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
         let peer = ipv4(OP, peer)?;
         let state = self.fabric.lock();
         if device_by_ip(&state, peer).is_none() {
-            return Err(VerbsError::Timeout {
-                operation: OP,
+            // No device of this process's fabric has it: nobody here will
+            // ever listen there (another process's fabric is not reached).
+            tracing::info!(%peer, "sim: no simulated device has this address");
+            return Err(VerbsError::NotListeningInSimulation {
+                peer: peer.to_string(),
                 waited: Duration::ZERO,
-                detail: format!("no simulated device has address {peer}"),
             });
         }
         let device = route(&state, self.node, peer, None, OP)?;
@@ -591,12 +603,13 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
         const OP: &str = "rdma_connect";
         params.validate(OP, private_data, MAX_CONNECT_PRIVATE_DATA)?;
         let peer_ip = ipv4(OP, peer.ip())?;
-        let (device, deadline) = {
+        let (device, deadline, window) = {
             let state = self.fabric.lock();
             let deadline = CmDeadline::new(&state, params.timeout);
+            let window = CmDeadline::new(&state, params.timeout.min(LISTENER_WINDOW));
             let device = route(&state, self.node, peer_ip, params.source, OP)?;
             check_pd(&state, &self.fabric, pd, device, OP)?;
-            (device, deadline)
+            (device, deadline, window)
         };
         let generation = self.aborts.load(std::sync::atomic::Ordering::SeqCst);
         let mut attempts = 0u32;
@@ -613,6 +626,7 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
             // Wait for a listener, then queue the request.
             let request = {
                 let mut state = self.fabric.lock();
+                // `Err(true)`: nobody listened within the window.
                 loop {
                     let server_device = device_by_ip(&state, peer_ip);
                     let key = server_device.and_then(|d| {
@@ -648,7 +662,7 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                         if let Some(l) = state.cm.listeners.get_mut(&key) {
                             l.queue.push_back(id);
                         }
-                        break Some(id);
+                        break Ok(id);
                     }
                     last = if server_device.is_none() {
                         format!("address resolution: no device has {peer_ip}")
@@ -659,21 +673,35 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                     // is seen here or wakes the wait.
                     if self.aborted_since(generation) {
                         last = ABORTED.into();
-                        break None;
+                        break Err(false);
                     }
-                    let (guard, late) = self.fabric.cm_wait(state, deadline);
+                    let (guard, late) = self.fabric.cm_wait(state, window);
                     state = guard;
                     if late {
-                        break None;
+                        // Past the window but not the timeout: nobody of
+                        // this process's fabric came to listen.
+                        break Err(!deadline.passed(&state));
                     }
                 }
             };
-            let Some(request) = request else {
-                return Err(VerbsError::Timeout {
-                    operation: OP,
-                    waited: deadline.waited(&self.fabric.lock()),
-                    detail: format!("{attempts} attempt(s); last: {last}"),
-                });
+            let request = match request {
+                Ok(request) => request,
+                Err(true) => {
+                    let state = self.fabric.lock();
+                    let waited = window.waited(&state);
+                    tracing::info!(%peer, ?waited, %last, "sim: nobody of this process listens");
+                    return Err(VerbsError::NotListeningInSimulation {
+                        peer: peer.to_string(),
+                        waited,
+                    });
+                }
+                Err(false) => {
+                    return Err(VerbsError::Timeout {
+                        operation: OP,
+                        waited: deadline.waited(&self.fabric.lock()),
+                        detail: format!("{attempts} attempt(s); last: {last}"),
+                    });
+                }
             };
             self.fabric.cm_notify();
             let (server, peer_private, conn) =

@@ -113,7 +113,7 @@ use crate::faults::FaultPlan;
 use state::FabricState;
 
 pub use clock::{ClockMode, SimClock, ack_timeout, rnr_nak_timer};
-pub use cm::{SimCm, SimConnectRequest, SimConnection, SimListener};
+pub use cm::{LISTENER_WINDOW, SimCm, SimConnectRequest, SimConnection, SimListener};
 pub use events::SimCompChannel;
 pub use mr::{SimMr, SimPd};
 pub use qp::{SimCq, SimQp};
