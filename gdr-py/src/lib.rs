@@ -263,7 +263,7 @@ impl Engine {
         let listener = self.engine.listen(addr).map_err(|e| raise_error(py, &e))?;
         Ok(Listener {
             addr: listener.local_addr(),
-            listener: Mutex::new(listener),
+            listener,
         })
     }
 
@@ -481,8 +481,9 @@ impl Region {
 #[pyclass(module = "gdr._gdr", frozen)]
 struct Listener {
     addr: SocketAddr,
-    /// One accept at a time.
-    listener: Mutex<gdr_core::Listener>,
+    /// Accepts from several threads at once wait side by side (no lock
+    /// is held across an accept's wait).
+    listener: gdr_core::Listener,
 }
 
 #[pymethods]
@@ -497,12 +498,7 @@ impl Listener {
     fn accept(&self, py: Python<'_>, timeout: f64) -> PyResult<Peer> {
         let timeout = seconds(timeout, "timeout")?;
         let peer = py
-            .detach(|| {
-                self.listener
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .accept(timeout)
-            })
+            .detach(|| self.listener.accept(timeout))
             .map_err(|e| raise_error(py, &e))?;
         Ok(Peer { peer })
     }

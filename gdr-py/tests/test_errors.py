@@ -318,3 +318,33 @@ def test_an_allocation_too_large_is_a_memory_error_not_an_abort() -> None:
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[:1500]}"
     assert "refused:" in done.stdout and done.stdout.rstrip().endswith("alive")
+
+
+def test_accepts_on_several_threads_wait_side_by_side() -> None:
+    # A second accept is not held behind the first one's wait (the
+    # listener held a lock across each accept: issue 33).
+    import threading
+    import time
+
+    server = gdr.Engine(backend="sim")
+    client = gdr.Engine(backend="sim")
+    listener = server.listen()
+    got: dict[str, object] = {}
+
+    def long_accept() -> None:
+        try:
+            got["peer"] = listener.accept(5.0)
+        except gdr.GdrError as error:
+            got["peer"] = error
+
+    waiting = threading.Thread(target=long_accept)
+    waiting.start()
+    time.sleep(0.2)  # the long accept is waiting now
+    start = time.monotonic()
+    with pytest.raises(gdr.Timeout):
+        listener.accept(0.1)
+    assert time.monotonic() - start < 2.0, "the short accept waited for the long one"
+    to_server = client.connect(listener.address, WAIT)
+    waiting.join()
+    assert isinstance(got["peer"], gdr.Peer), got
+    to_server.close()

@@ -476,7 +476,7 @@ fn gpu_memory_moves_where_the_nic_cannot_reach_the_gpu() {
         let (server, client) = (open(), open());
         let nic = server.nics()[0].clone();
         let ip = server.nic_address(&nic).expect("address");
-        let mut listener = server.listen((ip, 0).into()).expect("listen");
+        let listener = server.listen((ip, 0).into()).expect("listen");
         let addr = listener.local_addr();
         let accepting = std::thread::spawn(move || listener.accept(WAIT));
         let to_server = client.connect(addr, WAIT).expect("connect");
