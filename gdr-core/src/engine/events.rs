@@ -1,17 +1,19 @@
 //! The CUDA events the engine's progress records, made when the engine
-//! starts and recycled, so progress never has to create one.
+//! starts and recycled, so progress does not create (or destroy) one per
+//! copy.
 //!
 //! Why: on the real driver `cuMemFree`, `cuMemFreeHost` and
 //! `cuMemHostUnregister` wait for every stream of the context to drain, a
 //! stream held by a stream fence (`cuStreamWaitValue32` on the engine's
-//! word) included, and while one waits, other threads' `cuEventCreate` and
-//! `cuMemAlloc` block on a driver lock (measured on an H100, driver 580,
-//! `.device/lock_probe.cu` of issue 33). A fence is released by the
-//! engine's progress once its batch ended. Had that progress to create an
-//! event for a staging copy, any thread of the process freeing CUDA memory
-//! while the fence waited would deadlock both: the free waits for the
-//! fenced stream, the fence for the progress, the progress for the free's
-//! lock. Two engines' GPU tests in one process hung exactly so.
+//! word) included, and while one waits, other threads' `cuEventCreate`,
+//! `cuMemAlloc`, async copies and `cuEventRecord` block on a driver lock
+//! (measured on an H100, driver 580, `.device/lock_probe.cu` of issue 33;
+//! queries, stream memory operations and the GPUDirect flush do not).
+//! Creating events in progress was the first call that hung two engines'
+//! GPU tests in one process. A pool takes that call out of progress; the
+//! copies a staged batch still has to queue do not leave it, so a fence on
+//! a staged batch can still deadlock against a concurrent free (issue 33
+//! item 14, open: `sim_engine_fence`'s ignored test shows it).
 //!
 //! A [`PooledEvent`] goes back to its GPU's pool when dropped, whether its
 //! copy ended, failed or was abandoned (re-recording an event resets it).
