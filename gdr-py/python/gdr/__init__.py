@@ -32,6 +32,7 @@ from .errors import (
     GdrError,
     InvalidArgument,
     NotSupported,
+    OutOfMemory,
     PeerGone,
     Refused,
     Revoked,

@@ -1,7 +1,8 @@
 """gdr's exceptions: one hierarchy under :class:`GdrError`, mirroring the
 engine's typed errors. Each also derives from the builtin a Python caller
 already catches where one fits (``ValueError``, ``TimeoutError``,
-``ConnectionError``). The message is the Rust error's, with its cause.
+``ConnectionError``, ``MemoryError``). The message is the Rust error's,
+with its cause.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ __all__ = [
     "NotSupported",
     "Unavailable",
     "DeviceError",
+    "OutOfMemory",
     "Busy",
     "Timeout",
     "PeerGone",
@@ -45,6 +47,12 @@ class Unavailable(GdrError):
 
 class DeviceError(GdrError):
     """A verbs or CUDA call failed; the message keeps the native code."""
+
+
+class OutOfMemory(GdrError, MemoryError):
+    """Memory of that size could not be allocated (host memory the
+    allocator refuses, pinned or device memory CUDA refuses). Nothing was
+    allocated; the process goes on."""
 
 
 class Busy(GdrError):
