@@ -252,7 +252,10 @@ fn prove_kind(pair: &Pair, gpu: Option<u32>, size: usize) -> Result<(), Box<dyn 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            // The backends' fallback warning is the library's: the command
+            // prints its notes itself.
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,gdr_core::backend=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -54,7 +54,8 @@ use hal_verbs::rdma::{RdmaApi, RdmaProvider};
 pub enum BackendChoice {
     /// Real hardware where it is found (a loadable library with a device),
     /// the simulation otherwise; each fallback is explained in
-    /// [`Backends::notes`].
+    /// [`Backends::notes`], and the first of a process is a `tracing`
+    /// warning.
     #[default]
     Auto,
     /// Real verbs, or [`BackendError::Verbs`]; real CUDA where there is a
@@ -433,6 +434,38 @@ fn sim_gpu(host_visible: bool) -> SimCuda {
     )
 }
 
+/// Tells, once per process, that [`BackendChoice::Auto`] fell back to the
+/// simulation: a program meant for real hardware would otherwise run on a
+/// simulated NIC or GPU without a word (each context's notes keep every
+/// fallback's reason; this says it where logs are read).
+#[cfg(feature = "sim")]
+fn warn_fallback_once(nic: bool, notes: &[String]) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if WARNED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let why = notes
+        .iter()
+        .map(|n| n.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect::<Vec<_>>()
+        .join("; ");
+    if nic {
+        tracing::warn!(
+            %why,
+            "backend auto fell back to the simulation (gdr-sim): nothing moved over its \
+             simulated NIC leaves this process; BackendChoice::Real (backend=\"real\") fails \
+             instead (told once per process)"
+        );
+    } else {
+        tracing::warn!(
+            %why,
+            "backend auto fell back to the simulation (gdr-sim) for the GPU: its GPU memory is \
+             simulated host memory (told once per process)"
+        );
+    }
+}
+
 /// Chooses backends as `choice` says and runs `task` on them, compiled once
 /// for each combination the enabled features allow: real verbs and real
 /// CUDA, real verbs and the simulated GPU (host-visible, standing in for
@@ -443,6 +476,12 @@ pub fn run_with<T: BackendTask>(choice: BackendChoice, task: T) -> Result<T::Out
     let mut notes = Vec::new();
     let verbs = pick_verbs(choice, &mut notes)?;
     let cuda = pick_cuda(choice, &mut notes);
+    #[cfg(feature = "sim")]
+    if choice == BackendChoice::Auto
+        && (matches!(verbs, VerbsPick::Sim) || matches!(cuda, CudaPick::Sim))
+    {
+        warn_fallback_once(matches!(verbs, VerbsPick::Sim), &notes);
+    }
     let _span = tracing::debug_span!("backends", ?choice).entered();
     Ok(match (verbs, cuda) {
         #[cfg(all(feature = "rdma", feature = "cuda"))]

@@ -121,18 +121,39 @@ unsafe impl Send for HostAllocation {}
 unsafe impl Sync for HostAllocation {}
 
 impl HostAllocation {
-    fn zeroed(len: usize) -> Self {
+    /// `len` zeroed bytes, or the allocator's refusal as an error (never
+    /// its failure handler, which aborts the process).
+    fn zeroed(len: u64) -> Result<Self, HostAllocError> {
         // Page alignment: an MR covers whole pages anyway, and two buffers
         // then never share a page.
-        let layout = Layout::from_size_align(len.max(1), 4096)
-            .unwrap_or_else(|_| panic!("{len} bytes is not an allocatable size"));
+        let layout = usize::try_from(len.max(1))
+            .ok()
+            .and_then(|size| Layout::from_size_align(size, 4096).ok())
+            .ok_or(HostAllocError::TooLarge { len })?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(ptr) else {
-            std::alloc::handle_alloc_error(layout)
-        };
-        Self { ptr, layout }
+        let ptr = NonNull::new(ptr).ok_or(HostAllocError::OutOfMemory { len })?;
+        Ok(Self { ptr, layout })
     }
+}
+
+/// Why host memory could not be allocated ([`Buffer::try_alloc_host`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HostAllocError {
+    /// More than the address space can hold (over `isize::MAX` bytes).
+    #[error("{len} bytes is not an allocatable size")]
+    TooLarge {
+        /// The size asked for.
+        len: u64,
+    },
+    /// The allocator refused it (out of memory, or past what the process
+    /// may map).
+    #[error("{len} bytes of host memory could not be allocated (out of memory)")]
+    OutOfMemory {
+        /// The size asked for.
+        len: u64,
+    },
 }
 
 impl Drop for HostAllocation {
@@ -365,13 +386,25 @@ impl<C: hal_cuda::Api> Buffer<C> {
     ///
     /// # Panics
     /// When `len` is not an allocatable size (more than `isize::MAX`
-    /// bytes); aborts when the allocator is out of memory.
+    /// bytes); aborts when the allocator is out of memory. For a size a
+    /// caller chose, use [`Buffer::try_alloc_host`].
     pub fn alloc_host(len: u64) -> Self {
-        let size = usize::try_from(len)
-            .unwrap_or_else(|_| panic!("{len} bytes is not an allocatable size"));
-        let memory = HostAllocation::zeroed(size);
+        match Self::try_alloc_host(len) {
+            Ok(buffer) => buffer,
+            Err(e @ HostAllocError::TooLarge { .. }) => panic!("{e}"),
+            Err(HostAllocError::OutOfMemory { .. }) => std::alloc::handle_alloc_error(
+                Layout::from_size_align(len as usize, 4096).unwrap_or(Layout::new::<u8>()),
+            ),
+        }
+    }
+
+    /// `len` zeroed bytes of ordinary host memory, page-aligned; an error,
+    /// the process alive, when the size does not fit the address space or
+    /// the allocator refuses it.
+    pub fn try_alloc_host(len: u64) -> Result<Self, HostAllocError> {
+        let memory = HostAllocation::zeroed(len)?;
         let addr = memory.ptr.as_ptr() as u64;
-        Self::new(Memory::Host(memory), addr, len, None)
+        Ok(Self::new(Memory::Host(memory), addr, len, None))
     }
 
     /// `len` bytes of pinned host memory.

@@ -58,6 +58,11 @@
 //!
 //! use gdr_core::prelude::*;
 //!
+//! # // The facade needs a backend feature: `sim` here (`cargo test -p
+//! # // gdr-core` alone builds none, and this example is then a no-op).
+//! # #[cfg(not(feature = "sim"))]
+//! # fn main() {}
+//! # #[cfg(feature = "sim")]
 //! fn main() -> Result<(), Box<dyn std::error::Error>> {
 //!     let wait = Duration::from_secs(5);
 //!     let server = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;

@@ -471,7 +471,9 @@ pub unsafe extern "C" fn gdr_gpudirect_available(
 
 /// Allocates `size` bytes of `memory` (host, pinned host, or device
 /// memory of GPU `device`; `device` is ignored for host memory) and writes
-/// the buffer's handle to `out`. Any thread.
+/// the buffer's handle to `out`. Any thread. Memory that cannot be had
+/// (the allocator or CUDA refuses the size) is
+/// `GDR_RESULT_OUT_OF_RESOURCES`, nothing written to `out`.
 ///
 /// # Safety
 /// `out` valid for a write.

@@ -303,7 +303,7 @@ impl From<&gdr_core::Error> for GdrResult {
             // A buffer being freed by another thread meanwhile.
             Error::Released => Self::InvalidHandle,
             Error::NoGpu { .. } | Error::NeedsGpu { .. } | Error::NoNic { .. } => Self::NoDevice,
-            Error::SimFabricFull => Self::OutOfResources,
+            Error::SimFabricFull | Error::OutOfMemory { .. } => Self::OutOfResources,
             Error::StreamCopiesPending { .. } | Error::StillRegistered => Self::Busy,
             _ => Self::Other,
         }

@@ -5,7 +5,7 @@
 
 use gdr_core::engine::{EngineError, NotAccepted};
 use gdr_core::ladder::LadderError;
-use gdr_core::{Error, TransferError};
+use gdr_core::{CudaError, Error, TransferError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -65,6 +65,7 @@ pub(crate) fn raise_error(py: Python<'_>, error: &Error) -> PyErr {
         Error::NoGpu { .. } | Error::NeedsGpu { .. } | Error::NoNic { .. } => "Unavailable",
         Error::Unsupported(_) => "NotSupported",
         Error::Ladder(LadderError::ReadOnly { .. }) => "InvalidArgument",
+        Error::OutOfMemory { .. } | Error::Cuda(CudaError::OutOfMemory { .. }) => "OutOfMemory",
         Error::Verbs(_) | Error::Cuda(_) | Error::Ladder(_) => "DeviceError",
         Error::StreamCopiesPending { .. } | Error::StillRegistered => "Busy",
         Error::Uri(_)

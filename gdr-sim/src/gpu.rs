@@ -622,6 +622,21 @@ fn unmapped_reason(addr: u64) -> String {
     }
 }
 
+/// The machine's memory in bytes (`u64::MAX` where unknown).
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf reads constants of the system; no memory is passed.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    match (u64::try_from(pages), u64::try_from(page)) {
+        (Ok(pages), Ok(page)) if pages > 0 && page > 0 => pages.saturating_mul(page),
+        _ => u64::MAX,
+    }
+}
+
 fn check_alive(gpu: &SimGpu, operation: &'static str) -> Result<()> {
     if gpu.lost.load(Ordering::SeqCst) {
         Err(CudaError::DeviceLost {
@@ -768,9 +783,25 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
                 "zero-length allocation",
             ));
         }
-        let mut map = MmapMut::map_anon(len).map_err(|e| CudaError::Os {
-            operation: "mmap",
-            errno: e.raw_os_error().unwrap_or(libc::ENOMEM),
+        // cuMemHostAlloc page-locks what it returns, so never more than the
+        // machine's memory (the sim's mapping would only fail when touched,
+        // with overcommit); the kernel's refusal is what it reports as
+        // CUDA_ERROR_OUT_OF_MEMORY too.
+        if len as u64 > physical_memory() {
+            return Err(CudaError::OutOfMemory {
+                operation: "cuMemHostAlloc",
+                code: Some(2),
+            });
+        }
+        let mut map = MmapMut::map_anon(len).map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOMEM) | None => CudaError::OutOfMemory {
+                operation: "cuMemHostAlloc",
+                code: Some(2),
+            },
+            Some(errno) => CudaError::Os {
+                operation: "mmap",
+                errno,
+            },
         })?;
         // cuMemHostAlloc does not zero what it returns (the driver recycles
         // freed pinned memory): neither does the sim, so code that relies on

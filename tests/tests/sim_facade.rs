@@ -339,6 +339,43 @@ fn bad_sizes_ranges_and_devices_are_refused_with_what_was_wrong() {
     assert!(matches!(context.open_uri(&uri), Err(Error::Cuda(_))));
 }
 
+/// Sizes the allocator refuses (64 TiB: past any machine's memory and
+/// swap) are errors, the process alive (they were the allocator's abort),
+/// and the next allocation works. Pinned memory, which CUDA page-locks,
+/// is refused as CUDA refuses it.
+#[test]
+fn sizes_the_allocator_refuses_are_out_of_memory_errors_not_aborts() {
+    const HUGE: u64 = 1 << 46;
+    let context = Context::open(BackendChoice::Sim).expect("context");
+    let refused = context.alloc_host(HUGE);
+    assert!(
+        matches!(
+            refused,
+            Err(Error::OutOfMemory {
+                what: "host memory",
+                size: HUGE
+            })
+        ),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        context.alloc_host(u64::MAX),
+        Err(Error::BadSize { size: u64::MAX, .. })
+    ));
+    let refused = context.alloc_pinned(HUGE);
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Cuda(gdr_core::CudaError::OutOfMemory { .. }))
+        ),
+        "{refused:?}"
+    );
+    let buffer = context.alloc_host(4096).expect("memory after the refusals");
+    buffer.copy_from_host(0, &[7; 4096]).expect("copy in");
+    assert_eq!(buffer.to_vec().expect("copy out"), vec![7; 4096]);
+    assert!(context.alloc_pinned(4096).is_ok(), "pinned memory after");
+}
+
 #[test]
 fn a_revoked_grant_refuses_the_peers_next_request() {
     let w = WriteWorld::new(5);

@@ -247,26 +247,11 @@ async fn drive<V: Api, C: hal_cuda::Api>(
     let mut members = Vec::new();
     loop {
         let round = step(&weak, &holds, |engine| {
-            // (Progress that handled something tells the followers.)
-            let handled = Parkable::progress(engine);
-            // What changes after this (another thread's progress, a wake)
-            // keeps the park from happening.
-            let looked = reactor.changes();
-            match spin.next(handled, || engine.polls()) {
-                Next::Park { polls: false } => {
-                    let now = engine.now();
-                    match reactor.park_begin(engine, None, now, false, looked, &mut fds) {
-                        None => Round::Again,
-                        Some(until) => {
-                            epoll.get_ref().sync(&mut members, &fds);
-                            Round::Park(until.map(|u| u.saturating_duration_since(now)))
-                        }
-                    }
-                }
-                // The spin, and work only polling sees: look again once
-                // the tasks waiting on this worker have run.
-                Next::Spin | Next::Yield | Next::Park { polls: true } => Round::Yield,
+            let round = lead_round(engine, &holds, &reactor, &mut spin, &mut fds);
+            if let Round::Park(_) = round {
+                epoll.get_ref().sync(&mut members, &fds);
             }
+            round
         });
         match round {
             Stepped::Closed => return,
@@ -290,7 +275,45 @@ async fn drive<V: Api, C: hal_cuda::Api>(
     }
 }
 
+/// One round of the task's lead, inside a step: progress, then spin or
+/// park. A park's fds are in `fds` (the reactor's `park_begin`).
+fn lead_round<V: Api, C: hal_cuda::Api>(
+    engine: &Engine<V, C>,
+    holds: &InternalHolds,
+    reactor: &Reactor,
+    spin: &mut Spin,
+    fds: &mut Vec<RawFd>,
+) -> Round {
+    // (Progress that handled something tells the followers.)
+    let handled = Parkable::progress(engine);
+    // What changes after this (another thread's progress, a wake) keeps
+    // the park from happening.
+    let looked = reactor.changes();
+    // The task's `done` (a thread's wait looks at its own here): the last
+    // handle closing the engine. Its nudge before `looked` wrote no
+    // eventfd (nobody was parked), and its close may take the write guard
+    // as soon as this step ends, with no nudge after: a park now would
+    // never be woken (seen in CI: a task outlived its engine). Looked at
+    // after `looked`: a close set later nudges a park this round makes.
+    if holds.closing.load(Ordering::SeqCst) {
+        return Round::Yield;
+    }
+    match spin.next(handled, || engine.polls()) {
+        Next::Park { polls: false } => {
+            let now = engine.now();
+            match reactor.park_begin(engine, None, now, false, looked, fds) {
+                None => Round::Again,
+                Some(until) => Round::Park(until.map(|u| u.saturating_duration_since(now))),
+            }
+        }
+        // The spin, and work only polling sees: look again once the tasks
+        // waiting on this worker have run.
+        Next::Spin | Next::Yield | Next::Park { polls: true } => Round::Yield,
+    }
+}
+
 /// What a round of the task's lead asks for next.
+#[derive(Debug)]
 enum Round {
     /// Work came as it was about to park: a round at once.
     Again,
@@ -469,5 +492,49 @@ impl Epoll {
         } else {
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+
+    use super::*;
+    use crate::engine::EngineConfig;
+
+    /// More rounds than an idle engine's spin takes to park.
+    const ROUNDS: usize = 100_000;
+
+    /// A round of the task's lead that began before the last handle's drop
+    /// set `closing` and nudged (the step's entry saw neither; the nudge
+    /// wrote no eventfd, nobody being parked) never parks: the drop may
+    /// close the engine as soon as the step ends, with no nudge after, and
+    /// nothing would wake the park (a task outlived its engine in CI).
+    #[test]
+    fn a_round_never_parks_once_the_last_handle_is_closing() {
+        let fabric = SimFabric::new();
+        let node = fabric.add_node("a", NodeConfig::default());
+        let engine =
+            Engine::<SimVerbsApi, SimCudaApi>::new(&node, None, EngineConfig::default()).unwrap();
+        let (holds, reactor) = (&engine.shared.holds, &engine.shared.reactor);
+        let mut fds = Vec::new();
+        let mut round = |spin: &mut Spin| lead_round(&engine, holds, reactor, spin, &mut fds);
+        // An idle engine's rounds spin, then park.
+        let mut spin = Spin::default();
+        let parked = (0..ROUNDS).find(|_| matches!(round(&mut spin), Round::Park(_)));
+        assert!(parked.is_some(), "an idle engine's round never parked");
+        reactor.unpark();
+        // The drop's first moves, while the step is under way.
+        holds.closing.store(true, Ordering::SeqCst);
+        reactor.nudge();
+        let mut spin = Spin::default();
+        for i in 0..ROUNDS {
+            let r = round(&mut spin);
+            assert!(
+                !matches!(r, Round::Park(_)),
+                "round {i} parked while the engine closes: nothing would wake it"
+            );
+        }
+        holds.closing.store(false, Ordering::SeqCst);
     }
 }

@@ -15,7 +15,7 @@ use super::engine::{DynEngine, Engine};
 use super::stream::{Stream, StreamOf};
 use super::{Error, Unsupported};
 use crate::backend::{BackendChoice, BackendTask, Backends, run_with};
-use crate::buffer::{Access, Buffer as BufferOfC};
+use crate::buffer::{Access, Buffer as BufferOfC, HostAllocError};
 use crate::engine::{Engine as EngineOf, EngineConfig};
 use crate::ladder::{Gpu, Ladder, Policy, Rung};
 use crate::uri::BufferUri;
@@ -393,7 +393,13 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
             return Err(Error::BadSize { what: "size", size });
         }
         let buffer = match kind {
-            MemoryKind::Host => BufferOfC::<C>::alloc_host(size),
+            MemoryKind::Host => BufferOfC::<C>::try_alloc_host(size).map_err(|e| match e {
+                HostAllocError::OutOfMemory { .. } => Error::OutOfMemory {
+                    what: "host memory",
+                    size,
+                },
+                _ => Error::BadSize { what: "size", size },
+            })?,
             MemoryKind::Pinned => {
                 let gpu = self.0.any_gpu().ok_or(Error::NeedsGpu {
                     what: "pinned memory",

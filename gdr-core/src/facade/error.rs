@@ -80,6 +80,18 @@ pub enum Error {
         /// The size given.
         size: u64,
     },
+    /// Memory of that size could not be allocated: the allocator refused it
+    /// (out of memory, or past what the process may map). Nothing was
+    /// allocated; the process goes on. (Pinned and device memory CUDA
+    /// refuses come as [`Error::Cuda`] with [`CudaError::OutOfMemory`],
+    /// its native code kept.)
+    #[error("{what}: {size} bytes could not be allocated (out of memory)")]
+    OutOfMemory {
+        /// What was being allocated.
+        what: &'static str,
+        /// The size asked for.
+        size: u64,
+    },
     /// A range falls outside the buffer it names.
     #[error("{what}: {len} bytes at offset {offset} exceed the buffer's {size} bytes")]
     OutOfRange {

@@ -115,6 +115,16 @@ static void buffers_and_uris(void) {
   EXPECT(gdr_buffer_alloc(a, 99, 0, 4096, &out), GDR_RESULT_INVALID_ARGUMENT);
   EXPECT(gdr_buffer_alloc(a, GDR_MEMORY_DEVICE, 9, 4096, &out), GDR_RESULT_NO_DEVICE);
   CHECK(out.id == 0, "no output on failure");
+  /* Sizes the allocator refuses (64 TiB): an error, the process alive
+   * (they were the allocator's abort), and the next allocation works. */
+  EXPECT(gdr_buffer_alloc(a, GDR_MEMORY_HOST, 0, 1ull << 46, &out), GDR_RESULT_OUT_OF_RESOURCES);
+  CHECK(strstr(last_error(), "out of memory") != NULL, "host: %s", last_error());
+  EXPECT(gdr_buffer_alloc(a, GDR_MEMORY_PINNED, 0, 1ull << 46, &out),
+         GDR_RESULT_OUT_OF_RESOURCES);
+  CHECK(out.id == 0, "no output on failure");
+  EXPECT(gdr_buffer_alloc(a, GDR_MEMORY_HOST, 0, 4096, &out), GDR_RESULT_OK);
+  EXPECT(gdr_buffer_free(out), GDR_RESULT_OK);
+  out.id = 0;
   EXPECT(gdr_buffer_open_uri(b, NULL, &out), GDR_RESULT_INVALID_ARGUMENT);
   EXPECT(gdr_buffer_wrap(a, 0, 4096, &out), GDR_RESULT_INVALID_ARGUMENT);
   gdr_options bogus;

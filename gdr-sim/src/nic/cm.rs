@@ -105,7 +105,9 @@ enum RequestState {
     Refused,
     /// The client confirmed (RTU).
     Established,
-    /// The client gave up (timeout or error).
+    /// One side gave up: the client (timeout, abort or error) or the
+    /// server (no confirmation in time). The other side removes the request
+    /// when it sees this.
     Abandoned,
 }
 
@@ -412,6 +414,39 @@ fn bring_up(
     })
 }
 
+/// Points where a unit test runs code on the calling thread, outside the
+/// fabric's lock: the windows in which the other side may give up.
+#[cfg(test)]
+pub(crate) mod hooks {
+    use std::cell::RefCell;
+    use std::thread::LocalKey;
+
+    /// A hook, taken by the first call that reaches its point.
+    pub(crate) type Hook = RefCell<Option<Box<dyn FnOnce()>>>;
+
+    thread_local! {
+        /// In `connect`, after the request is queued, before the client
+        /// looks for the server's answer.
+        pub(crate) static BEFORE_ANSWER: Hook = RefCell::new(None);
+        /// In `accept`, after the server's queue pair is up, before the
+        /// request is answered.
+        pub(crate) static BEFORE_ACCEPTED: Hook = RefCell::new(None);
+        /// In `connect`, after the client's queue pair is up, before it
+        /// confirms (RTU).
+        pub(crate) static BEFORE_CONFIRMED: Hook = RefCell::new(None);
+    }
+
+    pub(crate) fn set(hook: &'static LocalKey<Hook>, f: impl FnOnce() + 'static) {
+        hook.with(|h| *h.borrow_mut() = Some(Box::new(f)));
+    }
+
+    pub(crate) fn run(hook: &'static LocalKey<Hook>) {
+        if let Some(f) = hook.with(|h| h.borrow_mut().take()) {
+            f();
+        }
+    }
+}
+
 /// One simulated node's connection manager.
 #[derive(Debug, Clone)]
 pub struct SimCm {
@@ -457,6 +492,12 @@ impl SimCm {
                 RequestState::Refused => {
                     state.cm.requests.remove(&request);
                     return Err(Answer::Retry("the listener went away".into()));
+                }
+                // The server accepted, then gave up waiting for our
+                // confirmation before we saw its answer.
+                RequestState::Abandoned => {
+                    state.cm.requests.remove(&request);
+                    return Err(Answer::Retry("the server gave up waiting for us".into()));
                 }
                 _ => {}
             }
@@ -704,6 +745,8 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                 }
             };
             self.fabric.cm_notify();
+            #[cfg(test)]
+            hooks::run(&hooks::BEFORE_ANSWER);
             let (server, peer_private, conn) =
                 match self.await_answer(request, deadline, generation) {
                     Ok(answer) => answer,
@@ -734,6 +777,8 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                 self.fabric.cm_notify();
                 return Err(e);
             }
+            #[cfg(test)]
+            hooks::run(&hooks::BEFORE_CONFIRMED);
             let confirmed = {
                 let mut state = self.fabric.lock();
                 let local = match state.cm.requests.get_mut(&request) {
@@ -741,12 +786,19 @@ impl ConnectionManager<SimVerbsApi> for SimCm {
                         rec.state = RequestState::Established;
                         Some(rec.client_addr)
                     }
-                    _ => None,
+                    _ => {
+                        // The server gave up waiting for us in the meantime
+                        // (its accept has returned): nobody else is left to
+                        // remove the request or our end of the connection.
+                        state.cm.requests.remove(&request);
+                        state.cm.conns.remove(&conn);
+                        None
+                    }
                 };
                 local.map(|l| (l, state.devices[device].name.clone()))
             };
             let Some((local, device_name)) = confirmed else {
-                // The server gave up waiting for us in the meantime.
+                self.fabric.cm_notify();
                 return Err(VerbsError::Os {
                     operation: OP,
                     errno: libc::ECONNABORTED,
@@ -957,6 +1009,8 @@ impl ConnectRequest<SimVerbsApi> for SimConnectRequest {
         let rd = params.responder_resources;
         let init = params.initiator_depth;
         bring_up(&self.fabric, &qp, server, client, params, rd, init)?;
+        #[cfg(test)]
+        hooks::run(&hooks::BEFORE_ACCEPTED);
         let mut state = self.fabric.lock();
         let (client_conn, server_conn) = (state.next_id(), state.next_id());
         match state.cm.requests.get_mut(&self.id) {
@@ -969,6 +1023,10 @@ impl ConnectRequest<SimVerbsApi> for SimConnectRequest {
                 };
             }
             _ => {
+                // The client gave up since the check above (`abandon`
+                // leaves a taken request to the server): it is gone, and
+                // the request is this side's to remove.
+                state.cm.requests.remove(&self.id);
                 drop(state);
                 self.answered = true;
                 return Err(VerbsError::Os {
@@ -1019,6 +1077,9 @@ impl ConnectRequest<SimVerbsApi> for SimConnectRequest {
                 }
                 state.cm.disconnect(server_conn);
                 state.cm.conns.remove(&server_conn);
+                // The client's end too: it may never look again (it
+                // removes the request when it does).
+                state.cm.conns.remove(&client_conn);
                 let waited = deadline.waited(&state);
                 drop(state);
                 self.fabric.cm_notify();

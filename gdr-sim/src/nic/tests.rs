@@ -521,4 +521,5 @@ fn a_flush_completes_a_moving_transfer_once_its_bytes_landed() {
     assert_eq!(fabric.lock().copies.outside, 0);
 }
 
+mod cm_races;
 mod parked;
