@@ -516,17 +516,8 @@ pub unsafe extern "C" fn gdr_buffer_wrap(
     size: u64,
     out: *mut GdrBuffer,
 ) -> GdrResult {
-    ffi_boundary! {
-        let out = Out::new("out", out)?;
-        if addr == 0 {
-            return Err(FfiError::invalid("addr", "NULL"));
-        }
-        let owner = self::context(context)?;
-        // SAFETY: the caller's contract is wrap's.
-        let buffer = unsafe { owner.context.wrap(addr, size) }?;
-        // SAFETY: `out` checked; valid by the caller's contract.
-        unsafe { new_buffer(context, buffer, out) }
-    }
+    // SAFETY: the caller's contract is this function's.
+    unsafe { wrap_buffer(context, addr, size, out, false) }
 }
 
 /// Wraps `size` bytes at `addr` that the caller owns and that gdr must
@@ -545,6 +536,22 @@ pub unsafe extern "C" fn gdr_buffer_wrap_read_only(
     size: u64,
     out: *mut GdrBuffer,
 ) -> GdrResult {
+    // SAFETY: the caller's contract is this function's.
+    unsafe { wrap_buffer(context, addr, size, out, true) }
+}
+
+/// [`gdr_buffer_wrap`] (`read_only` false) and
+/// [`gdr_buffer_wrap_read_only`].
+///
+/// # Safety
+/// As for [`gdr_buffer_wrap`].
+unsafe fn wrap_buffer(
+    context: GdrContext,
+    addr: u64,
+    size: u64,
+    out: *mut GdrBuffer,
+    read_only: bool,
+) -> GdrResult {
     ffi_boundary! {
         let out = Out::new("out", out)?;
         if addr == 0 {
@@ -552,7 +559,13 @@ pub unsafe extern "C" fn gdr_buffer_wrap_read_only(
         }
         let owner = self::context(context)?;
         // SAFETY: the caller's contract is wrap's.
-        let buffer = unsafe { owner.context.wrap_read_only(addr, size) }?;
+        let buffer = unsafe {
+            if read_only {
+                owner.context.wrap_read_only(addr, size)
+            } else {
+                owner.context.wrap(addr, size)
+            }
+        }?;
         // SAFETY: `out` checked; valid by the caller's contract.
         unsafe { new_buffer(context, buffer, out) }
     }

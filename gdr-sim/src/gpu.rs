@@ -260,7 +260,7 @@ struct ProcessState {
     /// token, with their GPU: what `borrow_stream` may take.
     streams: Mutex<HashMap<usize, LiveStream>>,
     /// The driver's lock, as the real driver behaves (measured on an H100,
-    /// driver 580, issue 33: `.device/lock_probe.cu`): a free (`cuMemFree`,
+    /// driver 580, issue 33: `tests/gpu-probes/lock_probe.cu`): a free (`cuMemFree`,
     /// `cuMemFreeHost`, `cuMemHostUnregister`) holds it while it waits for
     /// every stream of the process to drain, value waits included, and
     /// other threads' `cuEventCreate`, `cuStreamCreate`, `cuMemAlloc`,

@@ -202,10 +202,9 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
     );
 }
 
-/// The same on the staging rung (as the H200's memory over the sim NIC):
-/// the READ goes through the pipeline's pool, the fence waits for its parts.
-#[test]
-fn a_stream_waits_for_a_staged_batch_too() {
+/// A world whose GPU memory takes the staging rung (as the H200's memory
+/// over the sim NIC).
+fn staged_world() -> EngineWorld<SimVerbsApi> {
     let config = EngineConfig {
         qps_per_peer: 2,
         default_timeout: T,
@@ -215,7 +214,14 @@ fn a_stream_waits_for_a_staged_batch_too() {
         },
         ..EngineConfig::default()
     };
-    let w = EngineWorld::sim(1, GpuConfig::default(), config, T);
+    EngineWorld::sim(1, GpuConfig::default(), config, T)
+}
+
+/// The same on the staging rung (as the H200's memory over the sim NIC):
+/// the READ goes through the pipeline's pool, the fence waits for its parts.
+#[test]
+fn a_stream_waits_for_a_staged_batch_too() {
+    let w = staged_world();
     let (batch, _stream, _event) = w.fenced_copy_after_a_held_read(1 << 20, 4);
     assert_eq!(batch.status(), Some(Ok(())));
 }
@@ -229,15 +235,6 @@ fn a_stream_waits_for_a_staged_batch_too() {
 #[test]
 #[ignore = "issue 33 item 14, open: a staged batch's fence deadlocks against a concurrent free"]
 fn a_free_while_a_fence_waits_does_not_deadlock_the_staged_batch() {
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        ladder: gdr_core::ladder::LadderConfig {
-            policy: gdr_core::ladder::Policy::Only(gdr_core::ladder::Rung::Staging),
-            ..Default::default()
-        },
-        ..EngineConfig::default()
-    };
-    let w = EngineWorld::sim(1, GpuConfig::default(), config, T);
+    let w = staged_world();
     w.fenced_read_while_another_thread_frees(1 << 20, 9);
 }

@@ -24,6 +24,13 @@ fn pair() -> (Engine, Peer, Engine, Peer) {
     let client = Context::open(BackendChoice::Sim)
         .and_then(|c| c.engine(EngineConfig::default()))
         .expect("client engine");
+    let (to_client, to_server) = connect(&server, &client);
+    (server, to_client, client, to_server)
+}
+
+/// Connects `client` to `server` listening on its first NIC: (the
+/// server's peer object, the client's).
+fn connect(server: &Engine, client: &Engine) -> (Peer, Peer) {
     let nic = server.nics()[0].clone();
     let ip = server.nic_address(&nic).expect("the sim NIC's address");
     let listener = server.listen((ip, 0).into()).expect("listen");
@@ -31,7 +38,7 @@ fn pair() -> (Engine, Peer, Engine, Peer) {
     let accepting = std::thread::spawn(move || listener.accept(WAIT));
     let to_server = client.connect(addr, WAIT).expect("connect");
     let to_client = accepting.join().expect("accept thread").expect("accept");
-    (server, to_client, client, to_server)
+    (to_client, to_server)
 }
 
 /// A pair with 4 KiB of the server's host memory granted for WRITE to the
@@ -511,13 +518,7 @@ fn gpu_memory_moves_where_the_nic_cannot_reach_the_gpu() {
                 .expect("engine")
         };
         let (server, client) = (open(), open());
-        let nic = server.nics()[0].clone();
-        let ip = server.nic_address(&nic).expect("address");
-        let listener = server.listen((ip, 0).into()).expect("listen");
-        let addr = listener.local_addr();
-        let accepting = std::thread::spawn(move || listener.accept(WAIT));
-        let to_server = client.connect(addr, WAIT).expect("connect");
-        let to_client = accepting.join().expect("accept thread").expect("accept");
+        let (to_client, to_server) = connect(&server, &client);
         let expected = if peer_copy {
             PeerCopyRoute::SameProcess
         } else {

@@ -7,7 +7,7 @@
 //! stream held by a stream fence (`cuStreamWaitValue32` on the engine's
 //! word) included, and while one waits, other threads' `cuEventCreate`,
 //! `cuMemAlloc`, async copies and `cuEventRecord` block on a driver lock
-//! (measured on an H100, driver 580, `.device/lock_probe.cu` of issue 33;
+//! (measured on an H100, driver 580, `tests/gpu-probes/lock_probe.cu`;
 //! queries, stream memory operations and the GPUDirect flush do not).
 //! Creating events in progress was the first call that hung two engines'
 //! GPU tests in one process. A pool takes that call out of progress; the
