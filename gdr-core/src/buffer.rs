@@ -557,7 +557,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     ///
     /// # Safety
     /// As for [`Buffer::wrap`].
-    unsafe fn wrap_as(
+    pub(crate) unsafe fn wrap_as(
         access: Access,
         context: Option<&C::Context>,
         addr: u64,

@@ -299,13 +299,7 @@ impl ProcessState {
             })
             .collect();
         for (queue, upto) in queued {
-            loop {
-                run_until(&queue, upto);
-                if lock(&queue).completed >= upto {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_micros(20));
-            }
+            drain(&queue, upto);
         }
         held
     }
@@ -1454,6 +1448,18 @@ struct StreamQueue {
     completed: u64,
 }
 
+/// Blocks, as the driver does, until `queue` ran its work up to sequence
+/// number `upto` (a value wait until a host thread releases it).
+fn drain(queue: &Mutex<StreamQueue>, upto: u64) {
+    loop {
+        run_until(queue, upto);
+        if lock(queue).completed >= upto {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(20));
+    }
+}
+
 /// Runs queued work of `queue` up to sequence number `upto`.
 fn run_until(queue: &Mutex<StreamQueue>, upto: u64) {
     loop {
@@ -1636,17 +1642,9 @@ impl hal_cuda::Stream<SimCudaApi> for SimStream {
 
     fn synchronize(&self) -> Result<()> {
         check_alive(&self.ctx.gpu, "cuStreamSynchronize")?;
-        // Blocks, as the driver does, until everything queued ran (a value
-        // wait until a host thread releases it).
-        loop {
-            run_until(&self.queue, u64::MAX);
-            let q = lock(&self.queue);
-            if q.completed >= q.enqueued {
-                return Ok(());
-            }
-            drop(q);
-            std::thread::sleep(std::time::Duration::from_micros(20));
-        }
+        let upto = lock(&self.queue).enqueued;
+        drain(&self.queue, upto);
+        Ok(())
     }
 
     /// An opaque token, not a `CUstream` (no CUDA API accepts it): the

@@ -420,12 +420,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
     ) -> Result<Box<dyn DynBuffer>, Error> {
         let gpu = self.0.any_gpu();
         // SAFETY: the caller's contract is Buffer::wrap's.
-        let buffer = unsafe {
-            match access {
-                Access::ReadWrite => BufferOfC::<C>::wrap(gpu, addr, size, None),
-                Access::ReadOnly => BufferOfC::<C>::wrap_read_only(gpu, addr, size, None),
-            }
-        }?;
+        let buffer = unsafe { BufferOfC::<C>::wrap_as(access, gpu, addr, size, None) }?;
         Ok(self.0.wrap_buffer(buffer))
     }
 

@@ -96,20 +96,24 @@ fn a_client_gone_while_the_server_accepts_leaves_no_request() {
     assert_eq!(cm_left(&fabric), (0, 0), "(requests, connections) left");
 }
 
-/// The server gives up waiting for the confirmation (its accept times
-/// out) after the client saw the answer, before it confirmed: the
-/// client's connect fails, and removes the request and its connection.
-#[test]
-fn a_server_gone_before_the_confirmation_leaves_nothing() {
+/// The server accepts, and its accept times out (100 ms) while the
+/// client's connect (`client_timeout`) is held at `hook` until then;
+/// returns the fabric, the listener (still listening) and what the
+/// connect returned.
+fn a_server_giving_up_at(
+    hook: &'static std::thread::LocalKey<hooks::Hook>,
+    port: u16,
+    client_timeout: Duration,
+) -> (SimFabric, SimListener, Result<SimConnection, VerbsError>) {
     let fabric = SimFabric::new();
     let (server, client) = (node(&fabric, "server"), node(&fabric, "client"));
-    let addr = SocketAddr::new(IpAddr::V4(server.verbs.device_ipv4("sim0").unwrap()), 7001);
+    let addr = SocketAddr::new(IpAddr::V4(server.verbs.device_ipv4("sim0").unwrap()), port);
     let listener = server.cm.listen(addr, 1).unwrap();
     let given_up = std::sync::Arc::new(AtomicBool::new(false));
-    std::thread::scope(|s| {
+    let connected = std::thread::scope(|s| {
         let done = std::sync::Arc::clone(&given_up);
         let c = s.spawn(|| {
-            hooks::set(&hooks::BEFORE_CONFIRMED, move || {
+            hooks::set(hook, move || {
                 until(&done, "the server's accept never timed out");
             });
             client.cm.connect(
@@ -117,7 +121,7 @@ fn a_server_gone_before_the_confirmation_leaves_nothing() {
                 &client.pd,
                 &client.cq,
                 &client.cq,
-                &params(Duration::from_secs(5)),
+                &params(client_timeout),
                 b"",
             )
         });
@@ -134,61 +138,38 @@ fn a_server_gone_before_the_confirmation_leaves_nothing() {
             "{accepted:?}"
         );
         given_up.store(true, Ordering::SeqCst);
-        let connected = c.join().unwrap();
-        assert!(
-            matches!(connected, Err(VerbsError::Os { errno, .. }) if errno == libc::ECONNABORTED),
-            "{connected:?}"
-        );
+        c.join().unwrap()
     });
+    (fabric, listener, connected)
+}
+
+/// The server gives up waiting for the confirmation (its accept times
+/// out) after the client saw the answer, before it confirmed: the
+/// client's connect fails, and removes the request and its connection.
+#[test]
+fn a_server_gone_before_the_confirmation_leaves_nothing() {
+    let (fabric, _listener, connected) =
+        a_server_giving_up_at(&hooks::BEFORE_CONFIRMED, 7001, Duration::from_secs(5));
+    assert!(
+        matches!(connected, Err(VerbsError::Os { errno, .. }) if errno == libc::ECONNABORTED),
+        "{connected:?}"
+    );
     assert_eq!(cm_left(&fabric), (0, 0), "(requests, connections) left");
 }
 
 /// The server accepts and gives up waiting for the confirmation before
 /// the client even looked for the answer: the client removes the
 /// abandoned request, tries again and, with nobody taking its next
-/// request, times out; nothing is left.
+/// request, times out; nothing is left (the retry's request, never taken,
+/// went when the client timed out).
 #[test]
 fn a_server_gone_before_the_client_saw_its_answer_leaves_nothing() {
-    let fabric = SimFabric::new();
-    let (server, client) = (node(&fabric, "server"), node(&fabric, "client"));
-    let addr = SocketAddr::new(IpAddr::V4(server.verbs.device_ipv4("sim0").unwrap()), 7002);
-    let listener = server.cm.listen(addr, 1).unwrap();
-    let given_up = std::sync::Arc::new(AtomicBool::new(false));
-    std::thread::scope(|s| {
-        let done = std::sync::Arc::clone(&given_up);
-        let c = s.spawn(|| {
-            hooks::set(&hooks::BEFORE_ANSWER, move || {
-                until(&done, "the server's accept never timed out");
-            });
-            client.cm.connect(
-                addr,
-                &client.pd,
-                &client.cq,
-                &client.cq,
-                &params(Duration::from_millis(500)),
-                b"",
-            )
-        });
-        let request = listener.next_request(Duration::from_secs(5)).unwrap();
-        let accepted = request.accept(
-            &server.pd,
-            &server.cq,
-            &server.cq,
-            &params(Duration::from_millis(100)),
-            b"",
-        );
-        assert!(
-            matches!(accepted, Err(VerbsError::Timeout { .. })),
-            "{accepted:?}"
-        );
-        given_up.store(true, Ordering::SeqCst);
-        let connected = c.join().unwrap();
-        assert!(
-            matches!(connected, Err(VerbsError::Timeout { .. })),
-            "{connected:?}"
-        );
-    });
-    // (The retry's request, never taken, went when the client timed out.)
+    let (fabric, listener, connected) =
+        a_server_giving_up_at(&hooks::BEFORE_ANSWER, 7002, Duration::from_millis(500));
+    assert!(
+        matches!(connected, Err(VerbsError::Timeout { .. })),
+        "{connected:?}"
+    );
     drop(listener);
     assert_eq!(cm_left(&fabric), (0, 0), "(requests, connections) left");
 }
