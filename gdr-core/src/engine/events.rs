@@ -101,9 +101,16 @@ impl<C: hal_cuda::Api> Drop for PooledEvent<C> {
         let (Some(event), Some(pool)) = (self.event.take(), self.pool.as_ref()) else {
             return;
         };
-        let mut free = lock(&pool.free);
-        if free.len() < KEPT_PER_GPU {
-            free.push(event);
-        }
+        let spare = {
+            let mut free = lock(&pool.free);
+            if free.len() < KEPT_PER_GPU {
+                free.push(event);
+                None
+            } else {
+                Some(event)
+            }
+        };
+        // Destroyed (a driver call) outside the pool's lock.
+        drop(spare);
     }
 }
