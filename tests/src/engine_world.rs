@@ -984,19 +984,33 @@ impl EngineWorld<SimVerbsApi> {
     }
 }
 
+/// Where a stream fence waits for its batch ([`gdr_core::engine::Batch::fence_stream`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceWait {
+    /// On the stream: the call returns at once and holds the stream (a
+    /// batch on a NIC's direct rungs).
+    Stream,
+    /// On the host: the call returns once the batch has ended and holds
+    /// nothing (a batch whose end needs CUDA calls, as a staged one).
+    Host,
+}
+
 impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     /// The stream-fence scenario: a READ of `len` bytes of b's host memory
     /// (holding `pattern(len, seed)`) into a's GPU memory, held on the
-    /// paused fabric; a stream of a's GPU fenced on it, and a copy of the
-    /// GPU memory into pinned memory queued after the fence. Checks that
-    /// the copy does not run while the batch is held; then resumes the
-    /// fabric, polls the copy's event (no thread waits on the batch: the
-    /// engine's own progress ends it) and checks the copy saw the data.
-    /// Returns the batch (ended) and its stream and event, for more.
+    /// paused fabric; a stream of a's GPU fenced on it (on another thread),
+    /// then a copy of the GPU memory into pinned memory queued after the
+    /// fence. Checks, while the batch is held, that the fence waits where
+    /// `waits` says (the copy queued but not run, or the fence call not
+    /// returned); then resumes the fabric, polls the copy's event (no
+    /// thread waits on the batch: the engine's own progress, or the fence
+    /// call, ends it) and checks the copy saw the data. Returns the batch
+    /// (ended) and its stream and event, for more.
     pub fn fenced_copy_after_a_held_read(
         &self,
         len: u64,
         seed: u8,
+        waits: FenceWait,
     ) -> (Batch<SimVerbsApi, C>, C::Stream, C::Event) {
         use hal_cuda::Event as _;
         let (_s, src) = self.b.host(len, seed);
@@ -1011,19 +1025,41 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
             .ab
             .submit(&[Transfer::read(&gpu_region, 0, &remote, 0, len)])
             .unwrap();
-        batch.fence_stream(&stream).unwrap();
-        // SAFETY: both ranges hold `len` bytes and outlive the stream's
-        // work (its event is waited for below).
-        unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize) }
-            .unwrap();
-        stream.record(&event).unwrap();
-        std::thread::sleep(Duration::from_millis(30));
-        assert!(
-            !event.is_complete().unwrap(),
-            "the copy after the fence ran before the batch ended (batch status now {:?})",
-            batch.status()
-        );
-        self.fabric().set_paused(false);
+        let (queued_tx, queued) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let fencing = scope.spawn(|| {
+                batch.fence_stream(&stream).unwrap();
+                // SAFETY: both ranges hold `len` bytes and outlive the
+                // stream's work (its event is waited for below).
+                unsafe {
+                    stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize)
+                }
+                .unwrap();
+                stream.record(&event).unwrap();
+                let _ = queued_tx.send(());
+            });
+            let held = Duration::from_millis(30);
+            match waits {
+                FenceWait::Stream => {
+                    queued
+                        .recv_timeout(self.timeout)
+                        .expect("the fence returned at once");
+                    std::thread::sleep(held);
+                    assert!(
+                        !event.is_complete().unwrap(),
+                        "the copy after the fence ran before the batch ended (batch status now {:?})",
+                        batch.status()
+                    );
+                }
+                FenceWait::Host => assert!(
+                    queued.recv_timeout(held).is_err(),
+                    "the fence returned before the batch ended (batch status now {:?})",
+                    batch.status()
+                ),
+            }
+            self.fabric().set_paused(false);
+            fencing.join().unwrap();
+        });
         let start = std::time::Instant::now();
         while !event.is_complete().unwrap() {
             assert!(start.elapsed() < self.timeout, "the stream never moved on");
@@ -1039,14 +1075,17 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
 
 impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     /// Two engines' GPU tests of one process hung on the H200 so (issue
-    /// 33): a stream fenced on a staged READ that the paused fabric holds,
-    /// and another thread freeing pinned memory meanwhile. On the real
-    /// driver (and on the simulated one, which now behaves alike) the free
-    /// waits for every stream, the fenced one included, holding the
-    /// driver's lock; the READ must still end (its progress may make no
-    /// event then), which lets the free return and the stream move on with
-    /// the data. A deadlock aborts the test binary with a message (the
-    /// stuck threads cannot be unwound).
+    /// 33 item 14): a stream fenced on a staged READ that the paused
+    /// fabric holds, and another thread freeing pinned memory meanwhile.
+    /// On the real driver (and on the simulated one, which behaves alike)
+    /// a free waits for every stream, a held one included, holding the
+    /// driver's lock, and the staged READ's copies wait behind that lock:
+    /// had the fence held the stream, neither would ever end. The fence of
+    /// a staged batch waits on the host instead ([`FenceWait::Host`]), so
+    /// the free returns while the batch is held, the fence returns once it
+    /// ended, and the copy queued after the fence sees the data. A
+    /// deadlock aborts the test binary with a message (the stuck threads
+    /// cannot be unwound).
     pub fn fenced_read_while_another_thread_frees(&self, len: u64, seed: u8) {
         use hal_cuda::Event as _;
         use std::io::Write as _;
@@ -1068,22 +1107,6 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         let out = Buffer::<C>::alloc_pinned(&ctx, len).unwrap();
         let freed_meanwhile = Buffer::<C>::alloc_pinned(&ctx, 4096).unwrap();
         let event = ctx.create_event().unwrap();
-        self.fabric().set_paused(true);
-        let batch = self.ab.submit(&read).unwrap();
-        batch.fence_stream(&stream).unwrap();
-        // SAFETY: both ranges hold `len` bytes and outlive the stream's
-        // work (its event is waited for below).
-        unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize) }
-            .unwrap();
-        stream.record(&event).unwrap();
-        let (freed_tx, freed) = std::sync::mpsc::channel();
-        let freeing = std::thread::spawn(move || {
-            drop(freed_meanwhile);
-            let _ = freed_tx.send(());
-        });
-        // The free is under way, waiting for the fenced stream.
-        std::thread::sleep(Duration::from_millis(50));
-        self.fabric().set_paused(false);
         let deadlocked = |what: &str| -> ! {
             // Straight to fd 2 (the harness captures only the print macros).
             let _ = writeln!(
@@ -1094,10 +1117,42 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
             );
             std::process::abort()
         };
-        if freed.recv_timeout(self.timeout).is_err() {
-            deadlocked("the free did not return");
-        }
-        freeing.join().unwrap();
+        self.fabric().set_paused(true);
+        let batch = self.ab.submit(&read).unwrap();
+        std::thread::scope(|scope| {
+            let fencing = scope.spawn(|| {
+                batch.fence_stream(&stream).unwrap();
+                // SAFETY: both ranges hold `len` bytes and outlive the
+                // stream's work (its event is waited for below).
+                unsafe {
+                    stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize)
+                }
+                .unwrap();
+                stream.record(&event).unwrap();
+            });
+            // The fence is under way (or, held on the stream, queued).
+            std::thread::sleep(Duration::from_millis(50));
+            let (freed_tx, freed) = std::sync::mpsc::channel();
+            let freeing = scope.spawn(move || {
+                drop(freed_meanwhile);
+                let _ = freed_tx.send(());
+            });
+            // The free is under way while the batch is held.
+            std::thread::sleep(Duration::from_millis(50));
+            self.fabric().set_paused(false);
+            if freed.recv_timeout(self.timeout).is_err() {
+                deadlocked("the free did not return");
+            }
+            freeing.join().unwrap();
+            let start = std::time::Instant::now();
+            while !fencing.is_finished() {
+                if start.elapsed() > self.timeout {
+                    deadlocked("the fence and the copy after it were not queued");
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            fencing.join().unwrap();
+        });
         let start = std::time::Instant::now();
         while !event.is_complete().unwrap() {
             if start.elapsed() > self.timeout {

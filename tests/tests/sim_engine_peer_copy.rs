@@ -276,6 +276,9 @@ fn a_peer_copy_batch_times_out_or_is_cancelled_and_holds_its_memory_till_the_cop
     );
 }
 
+/// A peer copy's end needs CUDA calls (its windows are queued by
+/// progress), so its fence waits on the host; the copy queued on the
+/// stream after it sees the data.
 #[test]
 fn a_stream_fence_waits_for_a_peer_copy() {
     let (w, cuda) = world(true);

@@ -99,19 +99,33 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         }
     }
 
-    /// Makes `stream` wait for this batch without blocking a thread: work
-    /// queued on `stream` after this call runs once the batch has ended
-    /// and, where the GPU needs it, its inbound writes were flushed (see
-    /// `fence`). The stream is released however the batch ends: work
-    /// after the fence may use the data only if the batch succeeded
-    /// ([`Batch::status`]).
+    /// Makes `stream` wait for this batch: work queued on `stream` after
+    /// this call runs once the batch has ended and, where the GPU needs
+    /// it, its inbound writes were flushed (see `fence`). The stream is
+    /// released however the batch ends: work after the fence may use the
+    /// data only if the batch succeeded ([`Batch::status`]).
+    ///
+    /// A batch that ends without a CUDA call (its transfers on a NIC's
+    /// direct rungs) is fenced without blocking a thread: the stream waits
+    /// on a word of the engine's pinned memory that its progress stores
+    /// when the batch ends. Any other batch (staged transfers, a peer copy,
+    /// a gated batch or a control message) is waited for here, on the
+    /// host, and nothing is queued on the stream: its end needs CUDA calls
+    /// (copies, events) that the driver holds back while any free of the
+    /// process waits for the held stream, so holding the stream on it
+    /// could deadlock the process (see the guide's Fences section).
     pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {
-        let cells = std::iter::once(&self.cell)
-            .chain(&self.parts)
-            .cloned()
-            .collect();
+        if !self.ends_without_cuda() {
+            let _span = tracing::debug_span!("fence_on_host").entered();
+            // The outcome stays the batch's (`status`); the stream only
+            // has to come after the end.
+            let _ = self.wait(Duration::MAX);
+            return Ok(());
+        }
+        let cells = vec![Arc::clone(&self.cell)];
         let _span = tracing::debug_span!("fence_stream").entered();
         let engine = &self.engine;
+        engine.ensure_fence_page()?;
         lock(&engine.shared.state).paths.stream_fences.queue(
             &engine.shared.res,
             stream,
@@ -122,6 +136,13 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         engine.ensure_own_driver();
         engine.wake();
         Ok(())
+    }
+
+    /// Whether the batch ends without any CUDA call of the engine's: a
+    /// batch of the core (not a control message, a peer copy or a gate)
+    /// with no staged part.
+    fn ends_without_cuda(&self) -> bool {
+        self.id.is_some() && self.parts.is_empty() && self.gate.is_none()
     }
 
     /// Cancels the batch: what is not posted is dropped; it ends

@@ -178,32 +178,56 @@ impl<C: hal_cuda::Api> StreamFences<C> {
         self.words.as_ref().map_or(0, |_| (WORDS * 4) as u64)
     }
 
-    /// The page of words, made at its first use.
+    /// Whether the page is still to be made ([`Self::install_page`]).
+    pub(super) fn needs_page(&self) -> bool {
+        self.words.is_none()
+    }
+
+    /// Makes a page of words on the engine's first GPU. A driver call that
+    /// blocks while a free waits: made outside the engine's lock (a fence
+    /// the lock holds up could be what that free waits for).
+    pub(super) fn make_page<V: Api>(res: &Resources<V, C>) -> Result<Buffer<C>, EngineError> {
+        let context = res
+            .nics
+            .first()
+            .and_then(|n| n.ladder.gpus().first())
+            .map(|g| &g.context)
+            .ok_or(EngineError::Unavailable(Unavailable::NoGpu {
+                purpose: "for the stream fence page",
+            }))?;
+        Ok(Buffer::alloc_pinned(context, (WORDS * 4) as u64)?)
+    }
+
+    /// Takes `buffer` (from [`Self::make_page`]) as the page; one made
+    /// meanwhile by another thread wins and `buffer` is handed back (to be
+    /// freed outside the lock).
+    pub(super) fn install_page(&mut self, buffer: Buffer<C>) -> Option<Buffer<C>> {
+        if self.words.is_some() {
+            return Some(buffer);
+        }
+        let words = FenceWords {
+            base: buffer.addr(),
+            buffer: Some(buffer),
+            book: WordBook::new(WORDS),
+        };
+        // Pinned memory comes back from the driver as it was left (a
+        // recycled page may hold anything): every word starts at 0, the
+        // value no wait or gate waits for, before any stream sees it.
+        for index in 0..WORDS {
+            words.word(index).store(0, Ordering::Release);
+        }
+        self.words = Some(words);
+        None
+    }
+
+    /// The page of words: installed beforehand, outside the lock
+    /// (`Engine::ensure_fence_page`), or made here at its first use by a
+    /// caller that did not.
     fn words<V: Api>(&mut self, res: &Resources<V, C>) -> Result<&mut FenceWords<C>, EngineError> {
         if self.words.is_none() {
-            let context = res
-                .nics
-                .first()
-                .and_then(|n| n.ladder.gpus().first())
-                .map(|g| &g.context)
-                .ok_or(EngineError::Unavailable(Unavailable::NoGpu {
-                    purpose: "for the stream fence page",
-                }))?;
-            let buffer = Buffer::alloc_pinned(context, (WORDS * 4) as u64)?;
-            let words = FenceWords {
-                base: buffer.addr(),
-                buffer: Some(buffer),
-                book: WordBook::new(WORDS),
-            };
-            // Pinned memory comes back from the driver as it was left (a
-            // recycled page may hold anything): every word starts at 0, the
-            // value no wait or gate waits for, before any stream sees it.
-            for index in 0..WORDS {
-                words.word(index).store(0, Ordering::Release);
-            }
-            self.words = Some(words);
+            let _ = self.install_page(Self::make_page(res)?);
         }
-        Ok(self.words.as_mut().expect("just made"))
+        Ok(self.words.as_mut().expect("installed above"))
     }
 
     /// Releases the streams waiting for batches that have ended; returns

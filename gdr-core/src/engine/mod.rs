@@ -2479,6 +2479,24 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         decided.unwrap_or(Err(EngineError::Timeout(TimedOut { after: timeout })))
     }
 
+    /// Makes the engine's page of fence words if it has none yet, outside
+    /// the lock: the allocation (`cuMemHostAlloc`) blocks while a free of
+    /// the process waits for a held stream, which this engine's progress
+    /// may be the one to release.
+    fn ensure_fence_page(&self) -> Result<(), EngineError> {
+        if !lock(&self.shared.state).paths.stream_fences.needs_page() {
+            return Ok(());
+        }
+        let page = fence::StreamFences::make_page(&self.shared.res)?;
+        let spare = lock(&self.shared.state)
+            .paths
+            .stream_fences
+            .install_page(page);
+        // Another thread's page won: this one is freed outside the lock.
+        drop(spare);
+        Ok(())
+    }
+
     /// Starts the engine's own progress thread, once: it holds the engine
     /// weakly and ends when the engine is dropped. A peer's rendezvous on a
     /// staging-rung grant is served only by progress here, which nothing

@@ -635,24 +635,32 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             transfers.iter().try_for_each(|t| check_transfer(peer, t))
         })??;
         let now = engine.shared.config.clock.now();
+        let res = &engine.shared.res;
+        engine.ensure_fence_page()?;
+        // The word's write (a stream memory operation: it never blocks),
+        // then the event after it, recorded outside the lock: a record
+        // blocks while a free of the process waits for a held stream,
+        // which this engine's progress may be the one to release.
+        let signal = lock(&engine.shared.state)
+            .paths
+            .stream_fences
+            .gate_signal(res, stream)?;
+        let event = match record_gate_event(res, stream) {
+            Ok(event) => event,
+            Err(e) => {
+                lock(&engine.shared.state)
+                    .paths
+                    .stream_fences
+                    .abandon_gate(signal);
+                return Err(e);
+            }
+        };
         let link = {
             let mut state = lock(&engine.shared.state);
-            let Paths {
-                stream_fences,
-                gates,
-                ..
-            } = &mut state.paths;
-            let res = &engine.shared.res;
-            // The word's write, then the event after it.
-            let signal = stream_fences.gate_signal(res, stream)?;
-            let event = match record_gate_event(res, stream) {
-                Ok(event) => event,
-                Err(e) => {
-                    stream_fences.abandon_gate(signal);
-                    return Err(e);
-                }
-            };
-            gates.wait(self.slot, transfers, timeout, now, signal, event, &span)
+            state
+                .paths
+                .gates
+                .wait(self.slot, transfers, timeout, now, signal, event, &span)
         };
         engine.ensure_own_driver();
         engine.wake();
