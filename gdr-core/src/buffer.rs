@@ -268,6 +268,21 @@ struct Backing<C: hal_cuda::Api> {
     memory: Memory<C>,
 }
 
+/// gdr's CUDA memory whose last holder goes inside the engine is freed on
+/// the reaper thread ([`crate::reaper`]): a free there could wait for a
+/// stream only the engine's progress releases.
+impl<C: hal_cuda::Api> Drop for Backing<C> {
+    fn drop(&mut self) {
+        if matches!(self.memory, Memory::Host(_) | Memory::Borrowed)
+            || !crate::reaper::inside_engine()
+        {
+            return;
+        }
+        let memory = std::mem::replace(&mut self.memory, Memory::Borrowed);
+        crate::reaper::free_later(Box::new(memory));
+    }
+}
+
 impl<C: hal_cuda::Api> Leased for Backing<C> {
     fn leases(&self) -> &LeaseCount {
         &self.leases

@@ -135,6 +135,7 @@ pub mod ladder;
 mod lifetime;
 pub mod loopback;
 pub mod prelude;
+mod reaper;
 pub mod uri;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here

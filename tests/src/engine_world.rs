@@ -1168,6 +1168,106 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     }
 }
 
+impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
+    /// One engine, two paths, a free between them (issue 33 item 14): a
+    /// stream fenced on a READ of host memory (a direct rung: its fence
+    /// holds the stream until progress stores the word), held on the
+    /// paused fabric; another thread frees pinned memory, which waits for
+    /// that stream holding the driver's lock; then a WRITE of a's staged
+    /// GPU memory is submitted, whose staging copy waits behind that lock.
+    /// Were the copy made by progress (or by the submit, under the
+    /// engine's lock), progress could not store the fence's word once the
+    /// READ ended, and neither the free nor anything else would end; the
+    /// CUDA worker makes it instead. Checks that, once the fabric resumes,
+    /// the free returns, the fenced stream moves on, and both batches end
+    /// with their data. A deadlock aborts the binary with a message.
+    pub fn direct_fence_while_a_free_and_a_staged_write_wait(&self, len: u64, seed: u8) {
+        use hal_cuda::Event as _;
+        use std::io::Write as _;
+        let deadlocked = |what: &str| -> ! {
+            let _ = writeln!(
+                std::io::stderr(),
+                "DEADLOCK: {what} within {:?}: a free waited for the fenced stream, \
+                 the fence for the engine's progress, progress for a staging copy",
+                self.timeout,
+            );
+            std::process::abort()
+        };
+        let wait_for = |done: &std::sync::mpsc::Receiver<()>, what: &str| {
+            if done.recv_timeout(self.timeout).is_err() {
+                deadlocked(what);
+            }
+        };
+        // The READ into host memory: fenced on the stream.
+        let (_s, src) = self.b.host(len, seed);
+        let (_g, remote_src) = self.b_grants(&src, GrantRights::Read);
+        let (host_buf, host_dst) = self.a.host(len, 0);
+        // The WRITE of staged GPU memory.
+        let (_gpu_buf, gpu_src) = self.a.alloc(Kind::Gpu, len, seed.wrapping_add(1));
+        let (dst_buf, dst) = self.b.host(len, 0);
+        let (_dg, remote_dst) = self.b_grants(&dst, GrantRights::Write);
+        // Bytes through first: the staging pool exists, as in an engine at
+        // work (its making is not what is tested).
+        self.ab
+            .submit(&[Transfer::write(&gpu_src, 0, &remote_dst, 0, len)])
+            .unwrap()
+            .wait(self.timeout)
+            .unwrap();
+        let ctx = self.a.cuda.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        let event = ctx.create_event().unwrap();
+        let freed_meanwhile = Buffer::<C>::alloc_pinned(&ctx, 4096).unwrap();
+        self.fabric().set_paused(true);
+        let read = self
+            .ab
+            .submit(&[Transfer::read(&host_dst, 0, &remote_src, 0, len)])
+            .unwrap();
+        read.fence_stream(&stream).unwrap();
+        stream.record(&event).unwrap();
+        std::thread::scope(|scope| {
+            let (freed_tx, freed) = std::sync::mpsc::channel();
+            scope.spawn(move || {
+                drop(freed_meanwhile);
+                let _ = freed_tx.send(());
+            });
+            // The free waits for the fenced stream, holding the lock.
+            std::thread::sleep(Duration::from_millis(50));
+            let (written_tx, written) = std::sync::mpsc::channel();
+            let write = scope.spawn(move || {
+                let outcome = self
+                    .ab
+                    .submit(&[Transfer::write(&gpu_src, 0, &remote_dst, 0, len)])
+                    .unwrap()
+                    .wait(self.timeout);
+                let _ = written_tx.send(());
+                outcome
+            });
+            // The WRITE's first copy waits behind the free.
+            std::thread::sleep(Duration::from_millis(50));
+            self.fabric().set_paused(false);
+            wait_for(&freed, "the free did not return");
+            wait_for(&written, "the staged WRITE did not end");
+            assert_eq!(write.join().unwrap(), Ok(()), "the staged WRITE");
+        });
+        let start = std::time::Instant::now();
+        while !event.is_complete().unwrap() {
+            if start.elapsed() > self.timeout {
+                deadlocked("the fenced stream did not move on");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(read.status(), Some(Ok(())));
+        assert!(
+            self.a.bytes(&host_buf) == pattern(len as usize, seed),
+            "the READ's data"
+        );
+        assert!(
+            self.b.bytes(&dst_buf) == pattern(len as usize, seed.wrapping_add(1)),
+            "the WRITE's data"
+        );
+    }
+}
+
 /// A stream of a GPU held by a value wait on a pinned word the test owns:
 /// nothing queued on it after the hold runs until [`HeldStream::release`].
 /// Dropping it releases the stream and waits for what it holds to run

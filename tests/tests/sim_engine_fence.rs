@@ -240,3 +240,75 @@ fn a_free_while_a_fence_waits_does_not_deadlock_the_staged_batch() {
     let w = staged_world();
     w.fenced_read_while_another_thread_frees(1 << 20, 9);
 }
+
+/// One engine: a stream fenced on a direct READ (held on the paused
+/// fabric), a free waiting for that stream, and a staged WRITE whose
+/// staging copy waits behind the free: progress hands the copy to the
+/// engine's CUDA worker, so it still releases the fence once the READ
+/// ends, and everything ends (issue 33 item 14). A deadlock aborts the
+/// binary.
+#[test]
+fn a_free_and_a_staging_copy_do_not_stop_progress_releasing_a_fence() {
+    let w = staged_world();
+    w.direct_fence_while_a_free_and_a_staged_write_wait(1 << 20, 21);
+}
+
+/// Pinned memory whose last holder is a batch (the caller dropped its
+/// buffer and region after the submit) goes when progress ends the batch;
+/// were it freed there, `cuMemFreeHost` would wait for a stream fenced on
+/// a READ behind it on the same queue pair, which only that progress
+/// releases. It is freed on the reaper thread instead, and the stream
+/// moves on (issue 33 item 14). A deadlock aborts the binary.
+#[test]
+fn memory_a_batch_holds_last_is_not_freed_inside_progress() {
+    use std::io::Write as _;
+    let config = EngineConfig {
+        // One queue pair: the WRITE ends before the fenced READ.
+        qps_per_peer: 1,
+        default_timeout: T,
+        ..EngineConfig::default()
+    };
+    let w = EngineWorld::sim(1, GpuConfig::default(), config, T);
+    let len = 1 << 16;
+    let (_s, src) = w.b.host(len, 5);
+    let (_g, remote_src) = w.b_grants(&src, GrantRights::Read);
+    let (_h, host_dst) = w.a.host(len, 0);
+    let (dst_buf, dst) = w.b.host(len, 0);
+    let (_dg, remote_dst) = w.b_grants(&dst, GrantRights::Write);
+    let (pinned, pinned_region) = w.a.pinned(len, 6);
+    let ctx = w.a.cuda.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let event = ctx.create_event().unwrap();
+    w.fabric().set_paused(true);
+    let write =
+        w.ab.submit(&[Transfer::write(&pinned_region, 0, &remote_dst, 0, len)])
+            .unwrap();
+    drop(pinned_region);
+    drop(pinned);
+    let read =
+        w.ab.submit(&[Transfer::read(&host_dst, 0, &remote_src, 0, len)])
+            .unwrap();
+    read.fence_stream(&stream).unwrap();
+    stream.record(&event).unwrap();
+    w.fabric().set_paused(false);
+    // Only the engine's own thread makes progress: no thread of the test
+    // waits on a batch until the stream has moved on.
+    let start = Instant::now();
+    while !event.is_complete().unwrap() {
+        if start.elapsed() > T {
+            let _ = writeln!(
+                std::io::stderr(),
+                "DEADLOCK: the fenced stream did not move on within {T:?}: progress freed \
+                 the pinned memory, and the free waited for the fenced stream"
+            );
+            std::process::abort();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(write.wait(T), Ok(()));
+    assert_eq!(read.wait(T), Ok(()));
+    assert!(
+        w.b.bytes(&dst_buf) == gdr_tests::pattern(len as usize, 6),
+        "the WRITE's data"
+    );
+}

@@ -126,7 +126,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
         let _span = tracing::debug_span!("fence_stream").entered();
         let engine = &self.engine;
         engine.ensure_fence_page()?;
-        lock(&engine.shared.state).paths.stream_fences.queue(
+        lock_state(&engine.shared.state).paths.stream_fences.queue(
             &engine.shared.res,
             stream,
             cells,
@@ -153,13 +153,13 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
             gate.cancel();
         }
         match self.id {
-            Some(id) => lock(&self.engine.shared.state).core.cancel(id),
+            Some(id) => lock_state(&self.engine.shared.state).core.cancel(id),
             None => self.engine.cancel_peer_copy(&self.cell),
         }
         if !self.parts.is_empty() {
             // The staged parts: pipelines and requests through a peer's
             // landing slots.
-            lock(&self.engine.shared.state)
+            lock_state(&self.engine.shared.state)
                 .paths
                 .staged
                 .cancel(&self.parts);

@@ -274,7 +274,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         };
         // A session of ours: the peer re-establishes one of its queue pairs.
         let known = {
-            let state = lock(&self.shared.state);
+            let state = lock_state(&self.shared.state);
             state.peers.iter().position(|p| {
                 p.as_ref()
                     .is_some_and(|p| !p.recovery.is_connector() && p.session == hello.session)
@@ -353,7 +353,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// `index`: installed now if the old one is down, else once it has
     /// drained (it is stopped: the peer has given it up).
     pub(super) fn on_reconnected(&self, slot: usize, index: usize, conn: V::Connection) {
-        let mut guard = lock(&self.shared.state);
+        let mut guard = lock_state(&self.shared.state);
         let state = &mut *guard;
         let Some(peer) = state.peers[slot].as_mut() else {
             return;

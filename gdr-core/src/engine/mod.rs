@@ -73,6 +73,7 @@
 mod batch;
 mod batches;
 mod completion;
+mod cuda_worker;
 mod error;
 mod events;
 mod fence;
@@ -132,7 +133,7 @@ use crate::buffer::Buffer;
 use crate::cache::{CacheConfig, RegistrationCache};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
 use crate::ladder::{DmabufExports, Gpu, Grant, Ladder, LadderConfig, Rung};
-use crate::sync::{Mutex, MutexGuard, lock};
+use crate::sync::{Mutex, lock};
 
 pub use self::batch::Batch;
 pub(crate) use self::batches::BatchId;
@@ -739,7 +740,7 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     // Field order is drop order: connections (in the state) before the
     // NICs' CQs, PDs and contexts (in the resources).
     state: Mutex<State<V, C>>,
-    res: Resources<V, C>,
+    res: Arc<Resources<V, C>>,
     /// Drivers running (threads of [`Engine::spawn_driver`], the engine's
     /// own thread, tasks of `Engine::drive_on_tokio`): while there is one,
     /// a pending `Future` only registers its waker; with none, it starts
@@ -757,6 +758,45 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     /// its listener (and port) goes with the engine, not at the end of the
     /// thread's idle wait.
     listener_threads: Mutex<Vec<listener::ListenerThread<V>>>,
+}
+
+/// The engine's lock, held with the thread marked inside the engine: CUDA
+/// memory whose last holder goes meanwhile is freed on the reaper thread
+/// ([`crate::reaper`]), never under the lock.
+struct StateGuard<'a, V: Api, C: hal_cuda::Api> {
+    // Field order is drop order: the lock goes, then the mark.
+    guard: crate::sync::MutexGuard<'a, State<V, C>>,
+    _inside: crate::reaper::EngineSection,
+}
+
+impl<V: Api, C: hal_cuda::Api> std::ops::Deref for StateGuard<'_, V, C> {
+    type Target = State<V, C>;
+    fn deref(&self) -> &State<V, C> {
+        &self.guard
+    }
+}
+
+impl<V: Api, C: hal_cuda::Api> std::ops::DerefMut for StateGuard<'_, V, C> {
+    fn deref_mut(&mut self) -> &mut State<V, C> {
+        &mut self.guard
+    }
+}
+
+/// Takes the engine's lock ([`StateGuard`]).
+fn lock_state<V: Api, C: hal_cuda::Api>(state: &Mutex<State<V, C>>) -> StateGuard<'_, V, C> {
+    let inside = crate::reaper::EngineSection::enter();
+    StateGuard {
+        guard: lock(state),
+        _inside: inside,
+    }
+}
+
+/// The CUDA worker's queued jobs name memory the state holds: they all run
+/// before the state goes (fields drop after this).
+impl<V: Api, C: hal_cuda::Api> Drop for Shared<V, C> {
+    fn drop(&mut self) {
+        self.res.cuda.shut();
+    }
 }
 
 /// Lets the engine's shared part read as its resources.
@@ -1089,7 +1129,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// limits). Tests read it to see state come back to the engine's
     /// baseline once the work and the peers are gone.
     pub fn resources(&self) -> EngineResources {
-        let state = lock(&self.shared.state);
+        let state = lock_state(&self.shared.state);
         let (staged_transfers, staged_groups) = state.paths.staged.load();
         let peers = state
             .peers
@@ -1131,7 +1171,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// included (until the engine goes). A connect or accept that failed
     /// leaves none.
     pub fn peer_count(&self) -> usize {
-        lock(&self.shared.state).peers.iter().flatten().count()
+        lock_state(&self.shared.state)
+            .peers
+            .iter()
+            .flatten()
+            .count()
     }
 
     /// Registers the whole of `buffer` on every NIC (each on the first
@@ -1401,7 +1445,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// connections destroyed before its buffers), so no live-looking peer
     /// remains.
     fn tear_down(&self, slot: usize, why: PeerGone) {
-        let mut guard = lock(&self.shared.state);
+        let mut guard = lock_state(&self.shared.state);
         let state = &mut *guard;
         let Some(mut peer) = state.peers.get_mut(slot).and_then(Option::take) else {
             return;
@@ -1526,7 +1570,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let send = Buffer::alloc_host((send_slots * peer_max) as u64);
         let recv_region = self.register(&recv)?;
         let send_region = self.register(&send)?;
-        let mut state = lock(&self.shared.state);
+        let mut state = lock_state(&self.shared.state);
         let slot = state.peers.len();
         let mut qps = Vec::with_capacity(conns.len());
         let connector = conns.iter().any(|(_, _, path)| path.is_some());
@@ -1688,7 +1732,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The earliest deadline of a request in flight: a driver that waits
     /// for completion events must call [`Engine::progress`] by then.
     pub fn next_deadline(&self) -> Option<Instant> {
-        Self::next_deadline_of(&mut lock(&self.shared.state))
+        Self::next_deadline_of(&mut lock_state(&self.shared.state))
     }
 
     /// [`Engine::next_deadline`], under the lock already held.
@@ -1708,6 +1752,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// handled. Waiting calls make progress themselves; call this when
     /// nothing waits (or from a thread of your own).
     pub fn progress(&self) -> usize {
+        // Memory whose last holder goes in progress is freed elsewhere.
+        let _inside = crate::reaper::EngineSection::enter();
         let (mut handled, staged, gated) = self.progress_locked();
         if staged {
             handled += self.make_landings();
@@ -1732,7 +1778,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// and opened gates wait (served outside the lock).
     fn progress_locked(&self) -> (usize, bool, bool) {
         let shared = &*self.shared;
-        let mut state = lock(&shared.state);
+        let mut state = lock_state(&shared.state);
         let state = &mut *state;
         state.ticks += 1;
         let mut handled = 0;
@@ -2145,7 +2191,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         const LONGEST_ATTEMPT: Duration = Duration::from_secs(3600);
         {
             let left = {
-                let state = lock(&shared.state);
+                let state = lock_state(&shared.state);
                 let Some(peer) = state.peers[job.slot].as_ref() else {
                     return false;
                 };
@@ -2176,7 +2222,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 &hello.encode(),
             );
             let refused = |why: DialRefused| {
-                let mut state = lock(&shared.state);
+                let mut state = lock_state(&shared.state);
                 self.give_up_qp(
                     &mut state,
                     job.slot,
@@ -2204,7 +2250,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                         refused(why);
                         return false;
                     }
-                    let mut state = lock(&shared.state);
+                    let mut state = lock_state(&shared.state);
                     let now = shared.config.clock.now();
                     let wanted = state.peers[job.slot].as_ref().is_some_and(|p| {
                         p.gone.is_none() && p.recovery.time_left(job.index, now).is_some()
@@ -2405,7 +2451,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// lock; what it queued is posted before the lock goes.
     fn with_paths<T>(&self, f: impl FnOnce(&mut Paths<V, C>, &mut PathCx<'_, V, C>) -> T) -> T {
         let shared = &*self.shared;
-        let mut guard = lock(&shared.state);
+        let mut guard = lock_state(&shared.state);
         let out = guard.with_paths(&shared.res, shared.config.clock.now(), f);
         self.post_ready(&mut guard);
         out
@@ -2415,14 +2461,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// What this engine's peer copies have done.
     pub fn peer_copy_stats(&self) -> PeerCopyStats {
-        lock(&self.shared.state).paths.peer_copy.stats()
+        lock_state(&self.shared.state).paths.peer_copy.stats()
     }
 
     /// Cancels the peer-copy batch of `cell`, if it is one: it queues
     /// nothing more and ends [`TransferError::Cancelled`] once its queued
     /// copies have run.
     fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
-        let mut state = lock(&self.shared.state);
+        let mut state = lock_state(&self.shared.state);
         TransferPath::<V, C>::cancel(&mut state.paths.peer_copy, std::slice::from_ref(cell));
     }
 }
@@ -2472,7 +2518,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .reactor
             .wait_until(self, now.checked_add(timeout), || {
                 if decided.is_none() {
-                    decided = decide(&mut lock(&self.shared.state));
+                    decided = decide(&mut lock_state(&self.shared.state));
                 }
                 decided.is_some()
             });
@@ -2484,16 +2530,39 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// the process waits for a held stream, which this engine's progress
     /// may be the one to release.
     fn ensure_fence_page(&self) -> Result<(), EngineError> {
-        if !lock(&self.shared.state).paths.stream_fences.needs_page() {
+        if !lock_state(&self.shared.state)
+            .paths
+            .stream_fences
+            .needs_page()
+        {
             return Ok(());
         }
         let page = fence::StreamFences::make_page(&self.shared.res)?;
-        let spare = lock(&self.shared.state)
+        let spare = lock_state(&self.shared.state)
             .paths
             .stream_fences
             .install_page(page);
         // Another thread's page won: this one is freed outside the lock.
         drop(spare);
+        Ok(())
+    }
+
+    /// Makes the staging pools of `gpus` that are missing, outside the
+    /// lock: allocation, pinning and registration block while a free of
+    /// the process waits for a held stream (see [`cuda_worker`]).
+    fn ensure_staging_pools(&self, gpus: &[u32]) -> Result<(), EngineError> {
+        for &gpu in gpus {
+            if lock_state(&self.shared.state).paths.staged.has_pool(gpu) {
+                continue;
+            }
+            let pool = pipeline::make_pool(&self.shared.res, gpu)?;
+            let spare = lock_state(&self.shared.state)
+                .paths
+                .staged
+                .install_pool(pool);
+            // Another thread's pool won: this one goes outside the lock.
+            drop(spare);
+        }
         Ok(())
     }
 
@@ -2585,7 +2654,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Submits the batches whose gate opened and hands on the outcomes of
     /// those that ended (outside the engine's lock: submitting takes it).
     fn serve_gates(&self) -> usize {
-        let serve = lock(&self.shared.state).paths.gates.serve();
+        let serve = lock_state(&self.shared.state).paths.gates.serve();
         let (handled, running) = serve.run(
             || self.shared.config.clock.now(),
             |slot, transfers, left| {
@@ -2598,7 +2667,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             },
         );
         if !running.is_empty() {
-            lock(&self.shared.state).paths.gates.running(running);
+            lock_state(&self.shared.state).paths.gates.running(running);
         }
         handled
     }
@@ -2610,7 +2679,7 @@ impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
     }
 
     fn polls(&self) -> bool {
-        let state = lock(&self.shared.state);
+        let state = lock_state(&self.shared.state);
         self.shared.nics.iter().any(|n| n.channel.is_none())
             || state.reconnecting > 0
             || TransferPath::<V, C>::polls(&state.paths.staged)
@@ -2635,7 +2704,7 @@ impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
             fds.push(nic.context.async_fd());
         }
         // One look under the lock: the connections' fds and the deadline.
-        let mut state = lock(&self.shared.state);
+        let mut state = lock_state(&self.shared.state);
         for peer in state.peers.iter().flatten() {
             fds.extend(peer.qps.iter().map(|qp| qp.conn.event_fd()));
         }

@@ -100,14 +100,14 @@ impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
             // An exported IPC handle: its memory stays until the importer
             // released it (or the bound passed).
             let config = &self.peer.engine.shared.config;
-            lock(&self.peer.engine.shared.state)
+            lock_state(&self.peer.engine.shared.state)
                 .paths
                 .peer_copy
                 .exports
                 .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
         }
         let fenced = {
-            let mut state = lock(&self.peer.engine.shared.state);
+            let mut state = lock_state(&self.peer.engine.shared.state);
             if let Some(p) = state.peers[self.peer.slot].as_mut() {
                 p.granted.remove(&grant);
             }
@@ -134,7 +134,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         &self,
         f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
     ) -> Result<T, EngineError> {
-        let mut guard: MutexGuard<'_, State<V, C>> = lock(&self.engine.shared.state);
+        let mut guard: StateGuard<'_, V, C> = lock_state(&self.engine.shared.state);
         Self::on_peer(&mut guard, self.slot, f)
     }
 
@@ -144,7 +144,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         &self,
         f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
     ) -> Result<T, EngineError> {
-        let mut guard: MutexGuard<'_, State<V, C>> = lock(&self.engine.shared.state);
+        let mut guard: StateGuard<'_, V, C> = lock_state(&self.engine.shared.state);
         let out = Self::on_peer(&mut guard, self.slot, f)?;
         self.engine.post_ready(&mut guard);
         Ok(out)
@@ -272,7 +272,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         }
         // Recorded before it is announced: the peer may use it at once.
         {
-            let mut state = lock(&self.engine.shared.state);
+            let mut state = lock_state(&self.engine.shared.state);
             let p = state.peers[self.slot]
                 .as_mut()
                 .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
@@ -577,7 +577,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// peer once it has heard goodbye.
     pub fn close(&self) -> Result<(), EngineError> {
         {
-            let mut state = lock(&self.engine.shared.state);
+            let mut state = lock_state(&self.engine.shared.state);
             if state.peers[self.slot].is_none() {
                 return Err(EngineError::PeerGone(PeerGone::Closed));
             }
@@ -641,14 +641,14 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         // then the event after it, recorded outside the lock: a record
         // blocks while a free of the process waits for a held stream,
         // which this engine's progress may be the one to release.
-        let signal = lock(&engine.shared.state)
+        let signal = lock_state(&engine.shared.state)
             .paths
             .stream_fences
             .gate_signal(res, stream)?;
         let event = match record_gate_event(res, stream) {
             Ok(event) => event,
             Err(e) => {
-                lock(&engine.shared.state)
+                lock_state(&engine.shared.state)
                     .paths
                     .stream_fences
                     .abandon_gate(signal);
@@ -656,7 +656,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
             }
         };
         let link = {
-            let mut state = lock(&engine.shared.state);
+            let mut state = lock_state(&engine.shared.state);
             state
                 .paths
                 .gates
@@ -682,6 +682,17 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         let shared = &engine.shared;
         let (carried, direct): (Vec<Transfer<'_, V>>, Vec<Transfer<'_, V>>) =
             transfers.iter().partition(|t| staging::staged(t));
+        // The pools the staged slices go through, made here (outside the
+        // lock, off progress) where missing.
+        let mut gpus = Vec::new();
+        for t in &carried {
+            if let Ok(Some(gpu)) = rendezvous::staged_gpu(t)
+                && !gpus.contains(&gpu)
+            {
+                gpus.push(gpu);
+            }
+        }
+        engine.ensure_staging_pools(&gpus)?;
         let cell = Arc::new(CompletionCell::new());
         let now = shared.config.clock.now();
         // Under one hold of the lock, every transfer is checked and the
@@ -689,7 +700,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         // part is posted: on `Err` nothing of the batch started (the path
         // seam's promise). The direct part takes the NIC.
         let (posted, id) = {
-            let mut guard = lock(&shared.state);
+            let mut guard = lock_state(&shared.state);
             let state = &mut *guard;
             let planned = Self::on_peer(state, self.slot, |core, peer| {
                 if let Some(why) = &peer.gone {
@@ -773,7 +784,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
     /// How this peer's transfers of GPU memory travel.
     pub fn peer_copy(&self) -> PeerCopyRoute {
-        let state = lock(&self.engine.shared.state);
+        let state = lock_state(&self.engine.shared.state);
         match state.peers.get(self.slot).and_then(Option::as_ref) {
             Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
                 state.paths.peer_copy.route(self.slot)
@@ -788,7 +799,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if !self.engine.shared.config.peer_copy {
             return Ok(());
         }
-        let message = lock(&self.engine.shared.state).paths.peer_copy.locality();
+        let message = lock_state(&self.engine.shared.state)
+            .paths
+            .peer_copy
+            .locality();
         if let Some(message) = message {
             self.send_control(&message)?;
         }
@@ -825,7 +839,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
         if !res.config.peer_copy || transfers.is_empty() {
             return Ok(None);
         }
-        let mut guard = lock(&engine.shared.state);
+        let mut guard = lock_state(&engine.shared.state);
         let state = &mut *guard;
         let (peer_copy, peers) = (&mut state.paths.peer_copy, &state.peers);
         let peer = peers[self.slot]

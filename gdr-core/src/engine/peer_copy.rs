@@ -104,7 +104,10 @@ use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
 use gdr_proto::PeerMisbehaved;
-use gdr_proto::peer_copy::{CopyFlight, Exports, Releases, Slice, Stop, Windows};
+use gdr_proto::peer_copy::{CopyFlight, Exports, Releases, Stop, Windows};
+
+use super::cuda_worker::Pending;
+use crate::sync::{Mutex, lock};
 
 use hal_cuda::{Context as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
 use hal_verbs::Api;
@@ -217,9 +220,10 @@ struct Flight<C: hal_cuda::Api> {
     cell: Arc<CompletionCell>,
     proto: CopyFlight,
     plan: Vec<Planned>,
-    /// The windows queued and not yet seen done, oldest first: the events
-    /// recorded after each (one per stream it used).
-    windows: VecDeque<Vec<PooledEvent<C>>>,
+    /// The windows handed to the CUDA worker and not yet seen done,
+    /// oldest first: once queued there, the events recorded after each
+    /// (one per stream it used) and the error that stopped it, if any.
+    windows: VecDeque<Pending<QueuedWindow<C>>>,
     /// Why it failed, when a copy could not be queued or ran wrong.
     error: Option<TransferError>,
     timeout: Duration,
@@ -320,8 +324,11 @@ impl Drop for FenceUse {
 pub(super) struct PeerCopyPath<C: hal_cuda::Api> {
     /// Where this engine runs; `None`: no CUDA driver, or no boot id.
     here: Option<Locality>,
-    /// Each local GPU's streams, and the next one to use.
-    streams: HashMap<u32, (Vec<C::Stream>, usize)>,
+    /// Each local GPU's streams (made by the CUDA worker at the GPU's
+    /// first window), and the next one to use.
+    streams: Arc<Mutex<HashMap<u32, Vec<C::Stream>>>>,
+    /// The next stream of each GPU a slice goes on.
+    next_stream: HashMap<u32, usize>,
     /// Mappings of IPC handles, by (local GPU, handle), shared by grants of
     /// one allocation.
     mappings: HashMap<(u32, IpcMemHandle), Weak<Mapping<C>>>,
@@ -350,7 +357,8 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
                     process: d.process_token(),
                 })
             }),
-            streams: HashMap::new(),
+            streams: Arc::default(),
+            next_stream: HashMap::new(),
             mappings: HashMap::new(),
             peer_access: HashSet::new(),
             flights: Vec::new(),
@@ -724,122 +732,129 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
         Ok(mapping)
     }
 
-    /// Stream `index` of GPU `ordinal`'s peer-copy streams, made at first
-    /// use; rotates.
-    fn next_stream<V: Api>(
-        &mut self,
-        res: &Resources<V, C>,
-        ordinal: u32,
-    ) -> Result<(&C::Stream, usize), EngineError> {
-        use std::collections::hash_map::Entry;
-        let (streams, next) = match self.streams.entry(ordinal) {
-            Entry::Occupied(entry) => entry.into_mut(),
-            Entry::Vacant(vacant) => {
-                let context = &res.gpu(ordinal)?.context;
-                let streams = (0..STREAMS_PER_GPU)
-                    .map(|_| context.create_stream())
-                    .collect::<Result<Vec<_>, _>>()?;
-                vacant.insert((streams, 0))
-            }
-        };
-        let index = *next;
-        *next = (index + 1) % streams.len();
-        Ok((&streams[index], index))
-    }
-
-    /// Queues the windows `flight` may have on the GPU now: each window's
-    /// slices over the local GPUs' streams, then an event on each stream
-    /// it used. A copy that cannot be queued stops the flight (what was
-    /// queued still drains).
+    /// Hands the windows `flight` may have on the GPU now to the CUDA
+    /// worker: each window's slices over the local GPUs' streams
+    /// (round-robin), then an event on each stream it used.
     fn queue_windows<V: Api>(&mut self, res: &Resources<V, C>, flight: &mut Flight<C>) {
         while let Some(window) = flight.proto.poll_window() {
-            let (events, queued, error) = self.queue_window(res, &flight.plan, &window);
-            flight.queued += queued;
-            if let Some(e) = error {
-                flight.error.get_or_insert(e);
-                flight.proto.stop(Stop::Failed);
-            }
-            if events.is_empty() {
-                // Nothing to wait for: either nothing was queued or the
-                // streams were synchronized (see `queue_window`).
-                flight.proto.window_done();
-            } else {
-                flight.windows.push_back(events);
-            }
-        }
-    }
-
-    /// Queues one window's slices; the events recorded after them, the
-    /// bytes queued, and the error that stopped it, if any.
-    fn queue_window<V: Api>(
-        &mut self,
-        res: &Resources<V, C>,
-        plan: &[Planned],
-        window: &[Slice],
-    ) -> (Vec<PooledEvent<C>>, u64, Option<TransferError>) {
-        let mut used: Vec<(u32, usize)> = Vec::new();
-        let mut queued = 0;
-        let mut error = None;
-        for slice in window {
-            let p = &plan[slice.transfer];
-            let (dst, src) = match p.op {
-                Op::Write => (p.remote + slice.offset, p.local + slice.offset),
-                Op::Read => (p.local + slice.offset, p.remote + slice.offset),
-            };
-            let len = slice.len;
-            let copied = self
-                .next_stream(res, p.ordinal)
-                .and_then(|(stream, index)| {
-                    // SAFETY: both ranges were checked to lie in device
-                    // memory this batch holds (the local region, and the
-                    // owner's region or the IPC mapping, in the flight's
-                    // `_keep`) until the events recorded after these
-                    // copies have passed; the grant was live when this
-                    // window was queued (checked by `progress`).
-                    unsafe { stream.copy_device_to_device(dst, src, len as usize) }?;
-                    Ok(index)
+            let mut copies = Vec::with_capacity(window.len());
+            for slice in &window {
+                let p = &flight.plan[slice.transfer];
+                let (dst, src) = match p.op {
+                    Op::Write => (p.remote + slice.offset, p.local + slice.offset),
+                    Op::Read => (p.local + slice.offset, p.remote + slice.offset),
+                };
+                let next = self.next_stream.entry(p.ordinal).or_insert(0);
+                let index = *next;
+                *next = (index + 1) % STREAMS_PER_GPU;
+                copies.push(WindowCopy {
+                    ordinal: p.ordinal,
+                    stream: index,
+                    dst,
+                    src,
+                    len: slice.len,
                 });
-            match copied {
-                Ok(index) => {
-                    if !used.contains(&(p.ordinal, index)) {
-                        used.push((p.ordinal, index));
-                    }
-                    self.stats.copies += 1;
-                    queued += len;
-                }
-                Err(e) => {
-                    error = Some(TransferError::from_engine("a peer copy", e));
-                    break;
-                }
+                self.stats.copies += 1;
+                flight.queued += slice.len;
             }
+            let streams = Arc::clone(&self.streams);
+            flight.windows.push_back(
+                res.cuda
+                    .run(res, move |res| queue_window(res, &streams, &copies)),
+            );
         }
-        let mut events = Vec::with_capacity(used.len());
-        for (ordinal, index) in used {
-            let Some(stream) = self.streams.get(&ordinal).map(|(s, _)| &s[index]) else {
-                continue;
-            };
-            let recorded = res.gpu(ordinal).and_then(|gpu| {
-                let event = res.events.take(gpu)?;
-                stream.record(&event)?;
-                Ok(event)
-            });
-            match recorded {
-                Ok(event) => events.push(event),
-                Err(e) => {
-                    // Without an event, wait for the stream here: the
-                    // memory must outlive the copies queued on it.
-                    if let Err(e) = stream.synchronize() {
-                        tracing::warn!(error = %e, "synchronizing a peer-copy stream");
-                    }
-                    error.get_or_insert(TransferError::from_engine(
-                        "recording a peer copy's event",
-                        e,
-                    ));
-                }
-            }
-        }
-        (events, queued, error)
     }
+}
+
+/// One copy of a window: on stream `stream` of GPU `ordinal`.
+struct WindowCopy {
+    ordinal: u32,
+    stream: usize,
+    dst: u64,
+    src: u64,
+    len: u64,
+}
+
+/// A window as the CUDA worker queued it: the events recorded after its
+/// copies (one per stream used; empty where the streams were synchronized
+/// instead) and the error that stopped it, if any.
+struct QueuedWindow<C: hal_cuda::Api> {
+    events: Vec<PooledEvent<C>>,
+    error: Option<TransferError>,
+}
+
+/// Queues one window's copies (on the CUDA worker) and records an event
+/// on each stream they used; a copy that cannot be queued stops the
+/// window (what was queued still drains).
+fn queue_window<V: Api, C: hal_cuda::Api>(
+    res: &Resources<V, C>,
+    streams: &Mutex<HashMap<u32, Vec<C::Stream>>>,
+    copies: &[WindowCopy],
+) -> QueuedWindow<C> {
+    use std::collections::hash_map::Entry;
+    let mut streams = lock(streams);
+    let mut used: Vec<(u32, usize)> = Vec::new();
+    let mut error = None;
+    for copy in copies {
+        let stream = match streams.entry(copy.ordinal) {
+            Entry::Occupied(entry) => Ok(entry.into_mut()),
+            Entry::Vacant(vacant) => res.gpu(copy.ordinal).and_then(|gpu| {
+                let made = (0..STREAMS_PER_GPU)
+                    .map(|_| gpu.context.create_stream())
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(vacant.insert(made))
+            }),
+        }
+        .map(|s| &s[copy.stream]);
+        let copied = stream.and_then(|stream| {
+            // SAFETY: both ranges were checked to lie in device memory
+            // the batch holds (the local region, and the owner's region
+            // or the IPC mapping, in the flight's `_keep`) until the
+            // events recorded after these copies have passed (the flight
+            // is not dropped before this window is seen done); the grant
+            // was live when this window was handed over (checked by
+            // `progress`).
+            unsafe { stream.copy_device_to_device(copy.dst, copy.src, copy.len as usize) }?;
+            Ok(())
+        });
+        match copied {
+            Ok(()) => {
+                if !used.contains(&(copy.ordinal, copy.stream)) {
+                    used.push((copy.ordinal, copy.stream));
+                }
+            }
+            Err(e) => {
+                error = Some(TransferError::from_engine("a peer copy", e));
+                break;
+            }
+        }
+    }
+    let mut events = Vec::with_capacity(used.len());
+    for (ordinal, index) in used {
+        let Some(stream) = streams.get(&ordinal).map(|s| &s[index]) else {
+            continue;
+        };
+        let recorded = res.gpu(ordinal).and_then(|gpu| {
+            let event = res.events.take(gpu)?;
+            stream.record(&event)?;
+            Ok(event)
+        });
+        match recorded {
+            Ok(event) => events.push(event),
+            Err(e) => {
+                // Without an event, wait for the stream here: the
+                // memory must outlive the copies queued on it.
+                if let Err(e) = stream.synchronize() {
+                    tracing::warn!(error = %e, "synchronizing a peer-copy stream");
+                }
+                error.get_or_insert(TransferError::from_engine(
+                    "recording a peer copy's event",
+                    e,
+                ));
+            }
+        }
+    }
+    QueuedWindow { events, error }
 }
 
 impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
@@ -963,9 +978,17 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
         let mut ended = 0;
         flights.retain_mut(|flight| {
             // The windows that ran.
-            while let Some(events) = flight.windows.front() {
+            while let Some(window) = flight.windows.front() {
+                // Not yet queued by the CUDA worker.
+                let Some(queued) = window.get() else { break };
+                if let Some(e) = &queued.error
+                    && flight.error.is_none()
+                {
+                    flight.error = Some(e.clone());
+                    flight.proto.stop(Stop::Failed);
+                }
                 let mut pending = false;
-                for event in events {
+                for event in &queued.events {
                     match event.is_complete() {
                         Ok(true) => {}
                         Ok(false) => pending = true,

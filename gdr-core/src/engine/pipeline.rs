@@ -38,6 +38,7 @@ use hal_verbs::Api;
 use std::collections::HashMap;
 
 use super::completion::CompletionCell;
+use super::cuda_worker::Pending;
 use super::events::PooledEvent;
 use super::path::PathCx;
 use super::resources::Resources;
@@ -53,8 +54,8 @@ pub(super) struct StagingPool<V: Api, C: hal_cuda::Api> {
     /// Free slot indices, lowest first out.
     pub free: Vec<usize>,
     pub region: Region<V>,
-    pub to_host: C::Stream,
-    pub to_device: C::Stream,
+    pub to_host: Arc<C::Stream>,
+    pub to_device: Arc<C::Stream>,
     _buffer: Buffer<C>,
 }
 
@@ -67,7 +68,7 @@ impl<V: Api, C: hal_cuda::Api> StagingPool<V, C> {
 /// Where one slice is.
 enum Stage<C: hal_cuda::Api> {
     /// Its copy (device→host for a WRITE, host→device for a READ) runs.
-    Copying(PooledEvent<C>),
+    Copying(PendingCopy<C>),
     /// Its RDMA request is with the engine's core.
     OnWire(Arc<CompletionCell>),
 }
@@ -90,8 +91,9 @@ pub(super) struct Pipe<V: Api, C: hal_cuda::Api> {
     deadline: Instant,
     timeout: Duration,
     cell: Arc<CompletionCell>,
-    /// The staged region (its memory stays while the pipe runs).
-    _region: Region<V>,
+    /// The staged region (its memory stays while the pipe runs, and while
+    /// a copy of it waits on the CUDA worker).
+    region: Region<V>,
 }
 
 impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
@@ -125,7 +127,7 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
             deadline: now + timeout,
             timeout,
             cell: Arc::clone(&cell),
-            _region: region.clone(),
+            region: region.clone(),
         };
         (pipe, cell)
     }
@@ -172,18 +174,28 @@ pub(super) fn cancel<V: Api, C: hal_cuda::Api>(
     }
 }
 
-/// The pool of GPU `gpu`, made (allocated, pinned, registered on every
-/// NIC) at its first use.
+/// The pool of GPU `gpu`: made beforehand by the submit, outside the
+/// engine's lock and off progress ([`make_pool`]), or here, at its first
+/// use, where a caller did not.
 pub(super) fn pool<'p, V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     pools: &'p mut HashMap<u32, StagingPool<V, C>>,
     gpu: u32,
 ) -> Result<&'p mut StagingPool<V, C>, EngineError> {
     use std::collections::hash_map::Entry;
-    let vacant = match pools.entry(gpu) {
-        Entry::Occupied(pool) => return Ok(pool.into_mut()),
-        Entry::Vacant(vacant) => vacant,
-    };
+    match pools.entry(gpu) {
+        Entry::Occupied(pool) => Ok(pool.into_mut()),
+        Entry::Vacant(vacant) => Ok(vacant.insert(make_pool(res, gpu)?)),
+    }
+}
+
+/// Makes GPU `gpu`'s pool: allocated, pinned, registered on every NIC,
+/// with its two streams. Driver calls that block while a free waits for a
+/// held stream: made by the submitting thread, outside the engine's lock.
+pub(super) fn make_pool<V: Api, C: hal_cuda::Api>(
+    res: &Resources<V, C>,
+    gpu: u32,
+) -> Result<StagingPool<V, C>, EngineError> {
     let config = &res.config;
     let slot_size = config.staging_slice.max(4096);
     let slots = config.staging_slots.max(1);
@@ -192,15 +204,15 @@ pub(super) fn pool<'p, V: Api, C: hal_cuda::Api>(
     let buffer = Buffer::alloc_pinned(context, slot_size * slots as u64)?;
     let region = res.register(&buffer)?;
     tracing::info!(gpu, slots, slot_size, "staging pool ready");
-    Ok(vacant.insert(StagingPool {
+    Ok(StagingPool {
         gpu,
         slot_size,
         free: (0..slots).rev().collect(),
         region,
-        to_host: context.create_stream()?,
-        to_device: context.create_stream()?,
+        to_host: Arc::new(context.create_stream()?),
+        to_device: Arc::new(context.create_stream()?),
         _buffer: buffer,
-    }))
+    })
 }
 
 /// Steps every pipeline: slices whose copy ended go on the wire (or free
@@ -288,16 +300,10 @@ fn advance<V: Api, C: hal_cuda::Api>(pipe: &mut Pipe<V, C>) -> usize {
     let mut ended = Vec::new();
     pipe.running.retain(|(slice, stage)| {
         let end = match stage {
-            Stage::Copying(event) => match event.is_complete() {
+            Stage::Copying(copy) => match copy.is_complete("staging copy") {
                 Ok(false) => return true,
                 Ok(true) => (true, None),
-                Err(e) => (
-                    true,
-                    Some(TransferError::Gpu {
-                        what: "staging copy",
-                        source: e,
-                    }),
-                ),
+                Err(e) => (true, Some(e)),
             },
             Stage::OnWire(cell) => match cell.outcome() {
                 None => return true,
@@ -338,12 +344,26 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
             }
             PipeAction::CopyOut(s) => (
                 s,
-                copy_out(cx.res, pool, pipe.gpu_addr + s.offset, s.slot, s.len),
+                copy_out(
+                    cx.res,
+                    pool,
+                    &pipe.region,
+                    pipe.gpu_addr + s.offset,
+                    s.slot,
+                    s.len,
+                ),
                 true,
             ),
             PipeAction::CopyIn(s) => (
                 s,
-                copy_in(cx.res, pool, pipe.gpu_addr + s.offset, s.slot, s.len),
+                copy_in(
+                    cx.res,
+                    pool,
+                    &pipe.region,
+                    pipe.gpu_addr + s.offset,
+                    s.slot,
+                    s.len,
+                ),
                 true,
             ),
             // One slice's RDMA op between its pool slot and the remote
@@ -388,16 +408,20 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
 fn copy_out<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     pool: &StagingPool<V, C>,
+    staged: &Region<V>,
     src: u64,
     slot: usize,
     len: u64,
 ) -> Result<Stage<C>, Option<TransferError>> {
-    queue_copy(res, pool.gpu, &pool.to_host, TO_HOST, |stream| {
+    let dst = pool.slot_addr(slot);
+    let keep = (staged.clone(), pool.region.clone());
+    queue_copy(res, pool.gpu, &pool.to_host, TO_HOST, keep, move |stream| {
         // SAFETY: the slot is this slice's alone until it is freed, which is
         // after this copy's event has passed; `src..src + len` lies in the
-        // staged region the pipe holds, checked against its bounds at
-        // submit.
-        unsafe { stream.copy_device_to_host(pool.slot_addr(slot) as *mut u8, src, len as usize) }
+        // staged region, checked against its bounds at submit; both
+        // memories are held (`keep`) until the copy is queued, and their
+        // frees wait for it from then on.
+        unsafe { stream.copy_device_to_host(dst as *mut u8, src, len as usize) }
     })
 }
 
@@ -405,16 +429,27 @@ fn copy_out<V: Api, C: hal_cuda::Api>(
 fn copy_in<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     pool: &StagingPool<V, C>,
+    staged: &Region<V>,
     dst: u64,
     slot: usize,
     len: u64,
 ) -> Result<Stage<C>, Option<TransferError>> {
-    queue_copy(res, pool.gpu, &pool.to_device, TO_GPU, |stream| {
-        // SAFETY: the slot holds the slice the NIC finished writing (its
-        // completion came) and stays this slice's until the event has
-        // passed; `dst..dst + len` lies in the staged region the pipe holds.
-        unsafe { stream.copy_host_to_device(dst, pool.slot_addr(slot) as *const u8, len as usize) }
-    })
+    let src = pool.slot_addr(slot);
+    let keep = (staged.clone(), pool.region.clone());
+    queue_copy(
+        res,
+        pool.gpu,
+        &pool.to_device,
+        TO_GPU,
+        keep,
+        move |stream| {
+            // SAFETY: the slot holds the slice the NIC finished writing (its
+            // completion came) and stays this slice's until the event has
+            // passed; `dst..dst + len` lies in the staged region; both
+            // memories are held as for `copy_out`.
+            unsafe { stream.copy_host_to_device(dst, src as *const u8, len as usize) }
+        },
+    )
 }
 
 /// What a failed staging copy to host says it was doing
@@ -427,31 +462,61 @@ pub(super) const TO_GPU: &str = "staging copy to the GPU";
 fn queue_copy<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     gpu: u32,
-    stream: &C::Stream,
+    stream: &Arc<C::Stream>,
     what: &'static str,
-    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
+    keep: impl Send + 'static,
+    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError> + Send + 'static,
 ) -> Result<Stage<C>, Option<TransferError>> {
-    copy_event(res, gpu, stream, what, copy)
+    copy_event(res, gpu, stream, what, keep, copy)
         .map(Stage::Copying)
         .map_err(Some)
 }
 
-/// Queues `copy` on `stream` of GPU `gpu` and returns an event recorded
-/// after it.
+/// A copy handed to the CUDA worker ([`super::cuda_worker`]): queued on
+/// its stream there, with an event recorded after it.
+pub(super) struct PendingCopy<C: hal_cuda::Api>(Pending<Result<PooledEvent<C>, TransferError>>);
+
+impl<C: hal_cuda::Api> PendingCopy<C> {
+    /// Whether the copy has run on the GPU (never blocks): `false` while
+    /// the worker has not queued it or its event has not passed; the
+    /// failure of either.
+    pub(super) fn is_complete(&self, what: &'static str) -> Result<bool, TransferError> {
+        match self.0.get() {
+            None => Ok(false),
+            Some(Ok(event)) => event
+                .is_complete()
+                .map_err(|source| TransferError::Gpu { what, source }),
+            Some(Err(e)) => Err(e.clone()),
+        }
+    }
+}
+
+/// Hands `copy` on `stream` of GPU `gpu` to the CUDA worker, which queues
+/// it and records an event after it (an event from the pool: see
+/// `super::events`). `copy` names only addresses; `keep` holds the memory
+/// behind them (the regions) until the copy is queued, after which frees
+/// wait for it; the caller keeps the ranges for the copy's use until it
+/// is complete (or failed).
 pub(super) fn copy_event<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     gpu: u32,
-    stream: &C::Stream,
+    stream: &Arc<C::Stream>,
     what: &'static str,
-    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
-) -> Result<PooledEvent<C>, TransferError> {
-    let failed = |source| TransferError::Gpu { what, source };
-    // From the pool: progress must not create events (see `super::events`).
-    let gpu = res
-        .gpu(gpu)
+    keep: impl Send + 'static,
+    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError> + Send + 'static,
+) -> Result<PendingCopy<C>, TransferError> {
+    res.gpu(gpu)
         .map_err(|e| TransferError::from_engine(what, e))?;
-    let event = res.events.take(gpu).map_err(failed)?;
-    copy(stream).map_err(failed)?;
-    stream.record(&event).map_err(failed)?;
-    Ok(event)
+    let stream = Arc::clone(stream);
+    Ok(PendingCopy(res.cuda.run(res, move |res| {
+        let failed = |source| TransferError::Gpu { what, source };
+        let gpu = res
+            .gpu(gpu)
+            .map_err(|e| TransferError::from_engine(what, e))?;
+        let event = res.events.take(gpu).map_err(failed)?;
+        copy(&stream).map_err(failed)?;
+        stream.record(&event).map_err(failed)?;
+        drop(keep);
+        Ok(event)
+    })))
 }

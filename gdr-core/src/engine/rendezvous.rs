@@ -74,13 +74,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hal_cuda::{Context as _, Event as _, Stream as _};
+use hal_cuda::{Context as _, Stream as _};
 use hal_verbs::Api;
 
 use super::completion::CompletionCell;
-use super::events::PooledEvent;
 use super::path::PathCx;
-use super::pipeline::{self, StagingPool, TO_GPU, TO_HOST, copy_event};
+use super::pipeline::{self, PendingCopy, StagingPool, TO_GPU, TO_HOST, copy_event};
 use super::resources::Resources;
 use super::staging;
 use super::wire::Control;
@@ -209,7 +208,7 @@ pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
     owner: Owner,
     /// Field order is drop order: the copies' events, then the slots
     /// (whose drop waits for their streams).
-    copies: HashMap<CopyId, PooledEvent<C>>,
+    copies: HashMap<CopyId, PendingCopy<C>>,
     slots: Option<Slots<V, C>>,
 }
 
@@ -256,12 +255,19 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
     }
 }
 
+/// A GPU's (device→host, host→device) streams, shared with the copies
+/// handed to the CUDA worker.
+type StreamPair<C> = (
+    Arc<<C as hal_cuda::Api>::Stream>,
+    Arc<<C as hal_cuda::Api>::Stream>,
+);
+
 /// Pinned host slots registered once and granted to one peer. Field order
 /// is drop order: the copies are waited for, the grant's MRs go, then the
 /// registration, then the memory.
 struct Slots<V: Api, C: hal_cuda::Api> {
     /// Per GPU: (device→host, host→device) streams.
-    streams: HashMap<u32, (C::Stream, C::Stream)>,
+    streams: HashMap<u32, StreamPair<C>>,
     slot_len: u64,
     count: u32,
     _grants: Vec<Grant<V>>,
@@ -387,10 +393,10 @@ enum AskStage<C: hal_cuda::Api> {
     /// The next chunk waits for a pool slot (or to be posted).
     Waiting,
     /// Device→host into the pool slot (a WRITE through the pool).
-    CopyOut(PooledEvent<C>),
+    CopyOut(PendingCopy<C>),
     Wire(Arc<CompletionCell>),
     /// Pool slot → device (a READ through the pool).
-    CopyIn(PooledEvent<C>),
+    CopyIn(PendingCopy<C>),
 }
 
 impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
@@ -465,10 +471,17 @@ pub(super) fn make_slots<V: Api, C: hal_cuda::Api>(
         count: count as u32,
         descriptor: descriptor.encode()?,
     };
+    // A stream pair per GPU, made here (outside progress) for the copies
+    // of whichever GPU's grants the slots serve.
+    let mut streams = HashMap::new();
+    for g in res.nics.first().map_or(&[][..], |n| n.ladder.gpus()) {
+        let stream = || g.context.create_stream().map(Arc::new);
+        streams.insert(g.attributes.ordinal, (stream()?, stream()?));
+    }
     tracing::info!(peer, count, slot_len, "landing slots lent");
     Ok(LandingSlots {
         slots: Slots {
-            streams: HashMap::new(),
+            streams,
             slot_len,
             count: count as u32,
             _grants: grants,
@@ -569,8 +582,10 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
     served: &mut LocalGrants<staging::Served<V>>,
 ) -> usize {
     if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
-        // Its slots go with it (the copies waited for).
-        *landing = Landing::new(&cx.res.config.peer_limits);
+        // Its slots go with it, on the CUDA worker once the copies queued
+        // there have been (their streams are synchronized then).
+        let gone = std::mem::replace(landing, Landing::new(&cx.res.config.peer_limits));
+        cx.res.cuda.drop_after_queued(cx.res, gone);
         return 1;
     }
     let now = cx.now;
@@ -602,9 +617,8 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
         }
     }
     let mut ended = Vec::new();
-    landing
-        .copies
-        .retain(|&copy, event| match event.is_complete() {
+    landing.copies.retain(
+        |&copy, pending| match pending.is_complete("a landing copy") {
             Ok(false) => true,
             Ok(true) => {
                 ended.push((copy, true));
@@ -615,7 +629,8 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
                 ended.push((copy, false));
                 false
             }
-        });
+        },
+    );
     for (copy, ok) in ended {
         moved += 1;
         tracing::trace!(?copy, ok, "rendezvous owner: copy done");
@@ -704,7 +719,7 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
 
 /// Starts copy `len` bytes between landing slot `slot` and device
 /// address `gpu_addr` of GPU `gpu` (into the GPU when `to_gpu`), as
-/// the owner's protocol decided; its event.
+/// the owner's protocol decided: handed to the CUDA worker.
 fn start_landing_copy<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     slots: Option<&mut Slots<V, C>>,
@@ -713,7 +728,7 @@ fn start_landing_copy<V: Api, C: hal_cuda::Api>(
     gpu: u32,
     gpu_addr: u64,
     len: u64,
-) -> Result<PooledEvent<C>, TransferError> {
+) -> Result<PendingCopy<C>, TransferError> {
     let slots = slots.ok_or(TransferError::Internal {
         what: "a landing copy before the slots were made",
     })?;
@@ -721,7 +736,18 @@ fn start_landing_copy<V: Api, C: hal_cuda::Api>(
         return Err(PeerMisbehaved::UnknownSlot { slot, len }.into());
     }
     let host = slots.slot_addr(slot);
-    landing_copy(res, slots, gpu, to_gpu, |stream| {
+    let (to_host, to_device) = slots.streams.get(&gpu).ok_or(TransferError::Internal {
+        what: "a landing copy on a GPU the engine does not have",
+    })?;
+    let (stream, what) = if to_gpu {
+        (to_device, TO_GPU)
+    } else {
+        (to_host, TO_HOST)
+    };
+    // The memory: the slots stay until every job queued before their
+    // drop has run (dropped on the worker: `drop_on_worker`); the grant's
+    // region is held by the request until this copy has ended.
+    copy_event(res, gpu, stream, what, (), move |stream| {
         if to_gpu {
             // SAFETY: the slot (gdr's pinned memory; `len` ≤ a slot,
             // checked above) is this slice's until the copy's event has
@@ -736,42 +762,6 @@ fn start_landing_copy<V: Api, C: hal_cuda::Api>(
             unsafe { stream.copy_device_to_host(host as *mut u8, gpu_addr, len as usize) }
         }
     })
-}
-
-/// Queues a copy for the slots on GPU `gpu`'s stream of that direction
-/// and returns its event.
-fn landing_copy<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    slots: &mut Slots<V, C>,
-    gpu: u32,
-    to_device: bool,
-    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError>,
-) -> Result<PooledEvent<C>, TransferError> {
-    use std::collections::hash_map::Entry;
-    let streams = match slots.streams.entry(gpu) {
-        Entry::Occupied(s) => s.into_mut(),
-        Entry::Vacant(v) => {
-            let context = &res
-                .gpu(gpu)
-                .map_err(|e| TransferError::from_engine("the landing GPU", e))?
-                .context;
-            let stream = || {
-                context
-                    .create_stream()
-                    .map_err(|source| TransferError::Gpu {
-                        what: "a landing stream",
-                        source,
-                    })
-            };
-            v.insert((stream()?, stream()?))
-        }
-    };
-    let (stream, what) = if to_device {
-        (&streams.1, TO_GPU)
-    } else {
-        (&streams.0, TO_HOST)
-    };
-    copy_event(res, gpu, stream, what, copy)
 }
 
 // -------------------------------------------------- requester's steps
@@ -1018,20 +1008,29 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                         let at = pool.slot_addr(pool_slot);
                         let chunk = slice.chunk;
                         step = Some(if a.write {
-                            copy_event(cx.res, pool.gpu, &pool.to_host, TO_HOST, |stream| {
-                                // SAFETY: the pool slot is this chunk's
-                                // until freed (after its WRITE); the
-                                // source lies in the request's checked
-                                // local range (the slice is inside the
-                                // request), held by it.
-                                unsafe {
-                                    stream.copy_device_to_host(
-                                        at as *mut u8,
-                                        gpu_addr,
-                                        chunk as usize,
-                                    )
-                                }
-                            })
+                            let keep = (a.local.clone(), pool.region.clone());
+                            copy_event(
+                                cx.res,
+                                pool.gpu,
+                                &pool.to_host,
+                                TO_HOST,
+                                keep,
+                                move |stream| {
+                                    // SAFETY: the pool slot is this chunk's
+                                    // until freed (after its WRITE); the
+                                    // source lies in the request's checked
+                                    // local range (the slice is inside the
+                                    // request); both memories held (`keep`)
+                                    // until the copy is queued.
+                                    unsafe {
+                                        stream.copy_device_to_host(
+                                            at as *mut u8,
+                                            gpu_addr,
+                                            chunk as usize,
+                                        )
+                                    }
+                                },
+                            )
                             .map(|event| {
                                 tracing::trace!(
                                     id,
@@ -1070,7 +1069,7 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                     }
                 }
             },
-            AskStage::CopyOut(event) => match event.is_complete() {
+            AskStage::CopyOut(copy) => match copy.is_complete(TO_HOST) {
                 Ok(false) => {}
                 Ok(true) if failing => step = Some(Err(None)),
                 // Copied out; posted once the wire has room.
@@ -1104,12 +1103,7 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                             }),
                     );
                 }
-                Err(e) => {
-                    step = Some(Err(Some(TransferError::Gpu {
-                        what: TO_HOST,
-                        source: e,
-                    })))
-                }
+                Err(e) => step = Some(Err(Some(e))),
             },
             AskStage::Wire(cell) => match cell.outcome() {
                 None => {}
@@ -1140,21 +1134,29 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                             let dst = a.local_addr + slice.offset + slice.pos;
                             let chunk = slice.chunk;
                             step = Some(
-                                copy_event(cx.res, pool.gpu, &pool.to_device, TO_GPU, |stream| {
-                                    // SAFETY: the READ into the
-                                    // pool slot completed and the
-                                    // slot stays this chunk's until
-                                    // the copy's event passed; the
-                                    // destination lies in the
-                                    // request's checked local range.
-                                    unsafe {
-                                        stream.copy_host_to_device(
-                                            dst,
-                                            from as *const u8,
-                                            chunk as usize,
-                                        )
-                                    }
-                                })
+                                copy_event(
+                                    cx.res,
+                                    pool.gpu,
+                                    &pool.to_device,
+                                    TO_GPU,
+                                    (a.local.clone(), pool.region.clone()),
+                                    move |stream| {
+                                        // SAFETY: the READ into the
+                                        // pool slot completed and the
+                                        // slot stays this chunk's until
+                                        // the copy's event passed; the
+                                        // destination lies in the
+                                        // request's checked local range;
+                                        // both memories held until queued.
+                                        unsafe {
+                                            stream.copy_host_to_device(
+                                                dst,
+                                                from as *const u8,
+                                                chunk as usize,
+                                            )
+                                        }
+                                    },
+                                )
                                 .map(|event| slice.stage = AskStage::CopyIn(event))
                                 .map_err(Some),
                             );
@@ -1165,15 +1167,10 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
                     }
                 }
             },
-            AskStage::CopyIn(event) => match event.is_complete() {
+            AskStage::CopyIn(copy) => match copy.is_complete(TO_GPU) {
                 Ok(false) => {}
                 Ok(true) => step = Some(chunk_done(slice, pool.as_deref_mut())),
-                Err(e) => {
-                    step = Some(Err(Some(TransferError::Gpu {
-                        what: TO_GPU,
-                        source: e,
-                    })))
-                }
+                Err(e) => step = Some(Err(Some(e))),
             },
         }
         match step {

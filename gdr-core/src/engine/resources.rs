@@ -12,6 +12,7 @@ use std::sync::atomic::AtomicU64;
 
 use hal_verbs::Api;
 
+use super::cuda_worker::CudaWorker;
 use super::events::EventPools;
 use super::{EngineConfig, EngineError, Fence, Region, topology};
 use crate::buffer::Buffer;
@@ -44,17 +45,21 @@ pub(crate) struct Resources<V: Api, C: hal_cuda::Api> {
     /// The events progress records on its GPU copies (never made there:
     /// see [`super::events`]).
     pub(crate) events: EventPools<C>,
+    /// The thread that makes progress's blocking driver calls
+    /// ([`super::cuda_worker`]).
+    pub(crate) cuda: CudaWorker<V, C>,
 }
 
 impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
     /// Resources over `nics` (the nearest NICs of each GPU read from the
-    /// configured topology).
+    /// configured topology), shared: their CUDA worker runs jobs with
+    /// them.
     pub(crate) fn new(
         id: u64,
         config: EngineConfig,
         cm: V::ConnectionManager,
         nics: Vec<Nic<V, C>>,
-    ) -> Self {
+    ) -> std::sync::Arc<Self> {
         let nearest_nics = nearest_nics(&config.topology, &nics);
         // Enough for every staging slot's copy in both directions and the
         // landing and peer-copy copies beside them; more are made on demand.
@@ -62,7 +67,7 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
             nics.first().map_or(&[][..], |n| n.ladder.gpus()),
             2 * config.staging_slots + 32,
         );
-        Self {
+        std::sync::Arc::new_cyclic(|weak| Self {
             id,
             config,
             cm,
@@ -70,7 +75,8 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
             next_grant: AtomicU64::new(1),
             nearest_nics,
             events,
-        }
+            cuda: CudaWorker::new(weak.clone()),
+        })
     }
 
     /// GPU `ordinal` of the engine (every NIC's ladder opened the same).

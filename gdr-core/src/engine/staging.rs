@@ -279,6 +279,25 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
         (self.pipes.len(), self.groups.len())
     }
 
+    /// Whether GPU `gpu` has its staging pool.
+    pub(crate) fn has_pool(&self, gpu: u32) -> bool {
+        self.pools.contains_key(&gpu)
+    }
+
+    /// Takes `pool` (made outside the lock: [`pipeline::make_pool`]) as
+    /// its GPU's; one made meanwhile wins, and `pool` is handed back to be
+    /// dropped outside the lock.
+    pub(crate) fn install_pool(&mut self, pool: StagingPool<V, C>) -> Option<StagingPool<V, C>> {
+        use std::collections::hash_map::Entry;
+        match self.pools.entry(pool.gpu) {
+            Entry::Occupied(_) => Some(pool),
+            Entry::Vacant(vacant) => {
+                vacant.insert(pool);
+                None
+            }
+        }
+    }
+
     /// A peer connected in `slot`: nothing staged with it yet.
     pub(crate) fn add_peer(&mut self, slot: usize, limits: &PeerLimits) {
         if self.peers.len() <= slot {
