@@ -10,10 +10,9 @@
 //! (measured on an H100, driver 580, `tests/gpu-probes/lock_probe.cu`;
 //! queries, stream memory operations and the GPUDirect flush do not).
 //! Creating events in progress was the first call that hung two engines'
-//! GPU tests in one process. A pool takes that call out of progress; the
-//! copies a staged batch still has to queue do not leave it, so a fence on
-//! a staged batch can still deadlock against a concurrent free (issue 33
-//! item 14, open: `sim_engine_fence`'s ignored test shows it).
+//! GPU tests in one process. The copies and records themselves are made
+//! by the engine's CUDA worker ([`super::cuda_worker`]), which takes its
+//! events from these pools too.
 //!
 //! A [`PooledEvent`] goes back to its GPU's pool when dropped, whether its
 //! copy ended, failed or was abandoned (re-recording an event resets it).

@@ -24,8 +24,9 @@
 //! nothing of the request is kept.
 //!
 //! What it costs: the pipeline's pool per GPU is allocated, pinned and
-//! registered once; each slice costs a `cuMemcpyAsync` and an event poll
-//! on the staged side, overlapped with the wire. A rendezvous costs the
+//! registered once; each slice costs a `cuMemcpyAsync` and an event
+//! record (queued by the engine's CUDA worker, [`super::cuda_worker`]) and
+//! event polls on the staged side, overlapped with the wire. A rendezvous costs the
 //! owner, once per peer, its landing slots (`rendezvous_slots` ×
 //! `staging_slice` of pinned memory allocated, registered and granted
 //! once: 16 MiB by default); per request a request message (and a reply
