@@ -105,13 +105,24 @@ pub enum BufferAccessError {
     },
 }
 
-/// Page-aligned, zeroed host memory from the global allocator (a raw
-/// allocation, so the pointer handed to the NIC carries the allocation's
-/// own provenance).
+/// Page-aligned, zeroed host memory (a raw allocation, so the pointer
+/// handed to the NIC carries the allocation's own provenance): from the
+/// global allocator below [`MAPPED_FROM`] bytes, else an anonymous mapping
+/// (zero pages the kernel fills in as they are touched, where the
+/// allocator would write every page).
 struct HostAllocation {
     ptr: NonNull<u8>,
-    layout: Layout,
+    from: HostSource,
 }
+
+/// Where a [`HostAllocation`] came from, and what frees it.
+enum HostSource {
+    Allocator(Layout),
+    Mapping { len: usize },
+}
+
+/// Sizes from which host memory is mapped rather than allocated.
+const MAPPED_FROM: usize = 1 << 20;
 
 // SAFETY: the allocation is plain bytes owned by this value; sharing the
 // pointer across threads is what every user of the buffer does through the
@@ -121,8 +132,11 @@ unsafe impl Send for HostAllocation {}
 unsafe impl Sync for HostAllocation {}
 
 impl HostAllocation {
-    /// `len` zeroed bytes, or the allocator's refusal as an error (never
-    /// its failure handler, which aborts the process).
+    /// `len` zeroed bytes, or the refusal as an error (never the global
+    /// allocator's failure handler, which aborts the process). More than
+    /// the machine's memory and swap together is refused before anything
+    /// is asked: where the kernel overcommits it would map it, and kill the
+    /// process once the pages are touched.
     fn zeroed(len: u64) -> Result<Self, HostAllocError> {
         // Page alignment: an MR covers whole pages anyway, and two buffers
         // then never share a page.
@@ -130,11 +144,57 @@ impl HostAllocation {
             .ok()
             .and_then(|size| Layout::from_size_align(size, 4096).ok())
             .ok_or(HostAllocError::TooLarge { len })?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or(HostAllocError::OutOfMemory { len })?;
-        Ok(Self { ptr, layout })
+        if len > backable_memory() {
+            return Err(HostAllocError::OutOfMemory { len });
+        }
+        if layout.size() < MAPPED_FROM {
+            // SAFETY: the layout has a non-zero size.
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+            let ptr = NonNull::new(ptr).ok_or(HostAllocError::OutOfMemory { len })?;
+            return Ok(Self {
+                ptr,
+                from: HostSource::Allocator(layout),
+            });
+        }
+        // SAFETY: an anonymous private mapping at an address the kernel
+        // picks: no file, no memory of ours passed or overlapped.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                layout.size(),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(HostAllocError::OutOfMemory { len });
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(HostAllocError::OutOfMemory { len })?;
+        Ok(Self {
+            ptr,
+            from: HostSource::Mapping { len: layout.size() },
+        })
     }
+}
+
+/// The machine's memory and swap together: the most host memory that can
+/// ever be backed at once (`u64::MAX` where the kernel does not say).
+fn backable_memory() -> u64 {
+    let mut info = std::mem::MaybeUninit::<libc::sysinfo>::zeroed();
+    // SAFETY: sysinfo fills the struct it is given, which is ours and of
+    // its type; nothing else is read or written.
+    if unsafe { libc::sysinfo(info.as_mut_ptr()) } != 0 {
+        return u64::MAX;
+    }
+    // SAFETY: sysinfo returned 0: it filled the struct (and it was zeroed
+    // before, so every field is initialized either way).
+    let info = unsafe { info.assume_init() };
+    let unit = u64::from(info.mem_unit.max(1));
+    (info.totalram as u64)
+        .saturating_add(info.totalswap as u64)
+        .saturating_mul(unit)
 }
 
 /// Why host memory could not be allocated ([`Buffer::try_alloc_host`]).
@@ -158,8 +218,24 @@ pub enum HostAllocError {
 
 impl Drop for HostAllocation {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        match self.from {
+            // SAFETY: allocated in `zeroed` with this layout, freed once.
+            HostSource::Allocator(layout) => unsafe {
+                std::alloc::dealloc(self.ptr.as_ptr(), layout)
+            },
+            HostSource::Mapping { len } => {
+                // SAFETY: mapped in `zeroed` with this length, unmapped
+                // once; nothing of gdr's reaches it after the buffer goes.
+                let unmapped = unsafe { libc::munmap(self.ptr.as_ptr().cast(), len) };
+                if unmapped != 0 {
+                    tracing::warn!(
+                        error = %std::io::Error::last_os_error(),
+                        len,
+                        "munmap of a host buffer"
+                    );
+                }
+            }
+        }
     }
 }
 

@@ -140,6 +140,16 @@ def test_a_transfer_sees_the_kernel_that_wrote_its_tensor_and_not_other_streams(
     torch.cuda.synchronize()
 
     cycles = _cycles_for(torch, 0.5)
+    # The kernels launched below while `other` sleeps are launched once
+    # first: a kernel's first launch may load its module, which waits for
+    # every stream of the context (CUDA's lazy loading: seen as CuPy's
+    # first `fill` taking the 3 s of `other`, before any gdr call). Not 0:
+    # a fill with zeros is a memset, not the kernel.
+    if framework == "torch":
+        source.fill_(1)
+    else:
+        source.fill(1)
+    torch.cuda.synchronize()
     other = torch.cuda.Stream()
     mine = torch.cuda.Stream()
     with torch.cuda.stream(other):
