@@ -192,8 +192,8 @@ fn backable_memory() -> u64 {
     // before, so every field is initialized either way).
     let info = unsafe { info.assume_init() };
     let unit = u64::from(info.mem_unit.max(1));
-    (info.totalram as u64)
-        .saturating_add(info.totalswap as u64)
+    u64::from(info.totalram)
+        .saturating_add(u64::from(info.totalswap))
         .saturating_mul(unit)
 }
 
