@@ -192,9 +192,9 @@ fn backable_memory() -> u64 {
     // before, so every field is initialized either way).
     let info = unsafe { info.assume_init() };
     let unit = u64::from(info.mem_unit.max(1));
-    u64::from(info.totalram)
-        .saturating_add(u64::from(info.totalswap))
-        .saturating_mul(unit)
+    // `c_ulong`: 64 bits here (the only targets gdr builds for).
+    let (ram, swap): (u64, u64) = (info.totalram, info.totalswap);
+    ram.saturating_add(swap).saturating_mul(unit)
 }
 
 /// Why host memory could not be allocated ([`Buffer::try_alloc_host`]).
