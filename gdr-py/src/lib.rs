@@ -49,7 +49,7 @@ struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (backend = "auto", qps_per_peer = None, default_timeout = None, accept_timeout = None, peer_copy = None, staging_slots = None, staging_slice = None))]
+    #[pyo3(signature = (backend = "auto", qps_per_peer = None, default_timeout = None, accept_timeout = None, peer_copy = None, staging_slots = None, staging_slice = None, max_peers = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -60,6 +60,7 @@ impl Engine {
         peer_copy: Option<bool>,
         staging_slots: Option<usize>,
         staging_slice: Option<u64>,
+        max_peers: Option<usize>,
     ) -> PyResult<Self> {
         let choice = match backend {
             "auto" => BackendChoice::Auto,
@@ -91,6 +92,9 @@ impl Engine {
         }
         if let Some(n) = staging_slice {
             config.staging_slice = n;
+        }
+        if let Some(n) = max_peers {
+            config.max_peers = n;
         }
         let engine = py
             .detach(|| Context::open(choice).and_then(|c| c.engine(config)))

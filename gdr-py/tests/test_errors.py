@@ -348,3 +348,12 @@ def test_accepts_on_several_threads_wait_side_by_side() -> None:
     waiting.join()
     assert isinstance(got["peer"], gdr.Peer), got
     to_server.close()
+
+
+def test_past_max_peers_a_connect_is_refused() -> None:
+    server = gdr.Engine(backend="sim")
+    client = gdr.Engine(backend="sim", max_peers=1)
+    connect(server, client)
+    listener = server.listen()
+    with pytest.raises(gdr.GdrError, match="1 peers are connected"):
+        client.connect(listener.address, WAIT)

@@ -366,3 +366,172 @@ fn a_receive_post_refused_while_adding_a_peer_fails_the_connect_and_leaves_nothi
     drop((ab, ba, listener));
     w.close_and_check_released();
 }
+
+/// `max_peers` bounds the peers an engine carries: past it a connect is
+/// refused before any queue pair is made (typed, naming the bound), and
+/// an acceptor at its bound rejects the connector busy; a peer that goes
+/// makes room again.
+#[test]
+fn past_max_peers_a_connect_is_refused_and_an_acceptor_rejects_busy() {
+    use gdr_core::engine::Refusal;
+    let config = EngineConfig {
+        qps_per_peer: 2,
+        default_timeout: T,
+        max_peers: 1,
+        ..EngineConfig::default()
+    };
+    let w = EngineWorld::sim_sides(1, (config.clone(), config), T, |fabric| {
+        gdr_sim::SimCuda::new(vec![GpuConfig::default()], fabric.faults())
+    });
+    let (listener, addr) = listen(&w);
+    // a carries the world's peer: its own bound refuses at once.
+    let err = w.a.engine.connect(addr, T).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Refused(Refusal::PeerLimit { max: 1 })),
+        "{err}"
+    );
+    assert_eq!(
+        w.a.engine.peer_count(),
+        1,
+        "the refused connect left nothing"
+    );
+    // A third engine reaches b, which carries the world's peer: busy.
+    let fabric = w.fabric();
+    let c_nic = fabric.add_node("c", gdr_sim::NodeConfig::default());
+    let c = gdr_core::engine::Engine::<SimVerbsApi, SimCudaApi>::new(
+        &c_nic,
+        None,
+        EngineConfig {
+            default_timeout: T,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let err = c.connect(addr, T).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::Rejected {
+                reason: RejectReason::Busy,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(listener.waiting(), 0, "nothing of c waits at b");
+    // b closes the world's peer: room for c.
+    w.ba.close().unwrap();
+    let start = Instant::now();
+    loop {
+        let attempt = std::thread::scope(|scope| {
+            let accepting = scope.spawn(|| listener.accept(SHORT));
+            let connected = c.connect(addr, T);
+            (connected, accepting.join().unwrap())
+        });
+        match attempt {
+            (Ok(cb), Ok(bc)) => {
+                round_trip_engines(&cb, &bc);
+                break;
+            }
+            (connected, accepted) => {
+                assert!(
+                    start.elapsed() < T,
+                    "no room after the peer went: {connected:?} / {accepted:?}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// A message each way between two peers of any engines.
+fn round_trip_engines(
+    x: &gdr_core::engine::Peer<SimVerbsApi, SimCudaApi>,
+    y: &gdr_core::engine::Peer<SimVerbsApi, SimCudaApi>,
+) {
+    x.send(b"ping").unwrap().wait(T).unwrap();
+    assert_eq!(y.recv(T).unwrap(), b"ping");
+}
+
+/// Each NIC's completion queue is sized for `max_peers` peers' queue
+/// pairs, brought down to the device's `max_cqe`: on a device whose CQs
+/// hold two peers' completions, a third peer is refused (typed), where
+/// a CQ sized for 64 queue pairs would have overrun.
+#[test]
+fn the_cq_bound_of_the_device_bounds_the_peers() {
+    use gdr_core::engine::{Engine, Refusal};
+    use gdr_sim::{DeviceConfig, NodeConfig, SimFabric};
+    let config = EngineConfig {
+        qps_per_peer: 2,
+        qp_depth: 64,
+        recv_depth: 32,
+        default_timeout: T,
+        ..EngineConfig::default()
+    };
+    let per_peer = 2 * (64 + 32);
+    let fabric = SimFabric::new();
+    let mut small = DeviceConfig::default();
+    small.attributes.max_cqe = 2 * per_peer + per_peer / 2;
+    let a_nic = fabric.add_node(
+        "a",
+        NodeConfig {
+            ipv4: None,
+            devices: vec![small],
+        },
+    );
+    let b_nic = fabric.add_node("b", NodeConfig::default());
+    let a = Engine::<SimVerbsApi, SimCudaApi>::new(&a_nic, None, config.clone()).unwrap();
+    let b = Engine::<SimVerbsApi, SimCudaApi>::new(&b_nic, None, config).unwrap();
+    let listener = b
+        .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+        .unwrap();
+    let addr = SocketAddr::new(
+        IpAddr::V4(b_nic.device_ipv4("sim0").unwrap()),
+        listener.local_addr().port(),
+    );
+    let mut peers = Vec::new();
+    for _ in 0..2 {
+        peers.push(std::thread::scope(|scope| {
+            let accepting = scope.spawn(|| listener.accept(T));
+            let ab = a.connect(addr, T).unwrap();
+            (ab, accepting.join().unwrap().unwrap())
+        }));
+    }
+    let err = a.connect(addr, T).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Refused(Refusal::PeerLimit { max: 2 })),
+        "{err}"
+    );
+    for (ab, ba) in &peers {
+        round_trip_engines(ab, ba);
+    }
+    // A device whose CQs hold not even one peer: the engine says so.
+    let mut tiny = DeviceConfig::default();
+    tiny.attributes.max_cqe = per_peer - 1;
+    let c_nic = fabric.add_node(
+        "c",
+        NodeConfig {
+            ipv4: None,
+            devices: vec![tiny],
+        },
+    );
+    let err = Engine::<SimVerbsApi, SimCudaApi>::new(
+        &c_nic,
+        None,
+        EngineConfig {
+            qps_per_peer: 2,
+            qp_depth: 64,
+            recv_depth: 32,
+            ..EngineConfig::default()
+        },
+    )
+    .map(drop)
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::Unavailable(gdr_core::engine::Unavailable::CompletionQueueTooSmall { .. })
+        ),
+        "{err}"
+    );
+}

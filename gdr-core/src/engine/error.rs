@@ -100,6 +100,14 @@ impl From<Gone> for PeerGone {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {
+    /// As many peers as the engine carries are connected
+    /// ([`super::EngineConfig::max_peers`], brought down to what its NICs'
+    /// completion queues hold): a peer goes before another comes.
+    #[error("{max} peers are connected, as many as this engine's completion queues carry")]
+    PeerLimit {
+        /// The bound.
+        max: usize,
+    },
     /// A region registered by another engine.
     #[error("a region of engine {region_engine:#x} used with engine {engine:#x}")]
     ForeignRegion {
@@ -196,6 +204,17 @@ pub enum Unavailable {
     /// The provider lists no RDMA device the engine may use.
     #[error("no RDMA device to use")]
     NoRdmaDevice,
+    /// A device's completion queues cannot hold the completions of one
+    /// peer's queue pairs (`qps_per_peer` × (`qp_depth` + `recv_depth`)).
+    #[error("{device}'s completion queues hold {max_cqe} completions, one peer needs {per_peer}")]
+    CompletionQueueTooSmall {
+        /// The NIC.
+        device: String,
+        /// What the device allows per CQ.
+        max_cqe: u64,
+        /// What one peer's queue pairs need.
+        per_peer: u64,
+    },
     /// No NIC of the engine has the source address asked for.
     #[error("no NIC of this engine has address {address}")]
     NoNicWithAddress {

@@ -289,6 +289,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
         let destination = match known {
             Some(slot) => Destination::Reconnect(slot),
+            None if self.peer_room().is_err() => {
+                // As many peers as the CQs carry: the connector is told
+                // busy before any queue pair of its is made here.
+                tracing::info!(peer = %from, "connect refused: the engine carries max_peers peers");
+                let _ = request.reject(&RejectReason::Busy.encode());
+                return;
+            }
             None => {
                 let mut waiting = inner.waiting();
                 let arrival = Arrival::of_hello(&hello, waiting.token());

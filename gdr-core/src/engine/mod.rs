@@ -197,6 +197,13 @@ impl Clock for SystemClock {
 pub struct EngineConfig {
     /// RC queue pairs per peer.
     pub qps_per_peer: u16,
+    /// Peers connected at once at most (accepted and connected together):
+    /// one more is refused ([`Refusal::PeerLimit`]; a connecting peer is
+    /// rejected `Busy`). Each NIC's completion queue is sized for this many
+    /// peers' queue pairs (`qps_per_peer` × (`qp_depth` + `recv_depth`)
+    /// completions each), brought down to what the device allows
+    /// (`max_cqe`): the bound is then what fits. Default 1024.
+    pub max_peers: usize,
     /// Work requests in flight per queue pair.
     pub qp_depth: u32,
     /// Ask for a completion every this many work requests (and at the end
@@ -300,6 +307,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             qps_per_peer: 2,
+            max_peers: 1024,
             qp_depth: 128,
             signal_every: 16,
             slice_size: 1 << 20,
@@ -1013,7 +1021,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             }
             None => 0,
         };
-        let cq_depth = (config.qp_depth + u32::from(config.recv_depth)) * 64;
+        // Each NIC's CQ holds every completion its peers' queue pairs can
+        // have outstanding: a full CQ overruns, and the device fails every
+        // queue pair on it.
+        let per_peer = u64::from(config.qps_per_peer.max(1))
+            * (u64::from(config.qp_depth) + u64::from(config.recv_depth));
+        let wanted = per_peer.saturating_mul(config.max_peers.max(1) as u64);
+        let mut peer_capacity = config.max_peers.max(1);
         let mut nics = Vec::with_capacity(names.len());
         for name in names {
             let context = provider
@@ -1032,10 +1046,31 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 Arc::clone(&exports),
                 config.ladder,
             )?;
-            let depth = context
+            let max_cqe = context
                 .query_device()
-                .map(|a| a.max_cqe.max(1).min(cq_depth))
-                .unwrap_or(cq_depth);
+                .map_or(u64::from(u32::MAX), |a| u64::from(a.max_cqe));
+            let depth = wanted.min(max_cqe);
+            let fits = usize::try_from(depth / per_peer).unwrap_or(usize::MAX);
+            if fits == 0 {
+                return Err(EngineError::Unavailable(
+                    Unavailable::CompletionQueueTooSmall {
+                        device: name,
+                        max_cqe,
+                        per_peer,
+                    },
+                ));
+            }
+            if fits < peer_capacity {
+                tracing::warn!(
+                    device = %name,
+                    max_cqe,
+                    peers = fits,
+                    asked = config.max_peers,
+                    "the device's CQs hold fewer peers than max_peers: the bound is what fits"
+                );
+                peer_capacity = fits;
+            }
+            let depth = u32::try_from(depth).unwrap_or(u32::MAX);
             // On a completion channel where the provider makes one, so a
             // waiting engine can park until a completion comes.
             let channel = match context.create_comp_channel() {
@@ -1076,7 +1111,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
                 to_post: Vec::with_capacity(256),
                 ticks: 0,
             }),
-            res: Resources::new(fresh_id(), config, cm, nics),
+            res: Resources::new(fresh_id(), config, cm, nics, peer_capacity),
             drivers: Arc::default(),
             own_driver: Default::default(),
             listener_threads: Mutex::default(),
@@ -1178,6 +1213,26 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
             .count()
     }
 
+    /// Peers connected and not gone: what the CQs were sized for (a gone
+    /// peer's queue pairs are disconnected and post nothing more).
+    fn live_peers(state: &State<V, C>) -> usize {
+        state
+            .peers
+            .iter()
+            .flatten()
+            .filter(|p| p.gone.is_none())
+            .count()
+    }
+
+    /// Whether one more peer may connect now ([`EngineConfig::max_peers`]).
+    fn peer_room(&self) -> Result<(), EngineError> {
+        let max = self.shared.peer_capacity;
+        if Self::live_peers(&lock_state(&self.shared.state)) >= max {
+            return Err(EngineError::Refused(Refusal::PeerLimit { max }));
+        }
+        Ok(())
+    }
+
     /// Registers the whole of `buffer` on every NIC (each on the first
     /// rung that works there) as a region for transfers and grants.
     pub fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
@@ -1228,6 +1283,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         timeout: Duration,
     ) -> Result<Peer<V, C>, EngineError> {
         let first = paths.first().ok_or(EngineError::Refused(Refusal::NoPath))?;
+        // Refused before any queue pair is made (checked again when the
+        // peer is added: another connect may take the room meanwhile).
+        self.peer_room()?;
         let clock = &self.shared.config.clock;
         let count = self.shared.config.qps_per_peer.max(1);
         let mut dial = Dial::new(fresh_id(), count, clock.now(), timeout);
@@ -1571,6 +1629,10 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         let recv_region = self.register(&recv)?;
         let send_region = self.register(&send)?;
         let mut state = lock_state(&self.shared.state);
+        let max = self.shared.peer_capacity;
+        if Self::live_peers(&state) >= max {
+            return Err(EngineError::Refused(Refusal::PeerLimit { max }));
+        }
         let slot = state.peers.len();
         let mut qps = Vec::with_capacity(conns.len());
         let connector = conns.iter().any(|(_, _, path)| path.is_some());

@@ -45,6 +45,9 @@ pub(crate) struct Resources<V: Api, C: hal_cuda::Api> {
     /// The events progress records on its GPU copies (never made there:
     /// see [`super::events`]).
     pub(crate) events: EventPools<C>,
+    /// Peers connected at once at most: `max_peers`, or fewer where a
+    /// NIC's completion queue holds fewer.
+    pub(crate) peer_capacity: usize,
     /// The thread that makes progress's blocking driver calls
     /// ([`super::cuda_worker`]).
     pub(crate) cuda: CudaWorker<V, C>,
@@ -59,6 +62,7 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
         config: EngineConfig,
         cm: V::ConnectionManager,
         nics: Vec<Nic<V, C>>,
+        peer_capacity: usize,
     ) -> std::sync::Arc<Self> {
         let nearest_nics = nearest_nics(&config.topology, &nics);
         // Enough for every staging slot's copy in both directions and the
@@ -75,6 +79,7 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
             next_grant: AtomicU64::new(1),
             nearest_nics,
             events,
+            peer_capacity,
             cuda: CudaWorker::new(weak.clone()),
         })
     }

@@ -684,7 +684,8 @@ class Engine:
     backends chosen: ``"auto"`` (real rdma-core and CUDA where found, the
     simulation otherwise), ``"real"`` or ``"sim"``. Configuration as
     keywords: ``qps_per_peer``, ``default_timeout`` and ``accept_timeout``
-    (seconds), ``peer_copy``, ``staging_slots``, ``staging_slice``. A
+    (seconds), ``peer_copy``, ``staging_slots``, ``staging_slice``,
+    ``max_peers`` (peers connected at once; one more is refused). A
     context manager; engines of one process on the simulation reach each
     other as two machines would."""
 

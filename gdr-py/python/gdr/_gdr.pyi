@@ -16,6 +16,7 @@ class Engine:
         peer_copy: Optional[bool] = None,
         staging_slots: Optional[int] = None,
         staging_slice: Optional[int] = None,
+        max_peers: Optional[int] = None,
     ) -> "Engine": ...
     @property
     def id(self) -> int: ...

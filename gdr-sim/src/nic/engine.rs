@@ -147,7 +147,7 @@ impl FabricState {
         // (not one that has passed: its retry is due now); none at a post.
         let now = self.clock.now;
         let mut rnr_jump = !post
-            && self.qps.values().any(|qp| {
+            && self.busy_qps().any(|(_, qp)| {
                 qp.timing
                     .wait
                     .is_some_and(|wait| wait.cause == WaitCause::Rnr && wait.until > now)
@@ -198,8 +198,8 @@ impl FabricState {
 
     /// The earliest pending timer, and whether it is an RNR wait.
     pub fn next_timer(&self) -> Option<(Duration, bool)> {
-        self.qps
-            .values()
+        self.busy_qps()
+            .map(|(_, qp)| qp)
             .filter(|qp| qp.state == QpState::ReadyToSend && !self.devices[qp.device].lost)
             .filter_map(|qp| {
                 let deadline = qp.timing.deadline()?;
@@ -216,8 +216,7 @@ impl FabricState {
     /// those of a QP whose head still waits for a receive (its READs'
     /// responses excepted); an RNR wait whose receive has come is one.
     fn next_timer_at_post(&self) -> Option<(Duration, bool)> {
-        self.qps
-            .iter()
+        self.busy_qps()
             .filter(|(_, qp)| qp.state == QpState::ReadyToSend && !self.devices[qp.device].lost)
             .filter_map(|(&qpn, qp)| {
                 if self.blocked_on_rnr(qpn) {
@@ -241,8 +240,7 @@ impl FabricState {
             return None;
         }
         let now = self.clock.now;
-        self.qps
-            .iter()
+        self.busy_qps()
             .filter(|(_, qp)| qp.state == QpState::ReadyToSend && !self.devices[qp.device].lost)
             .filter(|(_, qp)| {
                 self.cqs
@@ -269,10 +267,14 @@ impl FabricState {
     /// Runs everything runnable at the current time.
     fn run(&mut self) -> usize {
         let mut ran = 0;
+        let mut qpns = Vec::new();
         loop {
             let before = ran;
-            let qpns: Vec<u32> = self.qps.keys().copied().collect();
-            for qpn in qpns {
+            // The QPs at work, in QPN order (an idle QP's step does
+            // nothing: it is skipped, not visited).
+            qpns.clear();
+            qpns.extend(self.busy.iter().copied());
+            for &qpn in &qpns {
                 while let Step::Ran = self.step(qpn) {
                     ran += 1;
                 }
@@ -281,7 +283,17 @@ impl FabricState {
                 break;
             }
         }
+        let qps = &self.qps;
+        self.busy
+            .retain(|qpn| qps.get(qpn).is_some_and(|qp| !qp.is_idle()));
         ran
+    }
+
+    /// The QPs that may have work ([`FabricState::busy`]), in QPN order.
+    fn busy_qps(&self) -> impl Iterator<Item = (&u32, &QpRecord)> + '_ {
+        self.busy
+            .iter()
+            .filter_map(|qpn| self.qps.get_key_value(qpn))
     }
 
     /// The head request was RNR-NAKed: wait the responder's RNR timer, or

@@ -713,6 +713,7 @@ impl SimQp {
             forced,
             seq,
         });
+        state.busy.insert(self.qpn);
         Ok(())
     }
 
@@ -760,6 +761,7 @@ impl Drop for SimQp {
             // Its requests whose bytes move outside the lock land first.
             let mut state = self.pd.fabric.lock_without_copies();
             let removed = state.qps.remove(&self.qpn);
+            state.busy.remove(&self.qpn);
             if let Some(qp) = &removed {
                 if state.devices[qp.device].config.destroy_qp_purges_cq {
                     let qpn = self.qpn;

@@ -2,7 +2,7 @@
 //! up by key the way a NIC looks them up, plus the helpers that complete,
 //! flush and fail them.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -250,6 +250,14 @@ pub(crate) struct QpRecord {
     pub rq_retired: u64,
 }
 
+impl QpRecord {
+    /// Nothing queued, outstanding or timed: progress has nothing to do
+    /// for it until a post.
+    pub fn is_idle(&self) -> bool {
+        self.sq.is_empty() && self.timing.inflight.is_empty() && self.timing.wait.is_none()
+    }
+}
+
 pub(crate) struct FabricState {
     pub faults: FaultPlan,
     pub paused: bool,
@@ -262,6 +270,13 @@ pub(crate) struct FabricState {
     pub cqs: HashMap<u64, CqState>,
     /// By QPN (unique on the fabric); ordered so progress is deterministic.
     pub qps: BTreeMap<u32, QpRecord>,
+    /// The QPs that may have work (a request queued, a READ or a landing
+    /// outstanding, a timer): what progress steps and what its timers are
+    /// read from, so a call costs the QPs at work, not every QP of the
+    /// fabric. Every QP that is not [`QpRecord::is_idle`] is in it (a post
+    /// puts it there); progress takes the idle ones out. Ordered, as
+    /// `qps`, so progress is deterministic.
+    pub busy: BTreeSet<u32>,
     /// Listeners, pending requests and connections of the connection manager.
     pub cm: super::cm::CmState,
     /// The virtual clock.
@@ -307,6 +322,7 @@ impl FabricState {
             rkeys: HashMap::new(),
             cqs: HashMap::new(),
             qps: BTreeMap::new(),
+            busy: BTreeSet::new(),
             cm: super::cm::CmState::default(),
             clock: super::clock::ClockState::default(),
             events: super::events::EventState::default(),
