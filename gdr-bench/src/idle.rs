@@ -38,8 +38,8 @@ use hal_verbs::{
 };
 
 use super::{
-    Common, ENGINE_TIMEOUT, HostRegion, PARK_TIMEOUT, Target, drain_after_failure, host_buffer,
-    host_memory_config, percentile, pick_device,
+    Common, ENGINE_TIMEOUT, HostRegion, PARK_TIMEOUT, Target, channel_cq, drain_after_failure,
+    host_buffer, host_memory_config, percentile, pick_device,
 };
 use gdr_core::backend::Backends;
 
@@ -318,14 +318,10 @@ fn verbs_floor<A: Api>(
     const DEPTH: u32 = 16;
     let ctx = provider.open(device)?;
     let pd = ctx.alloc_pd()?;
-    let channel = ctx.create_comp_channel().ok();
+    let (channel, cq) = channel_cq::<A>(&ctx, DEPTH)?;
     if channel.is_none() && !args.common.json {
         println!("(verbs: {device} makes no completion channel: its CQ is polled)");
     }
-    let cq = match &channel {
-        Some(channel) => ctx.create_cq_on_channel(DEPTH, channel, 0)?,
-        None => ctx.create_cq(DEPTH)?,
-    };
     let config = PairConfig {
         caps: QpCaps {
             max_send_wr: DEPTH,

@@ -87,6 +87,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 
 mod idle;
+mod scale;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
@@ -106,6 +107,12 @@ pub enum BenchCommand {
     /// through the engine (no driver thread, or one per engine) and through
     /// a bare queue pair (the floor).
     Idle(Box<idle::IdleArgs>),
+    /// How the library scales with threads, each with its own peer:
+    /// batches of WRITEs through the bare queue-pair loop (the floor), one
+    /// engine with T peers, and T engines; requests/s and the ratio to
+    /// T = 1. With --peers N: the set-up of N peers to one listener
+    /// (sequential and concurrent), and idle CPU with them connected.
+    Scale(Box<scale::ScaleArgs>),
 }
 
 /// The operation measured.
@@ -361,6 +368,12 @@ fn run_on<V: Api, C: hal_cuda::Api>(
             }
             idle::idle_bench(backends, &args).map(|_| ())
         }
+        BenchCommand::Scale(args) => {
+            if backends.verbs_name() == "sim" && !args.common.json {
+                println!("(simulated NIC: the figures measure gdr-sim, not a device)");
+            }
+            scale::scale_bench(backends, &args).map(|_| ())
+        }
     }
 }
 
@@ -424,11 +437,7 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
     // Every request may be signaled (cq-mod 1): room for a window's worth.
     // On a completion channel, where the provider makes one, for `--idle
     // park`.
-    let channel = ctx.create_comp_channel().ok();
-    let cq = match &channel {
-        Some(channel) => ctx.create_cq_on_channel(depth, channel, 0)?,
-        None => ctx.create_cq(depth)?,
-    };
+    let (channel, cq) = channel_cq::<A>(&ctx, depth)?;
     let waiter = Waiter::<A> {
         cq: &cq,
         channel: channel.as_ref(),
@@ -578,6 +587,20 @@ struct Waiter<'q, A: Api> {
     cq: &'q A::CompletionQueue,
     channel: Option<&'q A::CompletionChannel>,
     cq_waiter: CqWaiter,
+}
+
+/// A CQ of `depth` entries on a completion channel of its own where the
+/// provider makes one (for `--idle park`), else a plain one.
+fn channel_cq<A: Api>(
+    ctx: &A::Context,
+    depth: u32,
+) -> Result<(Option<A::CompletionChannel>, A::CompletionQueue), hal_verbs::VerbsError> {
+    let channel = ctx.create_comp_channel().ok();
+    let cq = match &channel {
+        Some(channel) => ctx.create_cq_on_channel(depth, channel, 0)?,
+        None => ctx.create_cq(depth)?,
+    };
+    Ok((channel, cq))
 }
 
 /// A measurement failed with requests still outstanding on the requester:
