@@ -33,13 +33,13 @@ use gdr_core::cq_wait::CqWaiter;
 use gdr_core::engine::{Driver, Transfer};
 use gdr_core::loopback::{PairConfig, QpPair};
 use hal_verbs::{
-    AccessFlags, Api, Completion, Context as _, MemoryRegion as _, Provider as _, QpCaps,
-    QueuePair as _, SendFlags, SendOp, SendRequest, SgList, Sge,
+    AccessFlags, Api, Completion, Context as _, MemoryRegion as _, Provider as _, QueuePair as _,
+    SendFlags, SendOp, SendRequest, SgList, Sge,
 };
 
 use super::{
     Common, ENGINE_TIMEOUT, HostRegion, PARK_TIMEOUT, Target, channel_cq, drain_after_failure,
-    host_buffer, host_memory_config, percentile, pick_device,
+    host_buffer, host_memory_config, percentile, pick_device, send_caps,
 };
 use gdr_core::backend::Backends;
 
@@ -323,13 +323,7 @@ fn verbs_floor<A: Api>(
         println!("(verbs: {device} makes no completion channel: its CQ is polled)");
     }
     let config = PairConfig {
-        caps: QpCaps {
-            max_send_wr: DEPTH,
-            max_recv_wr: 1,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
+        caps: send_caps(DEPTH),
         ..PairConfig::default()
     };
     let pair = QpPair::<A>::connect(&ctx, &pd, &cq, args.common.port, &config)?;

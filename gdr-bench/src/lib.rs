@@ -60,6 +60,12 @@
 //! idleness, through the engine pair above (no driver thread, or one per
 //! engine) and through a bare queue pair waited on by a
 //! [`CqWaiter`] (the floor).
+//!
+//! `gdr bench scale` (`scale.rs`) measures how requests/s grow with
+//! threads, each with its own peer and one batch of WRITEs at a time:
+//! through bare queue pairs (the floor), one engine with a peer per
+//! thread, and an engine pair per thread; and the set-up of many peers to
+//! one listener, and what they cost idle.
 
 use std::collections::VecDeque;
 use std::error::Error;
@@ -444,13 +450,7 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
         cq_waiter: CqWaiter::new()?,
     };
     let config = PairConfig {
-        caps: QpCaps {
-            max_send_wr: depth,
-            max_recv_wr: 1,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
+        caps: send_caps(depth),
         // As many READs in flight as the device allows, as perftest asks.
         rd_atomic: u8::try_from(attrs.max_qp_init_rd_atom.min(attrs.max_qp_rd_atom))
             .unwrap_or(u8::MAX)
@@ -587,6 +587,19 @@ struct Waiter<'q, A: Api> {
     cq: &'q A::CompletionQueue,
     channel: Option<&'q A::CompletionChannel>,
     cq_waiter: CqWaiter,
+}
+
+/// The queue sizes of a bench's queue pair: `depth` requests of one SG
+/// entry each on its send queue, no inline data, one receive (never
+/// posted: the requests are one-sided).
+fn send_caps(depth: u32) -> QpCaps {
+    QpCaps {
+        max_send_wr: depth,
+        max_recv_wr: 1,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    }
 }
 
 /// A CQ of `depth` entries on a completion channel of its own where the
@@ -1218,7 +1231,7 @@ impl<V: Api, C: hal_cuda::Api> Engines<V, C> {
     pub(crate) fn connect(
         &self,
         listener: &EngineListener<V, C>,
-    ) -> Result<(Peer<V, C>, Peer<V, C>), EngineError> {
+    ) -> Result<Ends<V, C>, EngineError> {
         let addr = listener.local_addr();
         std::thread::scope(|s| {
             let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
@@ -1231,6 +1244,10 @@ impl<V: Api, C: hal_cuda::Api> Engines<V, C> {
         })
     }
 }
+
+/// The two ends of one connection between two engines: the client's peer
+/// (the server) and the server's (the client).
+pub(crate) type Ends<V, C> = (Peer<V, C>, Peer<V, C>);
 
 /// Starts two engines (`config`, on `device` or the first one) and
 /// connects them; GPU memory of `cuda` for both.

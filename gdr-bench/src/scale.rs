@@ -46,12 +46,12 @@ use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::MemoryDescriptor;
 use gdr_core::engine::{Engine, EngineConfig, EngineError, EngineListener, Peer, Region};
 use gdr_core::loopback::{PairConfig, QpPair};
-use hal_verbs::{AccessFlags, Api, Context as _, Provider as _, QpCaps};
+use hal_verbs::{AccessFlags, Api, Context as _, Provider as _};
 
 use super::{
     Budget, Common, EnginePlan, Engines, HostRegion, Idle, Op, Plan, Target, Waiter, channel_cq,
     drain_after_failure, emit, grant_host, host_buffer, host_memory_config, idle::usage, measure,
-    measure_engine, parse_size, pick_device, progress_bar, slots, start_engines,
+    measure_engine, parse_size, pick_device, progress_bar, send_caps, slots, start_engines,
 };
 use gdr_core::cq_wait::CqWaiter;
 
@@ -304,16 +304,15 @@ pub(crate) fn scale_bench<V: Api, C: hal_cuda::Api>(
         for &t in &threads {
             progress.set_message(format!("{} at {t} threads", mode.name()));
             let point = match mode {
-                ScaleMode::Bare => {
-                    bare::<V>(backends.verbs(), &device, args.common.port, t, shape)?
-                }
+                ScaleMode::Bare => bare::<V>(backends.verbs(), &device, args.common.port, t, shape),
                 ScaleMode::OneEngine => {
-                    one_engine(backends, &device, args.common.port, &config, t, shape)?
+                    one_engine(backends, &device, args.common.port, &config, t, shape)
                 }
                 ScaleMode::Engines => {
-                    engines(backends, &device, args.common.port, &config, t, shape)?
+                    engines(backends, &device, args.common.port, &config, t, shape)
                 }
-            };
+            }
+            .map_err(|e| format!("{} at {t} threads: {e}", mode.name()))?;
             progress.inc(1);
             let base_rate = *base.get_or_insert(point.per_s());
             let ratio = point.per_s() / base_rate.max(1e-9);
@@ -382,13 +381,7 @@ fn run_threads<L: Sync>(
         elapsed: Duration::ZERO,
     };
     for (i, outcome) in outcomes.into_iter().enumerate() {
-        let (requests, elapsed) = outcome.map_err(|e| {
-            format!(
-                "{} at {} threads, thread {i}: {e}",
-                mode.name(),
-                lanes.len()
-            )
-        })?;
+        let (requests, elapsed) = outcome.map_err(|e| format!("thread {i}: {e}"))?;
         point.requests += requests;
         point.elapsed = point.elapsed.max(elapsed);
     }
@@ -433,13 +426,7 @@ fn bare<A: Api>(
     }
     let pd = ctx.alloc_pd()?;
     let config = PairConfig {
-        caps: QpCaps {
-            max_send_wr: depth,
-            max_recv_wr: 1,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
+        caps: send_caps(depth),
         ..PairConfig::default()
     };
     let lanes = (0..threads)
@@ -654,7 +641,8 @@ fn peers_bench<V: Api, C: hal_cuda::Api>(
             config.clone(),
         )?;
         let listener = engines.listen()?;
-        let (set_up, connected, accepted) = set_up_peers(&engines, &listener, args.peers, threads);
+        let (set_up, (connected, accepted)) =
+            set_up_peers(&engines, &listener, args.peers, threads);
         drop(listener);
         let line = if json {
             set_up_json_line(&set_up, backend, device, qps)
@@ -742,7 +730,7 @@ fn set_up_peers<V: Api, C: hal_cuda::Api>(
     listener: &EngineListener<V, C>,
     n: usize,
     threads: usize,
-) -> (SetUp, Vec<Peer<V, C>>, Vec<Peer<V, C>>) {
+) -> (SetUp, PeerEnds<V, C>) {
     let addr = listener.local_addr();
     let connecting_done = AtomicBool::new(false);
     let (connected, accepted) = (AtomicUsize::new(0), AtomicUsize::new(0));
@@ -754,7 +742,7 @@ fn set_up_peers<V: Api, C: hal_cuda::Api>(
         Vec<(Instant, EngineError)>,
         Option<Instant>,
     );
-    let (connects, accepts): (Vec<Outcome<V, C>>, Vec<Outcome<V, C>>) = std::thread::scope(|s| {
+    let (connects, accepts) = std::thread::scope(|s| {
         let accepting: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(|| {
@@ -816,7 +804,10 @@ fn set_up_peers<V: Api, C: hal_cuda::Api>(
         };
         let connects: Vec<_> = connecting.into_iter().map(join).collect();
         connecting_done.store(true, Ordering::Release);
-        (connects, accepting.into_iter().map(join).collect())
+        (
+            connects,
+            accepting.into_iter().map(join).collect::<Vec<_>>(),
+        )
     });
     let mut ends: PeerEnds<V, C> = (Vec::new(), Vec::new());
     let mut failures = Vec::new();
@@ -838,7 +829,7 @@ fn set_up_peers<V: Api, C: hal_cuda::Api>(
         failures: failures.len(),
         first_error: failures.into_iter().next().map(|(_, e)| e),
     };
-    (set_up, ends.0, ends.1)
+    (set_up, ends)
 }
 
 /// `text` as a JSON string.

@@ -20,6 +20,26 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+/// What `gdr` with `args` printed on stdout; it must succeed.
+fn succeeds(args: &[&str]) -> String {
+    let out = gdr(args);
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    stdout(&out)
+}
+
+/// A bench's table in `text`: the words of its header row (the line
+/// whose first word is `mode`) and of each row after it.
+fn table(text: &str) -> (Vec<&str>, Vec<Vec<&str>>) {
+    let mut lines = text
+        .lines()
+        .skip_while(|l| l.split_whitespace().next() != Some("mode"))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>());
+    let header = lines
+        .next()
+        .unwrap_or_else(|| panic!("no header row in\n{text}"));
+    (header, lines.collect())
+}
+
 const HANDLE: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\
                       00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
@@ -171,16 +191,10 @@ fn bench_idle_prints_a_row_per_mode() {
         "--gap-ms",
         "10",
     ];
-    let out = gdr(&short);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
-    let lines: Vec<&str> = text.lines().collect();
-    let header = lines
-        .iter()
-        .position(|l| l.split_whitespace().next() == Some("mode"))
-        .unwrap_or_else(|| panic!("no header row in\n{text}"));
+    let text = succeeds(&short);
+    let (header, rows) = table(&text);
     assert_eq!(
-        lines[header].split_whitespace().collect::<Vec<_>>(),
+        header,
         [
             "mode",
             "idle",
@@ -197,10 +211,9 @@ fn bench_idle_prints_a_row_per_mode() {
         ],
         "{text}"
     );
-    let rows = &lines[header + 1..];
     assert_eq!(rows.len(), 3, "{text}");
-    for (row, mode) in rows.iter().zip(["verbs", "caller", "driver"]) {
-        let fields: Vec<&str> = row.split_whitespace().collect();
+    for (fields, mode) in rows.iter().zip(["verbs", "caller", "driver"]) {
+        let row = fields.join(" ");
         assert_eq!(fields.len(), 7, "{row}");
         assert_eq!(fields[0], mode, "{row}");
         for figure in &fields[1..] {
@@ -216,13 +229,12 @@ fn bench_idle_prints_a_row_per_mode() {
     let mut json = short.to_vec();
     json[5] = "0.2";
     json.extend(["--mode", "caller,verbs", "--json"]);
-    let out = gdr(&json);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let objects: Vec<serde_json::Value> = stdout(&out)
+    let text = succeeds(&json);
+    let objects: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
-    assert_eq!(objects.len(), 2, "{}", stdout(&out));
+    assert_eq!(objects.len(), 2, "{text}");
     for (object, mode) in objects.iter().zip(["caller", "verbs"]) {
         assert_eq!(object["bench"], "idle");
         assert_eq!(object["backend"], "sim");
@@ -264,16 +276,10 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         "--warmup",
         "0.02",
     ];
-    let out = gdr(&short);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
-    let lines: Vec<&str> = text.lines().collect();
-    let header = lines
-        .iter()
-        .position(|l| l.split_whitespace().next() == Some("mode"))
-        .unwrap_or_else(|| panic!("no header row in\n{text}"));
+    let text = succeeds(&short);
+    let (header, rows) = table(&text);
     assert_eq!(
-        lines[header].split_whitespace().collect::<Vec<_>>(),
+        header,
         [
             "mode",
             "threads",
@@ -285,7 +291,6 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         ],
         "{text}"
     );
-    let rows = &lines[header + 1..];
     let expected = [
         ("bare", "1"),
         ("bare", "2"),
@@ -295,8 +300,8 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         ("engines", "2"),
     ];
     assert_eq!(rows.len(), expected.len(), "{text}");
-    for (row, (mode, threads)) in rows.iter().zip(expected) {
-        let fields: Vec<&str> = row.split_whitespace().collect();
+    for (fields, (mode, threads)) in rows.iter().zip(expected) {
+        let row = fields.join(" ");
         assert_eq!(fields.len(), 7, "{row}");
         assert_eq!((fields[0], fields[1]), (mode, threads), "{row}");
         for figure in &fields[2..] {
@@ -324,9 +329,8 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         "0.1",
         "--json",
     ]);
-    let out = gdr(&json);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let objects: Vec<serde_json::Value> = stdout(&out)
+    let text = succeeds(&json);
+    let objects: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
@@ -352,8 +356,7 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
             ("idle", 0),
             ("setup", 2)
         ],
-        "{}",
-        stdout(&out)
+        "{text}"
     );
     for point in &objects[..4] {
         assert_eq!(point["batch"], 1, "{point}");
