@@ -29,19 +29,17 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use gdr_core::buffer::Buffer;
 use gdr_core::cq_wait::CqWaiter;
-use gdr_core::engine::{Driver, EngineConfig, Transfer};
-use gdr_core::ladder::LadderConfig;
+use gdr_core::engine::{Driver, Transfer};
 use gdr_core::loopback::{PairConfig, QpPair};
 use hal_verbs::{
-    AccessFlags, Api, Completion, Context as _, MemoryRegion as _, Provider as _, QpCaps,
-    QueuePair as _, SendFlags, SendOp, SendRequest, SgList, Sge,
+    AccessFlags, Api, Completion, Context as _, MemoryRegion as _, Provider as _, QueuePair as _,
+    SendFlags, SendOp, SendRequest, SgList, Sge,
 };
 
 use super::{
-    Common, ENGINE_TIMEOUT, HostRegion, PARK_TIMEOUT, Target, drain_after_failure, percentile,
-    pick_device,
+    Common, ENGINE_TIMEOUT, HostRegion, PARK_TIMEOUT, Target, channel_cq, drain_after_failure,
+    host_buffer, host_memory_config, percentile, pick_device, send_caps,
 };
 use gdr_core::backend::Backends;
 
@@ -140,7 +138,7 @@ impl IdleFigures {
 
 /// The process's CPU time (user + system) and voluntary context switches
 /// so far.
-fn usage() -> std::io::Result<(Duration, u64)> {
+pub(crate) fn usage() -> std::io::Result<(Duration, u64)> {
     // SAFETY: an all-zero rusage (integers and timevals) is a valid value
     // for getrusage to fill.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -277,18 +275,14 @@ fn engines<V: Api, C: hal_cuda::Api>(
     plan: IdlePlan,
     mode: WaitMode,
 ) -> Result<IdleFigures, Box<dyn Error>> {
-    let config = EngineConfig {
-        default_timeout: ENGINE_TIMEOUT,
-        // Host memory only: no GPU rung to prove.
-        ladder: LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    };
-    let target = Target::in_process(backends, Some(device), args.common.port, config, REQ as u64)?;
-    let buffer = Buffer::<C>::alloc_host(REQ as u64);
-    buffer.write_at(0, &[0x5a; REQ])?;
+    let target = Target::in_process(
+        backends,
+        Some(device),
+        args.common.port,
+        host_memory_config(),
+        REQ as u64,
+    )?;
+    let buffer = host_buffer::<C>(REQ as u64, 0x5a)?;
     let local = target.engine.register(&buffer)?;
     let _drivers: Vec<Driver> = match (mode, &target.server) {
         (WaitMode::Driver, Some(server)) => vec![
@@ -324,22 +318,12 @@ fn verbs_floor<A: Api>(
     const DEPTH: u32 = 16;
     let ctx = provider.open(device)?;
     let pd = ctx.alloc_pd()?;
-    let channel = ctx.create_comp_channel().ok();
+    let (channel, cq) = channel_cq::<A>(&ctx, DEPTH)?;
     if channel.is_none() && !args.common.json {
         println!("(verbs: {device} makes no completion channel: its CQ is polled)");
     }
-    let cq = match &channel {
-        Some(channel) => ctx.create_cq_on_channel(DEPTH, channel, 0)?,
-        None => ctx.create_cq(DEPTH)?,
-    };
     let config = PairConfig {
-        caps: QpCaps {
-            max_send_wr: DEPTH,
-            max_recv_wr: 1,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
+        caps: send_caps(DEPTH),
         ..PairConfig::default()
     };
     let pair = QpPair::<A>::connect(&ctx, &pd, &cq, args.common.port, &config)?;

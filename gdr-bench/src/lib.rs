@@ -60,6 +60,12 @@
 //! idleness, through the engine pair above (no driver thread, or one per
 //! engine) and through a bare queue pair waited on by a
 //! [`CqWaiter`] (the floor).
+//!
+//! `gdr bench scale` (`scale.rs`) measures how requests/s grow with
+//! threads, each with its own peer and one batch of WRITEs at a time:
+//! through bare queue pairs (the floor), one engine with a peer per
+//! thread, and an engine pair per thread; and the set-up of many peers to
+//! one listener, and what they cost idle.
 
 use std::collections::VecDeque;
 use std::error::Error;
@@ -73,8 +79,9 @@ use gdr_core::buffer::Buffer;
 use gdr_core::cq_wait::CqWaiter;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Engine, EngineConfig, EngineError, Peer, Region, RegionGrant, Transfer,
+    Batch, Engine, EngineConfig, EngineError, EngineListener, Peer, Region, RegionGrant, Transfer,
 };
+use gdr_core::ladder::LadderConfig;
 use gdr_core::loopback::{PairConfig, QpPair};
 use hal_verbs::{
     AccessFlags, AddressFamily, Api, Completion, CompletionQueue as _, Context as _,
@@ -86,6 +93,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
 
 mod idle;
+mod scale;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
@@ -105,6 +113,12 @@ pub enum BenchCommand {
     /// through the engine (no driver thread, or one per engine) and through
     /// a bare queue pair (the floor).
     Idle(Box<idle::IdleArgs>),
+    /// How the library scales with threads, each with its own peer:
+    /// batches of WRITEs through the bare queue-pair loop (the floor), one
+    /// engine with T peers, and T engines; requests/s and the ratio to
+    /// T = 1. With --peers N: the set-up of N peers to one listener
+    /// (sequential and concurrent), and idle CPU with them connected.
+    Scale(Box<scale::ScaleArgs>),
 }
 
 /// The operation measured.
@@ -360,6 +374,12 @@ fn run_on<V: Api, C: hal_cuda::Api>(
             }
             idle::idle_bench(backends, &args).map(|_| ())
         }
+        BenchCommand::Scale(args) => {
+            if backends.verbs_name() == "sim" && !args.common.json {
+                println!("(simulated NIC: the figures measure gdr-sim, not a device)");
+            }
+            scale::scale_bench(backends, &args).map(|_| ())
+        }
     }
 }
 
@@ -423,24 +443,14 @@ fn rdma<A: Api>(provider: &A::Provider, args: &RdmaArgs) -> Result<(), Box<dyn E
     // Every request may be signaled (cq-mod 1): room for a window's worth.
     // On a completion channel, where the provider makes one, for `--idle
     // park`.
-    let channel = ctx.create_comp_channel().ok();
-    let cq = match &channel {
-        Some(channel) => ctx.create_cq_on_channel(depth, channel, 0)?,
-        None => ctx.create_cq(depth)?,
-    };
+    let (channel, cq) = channel_cq::<A>(&ctx, depth)?;
     let waiter = Waiter::<A> {
         cq: &cq,
         channel: channel.as_ref(),
         cq_waiter: CqWaiter::new()?,
     };
     let config = PairConfig {
-        caps: QpCaps {
-            max_send_wr: depth,
-            max_recv_wr: 1,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
+        caps: send_caps(depth),
         // As many READs in flight as the device allows, as perftest asks.
         rd_atomic: u8::try_from(attrs.max_qp_init_rd_atom.min(attrs.max_qp_rd_atom))
             .unwrap_or(u8::MAX)
@@ -577,6 +587,33 @@ struct Waiter<'q, A: Api> {
     cq: &'q A::CompletionQueue,
     channel: Option<&'q A::CompletionChannel>,
     cq_waiter: CqWaiter,
+}
+
+/// The queue sizes of a bench's queue pair: `depth` requests of one SG
+/// entry each on its send queue, no inline data, one receive (never
+/// posted: the requests are one-sided).
+fn send_caps(depth: u32) -> QpCaps {
+    QpCaps {
+        max_send_wr: depth,
+        max_recv_wr: 1,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    }
+}
+
+/// A CQ of `depth` entries on a completion channel of its own where the
+/// provider makes one (for `--idle park`), else a plain one.
+fn channel_cq<A: Api>(
+    ctx: &A::Context,
+    depth: u32,
+) -> Result<(Option<A::CompletionChannel>, A::CompletionQueue), hal_verbs::VerbsError> {
+    let channel = ctx.create_comp_channel().ok();
+    let cq = match &channel {
+        Some(channel) => ctx.create_cq_on_channel(depth, channel, 0)?,
+        None => ctx.create_cq(depth)?,
+    };
+    Ok((channel, cq))
 }
 
 /// A measurement failed with requests still outstanding on the requester:
@@ -946,8 +983,7 @@ fn serve_engine<V: Api, C: hal_cuda::Api>(
             Err(e) => eprintln!("gdr bench engine: a client left without asking ({e}); waiting"),
         }
     };
-    let buffer = Buffer::<C>::alloc_host(span);
-    buffer.write_at(0, &vec![0xa5; span as usize])?;
+    let buffer = host_buffer::<C>(span, 0xa5)?;
     let region = engine.register(&buffer)?;
     let grant = peer.grant(&region, 0, span, GrantRights::ReadWrite)?;
     send_message(&peer, GRANT, grant.descriptor().grant)?;
@@ -976,12 +1012,52 @@ struct Target<V: Api, C: hal_cuda::Api> {
 }
 
 /// The serving side of the in-process pair. Field order is drop order:
-/// the grant, its region, the memory, then the engines.
+/// the grant (and its memory), then the engines.
 struct InProcessServer<V: Api, C: hal_cuda::Api> {
+    _served: Served<V, C>,
+    pair: EnginePair<V, C>,
+}
+
+/// Host memory a serving engine granted one peer. Field order is drop
+/// order: the grant, its region, the memory.
+pub(crate) struct Served<V: Api, C: hal_cuda::Api> {
     _grant: RegionGrant<V, C>,
     _region: Region<V>,
     _buffer: Buffer<C>,
-    pair: EnginePair<V, C>,
+}
+
+/// A host buffer of `len` bytes, each `byte` (touched before it is
+/// registered, so no page is faulted in while a clock runs).
+pub(crate) fn host_buffer<C: hal_cuda::Api>(
+    len: u64,
+    byte: u8,
+) -> Result<Buffer<C>, Box<dyn Error>> {
+    let buffer = Buffer::<C>::alloc_host(len);
+    buffer.write_at(0, &vec![byte; usize::try_from(len)?])?;
+    Ok(buffer)
+}
+
+/// `span` bytes of `server`'s host memory granted (read and write) to the
+/// peer `to_client` serves, and the descriptor `to_server` (that peer's
+/// end) received of it.
+pub(crate) fn grant_host<V: Api, C: hal_cuda::Api>(
+    server: &Engine<V, C>,
+    to_client: &Peer<V, C>,
+    to_server: &Peer<V, C>,
+    span: u64,
+) -> Result<(Served<V, C>, MemoryDescriptor), Box<dyn Error>> {
+    let buffer = host_buffer::<C>(span, 0xa5)?;
+    let region = server.register(&buffer)?;
+    let grant = to_client.grant(&region, 0, span, GrantRights::ReadWrite)?;
+    let descriptor = to_server.wait_grant(grant.descriptor().grant, ENGINE_TIMEOUT)?;
+    Ok((
+        Served {
+            _grant: grant,
+            _region: region,
+            _buffer: buffer,
+        },
+        descriptor,
+    ))
 }
 
 impl<V: Api, C: hal_cuda::Api> Target<V, C> {
@@ -996,15 +1072,8 @@ impl<V: Api, C: hal_cuda::Api> Target<V, C> {
         span: u64,
     ) -> Result<Self, Box<dyn Error>> {
         let pair = connect_engines(backends, device, port, None, config)?;
-        let buffer = Buffer::<C>::alloc_host(span);
-        buffer.write_at(0, &vec![0xa5; span as usize])?;
-        let region = pair.server.register(&buffer)?;
-        let grant = pair
-            .to_client
-            .grant(&region, 0, span, GrantRights::ReadWrite)?;
-        let descriptor = pair
-            .to_server
-            .wait_grant(grant.descriptor().grant, ENGINE_TIMEOUT)?;
+        let (served, descriptor) =
+            grant_host(&pair.server, &pair.to_client, &pair.to_server, span)?;
         Ok(Self {
             engine: pair.client.clone(),
             peer: pair.to_server.clone(),
@@ -1012,9 +1081,7 @@ impl<V: Api, C: hal_cuda::Api> Target<V, C> {
             device: pair.device.clone(),
             addr: pair.addr,
             server: Some(InProcessServer {
-                _grant: grant,
-                _region: region,
-                _buffer: buffer,
+                _served: served,
                 pair,
             }),
         })
@@ -1124,6 +1191,64 @@ fn device_address<V: Api>(
         .ok_or_else(|| format!("{device} port {port} has no RoCE v2 address").into())
 }
 
+/// The engines' configuration where only host memory moves: the defaults
+/// with the bench's timeout, and no GPU rung to prove.
+pub(crate) fn host_memory_config() -> EngineConfig {
+    EngineConfig {
+        default_timeout: ENGINE_TIMEOUT,
+        ladder: LadderConfig {
+            self_check: false,
+            ..LadderConfig::default()
+        },
+        ..EngineConfig::default()
+    }
+}
+
+/// Two engines in this process, not connected yet: `server` on a device
+/// of the backends' provider, `client` on the peer provider (as in
+/// [`EnginePair`]).
+pub(crate) struct Engines<V: Api, C: hal_cuda::Api> {
+    pub(crate) client: Engine<V, C>,
+    pub(crate) server: Engine<V, C>,
+    /// The server's device.
+    pub(crate) device: String,
+    /// Its RoCE v2 address, where the server listens.
+    ip: IpAddr,
+    // Last: outlives the engines opened from it.
+    peer_provider: V::Provider,
+}
+
+impl<V: Api, C: hal_cuda::Api> Engines<V, C> {
+    /// A listener of the server on its device's address (a port of its
+    /// own).
+    pub(crate) fn listen(&self) -> Result<EngineListener<V, C>, EngineError> {
+        self.server.listen(SocketAddr::new(self.ip, 0))
+    }
+
+    /// One more peer of the client, accepted by `listener` (in another
+    /// thread meanwhile): the client's end (to the server) and the
+    /// server's.
+    pub(crate) fn connect(
+        &self,
+        listener: &EngineListener<V, C>,
+    ) -> Result<Ends<V, C>, EngineError> {
+        let addr = listener.local_addr();
+        std::thread::scope(|s| {
+            let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
+            let connected = self.client.connect(addr, ENGINE_TIMEOUT);
+            // A panic of the accepting thread is this thread's.
+            let accepted = accepting
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            Ok((connected?, accepted?))
+        })
+    }
+}
+
+/// The two ends of one connection between two engines: the client's peer
+/// (the server) and the server's (the client).
+pub(crate) type Ends<V, C> = (Peer<V, C>, Peer<V, C>);
+
 /// Starts two engines (`config`, on `device` or the first one) and
 /// connects them; GPU memory of `cuda` for both.
 pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
@@ -1133,6 +1258,37 @@ pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
     cuda: Option<&C::Driver>,
     config: EngineConfig,
 ) -> Result<EnginePair<V, C>, Box<dyn Error>> {
+    let engines = start_engines(backends, device, port, cuda, config)?;
+    let listener = engines.listen()?;
+    let addr = listener.local_addr();
+    let (to_server, to_client) = engines.connect(&listener)?;
+    let Engines {
+        client,
+        server,
+        device,
+        ip: _,
+        peer_provider,
+    } = engines;
+    Ok(EnginePair {
+        client,
+        server,
+        to_server,
+        to_client,
+        device,
+        addr,
+        _peer_provider: peer_provider,
+    })
+}
+
+/// Starts two engines (`config`, on `device` or the first one), to be
+/// connected; GPU memory of `cuda` for both.
+pub(crate) fn start_engines<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    device: Option<&str>,
+    port: u8,
+    cuda: Option<&C::Driver>,
+    config: EngineConfig,
+) -> Result<Engines<V, C>, Box<dyn Error>> {
     let provider = backends.verbs();
     let device = pick_device::<V>(provider, device)?;
     let ip = device_address::<V>(provider, &device, port)?;
@@ -1156,26 +1312,19 @@ pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
             ..config
         },
     )?;
-    let listener = server.listen(SocketAddr::new(ip, 0))?;
-    let addr = listener.local_addr();
-    let (to_server, to_client) = std::thread::scope(|s| {
-        let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
-        let connected = client.connect(addr, ENGINE_TIMEOUT);
-        // A panic of the accepting thread is this thread's.
-        let accepted = accepting
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        Ok::<_, EngineError>((connected?, accepted?))
-    })?;
-    Ok(EnginePair {
+    Ok(Engines {
         client,
         server,
-        to_server,
-        to_client,
         device,
-        addr,
-        _peer_provider: peer_provider,
+        ip,
+        peer_provider,
     })
+}
+
+/// Distinct request slots of a batch of `batch` requests of `size` bytes:
+/// successive offsets, up to [`SPAN_CAP`] (one request at least).
+fn slots(batch: u32, size: usize) -> usize {
+    (batch as usize).min((SPAN_CAP / size.max(1)).max(1))
 }
 
 /// Requests per batch by default: 256 KiB worth, 1..=64.
@@ -1202,6 +1351,10 @@ struct EnginePlan {
     /// Distinct request slots in the buffers.
     slots: usize,
     budget: Budget,
+    /// Who polls the engine.
+    progress: Progress,
+    /// The empty-poll policy of inline progress.
+    idle: Idle,
 }
 
 /// One engine measurement's result.
@@ -1269,8 +1422,7 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
     }
     let largest = args.sizes.iter().copied().max().ok_or("no sizes")?;
     let batch_of = |size: usize| args.batch.unwrap_or_else(|| default_batch(size)).max(1);
-    // Successive offsets per batch, up to SPAN_CAP (one request at least).
-    let slots_of = |size: usize| (batch_of(size) as usize).min((SPAN_CAP / size).max(1));
+    let slots_of = |size: usize| slots(batch_of(size), size);
     let span = args
         .sizes
         .iter()
@@ -1288,8 +1440,7 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
             span,
         )?,
     };
-    let local_buffer = Buffer::<C>::alloc_host(span);
-    local_buffer.write_at(0, &vec![0x5a; span as usize])?;
+    let local_buffer = host_buffer::<C>(span, 0x5a)?;
     let local = target.engine.register(&local_buffer)?;
     let _driver = match args.progress {
         Progress::Driver => Some(target.engine.spawn_driver()?),
@@ -1358,15 +1509,29 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
                 depth: args.depth.max(1),
                 slots: slots_of(size),
                 budget,
+                progress: args.progress,
+                idle: args.idle,
             };
             if args.warmup > 0 {
                 let warm = EnginePlan {
                     budget: Budget::Requests(args.warmup * u64::from(plan.batch)),
                     ..plan
                 };
-                measure_engine(&target, &local, warm, args)?;
+                measure_engine(
+                    &target.engine,
+                    &target.peer,
+                    &target.descriptor,
+                    &local,
+                    warm,
+                )?;
             }
-            let m = measure_engine(&target, &local, plan, args)?;
+            let m = measure_engine(
+                &target.engine,
+                &target.peer,
+                &target.descriptor,
+                &local,
+                plan,
+            )?;
             progress.inc(1);
             if args.common.json {
                 emit(
@@ -1412,13 +1577,13 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
 /// bytes (the last one shorter where the budget ends inside it), at most
 /// `plan.depth` in flight, until the budget is spent; the clock runs from
 /// the first submission to the moment the last batch is seen done.
-fn measure_engine<V: Api, C: hal_cuda::Api>(
-    target: &Target<V, C>,
+pub(crate) fn measure_engine<V: Api, C: hal_cuda::Api>(
+    engine: &Engine<V, C>,
+    peer: &Peer<V, C>,
+    remote: &MemoryDescriptor,
     local: &Region<V>,
     plan: EnginePlan,
-    args: &EngineArgs,
 ) -> Result<EngineMeasurement, Box<dyn Error>> {
-    let remote = &target.descriptor;
     let size = plan.size as u64;
     let transfers: Vec<Transfer<'_, V>> = (0..plan.batch as usize)
         .map(|i| {
@@ -1429,7 +1594,6 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
             }
         })
         .collect();
-    let (peer, engine) = (&target.peer, &target.engine);
     let mut in_flight: VecDeque<(Batch<V, C>, Instant, u64)> =
         VecDeque::with_capacity(plan.depth as usize);
     let mut latencies = Vec::new();
@@ -1455,11 +1619,11 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
         let Some((oldest, _, _)) = in_flight.front() else {
             break;
         };
-        match args.progress {
+        match plan.progress {
             // The engine's reactor in this thread: it spins, then parks
             // until the oldest batch ends (or any other does: all are
             // looked at below).
-            Progress::Inline if args.idle == Idle::Park => {
+            Progress::Inline if plan.idle == Idle::Park => {
                 // (Its outcome, failed or not, is taken below.)
                 let _ = oldest.wait(ENGINE_TIMEOUT);
                 if oldest.status().is_none() {
@@ -1473,7 +1637,7 @@ fn measure_engine<V: Api, C: hal_cuda::Api>(
             }
             Progress::Inline => {
                 if engine.progress() == 0 {
-                    idle_after_empty_poll(args.idle);
+                    idle_after_empty_poll(plan.idle);
                 }
             }
             Progress::Driver => {

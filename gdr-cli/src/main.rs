@@ -68,8 +68,9 @@ enum Command {
         #[arg(long, default_value = "1M", value_parser = gdr_bench::parse_size)]
         size: usize,
     },
-    /// Measure throughput, latency and the cost of waiting (see `gdr bench
-    /// rdma --help`, `gdr bench engine --help`, `gdr bench idle --help`).
+    /// Measure throughput, latency, the cost of waiting and scaling with
+    /// threads (see `gdr bench rdma --help`, `gdr bench engine --help`,
+    /// `gdr bench idle --help`, `gdr bench scale --help`).
     #[command(subcommand)]
     Bench(gdr_bench::BenchCommand),
 }

@@ -1,6 +1,6 @@
 //! The built `gdr` binary: `info` (for people and as JSON) and `uri` on
-//! valid and malformed input, and the shape of `bench idle`'s output on the
-//! sim. Runs on any machine: without RDMA or a GPU the backends fall back to
+//! valid and malformed input, and the shape of `bench idle`'s and `bench
+//! scale`'s output on the sim. Runs on any machine: without RDMA or a GPU the backends fall back to
 //! the simulation, and `info` must still succeed.
 
 use std::process::{Command, Output};
@@ -18,6 +18,26 @@ fn stdout(output: &Output) -> String {
 
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// What `gdr` with `args` printed on stdout; it must succeed.
+fn succeeds(args: &[&str]) -> String {
+    let out = gdr(args);
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    stdout(&out)
+}
+
+/// A bench's table in `text`: the words of its header row (the line
+/// whose first word is `mode`) and of each row after it.
+fn table(text: &str) -> (Vec<&str>, Vec<Vec<&str>>) {
+    let mut lines = text
+        .lines()
+        .skip_while(|l| l.split_whitespace().next() != Some("mode"))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>());
+    let header = lines
+        .next()
+        .unwrap_or_else(|| panic!("no header row in\n{text}"));
+    (header, lines.collect())
 }
 
 const HANDLE: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\
@@ -171,16 +191,10 @@ fn bench_idle_prints_a_row_per_mode() {
         "--gap-ms",
         "10",
     ];
-    let out = gdr(&short);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
-    let lines: Vec<&str> = text.lines().collect();
-    let header = lines
-        .iter()
-        .position(|l| l.split_whitespace().next() == Some("mode"))
-        .unwrap_or_else(|| panic!("no header row in\n{text}"));
+    let text = succeeds(&short);
+    let (header, rows) = table(&text);
     assert_eq!(
-        lines[header].split_whitespace().collect::<Vec<_>>(),
+        header,
         [
             "mode",
             "idle",
@@ -197,10 +211,9 @@ fn bench_idle_prints_a_row_per_mode() {
         ],
         "{text}"
     );
-    let rows = &lines[header + 1..];
     assert_eq!(rows.len(), 3, "{text}");
-    for (row, mode) in rows.iter().zip(["verbs", "caller", "driver"]) {
-        let fields: Vec<&str> = row.split_whitespace().collect();
+    for (fields, mode) in rows.iter().zip(["verbs", "caller", "driver"]) {
+        let row = fields.join(" ");
         assert_eq!(fields.len(), 7, "{row}");
         assert_eq!(fields[0], mode, "{row}");
         for figure in &fields[1..] {
@@ -216,13 +229,12 @@ fn bench_idle_prints_a_row_per_mode() {
     let mut json = short.to_vec();
     json[5] = "0.2";
     json.extend(["--mode", "caller,verbs", "--json"]);
-    let out = gdr(&json);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let objects: Vec<serde_json::Value> = stdout(&out)
+    let text = succeeds(&json);
+    let objects: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
-    assert_eq!(objects.len(), 2, "{}", stdout(&out));
+    assert_eq!(objects.len(), 2, "{text}");
     for (object, mode) in objects.iter().zip(["caller", "verbs"]) {
         assert_eq!(object["bench"], "idle");
         assert_eq!(object["backend"], "sim");
@@ -243,4 +255,129 @@ fn bench_idle_prints_a_row_per_mode() {
             assert!(object[key].as_f64().is_some(), "{key} in {object}");
         }
     }
+}
+
+/// `gdr bench scale` on the sim, short: the table has a row per mode and
+/// thread count (1 and 2), each with a positive rate, the ratio 1 at
+/// T = 1; with `--json` one object per point, then the set-up of a few
+/// peers (sequential, concurrent) and the idle CPU with them. A
+/// measurement: only its shape is checked.
+#[test]
+fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
+    let short = [
+        "--backend",
+        "sim",
+        "bench",
+        "scale",
+        "--threads",
+        "1,2",
+        "--seconds",
+        "0.1",
+        "--warmup",
+        "0.02",
+    ];
+    let text = succeeds(&short);
+    let (header, rows) = table(&text);
+    assert_eq!(
+        header,
+        [
+            "mode",
+            "threads",
+            "requests",
+            "seconds",
+            "req/s",
+            "req/s/thread",
+            "ratio"
+        ],
+        "{text}"
+    );
+    let expected = [
+        ("bare", "1"),
+        ("bare", "2"),
+        ("one-engine", "1"),
+        ("one-engine", "2"),
+        ("engines", "1"),
+        ("engines", "2"),
+    ];
+    assert_eq!(rows.len(), expected.len(), "{text}");
+    for (fields, (mode, threads)) in rows.iter().zip(expected) {
+        let row = fields.join(" ");
+        assert_eq!(fields.len(), 7, "{row}");
+        assert_eq!((fields[0], fields[1]), (mode, threads), "{row}");
+        for figure in &fields[2..] {
+            let value: f64 = figure
+                .parse()
+                .unwrap_or_else(|_| panic!("{figure} in {row}"));
+            assert!(value > 0.0, "{row}");
+        }
+        if threads == "1" {
+            assert_eq!(fields[6], "1.00", "{row}");
+        }
+    }
+
+    let mut json = short.to_vec();
+    json.extend([
+        "--modes",
+        "engines,bare",
+        "--batch",
+        "1",
+        "--peers",
+        "5",
+        "--connect-threads",
+        "2",
+        "--idle-seconds",
+        "0.1",
+        "--json",
+    ]);
+    let text = succeeds(&json);
+    let objects: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let modes: Vec<(&str, u64)> = objects
+        .iter()
+        .map(|o| {
+            assert_eq!(o["bench"], "scale", "{o}");
+            assert_eq!(o["backend"], "sim", "{o}");
+            (
+                o["mode"].as_str().unwrap(),
+                o["threads"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        modes,
+        [
+            ("engines", 1),
+            ("engines", 2),
+            ("bare", 1),
+            ("bare", 2),
+            ("setup", 1),
+            ("idle", 0),
+            ("setup", 2)
+        ],
+        "{text}"
+    );
+    for point in &objects[..4] {
+        assert_eq!(point["batch"], 1, "{point}");
+        assert_eq!(point["size"], 4096, "{point}");
+        assert!(point["requests"].as_u64().unwrap() > 0, "{point}");
+        for key in ["seconds", "ops_per_s", "ops_per_s_per_thread", "ratio"] {
+            assert!(point[key].as_f64().unwrap() > 0.0, "{key} in {point}");
+        }
+    }
+    for set_up in [&objects[4], &objects[6]] {
+        assert_eq!(set_up["peers_asked"], 5, "{set_up}");
+        assert_eq!(set_up["peers"], 5, "{set_up}");
+        assert_eq!(set_up["accepted"], 5, "{set_up}");
+        assert_eq!(set_up["failures"], 0, "{set_up}");
+        assert!(set_up["error"].is_null(), "{set_up}");
+        assert!(set_up["ms_per_peer"].as_f64().unwrap() > 0.0, "{set_up}");
+    }
+    assert_eq!(objects[5]["peers"], 5, "{}", objects[5]);
+    assert!(
+        objects[5]["idle_cpu_pct"].as_f64().is_some(),
+        "{}",
+        objects[5]
+    );
 }

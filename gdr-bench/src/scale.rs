@@ -1,0 +1,1169 @@
+//! `gdr bench scale`: how the library scales with threads, on whatever
+//! backend the CLI picked (the simulation, rxe, a NIC), each thread with a
+//! peer of its own, one batch of `--batch` RDMA WRITEs of `--size` bytes
+//! of host memory at a time, waited for before the next:
+//!
+//! - `bare`, the floor: per thread a pair of RC queue pairs connected to
+//!   each other on the device ([`QpPair`], as `gdr bench rdma`), a CQ of
+//!   its own (on a completion channel of its own), and registered memory
+//!   of its own; the batch is one linked post, its last request signalled
+//!   (an RC send queue completes in order), the CQ polled until it is done
+//!   (`--idle`: what an empty poll does).
+//! - `one-engine`: one client engine with T peers, all connected to one
+//!   server engine (one listener); each thread submits on its own peer
+//!   against a grant of host memory of its own and waits for each batch
+//!   (`Batch::wait` drives the engine's reactor in the waiting thread: no
+//!   driver thread).
+//! - `engines`: T client engines with one peer each, each connected to a
+//!   server engine of its own (as `gdr bench engine`); the same loop.
+//!
+//! Each point (mode, T) is set up anew, outside the clock: every thread
+//! runs `--warmup` untimed, all start together, then each runs
+//! `--seconds`; the rate is the requests of all threads over the longest
+//! thread's time (first submission to its last batch seen done), and the
+//! ratio is to the mode's rate at its smallest T (1 unless told).
+//!
+//! With `--peers N`: N peers set up from one client engine to one
+//! listener of a server engine (two engines, `--qps` queue pairs per
+//! peer), first one after another (one connecting and one accepting
+//! thread), then, on fresh engines, by `--connect-threads` K connecting
+//! threads with K accepting; total time and time per peer. A device limit
+//! that refuses a peer is reported with the typed error and how many peers
+//! were set up. Between the two, the process's CPU time over
+//! `--idle-seconds` with the sequential set-up's peers connected (its
+//! listener closed, no thread of the bench's driving the engines). A
+//! measurement: it judges nothing.
+
+use std::error::Error;
+use std::fmt::Write as _;
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use gdr_core::backend::Backends;
+use gdr_core::buffer::Buffer;
+use gdr_core::descriptor::MemoryDescriptor;
+use gdr_core::engine::{Engine, EngineConfig, EngineError, EngineListener, Peer, Region};
+use gdr_core::loopback::{PairConfig, QpPair};
+use hal_verbs::{AccessFlags, Api, Context as _, Provider as _};
+
+use super::{
+    Budget, Common, EnginePlan, Engines, HostRegion, Idle, Op, Plan, Target, Waiter, channel_cq,
+    drain_after_failure, emit, grant_host, host_buffer, host_memory_config, idle::usage, measure,
+    measure_engine, parse_size, pick_device, progress_bar, send_caps, slots, start_engines,
+};
+use gdr_core::cq_wait::CqWaiter;
+
+/// What is measured at each thread count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ScaleMode {
+    /// The floor: T pairs of RC queue pairs, each thread its own pair and
+    /// CQ.
+    Bare,
+    /// One client engine with T peers, all to one server engine.
+    OneEngine,
+    /// T client engines with one peer each, each to its own server engine.
+    Engines,
+}
+
+impl ScaleMode {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Bare => "bare",
+            Self::OneEngine => "one-engine",
+            Self::Engines => "engines",
+        }
+    }
+}
+
+/// Options of `gdr bench scale`.
+#[derive(Debug, Args)]
+pub struct ScaleArgs {
+    /// Modes, comma-separated, measured in this order.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "bare,one-engine,engines"
+    )]
+    modes: Vec<ScaleMode>,
+    /// Thread counts, comma-separated (measured in increasing order).
+    /// Default: 1, 2, 4, 8, 12, 16, 24, 32, ... up to this machine's
+    /// cores, and the core count.
+    #[arg(long, value_delimiter = ',', value_parser = parse_threads)]
+    threads: Vec<usize>,
+    /// Seconds measured per point, after the warm-up.
+    #[arg(long, default_value = "2", value_parser = parse_seconds)]
+    seconds: Duration,
+    /// Untimed seconds every thread runs before each point's clock.
+    #[arg(long, default_value = "0.25", value_parser = parse_seconds)]
+    warmup: Duration,
+    /// Requests per batch.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    batch: u32,
+    /// Bytes of one request (suffixes K, M, G: powers of 1024).
+    #[arg(long, default_value = "4K", value_parser = parse_size)]
+    size: usize,
+    /// What a thread does when nothing completed (`bare`: its poller;
+    /// the engine modes: `park` waits on the batch, driving the engine's
+    /// reactor; `spin`/`yield` call `Engine::progress` in a loop).
+    #[arg(long, value_enum, default_value_t = Idle::Park)]
+    idle: Idle,
+    /// Queue pairs per peer (the engine's `qps_per_peer`), of the engine
+    /// modes and `--peers`. Default: the engine's.
+    #[arg(long)]
+    qps: Option<u16>,
+    /// Also set up this many peers to one listener, one after another and
+    /// then concurrently, and measure idle CPU with them connected (0:
+    /// skip).
+    #[arg(long, default_value_t = 0)]
+    peers: usize,
+    /// Only the set-up of `--peers` and its idle CPU: no mode.
+    #[arg(long, requires = "peers", conflicts_with_all = ["modes", "threads"])]
+    peers_only: bool,
+    /// Connecting threads (and as many accepting) of the concurrent
+    /// set-up of `--peers`.
+    #[arg(long, default_value_t = 8, value_parser = parse_threads)]
+    connect_threads: usize,
+    /// Seconds of idleness over which CPU time is counted with `--peers`
+    /// connected.
+    #[arg(long, default_value = "3", value_parser = parse_seconds)]
+    idle_seconds: Duration,
+    #[command(flatten)]
+    pub(super) common: Common,
+}
+
+/// A count of threads: at least one.
+fn parse_threads(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(0) => Err("at least one thread".to_owned()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?} is not a number of threads")),
+    }
+}
+
+/// Seconds, fractions allowed, not negative.
+fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let seconds: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?} seconds: {e}"))
+}
+
+/// The thread counts measured by default on a machine of `cores`: 1, 2,
+/// then 4, 8, 12, 16, 24, 32, 48, ... (each power of two from 4 on, and
+/// half way to the next from 8 on) up to `cores`, and `cores` itself.
+fn default_threads(cores: usize) -> Vec<usize> {
+    let mut threads = vec![1, 2];
+    let mut power = 4;
+    while power <= cores {
+        threads.push(power);
+        if power >= 8 && power + power / 2 <= cores {
+            threads.push(power + power / 2);
+        }
+        power *= 2;
+    }
+    threads.push(cores);
+    threads.sort_unstable();
+    threads.dedup();
+    threads
+}
+
+/// The thread counts asked for, in increasing order, each once.
+fn thread_counts(asked: &[usize]) -> Vec<usize> {
+    if asked.is_empty() {
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        return default_threads(cores);
+    }
+    let mut threads = asked.to_vec();
+    threads.sort_unstable();
+    threads.dedup();
+    threads
+}
+
+/// One point: a mode at a thread count.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Point {
+    pub(crate) mode: ScaleMode,
+    pub(crate) threads: usize,
+    /// Requests completed by all threads in their measured time.
+    pub(crate) requests: u64,
+    /// The longest thread's measured time.
+    pub(crate) elapsed: Duration,
+}
+
+impl Point {
+    /// Requests per second, all threads together.
+    pub(crate) fn per_s(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// The set-up of `--peers`, sequential or concurrent.
+#[derive(Debug)]
+pub(crate) struct SetUp {
+    /// Connecting threads (as many accepting).
+    pub(crate) threads: usize,
+    pub(crate) asked: usize,
+    /// Peers whose connect returned one.
+    pub(crate) connected: usize,
+    /// Peers the listener's side accepted.
+    pub(crate) accepted: usize,
+    /// From the first connect to the last connect or accept that
+    /// succeeded.
+    pub(crate) elapsed: Duration,
+    /// Connects and accepts that failed.
+    pub(crate) failures: usize,
+    /// The first failure (a connecting thread stops at its first).
+    pub(crate) first_error: Option<EngineError>,
+}
+
+/// The idle cost of `--peers` connected.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IdleWith {
+    pub(crate) peers: usize,
+    pub(crate) window: Duration,
+    pub(crate) cpu: Duration,
+    pub(crate) switches: u64,
+}
+
+/// What `gdr bench scale` measured.
+#[derive(Debug, Default)]
+pub(crate) struct Scaled {
+    pub(crate) points: Vec<Point>,
+    pub(crate) set_ups: Vec<SetUp>,
+    pub(crate) idle: Option<IdleWith>,
+}
+
+/// The measured parameters every point shares.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    batch: u32,
+    size: usize,
+    warmup: Duration,
+    seconds: Duration,
+    idle: Idle,
+}
+
+/// `gdr bench scale`: every mode at every thread count, printed as each
+/// point ends; then the set-up of `--peers`.
+pub(crate) fn scale_bench<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    args: &ScaleArgs,
+) -> Result<Scaled, Box<dyn Error>> {
+    if u32::try_from(args.size).is_err() {
+        return Err(format!("{} bytes exceed one work request's 4 GiB", args.size).into());
+    }
+    let shape = Shape {
+        batch: args.batch.max(1),
+        size: args.size,
+        warmup: args.warmup,
+        seconds: args.seconds,
+        idle: args.idle,
+    };
+    let threads = thread_counts(&args.threads);
+    let modes: &[ScaleMode] = if args.peers_only { &[] } else { &args.modes };
+    let device = pick_device::<V>(backends.verbs(), args.common.device.as_deref())?;
+    let backend = backends.verbs_name();
+    let defaults = EngineConfig::default();
+    let config = EngineConfig {
+        qps_per_peer: args.qps.unwrap_or(defaults.qps_per_peer).max(1),
+        ..host_memory_config()
+    };
+    let qps = config.qps_per_peer;
+    let json = args.common.json;
+    if !json && !modes.is_empty() {
+        println!(
+            "gdr bench scale on {device} ({backend}): batches of {} x {}-byte WRITEs of host \
+             memory, each thread its own peer, one batch at a time; {:?} per point after \
+             {:?} of warm-up; idle {:?}",
+            shape.batch, shape.size, shape.seconds, shape.warmup, shape.idle
+        );
+        println!(
+            "modes: bare = T pairs of RC QPs, each its own CQ, a batch one linked post with the \
+             last signalled (the floor); one-engine = one client engine with T peers to one \
+             server engine; engines = T client engines, each one peer to its own server engine \
+             ({qps} QPs per peer, Batch::wait drives the engine)"
+        );
+        println!(
+            "req/s: requests of all threads over the longest thread's time; ratio: to the \
+             mode's req/s at T = {}",
+            threads[0]
+        );
+        println!(
+            "{:<10} {:>7} {:>11} {:>8} {:>12} {:>12} {:>6}",
+            "mode", "threads", "requests", "seconds", "req/s", "req/s/thread", "ratio"
+        );
+    }
+    let mut scaled = Scaled::default();
+    let progress = progress_bar(modes.len() * threads.len());
+    for &mode in modes {
+        let mut base = None;
+        for &t in &threads {
+            progress.set_message(format!("{} at {t} threads", mode.name()));
+            let point = match mode {
+                ScaleMode::Bare => bare::<V>(backends.verbs(), &device, args.common.port, t, shape),
+                ScaleMode::OneEngine => {
+                    one_engine(backends, &device, args.common.port, &config, t, shape)
+                }
+                ScaleMode::Engines => {
+                    engines(backends, &device, args.common.port, &config, t, shape)
+                }
+            }
+            .map_err(|e| format!("{} at {t} threads: {e}", mode.name()))?;
+            progress.inc(1);
+            let base_rate = *base.get_or_insert(point.per_s());
+            let ratio = point.per_s() / base_rate.max(1e-9);
+            let line = if json {
+                point_json_line(&point, backend, &device, shape, qps, ratio, threads[0])
+            } else {
+                format!(
+                    "{:<10} {:>7} {:>11} {:>8.3} {:>12.0} {:>12.0} {:>6.2}",
+                    mode.name(),
+                    t,
+                    point.requests,
+                    point.elapsed.as_secs_f64(),
+                    point.per_s(),
+                    point.per_s() / t as f64,
+                    ratio
+                )
+            };
+            emit(&progress, line);
+            scaled.points.push(point);
+        }
+    }
+    progress.finish_and_clear();
+    if args.peers > 0 {
+        peers_bench(backends, &device, args, config, &mut scaled)?;
+    }
+    Ok(scaled)
+}
+
+/// Runs one thread per lane: each runs `run(lane, warmup)`, all wait for
+/// each other, then each runs `run(lane, seconds)`, which returns the
+/// requests it completed and the time they took.
+fn run_threads<L: Sync>(
+    mode: ScaleMode,
+    lanes: &[L],
+    shape: Shape,
+    run: impl Fn(&L, Duration) -> Result<(u64, Duration), Box<dyn Error>> + Sync,
+) -> Result<Point, Box<dyn Error>> {
+    let start = Barrier::new(lanes.len());
+    let outcomes: Vec<Result<(u64, Duration), String>> = std::thread::scope(|s| {
+        let running: Vec<_> = lanes
+            .iter()
+            .map(|lane| {
+                let (run, start) = (&run, &start);
+                s.spawn(move || {
+                    let warm = run(lane, shape.warmup).map_err(|e| e.to_string());
+                    // Every thread reaches the barrier, failed or not.
+                    start.wait();
+                    warm?;
+                    run(lane, shape.seconds).map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|thread| {
+                thread
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    });
+    let mut point = Point {
+        mode,
+        threads: lanes.len(),
+        requests: 0,
+        elapsed: Duration::ZERO,
+    };
+    for (i, outcome) in outcomes.into_iter().enumerate() {
+        let (requests, elapsed) = outcome.map_err(|e| format!("thread {i}: {e}"))?;
+        point.requests += requests;
+        point.elapsed = point.elapsed.max(elapsed);
+    }
+    Ok(point)
+}
+
+/// Batches of the bare loop run by one call of `measure` (its buffers
+/// are made per call).
+const BARE_CHUNK: u64 = 8;
+
+/// One thread's queue pairs of the bare loop. Field order is drop order:
+/// the queue pairs before their CQ, the CQ before its channel.
+struct BareLane<A: Api> {
+    pair: QpPair<A>,
+    cq: A::CompletionQueue,
+    channel: Option<A::CompletionChannel>,
+    local: HostRegion<A>,
+    remote: HostRegion<A>,
+}
+
+/// `bare` at `threads`: a pair of RC queue pairs per thread on `device`,
+/// in one context and protection domain.
+fn bare<A: Api>(
+    provider: &A::Provider,
+    device: &str,
+    port: u8,
+    threads: usize,
+    shape: Shape,
+) -> Result<Point, Box<dyn Error>> {
+    let ctx = provider.open(device)?;
+    let attrs = ctx.query_device()?;
+    let depth = shape.batch;
+    for (limit, what) in [
+        (attrs.max_qp_wr, "work requests per QP"),
+        (attrs.max_cqe, "CQ entries"),
+    ] {
+        if limit != 0 && depth > limit {
+            return Err(
+                format!("a batch of {depth} exceeds {device}'s {limit} {what} (--batch)").into(),
+            );
+        }
+    }
+    let pd = ctx.alloc_pd()?;
+    let config = PairConfig {
+        caps: send_caps(depth),
+        ..PairConfig::default()
+    };
+    let lanes = (0..threads)
+        .map(|_| -> Result<BareLane<A>, Box<dyn Error>> {
+            let (channel, cq) = channel_cq::<A>(&ctx, depth)?;
+            let pair = QpPair::<A>::connect(&ctx, &pd, &cq, port, &config)?;
+            Ok(BareLane {
+                pair,
+                cq,
+                channel,
+                local: HostRegion::new(&pd, shape.size, AccessFlags::LOCAL_WRITE)?,
+                remote: HostRegion::new(
+                    &pd,
+                    shape.size,
+                    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+                )?,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // One batch per window: B requests linked in one post, the last
+    // signalled, all done before the next post.
+    let window = u64::from(depth);
+    let plan = Plan {
+        op: Op::Write,
+        size: shape.size,
+        iterations: window * BARE_CHUNK,
+        window,
+        cq_mod: window,
+        post_list: depth as usize,
+        idle: shape.idle,
+    };
+    run_threads(ScaleMode::Bare, &lanes, shape, |lane, budget| {
+        let waiter = Waiter::<A> {
+            cq: &lane.cq,
+            channel: lane.channel.as_ref(),
+            cq_waiter: CqWaiter::new()?,
+        };
+        let started = Instant::now();
+        let mut requests = 0;
+        while started.elapsed() < budget {
+            let m = measure::<A>(&lane.pair, &waiter, &lane.local.mr, &lane.remote.mr, plan)
+                .map_err(|e| drain_after_failure::<A>(&lane.pair, &lane.cq, e))?;
+            requests += m.plan.iterations;
+        }
+        Ok((requests, started.elapsed()))
+    })
+}
+
+/// One thread's peer in the engine modes, and the memory it WRITEs from.
+/// Field order is drop order: the region before its memory.
+struct EngineLane<'a, V: Api, C: hal_cuda::Api> {
+    engine: &'a Engine<V, C>,
+    peer: &'a Peer<V, C>,
+    remote: &'a MemoryDescriptor,
+    local: Region<V>,
+    _memory: Buffer<C>,
+}
+
+impl<'a, V: Api, C: hal_cuda::Api> EngineLane<'a, V, C> {
+    fn new(
+        engine: &'a Engine<V, C>,
+        peer: &'a Peer<V, C>,
+        remote: &'a MemoryDescriptor,
+        span: u64,
+    ) -> Result<Self, Box<dyn Error>> {
+        let memory = host_buffer::<C>(span, 0x5a)?;
+        let local = engine.register(&memory)?;
+        Ok(Self {
+            engine,
+            peer,
+            remote,
+            local,
+            _memory: memory,
+        })
+    }
+}
+
+/// The bytes one thread's batches span: successive offsets, as `gdr bench
+/// engine`.
+fn engine_span(shape: Shape) -> u64 {
+    (slots(shape.batch, shape.size) * shape.size) as u64
+}
+
+/// The engine modes' loop on `lanes`: one batch in flight per thread.
+fn run_engine_lanes<V: Api, C: hal_cuda::Api>(
+    mode: ScaleMode,
+    lanes: &[EngineLane<'_, V, C>],
+    shape: Shape,
+) -> Result<Point, Box<dyn Error>> {
+    let plan = EnginePlan {
+        op: Op::Write,
+        size: shape.size,
+        batch: shape.batch,
+        depth: 1,
+        slots: slots(shape.batch, shape.size),
+        budget: Budget::Time(Duration::ZERO),
+        progress: super::Progress::Inline,
+        idle: shape.idle,
+    };
+    run_threads(mode, lanes, shape, |lane, budget| {
+        let plan = EnginePlan {
+            budget: Budget::Time(budget),
+            ..plan
+        };
+        let m = measure_engine(lane.engine, lane.peer, lane.remote, &lane.local, plan)?;
+        Ok((m.requests, m.elapsed))
+    })
+}
+
+/// `one-engine` at `threads`: one client engine, `threads` peers to one
+/// server engine, each granted host memory of its own.
+fn one_engine<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    device: &str,
+    port: u8,
+    config: &EngineConfig,
+    threads: usize,
+    shape: Shape,
+) -> Result<Point, Box<dyn Error>> {
+    let engines = start_engines(backends, Some(device), port, None, config.clone())?;
+    let listener = engines.listen()?;
+    let peers = (0..threads)
+        .map(|_| engines.connect(&listener))
+        .collect::<Result<Vec<_>, _>>()?;
+    drop(listener);
+    let span = engine_span(shape);
+    let granted = peers
+        .iter()
+        .map(|(to_server, to_client)| grant_host(&engines.server, to_client, to_server, span))
+        .collect::<Result<Vec<_>, _>>()?;
+    let lanes = peers
+        .iter()
+        .zip(&granted)
+        .map(|((to_server, _), (_, remote))| {
+            EngineLane::new(&engines.client, to_server, remote, span)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    run_engine_lanes(ScaleMode::OneEngine, &lanes, shape)
+}
+
+/// `engines` at `threads`: `threads` pairs of engines (as `gdr bench
+/// engine`), one peer each.
+fn engines<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    device: &str,
+    port: u8,
+    config: &EngineConfig,
+    threads: usize,
+    shape: Shape,
+) -> Result<Point, Box<dyn Error>> {
+    let span = engine_span(shape);
+    let targets = (0..threads)
+        .map(|_| Target::in_process(backends, Some(device), port, config.clone(), span))
+        .collect::<Result<Vec<_>, _>>()?;
+    let lanes = targets
+        .iter()
+        .map(|t| EngineLane::new(&t.engine, &t.peer, &t.descriptor, span))
+        .collect::<Result<Vec<_>, _>>()?;
+    run_engine_lanes(ScaleMode::Engines, &lanes, shape)
+}
+
+/// How long a peer's connect may take in `--peers`.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long an accepting thread waits in one accept before it looks
+/// whether the connecting threads are done. A session taken near the end
+/// of it has little time left to be set up: long next to a set-up.
+const ACCEPT_POLL: Duration = Duration::from_secs(1);
+
+/// How long accepting threads wait, once every connect returned, for the
+/// sessions those that succeeded left.
+const ACCEPT_GRACE: Duration = Duration::from_secs(5);
+
+/// Rest between a set-up and the idle window.
+const SETTLE: Duration = Duration::from_millis(200);
+
+/// `--peers`: the sequential set-up, idle CPU with its peers, then the
+/// concurrent set-up on fresh engines.
+fn peers_bench<V: Api, C: hal_cuda::Api>(
+    backends: &Backends<V, C>,
+    device: &str,
+    args: &ScaleArgs,
+    config: EngineConfig,
+    scaled: &mut Scaled,
+) -> Result<(), Box<dyn Error>> {
+    let (backend, json) = (backends.verbs_name(), args.common.json);
+    let qps = config.qps_per_peer;
+    let k = args.connect_threads.min(args.peers).max(1);
+    let config = EngineConfig {
+        // (The engine brings it into its bounds.)
+        accept_backlog: config.accept_backlog.max(k),
+        ..config
+    };
+    if !json {
+        println!(
+            "set-up of {} peers to one listener: one client engine, one server engine, {qps} QPs \
+             per peer; sequential = one connecting and one accepting thread, concurrent = {k} of \
+             each (fresh engines)",
+            args.peers
+        );
+        println!(
+            "{:<10} {:>7} {:>6} {:>6} {:>8} {:>9} {:>10}  error",
+            "set-up", "threads", "asked", "set up", "accepted", "seconds", "ms/peer"
+        );
+    }
+    for threads in [1, k] {
+        let engines = start_engines(
+            backends,
+            Some(device),
+            args.common.port,
+            None,
+            config.clone(),
+        )?;
+        let listener = engines.listen()?;
+        let (set_up, (connected, accepted)) =
+            set_up_peers(&engines, &listener, args.peers, threads);
+        drop(listener);
+        let line = if json {
+            set_up_json_line(&set_up, backend, device, qps)
+        } else {
+            format!(
+                "{:<10} {:>7} {:>6} {:>6} {:>8} {:>9.3} {:>10.3}  {}",
+                if threads == 1 {
+                    "sequential"
+                } else {
+                    "concurrent"
+                },
+                threads,
+                set_up.asked,
+                set_up.connected,
+                set_up.accepted,
+                set_up.elapsed.as_secs_f64(),
+                per_peer_ms(&set_up),
+                set_up.first_error.as_ref().map_or_else(
+                    || "-".to_owned(),
+                    |e| format!("{e} ({} failed)", set_up.failures)
+                )
+            )
+        };
+        println!("{line}");
+        if threads == 1 {
+            let idle = idle_with(connected.len(), args.idle_seconds)?;
+            if json {
+                println!("{}", idle_json_line(&idle, backend, device, qps));
+            } else {
+                println!(
+                    "idle with {} peers connected: {:.2} % of one core, {:.1} voluntary \
+                     switches/s over {:.1} s",
+                    idle.peers,
+                    cpu_percent(&idle),
+                    idle.switches as f64 / idle.window.as_secs_f64().max(1e-9),
+                    idle.window.as_secs_f64()
+                );
+            }
+            scaled.idle = Some(idle);
+        }
+        scaled.set_ups.push(set_up);
+        // The peers go before their engines.
+        drop((connected, accepted));
+        // A concurrent set-up of one thread would repeat the sequential.
+        if k == 1 {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Milliseconds per peer set up.
+fn per_peer_ms(set_up: &SetUp) -> f64 {
+    set_up.elapsed.as_secs_f64() * 1e3 / set_up.connected.max(1) as f64
+}
+
+fn cpu_percent(idle: &IdleWith) -> f64 {
+    idle.cpu.as_secs_f64() / idle.window.as_secs_f64().max(1e-9) * 100.0
+}
+
+/// The process's CPU time and voluntary context switches over `window`
+/// of nothing to do, `peers` connected.
+fn idle_with(peers: usize, window: Duration) -> Result<IdleWith, Box<dyn Error>> {
+    std::thread::sleep(SETTLE);
+    let (cpu0, switches0) = usage()?;
+    let started = Instant::now();
+    std::thread::sleep(window);
+    let (cpu1, switches1) = usage()?;
+    Ok(IdleWith {
+        peers,
+        window: started.elapsed(),
+        cpu: cpu1.saturating_sub(cpu0),
+        switches: switches1.saturating_sub(switches0),
+    })
+}
+
+/// The clients' ends and the server's ends of the peers set up.
+type PeerEnds<V, C> = (Vec<Peer<V, C>>, Vec<Peer<V, C>>);
+
+/// Sets up `n` peers from `engines.client` to `listener`: `threads`
+/// connecting threads, each connecting its share one after another until
+/// one fails, and `threads` accepting.
+fn set_up_peers<V: Api, C: hal_cuda::Api>(
+    engines: &Engines<V, C>,
+    listener: &EngineListener<V, C>,
+    n: usize,
+    threads: usize,
+) -> (SetUp, PeerEnds<V, C>) {
+    let addr = listener.local_addr();
+    let connecting_done = AtomicBool::new(false);
+    let (connected, accepted) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let started = Instant::now();
+    /// What one thread set up: its peers, its failures, when its last
+    /// success was.
+    type Outcome<V, C> = (
+        Vec<Peer<V, C>>,
+        Vec<(Instant, EngineError)>,
+        Option<Instant>,
+    );
+    let (connects, accepts) = std::thread::scope(|s| {
+        let accepting: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let (mut peers, mut failed, mut last) = (Vec::new(), Vec::new(), None);
+                    let mut done_at = None;
+                    loop {
+                        if connecting_done.load(Ordering::Acquire) {
+                            let at = *done_at.get_or_insert_with(Instant::now);
+                            if accepted.load(Ordering::Acquire) >= connected.load(Ordering::Acquire)
+                                || at.elapsed() > ACCEPT_GRACE
+                            {
+                                break;
+                            }
+                        }
+                        if accepted.load(Ordering::Acquire) >= n {
+                            break;
+                        }
+                        match listener.accept(ACCEPT_POLL) {
+                            Ok(peer) => {
+                                peers.push(peer);
+                                accepted.fetch_add(1, Ordering::AcqRel);
+                                last = Some(Instant::now());
+                            }
+                            Err(EngineError::Timeout(_)) => {}
+                            Err(e) => failed.push((Instant::now(), e)),
+                        }
+                    }
+                    (peers, failed, last)
+                })
+            })
+            .collect();
+        let connecting: Vec<_> = (0..threads)
+            .map(|i| {
+                let share = n / threads + usize::from(i < n % threads);
+                let connected = &connected;
+                s.spawn(move || {
+                    let (mut peers, mut failed, mut last) = (Vec::new(), Vec::new(), None);
+                    for _ in 0..share {
+                        match engines.client.connect(addr, SETUP_TIMEOUT) {
+                            Ok(peer) => {
+                                peers.push(peer);
+                                connected.fetch_add(1, Ordering::AcqRel);
+                                last = Some(Instant::now());
+                            }
+                            Err(e) => {
+                                failed.push((Instant::now(), e));
+                                break;
+                            }
+                        }
+                    }
+                    (peers, failed, last)
+                })
+            })
+            .collect();
+        let join = |thread: std::thread::ScopedJoinHandle<'_, Outcome<V, C>>| {
+            thread
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        };
+        let connects: Vec<_> = connecting.into_iter().map(join).collect();
+        connecting_done.store(true, Ordering::Release);
+        (
+            connects,
+            accepting.into_iter().map(join).collect::<Vec<_>>(),
+        )
+    });
+    let mut ends: PeerEnds<V, C> = (Vec::new(), Vec::new());
+    let mut failures = Vec::new();
+    let mut last = started;
+    for (side, outcomes) in [(&mut ends.0, connects), (&mut ends.1, accepts)] {
+        for (peers, failed, at) in outcomes {
+            side.extend(peers);
+            failures.extend(failed);
+            last = last.max(at.unwrap_or(started));
+        }
+    }
+    failures.sort_by_key(|(at, _)| *at);
+    let set_up = SetUp {
+        threads,
+        asked: n,
+        connected: ends.0.len(),
+        accepted: ends.1.len(),
+        elapsed: last.duration_since(started),
+        failures: failures.len(),
+        first_error: failures.into_iter().next().map(|(_, e)| e),
+    };
+    (set_up, ends)
+}
+
+/// `text` as a JSON string.
+fn json_string(text: &str) -> String {
+    let mut s = String::from('"');
+    for c in text.chars() {
+        match c {
+            '"' => s.push_str("\\\""),
+            '\\' => s.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(s, "\\u{:04x}", u32::from(c));
+            }
+            c => s.push(c),
+        }
+    }
+    s.push('"');
+    s
+}
+
+fn point_json_line(
+    p: &Point,
+    backend: &str,
+    device: &str,
+    shape: Shape,
+    qps: u16,
+    ratio: f64,
+    base_threads: usize,
+) -> String {
+    let mut s = String::new();
+    // Writing to a String cannot fail.
+    let _ = write!(
+        s,
+        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
+         \"mode\":\"{}\",\"threads\":{},\"batch\":{},\"size\":{},",
+        p.mode.name(),
+        p.threads,
+        shape.batch,
+        shape.size,
+    );
+    if p.mode != ScaleMode::Bare {
+        let _ = write!(s, "\"qps\":{qps},");
+    }
+    let _ = write!(
+        s,
+        "\"requests\":{},\"seconds\":{:.6},\"ops_per_s\":{:.1},\"ops_per_s_per_thread\":{:.1},\
+         \"ratio\":{ratio:.4},\"ratio_to_threads\":{base_threads}}}",
+        p.requests,
+        p.elapsed.as_secs_f64(),
+        p.per_s(),
+        p.per_s() / p.threads as f64,
+    );
+    s
+}
+
+fn set_up_json_line(set_up: &SetUp, backend: &str, device: &str, qps: u16) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
+         \"mode\":\"setup\",\"connect\":\"{}\",\"threads\":{},\"qps\":{qps},\
+         \"peers_asked\":{},\"peers\":{},\"accepted\":{},\"seconds\":{:.6},\
+         \"ms_per_peer\":{:.4},\"failures\":{},\"error\":{},\"error_debug\":{}}}",
+        if set_up.threads == 1 {
+            "sequential"
+        } else {
+            "concurrent"
+        },
+        set_up.threads,
+        set_up.asked,
+        set_up.connected,
+        set_up.accepted,
+        set_up.elapsed.as_secs_f64(),
+        per_peer_ms(set_up),
+        set_up.failures,
+        set_up
+            .first_error
+            .as_ref()
+            .map_or_else(|| "null".to_owned(), |e| json_string(&e.to_string())),
+        set_up
+            .first_error
+            .as_ref()
+            .map_or_else(|| "null".to_owned(), |e| json_string(&format!("{e:?}"))),
+    );
+    s
+}
+
+fn idle_json_line(idle: &IdleWith, backend: &str, device: &str, qps: u16) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
+         \"mode\":\"idle\",\"qps\":{qps},\"peers\":{},\"idle_seconds\":{:.3},\
+         \"idle_cpu_pct\":{:.3},\"voluntary_switches_per_s\":{:.2}}}",
+        idle.peers,
+        idle.window.as_secs_f64(),
+        cpu_percent(idle),
+        idle.switches as f64 / idle.window.as_secs_f64().max(1e-9),
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::BenchCommand;
+    use clap::Parser;
+    use gdr_core::engine::HandshakeFailure;
+    use gdr_sim::nic::{DeviceConfig, NodeConfig, SimFabric};
+    use hal_verbs::VerbsError;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        bench: BenchCommand,
+    }
+
+    fn parse(args: &[&str]) -> Result<ScaleArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["gdr-bench", "scale"].iter().chain(args))?;
+        match cli.bench {
+            BenchCommand::Scale(args) => Ok(*args),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    /// Short points: `seconds` measured after a brief warm-up.
+    fn short(modes: &[ScaleMode], threads: &[usize], batch: u32, seconds: f64) -> ScaleArgs {
+        ScaleArgs {
+            modes: modes.to_vec(),
+            threads: threads.to_vec(),
+            seconds: Duration::from_secs_f64(seconds),
+            warmup: Duration::from_millis(10),
+            batch,
+            size: 4096,
+            idle: Idle::Park,
+            qps: None,
+            peers: 0,
+            peers_only: false,
+            connect_threads: 2,
+            idle_seconds: Duration::from_millis(50),
+            common: Common {
+                device: None,
+                port: 1,
+                json: true,
+            },
+        }
+    }
+
+    #[test]
+    fn arguments_parse_with_defaults_and_reject_nonsense() {
+        let args = parse(&[]).unwrap();
+        assert_eq!(
+            args.modes,
+            [ScaleMode::Bare, ScaleMode::OneEngine, ScaleMode::Engines]
+        );
+        assert!(args.threads.is_empty(), "default: by the core count");
+        assert_eq!(args.seconds, Duration::from_secs(2));
+        assert_eq!((args.batch, args.size), (16, 4096));
+        assert_eq!((args.peers, args.connect_threads), (0, 8));
+        assert!(!args.peers_only && !args.common.json);
+
+        let args = parse(&[
+            "--modes",
+            "engines,bare",
+            "--threads",
+            "4,1,2,4",
+            "--seconds",
+            "0.5",
+            "--batch",
+            "1",
+            "--size",
+            "64K",
+            "--idle",
+            "spin",
+            "--qps",
+            "1",
+            "--peers",
+            "1000",
+            "--connect-threads",
+            "16",
+            "--json",
+        ])
+        .unwrap();
+        assert_eq!(args.modes, [ScaleMode::Engines, ScaleMode::Bare]);
+        assert_eq!(thread_counts(&args.threads), [1, 2, 4]);
+        assert_eq!(args.seconds, Duration::from_millis(500));
+        assert_eq!(
+            (args.batch, args.size, args.idle),
+            (1, 64 << 10, Idle::Spin)
+        );
+        assert_eq!(
+            (args.qps, args.peers, args.connect_threads),
+            (Some(1), 1000, 16)
+        );
+        assert!(args.common.json);
+        assert!(
+            parse(&["--peers", "10", "--peers-only"])
+                .unwrap()
+                .peers_only
+        );
+
+        for bad in [
+            &["--threads", "0"][..],
+            &["--threads", "two"],
+            &["--batch", "0"],
+            &["--size", "0"],
+            &["--seconds", "-1"],
+            &["--modes", "bare,everything"],
+            &["--connect-threads", "0"],
+            &["--peers-only"],
+            &["--peers", "4", "--peers-only", "--modes", "bare"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} was taken");
+        }
+    }
+
+    #[test]
+    fn default_thread_counts_follow_the_cores() {
+        assert_eq!(default_threads(1), [1, 2]);
+        assert_eq!(default_threads(2), [1, 2]);
+        assert_eq!(default_threads(6), [1, 2, 4, 6]);
+        assert_eq!(default_threads(12), [1, 2, 4, 8, 12]);
+        assert_eq!(default_threads(16), [1, 2, 4, 8, 12, 16]);
+        assert_eq!(default_threads(20), [1, 2, 4, 8, 12, 16, 20]);
+        assert_eq!(default_threads(64), [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]);
+    }
+
+    /// Every mode at T = 1 and 2 on the sim, batches of 16 and of 1: a
+    /// point per (mode, T), in order, each with requests done at a
+    /// positive rate. A measurement: its speed is not judged.
+    #[test]
+    fn every_mode_measures_a_positive_rate_on_the_sim() {
+        let modes = [ScaleMode::Bare, ScaleMode::OneEngine, ScaleMode::Engines];
+        for batch in [16, 1] {
+            let scaled = scale_bench(
+                &Backends::sim_default(),
+                &short(&modes, &[2, 1], batch, 0.05),
+            )
+            .unwrap();
+            let shapes: Vec<_> = scaled.points.iter().map(|p| (p.mode, p.threads)).collect();
+            assert_eq!(
+                shapes,
+                modes
+                    .iter()
+                    .flat_map(|&m| [(m, 1), (m, 2)])
+                    .collect::<Vec<_>>()
+            );
+            for p in &scaled.points {
+                assert!(p.requests > 0, "batch {batch}: {p:?}");
+                assert_eq!(p.requests % u64::from(batch), 0, "whole batches: {p:?}");
+                assert!(p.per_s() > 0.0 && p.per_s().is_finite(), "{p:?}");
+                // Each thread ran its measured time (and at most a batch more).
+                assert!(p.elapsed >= Duration::from_millis(50), "{p:?}");
+            }
+            assert!(scaled.set_ups.is_empty() && scaled.idle.is_none());
+        }
+    }
+
+    /// `--peers` on the sim: every peer set up one after another and
+    /// concurrently, each accepted, no error; idle CPU counted with them.
+    #[test]
+    fn peers_are_set_up_sequentially_and_concurrently() {
+        let mut args = short(&[], &[1], 16, 0.01);
+        args.peers = 7;
+        args.peers_only = true;
+        args.connect_threads = 3;
+        let scaled = scale_bench(&Backends::sim_default(), &args).unwrap();
+        assert!(scaled.points.is_empty());
+        let shapes: Vec<_> = scaled
+            .set_ups
+            .iter()
+            .map(|s| (s.threads, s.asked, s.connected, s.accepted, s.failures))
+            .collect();
+        assert_eq!(shapes, [(1, 7, 7, 7, 0), (3, 7, 7, 7, 0)]);
+        for s in &scaled.set_ups {
+            assert!(s.first_error.is_none(), "{s:?}");
+            assert!(s.elapsed > Duration::ZERO, "{s:?}");
+        }
+        let idle = scaled.idle.expect("idle figures");
+        assert_eq!(idle.peers, 7);
+        assert!(idle.window >= Duration::from_millis(50), "{idle:?}");
+    }
+
+    /// A device that allows fewer queue pairs than the peers need: the
+    /// set-up stops at the limit with the device's typed refusal and says
+    /// how many peers were set up, sequentially and concurrently; no panic,
+    /// no hang.
+    #[test]
+    fn a_device_limit_is_reported_with_the_peers_set_up() {
+        let mut device = DeviceConfig::default();
+        device.attributes.max_qp = 10;
+        let node = NodeConfig {
+            ipv4: None,
+            devices: vec![device],
+        };
+        let backends = Backends::sim(&SimFabric::new(), node, Vec::new());
+        let mut args = short(&[], &[1], 16, 0.01);
+        args.peers = 12;
+        args.peers_only = true;
+        args.connect_threads = 4;
+        args.qps = Some(2);
+        let started = Instant::now();
+        let scaled = scale_bench(&backends, &args).unwrap();
+        assert!(started.elapsed() < SETUP_TIMEOUT, "no wait for a timeout");
+        assert_eq!(scaled.set_ups.len(), 2);
+        for s in &scaled.set_ups {
+            // 10 queue pairs of 2 per peer: 5 peers at most on each side.
+            assert!(s.connected <= 5 && s.connected < s.asked, "{s:?}");
+            assert!(s.failures >= 1, "{s:?}");
+            // The QP the device refused, on this side or the listener's.
+            assert!(
+                matches!(
+                    &s.first_error,
+                    Some(
+                        EngineError::Verbs {
+                            source: VerbsError::OutOfResources { .. },
+                            ..
+                        } | EngineError::Handshake {
+                            why: HandshakeFailure::Connect(VerbsError::OutOfResources { .. }),
+                            ..
+                        }
+                    )
+                ),
+                "not the device's refusal: {s:?}"
+            );
+        }
+        assert!(scaled.set_ups[0].connected > 0, "{:?}", scaled.set_ups[0]);
+        assert_eq!(
+            scaled.idle.map(|i| i.peers),
+            Some(scaled.set_ups[0].connected)
+        );
+    }
+
+    #[test]
+    fn json_strings_are_escaped() {
+        assert_eq!(json_string("a \"b\" \\ c\n"), r#""a \"b\" \\ c\u000a""#);
+    }
+}
