@@ -618,6 +618,9 @@ fn peers_bench<V: Api, C: hal_cuda::Api>(
     let config = EngineConfig {
         // (The engine brings it into its bounds.)
         accept_backlog: config.accept_backlog.max(k),
+        // Room for every peer asked for: the device's limits, not the
+        // engine's default bound, are what this measures.
+        max_peers: config.max_peers.max(args.peers),
         ..config
     };
     if !json {
