@@ -984,6 +984,22 @@ impl EngineWorld<SimVerbsApi> {
     }
 }
 
+/// Fences `stream` on `batch`, then queues on it a copy of `out`'s length
+/// from device address `gpu` into `out` and records `event` after it.
+fn fence_then_copy_out<C: hal_cuda::Api>(
+    batch: &Batch<SimVerbsApi, C>,
+    stream: &C::Stream,
+    out: &Buffer<C>,
+    gpu: u64,
+    event: &C::Event,
+) {
+    batch.fence_stream(stream).unwrap();
+    // SAFETY: `out` and the GPU range hold as many bytes, and outlive the
+    // stream's work (the caller waits for `event` before either goes).
+    unsafe { stream.copy_device_to_host(out.addr() as *mut u8, gpu, out.len() as usize) }.unwrap();
+    stream.record(event).unwrap();
+}
+
 /// Where a stream fence waits for its batch ([`gdr_core::engine::Batch::fence_stream`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FenceWait {
@@ -1028,14 +1044,7 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         let (queued_tx, queued) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
             let fencing = scope.spawn(|| {
-                batch.fence_stream(&stream).unwrap();
-                // SAFETY: both ranges hold `len` bytes and outlive the
-                // stream's work (its event is waited for below).
-                unsafe {
-                    stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize)
-                }
-                .unwrap();
-                stream.record(&event).unwrap();
+                fence_then_copy_out(&batch, &stream, &out, gpu_buf.addr(), &event);
                 let _ = queued_tx.send(());
             });
             let held = Duration::from_millis(30);
@@ -1121,14 +1130,7 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         let batch = self.ab.submit(&read).unwrap();
         std::thread::scope(|scope| {
             let fencing = scope.spawn(|| {
-                batch.fence_stream(&stream).unwrap();
-                // SAFETY: both ranges hold `len` bytes and outlive the
-                // stream's work (its event is waited for below).
-                unsafe {
-                    stream.copy_device_to_host(out.addr() as *mut u8, gpu_buf.addr(), len as usize)
-                }
-                .unwrap();
-                stream.record(&event).unwrap();
+                fence_then_copy_out(&batch, &stream, &out, gpu_buf.addr(), &event);
             });
             // The fence is under way (or, held on the stream, queued).
             std::thread::sleep(Duration::from_millis(50));
