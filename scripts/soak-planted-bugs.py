@@ -12,8 +12,8 @@ BATCHES = 'gdr-proto/src/batches.rs'
 INBOX = 'gdr-proto/src/inbox.rs'
 bugs = [
     ("a skipped lease: a staged transfer does not hold its region", [
-        (PIPE, "    _region: Region<V>,\n}", "    _region: Option<Region<V>>,\n}"),
-        (PIPE, "            _region: region.clone(),", "            _region: None,"),
+        (PIPE, "    region: Region<V>,\n}", "    region: Option<Region<V>>,\n}"),
+        (PIPE, "            region: region.clone(),", "            region: None,"),
     ]),
     ("a double completion: each request's completion counted twice", [
         (BATCHES, "        record.unfinished -= n;", "        record.unfinished = record.unfinished.saturating_sub(2 * n);"),

@@ -312,3 +312,57 @@ fn memory_a_batch_holds_last_is_not_freed_inside_progress() {
         "the WRITE's data"
     );
 }
+
+/// A stream fenced on a batch of an engine that is dropped before the
+/// batch ends moves on: nothing would end that batch (or store the
+/// fence's word) once the engine is gone, and work queued after the fence
+/// (a kernel, here a copy) would wait forever.
+#[test]
+fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
+    use gdr_core::engine::Engine;
+    use gdr_sim::{NodeConfig, SimCuda, SimFabric};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let fabric = SimFabric::new();
+    let a_nic = fabric.add_node("a", NodeConfig::default());
+    let b_nic = fabric.add_node("b", NodeConfig::default());
+    let cuda = SimCuda::new(vec![GpuConfig::default()], fabric.faults());
+    let config = EngineConfig {
+        default_timeout: T,
+        ..EngineConfig::default()
+    };
+    let a = Engine::<SimVerbsApi, SimCudaApi>::new(&a_nic, Some(&cuda), config.clone()).unwrap();
+    let b = Engine::<SimVerbsApi, SimCudaApi>::new(&b_nic, None, config).unwrap();
+    let listener = b
+        .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+        .unwrap();
+    let addr = SocketAddr::new(
+        IpAddr::V4(b_nic.device_ipv4("sim0").unwrap()),
+        listener.local_addr().port(),
+    );
+    let (ab, ba) = std::thread::scope(|scope| {
+        let accepting = scope.spawn(|| listener.accept(T));
+        let ab = a.connect(addr, T).unwrap();
+        (ab, accepting.join().unwrap().unwrap())
+    });
+    let src = gdr_core::buffer::Buffer::<SimCudaApi>::alloc_host(LEN);
+    let grant = ba
+        .grant(&b.register(&src).unwrap(), 0, LEN, GrantRights::Read)
+        .unwrap();
+    let remote = ab.wait_grant(grant.descriptor().grant, T).unwrap();
+    let dst = gdr_core::buffer::Buffer::<SimCudaApi>::alloc_host(LEN);
+    let dst_region = a.register(&dst).unwrap();
+    let ctx = cuda.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let event = ctx.create_event().unwrap();
+    fabric.set_paused(true);
+    let batch = ab
+        .submit(&[Transfer::read(&dst_region, 0, &remote, 0, LEN)])
+        .unwrap();
+    batch.fence_stream(&stream).unwrap();
+    stream.record(&event).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(!event.is_complete().unwrap(), "held while the batch runs");
+    drop((batch, dst_region, ab, remote, grant, a));
+    wait_for(&event, "a stream fenced on a dropped engine's batch");
+    fabric.set_paused(false);
+}

@@ -230,6 +230,19 @@ impl<C: hal_cuda::Api> StreamFences<C> {
         Ok(self.words.as_mut().expect("installed above"))
     }
 
+    /// Releases every stream still waiting, its batch ended or not: the
+    /// engine goes, and with it the progress that would have (work after
+    /// such a fence must not rely on the batch's data: its status says).
+    pub(super) fn release_all(&mut self) {
+        let Some(words) = self.words.as_mut() else {
+            return;
+        };
+        for fence in self.fences.drain(..) {
+            words.word(fence.word).store(fence.value, Ordering::Release);
+            words.book.done(fence.word, fence.value);
+        }
+    }
+
     /// Releases the streams waiting for batches that have ended; returns
     /// how many.
     pub(super) fn release<V: Api>(&mut self, res: &Resources<V, C>) -> usize {

@@ -801,10 +801,19 @@ fn lock_state<V: Api, C: hal_cuda::Api>(state: &Mutex<State<V, C>>) -> StateGuar
     }
 }
 
-/// The CUDA worker's queued jobs name memory the state holds: they all run
-/// before the state goes (fields drop after this).
+/// Streams the engine holds are released, then the CUDA worker's queued
+/// jobs (which name memory the state holds) all run, before the state goes
+/// (fields drop after this).
 impl<V: Api, C: hal_cuda::Api> Drop for Shared<V, C> {
     fn drop(&mut self) {
+        let mut state = lock(&self.state);
+        // The peers' queue pairs go first (the NIC writes nothing more),
+        // then the streams fenced on this engine's batches go on: nothing
+        // will end those batches now, and a free the worker's last copy
+        // waits behind may be waiting for such a stream.
+        drop(std::mem::take(&mut state.peers));
+        state.paths.stream_fences.release_all();
+        drop(state);
         self.res.cuda.shut();
     }
 }

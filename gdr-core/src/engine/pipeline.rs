@@ -347,7 +347,7 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
                 copy_out(
                     cx.res,
                     pool,
-                    &pipe.region,
+                    pipe.region.clone(),
                     pipe.gpu_addr + s.offset,
                     s.slot,
                     s.len,
@@ -359,7 +359,7 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
                 copy_in(
                     cx.res,
                     pool,
-                    &pipe.region,
+                    pipe.region.clone(),
                     pipe.gpu_addr + s.offset,
                     s.slot,
                     s.len,
@@ -404,17 +404,18 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
     }
 }
 
-/// Queues the device→host copy of `len` bytes at `src` into slot `slot`.
+/// Queues the device→host copy of `len` bytes at `src` into slot `slot`;
+/// `staged` holds the staged memory (the pipe's region) until then.
 fn copy_out<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     pool: &StagingPool<V, C>,
-    staged: &Region<V>,
+    staged: impl Send + 'static,
     src: u64,
     slot: usize,
     len: u64,
 ) -> Result<Stage<C>, Option<TransferError>> {
     let dst = pool.slot_addr(slot);
-    let keep = (staged.clone(), pool.region.clone());
+    let keep = (staged, pool.region.clone());
     queue_copy(res, pool.gpu, &pool.to_host, TO_HOST, keep, move |stream| {
         // SAFETY: the slot is this slice's alone until it is freed, which is
         // after this copy's event has passed; `src..src + len` lies in the
@@ -425,17 +426,18 @@ fn copy_out<V: Api, C: hal_cuda::Api>(
     })
 }
 
-/// Queues the host→device copy of `len` bytes of slot `slot` to `dst`.
+/// Queues the host→device copy of `len` bytes of slot `slot` to `dst`;
+/// `staged` as for [`copy_out`].
 fn copy_in<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     pool: &StagingPool<V, C>,
-    staged: &Region<V>,
+    staged: impl Send + 'static,
     dst: u64,
     slot: usize,
     len: u64,
 ) -> Result<Stage<C>, Option<TransferError>> {
     let src = pool.slot_addr(slot);
-    let keep = (staged.clone(), pool.region.clone());
+    let keep = (staged, pool.region.clone());
     queue_copy(
         res,
         pool.gpu,
