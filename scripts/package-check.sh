@@ -39,9 +39,12 @@ for c in "${CRATES[@]}"; do
 done
 # --allow-dirty: CI checks the tree as it is; a release is cut from a clean one.
 cargo package --allow-dirty $verify "${args[@]}"
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+packages="$(cargo_target_dir)/package"
 failed=0
 for c in "${CRATES[@]}"; do
-  crate="target/package/$c-$version.crate"
+  crate="$packages/$c-$version.crate"
   if [ ! -f "$crate" ]; then echo "package: $crate missing" >&2; failed=1; continue; fi
   size=$(stat -c %s "$crate")
   if [ "$size" -gt "$MAX_CRATE_BYTES" ]; then
