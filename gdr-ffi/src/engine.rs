@@ -1002,7 +1002,7 @@ pub unsafe extern "C" fn gdr_peer_submit_after_stream(
     }
 }
 
-/// Makes `stream` wait for the batch without blocking a thread: work
+/// Makes `stream` wait for the batch: work
 /// queued on the stream after this call (kernels,
 /// [`crate::stream::gdr_stream_copy`]) runs once the batch has ended and,
 /// where the GPU needs it, its inbound writes were flushed, so it sees
@@ -1010,7 +1010,10 @@ pub unsafe extern "C" fn gdr_peer_submit_after_stream(
 /// the batch ends: check the batch's outcome ([`gdr_batch_wait`],
 /// [`gdr_batch_poll`]) before trusting the data. Several streams may wait
 /// for one batch, and a stream for several batches. The stream may be of
-/// any context of the same backends. Any thread.
+/// any context of the same backends. A batch on a NIC's direct rungs is fenced
+/// without blocking a thread; a staged batch, a peer copy or a gated batch is
+/// waited for in the call (its end needs CUDA calls a stream must not wait
+/// behind: see the guide's Fences section). Any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn gdr_batch_fence_stream(batch: GdrBatch, stream: GdrStream) -> GdrResult {
     ffi_boundary! {
