@@ -984,6 +984,36 @@ impl EngineWorld<SimVerbsApi> {
     }
 }
 
+/// A listener of `engine` (on the simulated node `node`) on a free port,
+/// and the address a peer reaches it at (its first NIC's).
+pub fn sim_listener<C: hal_cuda::Api>(
+    engine: &Engine<SimVerbsApi, C>,
+    node: &gdr_sim::SimVerbs,
+) -> (gdr_core::engine::EngineListener<SimVerbsApi, C>, SocketAddr) {
+    let listener = engine
+        .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+        .unwrap();
+    let addr = SocketAddr::new(
+        IpAddr::V4(node.device_ipv4("sim0").unwrap()),
+        listener.local_addr().port(),
+    );
+    (listener, addr)
+}
+
+/// Connects `engine` to `addr` while `listener` accepts: both ends.
+pub fn connect_accepted<C: hal_cuda::Api>(
+    engine: &Engine<SimVerbsApi, C>,
+    listener: &gdr_core::engine::EngineListener<SimVerbsApi, C>,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> (Peer<SimVerbsApi, C>, Peer<SimVerbsApi, C>) {
+    std::thread::scope(|scope| {
+        let accepting = scope.spawn(|| listener.accept(timeout));
+        let connected = engine.connect(addr, timeout).unwrap();
+        (connected, accepting.join().unwrap().unwrap())
+    })
+}
+
 /// Fences `stream` on `batch`, then queues on it a copy of `out`'s length
 /// from device address `gpu` into `out` and records `event` after it.
 fn fence_then_copy_out<C: hal_cuda::Api>(

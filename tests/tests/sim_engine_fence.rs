@@ -321,7 +321,7 @@ fn memory_a_batch_holds_last_is_not_freed_inside_progress() {
 fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
     use gdr_core::engine::Engine;
     use gdr_sim::{NodeConfig, SimCuda, SimFabric};
-    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    use gdr_tests::engine_world::{connect_accepted, sim_listener};
     let fabric = SimFabric::new();
     let a_nic = fabric.add_node("a", NodeConfig::default());
     let b_nic = fabric.add_node("b", NodeConfig::default());
@@ -332,18 +332,8 @@ fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
     };
     let a = Engine::<SimVerbsApi, SimCudaApi>::new(&a_nic, Some(&cuda), config.clone()).unwrap();
     let b = Engine::<SimVerbsApi, SimCudaApi>::new(&b_nic, None, config).unwrap();
-    let listener = b
-        .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
-        .unwrap();
-    let addr = SocketAddr::new(
-        IpAddr::V4(b_nic.device_ipv4("sim0").unwrap()),
-        listener.local_addr().port(),
-    );
-    let (ab, ba) = std::thread::scope(|scope| {
-        let accepting = scope.spawn(|| listener.accept(T));
-        let ab = a.connect(addr, T).unwrap();
-        (ab, accepting.join().unwrap().unwrap())
-    });
+    let (listener, addr) = sim_listener(&b, &b_nic);
+    let (ab, ba) = connect_accepted(&a, &listener, addr, T);
     let src = gdr_core::buffer::Buffer::<SimCudaApi>::alloc_host(LEN);
     let grant = ba
         .grant(&b.register(&src).unwrap(), 0, LEN, GrantRights::Read)

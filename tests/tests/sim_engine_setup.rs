@@ -482,21 +482,10 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
     let b_nic = fabric.add_node("b", NodeConfig::default());
     let a = Engine::<SimVerbsApi, SimCudaApi>::new(&a_nic, None, config.clone()).unwrap();
     let b = Engine::<SimVerbsApi, SimCudaApi>::new(&b_nic, None, config).unwrap();
-    let listener = b
-        .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
-        .unwrap();
-    let addr = SocketAddr::new(
-        IpAddr::V4(b_nic.device_ipv4("sim0").unwrap()),
-        listener.local_addr().port(),
-    );
-    let mut peers = Vec::new();
-    for _ in 0..2 {
-        peers.push(std::thread::scope(|scope| {
-            let accepting = scope.spawn(|| listener.accept(T));
-            let ab = a.connect(addr, T).unwrap();
-            (ab, accepting.join().unwrap().unwrap())
-        }));
-    }
+    let (listener, addr) = gdr_tests::engine_world::sim_listener(&b, &b_nic);
+    let peers: Vec<_> = (0..2)
+        .map(|_| gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T))
+        .collect();
     let err = a.connect(addr, T).unwrap_err();
     assert!(
         matches!(err, EngineError::Refused(Refusal::PeerLimit { max: 2 })),
