@@ -1,7 +1,9 @@
 //! Stream-ordered fences: a CUDA stream waits for a batch without a CPU
 //! thread blocking on it.
 //!
-//! [`super::Batch::fence_stream`] queues on the caller's stream a wait
+//! For a batch that ends without a CUDA call (its transfers on a NIC's
+//! direct rungs; any other batch is waited for on the host, see
+//! [`super::Batch::fence_stream`]), the fence queues on the caller's stream a wait
 //! (`cuStreamWaitValue32`, "at least") on a word of pinned host memory the
 //! engine owns (`StreamFences::queue`); when the batch ends, the engine's
 //! progress (its own thread, started by the first fence) applies the
@@ -16,7 +18,8 @@
 //! for a larger value than the last, so a late store for an earlier fence
 //! can never release a later one. The page of words is never freed once a
 //! fence was queued: a stream may still read its word after the engine is
-//! gone.
+//! gone. An engine that goes stores every outstanding fence's word first
+//! (`StreamFences::release_all`): nothing would end those batches then.
 //!
 //! The reverse, a batch that starts when a stream reaches a point
 //! ([`super::Peer::submit_after_stream`], [`super::gate`]), takes its words

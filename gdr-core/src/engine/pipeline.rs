@@ -26,8 +26,9 @@
 //! so a pipeline moves while someone makes progress (a waiter, or a
 //! driver thread). Which slice starts, what each does next and how the
 //! transfer ends are the protocol's ([`gdr_proto::pipeline::Pipe`], tested
-//! in memory); this module runs the copies it asks for and posts its wire
-//! ops through the seam (`Wire::post_rdma`).
+//! in memory); this module hands the copies it asks for to the engine's
+//! CUDA worker ([`super::cuda_worker`]) and posts its wire ops through the
+//! seam (`Wire::post_rdma`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -342,30 +343,8 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
                 pool.free.push(slot);
                 continue;
             }
-            PipeAction::CopyOut(s) => (
-                s,
-                copy_out(
-                    cx.res,
-                    pool,
-                    pipe.region.clone(),
-                    pipe.gpu_addr + s.offset,
-                    s.slot,
-                    s.len,
-                ),
-                true,
-            ),
-            PipeAction::CopyIn(s) => (
-                s,
-                copy_in(
-                    cx.res,
-                    pool,
-                    pipe.region.clone(),
-                    pipe.gpu_addr + s.offset,
-                    s.slot,
-                    s.len,
-                ),
-                true,
-            ),
+            PipeAction::CopyOut(s) => (s, copy_slice(cx.res, pool, pipe, s, false), true),
+            PipeAction::CopyIn(s) => (s, copy_slice(cx.res, pool, pipe, s, true), true),
             // One slice's RDMA op between its pool slot and the remote
             // range, on a queue pair of the peer nearest the pool's GPU.
             PipeAction::Post(s) => (
@@ -404,54 +383,45 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
     }
 }
 
-/// Queues the device→host copy of `len` bytes at `src` into slot `slot`;
-/// `staged` holds the staged memory (the pipe's region) until then.
-fn copy_out<V: Api, C: hal_cuda::Api>(
+/// Hands slice `s`'s copy between its pool slot and the pipe's GPU memory
+/// to the CUDA worker: host→device when `to_gpu` (a READ's slice the NIC
+/// landed), else device→host (a WRITE's, before the wire). The job holds
+/// the pipe's region and the pool's until the copy is queued; their frees
+/// wait for it from then on.
+fn copy_slice<V: Api, C: hal_cuda::Api>(
     res: &Resources<V, C>,
     pool: &StagingPool<V, C>,
-    staged: impl Send + 'static,
-    src: u64,
-    slot: usize,
-    len: u64,
+    pipe: &Pipe<V, C>,
+    s: Slice,
+    to_gpu: bool,
 ) -> Result<Stage<C>, Option<TransferError>> {
-    let dst = pool.slot_addr(slot);
-    let keep = (staged, pool.region.clone());
-    queue_copy(res, pool.gpu, &pool.to_host, TO_HOST, keep, move |stream| {
-        // SAFETY: the slot is this slice's alone until it is freed, which is
-        // after this copy's event has passed; `src..src + len` lies in the
-        // staged region, checked against its bounds at submit; both
-        // memories are held (`keep`) until the copy is queued, and their
-        // frees wait for it from then on.
-        unsafe { stream.copy_device_to_host(dst as *mut u8, src, len as usize) }
+    let (host, gpu, len) = (
+        pool.slot_addr(s.slot),
+        pipe.gpu_addr + s.offset,
+        s.len as usize,
+    );
+    let (stream, what) = if to_gpu {
+        (&pool.to_device, TO_GPU)
+    } else {
+        (&pool.to_host, TO_HOST)
+    };
+    let keep = (pipe.region.clone(), pool.region.clone());
+    copy_event(res, pool.gpu, stream, what, keep, move |stream| {
+        if to_gpu {
+            // SAFETY: the slot holds the slice the NIC finished writing
+            // (its completion came) and stays this slice's until the
+            // event has passed; `gpu..gpu + len` lies in the staged
+            // region, checked against its bounds at submit; both memories
+            // are held (`keep`) until the copy is queued.
+            unsafe { stream.copy_host_to_device(gpu, host as *const u8, len) }
+        } else {
+            // SAFETY: as above, the other way: the slot is this slice's
+            // alone until it is freed, after this copy's event has passed.
+            unsafe { stream.copy_device_to_host(host as *mut u8, gpu, len) }
+        }
     })
-}
-
-/// Queues the host→device copy of `len` bytes of slot `slot` to `dst`;
-/// `staged` as for [`copy_out`].
-fn copy_in<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    pool: &StagingPool<V, C>,
-    staged: impl Send + 'static,
-    dst: u64,
-    slot: usize,
-    len: u64,
-) -> Result<Stage<C>, Option<TransferError>> {
-    let src = pool.slot_addr(slot);
-    let keep = (staged, pool.region.clone());
-    queue_copy(
-        res,
-        pool.gpu,
-        &pool.to_device,
-        TO_GPU,
-        keep,
-        move |stream| {
-            // SAFETY: the slot holds the slice the NIC finished writing (its
-            // completion came) and stays this slice's until the event has
-            // passed; `dst..dst + len` lies in the staged region; both
-            // memories are held as for `copy_out`.
-            unsafe { stream.copy_host_to_device(dst, src as *const u8, len as usize) }
-        },
-    )
+    .map(Stage::Copying)
+    .map_err(Some)
 }
 
 /// What a failed staging copy to host says it was doing
@@ -459,20 +429,6 @@ fn copy_in<V: Api, C: hal_cuda::Api>(
 pub(super) const TO_HOST: &str = "staging copy to host";
 /// What a failed staging copy to the GPU says it was doing.
 pub(super) const TO_GPU: &str = "staging copy to the GPU";
-
-/// Queues `copy` on `stream` of GPU `gpu` and an event after it.
-fn queue_copy<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    gpu: u32,
-    stream: &Arc<C::Stream>,
-    what: &'static str,
-    keep: impl Send + 'static,
-    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError> + Send + 'static,
-) -> Result<Stage<C>, Option<TransferError>> {
-    copy_event(res, gpu, stream, what, keep, copy)
-        .map(Stage::Copying)
-        .map_err(Some)
-}
 
 /// A copy handed to the CUDA worker ([`super::cuda_worker`]): queued on
 /// its stream there, with an event recorded after it.
