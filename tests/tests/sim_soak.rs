@@ -954,37 +954,59 @@ impl Round<'_> {
             return;
         };
         let from = self.rng.usize(..2);
-        self.send(c, from, 1);
+        drop(self.send(c, from, 1));
         self.take(c, 1 - from);
     }
 
     /// A burst of messages nobody takes yet: the receiving engine holds
-    /// them up to its bound, then drops the sender.
+    /// them up to its bound, then drops the sender. The burst's messages
+    /// have reached the receiving engine's inbox (or been refused) before
+    /// the bounds are checked: each send has ended, and the receiver has
+    /// made progress until it found nothing more to do, so what a check
+    /// sees does not depend on how far its driver thread had come.
     fn burst(&mut self) {
         let Some(c) = self.live_conn() else {
             return;
         };
         let from = self.rng.usize(..2);
         let n = self.rng.usize(1..=LIMITS.max_inbox_messages + 8);
-        self.send(c, from, n);
+        for batch in self.send(c, from, n) {
+            let _ = batch.wait(Duration::from_secs(1));
+        }
+        let to = if from == 0 {
+            self.conns[c].j
+        } else {
+            self.conns[c].i
+        };
+        let engine = &self.nodes[to].side.engine;
+        for _ in 0..1000 {
+            if engine.progress() == 0 {
+                break;
+            }
+        }
     }
 
-    fn send(&mut self, c: usize, from: usize, n: usize) {
+    /// Sends `n` messages from end `from` of connection `c` (fewer if one
+    /// is refused); returns their batches.
+    fn send(&mut self, c: usize, from: usize, n: usize) -> Vec<Batch<Sim, gdr_sim::SimCudaApi>> {
+        let mut batches = Vec::with_capacity(n);
         for _ in 0..n {
             let id = self.next_message;
             self.next_message += 1;
             let conn = &mut self.conns[c];
             let Some(peers) = &conn.peers else {
-                return;
+                break;
             };
             self.figures.messages += 1;
             match peers[from].send(&id.to_le_bytes()) {
-                Ok(_) => {
+                Ok(batch) => {
                     conn.sent[from].insert(id);
+                    batches.push(batch);
                 }
-                Err(_) => return,
+                Err(_) => break,
             }
         }
+        batches
     }
 
     fn take(&mut self, c: usize, to: usize) {
