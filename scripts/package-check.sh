@@ -37,11 +37,15 @@ version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
 for c in "${CRATES[@]}"; do
   rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/"$c-$version"
 done
-# --allow-dirty: CI checks the tree as it is; a release is cut from a clean one.
-cargo package --allow-dirty $verify "${args[@]}"
+# Likewise the verification builds: cargo takes a registry crate's build
+# as fresh by its name and version, so an earlier tree's gdr-core would be
+# linked into this tree's gdr-bench.
 # shellcheck source=scripts/lib.sh
 . "$ROOT/scripts/lib.sh"
 packages="$(cargo_target_dir)/package"
+rm -rf "$packages"
+# --allow-dirty: CI checks the tree as it is; a release is cut from a clean one.
+cargo package --allow-dirty $verify "${args[@]}"
 failed=0
 for c in "${CRATES[@]}"; do
   crate="$packages/$c-$version.crate"

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use hal_cuda::CudaError;
@@ -146,9 +147,26 @@ fn mix(mut x: u64) -> u64 {
 }
 
 /// A shared, cloneable script of faults. An empty plan never fails anything.
+///
+/// Calls are counted per site from the plan's creation, with one
+/// exception: while the plan is inert (no scripted fault left to fire and
+/// no random menu), the simulated NIC's fast path (a post whose requests
+/// all complete at once, a poll with nothing to progress) neither consults
+/// nor counts it, so threads on different queue pairs never meet on the
+/// plan's lock. A fault scripted relative to the count
+/// ([`fail_next`](Self::fail_next), `calls(site) + k`) arms the plan, and
+/// from then on every call is counted: it fires on the call it names.
 #[derive(Clone, Default)]
 pub struct FaultPlan {
-    state: Arc<Mutex<PlanState>>,
+    shared: Arc<PlanShared>,
+}
+
+#[derive(Default)]
+struct PlanShared {
+    state: Mutex<PlanState>,
+    /// Whether a scripted fault is left to fire or a random menu is set
+    /// (kept by every change of either, under `state`'s lock).
+    armed: AtomicBool,
 }
 
 impl fmt::Debug for FaultPlan {
@@ -170,19 +188,38 @@ impl FaultPlan {
     // A test that panicked while holding the lock must not hide its own
     // failure behind a poison error here.
     fn lock(&self) -> MutexGuard<'_, PlanState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether nothing can fire (no scripted fault left, no random menu):
+    /// the sim's fast path may then skip the plan (see the type's docs).
+    pub(crate) fn is_inert(&self) -> bool {
+        !self.shared.armed.load(Ordering::Acquire)
+    }
+
+    /// Sets `armed` from `state` (called with its lock held, after any
+    /// change of the scripted faults or the random menu).
+    fn rearm(&self, state: &PlanState) {
+        let armed = state.random.is_some() || state.faults.iter().any(|f| !f.fired);
+        self.shared.armed.store(armed, Ordering::Release);
     }
 
     /// Scripts the `nth` call (from 1) at `site` to fail with `fault`.
     /// Counting starts at the plan's creation, not at this call.
     pub fn fail_nth(&self, site: FaultSite, nth: u64, fault: Fault) -> &Self {
         assert!(nth >= 1, "calls are counted from 1");
-        self.lock().faults.push(ScriptedFault {
+        let mut state = self.lock();
+        state.faults.push(ScriptedFault {
             site,
             nth,
             fault,
             fired: false,
         });
+        self.rearm(&state);
+        drop(state);
         self
     }
 
@@ -205,8 +242,10 @@ impl FaultPlan {
             .find(|f| f.site == site && f.nth == nth && !f.fired);
         if let Some(scripted) = scripted {
             scripted.fired = true;
-            tracing::debug!(?site, nth, fault = ?scripted.fault, "scripted fault fires");
-            return Some(scripted.fault.clone());
+            let fault = scripted.fault.clone();
+            tracing::debug!(?site, nth, ?fault, "scripted fault fires");
+            self.rearm(&state);
+            return Some(fault);
         }
         let (entry, pick, fault) = {
             let random = state.random.as_ref().filter(|_| state.random_active)?;
@@ -238,6 +277,7 @@ impl FaultPlan {
             let mut state = plan.lock();
             state.random = Some(random);
             state.random_active = true;
+            plan.rearm(&state);
         }
         plan
     }

@@ -183,7 +183,7 @@ impl SimClock {
         let moderation = state
             .cqs
             .values()
-            .filter_map(|cq| cq.events.moderation_deadline(state.clock.mode))
+            .filter_map(|cq| cq.lock().events.moderation_deadline(state.clock.mode))
             .min();
         match (state.next_deadline(), moderation) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -207,7 +207,7 @@ impl SimClock {
             // than at its deadline is the same to a poller).
             let state = &mut *guard;
             for (&id, cq) in &mut state.cqs {
-                cq.events.on_time(id, &state.clock);
+                cq.ring().events.on_time(id, &state.clock);
             }
         }
         self.fabric.cm_notify();

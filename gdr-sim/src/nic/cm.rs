@@ -34,7 +34,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use hal_verbs::{
@@ -47,7 +47,7 @@ use hal_verbs::{
 use super::clock::ClockMode;
 use super::events::ReadyFd;
 use super::state::FabricState;
-use super::{SimCq, SimFabric, SimPd, SimQp, SimVerbsApi};
+use super::{Exclusive, SimCq, SimFabric, SimPd, SimQp, SimVerbsApi};
 
 /// IB CM reject reason of a reject by the peer's application.
 const REJ_CONSUMER_DEFINED: i32 = 28;
@@ -235,29 +235,19 @@ impl SimFabric {
     /// `deadline`; true once the deadline has passed. A virtual deadline
     /// waits for a notification (the clock's `advance` gives one), however
     /// long that takes in real time.
-    fn cm_wait<'a>(
-        &'a self,
-        guard: MutexGuard<'a, FabricState>,
-        deadline: CmDeadline,
-    ) -> (MutexGuard<'a, FabricState>, bool) {
+    fn cm_wait<'a>(&'a self, guard: Exclusive<'a>, deadline: CmDeadline) -> (Exclusive<'a>, bool) {
         if deadline.passed(&guard) {
             return (guard, true);
         }
         let guard = match deadline {
             CmDeadline::Real { deadline, .. } => {
                 let left = deadline.saturating_duration_since(Instant::now());
-                self.cm_cond
-                    .wait_timeout(guard, left)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .0
+                self.cm_cond.wait(&self.shared, guard, Some(left))
             }
             CmDeadline::Virtual { .. } => {
                 let mut guard = guard;
                 guard.cm.virtual_waits += 1;
-                let mut guard = self
-                    .cm_cond
-                    .wait(guard)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut guard = self.cm_cond.wait(&self.shared, guard, None);
                 guard.cm.virtual_waits -= 1;
                 guard
             }

@@ -3,7 +3,7 @@
 //! then applied (bytes moved, completions queued, QPs failed): a failed
 //! check therefore never moves a byte.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hal_verbs::{AccessFlags, QpState, SendFlags, SendOp, SgList, WcOpcode, WcStatus};
 
@@ -12,13 +12,13 @@ use super::state::{Deferred, FabricState, MOVE_OUTSIDE_FROM, NicPtr, Piece, QpRe
 use crate::faults::{Fault, FaultSite};
 
 /// How the responder fails along with the requester.
-struct ResponderFailure {
+pub(super) struct ResponderFailure {
     qpn: u32,
     /// Status of the receive the request consumed, if it got that far.
     recv_status: Option<WcStatus>,
 }
 
-enum Plan {
+pub(super) enum Plan {
     /// The head request needs a receive the peer has not posted (RNR).
     Blocked,
     /// No ready peer answers: the request is lost (ACK timeout).
@@ -141,7 +141,7 @@ impl FabricState {
         }
         let post = self.post_time;
         if !post {
-            self.last_full_progress = Instant::now();
+            self.polled_now(false);
         }
         // One RNR period per call, and only one that was pending already
         // (not one that has passed: its retry is due now); none at a post.
@@ -243,9 +243,10 @@ impl FabricState {
         self.busy_qps()
             .filter(|(_, qp)| qp.state == QpState::ReadyToSend && !self.devices[qp.device].lost)
             .filter(|(_, qp)| {
-                self.cqs
-                    .get(&qp.send_cq)
-                    .is_some_and(|cq| cq.events.armed.is_some() && cq.events.channel.is_some())
+                self.cqs.get(&qp.send_cq).is_some_and(|cq| {
+                    let ring = cq.lock();
+                    ring.events.armed.is_some() && ring.events.channel.is_some()
+                })
             })
             .filter_map(|(&qpn, qp)| match qp.timing.wait {
                 Some(wait) if wait.cause == WaitCause::Rnr => {
@@ -421,7 +422,7 @@ impl FabricState {
     /// the peer QP exists on the resolved device, is in RTR or RTS, is
     /// connected back to us and expects our first PSN. Anything else is a
     /// silent drop on a real fabric, hence retries and RETRY_EXC_ERR.
-    fn peer_of(&self, qpn: u32) -> Option<u32> {
+    pub(super) fn peer_of(&self, qpn: u32) -> Option<u32> {
         let qp = self.qps.get(&qpn)?;
         let remote = qp.remote?;
         if self.devices[remote.device].lost {
@@ -541,7 +542,7 @@ impl FabricState {
     }
 
     /// The checks of both ends for `wqe` of `qpn`, and what it moves.
-    fn plan_transfer(&self, qpn: u32, qp: &QpRecord, wqe: &SendWqe) -> Option<Plan> {
+    pub(super) fn plan_transfer(&self, qpn: u32, qp: &QpRecord, wqe: &SendWqe) -> Option<Plan> {
         let fail = |status, responder| Some(Plan::Fail { status, responder });
         let len = wqe.byte_len();
         let config = &self.devices[qp.device].config;
@@ -843,7 +844,7 @@ impl FabricState {
 
 impl FabricState {
     /// Moves the bytes of a transfer planned just now, under the lock.
-    fn copy_in_lock(&self, copies: &[Piece]) {
+    pub(super) fn copy_in_lock(&self, copies: &[Piece]) {
         #[cfg(test)]
         if let Some(hook) = &self.copy_hook {
             hook(copies.iter().map(|p| p.len).sum());

@@ -20,16 +20,24 @@
 //! with `to_error`, for instance); releasing it runs what was held, as a
 //! post would.
 //!
-//! The fabric's NIC thread (started at its first work, ended with the
-//! fabric) does, on the Auto clock, what must happen while nobody calls in:
+//! The fabric is one state behind a reader-writer lock. Posts and polls
+//! on different QPs and CQs run at once, as on a NIC: the common post (a
+//! batch of WRITEs or READs that complete at once) and a poll with nothing
+//! to progress hold it shared, changing only what has a lock of its own
+//! (a QP's posted count, a CQ's ring); everything else holds it
+//! exclusively (see the `fast` module for the rule and why the semantics
+//! are the same either way).
 //!
-//! - The bytes of a large RDMA WRITE or READ (64 KiB or more) move on it,
-//!   with the fabric lock released, as a real NIC's DMA runs while the
-//!   host's threads poll and work; its checks are made under the lock
-//!   before, and its completion (with its channel event) comes after, in
-//!   order (see `state::Copies`). Deregistrations, QP resets and
-//!   destructions wait for such copies.
-//! - RNR waits. A post records no RNR NAK and moves no RNR timer (each poll
+//! The fabric's threads (started at their first work, ended with the
+//! fabric) do, on the Auto clock, what must happen while nobody calls in:
+//!
+//! - The bytes of a large RDMA WRITE or READ (64 KiB or more) move on its
+//!   DMA threads (one per core, at most four), with the fabric lock
+//!   released, as a real NIC's DMA runs while the host's threads poll and
+//!   work; its checks are made under the lock before, and its completion
+//!   (with its channel event) comes after, in order (see `state::Copies`).
+//!   Deregistrations, QP resets and destructions wait for such copies.
+//! - RNR waits, on its NIC thread. A post records no RNR NAK and moves no RNR timer (each poll
 //!   moves one period, as before: tests count retries per poll), so a SEND
 //!   waiting for a receive the peer never posts would never fail for a
 //!   waiter parked on its channel. While a QP whose send CQ is armed (so
@@ -94,6 +102,7 @@ pub mod clock;
 mod cm;
 mod engine;
 pub mod events;
+mod fast;
 mod mr;
 mod qp;
 mod state;
@@ -102,7 +111,9 @@ use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 
 use hal_verbs::{
     Api, AsyncEvent, Context, CqModerationCaps, DeviceAttributes, DeviceInfo, GidEntry, Mtu,
@@ -117,6 +128,66 @@ pub use cm::{LISTENER_WINDOW, SimCm, SimConnectRequest, SimConnection, SimListen
 pub use events::SimCompChannel;
 pub use mr::{SimMr, SimPd};
 pub use qp::{SimCq, SimQp};
+
+/// The fabric's state behind its reader-writer lock: held exclusively by
+/// everything but the fast path (see [`SimFabric::read`]).
+pub(crate) type World = ShardedLock<FabricState>;
+/// The fabric held exclusively.
+pub(crate) type Exclusive<'a> = ShardedLockWriteGuard<'a, FabricState>;
+/// The fabric held shared (the fast path).
+pub(crate) type Shared<'a> = ShardedLockReadGuard<'a, FabricState>;
+
+/// A condition to wait for with the fabric's lock released (a condition
+/// variable cannot take a reader-writer lock's guard): a generation
+/// counter, raised by each notification, under a lock of its own that a
+/// waiter takes before it lets the fabric go, so no notification made
+/// after its check is missed.
+#[derive(Debug, Default)]
+pub(crate) struct Notifier {
+    generation: Mutex<u64>,
+    cond: Condvar,
+}
+
+impl Notifier {
+    fn generation(&self) -> MutexGuard<'_, u64> {
+        self.generation
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wakes every waiter.
+    pub(crate) fn notify_all(&self) {
+        *self.generation() += 1;
+        self.cond.notify_all();
+    }
+
+    /// Lets `guard` go, waits for a notification made after this call
+    /// (or for `timeout`, or spuriously), and holds `world` again.
+    pub(crate) fn wait<'a>(
+        &self,
+        world: &'a World,
+        guard: Exclusive<'a>,
+        timeout: Option<Duration>,
+    ) -> Exclusive<'a> {
+        let generation = self.generation();
+        let seen = *generation;
+        drop(guard);
+        let generation = match timeout {
+            None => self
+                .cond
+                .wait_while(generation, |g| *g == seen)
+                .unwrap_or_else(PoisonError::into_inner),
+            Some(timeout) => {
+                self.cond
+                    .wait_timeout_while(generation, timeout, |g| *g == seen)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+        };
+        drop(generation);
+        lock(world)
+    }
+}
 
 /// The simulated verbs backend: its handle types.
 #[derive(Debug)]
@@ -485,35 +556,48 @@ impl NodeConfig {
 /// Cloning gives another handle on the same fabric.
 #[derive(Clone)]
 pub struct SimFabric {
-    shared: Arc<Mutex<FabricState>>,
+    shared: Arc<World>,
     /// Signalled on every connection-manager change (listen, request,
     /// answer, disconnect), for the sides waiting on one.
-    pub(crate) cm_cond: Arc<Condvar>,
+    pub(crate) cm_cond: Arc<Notifier>,
     /// Signalled when the last copy running outside the lock has finished
     /// ([`state::Copies`]), for the deregistrations waiting on it.
-    copies_cond: Arc<Condvar>,
+    copies_cond: Arc<Notifier>,
     /// The fabric's NIC thread, started at the first work it gets (see
-    /// [`nic_thread`]): it moves the bytes of large transfers with the lock
-    /// released, and steps RNR waits for parked waiters.
+    /// [`nic_thread`]): it steps RNR waits for parked waiters.
     nic: Arc<OnceLock<Sender<NicWork>>>,
+    /// The fabric's DMA threads, started at the first large copy (see
+    /// [`DmaPool`]).
+    dma: Arc<OnceLock<DmaPool>>,
+}
+
+/// The most DMA threads a fabric starts.
+const DMA_THREADS_MAX: usize = 4;
+
+/// The threads that move large transfers' bytes with the lock released:
+/// one per core up to [`DMA_THREADS_MAX`], each job to the next in turn,
+/// so transfers of different QPs move at once (a QP's own never do: none
+/// of its requests starts while bytes of an earlier one are moving). Each
+/// ends when the fabric's last handle goes.
+struct DmaPool {
+    workers: Vec<Sender<DmaJob>>,
+    next: std::sync::atomic::AtomicUsize,
 }
 
 /// What the NIC thread is handed.
 enum NicWork {
-    /// Copies to move outside the lock.
-    Copies(DmaJob),
     /// Look at the fabric's timed work again ([`FabricState::nic_pace`]):
     /// sooner than planned, or for the first time.
     Timers,
 }
 
-/// Copies planned (counted in `copies.outside`) for the NIC thread, with
+/// Copies planned (counted in `copies.outside`) for a DMA thread, with
 /// what it needs to account for them: the fabric's state is kept alive
 /// until they are.
 struct DmaJob {
     batch: Vec<state::Deferred>,
-    shared: Arc<Mutex<FabricState>>,
-    copies_cond: Arc<Condvar>,
+    shared: Arc<World>,
+    copies_cond: Arc<Notifier>,
 }
 
 impl fmt::Debug for SimFabric {
@@ -544,10 +628,11 @@ impl SimFabric {
     /// A fabric whose objects all consult `plan`.
     pub fn with_faults(plan: FaultPlan) -> Self {
         Self {
-            shared: Arc::new(Mutex::new(FabricState::new(plan))),
-            cm_cond: Arc::new(Condvar::new()),
-            copies_cond: Arc::new(Condvar::new()),
+            shared: Arc::new(ShardedLock::new(FabricState::new(plan))),
+            cm_cond: Arc::default(),
+            copies_cond: Arc::default(),
             nic: Arc::default(),
+            dma: Arc::default(),
         }
     }
 
@@ -558,22 +643,29 @@ impl SimFabric {
 
     // A test that panicked while holding the lock must not hide its own
     // failure behind a poison error, and Drop impls must not panic.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, FabricState> {
+    pub(crate) fn lock(&self) -> Exclusive<'_> {
         lock(&self.shared)
+    }
+
+    /// The fabric held shared: for the fast path only, which changes
+    /// nothing but what has a lock of its own (a QP's posted count, a CQ's
+    /// ring, retired slots), so holders on different QPs and CQs run at
+    /// once; everything else holds it exclusively ([`lock`](Self::lock)).
+    /// A registration is not removed while any holding lasts, so bytes
+    /// the fast path moves under it land in live memory.
+    pub(crate) fn read(&self) -> Shared<'_> {
+        self.shared.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The lock, once no copy runs outside it ([`state::Copies`]): what
     /// anything that may free or unmap registered memory (deregistration)
     /// or forget a transfer whose bytes may be moving (a QP reset or
     /// destroyed) takes instead of [`lock`](Self::lock).
-    pub(crate) fn lock_without_copies(&self) -> MutexGuard<'_, FabricState> {
+    pub(crate) fn lock_without_copies(&self) -> Exclusive<'_> {
         let mut state = self.lock();
         while state.copies.outside > 0 {
             state.copies.waiters += 1;
-            state = self
-                .copies_cond
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+            state = self.copies_cond.wait(&self.shared, state, None);
             state.copies.waiters -= 1;
         }
         state
@@ -581,12 +673,12 @@ impl SimFabric {
 
     /// The progress a poll makes, returning the lock held after it. On the
     /// Auto clock the bytes of large one-sided transfers move with the lock
-    /// released ([`state::Copies`]), on the fabric's NIC thread, as a real
+    /// released ([`state::Copies`]), on the fabric's DMA threads, as a real
     /// NIC's DMA runs while the host's threads poll and work; their
     /// completions come once they have moved, in order. On the Manual
     /// clock, or paused, it is [`FabricState::progress`] under the lock, as
     /// before.
-    pub(crate) fn progress_for_poll(&self) -> MutexGuard<'_, FabricState> {
+    pub(crate) fn progress_for_poll(&self) -> Exclusive<'_> {
         let mut state = self.lock();
         let batch = progress_deferring(&mut state);
         self.wake_nic(&mut state);
@@ -599,7 +691,7 @@ impl SimFabric {
     /// ([`FabricState::progress`] with `post_time`), so completions land and armed
     /// channels fire without a poll, as on a real NIC. On the Manual clock,
     /// or paused, nothing: there work moves only when the test says.
-    pub(crate) fn progress_after_post<'a>(&'a self, mut state: MutexGuard<'a, FabricState>) {
+    pub(crate) fn progress_after_post<'a>(&'a self, mut state: Exclusive<'a>) {
         if state.clock.mode != ClockMode::Auto || state.paused {
             return;
         }
@@ -608,20 +700,16 @@ impl SimFabric {
         drop(self.hand_off(state, batch));
     }
 
-    /// Hands planned copies to the NIC thread, or, when there is none,
+    /// Hands planned copies to a DMA thread, or, when there is none,
     /// moves them in this thread with the lock released; returns the lock.
-    fn hand_off<'a>(
-        &'a self,
-        state: MutexGuard<'a, FabricState>,
-        batch: Vec<state::Deferred>,
-    ) -> MutexGuard<'a, FabricState> {
+    fn hand_off<'a>(&'a self, state: Exclusive<'a>, batch: Vec<state::Deferred>) -> Exclusive<'a> {
         if batch.is_empty() {
             return state;
         }
         match self.start_dma(batch) {
             Ok(()) => state,
             Err(job) => {
-                // No NIC thread: this caller moves the bytes itself, with
+                // No DMA thread: this caller moves the bytes itself, with
                 // the lock released as the thread would.
                 drop(state);
                 run_dma(job);
@@ -630,7 +718,7 @@ impl SimFabric {
         }
     }
 
-    /// Hands planned copies to the NIC thread (started now if it is not);
+    /// Hands planned copies to a DMA thread (the threads started now if not);
     /// gives the job back when there is no thread to run it.
     fn start_dma(&self, batch: Vec<state::Deferred>) -> Result<(), DmaJob> {
         let job = DmaJob {
@@ -638,11 +726,50 @@ impl SimFabric {
             shared: Arc::clone(&self.shared),
             copies_cond: Arc::clone(&self.copies_cond),
         };
-        match self.nic_sender().send(NicWork::Copies(job)) {
-            Ok(()) => Ok(()),
-            Err(mpsc::SendError(NicWork::Copies(job))) => Err(job),
-            Err(mpsc::SendError(NicWork::Timers)) => unreachable!("a job was sent"),
+        let pool = self.dma_pool();
+        if pool.workers.is_empty() {
+            return Err(job);
         }
+        let next = pool.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        pool.workers[next % pool.workers.len()]
+            .send(job)
+            .map_err(|mpsc::SendError(job)| job)
+    }
+
+    /// The DMA threads, started at the first call. After each job a thread
+    /// asks the NIC thread to look at the fabric's timed work again, as
+    /// the progress the job made may have left an RNR wait to step.
+    fn dma_pool(&self) -> &DmaPool {
+        self.dma.get_or_init(|| {
+            let count = std::thread::available_parallelism()
+                .map_or(1, std::num::NonZeroUsize::get)
+                .min(DMA_THREADS_MAX);
+            let mut workers = Vec::with_capacity(count);
+            for index in 0..count {
+                let (sender, jobs) = mpsc::channel::<DmaJob>();
+                let timers = self.nic_sender().clone();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("gdr-sim-dma{index}"))
+                    .spawn(move || {
+                        for job in jobs {
+                            run_dma(job);
+                            // No NIC thread: polls step RNR waits.
+                            let _ = timers.send(NicWork::Timers);
+                        }
+                    });
+                match spawned {
+                    Ok(_) => workers.push(sender),
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        "a DMA thread of the sim did not start: the others, or the poster, move copies"
+                    ),
+                }
+            }
+            DmaPool {
+                workers,
+                next: Default::default(),
+            }
+        })
     }
 
     /// The NIC thread's inbox, the thread started at the first call.
@@ -660,7 +787,7 @@ impl SimFabric {
             if let Err(e) = spawned {
                 tracing::warn!(
                     error = %e,
-                    "the sim's NIC thread did not start: copies run in the poster or poller, \
+                    "the sim's NIC thread did not start: \
                      RNR waits move only when polled"
                 );
             }
@@ -674,7 +801,7 @@ impl SimFabric {
         let Some(pace) = state.nic_pace() else {
             return;
         };
-        let due = state.last_full_progress + pace;
+        let due = state.last_full_progress() + pace;
         if state.nic_due.is_some_and(|planned| planned <= due) {
             return;
         }
@@ -732,22 +859,22 @@ impl SimFabric {
 /// Copies running outside the lock, accounted for when they end (or when
 /// the thread running them unwinds).
 struct Outside<'a> {
-    shared: &'a Mutex<FabricState>,
-    copies_cond: &'a Condvar,
+    shared: &'a World,
+    copies_cond: &'a Notifier,
     /// (ticket, QPN) of each.
     done: Vec<(u64, u32)>,
 }
 
 impl<'a> Outside<'a> {
     /// The copies have finished: the lock again, with them accounted.
-    fn finish(mut self) -> MutexGuard<'a, FabricState> {
+    fn finish(mut self) -> Exclusive<'a> {
         let done = std::mem::take(&mut self.done);
         let mut state = lock(self.shared);
         Self::account(self.copies_cond, &mut state, &done);
         state
     }
 
-    fn account(copies_cond: &Condvar, state: &mut FabricState, done: &[(u64, u32)]) {
+    fn account(copies_cond: &Notifier, state: &mut FabricState, done: &[(u64, u32)]) {
         state.copies_done(done);
         if state.copies.outside == 0 {
             copies_cond.notify_all();
@@ -767,8 +894,8 @@ impl Drop for Outside<'_> {
 
 // A test that panicked while holding the lock must not hide its own
 // failure behind a poison error, and Drop impls must not panic.
-fn lock(shared: &Mutex<FabricState>) -> MutexGuard<'_, FabricState> {
-    shared.lock().unwrap_or_else(PoisonError::into_inner)
+fn lock(shared: &World) -> Exclusive<'_> {
+    shared.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Progress under the lock, the large transfers' bytes deferred (Auto
@@ -787,17 +914,13 @@ fn progress_deferring(state: &mut FabricState) -> Vec<state::Deferred> {
 }
 
 /// The fabric's NIC thread (started at its first work, ended when the
-/// fabric's last handle goes): it moves the bytes of large transfers
-/// ([`run_dma`]), and while a parked waiter needs it
+/// fabric's last handle goes and its DMA threads with it): while a parked
+/// waiter needs it
 /// ([`FabricState::nic_pace`]) it stands in for the poll that waiter does
 /// not make: once no full progress has run for the pace, it makes one, as
 /// a poll would (one RNR timer period, its completions and channel
 /// events). It never runs on the Manual clock or while paused.
-fn nic_thread(
-    work: &mpsc::Receiver<NicWork>,
-    shared: &Weak<Mutex<FabricState>>,
-    copies_cond: &Weak<Condvar>,
-) {
+fn nic_thread(work: &mpsc::Receiver<NicWork>, shared: &Weak<World>, copies_cond: &Weak<Notifier>) {
     let mut due: Option<Instant> = None;
     loop {
         let next = match due {
@@ -805,7 +928,6 @@ fn nic_thread(
             Some(at) => work.recv_timeout(at.saturating_duration_since(Instant::now())),
         };
         match next {
-            Ok(NicWork::Copies(job)) => run_dma(job),
             Ok(NicWork::Timers) | Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
@@ -818,16 +940,13 @@ fn nic_thread(
 
 /// The NIC thread's timed step: a full progress if one is due for a parked
 /// waiter; returns when to look again (`None`: nothing to time).
-fn step_for_waiters(
-    shared: &Arc<Mutex<FabricState>>,
-    copies_cond: &Arc<Condvar>,
-) -> Option<Instant> {
+fn step_for_waiters(shared: &Arc<World>, copies_cond: &Arc<Notifier>) -> Option<Instant> {
     let mut state = lock(shared);
     let Some(pace) = state.nic_pace() else {
         state.nic_due = None;
         return None;
     };
-    let at = state.last_full_progress + pace;
+    let at = state.last_full_progress() + pace;
     if Instant::now() < at {
         state.nic_due = Some(at);
         return Some(at);
@@ -846,7 +965,9 @@ fn step_for_waiters(
         });
         state = lock(shared);
     }
-    let due = state.nic_pace().map(|pace| state.last_full_progress + pace);
+    let due = state
+        .nic_pace()
+        .map(|pace| state.last_full_progress() + pace);
     state.nic_due = due;
     due
 }
@@ -860,7 +981,7 @@ fn post_progress_deferring(state: &mut FabricState) -> Vec<state::Deferred> {
     batch
 }
 
-/// The NIC thread's copy work: moves the bytes of a job's planned copies with
+/// A DMA thread's copy work: moves the bytes of a job's planned copies with
 /// the lock released, accounts for them, then makes the progress they let
 /// happen (their completions, in order, for pollers and for threads that
 /// wait without polling), moving any copies it defers in turn.

@@ -2,7 +2,8 @@
 //! posting. Execution is the engine's.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 
 use hal_verbs::{
     Completion, CompletionQueue, CqNotify, InitParams, PostError, Posted, QpAttributes, QpCaps,
@@ -10,10 +11,10 @@ use hal_verbs::{
     VerbsError,
 };
 
-use super::SimFabric;
 use super::events::{Applied, ChannelShared, CqEvents, clamp_rd_atomic};
 use super::mr::PdInner;
 use super::state::{CqState, FabricState, Pinned, QpRecord, RecvWqe, Remote, SendWqe};
+use super::{ClockMode, SimFabric};
 use crate::faults::FaultSite;
 use crate::memory;
 
@@ -52,17 +53,14 @@ impl SimCq {
         state.devices[device].cqs += 1;
         state.cqs.insert(
             id,
-            CqState {
+            CqState::new(
                 device,
                 depth,
-                entries: VecDeque::new(),
-                refs: 1,
-                overrun: false,
-                events: CqEvents {
+                CqEvents {
                     channel,
                     ..CqEvents::default()
                 },
-            },
+            ),
         );
         Ok(Self {
             fabric: fabric.clone(),
@@ -82,30 +80,21 @@ impl CompletionQueue for SimCq {
     /// order. On a lost device the completions already there (its flushes)
     /// are still handed out; once none is left, polling fails.
     fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        {
+            // Nothing on the fabric to progress: the completions are taken
+            // with it held shared (the `fast` module).
+            let state = self.fabric.read();
+            if state.busy.is_empty() {
+                if state.clock.mode == ClockMode::Auto && !state.paused {
+                    state.polled_now(true);
+                }
+                return state.take_completions(self.id, self.device, out);
+            }
+        }
         // Large transfers' bytes move with the lock released, by this
         // thread, before it takes the completions.
-        let mut state = self.fabric.progress_for_poll();
-        let Some(cq) = state.cqs.get_mut(&self.id) else {
-            return Err(VerbsError::invalid("ibv_poll_cq", "CQ is gone"));
-        };
-        if cq.overrun {
-            return Err(VerbsError::OutOfResources {
-                operation: "ibv_poll_cq (CQ overrun: completions were lost)",
-                errno: Some(libc::EOVERFLOW),
-            });
-        }
-        let n = out.len().min(cq.entries.len());
-        let taken: Vec<_> = cq.entries.drain(..n).collect();
-        for (slot, entry) in out.iter_mut().zip(&taken) {
-            *slot = entry.wc;
-        }
-        for entry in &taken {
-            state.retire(entry.retire);
-        }
-        if n == 0 {
-            state.alive(self.device, "ibv_poll_cq")?;
-        }
-        Ok(n)
+        let state = self.fabric.progress_for_poll();
+        state.take_completions(self.id, self.device, out)
     }
 
     fn cq_id(&self) -> u64 {
@@ -114,25 +103,17 @@ impl CompletionQueue for SimCq {
 
     /// Arms the CQ; see the `events` module for the semantics.
     fn req_notify(&self, notify: CqNotify) -> Result<()> {
-        const OP: &str = "ibv_req_notify_cq";
-        let mut state = self.fabric.lock();
-        state.alive(self.device, OP)?;
-        let Some(cq) = state.cqs.get_mut(&self.id) else {
-            return Err(VerbsError::invalid(OP, "CQ is gone"));
-        };
-        if cq.events.channel.is_none() {
-            return Err(state.einval(
-                self.device,
-                OP,
-                "the CQ was not created on a completion channel",
-            ));
-        }
-        // Arming for any completion subsumes an armed solicited-only one.
-        if cq.events.armed != Some(CqNotify::Next) {
-            cq.events.armed = Some(notify);
+        {
+            let state = self.fabric.read();
+            state.arm(self.id, self.device, notify)?;
+            if state.busy.is_empty() {
+                // No QP has an RNR wait for the NIC thread to step.
+                return Ok(());
+            }
         }
         // Someone may park on the channel now: RNR waits of its QPs move
         // without polls from here (`FabricState::nic_pace`).
+        let mut state = self.fabric.lock();
         self.fabric.wake_nic(&mut state);
         Ok(())
     }
@@ -159,7 +140,7 @@ impl CompletionQueue for SimCq {
             return Err(state.einval(self.device, OP, reason));
         }
         if let Some(cq) = state.cqs.get_mut(&self.id) {
-            cq.events.moderation = Some((count, period_us));
+            cq.ring().events.moderation = Some((count, period_us));
         }
         Ok(())
     }
@@ -257,10 +238,10 @@ impl SimQp {
                 applied: Applied::default(),
                 sq: VecDeque::new(),
                 rq: VecDeque::new(),
-                sq_posted: 0,
-                sq_retired: 0,
+                sq_posted: Mutex::new(0),
+                sq_retired: AtomicU64::new(0),
                 rq_posted: 0,
-                rq_retired: 0,
+                rq_retired: AtomicU64::new(0),
             },
         );
         tracing::debug!(device = %state.devices[device].name, qpn, ?caps, "sim: QP created");
@@ -472,8 +453,7 @@ impl QueuePair for SimQp {
             qp.state = QpState::Reset;
             qp.sq.clear();
             qp.rq.clear();
-            qp.sq_retired = qp.sq_posted;
-            qp.rq_retired = qp.rq_posted;
+            qp.retire_all();
             qp.remote = None;
             qp.sq_psn = 0;
             qp.access = hal_verbs::AccessFlags::empty();
@@ -483,7 +463,7 @@ impl QueuePair for SimQp {
             if purge {
                 for cq in cqs {
                     if let Some(cq) = state.cqs.get_mut(&cq) {
-                        cq.entries.retain(|e| e.wc.qp_num != qpn);
+                        cq.ring().entries.retain(|e| e.wc.qp_num != qpn);
                     }
                 }
             }
@@ -516,6 +496,10 @@ impl QueuePair for SimQp {
     /// Auto clock (`SimFabric::progress_after_post`): they run now, as
     /// far as they can, without a poll.
     unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError> {
+        // SAFETY: forwarded from our caller's contract.
+        if unsafe { self.pd.fabric.read().post_sends_fast(self.qpn, requests) } {
+            return Ok(());
+        }
         let mut state = self.pd.fabric.lock();
         // SAFETY: forwarded from our caller's contract.
         let result = unsafe { self.queue_sends(&mut state, requests) };
@@ -630,7 +614,7 @@ impl SimQp {
         let forced = state.fault(device, FaultSite::VerbsPostSend, OP)?;
         let qp = record(state, self.qpn)?;
         let caps = qp.caps;
-        if qp.sq_posted - qp.sq_retired >= u64::from(caps.max_send_wr) {
+        if qp.sq_in_use() >= u64::from(caps.max_send_wr) {
             return Err(VerbsError::QueueFull {
                 queue: "send",
                 qp_num: self.qpn,
@@ -702,8 +686,9 @@ impl SimQp {
             None
         };
         let qp = record(state, self.qpn)?;
-        let seq = qp.sq_posted;
-        qp.sq_posted += 1;
+        let posted = qp.sq_posted();
+        let seq = *posted;
+        *posted += 1;
         qp.sq.push_back(SendWqe {
             wr_id: request.wr_id,
             op: request.op,
@@ -723,7 +708,7 @@ impl SimQp {
         state.fault(device, FaultSite::VerbsPostRecv, OP)?;
         let qp = record(state, self.qpn)?;
         let caps = qp.caps;
-        if qp.rq_posted - qp.rq_retired >= u64::from(caps.max_recv_wr) {
+        if qp.rq_in_use() >= u64::from(caps.max_recv_wr) {
             return Err(VerbsError::QueueFull {
                 queue: "recv",
                 qp_num: self.qpn,
@@ -767,9 +752,10 @@ impl Drop for SimQp {
                     let qpn = self.qpn;
                     for cq in [qp.send_cq, qp.recv_cq] {
                         if let Some(cq) = state.cqs.get_mut(&cq) {
-                            let before = cq.entries.len();
-                            cq.entries.retain(|e| e.wc.qp_num != qpn);
-                            let purged = before - cq.entries.len();
+                            let entries = &mut cq.ring().entries;
+                            let before = entries.len();
+                            entries.retain(|e| e.wc.qp_num != qpn);
+                            let purged = before - entries.len();
                             if purged > 0 {
                                 tracing::debug!(
                                     qpn,

@@ -4,8 +4,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::Ipv4Addr;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use hal_verbs::{
     AccessFlags, Completion, GidEntry, QpCaps, QpState, SendFlags, SendOp, SgList, VerbsError,
@@ -52,6 +53,11 @@ pub(crate) struct NicPtr(pub *mut u8);
 // thread touches it does not matter.
 unsafe impl Send for NicPtr {}
 
+// SAFETY: as for `Send`: what threads holding the fabric shared (the fast
+// path) do with a NicPtr is read its value, and dereference it only under
+// the rule above (the shared holding keeps every registration live).
+unsafe impl Sync for NicPtr {}
+
 /// One contiguous piece of a transfer.
 #[derive(Debug)]
 pub(crate) struct Piece {
@@ -87,7 +93,7 @@ pub(crate) struct Deferred {
 /// its send queue as [`Inflight::Moving`]:
 /// its pieces wait here in `deferred`; before it lets the lock go, that
 /// progress takes them all (`planned`, counted in `outside`) and hands them
-/// to the NIC thread, which copies them with the lock released, takes the
+/// to a DMA thread, which copies them with the lock released, takes the
 /// lock again to mark them done, and makes the progress that completes
 /// them, in order (firing armed channels). Everything else (small transfers, SENDs, WRITEs with
 /// immediate, the Manual clock, [`super::SimFabric::progress`]) moves its
@@ -174,13 +180,47 @@ pub(crate) enum Queue {
 pub(crate) struct CqState {
     pub device: usize,
     pub depth: u32,
-    pub entries: VecDeque<CqEntry>,
     /// Holders: the handle and each QP queue attached to it.
     pub refs: u32,
+    /// What completing and polling change: behind the CQ's own lock, so
+    /// the fast path (under the fabric's shared lock) adds and takes
+    /// completions of different CQs at once.
+    ring: Mutex<CqRing>,
+}
+
+/// A CQ's completions and notification state.
+pub(crate) struct CqRing {
+    pub entries: VecDeque<CqEntry>,
     /// Set when a completion found the queue full (lost; the CQ is in error).
     pub overrun: bool,
     /// Its completion channel and notification state.
     pub events: super::events::CqEvents,
+}
+
+impl CqState {
+    pub fn new(device: usize, depth: u32, events: super::events::CqEvents) -> Self {
+        Self {
+            device,
+            depth,
+            refs: 1,
+            ring: Mutex::new(CqRing {
+                entries: VecDeque::new(),
+                overrun: false,
+                events,
+            }),
+        }
+    }
+
+    /// The ring, with the fabric held exclusively (no lock taken).
+    pub fn ring(&mut self) -> &mut CqRing {
+        self.ring.get_mut().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The ring, locked: for the fast path, and for readers that hold the
+    /// fabric by `&`.
+    pub fn lock(&self) -> MutexGuard<'_, CqRing> {
+        self.ring.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 pub(crate) struct SendWqe {
@@ -244,13 +284,44 @@ pub(crate) struct QpRecord {
     pub applied: super::events::Applied,
     pub sq: VecDeque<SendWqe>,
     pub rq: VecDeque<RecvWqe>,
-    pub sq_posted: u64,
-    pub sq_retired: u64,
+    /// Send requests posted: each one's sequence number is the count
+    /// before it. Its lock also keeps two fast-path posts on this QP
+    /// apart (a slow-path post holds the fabric exclusively).
+    pub sq_posted: Mutex<u64>,
+    /// Send and receive requests whose slots are free again: raised (to a
+    /// maximum, so in any order) by the polls that retire them, which
+    /// hold the fabric shared.
+    pub sq_retired: AtomicU64,
     pub rq_posted: u64,
-    pub rq_retired: u64,
+    pub rq_retired: AtomicU64,
 }
 
 impl QpRecord {
+    /// Send requests posted, with the fabric held exclusively.
+    pub fn sq_posted(&mut self) -> &mut u64 {
+        self.sq_posted
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Send slots in use (posted, not retired).
+    pub fn sq_in_use(&mut self) -> u64 {
+        let retired = self.sq_retired.load(Ordering::Acquire);
+        *self.sq_posted() - retired
+    }
+
+    /// Receive slots in use.
+    pub fn rq_in_use(&self) -> u64 {
+        self.rq_posted - self.rq_retired.load(Ordering::Acquire)
+    }
+
+    /// Frees every slot (a reset).
+    pub fn retire_all(&mut self) {
+        let posted = *self.sq_posted();
+        self.sq_retired.store(posted, Ordering::Release);
+        self.rq_retired.store(self.rq_posted, Ordering::Release);
+    }
+
     /// Nothing queued, outstanding or timed: progress has nothing to do
     /// for it until a post.
     pub fn is_idle(&self) -> bool {
@@ -289,13 +360,20 @@ pub(crate) struct FabricState {
     pub post_time: bool,
     /// When a full progress (a poll's, [`super::SimFabric::progress`]'s,
     /// the NIC thread's) last ran on the Auto clock: the NIC thread stands
-    /// in for a poll only when none came for its pace.
-    pub last_full_progress: Instant,
+    /// in for a poll only when none came for its pace. Written by polls
+    /// on the fast path too (shared), so kept as nanoseconds since
+    /// `epoch`: see [`FabricState::polled_now`].
+    last_full_progress: AtomicU64,
+    /// The origin of `last_full_progress`.
+    epoch: Instant,
     /// When the NIC thread means to step the fabric's RNR waits for a
     /// parked waiter (`None`: it is not timing any).
     pub nic_due: Option<Instant>,
     #[cfg(test)]
     pub copy_hook: Option<CopyHook>,
+    /// Posts the fast path ran (the `fast` module).
+    #[cfg(test)]
+    pub fast_posts: AtomicU64,
     next_id: u64,
     next_key: u32,
     next_qpn: u32,
@@ -328,15 +406,36 @@ impl FabricState {
             events: super::events::EventState::default(),
             copies: Copies::default(),
             post_time: false,
-            last_full_progress: Instant::now(),
+            last_full_progress: AtomicU64::new(0),
+            epoch: Instant::now(),
             nic_due: None,
             #[cfg(test)]
             copy_hook: None,
+            #[cfg(test)]
+            fast_posts: AtomicU64::new(0),
             next_id: 1,
             next_key: 0,
             // Low QPNs are reserved on real devices (0 and 1 are special).
             next_qpn: 0x11,
         }
+    }
+
+    /// When a full progress last ran (see `last_full_progress`).
+    pub fn last_full_progress(&self) -> Instant {
+        self.epoch + Duration::from_nanos(self.last_full_progress.load(Ordering::Relaxed))
+    }
+
+    /// A full progress (or a poll with nothing to progress) runs now. A
+    /// poll on the fast path writes it only when it is a millisecond old,
+    /// so polling threads do not bounce its cache line: the NIC thread's
+    /// pace is a millisecond at least (`NIC_PACE_MIN`).
+    pub fn polled_now(&self, lazily: bool) {
+        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if lazily && now.saturating_sub(self.last_full_progress.load(Ordering::Relaxed)) < 1_000_000
+        {
+            return;
+        }
+        self.last_full_progress.store(now, Ordering::Relaxed);
     }
 
     pub fn add_node(&mut self, name: &str, config: NodeConfig) -> usize {
@@ -507,14 +606,16 @@ impl FabricState {
         let Some(cq) = self.cqs.get_mut(&cq) else {
             return;
         };
-        if cq.entries.len() >= cq.depth as usize {
-            tracing::warn!(wr_id = entry.wc.wr_id, depth = cq.depth, "sim: CQ overrun");
+        let depth = cq.depth;
+        let ring = cq.ring();
+        if ring.entries.len() >= depth as usize {
+            tracing::warn!(wr_id = entry.wc.wr_id, depth, "sim: CQ overrun");
             self.overrun(cq_id);
             return;
         }
         let error = !entry.wc.status.is_success();
-        cq.entries.push_back(entry);
-        cq.events
+        ring.entries.push_back(entry);
+        ring.events
             .on_completion(cq_id, solicited, error, &self.clock);
     }
 
@@ -620,7 +721,7 @@ impl FabricState {
         let Some(cq) = self.cqs.get_mut(&cq_id) else {
             return;
         };
-        if std::mem::replace(&mut cq.overrun, true) {
+        if std::mem::replace(&mut cq.ring().overrun, true) {
             return;
         }
         let device = cq.device;
@@ -728,13 +829,15 @@ impl FabricState {
 
     /// Frees queue slots when a completion is polled (on every device; on
     /// one that frees them at completion already, this changes nothing).
-    pub fn retire(&mut self, (qpn, queue, upto): (u32, Queue, u64)) {
-        if let Some(qp) = self.qps.get_mut(&qpn) {
+    /// Shared: polls on the fast path retire slots of QPs other threads
+    /// post on.
+    pub fn retire(&self, (qpn, queue, upto): (u32, Queue, u64)) {
+        if let Some(qp) = self.qps.get(&qpn) {
             let retired = match queue {
-                Queue::Send => &mut qp.sq_retired,
-                Queue::Recv => &mut qp.rq_retired,
+                Queue::Send => &qp.sq_retired,
+                Queue::Recv => &qp.rq_retired,
             };
-            *retired = (*retired).max(upto);
+            retired.fetch_max(upto, Ordering::AcqRel);
         }
     }
 

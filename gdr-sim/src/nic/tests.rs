@@ -523,3 +523,181 @@ fn a_flush_completes_a_moving_transfer_once_its_bytes_landed() {
 
 mod cm_races;
 mod parked;
+
+/// A request posted behind one that waits (a SEND without a receive at
+/// its peer) completes after it, never before: the fast path is closed
+/// while any QP of the fabric has work, so the WRITE queues behind the
+/// SEND instead of running at once.
+#[test]
+fn a_write_behind_a_waiting_send_does_not_overtake_it() {
+    let fabric = SimFabric::new();
+    let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
+    connect(&a, &b);
+    let mut data = vec![7u8; 64];
+    let mut remote = vec![0u8; 64];
+    // SAFETY: both buffers outlive their registrations (dropped first).
+    let (src, dst) = unsafe {
+        (
+            a.pd.register(data.as_mut_ptr() as u64, 64, AccessFlags::transfer())
+                .unwrap(),
+            b.pd.register(remote.as_mut_ptr() as u64, 64, AccessFlags::transfer())
+                .unwrap(),
+        )
+    };
+    let sge = Sge {
+        addr: src.addr(),
+        length: 8,
+        lkey: src.lkey(),
+    };
+    // Alone on the fabric, a WRITE takes the fast path.
+    // SAFETY: the MRs live until the end.
+    unsafe { a.qp.post_send(&[write(1, sge, dst.addr(), dst.rkey())]) }.unwrap();
+    assert_eq!(
+        fabric
+            .lock()
+            .fast_posts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert_eq!(poll_one(&a.cq).wr_id, 1);
+    let send = SendRequest {
+        wr_id: 2,
+        op: SendOp::Send,
+        sg_list: [sge].into_iter().collect(),
+        flags: SendFlags::SIGNALED,
+    };
+    // SAFETY: as above.
+    unsafe {
+        a.qp.post_send(&[send, write(3, sge, dst.addr(), dst.rkey())])
+    }
+    .unwrap();
+    // SAFETY: as above.
+    unsafe { a.qp.post_send(&[write(4, sge, dst.addr(), dst.rkey())]) }.unwrap();
+    assert_eq!(
+        fabric
+            .lock()
+            .fast_posts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "nothing more took the fast path"
+    );
+    let mut slots = [Completion::default(); 4];
+    assert_eq!(a.cq.poll(&mut slots).unwrap(), 0, "all wait for the SEND");
+    let recv = hal_verbs::RecvRequest {
+        wr_id: 9,
+        sg_list: [Sge {
+            addr: dst.addr(),
+            length: 64,
+            lkey: dst.lkey(),
+        }]
+        .into_iter()
+        .collect(),
+    };
+    // SAFETY: as above.
+    unsafe { b.qp.post_recv(&[recv]) }.unwrap();
+    let order: Vec<u64> = (0..3).map(|_| poll_until_one(&a.cq).wr_id).collect();
+    assert_eq!(order, [2, 3, 4]);
+    assert_eq!(poll_one(&b.cq).wr_id, 9);
+    drop((src, dst));
+}
+
+/// Threads posting and polling on their own queue pairs (the fast path)
+/// while another thread changes the fabric (creates and destroys QPs,
+/// registers and deregisters memory, pauses progress, so posts queue and
+/// run on the slow path): every request completes once, in order, with
+/// its bytes.
+#[test]
+fn lanes_lose_nothing_while_the_fabric_changes_under_them() {
+    const LANES: usize = 4;
+    const ROUNDS: u64 = 300;
+    const BATCH: u64 = 8;
+    const SLOT: usize = 256;
+    let fabric = SimFabric::new();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let lanes: Vec<_> = (0..LANES)
+            .map(|lane| {
+                let fabric = &fabric;
+                s.spawn(move || {
+                    let a = end(fabric, &format!("a{lane}"), 64);
+                    let b = end(fabric, &format!("b{lane}"), 64);
+                    connect(&a, &b);
+                    let span = SLOT * BATCH as usize;
+                    let mut src = vec![0u8; span];
+                    let mut dst = vec![0u8; span];
+                    // SAFETY: both buffers outlive their registrations
+                    // (dropped at the end of this closure, before them).
+                    let (smr, dmr) = unsafe {
+                        (
+                            a.pd.register(src.as_mut_ptr() as u64, span, AccessFlags::transfer())
+                                .unwrap(),
+                            b.pd.register(dst.as_mut_ptr() as u64, span, AccessFlags::transfer())
+                                .unwrap(),
+                        )
+                    };
+                    for round in 0..ROUNDS {
+                        let fill = (lane as u64 * 31 + round) as u8;
+                        src.fill(fill);
+                        let batch: Vec<_> = (0..BATCH)
+                            .map(|i| {
+                                let offset = i * SLOT as u64;
+                                let sge = Sge {
+                                    addr: smr.addr() + offset,
+                                    length: SLOT as u32,
+                                    lkey: smr.lkey(),
+                                };
+                                write(round * BATCH + i, sge, dmr.addr() + offset, dmr.rkey())
+                            })
+                            .collect();
+                        // SAFETY: the MRs live until the end of the closure.
+                        unsafe { a.qp.post_send(&batch) }.unwrap();
+                        for i in 0..BATCH {
+                            let wc = poll_until_one(&a.cq);
+                            assert_eq!(wc.status, WcStatus::SUCCESS);
+                            assert_eq!(wc.wr_id, round * BATCH + i, "lane {lane}: in order");
+                        }
+                        assert!(dst.iter().all(|&b| b == fill), "lane {lane} round {round}");
+                    }
+                    drop((smr, dmr));
+                })
+            })
+            .collect();
+        let fabric = &fabric;
+        let stop = &stop;
+        let changer = s.spawn(move || {
+            let c = end(fabric, "changer", 8);
+            let mut memory = vec![0u8; 4096];
+            let mut changes = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let cq = c.ctx.create_cq(4).unwrap();
+                let qp = c.pd.create_qp(&QpCaps::default(), &cq, &cq).unwrap();
+                // SAFETY: `memory` outlives the registration, dropped here.
+                let mr = unsafe {
+                    c.pd.register(memory.as_mut_ptr() as u64, 4096, AccessFlags::transfer())
+                }
+                .unwrap();
+                drop((mr, qp, cq));
+                fabric.set_paused(true);
+                std::thread::yield_now();
+                fabric.set_paused(false);
+                changes += 1;
+            }
+            changes
+        });
+        for lane in lanes {
+            lane.join().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let changes = changer.join().unwrap();
+        assert!(changes > 0);
+    });
+    let fast = fabric
+        .lock()
+        .fast_posts
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(fast > 0, "the fast path ran");
+    assert!(
+        fast < LANES as u64 * ROUNDS,
+        "some posts went the slow path"
+    );
+}

@@ -192,11 +192,11 @@ fn parked_waiters_see_small_requests_posted_from_another_thread() {
     assert_eq!(inbox.data, src.data);
 }
 
-/// A large WRITE posted from another thread moves on the NIC thread, and
+/// A large WRITE posted from another thread moves on a DMA thread, and
 /// its completion wakes the parked waiter once the bytes have landed (not
 /// while they move).
 #[test]
-fn a_parked_waiter_sees_a_large_write_complete_on_the_nic_thread() {
+fn a_parked_waiter_sees_a_large_write_complete_on_a_dma_thread() {
     let fabric = SimFabric::new();
     let (a, b) = parked_pair(&fabric, 12, 7);
     let src = Buf::new(&a.pd, BIG, |i| (i % 239) as u8);
@@ -223,11 +223,44 @@ fn a_parked_waiter_sees_a_large_write_complete_on_the_nic_thread() {
     let wc = a.woke_with();
     assert_eq!((wc.wr_id, wc.status), (5, WcStatus::SUCCESS));
     assert_eq!(dst.data, src.data);
-    assert_eq!(
-        *movers.lock().unwrap(),
-        [Some("gdr-sim-nic".to_owned())],
-        "the NIC thread moved the bytes"
+    let movers = movers.lock().unwrap();
+    assert_eq!(movers.len(), 1);
+    assert!(
+        movers[0]
+            .as_deref()
+            .is_some_and(|name| name.starts_with("gdr-sim-dma")),
+        "a DMA thread moved the bytes: {movers:?}"
     );
+}
+
+/// Large WRITEs of two QP pairs move at once, on two DMA threads (where
+/// the machine has two cores): the second's bytes start moving while the
+/// first's are held.
+#[test]
+fn large_writes_of_two_queue_pairs_move_at_once() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores < 2 {
+        eprintln!("skipped: one core, one DMA thread");
+        return;
+    }
+    let fabric = SimFabric::new();
+    let (a, b) = parked_pair(&fabric, 12, 7);
+    let (c, d) = parked_pair(&fabric, 12, 7);
+    let (src_a, dst_b) = (Buf::new(&a.pd, BIG, |_| 1), Buf::new(&b.pd, BIG, |_| 0));
+    let (src_c, dst_d) = (Buf::new(&c.pd, BIG, |_| 2), Buf::new(&d.pd, BIG, |_| 0));
+    let (started, go) = hold_big_copies(&fabric);
+    a.send(write(1, src_a.sge(), dst_b.mr().addr(), dst_b.mr().rkey()));
+    c.send(write(2, src_c.sge(), dst_d.mr().addr(), dst_d.mr().rkey()));
+    let both = started.recv_timeout(PATIENCE).is_ok() && started.recv_timeout(PATIENCE).is_ok();
+    let _ = go.send(());
+    let _ = go.send(());
+    assert!(both, "the second copy started while the first was held");
+    for (end, wr_id) in [(&a, 1), (&c, 2)] {
+        let wc = poll_until_one(&end.cq);
+        assert_eq!((wc.wr_id, wc.status), (wr_id, WcStatus::SUCCESS));
+    }
+    assert_eq!(dst_b.data, src_a.data);
+    assert_eq!(dst_d.data, src_c.data);
 }
 
 /// A SEND finding no receive is RNR-NAKed, the NAK stepped by the NIC
