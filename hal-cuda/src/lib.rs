@@ -63,6 +63,7 @@
 #![warn(missing_docs)]
 
 mod api;
+pub mod dynamic;
 mod error;
 mod types;
 

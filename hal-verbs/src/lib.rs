@@ -65,6 +65,7 @@
 
 mod api;
 pub mod drain;
+pub mod dynamic;
 mod error;
 mod types;
 

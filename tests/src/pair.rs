@@ -712,6 +712,86 @@ impl Backend for SimBackend {
     }
 }
 
+/// The simulator through the erased verbs backend
+/// (`hal_verbs::dynamic::DynApi`): what the suite checks of [`SimBackend`]
+/// must hold unchanged when every handle is a trait object, as it is under
+/// gdr-core's engine. The fabric of the latest `nodes` is kept for its
+/// clock (the erased context has none to reach).
+#[derive(Debug)]
+pub struct DynSimBackend {
+    sim: SimBackend,
+    fabric: std::sync::Mutex<Option<gdr_sim::SimFabric>>,
+}
+
+impl DynSimBackend {
+    /// The sim with `device`, erased.
+    pub fn new(profile: &'static str, device: gdr_sim::DeviceConfig) -> Self {
+        Self {
+            sim: SimBackend::new(profile, device),
+            fabric: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn clock(&self) -> gdr_sim::SimClock {
+        self.fabric
+            .lock()
+            .unwrap()
+            .as_ref()
+            .expect("nodes first")
+            .clock()
+    }
+}
+
+impl Backend for DynSimBackend {
+    type A = hal_verbs::dynamic::DynApi;
+
+    fn name(&self) -> String {
+        format!("dyn {}", self.sim.name())
+    }
+
+    fn facts(&self) -> Facts {
+        self.sim.facts()
+    }
+
+    fn timing(&self) -> TimingFacts {
+        self.sim.timing()
+    }
+
+    fn hold_time(&self, _node: &Node<Self::A>) {
+        self.clock().set_mode(gdr_sim::ClockMode::Manual);
+    }
+
+    fn advance(&self, _node: &Node<Self::A>, d: Duration) {
+        self.clock().advance(d);
+    }
+
+    fn nodes(&self) -> (Node<Self::A>, Node<Self::A>) {
+        use hal_verbs::Provider as _;
+        let fabric = gdr_sim::SimFabric::new();
+        *self.fabric.lock().unwrap() = Some(fabric.clone());
+        let node = |name: &str| {
+            let verbs = crate::sim::add_node(&fabric, name, self.sim.device.clone());
+            let provider = hal_verbs::dynamic::DynProvider::new::<gdr_sim::SimVerbsApi>(verbs);
+            Node::new(provider.open("sim0").expect("open sim0"))
+        };
+        (node("a"), node("b"))
+    }
+
+    fn cm_sides(&self) -> Option<CmSides<Self::A>> {
+        use hal_verbs::Provider as _;
+        let fabric = gdr_sim::SimFabric::new();
+        *self.fabric.lock().unwrap() = Some(fabric.clone());
+        let side = |name: &str| {
+            let verbs = crate::sim::add_node(&fabric, name, self.sim.device.clone());
+            let ip = std::net::IpAddr::V4(verbs.device_ipv4("sim0").expect("sim0's address"));
+            let provider = hal_verbs::dynamic::DynProvider::new::<gdr_sim::SimVerbsApi>(verbs);
+            let cm = provider.connection_manager().expect("the sim's CM");
+            CmSide { provider, cm, ip }
+        };
+        Some((side("server"), side("client")))
+    }
+}
+
 /// rdma-core on SoftRoCE's `rxe0` as a backend: both nodes are contexts of
 /// the one device (two QPs of one device connected to each other stand in
 /// for two peers).
