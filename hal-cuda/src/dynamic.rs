@@ -54,6 +54,22 @@ impl Api for DynApi {
     type VirtualMapping = DynVirtualMapping;
 }
 
+/// Implements `$role` for an erased handle: each method listed forwards to
+/// the backend's handle behind `self.$field`; the methods after the list
+/// (unsafe ones, those that consume the handle) are written out.
+macro_rules! forward {
+    (impl $role:path, for $handle:ident, via $field:tt {
+        $(fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) $(-> $ret:ty)?;)*
+    } $($rest:tt)*) => {
+        impl $role for $handle {
+            $(fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
+                self.$field.$name($($arg),*)
+            })*
+            $($rest)*
+        }
+    };
+}
+
 /// `handle` as the concrete `T`, or the error for a foreign handle.
 fn downcast<'a, T: 'static>(
     handle: &'a dyn Any,
@@ -178,26 +194,14 @@ impl<A: Api> DriverDyn for DriverOf<A> {
     }
 }
 
-impl Driver<DynApi> for DynDriver {
-    fn backend_name(&self) -> &'static str {
-        self.0.backend_name()
-    }
-    fn device_count(&self) -> Result<u32> {
-        self.0.device_count()
-    }
-    fn device_attributes(&self, ordinal: u32) -> Result<DeviceAttributes> {
-        self.0.device_attributes(ordinal)
-    }
-    fn context(&self, ordinal: u32) -> Result<DynContext> {
-        self.0.context(ordinal)
-    }
-    fn process_token(&self) -> u64 {
-        self.0.process_token()
-    }
-    fn host_token(&self) -> Option<[u8; 16]> {
-        self.0.host_token()
-    }
-}
+forward!(impl Driver<DynApi>, for DynDriver, via 0 {
+    fn backend_name(&self) -> &'static str;
+    fn device_count(&self) -> Result<u32>;
+    fn device_attributes(&self, ordinal: u32) -> Result<DeviceAttributes>;
+    fn context(&self, ordinal: u32) -> Result<DynContext>;
+    fn process_token(&self) -> u64;
+    fn host_token(&self) -> Option<[u8; 16]>;
+});
 
 // ---- Context
 
@@ -345,16 +349,31 @@ impl<A: Api> ContextDyn for ContextOf<A> {
     }
 }
 
-impl Context<DynApi> for DynContext {
-    fn ordinal(&self) -> u32 {
-        self.0.ordinal()
-    }
-    fn alloc(&self, len: usize) -> Result<DynDeviceMemory> {
-        self.0.alloc(len)
-    }
-    fn alloc_pinned(&self, len: usize) -> Result<DynPinnedHostMemory> {
-        self.0.alloc_pinned(len)
-    }
+forward!(impl Context<DynApi>, for DynContext, via 0 {
+    fn ordinal(&self) -> u32;
+    fn alloc(&self, len: usize) -> Result<DynDeviceMemory>;
+    fn alloc_pinned(&self, len: usize) -> Result<DynPinnedHostMemory>;
+    fn create_stream(&self) -> Result<DynStream>;
+    fn create_event(&self) -> Result<DynEvent>;
+    fn pointer_attributes(&self, addr: u64) -> Result<PointerAttributes>;
+    fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd>;
+    fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle>;
+    fn ipc_open(&self, handle: &IpcMemHandle) -> Result<DynIpcMapping>;
+    fn enable_peer_access(&self, peer: &DynContext) -> Result<bool>;
+    fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+    fn vmm_granularity(&self) -> Result<usize>;
+    fn reserve_address_range(&self, len: usize) -> Result<DynVirtualReservation>;
+    fn create_physical(&self, len: usize) -> Result<DynPhysicalMemory>;
+    fn create_physical_with(&self, len: usize, gpu_direct_rdma: bool) -> Result<DynPhysicalMemory>;
+    fn address_range(&self, addr: u64) -> Result<(u64, u64)>;
+    fn map(
+        &self,
+        reservation: &DynVirtualReservation,
+        offset: usize,
+        physical: &DynPhysicalMemory,
+    ) -> Result<DynVirtualMapping>;
+}
     unsafe fn register_host(
         &self,
         ptr: *mut u8,
@@ -364,61 +383,10 @@ impl Context<DynApi> for DynContext {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.register_host(ptr, len, flags) }
     }
-    fn create_stream(&self) -> Result<DynStream> {
-        self.0.create_stream()
-    }
     unsafe fn borrow_stream(&self, raw: *mut c_void) -> Result<DynStream> {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.borrow_stream(raw) }
-    }
-    fn create_event(&self) -> Result<DynEvent> {
-        self.0.create_event()
-    }
-    fn pointer_attributes(&self, addr: u64) -> Result<PointerAttributes> {
-        self.0.pointer_attributes(addr)
-    }
-    fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd> {
-        self.0.export_dmabuf(addr, len)
-    }
-    fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle> {
-        self.0.ipc_export(addr)
-    }
-    fn ipc_open(&self, handle: &IpcMemHandle) -> Result<DynIpcMapping> {
-        self.0.ipc_open(handle)
-    }
-    fn enable_peer_access(&self, peer: &DynContext) -> Result<bool> {
-        self.0.enable_peer_access(peer)
-    }
-    fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()> {
-        self.0.flush_gpu_direct_rdma_writes(scope)
-    }
-    fn synchronize(&self) -> Result<()> {
-        self.0.synchronize()
-    }
-    fn vmm_granularity(&self) -> Result<usize> {
-        self.0.vmm_granularity()
-    }
-    fn reserve_address_range(&self, len: usize) -> Result<DynVirtualReservation> {
-        self.0.reserve_address_range(len)
-    }
-    fn create_physical(&self, len: usize) -> Result<DynPhysicalMemory> {
-        self.0.create_physical(len)
-    }
-    fn create_physical_with(&self, len: usize, gpu_direct_rdma: bool) -> Result<DynPhysicalMemory> {
-        self.0.create_physical_with(len, gpu_direct_rdma)
-    }
-    fn address_range(&self, addr: u64) -> Result<(u64, u64)> {
-        self.0.address_range(addr)
-    }
-    fn map(
-        &self,
-        reservation: &DynVirtualReservation,
-        offset: usize,
-        physical: &DynPhysicalMemory,
-    ) -> Result<DynVirtualMapping> {
-        self.0.map(reservation, offset, physical)
-    }
-}
+    });
 
 // ---- Stream and event
 
@@ -488,7 +456,12 @@ impl<A: Api> StreamDyn for StreamOf<A> {
     }
 }
 
-impl Stream<DynApi> for DynStream {
+forward!(impl Stream<DynApi>, for DynStream, via 0 {
+    fn record(&self, event: &DynEvent) -> Result<()>;
+    fn wait(&self, event: &DynEvent) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+    fn raw(&self) -> *mut c_void;
+}
     unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.copy_host_to_device(dst, src, len) }
@@ -505,12 +478,6 @@ impl Stream<DynApi> for DynStream {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.memset(dst, value, len) }
     }
-    fn record(&self, event: &DynEvent) -> Result<()> {
-        self.0.record(event)
-    }
-    fn wait(&self, event: &DynEvent) -> Result<()> {
-        self.0.wait(event)
-    }
     unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()> {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.wait_value32(addr, value) }
@@ -518,14 +485,7 @@ impl Stream<DynApi> for DynStream {
     unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()> {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.write_value32(addr, value) }
-    }
-    fn synchronize(&self) -> Result<()> {
-        self.0.synchronize()
-    }
-    fn raw(&self) -> *mut c_void {
-        self.0.raw()
-    }
-}
+    });
 
 trait EventDyn: Send + Sync + Debug {
     fn as_any(&self) -> &dyn Any;
@@ -545,14 +505,10 @@ impl<A: Api> EventDyn for EventOf<A> {
     }
 }
 
-impl Event for DynEvent {
-    fn is_complete(&self) -> Result<bool> {
-        self.0.is_complete()
-    }
-    fn synchronize(&self) -> Result<()> {
-        self.0.synchronize()
-    }
-}
+forward!(impl Event, for DynEvent, via 0 {
+    fn is_complete(&self) -> Result<bool>;
+    fn synchronize(&self) -> Result<()>;
+});
 
 // ---- Memory
 

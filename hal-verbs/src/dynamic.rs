@@ -60,6 +60,22 @@ impl Api for DynApi {
     type Connection = DynConnection;
 }
 
+/// Implements `$role` for an erased handle: each method listed forwards to
+/// the backend's handle behind `self.$field`; the methods after the list
+/// (unsafe ones, those that consume the handle) are written out.
+macro_rules! forward {
+    (impl $role:path, for $handle:ident, via $field:tt {
+        $(fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) $(-> $ret:ty)?;)*
+    } $($rest:tt)*) => {
+        impl $role for $handle {
+            $(fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
+                self.$field.$name($($arg),*)
+            })*
+            $($rest)*
+        }
+    };
+}
+
 /// `handle` as backend `A`'s `T`, or the error for a foreign handle.
 fn downcast<'a, T: 'static>(
     handle: &'a dyn Any,
@@ -168,20 +184,12 @@ impl<A: Api> ProviderDyn for ProviderOf<A> {
     }
 }
 
-impl Provider<DynApi> for DynProvider {
-    fn backend_name(&self) -> &'static str {
-        self.0.backend_name()
-    }
-    fn devices(&self) -> Result<Vec<DeviceInfo>> {
-        self.0.devices()
-    }
-    fn open(&self, name: &str) -> Result<DynContext> {
-        self.0.open(name)
-    }
-    fn connection_manager(&self) -> Result<DynConnectionManager> {
-        self.0.connection_manager()
-    }
-}
+forward!(impl Provider<DynApi>, for DynProvider, via 0 {
+    fn backend_name(&self) -> &'static str;
+    fn devices(&self) -> Result<Vec<DeviceInfo>>;
+    fn open(&self, name: &str) -> Result<DynContext>;
+    fn connection_manager(&self) -> Result<DynConnectionManager>;
+});
 
 // ---- Context
 
@@ -253,43 +261,23 @@ fn cq<A: Api>(cq: A::CompletionQueue) -> DynCompletionQueue {
     DynCompletionQueue(Box::new(CqOf::<A>(cq)))
 }
 
-impl Context<DynApi> for DynContext {
-    fn name(&self) -> String {
-        self.0.name()
-    }
-    fn query_device(&self) -> Result<DeviceAttributes> {
-        self.0.query_device()
-    }
-    fn query_port(&self, port: u8) -> Result<PortAttributes> {
-        self.0.query_port(port)
-    }
-    fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
-        self.0.gid_table(port)
-    }
-    fn alloc_pd(&self) -> Result<DynProtectionDomain> {
-        self.0.alloc_pd()
-    }
-    fn create_cq(&self, depth: u32) -> Result<DynCompletionQueue> {
-        self.0.create_cq(depth)
-    }
-    fn create_comp_channel(&self) -> Result<DynCompletionChannel> {
-        self.0.create_comp_channel()
-    }
+forward!(impl Context<DynApi>, for DynContext, via 0 {
+    fn name(&self) -> String;
+    fn query_device(&self) -> Result<DeviceAttributes>;
+    fn query_port(&self, port: u8) -> Result<PortAttributes>;
+    fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>>;
+    fn alloc_pd(&self) -> Result<DynProtectionDomain>;
+    fn create_cq(&self, depth: u32) -> Result<DynCompletionQueue>;
+    fn create_comp_channel(&self) -> Result<DynCompletionChannel>;
     fn create_cq_on_channel(
         &self,
         depth: u32,
         channel: &DynCompletionChannel,
         comp_vector: u32,
-    ) -> Result<DynCompletionQueue> {
-        self.0.create_cq_on_channel(depth, channel, comp_vector)
-    }
-    fn async_fd(&self) -> RawFd {
-        self.0.async_fd()
-    }
-    fn next_async_event(&self) -> Result<Option<AsyncEvent>> {
-        self.0.next_async_event()
-    }
-}
+    ) -> Result<DynCompletionQueue>;
+    fn async_fd(&self) -> RawFd;
+    fn next_async_event(&self) -> Result<Option<AsyncEvent>>;
+});
 
 // ---- Protection domain
 
@@ -377,7 +365,14 @@ impl<A: Api> PdDyn for PdOf<A> {
     }
 }
 
-impl ProtectionDomain<DynApi> for DynProtectionDomain {
+forward!(impl ProtectionDomain<DynApi>, for DynProtectionDomain, via 0 {
+    fn create_qp(
+        &self,
+        caps: &QpCaps,
+        send_cq: &DynCompletionQueue,
+        recv_cq: &DynCompletionQueue,
+    ) -> Result<DynQueuePair>;
+}
     unsafe fn register(
         &self,
         addr: u64,
@@ -397,16 +392,7 @@ impl ProtectionDomain<DynApi> for DynProtectionDomain {
     ) -> Result<DynMemoryRegion> {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.register_dmabuf(fd, offset, len, iova, access) }
-    }
-    fn create_qp(
-        &self,
-        caps: &QpCaps,
-        send_cq: &DynCompletionQueue,
-        recv_cq: &DynCompletionQueue,
-    ) -> Result<DynQueuePair> {
-        self.0.create_qp(caps, send_cq, recv_cq)
-    }
-}
+    });
 
 // ---- Memory region
 
@@ -440,26 +426,16 @@ impl<A: Api> MrDyn for MrOf<A> {
     }
 }
 
-impl MemoryRegion for DynMemoryRegion {
-    fn lkey(&self) -> u32 {
-        self.0.lkey()
-    }
-    fn rkey(&self) -> u32 {
-        self.0.rkey()
-    }
-    fn addr(&self) -> u64 {
-        self.0.addr()
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn access(&self) -> AccessFlags {
-        self.0.access()
-    }
+forward!(impl MemoryRegion, for DynMemoryRegion, via 0 {
+    fn lkey(&self) -> u32;
+    fn rkey(&self) -> u32;
+    fn addr(&self) -> u64;
+    fn len(&self) -> usize;
+    fn access(&self) -> AccessFlags;
+}
     fn deregister(self) -> Result<()> {
         self.0.deregister()
-    }
-}
+    });
 
 // ---- Completion queue
 
@@ -497,26 +473,14 @@ impl<A: Api> CqDyn for CqOf<A> {
     }
 }
 
-impl CompletionQueue for DynCompletionQueue {
-    fn depth(&self) -> u32 {
-        self.0.depth()
-    }
-    fn poll(&self, out: &mut [Completion]) -> Result<usize> {
-        self.0.poll(out)
-    }
-    fn poll_into(&self, out: &mut Vec<Completion>) -> Result<usize> {
-        self.0.poll_into(out)
-    }
-    fn cq_id(&self) -> u64 {
-        self.0.cq_id()
-    }
-    fn req_notify(&self, notify: CqNotify) -> Result<()> {
-        self.0.req_notify(notify)
-    }
-    fn set_moderation(&self, count: u16, period_us: u16) -> Result<()> {
-        self.0.set_moderation(count, period_us)
-    }
-}
+forward!(impl CompletionQueue, for DynCompletionQueue, via 0 {
+    fn depth(&self) -> u32;
+    fn poll(&self, out: &mut [Completion]) -> Result<usize>;
+    fn poll_into(&self, out: &mut Vec<Completion>) -> Result<usize>;
+    fn cq_id(&self) -> u64;
+    fn req_notify(&self, notify: CqNotify) -> Result<()>;
+    fn set_moderation(&self, count: u16, period_us: u16) -> Result<()>;
+});
 
 // ---- Completion channel
 
@@ -538,14 +502,10 @@ impl<A: Api> ChannelDyn for ChannelOf<A> {
     }
 }
 
-impl CompletionChannel for DynCompletionChannel {
-    fn fd(&self) -> RawFd {
-        self.0.fd()
-    }
-    fn get_cq_event(&self) -> Result<Option<u64>> {
-        self.0.get_cq_event()
-    }
-}
+forward!(impl CompletionChannel, for DynCompletionChannel, via 0 {
+    fn fd(&self) -> RawFd;
+    fn get_cq_event(&self) -> Result<Option<u64>>;
+});
 
 // ---- Queue pair
 
@@ -637,34 +597,17 @@ impl<T: HoldsQp> QpDyn for T {
     }
 }
 
-impl QueuePair for DynQueuePair {
-    fn qp_num(&self) -> u32 {
-        self.0.qp_num()
-    }
-    fn caps(&self) -> QpCaps {
-        self.0.caps()
-    }
-    fn state(&self) -> Result<QpState> {
-        self.0.state()
-    }
-    fn to_init(&self, params: &InitParams) -> Result<()> {
-        self.0.to_init(params)
-    }
-    fn to_rtr(&self, params: &RtrParams) -> Result<()> {
-        self.0.to_rtr(params)
-    }
-    fn to_rts(&self, params: &RtsParams) -> Result<()> {
-        self.0.to_rts(params)
-    }
-    fn to_error(&self) -> Result<()> {
-        self.0.to_error()
-    }
-    fn to_reset(&self) -> Result<()> {
-        self.0.to_reset()
-    }
-    fn query(&self) -> Result<QpAttributes> {
-        self.0.query()
-    }
+forward!(impl QueuePair, for DynQueuePair, via 0 {
+    fn qp_num(&self) -> u32;
+    fn caps(&self) -> QpCaps;
+    fn state(&self) -> Result<QpState>;
+    fn to_init(&self, params: &InitParams) -> Result<()>;
+    fn to_rtr(&self, params: &RtrParams) -> Result<()>;
+    fn to_rts(&self, params: &RtsParams) -> Result<()>;
+    fn to_error(&self) -> Result<()>;
+    fn to_reset(&self) -> Result<()>;
+    fn query(&self) -> Result<QpAttributes>;
+}
     unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError> {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.post_send(requests) }
@@ -672,8 +615,7 @@ impl QueuePair for DynQueuePair {
     unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError> {
         // SAFETY: forwarded from our caller's contract.
         unsafe { self.0.post_recv(requests) }
-    }
-}
+    });
 
 // ---- Connection manager
 
@@ -726,13 +668,11 @@ impl<A: Api> CmDyn for CmOf<A> {
     }
 }
 
-impl ConnectionManager<DynApi> for DynConnectionManager {
-    fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String> {
-        self.0.route_device(peer, timeout)
-    }
-    fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<DynListener> {
-        self.0.listen(addr, backlog)
-    }
+forward!(impl ConnectionManager<DynApi>, for DynConnectionManager, via 0 {
+    fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String>;
+    fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<DynListener>;
+    fn abort_connects(&self);
+}
     fn connect(
         &self,
         peer: SocketAddr,
@@ -744,11 +684,7 @@ impl ConnectionManager<DynApi> for DynConnectionManager {
     ) -> Result<DynConnection> {
         self.0
             .connect(peer, pd, send_cq, recv_cq, params, private_data)
-    }
-    fn abort_connects(&self) {
-        self.0.abort_connects();
-    }
-}
+    });
 
 // ---- Listener and connection requests
 
@@ -772,17 +708,11 @@ impl<A: Api> ListenerDyn for ListenerOf<A> {
     }
 }
 
-impl Listener<DynApi> for DynListener {
-    fn local_addr(&self) -> SocketAddr {
-        self.0.local_addr()
-    }
-    fn next_request(&self, timeout: Duration) -> Result<DynConnectRequest> {
-        self.0.next_request(timeout)
-    }
-    fn wake(&self) {
-        self.0.wake();
-    }
-}
+forward!(impl Listener<DynApi>, for DynListener, via 0 {
+    fn local_addr(&self) -> SocketAddr;
+    fn next_request(&self, timeout: Duration) -> Result<DynConnectRequest>;
+    fn wake(&self);
+});
 
 trait RequestDyn: Send + Sync + Debug {
     fn private_data(&self) -> Vec<u8>;
@@ -833,16 +763,11 @@ impl<A: Api> RequestDyn for RequestOf<A> {
     }
 }
 
-impl ConnectRequest<DynApi> for DynConnectRequest {
-    fn private_data(&self) -> Vec<u8> {
-        self.0.private_data()
-    }
-    fn device(&self) -> String {
-        self.0.device()
-    }
-    fn peer_addr(&self) -> SocketAddr {
-        self.0.peer_addr()
-    }
+forward!(impl ConnectRequest<DynApi>, for DynConnectRequest, via 0 {
+    fn private_data(&self) -> Vec<u8>;
+    fn device(&self) -> String;
+    fn peer_addr(&self) -> SocketAddr;
+}
     fn accept(
         self,
         pd: &DynProtectionDomain,
@@ -855,8 +780,7 @@ impl ConnectRequest<DynApi> for DynConnectRequest {
     }
     fn reject(self, private_data: &[u8]) -> Result<()> {
         self.0.reject(private_data)
-    }
-}
+    });
 
 // ---- Connection
 
@@ -941,29 +865,15 @@ impl<A: Api> ConnectionDyn for ConnectionOf<A> {
     }
 }
 
-impl Connection<DynApi> for DynConnection {
+forward!(impl Connection<DynApi>, for DynConnection, via inner {
+    fn device(&self) -> String;
+    fn local_addr(&self) -> SocketAddr;
+    fn peer_addr(&self) -> SocketAddr;
+    fn peer_private_data(&self) -> Vec<u8>;
+    fn event_fd(&self) -> RawFd;
+    fn poll_state(&self, timeout: Duration) -> Result<ConnectionState>;
+    fn disconnect(&self) -> Result<()>;
+}
     fn qp(&self) -> &DynQueuePair {
         &self.qp
-    }
-    fn device(&self) -> String {
-        self.inner.device()
-    }
-    fn local_addr(&self) -> SocketAddr {
-        self.inner.local_addr()
-    }
-    fn peer_addr(&self) -> SocketAddr {
-        self.inner.peer_addr()
-    }
-    fn peer_private_data(&self) -> Vec<u8> {
-        self.inner.peer_private_data()
-    }
-    fn event_fd(&self) -> RawFd {
-        self.inner.event_fd()
-    }
-    fn poll_state(&self, timeout: Duration) -> Result<ConnectionState> {
-        self.inner.poll_state(timeout)
-    }
-    fn disconnect(&self) -> Result<()> {
-        self.inner.disconnect()
-    }
-}
+    });
