@@ -4,8 +4,9 @@
 # measured loop only (set-up and warm-up left out), run for n and 2n
 # batches: the difference over n batches is the steady state (the window's
 # fill and drain cancel out). Prints one line per direction and batch size:
-# bare, engine and bare/engine (the engine's rate relative to the bare
-# loop's, as instructions go).
+# bare, engine, bare/engine (the engine's rate relative to the bare loop's,
+# as instructions go), the engine on the erased backends
+# (`hal_verbs::dynamic`, `hal_cuda::dynamic`) and what the erasure adds.
 #
 # Usage: scripts/engine-callgrind.sh [iters]   (default 2000 batches)
 set -euo pipefail
@@ -31,11 +32,13 @@ count() { # dir kind batch -> instructions per request
   two=$(instructions "$1" "$2" "$3" $((2 * iters)))
   echo $(((two - one) / (iters * $3)))
 }
-printf '%-6s %5s %12s %12s %7s\n' dir batch bare_Ir/req engine_Ir/req ratio
+printf '%-6s %5s %12s %12s %7s %12s %8s\n' dir batch bare_Ir/req engine_Ir/req ratio dyn_Ir/req erasure
 for dir in write read; do
   for b in 1 16 64; do
     bare=$(count "$dir" bare_hal "$b")
     engine=$(count "$dir" engine "$b")
-    printf '%-6s %5s %12s %12s %7.2f\n' "$dir" "$b" "$bare" "$engine" "$(echo "$bare / $engine" | bc -l)"
+    erased=$(count "$dir" engine_dyn "$b")
+    printf '%-6s %5s %12s %12s %7.2f %12s %+7.1f%%\n' "$dir" "$b" "$bare" "$engine" \
+      "$(echo "$bare / $engine" | bc -l)" "$erased" "$(echo "100 * ($erased - $engine) / $engine" | bc -l)"
   done
 done

@@ -195,6 +195,19 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backends<V, C> {
     pub fn notes(&self) -> &[String] {
         &self.notes
     }
+
+    /// The same backends erased (`hal_verbs::dynamic`, `hal_cuda::dynamic`):
+    /// what the facade runs on, so one engine type serves every backend.
+    pub fn erased(self) -> Backends<hal_verbs::dynamic::DynApi, hal_cuda::dynamic::DynApi> {
+        let peer = self.peer;
+        Backends {
+            verbs: hal_verbs::dynamic::DynProvider::new::<V>(self.verbs),
+            cuda: self.cuda.map(hal_cuda::dynamic::DynDriver::new::<C>),
+            gpu_reachable: self.gpu_reachable,
+            peer: Arc::new(move || hal_verbs::dynamic::DynProvider::new::<V>(peer())),
+            notes: self.notes,
+        }
+    }
 }
 
 #[cfg(feature = "sim")]

@@ -1543,33 +1543,61 @@ impl EngineWorld<RdmaApi> {
 /// Two engines on two nodes of a fresh simulator (one NIC each, no GPU, no
 /// tracing subscriber: what the benchmarks measure), a connected to b, and
 /// `len` bytes of b's host memory granted read-write to a, which holds as
-/// much host memory registered as `local` ([`sim_host_peers`]).
-/// Field order is drop order.
+/// much host memory registered as `local` ([`sim_host_peers`]). `V` and
+/// `C` are the backends the engines are built on: the sim's own types
+/// ([`SimHostPeers`]), or the sim behind the erased backends
+/// ([`DynHostPeers`]). Field order is drop order.
 #[derive(Debug)]
-pub struct SimHostPeers {
+pub struct HostPeers<V: hal_verbs::Api, C: hal_cuda::Api> {
     /// The fabric both nodes are on.
     pub fabric: SimFabric,
     /// The connecting engine.
-    pub a: Engine<SimVerbsApi, SimCudaApi>,
+    pub a: Engine<V, C>,
     /// The listening engine.
-    pub b: Engine<SimVerbsApi, SimCudaApi>,
+    pub b: Engine<V, C>,
     /// a's peer b.
-    pub a_to_b: Peer<SimVerbsApi, SimCudaApi>,
+    pub a_to_b: Peer<V, C>,
     /// b's peer a.
-    pub b_to_a: Peer<SimVerbsApi, SimCudaApi>,
+    pub b_to_a: Peer<V, C>,
     /// a's memory and b's.
-    pub buffers: (Buffer<SimCudaApi>, Buffer<SimCudaApi>),
+    pub buffers: (Buffer<C>, Buffer<C>),
     /// a's region of its memory.
-    pub local: Region<SimVerbsApi>,
+    pub local: Region<V>,
     /// b's grant of its memory to a.
-    pub grant: RegionGrant<SimVerbsApi, SimCudaApi>,
+    pub grant: RegionGrant<V, C>,
     /// The grant as a received it.
     pub remote: MemoryDescriptor,
 }
 
+/// [`HostPeers`] on the sim's own types.
+pub type SimHostPeers = HostPeers<SimVerbsApi, SimCudaApi>;
+
+/// [`HostPeers`] on the sim behind the erased backends
+/// (`hal_verbs::dynamic`, `hal_cuda::dynamic`).
+pub type DynHostPeers = HostPeers<hal_verbs::dynamic::DynApi, hal_cuda::dynamic::DynApi>;
+
 /// [`SimHostPeers`] with both engines configured as `config`; connecting
 /// and waiting for the grant may take `timeout` each.
 pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> SimHostPeers {
+    host_peers(config, len, timeout, |verbs| verbs)
+}
+
+/// [`DynHostPeers`], as [`sim_host_peers`].
+pub fn dyn_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> DynHostPeers {
+    host_peers(
+        config,
+        len,
+        timeout,
+        hal_verbs::dynamic::DynProvider::new::<SimVerbsApi>,
+    )
+}
+
+fn host_peers<V: hal_verbs::Api, C: hal_cuda::Api>(
+    config: EngineConfig,
+    len: u64,
+    timeout: Duration,
+    erase: impl Fn(gdr_sim::SimVerbs) -> V::Provider,
+) -> HostPeers<V, C> {
     let fabric = SimFabric::new();
     let node = |name: &str| {
         fabric.add_node(
@@ -1581,6 +1609,8 @@ pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> SimH
         )
     };
     let (va, vb) = (node("a"), node("b"));
+    let b_ip = vb.device_ipv4("sim0").expect("b's IP");
+    let (va, vb) = (erase(va), erase(vb));
     let a = Engine::new(&va, None, config.clone()).expect("engine a");
     let b = Engine::new(&vb, None, config).expect("engine b");
     let listener = b
@@ -1590,12 +1620,12 @@ pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> SimH
     let accepting = std::thread::spawn(move || listener.accept(timeout));
     let path = Path {
         source: None,
-        peer: SocketAddr::new(IpAddr::V4(vb.device_ipv4("sim0").expect("b's IP")), port),
+        peer: SocketAddr::new(IpAddr::V4(b_ip), port),
     };
     let a_to_b = a.connect_paths(&[path], timeout).expect("connect");
     let b_to_a = accepting.join().expect("accept thread").expect("accept");
-    let src = Buffer::<SimCudaApi>::alloc_host(len);
-    let dst = Buffer::<SimCudaApi>::alloc_host(len);
+    let src = Buffer::<C>::alloc_host(len);
+    let dst = Buffer::<C>::alloc_host(len);
     let local = a.register(&src).expect("register a");
     let region_b = b.register(&dst).expect("register b");
     let grant = b_to_a
@@ -1604,7 +1634,7 @@ pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> SimH
     let remote = a_to_b
         .wait_grant(grant.descriptor().grant, timeout)
         .expect("grant seen");
-    SimHostPeers {
+    HostPeers {
         fabric,
         a,
         b,

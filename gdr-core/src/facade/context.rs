@@ -480,6 +480,8 @@ impl BackendTask for Open {
     type Output = Result<Arc<dyn DynContext>, Error>;
 
     fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
+        // One engine type whatever the backends: the HAL's erased ones.
+        let backends = backends.erased();
         let gpus = match backends.cuda() {
             Some(driver) => (0..driver.device_count().unwrap_or(0))
                 .map(|ordinal| driver.context(ordinal))
