@@ -2,7 +2,6 @@
 //! the caller's), erased once; registered with an engine as a
 //! [`Region`](super::Region).
 
-use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -10,7 +9,7 @@ use std::time::Duration;
 use hal_cuda::{Context as _, MemoryType, Stream as _};
 
 use super::context::Instance;
-use super::{Context, Error, Unsupported};
+use super::{Context, Erased, Error, Unsupported};
 use crate::buffer::{Access, Buffer as BufferOfC, BufferAccessError};
 use crate::uri::BufferUri;
 
@@ -44,7 +43,7 @@ struct Shared {
     device: Option<u32>,
     access: Access,
     /// `None` once released.
-    inner: Mutex<Option<Box<dyn DynBuffer>>>,
+    inner: Mutex<Option<Erased>>,
     /// Copies queued on streams not yet seen done ([`BufferHold`]).
     stream_holds: AtomicUsize,
 }
@@ -72,7 +71,7 @@ impl Drop for BufferHold {
 }
 
 impl Buffer {
-    pub(super) fn new(context: Context, inner: Box<dyn DynBuffer>) -> Self {
+    pub(super) fn new(context: Context, inner: Erased) -> Self {
         let facts = inner.facts();
         Self {
             shared: Arc::new(Shared {
@@ -184,18 +183,15 @@ impl Buffer {
         };
         let timeout = taken.release_timeout();
         taken.release(timeout).map_err(|kept| {
-            *self.inner() = Some(kept);
+            *self.inner() = Some(*kept);
             Error::StillRegistered
         })
     }
 
     /// Runs `f` on the live buffer.
-    pub(super) fn with<T>(
-        &self,
-        f: impl FnOnce(&dyn DynBuffer) -> Result<T, Error>,
-    ) -> Result<T, Error> {
+    pub(super) fn with<T>(&self, f: impl FnOnce(&Erased) -> Result<T, Error>) -> Result<T, Error> {
         let guard = self.inner();
-        f(guard.as_deref().ok_or(Error::Released)?)
+        f(guard.as_ref().ok_or(Error::Released)?)
     }
 
     /// Holds the buffer for a copy queued on a stream. Counted under the
@@ -233,7 +229,7 @@ impl Buffer {
         Arc::ptr_eq(&self.shared, &other.shared)
     }
 
-    fn inner(&self) -> MutexGuard<'_, Option<Box<dyn DynBuffer>>> {
+    fn inner(&self) -> MutexGuard<'_, Option<Erased>> {
         self.shared
             .inner
             .lock()
@@ -250,28 +246,14 @@ pub(super) struct Facts {
     pub(super) access: Access,
 }
 
-/// A buffer of some CUDA backend.
-pub(super) trait DynBuffer: Send + Sync {
-    fn facts(&self) -> Facts;
-    fn export_uri(&self) -> Result<BufferUri, Error>;
-    /// `data` into the buffer at `offset` (in range: checked).
-    fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error>;
-    /// The buffer at `offset` into `out` (in range: checked).
-    fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error>;
-    fn release_timeout(&self) -> Duration;
-    /// Frees it unless MRs still cover it past `timeout`; handed back then.
-    fn release(self: Box<Self>, timeout: Duration) -> Result<(), Box<dyn DynBuffer>>;
-    fn as_any(&self) -> &dyn Any;
-}
-
 /// The buffer of backends `V`, `C`, with the context's GPUs at hand.
 pub(super) struct BufferOf<V: hal_verbs::Api, C: hal_cuda::Api> {
     pub(super) instance: Arc<Instance<V, C>>,
     pub(super) buffer: BufferOfC<C>,
 }
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> DynBuffer for BufferOf<V, C> {
-    fn facts(&self) -> Facts {
+impl<V: hal_verbs::Api, C: hal_cuda::Api> BufferOf<V, C> {
+    pub(super) fn facts(&self) -> Facts {
         let kind = match self.buffer.memory_type() {
             MemoryType::PageableHost => MemoryKind::Host,
             MemoryType::PinnedHost => MemoryKind::Pinned,
@@ -287,7 +269,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynBuffer for BufferOf<V, C> {
         }
     }
 
-    fn export_uri(&self) -> Result<BufferUri, Error> {
+    pub(super) fn export_uri(&self) -> Result<BufferUri, Error> {
         let buffer = &self.buffer;
         let (Some(device), MemoryType::Device) = (buffer.device_ordinal(), buffer.memory_type())
         else {
@@ -305,7 +287,8 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynBuffer for BufferOf<V, C> {
         Ok(uri)
     }
 
-    fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+    /// `data` into the buffer at `offset` (in range: checked).
+    pub(super) fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
         if self.buffer.memory_type() == MemoryType::Device {
             let gpu = self
                 .instance
@@ -322,7 +305,8 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynBuffer for BufferOf<V, C> {
         Ok(self.buffer.write_at(offset, data)?)
     }
 
-    fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+    /// The buffer at `offset` into `out` (in range: checked).
+    pub(super) fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
         if self.buffer.memory_type() == MemoryType::Device {
             let gpu = self
                 .instance
@@ -338,32 +322,15 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynBuffer for BufferOf<V, C> {
         Ok(self.buffer.read_at(offset, out)?)
     }
 
-    fn release_timeout(&self) -> Duration {
+    pub(super) fn release_timeout(&self) -> Duration {
         self.buffer.release_timeout()
     }
 
-    fn release(self: Box<Self>, timeout: Duration) -> Result<(), Box<dyn DynBuffer>> {
-        let Self { instance, buffer } = *self;
+    /// Frees it unless MRs still cover it past `timeout`; handed back then.
+    pub(super) fn release(self, timeout: Duration) -> Result<(), Box<Self>> {
+        let Self { instance, buffer } = self;
         buffer
             .release(timeout)
-            .map_err(|buffer| Box::new(BufferOf::<V, C> { instance, buffer }) as Box<dyn DynBuffer>)
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-impl<V: hal_verbs::Api, C: hal_cuda::Api> BufferOf<V, C> {
-    /// `buffer` as a buffer of backends `V`, `C`.
-    pub(super) fn of(buffer: &dyn DynBuffer) -> Result<&BufferOfC<C>, Error> {
-        buffer
-            .as_any()
-            .downcast_ref::<Self>()
-            .map(|b| &b.buffer)
-            .ok_or(Error::Foreign {
-                what: "buffer",
-                owner: "context",
-            })
+            .map_err(|buffer| Box::new(BufferOf { instance, buffer }))
     }
 }

@@ -10,10 +10,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use hal_cuda::{Context as _, Driver as _};
 use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
-use super::buffer::{Buffer, BufferOf, DynBuffer, MemoryKind};
-use super::engine::{DynEngine, Engine};
+use super::buffer::{Buffer, BufferOf, MemoryKind};
+use super::engine::Engine;
 use super::stream::{Stream, StreamOf};
-use super::{Error, Unsupported};
+use super::{Cuda, Erased, Error, Unsupported, Verbs};
 use crate::backend::{BackendChoice, BackendTask, Backends, run_with};
 use crate::buffer::{Access, Buffer as BufferOfC, HostAllocError};
 use crate::engine::{Engine as EngineOf, EngineConfig};
@@ -29,7 +29,7 @@ use crate::uri::BufferUri;
 /// other as two machines on one network would.
 #[derive(Clone)]
 pub struct Context {
-    pub(super) inner: Arc<dyn DynContext>,
+    pub(super) inner: Shared<Verbs, Cuda>,
     pub(super) id: u64,
 }
 
@@ -247,40 +247,9 @@ impl Context {
         Ok(Engine::new(self.clone(), self.inner.engine(config)?))
     }
 
-    fn buffer(&self, inner: Box<dyn DynBuffer>) -> Buffer {
+    fn buffer(&self, inner: Erased) -> Buffer {
         Buffer::new(self.clone(), inner)
     }
-}
-
-/// A context's backends, whatever they are.
-pub(super) trait DynContext: Send + Sync {
-    fn verbs_name(&self) -> &'static str;
-    fn cuda_name(&self) -> Option<&'static str>;
-    fn notes(&self) -> &[String];
-    fn gpu_count(&self) -> u32;
-    fn nic_reaches_gpu(&self) -> bool;
-    fn nics(&self) -> Vec<String>;
-    fn nic_address(&self, nic: &str) -> Result<IpAddr, Error>;
-    fn path(&self, gpu: u32, nic: u32) -> Result<PathInfo, Error>;
-    fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<Box<dyn DynBuffer>, Error>;
-    /// # Safety
-    /// As for [`Context::wrap`].
-    unsafe fn wrap(
-        &self,
-        addr: u64,
-        size: u64,
-        access: Access,
-    ) -> Result<Box<dyn DynBuffer>, Error>;
-    fn open_uri(&self, uri: &BufferUri) -> Result<Box<dyn DynBuffer>, Error>;
-    fn stream(&self, gpu: u32) -> Result<Box<dyn super::stream::DynStream>, Error>;
-    /// # Safety
-    /// As for [`Context::borrow_stream`].
-    unsafe fn borrow_stream(
-        &self,
-        gpu: u32,
-        raw: *mut c_void,
-    ) -> Result<Box<dyn super::stream::DynStream>, Error>;
-    fn engine(&self, config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error>;
 }
 
 /// The backends `V`, `C`, with the GPUs' contexts retained.
@@ -332,19 +301,25 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
         })
     }
 
-    fn wrap_buffer(self: &Arc<Self>, buffer: BufferOfC<C>) -> Box<dyn DynBuffer> {
-        Box::new(BufferOf {
+    fn wrap_buffer(self: &Arc<Self>, buffer: BufferOfC<C>) -> BufferOf<V, C> {
+        BufferOf {
             instance: Arc::clone(self),
             buffer,
-        })
+        }
     }
 }
 
 /// A context as the facade holds it: the instance behind an `Arc` so its
 /// buffers can reach its GPUs.
-struct Shared<V: hal_verbs::Api, C: hal_cuda::Api>(Arc<Instance<V, C>>);
+pub(super) struct Shared<V: hal_verbs::Api, C: hal_cuda::Api>(Arc<Instance<V, C>>);
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
+impl<V: hal_verbs::Api, C: hal_cuda::Api> Clone for Shared<V, C> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<V: hal_verbs::Api, C: hal_cuda::Api> Shared<V, C> {
     fn verbs_name(&self) -> &'static str {
         self.0.backends.verbs_name()
     }
@@ -388,7 +363,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
         Ok(info)
     }
 
-    fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<Box<dyn DynBuffer>, Error> {
+    fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<BufferOf<V, C>, Error> {
         if size == 0 || isize::try_from(size).is_err() {
             return Err(Error::BadSize { what: "size", size });
         }
@@ -412,19 +387,16 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
         Ok(self.0.wrap_buffer(buffer))
     }
 
-    unsafe fn wrap(
-        &self,
-        addr: u64,
-        size: u64,
-        access: Access,
-    ) -> Result<Box<dyn DynBuffer>, Error> {
+    /// # Safety
+    /// As for [`Context::wrap`].
+    unsafe fn wrap(&self, addr: u64, size: u64, access: Access) -> Result<BufferOf<V, C>, Error> {
         let gpu = self.0.any_gpu();
         // SAFETY: the caller's contract is Buffer::wrap's.
         let buffer = unsafe { BufferOfC::<C>::wrap_as(access, gpu, addr, size, None) }?;
         Ok(self.0.wrap_buffer(buffer))
     }
 
-    fn open_uri(&self, uri: &BufferUri) -> Result<Box<dyn DynBuffer>, Error> {
+    fn open_uri(&self, uri: &BufferUri) -> Result<BufferOf<V, C>, Error> {
         let gpu = self.0.gpu(uri.device())?;
         let buffer = BufferOfC::<C>::import_ipc_range(
             gpu,
@@ -436,30 +408,30 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> DynContext for Shared<V, C> {
         Ok(self.0.wrap_buffer(buffer))
     }
 
-    fn stream(&self, gpu: u32) -> Result<Box<dyn super::stream::DynStream>, Error> {
-        Ok(Box::new(StreamOf::<C>(self.0.gpu(gpu)?.create_stream()?)))
+    fn stream(&self, gpu: u32) -> Result<StreamOf<C>, Error> {
+        Ok(StreamOf::<C>(self.0.gpu(gpu)?.create_stream()?))
     }
 
-    unsafe fn borrow_stream(
-        &self,
-        gpu: u32,
-        raw: *mut c_void,
-    ) -> Result<Box<dyn super::stream::DynStream>, Error> {
+    /// # Safety
+    /// As for [`Context::borrow_stream`].
+    unsafe fn borrow_stream(&self, gpu: u32, raw: *mut c_void) -> Result<StreamOf<C>, Error> {
         // SAFETY: the caller's contract is Context::borrow_stream's.
         let stream = unsafe { self.0.gpu(gpu)?.borrow_stream(raw) }?;
-        Ok(Box::new(StreamOf::<C>(stream)))
+        Ok(StreamOf::<C>(stream))
     }
 
-    fn engine(&self, mut config: EngineConfig) -> Result<Arc<dyn DynEngine>, Error> {
+    fn engine(&self, mut config: EngineConfig) -> Result<EngineOf<V, C>, Error> {
         if !self.0.backends.nic_reaches_gpu() && config.ladder.policy == Policy::Fallback {
             // The NIC cannot register GPU memory at all (a simulated NIC
             // beside a real GPU): straight to the staging rung, which
             // moves it all the same, without probing rungs that cannot be.
             config.ladder.policy = Policy::Only(Rung::Staging);
         }
-        let engine =
-            EngineOf::<V, C>::new(self.0.backends.verbs(), self.0.backends.cuda(), config)?;
-        Ok(Arc::new(engine))
+        Ok(EngineOf::<V, C>::new(
+            self.0.backends.verbs(),
+            self.0.backends.cuda(),
+            config,
+        )?)
     }
 }
 
@@ -477,7 +449,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
 struct Open;
 
 impl BackendTask for Open {
-    type Output = Result<Arc<dyn DynContext>, Error>;
+    type Output = Result<Shared<Verbs, Cuda>, Error>;
 
     fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
         // One engine type whatever the backends: the HAL's erased ones.
@@ -488,11 +460,11 @@ impl BackendTask for Open {
                 .collect::<Result<Vec<_>, _>>()?,
             None => Vec::new(),
         };
-        Ok(Arc::new(Shared(Arc::new(Instance {
+        Ok(Shared(Arc::new(Instance {
             backends,
             gpus,
             paths: Mutex::new(HashMap::new()),
-        }))))
+        })))
     }
 }
 
@@ -515,7 +487,7 @@ fn sim_node() -> Result<Backends<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi>, Err
     )))
 }
 
-fn open(choice: BackendChoice) -> Result<Arc<dyn DynContext>, Error> {
+fn open(choice: BackendChoice) -> Result<Shared<Verbs, Cuda>, Error> {
     #[cfg(feature = "sim")]
     if choice == BackendChoice::Sim {
         return Open.run(sim_node()?);

@@ -1,25 +1,19 @@
 //! The engine's facade: [`Engine`], [`Region`], [`Listener`], [`Peer`],
-//! [`Grant`], [`Batch`] and [`Transfer`], each the generic engine's type
-//! behind one object-safe trait, implemented once for every backend pair.
+//! [`Grant`], [`Batch`] and [`Transfer`], each the engine's type on the
+//! erased backends.
 
-use std::any::Any;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
-use hal_verbs::Api;
-
-use super::buffer::{BufferOf, DynBuffer};
-use super::stream::StreamOf;
-use super::{Buffer, Context, Error, Stream};
+use super::{Buffer, Context, Cuda, Error, Stream, Verbs};
 use crate::buffer::Access;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
 use crate::engine::{
-    Batch as BatchOf, Driver, Engine as EngineOf, EngineConfig, EngineError, EngineListener, Fence,
-    Op, Outcome, Peer as PeerOf, Region as RegionOf, RegionGrant, Transfer as TransferOf,
+    Batch as BatchOf, Driver, Engine as EngineOf, EngineConfig, EngineListener, Fence, Op, Outcome,
+    Peer as PeerOf, Region as RegionOf, RegionGrant, Transfer as TransferOf,
 };
 use crate::ladder::Rung;
 
@@ -29,7 +23,7 @@ use crate::ladder::Rung;
 #[derive(Clone)]
 pub struct Engine {
     context: Context,
-    inner: Arc<dyn DynEngine>,
+    inner: EngineOf<Verbs, Cuda>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -42,7 +36,7 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    pub(super) fn new(context: Context, inner: Arc<dyn DynEngine>) -> Self {
+    pub(super) fn new(context: Context, inner: EngineOf<Verbs, Cuda>) -> Self {
         Self { context, inner }
     }
 
@@ -94,7 +88,7 @@ impl Engine {
                 owner: "context (the engine's)",
             });
         }
-        let inner = buffer.with(|b| self.inner.register(b, offset, len))?;
+        let inner = buffer.with(|b| Ok(self.inner.register_range(&b.buffer, offset, len)?))?;
         Ok(Region {
             engine: self.inner.id(),
             inner,
@@ -113,7 +107,7 @@ impl Engine {
     pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer, Error> {
         Ok(Peer {
             engine: self.inner.id(),
-            inner: self.inner.connect(addr, timeout)?.into(),
+            inner: self.inner.connect(addr, timeout)?,
         })
     }
 
@@ -122,7 +116,7 @@ impl Engine {
     /// and GPUs that order inbound writes themselves.
     pub fn fence_inbound_writes(&self, region: &Region) -> Result<Fence, Error> {
         self.same_engine(region)?;
-        self.inner.fence_inbound_writes(&*region.inner)
+        Ok(self.inner.fence_inbound_writes(&region.inner)?)
     }
 
     /// Makes progress once in this thread (completions, deadlines, staged
@@ -173,7 +167,7 @@ impl Engine {
 #[derive(Clone)]
 pub struct Region {
     engine: u64,
-    inner: Arc<dyn DynRegion>,
+    inner: RegionOf<Verbs>,
 }
 
 impl std::fmt::Debug for Region {
@@ -215,7 +209,7 @@ impl Region {
 
     /// Each rung above the one NIC `nic` took, and why it was not taken.
     pub fn rung_failures(&self, nic: usize) -> Vec<crate::ladder::RungFailure> {
-        self.inner.rung_failures(nic)
+        self.inner.rung_failures(nic).to_vec()
     }
 
     /// The id of the engine that registered it.
@@ -226,7 +220,7 @@ impl Region {
 
 /// A listening engine: accepts peers.
 pub struct Listener {
-    inner: Box<dyn DynListener>,
+    inner: EngineListener<Verbs, Cuda>,
 }
 
 impl std::fmt::Debug for Listener {
@@ -247,9 +241,9 @@ impl Listener {
     /// one listener at once: each waits on its own, and a peer goes to
     /// one of them.
     pub fn accept(&self, timeout: Duration) -> Result<Peer, Error> {
-        let inner: Arc<dyn DynPeer> = self.inner.accept(timeout)?.into();
+        let inner = self.inner.accept(timeout)?;
         Ok(Peer {
-            engine: inner.engine_id(),
+            engine: inner.engine().id(),
             inner,
         })
     }
@@ -260,7 +254,7 @@ impl Listener {
 #[derive(Clone)]
 pub struct Peer {
     engine: u64,
-    inner: Arc<dyn DynPeer>,
+    inner: PeerOf<Verbs, Cuda>,
 }
 
 impl std::fmt::Debug for Peer {
@@ -338,7 +332,7 @@ impl Peer {
     /// by device copies (the peer an engine of this process, or of another
     /// process on this machine reached through CUDA IPC).
     pub fn route(&self) -> crate::engine::PeerCopyRoute {
-        self.inner.route()
+        self.inner.peer_copy()
     }
 
     /// Grants `len` bytes at `offset` of `region` to this peer with
@@ -353,7 +347,7 @@ impl Peer {
     ) -> Result<Grant, Error> {
         self.same_engine(region)?;
         Ok(Grant {
-            inner: self.inner.grant(&*region.inner, offset, len, rights)?,
+            inner: self.inner.grant(&region.inner, offset, len, rights)?,
         })
     }
 
@@ -416,8 +410,12 @@ impl Peer {
         for t in transfers {
             self.same_engine(t.local)?;
         }
+        let transfers = unerased(transfers);
+        let timeout = timeout.unwrap_or(self.inner.engine().config().default_timeout);
         Ok(Batch {
-            inner: self.inner.submit_after_stream(stream, transfers, timeout)?,
+            inner: self
+                .inner
+                .submit_after_stream(&stream.inner.0, &transfers, timeout)?,
         })
     }
 
@@ -446,9 +444,12 @@ impl Peer {
         for t in transfers {
             self.same_engine(t.local)?;
         }
-        Ok(Batch {
-            inner: self.inner.submit(transfers, timeout)?,
-        })
+        let transfers = unerased(transfers);
+        let inner = match timeout {
+            Some(timeout) => self.inner.submit_with_timeout(&transfers, timeout)?,
+            None => self.inner.submit(&transfers)?,
+        };
+        Ok(Batch { inner })
     }
 
     fn same_engine(&self, region: &Region) -> Result<(), Error> {
@@ -465,7 +466,7 @@ impl Peer {
 
 /// Memory granted to a peer; dropping it revokes the grant.
 pub struct Grant {
-    inner: Box<dyn DynGrant>,
+    inner: RegionGrant<Verbs, Cuda>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -498,7 +499,7 @@ impl Grant {
 /// A submitted batch: ends exactly once (`wait`, `status`, `cancel`, or
 /// `.await`).
 pub struct Batch {
-    inner: Box<dyn DynBatch>,
+    inner: BatchOf<Verbs, Cuda>,
 }
 
 impl std::fmt::Debug for Batch {
@@ -533,13 +534,13 @@ impl Batch {
     /// runtimes that hold batches behind handles, as Python's asyncio
     /// glue does).
     pub fn poll_ended(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
-        self.inner.poll(cx)
+        self.inner.poll_ended(cx)
     }
 
     /// Makes `stream` wait for the batch (its GPU fence included): work
     /// queued on it after this call sees what the batch READ.
     pub fn fence_stream(&self, stream: &Stream) -> Result<(), Error> {
-        self.inner.fence_stream(stream)
+        Ok(self.inner.fence_stream(&stream.inner.0)?)
     }
 }
 
@@ -547,312 +548,21 @@ impl Future for Batch {
     type Output = Outcome;
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
-        self.inner.poll(cx)
+        self.inner.poll_ended(cx)
     }
 }
 
-// ---------------------------------------------------------------------------
-// The erasure: each generic type behind one trait.
-
-pub(super) trait DynEngine: Send + Sync {
-    fn id(&self) -> u64;
-    fn nics(&self) -> Vec<String>;
-    fn config(&self) -> &EngineConfig;
-    fn register(
-        &self,
-        buffer: &dyn DynBuffer,
-        offset: u64,
-        len: u64,
-    ) -> Result<Arc<dyn DynRegion>, Error>;
-    fn listen(&self, addr: SocketAddr) -> Result<Box<dyn DynListener>, EngineError>;
-    fn connect(&self, addr: SocketAddr, timeout: Duration)
-    -> Result<Box<dyn DynPeer>, EngineError>;
-    fn fence_inbound_writes(&self, region: &dyn DynRegion) -> Result<Fence, Error>;
-    fn spawn_driver(&self) -> Result<Driver, EngineError>;
-    fn progress(&self) -> usize;
-    fn cache_stats(&self, nic: usize) -> Option<crate::cache::CacheStats>;
-    #[cfg(all(feature = "tokio", not(loom)))]
-    fn drive_on_tokio(&self)
-    -> Result<crate::engine::AsyncDriver, crate::engine::AsyncDriverError>;
-}
-
-pub(super) trait DynRegion: Send + Sync {
-    fn len(&self) -> u64;
-    fn location(&self) -> MemoryLocation;
-    fn access(&self) -> Access;
-    fn rungs(&self) -> Vec<Rung>;
-    fn rung_failures(&self, nic: usize) -> Vec<crate::ladder::RungFailure>;
-    fn as_any(&self) -> &dyn Any;
-}
-
-pub(super) trait DynListener: Send + Sync {
-    fn local_addr(&self) -> SocketAddr;
-    fn accept(&self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError>;
-}
-
-pub(super) trait DynPeer: Send + Sync {
-    fn engine_id(&self) -> u64;
-    fn remote_engine(&self) -> u64;
-    fn route(&self) -> crate::engine::PeerCopyRoute;
-    fn grant(
-        &self,
-        region: &dyn DynRegion,
-        offset: u64,
-        len: u64,
-        rights: GrantRights,
-    ) -> Result<Box<dyn DynGrant>, Error>;
-    fn wait_grant(&self, grant: u64, timeout: Duration) -> Result<MemoryDescriptor, EngineError>;
-    fn submit(
-        &self,
-        transfers: &[Transfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn DynBatch>, Error>;
-    fn submit_after_stream(
-        &self,
-        stream: &Stream,
-        transfers: &[Transfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn DynBatch>, Error>;
-    fn send(&self, message: &[u8]) -> Result<Box<dyn DynBatch>, EngineError>;
-    fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError>;
-    fn close(&self) -> Result<(), EngineError>;
-}
-
-pub(super) trait DynGrant: Send + Sync {
-    fn descriptor(&self) -> &MemoryDescriptor;
-    fn revoke(self: Box<Self>, timeout: Duration) -> Result<(), EngineError>;
-}
-
-pub(super) trait DynBatch: Send + Sync {
-    fn status(&self) -> Option<Outcome>;
-    fn wait(&self, timeout: Duration) -> Outcome;
-    fn cancel(&self);
-    fn fence_stream(&self, stream: &Stream) -> Result<(), Error>;
-    fn poll(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome>;
-}
-
-/// `region` as a region of verbs backend `V`.
-fn region_of<V: Api>(region: &dyn DynRegion) -> Result<&RegionOf<V>, Error> {
-    region
-        .as_any()
-        .downcast_ref::<RegionOf<V>>()
-        .ok_or(Error::Foreign {
-            what: "region",
-            owner: "engine",
-        })
-}
-
-/// The transfers with their regions of backend `V`. Small batches stay on
-/// the stack.
-fn unerased<'a, V: Api>(transfers: &[Transfer<'a>]) -> Result<Vec<TransferOf<'a, V>>, Error> {
+/// The transfers with the engine's own regions.
+fn unerased<'a>(transfers: &[Transfer<'a>]) -> Vec<TransferOf<'a, Verbs>> {
     transfers
         .iter()
-        .map(|t| {
-            Ok(TransferOf {
-                op: t.op,
-                local: region_of::<V>(&*t.local.inner)?,
-                local_offset: t.local_offset,
-                remote: t.remote,
-                remote_offset: t.remote_offset,
-                len: t.len,
-            })
+        .map(|t| TransferOf {
+            op: t.op,
+            local: &t.local.inner,
+            local_offset: t.local_offset,
+            remote: t.remote,
+            remote_offset: t.remote_offset,
+            len: t.len,
         })
         .collect()
-}
-
-impl<V: Api, C: hal_cuda::Api> DynEngine for EngineOf<V, C> {
-    fn id(&self) -> u64 {
-        EngineOf::id(self)
-    }
-
-    fn nics(&self) -> Vec<String> {
-        EngineOf::nics(self)
-    }
-
-    fn config(&self) -> &EngineConfig {
-        EngineOf::config(self)
-    }
-
-    fn register(
-        &self,
-        buffer: &dyn DynBuffer,
-        offset: u64,
-        len: u64,
-    ) -> Result<Arc<dyn DynRegion>, Error> {
-        let buffer = BufferOf::<V, C>::of(buffer)?;
-        Ok(Arc::new(self.register_range(buffer, offset, len)?))
-    }
-
-    fn listen(&self, addr: SocketAddr) -> Result<Box<dyn DynListener>, EngineError> {
-        Ok(Box::new(EngineOf::listen(self, addr)?))
-    }
-
-    fn connect(
-        &self,
-        addr: SocketAddr,
-        timeout: Duration,
-    ) -> Result<Box<dyn DynPeer>, EngineError> {
-        Ok(Box::new(EngineOf::connect(self, addr, timeout)?))
-    }
-
-    fn fence_inbound_writes(&self, region: &dyn DynRegion) -> Result<Fence, Error> {
-        Ok(EngineOf::fence_inbound_writes(
-            self,
-            region_of::<V>(region)?,
-        )?)
-    }
-
-    fn spawn_driver(&self) -> Result<Driver, EngineError> {
-        EngineOf::spawn_driver(self)
-    }
-
-    fn progress(&self) -> usize {
-        EngineOf::progress(self)
-    }
-
-    fn cache_stats(&self, nic: usize) -> Option<crate::cache::CacheStats> {
-        EngineOf::cache_stats(self, nic)
-    }
-
-    #[cfg(all(feature = "tokio", not(loom)))]
-    fn drive_on_tokio(
-        &self,
-    ) -> Result<crate::engine::AsyncDriver, crate::engine::AsyncDriverError> {
-        EngineOf::drive_on_tokio(self)
-    }
-}
-
-impl<V: Api> DynRegion for RegionOf<V> {
-    fn len(&self) -> u64 {
-        RegionOf::len(self)
-    }
-
-    fn location(&self) -> MemoryLocation {
-        RegionOf::location(self)
-    }
-
-    fn access(&self) -> Access {
-        RegionOf::access(self)
-    }
-
-    fn rungs(&self) -> Vec<Rung> {
-        RegionOf::rungs(self)
-    }
-
-    fn rung_failures(&self, nic: usize) -> Vec<crate::ladder::RungFailure> {
-        RegionOf::rung_failures(self, nic).to_vec()
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> DynListener for EngineListener<V, C> {
-    fn local_addr(&self) -> SocketAddr {
-        EngineListener::local_addr(self)
-    }
-
-    fn accept(&self, timeout: Duration) -> Result<Box<dyn DynPeer>, EngineError> {
-        Ok(Box::new(EngineListener::accept(self, timeout)?))
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> DynPeer for PeerOf<V, C> {
-    fn engine_id(&self) -> u64 {
-        self.engine().id()
-    }
-
-    fn remote_engine(&self) -> u64 {
-        PeerOf::remote_engine(self)
-    }
-
-    fn route(&self) -> crate::engine::PeerCopyRoute {
-        PeerOf::peer_copy(self)
-    }
-
-    fn grant(
-        &self,
-        region: &dyn DynRegion,
-        offset: u64,
-        len: u64,
-        rights: GrantRights,
-    ) -> Result<Box<dyn DynGrant>, Error> {
-        let grant = PeerOf::grant(self, region_of::<V>(region)?, offset, len, rights)?;
-        Ok(Box::new(grant))
-    }
-
-    fn wait_grant(&self, grant: u64, timeout: Duration) -> Result<MemoryDescriptor, EngineError> {
-        PeerOf::wait_grant(self, grant, timeout)
-    }
-
-    fn submit(
-        &self,
-        transfers: &[Transfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn DynBatch>, Error> {
-        let transfers = unerased::<V>(transfers)?;
-        let batch = match timeout {
-            Some(timeout) => self.submit_with_timeout(&transfers, timeout)?,
-            None => PeerOf::submit(self, &transfers)?,
-        };
-        Ok(Box::new(batch))
-    }
-
-    fn submit_after_stream(
-        &self,
-        stream: &Stream,
-        transfers: &[Transfer<'_>],
-        timeout: Option<Duration>,
-    ) -> Result<Box<dyn DynBatch>, Error> {
-        let stream = StreamOf::<C>::of(stream)?;
-        let transfers = unerased::<V>(transfers)?;
-        let timeout = timeout.unwrap_or(self.engine().config().default_timeout);
-        let batch = PeerOf::submit_after_stream(self, stream, &transfers, timeout)?;
-        Ok(Box::new(batch))
-    }
-
-    fn send(&self, message: &[u8]) -> Result<Box<dyn DynBatch>, EngineError> {
-        Ok(Box::new(PeerOf::send(self, message)?))
-    }
-
-    fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
-        PeerOf::recv(self, timeout)
-    }
-
-    fn close(&self) -> Result<(), EngineError> {
-        PeerOf::close(self)
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> DynGrant for RegionGrant<V, C> {
-    fn descriptor(&self) -> &MemoryDescriptor {
-        RegionGrant::descriptor(self)
-    }
-
-    fn revoke(self: Box<Self>, timeout: Duration) -> Result<(), EngineError> {
-        RegionGrant::revoke(*self, timeout)
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> DynBatch for BatchOf<V, C> {
-    fn status(&self) -> Option<Outcome> {
-        BatchOf::status(self)
-    }
-
-    fn wait(&self, timeout: Duration) -> Outcome {
-        BatchOf::wait(self, timeout)
-    }
-
-    fn cancel(&self) {
-        BatchOf::cancel(self)
-    }
-
-    fn fence_stream(&self, stream: &Stream) -> Result<(), Error> {
-        Ok(BatchOf::fence_stream(self, StreamOf::<C>::of(stream)?)?)
-    }
-
-    fn poll(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
-        self.poll_ended(cx)
-    }
 }

@@ -36,6 +36,14 @@
 
 mod buffer;
 mod context;
+
+/// The backends every facade object is of: the HALs' erased ones
+/// ([`Backends::erased`](crate::backend::Backends::erased)).
+type Verbs = hal_verbs::dynamic::DynApi;
+/// As [`Verbs`], for CUDA.
+type Cuda = hal_cuda::dynamic::DynApi;
+/// A buffer of the facade's backends.
+type Erased = buffer::BufferOf<Verbs, Cuda>;
 mod engine;
 mod error;
 mod stream;

@@ -1,14 +1,13 @@
 //! [`Stream`]: a CUDA stream of a context's GPU, erased once; copies queued
 //! on it hold their buffers until it is seen past them.
 
-use std::any::Any;
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hal_cuda::Stream as _;
 
 use super::buffer::BufferHold;
-use super::{Buffer, Error, MemoryKind, Unsupported};
+use super::{Buffer, Cuda, Error, MemoryKind, Unsupported};
 
 /// A stream on one GPU of a context (non-blocking: no implicit
 /// synchronization with the legacy default stream). Work is queued in the
@@ -16,7 +15,7 @@ use super::{Buffer, Error, MemoryKind, Unsupported};
 pub struct Stream {
     context: u64,
     gpu: u32,
-    pub(super) inner: Box<dyn DynStream>,
+    pub(super) inner: StreamOf<Cuda>,
     /// The buffers of copies queued and not yet seen done. Locked across
     /// queueing a copy and recording its holds, so a synchronize's snapshot
     /// holds exactly the copies queued before it began.
@@ -40,7 +39,7 @@ pub(super) enum CopyEnd {
 }
 
 impl Stream {
-    pub(super) fn new(context: u64, gpu: u32, inner: Box<dyn DynStream>) -> Self {
+    pub(super) fn new(context: u64, gpu: u32, inner: StreamOf<Cuda>) -> Self {
         Self {
             context,
             gpu,
@@ -177,45 +176,24 @@ fn overlap(a: CopyEnd, b: CopyEnd, len: usize) -> bool {
     a < b + len as u64 && b < a + len as u64
 }
 
-/// A stream of some CUDA backend.
-pub(super) trait DynStream: Send + Sync {
-    fn raw(&self) -> *mut c_void;
-    fn synchronize(&self) -> Result<(), Error>;
-    /// # Safety
-    /// Both ranges are memory of their kind, valid until the stream has
-    /// passed the copy, and do not overlap.
-    unsafe fn copy(&self, dst: CopyEnd, src: CopyEnd, len: usize) -> Result<(), Error>;
-    fn as_any(&self) -> &dyn Any;
-}
-
 /// The stream of CUDA backend `C`.
 pub(super) struct StreamOf<C: hal_cuda::Api>(pub(super) C::Stream);
 
 impl<C: hal_cuda::Api> StreamOf<C> {
-    /// `stream` as a stream of backend `C`.
-    pub(super) fn of(stream: &Stream) -> Result<&C::Stream, Error> {
-        stream
-            .inner
-            .as_any()
-            .downcast_ref::<Self>()
-            .map(|s| &s.0)
-            .ok_or(Error::Foreign {
-                what: "stream",
-                owner: "context",
-            })
-    }
-}
-
-impl<C: hal_cuda::Api> DynStream for StreamOf<C> {
-    fn raw(&self) -> *mut c_void {
+    pub(super) fn raw(&self) -> *mut c_void {
         self.0.raw()
     }
 
-    fn synchronize(&self) -> Result<(), Error> {
+    pub(super) fn synchronize(&self) -> Result<(), Error> {
         Ok(self.0.synchronize()?)
     }
 
-    unsafe fn copy(&self, dst: CopyEnd, src: CopyEnd, len: usize) -> Result<(), Error> {
+    /// Queues a copy of `len` bytes from `src` to `dst`.
+    ///
+    /// # Safety
+    /// Both ranges are memory of their kind, valid until the stream has
+    /// passed the copy, and do not overlap.
+    pub(super) unsafe fn copy(&self, dst: CopyEnd, src: CopyEnd, len: usize) -> Result<(), Error> {
         let queued = match (dst, src) {
             // SAFETY: the caller's contract: both ranges are memory of
             // their kind, valid until the stream has passed the copy.
@@ -235,9 +213,5 @@ impl<C: hal_cuda::Api> DynStream for StreamOf<C> {
             }
         };
         Ok(queued?)
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
