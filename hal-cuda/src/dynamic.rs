@@ -56,8 +56,24 @@ impl Api for DynApi {
 
 /// Implements `$role` for an erased handle: each method listed forwards to
 /// the backend's handle behind `self.$field`; the methods after the list
-/// (unsafe ones, those that consume the handle) are written out.
+/// (unsafe ones, those that consume the handle) are written out. Led by
+/// `trait $dyn_trait { .. }`, it also declares the object-safe twin: the
+/// listed methods, then the items in the braces.
 macro_rules! forward {
+    ($(#[$doc:meta])* trait $dyn_trait:ident { $($extra:tt)* }
+    impl $role:path, for $handle:ident, via $field:tt {
+        $(fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) $(-> $ret:ty)?;)*
+    } $($rest:tt)*) => {
+        $(#[$doc])*
+        trait $dyn_trait: Send + Sync + Debug {
+            $(fn $name(&self $(, $arg: $ty)*) $(-> $ret)?;)*
+            $($extra)*
+        }
+
+        forward!(impl $role, for $handle, via $field {
+            $(fn $name(&self $(, $arg: $ty)*) $(-> $ret)?;)*
+        } $($rest)*);
+    };
     (impl $role:path, for $handle:ident, via $field:tt {
         $(fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) $(-> $ret:ty)?;)*
     } $($rest:tt)*) => {
@@ -205,44 +221,6 @@ forward!(impl Driver<DynApi>, for DynDriver, via 0 {
 
 // ---- Context
 
-trait ContextDyn: Send + Sync + Debug {
-    fn as_any(&self) -> &dyn Any;
-    fn ordinal(&self) -> u32;
-    fn alloc(&self, len: usize) -> Result<DynDeviceMemory>;
-    fn alloc_pinned(&self, len: usize) -> Result<DynPinnedHostMemory>;
-    /// # Safety
-    /// As [`Context::register_host`].
-    unsafe fn register_host(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        flags: HostRegisterFlags,
-    ) -> Result<DynHostRegistration>;
-    fn create_stream(&self) -> Result<DynStream>;
-    /// # Safety
-    /// As [`Context::borrow_stream`].
-    unsafe fn borrow_stream(&self, raw: *mut c_void) -> Result<DynStream>;
-    fn create_event(&self) -> Result<DynEvent>;
-    fn pointer_attributes(&self, addr: u64) -> Result<PointerAttributes>;
-    fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd>;
-    fn ipc_export(&self, addr: u64) -> Result<IpcMemHandle>;
-    fn ipc_open(&self, handle: &IpcMemHandle) -> Result<DynIpcMapping>;
-    fn enable_peer_access(&self, peer: &DynContext) -> Result<bool>;
-    fn flush_gpu_direct_rdma_writes(&self, scope: FlushScope) -> Result<()>;
-    fn synchronize(&self) -> Result<()>;
-    fn vmm_granularity(&self) -> Result<usize>;
-    fn reserve_address_range(&self, len: usize) -> Result<DynVirtualReservation>;
-    fn create_physical(&self, len: usize) -> Result<DynPhysicalMemory>;
-    fn create_physical_with(&self, len: usize, gpu_direct_rdma: bool) -> Result<DynPhysicalMemory>;
-    fn address_range(&self, addr: u64) -> Result<(u64, u64)>;
-    fn map(
-        &self,
-        reservation: &DynVirtualReservation,
-        offset: usize,
-        physical: &DynPhysicalMemory,
-    ) -> Result<DynVirtualMapping>;
-}
-
 fn stream<A: Api>(stream: A::Stream) -> DynStream {
     DynStream(Box::new(StreamOf::<A>(stream)))
 }
@@ -349,7 +327,21 @@ impl<A: Api> ContextDyn for ContextOf<A> {
     }
 }
 
-forward!(impl Context<DynApi>, for DynContext, via 0 {
+forward!(trait ContextDyn {
+    fn as_any(&self) -> &dyn Any;
+    /// # Safety
+    /// As [`Context::register_host`].
+    unsafe fn register_host(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        flags: HostRegisterFlags,
+    ) -> Result<DynHostRegistration>;
+    /// # Safety
+    /// As [`Context::borrow_stream`].
+    unsafe fn borrow_stream(&self, raw: *mut c_void) -> Result<DynStream>;
+}
+impl Context<DynApi>, for DynContext, via 0 {
     fn ordinal(&self) -> u32;
     fn alloc(&self, len: usize) -> Result<DynDeviceMemory>;
     fn alloc_pinned(&self, len: usize) -> Result<DynPinnedHostMemory>;
@@ -389,31 +381,6 @@ forward!(impl Context<DynApi>, for DynContext, via 0 {
     });
 
 // ---- Stream and event
-
-trait StreamDyn: Send + Sync + Debug {
-    /// # Safety
-    /// As [`Stream::copy_host_to_device`].
-    unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()>;
-    /// # Safety
-    /// As [`Stream::copy_device_to_host`].
-    unsafe fn copy_device_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()>;
-    /// # Safety
-    /// As [`Stream::copy_device_to_device`].
-    unsafe fn copy_device_to_device(&self, dst: u64, src: u64, len: usize) -> Result<()>;
-    /// # Safety
-    /// As [`Stream::memset`].
-    unsafe fn memset(&self, dst: u64, value: u8, len: usize) -> Result<()>;
-    fn record(&self, event: &DynEvent) -> Result<()>;
-    fn wait(&self, event: &DynEvent) -> Result<()>;
-    /// # Safety
-    /// As [`Stream::wait_value32`].
-    unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()>;
-    /// # Safety
-    /// As [`Stream::write_value32`].
-    unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()>;
-    fn synchronize(&self) -> Result<()>;
-    fn raw(&self) -> *mut c_void;
-}
 
 impl<A: Api> StreamDyn for StreamOf<A> {
     unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
@@ -456,7 +423,27 @@ impl<A: Api> StreamDyn for StreamOf<A> {
     }
 }
 
-forward!(impl Stream<DynApi>, for DynStream, via 0 {
+forward!(trait StreamDyn {
+    /// # Safety
+    /// As [`Stream::copy_host_to_device`].
+    unsafe fn copy_host_to_device(&self, dst: u64, src: *const u8, len: usize) -> Result<()>;
+    /// # Safety
+    /// As [`Stream::copy_device_to_host`].
+    unsafe fn copy_device_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()>;
+    /// # Safety
+    /// As [`Stream::copy_device_to_device`].
+    unsafe fn copy_device_to_device(&self, dst: u64, src: u64, len: usize) -> Result<()>;
+    /// # Safety
+    /// As [`Stream::memset`].
+    unsafe fn memset(&self, dst: u64, value: u8, len: usize) -> Result<()>;
+    /// # Safety
+    /// As [`Stream::wait_value32`].
+    unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<()>;
+    /// # Safety
+    /// As [`Stream::write_value32`].
+    unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<()>;
+}
+impl Stream<DynApi>, for DynStream, via 0 {
     fn record(&self, event: &DynEvent) -> Result<()>;
     fn wait(&self, event: &DynEvent) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
@@ -487,12 +474,6 @@ forward!(impl Stream<DynApi>, for DynStream, via 0 {
         unsafe { self.0.write_value32(addr, value) }
     });
 
-trait EventDyn: Send + Sync + Debug {
-    fn as_any(&self) -> &dyn Any;
-    fn is_complete(&self) -> Result<bool>;
-    fn synchronize(&self) -> Result<()>;
-}
-
 impl<A: Api> EventDyn for EventOf<A> {
     fn as_any(&self) -> &dyn Any {
         self
@@ -505,7 +486,10 @@ impl<A: Api> EventDyn for EventOf<A> {
     }
 }
 
-forward!(impl Event, for DynEvent, via 0 {
+forward!(trait EventDyn {
+    fn as_any(&self) -> &dyn Any;
+}
+impl Event, for DynEvent, via 0 {
     fn is_complete(&self) -> Result<bool>;
     fn synchronize(&self) -> Result<()>;
 });

@@ -62,8 +62,24 @@ impl Api for DynApi {
 
 /// Implements `$role` for an erased handle: each method listed forwards to
 /// the backend's handle behind `self.$field`; the methods after the list
-/// (unsafe ones, those that consume the handle) are written out.
+/// (unsafe ones, those that consume the handle) are written out. Led by
+/// `trait $dyn_trait { .. }`, it also declares the object-safe twin: the
+/// listed methods, then the items in the braces.
 macro_rules! forward {
+    ($(#[$doc:meta])* trait $dyn_trait:ident { $($extra:tt)* }
+    impl $role:path, for $handle:ident, via $field:tt {
+        $(fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) $(-> $ret:ty)?;)*
+    } $($rest:tt)*) => {
+        $(#[$doc])*
+        trait $dyn_trait: Send + Sync + Debug {
+            $(fn $name(&self $(, $arg: $ty)*) $(-> $ret)?;)*
+            $($extra)*
+        }
+
+        forward!(impl $role, for $handle, via $field {
+            $(fn $name(&self $(, $arg: $ty)*) $(-> $ret)?;)*
+        } $($rest)*);
+    };
     (impl $role:path, for $handle:ident, via $field:tt {
         $(fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) $(-> $ret:ty)?;)*
     } $($rest:tt)*) => {
@@ -160,13 +176,6 @@ impl DynProvider {
 
 // ---- Provider
 
-trait ProviderDyn: Send + Sync + Debug {
-    fn backend_name(&self) -> &'static str;
-    fn devices(&self) -> Result<Vec<DeviceInfo>>;
-    fn open(&self, name: &str) -> Result<DynContext>;
-    fn connection_manager(&self) -> Result<DynConnectionManager>;
-}
-
 impl<A: Api> ProviderDyn for ProviderOf<A> {
     fn backend_name(&self) -> &'static str {
         self.0.backend_name()
@@ -184,7 +193,8 @@ impl<A: Api> ProviderDyn for ProviderOf<A> {
     }
 }
 
-forward!(impl Provider<DynApi>, for DynProvider, via 0 {
+forward!(trait ProviderDyn {}
+impl Provider<DynApi>, for DynProvider, via 0 {
     fn backend_name(&self) -> &'static str;
     fn devices(&self) -> Result<Vec<DeviceInfo>>;
     fn open(&self, name: &str) -> Result<DynContext>;
@@ -192,24 +202,6 @@ forward!(impl Provider<DynApi>, for DynProvider, via 0 {
 });
 
 // ---- Context
-
-trait ContextDyn: Send + Sync + Debug {
-    fn name(&self) -> String;
-    fn query_device(&self) -> Result<DeviceAttributes>;
-    fn query_port(&self, port: u8) -> Result<PortAttributes>;
-    fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>>;
-    fn alloc_pd(&self) -> Result<DynProtectionDomain>;
-    fn create_cq(&self, depth: u32) -> Result<DynCompletionQueue>;
-    fn create_comp_channel(&self) -> Result<DynCompletionChannel>;
-    fn create_cq_on_channel(
-        &self,
-        depth: u32,
-        channel: &DynCompletionChannel,
-        comp_vector: u32,
-    ) -> Result<DynCompletionQueue>;
-    fn async_fd(&self) -> RawFd;
-    fn next_async_event(&self) -> Result<Option<AsyncEvent>>;
-}
 
 impl<A: Api> ContextDyn for ContextOf<A> {
     fn name(&self) -> String {
@@ -261,7 +253,8 @@ fn cq<A: Api>(cq: A::CompletionQueue) -> DynCompletionQueue {
     DynCompletionQueue(Box::new(CqOf::<A>(cq)))
 }
 
-forward!(impl Context<DynApi>, for DynContext, via 0 {
+forward!(trait ContextDyn {}
+impl Context<DynApi>, for DynContext, via 0 {
     fn name(&self) -> String;
     fn query_device(&self) -> Result<DeviceAttributes>;
     fn query_port(&self, port: u8) -> Result<PortAttributes>;
@@ -280,34 +273,6 @@ forward!(impl Context<DynApi>, for DynContext, via 0 {
 });
 
 // ---- Protection domain
-
-trait PdDyn: Send + Sync + Debug {
-    fn as_any(&self) -> &dyn Any;
-    /// # Safety
-    /// As [`ProtectionDomain::register`].
-    unsafe fn register(
-        &self,
-        addr: u64,
-        len: usize,
-        access: AccessFlags,
-    ) -> Result<DynMemoryRegion>;
-    /// # Safety
-    /// As [`ProtectionDomain::register_dmabuf`].
-    unsafe fn register_dmabuf(
-        &self,
-        fd: RawFd,
-        offset: u64,
-        len: usize,
-        iova: u64,
-        access: AccessFlags,
-    ) -> Result<DynMemoryRegion>;
-    fn create_qp(
-        &self,
-        caps: &QpCaps,
-        send_cq: &DynCompletionQueue,
-        recv_cq: &DynCompletionQueue,
-    ) -> Result<DynQueuePair>;
-}
 
 /// Backend `A`'s CQ behind `cq`, or the error for a foreign one.
 fn cq_of<'a, A: Api>(
@@ -365,7 +330,28 @@ impl<A: Api> PdDyn for PdOf<A> {
     }
 }
 
-forward!(impl ProtectionDomain<DynApi>, for DynProtectionDomain, via 0 {
+forward!(trait PdDyn {
+    fn as_any(&self) -> &dyn Any;
+    /// # Safety
+    /// As [`ProtectionDomain::register`].
+    unsafe fn register(
+        &self,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<DynMemoryRegion>;
+    /// # Safety
+    /// As [`ProtectionDomain::register_dmabuf`].
+    unsafe fn register_dmabuf(
+        &self,
+        fd: RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<DynMemoryRegion>;
+}
+impl ProtectionDomain<DynApi>, for DynProtectionDomain, via 0 {
     fn create_qp(
         &self,
         caps: &QpCaps,
@@ -396,15 +382,6 @@ forward!(impl ProtectionDomain<DynApi>, for DynProtectionDomain, via 0 {
 
 // ---- Memory region
 
-trait MrDyn: Send + Sync + Debug {
-    fn lkey(&self) -> u32;
-    fn rkey(&self) -> u32;
-    fn addr(&self) -> u64;
-    fn len(&self) -> usize;
-    fn access(&self) -> AccessFlags;
-    fn deregister(self: Box<Self>) -> Result<()>;
-}
-
 impl<A: Api> MrDyn for MrOf<A> {
     fn lkey(&self) -> u32 {
         self.0.lkey()
@@ -426,7 +403,10 @@ impl<A: Api> MrDyn for MrOf<A> {
     }
 }
 
-forward!(impl MemoryRegion, for DynMemoryRegion, via 0 {
+forward!(trait MrDyn {
+    fn deregister(self: Box<Self>) -> Result<()>;
+}
+impl MemoryRegion, for DynMemoryRegion, via 0 {
     fn lkey(&self) -> u32;
     fn rkey(&self) -> u32;
     fn addr(&self) -> u64;
@@ -438,16 +418,6 @@ forward!(impl MemoryRegion, for DynMemoryRegion, via 0 {
     });
 
 // ---- Completion queue
-
-trait CqDyn: Send + Sync + Debug {
-    fn as_any(&self) -> &dyn Any;
-    fn depth(&self) -> u32;
-    fn poll(&self, out: &mut [Completion]) -> Result<usize>;
-    fn poll_into(&self, out: &mut Vec<Completion>) -> Result<usize>;
-    fn cq_id(&self) -> u64;
-    fn req_notify(&self, notify: CqNotify) -> Result<()>;
-    fn set_moderation(&self, count: u16, period_us: u16) -> Result<()>;
-}
 
 impl<A: Api> CqDyn for CqOf<A> {
     fn as_any(&self) -> &dyn Any {
@@ -473,7 +443,10 @@ impl<A: Api> CqDyn for CqOf<A> {
     }
 }
 
-forward!(impl CompletionQueue, for DynCompletionQueue, via 0 {
+forward!(trait CqDyn {
+    fn as_any(&self) -> &dyn Any;
+}
+impl CompletionQueue, for DynCompletionQueue, via 0 {
     fn depth(&self) -> u32;
     fn poll(&self, out: &mut [Completion]) -> Result<usize>;
     fn poll_into(&self, out: &mut Vec<Completion>) -> Result<usize>;
@@ -483,12 +456,6 @@ forward!(impl CompletionQueue, for DynCompletionQueue, via 0 {
 });
 
 // ---- Completion channel
-
-trait ChannelDyn: Send + Sync + Debug {
-    fn as_any(&self) -> &dyn Any;
-    fn fd(&self) -> RawFd;
-    fn get_cq_event(&self) -> Result<Option<u64>>;
-}
 
 impl<A: Api> ChannelDyn for ChannelOf<A> {
     fn as_any(&self) -> &dyn Any {
@@ -502,7 +469,10 @@ impl<A: Api> ChannelDyn for ChannelOf<A> {
     }
 }
 
-forward!(impl CompletionChannel, for DynCompletionChannel, via 0 {
+forward!(trait ChannelDyn {
+    fn as_any(&self) -> &dyn Any;
+}
+impl CompletionChannel, for DynCompletionChannel, via 0 {
     fn fd(&self) -> RawFd;
     fn get_cq_event(&self) -> Result<Option<u64>>;
 });
@@ -539,24 +509,6 @@ impl<A: Api> HoldsQp for QpOf<A> {
     fn qp(&self) -> &A::QueuePair {
         &self.0
     }
-}
-
-trait QpDyn: Send + Sync + Debug {
-    fn qp_num(&self) -> u32;
-    fn caps(&self) -> QpCaps;
-    fn state(&self) -> Result<QpState>;
-    fn to_init(&self, params: &InitParams) -> Result<()>;
-    fn to_rtr(&self, params: &RtrParams) -> Result<()>;
-    fn to_rts(&self, params: &RtsParams) -> Result<()>;
-    fn to_error(&self) -> Result<()>;
-    fn to_reset(&self) -> Result<()>;
-    fn query(&self) -> Result<QpAttributes>;
-    /// # Safety
-    /// As [`QueuePair::post_send`].
-    unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError>;
-    /// # Safety
-    /// As [`QueuePair::post_recv`].
-    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError>;
 }
 
 impl<T: HoldsQp> QpDyn for T {
@@ -597,7 +549,15 @@ impl<T: HoldsQp> QpDyn for T {
     }
 }
 
-forward!(impl QueuePair, for DynQueuePair, via 0 {
+forward!(trait QpDyn {
+    /// # Safety
+    /// As [`QueuePair::post_send`].
+    unsafe fn post_send(&self, requests: &[SendRequest]) -> Result<(), PostError>;
+    /// # Safety
+    /// As [`QueuePair::post_recv`].
+    unsafe fn post_recv(&self, requests: &[RecvRequest]) -> Result<(), PostError>;
+}
+impl QueuePair, for DynQueuePair, via 0 {
     fn qp_num(&self) -> u32;
     fn caps(&self) -> QpCaps;
     fn state(&self) -> Result<QpState>;
@@ -618,21 +578,6 @@ forward!(impl QueuePair, for DynQueuePair, via 0 {
     });
 
 // ---- Connection manager
-
-trait CmDyn: Send + Sync + Debug {
-    fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String>;
-    fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<DynListener>;
-    fn connect(
-        &self,
-        peer: SocketAddr,
-        pd: &DynProtectionDomain,
-        send_cq: &DynCompletionQueue,
-        recv_cq: &DynCompletionQueue,
-        params: &ConnectParams,
-        private_data: &[u8],
-    ) -> Result<DynConnection>;
-    fn abort_connects(&self);
-}
 
 impl<A: Api> CmDyn for CmOf<A> {
     fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String> {
@@ -668,7 +613,18 @@ impl<A: Api> CmDyn for CmOf<A> {
     }
 }
 
-forward!(impl ConnectionManager<DynApi>, for DynConnectionManager, via 0 {
+forward!(trait CmDyn {
+    fn connect(
+        &self,
+        peer: SocketAddr,
+        pd: &DynProtectionDomain,
+        send_cq: &DynCompletionQueue,
+        recv_cq: &DynCompletionQueue,
+        params: &ConnectParams,
+        private_data: &[u8],
+    ) -> Result<DynConnection>;
+}
+impl ConnectionManager<DynApi>, for DynConnectionManager, via 0 {
     fn route_device(&self, peer: IpAddr, timeout: Duration) -> Result<String>;
     fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<DynListener>;
     fn abort_connects(&self);
@@ -688,12 +644,6 @@ forward!(impl ConnectionManager<DynApi>, for DynConnectionManager, via 0 {
 
 // ---- Listener and connection requests
 
-trait ListenerDyn: Send + Sync + Debug {
-    fn local_addr(&self) -> SocketAddr;
-    fn next_request(&self, timeout: Duration) -> Result<DynConnectRequest>;
-    fn wake(&self);
-}
-
 impl<A: Api> ListenerDyn for ListenerOf<A> {
     fn local_addr(&self) -> SocketAddr {
         self.0.local_addr()
@@ -708,26 +658,12 @@ impl<A: Api> ListenerDyn for ListenerOf<A> {
     }
 }
 
-forward!(impl Listener<DynApi>, for DynListener, via 0 {
+forward!(trait ListenerDyn {}
+impl Listener<DynApi>, for DynListener, via 0 {
     fn local_addr(&self) -> SocketAddr;
     fn next_request(&self, timeout: Duration) -> Result<DynConnectRequest>;
     fn wake(&self);
 });
-
-trait RequestDyn: Send + Sync + Debug {
-    fn private_data(&self) -> Vec<u8>;
-    fn device(&self) -> String;
-    fn peer_addr(&self) -> SocketAddr;
-    fn accept(
-        self: Box<Self>,
-        pd: &DynProtectionDomain,
-        send_cq: &DynCompletionQueue,
-        recv_cq: &DynCompletionQueue,
-        params: &ConnectParams,
-        private_data: &[u8],
-    ) -> Result<DynConnection>;
-    fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()>;
-}
 
 impl<A: Api> RequestDyn for RequestOf<A> {
     fn private_data(&self) -> Vec<u8> {
@@ -763,7 +699,18 @@ impl<A: Api> RequestDyn for RequestOf<A> {
     }
 }
 
-forward!(impl ConnectRequest<DynApi>, for DynConnectRequest, via 0 {
+forward!(trait RequestDyn {
+    fn accept(
+        self: Box<Self>,
+        pd: &DynProtectionDomain,
+        send_cq: &DynCompletionQueue,
+        recv_cq: &DynCompletionQueue,
+        params: &ConnectParams,
+        private_data: &[u8],
+    ) -> Result<DynConnection>;
+    fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()>;
+}
+impl ConnectRequest<DynApi>, for DynConnectRequest, via 0 {
     fn private_data(&self) -> Vec<u8>;
     fn device(&self) -> String;
     fn peer_addr(&self) -> SocketAddr;
@@ -831,16 +778,6 @@ impl DynConnection {
     }
 }
 
-trait ConnectionDyn: Send + Sync + Debug {
-    fn device(&self) -> String;
-    fn local_addr(&self) -> SocketAddr;
-    fn peer_addr(&self) -> SocketAddr;
-    fn peer_private_data(&self) -> Vec<u8>;
-    fn event_fd(&self) -> RawFd;
-    fn poll_state(&self, timeout: Duration) -> Result<ConnectionState>;
-    fn disconnect(&self) -> Result<()>;
-}
-
 impl<A: Api> ConnectionDyn for ConnectionOf<A> {
     fn device(&self) -> String {
         self.0.device()
@@ -865,7 +802,8 @@ impl<A: Api> ConnectionDyn for ConnectionOf<A> {
     }
 }
 
-forward!(impl Connection<DynApi>, for DynConnection, via inner {
+forward!(trait ConnectionDyn {}
+impl Connection<DynApi>, for DynConnection, via inner {
     fn device(&self) -> String;
     fn local_addr(&self) -> SocketAddr;
     fn peer_addr(&self) -> SocketAddr;
