@@ -188,13 +188,18 @@ fn a_revoked_staged_grant_stops_the_requests_already_accepted() {
 /// before the engine's progress had waited for the copy, which then wrote
 /// the granted memory after the fence (3 runs in 6 before the fix).
 ///
-/// Ignored while it is looked into (issue 33, reopened): since 11b8f5f (the
-/// engine's event pool, and sim frees that wait for every stream and run
-/// what a paused GPU holds) it fails 9 to 11 runs in 30 when run alone,
-/// both ways: bytes landing while b's GPU is held, and bytes moving after
-/// the revoke returned (0 in 30 at 76a48fe). Run it with `--ignored`.
+/// Since 11b8f5f a gone peer's landing (its slots, its copies) goes to the
+/// CUDA worker to be dropped there; the revoke then saw a fresh landing
+/// and returned while those copies were still queued, and they wrote the
+/// granted memory after it (bytes moved after the revoke in 4 to 14 runs
+/// in 30 when run alone). The fence now waits for the worker's drop
+/// (`Landing::copying`): 0 such runs in 30. Still ignored: its
+/// precondition, copies held by b's paused GPU, fails 4 runs in 30 (a
+/// free elsewhere in the process waits for every stream, which in the
+/// sim runs what a paused GPU holds), so it proves nothing then; run it
+/// with `--ignored` (issue 33).
 #[test]
-#[ignore = "intermittent since 11b8f5f: a revoke after the peer closed can return before its landing copies ran (issue 33)"]
+#[ignore = "its precondition (copies held by a paused GPU) fails 4 runs in 30: a free in the process runs held work (issue 33)"]
 fn a_staged_grant_revoked_after_its_peer_went_waits_for_the_copies_still_running() {
     const BIG: u64 = 1 << 20;
     let w = slots_world();

@@ -94,14 +94,6 @@ impl<V: Api, C: hal_cuda::Api> CudaWorker<V, C> {
         Pending(result)
     }
 
-    /// Drops `value` on the worker once every job queued before has run:
-    /// for what holds memory those jobs' copies name (a peer's landing
-    /// slots), so it goes only after they are queued on their streams
-    /// (whose drops then wait for them).
-    pub(crate) fn drop_after_queued<T: Send + 'static>(&self, res: &Resources<V, C>, value: T) {
-        let _ = self.run(res, move |_| drop(value));
-    }
-
     /// Hands `job` to the thread (started at the first job); gives it back
     /// where there is no thread.
     fn queue(&self, job: Job<V, C>) -> Result<(), Job<V, C>> {

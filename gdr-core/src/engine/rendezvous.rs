@@ -78,6 +78,7 @@ use hal_cuda::{Context as _, Stream as _};
 use hal_verbs::Api;
 
 use super::completion::CompletionCell;
+use super::cuda_worker::Pending;
 use super::path::PathCx;
 use super::pipeline::{self, PendingCopy, StagingPool, TO_GPU, TO_HOST, copy_event};
 use super::resources::Resources;
@@ -206,6 +207,11 @@ pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
 pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
     inbox: VecDeque<ToOwner>,
     owner: Owner,
+    /// Landings of this peer handed to the CUDA worker when it went (see
+    /// `pump_landing`), each set once the worker has dropped it, its
+    /// streams synchronized: until then copies of the gone peer's requests
+    /// may still run, and its grants are not fenced.
+    retiring: Vec<Pending<()>>,
     /// Field order is drop order: the copies' events, then the slots
     /// (whose drop waits for their streams).
     copies: HashMap<CopyId, PendingCopy<C>>,
@@ -224,6 +230,7 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
         Self {
             inbox: VecDeque::new(),
             owner: Owner::new(limits),
+            retiring: Vec::new(),
             copies: HashMap::new(),
             slots: None,
         }
@@ -244,14 +251,21 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
         self.owner.close();
     }
 
-    /// Whether a copy for the peer's requests may still run.
+    /// Whether a copy for the peer's requests may still run: one of this
+    /// landing's, or one of a landing handed to the CUDA worker when the
+    /// peer went that the worker has not dropped yet.
     pub fn copying(&self) -> bool {
-        !self.copies.is_empty() || self.owner.copying()
+        !self.copies.is_empty()
+            || self.owner.copying()
+            || self.retiring.iter().any(|done| done.get().is_none())
     }
 
     /// Whether anything waits to be handled.
     pub fn is_idle(&self) -> bool {
-        self.inbox.is_empty() && self.owner.is_idle() && self.copies.is_empty()
+        self.inbox.is_empty()
+            && self.owner.is_idle()
+            && self.copies.is_empty()
+            && self.retiring.iter().all(|done| done.get().is_some())
     }
 }
 
@@ -583,9 +597,17 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
 ) -> usize {
     if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
         // Its slots go with it, on the CUDA worker once the copies queued
-        // there have been (their streams are synchronized then).
+        // there have been (their streams are synchronized then). Until the
+        // worker has dropped it, its copies may still run: the fresh
+        // landing keeps the worker's word for that (`copying`), so a
+        // revoke of a gone peer's grant waits for it.
+        let mut retiring = std::mem::take(&mut landing.retiring);
+        retiring.retain(|done| done.get().is_none());
         let gone = std::mem::replace(landing, Landing::new(&cx.res.config.peer_limits));
-        cx.res.cuda.drop_after_queued(cx.res, gone);
+        if gone.slots.is_some() || !gone.copies.is_empty() {
+            retiring.push(cx.res.cuda.run(cx.res, move |_| drop(gone)));
+        }
+        landing.retiring = retiring;
         return 1;
     }
     let now = cx.now;
