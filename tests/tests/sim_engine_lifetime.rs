@@ -193,13 +193,15 @@ fn a_revoked_staged_grant_stops_the_requests_already_accepted() {
 /// and returned while those copies were still queued, and they wrote the
 /// granted memory after it (bytes moved after the revoke in 4 to 14 runs
 /// in 30 when run alone). The fence now waits for the worker's drop
-/// (`Landing::copying`): 0 such runs in 30. Still ignored: its
-/// precondition, copies held by b's paused GPU, fails 4 runs in 30 (a
-/// free elsewhere in the process waits for every stream, which in the
-/// sim runs what a paused GPU holds), so it proves nothing then; run it
-/// with `--ignored` (issue 33).
+/// (`Landing::copying`): 0 such runs in 30.
+///
+/// Its precondition, copies held by b's paused GPU, failed 9 runs in 20:
+/// b's own driver and this thread's progress both made the peer's landing
+/// slots, and the loser's pinned buffer, freed, waited for every stream of
+/// the GPU as `cuMemFreeHost` does (the sim then runs what a paused GPU
+/// holds; a real one stalls the thread behind all its work). A landing's
+/// slots are now made by one thread (`Landing::claim_slots`): 0 in 30.
 #[test]
-#[ignore = "its precondition (copies held by a paused GPU) fails 4 runs in 30: a free in the process runs held work (issue 33)"]
 fn a_staged_grant_revoked_after_its_peer_went_waits_for_the_copies_still_running() {
     const BIG: u64 = 1 << 20;
     let w = slots_world();

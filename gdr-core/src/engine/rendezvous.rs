@@ -212,6 +212,10 @@ pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
     /// streams synchronized: until then copies of the gone peer's requests
     /// may still run, and its grants are not fenced.
     retiring: Vec<Pending<()>>,
+    /// A thread is making the slots outside the engine's lock
+    /// ([`Landing::claim_slots`]): no other makes a second set (whose
+    /// free, a pinned free, waits for the whole GPU).
+    making: bool,
     /// Field order is drop order: the copies' events, then the slots
     /// (whose drop waits for their streams).
     copies: HashMap<CopyId, PendingCopy<C>>,
@@ -231,6 +235,7 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
             inbox: VecDeque::new(),
             owner: Owner::new(limits),
             retiring: Vec::new(),
+            making: false,
             copies: HashMap::new(),
             slots: None,
         }
@@ -239,10 +244,19 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
     /// The GPU to pin landing slots with when the peer's requests wait for
     /// slots not made yet (made outside the engine's lock).
     pub fn wants_slots(&self) -> Option<u32> {
-        if self.slots.is_some() {
+        if self.slots.is_some() || self.making {
             return None;
         }
         self.owner.wants_slots()
+    }
+
+    /// [`Landing::wants_slots`], claiming the making for the caller until
+    /// it hands the result back ([`Landing::install`] or
+    /// [`Landing::slots_failed`]).
+    pub fn claim_slots(&mut self) -> Option<u32> {
+        let gpu = self.wants_slots()?;
+        self.making = true;
+        Some(gpu)
     }
 
     /// This side closes the connection: the peer's requests stop (see
@@ -425,13 +439,15 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
     /// Making the slots failed: the requests waiting for them fail
     /// (FAILED, at the protocol's next step).
     pub fn slots_failed(&mut self) {
+        self.making = false;
         self.owner.slots_failed();
     }
 
     /// Installs the slots made for the peer: the announcement to send, or
-    /// `None` when they were made already (another thread's progress made
-    /// them first; these go).
+    /// `None` when the peer has slots already (these go; the claim in
+    /// [`Landing::claim_slots`] keeps a second set from being made).
     pub fn install(&mut self, made: LandingSlots<V, C>) -> Option<SlotsAnnounce> {
+        self.making = false;
         if self.slots.is_some() {
             return None;
         }

@@ -383,17 +383,20 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
     /// The landing slots to make outside the lock ([`make_landing`]), for
     /// the peers still connected whose requests wait for them: by peer
     /// slot, with the GPU to pin them with (the first request's grant's).
-    /// Each result goes back through [`StagedPath::landing_made`].
-    pub(crate) fn landings_wanted(&self, cx: &PathCx<'_, V, C>) -> Vec<(usize, u32)> {
+    /// Each result goes back through [`StagedPath::landing_made`]; until
+    /// then no other thread is handed the same peer's (it would make a
+    /// second set only to free it).
+    pub(crate) fn landings_wanted(&mut self, cx: &PathCx<'_, V, C>) -> Vec<(usize, u32)> {
         self.peers
-            .iter()
+            .iter_mut()
             .enumerate()
             .filter_map(|(slot, peer)| {
-                let gpu = peer.as_ref()?.landing.wants_slots()?;
-                cx.wire
-                    .peer(slot)
-                    .is_some_and(|p| p.gone.is_none())
-                    .then_some((slot, gpu))
+                let landing = &mut peer.as_mut()?.landing;
+                landing.wants_slots()?;
+                if !cx.wire.peer(slot).is_some_and(|p| p.gone.is_none()) {
+                    return None;
+                }
+                landing.claim_slots().map(|gpu| (slot, gpu))
             })
             .collect()
     }

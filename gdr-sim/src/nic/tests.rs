@@ -701,3 +701,55 @@ fn lanes_lose_nothing_while_the_fabric_changes_under_them() {
         "some posts went the slow path"
     );
 }
+
+/// A deregistration of the MR that a fast-path WRITE is copying into (the
+/// post holding the fabric shared) waits until the bytes have landed, and
+/// the copy never runs into memory whose registration is gone.
+#[test]
+fn a_deregistration_waits_for_a_fast_path_copy() {
+    // A size no other copy of this test has, held in the copy hook.
+    const HELD: usize = 12 * 1024;
+    let fabric = SimFabric::new();
+    let (a, b) = (end(&fabric, "a", 16), end(&fabric, "b", 16));
+    connect(&a, &b);
+    let src = Buf::new(&a.pd, HELD, |i| (i % 251) as u8);
+    let mut dst = Buf::new(&b.pd, HELD, |_| 0);
+    let (started_tx, started_rx) = std::sync::mpsc::sync_channel(1);
+    let (go_tx, go_rx) = std::sync::mpsc::sync_channel::<()>(1);
+    let go_rx = std::sync::Mutex::new(go_rx);
+    fabric.lock().copy_hook = Some(Arc::new(move |len: usize| {
+        if len == HELD {
+            let _ = started_tx.send(());
+            let _ = go_rx.lock().unwrap().recv_timeout(3 * PATIENCE);
+        }
+    }));
+    let posts_before = fabric.read().fast_posts.load(std::sync::atomic::Ordering::Relaxed);
+    let dst_mr = dst.mr.take().unwrap();
+    let request = write(5, src.sge(), dst_mr.addr(), dst_mr.rkey());
+    let deregistered = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // SAFETY: `src` and `dst`'s memory outlive the scope.
+        let poster = s.spawn(|| unsafe { a.qp.post_send(&[request]) });
+        started_rx
+            .recv_timeout(PATIENCE)
+            .expect("the WRITE's copy started");
+        let deregistered = &deregistered;
+        let dereg = s.spawn(move || {
+            dst_mr.deregister().unwrap();
+            deregistered.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let early = deregistered.load(std::sync::atomic::Ordering::SeqCst);
+        let _ = go_tx.send(());
+        assert!(!early, "the deregistration ended while the bytes moved");
+        poster.join().unwrap().unwrap();
+        dereg.join().unwrap();
+    });
+    assert_eq!(
+        fabric.read().fast_posts.load(std::sync::atomic::Ordering::Relaxed),
+        posts_before + 1,
+        "the WRITE took the fast path"
+    );
+    assert_eq!(poll_one(&a.cq).status, WcStatus::SUCCESS);
+    assert_eq!(dst.data, src.data, "every byte landed before the MR went");
+}
