@@ -723,7 +723,10 @@ fn a_deregistration_waits_for_a_fast_path_copy() {
             let _ = go_rx.lock().unwrap().recv_timeout(3 * PATIENCE);
         }
     }));
-    let posts_before = fabric.read().fast_posts.load(std::sync::atomic::Ordering::Relaxed);
+    let posts_before = fabric
+        .read()
+        .fast_posts
+        .load(std::sync::atomic::Ordering::Relaxed);
     let dst_mr = dst.mr.take().unwrap();
     let request = write(5, src.sge(), dst_mr.addr(), dst_mr.rkey());
     let deregistered = std::sync::atomic::AtomicBool::new(false);
@@ -746,7 +749,10 @@ fn a_deregistration_waits_for_a_fast_path_copy() {
         dereg.join().unwrap();
     });
     assert_eq!(
-        fabric.read().fast_posts.load(std::sync::atomic::Ordering::Relaxed),
+        fabric
+            .read()
+            .fast_posts
+            .load(std::sync::atomic::Ordering::Relaxed),
         posts_before + 1,
         "the WRITE took the fast path"
     );
