@@ -200,8 +200,8 @@ fn measure_idle(
 
 /// `gdr bench idle`: every mode asked for, in order, its figures printed
 /// as each ends.
-pub(crate) fn idle_bench<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+pub(crate) fn idle_bench(
+    backends: &Backends,
     args: &IdleArgs,
 ) -> Result<Vec<IdleFigures>, Box<dyn Error>> {
     let window = Duration::try_from_secs_f64(args.seconds)
@@ -213,7 +213,8 @@ pub(crate) fn idle_bench<V: Api, C: hal_cuda::Api>(
         gap: Duration::from_millis(args.gap_ms),
     };
     let backend = backends.verbs_name();
-    let device = pick_device::<V>(backends.verbs(), args.common.device.as_deref())?;
+    let device =
+        pick_device::<hal_verbs::dynamic::DynApi>(backends.verbs(), args.common.device.as_deref())?;
     if !args.common.json {
         println!(
             "gdr bench idle on {device} ({backend}): one {REQ}-byte WRITE at a time, host memory; \
@@ -240,10 +241,10 @@ pub(crate) fn idle_bench<V: Api, C: hal_cuda::Api>(
     let mut measured = Vec::new();
     for &mode in &args.mode {
         let figures = match mode {
-            WaitMode::Verbs => verbs_floor::<V>(backends.verbs(), &device, args, plan)?,
-            WaitMode::Caller | WaitMode::Driver => {
-                engines::<V, C>(backends, &device, args, plan, mode)?
-            }
+            WaitMode::Verbs => on_verbs!(backends.verbs(), |A, p| verbs_floor::<A>(
+                p, &device, args, plan
+            ))?,
+            WaitMode::Caller | WaitMode::Driver => engines(backends, &device, args, plan, mode)?,
         };
         if args.common.json {
             println!("{}", idle_json_line(&figures, backend, &device, plan));
@@ -268,8 +269,8 @@ pub(crate) fn idle_bench<V: Api, C: hal_cuda::Api>(
 /// `caller` and `driver`: two engines in this process (as `gdr bench
 /// engine`), the listener's 4 KiB granted to the other, which WRITEs into
 /// it.
-fn engines<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+fn engines(
+    backends: &Backends,
     device: &str,
     args: &IdleArgs,
     plan: IdlePlan,
@@ -282,7 +283,7 @@ fn engines<V: Api, C: hal_cuda::Api>(
         host_memory_config(),
         REQ as u64,
     )?;
-    let buffer = host_buffer::<C>(REQ as u64, 0x5a)?;
+    let buffer = host_buffer(REQ as u64, 0x5a)?;
     let local = target.engine.register(&buffer)?;
     let _drivers: Vec<Driver> = match (mode, &target.server) {
         (WaitMode::Driver, Some(server)) => vec![

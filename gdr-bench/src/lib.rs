@@ -90,7 +90,28 @@ use hal_verbs::{
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 
-use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
+use gdr_core::backend::{BackendChoice, Backends};
+
+/// Runs `$body` with `$A` the verbs backend behind the erased `$provider`
+/// and `$p` that backend's own provider: the bare loops measure a backend
+/// on its own types (the floor the engine, which runs erased, is held
+/// to). A backend not named here runs erased.
+macro_rules! on_verbs {
+    ($provider:expr, |$A:ident, $p:ident| $body:expr) => {{
+        let provider: &hal_verbs::dynamic::DynProvider = $provider;
+        if let Some($p) = provider.downcast_ref::<gdr_core::sim::SimVerbsApi>() {
+            type $A = gdr_core::sim::SimVerbsApi;
+            $body
+        } else if let Some($p) = provider.downcast_ref::<hal_verbs::rdma::RdmaApi>() {
+            type $A = hal_verbs::rdma::RdmaApi;
+            $body
+        } else {
+            type $A = hal_verbs::dynamic::DynApi;
+            let $p = provider;
+            $body
+        }
+    }};
+}
 
 mod idle;
 mod scale;
@@ -317,20 +338,11 @@ impl<A: Api> HostRegion<A> {
 /// Runs `command` on the backends `choice` leads to (their notes printed
 /// first, as every `gdr` command does).
 pub fn run(choice: BackendChoice, command: BenchCommand) -> Result<(), Box<dyn Error>> {
-    struct Bench(BenchCommand);
-
-    impl BackendTask for Bench {
-        type Output = Result<(), Box<dyn Error>>;
-
-        fn run<V: Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
-            for note in backends.notes() {
-                println!("{note}");
-            }
-            run_on(&backends, self.0)
-        }
+    let backends = Backends::choose(choice)?;
+    for note in backends.notes() {
+        println!("{note}");
     }
-
-    run_with(choice, Bench(command)).unwrap_or_else(|e| Err(e.into()))
+    run_on(&backends, command)
 }
 
 /// A size with an optional binary suffix (K, M, G: powers of 1024; `KiB`
@@ -351,16 +363,13 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{text:?} is out of range"))
 }
 
-fn run_on<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
-    command: BenchCommand,
-) -> Result<(), Box<dyn Error>> {
+fn run_on(backends: &Backends, command: BenchCommand) -> Result<(), Box<dyn Error>> {
     match command {
         BenchCommand::Rdma(args) => {
             if backends.verbs_name() == "sim" && !args.common.json {
                 println!("(simulated NIC: the figures measure gdr-sim, not a device)");
             }
-            rdma::<V>(backends.verbs(), &args)
+            on_verbs!(backends.verbs(), |A, p| rdma::<A>(p, &args))
         }
         BenchCommand::Engine(args) => {
             if backends.verbs_name() == "sim" && !args.common.json {
@@ -904,11 +913,7 @@ fn parse_message(tag: &[u8; 4], message: &[u8]) -> Result<u64, Box<dyn Error>> {
 }
 
 /// Sends `tag` and `value` and waits until the peer's NIC has it.
-fn send_message<V: Api, C: hal_cuda::Api>(
-    peer: &Peer<V, C>,
-    tag: &[u8; 4],
-    value: u64,
-) -> Result<(), Box<dyn Error>> {
+fn send_message(peer: &Peer, tag: &[u8; 4], value: u64) -> Result<(), Box<dyn Error>> {
     peer.send(&message(tag, value))?.wait(ENGINE_TIMEOUT)?;
     Ok(())
 }
@@ -916,11 +921,7 @@ fn send_message<V: Api, C: hal_cuda::Api>(
 /// The peer's next message: the engine's reactor parks the waiting
 /// thread (after a short spin), so it does not take the CPU that moves
 /// the packets.
-fn recv_message<V: Api, C: hal_cuda::Api>(
-    peer: &Peer<V, C>,
-    tag: &[u8; 4],
-    timeout: Duration,
-) -> Result<u64, Box<dyn Error>> {
+fn recv_message(peer: &Peer, tag: &[u8; 4], timeout: Duration) -> Result<u64, Box<dyn Error>> {
     match peer.recv(timeout) {
         Ok(m) => parse_message(tag, &m),
         Err(EngineError::Timeout(_)) => Err(format!(
@@ -933,11 +934,11 @@ fn recv_message<V: Api, C: hal_cuda::Api>(
 }
 
 /// An engine of the backends' provider on `device`, or on every NIC.
-fn engine_on<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+fn engine_on(
+    backends: &Backends,
     device: Option<&str>,
     config: EngineConfig,
-) -> Result<Engine<V, C>, EngineError> {
+) -> Result<Engine, EngineError> {
     Engine::new(
         backends.verbs(),
         None,
@@ -951,8 +952,8 @@ fn engine_on<V: Api, C: hal_cuda::Api>(
 /// `gdr bench engine --listen ADDR`: one engine (on `device`, or every
 /// NIC) serving one client: grants it the host memory it asks for, then
 /// waits, doing nothing, until it is done (its requests are one-sided).
-fn serve_engine<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+fn serve_engine(
+    backends: &Backends,
     addr: SocketAddr,
     device: Option<&str>,
     config: EngineConfig,
@@ -983,7 +984,7 @@ fn serve_engine<V: Api, C: hal_cuda::Api>(
             Err(e) => eprintln!("gdr bench engine: a client left without asking ({e}); waiting"),
         }
     };
-    let buffer = host_buffer::<C>(span, 0xa5)?;
+    let buffer = host_buffer(span, 0xa5)?;
     let region = engine.register(&buffer)?;
     let grant = peer.grant(&region, 0, span, GrantRights::ReadWrite)?;
     send_message(&peer, GRANT, grant.descriptor().grant)?;
@@ -999,40 +1000,37 @@ fn serve_engine<V: Api, C: hal_cuda::Api>(
 
 /// Where the measured batches go: the engine that submits them, its peer,
 /// and the peer's grant of `span` bytes.
-struct Target<V: Api, C: hal_cuda::Api> {
-    engine: Engine<V, C>,
-    peer: Peer<V, C>,
+struct Target {
+    engine: Engine,
+    peer: Peer,
     descriptor: MemoryDescriptor,
     /// The NIC the batches leave by (the first queue pair's).
     device: String,
     /// The address connected to.
     addr: SocketAddr,
     /// In-process: the serving engine's side, kept until the end.
-    server: Option<InProcessServer<V, C>>,
+    server: Option<InProcessServer>,
 }
 
 /// The serving side of the in-process pair. Field order is drop order:
 /// the grant (and its memory), then the engines.
-struct InProcessServer<V: Api, C: hal_cuda::Api> {
-    _served: Served<V, C>,
-    pair: EnginePair<V, C>,
+struct InProcessServer {
+    _served: Served,
+    pair: EnginePair,
 }
 
 /// Host memory a serving engine granted one peer. Field order is drop
 /// order: the grant, its region, the memory.
-pub(crate) struct Served<V: Api, C: hal_cuda::Api> {
-    _grant: RegionGrant<V, C>,
-    _region: Region<V>,
-    _buffer: Buffer<C>,
+pub(crate) struct Served {
+    _grant: RegionGrant,
+    _region: Region,
+    _buffer: Buffer,
 }
 
 /// A host buffer of `len` bytes, each `byte` (touched before it is
 /// registered, so no page is faulted in while a clock runs).
-pub(crate) fn host_buffer<C: hal_cuda::Api>(
-    len: u64,
-    byte: u8,
-) -> Result<Buffer<C>, Box<dyn Error>> {
-    let buffer = Buffer::<C>::alloc_host(len);
+pub(crate) fn host_buffer(len: u64, byte: u8) -> Result<Buffer, Box<dyn Error>> {
+    let buffer = Buffer::alloc_host(len);
     buffer.write_at(0, &vec![byte; usize::try_from(len)?])?;
     Ok(buffer)
 }
@@ -1040,13 +1038,13 @@ pub(crate) fn host_buffer<C: hal_cuda::Api>(
 /// `span` bytes of `server`'s host memory granted (read and write) to the
 /// peer `to_client` serves, and the descriptor `to_server` (that peer's
 /// end) received of it.
-pub(crate) fn grant_host<V: Api, C: hal_cuda::Api>(
-    server: &Engine<V, C>,
-    to_client: &Peer<V, C>,
-    to_server: &Peer<V, C>,
+pub(crate) fn grant_host(
+    server: &Engine,
+    to_client: &Peer,
+    to_server: &Peer,
     span: u64,
-) -> Result<(Served<V, C>, MemoryDescriptor), Box<dyn Error>> {
-    let buffer = host_buffer::<C>(span, 0xa5)?;
+) -> Result<(Served, MemoryDescriptor), Box<dyn Error>> {
+    let buffer = host_buffer(span, 0xa5)?;
     let region = server.register(&buffer)?;
     let grant = to_client.grant(&region, 0, span, GrantRights::ReadWrite)?;
     let descriptor = to_server.wait_grant(grant.descriptor().grant, ENGINE_TIMEOUT)?;
@@ -1060,12 +1058,12 @@ pub(crate) fn grant_host<V: Api, C: hal_cuda::Api>(
     ))
 }
 
-impl<V: Api, C: hal_cuda::Api> Target<V, C> {
+impl Target {
     /// Two engines in this process ([`connect_engines`], on `device` or
     /// the first, listening on `port`'s address), the server granting
     /// `span` bytes of host memory.
     fn in_process(
-        backends: &Backends<V, C>,
+        backends: &Backends,
         device: Option<&str>,
         port: u8,
         config: EngineConfig,
@@ -1090,7 +1088,7 @@ impl<V: Api, C: hal_cuda::Api> Target<V, C> {
     /// An engine here connected to a `--listen` server at `addr` (retrying
     /// while it does not listen yet), which grants `span` bytes.
     fn remote(
-        backends: &Backends<V, C>,
+        backends: &Backends,
         addr: SocketAddr,
         device: Option<&str>,
         config: EngineConfig,
@@ -1152,24 +1150,24 @@ const SPAN_CAP: usize = 16 << 20;
 /// address (its RoCE v2 GID); `client` on the peer provider (the same
 /// device on real hardware, another node of the fabric on the sim),
 /// connected to it.
-pub(crate) struct EnginePair<V: Api, C: hal_cuda::Api> {
+pub(crate) struct EnginePair {
     /// The connecting engine.
-    pub(crate) client: Engine<V, C>,
+    pub(crate) client: Engine,
     /// The listening engine.
-    pub(crate) server: Engine<V, C>,
+    pub(crate) server: Engine,
     /// The client's peer: the server.
-    pub(crate) to_server: Peer<V, C>,
+    pub(crate) to_server: Peer,
     /// The server's peer: the client.
-    pub(crate) to_client: Peer<V, C>,
+    pub(crate) to_client: Peer,
     /// The device the server listens on.
     pub(crate) device: String,
     /// Where it listens.
     pub(crate) addr: SocketAddr,
     // Last: outlives the engines opened from it.
-    _peer_provider: V::Provider,
+    _peer_provider: hal_verbs::dynamic::DynProvider,
 }
 
-impl<V: Api, C: hal_cuda::Api> fmt::Debug for EnginePair<V, C> {
+impl fmt::Debug for EnginePair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EnginePair")
             .field("device", &self.device)
@@ -1179,8 +1177,8 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for EnginePair<V, C> {
 }
 
 /// The first IPv4 (else IPv6) RoCE v2 address of `device`'s `port`.
-fn device_address<V: Api>(
-    provider: &V::Provider,
+fn device_address(
+    provider: &hal_verbs::dynamic::DynProvider,
     device: &str,
     port: u8,
 ) -> Result<IpAddr, Box<dyn Error>> {
@@ -1207,31 +1205,28 @@ pub(crate) fn host_memory_config() -> EngineConfig {
 /// Two engines in this process, not connected yet: `server` on a device
 /// of the backends' provider, `client` on the peer provider (as in
 /// [`EnginePair`]).
-pub(crate) struct Engines<V: Api, C: hal_cuda::Api> {
-    pub(crate) client: Engine<V, C>,
-    pub(crate) server: Engine<V, C>,
+pub(crate) struct Engines {
+    pub(crate) client: Engine,
+    pub(crate) server: Engine,
     /// The server's device.
     pub(crate) device: String,
     /// Its RoCE v2 address, where the server listens.
     ip: IpAddr,
     // Last: outlives the engines opened from it.
-    peer_provider: V::Provider,
+    peer_provider: hal_verbs::dynamic::DynProvider,
 }
 
-impl<V: Api, C: hal_cuda::Api> Engines<V, C> {
+impl Engines {
     /// A listener of the server on its device's address (a port of its
     /// own).
-    pub(crate) fn listen(&self) -> Result<EngineListener<V, C>, EngineError> {
+    pub(crate) fn listen(&self) -> Result<EngineListener, EngineError> {
         self.server.listen(SocketAddr::new(self.ip, 0))
     }
 
     /// One more peer of the client, accepted by `listener` (in another
     /// thread meanwhile): the client's end (to the server) and the
     /// server's.
-    pub(crate) fn connect(
-        &self,
-        listener: &EngineListener<V, C>,
-    ) -> Result<Ends<V, C>, EngineError> {
+    pub(crate) fn connect(&self, listener: &EngineListener) -> Result<Ends, EngineError> {
         let addr = listener.local_addr();
         std::thread::scope(|s| {
             let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
@@ -1247,17 +1242,17 @@ impl<V: Api, C: hal_cuda::Api> Engines<V, C> {
 
 /// The two ends of one connection between two engines: the client's peer
 /// (the server) and the server's (the client).
-pub(crate) type Ends<V, C> = (Peer<V, C>, Peer<V, C>);
+pub(crate) type Ends = (Peer, Peer);
 
 /// Starts two engines (`config`, on `device` or the first one) and
 /// connects them; GPU memory of `cuda` for both.
-pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+pub(crate) fn connect_engines(
+    backends: &Backends,
     device: Option<&str>,
     port: u8,
-    cuda: Option<&C::Driver>,
+    cuda: Option<&hal_cuda::dynamic::DynDriver>,
     config: EngineConfig,
-) -> Result<EnginePair<V, C>, Box<dyn Error>> {
+) -> Result<EnginePair, Box<dyn Error>> {
     let engines = start_engines(backends, device, port, cuda, config)?;
     let listener = engines.listen()?;
     let addr = listener.local_addr();
@@ -1282,16 +1277,16 @@ pub(crate) fn connect_engines<V: Api, C: hal_cuda::Api>(
 
 /// Starts two engines (`config`, on `device` or the first one), to be
 /// connected; GPU memory of `cuda` for both.
-pub(crate) fn start_engines<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+pub(crate) fn start_engines(
+    backends: &Backends,
     device: Option<&str>,
     port: u8,
-    cuda: Option<&C::Driver>,
+    cuda: Option<&hal_cuda::dynamic::DynDriver>,
     config: EngineConfig,
-) -> Result<Engines<V, C>, Box<dyn Error>> {
+) -> Result<Engines, Box<dyn Error>> {
     let provider = backends.verbs();
-    let device = pick_device::<V>(provider, device)?;
-    let ip = device_address::<V>(provider, &device, port)?;
+    let device = pick_device::<hal_verbs::dynamic::DynApi>(provider, device)?;
+    let ip = device_address(provider, &device, port)?;
     let server = Engine::new(
         provider,
         cuda,
@@ -1397,8 +1392,8 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 }
 
 /// `gdr bench engine`: the measurements made (none when serving).
-fn engine_bench<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+fn engine_bench(
+    backends: &Backends,
     args: &EngineArgs,
 ) -> Result<Vec<EngineMeasurement>, Box<dyn Error>> {
     let defaults = EngineConfig::default();
@@ -1440,7 +1435,7 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
             span,
         )?,
     };
-    let local_buffer = host_buffer::<C>(span, 0x5a)?;
+    let local_buffer = host_buffer(span, 0x5a)?;
     let local = target.engine.register(&local_buffer)?;
     let _driver = match args.progress {
         Progress::Driver => Some(target.engine.spawn_driver()?),
@@ -1577,15 +1572,15 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
 /// bytes (the last one shorter where the budget ends inside it), at most
 /// `plan.depth` in flight, until the budget is spent; the clock runs from
 /// the first submission to the moment the last batch is seen done.
-pub(crate) fn measure_engine<V: Api, C: hal_cuda::Api>(
-    engine: &Engine<V, C>,
-    peer: &Peer<V, C>,
+pub(crate) fn measure_engine(
+    engine: &Engine,
+    peer: &Peer,
     remote: &MemoryDescriptor,
-    local: &Region<V>,
+    local: &Region,
     plan: EnginePlan,
 ) -> Result<EngineMeasurement, Box<dyn Error>> {
     let size = plan.size as u64;
-    let transfers: Vec<Transfer<'_, V>> = (0..plan.batch as usize)
+    let transfers: Vec<Transfer<'_>> = (0..plan.batch as usize)
         .map(|i| {
             let offset = (i % plan.slots) as u64 * size;
             match plan.op {
@@ -1594,7 +1589,7 @@ pub(crate) fn measure_engine<V: Api, C: hal_cuda::Api>(
             }
         })
         .collect();
-    let mut in_flight: VecDeque<(Batch<V, C>, Instant, u64)> =
+    let mut in_flight: VecDeque<(Batch, Instant, u64)> =
         VecDeque::with_capacity(plan.depth as usize);
     let mut latencies = Vec::new();
     let (mut submitted, mut requests, mut batches) = (0u64, 0u64, 0u64);
@@ -1860,14 +1855,16 @@ mod tests {
         let fabric = SimFabric::new();
         let node = |name: &str| {
             let other = fabric.clone();
-            Backends::<SimVerbsApi, gdr_sim::SimCudaApi>::new(
-                fabric.add_node(name, NodeConfig::default()),
+            let verbs = fabric.add_node(name, NodeConfig::default());
+            let ip = verbs.device_ipv4("sim0").expect("sim0's address");
+            let backends = Backends::new::<gdr_sim::nic::SimVerbsApi, gdr_sim::SimCudaApi>(
+                verbs,
                 None,
                 move || other.add_node("unused", NodeConfig::default()),
-            )
+            );
+            (backends, ip)
         };
-        let (server, client) = (node("server"), node("client"));
-        let ip = server.verbs().device_ipv4("sim0").expect("sim0's address");
+        let ((server, ip), (client, _)) = (node("server"), node("client"));
         let args = |listen, connect| EngineArgs {
             sizes: vec![4096, 1 << 20],
             ops: vec![Op::Write, Op::Read],

@@ -249,10 +249,7 @@ struct Shape {
 
 /// `gdr bench scale`: every mode at every thread count, printed as each
 /// point ends; then the set-up of `--peers`.
-pub(crate) fn scale_bench<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
-    args: &ScaleArgs,
-) -> Result<Scaled, Box<dyn Error>> {
+pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scaled, Box<dyn Error>> {
     if u32::try_from(args.size).is_err() {
         return Err(format!("{} bytes exceed one work request's 4 GiB", args.size).into());
     }
@@ -265,7 +262,8 @@ pub(crate) fn scale_bench<V: Api, C: hal_cuda::Api>(
     };
     let threads = thread_counts(&args.threads);
     let modes: &[ScaleMode] = if args.peers_only { &[] } else { &args.modes };
-    let device = pick_device::<V>(backends.verbs(), args.common.device.as_deref())?;
+    let device =
+        pick_device::<hal_verbs::dynamic::DynApi>(backends.verbs(), args.common.device.as_deref())?;
     let backend = backends.verbs_name();
     let defaults = EngineConfig::default();
     let config = EngineConfig {
@@ -304,7 +302,13 @@ pub(crate) fn scale_bench<V: Api, C: hal_cuda::Api>(
         for &t in &threads {
             progress.set_message(format!("{} at {t} threads", mode.name()));
             let point = match mode {
-                ScaleMode::Bare => bare::<V>(backends.verbs(), &device, args.common.port, t, shape),
+                ScaleMode::Bare => on_verbs!(backends.verbs(), |A, p| bare::<A>(
+                    p,
+                    &device,
+                    args.common.port,
+                    t,
+                    shape
+                )),
                 ScaleMode::OneEngine => {
                     one_engine(backends, &device, args.common.port, &config, t, shape)
                 }
@@ -477,22 +481,22 @@ fn bare<A: Api>(
 
 /// One thread's peer in the engine modes, and the memory it WRITEs from.
 /// Field order is drop order: the region before its memory.
-struct EngineLane<'a, V: Api, C: hal_cuda::Api> {
-    engine: &'a Engine<V, C>,
-    peer: &'a Peer<V, C>,
+struct EngineLane<'a> {
+    engine: &'a Engine,
+    peer: &'a Peer,
     remote: &'a MemoryDescriptor,
-    local: Region<V>,
-    _memory: Buffer<C>,
+    local: Region,
+    _memory: Buffer,
 }
 
-impl<'a, V: Api, C: hal_cuda::Api> EngineLane<'a, V, C> {
+impl<'a> EngineLane<'a> {
     fn new(
-        engine: &'a Engine<V, C>,
-        peer: &'a Peer<V, C>,
+        engine: &'a Engine,
+        peer: &'a Peer,
         remote: &'a MemoryDescriptor,
         span: u64,
     ) -> Result<Self, Box<dyn Error>> {
-        let memory = host_buffer::<C>(span, 0x5a)?;
+        let memory = host_buffer(span, 0x5a)?;
         let local = engine.register(&memory)?;
         Ok(Self {
             engine,
@@ -511,9 +515,9 @@ fn engine_span(shape: Shape) -> u64 {
 }
 
 /// The engine modes' loop on `lanes`: one batch in flight per thread.
-fn run_engine_lanes<V: Api, C: hal_cuda::Api>(
+fn run_engine_lanes(
     mode: ScaleMode,
-    lanes: &[EngineLane<'_, V, C>],
+    lanes: &[EngineLane<'_>],
     shape: Shape,
 ) -> Result<Point, Box<dyn Error>> {
     let plan = EnginePlan {
@@ -538,8 +542,8 @@ fn run_engine_lanes<V: Api, C: hal_cuda::Api>(
 
 /// `one-engine` at `threads`: one client engine, `threads` peers to one
 /// server engine, each granted host memory of its own.
-fn one_engine<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+fn one_engine(
+    backends: &Backends,
     device: &str,
     port: u8,
     config: &EngineConfig,
@@ -569,8 +573,8 @@ fn one_engine<V: Api, C: hal_cuda::Api>(
 
 /// `engines` at `threads`: `threads` pairs of engines (as `gdr bench
 /// engine`), one peer each.
-fn engines<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+fn engines(
+    backends: &Backends,
     device: &str,
     port: u8,
     config: &EngineConfig,
@@ -605,8 +609,8 @@ const SETTLE: Duration = Duration::from_millis(200);
 
 /// `--peers`: the sequential set-up, idle CPU with its peers, then the
 /// concurrent set-up on fresh engines.
-fn peers_bench<V: Api, C: hal_cuda::Api>(
-    backends: &Backends<V, C>,
+fn peers_bench(
+    backends: &Backends,
     device: &str,
     args: &ScaleArgs,
     config: EngineConfig,
@@ -723,28 +727,24 @@ fn idle_with(peers: usize, window: Duration) -> Result<IdleWith, Box<dyn Error>>
 }
 
 /// The clients' ends and the server's ends of the peers set up.
-type PeerEnds<V, C> = (Vec<Peer<V, C>>, Vec<Peer<V, C>>);
+type PeerEnds = (Vec<Peer>, Vec<Peer>);
 
 /// Sets up `n` peers from `engines.client` to `listener`: `threads`
 /// connecting threads, each connecting its share one after another until
 /// one fails, and `threads` accepting.
-fn set_up_peers<V: Api, C: hal_cuda::Api>(
-    engines: &Engines<V, C>,
-    listener: &EngineListener<V, C>,
+fn set_up_peers(
+    engines: &Engines,
+    listener: &EngineListener,
     n: usize,
     threads: usize,
-) -> (SetUp, PeerEnds<V, C>) {
+) -> (SetUp, PeerEnds) {
     let addr = listener.local_addr();
     let connecting_done = AtomicBool::new(false);
     let (connected, accepted) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let started = Instant::now();
     /// What one thread set up: its peers, its failures, when its last
     /// success was.
-    type Outcome<V, C> = (
-        Vec<Peer<V, C>>,
-        Vec<(Instant, EngineError)>,
-        Option<Instant>,
-    );
+    type Outcome = (Vec<Peer>, Vec<(Instant, EngineError)>, Option<Instant>);
     let (connects, accepts) = std::thread::scope(|s| {
         let accepting: Vec<_> = (0..threads)
             .map(|_| {
@@ -800,7 +800,7 @@ fn set_up_peers<V: Api, C: hal_cuda::Api>(
                 })
             })
             .collect();
-        let join = |thread: std::thread::ScopedJoinHandle<'_, Outcome<V, C>>| {
+        let join = |thread: std::thread::ScopedJoinHandle<'_, Outcome>| {
             thread
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
@@ -812,7 +812,7 @@ fn set_up_peers<V: Api, C: hal_cuda::Api>(
             accepting.into_iter().map(join).collect::<Vec<_>>(),
         )
     });
-    let mut ends: PeerEnds<V, C> = (Vec::new(), Vec::new());
+    let mut ends: PeerEnds = (Vec::new(), Vec::new());
     let mut failures = Vec::new();
     let mut last = started;
     for (side, outcomes) in [(&mut ends.0, connects), (&mut ends.1, accepts)] {

@@ -31,13 +31,10 @@ use std::time::Duration;
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{Engine, EngineConfig, Op, Peer, Region, Transfer};
-use gdr_sim::{DeviceConfig, NodeConfig, SimCudaApi, SimFabric, SimVerbs, SimVerbsApi};
+use gdr_sim::{DeviceConfig, NodeConfig, SimFabric, SimVerbs};
 use tokio::task::{JoinSet, spawn_blocking};
 use tokio::time::timeout;
 
-type SimEngine = Engine<SimVerbsApi, SimCudaApi>;
-type SimPeer = Peer<SimVerbsApi, SimCudaApi>;
-type SimRegion = Region<SimVerbsApi>;
 type BoxError = Box<dyn Error + Send + Sync>;
 
 /// How many batches are in flight at once, and the size of each one's part.
@@ -48,7 +45,7 @@ const LEN: u64 = PARTS * PART;
 const T: Duration = Duration::from_secs(10);
 
 /// A node of `fabric` with one simulated NIC (`sim0`) and an engine on it.
-fn engine(fabric: &SimFabric, name: &str) -> Result<(SimVerbs, SimEngine), BoxError> {
+fn engine(fabric: &SimFabric, name: &str) -> Result<(SimVerbs, Engine), BoxError> {
     let node = fabric.add_node(
         name,
         NodeConfig {
@@ -62,17 +59,13 @@ fn engine(fabric: &SimFabric, name: &str) -> Result<(SimVerbs, SimEngine), BoxEr
         default_timeout: T,
         ..EngineConfig::default()
     };
-    let engine = SimEngine::new(&node, None, config)?;
+    let engine = Engine::new(&node.erased(), None, config)?;
     Ok((node, engine))
 }
 
 /// b listens (accepting on a thread of its own), a connects: (a's peer b,
 /// b's peer a). Blocking.
-fn connect(
-    a: &SimEngine,
-    b: &SimEngine,
-    b_node: &SimVerbs,
-) -> Result<(SimPeer, SimPeer), BoxError> {
+fn connect(a: &Engine, b: &Engine, b_node: &SimVerbs) -> Result<(Peer, Peer), BoxError> {
     let listener = b.listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
     let ip = b_node.device_ipv4("sim0").ok_or("sim0 has no address")?;
     let addr = SocketAddr::new(IpAddr::V4(ip), listener.local_addr().port());
@@ -97,8 +90,8 @@ fn pattern(len: u64) -> Vec<u8> {
 /// its own, all of them at once, each outcome checked.
 async fn every_part(
     op: Op,
-    peer: &SimPeer,
-    local: &SimRegion,
+    peer: &Peer,
+    local: &Region,
     remote: &MemoryDescriptor,
 ) -> Result<(), BoxError> {
     let mut tasks = JoinSet::new();
@@ -131,8 +124,8 @@ async fn every_part(
 /// A task on this runtime drives each engine (gdr-core's feature `tokio`).
 #[cfg(feature = "tokio")]
 fn drivers(
-    a: &SimEngine,
-    b: &SimEngine,
+    a: &Engine,
+    b: &Engine,
 ) -> Result<(gdr_core::engine::AsyncDriver, gdr_core::engine::AsyncDriver), BoxError> {
     println!("driven by tokio tasks (Engine::drive_on_tokio)");
     Ok((a.drive_on_tokio()?, b.drive_on_tokio()?))
@@ -141,8 +134,8 @@ fn drivers(
 /// A thread drives each engine (without gdr-core's feature `tokio`).
 #[cfg(not(feature = "tokio"))]
 fn drivers(
-    a: &SimEngine,
-    b: &SimEngine,
+    a: &Engine,
+    b: &Engine,
 ) -> Result<(gdr_core::engine::Driver, gdr_core::engine::Driver), BoxError> {
     println!("driven by threads (Engine::spawn_driver)");
     Ok((a.spawn_driver()?, b.spawn_driver()?))
@@ -152,10 +145,10 @@ fn drivers(
 async fn main() -> Result<(), BoxError> {
     // The memory first: it outlives everything that could still move it.
     let data = pattern(LEN);
-    let src = Buffer::<SimCudaApi>::alloc_host(LEN);
+    let src = Buffer::alloc_host(LEN);
     src.write_at(0, &data)?;
-    let dst = Buffer::<SimCudaApi>::alloc_host(LEN);
-    let back = Buffer::<SimCudaApi>::alloc_host(LEN);
+    let dst = Buffer::alloc_host(LEN);
+    let back = Buffer::alloc_host(LEN);
 
     let fabric = SimFabric::new();
     let (_a_node, a) = engine(&fabric, "a")?;

@@ -1,10 +1,10 @@
 //! The run-time backend choice, shared by the `gdr` command, the C ABI and
 //! library users: which verbs provider and which CUDA driver this process
-//! uses, chosen once, and one generic dispatch so that code using them is
-//! written once for every combination.
+//! uses, chosen once and erased (the HALs' `dynamic` modules), so that code
+//! using them is compiled once for every combination.
 //!
-//! The rest of gdr-core is generic over the HAL traits; this module is the
-//! one place that names backends, each behind a feature:
+//! This module is the one place in gdr-core that names backends, each
+//! behind a feature:
 //!
 //! | feature | backend | build needs |
 //! | --- | --- | --- |
@@ -15,19 +15,11 @@
 //! The module needs `sim`, or both `rdma` and `cuda`.
 //!
 //! ```no_run
-//! use gdr_core::backend::{BackendChoice, BackendTask, Backends, run_with};
+//! use gdr_core::backend::{BackendChoice, Backends};
 //! use hal_verbs::Provider as _;
 //!
-//! struct CountDevices;
-//!
-//! impl BackendTask for CountDevices {
-//!     type Output = usize;
-//!     fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> usize {
-//!         backends.verbs().devices().map_or(0, |d| d.len())
-//!     }
-//! }
-//!
-//! let devices = run_with(BackendChoice::Auto, CountDevices)?;
+//! let backends = Backends::choose(BackendChoice::Auto)?;
+//! let devices = backends.verbs().devices().map_or(0, |d| d.len());
 //! # Ok::<(), gdr_core::backend::BackendError>(())
 //! ```
 
@@ -91,20 +83,20 @@ pub enum BackendError {
 }
 
 /// Makes a provider for another endpoint in this process.
-type PeerFactory<V> = Arc<dyn Fn() -> <V as hal_verbs::Api>::Provider + Send + Sync>;
+type PeerFactory = Arc<dyn Fn() -> hal_verbs::dynamic::DynProvider + Send + Sync>;
 
-/// The backends chosen for this process, handed to a [`BackendTask`]: the
+/// The backends chosen for this process ([`Backends::choose`]): the
 /// verbs provider, the CUDA driver where there is one, a way to make a
 /// second endpoint in this process, and what was chosen and why.
-pub struct Backends<V: hal_verbs::Api, C: hal_cuda::Api> {
-    verbs: V::Provider,
-    cuda: Option<C::Driver>,
+pub struct Backends {
+    verbs: hal_verbs::dynamic::DynProvider,
+    cuda: Option<hal_cuda::dynamic::DynDriver>,
     gpu_reachable: bool,
-    peer: PeerFactory<V>,
+    peer: PeerFactory,
     notes: Vec<String>,
 }
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> fmt::Debug for Backends<V, C> {
+impl fmt::Debug for Backends {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Backends")
             .field("verbs", &self.verbs)
@@ -115,19 +107,22 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> fmt::Debug for Backends<V, C> {
     }
 }
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> Backends<V, C> {
-    /// Backends from parts: `peer` makes the provider
+impl Backends {
+    /// Backends from parts, erased here (`hal_verbs::dynamic`,
+    /// `hal_cuda::dynamic`: +0.4 % instructions per request in
+    /// `scripts/engine-callgrind.sh`), so one engine type serves every
+    /// backend: `peer` makes the provider
     /// [`peer_provider`](Self::peer_provider) returns.
-    pub fn new(
-        verbs: V::Provider,
-        cuda: Option<C::Driver>,
-        peer: impl Fn() -> V::Provider + Send + Sync + 'static,
+    pub fn new<Verbs: hal_verbs::Api, Cuda: hal_cuda::Api>(
+        verbs: Verbs::Provider,
+        cuda: Option<Cuda::Driver>,
+        peer: impl Fn() -> Verbs::Provider + Send + Sync + 'static,
     ) -> Self {
         Self {
-            verbs,
-            cuda,
+            verbs: hal_verbs::dynamic::DynProvider::new::<Verbs>(verbs),
+            cuda: cuda.map(hal_cuda::dynamic::DynDriver::new::<Cuda>),
             gpu_reachable: true,
-            peer: Arc::new(peer),
+            peer: Arc::new(move || hal_verbs::dynamic::DynProvider::new::<Verbs>(peer())),
             notes: Vec::new(),
         }
     }
@@ -148,12 +143,12 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backends<V, C> {
     }
 
     /// The verbs provider.
-    pub fn verbs(&self) -> &V::Provider {
+    pub fn verbs(&self) -> &hal_verbs::dynamic::DynProvider {
         &self.verbs
     }
 
     /// The CUDA driver; `None` where there is no GPU to use.
-    pub fn cuda(&self) -> Option<&C::Driver> {
+    pub fn cuda(&self) -> Option<&hal_cuda::dynamic::DynDriver> {
         self.cuda.as_ref()
     }
 
@@ -166,7 +161,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backends<V, C> {
 
     /// The CUDA driver whose memory the NIC can register: [`cuda`](Self::cuda)
     /// where [`nic_reaches_gpu`](Self::nic_reaches_gpu), else `None`.
-    pub fn registrable_cuda(&self) -> Option<&C::Driver> {
+    pub fn registrable_cuda(&self) -> Option<&hal_cuda::dynamic::DynDriver> {
         self.cuda.as_ref().filter(|_| self.gpu_reachable)
     }
 
@@ -175,7 +170,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backends<V, C> {
     /// goes to the device's own address); on the simulation a new node on
     /// the same fabric (each call adds one), so two engines in one process
     /// connect through the simulated rdma_cm.
-    pub fn peer_provider(&self) -> V::Provider {
+    pub fn peer_provider(&self) -> hal_verbs::dynamic::DynProvider {
         (self.peer)()
     }
 
@@ -195,23 +190,10 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Backends<V, C> {
     pub fn notes(&self) -> &[String] {
         &self.notes
     }
-
-    /// The same backends erased (`hal_verbs::dynamic`, `hal_cuda::dynamic`):
-    /// what the facade runs on, so one engine type serves every backend.
-    pub fn erased(self) -> Backends<hal_verbs::dynamic::DynApi, hal_cuda::dynamic::DynApi> {
-        let peer = self.peer;
-        Backends {
-            verbs: hal_verbs::dynamic::DynProvider::new::<V>(self.verbs),
-            cuda: self.cuda.map(hal_cuda::dynamic::DynDriver::new::<C>),
-            gpu_reachable: self.gpu_reachable,
-            peer: Arc::new(move || hal_verbs::dynamic::DynProvider::new::<V>(peer())),
-            notes: self.notes,
-        }
-    }
 }
 
 #[cfg(feature = "sim")]
-impl Backends<SimVerbsApi, SimCudaApi> {
+impl Backends {
     /// The simulation: node `local` on `fabric` with the devices of `node`,
     /// one simulated GPU per `gpus` (none: no CUDA driver), sharing the
     /// fabric's fault plan. Each [`peer_provider`](Self::peer_provider) call
@@ -228,7 +210,7 @@ impl Backends<SimVerbsApi, SimCudaApi> {
         let cuda = (!gpus.is_empty()).then(|| SimCuda::new(gpus, fabric.faults()));
         let fabric = fabric.clone();
         let peers = std::sync::atomic::AtomicUsize::new(1);
-        Self::new(verbs, cuda, move || {
+        Self::new::<SimVerbsApi, SimCudaApi>(verbs, cuda, move || {
             let k = peers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             fabric.add_node(&format!("peer{k}"), peer_config.clone())
         })
@@ -243,16 +225,6 @@ impl Backends<SimVerbsApi, SimCudaApi> {
             vec![GpuConfig::default()],
         )
     }
-}
-
-/// Work to run on whichever backends [`run_with`] chooses: written once,
-/// generic over both HALs, compiled for every combination the features
-/// allow.
-pub trait BackendTask {
-    /// What the task returns.
-    type Output;
-    /// Runs the task on `backends`.
-    fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output;
 }
 
 /// The verbs backend picked.
@@ -374,15 +346,19 @@ fn pick_cuda(choice: BackendChoice, notes: &mut Vec<String>) -> CudaPick {
 
 /// A real provider's backends: its peer endpoint is the same devices.
 #[cfg(feature = "rdma")]
-fn real_verbs<C: hal_cuda::Api>(
+fn real_verbs(
     provider: RdmaProvider,
-    cuda: Option<C::Driver>,
+    cuda: Option<hal_cuda::dynamic::DynDriver>,
     notes: Vec<String>,
-) -> Backends<RdmaApi, C> {
+) -> Backends {
     let peer = provider.clone();
-    let mut backends = Backends::new(provider, cuda, move || peer.clone());
-    backends.notes = notes;
-    backends
+    Backends {
+        verbs: hal_verbs::dynamic::DynProvider::new::<RdmaApi>(provider),
+        cuda,
+        gpu_reachable: true,
+        peer: Arc::new(move || hal_verbs::dynamic::DynProvider::new::<RdmaApi>(peer.clone())),
+        notes,
+    }
 }
 
 /// The simulated fabric of this process: every simulated NIC the library
@@ -415,15 +391,15 @@ pub(crate) fn next_sim_node_address() -> Option<std::net::Ipv4Addr> {
 /// The simulated NIC (a new node of [`SIM_FABRIC`], one default device)
 /// beside `cuda`.
 #[cfg(feature = "sim")]
-pub(crate) fn sim_verbs<C: hal_cuda::Api>(
-    cuda: Option<C::Driver>,
+pub(crate) fn sim_verbs(
+    cuda: Option<hal_cuda::dynamic::DynDriver>,
     notes: Vec<String>,
-) -> Backends<SimVerbsApi, C> {
+) -> Backends {
     let node = NodeConfig {
         ipv4: next_sim_node_address(),
         ..NodeConfig::default()
     };
-    let sim = Backends::<SimVerbsApi, SimCudaApi>::sim(&SIM_FABRIC, node, Vec::new());
+    let sim = Backends::sim(&SIM_FABRIC, node, Vec::new());
     Backends {
         verbs: sim.verbs,
         cuda,
@@ -479,56 +455,60 @@ fn warn_fallback_once(nic: bool, notes: &[String]) {
     }
 }
 
-/// Chooses backends as `choice` says and runs `task` on them, compiled once
-/// for each combination the enabled features allow: real verbs and real
-/// CUDA, real verbs and the simulated GPU (host-visible, standing in for
-/// peermem-pinned memory), the simulated NIC beside a real GPU (which it
-/// cannot reach: [`Backends::nic_reaches_gpu`] is false), and the
-/// simulation alone. Fails only where `choice` cannot be met.
-pub fn run_with<T: BackendTask>(choice: BackendChoice, task: T) -> Result<T::Output, BackendError> {
-    let mut notes = Vec::new();
-    let verbs = pick_verbs(choice, &mut notes)?;
-    let cuda = pick_cuda(choice, &mut notes);
-    #[cfg(feature = "sim")]
-    if choice == BackendChoice::Auto
-        && (matches!(verbs, VerbsPick::Sim) || matches!(cuda, CudaPick::Sim))
-    {
-        warn_fallback_once(matches!(verbs, VerbsPick::Sim), &notes);
+impl Backends {
+    /// Chooses backends as `choice` says, among the combinations the
+    /// enabled features allow: real verbs and real CUDA, real verbs and
+    /// the simulated GPU (host-visible, standing in for peermem-pinned
+    /// memory), the simulated NIC beside a real GPU (which it cannot reach:
+    /// [`Backends::nic_reaches_gpu`] is false), and the simulation alone.
+    /// Fails only where `choice` cannot be met.
+    pub fn choose(choice: BackendChoice) -> Result<Self, BackendError> {
+        let mut notes = Vec::new();
+        let verbs = pick_verbs(choice, &mut notes)?;
+        let cuda = pick_cuda(choice, &mut notes);
+        #[cfg(feature = "sim")]
+        if choice == BackendChoice::Auto
+            && (matches!(verbs, VerbsPick::Sim) || matches!(cuda, CudaPick::Sim))
+        {
+            warn_fallback_once(matches!(verbs, VerbsPick::Sim), &notes);
+        }
+        let _span = tracing::debug_span!("backends", ?choice).entered();
+        #[cfg(feature = "cuda")]
+        let real_gpu = |d: CudaDriver| Some(hal_cuda::dynamic::DynDriver::new::<CudaApi>(d));
+        #[cfg(feature = "sim")]
+        let sim_gpu = |host_visible| {
+            Some(hal_cuda::dynamic::DynDriver::new::<SimCudaApi>(sim_gpu(
+                host_visible,
+            )))
+        };
+        Ok(match (verbs, cuda) {
+            #[cfg(all(feature = "rdma", feature = "cuda"))]
+            (VerbsPick::Real(p), CudaPick::Real(d)) => real_verbs(p, real_gpu(d), notes),
+            #[cfg(feature = "rdma")]
+            (VerbsPick::Real(p), CudaPick::None) => real_verbs(p, None, notes),
+            #[cfg(all(feature = "rdma", feature = "sim"))]
+            (VerbsPick::Real(p), CudaPick::Sim) => {
+                notes.push(
+                    "simulated GPU memory is host-visible here, standing in for peermem-pinned GPU memory"
+                        .to_owned(),
+                );
+                real_verbs(p, sim_gpu(true), notes)
+            }
+            #[cfg(all(feature = "sim", feature = "cuda"))]
+            (VerbsPick::Sim, CudaPick::Real(d)) => {
+                notes.push(
+                    "a simulated NIC cannot reach real GPU memory: GPU memory is staged through \
+                     pinned host memory, and moves between engines of this process by device copies"
+                        .to_owned(),
+                );
+                sim_verbs(real_gpu(d), notes).nic_cannot_reach_gpu()
+            }
+            #[cfg(feature = "sim")]
+            (VerbsPick::Sim, CudaPick::Sim) => sim_verbs(sim_gpu(false), notes),
+            #[cfg(feature = "sim")]
+            (VerbsPick::Sim, CudaPick::None) => sim_verbs(None, notes),
+        })
     }
-    let _span = tracing::debug_span!("backends", ?choice).entered();
-    Ok(match (verbs, cuda) {
-        #[cfg(all(feature = "rdma", feature = "cuda"))]
-        (VerbsPick::Real(p), CudaPick::Real(d)) => {
-            task.run(real_verbs::<CudaApi>(p, Some(d), notes))
-        }
-        #[cfg(all(feature = "rdma", feature = "cuda"))]
-        (VerbsPick::Real(p), CudaPick::None) => task.run(real_verbs::<CudaApi>(p, None, notes)),
-        #[cfg(all(feature = "rdma", not(feature = "cuda")))]
-        (VerbsPick::Real(p), CudaPick::None) => task.run(real_verbs::<SimCudaApi>(p, None, notes)),
-        #[cfg(all(feature = "rdma", feature = "sim"))]
-        (VerbsPick::Real(p), CudaPick::Sim) => {
-            notes.push(
-                "simulated GPU memory is host-visible here, standing in for peermem-pinned GPU memory"
-                    .to_owned(),
-            );
-            task.run(real_verbs::<SimCudaApi>(p, Some(sim_gpu(true)), notes))
-        }
-        #[cfg(all(feature = "sim", feature = "cuda"))]
-        (VerbsPick::Sim, CudaPick::Real(d)) => {
-            notes.push(
-                "a simulated NIC cannot reach real GPU memory: GPU memory is staged through \
-                 pinned host memory, and moves between engines of this process by device copies"
-                    .to_owned(),
-            );
-            task.run(sim_verbs::<CudaApi>(Some(d), notes).nic_cannot_reach_gpu())
-        }
-        #[cfg(feature = "sim")]
-        (VerbsPick::Sim, CudaPick::Sim) => {
-            task.run(sim_verbs::<SimCudaApi>(Some(sim_gpu(false)), notes))
-        }
-        #[cfg(feature = "sim")]
-        (VerbsPick::Sim, CudaPick::None) => task.run(sim_verbs::<SimCudaApi>(None, notes)),
-    })
 }
 
 #[cfg(all(test, feature = "sim"))]
@@ -555,11 +535,8 @@ mod tests {
         notes: usize,
     }
 
-    struct Look;
-
-    impl BackendTask for Look {
-        type Output = Seen;
-        fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Seen {
+    fn look(backends: &Backends) -> Seen {
+        {
             Seen {
                 verbs: backends.verbs_name(),
                 cuda: backends.cuda_name(),
@@ -578,8 +555,8 @@ mod tests {
     }
 
     #[test]
-    fn sim_choice_runs_the_task_on_the_simulation() {
-        let seen = run_with(BackendChoice::Sim, Look).unwrap();
+    fn the_sim_choice_is_the_simulation() {
+        let seen = look(&Backends::choose(BackendChoice::Sim).unwrap());
         assert_eq!(
             seen,
             Seen {
@@ -596,7 +573,7 @@ mod tests {
 
     #[test]
     fn auto_falls_back_with_a_note_per_missing_backend() {
-        let seen = run_with(BackendChoice::Auto, Look).unwrap();
+        let seen = look(&Backends::choose(BackendChoice::Auto).unwrap());
         // Hardware where it is found; each backend not found is explained.
         let simulated = usize::from(seen.verbs == "sim") + usize::from(seen.cuda == Some("sim"));
         assert!(seen.notes >= simulated, "{seen:?}");
@@ -604,7 +581,7 @@ mod tests {
 
     /// The address of `provider`'s first device: the IPv4 address in its
     /// RoCE v2 GID of port 1.
-    fn address<V: hal_verbs::Api>(provider: &V::Provider) -> (String, IpAddr) {
+    fn address(provider: &hal_verbs::dynamic::DynProvider) -> (String, IpAddr) {
         let device = provider.devices().unwrap().remove(0).name;
         let ctx = provider.open(&device).unwrap();
         let table = ctx.gid_table(1).unwrap();
@@ -614,24 +591,18 @@ mod tests {
 
     /// Listens on the first provider's address and connects to it from the
     /// peer provider, on two threads, through the HAL traits only.
-    struct ConnectToPeer;
-
-    impl BackendTask for ConnectToPeer {
-        type Output = (String, String);
-        fn run<V: hal_verbs::Api, C: hal_cuda::Api>(
-            self,
-            backends: Backends<V, C>,
-        ) -> (String, String) {
+    fn connect_to_peer(backends: &Backends) -> (String, String) {
+        {
             let server = backends.verbs();
             let client = backends.peer_provider();
-            let (device, ip) = address::<V>(server);
-            let (_, client_ip) = address::<V>(&client);
+            let (device, ip) = address(server);
+            let (_, client_ip) = address(&client);
             assert_ne!(ip, client_ip, "the peer is another endpoint");
 
             let server_ctx = server.open(&device).unwrap();
             let server_pd = server_ctx.alloc_pd().unwrap();
             let server_cq = server_ctx.create_cq(16).unwrap();
-            let client_ctx = client.open(&address::<V>(&client).0).unwrap();
+            let client_ctx = client.open(&address(&client).0).unwrap();
             let client_pd = client_ctx.alloc_pd().unwrap();
             let client_cq = client_ctx.create_cq(16).unwrap();
             let params = ConnectParams {
@@ -675,13 +646,14 @@ mod tests {
 
     #[test]
     fn the_peer_provider_connects_to_the_first_over_rdma_cm() {
-        let (client_saw, server_saw) = run_with(BackendChoice::Sim, ConnectToPeer).unwrap();
+        let (client_saw, server_saw) =
+            connect_to_peer(&Backends::choose(BackendChoice::Sim).unwrap());
         assert_eq!(client_saw, "welcome");
         assert_eq!(server_saw, "hello");
         // A chosen set-up does the same.
         let fabric = SimFabric::new();
         let backends = Backends::sim(&fabric, NodeConfig::default(), Vec::new());
         assert!(backends.cuda().is_none() && !backends.nic_reaches_gpu());
-        assert_eq!(ConnectToPeer.run(backends).0, "welcome");
+        assert_eq!(connect_to_peer(&backends).0, "welcome");
     }
 }

@@ -32,7 +32,6 @@ use hal_cuda::{
     MemoryType, PhysicalMemory as _, PinnedHostMemory as _, PointerAttributes,
     VirtualReservation as _,
 };
-use hal_verbs::Api;
 
 use crate::cache::OwnerId;
 use crate::ladder::{Grant, GrantRights, Ladder, LadderError, LadderRegistration, range_within};
@@ -265,18 +264,18 @@ impl Chunk {
 /// CUDA VMM memory gdr made: a reservation with physical chunks mapped
 /// into it. Field order is drop order: unmapped, then released, then the
 /// range freed (each mapping also keeps both alive).
-struct VmmMemory<C: hal_cuda::Api> {
-    _mappings: Vec<C::VirtualMapping>,
-    _physical: Vec<C::PhysicalMemory>,
-    _reservation: C::VirtualReservation,
+struct VmmMemory {
+    _mappings: Vec<hal_cuda::dynamic::DynVirtualMapping>,
+    _physical: Vec<hal_cuda::dynamic::DynPhysicalMemory>,
+    _reservation: hal_cuda::dynamic::DynVirtualReservation,
 }
 
 /// The chunks of CUDA VMM memory covering `addr..end`, as the driver sees
 /// them now (pointer attributes and `cuMemGetAddressRange` at the start and
 /// at each chunk's end). An address inside the range with nothing mapped
 /// (a gap), or memory of another kind or GPU, is an error.
-fn walk_chunks<C: hal_cuda::Api>(
-    context: &C::Context,
+fn walk_chunks(
+    context: &hal_cuda::dynamic::DynContext,
     operation: &'static str,
     addr: u64,
     end: u64,
@@ -323,31 +322,31 @@ fn walk_chunks<C: hal_cuda::Api>(
     Ok(chunks)
 }
 
-enum Memory<C: hal_cuda::Api> {
+enum Memory {
     /// Host memory gdr allocated (pageable).
     Host(HostAllocation),
     /// Pinned host memory gdr allocated through CUDA.
-    Pinned(C::PinnedHostMemory),
+    Pinned(hal_cuda::dynamic::DynPinnedHostMemory),
     /// Device memory gdr allocated.
-    Device(#[allow(dead_code)] C::DeviceMemory),
+    Device(#[allow(dead_code)] hal_cuda::dynamic::DynDeviceMemory),
     /// Another process's allocation, mapped from its IPC handle.
-    Ipc(#[allow(dead_code)] C::IpcMapping),
+    Ipc(#[allow(dead_code)] hal_cuda::dynamic::DynIpcMapping),
     /// CUDA VMM memory gdr reserved, created and mapped.
-    Vmm(#[allow(dead_code)] VmmMemory<C>),
+    Vmm(#[allow(dead_code)] VmmMemory),
     /// The caller's memory.
     Borrowed,
 }
 
 /// A buffer's memory and the count of MRs over it.
-struct Backing<C: hal_cuda::Api> {
+struct Backing {
     leases: LeaseCount,
-    memory: Memory<C>,
+    memory: Memory,
 }
 
 /// gdr's CUDA memory whose last holder goes inside the engine is freed on
 /// the reaper thread ([`crate::reaper`]): a free there could wait for a
 /// stream only the engine's progress releases.
-impl<C: hal_cuda::Api> Drop for Backing<C> {
+impl Drop for Backing {
     fn drop(&mut self) {
         if matches!(self.memory, Memory::Host(_) | Memory::Borrowed)
             || !crate::reaper::inside_engine()
@@ -359,7 +358,7 @@ impl<C: hal_cuda::Api> Drop for Backing<C> {
     }
 }
 
-impl<C: hal_cuda::Api> Leased for Backing<C> {
+impl Leased for Backing {
     fn leases(&self) -> &LeaseCount {
         &self.leases
     }
@@ -386,7 +385,7 @@ pub(crate) struct Target<'a> {
 }
 
 /// A range of memory gdr can register and move.
-pub struct Buffer<C: hal_cuda::Api> {
+pub struct Buffer {
     addr: u64,
     len: u64,
     memory_type: MemoryType,
@@ -406,10 +405,10 @@ pub struct Buffer<C: hal_cuda::Api> {
     cpu_access: Mutex<()>,
     /// The memory, shared with every lease (type-erased for the leases).
     leased: Arc<dyn Leased>,
-    backing: Arc<Backing<C>>,
+    backing: Arc<Backing>,
 }
 
-impl<C: hal_cuda::Api> fmt::Debug for Buffer<C> {
+impl fmt::Debug for Buffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let origin = match self.backing.memory {
             Memory::Host(_) => "host",
@@ -434,8 +433,8 @@ impl<C: hal_cuda::Api> fmt::Debug for Buffer<C> {
     }
 }
 
-impl<C: hal_cuda::Api> Buffer<C> {
-    fn new(memory: Memory<C>, addr: u64, len: u64, attrs: Option<PointerAttributes>) -> Self {
+impl Buffer {
+    fn new(memory: Memory, addr: u64, len: u64, attrs: Option<PointerAttributes>) -> Self {
         let (memory_type, device_ordinal, buffer_id, allocation_base, allocation_size) = match attrs
         {
             Some(a) if a.buffer_id != 0 => (
@@ -499,7 +498,10 @@ impl<C: hal_cuda::Api> Buffer<C> {
     }
 
     /// `len` bytes of pinned host memory.
-    pub fn alloc_pinned(context: &C::Context, len: u64) -> Result<Self, CudaError> {
+    pub fn alloc_pinned(
+        context: &hal_cuda::dynamic::DynContext,
+        len: u64,
+    ) -> Result<Self, CudaError> {
         let memory = context.alloc_pinned(alloc_size("Buffer::alloc_pinned", len)?)?;
         let addr = memory.as_ptr() as u64;
         let attrs = context.pointer_attributes(addr)?;
@@ -507,7 +509,10 @@ impl<C: hal_cuda::Api> Buffer<C> {
     }
 
     /// `len` bytes of device memory on `context`'s GPU.
-    pub fn alloc_device(context: &C::Context, len: u64) -> Result<Self, CudaError> {
+    pub fn alloc_device(
+        context: &hal_cuda::dynamic::DynContext,
+        len: u64,
+    ) -> Result<Self, CudaError> {
         let memory = context.alloc(alloc_size("Buffer::alloc_device", len)?)?;
         let addr = memory.device_ptr();
         let attrs = context.pointer_attributes(addr)?;
@@ -517,7 +522,10 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// Maps another process's allocation from its IPC handle. The whole
     /// allocation becomes reachable: only accept handles from peers trusted
     /// with all of it.
-    pub fn import_ipc(context: &C::Context, handle: &IpcMemHandle) -> Result<Self, CudaError> {
+    pub fn import_ipc(
+        context: &hal_cuda::dynamic::DynContext,
+        handle: &IpcMemHandle,
+    ) -> Result<Self, CudaError> {
         let mapping = context.ipc_open(handle)?;
         let (addr, len) = (mapping.device_ptr(), mapping.len() as u64);
         let attrs = context.pointer_attributes(addr)?;
@@ -531,7 +539,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// exporter stated: a mapping of another size means the handle names
     /// another allocation than the one described, and is refused.
     pub fn import_ipc_range(
-        context: &C::Context,
+        context: &hal_cuda::dynamic::DynContext,
         handle: &IpcMemHandle,
         allocation: Option<u64>,
         offset: u64,
@@ -559,7 +567,11 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// chunks of `chunk_len` bytes (a multiple of the VMM granularity)
     /// mapped into it, each its own allocation for CUDA. The buffer owns
     /// them all, freed like other memory gdr allocated.
-    pub fn alloc_vmm(context: &C::Context, len: u64, chunk_len: u64) -> Result<Self, CudaError> {
+    pub fn alloc_vmm(
+        context: &hal_cuda::dynamic::DynContext,
+        len: u64,
+        chunk_len: u64,
+    ) -> Result<Self, CudaError> {
         const OP: &str = "Buffer::alloc_vmm";
         let granularity = context.vmm_granularity()? as u64;
         if len == 0 || chunk_len == 0 || !chunk_len.is_multiple_of(granularity) {
@@ -586,7 +598,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
         }
         let addr = reservation.base();
         let attrs = context.pointer_attributes(addr)?;
-        let found = walk_chunks::<C>(context, OP, addr, addr + len)?;
+        let found = walk_chunks(context, OP, addr, addr + len)?;
         debug_assert!(
             physical
                 .iter()
@@ -616,7 +628,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// The range must stay mapped, and must not be freed, until the buffer
     /// is dropped (or [`Buffer::release`] returns `Ok`).
     pub unsafe fn wrap(
-        context: Option<&C::Context>,
+        context: Option<&hal_cuda::dynamic::DynContext>,
         addr: u64,
         len: u64,
         memory_type: Option<MemoryType>,
@@ -635,7 +647,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// # Safety
     /// As for [`Buffer::wrap`].
     pub unsafe fn wrap_read_only(
-        context: Option<&C::Context>,
+        context: Option<&hal_cuda::dynamic::DynContext>,
         addr: u64,
         len: u64,
         memory_type: Option<MemoryType>,
@@ -650,7 +662,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// As for [`Buffer::wrap`].
     pub(crate) unsafe fn wrap_as(
         access: Access,
-        context: Option<&C::Context>,
+        context: Option<&hal_cuda::dynamic::DynContext>,
         addr: u64,
         len: u64,
         memory_type: Option<MemoryType>,
@@ -666,7 +678,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
         if let (Some(context), Some(a)) = (context, vmm) {
             // Each mapped chunk is an allocation of its own: the range may
             // cover several (but no gap).
-            let chunks = walk_chunks::<C>(context, "Buffer::wrap", addr, end)?;
+            let chunks = walk_chunks(context, "Buffer::wrap", addr, end)?;
             let mut buffer = Self::new(Memory::Borrowed, addr, len, Some(*a));
             buffer.chunks = chunks;
             buffer.access = access;
@@ -898,12 +910,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// the driver for memory the caller owns (a chunk unmapped and mapped
     /// again has a new buffer id, so its old registrations are stale, never
     /// reused), the ones found at allocation for gdr's own.
-    fn chunks_now<V: Api>(
-        &self,
-        ladder: &Ladder<V, C>,
-        addr: u64,
-        len: u64,
-    ) -> Result<Vec<Chunk>, LadderError> {
+    fn chunks_now(&self, ladder: &Ladder, addr: u64, len: u64) -> Result<Vec<Chunk>, LadderError> {
         let end = addr + len;
         if !self.borrowed() {
             return Ok(self
@@ -917,7 +924,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
         let gpu = ladder
             .gpu(ordinal)
             .ok_or(LadderError::UnknownGpu { ordinal })?;
-        walk_chunks::<C>(&gpu.context, "register", addr, end)
+        walk_chunks(&gpu.context, "register", addr, end)
             .map_err(|source| LadderError::Attributes { addr, source })
     }
 
@@ -925,12 +932,12 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// rung that works, for local use (the local side of transfers). The
     /// registration cannot outlive the buffer. To let a peer reach the
     /// memory, [`Ladder::grant`] a range of it.
-    pub fn register<'b, V: Api>(
+    pub fn register<'b>(
         &'b self,
-        ladder: &Ladder<V, C>,
+        ladder: &Ladder,
         offset: u64,
         len: u64,
-    ) -> Result<BufferRegistration<'b, V>, LadderError> {
+    ) -> Result<BufferRegistration<'b>, LadderError> {
         Ok(BufferRegistration {
             inner: self.register_owned(ladder, offset, len)?,
             _buffer: PhantomData,
@@ -940,12 +947,12 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// [`Buffer::register`] without the borrow: the registration leases
     /// the memory itself, so the engine's regions may outlive the buffer
     /// value (the lifetime rule keeps the memory while they live).
-    pub(crate) fn register_owned<V: Api>(
+    pub(crate) fn register_owned(
         &self,
-        ladder: &Ladder<V, C>,
+        ladder: &Ladder,
         offset: u64,
         len: u64,
-    ) -> Result<LadderRegistration<V>, LadderError> {
+    ) -> Result<LadderRegistration, LadderError> {
         let mut pieces = self.register_pieces(ladder, offset, len)?;
         if pieces.len() != 1 {
             return Err(LadderError::SpansChunks {
@@ -961,12 +968,12 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// does, one registration per physical chunk of CUDA VMM memory the
     /// range covers (one for other memory), in address order. A chunk no
     /// GPUDirect rung takes is on the staging rung, like any GPU memory.
-    pub(crate) fn register_pieces<V: Api>(
+    pub(crate) fn register_pieces(
         &self,
-        ladder: &Ladder<V, C>,
+        ladder: &Ladder,
         offset: u64,
         len: u64,
-    ) -> Result<Vec<Piece<V>>, LadderError> {
+    ) -> Result<Vec<Piece>, LadderError> {
         let addr = range_within(self.addr, self.len, offset, len)?;
         let pieces = if self.chunks.is_empty() {
             vec![Piece {
@@ -997,7 +1004,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
 
     /// Notes that `ladder` holds registrations of the buffer, to unlink
     /// them when it goes.
-    fn remember<V: Api>(&self, ladder: &Ladder<V, C>) {
+    fn remember(&self, ladder: &Ladder) {
         let forget = ladder.forgetter();
         let mut registered = self
             .registered_with
@@ -1011,13 +1018,13 @@ impl<C: hal_cuda::Api> Buffer<C> {
     /// Registers `len` bytes at `offset` and grants them to a peer with
     /// `rights`: a memory region of exactly that range and those rights,
     /// whose descriptor is what the peer gets.
-    pub fn grant<V: Api>(
+    pub fn grant(
         &self,
-        ladder: &Ladder<V, C>,
+        ladder: &Ladder,
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<Grant<V>, LadderError> {
+    ) -> Result<Grant, LadderError> {
         let registration = self.register(ladder, offset, len)?;
         ladder.grant(&registration, 0, len, rights)
     }
@@ -1056,7 +1063,7 @@ impl<C: hal_cuda::Api> Buffer<C> {
     }
 }
 
-impl<C: hal_cuda::Api> Drop for Buffer<C> {
+impl Drop for Buffer {
     fn drop(&mut self) {
         self.forget_registrations();
         if !self.borrowed() {
@@ -1096,14 +1103,14 @@ fn alloc_size(what: &'static str, len: u64) -> Result<usize, CudaError> {
 
 /// The part of a registered range lying in one physical chunk: its offset
 /// from the range's start and its registration.
-pub struct Piece<V: Api> {
+pub struct Piece {
     /// Bytes from the start of the registered range.
     pub offset: u64,
     /// The part's registration.
-    pub registration: LadderRegistration<V>,
+    pub registration: LadderRegistration,
 }
 
-impl<V: Api> fmt::Debug for Piece<V> {
+impl fmt::Debug for Piece {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Piece")
             .field("offset", &self.offset)
@@ -1113,19 +1120,19 @@ impl<V: Api> fmt::Debug for Piece<V> {
 }
 
 /// A range of a [`Buffer`] registered on one NIC, borrowing the buffer.
-pub struct BufferRegistration<'b, V: Api> {
-    inner: LadderRegistration<V>,
+pub struct BufferRegistration<'b> {
+    inner: LadderRegistration,
     _buffer: PhantomData<&'b ()>,
 }
 
-impl<V: Api> fmt::Debug for BufferRegistration<'_, V> {
+impl fmt::Debug for BufferRegistration<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.inner.fmt(f)
     }
 }
 
-impl<V: Api> std::ops::Deref for BufferRegistration<'_, V> {
-    type Target = LadderRegistration<V>;
+impl std::ops::Deref for BufferRegistration<'_> {
+    type Target = LadderRegistration;
 
     fn deref(&self) -> &Self::Target {
         &self.inner
@@ -1134,12 +1141,12 @@ impl<V: Api> std::ops::Deref for BufferRegistration<'_, V> {
 
 #[cfg(test)]
 mod tests {
-    use gdr_sim::{FaultPlan, GpuConfig, SimCuda, SimCudaApi};
+    use gdr_sim::{FaultPlan, GpuConfig, SimCuda};
     use hal_cuda::Driver as _;
 
     use super::*;
 
-    type B = Buffer<SimCudaApi>;
+    type B = Buffer;
 
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 7 + 3) as u8).collect()
@@ -1194,7 +1201,7 @@ mod tests {
 
     #[test]
     fn pinned_and_borrowed_host_memory_too_but_not_device_memory() {
-        let cuda = SimCuda::new(vec![GpuConfig::default()], FaultPlan::new());
+        let cuda = SimCuda::new(vec![GpuConfig::default()], FaultPlan::new()).erased();
         let ctx = cuda.context(0).unwrap();
         round_trip(&B::alloc_pinned(&ctx, 4096).unwrap());
 

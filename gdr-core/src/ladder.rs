@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use hal_cuda::{Context as _, CudaError, DeviceAttributes, DeviceMemory as _, MemoryType};
 use hal_verbs::{
-    AccessFlags, Api, Context as _, MemoryRegion as _, ProtectionDomain as _, VerbsError, WcStatus,
+    AccessFlags, Context as _, MemoryRegion as _, ProtectionDomain as _, VerbsError, WcStatus,
 };
 
 use crate::buffer::{Access, Forget, Target};
@@ -475,9 +475,9 @@ impl DmabufExports {
 
     /// The export of allocation `buffer_id` (`base`, `size` bytes), made
     /// now unless one is alive.
-    pub fn get_or_export<C: hal_cuda::Api>(
+    pub fn get_or_export(
         &self,
-        context: &C::Context,
+        context: &hal_cuda::dynamic::DynContext,
         buffer_id: u64,
         base: u64,
         size: u64,
@@ -531,17 +531,17 @@ impl DmabufExports {
 const HOST_PAGE: u64 = 4096;
 
 /// What the cache keeps: an MR, and what must outlive it.
-pub struct NicRegistration<V: Api> {
+pub struct NicRegistration {
     // Field order is drop order: the MR is deregistered first, then the
     // dma-buf may close, the budget gets its share back, and the memory
     // may be freed.
-    mr: V::MemoryRegion,
+    mr: hal_verbs::dynamic::DynMemoryRegion,
     export: Option<Arc<DmabufExport>>,
     _reservation: Reservation,
     lease: Option<MemoryLease>,
 }
 
-impl<V: Api> fmt::Debug for NicRegistration<V> {
+impl fmt::Debug for NicRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NicRegistration")
             .field("mr", &self.mr)
@@ -551,21 +551,21 @@ impl<V: Api> fmt::Debug for NicRegistration<V> {
     }
 }
 
-impl<V: Api> NicRegistration<V> {
+impl NicRegistration {
     /// The memory region.
-    pub fn mr(&self) -> &V::MemoryRegion {
+    pub fn mr(&self) -> &hal_verbs::dynamic::DynMemoryRegion {
         &self.mr
     }
 }
 
 /// Registers cache requests in one protection domain, within its budget.
-pub struct NicRegistrar<V: Api> {
-    pd: Arc<V::ProtectionDomain>,
+pub struct NicRegistrar {
+    pd: Arc<hal_verbs::dynamic::DynProtectionDomain>,
     exports: Arc<DmabufExports>,
     budget: Arc<DomainBudget>,
 }
 
-impl<V: Api> fmt::Debug for NicRegistrar<V> {
+impl fmt::Debug for NicRegistrar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NicRegistrar")
             .field("pd", &self.pd)
@@ -574,7 +574,7 @@ impl<V: Api> fmt::Debug for NicRegistrar<V> {
     }
 }
 
-impl<V: Api> NicRegistrar<V> {
+impl NicRegistrar {
     /// A registrar for `pd`, counting its MRs against `budget`. Its MRs get
     /// local rights only.
     ///
@@ -586,7 +586,7 @@ impl<V: Api> NicRegistrar<V> {
     /// and escaped handles included). A [`Ladder`] upholds it for
     /// [`crate::buffer::Buffer`]s by holding a lease in each registration.
     pub unsafe fn new(
-        pd: Arc<V::ProtectionDomain>,
+        pd: Arc<hal_verbs::dynamic::DynProtectionDomain>,
         exports: Arc<DmabufExports>,
         budget: Arc<DomainBudget>,
     ) -> Self {
@@ -614,7 +614,7 @@ impl<V: Api> NicRegistrar<V> {
         addr: u64,
         len: u64,
         access: AccessFlags,
-    ) -> Result<(V::MemoryRegion, Reservation), RegisterError> {
+    ) -> Result<(hal_verbs::dynamic::DynMemoryRegion, Reservation), RegisterError> {
         let size = usize::try_from(len)
             .map_err(|_| VerbsError::invalid("ibv_reg_mr", "length exceeds usize"))?;
         let reservation = self.budget.reserve(len)?;
@@ -647,7 +647,7 @@ impl<V: Api> NicRegistrar<V> {
         request: &Request,
         export: Option<Arc<DmabufExport>>,
         lease: Option<MemoryLease>,
-    ) -> Result<NicRegistration<V>, RegisterError> {
+    ) -> Result<NicRegistration, RegisterError> {
         let (mr, reservation) = match (request.identity, &export) {
             (crate::cache::AllocationIdentity::Dmabuf { buffer_id }, Some(export)) => {
                 if export.buffer_id != buffer_id || request.end().is_none_or(|end| end > export.len)
@@ -698,8 +698,8 @@ impl<V: Api> NicRegistrar<V> {
     }
 }
 
-impl<V: Api> Registrar for NicRegistrar<V> {
-    type Registration = NicRegistration<V>;
+impl Registrar for NicRegistrar {
+    type Registration = NicRegistration;
     type Error = RegisterError;
 
     fn register(&self, request: &Request) -> Result<Self::Registration, Self::Error> {
@@ -714,8 +714,8 @@ impl<V: Api> Registrar for NicRegistrar<V> {
 
 /// The registrar of one buffer's request: the NIC's, plus the lease that
 /// keeps the buffer's memory alive and the allocation's dma-buf export.
-struct BufferRegistrar<'a, V: Api> {
-    nic: &'a NicRegistrar<V>,
+struct BufferRegistrar<'a> {
+    nic: &'a NicRegistrar,
     memory: &'a Arc<dyn Leased>,
     export: Option<&'a Arc<DmabufExport>>,
     /// Set when this registrar registered an MR: the cache missed, and this
@@ -723,9 +723,9 @@ struct BufferRegistrar<'a, V: Api> {
     registered: AtomicBool,
 }
 
-impl<'a, V: Api> BufferRegistrar<'a, V> {
+impl<'a> BufferRegistrar<'a> {
     fn new(
-        nic: &'a NicRegistrar<V>,
+        nic: &'a NicRegistrar,
         memory: &'a Arc<dyn Leased>,
         export: Option<&'a Arc<DmabufExport>>,
     ) -> Self {
@@ -738,8 +738,8 @@ impl<'a, V: Api> BufferRegistrar<'a, V> {
     }
 }
 
-impl<V: Api> Registrar for BufferRegistrar<'_, V> {
-    type Registration = NicRegistration<V>;
+impl Registrar for BufferRegistrar<'_> {
+    type Registration = NicRegistration;
     type Error = RegisterError;
 
     fn register(&self, request: &Request) -> Result<Self::Registration, Self::Error> {
@@ -758,14 +758,14 @@ impl<V: Api> Registrar for BufferRegistrar<'_, V> {
 }
 
 /// A GPU the ladder can register memory of.
-pub struct Gpu<C: hal_cuda::Api> {
+pub struct Gpu {
     /// Its context.
-    pub context: C::Context,
+    pub context: hal_cuda::dynamic::DynContext,
     /// Its attributes.
     pub attributes: DeviceAttributes,
 }
 
-impl<C: hal_cuda::Api> fmt::Debug for Gpu<C> {
+impl fmt::Debug for Gpu {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Gpu")
             .field("ordinal", &self.attributes.ordinal)
@@ -774,9 +774,9 @@ impl<C: hal_cuda::Api> fmt::Debug for Gpu<C> {
     }
 }
 
-impl<C: hal_cuda::Api> Gpu<C> {
+impl Gpu {
     /// GPU `ordinal` of `driver`.
-    pub fn open(driver: &C::Driver, ordinal: u32) -> Result<Self, CudaError> {
+    pub fn open(driver: &hal_cuda::dynamic::DynDriver, ordinal: u32) -> Result<Self, CudaError> {
         use hal_cuda::Driver as _;
         Ok(Self {
             context: driver.context(ordinal)?,
@@ -791,7 +791,7 @@ impl<C: hal_cuda::Api> Gpu<C> {
 /// the buffer's memory on every rung: whatever reaches the memory through
 /// a registration (a NIC through its MR, the staging path through copies
 /// by address) holds it, so no path can outlive the memory.
-pub struct LadderRegistration<V: Api> {
+pub struct LadderRegistration {
     rung: Rung,
     failures: Vec<RungFailure>,
     addr: u64,
@@ -800,14 +800,14 @@ pub struct LadderRegistration<V: Api> {
     access: Access,
     device: Arc<str>,
     // Field order is drop order: the cached MR before the lease.
-    handle: Option<CacheHandle<NicRegistration<V>>>,
+    handle: Option<CacheHandle<NicRegistration>>,
     cache_hit: bool,
     /// The staging rung makes no MR, so without this nothing would hold
     /// the memory its copies reach by address.
     _lease: MemoryLease,
 }
 
-impl<V: Api> fmt::Debug for LadderRegistration<V> {
+impl fmt::Debug for LadderRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LadderRegistration")
             .field("rung", &self.rung)
@@ -821,7 +821,7 @@ impl<V: Api> fmt::Debug for LadderRegistration<V> {
     }
 }
 
-impl<V: Api> LadderRegistration<V> {
+impl LadderRegistration {
     /// The rung taken.
     pub fn rung(&self) -> Rung {
         self.rung
@@ -850,7 +850,7 @@ impl<V: Api> LadderRegistration<V> {
     /// The MR covering the range (a cached one may cover more), for the
     /// local side of transfers; `None` when staged. Its rkey grants
     /// nothing: peers get a [`Grant`].
-    pub fn mr(&self) -> Option<&V::MemoryRegion> {
+    pub fn mr(&self) -> Option<&hal_verbs::dynamic::DynMemoryRegion> {
         self.handle.as_ref().map(|h| h.registration().mr())
     }
 
@@ -879,7 +879,7 @@ impl<V: Api> LadderRegistration<V> {
     }
 
     /// The cache handle, for comparing registrations.
-    pub fn handle(&self) -> Option<&CacheHandle<NicRegistration<V>>> {
+    pub fn handle(&self) -> Option<&CacheHandle<NicRegistration>> {
         self.handle.as_ref()
     }
 
@@ -895,9 +895,9 @@ impl<V: Api> LadderRegistration<V> {
 /// A range granted to a peer: an MR of exactly that range and those rights,
 /// never cached or shared, deregistered when the grant is dropped (revoked).
 /// It keeps the buffer's memory alive like any registration.
-pub struct Grant<V: Api> {
+pub struct Grant {
     // Field order is drop order: MR, then the dma-buf, the budget, the memory.
-    mr: V::MemoryRegion,
+    mr: hal_verbs::dynamic::DynMemoryRegion,
     _export: Option<Arc<DmabufExport>>,
     _reservation: Reservation,
     _lease: MemoryLease,
@@ -908,7 +908,7 @@ pub struct Grant<V: Api> {
     location: MemoryLocation,
 }
 
-impl<V: Api> fmt::Debug for Grant<V> {
+impl fmt::Debug for Grant {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Grant")
             .field("addr", &format_args!("{:#x}", self.addr))
@@ -920,7 +920,7 @@ impl<V: Api> fmt::Debug for Grant<V> {
     }
 }
 
-impl<V: Api> Grant<V> {
+impl Grant {
     /// The grant's one segment, placed at `offset` within the granted
     /// range of the descriptor it goes in (usually 0): exactly the granted
     /// range, its rkey and the NIC.
@@ -965,7 +965,7 @@ impl<V: Api> Grant<V> {
     }
 
     /// The grant's MR.
-    pub fn mr(&self) -> &V::MemoryRegion {
+    pub fn mr(&self) -> &hal_verbs::dynamic::DynMemoryRegion {
         &self.mr
     }
 
@@ -1011,36 +1011,36 @@ impl Drop for ProbeGuard<'_> {
 static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
 
 /// The registration ladder of one NIC, over the GPUs it was given.
-pub struct Ladder<V: Api, C: hal_cuda::Api> {
+pub struct Ladder {
     // Shared with every registration: a hit must not allocate.
     device: Arc<str>,
     domain: DomainId,
     config: LadderConfig,
     // Declared before the PD's other owners so self-check QPs go first.
-    loopback: Option<Loopback<V>>,
-    registrar: NicRegistrar<V>,
-    cache: Arc<RegistrationCache<NicRegistrar<V>>>,
+    loopback: Option<Loopback<crate::Verbs>>,
+    registrar: NicRegistrar,
+    cache: Arc<RegistrationCache<NicRegistrar>>,
     exports: Arc<DmabufExports>,
-    gpus: Vec<Gpu<C>>,
+    gpus: Vec<Gpu>,
     probes: Mutex<HashMap<(u32, Rung), ProbeSlot>>,
     probe_done: Condvar,
     forget: Arc<dyn Forget>,
 }
 
 /// What a buffer calls on drop to remove its registrations.
-struct LadderForget<V: Api> {
-    cache: Arc<RegistrationCache<NicRegistrar<V>>>,
+struct LadderForget {
+    cache: Arc<RegistrationCache<NicRegistrar>>,
     domain: DomainId,
 }
 
-impl<V: Api> Forget for LadderForget<V> {
+impl Forget for LadderForget {
     fn forget(&self, owner: OwnerId) {
         let dropped = self.cache.invalidate_owner_in(self.domain, owner);
         tracing::debug!(owner, dropped, "buffer gone: registrations unlinked");
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> fmt::Debug for Ladder<V, C> {
+impl fmt::Debug for Ladder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Ladder")
             .field("device", &self.device)
@@ -1053,12 +1053,15 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for Ladder<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
+impl Ladder {
     /// A ladder of its own on NIC `context` for `gpus` (a private cache and
     /// dma-buf exports, the default configuration): to ask what the NIC can
     /// do with those GPUs' memory ([`Ladder::probe_all`]) outside any
     /// engine, as `gdr info` and the C ABI's `gdr_path_rung` do.
-    pub fn standalone(context: &V::Context, gpus: Vec<Gpu<C>>) -> Result<Self, LadderError> {
+    pub fn standalone(
+        context: &hal_verbs::dynamic::DynContext,
+        gpus: Vec<Gpu>,
+    ) -> Result<Self, LadderError> {
         Self::new(
             context,
             gpus,
@@ -1080,9 +1083,9 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     /// [`crate::cache`] module docs, which [`NicRegistrar::new`] leaves to
     /// its caller).
     pub fn new(
-        context: &V::Context,
-        gpus: Vec<Gpu<C>>,
-        cache: Arc<RegistrationCache<NicRegistrar<V>>>,
+        context: &hal_verbs::dynamic::DynContext,
+        gpus: Vec<Gpu>,
+        cache: Arc<RegistrationCache<NicRegistrar>>,
         exports: Arc<DmabufExports>,
         config: LadderConfig,
     ) -> Result<Self, LadderError> {
@@ -1158,7 +1161,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
 
     /// The protection domain of this NIC's registrations: queue pairs that
     /// serve them must be created in it.
-    pub fn pd(&self) -> &Arc<V::ProtectionDomain> {
+    pub fn pd(&self) -> &Arc<hal_verbs::dynamic::DynProtectionDomain> {
         &self.registrar.pd
     }
 
@@ -1168,17 +1171,17 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     }
 
     /// The cache this ladder registers through.
-    pub fn cache(&self) -> &Arc<RegistrationCache<NicRegistrar<V>>> {
+    pub fn cache(&self) -> &Arc<RegistrationCache<NicRegistrar>> {
         &self.cache
     }
 
     /// The ladder's GPU of CUDA ordinal `ordinal`.
-    pub fn gpu(&self, ordinal: u32) -> Option<&Gpu<C>> {
+    pub fn gpu(&self, ordinal: u32) -> Option<&Gpu> {
         self.gpus.iter().find(|g| g.attributes.ordinal == ordinal)
     }
 
     /// Its GPUs.
-    pub fn gpus(&self) -> &[Gpu<C>] {
+    pub fn gpus(&self) -> &[Gpu] {
         &self.gpus
     }
 
@@ -1192,11 +1195,11 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     /// rung (the same dma-buf for GPU memory), counted against the budget.
     pub fn grant(
         &self,
-        registration: &LadderRegistration<V>,
+        registration: &LadderRegistration,
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<Grant<V>, LadderError> {
+    ) -> Result<Grant, LadderError> {
         let addr = range_within(registration.addr, registration.len, offset, len)?;
         if rights.allows_write() && !registration.access.is_writable() {
             return Err(LadderError::ReadOnly { addr, len, rights });
@@ -1248,11 +1251,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     /// first `len` bytes (overwriting them), through a short-lived grant of
     /// that range. Needs [`LadderConfig::self_check`]; a staged
     /// registration has nothing to prove.
-    pub fn prove(
-        &self,
-        registration: &LadderRegistration<V>,
-        len: u64,
-    ) -> Result<(), LoopbackError> {
+    pub fn prove(&self, registration: &LadderRegistration, len: u64) -> Result<(), LoopbackError> {
         let not_possible =
             |why: String| LoopbackError::Verbs(VerbsError::invalid("Ladder::prove", why));
         let loopback = self
@@ -1308,7 +1307,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         target: &Target<'_>,
         addr: u64,
         len: u64,
-    ) -> Result<LadderRegistration<V>, LadderError> {
+    ) -> Result<LadderRegistration, LadderError> {
         // Debug, not info: this runs on every registration, cache hits
         // included; probe verdicts are what info reports.
         let _span = tracing::debug_span!(
@@ -1373,9 +1372,9 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
     /// whether it was a hit (nothing registered by this call).
     fn cached(
         &self,
-        registrar: &BufferRegistrar<'_, V>,
+        registrar: &BufferRegistrar<'_>,
         request: &Request,
-    ) -> Result<(CacheHandle<NicRegistration<V>>, bool), CacheError<RegisterError>> {
+    ) -> Result<(CacheHandle<NicRegistration>, bool), CacheError<RegisterError>> {
         let handle = match self.cache.get_or_register_with(registrar, request) {
             Err(CacheError::Register { source, .. })
                 if matches!(*source, RegisterError::Budget(_)) =>
@@ -1398,8 +1397,8 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         addr: u64,
         len: u64,
         location: MemoryLocation,
-        handle: Option<(CacheHandle<NicRegistration<V>>, bool)>,
-    ) -> LadderRegistration<V> {
+        handle: Option<(CacheHandle<NicRegistration>, bool)>,
+    ) -> LadderRegistration {
         let cache_hit = handle.as_ref().is_some_and(|(_, hit)| *hit);
         LadderRegistration {
             rung,
@@ -1420,7 +1419,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         target: &Target<'_>,
         addr: u64,
         len: u64,
-    ) -> Result<LadderRegistration<V>, LadderError> {
+    ) -> Result<LadderRegistration, LadderError> {
         let Some(ordinal) = target.device_ordinal else {
             return Err(LadderError::Attributes {
                 addr,
@@ -1499,12 +1498,12 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
 
     fn register_on(
         &self,
-        gpu: &Gpu<C>,
+        gpu: &Gpu,
         rung: Rung,
         target: &Target<'_>,
         addr: u64,
         len: u64,
-    ) -> Result<(CacheHandle<NicRegistration<V>>, bool), Refusal> {
+    ) -> Result<(CacheHandle<NicRegistration>, bool), Refusal> {
         let ordinal = gpu.attributes.ordinal;
         let base = target.allocation_base;
         let (request, export) = match rung {
@@ -1522,12 +1521,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
                 // reference, so a failure closes the fd at once.
                 let export = self
                     .exports
-                    .get_or_export::<C>(
-                        &gpu.context,
-                        target.buffer_id,
-                        base,
-                        target.allocation_size,
-                    )
+                    .get_or_export(&gpu.context, target.buffer_id, base, target.allocation_size)
                     .map_err(Refusal::Driver)?;
                 (request, Some(export))
             }
@@ -1547,7 +1541,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
 
     /// The (NIC, GPU) pair's verdict on `rung`, probing it when it has none
     /// (or its back-off has run out). One thread probes; others wait.
-    fn probe(&self, gpu: &Gpu<C>, rung: Rung) -> Verdict {
+    fn probe(&self, gpu: &Gpu, rung: Rung) -> Verdict {
         let key = (gpu.attributes.ordinal, rung);
         let mut slots = lock(&self.probes);
         let failures = loop {
@@ -1614,7 +1608,7 @@ impl<V: Api, C: hal_cuda::Api> Ladder<V, C> {
         verdict
     }
 
-    fn probe_once(&self, gpu: &Gpu<C>, rung: Rung) -> Verdict {
+    fn probe_once(&self, gpu: &Gpu, rung: Rung) -> Verdict {
         let a = &gpu.attributes;
         match rung {
             Rung::Dmabuf if !a.dma_buf_supported => {

@@ -20,9 +20,9 @@
 //! [`Error`] that keeps each layer's typed error. `use
 //! gdr_core::prelude::*;` brings these.
 //!
-//! Under the facade, the generic layer is what it erases: [`engine`],
-//! [`buffer`], [`ladder`] and [`cache`] over the `hal-verbs` and
-//! `hal-cuda` traits, for code that picks its backends at compile time.
+//! Under the facade are [`engine`], [`buffer`], [`ladder`] and [`cache`],
+//! none generic: they hold the `hal-verbs` and `hal-cuda` backends erased
+//! (their `dynamic` modules), for code that opens its backends itself.
 //! [`descriptor`] and [`uri`] are what peers and processes exchange;
 //! [`doctor`] (feature `doctor`) is `gdr info`'s report. The user guide
 //! (`docs/guide.md` in the repository) covers prerequisites, run-time
@@ -30,7 +30,7 @@
 //!
 //! # Features
 //!
-//! None by default: the generic layer builds with nothing native. The
+//! None by default: the engine and its parts build with nothing native. The
 //! facade and the run-time choice ([`backend`]) need `sim`, or both `rdma`
 //! and `cuda`:
 //!
@@ -140,6 +140,10 @@ pub mod uri;
 
 #[allow(dead_code, unused_imports)] // the cache and engine take their types from here
 mod sync;
+
+/// The verbs backend every engine, ladder and cache is of: the HAL's
+/// erased one, whatever was chosen at run time ([`backend::Backends`]).
+pub(crate) type Verbs = hal_verbs::dynamic::DynApi;
 
 pub mod cache;
 

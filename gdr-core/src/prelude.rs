@@ -2,7 +2,7 @@
 //! facade (a `Context` of backends chosen at run time, its `Engine`,
 //! `Buffer`s and `Stream`s; `Region`s, `Peer`s, `Grant`s and `Batch`es of
 //! `Transfer`s: features `sim`, or `rdma` and `cuda`), its configuration,
-//! and the errors a caller matches on. The generic layer
+//! and the errors a caller matches on. The layer under the facade
 //! (`gdr_core::engine`, `buffer`, `ladder`) is imported by path.
 
 #[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]

@@ -373,6 +373,14 @@ pub struct SimCuda {
 }
 
 impl SimCuda {
+    /// This driver erased (`hal_cuda::dynamic`), as gdr-core's engines
+    /// hold their backends: the erased driver's GPUs are this process's.
+    pub fn erased(&self) -> hal_cuda::dynamic::DynDriver {
+        hal_cuda::dynamic::DynDriver::new::<SimCudaApi>(self.clone())
+    }
+}
+
+impl SimCuda {
     /// A process seeing one GPU per config, failing as `faults` scripts.
     pub fn new(configs: Vec<GpuConfig>, faults: FaultPlan) -> Self {
         let gpus = configs

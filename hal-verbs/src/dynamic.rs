@@ -172,11 +172,24 @@ impl DynProvider {
     pub fn new<A: Api>(provider: A::Provider) -> Self {
         Self(Box::new(ProviderOf::<A>(provider)))
     }
+
+    /// The provider of backend `A` behind this one, if it is of `A`: for
+    /// code that measures a backend on its own types (a benchmark's bare
+    /// loop), not through the erasure.
+    pub fn downcast_ref<A: Api>(&self) -> Option<&A::Provider> {
+        self.0
+            .as_any()
+            .downcast_ref::<ProviderOf<A>>()
+            .map(|of| &of.0)
+    }
 }
 
 // ---- Provider
 
 impl<A: Api> ProviderDyn for ProviderOf<A> {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
     fn backend_name(&self) -> &'static str {
         self.0.backend_name()
     }
@@ -193,7 +206,9 @@ impl<A: Api> ProviderDyn for ProviderOf<A> {
     }
 }
 
-forward!(trait ProviderDyn {}
+forward!(trait ProviderDyn {
+    fn as_any(&self) -> &dyn Any;
+}
 impl Provider<DynApi>, for DynProvider, via 0 {
     fn backend_name(&self) -> &'static str;
     fn devices(&self) -> Result<Vec<DeviceInfo>>;

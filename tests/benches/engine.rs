@@ -37,7 +37,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use gdr_core::engine::{Batch, EngineConfig, Transfer};
 use gdr_core::ladder::LadderConfig;
 use gdr_sim::{DeviceConfig, SimVerbsApi};
-use gdr_tests::engine_world::{HostPeers, dyn_host_peers, sim_host_peers};
+use gdr_tests::engine_world::{HostPeers, sim_host_peers};
 use gdr_tests::pair::{Buf, Pair, PairConfig, SimBackend};
 use hal_verbs::{
     AccessFlags, Completion, CompletionQueue as _, MemoryRegion as _, QpCaps, SendFlags, SendOp,
@@ -197,14 +197,13 @@ impl Bare {
     }
 }
 
-/// Two engines on two nodes, connected, b's region granted to a: on the
-/// sim's own types, or (`engine_dyn`) on the sim behind the erased backends
-/// (`hal_verbs::dynamic`, `hal_cuda::dynamic`), what the erasure costs.
-struct Engines<V: hal_verbs::Api, C: hal_cuda::Api>(HostPeers<V, C>);
+/// Two engines on two nodes, connected, b's region granted to a (the
+/// engines run on the erased backends, as every engine does).
+struct Engines(HostPeers);
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> std::ops::Deref for Engines<V, C> {
-    type Target = HostPeers<V, C>;
-    fn deref(&self) -> &HostPeers<V, C> {
+impl std::ops::Deref for Engines {
+    type Target = HostPeers;
+    fn deref(&self) -> &HostPeers {
         &self.0
     }
 }
@@ -231,7 +230,7 @@ fn engine_config(signal_every: u32) -> EngineConfig {
     }
 }
 
-impl Engines<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi> {
+impl Engines {
     fn new(signal_every: u32) -> Self {
         Self(sim_host_peers(
             engine_config(signal_every),
@@ -241,23 +240,13 @@ impl Engines<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi> {
     }
 }
 
-impl Engines<hal_verbs::dynamic::DynApi, hal_cuda::dynamic::DynApi> {
-    fn erased(signal_every: u32) -> Self {
-        Self(dyn_host_peers(
-            engine_config(signal_every),
-            (WINDOW * REQ) as u64,
-            T,
-        ))
-    }
-}
-
-impl<V: hal_verbs::Api, C: hal_cuda::Api> Engines<V, C> {
+impl Engines {
     /// `iters` batches of `b` retired (and as many submitted) in steady
     /// state.
     fn run(&self, dir: Dir, b: usize, iters: u64) -> Duration {
-        let mut transfers: Vec<Transfer<'_, V>> = Vec::with_capacity(b);
+        let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(b);
         let mut next: u64 = 0;
-        let mut submit = |next: &mut u64| -> Batch<V, C> {
+        let mut submit = |next: &mut u64| -> Batch {
             transfers.clear();
             for _ in 0..b {
                 let at = offset(*next) as u64;
@@ -269,7 +258,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Engines<V, C> {
             }
             self.a_to_b.submit(&transfers).expect("submit")
         };
-        let reap = |batches: &mut VecDeque<Batch<V, C>>| {
+        let reap = |batches: &mut VecDeque<Batch>| {
             batches
                 .pop_front()
                 .expect("a batch in flight")
@@ -300,16 +289,12 @@ fn engine_vs_bare(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("sim_4KiB_{}", dir.name()));
         for b in BATCHES {
             let engines = Engines::new(b as u32);
-            let erased = Engines::erased(b as u32);
             group.throughput(Throughput::Elements(b as u64));
             group.bench_with_input(BenchmarkId::new("bare_hal", b), &b, |bench, &b| {
                 bench.iter_custom(|iters| bare.run(dir, b, iters))
             });
             group.bench_with_input(BenchmarkId::new("engine", b), &b, |bench, &b| {
                 bench.iter_custom(|iters| engines.run(dir, b, iters))
-            });
-            group.bench_with_input(BenchmarkId::new("engine_dyn", b), &b, |bench, &b| {
-                bench.iter_custom(|iters| erased.run(dir, b, iters))
             });
         }
         group.finish();
@@ -338,7 +323,7 @@ criterion_group!(benches, engine_vs_bare, per_batch_costs);
 fn only(spec: &str, iters: u64) {
     let parts: Vec<&str> = spec.split('/').collect();
     let [dir, kind, b] = parts[..] else {
-        panic!("GDR_BENCH_ONLY={spec:?}: want <write|read>/<bare_hal|engine|engine_dyn>/<batch>");
+        panic!("GDR_BENCH_ONLY={spec:?}: want <write|read>/<bare_hal|engine>/<batch>");
     };
     let dir = match dir {
         "write" => Dir::Write,
@@ -356,11 +341,6 @@ fn only(spec: &str, iters: u64) {
         }
         "engine" => {
             let engines = Engines::new(b as u32);
-            engines.run(dir, b, 1000);
-            measured(|| engines.run(dir, b, iters));
-        }
-        "engine_dyn" => {
-            let engines = Engines::erased(b as u32);
             engines.run(dir, b, 1000);
             measured(|| engines.run(dir, b, iters));
         }

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use gdr_core::engine::{Driver, EngineConfig, Transfer};
 use gdr_core::ladder::LadderConfig;
 use gdr_sim::{NodeConfig, SimFabric, SimVerbsApi};
-use gdr_tests::engine_world::{SimHostPeers, sim_host_peers};
+use gdr_tests::engine_world::{HostPeers, sim_host_peers};
 
 const REQ: u64 = 4096;
 const T: Duration = Duration::from_secs(30);
@@ -45,11 +45,11 @@ fn env_or(name: &str, default: u64) -> u64 {
 }
 
 /// Two connected engines, b's region granted to a.
-struct Engines(SimHostPeers);
+struct Engines(HostPeers);
 
 impl std::ops::Deref for Engines {
-    type Target = SimHostPeers;
-    fn deref(&self) -> &SimHostPeers {
+    type Target = HostPeers;
+    fn deref(&self) -> &HostPeers {
         &self.0
     }
 }

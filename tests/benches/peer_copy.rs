@@ -28,7 +28,10 @@ const T: Duration = Duration::from_secs(120);
 const SIZES: [u64; 3] = [1 << 20, 16 << 20, 256 << 20];
 const IN_FLIGHT: usize = 4;
 
-fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> C::Driver) {
+fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> C::Driver)
+where
+    C::Driver: Clone,
+{
     let config = EngineConfig {
         default_timeout: T,
         ..EngineConfig::default()

@@ -10,16 +10,16 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use gdr_core::buffer::Buffer;
 use gdr_core::cache::{Bounds, CacheConfig, RegistrationCache, Request};
 use gdr_core::ladder::{DmabufExports, Ladder, LadderConfig};
-use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+use gdr_sim::{NodeConfig, SimFabric};
 use hal_verbs::rdma::{RdmaApi, RdmaProvider};
-use hal_verbs::{AccessFlags, Api, ProtectionDomain, Provider};
+use hal_verbs::{AccessFlags, ProtectionDomain, Provider};
 
 const LEN: usize = 1 << 20;
 
-fn bench_on<V: Api>(c: &mut Criterion, provider: &V::Provider) {
+fn bench_on(c: &mut Criterion, provider: &hal_verbs::dynamic::DynProvider) {
     let device = provider.devices().expect("devices")[0].name.clone();
     let ctx = provider.open(&device).expect("open");
-    let ladder = Ladder::<V, SimCudaApi>::new(
+    let ladder = Ladder::new(
         &ctx,
         Vec::new(),
         Arc::new(RegistrationCache::new(CacheConfig::default())),
@@ -30,7 +30,7 @@ fn bench_on<V: Api>(c: &mut Criterion, provider: &V::Provider) {
         },
     )
     .expect("ladder");
-    let buffer = Buffer::<SimCudaApi>::alloc_host(LEN as u64);
+    let buffer = Buffer::alloc_host(LEN as u64);
     let mut group = c.benchmark_group(format!("register_1MiB/{device}"));
     group.bench_function("ibv_reg_mr+dereg", |b| {
         b.iter(|| {
@@ -62,11 +62,14 @@ fn bench_on<V: Api>(c: &mut Criterion, provider: &V::Provider) {
 
 fn registration(c: &mut Criterion) {
     match RdmaProvider::load().and_then(|p| p.devices().map(|_| p)) {
-        Ok(provider) => bench_on::<RdmaApi>(c, &provider),
+        Ok(provider) => bench_on(
+            c,
+            &hal_verbs::dynamic::DynProvider::new::<RdmaApi>(provider),
+        ),
         Err(e) => {
             eprintln!("no RDMA device ({e}): measuring the simulated NIC");
             let node = SimFabric::new().add_node("bench", NodeConfig::default());
-            bench_on::<SimVerbsApi>(c, &node);
+            bench_on(c, &node.erased());
         }
     }
 }

@@ -90,11 +90,18 @@ unsafe fn h2d<C: hal_cuda::Api>(stream: &C::Stream, dst: u64, src: u64, len: u64
     stream.synchronize().unwrap();
 }
 
-fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> C::Driver) {
+fn bench_on<C: hal_cuda::Api<Driver: Clone>>(
+    c: &mut Criterion,
+    what: &str,
+    cuda: impl Fn() -> C::Driver,
+) {
     let w: EngineWorld<SimVerbsApi, C> = EngineWorld::sim_with(1, config(), T, |_| cuda());
     let driver = cuda();
     let ctx = driver.context(0).expect("GPU 0");
     let stream = ctx.create_stream().expect("a stream");
+    // The baseline's buffers, of the same driver erased (as buffers are).
+    let erased = hal_cuda::dynamic::DynDriver::new::<C>(driver.clone());
+    let buffers_ctx = erased.context(0).expect("GPU 0");
     // The baseline's copies, on each side's own GPU.
     let a_stream = w.a.cuda.context(0).unwrap().create_stream().unwrap();
     let b_stream = w.b.cuda.context(0).unwrap().create_stream().unwrap();
@@ -104,8 +111,8 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
     group.sample_size(10);
     for len in SIZES {
         group.throughput(Throughput::Bytes(len));
-        let device = Buffer::<C>::alloc_device(&ctx, len).expect("device memory");
-        let pinned = Buffer::<C>::alloc_pinned(&ctx, len).expect("pinned memory");
+        let device = Buffer::alloc_device(&buffers_ctx, len).expect("device memory");
+        let pinned = Buffer::alloc_pinned(&buffers_ctx, len).expect("pinned memory");
         group.bench_function(BenchmarkId::new("d2h", len), |b| {
             b.iter(|| {
                 // SAFETY: both buffers hold `len` bytes and outlive the copy.
@@ -136,10 +143,8 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
                 b.iter(|| drop(w.ab.grant(&host_src, 0, len, GrantRights::Read).unwrap()))
             });
         }
-        let write = |transfer: Transfer<'_, SimVerbsApi>| {
-            w.ab.submit(&[transfer]).unwrap().wait(T).unwrap()
-        };
-        let mut run = |name: &str, transfer: Transfer<'_, SimVerbsApi>| {
+        let write = |transfer: Transfer<'_>| w.ab.submit(&[transfer]).unwrap().wait(T).unwrap();
+        let mut run = |name: &str, transfer: Transfer<'_>| {
             group.bench_function(BenchmarkId::new(name, len), |b| b.iter(|| write(transfer)));
         };
         run("wire", Transfer::write(&host_src, 0, &to_host, 0, len));
@@ -190,7 +195,7 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
 /// The pipeline's knobs against each other: a 256 MiB staged GPU→host
 /// WRITE for each slice size and slot count (`staging_sweep/<slice>x<slots>`),
 /// to choose the defaults.
-fn sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
+fn sweep_on<C: hal_cuda::Api<Driver: Clone>>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
     const LEN: u64 = 256 << 20;
     let mut group = c.benchmark_group("staging_sweep");
     group.sample_size(10);
@@ -217,7 +222,10 @@ fn sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
 /// (`in`) and staged GPU → staged GPU (`gpu`) for each landing-slot count
 /// and slice size (`rendezvous_sweep/<dir>/<slice KiB>x<slots>`), beside
 /// the stages alone (`wire`, `h2d`) in the same run.
-fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C::Driver) {
+fn rendezvous_sweep_on<C: hal_cuda::Api<Driver: Clone>>(
+    c: &mut Criterion,
+    cuda: impl Fn() -> C::Driver,
+) {
     const LEN: u64 = 16 << 20;
     let mut group = c.benchmark_group("rendezvous_sweep");
     group.sample_size(10);
@@ -236,8 +244,10 @@ fn rendezvous_sweep_on<C: hal_cuda::Api>(c: &mut Criterion, cuda: impl Fn() -> C
         let driver = cuda();
         let ctx = driver.context(0).expect("GPU 0");
         let stream = ctx.create_stream().expect("a stream");
-        let device = Buffer::<C>::alloc_device(&ctx, LEN).expect("device memory");
-        let pinned = Buffer::<C>::alloc_pinned(&ctx, LEN).expect("pinned memory");
+        let erased = hal_cuda::dynamic::DynDriver::new::<C>(driver.clone());
+        let buffers_ctx = erased.context(0).expect("GPU 0");
+        let device = Buffer::alloc_device(&buffers_ctx, LEN).expect("device memory");
+        let pinned = Buffer::alloc_pinned(&buffers_ctx, LEN).expect("pinned memory");
         group.bench_function("h2d", |b| {
             b.iter(|| {
                 // SAFETY: both buffers hold `LEN` bytes and outlive the

@@ -32,15 +32,14 @@ use hal_verbs::rdma::{RdmaApi, RdmaProvider};
 
 use crate::{init_tracing, pattern, rxe};
 
-/// An engine over verbs backend `V`, for the memory of CUDA backend `C`
-/// (the simulated GPU unless said otherwise).
-pub type WorldEngine<V, C = SimCudaApi> = Engine<V, C>;
+/// An engine (its backends erased: whichever `Side` opened it on).
+pub type WorldEngine = Engine;
 /// One end of a connection between two engines.
-pub type WorldPeer<V, C = SimCudaApi> = Peer<V, C>;
+pub type WorldPeer = Peer;
 /// A grant of a region to a peer (revoked when dropped).
-pub type WorldGrant<V, C = SimCudaApi> = RegionGrant<V, C>;
+pub type WorldGrant = RegionGrant;
 /// A buffer of the GPU's driver (host, pinned or device memory).
-pub type WorldBuffer<C = SimCudaApi> = Buffer<C>;
+pub type WorldBuffer = Buffer;
 
 /// `base` with GPU memory on the staging rung only (no GPUDirect rung).
 pub fn staged_only(base: EngineConfig) -> EngineConfig {
@@ -84,8 +83,11 @@ pub struct Side<V: Api, C: hal_cuda::Api = SimCudaApi> {
     pub verbs: V::Provider,
     /// The GPU the engine registers device and pinned memory of.
     pub cuda: C::Driver,
+    /// `cuda` erased, as the engine holds it: buffers for the engine are
+    /// made through it.
+    pub driver: hal_cuda::dynamic::DynDriver,
     /// The engine.
-    pub engine: WorldEngine<V, C>,
+    pub engine: WorldEngine,
     /// Its engine's stream-fence page bytes, read when the side goes (the
     /// world's release check allows for them).
     fence_page: Arc<AtomicU64>,
@@ -100,12 +102,19 @@ impl<V: Api, C: hal_cuda::Api> Drop for Side<V, C> {
 
 impl<V: Api, C: hal_cuda::Api> Side<V, C> {
     /// An engine on `verbs` (the NICs `config` names, or all) and `cuda`.
-    pub fn new(verbs: V::Provider, cuda: C::Driver, config: EngineConfig) -> Self {
-        let engine = WorldEngine::<V, C>::new(&verbs, Some(&cuda), config.clone())
+    pub fn new(verbs: V::Provider, cuda: C::Driver, config: EngineConfig) -> Self
+    where
+        V::Provider: Clone,
+        C::Driver: Clone,
+    {
+        let provider = hal_verbs::dynamic::DynProvider::new::<V>(verbs.clone());
+        let driver = hal_cuda::dynamic::DynDriver::new::<C>(cuda.clone());
+        let engine = WorldEngine::new(&provider, Some(&driver), config.clone())
             .unwrap_or_else(|e| panic!("an engine on {:?}: {e}", config.devices));
         Self {
             verbs,
             cuda,
+            driver,
             engine,
             fence_page: Arc::new(AtomicU64::new(0)),
         }
@@ -113,7 +122,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
 
     /// `len` bytes of host memory holding `pattern(len, seed)`, registered
     /// (on the host-memory rung of every NIC).
-    pub fn host(&self, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
+    pub fn host(&self, len: u64, seed: u8) -> (WorldBuffer, Region) {
         let buffer = Buffer::alloc_host(len);
         buffer
             .write_at(0, &pattern(len as usize, seed))
@@ -126,8 +135,8 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
 
     /// `len` bytes of pinned host memory holding `pattern(len, seed)`,
     /// registered.
-    pub fn pinned(&self, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
-        let ctx = self.cuda.context(0).unwrap();
+    pub fn pinned(&self, len: u64, seed: u8) -> (WorldBuffer, Region) {
+        let ctx = self.driver.context(0).unwrap();
         let buffer = Buffer::alloc_pinned(&ctx, len).unwrap();
         buffer.write_at(0, &pattern(len as usize, seed)).unwrap();
         let region = self.engine.register(&buffer).unwrap();
@@ -136,13 +145,13 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
 
     /// `len` bytes of GPU memory holding `pattern(len, seed)` (copied in
     /// on a stream), registered on whichever rung the ladder takes.
-    pub fn gpu(&self, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
+    pub fn gpu(&self, len: u64, seed: u8) -> (WorldBuffer, Region) {
         self.gpu_on(0, len, seed)
     }
 
     /// [`Side::gpu`] on GPU `ordinal`.
-    pub fn gpu_on(&self, ordinal: u32, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
-        let ctx = self.cuda.context(ordinal).unwrap();
+    pub fn gpu_on(&self, ordinal: u32, len: u64, seed: u8) -> (WorldBuffer, Region) {
+        let ctx = self.driver.context(ordinal).unwrap();
         let buffer = Buffer::alloc_device(&ctx, len).unwrap();
         let data = pattern(len as usize, seed);
         let stream = ctx.create_stream().unwrap();
@@ -155,7 +164,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
     }
 
     /// `len` bytes of `kind` holding `pattern(len, seed)`, registered.
-    pub fn alloc(&self, kind: Kind, len: u64, seed: u8) -> (WorldBuffer<C>, Region<V>) {
+    pub fn alloc(&self, kind: Kind, len: u64, seed: u8) -> (WorldBuffer, Region) {
         match kind {
             Kind::Host => self.host(len, seed),
             Kind::Pinned => self.pinned(len, seed),
@@ -165,7 +174,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
 
     /// The buffer's bytes: host memory read directly, device memory
     /// through a stream copy.
-    pub fn bytes(&self, buffer: &WorldBuffer<C>) -> Vec<u8> {
+    pub fn bytes(&self, buffer: &WorldBuffer) -> Vec<u8> {
         if buffer.memory_type() != hal_cuda::MemoryType::Device {
             return buffer.to_vec().expect("host memory is CPU-readable");
         }
@@ -178,7 +187,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
 
     /// `len` bytes of GPU `ordinal`'s memory at `addr`, through a stream copy.
     pub fn device_bytes(&self, ordinal: u32, addr: u64, len: usize) -> Vec<u8> {
-        let ctx = self.cuda.context(ordinal).unwrap();
+        let ctx = self.driver.context(ordinal).unwrap();
         let mut out = vec![0; len];
         let stream = ctx.create_stream().unwrap();
         // SAFETY: `out` holds `len` bytes, the caller names `len` mapped
@@ -191,7 +200,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
 
     /// Copies `data` into device memory at `addr` (mapped for its length).
     pub fn write_device(&self, addr: u64, data: &[u8]) {
-        let ctx = self.cuda.context(0).unwrap();
+        let ctx = self.driver.context(0).unwrap();
         let stream = ctx.create_stream().unwrap();
         // SAFETY: the caller names `data.len()` mapped bytes at `addr`; the
         // stream is synchronised before `data` goes.
@@ -203,9 +212,9 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
     /// `slots` chunks of the granularity, the first `chunks` mapped, each
     /// created `gpuDirectRDMACapable` unless its index is in `plain`.
     /// `None` (the reason printed) where the GPU has no VMM API.
-    pub fn vmm_memory(&self, slots: usize, chunks: usize, plain: &[usize]) -> Option<VmmMemory<C>> {
+    pub fn vmm_memory(&self, slots: usize, chunks: usize, plain: &[usize]) -> Option<VmmMemory> {
         use hal_cuda::VirtualReservation as _;
-        let ctx = self.cuda.context(0).unwrap();
+        let ctx = self.driver.context(0).unwrap();
         let chunk = match ctx.vmm_granularity() {
             Ok(g) => g,
             Err(e) => {
@@ -238,14 +247,14 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
     /// registered.
     pub fn wrap_vmm(
         &self,
-        memory: &VmmMemory<C>,
+        memory: &VmmMemory,
         offset: u64,
         len: u64,
         seed: u8,
-    ) -> (WorldBuffer<C>, Region<V>) {
+    ) -> (WorldBuffer, Region) {
         let addr = memory.base + offset;
         self.write_device(addr, &pattern(len as usize, seed));
-        let ctx = self.cuda.context(0).unwrap();
+        let ctx = self.driver.context(0).unwrap();
         // SAFETY: the range is mapped (the caller's `memory`), and tests
         // drop the buffer before the memory (or remap under it on purpose,
         // to see the remap detected).
@@ -258,25 +267,25 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
 /// CUDA VMM memory made through the HAL ([`Side::vmm_memory`]). Field order
 /// is drop order.
 #[derive(Debug)]
-pub struct VmmMemory<C: hal_cuda::Api> {
+pub struct VmmMemory {
     /// The mapping of each chunk slot (`None`: unmapped).
-    pub mappings: Vec<Option<C::VirtualMapping>>,
+    pub mappings: Vec<Option<hal_cuda::dynamic::DynVirtualMapping>>,
     /// The physical chunks created, in order.
-    pub physical: Vec<C::PhysicalMemory>,
+    pub physical: Vec<hal_cuda::dynamic::DynPhysicalMemory>,
     /// The reserved range.
-    pub reservation: C::VirtualReservation,
+    pub reservation: hal_cuda::dynamic::DynVirtualReservation,
     /// Its first address.
     pub base: u64,
     /// The chunk size (the VMM granularity).
     pub chunk: u64,
 }
 
-impl<C: hal_cuda::Api> VmmMemory<C> {
+impl VmmMemory {
     /// Unmaps slot `slot`'s chunk and maps fresh physical memory there (a
     /// new buffer id at the same address); the old physical memory is
     /// mapped at slot `spare` (to read what it holds). Returns the old
     /// chunk's address there.
-    pub fn remap(&mut self, ctx: &C::Context, slot: usize, spare: usize) -> u64 {
+    pub fn remap(&mut self, ctx: &hal_cuda::dynamic::DynContext, slot: usize, spare: usize) -> u64 {
         use hal_cuda::VirtualMapping as _;
         let chunk = self.chunk as usize;
         drop(self.mappings[slot].take());
@@ -301,9 +310,9 @@ impl<C: hal_cuda::Api> VmmMemory<C> {
 #[derive(Debug)]
 pub struct EngineWorld<V: Api, C: hal_cuda::Api = SimCudaApi> {
     /// a's end of the connection (its peer is b).
-    pub ab: WorldPeer<V, C>,
+    pub ab: WorldPeer,
     /// b's end of the connection (its peer is a).
-    pub ba: WorldPeer<V, C>,
+    pub ba: WorldPeer,
     /// The connecting side.
     pub a: Side<V, C>,
     /// The listening side.
@@ -429,18 +438,14 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
 
     /// b grants all of `region` to a, which waits for the announcement
     /// (see [`grant_to`]).
-    pub fn b_grants(
-        &self,
-        region: &Region<V>,
-        rights: GrantRights,
-    ) -> (WorldGrant<V, C>, MemoryDescriptor) {
+    pub fn b_grants(&self, region: &Region, rights: GrantRights) -> (WorldGrant, MemoryDescriptor) {
         grant_to(&self.ba, &self.ab, region, rights, self.timeout)
     }
 
     /// `len` bytes of host memory on each side, a's holding
     /// `pattern(len, seed)` and b's `pattern(len, 0)`, b's granted to a with
     /// `rights`: what most transfers go between.
-    pub fn host_pair(&self, len: u64, seed: u8, rights: GrantRights) -> HostPair<V, C> {
+    pub fn host_pair(&self, len: u64, seed: u8, rights: GrantRights) -> HostPair {
         let (src_buf, src) = self.a.host(len, seed);
         let (dst_buf, dst) = self.b.host(len, 0);
         let (grant, remote) = self.b_grants(&dst, rights);
@@ -512,7 +517,7 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
 
 impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
     /// Runs `transfers` on `peer` as one batch and waits for it.
-    fn run(&self, peer: &WorldPeer<V, C>, transfers: &[Transfer<'_, V>], what: &str) {
+    fn run(&self, peer: &WorldPeer, transfers: &[Transfer<'_>], what: &str) {
         peer.submit(transfers)
             .unwrap_or_else(|e| panic!("{what}: submit: {e}"))
             .wait(self.timeout)
@@ -548,8 +553,8 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
         );
         let rungs: Vec<Rung> = pieces.iter().map(|p| p.registration.rung()).collect();
 
-        let ctx = self.b.cuda.context(0).unwrap();
-        let dst_buf = Buffer::<C>::alloc_vmm(&ctx, len, g).unwrap();
+        let ctx = self.b.driver.context(0).unwrap();
+        let dst_buf = Buffer::alloc_vmm(&ctx, len, g).unwrap();
         assert_eq!(dst_buf.chunks().len(), 4);
         let dst = self.b.engine.register(&dst_buf).unwrap();
         let (_g, remote) = self.b_grants(&dst, GrantRights::ReadWrite);
@@ -627,7 +632,7 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
         );
         assert!(self.a.bytes(&buf) == pattern(len as usize, 31));
 
-        let ctx = self.a.cuda.context(0).unwrap();
+        let ctx = self.a.driver.context(0).unwrap();
         let old_at = memory.remap(&ctx, 1, 3);
         let now = ctx.pointer_attributes(memory.base + g).unwrap();
         assert_ne!(
@@ -683,7 +688,7 @@ pub fn peer_copy_gpus<C: hal_cuda::Api>(cuda: &C::Driver) -> (u32, u32) {
 }
 
 /// The sum of a peer's queue pairs' posted work requests (the NIC's work).
-pub fn posted<V: Api, C: hal_cuda::Api>(peer: &WorldPeer<V, C>) -> u64 {
+pub fn posted(peer: &WorldPeer) -> u64 {
     peer.counters().iter().map(|(_, _, c)| c.posted).sum()
 }
 
@@ -746,32 +751,32 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
 /// Host memory on a and b, b's granted to a ([`EngineWorld::host_pair`]).
 /// Field order is drop order: the grant, then the regions, then the memory.
 #[derive(Debug)]
-pub struct HostPair<V: Api, C: hal_cuda::Api = SimCudaApi> {
+pub struct HostPair {
     /// b's grant of `dst` to a.
-    pub grant: WorldGrant<V, C>,
+    pub grant: WorldGrant,
     /// The descriptor a received for it.
     pub remote: MemoryDescriptor,
     /// a's region.
-    pub src: Region<V>,
+    pub src: Region,
     /// a's memory.
-    pub src_buf: WorldBuffer<C>,
+    pub src_buf: WorldBuffer,
     /// b's region.
-    pub dst: Region<V>,
+    pub dst: Region,
     /// b's memory.
-    pub dst_buf: WorldBuffer<C>,
+    pub dst_buf: WorldBuffer,
 }
 
 /// `granter` grants all of `region` to its peer, whose `grantee` waits up
 /// to `timeout` for the announcement. Checks the peer sees exactly what was
 /// granted, reaching the granter's every NIC (in these worlds a peer has
 /// queue pairs on every NIC of its engine).
-pub fn grant_to<V: Api, C: hal_cuda::Api>(
-    granter: &WorldPeer<V, C>,
-    grantee: &WorldPeer<V, C>,
-    region: &Region<V>,
+pub fn grant_to(
+    granter: &WorldPeer,
+    grantee: &WorldPeer,
+    region: &Region,
     rights: GrantRights,
     timeout: Duration,
-) -> (WorldGrant<V, C>, MemoryDescriptor) {
+) -> (WorldGrant, MemoryDescriptor) {
     let grant = granter.grant(region, 0, region.len(), rights).unwrap();
     let seen = grantee
         .wait_grant(grant.descriptor().grant, timeout)
@@ -799,9 +804,9 @@ pub fn grant_to<V: Api, C: hal_cuda::Api>(
 /// on `peer` until the submit is refused (a gone peer's way); each batch
 /// accepted meanwhile may only fail as a gone peer fails, and nothing
 /// hangs past `timeout`. Returns the refusal.
-pub fn submit_until_gone<V: Api, C: hal_cuda::Api>(
-    peer: &WorldPeer<V, C>,
-    src: &Region<V>,
+pub fn submit_until_gone(
+    peer: &WorldPeer,
+    src: &Region,
     remote: &MemoryDescriptor,
     timeout: Duration,
 ) -> EngineError {
@@ -854,7 +859,10 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         config: EngineConfig,
         timeout: Duration,
         cuda: impl Fn(&SimFabric) -> C::Driver,
-    ) -> Self {
+    ) -> Self
+    where
+        C::Driver: Clone,
+    {
         Self::sim_sides(nics, (config.clone(), config), timeout, cuda)
     }
 
@@ -865,7 +873,10 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         configs: (EngineConfig, EngineConfig),
         timeout: Duration,
         cuda: impl Fn(&SimFabric) -> C::Driver,
-    ) -> Self {
+    ) -> Self
+    where
+        C::Driver: Clone,
+    {
         init_tracing();
         let fabric = SimFabric::new();
         let side = |name: &str, config: EngineConfig| {
@@ -951,11 +962,7 @@ impl EngineWorld<SimVerbsApi> {
         &self,
         name: &str,
         config: EngineConfig,
-    ) -> (
-        Side<SimVerbsApi>,
-        WorldPeer<SimVerbsApi>,
-        WorldPeer<SimVerbsApi>,
-    ) {
+    ) -> (Side<SimVerbsApi>, WorldPeer, WorldPeer) {
         let fabric = self.fabric();
         let verbs = fabric.add_node(
             name,
@@ -986,10 +993,10 @@ impl EngineWorld<SimVerbsApi> {
 
 /// A listener of `engine` (on the simulated node `node`) on a free port,
 /// and the address a peer reaches it at (its first NIC's).
-pub fn sim_listener<C: hal_cuda::Api>(
-    engine: &Engine<SimVerbsApi, C>,
+pub fn sim_listener(
+    engine: &Engine,
     node: &gdr_sim::SimVerbs,
-) -> (gdr_core::engine::EngineListener<SimVerbsApi, C>, SocketAddr) {
+) -> (gdr_core::engine::EngineListener, SocketAddr) {
     let listener = engine
         .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
         .unwrap();
@@ -1001,12 +1008,12 @@ pub fn sim_listener<C: hal_cuda::Api>(
 }
 
 /// Connects `engine` to `addr` while `listener` accepts: both ends.
-pub fn connect_accepted<C: hal_cuda::Api>(
-    engine: &Engine<SimVerbsApi, C>,
-    listener: &gdr_core::engine::EngineListener<SimVerbsApi, C>,
+pub fn connect_accepted(
+    engine: &Engine,
+    listener: &gdr_core::engine::EngineListener,
     addr: SocketAddr,
     timeout: Duration,
-) -> (Peer<SimVerbsApi, C>, Peer<SimVerbsApi, C>) {
+) -> (Peer, Peer) {
     std::thread::scope(|scope| {
         let accepting = scope.spawn(|| listener.accept(timeout));
         let connected = engine.connect(addr, timeout).unwrap();
@@ -1016,12 +1023,12 @@ pub fn connect_accepted<C: hal_cuda::Api>(
 
 /// Fences `stream` on `batch`, then queues on it a copy of `out`'s length
 /// from device address `gpu` into `out` and records `event` after it.
-fn fence_then_copy_out<C: hal_cuda::Api>(
-    batch: &Batch<SimVerbsApi, C>,
-    stream: &C::Stream,
-    out: &Buffer<C>,
+fn fence_then_copy_out(
+    batch: &Batch,
+    stream: &hal_cuda::dynamic::DynStream,
+    out: &Buffer,
     gpu: u64,
-    event: &C::Event,
+    event: &hal_cuda::dynamic::DynEvent,
 ) {
     batch.fence_stream(stream).unwrap();
     // SAFETY: `out` and the GPU range hold as many bytes, and outlive the
@@ -1057,14 +1064,18 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         len: u64,
         seed: u8,
         waits: FenceWait,
-    ) -> (Batch<SimVerbsApi, C>, C::Stream, C::Event) {
+    ) -> (
+        Batch,
+        hal_cuda::dynamic::DynStream,
+        hal_cuda::dynamic::DynEvent,
+    ) {
         use hal_cuda::Event as _;
         let (_s, src) = self.b.host(len, seed);
         let (_g, remote) = self.b_grants(&src, GrantRights::Read);
         let (gpu_buf, gpu_region) = self.a.alloc(Kind::Gpu, len, 0);
-        let ctx = self.a.cuda.context(0).unwrap();
+        let ctx = self.a.driver.context(0).unwrap();
         let stream = ctx.create_stream().unwrap();
-        let out = Buffer::<C>::alloc_pinned(&ctx, len).unwrap();
+        let out = Buffer::alloc_pinned(&ctx, len).unwrap();
         let event = ctx.create_event().unwrap();
         self.fabric().set_paused(true);
         let batch = self
@@ -1141,10 +1152,10 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
             .unwrap()
             .wait(self.timeout)
             .unwrap();
-        let ctx = self.a.cuda.context(0).unwrap();
+        let ctx = self.a.driver.context(0).unwrap();
         let stream = ctx.create_stream().unwrap();
-        let out = Buffer::<C>::alloc_pinned(&ctx, len).unwrap();
-        let freed_meanwhile = Buffer::<C>::alloc_pinned(&ctx, 4096).unwrap();
+        let out = Buffer::alloc_pinned(&ctx, len).unwrap();
+        let freed_meanwhile = Buffer::alloc_pinned(&ctx, 4096).unwrap();
         let event = ctx.create_event().unwrap();
         let deadlocked = |what: &str| -> ! {
             // Straight to fd 2 (the harness captures only the print macros).
@@ -1245,10 +1256,10 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
             .unwrap()
             .wait(self.timeout)
             .unwrap();
-        let ctx = self.a.cuda.context(0).unwrap();
+        let ctx = self.a.driver.context(0).unwrap();
         let stream = ctx.create_stream().unwrap();
         let event = ctx.create_event().unwrap();
-        let freed_meanwhile = Buffer::<C>::alloc_pinned(&ctx, 4096).unwrap();
+        let freed_meanwhile = Buffer::alloc_pinned(&ctx, 4096).unwrap();
         self.fabric().set_paused(true);
         let read = self
             .ab
@@ -1305,18 +1316,18 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
 /// Dropping it releases the stream and waits for what it holds to run
 /// (the word must outlive the stream's wait).
 #[derive(Debug)]
-pub struct HeldStream<C: hal_cuda::Api> {
+pub struct HeldStream {
     /// The stream.
-    pub stream: C::Stream,
-    word: Buffer<C>,
+    pub stream: hal_cuda::dynamic::DynStream,
+    word: Buffer,
     /// The value the last hold waits for.
     held: std::sync::atomic::AtomicU32,
 }
 
-impl<C: hal_cuda::Api> HeldStream<C> {
+impl HeldStream {
     /// A new stream of `ctx`, held.
-    pub fn new(ctx: &C::Context) -> Self {
-        let word = Buffer::<C>::alloc_pinned(ctx, 4096).unwrap();
+    pub fn new(ctx: &hal_cuda::dynamic::DynContext) -> Self {
+        let word = Buffer::alloc_pinned(ctx, 4096).unwrap();
         word.write_at(0, &[0; 4]).unwrap();
         let held = Self {
             stream: ctx.create_stream().unwrap(),
@@ -1351,7 +1362,7 @@ impl<C: hal_cuda::Api> HeldStream<C> {
     }
 }
 
-impl<C: hal_cuda::Api> Drop for HeldStream<C> {
+impl Drop for HeldStream {
     fn drop(&mut self) {
         self.release();
         // The word is freed next: the stream's wait must be behind it (a
@@ -1366,47 +1377,52 @@ impl<C: hal_cuda::Api> Drop for HeldStream<C> {
 /// granted to a, holding other bytes still.
 /// Field order is drop order: the stream before the memory it copies.
 #[derive(Debug)]
-pub struct GatedWrite<C: hal_cuda::Api> {
+pub struct GatedWrite {
     /// The stream the gate is queued on, held, the copy queued on it.
-    pub held: HeldStream<C>,
+    pub held: HeldStream,
     /// b's grant of `dst`.
-    pub grant: WorldGrant<SimVerbsApi, C>,
+    pub grant: WorldGrant,
     /// The descriptor a received for it.
     pub remote: MemoryDescriptor,
     /// b's memory the batch WRITEs into.
-    pub dst: WorldBuffer<C>,
+    pub dst: WorldBuffer,
     /// a's GPU region the batch WRITEs from.
-    pub gpu_region: Region<SimVerbsApi>,
-    _gpu: WorldBuffer<C>,
-    _staged: WorldBuffer<C>,
+    pub gpu_region: Region,
+    _gpu: WorldBuffer,
+    _staged: WorldBuffer,
     len: u64,
     seed: u8,
 }
 
-impl<C: hal_cuda::Api> GatedWrite<C> {
+impl GatedWrite {
     /// The WRITE of all of a's GPU buffer into b's memory.
-    pub fn transfer(&self) -> Transfer<'_, SimVerbsApi> {
+    pub fn transfer(&self) -> Transfer<'_> {
         Transfer::write(&self.gpu_region, 0, &self.remote, 0, self.len)
     }
 
     /// Submits the WRITE gated on the held stream, bounded by `timeout`.
-    pub fn submit(
+    pub fn submit<C: hal_cuda::Api>(
         &self,
         w: &EngineWorld<SimVerbsApi, C>,
         timeout: Duration,
-    ) -> Batch<SimVerbsApi, C> {
+    ) -> Batch {
         w.ab.submit_after_stream(&self.held.stream, &[self.transfer()], timeout)
             .unwrap()
     }
 
     /// Whether b's memory holds what the stream copied in before the gate.
-    pub fn moved(&self, w: &EngineWorld<SimVerbsApi, C>) -> bool {
+    pub fn moved<C: hal_cuda::Api>(&self, w: &EngineWorld<SimVerbsApi, C>) -> bool {
         w.b.bytes(&self.dst) == pattern(self.len as usize, self.seed)
     }
 
     /// Drives both engines' progress `rounds` times (a millisecond apart)
     /// and checks b's memory is as it was: nothing of the batch moved.
-    pub fn assert_nothing_moved(&self, w: &EngineWorld<SimVerbsApi, C>, rounds: u32, what: &str) {
+    pub fn assert_nothing_moved<C: hal_cuda::Api>(
+        &self,
+        w: &EngineWorld<SimVerbsApi, C>,
+        rounds: u32,
+        what: &str,
+    ) {
         for _ in 0..rounds {
             w.a.engine.progress();
             w.b.engine.progress();
@@ -1425,14 +1441,14 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
     /// GPU memory (`pattern(len, seed + 1)`), and a held stream of a's GPU
     /// with a copy of `pattern(len, seed)` from pinned memory into the GPU
     /// memory queued on it.
-    pub fn gated_write(&self, len: u64, seed: u8) -> GatedWrite<C> {
+    pub fn gated_write(&self, len: u64, seed: u8) -> GatedWrite {
         let (dst, dst_region) = self.b.host(len, seed.wrapping_add(2));
         let (grant, remote) = self.b_grants(&dst_region, GrantRights::Write);
         let (gpu, gpu_region) = self.a.alloc(Kind::Gpu, len, seed.wrapping_add(1));
-        let ctx = self.a.cuda.context(0).unwrap();
-        let staged = Buffer::<C>::alloc_pinned(&ctx, len).unwrap();
+        let ctx = self.a.driver.context(0).unwrap();
+        let staged = Buffer::alloc_pinned(&ctx, len).unwrap();
         staged.write_at(0, &pattern(len as usize, seed)).unwrap();
-        let held = HeldStream::<C>::new(&ctx);
+        let held = HeldStream::new(&ctx);
         // SAFETY: both ranges hold `len` bytes and outlive the stream's
         // work (the stream is dropped, and drained, first).
         unsafe {
@@ -1483,11 +1499,7 @@ impl EngineWorld<SimVerbsApi> {
     /// Pauses the fabric (nothing moves until it is resumed) and submits a
     /// WRITE of the first 4 KiB of `h` that must end within `deadline`: a
     /// batch that can only end by its deadline.
-    pub fn stalled_write(
-        &self,
-        h: &HostPair<SimVerbsApi>,
-        deadline: Duration,
-    ) -> Batch<SimVerbsApi, SimCudaApi> {
+    pub fn stalled_write(&self, h: &HostPair, deadline: Duration) -> Batch {
         self.fabric().set_paused(true);
         self.ab
             .submit_with_timeout(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)], deadline)
@@ -1543,61 +1555,33 @@ impl EngineWorld<RdmaApi> {
 /// Two engines on two nodes of a fresh simulator (one NIC each, no GPU, no
 /// tracing subscriber: what the benchmarks measure), a connected to b, and
 /// `len` bytes of b's host memory granted read-write to a, which holds as
-/// much host memory registered as `local` ([`sim_host_peers`]). `V` and
-/// `C` are the backends the engines are built on: the sim's own types
-/// ([`SimHostPeers`]), or the sim behind the erased backends
-/// ([`DynHostPeers`]). Field order is drop order.
+/// much host memory registered as `local` ([`sim_host_peers`]). Field
+/// order is drop order.
 #[derive(Debug)]
-pub struct HostPeers<V: hal_verbs::Api, C: hal_cuda::Api> {
+pub struct HostPeers {
     /// The fabric both nodes are on.
     pub fabric: SimFabric,
     /// The connecting engine.
-    pub a: Engine<V, C>,
+    pub a: Engine,
     /// The listening engine.
-    pub b: Engine<V, C>,
+    pub b: Engine,
     /// a's peer b.
-    pub a_to_b: Peer<V, C>,
+    pub a_to_b: Peer,
     /// b's peer a.
-    pub b_to_a: Peer<V, C>,
+    pub b_to_a: Peer,
     /// a's memory and b's.
-    pub buffers: (Buffer<C>, Buffer<C>),
+    pub buffers: (Buffer, Buffer),
     /// a's region of its memory.
-    pub local: Region<V>,
+    pub local: Region,
     /// b's grant of its memory to a.
-    pub grant: RegionGrant<V, C>,
+    pub grant: RegionGrant,
     /// The grant as a received it.
     pub remote: MemoryDescriptor,
 }
 
-/// [`HostPeers`] on the sim's own types.
-pub type SimHostPeers = HostPeers<SimVerbsApi, SimCudaApi>;
-
-/// [`HostPeers`] on the sim behind the erased backends
-/// (`hal_verbs::dynamic`, `hal_cuda::dynamic`).
-pub type DynHostPeers = HostPeers<hal_verbs::dynamic::DynApi, hal_cuda::dynamic::DynApi>;
-
-/// [`SimHostPeers`] with both engines configured as `config`; connecting
-/// and waiting for the grant may take `timeout` each.
-pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> SimHostPeers {
-    host_peers(config, len, timeout, |verbs| verbs)
-}
-
-/// [`DynHostPeers`], as [`sim_host_peers`].
-pub fn dyn_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> DynHostPeers {
-    host_peers(
-        config,
-        len,
-        timeout,
-        hal_verbs::dynamic::DynProvider::new::<SimVerbsApi>,
-    )
-}
-
-fn host_peers<V: hal_verbs::Api, C: hal_cuda::Api>(
-    config: EngineConfig,
-    len: u64,
-    timeout: Duration,
-    erase: impl Fn(gdr_sim::SimVerbs) -> V::Provider,
-) -> HostPeers<V, C> {
+/// [`HostPeers`] with both engines configured as `config`; connecting and
+/// waiting for the grant may take `timeout` each.
+pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> HostPeers {
     let fabric = SimFabric::new();
     let node = |name: &str| {
         fabric.add_node(
@@ -1610,7 +1594,7 @@ fn host_peers<V: hal_verbs::Api, C: hal_cuda::Api>(
     };
     let (va, vb) = (node("a"), node("b"));
     let b_ip = vb.device_ipv4("sim0").expect("b's IP");
-    let (va, vb) = (erase(va), erase(vb));
+    let (va, vb) = (va.erased(), vb.erased());
     let a = Engine::new(&va, None, config.clone()).expect("engine a");
     let b = Engine::new(&vb, None, config).expect("engine b");
     let listener = b
@@ -1624,8 +1608,8 @@ fn host_peers<V: hal_verbs::Api, C: hal_cuda::Api>(
     };
     let a_to_b = a.connect_paths(&[path], timeout).expect("connect");
     let b_to_a = accepting.join().expect("accept thread").expect("accept");
-    let src = Buffer::<C>::alloc_host(len);
-    let dst = Buffer::<C>::alloc_host(len);
+    let src = Buffer::alloc_host(len);
+    let dst = Buffer::alloc_host(len);
     let local = a.register(&src).expect("register a");
     let region_b = b.register(&dst).expect("register b");
     let grant = b_to_a

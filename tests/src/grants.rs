@@ -7,7 +7,8 @@ use std::sync::Arc;
 use gdr_core::buffer::Buffer;
 use gdr_core::ladder::{GrantRights, Ladder};
 use gdr_core::loopback::{Loopback, LoopbackError};
-use hal_verbs::{AccessFlags, Api, MemoryRegion as _, ProtectionDomain as _, SendOp, Sge};
+use hal_verbs::dynamic::DynApi;
+use hal_verbs::{AccessFlags, MemoryRegion as _, ProtectionDomain as _, SendOp, Sge};
 
 use crate::pattern;
 
@@ -27,13 +28,13 @@ enum Outcome {
     Refused,
 }
 
-struct Peer<'a, V: Api> {
-    loopback: Loopback<V>,
+struct Peer<'a> {
+    loopback: Loopback<DynApi>,
     _scratch: &'a mut [u8],
-    mr: V::MemoryRegion,
+    mr: hal_verbs::dynamic::DynMemoryRegion,
 }
 
-impl<V: Api> Peer<'_, V> {
+impl Peer<'_> {
     /// One READ or WRITE of `len` bytes at `addr` with `rkey`, from/into
     /// the peer's scratch buffer.
     fn op(&self, write: bool, addr: u64, rkey: u32, len: u32) -> Outcome {
@@ -67,12 +68,12 @@ impl<V: Api> Peer<'_, V> {
 /// Grants parts of a host buffer registered through `ladder` and checks
 /// what a peer (a loopback QP pair in the ladder's PD, on `port` of
 /// `context`) can do with each rkey.
-pub fn grants_confine_the_peer<V: Api, C: hal_cuda::Api>(
-    context: &V::Context,
-    ladder: &Ladder<V, C>,
+pub fn grants_confine_the_peer(
+    context: &hal_verbs::dynamic::DynContext,
+    ladder: &Ladder,
     port: u8,
 ) {
-    let buffer = Buffer::<C>::alloc_host(LEN as u64);
+    let buffer = Buffer::alloc_host(LEN as u64);
     // Called when no RDMA is in flight.
     let fill = |bytes: &[u8]| buffer.write_at(0, bytes).unwrap();
     let read = || buffer.to_vec().unwrap();
@@ -81,11 +82,11 @@ pub fn grants_confine_the_peer<V: Api, C: hal_cuda::Api>(
 
 /// The same, on `buffer` (`LEN` bytes of any memory the ladder registers),
 /// whose bytes `fill` sets and `read` returns.
-pub fn grants_confine_the_peer_to<V: Api, C: hal_cuda::Api>(
-    context: &V::Context,
-    ladder: &Ladder<V, C>,
+pub fn grants_confine_the_peer_to(
+    context: &hal_verbs::dynamic::DynContext,
+    ladder: &Ladder,
     port: u8,
-    buffer: &Buffer<C>,
+    buffer: &Buffer,
     fill: impl Fn(&[u8]),
     read: impl Fn() -> Vec<u8>,
 ) {
@@ -113,7 +114,7 @@ pub fn grants_confine_the_peer_to<V: Api, C: hal_cuda::Api>(
     assert_eq!(write.segment(WRITE_AT).offset, WRITE_AT);
 
     let mut scratch = vec![0u8; LEN];
-    let loopback = Loopback::<V>::with_pd(context, Arc::clone(ladder.pd()), port).unwrap();
+    let loopback = Loopback::<DynApi>::with_pd(context, Arc::clone(ladder.pd()), port).unwrap();
     // SAFETY: `scratch` outlives the region (the peer drops first).
     let mr = unsafe {
         loopback

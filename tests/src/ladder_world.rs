@@ -6,17 +6,14 @@ use std::sync::Arc;
 
 use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, NicRegistrar};
-use gdr_sim::{
-    DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbs,
-    SimVerbsApi,
-};
+use gdr_sim::{DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimFabric, SimVerbs};
 use hal_cuda::Driver as _;
 use hal_verbs::Provider as _;
 
 use crate::init_tracing;
 
 /// A ladder over the simulated NIC and GPU.
-pub type SimLadder = Ladder<SimVerbsApi, SimCudaApi>;
+pub type SimLadder = Ladder;
 
 /// One node (devices `sim0`, `sim1`, ... as given), one GPU, one fault
 /// plan for both, one cache and one set of exports for every ladder.
@@ -27,10 +24,12 @@ pub struct LadderWorld {
     pub node: SimVerbs,
     /// The simulated GPU.
     pub cuda: SimCuda,
+    /// `cuda` erased, as ladders hold it.
+    pub driver: hal_cuda::dynamic::DynDriver,
     /// Faults of the NICs and the GPU.
     pub plan: FaultPlan,
     /// The cache every ladder registers through.
-    pub cache: Arc<RegistrationCache<NicRegistrar<SimVerbsApi>>>,
+    pub cache: Arc<RegistrationCache<NicRegistrar>>,
     /// The dma-buf exports every ladder shares.
     pub exports: Arc<DmabufExports>,
 }
@@ -57,10 +56,12 @@ impl LadderWorld {
                 devices: nics,
             },
         );
+        let cuda = SimCuda::new(vec![gpu], plan.clone());
         Self {
             fabric,
             node,
-            cuda: SimCuda::new(vec![gpu], plan.clone()),
+            driver: cuda.erased(),
+            cuda,
             plan,
             cache: Arc::new(RegistrationCache::new(CacheConfig::default())),
             exports: Arc::new(DmabufExports::new()),
@@ -69,18 +70,13 @@ impl LadderWorld {
 
     /// A ladder on NIC `nic` for the GPU.
     pub fn ladder(&self, nic: &str, config: LadderConfig) -> SimLadder {
-        let gpu = Gpu::<SimCudaApi>::open(&self.cuda, 0).unwrap();
+        let gpu = Gpu::open(&self.driver, 0).unwrap();
         self.ladder_with(nic, vec![gpu], config)
     }
 
     /// A ladder on NIC `nic` for `gpus`.
-    pub fn ladder_with(
-        &self,
-        nic: &str,
-        gpus: Vec<Gpu<SimCudaApi>>,
-        config: LadderConfig,
-    ) -> SimLadder {
-        let ctx = self.node.open(nic).unwrap();
+    pub fn ladder_with(&self, nic: &str, gpus: Vec<Gpu>, config: LadderConfig) -> SimLadder {
+        let ctx = self.node.erased().open(nic).unwrap();
         Ladder::new(
             &ctx,
             gpus,
@@ -92,7 +88,7 @@ impl LadderWorld {
     }
 
     /// The GPU's context.
-    pub fn gpu(&self) -> <SimCudaApi as hal_cuda::Api>::Context {
-        self.cuda.context(0).unwrap()
+    pub fn gpu(&self) -> hal_cuda::dynamic::DynContext {
+        self.driver.context(0).unwrap()
     }
 }

@@ -13,7 +13,9 @@ use gdr_core::buffer::Buffer;
 use gdr_core::cache::{CacheConfig, Registrar, RegistrationCache, Request};
 use gdr_tests::skip_gpu;
 use hal_cuda::cuda::CudaApi;
-use hal_cuda::{Context as _, MemoryType, VirtualMapping as _, VirtualReservation as _};
+use hal_cuda::{
+    Context as _, Driver as _, MemoryType, VirtualMapping as _, VirtualReservation as _,
+};
 
 /// Stands in for a NIC: each registration is numbered.
 #[derive(Default)]
@@ -32,6 +34,15 @@ impl Registrar for NumberingRegistrar {
 
 fn gpu(test: &str) -> Option<<CudaApi as hal_cuda::Api>::Context> {
     gdr_tests::cuda_gpu(test).map(|(_driver, ctx)| ctx)
+}
+
+/// [`gpu`] through the erased driver, as the engine's buffers hold it.
+fn erased_gpu(test: &str) -> Option<hal_cuda::dynamic::DynContext> {
+    gdr_tests::cuda_gpu(test).map(|(driver, _ctx)| {
+        hal_cuda::dynamic::DynDriver::new::<CudaApi>(driver)
+            .context(0)
+            .unwrap()
+    })
 }
 
 /// A stale entry is detected deterministically: physical allocation A is
@@ -110,30 +121,29 @@ fn remapped_device_address_is_stale_not_a_hit() {
 
 #[test]
 fn buffers_report_the_drivers_memory_types() {
-    let Some(ctx) = gpu("buffers_report_the_drivers_memory_types") else {
+    let Some(ctx) = erased_gpu("buffers_report_the_drivers_memory_types") else {
         return;
     };
-    let device = Buffer::<CudaApi>::alloc_device(&ctx, 1 << 20).unwrap();
+    let device = Buffer::alloc_device(&ctx, 1 << 20).unwrap();
     assert_eq!(device.memory_type(), MemoryType::Device);
     assert_eq!(device.device_ordinal(), Some(0));
     assert_ne!(device.buffer_id(), 0);
     assert!(device.host_ptr().is_none());
 
-    let pinned = Buffer::<CudaApi>::alloc_pinned(&ctx, 1 << 20).unwrap();
+    let pinned = Buffer::alloc_pinned(&ctx, 1 << 20).unwrap();
     assert_eq!(pinned.memory_type(), MemoryType::PinnedHost);
     assert!(pinned.host_ptr().is_some());
 
     let heap = vec![0u8; 8192];
     // SAFETY: `heap` outlives the wrapping buffer.
-    let wrapped =
-        unsafe { Buffer::<CudaApi>::wrap(Some(&ctx), heap.as_ptr() as u64, 8192, None) }.unwrap();
+    let wrapped = unsafe { Buffer::wrap(Some(&ctx), heap.as_ptr() as u64, 8192, None) }.unwrap();
     assert_eq!(wrapped.memory_type(), MemoryType::PageableHost);
     assert_eq!(wrapped.buffer_id(), 0);
     drop(wrapped);
 
     let handle = ctx.ipc_export(device.addr()).unwrap();
     assert!(
-        Buffer::<CudaApi>::import_ipc(&ctx, &handle).is_err(),
+        Buffer::import_ipc(&ctx, &handle).is_err(),
         "CUDA refuses to open a handle in the process that exported it"
     );
 }

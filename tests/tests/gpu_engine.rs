@@ -391,10 +391,10 @@ fn a_gated_batch_on_the_real_gpu() {
     let (_d, dst) = w.b.alloc(Kind::Host, 4096, 0);
     let (_g, remote) = w.b_grants(&dst, GrantRights::Write);
     let write = [Transfer::write(&src, 0, &remote, 0, 4096)];
-    let ctx = w.a.cuda.context(0).unwrap();
-    let marker = Buffer::<CudaApi>::alloc_pinned(&ctx, 4096).unwrap();
+    let ctx = w.a.driver.context(0).unwrap();
+    let marker = Buffer::alloc_pinned(&ctx, 4096).unwrap();
     marker.write_at(0, &[0; 4]).unwrap();
-    let held = HeldStream::<CudaApi>::new(&ctx);
+    let held = HeldStream::new(&ctx);
     let event = ctx.create_event().unwrap();
     // SAFETY: the marker is pinned memory of this test (page aligned),
     // alive until the end (the stream is drained first: declared after);

@@ -202,7 +202,7 @@ fn requests_outside_their_grant_are_refused_before_posting_on_rxe() {
     let read_only = ba.grant(&dst, 4096, 8192, GrantRights::Read).unwrap();
     let remote = ab.wait_grant(read_only.descriptor().grant, T).unwrap();
     let before = ab.counters();
-    let refused = |t: Transfer<'_, RdmaApi>| ab.submit(&[t]).unwrap_err();
+    let refused = |t: Transfer<'_>| ab.submit(&[t]).unwrap_err();
     let e = refused(Transfer::write(&back, 0, &remote, 0, 16));
     assert!(
         matches!(e, EngineError::AccessDenied { op: "WRITE", .. }),

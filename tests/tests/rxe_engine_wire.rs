@@ -48,17 +48,16 @@ use gdr_core::engine::{
     Batch, Driver, Engine, EngineConfig, EngineError, Path, Peer, QpCounters, Region, RegionGrant,
     Transfer, TransferError,
 };
-use gdr_sim::SimCudaApi;
 
 use gdr_tests::rxe::{self, serial};
 use gdr_tests::{pattern, skip};
 use hal_verbs::rdma::{RdmaApi, RdmaProvider};
 use hal_verbs::{AddressFamily, ConnectParams, Context as _, Provider as _};
 
-type WireEngine = Engine<RdmaApi, SimCudaApi>;
-type WirePeer = Peer<RdmaApi, SimCudaApi>;
-type WireRegion = Region<RdmaApi>;
-type WireGrant = RegionGrant<RdmaApi, SimCudaApi>;
+type WireEngine = Engine;
+type WirePeer = Peer;
+type WireRegion = Region;
+type WireGrant = RegionGrant;
 /// Counters' growth per queue pair (index, NIC).
 type Grown = Vec<(u16, String, QpCounters)>;
 
@@ -120,8 +119,12 @@ fn guest_with(test: &str, config: EngineConfig) -> Option<Guest> {
     };
     let serial = serial();
     let (provider, _ctx) = rxe::open_rxe(test)?;
-    let engine = WireEngine::new(&provider, None, config)
-        .unwrap_or_else(|e| panic!("{test}: an engine on {devices:?}: {e}"));
+    let engine = WireEngine::new(
+        &hal_verbs::dynamic::DynProvider::new::<RdmaApi>(provider.clone()),
+        None,
+        config,
+    )
+    .unwrap_or_else(|e| panic!("{test}: an engine on {devices:?}: {e}"));
     assert_eq!(engine.nics(), devices);
     Some(Guest {
         role,
@@ -185,7 +188,7 @@ fn retry_count() -> u8 {
 
 /// `len` bytes of host memory holding `data` (zeros when empty),
 /// registered.
-fn host(engine: &WireEngine, len: u64, data: &[u8]) -> (Buffer<SimCudaApi>, WireRegion) {
+fn host(engine: &WireEngine, len: u64, data: &[u8]) -> (Buffer, WireRegion) {
     let buffer = Buffer::alloc_host(len);
     if !data.is_empty() {
         buffer.write_at(0, data).unwrap();
@@ -279,7 +282,7 @@ fn connect(
 
 /// Waits for a batch submitted with bound [`BATCH`] to end by itself (with
 /// room to spare: a wait that gives up would hide a hang).
-fn ended(batch: &Batch<RdmaApi, SimCudaApi>) -> Result<(), TransferError> {
+fn ended(batch: &Batch) -> Result<(), TransferError> {
     let _ = batch.cell().wait(Some(BATCH + Duration::from_secs(30)));
     batch
         .status()
@@ -337,7 +340,7 @@ fn batch(
 /// A's half of checking B's WRITE: once B says it wrote, A's memory must
 /// hold B's pattern; A says it checked, and keeps its grant until B is done
 /// READing back.
-fn server_checks_write(peer: &WirePeer, buffer: &Buffer<SimCudaApi>, what: &str) {
+fn server_checks_write(peer: &WirePeer, buffer: &Buffer, what: &str) {
     assert_eq!(recv(peer, SETUP), b"written");
     assert!(
         buffer.to_vec().unwrap() == pattern(LEN as usize, CLIENT_SEED),
@@ -851,10 +854,7 @@ fn is_cut_error(e: &TransferError, how: Cut) -> bool {
 /// The outcome of a batch submitted with deadline `deadline`, waiting no
 /// longer than the engine's promise, the deadline and the flush grace
 /// (plus `LOAD_SLACK`): `None` is a hang.
-fn ended_within(
-    batch: &Batch<RdmaApi, SimCudaApi>,
-    deadline: Duration,
-) -> Option<Result<(), TransferError>> {
+fn ended_within(batch: &Batch, deadline: Duration) -> Option<Result<(), TransferError>> {
     let _ = batch.cell().wait(Some(deadline + FLUSH_GRACE + LOAD_SLACK));
     batch.status()
 }
@@ -866,7 +866,7 @@ fn transfers<'a>(
     local: &'a WireRegion,
     remote: &'a MemoryDescriptor,
     len: u64,
-) -> Vec<Transfer<'a, RdmaApi>> {
+) -> Vec<Transfer<'a>> {
     const MIB: u64 = 1 << 20;
     (0..len / MIB)
         .map(|i| {
@@ -888,7 +888,7 @@ fn recovered(
     test: &str,
     peer: &WirePeer,
     src: &WireRegion,
-    back: (&Buffer<SimCudaApi>, &WireRegion),
+    back: (&Buffer, &WireRegion),
     remote: &MemoryDescriptor,
     expect: &[u8],
 ) -> (Duration, Duration) {
@@ -1014,7 +1014,7 @@ fn cut_client(test: &str, guest: &Guest, how: Cut, offset: u16) {
         while !applied.load(std::sync::atomic::Ordering::Acquire) {
             let running = in_flight
                 .iter()
-                .filter(|b: &&Batch<RdmaApi, SimCudaApi>| b.status().is_none())
+                .filter(|b: &&Batch| b.status().is_none())
                 .count();
             if running < CUT_DEPTH && in_flight.len() < CUT_MOST {
                 in_flight.push_back(peer.submit_with_timeout(&writes, CUT_DEADLINE).unwrap());
@@ -1335,7 +1335,7 @@ const IMPAIRED_TRIES: u32 = 4;
 fn until_ok(
     what: &str,
     peer: &WirePeer,
-    transfers: &[Transfer<'_, RdmaApi>],
+    transfers: &[Transfer<'_>],
 ) -> (Duration, Vec<TransferError>) {
     let mut failures = Vec::new();
     loop {

@@ -12,21 +12,24 @@ use std::sync::Arc;
 use gdr_core::buffer::Buffer;
 use gdr_core::cache::{CacheConfig, RegistrationCache};
 use gdr_core::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, Refusal, Rung};
-use gdr_sim::{FaultPlan, GpuConfig, SimCuda, SimCudaApi};
+use gdr_sim::{FaultPlan, GpuConfig, SimCuda};
 use gdr_tests::rxe::open_rxe;
 use hal_cuda::Driver as _;
 use hal_verbs::rdma::RdmaApi;
+use hal_verbs::{Context as _, Provider as _};
 
-type RxeLadder = Ladder<RdmaApi, SimCudaApi>;
+type RxeLadder = Ladder;
 
 fn ladder(test: &str) -> Option<(RxeLadder, SimCuda)> {
     ladder_and_context(test).map(|(ladder, cuda, _)| (ladder, cuda))
 }
 
-fn ladder_and_context(
-    test: &str,
-) -> Option<(RxeLadder, SimCuda, <RdmaApi as hal_verbs::Api>::Context)> {
-    let (_provider, ctx) = open_rxe(test)?;
+fn ladder_and_context(test: &str) -> Option<(RxeLadder, SimCuda, hal_verbs::dynamic::DynContext)> {
+    let (provider, ctx) = open_rxe(test)?;
+    // The ladder holds the erased backends, as every ladder does.
+    let ctx = hal_verbs::dynamic::DynProvider::new::<RdmaApi>(provider)
+        .open(&ctx.name())
+        .unwrap();
     let cuda = SimCuda::new(
         vec![GpuConfig {
             host_visible: true,
@@ -34,7 +37,7 @@ fn ladder_and_context(
         }],
         FaultPlan::new(),
     );
-    let gpu = Gpu::<SimCudaApi>::open(&cuda, 0).unwrap();
+    let gpu = Gpu::open(&cuda.erased(), 0).unwrap();
     let ladder = Ladder::new(
         &ctx,
         vec![gpu],
@@ -52,7 +55,7 @@ fn host_memory_takes_the_host_rung_on_rxe_and_transfers() {
     else {
         return;
     };
-    let buffer = Buffer::<SimCudaApi>::alloc_host(1 << 20);
+    let buffer = Buffer::alloc_host(1 << 20);
     let registration = buffer.register(&ladder, 0, 1 << 20).unwrap();
     assert_eq!(registration.rung(), Rung::HostMemory);
     ladder.prove(&registration, 1 << 20).unwrap();
@@ -72,8 +75,8 @@ fn gpu_memory_falls_from_dmabuf_refused_by_rxe_to_peermem() {
     else {
         return;
     };
-    let ctx = cuda.context(0).unwrap();
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&ctx, 512 << 10).unwrap();
+    let ctx = cuda.erased().context(0).unwrap();
+    let buffer = Buffer::alloc_device(&ctx, 512 << 10).unwrap();
     let registration = buffer.register(&ladder, 0, 512 << 10).unwrap();
     assert_eq!(registration.rung(), Rung::Peermem, "{registration:?}");
     let [failure] = registration.failures() else {

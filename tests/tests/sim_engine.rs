@@ -145,7 +145,7 @@ fn requests_outside_their_grant_are_refused_before_posting() {
     let read_only = ba.grant(&dst, 4096, 8192, GrantRights::Read).unwrap();
     let remote = ab.wait_grant(read_only.descriptor().grant, T).unwrap();
     let before = ab.counters();
-    let refused = |t: Transfer<'_, SimVerbsApi>| ab.submit(&[t]).unwrap_err();
+    let refused = |t: Transfer<'_>| ab.submit(&[t]).unwrap_err();
     assert!(matches!(
         refused(Transfer::write(&src, 0, &remote, 0, 16)),
         EngineError::AccessDenied { op: "WRITE", .. }
@@ -629,10 +629,10 @@ fn spawn_driver_without_a_thread_is_a_typed_error() {
 /// `spawn_driver`.
 fn no_thread_child() {
     use gdr_core::engine::{Engine, Unavailable};
-    use gdr_sim::{NodeConfig, SimCudaApi, SimFabric};
+    use gdr_sim::{NodeConfig, SimFabric};
     let fabric = SimFabric::new();
     let nic = fabric.add_node("a", NodeConfig::default());
-    let engine = Engine::<SimVerbsApi, SimCudaApi>::new(&nic, None, config(1)).unwrap();
+    let engine = Engine::new(&nic.erased(), None, config(1)).unwrap();
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
     let pages: u64 = statm.split_whitespace().next().unwrap().parse().unwrap();
     // SAFETY: sysconf reads a constant.

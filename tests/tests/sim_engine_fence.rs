@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, TimedOut, Transfer, TransferError};
-use gdr_sim::{Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_sim::{Fault, FaultSite, GpuConfig, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, FenceWait};
 use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
 
@@ -35,7 +35,7 @@ fn world(ordering: hal_cuda::WritesOrdering) -> EngineWorld<SimVerbsApi> {
 }
 
 /// Polls `event` until it completes, at most `T`.
-fn wait_for(event: &<SimCudaApi as hal_cuda::Api>::Event, what: &str) {
+fn wait_for(event: &hal_cuda::dynamic::DynEvent, what: &str) {
     let start = Instant::now();
     while !event.is_complete().unwrap() {
         assert!(start.elapsed() < T, "{what}: the stream never moved on");
@@ -63,7 +63,7 @@ fn a_failed_batch_releases_the_stream_too() {
     let (doomed_grant, doomed) = w.b_grants(&src, GrantRights::Read);
     drop(doomed_grant);
     let (_gpu_buf, gpu_region) = w.a.gpu(LEN, 0);
-    let ctx = w.a.cuda.context(0).unwrap();
+    let ctx = w.a.driver.context(0).unwrap();
     let stream = ctx.create_stream().unwrap();
     let event = ctx.create_event().unwrap();
     let batch =
@@ -161,7 +161,7 @@ fn a_failed_stream_fails_its_gated_batch() {
     w.fabric()
         .faults()
         .fail_next(FaultSite::CudaAlloc, Fault::DeviceLost);
-    let ctx = w.a.cuda.context(0).unwrap();
+    let ctx = w.a.driver.context(0).unwrap();
     assert!(ctx.alloc(4096).is_err(), "the scripted loss");
     let outcome = batch.wait(T);
     assert!(
@@ -276,7 +276,7 @@ fn memory_a_batch_holds_last_is_not_freed_inside_progress() {
     let (dst_buf, dst) = w.b.host(len, 0);
     let (_dg, remote_dst) = w.b_grants(&dst, GrantRights::Write);
     let (pinned, pinned_region) = w.a.pinned(len, 6);
-    let ctx = w.a.cuda.context(0).unwrap();
+    let ctx = w.a.driver.context(0).unwrap();
     let stream = ctx.create_stream().unwrap();
     let event = ctx.create_event().unwrap();
     w.fabric().set_paused(true);
@@ -330,18 +330,18 @@ fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
         default_timeout: T,
         ..EngineConfig::default()
     };
-    let a = Engine::<SimVerbsApi, SimCudaApi>::new(&a_nic, Some(&cuda), config.clone()).unwrap();
-    let b = Engine::<SimVerbsApi, SimCudaApi>::new(&b_nic, None, config).unwrap();
+    let a = Engine::new(&a_nic.erased(), Some(&cuda.erased()), config.clone()).unwrap();
+    let b = Engine::new(&b_nic.erased(), None, config).unwrap();
     let (listener, addr) = sim_listener(&b, &b_nic);
     let (ab, ba) = connect_accepted(&a, &listener, addr, T);
-    let src = gdr_core::buffer::Buffer::<SimCudaApi>::alloc_host(LEN);
+    let src = gdr_core::buffer::Buffer::alloc_host(LEN);
     let grant = ba
         .grant(&b.register(&src).unwrap(), 0, LEN, GrantRights::Read)
         .unwrap();
     let remote = ab.wait_grant(grant.descriptor().grant, T).unwrap();
-    let dst = gdr_core::buffer::Buffer::<SimCudaApi>::alloc_host(LEN);
+    let dst = gdr_core::buffer::Buffer::alloc_host(LEN);
     let dst_region = a.register(&dst).unwrap();
-    let ctx = cuda.context(0).unwrap();
+    let ctx = cuda.erased().context(0).unwrap();
     let stream = ctx.create_stream().unwrap();
     let event = ctx.create_event().unwrap();
     fabric.set_paused(true);

@@ -39,8 +39,8 @@ fn no_use_after_free(w: &EngineWorld<SimVerbsApi>) {
 /// A GPU buffer of `LEN` bytes on b holding `pattern(LEN, seed)`, made
 /// after the staged buffer was dropped: the allocator may hand back the
 /// dropped buffer's address (CUDA's does; so does the simulator's).
-fn later_allocation(w: &EngineWorld<SimVerbsApi>, seed: u8) -> Buffer<gdr_sim::SimCudaApi> {
-    let ctx = w.b.cuda.context(0).unwrap();
+fn later_allocation(w: &EngineWorld<SimVerbsApi>, seed: u8) -> Buffer {
+    let ctx = w.b.driver.context(0).unwrap();
     let later = Buffer::alloc_device(&ctx, LEN).unwrap();
     w.b.write_device(later.addr(), &pattern(LEN as usize, seed));
     later
@@ -103,12 +103,10 @@ fn a_local_read_into_a_staged_region_never_reaches_a_later_allocation() {
 #[test]
 fn wrapped_gpu_memory_on_the_staging_rung_is_not_released_under_a_region() {
     let w = staging_world();
-    let ctx = w.b.cuda.context(0).unwrap();
+    let ctx = w.b.driver.context(0).unwrap();
     let memory = ctx.alloc(LEN as usize).unwrap();
     // SAFETY: `memory` outlives the buffer (released before it is dropped).
-    let wrapped =
-        unsafe { Buffer::<gdr_sim::SimCudaApi>::wrap(Some(&ctx), memory.device_ptr(), LEN, None) }
-            .unwrap();
+    let wrapped = unsafe { Buffer::wrap(Some(&ctx), memory.device_ptr(), LEN, None) }.unwrap();
     let region = w.b.engine.register(&wrapped).unwrap();
     assert_eq!(region.rungs(), [Rung::Staging]);
     let wrapped = match wrapped.release(Duration::from_millis(50)) {

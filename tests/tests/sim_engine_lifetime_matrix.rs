@@ -33,7 +33,7 @@ use gdr_core::engine::{
     Batch, EngineConfig, PeerCopyRoute, Region, TimedOut, Transfer, TransferError,
 };
 use gdr_core::ladder::Rung;
-use gdr_sim::{GpuConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi};
+use gdr_sim::{GpuConfig, SimCuda, SimFabric, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, Side, WorldGrant, WorldPeer, staged_through_slots};
 use gdr_tests::pattern;
 use hal_cuda::{Context as _, Driver as _, Stream as _};
@@ -59,8 +59,8 @@ const SEED_A: u8 = 11;
 const SEED_B: u8 = 22;
 const SEED_AFTER_REVOKE: u8 = 33;
 
-type HeldBatch = Batch<SimVerbsApi, SimCudaApi>;
-type Mem = Buffer<SimCudaApi>;
+type HeldBatch = Batch;
+type Mem = Buffer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PathKind {
@@ -276,13 +276,13 @@ impl Place {
 /// order: the batch, then the grant, regions, buffers, peers, engines).
 struct Objects {
     batch: Option<HeldBatch>,
-    grant: Option<WorldGrant<SimVerbsApi>>,
-    a_region: Option<Region<SimVerbsApi>>,
-    b_region: Option<Region<SimVerbsApi>>,
+    grant: Option<WorldGrant>,
+    a_region: Option<Region>,
+    b_region: Option<Region>,
     a_buf: Option<Mem>,
     b_buf: Option<Mem>,
-    ab: Option<WorldPeer<SimVerbsApi>>,
-    ba: Option<WorldPeer<SimVerbsApi>>,
+    ab: Option<WorldPeer>,
+    ba: Option<WorldPeer>,
     a: Option<Side<SimVerbsApi>>,
     b: Option<Side<SimVerbsApi>>,
 }
@@ -671,8 +671,8 @@ fn uses_after_free(a_cuda: &SimCuda, b_cuda: &SimCuda, when: &str) -> Vec<String
 fn check_path(
     w: &EngineWorld<SimVerbsApi>,
     path: PathKind,
-    a_region: &Region<SimVerbsApi>,
-    b_region: &Region<SimVerbsApi>,
+    a_region: &Region,
+    b_region: &Region,
     remote: &MemoryDescriptor,
 ) {
     let route = w.ab.peer_copy();

@@ -291,9 +291,9 @@ fn a_stream_fence_waits_for_a_peer_copy() {
         .unwrap()
         .wait(T)
         .unwrap();
-    let ctx = cuda.context(0).unwrap();
+    let ctx = cuda.erased().context(0).unwrap();
     let stream = ctx.create_stream().unwrap();
-    let out = gdr_core::buffer::Buffer::<gdr_sim::SimCudaApi>::alloc_pinned(&ctx, len).unwrap();
+    let out = gdr_core::buffer::Buffer::alloc_pinned(&ctx, len).unwrap();
     let event = ctx.create_event().unwrap();
     let batch =
         w.ab.submit(&[Transfer::read(&back, 0, &remote, 0, len)])

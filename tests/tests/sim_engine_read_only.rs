@@ -13,7 +13,7 @@ use gdr_core::buffer::{Access, Buffer};
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, EngineError, PeerCopyRoute, ReadOnlyUse, Region, Transfer};
 use gdr_core::ladder::Rung;
-use gdr_sim::{GpuConfig, SimCuda, SimCudaApi, SimVerbsApi};
+use gdr_sim::{GpuConfig, SimCuda, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, Side, WorldBuffer, posted, staged_only};
 use gdr_tests::pattern;
 use hal_cuda::{Context as _, Driver as _};
@@ -31,16 +31,14 @@ fn config() -> EngineConfig {
 
 /// A read-only buffer over `owner`'s memory (host, or GPU memory of
 /// `owner`'s GPU), registered with `side`'s engine.
-fn read_only(side: &Side<SimVerbsApi>, owner: &WorldBuffer) -> (WorldBuffer, Region<SimVerbsApi>) {
+fn read_only(side: &Side<SimVerbsApi>, owner: &WorldBuffer) -> (WorldBuffer, Region) {
     let ctx = owner
         .device_ordinal()
-        .map(|ordinal| side.cuda.context(ordinal).unwrap());
+        .map(|ordinal| side.driver.context(ordinal).unwrap());
     // SAFETY: `owner` holds the memory; every test drops this buffer (and
     // its region) before `owner`.
-    let buffer = unsafe {
-        Buffer::<SimCudaApi>::wrap_read_only(ctx.as_ref(), owner.addr(), owner.len(), None)
-    }
-    .unwrap();
+    let buffer =
+        unsafe { Buffer::wrap_read_only(ctx.as_ref(), owner.addr(), owner.len(), None) }.unwrap();
     assert_eq!(buffer.access(), Access::ReadOnly);
     let region = side.engine.register(&buffer).unwrap();
     assert_eq!(region.access(), Access::ReadOnly);
@@ -49,10 +47,7 @@ fn read_only(side: &Side<SimVerbsApi>, owner: &WorldBuffer) -> (WorldBuffer, Reg
 
 /// `peer`'s grants of `region` with write rights are refused as read-only
 /// memory's, typed; nothing is granted.
-fn write_grants_refused(
-    peer: &gdr_tests::engine_world::WorldPeer<SimVerbsApi>,
-    region: &Region<SimVerbsApi>,
-) {
+fn write_grants_refused(peer: &gdr_tests::engine_world::WorldPeer, region: &Region) {
     for rights in [GrantRights::Write, GrantRights::ReadWrite] {
         match peer.grant(region, 0, region.len(), rights) {
             Err(EngineError::ReadOnly(ReadOnlyUse::WriteGrant { rights: asked })) => {
@@ -68,7 +63,7 @@ fn write_grants_refused(
 /// (the batch is checked whole).
 fn read_into_refused(
     w: &EngineWorld<SimVerbsApi>,
-    region: &Region<SimVerbsApi>,
+    region: &Region,
     remote: &gdr_core::descriptor::MemoryDescriptor,
 ) {
     let before = posted(&w.ab);
@@ -170,7 +165,7 @@ fn read_only_staged_gpu_memory_is_neither_granted_for_writing_nor_read_into() {
     read_into_refused(&w, &a_ro, &writable);
     read_into_refused(&w, &a_ro, &readable);
     // Gated on a stream: refused at the call too.
-    let stream = w.a.cuda.context(0).unwrap().create_stream().unwrap();
+    let stream = w.a.driver.context(0).unwrap().create_stream().unwrap();
     let read = Transfer::read(&a_ro, 0, &writable, 0, LEN);
     assert!(
         matches!(

@@ -43,7 +43,7 @@ fn eventually<R>(w: &EngineWorld<SimVerbsApi>, what: &str, mut f: impl FnMut() -
 /// Fails the queue pair a's next slice goes to: a WRITE through a grant b
 /// revoked before a heard of it meets a remote access error (told as the
 /// revocation).
-fn fail_a_queue_pair(w: &EngineWorld<SimVerbsApi>, h: &HostPair<SimVerbsApi>) {
+fn fail_a_queue_pair(w: &EngineWorld<SimVerbsApi>, h: &HostPair) {
     let (doomed_grant, doomed) = w.b_grants(&h.dst, GrantRights::ReadWrite);
     drop(doomed_grant);
     let err =

@@ -13,14 +13,14 @@ use gdr_core::VerbsError;
 use gdr_core::engine::setup::NotAccepted;
 use gdr_core::engine::wire::RejectReason;
 use gdr_core::engine::{EngineConfig, EngineError, EngineListener, HandshakeFailure};
-use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_sim::{GpuConfig, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, WorldPeer};
 
 const T: Duration = Duration::from_secs(10);
 /// A connect or accept that is meant to give up.
 const SHORT: Duration = Duration::from_millis(300);
 
-type Listener = EngineListener<SimVerbsApi, SimCudaApi>;
+type Listener = EngineListener;
 
 /// Two simulated nodes, a connected to b (two queue pairs a peer), b's
 /// engine configured by `b_config` on top of the defaults.
@@ -49,7 +49,7 @@ fn listen(w: &EngineWorld<SimVerbsApi>) -> (Listener, SocketAddr) {
 }
 
 /// A message each way between the two ends of one connection.
-fn round_trip(x: &WorldPeer<SimVerbsApi>, y: &WorldPeer<SimVerbsApi>) {
+fn round_trip(x: &WorldPeer, y: &WorldPeer) {
     x.send(b"ping").unwrap().wait(T).unwrap();
     assert_eq!(y.recv(T).unwrap(), b"ping");
     y.send(b"pong").unwrap().wait(T).unwrap();
@@ -61,7 +61,7 @@ fn connect_accepted(
     w: &EngineWorld<SimVerbsApi>,
     listener: &Listener,
     addr: SocketAddr,
-) -> (WorldPeer<SimVerbsApi>, WorldPeer<SimVerbsApi>) {
+) -> (WorldPeer, WorldPeer) {
     std::thread::scope(|scope| {
         let accepting = scope.spawn(|| listener.accept(T));
         let ab =
@@ -398,8 +398,8 @@ fn past_max_peers_a_connect_is_refused_and_an_acceptor_rejects_busy() {
     // A third engine reaches b, which carries the world's peer: busy.
     let fabric = w.fabric();
     let c_nic = fabric.add_node("c", gdr_sim::NodeConfig::default());
-    let c = gdr_core::engine::Engine::<SimVerbsApi, SimCudaApi>::new(
-        &c_nic,
+    let c = gdr_core::engine::Engine::new(
+        &c_nic.erased(),
         None,
         EngineConfig {
             default_timeout: T,
@@ -445,10 +445,7 @@ fn past_max_peers_a_connect_is_refused_and_an_acceptor_rejects_busy() {
 }
 
 /// A message each way between two peers of any engines.
-fn round_trip_engines(
-    x: &gdr_core::engine::Peer<SimVerbsApi, SimCudaApi>,
-    y: &gdr_core::engine::Peer<SimVerbsApi, SimCudaApi>,
-) {
+fn round_trip_engines(x: &gdr_core::engine::Peer, y: &gdr_core::engine::Peer) {
     x.send(b"ping").unwrap().wait(T).unwrap();
     assert_eq!(y.recv(T).unwrap(), b"ping");
 }
@@ -480,8 +477,8 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
         },
     );
     let b_nic = fabric.add_node("b", NodeConfig::default());
-    let a = Engine::<SimVerbsApi, SimCudaApi>::new(&a_nic, None, config.clone()).unwrap();
-    let b = Engine::<SimVerbsApi, SimCudaApi>::new(&b_nic, None, config).unwrap();
+    let a = Engine::new(&a_nic.erased(), None, config.clone()).unwrap();
+    let b = Engine::new(&b_nic.erased(), None, config).unwrap();
     let (listener, addr) = gdr_tests::engine_world::sim_listener(&b, &b_nic);
     let peers: Vec<_> = (0..2)
         .map(|_| gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T))
@@ -504,8 +501,8 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
             devices: vec![tiny],
         },
     );
-    let err = Engine::<SimVerbsApi, SimCudaApi>::new(
-        &c_nic,
+    let err = Engine::new(
+        &c_nic.erased(),
         None,
         EngineConfig {
             qps_per_peer: 2,

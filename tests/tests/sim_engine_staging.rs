@@ -336,7 +336,7 @@ fn a_failed_staging_copy_fails_only_its_transfer() {
 /// as `operation` with an illegal address.
 fn warm_then_fail_next_copy(
     w: &EngineWorld<SimVerbsApi>,
-    src: &gdr_core::engine::Region<SimVerbsApi>,
+    src: &gdr_core::engine::Region,
     remote: &gdr_core::descriptor::MemoryDescriptor,
     operation: &'static str,
 ) {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{AsyncDriver, Batch, EngineConfig, Transfer, TransferError};
-use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_sim::{GpuConfig, SimVerbsApi};
 use gdr_tests::awaiting::{await_each, parts};
 use gdr_tests::engine_world::{EngineWorld, HostPair};
 use gdr_tests::pattern;
@@ -35,7 +35,7 @@ use tokio::time::timeout;
 
 const T: Duration = Duration::from_secs(10);
 
-type SimBatch = Batch<SimVerbsApi, SimCudaApi>;
+type SimBatch = Batch;
 type World = EngineWorld<SimVerbsApi>;
 
 /// Tests that look for the engine's own thread read this; those that
@@ -108,7 +108,7 @@ fn settle(rt: &Runtime) {
 }
 
 /// One WRITE of 4 KiB from a to b, awaited.
-async fn write(w: &World, h: &HostPair<SimVerbsApi>) {
+async fn write(w: &World, h: &HostPair) {
     let batch =
         w.ab.submit(&[Transfer::write(&h.src, 0, &h.remote, 0, 4096)])
             .unwrap();

@@ -11,7 +11,7 @@ use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::Reach;
 use gdr_core::engine::EngineConfig;
 use gdr_core::ladder::{GpuLacks, Refusal, Rung};
-use gdr_sim::{FaultPlan, GpuConfig, SimCuda, SimCudaApi, SimVerbsApi};
+use gdr_sim::{FaultPlan, GpuConfig, SimCuda, SimVerbsApi};
 use gdr_tests::engine_world::EngineWorld;
 use hal_cuda::{Context as _, Driver as _};
 
@@ -100,13 +100,12 @@ fn a_chunk_remapped_under_a_registered_buffer_is_registered_anew() {
 #[test]
 fn a_gap_is_refused_and_owned_vmm_memory_is_freed() {
     let cuda = SimCuda::new(vec![GpuConfig::default()], FaultPlan::new());
-    let ctx = cuda.context(0).unwrap();
+    let ctx = cuda.erased().context(0).unwrap();
     let w = world(1);
     let memory = w.a.vmm_memory(3, 1, &[]).unwrap();
-    let a_ctx = w.a.cuda.context(0).unwrap();
+    let a_ctx = w.a.driver.context(0).unwrap();
     // SAFETY: nothing is registered; the buffer (if any) goes at once.
-    let gap =
-        unsafe { Buffer::<SimCudaApi>::wrap(Some(&a_ctx), memory.base, 2 * memory.chunk, None) };
+    let gap = unsafe { Buffer::wrap(Some(&a_ctx), memory.base, 2 * memory.chunk, None) };
     let e = gap.unwrap_err().to_string();
     assert!(
         e.contains(&format!("{:#x}", memory.base + memory.chunk)) && e.contains("not mapped"),
@@ -115,10 +114,10 @@ fn a_gap_is_refused_and_owned_vmm_memory_is_freed() {
 
     let before = cuda.used_bytes(0);
     let g = ctx.vmm_granularity().unwrap() as u64;
-    let owned = Buffer::<SimCudaApi>::alloc_vmm(&ctx, 3 * g - 5, g).unwrap();
+    let owned = Buffer::alloc_vmm(&ctx, 3 * g - 5, g).unwrap();
     assert_eq!(owned.chunks().len(), 3);
     assert_eq!(cuda.used_bytes(0), before + 3 * g);
-    assert!(Buffer::<SimCudaApi>::alloc_vmm(&ctx, g, g + 1).is_err());
+    assert!(Buffer::alloc_vmm(&ctx, g, g + 1).is_err());
     drop(owned);
     assert_eq!(cuda.used_bytes(0), before, "every chunk released");
 }

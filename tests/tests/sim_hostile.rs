@@ -30,7 +30,7 @@ use gdr_core::engine::{
     Batch, EngineConfig, EngineError, Path, PeerGone, PeerLimits, PeerMisbehaved, PeerResources,
     Transfer, TransferError,
 };
-use gdr_sim::{GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_sim::{GpuConfig, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, Kind, staged_through_slots};
 use gdr_tests::pattern;
 
@@ -275,10 +275,7 @@ fn under_attack(
 /// Sends `count` messages to b (`send(i)`, an `Err` once b dropped a),
 /// keeping at most a window of them in flight, and waits for the last:
 /// once this returns, b's NIC has every message sent.
-fn flood(
-    count: usize,
-    send: impl Fn(usize) -> Result<Batch<SimVerbsApi, SimCudaApi>, EngineError>,
-) {
+fn flood(count: usize, send: impl Fn(usize) -> Result<Batch, EngineError>) {
     const WINDOW: usize = 256;
     let mut in_flight = std::collections::VecDeque::with_capacity(WINDOW);
     for i in 0..count {

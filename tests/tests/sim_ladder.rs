@@ -13,7 +13,7 @@ use gdr_core::ladder::{
     Gpu, GrantRights, Ladder, LadderConfig, LadderError, Policy, Refusal, Rung,
 };
 use gdr_core::loopback::{Loopback, LoopbackError};
-use gdr_sim::{DeviceConfig, Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_sim::{DeviceConfig, Fault, FaultSite, GpuConfig};
 use gdr_tests::ladder_world::LadderWorld;
 use gdr_tests::pattern;
 use hal_cuda::{Context as _, Driver as _, MemoryType, Stream as _};
@@ -39,7 +39,7 @@ fn read_gpu(world: &World, addr: u64, len: usize) -> Vec<u8> {
 fn host_buffers_take_the_host_rung_and_hit_the_cache_again() {
     let w = world(vec![DeviceConfig::default()], GpuConfig::default());
     let ladder = w.ladder("sim0", LadderConfig::default());
-    let buffer = Buffer::<SimCudaApi>::alloc_host(1 << 20);
+    let buffer = Buffer::alloc_host(1 << 20);
     let first = buffer.register(&ladder, 0, 1 << 20).unwrap();
     assert_eq!(first.rung(), Rung::HostMemory);
     assert!(first.failures().is_empty());
@@ -69,7 +69,7 @@ fn host_buffers_take_the_host_rung_and_hit_the_cache_again() {
     );
     assert!(buffer.register(&ladder, 0, 4096).unwrap().cache_hit());
 
-    let pinned = Buffer::<SimCudaApi>::alloc_pinned(&w.gpu(), 8192).unwrap();
+    let pinned = Buffer::alloc_pinned(&w.gpu(), 8192).unwrap();
     assert_eq!(pinned.memory_type(), MemoryType::PinnedHost);
     assert_eq!(
         pinned.register(&ladder, 0, 8192).unwrap().rung(),
@@ -86,7 +86,7 @@ fn gpu_memory_takes_dmabuf_when_both_sides_can_and_is_reachable_by_rdma() {
     let w = world(vec![DeviceConfig::default()], GpuConfig::default());
     let ladder = w.ladder("sim0", LadderConfig::default());
     assert_eq!(ladder.verdict(0, Rung::Dmabuf), None, "probed on first use");
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 1 << 20).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 1 << 20).unwrap();
     let reg = buffer.register(&ladder, 64 << 10, 128 << 10).unwrap();
     assert_eq!(reg.rung(), Rung::Dmabuf);
     assert!(reg.failures().is_empty());
@@ -127,8 +127,9 @@ fn gpu_memory_takes_dmabuf_when_both_sides_can_and_is_reachable_by_rdma() {
     );
 
     // A peer writes through the descriptor; the bytes land in GPU memory.
-    let ctx = w.node.open("sim0").unwrap();
-    let peer = Loopback::<SimVerbsApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
+    let ctx = w.node.erased().open("sim0").unwrap();
+    let peer =
+        Loopback::<hal_verbs::dynamic::DynApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
     let payload = pattern(3000, 5);
     // SAFETY: `payload` outlives the registration and the operation.
     let src = unsafe {
@@ -169,7 +170,7 @@ fn peermem_is_taken_when_the_nic_refuses_dmabuf_and_the_reason_is_kept() {
         },
     );
     let ladder = w.ladder("sim0", LadderConfig::default());
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 256 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 256 << 10).unwrap();
     let reg = buffer.register(&ladder, 0, 256 << 10).unwrap();
     assert_eq!(reg.rung(), Rung::Peermem);
     let [failure] = reg.failures() else {
@@ -185,7 +186,7 @@ fn peermem_is_taken_when_the_nic_refuses_dmabuf_and_the_reason_is_kept() {
 
     // A second buffer reuses the verdict: no new dma-buf probe.
     let exports_before = w.plan.calls(FaultSite::CudaExportDmabuf);
-    let other = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let other = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     assert_eq!(
         other.register(&ladder, 0, 4096).unwrap().rung(),
         Rung::Peermem
@@ -203,7 +204,7 @@ fn staging_when_no_direct_rung_works_with_every_reason() {
         },
     );
     let ladder = w.ladder("sim0", LadderConfig::default());
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let reg = buffer.register(&ladder, 0, 64 << 10).unwrap();
     assert_eq!(reg.rung(), Rung::Staging);
     assert!(reg.mr().is_none());
@@ -230,7 +231,7 @@ fn policies_forbid_falling_back() {
             ..LadderConfig::default()
         },
     );
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let Err(LadderError::NoAllowedRung { failures, .. }) = buffer.register(&strict, 0, 4096) else {
         panic!("GPU-direct or error")
     };
@@ -259,7 +260,7 @@ fn policies_forbid_falling_back() {
             ..LadderConfig::default()
         },
     );
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let reg = buffer.register(&only_peermem, 0, 4096).unwrap();
     assert_eq!(reg.rung(), Rung::Peermem);
     assert_eq!(reg.failures()[0].refusal, Refusal::Policy);
@@ -280,7 +281,7 @@ fn self_check_refuses_a_rung_that_registers_but_does_not_transfer() {
         FaultSite::VerbsCompletion,
         Fault::CompletionStatus(WcStatus::LOC_PROT_ERR),
     );
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let reg = buffer.register(&ladder, 0, 4096).unwrap();
     assert_eq!(reg.rung(), Rung::Peermem);
     assert!(
@@ -303,11 +304,10 @@ fn read_only_memory_registers_and_grants_without_write_access() {
     let w = world(vec![DeviceConfig::default()], GpuConfig::default());
     let ladder = w.ladder("sim0", LadderConfig::default());
     let writes = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-    let owner = Buffer::<SimCudaApi>::alloc_host(8192);
+    let owner = Buffer::alloc_host(8192);
     owner.write_at(0, &pattern(8192, 5)).unwrap();
     // SAFETY: `owner` holds the memory and outlives the buffer.
-    let ro =
-        unsafe { Buffer::<SimCudaApi>::wrap_read_only(None, owner.addr(), 8192, None) }.unwrap();
+    let ro = unsafe { Buffer::wrap_read_only(None, owner.addr(), 8192, None) }.unwrap();
     assert_eq!(ro.access(), Access::ReadOnly);
     assert_eq!(
         ro.write_at(0, &[1]),
@@ -345,27 +345,26 @@ fn read_only_memory_registers_and_grants_without_write_access() {
     assert_eq!(grant.mr().access(), AccessFlags::REMOTE_READ);
 
     // GPU memory on the dma-buf rung: no write access either.
-    let gpu_owner = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 1 << 16).unwrap();
+    let gpu_owner = Buffer::alloc_device(&w.gpu(), 1 << 16).unwrap();
     // SAFETY: `gpu_owner` holds the memory and outlives the buffer.
-    let gpu_ro = unsafe {
-        Buffer::<SimCudaApi>::wrap_read_only(Some(&w.gpu()), gpu_owner.addr(), 1 << 16, None)
-    }
-    .unwrap();
+    let gpu_ro =
+        unsafe { Buffer::wrap_read_only(Some(&w.gpu()), gpu_owner.addr(), 1 << 16, None) }.unwrap();
     let gpu_reg = gpu_ro.register(&ladder, 0, 1 << 16).unwrap();
     assert_eq!(gpu_reg.rung(), Rung::Dmabuf);
     assert!(!gpu_reg.mr().unwrap().access().intersects(writes));
 
     // The NIC: a WRITE through the read grant, a READ into the
     // registration.
-    let scratch = Buffer::<SimCudaApi>::alloc_host(8192);
+    let scratch = Buffer::alloc_host(8192);
     scratch.write_at(0, &pattern(8192, 9)).unwrap();
     let scratch_reg = scratch.register(&ladder, 0, 8192).unwrap();
     let scratch_grant = ladder
         .grant(&scratch_reg, 0, 8192, GrantRights::ReadWrite)
         .unwrap();
-    let ctx = w.node.open("sim0").unwrap();
-    let loopback = Loopback::<SimVerbsApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
-    let sge = |mr: &<SimVerbsApi as hal_verbs::Api>::MemoryRegion| Sge {
+    let ctx = w.node.erased().open("sim0").unwrap();
+    let loopback =
+        Loopback::<hal_verbs::dynamic::DynApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
+    let sge = |mr: &hal_verbs::dynamic::DynMemoryRegion| Sge {
         addr: mr.addr(),
         length: 8192,
         lkey: mr.lkey(),
@@ -430,7 +429,7 @@ fn two_nics_share_one_dmabuf_export_per_allocation() {
     );
     let nic0 = w.ladder("sim0", LadderConfig::default());
     let nic1 = w.ladder("sim1", LadderConfig::default());
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 1 << 20).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 1 << 20).unwrap();
     let a = buffer.register(&nic0, 0, 1 << 20).unwrap();
     let exports_after_first = w.plan.calls(FaultSite::CudaExportDmabuf);
     let b = buffer.register(&nic1, 0, 1 << 20).unwrap();
@@ -468,7 +467,7 @@ fn a_reallocated_address_gets_a_new_registration() {
     let first = ctx.alloc(size).unwrap();
     let addr = hal_cuda::DeviceMemory::device_ptr(&first);
     // SAFETY: the buffer is dropped before `first` is freed.
-    let wrapped = unsafe { Buffer::<SimCudaApi>::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
+    let wrapped = unsafe { Buffer::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
     let old_lkey = {
         let reg = wrapped.register(&ladder, 0, 4096).unwrap();
         assert_eq!(reg.rung(), Rung::Peermem);
@@ -479,7 +478,7 @@ fn a_reallocated_address_gets_a_new_registration() {
     let second = ctx.alloc(size).unwrap();
     assert_eq!(hal_cuda::DeviceMemory::device_ptr(&second), addr);
     // SAFETY: as above.
-    let wrapped = unsafe { Buffer::<SimCudaApi>::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
+    let wrapped = unsafe { Buffer::wrap(Some(&ctx), addr, 4096, None) }.unwrap();
     let reg = wrapped.register(&ladder, 0, 4096).unwrap();
     assert_ne!(reg.mr().unwrap().lkey(), old_lkey, "a new registration");
     drop(reg);
@@ -490,7 +489,7 @@ fn a_reallocated_address_gets_a_new_registration() {
 fn a_fault_mid_registration_leaves_no_entry_and_is_not_remembered() {
     let w = world(vec![DeviceConfig::default()], GpuConfig::default());
     let ladder = w.ladder("sim0", LadderConfig::default());
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     // The probe registers once (call 1); the buffer's own registration is
     // call 2, and runs out of resources.
     w.plan.fail_nth(
@@ -520,15 +519,15 @@ fn a_fault_mid_registration_leaves_no_entry_and_is_not_remembered() {
 fn an_ipc_imported_buffer_registers_and_closes_after_its_registrations() {
     let w = world(vec![DeviceConfig::default()], GpuConfig::default());
     let exporter = w.gpu();
-    let source = Buffer::<SimCudaApi>::alloc_device(&exporter, 128 << 10).unwrap();
+    let source = Buffer::alloc_device(&exporter, 128 << 10).unwrap();
     let handle = exporter.ipc_export(source.addr()).unwrap();
 
-    let other_process = w.cuda.other_process();
+    let other_process = w.cuda.other_process().erased();
     let importer = other_process.context(0).unwrap();
-    let imported = Buffer::<SimCudaApi>::import_ipc(&importer, &handle).unwrap();
+    let imported = Buffer::import_ipc(&importer, &handle).unwrap();
     assert_eq!(imported.len(), 128 << 10);
-    let gpu = Gpu::<SimCudaApi>::open(&other_process, 0).unwrap();
-    let ctx = w.node.open("sim0").unwrap();
+    let gpu = Gpu::open(&other_process, 0).unwrap();
+    let ctx = w.node.erased().open("sim0").unwrap();
     let ladder = Ladder::new(
         &ctx,
         vec![gpu],

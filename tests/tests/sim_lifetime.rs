@@ -16,7 +16,7 @@ use gdr_core::ladder::{
     GrantRights, LadderConfig, LadderError, NicRegistrar, Policy, RegisterError, Rung,
 };
 use gdr_core::loopback::{Loopback, LoopbackError};
-use gdr_sim::{DeviceConfig, Fault, FaultSite, GpuConfig, SimCudaApi, SimVerbsApi};
+use gdr_sim::{DeviceConfig, Fault, FaultSite, GpuConfig};
 use gdr_tests::grants::{self, grants_confine_the_peer};
 use gdr_tests::ladder_world::{LadderWorld, SimLadder};
 use hal_cuda::{Context as _, Stream as _};
@@ -43,8 +43,9 @@ fn fail_dmabuf_registration(w: &World, nth: u64, errno: i32) {
 /// region `lkey` (the READ's sink is where the NIC writes), reading from a
 /// peer region of the same PD filled with `byte`.
 fn nic_writes_into(ladder: &SimLadder, world: &World, lkey: u32, addr: u64, len: usize, byte: u8) {
-    let ctx = world.node.open("sim0").unwrap();
-    let peer = Loopback::<SimVerbsApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
+    let ctx = world.node.erased().open("sim0").unwrap();
+    let peer =
+        Loopback::<hal_verbs::dynamic::DynApi>::with_pd(&ctx, Arc::clone(ladder.pd()), 1).unwrap();
     let source = vec![byte; len];
     // SAFETY: `source` outlives the region (dropped at the end of the fn).
     let remote = unsafe {
@@ -89,7 +90,7 @@ fn escaped_registration_keeps_its_memory(leak: bool) {
         },
     );
     const LEN: usize = 64 << 10;
-    let buffer = Buffer::<SimCudaApi>::alloc_host(LEN as u64);
+    let buffer = Buffer::alloc_host(LEN as u64);
     let registration = buffer.register(&ladder, 0, LEN as u64).unwrap();
     let (lkey, addr) = {
         let mr = registration.mr().unwrap();
@@ -155,7 +156,7 @@ fn dropping_a_buffer_over_caller_memory_waits_for_its_last_mr() {
     let mut memory = vec![0u8; 8192];
     let addr = memory.as_mut_ptr() as u64;
     // SAFETY: `memory` is freed only after the buffer is dropped (below).
-    let buffer = unsafe { Buffer::<SimCudaApi>::wrap(None, addr, 8192, None) }.unwrap();
+    let buffer = unsafe { Buffer::wrap(None, addr, 8192, None) }.unwrap();
     let registration = buffer.register(&ladder, 0, 8192).unwrap();
     let handle = registration.handle().unwrap().clone();
     drop(registration);
@@ -187,9 +188,7 @@ fn dropping_a_buffer_over_caller_memory_waits_for_its_last_mr() {
     // With nothing alive, release returns at once.
     let mut memory = vec![0u8; 4096];
     // SAFETY: as above.
-    let buffer =
-        unsafe { Buffer::<SimCudaApi>::wrap(None, memory.as_mut_ptr() as u64, 4096, None) }
-            .unwrap();
+    let buffer = unsafe { Buffer::wrap(None, memory.as_mut_ptr() as u64, 4096, None) }.unwrap();
     drop(buffer.register(&ladder, 0, 4096).unwrap());
     assert!(buffer.release(Duration::ZERO).is_ok());
     drop(memory);
@@ -209,7 +208,7 @@ fn every_live_mr_counts_against_the_domain_budget() {
             ..LadderConfig::default()
         },
     );
-    let buffer = Buffer::<SimCudaApi>::alloc_host(1 << 20);
+    let buffer = Buffer::alloc_host(1 << 20);
     let registered_before = w.plan.calls(FaultSite::VerbsRegister);
     // 16 widening requests, each overlapping the last, every handle held:
     // each would merge into a new, wider MR while the old ones stay in use.
@@ -259,8 +258,8 @@ fn a_registration_never_reaches_past_its_buffer() {
     let ctx = w.gpu();
     // Two pinned allocations; whatever their placement, each buffer's
     // registrations cover it alone, and dropping one leaves the other's.
-    let a = Buffer::<SimCudaApi>::alloc_pinned(&ctx, 8192).unwrap();
-    let b = Buffer::<SimCudaApi>::alloc_pinned(&ctx, 8192).unwrap();
+    let a = Buffer::alloc_pinned(&ctx, 8192).unwrap();
+    let b = Buffer::alloc_pinned(&ctx, 8192).unwrap();
     let ra = a.register(&ladder, 0, 8192).unwrap();
     let rb = b.register(&ladder, 0, 8192).unwrap();
     let (ha, hb) = (ra.handle().unwrap(), rb.handle().unwrap());
@@ -289,7 +288,7 @@ fn a_registration_never_reaches_past_its_buffer() {
 
     // A GPU buffer on a ladder without its GPU is refused as such.
     let no_gpu = w.ladder_with("sim0", Vec::new(), LadderConfig::default());
-    let device = Buffer::<SimCudaApi>::alloc_device(&ctx, 4096).unwrap();
+    let device = Buffer::alloc_device(&ctx, 4096).unwrap();
     assert!(matches!(
         device.register(&no_gpu, 0, 4096),
         Err(LadderError::UnknownGpu { ordinal: 0 })
@@ -301,12 +300,12 @@ fn the_cache_refuses_a_request_outside_its_bounds() {
     use gdr_core::cache::{Bounds, Request};
     let w = world(GpuConfig::default());
     let ladder = w.ladder("sim0", LadderConfig::default());
-    let buffer = Buffer::<SimCudaApi>::alloc_host(8192);
+    let buffer = Buffer::alloc_host(8192);
     let request = Request::host(ladder.domain(), buffer.addr() + 4096, 8192)
         .within(buffer.owner(), Bounds::new(buffer.addr(), 8192));
     // SAFETY: the registrar is never used (the request is refused first).
     let registrar = unsafe {
-        NicRegistrar::<SimVerbsApi>::new(
+        NicRegistrar::new(
             Arc::clone(ladder.pd()),
             Arc::clone(&w.exports),
             Arc::clone(ladder.budget()),
@@ -323,7 +322,7 @@ fn the_cache_refuses_a_request_outside_its_bounds() {
 fn grants_confine_the_peer_on_the_sim() {
     let w = world(GpuConfig::default());
     let ladder = w.ladder("sim0", LadderConfig::default());
-    let ctx = w.node.open("sim0").unwrap();
+    let ctx = w.node.erased().open("sim0").unwrap();
     grants_confine_the_peer(&ctx, &ladder, 1);
 }
 
@@ -332,7 +331,7 @@ fn gpu_grants_confine_the_peer(gpu: GpuConfig, nic: DeviceConfig, rung: Rung) {
     let w = World::new(vec![nic], gpu);
     let ladder = w.ladder("sim0", LadderConfig::default());
     let gpu = w.gpu();
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&gpu, grants::LEN as u64).unwrap();
+    let buffer = Buffer::alloc_device(&gpu, grants::LEN as u64).unwrap();
     let registration = buffer.register(&ladder, 0, grants::LEN as u64).unwrap();
     assert_eq!(registration.rung(), rung);
     assert!(!registration.cpu_readable(), "GPU memory: no inline sends");
@@ -351,7 +350,7 @@ fn gpu_grants_confine_the_peer(gpu: GpuConfig, nic: DeviceConfig, rung: Rung) {
         stream.synchronize().unwrap();
         out
     };
-    let ctx = w.node.open("sim0").unwrap();
+    let ctx = w.node.erased().open("sim0").unwrap();
     grants::grants_confine_the_peer_to(&ctx, &ladder, 1, &buffer, fill, read);
 }
 
@@ -382,7 +381,7 @@ fn a_failed_dmabuf_registration_closes_its_export() {
             ..LadderConfig::default()
         },
     );
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     // Call 1 is the probe's; the buffer's own registration fails.
     fail_dmabuf_registration(&w, 2, libc::EINVAL);
     assert!(matches!(
@@ -404,8 +403,8 @@ fn dropping_a_buffer_over_part_of_an_allocation_spares_the_others() {
     // SAFETY: both buffers are dropped before `memory`.
     let (first, second) = unsafe {
         (
-            Buffer::<SimCudaApi>::wrap(Some(&ctx), base, 64 << 10, None).unwrap(),
-            Buffer::<SimCudaApi>::wrap(Some(&ctx), base + (128 << 10), 64 << 10, None).unwrap(),
+            Buffer::wrap(Some(&ctx), base, 64 << 10, None).unwrap(),
+            Buffer::wrap(Some(&ctx), base + (128 << 10), 64 << 10, None).unwrap(),
         )
     };
     let r1 = first.register(&ladder, 0, 64 << 10).unwrap();
@@ -444,7 +443,7 @@ fn a_transient_probe_failure_is_retried_not_remembered() {
     );
     // The probe's own ibv_reg_dmabuf_mr runs out of memory once.
     fail_dmabuf_registration(&w, 1, libc::ENOMEM);
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let first = buffer.register(&ladder, 0, 4096).unwrap();
     assert_ne!(first.rung(), Rung::Dmabuf);
     let failure = &first.failures()[0];
@@ -481,7 +480,7 @@ fn a_permanent_probe_refusal_is_remembered() {
         },
     );
     fail_dmabuf_registration(&w, 1, libc::EOPNOTSUPP);
-    let buffer = Buffer::<SimCudaApi>::alloc_device(&w.gpu(), 64 << 10).unwrap();
+    let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     for _ in 0..3 {
         let registration = buffer.register(&ladder, 0, 4096).unwrap();
         assert_ne!(registration.rung(), Rung::Dmabuf);
@@ -500,7 +499,7 @@ fn concurrent_first_registrations_probe_a_pair_once() {
     let ladder = w.ladder("sim0", LadderConfig::default());
     let ctx = w.gpu();
     let buffers: Vec<_> = (0..8)
-        .map(|_| Buffer::<SimCudaApi>::alloc_device(&ctx, 64 << 10).unwrap())
+        .map(|_| Buffer::alloc_device(&ctx, 64 << 10).unwrap())
         .collect();
     let barrier = Barrier::new(buffers.len() + 1);
     // The NIC makes no progress at first, so the first probe's self-check
@@ -532,8 +531,8 @@ fn concurrent_first_registrations_probe_a_pair_once() {
 #[test]
 fn a_timed_out_self_check_is_flushed_before_its_buffers_go() {
     let w = world(GpuConfig::default());
-    let ctx = w.node.open("sim0").unwrap();
-    let mut loopback = Loopback::<SimVerbsApi>::new(&ctx, 1).unwrap();
+    let ctx = w.node.erased().open("sim0").unwrap();
+    let mut loopback = Loopback::<hal_verbs::dynamic::DynApi>::new(&ctx, 1).unwrap();
     loopback.set_timeout(Duration::from_millis(50));
     let mut target = vec![0u8; 4096];
     // SAFETY: `target` is leaked below if the check could not be flushed.

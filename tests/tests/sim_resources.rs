@@ -44,11 +44,10 @@ fn move_everything(w: &EngineWorld<SimVerbsApi>, what: &str) {
     // The last revoke's message may still be on its way: it lands with
     // the next progress.
     let start = std::time::Instant::now();
-    let settled =
-        |engine: &gdr_tests::engine_world::WorldEngine<SimVerbsApi, gdr_sim::SimCudaApi>| {
-            let held = engine.resources();
-            held.batches == 0 && held.peers.iter().all(|p| p.remote_grants == 0)
-        };
+    let settled = |engine: &gdr_tests::engine_world::WorldEngine| {
+        let held = engine.resources();
+        held.batches == 0 && held.peers.iter().all(|p| p.remote_grants == 0)
+    };
     while !(settled(&w.a.engine) && settled(&w.b.engine)) && start.elapsed() < T {
         w.a.engine.progress();
         w.b.engine.progress();

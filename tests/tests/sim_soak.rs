@@ -207,11 +207,11 @@ struct Target {
     /// Which end of the connection owns it (0: `i`, 1: `j`).
     owner: usize,
     kind: Kind,
-    buffer: Buffer<gdr_sim::SimCudaApi>,
-    region: Region<Sim>,
+    buffer: Buffer,
+    region: Region,
     /// The owner's grant and the user's descriptor of it; `None` once
     /// revoked (or never made: a fault).
-    grant: Option<(WorldGrant<Sim>, MemoryDescriptor)>,
+    grant: Option<(WorldGrant, MemoryDescriptor)>,
     /// The descriptor of a revoked grant, which the user may still try.
     stale: Option<MemoryDescriptor>,
     busy: [bool; SLOTS],
@@ -229,7 +229,7 @@ struct Conn {
     i: usize,
     j: usize,
     /// `i`'s end and `j`'s end; `None` once closed or failed to connect.
-    peers: Option<[WorldPeer<Sim>; 2]>,
+    peers: Option<[WorldPeer; 2]>,
     targets: Vec<Target>,
     /// Messages sent by each end and not yet taken by the other.
     sent: [HashSet<u64>; 2],
@@ -249,16 +249,16 @@ struct Part {
     /// WRITE: the bytes it writes; READ: the target's bytes when it began.
     expect: Vec<u8>,
     /// The local memory, unless dropped while the transfer runs.
-    local: Option<(Buffer<gdr_sim::SimCudaApi>, Region<Sim>)>,
+    local: Option<(Buffer, Region)>,
 }
 
 /// A batch in flight.
 struct Running {
-    batch: Batch<Sim, gdr_sim::SimCudaApi>,
+    batch: Batch,
     conn: usize,
     parts: Vec<Part>,
     /// The stream a gated batch waits for.
-    _stream: Option<<gdr_sim::SimCudaApi as hal_cuda::Api>::Stream>,
+    _stream: Option<hal_cuda::dynamic::DynStream>,
     must_end_by: Instant,
 }
 
@@ -298,7 +298,7 @@ fn variant_name(e: &dyn std::fmt::Debug) -> String {
 
 /// The bytes of `len` at `offset` of `buffer`, read directly (no stream:
 /// nothing the fault plan counts).
-fn peek(buffer: &Buffer<gdr_sim::SimCudaApi>, offset: u64, len: u64) -> Vec<u8> {
+fn peek(buffer: &Buffer, offset: u64, len: u64) -> Vec<u8> {
     if buffer.memory_type() == MemoryType::Device {
         gdr_sim::memory::peek(buffer.addr() + offset, len as usize)
             .expect("the soak's GPU memory is mapped")
@@ -310,24 +310,19 @@ fn peek(buffer: &Buffer<gdr_sim::SimCudaApi>, offset: u64, len: u64) -> Vec<u8> 
 
 /// Memory of `kind` on `node` holding `data`, registered; `None` when a
 /// fault refused it (counted).
-fn alloc(
-    node: &Node,
-    kind: Kind,
-    data: &[u8],
-    figures: &mut Figures,
-) -> Option<(Buffer<gdr_sim::SimCudaApi>, Region<Sim>)> {
+fn alloc(node: &Node, kind: Kind, data: &[u8], figures: &mut Figures) -> Option<(Buffer, Region)> {
     let len = data.len() as u64;
     let buffer = match kind {
         Kind::Host => Ok(Buffer::alloc_host(len)),
         Kind::Pinned => node
             .side
-            .cuda
+            .driver
             .context(node.gpu)
             .map_err(EngineError::from)
             .and_then(|ctx| Buffer::alloc_pinned(&ctx, len).map_err(EngineError::from)),
         Kind::Gpu => node
             .side
-            .cuda
+            .driver
             .context(node.gpu)
             .map_err(EngineError::from)
             .and_then(|ctx| Buffer::alloc_device(&ctx, len).map_err(EngineError::from)),
@@ -367,7 +362,7 @@ fn alloc(
 
 /// `i` connects to `j` (a listener of its own on `j`); `None` when a fault
 /// refused it.
-fn connect(nodes: &[Node], i: usize, j: usize) -> Option<[WorldPeer<Sim>; 2]> {
+fn connect(nodes: &[Node], i: usize, j: usize) -> Option<[WorldPeer; 2]> {
     let listener = nodes[j]
         .side
         .engine
@@ -393,7 +388,7 @@ fn connect(nodes: &[Node], i: usize, j: usize) -> Option<[WorldPeer<Sim>; 2]> {
 
 /// The owner of `target` grants its slots to the other end, which waits
 /// for the announcement.
-fn grant(conn: &Conn, target: usize) -> Option<(WorldGrant<Sim>, MemoryDescriptor)> {
+fn grant(conn: &Conn, target: usize) -> Option<(WorldGrant, MemoryDescriptor)> {
     let peers = conn.peers.as_ref()?;
     let t = &conn.targets[target];
     let (owner, user) = (&peers[t.owner], &peers[1 - t.owner]);
@@ -661,7 +656,7 @@ impl Round<'_> {
         if parts.is_empty() {
             return;
         }
-        let transfers: Vec<Transfer<'_, Sim>> = parts
+        let transfers: Vec<Transfer<'_>> = parts
             .iter()
             .zip(&remotes)
             .map(|(p, remote)| {
@@ -684,7 +679,7 @@ impl Round<'_> {
         let node = &self.nodes[local_node];
         let stream = if self.rng.u32(..6) == 0 {
             node.side
-                .cuda
+                .driver
                 .context(node.gpu)
                 .and_then(|ctx| ctx.create_stream())
                 .ok()
@@ -988,7 +983,7 @@ impl Round<'_> {
 
     /// Sends `n` messages from end `from` of connection `c` (fewer if one
     /// is refused); returns their batches.
-    fn send(&mut self, c: usize, from: usize, n: usize) -> Vec<Batch<Sim, gdr_sim::SimCudaApi>> {
+    fn send(&mut self, c: usize, from: usize, n: usize) -> Vec<Batch> {
         let mut batches = Vec::with_capacity(n);
         for _ in 0..n {
             let id = self.next_message;

@@ -9,13 +9,11 @@ use super::{
     FlushOption, GidReport, GpuReport, GpuSection, PairRung, Port, RdmaDevice, RdmaSection,
     RefusedBy, Report, RungCheck, Rungs,
 };
-use crate::backend::{BackendTask, Backends};
+use crate::backend::Backends;
 use crate::ladder::{Gpu, Ladder, Refusal, Rung};
 
 /// The device sections, gathered on the chosen backends.
-pub(super) struct GatherDevices;
-
-/// What [`GatherDevices`] found.
+/// What [`gather`] found.
 pub(super) struct Devices {
     verbs: String,
     cuda: Option<String>,
@@ -36,19 +34,18 @@ impl Devices {
     }
 }
 
-impl BackendTask for GatherDevices {
-    type Output = Devices;
-
-    fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Devices {
+/// What the doctor reports of `backends`' devices.
+pub(super) fn gather(backends: Backends) -> Devices {
+    {
         let gpus = match backends.cuda() {
-            Some(driver) => gpu_section::<C>(driver),
+            Some(driver) => gpu_section(driver),
             None => GpuSection {
                 error: Some("no CUDA driver with a GPU".to_owned()),
                 ..GpuSection::default()
             },
         };
         let rungs = match (backends.registrable_cuda(), backends.cuda()) {
-            (Some(driver), _) => probe_rungs::<V, C>(backends.verbs(), driver),
+            (Some(driver), _) => probe_rungs(backends.verbs(), driver),
             (None, Some(_)) => Rungs {
                 note: Some("not probed: the simulated NIC cannot reach real GPU memory".to_owned()),
                 ..Rungs::default()
@@ -62,14 +59,14 @@ impl BackendTask for GatherDevices {
             verbs: backends.verbs_name().to_owned(),
             cuda: backends.cuda_name().map(str::to_owned),
             notes: backends.notes().to_vec(),
-            rdma: rdma_section::<V>(backends.verbs()),
+            rdma: rdma_section(backends.verbs()),
             gpus,
             rungs,
         }
     }
 }
 
-fn rdma_section<V: hal_verbs::Api>(provider: &V::Provider) -> RdmaSection {
+fn rdma_section(provider: &hal_verbs::dynamic::DynProvider) -> RdmaSection {
     let mut section = RdmaSection {
         backend: Some(provider.backend_name().to_owned()),
         ..RdmaSection::default()
@@ -78,7 +75,7 @@ fn rdma_section<V: hal_verbs::Api>(provider: &V::Provider) -> RdmaSection {
         Ok(devices) => {
             section.devices = devices
                 .into_iter()
-                .map(|d| rdma_device::<V>(provider, d))
+                .map(|d| rdma_device(provider, d))
                 .collect()
         }
         Err(e) => section.error = Some(e.to_string()),
@@ -86,8 +83,8 @@ fn rdma_section<V: hal_verbs::Api>(provider: &V::Provider) -> RdmaSection {
     section
 }
 
-fn rdma_device<V: hal_verbs::Api>(
-    provider: &V::Provider,
+fn rdma_device(
+    provider: &hal_verbs::dynamic::DynProvider,
     info: hal_verbs::DeviceInfo,
 ) -> RdmaDevice {
     let mut device = RdmaDevice {
@@ -115,12 +112,12 @@ fn rdma_device<V: hal_verbs::Api>(
         attrs.vendor_id, attrs.vendor_part_id
     ));
     device.ports = (1..=attrs.phys_port_cnt)
-        .map(|number| port::<V>(&ctx, number))
+        .map(|number| port(&ctx, number))
         .collect();
     device
 }
 
-fn port<V: hal_verbs::Api>(ctx: &V::Context, number: u8) -> Port {
+fn port(ctx: &hal_verbs::dynamic::DynContext, number: u8) -> Port {
     let mut port = Port {
         number,
         ..Port::default()
@@ -158,7 +155,7 @@ fn port<V: hal_verbs::Api>(ctx: &V::Context, number: u8) -> Port {
     port
 }
 
-fn gpu_section<C: hal_cuda::Api>(driver: &C::Driver) -> GpuSection {
+fn gpu_section(driver: &hal_cuda::dynamic::DynDriver) -> GpuSection {
     let mut section = GpuSection {
         backend: Some(driver.backend_name().to_owned()),
         ..GpuSection::default()
@@ -223,9 +220,9 @@ fn refused_by(refusal: &Refusal) -> RefusedBy {
 /// Each NIC's ladder over every GPU, each GPU-direct rung probed with a
 /// loopback self-check; the rung taken is the first that works, else
 /// staging through pinned host memory.
-fn probe_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
-    provider: &V::Provider,
-    driver: &C::Driver,
+fn probe_rungs(
+    provider: &hal_verbs::dynamic::DynProvider,
+    driver: &hal_cuda::dynamic::DynDriver,
 ) -> Rungs {
     let mut rungs = Rungs {
         probed: true,
@@ -246,10 +243,10 @@ fn probe_rungs<V: hal_verbs::Api, C: hal_cuda::Api>(
             .and_then(|ctx| {
                 let count = driver.device_count().map_err(|e| e.to_string())?;
                 let gpus = (0..count)
-                    .map(|ordinal| Gpu::<C>::open(driver, ordinal))
+                    .map(|ordinal| Gpu::open(driver, ordinal))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| e.to_string())?;
-                Ladder::<V, C>::standalone(&ctx, gpus).map_err(|e| e.to_string())
+                Ladder::standalone(&ctx, gpus).map_err(|e| e.to_string())
             });
         let ladder = match ladder {
             Ok(ladder) => ladder,
@@ -300,7 +297,7 @@ mod tests {
         use gdr_sim::{GpuConfig, NodeConfig, SimFabric};
         let gathered = |gpu: GpuConfig| {
             let backends = Backends::sim(&SimFabric::new(), NodeConfig::default(), vec![gpu]);
-            GatherDevices.run(backends)
+            gather(backends)
         };
         let all = gathered(GpuConfig::default());
         assert_eq!(all.rungs.pairs.len(), 1);
@@ -330,7 +327,7 @@ mod tests {
         assert_eq!(pair.rung, Rung::Staging);
         assert!(pair.checks.iter().all(|c| !c.works && c.reason.is_some()));
 
-        let no_gpu = GatherDevices.run(Backends::sim(
+        let no_gpu = gather(Backends::sim(
             &SimFabric::new(),
             NodeConfig::default(),
             Vec::new(),

@@ -31,7 +31,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::backend::{BackendChoice, run_with};
+use crate::backend::{BackendChoice, Backends};
 use crate::engine::topology::PciTopology;
 
 mod devices;
@@ -91,7 +91,7 @@ pub fn report(choice: BackendChoice, options: &DoctorOptions) -> Report {
         },
         ..Report::default()
     };
-    match run_with(choice, devices::GatherDevices) {
+    match Backends::choose(choice).map(devices::gather) {
         Ok(devices) => devices.into_report(&mut report),
         Err(e) => {
             tracing::warn!(error = %e, "doctor: the backend choice cannot be met");

@@ -5,8 +5,8 @@
 use super::*;
 
 /// A submitted batch (or control message): ends exactly once.
-pub struct Batch<V: Api, C: hal_cuda::Api> {
-    pub(super) engine: Engine<V, C>,
+pub struct Batch {
+    pub(super) engine: Engine,
     pub(super) cell: Arc<CompletionCell>,
     /// The core's id; `None` for a control message (not cancellable).
     pub(super) id: Option<BatchId>,
@@ -24,7 +24,7 @@ pub struct Batch<V: Api, C: hal_cuda::Api> {
     pub(super) parts: Vec<Arc<CompletionCell>>,
 }
 
-impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
+impl fmt::Debug for Batch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Batch")
             .field("id", &self.id)
@@ -33,9 +33,9 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for Batch<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+impl Batch {
     /// A batch that is just `cell` (a control message, an empty batch).
-    pub(super) fn of_cell(engine: Engine<V, C>, cell: Arc<CompletionCell>) -> Self {
+    pub(super) fn of_cell(engine: Engine, cell: Arc<CompletionCell>) -> Self {
         Self {
             engine,
             cell,
@@ -114,7 +114,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
     /// (copies, events) that the driver holds back while any free of the
     /// process waits for the held stream, so holding the stream on it
     /// could deadlock the process (see the guide's Fences section).
-    pub fn fence_stream(&self, stream: &C::Stream) -> Result<(), EngineError> {
+    pub fn fence_stream(&self, stream: &hal_cuda::dynamic::DynStream) -> Result<(), EngineError> {
         if !self.ends_without_cuda() {
             let _span = tracing::debug_span!("fence_on_host").entered();
             // The outcome stays the batch's (`status`); the stream only
@@ -176,7 +176,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
 }
 
 /// A gate opens into a batch of the engine's ([`Peer::submit_after_stream`]).
-impl<V: Api, C: hal_cuda::Api> gate::Opened for Batch<V, C> {
+impl gate::Opened for Batch {
     fn cancel(&self) {
         Batch::cancel(self);
     }
@@ -186,7 +186,7 @@ impl<V: Api, C: hal_cuda::Api> gate::Opened for Batch<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+impl Batch {
     /// Polls every part, registering the task's waker with those pending.
     pub(super) fn poll_parts(&self, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
         let mut pending = false;
@@ -207,7 +207,7 @@ impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
 /// pending poll starts the engine's own thread, which drives from then on.
 /// No poll makes progress itself, and a task is not re-polled before its
 /// batch ends.
-impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
+impl Future for Batch {
     type Output = Outcome;
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Outcome> {
@@ -215,7 +215,7 @@ impl<V: Api, C: hal_cuda::Api> Future for Batch<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Batch<V, C> {
+impl Batch {
     /// The `Future`'s poll through a shared reference (a batch awaited by
     /// a runtime that holds it behind a handle, Python's asyncio): the
     /// outcome once ended, else the task's waker registered (with the

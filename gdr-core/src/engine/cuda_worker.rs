@@ -27,32 +27,30 @@ use std::sync::mpsc;
 use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 
-use hal_verbs::Api;
-
 use super::resources::Resources;
 use crate::sync::{Mutex, lock};
 
 /// A job: run on the worker with the engine's resources.
-type Job<V, C> = Box<dyn FnOnce(&Resources<V, C>) + Send>;
+type Job = Box<dyn FnOnce(&Resources) + Send>;
 
 /// The worker of one engine's resources.
-pub(crate) struct CudaWorker<V: Api, C: hal_cuda::Api> {
+pub(crate) struct CudaWorker {
     /// The resources the jobs run with (the worker is one of their
     /// fields: weak, so the thread never keeps them).
-    res: Weak<Resources<V, C>>,
-    state: Mutex<WorkerState<V, C>>,
+    res: Weak<Resources>,
+    state: Mutex<WorkerState>,
 }
 
-enum WorkerState<V: Api, C: hal_cuda::Api> {
+enum WorkerState {
     /// No job yet.
     Idle,
-    Running(Running<V, C>),
+    Running(Running),
     /// The engine is going (or the OS made no thread): jobs run inline.
     Shut,
 }
 
-struct Running<V: Api, C: hal_cuda::Api> {
-    jobs: mpsc::Sender<Job<V, C>>,
+struct Running {
+    jobs: mpsc::Sender<Job>,
     thread: JoinHandle<()>,
 }
 
@@ -66,9 +64,9 @@ impl<T> Pending<T> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> CudaWorker<V, C> {
+impl CudaWorker {
     /// The worker of the resources `res` will point to.
-    pub(crate) fn new(res: Weak<Resources<V, C>>) -> Self {
+    pub(crate) fn new(res: Weak<Resources>) -> Self {
         Self {
             res,
             state: Mutex::new(WorkerState::Idle),
@@ -80,12 +78,12 @@ impl<V: Api, C: hal_cuda::Api> CudaWorker<V, C> {
     /// the job runs here, on the caller's thread, as before the worker.
     pub(crate) fn run<T: Send + Sync + 'static>(
         &self,
-        res: &Resources<V, C>,
-        job: impl FnOnce(&Resources<V, C>) -> T + Send + 'static,
+        res: &Resources,
+        job: impl FnOnce(&Resources) -> T + Send + 'static,
     ) -> Pending<T> {
         let result = Arc::new(OnceLock::new());
         let sink = Arc::clone(&result);
-        let boxed: Job<V, C> = Box::new(move |res| {
+        let boxed: Job = Box::new(move |res| {
             let _ = sink.set(job(res));
         });
         if let Err(boxed) = self.queue(boxed) {
@@ -96,7 +94,7 @@ impl<V: Api, C: hal_cuda::Api> CudaWorker<V, C> {
 
     /// Hands `job` to the thread (started at the first job); gives it back
     /// where there is no thread.
-    fn queue(&self, job: Job<V, C>) -> Result<(), Job<V, C>> {
+    fn queue(&self, job: Job) -> Result<(), Job> {
         let mut state = lock(&self.state);
         if matches!(*state, WorkerState::Idle) {
             *state = match self.start() {
@@ -110,8 +108,8 @@ impl<V: Api, C: hal_cuda::Api> CudaWorker<V, C> {
         }
     }
 
-    fn start(&self) -> Option<Running<V, C>> {
-        let (jobs, queue) = mpsc::channel::<Job<V, C>>();
+    fn start(&self) -> Option<Running> {
+        let (jobs, queue) = mpsc::channel::<Job>();
         let res = self.res.clone();
         let thread = std::thread::Builder::new()
             .name("gdr-cuda".into())

@@ -32,19 +32,19 @@ use crate::sync::{Mutex, lock};
 const KEPT_PER_GPU: usize = 4096;
 
 /// One GPU's free events.
-struct Pool<C: hal_cuda::Api> {
-    free: Mutex<Vec<C::Event>>,
+struct Pool {
+    free: Mutex<Vec<hal_cuda::dynamic::DynEvent>>,
 }
 
 /// The engine's events, per GPU ordinal.
-pub(crate) struct EventPools<C: hal_cuda::Api> {
-    pools: HashMap<u32, Arc<Pool<C>>>,
+pub(crate) struct EventPools {
+    pools: HashMap<u32, Arc<Pool>>,
 }
 
-impl<C: hal_cuda::Api> EventPools<C> {
+impl EventPools {
     /// Pools for `gpus`, each filled with `per_gpu` events now (as many as
     /// the driver makes: a GPU that makes none gets them on demand).
-    pub(crate) fn new<'g>(gpus: impl IntoIterator<Item = &'g Gpu<C>>, per_gpu: usize) -> Self {
+    pub(crate) fn new<'g>(gpus: impl IntoIterator<Item = &'g Gpu>, per_gpu: usize) -> Self {
         let pools = gpus
             .into_iter()
             .map(|gpu| {
@@ -63,7 +63,7 @@ impl<C: hal_cuda::Api> EventPools<C> {
     }
 
     /// An event of `gpu`'s context: a free one, else a new one.
-    pub(crate) fn take(&self, gpu: &Gpu<C>) -> Result<PooledEvent<C>, hal_cuda::CudaError> {
+    pub(crate) fn take(&self, gpu: &Gpu) -> Result<PooledEvent, hal_cuda::CudaError> {
         let pool = self.pools.get(&gpu.attributes.ordinal);
         let event = match pool.and_then(|p| lock(&p.free).pop()) {
             Some(event) => event,
@@ -77,17 +77,17 @@ impl<C: hal_cuda::Api> EventPools<C> {
 }
 
 /// An event lent by a GPU's pool; goes back to it when dropped.
-pub(crate) struct PooledEvent<C: hal_cuda::Api> {
+pub(crate) struct PooledEvent {
     /// `None` only while dropping.
-    event: Option<C::Event>,
+    event: Option<hal_cuda::dynamic::DynEvent>,
     /// `None`: a GPU without a pool (the event is destroyed on drop).
-    pool: Option<Arc<Pool<C>>>,
+    pool: Option<Arc<Pool>>,
 }
 
-impl<C: hal_cuda::Api> std::ops::Deref for PooledEvent<C> {
-    type Target = C::Event;
+impl std::ops::Deref for PooledEvent {
+    type Target = hal_cuda::dynamic::DynEvent;
 
-    fn deref(&self) -> &C::Event {
+    fn deref(&self) -> &hal_cuda::dynamic::DynEvent {
         // Taken only by `drop`.
         self.event
             .as_ref()
@@ -95,7 +95,7 @@ impl<C: hal_cuda::Api> std::ops::Deref for PooledEvent<C> {
     }
 }
 
-impl<C: hal_cuda::Api> Drop for PooledEvent<C> {
+impl Drop for PooledEvent {
     fn drop(&mut self) {
         let (Some(event), Some(pool)) = (self.event.take(), self.pool.as_ref()) else {
             return;

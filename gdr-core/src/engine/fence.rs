@@ -41,7 +41,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use hal_cuda::Stream as _;
-use hal_verbs::Api;
 
 use gdr_proto::gate::{GateWait, Signal, WordBook};
 
@@ -54,17 +53,17 @@ use crate::buffer::Buffer;
 const WORDS: usize = 1024;
 
 /// The engine's page of fence words.
-struct FenceWords<C: hal_cuda::Api> {
+struct FenceWords {
     /// Never freed (see the module docs): a stream may read it later. When
     /// the engine goes it is parked in [`PARKED_PAGES`] for the life of the
     /// process, still reachable (not a leak a checker reports).
-    buffer: Option<Buffer<C>>,
+    buffer: Option<Buffer>,
     /// The page's first address (host and device: pinned, mapped).
     base: u64,
     book: WordBook,
 }
 
-impl<C: hal_cuda::Api> FenceWords<C> {
+impl FenceWords {
     /// A free word and the value to wait for, or the refusal when every
     /// word of the page is outstanding (fences and gates share the page).
     fn take_word(&mut self) -> Result<(usize, u32), EngineError> {
@@ -80,7 +79,7 @@ impl<C: hal_cuda::Api> FenceWords<C> {
 static PARKED_PAGES: std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>> =
     std::sync::Mutex::new(Vec::new());
 
-impl<C: hal_cuda::Api> Drop for FenceWords<C> {
+impl Drop for FenceWords {
     fn drop(&mut self) {
         if let Some(page) = self.buffer.take() {
             PARKED_PAGES
@@ -91,7 +90,7 @@ impl<C: hal_cuda::Api> Drop for FenceWords<C> {
     }
 }
 
-impl<C: hal_cuda::Api> FenceWords<C> {
+impl FenceWords {
     /// The word at `index`, for the host to load or store.
     fn word(&self, index: usize) -> &AtomicU32 {
         let addr = self.base as usize + index * 4;
@@ -131,28 +130,20 @@ struct StreamFence {
 
 /// The engine's page of fence words (made at its first use) and the
 /// stream fences waiting on it.
-pub(super) struct StreamFences<C: hal_cuda::Api> {
-    words: Option<FenceWords<C>>,
+#[derive(Default)]
+pub(super) struct StreamFences {
+    words: Option<FenceWords>,
     /// Fences whose batch has not ended.
     fences: Vec<StreamFence>,
 }
 
-impl<C: hal_cuda::Api> Default for StreamFences<C> {
-    fn default() -> Self {
-        Self {
-            words: None,
-            fences: Vec::new(),
-        }
-    }
-}
-
-impl<C: hal_cuda::Api> StreamFences<C> {
+impl StreamFences {
     /// Queues on `stream` a wait for the batch of `cells` (its GPU fence on
     /// `gpus` applied on success): see the module docs.
-    pub(super) fn queue<V: Api>(
+    pub(super) fn queue(
         &mut self,
-        res: &Resources<V, C>,
-        stream: &C::Stream,
+        res: &Resources,
+        stream: &hal_cuda::dynamic::DynStream,
         cells: Vec<Arc<CompletionCell>>,
         gpus: Vec<u32>,
         fenced: Arc<AtomicBool>,
@@ -189,7 +180,7 @@ impl<C: hal_cuda::Api> StreamFences<C> {
     /// Makes a page of words on the engine's first GPU. A driver call that
     /// blocks while a free waits: made outside the engine's lock (a fence
     /// the lock holds up could be what that free waits for).
-    pub(super) fn make_page<V: Api>(res: &Resources<V, C>) -> Result<Buffer<C>, EngineError> {
+    pub(super) fn make_page(res: &Resources) -> Result<Buffer, EngineError> {
         let context = res
             .nics
             .first()
@@ -204,7 +195,7 @@ impl<C: hal_cuda::Api> StreamFences<C> {
     /// Takes `buffer` (from [`Self::make_page`]) as the page; one made
     /// meanwhile by another thread wins and `buffer` is handed back (to be
     /// freed outside the lock).
-    pub(super) fn install_page(&mut self, buffer: Buffer<C>) -> Option<Buffer<C>> {
+    pub(super) fn install_page(&mut self, buffer: Buffer) -> Option<Buffer> {
         if self.words.is_some() {
             return Some(buffer);
         }
@@ -226,7 +217,7 @@ impl<C: hal_cuda::Api> StreamFences<C> {
     /// The page of words: installed beforehand, outside the lock
     /// (`Engine::ensure_fence_page`), or made here at its first use by a
     /// caller that did not.
-    fn words<V: Api>(&mut self, res: &Resources<V, C>) -> Result<&mut FenceWords<C>, EngineError> {
+    fn words(&mut self, res: &Resources) -> Result<&mut FenceWords, EngineError> {
         if self.words.is_none() {
             let _ = self.install_page(Self::make_page(res)?);
         }
@@ -248,7 +239,7 @@ impl<C: hal_cuda::Api> StreamFences<C> {
 
     /// Releases the streams waiting for batches that have ended; returns
     /// how many.
-    pub(super) fn release<V: Api>(&mut self, res: &Resources<V, C>) -> usize {
+    pub(super) fn release(&mut self, res: &Resources) -> usize {
         if self.fences.is_empty() {
             return 0;
         }
@@ -284,10 +275,10 @@ impl<C: hal_cuda::Api> StreamFences<C> {
     /// Queues a gate's signal on `stream`: a word's write where the stream
     /// has memory operations (`Signal::Word`), none where the driver has
     /// none (`Signal::Event`: the gate's event alone tells).
-    pub(super) fn gate_signal<V: Api>(
+    pub(super) fn gate_signal(
         &mut self,
-        res: &Resources<V, C>,
-        stream: &C::Stream,
+        res: &Resources,
+        stream: &hal_cuda::dynamic::DynStream,
     ) -> Result<Signal, EngineError> {
         let words = self.words(res)?;
         let (word, value) = words.take_word()?;

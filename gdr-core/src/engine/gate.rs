@@ -49,7 +49,6 @@ use std::time::{Duration, Instant};
 
 use gdr_proto::gate::{GateEnd, GateWait, Seen, Signal, Step, at_open};
 use hal_cuda::Event as _;
-use hal_verbs::Api;
 
 use super::completion::{CompletionCell, Outcome};
 use super::events::PooledEvent;
@@ -74,27 +73,17 @@ pub(super) trait Opened: Send {
 pub(super) type Submitted = Result<Box<dyn Opened>, EngineError>;
 
 /// The gates of an engine, in its state.
-pub(super) struct Gates<V: Api, C: hal_cuda::Api> {
+#[derive(Default)]
+pub(super) struct Gates {
     /// Not yet reached by their stream.
-    waiting: Vec<Gate<V, C>>,
+    waiting: Vec<Gate>,
     /// Reached, to be submitted outside the engine's lock.
-    ready: Vec<Held<V>>,
+    ready: Vec<Held>,
     /// Submitted: their batch's outcome is handed to the caller's batch.
     opened: Vec<Arc<GateLink>>,
     /// Polls so far: the event is looked at on some of them
     /// ([`GateWait::looks_at_event`]).
     polls: u64,
-}
-
-impl<V: Api, C: hal_cuda::Api> Default for Gates<V, C> {
-    fn default() -> Self {
-        Self {
-            waiting: Vec::new(),
-            ready: Vec::new(),
-            opened: Vec::new(),
-            polls: 0,
-        }
-    }
 }
 
 /// What the caller's batch and the engine share of a gated batch.
@@ -156,17 +145,17 @@ impl GateLink {
 }
 
 /// One transfer of a gated batch, owned until the gate opens.
-struct HeldTransfer<V: Api> {
+struct HeldTransfer {
     op: Op,
-    local: Region<V>,
+    local: Region,
     local_offset: u64,
     remote: MemoryDescriptor,
     remote_offset: u64,
     len: u64,
 }
 
-impl<V: Api> HeldTransfer<V> {
-    fn of(t: &Transfer<'_, V>) -> Self {
+impl HeldTransfer {
+    fn of(t: &Transfer<'_>) -> Self {
         Self {
             op: t.op,
             local: t.local.clone(),
@@ -177,7 +166,7 @@ impl<V: Api> HeldTransfer<V> {
         }
     }
 
-    fn transfer(&self) -> Transfer<'_, V> {
+    fn transfer(&self) -> Transfer<'_> {
         Transfer {
             op: self.op,
             local: &self.local,
@@ -190,11 +179,11 @@ impl<V: Api> HeldTransfer<V> {
 }
 
 /// A gated batch, held unposted.
-struct Held<V: Api> {
+struct Held {
     link: Arc<GateLink>,
     /// The peer's slot.
     slot: usize,
-    transfers: Vec<HeldTransfer<V>>,
+    transfers: Vec<HeldTransfer>,
     deadline: Instant,
     span: tracing::Span,
 }
@@ -203,22 +192,22 @@ struct Held<V: Api> {
 /// ([`GateWait`]), and the event recorded on the stream after the gate
 /// (after the word's write, where there is one: it tells a stream that
 /// failed).
-struct Gate<V: Api, C: hal_cuda::Api> {
-    held: Held<V>,
+struct Gate {
+    held: Held,
     wait: GateWait,
-    event: PooledEvent<C>,
+    event: PooledEvent,
 }
 
 /// What the gates hand the engine to carry out outside its lock
 /// ([`Gates::serve`], [`Serve::run`]).
-pub(super) struct Serve<V: Api> {
+pub(super) struct Serve {
     /// Gates their stream reached: submit their batch.
-    ready: Vec<Held<V>>,
+    ready: Vec<Held>,
     /// Opened batches: hand on their outcome once they end.
     opened: Vec<Arc<GateLink>>,
 }
 
-impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
+impl Gates {
     /// Holds the batch of `transfers` for the peer in `slot` until
     /// `stream`'s `signal` (queued there, then `event` recorded after it)
     /// says the stream reached the gate; `timeout` counts from `now`.
@@ -227,11 +216,11 @@ impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
     pub(super) fn wait(
         &mut self,
         slot: usize,
-        transfers: &[Transfer<'_, V>],
+        transfers: &[Transfer<'_>],
         timeout: Duration,
         now: Instant,
         signal: Signal,
-        event: PooledEvent<C>,
+        event: PooledEvent,
         span: &tracing::Span,
     ) -> Arc<GateLink> {
         let link = Arc::new(GateLink {
@@ -280,7 +269,7 @@ impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
     /// those that ended (cancelled, timed out, stream failed, peer gone)
     /// end their batch. Returns how many gates and late-written words it
     /// handled.
-    pub(super) fn poll(&mut self, cx: &mut PathCx<'_, V, C>, words: &mut StreamFences<C>) -> usize {
+    pub(super) fn poll(&mut self, cx: &mut PathCx<'_>, words: &mut StreamFences) -> usize {
         let mut handled = words.collect_late_writes();
         self.polls += 1;
         let tick = self.polls;
@@ -356,7 +345,7 @@ impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
 
     /// Takes the work to do outside the engine's lock: the batches whose
     /// gate opened, to submit, and the opened batches, to hand on.
-    pub(super) fn serve(&mut self) -> Serve<V> {
+    pub(super) fn serve(&mut self) -> Serve {
         Serve {
             ready: std::mem::take(&mut self.ready),
             opened: std::mem::take(&mut self.opened),
@@ -369,7 +358,7 @@ impl<V: Api, C: hal_cuda::Api> Gates<V, C> {
     }
 }
 
-impl<V: Api> Serve<V> {
+impl Serve {
     /// Carries it out (outside the engine's lock: submitting takes it):
     /// hands on the outcomes of the opened batches that ended, and submits
     /// with `submit` (the peer's slot, the transfers, the time left) the
@@ -380,7 +369,7 @@ impl<V: Api> Serve<V> {
     pub(super) fn run(
         self,
         clock: impl Fn() -> Instant,
-        mut submit: impl FnMut(usize, &[Transfer<'_, V>], Duration) -> Submitted,
+        mut submit: impl FnMut(usize, &[Transfer<'_>], Duration) -> Submitted,
     ) -> (usize, Vec<Arc<GateLink>>) {
         let mut handled = 0;
         let mut running = Vec::new();
@@ -401,13 +390,13 @@ impl<V: Api> Serve<V> {
     }
 }
 
-impl<V: Api> Held<V> {
+impl Held {
     /// Submits the batch of a gate its stream reached, unless it was
     /// cancelled or its deadline passed; returns its link while it runs.
     fn open(
         self,
         clock: impl Fn() -> Instant,
-        submit: impl FnOnce(usize, &[Transfer<'_, V>], Duration) -> Submitted,
+        submit: impl FnOnce(usize, &[Transfer<'_>], Duration) -> Submitted,
     ) -> Option<Arc<GateLink>> {
         let _entered = self.span.enter();
         let link = self.link;
@@ -430,7 +419,7 @@ impl<V: Api> Held<V> {
                 }));
             }
         };
-        let transfers: Vec<Transfer<'_, V>> =
+        let transfers: Vec<Transfer<'_>> =
             self.transfers.iter().map(HeldTransfer::transfer).collect();
         match submit(self.slot, &transfers, left) {
             Ok(batch) => {

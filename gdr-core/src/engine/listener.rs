@@ -14,14 +14,14 @@ use super::*;
 /// once. Dropping this handle disconnects the peers still waiting and
 /// refuses new ones (busy); re-establishment is served until the engine
 /// goes (the address stays bound until then).
-pub struct EngineListener<V: Api, C: hal_cuda::Api> {
-    pub(super) engine: Engine<V, C>,
-    pub(super) inner: Arc<ListenerInner<V>>,
+pub struct EngineListener {
+    pub(super) engine: Engine,
+    pub(super) inner: Arc<ListenerInner>,
 }
 
 /// A queue pair of a peer not yet accepted: (its hello, the connection,
 /// the NIC).
-type PendingQp<V> = (Hello, <V as Api>::Connection, usize);
+type PendingQp = (Hello, hal_verbs::dynamic::DynConnection, usize);
 
 /// How often the listener looks for connectors that gave up (and for
 /// deadlines) while connections wait to be accepted and nothing else
@@ -34,20 +34,20 @@ pub(super) const LISTENER_POLL: Duration = Duration::from_millis(50);
 /// times).
 pub(super) const LISTENER_IDLE: Duration = Duration::from_secs(1);
 
-pub(super) struct ListenerInner<V: Api> {
-    pub(super) listener: V::Listener,
-    pub(super) waiting: std::sync::Mutex<Waiting<V>>,
+pub(super) struct ListenerInner {
+    pub(super) listener: hal_verbs::dynamic::DynListener,
+    pub(super) waiting: std::sync::Mutex<Waiting>,
     /// Signalled when a session completes.
     pub(super) arrived: std::sync::Condvar,
 }
 
 /// A listener's serving thread, as its engine keeps it.
-pub(super) struct ListenerThread<V: Api> {
-    listener: std::sync::Weak<ListenerInner<V>>,
+pub(super) struct ListenerThread {
+    listener: std::sync::Weak<ListenerInner>,
     thread: std::thread::JoinHandle<()>,
 }
 
-impl<V: Api> ListenerThread<V> {
+impl ListenerThread {
     /// Wakes the thread (its engine closed: its next step ends it) and
     /// waits for it to end, which drops the listener.
     pub(super) fn stop(self) {
@@ -60,8 +60,8 @@ impl<V: Api> ListenerThread<V> {
     }
 }
 
-impl<V: Api> ListenerInner<V> {
-    pub(super) fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting<V>> {
+impl ListenerInner {
+    pub(super) fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting> {
         self.waiting
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -70,13 +70,13 @@ impl<V: Api> ListenerInner<V> {
 
 /// New peers' queue pairs waiting for accept: the backlog decides what
 /// may wait and what must go; the connections wait here, by token.
-pub(super) struct Waiting<V: Api> {
+pub(super) struct Waiting {
     pub(super) backlog: Backlog,
-    pub(super) conns: HashMap<Token, PendingQp<V>>,
+    pub(super) conns: HashMap<Token, PendingQp>,
     pub(super) next_token: u64,
 }
 
-impl<V: Api> Waiting<V> {
+impl Waiting {
     pub(super) fn token(&mut self) -> Token {
         self.next_token += 1;
         Token(self.next_token)
@@ -133,7 +133,7 @@ impl<V: Api> Waiting<V> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> fmt::Debug for EngineListener<V, C> {
+impl fmt::Debug for EngineListener {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EngineListener")
             .field("addr", &self.inner.listener.local_addr())
@@ -141,7 +141,7 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for EngineListener<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Drop for EngineListener<V, C> {
+impl Drop for EngineListener {
     fn drop(&mut self) {
         let mut waiting = self.inner.waiting();
         waiting.backlog.close();
@@ -151,9 +151,9 @@ impl<V: Api, C: hal_cuda::Api> Drop for EngineListener<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+impl Engine {
     /// Listens for peers on `addr` (port 0: one is assigned).
-    pub fn listen(&self, addr: SocketAddr) -> Result<EngineListener<V, C>, EngineError> {
+    pub fn listen(&self, addr: SocketAddr) -> Result<EngineListener, EngineError> {
         let listener = self
             .shared
             .cm
@@ -201,9 +201,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The listener's thread: takes connect requests, and drops the peers
     /// that gave up or waited too long, until the engine is dropped.
     pub(super) fn serve_listener(
-        weak: std::sync::Weak<Shared<V, C>>,
+        weak: std::sync::Weak<Shared>,
         holds: Arc<InternalHolds>,
-        inner: Arc<ListenerInner<V>>,
+        inner: Arc<ListenerInner>,
     ) {
         INTERNAL_THREAD.with(|i| i.set(true));
         // A look polls every waiting connection: one a poll interval (or
@@ -241,7 +241,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Drops what waits for accept in vain; says how long the listener may
     /// wait before it looks again.
-    pub(super) fn reap_waiting(&self, inner: &ListenerInner<V>) -> Duration {
+    pub(super) fn reap_waiting(&self, inner: &ListenerInner) -> Duration {
         let now = self.shared.config.clock.now();
         let mut waiting = inner.waiting();
         waiting.reap(now);
@@ -254,7 +254,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// One connect request: a new peer's queue pair (to wait for `accept`,
     /// if the backlog takes it), or a queue pair of a peer already
     /// accepted being re-established.
-    pub(super) fn on_connect_request(&self, inner: &ListenerInner<V>, request: V::ConnectRequest) {
+    pub(super) fn on_connect_request(
+        &self,
+        inner: &ListenerInner,
+        request: hal_verbs::dynamic::DynConnectRequest,
+    ) {
         let from = request.peer_addr();
         let hello = match Hello::decode(&request.private_data()) {
             Ok(h) if h.role == Role::Connect => h,
@@ -359,7 +363,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// The peer in `slot` made a new connection for its queue pair
     /// `index`: installed now if the old one is down, else once it has
     /// drained (it is stopped: the peer has given it up).
-    pub(super) fn on_reconnected(&self, slot: usize, index: usize, conn: V::Connection) {
+    pub(super) fn on_reconnected(
+        &self,
+        slot: usize,
+        index: usize,
+        conn: hal_verbs::dynamic::DynConnection,
+    ) {
         let mut guard = lock_state(&self.shared.state);
         let state = &mut *guard;
         let Some(peer) = state.peers[slot].as_mut() else {
@@ -413,7 +422,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
+impl EngineListener {
     /// The address listened on.
     pub fn local_addr(&self) -> SocketAddr {
         self.inner.listener.local_addr()
@@ -434,7 +443,7 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
     /// the exchange failed) is dropped, never returned: accept keeps
     /// waiting for another until `timeout`. Threads may accept at once:
     /// each session goes to one of them.
-    pub fn accept(&self, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
+    pub fn accept(&self, timeout: Duration) -> Result<Peer, EngineError> {
         let deadline = Instant::now() + timeout;
         loop {
             let Some((session, conns)) = self.next_session(deadline) else {
@@ -454,14 +463,14 @@ impl<V: Api, C: hal_cuda::Api> EngineListener<V, C> {
 
     /// Waits until `deadline` for a complete session whose queue pairs are
     /// still connected, and takes it (its connections in index order).
-    pub(super) fn next_session(&self, deadline: Instant) -> Option<(u64, Vec<PendingQp<V>>)> {
+    pub(super) fn next_session(&self, deadline: Instant) -> Option<(u64, Vec<PendingQp>)> {
         let clock = &self.engine.shared.config.clock;
         let mut waiting = self.inner.waiting();
         loop {
             // Connectors that gave up are dropped before one is taken.
             waiting.reap(clock.now());
             if let Some(session) = waiting.backlog.take_complete() {
-                let conns: Vec<PendingQp<V>> = session
+                let conns: Vec<PendingQp> = session
                     .tokens
                     .iter()
                     .filter_map(|token| waiting.conns.remove(token))
@@ -492,7 +501,7 @@ pub(super) enum AcceptFailure {
     ConnectorGone(EngineError),
 }
 
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+impl Engine {
     /// Sets up `session`, which accept took with its connections `conns`:
     /// the peer's state, our paths first, the connector's awaited until
     /// `deadline`. An exchange that fails means the connector is gone: the
@@ -500,9 +509,9 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     pub(super) fn set_up_accepted(
         &self,
         session: u64,
-        conns: Vec<PendingQp<V>>,
+        conns: Vec<PendingQp>,
         deadline: Instant,
-    ) -> Result<Peer<V, C>, AcceptFailure> {
+    ) -> Result<Peer, AcceptFailure> {
         let Some((hello, first, _)) = conns.first() else {
             return Err(AcceptFailure::Local(EngineError::Refused(
                 Refusal::NoQueuePairs,

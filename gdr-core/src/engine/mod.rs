@@ -123,7 +123,7 @@ use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
 use hal_verbs::{
-    AccessFlags, Api, Completion, CompletionQueue as _, ConnectParams, ConnectRequest as _,
+    AccessFlags, Completion, CompletionQueue as _, ConnectParams, ConnectRequest as _,
     Connection as _, ConnectionManager as _, ConnectionState, Context as _, Listener as _,
     MemoryRegion as _, PostError, Posted, Provider as _, QpCaps, QueuePair as _, RecvRequest,
     SendFlags, SendOp, SendRequest, SgList, Sge,
@@ -361,8 +361,8 @@ fn fresh_id() -> u64 {
 }
 
 /// One queue pair of a peer.
-struct PeerQp<V: Api> {
-    conn: V::Connection,
+struct PeerQp {
+    conn: hal_verbs::dynamic::DynConnection,
     nic: usize,
     core: QpId,
     remote_device: Option<String>,
@@ -372,24 +372,24 @@ struct PeerQp<V: Api> {
     path: Option<Path>,
     /// A new connection the peer made for this index while the old one
     /// still drains: installed once it has.
-    replacement: Option<V::Connection>,
+    replacement: Option<hal_verbs::dynamic::DynConnection>,
 }
 
 /// The host buffers of a peer's control messages.
-struct ControlBuffers<V: Api, C: hal_cuda::Api> {
-    recv: Buffer<C>,
-    recv_region: Region<V>,
+struct ControlBuffers {
+    recv: Buffer,
+    recv_region: Region,
     /// The (NIC, queue pair number) each receive slot is posted on;
     /// `None`: free. A slot posted on a queue pair 0 that was replaced
     /// comes back (flushed, or with a message) before it is reposted.
     recv_owner: Vec<Option<(usize, u32)>>,
-    send: Buffer<C>,
-    send_region: Region<V>,
+    send: Buffer,
+    send_region: Region,
     free_send: Arc<std::sync::Mutex<Vec<usize>>>,
     slot: usize,
 }
 
-struct PeerState<V: Api, C: hal_cuda::Api> {
+struct PeerState {
     addr: SocketAddr,
     /// This engine's id (regions of another engine are refused).
     local_engine: u64,
@@ -398,7 +398,7 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     /// Re-establishing failed queue pairs ([`gdr_proto::reconnect`]);
     /// also whether this side connected, and whether set-up is done.
     recovery: Recovery,
-    qps: Vec<PeerQp<V>>,
+    qps: Vec<PeerQp>,
     peer_max_message: usize,
     peer_recv_depth: u32,
     /// Grants this side announced and has not revoked, encoded: announced
@@ -406,8 +406,8 @@ struct PeerState<V: Api, C: hal_cuda::Api> {
     /// flight on the old one may have been lost).
     granted: HashMap<u64, Vec<u8>>,
     /// Replaced queue pairs 0 whose receives have not all come back.
-    retired: Vec<V::Connection>,
-    control: ControlBuffers<V, C>,
+    retired: Vec<hal_verbs::dynamic::DynConnection>,
+    control: ControlBuffers,
     /// The peer's live grants to this side (bounded).
     remote_grants: RemoteGrants<MemoryDescriptor>,
     /// The grants the peer told this side it revoked (bounded): a
@@ -485,7 +485,7 @@ pub struct PeerResources {
     pub requests_asked: usize,
 }
 
-impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
+impl PeerState {
     /// Queues control message `message` for the peer, to go out by
     /// `now + timeout`; the cell ends when the peer's NIC has it.
     fn enqueue(
@@ -590,9 +590,9 @@ impl<V: Api, C: hal_cuda::Api> PeerState<V, C> {
     }
 }
 
-struct State<V: Api, C: hal_cuda::Api> {
+struct State {
     core: Core,
-    peers: Vec<Option<PeerState<V, C>>>,
+    peers: Vec<Option<PeerState>>,
     by_qp_num: HashMap<(usize, u32), (usize, usize)>,
     /// (peer slot, queue pair index) of each core queue pair.
     qp_owner: Vec<(usize, usize)>,
@@ -601,7 +601,7 @@ struct State<V: Api, C: hal_cuda::Api> {
     /// Queue pairs being re-established.
     reconnecting: usize,
     /// The paths beside the queue pairs, each with its own state.
-    paths: Paths<V, C>,
+    paths: Paths,
     completions: Vec<Completion>,
     to_post: Vec<SendRequest>,
     ticks: u64,
@@ -610,27 +610,27 @@ struct State<V: Api, C: hal_cuda::Api> {
 /// The paths the engine carries batches over besides the queue pairs
 /// ([`path`]), each owning its state; the engine hands each step of one
 /// the same context ([`State::with_paths`]).
-struct Paths<V: Api, C: hal_cuda::Api> {
+struct Paths {
     /// The staged path: pools, pipes, rendezvous both ways, by peer.
-    staged: staging::StagedPath<V, C>,
+    staged: staging::StagedPath,
     /// The page of words streams wait on (made at the first stream fence
     /// or gate) and the stream fences whose batch has not ended.
-    stream_fences: fence::StreamFences<C>,
+    stream_fences: fence::StreamFences,
     /// The peer-copy path (its peers, streams, mappings and batches in
     /// flight).
-    peer_copy: peer_copy::PeerCopyPath<C>,
+    peer_copy: peer_copy::PeerCopyPath,
     /// Batches held until a stream reaches their gate.
-    gates: gate::Gates<V, C>,
+    gates: gate::Gates,
 }
 
-impl<V: Api, C: hal_cuda::Api> State<V, C> {
+impl State {
     /// Runs `f` on the paths with the context of one path step: the
     /// engine's resources, the wire over the peers' connections, `now`.
     fn with_paths<T>(
         &mut self,
-        res: &Resources<V, C>,
+        res: &Resources,
         now: Instant,
-        f: impl FnOnce(&mut Paths<V, C>, &mut PathCx<'_, V, C>) -> T,
+        f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T,
     ) -> T {
         let State {
             core, peers, paths, ..
@@ -649,13 +649,13 @@ impl<V: Api, C: hal_cuda::Api> State<V, C> {
 
 /// The peers' connections as the paths see them ([`path::Wire`]): the
 /// core (which posts on the queue pairs) and the peers' control channels.
-struct Connections<'a, V: Api, C: hal_cuda::Api> {
+struct Connections<'a> {
     core: &'a mut Core,
-    peers: &'a mut [Option<PeerState<V, C>>],
-    res: &'a Resources<V, C>,
+    peers: &'a mut [Option<PeerState>],
+    res: &'a Resources,
 }
 
-impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
+impl Wire for Connections<'_> {
     fn peer(&self, slot: usize) -> Option<PeerView<'_>> {
         let peer = self.peers.get(slot)?.as_ref()?;
         Some(PeerView {
@@ -690,7 +690,7 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
         op: Op,
         remote: &MemoryDescriptor,
         remote_at: u64,
-        local: &Region<V>,
+        local: &Region,
         local_addr: u64,
         len: u64,
         (deadline, timeout): (Instant, Duration),
@@ -746,11 +746,11 @@ impl<V: Api, C: hal_cuda::Api> Wire<V> for Connections<'_, V, C> {
     }
 }
 
-struct Shared<V: Api, C: hal_cuda::Api> {
+struct Shared {
     // Field order is drop order: connections (in the state) before the
     // NICs' CQs, PDs and contexts (in the resources).
-    state: Mutex<State<V, C>>,
-    res: Arc<Resources<V, C>>,
+    state: Mutex<State>,
+    res: Arc<Resources>,
     /// Drivers running (threads of [`Engine::spawn_driver`], the engine's
     /// own thread, tasks of `Engine::drive_on_tokio`): while there is one,
     /// a pending `Future` only registers its waker; with none, it starts
@@ -767,33 +767,33 @@ struct Shared<V: Api, C: hal_cuda::Api> {
     /// Each listener's thread: woken and joined when the engine closes, so
     /// its listener (and port) goes with the engine, not at the end of the
     /// thread's idle wait.
-    listener_threads: Mutex<Vec<listener::ListenerThread<V>>>,
+    listener_threads: Mutex<Vec<listener::ListenerThread>>,
 }
 
 /// The engine's lock, held with the thread marked inside the engine: CUDA
 /// memory whose last holder goes meanwhile is freed on the reaper thread
 /// ([`crate::reaper`]), never under the lock.
-struct StateGuard<'a, V: Api, C: hal_cuda::Api> {
+struct StateGuard<'a> {
     // Field order is drop order: the lock goes, then the mark.
-    guard: crate::sync::MutexGuard<'a, State<V, C>>,
+    guard: crate::sync::MutexGuard<'a, State>,
     _inside: crate::reaper::EngineSection,
 }
 
-impl<V: Api, C: hal_cuda::Api> std::ops::Deref for StateGuard<'_, V, C> {
-    type Target = State<V, C>;
-    fn deref(&self) -> &State<V, C> {
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
         &self.guard
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> std::ops::DerefMut for StateGuard<'_, V, C> {
-    fn deref_mut(&mut self) -> &mut State<V, C> {
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
         &mut self.guard
     }
 }
 
 /// Takes the engine's lock ([`StateGuard`]).
-fn lock_state<V: Api, C: hal_cuda::Api>(state: &Mutex<State<V, C>>) -> StateGuard<'_, V, C> {
+fn lock_state(state: &Mutex<State>) -> StateGuard<'_> {
     let inside = crate::reaper::EngineSection::enter();
     StateGuard {
         guard: lock(state),
@@ -804,7 +804,7 @@ fn lock_state<V: Api, C: hal_cuda::Api>(state: &Mutex<State<V, C>>) -> StateGuar
 /// Streams the engine holds are released, then the CUDA worker's queued
 /// jobs (which name memory the state holds) all run, before the state goes
 /// (fields drop after this).
-impl<V: Api, C: hal_cuda::Api> Drop for Shared<V, C> {
+impl Drop for Shared {
     fn drop(&mut self) {
         let mut state = lock(&self.state);
         // The peers' queue pairs go first (the NIC writes nothing more),
@@ -819,9 +819,9 @@ impl<V: Api, C: hal_cuda::Api> Drop for Shared<V, C> {
 }
 
 /// Lets the engine's shared part read as its resources.
-impl<V: Api, C: hal_cuda::Api> std::ops::Deref for Shared<V, C> {
-    type Target = Resources<V, C>;
-    fn deref(&self) -> &Resources<V, C> {
+impl std::ops::Deref for Shared {
+    type Target = Resources;
+    fn deref(&self) -> &Resources {
         &self.res
     }
 }
@@ -869,10 +869,10 @@ impl fmt::Debug for InternalHolds {
 
 impl InternalHolds {
     /// Runs `step` with the engine behind `weak`, if it is still open.
-    fn step<V: Api, C: hal_cuda::Api, T>(
+    fn step<T>(
         &self,
-        weak: &std::sync::Weak<Shared<V, C>>,
-        step: impl FnOnce(&Engine<V, C>) -> T,
+        weak: &std::sync::Weak<Shared>,
+        step: impl FnOnce(&Engine) -> T,
     ) -> Option<T> {
         let closed = crate::sync::read(&self.closed);
         if *closed {
@@ -890,11 +890,7 @@ impl InternalHolds {
 /// [`Engine::reconnect_once`]): one attempt per step of the engine, a
 /// back-off between them holding nothing, until the queue pair is up,
 /// refused, not wanted any more, or the engine closed.
-fn reconnect_thread<V: Api, C: hal_cuda::Api>(
-    weak: &std::sync::Weak<Shared<V, C>>,
-    holds: &InternalHolds,
-    job: &Reconnect,
-) {
+fn reconnect_thread(weak: &std::sync::Weak<Shared>, holds: &InternalHolds, job: &Reconnect) {
     INTERNAL_THREAD.with(|internal| internal.set(true));
     let mut backoff = Backoff::default();
     while holds.step(weak, |engine| engine.reconnect_once(job)) == Some(true) {
@@ -913,7 +909,7 @@ fn reconnect_thread<V: Api, C: hal_cuda::Api>(
 /// closes when the step ends, on that step's thread (and says so).
 const CLOSE_PATIENCE: Duration = Duration::from_secs(1);
 
-impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
+impl Drop for Engine {
     fn drop(&mut self) {
         // Another handle of the caller's lives on: nothing to do (the
         // count is read before the internal steps, which count themselves
@@ -975,11 +971,11 @@ impl<V: Api, C: hal_cuda::Api> Drop for Engine<V, C> {
 }
 
 /// The transfer engine over verbs backend `V` and CUDA backend `C`.
-pub struct Engine<V: Api, C: hal_cuda::Api> {
-    shared: Arc<Shared<V, C>>,
+pub struct Engine {
+    shared: Arc<Shared>,
 }
 
-impl<V: Api, C: hal_cuda::Api> Clone for Engine<V, C> {
+impl Clone for Engine {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -987,7 +983,7 @@ impl<V: Api, C: hal_cuda::Api> Clone for Engine<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> fmt::Debug for Engine<V, C> {
+impl fmt::Debug for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Engine")
             .field("id", &format_args!("{:#x}", self.shared.id))
@@ -999,13 +995,13 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for Engine<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+impl Engine {
     /// An engine on the NICs of `provider` (those [`EngineConfig::devices`]
     /// names, or all), for memory of the GPUs of `cuda` (none: host memory
     /// only).
     pub fn new(
-        provider: &V::Provider,
-        cuda: Option<&C::Driver>,
+        provider: &hal_verbs::dynamic::DynProvider,
+        cuda: Option<&hal_cuda::dynamic::DynDriver>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
         let names: Vec<String> = match &config.devices {
@@ -1161,7 +1157,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// The ladder of NIC `nic`. Feature `testing`.
     #[cfg(feature = "testing")]
-    pub fn ladder(&self, nic: usize) -> Option<&Ladder<V, C>> {
+    pub fn ladder(&self, nic: usize) -> Option<&Ladder> {
         self.shared.nics.get(nic).map(|n| &n.ladder)
     }
 
@@ -1226,7 +1222,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Peers connected and not gone: what the CQs were sized for (a gone
     /// peer's queue pairs are disconnected and post nothing more).
-    fn live_peers(state: &State<V, C>) -> usize {
+    fn live_peers(state: &State) -> usize {
         state
             .peers
             .iter()
@@ -1246,17 +1242,17 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Registers the whole of `buffer` on every NIC (each on the first
     /// rung that works there) as a region for transfers and grants.
-    pub fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
+    pub fn register(&self, buffer: &Buffer) -> Result<Region, EngineError> {
         self.shared.res.register(buffer)
     }
 
     /// Registers `len` bytes at `offset` of `buffer` on every NIC.
     pub fn register_range(
         &self,
-        buffer: &Buffer<C>,
+        buffer: &Buffer,
         offset: u64,
         len: u64,
-    ) -> Result<Region<V>, EngineError> {
+    ) -> Result<Region, EngineError> {
         self.shared.res.register_range(buffer, offset, len)
     }
 
@@ -1266,7 +1262,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Connects to the engine listening at `addr`: [`EngineConfig::qps_per_peer`]
     /// queue pairs, all from the NIC the route to `addr` leaves by.
-    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer<V, C>, EngineError> {
+    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer, EngineError> {
         self.connect_paths(
             &[Path {
                 source: None,
@@ -1288,11 +1284,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// is [`EngineError::NotAccepted`]. On any failure every queue pair
     /// made is disconnected and nothing of the attempt is kept: connecting
     /// again is a fresh attempt.
-    pub fn connect_paths(
-        &self,
-        paths: &[Path],
-        timeout: Duration,
-    ) -> Result<Peer<V, C>, EngineError> {
+    pub fn connect_paths(&self, paths: &[Path], timeout: Duration) -> Result<Peer, EngineError> {
         let first = paths.first().ok_or(EngineError::Refused(Refusal::NoPath))?;
         // Refused before any queue pair is made (checked again when the
         // peer is added: another connect may take the room meanwhile).
@@ -1307,7 +1299,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         )
         .entered();
         // Queue pair i's connection is token i.
-        let mut conns: Vec<(V::Connection, usize, Option<Path>)> = Vec::with_capacity(count.into());
+        let mut conns: Vec<(hal_verbs::dynamic::DynConnection, usize, Option<Path>)> =
+            Vec::with_capacity(count.into());
         let mut acceptor: Option<Hello> = None;
         while let Some(index) = dial.next_index() {
             let path = paths[usize::from(index) % paths.len()];
@@ -1410,7 +1403,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         dial: &Dial,
         index: u16,
         timeout: Duration,
-    ) -> Result<(V::Connection, usize), QpRefused> {
+    ) -> Result<(hal_verbs::dynamic::DynConnection, usize), QpRefused> {
         let device = match path.source {
             Some(source) => self.device_of_address(source)?,
             None => self
@@ -1470,7 +1463,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     fn dial_failed(
         &self,
         dial: &mut Dial,
-        conns: Vec<(V::Connection, usize, Option<Path>)>,
+        conns: Vec<(hal_verbs::dynamic::DynConnection, usize, Option<Path>)>,
         peer: SocketAddr,
         error: impl Into<DialFailure>,
     ) -> EngineError {
@@ -1626,8 +1619,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         addr: SocketAddr,
         hello: &Hello,
         session: u64,
-        conns: Vec<(V::Connection, usize, Option<Path>)>,
-    ) -> Result<Peer<V, C>, EngineError> {
+        conns: Vec<(hal_verbs::dynamic::DynConnection, usize, Option<Path>)>,
+    ) -> Result<Peer, EngineError> {
         let config = &self.shared.config;
         let my_max = config.max_message as usize;
         let peer_max = hello.max_message as usize;
@@ -1727,7 +1720,12 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// The limits of queue pair `index` of a peer on `conn` (queue pair 0
     /// carries SENDs, bounded by the peer's `recv_depth` receives).
-    fn qp_limits(&self, conn: &V::Connection, index: usize, peer_recv_depth: u32) -> QpLimits {
+    fn qp_limits(
+        &self,
+        conn: &hal_verbs::dynamic::DynConnection,
+        index: usize,
+        peer_recv_depth: u32,
+    ) -> QpLimits {
         let config = &self.shared.config;
         QpLimits {
             depth: config.qp_depth.min(conn.qp().caps().max_send_wr).max(1),
@@ -1737,7 +1735,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     }
 
     /// Posts every free control receive slot on the peer's queue pair 0.
-    fn post_free_receives(&self, peer: &mut PeerState<V, C>) -> Result<(), hal_verbs::VerbsError> {
+    fn post_free_receives(&self, peer: &mut PeerState) -> Result<(), hal_verbs::VerbsError> {
         let size = self.shared.config.max_message as usize;
         let free: Vec<usize> = (0..peer.control.recv_owner.len())
             .filter(|&i| peer.control.recv_owner[i].is_none())
@@ -1771,7 +1769,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         posted.map_err(|e| e.error)
     }
 
-    fn recv_request(peer: &PeerState<V, C>, slot: usize, size: usize) -> RecvRequest {
+    fn recv_request(peer: &PeerState, slot: usize, size: usize) -> RecvRequest {
         let nic = peer.qps[0].nic;
         let registration = peer.control.recv_region.inner.per_nic[nic]
             .mr()
@@ -1795,7 +1793,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// the GPU's write-ordering attribute asks for it, and only that GPU's
     /// writes: not a device-wide synchronization. Host memory needs
     /// nothing. A GPU that can neither order nor flush is an error.
-    pub fn fence_inbound_writes(&self, region: &Region<V>) -> Result<Fence, EngineError> {
+    pub fn fence_inbound_writes(&self, region: &Region) -> Result<Fence, EngineError> {
         match region.inner.location {
             MemoryLocation::Host => Ok(Fence::NotNeeded),
             MemoryLocation::Gpu { ordinal } => self.fence_gpu(u32::from(ordinal)),
@@ -1809,11 +1807,11 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     }
 
     /// [`Engine::next_deadline`], under the lock already held.
-    fn next_deadline_of(state: &mut State<V, C>) -> Option<Instant> {
+    fn next_deadline_of(state: &mut State) -> Option<Instant> {
         [
             state.core.next_deadline(),
-            TransferPath::<V, C>::next_deadline(&state.paths.staged),
-            TransferPath::<V, C>::next_deadline(&state.paths.peer_copy),
+            TransferPath::next_deadline(&state.paths.staged),
+            TransferPath::next_deadline(&state.paths.peer_copy),
         ]
         .into_iter()
         .flatten()
@@ -1935,7 +1933,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         )
     }
 
-    fn on_receive(&self, state: &mut State<V, C>, slot: usize, nic: usize, wc: &Completion) {
+    fn on_receive(&self, state: &mut State, slot: usize, nic: usize, wc: &Completion) {
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
@@ -1983,7 +1981,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// peer broke the protocol and is to be dropped.
     fn on_message(
         &self,
-        state: &mut State<V, C>,
+        state: &mut State,
         slot: usize,
         index: usize,
         len: usize,
@@ -2079,7 +2077,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         Ok(())
     }
 
-    fn poll_connections(&self, state: &mut State<V, C>) {
+    fn poll_connections(&self, state: &mut State) {
         for peer in state.peers.iter_mut().flatten() {
             for qp in &peer.qps {
                 if !state.core.is_ready(qp.core) {
@@ -2103,7 +2101,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// Takes every NIC's async events: a fatal device error fails
     /// everything on that NIC at once (nothing will flush); a queue pair's
     /// fatal error fails that queue pair.
-    fn poll_async_events(&self, state: &mut State<V, C>) {
+    fn poll_async_events(&self, state: &mut State) {
         for (nic_index, nic) in self.shared.nics.iter().enumerate() {
             loop {
                 let event = match nic.context.next_async_event() {
@@ -2155,7 +2153,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// error, or its CQ lost completions): it is dead for this engine;
     /// every request on its queue pairs fails now with `cause`, and a peer
     /// with no queue pair left is gone.
-    fn fail_nic(state: &mut State<V, C>, nic_index: usize, name: &str, cause: TransferError) {
+    fn fail_nic(state: &mut State, nic_index: usize, name: &str, cause: TransferError) {
         if state.dead_nics[nic_index] {
             return;
         }
@@ -2173,7 +2171,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    fn run_actions(&self, state: &mut State<V, C>) {
+    fn run_actions(&self, state: &mut State) {
         while let Some(action) = state.core.poll_action() {
             match action {
                 Action::StopQp(qp) => {
@@ -2196,7 +2194,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// (the connecting side reconnects; the accepting side installs the
     /// connection the peer made, or waits for it), unless its peer or its
     /// NIC is gone.
-    fn on_qp_drained(&self, state: &mut State<V, C>, qp: QpId) {
+    fn on_qp_drained(&self, state: &mut State, qp: QpId) {
         let (slot, index) = state.qp_owner[qp];
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
@@ -2350,7 +2348,13 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Puts a new connection in place of queue pair `index` of the peer
     /// in `slot` (its old one drained) and lets it post again.
-    fn install(&self, state: &mut State<V, C>, slot: usize, index: usize, conn: V::Connection) {
+    fn install(
+        &self,
+        state: &mut State,
+        slot: usize,
+        index: usize,
+        conn: hal_verbs::dynamic::DynConnection,
+    ) {
         let limits = {
             let Some(peer) = state.peers[slot].as_ref() else {
                 return;
@@ -2404,7 +2408,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Re-establishing queue pair `index` failed for good: what waits for
     /// it fails; a peer with no queue pair left is gone.
-    fn give_up_qp(&self, state: &mut State<V, C>, slot: usize, index: usize, why: GiveUp) {
+    fn give_up_qp(&self, state: &mut State, slot: usize, index: usize, why: GiveUp) {
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
@@ -2421,7 +2425,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     }
 
     /// Gives up the queue pairs not re-established in time.
-    fn give_up_late_reconnects(&self, state: &mut State<V, C>, now: Instant) {
+    fn give_up_late_reconnects(&self, state: &mut State, now: Instant) {
         let State {
             core,
             peers,
@@ -2441,7 +2445,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
         }
     }
 
-    fn post_ready(&self, state: &mut State<V, C>) {
+    fn post_ready(&self, state: &mut State) {
         let State {
             core,
             peers,
@@ -2487,7 +2491,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// slot, queue pair 0 being re-established) go only with progress,
     /// which nobody may be making: a side that only grants or sends never
     /// waits. With no driver running, the engine's own thread makes it.
-    fn drive_held_control(&self, state: &State<V, C>) {
+    fn drive_held_control(&self, state: &State) {
         if self.shared.drivers.load(Ordering::Acquire) > 0 {
             return;
         }
@@ -2522,7 +2526,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
     /// Runs `f` on the paths ([`State::with_paths`]) under the engine's
     /// lock; what it queued is posted before the lock goes.
-    fn with_paths<T>(&self, f: impl FnOnce(&mut Paths<V, C>, &mut PathCx<'_, V, C>) -> T) -> T {
+    fn with_paths<T>(&self, f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T) -> T {
         let shared = &*self.shared;
         let mut guard = lock_state(&shared.state);
         let out = guard.with_paths(&shared.res, shared.config.clock.now(), f);
@@ -2542,7 +2546,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     /// copies have run.
     fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
         let mut state = lock_state(&self.shared.state);
-        TransferPath::<V, C>::cancel(&mut state.paths.peer_copy, std::slice::from_ref(cell));
+        TransferPath::cancel(&mut state.paths.peer_copy, std::slice::from_ref(cell));
     }
 }
 
@@ -2577,13 +2581,13 @@ impl Drop for Driver {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+impl Engine {
     /// Makes progress until `decide`, looking at the engine's state under
     /// its lock, gives an answer, or `timeout` passes.
     fn progress_until<T>(
         &self,
         timeout: Duration,
-        mut decide: impl FnMut(&mut State<V, C>) -> Option<Result<T, EngineError>>,
+        mut decide: impl FnMut(&mut State) -> Option<Result<T, EngineError>>,
     ) -> Result<T, EngineError> {
         let now = self.shared.config.clock.now();
         let mut decided = None;
@@ -2746,7 +2750,7 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
+impl reactor::Parkable for Engine {
     fn progress(&self) -> usize {
         Engine::progress(self)
     }
@@ -2755,8 +2759,8 @@ impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
         let state = lock_state(&self.shared.state);
         self.shared.nics.iter().any(|n| n.channel.is_none())
             || state.reconnecting > 0
-            || TransferPath::<V, C>::polls(&state.paths.staged)
-            || TransferPath::<V, C>::polls(&state.paths.peer_copy)
+            || TransferPath::polls(&state.paths.staged)
+            || TransferPath::polls(&state.paths.peer_copy)
             || state.paths.gates.waiting()
     }
 
@@ -2803,10 +2807,10 @@ impl<V: Api, C: hal_cuda::Api> reactor::Parkable for Engine<V, C> {
 /// records only on a stream of its own context, and which GPU `stream`
 /// belongs to is not known here: each of the engine's GPUs is tried in
 /// turn.
-fn record_gate_event<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    stream: &C::Stream,
-) -> Result<events::PooledEvent<C>, EngineError> {
+fn record_gate_event(
+    res: &Resources,
+    stream: &hal_cuda::dynamic::DynStream,
+) -> Result<events::PooledEvent, EngineError> {
     use hal_cuda::Stream as _;
     let gpus = res.nics.first().map_or(&[][..], |n| n.ladder.gpus());
     let mut refused = None;
@@ -2930,11 +2934,11 @@ impl Op {
 /// One transfer of a batch: `len` bytes between `local` at `local_offset`
 /// and the granted remote range `remote` at `remote_offset`.
 #[derive(Debug)]
-pub struct Transfer<'a, V: Api> {
+pub struct Transfer<'a> {
     /// READ or WRITE.
     pub op: Op,
     /// The local region.
-    pub local: &'a Region<V>,
+    pub local: &'a Region,
     /// Offset in it.
     pub local_offset: u64,
     /// The peer's grant.
@@ -2945,19 +2949,19 @@ pub struct Transfer<'a, V: Api> {
     pub len: u64,
 }
 
-impl<V: Api> Clone for Transfer<'_, V> {
+impl Clone for Transfer<'_> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl<V: Api> Copy for Transfer<'_, V> {}
+impl Copy for Transfer<'_> {}
 
-impl<'a, V: Api> Transfer<'a, V> {
+impl<'a> Transfer<'a> {
     /// A WRITE of `len` bytes from `local` at `local_offset` into `remote`
     /// at `remote_offset`.
     pub fn write(
-        local: &'a Region<V>,
+        local: &'a Region,
         local_offset: u64,
         remote: &'a MemoryDescriptor,
         remote_offset: u64,
@@ -2972,7 +2976,7 @@ impl<'a, V: Api> Transfer<'a, V> {
     /// A READ of `len` bytes from `remote` at `remote_offset` into `local`
     /// at `local_offset`.
     pub fn read(
-        local: &'a Region<V>,
+        local: &'a Region,
         local_offset: u64,
         remote: &'a MemoryDescriptor,
         remote_offset: u64,
@@ -2992,11 +2996,7 @@ impl<'a, V: Api> Transfer<'a, V> {
 /// Drops a peer that broke the protocol: every queue pair disconnected
 /// and failed (what is in flight flushes), the reason kept as why it is
 /// gone.
-fn drop_misbehaving<V: Api, C: hal_cuda::Api>(
-    core: &mut Core,
-    peer: &mut PeerState<V, C>,
-    why: &PeerMisbehaved,
-) {
+fn drop_misbehaving(core: &mut Core, peer: &mut PeerState, why: &PeerMisbehaved) {
     tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
     let reason = PeerGone::Misbehaved(why.clone());
     peer.gone.get_or_insert_with(|| reason.clone());
@@ -3040,20 +3040,13 @@ fn check_within(what: &'static str, offset: u64, len: u64, size: u64) -> Result<
 /// Checks a transfer before anything is posted: local bounds, a READ's
 /// local memory writable, the grant live on this connection, its rights,
 /// its bounds.
-fn check_transfer<V: Api, C: hal_cuda::Api>(
-    peer: &PeerState<V, C>,
-    t: &Transfer<'_, V>,
-) -> Result<(), EngineError> {
+fn check_transfer(peer: &PeerState, t: &Transfer<'_>) -> Result<(), EngineError> {
     check_transfer_of(peer, t, false)
 }
 
 /// [`check_transfer`], but the grant lookup is skipped when `known`: the
 /// transfer's descriptor passed it in this call already.
-fn check_transfer_of<V: Api, C: hal_cuda::Api>(
-    peer: &PeerState<V, C>,
-    t: &Transfer<'_, V>,
-    known: bool,
-) -> Result<(), EngineError> {
+fn check_transfer_of(peer: &PeerState, t: &Transfer<'_>, known: bool) -> Result<(), EngineError> {
     t.local.check(peer.local_engine, t.local_offset, t.len)?;
     // Every path (NIC, staging, peer copy, gated) checks here before it
     // writes local memory, by NIC or by GPU copy.
@@ -3095,7 +3088,7 @@ fn check_transfer_of<V: Api, C: hal_cuda::Api>(
 #[cfg(all(test, not(loom)))]
 mod teardown_tests {
     use super::*;
-    use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+    use gdr_sim::{NodeConfig, SimFabric};
 
     /// The caller's last handle tears the engine down even while one of
     /// its internal threads is in a step: the drop waits for the step, so
@@ -3105,8 +3098,7 @@ mod teardown_tests {
     fn the_last_handle_tears_the_engine_down_while_an_internal_step_holds_it() {
         let fabric = SimFabric::new();
         let nic = fabric.add_node("a", NodeConfig::default());
-        let engine =
-            Engine::<SimVerbsApi, SimCudaApi>::new(&nic, None, EngineConfig::default()).unwrap();
+        let engine = Engine::new(&nic.erased(), None, EngineConfig::default()).unwrap();
         let weak = Arc::downgrade(&engine.shared);
         let holds = Arc::clone(&engine.shared.holds);
         let (started, step_started) = std::sync::mpsc::channel();

@@ -58,8 +58,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hal_verbs::Api;
-
 use super::completion::CompletionCell;
 use super::resources::Resources;
 use super::wire::Control;
@@ -80,7 +78,7 @@ pub(crate) struct PeerView<'a> {
 
 /// The engine's side of the seam: the peers' connections, which a path
 /// asks to carry its control messages and its RDMA operations.
-pub(crate) trait Wire<V: Api> {
+pub(crate) trait Wire {
     /// The peer in `slot`, if there is one.
     fn peer(&self, slot: usize) -> Option<PeerView<'_>>;
 
@@ -108,7 +106,7 @@ pub(crate) trait Wire<V: Api> {
         op: Op,
         remote: &MemoryDescriptor,
         remote_at: u64,
-        local: &Region<V>,
+        local: &Region,
         local_addr: u64,
         len: u64,
         deadline: (Instant, Duration),
@@ -117,11 +115,11 @@ pub(crate) trait Wire<V: Api> {
 
 /// What a path is handed for one step: the engine's resources, the wire,
 /// and the time the driver read (a path reads no clock).
-pub(crate) struct PathCx<'a, V: Api, C: hal_cuda::Api> {
+pub(crate) struct PathCx<'a> {
     /// The engine's shared, unchanging resources.
-    pub(crate) res: &'a Resources<V, C>,
+    pub(crate) res: &'a Resources,
     /// The peers' connections.
-    pub(crate) wire: &'a mut dyn Wire<V>,
+    pub(crate) wire: &'a mut dyn Wire,
     /// Now, as the engine's clock read it for this step.
     pub(crate) now: Instant,
 }
@@ -131,7 +129,7 @@ pub(crate) struct PathCx<'a, V: Api, C: hal_cuda::Api> {
 /// The engine calls these under its state lock; none blocks on a device
 /// (a path that needs a synchronous copy hands it out as work to run
 /// outside the lock).
-pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
+pub(crate) trait TransferPath {
     /// Whether this path carries `transfers` for the peer in `slot` (the
     /// capability predicate). The engine asks the peer-copy path, then the
     /// staged path, and posts to the first that says yes; what neither
@@ -140,12 +138,7 @@ pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
     /// `&mut`: a path may have to open what it would carry them through
     /// to know (the peer-copy path opens, and caches, a peer's IPC handle:
     /// one that does not open here leaves the batch to the NIC).
-    fn carries(
-        &mut self,
-        res: &Resources<V, C>,
-        slot: usize,
-        transfers: &[Transfer<'_, V>],
-    ) -> bool;
+    fn carries(&mut self, res: &Resources, slot: usize, transfers: &[Transfer<'_>]) -> bool;
 
     /// Starts `transfers` for the peer in `slot`, which the engine checked
     /// first (local bounds; the grant live on this connection, its rights
@@ -154,22 +147,22 @@ pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
     /// exactly once, by `timeout`. On `Err` nothing started.
     fn post(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
-        transfers: &[Transfer<'_, V>],
+        transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError>;
 
     /// Advances the path: what ended since the last call, deadlines
     /// passed at `cx.now`, what may start now. Returns how much moved (a
     /// driver counts it as work).
-    fn progress(&mut self, cx: &mut PathCx<'_, V, C>) -> usize;
+    fn progress(&mut self, cx: &mut PathCx<'_>) -> usize;
 
     /// A control message from the peer in `slot`: the path takes those of
     /// its own protocol (`Ok(None)`) and hands the others back.
     fn on_control<'m>(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved>;
@@ -180,7 +173,7 @@ pub(crate) trait TransferPath<V: Api, C: hal_cuda::Api> {
 
     /// The peer in `slot` is gone: end what the path does for or with it
     /// and free what it holds of it (once nothing in flight uses it).
-    fn release_peer(&mut self, cx: &mut PathCx<'_, V, C>, slot: usize);
+    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize);
 
     /// The earliest deadline of what the path holds: the driver calls
     /// [`TransferPath::progress`] by then.

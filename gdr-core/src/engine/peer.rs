@@ -8,12 +8,12 @@ use super::*;
 
 /// A connected peer. Dropping it leaves the connection up (the engine
 /// holds it); [`Peer::close`] ends it.
-pub struct Peer<V: Api, C: hal_cuda::Api> {
-    pub(super) engine: Engine<V, C>,
+pub struct Peer {
+    pub(super) engine: Engine,
     pub(super) slot: usize,
 }
 
-impl<V: Api, C: hal_cuda::Api> Clone for Peer<V, C> {
+impl Clone for Peer {
     fn clone(&self) -> Self {
         Self {
             engine: self.engine.clone(),
@@ -22,7 +22,7 @@ impl<V: Api, C: hal_cuda::Api> Clone for Peer<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> fmt::Debug for Peer<V, C> {
+impl fmt::Debug for Peer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Peer").field("slot", &self.slot).finish()
     }
@@ -31,16 +31,16 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for Peer<V, C> {
 /// A grant this engine gave a peer: MRs of exactly the range and rights on
 /// each NIC the peer's queue pairs use. Dropping it revokes it (the peer is
 /// told, then the MRs are deregistered).
-pub struct RegionGrant<V: Api, C: hal_cuda::Api> {
+pub struct RegionGrant {
     pub(super) descriptor: MemoryDescriptor,
-    pub(super) peer: Peer<V, C>,
+    pub(super) peer: Peer,
     // After the notice is queued, the MRs go (field order).
-    pub(super) _grants: Vec<Grant<V>>,
+    pub(super) _grants: Vec<Grant>,
     /// Its entry for a peer-copy peer of this process.
     pub(super) _published: Option<peer_copy::Publication>,
 }
 
-impl<V: Api, C: hal_cuda::Api> fmt::Debug for RegionGrant<V, C> {
+impl fmt::Debug for RegionGrant {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RegionGrant")
             .field("descriptor", &self.descriptor)
@@ -48,7 +48,7 @@ impl<V: Api, C: hal_cuda::Api> fmt::Debug for RegionGrant<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
+impl RegionGrant {
     /// What the peer uses (it got it on the connection too).
     pub fn descriptor(&self) -> &MemoryDescriptor {
         &self.descriptor
@@ -93,7 +93,7 @@ impl<V: Api, C: hal_cuda::Api> RegionGrant<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
+impl Drop for RegionGrant {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
         {
@@ -127,14 +127,14 @@ impl<V: Api, C: hal_cuda::Api> Drop for RegionGrant<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
+impl Peer {
     /// Runs `f` on the core and this peer's state, under the engine's
     /// lock.
     pub(super) fn read_peer<T>(
         &self,
-        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+        f: impl FnOnce(&mut Core, &mut PeerState) -> T,
     ) -> Result<T, EngineError> {
-        let mut guard: StateGuard<'_, V, C> = lock_state(&self.engine.shared.state);
+        let mut guard: StateGuard<'_> = lock_state(&self.engine.shared.state);
         Self::on_peer(&mut guard, self.slot, f)
     }
 
@@ -142,18 +142,18 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// is posted before the lock is released.
     pub(super) fn update_peer<T>(
         &self,
-        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+        f: impl FnOnce(&mut Core, &mut PeerState) -> T,
     ) -> Result<T, EngineError> {
-        let mut guard: StateGuard<'_, V, C> = lock_state(&self.engine.shared.state);
+        let mut guard: StateGuard<'_> = lock_state(&self.engine.shared.state);
         let out = Self::on_peer(&mut guard, self.slot, f)?;
         self.engine.post_ready(&mut guard);
         Ok(out)
     }
 
     pub(super) fn on_peer<T>(
-        state: &mut State<V, C>,
+        state: &mut State,
         slot: usize,
-        f: impl FnOnce(&mut Core, &mut PeerState<V, C>) -> T,
+        f: impl FnOnce(&mut Core, &mut PeerState) -> T,
     ) -> Result<T, EngineError> {
         let State { core, peers, .. } = state;
         let peer = peers[slot]
@@ -163,7 +163,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     }
 
     /// The engine this peer belongs to.
-    pub fn engine(&self) -> &Engine<V, C> {
+    pub fn engine(&self) -> &Engine {
         &self.engine
     }
 
@@ -229,7 +229,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     pub(super) fn progress_until<T>(
         &self,
         timeout: Duration,
-        mut ready: impl FnMut(&mut PeerState<V, C>) -> Option<T>,
+        mut ready: impl FnMut(&mut PeerState) -> Option<T>,
     ) -> Result<T, EngineError> {
         self.engine.progress_until(timeout, |state| {
             let Some(p) = state.peers[self.slot].as_mut() else {
@@ -248,11 +248,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// engine and the grant; the peer may use it only on this connection.
     pub fn grant(
         &self,
-        region: &Region<V>,
+        region: &Region,
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<RegionGrant<V, C>, EngineError> {
+    ) -> Result<RegionGrant, EngineError> {
         let (descriptor, grants) = self.make_grant(region, offset, len, rights)?;
         let encoded = descriptor.encode()?;
         let announce = Control::GrantAnnounce {
@@ -300,11 +300,11 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// staging rung (its descriptor says `Staged`).
     pub(super) fn make_grant(
         &self,
-        region: &Region<V>,
+        region: &Region,
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError> {
+    ) -> Result<(MemoryDescriptor, Vec<Grant>), EngineError> {
         region.check(self.engine.shared.id, offset, len)?;
         if rights.allows_write() {
             region.check_writable(ReadOnlyUse::WriteGrant { rights })?;
@@ -365,7 +365,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     }
 
     /// Submits a batch with the engine's default timeout.
-    pub fn submit(&self, transfers: &[Transfer<'_, V>]) -> Result<Batch<V, C>, EngineError> {
+    pub fn submit(&self, transfers: &[Transfer<'_>]) -> Result<Batch, EngineError> {
         self.submit_with_timeout(transfers, self.engine.shared.config.default_timeout)
     }
 
@@ -375,9 +375,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// peer's queue pairs.
     pub fn submit_with_timeout(
         &self,
-        transfers: &[Transfer<'_, V>],
+        transfers: &[Transfer<'_>],
         timeout: Duration,
-    ) -> Result<Batch<V, C>, EngineError> {
+    ) -> Result<Batch, EngineError> {
         if let Some(batch) = self.submit_peer_copy(transfers, timeout)? {
             // A parked engine looks at what it now holds: a path's GPU
             // copies are seen only by polling. (What goes to the NIC needs
@@ -436,8 +436,8 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     fn plan_direct<'t>(
         &self,
         core: &mut Core,
-        peer: &mut PeerState<V, C>,
-        transfers: &'t [Transfer<'t, V>],
+        peer: &mut PeerState,
+        transfers: &'t [Transfer<'t>],
     ) -> Result<Vec<(QpId, batches::Work)>, EngineError> {
         let shared = &self.engine.shared;
         let slice_size = shared.config.slice_size.clamp(1, u64::from(u32::MAX));
@@ -545,7 +545,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// ([`wire::HEADER_LEN`], 8 bytes): 4,088 bytes at the default 4 KiB.
     /// A longer one is refused here with [`EngineError::MessageTooLarge`]
     /// (which names the whole message's length and the peer's bound).
-    pub fn send(&self, message: &[u8]) -> Result<Batch<V, C>, EngineError> {
+    pub fn send(&self, message: &[u8]) -> Result<Batch, EngineError> {
         self.send_control(&Control::User(message))
     }
 
@@ -553,7 +553,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// one of the peer's receives are free (never blocking the caller: the
     /// peer may be this very thread); the batch ends when the peer's NIC
     /// has it, or at the engine's default timeout.
-    pub(super) fn send_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
+    pub(super) fn send_control(&self, message: &Control<'_>) -> Result<Batch, EngineError> {
         let config = &self.engine.shared.config;
         let cell = self.update_peer(|core, peer| {
             let now = config.clock.now();
@@ -617,10 +617,10 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// before the gate opens ends it at once, with nothing posted.
     pub fn submit_after_stream(
         &self,
-        stream: &C::Stream,
-        transfers: &[Transfer<'_, V>],
+        stream: &hal_cuda::dynamic::DynStream,
+        transfers: &[Transfer<'_>],
         timeout: Duration,
-    ) -> Result<Batch<V, C>, EngineError> {
+    ) -> Result<Batch, EngineError> {
         let span = tracing::debug_span!(
             "gate",
             transfers = transfers.len(),
@@ -675,12 +675,12 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// the direct rest as usual.
     pub(super) fn submit_staged(
         &self,
-        transfers: &[Transfer<'_, V>],
+        transfers: &[Transfer<'_>],
         timeout: Duration,
-    ) -> Result<Batch<V, C>, EngineError> {
+    ) -> Result<Batch, EngineError> {
         let engine = &self.engine;
         let shared = &engine.shared;
-        let (carried, direct): (Vec<Transfer<'_, V>>, Vec<Transfer<'_, V>>) =
+        let (carried, direct): (Vec<Transfer<'_>>, Vec<Transfer<'_>>) =
             transfers.iter().partition(|t| staging::staged(t));
         // The pools the staged slices go through, made here (outside the
         // lock, off progress) where missing.
@@ -760,7 +760,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// slot credit, an unknown request). Feature `testing`; not for
     /// applications.
     #[cfg(feature = "testing")]
-    pub fn send_raw_control(&self, message: &Control<'_>) -> Result<Batch<V, C>, EngineError> {
+    pub fn send_raw_control(&self, message: &Control<'_>) -> Result<Batch, EngineError> {
         self.send_control(message)
     }
 
@@ -768,7 +768,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// decode): for tests of the engine's defences against a peer that
     /// breaks the wire format. Feature `testing`; not for applications.
     #[cfg(feature = "testing")]
-    pub fn send_raw_bytes(&self, bytes: &[u8]) -> Result<Batch<V, C>, EngineError> {
+    pub fn send_raw_bytes(&self, bytes: &[u8]) -> Result<Batch, EngineError> {
         let config = &self.engine.shared.config;
         let cell = self.update_peer(|core, peer| {
             let now = config.clock.now();
@@ -814,7 +814,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// before the lock is released.
     pub(super) fn publish_for_peer_copy(
         &self,
-        region: &Region<V>,
+        region: &Region,
         offset: u64,
         descriptor: &MemoryDescriptor,
     ) -> Option<peer_copy::Publication> {
@@ -831,9 +831,9 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
     /// path does first.
     pub(super) fn submit_peer_copy(
         &self,
-        transfers: &[Transfer<'_, V>],
+        transfers: &[Transfer<'_>],
         timeout: Duration,
-    ) -> Result<Option<Batch<V, C>>, EngineError> {
+    ) -> Result<Option<Batch>, EngineError> {
         let engine = &self.engine;
         let res = &engine.shared.res;
         if !res.config.peer_copy || transfers.is_empty() {
@@ -868,7 +868,7 @@ impl<V: Api, C: hal_cuda::Api> Peer<V, C> {
 
 /// The regions `transfers` move, one hold per distinct region in a row (a
 /// batch usually moves one region).
-fn holds<'a, V: Api>(transfers: &'a [Transfer<'a, V>]) -> impl Iterator<Item = Keep> + 'a {
+fn holds<'a>(transfers: &'a [Transfer<'a>]) -> impl Iterator<Item = Keep> + 'a {
     transfers
         .iter()
         .enumerate()
@@ -878,7 +878,7 @@ fn holds<'a, V: Api>(transfers: &'a [Transfer<'a, V>]) -> impl Iterator<Item = K
 
 /// The GPUs `transfers` READ into over the NIC: fenced once the batch
 /// succeeded.
-fn gpu_reads<V: Api>(transfers: &[Transfer<'_, V>]) -> Vec<u32> {
+fn gpu_reads(transfers: &[Transfer<'_>]) -> Vec<u32> {
     let mut fence: Vec<u32> = transfers
         .iter()
         .filter(|t| t.op == Op::Read)

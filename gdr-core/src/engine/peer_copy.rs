@@ -109,8 +109,7 @@ use gdr_proto::peer_copy::{CopyFlight, Exports, Releases, Stop, Windows};
 use super::cuda_worker::Pending;
 use crate::sync::{Mutex, lock};
 
-use hal_cuda::{Context as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
-use hal_verbs::Api;
+use hal_cuda::{Context as _, Driver as _, Event as _, IpcMapping as _, IpcMemHandle, Stream as _};
 
 use super::batches::Keep;
 use super::completion::CompletionCell;
@@ -172,28 +171,20 @@ pub struct PeerCopyStats {
 
 /// What the peer-copy path knows of one peer (in [`PeerCopyPath`], by the
 /// peer's slot: the path owns it, not the peer's state).
-struct PeerLink<C: hal_cuda::Api> {
+#[derive(Default)]
+struct PeerLink {
     /// Where the peer runs, once it said (only if it allows the path).
     remote: Option<Locality>,
     /// The IPC handles of the peer's grants, by grant id.
-    ipc: HashMap<u64, IpcGrant<C>>,
+    ipc: HashMap<u64, IpcGrant>,
 }
 
-impl<C: hal_cuda::Api> Default for PeerLink<C> {
-    fn default() -> Self {
-        Self {
-            remote: None,
-            ipc: HashMap::new(),
-        }
-    }
-}
-
-struct IpcGrant<C: hal_cuda::Api> {
+struct IpcGrant {
     handle: IpcMemHandle,
     /// Where the grant starts in the allocation.
     offset: u64,
     /// The allocation mapped on a local GPU (the last one used).
-    mapping: Option<(u32, Arc<Mapping<C>>)>,
+    mapping: Option<(u32, Arc<Mapping>)>,
 }
 
 /// The route between an engine at `here` and a peer at `there`.
@@ -211,19 +202,19 @@ fn route(here: Option<Locality>, there: Option<Locality>) -> PeerCopyRoute {
 }
 
 /// Another process's allocation mapped on a local GPU; closed on drop.
-struct Mapping<C: hal_cuda::Api> {
-    mapping: C::IpcMapping,
+struct Mapping {
+    mapping: hal_cuda::dynamic::DynIpcMapping,
 }
 
 /// A batch of copies, queued on the GPU a window at a time.
-struct Flight<C: hal_cuda::Api> {
+struct Flight {
     cell: Arc<CompletionCell>,
     proto: CopyFlight,
     plan: Vec<Planned>,
     /// The windows handed to the CUDA worker and not yet seen done,
     /// oldest first: once queued there, the events recorded after each
     /// (one per stream it used) and the error that stopped it, if any.
-    windows: VecDeque<Pending<QueuedWindow<C>>>,
+    windows: VecDeque<Pending<QueuedWindow>>,
     /// Why it failed, when a copy could not be queued or ran wrong.
     error: Option<TransferError>,
     timeout: Duration,
@@ -321,23 +312,23 @@ impl Drop for FenceUse {
 
 /// The peer-copy path: its state (under the engine's lock) and, through
 /// [`TransferPath`], its moves.
-pub(super) struct PeerCopyPath<C: hal_cuda::Api> {
+pub(super) struct PeerCopyPath {
     /// Where this engine runs; `None`: no CUDA driver, or no boot id.
     here: Option<Locality>,
     /// Each local GPU's streams (made by the CUDA worker at the GPU's
     /// first window), and the next one to use.
-    streams: Arc<Mutex<HashMap<u32, Vec<C::Stream>>>>,
+    streams: Arc<Mutex<HashMap<u32, Vec<hal_cuda::dynamic::DynStream>>>>,
     /// The next stream of each GPU a slice goes on.
     next_stream: HashMap<u32, usize>,
     /// Mappings of IPC handles, by (local GPU, handle), shared by grants of
     /// one allocation.
-    mappings: HashMap<(u32, IpcMemHandle), Weak<Mapping<C>>>,
+    mappings: HashMap<(u32, IpcMemHandle), Weak<Mapping>>,
     /// (local GPU, other GPU) pairs peer access was asked for.
     peer_access: HashSet<(u32, u32)>,
-    flights: Vec<Flight<C>>,
+    flights: Vec<Flight>,
     stats: PeerCopyStats,
     /// What the path knows of each peer, by slot.
-    links: HashMap<usize, PeerLink<C>>,
+    links: HashMap<usize, PeerLink>,
     /// Our grants whose IPC handle went to a peer of another process, each
     /// holding its region until the importer released it.
     pub(super) exports: Exports<Keep>,
@@ -346,10 +337,10 @@ pub(super) struct PeerCopyPath<C: hal_cuda::Api> {
     releases: Releases,
 }
 
-impl<C: hal_cuda::Api> PeerCopyPath<C> {
+impl PeerCopyPath {
     /// The state of an engine over CUDA driver `cuda` (none: host memory
     /// only, never a peer copy).
-    pub(super) fn new<D: hal_cuda::Driver<C>>(cuda: Option<&D>) -> Self {
+    pub(super) fn new(cuda: Option<&hal_cuda::dynamic::DynDriver>) -> Self {
         Self {
             here: cuda.and_then(|d| {
                 Some(Locality {
@@ -428,7 +419,7 @@ struct Held {
     grants: Vec<GrantUse>,
 }
 
-impl<C: hal_cuda::Api> PeerCopyPath<C> {
+impl PeerCopyPath {
     /// How the peer in `slot`'s transfers of GPU memory travel, as far as
     /// the path knows (the engine adds the setting and whether the peer is
     /// gone).
@@ -438,7 +429,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
 
     /// [`PeerCopyPath::route`] to the peer in `slot` as the wire sees it:
     /// the NIC when the path is off here or the peer is closed or gone.
-    fn route_to<V: Api>(&self, cx: &PathCx<'_, V, C>, slot: usize) -> PeerCopyRoute {
+    fn route_to(&self, cx: &PathCx<'_>, slot: usize) -> PeerCopyRoute {
         match cx.wire.peer(slot) {
             Some(peer) if cx.res.config.peer_copy && peer.gone.is_none() => self.route(slot),
             _ => PeerCopyRoute::Nic,
@@ -467,11 +458,11 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
     /// its IPC handle sent to a peer of another process of this host
     /// (before the announcement). Anything else, or any failure (VMM
     /// memory has no IPC handle), leaves the grant to the NIC path.
-    pub(super) fn publish<V: Api>(
+    pub(super) fn publish(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
-        region: &Region<V>,
+        region: &Region,
         offset: u64,
         descriptor: &MemoryDescriptor,
         owner: Weak<super::reactor::Reactor>,
@@ -547,12 +538,12 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
     /// path takes the batch). With `held` (posting), the batch takes what
     /// it copies under; without (asking whether the path carries it),
     /// nothing is taken beyond the cached IPC mapping.
-    fn resolve<V: Api>(
+    fn resolve(
         &mut self,
-        res: &Resources<V, C>,
+        res: &Resources,
         slot: usize,
         route: PeerCopyRoute,
-        t: &Transfer<'_, V>,
+        t: &Transfer<'_>,
         held: Option<&mut Held>,
     ) -> Result<Option<(u32, u64)>, EngineError> {
         let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
@@ -584,10 +575,10 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
     /// peer engine of this process); `None`: not published to us. With
     /// `held`, the owner's region and a use of the grant's fence go there
     /// and peer access is enabled.
-    fn published_remote<V: Api>(
+    fn published_remote(
         &mut self,
-        res: &Resources<V, C>,
-        t: &Transfer<'_, V>,
+        res: &Resources,
+        t: &Transfer<'_>,
         ordinal: u32,
         held: Option<&mut Held>,
     ) -> Result<Option<u64>, EngineError> {
@@ -635,7 +626,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
     }
 
     /// Lets GPU `local`'s copies reach GPU `other` directly, once per pair.
-    fn enable_peer_access<V: Api>(&mut self, res: &Resources<V, C>, local: u32, other: u32) {
+    fn enable_peer_access(&mut self, res: &Resources, local: u32, other: u32) {
         if local == other || !self.peer_access.insert((local, other)) {
             return;
         }
@@ -656,11 +647,11 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
     /// handle, mapped on GPU `ordinal` (cached), the mapping held in
     /// `keep` when given; `None`: no handle for the grant, or it does not
     /// open.
-    fn mapped_remote<V: Api>(
+    fn mapped_remote(
         &mut self,
-        res: &Resources<V, C>,
+        res: &Resources,
         slot: usize,
-        t: &Transfer<'_, V>,
+        t: &Transfer<'_>,
         ordinal: u32,
         keep: Option<&mut Vec<Keep>>,
     ) -> Result<Option<u64>, EngineError> {
@@ -709,12 +700,12 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
 
     /// The mapping of `handle` on GPU `ordinal`: the cached one while any
     /// grant or copy holds it, else newly opened.
-    fn open_mapping<V: Api>(
+    fn open_mapping(
         &mut self,
-        res: &Resources<V, C>,
+        res: &Resources,
         ordinal: u32,
         handle: &IpcMemHandle,
-    ) -> Result<Arc<Mapping<C>>, EngineError> {
+    ) -> Result<Arc<Mapping>, EngineError> {
         if let Some(mapping) = self
             .mappings
             .get(&(ordinal, *handle))
@@ -735,7 +726,7 @@ impl<C: hal_cuda::Api> PeerCopyPath<C> {
     /// Hands the windows `flight` may have on the GPU now to the CUDA
     /// worker: each window's slices over the local GPUs' streams
     /// (round-robin), then an event on each stream it used.
-    fn queue_windows<V: Api>(&mut self, res: &Resources<V, C>, flight: &mut Flight<C>) {
+    fn queue_windows(&mut self, res: &Resources, flight: &mut Flight) {
         while let Some(window) = flight.proto.poll_window() {
             let mut copies = Vec::with_capacity(window.len());
             for slice in &window {
@@ -778,19 +769,19 @@ struct WindowCopy {
 /// A window as the CUDA worker queued it: the events recorded after its
 /// copies (one per stream used; empty where the streams were synchronized
 /// instead) and the error that stopped it, if any.
-struct QueuedWindow<C: hal_cuda::Api> {
-    events: Vec<PooledEvent<C>>,
+struct QueuedWindow {
+    events: Vec<PooledEvent>,
     error: Option<TransferError>,
 }
 
 /// Queues one window's copies (on the CUDA worker) and records an event
 /// on each stream they used; a copy that cannot be queued stops the
 /// window (what was queued still drains).
-fn queue_window<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    streams: &Mutex<HashMap<u32, Vec<C::Stream>>>,
+fn queue_window(
+    res: &Resources,
+    streams: &Mutex<HashMap<u32, Vec<hal_cuda::dynamic::DynStream>>>,
     copies: &[WindowCopy],
-) -> QueuedWindow<C> {
+) -> QueuedWindow {
     use std::collections::hash_map::Entry;
     let mut streams = lock(streams);
     let mut used: Vec<(u32, usize)> = Vec::new();
@@ -857,7 +848,7 @@ fn queue_window<V: Api, C: hal_cuda::Api>(
     QueuedWindow { events, error }
 }
 
-impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
+impl TransferPath for PeerCopyPath {
     /// Every transfer has GPU memory on this side and a grant of GPU
     /// memory the path reaches on the other: published to us (a peer of
     /// this process) or whose IPC handle the peer sent and that opens here
@@ -865,12 +856,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
     /// the path would refuse (a revoked grant, a range outside the
     /// exported allocation) ends the question: [`TransferPath::post`]
     /// refuses the batch.
-    fn carries(
-        &mut self,
-        res: &Resources<V, C>,
-        slot: usize,
-        transfers: &[Transfer<'_, V>],
-    ) -> bool {
+    fn carries(&mut self, res: &Resources, slot: usize, transfers: &[Transfer<'_>]) -> bool {
         if !res.config.peer_copy || transfers.is_empty() {
             return false;
         }
@@ -893,9 +879,9 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
     /// The engine checked the transfers against the peer's grants first.
     fn post(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
-        transfers: &[Transfer<'_, V>],
+        transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
         let route = self.route(slot);
@@ -951,7 +937,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
     /// drops the IPC handles of peers that are gone; takes the importers'
     /// releases of our exported grants and gives up on those past their
     /// bound; sends the releases we owe. Returns how many batches ended.
-    fn progress(&mut self, cx: &mut PathCx<'_, V, C>) -> usize {
+    fn progress(&mut self, cx: &mut PathCx<'_>) -> usize {
         let now = cx.now;
         // A gone peer's handles go (their mappings once no copy uses them);
         // so does everything of a peer whose state is gone.
@@ -1079,7 +1065,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
     /// more, and the peer misbehaves.
     fn on_control<'m>(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
@@ -1147,7 +1133,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for PeerCopyPath<C> {
     /// window; the mappings close once no copy uses them) and the releases
     /// owed to it (it can take none); [`TransferPath::progress`] does the
     /// same for every peer it finds gone.
-    fn release_peer(&mut self, cx: &mut PathCx<'_, V, C>, slot: usize) {
+    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize) {
         match cx.wire.peer(slot) {
             None => {
                 self.links.remove(&slot);

@@ -34,7 +34,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hal_cuda::{Context as _, Event as _, Stream as _};
-use hal_verbs::Api;
 
 use std::collections::HashMap;
 
@@ -49,33 +48,33 @@ use crate::descriptor::MemoryDescriptor;
 use gdr_proto::pipeline::{PipeAction, PipeFailure, Slice};
 
 /// The pinned bounce slots of one GPU, registered on every NIC.
-pub(super) struct StagingPool<V: Api, C: hal_cuda::Api> {
+pub(super) struct StagingPool {
     pub gpu: u32,
     pub slot_size: u64,
     /// Free slot indices, lowest first out.
     pub free: Vec<usize>,
-    pub region: Region<V>,
-    pub to_host: Arc<C::Stream>,
-    pub to_device: Arc<C::Stream>,
-    _buffer: Buffer<C>,
+    pub region: Region,
+    pub to_host: Arc<hal_cuda::dynamic::DynStream>,
+    pub to_device: Arc<hal_cuda::dynamic::DynStream>,
+    _buffer: Buffer,
 }
 
-impl<V: Api, C: hal_cuda::Api> StagingPool<V, C> {
+impl StagingPool {
     pub fn slot_addr(&self, slot: usize) -> u64 {
         self.region.inner.addr + slot as u64 * self.slot_size
     }
 }
 
 /// Where one slice is.
-enum Stage<C: hal_cuda::Api> {
+enum Stage {
     /// Its copy (device→host for a WRITE, host→device for a READ) runs.
-    Copying(PendingCopy<C>),
+    Copying(PendingCopy),
     /// Its RDMA request is with the engine's core.
     OnWire(Arc<CompletionCell>),
 }
 
 /// One staged transfer going through its GPU's pool.
-pub(super) struct Pipe<V: Api, C: hal_cuda::Api> {
+pub(super) struct Pipe {
     peer: usize,
     op: Op,
     gpu: u32,
@@ -86,7 +85,7 @@ pub(super) struct Pipe<V: Api, C: hal_cuda::Api> {
     /// The protocol: which slice starts, what each does next, the end.
     proto: gdr_proto::pipeline::Pipe,
     /// The copies and wire ops under way, by slice.
-    running: Vec<(Slice, Stage<C>)>,
+    running: Vec<(Slice, Stage)>,
     /// Why it failed, in the engine's terms (the first failure).
     error: Option<TransferError>,
     deadline: Instant,
@@ -94,10 +93,10 @@ pub(super) struct Pipe<V: Api, C: hal_cuda::Api> {
     cell: Arc<CompletionCell>,
     /// The staged region (its memory stays while the pipe runs, and while
     /// a copy of it waits on the CUDA worker).
-    region: Region<V>,
+    region: Region,
 }
 
-impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
+impl Pipe {
     /// A pipe for `len` bytes at `offset` of staged `region` (on GPU
     /// `gpu`) against `remote` at `remote_offset`, for the peer in slot
     /// `peer`; its outcome goes to the returned cell.
@@ -106,7 +105,7 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
         peer: usize,
         op: Op,
         gpu: u32,
-        region: &Region<V>,
+        region: &Region,
         offset: u64,
         len: u64,
         remote: &MemoryDescriptor,
@@ -164,10 +163,7 @@ impl<V: Api, C: hal_cuda::Api> Pipe<V, C> {
 /// Cancels the pipes whose outcome goes to one of `cells`: no new slice
 /// starts; each ends [`TransferError::Cancelled`] once its slices in
 /// flight have drained.
-pub(super) fn cancel<V: Api, C: hal_cuda::Api>(
-    pipes: &mut [Pipe<V, C>],
-    cells: &[Arc<CompletionCell>],
-) {
+pub(super) fn cancel(pipes: &mut [Pipe], cells: &[Arc<CompletionCell>]) {
     for pipe in pipes.iter_mut() {
         if cells.iter().any(|c| pipe.ends(c)) {
             pipe.proto.fail(PipeFailure::Cancelled);
@@ -178,11 +174,11 @@ pub(super) fn cancel<V: Api, C: hal_cuda::Api>(
 /// The pool of GPU `gpu`: made beforehand by the submit, outside the
 /// engine's lock and off progress ([`make_pool`]), or here, at its first
 /// use, where a caller did not.
-pub(super) fn pool<'p, V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    pools: &'p mut HashMap<u32, StagingPool<V, C>>,
+pub(super) fn pool<'p>(
+    res: &Resources,
+    pools: &'p mut HashMap<u32, StagingPool>,
     gpu: u32,
-) -> Result<&'p mut StagingPool<V, C>, EngineError> {
+) -> Result<&'p mut StagingPool, EngineError> {
     use std::collections::hash_map::Entry;
     match pools.entry(gpu) {
         Entry::Occupied(pool) => Ok(pool.into_mut()),
@@ -193,10 +189,7 @@ pub(super) fn pool<'p, V: Api, C: hal_cuda::Api>(
 /// Makes GPU `gpu`'s pool: allocated, pinned, registered on every NIC,
 /// with its two streams. Driver calls that block while a free waits for a
 /// held stream: made by the submitting thread, outside the engine's lock.
-pub(super) fn make_pool<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    gpu: u32,
-) -> Result<StagingPool<V, C>, EngineError> {
+pub(super) fn make_pool(res: &Resources, gpu: u32) -> Result<StagingPool, EngineError> {
     let config = &res.config;
     let slot_size = config.staging_slice.max(4096);
     let slots = config.staging_slots.max(1);
@@ -221,10 +214,10 @@ pub(super) fn make_pool<V: Api, C: hal_cuda::Api>(
 /// new slices start while slots are free, and pipes with nothing left
 /// deliver their outcome.
 /// Returns how many slices moved on (a driver counts it as work).
-pub(super) fn pump<V: Api, C: hal_cuda::Api>(
-    cx: &mut PathCx<'_, V, C>,
-    pipes: &mut Vec<Pipe<V, C>>,
-    pools: &mut HashMap<u32, StagingPool<V, C>>,
+pub(super) fn pump(
+    cx: &mut PathCx<'_>,
+    pipes: &mut Vec<Pipe>,
+    pools: &mut HashMap<u32, StagingPool>,
 ) -> usize {
     if pipes.is_empty() {
         return 0;
@@ -297,7 +290,7 @@ pub(super) fn pump<V: Api, C: hal_cuda::Api>(
 
 /// Reports the copies and wire ops of `pipe` that ended to its protocol;
 /// returns how many.
-fn advance<V: Api, C: hal_cuda::Api>(pipe: &mut Pipe<V, C>) -> usize {
+fn advance(pipe: &mut Pipe) -> usize {
     let mut ended = Vec::new();
     pipe.running.retain(|(slice, stage)| {
         let end = match stage {
@@ -332,11 +325,7 @@ fn advance<V: Api, C: hal_cuda::Api>(pipe: &mut Pipe<V, C>) -> usize {
 
 /// Carries out what `pipe`'s protocol asks: copies, wire ops, slots
 /// freed. A step that cannot start is reported failed at once.
-fn carry_out<V: Api, C: hal_cuda::Api>(
-    cx: &mut PathCx<'_, V, C>,
-    pool: &mut StagingPool<V, C>,
-    pipe: &mut Pipe<V, C>,
-) {
+fn carry_out(cx: &mut PathCx<'_>, pool: &mut StagingPool, pipe: &mut Pipe) {
     while let Some(action) = pipe.proto.poll_action() {
         let (slice, started, copy) = match action {
             PipeAction::Free { slot } => {
@@ -388,13 +377,13 @@ fn carry_out<V: Api, C: hal_cuda::Api>(
 /// landed), else device→host (a WRITE's, before the wire). The job holds
 /// the pipe's region and the pool's until the copy is queued; their frees
 /// wait for it from then on.
-fn copy_slice<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    pool: &StagingPool<V, C>,
-    pipe: &Pipe<V, C>,
+fn copy_slice(
+    res: &Resources,
+    pool: &StagingPool,
+    pipe: &Pipe,
     s: Slice,
     to_gpu: bool,
-) -> Result<Stage<C>, Option<TransferError>> {
+) -> Result<Stage, Option<TransferError>> {
     let (host, gpu, len) = (
         pool.slot_addr(s.slot),
         pipe.gpu_addr + s.offset,
@@ -432,9 +421,9 @@ pub(super) const TO_GPU: &str = "staging copy to the GPU";
 
 /// A copy handed to the CUDA worker ([`super::cuda_worker`]): queued on
 /// its stream there, with an event recorded after it.
-pub(super) struct PendingCopy<C: hal_cuda::Api>(Pending<Result<PooledEvent<C>, TransferError>>);
+pub(super) struct PendingCopy(Pending<Result<PooledEvent, TransferError>>);
 
-impl<C: hal_cuda::Api> PendingCopy<C> {
+impl PendingCopy {
     /// Whether the copy has run on the GPU (never blocks): `false` while
     /// the worker has not queued it or its event has not passed; the
     /// failure of either.
@@ -455,14 +444,14 @@ impl<C: hal_cuda::Api> PendingCopy<C> {
 /// behind them (the regions) until the copy is queued, after which frees
 /// wait for it; the caller keeps the ranges for the copy's use until it
 /// is complete (or failed).
-pub(super) fn copy_event<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
+pub(super) fn copy_event(
+    res: &Resources,
     gpu: u32,
-    stream: &Arc<C::Stream>,
+    stream: &Arc<hal_cuda::dynamic::DynStream>,
     what: &'static str,
     keep: impl Send + 'static,
-    copy: impl FnOnce(&C::Stream) -> Result<(), hal_cuda::CudaError> + Send + 'static,
-) -> Result<PendingCopy<C>, TransferError> {
+    copy: impl FnOnce(&hal_cuda::dynamic::DynStream) -> Result<(), hal_cuda::CudaError> + Send + 'static,
+) -> Result<PendingCopy, TransferError> {
     res.gpu(gpu)
         .map_err(|e| TransferError::from_engine(what, e))?;
     let stream = Arc::clone(stream);

@@ -13,8 +13,6 @@
 use std::fmt;
 use std::sync::Arc;
 
-use hal_verbs::Api;
-
 use crate::buffer::{Access, Buffer, Piece};
 use crate::descriptor::{GrantRights, MemoryLocation, Segment};
 use crate::ladder::{Grant, Ladder, LadderError, LadderRegistration, Rung};
@@ -24,11 +22,11 @@ use super::{EngineError, ReadOnlyUse, check_within};
 /// A registered buffer: its registration on each of the engine's NICs.
 /// Cloning shares it; the MRs (and the memory) stay while any clone, grant
 /// or request in flight holds it.
-pub struct Region<V: Api> {
-    pub(super) inner: Arc<RegionInner<V>>,
+pub struct Region {
+    pub(super) inner: Arc<RegionInner>,
 }
 
-pub(super) struct RegionInner<V: Api> {
+pub(super) struct RegionInner {
     /// The engine that registered it: its MRs are in that engine's
     /// protection domains, so no other engine may post or grant them.
     pub(super) engine: u64,
@@ -37,16 +35,16 @@ pub(super) struct RegionInner<V: Api> {
     pub(super) location: MemoryLocation,
     /// Read-only memory: never granted with write rights, never READ into.
     pub(super) access: Access,
-    pub(super) per_nic: Vec<NicPieces<V>>,
+    pub(super) per_nic: Vec<NicPieces>,
 }
 
 /// A region's registrations on one NIC: one piece, or one per physical
 /// chunk of CUDA VMM memory, tiling the region in address order.
-pub(super) struct NicPieces<V: Api> {
-    pieces: Vec<Piece<V>>,
+pub(super) struct NicPieces {
+    pieces: Vec<Piece>,
 }
 
-impl<V: Api> NicPieces<V> {
+impl NicPieces {
     /// The rung the region takes on this NIC: staging when any piece is
     /// staged (the staging path moves the whole region), else the first
     /// piece's.
@@ -64,7 +62,7 @@ impl<V: Api> NicPieces<V> {
 
     /// The MR covering the whole region, when one registration does (host
     /// memory always: the engine's own buffers rely on it).
-    pub(super) fn mr(&self) -> Option<&V::MemoryRegion> {
+    pub(super) fn mr(&self) -> Option<&hal_verbs::dynamic::DynMemoryRegion> {
         match self.pieces.as_slice() {
             [one] => one.registration.mr(),
             _ => None,
@@ -73,7 +71,7 @@ impl<V: Api> NicPieces<V> {
 
     /// The registration holding byte `offset` of the region, and how many
     /// bytes of the region from `offset` it holds.
-    pub(super) fn at(&self, offset: u64, region_len: u64) -> (&LadderRegistration<V>, u64) {
+    pub(super) fn at(&self, offset: u64, region_len: u64) -> (&LadderRegistration, u64) {
         // One piece: no search (the common case, on every slice).
         let index = match self.pieces.len() {
             1 => 0,
@@ -86,14 +84,14 @@ impl<V: Api> NicPieces<V> {
     /// Grants `len` bytes at `offset` of the region on `ladder` with
     /// `rights`: one grant per piece the range covers, and its descriptor
     /// segment (offsets from `offset`).
-    pub(super) fn grant<C: hal_cuda::Api>(
+    pub(super) fn grant(
         &self,
-        ladder: &Ladder<V, C>,
+        ladder: &Ladder,
         offset: u64,
         len: u64,
         rights: GrantRights,
         segments: &mut Vec<Segment>,
-        grants: &mut Vec<Grant<V>>,
+        grants: &mut Vec<Grant>,
     ) -> Result<(), LadderError> {
         let end = offset + len;
         for (i, piece) in self.pieces.iter().enumerate() {
@@ -115,7 +113,7 @@ impl<V: Api> NicPieces<V> {
     }
 }
 
-impl<V: Api> Clone for Region<V> {
+impl Clone for Region {
     fn clone(&self) -> Self {
         Self {
             inner: Arc::clone(&self.inner),
@@ -123,7 +121,7 @@ impl<V: Api> Clone for Region<V> {
     }
 }
 
-impl<V: Api> fmt::Debug for Region<V> {
+impl fmt::Debug for Region {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Region")
             .field("addr", &format_args!("{:#x}", self.inner.addr))
@@ -139,14 +137,14 @@ impl<V: Api> fmt::Debug for Region<V> {
     }
 }
 
-impl<V: Api> Region<V> {
+impl Region {
     /// Registers `len` bytes at `offset` of `buffer` on each of `ladders`.
-    pub(super) fn register<'l, C: hal_cuda::Api + 'l>(
+    pub(super) fn register<'l>(
         engine: u64,
-        buffer: &Buffer<C>,
+        buffer: &Buffer,
         offset: u64,
         len: u64,
-        ladders: impl Iterator<Item = &'l Ladder<V, C>>,
+        ladders: impl Iterator<Item = &'l Ladder>,
     ) -> Result<Self, EngineError> {
         let per_nic = ladders
             .map(|ladder| {
@@ -228,7 +226,7 @@ impl<V: Api> Region<V> {
     /// several pieces, the first piece's. Feature `testing`: the HAL's MR
     /// handles are not for applications.
     #[cfg(feature = "testing")]
-    pub fn registration(&self, nic: usize) -> Option<&LadderRegistration<V>> {
+    pub fn registration(&self, nic: usize) -> Option<&LadderRegistration> {
         self.inner
             .per_nic
             .get(nic)
@@ -239,7 +237,7 @@ impl<V: Api> Region<V> {
     /// VMM memory the region covers (one for other memory), in address
     /// order, each with its offset in the region. Feature `testing`.
     #[cfg(feature = "testing")]
-    pub fn pieces(&self, nic: usize) -> Option<&[Piece<V>]> {
+    pub fn pieces(&self, nic: usize) -> Option<&[Piece]> {
         self.inner.per_nic.get(nic).map(|n| n.pieces.as_slice())
     }
 

@@ -75,7 +75,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hal_cuda::{Context as _, Stream as _};
-use hal_verbs::Api;
 
 use super::completion::CompletionCell;
 use super::cuda_worker::Pending;
@@ -141,9 +140,9 @@ enum ToAsker {
 /// owner's side) or `asks` (the requester's): `Err` gives it back when it
 /// is none of this module's (a request not through landing slots, which
 /// the staged path refuses, among others).
-pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
-    landing: &mut Landing<V, C>,
-    asks: &mut Asks<V, C>,
+pub(super) fn receive<'a>(
+    landing: &mut Landing,
+    asks: &mut Asks,
     message: Control<'a>,
 ) -> Result<(), Control<'a>> {
     let owner = &mut landing.inbox;
@@ -204,7 +203,7 @@ pub(super) fn receive<'a, V: Api, C: hal_cuda::Api>(
 /// each landing slot serves, credits, revokes, bounds and deadlines) and
 /// what carries it out here: the slots' memory, registration and grant
 /// (made at the peer's first request) and the copies running.
-pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
+pub(super) struct Landing {
     inbox: VecDeque<ToOwner>,
     owner: Owner,
     /// Landings of this peer handed to the CUDA worker when it went (see
@@ -218,11 +217,11 @@ pub(super) struct Landing<V: Api, C: hal_cuda::Api> {
     making: bool,
     /// Field order is drop order: the copies' events, then the slots
     /// (whose drop waits for their streams).
-    copies: HashMap<CopyId, PendingCopy<C>>,
-    slots: Option<Slots<V, C>>,
+    copies: HashMap<CopyId, PendingCopy>,
+    slots: Option<Slots>,
 }
 
-impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
+impl Landing {
     /// The peer's requests served through the landing slots now, and the
     /// copies in or out of them running.
     pub fn load(&self) -> (usize, usize) {
@@ -285,25 +284,25 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
 
 /// A GPU's (device→host, host→device) streams, shared with the copies
 /// handed to the CUDA worker.
-type StreamPair<C> = (
-    Arc<<C as hal_cuda::Api>::Stream>,
-    Arc<<C as hal_cuda::Api>::Stream>,
+type StreamPair = (
+    Arc<hal_cuda::dynamic::DynStream>,
+    Arc<hal_cuda::dynamic::DynStream>,
 );
 
 /// Pinned host slots registered once and granted to one peer. Field order
 /// is drop order: the copies are waited for, the grant's MRs go, then the
 /// registration, then the memory.
-struct Slots<V: Api, C: hal_cuda::Api> {
+struct Slots {
     /// Per GPU: (device→host, host→device) streams.
-    streams: HashMap<u32, StreamPair<C>>,
+    streams: HashMap<u32, StreamPair>,
     slot_len: u64,
     count: u32,
-    _grants: Vec<Grant<V>>,
-    _region: Region<V>,
-    buffer: Buffer<C>,
+    _grants: Vec<Grant>,
+    _region: Region,
+    buffer: Buffer,
 }
 
-impl<V: Api, C: hal_cuda::Api> Drop for Slots<V, C> {
+impl Drop for Slots {
     fn drop(&mut self) {
         // Copies into or out of the slots may still run: wait for them
         // before the memory goes (errors change nothing then).
@@ -314,14 +313,14 @@ impl<V: Api, C: hal_cuda::Api> Drop for Slots<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Slots<V, C> {
+impl Slots {
     fn slot_addr(&self, slot: u32) -> u64 {
         self.buffer.addr() + u64::from(slot) * self.slot_len
     }
 }
 
 /// Where a staged grant's bytes are, for the protocol.
-fn placement<V: Api>(served: &staging::Served<V>) -> Option<Placement> {
+fn placement(served: &staging::Served) -> Option<Placement> {
     match served.region.location() {
         MemoryLocation::Gpu { ordinal } => Some(Placement {
             gpu: u32::from(ordinal),
@@ -336,22 +335,22 @@ fn placement<V: Api>(served: &staging::Served<V>) -> Option<Placement> {
 /// This side's requests through one peer's landing slots: the protocol
 /// ([`Requester`]: which slices may move, what the owner is told, how each
 /// request ends) and what the driver holds of each request.
-pub(super) struct Asks<V: Api, C: hal_cuda::Api> {
+pub(super) struct Asks {
     inbox: VecDeque<ToAsker>,
     proto: Requester,
     /// The peer's landing slots lent to this side (their grant).
     slots: Option<PeerSlots>,
-    asking: HashMap<u64, Asking<V, C>>,
+    asking: HashMap<u64, Asking>,
 }
 
-impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
+impl Asks {
     /// This side's requests through the peer's landing slots now.
     pub fn asked(&self) -> usize {
         self.asking.len()
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Default for Asks<V, C> {
+impl Default for Asks {
     fn default() -> Self {
         Self {
             inbox: VecDeque::new(),
@@ -362,7 +361,7 @@ impl<V: Api, C: hal_cuda::Api> Default for Asks<V, C> {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
+impl Asks {
     /// Whether a request through the peer's landing slots runs (its
     /// staged side copies through a pool, seen by polling).
     pub fn asking(&self) -> bool {
@@ -378,18 +377,18 @@ struct PeerSlots {
 
 /// What the driver holds of one of this side's requests through the
 /// peer's slots.
-struct Asking<V: Api, C: hal_cuda::Api> {
+struct Asking {
     write: bool,
     cell: Arc<CompletionCell>,
     deadline: Instant,
     timeout: Duration,
-    local: Region<V>,
+    local: Region,
     /// Address of the local range's first byte.
     local_addr: u64,
     /// The local range is staged: its side of each slice goes through
     /// this GPU's pool.
     staged_gpu: Option<u32>,
-    slices: Vec<AskSlice<C>>,
+    slices: Vec<AskSlice>,
     /// Why a slice failed here (the protocol knows only that one did).
     error: Option<TransferError>,
 }
@@ -406,7 +405,7 @@ struct SliceEvents {
 
 /// A slice the owner lent a slot for. Through this side's pool it moves in
 /// chunks of at most a pool slot.
-struct AskSlice<C: hal_cuda::Api> {
+struct AskSlice {
     slot: u32,
     offset: u64,
     len: u64,
@@ -414,20 +413,20 @@ struct AskSlice<C: hal_cuda::Api> {
     pos: u64,
     chunk: u64,
     pool_slot: Option<usize>,
-    stage: AskStage<C>,
+    stage: AskStage,
 }
 
-enum AskStage<C: hal_cuda::Api> {
+enum AskStage {
     /// The next chunk waits for a pool slot (or to be posted).
     Waiting,
     /// Device→host into the pool slot (a WRITE through the pool).
-    CopyOut(PendingCopy<C>),
+    CopyOut(PendingCopy),
     Wire(Arc<CompletionCell>),
     /// Pool slot → device (a READ through the pool).
-    CopyIn(PendingCopy<C>),
+    CopyIn(PendingCopy),
 }
 
-impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
+impl Landing {
     /// Grant `grant` to the peer was revoked: every request served under
     /// it fails now (no slot is lent for it, no copy of it starts); the
     /// copies already running end on their own, and the grant's use ends
@@ -446,7 +445,7 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
     /// Installs the slots made for the peer: the announcement to send, or
     /// `None` when the peer has slots already (these go; the claim in
     /// [`Landing::claim_slots`] keeps a second set from being made).
-    pub fn install(&mut self, made: LandingSlots<V, C>) -> Option<SlotsAnnounce> {
+    pub fn install(&mut self, made: LandingSlots) -> Option<SlotsAnnounce> {
         self.making = false;
         if self.slots.is_some() {
             return None;
@@ -465,8 +464,8 @@ impl<V: Api, C: hal_cuda::Api> Landing<V, C> {
 
 /// Landing slots made for one peer (outside the engine's lock) and their
 /// announcement, to install ([`Landing::install`]).
-pub(crate) struct LandingSlots<V: Api, C: hal_cuda::Api> {
-    slots: Slots<V, C>,
+pub(crate) struct LandingSlots {
+    slots: Slots,
     announce: SlotsAnnounce,
 }
 
@@ -474,12 +473,12 @@ pub(crate) struct LandingSlots<V: Api, C: hal_cuda::Api> {
 /// (pinned with GPU `gpu`'s context) and grants them with `grant` (to
 /// that peer only: the engine's grant of `len` bytes of the region, read
 /// and write). Runs outside the engine's lock.
-pub(super) fn make_slots<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
+pub(super) fn make_slots(
+    res: &Resources,
     peer: usize,
     gpu: Option<u32>,
-    grant: impl FnOnce(&Region<V>, u64) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError>,
-) -> Result<LandingSlots<V, C>, EngineError> {
+    grant: impl FnOnce(&Region, u64) -> Result<(MemoryDescriptor, Vec<Grant>), EngineError>,
+) -> Result<LandingSlots, EngineError> {
     let config = &res.config;
     let slot_len = config
         .staging_slice
@@ -522,7 +521,7 @@ pub(super) fn make_slots<V: Api, C: hal_cuda::Api>(
     })
 }
 
-impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
+impl Asks {
     /// Cancels this side's requests whose outcome goes to one of `cells`:
     /// no new slice starts; each ends [`TransferError::Cancelled`] once its
     /// slices in flight have drained, and the owner is told to take its
@@ -557,9 +556,9 @@ impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
     /// cell ends with the request.
     pub fn ask(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         peer: usize,
-        t: &Transfer<'_, V>,
+        t: &Transfer<'_>,
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
         let staged_gpu = staged_gpu(t)?;
@@ -591,7 +590,7 @@ impl<V: Api, C: hal_cuda::Api> Asks<V, C> {
 
 /// The GPU whose pool carries this side of `t`'s slices: `None` when its
 /// local memory is not staged; refused for staged host memory.
-pub(super) fn staged_gpu<V: Api>(t: &Transfer<'_, V>) -> Result<Option<u32>, EngineError> {
+pub(super) fn staged_gpu(t: &Transfer<'_>) -> Result<Option<u32>, EngineError> {
     match (t.local.is_staged(), t.local.location()) {
         (false, _) => Ok(None),
         (true, MemoryLocation::Gpu { ordinal }) => Ok(Some(u32::from(ordinal))),
@@ -605,11 +604,11 @@ pub(super) fn staged_gpu<V: Api>(t: &Transfer<'_, V>) -> Result<Option<u32>, Eng
 /// peer's messages in, copies that ended, deadlines, then what the
 /// protocol decides (messages out, copies started). `served`: this side's
 /// grants to the peer of staging-rung regions.
-pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
-    cx: &mut PathCx<'_, V, C>,
+pub(super) fn pump_landing(
+    cx: &mut PathCx<'_>,
     slot: usize,
-    landing: &mut Landing<V, C>,
-    served: &mut LocalGrants<staging::Served<V>>,
+    landing: &mut Landing,
+    served: &mut LocalGrants<staging::Served>,
 ) -> usize {
     if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
         // Its slots go with it, on the CUDA worker once the copies queued
@@ -758,15 +757,15 @@ pub(super) fn pump_landing<V: Api, C: hal_cuda::Api>(
 /// Starts copy `len` bytes between landing slot `slot` and device
 /// address `gpu_addr` of GPU `gpu` (into the GPU when `to_gpu`), as
 /// the owner's protocol decided: handed to the CUDA worker.
-fn start_landing_copy<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
-    slots: Option<&mut Slots<V, C>>,
+fn start_landing_copy(
+    res: &Resources,
+    slots: Option<&mut Slots>,
     slot: u32,
     to_gpu: bool,
     gpu: u32,
     gpu_addr: u64,
     len: u64,
-) -> Result<PendingCopy<C>, TransferError> {
+) -> Result<PendingCopy, TransferError> {
     let slots = slots.ok_or(TransferError::Internal {
         what: "a landing copy before the slots were made",
     })?;
@@ -808,11 +807,11 @@ fn start_landing_copy<V: Api, C: hal_cuda::Api>(
 /// `slot` one step: the owner's messages in, the slices moved as far as
 /// they go, then what the protocol decides (messages out, requests that
 /// ended). Slices of staged local memory go through `pools`.
-pub(super) fn pump_asks<V: Api, C: hal_cuda::Api>(
-    cx: &mut PathCx<'_, V, C>,
+pub(super) fn pump_asks(
+    cx: &mut PathCx<'_>,
     slot: usize,
-    asks: &mut Asks<V, C>,
-    pools: &mut HashMap<u32, StagingPool<V, C>>,
+    asks: &mut Asks,
+    pools: &mut HashMap<u32, StagingPool>,
 ) -> usize {
     let now = cx.now;
     let (engine, gone) = match cx.wire.peer(slot) {
@@ -893,8 +892,8 @@ pub(super) fn pump_asks<V: Api, C: hal_cuda::Api>(
 /// Carries out what the requester's protocol decided: slices to move
 /// (handed to their request), messages for the owner (into `send`),
 /// requests that ended (their batch completed once).
-fn take_ask_actions<V: Api, C: hal_cuda::Api>(
-    asks: &mut Asks<V, C>,
+fn take_ask_actions(
+    asks: &mut Asks,
     gone: &Option<PeerGone>,
     send: &mut Vec<Control<'static>>,
 ) -> usize {
@@ -960,13 +959,13 @@ fn take_ask_actions<V: Api, C: hal_cuda::Api>(
 /// Moves each slice of request `a` (`id`) as far as it can go now, with
 /// at most [`WIRE_WINDOW`] of them on the wire at once.
 #[allow(clippy::too_many_arguments)]
-fn advance_ask<V: Api, C: hal_cuda::Api>(
-    cx: &mut PathCx<'_, V, C>,
+fn advance_ask(
+    cx: &mut PathCx<'_>,
     peer: usize,
     slots: &PeerSlots,
-    pools: &mut HashMap<u32, StagingPool<V, C>>,
+    pools: &mut HashMap<u32, StagingPool>,
     id: u64,
-    a: &mut Asking<V, C>,
+    a: &mut Asking,
     mut failing: bool,
     events: &mut SliceEvents,
 ) -> usize {
@@ -1239,9 +1238,9 @@ fn advance_ask<V: Api, C: hal_cuda::Api>(
 
 /// A chunk of `slice` ended: its pool slot is free; `Err(None)` when
 /// it was the slice's last (the slice is done).
-fn chunk_done<V: Api, C: hal_cuda::Api>(
-    slice: &mut AskSlice<C>,
-    pool: Option<&mut StagingPool<V, C>>,
+fn chunk_done(
+    slice: &mut AskSlice,
+    pool: Option<&mut StagingPool>,
 ) -> Result<(), Option<TransferError>> {
     if let (Some(pool), Some(s)) = (pool, slice.pool_slot.take()) {
         pool.free.push(s);

@@ -10,8 +10,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 
-use hal_verbs::Api;
-
 use super::cuda_worker::CudaWorker;
 use super::events::EventPools;
 use super::{EngineConfig, EngineError, Fence, Region, topology};
@@ -19,24 +17,24 @@ use crate::buffer::Buffer;
 use crate::ladder::{Gpu, Ladder};
 
 /// One NIC of the engine.
-pub(crate) struct Nic<V: Api, C: hal_cuda::Api> {
+pub(crate) struct Nic {
     pub(crate) name: String,
-    pub(crate) cq: V::CompletionQueue,
+    pub(crate) cq: hal_verbs::dynamic::DynCompletionQueue,
     /// The CQ's completion channel, which a parked engine waits on
     /// (`None`: the provider made none; the CQ is then polled).
-    pub(crate) channel: Option<V::CompletionChannel>,
-    pub(crate) ladder: Ladder<V, C>,
-    pub(crate) context: V::Context,
+    pub(crate) channel: Option<hal_verbs::dynamic::DynCompletionChannel>,
+    pub(crate) ladder: Ladder,
+    pub(crate) context: hal_verbs::dynamic::DynContext,
 }
 
 /// The engine's shared, unchanging resources.
-pub(crate) struct Resources<V: Api, C: hal_cuda::Api> {
+pub(crate) struct Resources {
     pub(crate) id: u64,
     pub(crate) config: EngineConfig,
-    pub(crate) cm: V::ConnectionManager,
+    pub(crate) cm: hal_verbs::dynamic::DynConnectionManager,
     // After `cm`: the NICs' CQs, PDs and contexts go after the connection
     // manager (and the state's connections, dropped before all of this).
-    pub(crate) nics: Vec<Nic<V, C>>,
+    pub(crate) nics: Vec<Nic>,
     pub(crate) next_grant: AtomicU64,
     /// For each GPU (by ordinal), the engine's NICs nearest it (all at the
     /// least PCIe distance); none listed: no preference (the distance is
@@ -44,24 +42,24 @@ pub(crate) struct Resources<V: Api, C: hal_cuda::Api> {
     pub(crate) nearest_nics: HashMap<u32, Vec<usize>>,
     /// The events progress records on its GPU copies (never made there:
     /// see [`super::events`]).
-    pub(crate) events: EventPools<C>,
+    pub(crate) events: EventPools,
     /// Peers connected at once at most: `max_peers`, or fewer where a
     /// NIC's completion queue holds fewer.
     pub(crate) peer_capacity: usize,
     /// The thread that makes progress's blocking driver calls
     /// ([`super::cuda_worker`]).
-    pub(crate) cuda: CudaWorker<V, C>,
+    pub(crate) cuda: CudaWorker,
 }
 
-impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
+impl Resources {
     /// Resources over `nics` (the nearest NICs of each GPU read from the
     /// configured topology), shared: their CUDA worker runs jobs with
     /// them.
     pub(crate) fn new(
         id: u64,
         config: EngineConfig,
-        cm: V::ConnectionManager,
-        nics: Vec<Nic<V, C>>,
+        cm: hal_verbs::dynamic::DynConnectionManager,
+        nics: Vec<Nic>,
         peer_capacity: usize,
     ) -> std::sync::Arc<Self> {
         let nearest_nics = nearest_nics(&config.topology, &nics);
@@ -85,7 +83,7 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
     }
 
     /// GPU `ordinal` of the engine (every NIC's ladder opened the same).
-    pub(crate) fn gpu(&self, ordinal: u32) -> Result<&Gpu<C>, EngineError> {
+    pub(crate) fn gpu(&self, ordinal: u32) -> Result<&Gpu, EngineError> {
         self.nics
             .first()
             .and_then(|n| n.ladder.gpu(ordinal))
@@ -113,10 +111,10 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
     /// the first rung that works there).
     pub(crate) fn register_range(
         &self,
-        buffer: &Buffer<C>,
+        buffer: &Buffer,
         offset: u64,
         len: u64,
-    ) -> Result<Region<V>, EngineError> {
+    ) -> Result<Region, EngineError> {
         let _span = tracing::debug_span!("engine_register", len).entered();
         Region::register(
             self.id,
@@ -128,17 +126,14 @@ impl<V: Api, C: hal_cuda::Api> Resources<V, C> {
     }
 
     /// Registers the whole of `buffer` on every NIC.
-    pub(crate) fn register(&self, buffer: &Buffer<C>) -> Result<Region<V>, EngineError> {
+    pub(crate) fn register(&self, buffer: &Buffer) -> Result<Region, EngineError> {
         self.register_range(buffer, 0, buffer.len())
     }
 }
 
 /// For each GPU of the NICs' ladders, the NICs at the least known PCIe
 /// distance from it.
-fn nearest_nics<V: Api, C: hal_cuda::Api>(
-    topology: &topology::PciTopology,
-    nics: &[Nic<V, C>],
-) -> HashMap<u32, Vec<usize>> {
+fn nearest_nics(topology: &topology::PciTopology, nics: &[Nic]) -> HashMap<u32, Vec<usize>> {
     let names: Vec<&str> = nics.iter().map(|n| n.name.as_str()).collect();
     let mut nearest = HashMap::new();
     let Some(first) = nics.first() else {

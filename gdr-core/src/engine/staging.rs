@@ -70,8 +70,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hal_verbs::Api;
-
 use super::completion::{CompletionCell, Outcome};
 use super::path::{PathCx, TransferPath};
 use super::pipeline::{self, Pipe, StagingPool};
@@ -91,7 +89,7 @@ pub(super) use gdr_proto::rendezvous::status::{
 
 /// The rendezvous request `id` for transfer `t`, through the owner's
 /// landing slots.
-pub(super) fn staged_request<V: Api>(id: u64, t: &Transfer<'_, V>) -> Control<'static> {
+pub(super) fn staged_request(id: u64, t: &Transfer<'_>) -> Control<'static> {
     Control::StagedRequest {
         id,
         grant: t.remote.grant,
@@ -120,14 +118,14 @@ pub(super) fn reply_outcome(status: u32) -> Outcome {
 }
 
 /// A live grant of a staging-rung region (the owner's side).
-pub(crate) struct Served<V: Api> {
-    pub region: Region<V>,
+pub(crate) struct Served {
+    pub region: Region,
     pub offset: u64,
     pub len: u64,
     pub rights: GrantRights,
 }
 
-impl<V: Api> Served<V> {
+impl Served {
     /// Its range and rights, as the grant table checks them.
     pub(super) fn terms(&self) -> Terms {
         Terms {
@@ -144,7 +142,7 @@ impl<V: Api> Served<V> {
 /// A peer's rendezvous request, as received (the protocol's).
 pub(super) use gdr_proto::rendezvous::StagedAsk;
 
-impl<V: Api> Region<V> {
+impl Region {
     /// Whether some NIC reaches it only through staging.
     pub(super) fn is_staged(&self) -> bool {
         self.inner.per_nic.iter().any(|r| r.rung() == Rung::Staging)
@@ -153,19 +151,19 @@ impl<V: Api> Region<V> {
 
 /// Whether the staged path carries `t`: ours staged (through the GPU's
 /// pool) or theirs staged (through the owner's landing slots).
-pub(crate) fn staged<V: Api>(t: &Transfer<'_, V>) -> bool {
+pub(crate) fn staged(t: &Transfer<'_>) -> bool {
     t.local.is_staged() || slotted(t)
 }
 
 /// Whether `t` names a peer's staging-rung grant.
-fn slotted<V: Api>(t: &Transfer<'_, V>) -> bool {
+fn slotted(t: &Transfer<'_>) -> bool {
     matches!(t.remote.reach, Reach::Staged)
 }
 
 /// The GPUs to fence after a batch of the pipelined `transfers`: our READs
 /// through a peer's landing slots into GPU memory the NIC reaches (fenced
 /// as any; those through our pool were copied in by us).
-pub(crate) fn read_fence<V: Api>(transfers: &[Transfer<'_, V>]) -> Vec<u32> {
+pub(crate) fn read_fence(transfers: &[Transfer<'_>]) -> Vec<u32> {
     transfers
         .iter()
         .filter(|t| slotted(t) && t.op == Op::Read && !t.local.is_staged())
@@ -179,29 +177,29 @@ pub(crate) fn read_fence<V: Api>(transfers: &[Transfer<'_, V>]) -> Vec<u32> {
 /// Makes the landing slots of the peer in `slot` (pinned with GPU `gpu`)
 /// and grants them with `grant` (the engine's grant to that peer of `len`
 /// bytes of the region, read and write). Outside the engine's lock.
-pub(crate) fn make_landing<V: Api, C: hal_cuda::Api>(
-    res: &Resources<V, C>,
+pub(crate) fn make_landing(
+    res: &Resources,
     slot: usize,
     gpu: Option<u32>,
-    grant: impl FnOnce(&Region<V>, u64) -> Result<(MemoryDescriptor, Vec<Grant<V>>), EngineError>,
-) -> Result<LandingSlots<V, C>, EngineError> {
+    grant: impl FnOnce(&Region, u64) -> Result<(MemoryDescriptor, Vec<Grant>), EngineError>,
+) -> Result<LandingSlots, EngineError> {
     rendezvous::make_slots(res, slot, gpu, grant)
 }
 
 /// What the staged path holds of one peer: both sides of its rendezvous.
-pub(crate) struct StagedPeer<V: Api, C: hal_cuda::Api> {
+pub(crate) struct StagedPeer {
     /// This side's grants of staging-rung regions, served by rendezvous:
     /// live, or revoked while a request under them still runs (the
     /// revocation fence, [`gdr_proto::grants`]).
-    served: LocalGrants<Served<V>>,
+    served: LocalGrants<Served>,
     /// The landing slots this side lends the peer, and its requests served
     /// through them.
-    landing: Landing<V, C>,
+    landing: Landing,
     /// This side's requests through the peer's landing slots.
-    asks: Asks<V, C>,
+    asks: Asks,
 }
 
-impl<V: Api, C: hal_cuda::Api> StagedPeer<V, C> {
+impl StagedPeer {
     fn new(limits: &PeerLimits) -> Self {
         Self {
             served: LocalGrants::default(),
@@ -236,30 +234,20 @@ impl Group {
 
 /// The staged path (see the module docs): its pools and pipes, the
 /// rendezvous it serves and those it asks for, by peer slot.
-pub(crate) struct StagedPath<V: Api, C: hal_cuda::Api> {
+#[derive(Default)]
+pub(crate) struct StagedPath {
     /// By peer slot. Field order is drop order, as when this was the
     /// peers' state: the peers' part first.
-    peers: Vec<Option<StagedPeer<V, C>>>,
+    peers: Vec<Option<StagedPeer>>,
     /// Each GPU's staging pool, made at its first staged transfer.
-    pools: HashMap<u32, StagingPool<V, C>>,
+    pools: HashMap<u32, StagingPool>,
     /// Staged transfers going through a pool.
-    pipes: Vec<Pipe<V, C>>,
+    pipes: Vec<Pipe>,
     /// Posts of several transfers not ended.
     groups: Vec<Group>,
 }
 
-impl<V: Api, C: hal_cuda::Api> Default for StagedPath<V, C> {
-    fn default() -> Self {
-        Self {
-            peers: Vec::new(),
-            pools: HashMap::new(),
-            pipes: Vec::new(),
-            groups: Vec::new(),
-        }
-    }
-}
-
-impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
+impl StagedPath {
     /// What the staged path holds for the peer in `slot`: this side's
     /// staged grants (live, or revoked while a request under them runs),
     /// the peer's requests served, copies running for them, and this
@@ -288,7 +276,7 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
     /// Takes `pool` (made outside the lock: [`pipeline::make_pool`]) as
     /// its GPU's; one made meanwhile wins, and `pool` is handed back to be
     /// dropped outside the lock.
-    pub(crate) fn install_pool(&mut self, pool: StagingPool<V, C>) -> Option<StagingPool<V, C>> {
+    pub(crate) fn install_pool(&mut self, pool: StagingPool) -> Option<StagingPool> {
         use std::collections::hash_map::Entry;
         match self.pools.entry(pool.gpu) {
             Entry::Occupied(_) => Some(pool),
@@ -307,14 +295,14 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
         self.peers[slot] = Some(StagedPeer::new(limits));
     }
 
-    fn peer_mut(&mut self, slot: usize) -> Result<&mut StagedPeer<V, C>, EngineError> {
+    fn peer_mut(&mut self, slot: usize) -> Result<&mut StagedPeer, EngineError> {
         self.peers
             .get_mut(slot)
             .and_then(Option::as_mut)
             .ok_or(EngineError::PeerGone(PeerGone::Closed))
     }
 
-    fn peer(&self, slot: usize) -> Option<&StagedPeer<V, C>> {
+    fn peer(&self, slot: usize) -> Option<&StagedPeer> {
         self.peers.get(slot).and_then(Option::as_ref)
     }
 
@@ -326,7 +314,7 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
         &mut self,
         slot: usize,
         grant: u64,
-        served: Served<V>,
+        served: Served,
     ) -> Result<(), EngineError> {
         let terms = served.terms();
         self.peer_mut(slot)?.served.insert(grant, terms, served);
@@ -336,7 +324,7 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
     /// Revokes grant `grant` to the peer in `slot`: requests under it stop
     /// at once; its fence waits for their copies under way. What is fenced
     /// now goes with the returned value (outside the engine's lock).
-    pub(crate) fn revoke(&mut self, slot: usize, grant: u64) -> Revoked<Served<V>> {
+    pub(crate) fn revoke(&mut self, slot: usize, grant: u64) -> Revoked<Served> {
         let Ok(peer) = self.peer_mut(slot) else {
             return Revoked::Unknown;
         };
@@ -386,14 +374,14 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
     /// Each result goes back through [`StagedPath::landing_made`]; until
     /// then no other thread is handed the same peer's (it would make a
     /// second set only to free it).
-    pub(crate) fn landings_wanted(&mut self, cx: &PathCx<'_, V, C>) -> Vec<(usize, u32)> {
+    pub(crate) fn landings_wanted(&mut self, cx: &PathCx<'_>) -> Vec<(usize, u32)> {
         self.peers
             .iter_mut()
             .enumerate()
             .filter_map(|(slot, peer)| {
                 let landing = &mut peer.as_mut()?.landing;
                 landing.wants_slots()?;
-                if !cx.wire.peer(slot).is_some_and(|p| p.gone.is_none()) {
+                if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
                     return None;
                 }
                 landing.claim_slots().map(|gpu| (slot, gpu))
@@ -406,9 +394,9 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
     /// made (a driver counts it as work).
     pub(crate) fn landing_made(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
-        made: Result<LandingSlots<V, C>, EngineError>,
+        made: Result<LandingSlots, EngineError>,
     ) -> usize {
         let timeout = cx.res.config.default_timeout;
         let peer = match self.peer_mut(slot) {
@@ -445,7 +433,7 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
     /// it kept; a reply to no request of ours is dropped.
     fn receive<'m>(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
         message: Control<'m>,
     ) -> Option<Control<'m>> {
@@ -474,7 +462,7 @@ impl<V: Api, C: hal_cuda::Api> StagedPath<V, C> {
 }
 
 /// Answers request `id` of the peer in `slot` with `status`.
-fn reply<V: Api, C: hal_cuda::Api>(cx: &mut PathCx<'_, V, C>, slot: usize, id: u64, status: u32) {
+fn reply(cx: &mut PathCx<'_>, slot: usize, id: u64, status: u32) {
     let timeout = cx.res.config.default_timeout;
     if let Err(e) = cx
         .wire
@@ -484,14 +472,9 @@ fn reply<V: Api, C: hal_cuda::Api>(cx: &mut PathCx<'_, V, C>, slot: usize, id: u
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
+impl TransferPath for StagedPath {
     /// The local region is staged or the peer's grant is.
-    fn carries(
-        &mut self,
-        _res: &Resources<V, C>,
-        _slot: usize,
-        transfers: &[Transfer<'_, V>],
-    ) -> bool {
+    fn carries(&mut self, _res: &Resources, _slot: usize, transfers: &[Transfer<'_>]) -> bool {
         transfers.iter().any(staged)
     }
 
@@ -501,9 +484,9 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
     /// engine's (the RDMA path), refused here.
     fn post(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
-        transfers: &[Transfer<'_, V>],
+        transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
         if !transfers.iter().all(staged) {
@@ -557,7 +540,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
     /// The pipes, this side's requests through the peers' landing slots
     /// (deadlines included) and the requests served through ours; the
     /// slots to make are [`StagedPath::landings_wanted`]'s.
-    fn progress(&mut self, cx: &mut PathCx<'_, V, C>) -> usize {
+    fn progress(&mut self, cx: &mut PathCx<'_>) -> usize {
         let mut moved = pipeline::pump(cx, &mut self.pipes, &mut self.pools);
         for (slot, peer) in self.peers.iter_mut().enumerate() {
             let Some(peer) = peer else { continue };
@@ -574,7 +557,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
 
     fn on_control<'m>(
         &mut self,
-        cx: &mut PathCx<'_, V, C>,
+        cx: &mut PathCx<'_>,
         slot: usize,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
@@ -601,7 +584,7 @@ impl<V: Api, C: hal_cuda::Api> TransferPath<V, C> for StagedPath<V, C> {
     /// [`TransferError::PeerGone`] once their slices in flight drained).
     /// Its grants stay until revoked (a gone peer's are fenced once no
     /// copy for it runs).
-    fn release_peer(&mut self, _cx: &mut PathCx<'_, V, C>, slot: usize) {
+    fn release_peer(&mut self, _cx: &mut PathCx<'_>, slot: usize) {
         for pipe in self.pipes.iter_mut().filter(|p| p.peer() == slot) {
             pipe.peer_gone();
         }

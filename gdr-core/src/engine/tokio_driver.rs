@@ -34,7 +34,7 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
 use super::reactor::{Next, Parkable, Reactor, Spin};
-use super::{Api, Engine, INTERNAL_THREAD, InternalHolds, Shared};
+use super::{Engine, INTERNAL_THREAD, InternalHolds, Shared};
 
 /// Why [`Engine::drive_on_tokio`] could not start its task.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +127,7 @@ impl Drop for CountedTask {
     }
 }
 
-impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
+impl Engine {
     /// Drives the engine from a task on the current tokio runtime (feature
     /// `tokio`): the task makes progress while work comes and otherwise
     /// awaits the readiness of the engine's fds (one epoll set, through
@@ -169,14 +169,14 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
     ///
     /// ```
     /// use gdr_core::engine::{Engine, EngineConfig};
-    /// use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+    /// use gdr_sim::{NodeConfig, SimFabric};
     ///
     /// #[tokio::main]
     /// async fn main() -> Result<(), Box<dyn std::error::Error>> {
     ///     let fabric = SimFabric::new();
     ///     let node = fabric.add_node("a", NodeConfig::default());
     ///     let engine =
-    ///         Engine::<SimVerbsApi, SimCudaApi>::new(&node, None, EngineConfig::default())?;
+    ///         Engine::new(&node.erased(), None, EngineConfig::default())?;
     ///     let driver = engine.drive_on_tokio()?;
     ///     // ... submit batches and `.await` them: the task wakes them ...
     ///     assert!(driver.is_running());
@@ -228,8 +228,8 @@ impl<V: Api, C: hal_cuda::Api> Engine<V, C> {
 
 /// The driver's task: takes the lead, then leads until the engine
 /// closes (or the task is dropped: its lead is given back then).
-async fn drive<V: Api, C: hal_cuda::Api>(
-    weak: Weak<Shared<V, C>>,
+async fn drive(
+    weak: Weak<Shared>,
     holds: Arc<InternalHolds>,
     reactor: Arc<Reactor>,
     epoll: AsyncFd<Epoll>,
@@ -277,8 +277,8 @@ async fn drive<V: Api, C: hal_cuda::Api>(
 
 /// One round of the task's lead, inside a step: progress, then spin or
 /// park. A park's fds are in `fds` (the reactor's `park_begin`).
-fn lead_round<V: Api, C: hal_cuda::Api>(
-    engine: &Engine<V, C>,
+fn lead_round(
+    engine: &Engine,
     holds: &InternalHolds,
     reactor: &Reactor,
     spin: &mut Spin,
@@ -336,11 +336,7 @@ enum Stepped<T> {
 /// own thread does: the engine is held for this step only, and this thread
 /// counts as internal while it runs (the step's handle, dropped here,
 /// never waits for the internal steps, this one among them).
-fn step<V: Api, C: hal_cuda::Api, T>(
-    weak: &Weak<Shared<V, C>>,
-    holds: &InternalHolds,
-    f: impl FnOnce(&Engine<V, C>) -> T,
-) -> Stepped<T> {
+fn step<T>(weak: &Weak<Shared>, holds: &InternalHolds, f: impl FnOnce(&Engine) -> T) -> Stepped<T> {
     if holds.closing.load(Ordering::SeqCst) {
         return Stepped::Closing;
     }
@@ -497,7 +493,7 @@ impl Epoll {
 
 #[cfg(test)]
 mod tests {
-    use gdr_sim::{NodeConfig, SimCudaApi, SimFabric, SimVerbsApi};
+    use gdr_sim::{NodeConfig, SimFabric};
 
     use super::*;
     use crate::engine::EngineConfig;
@@ -514,8 +510,7 @@ mod tests {
     fn a_round_never_parks_once_the_last_handle_is_closing() {
         let fabric = SimFabric::new();
         let node = fabric.add_node("a", NodeConfig::default());
-        let engine =
-            Engine::<SimVerbsApi, SimCudaApi>::new(&node, None, EngineConfig::default()).unwrap();
+        let engine = Engine::new(&node.erased(), None, EngineConfig::default()).unwrap();
         let (holds, reactor) = (&engine.shared.holds, &engine.shared.reactor);
         let mut fds = Vec::new();
         let mut round = |spin: &mut Spin| lead_round(&engine, holds, reactor, spin, &mut fds);

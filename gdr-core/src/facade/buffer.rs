@@ -247,12 +247,12 @@ pub(super) struct Facts {
 }
 
 /// The buffer of backends `V`, `C`, with the context's GPUs at hand.
-pub(super) struct BufferOf<V: hal_verbs::Api, C: hal_cuda::Api> {
-    pub(super) instance: Arc<Instance<V, C>>,
-    pub(super) buffer: BufferOfC<C>,
+pub(super) struct BufferOf {
+    pub(super) instance: Arc<Instance>,
+    pub(super) buffer: BufferOfC,
 }
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> BufferOf<V, C> {
+impl BufferOf {
     pub(super) fn facts(&self) -> Facts {
         let kind = match self.buffer.memory_type() {
             MemoryType::PageableHost => MemoryKind::Host,

@@ -13,8 +13,8 @@ use hal_verbs::{AddressFamily, Context as _, Provider as _};
 use super::buffer::{Buffer, BufferOf, MemoryKind};
 use super::engine::Engine;
 use super::stream::{Stream, StreamOf};
-use super::{Cuda, Erased, Error, Unsupported, Verbs};
-use crate::backend::{BackendChoice, BackendTask, Backends, run_with};
+use super::{Erased, Error, Unsupported};
+use crate::backend::{BackendChoice, Backends};
 use crate::buffer::{Access, Buffer as BufferOfC, HostAllocError};
 use crate::engine::{Engine as EngineOf, EngineConfig};
 use crate::ladder::{Gpu, Ladder, Policy, Rung};
@@ -29,7 +29,7 @@ use crate::uri::BufferUri;
 /// other as two machines on one network would.
 #[derive(Clone)]
 pub struct Context {
-    pub(super) inner: Shared<Verbs, Cuda>,
+    pub(super) inner: Shared,
     pub(super) id: u64,
 }
 
@@ -90,13 +90,15 @@ impl Context {
                 crate::backend::SIM_FABRIC.faults(),
             )
         });
-        let backends = crate::backend::sim_verbs::<gdr_sim::SimCudaApi>(
-            Some(GPU.clone()),
+        let backends = crate::backend::sim_verbs(
+            Some(hal_cuda::dynamic::DynDriver::new::<gdr_sim::SimCudaApi>(
+                GPU.clone(),
+            )),
             vec!["a simulated NIC beside simulated GPUs it cannot reach".to_owned()],
         )
         .nic_cannot_reach_gpu();
         Ok(Self {
-            inner: Open.run(backends)?,
+            inner: open_on(backends)?,
             id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -110,7 +112,7 @@ impl Context {
             "simulated node on this process's simulated fabric (shared by every sim context)",
         );
         Ok(Self {
-            inner: Open.run(backends)?,
+            inner: open_on(backends)?,
             id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -253,14 +255,14 @@ impl Context {
 }
 
 /// The backends `V`, `C`, with the GPUs' contexts retained.
-pub(super) struct Instance<V: hal_verbs::Api, C: hal_cuda::Api> {
-    backends: Backends<V, C>,
-    gpus: Vec<C::Context>,
+pub(super) struct Instance {
+    backends: Backends,
+    gpus: Vec<hal_cuda::dynamic::DynContext>,
     paths: Mutex<HashMap<(u32, u32), PathInfo>>,
 }
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
-    pub(super) fn gpu(&self, index: u32) -> Result<&C::Context, Error> {
+impl Instance {
+    pub(super) fn gpu(&self, index: u32) -> Result<&hal_cuda::dynamic::DynContext, Error> {
         self.gpus.get(index as usize).ok_or(Error::NoGpu {
             index,
             count: self.gpus.len() as u32,
@@ -268,7 +270,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
     }
 
     /// Any GPU's context (CUDA's unified addressing answers for all).
-    fn any_gpu(&self) -> Option<&C::Context> {
+    fn any_gpu(&self) -> Option<&hal_cuda::dynamic::DynContext> {
         self.gpus.first()
     }
 
@@ -287,7 +289,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
             });
         };
         let context = self.backends.verbs().open(name)?;
-        let ladder = Ladder::<V, C>::standalone(&context, vec![Gpu::<C>::open(driver, gpu)?])?;
+        let ladder = Ladder::standalone(&context, vec![Gpu::open(driver, gpu)?])?;
         let mut why_not = Vec::new();
         for (_, rung, verdict) in ladder.probe_all() {
             match verdict {
@@ -301,7 +303,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
         })
     }
 
-    fn wrap_buffer(self: &Arc<Self>, buffer: BufferOfC<C>) -> BufferOf<V, C> {
+    fn wrap_buffer(self: &Arc<Self>, buffer: BufferOfC) -> BufferOf {
         BufferOf {
             instance: Arc::clone(self),
             buffer,
@@ -311,15 +313,15 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
 
 /// A context as the facade holds it: the instance behind an `Arc` so its
 /// buffers can reach its GPUs.
-pub(super) struct Shared<V: hal_verbs::Api, C: hal_cuda::Api>(Arc<Instance<V, C>>);
+pub(super) struct Shared(Arc<Instance>);
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> Clone for Shared<V, C> {
+impl Clone for Shared {
     fn clone(&self) -> Self {
         Self(Arc::clone(&self.0))
     }
 }
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> Shared<V, C> {
+impl Shared {
     fn verbs_name(&self) -> &'static str {
         self.0.backends.verbs_name()
     }
@@ -363,12 +365,12 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Shared<V, C> {
         Ok(info)
     }
 
-    fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<BufferOf<V, C>, Error> {
+    fn alloc(&self, kind: MemoryKind, gpu: u32, size: u64) -> Result<BufferOf, Error> {
         if size == 0 || isize::try_from(size).is_err() {
             return Err(Error::BadSize { what: "size", size });
         }
         let buffer = match kind {
-            MemoryKind::Host => BufferOfC::<C>::try_alloc_host(size).map_err(|e| match e {
+            MemoryKind::Host => BufferOfC::try_alloc_host(size).map_err(|e| match e {
                 HostAllocError::OutOfMemory { .. } => Error::OutOfMemory {
                     what: "host memory",
                     size,
@@ -379,9 +381,9 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Shared<V, C> {
                 let gpu = self.0.any_gpu().ok_or(Error::NeedsGpu {
                     what: "pinned memory",
                 })?;
-                BufferOfC::<C>::alloc_pinned(gpu, size)?
+                BufferOfC::alloc_pinned(gpu, size)?
             }
-            MemoryKind::Device => BufferOfC::<C>::alloc_device(self.0.gpu(gpu)?, size)?,
+            MemoryKind::Device => BufferOfC::alloc_device(self.0.gpu(gpu)?, size)?,
             MemoryKind::Managed => return Err(Unsupported::ManagedMemory.into()),
         };
         Ok(self.0.wrap_buffer(buffer))
@@ -389,16 +391,16 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Shared<V, C> {
 
     /// # Safety
     /// As for [`Context::wrap`].
-    unsafe fn wrap(&self, addr: u64, size: u64, access: Access) -> Result<BufferOf<V, C>, Error> {
+    unsafe fn wrap(&self, addr: u64, size: u64, access: Access) -> Result<BufferOf, Error> {
         let gpu = self.0.any_gpu();
         // SAFETY: the caller's contract is Buffer::wrap's.
-        let buffer = unsafe { BufferOfC::<C>::wrap_as(access, gpu, addr, size, None) }?;
+        let buffer = unsafe { BufferOfC::wrap_as(access, gpu, addr, size, None) }?;
         Ok(self.0.wrap_buffer(buffer))
     }
 
-    fn open_uri(&self, uri: &BufferUri) -> Result<BufferOf<V, C>, Error> {
+    fn open_uri(&self, uri: &BufferUri) -> Result<BufferOf, Error> {
         let gpu = self.0.gpu(uri.device())?;
-        let buffer = BufferOfC::<C>::import_ipc_range(
+        let buffer = BufferOfC::import_ipc_range(
             gpu,
             uri.handle(),
             uri.allocation(),
@@ -408,26 +410,26 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Shared<V, C> {
         Ok(self.0.wrap_buffer(buffer))
     }
 
-    fn stream(&self, gpu: u32) -> Result<StreamOf<C>, Error> {
-        Ok(StreamOf::<C>(self.0.gpu(gpu)?.create_stream()?))
+    fn stream(&self, gpu: u32) -> Result<StreamOf, Error> {
+        Ok(StreamOf(self.0.gpu(gpu)?.create_stream()?))
     }
 
     /// # Safety
     /// As for [`Context::borrow_stream`].
-    unsafe fn borrow_stream(&self, gpu: u32, raw: *mut c_void) -> Result<StreamOf<C>, Error> {
+    unsafe fn borrow_stream(&self, gpu: u32, raw: *mut c_void) -> Result<StreamOf, Error> {
         // SAFETY: the caller's contract is Context::borrow_stream's.
         let stream = unsafe { self.0.gpu(gpu)?.borrow_stream(raw) }?;
-        Ok(StreamOf::<C>(stream))
+        Ok(StreamOf(stream))
     }
 
-    fn engine(&self, mut config: EngineConfig) -> Result<EngineOf<V, C>, Error> {
+    fn engine(&self, mut config: EngineConfig) -> Result<EngineOf, Error> {
         if !self.0.backends.nic_reaches_gpu() && config.ladder.policy == Policy::Fallback {
             // The NIC cannot register GPU memory at all (a simulated NIC
             // beside a real GPU): straight to the staging rung, which
             // moves it all the same, without probing rungs that cannot be.
             config.ladder.policy = Policy::Only(Rung::Staging);
         }
-        Ok(EngineOf::<V, C>::new(
+        Ok(EngineOf::new(
             self.0.backends.verbs(),
             self.0.backends.cuda(),
             config,
@@ -435,7 +437,7 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Shared<V, C> {
     }
 }
 
-impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
+impl Instance {
     fn nics(&self) -> Vec<String> {
         self.backends
             .verbs()
@@ -446,32 +448,24 @@ impl<V: hal_verbs::Api, C: hal_cuda::Api> Instance<V, C> {
 }
 
 /// Makes the context for the backends chosen.
-struct Open;
-
-impl BackendTask for Open {
-    type Output = Result<Shared<Verbs, Cuda>, Error>;
-
-    fn run<V: hal_verbs::Api, C: hal_cuda::Api>(self, backends: Backends<V, C>) -> Self::Output {
-        // One engine type whatever the backends: the HAL's erased ones.
-        let backends = backends.erased();
-        let gpus = match backends.cuda() {
-            Some(driver) => (0..driver.device_count().unwrap_or(0))
-                .map(|ordinal| driver.context(ordinal))
-                .collect::<Result<Vec<_>, _>>()?,
-            None => Vec::new(),
-        };
-        Ok(Shared(Arc::new(Instance {
-            backends,
-            gpus,
-            paths: Mutex::new(HashMap::new()),
-        })))
-    }
+fn open_on(backends: Backends) -> Result<Shared, Error> {
+    let gpus = match backends.cuda() {
+        Some(driver) => (0..driver.device_count().unwrap_or(0))
+            .map(|ordinal| driver.context(ordinal))
+            .collect::<Result<Vec<_>, _>>()?,
+        None => Vec::new(),
+    };
+    Ok(Shared(Arc::new(Instance {
+        backends,
+        gpus,
+        paths: Mutex::new(HashMap::new()),
+    })))
 }
 
 /// The simulation for a new context: a node of the process's simulated
 /// fabric with one NIC at an address of its own, and one simulated GPU.
 #[cfg(feature = "sim")]
-fn sim_node() -> Result<Backends<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi>, Error> {
+fn sim_node() -> Result<Backends, Error> {
     use gdr_sim::{DeviceConfig, GpuConfig, NodeConfig};
     let addr = crate::backend::next_sim_node_address().ok_or(Error::SimFabricFull)?;
     let backends = Backends::sim(
@@ -487,10 +481,10 @@ fn sim_node() -> Result<Backends<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi>, Err
     )))
 }
 
-fn open(choice: BackendChoice) -> Result<Shared<Verbs, Cuda>, Error> {
+fn open(choice: BackendChoice) -> Result<Shared, Error> {
     #[cfg(feature = "sim")]
     if choice == BackendChoice::Sim {
-        return Open.run(sim_node()?);
+        return open_on(sim_node()?);
     }
-    run_with(choice, Open)?
+    open_on(Backends::choose(choice)?)
 }

@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
-use super::{Buffer, Context, Cuda, Error, Stream, Verbs};
+use super::{Buffer, Context, Error, Stream};
 use crate::buffer::Access;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
 use crate::engine::{
@@ -23,7 +23,7 @@ use crate::ladder::Rung;
 #[derive(Clone)]
 pub struct Engine {
     context: Context,
-    inner: EngineOf<Verbs, Cuda>,
+    inner: EngineOf,
 }
 
 impl std::fmt::Debug for Engine {
@@ -36,7 +36,7 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    pub(super) fn new(context: Context, inner: EngineOf<Verbs, Cuda>) -> Self {
+    pub(super) fn new(context: Context, inner: EngineOf) -> Self {
         Self { context, inner }
     }
 
@@ -167,7 +167,7 @@ impl Engine {
 #[derive(Clone)]
 pub struct Region {
     engine: u64,
-    inner: RegionOf<Verbs>,
+    inner: RegionOf,
 }
 
 impl std::fmt::Debug for Region {
@@ -220,7 +220,7 @@ impl Region {
 
 /// A listening engine: accepts peers.
 pub struct Listener {
-    inner: EngineListener<Verbs, Cuda>,
+    inner: EngineListener,
 }
 
 impl std::fmt::Debug for Listener {
@@ -254,7 +254,7 @@ impl Listener {
 #[derive(Clone)]
 pub struct Peer {
     engine: u64,
-    inner: PeerOf<Verbs, Cuda>,
+    inner: PeerOf,
 }
 
 impl std::fmt::Debug for Peer {
@@ -466,7 +466,7 @@ impl Peer {
 
 /// Memory granted to a peer; dropping it revokes the grant.
 pub struct Grant {
-    inner: RegionGrant<Verbs, Cuda>,
+    inner: RegionGrant,
 }
 
 impl std::fmt::Debug for Grant {
@@ -499,7 +499,7 @@ impl Grant {
 /// A submitted batch: ends exactly once (`wait`, `status`, `cancel`, or
 /// `.await`).
 pub struct Batch {
-    inner: BatchOf<Verbs, Cuda>,
+    inner: BatchOf,
 }
 
 impl std::fmt::Debug for Batch {
@@ -553,7 +553,7 @@ impl Future for Batch {
 }
 
 /// The transfers with the engine's own regions.
-fn unerased<'a>(transfers: &[Transfer<'a>]) -> Vec<TransferOf<'a, Verbs>> {
+fn unerased<'a>(transfers: &[Transfer<'a>]) -> Vec<TransferOf<'a>> {
     transfers
         .iter()
         .map(|t| TransferOf {

@@ -1,12 +1,10 @@
 //! The front door: one type-erased [`Context`], [`Engine`], [`Buffer`],
 //! [`Region`], [`Peer`], [`Grant`], [`Batch`] and [`Stream`] over whichever
 //! backends were chosen at run time (wgpu over wgpu-hal is the model). The
-//! C ABI, the `gdr` command and the Python package sit on these; the
-//! generic types of [`crate::engine`] stay for code that picks its HAL
-//! backends at compile time. Whatever was chosen, the facade's engines are
-//! of one type: the backends are erased below them
-//! ([`Backends::erased`](crate::backend::Backends::erased): the HALs'
-//! `dynamic` modules, +0.4 % instructions per request in
+//! C ABI, the `gdr` command and the Python package sit on these. Whatever
+//! was chosen, the engines are of one type: the backends are erased below
+//! them ([`Backends`](crate::backend::Backends) holds the HALs' `dynamic`
+//! objects, +0.4 % instructions per request in
 //! `scripts/engine-callgrind.sh`).
 //!
 //! ```
@@ -37,13 +35,8 @@
 mod buffer;
 mod context;
 
-/// The backends every facade object is of: the HALs' erased ones
-/// ([`Backends::erased`](crate::backend::Backends::erased)).
-type Verbs = hal_verbs::dynamic::DynApi;
-/// As [`Verbs`], for CUDA.
-type Cuda = hal_cuda::dynamic::DynApi;
 /// A buffer of the facade's backends.
-type Erased = buffer::BufferOf<Verbs, Cuda>;
+type Erased = buffer::BufferOf;
 mod engine;
 mod error;
 mod stream;

@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use hal_cuda::Stream as _;
 
 use super::buffer::BufferHold;
-use super::{Buffer, Cuda, Error, MemoryKind, Unsupported};
+use super::{Buffer, Error, MemoryKind, Unsupported};
 
 /// A stream on one GPU of a context (non-blocking: no implicit
 /// synchronization with the legacy default stream). Work is queued in the
@@ -15,7 +15,7 @@ use super::{Buffer, Cuda, Error, MemoryKind, Unsupported};
 pub struct Stream {
     context: u64,
     gpu: u32,
-    pub(super) inner: StreamOf<Cuda>,
+    pub(super) inner: StreamOf,
     /// The buffers of copies queued and not yet seen done. Locked across
     /// queueing a copy and recording its holds, so a synchronize's snapshot
     /// holds exactly the copies queued before it began.
@@ -39,7 +39,7 @@ pub(super) enum CopyEnd {
 }
 
 impl Stream {
-    pub(super) fn new(context: u64, gpu: u32, inner: StreamOf<Cuda>) -> Self {
+    pub(super) fn new(context: u64, gpu: u32, inner: StreamOf) -> Self {
         Self {
             context,
             gpu,
@@ -177,9 +177,9 @@ fn overlap(a: CopyEnd, b: CopyEnd, len: usize) -> bool {
 }
 
 /// The stream of CUDA backend `C`.
-pub(super) struct StreamOf<C: hal_cuda::Api>(pub(super) C::Stream);
+pub(super) struct StreamOf(pub(super) hal_cuda::dynamic::DynStream);
 
-impl<C: hal_cuda::Api> StreamOf<C> {
+impl StreamOf {
     pub(super) fn raw(&self) -> *mut c_void {
         self.0.raw()
     }

@@ -1068,6 +1068,14 @@ pub struct SimVerbs {
 }
 
 impl SimVerbs {
+    /// This provider erased (`hal_verbs::dynamic`), as gdr-core's engines
+    /// hold their backends: the erased provider opens this node's devices.
+    pub fn erased(&self) -> hal_verbs::dynamic::DynProvider {
+        hal_verbs::dynamic::DynProvider::new::<SimVerbsApi>(self.clone())
+    }
+}
+
+impl SimVerbs {
     /// The fabric the node is on.
     pub fn fabric(&self) -> &SimFabric {
         &self.fabric
