@@ -936,16 +936,10 @@ fn recv_message<V: Api, C: hal_cuda::Api>(
 fn engine_on<V: Api, C: hal_cuda::Api>(
     backends: &Backends<V, C>,
     device: Option<&str>,
-    config: EngineConfig,
+    mut config: EngineConfig,
 ) -> Result<Engine<V, C>, EngineError> {
-    Engine::new(
-        backends.verbs(),
-        None,
-        EngineConfig {
-            devices: device.map(|d| vec![d.to_owned()]),
-            ..config
-        },
-    )
+    config.devices = device.map(|d| vec![d.to_owned()]);
+    Engine::new(backends.verbs(), None, config)
 }
 
 /// `gdr bench engine --listen ADDR`: one engine (on `device`, or every
@@ -1194,14 +1188,12 @@ fn device_address<V: Api>(
 /// The engines' configuration where only host memory moves: the defaults
 /// with the bench's timeout, and no GPU rung to prove.
 pub(crate) fn host_memory_config() -> EngineConfig {
-    EngineConfig {
-        default_timeout: ENGINE_TIMEOUT,
-        ladder: LadderConfig {
+    EngineConfig::default()
+        .with_default_timeout(ENGINE_TIMEOUT)
+        .with_ladder(LadderConfig {
             self_check: false,
             ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    }
+        })
 }
 
 /// Two engines in this process, not connected yet: `server` on a device
@@ -1287,7 +1279,7 @@ pub(crate) fn start_engines<V: Api, C: hal_cuda::Api>(
     device: Option<&str>,
     port: u8,
     cuda: Option<&C::Driver>,
-    config: EngineConfig,
+    mut config: EngineConfig,
 ) -> Result<Engines<V, C>, Box<dyn Error>> {
     let provider = backends.verbs();
     let device = pick_device::<V>(provider, device)?;
@@ -1295,23 +1287,14 @@ pub(crate) fn start_engines<V: Api, C: hal_cuda::Api>(
     let server = Engine::new(
         provider,
         cuda,
-        EngineConfig {
-            devices: Some(vec![device.clone()]),
-            ..config.clone()
-        },
+        config.clone().with_devices([device.clone()]),
     )?;
     let peer_provider = backends.peer_provider();
     // The same device where the peer provider has it (real hardware);
     // else whatever its route picks.
     let same = peer_provider.devices()?.iter().any(|d| d.name == device);
-    let client = Engine::new(
-        &peer_provider,
-        cuda,
-        EngineConfig {
-            devices: same.then(|| vec![device.clone()]),
-            ..config
-        },
-    )?;
+    config.devices = same.then(|| vec![device.clone()]);
+    let client = Engine::new(&peer_provider, cuda, config)?;
     Ok(Engines {
         client,
         server,
@@ -1402,14 +1385,13 @@ fn engine_bench<V: Api, C: hal_cuda::Api>(
     args: &EngineArgs,
 ) -> Result<Vec<EngineMeasurement>, Box<dyn Error>> {
     let defaults = EngineConfig::default();
-    let config = EngineConfig {
-        qps_per_peer: args.qps.unwrap_or(defaults.qps_per_peer).max(1),
-        slice_size: args.slice.map_or(defaults.slice_size, |s| s as u64).max(1),
-        qp_depth: args.qp_depth.unwrap_or(defaults.qp_depth).max(1),
-        signal_every: args.signal_every.unwrap_or(defaults.signal_every).max(1),
-        default_timeout: ENGINE_TIMEOUT,
-        ..defaults
-    };
+    let config = defaults
+        .clone()
+        .with_qps_per_peer(args.qps.unwrap_or(defaults.qps_per_peer).max(1))
+        .with_slice_size(args.slice.map_or(defaults.slice_size, |s| s as u64).max(1))
+        .with_qp_depth(args.qp_depth.unwrap_or(defaults.qp_depth).max(1))
+        .with_signal_every(args.signal_every.unwrap_or(defaults.signal_every).max(1))
+        .with_default_timeout(ENGINE_TIMEOUT);
     let (qps, slice, qp_depth, signal_every) = (
         config.qps_per_peer,
         config.slice_size,

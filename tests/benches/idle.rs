@@ -56,14 +56,12 @@ impl std::ops::Deref for Engines {
 
 impl Engines {
     fn new() -> Self {
-        let config = EngineConfig {
-            default_timeout: T,
-            ladder: LadderConfig {
+        let config = EngineConfig::default()
+            .with_default_timeout(T)
+            .with_ladder(LadderConfig {
                 self_check: false,
                 ..LadderConfig::default()
-            },
-            ..EngineConfig::default()
-        };
+            });
         Self(sim_host_peers(config, REQ, T))
     }
 

@@ -29,10 +29,7 @@ const SIZES: [u64; 3] = [1 << 20, 16 << 20, 256 << 20];
 const IN_FLIGHT: usize = 4;
 
 fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> C::Driver) {
-    let config = EngineConfig {
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default().with_default_timeout(T);
     let w = EngineWorld::<SimVerbsApi, C>::sim_with(1, config, T, |_| cuda());
     assert_eq!(w.ab.peer_copy(), PeerCopyRoute::SameProcess, "the route");
     let gpus = peer_copy_gpus::<C>(&w.a.cuda);

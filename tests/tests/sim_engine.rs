@@ -22,11 +22,9 @@ fn world(nics: usize, gpu: GpuConfig, config: EngineConfig) -> EngineWorld<SimVe
 }
 
 fn config(qps: u16) -> EngineConfig {
-    EngineConfig {
-        qps_per_peer: qps,
-        default_timeout: T,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .with_qps_per_peer(qps)
+        .with_default_timeout(T)
 }
 
 #[test]
