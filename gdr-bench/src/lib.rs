@@ -1190,10 +1190,7 @@ fn device_address<V: Api>(
 pub(crate) fn host_memory_config() -> EngineConfig {
     EngineConfig::default()
         .with_default_timeout(ENGINE_TIMEOUT)
-        .with_ladder(LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        })
+        .with_ladder(LadderConfig::default().with_self_check(false))
 }
 
 /// Two engines in this process, not connected yet: `server` on a device

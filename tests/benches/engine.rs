@@ -223,10 +223,7 @@ fn engine_config(signal_every: u32) -> EngineConfig {
         // would only make every one of the sim's QP lookups (a BTreeMap
         // by number, the connection's QPs last) dearer than the bare
         // loop's two-QP fabric: a cost of the sim, not of the engine.
-        .with_ladder(LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        })
+        .with_ladder(LadderConfig::default().with_self_check(false))
 }
 
 impl Engines<gdr_sim::SimVerbsApi, gdr_sim::SimCudaApi> {

@@ -58,10 +58,7 @@ impl Engines {
     fn new() -> Self {
         let config = EngineConfig::default()
             .with_default_timeout(T)
-            .with_ladder(LadderConfig {
-                self_check: false,
-                ..LadderConfig::default()
-            });
+            .with_ladder(LadderConfig::default().with_self_check(false));
         Self(sim_host_peers(config, REQ, T))
     }
 

@@ -24,10 +24,7 @@ fn bench_on<V: Api>(c: &mut Criterion, provider: &V::Provider) {
         Vec::new(),
         Arc::new(RegistrationCache::new(CacheConfig::default())),
         Arc::new(DmabufExports::new()),
-        LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        },
+        LadderConfig::default().with_self_check(false),
     )
     .expect("ladder");
     let buffer = Buffer::<SimCudaApi>::alloc_host(LEN as u64);

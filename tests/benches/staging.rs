@@ -60,10 +60,7 @@ fn config() -> EngineConfig {
         .with_default_timeout(T)
         // The staging path is measured: both engines share the GPU here.
         .with_peer_copy(false)
-        .with_ladder(LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..LadderConfig::default()
-        })
+        .with_ladder(LadderConfig::default().with_policy(Policy::Only(Rung::Staging)))
 }
 
 /// A synchronous copy of `len` bytes from device address `src` into host

@@ -22,7 +22,7 @@ use gdr_core::engine::{
     Batch, Engine, EngineConfig, EngineError, Path, Peer, PeerCopyRoute, Region, RegionGrant,
     Transfer, TransferError,
 };
-use gdr_core::ladder::{LadderConfig, Policy, Rung};
+use gdr_core::ladder::{Policy, Rung};
 use gdr_sim::{
     DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi,
 };
@@ -44,10 +44,7 @@ pub type WorldBuffer<C = SimCudaApi> = Buffer<C>;
 
 /// `base` with GPU memory on the staging rung only (no GPUDirect rung).
 pub fn staged_only(base: EngineConfig) -> EngineConfig {
-    let ladder = LadderConfig {
-        policy: Policy::Only(Rung::Staging),
-        ..base.ladder
-    };
+    let ladder = base.ladder.with_policy(Policy::Only(Rung::Staging));
     base.with_ladder(ladder)
 }
 

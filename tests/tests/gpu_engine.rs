@@ -60,10 +60,7 @@ fn world_with(
         .with_qps_per_peer(2)
         .with_default_timeout(T)
         .with_peer_copy(peer_copy)
-        .with_ladder(LadderConfig {
-            policy,
-            ..LadderConfig::default()
-        });
+        .with_ladder(LadderConfig::default().with_policy(policy));
     Some(EngineWorld::sim_with(1, config, T, |_| driver.clone()))
 }
 

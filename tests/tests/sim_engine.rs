@@ -53,10 +53,7 @@ fn every_pair_of_memory_kinds_and_rungs() {
     for rung in [Rung::Dmabuf, Rung::Peermem] {
         let mut cfg = config(2);
         cfg.slice_size = 64 * 1024;
-        cfg.ladder = LadderConfig {
-            policy: Policy::Only(rung),
-            ..LadderConfig::default()
-        };
+        cfg.ladder = LadderConfig::default().with_policy(Policy::Only(rung));
         let gpu = GpuConfig {
             peermem: true,
             ..GpuConfig::default()

@@ -206,10 +206,9 @@ fn staged_world() -> EngineWorld<SimVerbsApi> {
     let config = EngineConfig::default()
         .with_qps_per_peer(2)
         .with_default_timeout(T)
-        .with_ladder(gdr_core::ladder::LadderConfig {
-            policy: gdr_core::ladder::Policy::Only(gdr_core::ladder::Rung::Staging),
-            ..Default::default()
-        });
+        .with_ladder(gdr_core::ladder::LadderConfig::default().with_policy(
+            gdr_core::ladder::Policy::Only(gdr_core::ladder::Rung::Staging),
+        ));
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

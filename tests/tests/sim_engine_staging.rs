@@ -28,10 +28,7 @@ fn staging_world_with(qps: u16, tune: impl FnOnce(&mut EngineConfig)) -> EngineW
         .with_qps_per_peer(qps)
         .with_slice_size(64 * 1024)
         .with_default_timeout(T)
-        .with_ladder(LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..LadderConfig::default()
-        });
+        .with_ladder(LadderConfig::default().with_policy(Policy::Only(Rung::Staging)));
     tune(&mut config);
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }

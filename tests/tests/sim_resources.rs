@@ -23,10 +23,7 @@ fn world(policy: Policy, peer_copy: bool) -> EngineWorld<SimVerbsApi> {
         .with_staging_slice(16 * 1024)
         .with_staging_slots(3)
         .with_peer_copy(peer_copy)
-        .with_ladder(LadderConfig {
-            policy,
-            ..LadderConfig::default()
-        });
+        .with_ladder(LadderConfig::default().with_policy(policy));
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 
