@@ -937,16 +937,10 @@ fn recv_message(peer: &Peer, tag: &[u8; 4], timeout: Duration) -> Result<u64, Bo
 fn engine_on(
     backends: &Backends,
     device: Option<&str>,
-    config: EngineConfig,
+    mut config: EngineConfig,
 ) -> Result<Engine, EngineError> {
-    Engine::new(
-        backends.verbs(),
-        None,
-        EngineConfig {
-            devices: device.map(|d| vec![d.to_owned()]),
-            ..config
-        },
-    )
+    config.devices = device.map(|d| vec![d.to_owned()]);
+    Engine::new(backends.verbs(), None, config)
 }
 
 /// `gdr bench engine --listen ADDR`: one engine (on `device`, or every
@@ -1192,14 +1186,9 @@ fn device_address(
 /// The engines' configuration where only host memory moves: the defaults
 /// with the bench's timeout, and no GPU rung to prove.
 pub(crate) fn host_memory_config() -> EngineConfig {
-    EngineConfig {
-        default_timeout: ENGINE_TIMEOUT,
-        ladder: LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .with_default_timeout(ENGINE_TIMEOUT)
+        .with_ladder(LadderConfig::default().with_self_check(false))
 }
 
 /// Two engines in this process, not connected yet: `server` on a device
@@ -1282,7 +1271,7 @@ pub(crate) fn start_engines(
     device: Option<&str>,
     port: u8,
     cuda: Option<&hal_cuda::dynamic::DynDriver>,
-    config: EngineConfig,
+    mut config: EngineConfig,
 ) -> Result<Engines, Box<dyn Error>> {
     let provider = backends.verbs();
     let device = pick_device::<hal_verbs::dynamic::DynApi>(provider, device)?;
@@ -1290,23 +1279,14 @@ pub(crate) fn start_engines(
     let server = Engine::new(
         provider,
         cuda,
-        EngineConfig {
-            devices: Some(vec![device.clone()]),
-            ..config.clone()
-        },
+        config.clone().with_devices([device.clone()]),
     )?;
     let peer_provider = backends.peer_provider();
     // The same device where the peer provider has it (real hardware);
     // else whatever its route picks.
     let same = peer_provider.devices()?.iter().any(|d| d.name == device);
-    let client = Engine::new(
-        &peer_provider,
-        cuda,
-        EngineConfig {
-            devices: same.then(|| vec![device.clone()]),
-            ..config
-        },
-    )?;
+    config.devices = same.then(|| vec![device.clone()]);
+    let client = Engine::new(&peer_provider, cuda, config)?;
     Ok(Engines {
         client,
         server,
@@ -1397,14 +1377,13 @@ fn engine_bench(
     args: &EngineArgs,
 ) -> Result<Vec<EngineMeasurement>, Box<dyn Error>> {
     let defaults = EngineConfig::default();
-    let config = EngineConfig {
-        qps_per_peer: args.qps.unwrap_or(defaults.qps_per_peer).max(1),
-        slice_size: args.slice.map_or(defaults.slice_size, |s| s as u64).max(1),
-        qp_depth: args.qp_depth.unwrap_or(defaults.qp_depth).max(1),
-        signal_every: args.signal_every.unwrap_or(defaults.signal_every).max(1),
-        default_timeout: ENGINE_TIMEOUT,
-        ..defaults
-    };
+    let config = defaults
+        .clone()
+        .with_qps_per_peer(args.qps.unwrap_or(defaults.qps_per_peer).max(1))
+        .with_slice_size(args.slice.map_or(defaults.slice_size, |s| s as u64).max(1))
+        .with_qp_depth(args.qp_depth.unwrap_or(defaults.qp_depth).max(1))
+        .with_signal_every(args.signal_every.unwrap_or(defaults.signal_every).max(1))
+        .with_default_timeout(ENGINE_TIMEOUT);
     let (qps, slice, qp_depth, signal_every) = (
         config.qps_per_peer,
         config.slice_size,

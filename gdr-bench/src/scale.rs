@@ -266,10 +266,8 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
         pick_device::<hal_verbs::dynamic::DynApi>(backends.verbs(), args.common.device.as_deref())?;
     let backend = backends.verbs_name();
     let defaults = EngineConfig::default();
-    let config = EngineConfig {
-        qps_per_peer: args.qps.unwrap_or(defaults.qps_per_peer).max(1),
-        ..host_memory_config()
-    };
+    let config =
+        host_memory_config().with_qps_per_peer(args.qps.unwrap_or(defaults.qps_per_peer).max(1));
     let qps = config.qps_per_peer;
     let json = args.common.json;
     if !json && !modes.is_empty() {
@@ -619,14 +617,13 @@ fn peers_bench(
     let (backend, json) = (backends.verbs_name(), args.common.json);
     let qps = config.qps_per_peer;
     let k = args.connect_threads.min(args.peers).max(1);
-    let config = EngineConfig {
+    let config = config
+        .clone()
         // (The engine brings it into its bounds.)
-        accept_backlog: config.accept_backlog.max(k),
+        .with_accept_backlog(config.accept_backlog.max(k))
         // Room for every peer asked for: the device's limits, not the
         // engine's default bound, are what this measures.
-        max_peers: config.max_peers.max(args.peers),
-        ..config
-    };
+        .with_max_peers(config.max_peers.max(args.peers));
     if !json {
         println!(
             "set-up of {} peers to one listener: one client engine, one server engine, {qps} QPs \

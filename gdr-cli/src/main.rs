@@ -87,10 +87,7 @@ const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// the first rung of the ladder that works (reported, with why each higher
 /// one did not), both results checked byte for byte.
 fn loopback(context: &Context, size: usize) -> Result<(), Box<dyn Error>> {
-    let config = EngineConfig {
-        default_timeout: LOOPBACK_TIMEOUT,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default().with_default_timeout(LOOPBACK_TIMEOUT);
     let qps = config.qps_per_peer;
     let server = context.engine(config.clone())?;
     let client = context.engine(config)?;

@@ -44,10 +44,7 @@ const PAGE: u64 = 4096;
 const DOMAIN: u64 = 1;
 
 fn filled(entries: u64) -> RegistrationCache<BenchRegistrar> {
-    let cache = RegistrationCache::new(CacheConfig {
-        limits: Limits::UNLIMITED,
-        ..CacheConfig::default()
-    });
+    let cache = RegistrationCache::new(CacheConfig::default().with_limits(Limits::UNLIMITED));
     let reg = BenchRegistrar {
         delay: Duration::ZERO,
     };

@@ -53,12 +53,10 @@ fn engine(fabric: &SimFabric, name: &str) -> Result<(SimVerbs, Engine), BoxError
             devices: vec![DeviceConfig::default()],
         },
     );
-    let config = EngineConfig {
-        qps_per_peer: 4,
-        slice_size: 16 * 1024,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(4)
+        .with_slice_size(16 * 1024)
+        .with_default_timeout(T);
     let engine = Engine::new(&node.erased(), None, config)?;
     Ok((node, engine))
 }

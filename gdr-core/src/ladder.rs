@@ -214,7 +214,11 @@ impl Policy {
 }
 
 /// How a ladder behaves.
+///
+/// Made from [`LadderConfig::default`] and the `with_` setters (one per field);
+/// `#[non_exhaustive]`, so a field can be added without breaking callers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LadderConfig {
     /// Which rungs GPU memory may take.
     pub policy: Policy,
@@ -243,6 +247,50 @@ impl Default for LadderConfig {
             probe_backoff: Duration::from_millis(100),
             max_probe_backoff: Duration::from_secs(30),
         }
+    }
+}
+
+impl LadderConfig {
+    /// Sets [`LadderConfig::policy`].
+    #[must_use]
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets [`LadderConfig::self_check`].
+    #[must_use]
+    pub fn with_self_check(mut self, self_check: bool) -> Self {
+        self.self_check = self_check;
+        self
+    }
+
+    /// Sets [`LadderConfig::port`].
+    #[must_use]
+    pub fn with_port(mut self, port: u8) -> Self {
+        self.port = port;
+        self
+    }
+
+    /// Sets [`LadderConfig::budget`] (`Some`).
+    #[must_use]
+    pub fn with_budget(mut self, budget: BudgetLimits) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Sets [`LadderConfig::probe_backoff`].
+    #[must_use]
+    pub fn with_probe_backoff(mut self, probe_backoff: Duration) -> Self {
+        self.probe_backoff = probe_backoff;
+        self
+    }
+
+    /// Sets [`LadderConfig::max_probe_backoff`].
+    #[must_use]
+    pub fn with_max_probe_backoff(mut self, max_probe_backoff: Duration) -> Self {
+        self.max_probe_backoff = max_probe_backoff;
+        self
     }
 }
 

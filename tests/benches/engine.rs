@@ -211,23 +211,18 @@ impl std::ops::Deref for Engines {
 /// The engines' configuration: one QP of `WINDOW`, signalled every
 /// `signal_every`.
 fn engine_config(signal_every: u32) -> EngineConfig {
-    EngineConfig {
-        qps_per_peer: 1,
-        qp_depth: WINDOW as u32,
-        signal_every,
-        inline_threshold: 0,
-        default_timeout: T,
+    EngineConfig::default()
+        .with_qps_per_peer(1)
+        .with_qp_depth(WINDOW as u32)
+        .with_signal_every(signal_every)
+        .with_inline_threshold(0)
+        .with_default_timeout(T)
         // The self-check proves GPU rungs with a loopback pair of QPs
         // per engine; host memory never uses it, and its four idle QPs
         // would only make every one of the sim's QP lookups (a BTreeMap
         // by number, the connection's QPs last) dearer than the bare
         // loop's two-QP fabric: a cost of the sim, not of the engine.
-        ladder: LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    }
+        .with_ladder(LadderConfig::default().with_self_check(false))
 }
 
 impl Engines {

@@ -56,14 +56,9 @@ impl std::ops::Deref for Engines {
 
 impl Engines {
     fn new() -> Self {
-        let config = EngineConfig {
-            default_timeout: T,
-            ladder: LadderConfig {
-                self_check: false,
-                ..LadderConfig::default()
-            },
-            ..EngineConfig::default()
-        };
+        let config = EngineConfig::default()
+            .with_default_timeout(T)
+            .with_ladder(LadderConfig::default().with_self_check(false));
         Self(sim_host_peers(config, REQ, T))
     }
 

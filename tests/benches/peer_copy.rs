@@ -32,10 +32,7 @@ fn bench_on<C: hal_cuda::Api>(c: &mut Criterion, what: &str, cuda: impl Fn() -> 
 where
     C::Driver: Clone,
 {
-    let config = EngineConfig {
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default().with_default_timeout(T);
     let w = EngineWorld::<SimVerbsApi, C>::sim_with(1, config, T, |_| cuda());
     assert_eq!(w.ab.peer_copy(), PeerCopyRoute::SameProcess, "the route");
     let gpus = peer_copy_gpus::<C>(&w.a.cuda);

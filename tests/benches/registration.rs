@@ -24,10 +24,7 @@ fn bench_on(c: &mut Criterion, provider: &hal_verbs::dynamic::DynProvider) {
         Vec::new(),
         Arc::new(RegistrationCache::new(CacheConfig::default())),
         Arc::new(DmabufExports::new()),
-        LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        },
+        LadderConfig::default().with_self_check(false),
     )
     .expect("ladder");
     let buffer = Buffer::alloc_host(LEN as u64);

@@ -55,17 +55,12 @@ const T: Duration = Duration::from_secs(120);
 const SIZES: [u64; 4] = [64 << 10, 1 << 20, 16 << 20, 256 << 20];
 
 fn config() -> EngineConfig {
-    EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
+    EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T)
         // The staging path is measured: both engines share the GPU here.
-        peer_copy: false,
-        ladder: LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    }
+        .with_peer_copy(false)
+        .with_ladder(LadderConfig::default().with_policy(Policy::Only(Rung::Staging)))
 }
 
 /// A synchronous copy of `len` bytes from device address `src` into host

@@ -22,7 +22,7 @@ use gdr_core::engine::{
     Batch, Engine, EngineConfig, EngineError, Path, Peer, PeerCopyRoute, Region, RegionGrant,
     Transfer, TransferError,
 };
-use gdr_core::ladder::{LadderConfig, Policy, Rung};
+use gdr_core::ladder::{Policy, Rung};
 use gdr_sim::{
     DeviceConfig, FaultPlan, GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi,
 };
@@ -43,25 +43,18 @@ pub type WorldBuffer = Buffer;
 
 /// `base` with GPU memory on the staging rung only (no GPUDirect rung).
 pub fn staged_only(base: EngineConfig) -> EngineConfig {
-    EngineConfig {
-        ladder: LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..base.ladder
-        },
-        ..base
-    }
+    let ladder = base.ladder.with_policy(Policy::Only(Rung::Staging));
+    base.with_ladder(ladder)
 }
 
 /// [`staged_only`], and a peer's staged regions reached through the
 /// owner's landing slots in 4 KiB slices (4 slots lent, 2 slots of the
 /// local pool): many slices for a small transfer.
 pub fn staged_through_slots(base: EngineConfig) -> EngineConfig {
-    EngineConfig {
-        staging_slice: 4096,
-        staging_slots: 2,
-        rendezvous_slots: 4,
-        ..staged_only(base)
-    }
+    staged_only(base)
+        .with_staging_slice(4096)
+        .with_staging_slots(2)
+        .with_rendezvous_slots(4)
 }
 
 /// The memory a region is made of.
@@ -1517,11 +1510,9 @@ impl EngineWorld<RdmaApi> {
     /// ([`rxe::open_rxe`]).
     pub fn rxe(test: &str, config: EngineConfig, timeout: Duration) -> Option<Self> {
         let (provider, _ctx) = rxe::open_rxe(test)?;
-        let config = EngineConfig {
-            devices: Some(vec![rxe::device_name()]),
-            default_timeout: timeout,
-            ..config
-        };
+        let config = config
+            .with_devices([rxe::device_name()])
+            .with_default_timeout(timeout);
         let side = |provider: RdmaProvider| {
             let cuda = SimCuda::new(
                 vec![GpuConfig {

@@ -56,16 +56,11 @@ fn world_with(
     peer_copy: bool,
 ) -> Option<EngineWorld<SimVerbsApi, CudaApi>> {
     let (driver, _ctx) = gdr_tests::cuda_gpu(test)?;
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        peer_copy,
-        ladder: LadderConfig {
-            policy,
-            ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T)
+        .with_peer_copy(peer_copy)
+        .with_ladder(LadderConfig::default().with_policy(policy));
     Some(EngineWorld::sim_with(1, config, T, |_| driver.clone()))
 }
 
@@ -319,11 +314,9 @@ fn two_processes_copy_through_cuda_ipc_on_the_real_gpu() {
 }
 
 fn rxe_config() -> EngineConfig {
-    EngineConfig {
-        devices: Some(vec![gdr_tests::rxe::device_name()]),
-        default_timeout: T,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .with_devices([gdr_tests::rxe::device_name()])
+        .with_default_timeout(T)
 }
 
 /// The child half: connects, grants its GPU memory (holding a pattern),

@@ -33,11 +33,9 @@ fn connected(test: &str, config: EngineConfig) -> Option<EngineWorld<RdmaApi>> {
 }
 
 fn config(qps: u16, slice_size: u64) -> EngineConfig {
-    EngineConfig {
-        qps_per_peer: qps,
-        slice_size,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .with_qps_per_peer(qps)
+        .with_slice_size(slice_size)
 }
 
 #[test]

@@ -164,18 +164,16 @@ fn path_to_a(offset: u16) -> Path {
 }
 
 fn config(devices: &[&str]) -> EngineConfig {
-    EngineConfig {
-        qps_per_peer: QPS,
-        slice_size: SLICE,
-        default_timeout: BATCH,
-        devices: Some(devices.iter().map(|d| (*d).to_owned()).collect()),
-        connect: ConnectParams {
+    EngineConfig::default()
+        .with_qps_per_peer(QPS)
+        .with_slice_size(SLICE)
+        .with_default_timeout(BATCH)
+        .with_devices(devices.iter().map(|d| (*d).to_owned()))
+        .with_connect(ConnectParams {
             ack_timeout: Some(ack_timeout()),
             retry_count: retry_count(),
             ..ConnectParams::default()
-        },
-        ..EngineConfig::default()
-    }
+        })
 }
 
 /// The queue pairs' transport retries: `GDR_WIRE_RETRY`, default the
@@ -669,11 +667,9 @@ fn stated_retry() -> Duration {
 
 /// `config(devices)` with the wire tests' reconnect bound.
 fn wire_config(devices: &[&str]) -> EngineConfig {
-    EngineConfig {
-        reconnect_timeout: RECONNECT,
-        default_timeout: CUT_DEADLINE,
-        ..config(devices)
-    }
+    config(devices)
+        .with_reconnect_timeout(RECONNECT)
+        .with_default_timeout(CUT_DEADLINE)
 }
 
 /// The netdev under `device`.

@@ -22,11 +22,9 @@ fn world(nics: usize, gpu: GpuConfig, config: EngineConfig) -> EngineWorld<SimVe
 }
 
 fn config(qps: u16) -> EngineConfig {
-    EngineConfig {
-        qps_per_peer: qps,
-        default_timeout: T,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .with_qps_per_peer(qps)
+        .with_default_timeout(T)
 }
 
 #[test]
@@ -55,10 +53,7 @@ fn every_pair_of_memory_kinds_and_rungs() {
     for rung in [Rung::Dmabuf, Rung::Peermem] {
         let mut cfg = config(2);
         cfg.slice_size = 64 * 1024;
-        cfg.ladder = LadderConfig {
-            policy: Policy::Only(rung),
-            ..LadderConfig::default()
-        };
+        cfg.ladder = LadderConfig::default().with_policy(Policy::Only(rung));
         let gpu = GpuConfig {
             peermem: true,
             ..GpuConfig::default()

@@ -24,12 +24,10 @@ use tokio::time::timeout;
 const T: Duration = Duration::from_secs(10);
 
 fn world(qps: u16) -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
-        qps_per_peer: qps,
-        slice_size: 16 * 1024,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(qps)
+        .with_slice_size(16 * 1024)
+        .with_default_timeout(T);
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

@@ -19,12 +19,12 @@ use gdr_tests::pattern;
 const T: Duration = Duration::from_secs(10);
 
 fn world(limits: PeerLimits) -> EngineWorld<SimVerbsApi> {
-    let config = staged_through_slots(EngineConfig {
-        qps_per_peer: 1,
-        default_timeout: T,
-        peer_limits: limits,
-        ..EngineConfig::default()
-    });
+    let config = staged_through_slots(
+        EngineConfig::default()
+            .with_qps_per_peer(1)
+            .with_default_timeout(T)
+            .with_peer_limits(limits),
+    );
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

@@ -26,11 +26,9 @@ fn world(ordering: hal_cuda::WritesOrdering) -> EngineWorld<SimVerbsApi> {
         writes_ordering: ordering,
         ..GpuConfig::default()
     };
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T);
     EngineWorld::sim(1, gpu, config, T)
 }
 
@@ -205,15 +203,12 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
 /// A world whose GPU memory takes the staging rung (as the H200's memory
 /// over the sim NIC).
 fn staged_world() -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        ladder: gdr_core::ladder::LadderConfig {
-            policy: gdr_core::ladder::Policy::Only(gdr_core::ladder::Rung::Staging),
-            ..Default::default()
-        },
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T)
+        .with_ladder(gdr_core::ladder::LadderConfig::default().with_policy(
+            gdr_core::ladder::Policy::Only(gdr_core::ladder::Rung::Staging),
+        ));
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 
@@ -262,12 +257,10 @@ fn a_free_and_a_staging_copy_do_not_stop_progress_releasing_a_fence() {
 #[test]
 fn memory_a_batch_holds_last_is_not_freed_inside_progress() {
     use std::io::Write as _;
-    let config = EngineConfig {
+    let config = EngineConfig::default()
         // One queue pair: the WRITE ends before the fenced READ.
-        qps_per_peer: 1,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+        .with_qps_per_peer(1)
+        .with_default_timeout(T);
     let w = EngineWorld::sim(1, GpuConfig::default(), config, T);
     let len = 1 << 16;
     let (_s, src) = w.b.host(len, 5);
@@ -326,10 +319,7 @@ fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
     let a_nic = fabric.add_node("a", NodeConfig::default());
     let b_nic = fabric.add_node("b", NodeConfig::default());
     let cuda = SimCuda::new(vec![GpuConfig::default()], fabric.faults());
-    let config = EngineConfig {
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default().with_default_timeout(T);
     let a = Engine::new(&a_nic.erased(), Some(&cuda.erased()), config.clone()).unwrap();
     let b = Engine::new(&b_nic.erased(), None, config).unwrap();
     let (listener, addr) = sim_listener(&b, &b_nic);

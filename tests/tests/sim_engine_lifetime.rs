@@ -20,12 +20,12 @@ const LEN: u64 = 64 * 1024;
 
 /// GPU memory takes only the staging rung (no MR over it).
 fn staging_world() -> EngineWorld<SimVerbsApi> {
-    let config = staged_only(EngineConfig {
-        qps_per_peer: 1,
-        slice_size: 16 * 1024,
-        default_timeout: T,
-        ..EngineConfig::default()
-    });
+    let config = staged_only(
+        EngineConfig::default()
+            .with_qps_per_peer(1)
+            .with_slice_size(16 * 1024)
+            .with_default_timeout(T),
+    );
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 
@@ -124,12 +124,12 @@ fn wrapped_gpu_memory_on_the_staging_rung_is_not_released_under_a_region() {
 /// GPU memory staged, peers' staged regions reached through the owner's
 /// landing slots in 4 KiB slices.
 fn slots_world() -> EngineWorld<SimVerbsApi> {
-    let config = staged_through_slots(EngineConfig {
-        qps_per_peer: 1,
-        slice_size: 64 * 1024,
-        default_timeout: T,
-        ..EngineConfig::default()
-    });
+    let config = staged_through_slots(
+        EngineConfig::default()
+            .with_qps_per_peer(1)
+            .with_slice_size(64 * 1024)
+            .with_default_timeout(T),
+    );
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

@@ -182,23 +182,18 @@ fn expected(path: PathKind, event: Event) -> Expect {
 }
 
 fn config(path: PathKind) -> EngineConfig {
-    let base = EngineConfig {
-        qps_per_peer: 1,
-        slice_size: 4096,
+    let base = EngineConfig::default()
+        .with_qps_per_peer(1)
+        .with_slice_size(4096)
         // A window of 16 slices per queue pair: the transfer takes several.
-        qp_depth: 16,
-        default_timeout: DEADLINE,
+        .with_qp_depth(16)
+        .with_default_timeout(DEADLINE)
         // A dead or closed peer is given up quickly.
-        reconnect_timeout: Duration::from_millis(300),
-        ..EngineConfig::default()
-    };
+        .with_reconnect_timeout(Duration::from_millis(300));
     match path {
         PathKind::Nic => base,
         PathKind::Staged => staged_through_slots(base),
-        PathKind::PeerSameProcess | PathKind::PeerIpc => EngineConfig {
-            peer_copy_slice: 64 * 1024,
-            ..base
-        },
+        PathKind::PeerSameProcess | PathKind::PeerIpc => base.with_peer_copy_slice(64 * 1024),
     }
 }
 

@@ -26,11 +26,9 @@ const MIB: u64 = 1 << 20;
 
 /// Slices smaller than the transfers, so several streams carry one batch.
 fn config() -> EngineConfig {
-    EngineConfig {
-        default_timeout: T,
-        peer_copy_slice: MIB + 3,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .with_default_timeout(T)
+        .with_peer_copy_slice(MIB + 3)
 }
 
 /// Two engines on one simulated node with two GPUs: in one simulated
@@ -110,10 +108,7 @@ fn an_engine_of_another_process_is_reached_through_ipc() {
 #[test]
 fn peer_copy_off_on_either_side_takes_the_nic() {
     for a_off in [true, false] {
-        let off = EngineConfig {
-            peer_copy: false,
-            ..config()
-        };
+        let off = config().with_peer_copy(false);
         let configs = if a_off {
             (off, config())
         } else {
@@ -328,10 +323,7 @@ fn engines_of_two_simulated_nodes_use_the_nic() {
 /// Slices of 64 KiB: a 4 MiB transfer is 64 of them, queued a window (one
 /// slice per stream, 4 streams) at a time, two windows at most.
 fn small_slices() -> EngineConfig {
-    EngineConfig {
-        peer_copy_slice: 64 * 1024,
-        ..config()
-    }
+    config().with_peer_copy_slice(64 * 1024)
 }
 
 #[test]

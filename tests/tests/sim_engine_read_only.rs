@@ -23,10 +23,7 @@ const T: Duration = Duration::from_secs(10);
 const LEN: u64 = 64 << 10;
 
 fn config() -> EngineConfig {
-    EngineConfig {
-        default_timeout: T,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default().with_default_timeout(T)
 }
 
 /// A read-only buffer over `owner`'s memory (host, or GPU memory of

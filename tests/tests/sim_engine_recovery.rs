@@ -15,13 +15,11 @@ use gdr_tests::pattern;
 const T: Duration = Duration::from_secs(10);
 
 fn world(qps: u16, reconnect_timeout: Duration) -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
-        qps_per_peer: qps,
-        slice_size: 4096,
-        reconnect_timeout,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(qps)
+        .with_slice_size(4096)
+        .with_reconnect_timeout(reconnect_timeout)
+        .with_default_timeout(T);
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

@@ -25,11 +25,9 @@ type Listener = EngineListener;
 /// Two simulated nodes, a connected to b (two queue pairs a peer), b's
 /// engine configured by `b_config` on top of the defaults.
 fn world(b_config: impl FnOnce(&mut EngineConfig)) -> EngineWorld<SimVerbsApi> {
-    let a = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let a = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T);
     let mut b = a.clone();
     b_config(&mut b);
     EngineWorld::sim_sides(1, (a, b), T, |fabric| {
@@ -374,12 +372,10 @@ fn a_receive_post_refused_while_adding_a_peer_fails_the_connect_and_leaves_nothi
 #[test]
 fn past_max_peers_a_connect_is_refused_and_an_acceptor_rejects_busy() {
     use gdr_core::engine::Refusal;
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        max_peers: 1,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T)
+        .with_max_peers(1);
     let w = EngineWorld::sim_sides(1, (config.clone(), config), T, |fabric| {
         gdr_sim::SimCuda::new(vec![GpuConfig::default()], fabric.faults())
     });
@@ -401,10 +397,7 @@ fn past_max_peers_a_connect_is_refused_and_an_acceptor_rejects_busy() {
     let c = gdr_core::engine::Engine::new(
         &c_nic.erased(),
         None,
-        EngineConfig {
-            default_timeout: T,
-            ..EngineConfig::default()
-        },
+        EngineConfig::default().with_default_timeout(T),
     )
     .unwrap();
     let err = c.connect(addr, T).unwrap_err();
@@ -458,13 +451,11 @@ fn round_trip_engines(x: &gdr_core::engine::Peer, y: &gdr_core::engine::Peer) {
 fn the_cq_bound_of_the_device_bounds_the_peers() {
     use gdr_core::engine::{Engine, Refusal};
     use gdr_sim::{DeviceConfig, NodeConfig, SimFabric};
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        qp_depth: 64,
-        recv_depth: 32,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_qp_depth(64)
+        .with_recv_depth(32)
+        .with_default_timeout(T);
     let per_peer = 2 * (64 + 32);
     let fabric = SimFabric::new();
     let mut small = DeviceConfig::default();
@@ -504,12 +495,10 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
     let err = Engine::new(
         &c_nic.erased(),
         None,
-        EngineConfig {
-            qps_per_peer: 2,
-            qp_depth: 64,
-            recv_depth: 32,
-            ..EngineConfig::default()
-        },
+        EngineConfig::default()
+            .with_qps_per_peer(2)
+            .with_qp_depth(64)
+            .with_recv_depth(32),
     )
     .map(drop)
     .unwrap_err();

@@ -24,16 +24,11 @@ fn staging_world(qps: u16) -> EngineWorld<SimVerbsApi> {
 /// A world whose GPU memory takes only the staging rung, configured
 /// further by `tune`.
 fn staging_world_with(qps: u16, tune: impl FnOnce(&mut EngineConfig)) -> EngineWorld<SimVerbsApi> {
-    let mut config = EngineConfig {
-        qps_per_peer: qps,
-        slice_size: 64 * 1024,
-        default_timeout: T,
-        ladder: LadderConfig {
-            policy: Policy::Only(Rung::Staging),
-            ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    };
+    let mut config = EngineConfig::default()
+        .with_qps_per_peer(qps)
+        .with_slice_size(64 * 1024)
+        .with_default_timeout(T)
+        .with_ladder(LadderConfig::default().with_policy(Policy::Only(Rung::Staging)));
     tune(&mut config);
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }

@@ -43,12 +43,10 @@ type World = EngineWorld<SimVerbsApi>;
 static OWN_THREADS: RwLock<()> = RwLock::new(());
 
 fn world(qps: u16) -> World {
-    let config = EngineConfig {
-        qps_per_peer: qps,
-        slice_size: 16 * 1024,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(qps)
+        .with_slice_size(16 * 1024)
+        .with_default_timeout(T);
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

@@ -63,13 +63,11 @@ impl Drop for FakeSysfs {
 }
 
 fn world(topology: PciTopology) -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
-        qps_per_peer: 4,
-        slice_size: 64 * 1024,
-        default_timeout: T,
-        topology,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(4)
+        .with_slice_size(64 * 1024)
+        .with_default_timeout(T)
+        .with_topology(topology);
     EngineWorld::sim(2, GpuConfig::default(), config, T)
 }
 

@@ -18,11 +18,9 @@ use hal_cuda::{Context as _, Driver as _};
 const T: Duration = Duration::from_secs(20);
 
 fn world(nics: usize) -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T);
     EngineWorld::sim(nics, GpuConfig::default(), config, T)
 }
 

@@ -510,10 +510,7 @@ fn gpu_memory_moves_where_the_nic_cannot_reach_the_gpu() {
                 .and_then(|c| {
                     assert!(!c.nic_reaches_gpu());
                     assert_eq!(c.gpu_count(), 1);
-                    c.engine(EngineConfig {
-                        peer_copy,
-                        ..EngineConfig::default()
-                    })
+                    c.engine(EngineConfig::default().with_peer_copy(peer_copy))
                 })
                 .expect("engine")
         };

@@ -133,11 +133,7 @@ fn under_attack(
     attack: impl FnOnce(&World),
     outcome: Outcome,
 ) -> Report {
-    let config = EngineConfig {
-        qps_per_peer: 1,
-        default_timeout: T,
-        ..config
-    };
+    let config = config.with_qps_per_peer(1).with_default_timeout(T);
     let w = World::sim(1, GpuConfig::default(), config.clone(), T);
     let (c, cb, bc) = w.connect_another_to_b("c", config);
     let (target, target_region) = w.b.alloc(Kind::Host, 1 << 16, 0);
@@ -332,13 +328,10 @@ fn a_flood_of_messages_nobody_receives_is_cut_at_the_default_bound() {
 fn a_flood_of_message_bytes_is_cut_at_the_default_bound() {
     // The count bound raised so the default byte bound (64 MiB) is the one
     // reached, with messages as large as the peer takes.
-    let config = EngineConfig {
-        peer_limits: PeerLimits {
-            max_inbox_messages: 1 << 20,
-            ..PeerLimits::DEFAULT
-        },
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default().with_peer_limits(PeerLimits {
+        max_inbox_messages: 1 << 20,
+        ..PeerLimits::DEFAULT
+    });
     let payload = vec![0x5a; max_payload(&config)];
     let max = config.peer_limits.max_inbox_bytes;
     let mut report = under_attack(
@@ -444,10 +437,7 @@ fn staged_requests_past_the_default_bound_are_refused_busy_and_stalled_ones_expi
         ..PeerLimits::DEFAULT
     };
     let max = limits.max_staged_requests;
-    let config = staged_through_slots(EngineConfig {
-        peer_limits: limits,
-        ..EngineConfig::default()
-    });
+    let config = staged_through_slots(EngineConfig::default().with_peer_limits(limits));
     let expired_after = Mutex::new(Duration::ZERO);
     let mut report = under_attack(
         "staged requests",
@@ -540,10 +530,7 @@ fn staged_requests_past_the_default_bound_are_refused_busy_and_stalled_ones_expi
 #[ignore = "a's concurrent connects hear of the listener's drop only at their own deadline (issue 23)"]
 fn connections_past_the_default_backlog_are_refused_busy_and_unaccepted_ones_dropped() {
     let backlog = EngineConfig::default().accept_backlog;
-    let config = EngineConfig {
-        accept_timeout: Duration::from_secs(1),
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default().with_accept_timeout(Duration::from_secs(1));
     let waiting_peak = Mutex::new(0);
     let mut report = under_attack(
         "connections",

@@ -226,10 +226,7 @@ fn policies_forbid_falling_back() {
     let w = world(vec![DeviceConfig::rxe_like()], GpuConfig::default());
     let strict = w.ladder(
         "sim0",
-        LadderConfig {
-            policy: Policy::RequireGpuDirect,
-            ..LadderConfig::default()
-        },
+        LadderConfig::default().with_policy(Policy::RequireGpuDirect),
     );
     let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let Err(LadderError::NoAllowedRung { failures, .. }) = buffer.register(&strict, 0, 4096) else {
@@ -255,10 +252,7 @@ fn policies_forbid_falling_back() {
     );
     let only_peermem = w.ladder(
         "sim0",
-        LadderConfig {
-            policy: Policy::Only(Rung::Peermem),
-            ..LadderConfig::default()
-        },
+        LadderConfig::default().with_policy(Policy::Only(Rung::Peermem)),
     );
     let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     let reg = buffer.register(&only_peermem, 0, 4096).unwrap();

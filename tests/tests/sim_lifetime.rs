@@ -82,13 +82,7 @@ fn nic_writes_into(ladder: &SimLadder, world: &World, lkey: u32, addr: u64, len:
 /// allocation that one RDMA write through the escaped MR then overwrites.
 fn escaped_registration_keeps_its_memory(leak: bool) {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(
-        "sim0",
-        LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        },
-    );
+    let ladder = w.ladder("sim0", LadderConfig::default().with_self_check(false));
     const LEN: usize = 64 << 10;
     let buffer = Buffer::alloc_host(LEN as u64);
     let registration = buffer.register(&ladder, 0, LEN as u64).unwrap();
@@ -146,13 +140,7 @@ fn a_leaked_registration_keeps_the_memory_of_its_mr_alive() {
 #[test]
 fn dropping_a_buffer_over_caller_memory_waits_for_its_last_mr() {
     let w = world(GpuConfig::default());
-    let ladder = w.ladder(
-        "sim0",
-        LadderConfig {
-            self_check: false,
-            ..LadderConfig::default()
-        },
-    );
+    let ladder = w.ladder("sim0", LadderConfig::default().with_self_check(false));
     let mut memory = vec![0u8; 8192];
     let addr = memory.as_mut_ptr() as u64;
     // SAFETY: `memory` is freed only after the buffer is dropped (below).
@@ -199,14 +187,12 @@ fn every_live_mr_counts_against_the_domain_budget() {
     let w = world(GpuConfig::default());
     let ladder = w.ladder(
         "sim0",
-        LadderConfig {
-            self_check: false,
-            budget: Some(BudgetLimits {
+        LadderConfig::default()
+            .with_self_check(false)
+            .with_budget(BudgetLimits {
                 max_mrs: 2,
                 max_bytes: u64::MAX,
             }),
-            ..LadderConfig::default()
-        },
     );
     let buffer = Buffer::alloc_host(1 << 20);
     let registered_before = w.plan.calls(FaultSite::VerbsRegister);
@@ -376,10 +362,7 @@ fn a_failed_dmabuf_registration_closes_its_export() {
     let w = world(GpuConfig::default());
     let ladder = w.ladder(
         "sim0",
-        LadderConfig {
-            policy: Policy::Only(Rung::Dmabuf),
-            ..LadderConfig::default()
-        },
+        LadderConfig::default().with_policy(Policy::Only(Rung::Dmabuf)),
     );
     let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();
     // Call 1 is the probe's; the buffer's own registration fails.
@@ -436,10 +419,7 @@ fn a_transient_probe_failure_is_retried_not_remembered() {
     let w = world(GpuConfig::default());
     let ladder = w.ladder(
         "sim0",
-        LadderConfig {
-            probe_backoff: Duration::from_millis(50),
-            ..LadderConfig::default()
-        },
+        LadderConfig::default().with_probe_backoff(Duration::from_millis(50)),
     );
     // The probe's own ibv_reg_dmabuf_mr runs out of memory once.
     fail_dmabuf_registration(&w, 1, libc::ENOMEM);
@@ -474,10 +454,7 @@ fn a_permanent_probe_refusal_is_remembered() {
     let w = world(GpuConfig::default());
     let ladder = w.ladder(
         "sim0",
-        LadderConfig {
-            probe_backoff: Duration::ZERO,
-            ..LadderConfig::default()
-        },
+        LadderConfig::default().with_probe_backoff(Duration::ZERO),
     );
     fail_dmabuf_registration(&w, 1, libc::EOPNOTSUPP);
     let buffer = Buffer::alloc_device(&w.gpu(), 64 << 10).unwrap();

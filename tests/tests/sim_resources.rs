@@ -17,18 +17,13 @@ const T: Duration = Duration::from_secs(10);
 const LEN: u64 = 200 * 1024 + 3;
 
 fn world(policy: Policy, peer_copy: bool) -> EngineWorld<SimVerbsApi> {
-    let config = EngineConfig {
-        qps_per_peer: 2,
-        default_timeout: T,
-        staging_slice: 16 * 1024,
-        staging_slots: 3,
-        peer_copy,
-        ladder: LadderConfig {
-            policy,
-            ..LadderConfig::default()
-        },
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default()
+        .with_qps_per_peer(2)
+        .with_default_timeout(T)
+        .with_staging_slice(16 * 1024)
+        .with_staging_slots(3)
+        .with_peer_copy(peer_copy)
+        .with_ladder(LadderConfig::default().with_policy(policy));
     EngineWorld::sim(1, GpuConfig::default(), config, T)
 }
 

@@ -428,17 +428,15 @@ impl Round<'_> {
         // operation.
         plan.set_random_active(false);
         let fabric = SimFabric::with_faults(plan.clone());
-        let base = EngineConfig {
-            qps_per_peer: 2,
+        let base = EngineConfig::default()
+            .with_qps_per_peer(2)
             // Small slices and a shallow send queue: a 64 KiB transfer is
             // up to 16 requests, queued behind one another.
-            slice_size: 4096,
-            qp_depth: 8,
-            default_timeout: DEADLINE,
-            reconnect_timeout: Duration::from_secs(2),
-            peer_limits: LIMITS,
-            ..EngineConfig::default()
-        };
+            .with_slice_size(4096)
+            .with_qp_depth(8)
+            .with_default_timeout(DEADLINE)
+            .with_reconnect_timeout(Duration::from_secs(2))
+            .with_peer_limits(LIMITS);
         // n0: GPU memory on the dma-buf rung, two GPUs (its own on 0); n1:
         // on the peermem rung; n2: on the staging rung (its peers reach it
         // through landing slots); n3: another process of n0's node, on

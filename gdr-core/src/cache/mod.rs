@@ -226,7 +226,11 @@ impl Limits {
 }
 
 /// How a cache is set up.
+///
+/// Made from [`CacheConfig::default`] and the `with_` setters (one per field);
+/// `#[non_exhaustive]`, so a field can be added without breaking callers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CacheConfig {
     /// The limits of every domain without its own
     /// ([`RegistrationCache::set_limits`]).
@@ -255,6 +259,36 @@ impl Default for CacheConfig {
             shards: 16,
             read_replicas: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
         }
+    }
+}
+
+impl CacheConfig {
+    /// Sets [`CacheConfig::limits`].
+    #[must_use]
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Sets [`CacheConfig::eviction_headroom_percent`].
+    #[must_use]
+    pub fn with_eviction_headroom_percent(mut self, eviction_headroom_percent: u8) -> Self {
+        self.eviction_headroom_percent = eviction_headroom_percent;
+        self
+    }
+
+    /// Sets [`CacheConfig::shards`].
+    #[must_use]
+    pub fn with_shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// Sets [`CacheConfig::read_replicas`].
+    #[must_use]
+    pub fn with_read_replicas(mut self, read_replicas: usize) -> Self {
+        self.read_replicas = read_replicas;
+        self
     }
 }
 

@@ -193,7 +193,23 @@ impl Clock for SystemClock {
 
 /// The engine's knobs. Defaults are for a NIC of today (see the README's
 /// benchmark section for how they were chosen).
+///
+/// Made from [`EngineConfig::default`] and the `with_` setters (one per
+/// field); the fields can also be read, and set on a `mut` value. The
+/// struct is `#[non_exhaustive]`: a field can be added without breaking
+/// callers, so it cannot be written as a struct literal outside this crate.
+///
+/// ```
+/// use std::time::Duration;
+/// use gdr_core::EngineConfig;
+///
+/// let config = EngineConfig::default()
+///     .with_qps_per_peer(4)
+///     .with_default_timeout(Duration::from_secs(5));
+/// assert_eq!(config.qps_per_peer, 4);
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct EngineConfig {
     /// RC queue pairs per peer.
     pub qps_per_peer: u16,
@@ -334,6 +350,183 @@ impl Default for EngineConfig {
             clock: Arc::new(SystemClock),
             peer_limits: PeerLimits::default(),
         }
+    }
+}
+
+impl EngineConfig {
+    /// Sets [`EngineConfig::qps_per_peer`].
+    #[must_use]
+    pub fn with_qps_per_peer(mut self, qps_per_peer: u16) -> Self {
+        self.qps_per_peer = qps_per_peer;
+        self
+    }
+
+    /// Sets [`EngineConfig::max_peers`].
+    #[must_use]
+    pub fn with_max_peers(mut self, max_peers: usize) -> Self {
+        self.max_peers = max_peers;
+        self
+    }
+
+    /// Sets [`EngineConfig::qp_depth`].
+    #[must_use]
+    pub fn with_qp_depth(mut self, qp_depth: u32) -> Self {
+        self.qp_depth = qp_depth;
+        self
+    }
+
+    /// Sets [`EngineConfig::signal_every`].
+    #[must_use]
+    pub fn with_signal_every(mut self, signal_every: u32) -> Self {
+        self.signal_every = signal_every;
+        self
+    }
+
+    /// Sets [`EngineConfig::slice_size`].
+    #[must_use]
+    pub fn with_slice_size(mut self, slice_size: u64) -> Self {
+        self.slice_size = slice_size;
+        self
+    }
+
+    /// Sets [`EngineConfig::inline_threshold`].
+    #[must_use]
+    pub fn with_inline_threshold(mut self, inline_threshold: u32) -> Self {
+        self.inline_threshold = inline_threshold;
+        self
+    }
+
+    /// Sets [`EngineConfig::max_message`].
+    #[must_use]
+    pub fn with_max_message(mut self, max_message: u32) -> Self {
+        self.max_message = max_message;
+        self
+    }
+
+    /// Sets [`EngineConfig::recv_depth`].
+    #[must_use]
+    pub fn with_recv_depth(mut self, recv_depth: u16) -> Self {
+        self.recv_depth = recv_depth;
+        self
+    }
+
+    /// Sets [`EngineConfig::default_timeout`].
+    #[must_use]
+    pub fn with_default_timeout(mut self, default_timeout: Duration) -> Self {
+        self.default_timeout = default_timeout;
+        self
+    }
+
+    /// Sets [`EngineConfig::reconnect_timeout`].
+    #[must_use]
+    pub fn with_reconnect_timeout(mut self, reconnect_timeout: Duration) -> Self {
+        self.reconnect_timeout = reconnect_timeout;
+        self
+    }
+
+    /// Sets [`EngineConfig::accept_backlog`].
+    #[must_use]
+    pub fn with_accept_backlog(mut self, accept_backlog: usize) -> Self {
+        self.accept_backlog = accept_backlog;
+        self
+    }
+
+    /// Sets [`EngineConfig::accept_timeout`].
+    #[must_use]
+    pub fn with_accept_timeout(mut self, accept_timeout: Duration) -> Self {
+        self.accept_timeout = accept_timeout;
+        self
+    }
+
+    /// Sets [`EngineConfig::connect`].
+    #[must_use]
+    pub fn with_connect(mut self, connect: ConnectParams) -> Self {
+        self.connect = connect;
+        self
+    }
+
+    /// Sets [`EngineConfig::devices`]: only the NICs named (`Some`).
+    #[must_use]
+    pub fn with_devices(mut self, devices: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.devices = Some(devices.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Sets [`EngineConfig::ladder`].
+    #[must_use]
+    pub fn with_ladder(mut self, ladder: LadderConfig) -> Self {
+        self.ladder = ladder;
+        self
+    }
+
+    /// Sets [`EngineConfig::cache`].
+    #[must_use]
+    pub fn with_cache(mut self, cache: CacheConfig) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    /// Sets [`EngineConfig::staging_slice`].
+    #[must_use]
+    pub fn with_staging_slice(mut self, staging_slice: u64) -> Self {
+        self.staging_slice = staging_slice;
+        self
+    }
+
+    /// Sets [`EngineConfig::staging_slots`].
+    #[must_use]
+    pub fn with_staging_slots(mut self, staging_slots: usize) -> Self {
+        self.staging_slots = staging_slots;
+        self
+    }
+
+    /// Sets [`EngineConfig::peer_copy`].
+    #[must_use]
+    pub fn with_peer_copy(mut self, peer_copy: bool) -> Self {
+        self.peer_copy = peer_copy;
+        self
+    }
+
+    /// Sets [`EngineConfig::peer_copy_slice`].
+    #[must_use]
+    pub fn with_peer_copy_slice(mut self, peer_copy_slice: u64) -> Self {
+        self.peer_copy_slice = peer_copy_slice;
+        self
+    }
+
+    /// Sets [`EngineConfig::peer_copy_release_timeout`].
+    #[must_use]
+    pub fn with_peer_copy_release_timeout(mut self, peer_copy_release_timeout: Duration) -> Self {
+        self.peer_copy_release_timeout = peer_copy_release_timeout;
+        self
+    }
+
+    /// Sets [`EngineConfig::rendezvous_slots`].
+    #[must_use]
+    pub fn with_rendezvous_slots(mut self, rendezvous_slots: usize) -> Self {
+        self.rendezvous_slots = rendezvous_slots;
+        self
+    }
+
+    /// Sets [`EngineConfig::topology`].
+    #[must_use]
+    pub fn with_topology(mut self, topology: topology::PciTopology) -> Self {
+        self.topology = topology;
+        self
+    }
+
+    /// Sets [`EngineConfig::clock`].
+    #[must_use]
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Sets [`EngineConfig::peer_limits`].
+    #[must_use]
+    pub fn with_peer_limits(mut self, peer_limits: PeerLimits) -> Self {
+        self.peer_limits = peer_limits;
+        self
     }
 }
 
