@@ -147,3 +147,26 @@ fn a_cuda_handle_of_another_backend_is_refused() {
         }
     }
 }
+
+/// An erased provider gives back its backend's own provider, the same
+/// node (it opens the node's devices), and nothing for another backend.
+#[test]
+fn an_erased_provider_downcasts_to_its_own_backend_only() {
+    let fabric = gdr_sim::SimFabric::new();
+    let node = gdr_tests::sim::add_node(&fabric, "a", gdr_sim::DeviceConfig::default());
+    let erased = node.erased();
+    let back = erased
+        .downcast_ref::<gdr_sim::SimVerbsApi>()
+        .expect("the sim's provider");
+    assert_eq!(
+        back.device_ipv4("sim0"),
+        node.device_ipv4("sim0"),
+        "the same node"
+    );
+    assert!(erased.downcast_ref::<hal_verbs::mock::MockApi>().is_none());
+    assert!(
+        mock_provider()
+            .downcast_ref::<gdr_sim::SimVerbsApi>()
+            .is_none()
+    );
+}
