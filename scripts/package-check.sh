@@ -44,6 +44,20 @@ done
 . "$ROOT/scripts/lib.sh"
 packages="$(cargo_target_dir)/package"
 rm -rf "$packages"
+# And their builds in the target folder: a registry crate's build is fresh
+# to cargo by name and version, so an earlier run's hal-cuda (built from
+# that tree's package) was linked into this run's gdr-sim (which then
+# missed `hal_cuda::dynamic`). Found by their dep-info naming the local
+# registry's sources; each goes with its fingerprint.
+deps="$(cargo_target_dir)/debug/deps"
+ours=$(IFS='|'; echo "${CRATES[*]}")
+for info in "$deps"/*.d; do
+  [ -e "$info" ] || continue
+  grep -qE "/registry/src/-[0-9a-f]+/($ours)-$version/" "$info" || continue
+  hash=$(basename "$info" .d)
+  hash=${hash##*-}
+  rm -rf "$deps"/*-"$hash" "$deps"/*-"$hash".* "$(cargo_target_dir)"/debug/.fingerprint/*-"$hash"
+done
 # --allow-dirty: CI checks the tree as it is; a release is cut from a clean one.
 cargo package --allow-dirty $verify "${args[@]}"
 failed=0

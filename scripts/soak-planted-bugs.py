@@ -12,7 +12,7 @@ BATCHES = 'gdr-proto/src/batches.rs'
 INBOX = 'gdr-proto/src/inbox.rs'
 bugs = [
     ("a skipped lease: a staged transfer does not hold its region", [
-        (PIPE, "    region: Region<V>,\n}", "    region: Option<Region<V>>,\n}"),
+        (PIPE, "    region: Region,\n}", "    region: Option<Region>,\n}"),
         (PIPE, "            region: region.clone(),", "            region: None,"),
     ]),
     ("a double completion: each request's completion counted twice", [
