@@ -731,6 +731,13 @@ impl<R: Requests> Batches<R> {
 
     /// `n` requests of `batch` are done with `result`.
     fn retire(&mut self, batch: BatchId, n: usize, result: Result<(), R::Error>) {
+        // A batch ends only once every request of it has retired: one
+        // retiring after is a request counted twice (in tests, a panic; the
+        // soak has no other sign of it once posts complete at once).
+        debug_assert!(
+            self.batches.get(batch).is_some(),
+            "a request of batch {batch} retired after its batch had ended"
+        );
         let Some(record) = self.batches.get_mut(batch) else {
             return;
         };
