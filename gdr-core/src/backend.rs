@@ -109,9 +109,8 @@ impl fmt::Debug for Backends {
 
 impl Backends {
     /// Backends from parts, erased here (`hal_verbs::dynamic`,
-    /// `hal_cuda::dynamic`: +0.4 % instructions per request in
-    /// `scripts/engine-callgrind.sh`), so one engine type serves every
-    /// backend: `peer` makes the provider
+    /// `hal_cuda::dynamic`), so one engine type serves every backend:
+    /// `peer` makes the provider
     /// [`peer_provider`](Self::peer_provider) returns.
     pub fn new<Verbs: hal_verbs::Api, Cuda: hal_cuda::Api>(
         verbs: Verbs::Provider,

@@ -380,7 +380,6 @@ impl StagedPath {
             .enumerate()
             .filter_map(|(slot, peer)| {
                 let landing = &mut peer.as_mut()?.landing;
-                landing.wants_slots()?;
                 if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
                     return None;
                 }

@@ -4,7 +4,7 @@
 //! C ABI, the `gdr` command and the Python package sit on these. Whatever
 //! was chosen, the engines are of one type: the backends are erased below
 //! them ([`Backends`](crate::backend::Backends) holds the HALs' `dynamic`
-//! objects, +0.4 % instructions per request in
+//! objects, no more instructions per request than the generic engine had:
 //! `scripts/engine-callgrind.sh`).
 //!
 //! ```
