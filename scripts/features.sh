@@ -29,27 +29,12 @@ fail() { echo "features: FAILED: $*" >&2; failed=1; }
 cargo hack check --each-feature -p hal-verbs -p hal-cuda -p gdr-sim -p gdr-proto -p gdr-ffi -p gdr-bench -p gdr-cli \
   || fail "cargo hack --each-feature"
 
-for features in "" sim "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda" tokio "sim,tokio" \
+for features in "" sim rdma cuda doctor "rdma,cuda" "sim,rdma" "sim,cuda" "sim,rdma,cuda" tokio "sim,tokio" \
   "sim,doctor" "rdma,cuda,doctor" testing "sim,testing"; do
   note "gdr-core --features '$features'"
   cargo check -q -p gdr-core --no-default-features --features "$features" \
     || fail "gdr-core with features '$features'"
 done
-for features in rdma cuda; do
-  out=$(cargo check -q -p gdr-core --no-default-features --features "$features" 2>&1)
-  if grep -q 'gdr_core::backend needs feature `sim`, or both `rdma` and `cuda`' <<<"$out"; then
-    note "gdr-core --features '$features' refused, as it should be"
-  else
-    fail "gdr-core with only '$features' was not refused by its compile_error: $out"
-  fi
-done
-out=$(cargo check -q -p gdr-core --no-default-features --features doctor 2>&1)
-if grep -q 'gdr_core::doctor needs a backend feature' <<<"$out"; then
-  note "gdr-core --features 'doctor' refused, as it should be"
-else
-  fail "gdr-core with only 'doctor' was not refused by its compile_error: $out"
-fi
-
 # native PACKAGE ARGS...: the native-facing crates in PACKAGE's tree.
 native() {
   local package=$1; shift

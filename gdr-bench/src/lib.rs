@@ -79,7 +79,7 @@ use gdr_core::buffer::Buffer;
 use gdr_core::cq_wait::CqWaiter;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Engine, EngineConfig, EngineError, EngineListener, Peer, Region, RegionGrant, Transfer,
+    Batch, Engine, EngineConfig, EngineError, Listener, Peer, Region, Grant, Transfer,
 };
 use gdr_core::ladder::LadderConfig;
 use gdr_core::loopback::{PairConfig, QpPair};
@@ -1016,7 +1016,7 @@ struct InProcessServer {
 /// Host memory a serving engine granted one peer. Field order is drop
 /// order: the grant, its region, the memory.
 pub(crate) struct Served {
-    _grant: RegionGrant,
+    _grant: Grant,
     _region: Region,
     _buffer: Buffer,
 }
@@ -1208,14 +1208,14 @@ pub(crate) struct Engines {
 impl Engines {
     /// A listener of the server on its device's address (a port of its
     /// own).
-    pub(crate) fn listen(&self) -> Result<EngineListener, EngineError> {
+    pub(crate) fn listen(&self) -> Result<Listener, EngineError> {
         self.server.listen(SocketAddr::new(self.ip, 0))
     }
 
     /// One more peer of the client, accepted by `listener` (in another
     /// thread meanwhile): the client's end (to the server) and the
     /// server's.
-    pub(crate) fn connect(&self, listener: &EngineListener) -> Result<Ends, EngineError> {
+    pub(crate) fn connect(&self, listener: &Listener) -> Result<Ends, EngineError> {
         let addr = listener.local_addr();
         std::thread::scope(|s| {
             let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));

@@ -44,7 +44,7 @@ use clap::{Args, ValueEnum};
 use gdr_core::backend::Backends;
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::MemoryDescriptor;
-use gdr_core::engine::{Engine, EngineConfig, EngineError, EngineListener, Peer, Region};
+use gdr_core::engine::{Engine, EngineConfig, EngineError, Listener, Peer, Region};
 use gdr_core::loopback::{PairConfig, QpPair};
 use hal_verbs::{AccessFlags, Api, Context as _, Provider as _};
 
@@ -731,7 +731,7 @@ type PeerEnds = (Vec<Peer>, Vec<Peer>);
 /// one fails, and `threads` accepting.
 fn set_up_peers(
     engines: &Engines,
-    listener: &EngineListener,
+    listener: &Listener,
     n: usize,
     threads: usize,
 ) -> (SetUp, PeerEnds) {

@@ -23,11 +23,6 @@
 //! # Ok::<(), gdr_core::backend::BackendError>(())
 //! ```
 
-#[cfg(not(any(feature = "sim", all(feature = "rdma", feature = "cuda"))))]
-compile_error!(
-    "gdr_core::backend needs feature `sim`, or both `rdma` and `cuda` (a verbs and a CUDA backend)"
-);
-
 use std::fmt;
 use std::sync::Arc;
 
@@ -36,8 +31,10 @@ use hal_verbs::Provider as _;
 
 #[cfg(feature = "sim")]
 use gdr_sim::{GpuConfig, NodeConfig, SimCuda, SimCudaApi, SimFabric, SimVerbsApi};
+#[cfg(all(feature = "cuda", any(feature = "rdma", feature = "sim")))]
+use hal_cuda::cuda::CudaApi;
 #[cfg(feature = "cuda")]
-use hal_cuda::cuda::{CudaApi, CudaDriver};
+use hal_cuda::cuda::CudaDriver;
 #[cfg(feature = "rdma")]
 use hal_verbs::rdma::{RdmaApi, RdmaProvider};
 
@@ -235,6 +232,8 @@ enum VerbsPick {
 }
 
 /// The CUDA backend picked.
+// Built with no verbs backend, `choose` never gets to use a CUDA pick.
+#[cfg_attr(not(any(feature = "rdma", feature = "sim")), allow(dead_code))]
 enum CudaPick {
     #[cfg(feature = "cuda")]
     Real(CudaDriver),
@@ -303,6 +302,7 @@ fn pick_verbs(choice: BackendChoice, notes: &mut Vec<String>) -> Result<VerbsPic
 }
 
 /// Real CUDA: a loaded driver with at least one GPU; why not otherwise.
+#[cfg(any(feature = "rdma", feature = "sim"))]
 fn real_cuda_found() -> Result<CudaPick, String> {
     #[cfg(feature = "cuda")]
     {
@@ -319,6 +319,7 @@ fn real_cuda_found() -> Result<CudaPick, String> {
     Err("not built in (gdr-core feature `cuda`)".to_owned())
 }
 
+#[cfg(any(feature = "rdma", feature = "sim"))]
 fn pick_cuda(choice: BackendChoice, notes: &mut Vec<String>) -> CudaPick {
     if choice != BackendChoice::Sim {
         let missing = match real_cuda_found() {
@@ -464,7 +465,23 @@ impl Backends {
     pub fn choose(choice: BackendChoice) -> Result<Self, BackendError> {
         let mut notes = Vec::new();
         let verbs = pick_verbs(choice, &mut notes)?;
-        let cuda = pick_cuda(choice, &mut notes);
+        // No verbs backend built: `pick_verbs` has returned its error.
+        #[cfg(not(any(feature = "rdma", feature = "sim")))]
+        match verbs {}
+        #[cfg(any(feature = "rdma", feature = "sim"))]
+        {
+            let cuda = pick_cuda(choice, &mut notes);
+            Ok(Self::from_picks(choice, verbs, cuda, notes))
+        }
+    }
+
+    #[cfg(any(feature = "rdma", feature = "sim"))]
+    fn from_picks(
+        choice: BackendChoice,
+        verbs: VerbsPick,
+        cuda: CudaPick,
+        #[allow(unused_mut)] mut notes: Vec<String>, // pushed to where the sim stands in
+    ) -> Self {
         #[cfg(feature = "sim")]
         if choice == BackendChoice::Auto
             && (matches!(verbs, VerbsPick::Sim) || matches!(cuda, CudaPick::Sim))
@@ -472,7 +489,7 @@ impl Backends {
             warn_fallback_once(matches!(verbs, VerbsPick::Sim), &notes);
         }
         let _span = tracing::debug_span!("backends", ?choice).entered();
-        #[cfg(feature = "cuda")]
+        #[cfg(all(feature = "cuda", any(feature = "rdma", feature = "sim")))]
         let real_gpu = |d: CudaDriver| Some(hal_cuda::dynamic::DynDriver::new::<CudaApi>(d));
         #[cfg(feature = "sim")]
         let sim_gpu = |host_visible| {
@@ -480,7 +497,7 @@ impl Backends {
                 host_visible,
             )))
         };
-        Ok(match (verbs, cuda) {
+        match (verbs, cuda) {
             #[cfg(all(feature = "rdma", feature = "cuda"))]
             (VerbsPick::Real(p), CudaPick::Real(d)) => real_verbs(p, real_gpu(d), notes),
             #[cfg(feature = "rdma")]
@@ -506,7 +523,7 @@ impl Backends {
             (VerbsPick::Sim, CudaPick::Sim) => sim_verbs(sim_gpu(false), notes),
             #[cfg(feature = "sim")]
             (VerbsPick::Sim, CudaPick::None) => sim_verbs(None, notes),
-        })
+        }
     }
 }
 

@@ -34,7 +34,7 @@ use hal_cuda::{
 };
 
 use crate::cache::OwnerId;
-use crate::ladder::{Grant, GrantRights, Ladder, LadderError, LadderRegistration, range_within};
+use crate::ladder::{GrantRights, Ladder, LadderError, LadderRegistration, MrGrant, range_within};
 use crate::lifetime::{LeaseCount, Leased};
 
 /// What a ladder must do when a buffer goes away: unlink every cache entry
@@ -1024,7 +1024,7 @@ impl Buffer {
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<Grant, LadderError> {
+    ) -> Result<MrGrant, LadderError> {
         let registration = self.register(ladder, offset, len)?;
         ladder.grant(&registration, 0, len, rights)
     }

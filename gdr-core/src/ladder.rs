@@ -24,7 +24,7 @@
 //!
 //! Registrations here are for local use: their MRs carry local rights only,
 //! and may be wider than the range asked for (cached, merged). What a peer
-//! may reach is a [`Grant`]: an MR of exactly the granted range and rights,
+//! may reach is a [`MrGrant`]: an MR of exactly the granted range and rights,
 //! made from a registration. Every MR, cached or granted, and the probe's
 //! and self-check's scratch MRs, counts against the NIC's [`DomainBudget`].
 //! The memory rule they all follow is in the [`crate::cache`] module docs.
@@ -295,7 +295,7 @@ impl LadderConfig {
 }
 
 /// Rights on a registration that local use needs (the local side of READs
-/// writes it). No remote rights: those come with a [`Grant`]. Read-only
+/// writes it). No remote rights: those come with a [`MrGrant`]. Read-only
 /// memory gets none at all: the NIC may only read it.
 fn local_access(access: Access) -> AccessFlags {
     match access {
@@ -897,7 +897,7 @@ impl LadderRegistration {
 
     /// The MR covering the range (a cached one may cover more), for the
     /// local side of transfers; `None` when staged. Its rkey grants
-    /// nothing: peers get a [`Grant`].
+    /// nothing: peers get a [`MrGrant`].
     pub fn mr(&self) -> Option<&hal_verbs::dynamic::DynMemoryRegion> {
         self.handle.as_ref().map(|h| h.registration().mr())
     }
@@ -943,7 +943,7 @@ impl LadderRegistration {
 /// A range granted to a peer: an MR of exactly that range and those rights,
 /// never cached or shared, deregistered when the grant is dropped (revoked).
 /// It keeps the buffer's memory alive like any registration.
-pub struct Grant {
+pub struct MrGrant {
     // Field order is drop order: MR, then the dma-buf, the budget, the memory.
     mr: hal_verbs::dynamic::DynMemoryRegion,
     _export: Option<Arc<DmabufExport>>,
@@ -956,9 +956,9 @@ pub struct Grant {
     location: MemoryLocation,
 }
 
-impl fmt::Debug for Grant {
+impl fmt::Debug for MrGrant {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Grant")
+        f.debug_struct("MrGrant")
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
             .field("rights", &self.rights)
@@ -968,7 +968,7 @@ impl fmt::Debug for Grant {
     }
 }
 
-impl Grant {
+impl MrGrant {
     /// The grant's one segment, placed at `offset` within the granted
     /// range of the descriptor it goes in (usually 0): exactly the granted
     /// range, its rkey and the NIC.
@@ -1247,7 +1247,7 @@ impl Ladder {
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<Grant, LadderError> {
+    ) -> Result<MrGrant, LadderError> {
         let addr = range_within(registration.addr, registration.len, offset, len)?;
         if rights.allows_write() && !registration.access.is_writable() {
             return Err(LadderError::ReadOnly { addr, len, rights });
@@ -1282,7 +1282,7 @@ impl Ladder {
             rkey = mr.rkey(),
             "granted"
         );
-        Ok(Grant {
+        Ok(MrGrant {
             mr,
             _export: cached.export.clone(),
             _reservation: reservation,

@@ -100,36 +100,20 @@
 //! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
-// The crate docs link the facade and the doctor, which the backend and
-// `doctor` features build: without them those links have nothing to name.
+// The crate docs link the doctor and the tokio driver, which their
+// features build: without them those links have nothing to name.
 #![cfg_attr(
-    not(all(
-        feature = "doctor",
-        feature = "tokio",
-        any(feature = "sim", all(feature = "rdma", feature = "cuda"))
-    )),
+    not(all(feature = "doctor", feature = "tokio")),
     allow(rustdoc::broken_intra_doc_links)
 )]
 
-#[cfg(any(feature = "sim", feature = "rdma", feature = "cuda"))]
 pub mod backend;
 pub mod buffer;
 pub mod cq_wait;
 pub mod descriptor;
-#[cfg(all(
-    feature = "doctor",
-    any(feature = "sim", feature = "rdma", feature = "cuda")
-))]
+#[cfg(feature = "doctor")]
 pub mod doctor;
-#[cfg(all(
-    feature = "doctor",
-    not(any(feature = "sim", feature = "rdma", feature = "cuda"))
-))]
-compile_error!(
-    "gdr_core::doctor needs a backend feature: `sim`, or both `rdma` and `cuda` (as gdr_core::backend)"
-);
 pub mod engine;
-#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
 pub mod facade;
 pub mod ladder;
 mod lifetime;
@@ -149,17 +133,13 @@ pub mod cache;
 
 pub use lifetime::MemoryLease;
 
-#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
 pub use backend::BackendChoice;
 pub use buffer::Access;
 pub use descriptor::{GrantRights, MemoryDescriptor};
-pub use engine::{EngineConfig, Fence, Op, Outcome, TransferError};
 /// The facade's types, at the crate's root: what a library user names.
-#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
-pub use facade::{
-    Batch, Buffer, Context, Engine, Error, Grant, Listener, MemoryKind, PathInfo, Peer, Region,
-    Stream, Transfer, Unsupported,
-};
+pub use engine::{Batch, Engine, Grant, Listener, Peer, Region, Transfer};
+pub use engine::{EngineConfig, Fence, Op, Outcome, TransferError};
+pub use facade::{Buffer, Context, Error, MemoryKind, PathInfo, Stream, Unsupported};
 /// The HAL errors the facade's [`Error`] carries (with their native codes).
 pub use hal_cuda::CudaError;
 pub use hal_verbs::{VerbsError, WcStatus};

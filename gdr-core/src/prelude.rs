@@ -5,7 +5,6 @@
 //! and the errors a caller matches on. The layer under the facade
 //! (`gdr_core::engine`, `buffer`, `ladder`) is imported by path.
 
-#[cfg(any(feature = "sim", all(feature = "rdma", feature = "cuda")))]
 pub use crate::{
     BackendChoice, Batch, Buffer, Context, Engine, Error, Grant, Peer, Region, Stream, Transfer,
 };

@@ -19,7 +19,7 @@ use std::time::Duration;
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Engine, EngineConfig, EngineError, Path, Peer, PeerCopyRoute, Region, RegionGrant,
+    Batch, Engine, EngineConfig, EngineError, Path, Peer, PeerCopyRoute, Region, Grant,
     Transfer, TransferError,
 };
 use gdr_core::ladder::{Policy, Rung};
@@ -37,7 +37,7 @@ pub type WorldEngine = Engine;
 /// One end of a connection between two engines.
 pub type WorldPeer = Peer;
 /// A grant of a region to a peer (revoked when dropped).
-pub type WorldGrant = RegionGrant;
+pub type WorldGrant = Grant;
 /// A buffer of the GPU's driver (host, pinned or device memory).
 pub type WorldBuffer = Buffer;
 
@@ -989,7 +989,7 @@ impl EngineWorld<SimVerbsApi> {
 pub fn sim_listener(
     engine: &Engine,
     node: &gdr_sim::SimVerbs,
-) -> (gdr_core::engine::EngineListener, SocketAddr) {
+) -> (gdr_core::engine::Listener, SocketAddr) {
     let listener = engine
         .listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
         .unwrap();
@@ -1003,7 +1003,7 @@ pub fn sim_listener(
 /// Connects `engine` to `addr` while `listener` accepts: both ends.
 pub fn connect_accepted(
     engine: &Engine,
-    listener: &gdr_core::engine::EngineListener,
+    listener: &gdr_core::engine::Listener,
     addr: SocketAddr,
     timeout: Duration,
 ) -> (Peer, Peer) {
@@ -1565,7 +1565,7 @@ pub struct HostPeers {
     /// a's region of its memory.
     pub local: Region,
     /// b's grant of its memory to a.
-    pub grant: RegionGrant,
+    pub grant: Grant,
     /// The grant as a received it.
     pub remote: MemoryDescriptor,
 }

@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Driver, Engine, EngineConfig, EngineError, Path, Peer, QpCounters, Region, RegionGrant,
+    Batch, Driver, Engine, EngineConfig, EngineError, Path, Peer, QpCounters, Region, Grant,
     Transfer, TransferError,
 };
 
@@ -57,7 +57,7 @@ use hal_verbs::{AddressFamily, ConnectParams, Context as _, Provider as _};
 type WireEngine = Engine;
 type WirePeer = Peer;
 type WireRegion = Region;
-type WireGrant = RegionGrant;
+type WireGrant = Grant;
 /// Counters' growth per queue pair (index, NIC).
 type Grown = Vec<(u16, String, QpCounters)>;
 

@@ -11,7 +11,7 @@
 //!   that must finish within [`CASE_BOUND`];
 //! - every request ends exactly once: `wait` returns an outcome (not its
 //!   own bound running out), a second `wait` and `status()` give the same;
-//! - a revoke is a fence: once `RegionGrant::revoke(timeout)` returned, no
+//! - a revoke is a fence: once `Grant::revoke(timeout)` returned, no
 //!   byte moves under the grant (the granted memory is compared with a
 //!   snapshot taken then; for a READ the owner writes new bytes into it,
 //!   which must never reach the requester).
@@ -84,7 +84,7 @@ enum Event {
     LocalBufferDropped,
     /// b's `Buffer` dropped; its region and grant live on.
     RemoteBufferDropped,
-    /// b's grant revoked with `RegionGrant::revoke(T)`.
+    /// b's grant revoked with `Grant::revoke(T)`.
     GrantRevoked,
     /// b's grant dropped (a revoke not waited for).
     GrantDropped,

@@ -147,7 +147,7 @@
 //! 4. **A descriptor grants exactly the range and rights it names.** Cached
 //!    MRs are for local use and carry local rights only; they may be wider
 //!    than any request (merged). What a peer gets is a
-//!    [`crate::ladder::Grant`]: an uncached MR of exactly the granted range
+//!    [`crate::ladder::MrGrant`]: an uncached MR of exactly the granted range
 //!    with exactly the granted rights.
 //!
 //! ## Plugging in a protection domain

@@ -114,7 +114,8 @@ impl Batch {
     /// (copies, events) that the driver holds back while any free of the
     /// process waits for the held stream, so holding the stream on it
     /// could deadlock the process (see the guide's Fences section).
-    pub fn fence_stream(&self, stream: &hal_cuda::dynamic::DynStream) -> Result<(), EngineError> {
+    pub fn fence_stream(&self, stream: &crate::Stream) -> Result<(), EngineError> {
+        let stream = stream.erased();
         if !self.ends_without_cuda() {
             let _span = tracing::debug_span!("fence_on_host").entered();
             // The outcome stays the batch's (`status`); the stream only

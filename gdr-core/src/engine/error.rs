@@ -3,7 +3,7 @@
 //! that set things up or are refused before anything is posted
 //! ([`EngineError`]).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -233,6 +233,12 @@ pub enum Unavailable {
     NoGpu {
         /// What it was needed for.
         purpose: &'static str,
+    },
+    /// A NIC the engine was not given.
+    #[error("{device} is not one of the engine's NICs")]
+    UnknownNic {
+        /// The NIC asked for.
+        device: String,
     },
     /// A GPU the engine was not given.
     #[error("GPU {ordinal} is not one of the engine's")]
@@ -520,16 +526,22 @@ impl From<PeerMisbehaved> for TransferError {
     }
 }
 
-/// Errors of engine calls: setting up, connecting, and requests refused
-/// before anything reaches the wire.
+/// What a call of gdr-core can fail with, one enum for every layer (the
+/// context, its buffers and streams, the engine and its peers): each HAL
+/// error keeps its native code, each refusal says what to change. A
+/// request's own outcome is a [`TransferError`], delivered exactly once
+/// through its batch.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum EngineError {
+pub enum Error {
+    /// No backends could be chosen ([`crate::Context::open`]).
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
     /// A verbs call failed.
-    #[error("{what}: {source}")]
+    #[error("{call}: {source}")]
     Verbs {
-        /// What the engine was doing.
-        what: String,
+        /// What was being done.
+        call: VerbsCall,
         /// The HAL's error, with the native code.
         #[source]
         source: VerbsError,
@@ -592,10 +604,11 @@ pub enum EngineError {
         max: usize,
     },
     /// The peer refused or could not complete the handshake.
-    #[error("handshake with {peer}: {why}")]
+    #[error("handshake with {}: {why}", peer.map_or_else(|| "a peer gone since".to_owned(), |a| a.to_string()))]
     Handshake {
-        /// The peer's address.
-        peer: String,
+        /// The peer's address (`None` where the peer went before it was
+        /// read).
+        peer: Option<SocketAddr>,
         /// What went wrong.
         why: HandshakeFailure,
     },
@@ -606,7 +619,7 @@ pub enum EngineError {
     #[error("{peer} rejected the connection: {reason}")]
     Rejected {
         /// The peer's address.
-        peer: String,
+        peer: SocketAddr,
         /// The reject's reason.
         reason: RejectReason,
     },
@@ -619,7 +632,7 @@ pub enum EngineError {
     #[error("{peer} did not accept the connection: {reason}")]
     NotAccepted {
         /// The peer's address.
-        peer: String,
+        peer: SocketAddr,
         /// Which way it was not accepted.
         reason: NotAccepted,
     },
@@ -632,16 +645,178 @@ pub enum EngineError {
     /// No device, no path.
     #[error("{0}")]
     Unavailable(#[from] Unavailable),
-    /// A CUDA call failed (the GPU fence).
+    /// A CUDA call failed (with its native code:
+    /// [`CudaError::OutOfMemory`](hal_cuda::CudaError::OutOfMemory) for
+    /// pinned or device memory CUDA refused).
     #[error("GPU: {0}")]
     Cuda(#[from] hal_cuda::CudaError),
+    /// A `gdr://` URI is malformed or does not fit.
+    #[error(transparent)]
+    Uri(#[from] crate::uri::UriError),
+    /// The CPU cannot touch the buffer's memory that way.
+    #[error(transparent)]
+    BufferAccess(#[from] BufferAccessError),
+    /// An object made in one context (of other backends) was given to
+    /// another's engine or stream. (A region of another engine is
+    /// [`Refusal::ForeignRegion`].)
+    #[error("the {what} belongs to another {owner}")]
+    Foreign {
+        /// What was given (`buffer`, `stream`).
+        what: &'static str,
+        /// Whose it must be (`context`).
+        owner: &'static str,
+    },
+    /// No GPU of that index in this context.
+    #[error("no GPU {index} ({count} in this context)")]
+    NoGpu {
+        /// The index asked for.
+        index: u32,
+        /// How many the context has.
+        count: u32,
+    },
+    /// The call needs a GPU and the context has none.
+    #[error("{what} needs a GPU, and this context has none")]
+    NeedsGpu {
+        /// What needed it.
+        what: &'static str,
+    },
+    /// No NIC of that index in this context.
+    #[error("no NIC {index} ({count} in this context)")]
+    NoNic {
+        /// The index asked for.
+        index: u32,
+        /// How many the context has.
+        count: u32,
+    },
+    /// The context cannot do this at all.
+    #[error(transparent)]
+    Unsupported(#[from] Unsupported),
+    /// A size that cannot be allocated or moved (zero, or past the address
+    /// space).
+    #[error("{what}: {size} bytes is not a usable size")]
+    BadSize {
+        /// Which size.
+        what: &'static str,
+        /// The size given.
+        size: u64,
+    },
+    /// Host memory of that size could not be allocated (out of memory, or
+    /// past what the process may map). Nothing was allocated; the process
+    /// goes on.
+    #[error("{what}: {size} bytes could not be allocated (out of memory)")]
+    OutOfMemory {
+        /// What was being allocated.
+        what: &'static str,
+        /// The size asked for.
+        size: u64,
+    },
+    /// A stream copy's source and destination overlap.
+    #[error("the source and destination ranges of a stream copy overlap")]
+    Overlap,
+    /// A stream copy names device memory of another GPU than the stream's.
+    #[error("{what} is memory of GPU {memory}, the stream is on GPU {stream}")]
+    WrongGpu {
+        /// Which end.
+        what: &'static str,
+        /// The memory's GPU.
+        memory: u32,
+        /// The stream's GPU.
+        stream: u32,
+    },
+    /// The process's simulated fabric has no address left for another sim
+    /// context (about eight million were made).
+    #[error("the process's simulated fabric has no address left for another context")]
+    SimFabricFull,
+    /// The buffer was released; its handle is spent.
+    #[error("the buffer was released")]
+    Released,
+    /// The buffer cannot be released yet: copies queued on streams still
+    /// use it (synchronize their streams first).
+    #[error(
+        "{copies} copies queued on streams still use the buffer (synchronize or drop their streams first)"
+    )]
+    StreamCopiesPending {
+        /// How many.
+        copies: usize,
+    },
+    /// The buffer cannot be released yet: memory registrations (a region,
+    /// a grant, a transfer in flight) still cover it past its release
+    /// timeout.
+    #[error("memory registrations still cover the buffer (a region, grant or transfer holds them)")]
+    StillRegistered,
 }
 
-impl EngineError {
-    pub(crate) fn verbs(what: impl Into<String>, source: VerbsError) -> Self {
-        Self::Verbs {
-            what: what.into(),
-            source,
-        }
+/// The engine's name for [`Error`] (its calls were the first to have one).
+pub type EngineError = Error;
+
+impl Error {
+    pub(crate) fn verbs(call: VerbsCall, source: VerbsError) -> Self {
+        Self::Verbs { call, source }
     }
+}
+
+/// The verbs call an [`Error::Verbs`] failed in, with what it was about.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum VerbsCall {
+    /// Listing the RDMA devices.
+    #[error("listing RDMA devices")]
+    ListDevices,
+    /// Opening the connection manager (rdma_cm's event channel).
+    #[error("opening the connection manager")]
+    OpenConnectionManager,
+    /// Opening a device.
+    #[error("opening {device}")]
+    OpenDevice {
+        /// The device.
+        device: String,
+    },
+    /// Reading a device's GID table.
+    #[error("reading the GID table of {device}")]
+    QueryGids {
+        /// The device.
+        device: String,
+    },
+    /// Creating a completion queue.
+    #[error("creating a CQ on {device}")]
+    CreateCq {
+        /// The device.
+        device: String,
+    },
+    /// Listening at an address.
+    #[error("listening on {addr}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+    },
+    /// Resolving the route to a peer.
+    #[error("route to {peer}")]
+    Route {
+        /// The peer's address.
+        peer: SocketAddr,
+    },
+    /// Posting the receives control messages land in.
+    #[error("posting control receives")]
+    PostControlReceives,
+}
+
+/// What a context cannot do at all, whatever the arguments.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unsupported {
+    /// CUDA managed memory is never registered or copied by gdr.
+    #[error("managed memory is not supported (it is never registered)")]
+    ManagedMemory,
+    /// Only device memory has a `gdr://` URI (a CUDA IPC handle).
+    #[error("only device memory has a gdr:// URI")]
+    UriOfHostMemory,
+    /// A stream copies to or from GPU memory; host to host is a memcpy.
+    #[error("a stream copies to or from GPU memory; host to host is the caller's memcpy")]
+    HostToHostStreamCopy,
+    /// The NIC has no RoCE v2 address on port 1.
+    #[error("{nic} port 1 has no RoCE v2 address")]
+    NoRoceAddress {
+        /// The NIC.
+        nic: String,
+    },
 }

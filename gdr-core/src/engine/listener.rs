@@ -1,20 +1,21 @@
-//! The listening side: [`EngineListener`], the listener's thread (connect
+//! The listening side: [`Listener`], the listener's thread (connect
 //! requests taken as they arrive, into the bounded backlog of
 //! [`super::setup`]; a peer re-establishing a queue pair served at once)
 //! and `accept`'s set-up of a session.
 
+use super::VerbsCall;
 use super::*;
 
 /// A listening engine: accepts peers. A thread of the engine takes the
 /// connect requests as they arrive: a new peer's queue pairs are connected
-/// and wait for [`EngineListener::accept`], in a bounded backlog
+/// and wait for [`Listener::accept`], in a bounded backlog
 /// ([`EngineConfig::accept_backlog`] peers; one more is refused busy), each
 /// at most [`EngineConfig::accept_timeout`] (then disconnected); a peer
 /// re-establishing a queue pair of a session accepted here is served at
 /// once. Dropping this handle disconnects the peers still waiting and
 /// refuses new ones (busy); re-establishment is served until the engine
 /// goes (the address stays bound until then).
-pub struct EngineListener {
+pub struct Listener {
     pub(super) engine: Engine,
     pub(super) inner: Arc<ListenerInner>,
 }
@@ -133,15 +134,15 @@ impl Waiting {
     }
 }
 
-impl fmt::Debug for EngineListener {
+impl fmt::Debug for Listener {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EngineListener")
+        f.debug_struct("Listener")
             .field("addr", &self.inner.listener.local_addr())
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for EngineListener {
+impl Drop for Listener {
     fn drop(&mut self) {
         let mut waiting = self.inner.waiting();
         waiting.backlog.close();
@@ -153,12 +154,12 @@ impl Drop for EngineListener {
 
 impl Engine {
     /// Listens for peers on `addr` (port 0: one is assigned).
-    pub fn listen(&self, addr: SocketAddr) -> Result<EngineListener, EngineError> {
+    pub fn listen(&self, addr: SocketAddr) -> Result<Listener, EngineError> {
         let listener = self
             .shared
             .cm
             .listen(addr, 64)
-            .map_err(|e| EngineError::verbs(format!("listening on {addr}"), e))?;
+            .map_err(|e| EngineError::verbs(VerbsCall::Listen { addr }, e))?;
         let config = &self.shared.config;
         let backlog = Backlog::new(BacklogConfig {
             max_sessions: config.accept_backlog,
@@ -192,7 +193,7 @@ impl Engine {
             listener: Arc::downgrade(&inner),
             thread,
         });
-        Ok(EngineListener {
+        Ok(Listener {
             engine: self.clone(),
             inner,
         })
@@ -422,7 +423,7 @@ impl Engine {
     }
 }
 
-impl EngineListener {
+impl Listener {
     /// The address listened on.
     pub fn local_addr(&self) -> SocketAddr {
         self.inner.listener.local_addr()

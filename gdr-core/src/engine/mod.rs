@@ -17,7 +17,7 @@
 //!   (SEND/RECV, [`wire::Control`]).
 //! - Connections are set up as [`setup`] says: a listener keeps new
 //!   peers' queue pairs in a bounded backlog, each peer until a deadline,
-//!   for [`EngineListener::accept`], which never hands out a peer whose
+//!   for [`Listener::accept`], which never hands out a peer whose
 //!   connector gave up; a connect that is refused or not accepted fails
 //!   typed ([`EngineError::Rejected`], [`EngineError::NotAccepted`]) and
 //!   leaves nothing behind on either side.
@@ -132,7 +132,7 @@ use hal_verbs::{
 use crate::buffer::Buffer;
 use crate::cache::{CacheConfig, RegistrationCache};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
-use crate::ladder::{DmabufExports, Gpu, Grant, Ladder, LadderConfig, Rung};
+use crate::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, MrGrant, Rung};
 use crate::sync::{Mutex, lock};
 
 pub use self::batch::Batch;
@@ -148,12 +148,12 @@ pub(crate) use self::completion::CompletionCell;
 pub use self::completion::Outcome;
 use self::completion::RevokedGrants;
 pub use self::error::{
-    EngineError, HandshakeFailure, PeerGone, ReadOnlyUse, Refusal, SharedEngineError, TimedOut,
-    TransferError, Unavailable,
+    EngineError, Error, HandshakeFailure, PeerGone, ReadOnlyUse, Refusal, SharedEngineError,
+    TimedOut, TransferError, Unavailable, Unsupported, VerbsCall,
 };
-pub use self::listener::EngineListener;
+pub use self::listener::Listener;
 use self::path::{PathCx, PeerView, TransferPath, Wire};
-pub use self::peer::{Peer, RegionGrant};
+pub use self::peer::{Grant, Peer};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
@@ -246,7 +246,7 @@ pub struct EngineConfig {
     /// before it is given up; work queued for it meanwhile waits.
     pub reconnect_timeout: Duration,
     /// Connecting peers that may wait at a listener for
-    /// [`EngineListener::accept`] at once (each a session of queue pairs,
+    /// [`Listener::accept`] at once (each a session of queue pairs,
     /// connected as they arrive): a new one beyond them is refused with
     /// [`wire::RejectReason::Busy`] ([`EngineError::Rejected`] on its
     /// side), so a peer cannot make a listener hold connections without
@@ -961,7 +961,14 @@ struct Shared {
     /// its listener (and port) goes with the engine, not at the end of the
     /// thread's idle wait.
     listener_threads: Mutex<Vec<listener::ListenerThread>>,
+    /// The id of the [`Context`](crate::Context) it was made of
+    /// ([`NO_CONTEXT`] for one made by `Engine::new`): its buffers only
+    /// are registered.
+    context: u64,
 }
+
+/// The context id of an engine made outside any context.
+const NO_CONTEXT: u64 = 0;
 
 /// The engine's lock, held with the thread marked inside the engine: CUDA
 /// memory whose last holder goes meanwhile is freed on the reaper thread
@@ -1191,17 +1198,32 @@ impl fmt::Debug for Engine {
 impl Engine {
     /// An engine on the NICs of `provider` (those [`EngineConfig::devices`]
     /// names, or all), for memory of the GPUs of `cuda` (none: host memory
-    /// only).
+    /// only), outside any [`Context`](crate::Context): it registers the
+    /// ladder's own buffers ([`Engine::register_buffer`]). Feature
+    /// `testing`; applications make engines with
+    /// [`Context::engine`](crate::Context::engine).
+    #[cfg(any(test, feature = "testing"))]
     pub fn new(
         provider: &hal_verbs::dynamic::DynProvider,
         cuda: Option<&hal_cuda::dynamic::DynDriver>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
+        Self::build(provider, cuda, config, NO_CONTEXT)
+    }
+
+    /// An engine of context `context` (its id: the buffers it registers
+    /// must be that context's).
+    pub(crate) fn build(
+        provider: &hal_verbs::dynamic::DynProvider,
+        cuda: Option<&hal_cuda::dynamic::DynDriver>,
+        config: EngineConfig,
+        context: u64,
+    ) -> Result<Self, EngineError> {
         let names: Vec<String> = match &config.devices {
             Some(names) => names.clone(),
             None => provider
                 .devices()
-                .map_err(|e| EngineError::verbs("listing RDMA devices", e))?
+                .map_err(|e| EngineError::verbs(VerbsCall::ListDevices, e))?
                 .into_iter()
                 .map(|d| d.name)
                 .collect(),
@@ -1211,7 +1233,7 @@ impl Engine {
         }
         let cm = provider
             .connection_manager()
-            .map_err(|e| EngineError::verbs("opening the connection manager", e))?;
+            .map_err(|e| EngineError::verbs(VerbsCall::OpenConnectionManager, e))?;
         let cache = Arc::new(RegistrationCache::new(config.cache));
         let exports = Arc::new(DmabufExports::new());
         let gpu_count = match cuda {
@@ -1230,9 +1252,14 @@ impl Engine {
         let mut peer_capacity = config.max_peers.max(1);
         let mut nics = Vec::with_capacity(names.len());
         for name in names {
-            let context = provider
-                .open(&name)
-                .map_err(|e| EngineError::verbs(format!("opening {name}"), e))?;
+            let context = provider.open(&name).map_err(|e| {
+                EngineError::verbs(
+                    VerbsCall::OpenDevice {
+                        device: name.clone(),
+                    },
+                    e,
+                )
+            })?;
             let gpus = match cuda {
                 Some(driver) => (0..gpu_count)
                     .filter_map(|ordinal| Gpu::open(driver, ordinal).ok())
@@ -1284,7 +1311,14 @@ impl Engine {
                 Some(channel) => context.create_cq_on_channel(depth, channel, 0),
                 None => context.create_cq(depth),
             }
-            .map_err(|e| EngineError::verbs(format!("creating a CQ on {name}"), e))?;
+            .map_err(|e| {
+                EngineError::verbs(
+                    VerbsCall::CreateCq {
+                        device: name.clone(),
+                    },
+                    e,
+                )
+            })?;
             nics.push(Nic {
                 name,
                 cq,
@@ -1312,6 +1346,7 @@ impl Engine {
                 ticks: 0,
             }),
             res: Resources::new(fresh_id(), config, cm, nics, peer_capacity),
+            context,
             drivers: Arc::default(),
             own_driver: Default::default(),
             listener_threads: Mutex::default(),
@@ -1433,20 +1468,73 @@ impl Engine {
         Ok(())
     }
 
-    /// Registers the whole of `buffer` on every NIC (each on the first
-    /// rung that works there) as a region for transfers and grants.
-    pub fn register(&self, buffer: &Buffer) -> Result<Region, EngineError> {
-        self.shared.res.register(buffer)
+    /// Registers all of `buffer` (a buffer of this engine's context) on
+    /// every NIC, each on the first rung of the registration ladder that
+    /// works there, as a region for transfers and grants.
+    pub fn register(&self, buffer: &crate::Buffer) -> Result<Region, EngineError> {
+        self.register_range(buffer, 0, buffer.len())
     }
 
     /// Registers `len` bytes at `offset` of `buffer` on every NIC.
     pub fn register_range(
+        &self,
+        buffer: &crate::Buffer,
+        offset: u64,
+        len: u64,
+    ) -> Result<Region, EngineError> {
+        if buffer.context().id() != self.shared.context {
+            return Err(EngineError::Foreign {
+                what: "buffer",
+                owner: "context (the engine's)",
+            });
+        }
+        buffer.with(|b| self.shared.res.register_range(&b.buffer, offset, len))
+    }
+
+    /// Registers the whole of the ladder's own `buffer`. Feature
+    /// `testing`.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn register_buffer(&self, buffer: &Buffer) -> Result<Region, EngineError> {
+        self.shared.res.register(buffer)
+    }
+
+    /// Registers `len` bytes at `offset` of the ladder's own `buffer`.
+    /// Feature `testing`.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn register_buffer_range(
         &self,
         buffer: &Buffer,
         offset: u64,
         len: u64,
     ) -> Result<Region, EngineError> {
         self.shared.res.register_range(buffer, offset, len)
+    }
+
+    /// The address NIC `nic` is reached at: its RoCE v2 address on port
+    /// 1 (IPv4 where it has one), to listen at.
+    pub fn nic_address(&self, nic: &str) -> Result<std::net::IpAddr, EngineError> {
+        let Some(found) = self.shared.nics.iter().find(|n| n.name == nic) else {
+            return Err(EngineError::Unavailable(Unavailable::UnknownNic {
+                device: nic.to_owned(),
+            }));
+        };
+        let table = found.context.gid_table(1).map_err(|e| {
+            EngineError::verbs(
+                VerbsCall::QueryGids {
+                    device: nic.to_owned(),
+                },
+                e,
+            )
+        })?;
+        hal_verbs::select_roce_v2_gid(&table, hal_verbs::AddressFamily::V4)
+            .or_else(|| hal_verbs::select_roce_v2_gid(&table, hal_verbs::AddressFamily::V6))
+            .map(|entry| entry.gid.to_ip())
+            .ok_or_else(|| {
+                crate::Unsupported::NoRoceAddress {
+                    nic: nic.to_owned(),
+                }
+                .into()
+            })
     }
 
     fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
@@ -1471,7 +1559,7 @@ impl Engine {
     /// every NIC.
     ///
     /// `timeout` bounds the whole set-up, waiting for the listener's
-    /// [`EngineListener::accept`] included. A listener that refuses says
+    /// [`Listener::accept`] included. A listener that refuses says
     /// why ([`EngineError::Rejected`]; busy: its backlog is full); one
     /// that does not accept in time, or drops the connection unaccepted,
     /// is [`EngineError::NotAccepted`]. On any failure every queue pair
@@ -1520,7 +1608,7 @@ impl Engine {
                         // The peer's hello does not decode (or speaks
                         // another version).
                         let e = EngineError::Handshake {
-                            peer: path.peer.to_string(),
+                            peer: Some(path.peer),
                             why: e.into(),
                         };
                         return Err(self.dial_failed(&mut dial, conns, path.peer, e));
@@ -1609,11 +1697,11 @@ impl Engine {
                     // process's own).
                     e @ hal_verbs::VerbsError::NotListeningInSimulation { .. } => {
                         EngineError::Handshake {
-                            peer: path.peer.to_string(),
+                            peer: Some(path.peer),
                             why: HandshakeFailure::Connect(e),
                         }
                     }
-                    e => EngineError::verbs(format!("route to {}", path.peer), e),
+                    e => EngineError::verbs(VerbsCall::Route { peer: path.peer }, e),
                 })?,
         };
         let nic = self.nic_index(&device)?;
@@ -1642,7 +1730,7 @@ impl Engine {
                     // Unreachable, timed out, or a reject without our
                     // private data.
                     None => QpRefused::Failed(EngineError::Handshake {
-                        peer: path.peer.to_string(),
+                        peer: Some(path.peer),
                         why: HandshakeFailure::Connect(e),
                     }),
                 })
@@ -1683,13 +1771,12 @@ impl Engine {
 
     /// The error a failed dial is for the caller.
     fn dial_error(peer: SocketAddr, error: DialError) -> EngineError {
-        let peer = peer.to_string();
         match error {
             DialError::Rejected { reason, .. } => EngineError::Rejected { peer, reason },
             DialError::NotAccepted(reason) => EngineError::NotAccepted { peer, reason },
             DialError::ConnectTimeout { after, .. } => EngineError::Timeout(TimedOut { after }),
             other => EngineError::Handshake {
-                peer,
+                peer: Some(peer),
                 why: HandshakeFailure::Dial(other),
             },
         }
@@ -1823,8 +1910,8 @@ impl Engine {
         let send_slots = usize::from(hello.recv_depth).max(1) * 2;
         let recv = Buffer::alloc_host((recv_slots * my_max) as u64);
         let send = Buffer::alloc_host((send_slots * peer_max) as u64);
-        let recv_region = self.register(&recv)?;
-        let send_region = self.register(&send)?;
+        let recv_region = self.shared.res.register(&recv)?;
+        let send_region = self.shared.res.register(&send)?;
         let mut state = lock_state(&self.shared.state);
         let max = self.shared.peer_capacity;
         if Self::live_peers(&state) >= max {
@@ -1897,7 +1984,7 @@ impl Engine {
         if let Err(e) = posted {
             drop(state);
             self.tear_down(slot, PeerGone::FailedDuringSetUp { index: 0 });
-            return Err(EngineError::verbs("posting control receives", e));
+            return Err(EngineError::verbs(VerbsCall::PostControlReceives, e));
         }
         tracing::info!(
             peer = %addr,

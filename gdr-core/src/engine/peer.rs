@@ -1,5 +1,5 @@
 //! A connection to another engine, as the caller holds it: [`Peer`] (grants,
-//! submits, control messages, closing) and [`RegionGrant`] (a grant's
+//! submits, control messages, closing) and [`Grant`] (a grant's
 //! revoke, waiting or on drop). Each call checks what is the engine's to
 //! check (the peer, the grant, its rights and range) and hands the batch to
 //! the path that carries it ([`super::path`]).
@@ -31,24 +31,24 @@ impl fmt::Debug for Peer {
 /// A grant this engine gave a peer: MRs of exactly the range and rights on
 /// each NIC the peer's queue pairs use. Dropping it revokes it (the peer is
 /// told, then the MRs are deregistered).
-pub struct RegionGrant {
+pub struct Grant {
     pub(super) descriptor: MemoryDescriptor,
     pub(super) peer: Peer,
     // After the notice is queued, the MRs go (field order).
-    pub(super) _grants: Vec<Grant>,
+    pub(super) _grants: Vec<MrGrant>,
     /// Its entry for a peer-copy peer of this process.
     pub(super) _published: Option<peer_copy::Publication>,
 }
 
-impl fmt::Debug for RegionGrant {
+impl fmt::Debug for Grant {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RegionGrant")
+        f.debug_struct("Grant")
             .field("descriptor", &self.descriptor)
             .finish()
     }
 }
 
-impl RegionGrant {
+impl Grant {
     /// What the peer uses (it got it on the connection too).
     pub fn descriptor(&self) -> &MemoryDescriptor {
         &self.descriptor
@@ -93,7 +93,7 @@ impl RegionGrant {
     }
 }
 
-impl Drop for RegionGrant {
+impl Drop for Grant {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
         {
@@ -214,7 +214,7 @@ impl Peer {
             devices: devices.as_bytes(),
         })?;
         batch.wait(timeout).map_err(|e| EngineError::Handshake {
-            peer: self.addr().map(|a| a.to_string()).unwrap_or_default(),
+            peer: self.addr(),
             why: HandshakeFailure::SendingPaths(e),
         })
     }
@@ -252,7 +252,7 @@ impl Peer {
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<RegionGrant, EngineError> {
+    ) -> Result<Grant, EngineError> {
         let (descriptor, grants) = self.make_grant(region, offset, len, rights)?;
         let encoded = descriptor.encode()?;
         let announce = Control::GrantAnnounce {
@@ -284,7 +284,7 @@ impl Peer {
                     .grant(self.slot, descriptor.grant, served)?;
             }
         }
-        let grant = RegionGrant {
+        let grant = Grant {
             descriptor,
             peer: self.clone(),
             _grants: grants,
@@ -304,7 +304,7 @@ impl Peer {
         offset: u64,
         len: u64,
         rights: GrantRights,
-    ) -> Result<(MemoryDescriptor, Vec<Grant>), EngineError> {
+    ) -> Result<(MemoryDescriptor, Vec<MrGrant>), EngineError> {
         region.check(self.engine.shared.id, offset, len)?;
         if rights.allows_write() {
             region.check_writable(ReadOnlyUse::WriteGrant { rights })?;
@@ -617,10 +617,12 @@ impl Peer {
     /// before the gate opens ends it at once, with nothing posted.
     pub fn submit_after_stream(
         &self,
-        stream: &hal_cuda::dynamic::DynStream,
+        stream: &crate::Stream,
         transfers: &[Transfer<'_>],
-        timeout: Duration,
+        timeout: Option<Duration>,
     ) -> Result<Batch, EngineError> {
+        let timeout = timeout.unwrap_or(self.engine.shared.config.default_timeout);
+        let stream = stream.erased();
         let span = tracing::debug_span!(
             "gate",
             transfers = transfers.len(),
@@ -783,7 +785,7 @@ impl Peer {
     // The peer-copy path's calls ([`peer_copy`]).
 
     /// How this peer's transfers of GPU memory travel.
-    pub fn peer_copy(&self) -> PeerCopyRoute {
+    pub fn route(&self) -> PeerCopyRoute {
         let state = lock_state(&self.engine.shared.state);
         match state.peers.get(self.slot).and_then(Option::as_ref) {
             Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {

@@ -71,7 +71,7 @@
 //! - One process: the registry entry carries a fence the requester's
 //!   batches take a use of while anything of theirs is queued; the revoke
 //!   marks it, batches stop at their next window, and
-//!   [`super::RegionGrant::revoke`] returns once the last use ended. This
+//!   [`super::Grant::revoke`] returns once the last use ended. This
 //!   holds whatever the requester does: both engines are gdr in one
 //!   process.
 //! - Another process: a CUDA IPC handle cannot be taken back. The owner

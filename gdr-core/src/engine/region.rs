@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Access, Buffer, Piece};
 use crate::descriptor::{GrantRights, MemoryLocation, Segment};
-use crate::ladder::{Grant, Ladder, LadderError, LadderRegistration, Rung};
+use crate::ladder::{Ladder, LadderError, LadderRegistration, MrGrant, Rung};
 
 use super::{EngineError, ReadOnlyUse, check_within};
 
@@ -91,7 +91,7 @@ impl NicPieces {
         len: u64,
         rights: GrantRights,
         segments: &mut Vec<Segment>,
-        grants: &mut Vec<Grant>,
+        grants: &mut Vec<MrGrant>,
     ) -> Result<(), LadderError> {
         let end = offset + len;
         for (i, piece) in self.pieces.iter().enumerate() {
@@ -211,6 +211,12 @@ impl Region {
     /// in several pieces, staging where any piece is staged.
     pub fn rungs(&self) -> Vec<Rung> {
         self.inner.per_nic.iter().map(NicPieces::rung).collect()
+    }
+
+    /// The id of the engine that registered it (only that engine posts
+    /// or grants it).
+    pub fn engine_id(&self) -> u64 {
+        self.inner.engine
     }
 
     /// Each rung above the one NIC `nic` took, and why it was not taken

@@ -88,7 +88,7 @@ use super::{
 };
 use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
-use crate::ladder::Grant;
+use crate::ladder::MrGrant;
 use gdr_proto::PeerLimits;
 use gdr_proto::grants::LocalGrants;
 use gdr_proto::rendezvous::{
@@ -297,7 +297,7 @@ struct Slots {
     streams: HashMap<u32, StreamPair>,
     slot_len: u64,
     count: u32,
-    _grants: Vec<Grant>,
+    _grants: Vec<MrGrant>,
     _region: Region,
     buffer: Buffer,
 }
@@ -477,7 +477,7 @@ pub(super) fn make_slots(
     res: &Resources,
     peer: usize,
     gpu: Option<u32>,
-    grant: impl FnOnce(&Region, u64) -> Result<(MemoryDescriptor, Vec<Grant>), EngineError>,
+    grant: impl FnOnce(&Region, u64) -> Result<(MemoryDescriptor, Vec<MrGrant>), EngineError>,
 ) -> Result<LandingSlots, EngineError> {
     let config = &res.config;
     let slot_len = config

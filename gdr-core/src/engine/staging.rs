@@ -78,7 +78,7 @@ use super::resources::Resources;
 use super::wire::Control;
 use super::{EngineError, Op, PeerGone, Refusal, Region, Transfer, TransferError};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
-use crate::ladder::{Grant, Rung};
+use crate::ladder::{MrGrant, Rung};
 use gdr_proto::grants::{LocalGrants, Revoked, Rights, Terms};
 use gdr_proto::{PeerLimits, PeerMisbehaved};
 
@@ -181,7 +181,7 @@ pub(crate) fn make_landing(
     res: &Resources,
     slot: usize,
     gpu: Option<u32>,
-    grant: impl FnOnce(&Region, u64) -> Result<(MemoryDescriptor, Vec<Grant>), EngineError>,
+    grant: impl FnOnce(&Region, u64) -> Result<(MemoryDescriptor, Vec<MrGrant>), EngineError>,
 ) -> Result<LandingSlots, EngineError> {
     rendezvous::make_slots(res, slot, gpu, grant)
 }

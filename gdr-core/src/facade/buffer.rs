@@ -189,7 +189,7 @@ impl Buffer {
     }
 
     /// Runs `f` on the live buffer.
-    pub(super) fn with<T>(&self, f: impl FnOnce(&Erased) -> Result<T, Error>) -> Result<T, Error> {
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&Erased) -> Result<T, Error>) -> Result<T, Error> {
         let guard = self.inner();
         f(guard.as_ref().ok_or(Error::Released)?)
     }
@@ -215,7 +215,7 @@ impl Buffer {
     ) -> Result<(), Error> {
         match offset.checked_add(len as u64) {
             Some(end) if end <= self.len() => Ok(()),
-            _ => Err(Error::OutOfRange {
+            _ => Err(Error::OutOfBounds {
                 what,
                 offset,
                 len: len as u64,
@@ -247,9 +247,9 @@ pub(super) struct Facts {
 }
 
 /// The buffer of backends `V`, `C`, with the context's GPUs at hand.
-pub(super) struct BufferOf {
+pub(crate) struct BufferOf {
     pub(super) instance: Arc<Instance>,
-    pub(super) buffer: BufferOfC,
+    pub(crate) buffer: BufferOfC,
 }
 
 impl BufferOf {

@@ -11,12 +11,11 @@ use hal_cuda::{Context as _, Driver as _};
 use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
 use super::buffer::{Buffer, BufferOf, MemoryKind};
-use super::engine::Engine;
 use super::stream::{Stream, StreamOf};
 use super::{Erased, Error, Unsupported};
 use crate::backend::{BackendChoice, Backends};
 use crate::buffer::{Access, Buffer as BufferOfC, HostAllocError};
-use crate::engine::{Engine as EngineOf, EngineConfig};
+use crate::engine::{Engine as EngineOf, EngineConfig, VerbsCall};
 use crate::ladder::{Gpu, Ladder, Policy, Rung};
 use crate::uri::BufferUri;
 
@@ -115,6 +114,11 @@ impl Context {
             inner: open_on(backends)?,
             id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
         })
+    }
+
+    /// Its id (what its buffers and engines are matched by).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Whether the NICs can register GPU memory of this context's GPUs:
@@ -245,8 +249,8 @@ impl Context {
     }
 
     /// A transfer engine over this context's NICs and the GPUs they reach.
-    pub fn engine(&self, config: EngineConfig) -> Result<Engine, Error> {
-        Ok(Engine::new(self.clone(), self.inner.engine(config)?))
+    pub fn engine(&self, config: EngineConfig) -> Result<EngineOf, Error> {
+        self.inner.engine(config, self.id)
     }
 
     fn buffer(&self, inner: Erased) -> Buffer {
@@ -288,7 +292,14 @@ impl Instance {
                 )],
             });
         };
-        let context = self.backends.verbs().open(name)?;
+        let context = self.backends.verbs().open(name).map_err(|e| {
+            Error::verbs(
+                VerbsCall::OpenDevice {
+                    device: name.clone(),
+                },
+                e,
+            )
+        })?;
         let ladder = Ladder::standalone(&context, vec![Gpu::open(driver, gpu)?])?;
         let mut why_not = Vec::new();
         for (_, rung, verdict) in ladder.probe_all() {
@@ -347,7 +358,15 @@ impl Shared {
     }
 
     fn nic_address(&self, nic: &str) -> Result<IpAddr, Error> {
-        let table = self.0.backends.verbs().open(nic)?.gid_table(1)?;
+        let device = || nic.to_owned();
+        let table = self
+            .0
+            .backends
+            .verbs()
+            .open(nic)
+            .map_err(|e| Error::verbs(VerbsCall::OpenDevice { device: device() }, e))?
+            .gid_table(1)
+            .map_err(|e| Error::verbs(VerbsCall::QueryGids { device: device() }, e))?;
         hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4)
             .or_else(|| hal_verbs::select_roce_v2_gid(&table, AddressFamily::V6))
             .map(|entry| entry.gid.to_ip())
@@ -422,18 +441,19 @@ impl Shared {
         Ok(StreamOf(stream))
     }
 
-    fn engine(&self, mut config: EngineConfig) -> Result<EngineOf, Error> {
+    fn engine(&self, mut config: EngineConfig, context: u64) -> Result<EngineOf, Error> {
         if !self.0.backends.nic_reaches_gpu() && config.ladder.policy == Policy::Fallback {
             // The NIC cannot register GPU memory at all (a simulated NIC
             // beside a real GPU): straight to the staging rung, which
             // moves it all the same, without probing rungs that cannot be.
             config.ladder.policy = Policy::Only(Rung::Staging);
         }
-        Ok(EngineOf::new(
+        EngineOf::build(
             self.0.backends.verbs(),
             self.0.backends.cuda(),
             config,
-        )?)
+            context,
+        )
     }
 }
 

@@ -37,12 +37,9 @@ mod context;
 
 /// A buffer of the facade's backends.
 type Erased = buffer::BufferOf;
-mod engine;
-mod error;
 mod stream;
 
+pub use crate::engine::{Error, Unsupported};
 pub use buffer::{Buffer, MemoryKind};
 pub use context::{Context, PathInfo};
-pub use engine::{Batch, Engine, Grant, Listener, Peer, Region, Transfer};
-pub use error::{Error, Unsupported};
 pub use stream::Stream;

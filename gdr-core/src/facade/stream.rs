@@ -48,6 +48,18 @@ impl Stream {
         }
     }
 
+    /// A stream of the erased driver's own, outside any context (for the
+    /// tests' GPUs). Feature `testing`.
+    #[cfg(feature = "testing")]
+    pub fn from_erased(gpu: u32, stream: hal_cuda::dynamic::DynStream) -> Self {
+        Self::new(0, gpu, StreamOf(stream))
+    }
+
+    /// The erased stream under it.
+    pub(crate) fn erased(&self) -> &hal_cuda::dynamic::DynStream {
+        &self.inner.0
+    }
+
     /// The GPU it runs on.
     pub fn gpu(&self) -> u32 {
         self.gpu
