@@ -284,7 +284,7 @@ fn engines(
         REQ as u64,
     )?;
     let buffer = host_buffer(REQ as u64, 0x5a)?;
-    let local = target.engine.register(&buffer)?;
+    let local = target.engine.register_buffer(&buffer)?;
     let _drivers: Vec<Driver> = match (mode, &target.server) {
         (WaitMode::Driver, Some(server)) => vec![
             target.engine.spawn_driver()?,

@@ -79,7 +79,7 @@ use gdr_core::buffer::Buffer;
 use gdr_core::cq_wait::CqWaiter;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Engine, EngineConfig, EngineError, Listener, Peer, Region, Grant, Transfer,
+    Batch, Engine, EngineConfig, EngineError, Grant, Listener, Peer, Region, Transfer,
 };
 use gdr_core::ladder::LadderConfig;
 use gdr_core::loopback::{PairConfig, QpPair};
@@ -979,7 +979,7 @@ fn serve_engine(
         }
     };
     let buffer = host_buffer(span, 0xa5)?;
-    let region = engine.register(&buffer)?;
+    let region = engine.register_buffer(&buffer)?;
     let grant = peer.grant(&region, 0, span, GrantRights::ReadWrite)?;
     send_message(&peer, GRANT, grant.descriptor().grant)?;
     println!(
@@ -1039,7 +1039,7 @@ pub(crate) fn grant_host(
     span: u64,
 ) -> Result<(Served, MemoryDescriptor), Box<dyn Error>> {
     let buffer = host_buffer(span, 0xa5)?;
-    let region = server.register(&buffer)?;
+    let region = server.register_buffer(&buffer)?;
     let grant = to_client.grant(&region, 0, span, GrantRights::ReadWrite)?;
     let descriptor = to_server.wait_grant(grant.descriptor().grant, ENGINE_TIMEOUT)?;
     Ok((
@@ -1415,7 +1415,7 @@ fn engine_bench(
         )?,
     };
     let local_buffer = host_buffer(span, 0x5a)?;
-    let local = target.engine.register(&local_buffer)?;
+    let local = target.engine.register_buffer(&local_buffer)?;
     let _driver = match args.progress {
         Progress::Driver => Some(target.engine.spawn_driver()?),
         Progress::Inline => None,

@@ -495,7 +495,7 @@ impl<'a> EngineLane<'a> {
         span: u64,
     ) -> Result<Self, Box<dyn Error>> {
         let memory = host_buffer(span, 0x5a)?;
-        let local = engine.register(&memory)?;
+        let local = engine.register_buffer(&memory)?;
         Ok(Self {
             engine,
             peer,

@@ -105,6 +105,7 @@ fn loopback(context: &Context, size: usize) -> Result<(), Box<dyn Error>> {
         context.verbs_backend(),
     );
     let pair = Pair {
+        context: context.clone(),
         server,
         client,
         to_server,
@@ -135,6 +136,8 @@ fn loopback(context: &Context, size: usize) -> Result<(), Box<dyn Error>> {
 
 /// Two connected engines of one context.
 struct Pair {
+    /// The engines' context: their buffers.
+    context: Context,
     server: Engine,
     client: Engine,
     /// The client's peer: the server.
@@ -150,13 +153,13 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// A buffer of `engine`'s context holding `bytes`: GPU memory of `gpu`,
-/// else host memory.
-fn filled(engine: &Engine, gpu: Option<u32>, bytes: &[u8]) -> Result<Buffer, Box<dyn Error>> {
+/// A buffer of `context` holding `bytes`: GPU memory of `gpu`, else host
+/// memory.
+fn filled(context: &Context, gpu: Option<u32>, bytes: &[u8]) -> Result<Buffer, Box<dyn Error>> {
     let len = bytes.len() as u64;
     let buffer = match gpu {
-        Some(gpu) => engine.context().alloc_device(gpu, len)?,
-        None => engine.context().alloc_host(len)?,
+        Some(gpu) => context.alloc_device(gpu, len)?,
+        None => context.alloc_host(len)?,
     };
     buffer.copy_from_host(0, bytes)?;
     Ok(buffer)
@@ -198,9 +201,9 @@ fn prove_kind(pair: &Pair, gpu: Option<u32>, size: usize) -> Result<(), Box<dyn 
     let len = size as u64;
     let data = pattern(size, u8::from(gpu.is_some()) + 1);
     let zeros = vec![0u8; size];
-    let source = filled(&pair.client, gpu, &data)?;
-    let target = filled(&pair.server, gpu, &zeros)?;
-    let back = filled(&pair.client, gpu, &zeros)?;
+    let source = filled(&pair.context, gpu, &data)?;
+    let target = filled(&pair.context, gpu, &zeros)?;
+    let back = filled(&pair.context, gpu, &zeros)?;
     let source_region = pair.client.register(&source)?;
     let target_region = pair.server.register(&target)?;
     let back_region = pair.client.register(&back)?;

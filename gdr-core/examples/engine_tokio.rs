@@ -1,8 +1,8 @@
 //! The transfer engine's async API under tokio, on the simulator.
 //!
-//! A [`Batch`](gdr_core::engine::Batch) is a runtime-agnostic `Future`:
-//! any executor can await it. This example starts two engines on two
-//! nodes of a simulated fabric, connects them over rdma_cm, grants a
+//! A [`Batch`](gdr_core::Batch) is a runtime-agnostic `Future`: any
+//! executor can await it. This example starts two engines on two
+//! contexts of this process's simulated fabric, connects them over rdma_cm, grants a
 //! region of b's memory to a, and then, from tokio tasks, awaits many
 //! batches at once: WRITEs of every part of a buffer into b's region, then
 //! READs of every part back into other memory, each batch's outcome
@@ -16,7 +16,7 @@
 //!   (`Engine::drive_on_tokio`), which awaits the readiness of the
 //!   engine's fds; without it, a thread ([`Engine::spawn_driver`]);
 //! - the engine's blocking calls (connecting and accepting, waiting for a
-//!   grant, [`Batch::wait`](gdr_core::engine::Batch::wait)) run on a blocking
+//!   grant, [`Batch::wait`](gdr_core::Batch::wait)) run on a blocking
 //!   thread ([`tokio::task::spawn_blocking`]), never on a runtime worker.
 //!
 //! Run it with `cargo run -p gdr-core --features tokio --example
@@ -25,13 +25,12 @@
 //! tests build gdr-core with `tokio`).
 
 use std::error::Error;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use gdr_core::buffer::Buffer;
-use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
-use gdr_core::engine::{Engine, EngineConfig, Op, Peer, Region, Transfer};
-use gdr_sim::{DeviceConfig, NodeConfig, SimFabric, SimVerbs};
+use gdr_core::{
+    BackendChoice, Context, Engine, EngineConfig, GrantRights, MemoryDescriptor, Op, Peer, Region,
+    Transfer,
+};
 use tokio::task::{JoinSet, spawn_blocking};
 use tokio::time::timeout;
 
@@ -44,29 +43,24 @@ const LEN: u64 = PARTS * PART;
 /// Longest anything may take: an error, never a hang.
 const T: Duration = Duration::from_secs(10);
 
-/// A node of `fabric` with one simulated NIC (`sim0`) and an engine on it.
-fn engine(fabric: &SimFabric, name: &str) -> Result<(SimVerbs, Engine), BoxError> {
-    let node = fabric.add_node(
-        name,
-        NodeConfig {
-            ipv4: None,
-            devices: vec![DeviceConfig::default()],
-        },
-    );
+/// A context of this process's simulated fabric (one NIC of its own) and
+/// an engine of it.
+fn engine() -> Result<(Context, Engine), BoxError> {
+    let context = Context::open(BackendChoice::Sim)?;
     let config = EngineConfig::default()
         .with_qps_per_peer(4)
         .with_slice_size(16 * 1024)
         .with_default_timeout(T);
-    let engine = Engine::new(&node.erased(), None, config)?;
-    Ok((node, engine))
+    let engine = context.engine(config)?;
+    Ok((context, engine))
 }
 
-/// b listens (accepting on a thread of its own), a connects: (a's peer b,
-/// b's peer a). Blocking.
-fn connect(a: &Engine, b: &Engine, b_node: &SimVerbs) -> Result<(Peer, Peer), BoxError> {
-    let listener = b.listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
-    let ip = b_node.device_ipv4("sim0").ok_or("sim0 has no address")?;
-    let addr = SocketAddr::new(IpAddr::V4(ip), listener.local_addr().port());
+/// b listens on its NIC's address (accepting on a thread of its own), a
+/// connects: (a's peer b, b's peer a). Blocking.
+fn connect(a: &Engine, b: &Engine) -> Result<(Peer, Peer), BoxError> {
+    let nic = b.nics().into_iter().next().ok_or("b has no NIC")?;
+    let listener = b.listen((b.nic_address(&nic)?, 0).into())?;
+    let addr = listener.local_addr();
     let accepting = std::thread::spawn(move || listener.accept(T));
     let ab = a.connect(addr, T)?;
     let ba = accepting
@@ -141,19 +135,17 @@ fn drivers(
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), BoxError> {
-    // The memory first: it outlives everything that could still move it.
+    let (a_context, a) = engine()?;
+    let (b_context, b) = engine()?;
+    // The memory: a region keeps its buffer's memory alive.
     let data = pattern(LEN);
-    let src = Buffer::alloc_host(LEN);
-    src.write_at(0, &data)?;
-    let dst = Buffer::alloc_host(LEN);
-    let back = Buffer::alloc_host(LEN);
-
-    let fabric = SimFabric::new();
-    let (_a_node, a) = engine(&fabric, "a")?;
-    let (b_node, b) = engine(&fabric, "b")?;
+    let src = a_context.alloc_host(LEN)?;
+    src.copy_from_host(0, &data)?;
+    let back = a_context.alloc_host(LEN)?;
+    let dst = b_context.alloc_host(LEN)?;
     let (ab, ba) = {
         let (a, b) = (a.clone(), b.clone());
-        spawn_blocking(move || connect(&a, &b, &b_node)).await??
+        spawn_blocking(move || connect(&a, &b)).await??
     };
     // One driver per engine: progress and wake-ups come from them, until
     // they are dropped at the end of `main`.
@@ -164,7 +156,7 @@ async fn main() -> Result<(), BoxError> {
     let dst_region = b.register(&dst)?;
     // b grants its region to a; a waits (blocking) for the announcement.
     let grant = ba.grant(&dst_region, 0, LEN, GrantRights::ReadWrite)?;
-    let id = grant.descriptor().grant;
+    let id = grant.id();
     let remote = {
         let ab = ab.clone();
         spawn_blocking(move || ab.wait_grant(id, T)).await??

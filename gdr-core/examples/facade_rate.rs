@@ -13,18 +13,20 @@ use gdr_core::prelude::*;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds: f64 = std::env::args().nth(1).map_or(Ok(2.0), |s| s.parse())?;
     let wait = Duration::from_secs(10);
-    let server = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
-    let client = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
+    let server_context = Context::open(BackendChoice::Sim)?;
+    let server = server_context.engine(EngineConfig::default())?;
+    let client_context = Context::open(BackendChoice::Sim)?;
+    let client = client_context.engine(EngineConfig::default())?;
     let listener = server.listen((server.nic_address(&server.nics()[0])?, 0).into())?;
     let addr = listener.local_addr();
     let accepting = std::thread::spawn(move || listener.accept(wait));
     let to_server = client.connect(addr, wait)?;
     let to_client = accepting.join().expect("accept thread")?;
     const LEN: u64 = 1 << 20;
-    let target = server.context().alloc_host(LEN)?;
+    let target = server_context.alloc_host(LEN)?;
     let grant = to_client.grant(&server.register(&target)?, 0, LEN, GrantRights::Write)?;
     let remote = to_server.wait_grant(grant.id(), wait)?;
-    let source = client.register(&client.context().alloc_host(LEN)?)?;
+    let source = client.register(&client_context.alloc_host(LEN)?)?;
     for (shape, count, size) in [
         ("1x4KiB", 1u64, 4096u64),
         ("64x4KiB", 64, 4096),

@@ -65,8 +65,10 @@
 //! # #[cfg(feature = "sim")]
 //! fn main() -> Result<(), Box<dyn std::error::Error>> {
 //!     let wait = Duration::from_secs(5);
-//!     let server = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
-//!     let client = Context::open(BackendChoice::Sim)?.engine(EngineConfig::default())?;
+//!     let server_context = Context::open(BackendChoice::Sim)?;
+//!     let server = server_context.engine(EngineConfig::default())?;
+//!     let client_context = Context::open(BackendChoice::Sim)?;
+//!     let client = client_context.engine(EngineConfig::default())?;
 //!
 //!     // The server listens on its NIC's address; the client connects.
 //!     let nic = &server.nics()[0];
@@ -78,17 +80,17 @@
 //!
 //!     // The server's GPU buffer, granted for READ and WRITE.
 //!     const LEN: u64 = 1 << 20;
-//!     let gpu = server.context().alloc_device(0, LEN)?;
+//!     let gpu = server_context.alloc_device(0, LEN)?;
 //!     let grant = to_client.grant(&server.register(&gpu)?, 0, LEN, GrantRights::ReadWrite)?;
 //!     // (A real server sends the grant id in its own protocol; here we share it.)
 //!     let remote = to_server.wait_grant(grant.id(), wait)?;
 //!
 //!     // WRITE a host buffer into it, READ it back into the client's GPU.
 //!     let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
-//!     let host = client.context().alloc_host(LEN)?;
+//!     let host = client_context.alloc_host(LEN)?;
 //!     host.copy_from_host(0, &data)?;
 //!     to_server.write(&client.register(&host)?, &remote, 0)?.wait(wait)?;
-//!     let back = client.context().alloc_device(0, LEN)?;
+//!     let back = client_context.alloc_device(0, LEN)?;
 //!     let back_region = client.register(&back)?;
 //!     // Success returns after the GPU fence: kernels may read `back` now.
 //!     to_server

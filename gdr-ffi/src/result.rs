@@ -5,9 +5,10 @@
 use std::ffi::CStr;
 
 use gdr_core::CudaError;
+use gdr_core::Error as EngineError;
 use gdr_core::VerbsError;
 use gdr_core::engine::NotAccepted;
-use gdr_core::engine::{EngineError, HandshakeFailure, TransferError};
+use gdr_core::engine::{HandshakeFailure, TransferError};
 use gdr_core::ladder::LadderError;
 use gdr_core::uri::UriError;
 
@@ -277,42 +278,30 @@ impl From<&EngineError> for GdrResult {
             EngineError::NotAccepted { .. } => GdrResult::ConnectionRejected,
             EngineError::Timeout(_) => GdrResult::Timeout,
             EngineError::Unavailable(_) => GdrResult::NoDevice,
+            EngineError::Backend(gdr_core::backend::BackendError::Verbs { source }) => {
+                GdrResult::from(source)
+            }
+            EngineError::Backend(_) | EngineError::Unsupported(_) => GdrResult::NotSupported,
+            EngineError::Uri(_)
+            | EngineError::BufferAccess(_)
+            | EngineError::BadSize { .. }
+            | EngineError::Overlap
+            | EngineError::WrongGpu { .. }
+            // An object of another context given.
+            | EngineError::Foreign { .. } => GdrResult::InvalidArgument,
+            // A buffer being freed by another thread meanwhile.
+            EngineError::Released => GdrResult::InvalidHandle,
+            EngineError::NoGpu { .. } | EngineError::NeedsGpu { .. } | EngineError::NoNic { .. } => {
+                GdrResult::NoDevice
+            }
+            EngineError::SimFabricFull | EngineError::OutOfMemory { .. } => {
+                GdrResult::OutOfResources
+            }
+            EngineError::StreamCopiesPending { .. } | EngineError::StillRegistered => {
+                GdrResult::Busy
+            }
             _ => GdrResult::Other,
         }
-    }
-}
-
-impl From<&gdr_core::Error> for GdrResult {
-    fn from(error: &gdr_core::Error) -> Self {
-        use gdr_core::Error;
-        match error {
-            Error::Backend(gdr_core::backend::BackendError::Verbs { source }) => Self::from(source),
-            Error::Backend(_) | Error::Unsupported(_) => Self::NotSupported,
-            Error::Engine(source) => Self::from(source),
-            Error::Verbs(source) => Self::from(source),
-            Error::Cuda(source) => Self::from(source),
-            Error::Ladder(source) => Self::from(source),
-            Error::Uri(_)
-            | Error::BufferAccess(_)
-            | Error::BadSize { .. }
-            | Error::OutOfRange { .. }
-            | Error::Overlap
-            | Error::WrongGpu { .. }
-            // An object of another context or engine given.
-            | Error::Foreign { .. } => Self::InvalidArgument,
-            // A buffer being freed by another thread meanwhile.
-            Error::Released => Self::InvalidHandle,
-            Error::NoGpu { .. } | Error::NeedsGpu { .. } | Error::NoNic { .. } => Self::NoDevice,
-            Error::SimFabricFull | Error::OutOfMemory { .. } => Self::OutOfResources,
-            Error::StreamCopiesPending { .. } | Error::StillRegistered => Self::Busy,
-            _ => Self::Other,
-        }
-    }
-}
-
-impl From<gdr_core::Error> for FfiError {
-    fn from(error: gdr_core::Error) -> Self {
-        Self::new(GdrResult::from(&error), error.to_string())
     }
 }
 
@@ -341,19 +330,16 @@ mod tests {
     /// handshake still a rejected connection.
     #[test]
     fn typed_engine_errors_keep_their_codes() {
-        let peer = String::from("192.0.2.1:7000");
+        let peer: Option<std::net::SocketAddr> = "192.0.2.1:7000".parse().ok();
         let version = HandshakeFailure::Version { ours: 1, theirs: 2 };
         let cases = [
             (
-                EngineError::Handshake {
-                    peer: peer.clone(),
-                    why: version,
-                },
+                EngineError::Handshake { peer, why: version },
                 GdrResult::InvalidArgument,
             ),
             (
                 EngineError::Handshake {
-                    peer: peer.clone(),
+                    peer,
                     why: HandshakeFailure::Dial(DialError::Aborted),
                 },
                 GdrResult::ConnectionRejected,

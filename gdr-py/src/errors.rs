@@ -3,7 +3,7 @@
 //! catches): the engine's typed errors mapped to a class, the message
 //! the Rust error's own.
 
-use gdr_core::engine::{EngineError, NotAccepted};
+use gdr_core::engine::NotAccepted;
 use gdr_core::ladder::LadderError;
 use gdr_core::{CudaError, Error, TransferError};
 use pyo3::exceptions::PyRuntimeError;
@@ -28,54 +28,40 @@ pub(crate) fn raise(py: Python<'_>, kind: &str, message: String) -> PyErr {
     }
 }
 
-/// The class for an engine error.
-fn engine_kind(error: &EngineError) -> &'static str {
-    match error {
-        EngineError::Timeout(_) => "Timeout",
-        EngineError::PeerGone(_) => "PeerGone",
-        EngineError::NotAccepted {
+/// An error of gdr-core as its exception.
+pub(crate) fn raise_error(py: Python<'_>, error: &Error) -> PyErr {
+    let kind = match error {
+        Error::Timeout(_) => "Timeout",
+        Error::PeerGone(_) => "PeerGone",
+        Error::NotAccepted {
             reason: NotAccepted::Timeout { .. },
             ..
         } => "Timeout",
-        EngineError::Handshake { .. }
-        | EngineError::Rejected { .. }
-        | EngineError::NotAccepted { .. } => "ConnectFailed",
-        EngineError::Refused(gdr_core::engine::Refusal::GrantRevoked { .. }) => "Revoked",
-        EngineError::NotGranted { .. }
-        | EngineError::AccessDenied { .. }
-        | EngineError::Refused(_) => "Refused",
-        EngineError::OutOfBounds { what, .. } if *what == "remote grant" => "Refused",
-        EngineError::OutOfBounds { .. }
-        | EngineError::MessageTooLarge { .. }
-        | EngineError::Descriptor(_)
-        | EngineError::Wire(_)
-        | EngineError::ReadOnly(_)
-        | EngineError::Ladder(LadderError::ReadOnly { .. }) => "InvalidArgument",
-        EngineError::Unavailable(_) => "Unavailable",
-        EngineError::Verbs { .. } | EngineError::Cuda(_) | EngineError::Ladder(_) => "DeviceError",
-        _ => "GdrError",
-    }
-}
-
-/// A facade error as its exception.
-pub(crate) fn raise_error(py: Python<'_>, error: &Error) -> PyErr {
-    let kind = match error {
-        Error::Engine(e) => engine_kind(e),
-        Error::Backend(_) => "Unavailable",
+        Error::Handshake { .. } | Error::Rejected { .. } | Error::NotAccepted { .. } => {
+            "ConnectFailed"
+        }
+        Error::Refused(gdr_core::engine::Refusal::GrantRevoked { .. }) => "Revoked",
+        Error::NotGranted { .. } | Error::AccessDenied { .. } | Error::Refused(_) => "Refused",
+        Error::OutOfBounds { what, .. } if *what == "remote grant" => "Refused",
+        Error::Backend(_) | Error::Unavailable(_) => "Unavailable",
         Error::NoGpu { .. } | Error::NeedsGpu { .. } | Error::NoNic { .. } => "Unavailable",
         Error::Unsupported(_) => "NotSupported",
-        Error::Ladder(LadderError::ReadOnly { .. }) => "InvalidArgument",
         Error::OutOfMemory { .. } | Error::Cuda(CudaError::OutOfMemory { .. }) => "OutOfMemory",
-        Error::Verbs(_) | Error::Cuda(_) | Error::Ladder(_) => "DeviceError",
         Error::StreamCopiesPending { .. } | Error::StillRegistered => "Busy",
-        Error::Uri(_)
+        Error::OutOfBounds { .. }
+        | Error::MessageTooLarge { .. }
+        | Error::Descriptor(_)
+        | Error::Wire(_)
+        | Error::ReadOnly(_)
+        | Error::Ladder(LadderError::ReadOnly { .. })
+        | Error::Uri(_)
         | Error::BufferAccess(_)
         | Error::Foreign { .. }
         | Error::BadSize { .. }
-        | Error::OutOfRange { .. }
         | Error::Overlap
         | Error::WrongGpu { .. }
         | Error::Released => "InvalidArgument",
+        Error::Verbs { .. } | Error::Cuda(_) | Error::Ladder(_) => "DeviceError",
         _ => "GdrError",
     };
     raise(py, kind, error_chain(error))

@@ -43,6 +43,8 @@ fn seconds(value: f64, what: &str) -> PyResult<Duration> {
 #[pyclass(module = "gdr._gdr", frozen)]
 struct Engine {
     engine: gdr_core::Engine,
+    /// The context the engine was made of: its buffers and streams.
+    context: Context,
     choice: BackendChoice,
 }
 
@@ -96,10 +98,17 @@ impl Engine {
         if let Some(n) = max_peers {
             config.max_peers = n;
         }
-        let engine = py
-            .detach(|| Context::open(choice).and_then(|c| c.engine(config)))
+        let (engine, context) = py
+            .detach(|| {
+                let context = Context::open(choice)?;
+                Ok((context.engine(config)?, context))
+            })
             .map_err(|e| raise_error(py, &e))?;
-        Ok(Self { engine, choice })
+        Ok(Self {
+            engine,
+            context,
+            choice,
+        })
     }
 
     /// The engine's id (named in its grants' descriptors).
@@ -110,7 +119,7 @@ impl Engine {
 
     /// The backends in use: `(verbs, cuda or None, notes)`.
     fn backends(&self) -> (&'static str, Option<&'static str>, Vec<String>) {
-        let context = self.engine.context();
+        let context = &self.context;
         (
             context.verbs_backend(),
             context.cuda_backend(),
@@ -135,7 +144,7 @@ impl Engine {
 
     /// The GPUs the engine's context can use.
     fn gpu_count(&self) -> u32 {
-        self.engine.context().gpu_count()
+        self.context.gpu_count()
     }
 
     /// The address NIC `nic` is reached at.
@@ -183,7 +192,7 @@ impl Engine {
             true => Some(arrays::Export::of(py, keepalive.bind(py), address, length)?),
             false => None,
         };
-        let context = self.engine.context();
+        let context = &self.context;
         // SAFETY: the package resolved `address..address + length` from
         // `keepalive`'s own memory (the buffer protocol, checked against
         // the export just taken, DLPack or the CUDA array interface, whose
@@ -211,7 +220,7 @@ impl Engine {
     /// or `"device"` (of GPU `gpu`), registered.
     #[pyo3(signature = (length, kind = "host", gpu = 0))]
     fn alloc(&self, py: Python<'_>, length: u64, kind: &str, gpu: u32) -> PyResult<Region> {
-        let context = self.engine.context();
+        let context = &self.context;
         if !matches!(kind, "host" | "pinned" | "device") {
             return Err(raise(
                 py,
@@ -235,11 +244,7 @@ impl Engine {
 
     /// A new stream of the engine's context on GPU `gpu` (non-blocking).
     fn stream(&self, py: Python<'_>, gpu: u32) -> PyResult<Stream> {
-        let stream = self
-            .engine
-            .context()
-            .stream(gpu)
-            .map_err(|e| raise_error(py, &e))?;
+        let stream = self.context.stream(gpu).map_err(|e| raise_error(py, &e))?;
         Ok(Stream { stream })
     }
 
@@ -251,7 +256,7 @@ impl Engine {
     /// stream of GPU `gpu`'s primary context, as the CUDA array interface
     /// and DLPack promise theirs are, and drops the borrow before it.
     fn borrow_stream(&self, py: Python<'_>, gpu: u32, handle: u64) -> PyResult<Stream> {
-        let context = self.engine.context();
+        let context = &self.context;
         // SAFETY: the handle is a live stream of this device's primary
         // context (the contract above, which the package documents for
         // `stream=`); the simulation checks its tokens itself.

@@ -34,7 +34,7 @@ where
 {
     let config = EngineConfig::default().with_default_timeout(T);
     let w = EngineWorld::<SimVerbsApi, C>::sim_with(1, config, T, |_| cuda());
-    assert_eq!(w.ab.peer_copy(), PeerCopyRoute::SameProcess, "the route");
+    assert_eq!(w.ab.route(), PeerCopyRoute::SameProcess, "the route");
     let gpus = peer_copy_gpus::<C>(&w.a.cuda);
     let ctx = w.a.cuda.context(gpus.0).expect("the source GPU");
     let streams: Vec<C::Stream> = (0..IN_FLIGHT)

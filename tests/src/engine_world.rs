@@ -19,8 +19,8 @@ use std::time::Duration;
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Engine, EngineConfig, EngineError, Path, Peer, PeerCopyRoute, Region, Grant,
-    Transfer, TransferError,
+    Batch, Engine, EngineConfig, EngineError, Grant, Path, Peer, PeerCopyRoute, Region, Transfer,
+    TransferError,
 };
 use gdr_core::ladder::{Policy, Rung};
 use gdr_sim::{
@@ -120,7 +120,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
         buffer
             .write_at(0, &pattern(len as usize, seed))
             .expect("host memory is CPU-writable");
-        let region = self.engine.register(&buffer).unwrap();
+        let region = self.engine.register_buffer(&buffer).unwrap();
         let nics = self.engine.nics().len();
         assert_eq!(region.rungs(), vec![Rung::HostMemory; nics], "one per NIC");
         (buffer, region)
@@ -132,7 +132,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
         let ctx = self.driver.context(0).unwrap();
         let buffer = Buffer::alloc_pinned(&ctx, len).unwrap();
         buffer.write_at(0, &pattern(len as usize, seed)).unwrap();
-        let region = self.engine.register(&buffer).unwrap();
+        let region = self.engine.register_buffer(&buffer).unwrap();
         (buffer, region)
     }
 
@@ -152,7 +152,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
         // and the stream is synchronised before `data` goes.
         unsafe { stream.copy_host_to_device(buffer.addr(), data.as_ptr(), data.len()) }.unwrap();
         stream.synchronize().unwrap();
-        let region = self.engine.register(&buffer).unwrap();
+        let region = self.engine.register_buffer(&buffer).unwrap();
         (buffer, region)
     }
 
@@ -252,7 +252,7 @@ impl<V: Api, C: hal_cuda::Api> Side<V, C> {
         // drop the buffer before the memory (or remap under it on purpose,
         // to see the remap detected).
         let buffer = unsafe { Buffer::wrap(Some(&ctx), addr, len, None) }.unwrap();
-        let region = self.engine.register(&buffer).unwrap();
+        let region = self.engine.register_buffer(&buffer).unwrap();
         (buffer, region)
     }
 }
@@ -549,7 +549,7 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
         let ctx = self.b.driver.context(0).unwrap();
         let dst_buf = Buffer::alloc_vmm(&ctx, len, g).unwrap();
         assert_eq!(dst_buf.chunks().len(), 4);
-        let dst = self.b.engine.register(&dst_buf).unwrap();
+        let dst = self.b.engine.register_buffer(&dst_buf).unwrap();
         let (_g, remote) = self.b_grants(&dst, GrantRights::ReadWrite);
         self.run(
             &self.ab,
@@ -634,7 +634,7 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
             "the remapped chunk has a new buffer id"
         );
         src_buf.write_at(0, &pattern(len as usize, 32)).unwrap();
-        let again = self.a.engine.register(&buf).unwrap();
+        let again = self.a.engine.register_buffer(&buf).unwrap();
         let (before, after) = (first.pieces(0).unwrap(), again.pieces(0).unwrap());
         assert_eq!(after.len(), 3);
         for (i, (b, a)) in before.iter().zip(after).enumerate() {
@@ -695,7 +695,7 @@ impl<V: Api, C: hal_cuda::Api> EngineWorld<V, C> {
     pub fn peer_copy_round_trip(&self, gpus: (u32, u32), len: u64, seed: u8, route: PeerCopyRoute) {
         let t = self.timeout;
         let what = format!("{len} B GPU {} <-> GPU {}", gpus.0, gpus.1);
-        assert_eq!(self.ab.peer_copy(), route, "{what}: the route");
+        assert_eq!(self.ab.route(), route, "{what}: the route");
         let (_s, src) = self.a.gpu_on(gpus.0, len, seed);
         let (dst_buf, dst) = self.b.gpu_on(gpus.1, len, 0);
         let (_g, remote) = self.b_grants(&dst, GrantRights::ReadWrite);
@@ -1018,7 +1018,7 @@ pub fn connect_accepted(
 /// from device address `gpu` into `out` and records `event` after it.
 fn fence_then_copy_out(
     batch: &Batch,
-    stream: &hal_cuda::dynamic::DynStream,
+    stream: &gdr_core::Stream,
     out: &Buffer,
     gpu: u64,
     event: &hal_cuda::dynamic::DynEvent,
@@ -1057,17 +1057,13 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
         len: u64,
         seed: u8,
         waits: FenceWait,
-    ) -> (
-        Batch,
-        hal_cuda::dynamic::DynStream,
-        hal_cuda::dynamic::DynEvent,
-    ) {
+    ) -> (Batch, gdr_core::Stream, hal_cuda::dynamic::DynEvent) {
         use hal_cuda::Event as _;
         let (_s, src) = self.b.host(len, seed);
         let (_g, remote) = self.b_grants(&src, GrantRights::Read);
         let (gpu_buf, gpu_region) = self.a.alloc(Kind::Gpu, len, 0);
         let ctx = self.a.driver.context(0).unwrap();
-        let stream = ctx.create_stream().unwrap();
+        let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
         let out = Buffer::alloc_pinned(&ctx, len).unwrap();
         let event = ctx.create_event().unwrap();
         self.fabric().set_paused(true);
@@ -1146,7 +1142,7 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
             .wait(self.timeout)
             .unwrap();
         let ctx = self.a.driver.context(0).unwrap();
-        let stream = ctx.create_stream().unwrap();
+        let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
         let out = Buffer::alloc_pinned(&ctx, len).unwrap();
         let freed_meanwhile = Buffer::alloc_pinned(&ctx, 4096).unwrap();
         let event = ctx.create_event().unwrap();
@@ -1250,7 +1246,7 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
             .wait(self.timeout)
             .unwrap();
         let ctx = self.a.driver.context(0).unwrap();
-        let stream = ctx.create_stream().unwrap();
+        let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
         let event = ctx.create_event().unwrap();
         let freed_meanwhile = Buffer::alloc_pinned(&ctx, 4096).unwrap();
         self.fabric().set_paused(true);
@@ -1311,7 +1307,7 @@ impl<C: hal_cuda::Api> EngineWorld<SimVerbsApi, C> {
 #[derive(Debug)]
 pub struct HeldStream {
     /// The stream.
-    pub stream: hal_cuda::dynamic::DynStream,
+    pub stream: gdr_core::Stream,
     word: Buffer,
     /// The value the last hold waits for.
     held: std::sync::atomic::AtomicU32,
@@ -1323,7 +1319,7 @@ impl HeldStream {
         let word = Buffer::alloc_pinned(ctx, 4096).unwrap();
         word.write_at(0, &[0; 4]).unwrap();
         let held = Self {
-            stream: ctx.create_stream().unwrap(),
+            stream: gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap()),
             word,
             held: Default::default(),
         };
@@ -1399,7 +1395,7 @@ impl GatedWrite {
         w: &EngineWorld<SimVerbsApi, C>,
         timeout: Duration,
     ) -> Batch {
-        w.ab.submit_after_stream(&self.held.stream, &[self.transfer()], timeout)
+        w.ab.submit_after_stream(&self.held.stream, &[self.transfer()], Some(timeout))
             .unwrap()
     }
 
@@ -1601,8 +1597,8 @@ pub fn sim_host_peers(config: EngineConfig, len: u64, timeout: Duration) -> Host
     let b_to_a = accepting.join().expect("accept thread").expect("accept");
     let src = Buffer::alloc_host(len);
     let dst = Buffer::alloc_host(len);
-    let local = a.register(&src).expect("register a");
-    let region_b = b.register(&dst).expect("register b");
+    let local = a.register_buffer(&src).expect("register a");
+    let region_b = b.register_buffer(&dst).expect("register b");
     let grant = b_to_a
         .grant(&region_b, 0, len, GrantRights::ReadWrite)
         .expect("grant");

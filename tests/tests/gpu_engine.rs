@@ -275,7 +275,7 @@ fn two_processes_copy_through_cuda_ipc_on_the_real_gpu() {
         .spawn()
         .expect("spawning the child");
     let peer = listener.accept(T).expect("the child connects");
-    assert_eq!(peer.peer_copy(), PeerCopyRoute::Ipc, "another process");
+    assert_eq!(peer.route(), PeerCopyRoute::Ipc, "another process");
     let id = peer.recv(T).expect("the child's grant id");
     let id = u64::from_le_bytes(id.try_into().expect("8 bytes"));
     let remote = peer.wait_grant(id, T).unwrap();
@@ -409,7 +409,9 @@ fn a_gated_batch_on_the_real_gpu() {
         // SAFETY: as above; the marker outlives the stream's work.
         unsafe { held.stream.write_value32(marker.addr(), 2 * i - 1) }.unwrap();
         let before = posted();
-        let batch = w.ab.submit_after_stream(&held.stream, &write, T).unwrap();
+        let batch =
+            w.ab.submit_after_stream(&held.stream, &write, Some(T))
+                .unwrap();
         let written = marked_release(2 * i - 1);
         while posted() == before {
             for _ in 0..64 {

@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use gdr_core::buffer::Buffer;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor};
 use gdr_core::engine::{
-    Batch, Driver, Engine, EngineConfig, EngineError, Path, Peer, QpCounters, Region, Grant,
+    Batch, Driver, Engine, EngineConfig, EngineError, Grant, Path, Peer, QpCounters, Region,
     Transfer, TransferError,
 };
 
@@ -191,7 +191,7 @@ fn host(engine: &WireEngine, len: u64, data: &[u8]) -> (Buffer, WireRegion) {
     if !data.is_empty() {
         buffer.write_at(0, data).unwrap();
     }
-    let region = engine.register(&buffer).unwrap();
+    let region = engine.register_buffer(&buffer).unwrap();
     (buffer, region)
 }
 

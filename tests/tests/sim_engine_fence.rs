@@ -62,7 +62,7 @@ fn a_failed_batch_releases_the_stream_too() {
     drop(doomed_grant);
     let (_gpu_buf, gpu_region) = w.a.gpu(LEN, 0);
     let ctx = w.a.driver.context(0).unwrap();
-    let stream = ctx.create_stream().unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
     let event = ctx.create_event().unwrap();
     let batch =
         w.ab.submit(&[Transfer::read(&gpu_region, 0, &doomed, 0, LEN)])
@@ -183,7 +183,7 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
     let g = w.gated_write(LEN, 20);
     // Checked at the call: out of the grant's bounds.
     let too_long = Transfer::write(&g.gpu_region, 0, &g.remote, 1, LEN);
-    let refused = w.ab.submit_after_stream(&g.held.stream, &[too_long], T);
+    let refused = w.ab.submit_after_stream(&g.held.stream, &[too_long], Some(T));
     assert!(
         matches!(
             refused,
@@ -270,7 +270,7 @@ fn memory_a_batch_holds_last_is_not_freed_inside_progress() {
     let (_dg, remote_dst) = w.b_grants(&dst, GrantRights::Write);
     let (pinned, pinned_region) = w.a.pinned(len, 6);
     let ctx = w.a.driver.context(0).unwrap();
-    let stream = ctx.create_stream().unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
     let event = ctx.create_event().unwrap();
     w.fabric().set_paused(true);
     let write =
@@ -326,13 +326,13 @@ fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
     let (ab, ba) = connect_accepted(&a, &listener, addr, T);
     let src = gdr_core::buffer::Buffer::alloc_host(LEN);
     let grant = ba
-        .grant(&b.register(&src).unwrap(), 0, LEN, GrantRights::Read)
+        .grant(&b.register_buffer(&src).unwrap(), 0, LEN, GrantRights::Read)
         .unwrap();
     let remote = ab.wait_grant(grant.descriptor().grant, T).unwrap();
     let dst = gdr_core::buffer::Buffer::alloc_host(LEN);
-    let dst_region = a.register(&dst).unwrap();
+    let dst_region = a.register_buffer(&dst).unwrap();
     let ctx = cuda.erased().context(0).unwrap();
-    let stream = ctx.create_stream().unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
     let event = ctx.create_event().unwrap();
     fabric.set_paused(true);
     let batch = ab

@@ -107,7 +107,7 @@ fn wrapped_gpu_memory_on_the_staging_rung_is_not_released_under_a_region() {
     let memory = ctx.alloc(LEN as usize).unwrap();
     // SAFETY: `memory` outlives the buffer (released before it is dropped).
     let wrapped = unsafe { Buffer::wrap(Some(&ctx), memory.device_ptr(), LEN, None) }.unwrap();
-    let region = w.b.engine.register(&wrapped).unwrap();
+    let region = w.b.engine.register_buffer(&wrapped).unwrap();
     assert_eq!(region.rungs(), [Rung::Staging]);
     let wrapped = match wrapped.release(Duration::from_millis(50)) {
         Ok(()) => panic!("the wrapped memory was released while a staged region covers it"),

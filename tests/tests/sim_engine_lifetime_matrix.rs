@@ -670,7 +670,7 @@ fn check_path(
     b_region: &Region,
     remote: &MemoryDescriptor,
 ) {
-    let route = w.ab.peer_copy();
+    let route = w.ab.route();
     match path {
         PathKind::Nic => {
             assert_eq!(a_region.rungs(), [Rung::Dmabuf]);

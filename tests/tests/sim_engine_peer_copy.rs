@@ -67,7 +67,7 @@ const SIZES: [u64; 5] = [1, 4097, 3 * MIB + 5, 7 * MIB, 64 * MIB];
 #[test]
 fn engines_of_one_process_copy_between_their_gpus() {
     let (w, cuda) = world(false);
-    assert_eq!(w.ba.peer_copy(), PeerCopyRoute::SameProcess, "both ways");
+    assert_eq!(w.ba.route(), PeerCopyRoute::SameProcess, "both ways");
     let copies = cuda.device_copies(0);
     for (i, len) in SIZES.into_iter().enumerate() {
         w.peer_copy_round_trip((0, 1), len, i as u8 + 1, PeerCopyRoute::SameProcess);
@@ -92,7 +92,7 @@ fn engines_of_one_process_on_one_gpu() {
 #[test]
 fn an_engine_of_another_process_is_reached_through_ipc() {
     let (w, cuda) = world(true);
-    assert_eq!(w.ba.peer_copy(), PeerCopyRoute::Ipc, "both ways");
+    assert_eq!(w.ba.route(), PeerCopyRoute::Ipc, "both ways");
     for (i, len) in SIZES.into_iter().enumerate() {
         w.peer_copy_round_trip((0, 1), len, i as u8 + 20, PeerCopyRoute::Ipc);
     }
@@ -115,8 +115,8 @@ fn peer_copy_off_on_either_side_takes_the_nic() {
             (config(), off)
         };
         let (w, _cuda) = world_of(configs, false);
-        assert_eq!(w.ab.peer_copy(), PeerCopyRoute::Nic, "a off: {a_off}");
-        assert_eq!(w.ba.peer_copy(), PeerCopyRoute::Nic, "a off: {a_off}");
+        assert_eq!(w.ab.route(), PeerCopyRoute::Nic, "a off: {a_off}");
+        assert_eq!(w.ba.route(), PeerCopyRoute::Nic, "a off: {a_off}");
         w.peer_copy_round_trip((0, 1), 3 * MIB + 1, 4, PeerCopyRoute::Nic);
     }
 }
@@ -287,7 +287,7 @@ fn a_stream_fence_waits_for_a_peer_copy() {
         .wait(T)
         .unwrap();
     let ctx = cuda.erased().context(0).unwrap();
-    let stream = ctx.create_stream().unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
     let out = gdr_core::buffer::Buffer::alloc_pinned(&ctx, len).unwrap();
     let event = ctx.create_event().unwrap();
     let batch =
@@ -316,7 +316,7 @@ fn a_stream_fence_waits_for_a_peer_copy() {
 #[test]
 fn engines_of_two_simulated_nodes_use_the_nic() {
     let w = EngineWorld::sim(1, GpuConfig::default(), config(), T);
-    assert_eq!(w.ab.peer_copy(), PeerCopyRoute::Nic);
+    assert_eq!(w.ab.route(), PeerCopyRoute::Nic);
     w.peer_copy_round_trip((0, 0), MIB + 1, 2, PeerCopyRoute::Nic);
 }
 

@@ -37,7 +37,7 @@ fn read_only(side: &Side<SimVerbsApi>, owner: &WorldBuffer) -> (WorldBuffer, Reg
     let buffer =
         unsafe { Buffer::wrap_read_only(ctx.as_ref(), owner.addr(), owner.len(), None) }.unwrap();
     assert_eq!(buffer.access(), Access::ReadOnly);
-    let region = side.engine.register(&buffer).unwrap();
+    let region = side.engine.register_buffer(&buffer).unwrap();
     assert_eq!(region.access(), Access::ReadOnly);
     (buffer, region)
 }
@@ -162,11 +162,12 @@ fn read_only_staged_gpu_memory_is_neither_granted_for_writing_nor_read_into() {
     read_into_refused(&w, &a_ro, &writable);
     read_into_refused(&w, &a_ro, &readable);
     // Gated on a stream: refused at the call too.
-    let stream = w.a.driver.context(0).unwrap().create_stream().unwrap();
+    let stream =
+        gdr_core::Stream::from_erased(0, w.a.driver.context(0).unwrap().create_stream().unwrap());
     let read = Transfer::read(&a_ro, 0, &writable, 0, LEN);
     assert!(
         matches!(
-            w.ab.submit_after_stream(&stream, &[read], T),
+            w.ab.submit_after_stream(&stream, &[read], Some(T)),
             Err(EngineError::ReadOnly(ReadOnlyUse::ReadInto))
         ),
         "a gated READ into read-only memory"
@@ -208,7 +209,7 @@ fn read_only_gpu_memory_is_not_written_by_peer_copy() {
         })
         .clone()
     });
-    assert_eq!(w.ab.peer_copy(), PeerCopyRoute::SameProcess);
+    assert_eq!(w.ab.route(), PeerCopyRoute::SameProcess);
     let (b_owner, _) = w.b.gpu_on(1, LEN, 11);
     let (b_ro_buf, b_ro) = read_only(&w.b, &b_owner);
     write_grants_refused(&w.ba, &b_ro);

@@ -12,15 +12,13 @@ use std::time::{Duration, Instant};
 use gdr_core::VerbsError;
 use gdr_core::engine::setup::NotAccepted;
 use gdr_core::engine::wire::RejectReason;
-use gdr_core::engine::{EngineConfig, EngineError, Listener, HandshakeFailure};
+use gdr_core::engine::{EngineConfig, EngineError, HandshakeFailure, Listener};
 use gdr_sim::{GpuConfig, SimVerbsApi};
 use gdr_tests::engine_world::{EngineWorld, WorldPeer};
 
 const T: Duration = Duration::from_secs(10);
 /// A connect or accept that is meant to give up.
 const SHORT: Duration = Duration::from_millis(300);
-
-type Listener = Listener;
 
 /// Two simulated nodes, a connected to b (two queue pairs a peer), b's
 /// engine configured by `b_config` on top of the defaults.

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use gdr_core::buffer::BufferAccessError;
-use gdr_core::engine::{EngineError, ReadOnlyUse};
+use gdr_core::engine::ReadOnlyUse;
 use gdr_core::{
     Access, BackendChoice, Buffer, Context, Engine, EngineConfig, Error, GrantRights, MemoryKind,
     Peer, Transfer, TransferError,
@@ -16,16 +16,26 @@ use gdr_core::{
 const WAIT: Duration = Duration::from_secs(10);
 
 /// Two engines of two sim contexts, connected: (listening side, its peer
-/// object, connecting side, its peer object).
-fn pair() -> (Engine, Peer, Engine, Peer) {
-    let server = Context::open(BackendChoice::Sim)
-        .and_then(|c| c.engine(EngineConfig::default()))
+/// object, connecting side, its peer object, the server's context, the
+/// client's).
+fn pair() -> (Engine, Peer, Engine, Peer, Context, Context) {
+    let server_context = Context::open(BackendChoice::Sim).expect("server context");
+    let server = server_context
+        .engine(EngineConfig::default())
         .expect("server engine");
-    let client = Context::open(BackendChoice::Sim)
-        .and_then(|c| c.engine(EngineConfig::default()))
+    let client_context = Context::open(BackendChoice::Sim).expect("client context");
+    let client = client_context
+        .engine(EngineConfig::default())
         .expect("client engine");
     let (to_client, to_server) = connect(&server, &client);
-    (server, to_client, client, to_server)
+    (
+        server,
+        to_client,
+        client,
+        to_server,
+        server_context,
+        client_context,
+    )
 }
 
 /// Connects `client` to `server` listening on its first NIC: (the
@@ -55,14 +65,14 @@ struct WriteWorld {
 
 impl WriteWorld {
     fn new(fill: u8) -> Self {
-        let (server, to_client, client, to_server) = pair();
-        let target = server.context().alloc_host(4096).expect("memory");
+        let (server, to_client, client, to_server, server_context, client_context) = pair();
+        let target = server_context.alloc_host(4096).expect("memory");
         let region = server.register(&target).expect("register");
         let grant = to_client
             .grant(&region, 0, 4096, GrantRights::Write)
             .expect("grant");
         let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
-        let source = client.context().alloc_host(4096).expect("memory");
+        let source = client_context.alloc_host(4096).expect("memory");
         source.copy_from_host(0, &[fill; 4096]).expect("copy in");
         let local = client.register(&source).expect("register");
         Self {
@@ -85,11 +95,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn host_and_gpu_memory_move_both_ways_through_the_facade() {
-    let (server, to_client, client, to_server) = pair();
-    let gpu = server
-        .context()
-        .alloc_device(0, 1 << 16)
-        .expect("GPU memory");
+    let (server, to_client, client, to_server, server_context, client_context) = pair();
+    let gpu = server_context.alloc_device(0, 1 << 16).expect("GPU memory");
     assert_eq!(gpu.kind(), MemoryKind::Device);
     gpu.copy_from_host(0, &pattern(1 << 16, 1))
         .expect("copy in");
@@ -99,7 +106,7 @@ fn host_and_gpu_memory_move_both_ways_through_the_facade() {
         .expect("grant");
     let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
 
-    let host = client.context().alloc_host(1 << 16).expect("host memory");
+    let host = client_context.alloc_host(1 << 16).expect("host memory");
     let local = client.register(&host).expect("register");
     to_server
         .read(&local, &remote, 0)
@@ -154,7 +161,7 @@ fn a_batch_is_awaited_under_tokio_with_the_engine_driven_by_a_task() {
 
 #[test]
 fn objects_of_another_context_or_engine_are_refused() {
-    let (server, to_client, client, to_server) = pair();
+    let (server, to_client, client, to_server, server_context, client_context) = pair();
     let elsewhere = Context::open(BackendChoice::Sim).expect("third context");
     let foreign = elsewhere.alloc_host(4096).expect("memory");
     assert!(matches!(
@@ -164,14 +171,14 @@ fn objects_of_another_context_or_engine_are_refused() {
 
     // A region of the client's engine granted by the server's peer object:
     // both are sim engines, so only the facade's own check stops it.
-    let client_memory = client.context().alloc_host(4096).expect("memory");
+    let client_memory = client_context.alloc_host(4096).expect("memory");
     let client_region = client.register(&client_memory).expect("register");
     assert!(matches!(
         to_client.grant(&client_region, 0, 4096, GrantRights::Read),
         Err(Error::Foreign { what: "region", .. })
     ));
 
-    let server_memory = server.context().alloc_host(4096).expect("memory");
+    let server_memory = server_context.alloc_host(4096).expect("memory");
     let server_region = server.register(&server_memory).expect("register");
     let grant = to_client
         .grant(&server_region, 0, 4096, GrantRights::ReadWrite)
@@ -184,7 +191,7 @@ fn objects_of_another_context_or_engine_are_refused() {
     ));
     // A stream of another context.
     let stream = elsewhere.stream(0).expect("stream");
-    let gpu = client.context().alloc_device(0, 4096).expect("GPU memory");
+    let gpu = client_context.alloc_device(0, 4096).expect("GPU memory");
     assert!(matches!(
         stream.copy(&gpu, 0, &client_memory, 0, 64),
         Err(Error::Foreign { what: "buffer", .. })
@@ -199,9 +206,9 @@ fn objects_of_another_context_or_engine_are_refused() {
 /// its bytes never change.
 #[test]
 fn read_only_memory_is_never_written_by_a_grant_a_read_or_a_copy() {
-    let (server, to_client, client, to_server) = pair();
+    let (server, to_client, client, to_server, server_context, client_context) = pair();
     let constant = pattern(4096, 21);
-    let (server_ctx, client_ctx) = (server.context().clone(), client.context().clone());
+    let (server_ctx, client_ctx) = (server_context.clone(), client_context.clone());
     // SAFETY: `constant` outlives the buffer (dropped at the end, before
     // it), and nothing gdr does writes it: that is what this tests.
     let ro = unsafe { server_ctx.wrap_read_only(constant.as_ptr() as u64, 4096) }.expect("wrap");
@@ -215,7 +222,7 @@ fn read_only_memory_is_never_written_by_a_grant_a_read_or_a_copy() {
         assert!(
             matches!(
                 to_client.grant(&region, 0, 4096, rights),
-                Err(Error::Engine(EngineError::ReadOnly(ReadOnlyUse::WriteGrant { rights: asked })))
+                Err(Error::ReadOnly(ReadOnlyUse::WriteGrant { rights: asked }))
                     if asked == rights
             ),
             "{rights:?}"
@@ -241,7 +248,7 @@ fn read_only_memory_is_never_written_by_a_grant_a_read_or_a_copy() {
     let mine_region = client.register(&mine_ro).expect("register");
     assert!(matches!(
         to_server.read(&mine_region, &remote, 0),
-        Err(Error::Engine(EngineError::ReadOnly(ReadOnlyUse::ReadInto)))
+        Err(Error::ReadOnly(ReadOnlyUse::ReadInto))
     ));
     let read_only_copy = |result: Result<(), Error>| {
         matches!(
@@ -317,7 +324,7 @@ fn bad_sizes_ranges_and_devices_are_refused_with_what_was_wrong() {
     let buffer = context.alloc_host(4096).expect("memory");
     assert!(matches!(
         buffer.copy_from_host(4000, &[0; 100]),
-        Err(Error::OutOfRange {
+        Err(Error::OutOfBounds {
             offset: 4000,
             len: 100,
             size: 4096,
@@ -397,7 +404,7 @@ fn a_revoked_grant_refuses_the_peers_next_request() {
     target.copy_from_host(0, &[0; 4096]).expect("cleared");
     // Refused at submit (the revoke reached this side) or by the NIC.
     match to_server.write(&local, &remote, 0) {
-        Err(Error::Engine(_)) => {}
+        Err(Error::NotGranted { .. } | Error::Refused(_)) => {}
         Ok(batch) => assert!(matches!(
             batch.wait(WAIT),
             Err(TransferError::RemoteAccess { .. } | TransferError::Revoked { .. })
@@ -410,15 +417,15 @@ fn a_revoked_grant_refuses_the_peers_next_request() {
 #[test]
 fn a_batch_gated_on_a_borrowed_stream_moves_what_the_streams_owner_queued_first() {
     const LEN: usize = 1 << 16;
-    let (server, to_client, client, to_server) = pair();
-    let target = server.context().alloc_host(LEN as u64).expect("memory");
+    let (server, to_client, client, to_server, server_context, client_context) = pair();
+    let target = server_context.alloc_host(LEN as u64).expect("memory");
     let granted = server.register(&target).expect("register");
     let grant = to_client
         .grant(&granted, 0, LEN as u64, GrantRights::Write)
         .expect("grant");
     let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
 
-    let context = client.context();
+    let context = client_context;
     let gpu = context.alloc_device(0, LEN as u64).expect("GPU memory");
     gpu.copy_from_host(0, &pattern(LEN, 1)).expect("copy in");
     let local = client.register(&gpu).expect("register");
@@ -506,15 +513,15 @@ fn gpu_memory_moves_where_the_nic_cannot_reach_the_gpu() {
 
     for peer_copy in [false, true] {
         let open = || {
-            Context::sim_nic_beside_unreachable_gpu()
-                .and_then(|c| {
-                    assert!(!c.nic_reaches_gpu());
-                    assert_eq!(c.gpu_count(), 1);
-                    c.engine(EngineConfig::default().with_peer_copy(peer_copy))
-                })
-                .expect("engine")
+            let c = Context::sim_nic_beside_unreachable_gpu().expect("context");
+            assert!(!c.nic_reaches_gpu());
+            assert_eq!(c.gpu_count(), 1);
+            let engine = c
+                .engine(EngineConfig::default().with_peer_copy(peer_copy))
+                .expect("engine");
+            (engine, c)
         };
-        let (server, client) = (open(), open());
+        let ((server, server_context), (client, client_context)) = (open(), open());
         let (to_client, to_server) = connect(&server, &client);
         let expected = if peer_copy {
             PeerCopyRoute::SameProcess
@@ -524,14 +531,14 @@ fn gpu_memory_moves_where_the_nic_cannot_reach_the_gpu() {
         assert_eq!(to_server.route(), expected);
 
         let len = (1 << 20) + 3;
-        let target = server.context().alloc_device(0, len).expect("GPU memory");
+        let target = server_context.alloc_device(0, len).expect("GPU memory");
         let granted = server.register(&target).expect("register GPU memory");
         assert_eq!(granted.rungs(), [Rung::Staging], "peer_copy {peer_copy}");
         let grant = to_client
             .grant(&granted, 0, len, GrantRights::ReadWrite)
             .expect("grant");
         let remote = to_server.wait_grant(grant.id(), WAIT).expect("announced");
-        let source = client.context().alloc_device(0, len).expect("GPU memory");
+        let source = client_context.alloc_device(0, len).expect("GPU memory");
         source
             .copy_from_host(0, &pattern(len as usize, 7))
             .expect("copy in");
@@ -543,7 +550,7 @@ fn gpu_memory_moves_where_the_nic_cannot_reach_the_gpu() {
             .wait(WAIT)
             .expect("WRITE");
         assert_eq!(target.to_vec().expect("bytes"), pattern(len as usize, 7));
-        let back = client.context().alloc_device(0, len).expect("GPU memory");
+        let back = client_context.alloc_device(0, len).expect("GPU memory");
         let back_region = client.register(&back).expect("register");
         to_server
             .read(&back_region, &remote, 0)

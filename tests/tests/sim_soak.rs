@@ -258,7 +258,7 @@ struct Running {
     conn: usize,
     parts: Vec<Part>,
     /// The stream a gated batch waits for.
-    _stream: Option<hal_cuda::dynamic::DynStream>,
+    _stream: Option<gdr_core::Stream>,
     must_end_by: Instant,
 }
 
@@ -351,7 +351,7 @@ fn alloc(node: &Node, kind: Kind, data: &[u8], figures: &mut Figures) -> Option<
             .write_at(0, data)
             .expect("host memory is CPU-writable");
     }
-    match node.side.engine.register(&buffer) {
+    match node.side.engine.register_buffer(&buffer) {
         Ok(region) => Some((buffer, region)),
         Err(_) => {
             figures.outcome("register refused");
@@ -681,11 +681,12 @@ impl Round<'_> {
                 .context(node.gpu)
                 .and_then(|ctx| ctx.create_stream())
                 .ok()
+                .map(|stream| gdr_core::Stream::from_erased(node.gpu, stream))
         } else {
             None
         };
         let submitted = match &stream {
-            Some(stream) => peer.submit_after_stream(stream, &transfers, timeout),
+            Some(stream) => peer.submit_after_stream(stream, &transfers, Some(timeout)),
             None => peer.submit_with_timeout(&transfers, timeout),
         };
         drop(transfers);

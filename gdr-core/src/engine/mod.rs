@@ -968,6 +968,7 @@ struct Shared {
 }
 
 /// The context id of an engine made outside any context.
+#[cfg(any(test, feature = "testing"))]
 const NO_CONTEXT: u64 = 0;
 
 /// The engine's lock, held with the thread marked inside the engine: CUDA

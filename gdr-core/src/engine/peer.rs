@@ -54,6 +54,12 @@ impl Grant {
         &self.descriptor
     }
 
+    /// The grant's id (the descriptor's): what the peer waits for
+    /// ([`Peer::wait_grant`]).
+    pub fn id(&self) -> u64 {
+        self.descriptor.grant
+    }
+
     /// Revokes the grant and waits, at most `timeout`, for the revocation
     /// fence: once this returns `Ok`, no byte moves under the grant by any
     /// path, the requests the peer had under way included (they fail). A
@@ -362,6 +368,28 @@ impl Peer {
         timeout: Duration,
     ) -> Result<MemoryDescriptor, EngineError> {
         self.progress_until(timeout, |p| p.remote_grants.get(grant).cloned())
+    }
+
+    /// A WRITE of all of `local` into `remote` at `remote_offset`.
+    pub fn write(
+        &self,
+        local: &Region,
+        remote: &MemoryDescriptor,
+        remote_offset: u64,
+    ) -> Result<Batch, EngineError> {
+        let len = local.len();
+        self.submit(&[Transfer::write(local, 0, remote, remote_offset, len)])
+    }
+
+    /// A READ into all of `local` from `remote` at `remote_offset`.
+    pub fn read(
+        &self,
+        local: &Region,
+        remote: &MemoryDescriptor,
+        remote_offset: u64,
+    ) -> Result<Batch, EngineError> {
+        let len = local.len();
+        self.submit(&[Transfer::read(local, 0, remote, remote_offset, len)])
     }
 
     /// Submits a batch with the engine's default timeout.

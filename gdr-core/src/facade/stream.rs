@@ -22,6 +22,17 @@ pub struct Stream {
     holds: Mutex<Vec<BufferHold>>,
 }
 
+/// The tests queue their own copies on the erased stream under it.
+/// Feature `testing`.
+#[cfg(feature = "testing")]
+impl std::ops::Deref for Stream {
+    type Target = hal_cuda::dynamic::DynStream;
+
+    fn deref(&self) -> &Self::Target {
+        self.erased()
+    }
+}
+
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Stream")
