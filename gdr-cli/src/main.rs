@@ -17,8 +17,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use gdr_core::Rung;
 use gdr_core::backend::BackendChoice;
-use gdr_core::ladder::Rung;
 use gdr_core::{Buffer, Context, Engine, EngineConfig, GrantRights, Peer, Transfer};
 
 mod decode;

@@ -53,7 +53,7 @@ pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What gdr may do to a buffer's memory. Every buffer gdr allocates is
 /// [`Access::ReadWrite`]; memory the caller wraps is what the caller says
-/// ([`Buffer::wrap_read_only`]). Read-only memory (an immutable Python
+/// ([`Context::wrap_read_only`](crate::Context::wrap_read_only)). Read-only memory (an immutable Python
 /// `bytes`, a read-only mapping or array) is registered with no local or
 /// remote write access, is never granted with write rights, never READ
 /// into and never written by the CPU through gdr.

@@ -15,19 +15,19 @@
 //! # Invariants (checked by [`MemoryDescriptor::validate`] and both parsers)
 //!
 //! - `owner`, `grant` and `len` are nonzero; a GPU ordinal is at most
-//!   [`MAX_GPU_ORDINAL`];
-//! - [`Reach::Direct`] has 1 to [`MAX_SEGMENTS`] segments, each of nonzero
+//!   1023;
+//! - [`Reach::Direct`] has 1 to 64 segments, each of nonzero
 //!   length, whose `addr + len` does not wrap and whose `offset + len` is
 //!   within the descriptor's `len`;
 //! - segments are sorted by (device, offset), and each device's segments
 //!   tile `[0, len)` exactly (no gap, no overlap): every NIC listed reaches
 //!   the whole grant;
-//! - device names are 1 to [`MAX_DEVICE_NAME`] bytes of `[A-Za-z0-9_-]`,
+//! - device names are 1 to 63 bytes of `[A-Za-z0-9_-]`,
 //!   starting with a letter or digit.
 //!
 //! # Binary form, version 2 (little endian)
 //!
-//! A [`HEADER_LEN`]-byte header, then the segments:
+//! A 35-byte header, then the segments:
 //!
 //! ```text
 //! "GDRM" | version u8 = 2 | location u8 (0 host, 1 GPU) | ordinal u16 (0 for host)
@@ -62,19 +62,23 @@ use std::str::FromStr;
 use hal_verbs::AccessFlags;
 
 /// Magic of the binary form.
-pub const MAGIC: [u8; 4] = *b"GDRM";
+pub(crate) const MAGIC: [u8; 4] = *b"GDRM";
 /// The only version this build reads and writes.
-pub const VERSION: u8 = 2;
+pub(crate) const VERSION: u8 = 2;
 /// Bytes of the binary form's header.
-pub const HEADER_LEN: usize = 4 + 1 + 1 + 2 + 1 + 1 + 1 + 8 + 8 + 8;
+pub(crate) const HEADER_LEN: usize = 4 + 1 + 1 + 2 + 1 + 1 + 1 + 8 + 8 + 8;
 /// Bytes of a segment in the binary form, before its device name.
-pub const SEGMENT_HEADER_LEN: usize = 8 + 8 + 8 + 4 + 1;
+pub(crate) const SEGMENT_HEADER_LEN: usize = 8 + 8 + 8 + 4 + 1;
 /// Most segments a descriptor holds.
-pub const MAX_SEGMENTS: usize = 64;
+pub(crate) const MAX_SEGMENTS: usize = 64;
 /// Longest device name (Linux's IB_DEVICE_NAME_MAX is 64, with the NUL).
-pub const MAX_DEVICE_NAME: usize = 63;
+pub(crate) const MAX_DEVICE_NAME: usize = 63;
 /// Highest GPU ordinal a descriptor names.
-pub const MAX_GPU_ORDINAL: u16 = 1023;
+pub(crate) const MAX_GPU_ORDINAL: u16 = 1023;
+// The figures the module docs give.
+const _: () = assert!(HEADER_LEN == 35 && MAX_SEGMENTS == 64 && MAX_DEVICE_NAME == 63);
+const _: () = assert!(MAX_GPU_ORDINAL == 1023);
+
 /// Longest binary form.
 pub const MAX_ENCODED_LEN: usize =
     HEADER_LEN + MAX_SEGMENTS * (SEGMENT_HEADER_LEN + MAX_DEVICE_NAME);
@@ -98,7 +102,7 @@ pub enum MemoryLocation {
     Host,
     /// Memory of GPU `ordinal` on the owning node.
     Gpu {
-        /// The GPU's ordinal there, at most [`MAX_GPU_ORDINAL`].
+        /// The GPU's ordinal there, at most 1023.
         ordinal: u16,
     },
 }
@@ -238,7 +242,7 @@ pub enum DescriptorError {
     /// An unknown memory location (binary kind and ordinal, or text word).
     #[error("unknown memory location {0:?}")]
     BadLocation(String),
-    /// A GPU ordinal above [`MAX_GPU_ORDINAL`].
+    /// A GPU ordinal above 1023.
     #[error("GPU ordinal {0} is above {MAX_GPU_ORDINAL}")]
     BadGpuOrdinal(u16),
     /// Unknown rights (binary code or text word).
@@ -265,7 +269,7 @@ pub enum DescriptorError {
     /// Direct reach with no segment.
     #[error("direct reach with no segment")]
     NoSegments,
-    /// More than [`MAX_SEGMENTS`] segments.
+    /// More than 64 segments.
     #[error("{0} segments, at most {MAX_SEGMENTS} allowed")]
     TooManySegments(usize),
     /// A segment of length 0.

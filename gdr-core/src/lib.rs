@@ -5,7 +5,7 @@
 //! the machine allows, and staged through pinned host memory, per buffer
 //! and transparently, where it does not.
 //!
-//! # The front door: the facade
+//! # The types
 //!
 //! A [`Context`] opens the backends once, at run time
 //! ([`BackendChoice`]: real rdma-core and CUDA where found, the simulation
@@ -20,9 +20,10 @@
 //! [`Error`] that keeps each layer's typed error. `use
 //! gdr_core::prelude::*;` brings these.
 //!
-//! Under the facade are [`engine`], [`buffer`], [`ladder`] and [`cache`],
-//! none generic: they hold the `hal-verbs` and `hal-cuda` backends erased
-//! (their `dynamic` modules), for code that opens its backends itself.
+//! These are the engine's own types, not a layer over it: one engine type,
+//! on the `hal-verbs` and `hal-cuda` backends erased once ([`backend`]:
+//! their `dynamic` modules). A backend of your own comes in through
+//! [`backend::Backends::new`] and [`Context::of_backends`].
 //! [`descriptor`] and [`uri`] are what peers and processes exchange;
 //! [`doctor`] (feature `doctor`) is `gdr info`'s report. The user guide
 //! (`docs/guide.md` in the repository) covers prerequisites, run-time
@@ -30,9 +31,9 @@
 //!
 //! # Features
 //!
-//! None by default: the engine and its parts build with nothing native. The
-//! facade and the run-time choice ([`backend`]) need `sim`, or both `rdma`
-//! and `cuda`:
+//! None by default: the crate builds with nothing native, and
+//! [`Context::open`] says which feature a backend asked for needs. The
+//! backends of the run-time choice ([`backend`]):
 //!
 //! | feature | backend | build needs |
 //! | --- | --- | --- |
@@ -58,8 +59,8 @@
 //!
 //! use gdr_core::prelude::*;
 //!
-//! # // The facade needs a backend feature: `sim` here (`cargo test -p
-//! # // gdr-core` alone builds none, and this example is then a no-op).
+//! # // The simulation is feature `sim` (`cargo test -p gdr-core` alone
+//! # // builds no backend, and this example is then a no-op).
 //! # #[cfg(not(feature = "sim"))]
 //! # fn main() {}
 //! # #[cfg(feature = "sim")]
@@ -110,16 +111,11 @@
 )]
 
 pub mod backend;
-pub mod buffer;
-pub mod cq_wait;
 pub mod descriptor;
 #[cfg(feature = "doctor")]
 pub mod doctor;
-pub mod engine;
-pub mod facade;
-pub mod ladder;
+mod facade;
 mod lifetime;
-pub mod loopback;
 pub mod prelude;
 mod reaper;
 pub mod uri;
@@ -131,20 +127,64 @@ mod sync;
 /// erased one, whatever was chosen at run time ([`backend::Backends`]).
 pub(crate) type Verbs = hal_verbs::dynamic::DynApi;
 
+// The layers under the public types: open to the tests, the benches and
+// the fuzz targets (feature `testing`); what a user names of them is
+// re-exported below. Without `testing`, what serves only those (the
+// bare-HAL loops' helpers, cache and ladder calls the tests make) is
+// allowed to go unused.
+#[cfg(feature = "testing")]
+pub mod buffer;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unused_imports)]
+mod buffer;
+#[cfg(feature = "testing")]
 pub mod cache;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unused_imports)]
+mod cache;
+#[cfg(feature = "testing")]
+pub mod cq_wait;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unused_imports)]
+mod cq_wait;
+#[cfg(feature = "testing")]
+pub mod engine;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unused_imports)]
+mod engine;
+#[cfg(feature = "testing")]
+pub mod ladder;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unused_imports)]
+mod ladder;
+#[cfg(feature = "testing")]
+pub mod loopback;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unused_imports)]
+mod loopback;
 
 pub use lifetime::MemoryLease;
 
 pub use backend::BackendChoice;
-pub use buffer::Access;
-pub use descriptor::{GrantRights, MemoryDescriptor};
-/// The facade's types, at the crate's root: what a library user names.
-pub use engine::{Batch, Engine, Grant, Listener, Peer, Region, Transfer};
-pub use engine::{EngineConfig, Fence, Op, Outcome, TransferError};
+pub use buffer::{Access, BufferAccessError};
+pub use cache::{CacheConfig, CacheError, CacheStats};
+pub use descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
+#[cfg(all(feature = "tokio", not(loom)))]
+pub use engine::{AsyncDriver, AsyncDriverError};
+pub use engine::{
+    Batch, DialError, DialRefused, Driver, Engine, EngineConfig, Fence, GiveUp, Grant,
+    HandshakeFailure, Listener, NotAccepted, Op, Outcome, Peer, PeerCopyRoute, PeerGone,
+    PeerLimits, PeerMisbehaved, ReadOnlyUse, Refusal, Region, TimedOut, Transfer, TransferError,
+    Unavailable, VerbsCall,
+};
 pub use facade::{Buffer, Context, Error, MemoryKind, PathInfo, Stream, Unsupported};
-/// The HAL errors the facade's [`Error`] carries (with their native codes).
+/// The HAL errors [`Error`] carries (with their native codes).
 pub use hal_cuda::CudaError;
 pub use hal_verbs::{VerbsError, WcStatus};
+pub use ladder::{
+    GpuLacks, LadderConfig, LadderError, Policy, Refusal as RungRefusal, RegisterError, Rung,
+    RungFailure,
+};
 
 /// The simulated NIC and GPU (gdr-sim), for tests and for trying gdr
 /// without hardware.

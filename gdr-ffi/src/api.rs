@@ -7,8 +7,8 @@
 use std::ffi::{CStr, c_char};
 use std::sync::Arc;
 
+use gdr_core::Rung;
 use gdr_core::backend::BackendChoice;
-use gdr_core::ladder::Rung;
 use gdr_core::uri::BufferUri;
 use gdr_core::{Buffer, Context, MemoryKind};
 

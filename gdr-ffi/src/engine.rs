@@ -23,10 +23,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gdr_core::Rung;
 use gdr_core::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
-use gdr_core::engine::{EngineConfig, Fence, Op, TransferError};
-use gdr_core::ladder::Rung;
 use gdr_core::{Batch, Engine, Grant, Listener, Peer, Region, Transfer};
+use gdr_core::{EngineConfig, Fence, Op, TransferError};
 
 use crate::api::{GdrBuffer, GdrContext, GdrRung};
 use crate::boundary::{Out, TextOut, ffi_boundary, text_arg};

@@ -6,11 +6,11 @@ use std::ffi::CStr;
 
 use gdr_core::CudaError;
 use gdr_core::Error as EngineError;
+use gdr_core::LadderError;
+use gdr_core::NotAccepted;
 use gdr_core::VerbsError;
-use gdr_core::engine::NotAccepted;
-use gdr_core::engine::{HandshakeFailure, TransferError};
-use gdr_core::ladder::LadderError;
 use gdr_core::uri::UriError;
+use gdr_core::{HandshakeFailure, TransferError};
 
 /// Result of every gdr C function. `GDR_RESULT_OK` is 0; errors start at 7000 so
 /// they never collide with errno values or CUresult codes a caller also sees.
@@ -315,9 +315,9 @@ impl From<gdr_core::Unsupported> for FfiError {
 mod tests {
     use std::time::Duration;
 
+    use gdr_core::DialError;
     use gdr_core::WcStatus;
-    use gdr_core::engine::DialError;
-    use gdr_core::engine::{PeerGone, PeerMisbehaved, Refusal, TimedOut, Unavailable};
+    use gdr_core::{PeerGone, PeerMisbehaved, Refusal, TimedOut, Unavailable};
 
     use super::*;
 

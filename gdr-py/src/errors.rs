@@ -3,8 +3,8 @@
 //! catches): the engine's typed errors mapped to a class, the message
 //! the Rust error's own.
 
-use gdr_core::engine::NotAccepted;
-use gdr_core::ladder::LadderError;
+use gdr_core::LadderError;
+use gdr_core::NotAccepted;
 use gdr_core::{CudaError, Error, TransferError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -40,7 +40,7 @@ pub(crate) fn raise_error(py: Python<'_>, error: &Error) -> PyErr {
         Error::Handshake { .. } | Error::Rejected { .. } | Error::NotAccepted { .. } => {
             "ConnectFailed"
         }
-        Error::Refused(gdr_core::engine::Refusal::GrantRevoked { .. }) => "Revoked",
+        Error::Refused(gdr_core::Refusal::GrantRevoked { .. }) => "Revoked",
         Error::NotGranted { .. } | Error::AccessDenied { .. } | Error::Refused(_) => "Refused",
         Error::OutOfBounds { what, .. } if *what == "remote grant" => "Refused",
         Error::Backend(_) | Error::Unavailable(_) => "Unavailable",

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::Duration;
 
-use gdr_core::engine::Op;
+use gdr_core::Op;
 use gdr_core::{
     BackendChoice, Context, EngineConfig, GrantRights, MemoryDescriptor, Transfer, TransferError,
 };
@@ -398,10 +398,10 @@ impl Region {
             .rungs()
             .into_iter()
             .map(|rung| match rung {
-                gdr_core::ladder::Rung::HostMemory => "host",
-                gdr_core::ladder::Rung::Dmabuf => "dmabuf",
-                gdr_core::ladder::Rung::Peermem => "peermem",
-                gdr_core::ladder::Rung::Staging => "staging",
+                gdr_core::Rung::HostMemory => "host",
+                gdr_core::Rung::Dmabuf => "dmabuf",
+                gdr_core::Rung::Peermem => "peermem",
+                gdr_core::Rung::Staging => "staging",
             })
             .collect()
     }
@@ -718,9 +718,9 @@ impl Peer {
     #[getter]
     fn route(&self) -> &'static str {
         match self.peer.route() {
-            gdr_core::engine::PeerCopyRoute::Nic => "nic",
-            gdr_core::engine::PeerCopyRoute::SameProcess => "same_process",
-            gdr_core::engine::PeerCopyRoute::Ipc => "ipc",
+            gdr_core::PeerCopyRoute::Nic => "nic",
+            gdr_core::PeerCopyRoute::SameProcess => "same_process",
+            gdr_core::PeerCopyRoute::Ipc => "ipc",
         }
     }
 

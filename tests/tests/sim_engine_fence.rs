@@ -183,7 +183,8 @@ fn a_gated_batch_is_refused_at_the_call_and_ends_when_its_peer_goes() {
     let g = w.gated_write(LEN, 20);
     // Checked at the call: out of the grant's bounds.
     let too_long = Transfer::write(&g.gpu_region, 0, &g.remote, 1, LEN);
-    let refused = w.ab.submit_after_stream(&g.held.stream, &[too_long], Some(T));
+    let refused =
+        w.ab.submit_after_stream(&g.held.stream, &[too_long], Some(T));
     assert!(
         matches!(
             refused,

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use gdr_core::buffer::BufferAccessError;
-use gdr_core::engine::ReadOnlyUse;
+use gdr_core::engine::{ReadOnlyUse, Refusal};
 use gdr_core::{
     Access, BackendChoice, Buffer, Context, Engine, EngineConfig, Error, GrantRights, MemoryKind,
     Peer, Transfer, TransferError,
@@ -170,12 +170,12 @@ fn objects_of_another_context_or_engine_are_refused() {
     ));
 
     // A region of the client's engine granted by the server's peer object:
-    // both are sim engines, so only the facade's own check stops it.
+    // both are sim engines, so only the engine's own check stops it.
     let client_memory = client_context.alloc_host(4096).expect("memory");
     let client_region = client.register(&client_memory).expect("register");
     assert!(matches!(
         to_client.grant(&client_region, 0, 4096, GrantRights::Read),
-        Err(Error::Foreign { what: "region", .. })
+        Err(Error::Refused(Refusal::ForeignRegion { .. }))
     ));
 
     let server_memory = server_context.alloc_host(4096).expect("memory");
@@ -187,7 +187,7 @@ fn objects_of_another_context_or_engine_are_refused() {
     // The server's region through the client's peer object.
     assert!(matches!(
         to_server.submit(&[Transfer::write(&server_region, 0, &remote, 0, 64)]),
-        Err(Error::Foreign { what: "region", .. })
+        Err(Error::Refused(Refusal::ForeignRegion { .. }))
     ));
     // A stream of another context.
     let stream = elsewhere.stream(0).expect("stream");

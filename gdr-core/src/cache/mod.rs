@@ -233,7 +233,7 @@ impl Limits {
 #[non_exhaustive]
 pub struct CacheConfig {
     /// The limits of every domain without its own
-    /// ([`RegistrationCache::set_limits`]).
+    /// (`RegistrationCache::set_limits`).
     pub limits: Limits,
     /// An eviction goes this many percent below the limits, so that it runs
     /// once per batch of insertions rather than at each.

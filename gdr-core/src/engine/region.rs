@@ -201,7 +201,7 @@ impl Region {
     }
 
     /// What may be done to its memory: a read-only region
-    /// ([`Buffer::wrap_read_only`]) is never granted with write rights nor
+    /// ([`Context::wrap_read_only`](crate::Context::wrap_read_only)) is never granted with write rights nor
     /// READ into.
     pub fn access(&self) -> Access {
         self.inner.access

@@ -158,7 +158,7 @@ impl Engine {
     ///   with `spawn_blocking`.
     /// - The park's timer is tokio's (millisecond ticks): a deadline fires
     ///   up to about a millisecond late. It is set at the engine's next
-    ///   deadline as a distance on the engine's [`Clock`](super::Clock)
+    ///   deadline as a distance on the engine's clock (`EngineConfig::clock`)
     ///   from its now, then measured on tokio's clock: with a clock other
     ///   than the system's the task wakes when that distance has passed in
     ///   real time, and looks at the engine's clock again then (as a

@@ -64,6 +64,15 @@ impl Context {
         })
     }
 
+    /// A context of backends made elsewhere: a HAL implementation of
+    /// your own, erased by [`Backends::new`].
+    pub fn of_backends(backends: Backends) -> Result<Self, Error> {
+        Ok(Self {
+            inner: open_on(backends)?,
+            id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
     /// A node of this process's simulated fabric with the devices and GPUs
     /// given (a GPU without dma-buf or peermem, two NICs, a NIC that
     /// cannot reach GPU memory, ...): what [`Context::open`] with
@@ -169,7 +178,7 @@ impl Context {
     }
 
     /// The address NIC `nic` is reached at: its RoCE v2 GID on port 1, IPv4
-    /// first. Give it (with a port) to [`Engine::listen`] and to the peer.
+    /// first. Give it (with a port) to [`Engine::listen`](crate::Engine::listen) and to the peer.
     pub fn nic_address(&self, nic: &str) -> Result<IpAddr, Error> {
         self.inner.nic_address(nic)
     }
@@ -234,7 +243,7 @@ impl Context {
     /// A stream someone else made on GPU `gpu` (a framework's: torch's
     /// `cuda_stream`, CuPy's `ptr`, a `__cuda_array_interface__`'s
     /// `stream`), so that gdr's work can be ordered with theirs
-    /// ([`Peer::submit_after_stream`](super::Peer::submit_after_stream)).
+    /// ([`Peer::submit_after_stream`](crate::Peer::submit_after_stream)).
     /// Never destroyed by gdr. The simulation takes only another of its
     /// streams' [`Stream::raw`] and refuses anything else.
     ///
