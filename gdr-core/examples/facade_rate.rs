@@ -1,4 +1,4 @@
-//! The facade's request rate on the simulator, for comparison with the
+//! The public API's request rate on the simulator, for comparison with the
 //! Python package's (`gdr-py/bench/compare.sh` runs both back to back):
 //! two engines of this process's simulated fabric, a 1 MiB host region
 //! granted, and batches WRITEd one after another, each waited for.

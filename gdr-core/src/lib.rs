@@ -111,10 +111,10 @@
 )]
 
 pub mod backend;
+mod context;
 pub mod descriptor;
 #[cfg(feature = "doctor")]
 pub mod doctor;
-mod facade;
 mod lifetime;
 pub mod prelude;
 mod reaper;
@@ -168,6 +168,7 @@ pub use lifetime::MemoryLease;
 pub use backend::BackendChoice;
 pub use buffer::{Access, BufferAccessError};
 pub use cache::{CacheConfig, CacheError, CacheStats};
+pub use context::{Buffer, Context, MemoryKind, PathInfo, Stream};
 pub use descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
 #[cfg(all(feature = "tokio", not(loom)))]
 pub use engine::{AsyncDriver, AsyncDriverError};
@@ -177,7 +178,7 @@ pub use engine::{
     PeerLimits, PeerMisbehaved, ReadOnlyUse, Refusal, Region, TimedOut, Transfer, TransferError,
     Unavailable, VerbsCall,
 };
-pub use facade::{Buffer, Context, Error, MemoryKind, PathInfo, Stream, Unsupported};
+pub use engine::{Error, Unsupported};
 /// The HAL errors [`Error`] carries (with their native codes).
 pub use hal_cuda::CudaError;
 pub use hal_verbs::{VerbsError, WcStatus};

@@ -3,7 +3,7 @@
 //! and the descriptors a peer receives for them, batches of one-sided
 //! READs and WRITEs, and the GPU fence for inbound writes.
 //!
-//! The C functions call gdr-core's facade ([`gdr_core::Engine`] and its
+//! The C functions call gdr-core's types ([`gdr_core::Engine`] and its
 //! kin), which erases the backends once; this module only checks what C
 //! hands it and keeps the objects behind their handles.
 //!
@@ -183,8 +183,9 @@ struct ListenerObject {
     listener: Listener,
 }
 
-// Engines, regions and peers are the facade's own: it refuses an object of
-// another context or engine itself (`gdr_core::Error::Foreign`).
+// Engines, regions and peers are gdr-core's own: it refuses an object of
+// another context (`gdr_core::Error::Foreign`) or engine
+// (`gdr_core::Refusal::ForeignRegion`) itself.
 static ENGINES: Table<Engine> = Table::new(Kind::Engine);
 static REGIONS: Table<Region> = Table::new(Kind::Region);
 static LISTENERS: Table<ListenerObject> = Table::new(Kind::Listener);

@@ -10,7 +10,7 @@ use gdr_core::LadderError;
 use gdr_core::NotAccepted;
 use gdr_core::VerbsError;
 use gdr_core::uri::UriError;
-use gdr_core::{HandshakeFailure, TransferError};
+use gdr_core::{HandshakeFailure, Refusal, TransferError};
 
 /// Result of every gdr C function. `GDR_RESULT_OK` is 0; errors start at 7000 so
 /// they never collide with errno values or CUresult codes a caller also sees.
@@ -257,6 +257,8 @@ impl From<&EngineError> for GdrResult {
             EngineError::OutOfBounds { .. }
             | EngineError::MessageTooLarge { .. }
             | EngineError::ReadOnly(_) => GdrResult::InvalidArgument,
+            // An object of another engine: the caller's mistake.
+            EngineError::Refused(Refusal::ForeignRegion { .. }) => GdrResult::InvalidArgument,
             EngineError::NotGranted { .. }
             | EngineError::AccessDenied { .. }
             | EngineError::Refused(_) => GdrResult::Refused,
@@ -317,7 +319,7 @@ mod tests {
 
     use gdr_core::DialError;
     use gdr_core::WcStatus;
-    use gdr_core::{PeerGone, PeerMisbehaved, Refusal, TimedOut, Unavailable};
+    use gdr_core::{PeerGone, PeerMisbehaved, TimedOut, Unavailable};
 
     use super::*;
 

@@ -5,7 +5,7 @@
 //! (`gdr_batch_fence_stream`) and a batch that waits for a stream
 //! (`gdr_peer_submit_after_stream`).
 //!
-//! The stream is gdr-core's facade [`gdr_core::Stream`]; this module checks
+//! The stream is gdr-core's [`gdr_core::Stream`]; this module checks
 //! what C hands it.
 //!
 //! A copy queued on a stream holds both its buffers:

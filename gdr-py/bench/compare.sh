@@ -1,5 +1,5 @@
 #!/bin/bash
-# compare.sh: the Python package against the Rust facade on the simulator,
+# compare.sh: the Python package against the Rust API on the simulator,
 # back to back in one run (the same workload: gdr-core's facade_rate
 # example and bench/rate.py), then the ratios. Release builds of both.
 #   gdr-py/bench/compare.sh [seconds per shape]   (default 3)

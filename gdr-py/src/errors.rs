@@ -41,6 +41,8 @@ pub(crate) fn raise_error(py: Python<'_>, error: &Error) -> PyErr {
             "ConnectFailed"
         }
         Error::Refused(gdr_core::Refusal::GrantRevoked { .. }) => "Revoked",
+        // An object of another engine: the caller's mistake, not a refusal.
+        Error::Refused(gdr_core::Refusal::ForeignRegion { .. }) => "InvalidArgument",
         Error::NotGranted { .. } | Error::AccessDenied { .. } | Error::Refused(_) => "Refused",
         Error::OutOfBounds { what, .. } if *what == "remote grant" => "Refused",
         Error::Backend(_) | Error::Unavailable(_) => "Unavailable",

@@ -1,4 +1,4 @@
-//! `gdr._gdr`: gdr-core's facade for Python (PyO3, abi3). The package's
+//! `gdr._gdr`: gdr-core for Python (PyO3, abi3). The package's
 //! Python part (`python/gdr`) is the API users call; it resolves the
 //! memory of the objects it is given (the buffer protocol, `__dlpack__`,
 //! `__cuda_array_interface__`, `(address, length, device)`) to an address

@@ -584,6 +584,12 @@ fn a_region_of_another_engine_is_refused() {
         matches!(&err, EngineError::Refused(Refusal::ForeignRegion { .. })),
         "{err}"
     );
+    // Nor does a's engine fence b's region.
+    let err = w.a.engine.fence_inbound_writes(&theirs).unwrap_err();
+    assert!(
+        matches!(&err, EngineError::Refused(Refusal::ForeignRegion { .. })),
+        "{err}"
+    );
     assert_eq!(w.ab.counters(), before, "nothing posted");
 }
 

@@ -1,8 +1,9 @@
-//! The facade (`gdr_core::{Context, Engine, Buffer, ...}`) on the sim: two
-//! contexts of this process's simulated fabric, host and GPU memory moved
-//! both ways and checked through the safe copies, and each refusal the
-//! facade itself owns (objects of another context or engine, a buffer a
-//! stream copy still holds, a spent handle, ranges and sizes).
+//! The public types (`gdr_core::{Context, Engine, Buffer, ...}`) on the
+//! sim: two contexts of this process's simulated fabric, host and GPU
+//! memory moved both ways and checked through the safe copies, and each
+//! refusal of the context and engine themselves (objects of another
+//! context or engine, a buffer a stream copy still holds, a spent handle,
+//! ranges and sizes).
 
 use std::time::Duration;
 

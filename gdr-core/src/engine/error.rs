@@ -658,7 +658,7 @@ pub enum Error {
     BufferAccess(#[from] BufferAccessError),
     /// An object made in one context (of other backends) was given to
     /// another's engine or stream. (A region of another engine is
-    /// [`Refusal::ForeignRegion`].)
+    /// [`Refusal::ForeignRegion`], with both engines' ids.)
     #[error("the {what} belongs to another {owner}")]
     Foreign {
         /// What was given (`buffer`, `stream`).

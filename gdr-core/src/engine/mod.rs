@@ -2075,6 +2075,7 @@ impl Engine {
     /// writes: not a device-wide synchronization. Host memory needs
     /// nothing. A GPU that can neither order nor flush is an error.
     pub fn fence_inbound_writes(&self, region: &Region) -> Result<Fence, EngineError> {
+        region.check_engine(self.id())?;
         match region.inner.location {
             MemoryLocation::Host => Ok(Fence::NotNeeded),
             MemoryLocation::Gpu { ordinal } => self.fence_gpu(u32::from(ordinal)),

@@ -250,13 +250,19 @@ impl Region {
     /// Checks that engine `engine` may use `len` bytes at `offset`: the
     /// region is its own and the range lies inside.
     pub(super) fn check(&self, engine: u64, offset: u64, len: u64) -> Result<(), EngineError> {
+        self.check_engine(engine)?;
+        check_within("local region", offset, len, self.inner.len)
+    }
+
+    /// Checks that the region is engine `engine`'s own.
+    pub(super) fn check_engine(&self, engine: u64) -> Result<(), EngineError> {
         if self.inner.engine != engine {
             return Err(EngineError::Refused(super::Refusal::ForeignRegion {
                 region_engine: self.inner.engine,
                 engine,
             }));
         }
-        check_within("local region", offset, len, self.inner.len)
+        Ok(())
     }
 
     /// Checks that the region's memory may be written the way `write`

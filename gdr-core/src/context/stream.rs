@@ -7,7 +7,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use hal_cuda::Stream as _;
 
 use super::buffer::BufferHold;
-use super::{Buffer, Error, MemoryKind, Unsupported};
+use super::{Buffer, MemoryKind};
+use crate::engine::{Error, Unsupported};
 
 /// A stream on one GPU of a context (non-blocking: no implicit
 /// synchronization with the legacy default stream). Work is queued in the

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use hal_cuda::{Context as _, MemoryType, Stream as _};
 
-use super::context::Instance;
-use super::{Context, Erased, Error, Unsupported};
+use super::Instance;
+use super::{Context, Erased};
 use crate::buffer::{Access, Buffer as BufferOfC, BufferAccessError};
+use crate::engine::{Error, Unsupported};
 use crate::uri::BufferUri;
 
 /// What kind of memory a buffer is.

@@ -1,5 +1,47 @@
 //! [`Context`]: the backends chosen at run time (real or simulated NIC and
-//! GPU), erased once; buffers, streams and engines are made from it.
+//! GPU), erased once; the [`Buffer`]s and [`Stream`]s it allocates, and the
+//! [`Engine`](crate::Engine)s made of it (wgpu's instance and device are
+//! the model). The C ABI, the `gdr` command and the Python package sit on
+//! these.
+//!
+//! ```
+//! use std::time::Duration;
+//! use gdr_core::{BackendChoice, Context, EngineConfig, GrantRights};
+//!
+//! # #[cfg(not(feature = "sim"))]
+//! # fn main() {}
+//! # #[cfg(feature = "sim")]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Two engines on this process's simulated fabric.
+//! let (a, b) = (Context::open(BackendChoice::Sim)?, Context::open(BackendChoice::Sim)?);
+//! let (server, client) = (a.engine(EngineConfig::default())?, b.engine(EngineConfig::default())?);
+//! let nic = server.nics()[0].clone();
+//! let listener = server.listen((server.nic_address(&nic)?, 0).into())?;
+//! let addr = listener.local_addr();
+//! let accepting = std::thread::spawn(move || listener.accept(Duration::from_secs(5)));
+//! let peer = client.connect(addr, Duration::from_secs(5))?;
+//! let accepted = accepting.join().expect("accept")?;
+//!
+//! // The server grants 4 KiB of GPU memory; the client writes into it.
+//! let gpu = a.alloc_device(0, 4096)?;
+//! let grant = accepted.grant(&server.register(&gpu)?, 0, 4096, GrantRights::ReadWrite)?;
+//! let remote = peer.wait_grant(grant.id(), Duration::from_secs(5))?;
+//! let host = b.alloc_host(4096)?;
+//! host.copy_from_host(0, &[7; 4096])?;
+//! peer.write(&client.register(&host)?, &remote, 0)?.wait(Duration::from_secs(5))?;
+//! assert_eq!(gpu.to_vec()?, vec![7; 4096]);
+//! # Ok(())
+//! # }
+//! ```
+
+mod buffer;
+mod stream;
+
+pub use buffer::{Buffer, MemoryKind};
+pub use stream::Stream;
+
+/// A buffer of the context's backends.
+type Erased = buffer::BufferOf;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -10,12 +52,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use hal_cuda::{Context as _, Driver as _};
 use hal_verbs::{AddressFamily, Context as _, Provider as _};
 
-use super::buffer::{Buffer, BufferOf, MemoryKind};
-use super::stream::{Stream, StreamOf};
-use super::{Erased, Error, Unsupported};
+use self::buffer::BufferOf;
+use self::stream::StreamOf;
 use crate::backend::{BackendChoice, Backends};
 use crate::buffer::{Access, Buffer as BufferOfC, HostAllocError};
 use crate::engine::{Engine as EngineOf, EngineConfig, VerbsCall};
+use crate::engine::{Error, Unsupported};
 use crate::ladder::{Gpu, Ladder, Policy, Rung};
 use crate::uri::BufferUri;
 
@@ -331,7 +373,7 @@ impl Instance {
     }
 }
 
-/// A context as the facade holds it: the instance behind an `Arc` so its
+/// A context as its handles hold it: the instance behind an `Arc` so its
 /// buffers can reach its GPUs.
 pub(super) struct Shared(Arc<Instance>);
 
