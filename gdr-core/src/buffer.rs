@@ -3,7 +3,7 @@
 //! a CUDA IPC handle.
 //!
 //! A buffer's memory outlives every memory region over it. Each MR (cached
-//! registration or grant) holds a [`MemoryLease`](crate::MemoryLease) on the buffer's backing
+//! registration or grant) holds a `MemoryLease` on the buffer's backing
 //! store, so leaking or cloning a handle, or dropping things in any order,
 //! never leaves a live MR over freed memory (see the rule in the
 //! [`crate::cache`] module docs):

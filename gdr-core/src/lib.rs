@@ -163,8 +163,6 @@ pub mod loopback;
 #[allow(dead_code, unused_imports)]
 mod loopback;
 
-pub use lifetime::MemoryLease;
-
 pub use backend::BackendChoice;
 pub use buffer::{Access, BufferAccessError};
 pub use cache::{CacheConfig, CacheError, CacheStats};

@@ -112,7 +112,7 @@
 //!    its last [`CacheHandle`] is dropped. Handles can be cloned, leaked
 //!    (`mem::forget` is safe Rust) or kept past the buffer, so a destructor
 //!    (the buffer's) cannot be the guard. Instead each registration holds a
-//!    lease on its buffer's memory ([`crate::MemoryLease`], after the MR in
+//!    lease on its buffer's memory (`MemoryLease`, after the MR in
 //!    drop order): memory gdr allocated is freed by whichever of the buffer
 //!    and the last lease goes last; for memory the caller owns
 //!    ([`crate::buffer::Buffer::wrap`]) the buffer's drop waits, bounded,
