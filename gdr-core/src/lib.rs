@@ -127,41 +127,21 @@ mod sync;
 /// erased one, whatever was chosen at run time ([`backend::Backends`]).
 pub(crate) type Verbs = hal_verbs::dynamic::DynApi;
 
-// The layers under the public types: open to the tests, the benches and
-// the fuzz targets (feature `testing`); what a user names of them is
-// re-exported below. Without `testing`, what serves only those (the
-// bare-HAL loops' helpers, cache and ladder calls the tests make) is
-// allowed to go unused.
-#[cfg(feature = "testing")]
-pub mod buffer;
-#[cfg(not(feature = "testing"))]
-#[allow(dead_code, unused_imports)]
-mod buffer;
-#[cfg(feature = "testing")]
-pub mod cache;
-#[cfg(not(feature = "testing"))]
-#[allow(dead_code, unused_imports)]
-mod cache;
-#[cfg(feature = "testing")]
-pub mod cq_wait;
-#[cfg(not(feature = "testing"))]
-#[allow(dead_code, unused_imports)]
-mod cq_wait;
-#[cfg(feature = "testing")]
-pub mod engine;
-#[cfg(not(feature = "testing"))]
-#[allow(dead_code, unused_imports)]
-mod engine;
-#[cfg(feature = "testing")]
-pub mod ladder;
-#[cfg(not(feature = "testing"))]
-#[allow(dead_code, unused_imports)]
-mod ladder;
-#[cfg(feature = "testing")]
-pub mod loopback;
-#[cfg(not(feature = "testing"))]
-#[allow(dead_code, unused_imports)]
-mod loopback;
+/// The layers under the public types: private, opened to the tests, the
+/// benches and the fuzz targets by feature `testing`; what a user names of
+/// them is re-exported below. Without `testing`, what serves only those
+/// (the bare-HAL loops' helpers, cache and ladder calls the tests make) is
+/// allowed to go unused.
+macro_rules! layers {
+    ($($layer:ident),*) => {$(
+        #[cfg(feature = "testing")]
+        pub mod $layer;
+        #[cfg(not(feature = "testing"))]
+        #[allow(dead_code, unused_imports)]
+        mod $layer;
+    )*};
+}
+layers!(buffer, cache, cq_wait, engine, ladder, loopback);
 
 pub use backend::BackendChoice;
 pub use buffer::{Access, BufferAccessError};

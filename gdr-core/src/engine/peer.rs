@@ -377,8 +377,7 @@ impl Peer {
         remote: &MemoryDescriptor,
         remote_offset: u64,
     ) -> Result<Batch, EngineError> {
-        let len = local.len();
-        self.submit(&[Transfer::write(local, 0, remote, remote_offset, len)])
+        self.whole(Op::Write, local, remote, remote_offset)
     }
 
     /// A READ into all of `local` from `remote` at `remote_offset`.
@@ -388,8 +387,25 @@ impl Peer {
         remote: &MemoryDescriptor,
         remote_offset: u64,
     ) -> Result<Batch, EngineError> {
-        let len = local.len();
-        self.submit(&[Transfer::read(local, 0, remote, remote_offset, len)])
+        self.whole(Op::Read, local, remote, remote_offset)
+    }
+
+    /// One `op` of all of `local`, with the engine's default timeout.
+    fn whole(
+        &self,
+        op: Op,
+        local: &Region,
+        remote: &MemoryDescriptor,
+        remote_offset: u64,
+    ) -> Result<Batch, EngineError> {
+        self.submit(&[Transfer {
+            op,
+            local,
+            local_offset: 0,
+            remote,
+            remote_offset,
+            len: local.len(),
+        }])
     }
 
     /// Submits a batch with the engine's default timeout.
