@@ -224,6 +224,16 @@ fn a_staged_grant_revoked_after_its_peer_went_waits_for_the_copies_still_running
     );
     // b closes the peer: it waits a second for the copies, then goes.
     w.ba.close().unwrap();
+    // Gone, its landing retiring (the paused GPU holds its copies): b's
+    // progress has nothing to do but wait for them, and says so.
+    for _ in 0..3 {
+        w.b.engine.progress();
+    }
+    let idle: Vec<usize> = (0..20).map(|_| w.b.engine.progress()).collect();
+    assert!(
+        idle.iter().all(|&n| n == 0),
+        "progress while retiring: {idle:?}"
+    );
     let fenced = std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(100));

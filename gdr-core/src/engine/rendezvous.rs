@@ -616,14 +616,25 @@ pub(super) fn pump_landing(
         // worker has dropped it, its copies may still run: the fresh
         // landing keeps the worker's word for that (`copying`), so a
         // revoke of a gone peer's grant waits for it.
-        let mut retiring = std::mem::take(&mut landing.retiring);
-        retiring.retain(|done| done.get().is_none());
-        let gone = std::mem::replace(landing, Landing::new(&cx.res.config.peer_limits));
-        if gone.slots.is_some() || !gone.copies.is_empty() {
-            retiring.push(cx.res.cuda.run(cx.res, move |_| drop(gone)));
+        let before = landing.retiring.len();
+        landing.retiring.retain(|done| done.get().is_none());
+        let mut moved = before - landing.retiring.len();
+        // A landing already emptied only waits for its retiring ones (the
+        // staged path polls while they run): nothing to make anew.
+        let holds = landing.slots.is_some()
+            || !landing.copies.is_empty()
+            || !landing.inbox.is_empty()
+            || !landing.owner.is_idle();
+        if holds {
+            let retiring = std::mem::take(&mut landing.retiring);
+            let gone = std::mem::replace(landing, Landing::new(&cx.res.config.peer_limits));
+            landing.retiring = retiring;
+            if gone.slots.is_some() || !gone.copies.is_empty() {
+                landing.retiring.push(cx.res.cuda.run(cx.res, move |_| drop(gone)));
+            }
+            moved += 1;
         }
-        landing.retiring = retiring;
-        return 1;
+        return moved;
     }
     let now = cx.now;
     let mut moved = 0;
