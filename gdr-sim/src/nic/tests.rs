@@ -614,10 +614,14 @@ fn lanes_lose_nothing_while_the_fabric_changes_under_them() {
     const SLOT: usize = 256;
     let fabric = SimFabric::new();
     let stop = std::sync::atomic::AtomicBool::new(false);
+    // Who pauses the fabric holds this: lane 0 posts one batch into a pause
+    // of its own, so the slow path runs whatever the threads' timing (the
+    // changer's pauses alone missed every post now and then).
+    let pausing = std::sync::Mutex::new(());
     std::thread::scope(|s| {
         let lanes: Vec<_> = (0..LANES)
             .map(|lane| {
-                let fabric = &fabric;
+                let (fabric, pausing) = (&fabric, &pausing);
                 s.spawn(move || {
                     let a = end(fabric, &format!("a{lane}"), 64);
                     let b = end(fabric, &format!("b{lane}"), 64);
@@ -649,8 +653,16 @@ fn lanes_lose_nothing_while_the_fabric_changes_under_them() {
                                 write(round * BATCH + i, sge, dmr.addr() + offset, dmr.rkey())
                             })
                             .collect();
+                        let pause = (lane == 0 && round == ROUNDS / 2).then(|| {
+                            let held = pausing.lock().unwrap();
+                            fabric.set_paused(true);
+                            held
+                        });
                         // SAFETY: the MRs live until the end of the closure.
                         unsafe { a.qp.post_send(&batch) }.unwrap();
+                        if let Some(_held) = pause {
+                            fabric.set_paused(false);
+                        }
                         for i in 0..BATCH {
                             let wc = poll_until_one(&a.cq);
                             assert_eq!(wc.status, WcStatus::SUCCESS);
@@ -662,8 +674,7 @@ fn lanes_lose_nothing_while_the_fabric_changes_under_them() {
                 })
             })
             .collect();
-        let fabric = &fabric;
-        let stop = &stop;
+        let (fabric, stop, pausing) = (&fabric, &stop, &pausing);
         let changer = s.spawn(move || {
             let c = end(fabric, "changer", 8);
             let mut memory = vec![0u8; 4096];
@@ -677,6 +688,7 @@ fn lanes_lose_nothing_while_the_fabric_changes_under_them() {
                 }
                 .unwrap();
                 drop((mr, qp, cq));
+                let _held = pausing.lock().unwrap();
                 fabric.set_paused(true);
                 std::thread::yield_now();
                 fabric.set_paused(false);
