@@ -50,7 +50,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use hal_cuda::{Context as _, Driver as _};
-use hal_verbs::{AddressFamily, Context as _, Provider as _};
+use hal_verbs::Provider as _;
 
 use self::buffer::BufferOf;
 use self::stream::StreamOf;
@@ -409,19 +409,15 @@ impl Shared {
     }
 
     fn nic_address(&self, nic: &str) -> Result<IpAddr, Error> {
-        let device = || nic.to_owned();
-        let table = self
-            .0
-            .backends
-            .verbs()
-            .open(nic)
-            .map_err(|e| Error::verbs(VerbsCall::OpenDevice { device: device() }, e))?
-            .gid_table(1)
-            .map_err(|e| Error::verbs(VerbsCall::QueryGids { device: device() }, e))?;
-        hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4)
-            .or_else(|| hal_verbs::select_roce_v2_gid(&table, AddressFamily::V6))
-            .map(|entry| entry.gid.to_ip())
-            .ok_or_else(|| Unsupported::NoRoceAddress { nic: nic.into() }.into())
+        let context = self.0.backends.verbs().open(nic).map_err(|e| {
+            Error::verbs(
+                VerbsCall::OpenDevice {
+                    device: nic.to_owned(),
+                },
+                e,
+            )
+        })?;
+        crate::engine::roce_address(&context, nic)
     }
 
     fn path(&self, gpu: u32, nic: u32) -> Result<PathInfo, Error> {

@@ -967,6 +967,32 @@ struct Shared {
     context: u64,
 }
 
+/// The RoCE v2 address of port 1 of `context` (NIC `nic`), IPv4 where it
+/// has one: what an engine listens at.
+pub(crate) fn roce_address(
+    context: &hal_verbs::dynamic::DynContext,
+    nic: &str,
+) -> Result<std::net::IpAddr, EngineError> {
+    use hal_verbs::AddressFamily;
+    let table = context.gid_table(1).map_err(|e| {
+        EngineError::verbs(
+            VerbsCall::QueryGids {
+                device: nic.to_owned(),
+            },
+            e,
+        )
+    })?;
+    hal_verbs::select_roce_v2_gid(&table, AddressFamily::V4)
+        .or_else(|| hal_verbs::select_roce_v2_gid(&table, AddressFamily::V6))
+        .map(|entry| entry.gid.to_ip())
+        .ok_or_else(|| {
+            Unsupported::NoRoceAddress {
+                nic: nic.to_owned(),
+            }
+            .into()
+        })
+}
+
 /// The context id of an engine made outside any context.
 #[cfg(any(test, feature = "testing"))]
 const NO_CONTEXT: u64 = 0;
@@ -1519,23 +1545,7 @@ impl Engine {
                 device: nic.to_owned(),
             }));
         };
-        let table = found.context.gid_table(1).map_err(|e| {
-            EngineError::verbs(
-                VerbsCall::QueryGids {
-                    device: nic.to_owned(),
-                },
-                e,
-            )
-        })?;
-        hal_verbs::select_roce_v2_gid(&table, hal_verbs::AddressFamily::V4)
-            .or_else(|| hal_verbs::select_roce_v2_gid(&table, hal_verbs::AddressFamily::V6))
-            .map(|entry| entry.gid.to_ip())
-            .ok_or_else(|| {
-                crate::Unsupported::NoRoceAddress {
-                    nic: nic.to_owned(),
-                }
-                .into()
-            })
+        roce_address(&found.context, nic)
     }
 
     fn fence_gpu(&self, ordinal: u32) -> Result<Fence, EngineError> {
