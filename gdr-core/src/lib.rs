@@ -145,15 +145,18 @@ layers!(buffer, cache, cq_wait, engine, ladder, loopback);
 
 pub use backend::BackendChoice;
 pub use buffer::{Access, BufferAccessError};
-pub use cache::{CacheConfig, CacheError, CacheStats};
+pub use cache::{
+    Bounds, BudgetExceeded, BudgetLimits, BudgetUsage, CacheConfig, CacheError, CacheStats, Limits,
+};
 pub use context::{Buffer, Context, MemoryKind, PathInfo, Stream};
 pub use descriptor::{GrantRights, MemoryDescriptor, MemoryLocation};
 #[cfg(all(feature = "tokio", not(loom)))]
 pub use engine::{AsyncDriver, AsyncDriverError};
 pub use engine::{
-    Batch, DialError, DialRefused, Driver, Engine, EngineConfig, Fence, GiveUp, Grant,
-    HandshakeFailure, Listener, NotAccepted, Op, Outcome, Peer, PeerCopyRoute, PeerGone,
-    PeerLimits, PeerMisbehaved, ReadOnlyUse, Refusal, Region, TimedOut, Transfer, TransferError,
+    Batch, Clock, DialError, DialRefused, Driver, Engine, EngineConfig, EngineResources, Fence,
+    GiveUp, Grant, HandshakeFailure, Listener, NotAccepted, Op, Outcome, Path, Peer, PeerCopyRoute,
+    PeerCopyStats, PeerGone, PeerLimits, PeerMisbehaved, PeerResources, QpCounters, ReadOnlyUse,
+    Refusal, Region, SharedEngineError, SystemClock, TimedOut, Transfer, TransferError,
     Unavailable, VerbsCall,
 };
 pub use engine::{Error, Unsupported};
@@ -164,6 +167,7 @@ pub use ladder::{
     GpuLacks, LadderConfig, LadderError, Policy, Refusal as RungRefusal, RegisterError, Rung,
     RungFailure,
 };
+pub use loopback::LoopbackError;
 
 /// The simulated NIC and GPU (gdr-sim), for tests and for trying gdr
 /// without hardware.

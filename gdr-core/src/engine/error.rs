@@ -294,7 +294,7 @@ impl From<WireError> for HandshakeFailure {
     }
 }
 
-/// An [`EngineError`] a request's outcome carries ([`TransferError::Setup`]):
+/// An [`Error`](crate::Error) a request's outcome carries ([`TransferError::Setup`]):
 /// shared, so that the outcome stays [`Clone`]. Two are equal when they are
 /// the same failure (clones of one another), not when their messages agree.
 #[derive(Debug, Clone, thiserror::Error)]
