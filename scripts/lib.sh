@@ -10,7 +10,9 @@ stage() {
   "$@"; rc=$?
   t1=$(date +%s)
   STAGES+=("$(printf '%-28s %5ss  %s' "$name" $((t1 - t0)) "$([ $rc = 0 ] && echo ok || echo "FAILED ($rc)")")")
-  echo "::: stage $name took $((t1 - t0)) s (exit $rc)" >&2
+  # The free disk after each stage: a shared CI machine's full disk once
+  # failed a link (ld: Bus error) with nothing else to say so.
+  echo "::: stage $name took $((t1 - t0)) s (exit $rc; $(df -h --output=avail . 2>/dev/null | tail -1 | tr -d ' ') free)" >&2
   return $rc
 }
 summary() {

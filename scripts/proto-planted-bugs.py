@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# Planted bugs in gdr-proto's protocols (batches, peer copy, gates, the requester
+# Planted bugs in gdr-proto's protocols (batches, a peer's connection, peer copy, gates, the requester
 # and the owner of the rendezvous, the pipeline, reconnection): each is
 # applied alone, the module's tests run (or, for an entry that names one,
 # the two-endpoint pair test of gdr-proto/tests/ that must catch it), and
@@ -14,9 +14,11 @@ PIPE='gdr-proto/src/pipeline.rs'
 REC='gdr-proto/src/reconnect.rs'
 OUT='gdr-proto/src/outbox.rs'
 BAT='gdr-proto/src/batches.rs'
+CONN='gdr-proto/src/connection.rs'
 # The pair tests (both ends of a protocol over an encoded link).
 PRDV='pair_rendezvous'
 PPC='pair_peer_copy'
+PAIR='pair'
 muts=[
  (BAT,"told with requests in flight after an error","            self.drop_queued(batch);\n            self.finish_if_done(batch);\n        } else if","            self.drop_queued(batch);\n            self.finish(batch);\n        } else if"),
  (BAT,"hold released at the grace","                continue;\n            }\n            record.ended = true;","                self.batches.remove(batch);\n                continue;\n            }\n            record.ended = true;"),
@@ -98,6 +100,16 @@ muts=[
  (PC,"a stopped batch ends before its windows ran","            _ if !self.is_drained() => return None,","            _ if !self.is_drained() && self.stop.is_none() => return None,",PPC),
  (PC,"given up at the revoke","                    export.release_by = now.checked_add(bound);","                    export.release_by = Some(now);",PPC),
  (PC,"the given-up record unbounded","            if self.given_up.len() == GIVEN_UP_KEPT {\n                self.given_up.pop_front();\n            }\n","",PPC),
+ (CONN,"a grant of another engine kept","                if d.owner() != self.peer_engine {","                if d.owner() == 0 {"),
+ (CONN,"a grant of another engine kept (pair)","                if d.owner() != self.peer_engine {","                if d.owner() == 0 {",PAIR),
+ (CONN,"goodbye keeps the peer's grants","                self.remote.clear();\n                Event::Goodbye","                Event::Goodbye",PAIR),
+ (CONN,"an unknown revoke told as a revoke","                    None => return Ok(Received::Stale),","                    None => Event::GrantRevoked(grant),"),
+ (CONN,"the deadline misses the outbox","        [self.recovery.poll_timeout(), self.outbox.poll_timeout()]","        [self.recovery.poll_timeout(), None]"),
+ (CONN,"the deadline misses the recovery","        [self.recovery.poll_timeout(), self.outbox.poll_timeout()]","        [None, self.outbox.poll_timeout()]"),
+ (CONN,"sent while it may not","        if can_send {\n            return self.outbox.pop().map(Transmit::Send);","        {\n            return self.outbox.pop().map(Transmit::Send);"),
+ (CONN,"expired sent","        if let Some(late) = self.outbox.poll_expired(now) {\n            return Some(Transmit::Expired(late));\n        }\n",""),
+ (CONN,"sent after goodbye","        if self.said_goodbye {\n            return Err((SendRefused::Goodbye, token));\n        }\n",""),
+ (CONN,"a message past the peer's size queued","        if len > max {\n            return Err((SendRefused::TooLarge { len, max }, token));\n        }\n",""),
  (PC,"the release bound off by one",".filter(|(_, e)| e.release_by.is_some_and(|at| now >= at))",".filter(|(_, e)| e.release_by.is_some_and(|at| now > at))",PPC),
 ]
 # An argument keeps the mutants of the files whose path contains it, or
@@ -112,7 +124,7 @@ for p,name,a,b,*pair in muts:
         module=pair[0]
         args=["--test",module]
     else:
-        module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox','batches.rs':'batches'}[p.split('/')[-1]]
+        module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox','batches.rs':'batches','connection.rs':'connection'}[p.split('/')[-1]]
         args=[module+"::"]
     assert orig.count(a)==1,(name,a)
     try:

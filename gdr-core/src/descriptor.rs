@@ -685,6 +685,20 @@ impl fmt::Display for Segment {
     }
 }
 
+/// What a peer's connection needs of the descriptors it announces.
+impl gdr_proto::connection::Descriptor for MemoryDescriptor {
+    type Error = DescriptorError;
+    fn decode(bytes: &[u8]) -> Result<Self, DescriptorError> {
+        MemoryDescriptor::decode(bytes)
+    }
+    fn owner(&self) -> u64 {
+        self.owner
+    }
+    fn grant(&self) -> u64 {
+        self.grant
+    }
+}
+
 impl fmt::Display for MemoryDescriptor {
     /// The text form (which parses back to the descriptor when it is valid).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

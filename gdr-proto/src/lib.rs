@@ -11,6 +11,9 @@
 //! touches a device, every protocol is tested in memory, two endpoints
 //! driven step by step, with no simulator.
 //!
+//! - [`connection`]: one peer's connection: the machines below that are
+//!   per peer (recovery, grants both ways, inbox, outbox) in one object,
+//!   the connection-level control messages dispatched, one deadline.
 //! - [`batches`]: batches of work requests on a peer's queue pairs
 //!   (depth, selective signalling, the peer's receives, deadlines with a
 //!   grace for the flushes; each batch told once, its memory held until
@@ -46,6 +49,7 @@
 #![deny(missing_docs)]
 
 pub mod batches;
+pub mod connection;
 mod error;
 pub mod gate;
 pub mod grants;

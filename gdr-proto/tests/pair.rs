@@ -1,6 +1,7 @@
 //! The protocols together, two endpoints in memory (quinn-proto's `Pair`),
-//! through the crate's public API only: a connector and an acceptor joined
-//! by a link that carries encoded control messages and can be cut. Set-up
+//! through the crate's public API only: a connector and an acceptor, each
+//! a [`Connection`], joined by a link that carries encoded control
+//! messages and can be cut. Set-up
 //! (the dial against the listener's backlog, the paths as the sign of
 //! acceptance), grants announced and revoked over the wire, control
 //! messages through each side's outbox and inbox, and queue pairs failing
@@ -10,15 +11,13 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use gdr_proto::PeerMisbehaved;
-use gdr_proto::grants::RemoteGrants;
-use gdr_proto::inbox::Inbox;
-use gdr_proto::outbox::Outbox;
-use gdr_proto::reconnect::{self, Drained, GiveUp, Gone, OldQp, Recovery, Replacement};
+use gdr_proto::connection::{Connection, ConnectionConfig, Descriptor, Event, Received, Transmit};
+use gdr_proto::reconnect::{self, Drained, GiveUp, Gone, OldQp, Replacement};
 use gdr_proto::setup::{
     Admitted, Arrival, Backlog, BacklogConfig, Dial, DialError, DialState, NotAccepted, Token,
 };
 use gdr_proto::wire::{Control, Hello, Role};
+use gdr_proto::{PeerLimits, PeerMisbehaved};
 
 const QPS: u16 = 2;
 const SESSION: u64 = 0x5e55;
@@ -28,12 +27,9 @@ const T: Duration = Duration::from_secs(1);
 /// One endpoint: what the engine keeps of its peer, as the protocols do.
 struct Side {
     engine: u64,
-    recovery: Recovery,
+    conn: Connection<PairDescriptor, u64>,
     /// Which of its queue pairs is up (the driver's view of its core).
     up: [bool; QPS as usize],
-    outbox: Outbox<u64>,
-    inbox: Inbox,
-    remote: RemoteGrants<Vec<u8>>,
     /// Tokens of its messages that went out, and of those that expired.
     sent: Vec<u64>,
     expired: Vec<u64>,
@@ -45,13 +41,25 @@ struct Side {
 
 impl Side {
     fn new(engine: u64, connector: bool) -> Self {
+        let peer_engine = if engine == 0xa { 0xb } else { 0xa };
         Self {
             engine,
-            recovery: Recovery::new(QPS.into(), connector, RECONNECT),
+            conn: Connection::new(&ConnectionConfig {
+                peer_engine,
+                session: SESSION,
+                qp_count: QPS.into(),
+                connector,
+                reconnect_timeout: RECONNECT,
+                peer_max_message: 4096,
+                max_outbox: 8,
+                limits: PeerLimits {
+                    max_remote_grants: 2,
+                    max_inbox_messages: 4,
+                    max_inbox_bytes: 1 << 16,
+                    ..PeerLimits::DEFAULT
+                },
+            }),
             up: [true; QPS as usize],
-            outbox: Outbox::new(8),
-            inbox: Inbox::new(4, 1 << 16),
-            remote: RemoteGrants::new(2),
             sent: Vec::new(),
             expired: Vec::new(),
             next_token: 1,
@@ -78,8 +86,8 @@ impl Side {
         let token = self.next_token;
         self.next_token += 1;
         let bytes = message.encode().expect("encodes");
-        self.outbox
-            .push(bytes, token, now, timeout)
+        self.conn
+            .send(bytes, token, now, timeout)
             .expect("room in the outbox");
         token
     }
@@ -87,41 +95,46 @@ impl Side {
     /// What the driver does each step: expired messages end, the rest go
     /// out while queue pair 0 is up, in order.
     fn flush(&mut self, now: Instant, link: &mut VecDeque<Vec<u8>>) {
-        while !self.outbox.is_empty() {
-            if let Some(late) = self.outbox.poll_expired(now) {
-                self.expired.push(late.token);
-                continue;
+        while let Some(transmit) = self.conn.poll_transmit(now, self.up[0]) {
+            match transmit {
+                Transmit::Expired(late) => self.expired.push(late.token),
+                Transmit::Send(message) => {
+                    self.sent.push(message.token);
+                    link.push_back(message.bytes);
+                }
             }
-            if !self.up[0] {
-                break;
-            }
-            let message = self.outbox.pop().expect("not empty");
-            self.sent.push(message.token);
-            link.push_back(message.bytes);
         }
     }
 
     /// A message from the peer, as the engine's `on_message` takes it.
     fn receive(&mut self, bytes: &[u8]) {
-        let result = match Control::decode(bytes).expect("the peer's message decodes") {
-            Control::User(payload) => self.inbox.push(payload.to_vec()),
-            Control::GrantAnnounce { descriptor } => {
-                let id = u64::from_le_bytes(descriptor[..8].try_into().unwrap());
-                self.remote.announce(id, descriptor.to_vec())
+        let message = Control::decode(bytes).expect("the peer's message decodes");
+        match self.conn.on_control(message) {
+            Ok(Received::Event(Event::PathsKnown)) => self.accepted = true,
+            Ok(Received::Event(_) | Received::Stale) => {}
+            Ok(Received::Other(other)) => panic!("unexpected {other:?}"),
+            Err(why) => {
+                self.dropped.get_or_insert(why);
             }
-            Control::GrantRevoke { grant } => {
-                self.remote.revoke(grant);
-                Ok(())
-            }
-            Control::Paths { .. } => {
-                self.accepted = true;
-                Ok(())
-            }
-            other => panic!("unexpected {other:?}"),
-        };
-        if let Err(why) = result {
-            self.dropped.get_or_insert(why);
         }
+    }
+}
+
+/// A grant descriptor as the pair announces it: the grant id, then the
+/// owner's engine id, then padding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PairDescriptor(Vec<u8>);
+
+impl Descriptor for PairDescriptor {
+    type Error = ();
+    fn decode(bytes: &[u8]) -> Result<Self, ()> {
+        (bytes.len() >= 16).then(|| Self(bytes.to_vec())).ok_or(())
+    }
+    fn owner(&self) -> u64 {
+        u64::from_le_bytes(self.0[8..16].try_into().unwrap())
+    }
+    fn grant(&self) -> u64 {
+        u64::from_le_bytes(self.0[..8].try_into().unwrap())
     }
 }
 
@@ -174,8 +187,8 @@ impl Pair {
         dial.on_accepted().expect("accepted");
         a.send(&Control::Paths { devices: b"n0,n0" }, now, T);
         a.flush(now, &mut to_b);
-        a.recovery.establish();
-        b.recovery.establish();
+        a.conn.recovery_mut().establish();
+        b.conn.recovery_mut().establish();
         let mut pair = Self {
             now,
             a,
@@ -211,8 +224,14 @@ impl Pair {
         self.b.up[index] = false;
         let now = self.now;
         (
-            self.a.recovery.on_drained(index, now, false, false),
-            self.b.recovery.on_drained(index, now, false, false),
+            self.a
+                .conn
+                .recovery_mut()
+                .on_drained(index, now, false, false),
+            self.b
+                .conn
+                .recovery_mut()
+                .on_drained(index, now, false, false),
         )
     }
 
@@ -220,17 +239,24 @@ impl Pair {
     /// whose old one drained: both install the new connection.
     fn redial(&mut self, index: usize) {
         assert!(
-            self.a.recovery.time_left(index, self.now).is_some(),
+            self.a
+                .conn
+                .recovery_mut()
+                .time_left(index, self.now)
+                .is_some(),
             "still wanted"
         );
         assert_eq!(
-            self.b.recovery.on_replacement(index, OldQp::Reconnecting),
+            self.b
+                .conn
+                .recovery_mut()
+                .on_replacement(index, OldQp::Reconnecting),
             Replacement::Install
         );
         let reply = self.b.hello(Role::Accept, index as u16);
         reconnect::check_reply(&reply, SESSION, index, self.b.engine).expect("answers the dial");
-        assert!(self.b.recovery.installed(index));
-        assert!(self.a.recovery.installed(index));
+        assert!(self.b.conn.recovery_mut().installed(index));
+        assert!(self.a.conn.recovery_mut().installed(index));
         self.a.up[index] = true;
         self.b.up[index] = true;
     }
@@ -239,15 +265,16 @@ impl Pair {
     fn advance(&mut self, by: Duration) -> (GivenUp, GivenUp) {
         self.now += by;
         (
-            self.a.recovery.handle_timeout(self.now),
-            self.b.recovery.handle_timeout(self.now),
+            self.a.conn.recovery_mut().handle_timeout(self.now),
+            self.b.conn.recovery_mut().handle_timeout(self.now),
         )
     }
 }
 
-fn announce(grant: u64) -> Vec<u8> {
+fn announce(grant: u64, owner: u64) -> Vec<u8> {
     let mut descriptor = grant.to_le_bytes().to_vec();
-    descriptor.extend_from_slice(&[0; 24]);
+    descriptor.extend_from_slice(&owner.to_le_bytes());
+    descriptor.extend_from_slice(&[0; 16]);
     descriptor
 }
 
@@ -255,7 +282,7 @@ fn announce(grant: u64) -> Vec<u8> {
 fn a_session_carries_grants_and_messages_both_ways() {
     let mut p = Pair::connected();
     let now = p.now;
-    let descriptor = announce(7);
+    let descriptor = announce(7, 0xb);
     p.b.send(
         &Control::GrantAnnounce {
             descriptor: &descriptor,
@@ -265,11 +292,11 @@ fn a_session_carries_grants_and_messages_both_ways() {
     );
     p.a.send(&Control::User(b"hello"), now, T);
     p.deliver();
-    assert_eq!(p.a.remote.get(7), Some(&descriptor));
-    assert_eq!(p.b.inbox.pop().as_deref(), Some(&b"hello"[..]));
+    assert_eq!(p.a.conn.remote_grant(7).map(|d| &d.0), Some(&descriptor));
+    assert_eq!(p.b.conn.receive().as_deref(), Some(&b"hello"[..]));
     p.b.send(&Control::GrantRevoke { grant: 7 }, now, T);
     p.deliver();
-    assert_eq!(p.a.remote.get(7), None, "revoked over the wire");
+    assert_eq!(p.a.conn.remote_grant(7), None, "revoked over the wire");
 }
 
 #[test]
@@ -285,7 +312,7 @@ fn messages_wait_out_a_failed_queue_pair_0_and_go_in_order_once_it_is_back() {
     p.deliver();
     assert!(p.a.sent.iter().all(|t| ![first, short, third].contains(t)));
     assert_eq!(
-        p.b.inbox.len(),
+        p.b.conn.inbox_len().0,
         0,
         "nothing goes while queue pair 0 is down"
     );
@@ -295,10 +322,10 @@ fn messages_wait_out_a_failed_queue_pair_0_and_go_in_order_once_it_is_back() {
     p.redial(0);
     p.deliver();
     assert_eq!(p.a.expired, [short], "only the one past its deadline");
-    let got: Vec<Vec<u8>> = std::iter::from_fn(|| p.b.inbox.pop()).collect();
+    let got: Vec<Vec<u8>> = std::iter::from_fn(|| p.b.conn.receive()).collect();
     assert_eq!(got, [b"one".to_vec(), b"three".to_vec()], "in order");
-    assert_eq!(p.a.recovery.reconnecting(), 0);
-    assert_eq!(p.a.recovery.poll_gone(), None);
+    assert_eq!(p.a.conn.recovery_mut().reconnecting(), 0);
+    assert_eq!(p.a.conn.recovery_mut().poll_gone(), None);
 }
 
 #[test]
@@ -313,11 +340,15 @@ fn every_queue_pair_not_back_in_time_leaves_both_sides_without_the_peer() {
         after: RECONNECT,
     };
     assert_eq!((a, b), (vec![(0, late0.clone())], vec![(0, late0)]));
-    assert_eq!(p.a.recovery.poll_gone(), None, "queue pair 1 may come back");
-    // A dial of queue pair 0 that comes back now is not wanted.
-    assert_eq!(p.a.recovery.time_left(0, p.now), None);
     assert_eq!(
-        p.b.recovery.on_replacement(0, OldQp::Down),
+        p.a.conn.recovery_mut().poll_gone(),
+        None,
+        "queue pair 1 may come back"
+    );
+    // A dial of queue pair 0 that comes back now is not wanted.
+    assert_eq!(p.a.conn.recovery_mut().time_left(0, p.now), None);
+    assert_eq!(
+        p.b.conn.recovery_mut().on_replacement(0, OldQp::Down),
         Replacement::Refuse
     );
     let (a, b) = p.advance(RECONNECT / 2);
@@ -326,8 +357,14 @@ fn every_queue_pair_not_back_in_time_leaves_both_sides_without_the_peer() {
         index: 1,
         after: RECONNECT,
     };
-    assert_eq!(p.a.recovery.poll_gone(), Some(Gone::GivenUp(late1.clone())));
-    assert_eq!(p.b.recovery.poll_gone(), Some(Gone::GivenUp(late1)));
+    assert_eq!(
+        p.a.conn.recovery_mut().poll_gone(),
+        Some(Gone::GivenUp(late1.clone()))
+    );
+    assert_eq!(
+        p.b.conn.recovery_mut().poll_gone(),
+        Some(Gone::GivenUp(late1))
+    );
 }
 
 #[test]
@@ -337,18 +374,55 @@ fn a_peer_flooding_messages_nobody_receives_is_dropped_and_grants_stay_bounded()
     for _ in 0..5 {
         p.b.send(&Control::User(b"x"), now, T);
     }
-    let (d1, d2, d3) = (announce(1), announce(2), announce(3));
+    let (d1, d2, d3) = (announce(1, 0xb), announce(2, 0xb), announce(3, 0xb));
     for descriptor in [&d1, &d2, &d3] {
         p.b.send(&Control::GrantAnnounce { descriptor }, now, T);
     }
     p.deliver();
-    assert_eq!(p.a.inbox.len(), 4, "the inbox holds its bound");
+    assert_eq!(p.a.conn.inbox_len().0, 4, "the inbox holds its bound");
     assert_eq!(
         p.a.dropped,
         Some(PeerMisbehaved::TooManyMessages { max: 4 }),
         "the first bound crossed names why"
     );
-    assert_eq!(p.a.remote.len(), 2, "the grant table holds its bound");
+    assert_eq!(
+        p.a.conn.remote_grants(),
+        2,
+        "the grant table holds its bound"
+    );
+}
+
+#[test]
+fn a_grant_of_another_engine_drops_the_peer_and_goodbye_forgets_its_grants() {
+    let mut p = Pair::connected();
+    let now = p.now;
+    let (own, foreign) = (announce(1, 0xb), announce(2, 0xa));
+    p.b.send(&Control::GrantAnnounce { descriptor: &own }, now, T);
+    p.deliver();
+    assert_eq!(p.a.conn.remote_grants(), 1);
+    assert_eq!(p.a.dropped, None);
+    p.b.send(
+        &Control::GrantAnnounce {
+            descriptor: &foreign,
+        },
+        now,
+        T,
+    );
+    p.b.send(&Control::Goodbye, now, T);
+    p.deliver();
+    assert_eq!(
+        p.a.dropped,
+        Some(PeerMisbehaved::ForeignGrant {
+            owner: 0xa,
+            peer: 0xb
+        })
+    );
+    assert!(p.a.conn.said_goodbye());
+    assert_eq!(
+        p.a.conn.remote_grants(),
+        0,
+        "its grants went with its goodbye"
+    );
 }
 
 #[test]

@@ -282,7 +282,7 @@ impl Engine {
             let state = lock_state(&self.shared.state);
             state.peers.iter().position(|p| {
                 p.as_ref()
-                    .is_some_and(|p| !p.recovery.is_connector() && p.session == hello.session)
+                    .is_some_and(|p| !p.conn.recovery().is_connector() && p.conn.session() == hello.session)
             })
         };
         /// Where the queue pair goes once connected.
@@ -396,7 +396,7 @@ impl Engine {
         } else {
             OldQp::Failing
         };
-        match peer.recovery.on_replacement(index, old) {
+        match peer.conn.recovery_mut().on_replacement(index, old) {
             Replacement::Install => self.install(state, slot, index, conn),
             Replacement::Refuse => {
                 tracing::debug!(qp = index, "a new connection for a queue pair given up");
@@ -530,7 +530,7 @@ impl Engine {
         let exchanged = peer
             .send_paths(left())
             .and_then(|()| peer.wait_paths(left()))
-            .and_then(|()| peer.read_peer(|_, p| p.recovery.establish()));
+            .and_then(|()| peer.read_peer(|_, p| p.conn.recovery_mut().establish()));
         match exchanged {
             Ok(()) => {
                 tracing::debug!(peer = %addr, session = format_args!("{session:#x}"), "accepted");

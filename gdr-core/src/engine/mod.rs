@@ -161,11 +161,9 @@ use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialState, To
 #[cfg(all(feature = "tokio", not(loom)))]
 pub use self::tokio_driver::{AsyncDriver, AsyncDriverError};
 use self::wire::{Control, Hello, RejectReason, Role};
-use gdr_proto::grants::RemoteGrants;
-use gdr_proto::inbox::Inbox;
-use gdr_proto::outbox::Outbox;
+use gdr_proto::connection::{ConnectionConfig, Event, Received, SendRefused, Transmit};
 use gdr_proto::peer_copy::Release;
-use gdr_proto::reconnect::{Backoff, Drained, OldQp, Recovery, Replacement};
+use gdr_proto::reconnect::{Backoff, Drained, OldQp, Replacement};
 pub use gdr_proto::reconnect::{DialRefused, GiveUp};
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
 
@@ -558,7 +556,6 @@ struct PeerQp {
     conn: hal_verbs::dynamic::DynConnection,
     nic: usize,
     core: QpId,
-    remote_device: Option<String>,
     max_inline: u32,
     /// Where it was connected to: the connecting side re-establishes it
     /// over this path; `None` on the accepting side.
@@ -586,35 +583,26 @@ struct PeerState {
     addr: SocketAddr,
     /// This engine's id (regions of another engine are refused).
     local_engine: u64,
-    engine: u64,
-    session: u64,
-    /// Re-establishing failed queue pairs ([`gdr_proto::reconnect`]);
-    /// also whether this side connected, and whether set-up is done.
-    recovery: Recovery,
+    /// The peer's protocol state ([`gdr_proto::connection`]): its
+    /// recovery, grants both ways, inbox, outbox, paths; the peer's engine
+    /// id and session.
+    conn: PeerConnection,
     qps: Vec<PeerQp>,
-    peer_max_message: usize,
     peer_recv_depth: u32,
-    /// Grants this side announced and has not revoked, encoded: announced
-    /// again when queue pair 0 is re-established (an announcement in
-    /// flight on the old one may have been lost).
-    granted: HashMap<u64, Vec<u8>>,
     /// Replaced queue pairs 0 whose receives have not all come back.
     retired: Vec<hal_verbs::dynamic::DynConnection>,
     control: ControlBuffers,
-    /// The peer's live grants to this side (bounded).
-    remote_grants: RemoteGrants<MemoryDescriptor>,
     /// The grants the peer told this side it revoked (bounded): a
     /// descriptor of one is refused as revoked, not as unknown, and a
     /// batch its owner's NIC refused under one failed for the revocation.
     revoked: Arc<RevokedGrants>,
-    /// The peer's messages not yet received (bounded).
-    inbox: Inbox,
-    /// This side's control messages waiting for a send slot (bounded).
-    outbox: Outbox<Arc<CompletionCell>>,
     next_qp: usize,
-    paths_known: bool,
     gone: Option<PeerGone>,
 }
+
+/// A peer's connection as the engine keeps it: its grants are the
+/// engine's descriptors, its messages end the engine's completion cells.
+type PeerConnection = gdr_proto::connection::Connection<MemoryDescriptor, Arc<CompletionCell>>;
 
 /// Control messages a peer may have waiting for a send slot.
 const MAX_OUTBOX: usize = 1 << 16;
@@ -688,7 +676,7 @@ impl PeerState {
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
         let len = message.encoded_len();
-        let max = self.peer_max_message;
+        let max = self.conn.peer_max_message();
         if len > max {
             return Err(EngineError::MessageTooLarge { len, max });
         }
@@ -707,39 +695,47 @@ impl PeerState {
         if let Some(why) = &self.gone {
             return Err(EngineError::PeerGone(why.clone()));
         }
-        let (len, max) = (bytes.len(), self.peer_max_message);
-        if len > max {
-            return Err(EngineError::MessageTooLarge { len, max });
-        }
         let cell = Arc::new(CompletionCell::new());
-        self.outbox
-            .push(bytes, Arc::clone(&cell), now, timeout)
-            .map_err(|(full, _)| EngineError::Refused(full.into()))?;
+        self.conn
+            .send(bytes, Arc::clone(&cell), now, timeout)
+            .map_err(|(refused, _)| match refused {
+                SendRefused::TooLarge { len, max } => EngineError::MessageTooLarge { len, max },
+                SendRefused::Full(full) => EngineError::Refused(full.into()),
+                SendRefused::Goodbye => EngineError::PeerGone(PeerGone::ClosedByPeer),
+            })?;
         Ok(cell)
     }
 
     /// Moves waiting control messages into free send slots and hands them
     /// to the core; fails those past their deadline.
     fn flush_outbox(&mut self, core: &mut Core, now: Instant) {
-        while !self.outbox.is_empty() {
-            if let Some(late) = self.outbox.poll_expired(now) {
-                late.token.complete(Err(TransferError::Timeout(TimedOut {
-                    after: late.timeout,
-                })));
+        loop {
+            let free_send = || {
+                self.control
+                    .free_send
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+            };
+            // Queue pair 0 being re-established, or no send slot free:
+            // only what expired comes out. (Slots only come back meanwhile:
+            // one seen free here is there to take below.)
+            let can_send = core.is_ready(self.qps[0].core) && !free_send().is_empty();
+            let message = match self.conn.poll_transmit(now, can_send) {
+                None => break,
+                Some(Transmit::Expired(late)) => {
+                    late.token.complete(Err(TransferError::Timeout(TimedOut {
+                        after: late.timeout,
+                    })));
+                    continue;
+                }
+                Some(Transmit::Send(message)) => message,
+            };
+            let Some(slot) = free_send().pop() else {
+                message.token.complete(Err(TransferError::Internal {
+                    what: "the send slot seen free was taken",
+                }));
                 continue;
-            }
-            if !core.is_ready(self.qps[0].core) {
-                // Queue pair 0 is being re-established: wait for it.
-                break;
-            }
-            let slot = self
-                .control
-                .free_send
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .pop();
-            let Some(slot) = slot else { break };
-            let message = self.outbox.pop().expect("not empty");
+            };
             let guard = SendSlot {
                 free: Arc::clone(&self.control.free_send),
                 slot,
@@ -852,8 +848,8 @@ impl Wire for Connections<'_> {
     fn peer(&self, slot: usize) -> Option<PeerView<'_>> {
         let peer = self.peers.get(slot)?.as_ref()?;
         Some(PeerView {
-            engine: peer.engine,
-            session: peer.session,
+            engine: peer.conn.peer_engine(),
+            session: peer.conn.session(),
             gone: peer.gone.as_ref(),
         })
     }
@@ -894,29 +890,26 @@ impl Wire for Connections<'_> {
         };
         // The queue pairs that are up (else those being re-established),
         // on the NICs nearest the GPU when one of those is among them.
+        let qps = peer.qps.iter().enumerate();
         let up: Vec<_> = match peer.qps.iter().any(|q| core.is_ready(q.core)) {
-            true => peer.qps.iter().filter(|q| core.is_ready(q.core)).collect(),
-            false => peer
-                .qps
-                .iter()
-                .filter(|q| core.accepts_work(q.core))
-                .collect(),
+            true => qps.filter(|(_, q)| core.is_ready(q.core)).collect(),
+            false => qps.filter(|(_, q)| core.accepts_work(q.core)).collect(),
         };
         let near: Vec<_> = match gpu.and_then(|g| self.res.nearest_nics.get(&g)) {
             Some(nics) => up
                 .iter()
                 .copied()
-                .filter(|q| nics.contains(&q.nic))
+                .filter(|(_, q)| nics.contains(&q.nic))
                 .collect(),
             None => Vec::new(),
         };
         let candidates = if near.is_empty() { &up } else { &near };
-        let Some(&qp) = candidates.get(spread % candidates.len().max(1)) else {
+        let Some(&(index, qp)) = candidates.get(spread % candidates.len().max(1)) else {
             return Err(Some(TransferError::PeerGone(
                 PeerGone::EveryQueuePairFailed,
             )));
         };
-        let device = qp.remote_device.as_deref().unwrap_or("");
+        let device = peer.conn.remote_device(index).unwrap_or("");
         let segment = remote
             .segment(device, remote_at, len)
             .map_err(|source| Some(TransferError::RemoteSegment { source }))?;
@@ -1437,15 +1430,15 @@ impl Engine {
                 let (staged_grants, requests_served, copies, requests_asked) =
                     state.paths.staged.peer_load(slot);
                 PeerResources {
-                    remote_engine: peer.engine,
+                    remote_engine: peer.conn.peer_engine(),
                     gone: peer.gone.is_some(),
                     queue_pairs: peer.qps.len(),
-                    grants_announced: peer.granted.len(),
-                    remote_grants: peer.remote_grants.len(),
+                    grants_announced: peer.conn.announced_len(),
+                    remote_grants: peer.conn.remote_grants(),
                     ipc_handles: state.paths.peer_copy.ipc_handles(slot),
-                    inbox_messages: peer.inbox.len(),
-                    inbox_bytes: peer.inbox.bytes(),
-                    outbox_messages: peer.outbox.len(),
+                    inbox_messages: peer.conn.inbox_len().0,
+                    inbox_bytes: peer.conn.inbox_len().1,
+                    outbox_messages: peer.conn.outbox_len(),
                     staged_grants,
                     requests_served,
                     copies,
@@ -1653,7 +1646,7 @@ impl Engine {
                     let left = dial.remaining(clock.now()).max(setup::ANSWER_GRACE);
                     match peer.send_paths(left) {
                         Ok(()) => {
-                            peer.read_peer(|_, p| p.recovery.establish())?;
+                            peer.read_peer(|_, p| p.conn.recovery_mut().establish())?;
                             tracing::debug!(
                                 engine = format_args!("{:#x}", hello.engine),
                                 "accepted"
@@ -1803,7 +1796,7 @@ impl Engine {
         let Some(mut peer) = state.peers.get_mut(slot).and_then(Option::take) else {
             return;
         };
-        state.reconnecting -= peer.recovery.close();
+        state.reconnecting -= peer.conn.recovery_mut().close();
         let cause = TransferError::PeerGone(why.clone());
         peer.gone.get_or_insert(why);
         for q in &mut peer.qps {
@@ -1830,7 +1823,7 @@ impl Engine {
         drop(guard);
         tracing::info!(
             peer = %peer.addr,
-            session = format_args!("{:#x}", peer.session),
+            session = format_args!("{:#x}", peer.conn.session()),
             why = %cause,
             "peer torn down"
         );
@@ -1947,7 +1940,6 @@ impl Engine {
                 conn,
                 nic,
                 core,
-                remote_device: None,
                 path,
                 replacement: None,
             });
@@ -1956,13 +1948,18 @@ impl Engine {
         let peer = PeerState {
             addr,
             local_engine: self.shared.id,
-            engine: hello.engine,
-            session,
-            recovery: Recovery::new(qps.len(), connector, config.reconnect_timeout),
+            conn: PeerConnection::new(&ConnectionConfig {
+                peer_engine: hello.engine,
+                session,
+                qp_count: qps.len(),
+                connector,
+                reconnect_timeout: config.reconnect_timeout,
+                peer_max_message: peer_max,
+                max_outbox: MAX_OUTBOX,
+                limits: *limits,
+            }),
             qps,
-            peer_max_message: peer_max,
             peer_recv_depth: u32::from(hello.recv_depth),
-            granted: HashMap::new(),
             retired: Vec::new(),
             control: ControlBuffers {
                 recv,
@@ -1973,12 +1970,8 @@ impl Engine {
                 free_send: Arc::new(std::sync::Mutex::new((0..send_slots).rev().collect())),
                 slot: peer_max,
             },
-            remote_grants: RemoteGrants::new(limits.max_remote_grants),
             revoked: Arc::default(),
-            inbox: Inbox::new(limits.max_inbox_messages, limits.max_inbox_bytes),
-            outbox: Outbox::new(MAX_OUTBOX),
             next_qp: 0,
-            paths_known: false,
             gone: None,
         };
         state.peers.push(Some(peer));
@@ -2098,8 +2091,15 @@ impl Engine {
         Self::next_deadline_of(&mut lock_state(&self.shared.state))
     }
 
-    /// [`Engine::next_deadline`], under the lock already held.
+    /// [`Engine::next_deadline`], under the lock already held: the
+    /// batches', the paths', and each peer connection's (a queue pair's
+    /// re-establishment, a control message waiting for a send slot).
     fn next_deadline_of(state: &mut State) -> Option<Instant> {
+        let connections = state
+            .peers
+            .iter()
+            .flatten()
+            .filter_map(|p| p.conn.poll_timeout());
         [
             state.core.next_deadline(),
             TransferPath::next_deadline(&state.paths.staged),
@@ -2107,6 +2107,7 @@ impl Engine {
         ]
         .into_iter()
         .flatten()
+        .chain(connections)
         .min()
     }
 
@@ -2309,62 +2310,21 @@ impl Engine {
         let Some(peer) = state.peers[slot].as_mut() else {
             return Ok(());
         };
-        match message {
-            None => {}
-            Some(Control::User(payload)) => peer.inbox.push(payload.to_vec())?,
-            Some(Control::GrantAnnounce { descriptor }) => {
-                match MemoryDescriptor::decode(descriptor) {
-                    Ok(d) if d.owner == peer.engine => {
-                        tracing::debug!(grant = d.grant, "grant announced");
-                        peer.remote_grants.announce(d.grant, d)?;
-                    }
-                    Ok(d) => {
-                        return Err(PeerMisbehaved::ForeignGrant {
-                            owner: d.owner,
-                            peer: peer.engine,
-                        });
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a malformed grant announcement");
-                        return Err(PeerMisbehaved::MalformedGrant);
-                    }
-                }
+        // What the paths handed back is the connection's (or nobody's).
+        let Some(message) = message else {
+            return Ok(());
+        };
+        match peer.conn.on_control(message)? {
+            Received::Event(Event::GrantAnnounced(grant)) => {
+                tracing::debug!(grant, "grant announced");
             }
-            Some(Control::GrantRevoke { grant }) => {
-                // Only a grant it announced: ids are never reused, so one
-                // revoked stays revoked.
-                let announced = peer.remote_grants.revoke(grant).is_some();
-                if announced {
-                    peer.revoked.record(grant);
-                }
-            }
-            // Taken by the peer-copy path above (never handed back).
-            Some(
-                Control::Locality { .. } | Control::GrantIpc { .. } | Control::GrantReleased { .. },
-            ) => {}
-            Some(Control::Paths { devices }) => {
-                let names = String::from_utf8_lossy(devices);
-                for (qp, name) in peer.qps.iter_mut().zip(names.split(',')) {
-                    qp.remote_device = Some(name.to_owned());
-                }
-                peer.paths_known = true;
-            }
-            Some(Control::Goodbye) => {
+            Received::Event(Event::GrantRevoked(grant)) => peer.revoked.record(grant),
+            Received::Event(Event::Goodbye) => {
                 peer.gone.get_or_insert(PeerGone::ClosedByPeer);
-                // Nothing reaches its grants any more: their table goes
-                // now, not when the engine does.
-                peer.remote_grants.clear();
             }
-            // Taken by the staged path above.
-            Some(
-                Control::StagedRequest { .. }
-                | Control::StagedReply { .. }
-                | Control::Slots { .. }
-                | Control::SlotReady { .. }
-                | Control::SlotFilled { .. }
-                | Control::SlotDone { .. }
-                | Control::StagedCancel { .. },
-            ) => {}
+            Received::Event(Event::Message | Event::PathsKnown) | Received::Stale => {}
+            // The paths took theirs above (and never hand one back).
+            Received::Other(other) => tracing::debug!(?other, "a control message nobody takes"),
         }
         Ok(())
     }
@@ -2494,7 +2454,7 @@ impl Engine {
         let now = self.shared.config.clock.now();
         let nic_dead = state.dead_nics[peer.qps[index].nic];
         let peer_gone = peer.gone.is_some();
-        match peer.recovery.on_drained(index, now, peer_gone, nic_dead) {
+        match peer.conn.recovery_mut().on_drained(index, now, peer_gone, nic_dead) {
             Drained::Gone(why) => {
                 drop(peer.qps[index].replacement.take());
                 peer.gone.get_or_insert_with(|| why.into());
@@ -2522,9 +2482,9 @@ impl Engine {
                         index,
                         path,
                         nic: q.nic,
-                        session: peer.session,
+                        session: peer.conn.session(),
                         count: peer.qps.len() as u16,
-                        engine_id: peer.engine,
+                        engine_id: peer.conn.peer_engine(),
                     };
                     // An internal thread: it holds the engine only for
                     // one attempt at a time (`InternalHolds`), so the
@@ -2562,7 +2522,8 @@ impl Engine {
                     return false;
                 }
                 match peer
-                    .recovery
+                    .conn
+                    .recovery()
                     .time_left(job.index, shared.config.clock.now())
                 {
                     Some(left) => left.min(LONGEST_ATTEMPT),
@@ -2616,7 +2577,7 @@ impl Engine {
                     let mut state = lock_state(&shared.state);
                     let now = shared.config.clock.now();
                     let wanted = state.peers[job.slot].as_ref().is_some_and(|p| {
-                        p.gone.is_none() && p.recovery.time_left(job.index, now).is_some()
+                        p.gone.is_none() && p.conn.recovery().time_left(job.index, now).is_some()
                     });
                     if wanted {
                         self.install(&mut state, job.slot, job.index, conn);
@@ -2663,7 +2624,7 @@ impl Engine {
         let Some(peer) = peers[slot].as_mut() else {
             return;
         };
-        if peer.recovery.installed(index) {
+        if peer.conn.recovery_mut().installed(index) {
             *reconnecting -= 1;
         }
         let q = &mut peer.qps[index];
@@ -2685,10 +2646,11 @@ impl Engine {
             // An announcement in flight on the old queue pair may be lost.
             let now = self.shared.config.clock.now();
             let timeout = self.shared.config.default_timeout;
-            for bytes in peer.granted.values() {
+            let again: Vec<Vec<u8>> = peer.conn.announced().map(<[u8]>::to_vec).collect();
+            for bytes in again {
                 let cell = Arc::new(CompletionCell::new());
-                if let Err((full, _)) = peer.outbox.push(bytes.clone(), cell, now, timeout) {
-                    tracing::warn!(%full, "announcing a grant again");
+                if let Err((refused, _)) = peer.conn.send(bytes, cell, now, timeout) {
+                    tracing::warn!(%refused, "announcing a grant again");
                 }
             }
         } else {
@@ -2704,14 +2666,14 @@ impl Engine {
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
-        if !peer.recovery.give_up(index, why.clone()) {
+        if !peer.conn.recovery_mut().give_up(index, why.clone()) {
             return;
         }
         state.reconnecting -= 1;
         let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
         tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
         state.core.give_up(peer.qps[index].core, cause);
-        if let Some(gone) = peer.recovery.poll_gone() {
+        if let Some(gone) = peer.conn.recovery_mut().poll_gone() {
             peer.gone.get_or_insert_with(|| gone.into());
         }
     }
@@ -2725,13 +2687,13 @@ impl Engine {
             ..
         } = state;
         for peer in peers.iter_mut().flatten() {
-            for (index, why) in peer.recovery.handle_timeout(now) {
+            for (index, why) in peer.conn.recovery_mut().handle_timeout(now) {
                 *reconnecting -= 1;
                 let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
                 tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
                 core.give_up(peer.qps[index].core, cause);
             }
-            if let Some(gone) = peer.recovery.poll_gone() {
+            if let Some(gone) = peer.conn.recovery_mut().poll_gone() {
                 peer.gone.get_or_insert_with(|| gone.into());
             }
         }
@@ -2745,7 +2707,7 @@ impl Engine {
             ..
         } = state;
         for peer in peers.iter_mut().flatten() {
-            if !peer.outbox.is_empty() {
+            if peer.conn.outbox_len() > 0 {
                 peer.flush_outbox(core, self.shared.config.clock.now());
             }
         }
@@ -2788,7 +2750,7 @@ impl Engine {
             return;
         }
         let held = state.peers.iter().flatten().any(|p| {
-            p.gone.is_none() && (!p.outbox.is_empty() || state.core.send_waits(p.qps[0].core))
+            p.gone.is_none() && (p.conn.outbox_len() > 0 || state.core.send_waits(p.qps[0].core))
         });
         if held {
             self.ensure_own_driver();
@@ -3294,7 +3256,7 @@ fn drop_misbehaving(core: &mut Core, peer: &mut PeerState, why: &PeerMisbehaved)
     peer.gone.get_or_insert_with(|| reason.clone());
     // Nothing reaches its grants any more: their table (up to
     // `max_remote_grants` descriptors) goes now, not when the engine does.
-    peer.remote_grants.clear();
+    peer.conn.forget_remote_grants();
     for qp in &peer.qps {
         let _ = qp.conn.disconnect();
         core.fail_qp(qp.core, TransferError::PeerGone(reason.clone()));
@@ -3351,12 +3313,12 @@ fn check_transfer_of(peer: &PeerState, t: &Transfer<'_>, known: bool) -> Result<
             owner: d.owner,
             grant: d.grant,
         };
-        if d.owner != peer.engine {
+        if d.owner != peer.conn.peer_engine() {
             return Err(not_granted());
         }
         // Field by field: a descriptor that differs from the announced one
         // in anything (a forged range, rkey or address) is refused.
-        match peer.remote_grants.get(d.grant) {
+        match peer.conn.remote_grant(d.grant) {
             Some(live) if live == d => {}
             None if peer.revoked.contains(d.grant) => {
                 return Err(EngineError::Refused(Refusal::GrantRevoked {

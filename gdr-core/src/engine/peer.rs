@@ -115,7 +115,7 @@ impl Drop for Grant {
         let fenced = {
             let mut state = lock_state(&self.peer.engine.shared.state);
             if let Some(p) = state.peers[self.peer.slot].as_mut() {
-                p.granted.remove(&grant);
+                p.conn.forget_announced(grant);
             }
             // Requests under it stop at once; the fence waits for their
             // copies under way.
@@ -175,13 +175,13 @@ impl Peer {
 
     /// The peer engine's id.
     pub fn remote_engine(&self) -> u64 {
-        self.read_peer(|_, p| p.engine).unwrap_or(0)
+        self.read_peer(|_, p| p.conn.peer_engine()).unwrap_or(0)
     }
 
     /// The connection's session id (chosen by the connecting side, the
     /// same on each of its queue pairs).
     pub fn session(&self) -> u64 {
-        self.read_peer(|_, p| p.session).unwrap_or(0)
+        self.read_peer(|_, p| p.conn.session()).unwrap_or(0)
     }
 
     /// The peer's address.
@@ -227,7 +227,7 @@ impl Peer {
 
     /// Waits up to `timeout` for the peer's paths.
     pub(super) fn wait_paths(&self, timeout: Duration) -> Result<(), EngineError> {
-        self.progress_until(timeout, |p| p.paths_known.then_some(()))
+        self.progress_until(timeout, |p| p.conn.paths_known().then_some(()))
     }
 
     /// Makes progress until `ready` finds what it waits for in the peer's
@@ -282,7 +282,7 @@ impl Peer {
             let p = state.peers[self.slot]
                 .as_mut()
                 .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-            p.granted.insert(descriptor.grant, bytes);
+            p.conn.announce(descriptor.grant, bytes);
             if let Some(served) = served {
                 state
                     .paths
@@ -356,7 +356,7 @@ impl Peer {
 
     /// A grant the peer announced on this connection, by id.
     pub fn remote_grant(&self, grant: u64) -> Option<MemoryDescriptor> {
-        self.read_peer(|_, p| p.remote_grants.get(grant).cloned())
+        self.read_peer(|_, p| p.conn.remote_grant(grant).cloned())
             .ok()
             .flatten()
     }
@@ -367,7 +367,7 @@ impl Peer {
         grant: u64,
         timeout: Duration,
     ) -> Result<MemoryDescriptor, EngineError> {
-        self.progress_until(timeout, |p| p.remote_grants.get(grant).cloned())
+        self.progress_until(timeout, |p| p.conn.remote_grant(grant).cloned())
     }
 
     /// A WRITE of all of `local` into `remote` at `remote_offset`.
@@ -545,7 +545,7 @@ impl Peer {
                         s
                     }
                     _ => {
-                        let remote_device = qp.remote_device.as_deref().unwrap_or("");
+                        let remote_device = peer.conn.remote_device(qi).unwrap_or("");
                         let s = t.remote.segment(remote_device, remote_offset, 1)?;
                         *cached = Some((qi, t.remote, s));
                         s
@@ -611,7 +611,7 @@ impl Peer {
 
     /// The next control message from the peer, waiting up to `timeout`.
     pub fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
-        self.progress_until(timeout, |p| p.inbox.pop())
+        self.progress_until(timeout, |p| p.conn.receive())
     }
 
     /// Says goodbye and disconnects every queue pair: what is in flight

@@ -1,0 +1,242 @@
+use super::*;
+use crate::reconnect::Drained;
+
+const T: Duration = Duration::from_secs(1);
+const PEER: u64 = 0xb;
+
+/// A descriptor as the tests announce it: the grant id, then the owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TestDescriptor {
+    grant: GrantId,
+    owner: u64,
+}
+
+impl Descriptor for TestDescriptor {
+    type Error = &'static str;
+    fn decode(bytes: &[u8]) -> Result<Self, Self::Error> {
+        let (grant, owner) = match bytes {
+            [g @ .., _, _, _, _, _, _, _, _] if g.len() == 8 => (g, &bytes[8..]),
+            _ => return Err("not 16 bytes"),
+        };
+        Ok(Self {
+            grant: u64::from_le_bytes(grant.try_into().unwrap()),
+            owner: u64::from_le_bytes(owner.try_into().unwrap()),
+        })
+    }
+    fn owner(&self) -> u64 {
+        self.owner
+    }
+    fn grant(&self) -> GrantId {
+        self.grant
+    }
+}
+
+fn descriptor(grant: GrantId, owner: u64) -> Vec<u8> {
+    let mut bytes = grant.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&owner.to_le_bytes());
+    bytes
+}
+
+fn config() -> ConnectionConfig {
+    ConnectionConfig {
+        peer_engine: PEER,
+        session: 7,
+        qp_count: 2,
+        connector: true,
+        reconnect_timeout: 10 * T,
+        peer_max_message: 64,
+        max_outbox: 3,
+        limits: PeerLimits {
+            max_remote_grants: 2,
+            max_inbox_messages: 2,
+            max_inbox_bytes: 1 << 10,
+            ..PeerLimits::DEFAULT
+        },
+    }
+}
+
+fn connection() -> Connection<TestDescriptor, u32> {
+    Connection::new(&config())
+}
+
+fn event(c: &mut Connection<TestDescriptor, u32>, m: Control<'_>) -> Event {
+    match c.on_control(m) {
+        Ok(Received::Event(e)) => e,
+        other => panic!("not an event: {other:?}"),
+    }
+}
+
+#[test]
+fn the_peers_grants_come_and_go_by_its_messages() {
+    let mut c = connection();
+    let d = descriptor(5, PEER);
+    assert_eq!(
+        event(&mut c, Control::GrantAnnounce { descriptor: &d }),
+        Event::GrantAnnounced(5)
+    );
+    assert_eq!(c.remote_grant(5).map(|d| d.grant), Some(5));
+    assert_eq!(
+        event(&mut c, Control::GrantRevoke { grant: 5 }),
+        Event::GrantRevoked(5)
+    );
+    assert_eq!(c.remote_grant(5), None);
+    assert!(
+        matches!(
+            c.on_control(Control::GrantRevoke { grant: 5 }),
+            Ok(Received::Stale)
+        ),
+        "a second revoke changes nothing"
+    );
+    assert!(matches!(
+        c.on_control(Control::GrantRevoke { grant: 99 }),
+        Ok(Received::Stale)
+    ));
+}
+
+#[test]
+fn a_foreign_or_malformed_grant_drops_the_peer() {
+    let mut c = connection();
+    let foreign = descriptor(1, 0xdead);
+    assert_eq!(
+        c.on_control(Control::GrantAnnounce {
+            descriptor: &foreign
+        })
+        .unwrap_err(),
+        PeerMisbehaved::ForeignGrant {
+            owner: 0xdead,
+            peer: PEER
+        }
+    );
+    assert_eq!(
+        c.on_control(Control::GrantAnnounce {
+            descriptor: &[1, 2]
+        })
+        .unwrap_err(),
+        PeerMisbehaved::MalformedGrant
+    );
+    assert_eq!(c.remote_grants(), 0, "neither was kept");
+}
+
+#[test]
+fn what_the_peer_makes_this_side_hold_stays_bounded() {
+    let mut c = connection();
+    for grant in 1..=2 {
+        let d = descriptor(grant, PEER);
+        event(&mut c, Control::GrantAnnounce { descriptor: &d });
+    }
+    let third = descriptor(3, PEER);
+    assert_eq!(
+        c.on_control(Control::GrantAnnounce { descriptor: &third })
+            .unwrap_err(),
+        PeerMisbehaved::TooManyGrants { max: 2 }
+    );
+    assert_eq!(c.remote_grants(), 2);
+    event(&mut c, Control::User(b"a"));
+    event(&mut c, Control::User(b"b"));
+    assert_eq!(
+        c.on_control(Control::User(b"c")).unwrap_err(),
+        PeerMisbehaved::TooManyMessages { max: 2 }
+    );
+    assert_eq!(c.inbox_len(), (2, 2));
+    assert_eq!(c.receive().as_deref(), Some(&b"a"[..]));
+}
+
+#[test]
+fn goodbye_forgets_the_peers_grants_and_refuses_sends() {
+    let mut c = connection();
+    let d = descriptor(1, PEER);
+    event(&mut c, Control::GrantAnnounce { descriptor: &d });
+    assert_eq!(event(&mut c, Control::Goodbye), Event::Goodbye);
+    assert!(c.said_goodbye());
+    assert_eq!(c.remote_grants(), 0);
+    assert_eq!(
+        c.send(vec![1], 9, Instant::now(), T),
+        Err((SendRefused::Goodbye, 9))
+    );
+}
+
+#[test]
+fn paths_name_the_peers_device_per_queue_pair() {
+    let mut c = connection();
+    assert!(!c.paths_known());
+    assert_eq!(
+        event(&mut c, Control::Paths { devices: b"m0,m1" }),
+        Event::PathsKnown
+    );
+    assert!(c.paths_known());
+    assert_eq!(c.remote_device(1), Some("m1"));
+    assert_eq!(c.remote_device(2), None);
+}
+
+#[test]
+fn other_protocols_messages_come_back() {
+    let mut c = connection();
+    assert!(matches!(
+        c.on_control(Control::GrantReleased { grant: 3 }),
+        Ok(Received::Other(Control::GrantReleased { grant: 3 }))
+    ));
+}
+
+#[test]
+fn sends_are_refused_whole_past_a_bound_and_go_in_order() {
+    let now = Instant::now();
+    let mut c = connection();
+    assert_eq!(
+        c.send(vec![0; 65], 1, now, T),
+        Err((SendRefused::TooLarge { len: 65, max: 64 }, 1))
+    );
+    for token in 1..=3 {
+        c.send(vec![token as u8], token, now, T).unwrap();
+    }
+    assert_eq!(
+        c.send(vec![4], 4, now, T),
+        Err((SendRefused::Full(OutboxFull { max: 3 }), 4))
+    );
+    assert!(c.poll_transmit(now, false).is_none(), "no slot: nothing");
+    let sent: Vec<u32> = std::iter::from_fn(|| match c.poll_transmit(now, true) {
+        Some(Transmit::Send(w)) => Some(w.token),
+        _ => None,
+    })
+    .collect();
+    assert_eq!(sent, [1, 2, 3]);
+}
+
+#[test]
+fn one_timeout_covers_the_outbox_and_the_recovery() {
+    let now = Instant::now();
+    let mut c = connection();
+    c.recovery_mut().establish();
+    assert_eq!(c.poll_timeout(), None);
+    c.send(vec![1], 1, now, 3 * T).unwrap();
+    assert_eq!(c.poll_timeout(), Some(now + 3 * T), "the waiting message");
+    let drained = c.recovery_mut().on_drained(1, now, false, false);
+    assert!(matches!(drained, Drained::Reconnect { .. }), "{drained:?}");
+    assert_eq!(
+        c.poll_timeout(),
+        Some(now + 3 * T),
+        "the earlier of the two"
+    );
+    match c.poll_transmit(now + 3 * T, false) {
+        Some(Transmit::Expired(w)) => assert_eq!(w.token, 1),
+        other => panic!("not expired: {other:?}"),
+    }
+    assert_eq!(
+        c.poll_timeout(),
+        Some(now + 10 * T),
+        "the re-establishment's deadline"
+    );
+    assert_eq!(c.handle_timeout(now + 9 * T), []);
+    assert_eq!(c.handle_timeout(now + 10 * T).len(), 1);
+    assert_eq!(c.poll_timeout(), None);
+}
+
+#[test]
+fn this_sides_grants_are_kept_to_announce_again_until_revoked() {
+    let mut c = connection();
+    c.announce(1, vec![1]);
+    c.announce(2, vec![2]);
+    assert!(c.forget_announced(1));
+    assert!(!c.forget_announced(1));
+    assert_eq!(c.announced().collect::<Vec<_>>(), [&[2][..]]);
+    assert_eq!(c.announced_len(), 1);
+}
