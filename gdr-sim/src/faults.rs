@@ -72,6 +72,11 @@ pub enum Fault {
     /// (only meaningful at [`FaultSite::VerbsCompletion`]): the request and
     /// everything queued behind it flush.
     QpFatal,
+    /// The call takes this long, then goes on as if nothing fired: a slow
+    /// driver call (only meaningful at CUDA sites, e.g.
+    /// [`FaultSite::CudaIpcOpen`]: what a caller holds meanwhile, others
+    /// wait for).
+    Slow(std::time::Duration),
 }
 
 /// One fault in a plan.

@@ -308,6 +308,10 @@ impl ProcessState {
         match self.faults.hit(site) {
             None => Ok(()),
             Some(Fault::Cuda(error)) => Err(error),
+            Some(Fault::Slow(duration)) => {
+                std::thread::sleep(duration);
+                Ok(())
+            }
             Some(Fault::DeviceLost) => {
                 gpu.lost.store(true, Ordering::SeqCst);
                 // No CUresult names a lost device; the simulation reports

@@ -401,3 +401,47 @@ fn a_revoke_a_peer_process_has_not_confirmed_reports_timeout() {
         "the batch under the revoked grant fails"
     );
 }
+
+/// Opening a peer's IPC handle is a driver call that can take long
+/// (`cuIpcOpenMemHandle`, scripted here to take 3 s): the engine makes it
+/// outside its lock, so everything else the engine does (here: its
+/// resources and a progress call, which take the lock) goes on meanwhile;
+/// the batch then moves its bytes by peer copy.
+#[test]
+fn a_slow_ipc_open_holds_nobody_else_up() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const SLOW: Duration = Duration::from_secs(3);
+    let (w, _cuda) = world(true);
+    let len = MIB + 7;
+    let (_src_buf, src) = w.a.gpu_on(0, len, 31);
+    let (dst_buf, dst) = w.b.gpu_on(1, len, 0);
+    let (_grant, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+    let faults = w.fabric().faults();
+    let opens = faults.calls(FaultSite::CudaIpcOpen);
+    faults.fail_nth(FaultSite::CudaIpcOpen, opens + 1, Fault::Slow(SLOW));
+    let before = w.a.engine.peer_copy_stats();
+    let submitted = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let copy = s.spawn(|| {
+            let batch = w.ab.submit(&[Transfer::write(&src, 0, &remote, 0, len)]);
+            submitted.store(true, Ordering::SeqCst);
+            batch.expect("submitted").wait(T)
+        });
+        let start = std::time::Instant::now();
+        while faults.calls(FaultSite::CudaIpcOpen) == opens {
+            assert!(start.elapsed() < T, "the submit never opened the handle");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The open is under way (it takes SLOW): the lock is free.
+        let _ = w.a.engine.resources();
+        w.a.engine.progress();
+        assert!(
+            !submitted.load(Ordering::SeqCst),
+            "the engine's calls waited for the IPC open"
+        );
+        copy.join().unwrap().expect("the peer copy");
+    });
+    faults.assert_all_fired();
+    assert!(w.b.bytes(&dst_buf) == pattern(len as usize, 31), "its data");
+    assert_eq!(w.a.engine.peer_copy_stats().batches - before.batches, 1);
+}

@@ -885,8 +885,22 @@ impl Peer {
         if !res.config.peer_copy || transfers.is_empty() {
             return Ok(None);
         }
+        // The peer's IPC handles the batch needs are opened outside the
+        // lock (`cuIpcOpenMemHandle` can take long: every other peer would
+        // wait); the mappings are held here until the batch holds them.
+        let opens = {
+            let state = lock_state(&engine.shared.state);
+            state.paths.peer_copy.ipc_opens_wanted(self.slot, transfers)
+        };
+        let mut opens = opens;
+        for open in &mut opens {
+            open.open(res);
+        }
         let mut guard = lock_state(&engine.shared.state);
         let state = &mut *guard;
+        if !opens.is_empty() {
+            state.paths.peer_copy.ipc_opened(self.slot, &opens);
+        }
         let (peer_copy, peers) = (&mut state.paths.peer_copy, &state.peers);
         let peer = peers[self.slot]
             .as_ref()
@@ -907,6 +921,8 @@ impl Peer {
             paths.peer_copy.post(cx, self.slot, transfers, timeout)
         })?;
         drop(guard);
+        // A mapping nothing else took closes here, outside the lock.
+        drop(opens);
         engine.ensure_own_driver();
         Ok(Some(Batch::of_cell(engine.clone(), cell)))
     }

@@ -185,6 +185,31 @@ struct IpcGrant {
     offset: u64,
     /// The allocation mapped on a local GPU (the last one used).
     mapping: Option<(u32, Arc<Mapping>)>,
+    /// The local GPU its handle did not open on: copies for it there go
+    /// by the NIC, not through another (slow, failing) open.
+    open_failed: Option<u32>,
+}
+
+/// A peer's IPC handle to open on a local GPU, outside the engine's lock
+/// (`cuIpcOpenMemHandle` can take long): what
+/// [`PeerCopyPath::ipc_opens_wanted`] asks for and
+/// [`PeerCopyPath::ipc_opened`] takes back.
+pub(super) struct IpcOpen {
+    ordinal: u32,
+    handle: IpcMemHandle,
+    /// The mapping, or why it did not open.
+    result: Option<Result<Arc<Mapping>, EngineError>>,
+}
+
+impl IpcOpen {
+    /// Opens the handle (no engine lock held).
+    pub(super) fn open(&mut self, res: &Resources) {
+        let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal = self.ordinal).entered();
+        let opened = res
+            .gpu(self.ordinal)
+            .and_then(|gpu| Ok(gpu.context.ipc_open(&self.handle)?));
+        self.result = Some(opened.map(|mapping| Arc::new(Mapping { mapping })));
+    }
 }
 
 /// The route between an engine at `here` and a peer at `there`.
@@ -660,6 +685,9 @@ impl PeerCopyPath {
             return Ok(None);
         };
         let (handle, offset) = (grant.handle, grant.offset);
+        if grant.open_failed == Some(ordinal) {
+            return Ok(None);
+        }
         let mapping = match &grant.mapping {
             Some((gpu, mapping)) if *gpu == ordinal => Arc::clone(mapping),
             _ => match self.open_mapping(res, ordinal, &handle) {
@@ -696,6 +724,71 @@ impl PeerCopyPath {
             keep.push(mapping as Keep);
         }
         Ok(Some(addr))
+    }
+
+    /// The IPC handles `transfers` to peer `slot` need opened on their
+    /// local GPUs and not mapped yet: the engine opens them outside its
+    /// lock ([`IpcOpen::open`]) and hands them back
+    /// ([`PeerCopyPath::ipc_opened`]) before it resolves the batch.
+    pub(super) fn ipc_opens_wanted(&self, slot: usize, transfers: &[Transfer<'_>]) -> Vec<IpcOpen> {
+        let mut wanted: Vec<IpcOpen> = Vec::new();
+        if self.route(slot) != PeerCopyRoute::Ipc {
+            return wanted;
+        }
+        let Some(link) = self.links.get(&slot) else {
+            return wanted;
+        };
+        for t in transfers {
+            let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
+                continue;
+            };
+            let ordinal = u32::from(ordinal);
+            let Some(grant) = link.ipc.get(&t.remote.grant) else {
+                continue;
+            };
+            let mapped = matches!(&grant.mapping, Some((gpu, _)) if *gpu == ordinal)
+                || self
+                    .mappings
+                    .get(&(ordinal, grant.handle))
+                    .is_some_and(|m| m.strong_count() > 0);
+            let asked = wanted
+                .iter()
+                .any(|w| w.ordinal == ordinal && w.handle == grant.handle);
+            if !mapped && !asked && grant.open_failed != Some(ordinal) {
+                wanted.push(IpcOpen {
+                    ordinal,
+                    handle: grant.handle,
+                    result: None,
+                });
+            }
+        }
+        wanted
+    }
+
+    /// Takes back the handles of peer `slot` opened outside the lock: a
+    /// mapping is cached for the grants of its handle (the caller holds it
+    /// until its batch is posted); a handle that did not open is not tried
+    /// again on that GPU (those grants' copies there go by the NIC).
+    pub(super) fn ipc_opened(&mut self, slot: usize, opens: &[IpcOpen]) {
+        for open in opens {
+            match &open.result {
+                Some(Ok(mapping)) => {
+                    self.mappings.retain(|_, m| m.strong_count() > 0);
+                    self.mappings
+                        .insert((open.ordinal, open.handle), Arc::downgrade(mapping));
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(ordinal = open.ordinal, error = %e, "opening a peer's IPC handle: the NIC path");
+                    let grants = self.links.get_mut(&slot).into_iter();
+                    for grant in grants.flat_map(|l| l.ipc.values_mut()) {
+                        if grant.handle == open.handle {
+                            grant.open_failed = Some(open.ordinal);
+                        }
+                    }
+                }
+                None => {}
+            }
+        }
     }
 
     /// The mapping of `handle` on GPU `ordinal`: the cached one while any
@@ -1090,6 +1183,7 @@ impl TransferPath for PeerCopyPath {
                         handle: IpcMemHandle(handle),
                         offset,
                         mapping: None,
+                        open_failed: None,
                     },
                 );
                 Ok(None)

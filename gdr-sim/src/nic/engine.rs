@@ -529,7 +529,7 @@ impl FabricState {
                         responder: None,
                     });
                 }
-                Some(Fault::Cuda(_)) | None => {}
+                Some(Fault::Cuda(_) | Fault::Slow(_)) | None => {}
             }
         }
         if let Some(status) = wqe.forced {

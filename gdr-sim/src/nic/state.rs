@@ -558,7 +558,7 @@ impl FabricState {
                 tracing::warn!(?site, %error, "sim: CUDA fault scripted at a verbs site; ignored");
                 Ok(None)
             }
-            Some(fault @ (Fault::CqOverrun | Fault::QpFatal)) => {
+            Some(fault @ (Fault::CqOverrun | Fault::QpFatal | Fault::Slow(_))) => {
                 tracing::warn!(
                     ?site,
                     ?fault,
