@@ -46,6 +46,10 @@ pub enum FaultSite {
     CudaExportDmabuf,
     /// `cuIpcOpenMemHandle`.
     CudaIpcOpen,
+    /// `cuCtxEnablePeerAccess`.
+    CudaEnablePeerAccess,
+    /// `cuFlushGPUDirectRDMAWrites`.
+    CudaFlushWrites,
 }
 
 /// What happens when a scripted fault fires.

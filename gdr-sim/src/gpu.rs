@@ -1155,6 +1155,11 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
     fn enable_peer_access(&self, peer: &SimGpuContext) -> Result<bool> {
         check_alive(&self.gpu, "cuCtxEnablePeerAccess")?;
         check_alive(&peer.gpu, "cuCtxEnablePeerAccess")?;
+        self.process.fault(
+            FaultSite::CudaEnablePeerAccess,
+            &self.gpu,
+            "cuCtxEnablePeerAccess",
+        )?;
         // The simulated GPUs of a node all reach each other (as the H200
         // pair over NVLink does); copies between them work either way.
         self.gpu.peers_enabled.fetch_add(1, Ordering::SeqCst);
@@ -1163,6 +1168,11 @@ impl hal_cuda::Context<SimCudaApi> for SimGpuContext {
 
     fn flush_gpu_direct_rdma_writes(&self, _scope: FlushScope) -> Result<()> {
         check_alive(&self.gpu, "cuFlushGPUDirectRDMAWrites")?;
+        self.process.fault(
+            FaultSite::CudaFlushWrites,
+            &self.gpu,
+            "cuFlushGPUDirectRDMAWrites",
+        )?;
         if !self
             .gpu
             .config

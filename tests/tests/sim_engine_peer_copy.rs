@@ -402,23 +402,35 @@ fn a_revoke_a_peer_process_has_not_confirmed_reports_timeout() {
     );
 }
 
-/// Opening a peer's IPC handle is a driver call that can take long
-/// (`cuIpcOpenMemHandle`, scripted here to take 3 s): the engine makes it
-/// outside its lock, so everything else the engine does (here: its
-/// resources and a progress call, which take the lock) goes on meanwhile;
-/// the batch then moves its bytes by peer copy.
+/// The driver calls a peer-copy batch needs first can take long: opening
+/// the peer's IPC handle (`cuIpcOpenMemHandle`, another process's
+/// engine), enabling peer access between the two GPUs
+/// (`cuCtxEnablePeerAccess`, an engine of this process); each is scripted
+/// here to take 3 s. The engine makes them outside its lock, so
+/// everything else it does (here: its resources and a progress call,
+/// which take the lock) goes on meanwhile; the batch then moves its bytes
+/// by peer copy.
 #[test]
-fn a_slow_ipc_open_holds_nobody_else_up() {
+fn a_slow_driver_call_of_a_peer_copy_holds_nobody_else_up() {
+    for (ipc, site) in [
+        (true, FaultSite::CudaIpcOpen),
+        (false, FaultSite::CudaEnablePeerAccess),
+    ] {
+        slow_driver_call_holds_nobody_else_up(ipc, site);
+    }
+}
+
+fn slow_driver_call_holds_nobody_else_up(ipc: bool, site: FaultSite) {
     use std::sync::atomic::{AtomicBool, Ordering};
     const SLOW: Duration = Duration::from_secs(3);
-    let (w, _cuda) = world(true);
+    let (w, _cuda) = world(ipc);
     let len = MIB + 7;
     let (_src_buf, src) = w.a.gpu_on(0, len, 31);
     let (dst_buf, dst) = w.b.gpu_on(1, len, 0);
     let (_grant, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
     let faults = w.fabric().faults();
-    let opens = faults.calls(FaultSite::CudaIpcOpen);
-    faults.fail_nth(FaultSite::CudaIpcOpen, opens + 1, Fault::Slow(SLOW));
+    let calls = faults.calls(site);
+    faults.fail_nth(site, calls + 1, Fault::Slow(SLOW));
     let before = w.a.engine.peer_copy_stats();
     let submitted = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -428,20 +440,26 @@ fn a_slow_ipc_open_holds_nobody_else_up() {
             batch.expect("submitted").wait(T)
         });
         let start = std::time::Instant::now();
-        while faults.calls(FaultSite::CudaIpcOpen) == opens {
-            assert!(start.elapsed() < T, "the submit never opened the handle");
+        while faults.calls(site) == calls {
+            assert!(
+                start.elapsed() < T,
+                "{site:?}: the submit never made the call"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
-        // The open is under way (it takes SLOW): the lock is free.
+        // The call is under way (it takes SLOW): the lock is free.
         let _ = w.a.engine.resources();
         w.a.engine.progress();
         assert!(
             !submitted.load(Ordering::SeqCst),
-            "the engine's calls waited for the IPC open"
+            "{site:?}: the engine's calls waited for it"
         );
         copy.join().unwrap().expect("the peer copy");
     });
     faults.assert_all_fired();
-    assert!(w.b.bytes(&dst_buf) == pattern(len as usize, 31), "its data");
+    assert!(
+        w.b.bytes(&dst_buf) == pattern(len as usize, 31),
+        "{site:?}: its data"
+    );
     assert_eq!(w.a.engine.peer_copy_stats().batches - before.batches, 1);
 }

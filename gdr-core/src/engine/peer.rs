@@ -885,21 +885,21 @@ impl Peer {
         if !res.config.peer_copy || transfers.is_empty() {
             return Ok(None);
         }
-        // The peer's IPC handles the batch needs are opened outside the
-        // lock (`cuIpcOpenMemHandle` can take long: every other peer would
-        // wait); the mappings are held here until the batch holds them.
-        let opens = {
-            let state = lock_state(&engine.shared.state);
-            state.paths.peer_copy.ipc_opens_wanted(self.slot, transfers)
-        };
-        let mut opens = opens;
-        for open in &mut opens {
-            open.open(res);
+        // The driver calls the batch needs first (a peer's IPC handle
+        // opened, peer access between two GPUs) are made outside the lock:
+        // each can take long, and every other peer would wait. The
+        // mappings are held here until the batch holds them.
+        let mut steps = lock_state(&engine.shared.state)
+            .paths
+            .peer_copy
+            .driver_steps_wanted(self.slot, transfers);
+        for step in &mut steps {
+            step.run(res);
         }
         let mut guard = lock_state(&engine.shared.state);
         let state = &mut *guard;
-        if !opens.is_empty() {
-            state.paths.peer_copy.ipc_opened(self.slot, &opens);
+        if !steps.is_empty() {
+            state.paths.peer_copy.driver_steps_done(self.slot, &steps);
         }
         let (peer_copy, peers) = (&mut state.paths.peer_copy, &state.peers);
         let peer = peers[self.slot]
@@ -922,7 +922,7 @@ impl Peer {
         })?;
         drop(guard);
         // A mapping nothing else took closes here, outside the lock.
-        drop(opens);
+        drop(steps);
         engine.ensure_own_driver();
         Ok(Some(Batch::of_cell(engine.clone(), cell)))
     }

@@ -190,25 +190,55 @@ struct IpcGrant {
     open_failed: Option<u32>,
 }
 
-/// A peer's IPC handle to open on a local GPU, outside the engine's lock
-/// (`cuIpcOpenMemHandle` can take long): what
-/// [`PeerCopyPath::ipc_opens_wanted`] asks for and
-/// [`PeerCopyPath::ipc_opened`] takes back.
-pub(super) struct IpcOpen {
-    ordinal: u32,
-    handle: IpcMemHandle,
-    /// The mapping, or why it did not open.
-    result: Option<Result<Arc<Mapping>, EngineError>>,
+/// A driver call a peer-copy batch needs before it can be resolved, made
+/// outside the engine's lock (each can take long, and every other peer
+/// would wait): what [`PeerCopyPath::driver_steps_wanted`] asks for and
+/// [`PeerCopyPath::driver_steps_done`] takes back.
+pub(super) enum DriverStep {
+    /// A peer's IPC handle to open on local GPU `ordinal`
+    /// (`cuIpcOpenMemHandle`).
+    IpcOpen {
+        ordinal: u32,
+        handle: IpcMemHandle,
+        /// The mapping, or why it did not open.
+        result: Option<Result<Arc<Mapping>, EngineError>>,
+    },
+    /// Peer access from GPU `local` to GPU `other`
+    /// (`cuCtxEnablePeerAccess`), once per pair.
+    PeerAccess {
+        local: u32,
+        other: u32,
+        /// Whether it was enabled (`false`: the driver stages the copies).
+        result: Option<Result<bool, EngineError>>,
+    },
 }
 
-impl IpcOpen {
-    /// Opens the handle (no engine lock held).
-    pub(super) fn open(&mut self, res: &Resources) {
-        let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal = self.ordinal).entered();
-        let opened = res
-            .gpu(self.ordinal)
-            .and_then(|gpu| Ok(gpu.context.ipc_open(&self.handle)?));
-        self.result = Some(opened.map(|mapping| Arc::new(Mapping { mapping })));
+impl DriverStep {
+    /// Makes the call (no engine lock held).
+    pub(super) fn run(&mut self, res: &Resources) {
+        match self {
+            Self::IpcOpen {
+                ordinal,
+                handle,
+                result,
+            } => {
+                let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal).entered();
+                let opened = res
+                    .gpu(*ordinal)
+                    .and_then(|gpu| Ok(gpu.context.ipc_open(handle)?));
+                *result = Some(opened.map(|mapping| Arc::new(Mapping { mapping })));
+            }
+            Self::PeerAccess {
+                local,
+                other,
+                result,
+            } => {
+                *result = Some(res.gpu(*local).and_then(|l| {
+                    let o = res.gpu(*other)?;
+                    Ok(l.context.enable_peer_access(&o.context)?)
+                }));
+            }
+        }
     }
 }
 
@@ -226,8 +256,17 @@ fn route(here: Option<Locality>, there: Option<Locality>) -> PeerCopyRoute {
     }
 }
 
+/// Says what came of enabling peer access from GPU `local` to `other`.
+fn log_peer_access(local: u32, other: u32, result: &Result<bool, EngineError>) {
+    match result {
+        Ok(true) => tracing::info!(local, other, "peer access enabled"),
+        Ok(false) => tracing::info!(local, other, "no peer access: copies staged by the driver"),
+        Err(e) => tracing::warn!(local, other, error = %e, "enabling peer access"),
+    }
+}
+
 /// Another process's allocation mapped on a local GPU; closed on drop.
-struct Mapping {
+pub(super) struct Mapping {
     mapping: hal_cuda::dynamic::DynIpcMapping,
 }
 
@@ -655,16 +694,18 @@ impl PeerCopyPath {
         if local == other || !self.peer_access.insert((local, other)) {
             return;
         }
-        let enabled = res.gpu(local).and_then(|l| {
-            let o = res.gpu(other)?;
-            Ok(l.context.enable_peer_access(&o.context)?)
-        });
-        match enabled {
-            Ok(true) => tracing::info!(local, other, "peer access enabled"),
-            Ok(false) => {
-                tracing::info!(local, other, "no peer access: copies staged by the driver")
-            }
-            Err(e) => tracing::warn!(local, other, error = %e, "enabling peer access"),
+        let mut step = DriverStep::PeerAccess {
+            local,
+            other,
+            result: None,
+        };
+        step.run(res);
+        if let DriverStep::PeerAccess {
+            result: Some(result),
+            ..
+        } = &step
+        {
+            log_peer_access(local, other, result);
         }
     }
 
@@ -726,23 +767,58 @@ impl PeerCopyPath {
         Ok(Some(addr))
     }
 
-    /// The IPC handles `transfers` to peer `slot` need opened on their
-    /// local GPUs and not mapped yet: the engine opens them outside its
-    /// lock ([`IpcOpen::open`]) and hands them back
-    /// ([`PeerCopyPath::ipc_opened`]) before it resolves the batch.
-    pub(super) fn ipc_opens_wanted(&self, slot: usize, transfers: &[Transfer<'_>]) -> Vec<IpcOpen> {
-        let mut wanted: Vec<IpcOpen> = Vec::new();
-        if self.route(slot) != PeerCopyRoute::Ipc {
-            return wanted;
+    /// The driver calls `transfers` to peer `slot` need first and that
+    /// were not made yet: IPC handles to open on their local GPUs, peer
+    /// access between two GPUs of this process. The engine makes them
+    /// outside its lock ([`DriverStep::run`]) and hands them back
+    /// ([`PeerCopyPath::driver_steps_done`]) before it resolves the batch.
+    pub(super) fn driver_steps_wanted(
+        &self,
+        slot: usize,
+        transfers: &[Transfer<'_>],
+    ) -> Vec<DriverStep> {
+        let mut wanted: Vec<DriverStep> = Vec::new();
+        let gpus = transfers.iter().filter_map(|t| match t.local.inner.location {
+            MemoryLocation::Gpu { ordinal } => Some((t, u32::from(ordinal))),
+            MemoryLocation::Host => None,
+        });
+        match self.route(slot) {
+            PeerCopyRoute::Nic => {}
+            PeerCopyRoute::SameProcess => {
+                let registry = published();
+                for (t, local) in gpus {
+                    let Some(entry) = registry.get(&(t.remote.owner, t.remote.grant)) else {
+                        continue;
+                    };
+                    let other = entry.ordinal;
+                    let asked = wanted.iter().any(|w| {
+                        matches!(w, DriverStep::PeerAccess { local: l, other: o, .. } if (*l, *o) == (local, other))
+                    });
+                    if local != other && !asked && !self.peer_access.contains(&(local, other)) {
+                        wanted.push(DriverStep::PeerAccess {
+                            local,
+                            other,
+                            result: None,
+                        });
+                    }
+                }
+            }
+            PeerCopyRoute::Ipc => self.ipc_opens_wanted(slot, gpus, &mut wanted),
         }
+        wanted
+    }
+
+    /// The IPC handles of [`PeerCopyPath::driver_steps_wanted`].
+    fn ipc_opens_wanted<'t>(
+        &self,
+        slot: usize,
+        gpus: impl Iterator<Item = (&'t Transfer<'t>, u32)>,
+        wanted: &mut Vec<DriverStep>,
+    ) {
         let Some(link) = self.links.get(&slot) else {
-            return wanted;
+            return;
         };
-        for t in transfers {
-            let MemoryLocation::Gpu { ordinal } = t.local.inner.location else {
-                continue;
-            };
-            let ordinal = u32::from(ordinal);
+        for (t, ordinal) in gpus {
             let Some(grant) = link.ipc.get(&t.remote.grant) else {
                 continue;
             };
@@ -751,42 +827,61 @@ impl PeerCopyPath {
                     .mappings
                     .get(&(ordinal, grant.handle))
                     .is_some_and(|m| m.strong_count() > 0);
-            let asked = wanted
-                .iter()
-                .any(|w| w.ordinal == ordinal && w.handle == grant.handle);
+            let asked = wanted.iter().any(|w| {
+                matches!(w, DriverStep::IpcOpen { ordinal: o, handle, .. } if *o == ordinal && *handle == grant.handle)
+            });
             if !mapped && !asked && grant.open_failed != Some(ordinal) {
-                wanted.push(IpcOpen {
+                wanted.push(DriverStep::IpcOpen {
                     ordinal,
                     handle: grant.handle,
                     result: None,
                 });
             }
         }
-        wanted
     }
 
-    /// Takes back the handles of peer `slot` opened outside the lock: a
-    /// mapping is cached for the grants of its handle (the caller holds it
-    /// until its batch is posted); a handle that did not open is not tried
-    /// again on that GPU (those grants' copies there go by the NIC).
-    pub(super) fn ipc_opened(&mut self, slot: usize, opens: &[IpcOpen]) {
-        for open in opens {
-            match &open.result {
-                Some(Ok(mapping)) => {
+    /// Takes back the driver calls made for peer `slot` outside the lock.
+    /// An opened mapping is cached for the grants of its handle (the
+    /// caller holds it until its batch is posted); a handle that did not
+    /// open is not tried again on that GPU (those grants' copies there go
+    /// by the NIC). Peer access is asked once per pair, whatever came of
+    /// it.
+    pub(super) fn driver_steps_done(&mut self, slot: usize, steps: &[DriverStep]) {
+        for step in steps {
+            match step {
+                DriverStep::IpcOpen {
+                    ordinal,
+                    handle,
+                    result: Some(Ok(mapping)),
+                } => {
                     self.mappings.retain(|_, m| m.strong_count() > 0);
                     self.mappings
-                        .insert((open.ordinal, open.handle), Arc::downgrade(mapping));
+                        .insert((*ordinal, *handle), Arc::downgrade(mapping));
                 }
-                Some(Err(e)) => {
-                    tracing::warn!(ordinal = open.ordinal, error = %e, "opening a peer's IPC handle: the NIC path");
+                DriverStep::IpcOpen {
+                    ordinal,
+                    handle,
+                    result: Some(Err(e)),
+                } => {
+                    tracing::warn!(ordinal, error = %e, "opening a peer's IPC handle: the NIC path");
                     let grants = self.links.get_mut(&slot).into_iter();
                     for grant in grants.flat_map(|l| l.ipc.values_mut()) {
-                        if grant.handle == open.handle {
-                            grant.open_failed = Some(open.ordinal);
+                        if grant.handle == *handle {
+                            grant.open_failed = Some(*ordinal);
                         }
                     }
                 }
-                None => {}
+                DriverStep::PeerAccess {
+                    local,
+                    other,
+                    result: Some(result),
+                } => {
+                    if self.peer_access.insert((*local, *other)) {
+                        log_peer_access(*local, *other, result);
+                    }
+                }
+                DriverStep::IpcOpen { result: None, .. }
+                | DriverStep::PeerAccess { result: None, .. } => {}
             }
         }
     }
