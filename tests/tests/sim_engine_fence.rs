@@ -347,3 +347,44 @@ fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
     wait_for(&event, "a stream fenced on a dropped engine's batch");
     fabric.set_paused(false);
 }
+
+/// The GPU fence a stream's release waits for (`cuFlushGPUDirectRDMAWrites`
+/// on a GPU whose write ordering asks for it) is a driver call that can
+/// take long, scripted here to take 3 s: the engine makes it outside its
+/// lock, so its other calls (here: its resources, which take the lock) go
+/// on meanwhile, and the stream is released only after it.
+#[test]
+fn a_slow_gpu_fence_before_a_stream_release_holds_nobody_else_up() {
+    const SLOW: Duration = Duration::from_secs(3);
+    let w = world(hal_cuda::WritesOrdering::None);
+    let (_s, src) = w.b.host(LEN, 4);
+    let (_g, remote) = w.b_grants(&src, GrantRights::Read);
+    let (_gpu_buf, gpu_region) = w.a.alloc(gdr_tests::engine_world::Kind::Gpu, LEN, 0);
+    let ctx = w.a.driver.context(0).unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
+    let event = ctx.create_event().unwrap();
+    let faults = w.fabric().faults();
+    let flushes = faults.calls(FaultSite::CudaFlushWrites);
+    faults.fail_nth(FaultSite::CudaFlushWrites, flushes + 1, Fault::Slow(SLOW));
+    w.fabric().set_paused(true);
+    let batch =
+        w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, LEN)])
+            .unwrap();
+    batch.fence_stream(&stream).unwrap();
+    stream.record(&event).unwrap();
+    w.fabric().set_paused(false);
+    let start = Instant::now();
+    while faults.calls(FaultSite::CudaFlushWrites) == flushes {
+        assert!(start.elapsed() < T, "the GPU fence was never made");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The flush is under way (it takes SLOW): the lock is free.
+    let _ = w.a.engine.resources();
+    assert!(
+        !event.is_complete().unwrap(),
+        "the engine's calls waited for the GPU fence (or the stream went before it)"
+    );
+    wait_for(&event, "the stream after its GPU fence");
+    faults.assert_all_fired();
+    assert_eq!(batch.status(), Some(Ok(())));
+}

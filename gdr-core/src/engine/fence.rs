@@ -126,6 +126,22 @@ struct StreamFence {
     fenced: Arc<AtomicBool>,
     word: usize,
     value: u32,
+    /// Where its GPU fence stands: the stream is released only after it.
+    flush: Flush,
+}
+
+/// A stream fence's GPU fence (`cuFlushGPUDirectRDMAWrites`, which can
+/// take long): made outside the engine's lock
+/// ([`StreamFences::claim_flushes`], then [`StreamFences::flushed`]), so
+/// the fence is released only by the progress after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flush {
+    /// Not looked at (its batch has not ended).
+    Pending,
+    /// Claimed by a progress call, which makes it outside the lock.
+    Running,
+    /// Made, or none needed: the stream may be released.
+    Done,
 }
 
 /// The engine's page of fence words (made at its first use) and the
@@ -160,6 +176,7 @@ impl StreamFences {
         self.fences.push(StreamFence {
             cells,
             gpus,
+            flush: Flush::Pending,
             fenced,
             word,
             value,
@@ -237,9 +254,57 @@ impl StreamFences {
         }
     }
 
-    /// Releases the streams waiting for batches that have ended; returns
-    /// how many.
-    pub(super) fn release(&mut self, res: &Resources) -> usize {
+    /// The GPU fences to make (outside the lock) before the streams of
+    /// the batches that ended are released: each fence's word and GPUs.
+    /// A fence of a batch that failed, or with nothing to flush, or whose
+    /// batch's waiter applied the GPU fence already, is ready at once.
+    pub(super) fn claim_flushes(&mut self) -> Vec<(usize, Vec<u32>)> {
+        let mut claimed = Vec::new();
+        for fence in self.fences.iter_mut().filter(|f| f.flush == Flush::Pending) {
+            let mut ok = true;
+            let ended = fence.cells.iter().all(|cell| match cell.outcome() {
+                None => false,
+                Some(outcome) => {
+                    ok &= outcome.is_ok();
+                    true
+                }
+            });
+            if !ended {
+                continue;
+            }
+            fence.flush = match ok && !fence.gpus.is_empty() {
+                true if !fence.fenced.swap(true, Ordering::AcqRel) => {
+                    claimed.push((fence.word, fence.gpus.clone()));
+                    Flush::Running
+                }
+                _ => Flush::Done,
+            };
+        }
+        claimed
+    }
+
+    /// The GPU fences of the fences of `words` were made (whatever came
+    /// of them): their streams may be released.
+    pub(super) fn flushed(&mut self, words: &[usize]) {
+        for fence in &mut self.fences {
+            if fence.flush == Flush::Running && words.contains(&fence.word) {
+                fence.flush = Flush::Done;
+            }
+        }
+    }
+
+    /// Whether a fence's batch has ended and its GPU fence is not claimed
+    /// yet (progress claims it, then makes it outside the lock).
+    pub(super) fn flushes_pending(&self) -> bool {
+        self.fences.iter().any(|f| {
+            f.flush == Flush::Pending && f.cells.iter().all(|c| c.outcome().is_some())
+        })
+    }
+
+    /// Releases the streams waiting for batches that have ended and whose
+    /// GPU fence was made ([`StreamFences::claim_flushes`]); returns how
+    /// many.
+    pub(super) fn release(&mut self) -> usize {
         if self.fences.is_empty() {
             return 0;
         }
@@ -248,19 +313,8 @@ impl StreamFences {
         };
         let mut released = 0;
         self.fences.retain(|fence| {
-            let mut ok = true;
-            for cell in &fence.cells {
-                match cell.outcome() {
-                    None => return true,
-                    Some(outcome) => ok &= outcome.is_ok(),
-                }
-            }
-            if ok && !fence.gpus.is_empty() && !fence.fenced.swap(true, Ordering::AcqRel) {
-                for &gpu in &fence.gpus {
-                    if let Err(e) = res.fence_gpu(gpu) {
-                        tracing::warn!(gpu, error = %e, "the GPU fence before a stream release");
-                    }
-                }
+            if fence.flush != Flush::Done {
+                return true;
             }
             words.word(fence.word).store(fence.value, Ordering::Release);
             words.book.done(fence.word, fence.value);

@@ -2118,12 +2118,15 @@ impl Engine {
     pub fn progress(&self) -> usize {
         // Memory whose last holder goes in progress is freed elsewhere.
         let _inside = crate::reaper::EngineSection::enter();
-        let (mut handled, staged, gated) = self.progress_locked();
+        let (mut handled, staged, gated, flushes) = self.progress_locked();
         if staged {
             handled += self.make_landings();
         }
         if gated {
             handled += self.serve_gates();
+        }
+        if flushes {
+            handled += self.flush_before_stream_releases();
         }
         if handled > 0 {
             // Threads waiting on a batch this may have ended look again.
@@ -2138,9 +2141,10 @@ impl Engine {
         self.shared.reactor.wake();
     }
 
-    /// [`Engine::progress`] under the lock; says whether landing slots to make
-    /// and opened gates wait (served outside the lock).
-    fn progress_locked(&self) -> (usize, bool, bool) {
+    /// [`Engine::progress`] under the lock; says whether landing slots to
+    /// make, opened gates and the GPU fences of stream releases wait
+    /// (served outside the lock).
+    fn progress_locked(&self) -> (usize, bool, bool, bool) {
         let shared = &*self.shared;
         let mut state = lock_state(&shared.state);
         let state = &mut *state;
@@ -2214,7 +2218,7 @@ impl Engine {
         handled += state.with_paths(&shared.res, now, |paths, cx| {
             let mut handled = paths.staged.progress(cx);
             handled += paths.peer_copy.progress(cx);
-            handled += paths.stream_fences.release(cx.res);
+            handled += paths.stream_fences.release();
             handled + paths.gates.poll(cx, &mut paths.stream_fences)
         });
         self.run_actions(state);
@@ -2223,6 +2227,7 @@ impl Engine {
             handled,
             state.paths.staged.landings_pending(),
             state.paths.gates.serve_pending(),
+            state.paths.stream_fences.flushes_pending(),
         )
     }
 
@@ -2984,6 +2989,28 @@ impl Engine {
 
     /// Submits the batches whose gate opened and hands on the outcomes of
     /// those that ended (outside the engine's lock: submitting takes it).
+    /// Makes the GPU fences (`cuFlushGPUDirectRDMAWrites`) the stream
+    /// fences of ended batches need before their release, outside the
+    /// lock (the call can take long: every peer would wait), then releases
+    /// those streams. Returns how many were released.
+    fn flush_before_stream_releases(&self) -> usize {
+        let claimed = lock_state(&self.shared.state)
+            .paths
+            .stream_fences
+            .claim_flushes();
+        for (_, gpus) in &claimed {
+            for &gpu in gpus {
+                if let Err(e) = self.shared.res.fence_gpu(gpu) {
+                    tracing::warn!(gpu, error = %e, "the GPU fence before a stream release");
+                }
+            }
+        }
+        let words: Vec<usize> = claimed.iter().map(|(word, _)| *word).collect();
+        let mut state = lock_state(&self.shared.state);
+        state.paths.stream_fences.flushed(&words);
+        state.paths.stream_fences.release()
+    }
+
     fn serve_gates(&self) -> usize {
         let serve = lock_state(&self.shared.state).paths.gates.serve();
         let (handled, running) = serve.run(
