@@ -388,3 +388,51 @@ fn a_slow_gpu_fence_before_a_stream_release_holds_nobody_else_up() {
     faults.assert_all_fired();
     assert_eq!(batch.status(), Some(Ok(())));
 }
+
+/// The stream operations of a stream fence (`cuStreamWaitValue32`) and of
+/// a gate (`cuStreamWriteValue32`) can block while the driver's queue is
+/// full, scripted here to take 3 s: the engine queues them outside its
+/// lock, so its other calls go on meanwhile; each then works.
+#[test]
+fn a_slow_stream_operation_holds_nobody_else_up() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const SLOW: Duration = Duration::from_secs(3);
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    let (_s, src) = w.b.host(LEN, 4);
+    let (_g, remote) = w.b_grants(&src, GrantRights::ReadWrite);
+    let (_gpu_buf, gpu_region) = w.a.alloc(gdr_tests::engine_world::Kind::Gpu, LEN, 0);
+    let ctx = w.a.driver.context(0).unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
+    let faults = w.fabric().faults();
+    for gate in [false, true] {
+        let ops = faults.calls(FaultSite::CudaStreamMemOp);
+        faults.fail_nth(FaultSite::CudaStreamMemOp, ops + 1, Fault::Slow(SLOW));
+        let returned = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let call = s.spawn(|| {
+                let read = [Transfer::read(&gpu_region, 0, &remote, 0, LEN)];
+                let batch = match gate {
+                    false => {
+                        let batch = w.ab.submit(&read).unwrap();
+                        batch.fence_stream(&stream).map(|()| batch)
+                    }
+                    true => w.ab.submit_after_stream(&stream, &read, Some(T)),
+                };
+                returned.store(true, Ordering::SeqCst);
+                batch.expect("queued").wait(T)
+            });
+            let start = Instant::now();
+            while faults.calls(FaultSite::CudaStreamMemOp) == ops {
+                assert!(start.elapsed() < T, "gate {gate}: no stream operation");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let _ = w.a.engine.resources();
+            assert!(
+                !returned.load(Ordering::SeqCst),
+                "gate {gate}: the engine's calls waited for the stream operation"
+            );
+            call.join().unwrap().expect("the batch");
+        });
+    }
+    faults.assert_all_fired();
+}

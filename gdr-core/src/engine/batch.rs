@@ -127,13 +127,25 @@ impl Batch {
         let _span = tracing::debug_span!("fence_stream").entered();
         let engine = &self.engine;
         engine.ensure_fence_page()?;
-        lock_state(&engine.shared.state).paths.stream_fences.queue(
-            &engine.shared.res,
-            stream,
+        // The word under the lock, the stream's wait on it outside (a
+        // stream operation can block while the driver's queue is full).
+        let taken = lock_state(&engine.shared.state)
+            .paths
+            .stream_fences
+            .take_word(&engine.shared.res)?;
+        let queued = super::fence::StreamFences::queue_wait(stream, &taken);
+        let mut state = lock_state(&engine.shared.state);
+        if let Err(e) = queued {
+            state.paths.stream_fences.unused(taken);
+            return Err(e);
+        }
+        state.paths.stream_fences.queued(
+            taken,
             cells,
             self.fence.clone(),
             Arc::clone(&self.fenced),
-        )?;
+        );
+        drop(state);
         engine.ensure_own_driver();
         engine.wake();
         Ok(())

@@ -144,6 +144,24 @@ enum Flush {
     Done,
 }
 
+/// A word of the page taken for a stream operation ([`StreamFences::take_word`]).
+#[derive(Debug)]
+pub(super) struct TakenWord {
+    word: usize,
+    value: u32,
+    addr: u64,
+}
+
+impl TakenWord {
+    /// The gate's signal once its write was queued.
+    pub(super) fn signal(&self) -> Signal {
+        Signal::Word {
+            word: self.word,
+            value: self.value,
+        }
+    }
+}
+
 /// The engine's page of fence words (made at its first use) and the
 /// stream fences waiting on it.
 #[derive(Default)]
@@ -154,34 +172,46 @@ pub(super) struct StreamFences {
 }
 
 impl StreamFences {
-    /// Queues on `stream` a wait for the batch of `cells` (its GPU fence on
-    /// `gpus` applied on success): see the module docs.
-    pub(super) fn queue(
+    /// A word for a stream fence or a gate: its index, the value to wait
+    /// for or write, and its address. The stream operation on it is queued
+    /// outside the engine's lock (a stream operation can block while the
+    /// driver's queue is full); the word then goes to [`Self::queued`], or
+    /// back by [`Self::unused`].
+    pub(super) fn take_word(&mut self, res: &Resources) -> Result<TakenWord, EngineError> {
+        let words = self.words(res)?;
+        let (word, value) = words.take_word()?;
+        Ok(TakenWord {
+            word,
+            value,
+            addr: words.addr(word),
+        })
+    }
+
+    /// A word taken for a stream operation that was not queued.
+    pub(super) fn unused(&mut self, taken: TakenWord) {
+        if let Some(words) = self.words.as_mut() {
+            words.book.unused(taken.word);
+        }
+    }
+
+    /// `stream` waits on `taken` (queued outside the lock) for the batch of
+    /// `cells`, its GPU fence on `gpus` applied on success: see the module
+    /// docs.
+    pub(super) fn queued(
         &mut self,
-        res: &Resources,
-        stream: &hal_cuda::dynamic::DynStream,
+        taken: TakenWord,
         cells: Vec<Arc<CompletionCell>>,
         gpus: Vec<u32>,
         fenced: Arc<AtomicBool>,
-    ) -> Result<(), EngineError> {
-        let words = self.words(res)?;
-        let (word, value) = words.take_word()?;
-        let addr = words.addr(word);
-        // SAFETY: the word is 4-byte aligned pinned host memory the device
-        // can read (unified addressing), never freed (module docs).
-        if let Err(e) = unsafe { stream.wait_value32(addr, value) } {
-            words.book.unused(word);
-            return Err(e.into());
-        }
+    ) {
         self.fences.push(StreamFence {
             cells,
             gpus,
             flush: Flush::Pending,
             fenced,
-            word,
-            value,
+            word: taken.word,
+            value: taken.value,
         });
-        Ok(())
     }
 
     /// Bytes of the page of words, once made (0 before).
@@ -326,30 +356,32 @@ impl StreamFences {
 
     // The gates' use of the page (`super::gate`).
 
-    /// Queues a gate's signal on `stream`: a word's write where the stream
-    /// has memory operations (`Signal::Word`), none where the driver has
-    /// none (`Signal::Event`: the gate's event alone tells).
-    pub(super) fn gate_signal(
-        &mut self,
-        res: &Resources,
+    /// Queues the wait of a stream fence on `stream` for `taken` (no
+    /// engine lock held).
+    pub(super) fn queue_wait(
         stream: &hal_cuda::dynamic::DynStream,
-    ) -> Result<Signal, EngineError> {
-        let words = self.words(res)?;
-        let (word, value) = words.take_word()?;
+        taken: &TakenWord,
+    ) -> Result<(), EngineError> {
+        // SAFETY: the word is 4-byte aligned pinned host memory the device
+        // can read (unified addressing), never freed (module docs).
+        Ok(unsafe { stream.wait_value32(taken.addr, taken.value) }?)
+    }
+
+    /// Queues a gate's signal on `stream` for `taken` (no engine lock
+    /// held): the word's write where the stream has memory operations
+    /// (`Ok(true)`, `Signal::Word`), none where the driver has none
+    /// (`Ok(false)`: the word goes back, the gate's event alone tells).
+    pub(super) fn queue_gate_write(
+        stream: &hal_cuda::dynamic::DynStream,
+        taken: &TakenWord,
+    ) -> Result<bool, EngineError> {
         // SAFETY: the word is 4-byte aligned pinned (portable) host memory
         // of the engine's, which the device may write (unified addressing)
         // and which is never freed (module docs).
-        let written = unsafe { stream.write_value32(words.addr(word), value) };
-        match written {
-            Ok(()) => Ok(Signal::Word { word, value }),
-            Err(hal_cuda::CudaError::NotSupported { .. }) => {
-                words.book.unused(word);
-                Ok(Signal::Event)
-            }
-            Err(e) => {
-                words.book.unused(word);
-                Err(e.into())
-            }
+        match unsafe { stream.write_value32(taken.addr, taken.value) } {
+            Ok(()) => Ok(true),
+            Err(hal_cuda::CudaError::NotSupported { .. }) => Ok(false),
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -5,6 +5,8 @@
 //! the path that carries it ([`super::path`]).
 
 use super::*;
+use gdr_proto::gate::Signal;
+use super::fence::StreamFences;
 
 /// A connected peer. Dropping it leaves the connection up (the engine
 /// holds it); [`Peer::close`] ends it.
@@ -683,14 +685,32 @@ impl Peer {
         let now = engine.shared.config.clock.now();
         let res = &engine.shared.res;
         engine.ensure_fence_page()?;
-        // The word's write (a stream memory operation: it never blocks),
-        // then the event after it, recorded outside the lock: a record
-        // blocks while a free of the process waits for a held stream,
-        // which this engine's progress may be the one to release.
-        let signal = lock_state(&engine.shared.state)
+        // The word under the lock; its write (a stream memory operation,
+        // which blocks while the driver's queue is full) and the event
+        // after it outside: a record blocks while a free of the process
+        // waits for a held stream, which this engine's progress may be the
+        // one to release.
+        let taken = lock_state(&engine.shared.state)
             .paths
             .stream_fences
-            .gate_signal(res, stream)?;
+            .take_word(res)?;
+        let signal = match StreamFences::queue_gate_write(stream, &taken) {
+            Ok(true) => taken.signal(),
+            Ok(false) => {
+                lock_state(&engine.shared.state)
+                    .paths
+                    .stream_fences
+                    .unused(taken);
+                Signal::Event
+            }
+            Err(e) => {
+                lock_state(&engine.shared.state)
+                    .paths
+                    .stream_fences
+                    .unused(taken);
+                return Err(e);
+            }
+        };
         let event = match record_gate_event(res, stream) {
             Ok(event) => event,
             Err(e) => {
