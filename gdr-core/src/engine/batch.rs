@@ -8,8 +8,9 @@ use super::*;
 pub struct Batch {
     pub(super) engine: Engine,
     pub(super) cell: Arc<CompletionCell>,
-    /// The core's id; `None` for a control message (not cancellable).
-    pub(super) id: Option<BatchId>,
+    /// Its peer's slot and its id in that peer's core; `None` for a
+    /// control message (not cancellable).
+    pub(super) id: Option<(usize, BatchId)>,
     /// GPUs this batch READ into: fenced once it succeeds, before
     /// [`Batch::wait`] or the `Future` returns.
     pub(super) fence: Vec<u32>,
@@ -166,7 +167,7 @@ impl Batch {
             gate.cancel();
         }
         match self.id {
-            Some(id) => lock_state(&self.engine.shared.state).core.cancel(id),
+            Some((slot, id)) => lock_state(&self.engine.shared.state).cores[slot].cancel(id),
             None => self.engine.cancel_peer_copy(&self.cell),
         }
         if !self.parts.is_empty() {

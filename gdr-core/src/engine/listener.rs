@@ -386,7 +386,7 @@ impl Engine {
             return;
         }
         let qp = q.core;
-        let core = &mut state.core;
+        let core = &mut state.cores[slot];
         let old = if core.is_ready(qp) {
             OldQp::Ready
         } else if core.accepts_work(qp) {

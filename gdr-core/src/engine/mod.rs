@@ -780,11 +780,11 @@ impl PeerState {
 }
 
 struct State {
-    core: Core,
+    /// Each peer's batches on its queue pairs, by the peer's slot (a
+    /// peer's own: its queue pairs are its core's, numbered by index).
+    cores: Vec<Core>,
     peers: Vec<Option<PeerState>>,
     by_qp_num: HashMap<(usize, u32), (usize, usize)>,
-    /// (peer slot, queue pair index) of each core queue pair.
-    qp_owner: Vec<(usize, usize)>,
     /// NICs that reported a fatal error: nothing on them is re-established.
     dead_nics: Vec<bool>,
     /// Queue pairs being re-established.
@@ -822,9 +822,9 @@ impl State {
         f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T,
     ) -> T {
         let State {
-            core, peers, paths, ..
+            cores, peers, paths, ..
         } = self;
-        let mut wire = Connections { core, peers, res };
+        let mut wire = Connections { cores, peers, res };
         f(
             paths,
             &mut PathCx {
@@ -839,7 +839,7 @@ impl State {
 /// The peers' connections as the paths see them ([`path::Wire`]): the
 /// core (which posts on the queue pairs) and the peers' control channels.
 struct Connections<'a> {
-    core: &'a mut Core,
+    cores: &'a mut [Core],
     peers: &'a mut [Option<PeerState>],
     res: &'a Resources,
 }
@@ -867,7 +867,7 @@ impl Wire for Connections<'_> {
             .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
         let now = self.res.config.clock.now();
         let cell = peer.enqueue(message, now, timeout)?;
-        peer.flush_outbox(self.core, now);
+        peer.flush_outbox(&mut self.cores[slot], now);
         Ok(cell)
     }
 
@@ -884,10 +884,10 @@ impl Wire for Connections<'_> {
         len: u64,
         (deadline, timeout): (Instant, Duration),
     ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
-        let core = &mut *self.core;
         let Some(peer) = self.peers.get(slot).and_then(Option::as_ref) else {
             return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
         };
+        let core = &mut self.cores[slot];
         // The queue pairs that are up (else those being re-established),
         // on the NICs nearest the GPU when one of those is among them.
         let qps = peer.qps.iter().enumerate();
@@ -1349,10 +1349,9 @@ impl Engine {
         }
         let shared = Shared {
             state: Mutex::new(State {
-                core: Core::new(),
+                cores: Vec::new(),
                 peers: Vec::new(),
                 by_qp_num: HashMap::new(),
-                qp_owner: Vec::new(),
                 dead_nics: vec![false; nics.len()],
                 reconnecting: 0,
                 paths: Paths {
@@ -1449,7 +1448,7 @@ impl Engine {
         EngineResources {
             drivers: self.shared.drivers.load(Ordering::Acquire),
             own_driver: self.shared.own_driver.load(Ordering::Acquire),
-            batches: state.core.batches_live(),
+            batches: state.cores.iter().map(Core::batches_live).sum(),
             staged_transfers,
             staged_groups,
             peers,
@@ -1807,7 +1806,7 @@ impl Engine {
             drop(q.replacement.take());
             // Destroyed below, before anything it holds is released: no
             // flush comes back.
-            state.core.abandon_qp(q.core, cause.clone());
+            state.cores[slot].abandon_qp(q.core, cause.clone());
         }
         let nic0 = peer.qps[0].nic;
         for old in &peer.retired {
@@ -1922,12 +1921,12 @@ impl Engine {
             return Err(EngineError::Refused(Refusal::PeerLimit { max }));
         }
         let slot = state.peers.len();
+        let mut core = Core::new();
         let mut qps = Vec::with_capacity(conns.len());
         let connector = conns.iter().any(|(_, _, path)| path.is_some());
         for (index, (conn, nic, path)) in conns.into_iter().enumerate() {
             let limits = self.qp_limits(&conn, index, u32::from(hello.recv_depth));
-            let core = state.core.add_qp(index as u16, limits);
-            state.qp_owner.push((slot, index));
+            let core = core.add_qp(index as u16, limits);
             state
                 .by_qp_num
                 .insert((nic, conn.qp().qp_num()), (slot, index));
@@ -1975,6 +1974,7 @@ impl Engine {
             gone: None,
         };
         state.peers.push(Some(peer));
+        state.cores.push(core);
         state.paths.staged.add_peer(slot, limits);
         // Receives for control messages, before anything can arrive (the
         // lock is held throughout). The peer is in its slot first: a
@@ -2100,14 +2100,15 @@ impl Engine {
             .iter()
             .flatten()
             .filter_map(|p| p.conn.poll_timeout());
+        let cores = state.cores.iter_mut().filter_map(Core::next_deadline);
         [
-            state.core.next_deadline(),
             TransferPath::next_deadline(&state.paths.staged),
             TransferPath::next_deadline(&state.paths.peer_copy),
         ]
         .into_iter()
         .flatten()
         .chain(connections)
+        .chain(cores)
         .min()
     }
 
@@ -2196,9 +2197,7 @@ impl Engine {
                     && peer.qps[index].conn.qp().qp_num() == wc.qp_num
                 {
                     let qp = peer.qps[index].core;
-                    state
-                        .core
-                        .on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
+                    state.cores[slot].on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
                 }
             }
             state.completions = completions;
@@ -2214,7 +2213,9 @@ impl Engine {
         if state.reconnecting > 0 {
             self.give_up_late_reconnects(state, now);
         }
-        state.core.handle_timeout(now);
+        for core in &mut state.cores {
+            core.handle_timeout(now);
+        }
         handled += state.with_paths(&shared.res, now, |paths, cx| {
             let mut handled = paths.staged.progress(cx);
             handled += paths.peer_copy.progress(cx);
@@ -2250,7 +2251,8 @@ impl Engine {
                 .err(),
             false => None,
         };
-        let State { core, peers, .. } = state;
+        let State { cores, peers, .. } = state;
+        let core = &mut cores[slot];
         if let Some(why) = failed
             && let Some(peer) = peers[slot].as_mut()
         {
@@ -2335,9 +2337,10 @@ impl Engine {
     }
 
     fn poll_connections(&self, state: &mut State) {
-        for peer in state.peers.iter_mut().flatten() {
+        for (peer, core) in state.peers.iter_mut().zip(&mut state.cores) {
+            let Some(peer) = peer else { continue };
             for qp in &peer.qps {
-                if !state.core.is_ready(qp.core) {
+                if !core.is_ready(qp.core) {
                     continue;
                 }
                 match qp.conn.poll_state(Duration::ZERO) {
@@ -2347,7 +2350,7 @@ impl Engine {
                         // given up, and the peer with it, once none is
                         // left).
                         let why = PeerGone::Disconnected { state: other };
-                        state.core.fail_qp(qp.core, TransferError::PeerGone(why));
+                        core.fail_qp(qp.core, TransferError::PeerGone(why));
                     }
                     Err(e) => tracing::debug!(error = %e, "polling a connection's events"),
                 }
@@ -2394,7 +2397,7 @@ impl Engine {
                             && let Some(peer) = state.peers[slot].as_ref()
                             && peer.qps[index].conn.qp().qp_num() == qp_num
                         {
-                            state.core.fail_qp(
+                            state.cores[slot].fail_qp(
                                 peer.qps[index].core,
                                 TransferError::QpAsyncError { event },
                             );
@@ -2416,11 +2419,12 @@ impl Engine {
         }
         tracing::warn!(device = %name, error = %cause, "NIC failed");
         state.dead_nics[nic_index] = true;
-        for peer in state.peers.iter_mut().flatten() {
+        for (peer, core) in state.peers.iter_mut().zip(&mut state.cores) {
+            let Some(peer) = peer else { continue };
             for qp in peer.qps.iter().filter(|q| q.nic == nic_index) {
-                state.core.abandon_qp(qp.core, cause.clone());
+                core.abandon_qp(qp.core, cause.clone());
             }
-            if peer.qps.iter().all(|q| !state.core.is_ready(q.core)) {
+            if peer.qps.iter().all(|q| !core.is_ready(q.core)) {
                 peer.gone.get_or_insert_with(|| PeerGone::DeviceFailed {
                     device: name.to_string(),
                 });
@@ -2429,19 +2433,30 @@ impl Engine {
     }
 
     fn run_actions(&self, state: &mut State) {
-        while let Some(action) = state.core.poll_action() {
-            match action {
-                Action::StopQp(qp) => {
-                    let (slot, index) = state.qp_owner[qp];
-                    if let Some(peer) = state.peers[slot].as_ref()
-                        && let Err(e) = peer.qps[index].conn.qp().to_error()
-                    {
-                        tracing::warn!(error = %e, "stopping a queue pair");
+        for slot in 0..state.cores.len() {
+            while let Some(action) = state.cores[slot].poll_action() {
+                let qp = match action {
+                    Action::StopQp(qp) | Action::QpDrained(qp) => qp,
+                };
+                // A peer's queue pairs are its core's, in index order.
+                let Some(index) = state.peers[slot]
+                    .as_ref()
+                    .and_then(|p| p.qps.iter().position(|q| q.core == qp))
+                else {
+                    continue;
+                };
+                match action {
+                    Action::StopQp(_) => {
+                        if let Some(peer) = state.peers[slot].as_ref()
+                            && let Err(e) = peer.qps[index].conn.qp().to_error()
+                        {
+                            tracing::warn!(error = %e, "stopping a queue pair");
+                        }
                     }
-                }
-                Action::QpDrained(qp) => {
-                    tracing::debug!(qp, "queue pair drained");
-                    self.on_qp_drained(state, qp);
+                    Action::QpDrained(_) => {
+                        tracing::debug!(slot, qp = index, "queue pair drained");
+                        self.on_qp_drained(state, slot, index);
+                    }
                 }
             }
         }
@@ -2451,8 +2466,7 @@ impl Engine {
     /// (the connecting side reconnects; the accepting side installs the
     /// connection the peer made, or waits for it), unless its peer or its
     /// NIC is gone.
-    fn on_qp_drained(&self, state: &mut State, qp: QpId) {
-        let (slot, index) = state.qp_owner[qp];
+    fn on_qp_drained(&self, state: &mut State, slot: usize, index: usize) {
         let Some(peer) = state.peers[slot].as_mut() else {
             return;
         };
@@ -2470,7 +2484,7 @@ impl Engine {
                 None => tracing::warn!(qp = index, "no new connection to install"),
             },
             Drained::Reconnect { dial, .. } => {
-                if !state.core.begin_reconnect(qp) {
+                if !state.cores[slot].begin_reconnect(peer.qps[index].core) {
                     return;
                 }
                 state.reconnecting += 1;
@@ -2620,12 +2634,13 @@ impl Engine {
             self.qp_limits(&conn, index, peer.peer_recv_depth)
         };
         let State {
-            core,
+            cores,
             peers,
             by_qp_num,
             reconnecting,
             ..
         } = state;
+        let core = &mut cores[slot];
         let Some(peer) = peers[slot].as_mut() else {
             return;
         };
@@ -2677,7 +2692,7 @@ impl Engine {
         state.reconnecting -= 1;
         let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
         tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
-        state.core.give_up(peer.qps[index].core, cause);
+        state.cores[slot].give_up(peer.qps[index].core, cause);
         if let Some(gone) = peer.conn.recovery_mut().poll_gone() {
             peer.gone.get_or_insert_with(|| gone.into());
         }
@@ -2686,12 +2701,13 @@ impl Engine {
     /// Gives up the queue pairs not re-established in time.
     fn give_up_late_reconnects(&self, state: &mut State, now: Instant) {
         let State {
-            core,
+            cores,
             peers,
             reconnecting,
             ..
         } = state;
-        for peer in peers.iter_mut().flatten() {
+        for (peer, core) in peers.iter_mut().zip(cores.iter_mut()) {
+            let Some(peer) = peer else { continue };
             for (index, why) in peer.conn.recovery_mut().handle_timeout(now) {
                 *reconnecting -= 1;
                 let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
@@ -2706,17 +2722,16 @@ impl Engine {
 
     fn post_ready(&self, state: &mut State) {
         let State {
-            core,
+            cores,
             peers,
             to_post,
             ..
         } = state;
-        for peer in peers.iter_mut().flatten() {
+        for (peer, core) in peers.iter_mut().zip(cores.iter_mut()) {
+            let Some(peer) = peer else { continue };
             if peer.conn.outbox_len() > 0 {
                 peer.flush_outbox(core, self.shared.config.clock.now());
             }
-        }
-        for peer in peers.iter().flatten() {
             for qp in &peer.qps {
                 if !core.has_postable(qp.core) {
                     continue;
@@ -2754,8 +2769,10 @@ impl Engine {
         if self.shared.drivers.load(Ordering::Acquire) > 0 {
             return;
         }
-        let held = state.peers.iter().flatten().any(|p| {
-            p.gone.is_none() && (p.conn.outbox_len() > 0 || state.core.send_waits(p.qps[0].core))
+        let held = state.peers.iter().zip(&state.cores).any(|(p, core)| {
+            p.as_ref().is_some_and(|p| {
+                p.gone.is_none() && (p.conn.outbox_len() > 0 || core.send_waits(p.qps[0].core))
+            })
         });
         if held {
             self.ensure_own_driver();

@@ -163,11 +163,11 @@ impl Peer {
         slot: usize,
         f: impl FnOnce(&mut Core, &mut PeerState) -> T,
     ) -> Result<T, EngineError> {
-        let State { core, peers, .. } = state;
+        let State { cores, peers, .. } = state;
         let peer = peers[slot]
             .as_mut()
             .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-        Ok(f(core, peer))
+        Ok(f(&mut cores[slot], peer))
     }
 
     /// The engine this peer belongs to.
@@ -460,7 +460,7 @@ impl Peer {
         })??;
         self.deadline_added(now, timeout);
         Ok(Batch {
-            id: Some(id),
+            id: Some((self.slot, id)),
             fence: gpu_reads(transfers),
             ..Batch::of_cell(self.engine.clone(), cell)
         })
@@ -790,9 +790,7 @@ impl Peer {
             };
             let id = planned.map(|work| {
                 let deadline = now.checked_add(timeout).map(|at| (at, timeout));
-                state
-                    .core
-                    .submit(work, Arc::clone(&cell), deadline, holds(&direct))
+                state.cores[self.slot].submit(work, Arc::clone(&cell), deadline, holds(&direct))
             });
             engine.post_ready(state);
             (posted, id)
@@ -805,7 +803,7 @@ impl Peer {
             Some(id) => {
                 self.deadline_added(now, timeout);
                 Batch {
-                    id: Some(id),
+                    id: Some((self.slot, id)),
                     ..Batch::of_cell(engine.clone(), cell)
                 }
             }
