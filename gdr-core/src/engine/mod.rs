@@ -69,6 +69,38 @@
 //!   control message, sent after the batch, arrives after the data).
 //!
 //! 3FS's `hf3fs_iovsync` synchronizes the whole device instead.
+//!
+//! # Locks
+//!
+//! What each lock guards, and the order they are taken in (a lock is only
+//! taken while holding those above it in this list, never the reverse):
+//!
+//! 1. The engine's lock (`Shared::state`, `State`): the peers (each
+//!    with its connection, [`gdr_proto::connection`], and its own core of
+//!    batches, `State::cores`), the queue-pair routing table, the paths
+//!    (staged, peer copy, stream fences, gates). Still one lock over every
+//!    peer (issue 36 goes on to a lock per peer); what it no longer covers
+//!    is every driver call that can block: a peer's IPC handle opened and
+//!    peer access enabled for a peer copy
+//!    (`peer_copy::DriverStep`), the GPU fence before a stream fence's
+//!    release (`Engine::flush_before_stream_releases`), the stream
+//!    operations of stream fences and gates, the fence page's allocation,
+//!    landing slots (allocated, pinned, registered), gates' event records
+//!    and their batches' submits. Each is decided under the lock, made
+//!    outside it, and handed back under it. Under it remain the NIC's
+//!    non-blocking calls (posts, CQ polls, a queue pair moved to error or
+//!    disconnected, connection and async events read without waiting) and
+//!    CUDA event queries.
+//! 2. Below it, each taken briefly and never across another lock: a peer's
+//!    free send slots (`ControlBuffers::free_send`, also freed by the
+//!    NIC's completion of the SEND), the CUDA worker's queue
+//!    (`cuda_worker`), the event pool (`events`), the peer-copy streams,
+//!    the process-wide registry of published grants (`peer_copy`).
+//! 3. Apart from it: the reactor's (`reactor`: who parks, until when),
+//!    the listeners' backlogs (`listener`: never held together with the
+//!    engine's lock), the registration caches and the NICs' ladders
+//!    (`crate::cache`, `crate::ladder`: registration and grants' MRs are
+//!    made before the engine's lock is taken).
 
 mod batch;
 mod batches;
