@@ -193,3 +193,32 @@ fn the_accepting_side_installs_a_re_established_queue_pair_on_its_own() {
         .unwrap_or_else(|e| panic!("a SEND over the re-established queue pair: {e}"));
     assert_eq!(w.ba.recv(T).unwrap(), b"ping");
 }
+
+/// A control message waiting for queue pair 0 to come back has a
+/// deadline the engine's driver must wake for: `next_deadline` names it
+/// (it named only the batches' and the paths' deadlines, so a parked
+/// driver slept past it until something else woke it). b accepted a's
+/// session; a goes without a word, b's queue pair 0 fails and waits for
+/// a's dial (up to the reconnect bound, a minute), and b's next message
+/// waits with it.
+#[test]
+fn a_message_waiting_for_queue_pair_0_is_in_the_next_deadline() {
+    let w = world(1, Duration::from_secs(60));
+    let fabric = w.fabric().clone();
+    fabric.set_paused(true);
+    let EngineWorld { ab, ba, a, b, .. } = w;
+    drop((ab, a));
+    fabric.set_paused(false);
+    // The first message finds a gone: queue pair 0 fails.
+    let first = ba.send(b"one").unwrap().wait(T);
+    assert!(first.is_err(), "a message to a gone engine: {first:?}");
+    let waiting = ba.send(b"two").expect("queued while queue pair 0 is down");
+    let sent = Instant::now();
+    let next = b.engine.next_deadline();
+    assert!(
+        next.is_some_and(|at| at <= sent + T),
+        "the waiting message's deadline (by {:?}) is not the next: {next:?}",
+        sent + T
+    );
+    drop((waiting, ba, b));
+}
