@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use gdr_core::descriptor::GrantRights;
 use gdr_core::engine::{EngineConfig, TimedOut, Transfer, TransferError};
 use gdr_sim::{Fault, FaultSite, GpuConfig, SimVerbsApi};
-use gdr_tests::engine_world::{EngineWorld, FenceWait};
+use gdr_tests::engine_world::{EngineWorld, FenceWait, WorldBuffer, WorldGrant};
 use hal_cuda::{Context as _, Driver as _, Event as _, Stream as _};
 
 const T: Duration = Duration::from_secs(10);
@@ -348,6 +348,45 @@ fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
     fabric.set_paused(false);
 }
 
+/// A READ of b's host memory into a's GPU, and a stream of a's GPU, for
+/// the tests of a slow driver call.
+struct SlowCallRead {
+    ctx: hal_cuda::dynamic::DynContext,
+    stream: gdr_core::Stream,
+    gpu_region: gdr_core::Region,
+    remote: gdr_core::descriptor::MemoryDescriptor,
+    _held: (WorldGrant, gdr_core::Region, WorldBuffer, WorldBuffer),
+}
+
+impl SlowCallRead {
+    fn new(w: &EngineWorld<SimVerbsApi>) -> Self {
+        let (src_buf, src) = w.b.host(LEN, 4);
+        let (grant, remote) = w.b_grants(&src, GrantRights::ReadWrite);
+        let (gpu_buf, gpu_region) = w.a.alloc(gdr_tests::engine_world::Kind::Gpu, LEN, 0);
+        let ctx = w.a.driver.context(0).unwrap();
+        let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
+        Self {
+            ctx,
+            stream,
+            gpu_region,
+            remote,
+            _held: (grant, src, src_buf, gpu_buf),
+        }
+    }
+
+    fn read(&self) -> Transfer<'_> {
+        Transfer::read(&self.gpu_region, 0, &self.remote, 0, LEN)
+    }
+
+    /// The next call at `site` takes 3 s; returns the calls made so far.
+    fn slow_next(&self, w: &EngineWorld<SimVerbsApi>, site: FaultSite) -> u64 {
+        let faults = w.fabric().faults();
+        let calls = faults.calls(site);
+        faults.fail_nth(site, calls + 1, Fault::Slow(Duration::from_secs(3)));
+        calls
+    }
+}
+
 /// The GPU fence a stream's release waits for (`cuFlushGPUDirectRDMAWrites`
 /// on a GPU whose write ordering asks for it) is a driver call that can
 /// take long, scripted here to take 3 s: the engine makes it outside its
@@ -355,22 +394,14 @@ fn a_stream_fenced_on_a_dropped_engines_batch_moves_on() {
 /// on meanwhile, and the stream is released only after it.
 #[test]
 fn a_slow_gpu_fence_before_a_stream_release_holds_nobody_else_up() {
-    const SLOW: Duration = Duration::from_secs(3);
     let w = world(hal_cuda::WritesOrdering::None);
-    let (_s, src) = w.b.host(LEN, 4);
-    let (_g, remote) = w.b_grants(&src, GrantRights::Read);
-    let (_gpu_buf, gpu_region) = w.a.alloc(gdr_tests::engine_world::Kind::Gpu, LEN, 0);
-    let ctx = w.a.driver.context(0).unwrap();
-    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
-    let event = ctx.create_event().unwrap();
-    let faults = w.fabric().faults();
-    let flushes = faults.calls(FaultSite::CudaFlushWrites);
-    faults.fail_nth(FaultSite::CudaFlushWrites, flushes + 1, Fault::Slow(SLOW));
+    let r = SlowCallRead::new(&w);
+    let event = r.ctx.create_event().unwrap();
+    let (faults, stream) = (w.fabric().faults(), &r.stream);
+    let flushes = r.slow_next(&w, FaultSite::CudaFlushWrites);
     w.fabric().set_paused(true);
-    let batch =
-        w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, LEN)])
-            .unwrap();
-    batch.fence_stream(&stream).unwrap();
+    let batch = w.ab.submit(&[r.read()]).unwrap();
+    batch.fence_stream(stream).unwrap();
     stream.record(&event).unwrap();
     w.fabric().set_paused(false);
     let start = Instant::now();
@@ -396,27 +427,21 @@ fn a_slow_gpu_fence_before_a_stream_release_holds_nobody_else_up() {
 #[test]
 fn a_slow_stream_operation_holds_nobody_else_up() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    const SLOW: Duration = Duration::from_secs(3);
     let w = world(hal_cuda::WritesOrdering::Owner);
-    let (_s, src) = w.b.host(LEN, 4);
-    let (_g, remote) = w.b_grants(&src, GrantRights::ReadWrite);
-    let (_gpu_buf, gpu_region) = w.a.alloc(gdr_tests::engine_world::Kind::Gpu, LEN, 0);
-    let ctx = w.a.driver.context(0).unwrap();
-    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
-    let faults = w.fabric().faults();
+    let r = SlowCallRead::new(&w);
+    let (faults, stream) = (w.fabric().faults(), &r.stream);
     for gate in [false, true] {
-        let ops = faults.calls(FaultSite::CudaStreamMemOp);
-        faults.fail_nth(FaultSite::CudaStreamMemOp, ops + 1, Fault::Slow(SLOW));
+        let ops = r.slow_next(&w, FaultSite::CudaStreamMemOp);
         let returned = AtomicBool::new(false);
         std::thread::scope(|s| {
             let call = s.spawn(|| {
-                let read = [Transfer::read(&gpu_region, 0, &remote, 0, LEN)];
+                let read = [r.read()];
                 let batch = match gate {
                     false => {
                         let batch = w.ab.submit(&read).unwrap();
-                        batch.fence_stream(&stream).map(|()| batch)
+                        batch.fence_stream(stream).map(|()| batch)
                     }
-                    true => w.ab.submit_after_stream(&stream, &read, Some(T)),
+                    true => w.ab.submit_after_stream(stream, &read, Some(T)),
                 };
                 returned.store(true, Ordering::SeqCst);
                 batch.expect("queued").wait(T)

@@ -696,19 +696,15 @@ impl Peer {
             .take_word(res)?;
         let signal = match StreamFences::queue_gate_write(stream, &taken) {
             Ok(true) => taken.signal(),
-            Ok(false) => {
+            // Not queued: the word goes back; without stream memory
+            // operations the gate's event alone tells.
+            unqueued => {
                 lock_state(&engine.shared.state)
                     .paths
                     .stream_fences
                     .unused(taken);
+                unqueued?;
                 Signal::Event
-            }
-            Err(e) => {
-                lock_state(&engine.shared.state)
-                    .paths
-                    .stream_fences
-                    .unused(taken);
-                return Err(e);
             }
         };
         let event = match record_gate_event(res, stream) {
