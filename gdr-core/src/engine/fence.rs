@@ -323,14 +323,6 @@ impl StreamFences {
         }
     }
 
-    /// Whether a fence's batch has ended and its GPU fence is not claimed
-    /// yet (progress claims it, then makes it outside the lock).
-    pub(super) fn flushes_pending(&self) -> bool {
-        self.fences.iter().any(|f| {
-            f.flush == Flush::Pending && f.cells.iter().all(|c| c.outcome().is_some())
-        })
-    }
-
     /// Releases the streams waiting for batches that have ended and whose
     /// GPU fence was made ([`StreamFences::claim_flushes`]); returns how
     /// many.

@@ -2158,8 +2158,8 @@ impl Engine {
         if gated {
             handled += self.serve_gates();
         }
-        if flushes {
-            handled += self.flush_before_stream_releases();
+        if !flushes.is_empty() {
+            handled += self.flush_before_stream_releases(&flushes);
         }
         if handled > 0 {
             // Threads waiting on a batch this may have ended look again.
@@ -2175,9 +2175,9 @@ impl Engine {
     }
 
     /// [`Engine::progress`] under the lock; says whether landing slots to
-    /// make, opened gates and the GPU fences of stream releases wait
-    /// (served outside the lock).
-    fn progress_locked(&self) -> (usize, bool, bool, bool) {
+    /// make and opened gates wait, and hands out the GPU fences claimed for
+    /// stream releases (all served outside the lock).
+    fn progress_locked(&self) -> (usize, bool, bool, Vec<(usize, Vec<u32>)>) {
         let shared = &*self.shared;
         let mut state = lock_state(&shared.state);
         let state = &mut *state;
@@ -2251,16 +2251,19 @@ impl Engine {
         handled += state.with_paths(&shared.res, now, |paths, cx| {
             let mut handled = paths.staged.progress(cx);
             handled += paths.peer_copy.progress(cx);
-            handled += paths.stream_fences.release();
             handled + paths.gates.poll(cx, &mut paths.stream_fences)
         });
+        // The GPU fences of ended batches' stream fences are claimed here
+        // and made outside the lock; those needing none are released now.
+        let flushes = state.paths.stream_fences.claim_flushes();
+        handled += state.paths.stream_fences.release();
         self.run_actions(state);
         self.post_ready(state);
         (
             handled,
             state.paths.staged.landings_pending(),
             state.paths.gates.serve_pending(),
-            state.paths.stream_fences.flushes_pending(),
+            flushes,
         )
     }
 
@@ -3036,18 +3039,12 @@ impl Engine {
         })
     }
 
-    /// Submits the batches whose gate opened and hands on the outcomes of
-    /// those that ended (outside the engine's lock: submitting takes it).
-    /// Makes the GPU fences (`cuFlushGPUDirectRDMAWrites`) the stream
-    /// fences of ended batches need before their release, outside the
-    /// lock (the call can take long: every peer would wait), then releases
+    /// Makes the GPU fences (`cuFlushGPUDirectRDMAWrites`) progress
+    /// claimed for the stream fences of ended batches, outside the lock
+    /// (the call can take long: every peer would wait), then releases
     /// those streams. Returns how many were released.
-    fn flush_before_stream_releases(&self) -> usize {
-        let claimed = lock_state(&self.shared.state)
-            .paths
-            .stream_fences
-            .claim_flushes();
-        for (_, gpus) in &claimed {
+    fn flush_before_stream_releases(&self, claimed: &[(usize, Vec<u32>)]) -> usize {
+        for (_, gpus) in claimed {
             for &gpu in gpus {
                 if let Err(e) = self.shared.res.fence_gpu(gpu) {
                     tracing::warn!(gpu, error = %e, "the GPU fence before a stream release");
@@ -3060,6 +3057,8 @@ impl Engine {
         state.paths.stream_fences.release()
     }
 
+    /// Submits the batches whose gate opened and hands on the outcomes of
+    /// those that ended (outside the engine's lock: submitting takes it).
     fn serve_gates(&self) -> usize {
         let serve = lock_state(&self.shared.state).paths.gates.serve();
         let (handled, running) = serve.run(

@@ -903,18 +903,22 @@ impl Peer {
         // opened, peer access between two GPUs) are made outside the lock:
         // each can take long, and every other peer would wait. The
         // mappings are held here until the batch holds them.
-        let mut steps = lock_state(&engine.shared.state)
+        // (Another peer's batch, and a batch that needs none, takes the
+        // lock once.)
+        let mut guard = lock_state(&engine.shared.state);
+        let mut steps = guard
             .paths
             .peer_copy
             .driver_steps_wanted(self.slot, transfers);
-        for step in &mut steps {
-            step.run(res);
-        }
-        let mut guard = lock_state(&engine.shared.state);
-        let state = &mut *guard;
         if !steps.is_empty() {
-            state.paths.peer_copy.driver_steps_done(self.slot, &steps);
+            drop(guard);
+            for step in &mut steps {
+                step.run(res);
+            }
+            guard = lock_state(&engine.shared.state);
+            guard.paths.peer_copy.driver_steps_done(self.slot, &steps);
         }
+        let state = &mut *guard;
         let (peer_copy, peers) = (&mut state.paths.peer_copy, &state.peers);
         let peer = peers[self.slot]
             .as_ref()

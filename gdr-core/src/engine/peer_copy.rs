@@ -221,25 +221,34 @@ impl DriverStep {
                 ordinal,
                 handle,
                 result,
-            } => {
-                let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal).entered();
-                let opened = res
-                    .gpu(*ordinal)
-                    .and_then(|gpu| Ok(gpu.context.ipc_open(handle)?));
-                *result = Some(opened.map(|mapping| Arc::new(Mapping { mapping })));
-            }
+            } => *result = Some(open_ipc(res, *ordinal, handle)),
             Self::PeerAccess {
                 local,
                 other,
                 result,
-            } => {
-                *result = Some(res.gpu(*local).and_then(|l| {
-                    let o = res.gpu(*other)?;
-                    Ok(l.context.enable_peer_access(&o.context)?)
-                }));
-            }
+            } => *result = Some(enable_gpu_peer_access(res, *local, *other)),
         }
     }
+}
+
+/// Opens a peer's IPC `handle` on local GPU `ordinal` (`cuIpcOpenMemHandle`).
+fn open_ipc(
+    res: &Resources,
+    ordinal: u32,
+    handle: &IpcMemHandle,
+) -> Result<Arc<Mapping>, EngineError> {
+    let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal).entered();
+    Ok(Arc::new(Mapping {
+        mapping: res.gpu(ordinal)?.context.ipc_open(handle)?,
+    }))
+}
+
+/// Lets GPU `local`'s copies reach GPU `other` (`cuCtxEnablePeerAccess`);
+/// `false`: the driver stages them.
+fn enable_gpu_peer_access(res: &Resources, local: u32, other: u32) -> Result<bool, EngineError> {
+    let l = res.gpu(local)?;
+    let o = res.gpu(other)?;
+    Ok(l.context.enable_peer_access(&o.context)?)
 }
 
 /// The route between an engine at `here` and a peer at `there`.
@@ -694,19 +703,7 @@ impl PeerCopyPath {
         if local == other || !self.peer_access.insert((local, other)) {
             return;
         }
-        let mut step = DriverStep::PeerAccess {
-            local,
-            other,
-            result: None,
-        };
-        step.run(res);
-        if let DriverStep::PeerAccess {
-            result: Some(result),
-            ..
-        } = &step
-        {
-            log_peer_access(local, other, result);
-        }
+        log_peer_access(local, other, &enable_gpu_peer_access(res, local, other));
     }
 
     /// The device address of `t`'s remote range through the peer's IPC
@@ -853,11 +850,7 @@ impl PeerCopyPath {
                     ordinal,
                     handle,
                     result: Some(Ok(mapping)),
-                } => {
-                    self.mappings.retain(|_, m| m.strong_count() > 0);
-                    self.mappings
-                        .insert((*ordinal, *handle), Arc::downgrade(mapping));
-                }
+                } => self.cache_mapping(*ordinal, *handle, mapping),
                 DriverStep::IpcOpen {
                     ordinal,
                     handle,
@@ -901,14 +894,17 @@ impl PeerCopyPath {
         {
             return Ok(mapping);
         }
-        let _span = tracing::debug_span!("peer_copy_ipc_open", ordinal).entered();
-        let mapping = Arc::new(Mapping {
-            mapping: res.gpu(ordinal)?.context.ipc_open(handle)?,
-        });
+        let mapping = open_ipc(res, ordinal, handle)?;
+        self.cache_mapping(ordinal, *handle, &mapping);
+        Ok(mapping)
+    }
+
+    /// Keeps `mapping` of `handle` on GPU `ordinal` findable while anything
+    /// holds it (the entries nothing holds any more go).
+    fn cache_mapping(&mut self, ordinal: u32, handle: IpcMemHandle, mapping: &Arc<Mapping>) {
         self.mappings.retain(|_, m| m.strong_count() > 0);
         self.mappings
-            .insert((ordinal, *handle), Arc::downgrade(&mapping));
-        Ok(mapping)
+            .insert((ordinal, handle), Arc::downgrade(mapping));
     }
 
     /// Hands the windows `flight` may have on the GPU now to the CUDA
