@@ -124,7 +124,7 @@ stage proto-mutants env CARGO_INCREMENTAL=1 python3 "$ROOT/scripts/proto-planted
 # Planted bugs in the engine (a skipped lease, a double completion, an
 # unbounded queue, a group told done early):
 # the seeded soak (tests/tests/sim_soak.rs) must catch each within its
-# seeds; each run stops at the first failure, at most 60 s.
+# seeds; each run stops at the first failure, at most 120 s.
 stage soak-mutants env CARGO_INCREMENTAL=1 python3 "$ROOT/scripts/soak-planted-bugs.py" || failed=1
 for target in descriptor handshake control uri; do
   stage "fuzz-$target" "$ROOT/scripts/fuzz.sh" "${GDR_FUZZ_SECONDS:-20}" "$target" || failed=1
