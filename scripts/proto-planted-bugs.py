@@ -83,6 +83,7 @@ muts=[
  (RDV,"a revoked request's use ended while its copy runs","if s.holds_use && (!keep || (s.failed.is_some() && !copying)) {","if s.holds_use && (!keep || s.failed.is_some()) {",PRDV),
  (RDV,"a failed request's slot copied","        if !filled || serve.failed.is_some() {","        if !filled {",PRDV),
  (RDV,"a cancelled request answered","                if !s.cancelled {\n                    actions.push_back(OwnerAction::Reply { id: s.id, status });\n                }","                actions.push_back(OwnerAction::Reply { id: s.id, status });",PRDV),
+ (RDV,"a failed request answered while its copy runs","                && !s.replied\n                && !copying\n","                && !s.replied\n",PRDV),
  (RDV,"the owner's deadline off by one",".filter(|s| s.failed.is_none() && s.deadline <= now)",".filter(|s| s.failed.is_none() && s.deadline < now)",PRDV),
  (RDV,"a timed-out request's slots kept","        for id in late {\n            self.take_back_lent(id);\n        }\n","",PRDV),
  (RDV,"no bound on staged requests","        if self.serving.len() >= self.max_requests {","        if self.serving.len() > self.max_requests {",PRDV),

@@ -536,18 +536,22 @@ impl Owner {
         let slots = self.slots.as_deref().unwrap_or(&[]);
         let actions = &mut self.actions;
         self.serving.retain_mut(|s| {
+            let holds = slots.iter().any(|slot| slot.request() == Some(s.id));
+            let copying = slots
+                .iter()
+                .any(|slot| matches!(*slot, Slot::Copying { id, .. } if id == s.id));
+            // A failed request is answered once none of its copies runs:
+            // the requester's outcome comes after the last byte this side
+            // moves for it (a revoke that does not wait, a deadline).
             if let Some(status) = s.failed
                 && !s.replied
+                && !copying
             {
                 s.replied = true;
                 if !s.cancelled {
                     actions.push_back(OwnerAction::Reply { id: s.id, status });
                 }
             }
-            let holds = slots.iter().any(|slot| slot.request() == Some(s.id));
-            let copying = slots
-                .iter()
-                .any(|slot| matches!(*slot, Slot::Copying { id, .. } if id == s.id));
             let done = s.failed.is_none() && s.landed == s.len && !holds;
             if done && s.write {
                 actions.push_back(OwnerAction::Reply {

@@ -45,6 +45,41 @@ fn host_write_then_read_back_byte_for_byte() {
     assert_eq!(w.a.bytes(&back_buf), pattern(LEN as usize, 1));
 }
 
+/// A peer's plain batches and messages take its own lock only: they run
+/// while another thread holds the engine's lock (whose holders make no
+/// blocking call, but a thousand peers' batches must not queue behind
+/// one grant, revoke or path step of another peer).
+#[test]
+fn a_peers_batches_run_while_the_engines_lock_is_held() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let w = world(1, GpuConfig::default(), config(2));
+    const LEN: u64 = 1 << 20;
+    let h = w.host_pair(LEN, 3, GrantRights::ReadWrite);
+    let write = [Transfer::write(&h.src, 0, &h.remote, 0, LEN)];
+    w.ab.submit(&write).unwrap().wait(T).unwrap();
+    let released = AtomicBool::new(false);
+    let (held, holding) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            w.a.engine.with_engine_lock_held(|| {
+                held.send(()).unwrap();
+                std::thread::sleep(Duration::from_secs(3));
+                released.store(true, Ordering::SeqCst);
+            });
+        });
+        holding.recv().unwrap();
+        for _ in 0..8 {
+            w.ab.submit(&write).unwrap().wait(T).unwrap();
+        }
+        w.ab.send(b"while held").unwrap().wait(T).unwrap();
+        assert!(
+            !released.load(Ordering::SeqCst),
+            "the batches waited for the engine's lock"
+        );
+    });
+    assert_eq!(w.b.bytes(&h.dst_buf), pattern(LEN as usize, 3));
+}
+
 /// Every pair of memory kinds, each on every rung its kind allows.
 #[test]
 fn every_pair_of_memory_kinds_and_rungs() {

@@ -130,12 +130,12 @@ impl Batch {
         engine.ensure_fence_page()?;
         // The word under the lock, the stream's wait on it outside (a
         // stream operation can block while the driver's queue is full).
-        let taken = lock_state(&engine.shared.state)
+        let taken = lock_state(&engine.shared)
             .paths
             .stream_fences
             .take_word(&engine.shared.res)?;
         let queued = super::fence::StreamFences::queue_wait(stream, &taken);
-        let mut state = lock_state(&engine.shared.state);
+        let mut state = lock_state(&engine.shared);
         if let Err(e) = queued {
             state.paths.stream_fences.unused(taken);
             return Err(e);
@@ -167,13 +167,18 @@ impl Batch {
             gate.cancel();
         }
         match self.id {
-            Some((slot, id)) => lock_state(&self.engine.shared.state).cores[slot].cancel(id),
+            Some((slot, id)) => {
+                let lock = Arc::clone(&lock_state(&self.engine.shared).slots[slot]);
+                let mut guard = lock_slot(&lock);
+                guard.core.cancel(id);
+                self.engine.settle_slot(&mut guard);
+            }
             None => self.engine.cancel_peer_copy(&self.cell),
         }
         if !self.parts.is_empty() {
             // The staged parts: pipelines and requests through a peer's
             // landing slots.
-            lock_state(&self.engine.shared.state)
+            lock_state(&self.engine.shared)
                 .paths
                 .staged
                 .cancel(&self.parts);

@@ -286,6 +286,11 @@ impl Core {
         self.settle();
     }
 
+    /// Whether a queue-pair action waits for the driver.
+    pub fn has_action(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
     /// The next queue-pair action the driver must carry out.
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()

@@ -215,6 +215,12 @@ impl StreamFences {
     }
 
     /// Bytes of the page of words, once made (0 before).
+    /// Whether a stream fence waits for its batch (its release is the
+    /// engine's pass's).
+    pub(super) fn busy(&self) -> bool {
+        !self.fences.is_empty()
+    }
+
     pub(super) fn page_bytes(&self) -> u64 {
         self.words.as_ref().map_or(0, |_| (WORDS * 4) as u64)
     }

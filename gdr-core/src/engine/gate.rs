@@ -296,7 +296,7 @@ impl Gates {
                 Seen::NotYet
             };
             let peer = cx.wire.peer(held.slot);
-            let peer_gone = peer.is_none_or(|p| p.gone.is_some());
+            let peer_gone = peer.as_ref().is_none_or(|p| p.gone.is_some());
             let cancelled = held.link.cancelled.load(Ordering::Acquire);
             let step = gate.wait.step(cancelled, seen, peer_gone, now);
             let verdict = match step {
@@ -310,7 +310,7 @@ impl Gates {
                     after: held.link.timeout,
                 })),
                 Step::End(GateEnd::PeerGone) => Err(TransferError::PeerGone(
-                    peer.and_then(|p| p.gone.cloned())
+                    peer.and_then(|p| p.gone)
                         .unwrap_or(PeerGone::Closed),
                 )),
                 Step::End(GateEnd::StreamFailed) => match failure {

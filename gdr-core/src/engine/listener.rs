@@ -279,10 +279,11 @@ impl Engine {
         };
         // A session of ours: the peer re-establishes one of its queue pairs.
         let known = {
-            let state = lock_state(&self.shared.state);
-            state.peers.iter().position(|p| {
-                p.as_ref()
-                    .is_some_and(|p| !p.conn.recovery().is_connector() && p.conn.session() == hello.session)
+            let state = lock_state(&self.shared);
+            state.slots.iter().position(|lock| {
+                lock_slot(lock).peer.as_ref().is_some_and(|p| {
+                    !p.conn.recovery().is_connector() && p.conn.session() == hello.session
+                })
             })
         };
         /// Where the queue pair goes once connected.
@@ -370,9 +371,12 @@ impl Engine {
         index: usize,
         conn: hal_verbs::dynamic::DynConnection,
     ) {
-        let mut guard = lock_state(&self.shared.state);
+        let mut guard = lock_state(&self.shared);
         let state = &mut *guard;
-        let Some(peer) = state.peers[slot].as_mut() else {
+        let lock = Arc::clone(&state.slots[slot]);
+        let mut slot_guard = lock_slot(&lock);
+        let PeerSlot { core, peer, .. } = &mut *slot_guard;
+        let Some(peer) = peer.as_mut() else {
             return;
         };
         let Some(q) = peer.qps.get_mut(index) else {
@@ -386,7 +390,6 @@ impl Engine {
             return;
         }
         let qp = q.core;
-        let core = &mut state.cores[slot];
         let old = if core.is_ready(qp) {
             OldQp::Ready
         } else if core.accepts_work(qp) {
@@ -397,10 +400,14 @@ impl Engine {
             OldQp::Failing
         };
         match peer.conn.recovery_mut().on_replacement(index, old) {
-            Replacement::Install => self.install(state, slot, index, conn),
+            Replacement::Install => {
+                drop(slot_guard);
+                self.install(state, slot, index, conn);
+            }
             Replacement::Refuse => {
                 tracing::debug!(qp = index, "a new connection for a queue pair given up");
                 drop(conn);
+                drop(slot_guard);
             }
             step @ (Replacement::Wait | Replacement::FailOldThenWait) => {
                 q.replacement = Some(conn);
@@ -413,6 +420,7 @@ impl Engine {
                 // that takes this engine's progress, which nobody here may
                 // be making (a server that only serves grants): its own
                 // thread does it.
+                drop(slot_guard);
                 self.post_ready(state);
                 drop(guard);
                 self.ensure_own_driver();

@@ -73,30 +73,45 @@
 //! # Locks
 //!
 //! What each lock guards, and the order they are taken in (a lock is only
-//! taken while holding those above it in this list, never the reverse):
+//! taken while holding those above it in this list, never the reverse;
+//! debug builds check the first two, `lock_order`):
 //!
-//! 1. The engine's lock (`Shared::state`, `State`): the peers (each
-//!    with its connection, [`gdr_proto::connection`], and its own core of
-//!    batches, `State::cores`), the queue-pair routing table, the paths
-//!    (staged, peer copy, stream fences, gates). Still one lock over every
-//!    peer (issue 36 goes on to a lock per peer); what it no longer covers
-//!    is every driver call that can block: a peer's IPC handle opened and
-//!    peer access enabled for a peer copy
-//!    (`peer_copy::DriverStep`), the GPU fence before a stream fence's
-//!    release (`Engine::flush_before_stream_releases`), the stream
-//!    operations of stream fences and gates, the fence page's allocation,
-//!    landing slots (allocated, pinned, registered), gates' event records
-//!    and their batches' submits. Each is decided under the lock, made
-//!    outside it, and handed back under it. Under it remain the NIC's
-//!    non-blocking calls (posts, CQ polls, a queue pair moved to error or
-//!    disconnected, connection and async events read without waiting) and
-//!    CUDA event queries.
-//! 2. Below it, each taken briefly and never across another lock: a peer's
-//!    free send slots (`ControlBuffers::free_send`, also freed by the
-//!    NIC's completion of the SEND), the CUDA worker's queue
-//!    (`cuda_worker`), the event pool (`events`), the peer-copy streams,
-//!    the process-wide registry of published grants (`peer_copy`).
-//! 3. Apart from it: the reactor's (`reactor`: who parks, until when),
+//! 1. The engine's lock (`Shared::state`, `State`): the table of the
+//!    peers' slots, the queue pairs being re-established, the paths
+//!    (staged, peer copy, stream fences, gates). Taken by the engine's
+//!    pass (`Engine::progress_locked`: control messages received, error
+//!    completions, deadlines, connection and async events, the paths'
+//!    steps, queue-pair actions) and by what changes the peers or the
+//!    paths (a connect, a grant, a revoke, a staged, gated or peer-copy
+//!    submit). A progress call makes the pass only when it is due
+//!    (`PassDue`: work one of those left it, its earliest deadline, every
+//!    64th call of a thread); one only due, with the lock busy, is left to
+//!    a later call, and a waiter about to park polls instead of waiting
+//!    for the lock to read its deadline. Never held across a driver call
+//!    that can block: a peer's IPC handle opened and peer access enabled
+//!    for a peer copy (`peer_copy::DriverStep`), the GPU fence before a
+//!    stream fence's release (`Engine::flush_before_stream_releases`),
+//!    the stream operations of stream fences and gates, the fence page's
+//!    allocation, landing slots (allocated, pinned, registered), gates'
+//!    event records and their batches' submits: each is decided under
+//!    the lock, made outside it, and handed back under it.
+//! 2. A peer's lock (`PeerLock`, one `PeerSlot`: the core of batches on
+//!    the peer's queue pairs and its connection, [`gdr_proto::connection`]):
+//!    taken alone by what that peer does (a submit of memory the NIC
+//!    reaches, a control message, a wait for a message or a grant, the
+//!    completions of its sends, routed to it by any polling thread), or
+//!    under the engine's lock; one peer's at a time. Under it: the NIC's
+//!    non-blocking calls (posts, a queue pair moved to error or
+//!    disconnected).
+//! 3. Below them, each taken briefly and never across another lock: the
+//!    routes (`Shared::routes`, (NIC, queue pair number) to peer, written
+//!    under the engine's lock; each polling thread keeps a copy, checked
+//!    by the routes' version), a peer's free send slots
+//!    (`ControlBuffers::free_send`, also freed by the NIC's completion of
+//!    the SEND), the CUDA worker's queue (`cuda_worker`), the event pool
+//!    (`events`), the peer-copy streams, the process-wide registry of
+//!    published grants (`peer_copy`).
+//! 4. Apart from them: the reactor's (`reactor`: who parks, until when),
 //!    the listeners' backlogs (`listener`: never held together with the
 //!    engine's lock), the registration caches and the NICs' ladders
 //!    (`crate::cache`, `crate::ladder`: registration and grants' MRs are
@@ -165,7 +180,7 @@ use crate::buffer::Buffer;
 use crate::cache::{CacheConfig, RegistrationCache};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
 use crate::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, MrGrant, Rung};
-use crate::sync::{Mutex, lock};
+use crate::sync::{Mutex, RwLock, lock};
 
 pub use self::batch::Batch;
 pub(crate) use self::batches::BatchId;
@@ -811,21 +826,39 @@ impl PeerState {
     }
 }
 
+/// What the engine's lock guards: the peers' slots (each under its own
+/// lock), what is shared by them (queue pairs being re-established) and
+/// the paths.
 struct State {
-    /// Each peer's batches on its queue pairs, by the peer's slot (a
-    /// peer's own: its queue pairs are its core's, numbered by index).
-    cores: Vec<Core>,
-    peers: Vec<Option<PeerState>>,
-    by_qp_num: HashMap<(usize, u32), (usize, usize)>,
-    /// NICs that reported a fatal error: nothing on them is re-established.
-    dead_nics: Vec<bool>,
+    /// Each peer's slot, by number (never reused: a slot whose peer went
+    /// stays, empty).
+    slots: Vec<Arc<PeerLock>>,
     /// Queue pairs being re-established.
     reconnecting: usize,
     /// The paths beside the queue pairs, each with its own state.
     paths: Paths,
-    completions: Vec<Completion>,
+}
+
+/// A peer's own state: its core (batches on its queue pairs) and its
+/// connection, under the peer's lock ([`lock_slot`]).
+struct PeerSlot {
+    core: Core,
+    /// `None` once the peer was torn down.
+    peer: Option<PeerState>,
+    /// Requests taken from the core for one post.
     to_post: Vec<SendRequest>,
-    ticks: u64,
+}
+
+/// A peer's lock.
+type PeerLock = Mutex<PeerSlot>;
+
+/// Where a completion of one queue pair goes: its peer's slot and the
+/// queue pair's index there.
+#[derive(Clone)]
+struct Route {
+    lock: Arc<PeerLock>,
+    slot: usize,
+    index: usize,
 }
 
 /// The paths the engine carries batches over besides the queue pairs
@@ -853,10 +886,8 @@ impl State {
         now: Instant,
         f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T,
     ) -> T {
-        let State {
-            cores, peers, paths, ..
-        } = self;
-        let mut wire = Connections { cores, peers, res };
+        let State { slots, paths, .. } = self;
+        let mut wire = Connections { slots, res };
         f(
             paths,
             &mut PathCx {
@@ -866,23 +897,29 @@ impl State {
             },
         )
     }
+
+    /// The peer in `slot`'s lock, taken (under the engine's: the order).
+    fn slot(&self, slot: usize) -> SlotGuard<'_> {
+        lock_slot(&self.slots[slot])
+    }
 }
 
-/// The peers' connections as the paths see them ([`path::Wire`]): the
-/// core (which posts on the queue pairs) and the peers' control channels.
+/// The peers' connections as the paths see them ([`path::Wire`]): each
+/// peer's core (which posts on its queue pairs) and its control channel,
+/// each under the peer's lock, taken for one call.
 struct Connections<'a> {
-    cores: &'a mut [Core],
-    peers: &'a mut [Option<PeerState>],
+    slots: &'a [Arc<PeerLock>],
     res: &'a Resources,
 }
 
 impl Wire for Connections<'_> {
-    fn peer(&self, slot: usize) -> Option<PeerView<'_>> {
-        let peer = self.peers.get(slot)?.as_ref()?;
+    fn peer(&self, slot: usize) -> Option<PeerView> {
+        let guard = lock_slot(self.slots.get(slot)?);
+        let peer = guard.peer.as_ref()?;
         Some(PeerView {
             engine: peer.conn.peer_engine(),
             session: peer.conn.session(),
-            gone: peer.gone.as_ref(),
+            gone: peer.gone.clone(),
         })
     }
 
@@ -892,14 +929,18 @@ impl Wire for Connections<'_> {
         message: &Control<'_>,
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
-        let peer = self
-            .peers
-            .get_mut(slot)
-            .and_then(Option::as_mut)
+        let lock = self
+            .slots
+            .get(slot)
             .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
+        let mut guard = lock_slot(lock);
         let now = self.res.config.clock.now();
+        let peer = guard
+            .peer
+            .as_mut()
+            .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
         let cell = peer.enqueue(message, now, timeout)?;
-        peer.flush_outbox(&mut self.cores[slot], now);
+        guard.post(now);
         Ok(cell)
     }
 
@@ -916,10 +957,14 @@ impl Wire for Connections<'_> {
         len: u64,
         (deadline, timeout): (Instant, Duration),
     ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
-        let Some(peer) = self.peers.get(slot).and_then(Option::as_ref) else {
+        let Some(lock) = self.slots.get(slot) else {
             return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
         };
-        let core = &mut self.cores[slot];
+        let mut guard = lock_slot(lock);
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        let Some(peer) = peer.as_ref() else {
+            return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
+        };
         // The queue pairs that are up (else those being re-established),
         // on the NICs nearest the GPU when one of those is among them.
         let qps = peer.qps.iter().enumerate();
@@ -960,14 +1005,27 @@ impl Wire for Connections<'_> {
             Some((deadline, timeout)),
             keep,
         );
+        guard.post(self.res.config.clock.now());
         Ok(cell)
     }
 }
 
 struct Shared {
-    // Field order is drop order: connections (in the state) before the
-    // NICs' CQs, PDs and contexts (in the resources).
+    // Field order is drop order: connections (in the state and the
+    // routes) before the NICs' CQs, PDs and contexts (in the resources).
     state: Mutex<State>,
+    /// Each queue pair's route, by (NIC, queue pair number): completions
+    /// go to their peer without the engine's lock. Written under the
+    /// engine's lock; read alone, briefly.
+    routes: RwLock<HashMap<(usize, u32), Route>>,
+    /// Moves at every change of `routes` (after it): threads' copies
+    /// of routes older than it are dropped.
+    routes_version: AtomicU64,
+    /// NICs that reported a fatal error: nothing on them is polled or
+    /// re-established. Set under the engine's lock.
+    dead_nics: Box<[std::sync::atomic::AtomicBool]>,
+    /// What the engine's own pass must look at soon ([`PassDue`]).
+    due: PassDue,
     res: Arc<Resources>,
     /// Drivers running (threads of [`Engine::spawn_driver`], the engine's
     /// own thread, tasks of `Engine::drive_on_tokio`): while there is one,
@@ -1029,6 +1087,18 @@ struct StateGuard<'a> {
     // Field order is drop order: the lock goes, then the mark.
     guard: crate::sync::MutexGuard<'a, State>,
     _inside: crate::reaper::EngineSection,
+    /// Set as the lock goes, unless the pass or a look took it: what
+    /// was changed under the lock (a path's work, a fence, a grant) is
+    /// the next pass's to look at.
+    due: Option<&'a PassDue>,
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(due) = self.due {
+            due.set();
+        }
+    }
 }
 
 impl std::ops::Deref for StateGuard<'_> {
@@ -1044,12 +1114,301 @@ impl std::ops::DerefMut for StateGuard<'_> {
     }
 }
 
-/// Takes the engine's lock ([`StateGuard`]).
-fn lock_state(state: &Mutex<State>) -> StateGuard<'_> {
+/// Takes the engine's lock ([`StateGuard`]) to change what it guards:
+/// the engine's next pass looks at it.
+fn lock_state(shared: &Shared) -> StateGuard<'_> {
+    let mut guard = look_at_state(shared);
+    guard.due = Some(&shared.due);
+    guard
+}
+
+/// [`look_at_state`] if the lock is free now.
+fn try_look_at_state(shared: &Shared) -> Option<StateGuard<'_>> {
+    lock_order::engine();
+    let inside = crate::reaper::EngineSection::enter();
+    let guard = match shared.state.try_lock() {
+        Ok(guard) => guard,
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return None,
+    };
+    Some(StateGuard {
+        guard,
+        _inside: inside,
+        due: None,
+    })
+}
+
+/// Takes the engine's lock for the pass itself, or to look only.
+fn look_at_state(shared: &Shared) -> StateGuard<'_> {
+    lock_order::engine();
     let inside = crate::reaper::EngineSection::enter();
     StateGuard {
-        guard: lock(state),
+        guard: lock(&shared.state),
         _inside: inside,
+        due: None,
+    }
+}
+
+/// A peer's lock, held with the thread marked inside the engine (as the
+/// engine's, [`StateGuard`]).
+struct SlotGuard<'a> {
+    // Field order is drop order: the lock goes, then the marks.
+    guard: crate::sync::MutexGuard<'a, PeerSlot>,
+    _held: lock_order::Held,
+    _inside: crate::reaper::EngineSection,
+}
+
+impl std::ops::Deref for SlotGuard<'_> {
+    type Target = PeerSlot;
+    fn deref(&self) -> &PeerSlot {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for SlotGuard<'_> {
+    fn deref_mut(&mut self) -> &mut PeerSlot {
+        &mut self.guard
+    }
+}
+
+/// Takes a peer's lock ([`SlotGuard`]): alone, or under the engine's,
+/// never the other way round.
+fn lock_slot(lock: &PeerLock) -> SlotGuard<'_> {
+    let inside = crate::reaper::EngineSection::enter();
+    let held = lock_order::slot(lock);
+    SlotGuard {
+        guard: crate::sync::lock(lock),
+        _held: held,
+        _inside: inside,
+    }
+}
+
+/// The lock order, checked in debug builds: a thread holding a peer's lock
+/// takes neither the engine's lock nor a peer's (that one again, or a
+/// second); each would deadlock, and a test panics instead.
+mod lock_order {
+    #[cfg(debug_assertions)]
+    thread_local! {
+        static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// A peer's lock, marked held by this thread while it lives.
+    pub(super) struct Held(#[cfg(debug_assertions)] usize);
+
+    /// The engine's lock is about to be taken.
+    pub(super) fn engine() {
+        #[cfg(debug_assertions)]
+        HELD.with(|held| {
+            assert!(
+                held.borrow().is_empty(),
+                "the engine's lock taken while a peer's is held"
+            );
+        });
+    }
+
+    /// Peer lock `lock` is about to be taken.
+    pub(super) fn slot<T>(lock: &T) -> Held {
+        #[cfg(debug_assertions)]
+        {
+            let at = std::ptr::from_ref(lock) as usize;
+            HELD.with(|held| {
+                let mut held = held.borrow_mut();
+                assert!(!held.contains(&at), "a peer's lock taken twice by one thread");
+                // Two peers' locks taken by two threads in turn, each
+                // holding one, would deadlock: one at a time.
+                assert!(held.is_empty(), "a second peer's lock taken while one is held");
+                held.push(at);
+            });
+            Held(at)
+        }
+        #[cfg(not(debug_assertions))]
+        {
+            let _ = lock;
+            Held()
+        }
+    }
+
+    impl Drop for Held {
+        fn drop(&mut self) {
+            #[cfg(debug_assertions)]
+            HELD.with(|held| {
+                let mut held = held.borrow_mut();
+                if let Some(i) = held.iter().rposition(|&at| at == self.0) {
+                    held.swap_remove(i);
+                }
+            });
+        }
+    }
+}
+
+impl PeerSlot {
+    /// Posts what the core has ready on the peer's queue pairs, control
+    /// messages waiting for a send slot first. Returns whether the core
+    /// has queue-pair actions for the engine's pass.
+    fn post(&mut self, now: Instant) -> bool {
+        let PeerSlot {
+            core,
+            peer,
+            to_post,
+        } = self;
+        let Some(peer) = peer else {
+            return core.has_action();
+        };
+        if peer.conn.outbox_len() > 0 {
+            peer.flush_outbox(core, now);
+        }
+        for qp in &peer.qps {
+            if !core.has_postable(qp.core) {
+                continue;
+            }
+            core.take_postable(qp.core, to_post);
+            let taken = to_post.len();
+            // SAFETY: every SG entry lies in a registration held by its
+            // batch (the batch keeps the regions) until the core retires
+            // the request after its completion or flush.
+            if let Err(PostError { posted, error }) = unsafe { qp.conn.qp().post_send(to_post) } {
+                let accepted = match posted {
+                    Posted::Prefix(n) => Some(n),
+                    Posted::Unknown => None,
+                };
+                core.post_failed(
+                    qp.core,
+                    taken,
+                    accepted,
+                    TransferError::PostFailed { source: error },
+                );
+            }
+        }
+        core.has_action()
+    }
+
+    /// The earliest of the peer's deadlines: its batches', its
+    /// connection's (a queue pair's re-establishment, a message waiting
+    /// for a send slot).
+    fn next_deadline(&mut self) -> Option<Instant> {
+        let connection = self.peer.as_ref().and_then(|p| p.conn.poll_timeout());
+        match (self.core.next_deadline(), connection) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Whether a control message of the peer's waits for a send slot or a
+    /// receive of the peer (it goes only with progress).
+    fn control_held(&self) -> bool {
+        self.peer.as_ref().is_some_and(|p| {
+            p.gone.is_none()
+                && (p.conn.outbox_len() > 0 || self.core.send_waits(p.qps[0].core))
+        })
+    }
+}
+
+/// When the engine's pass (under its lock) must run: the per-peer steps
+/// that leave it work (queue-pair actions, a receive, an error) say so,
+/// and the earliest deadline it holds is kept. A progress call with
+/// nothing due polls the NICs and hands completions to their peers only,
+/// without the engine's lock.
+struct PassDue {
+    /// Work waits for the pass (set by anyone; cleared by the pass as it
+    /// starts, set again at its end while paths or re-establishments run).
+    now: std::sync::atomic::AtomicBool,
+    /// The earliest deadline the pass handles, as nanoseconds after
+    /// `base` (`u64::MAX`: none).
+    at: std::sync::atomic::AtomicU64,
+    base: Instant,
+    /// Set at every 64th progress call of a thread: the pass looks at
+    /// connection and async events.
+    events: std::sync::atomic::AtomicBool,
+}
+
+/// What one progress call's poll of the NICs leaves for the engine's pass
+/// (kept per thread, so the polls reuse their buffers).
+#[derive(Default)]
+struct Polled {
+    buffer: Vec<Completion>,
+    /// Control messages received: (slot, NIC, completion).
+    receives: Vec<(usize, usize, Completion)>,
+    /// A NIC's completions with an error among them, all for the pass.
+    errors: Vec<(usize, Vec<Completion>)>,
+    /// NICs whose CQ failed to poll.
+    failed: Vec<(usize, hal_verbs::VerbsError)>,
+    /// This thread's progress calls.
+    ticks: u64,
+    /// Routes this thread looked up, of the engine (by its id) and the
+    /// routes' version they were read at (weakly: a thread's copy keeps
+    /// no peer of a dropped engine).
+    routes: HashMap<(usize, u32), (std::sync::Weak<PeerLock>, usize, usize)>,
+    routes_of: (u64, u64),
+}
+
+thread_local! {
+    static POLLED: std::cell::Cell<Option<Polled>> = const { std::cell::Cell::new(None) };
+}
+
+impl Polled {
+    fn take() -> Self {
+        POLLED.with(std::cell::Cell::take).unwrap_or_else(|| Polled {
+            buffer: Vec::with_capacity(256),
+            ..Polled::default()
+        })
+    }
+
+    /// Whether the engine's pass has work in it.
+    fn for_pass(&self) -> bool {
+        !self.receives.is_empty() || !self.errors.is_empty() || !self.failed.is_empty()
+    }
+
+    fn give_back(mut self) {
+        self.receives.clear();
+        self.errors.clear();
+        self.failed.clear();
+        POLLED.with(|p| p.set(Some(self)));
+    }
+}
+
+impl PassDue {
+    fn new(base: Instant) -> Self {
+        Self {
+            now: std::sync::atomic::AtomicBool::new(true),
+            at: std::sync::atomic::AtomicU64::new(u64::MAX),
+            base,
+            events: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// A deadline the pass must handle by `at`.
+    fn by(&self, at: Instant) {
+        let at = self.nanos(at);
+        // Looked at first: a later deadline (the common case) writes
+        // nothing every thread would then share.
+        if at < self.at.load(Ordering::Acquire) {
+            self.at.fetch_min(at, Ordering::AcqRel);
+        }
+    }
+
+    fn set(&self) {
+        self.now.store(true, Ordering::Release);
+    }
+
+    /// Whether the pass is due at `now`; counts the call (`tick`: this
+    /// thread's count, kept apart so that threads share no write).
+    fn is_due(&self, now: Instant, tick: u64) -> bool {
+        if tick.is_multiple_of(64) {
+            self.events.store(true, Ordering::Release);
+            return true;
+        }
+        self.now.load(Ordering::Acquire)
+            || self.at.load(Ordering::Acquire) <= self.nanos(now)
+    }
+
+    /// The pass starts: what it will look at is no longer due.
+    fn clear(&self) {
+        self.now.store(false, Ordering::Release);
+        self.at.store(u64::MAX, Ordering::Release);
     }
 }
 
@@ -1063,10 +1422,50 @@ impl Drop for Shared {
         // then the streams fenced on this engine's batches go on: nothing
         // will end those batches now, and a free the worker's last copy
         // waits behind may be waiting for such a stream.
-        drop(std::mem::take(&mut state.peers));
+        for lock in std::mem::take(&mut state.slots) {
+            drop(lock_slot(&lock).peer.take());
+        }
+        self.routes_mut().clear();
         state.paths.stream_fences.release_all();
         drop(state);
         self.res.cuda.shut();
+    }
+}
+
+impl Shared {
+    /// The routes, to change: the version moves as the lock goes.
+    fn routes_mut(&self) -> RoutesWrite<'_> {
+        RoutesWrite {
+            guard: crate::sync::write(&self.routes),
+            version: &self.routes_version,
+        }
+    }
+}
+
+/// The routes, locked to be changed ([`Shared::routes_mut`]).
+struct RoutesWrite<'a> {
+    guard: crate::sync::RwLockWriteGuard<'a, HashMap<(usize, u32), Route>>,
+    version: &'a AtomicU64,
+}
+
+impl Drop for RoutesWrite<'_> {
+    fn drop(&mut self) {
+        // Before the lock goes: a thread that sees the old version either
+        // read the table before this change or waits for it.
+        self.version.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+impl std::ops::Deref for RoutesWrite<'_> {
+    type Target = HashMap<(usize, u32), Route>;
+    fn deref(&self) -> &Self::Target {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for RoutesWrite<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.guard
     }
 }
 
@@ -1380,11 +1779,15 @@ impl Engine {
             });
         }
         let shared = Shared {
+            routes: RwLock::default(),
+            routes_version: AtomicU64::new(0),
+            dead_nics: nics
+                .iter()
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
+            due: PassDue::new(config.clock.now()),
             state: Mutex::new(State {
-                cores: Vec::new(),
-                peers: Vec::new(),
-                by_qp_num: HashMap::new(),
-                dead_nics: vec![false; nics.len()],
+                slots: Vec::new(),
                 reconnecting: 0,
                 paths: Paths {
                     staged: Default::default(),
@@ -1392,9 +1795,6 @@ impl Engine {
                     peer_copy: peer_copy::PeerCopyPath::new(cuda),
                     gates: Default::default(),
                 },
-                completions: Vec::with_capacity(256),
-                to_post: Vec::with_capacity(256),
-                ticks: 0,
             }),
             res: Resources::new(fresh_id(), config, cm, nics, peer_capacity),
             context,
@@ -1450,17 +1850,20 @@ impl Engine {
     /// limits). Tests read it to see state come back to the engine's
     /// baseline once the work and the peers are gone.
     pub fn resources(&self) -> EngineResources {
-        let state = lock_state(&self.shared.state);
+        let state = lock_state(&self.shared);
         let (staged_transfers, staged_groups) = state.paths.staged.load();
+        let mut batches = 0;
         let peers = state
-            .peers
+            .slots
             .iter()
             .enumerate()
-            .filter_map(|(slot, peer)| peer.as_ref().map(|p| (slot, p)))
-            .map(|(slot, peer)| {
+            .filter_map(|(slot, lock)| {
+                let guard = lock_slot(lock);
+                batches += guard.core.batches_live();
+                let peer = guard.peer.as_ref()?;
                 let (staged_grants, requests_served, copies, requests_asked) =
                     state.paths.staged.peer_load(slot);
-                PeerResources {
+                Some(PeerResources {
                     remote_engine: peer.conn.peer_engine(),
                     gone: peer.gone.is_some(),
                     queue_pairs: peer.qps.len(),
@@ -1474,13 +1877,13 @@ impl Engine {
                     requests_served,
                     copies,
                     requests_asked,
-                }
+                })
             })
             .collect();
         EngineResources {
             drivers: self.shared.drivers.load(Ordering::Acquire),
             own_driver: self.shared.own_driver.load(Ordering::Acquire),
-            batches: state.cores.iter().map(Core::batches_live).sum(),
+            batches,
             staged_transfers,
             staged_groups,
             peers,
@@ -1492,10 +1895,11 @@ impl Engine {
     /// included (until the engine goes). A connect or accept that failed
     /// leaves none.
     pub fn peer_count(&self) -> usize {
-        lock_state(&self.shared.state)
-            .peers
+        let state = lock_state(&self.shared);
+        state
+            .slots
             .iter()
-            .flatten()
+            .filter(|lock| lock_slot(lock).peer.is_some())
             .count()
     }
 
@@ -1503,17 +1907,16 @@ impl Engine {
     /// peer's queue pairs are disconnected and post nothing more).
     fn live_peers(state: &State) -> usize {
         state
-            .peers
+            .slots
             .iter()
-            .flatten()
-            .filter(|p| p.gone.is_none())
+            .filter(|lock| lock_slot(lock).peer.as_ref().is_some_and(|p| p.gone.is_none()))
             .count()
     }
 
     /// Whether one more peer may connect now ([`EngineConfig::max_peers`]).
     fn peer_room(&self) -> Result<(), EngineError> {
         let max = self.shared.peer_capacity;
-        if Self::live_peers(&lock_state(&self.shared.state)) >= max {
+        if Self::live_peers(&lock_state(&self.shared)) >= max {
             return Err(EngineError::Refused(Refusal::PeerLimit { max }));
         }
         Ok(())
@@ -1822,28 +2225,36 @@ impl Engine {
     /// connections destroyed before its buffers), so no live-looking peer
     /// remains.
     fn tear_down(&self, slot: usize, why: PeerGone) {
-        let mut guard = lock_state(&self.shared.state);
+        let mut guard = lock_state(&self.shared);
         let state = &mut *guard;
-        let Some(mut peer) = state.peers.get_mut(slot).and_then(Option::take) else {
+        let Some(lock) = state.slots.get(slot).cloned() else {
+            return;
+        };
+        let mut slot_guard = lock_slot(&lock);
+        let PeerSlot { core, peer, .. } = &mut *slot_guard;
+        let Some(mut peer) = peer.take() else {
             return;
         };
         state.reconnecting -= peer.conn.recovery_mut().close();
         let cause = TransferError::PeerGone(why.clone());
         peer.gone.get_or_insert(why);
+        let mut routes = self.shared.routes_mut();
         for q in &mut peer.qps {
             if let Err(e) = q.conn.disconnect() {
                 tracing::debug!(error = %e, "disconnecting a queue pair");
             }
-            state.by_qp_num.remove(&(q.nic, q.conn.qp().qp_num()));
+            routes.remove(&(q.nic, q.conn.qp().qp_num()));
             drop(q.replacement.take());
             // Destroyed below, before anything it holds is released: no
             // flush comes back.
-            state.cores[slot].abandon_qp(q.core, cause.clone());
+            core.abandon_qp(q.core, cause.clone());
         }
         let nic0 = peer.qps[0].nic;
         for old in &peer.retired {
-            state.by_qp_num.remove(&(nic0, old.qp().qp_num()));
+            routes.remove(&(nic0, old.qp().qp_num()));
         }
+        drop(routes);
+        drop(slot_guard);
         // Each path ends what it does with the peer and lets go of it.
         let res = &self.shared.res;
         state.with_paths(res, res.config.clock.now(), |paths, cx| {
@@ -1947,21 +2358,30 @@ impl Engine {
         let send = Buffer::alloc_host((send_slots * peer_max) as u64);
         let recv_region = self.shared.res.register(&recv)?;
         let send_region = self.shared.res.register(&send)?;
-        let mut state = lock_state(&self.shared.state);
+        let mut state = lock_state(&self.shared);
         let max = self.shared.peer_capacity;
         if Self::live_peers(&state) >= max {
             return Err(EngineError::Refused(Refusal::PeerLimit { max }));
         }
-        let slot = state.peers.len();
+        let slot = state.slots.len();
+        let lock = Arc::new(Mutex::new(PeerSlot {
+            core: Core::new(),
+            peer: None,
+            to_post: Vec::with_capacity(64),
+        }));
+        let mut routes = self.shared.routes_mut();
         let mut core = Core::new();
         let mut qps = Vec::with_capacity(conns.len());
         let connector = conns.iter().any(|(_, _, path)| path.is_some());
         for (index, (conn, nic, path)) in conns.into_iter().enumerate() {
             let limits = self.qp_limits(&conn, index, u32::from(hello.recv_depth));
             let core = core.add_qp(index as u16, limits);
-            state
-                .by_qp_num
-                .insert((nic, conn.qp().qp_num()), (slot, index));
+            let route = Route {
+                lock: Arc::clone(&lock),
+                slot,
+                index,
+            };
+            routes.insert((nic, conn.qp().qp_num()), route);
             qps.push(PeerQp {
                 max_inline: conn
                     .qp()
@@ -2005,18 +2425,20 @@ impl Engine {
             next_qp: 0,
             gone: None,
         };
-        state.peers.push(Some(peer));
-        state.cores.push(core);
-        state.paths.staged.add_peer(slot, limits);
+        drop(routes);
+        let mut slot_guard = lock_slot(&lock);
+        slot_guard.core = core;
+        let peer = slot_guard.peer.insert(peer);
         // Receives for control messages, before anything can arrive (the
-        // lock is held throughout). The peer is in its slot first: a
-        // refused post tears it down whole, its queue pairs' entries
-        // included, so no completion of theirs can find a slot that is
-        // not there.
-        let posted = match state.peers[slot].as_mut() {
-            Some(peer) => self.post_free_receives(peer),
-            None => Ok(()),
-        };
+        // peer's lock is held throughout). The peer is in its slot first:
+        // a refused post tears it down whole, its queue pairs' routes
+        // included, so no completion of theirs can find a slot that is not
+        // there.
+        let posted = self.post_free_receives(peer);
+        let qps = peer.qps.len();
+        drop(slot_guard);
+        state.slots.push(Arc::clone(&lock));
+        state.paths.staged.add_peer(slot, limits);
         if let Err(e) = posted {
             drop(state);
             self.tear_down(slot, PeerGone::FailedDuringSetUp { index: 0 });
@@ -2025,12 +2447,13 @@ impl Engine {
         tracing::info!(
             peer = %addr,
             engine = format_args!("{:#x}", hello.engine),
-            qps = state.peers[slot].as_ref().map_or(0, |p| p.qps.len()),
+            qps,
             "peer connected"
         );
         Ok(Peer {
             engine: self.clone(),
             slot,
+            lock,
         })
     }
 
@@ -2120,27 +2543,24 @@ impl Engine {
     /// The earliest deadline of a request in flight: a driver that waits
     /// for completion events must call [`Engine::progress`] by then.
     pub fn next_deadline(&self) -> Option<Instant> {
-        Self::next_deadline_of(&mut lock_state(&self.shared.state))
+        Self::next_deadline_of(&mut look_at_state(&self.shared))
     }
 
     /// [`Engine::next_deadline`], under the lock already held: the
     /// batches', the paths', and each peer connection's (a queue pair's
     /// re-establishment, a control message waiting for a send slot).
     fn next_deadline_of(state: &mut State) -> Option<Instant> {
-        let connections = state
-            .peers
+        let peers = state
+            .slots
             .iter()
-            .flatten()
-            .filter_map(|p| p.conn.poll_timeout());
-        let cores = state.cores.iter_mut().filter_map(Core::next_deadline);
+            .filter_map(|lock| lock_slot(lock).next_deadline());
         [
             TransferPath::next_deadline(&state.paths.staged),
             TransferPath::next_deadline(&state.paths.peer_copy),
         ]
         .into_iter()
         .flatten()
-        .chain(connections)
-        .chain(cores)
+        .chain(peers)
         .min()
     }
 
@@ -2151,7 +2571,20 @@ impl Engine {
     pub fn progress(&self) -> usize {
         // Memory whose last holder goes in progress is freed elsewhere.
         let _inside = crate::reaper::EngineSection::enter();
-        let (mut handled, staged, gated, flushes) = self.progress_locked();
+        let mut polled = Polled::take();
+        let mut handled = self.poll_completions(&mut polled);
+        let now = self.shared.config.clock.now();
+        polled.ticks += 1;
+        if !polled.for_pass() && !self.shared.due.is_due(now, polled.ticks) {
+            polled.give_back();
+            if handled > 0 {
+                self.shared.reactor.progressed();
+            }
+            return handled;
+        }
+        let (more, staged, gated, flushes) = self.progress_locked(&mut polled);
+        polled.give_back();
+        handled += more;
         if staged {
             handled += self.make_landings();
         }
@@ -2168,76 +2601,194 @@ impl Engine {
         handled
     }
 
+    /// Polls every live NIC's completions and hands those of sends to
+    /// their peer's core, each under that peer's lock only; what needs the
+    /// engine's pass (receives, a NIC with an error completion or a CQ that
+    /// failed) is left in `polled`. Returns how many completions it took.
+    fn poll_completions(&self, polled: &mut Polled) -> usize {
+        let shared = &*self.shared;
+        let mut handled = 0;
+        for (nic_index, nic) in shared.nics.iter().enumerate() {
+            if shared.dead_nics[nic_index].load(Ordering::Acquire) {
+                continue;
+            }
+            let mut completions = std::mem::take(&mut polled.buffer);
+            completions.clear();
+            if let Err(e) = nic.cq.poll_into(&mut completions) {
+                polled.failed.push((nic_index, e));
+                polled.buffer = completions;
+                continue;
+            }
+            handled += completions.len();
+            if completions.iter().any(|wc| !wc.status.is_success()) {
+                // An error may come of a device failure or a QP event: the
+                // pass takes those first, so requests fail with their
+                // cause.
+                polled.errors.push((nic_index, completions));
+                continue;
+            }
+            // Completions come in runs of one queue pair: its route is
+            // looked up, and its peer locked, once a run.
+            let mut at = 0;
+            while at < completions.len() {
+                let qp_num = completions[at].qp_num;
+                let end = completions[at..]
+                    .iter()
+                    .position(|wc| wc.qp_num != qp_num)
+                    .map_or(completions.len(), |n| at + n);
+                let run = &completions[at..end];
+                at = end;
+                let Some(route) = self.route(polled, nic_index, qp_num) else {
+                    continue;
+                };
+                let mut sends = run.iter().filter(|wc| wc.wr_id & RECV_BIT == 0).peekable();
+                if sends.peek().is_some() {
+                    let mut guard = lock_slot(&route.lock);
+                    let slot = &mut *guard;
+                    if let Some(peer) = slot.peer.as_ref()
+                        && peer.qps[route.index].conn.qp().qp_num() == qp_num
+                    {
+                        let qp = peer.qps[route.index].core;
+                        for wc in sends {
+                            slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
+                        }
+                        self.settle_slot(slot);
+                    }
+                }
+                polled.receives.extend(
+                    run.iter()
+                        .filter(|wc| wc.wr_id & RECV_BIT != 0)
+                        .map(|wc| (route.slot, nic_index, *wc)),
+                );
+            }
+            polled.buffer = completions;
+        }
+        handled
+    }
+
+    /// The route of queue pair `qp_num` on NIC `nic`: from this thread's
+    /// copy while the routes have not changed since it was made (reading
+    /// the shared table writes its lock, which every polling thread
+    /// shares).
+    fn route(&self, polled: &mut Polled, nic: usize, qp_num: u32) -> Option<Route> {
+        let shared = &*self.shared;
+        let of = (shared.id, shared.routes_version.load(Ordering::Acquire));
+        if polled.routes_of != of {
+            polled.routes.clear();
+            polled.routes_of = of;
+        }
+        if let Some((lock, slot, index)) = polled.routes.get(&(nic, qp_num))
+            && let Some(lock) = lock.upgrade()
+        {
+            return Some(Route {
+                lock,
+                slot: *slot,
+                index: *index,
+            });
+        }
+        let route = crate::sync::read(&shared.routes)
+            .get(&(nic, qp_num))
+            .cloned()?;
+        if polled.routes.len() < 4096 {
+            let weak = Arc::downgrade(&route.lock);
+            polled
+                .routes
+                .insert((nic, qp_num), (weak, route.slot, route.index));
+        }
+        Some(route)
+    }
+
+    /// After a step of one peer under its lock alone: posts what it made
+    /// ready, and tells the engine's pass what it must look at (its
+    /// queue-pair actions, its deadlines; a held control message starts
+    /// the engine's own thread where no driver runs).
+    fn settle_slot(&self, slot: &mut PeerSlot) {
+        let shared = &*self.shared;
+        if slot.post(shared.config.clock.now()) {
+            shared.due.set();
+            self.wake();
+        }
+        if let Some(at) = slot.next_deadline() {
+            shared.due.by(at);
+        }
+        if slot.control_held() && shared.drivers.load(Ordering::Acquire) == 0 {
+            self.ensure_own_driver();
+        }
+    }
+
     /// Tells a parked engine that it has work no fd announces (a batch
     /// queued behind a full queue pair, a cancel, a gate, a revoke).
     pub(super) fn wake(&self) {
         self.shared.reactor.wake();
     }
 
-    /// [`Engine::progress`] under the lock; says whether landing slots to
-    /// make and opened gates wait, and hands out the GPU fences claimed for
-    /// stream releases (all served outside the lock).
-    fn progress_locked(&self) -> (usize, bool, bool, Vec<(usize, Vec<u32>)>) {
+    /// The engine's pass of [`Engine::progress`], under its lock: what
+    /// the NICs gave that needs it (`polled`), connection and async events,
+    /// deadlines, the paths, queue-pair actions. Says whether landing slots
+    /// to make and opened gates wait, and hands out the GPU fences claimed
+    /// for stream releases (all served outside the lock).
+    fn progress_locked(&self, polled: &mut Polled) -> (usize, bool, bool, Vec<(usize, Vec<u32>)>) {
         let shared = &*self.shared;
-        let mut state = lock_state(&shared.state);
+        let mut state = match polled.for_pass() {
+            // What was polled is the pass's to handle: it waits its turn.
+            true => look_at_state(shared),
+            // Only due: with the lock busy, a later call makes it (what
+            // is due stays so), and this one's caller looks at what the
+            // poll ended.
+            false => match try_look_at_state(shared) {
+                Some(state) => state,
+                None => return (0, false, false, Vec::new()),
+            },
+        };
         let state = &mut *state;
-        state.ticks += 1;
+        shared.due.clear();
         let mut handled = 0;
-        for (nic_index, nic) in shared.nics.iter().enumerate() {
-            state.completions.clear();
-            if state.dead_nics[nic_index] {
-                continue;
-            }
-            if let Err(e) = nic.cq.poll_into(&mut state.completions) {
-                // A CQ that fails to poll (an overrun lost completions, the
-                // device died) completes nothing again: what runs on the
-                // NIC fails now rather than at its deadline. The device's
-                // own event, when it came, names the cause first.
-                self.poll_async_events(state);
-                let cause = TransferError::CompletionQueueFailed {
-                    device: nic.name.clone(),
-                    source: e,
-                };
-                Self::fail_nic(state, nic_index, &nic.name, cause);
-                continue;
-            }
-            let completions = std::mem::take(&mut state.completions);
-            if completions.iter().any(|wc| !wc.status.is_success()) {
-                // An error may come of a device failure or a QP event:
-                // take those first, so requests fail with their cause.
-                self.poll_async_events(state);
-            }
-            // Completions come in runs of one queue pair: its lookup is
-            // made once a run.
-            let mut last: Option<(u32, Option<(usize, usize)>)> = None;
+        for (nic_index, e) in polled.failed.drain(..) {
+            // A CQ that fails to poll (an overrun lost completions, the
+            // device died) completes nothing again: what runs on the NIC
+            // fails now rather than at its deadline. The device's own
+            // event, when it came, names the cause first.
+            self.poll_async_events(state);
+            let nic = &shared.nics[nic_index];
+            let cause = TransferError::CompletionQueueFailed {
+                device: nic.name.clone(),
+                source: e,
+            };
+            self.fail_nic(state, nic_index, &nic.name, cause);
+        }
+        if !polled.errors.is_empty() {
+            self.poll_async_events(state);
+        }
+        for (nic_index, completions) in polled.errors.drain(..) {
             for wc in &completions {
-                handled += 1;
-                let found = match last {
-                    Some((qp_num, found)) if qp_num == wc.qp_num => found,
-                    _ => {
-                        let found = state.by_qp_num.get(&(nic_index, wc.qp_num)).copied();
-                        last = Some((wc.qp_num, found));
-                        found
-                    }
-                };
-                let Some((slot, index)) = found else {
+                let route = crate::sync::read(&shared.routes)
+                    .get(&(nic_index, wc.qp_num))
+                    .cloned();
+                let Some(route) = route else {
                     continue;
                 };
                 if wc.wr_id & RECV_BIT != 0 {
-                    self.on_receive(state, slot, nic_index, wc);
-                } else if let Some(peer) = state.peers[slot].as_ref()
-                    && peer.qps[index].conn.qp().qp_num() == wc.qp_num
-                {
-                    let qp = peer.qps[index].core;
-                    state.cores[slot].on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
+                    self.on_receive(state, route.slot, nic_index, wc);
+                } else {
+                    let mut guard = state.slot(route.slot);
+                    let slot = &mut *guard;
+                    if let Some(peer) = slot.peer.as_ref()
+                        && peer.qps[route.index].conn.qp().qp_num() == wc.qp_num
+                    {
+                        let qp = peer.qps[route.index].core;
+                        slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
+                    }
                 }
             }
-            state.completions = completions;
+            polled.buffer = completions;
+        }
+        for (slot, nic_index, wc) in polled.receives.drain(..) {
+            self.on_receive(state, slot, nic_index, &wc);
         }
         // Connection and async events cost a system call each (per QP, per
         // NIC): look every 64th progress call, not on every empty poll of
         // a wait loop. Error completions look at async events at once.
-        if state.ticks.is_multiple_of(64) {
+        if shared.due.events.swap(false, Ordering::AcqRel) {
             self.poll_connections(state);
             self.poll_async_events(state);
         }
@@ -2245,8 +2796,8 @@ impl Engine {
         if state.reconnecting > 0 {
             self.give_up_late_reconnects(state, now);
         }
-        for core in &mut state.cores {
-            core.handle_timeout(now);
+        for lock in &state.slots {
+            lock_slot(lock).core.handle_timeout(now);
         }
         handled += state.with_paths(&shared.res, now, |paths, cx| {
             let mut handled = paths.staged.progress(cx);
@@ -2259,43 +2810,68 @@ impl Engine {
         handled += state.paths.stream_fences.release();
         self.run_actions(state);
         self.post_ready(state);
-        (
-            handled,
-            state.paths.staged.landings_pending(),
-            state.paths.gates.serve_pending(),
-            flushes,
-        )
+        let paths = &state.paths;
+        let landings = paths.staged.landings_pending();
+        let serve = paths.gates.serve_pending();
+        // While a path or a re-establishment runs, every progress call
+        // makes the pass (their steps are polled); otherwise the next one
+        // due is at the earliest deadline.
+        let (staged_transfers, staged_groups) = paths.staged.load();
+        if state.reconnecting > 0
+            || TransferPath::polls(&paths.staged)
+            || TransferPath::polls(&paths.peer_copy)
+            || paths.gates.waiting()
+            || landings
+            || serve
+            || !flushes.is_empty()
+            || paths.stream_fences.busy()
+            || staged_transfers + staged_groups > 0
+        {
+            shared.due.set();
+        }
+        if let Some(at) = Self::next_deadline_of(state) {
+            shared.due.by(at);
+        }
+        (handled, landings, serve, flushes)
     }
 
+    /// A control receive of the peer in `slot` completed (under the
+    /// engine's lock: its message may be a path's).
     fn on_receive(&self, state: &mut State, slot: usize, nic: usize, wc: &Completion) {
-        let Some(peer) = state.peers[slot].as_mut() else {
-            return;
-        };
         let index = (wc.wr_id & !RECV_BIT) as usize;
-        if peer.control.recv_owner.get(index) != Some(&Some((nic, wc.qp_num))) {
-            tracing::debug!(index, "a receive completion of a slot not posted there");
-            return;
-        }
-        peer.control.recv_owner[index] = None;
-        // A peer dropped for misbehaving is not listened to any more: what
-        // it had already sent would build up again what the drop let go.
-        let dropped = matches!(peer.gone, Some(PeerGone::Misbehaved(_)));
-        let failed = match wc.status.is_success() && !dropped {
-            true => self
-                .on_message(state, slot, index, wc.byte_len as usize)
-                .err(),
-            false => None,
+        let message = {
+            let mut guard = state.slot(slot);
+            let Some(peer) = guard.peer.as_mut() else {
+                return;
+            };
+            if peer.control.recv_owner.get(index) != Some(&Some((nic, wc.qp_num))) {
+                tracing::debug!(index, "a receive completion of a slot not posted there");
+                return;
+            }
+            peer.control.recv_owner[index] = None;
+            // A peer dropped for misbehaving is not listened to any more:
+            // what it had already sent would build up again what the drop
+            // let go.
+            let dropped = matches!(peer.gone, Some(PeerGone::Misbehaved(_)));
+            (wc.status.is_success() && !dropped).then(|| {
+                let size = self.shared.config.max_message as usize;
+                let mut bytes = vec![0; (wc.byte_len as usize).min(size)];
+                if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
+                    tracing::warn!(error = %e, "reading a control message");
+                }
+                bytes
+            })
         };
-        let State { cores, peers, .. } = state;
-        let core = &mut cores[slot];
-        if let Some(why) = failed
-            && let Some(peer) = peers[slot].as_mut()
-        {
+        // The peer's lock is not held here: a path's step takes it.
+        let failed = message.and_then(|bytes| self.on_message(state, slot, &bytes).err());
+        let mut guard = state.slot(slot);
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        let Some(peer) = peer.as_mut() else {
+            return;
+        };
+        if let Some(why) = failed {
             drop_misbehaving(core, peer, &why);
         }
-        let Some(peer) = peers[slot].as_mut() else {
-            return;
-        };
         // Repost the slot (on queue pair 0 as it is now: a flush from a
         // replaced one frees its slot for the new one).
         if core.is_ready(peer.qps[0].core)
@@ -2305,37 +2881,33 @@ impl Engine {
         }
         let owners = &peer.control.recv_owner;
         let nic0 = peer.qps[0].nic;
+        let mut routes = None;
         peer.retired.retain(|conn| {
-            owners
+            let kept = owners
                 .iter()
-                .any(|o| *o == Some((nic0, conn.qp().qp_num())))
+                .any(|o| *o == Some((nic0, conn.qp().qp_num())));
+            if !kept {
+                routes
+                    .get_or_insert_with(|| self.shared.routes_mut())
+                    .remove(&(nic0, conn.qp().qp_num()));
+            }
+            kept
         });
     }
 
-    /// Handles the control message in receive slot `index`; `Err`: the
-    /// peer broke the protocol and is to be dropped.
+    /// Handles control message `bytes` of the peer in `slot` (its lock not
+    /// held); `Err`: the peer broke the protocol and is to be dropped.
     fn on_message(
         &self,
         state: &mut State,
         slot: usize,
-        index: usize,
-        len: usize,
+        bytes: &[u8],
     ) -> Result<(), PeerMisbehaved> {
-        let size = self.shared.config.max_message as usize;
-        let len = len.min(size);
-        let mut bytes = vec![0; len];
-        let Some(peer) = state.peers[slot].as_mut() else {
-            return Ok(());
-        };
-        if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
-            tracing::warn!(error = %e, "reading a control message");
-        }
-        let message = match Control::decode(&bytes) {
+        let message = match Control::decode(bytes) {
             // The paths own what they know of the peer: each takes the
             // messages of its protocol and hands the others back.
             Ok(m) => {
                 let res = &self.shared.res;
-
                 state
                     .with_paths(res, res.config.clock.now(), |paths, cx| {
                         match paths.peer_copy.on_control(cx, slot, m)? {
@@ -2349,11 +2921,12 @@ impl Engine {
             // protocol (the version was agreed in the handshake).
             Err(e) => return Err(PeerMisbehaved::Malformed(e)),
         };
-        let Some(peer) = state.peers[slot].as_mut() else {
-            return Ok(());
-        };
         // What the paths handed back is the connection's (or nobody's).
         let Some(message) = message else {
+            return Ok(());
+        };
+        let mut guard = state.slot(slot);
+        let Some(peer) = guard.peer.as_mut() else {
             return Ok(());
         };
         match peer.conn.on_control(message)? {
@@ -2372,7 +2945,9 @@ impl Engine {
     }
 
     fn poll_connections(&self, state: &mut State) {
-        for (peer, core) in state.peers.iter_mut().zip(&mut state.cores) {
+        for lock in &state.slots {
+            let mut guard = lock_slot(lock);
+            let PeerSlot { core, peer, .. } = &mut *guard;
             let Some(peer) = peer else { continue };
             for qp in &peer.qps {
                 if !core.is_ready(qp.core) {
@@ -2413,7 +2988,7 @@ impl Engine {
                         let cause = TransferError::DeviceFatal {
                             device: nic.name.clone(),
                         };
-                        Self::fail_nic(state, nic_index, &nic.name, cause);
+                        self.fail_nic(state, nic_index, &nic.name, cause);
                     }
                     hal_verbs::AsyncEvent::CqError { .. } => {
                         let cause = TransferError::CompletionQueueFailed {
@@ -2423,19 +2998,25 @@ impl Engine {
                                 errno: None,
                             },
                         };
-                        Self::fail_nic(state, nic_index, &nic.name, cause);
+                        self.fail_nic(state, nic_index, &nic.name, cause);
                     }
                     hal_verbs::AsyncEvent::QpFatal { qp_num }
                     | hal_verbs::AsyncEvent::QpRequestError { qp_num }
                     | hal_verbs::AsyncEvent::QpAccessError { qp_num } => {
-                        if let Some(&(slot, index)) = state.by_qp_num.get(&(nic_index, qp_num))
-                            && let Some(peer) = state.peers[slot].as_ref()
-                            && peer.qps[index].conn.qp().qp_num() == qp_num
-                        {
-                            state.cores[slot].fail_qp(
-                                peer.qps[index].core,
-                                TransferError::QpAsyncError { event },
-                            );
+                        let route = crate::sync::read(&self.shared.routes)
+                            .get(&(nic_index, qp_num))
+                            .cloned();
+                        if let Some(route) = route {
+                            let mut guard = lock_slot(&route.lock);
+                            let PeerSlot { core, peer, .. } = &mut *guard;
+                            if let Some(peer) = peer.as_ref()
+                                && peer.qps[route.index].conn.qp().qp_num() == qp_num
+                            {
+                                core.fail_qp(
+                                    peer.qps[route.index].core,
+                                    TransferError::QpAsyncError { event },
+                                );
+                            }
                         }
                     }
                     _ => {}
@@ -2448,13 +3029,14 @@ impl Engine {
     /// error, or its CQ lost completions): it is dead for this engine;
     /// every request on its queue pairs fails now with `cause`, and a peer
     /// with no queue pair left is gone.
-    fn fail_nic(state: &mut State, nic_index: usize, name: &str, cause: TransferError) {
-        if state.dead_nics[nic_index] {
+    fn fail_nic(&self, state: &mut State, nic_index: usize, name: &str, cause: TransferError) {
+        if self.shared.dead_nics[nic_index].swap(true, Ordering::AcqRel) {
             return;
         }
         tracing::warn!(device = %name, error = %cause, "NIC failed");
-        state.dead_nics[nic_index] = true;
-        for (peer, core) in state.peers.iter_mut().zip(&mut state.cores) {
+        for lock in &state.slots {
+            let mut guard = lock_slot(lock);
+            let PeerSlot { core, peer, .. } = &mut *guard;
             let Some(peer) = peer else { continue };
             for qp in peer.qps.iter().filter(|q| q.nic == nic_index) {
                 core.abandon_qp(qp.core, cause.clone());
@@ -2468,30 +3050,36 @@ impl Engine {
     }
 
     fn run_actions(&self, state: &mut State) {
-        for slot in 0..state.cores.len() {
-            while let Some(action) = state.cores[slot].poll_action() {
-                let qp = match action {
-                    Action::StopQp(qp) | Action::QpDrained(qp) => qp,
-                };
-                // A peer's queue pairs are its core's, in index order.
-                let Some(index) = state.peers[slot]
-                    .as_ref()
-                    .and_then(|p| p.qps.iter().position(|q| q.core == qp))
-                else {
-                    continue;
-                };
-                match action {
-                    Action::StopQp(_) => {
-                        if let Some(peer) = state.peers[slot].as_ref()
-                            && let Err(e) = peer.qps[index].conn.qp().to_error()
-                        {
-                            tracing::warn!(error = %e, "stopping a queue pair");
-                        }
+        for slot in 0..state.slots.len() {
+            loop {
+                // One action at a time: a drained queue pair's handling
+                // takes the peer's lock itself.
+                let (action, index) = {
+                    let mut guard = state.slot(slot);
+                    let PeerSlot { core, peer, .. } = &mut *guard;
+                    let Some(action) = core.poll_action() else {
+                        break;
+                    };
+                    let qp = match action {
+                        Action::StopQp(qp) | Action::QpDrained(qp) => qp,
+                    };
+                    // A peer's queue pairs are its core's, in index order.
+                    let Some(index) = peer
+                        .as_ref()
+                        .and_then(|p| p.qps.iter().position(|q| q.core == qp))
+                    else {
+                        continue;
+                    };
+                    if let (Action::StopQp(_), Some(peer)) = (&action, peer.as_ref())
+                        && let Err(e) = peer.qps[index].conn.qp().to_error()
+                    {
+                        tracing::warn!(error = %e, "stopping a queue pair");
                     }
-                    Action::QpDrained(_) => {
-                        tracing::debug!(slot, qp = index, "queue pair drained");
-                        self.on_qp_drained(state, slot, index);
-                    }
+                    (action, index)
+                };
+                if let Action::QpDrained(_) = action {
+                    tracing::debug!(slot, qp = index, "queue pair drained");
+                    self.on_qp_drained(state, slot, index);
                 }
             }
         }
@@ -2502,11 +3090,14 @@ impl Engine {
     /// connection the peer made, or waits for it), unless its peer or its
     /// NIC is gone.
     fn on_qp_drained(&self, state: &mut State, slot: usize, index: usize) {
-        let Some(peer) = state.peers[slot].as_mut() else {
+        let lock = Arc::clone(&state.slots[slot]);
+        let mut guard = lock_slot(&lock);
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        let Some(peer) = peer.as_mut() else {
             return;
         };
         let now = self.shared.config.clock.now();
-        let nic_dead = state.dead_nics[peer.qps[index].nic];
+        let nic_dead = self.shared.dead_nics[peer.qps[index].nic].load(Ordering::Acquire);
         let peer_gone = peer.gone.is_some();
         match peer.conn.recovery_mut().on_drained(index, now, peer_gone, nic_dead) {
             Drained::Gone(why) => {
@@ -2515,11 +3106,14 @@ impl Engine {
             }
             Drained::StaysDown => drop(peer.qps[index].replacement.take()),
             Drained::Install => match peer.qps[index].replacement.take() {
-                Some(conn) => self.install(state, slot, index, conn),
+                Some(conn) => {
+                    drop(guard);
+                    self.install(state, slot, index, conn);
+                }
                 None => tracing::warn!(qp = index, "no new connection to install"),
             },
             Drained::Reconnect { dial, .. } => {
-                if !state.cores[slot].begin_reconnect(peer.qps[index].core) {
+                if !core.begin_reconnect(peer.qps[index].core) {
                     return;
                 }
                 state.reconnecting += 1;
@@ -2568,8 +3162,9 @@ impl Engine {
         const LONGEST_ATTEMPT: Duration = Duration::from_secs(3600);
         {
             let left = {
-                let state = lock_state(&shared.state);
-                let Some(peer) = state.peers[job.slot].as_ref() else {
+                let state = lock_state(shared);
+                let guard = state.slot(job.slot);
+                let Some(peer) = guard.peer.as_ref() else {
                     return false;
                 };
                 if peer.gone.is_some() {
@@ -2600,7 +3195,7 @@ impl Engine {
                 &hello.encode(),
             );
             let refused = |why: DialRefused| {
-                let mut state = lock_state(&shared.state);
+                let mut state = lock_state(shared);
                 self.give_up_qp(
                     &mut state,
                     job.slot,
@@ -2628,9 +3223,9 @@ impl Engine {
                         refused(why);
                         return false;
                     }
-                    let mut state = lock_state(&shared.state);
+                    let mut state = lock_state(shared);
                     let now = shared.config.clock.now();
-                    let wanted = state.peers[job.slot].as_ref().is_some_and(|p| {
+                    let wanted = state.slot(job.slot).peer.as_ref().is_some_and(|p| {
                         p.gone.is_none() && p.conn.recovery().time_left(job.index, now).is_some()
                     });
                     if wanted {
@@ -2662,25 +3257,15 @@ impl Engine {
         index: usize,
         conn: hal_verbs::dynamic::DynConnection,
     ) {
-        let limits = {
-            let Some(peer) = state.peers[slot].as_ref() else {
-                return;
-            };
-            self.qp_limits(&conn, index, peer.peer_recv_depth)
-        };
-        let State {
-            cores,
-            peers,
-            by_qp_num,
-            reconnecting,
-            ..
-        } = state;
-        let core = &mut cores[slot];
-        let Some(peer) = peers[slot].as_mut() else {
+        let lock = Arc::clone(&state.slots[slot]);
+        let mut guard = lock_slot(&lock);
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        let Some(peer) = peer.as_mut() else {
             return;
         };
+        let limits = self.qp_limits(&conn, index, peer.peer_recv_depth);
         if peer.conn.recovery_mut().installed(index) {
-            *reconnecting -= 1;
+            state.reconnecting -= 1;
         }
         let q = &mut peer.qps[index];
         q.max_inline = conn
@@ -2688,7 +3273,12 @@ impl Engine {
             .caps()
             .max_inline_data
             .min(self.shared.config.inline_threshold);
-        by_qp_num.insert((q.nic, conn.qp().qp_num()), (slot, index));
+        let route = Route {
+            lock: Arc::clone(&lock),
+            slot,
+            index,
+        };
+        self.shared.routes_mut().insert((q.nic, conn.qp().qp_num()), route);
         let old = std::mem::replace(&mut q.conn, conn);
         core.revive(q.core, limits);
         if index == 0 {
@@ -2709,7 +3299,7 @@ impl Engine {
                 }
             }
         } else {
-            by_qp_num.remove(&(q.nic, old.qp().qp_num()));
+            self.shared.routes_mut().remove(&(q.nic, old.qp().qp_num()));
             drop(old);
         }
         tracing::info!(peer = %peer.addr, qp = index, "queue pair re-established");
@@ -2718,7 +3308,10 @@ impl Engine {
     /// Re-establishing queue pair `index` failed for good: what waits for
     /// it fails; a peer with no queue pair left is gone.
     fn give_up_qp(&self, state: &mut State, slot: usize, index: usize, why: GiveUp) {
-        let Some(peer) = state.peers[slot].as_mut() else {
+        let lock = Arc::clone(&state.slots[slot]);
+        let mut guard = lock_slot(&lock);
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        let Some(peer) = peer.as_mut() else {
             return;
         };
         if !peer.conn.recovery_mut().give_up(index, why.clone()) {
@@ -2727,7 +3320,7 @@ impl Engine {
         state.reconnecting -= 1;
         let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
         tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
-        state.cores[slot].give_up(peer.qps[index].core, cause);
+        core.give_up(peer.qps[index].core, cause);
         if let Some(gone) = peer.conn.recovery_mut().poll_gone() {
             peer.gone.get_or_insert_with(|| gone.into());
         }
@@ -2736,12 +3329,13 @@ impl Engine {
     /// Gives up the queue pairs not re-established in time.
     fn give_up_late_reconnects(&self, state: &mut State, now: Instant) {
         let State {
-            cores,
-            peers,
+            slots,
             reconnecting,
             ..
         } = state;
-        for (peer, core) in peers.iter_mut().zip(cores.iter_mut()) {
+        for lock in slots.iter() {
+            let mut guard = lock_slot(lock);
+            let PeerSlot { core, peer, .. } = &mut *guard;
             let Some(peer) = peer else { continue };
             for (index, why) in peer.conn.recovery_mut().handle_timeout(now) {
                 *reconnecting -= 1;
@@ -2755,41 +3349,12 @@ impl Engine {
         }
     }
 
+    /// Posts what every peer has ready (the engine's pass: its steps
+    /// queue work on any peer), then carries out the queue-pair actions.
     fn post_ready(&self, state: &mut State) {
-        let State {
-            cores,
-            peers,
-            to_post,
-            ..
-        } = state;
-        for (peer, core) in peers.iter_mut().zip(cores.iter_mut()) {
-            let Some(peer) = peer else { continue };
-            if peer.conn.outbox_len() > 0 {
-                peer.flush_outbox(core, self.shared.config.clock.now());
-            }
-            for qp in &peer.qps {
-                if !core.has_postable(qp.core) {
-                    continue;
-                }
-                core.take_postable(qp.core, to_post);
-                let taken = to_post.len();
-                // SAFETY: every SG entry lies in a registration held by its
-                // batch (the batch keeps the regions) until the core retires
-                // the request after its completion or flush.
-                if let Err(PostError { posted, error }) = unsafe { qp.conn.qp().post_send(to_post) }
-                {
-                    let accepted = match posted {
-                        Posted::Prefix(n) => Some(n),
-                        Posted::Unknown => None,
-                    };
-                    core.post_failed(
-                        qp.core,
-                        taken,
-                        accepted,
-                        TransferError::PostFailed { source: error },
-                    );
-                }
-            }
+        let now = self.shared.config.clock.now();
+        for lock in &state.slots {
+            lock_slot(lock).post(now);
         }
         self.run_actions(state);
         self.drive_held_control(state);
@@ -2804,12 +3369,7 @@ impl Engine {
         if self.shared.drivers.load(Ordering::Acquire) > 0 {
             return;
         }
-        let held = state.peers.iter().zip(&state.cores).any(|(p, core)| {
-            p.as_ref().is_some_and(|p| {
-                p.gone.is_none() && (p.conn.outbox_len() > 0 || core.send_waits(p.qps[0].core))
-            })
-        });
-        if held {
+        if state.slots.iter().any(|lock| lock_slot(lock).control_held()) {
             self.ensure_own_driver();
         }
     }
@@ -2823,10 +3383,7 @@ impl Engine {
         let wanted = self.with_paths(|paths, cx| paths.staged.landings_wanted(cx));
         let mut worked = 0;
         for (slot, gpu) in wanted {
-            let peer = Peer {
-                engine: self.clone(),
-                slot,
-            };
+            let peer = self.peer_at(slot);
             let made = staging::make_landing(res, slot, Some(gpu), |region, len| {
                 peer.make_grant(region, 0, len, GrantRights::ReadWrite)
             });
@@ -2839,7 +3396,7 @@ impl Engine {
     /// lock; what it queued is posted before the lock goes.
     fn with_paths<T>(&self, f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T) -> T {
         let shared = &*self.shared;
-        let mut guard = lock_state(&shared.state);
+        let mut guard = lock_state(shared);
         let out = guard.with_paths(&shared.res, shared.config.clock.now(), f);
         self.post_ready(&mut guard);
         out
@@ -2849,14 +3406,14 @@ impl Engine {
 
     /// What this engine's peer copies have done.
     pub fn peer_copy_stats(&self) -> PeerCopyStats {
-        lock_state(&self.shared.state).paths.peer_copy.stats()
+        lock_state(&self.shared).paths.peer_copy.stats()
     }
 
     /// Cancels the peer-copy batch of `cell`, if it is one: it queues
     /// nothing more and ends [`TransferError::Cancelled`] once its queued
     /// copies have run.
     fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
-        let mut state = lock_state(&self.shared.state);
+        let mut state = lock_state(&self.shared);
         TransferPath::cancel(&mut state.paths.peer_copy, std::slice::from_ref(cell));
     }
 }
@@ -2900,17 +3457,46 @@ impl Engine {
         timeout: Duration,
         mut decide: impl FnMut(&mut State) -> Option<Result<T, EngineError>>,
     ) -> Result<T, EngineError> {
+        self.wait_until(timeout, || decide(&mut look_at_state(&self.shared)))
+    }
+
+    /// Makes progress until `decide` (taking what locks it needs) gives an
+    /// answer, or `timeout` passes.
+    fn wait_until<T>(
+        &self,
+        timeout: Duration,
+        mut decide: impl FnMut() -> Option<Result<T, EngineError>>,
+    ) -> Result<T, EngineError> {
         let now = self.shared.config.clock.now();
         let mut decided = None;
         self.shared
             .reactor
             .wait_until(self, now.checked_add(timeout), || {
                 if decided.is_none() {
-                    decided = decide(&mut lock_state(&self.shared.state));
+                    decided = decide();
                 }
                 decided.is_some()
             });
         decided.unwrap_or(Err(EngineError::Timeout(TimedOut { after: timeout })))
+    }
+
+    /// Runs `f` while holding the engine's lock: for tests that what a
+    /// peer does alone never waits for it. Feature `testing`; not for
+    /// applications.
+    #[cfg(feature = "testing")]
+    pub fn with_engine_lock_held<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _state = lock_state(&self.shared);
+        f()
+    }
+
+    /// The peer in `slot`, as a handle.
+    fn peer_at(&self, slot: usize) -> Peer {
+        let lock = Arc::clone(&lock_state(&self.shared).slots[slot]);
+        Peer {
+            engine: self.clone(),
+            slot,
+            lock,
+        }
     }
 
     /// Makes the engine's page of fence words if it has none yet, outside
@@ -2918,7 +3504,7 @@ impl Engine {
     /// the process waits for a held stream, which this engine's progress
     /// may be the one to release.
     fn ensure_fence_page(&self) -> Result<(), EngineError> {
-        if !lock_state(&self.shared.state)
+        if !lock_state(&self.shared)
             .paths
             .stream_fences
             .needs_page()
@@ -2926,7 +3512,7 @@ impl Engine {
             return Ok(());
         }
         let page = fence::StreamFences::make_page(&self.shared.res)?;
-        let spare = lock_state(&self.shared.state)
+        let spare = lock_state(&self.shared)
             .paths
             .stream_fences
             .install_page(page);
@@ -2940,11 +3526,11 @@ impl Engine {
     /// the process waits for a held stream (see [`cuda_worker`]).
     fn ensure_staging_pools(&self, gpus: &[u32]) -> Result<(), EngineError> {
         for &gpu in gpus {
-            if lock_state(&self.shared.state).paths.staged.has_pool(gpu) {
+            if lock_state(&self.shared).paths.staged.has_pool(gpu) {
                 continue;
             }
             let pool = pipeline::make_pool(&self.shared.res, gpu)?;
-            let spare = lock_state(&self.shared.state)
+            let spare = lock_state(&self.shared)
                 .paths
                 .staged
                 .install_pool(pool);
@@ -3052,7 +3638,7 @@ impl Engine {
             }
         }
         let words: Vec<usize> = claimed.iter().map(|(word, _)| *word).collect();
-        let mut state = lock_state(&self.shared.state);
+        let mut state = lock_state(&self.shared);
         state.paths.stream_fences.flushed(&words);
         state.paths.stream_fences.release()
     }
@@ -3060,20 +3646,16 @@ impl Engine {
     /// Submits the batches whose gate opened and hands on the outcomes of
     /// those that ended (outside the engine's lock: submitting takes it).
     fn serve_gates(&self) -> usize {
-        let serve = lock_state(&self.shared.state).paths.gates.serve();
+        let serve = lock_state(&self.shared).paths.gates.serve();
         let (handled, running) = serve.run(
             || self.shared.config.clock.now(),
             |slot, transfers, left| {
-                let peer = Peer {
-                    engine: self.clone(),
-                    slot,
-                };
-                let batch = peer.submit_with_timeout(transfers, left)?;
+                let batch = self.peer_at(slot).submit_with_timeout(transfers, left)?;
                 Ok(Box::new(batch) as Box<dyn gate::Opened>)
             },
         );
         if !running.is_empty() {
-            lock_state(&self.shared.state).paths.gates.running(running);
+            lock_state(&self.shared).paths.gates.running(running);
         }
         handled
     }
@@ -3085,9 +3667,15 @@ impl reactor::Parkable for Engine {
     }
 
     fn polls(&self) -> bool {
-        let state = lock_state(&self.shared.state);
-        self.shared.nics.iter().any(|n| n.channel.is_none())
-            || state.reconnecting > 0
+        if self.shared.nics.iter().any(|n| n.channel.is_none()) {
+            return true;
+        }
+        // The engine's lock busy (a grant, a path's step): poll meanwhile
+        // rather than wait for it to look.
+        let Some(state) = try_look_at_state(&self.shared) else {
+            return true;
+        };
+        state.reconnecting > 0
             || TransferPath::polls(&state.paths.staged)
             || TransferPath::polls(&state.paths.peer_copy)
             || state.paths.gates.waiting()
@@ -3109,10 +3697,15 @@ impl reactor::Parkable for Engine {
             }
             fds.push(nic.context.async_fd());
         }
-        // One look under the lock: the connections' fds and the deadline.
-        let mut state = lock_state(&self.shared.state);
-        for peer in state.peers.iter().flatten() {
-            fds.extend(peer.qps.iter().map(|qp| qp.conn.event_fd()));
+        // One look under the lock: the connections' fds and the deadline
+        // (the lock busy: a park no longer than a polling one's).
+        let Some(mut state) = try_look_at_state(&self.shared) else {
+            return Some(self.now() + Duration::from_micros(20));
+        };
+        for lock in &state.slots {
+            if let Some(peer) = &lock_slot(lock).peer {
+                fds.extend(peer.qps.iter().map(|qp| qp.conn.event_fd()));
+            }
         }
         Self::next_deadline_of(&mut state)
     }
@@ -3452,5 +4045,55 @@ mod teardown_tests {
         let holds = InternalHolds::default();
         *crate::sync::write(&holds.closed) = true;
         assert_eq!(holds.step(&weak, |_| ()), None);
+    }
+}
+
+/// The lock-order check ([`lock_order`]) turns the deadlocks it knows into
+/// panics (debug builds).
+#[cfg(all(test, not(loom), debug_assertions))]
+mod lock_order_tests {
+    use super::*;
+
+    fn peer_lock() -> PeerLock {
+        Mutex::new(PeerSlot {
+            core: Core::new(),
+            peer: None,
+            to_post: Vec::new(),
+        })
+    }
+
+    #[test]
+    #[should_panic(expected = "a peer's lock taken twice by one thread")]
+    fn a_peers_lock_taken_again_by_its_holder_panics() {
+        let lock = peer_lock();
+        let _held = lock_slot(&lock);
+        let _again = lock_slot(&lock);
+    }
+
+    #[test]
+    #[should_panic(expected = "the engine's lock taken while a peer's is held")]
+    fn the_engines_lock_taken_under_a_peers_panics() {
+        let lock = peer_lock();
+        let _held = lock_slot(&lock);
+        lock_order::engine();
+    }
+
+    #[test]
+    #[should_panic(expected = "a second peer's lock taken while one is held")]
+    fn a_second_peers_lock_under_a_peers_panics() {
+        let (a, b) = (peer_lock(), peer_lock());
+        let _held = lock_slot(&a);
+        let _second = lock_slot(&b);
+    }
+
+    #[test]
+    fn peers_locks_one_after_another_under_the_engines_are_in_order() {
+        lock_order::engine();
+        let (a, b) = (peer_lock(), peer_lock());
+        drop(lock_slot(&a));
+        drop(lock_slot(&b));
+        // The marks went with their locks.
+        lock_order::engine();
+        drop(lock_slot(&a));
     }
 }

@@ -66,21 +66,21 @@ use crate::descriptor::MemoryDescriptor;
 use gdr_proto::PeerMisbehaved;
 
 /// What the engine knows of a peer, for a path.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct PeerView<'a> {
+#[derive(Clone, Debug)]
+pub(crate) struct PeerView {
     /// The peer's engine id.
     pub(crate) engine: u64,
     /// The connection's session id.
     pub(crate) session: u64,
     /// Why the peer is gone, once it is.
-    pub(crate) gone: Option<&'a super::PeerGone>,
+    pub(crate) gone: Option<super::PeerGone>,
 }
 
 /// The engine's side of the seam: the peers' connections, which a path
 /// asks to carry its control messages and its RDMA operations.
 pub(crate) trait Wire {
     /// The peer in `slot`, if there is one.
-    fn peer(&self, slot: usize) -> Option<PeerView<'_>>;
+    fn peer(&self, slot: usize) -> Option<PeerView>;
 
     /// Queues control message `message` for the peer in `slot`, to go out
     /// within `timeout`; the cell ends when the peer's NIC has it.

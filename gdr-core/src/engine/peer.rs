@@ -13,6 +13,8 @@ use super::fence::StreamFences;
 pub struct Peer {
     pub(super) engine: Engine,
     pub(super) slot: usize,
+    /// The peer's own lock (its core and connection).
+    pub(super) lock: Arc<PeerLock>,
 }
 
 impl Clone for Peer {
@@ -20,6 +22,7 @@ impl Clone for Peer {
         Self {
             engine: self.engine.clone(),
             slot: self.slot,
+            lock: Arc::clone(&self.lock),
         }
     }
 }
@@ -83,11 +86,9 @@ impl Grant {
         let same_process = self._published.as_ref().map(|p| Arc::clone(&p.fence));
         drop(self);
         peer.engine.progress_until(timeout, |state| {
-            let staged = match state.peers.get(peer.slot).and_then(Option::as_ref) {
-                Some(p) => state
-                    .paths
-                    .staged
-                    .is_fenced(peer.slot, grant, p.gone.is_some()),
+            let gone = state.slot(peer.slot).peer.as_ref().map(|p| p.gone.is_some());
+            let staged = match gone {
+                Some(gone) => state.paths.staged.is_fenced(peer.slot, grant, gone),
                 // Its state dropped: its copies were waited for.
                 None => true,
             };
@@ -108,15 +109,15 @@ impl Drop for Grant {
             // An exported IPC handle: its memory stays until the importer
             // released it (or the bound passed).
             let config = &self.peer.engine.shared.config;
-            lock_state(&self.peer.engine.shared.state)
+            lock_state(&self.peer.engine.shared)
                 .paths
                 .peer_copy
                 .exports
                 .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
         }
         let fenced = {
-            let mut state = lock_state(&self.peer.engine.shared.state);
-            if let Some(p) = state.peers[self.peer.slot].as_mut() {
+            let mut state = lock_state(&self.peer.engine.shared);
+            if let Some(p) = state.slot(self.peer.slot).peer.as_mut() {
                 p.conn.forget_announced(grant);
             }
             // Requests under it stop at once; the fence waits for their
@@ -136,38 +137,36 @@ impl Drop for Grant {
 }
 
 impl Peer {
-    /// Runs `f` on the core and this peer's state, under the engine's
-    /// lock.
+    /// Runs `f` on the peer's core and state, under the peer's lock
+    /// alone.
     pub(super) fn read_peer<T>(
         &self,
         f: impl FnOnce(&mut Core, &mut PeerState) -> T,
     ) -> Result<T, EngineError> {
-        let mut guard: StateGuard<'_> = lock_state(&self.engine.shared.state);
-        Self::on_peer(&mut guard, self.slot, f)
+        Self::on_peer(&mut lock_slot(&self.lock), f)
     }
 
     /// [`Peer::read_peer`] for a call that queues work: what it queued
-    /// is posted before the lock is released.
+    /// is posted before the peer's lock is released.
     pub(super) fn update_peer<T>(
         &self,
         f: impl FnOnce(&mut Core, &mut PeerState) -> T,
     ) -> Result<T, EngineError> {
-        let mut guard: StateGuard<'_> = lock_state(&self.engine.shared.state);
-        let out = Self::on_peer(&mut guard, self.slot, f)?;
-        self.engine.post_ready(&mut guard);
+        let mut guard = lock_slot(&self.lock);
+        let out = Self::on_peer(&mut guard, f)?;
+        self.engine.settle_slot(&mut guard);
         Ok(out)
     }
 
     pub(super) fn on_peer<T>(
-        state: &mut State,
-        slot: usize,
+        slot: &mut PeerSlot,
         f: impl FnOnce(&mut Core, &mut PeerState) -> T,
     ) -> Result<T, EngineError> {
-        let State { cores, peers, .. } = state;
-        let peer = peers[slot]
+        let PeerSlot { core, peer, .. } = slot;
+        let peer = peer
             .as_mut()
             .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-        Ok(f(&mut cores[slot], peer))
+        Ok(f(core, peer))
     }
 
     /// The engine this peer belongs to.
@@ -239,8 +238,9 @@ impl Peer {
         timeout: Duration,
         mut ready: impl FnMut(&mut PeerState) -> Option<T>,
     ) -> Result<T, EngineError> {
-        self.engine.progress_until(timeout, |state| {
-            let Some(p) = state.peers[self.slot].as_mut() else {
+        self.engine.wait_until(timeout, || {
+            let mut guard = lock_slot(&self.lock);
+            let Some(p) = guard.peer.as_mut() else {
                 return Some(Err(EngineError::PeerGone(PeerGone::Closed)));
             };
             if let Some(found) = ready(p) {
@@ -280,11 +280,14 @@ impl Peer {
         }
         // Recorded before it is announced: the peer may use it at once.
         {
-            let mut state = lock_state(&self.engine.shared.state);
-            let p = state.peers[self.slot]
+            let mut state = lock_state(&self.engine.shared);
+            state
+                .slot(self.slot)
+                .peer
                 .as_mut()
-                .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-            p.conn.announce(descriptor.grant, bytes);
+                .ok_or(EngineError::PeerGone(PeerGone::Closed))?
+                .conn
+                .announce(descriptor.grant, bytes);
             if let Some(served) = served {
                 state
                     .paths
@@ -623,8 +626,8 @@ impl Peer {
     /// peer once it has heard goodbye.
     pub fn close(&self) -> Result<(), EngineError> {
         {
-            let mut state = lock_state(&self.engine.shared.state);
-            if state.peers[self.slot].is_none() {
+            let mut state = lock_state(&self.engine.shared);
+            if state.slot(self.slot).peer.is_none() {
                 return Err(EngineError::PeerGone(PeerGone::Closed));
             }
             state.paths.staged.close_peer(self.slot);
@@ -635,7 +638,7 @@ impl Peer {
             if !state.paths.staged.copying(self.slot) {
                 return Some(Ok(()));
             }
-            let gone = state.peers[self.slot].as_ref().and_then(|p| p.gone.clone());
+            let gone = state.slot(self.slot).peer.as_ref().and_then(|p| p.gone.clone());
             gone.map(|why| Err(EngineError::PeerGone(why)))
         });
         if let Ok(batch) = self.send_control(&Control::Goodbye) {
@@ -690,7 +693,7 @@ impl Peer {
         // after it outside: a record blocks while a free of the process
         // waits for a held stream, which this engine's progress may be the
         // one to release.
-        let taken = lock_state(&engine.shared.state)
+        let taken = lock_state(&engine.shared)
             .paths
             .stream_fences
             .take_word(res)?;
@@ -699,7 +702,7 @@ impl Peer {
             // Not queued: the word goes back; without stream memory
             // operations the gate's event alone tells.
             unqueued => {
-                lock_state(&engine.shared.state)
+                lock_state(&engine.shared)
                     .paths
                     .stream_fences
                     .unused(taken);
@@ -710,7 +713,7 @@ impl Peer {
         let event = match record_gate_event(res, stream) {
             Ok(event) => event,
             Err(e) => {
-                lock_state(&engine.shared.state)
+                lock_state(&engine.shared)
                     .paths
                     .stream_fences
                     .abandon_gate(signal);
@@ -718,7 +721,7 @@ impl Peer {
             }
         };
         let link = {
-            let mut state = lock_state(&engine.shared.state);
+            let mut state = lock_state(&engine.shared);
             state
                 .paths
                 .gates
@@ -762,9 +765,9 @@ impl Peer {
         // part is posted: on `Err` nothing of the batch started (the path
         // seam's promise). The direct part takes the NIC.
         let (posted, id) = {
-            let mut guard = lock_state(&shared.state);
+            let mut guard = lock_state(shared);
             let state = &mut *guard;
-            let planned = Self::on_peer(state, self.slot, |core, peer| {
+            let planned = Self::on_peer(&mut state.slot(self.slot), |core, peer| {
                 if let Some(why) = &peer.gone {
                     return Err(EngineError::PeerGone(why.clone()));
                 }
@@ -786,7 +789,12 @@ impl Peer {
             };
             let id = planned.map(|work| {
                 let deadline = now.checked_add(timeout).map(|at| (at, timeout));
-                state.cores[self.slot].submit(work, Arc::clone(&cell), deadline, holds(&direct))
+                let mut slot = state.slot(self.slot);
+                let id = slot
+                    .core
+                    .submit(work, Arc::clone(&cell), deadline, holds(&direct));
+                engine.settle_slot(&mut slot);
+                id
             });
             engine.post_ready(state);
             (posted, id)
@@ -844,12 +852,15 @@ impl Peer {
 
     /// How this peer's transfers of GPU memory travel.
     pub fn route(&self) -> PeerCopyRoute {
-        let state = lock_state(&self.engine.shared.state);
-        match state.peers.get(self.slot).and_then(Option::as_ref) {
-            Some(peer) if self.engine.shared.config.peer_copy && peer.gone.is_none() => {
-                state.paths.peer_copy.route(self.slot)
-            }
-            _ => PeerCopyRoute::Nic,
+        let state = lock_state(&self.engine.shared);
+        let up = state
+            .slot(self.slot)
+            .peer
+            .as_ref()
+            .is_some_and(|p| p.gone.is_none());
+        match up && self.engine.shared.config.peer_copy {
+            true => state.paths.peer_copy.route(self.slot),
+            false => PeerCopyRoute::Nic,
         }
     }
 
@@ -859,7 +870,7 @@ impl Peer {
         if !self.engine.shared.config.peer_copy {
             return Ok(());
         }
-        let message = lock_state(&self.engine.shared.state)
+        let message = lock_state(&self.engine.shared)
             .paths
             .peer_copy
             .locality();
@@ -896,7 +907,14 @@ impl Peer {
     ) -> Result<Option<Batch>, EngineError> {
         let engine = &self.engine;
         let res = &engine.shared.res;
-        if !res.config.peer_copy || transfers.is_empty() {
+        // The path carries a batch only if it carries every transfer, and
+        // only GPU memory to GPU memory: any other batch goes without the
+        // engine's lock.
+        let gpu_to_gpu = |t: &Transfer<'_>| {
+            matches!(t.local.inner.location, MemoryLocation::Gpu { .. })
+                && matches!(t.remote.location, MemoryLocation::Gpu { .. })
+        };
+        if !res.config.peer_copy || transfers.is_empty() || !transfers.iter().all(gpu_to_gpu) {
             return Ok(None);
         }
         // The driver calls the batch needs first (a peer's IPC handle
@@ -905,7 +923,7 @@ impl Peer {
         // mappings are held here until the batch holds them.
         // (Another peer's batch, and a batch that needs none, takes the
         // lock once.)
-        let mut guard = lock_state(&engine.shared.state);
+        let mut guard = lock_state(&engine.shared);
         let mut steps = guard
             .paths
             .peer_copy
@@ -915,24 +933,27 @@ impl Peer {
             for step in &mut steps {
                 step.run(res);
             }
-            guard = lock_state(&engine.shared.state);
+            guard = lock_state(&engine.shared);
             guard.paths.peer_copy.driver_steps_done(self.slot, &steps);
         }
         let state = &mut *guard;
-        let (peer_copy, peers) = (&mut state.paths.peer_copy, &state.peers);
-        let peer = peers[self.slot]
-            .as_ref()
-            .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-        if peer_copy.route(self.slot) == PeerCopyRoute::Nic {
-            return Ok(None);
+        {
+            let slot = state.slot(self.slot);
+            let peer = slot
+                .peer
+                .as_ref()
+                .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
+            if state.paths.peer_copy.route(self.slot) == PeerCopyRoute::Nic {
+                return Ok(None);
+            }
+            if let Some(why) = &peer.gone {
+                return Err(EngineError::PeerGone(why.clone()));
+            }
+            for t in transfers {
+                check_transfer(peer, t)?;
+            }
         }
-        if let Some(why) = &peer.gone {
-            return Err(EngineError::PeerGone(why.clone()));
-        }
-        for t in transfers {
-            check_transfer(peer, t)?;
-        }
-        if !peer_copy.carries(res, self.slot, transfers) {
+        if !state.paths.peer_copy.carries(res, self.slot, transfers) {
             return Ok(None);
         }
         let cell = state.with_paths(res, res.config.clock.now(), |paths, cx| {

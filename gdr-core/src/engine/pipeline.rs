@@ -275,7 +275,7 @@ pub(super) fn pump(
             PipeFailure::PeerGone => TransferError::PeerGone(
                 cx.wire
                     .peer(pipe.peer)
-                    .and_then(|p| p.gone.cloned())
+                    .and_then(|p| p.gone)
                     .unwrap_or(PeerGone::Closed),
             ),
             PipeFailure::Failed => pipe.error.take().unwrap_or(TransferError::Internal {

@@ -826,7 +826,7 @@ pub(super) fn pump_asks(
 ) -> usize {
     let now = cx.now;
     let (engine, gone) = match cx.wire.peer(slot) {
-        Some(p) => (p.engine, p.gone.cloned()),
+        Some(p) => (p.engine, p.gone),
         None => (0, Some(PeerGone::Closed)),
     };
     let mut moved = 0;
