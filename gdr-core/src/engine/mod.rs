@@ -3360,6 +3360,14 @@ impl Engine {
         self.drive_held_control(state);
     }
 
+    /// Carries out the queue-pair actions the peers' cores hold (a
+    /// drained queue pair re-established), under the engine's lock, as
+    /// its pass would.
+    fn carry_out_actions(&self) {
+        let mut state = lock_state(&self.shared);
+        self.post_ready(&mut state);
+    }
+
     /// Control messages that could not go out now (the peer's receives
     /// all taken by SENDs whose completions nobody reaped, no free send
     /// slot, queue pair 0 being re-established) go only with progress,

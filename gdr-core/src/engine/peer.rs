@@ -443,7 +443,7 @@ impl Peer {
         let _span = tracing::debug_span!("submit", transfers = transfers.len()).entered();
         let cell = Arc::new(CompletionCell::new());
         let now = self.engine.shared.config.clock.now();
-        let id = self.update_peer(|core, peer| -> Result<BatchId, EngineError> {
+        let submit = |core: &mut Core, peer: &mut PeerState| -> Result<BatchId, EngineError> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
@@ -460,7 +460,19 @@ impl Peer {
             let work = self.plan_direct(core, peer, transfers)?;
             let deadline = now.checked_add(timeout).map(|at| (at, timeout));
             Ok(core.submit(work, Arc::clone(&cell), deadline, holds(transfers)))
-        })??;
+        };
+        let id = match self.update_peer(submit)? {
+            // A queue pair's failure is told (its batches end) before the
+            // engine's pass has carried out what it asks (a drained queue
+            // pair re-established): carried out now, then asked again, so
+            // a submit that follows a failure waits for the queue pair
+            // instead of finding the peer gone.
+            Err(EngineError::PeerGone(PeerGone::EveryQueuePairFailed)) => {
+                self.engine.carry_out_actions();
+                self.update_peer(submit)??
+            }
+            id => id?,
+        };
         self.deadline_added(now, timeout);
         Ok(Batch {
             id: Some((self.slot, id)),
@@ -767,6 +779,9 @@ impl Peer {
         let (posted, id) = {
             let mut guard = lock_state(shared);
             let state = &mut *guard;
+            // What a queue pair's failure asked is carried out first (see
+            // `submit_with_timeout`).
+            engine.run_actions(state);
             let planned = Self::on_peer(&mut state.slot(self.slot), |core, peer| {
                 if let Some(why) = &peer.gone {
                     return Err(EngineError::PeerGone(why.clone()));
