@@ -168,7 +168,7 @@ impl Batch {
         }
         match self.id {
             Some((slot, id)) => {
-                let lock = Arc::clone(&lock_state(&self.engine.shared).slots[slot]);
+                let lock = Arc::clone(&look_at_state(&self.engine.shared).slots[slot]);
                 let mut guard = lock_slot(&lock);
                 guard.core.cancel(id);
                 self.engine.settle_slot(&mut guard);

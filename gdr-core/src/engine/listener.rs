@@ -279,7 +279,7 @@ impl Engine {
         };
         // A session of ours: the peer re-establishes one of its queue pairs.
         let known = {
-            let state = lock_state(&self.shared);
+            let state = look_at_state(&self.shared);
             state.slots.iter().position(|lock| {
                 lock_slot(lock).peer.as_ref().is_some_and(|p| {
                     !p.conn.recovery().is_connector() && p.conn.session() == hello.session

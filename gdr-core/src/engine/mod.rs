@@ -1080,20 +1080,30 @@ pub(crate) fn roce_address(
 #[cfg(any(test, feature = "testing"))]
 const NO_CONTEXT: u64 = 0;
 
-/// The engine's lock, held with the thread marked inside the engine: CUDA
+/// A lock of the engine (its own, [`State`], or a peer's,
+/// [`PeerSlot`]), held with the thread marked inside the engine: CUDA
 /// memory whose last holder goes meanwhile is freed on the reaper thread
-/// ([`crate::reaper`]), never under the lock.
-struct StateGuard<'a> {
-    // Field order is drop order: the lock goes, then the mark.
-    guard: crate::sync::MutexGuard<'a, State>,
+/// ([`crate::reaper`]), never under a lock.
+struct Guard<'a, T> {
+    // Field order is drop order: the lock goes, then the marks.
+    guard: crate::sync::MutexGuard<'a, T>,
+    /// A peer's lock: marked held for the lock order's checks.
+    _held: Option<lock_order::Held>,
     _inside: crate::reaper::EngineSection,
-    /// Set as the lock goes, unless the pass or a look took it: what
-    /// was changed under the lock (a path's work, a fence, a grant) is
-    /// the next pass's to look at.
+    /// The engine's lock, taken to change what it guards: set as the lock
+    /// goes, so that what changed (a path's work, a fence, a grant) is the
+    /// next pass's to look at. `None` for the pass itself, a look, or a
+    /// peer's lock.
     due: Option<&'a PassDue>,
 }
 
-impl Drop for StateGuard<'_> {
+/// The engine's lock.
+type StateGuard<'a> = Guard<'a, State>;
+
+/// A peer's lock.
+type SlotGuard<'a> = Guard<'a, PeerSlot>;
+
+impl<T> Drop for Guard<'_, T> {
     fn drop(&mut self) {
         if let Some(due) = self.due {
             due.set();
@@ -1101,85 +1111,63 @@ impl Drop for StateGuard<'_> {
     }
 }
 
-impl std::ops::Deref for StateGuard<'_> {
-    type Target = State;
-    fn deref(&self) -> &State {
+impl<T> std::ops::Deref for Guard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
         &self.guard
     }
 }
 
-impl std::ops::DerefMut for StateGuard<'_> {
-    fn deref_mut(&mut self) -> &mut State {
+impl<T> std::ops::DerefMut for Guard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
         &mut self.guard
     }
 }
 
-/// Takes the engine's lock ([`StateGuard`]) to change what it guards:
-/// the engine's next pass looks at it.
+/// Takes the engine's lock to change what it guards: the engine's next
+/// pass looks at it.
 fn lock_state(shared: &Shared) -> StateGuard<'_> {
     let mut guard = look_at_state(shared);
     guard.due = Some(&shared.due);
     guard
 }
 
+/// Takes the engine's lock for the pass itself, or to look only (what it
+/// reads or changes needs no pass).
+fn look_at_state(shared: &Shared) -> StateGuard<'_> {
+    lock_order::engine();
+    let inside = crate::reaper::EngineSection::enter();
+    Guard {
+        guard: lock(&shared.state),
+        _held: None,
+        _inside: inside,
+        due: None,
+    }
+}
+
 /// [`look_at_state`] if the lock is free now.
 fn try_look_at_state(shared: &Shared) -> Option<StateGuard<'_>> {
     lock_order::engine();
     let inside = crate::reaper::EngineSection::enter();
-    let guard = match shared.state.try_lock() {
-        Ok(guard) => guard,
-        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => return None,
-    };
-    Some(StateGuard {
+    let guard = crate::sync::try_lock(&shared.state)?;
+    Some(Guard {
         guard,
+        _held: None,
         _inside: inside,
         due: None,
     })
 }
 
-/// Takes the engine's lock for the pass itself, or to look only.
-fn look_at_state(shared: &Shared) -> StateGuard<'_> {
-    lock_order::engine();
-    let inside = crate::reaper::EngineSection::enter();
-    StateGuard {
-        guard: lock(&shared.state),
-        _inside: inside,
-        due: None,
-    }
-}
-
-/// A peer's lock, held with the thread marked inside the engine (as the
-/// engine's, [`StateGuard`]).
-struct SlotGuard<'a> {
-    // Field order is drop order: the lock goes, then the marks.
-    guard: crate::sync::MutexGuard<'a, PeerSlot>,
-    _held: lock_order::Held,
-    _inside: crate::reaper::EngineSection,
-}
-
-impl std::ops::Deref for SlotGuard<'_> {
-    type Target = PeerSlot;
-    fn deref(&self) -> &PeerSlot {
-        &self.guard
-    }
-}
-
-impl std::ops::DerefMut for SlotGuard<'_> {
-    fn deref_mut(&mut self) -> &mut PeerSlot {
-        &mut self.guard
-    }
-}
-
-/// Takes a peer's lock ([`SlotGuard`]): alone, or under the engine's,
-/// never the other way round.
+/// Takes a peer's lock: alone, or under the engine's, never the other way
+/// round.
 fn lock_slot(lock: &PeerLock) -> SlotGuard<'_> {
     let inside = crate::reaper::EngineSection::enter();
     let held = lock_order::slot(lock);
-    SlotGuard {
+    Guard {
         guard: crate::sync::lock(lock),
-        _held: held,
+        _held: Some(held),
         _inside: inside,
+        due: None,
     }
 }
 
@@ -1850,7 +1838,7 @@ impl Engine {
     /// limits). Tests read it to see state come back to the engine's
     /// baseline once the work and the peers are gone.
     pub fn resources(&self) -> EngineResources {
-        let state = lock_state(&self.shared);
+        let state = look_at_state(&self.shared);
         let (staged_transfers, staged_groups) = state.paths.staged.load();
         let mut batches = 0;
         let peers = state
@@ -1895,7 +1883,7 @@ impl Engine {
     /// included (until the engine goes). A connect or accept that failed
     /// leaves none.
     pub fn peer_count(&self) -> usize {
-        let state = lock_state(&self.shared);
+        let state = look_at_state(&self.shared);
         state
             .slots
             .iter()
@@ -1916,7 +1904,7 @@ impl Engine {
     /// Whether one more peer may connect now ([`EngineConfig::max_peers`]).
     fn peer_room(&self) -> Result<(), EngineError> {
         let max = self.shared.peer_capacity;
-        if Self::live_peers(&lock_state(&self.shared)) >= max {
+        if Self::live_peers(&look_at_state(&self.shared)) >= max {
             return Err(EngineError::Refused(Refusal::PeerLimit { max }));
         }
         Ok(())
@@ -3162,7 +3150,7 @@ impl Engine {
         const LONGEST_ATTEMPT: Duration = Duration::from_secs(3600);
         {
             let left = {
-                let state = lock_state(shared);
+                let state = look_at_state(shared);
                 let guard = state.slot(job.slot);
                 let Some(peer) = guard.peer.as_ref() else {
                     return false;
@@ -3401,12 +3389,16 @@ impl Engine {
     }
 
     /// Runs `f` on the paths ([`State::with_paths`]) under the engine's
-    /// lock; what it queued is posted before the lock goes.
+    /// lock. What it sent is posted already (the wire posts each message
+    /// and request under its peer's lock): what a failed post asked of a
+    /// queue pair is carried out, and a message held for a send slot gets
+    /// a thread to send it, before the lock goes.
     fn with_paths<T>(&self, f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T) -> T {
         let shared = &*self.shared;
         let mut guard = lock_state(shared);
         let out = guard.with_paths(&shared.res, shared.config.clock.now(), f);
-        self.post_ready(&mut guard);
+        self.run_actions(&mut guard);
+        self.drive_held_control(&guard);
         out
     }
 
@@ -3414,7 +3406,7 @@ impl Engine {
 
     /// What this engine's peer copies have done.
     pub fn peer_copy_stats(&self) -> PeerCopyStats {
-        lock_state(&self.shared).paths.peer_copy.stats()
+        look_at_state(&self.shared).paths.peer_copy.stats()
     }
 
     /// Cancels the peer-copy batch of `cell`, if it is one: it queues
@@ -3493,13 +3485,13 @@ impl Engine {
     /// applications.
     #[cfg(feature = "testing")]
     pub fn with_engine_lock_held<T>(&self, f: impl FnOnce() -> T) -> T {
-        let _state = lock_state(&self.shared);
+        let _state = look_at_state(&self.shared);
         f()
     }
 
     /// The peer in `slot`, as a handle.
     fn peer_at(&self, slot: usize) -> Peer {
-        let lock = Arc::clone(&lock_state(&self.shared).slots[slot]);
+        let lock = Arc::clone(&look_at_state(&self.shared).slots[slot]);
         Peer {
             engine: self.clone(),
             slot,
@@ -3512,7 +3504,7 @@ impl Engine {
     /// the process waits for a held stream, which this engine's progress
     /// may be the one to release.
     fn ensure_fence_page(&self) -> Result<(), EngineError> {
-        if !lock_state(&self.shared)
+        if !look_at_state(&self.shared)
             .paths
             .stream_fences
             .needs_page()
@@ -3534,7 +3526,7 @@ impl Engine {
     /// the process waits for a held stream (see [`cuda_worker`]).
     fn ensure_staging_pools(&self, gpus: &[u32]) -> Result<(), EngineError> {
         for &gpu in gpus {
-            if lock_state(&self.shared).paths.staged.has_pool(gpu) {
+            if look_at_state(&self.shared).paths.staged.has_pool(gpu) {
                 continue;
             }
             let pool = pipeline::make_pool(&self.shared.res, gpu)?;

@@ -867,7 +867,7 @@ impl Peer {
 
     /// How this peer's transfers of GPU memory travel.
     pub fn route(&self) -> PeerCopyRoute {
-        let state = lock_state(&self.engine.shared);
+        let state = look_at_state(&self.engine.shared);
         let up = state
             .slot(self.slot)
             .peer
@@ -885,7 +885,7 @@ impl Peer {
         if !self.engine.shared.config.peer_copy {
             return Ok(());
         }
-        let message = lock_state(&self.engine.shared)
+        let message = look_at_state(&self.engine.shared)
             .paths
             .peer_copy
             .locality();
