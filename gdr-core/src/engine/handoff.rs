@@ -2,8 +2,8 @@
 //! and the rest of the engine (the module docs' "Locks"): when the
 //! engine's pass is due ([`PassDue`]), and where a completion polled
 //! without the engine's lock goes ([`Routes`], each polling thread's copy
-//! [`RouteCache`]), on the `crate::sync` shim so that loom models can
-//! check this code itself.
+//! [`RouteCache`]). Kept apart from the engine so that the loom models
+//! (`handoff::loom_tests`) check this code itself.
 
 use std::collections::HashMap;
 // std's `Arc`: a thread's copy of the routes holds peers weakly, and
@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
+use crate::cache::mutant;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{RwLock, RwLockWriteGuard};
 
@@ -62,6 +63,12 @@ impl PassDue {
         // Looked at first: a later deadline (the common case) writes
         // nothing every thread would then share.
         if at < self.at.load(Ordering::Acquire) {
+            if mutant::active("deadline-check-then-store") {
+                // The bug: a later deadline stored over an earlier one
+                // stored since the check.
+                self.at.store(at, Ordering::Release);
+                return;
+            }
             self.at.fetch_min(at, Ordering::AcqRel);
         }
     }
@@ -76,13 +83,14 @@ impl PassDue {
     /// earliest deadline `at`. Returns whether work is due now (the caller
     /// wakes a parked waiter, which makes the pass).
     pub(super) fn settled(&self, actions: bool, at: Option<Instant>) -> bool {
-        if actions {
+        let due = actions && !mutant::active("settle-skips-due");
+        if due {
             self.set();
         }
         if let Some(at) = at {
             self.by(at);
         }
-        actions
+        due
     }
 
     /// Whether the pass is due at `now`; counts the call (`tick`: this
@@ -106,8 +114,15 @@ impl PassDue {
     /// peer's step under that peer's lock alone) stays due for the next
     /// pass; what it left (`Looked`) is due again.
     pub(super) fn pass<T>(&self, look: impl FnOnce() -> Looked<T>) -> T {
-        self.clear();
+        let late = mutant::active("pass-clears-late");
+        if !late {
+            self.clear();
+        }
         let looked = look();
+        if late {
+            // The bug: what was made due while the pass looked is lost.
+            self.clear();
+        }
         if looked.again {
             self.set();
         }
@@ -234,10 +249,15 @@ impl<L> RouteCache<L> {
         qp_num: u32,
     ) -> Option<Route<L>> {
         let of = (engine, routes.version.load(Ordering::Acquire));
-        if self.of != of {
+        // The bug: a copy kept across a change of the routes.
+        let stale = match mutant::active("route-cache-ignores-version") {
+            true => self.of.0 != of.0,
+            false => self.of != of,
+        };
+        if stale {
             self.routes.clear();
-            self.of = of;
         }
+        self.of = of;
         if let Some((lock, slot, index)) = self.routes.get(&(nic, qp_num))
             && let Some(lock) = lock.upgrade()
         {
@@ -256,3 +276,6 @@ impl<L> RouteCache<L> {
         Some(route)
     }
 }
+
+#[cfg(all(test, loom))]
+mod loom_tests;
