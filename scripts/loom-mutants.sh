@@ -1,8 +1,9 @@
 #!/bin/bash
-# The loom models of gdr-core (the registration cache, the engine and its
-# reactor), and the proof that each can fail: builds the loom tests once,
-# runs every model on the real code (all must pass, explored without a
-# preemption bound), then runs the models named for each mutant
+# The loom models of gdr-core (the registration cache, the engine, its
+# reactor, its hand-off between the peers' locks and its pass), and the
+# proof that each can fail: builds the loom tests once, runs every model
+# on the real code (all must pass, explored without a preemption bound),
+# then runs the models named for each mutant
 # (gdr-core/src/cache/mutant.rs) with GDR_MUTANT=<mutant> and requires each
 # of those runs to fail. Prints one line per mutant; exits non-zero if a
 # model fails on the real code, if a mutant survives a model named for it,
@@ -58,6 +59,11 @@ follower-counted-late                     engine::reactor::loom_tests::a_followe
 leader-leaves-silently                    engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves
 lead-taken-twice                          engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves
 nudge-skips-wake                          engine::reactor::loom_tests::a_nudge_ends_a_driving_wait
+pass-clears-late                          engine::handoff::loom_tests::a_peers_step_racing_the_pass_leaves_its_work_due
+settle-skips-due                          engine::handoff::loom_tests::a_peers_step_racing_the_pass_leaves_its_work_due
+pass-clears-late                          engine::handoff::loom_tests::a_deadline_set_while_the_pass_runs_is_kept
+deadline-check-then-store                 engine::handoff::loom_tests::a_deadline_set_while_the_pass_runs_is_kept
+route-cache-ignores-version               engine::handoff::loom_tests::a_queue_pair_number_reused_while_a_poller_holds_the_old_route
 "
 
 build_log=$(mktemp)
@@ -83,6 +89,8 @@ models=$({
     | sed -n 's/^fn \([a-z0-9_]*\)().*/engine::loom_tests::\1/p'
   grep -A1 '^#\[test\]' gdr-core/src/engine/reactor/loom_tests.rs \
     | sed -n 's/^fn \([a-z0-9_]*\)().*/engine::reactor::loom_tests::\1/p'
+  grep -A1 '^#\[test\]' gdr-core/src/engine/handoff/loom_tests.rs \
+    | sed -n 's/^fn \([a-z0-9_]*\)().*/engine::handoff::loom_tests::\1/p'
 } | sort -u)
 tabled_mutants=$(awk 'NF == 2 { print $1 }' <<<"$table" | sort -u)
 tabled_models=$(awk 'NF == 2 { print $2 }' <<<"$table" | sort -u)

@@ -149,6 +149,23 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
         "nudge-skips-wake",
         "a nudge tells the followers but does not wake a parked leader",
     ),
+    (
+        "pass-clears-late",
+        "the engine's pass clears what is due after it looked at the peers, not before",
+    ),
+    (
+        "settle-skips-due",
+        "a peer's step under its lock alone leaves queue-pair actions without making the pass due",
+    ),
+    (
+        "deadline-check-then-store",
+        "a deadline handed to the pass is checked against the earliest and stored over it, \
+         not merged with it",
+    ),
+    (
+        "route-cache-ignores-version",
+        "a polling thread keeps its copy of the routes across a change of the routes",
+    ),
 ];
 
 /// Whether mutant `name` is active: never, outside loom.

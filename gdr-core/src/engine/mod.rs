@@ -84,17 +84,18 @@
 //!    steps, queue-pair actions) and by what changes the peers or the
 //!    paths (a connect, a grant, a revoke, a staged, gated or peer-copy
 //!    submit). A progress call makes the pass only when it is due
-//!    (`PassDue`: work one of those left it, its earliest deadline, every
-//!    64th call of a thread); one only due, with the lock busy, is left to
-//!    a later call, and a waiter about to park polls instead of waiting
-//!    for the lock to read its deadline. Never held across a driver call
-//!    that can block: a peer's IPC handle opened and peer access enabled
-//!    for a peer copy (`peer_copy::DriverStep`), the GPU fence before a
-//!    stream fence's release (`Engine::flush_before_stream_releases`),
-//!    the stream operations of stream fences and gates, the fence page's
-//!    allocation, landing slots (allocated, pinned, registered), gates'
-//!    event records and their batches' submits: each is decided under
-//!    the lock, made outside it, and handed back under it.
+//!    (`handoff::PassDue`: work one of those left it, its earliest
+//!    deadline, every 64th call of a thread); one only due, with the lock
+//!    busy, is left to a later call, and a waiter about to park polls
+//!    instead of waiting for the lock to read its deadline. Never held
+//!    across a driver call that can block: a peer's IPC handle opened and
+//!    peer access enabled for a peer copy (`peer_copy::DriverStep`), the
+//!    GPU fence before a stream fence's release
+//!    (`Engine::flush_before_stream_releases`), the stream operations of
+//!    stream fences and gates, the fence page's allocation, landing slots
+//!    (allocated, pinned, registered), gates' event records and their
+//!    batches' submits: each is decided under the lock, made outside it,
+//!    and handed back under it.
 //! 2. A peer's lock (`PeerLock`, one `PeerSlot`: the core of batches on
 //!    the peer's queue pairs and its connection, [`gdr_proto::connection`]):
 //!    taken alone by what that peer does (a submit of memory the NIC
@@ -104,7 +105,7 @@
 //!    non-blocking calls (posts, a queue pair moved to error or
 //!    disconnected).
 //! 3. Below them, each taken briefly and never across another lock: the
-//!    routes (`Shared::routes`, (NIC, queue pair number) to peer, written
+//!    routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
 //!    under the engine's lock; each polling thread keeps a copy, checked
 //!    by the routes' version), a peer's free send slots
 //!    (`ControlBuffers::free_send`, also freed by the NIC's completion of
@@ -116,6 +117,9 @@
 //!    engine's lock), the registration caches and the NICs' ladders
 //!    (`crate::cache`, `crate::ladder`: registration and grants' MRs are
 //!    made before the engine's lock is taken).
+//!
+//! The hand-off between a peer's lock and the engine's (when the pass is
+//! due, where a completion goes) is `handoff`'s, checked by loom models.
 
 mod batch;
 mod batches;
@@ -125,6 +129,7 @@ mod error;
 mod events;
 mod fence;
 mod gate;
+mod handoff;
 mod listener;
 #[cfg(all(test, loom))]
 mod loom_tests;
@@ -180,7 +185,7 @@ use crate::buffer::Buffer;
 use crate::cache::{CacheConfig, RegistrationCache};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach, Segment};
 use crate::ladder::{DmabufExports, Gpu, Ladder, LadderConfig, MrGrant, Rung};
-use crate::sync::{Mutex, RwLock, lock};
+use crate::sync::{Mutex, lock};
 
 pub use self::batch::Batch;
 pub(crate) use self::batches::BatchId;
@@ -194,6 +199,7 @@ pub use self::completion::CompletionCell;
 pub(crate) use self::completion::CompletionCell;
 pub use self::completion::Outcome;
 use self::completion::RevokedGrants;
+use self::handoff::{Looked, PassDue, RouteCache};
 pub use self::error::{
     EngineError, Error, HandshakeFailure, PeerGone, ReadOnlyUse, Refusal, SharedEngineError,
     TimedOut, TransferError, Unavailable, Unsupported, VerbsCall,
@@ -852,14 +858,8 @@ struct PeerSlot {
 /// A peer's lock.
 type PeerLock = Mutex<PeerSlot>;
 
-/// Where a completion of one queue pair goes: its peer's slot and the
-/// queue pair's index there.
-#[derive(Clone)]
-struct Route {
-    lock: Arc<PeerLock>,
-    slot: usize,
-    index: usize,
-}
+/// Where a completion of one queue pair goes ([`handoff::Route`]).
+type Route = handoff::Route<PeerLock>;
 
 /// The paths the engine carries batches over besides the queue pairs
 /// ([`path`]), each owning its state; the engine hands each step of one
@@ -1015,12 +1015,8 @@ struct Shared {
     // routes) before the NICs' CQs, PDs and contexts (in the resources).
     state: Mutex<State>,
     /// Each queue pair's route, by (NIC, queue pair number): completions
-    /// go to their peer without the engine's lock. Written under the
-    /// engine's lock; read alone, briefly.
-    routes: RwLock<HashMap<(usize, u32), Route>>,
-    /// Moves at every change of `routes` (after it): threads' copies
-    /// of routes older than it are dropped.
-    routes_version: AtomicU64,
+    /// go to their peer without the engine's lock ([`handoff::Routes`]).
+    routes: handoff::Routes<PeerLock>,
     /// NICs that reported a fatal error: nothing on them is polled or
     /// re-established. Set under the engine's lock.
     dead_nics: Box<[std::sync::atomic::AtomicBool]>,
@@ -1291,23 +1287,10 @@ impl PeerSlot {
     }
 }
 
-/// When the engine's pass (under its lock) must run: the per-peer steps
-/// that leave it work (queue-pair actions, a receive, an error) say so,
-/// and the earliest deadline it holds is kept. A progress call with
-/// nothing due polls the NICs and hands completions to their peers only,
-/// without the engine's lock.
-struct PassDue {
-    /// Work waits for the pass (set by anyone; cleared by the pass as it
-    /// starts, set again at its end while paths or re-establishments run).
-    now: std::sync::atomic::AtomicBool,
-    /// The earliest deadline the pass handles, as nanoseconds after
-    /// `base` (`u64::MAX`: none).
-    at: std::sync::atomic::AtomicU64,
-    base: Instant,
-    /// Set at every 64th progress call of a thread: the pass looks at
-    /// connection and async events.
-    events: std::sync::atomic::AtomicBool,
-}
+/// What the engine's pass handled, and what it leaves its caller to serve
+/// outside the engine's lock: whether landing slots are to be made and
+/// opened gates served, and the GPU fences claimed for stream releases.
+type Handled = (usize, bool, bool, Vec<(usize, Vec<u32>)>);
 
 /// What one progress call's poll of the NICs leaves for the engine's pass
 /// (kept per thread, so the polls reuse their buffers).
@@ -1322,11 +1305,8 @@ struct Polled {
     failed: Vec<(usize, hal_verbs::VerbsError)>,
     /// This thread's progress calls.
     ticks: u64,
-    /// Routes this thread looked up, of the engine (by its id) and the
-    /// routes' version they were read at (weakly: a thread's copy keeps
-    /// no peer of a dropped engine).
-    routes: HashMap<(usize, u32), (std::sync::Weak<PeerLock>, usize, usize)>,
-    routes_of: (u64, u64),
+    /// Routes this thread looked up ([`handoff::RouteCache`]).
+    routes: RouteCache<PeerLock>,
 }
 
 thread_local! {
@@ -1354,52 +1334,6 @@ impl Polled {
     }
 }
 
-impl PassDue {
-    fn new(base: Instant) -> Self {
-        Self {
-            now: std::sync::atomic::AtomicBool::new(true),
-            at: std::sync::atomic::AtomicU64::new(u64::MAX),
-            base,
-            events: std::sync::atomic::AtomicBool::new(false),
-        }
-    }
-
-    fn nanos(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
-    }
-
-    /// A deadline the pass must handle by `at`.
-    fn by(&self, at: Instant) {
-        let at = self.nanos(at);
-        // Looked at first: a later deadline (the common case) writes
-        // nothing every thread would then share.
-        if at < self.at.load(Ordering::Acquire) {
-            self.at.fetch_min(at, Ordering::AcqRel);
-        }
-    }
-
-    fn set(&self) {
-        self.now.store(true, Ordering::Release);
-    }
-
-    /// Whether the pass is due at `now`; counts the call (`tick`: this
-    /// thread's count, kept apart so that threads share no write).
-    fn is_due(&self, now: Instant, tick: u64) -> bool {
-        if tick.is_multiple_of(64) {
-            self.events.store(true, Ordering::Release);
-            return true;
-        }
-        self.now.load(Ordering::Acquire)
-            || self.at.load(Ordering::Acquire) <= self.nanos(now)
-    }
-
-    /// The pass starts: what it will look at is no longer due.
-    fn clear(&self) {
-        self.now.store(false, Ordering::Release);
-        self.at.store(u64::MAX, Ordering::Release);
-    }
-}
-
 /// Streams the engine holds are released, then the CUDA worker's queued
 /// jobs (which name memory the state holds) all run, before the state goes
 /// (fields drop after this).
@@ -1422,38 +1356,8 @@ impl Drop for Shared {
 
 impl Shared {
     /// The routes, to change: the version moves as the lock goes.
-    fn routes_mut(&self) -> RoutesWrite<'_> {
-        RoutesWrite {
-            guard: crate::sync::write(&self.routes),
-            version: &self.routes_version,
-        }
-    }
-}
-
-/// The routes, locked to be changed ([`Shared::routes_mut`]).
-struct RoutesWrite<'a> {
-    guard: crate::sync::RwLockWriteGuard<'a, HashMap<(usize, u32), Route>>,
-    version: &'a AtomicU64,
-}
-
-impl Drop for RoutesWrite<'_> {
-    fn drop(&mut self) {
-        // Before the lock goes: a thread that sees the old version either
-        // read the table before this change or waits for it.
-        self.version.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-impl std::ops::Deref for RoutesWrite<'_> {
-    type Target = HashMap<(usize, u32), Route>;
-    fn deref(&self) -> &Self::Target {
-        &self.guard
-    }
-}
-
-impl std::ops::DerefMut for RoutesWrite<'_> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.guard
+    fn routes_mut(&self) -> handoff::RoutesWrite<'_, PeerLock> {
+        self.routes.write()
     }
 }
 
@@ -1767,8 +1671,7 @@ impl Engine {
             });
         }
         let shared = Shared {
-            routes: RwLock::default(),
-            routes_version: AtomicU64::new(0),
+            routes: handoff::Routes::new(),
             dead_nics: nics
                 .iter()
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
@@ -2660,30 +2563,7 @@ impl Engine {
     /// shares).
     fn route(&self, polled: &mut Polled, nic: usize, qp_num: u32) -> Option<Route> {
         let shared = &*self.shared;
-        let of = (shared.id, shared.routes_version.load(Ordering::Acquire));
-        if polled.routes_of != of {
-            polled.routes.clear();
-            polled.routes_of = of;
-        }
-        if let Some((lock, slot, index)) = polled.routes.get(&(nic, qp_num))
-            && let Some(lock) = lock.upgrade()
-        {
-            return Some(Route {
-                lock,
-                slot: *slot,
-                index: *index,
-            });
-        }
-        let route = crate::sync::read(&shared.routes)
-            .get(&(nic, qp_num))
-            .cloned()?;
-        if polled.routes.len() < 4096 {
-            let weak = Arc::downgrade(&route.lock);
-            polled
-                .routes
-                .insert((nic, qp_num), (weak, route.slot, route.index));
-        }
-        Some(route)
+        polled.routes.route(&shared.routes, shared.id, nic, qp_num)
     }
 
     /// After a step of one peer under its lock alone: posts what it made
@@ -2692,12 +2572,9 @@ impl Engine {
     /// the engine's own thread where no driver runs).
     fn settle_slot(&self, slot: &mut PeerSlot) {
         let shared = &*self.shared;
-        if slot.post(shared.config.clock.now()) {
-            shared.due.set();
+        let actions = slot.post(shared.config.clock.now());
+        if shared.due.settled(actions, slot.next_deadline()) {
             self.wake();
-        }
-        if let Some(at) = slot.next_deadline() {
-            shared.due.by(at);
         }
         if slot.control_held() && shared.drivers.load(Ordering::Acquire) == 0 {
             self.ensure_own_driver();
@@ -2715,7 +2592,7 @@ impl Engine {
     /// deadlines, the paths, queue-pair actions. Says whether landing slots
     /// to make and opened gates wait, and hands out the GPU fences claimed
     /// for stream releases (all served outside the lock).
-    fn progress_locked(&self, polled: &mut Polled) -> (usize, bool, bool, Vec<(usize, Vec<u32>)>) {
+    fn progress_locked(&self, polled: &mut Polled) -> Handled {
         let shared = &*self.shared;
         let mut state = match polled.for_pass() {
             // What was polled is the pass's to handle: it waits its turn.
@@ -2729,7 +2606,14 @@ impl Engine {
             },
         };
         let state = &mut *state;
-        shared.due.clear();
+        shared.due.pass(|| self.look(state, polled))
+    }
+
+    /// What the engine's pass looks at ([`Engine::progress_locked`]), once
+    /// what was due is cleared ([`PassDue::pass`]); what it leaves is due
+    /// again.
+    fn look(&self, state: &mut State, polled: &mut Polled) -> Looked<Handled> {
+        let shared = &*self.shared;
         let mut handled = 0;
         for (nic_index, e) in polled.failed.drain(..) {
             // A CQ that fails to poll (an overrun lost completions, the
@@ -2749,9 +2633,7 @@ impl Engine {
         }
         for (nic_index, completions) in polled.errors.drain(..) {
             for wc in &completions {
-                let route = crate::sync::read(&shared.routes)
-                    .get(&(nic_index, wc.qp_num))
-                    .cloned();
+                let route = shared.routes.get(nic_index, wc.qp_num);
                 let Some(route) = route else {
                     continue;
                 };
@@ -2776,7 +2658,7 @@ impl Engine {
         // Connection and async events cost a system call each (per QP, per
         // NIC): look every 64th progress call, not on every empty poll of
         // a wait loop. Error completions look at async events at once.
-        if shared.due.events.swap(false, Ordering::AcqRel) {
+        if shared.due.take_events() {
             self.poll_connections(state);
             self.poll_async_events(state);
         }
@@ -2805,7 +2687,7 @@ impl Engine {
         // makes the pass (their steps are polled); otherwise the next one
         // due is at the earliest deadline.
         let (staged_transfers, staged_groups) = paths.staged.load();
-        if state.reconnecting > 0
+        let again = state.reconnecting > 0
             || TransferPath::polls(&paths.staged)
             || TransferPath::polls(&paths.peer_copy)
             || paths.gates.waiting()
@@ -2813,14 +2695,12 @@ impl Engine {
             || serve
             || !flushes.is_empty()
             || paths.stream_fences.busy()
-            || staged_transfers + staged_groups > 0
-        {
-            shared.due.set();
+            || staged_transfers + staged_groups > 0;
+        Looked {
+            out: (handled, landings, serve, flushes),
+            again,
+            at: Self::next_deadline_of(state),
         }
-        if let Some(at) = Self::next_deadline_of(state) {
-            shared.due.by(at);
-        }
-        (handled, landings, serve, flushes)
     }
 
     /// A control receive of the peer in `slot` completed (under the
@@ -2991,9 +2871,7 @@ impl Engine {
                     hal_verbs::AsyncEvent::QpFatal { qp_num }
                     | hal_verbs::AsyncEvent::QpRequestError { qp_num }
                     | hal_verbs::AsyncEvent::QpAccessError { qp_num } => {
-                        let route = crate::sync::read(&self.shared.routes)
-                            .get(&(nic_index, qp_num))
-                            .cloned();
+                        let route = self.shared.routes.get(nic_index, qp_num);
                         if let Some(route) = route {
                             let mut guard = lock_slot(&route.lock);
                             let PeerSlot { core, peer, .. } = &mut *guard;
