@@ -450,6 +450,7 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
     use gdr_core::engine::{Engine, Refusal};
     use gdr_sim::{DeviceConfig, NodeConfig, SimFabric};
     let config = EngineConfig::default()
+        .with_cqs_per_nic(1)
         .with_qps_per_peer(2)
         .with_qp_depth(64)
         .with_recv_depth(32)
@@ -494,6 +495,7 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
         &c_nic.erased(),
         None,
         EngineConfig::default()
+            .with_cqs_per_nic(1)
             .with_qps_per_peer(2)
             .with_qp_depth(64)
             .with_recv_depth(32),
@@ -507,4 +509,64 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
         ),
         "{err}"
     );
+}
+
+/// Each queue pair takes a seat on its NIC's CQ with the fewest taken, and
+/// a drained one (its peer closed) gives it back: two peers of one queue
+/// pair each complete on CQs of their own (both sides), a third is refused
+/// while both are live, and once one is closed a new peer takes its seat.
+#[test]
+fn queue_pairs_spread_over_the_cqs_and_give_their_seats_back() {
+    use gdr_core::engine::{Engine, Refusal};
+    use gdr_sim::{NodeConfig, SimFabric};
+    let config = EngineConfig::default()
+        .with_cqs_per_nic(2)
+        .with_qps_per_peer(1)
+        .with_max_peers(2)
+        .with_default_timeout(T);
+    let fabric = SimFabric::new();
+    let a_nic = fabric.add_node("a", NodeConfig::default());
+    let b_nic = fabric.add_node("b", NodeConfig::default());
+    let a = Engine::new(&a_nic.erased(), None, config.clone()).unwrap();
+    let b = Engine::new(&b_nic.erased(), None, config).unwrap();
+    let (listener, addr) = gdr_tests::engine_world::sim_listener(&b, &b_nic);
+    let seated = |e: &Engine| e.resources().cq_queue_pairs;
+    assert_eq!(seated(&a), [0, 0]);
+    let (ab1, ba1) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
+    let (ab2, ba2) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
+    assert_eq!(seated(&a), [1, 1], "a's two queue pairs on one CQ");
+    assert_eq!(seated(&b), [1, 1], "b's two queue pairs on one CQ");
+    round_trip_engines(&ab1, &ba1);
+    round_trip_engines(&ab2, &ba2);
+    let err = a.connect(addr, T).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Refused(Refusal::PeerLimit { max: 2 })),
+        "{err}"
+    );
+    ab1.close().unwrap();
+    // Both sides' queue pairs drain (b hears the goodbye, or sees the
+    // queue pair fail) and give their seats back.
+    let start = Instant::now();
+    while (seated(&a).iter().sum::<usize>() > 1 || seated(&b).iter().sum::<usize>() > 1)
+        && start.elapsed() < T
+    {
+        a.progress();
+        b.progress();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        seated(&a).iter().sum::<usize>(),
+        1,
+        "a kept the closed peer's seat"
+    );
+    assert_eq!(
+        seated(&b).iter().sum::<usize>(),
+        1,
+        "b kept the closed peer's seat"
+    );
+    let (ab3, ba3) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
+    assert_eq!(seated(&a), [1, 1]);
+    assert_eq!(seated(&b), [1, 1]);
+    round_trip_engines(&ab3, &ba3);
+    round_trip_engines(&ab2, &ba2);
 }

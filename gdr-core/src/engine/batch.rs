@@ -23,6 +23,9 @@ pub struct Batch {
     /// The staged path's part of the batch (pipes, requests through the
     /// peer's landing slots): ends with them.
     pub(super) parts: Vec<Arc<CompletionCell>>,
+    /// The CQs its peer's queue pairs complete on: a waiter spins on
+    /// these first ([`Engine::progress_of`]).
+    pub(super) home: CqSet,
 }
 
 impl fmt::Debug for Batch {
@@ -45,6 +48,7 @@ impl Batch {
             fenced: Default::default(),
             gate: None,
             parts: Vec::new(),
+            home: CqSet::ALL,
         }
     }
 
@@ -89,6 +93,25 @@ impl Batch {
             return self.fenced(outcome);
         }
         let engine = &self.engine;
+        if self.home != CqSet::ALL {
+            // A spin on its peer's CQs alone first: threads waiting on
+            // different peers' batches then poll different CQs, none
+            // taking (and locking) another's peer, and none waiting for
+            // the reactor's lead. A batch that outlasts the spin waits in
+            // the reactor.
+            let start = Instant::now();
+            for _ in 0..super::reactor::SPIN_ROUNDS {
+                if engine.progress_of(self.home) == 0 {
+                    std::hint::spin_loop();
+                }
+                if let Some(outcome) = self.outcome() {
+                    return self.fenced(outcome);
+                }
+                if start.elapsed() >= super::reactor::SPIN_TIME {
+                    break;
+                }
+            }
+        }
         let deadline = engine.shared.config.clock.now().checked_add(timeout);
         engine
             .shared

@@ -22,7 +22,7 @@ pub struct Listener {
 
 /// A queue pair of a peer not yet accepted: (its hello, the connection,
 /// the NIC).
-type PendingQp = (Hello, hal_verbs::dynamic::DynConnection, usize);
+type PendingQp = (Hello, resources::SeatedConnection, usize);
 
 /// How often the listener looks for connectors that gave up (and for
 /// deadlines) while connections wait to be accepted and nothing else
@@ -323,8 +323,17 @@ impl Engine {
         let reply = self.hello(Role::Accept, hello.session, hello.qp_index, hello.qp_count);
         let params = self.connect_params(self.shared.config.reconnect_timeout);
         let n = &self.shared.nics[nic];
-        let conn = match request.accept(n.ladder.pd(), &n.cq, &n.cq, &params, &reply.encode()) {
-            Ok(conn) => conn,
+        let seat = match self.cq_seat(nic) {
+            Ok(seat) => seat,
+            Err(e) => {
+                tracing::info!(peer = %from, error = %e, "connect request refused: every CQ full");
+                let _ = request.reject(&RejectReason::Busy.encode());
+                return;
+            }
+        };
+        let cq = &n.cqs.queues()[seat.cq()];
+        let conn = match request.accept(n.ladder.pd(), cq, cq, &params, &reply.encode()) {
+            Ok(conn) => resources::SeatedConnection::new(conn, seat),
             Err(e) => {
                 tracing::warn!(error = %e, "accepting a queue pair");
                 return;
@@ -369,7 +378,7 @@ impl Engine {
         &self,
         slot: usize,
         index: usize,
-        conn: hal_verbs::dynamic::DynConnection,
+        conn: resources::SeatedConnection,
     ) {
         let mut guard = lock_state(&self.shared);
         let state = &mut *guard;

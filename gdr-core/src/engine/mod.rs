@@ -266,13 +266,24 @@ pub struct EngineConfig {
     pub qps_per_peer: u16,
     /// Peers connected at once at most (accepted and connected together):
     /// one more is refused ([`Refusal::PeerLimit`]; a connecting peer is
-    /// rejected `Busy`). Each NIC's completion queue is sized for this many
-    /// peers' queue pairs (`qps_per_peer` × (`qp_depth` + `recv_depth`)
-    /// completions each), brought down to what the device allows
-    /// (`max_cqe`): the bound is then what fits. Default 256: about 82,000
-    /// completions per NIC with the other defaults (5 MiB of CQ on a
-    /// ConnectX, 64-byte entries); raise it for more peers.
+    /// rejected `Busy`). Each NIC's completion queues are sized for this
+    /// many peers' queue pairs (`qps_per_peer` × (`qp_depth` +
+    /// `recv_depth`) completions each), spread over its
+    /// [`cqs_per_nic`](EngineConfig::cqs_per_nic) queues and brought down
+    /// to what the device allows (`max_cqe` each): the bound is then what
+    /// fits. Default 256: about 82,000 completions per NIC with the other
+    /// defaults (5 MiB of CQ on a ConnectX, 64-byte entries); raise it for
+    /// more peers.
     pub max_peers: usize,
+    /// Completion queues per NIC. Each new queue pair goes on the one with
+    /// the fewest, so peers waited on by different threads complete on
+    /// different queues: a thread waiting on its batch polls its peer's
+    /// queues alone and takes no other peer's completions (one queue for
+    /// every peer makes the waiters of one engine share it, and its lock
+    /// in the provider). Each queue holds its share of `max_peers`' queue
+    /// pairs, so the memory is that of one queue. Default: this machine's
+    /// cores, at most 8; at most `max_peers` × `qps_per_peer`.
+    pub cqs_per_nic: u16,
     /// Work requests in flight per queue pair.
     pub qp_depth: u32,
     /// Ask for a completion every this many work requests (and at the end
@@ -377,6 +388,8 @@ impl Default for EngineConfig {
         Self {
             qps_per_peer: 2,
             max_peers: 256,
+            cqs_per_nic: std::thread::available_parallelism()
+                .map_or(1, |n| n.get().min(8) as u16),
             qp_depth: 128,
             signal_every: 16,
             slice_size: 1 << 20,
@@ -416,6 +429,13 @@ impl EngineConfig {
     #[must_use]
     pub fn with_max_peers(mut self, max_peers: usize) -> Self {
         self.max_peers = max_peers;
+        self
+    }
+
+    /// Sets [`EngineConfig::cqs_per_nic`].
+    #[must_use]
+    pub fn with_cqs_per_nic(mut self, cqs_per_nic: u16) -> Self {
+        self.cqs_per_nic = cqs_per_nic;
         self
     }
 
@@ -606,7 +626,7 @@ fn fresh_id() -> u64 {
 
 /// One queue pair of a peer.
 struct PeerQp {
-    conn: hal_verbs::dynamic::DynConnection,
+    conn: resources::SeatedConnection,
     nic: usize,
     core: QpId,
     max_inline: u32,
@@ -615,7 +635,7 @@ struct PeerQp {
     path: Option<Path>,
     /// A new connection the peer made for this index while the old one
     /// still drains: installed once it has.
-    replacement: Option<hal_verbs::dynamic::DynConnection>,
+    replacement: Option<resources::SeatedConnection>,
 }
 
 /// The host buffers of a peer's control messages.
@@ -643,7 +663,7 @@ struct PeerState {
     qps: Vec<PeerQp>,
     peer_recv_depth: u32,
     /// Replaced queue pairs 0 whose receives have not all come back.
-    retired: Vec<hal_verbs::dynamic::DynConnection>,
+    retired: Vec<resources::SeatedConnection>,
     control: ControlBuffers,
     /// The grants the peer told this side it revoked (bounded): a
     /// descriptor of one is refused as revoked, not as unknown, and a
@@ -683,6 +703,10 @@ pub struct EngineResources {
     /// keeps after it is dropped, for the life of the process, since a
     /// stream may still read or write its words later.
     pub fence_page_bytes: u64,
+    /// Queue pairs seated on each completion queue, NIC by NIC
+    /// ([`EngineConfig::cqs_per_nic`] each): a drained one gives its seat
+    /// back.
+    pub cq_queue_pairs: Vec<usize>,
 }
 
 /// What an engine holds for one peer ([`EngineResources::peers`]).
@@ -1292,6 +1316,34 @@ impl PeerSlot {
 /// opened gates served, and the GPU fences claimed for stream releases.
 type Handled = (usize, bool, bool, Vec<(usize, Vec<u32>)>);
 
+/// Some of the engine's CQs, by index (NIC × CQs per NIC + CQ): a
+/// progress call polls these. Past the 64th, every CQ is in every set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CqSet(u64);
+
+impl CqSet {
+    /// Every CQ.
+    pub(super) const ALL: CqSet = CqSet(u64::MAX);
+
+    /// No CQ yet (add to it).
+    pub(super) const NONE: CqSet = CqSet(0);
+
+    /// This set and CQ `index`.
+    pub(super) fn with(self, index: usize) -> CqSet {
+        match index {
+            0..64 => CqSet(self.0 | 1 << index),
+            _ => CqSet::ALL,
+        }
+    }
+
+    fn has(self, index: usize) -> bool {
+        index >= 64 || self.0 & 1 << index != 0
+    }
+}
+
+/// A thread polling its peer's CQs polls every CQ at this many calls.
+const HOME_ROUNDS: u64 = 16;
+
 /// What one progress call's poll of the NICs leaves for the engine's pass
 /// (kept per thread, so the polls reuse their buffers).
 #[derive(Default)]
@@ -1586,12 +1638,17 @@ impl Engine {
             }
             None => 0,
         };
-        // Each NIC's CQ holds every completion its peers' queue pairs can
+        // Each NIC's CQs hold every completion its peers' queue pairs can
         // have outstanding: a full CQ overruns, and the device fails every
-        // queue pair on it.
-        let per_peer = u64::from(config.qps_per_peer.max(1))
-            * (u64::from(config.qp_depth) + u64::from(config.recv_depth));
-        let wanted = per_peer.saturating_mul(config.max_peers.max(1) as u64);
+        // queue pair on it. Each queue pair takes a seat (its completions)
+        // on the CQ with the fewest taken: with every CQ holding its share
+        // of `max_peers`' queue pairs, one always has room while the peers
+        // are within the bound.
+        let qps_per_peer = u64::from(config.qps_per_peer.max(1));
+        let per_qp = u64::from(config.qp_depth) + u64::from(config.recv_depth);
+        let per_peer = qps_per_peer * per_qp;
+        let qps_wanted = qps_per_peer.saturating_mul(config.max_peers.max(1) as u64);
+        let cqs = u64::from(config.cqs_per_nic.max(1)).min(qps_wanted);
         let mut peer_capacity = config.max_peers.max(1);
         let mut nics = Vec::with_capacity(names.len());
         for name in names {
@@ -1619,8 +1676,8 @@ impl Engine {
             let max_cqe = context
                 .query_device()
                 .map_or(u64::from(u32::MAX), |a| u64::from(a.max_cqe));
-            let depth = wanted.min(max_cqe);
-            let fits = usize::try_from(depth / per_peer).unwrap_or(usize::MAX);
+            let seats = qps_wanted.div_ceil(cqs).min(max_cqe / per_qp.max(1));
+            let fits = usize::try_from(seats * cqs / qps_per_peer).unwrap_or(usize::MAX);
             if fits == 0 {
                 return Err(EngineError::Unavailable(
                     Unavailable::CompletionQueueTooSmall {
@@ -1640,9 +1697,10 @@ impl Engine {
                 );
                 peer_capacity = fits;
             }
-            let depth = u32::try_from(depth).unwrap_or(u32::MAX);
+            let depth = u32::try_from(seats * per_qp).unwrap_or(u32::MAX);
             // On a completion channel where the provider makes one, so a
-            // waiting engine can park until a completion comes.
+            // waiting engine can park until a completion comes (one
+            // channel for the NIC's CQs: one fd to wait on).
             let channel = match context.create_comp_channel() {
                 Ok(channel) => Some(channel),
                 Err(e) => {
@@ -1650,21 +1708,25 @@ impl Engine {
                     None
                 }
             };
-            let cq = match &channel {
-                Some(channel) => context.create_cq_on_channel(depth, channel, 0),
-                None => context.create_cq(depth),
+            let mut queues = Vec::with_capacity(cqs as usize);
+            for _ in 0..cqs {
+                let cq = match &channel {
+                    Some(channel) => context.create_cq_on_channel(depth, channel, 0),
+                    None => context.create_cq(depth),
+                }
+                .map_err(|e| {
+                    EngineError::verbs(
+                        VerbsCall::CreateCq {
+                            device: name.clone(),
+                        },
+                        e,
+                    )
+                })?;
+                queues.push(cq);
             }
-            .map_err(|e| {
-                EngineError::verbs(
-                    VerbsCall::CreateCq {
-                        device: name.clone(),
-                    },
-                    e,
-                )
-            })?;
             nics.push(Nic {
                 name,
-                cq,
+                cqs: resources::Cqs::new(queues, seats as usize),
                 channel,
                 ladder,
                 context,
@@ -1779,6 +1841,12 @@ impl Engine {
             staged_groups,
             peers,
             fence_page_bytes: state.paths.stream_fences.page_bytes(),
+            cq_queue_pairs: self
+                .shared
+                .nics
+                .iter()
+                .flat_map(|nic| nic.cqs.seated())
+                .collect(),
         }
     }
 
@@ -1802,6 +1870,24 @@ impl Engine {
             .iter()
             .filter(|lock| lock_slot(lock).peer.as_ref().is_some_and(|p| p.gone.is_none()))
             .count()
+    }
+
+    /// The CQs `peer`'s queue pairs complete on.
+    fn home_of(&self, peer: &PeerState) -> CqSet {
+        let per_nic = self.shared.nics.first().map_or(1, |n| n.cqs.queues().len());
+        peer.qps
+            .iter()
+            .fold(CqSet::NONE, |set, q| set.with(q.nic * per_nic + q.conn.cq()))
+    }
+
+    /// A seat for a new queue pair on one of NIC `nic`'s CQs: all taken
+    /// means more queue pairs than `max_peers` peers have (ones being
+    /// re-established or waiting in a listener's backlog besides), and the
+    /// queue pair is refused rather than risk a CQ's overrun.
+    fn cq_seat(&self, nic: usize) -> Result<resources::CqSeat, EngineError> {
+        self.shared.nics[nic].cqs.seat().ok_or(EngineError::Refused(Refusal::PeerLimit {
+            max: self.shared.peer_capacity,
+        }))
     }
 
     /// Whether one more peer may connect now ([`EngineConfig::max_peers`]).
@@ -1909,7 +1995,7 @@ impl Engine {
         )
         .entered();
         // Queue pair i's connection is token i.
-        let mut conns: Vec<(hal_verbs::dynamic::DynConnection, usize, Option<Path>)> =
+        let mut conns: Vec<(resources::SeatedConnection, usize, Option<Path>)> =
             Vec::with_capacity(count.into());
         let mut acceptor: Option<Hello> = None;
         while let Some(index) = dial.next_index() {
@@ -2013,7 +2099,7 @@ impl Engine {
         dial: &Dial,
         index: u16,
         timeout: Duration,
-    ) -> Result<(hal_verbs::dynamic::DynConnection, usize), QpRefused> {
+    ) -> Result<(resources::SeatedConnection, usize), QpRefused> {
         let device = match path.source {
             Some(source) => self.device_of_address(source)?,
             None => self
@@ -2038,15 +2124,14 @@ impl Engine {
         let mut params = self.connect_params(timeout);
         params.source = path.source;
         let n = &self.shared.nics[nic];
-        match self.shared.cm.connect(
-            path.peer,
-            n.ladder.pd(),
-            &n.cq,
-            &n.cq,
-            &params,
-            &hello.encode(),
-        ) {
-            Ok(conn) => Ok((conn, nic)),
+        let seat = self.cq_seat(nic)?;
+        let cq = &n.cqs.queues()[seat.cq()];
+        match self
+            .shared
+            .cm
+            .connect(path.peer, n.ladder.pd(), cq, cq, &params, &hello.encode())
+        {
+            Ok(conn) => Ok((resources::SeatedConnection::new(conn, seat), nic)),
             Err(e) => {
                 let reason = match &e {
                     hal_verbs::VerbsError::ConnectionRejected { private_data, .. } => {
@@ -2073,7 +2158,7 @@ impl Engine {
     fn dial_failed(
         &self,
         dial: &mut Dial,
-        conns: Vec<(hal_verbs::dynamic::DynConnection, usize, Option<Path>)>,
+        conns: Vec<(resources::SeatedConnection, usize, Option<Path>)>,
         peer: SocketAddr,
         error: impl Into<DialFailure>,
     ) -> EngineError {
@@ -2236,7 +2321,7 @@ impl Engine {
         addr: SocketAddr,
         hello: &Hello,
         session: u64,
-        conns: Vec<(hal_verbs::dynamic::DynConnection, usize, Option<Path>)>,
+        conns: Vec<(resources::SeatedConnection, usize, Option<Path>)>,
     ) -> Result<Peer, EngineError> {
         let config = &self.shared.config;
         let my_max = config.max_message as usize;
@@ -2352,7 +2437,7 @@ impl Engine {
     /// carries SENDs, bounded by the peer's `recv_depth` receives).
     fn qp_limits(
         &self,
-        conn: &hal_verbs::dynamic::DynConnection,
+        conn: &resources::SeatedConnection,
         index: usize,
         peer_recv_depth: u32,
     ) -> QpLimits {
@@ -2460,12 +2545,24 @@ impl Engine {
     /// handled. Waiting calls make progress themselves; call this when
     /// nothing waits (or from a thread of your own).
     pub fn progress(&self) -> usize {
+        self.progress_of(CqSet::ALL)
+    }
+
+    /// [`Engine::progress`], polling the CQs of `home` (a waiter's peer's)
+    /// and, every [`HOME_ROUNDS`]th call of a thread, every CQ: a thread
+    /// waiting on one peer's batch takes no other peer's completions (and
+    /// their locks) while it spins, and what nobody waits on still moves.
+    pub(super) fn progress_of(&self, home: CqSet) -> usize {
         // Memory whose last holder goes in progress is freed elsewhere.
         let _inside = crate::reaper::EngineSection::enter();
         let mut polled = Polled::take();
-        let mut handled = self.poll_completions(&mut polled);
-        let now = self.shared.config.clock.now();
         polled.ticks += 1;
+        let home = match polled.ticks.is_multiple_of(HOME_ROUNDS) {
+            true => CqSet::ALL,
+            false => home,
+        };
+        let mut handled = self.poll_completions(&mut polled, home);
+        let now = self.shared.config.clock.now();
         if !polled.for_pass() && !self.shared.due.is_due(now, polled.ticks) {
             polled.give_back();
             if handled > 0 {
@@ -2496,16 +2593,27 @@ impl Engine {
     /// their peer's core, each under that peer's lock only; what needs the
     /// engine's pass (receives, a NIC with an error completion or a CQ that
     /// failed) is left in `polled`. Returns how many completions it took.
-    fn poll_completions(&self, polled: &mut Polled) -> usize {
+    fn poll_completions(&self, polled: &mut Polled, home: CqSet) -> usize {
         let shared = &*self.shared;
+        let per_nic = shared.nics.first().map_or(1, |n| n.cqs.queues().len());
         let mut handled = 0;
-        for (nic_index, nic) in shared.nics.iter().enumerate() {
-            if shared.dead_nics[nic_index].load(Ordering::Acquire) {
+        let every = shared.nics.iter().enumerate().flat_map(|(nic_index, nic)| {
+            nic.cqs
+                .queues()
+                .iter()
+                .enumerate()
+                .map(move |(cq_index, cq)| (nic_index, cq_index, cq))
+        });
+        for (nic_index, cq_index, cq) in every {
+            if !home.has(nic_index * per_nic + cq_index)
+                || shared.dead_nics[nic_index].load(Ordering::Acquire)
+            {
                 continue;
             }
             let mut completions = std::mem::take(&mut polled.buffer);
             completions.clear();
-            if let Err(e) = nic.cq.poll_into(&mut completions) {
+            if let Err(e) = cq.poll_into(&mut completions) {
+                // The pass fails the NIC (once: `fail_nic`).
                 polled.failed.push((nic_index, e));
                 polled.buffer = completions;
                 continue;
@@ -2794,7 +2902,8 @@ impl Engine {
             return Ok(());
         };
         let mut guard = state.slot(slot);
-        let Some(peer) = guard.peer.as_mut() else {
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        let Some(peer) = peer.as_mut() else {
             return Ok(());
         };
         match peer.conn.on_control(message)? {
@@ -2804,6 +2913,12 @@ impl Engine {
             Received::Event(Event::GrantRevoked(grant)) => peer.revoked.record(grant),
             Received::Event(Event::Goodbye) => {
                 peer.gone.get_or_insert(PeerGone::ClosedByPeer);
+                // The peer disconnects its queue pairs next: this side's
+                // stop now, drain, and give their CQ seats back (whether
+                // or not the disconnect's event comes).
+                for qp in &peer.qps {
+                    core.fail_qp(qp.core, TransferError::PeerGone(PeerGone::ClosedByPeer));
+                }
             }
             Received::Event(Event::Message | Event::PathsKnown) | Received::Stale => {}
             // The paths took theirs above (and never hand one back).
@@ -2962,6 +3077,9 @@ impl Engine {
         let Some(peer) = peer.as_mut() else {
             return;
         };
+        // Drained, it completes nothing more: its seat goes to its
+        // successor or another peer's queue pair.
+        peer.qps[index].conn.release_seat();
         let now = self.shared.config.clock.now();
         let nic_dead = self.shared.dead_nics[peer.qps[index].nic].load(Ordering::Acquire);
         let peer_gone = peer.gone.is_some();
@@ -3052,14 +3170,19 @@ impl Engine {
             let mut params = self.connect_params(left);
             params.source = job.path.source;
             let n = &shared.nics[job.nic];
-            let attempt = shared.cm.connect(
-                job.path.peer,
-                n.ladder.pd(),
-                &n.cq,
-                &n.cq,
-                &params,
-                &hello.encode(),
-            );
+            let seat = match self.cq_seat(job.nic) {
+                Ok(seat) => seat,
+                Err(e) => {
+                    // Seats free as queue pairs go: tried again later.
+                    tracing::debug!(error = %e, qp = job.index, "reconnect attempt: every CQ full");
+                    return true;
+                }
+            };
+            let cq = &n.cqs.queues()[seat.cq()];
+            let attempt = shared
+                .cm
+                .connect(job.path.peer, n.ladder.pd(), cq, cq, &params, &hello.encode())
+                .map(|conn| resources::SeatedConnection::new(conn, seat));
             let refused = |why: DialRefused| {
                 let mut state = lock_state(shared);
                 self.give_up_qp(
@@ -3121,7 +3244,7 @@ impl Engine {
         state: &mut State,
         slot: usize,
         index: usize,
-        conn: hal_verbs::dynamic::DynConnection,
+        conn: resources::SeatedConnection,
     ) {
         let lock = Arc::clone(&state.slots[slot]);
         let mut guard = lock_slot(&lock);
@@ -3561,8 +3684,10 @@ impl reactor::Parkable for Engine {
 
     fn arm(&self) {
         for nic in self.shared.nics.iter().filter(|n| n.channel.is_some()) {
-            if let Err(e) = nic.cq.req_notify(hal_verbs::CqNotify::Next) {
-                tracing::debug!(device = %nic.name, error = %e, "arming the CQ");
+            for cq in nic.cqs.queues() {
+                if let Err(e) = cq.req_notify(hal_verbs::CqNotify::Next) {
+                    tracing::debug!(device = %nic.name, error = %e, "arming the CQ");
+                }
             }
         }
     }

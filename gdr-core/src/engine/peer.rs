@@ -443,7 +443,9 @@ impl Peer {
         let _span = tracing::debug_span!("submit", transfers = transfers.len()).entered();
         let cell = Arc::new(CompletionCell::new());
         let now = self.engine.shared.config.clock.now();
-        let submit = |core: &mut Core, peer: &mut PeerState| -> Result<BatchId, EngineError> {
+        let submit = |core: &mut Core,
+                      peer: &mut PeerState|
+         -> Result<(BatchId, CqSet), EngineError> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
@@ -459,9 +461,10 @@ impl Peer {
             }
             let work = self.plan_direct(core, peer, transfers)?;
             let deadline = now.checked_add(timeout).map(|at| (at, timeout));
-            Ok(core.submit(work, Arc::clone(&cell), deadline, holds(transfers)))
+            let id = core.submit(work, Arc::clone(&cell), deadline, holds(transfers));
+            Ok((id, self.engine.home_of(peer)))
         };
-        let id = match self.update_peer(submit)? {
+        let (id, home) = match self.update_peer(submit)? {
             // A queue pair's failure is told (its batches end) before the
             // engine's pass has carried out what it asks (a drained queue
             // pair re-established): carried out now, then asked again, so
@@ -477,6 +480,7 @@ impl Peer {
         Ok(Batch {
             id: Some((self.slot, id)),
             fence: gpu_reads(transfers),
+            home,
             ..Batch::of_cell(self.engine.clone(), cell)
         })
     }

@@ -8,7 +8,8 @@
 //! reaches the engine's state or another path's.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::cuda_worker::CudaWorker;
 use super::events::EventPools;
@@ -19,9 +20,9 @@ use crate::ladder::{Gpu, Ladder};
 /// One NIC of the engine.
 pub(crate) struct Nic {
     pub(crate) name: String,
-    pub(crate) cq: hal_verbs::dynamic::DynCompletionQueue,
-    /// The CQ's completion channel, which a parked engine waits on
-    /// (`None`: the provider made none; the CQ is then polled).
+    pub(crate) cqs: Cqs,
+    /// The CQs' completion channel, which a parked engine waits on
+    /// (`None`: the provider made none; the CQs are then polled).
     pub(crate) channel: Option<hal_verbs::dynamic::DynCompletionChannel>,
     pub(crate) ladder: Ladder,
     pub(crate) context: hal_verbs::dynamic::DynContext,
@@ -156,4 +157,127 @@ fn nearest_nics(topology: &topology::PciTopology, nics: &[Nic]) -> HashMap<u32, 
         nearest.insert(gpu.attributes.ordinal, chosen);
     }
     nearest
+}
+
+/// A NIC's completion queues, each with its seats: a queue pair takes one
+/// (room for its `qp_depth` + `recv_depth` completions) on the queue with
+/// the fewest taken, and gives it back when it is destroyed, so no queue
+/// overruns while the seats last.
+pub(crate) struct Cqs {
+    queues: Vec<hal_verbs::dynamic::DynCompletionQueue>,
+    taken: Arc<[AtomicUsize]>,
+    seats: usize,
+}
+
+impl Cqs {
+    /// Queue pairs seated on each CQ.
+    pub(crate) fn seated(&self) -> impl Iterator<Item = usize> + '_ {
+        self.taken.iter().map(|t| t.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn new(queues: Vec<hal_verbs::dynamic::DynCompletionQueue>, seats: usize) -> Self {
+        let taken = queues.iter().map(|_| AtomicUsize::new(0)).collect();
+        Self {
+            queues,
+            taken,
+            seats,
+        }
+    }
+
+    /// The queues, by index.
+    pub(crate) fn queues(&self) -> &[hal_verbs::dynamic::DynCompletionQueue] {
+        &self.queues
+    }
+
+    /// A seat on the queue with the fewest taken (`None`: every queue is
+    /// full).
+    pub(crate) fn seat(&self) -> Option<CqSeat> {
+        loop {
+            let (index, taken) = self
+                .taken
+                .iter()
+                .map(|t| t.load(Ordering::Acquire))
+                .enumerate()
+                .min_by_key(|&(_, taken)| taken)?;
+            if taken >= self.seats {
+                return None;
+            }
+            // Another thread may have taken it meanwhile: look again.
+            if self.taken[index]
+                .compare_exchange(taken, taken + 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Some(CqSeat {
+                    taken: Arc::clone(&self.taken),
+                    index,
+                });
+            }
+        }
+    }
+}
+
+/// A queue pair's seat on one of its NIC's CQs ([`Cqs::seat`]), given back
+/// when dropped.
+#[derive(Debug)]
+pub(crate) struct CqSeat {
+    taken: Arc<[AtomicUsize]>,
+    index: usize,
+}
+
+impl CqSeat {
+    /// The CQ's index on its NIC.
+    pub(crate) fn cq(&self) -> usize {
+        self.index
+    }
+}
+
+impl Drop for CqSeat {
+    fn drop(&mut self) {
+        self.taken[self.index].fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A queue pair's connection with its seat on a CQ: the connection goes
+/// first (the queue pair is destroyed), then the seat. A drained queue
+/// pair gives its seat back at once ([`SeatedConnection::release_seat`]):
+/// it completes nothing more of its own (a gone peer's stay until the
+/// engine goes, and one re-established needs a seat for its successor).
+pub(crate) struct SeatedConnection {
+    conn: hal_verbs::dynamic::DynConnection,
+    seat: Option<CqSeat>,
+    cq: usize,
+}
+
+impl SeatedConnection {
+    pub(crate) fn new(conn: hal_verbs::dynamic::DynConnection, seat: CqSeat) -> Self {
+        let cq = seat.cq();
+        Self {
+            conn,
+            seat: Some(seat),
+            cq,
+        }
+    }
+
+    /// The CQ it completes on, by index on its NIC.
+    pub(crate) fn cq(&self) -> usize {
+        self.cq
+    }
+
+    /// Gives its seat back (the queue pair drained).
+    pub(crate) fn release_seat(&mut self) {
+        self.seat = None;
+    }
+}
+
+impl std::ops::Deref for SeatedConnection {
+    type Target = hal_verbs::dynamic::DynConnection;
+    fn deref(&self) -> &Self::Target {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for SeatedConnection {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.conn
+    }
 }
