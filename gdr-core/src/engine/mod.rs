@@ -3,8 +3,9 @@
 //!
 //! # Shape
 //!
-//! - [`Engine`] owns the NICs it was given (one [`Ladder`] and one
-//!   completion queue each), registers buffers as [`Region`]s, listens and
+//! - [`Engine`] owns the NICs it was given (one [`Ladder`] and
+//!   [`EngineConfig::cqs_per_nic`] completion queues each, a queue pair
+//!   seated on the one with the fewest: `resources::Cqs`), registers buffers as [`Region`]s, listens and
 //!   connects with rdma_cm. Its book-keeping of queue pairs and batches is
 //!   [`gdr_proto::batches`] (no clock reads, no threads, no I/O; carried
 //!   out by `engine::batches`); the engine is the
@@ -120,6 +121,12 @@
 //!
 //! The hand-off between a peer's lock and the engine's (when the pass is
 //! due, where a completion goes) is `handoff`'s, checked by loom models.
+//!
+//! A thread waiting on a batch of the NIC's queue pairs polls its peer's
+//! CQs alone for a spin (`Engine::progress_of`, every 16th round all of
+//! them) before it joins the reactor: threads waiting on different peers
+//! whose queue pairs sit on different CQs then share no CQ and take no
+//! other peer's lock.
 
 mod batch;
 mod batches;
