@@ -570,3 +570,36 @@ fn queue_pairs_spread_over_the_cqs_and_give_their_seats_back() {
     round_trip_engines(&ab3, &ba3);
     round_trip_engines(&ab2, &ba2);
 }
+
+/// A peer's queue pairs sit on one CQ where it has room (a thread waiting
+/// on that peer polls one CQ): two peers of two queue pairs each, on two
+/// CQs, fill one CQ each, on the connecting side and the accepting one.
+#[test]
+fn a_peers_queue_pairs_share_one_cq() {
+    use gdr_core::engine::Engine;
+    use gdr_sim::{NodeConfig, SimFabric};
+    let config = EngineConfig::default()
+        .with_cqs_per_nic(2)
+        .with_qps_per_peer(2)
+        .with_max_peers(2)
+        .with_default_timeout(T);
+    let fabric = SimFabric::new();
+    let a_nic = fabric.add_node("a", NodeConfig::default());
+    let b_nic = fabric.add_node("b", NodeConfig::default());
+    let a = Engine::new(&a_nic.erased(), None, config.clone()).unwrap();
+    let b = Engine::new(&b_nic.erased(), None, config).unwrap();
+    let (listener, addr) = gdr_tests::engine_world::sim_listener(&b, &b_nic);
+    let seated = |e: &Engine| {
+        let mut seats = e.resources().cq_queue_pairs;
+        seats.sort_unstable();
+        seats
+    };
+    let (ab1, ba1) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
+    assert_eq!(seated(&a), [0, 2], "a spread one peer's queue pairs");
+    assert_eq!(seated(&b), [0, 2], "b spread one peer's queue pairs");
+    let (ab2, ba2) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
+    assert_eq!(seated(&a), [2, 2]);
+    assert_eq!(seated(&b), [2, 2]);
+    round_trip_engines(&ab1, &ba1);
+    round_trip_engines(&ab2, &ba2);
+}

@@ -322,8 +322,26 @@ impl Engine {
         };
         let reply = self.hello(Role::Accept, hello.session, hello.qp_index, hello.qp_count);
         let params = self.connect_params(self.shared.config.reconnect_timeout);
+        // Where another of the peer's queue pairs sits, this one goes too.
+        let prefer = match &destination {
+            Destination::Reconnect(slot) => {
+                let state = look_at_state(&self.shared);
+                let guard = state.slot(*slot);
+                guard.peer.as_ref().and_then(|p| {
+                    let index = usize::from(hello.qp_index);
+                    let others = p.qps.iter().enumerate().filter(|(i, q)| *i != index && q.nic == nic);
+                    others.map(|(_, q)| q.conn.cq()).next()
+                })
+            }
+            Destination::Backlog(_) => inner
+                .waiting()
+                .conns
+                .values()
+                .find(|(h, _, n)| h.session == hello.session && *n == nic)
+                .map(|(_, c, _)| c.cq()),
+        };
         let n = &self.shared.nics[nic];
-        let seat = match self.cq_seat(nic) {
+        let seat = match self.cq_seat(nic, prefer) {
             Ok(seat) => seat,
             Err(e) => {
                 tracing::info!(peer = %from, error = %e, "connect request refused: every CQ full");

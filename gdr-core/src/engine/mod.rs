@@ -1891,8 +1891,9 @@ impl Engine {
     /// means more queue pairs than `max_peers` peers have (ones being
     /// re-established or waiting in a listener's backlog besides), and the
     /// queue pair is refused rather than risk a CQ's overrun.
-    fn cq_seat(&self, nic: usize) -> Result<resources::CqSeat, EngineError> {
-        self.shared.nics[nic].cqs.seat().ok_or(EngineError::Refused(Refusal::PeerLimit {
+    /// `prefer`: the CQ of another of the peer's queue pairs on that NIC.
+    fn cq_seat(&self, nic: usize, prefer: Option<usize>) -> Result<resources::CqSeat, EngineError> {
+        self.shared.nics[nic].cqs.seat(prefer).ok_or(EngineError::Refused(Refusal::PeerLimit {
             max: self.shared.peer_capacity,
         }))
     }
@@ -2012,7 +2013,7 @@ impl Engine {
                 return Err(self.dial_failed(&mut dial, conns, path.peer, error));
             }
             let left = dial.remaining(clock.now());
-            let failure = match self.connect_qp(path, &dial, index, left) {
+            let failure = match self.connect_qp(path, &dial, index, left, &conns) {
                 Ok((conn, nic)) => match Hello::decode(&conn.peer_private_data()) {
                     Ok(reply) => {
                         conns.push((conn, nic, Some(path)));
@@ -2106,6 +2107,7 @@ impl Engine {
         dial: &Dial,
         index: u16,
         timeout: Duration,
+        earlier: &[(resources::SeatedConnection, usize, Option<Path>)],
     ) -> Result<(resources::SeatedConnection, usize), QpRefused> {
         let device = match path.source {
             Some(source) => self.device_of_address(source)?,
@@ -2131,7 +2133,8 @@ impl Engine {
         let mut params = self.connect_params(timeout);
         params.source = path.source;
         let n = &self.shared.nics[nic];
-        let seat = self.cq_seat(nic)?;
+        let prefer = earlier.iter().find(|(_, n, _)| *n == nic).map(|(c, _, _)| c.cq());
+        let seat = self.cq_seat(nic, prefer)?;
         let cq = &n.cqs.queues()[seat.cq()];
         match self
             .shared
@@ -3177,7 +3180,15 @@ impl Engine {
             let mut params = self.connect_params(left);
             params.source = job.path.source;
             let n = &shared.nics[job.nic];
-            let seat = match self.cq_seat(job.nic) {
+            let prefer = {
+                let state = look_at_state(shared);
+                let guard = state.slot(job.slot);
+                guard.peer.as_ref().and_then(|p| {
+                    let others = p.qps.iter().enumerate().filter(|(i, q)| *i != job.index && q.nic == job.nic);
+                    others.map(|(_, q)| q.conn.cq()).next()
+                })
+            };
+            let seat = match self.cq_seat(job.nic, prefer) {
                 Ok(seat) => seat,
                 Err(e) => {
                     // Seats free as queue pairs go: tried again later.

@@ -189,9 +189,22 @@ impl Cqs {
         &self.queues
     }
 
-    /// A seat on the queue with the fewest taken (`None`: every queue is
-    /// full).
-    pub(crate) fn seat(&self) -> Option<CqSeat> {
+    /// A seat on queue `prefer` while it has room (the queue of another
+    /// of the peer's queue pairs: a waiter on the peer then polls one
+    /// queue), else on the queue with the fewest taken (`None`: every
+    /// queue is full).
+    pub(crate) fn seat(&self, prefer: Option<usize>) -> Option<CqSeat> {
+        if let Some(index) = prefer.filter(|&i| i < self.taken.len()) {
+            let room = self.taken[index].fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                (t < self.seats).then_some(t + 1)
+            });
+            if room.is_ok() {
+                return Some(CqSeat {
+                    taken: Arc::clone(&self.taken),
+                    index,
+                });
+            }
+        }
         loop {
             let (index, taken) = self
                 .taken
