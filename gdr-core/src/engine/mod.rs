@@ -1892,8 +1892,24 @@ impl Engine {
     /// re-established or waiting in a listener's backlog besides), and the
     /// queue pair is refused rather than risk a CQ's overrun.
     /// `prefer`: the CQ of another of the peer's queue pairs on that NIC.
+    /// A queue pair gives its seat back once drained, which the engine's
+    /// pass sees: with every seat taken, progress is made for a moment
+    /// first (a peer closed just now, nobody driving the engine).
     fn cq_seat(&self, nic: usize, prefer: Option<usize>) -> Result<resources::CqSeat, EngineError> {
-        self.shared.nics[nic].cqs.seat(prefer).ok_or(EngineError::Refused(Refusal::PeerLimit {
+        const DRAIN_WAIT: Duration = Duration::from_millis(5);
+        let cqs = &self.shared.nics[nic].cqs;
+        if let Some(seat) = cqs.seat(prefer) {
+            return Ok(seat);
+        }
+        let start = Instant::now();
+        while start.elapsed() < DRAIN_WAIT {
+            self.progress();
+            if let Some(seat) = cqs.seat(prefer) {
+                return Ok(seat);
+            }
+            std::thread::yield_now();
+        }
+        Err(EngineError::Refused(Refusal::PeerLimit {
             max: self.shared.peer_capacity,
         }))
     }
