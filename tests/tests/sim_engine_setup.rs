@@ -511,17 +511,21 @@ fn the_cq_bound_of_the_device_bounds_the_peers() {
     );
 }
 
-/// Each queue pair takes a seat on its NIC's CQ with the fewest taken, and
-/// a drained one (its peer closed) gives it back: two peers of one queue
-/// pair each complete on CQs of their own (both sides), a third is refused
-/// while both are live, and once one is closed a new peer takes its seat.
-#[test]
-fn queue_pairs_spread_over_the_cqs_and_give_their_seats_back() {
-    use gdr_core::engine::{Engine, Refusal};
+/// Engines a and b on the simulation, two CQs per NIC, at most two peers
+/// of `qps` queue pairs each; b listens.
+fn two_engines_of_two_cqs(
+    qps: u16,
+) -> (
+    gdr_core::engine::Engine,
+    gdr_core::engine::Engine,
+    Listener,
+    SocketAddr,
+) {
+    use gdr_core::engine::Engine;
     use gdr_sim::{NodeConfig, SimFabric};
     let config = EngineConfig::default()
         .with_cqs_per_nic(2)
-        .with_qps_per_peer(1)
+        .with_qps_per_peer(qps)
         .with_max_peers(2)
         .with_default_timeout(T);
     let fabric = SimFabric::new();
@@ -530,6 +534,17 @@ fn queue_pairs_spread_over_the_cqs_and_give_their_seats_back() {
     let a = Engine::new(&a_nic.erased(), None, config.clone()).unwrap();
     let b = Engine::new(&b_nic.erased(), None, config).unwrap();
     let (listener, addr) = gdr_tests::engine_world::sim_listener(&b, &b_nic);
+    (a, b, listener, addr)
+}
+
+/// Each queue pair takes a seat on its NIC's CQ with the fewest taken, and
+/// a drained one (its peer closed) gives it back: two peers of one queue
+/// pair each complete on CQs of their own (both sides), a third is refused
+/// while both are live, and once one is closed a new peer takes its seat.
+#[test]
+fn queue_pairs_spread_over_the_cqs_and_give_their_seats_back() {
+    use gdr_core::engine::{Engine, Refusal};
+    let (a, b, listener, addr) = two_engines_of_two_cqs(1);
     let seated = |e: &Engine| e.resources().cq_queue_pairs;
     assert_eq!(seated(&a), [0, 0]);
     let (ab1, ba1) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
@@ -577,18 +592,7 @@ fn queue_pairs_spread_over_the_cqs_and_give_their_seats_back() {
 #[test]
 fn a_peers_queue_pairs_share_one_cq() {
     use gdr_core::engine::Engine;
-    use gdr_sim::{NodeConfig, SimFabric};
-    let config = EngineConfig::default()
-        .with_cqs_per_nic(2)
-        .with_qps_per_peer(2)
-        .with_max_peers(2)
-        .with_default_timeout(T);
-    let fabric = SimFabric::new();
-    let a_nic = fabric.add_node("a", NodeConfig::default());
-    let b_nic = fabric.add_node("b", NodeConfig::default());
-    let a = Engine::new(&a_nic.erased(), None, config.clone()).unwrap();
-    let b = Engine::new(&b_nic.erased(), None, config).unwrap();
-    let (listener, addr) = gdr_tests::engine_world::sim_listener(&b, &b_nic);
+    let (a, b, listener, addr) = two_engines_of_two_cqs(2);
     let seated = |e: &Engine| {
         let mut seats = e.resources().cq_queue_pairs;
         seats.sort_unstable();
