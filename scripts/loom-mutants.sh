@@ -58,6 +58,9 @@ follower-counted-late                     engine::reactor::loom_tests::a_followe
 leader-leaves-silently                    engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves
 lead-taken-twice                          engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves
 nudge-skips-wake                          engine::reactor::loom_tests::a_nudge_ends_a_driving_wait
+driver-asleep-not-counted                 engine::reactor::loom_tests::a_driver_resumes_when_the_waiter_that_took_its_lead_leaves
+leader-parks-beside-a-displaced-driver    engine::reactor::loom_tests::a_waiter_parks_only_once_the_driver_it_displaced_stepped_back
+step-back-not-told                        engine::reactor::loom_tests::a_waiter_parks_only_once_the_driver_it_displaced_stepped_back
 "
 
 build_log=$(mktemp)
