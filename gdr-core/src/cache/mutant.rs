@@ -166,6 +166,19 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
         "route-cache-ignores-version",
         "a polling thread keeps its copy of the routes across a change of the routes",
     ),
+    (
+        "driver-asleep-not-counted",
+        "a driver waiting for the lead a waiter took sleeps uncounted, so the waiter leaving \
+         does not wake it",
+    ),
+    (
+        "leader-parks-beside-a-displaced-driver",
+        "a leader parks without waiting for the driver it displaced to leave its park",
+    ),
+    (
+        "step-back-not-told",
+        "a displaced driver steps back without waking the leader waiting for that",
+    ),
 ];
 
 /// Whether mutant `name` is active: never, outside loom.

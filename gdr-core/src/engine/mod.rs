@@ -3599,7 +3599,7 @@ impl Engine {
                     .step(&weak, |engine| {
                         let reactor = &engine.shared.reactor;
                         let seen = reactor.nudges();
-                        reactor.wait_until(engine, None, || {
+                        reactor.drive_until(engine, || {
                             reactor.nudges() != seen || holds.closing.load(Ordering::SeqCst)
                         });
                     })
@@ -3639,7 +3639,7 @@ impl Engine {
                 let reactor = &engine.shared.reactor;
                 while !flag.load(Ordering::Acquire) {
                     let seen = reactor.nudges();
-                    reactor.wait_until(&engine, None, || {
+                    reactor.drive_until(&engine, || {
                         flag.load(Ordering::Acquire) || reactor.nudges() != seen
                     });
                 }

@@ -21,7 +21,19 @@
 //! leader (or anyone calling [`Engine::progress`](super::Engine::progress))
 //! has made progress, or the leader leaves, when one of them takes over.
 //! So two threads never park on the same fds, and a waiter whose batch
-//! another thread completed is told at once. Three ways drive the reactor:
+//! another thread completed is told at once.
+//!
+//! A waiting thread takes the lead even from a driving thread (one that
+//! only drives, [`Reactor::drive_until`]): the driver steps back at its
+//! next look (after its round, or when its park ends) and waits, without
+//! progress of its own, until the lead is given back. Otherwise a driver
+//! parked when a request is submitted must wake first and then wake the
+//! waiter (two wake-ups in turn, and two threads on one completion),
+//! where a waiter that leads finds its completion itself. A leader that
+//! must park while a displaced driver has not stepped back yet (it may
+//! still be parked on the fds) wakes it and waits for it first.
+//!
+//! Three ways drive the reactor:
 //! a caller's wait ([`Batch::wait`](super::Batch::wait)), one owned thread
 //! ([`Engine::spawn_driver`](super::Engine::spawn_driver), and the
 //! engine's own thread that serves peers' rendezvous), or an async task
@@ -35,7 +47,9 @@
 //!
 //! The spin before parking is the one policy ([`SPIN_ROUNDS`], at most
 //! [`SPIN_TIME`]): a request posted back to back completes within a few
-//! polls, which a park (two system calls and a wake-up) would delay. While
+//! polls, which a park (two system calls and a wake-up) would delay. A
+//! driver yields its core between rounds instead of spinning on it: on a
+//! busy machine the waiter it drives for may share that core. While
 //! a path has work only polling sees ([`Parkable::polls`]) the leader
 //! yields ([`YIELD_ROUNDS`]) and then parks at most [`GPU_POLL`] at a
 //! time.
@@ -45,8 +59,8 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use crate::cache::mutant;
-use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use crate::sync::{Condvar, Mutex, dekker_fence, lock, wait, wait_timeout};
+use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{Condvar, Mutex, MutexGuard, dekker_fence, lock, wait, wait_timeout};
 
 // The eventfd and ppoll; loom cannot run system calls, and models them.
 #[cfg_attr(loom, path = "reactor/sys_model.rs")]
@@ -71,6 +85,12 @@ pub(crate) const SPIN_TIME: Duration = Duration::from_micros(50);
 /// Empty rounds, after the spin, in which a leader whose engine has work
 /// only polling sees yields its core before it parks.
 pub(crate) const YIELD_ROUNDS: u32 = 4096;
+
+/// How long the lead a waiter took from a driver stays free before the
+/// driver takes it again: a thread waiting back to back takes it again
+/// within this (a submit, a few µs), and meets no driver on the engine's
+/// locks. What needs the driver then is seen this much later at most.
+pub(crate) const HANDBACK: Duration = Duration::from_micros(10);
 
 /// The longest park while a path has work whose end only polling sees.
 pub(crate) const GPU_POLL: Duration = Duration::from_micros(20);
@@ -100,6 +120,14 @@ pub(crate) trait Parkable {
 #[derive(Debug, Default)]
 struct Lead {
     leading: bool,
+    /// The leader is a driving thread, which a waiter may displace.
+    by_driver: bool,
+    /// Counts leads taken: the current lead's token (never 0).
+    token: u64,
+    /// Driving threads asleep on `changed` until the lead is free.
+    drivers_asleep: usize,
+    /// A leader sleeps on `changed` until a displaced driver steps back.
+    step_back_awaited: bool,
     /// Bumped after progress that handled something, and when the leader
     /// leaves.
     generation: u64,
@@ -132,6 +160,14 @@ pub(crate) struct Spin {
 }
 
 impl Spin {
+    /// A spin already over: the next empty round parks (or yields).
+    fn over() -> Self {
+        Self {
+            empty: SPIN_ROUNDS,
+            since: None,
+        }
+    }
+
     /// What to do after a round that handled `handled`; `polls` (the
     /// engine's [`Parkable::polls`]) is asked only once the spin is over.
     pub(crate) fn next(&mut self, handled: usize, polls: impl FnOnce() -> bool) -> Next {
@@ -184,6 +220,19 @@ pub(crate) struct Reactor {
     /// Counts [`Reactor::nudge`]s: a driving thread's wait ends at the
     /// next.
     nudges: AtomicUsize,
+    /// `Lead::leading`, for a driver waiting for the lead without the lock.
+    held: AtomicBool,
+    /// The token of a driver's lead a waiter took over, until that driver
+    /// steps back (0: none). Written under the lead's lock.
+    displaced: AtomicU64,
+}
+
+/// How a lead ended.
+enum Led {
+    /// `done` said so (`true`) or the deadline passed (`false`).
+    Done(bool),
+    /// A waiter took the lead from this driver.
+    SteppedBack,
 }
 
 impl Reactor {
@@ -198,6 +247,8 @@ impl Reactor {
             changed: Condvar::new(),
             followers: AtomicUsize::new(0),
             nudges: AtomicUsize::new(0),
+            held: AtomicBool::new(false),
+            displaced: AtomicU64::new(0),
         })
     }
 
@@ -285,15 +336,38 @@ impl Reactor {
         }
     }
 
-    /// Drives `engine` until `done` says so (`true`) or `deadline` passes
-    /// (`false`; `None`: no deadline).
+    /// Waits, driving `engine`, until `done` says so (`true`) or
+    /// `deadline` passes (`false`; `None`: no deadline). It leads if nobody
+    /// does or a driving thread does (that one steps back).
     pub(crate) fn wait_until(
         &self,
         engine: &impl Parkable,
         deadline: Option<Instant>,
+        done: impl FnMut() -> bool,
+    ) -> bool {
+        self.wait_as(engine, deadline, done, false)
+    }
+
+    /// Drives `engine` until `done` says so, as a thread that only
+    /// drives (a driver): a waiter may take the lead from it, and it
+    /// waits for the lead without making progress of its own.
+    pub(crate) fn drive_until(&self, engine: &impl Parkable, done: impl FnMut() -> bool) {
+        self.wait_as(engine, None, done, true);
+    }
+
+    fn wait_as(
+        &self,
+        engine: &impl Parkable,
+        deadline: Option<Instant>,
         mut done: impl FnMut() -> bool,
+        driving: bool,
     ) -> bool {
         let mut fds = Vec::new();
+        // A driver that waited for the lead while a waiter led parks at
+        // once when it takes it back, without a spin: the spin is for
+        // work back to back, which that waiter (or the next) makes itself
+        // (and the driver's rounds would only compete with it).
+        let mut spin = Spin::default();
         loop {
             if done() {
                 return true;
@@ -301,11 +375,23 @@ impl Reactor {
             if deadline.is_some_and(|d| engine.now() >= d) {
                 return done();
             }
-            match self.take_lead() {
+            match self.take_lead(driving) {
                 Some(leading) => {
-                    let finished = self.lead_until(engine, deadline, &mut done, &mut fds);
+                    let next = if driving { Spin::over() } else { Spin::default() };
+                    let spin = std::mem::replace(&mut spin, next);
+                    let led =
+                        self.lead_until(engine, deadline, &mut done, &mut fds, &leading, spin);
+                    // (Given back, or, displaced, stepped back from.)
                     drop(leading);
-                    return finished;
+                    match led {
+                        Led::Done(finished) => return finished,
+                        Led::SteppedBack => {}
+                    }
+                }
+                None if driving => {
+                    if self.await_lead(&mut done) {
+                        return true;
+                    }
                 }
                 None => {
                     // `done` may consume what it found (a message): once
@@ -327,26 +413,63 @@ impl Reactor {
         deadline: Option<Instant>,
         done: &mut impl FnMut() -> bool,
         fds: &mut Vec<RawFd>,
-    ) -> bool {
-        let mut spin = Spin::default();
+        leading: &Leading<'_>,
+        mut spin: Spin,
+    ) -> Led {
+        let token = leading.token;
         loop {
+            // A waiter took over: out of its way (its progress, its park).
+            if self.displaced.load(Ordering::SeqCst) == token {
+                return Led::SteppedBack;
+            }
             // (Progress that handled something tells the followers.)
             let handled = engine.progress();
             // What changed before this, `done` sees; what changes after,
             // the park does.
             let looked = self.changes();
             if done() {
-                return true;
+                return Led::Done(true);
             }
             let now = engine.now();
             if deadline.is_some_and(|d| now >= d) {
-                return false;
+                return Led::Done(false);
             }
             match spin.next(handled, || engine.polls()) {
+                // A driver's spin gives its core to a thread that shares it
+                // (the waiter it drives for, on a busy machine).
+                Next::Spin if leading.driving => std::thread::yield_now(),
                 Next::Spin => std::hint::spin_loop(),
                 Next::Yield => std::thread::yield_now(),
-                Next::Park { polls } => self.park(engine, deadline, now, polls, looked, fds),
+                Next::Park { .. }
+                    if self.displaced.load(Ordering::SeqCst) != 0
+                        && !mutant::active("leader-parks-beside-a-displaced-driver") =>
+                {
+                    self.await_step_back(token);
+                }
+                Next::Park { polls } => self.park(engine, deadline, now, polls, looked, token, fds),
             }
+        }
+    }
+
+    /// Before a leader parks: a driver it (or an earlier waiter) displaced
+    /// may still be parked on the fds; it is woken, and this waits until
+    /// it stepped back. (Rare: only a wait longer than the spin parks.)
+    fn await_step_back(&self, token: u64) {
+        let mut lead = lock(&self.lead);
+        let mut told = false;
+        loop {
+            // (A driver that waits here may be displaced meanwhile: then
+            // it steps back itself.)
+            let pending = self.displaced.load(Ordering::SeqCst);
+            if pending == 0 || pending == token {
+                return;
+            }
+            if !told {
+                lead.step_back_awaited = true;
+                self.wake.signal();
+                told = true;
+            }
+            lead = wait(&self.changed, lead);
         }
     }
 
@@ -354,6 +477,7 @@ impl Reactor {
     /// ([`Reactor::wake`], [`Reactor::progressed`]), or the earliest of
     /// `deadline` and the engine's own passes; at once if something changed
     /// since `looked` (the leader's last look at its `done`).
+    #[allow(clippy::too_many_arguments)]
     fn park(
         &self,
         engine: &impl Parkable,
@@ -361,9 +485,11 @@ impl Reactor {
         now: Instant,
         polls: bool,
         looked: usize,
+        token: u64,
         fds: &mut Vec<RawFd>,
     ) {
-        let Some(until) = self.park_begin(engine, deadline, now, polls, looked, fds) else {
+        let Some(until) = self.park_begin(engine, deadline, now, polls, looked, token, fds)
+        else {
             return;
         };
         let timeout = until.map(|u| u.saturating_duration_since(now));
@@ -377,12 +503,15 @@ impl Reactor {
     /// more, says the leader is parked, and looks whether anything changed
     /// since `looked` (the leader's last look at its `done`, or for a
     /// task, at its last round). `None`: work came (a completion before
-    /// the arm, or a change): do not park (`parked` is cleared again).
+    /// the arm, or a change), or a displaced driver has not stepped back
+    /// (this leader's own lead, `token`, displaced; or another's, which is
+    /// woken): do not park (`parked` is cleared again).
     /// Otherwise `fds` holds what must wake the park (the engine's
     /// [`Parkable::park_set`], then the reactor's wake eventfd) and the
     /// park ends at the latest at the time returned (`None`: no bound), on
     /// the engine's clock. Whoever parks then waits for one of `fds` or
     /// that time, and calls [`Reactor::park_end`], always.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn park_begin(
         &self,
         engine: &impl Parkable,
@@ -390,6 +519,7 @@ impl Reactor {
         now: Instant,
         polls: bool,
         looked: usize,
+        token: u64,
         fds: &mut Vec<RawFd>,
     ) -> Option<Option<Instant>> {
         if !mutant::active("park-skips-arm") {
@@ -407,6 +537,20 @@ impl Reactor {
             && !mutant::active("park-skips-change-check")
         {
             self.parked.store(false, Ordering::SeqCst);
+            return None;
+        }
+        // A displaced driver does not park again: it steps back. Nor does
+        // a leader while a displaced driver may still be parked (a thread
+        // waits for its step-back before it parks; a task comes here):
+        // that driver is woken, and the park is tried again.
+        let pending = self.displaced.load(Ordering::SeqCst);
+        if pending != 0
+            && (pending == token || !mutant::active("leader-parks-beside-a-displaced-driver"))
+        {
+            self.parked.store(false, Ordering::SeqCst);
+            if pending != token {
+                self.wake.signal();
+            }
             return None;
         }
         fds.clear();
@@ -433,14 +577,78 @@ impl Reactor {
         self.wake.clear();
     }
 
-    /// Becomes the leader if nobody leads.
-    fn take_lead(&self) -> Option<Leading<'_>> {
+    /// Becomes the leader if nobody leads; a waiter (not `driving`) also
+    /// if a driver leads, which is displaced: it steps back at its next
+    /// look (`displaced`), with no wake-up needed before then.
+    fn take_lead(&self, driving: bool) -> Option<Leading<'_>> {
         let mut lead = lock(&self.lead);
         if lead.leading && !mutant::active("lead-taken-twice") {
-            return None;
+            // (One displaced at a time: it must see its own token.)
+            if driving || !lead.by_driver || self.displaced.load(Ordering::SeqCst) != 0 {
+                return None;
+            }
+            self.displaced.store(lead.token, Ordering::SeqCst);
         }
         lead.leading = true;
-        Some(Leading { reactor: self })
+        lead.by_driver = driving;
+        lead.token += 1;
+        self.held.store(true, Ordering::SeqCst);
+        Some(Leading {
+            reactor: self,
+            token: lead.token,
+            driving,
+        })
+    }
+
+    /// A driver waits for the lead (a waiter holds it, or another
+    /// driver): it watches it for a spin's worth of time ([`SPIN_TIME`]),
+    /// taking it once it has stayed free for [`HANDBACK`], then sleeps
+    /// until it is given back or a nudge; `true`: `done` said so. It makes
+    /// no progress: the leader does, and a waiter leading back to back
+    /// would only meet it on the engine's locks.
+    fn await_lead(&self, done: &mut impl FnMut() -> bool) -> bool {
+        // (No spin under loom: a latency policy, not the protocol.)
+        if SPIN_ROUNDS > 0 {
+            let start = Instant::now();
+            let mut free_since = None;
+            loop {
+                if done() {
+                    return true;
+                }
+                let now = Instant::now();
+                if self.held.load(Ordering::SeqCst) {
+                    free_since = None;
+                    if now.duration_since(start) >= SPIN_TIME {
+                        break;
+                    }
+                } else if now.duration_since(*free_since.get_or_insert(now)) >= HANDBACK {
+                    return false;
+                }
+                // (The leader may share this core.)
+                std::thread::yield_now();
+            }
+        }
+        let mut lead = lock(&self.lead);
+        if !lead.leading {
+            return false;
+        }
+        // A nudge moves the generation under this lock, after its count
+        // `done` reads: either `done` sees it or the wait does.
+        let seen = lead.generation;
+        if done() {
+            return true;
+        }
+        let counted = !mutant::active("driver-asleep-not-counted");
+        if counted {
+            lead.drivers_asleep += 1;
+        }
+        while lead.leading && lead.generation == seen {
+            lead = wait(&self.changed, lead);
+        }
+        if counted {
+            lead.drivers_asleep -= 1;
+        }
+        false
     }
 
     /// Becomes the leader if nobody leads (a lead that lives as long as
@@ -460,23 +668,48 @@ impl Reactor {
             return None;
         }
         lead.leading = true;
+        lead.by_driver = false;
+        lead.token += 1;
+        self.held.store(true, Ordering::SeqCst);
         Some(OwnedLead {
             reactor: std::sync::Arc::clone(self),
         })
     }
 
-    /// Gives the lead back: followers look again (one takes over), tasks
-    /// waiting for it are woken.
-    fn give_back(&self) {
+    /// Leaves the lead `token`: a displaced driver's is another's now, it
+    /// only steps back (a leader waiting for that is told); otherwise the
+    /// lead is given back.
+    fn leave(&self, token: u64) {
         let mut lead = lock(&self.lead);
+        if self.displaced.load(Ordering::SeqCst) == token {
+            self.displaced.store(0, Ordering::SeqCst);
+            if std::mem::take(&mut lead.step_back_awaited) && !mutant::active("step-back-not-told")
+            {
+                drop(lead);
+                self.changed.notify_all();
+            }
+            return;
+        }
+        self.give_back(lead);
+    }
+
+    /// Gives the lead back: followers and drivers asleep look again (one
+    /// takes over), tasks waiting for it are woken. (The condvar is told
+    /// only if anyone sleeps on it: a notify is a system call.)
+    fn give_back(&self, mut lead: MutexGuard<'_, Lead>) {
         lead.leading = false;
+        self.held.store(false, Ordering::SeqCst);
         if mutant::active("leader-leaves-silently") {
             return;
         }
         lead.generation += 1;
+        // Followers count themselves under this lock.
+        let asleep = self.followers.load(Ordering::SeqCst) > 0 || lead.drivers_asleep > 0;
         let waiting = std::mem::take(&mut lead.waiting);
         drop(lead);
-        self.changed.notify_all();
+        if asleep {
+            self.changed.notify_all();
+        }
         for waker in waiting {
             waker.wake();
         }
@@ -545,14 +778,18 @@ impl Reactor {
     }
 }
 
-/// The lead, given back (and a follower told) when dropped.
+/// The lead, given back (and a follower told) when dropped, or stepped
+/// back from if a waiter displaced it.
 struct Leading<'a> {
     reactor: &'a Reactor,
+    token: u64,
+    /// Held by a driving thread.
+    driving: bool,
 }
 
 impl Drop for Leading<'_> {
     fn drop(&mut self) {
-        self.reactor.give_back();
+        self.reactor.leave(self.token);
     }
 }
 
@@ -571,7 +808,7 @@ pub(crate) struct OwnedLead {
 impl Drop for OwnedLead {
     fn drop(&mut self) {
         self.reactor.parked.store(false, Ordering::SeqCst);
-        self.reactor.give_back();
+        self.reactor.give_back(lock(&self.reactor.lead));
     }
 }
 

@@ -301,7 +301,7 @@ fn lead_round(
     match spin.next(handled, || engine.polls()) {
         Next::Park { polls: false } => {
             let now = engine.now();
-            match reactor.park_begin(engine, None, now, false, looked, fds) {
+            match reactor.park_begin(engine, None, now, false, looked, 0, fds) {
                 None => Round::Again,
                 Some(until) => Round::Park(until.map(|u| u.saturating_duration_since(now))),
             }

@@ -8,7 +8,9 @@
 //! it was armed, as verbs does. Every wait has no deadline, so a park
 //! sleeps until an fd is readable: a wake-up lost is a thread that never
 //! returns, which loom reports as a deadlock. Each model has two threads
-//! and is explored without a preemption bound.
+//! and is explored without a preemption bound, but the two with a driver
+//! (its loops and the waiter's make the whole space too big: millions of
+//! interleavings), explored with at most [`BOUND`] preemptions.
 
 use std::os::fd::RawFd;
 use std::time::Instant;
@@ -20,6 +22,10 @@ use loom::thread;
 use super::{Parkable, Reactor, WakeFd};
 use crate::cache::loom_tests::explore;
 use crate::sync::{Mutex, lock};
+
+/// The preemption bound of the models with a driver (see
+/// `explore_bounded`).
+const BOUND: usize = 5;
 
 /// The fake engine's completion queue.
 #[derive(Default)]
@@ -238,4 +244,93 @@ fn a_nudge_ends_a_driving_wait() {
         engine.reactor.nudge();
         driver.join().unwrap();
     });
+}
+
+/// Runs `model` as [`explore`] does, with at most `bound` preemptions
+/// per execution.
+fn explore_bounded(name: &str, bound: usize, model: impl Fn() + Sync + Send + 'static) {
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&runs);
+    let started = std::time::Instant::now();
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(bound);
+    builder.check(move || {
+        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        model();
+    });
+    let runs = runs.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "loom: {name}: {runs} interleavings (at most {bound} preemptions) in {:.2?}",
+        started.elapsed()
+    );
+    assert!(runs > 1, "{name}: loom explored a single interleaving");
+}
+
+/// A driver drives (leading, maybe parked) while a waiter waits for a
+/// batch already complete: the waiter may take the lead from it. Once the
+/// waiter has left, it hands the engine work no fd announces (a stop the
+/// driver's wait ends on, with a wake): the driver, stepped back and
+/// maybe asleep waiting for the lead, must have been told the lead is
+/// free.
+#[test]
+fn a_driver_resumes_when_the_waiter_that_took_its_lead_leaves() {
+    explore_bounded(
+        "a_driver_resumes_when_the_waiter_that_took_its_lead_leaves",
+        BOUND,
+        || {
+            let engine = Fake::new();
+            let stop = Arc::new(AtomicBool::new(false));
+            let driver = {
+                let stop = Arc::clone(&stop);
+                on_thread(&engine, move |engine| {
+                    engine
+                        .reactor
+                        .drive_until(engine, || stop.load(Ordering::SeqCst));
+                })
+            };
+            engine.complete(0);
+            engine.wait_for(0);
+            stop.store(true, Ordering::SeqCst);
+            engine.reactor.wake();
+            driver.join().unwrap();
+        },
+    );
+}
+
+/// A driver drives while a waiter waits for batch 0, which the NIC
+/// completes only once the waiter is waiting (the driver's thread stands
+/// in for it: its next look at its own wait completes the batch). A
+/// waiter that took the lead from the driver and finds nothing parks, but
+/// only once that driver (perhaps parked on the fds) has stepped back: two
+/// never park at once, and the completion reaches the one park.
+#[test]
+fn a_waiter_parks_only_once_the_driver_it_displaced_stepped_back() {
+    explore_bounded(
+        "a_waiter_parks_only_once_the_driver_it_displaced_stepped_back",
+        BOUND,
+        || {
+            let engine = Fake::new();
+            let waiting = Arc::new(AtomicBool::new(false));
+            let stop = Arc::new(AtomicBool::new(false));
+            let driver = {
+                let waiting = Arc::clone(&waiting);
+                let stop = Arc::clone(&stop);
+                on_thread(&engine, move |engine| {
+                    let mut completed = false;
+                    engine.reactor.drive_until(engine, || {
+                        if !completed && waiting.load(Ordering::SeqCst) {
+                            engine.complete(0);
+                            completed = true;
+                        }
+                        stop.load(Ordering::SeqCst)
+                    });
+                })
+            };
+            waiting.store(true, Ordering::SeqCst);
+            engine.wait_for(0);
+            stop.store(true, Ordering::SeqCst);
+            engine.reactor.nudge();
+            driver.join().unwrap();
+        },
+    );
 }

@@ -474,3 +474,39 @@ fn a_task_waiting_for_the_lead_is_woken_when_it_is_given_back() {
     engine.complete(1);
     assert!(follower.join().unwrap(), "nobody led after the task left");
 }
+
+#[test]
+fn a_driver_takes_the_lead_back_after_a_waiter_took_it() {
+    let engine = Scripted::new();
+    let stop = Arc::new(AtomicBool::new(false));
+    let driver = {
+        let engine = Arc::clone(&engine);
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let reactor = Arc::clone(&engine.reactor);
+            reactor.drive_until(&*engine, || stop.load(Ordering::SeqCst));
+        })
+    };
+    until_parked(&engine);
+    // The waiter takes the lead from the parked driver.
+    engine.complete(1);
+    let start = Instant::now();
+    assert!(
+        engine
+            .reactor
+            .wait_until(&*engine, Some(start + LONG), || engine
+                .ended
+                .load(Ordering::SeqCst)
+                >= 1),
+        "the waiter's work was not seen"
+    );
+    // Nobody waits now: only the driver, back in the lead, sees this.
+    engine.complete(1);
+    while engine.ended.load(Ordering::SeqCst) < 2 {
+        assert!(start.elapsed() < LONG, "the driver did not take the lead back");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop.store(true, Ordering::SeqCst);
+    engine.reactor.nudge();
+    driver.join().unwrap();
+}
