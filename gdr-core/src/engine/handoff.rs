@@ -28,10 +28,22 @@ pub(super) struct PassDue {
     /// `base` (`u64::MAX`: none).
     at: AtomicU64,
     base: Instant,
-    /// Set at every 64th progress call of a thread: the pass looks at
-    /// connection and async events.
+    /// Set when the pass is to look at connection and async events: at
+    /// most every [`EVENTS_EVERY`], asked at a thread's 64th progress
+    /// call. (Per thread and call alone, T threads made it T times as
+    /// often, and each such pass takes every peer's lock: the threads
+    /// of one engine then waited on each other's peers.)
     events: AtomicBool,
+    /// When connection and async events are next looked at, as
+    /// nanoseconds of real time after `started` (the engine's clock may
+    /// be a test's, standing still).
+    events_at: AtomicU64,
+    started: std::time::Instant,
 }
+
+/// How often a busy engine's pass looks at connection and async events
+/// (a parked one wakes on their fds).
+pub(super) const EVENTS_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// What one pass looked at left: `out` for its caller, whether the next
 /// progress call must make the pass again (`again`: a path's or a
@@ -50,6 +62,8 @@ impl PassDue {
             at: AtomicU64::new(u64::MAX),
             base,
             events: AtomicBool::new(false),
+            events_at: AtomicU64::new(0),
+            started: std::time::Instant::now(),
         }
     }
 
@@ -94,11 +108,23 @@ impl PassDue {
     }
 
     /// Whether the pass is due at `now`; counts the call (`tick`: this
-    /// thread's count, kept apart so that threads share no write).
+    /// thread's count, kept apart so that threads share no write; every
+    /// 64th looks whether the events are due).
     pub(super) fn is_due(&self, now: Instant, tick: u64) -> bool {
         if tick.is_multiple_of(64) {
-            self.events.store(true, Ordering::Release);
-            return true;
+            let real = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let at = self.events_at.load(Ordering::Acquire);
+            let next = real.saturating_add(EVENTS_EVERY.as_nanos() as u64);
+            // One thread of those that see them due takes them.
+            if real >= at
+                && self
+                    .events_at
+                    .compare_exchange(at, next, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                self.events.store(true, Ordering::Release);
+                return true;
+            }
         }
         self.now.load(Ordering::Acquire) || self.at.load(Ordering::Acquire) <= self.nanos(now)
     }

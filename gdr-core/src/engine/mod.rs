@@ -86,7 +86,8 @@
 //!    paths (a connect, a grant, a revoke, a staged, gated or peer-copy
 //!    submit). A progress call makes the pass only when it is due
 //!    (`handoff::PassDue`: work one of those left it, its earliest
-//!    deadline, every 64th call of a thread); one only due, with the lock
+//!    deadline, connection and async events every millisecond, engine
+//!    wide); one only due, with the lock
 //!    busy, is left to a later call, and a waiter about to park polls
 //!    instead of waiting for the lock to read its deadline. Never held
 //!    across a driver call that can block: a peer's IPC handle opened and
@@ -2790,8 +2791,9 @@ impl Engine {
             self.on_receive(state, slot, nic_index, &wc);
         }
         // Connection and async events cost a system call each (per QP, per
-        // NIC): look every 64th progress call, not on every empty poll of
-        // a wait loop. Error completions look at async events at once.
+        // NIC): looked at every millisecond or so (`handoff::EVENTS_EVERY`),
+        // not on every empty poll of a wait loop. Error completions look at
+        // async events at once.
         if shared.due.take_events() {
             self.poll_connections(state);
             self.poll_async_events(state);
