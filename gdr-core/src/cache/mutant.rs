@@ -163,6 +163,20 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
          not merged with it",
     ),
     (
+        "pass-skips-marked",
+        "the engine's pass takes the lock of peers with work only, not of those whose deadline \
+         passed",
+    ),
+    (
+        "pass-clears-with-store",
+        "the engine's pass clears what is due with plain stores, which synchronize with none of \
+         the steps that made it due",
+    ),
+    (
+        "settle-before-mark",
+        "a peer's step under its lock alone makes the pass due before it publishes its mark",
+    ),
+    (
         "route-cache-ignores-version",
         "a polling thread keeps its copy of the routes across a change of the routes",
     ),

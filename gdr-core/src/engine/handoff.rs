@@ -1,6 +1,7 @@
 //! The hand-off between a peer's steps, made under the peer's lock alone,
 //! and the rest of the engine (the module docs' "Locks"): when the
-//! engine's pass is due ([`PassDue`]), and where a completion polled
+//! engine's pass is due ([`PassDue`]), which peers it looks at
+//! ([`PeerMark`]), and where a completion polled
 //! without the engine's lock goes ([`Routes`], each polling thread's copy
 //! [`RouteCache`]). Kept apart from the engine so that the loom models
 //! (`handoff::loom_tests`) check this code itself.
@@ -31,7 +32,7 @@ pub(super) struct PassDue {
     /// Set when the pass is to look at connection and async events: at
     /// most every [`EVENTS_EVERY`], asked at a thread's 64th progress
     /// call. (Per thread and call alone, T threads made it T times as
-    /// often, and each such pass takes every peer's lock: the threads
+    /// often, and each such pass took every peer's lock: the threads
     /// of one engine then waited on each other's peers.)
     events: AtomicBool,
     /// When connection and async events are next looked at, as
@@ -69,6 +70,12 @@ impl PassDue {
 
     fn nanos(&self, at: Instant) -> u64 {
         u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The instant deadlines are counted from (the peers' marks count
+    /// from it too).
+    pub(super) fn base(&self) -> Instant {
+        self.base
     }
 
     /// A deadline the pass must handle by `at`.
@@ -159,8 +166,120 @@ impl PassDue {
     }
 
     fn clear(&self) {
-        self.now.store(false, Ordering::Release);
-        self.at.store(u64::MAX, Ordering::Release);
+        if mutant::active("pass-clears-with-store") {
+            // The bug: plain stores synchronize with no step, so the pass
+            // may read a mark older than the due it cleared.
+            self.now.store(false, Ordering::Release);
+            self.at.store(u64::MAX, Ordering::Release);
+            return;
+        }
+        // Read-modify-writes: the pass then sees what a step that made it
+        // due published before (its peer's mark).
+        self.now.swap(false, Ordering::AcqRel);
+        self.at.swap(u64::MAX, Ordering::AcqRel);
+    }
+}
+
+/// What a peer's steps left for the engine's pass, published under the
+/// peer's lock as it goes ([`PeerMark::publish`]): the pass takes the lock
+/// only of a peer with work for it or a deadline due, not every peer's at
+/// every pass (each taken lock is one its own thread may be waiting on).
+/// A step under the peer's lock alone publishes before it tells
+/// [`PassDue`] (`settled`): a pass made due by it sees its mark.
+pub(super) struct PeerMark {
+    /// Work for the pass: queue-pair actions, requests or control messages
+    /// to post.
+    work: AtomicBool,
+    /// A control message waits for a send slot or a receive of the peer
+    /// (it goes only with progress, which someone must make).
+    held: AtomicBool,
+    /// The peer's earliest deadline, as nanoseconds after `base`
+    /// (`u64::MAX`: none).
+    at: AtomicU64,
+    base: Instant,
+}
+
+/// What a peer leaves for the pass ([`PeerMark::publish`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Mark {
+    /// Queue-pair actions: the pass is due now.
+    pub(super) actions: bool,
+    /// Requests or control messages to post (posted at the next pass).
+    pub(super) post: bool,
+    /// See [`PeerMark`]'s `held`.
+    pub(super) held: bool,
+    /// The earliest deadline.
+    pub(super) at: Option<Instant>,
+}
+
+impl PeerMark {
+    /// A new peer's: work for the first pass to look at.
+    pub(super) fn new(base: Instant) -> Self {
+        Self {
+            work: AtomicBool::new(true),
+            held: AtomicBool::new(false),
+            at: AtomicU64::new(u64::MAX),
+            base,
+        }
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Under the peer's lock: what its steps left. Each value is written
+    /// only when it changed (the pass reads them from another thread).
+    pub(super) fn publish(&self, mark: Mark) {
+        let work = mark.actions || mark.post;
+        if self.work.load(Ordering::Relaxed) != work {
+            self.work.store(work, Ordering::Release);
+        }
+        if self.held.load(Ordering::Relaxed) != mark.held {
+            self.held.store(mark.held, Ordering::Release);
+        }
+        let at = mark.at.map_or(u64::MAX, |at| self.nanos(at));
+        if self.at.load(Ordering::Relaxed) != at {
+            self.at.store(at, Ordering::Release);
+        }
+    }
+
+    /// Under the peer's lock, after a step of the peer alone: publishes
+    /// `mark`, then tells `due` ([`PassDue::settled`], whose answer it
+    /// returns). In this order, a pass that the step made due sees the
+    /// mark.
+    pub(super) fn settle(&self, due: &PassDue, mark: Mark) -> bool {
+        if mutant::active("settle-before-mark") {
+            // The bug: a pass made due in between looks at the old mark.
+            let now = due.settled(mark.actions, mark.at);
+            self.publish(mark);
+            return now;
+        }
+        self.publish(mark);
+        due.settled(mark.actions, mark.at)
+    }
+
+    /// Whether the pass is to take the peer's lock at `now`: work, or a
+    /// deadline past.
+    pub(super) fn is_due(&self, now: Instant) -> bool {
+        if mutant::active("pass-skips-marked") {
+            // The bug: the pass looks only at peers with work, not at
+            // those whose deadline passed.
+            return self.work.load(Ordering::Acquire);
+        }
+        self.work.load(Ordering::Acquire) || self.at.load(Ordering::Acquire) <= self.nanos(now)
+    }
+
+    /// Whether a control message of the peer's waits on progress.
+    pub(super) fn held(&self) -> bool {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// The peer's earliest deadline, as published.
+    pub(super) fn at(&self) -> Option<Instant> {
+        match self.at.load(Ordering::Acquire) {
+            u64::MAX => None,
+            nanos => Some(self.base + std::time::Duration::from_nanos(nanos)),
+        }
     }
 }
 

@@ -89,7 +89,13 @@
 //!    deadline, connection and async events every millisecond, engine
 //!    wide); one only due, with the lock
 //!    busy, is left to a later call, and a waiter about to park polls
-//!    instead of waiting for the lock to read its deadline. Never held
+//!    instead of waiting for the lock to read its deadline. The pass
+//!    takes a peer's lock only where the peer's mark says it has
+//!    something for it (`handoff::PeerMark`: queue-pair actions, work to
+//!    post, a deadline past; published by each holder of the peer's lock
+//!    as it goes), reads the peers' earliest deadlines from the marks,
+//!    and leaves the connection events of a peer whose lock is busy to a
+//!    later pass (at most `EVENTS_SKIPPED_MAX` in a row). Never held
 //!    across a driver call that can block: a peer's IPC handle opened and
 //!    peer access enabled for a peer copy (`peer_copy::DriverStep`), the
 //!    GPU fence before a stream fence's release
@@ -207,7 +213,7 @@ pub use self::completion::CompletionCell;
 pub(crate) use self::completion::CompletionCell;
 pub use self::completion::Outcome;
 use self::completion::RevokedGrants;
-use self::handoff::{Looked, PassDue, RouteCache};
+use self::handoff::{Looked, Mark, PassDue, RouteCache};
 pub use self::error::{
     EngineError, Error, HandshakeFailure, PeerGone, ReadOnlyUse, Refusal, SharedEngineError,
     TimedOut, TransferError, Unavailable, Unsupported, VerbsCall,
@@ -887,8 +893,32 @@ struct PeerSlot {
     to_post: Vec<SendRequest>,
 }
 
-/// A peer's lock.
-type PeerLock = Mutex<PeerSlot>;
+/// A peer's lock, and the mark its holders leave for the engine's pass
+/// outside it ([`handoff::PeerMark`]: the pass takes the lock only of a
+/// peer the mark says has something for it).
+struct PeerLock {
+    slot: Mutex<PeerSlot>,
+    mark: handoff::PeerMark,
+    /// The engine's passes in a row that found the lock busy when they
+    /// came to poll the peer's connection events (`poll_connections`),
+    /// written by the pass alone.
+    events_skipped: std::sync::atomic::AtomicU32,
+}
+
+impl PeerLock {
+    fn new(slot: PeerSlot, base: Instant) -> Self {
+        Self {
+            slot: Mutex::new(slot),
+            mark: handoff::PeerMark::new(base),
+            events_skipped: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+}
+
+/// Passes in a row that may find a peer's lock busy and leave its
+/// connection events to a later one ([`Engine::poll_connections`]): then
+/// one waits for the lock.
+const EVENTS_SKIPPED_MAX: u32 = 8;
 
 /// Where a completion of one queue pair goes ([`handoff::Route`]).
 type Route = handoff::Route<PeerLock>;
@@ -1128,8 +1158,33 @@ struct Guard<'a, T> {
 /// The engine's lock.
 type StateGuard<'a> = Guard<'a, State>;
 
-/// A peer's lock.
-type SlotGuard<'a> = Guard<'a, PeerSlot>;
+/// A peer's lock, held: as it goes, what the holder left is published for
+/// the engine's pass ([`handoff::PeerMark`]).
+struct SlotGuard<'a> {
+    guard: Guard<'a, PeerSlot>,
+    mark: &'a handoff::PeerMark,
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        // Before the lock goes (the guard is dropped after this body).
+        let mark = self.guard.mark();
+        self.mark.publish(mark);
+    }
+}
+
+impl std::ops::Deref for SlotGuard<'_> {
+    type Target = PeerSlot;
+    fn deref(&self) -> &PeerSlot {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for SlotGuard<'_> {
+    fn deref_mut(&mut self) -> &mut PeerSlot {
+        &mut self.guard
+    }
+}
 
 impl<T> Drop for Guard<'_, T> {
     fn drop(&mut self) {
@@ -1191,12 +1246,30 @@ fn try_look_at_state(shared: &Shared) -> Option<StateGuard<'_>> {
 fn lock_slot(lock: &PeerLock) -> SlotGuard<'_> {
     let inside = crate::reaper::EngineSection::enter();
     let held = lock_order::slot(lock);
-    Guard {
-        guard: crate::sync::lock(lock),
-        _held: Some(held),
-        _inside: inside,
-        due: None,
+    SlotGuard {
+        guard: Guard {
+            guard: crate::sync::lock(&lock.slot),
+            _held: Some(held),
+            _inside: inside,
+            due: None,
+        },
+        mark: &lock.mark,
     }
+}
+
+/// [`lock_slot`] if the peer's lock is free now.
+fn try_lock_slot(lock: &PeerLock) -> Option<SlotGuard<'_>> {
+    let inside = crate::reaper::EngineSection::enter();
+    let guard = crate::sync::try_lock(&lock.slot)?;
+    Some(SlotGuard {
+        guard: Guard {
+            guard,
+            _held: Some(lock_order::slot(lock)),
+            _inside: inside,
+            due: None,
+        },
+        mark: &lock.mark,
+    })
 }
 
 /// The lock order, checked in debug builds: a thread holding a peer's lock
@@ -1306,6 +1379,19 @@ impl PeerSlot {
         match (self.core.next_deadline(), connection) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// What the peer leaves for the engine's pass ([`handoff::PeerMark`]).
+    fn mark(&mut self) -> Mark {
+        let post = self.peer.as_ref().is_some_and(|p| {
+            p.conn.outbox_len() > 0 || p.qps.iter().any(|q| self.core.has_postable(q.core))
+        });
+        Mark {
+            actions: self.core.has_action(),
+            post,
+            held: self.control_held(),
+            at: self.next_deadline(),
         }
     }
 
@@ -1882,7 +1968,7 @@ impl Engine {
 
     /// The CQs `peer`'s queue pairs complete on.
     fn home_of(&self, peer: &PeerState) -> CqSet {
-        let per_nic = self.shared.nics.first().map_or(1, |n| n.cqs.queues().len());
+        let per_nic = self.shared.cqs_per_nic;
         peer.qps
             .iter()
             .fold(CqSet::NONE, |set, q| set.with(q.nic * per_nic + q.conn.cq()))
@@ -2367,11 +2453,14 @@ impl Engine {
             return Err(EngineError::Refused(Refusal::PeerLimit { max }));
         }
         let slot = state.slots.len();
-        let lock = Arc::new(Mutex::new(PeerSlot {
-            core: Core::new(),
-            peer: None,
-            to_post: Vec::with_capacity(64),
-        }));
+        let lock = Arc::new(PeerLock::new(
+            PeerSlot {
+                core: Core::new(),
+                peer: None,
+                to_post: Vec::with_capacity(64),
+            },
+            self.shared.due.base(),
+        ));
         let mut routes = self.shared.routes_mut();
         let mut core = Core::new();
         let mut qps = Vec::with_capacity(conns.len());
@@ -2553,10 +2642,10 @@ impl Engine {
     /// batches', the paths', and each peer connection's (a queue pair's
     /// re-establishment, a control message waiting for a send slot).
     fn next_deadline_of(state: &mut State) -> Option<Instant> {
-        let peers = state
-            .slots
-            .iter()
-            .filter_map(|lock| lock_slot(lock).next_deadline());
+        // As the peers' locks published them: one held now publishes its
+        // own as it goes, and makes the pass due by it when it left one
+        // (`PeerMark::settle`).
+        let peers = state.slots.iter().filter_map(|lock| lock.mark.at());
         [
             TransferPath::next_deadline(&state.paths.staged),
             TransferPath::next_deadline(&state.paths.peer_copy),
@@ -2622,7 +2711,7 @@ impl Engine {
     /// failed) is left in `polled`. Returns how many completions it took.
     fn poll_completions(&self, polled: &mut Polled, home: CqSet) -> usize {
         let shared = &*self.shared;
-        let per_nic = shared.nics.first().map_or(1, |n| n.cqs.queues().len());
+        let per_nic = shared.cqs_per_nic;
         let mut handled = 0;
         let every = shared.nics.iter().enumerate().flat_map(|(nic_index, nic)| {
             nic.cqs
@@ -2678,7 +2767,7 @@ impl Engine {
                         for wc in sends {
                             slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
                         }
-                        self.settle_slot(slot);
+                        self.settle_slot(&mut guard);
                     }
                 }
                 polled.receives.extend(
@@ -2705,13 +2794,14 @@ impl Engine {
     /// ready, and tells the engine's pass what it must look at (its
     /// queue-pair actions, its deadlines; a held control message starts
     /// the engine's own thread where no driver runs).
-    fn settle_slot(&self, slot: &mut PeerSlot) {
+    fn settle_slot(&self, slot: &mut SlotGuard<'_>) {
         let shared = &*self.shared;
-        let actions = slot.post(shared.config.clock.now());
-        if shared.due.settled(actions, slot.next_deadline()) {
+        slot.post(shared.config.clock.now());
+        let mark = slot.mark();
+        if slot.mark.settle(&shared.due, mark) {
             self.wake();
         }
-        if slot.control_held() && shared.drivers.load(Ordering::Acquire) == 0 {
+        if mark.held && shared.drivers.load(Ordering::Acquire) == 0 {
             self.ensure_own_driver();
         }
     }
@@ -2802,7 +2892,7 @@ impl Engine {
         if state.reconnecting > 0 {
             self.give_up_late_reconnects(state, now);
         }
-        for lock in &state.slots {
+        for lock in state.slots.iter().filter(|lock| lock.mark.is_due(now)) {
             lock_slot(lock).core.handle_timeout(now);
         }
         handled += state.with_paths(&shared.res, now, |paths, cx| {
@@ -2957,7 +3047,20 @@ impl Engine {
 
     fn poll_connections(&self, state: &mut State) {
         for lock in &state.slots {
-            let mut guard = lock_slot(lock);
+            // A peer whose lock is busy now is left to a later pass (a
+            // pass a millisecond): its holder is most often its own thread
+            // at work, which would wait for this pass instead. At most
+            // `EVENTS_SKIPPED_MAX` in a row.
+            let skipped = lock.events_skipped.load(Ordering::Relaxed);
+            let guard = match skipped < EVENTS_SKIPPED_MAX {
+                true => try_lock_slot(lock),
+                false => Some(lock_slot(lock)),
+            };
+            let Some(mut guard) = guard else {
+                lock.events_skipped.store(skipped + 1, Ordering::Relaxed);
+                continue;
+            };
+            lock.events_skipped.store(0, Ordering::Relaxed);
             let PeerSlot { core, peer, .. } = &mut *guard;
             let Some(peer) = peer else { continue };
             for qp in &peer.qps {
@@ -3059,7 +3162,11 @@ impl Engine {
     }
 
     fn run_actions(&self, state: &mut State) {
+        let now = self.shared.config.clock.now();
         for slot in 0..state.slots.len() {
+            if !state.slots[slot].mark.is_due(now) {
+                continue;
+            }
             loop {
                 // One action at a time: a drained queue pair's handling
                 // takes the peer's lock itself.
@@ -3374,11 +3481,13 @@ impl Engine {
         }
     }
 
-    /// Posts what every peer has ready (the engine's pass: its steps
-    /// queue work on any peer), then carries out the queue-pair actions.
+    /// Posts what the peers marked as having work have ready (the
+    /// engine's pass: its steps queue work on any peer, each publishing
+    /// its mark as its lock goes), then carries out the queue-pair
+    /// actions.
     fn post_ready(&self, state: &mut State) {
         let now = self.shared.config.clock.now();
-        for lock in &state.slots {
+        for lock in state.slots.iter().filter(|lock| lock.mark.is_due(now)) {
             lock_slot(lock).post(now);
         }
         self.run_actions(state);
@@ -3402,7 +3511,7 @@ impl Engine {
         if self.shared.drivers.load(Ordering::Acquire) > 0 {
             return;
         }
-        if state.slots.iter().any(|lock| lock_slot(lock).control_held()) {
+        if state.slots.iter().any(|lock| lock.mark.held()) {
             self.ensure_own_driver();
         }
     }
@@ -4094,11 +4203,14 @@ mod lock_order_tests {
     use super::*;
 
     fn peer_lock() -> PeerLock {
-        Mutex::new(PeerSlot {
-            core: Core::new(),
-            peer: None,
-            to_post: Vec::new(),
-        })
+        PeerLock::new(
+            PeerSlot {
+                core: Core::new(),
+                peer: None,
+                to_post: Vec::new(),
+            },
+            Instant::now(),
+        )
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub(crate) struct Resources {
     /// Peers connected at once at most: `max_peers`, or fewer where a
     /// NIC's completion queue holds fewer.
     pub(crate) peer_capacity: usize,
+    /// Completion queues of each NIC (every NIC has as many): a CQ's index
+    /// in the engine is its NIC's index times this plus its own.
+    pub(crate) cqs_per_nic: usize,
     /// The thread that makes progress's blocking driver calls
     /// ([`super::cuda_worker`]).
     pub(crate) cuda: CudaWorker,
@@ -70,6 +73,7 @@ impl Resources {
             nics.first().map_or(&[][..], |n| n.ladder.gpus()),
             2 * config.staging_slots + 32,
         );
+        let cqs_per_nic = nics.first().map_or(1, |n| n.cqs.queues().len());
         std::sync::Arc::new_cyclic(|weak| Self {
             id,
             config,
@@ -79,6 +83,7 @@ impl Resources {
             nearest_nics,
             events,
             peer_capacity,
+            cqs_per_nic,
             cuda: CudaWorker::new(weak.clone()),
         })
     }

@@ -19,7 +19,7 @@ use hal_verbs::WcStatus;
 
 use super::super::batches::{Action, Core, QpId, QpLimits, test_write};
 use super::super::completion::CompletionCell;
-use super::{Looked, PassDue, Route, RouteCache, Routes};
+use super::{Looked, Mark, PassDue, PeerMark, Route, RouteCache, Routes};
 use crate::cache::loom_tests::explore;
 use crate::sync::{Condvar, Mutex, lock};
 
@@ -159,6 +159,91 @@ fn a_deadline_set_while_the_pass_runs_is_kept() {
             "the pass is not due at the earliest deadline"
         );
     });
+}
+
+/// A peer as the engine keeps it for the pass that reads marks: its core
+/// under its lock, and the mark its lock's holders publish.
+struct Marked {
+    core: Mutex<Core>,
+    mark: PeerMark,
+}
+
+/// What `core` leaves for the pass, as `PeerSlot::mark` makes it.
+fn mark_of(core: &mut Core) -> Mark {
+    Mark {
+        actions: core.has_action(),
+        post: false,
+        held: false,
+        at: core.next_deadline(),
+    }
+}
+
+/// The engine's pass as `Engine::look` makes it: only the peers whose
+/// mark says work or a deadline past are locked (each publishing its
+/// mark as its lock goes); the earliest deadline is read from the marks.
+fn pass_marked(due: &PassDue, peers: &[&Marked], now: Instant) -> Vec<Action> {
+    due.pass(|| {
+        let mut taken = Vec::new();
+        for peer in peers.iter().filter(|p| p.mark.is_due(now)) {
+            let mut core = lock(&peer.core);
+            core.handle_timeout(now);
+            taken.extend(std::iter::from_fn(|| core.poll_action()));
+            peer.mark.publish(mark_of(&mut core));
+        }
+        let at = peers.iter().filter_map(|p| p.mark.at()).min();
+        Looked {
+            out: taken,
+            again: false,
+            at,
+        }
+    })
+}
+
+/// A submitter leaves a batch with a deadline under its peer's lock alone
+/// (publishing its mark, then telling the pass) while a pass at that
+/// deadline runs, which locks only the peers whose mark says so. After
+/// both, and one more pass if one is due, the deadline was handled (the
+/// batch's queue pair stopped).
+/// Mutants: `settle-before-mark` (the step makes the pass due before it
+/// publishes: a pass in between skips the peer and the deadline is lost),
+/// `pass-skips-marked` (the pass does not lock a peer whose deadline
+/// passed).
+#[test]
+fn a_deadline_left_under_a_peers_lock_alone_is_handled_by_a_pass() {
+    explore(
+        "a_deadline_left_under_a_peers_lock_alone_is_handled_by_a_pass",
+        || {
+            let t0 = Instant::now();
+            let due = Arc::new(PassDue::new(t0));
+            let mut core = Core::new();
+            let qp = core.add_qp(0, limits());
+            let peer = Arc::new(Marked {
+                core: Mutex::new(core),
+                mark: PeerMark::new(t0),
+            });
+            // A first pass found the new peer and nothing for it.
+            assert!(pass_marked(&due, &[&peer], t0).is_empty());
+            assert!(!due.is_due(t0 + TIMEOUT, 1));
+            let submitter = {
+                let (due, peer) = (Arc::clone(&due), Arc::clone(&peer));
+                thread::spawn(move || {
+                    let mut core = lock(&peer.core);
+                    submit(&mut core, qp, t0, TIMEOUT);
+                    let mark = mark_of(&mut core);
+                    peer.mark.settle(&due, mark);
+                })
+            };
+            let mut taken = pass_marked(&due, &[&peer], t0 + TIMEOUT);
+            submitter.join().unwrap();
+            if due.is_due(t0 + TIMEOUT, 1) {
+                taken.extend(pass_marked(&due, &[&peer], t0 + TIMEOUT));
+            }
+            assert!(
+                taken.contains(&Action::StopQp(qp)),
+                "the batch's deadline was not handled"
+            );
+        },
+    );
 }
 
 /// A peer's slot in the route model: its core and its queue pairs'
