@@ -45,7 +45,8 @@ fn host_write_then_read_back_byte_for_byte() {
     assert_eq!(w.a.bytes(&back_buf), pattern(LEN as usize, 1));
 }
 
-/// A peer's plain batches and messages take its own lock only: they run
+/// A peer's plain batches and messages, and its grants of memory the NIC
+/// reaches (made, announced, revoked), take its own lock only: they run
 /// while another thread holds the engine's lock (whose holders make no
 /// blocking call, but a thousand peers' batches must not queue behind
 /// one grant, revoke or path step of another peer).
@@ -57,6 +58,7 @@ fn a_peers_batches_run_while_the_engines_lock_is_held() {
     let h = w.host_pair(LEN, 3, GrantRights::ReadWrite);
     let write = [Transfer::write(&h.src, 0, &h.remote, 0, LEN)];
     w.ab.submit(&write).unwrap().wait(T).unwrap();
+    let (_granted_buf, granted) = w.a.host(LEN, 5);
     let released = AtomicBool::new(false);
     let (held, holding) = std::sync::mpsc::channel();
     std::thread::scope(|s| {
@@ -72,6 +74,10 @@ fn a_peers_batches_run_while_the_engines_lock_is_held() {
             w.ab.submit(&write).unwrap().wait(T).unwrap();
         }
         w.ab.send(b"while held").unwrap().wait(T).unwrap();
+        let grant =
+            w.ab.grant(&granted, 0, LEN, GrantRights::ReadWrite)
+                .unwrap();
+        grant.revoke(T).unwrap();
         assert!(
             !released.load(Ordering::SeqCst),
             "the batches waited for the engine's lock"

@@ -10,7 +10,7 @@ pub struct Batch {
     pub(super) cell: Arc<CompletionCell>,
     /// Its peer's slot and its id in that peer's core; `None` for a
     /// control message (not cancellable).
-    pub(super) id: Option<(usize, BatchId)>,
+    pub(super) id: Option<(Arc<PeerLock>, BatchId)>,
     /// GPUs this batch READ into: fenced once it succeeds, before
     /// [`Batch::wait`] or the `Future` returns.
     pub(super) fence: Vec<u32>,
@@ -31,7 +31,7 @@ pub struct Batch {
 impl fmt::Debug for Batch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Batch")
-            .field("id", &self.id)
+            .field("id", &self.id.as_ref().map(|(_, id)| id))
             .field("outcome", &self.cell.outcome())
             .finish()
     }
@@ -191,11 +191,10 @@ impl Batch {
         if let Some(gate) = &self.gate {
             gate.cancel();
         }
-        match self.id {
-            Some((slot, id)) => {
-                let lock = Arc::clone(&look_at_state(&self.engine.shared).slots[slot]);
-                let mut guard = lock_slot(&lock);
-                guard.core.cancel(id);
+        match &self.id {
+            Some((lock, id)) => {
+                let mut guard = lock_slot(lock);
+                guard.core.cancel(*id);
                 self.engine.settle_slot(&mut guard);
             }
             None => self.engine.cancel_peer_copy(&self.cell),

@@ -83,8 +83,9 @@
 //!    pass (`Engine::progress_locked`: control messages received, error
 //!    completions, deadlines, connection and async events, the paths'
 //!    steps, queue-pair actions) and by what changes the peers or the
-//!    paths (a connect, a grant, a revoke, a staged, gated or peer-copy
-//!    submit). A progress call makes the pass only when it is due
+//!    paths (a connect; a grant or revoke of memory a path beside the
+//!    NIC's may hold: staged, or GPU memory peer copy may export; a
+//!    staged, gated or peer-copy submit). A progress call makes the pass only when it is due
 //!    (`handoff::PassDue`: work one of those left it, its earliest
 //!    deadline, connection and async events every millisecond, engine
 //!    wide); one only due, with the lock
@@ -107,8 +108,9 @@
 //! 2. A peer's lock (`PeerLock`, one `PeerSlot`: the core of batches on
 //!    the peer's queue pairs and its connection, [`gdr_proto::connection`]):
 //!    taken alone by what that peer does (a submit of memory the NIC
-//!    reaches, a control message, a wait for a message or a grant, the
-//!    completions of its sends, routed to it by any polling thread), or
+//!    reaches, a grant of such memory and its revoke, a control message,
+//!    a wait for a message or a grant, a cancel, the completions of its
+//!    sends, routed to it by any polling thread), or
 //!    under the engine's lock; one peer's at a time. Under it: the NIC's
 //!    non-blocking calls (posts, a queue pair moved to error or
 //!    disconnected).

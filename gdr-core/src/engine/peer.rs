@@ -43,6 +43,11 @@ pub struct Grant {
     pub(super) _grants: Vec<MrGrant>,
     /// Its entry for a peer-copy peer of this process.
     pub(super) _published: Option<peer_copy::Publication>,
+    /// Whether a path beside the NIC's may hold it (served by the staged
+    /// path, or GPU memory the peer-copy path may export): its revoke
+    /// takes the engine's lock. A grant the NIC alone reaches is made,
+    /// announced and revoked under the peer's lock alone.
+    pub(super) on_paths: bool,
 }
 
 impl fmt::Debug for Grant {
@@ -84,7 +89,12 @@ impl Grant {
         let grant = self.descriptor.grant;
         let peer = self.peer.clone();
         let same_process = self._published.as_ref().map(|p| Arc::clone(&p.fence));
+        let on_paths = self.on_paths;
         drop(self);
+        if !on_paths {
+            // Fenced: its MRs were deregistered by the drop.
+            return Ok(());
+        }
         peer.engine.progress_until(timeout, |state| {
             let gone = state.slot(peer.slot).peer.as_ref().map(|p| p.gone.is_some());
             let staged = match gone {
@@ -105,6 +115,26 @@ impl Grant {
 impl Drop for Grant {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
+        if !self.on_paths {
+            if let Some(p) = lock_slot(&self.peer.lock).peer.as_mut() {
+                p.conn.forget_announced(grant);
+            }
+        } else {
+            self.revoke_on_paths(grant);
+        }
+        let notice = Control::GrantRevoke { grant };
+        // Best effort: a peer that is gone needs no notice; its NIC access
+        // ends with the MRs either way.
+        if let Err(e) = self.peer.send_control(&notice) {
+            tracing::debug!(error = %e, "revocation notice not sent");
+        }
+    }
+}
+
+impl Grant {
+    /// The revoke's part on the paths beside the NIC's (under the engine's
+    /// lock): an exported IPC handle, requests of the staged path.
+    fn revoke_on_paths(&self, grant: u64) {
         {
             // An exported IPC handle: its memory stays until the importer
             // released it (or the bound passed).
@@ -127,12 +157,6 @@ impl Drop for Grant {
         // A staged region's last hold may go here: outside the lock.
         drop(fenced);
         self.peer.engine.wake();
-        let notice = Control::GrantRevoke { grant };
-        // Best effort: a peer that is gone needs no notice; its NIC access
-        // ends with the MRs either way.
-        if let Err(e) = self.peer.send_control(&notice) {
-            tracing::debug!(error = %e, "revocation notice not sent");
-        }
     }
 }
 
@@ -268,7 +292,14 @@ impl Peer {
         };
         let mut bytes = vec![0; announce.encoded_len()];
         announce.encode_into(&mut bytes)?;
-        let published = self.publish_for_peer_copy(region, offset, &descriptor);
+        // GPU memory only may go by peer copy (the path decides under the
+        // engine's lock).
+        let may_export = self.engine.shared.config.peer_copy
+            && matches!(region.inner.location, MemoryLocation::Gpu { .. });
+        let published = match may_export {
+            true => self.publish_for_peer_copy(region, offset, &descriptor),
+            false => None,
+        };
         let served = grants.is_empty().then(|| staging::Served {
             region: region.clone(),
             offset,
@@ -278,8 +309,9 @@ impl Peer {
         if served.is_some() {
             self.engine.ensure_own_driver();
         }
+        let on_paths = served.is_some() || may_export;
         // Recorded before it is announced: the peer may use it at once.
-        {
+        if let Some(served) = served {
             let mut state = lock_state(&self.engine.shared);
             state
                 .slot(self.slot)
@@ -288,18 +320,19 @@ impl Peer {
                 .ok_or(EngineError::PeerGone(PeerGone::Closed))?
                 .conn
                 .announce(descriptor.grant, bytes);
-            if let Some(served) = served {
-                state
-                    .paths
-                    .staged
-                    .grant(self.slot, descriptor.grant, served)?;
-            }
+            state
+                .paths
+                .staged
+                .grant(self.slot, descriptor.grant, served)?;
+        } else {
+            self.read_peer(|_, p| p.conn.announce(descriptor.grant, bytes))?;
         }
         let grant = Grant {
             descriptor,
             peer: self.clone(),
             _grants: grants,
             _published: published,
+            on_paths,
         };
         // A failed announcement revokes it again (the drop).
         self.send_control(&announce)?;
@@ -478,7 +511,7 @@ impl Peer {
         };
         self.deadline_added(now, timeout);
         Ok(Batch {
-            id: Some((self.slot, id)),
+            id: Some((Arc::clone(&self.lock), id)),
             fence: gpu_reads(transfers),
             home,
             ..Batch::of_cell(self.engine.clone(), cell)
@@ -826,7 +859,7 @@ impl Peer {
             Some(id) => {
                 self.deadline_added(now, timeout);
                 Batch {
-                    id: Some((self.slot, id)),
+                    id: Some((Arc::clone(&self.lock), id)),
                     ..Batch::of_cell(engine.clone(), cell)
                 }
             }
