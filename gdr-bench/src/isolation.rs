@@ -29,9 +29,11 @@
 //!   nothing else.
 //!
 //! Two phases on the same engines, after 1000 untimed WRITEs of A:
-//! `alone`, `--samples` WRITEs of A with nothing else running; then
-//! `beside-peer-copy`, the same while a second thread runs B's rounds one
-//! after another (from its first round done until A's last WRITE). Per
+//! `alone`, A's WRITEs back to back for `--seconds` with nothing else
+//! running; then `beside-peer-copy`, the same while a second thread runs
+//! B's rounds one after another (from its first round done until A's last
+//! WRITE): with the defaults, hundreds of B's slow calls fall within A's
+//! WRITEs. Per
 //! phase: p50, p90, p99, p99.9 (nearest rank) and the largest latency in
 //! µs; for the second, B's rounds done and the (slowed) IPC opens made
 //! while A's WRITEs ran; then the ratio of p50 and p99 (beside / alone). A
@@ -88,9 +90,9 @@ impl Phase {
 /// Options of `gdr bench isolation`.
 #[derive(Debug, Args)]
 pub struct IsolationArgs {
-    /// WRITEs of peer A timed in each phase.
-    #[arg(long, default_value_t = 20_000)]
-    samples: u64,
+    /// Seconds of peer A's WRITEs timed in each phase.
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
     /// How long each driver call of peer B's rounds (its IPC open) is
     /// made to take, in µs.
     #[arg(long, default_value_t = 2000)]
@@ -148,7 +150,8 @@ pub(crate) fn isolation_bench(
             .into());
         }
     }
-    let samples = args.samples.max(1);
+    let seconds = Duration::try_from_secs_f64(args.seconds.max(0.001))
+        .map_err(|e| format!("--seconds {}: {e}", args.seconds))?;
     let slow = Duration::from_micros(args.slow_us);
     let copy = u64::try_from(args.copy_size)?;
     let world = SimWorld::new(copy)?;
@@ -165,8 +168,9 @@ pub(crate) fn isolation_bench(
             args.slow_us
         );
         println!(
-            "latency of A's WRITEs: submit to completion seen, in µs, n={samples} per phase, \
-             nearest rank; B's batches and slow calls: while A's WRITEs ran"
+            "latency of A's WRITEs: submit to completion seen, in µs, {:.1} s per phase, \
+             nearest rank; B's batches and slow calls: while A's WRITEs ran",
+            seconds.as_secs_f64()
         );
         println!(
             "{:<17} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10}",
@@ -181,11 +185,11 @@ pub(crate) fn isolation_bench(
         let figures = match phase {
             Phase::Alone => PhaseFigures {
                 phase,
-                latencies: world.a_loop(samples)?,
+                latencies: world.a_loop(seconds)?,
                 b_batches: 0,
                 slow_calls: 0,
             },
-            Phase::BesidePeerCopy => world.beside_peer_copy(samples, slow)?,
+            Phase::BesidePeerCopy => world.beside_peer_copy(seconds, slow)?,
         };
         if args.json {
             println!("{}", json_line(&figures, copy, args.slow_us));
@@ -348,11 +352,13 @@ impl SimWorld {
         Ok(u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
 
-    /// `samples` WRITEs of A back to back: their latencies, sorted.
-    fn a_loop(&self, samples: u64) -> Result<Vec<u64>, Box<dyn Error>> {
-        let mut latencies = (0..samples)
-            .map(|_| self.write_a())
-            .collect::<Result<Vec<_>, _>>()?;
+    /// WRITEs of A back to back for `seconds`: their latencies, sorted.
+    fn a_loop(&self, seconds: Duration) -> Result<Vec<u64>, Box<dyn Error>> {
+        let start = Instant::now();
+        let mut latencies = Vec::with_capacity(1 << 20);
+        while start.elapsed() < seconds {
+            latencies.push(self.write_a()?);
+        }
         latencies.sort_unstable();
         Ok(latencies)
     }
@@ -386,7 +392,7 @@ impl SimWorld {
     /// A's WRITEs while another thread runs B's rounds.
     fn beside_peer_copy(
         &self,
-        samples: u64,
+        seconds: Duration,
         slow: Duration,
     ) -> Result<PhaseFigures, Box<dyn Error>> {
         let stop = AtomicBool::new(false);
@@ -405,7 +411,7 @@ impl SimWorld {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let (rounds0, calls0) = (rounds.load(Ordering::Relaxed), self.faults.calls(SITE));
-            let latencies = self.a_loop(samples);
+            let latencies = self.a_loop(seconds);
             let (rounds1, calls1) = (rounds.load(Ordering::Relaxed), self.faults.calls(SITE));
             stop.store(true, Ordering::Relaxed);
             let b_result = b
@@ -459,9 +465,9 @@ fn json_line(f: &PhaseFigures, copy: u64, slow_us: u64) -> String {
 mod tests {
     use super::*;
 
-    fn args(samples: u64) -> IsolationArgs {
+    fn args(seconds: f64) -> IsolationArgs {
         IsolationArgs {
-            samples,
+            seconds,
             slow_us: 200,
             copy_size: 8192,
             json: true,
@@ -472,7 +478,7 @@ mod tests {
     #[test]
     fn without_gpus_it_says_it_needs_them() {
         let backends = Backends::sim(&SimFabric::new(), NodeConfig::default(), Vec::new());
-        let err = isolation_bench(&backends, &args(10)).unwrap_err();
+        let err = isolation_bench(&backends, &args(0.01)).unwrap_err();
         assert!(err.to_string().contains("needs GPUs"), "{err}");
     }
 
@@ -480,10 +486,10 @@ mod tests {
     /// IPC open. Nothing timed is asserted.
     #[test]
     fn both_phases_run_on_the_simulation() {
-        let figures = isolation_bench(&Backends::sim_default(), &args(300)).unwrap();
+        let figures = isolation_bench(&Backends::sim_default(), &args(0.05)).unwrap();
         let phases: Vec<Phase> = figures.iter().map(|f| f.phase).collect();
         assert_eq!(phases, [Phase::Alone, Phase::BesidePeerCopy]);
-        assert!(figures.iter().all(|f| f.latencies.len() == 300));
+        assert!(figures.iter().all(|f| !f.latencies.is_empty()));
         let beside = &figures[1];
         assert!(
             beside.slow_calls.abs_diff(beside.b_batches) <= 1,
