@@ -66,6 +66,12 @@
 //! through bare queue pairs (the floor), one engine with a peer per
 //! thread, and an engine pair per thread; and the set-up of many peers to
 //! one listener, and what they cost idle.
+//!
+//! `gdr bench isolation` (`isolation.rs`, simulation only) measures
+//! whether one peer's slow peer-copy set-up holds up another peer of the
+//! same engine: the latency of peer A's lone 4 KiB WRITEs alone and while
+//! peer B runs GPU-to-GPU peer copies, each first making a driver call
+//! (its IPC open) scripted to be slow.
 
 use std::collections::VecDeque;
 use std::error::Error;
@@ -114,6 +120,7 @@ macro_rules! on_verbs {
 }
 
 mod idle;
+mod isolation;
 mod scale;
 
 /// Benchmarks.
@@ -140,6 +147,11 @@ pub enum BenchCommand {
     /// T = 1. With --peers N: the set-up of N peers to one listener
     /// (sequential and concurrent), and idle CPU with them connected.
     Scale(Box<scale::ScaleArgs>),
+    /// Whether a slow peer-copy set-up holds up another peer (simulation
+    /// only): the latency of one peer's lone 4 KiB WRITEs alone and while
+    /// another peer of the same engine runs GPU-to-GPU peer copies, each
+    /// first opening an IPC handle made to take --slow-us.
+    Isolation(Box<isolation::IsolationArgs>),
 }
 
 /// The operation measured.
@@ -388,6 +400,12 @@ fn run_on(backends: &Backends, command: BenchCommand) -> Result<(), Box<dyn Erro
                 println!("(simulated NIC: the figures measure gdr-sim, not a device)");
             }
             scale::scale_bench(backends, &args).map(|_| ())
+        }
+        BenchCommand::Isolation(args) => {
+            if backends.verbs_name() == "sim" && !args.json {
+                println!("(simulated NIC: the figures measure gdr-sim, not a device)");
+            }
+            isolation::isolation_bench(backends, &args).map(|_| ())
         }
     }
 }

@@ -68,9 +68,10 @@ enum Command {
         #[arg(long, default_value = "1M", value_parser = gdr_bench::parse_size)]
         size: usize,
     },
-    /// Measure throughput, latency, the cost of waiting and scaling with
-    /// threads (see `gdr bench rdma --help`, `gdr bench engine --help`,
-    /// `gdr bench idle --help`, `gdr bench scale --help`).
+    /// Measure throughput, latency, the cost of waiting, scaling with
+    /// threads and isolation between peers (see `gdr bench rdma --help`,
+    /// `gdr bench engine --help`, `gdr bench idle --help`, `gdr bench scale
+    /// --help`, `gdr bench isolation --help`).
     #[command(subcommand)]
     Bench(gdr_bench::BenchCommand),
 }
