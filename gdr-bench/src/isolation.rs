@@ -169,7 +169,8 @@ pub(crate) fn isolation_bench(
         );
         println!(
             "latency of A's WRITEs: submit to completion seen, in µs, {:.1} s per phase, \
-             nearest rank; B's batches and slow calls: while A's WRITEs ran",
+             nearest rank; B's batches (a batch whose grant's IPC handle had not come yet goes \
+             by the NIC) and slow calls (IPC opens): while A's WRITEs ran",
             seconds.as_secs_f64()
         );
         println!(
@@ -423,10 +424,13 @@ impl SimWorld {
         let latencies = latencies?;
         let copied = self.client.peer_copy_stats().batches - copies_before;
         let done = rounds.load(Ordering::Relaxed);
-        if copied != done {
+        // A round whose submit came before the grant's IPC handle (its own
+        // control message, after the announcement) goes by the NIC, and
+        // opens nothing: the slow calls count what was slowed. None by
+        // peer copy: nothing was measured.
+        if done > 0 && copied == 0 {
             return Err(format!(
-                "peer B finished {done} rounds, the engine counts {copied} peer-copy batches: \
-                 some took another path"
+                "peer B finished {done} rounds, none by peer copy: nothing slowed was measured"
             )
             .into());
         }
