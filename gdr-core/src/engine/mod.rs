@@ -5,11 +5,12 @@
 //!
 //! - [`Engine`] owns the NICs it was given (one [`Ladder`] and
 //!   [`EngineConfig::cqs_per_nic`] completion queues each, a queue pair
-//!   seated on the one with the fewest: `resources::Cqs`), registers buffers as [`Region`]s, listens and
-//!   connects with rdma_cm. Its book-keeping of queue pairs and batches is
-//!   [`gdr_proto::batches`] (no clock reads, no threads, no I/O; carried
-//!   out by `engine::batches`); the engine is the
-//!   driver that feeds it completions, connection events and time
+//!   seated on the one with the fewest: `resources::Cqs`), registers
+//!   buffers as [`Region`]s, listens and connects with rdma_cm. Its
+//!   book-keeping of queue pairs and batches is [`gdr_proto::batches`]
+//!   (no clock reads, no threads, no I/O; carried out by
+//!   `engine::batches`); the engine is the driver that feeds it
+//!   completions, connection events and time
 //!   ([`Clock`]) and posts what it hands out. Progress is made by whoever
 //!   waits ([`Batch::wait`], [`Peer::recv`]) or by [`Engine::progress`].
 //! - A [`Peer`] is one connection to another engine: several RC queue pairs
@@ -85,12 +86,12 @@
 //!    steps, queue-pair actions) and by what changes the peers or the
 //!    paths (a connect; a grant or revoke of memory a path beside the
 //!    NIC's may hold: staged, or GPU memory peer copy may export; a
-//!    staged, gated or peer-copy submit). A progress call makes the pass only when it is due
-//!    (`handoff::PassDue`: work one of those left it, its earliest
-//!    deadline, connection and async events every millisecond, engine
-//!    wide); one only due, with the lock
-//!    busy, is left to a later call, and a waiter about to park polls
-//!    instead of waiting for the lock to read its deadline. The pass
+//!    staged, gated or peer-copy submit). A progress call makes the pass
+//!    only when it is due (`handoff::PassDue`: work one of those left
+//!    it, its earliest deadline, connection and async events every
+//!    millisecond, engine wide); one only due, with the lock busy, is
+//!    left to a later call, and a waiter about to park polls instead of
+//!    waiting for the lock to read its deadline. The pass
 //!    takes a peer's lock only where the peer's mark says it has
 //!    something for it (`handoff::PeerMark`: queue-pair actions, work to
 //!    post, a deadline past; published by each holder of the peer's lock
@@ -1164,14 +1165,15 @@ type StateGuard<'a> = Guard<'a, State>;
 /// the engine's pass ([`handoff::PeerMark`]).
 struct SlotGuard<'a> {
     guard: Guard<'a, PeerSlot>,
-    mark: &'a handoff::PeerMark,
+    /// Where the holder's mark is published.
+    published: &'a handoff::PeerMark,
 }
 
 impl Drop for SlotGuard<'_> {
     fn drop(&mut self) {
         // Before the lock goes (the guard is dropped after this body).
         let mark = self.guard.mark();
-        self.mark.publish(mark);
+        self.published.publish(mark);
     }
 }
 
@@ -1255,7 +1257,7 @@ fn lock_slot(lock: &PeerLock) -> SlotGuard<'_> {
             _inside: inside,
             due: None,
         },
-        mark: &lock.mark,
+        published: &lock.mark,
     }
 }
 
@@ -1270,7 +1272,7 @@ fn try_lock_slot(lock: &PeerLock) -> Option<SlotGuard<'_>> {
             _inside: inside,
             due: None,
         },
-        mark: &lock.mark,
+        published: &lock.mark,
     })
 }
 
@@ -2800,7 +2802,7 @@ impl Engine {
         let shared = &*self.shared;
         slot.post(shared.config.clock.now());
         let mark = slot.mark();
-        if slot.mark.settle(&shared.due, mark) {
+        if slot.published.settle(&shared.due, mark) {
             self.wake();
         }
         if mark.held && shared.drivers.load(Ordering::Acquire) == 0 {
