@@ -54,6 +54,7 @@ arm-without-poll                          engine::reactor::loom_tests::a_complet
 progressed-skips-leader                   engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
 wake-skips-eventfd                        engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
 park-skips-change-check                   engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
+watch-skipped                             engine::reactor::loom_tests::a_leader_is_told_when_another_threads_progress_ends_its_batch
 followers-not-told                        engine::reactor::loom_tests::a_follower_is_told_when_the_leaders_progress_ends_its_batch
 follower-counted-late                     engine::reactor::loom_tests::a_follower_is_told_when_the_leaders_progress_ends_its_batch
 leader-leaves-silently                    engine::reactor::loom_tests::a_follower_takes_the_lead_when_the_leader_leaves

@@ -126,6 +126,11 @@ pub(crate) const MUTANTS: &[(&str, &str)] = &[
         "a leader arms the CQs and parks without polling them once more",
     ),
     (
+        "watch-skipped",
+        "a thread waiting on the reactor is not counted among its watchers, so progress by \
+         another thread tells nobody",
+    ),
+    (
         "progressed-skips-leader",
         "progress that handled something tells only the followers, not a leader about to park",
     ),

@@ -225,6 +225,23 @@ pub(crate) struct Reactor {
     /// The token of a driver's lead a waiter took over, until that driver
     /// steps back (0: none). Written under the lead's lock.
     displaced: AtomicU64,
+    /// Threads and tasks that may wait on the reactor (in
+    /// [`Reactor::wait_until`], [`Reactor::drive_until`], an async
+    /// driver's lead): with none, progress tells nobody
+    /// ([`Reactor::progressed`]) and writes no line every thread shares.
+    watchers: AtomicUsize,
+}
+
+/// A thread or task counted among the reactor's watchers while this lives
+/// ([`Reactor::watch`]).
+pub(crate) struct Watching<'a>(&'a Reactor);
+
+impl Drop for Watching<'_> {
+    fn drop(&mut self) {
+        if !mutant::active("watch-skipped") {
+            self.0.watchers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// How a lead ended.
@@ -249,6 +266,7 @@ impl Reactor {
             nudges: AtomicUsize::new(0),
             held: AtomicBool::new(false),
             displaced: AtomicU64::new(0),
+            watchers: AtomicUsize::new(0),
         })
     }
 
@@ -299,11 +317,31 @@ impl Reactor {
         self.nudges.load(Ordering::SeqCst)
     }
 
+    /// Counts the caller among the reactor's watchers until the guard
+    /// goes: progress by any thread tells it (and ends its park) from now
+    /// on. Taken before the caller's first look at what it waits for.
+    pub(crate) fn watch(&self) -> Watching<'_> {
+        if !mutant::active("watch-skipped") {
+            self.watchers.fetch_add(1, Ordering::SeqCst);
+        }
+        dekker_fence();
+        Watching(self)
+    }
+
     /// Progress handled something: whoever waits looks at its batch
     /// again. The leader too: a follower's spin or a thread calling
     /// [`Engine::progress`](super::Engine::progress) may have taken the
     /// completion that ends the leader's batch, which then fires no event.
     pub(crate) fn progressed(&self) {
+        // Dekker's pattern with `watch` (both sides fenced): either a
+        // watcher counted itself before this, and is told, or its first
+        // look comes after this progress and sees what it ended. With no
+        // watcher (threads that only spin on their own batches), nothing
+        // shared is written.
+        dekker_fence();
+        if self.watchers.load(Ordering::SeqCst) == 0 {
+            return;
+        }
         if mutant::active("progressed-skips-leader") {
             // The bug: only the followers are told (after the fence
             // `look_again` has).
@@ -362,6 +400,8 @@ impl Reactor {
         mut done: impl FnMut() -> bool,
         driving: bool,
     ) -> bool {
+        // Counted before the first look at `done`.
+        let _watching = self.watch();
         let mut fds = Vec::new();
         // A driver that waited for the lead while a waiter led parks at
         // once when it takes it back, without a spin: the spin is for

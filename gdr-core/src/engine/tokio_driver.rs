@@ -235,6 +235,9 @@ async fn drive(
     epoll: AsyncFd<Epoll>,
     _counted: CountedTask,
 ) {
+    // Counted among the reactor's watchers for its life: another thread's
+    // progress tells its park.
+    let _watching = reactor.watch();
     // While a thread leads, it drives; the task's turn comes when the lead
     // is given back.
     let _lead = std::future::poll_fn(|cx| match reactor.try_lead_or_wait(cx.waker()) {
