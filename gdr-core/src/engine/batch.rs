@@ -99,18 +99,19 @@ impl Batch {
             // taking (and locking) another's peer, and none waiting for
             // the reactor's lead. A batch that outlasts the spin waits in
             // the reactor.
-            // The reactor's own spin policy: spin while rounds handle
-            // something or the spin lasts; once it is over, join the
-            // reactor (which parks or yields as it sees fit).
-            let mut spin = super::reactor::Spin::default();
-            loop {
-                let handled = engine.progress_of(self.home);
+            // Bounded by the reactor's spin (rounds and time) whatever the
+            // rounds handle: completions of other batches of the peer must
+            // not keep this wait out of the reactor past its own timeout.
+            let start = Instant::now();
+            for _ in 0..super::reactor::SPIN_ROUNDS {
+                if engine.progress_of(self.home) == 0 {
+                    std::hint::spin_loop();
+                }
                 if let Some(outcome) = self.outcome() {
                     return self.fenced(outcome);
                 }
-                match spin.next(handled, || false) {
-                    super::reactor::Next::Spin => std::hint::spin_loop(),
-                    _ => break,
+                if start.elapsed() >= super::reactor::SPIN_TIME {
+                    break;
                 }
             }
         }
