@@ -46,6 +46,12 @@ pub(super) struct PassDue {
 /// (a parked one wakes on their fds).
 pub(super) const EVENTS_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
 
+/// `at` as nanoseconds after `base` (saturating: `u64::MAX` is "none" to
+/// the atomics that keep deadlines).
+fn nanos_after(base: Instant, at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(base).as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// What one pass looked at left: `out` for its caller, whether the next
 /// progress call must make the pass again (`again`: a path's or a
 /// re-establishment's steps are polled) and the earliest deadline it
@@ -69,7 +75,7 @@ impl PassDue {
     }
 
     fn nanos(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+        nanos_after(self.base, at)
     }
 
     /// The instant deadlines are counted from (the peers' marks count
@@ -224,7 +230,7 @@ impl PeerMark {
     }
 
     fn nanos(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+        nanos_after(self.base, at)
     }
 
     /// Under the peer's lock: what its steps left. Each value is written
