@@ -196,7 +196,7 @@ impl Batch {
             Some((lock, id)) => {
                 let mut guard = lock_slot(lock);
                 guard.core.cancel(*id);
-                self.engine.settle_slot(&mut guard);
+                self.engine.settle_slot(guard);
             }
             None => self.engine.cancel_peer_copy(&self.cell),
         }

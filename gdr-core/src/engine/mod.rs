@@ -1165,15 +1165,17 @@ type StateGuard<'a> = Guard<'a, State>;
 /// the engine's pass ([`handoff::PeerMark`]).
 struct SlotGuard<'a> {
     guard: Guard<'a, PeerSlot>,
-    /// Where the holder's mark is published.
-    published: &'a handoff::PeerMark,
+    /// Where the holder's mark is published as the lock goes; `None` once
+    /// [`Engine::settle_slot`] published it (and took the guard).
+    published: Option<&'a handoff::PeerMark>,
 }
 
 impl Drop for SlotGuard<'_> {
     fn drop(&mut self) {
         // Before the lock goes (the guard is dropped after this body).
-        let mark = self.guard.mark();
-        self.published.publish(mark);
+        if let Some(published) = self.published {
+            published.publish(self.guard.mark());
+        }
     }
 }
 
@@ -1250,30 +1252,32 @@ fn try_look_at_state(shared: &Shared) -> Option<StateGuard<'_>> {
 fn lock_slot(lock: &PeerLock) -> SlotGuard<'_> {
     let inside = crate::reaper::EngineSection::enter();
     let held = lock_order::slot(lock);
-    SlotGuard {
-        guard: Guard {
-            guard: crate::sync::lock(&lock.slot),
-            _held: Some(held),
-            _inside: inside,
-            due: None,
-        },
-        published: &lock.mark,
-    }
+    slot_guard(lock, crate::sync::lock(&lock.slot), held, inside)
 }
 
 /// [`lock_slot`] if the peer's lock is free now.
 fn try_lock_slot(lock: &PeerLock) -> Option<SlotGuard<'_>> {
     let inside = crate::reaper::EngineSection::enter();
     let guard = crate::sync::try_lock(&lock.slot)?;
-    Some(SlotGuard {
+    Some(slot_guard(lock, guard, lock_order::slot(lock), inside))
+}
+
+/// The guard of `lock`'s slot, taken (`guard`), marked held.
+fn slot_guard<'a>(
+    lock: &'a PeerLock,
+    guard: crate::sync::MutexGuard<'a, PeerSlot>,
+    held: lock_order::Held,
+    inside: crate::reaper::EngineSection,
+) -> SlotGuard<'a> {
+    SlotGuard {
         guard: Guard {
             guard,
-            _held: Some(lock_order::slot(lock)),
+            _held: Some(held),
             _inside: inside,
             due: None,
         },
-        published: &lock.mark,
-    })
+        published: Some(&lock.mark),
+    }
 }
 
 /// The lock order, checked in debug builds: a thread holding a peer's lock
@@ -1336,16 +1340,15 @@ mod lock_order {
 
 impl PeerSlot {
     /// Posts what the core has ready on the peer's queue pairs, control
-    /// messages waiting for a send slot first. Returns whether the core
-    /// has queue-pair actions for the engine's pass.
-    fn post(&mut self, now: Instant) -> bool {
+    /// messages waiting for a send slot first.
+    fn post(&mut self, now: Instant) {
         let PeerSlot {
             core,
             peer,
             to_post,
         } = self;
         let Some(peer) = peer else {
-            return core.has_action();
+            return;
         };
         if peer.conn.outbox_len() > 0 {
             peer.flush_outbox(core, now);
@@ -1372,7 +1375,6 @@ impl PeerSlot {
                 );
             }
         }
-        core.has_action()
     }
 
     /// The earliest of the peer's deadlines: its batches', its
@@ -2771,7 +2773,7 @@ impl Engine {
                         for wc in sends {
                             slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
                         }
-                        self.settle_slot(&mut guard);
+                        self.settle_slot(guard);
                     }
                 }
                 polled.receives.extend(
@@ -2798,11 +2800,17 @@ impl Engine {
     /// ready, and tells the engine's pass what it must look at (its
     /// queue-pair actions, its deadlines; a held control message starts
     /// the engine's own thread where no driver runs).
-    fn settle_slot(&self, slot: &mut SlotGuard<'_>) {
+    fn settle_slot(&self, mut slot: SlotGuard<'_>) {
         let shared = &*self.shared;
         slot.post(shared.config.clock.now());
         let mark = slot.mark();
-        if slot.published.settle(&shared.due, mark) {
+        // Published here, under the lock, once: the guard goes next.
+        let settled = slot
+            .published
+            .take()
+            .is_some_and(|published| published.settle(&shared.due, mark));
+        drop(slot);
+        if settled {
             self.wake();
         }
         if mark.held && shared.drivers.load(Ordering::Acquire) == 0 {

@@ -178,7 +178,7 @@ impl Peer {
     ) -> Result<T, EngineError> {
         let mut guard = lock_slot(&self.lock);
         let out = Self::on_peer(&mut guard, f)?;
-        self.engine.settle_slot(&mut guard);
+        self.engine.settle_slot(guard);
         Ok(out)
     }
 
@@ -845,7 +845,7 @@ impl Peer {
                 let id = slot
                     .core
                     .submit(work, Arc::clone(&cell), deadline, holds(&direct));
-                engine.settle_slot(&mut slot);
+                engine.settle_slot(slot);
                 id
             });
             engine.post_ready(state);
