@@ -56,8 +56,8 @@ use gdr_core::sim::{
 use hal_cuda::Driver as _;
 
 use super::{
-    ENGINE_TIMEOUT, device_address, grant_host, host_buffer, host_memory_config, parse_size,
-    percentile, pick_device,
+    ENGINE_TIMEOUT, connect_to, device_address, grant_host, host_buffer, host_memory_config,
+    parse_size, percentile, pick_device,
 };
 
 /// Bytes of each of A's WRITEs.
@@ -257,20 +257,11 @@ struct SimWorld {
     copy: u64,
 }
 
-/// One more peer of `client`, to `server` listening on its first NIC's
-/// address: the client's end and the server's.
+/// One more peer of `client`, to `server` listening on `ip`: the client's
+/// end and the server's.
 fn connect(client: &Engine, server: &Engine, ip: IpAddr) -> Result<(Peer, Peer), Box<dyn Error>> {
     let listener = server.listen(SocketAddr::new(ip, 0))?;
-    let addr = listener.local_addr();
-    std::thread::scope(|s| {
-        let accepting = s.spawn(|| listener.accept(ENGINE_TIMEOUT));
-        let connected = client.connect(addr, ENGINE_TIMEOUT);
-        // A panic of the accepting thread is this thread's.
-        let accepted = accepting
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        Ok((connected?, accepted?))
-    })
+    Ok(connect_to(client, &listener)?)
 }
 
 impl SimWorld {

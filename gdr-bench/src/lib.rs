@@ -1234,17 +1234,23 @@ impl Engines {
     /// thread meanwhile): the client's end (to the server) and the
     /// server's.
     pub(crate) fn connect(&self, listener: &Listener) -> Result<Ends, EngineError> {
-        let addr = listener.local_addr();
-        std::thread::scope(|s| {
-            let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
-            let connected = self.client.connect(addr, ENGINE_TIMEOUT);
-            // A panic of the accepting thread is this thread's.
-            let accepted = accepting
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            Ok((connected?, accepted?))
-        })
+        connect_to(&self.client, listener)
     }
+}
+
+/// One more peer of `client`, accepted by `listener` (in another thread
+/// meanwhile): the client's end and the listening engine's.
+pub(crate) fn connect_to(client: &Engine, listener: &Listener) -> Result<Ends, EngineError> {
+    let addr = listener.local_addr();
+    std::thread::scope(|s| {
+        let accepting = s.spawn(move || listener.accept(ENGINE_TIMEOUT));
+        let connected = client.connect(addr, ENGINE_TIMEOUT);
+        // A panic of the accepting thread is this thread's.
+        let accepted = accepting
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        Ok((connected?, accepted?))
+    })
 }
 
 /// The two ends of one connection between two engines: the client's peer
