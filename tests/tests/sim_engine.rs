@@ -300,6 +300,47 @@ fn control_messages_both_ways_and_a_message_too_large() {
     drop(driver);
 }
 
+/// Control messages are handled in the order they came, whichever thread
+/// polled their completions: several threads of the receiving engine wait
+/// on WRITEs of the same peer (so they poll the CQ the messages complete
+/// on) while it receives numbered messages. The receives two threads
+/// polled were handled in the order the threads reached the engine's pass:
+/// a grant's IPC handle came after its revocation, and a revoke waited the
+/// release bound (`gdr bench isolation`, CI of stop 46).
+#[test]
+fn control_messages_stay_in_order_while_other_threads_poll_their_cq() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let w = world(1, GpuConfig::default(), config(1));
+    const LEN: u64 = 4096;
+    const MESSAGES: u32 = 3000;
+    let h = w.host_pair(LEN, 3, GrantRights::ReadWrite);
+    let _driver = w.b.engine.spawn_driver().unwrap();
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                let write = [Transfer::write(&h.src, 0, &h.remote, 0, LEN)];
+                while !done.load(Ordering::Relaxed) {
+                    w.ab.submit(&write).unwrap().wait(T).unwrap();
+                }
+            });
+        }
+        s.spawn(|| {
+            for i in 0..MESSAGES {
+                w.ba.send(&i.to_le_bytes()).unwrap();
+            }
+        });
+        let mut order = Vec::new();
+        for _ in 0..MESSAGES {
+            let got = w.ab.recv(T).unwrap();
+            order.push(u32::from_le_bytes(got.try_into().unwrap()));
+        }
+        done.store(true, Ordering::Relaxed);
+        let out_of_order = order.windows(2).filter(|p| p[1] != p[0] + 1).count();
+        assert_eq!(out_of_order, 0, "messages handled out of order");
+    });
+}
+
 /// Issue 33, item 5: a side that only grants (it never waits and never
 /// calls `progress`, as in the crate docs' example) announced 32 grants,
 /// then nothing: control SENDs on queue pair 0 are bounded by the peer's

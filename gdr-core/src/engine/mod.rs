@@ -115,7 +115,10 @@
 //!    under the engine's lock; one peer's at a time. Under it: the NIC's
 //!    non-blocking calls (posts, a queue pair moved to error or
 //!    disconnected).
-//! 3. Below them, each taken briefly and never across another lock: the
+//! 3. Below them, each taken briefly and never across another lock: a
+//!    CQ's received control messages (`Shared::received`, held across that
+//!    CQ's poll, so that its receives queue in the order the CQ gave them
+//!    whichever threads polled it; drained by the pass), the
 //!    routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
 //!    under the engine's lock; each polling thread keeps a copy, checked
 //!    by the routes' version), a peer's free send slots
@@ -1085,6 +1088,13 @@ struct Shared {
     /// NICs that reported a fatal error: nothing on them is polled or
     /// re-established. Set under the engine's lock.
     dead_nics: Box<[std::sync::atomic::AtomicBool]>,
+    /// Each CQ's control-message receives, in the order that CQ gave them
+    /// (by NIC, then CQ: `nic * cqs_per_nic + cq`): taken across the
+    /// CQ's poll by whichever thread polls it, drained by the engine's
+    /// pass. A queue pair's messages arrive in order, but two threads'
+    /// polls of one CQ reach the pass in either order: without it, a
+    /// grant's IPC handle could be handled after the grant's revocation.
+    received: Box<[Mutex<Vec<ControlReceive>>]>,
     /// What the engine's own pass must look at soon ([`PassDue`]).
     due: PassDue,
     res: Arc<Resources>,
@@ -1110,6 +1120,9 @@ struct Shared {
     /// are registered.
     context: u64,
 }
+
+/// A control message's receive completion, and the NIC it came on.
+type ControlReceive = (usize, Completion);
 
 /// The RoCE v2 address of port 1 of `context` (NIC `nic`), IPv4 where it
 /// has one: what an engine listens at.
@@ -1449,8 +1462,8 @@ const HOME_ROUNDS: u64 = 16;
 #[derive(Default)]
 struct Polled {
     buffer: Vec<Completion>,
-    /// Control messages received: (slot, NIC, completion).
-    receives: Vec<(usize, usize, Completion)>,
+    /// Control messages were received (queued in `Shared::received`).
+    received: bool,
     /// A NIC's completions with an error among them, all for the pass.
     errors: Vec<(usize, Vec<Completion>)>,
     /// NICs whose CQ failed to poll.
@@ -1475,11 +1488,11 @@ impl Polled {
 
     /// Whether the engine's pass has work in it.
     fn for_pass(&self) -> bool {
-        !self.receives.is_empty() || !self.errors.is_empty() || !self.failed.is_empty()
+        self.received || !self.errors.is_empty() || !self.failed.is_empty()
     }
 
     fn give_back(mut self) {
-        self.receives.clear();
+        self.received = false;
         self.errors.clear();
         self.failed.clear();
         POLLED.with(|p| p.set(Some(self)));
@@ -1837,6 +1850,11 @@ impl Engine {
             dead_nics: nics
                 .iter()
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
+            received: nics
+                .iter()
+                .flat_map(|nic| nic.cqs.queues())
+                .map(|_| Mutex::new(Vec::new()))
                 .collect(),
             due: PassDue::new(config.clock.now()),
             state: Mutex::new(State {
@@ -2734,17 +2752,31 @@ impl Engine {
             }
             let mut completions = std::mem::take(&mut polled.buffer);
             completions.clear();
-            if let Err(e) = cq.poll_into(&mut completions) {
-                // The pass fails the NIC (once: `fail_nic`).
-                polled.failed.push((nic_index, e));
-                polled.buffer = completions;
-                continue;
+            {
+                // The CQ's receives are queued in the order it gives them:
+                // its queue is held across the poll.
+                let mut received = lock(&shared.received[nic_index * per_nic + cq_index]);
+                if let Err(e) = cq.poll_into(&mut completions) {
+                    drop(received);
+                    // The pass fails the NIC (once: `fail_nic`).
+                    polled.failed.push((nic_index, e));
+                    polled.buffer = completions;
+                    continue;
+                }
+                let queued = received.len();
+                received.extend(
+                    completions
+                        .iter()
+                        .filter(|wc| wc.wr_id & RECV_BIT != 0)
+                        .map(|wc| (nic_index, *wc)),
+                );
+                polled.received |= received.len() > queued;
             }
             handled += completions.len();
             if completions.iter().any(|wc| !wc.status.is_success()) {
                 // An error may come of a device failure or a QP event: the
                 // pass takes those first, so requests fail with their
-                // cause.
+                // cause (its receives are queued above).
                 polled.errors.push((nic_index, completions));
                 continue;
             }
@@ -2759,28 +2791,24 @@ impl Engine {
                     .map_or(completions.len(), |n| at + n);
                 let run = &completions[at..end];
                 at = end;
+                let mut sends = run.iter().filter(|wc| wc.wr_id & RECV_BIT == 0).peekable();
+                if sends.peek().is_none() {
+                    continue;
+                }
                 let Some(route) = self.route(polled, nic_index, qp_num) else {
                     continue;
                 };
-                let mut sends = run.iter().filter(|wc| wc.wr_id & RECV_BIT == 0).peekable();
-                if sends.peek().is_some() {
-                    let mut guard = lock_slot(&route.lock);
-                    let slot = &mut *guard;
-                    if let Some(peer) = slot.peer.as_ref()
-                        && peer.qps[route.index].conn.qp().qp_num() == qp_num
-                    {
-                        let qp = peer.qps[route.index].core;
-                        for wc in sends {
-                            slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
-                        }
-                        self.settle_slot(guard);
+                let mut guard = lock_slot(&route.lock);
+                let slot = &mut *guard;
+                if let Some(peer) = slot.peer.as_ref()
+                    && peer.qps[route.index].conn.qp().qp_num() == qp_num
+                {
+                    let qp = peer.qps[route.index].core;
+                    for wc in sends {
+                        slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
                     }
+                    self.settle_slot(guard);
                 }
-                polled.receives.extend(
-                    run.iter()
-                        .filter(|wc| wc.wr_id & RECV_BIT != 0)
-                        .map(|wc| (route.slot, nic_index, *wc)),
-                );
             }
             polled.buffer = completions;
         }
@@ -2868,29 +2896,35 @@ impl Engine {
         if !polled.errors.is_empty() {
             self.poll_async_events(state);
         }
+        // Every CQ's receives, each CQ's in the order it gave them (a
+        // queue pair's messages are on one CQ), before the error completions
+        // of sends: a revocation notice that came before an access error
+        // names the error's cause.
+        for queue in &shared.received {
+            let received = std::mem::take(&mut *lock(queue));
+            for (nic_index, wc) in received {
+                if let Some(route) = shared.routes.get(nic_index, wc.qp_num) {
+                    self.on_receive(state, route.slot, nic_index, &wc);
+                }
+            }
+        }
         for (nic_index, completions) in polled.errors.drain(..) {
-            for wc in &completions {
+            // Its receives were taken above.
+            for wc in completions.iter().filter(|wc| wc.wr_id & RECV_BIT == 0) {
                 let route = shared.routes.get(nic_index, wc.qp_num);
                 let Some(route) = route else {
                     continue;
                 };
-                if wc.wr_id & RECV_BIT != 0 {
-                    self.on_receive(state, route.slot, nic_index, wc);
-                } else {
-                    let mut guard = state.slot(route.slot);
-                    let slot = &mut *guard;
-                    if let Some(peer) = slot.peer.as_ref()
-                        && peer.qps[route.index].conn.qp().qp_num() == wc.qp_num
-                    {
-                        let qp = peer.qps[route.index].core;
-                        slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
-                    }
+                let mut guard = state.slot(route.slot);
+                let slot = &mut *guard;
+                if let Some(peer) = slot.peer.as_ref()
+                    && peer.qps[route.index].conn.qp().qp_num() == wc.qp_num
+                {
+                    let qp = peer.qps[route.index].core;
+                    slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
                 }
             }
             polled.buffer = completions;
-        }
-        for (slot, nic_index, wc) in polled.receives.drain(..) {
-            self.on_receive(state, slot, nic_index, &wc);
         }
         // Connection and async events cost a system call each (per QP, per
         // NIC): looked at every millisecond or so (`handoff::EVENTS_EVERY`),
