@@ -118,10 +118,13 @@
 //!    under the engine's lock; one peer's at a time. Under it: the NIC's
 //!    non-blocking calls (posts, a queue pair moved to error or
 //!    disconnected).
-//! 3. Below them, each taken briefly and never across another lock: a
-//!    peer's queue of receives polled (`PeerLock::inbound`, drained under
-//!    the peer's lock, which takes them in their queue pair's posting
-//!    order: `PeerState::early`), the routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
+//! 3. Below them, each taken briefly: a CQ's order (`handoff::CqOrder`,
+//!    held across that CQ's poll and the queueing of its receives on
+//!    their peers, so that a peer's receives queue in the order the CQ
+//!    gave them whichever threads polled it; under it, the routes and a
+//!    peer's queue of receives, `PeerLock::inbound`, drained under the
+//!    peer's lock), and, never across another lock, the
+//!    routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
 //!    under the engine's lock; each polling thread keeps a copy, checked
 //!    by the routes' version), a peer's free send slots
 //!    (`ControlBuffers::free_send`, also freed by the NIC's completion of
@@ -238,7 +241,6 @@ pub use self::tokio_driver::{AsyncDriver, AsyncDriverError};
 use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::connection::{ConnectionConfig, Event, Received, SendRefused, Transmit};
 use gdr_proto::peer_copy::Release;
-use gdr_proto::receives::PostedReceives;
 use gdr_proto::reconnect::{Backoff, Drained, OldQp, Replacement};
 pub use gdr_proto::reconnect::{DialRefused, GiveUp};
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
@@ -665,12 +667,10 @@ struct PeerQp {
 struct ControlBuffers {
     recv: Buffer,
     recv_region: Region,
-    /// Where each receive slot is posted (by NIC and queue pair number),
-    /// and in which order: completions handed to the peer in either order
-    /// are taken in their queue pair's. A slot posted on a queue pair 0
-    /// that was replaced comes back (flushed, or with a message) before
-    /// it is reposted.
-    receives: PostedReceives<(usize, u32), ControlReceive>,
+    /// The (NIC, queue pair number) each receive slot is posted on;
+    /// `None`: free. A slot posted on a queue pair 0 that was replaced
+    /// comes back (flushed, or with a message) before it is reposted.
+    recv_owner: Vec<Option<(usize, u32)>>,
     send: Buffer,
     send_region: Region,
     free_send: Arc<std::sync::Mutex<Vec<usize>>>,
@@ -915,9 +915,9 @@ struct PeerSlot {
 struct PeerLock {
     slot: Mutex<PeerSlot>,
     mark: handoff::PeerMark,
-    /// The peer's control receives polls took (in any order: two threads'
-    /// runs of one CQ come in either), until a holder of the peer's lock
-    /// takes them, in order (`Engine::take_receives`).
+    /// The peer's control receives a poll took, in the order its CQ gave
+    /// them (queued under that CQ's `Shared::cq_order`), until a holder of
+    /// the peer's lock handles them (`Engine::take_receives`).
     inbound: Mutex<Vec<ControlReceive>>,
     /// The engine's passes in a row that found the lock busy when they
     /// came to poll the peer's connection events (`poll_connections`),
@@ -1103,6 +1103,12 @@ struct Shared {
     /// NICs that reported a fatal error: nothing on them is polled or
     /// re-established. Set under the engine's lock.
     dead_nics: Box<[std::sync::atomic::AtomicBool]>,
+    /// Each CQ's order (by NIC, then CQ: `nic * cqs_per_nic + cq`): held
+    /// across the CQ's poll until its receives are queued on their peers
+    /// (`PeerLock::inbound`). Without it, two threads' polls of one CQ
+    /// queued a peer's messages in either order: a grant's IPC handle
+    /// could be handled after the grant's revocation.
+    cq_order: Box<[handoff::CqOrder]>,
     /// What the engine's own pass must look at soon ([`PassDue`]).
     due: PassDue,
     res: Arc<Resources>,
@@ -1863,6 +1869,11 @@ impl Engine {
                 .iter()
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
+            cq_order: nics
+                .iter()
+                .flat_map(|nic| nic.cqs.queues())
+                .map(|_| handoff::CqOrder::new())
+                .collect(),
             due: PassDue::new(config.clock.now()),
             state: Mutex::new(State {
                 slots: Vec::new(),
@@ -2539,7 +2550,7 @@ impl Engine {
             control: ControlBuffers {
                 recv,
                 recv_region,
-                receives: PostedReceives::new(recv_slots),
+                recv_owner: vec![None; recv_slots],
                 send,
                 send_region,
                 free_send: Arc::new(std::sync::Mutex::new((0..send_slots).rev().collect())),
@@ -2600,7 +2611,9 @@ impl Engine {
     /// Posts every free control receive slot on the peer's queue pair 0.
     fn post_free_receives(&self, peer: &mut PeerState) -> Result<(), hal_verbs::VerbsError> {
         let size = self.shared.config.max_message as usize;
-        let free = peer.control.receives.free();
+        let free: Vec<usize> = (0..peer.control.recv_owner.len())
+            .filter(|&i| peer.control.recv_owner[i].is_none())
+            .collect();
         if free.is_empty() {
             return Ok(());
         }
@@ -2612,7 +2625,7 @@ impl Engine {
         // SAFETY: the receive buffer is registered (its region lives in the
         // peer state as long as the queue pair) and gdr's own host memory;
         // nothing else writes it, and each slot is posted on one queue pair
-        // at a time (`ControlBuffers::receives`).
+        // at a time (`recv_owner`).
         let posted = unsafe { qp0.conn.qp().post_recv(&recvs) };
         // The receives the queue pair took are owned by it, a refusal
         // part-way included: their slots must not be posted again while
@@ -2623,9 +2636,9 @@ impl Engine {
             Ok(()) => free.len(),
             Err(e) => e.accepted().unwrap_or(free.len()),
         };
-        let queue = (qp0.nic, qp0.conn.qp().qp_num());
+        let owner = Some((qp0.nic, qp0.conn.qp().qp_num()));
         for &i in &free[..taken.min(free.len())] {
-            peer.control.receives.post(i, queue);
+            peer.control.recv_owner[i] = owner;
         }
         posted.map_err(|e| e.error)
     }
@@ -2758,22 +2771,30 @@ impl Engine {
             }
             let mut completions = std::mem::take(&mut polled.buffer);
             completions.clear();
-            if let Err(e) = cq.poll_into(&mut completions) {
+            // The CQ's receives are queued on their peers in the order it
+            // gives them.
+            let polled_ok = shared.cq_order[nic_index * per_nic + cq_index].poll_then_queue(
+                &mut (&mut completions, &mut *polled),
+                |(completions, _)| cq.poll_into(completions),
+                |(completions, polled), result| {
+                    result?;
+                    for wc in completions.iter().filter(|wc| wc.wr_id & RECV_BIT != 0) {
+                        let Some(route) = self.route(polled, nic_index, wc.qp_num) else {
+                            continue;
+                        };
+                        lock(&route.lock.inbound).push((nic_index, *wc));
+                        if !polled.inbound.iter().any(|l| Arc::ptr_eq(l, &route.lock)) {
+                            polled.inbound.push(route.lock);
+                        }
+                    }
+                    Ok(())
+                },
+            );
+            if let Err(e) = polled_ok {
                 // The pass fails the NIC (once: `fail_nic`).
                 polled.failed.push((nic_index, e));
                 polled.buffer = completions;
                 continue;
-            }
-            // Receives go to their peers (taken there in their queue
-            // pair's order: `PeerState::early`).
-            for wc in completions.iter().filter(|wc| wc.wr_id & RECV_BIT != 0) {
-                let Some(route) = self.route(polled, nic_index, wc.qp_num) else {
-                    continue;
-                };
-                lock(&route.lock.inbound).push((nic_index, *wc));
-                if !polled.inbound.iter().any(|l| Arc::ptr_eq(l, &route.lock)) {
-                    polled.inbound.push(route.lock);
-                }
             }
             handled += completions.len();
             if completions.iter().any(|wc| !wc.status.is_success()) {
@@ -2825,8 +2846,7 @@ impl Engine {
     }
 
     /// Handles the control receives queued on the peer of `peer_lock`
-    /// (`PeerLock::inbound`), under its lock alone, in their queue pair's
-    /// order (`PeerState::early`): a message of
+    /// (`PeerLock::inbound`), under its lock alone, in order: a message of
     /// the connection's (a user message, a grant announced, the peer's
     /// paths, its goodbye) here; a path's, and every receive after it,
     /// left to the engine's pass (`PeerState::for_pass`). The guard is
@@ -2848,27 +2868,15 @@ impl Engine {
     }
 
     /// One control receive of `peer`, under its lock alone (see
-    /// [`Engine::take_receives`]): taken in its queue pair's order, with
-    /// those that came early and are now in turn.
+    /// [`Engine::take_receives`]).
     fn receive_alone(&self, core: &mut Core, peer: &mut PeerState, nic: usize, wc: &Completion) {
-        let index = (wc.wr_id & !RECV_BIT) as usize;
-        let queue = (nic, wc.qp_num);
-        if !peer.control.receives.is_posted_on(index, queue) {
-            tracing::debug!(index, "a receive completion of a slot not posted there");
+        if !peer.for_pass.is_empty() || !peer.retired.is_empty() {
+            peer.for_pass.push_back((nic, *wc));
             return;
         }
-        for (_, (nic, wc)) in peer.control.receives.complete(index, queue, (nic, *wc)) {
-            self.receive_in_turn(core, peer, nic, &wc);
-        }
-    }
-
-    /// One control receive of `peer` in its turn.
-    fn receive_in_turn(&self, core: &mut Core, peer: &mut PeerState, nic: usize, wc: &Completion) {
         let index = (wc.wr_id & !RECV_BIT) as usize;
-        // The pass reads it again: its slot stays posted.
-        let to_pass = |peer: &mut PeerState| peer.for_pass.push_back((nic, *wc));
-        if !peer.for_pass.is_empty() || !peer.retired.is_empty() {
-            to_pass(peer);
+        if peer.control.recv_owner.get(index) != Some(&Some((nic, wc.qp_num))) {
+            tracing::debug!(index, "a receive completion of a slot not posted there");
             return;
         }
         // A peer dropped for misbehaving is not listened to any more (see
@@ -2882,7 +2890,8 @@ impl Engine {
             }
             let handled = match Control::decode(&bytes) {
                 Ok(message) if !is_connections(&message) => {
-                    to_pass(peer);
+                    // The pass reads it again: its slot stays taken.
+                    peer.for_pass.push_back((nic, *wc));
                     return;
                 }
                 Ok(message) => on_connection_message(core, peer, message),
@@ -2892,7 +2901,7 @@ impl Engine {
                 drop_misbehaving(core, peer, &why);
             }
         }
-        peer.control.receives.release(index);
+        peer.control.recv_owner[index] = None;
         if core.is_ready(peer.qps[0].core)
             && let Err(e) = self.post_free_receives(peer)
         {
@@ -3092,11 +3101,11 @@ impl Engine {
             let Some(peer) = guard.peer.as_mut() else {
                 return;
             };
-            if !peer.control.receives.is_posted_on(index, (nic, wc.qp_num)) {
+            if peer.control.recv_owner.get(index) != Some(&Some((nic, wc.qp_num))) {
                 tracing::debug!(index, "a receive completion of a slot not posted there");
                 return;
             }
-            peer.control.receives.release(index);
+            peer.control.recv_owner[index] = None;
             // A peer dropped for misbehaving is not listened to any more:
             // what it had already sent would build up again what the drop
             // let go.
@@ -3127,11 +3136,13 @@ impl Engine {
         {
             tracing::warn!(error = %e, "reposting control receives");
         }
-        let receives = &peer.control.receives;
+        let owners = &peer.control.recv_owner;
         let nic0 = peer.qps[0].nic;
         let mut routes = None;
         peer.retired.retain(|conn| {
-            let kept = receives.any_posted_on((nic0, conn.qp().qp_num()));
+            let kept = owners
+                .iter()
+                .any(|o| *o == Some((nic0, conn.qp().qp_num())));
             if !kept {
                 routes
                     .get_or_insert_with(|| self.shared.routes_mut())
