@@ -68,7 +68,6 @@ settle-before-mark                        engine::handoff::loom_tests::a_deadlin
 pass-clears-with-store                    engine::handoff::loom_tests::a_deadline_left_under_a_peers_lock_alone_is_handled_by_a_pass
 pass-skips-marked                         engine::handoff::loom_tests::a_deadline_left_under_a_peers_lock_alone_is_handled_by_a_pass
 route-cache-ignores-version               engine::handoff::loom_tests::a_queue_pair_number_reused_while_a_poller_holds_the_old_route
-cq-order-released-before-queueing         engine::handoff::loom_tests::a_peers_receives_polled_by_two_threads_are_handled_in_order
 driver-asleep-not-counted                 engine::reactor::loom_tests::a_driver_resumes_when_the_waiter_that_took_its_lead_leaves
 leader-parks-beside-a-displaced-driver    engine::reactor::loom_tests::a_waiter_parks_only_once_the_driver_it_displaced_stepped_back
 step-back-not-told                        engine::reactor::loom_tests::a_waiter_parks_only_once_the_driver_it_displaced_stepped_back

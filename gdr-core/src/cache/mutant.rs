@@ -17,10 +17,6 @@
 #[cfg_attr(not(loom), allow(dead_code))]
 pub(crate) const MUTANTS: &[(&str, &str)] = &[
     (
-        "cq-order-released-before-queueing",
-        "a poll of a CQ lets another poll of it in before it has queued its receives on their peers",
-    ),
-    (
         "complete-check-then-act",
         "the engine's completion cell checks for an outcome and stores one under two locks",
     ),

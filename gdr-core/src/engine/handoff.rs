@@ -1,10 +1,9 @@
 //! The hand-off between a peer's steps, made under the peer's lock alone,
 //! and the rest of the engine (the module docs' "Locks"): when the
 //! engine's pass is due ([`PassDue`]), which peers it looks at
-//! ([`PeerMark`]), where a completion polled
+//! ([`PeerMark`]), and where a completion polled
 //! without the engine's lock goes ([`Routes`], each polling thread's copy
-//! [`RouteCache`]), and how one peer's receives keep their order whichever
-//! threads poll them ([`CqOrder`]). Kept apart from the engine so that the loom models
+//! [`RouteCache`]). Kept apart from the engine so that the loom models
 //! (`handoff::loom_tests`) check this code itself.
 
 use std::collections::HashMap;
@@ -15,7 +14,7 @@ use std::time::Instant;
 
 use crate::cache::mutant;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::{Mutex, RwLock, RwLockWriteGuard, lock};
+use crate::sync::{RwLock, RwLockWriteGuard};
 
 /// When the engine's pass (under its lock) must run: the per-peer steps
 /// that leave it work (queue-pair actions, a receive, an error) say so,
@@ -426,40 +425,6 @@ impl<L> RouteCache<L> {
                 .insert((nic, qp_num), (weak, route.slot, route.index));
         }
         Some(route)
-    }
-}
-
-/// A CQ's order: held across a poll of the CQ and the queueing of what it
-/// took on the peers (`PeerLock::inbound`), so that a peer's receives
-/// queue in the order the CQ gave them whichever threads polled it (each
-/// queue is then drained under its peer's lock, in order). A queue pair's
-/// messages arrive in order; two polls that each queued their own after
-/// the other's poll would swap them.
-pub(super) struct CqOrder(Mutex<()>);
-
-impl CqOrder {
-    pub(super) fn new() -> Self {
-        Self(Mutex::new(()))
-    }
-
-    /// Polls (`poll`), then queues what it took (`queue`), with no other
-    /// poll of this CQ in between; `state` is what both work on.
-    pub(super) fn poll_then_queue<S, P, R>(
-        &self,
-        state: &mut S,
-        poll: impl FnOnce(&mut S) -> P,
-        queue: impl FnOnce(&mut S, P) -> R,
-    ) -> R {
-        let order = lock(&self.0);
-        let polled = poll(state);
-        if mutant::active("cq-order-released-before-queueing") {
-            // The bug: another poll of the CQ queues its own first.
-            drop(order);
-            return queue(state, polled);
-        }
-        let queued = queue(state, polled);
-        drop(order);
-        queued
     }
 }
 

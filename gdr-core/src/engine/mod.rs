@@ -81,10 +81,10 @@
 //! 1. The engine's lock (`Shared::state`, `State`): the table of the
 //!    peers' slots, the queue pairs being re-established, the paths
 //!    (staged, peer copy, stream fences, gates). Taken by the engine's
-//!    pass (`Engine::progress_locked`: the control messages a path
-//!    takes, error completions, deadlines, connection and async events,
-//!    the paths' steps, queue-pair actions) and by what changes the peers
-//!    or the paths (a connect; a grant or revoke of memory a path beside the
+//!    pass (`Engine::progress_locked`: control messages received, error
+//!    completions, deadlines, connection and async events, the paths'
+//!    steps, queue-pair actions) and by what changes the peers or the
+//!    paths (a connect; a grant or revoke of memory a path beside the
 //!    NIC's may hold: staged, or GPU memory peer copy may export; a
 //!    staged, gated or peer-copy submit). A progress call makes the pass
 //!    only when it is due (`handoff::PassDue`: work one of those left
@@ -111,19 +111,14 @@
 //!    taken alone by what that peer does (a submit of memory the NIC
 //!    reaches, a grant of such memory and its revoke, a control message,
 //!    a wait for a message or a grant, a cancel, the completions of its
-//!    sends and its control receives, routed to it by any polling thread:
-//!    a message of the connection's is handled there, one a path takes,
-//!    and every one after it, is left to the pass, `PeerState::for_pass`),
-//!    or
+//!    sends, routed to it by any polling thread), or
 //!    under the engine's lock; one peer's at a time. Under it: the NIC's
 //!    non-blocking calls (posts, a queue pair moved to error or
 //!    disconnected).
-//! 3. Below them, each taken briefly: a CQ's order (`handoff::CqOrder`,
-//!    held across that CQ's poll and the queueing of its receives on
-//!    their peers, so that a peer's receives queue in the order the CQ
-//!    gave them whichever threads polled it; under it, the routes and a
-//!    peer's queue of receives, `PeerLock::inbound`, drained under the
-//!    peer's lock), and, never across another lock, the
+//! 3. Below them, each taken briefly and never across another lock: a
+//!    CQ's received control messages (`Shared::received`, held across that
+//!    CQ's poll, so that its receives queue in the order the CQ gave them
+//!    whichever threads polled it; drained by the pass), the
 //!    routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
 //!    under the engine's lock; each polling thread keeps a copy, checked
 //!    by the routes' version), a peer's free send slots
@@ -690,11 +685,6 @@ struct PeerState {
     /// Replaced queue pairs 0 whose receives have not all come back.
     retired: Vec<resources::SeatedConnection>,
     control: ControlBuffers,
-    /// Receives left to the engine's pass, in the order they came: a
-    /// path's message (and every receive after it, so that the peer's
-    /// messages are handled in order), or any while `retired` is not
-    /// empty (the routes of those go under the engine's lock).
-    for_pass: std::collections::VecDeque<ControlReceive>,
     /// The grants the peer told this side it revoked (bounded): a
     /// descriptor of one is refused as revoked, not as unknown, and a
     /// batch its owner's NIC refused under one failed for the revocation.
@@ -915,10 +905,6 @@ struct PeerSlot {
 struct PeerLock {
     slot: Mutex<PeerSlot>,
     mark: handoff::PeerMark,
-    /// The peer's control receives a poll took, in the order its CQ gave
-    /// them (queued under that CQ's `Shared::cq_order`), until a holder of
-    /// the peer's lock handles them (`Engine::take_receives`).
-    inbound: Mutex<Vec<ControlReceive>>,
     /// The engine's passes in a row that found the lock busy when they
     /// came to poll the peer's connection events (`poll_connections`),
     /// written by the pass alone.
@@ -930,7 +916,6 @@ impl PeerLock {
         Self {
             slot: Mutex::new(slot),
             mark: handoff::PeerMark::new(base),
-            inbound: Mutex::new(Vec::new()),
             events_skipped: std::sync::atomic::AtomicU32::new(0),
         }
     }
@@ -1103,12 +1088,13 @@ struct Shared {
     /// NICs that reported a fatal error: nothing on them is polled or
     /// re-established. Set under the engine's lock.
     dead_nics: Box<[std::sync::atomic::AtomicBool]>,
-    /// Each CQ's order (by NIC, then CQ: `nic * cqs_per_nic + cq`): held
-    /// across the CQ's poll until its receives are queued on their peers
-    /// (`PeerLock::inbound`). Without it, two threads' polls of one CQ
-    /// queued a peer's messages in either order: a grant's IPC handle
-    /// could be handled after the grant's revocation.
-    cq_order: Box<[handoff::CqOrder]>,
+    /// Each CQ's control-message receives, in the order that CQ gave them
+    /// (by NIC, then CQ: `nic * cqs_per_nic + cq`): taken across the
+    /// CQ's poll by whichever thread polls it, drained by the engine's
+    /// pass. A queue pair's messages arrive in order, but two threads'
+    /// polls of one CQ reach the pass in either order: without it, a
+    /// grant's IPC handle could be handled after the grant's revocation.
+    received: Box<[Mutex<Vec<ControlReceive>>]>,
     /// What the engine's own pass must look at soon ([`PassDue`]).
     due: PassDue,
     res: Arc<Resources>,
@@ -1420,11 +1406,8 @@ impl PeerSlot {
         let post = self.peer.as_ref().is_some_and(|p| {
             p.conn.outbox_len() > 0 || p.qps.iter().any(|q| self.core.has_postable(q.core))
         });
-        // Receives left to the pass make it due (a progress call makes
-        // it), as before they were polled.
-        let for_pass = self.peer.as_ref().is_some_and(|p| !p.for_pass.is_empty());
         Mark {
-            actions: self.core.has_action() || for_pass,
+            actions: self.core.has_action(),
             post,
             held: self.control_held(),
             at: self.next_deadline(),
@@ -1479,9 +1462,8 @@ const HOME_ROUNDS: u64 = 16;
 #[derive(Default)]
 struct Polled {
     buffer: Vec<Completion>,
-    /// The peers whose control receives this poll queued
-    /// (`PeerLock::inbound`).
-    inbound: Vec<Arc<PeerLock>>,
+    /// Control messages were received (queued in `Shared::received`).
+    received: bool,
     /// A NIC's completions with an error among them, all for the pass.
     errors: Vec<(usize, Vec<Completion>)>,
     /// NICs whose CQ failed to poll.
@@ -1506,11 +1488,11 @@ impl Polled {
 
     /// Whether the engine's pass has work in it.
     fn for_pass(&self) -> bool {
-        !self.errors.is_empty() || !self.failed.is_empty()
+        self.received || !self.errors.is_empty() || !self.failed.is_empty()
     }
 
     fn give_back(mut self) {
-        self.inbound.clear();
+        self.received = false;
         self.errors.clear();
         self.failed.clear();
         POLLED.with(|p| p.set(Some(self)));
@@ -1869,10 +1851,10 @@ impl Engine {
                 .iter()
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
-            cq_order: nics
+            received: nics
                 .iter()
                 .flat_map(|nic| nic.cqs.queues())
-                .map(|_| handoff::CqOrder::new())
+                .map(|_| Mutex::new(Vec::new()))
                 .collect(),
             due: PassDue::new(config.clock.now()),
             state: Mutex::new(State {
@@ -2546,7 +2528,6 @@ impl Engine {
             qps,
             peer_recv_depth: u32::from(hello.recv_depth),
             retired: Vec::new(),
-            for_pass: Default::default(),
             control: ControlBuffers {
                 recv,
                 recv_region,
@@ -2771,37 +2752,31 @@ impl Engine {
             }
             let mut completions = std::mem::take(&mut polled.buffer);
             completions.clear();
-            // The CQ's receives are queued on their peers in the order it
-            // gives them.
-            let polled_ok = shared.cq_order[nic_index * per_nic + cq_index].poll_then_queue(
-                &mut (&mut completions, &mut *polled),
-                |(completions, _)| cq.poll_into(completions),
-                |(completions, polled), result| {
-                    result?;
-                    for wc in completions.iter().filter(|wc| wc.wr_id & RECV_BIT != 0) {
-                        let Some(route) = self.route(polled, nic_index, wc.qp_num) else {
-                            continue;
-                        };
-                        lock(&route.lock.inbound).push((nic_index, *wc));
-                        if !polled.inbound.iter().any(|l| Arc::ptr_eq(l, &route.lock)) {
-                            polled.inbound.push(route.lock);
-                        }
-                    }
-                    Ok(())
-                },
-            );
-            if let Err(e) = polled_ok {
-                // The pass fails the NIC (once: `fail_nic`).
-                polled.failed.push((nic_index, e));
-                polled.buffer = completions;
-                continue;
+            {
+                // The CQ's receives are queued in the order it gives them:
+                // its queue is held across the poll.
+                let mut received = lock(&shared.received[nic_index * per_nic + cq_index]);
+                if let Err(e) = cq.poll_into(&mut completions) {
+                    drop(received);
+                    // The pass fails the NIC (once: `fail_nic`).
+                    polled.failed.push((nic_index, e));
+                    polled.buffer = completions;
+                    continue;
+                }
+                let queued = received.len();
+                received.extend(
+                    completions
+                        .iter()
+                        .filter(|wc| wc.wr_id & RECV_BIT != 0)
+                        .map(|wc| (nic_index, *wc)),
+                );
+                polled.received |= received.len() > queued;
             }
             handled += completions.len();
             if completions.iter().any(|wc| !wc.status.is_success()) {
                 // An error may come of a device failure or a QP event: the
                 // pass takes those first, so requests fail with their
-                // cause (its receives are queued above, and handled
-                // before them).
+                // cause (its receives are queued above).
                 polled.errors.push((nic_index, completions));
                 continue;
             }
@@ -2837,107 +2812,7 @@ impl Engine {
             }
             polled.buffer = completions;
         }
-        for peer_lock in std::mem::take(&mut polled.inbound) {
-            if let Some(guard) = self.take_receives(&peer_lock) {
-                self.settle_slot(guard);
-            }
-        }
         handled
-    }
-
-    /// Handles the control receives queued on the peer of `peer_lock`
-    /// (`PeerLock::inbound`), under its lock alone, in order: a message of
-    /// the connection's (a user message, a grant announced, the peer's
-    /// paths, its goodbye) here; a path's, and every receive after it,
-    /// left to the engine's pass (`PeerState::for_pass`). The guard is
-    /// handed back to be settled (or dropped, by the pass); `None`: none
-    /// was queued.
-    fn take_receives<'l>(&self, peer_lock: &'l PeerLock) -> Option<SlotGuard<'l>> {
-        let mut guard = lock_slot(peer_lock);
-        let received = std::mem::take(&mut *lock(&peer_lock.inbound));
-        if received.is_empty() {
-            return None;
-        }
-        let PeerSlot { core, peer, .. } = &mut *guard;
-        if let Some(peer) = peer.as_mut() {
-            for (nic, wc) in received {
-                self.receive_alone(core, peer, nic, &wc);
-            }
-        }
-        Some(guard)
-    }
-
-    /// One control receive of `peer`, under its lock alone (see
-    /// [`Engine::take_receives`]).
-    fn receive_alone(&self, core: &mut Core, peer: &mut PeerState, nic: usize, wc: &Completion) {
-        if !peer.for_pass.is_empty() || !peer.retired.is_empty() {
-            peer.for_pass.push_back((nic, *wc));
-            return;
-        }
-        let index = (wc.wr_id & !RECV_BIT) as usize;
-        if peer.control.recv_owner.get(index) != Some(&Some((nic, wc.qp_num))) {
-            tracing::debug!(index, "a receive completion of a slot not posted there");
-            return;
-        }
-        // A peer dropped for misbehaving is not listened to any more (see
-        // `Engine::on_receive`).
-        let dropped = matches!(peer.gone, Some(PeerGone::Misbehaved(_)));
-        if wc.status.is_success() && !dropped {
-            let size = self.shared.config.max_message as usize;
-            let mut bytes = vec![0; (wc.byte_len as usize).min(size)];
-            if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
-                tracing::warn!(error = %e, "reading a control message");
-            }
-            let handled = match Control::decode(&bytes) {
-                Ok(message) if !is_connections(&message) => {
-                    // The pass reads it again: its slot stays taken.
-                    peer.for_pass.push_back((nic, *wc));
-                    return;
-                }
-                Ok(message) => on_connection_message(core, peer, message),
-                Err(e) => Err(PeerMisbehaved::Malformed(e)),
-            };
-            if let Err(why) = handled {
-                drop_misbehaving(core, peer, &why);
-            }
-        }
-        peer.control.recv_owner[index] = None;
-        if core.is_ready(peer.qps[0].core)
-            && let Err(e) = self.post_free_receives(peer)
-        {
-            tracing::warn!(error = %e, "reposting control receives");
-        }
-    }
-
-    /// The receives the peers' holders left to the pass
-    /// (`PeerState::for_pass`), each peer's in order; with `sweep`, first
-    /// those still queued on any peer (`PeerLock::inbound`: a poll's whose
-    /// thread has not handled them yet), as error completions are about
-    /// to be handled and a revocation notice before an access error names
-    /// its cause.
-    fn receives_for_pass(&self, state: &mut State, now: Instant, sweep: bool) {
-        for slot in 0..state.slots.len() {
-            let peer_lock = Arc::clone(&state.slots[slot]);
-            if sweep {
-                drop(self.take_receives(&peer_lock));
-            }
-            if !peer_lock.mark.is_due(now) {
-                continue;
-            }
-            // Each is handled, then taken off: a receive of the peer's
-            // that comes meanwhile queues behind it.
-            loop {
-                let next = {
-                    let guard = lock_slot(&peer_lock);
-                    guard.peer.as_ref().and_then(|p| p.for_pass.front().copied())
-                };
-                let Some((nic, wc)) = next else { break };
-                self.on_receive(state, slot, nic, &wc);
-                if let Some(peer) = lock_slot(&peer_lock).peer.as_mut() {
-                    peer.for_pass.pop_front();
-                }
-            }
-        }
     }
 
     /// The route of queue pair `qp_num` on NIC `nic`: from this thread's
@@ -3021,10 +2896,18 @@ impl Engine {
         if !polled.errors.is_empty() {
             self.poll_async_events(state);
         }
-        // The receives left to the pass, before the error completions of
-        // sends.
-        let now = shared.config.clock.now();
-        self.receives_for_pass(state, now, !polled.errors.is_empty());
+        // Every CQ's receives, each CQ's in the order it gave them (a
+        // queue pair's messages are on one CQ), before the error completions
+        // of sends: a revocation notice that came before an access error
+        // names the error's cause.
+        for queue in &shared.received {
+            let received = std::mem::take(&mut *lock(queue));
+            for (nic_index, wc) in received {
+                if let Some(route) = shared.routes.get(nic_index, wc.qp_num) {
+                    self.on_receive(state, route.slot, nic_index, &wc);
+                }
+            }
+        }
         for (nic_index, completions) in polled.errors.drain(..) {
             // Its receives were taken above.
             for wc in completions.iter().filter(|wc| wc.wr_id & RECV_BIT == 0) {
@@ -3187,9 +3070,26 @@ impl Engine {
         let Some(peer) = peer.as_mut() else {
             return Ok(());
         };
-        on_connection_message(core, peer, message)
+        match peer.conn.on_control(message)? {
+            Received::Event(Event::GrantAnnounced(grant)) => {
+                tracing::debug!(grant, "grant announced");
+            }
+            Received::Event(Event::GrantRevoked(grant)) => peer.revoked.record(grant),
+            Received::Event(Event::Goodbye) => {
+                peer.gone.get_or_insert(PeerGone::ClosedByPeer);
+                // The peer disconnects its queue pairs next: this side's
+                // stop now, drain, and give their CQ seats back (whether
+                // or not the disconnect's event comes).
+                for qp in &peer.qps {
+                    core.fail_qp(qp.core, TransferError::PeerGone(PeerGone::ClosedByPeer));
+                }
+            }
+            Received::Event(Event::Message | Event::PathsKnown) | Received::Stale => {}
+            // The paths took theirs above (and never hand one back).
+            Received::Other(other) => tracing::debug!(?other, "a control message nobody takes"),
+        }
+        Ok(())
     }
-
 
     fn poll_connections(&self, state: &mut State) {
         for lock in &state.slots {
@@ -4212,43 +4112,6 @@ impl<'a> Transfer<'a> {
 /// Drops a peer that broke the protocol: every queue pair disconnected
 /// and failed (what is in flight flushes), the reason kept as why it is
 /// gone.
-/// A message of the connection's (`is_connections`) from `peer`;
-/// `Err`: it broke the protocol and is to be dropped.
-fn on_connection_message(
-    core: &mut Core,
-    peer: &mut PeerState,
-    message: Control<'_>,
-) -> Result<(), PeerMisbehaved> {
-    match peer.conn.on_control(message)? {
-            Received::Event(Event::GrantAnnounced(grant)) => {
-                tracing::debug!(grant, "grant announced");
-            }
-            Received::Event(Event::GrantRevoked(grant)) => peer.revoked.record(grant),
-            Received::Event(Event::Goodbye) => {
-                peer.gone.get_or_insert(PeerGone::ClosedByPeer);
-                // The peer disconnects its queue pairs next: this side's
-                // stop now, drain, and give their CQ seats back (whether
-                // or not the disconnect's event comes).
-                for qp in &peer.qps {
-                    core.fail_qp(qp.core, TransferError::PeerGone(PeerGone::ClosedByPeer));
-                }
-            }
-            Received::Event(Event::Message | Event::PathsKnown) | Received::Stale => {}
-            // The paths took theirs above (and never hand one back).
-            Received::Other(other) => tracing::debug!(?other, "a control message nobody takes"),
-        }
-    Ok(())
-}
-
-/// Whether `message` is the connection's alone (no path takes it): it is
-/// handled under the peer's lock alone ([`Engine::take_receives`]).
-fn is_connections(message: &Control<'_>) -> bool {
-    matches!(
-        message,
-        Control::User(_) | Control::GrantAnnounce { .. } | Control::Paths { .. } | Control::Goodbye
-    )
-}
-
 fn drop_misbehaving(core: &mut Core, peer: &mut PeerState, why: &PeerMisbehaved) {
     tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
     let reason = PeerGone::Misbehaved(why.clone());

@@ -19,7 +19,7 @@ use hal_verbs::WcStatus;
 
 use super::super::batches::{Action, Core, QpId, QpLimits, test_write};
 use super::super::completion::CompletionCell;
-use super::{CqOrder, Looked, Mark, PassDue, PeerMark, Route, RouteCache, Routes};
+use super::{Looked, Mark, PassDue, PeerMark, Route, RouteCache, Routes};
 use crate::cache::loom_tests::explore;
 use crate::sync::{Condvar, Mutex, lock};
 
@@ -378,48 +378,4 @@ fn a_queue_pair_number_reused_while_a_poller_holds_the_old_route() {
             assert_eq!(lock(&a).core.batches_live(), 0, "nothing reached A");
         },
     );
-}
-
-/// Two threads poll one CQ that holds three receives of one peer, one at a
-/// time, each queueing what it took on the peer (the engine's
-/// `PeerLock::inbound`) through the CQ's order, then handling what is
-/// queued under the peer's lock (`Engine::take_receives`); a third takes
-/// the last. The peer handles them in the order the CQ gave them.
-#[test]
-fn a_peers_receives_polled_by_two_threads_are_handled_in_order() {
-    explore("a_peers_receives_polled_by_two_threads_are_handled_in_order", || {
-        struct Cq {
-            order: CqOrder,
-            completions: Mutex<VecDeque<u32>>,
-            inbound: Mutex<Vec<u32>>,
-            handled: Mutex<Vec<u32>>,
-        }
-        let cq = Arc::new(Cq {
-            order: CqOrder::new(),
-            completions: Mutex::new((0..3).collect()),
-            inbound: Mutex::new(Vec::new()),
-            handled: Mutex::new(Vec::new()),
-        });
-        let poll_and_handle = |cq: &Cq| {
-            cq.order.poll_then_queue(
-                &mut (),
-                |_| lock(&cq.completions).pop_front(),
-                |_, polled| lock(&cq.inbound).extend(polled),
-            );
-            let mut handled = lock(&cq.handled);
-            let queued = std::mem::take(&mut *lock(&cq.inbound));
-            handled.extend(queued);
-        };
-        let pollers: Vec<_> = (0..2)
-            .map(|_| {
-                let cq = Arc::clone(&cq);
-                thread::spawn(move || poll_and_handle(&cq))
-            })
-            .collect();
-        poll_and_handle(&cq);
-        for poller in pollers {
-            poller.join().unwrap();
-        }
-        assert_eq!(*lock(&cq.handled), [0, 1, 2], "handled out of order");
-    });
 }
