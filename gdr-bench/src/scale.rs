@@ -16,6 +16,12 @@
 //!   driver thread).
 //! - `engines`: T client engines with one peer each, each connected to a
 //!   server engine of its own (as `gdr bench engine`); the same loop.
+//! - `messages`: one client engine with T peers to one server engine, as
+//!   `one-engine`, but each thread ping-pongs control messages of `--size`
+//!   bytes at most the peer's message size: it sends one
+//!   (`Peer::send`), waits for it to go, and receives the server's echo
+//!   (`Peer::recv`), which a thread of the server's per peer sends back; a
+//!   request is one round trip. Not in the default modes.
 //!
 //! Each point (mode, T) is set up anew, outside the clock: every thread
 //! runs `--warmup` untimed, all start together, then each runs
@@ -65,6 +71,9 @@ pub(crate) enum ScaleMode {
     OneEngine,
     /// T client engines with one peer each, each to its own server engine.
     Engines,
+    /// One client engine with T peers to one server engine, each thread
+    /// ping-ponging control messages.
+    Messages,
 }
 
 impl ScaleMode {
@@ -73,6 +82,7 @@ impl ScaleMode {
             Self::Bare => "bare",
             Self::OneEngine => "one-engine",
             Self::Engines => "engines",
+            Self::Messages => "messages",
         }
     }
 }
@@ -281,7 +291,8 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
             "modes: bare = T pairs of RC QPs, each its own CQ, a batch one linked post with the \
              last signalled (the floor); one-engine = one client engine with T peers to one \
              server engine; engines = T client engines, each one peer to its own server engine \
-             ({qps} QPs per peer, Batch::wait drives the engine)"
+             ({qps} QPs per peer, Batch::wait drives the engine); messages = one-engine's peers, \
+             each thread a round trip of a control message at a time (a request)"
         );
         println!(
             "req/s: requests of all threads over the longest thread's time; ratio: to the \
@@ -312,6 +323,9 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
                 }
                 ScaleMode::Engines => {
                     engines(backends, &device, args.common.port, &config, t, shape)
+                }
+                ScaleMode::Messages => {
+                    messages(backends, &device, args.common.port, &config, t, shape)
                 }
             }
             .map_err(|e| format!("{} at {t} threads: {e}", mode.name()))?;
@@ -567,6 +581,72 @@ fn one_engine(
         })
         .collect::<Result<Vec<_>, _>>()?;
     run_engine_lanes(ScaleMode::OneEngine, &lanes, shape)
+}
+
+/// `messages` at `threads`: one client engine, `threads` peers to one
+/// server engine; each thread sends a message of `shape.size` bytes (at
+/// most the peer's largest) on its peer and receives the echo a server
+/// thread of its own sends back.
+fn messages(
+    backends: &Backends,
+    device: &str,
+    port: u8,
+    config: &EngineConfig,
+    threads: usize,
+    shape: Shape,
+) -> Result<Point, Box<dyn Error>> {
+    const WAIT: Duration = Duration::from_secs(20);
+    let engines = start_engines(backends, Some(device), port, None, config.clone())?;
+    let listener = engines.listen()?;
+    let peers = (0..threads)
+        .map(|_| engines.connect(&listener))
+        .collect::<Result<Vec<_>, _>>()?;
+    drop(listener);
+    let max = config.max_message as usize - gdr_core::engine::wire::HEADER_LEN;
+    let payload = vec![0x5au8; shape.size.min(max)];
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let echoes: Vec<_> = peers
+            .iter()
+            .map(|(_, to_client)| {
+                let stop = &stop;
+                s.spawn(move || -> Result<(), String> {
+                    while !stop.load(Ordering::Relaxed) {
+                        match to_client.recv(Duration::from_millis(50)) {
+                            Ok(message) => {
+                                let sent = to_client
+                                    .send(&message)
+                                    .map_err(|e| format!("an echo: {e}"))?;
+                                sent.wait(WAIT).map_err(|e| format!("an echo: {e}"))?;
+                            }
+                            Err(EngineError::Timeout(_)) => {}
+                            Err(e) => return Err(format!("the server's receive: {e}")),
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let lanes: Vec<&Peer> = peers.iter().map(|(to_server, _)| to_server).collect();
+        let point = run_threads(ScaleMode::Messages, &lanes, shape, |peer, budget| {
+            let start = Instant::now();
+            let mut round_trips = 0;
+            while start.elapsed() < budget {
+                peer.send(&payload)?.wait(WAIT)?;
+                if peer.recv(WAIT)? != payload {
+                    return Err("the echo differs from the message sent".into());
+                }
+                round_trips += 1;
+            }
+            Ok((round_trips, start.elapsed()))
+        });
+        stop.store(true, Ordering::Relaxed);
+        for echo in echoes {
+            echo.join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+        }
+        point
+    })
 }
 
 /// `engines` at `threads`: `threads` pairs of engines (as `gdr bench
@@ -1059,6 +1139,18 @@ mod tests {
     /// Every mode at T = 1 and 2 on the sim, batches of 16 and of 1: a
     /// point per (mode, T), in order, each with requests done at a
     /// positive rate. A measurement: its speed is not judged.
+    #[test]
+    fn messages_round_trip_on_the_sim() {
+        let modes = [ScaleMode::Messages];
+        let scaled =
+            scale_bench(&Backends::sim_default(), &short(&modes, &[2, 1], 1, 0.05)).unwrap();
+        let shapes: Vec<_> = scaled.points.iter().map(|p| (p.mode, p.threads)).collect();
+        assert_eq!(shapes, [(ScaleMode::Messages, 1), (ScaleMode::Messages, 2)]);
+        for p in &scaled.points {
+            assert!(p.requests > 0 && p.per_s().is_finite(), "{p:?}");
+        }
+    }
+
     #[test]
     fn every_mode_measures_a_positive_rate_on_the_sim() {
         let modes = [ScaleMode::Bare, ScaleMode::OneEngine, ScaleMode::Engines];
