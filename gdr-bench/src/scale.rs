@@ -552,6 +552,27 @@ fn run_engine_lanes(
     })
 }
 
+/// A peer's two ends: the client's, the server's.
+type PeerPair = (Peer, Peer);
+
+/// One client engine with `threads` peers to one server engine (one
+/// listener): the engines, and each peer's two ends.
+fn client_with_peers(
+    backends: &Backends,
+    device: &str,
+    port: u8,
+    config: &EngineConfig,
+    threads: usize,
+) -> Result<(Engines, Vec<PeerPair>), Box<dyn Error>> {
+    let engines = start_engines(backends, Some(device), port, None, config.clone())?;
+    let listener = engines.listen()?;
+    let peers = (0..threads)
+        .map(|_| engines.connect(&listener))
+        .collect::<Result<Vec<_>, _>>()?;
+    drop(listener);
+    Ok((engines, peers))
+}
+
 /// `one-engine` at `threads`: one client engine, `threads` peers to one
 /// server engine, each granted host memory of its own.
 fn one_engine(
@@ -562,12 +583,7 @@ fn one_engine(
     threads: usize,
     shape: Shape,
 ) -> Result<Point, Box<dyn Error>> {
-    let engines = start_engines(backends, Some(device), port, None, config.clone())?;
-    let listener = engines.listen()?;
-    let peers = (0..threads)
-        .map(|_| engines.connect(&listener))
-        .collect::<Result<Vec<_>, _>>()?;
-    drop(listener);
+    let (engines, peers) = client_with_peers(backends, device, port, config, threads)?;
     let span = engine_span(shape);
     let granted = peers
         .iter()
@@ -596,12 +612,7 @@ fn messages(
     shape: Shape,
 ) -> Result<Point, Box<dyn Error>> {
     const WAIT: Duration = Duration::from_secs(20);
-    let engines = start_engines(backends, Some(device), port, None, config.clone())?;
-    let listener = engines.listen()?;
-    let peers = (0..threads)
-        .map(|_| engines.connect(&listener))
-        .collect::<Result<Vec<_>, _>>()?;
-    drop(listener);
+    let (_engines, peers) = client_with_peers(backends, device, port, config, threads)?;
     let max = config.max_message as usize - gdr_core::engine::wire::HEADER_LEN;
     let payload = vec![0x5au8; shape.size.min(max)];
     let stop = AtomicBool::new(false);
