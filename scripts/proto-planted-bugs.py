@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# Planted bugs in gdr-proto's protocols (batches, a peer's connection, peer copy, gates, the requester
+# Planted bugs in gdr-proto's protocols (batches, a peer's connection, its receive order, peer copy, gates, the requester
 # and the owner of the rendezvous, the pipeline, reconnection): each is
 # applied alone, the module's tests run (or, for an entry that names one,
 # the two-endpoint pair test of gdr-proto/tests/ that must catch it), and
@@ -15,6 +15,7 @@ REC='gdr-proto/src/reconnect.rs'
 OUT='gdr-proto/src/outbox.rs'
 BAT='gdr-proto/src/batches.rs'
 CONN='gdr-proto/src/connection.rs'
+RCV='gdr-proto/src/receives.rs'
 # The pair tests (both ends of a protocol over an encoded link).
 PRDV='pair_rendezvous'
 PPC='pair_peer_copy'
@@ -111,6 +112,10 @@ muts=[
  (CONN,"expired sent","        if let Some(late) = self.outbox.poll_expired(now) {\n            return Some(Transmit::Expired(late));\n        }\n",""),
  (CONN,"sent after goodbye","        if self.said_goodbye {\n            return Err((SendRefused::Goodbye, token));\n        }\n",""),
  (CONN,"a message past the peer's size queued","        if len > max {\n            return Err((SendRefused::TooLarge { len, max }, token));\n        }\n",""),
+ (RCV,"an early completion handed out at once","            .any(|p| p.queue == this.queue && !p.taken && p.seq < this.seq)","            .any(|p| p.queue == this.queue && !p.taken && p.seq < this.seq && false)"),
+ (RCV,"one queue's order holds up another's","            .any(|p| p.queue == this.queue && !p.taken && p.seq < this.seq)","            .any(|p| !p.taken && p.seq < this.seq)"),
+ (RCV,"a reposted slot keeps its old place","            self.posted += 1;","            self.posted += u64::from(slot == usize::MAX);"),
+ (RCV,"a completion handed out twice","        if !fresh || self.early.iter().any(|(s, _)| *s == slot) {","        if self.early.iter().any(|(s, _)| *s == slot) {"),
  (PC,"the release bound off by one",".filter(|(_, e)| e.release_by.is_some_and(|at| now >= at))",".filter(|(_, e)| e.release_by.is_some_and(|at| now > at))",PPC),
 ]
 # An argument keeps the mutants of the files whose path contains it, or
@@ -125,7 +130,7 @@ for p,name,a,b,*pair in muts:
         module=pair[0]
         args=["--test",module]
     else:
-        module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox','batches.rs':'batches','connection.rs':'connection'}[p.split('/')[-1]]
+        module={'peer_copy.rs':'peer_copy','gate.rs':'gate','requester.rs':'rendezvous','pipeline.rs':'pipeline','reconnect.rs':'reconnect','outbox.rs':'outbox','batches.rs':'batches','connection.rs':'connection','receives.rs':'receives'}[p.split('/')[-1]]
         args=[module+"::"]
     assert orig.count(a)==1,(name,a)
     try:

@@ -59,6 +59,7 @@ mod mutant;
 pub mod outbox;
 pub mod peer_copy;
 pub mod pipeline;
+pub mod receives;
 pub mod reconnect;
 pub mod rendezvous;
 pub mod setup;

@@ -45,8 +45,9 @@ fn host_write_then_read_back_byte_for_byte() {
     assert_eq!(w.a.bytes(&back_buf), pattern(LEN as usize, 1));
 }
 
-/// A peer's plain batches and messages, and its grants of memory the NIC
-/// reaches (made, announced, revoked), take its own lock only: they run
+/// A peer's plain batches and messages (sent and received), and grants
+/// of memory the NIC reaches (made, announced, revoked; the peer's
+/// received), take its own lock only: they run
 /// while another thread holds the engine's lock (whose holders make no
 /// blocking call, but a thousand peers' batches must not queue behind
 /// one grant, revoke or path step of another peer).
@@ -78,6 +79,15 @@ fn a_peers_batches_run_while_the_engines_lock_is_held() {
             w.ab.grant(&granted, 0, LEN, GrantRights::ReadWrite)
                 .unwrap();
         grant.revoke(T).unwrap();
+        // The peer's messages and grants are received too.
+        w.ba.send(b"to a").unwrap().wait(T).unwrap();
+        assert_eq!(w.ab.recv(T).unwrap(), b"to a");
+        let (b_granted_buf, b_granted) = w.b.host(LEN, 7);
+        let from_b =
+            w.ba.grant(&b_granted, 0, LEN, GrantRights::ReadWrite)
+                .unwrap();
+        w.ab.wait_grant(from_b.id(), T).unwrap();
+        drop((from_b, b_granted, b_granted_buf));
         assert!(
             !released.load(Ordering::SeqCst),
             "the batches waited for the engine's lock"

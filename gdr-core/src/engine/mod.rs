@@ -81,10 +81,10 @@
 //! 1. The engine's lock (`Shared::state`, `State`): the table of the
 //!    peers' slots, the queue pairs being re-established, the paths
 //!    (staged, peer copy, stream fences, gates). Taken by the engine's
-//!    pass (`Engine::progress_locked`: control messages received, error
-//!    completions, deadlines, connection and async events, the paths'
-//!    steps, queue-pair actions) and by what changes the peers or the
-//!    paths (a connect; a grant or revoke of memory a path beside the
+//!    pass (`Engine::progress_locked`: the control messages a path
+//!    takes, error completions, deadlines, connection and async events,
+//!    the paths' steps, queue-pair actions) and by what changes the peers
+//!    or the paths (a connect; a grant or revoke of memory a path beside the
 //!    NIC's may hold: staged, or GPU memory peer copy may export; a
 //!    staged, gated or peer-copy submit). A progress call makes the pass
 //!    only when it is due (`handoff::PassDue`: work one of those left
@@ -111,15 +111,17 @@
 //!    taken alone by what that peer does (a submit of memory the NIC
 //!    reaches, a grant of such memory and its revoke, a control message,
 //!    a wait for a message or a grant, a cancel, the completions of its
-//!    sends, routed to it by any polling thread), or
+//!    sends and its control receives, routed to it by any polling thread:
+//!    a message of the connection's is handled there, one a path takes,
+//!    and every one after it, is left to the pass, `PeerState::for_pass`),
+//!    or
 //!    under the engine's lock; one peer's at a time. Under it: the NIC's
 //!    non-blocking calls (posts, a queue pair moved to error or
 //!    disconnected).
 //! 3. Below them, each taken briefly and never across another lock: a
-//!    CQ's received control messages (`Shared::received`, held across that
-//!    CQ's poll, so that its receives queue in the order the CQ gave them
-//!    whichever threads polled it; drained by the pass), the
-//!    routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
+//!    peer's queue of receives polled (`PeerLock::inbound`, drained under
+//!    the peer's lock, which takes them in their queue pair's posting
+//!    order: `PeerState::early`), the routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
 //!    under the engine's lock; each polling thread keeps a copy, checked
 //!    by the routes' version), a peer's free send slots
 //!    (`ControlBuffers::free_send`, also freed by the NIC's completion of
@@ -236,6 +238,7 @@ pub use self::tokio_driver::{AsyncDriver, AsyncDriverError};
 use self::wire::{Control, Hello, RejectReason, Role};
 use gdr_proto::connection::{ConnectionConfig, Event, Received, SendRefused, Transmit};
 use gdr_proto::peer_copy::Release;
+use gdr_proto::receives::PostedReceives;
 use gdr_proto::reconnect::{Backoff, Drained, OldQp, Replacement};
 pub use gdr_proto::reconnect::{DialRefused, GiveUp};
 pub use gdr_proto::{PeerLimits, PeerMisbehaved};
@@ -662,10 +665,12 @@ struct PeerQp {
 struct ControlBuffers {
     recv: Buffer,
     recv_region: Region,
-    /// The (NIC, queue pair number) each receive slot is posted on;
-    /// `None`: free. A slot posted on a queue pair 0 that was replaced
-    /// comes back (flushed, or with a message) before it is reposted.
-    recv_owner: Vec<Option<(usize, u32)>>,
+    /// Where each receive slot is posted (by NIC and queue pair number),
+    /// and in which order: completions handed to the peer in either order
+    /// are taken in their queue pair's. A slot posted on a queue pair 0
+    /// that was replaced comes back (flushed, or with a message) before
+    /// it is reposted.
+    receives: PostedReceives<(usize, u32), ControlReceive>,
     send: Buffer,
     send_region: Region,
     free_send: Arc<std::sync::Mutex<Vec<usize>>>,
@@ -685,6 +690,11 @@ struct PeerState {
     /// Replaced queue pairs 0 whose receives have not all come back.
     retired: Vec<resources::SeatedConnection>,
     control: ControlBuffers,
+    /// Receives left to the engine's pass, in the order they came: a
+    /// path's message (and every receive after it, so that the peer's
+    /// messages are handled in order), or any while `retired` is not
+    /// empty (the routes of those go under the engine's lock).
+    for_pass: std::collections::VecDeque<ControlReceive>,
     /// The grants the peer told this side it revoked (bounded): a
     /// descriptor of one is refused as revoked, not as unknown, and a
     /// batch its owner's NIC refused under one failed for the revocation.
@@ -905,6 +915,10 @@ struct PeerSlot {
 struct PeerLock {
     slot: Mutex<PeerSlot>,
     mark: handoff::PeerMark,
+    /// The peer's control receives polls took (in any order: two threads'
+    /// runs of one CQ come in either), until a holder of the peer's lock
+    /// takes them, in order (`Engine::take_receives`).
+    inbound: Mutex<Vec<ControlReceive>>,
     /// The engine's passes in a row that found the lock busy when they
     /// came to poll the peer's connection events (`poll_connections`),
     /// written by the pass alone.
@@ -916,6 +930,7 @@ impl PeerLock {
         Self {
             slot: Mutex::new(slot),
             mark: handoff::PeerMark::new(base),
+            inbound: Mutex::new(Vec::new()),
             events_skipped: std::sync::atomic::AtomicU32::new(0),
         }
     }
@@ -1088,13 +1103,6 @@ struct Shared {
     /// NICs that reported a fatal error: nothing on them is polled or
     /// re-established. Set under the engine's lock.
     dead_nics: Box<[std::sync::atomic::AtomicBool]>,
-    /// Each CQ's control-message receives, in the order that CQ gave them
-    /// (by NIC, then CQ: `nic * cqs_per_nic + cq`): taken across the
-    /// CQ's poll by whichever thread polls it, drained by the engine's
-    /// pass. A queue pair's messages arrive in order, but two threads'
-    /// polls of one CQ reach the pass in either order: without it, a
-    /// grant's IPC handle could be handled after the grant's revocation.
-    received: Box<[Mutex<Vec<ControlReceive>>]>,
     /// What the engine's own pass must look at soon ([`PassDue`]).
     due: PassDue,
     res: Arc<Resources>,
@@ -1406,8 +1414,11 @@ impl PeerSlot {
         let post = self.peer.as_ref().is_some_and(|p| {
             p.conn.outbox_len() > 0 || p.qps.iter().any(|q| self.core.has_postable(q.core))
         });
+        // Receives left to the pass make it due (a progress call makes
+        // it), as before they were polled.
+        let for_pass = self.peer.as_ref().is_some_and(|p| !p.for_pass.is_empty());
         Mark {
-            actions: self.core.has_action(),
+            actions: self.core.has_action() || for_pass,
             post,
             held: self.control_held(),
             at: self.next_deadline(),
@@ -1462,8 +1473,12 @@ const HOME_ROUNDS: u64 = 16;
 #[derive(Default)]
 struct Polled {
     buffer: Vec<Completion>,
-    /// Control messages were received (queued in `Shared::received`).
-    received: bool,
+    /// The peers whose control receives this poll queued
+    /// (`PeerLock::inbound`).
+    inbound: Vec<Arc<PeerLock>>,
+    /// A receive this poll took was left to the pass (a path's message):
+    /// the pass runs in this call, as it did for every receive.
+    receives_for_pass: bool,
     /// A NIC's completions with an error among them, all for the pass.
     errors: Vec<(usize, Vec<Completion>)>,
     /// NICs whose CQ failed to poll.
@@ -1488,11 +1503,12 @@ impl Polled {
 
     /// Whether the engine's pass has work in it.
     fn for_pass(&self) -> bool {
-        self.received || !self.errors.is_empty() || !self.failed.is_empty()
+        self.receives_for_pass || !self.errors.is_empty() || !self.failed.is_empty()
     }
 
     fn give_back(mut self) {
-        self.received = false;
+        self.inbound.clear();
+        self.receives_for_pass = false;
         self.errors.clear();
         self.failed.clear();
         POLLED.with(|p| p.set(Some(self)));
@@ -1850,11 +1866,6 @@ impl Engine {
             dead_nics: nics
                 .iter()
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
-                .collect(),
-            received: nics
-                .iter()
-                .flat_map(|nic| nic.cqs.queues())
-                .map(|_| Mutex::new(Vec::new()))
                 .collect(),
             due: PassDue::new(config.clock.now()),
             state: Mutex::new(State {
@@ -2528,10 +2539,11 @@ impl Engine {
             qps,
             peer_recv_depth: u32::from(hello.recv_depth),
             retired: Vec::new(),
+            for_pass: Default::default(),
             control: ControlBuffers {
                 recv,
                 recv_region,
-                recv_owner: vec![None; recv_slots],
+                receives: PostedReceives::new(recv_slots),
                 send,
                 send_region,
                 free_send: Arc::new(std::sync::Mutex::new((0..send_slots).rev().collect())),
@@ -2592,9 +2604,7 @@ impl Engine {
     /// Posts every free control receive slot on the peer's queue pair 0.
     fn post_free_receives(&self, peer: &mut PeerState) -> Result<(), hal_verbs::VerbsError> {
         let size = self.shared.config.max_message as usize;
-        let free: Vec<usize> = (0..peer.control.recv_owner.len())
-            .filter(|&i| peer.control.recv_owner[i].is_none())
-            .collect();
+        let free = peer.control.receives.free();
         if free.is_empty() {
             return Ok(());
         }
@@ -2606,7 +2616,7 @@ impl Engine {
         // SAFETY: the receive buffer is registered (its region lives in the
         // peer state as long as the queue pair) and gdr's own host memory;
         // nothing else writes it, and each slot is posted on one queue pair
-        // at a time (`recv_owner`).
+        // at a time (`ControlBuffers::receives`).
         let posted = unsafe { qp0.conn.qp().post_recv(&recvs) };
         // The receives the queue pair took are owned by it, a refusal
         // part-way included: their slots must not be posted again while
@@ -2617,9 +2627,9 @@ impl Engine {
             Ok(()) => free.len(),
             Err(e) => e.accepted().unwrap_or(free.len()),
         };
-        let owner = Some((qp0.nic, qp0.conn.qp().qp_num()));
+        let queue = (qp0.nic, qp0.conn.qp().qp_num());
         for &i in &free[..taken.min(free.len())] {
-            peer.control.recv_owner[i] = owner;
+            peer.control.receives.post(i, queue);
         }
         posted.map_err(|e| e.error)
     }
@@ -2752,31 +2762,29 @@ impl Engine {
             }
             let mut completions = std::mem::take(&mut polled.buffer);
             completions.clear();
-            {
-                // The CQ's receives are queued in the order it gives them:
-                // its queue is held across the poll.
-                let mut received = lock(&shared.received[nic_index * per_nic + cq_index]);
-                if let Err(e) = cq.poll_into(&mut completions) {
-                    drop(received);
-                    // The pass fails the NIC (once: `fail_nic`).
-                    polled.failed.push((nic_index, e));
-                    polled.buffer = completions;
+            if let Err(e) = cq.poll_into(&mut completions) {
+                // The pass fails the NIC (once: `fail_nic`).
+                polled.failed.push((nic_index, e));
+                polled.buffer = completions;
+                continue;
+            }
+            // Receives go to their peers (taken there in their queue
+            // pair's order: `PeerState::early`).
+            for wc in completions.iter().filter(|wc| wc.wr_id & RECV_BIT != 0) {
+                let Some(route) = self.route(polled, nic_index, wc.qp_num) else {
                     continue;
+                };
+                lock(&route.lock.inbound).push((nic_index, *wc));
+                if !polled.inbound.iter().any(|l| Arc::ptr_eq(l, &route.lock)) {
+                    polled.inbound.push(route.lock);
                 }
-                let queued = received.len();
-                received.extend(
-                    completions
-                        .iter()
-                        .filter(|wc| wc.wr_id & RECV_BIT != 0)
-                        .map(|wc| (nic_index, *wc)),
-                );
-                polled.received |= received.len() > queued;
             }
             handled += completions.len();
             if completions.iter().any(|wc| !wc.status.is_success()) {
                 // An error may come of a device failure or a QP event: the
                 // pass takes those first, so requests fail with their
-                // cause (its receives are queued above).
+                // cause (its receives are queued above, and handled
+                // before them).
                 polled.errors.push((nic_index, completions));
                 continue;
             }
@@ -2812,7 +2820,120 @@ impl Engine {
             }
             polled.buffer = completions;
         }
+        for peer_lock in std::mem::take(&mut polled.inbound) {
+            if let Some(guard) = self.take_receives(&peer_lock) {
+                polled.receives_for_pass |= guard.peer.as_ref().is_some_and(|p| !p.for_pass.is_empty());
+                self.settle_slot(guard);
+            }
+        }
         handled
+    }
+
+    /// Handles the control receives queued on the peer of `peer_lock`
+    /// (`PeerLock::inbound`), under its lock alone, in their queue pair's
+    /// order (`PeerState::early`): a message of
+    /// the connection's (a user message, a grant announced, the peer's
+    /// paths, its goodbye) here; a path's, and every receive after it,
+    /// left to the engine's pass (`PeerState::for_pass`). The guard is
+    /// handed back to be settled (or dropped, by the pass); `None`: none
+    /// was queued.
+    fn take_receives<'l>(&self, peer_lock: &'l PeerLock) -> Option<SlotGuard<'l>> {
+        let mut guard = lock_slot(peer_lock);
+        let received = std::mem::take(&mut *lock(&peer_lock.inbound));
+        if received.is_empty() {
+            return None;
+        }
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        if let Some(peer) = peer.as_mut() {
+            for (nic, wc) in received {
+                self.receive_alone(core, peer, nic, &wc);
+            }
+        }
+        Some(guard)
+    }
+
+    /// One control receive of `peer`, under its lock alone (see
+    /// [`Engine::take_receives`]): taken in its queue pair's order, with
+    /// those that came early and are now in turn.
+    fn receive_alone(&self, core: &mut Core, peer: &mut PeerState, nic: usize, wc: &Completion) {
+        let index = (wc.wr_id & !RECV_BIT) as usize;
+        let queue = (nic, wc.qp_num);
+        if !peer.control.receives.is_posted_on(index, queue) {
+            tracing::debug!(index, "a receive completion of a slot not posted there");
+            return;
+        }
+        for (_, (nic, wc)) in peer.control.receives.complete(index, queue, (nic, *wc)) {
+            self.receive_in_turn(core, peer, nic, &wc);
+        }
+    }
+
+    /// One control receive of `peer` in its turn.
+    fn receive_in_turn(&self, core: &mut Core, peer: &mut PeerState, nic: usize, wc: &Completion) {
+        let index = (wc.wr_id & !RECV_BIT) as usize;
+        // The pass reads it again: its slot stays posted.
+        let to_pass = |peer: &mut PeerState| peer.for_pass.push_back((nic, *wc));
+        if !peer.for_pass.is_empty() || !peer.retired.is_empty() {
+            to_pass(peer);
+            return;
+        }
+        // A peer dropped for misbehaving is not listened to any more (see
+        // `Engine::on_receive`).
+        let dropped = matches!(peer.gone, Some(PeerGone::Misbehaved(_)));
+        if wc.status.is_success() && !dropped {
+            let size = self.shared.config.max_message as usize;
+            let mut bytes = vec![0; (wc.byte_len as usize).min(size)];
+            if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
+                tracing::warn!(error = %e, "reading a control message");
+            }
+            let handled = match Control::decode(&bytes) {
+                Ok(message) if !is_connections(&message) => {
+                    to_pass(peer);
+                    return;
+                }
+                Ok(message) => on_connection_message(core, peer, message),
+                Err(e) => Err(PeerMisbehaved::Malformed(e)),
+            };
+            if let Err(why) = handled {
+                drop_misbehaving(core, peer, &why);
+            }
+        }
+        peer.control.receives.release(index);
+        if core.is_ready(peer.qps[0].core)
+            && let Err(e) = self.post_free_receives(peer)
+        {
+            tracing::warn!(error = %e, "reposting control receives");
+        }
+    }
+
+    /// The receives the peers' holders left to the pass
+    /// (`PeerState::for_pass`), each peer's in order; with `sweep`, first
+    /// those still queued on any peer (`PeerLock::inbound`: a poll's whose
+    /// thread has not handled them yet), as error completions are about
+    /// to be handled and a revocation notice before an access error names
+    /// its cause.
+    fn receives_for_pass(&self, state: &mut State, now: Instant, sweep: bool) {
+        for slot in 0..state.slots.len() {
+            let peer_lock = Arc::clone(&state.slots[slot]);
+            if sweep {
+                drop(self.take_receives(&peer_lock));
+            }
+            if !peer_lock.mark.is_due(now) {
+                continue;
+            }
+            // Each is handled, then taken off: a receive of the peer's
+            // that comes meanwhile queues behind it.
+            loop {
+                let next = {
+                    let guard = lock_slot(&peer_lock);
+                    guard.peer.as_ref().and_then(|p| p.for_pass.front().copied())
+                };
+                let Some((nic, wc)) = next else { break };
+                self.on_receive(state, slot, nic, &wc);
+                if let Some(peer) = lock_slot(&peer_lock).peer.as_mut() {
+                    peer.for_pass.pop_front();
+                }
+            }
+        }
     }
 
     /// The route of queue pair `qp_num` on NIC `nic`: from this thread's
@@ -2896,18 +3017,10 @@ impl Engine {
         if !polled.errors.is_empty() {
             self.poll_async_events(state);
         }
-        // Every CQ's receives, each CQ's in the order it gave them (a
-        // queue pair's messages are on one CQ), before the error completions
-        // of sends: a revocation notice that came before an access error
-        // names the error's cause.
-        for queue in &shared.received {
-            let received = std::mem::take(&mut *lock(queue));
-            for (nic_index, wc) in received {
-                if let Some(route) = shared.routes.get(nic_index, wc.qp_num) {
-                    self.on_receive(state, route.slot, nic_index, &wc);
-                }
-            }
-        }
+        // The receives left to the pass, before the error completions of
+        // sends.
+        let now = shared.config.clock.now();
+        self.receives_for_pass(state, now, !polled.errors.is_empty());
         for (nic_index, completions) in polled.errors.drain(..) {
             // Its receives were taken above.
             for wc in completions.iter().filter(|wc| wc.wr_id & RECV_BIT == 0) {
@@ -2984,11 +3097,11 @@ impl Engine {
             let Some(peer) = guard.peer.as_mut() else {
                 return;
             };
-            if peer.control.recv_owner.get(index) != Some(&Some((nic, wc.qp_num))) {
+            if !peer.control.receives.is_posted_on(index, (nic, wc.qp_num)) {
                 tracing::debug!(index, "a receive completion of a slot not posted there");
                 return;
             }
-            peer.control.recv_owner[index] = None;
+            peer.control.receives.release(index);
             // A peer dropped for misbehaving is not listened to any more:
             // what it had already sent would build up again what the drop
             // let go.
@@ -3019,13 +3132,11 @@ impl Engine {
         {
             tracing::warn!(error = %e, "reposting control receives");
         }
-        let owners = &peer.control.recv_owner;
+        let receives = &peer.control.receives;
         let nic0 = peer.qps[0].nic;
         let mut routes = None;
         peer.retired.retain(|conn| {
-            let kept = owners
-                .iter()
-                .any(|o| *o == Some((nic0, conn.qp().qp_num())));
+            let kept = receives.any_posted_on((nic0, conn.qp().qp_num()));
             if !kept {
                 routes
                     .get_or_insert_with(|| self.shared.routes_mut())
@@ -3070,26 +3181,9 @@ impl Engine {
         let Some(peer) = peer.as_mut() else {
             return Ok(());
         };
-        match peer.conn.on_control(message)? {
-            Received::Event(Event::GrantAnnounced(grant)) => {
-                tracing::debug!(grant, "grant announced");
-            }
-            Received::Event(Event::GrantRevoked(grant)) => peer.revoked.record(grant),
-            Received::Event(Event::Goodbye) => {
-                peer.gone.get_or_insert(PeerGone::ClosedByPeer);
-                // The peer disconnects its queue pairs next: this side's
-                // stop now, drain, and give their CQ seats back (whether
-                // or not the disconnect's event comes).
-                for qp in &peer.qps {
-                    core.fail_qp(qp.core, TransferError::PeerGone(PeerGone::ClosedByPeer));
-                }
-            }
-            Received::Event(Event::Message | Event::PathsKnown) | Received::Stale => {}
-            // The paths took theirs above (and never hand one back).
-            Received::Other(other) => tracing::debug!(?other, "a control message nobody takes"),
-        }
-        Ok(())
+        on_connection_message(core, peer, message)
     }
+
 
     fn poll_connections(&self, state: &mut State) {
         for lock in &state.slots {
@@ -4112,6 +4206,43 @@ impl<'a> Transfer<'a> {
 /// Drops a peer that broke the protocol: every queue pair disconnected
 /// and failed (what is in flight flushes), the reason kept as why it is
 /// gone.
+/// A message of the connection's (`is_connections`) from `peer`;
+/// `Err`: it broke the protocol and is to be dropped.
+fn on_connection_message(
+    core: &mut Core,
+    peer: &mut PeerState,
+    message: Control<'_>,
+) -> Result<(), PeerMisbehaved> {
+    match peer.conn.on_control(message)? {
+            Received::Event(Event::GrantAnnounced(grant)) => {
+                tracing::debug!(grant, "grant announced");
+            }
+            Received::Event(Event::GrantRevoked(grant)) => peer.revoked.record(grant),
+            Received::Event(Event::Goodbye) => {
+                peer.gone.get_or_insert(PeerGone::ClosedByPeer);
+                // The peer disconnects its queue pairs next: this side's
+                // stop now, drain, and give their CQ seats back (whether
+                // or not the disconnect's event comes).
+                for qp in &peer.qps {
+                    core.fail_qp(qp.core, TransferError::PeerGone(PeerGone::ClosedByPeer));
+                }
+            }
+            Received::Event(Event::Message | Event::PathsKnown) | Received::Stale => {}
+            // The paths took theirs above (and never hand one back).
+            Received::Other(other) => tracing::debug!(?other, "a control message nobody takes"),
+        }
+    Ok(())
+}
+
+/// Whether `message` is the connection's alone (no path takes it): it is
+/// handled under the peer's lock alone ([`Engine::take_receives`]).
+fn is_connections(message: &Control<'_>) -> bool {
+    matches!(
+        message,
+        Control::User(_) | Control::GrantAnnounce { .. } | Control::Paths { .. } | Control::Goodbye
+    )
+}
+
 fn drop_misbehaving(core: &mut Core, peer: &mut PeerState, why: &PeerMisbehaved) {
     tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
     let reason = PeerGone::Misbehaved(why.clone());
