@@ -93,27 +93,13 @@ impl Batch {
             return self.fenced(outcome);
         }
         let engine = &self.engine;
-        if self.home != CqSet::ALL {
-            // A spin on its peer's CQs alone first: threads waiting on
-            // different peers' batches then poll different CQs, none
-            // taking (and locking) another's peer, and none waiting for
-            // the reactor's lead. A batch that outlasts the spin waits in
-            // the reactor.
-            // Bounded by the reactor's spin (rounds and time) whatever the
-            // rounds handle: completions of other batches of the peer must
-            // not keep this wait out of the reactor past its own timeout.
-            let start = Instant::now();
-            for _ in 0..super::reactor::SPIN_ROUNDS {
-                if engine.progress_of(self.home) == 0 {
-                    std::hint::spin_loop();
-                }
-                if let Some(outcome) = self.outcome() {
-                    return self.fenced(outcome);
-                }
-                if start.elapsed() >= super::reactor::SPIN_TIME {
-                    break;
-                }
-            }
+        // A spin on its peer's CQs alone first: threads waiting on
+        // different peers' batches then poll different CQs, none taking
+        // (and locking) another's peer, and none waiting for the reactor's
+        // lead. A batch that outlasts the spin waits in the reactor.
+        engine.spin_home_until(self.home, || self.outcome().is_some());
+        if let Some(outcome) = self.outcome() {
+            return self.fenced(outcome);
         }
         let deadline = engine.shared.config.clock.now().checked_add(timeout);
         engine
@@ -209,6 +195,15 @@ impl Batch {
                 .cancel(&self.parts);
         }
         self.engine.wake();
+    }
+
+    /// Runs `f` while this thread counts as spinning on the batch's home
+    /// CQs, as [`Batch::wait`]'s spin does (other threads' polls of every
+    /// CQ pass them by). Feature `testing`.
+    #[cfg(feature = "testing")]
+    pub fn while_spun_on<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _spinning = self.engine.spin_home(self.home);
+        f()
     }
 
     /// The completion cell (for a driver that waits elsewhere). Feature

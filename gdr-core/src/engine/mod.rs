@@ -1463,6 +1463,30 @@ impl CqSet {
     fn has(self, index: usize) -> bool {
         index >= 64 || self.0 & 1 << index != 0
     }
+
+    /// The CQs named one by one (none for a set past the 64th: every CQ).
+    fn named(self) -> impl Iterator<Item = usize> {
+        let bits = if self == CqSet::ALL { 0 } else { self.0 };
+        (0..64).filter(move |&i| bits & 1 << i != 0)
+    }
+}
+
+/// A waiter's spin on its home CQs ([`Engine::spin_home`]): while it
+/// lasts, polls of every CQ leave those to it; it ends when dropped.
+pub(super) struct HomeSpin<'e> {
+    engine: &'e Engine,
+    home: CqSet,
+}
+
+impl Drop for HomeSpin<'_> {
+    fn drop(&mut self) {
+        let per_nic = self.engine.shared.cqs_per_nic.max(1);
+        for index in self.home.named() {
+            if let Some(nic) = self.engine.shared.nics.get(index / per_nic) {
+                nic.cqs.leave(index % per_nic);
+            }
+        }
+    }
 }
 
 /// A thread polling its peer's CQs polls every CQ at this many calls.
@@ -2695,23 +2719,43 @@ impl Engine {
     /// handled. Waiting calls make progress themselves; call this when
     /// nothing waits (or from a thread of your own).
     pub fn progress(&self) -> usize {
-        self.progress_of(CqSet::ALL)
+        self.progress_with(CqSet::NONE, true)
+    }
+
+    /// Marks the CQs of `home` as spun on by this thread until the guard
+    /// goes ([`Cqs::home`]): another thread's poll of every CQ then passes
+    /// them by instead of taking their completions, and their peers'
+    /// locks, from under the spinning waiter.
+    pub(super) fn spin_home(&self, home: CqSet) -> HomeSpin<'_> {
+        let per_nic = self.shared.cqs_per_nic.max(1);
+        for index in home.named() {
+            if let Some(nic) = self.shared.nics.get(index / per_nic) {
+                nic.cqs.home(index % per_nic);
+            }
+        }
+        HomeSpin { engine: self, home }
     }
 
     /// [`Engine::progress`], polling the CQs of `home` (a waiter's peer's)
-    /// and, every [`HOME_ROUNDS`]th call of a thread, every CQ: a thread
-    /// waiting on one peer's batch takes no other peer's completions (and
-    /// their locks) while it spins, and what nobody waits on still moves.
+    /// and, every [`HOME_ROUNDS`]th call of a thread, every CQ no other
+    /// thread spins on: a thread waiting on one peer's batch takes no other
+    /// peer's completions (and their locks) while it spins, and what nobody
+    /// waits on still moves.
     pub(super) fn progress_of(&self, home: CqSet) -> usize {
+        self.progress_with(home, false)
+    }
+
+    /// One progress call: polls the CQs of `home` and, with `others` or
+    /// every [`HOME_ROUNDS`]th call of this thread, every other CQ that no
+    /// thread spins on ([`Engine::spin_home`]: that thread takes its
+    /// completions), then runs the engine's pass when due.
+    fn progress_with(&self, home: CqSet, others: bool) -> usize {
         // Memory whose last holder goes in progress is freed elsewhere.
         let _inside = crate::reaper::EngineSection::enter();
         let mut polled = Polled::take();
         polled.ticks += 1;
-        let home = match polled.ticks.is_multiple_of(HOME_ROUNDS) {
-            true => CqSet::ALL,
-            false => home,
-        };
-        let mut handled = self.poll_completions(&mut polled, home);
+        let others = others || polled.ticks.is_multiple_of(HOME_ROUNDS);
+        let mut handled = self.poll_completions(&mut polled, home, others);
         let now = self.shared.config.clock.now();
         if !polled.for_pass() && !self.shared.due.is_due(now, polled.ticks) {
             polled.give_back();
@@ -2743,7 +2787,7 @@ impl Engine {
     /// their peer's core, each under that peer's lock only; what needs the
     /// engine's pass (receives, a NIC with an error completion or a CQ that
     /// failed) is left in `polled`. Returns how many completions it took.
-    fn poll_completions(&self, polled: &mut Polled, home: CqSet) -> usize {
+    fn poll_completions(&self, polled: &mut Polled, home: CqSet, others: bool) -> usize {
         let shared = &*self.shared;
         let per_nic = shared.cqs_per_nic;
         let mut handled = 0;
@@ -2755,9 +2799,9 @@ impl Engine {
                 .map(move |(cq_index, cq)| (nic_index, cq_index, cq))
         });
         for (nic_index, cq_index, cq) in every {
-            if !home.has(nic_index * per_nic + cq_index)
-                || shared.dead_nics[nic_index].load(Ordering::Acquire)
-            {
+            let wanted = home.has(nic_index * per_nic + cq_index)
+                || (others && !shared.nics[nic_index].cqs.is_homed(cq_index));
+            if !wanted || shared.dead_nics[nic_index].load(Ordering::Acquire) {
                 continue;
             }
             let mut completions = std::mem::take(&mut polled.buffer);
@@ -3748,6 +3792,33 @@ impl Engine {
 
     /// Makes progress until `decide` (taking what locks it needs) gives an
     /// answer, or `timeout` passes.
+    /// A waiter's spin on `home` (its peer's CQs) alone, before it waits
+    /// in the reactor, until `done` holds (returned) or the reactor's spin
+    /// is over (rounds and time, whatever the rounds handle: completions
+    /// of the peer's other work must not keep a wait out of the reactor
+    /// past its own timeout). While it spins, polls of every CQ by other
+    /// threads leave `home` to it ([`Engine::spin_home`]). No spin for a
+    /// waiter whose home is every CQ.
+    pub(super) fn spin_home_until(&self, home: CqSet, mut done: impl FnMut() -> bool) -> bool {
+        if home == CqSet::ALL {
+            return false;
+        }
+        let start = Instant::now();
+        let _spinning = self.spin_home(home);
+        for _ in 0..reactor::SPIN_ROUNDS {
+            if self.progress_of(home) == 0 {
+                std::hint::spin_loop();
+            }
+            if done() {
+                return true;
+            }
+            if start.elapsed() >= reactor::SPIN_TIME {
+                break;
+            }
+        }
+        false
+    }
+
     fn wait_until<T>(
         &self,
         timeout: Duration,

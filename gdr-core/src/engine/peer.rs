@@ -262,7 +262,8 @@ impl Peer {
         timeout: Duration,
         mut ready: impl FnMut(&mut PeerState) -> Option<T>,
     ) -> Result<T, EngineError> {
-        self.engine.wait_until(timeout, || {
+        let home = std::cell::Cell::new(CqSet::ALL);
+        let mut decide = || {
             let mut guard = lock_slot(&self.lock);
             let Some(p) = guard.peer.as_mut() else {
                 return Some(Err(EngineError::PeerGone(PeerGone::Closed)));
@@ -270,8 +271,25 @@ impl Peer {
             if let Some(found) = ready(p) {
                 return Some(Ok(found));
             }
+            home.set(self.engine.home_of(p));
             p.gone.clone().map(|why| Err(EngineError::PeerGone(why)))
-        })
+        };
+        if let Some(decided) = decide() {
+            return decided;
+        }
+        // A spin on the peer's CQs first, as a batch's wait does (one that
+        // may not wait spins not).
+        if timeout >= super::reactor::SPIN_TIME {
+            let mut decided = None;
+            self.engine.spin_home_until(home.get(), || {
+                decided = decide();
+                decided.is_some()
+            });
+            if let Some(decided) = decided {
+                return decided;
+            }
+        }
+        self.engine.wait_until(timeout, decide)
     }
 
     /// Grants `len` bytes at `offset` of `region` to this peer with

@@ -172,7 +172,17 @@ pub(crate) struct Cqs {
     queues: Vec<hal_verbs::dynamic::DynCompletionQueue>,
     taken: Arc<[AtomicUsize]>,
     seats: usize,
+    /// Threads spinning on each queue now (a waiter's home,
+    /// [`Cqs::home`]): a poll of every CQ leaves those queues to them.
+    homed: Box<[Homed]>,
 }
+
+/// One CQ's count of threads spinning on it, on a cache line of its own
+/// (each waiter writes its queue's twice a wait; every poll of all CQs
+/// reads them all).
+#[derive(Default)]
+#[repr(align(128))]
+struct Homed(AtomicUsize);
 
 impl Cqs {
     /// Queue pairs seated on each CQ.
@@ -182,11 +192,30 @@ impl Cqs {
 
     pub(crate) fn new(queues: Vec<hal_verbs::dynamic::DynCompletionQueue>, seats: usize) -> Self {
         let taken = queues.iter().map(|_| AtomicUsize::new(0)).collect();
+        let homed = queues.iter().map(|_| Homed::default()).collect();
         Self {
             queues,
             taken,
             seats,
+            homed,
         }
+    }
+
+    /// A thread starts spinning on queue `index` (its waiter's home):
+    /// until [`Cqs::leave`], polls of every CQ pass it by, its completions
+    /// taken by the spinning thread.
+    pub(crate) fn home(&self, index: usize) {
+        self.homed[index].0.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The end of a [`Cqs::home`].
+    pub(crate) fn leave(&self, index: usize) {
+        self.homed[index].0.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether a thread spins on queue `index` now.
+    pub(crate) fn is_homed(&self, index: usize) -> bool {
+        self.homed[index].0.load(Ordering::Acquire) > 0
     }
 
     /// The queues, by index.

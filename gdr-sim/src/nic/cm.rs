@@ -1130,6 +1130,18 @@ pub struct SimConnection {
 impl SimConnection {
     /// Disconnected (by either side) or device lost, as seen under the lock;
     /// flushes our queue pair once disconnected.
+    /// Whether [`observe`](Self::observe) would find the connection up (and
+    /// so change nothing).
+    fn still_connected(&self, state: &FabricState) -> bool {
+        let device = state.qps.get(&self.qp.qp_num()).map(|q| q.device);
+        !device.is_some_and(|d| state.devices[d].lost)
+            && state
+                .cm
+                .conns
+                .get(&self.conn)
+                .is_some_and(|c| !c.disconnected)
+    }
+
     fn observe(&self, state: &mut FabricState) -> ConnectionState {
         let device = state.qps.get(&self.qp.qp_num()).map(|q| q.device);
         if device.is_some_and(|d| state.devices[d].lost) {
@@ -1171,6 +1183,17 @@ impl Connection<SimVerbsApi> for SimConnection {
     }
 
     fn poll_state(&self, timeout: Duration) -> Result<ConnectionState> {
+        if timeout.is_zero() {
+            // What made the fd readable is consumed first: a change after
+            // the look below notifies anew.
+            self.wake.clear();
+            // A connection still up changes nothing: the fabric held shared,
+            // so an engine looking at its peers' connections (every pass)
+            // does not stop every poster and poller of the fabric.
+            if self.still_connected(&self.fabric.read()) {
+                return Ok(ConnectionState::Connected);
+            }
+        }
         let mut state = self.fabric.lock();
         let deadline = CmDeadline::new(&state, timeout);
         // What made the fd readable is consumed here, as reading the

@@ -7,7 +7,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use hal_verbs::{ConnectParams, ConnectRequest, ConnectionManager, Listener};
+use hal_verbs::{
+    ConnectParams, ConnectRequest, Connection, ConnectionManager, ConnectionState, Listener,
+};
 
 use super::super::cm::hooks;
 use super::*;
@@ -172,4 +174,49 @@ fn a_server_gone_before_the_client_saw_its_answer_leaves_nothing() {
     );
     drop(listener);
     assert_eq!(cm_left(&fabric), (0, 0), "(requests, connections) left");
+}
+
+/// An engine looks at each peer's connection every pass: a connection still
+/// up is looked at with the fabric held shared, so the look does not stop
+/// every poster and poller of the fabric (it took the fabric exclusively,
+/// and 12 threads of one engine stalled behind its peers' looks). A change
+/// is still seen, under the exclusive lock.
+#[test]
+fn a_connection_still_up_is_looked_at_with_the_fabric_shared() {
+    let fabric = SimFabric::new();
+    let (server, client) = (node(&fabric, "server"), node(&fabric, "client"));
+    let addr = SocketAddr::new(IpAddr::V4(server.verbs.device_ipv4("sim0").unwrap()), 7003);
+    let listener = server.cm.listen(addr, 1).unwrap();
+    let (client_conn, server_conn) = std::thread::scope(|s| {
+        let c = s.spawn(|| {
+            let params = params(Duration::from_secs(5));
+            client
+                .cm
+                .connect(addr, &client.pd, &client.cq, &client.cq, &params, b"")
+        });
+        let request = listener.next_request(Duration::from_secs(5)).unwrap();
+        let params = params(Duration::from_secs(5));
+        let accepted = request.accept(&server.pd, &server.cq, &server.cq, &params, b"");
+        (c.join().unwrap().unwrap(), accepted.unwrap())
+    });
+    let looked = AtomicBool::new(false);
+    let state = std::thread::scope(|s| {
+        // Another holder of the fabric shared (a poster, a poller).
+        let held = fabric.read();
+        let look = s.spawn(|| {
+            let state = client_conn.poll_state(Duration::ZERO);
+            looked.store(true, Ordering::SeqCst);
+            state
+        });
+        until(&looked, "the look waited for the fabric's shared holder");
+        drop(held);
+        look.join().unwrap()
+    });
+    assert!(matches!(state, Ok(ConnectionState::Connected)), "{state:?}");
+    server_conn.disconnect().unwrap();
+    let state = client_conn.poll_state(Duration::ZERO);
+    assert!(
+        matches!(state, Ok(ConnectionState::Disconnected)),
+        "{state:?}"
+    );
 }
