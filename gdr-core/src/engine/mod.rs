@@ -137,9 +137,13 @@
 //! The hand-off between a peer's lock and the engine's (when the pass is
 //! due, where a completion goes) is `handoff`'s, checked by loom models.
 //!
-//! A thread waiting on a batch of the NIC's queue pairs polls its peer's
-//! CQs alone for a spin (`Engine::progress_of`, every 16th round all of
-//! them) before it joins the reactor: threads waiting on different peers
+//! A thread waiting on one peer (a batch of the NIC's queue pairs, a
+//! message, a grant) polls that peer's CQs alone for a spin
+//! (`Engine::spin_home_until`, every 16th round the other CQs too) before
+//! it joins the reactor; while it spins, its CQs are marked as its own
+//! (`resources::Cqs::home`, an atomic count per CQ, no lock), and a poll
+//! of every CQ by another thread (`Engine::progress`, the driver, those
+//! every-16th rounds) passes them by: threads waiting on different peers
 //! whose queue pairs sit on different CQs then share no CQ and take no
 //! other peer's lock.
 
