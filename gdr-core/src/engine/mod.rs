@@ -139,7 +139,8 @@
 //!
 //! A thread waiting on one peer (a batch of the NIC's queue pairs, a
 //! message, a grant) polls that peer's CQs alone for a spin
-//! (`Engine::spin_home_until`, every 16th round the other CQs too) before
+//! (`Engine::spin_home_until`; every 16th round the other CQs too, one
+//! thread of the engine at most every 20 µs: `handoff::Sweeps`) before
 //! it joins the reactor; while it spins, its CQs are marked as its own
 //! (`resources::Cqs::home`, an atomic count per CQ, no lock), and a poll
 //! of every CQ by another thread (`Engine::progress`, the driver, those
@@ -1109,6 +1110,8 @@ struct Shared {
     dead_nics: Box<[std::sync::atomic::AtomicBool]>,
     /// What the engine's own pass must look at soon ([`PassDue`]).
     due: PassDue,
+    /// When a thread spinning on its own CQs also polls the others.
+    sweeps: handoff::Sweeps,
     res: Arc<Resources>,
     /// Drivers running (threads of [`Engine::spawn_driver`], the engine's
     /// own thread, tasks of `Engine::drive_on_tokio`): while there is one,
@@ -1493,7 +1496,8 @@ impl Drop for HomeSpin<'_> {
     }
 }
 
-/// A thread polling its peer's CQs polls every CQ at this many calls.
+/// A thread polling its peer's CQs asks to sweep every CQ
+/// (`handoff::Sweeps`) at this many calls.
 const HOME_ROUNDS: u64 = 16;
 
 /// What one progress call's poll of the NICs leaves for the engine's pass
@@ -1896,6 +1900,7 @@ impl Engine {
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
             due: PassDue::new(config.clock.now()),
+            sweeps: handoff::Sweeps::new(),
             state: Mutex::new(State {
                 slots: Vec::new(),
                 reconnecting: 0,
@@ -2741,7 +2746,8 @@ impl Engine {
     }
 
     /// [`Engine::progress`], polling the CQs of `home` (a waiter's peer's)
-    /// and, every [`HOME_ROUNDS`]th call of a thread, every CQ no other
+    /// and, every [`HOME_ROUNDS`]th call of a thread when no other thread
+    /// of the engine did so lately (`handoff::Sweeps`), every CQ no other
     /// thread spins on: a thread waiting on one peer's batch takes no other
     /// peer's completions (and their locks) while it spins, and what nobody
     /// waits on still moves.
@@ -2750,7 +2756,7 @@ impl Engine {
     }
 
     /// One progress call: polls the CQs of `home` and, with `others` or
-    /// every [`HOME_ROUNDS`]th call of this thread, every other CQ that no
+    /// on a sweep (above), every other CQ that no
     /// thread spins on ([`Engine::spin_home`]: that thread takes its
     /// completions), then runs the engine's pass when due.
     fn progress_with(&self, home: CqSet, others: bool) -> usize {
@@ -2758,7 +2764,8 @@ impl Engine {
         let _inside = crate::reaper::EngineSection::enter();
         let mut polled = Polled::take();
         polled.ticks += 1;
-        let others = others || polled.ticks.is_multiple_of(HOME_ROUNDS);
+        let others = others
+            || (polled.ticks.is_multiple_of(HOME_ROUNDS) && self.shared.sweeps.take());
         let mut handled = self.poll_completions(&mut polled, home, others);
         let now = self.shared.config.clock.now();
         if !polled.for_pass() && !self.shared.due.is_due(now, polled.ticks) {
