@@ -586,6 +586,67 @@ fn queue_pairs_spread_over_the_cqs_and_give_their_seats_back() {
     round_trip_engines(&ab2, &ba2);
 }
 
+/// `Batch::status` makes progress on its peer's CQs, not on every CQ: a
+/// thread looking at its own batches leaves another peer's completions
+/// (and that peer's lock) to that peer's thread. It polled every CQ: 12
+/// threads of one engine looking at their batches took each other's
+/// completions and waited on each other's peers' locks.
+#[test]
+fn a_batchs_status_leaves_other_peers_completions_alone() {
+    let (a, b, listener, addr) = two_engines_of_two_cqs(1);
+    let (ab1, ba1) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
+    let (ab2, ba2) = gdr_tests::engine_world::connect_accepted(&a, &listener, addr, T);
+    assert_eq!(a.resources().cq_queue_pairs, [1, 1], "a peer on each CQ");
+    const LEN: u64 = 4096;
+    let src_buf = gdr_core::buffer::Buffer::alloc_host(LEN);
+    let src = a.register_buffer(&src_buf).unwrap();
+    let (dst1_buf, dst2_buf) = (
+        gdr_core::buffer::Buffer::alloc_host(LEN),
+        gdr_core::buffer::Buffer::alloc_host(LEN),
+    );
+    let (dst1, dst2) = (
+        b.register_buffer(&dst1_buf).unwrap(),
+        b.register_buffer(&dst2_buf).unwrap(),
+    );
+    let (_kept1, grant1) = gdr_tests::engine_world::grant_to(
+        &ba1,
+        &ab1,
+        &dst1,
+        gdr_core::descriptor::GrantRights::Write,
+        T,
+    );
+    let (_kept2, grant2) = gdr_tests::engine_world::grant_to(
+        &ba2,
+        &ab2,
+        &dst2,
+        gdr_core::descriptor::GrantRights::Write,
+        T,
+    );
+    // Nothing else of a's waits to be taken.
+    while a.progress() > 0 {}
+    let first = ab1
+        .submit(&[gdr_core::engine::Transfer::write(&src, 0, &grant1, 0, LEN)])
+        .unwrap();
+    let second = ab2
+        .submit(&[gdr_core::engine::Transfer::write(&src, 0, &grant2, 0, LEN)])
+        .unwrap();
+    let start = Instant::now();
+    while second.status().is_none() {
+        assert!(start.elapsed() < T, "the second batch never ended");
+    }
+    // The first peer's completion is still on its CQ for a poll to take.
+    let start = Instant::now();
+    let mut taken = 0;
+    while taken == 0 && start.elapsed() < Duration::from_millis(200) {
+        taken += a.progress();
+    }
+    assert!(
+        taken > 0,
+        "the second batch's status took the first peer's completion"
+    );
+    first.wait(T).unwrap();
+}
+
 /// A peer's queue pairs sit on one CQ where it has room (a thread waiting
 /// on that peer polls one CQ): two peers of two queue pairs each, on two
 /// CQs, fill one CQ each, on the connecting side and the accepting one.

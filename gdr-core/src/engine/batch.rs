@@ -64,10 +64,13 @@ impl Batch {
         Some(first)
     }
 
-    /// The outcome, if it has ended (makes progress first).
+    /// The outcome, if it has ended (makes progress first: on its peer's
+    /// CQs, and the others now and then, as a waiter's spin does; a
+    /// thread looking at its own batches then takes no other peer's
+    /// completions, and their locks).
     pub fn status(&self) -> Option<Outcome> {
         if self.outcome().is_none() {
-            self.engine.progress();
+            self.engine.progress_of(self.home);
         }
         self.outcome().map(|o| self.fenced(o))
     }

@@ -139,8 +139,9 @@
 //!
 //! A thread waiting on one peer (a batch of the NIC's queue pairs, a
 //! message, a grant) polls that peer's CQs alone for a spin
-//! (`Engine::spin_home_until`; every 16th round the other CQs too, one
-//! thread of the engine at most every 20 µs: `handoff::Sweeps`) before
+//! (`Engine::spin_home_until`; every 16th round whose own CQs gave
+//! nothing the other CQs too, one thread of the engine at most every
+//! 20 µs: `handoff::Sweeps`; `Batch::status` polls the same way) before
 //! it joins the reactor; while it spins, its CQs are marked as its own
 //! (`resources::Cqs::home`, an atomic count per CQ, no lock), and a poll
 //! of every CQ by another thread (`Engine::progress`, the driver, those
@@ -2755,18 +2756,26 @@ impl Engine {
         self.progress_with(home, false)
     }
 
-    /// One progress call: polls the CQs of `home` and, with `others` or
-    /// on a sweep (above), every other CQ that no
-    /// thread spins on ([`Engine::spin_home`]: that thread takes its
-    /// completions), then runs the engine's pass when due.
+    /// One progress call: polls the CQs of `home` and then, with `others`
+    /// or on a sweep (above, and only when `home` gave nothing), every
+    /// other CQ that no thread spins on ([`Engine::spin_home`]: that
+    /// thread takes its completions), then runs the engine's pass when
+    /// due.
     fn progress_with(&self, home: CqSet, others: bool) -> usize {
         // Memory whose last holder goes in progress is freed elsewhere.
         let _inside = crate::reaper::EngineSection::enter();
         let mut polled = Polled::take();
         polled.ticks += 1;
-        let others = others
-            || (polled.ticks.is_multiple_of(HOME_ROUNDS) && self.shared.sweeps.take());
-        let mut handled = self.poll_completions(&mut polled, home, others);
+        let mut handled = self.poll_completions(&mut polled, home, false);
+        // A sweep only on a round whose own CQs gave nothing: a thread
+        // with completions of its own takes those first.
+        let sweep = others
+            || (handled == 0
+                && polled.ticks.is_multiple_of(HOME_ROUNDS)
+                && self.shared.sweeps.take());
+        if sweep {
+            handled += self.poll_completions(&mut polled, home, true);
+        }
         let now = self.shared.config.clock.now();
         if !polled.for_pass() && !self.shared.due.is_due(now, polled.ticks) {
             polled.give_back();
@@ -2794,10 +2803,12 @@ impl Engine {
         handled
     }
 
-    /// Polls every live NIC's completions and hands those of sends to
-    /// their peer's core, each under that peer's lock only; what needs the
-    /// engine's pass (receives, a NIC with an error completion or a CQ that
-    /// failed) is left in `polled`. Returns how many completions it took.
+    /// Polls the live NICs' CQs of `home` (with `others`: every CQ outside
+    /// `home` that no thread spins on) and hands the completions of sends
+    /// to their peer's core, each under that peer's lock only; what needs
+    /// the engine's pass (receives, a NIC with an error completion or a CQ
+    /// that failed) is left in `polled`. Returns how many completions it
+    /// took.
     fn poll_completions(&self, polled: &mut Polled, home: CqSet, others: bool) -> usize {
         let shared = &*self.shared;
         let per_nic = shared.cqs_per_nic;
@@ -2810,8 +2821,13 @@ impl Engine {
                 .map(move |(cq_index, cq)| (nic_index, cq_index, cq))
         });
         for (nic_index, cq_index, cq) in every {
-            let wanted = home.has(nic_index * per_nic + cq_index)
-                || (others && !shared.nics[nic_index].cqs.is_homed(cq_index));
+            let wanted = match others {
+                false => home.has(nic_index * per_nic + cq_index),
+                true => {
+                    !home.has(nic_index * per_nic + cq_index)
+                        && !shared.nics[nic_index].cqs.is_homed(cq_index)
+                }
+            };
             if !wanted || shared.dead_nics[nic_index].load(Ordering::Acquire) {
                 continue;
             }
