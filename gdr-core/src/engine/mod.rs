@@ -1368,6 +1368,29 @@ mod lock_order {
 }
 
 impl PeerSlot {
+    /// Hands the completions `sends` of the peer's queue pair `index`
+    /// (number `qp_num`, as polled) to the core. `false`, and nothing
+    /// handed, when the slot's peer has gone or that queue pair was
+    /// replaced since (a completion of its predecessor, already failed).
+    fn on_send_completions<'c>(
+        &mut self,
+        index: usize,
+        qp_num: u32,
+        sends: impl IntoIterator<Item = &'c Completion>,
+    ) -> bool {
+        let Some(peer) = self.peer.as_ref() else {
+            return false;
+        };
+        if peer.qps[index].conn.qp().qp_num() != qp_num {
+            return false;
+        }
+        let qp = peer.qps[index].core;
+        for wc in sends {
+            self.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
+        }
+        true
+    }
+
     /// Posts what the core has ready on the peer's queue pairs, control
     /// messages waiting for a send slot first.
     fn post(&mut self, now: Instant) {
@@ -2878,14 +2901,7 @@ impl Engine {
                     continue;
                 };
                 let mut guard = lock_slot(&route.lock);
-                let slot = &mut *guard;
-                if let Some(peer) = slot.peer.as_ref()
-                    && peer.qps[route.index].conn.qp().qp_num() == qp_num
-                {
-                    let qp = peer.qps[route.index].core;
-                    for wc in sends {
-                        slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
-                    }
+                if guard.on_send_completions(route.index, qp_num, sends) {
                     self.settle_slot(guard);
                 }
             }
@@ -3099,14 +3115,9 @@ impl Engine {
                 let Some(route) = route else {
                     continue;
                 };
-                let mut guard = state.slot(route.slot);
-                let slot = &mut *guard;
-                if let Some(peer) = slot.peer.as_ref()
-                    && peer.qps[route.index].conn.qp().qp_num() == wc.qp_num
-                {
-                    let qp = peer.qps[route.index].core;
-                    slot.core.on_completion(qp, wc.wr_id, wc.status, wc.vendor_err);
-                }
+                state
+                    .slot(route.slot)
+                    .on_send_completions(route.index, wc.qp_num, [wc]);
             }
             polled.buffer = completions;
         }
