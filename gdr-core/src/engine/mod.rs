@@ -3828,8 +3828,6 @@ impl Engine {
         self.wait_until(timeout, || decide(&mut look_at_state(&self.shared)))
     }
 
-    /// Makes progress until `decide` (taking what locks it needs) gives an
-    /// answer, or `timeout` passes.
     /// A waiter's spin on `home` (its peer's CQs) alone, before it waits
     /// in the reactor, until `done` holds (returned) or the reactor's spin
     /// is over (rounds and time, whatever the rounds handle: completions
@@ -3857,6 +3855,8 @@ impl Engine {
         false
     }
 
+    /// Makes progress until `decide` (taking what locks it needs) gives an
+    /// answer, or `timeout` passes.
     fn wait_until<T>(
         &self,
         timeout: Duration,
