@@ -1128,13 +1128,18 @@ pub struct SimConnection {
 }
 
 impl SimConnection {
-    /// Disconnected (by either side) or device lost, as seen under the lock;
-    /// flushes our queue pair once disconnected.
+    /// Whether the device of our queue pair was lost.
+    fn device_lost(&self, state: &FabricState) -> bool {
+        state
+            .qps
+            .get(&self.qp.qp_num())
+            .is_some_and(|q| state.devices[q.device].lost)
+    }
+
     /// Whether [`observe`](Self::observe) would find the connection up (and
     /// so change nothing).
     fn still_connected(&self, state: &FabricState) -> bool {
-        let device = state.qps.get(&self.qp.qp_num()).map(|q| q.device);
-        !device.is_some_and(|d| state.devices[d].lost)
+        !self.device_lost(state)
             && state
                 .cm
                 .conns
@@ -1142,18 +1147,17 @@ impl SimConnection {
                 .is_some_and(|c| !c.disconnected)
     }
 
+    /// Disconnected (by either side) or device lost, as seen under the lock;
+    /// flushes our queue pair once disconnected.
     fn observe(&self, state: &mut FabricState) -> ConnectionState {
-        let device = state.qps.get(&self.qp.qp_num()).map(|q| q.device);
-        if device.is_some_and(|d| state.devices[d].lost) {
+        if self.device_lost(state) {
             return ConnectionState::DeviceRemoved;
         }
-        match state.cm.conns.get(&self.conn) {
-            Some(c) if !c.disconnected => ConnectionState::Connected,
-            _ => {
-                state.set_error(self.qp.qp_num());
-                ConnectionState::Disconnected
-            }
+        if self.still_connected(state) {
+            return ConnectionState::Connected;
         }
+        state.set_error(self.qp.qp_num());
+        ConnectionState::Disconnected
     }
 }
 
