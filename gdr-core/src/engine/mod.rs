@@ -1511,11 +1511,8 @@ pub(super) struct HomeSpin<'e> {
 
 impl Drop for HomeSpin<'_> {
     fn drop(&mut self) {
-        let per_nic = self.engine.shared.cqs_per_nic.max(1);
-        for index in self.home.named() {
-            if let Some(nic) = self.engine.shared.nics.get(index / per_nic) {
-                nic.cqs.leave(index % per_nic);
-            }
+        for (cqs, index) in self.engine.named_cqs(self.home) {
+            cqs.leave(index);
         }
     }
 }
@@ -2760,13 +2757,20 @@ impl Engine {
     /// them by instead of taking their completions, and their peers'
     /// locks, from under the spinning waiter.
     pub(super) fn spin_home(&self, home: CqSet) -> HomeSpin<'_> {
-        let per_nic = self.shared.cqs_per_nic.max(1);
-        for index in home.named() {
-            if let Some(nic) = self.shared.nics.get(index / per_nic) {
-                nic.cqs.home(index % per_nic);
-            }
+        for (cqs, index) in self.named_cqs(home) {
+            cqs.home(index);
         }
         HomeSpin { engine: self, home }
+    }
+
+    /// The CQs `set` names one by one, each as its NIC's queues and its
+    /// index there.
+    fn named_cqs(&self, set: CqSet) -> impl Iterator<Item = (&resources::Cqs, usize)> {
+        let per_nic = self.shared.cqs_per_nic.max(1);
+        set.named().filter_map(move |index| {
+            let nic = self.shared.nics.get(index / per_nic)?;
+            Some((&nic.cqs, index % per_nic))
+        })
     }
 
     /// [`Engine::progress`], polling the CQs of `home` (a waiter's peer's)
