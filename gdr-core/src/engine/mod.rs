@@ -2746,8 +2746,10 @@ impl Engine {
 
     /// Polls every NIC's completions, handles deadlines and connection
     /// events, and posts what is ready. Returns how many completions it
-    /// handled. Waiting calls make progress themselves; call this when
-    /// nothing waits (or from a thread of your own).
+    /// handled. A CQ another thread is spinning on while it waits on its
+    /// peer is left to that thread, which takes its completions (they are
+    /// not counted here). Waiting calls make progress themselves; call this
+    /// when nothing waits (or from a thread of your own).
     pub fn progress(&self) -> usize {
         self.progress_with(CqSet::NONE, true)
     }
