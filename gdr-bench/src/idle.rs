@@ -139,21 +139,64 @@ impl IdleFigures {
 /// The process's CPU time (user + system) and voluntary context switches
 /// so far.
 pub(crate) fn usage() -> std::io::Result<(Duration, u64)> {
+    let u = usage_of(Who::Process)?;
+    Ok((u.cpu, u.voluntary))
+}
+
+/// Whose resource usage [`usage_of`] reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Who {
+    /// The whole process (every thread, those gone included).
+    Process,
+    /// The calling thread.
+    Thread,
+}
+
+/// CPU time and context switches, so far (`getrusage`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Usage {
+    /// User + system CPU time.
+    pub(crate) cpu: Duration,
+    /// Voluntary context switches (a wait: a futex, a poll, a sleep).
+    pub(crate) voluntary: u64,
+    /// Involuntary ones (preempted).
+    pub(crate) involuntary: u64,
+}
+
+impl Usage {
+    /// What was used from `earlier` to `self`.
+    pub(crate) fn since(self, earlier: Usage) -> Usage {
+        Usage {
+            cpu: self.cpu.saturating_sub(earlier.cpu),
+            voluntary: self.voluntary.saturating_sub(earlier.voluntary),
+            involuntary: self.involuntary.saturating_sub(earlier.involuntary),
+        }
+    }
+}
+
+/// `who`'s usage so far.
+pub(crate) fn usage_of(who: Who) -> std::io::Result<Usage> {
+    let which = match who {
+        Who::Process => libc::RUSAGE_SELF,
+        Who::Thread => libc::RUSAGE_THREAD,
+    };
     // SAFETY: an all-zero rusage (integers and timevals) is a valid value
     // for getrusage to fill.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `ru` is a valid, writable rusage; RUSAGE_SELF is a constant.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+    // SAFETY: `ru` is a valid, writable rusage; `which` is one of the
+    // constants getrusage takes.
+    if unsafe { libc::getrusage(which, &mut ru) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     let tv = |t: libc::timeval| {
         Duration::from_secs(u64::try_from(t.tv_sec).unwrap_or(0))
             + Duration::from_micros(u64::try_from(t.tv_usec).unwrap_or(0))
     };
-    Ok((
-        tv(ru.ru_utime) + tv(ru.ru_stime),
-        u64::try_from(ru.ru_nvcsw).unwrap_or(0),
-    ))
+    Ok(Usage {
+        cpu: tv(ru.ru_utime) + tv(ru.ru_stime),
+        voluntary: u64::try_from(ru.ru_nvcsw).unwrap_or(0),
+        involuntary: u64::try_from(ru.ru_nivcsw).unwrap_or(0),
+    })
 }
 
 fn nanos(d: Duration) -> u64 {

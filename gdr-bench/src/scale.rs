@@ -56,8 +56,9 @@ use hal_verbs::{AccessFlags, Api, Context as _, Provider as _};
 
 use super::{
     Budget, Common, EnginePlan, Engines, HostRegion, Idle, Op, Plan, Target, Waiter, channel_cq,
-    drain_after_failure, emit, grant_host, host_buffer, host_memory_config, idle::usage, measure,
-    measure_engine, parse_size, pick_device, progress_bar, send_caps, slots, start_engines,
+    drain_after_failure, emit, grant_host, host_buffer, host_memory_config, idle::Usage, idle::Who,
+    idle::usage, idle::usage_of, measure, measure_engine, parse_size, pick_device, progress_bar,
+    send_caps, slots, start_engines,
 };
 use gdr_core::cq_wait::CqWaiter;
 
@@ -202,12 +203,39 @@ pub(crate) struct Point {
     pub(crate) requests: u64,
     /// The longest thread's measured time.
     pub(crate) elapsed: Duration,
+    /// The process's usage from the measured start to the last thread's
+    /// end (every thread's: the measuring ones, the engines' own, the
+    /// server's), and that window.
+    pub(crate) process: Usage,
+    pub(crate) window: Duration,
+    /// The measuring threads' own usage in their measured time, summed.
+    pub(crate) measuring: Usage,
 }
 
 impl Point {
     /// Requests per second, all threads together.
     pub(crate) fn per_s(&self) -> f64 {
         self.requests as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// Cores the process kept busy over the window: above T, threads
+    /// other than the measuring ones ran; below, the measuring ones
+    /// waited off the CPU.
+    pub(crate) fn cores(&self) -> f64 {
+        self.process.cpu.as_secs_f64() / self.window.as_secs_f64().max(1e-9)
+    }
+
+    /// The share of their measured time the measuring threads were on a
+    /// CPU (1: never waited off it).
+    pub(crate) fn on_cpu(&self) -> f64 {
+        self.measuring.cpu.as_secs_f64()
+            / (self.elapsed.as_secs_f64() * self.threads as f64).max(1e-9)
+    }
+
+    /// Voluntary context switches of the process per 1,000 requests (a
+    /// wait in the kernel: a contended lock's futex, a parked waiter).
+    pub(crate) fn waits_per_k(&self) -> f64 {
+        self.process.voluntary as f64 * 1000.0 / (self.requests as f64).max(1.0)
     }
 }
 
@@ -300,8 +328,22 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
             threads[0]
         );
         println!(
-            "{:<10} {:>7} {:>11} {:>8} {:>12} {:>12} {:>6}",
-            "mode", "threads", "requests", "seconds", "req/s", "req/s/thread", "ratio"
+            "cores: CPUs the process kept busy (every thread); on-cpu: the measuring threads' \
+             share of their time on a CPU; waits/k: voluntary context switches per 1,000 \
+             requests"
+        );
+        println!(
+            "{:<10} {:>7} {:>11} {:>8} {:>12} {:>12} {:>6} {:>6} {:>6} {:>8}",
+            "mode",
+            "threads",
+            "requests",
+            "seconds",
+            "req/s",
+            "req/s/thread",
+            "ratio",
+            "cores",
+            "on-cpu",
+            "waits/k"
         );
     }
     let mut scaled = Scaled::default();
@@ -336,14 +378,17 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
                 point_json_line(&point, backend, &device, shape, qps, ratio, threads[0])
             } else {
                 format!(
-                    "{:<10} {:>7} {:>11} {:>8.3} {:>12.0} {:>12.0} {:>6.2}",
+                    "{:<10} {:>7} {:>11} {:>8.3} {:>12.0} {:>12.0} {:>6.2} {:>6.2} {:>6.2} {:>8.2}",
                     mode.name(),
                     t,
                     point.requests,
                     point.elapsed.as_secs_f64(),
                     point.per_s(),
                     point.per_s() / t as f64,
-                    ratio
+                    ratio,
+                    point.cores(),
+                    point.on_cpu(),
+                    point.waits_per_k()
                 )
             };
             emit(&progress, line);
@@ -366,8 +411,11 @@ fn run_threads<L: Sync>(
     shape: Shape,
     run: impl Fn(&L, Duration) -> Result<(u64, Duration), Box<dyn Error>> + Sync,
 ) -> Result<Point, Box<dyn Error>> {
-    let start = Barrier::new(lanes.len());
-    let outcomes: Vec<Result<(u64, Duration), String>> = std::thread::scope(|s| {
+    // The measuring threads and this one, which reads the process's
+    // usage as they start.
+    let start = Barrier::new(lanes.len() + 1);
+    type Outcome = Result<(u64, Duration, Usage), String>;
+    let (outcomes, process, window): (Vec<Outcome>, _, _) = std::thread::scope(|s| {
         let running: Vec<_> = lanes
             .iter()
             .map(|lane| {
@@ -377,29 +425,48 @@ fn run_threads<L: Sync>(
                     // Every thread reaches the barrier, failed or not.
                     start.wait();
                     warm?;
-                    run(lane, shape.seconds).map_err(|e| e.to_string())
+                    let before = usage_of(Who::Thread).map_err(|e| e.to_string())?;
+                    let (requests, elapsed) =
+                        run(lane, shape.seconds).map_err(|e| e.to_string())?;
+                    let used = usage_of(Who::Thread)
+                        .map_err(|e| e.to_string())?
+                        .since(before);
+                    Ok((requests, elapsed, used))
                 })
             })
             .collect();
-        running
+        start.wait();
+        let (before, started) = (usage_of(Who::Process), Instant::now());
+        let outcomes = running
             .into_iter()
             .map(|thread| {
                 thread
                     .join()
                     .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
             })
-            .collect()
+            .collect();
+        let process = match (before, usage_of(Who::Process)) {
+            (Ok(before), Ok(after)) => Ok(after.since(before)),
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        };
+        (outcomes, process, started.elapsed())
     });
     let mut point = Point {
         mode,
         threads: lanes.len(),
         requests: 0,
         elapsed: Duration::ZERO,
+        process: process?,
+        window,
+        measuring: Usage::default(),
     };
     for (i, outcome) in outcomes.into_iter().enumerate() {
-        let (requests, elapsed) = outcome.map_err(|e| format!("thread {i}: {e}"))?;
+        let (requests, elapsed, used) = outcome.map_err(|e| format!("thread {i}: {e}"))?;
         point.requests += requests;
         point.elapsed = point.elapsed.max(elapsed);
+        point.measuring.cpu += used.cpu;
+        point.measuring.voluntary += used.voluntary;
+        point.measuring.involuntary += used.involuntary;
     }
     Ok(point)
 }
@@ -966,11 +1033,16 @@ fn point_json_line(
     let _ = write!(
         s,
         "\"requests\":{},\"seconds\":{:.6},\"ops_per_s\":{:.1},\"ops_per_s_per_thread\":{:.1},\
-         \"ratio\":{ratio:.4},\"ratio_to_threads\":{base_threads}}}",
+         \"ratio\":{ratio:.4},\"ratio_to_threads\":{base_threads},\"cpu_cores\":{:.3},\
+         \"measuring_on_cpu\":{:.4},\"voluntary_switches\":{},\"involuntary_switches\":{}}}",
         p.requests,
         p.elapsed.as_secs_f64(),
         p.per_s(),
         p.per_s() / p.threads as f64,
+        p.cores(),
+        p.on_cpu(),
+        p.process.voluntary,
+        p.process.involuntary,
     );
     s
 }
