@@ -125,6 +125,10 @@ pub struct ScaleArgs {
     /// modes and `--peers`. Default: the engine's.
     #[arg(long)]
     qps: Option<u16>,
+    /// Completion queues per NIC (the engine's `cqs_per_nic`), of the
+    /// engine modes and `--peers`. Default: the engine's.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    cqs: Option<u16>,
     /// Also set up this many peers to one listener, one after another and
     /// then concurrently, and measure idle CPU with them connected (0:
     /// skip).
@@ -305,8 +309,11 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
     let backend = backends.verbs_name();
     let defaults = EngineConfig::default();
     let config =
-        host_memory_config().with_qps_per_peer(args.qps.unwrap_or(defaults.qps_per_peer).max(1));
+        host_memory_config()
+            .with_qps_per_peer(args.qps.unwrap_or(defaults.qps_per_peer).max(1))
+            .with_cqs_per_nic(args.cqs.unwrap_or(defaults.cqs_per_nic));
     let qps = config.qps_per_peer;
+    let cqs = config.cqs_per_nic;
     let json = args.common.json;
     if !json && !modes.is_empty() {
         println!(
@@ -319,7 +326,7 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
             "modes: bare = T pairs of RC QPs, each its own CQ, a batch one linked post with the \
              last signalled (the floor); one-engine = one client engine with T peers to one \
              server engine; engines = T client engines, each one peer to its own server engine \
-             ({qps} QPs per peer, Batch::wait drives the engine); messages = one-engine's peers, \
+             ({qps} QPs per peer, {cqs} CQs per NIC, Batch::wait drives the engine); messages = one-engine's peers, \
              each thread a round trip of a control message at a time (a request)"
         );
         println!(
@@ -375,7 +382,7 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
             let base_rate = *base.get_or_insert(point.per_s());
             let ratio = point.per_s() / base_rate.max(1e-9);
             let line = if json {
-                point_json_line(&point, backend, &device, shape, qps, ratio, threads[0])
+                point_json_line(&point, backend, &device, shape, (qps, cqs), ratio, threads[0])
             } else {
                 format!(
                     "{:<10} {:>7} {:>11} {:>8.3} {:>12.0} {:>12.0} {:>6.2} {:>6.2} {:>6.2} {:>8.2}",
@@ -1012,7 +1019,7 @@ fn point_json_line(
     backend: &str,
     device: &str,
     shape: Shape,
-    qps: u16,
+    (qps, cqs): (u16, u16),
     ratio: f64,
     base_threads: usize,
 ) -> String {
@@ -1028,7 +1035,7 @@ fn point_json_line(
         shape.size,
     );
     if p.mode != ScaleMode::Bare {
-        let _ = write!(s, "\"qps\":{qps},");
+        let _ = write!(s, "\"qps\":{qps},\"cqs\":{cqs},");
     }
     let _ = write!(
         s,
@@ -1128,6 +1135,7 @@ mod tests {
             size: 4096,
             idle: Idle::Park,
             qps: None,
+            cqs: None,
             peers: 0,
             peers_only: false,
             connect_threads: 2,
