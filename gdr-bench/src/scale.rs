@@ -308,10 +308,9 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
         pick_device::<hal_verbs::dynamic::DynApi>(backends.verbs(), args.common.device.as_deref())?;
     let backend = backends.verbs_name();
     let defaults = EngineConfig::default();
-    let config =
-        host_memory_config()
-            .with_qps_per_peer(args.qps.unwrap_or(defaults.qps_per_peer).max(1))
-            .with_cqs_per_nic(args.cqs.unwrap_or(defaults.cqs_per_nic));
+    let config = host_memory_config()
+        .with_qps_per_peer(args.qps.unwrap_or(defaults.qps_per_peer).max(1))
+        .with_cqs_per_nic(args.cqs.unwrap_or(defaults.cqs_per_nic));
     let qps = config.qps_per_peer;
     let cqs = config.cqs_per_nic;
     let json = args.common.json;
@@ -382,7 +381,15 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
             let base_rate = *base.get_or_insert(point.per_s());
             let ratio = point.per_s() / base_rate.max(1e-9);
             let line = if json {
-                point_json_line(&point, backend, &device, shape, (qps, cqs), ratio, threads[0])
+                point_json_line(
+                    &point,
+                    backend,
+                    &device,
+                    shape,
+                    (qps, cqs),
+                    ratio,
+                    threads[0],
+                )
             } else {
                 format!(
                     "{:<10} {:>7} {:>11} {:>8.3} {:>12.0} {:>12.0} {:>6.2} {:>6.2} {:>6.2} {:>8.2}",

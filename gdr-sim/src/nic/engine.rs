@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use hal_verbs::{AccessFlags, QpState, SendFlags, SendOp, SgList, WcOpcode, WcStatus};
+use smallvec::{SmallVec, smallvec};
 
 use super::clock::{ClockMode, Inflight, Wait, WaitCause, ack_timeout, rnr_nak_timer};
 use super::state::{Deferred, FabricState, MOVE_OUTSIDE_FROM, NicPtr, Piece, QpRecord, SendWqe};
@@ -38,7 +39,7 @@ pub(super) enum Plan {
     /// The request succeeds.
     Run {
         target: u32,
-        copies: Vec<Piece>,
+        copies: Pieces,
         /// The completion of the receive it consumes at the target.
         recv: Option<(WcOpcode, Option<u32>)>,
         len: u64,
@@ -79,11 +80,15 @@ pub(crate) unsafe fn copy_all(copies: &[Piece]) {
     }
 }
 
-type Segments = Vec<(NicPtr, usize)>;
+/// The memory ranges of one side of a request (most have one or two).
+type Segments = SmallVec<[(NicPtr, usize); 2]>;
+
+/// The copies one request makes (most make one).
+pub(crate) type Pieces = SmallVec<[Piece; 2]>;
 
 /// Pairs a gather list with a scatter list, in order.
-fn pair(src: &[(NicPtr, usize)], dst: &[(NicPtr, usize)]) -> Vec<Piece> {
-    let mut copies = Vec::new();
+fn pair(src: &[(NicPtr, usize)], dst: &[(NicPtr, usize)]) -> Pieces {
+    let mut copies = Pieces::new();
     let (mut s, mut d) = (src.iter().copied(), dst.iter().copied());
     let (mut cur_s, mut cur_d) = (s.next(), d.next());
     while let (Some((sp, sl)), Some((dp, dl))) = (cur_s, cur_d) {
@@ -466,7 +471,7 @@ impl FabricState {
     /// device and PD (with LOCAL_WRITE where the NIC writes), else
     /// [`SgFault::Key`], covering the entry, else [`SgFault::Bounds`].
     fn segments(&self, qp: &QpRecord, sg_list: &SgList, write: bool) -> Result<Segments, SgFault> {
-        let mut out = Vec::with_capacity(sg_list.len());
+        let mut out = Segments::new();
         for sge in sg_list.iter().filter(|s| s.length > 0) {
             let mr = self
                 .mrs
@@ -494,13 +499,13 @@ impl FabricState {
     ) -> Option<Segments> {
         if len == 0 {
             // Zero-length RDMA carries no key check (IBA 9.7.5.1.3).
-            return Some(Vec::new());
+            return Some(Segments::new());
         }
         let mr = self.mrs.get(self.rkeys.get(&rkey)?)?;
         if mr.device != target.device || mr.pd != target.pd || !mr.access.contains(right) {
             return None;
         }
-        Some(vec![(mr.resolve(addr, len)?, len as usize)])
+        Some(smallvec![(mr.resolve(addr, len)?, len as usize)])
     }
 
     fn plan(&self, qpn: u32) -> Option<Plan> {
@@ -548,7 +553,7 @@ impl FabricState {
         let config = &self.devices[qp.device].config;
         // The local side first: a bad lkey fails before anything is sent.
         let local = match &wqe.inline {
-            Some(data) => vec![(NicPtr(data.as_ptr().cast_mut()), data.len())],
+            Some(data) => smallvec![(NicPtr(data.as_ptr().cast_mut()), data.len())],
             None => {
                 let is_read = matches!(wqe.op, SendOp::Read { .. });
                 match self.segments(qp, &wqe.sg_list, is_read) {
@@ -821,7 +826,7 @@ impl FabricState {
                     self.copies.deferred.push(Deferred {
                         ticket,
                         qpn,
-                        pieces: copies,
+                        pieces: copies.into_vec(),
                     });
                     return Step::Ran;
                 }

@@ -39,9 +39,15 @@ use hal_verbs::{
     Completion, CqNotify, QpState, Result, SendFlags, SendOp, SendRequest, VerbsError, WcStatus,
 };
 
+use smallvec::SmallVec;
+
 use super::ClockMode;
 use super::engine::Plan;
 use super::state::{CqEntry, FabricState, MOVE_OUTSIDE_FROM, Piece, Queue, SendWqe};
+
+/// Requests of one post planned without an allocation (a longer post
+/// spills to the heap, as it may).
+const POST_INLINE: usize = 16;
 
 impl FabricState {
     /// Whether the fast path may run now (see the module docs).
@@ -96,8 +102,8 @@ impl FabricState {
         }
         // Plan every request before any moves: one that would not succeed
         // at once sends the whole post the slow way, untouched.
-        let mut pieces: Vec<Piece> = Vec::new();
-        let mut ends = Vec::with_capacity(requests.len());
+        let mut pieces: SmallVec<[Piece; POST_INLINE]> = SmallVec::new();
+        let mut ends: SmallVec<[(usize, SendWqe); POST_INLINE]> = SmallVec::new();
         for (index, request) in requests.iter().enumerate() {
             let wqe = SendWqe {
                 wr_id: request.wr_id,
