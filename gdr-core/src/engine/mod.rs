@@ -311,7 +311,10 @@ pub struct EngineConfig {
     /// every peer makes the waiters of one engine share it, and its lock
     /// in the provider). Each queue holds its share of `max_peers`' queue
     /// pairs, so the memory is that of one queue. Default: this machine's
-    /// cores, at most 8; at most `max_peers` × `qps_per_peer`.
+    /// cores, at most 32 (one queue per thread a machine runs: with fewer
+    /// queues than threads waiting on their own peers, threads share a
+    /// queue and take each other's completions, and the scaling benchmark
+    /// loses a share of its rate); at most `max_peers` × `qps_per_peer`.
     pub cqs_per_nic: u16,
     /// Work requests in flight per queue pair.
     pub qp_depth: u32,
@@ -418,7 +421,7 @@ impl Default for EngineConfig {
             qps_per_peer: 2,
             max_peers: 256,
             cqs_per_nic: std::thread::available_parallelism()
-                .map_or(1, |n| n.get().min(8) as u16),
+                .map_or(1, |n| n.get().min(32) as u16),
             qp_depth: 128,
             signal_every: 16,
             slice_size: 1 << 20,
