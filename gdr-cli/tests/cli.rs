@@ -287,7 +287,10 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
             "seconds",
             "req/s",
             "req/s/thread",
-            "ratio"
+            "ratio",
+            "cores",
+            "on-cpu",
+            "waits/k"
         ],
         "{text}"
     );
@@ -302,14 +305,21 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
     assert_eq!(rows.len(), expected.len(), "{text}");
     for (fields, (mode, threads)) in rows.iter().zip(expected) {
         let row = fields.join(" ");
-        assert_eq!(fields.len(), 7, "{row}");
+        assert_eq!(fields.len(), 10, "{row}");
         assert_eq!((fields[0], fields[1]), (mode, threads), "{row}");
-        for figure in &fields[2..] {
-            let value: f64 = figure
-                .parse()
-                .unwrap_or_else(|_| panic!("{figure} in {row}"));
-            assert!(value > 0.0, "{row}");
-        }
+        let figures: Vec<f64> = fields[2..]
+            .iter()
+            .map(|figure| {
+                figure
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{figure} in {row}"))
+            })
+            .collect();
+        // Rates, the ratio, the busy cores and the share on a CPU are
+        // positive; voluntary switches may be none.
+        assert!(figures[..7].iter().all(|&v| v > 0.0), "{row}");
+        assert!(figures[6] <= 1.05, "a share of the time: {row}");
+        assert!(figures[7] >= 0.0, "{row}");
         if threads == "1" {
             assert_eq!(fields[6], "1.00", "{row}");
         }
@@ -362,8 +372,18 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         assert_eq!(point["batch"], 1, "{point}");
         assert_eq!(point["size"], 4096, "{point}");
         assert!(point["requests"].as_u64().unwrap() > 0, "{point}");
-        for key in ["seconds", "ops_per_s", "ops_per_s_per_thread", "ratio"] {
+        for key in [
+            "seconds",
+            "ops_per_s",
+            "ops_per_s_per_thread",
+            "ratio",
+            "cpu_cores",
+            "measuring_on_cpu",
+        ] {
             assert!(point[key].as_f64().unwrap() > 0.0, "{key} in {point}");
+        }
+        for key in ["voluntary_switches", "involuntary_switches"] {
+            assert!(point[key].as_u64().is_some(), "{key} in {point}");
         }
     }
     for set_up in [&objects[4], &objects[6]] {
