@@ -410,10 +410,71 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
         }
     }
     progress.finish_and_clear();
+    let compared = compare(&scaled.points);
+    if !json && !compared.is_empty() {
+        println!();
+        println!(
+            "one engine against the others at each T: scaling = its ratio over bare's ratio; \
+             per engines = its req/s over engines' req/s"
+        );
+        println!("{:>7} {:>8} {:>12}", "threads", "scaling", "per engines");
+        for c in compared {
+            let cell = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2}"));
+            println!(
+                "{:>7} {:>8} {:>12}",
+                c.threads,
+                cell(c.scaling_vs_bare),
+                cell(c.per_engines)
+            );
+        }
+    }
     if args.peers > 0 {
         peers_bench(backends, &device, args, config, &mut scaled)?;
     }
     Ok(scaled)
+}
+
+/// One engine against the other modes at one thread count.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Compared {
+    pub(crate) threads: usize,
+    /// One engine's ratio (req/s at T over req/s at the first T) over the
+    /// bare loop's: 1 scales as the floor does.
+    pub(crate) scaling_vs_bare: Option<f64>,
+    /// One engine's req/s over T engines' at the same T.
+    pub(crate) per_engines: Option<f64>,
+}
+
+/// One engine's points against the bare loop's and T engines' at each of
+/// its thread counts (none without one-engine points, or with neither
+/// other mode).
+pub(crate) fn compare(points: &[Point]) -> Vec<Compared> {
+    let of =
+        |mode: ScaleMode| -> Vec<&Point> { points.iter().filter(|p| p.mode == mode).collect() };
+    let (one, bare, engines) = (
+        of(ScaleMode::OneEngine),
+        of(ScaleMode::Bare),
+        of(ScaleMode::Engines),
+    );
+    if one.is_empty() || (bare.is_empty() && engines.is_empty()) {
+        return Vec::new();
+    }
+    let at = |mode: &[&Point], threads: usize| {
+        mode.iter()
+            .find(|p| p.threads == threads)
+            .map(|p| p.per_s())
+    };
+    let first = one[0].threads;
+    let ratio = |mode: &[&Point], threads: usize| Some(at(mode, threads)? / at(mode, first)?);
+    one.iter()
+        .map(|p| Compared {
+            threads: p.threads,
+            scaling_vs_bare: ratio(&one, p.threads)
+                .zip(ratio(&bare, p.threads))
+                .map(|(o, b)| o / b),
+            per_engines: at(&engines, p.threads).map(|e| p.per_s() / e),
+        })
+        .collect()
 }
 
 /// Runs one thread per lane: each runs `run(lane, warmup)`, all wait for
@@ -1129,6 +1190,52 @@ mod tests {
             BenchCommand::Scale(args) => Ok(*args),
             other => panic!("parsed as {other:?}"),
         }
+    }
+
+    fn point(mode: ScaleMode, threads: usize, per_s: f64) -> Point {
+        Point {
+            mode,
+            threads,
+            requests: per_s as u64,
+            elapsed: Duration::from_secs(1),
+            process: Usage::default(),
+            window: Duration::from_secs(1),
+            measuring: Usage::default(),
+        }
+    }
+
+    /// One engine's scaling is its ratio over the bare loop's, each to its
+    /// own first T, and its rate over T engines' at the same T; a mode
+    /// missing a T leaves that figure out.
+    #[test]
+    fn one_engine_is_compared_with_the_bare_loop_and_t_engines() {
+        use ScaleMode::{Bare, Engines, OneEngine};
+        let points = [
+            point(Bare, 1, 100.0),
+            point(Bare, 4, 400.0),
+            point(OneEngine, 1, 50.0),
+            point(OneEngine, 4, 150.0),
+            point(OneEngine, 8, 200.0),
+            point(Engines, 1, 40.0),
+            point(Engines, 4, 200.0),
+            point(Engines, 8, 250.0),
+        ];
+        let compared = compare(&points);
+        let figures: Vec<_> = compared
+            .iter()
+            .map(|c| (c.threads, c.scaling_vs_bare, c.per_engines))
+            .collect();
+        // T = 4: one engine 3.0x against bare's 4.0x; 150 of engines' 200.
+        assert_eq!(
+            figures,
+            [
+                (1, Some(1.0), Some(1.25)),
+                (4, Some(0.75), Some(0.75)),
+                (8, None, Some(0.8)),
+            ]
+        );
+        assert!(compare(&points[..2]).is_empty(), "no one-engine point");
+        assert!(compare(&points[2..5]).is_empty(), "nothing to compare with");
     }
 
     /// Short points: `seconds` measured after a brief warm-up.

@@ -33,6 +33,8 @@ fn table(text: &str) -> (Vec<&str>, Vec<Vec<&str>>) {
     let mut lines = text
         .lines()
         .skip_while(|l| l.split_whitespace().next() != Some("mode"))
+        // A blank line ends the table (another may follow).
+        .take_while(|l| !l.trim().is_empty())
         .map(|l| l.split_whitespace().collect::<Vec<_>>());
     let header = lines
         .next()
@@ -303,6 +305,24 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         ("engines", "2"),
     ];
     assert_eq!(rows.len(), expected.len(), "{text}");
+    // Then one engine against the others, at each T.
+    let compared: Vec<Vec<&str>> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("threads"))
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(compared.len(), 2, "{text}");
+    for (fields, threads) in compared.iter().zip(["1", "2"]) {
+        assert_eq!(fields.len(), 3, "{text}");
+        assert_eq!(fields[0], threads, "{text}");
+        for figure in &fields[1..] {
+            let value: f64 = figure.parse().unwrap_or_else(|_| panic!("{text}"));
+            assert!(value > 0.0, "{text}");
+        }
+    }
+    // Each mode's ratio is to its own T = 1.
+    assert_eq!(compared[0][1], "1.00", "{text}");
     for (fields, (mode, threads)) in rows.iter().zip(expected) {
         let row = fields.join(" ");
         assert_eq!(fields.len(), 10, "{row}");
