@@ -27,7 +27,13 @@
 //! runs `--warmup` untimed, all start together, then each runs
 //! `--seconds`; the rate is the requests of all threads over the longest
 //! thread's time (first submission to its last batch seen done), and the
-//! ratio is to the mode's rate at its smallest T (1 unless told).
+//! ratio is to the mode's rate at its smallest T (1 unless told). Each
+//! point also says where its threads spent the time (`getrusage`): the
+//! cores the process kept busy, the measuring threads' share of their
+//! time on a CPU, and voluntary context switches per 1,000 requests (a
+//! thread waiting in the kernel: a parked waiter, a contended lock, the
+//! allocator's). After the table, one engine against the others at each
+//! T: its ratio over the bare loop's, and its rate over T engines'.
 //!
 //! With `--peers N`: N peers set up from one client engine to one
 //! listener of a server engine (two engines, `--qps` queue pairs per
