@@ -470,7 +470,18 @@ fn run(path: PathKind, event: Event, op: Op) -> String {
             drop(o.ab.take());
             drop(o.ba.take());
         }
-        Event::GrantDropped => drop(o.grant.take()),
+        Event::GrantDropped => {
+            drop(o.grant.take());
+            // The drop starts the revoke and returns; the requester learns
+            // of it by a message. The hold stays 100 ms (as for
+            // `GrantRevoked`), so the revoke reaches a while its transfer
+            // is under way, whoever polls a's CQs: released at once, a
+            // peer copy may end before a has looked at the message (a
+            // thread spinning on a's CQs has them to itself, and a's own
+            // driver may end the copy first), and the case would prove
+            // nothing about the revoke.
+            std::thread::sleep(Duration::from_millis(100));
+        }
         Event::LocalPeerClosed => {
             // Held: the goodbye waits its second for the wire and the
             // queue pairs are disconnected with the transfer in flight
