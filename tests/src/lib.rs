@@ -3,6 +3,7 @@
 
 use std::sync::Once;
 
+pub mod alloc_count;
 pub mod awaiting;
 pub mod conformance;
 pub mod engine_world;

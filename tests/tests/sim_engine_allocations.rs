@@ -4,71 +4,17 @@
 //! allocation is a chance to meet another thread in the allocator (glibc's
 //! frees past its per-thread cache take the arena's lock): the 16-core
 //! machine's scaling benchmark lost most of one engine's rate there while
-//! the simulator allocated per request. This binary's own global
-//! allocator counts what the calling thread allocates.
+//! the simulator allocated per request. This binary's global allocator
+//! counts what the calling thread allocates (`gdr_tests::alloc_count`).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::time::Duration;
 
 use gdr_core::engine::{EngineConfig, Transfer};
+use gdr_tests::alloc_count::{Counting, allocations_in};
 use gdr_tests::engine_world::sim_host_peers;
-
-/// [`System`], counting the allocations (and reallocations) of threads
-/// that asked to be counted.
-struct Counting;
-
-thread_local! {
-    /// Allocations of this thread while counted; `None`: not counted.
-    static COUNT: Cell<Option<u64>> = const { Cell::new(None) };
-}
-
-fn count_one() {
-    // `try_with`: allocations while the thread's locals are torn down are
-    // not counted.
-    let _ = COUNT.try_with(|c| {
-        if let Some(n) = c.get() {
-            c.set(Some(n + 1));
-        }
-    });
-}
-
-// SAFETY: every call is forwarded to `System` unchanged; the count is a
-// const-initialized thread local, which allocates nothing.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count_one();
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count_one();
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count_one();
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
-
-/// The allocations this thread makes in `f`, and what `f` returned.
-fn allocations_in<T>(f: impl FnOnce() -> T) -> (u64, T) {
-    COUNT.with(|c| c.set(Some(0)));
-    let out = f();
-    (COUNT.with(|c| c.take()).unwrap_or(0), out)
-}
 
 /// Allocations a batch makes on the submitting thread (3 when this was
 /// written: its outcome's cell and the flag a stream fence shares with

@@ -34,9 +34,9 @@
 //!
 //! Nor does the fast path allocate per request: a request's ranges and
 //! copies, and a post's plan of up to 16 requests, live on the stack
-//! (`tests/fast_path_allocations.rs`). Threads that share nothing on a
-//! real NIC would otherwise meet in the process allocator's locks (glibc
-//! frees past its per-thread cache take the arena's lock).
+//! (`tests/tests/sim_fast_path_allocations.rs`). Threads that share
+//! nothing on a real NIC would otherwise meet in the process allocator's
+//! locks (glibc's frees past its per-thread cache take the arena's lock).
 
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;

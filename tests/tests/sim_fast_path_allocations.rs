@@ -5,11 +5,8 @@
 //! share nothing on a real NIC (glibc's arena locks: seen as threads
 //! waiting in `free` on the 16-core machine's scaling benchmark).
 //!
-//! A counting global allocator (this test binary's own) counts what the
-//! calling thread allocates between two points.
-
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+//! This binary's global allocator counts what the calling thread
+//! allocates (`gdr_tests::alloc_count`).
 
 use hal_verbs::{
     AccessFlags, AddressFamily, Completion, CompletionQueue as _, ConnectionInfo, Context as _,
@@ -18,62 +15,10 @@ use hal_verbs::{
 };
 
 use gdr_sim::{NodeConfig, SimCq, SimFabric, SimMr, SimPd, SimQp};
-
-/// [`System`], counting the allocations (and reallocations) of threads
-/// that asked to be counted.
-struct Counting;
-
-thread_local! {
-    /// Allocations of this thread while counted; `None`: not counted.
-    static COUNT: Cell<Option<u64>> = const { Cell::new(None) };
-}
-
-fn count_one() {
-    // `try_with`: a thread's allocations while its locals are torn down
-    // are not counted.
-    let _ = COUNT.try_with(|c| {
-        if let Some(n) = c.get() {
-            c.set(Some(n + 1));
-        }
-    });
-}
-
-// SAFETY: every call is forwarded to `System` unchanged; the count is a
-// const-initialized thread local, which allocates nothing.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count_one();
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count_one();
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count_one();
-        // SAFETY: the caller's contract, forwarded.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use gdr_tests::alloc_count::{Counting, allocations_in};
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
-
-/// The allocations this thread makes in `f`.
-fn allocations_in(f: impl FnOnce()) -> u64 {
-    COUNT.with(|c| c.set(Some(0)));
-    f();
-    COUNT.with(|c| c.take()).unwrap_or(0)
-}
 
 struct End {
     pd: SimPd,
@@ -181,7 +126,7 @@ fn a_post_of_writes_and_the_poll_of_its_completion_allocate_nothing() {
         round();
     }
     const ROUNDS: u64 = 100;
-    let made = allocations_in(|| {
+    let (made, ()) = allocations_in(|| {
         for _ in 0..ROUNDS {
             round();
         }
