@@ -10,6 +10,7 @@ use std::cell::Cell;
 
 /// [`System`], counting the allocations (and reallocations) of threads
 /// that asked to be counted.
+#[derive(Debug)]
 pub struct Counting;
 
 thread_local! {
