@@ -136,13 +136,6 @@ impl IdleFigures {
     }
 }
 
-/// The process's CPU time (user + system) and voluntary context switches
-/// so far.
-pub(crate) fn usage() -> std::io::Result<(Duration, u64)> {
-    let u = usage_of(Who::Process)?;
-    Ok((u.cpu, u.voluntary))
-}
-
 /// Whose resource usage [`usage_of`] reads.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Who {
@@ -161,6 +154,14 @@ pub(crate) struct Usage {
     pub(crate) voluntary: u64,
     /// Involuntary ones (preempted).
     pub(crate) involuntary: u64,
+}
+
+impl std::ops::AddAssign for Usage {
+    fn add_assign(&mut self, other: Usage) {
+        self.cpu += other.cpu;
+        self.voluntary += other.voluntary;
+        self.involuntary += other.involuntary;
+    }
 }
 
 impl Usage {
@@ -215,10 +216,10 @@ fn measure_idle(
         write()?;
     }
     std::thread::sleep(SETTLE);
-    let (cpu0, switches0) = usage()?;
+    let before = usage_of(Who::Process)?;
     let started = Instant::now();
     idle(plan.window)?;
-    let (cpu1, switches1) = usage()?;
+    let used = usage_of(Who::Process)?.since(before);
     let window = started.elapsed();
     let mut back_to_back = (0..plan.samples)
         .map(|_| write().map(nanos))
@@ -234,8 +235,8 @@ fn measure_idle(
     Ok(IdleFigures {
         mode,
         window,
-        cpu: cpu1.saturating_sub(cpu0),
-        switches: switches1.saturating_sub(switches0),
+        cpu: used.cpu,
+        switches: used.voluntary,
         back_to_back,
         after_idle,
     })

@@ -63,8 +63,8 @@ use hal_verbs::{AccessFlags, Api, Context as _, Provider as _};
 use super::{
     Budget, Common, EnginePlan, Engines, HostRegion, Idle, Op, Plan, Target, Waiter, channel_cq,
     drain_after_failure, emit, grant_host, host_buffer, host_memory_config, idle::Usage, idle::Who,
-    idle::usage, idle::usage_of, measure, measure_engine, parse_size, pick_device, progress_bar,
-    send_caps, slots, start_engines,
+    idle::usage_of, measure, measure_engine, parse_size, pick_device, progress_bar, send_caps,
+    slots, start_engines,
 };
 use gdr_core::cq_wait::CqWaiter;
 
@@ -545,9 +545,7 @@ fn run_threads<L: Sync>(
         let (requests, elapsed, used) = outcome.map_err(|e| format!("thread {i}: {e}"))?;
         point.requests += requests;
         point.elapsed = point.elapsed.max(elapsed);
-        point.measuring.cpu += used.cpu;
-        point.measuring.voluntary += used.voluntary;
-        point.measuring.involuntary += used.involuntary;
+        point.measuring += used;
     }
     Ok(point)
 }
@@ -950,15 +948,15 @@ fn cpu_percent(idle: &IdleWith) -> f64 {
 /// of nothing to do, `peers` connected.
 fn idle_with(peers: usize, window: Duration) -> Result<IdleWith, Box<dyn Error>> {
     std::thread::sleep(SETTLE);
-    let (cpu0, switches0) = usage()?;
+    let before = usage_of(Who::Process)?;
     let started = Instant::now();
     std::thread::sleep(window);
-    let (cpu1, switches1) = usage()?;
+    let used = usage_of(Who::Process)?.since(before);
     Ok(IdleWith {
         peers,
         window: started.elapsed(),
-        cpu: cpu1.saturating_sub(cpu0),
-        switches: switches1.saturating_sub(switches0),
+        cpu: used.cpu,
+        switches: used.voluntary,
     })
 }
 
