@@ -35,6 +35,15 @@
 //! allocator's). After the table, one engine against the others at each
 //! T: its ratio over the bare loop's, and its rate over T engines'.
 //!
+//! With `--rounds N` (N > 1), the sweep runs N times, and each round
+//! measures every mode at T = 1 back to back, then at the next T, so the
+//! modes compared at one T are measured a moment apart, not a sweep
+//! apart (a shared machine drifts by more than the modes differ). A row
+//! is then its point's median over the rounds (each column its own
+//! median), with the rounds' lowest and highest req/s, and its ratio is
+//! to the mode's median at its smallest T; the comparison is of the
+//! medians, with the range of each round's own comparison beside it.
+//!
 //! With `--peers N`: N peers set up from one client engine to one
 //! listener of a server engine (two engines, `--qps` queue pairs per
 //! peer), first one after another (one connecting and one accepting
@@ -113,6 +122,12 @@ pub struct ScaleArgs {
     /// Seconds measured per point, after the warm-up.
     #[arg(long, default_value = "2", value_parser = parse_seconds)]
     seconds: Duration,
+    /// Sweeps of every thread count and mode. Above 1, each round
+    /// measures the modes back to back at each T (bare, one-engine,
+    /// engines at T = 1, then at T = 2, ...), and each row is the median
+    /// of its rounds, with their lowest and highest req/s.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     /// Untimed seconds every thread runs before each point's clock.
     #[arg(long, default_value = "0.25", value_parser = parse_seconds)]
     warmup: Duration,
@@ -280,9 +295,107 @@ pub(crate) struct IdleWith {
 /// What `gdr bench scale` measured.
 #[derive(Debug, Default)]
 pub(crate) struct Scaled {
+    /// Every point measured, in order: with one round, each mode at every
+    /// T; with more, round after round, each every mode at T = 1, then at
+    /// T = 2, ...
     pub(crate) points: Vec<Point>,
+    /// Rounds of the sweep (`--rounds`).
+    pub(crate) rounds: usize,
+    /// With more than one round: each (mode, T)'s points over the rounds,
+    /// as the table's rows.
+    pub(crate) medians: Vec<Summary>,
     pub(crate) set_ups: Vec<SetUp>,
     pub(crate) idle: Option<IdleWith>,
+}
+
+impl Scaled {
+    /// Each round's points.
+    pub(crate) fn by_round(&self) -> Vec<&[Point]> {
+        match self.points.len() / self.rounds.max(1) {
+            0 => Vec::new(),
+            per_round => self.points.chunks(per_round).collect(),
+        }
+    }
+}
+
+/// The median, lowest and highest of some rounds' figures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Spread {
+    /// The middle figure; of an even count, the mean of the middle two.
+    pub(crate) median: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
+}
+
+/// The spread of `values` (in any order); none of none.
+pub(crate) fn spread(values: &[f64]) -> Option<Spread> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let (&min, &max) = (sorted.first()?, sorted.last()?);
+    let middle = sorted.len() / 2;
+    let median = if sorted.len().is_multiple_of(2) {
+        (sorted[middle - 1] + sorted[middle]) / 2.0
+    } else {
+        sorted[middle]
+    };
+    Some(Spread { median, min, max })
+}
+
+/// One (mode, T) over the rounds.
+#[derive(Debug, Clone)]
+pub(crate) struct Summary {
+    pub(crate) mode: ScaleMode,
+    pub(crate) threads: usize,
+    /// Its point of each round, in round order.
+    pub(crate) rounds: Vec<Point>,
+}
+
+impl Summary {
+    /// The spread of one figure of the rounds' points.
+    pub(crate) fn over(&self, figure: impl Fn(&Point) -> f64) -> Spread {
+        let values: Vec<f64> = self.rounds.iter().map(figure).collect();
+        spread(&values).unwrap_or(Spread {
+            median: f64::NAN,
+            min: f64::NAN,
+            max: f64::NAN,
+        })
+    }
+
+    /// The rounds' requests per second.
+    pub(crate) fn per_s(&self) -> Spread {
+        self.over(Point::per_s)
+    }
+}
+
+/// Each (mode, T) of the first round over all `rounds`, in the order of
+/// one round's table: each mode (as first measured) at every T.
+pub(crate) fn summarize(rounds: &[&[Point]]) -> Vec<Summary> {
+    let Some(first) = rounds.first() else {
+        return Vec::new();
+    };
+    let mut modes: Vec<ScaleMode> = Vec::new();
+    for p in *first {
+        if !modes.contains(&p.mode) {
+            modes.push(p.mode);
+        }
+    }
+    modes
+        .into_iter()
+        .flat_map(|mode| first.iter().filter(move |p| p.mode == mode))
+        .map(|p| Summary {
+            mode: p.mode,
+            threads: p.threads,
+            rounds: rounds
+                .iter()
+                .filter_map(|round| {
+                    round
+                        .iter()
+                        .find(|q| q.mode == p.mode && q.threads == p.threads)
+                        .copied()
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 /// The measured parameters every point shares.
@@ -320,6 +433,7 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
     let qps = config.qps_per_peer;
     let cqs = config.cqs_per_nic;
     let json = args.common.json;
+    let rounds = args.rounds.max(1) as usize;
     if !json && !modes.is_empty() {
         println!(
             "gdr bench scale on {device} ({backend}): batches of {} x {}-byte WRITEs of host \
@@ -334,105 +448,92 @@ pub(crate) fn scale_bench(backends: &Backends, args: &ScaleArgs) -> Result<Scale
              ({qps} QPs per peer, {cqs} CQs per NIC, Batch::wait drives the engine); messages = one-engine's peers, \
              each thread a round trip of a control message at a time (a request)"
         );
-        println!(
-            "req/s: requests of all threads over the longest thread's time; ratio: to the \
-             mode's req/s at T = {}",
-            threads[0]
-        );
-        println!(
-            "cores: CPUs the process kept busy (every thread); on-cpu: the measuring threads' \
-             share of their time on a CPU; waits/k: voluntary context switches per 1,000 \
-             requests"
-        );
-        println!(
-            "{:<10} {:>7} {:>11} {:>8} {:>12} {:>12} {:>6} {:>6} {:>6} {:>8}",
-            "mode",
-            "threads",
-            "requests",
-            "seconds",
-            "req/s",
-            "req/s/thread",
-            "ratio",
-            "cores",
-            "on-cpu",
-            "waits/k"
-        );
+        for line in header_lines(rounds, threads[0]) {
+            println!("{line}");
+        }
     }
-    let mut scaled = Scaled::default();
-    let progress = progress_bar(modes.len() * threads.len());
-    for &mode in modes {
-        let mut base = None;
-        for &t in &threads {
-            progress.set_message(format!("{} at {t} threads", mode.name()));
-            let point = match mode {
-                ScaleMode::Bare => on_verbs!(backends.verbs(), |A, p| bare::<A>(
-                    p,
-                    &device,
-                    args.common.port,
-                    t,
-                    shape
-                )),
-                ScaleMode::OneEngine => {
-                    one_engine(backends, &device, args.common.port, &config, t, shape)
-                }
-                ScaleMode::Engines => {
-                    engines(backends, &device, args.common.port, &config, t, shape)
-                }
-                ScaleMode::Messages => {
-                    messages(backends, &device, args.common.port, &config, t, shape)
+    let mut scaled = Scaled {
+        rounds,
+        ..Scaled::default()
+    };
+    let progress = progress_bar(rounds * modes.len() * threads.len());
+    let point_at = |mode: ScaleMode, t: usize| {
+        measure_point(backends, &device, args.common.port, &config, mode, t, shape)
+            .map_err(|e| format!("{} at {t} threads: {e}", mode.name()))
+    };
+    if rounds == 1 {
+        for &mode in modes {
+            let mut base = None;
+            for &t in &threads {
+                progress.set_message(format!("{} at {t} threads", mode.name()));
+                let point = point_at(mode, t)?;
+                progress.inc(1);
+                let base_rate = *base.get_or_insert(point.per_s());
+                let ratio = point.per_s() / base_rate.max(1e-9);
+                let line = if json {
+                    point_json_line(
+                        &point,
+                        backend,
+                        &device,
+                        shape,
+                        (qps, cqs),
+                        ratio,
+                        threads[0],
+                    )
+                } else {
+                    format!(
+                        "{:<10} {:>7} {:>11} {:>8.3} {:>12.0} {:>12.0} {:>6.2} {:>6.2} {:>6.2} {:>8.2}",
+                        mode.name(),
+                        t,
+                        point.requests,
+                        point.elapsed.as_secs_f64(),
+                        point.per_s(),
+                        point.per_s() / t as f64,
+                        ratio,
+                        point.cores(),
+                        point.on_cpu(),
+                        point.waits_per_k()
+                    )
+                };
+                emit(&progress, line);
+                scaled.points.push(point);
+            }
+        }
+    } else {
+        // Round after round; in each, every mode back to back at each T.
+        for round in 1..=rounds {
+            for &t in &threads {
+                for &mode in modes {
+                    progress.set_message(format!(
+                        "round {round}/{rounds}: {} at {t} threads",
+                        mode.name()
+                    ));
+                    scaled.points.push(point_at(mode, t)?);
+                    progress.inc(1);
                 }
             }
-            .map_err(|e| format!("{} at {t} threads: {e}", mode.name()))?;
-            progress.inc(1);
-            let base_rate = *base.get_or_insert(point.per_s());
-            let ratio = point.per_s() / base_rate.max(1e-9);
-            let line = if json {
-                point_json_line(
-                    &point,
-                    backend,
-                    &device,
-                    shape,
-                    (qps, cqs),
-                    ratio,
-                    threads[0],
-                )
-            } else {
-                format!(
-                    "{:<10} {:>7} {:>11} {:>8.3} {:>12.0} {:>12.0} {:>6.2} {:>6.2} {:>6.2} {:>8.2}",
-                    mode.name(),
-                    t,
-                    point.requests,
-                    point.elapsed.as_secs_f64(),
-                    point.per_s(),
-                    point.per_s() / t as f64,
-                    ratio,
-                    point.cores(),
-                    point.on_cpu(),
-                    point.waits_per_k()
-                )
-            };
+        }
+        scaled.medians = summarize(&scaled.by_round());
+        for line in median_lines(&scaled.medians, json, (backend, &device), shape, (qps, cqs)) {
             emit(&progress, line);
-            scaled.points.push(point);
         }
     }
     progress.finish_and_clear();
-    let compared = compare(&scaled.points);
-    if !json && !compared.is_empty() {
-        println!();
-        println!(
-            "one engine against the others at each T: scaling = its ratio over bare's ratio; \
-             per engines = its req/s over engines' req/s"
-        );
-        println!("{:>7} {:>8} {:>12}", "threads", "scaling", "per engines");
-        for c in compared {
-            let cell = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2}"));
-            println!(
-                "{:>7} {:>8} {:>12}",
-                c.threads,
-                cell(c.scaling_vs_bare),
-                cell(c.per_engines)
-            );
+    let lines = if rounds == 1 {
+        compare_lines(&compare(&scaled.points), json)
+    } else {
+        let spreads = compare_rounds(&scaled.by_round(), &scaled.medians);
+        if json {
+            spreads
+                .iter()
+                .map(|c| compare_json_line(c, backend, &device))
+                .collect()
+        } else {
+            compare_spread_lines(&spreads)
         }
+    };
+    for line in lines {
+        println!("{line}");
     }
     if args.peers > 0 {
         peers_bench(backends, &device, args, config, &mut scaled)?;
@@ -455,8 +556,25 @@ pub(crate) struct Compared {
 /// its thread counts (none without one-engine points, or with neither
 /// other mode).
 pub(crate) fn compare(points: &[Point]) -> Vec<Compared> {
-    let of =
-        |mode: ScaleMode| -> Vec<&Point> { points.iter().filter(|p| p.mode == mode).collect() };
+    let rates: Vec<Rate> = points
+        .iter()
+        .map(|p| (p.mode, p.threads, p.per_s()))
+        .collect();
+    compare_rates(&rates)
+}
+
+/// A mode's requests per second at a thread count.
+type Rate = (ScaleMode, usize, f64);
+
+/// [`compare`] of rates (a point's, or the median of its rounds').
+fn compare_rates(rates: &[Rate]) -> Vec<Compared> {
+    let of = |mode: ScaleMode| -> Vec<(usize, f64)> {
+        rates
+            .iter()
+            .filter(|r| r.0 == mode)
+            .map(|&(_, threads, per_s)| (threads, per_s))
+            .collect()
+    };
     let (one, bare, engines) = (
         of(ScaleMode::OneEngine),
         of(ScaleMode::Bare),
@@ -465,22 +583,263 @@ pub(crate) fn compare(points: &[Point]) -> Vec<Compared> {
     if one.is_empty() || (bare.is_empty() && engines.is_empty()) {
         return Vec::new();
     }
-    let at = |mode: &[&Point], threads: usize| {
+    let at = |mode: &[(usize, f64)], threads: usize| {
         mode.iter()
-            .find(|p| p.threads == threads)
-            .map(|p| p.per_s())
+            .find(|&&(t, _)| t == threads)
+            .map(|&(_, per_s)| per_s)
     };
-    let first = one[0].threads;
-    let ratio = |mode: &[&Point], threads: usize| Some(at(mode, threads)? / at(mode, first)?);
+    let first = one[0].0;
+    let ratio = |mode: &[(usize, f64)], threads: usize| Some(at(mode, threads)? / at(mode, first)?);
     one.iter()
-        .map(|p| Compared {
-            threads: p.threads,
-            scaling_vs_bare: ratio(&one, p.threads)
-                .zip(ratio(&bare, p.threads))
+        .map(|&(threads, per_s)| Compared {
+            threads,
+            scaling_vs_bare: ratio(&one, threads)
+                .zip(ratio(&bare, threads))
                 .map(|(o, b)| o / b),
-            per_engines: at(&engines, p.threads).map(|e| p.per_s() / e),
+            per_engines: at(&engines, threads).map(|e| per_s / e),
         })
         .collect()
+}
+
+/// One engine against the others at one T over the rounds.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct CompareSpread {
+    /// From the medians of the rounds' rates.
+    pub(crate) median: Compared,
+    /// Each round's own, from that round's points, in round order.
+    pub(crate) rounds: Vec<Compared>,
+}
+
+impl CompareSpread {
+    /// The lowest and highest of the rounds' figures (`figure` of each
+    /// round's comparison); none where no round had it.
+    fn range(&self, figure: impl Fn(&Compared) -> Option<f64>) -> Option<(f64, f64)> {
+        let values: Vec<f64> = self.rounds.iter().filter_map(figure).collect();
+        spread(&values).map(|s| (s.min, s.max))
+    }
+
+    pub(crate) fn scaling_range(&self) -> Option<(f64, f64)> {
+        self.range(|c| c.scaling_vs_bare)
+    }
+
+    pub(crate) fn per_engines_range(&self) -> Option<(f64, f64)> {
+        self.range(|c| c.per_engines)
+    }
+}
+
+/// One engine against the others at each T: from the `medians`' rates,
+/// and each of `rounds` from its own points.
+pub(crate) fn compare_rounds(rounds: &[&[Point]], medians: &[Summary]) -> Vec<CompareSpread> {
+    let rates: Vec<Rate> = medians
+        .iter()
+        .map(|s| (s.mode, s.threads, s.per_s().median))
+        .collect();
+    let per_round: Vec<Vec<Compared>> = rounds.iter().map(|round| compare(round)).collect();
+    compare_rates(&rates)
+        .into_iter()
+        .map(|median| CompareSpread {
+            median,
+            rounds: per_round
+                .iter()
+                .map(|round| {
+                    round
+                        .iter()
+                        .find(|c| c.threads == median.threads)
+                        .copied()
+                        .unwrap_or(Compared {
+                            threads: median.threads,
+                            scaling_vs_bare: None,
+                            per_engines: None,
+                        })
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// A figure of the comparison, or `-` without one.
+fn cell(value: Option<f64>) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| format!("{v:.2}"))
+}
+
+/// The lines above the table: what its columns are.
+fn header_lines(rounds: usize, first: usize) -> Vec<String> {
+    if rounds == 1 {
+        return vec![
+            format!(
+                "req/s: requests of all threads over the longest thread's time; ratio: to the \
+                 mode's req/s at T = {first}"
+            ),
+            "cores: CPUs the process kept busy (every thread); on-cpu: the measuring threads' \
+             share of their time on a CPU; waits/k: voluntary context switches per 1,000 \
+             requests"
+                .to_owned(),
+            format!(
+                "{:<10} {:>7} {:>11} {:>8} {:>12} {:>12} {:>6} {:>6} {:>6} {:>8}",
+                "mode",
+                "threads",
+                "requests",
+                "seconds",
+                "req/s",
+                "req/s/thread",
+                "ratio",
+                "cores",
+                "on-cpu",
+                "waits/k"
+            ),
+        ];
+    }
+    vec![
+        format!(
+            "{rounds} rounds, each a sweep of every T with the modes measured back to back at \
+             each T; a row is its point's median over the rounds"
+        ),
+        format!(
+            "req/s: requests of all threads over the longest thread's time, the median of the \
+             rounds'; min, max: the lowest and highest of the rounds' req/s; ratio: to the \
+             mode's median req/s at T = {first}"
+        ),
+        "requests, seconds, cores, on-cpu, waits/k: each the median of the rounds' own (not \
+         one round's); cores: CPUs the process kept busy (every thread); on-cpu: the measuring \
+         threads' share of their time on a CPU; waits/k: voluntary context switches per 1,000 \
+         requests"
+            .to_owned(),
+        format!(
+            "{:<10} {:>7} {:>11} {:>8} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6} {:>8}",
+            "mode",
+            "threads",
+            "requests",
+            "seconds",
+            "req/s",
+            "min",
+            "max",
+            "req/s/thread",
+            "ratio",
+            "cores",
+            "on-cpu",
+            "waits/k"
+        ),
+    ]
+}
+
+/// The table's rows over the rounds (JSON: an object per row), each
+/// mode's ratio to its first row's median.
+fn median_lines(
+    medians: &[Summary],
+    json: bool,
+    (backend, device): (&str, &str),
+    shape: Shape,
+    (qps, cqs): (u16, u16),
+) -> Vec<String> {
+    let mut bases: Vec<(ScaleMode, &Summary)> = Vec::new();
+    medians
+        .iter()
+        .map(|m| {
+            let base = match bases.iter().find(|(mode, _)| *mode == m.mode) {
+                Some(&(_, base)) => base,
+                None => {
+                    bases.push((m.mode, m));
+                    m
+                }
+            };
+            if json {
+                return median_json_line(m, base, (backend, device), shape, (qps, cqs));
+            }
+            let per_s = m.per_s();
+            format!(
+                "{:<10} {:>7} {:>11.0} {:>8.3} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>6.2} \
+                 {:>6.2} {:>6.2} {:>8.2}",
+                m.mode.name(),
+                m.threads,
+                m.over(|p| p.requests as f64).median,
+                m.over(|p| p.elapsed.as_secs_f64()).median,
+                per_s.median,
+                per_s.min,
+                per_s.max,
+                per_s.median / m.threads as f64,
+                per_s.median / base.per_s().median.max(1e-9),
+                m.over(Point::cores).median,
+                m.over(Point::on_cpu).median,
+                m.over(Point::waits_per_k).median
+            )
+        })
+        .collect()
+}
+
+/// The comparison after the table, one round's.
+fn compare_lines(compared: &[Compared], json: bool) -> Vec<String> {
+    if json || compared.is_empty() {
+        return Vec::new();
+    }
+    let mut lines = vec![
+        String::new(),
+        "one engine against the others at each T: scaling = its ratio over bare's ratio; \
+         per engines = its req/s over engines' req/s"
+            .to_owned(),
+        format!("{:>7} {:>8} {:>12}", "threads", "scaling", "per engines"),
+    ];
+    lines.extend(compared.iter().map(|c| {
+        format!(
+            "{:>7} {:>8} {:>12}",
+            c.threads,
+            cell(c.scaling_vs_bare),
+            cell(c.per_engines)
+        )
+    }));
+    lines
+}
+
+/// The comparison after the table over the rounds: from the medians, and
+/// the range of the rounds' own.
+fn compare_spread_lines(spreads: &[CompareSpread]) -> Vec<String> {
+    if spreads.is_empty() {
+        return Vec::new();
+    }
+    let mut lines = vec![
+        String::new(),
+        "one engine against the others at each T, from the medians: scaling = its ratio over \
+         bare's ratio; per engines = its req/s over engines' req/s; min, max: the lowest and \
+         highest of each round's own figure (from that round's points)"
+            .to_owned(),
+        format!(
+            "{:>7} {:>8} {:>6} {:>6} {:>12} {:>6} {:>6}",
+            "threads", "scaling", "min", "max", "per engines", "min", "max"
+        ),
+    ];
+    lines.extend(spreads.iter().map(|c| {
+        let (scaling, per_engines) = (c.scaling_range(), c.per_engines_range());
+        format!(
+            "{:>7} {:>8} {:>6} {:>6} {:>12} {:>6} {:>6}",
+            c.median.threads,
+            cell(c.median.scaling_vs_bare),
+            cell(scaling.map(|r| r.0)),
+            cell(scaling.map(|r| r.1)),
+            cell(c.median.per_engines),
+            cell(per_engines.map(|r| r.0)),
+            cell(per_engines.map(|r| r.1)),
+        )
+    }));
+    lines
+}
+
+/// A point's measurement: `mode` at `threads`, set up anew.
+fn measure_point(
+    backends: &Backends,
+    device: &str,
+    port: u8,
+    config: &EngineConfig,
+    mode: ScaleMode,
+    threads: usize,
+    shape: Shape,
+) -> Result<Point, Box<dyn Error>> {
+    match mode {
+        ScaleMode::Bare => on_verbs!(backends.verbs(), |A, p| bare::<A>(
+            p, device, port, threads, shape
+        )),
+        ScaleMode::OneEngine => one_engine(backends, device, port, config, threads, shape),
+        ScaleMode::Engines => engines(backends, device, port, config, threads, shape),
+        ScaleMode::Messages => messages(backends, device, port, config, threads, shape),
+    }
 }
 
 /// Runs one thread per lane: each runs `run(lane, warmup)`, all wait for
@@ -1126,6 +1485,122 @@ fn point_json_line(
     s
 }
 
+/// `values` as a JSON array.
+fn json_array<T>(values: impl IntoIterator<Item = T>, each: impl Fn(T) -> String) -> String {
+    let items: Vec<String> = values.into_iter().map(each).collect();
+    format!("[{}]", items.join(","))
+}
+
+/// A figure of the comparison, or `null` without one.
+fn json_figure(value: Option<f64>) -> String {
+    value.map_or_else(|| "null".to_owned(), |v| format!("{v:.4}"))
+}
+
+/// A row over the rounds: the fields of a point's object, each the median
+/// of the rounds' (the counts rounded), then the rounds' lowest and
+/// highest req/s and each round's figures (`_rounds`, in round order; its
+/// ratio to its own round's point at the first T).
+fn median_json_line(
+    m: &Summary,
+    base: &Summary,
+    (backend, device): (&str, &str),
+    shape: Shape,
+    (qps, cqs): (u16, u16),
+) -> String {
+    let per_s = m.per_s();
+    let mut s = String::new();
+    // Writing to a String cannot fail.
+    let _ = write!(
+        s,
+        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
+         \"mode\":\"{}\",\"threads\":{},\"batch\":{},\"size\":{},",
+        m.mode.name(),
+        m.threads,
+        shape.batch,
+        shape.size,
+    );
+    if m.mode != ScaleMode::Bare {
+        let _ = write!(s, "\"qps\":{qps},\"cqs\":{cqs},");
+    }
+    let _ = write!(
+        s,
+        "\"requests\":{:.0},\"seconds\":{:.6},\"ops_per_s\":{:.1},\"ops_per_s_per_thread\":{:.1},\
+         \"ratio\":{:.4},\"ratio_to_threads\":{},\"cpu_cores\":{:.3},\
+         \"measuring_on_cpu\":{:.4},\"voluntary_switches\":{:.0},\"involuntary_switches\":{:.0},\
+         \"rounds\":{},\"ops_per_s_min\":{:.1},\"ops_per_s_max\":{:.1},",
+        m.over(|p| p.requests as f64).median,
+        m.over(|p| p.elapsed.as_secs_f64()).median,
+        per_s.median,
+        per_s.median / m.threads as f64,
+        per_s.median / base.per_s().median.max(1e-9),
+        base.threads,
+        m.over(Point::cores).median,
+        m.over(Point::on_cpu).median,
+        m.over(|p| p.process.voluntary as f64).median,
+        m.over(|p| p.process.involuntary as f64).median,
+        m.rounds.len(),
+        per_s.min,
+        per_s.max,
+    );
+    let _ = write!(
+        s,
+        "\"requests_rounds\":{},\"seconds_rounds\":{},\"ops_per_s_rounds\":{},\
+         \"ratio_rounds\":{},\"cpu_cores_rounds\":{},\"measuring_on_cpu_rounds\":{},\
+         \"voluntary_switches_rounds\":{},\"involuntary_switches_rounds\":{}}}",
+        json_array(&m.rounds, |p| p.requests.to_string()),
+        json_array(&m.rounds, |p| format!("{:.6}", p.elapsed.as_secs_f64())),
+        json_array(&m.rounds, |p| format!("{:.1}", p.per_s())),
+        json_array(m.rounds.iter().zip(&base.rounds), |(p, b)| format!(
+            "{:.4}",
+            p.per_s() / b.per_s().max(1e-9)
+        )),
+        json_array(&m.rounds, |p| format!("{:.3}", p.cores())),
+        json_array(&m.rounds, |p| format!("{:.4}", p.on_cpu())),
+        json_array(&m.rounds, |p| p.process.voluntary.to_string()),
+        json_array(&m.rounds, |p| p.process.involuntary.to_string()),
+    );
+    s
+}
+
+/// One engine against the others at one T over the rounds: from the
+/// medians, the rounds' lowest and highest, and each round's (`null`
+/// where a mode was not measured).
+fn compare_json_line(c: &CompareSpread, backend: &str, device: &str) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
+         \"mode\":\"compare\",\"threads\":{},\"rounds\":{}",
+        c.median.threads,
+        c.rounds.len(),
+    );
+    for (name, median, range, figure) in [
+        (
+            "scaling_vs_bare",
+            c.median.scaling_vs_bare,
+            c.scaling_range(),
+            (|r: &Compared| r.scaling_vs_bare) as fn(&Compared) -> Option<f64>,
+        ),
+        (
+            "per_engines",
+            c.median.per_engines,
+            c.per_engines_range(),
+            |r: &Compared| r.per_engines,
+        ),
+    ] {
+        let _ = write!(
+            s,
+            ",\"{name}\":{},\"{name}_min\":{},\"{name}_max\":{},\"{name}_rounds\":{}",
+            json_figure(median),
+            json_figure(range.map(|r| r.0)),
+            json_figure(range.map(|r| r.1)),
+            json_array(&c.rounds, |r| json_figure(figure(r))),
+        );
+    }
+    s.push('}');
+    s
+}
+
 fn set_up_json_line(set_up: &SetUp, backend: &str, device: &str, qps: u16) -> String {
     let mut s = String::new();
     let _ = write!(
@@ -1242,12 +1717,180 @@ mod tests {
         assert!(compare(&points[2..5]).is_empty(), "nothing to compare with");
     }
 
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    /// The median is the middle figure (of an even count, the mean of the
+    /// middle two), not the mean or the first round's; none of none.
+    #[test]
+    fn a_spread_is_the_median_and_the_range_of_the_figures() {
+        let odd = spread(&[40.0, 10.0, 20.0]).unwrap();
+        assert_eq!((odd.median, odd.min, odd.max), (20.0, 10.0, 40.0));
+        let even = spread(&[4.0, 1.0, 3.0, 100.0]).unwrap();
+        assert_eq!((even.median, even.min, even.max), (3.5, 1.0, 100.0));
+        assert_eq!(spread(&[7.0]).map(|s| s.median), Some(7.0));
+        assert_eq!(spread(&[]), None);
+    }
+
+    /// Three rounds, the modes interleaved at each T: a row per (mode, T)
+    /// in one round's table order, its rate the median of the rounds'
+    /// with their lowest and highest; the comparison from the medians,
+    /// with the range of each round's own.
+    #[test]
+    fn rounds_are_summed_up_by_their_medians_and_range() {
+        use ScaleMode::{Bare, Engines, OneEngine};
+        let round = |rates: [f64; 6]| -> Vec<Point> {
+            [Bare, OneEngine, Engines]
+                .iter()
+                .cycle()
+                .zip([1, 1, 1, 4, 4, 4])
+                .zip(rates)
+                .map(|((&mode, threads), per_s)| point(mode, threads, per_s))
+                .collect()
+        };
+        let scaled = Scaled {
+            points: [
+                round([100.0, 50.0, 40.0, 400.0, 150.0, 200.0]),
+                round([90.0, 60.0, 50.0, 300.0, 120.0, 100.0]),
+                round([120.0, 40.0, 45.0, 420.0, 90.0, 180.0]),
+            ]
+            .concat(),
+            rounds: 3,
+            ..Scaled::default()
+        };
+        let rounds = scaled.by_round();
+        assert_eq!(rounds.len(), 3);
+        let medians = summarize(&rounds);
+        let rows: Vec<_> = medians
+            .iter()
+            .map(|m| {
+                let s = m.per_s();
+                (m.mode, m.threads, m.rounds.len(), s.median, s.min, s.max)
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                (Bare, 1, 3, 100.0, 90.0, 120.0),
+                (Bare, 4, 3, 400.0, 300.0, 420.0),
+                (OneEngine, 1, 3, 50.0, 40.0, 60.0),
+                (OneEngine, 4, 3, 120.0, 90.0, 150.0),
+                (Engines, 1, 3, 45.0, 40.0, 50.0),
+                (Engines, 4, 3, 180.0, 100.0, 200.0),
+            ]
+        );
+        let compared = compare_rounds(&rounds, &medians);
+        assert_eq!(compared.len(), 2);
+        let (one, four) = (&compared[0], &compared[1]);
+        assert_eq!((one.median.threads, four.median.threads), (1, 4));
+        // T = 4 from the medians: one engine 2.4x against bare's 4.0x;
+        // 120 of engines' 180.
+        assert!(close(four.median.scaling_vs_bare.unwrap(), 0.6), "{four:?}");
+        assert!(
+            close(four.median.per_engines.unwrap(), 120.0 / 180.0),
+            "{four:?}"
+        );
+        assert!(
+            close(one.median.per_engines.unwrap(), 50.0 / 45.0),
+            "{one:?}"
+        );
+        // Each round's own: 3.0 / 4.0, 2.0 / 3.33, 2.25 / 3.5; 150 / 200,
+        // 120 / 100, 90 / 180.
+        let (low, high) = four.scaling_range().unwrap();
+        assert!(close(low, 0.6) && close(high, 0.75), "{four:?}");
+        let (low, high) = four.per_engines_range().unwrap();
+        assert!(close(low, 0.5) && close(high, 1.2), "{four:?}");
+        let (low, high) = one.per_engines_range().unwrap();
+        assert!(close(low, 40.0 / 45.0) && close(high, 1.25), "{one:?}");
+        assert_eq!(one.scaling_range(), Some((1.0, 1.0)));
+        // The rows and the comparison as printed.
+        let shape = Shape {
+            batch: 16,
+            size: 4096,
+            warmup: Duration::ZERO,
+            seconds: Duration::from_secs(1),
+            idle: Idle::Park,
+        };
+        let lines = median_lines(&medians, false, ("sim", "d"), shape, (1, 1));
+        let words: Vec<&str> = lines[3].split_whitespace().collect();
+        assert_eq!(
+            words[..9],
+            [
+                "one-engine",
+                "4",
+                "120",
+                "1.000",
+                "120",
+                "90",
+                "150",
+                "30",
+                "2.40"
+            ]
+        );
+        let lines = compare_spread_lines(&compared);
+        let words: Vec<&str> = lines[4].split_whitespace().collect();
+        assert_eq!(words, ["4", "0.60", "0.60", "0.75", "0.67", "0.50", "1.20"]);
+        let json: Vec<String> = median_lines(&medians, true, ("sim", "d"), shape, (1, 1));
+        assert!(json[3].contains("\"ops_per_s\":120.0,"), "{}", json[3]);
+        assert!(
+            json[3].contains("\"ops_per_s_rounds\":[150.0,120.0,90.0]"),
+            "{}",
+            json[3]
+        );
+        assert!(
+            json[3].contains("\"ratio_rounds\":[3.0000,2.0000,2.2500]"),
+            "{}",
+            json[3]
+        );
+        let line = compare_json_line(four, "sim", "d");
+        assert!(
+            line.contains("\"scaling_vs_bare\":0.6000,\"scaling_vs_bare_min\":0.6000,"),
+            "{line}"
+        );
+    }
+
+    /// `--rounds 2` on the sim: round after round, the modes back to back
+    /// at each T; a row per (mode, T) over both rounds.
+    #[test]
+    fn rounds_interleave_the_modes_at_each_thread_count_on_the_sim() {
+        use ScaleMode::{Bare, OneEngine};
+        let mut args = short(&[Bare, OneEngine], &[2, 1], 16, 0.02);
+        args.rounds = 2;
+        let scaled = scale_bench(&Backends::sim_default(), &args).unwrap();
+        let order: Vec<_> = scaled.points.iter().map(|p| (p.mode, p.threads)).collect();
+        let round = [(Bare, 1), (OneEngine, 1), (Bare, 2), (OneEngine, 2)];
+        assert_eq!(order, [round, round].concat());
+        let rows: Vec<_> = scaled
+            .medians
+            .iter()
+            .map(|m| (m.mode, m.threads, m.rounds.len()))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                (Bare, 1, 2),
+                (Bare, 2, 2),
+                (OneEngine, 1, 2),
+                (OneEngine, 2, 2)
+            ]
+        );
+        for m in &scaled.medians {
+            let s = m.per_s();
+            assert!(
+                s.min > 0.0 && s.min <= s.median && s.median <= s.max,
+                "{m:?}"
+            );
+        }
+    }
+
     /// Short points: `seconds` measured after a brief warm-up.
     fn short(modes: &[ScaleMode], threads: &[usize], batch: u32, seconds: f64) -> ScaleArgs {
         ScaleArgs {
             modes: modes.to_vec(),
             threads: threads.to_vec(),
             seconds: Duration::from_secs_f64(seconds),
+            rounds: 1,
             warmup: Duration::from_millis(10),
             batch,
             size: 4096,
@@ -1274,6 +1917,7 @@ mod tests {
             [ScaleMode::Bare, ScaleMode::OneEngine, ScaleMode::Engines]
         );
         assert!(args.threads.is_empty(), "default: by the core count");
+        assert_eq!(args.rounds, 1, "default: one sweep");
         assert_eq!(args.seconds, Duration::from_secs(2));
         assert_eq!((args.batch, args.size), (16, 4096));
         assert_eq!((args.peers, args.connect_threads), (0, 8));
@@ -1286,6 +1930,8 @@ mod tests {
             "4,1,2,4",
             "--seconds",
             "0.5",
+            "--rounds",
+            "3",
             "--batch",
             "1",
             "--size",
@@ -1304,6 +1950,7 @@ mod tests {
         assert_eq!(args.modes, [ScaleMode::Engines, ScaleMode::Bare]);
         assert_eq!(thread_counts(&args.threads), [1, 2, 4]);
         assert_eq!(args.seconds, Duration::from_millis(500));
+        assert_eq!(args.rounds, 3);
         assert_eq!(
             (args.batch, args.size, args.idle),
             (1, 64 << 10, Idle::Spin)
@@ -1323,6 +1970,7 @@ mod tests {
             &["--threads", "0"][..],
             &["--threads", "two"],
             &["--batch", "0"],
+            &["--rounds", "0"],
             &["--size", "0"],
             &["--seconds", "-1"],
             &["--modes", "bare,everything"],

@@ -421,3 +421,166 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         objects[5]
     );
 }
+
+/// `gdr bench scale --rounds 3` on the sim: a row per mode and thread
+/// count, its req/s the median of the rounds' between their lowest and
+/// highest (two more columns), then the comparison from the medians with
+/// the range of the rounds' own; with `--json` an object per row with each
+/// round's figures, then one per T of the comparison.
+#[test]
+fn bench_scale_rounds_print_the_median_and_the_range_of_the_rounds() {
+    let short = [
+        "--backend",
+        "sim",
+        "bench",
+        "scale",
+        "--threads",
+        "1,2",
+        "--seconds",
+        "0.05",
+        "--warmup",
+        "0.02",
+    ];
+    let mut rounds = short.to_vec();
+    rounds.extend(["--rounds", "3"]);
+    let text = succeeds(&rounds);
+    assert!(text.contains("3 rounds"), "{text}");
+    let (header, rows) = table(&text);
+    assert_eq!(
+        header,
+        [
+            "mode",
+            "threads",
+            "requests",
+            "seconds",
+            "req/s",
+            "min",
+            "max",
+            "req/s/thread",
+            "ratio",
+            "cores",
+            "on-cpu",
+            "waits/k"
+        ],
+        "{text}"
+    );
+    let expected = [
+        ("bare", "1"),
+        ("bare", "2"),
+        ("one-engine", "1"),
+        ("one-engine", "2"),
+        ("engines", "1"),
+        ("engines", "2"),
+    ];
+    assert_eq!(rows.len(), expected.len(), "{text}");
+    for (fields, (mode, threads)) in rows.iter().zip(expected) {
+        let row = fields.join(" ");
+        assert_eq!(fields.len(), 12, "{row}");
+        assert_eq!((fields[0], fields[1]), (mode, threads), "{row}");
+        let figure = |i: usize| -> f64 {
+            fields[i]
+                .parse()
+                .unwrap_or_else(|_| panic!("{} in {row}", fields[i]))
+        };
+        let (median, min, max) = (figure(4), figure(5), figure(6));
+        assert!(0.0 < min && min <= median && median <= max, "{row}");
+        if threads == "1" {
+            assert_eq!(fields[8], "1.00", "{row}");
+        }
+    }
+    let compared: Vec<Vec<&str>> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("threads"))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        compared.first().map(Vec::as_slice),
+        Some(
+            &[
+                "threads", "scaling", "min", "max", "per", "engines", "min", "max"
+            ][..]
+        ),
+        "{text}"
+    );
+    assert_eq!(compared.len(), 3, "{text}");
+    for (fields, threads) in compared[1..].iter().zip(["1", "2"]) {
+        assert_eq!(fields.len(), 7, "{text}");
+        assert_eq!(fields[0], threads, "{text}");
+        let figures: Vec<f64> = fields[1..]
+            .iter()
+            .map(|f| f.parse().unwrap_or_else(|_| panic!("{f} in {text}")))
+            .collect();
+        assert!(figures.iter().all(|&v| v > 0.0), "{text}");
+        // The rounds' range.
+        assert!(
+            figures[1] <= figures[2] && figures[4] <= figures[5],
+            "{text}"
+        );
+    }
+    assert_eq!(compared[1][1..4], ["1.00", "1.00", "1.00"], "{text}");
+
+    let mut json = short.to_vec();
+    json.extend(["--rounds", "2", "--modes", "bare,one-engine", "--json"]);
+    let text = succeeds(&json);
+    let objects: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let modes: Vec<(&str, u64)> = objects
+        .iter()
+        .map(|o| (o["mode"].as_str().unwrap(), o["threads"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        modes,
+        [
+            ("bare", 1),
+            ("bare", 2),
+            ("one-engine", 1),
+            ("one-engine", 2),
+            ("compare", 1),
+            ("compare", 2)
+        ],
+        "{text}"
+    );
+    for row in &objects[..4] {
+        assert_eq!(row["rounds"], 2, "{row}");
+        let each = row["ops_per_s_rounds"].as_array().unwrap();
+        assert_eq!(each.len(), 2, "{row}");
+        let (a, b) = (each[0].as_f64().unwrap(), each[1].as_f64().unwrap());
+        let median = row["ops_per_s"].as_f64().unwrap();
+        // Of two rounds, the mean of both (within the rounding to 0.1).
+        assert!((median - (a + b) / 2.0).abs() <= 0.1, "{row}");
+        assert_eq!(row["ops_per_s_min"].as_f64().unwrap(), a.min(b), "{row}");
+        assert_eq!(row["ops_per_s_max"].as_f64().unwrap(), a.max(b), "{row}");
+        for key in [
+            "requests_rounds",
+            "seconds_rounds",
+            "ratio_rounds",
+            "cpu_cores_rounds",
+            "measuring_on_cpu_rounds",
+            "voluntary_switches_rounds",
+            "involuntary_switches_rounds",
+        ] {
+            assert_eq!(row[key].as_array().map(Vec::len), Some(2), "{key} in {row}");
+        }
+        for key in [
+            "requests",
+            "seconds",
+            "ratio",
+            "cpu_cores",
+            "measuring_on_cpu",
+        ] {
+            assert!(row[key].as_f64().unwrap() > 0.0, "{key} in {row}");
+        }
+    }
+    for c in &objects[4..] {
+        assert_eq!(c["rounds"], 2, "{c}");
+        assert!(c["scaling_vs_bare"].as_f64().unwrap() > 0.0, "{c}");
+        assert_eq!(
+            c["scaling_vs_bare_rounds"].as_array().map(Vec::len),
+            Some(2),
+            "{c}"
+        );
+        assert!(c["per_engines"].is_null(), "no engines mode: {c}");
+    }
+}
