@@ -1,8 +1,9 @@
 //! One peer's connection: the protocol state the engine keeps per peer,
 //! in one object (quinn-proto's `Connection` is the model).
 //!
-//! A [`Connection`] owns what this side knows of one peer beyond its queue
-//! pairs' work requests: the re-establishment of failed queue pairs
+//! A [`Connection`] owns what this side knows of one peer: the batches on
+//! its queue pairs ([`Batches`]: what is queued, in flight, and when each
+//! batch ends), the re-establishment of failed queue pairs
 //! ([`Recovery`]), the grants both ways (this side's announcements, kept
 //! to announce again on a new queue pair 0, and the peer's, bounded), the
 //! peer's messages nobody received ([`Inbox`]), this side's messages
@@ -11,20 +12,25 @@
 //!
 //! Inputs: the connection-level control messages ([`Connection::on_control`]
 //! takes them, hands any other back), this side's own messages and grants
-//! ([`Connection::send`], [`Connection::announce`]), time
+//! ([`Connection::send`], [`Connection::announce`]), its batches' work,
+//! completions and failures (through [`Connection::batches_mut`]), time
 //! ([`Connection::handle_timeout`]). Outputs: messages to put in a send
 //! slot ([`Connection::poll_transmit`]), messages past their deadline,
-//! what the peer's messages changed ([`Event`]), and one
-//! [`Connection::poll_timeout`] covering every deadline it keeps. The
-//! driver owns the transport (queue pairs, send slots, receives): nothing
-//! here names a verb, so the same object serves any transport that carries
-//! the control messages.
+//! what the peer's messages changed ([`Event`]), the batches' work to post
+//! and their actions ([`Batches::take_postable`], [`Batches::poll_action`]),
+//! and one [`Connection::poll_timeout`] covering every deadline it keeps.
+//! The driver owns the transport (queue pairs, send slots, receives) and
+//! the requests' form ([`Requests`]: `gdr-core` posts verbs work requests,
+//! the tests plain records): nothing here names a verb, so the same object
+//! serves any transport that carries the control messages and the
+//! operations.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::time::{Duration, Instant};
 
 use crate::PeerMisbehaved;
+use crate::batches::{Batches, Requests};
 use crate::grants::{GrantId, RemoteGrants};
 use crate::inbox::Inbox;
 use crate::limits::PeerLimits;
@@ -126,9 +132,13 @@ pub enum Transmit<T> {
     Send(Waiting<T>),
 }
 
-/// One peer's protocol state (see the module docs).
+/// One peer's protocol state (see the module docs): its grants are
+/// descriptors `D`, its batches' requests and its messages' tokens are
+/// `R`'s (a message ends the same notification a batch does).
 #[derive(Debug)]
-pub struct Connection<D, T> {
+pub struct Connection<D, R: Requests> {
+    /// The batches on the peer's queue pairs.
+    batches: Batches<R>,
     peer_engine: u64,
     session: u64,
     peer_max_message: usize,
@@ -138,17 +148,19 @@ pub struct Connection<D, T> {
     announced: HashMap<GrantId, Vec<u8>>,
     remote: RemoteGrants<D>,
     inbox: Inbox,
-    outbox: Outbox<T>,
+    outbox: Outbox<R::Notify>,
     /// The peer's device behind each queue pair, once it said.
     remote_devices: Option<Vec<String>>,
     said_goodbye: bool,
 }
 
-impl<D: Descriptor, T> Connection<D, T> {
-    /// A connection just set up.
+impl<D: Descriptor, R: Requests> Connection<D, R> {
+    /// A connection just set up, no queue pair in its batches yet
+    /// ([`Batches::add_qp`]).
     pub fn new(config: &ConnectionConfig) -> Self {
         let limits = &config.limits;
         Self {
+            batches: Batches::new(),
             peer_engine: config.peer_engine,
             session: config.session,
             peer_max_message: config.peer_max_message,
@@ -175,6 +187,17 @@ impl<D: Descriptor, T> Connection<D, T> {
     /// The largest control message the peer receives.
     pub fn peer_max_message(&self) -> usize {
         self.peer_max_message
+    }
+
+    /// The batches on its queue pairs.
+    pub fn batches(&self) -> &Batches<R> {
+        &self.batches
+    }
+
+    /// The batches on its queue pairs (the driver submits, posts and feeds
+    /// completions through them).
+    pub fn batches_mut(&mut self) -> &mut Batches<R> {
+        &mut self.batches
     }
 
     /// Re-establishing its failed queue pairs.
@@ -288,10 +311,10 @@ impl<D: Descriptor, T> Connection<D, T> {
     pub fn send(
         &mut self,
         bytes: Vec<u8>,
-        token: T,
+        token: R::Notify,
         now: Instant,
         timeout: Duration,
-    ) -> Result<(), (SendRefused, T)> {
+    ) -> Result<(), (SendRefused, R::Notify)> {
         if self.said_goodbye {
             return Err((SendRefused::Goodbye, token));
         }
@@ -308,7 +331,7 @@ impl<D: Descriptor, T> Connection<D, T> {
     /// `now` first (the oldest; it ends with a timeout), else, when
     /// `can_send` (a send slot free, queue pair 0 up), the oldest waiting.
     /// Changes by [`Connection::send`] and this.
-    pub fn poll_transmit(&mut self, now: Instant, can_send: bool) -> Option<Transmit<T>> {
+    pub fn poll_transmit(&mut self, now: Instant, can_send: bool) -> Option<Transmit<R::Notify>> {
         if let Some(late) = self.outbox.poll_expired(now) {
             return Some(Transmit::Expired(late));
         }
@@ -346,21 +369,28 @@ impl<D: Descriptor, T> Connection<D, T> {
 
     // Time.
 
-    /// The earliest deadline the connection keeps: a queue pair's
-    /// re-establishment, the oldest waiting message. The driver calls
-    /// [`Connection::handle_timeout`] and [`Connection::poll_transmit`]
-    /// by then. Changes by every call that changes either.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        [self.recovery.poll_timeout(), self.outbox.poll_timeout()]
-            .into_iter()
-            .flatten()
-            .min()
+    /// The earliest deadline the connection keeps: a batch's, a queue
+    /// pair's re-establishment, the oldest waiting message. The driver
+    /// calls [`Connection::handle_timeout`] and
+    /// [`Connection::poll_transmit`] by then. Changes by every call that
+    /// changes any of them (a batch submitted or ended included).
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        [
+            self.batches.next_deadline(),
+            self.recovery.poll_timeout(),
+            self.outbox.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
-    /// Queue pairs not re-established by `now`: given up, each with why
-    /// (messages past their deadline come out of
-    /// [`Connection::poll_transmit`]).
+    /// Handles the deadlines up to `now`: batches past theirs stop (their
+    /// actions come out of [`Batches::poll_action`]); queue pairs not
+    /// re-established are given up, each with why (returned; messages
+    /// past their deadline come out of [`Connection::poll_transmit`]).
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<(usize, GiveUp)> {
+        self.batches.handle_timeout(now);
         self.recovery.handle_timeout(now)
     }
 }

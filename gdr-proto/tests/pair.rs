@@ -4,13 +4,15 @@
 //! messages and can be cut. Set-up
 //! (the dial against the listener's backlog, the paths as the sign of
 //! acceptance), grants announced and revoked over the wire, control
-//! messages through each side's outbox and inbox, and queue pairs failing
+//! messages through each side's outbox and inbox, batches on the queue
+//! pairs (posted, completed, flushed, timed out), and queue pairs failing
 //! and coming back (or not) through each side's recovery. No simulator, no
 //! device, no clock: time is the pair's `now`.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use gdr_proto::batches::{Action, BatchId, QpLimits, Requests, Work};
 use gdr_proto::connection::{Connection, ConnectionConfig, Descriptor, Event, Received, Transmit};
 use gdr_proto::reconnect::{self, Drained, GiveUp, Gone, OldQp, Replacement};
 use gdr_proto::setup::{
@@ -24,10 +26,56 @@ const SESSION: u64 = 0x5e55;
 const RECONNECT: Duration = Duration::from_secs(10);
 const T: Duration = Duration::from_secs(1);
 
+/// A work request as the pair posts it: its id (set when taken) and
+/// length; batches and messages tell a number.
+#[derive(Debug, Clone)]
+struct Op {
+    wr_id: u64,
+    len: u32,
+}
+
+#[derive(Debug)]
+struct Ops;
+
+impl Requests for Ops {
+    type Request = Op;
+    type Error = String;
+    type Notify = u64;
+    type Hold = ();
+
+    fn is_send(_: &Op) -> bool {
+        false
+    }
+    fn len(request: &Op) -> u64 {
+        u64::from(request.len)
+    }
+    fn number(request: &mut Op, wr_id: u64, _signaled: bool) {
+        request.wr_id = wr_id;
+    }
+    fn flushed(qp: u16, cause: &String) -> String {
+        format!("flushed on queue pair {qp}: {cause}")
+    }
+    fn timeout(after: Duration) -> String {
+        format!("timed out after {after:?}")
+    }
+    fn cancelled() -> String {
+        "cancelled".into()
+    }
+}
+
+const QP_LIMITS: QpLimits = QpLimits {
+    depth: 8,
+    send_limit: 4,
+    signal_every: 1,
+};
+
+/// Batches' outcomes as told: (token, outcome).
+type Told = Vec<(u64, Result<(), String>)>;
+
 /// One endpoint: what the engine keeps of its peer, as the protocols do.
 struct Side {
     engine: u64,
-    conn: Connection<PairDescriptor, u64>,
+    conn: Connection<PairDescriptor, Ops>,
     /// Which of its queue pairs is up (the driver's view of its core).
     up: [bool; QPS as usize],
     /// Tokens of its messages that went out, and of those that expired.
@@ -42,23 +90,30 @@ struct Side {
 impl Side {
     fn new(engine: u64, connector: bool) -> Self {
         let peer_engine = if engine == 0xa { 0xb } else { 0xa };
+        let mut conn = Connection::new(&ConnectionConfig {
+            peer_engine,
+            session: SESSION,
+            qp_count: QPS.into(),
+            connector,
+            reconnect_timeout: RECONNECT,
+            peer_max_message: 4096,
+            max_outbox: 8,
+            limits: PeerLimits {
+                max_remote_grants: 2,
+                max_inbox_messages: 4,
+                max_inbox_bytes: 1 << 16,
+                ..PeerLimits::DEFAULT
+            },
+        });
+        for index in 0..QPS {
+            assert_eq!(
+                conn.batches_mut().add_qp(index, QP_LIMITS),
+                usize::from(index)
+            );
+        }
         Self {
             engine,
-            conn: Connection::new(&ConnectionConfig {
-                peer_engine,
-                session: SESSION,
-                qp_count: QPS.into(),
-                connector,
-                reconnect_timeout: RECONNECT,
-                peer_max_message: 4096,
-                max_outbox: 8,
-                limits: PeerLimits {
-                    max_remote_grants: 2,
-                    max_inbox_messages: 4,
-                    max_inbox_bytes: 1 << 16,
-                    ..PeerLimits::DEFAULT
-                },
-            }),
+            conn,
             up: [true; QPS as usize],
             sent: Vec::new(),
             expired: Vec::new(),
@@ -104,6 +159,45 @@ impl Side {
                 }
             }
         }
+    }
+
+    /// Submits a batch of one `len`-byte request on queue pair `qp`, told
+    /// as `token`, to end within `timeout`.
+    fn submit(
+        &mut self,
+        qp: usize,
+        len: u32,
+        token: u64,
+        now: Instant,
+        timeout: Duration,
+    ) -> BatchId {
+        let work = vec![(qp, Work::new(Op { wr_id: 0, len }))];
+        self.conn
+            .batches_mut()
+            .submit(work, token, Some((now + timeout, timeout)), ())
+    }
+
+    /// Posts what queue pair `qp` may post now: the ids the NIC took.
+    fn post(&mut self, qp: usize) -> Vec<u64> {
+        let mut out = Vec::new();
+        self.conn.batches_mut().take_postable(qp, &mut out);
+        out.iter().map(|op| op.wr_id).collect()
+    }
+
+    /// The batches' actions so far: outcomes told (token, outcome), and the
+    /// queue pairs that drained.
+    fn settle(&mut self) -> (Told, Vec<usize>) {
+        let (mut told, mut drained) = (Vec::new(), Vec::new());
+        while let Some(action) = self.conn.batches_mut().poll_action() {
+            match action {
+                Action::End {
+                    notify, outcome, ..
+                } => told.push((notify, outcome)),
+                Action::QpDrained(qp) => drained.push(qp),
+                Action::StopQp(_) | Action::Release { .. } => {}
+            }
+        }
+        (told, drained)
     }
 
     /// A message from the peer, as the engine's `on_message` takes it.
@@ -261,12 +355,13 @@ impl Pair {
         self.b.up[index] = true;
     }
 
-    /// Time passes: deadlines are handled on both sides.
+    /// Time passes: deadlines are handled on both sides, each through its
+    /// connection (batches and re-establishment alike).
     fn advance(&mut self, by: Duration) -> (GivenUp, GivenUp) {
         self.now += by;
         (
-            self.a.conn.recovery_mut().handle_timeout(self.now),
-            self.b.conn.recovery_mut().handle_timeout(self.now),
+            self.a.conn.handle_timeout(self.now),
+            self.b.conn.handle_timeout(self.now),
         )
     }
 }
@@ -326,6 +421,52 @@ fn messages_wait_out_a_failed_queue_pair_0_and_go_in_order_once_it_is_back() {
     assert_eq!(got, [b"one".to_vec(), b"three".to_vec()], "in order");
     assert_eq!(p.a.conn.recovery_mut().reconnecting(), 0);
     assert_eq!(p.a.conn.recovery_mut().poll_gone(), None);
+}
+
+#[test]
+fn batches_on_a_failed_queue_pair_end_once_and_new_work_waits_for_it_to_come_back() {
+    let mut p = Pair::connected();
+    let now = p.now;
+    // Posted on queue pair 1 when its link is cut: it flushes, told once.
+    p.a.submit(1, 4096, 1, now, 5 * T);
+    let posted = p.a.post(1);
+    assert_eq!(posted.len(), 1);
+    p.a.conn.batches_mut().fail_qp(1, "link cut".into());
+    p.a.conn
+        .batches_mut()
+        .on_completion(1, posted[0], Err("flush".into()));
+    let (told, drained) = p.a.settle();
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert_eq!(told[0].0, 1);
+    assert!(told[0].1.as_ref().is_err_and(|e| e.contains("link cut")));
+    assert_eq!(drained, [1]);
+    let (a, _) = p.fail(1);
+    assert!(matches!(a, Drained::Reconnect { dial: true, .. }), "{a:?}");
+    assert!(p.a.conn.batches_mut().begin_reconnect(1));
+    // Submitted while it comes back: it waits, and its deadline and the
+    // re-establishment's are the connection's.
+    p.a.submit(1, 4096, 2, now, 3 * T);
+    p.a.submit(1, 4096, 3, now, RECONNECT + T);
+    assert!(p.a.post(1).is_empty(), "nothing posts on a queue pair down");
+    assert_eq!(p.a.conn.poll_timeout(), Some(now + 3 * T));
+    // The first one's deadline passes before the queue pair is back.
+    let (given_up, _) = p.advance(3 * T);
+    assert!(given_up.is_empty());
+    let (told, _) = p.a.settle();
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert_eq!(told[0].0, 2);
+    assert!(told[0].1.as_ref().is_err_and(|e| e.contains("timed out")));
+    assert_eq!(p.a.conn.poll_timeout(), Some(now + RECONNECT), "the dial's");
+    // Back: the other one goes, and ends once its completion comes.
+    p.redial(1);
+    p.a.conn.batches_mut().revive(1, QP_LIMITS);
+    let posted = p.a.post(1);
+    assert_eq!(posted.len(), 1);
+    p.a.conn.batches_mut().on_completion(1, posted[0], Ok(()));
+    let (told, _) = p.a.settle();
+    assert_eq!(told, [(3, Ok(()))]);
+    assert_eq!(p.a.conn.poll_timeout(), None, "nothing left to time");
+    assert_eq!(p.a.conn.batches().batches_live(), 0);
 }
 
 #[test]

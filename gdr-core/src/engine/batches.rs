@@ -1,6 +1,7 @@
-//! The engine's side of [`gdr_proto::batches`]: batches of verbs work
-//! requests. The protocol decides (what posts, what retires, when a batch
-//! ends, when a queue pair stops); this module only carries out its
+//! The engine's side of a peer's [`gdr_proto::connection`]: its batches
+//! of verbs work requests ([`gdr_proto::batches`], owned by the
+//! connection). The protocol decides (what posts, what retires, when a
+//! batch ends, when a queue pair stops); this module only carries out its
 //! outcome actions at once (an [`Action::End`](gdr_proto::batches::Action)
 //! completes the batch's [`CompletionCell`] after releasing what it held;
 //! a `Release` drops what it held) and hands the queue-pair actions on to
@@ -11,11 +12,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gdr_proto::batches::{self as proto, Batches, Requests};
+use gdr_proto::batches::{self as proto, Requests};
+use gdr_proto::connection::Connection;
 pub use gdr_proto::batches::{BatchId, QpCounters};
 pub(crate) use gdr_proto::batches::{QpId, QpLimits};
 use hal_verbs::{SendFlags, SendOp, SendRequest, SgList, Sge, WcStatus};
 
+use crate::descriptor::MemoryDescriptor;
 use crate::engine::completion::CompletionCell;
 use crate::engine::error::TransferError;
 
@@ -93,11 +96,18 @@ pub(crate) enum Action {
     QpDrained(QpId),
 }
 
-/// [`Batches`] of verbs requests, their outcomes delivered as they are
-/// decided.
-#[derive(Debug, Default)]
+/// A peer's connection as the engine keeps it: its grants are the
+/// engine's descriptors, its batches verbs requests, its batches and
+/// messages end the engine's completion cells.
+pub(crate) type PeerConnection = Connection<MemoryDescriptor, Verbs>;
+
+/// A peer's connection ([`PeerConnection`], its batches included), the
+/// batches' outcomes delivered as they are decided.
+#[derive(Debug)]
 pub(crate) struct Core {
-    batches: Batches<Verbs>,
+    /// The peer's protocol state: batches, recovery, grants both ways,
+    /// inbox, outbox, paths.
+    pub conn: PeerConnection,
     actions: VecDeque<Action>,
     /// Emptied holds, reused by the next batches.
     spare_holds: Vec<Vec<Keep>>,
@@ -107,14 +117,35 @@ pub(crate) struct Core {
 const SPARE_HOLDS: usize = 64;
 
 impl Core {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(conn: PeerConnection) -> Self {
+        Self {
+            conn,
+            actions: VecDeque::new(),
+            spare_holds: Vec::new(),
+        }
+    }
+
+    /// A connection with no queue pair yet, to a peer of no engine (tests
+    /// and a slot being set up).
+    #[cfg(any(test, loom))]
+    pub fn for_tests() -> Self {
+        use gdr_proto::connection::ConnectionConfig;
+        Self::new(PeerConnection::new(&ConnectionConfig {
+            peer_engine: 0,
+            session: 0,
+            qp_count: 1,
+            connector: true,
+            reconnect_timeout: Duration::from_secs(1),
+            peer_max_message: 4096,
+            max_outbox: 16,
+            limits: gdr_proto::PeerLimits::DEFAULT,
+        }))
     }
 
     /// Carries out the protocol's actions: outcomes and releases now, the
     /// queue-pair ones queued for [`Core::poll_action`].
     fn settle(&mut self) {
-        while let Some(action) = self.batches.poll_action() {
+        while let Some(action) = self.conn.batches_mut().poll_action() {
             match action {
                 proto::Action::StopQp(qp) => self.actions.push_back(Action::StopQp(qp)),
                 proto::Action::QpDrained(qp) => self.actions.push_back(Action::QpDrained(qp)),
@@ -144,72 +175,72 @@ impl Core {
     }
 
     pub fn add_qp(&mut self, index: u16, limits: QpLimits) -> QpId {
-        self.batches.add_qp(index, limits)
+        self.conn.batches_mut().add_qp(index, limits)
     }
 
     #[inline]
     pub fn is_ready(&self, qp: QpId) -> bool {
-        self.batches.is_ready(qp)
+        self.conn.batches().is_ready(qp)
     }
 
-    /// See [`Batches::accepts_work`].
+    /// See [`proto::Batches::accepts_work`].
     pub fn accepts_work(&self, qp: QpId) -> bool {
-        self.batches.accepts_work(qp)
+        self.conn.batches().accepts_work(qp)
     }
 
-    /// See [`Batches::is_down`].
+    /// See [`proto::Batches::is_down`].
     pub fn is_down(&self, qp: QpId) -> bool {
-        self.batches.is_down(qp)
+        self.conn.batches().is_down(qp)
     }
 
-    /// See [`Batches::begin_reconnect`].
+    /// See [`proto::Batches::begin_reconnect`].
     pub fn begin_reconnect(&mut self, qp: QpId) -> bool {
-        self.batches.begin_reconnect(qp)
+        self.conn.batches_mut().begin_reconnect(qp)
     }
 
-    /// See [`Batches::revive`].
+    /// See [`proto::Batches::revive`].
     pub fn revive(&mut self, qp: QpId, limits: QpLimits) {
-        self.batches.revive(qp, limits);
+        self.conn.batches_mut().revive(qp, limits);
     }
 
-    /// See [`Batches::give_up`].
+    /// See [`proto::Batches::give_up`].
     pub fn give_up(&mut self, qp: QpId, cause: TransferError) {
-        self.batches.give_up(qp, cause);
+        self.conn.batches_mut().give_up(qp, cause);
         self.settle();
     }
 
     pub fn counters(&self, qp: QpId) -> QpCounters {
-        self.batches.counters(qp)
+        self.conn.batches().counters(qp)
     }
 
     /// Requests queued or in flight on `qp`.
     #[cfg(all(test, loom))]
     pub fn load(&self, qp: QpId) -> usize {
-        self.batches.load(qp)
+        self.conn.batches().load(qp)
     }
 
     /// SENDs in flight on `qp`.
     #[cfg(all(test, loom))]
     pub fn sends_in_flight(&self, qp: QpId) -> u32 {
-        self.batches.sends_in_flight(qp)
+        self.conn.batches().sends_in_flight(qp)
     }
 
-    /// See [`Batches::send_waits`].
+    /// See [`proto::Batches::send_waits`].
     pub fn send_waits(&self, qp: QpId) -> bool {
-        self.batches.send_waits(qp)
+        self.conn.batches().send_waits(qp)
     }
 
     /// Batches not yet released.
     pub fn batches_live(&self) -> usize {
-        self.batches.batches_live()
+        self.conn.batches().batches_live()
     }
 
-    /// See [`Batches::work_buffer`].
+    /// See [`proto::Batches::work_buffer`].
     pub fn work_buffer(&mut self) -> Vec<(QpId, Work)> {
-        self.batches.work_buffer()
+        self.conn.batches_mut().work_buffer()
     }
 
-    /// See [`Batches::submit`]: `cell` is completed once, after `keep` was
+    /// See [`proto::Batches::submit`]: `cell` is completed once, after `keep` was
     /// released.
     pub fn submit(
         &mut self,
@@ -220,22 +251,22 @@ impl Core {
     ) -> BatchId {
         let mut hold = self.spare_holds.pop().unwrap_or_default();
         hold.extend(keep);
-        let id = self.batches.submit(work, cell, deadline, hold);
+        let id = self.conn.batches_mut().submit(work, cell, deadline, hold);
         self.settle();
         id
     }
 
-    /// See [`Batches::has_postable`].
+    /// See [`proto::Batches::has_postable`].
     pub fn has_postable(&self, qp: QpId) -> bool {
-        self.batches.has_postable(qp)
+        self.conn.batches().has_postable(qp)
     }
 
-    /// See [`Batches::take_postable`].
+    /// See [`proto::Batches::take_postable`].
     pub fn take_postable(&mut self, qp: QpId, out: &mut Vec<SendRequest>) {
-        self.batches.take_postable(qp, out);
+        self.conn.batches_mut().take_postable(qp, out);
     }
 
-    /// See [`Batches::post_failed`].
+    /// See [`proto::Batches::post_failed`].
     pub fn post_failed(
         &mut self,
         qp: QpId,
@@ -243,7 +274,7 @@ impl Core {
         accepted: Option<usize>,
         error: TransferError,
     ) {
-        self.batches.post_failed(qp, taken, accepted, error);
+        self.conn.batches_mut().post_failed(qp, taken, accepted, error);
         self.settle();
     }
 
@@ -253,36 +284,38 @@ impl Core {
             true => Ok(()),
             false => Err(TransferError::from_status(status, vendor_err)),
         };
-        self.batches.on_completion(qp, wr_id, result);
+        self.conn.batches_mut().on_completion(qp, wr_id, result);
         self.settle();
     }
 
-    /// See [`Batches::fail_qp`].
+    /// See [`proto::Batches::fail_qp`].
     pub fn fail_qp(&mut self, qp: QpId, cause: TransferError) {
-        self.batches.fail_qp(qp, cause);
+        self.conn.batches_mut().fail_qp(qp, cause);
         self.settle();
     }
 
-    /// See [`Batches::abandon_qp`].
+    /// See [`proto::Batches::abandon_qp`].
     pub fn abandon_qp(&mut self, qp: QpId, cause: TransferError) {
-        self.batches.abandon_qp(qp, cause);
+        self.conn.batches_mut().abandon_qp(qp, cause);
         self.settle();
     }
 
-    /// See [`Batches::cancel`].
+    /// See [`proto::Batches::cancel`].
     pub fn cancel(&mut self, batch: BatchId) {
-        self.batches.cancel(batch);
+        self.conn.batches_mut().cancel(batch);
         self.settle();
     }
 
-    /// See [`Batches::next_deadline`].
+    /// The earliest deadline of the peer's connection: its batches', a
+    /// queue pair's re-establishment, a message waiting for a send slot
+    /// ([`Connection::poll_timeout`]).
     pub fn next_deadline(&mut self) -> Option<Instant> {
-        self.batches.next_deadline()
+        self.conn.poll_timeout()
     }
 
-    /// See [`Batches::handle_timeout`].
+    /// See [`proto::Batches::handle_timeout`].
     pub fn handle_timeout(&mut self, now: Instant) {
-        self.batches.handle_timeout(now);
+        self.conn.batches_mut().handle_timeout(now);
         self.settle();
     }
 

@@ -281,9 +281,10 @@ impl Engine {
         let known = {
             let state = look_at_state(&self.shared);
             state.slots.iter().position(|lock| {
-                lock_slot(lock).peer.as_ref().is_some_and(|p| {
-                    !p.conn.recovery().is_connector() && p.conn.session() == hello.session
-                })
+                let slot = lock_slot(lock);
+                slot.peer.is_some()
+                    && !slot.core.conn.recovery().is_connector()
+                    && slot.core.conn.session() == hello.session
             })
         };
         /// Where the queue pair goes once connected.
@@ -426,7 +427,7 @@ impl Engine {
         } else {
             OldQp::Failing
         };
-        match peer.conn.recovery_mut().on_replacement(index, old) {
+        match core.conn.recovery_mut().on_replacement(index, old) {
             Replacement::Install => {
                 drop(slot_guard);
                 self.install(state, slot, index, conn);
@@ -565,7 +566,7 @@ impl Engine {
         let exchanged = peer
             .send_paths(left())
             .and_then(|()| peer.wait_paths(left()))
-            .and_then(|()| peer.read_peer(|_, p| p.conn.recovery_mut().establish()));
+            .and_then(|()| peer.read_peer(|core, _| core.conn.recovery_mut().establish()));
         match exchanged {
             Ok(()) => {
                 tracing::debug!(peer = %addr, session = format_args!("{session:#x}"), "accepted");

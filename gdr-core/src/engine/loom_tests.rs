@@ -63,7 +63,7 @@ fn a_deadline_racing_the_completion_of_a_batch_in_flight() {
     loom::model(|| {
         let t0 = Instant::now();
         let timeout = Duration::from_millis(5);
-        let core = Arc::new(Mutex::new(Core::new()));
+        let core = Arc::new(Mutex::new(Core::for_tests()));
         // The core keeps its cells in std's Arc; their lock is loom's.
         let cell = std::sync::Arc::new(CompletionCell::new());
         let (qp, wr_ids) = {
@@ -155,7 +155,7 @@ fn sends_never_outrun_the_peers_receives_and_every_credit_comes_back() {
     }
 
     loom::model(|| {
-        let mut core = Core::new();
+        let mut core = Core::for_tests();
         let qp = core.add_qp(
             0,
             QpLimits {

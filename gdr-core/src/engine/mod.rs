@@ -7,7 +7,8 @@
 //!   [`EngineConfig::cqs_per_nic`] completion queues each, a queue pair
 //!   seated on the one with the fewest: `resources::Cqs`), registers
 //!   buffers as [`Region`]s, listens and connects with rdma_cm. Its
-//!   book-keeping of queue pairs and batches is [`gdr_proto::batches`]
+//!   book-keeping of each peer (batches on its queue pairs, their
+//!   recovery, grants, messages) is one [`gdr_proto::connection`] per peer
 //!   (no clock reads, no threads, no I/O; carried out by
 //!   `engine::batches`); the engine is the driver that feeds it
 //!   completions, connection events and time
@@ -106,8 +107,10 @@
 //!    (allocated, pinned, registered), gates' event records and their
 //!    batches' submits: each is decided under the lock, made outside it,
 //!    and handed back under it.
-//! 2. A peer's lock (`PeerLock`, one `PeerSlot`: the core of batches on
-//!    the peer's queue pairs and its connection, [`gdr_proto::connection`]):
+//! 2. A peer's lock (`PeerLock`, one `PeerSlot`: its connection,
+//!    [`gdr_proto::connection`], which owns the batches on the peer's queue
+//!    pairs, their recovery, grants both ways, inbox and outbox, with the
+//!    engine's side of it, `batches::Core`):
 //!    taken alone by what that peer does (a submit of memory the NIC
 //!    reaches, a grant of such memory and its revoke, a control message,
 //!    a wait for a message or a grant, a cancel, the completions of its
@@ -218,7 +221,7 @@ use crate::sync::{Mutex, lock};
 pub use self::batch::Batch;
 pub(crate) use self::batches::BatchId;
 pub use self::batches::QpCounters;
-use self::batches::{Action, Core, Keep, QpId, QpLimits, single_work};
+use self::batches::{Action, Core, Keep, PeerConnection, QpId, QpLimits, single_work};
 /// A request's completion, shared by the engine and the waiters (feature
 /// `testing`: the benches wait on it bare).
 #[cfg(feature = "testing")]
@@ -690,10 +693,6 @@ struct PeerState {
     addr: SocketAddr,
     /// This engine's id (regions of another engine are refused).
     local_engine: u64,
-    /// The peer's protocol state ([`gdr_proto::connection`]): its
-    /// recovery, grants both ways, inbox, outbox, paths; the peer's engine
-    /// id and session.
-    conn: PeerConnection,
     qps: Vec<PeerQp>,
     peer_recv_depth: u32,
     /// Replaced queue pairs 0 whose receives have not all come back.
@@ -711,10 +710,6 @@ struct PeerState {
     next_qp: usize,
     gone: Option<PeerGone>,
 }
-
-/// A peer's connection as the engine keeps it: its grants are the
-/// engine's descriptors, its messages end the engine's completion cells.
-type PeerConnection = gdr_proto::connection::Connection<MemoryDescriptor, Arc<CompletionCell>>;
 
 /// Control messages a peer may have waiting for a send slot.
 const MAX_OUTBOX: usize = 1 << 16;
@@ -787,23 +782,25 @@ impl PeerState {
     /// `now + timeout`; the cell ends when the peer's NIC has it.
     fn enqueue(
         &mut self,
+        core: &mut Core,
         message: &Control<'_>,
         now: Instant,
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
         let len = message.encoded_len();
-        let max = self.conn.peer_max_message();
+        let max = core.conn.peer_max_message();
         if len > max {
             return Err(EngineError::MessageTooLarge { len, max });
         }
         let mut bytes = vec![0; len];
         message.encode_into(&mut bytes)?;
-        self.enqueue_bytes(bytes, now, timeout)
+        self.enqueue_bytes(core, bytes, now, timeout)
     }
 
     /// Queues the encoded control message `bytes` (see [`Self::enqueue`]).
     fn enqueue_bytes(
         &mut self,
+        core: &mut Core,
         bytes: Vec<u8>,
         now: Instant,
         timeout: Duration,
@@ -812,7 +809,7 @@ impl PeerState {
             return Err(EngineError::PeerGone(why.clone()));
         }
         let cell = Arc::new(CompletionCell::new());
-        self.conn
+        core.conn
             .send(bytes, Arc::clone(&cell), now, timeout)
             .map_err(|(refused, _)| match refused {
                 SendRefused::TooLarge { len, max } => EngineError::MessageTooLarge { len, max },
@@ -836,7 +833,7 @@ impl PeerState {
             // only what expired comes out. (Slots only come back meanwhile:
             // one seen free here is there to take below.)
             let can_send = core.is_ready(self.qps[0].core) && !free_send().is_empty();
-            let message = match self.conn.poll_transmit(now, can_send) {
+            let message = match core.conn.poll_transmit(now, can_send) {
                 None => break,
                 Some(Transmit::Expired(late)) => {
                     late.token.complete(Err(TransferError::Timeout(TimedOut {
@@ -908,9 +905,12 @@ struct State {
     paths: Paths,
 }
 
-/// A peer's own state: its core (batches on its queue pairs) and its
-/// connection, under the peer's lock ([`lock_slot`]).
+/// A peer's own state, under the peer's lock ([`lock_slot`]): its
+/// connection (its batches included) and its transport.
 struct PeerSlot {
+    /// The peer's connection ([`gdr_proto::connection`]: batches, recovery,
+    /// grants both ways, inbox, outbox), kept after a tear-down (its
+    /// batches all ended then) for a batch handle's late cancel.
     core: Core,
     /// `None` once the peer was torn down.
     peer: Option<PeerState>,
@@ -1009,8 +1009,8 @@ impl Wire for Connections<'_> {
         let guard = lock_slot(self.slots.get(slot)?);
         let peer = guard.peer.as_ref()?;
         Some(PeerView {
-            engine: peer.conn.peer_engine(),
-            session: peer.conn.session(),
+            engine: guard.core.conn.peer_engine(),
+            session: guard.core.conn.session(),
             gone: peer.gone.clone(),
         })
     }
@@ -1027,11 +1027,11 @@ impl Wire for Connections<'_> {
             .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
         let mut guard = lock_slot(lock);
         let now = self.res.config.clock.now();
-        let peer = guard
-            .peer
+        let PeerSlot { core, peer, .. } = &mut *guard;
+        let peer = peer
             .as_mut()
             .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-        let cell = peer.enqueue(message, now, timeout)?;
+        let cell = peer.enqueue(core, message, now, timeout)?;
         guard.post(now);
         Ok(cell)
     }
@@ -1078,7 +1078,7 @@ impl Wire for Connections<'_> {
                 PeerGone::EveryQueuePairFailed,
             )));
         };
-        let device = peer.conn.remote_device(index).unwrap_or("");
+        let device = core.conn.remote_device(index).unwrap_or("");
         let segment = remote
             .segment(device, remote_at, len)
             .map_err(|source| Some(TransferError::RemoteSegment { source }))?;
@@ -1405,7 +1405,7 @@ impl PeerSlot {
         let Some(peer) = peer else {
             return;
         };
-        if peer.conn.outbox_len() > 0 {
+        if core.conn.outbox_len() > 0 {
             peer.flush_outbox(core, now);
         }
         for qp in &peer.qps {
@@ -1432,21 +1432,17 @@ impl PeerSlot {
         }
     }
 
-    /// The earliest of the peer's deadlines: its batches', its
-    /// connection's (a queue pair's re-establishment, a message waiting
-    /// for a send slot).
+    /// The earliest of the peer's deadlines, its connection's: its
+    /// batches', a queue pair's re-establishment, a message waiting for a
+    /// send slot.
     fn next_deadline(&mut self) -> Option<Instant> {
-        let connection = self.peer.as_ref().and_then(|p| p.conn.poll_timeout());
-        match (self.core.next_deadline(), connection) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        self.core.next_deadline()
     }
 
     /// What the peer leaves for the engine's pass ([`handoff::PeerMark`]).
     fn mark(&mut self) -> Mark {
         let post = self.peer.as_ref().is_some_and(|p| {
-            p.conn.outbox_len() > 0 || p.qps.iter().any(|q| self.core.has_postable(q.core))
+            self.core.conn.outbox_len() > 0 || p.qps.iter().any(|q| self.core.has_postable(q.core))
         });
         // Receives left to the pass make it due (a progress call makes
         // it), as before they were polled.
@@ -1464,7 +1460,7 @@ impl PeerSlot {
     fn control_held(&self) -> bool {
         self.peer.as_ref().is_some_and(|p| {
             p.gone.is_none()
-                && (p.conn.outbox_len() > 0 || self.core.send_waits(p.qps[0].core))
+                && (self.core.conn.outbox_len() > 0 || self.core.send_waits(p.qps[0].core))
         })
     }
 }
@@ -2000,18 +1996,19 @@ impl Engine {
                 let guard = lock_slot(lock);
                 batches += guard.core.batches_live();
                 let peer = guard.peer.as_ref()?;
+                let core = &guard.core;
                 let (staged_grants, requests_served, copies, requests_asked) =
                     state.paths.staged.peer_load(slot);
                 Some(PeerResources {
-                    remote_engine: peer.conn.peer_engine(),
+                    remote_engine: core.conn.peer_engine(),
                     gone: peer.gone.is_some(),
                     queue_pairs: peer.qps.len(),
-                    grants_announced: peer.conn.announced_len(),
-                    remote_grants: peer.conn.remote_grants(),
+                    grants_announced: core.conn.announced_len(),
+                    remote_grants: core.conn.remote_grants(),
                     ipc_handles: state.paths.peer_copy.ipc_handles(slot),
-                    inbox_messages: peer.conn.inbox_len().0,
-                    inbox_bytes: peer.conn.inbox_len().1,
-                    outbox_messages: peer.conn.outbox_len(),
+                    inbox_messages: core.conn.inbox_len().0,
+                    inbox_bytes: core.conn.inbox_len().1,
+                    outbox_messages: core.conn.outbox_len(),
                     staged_grants,
                     requests_served,
                     copies,
@@ -2260,7 +2257,7 @@ impl Engine {
                     let left = dial.remaining(clock.now()).max(setup::ANSWER_GRACE);
                     match peer.send_paths(left) {
                         Ok(()) => {
-                            peer.read_peer(|_, p| p.conn.recovery_mut().establish())?;
+                            peer.read_peer(|core, _| core.conn.recovery_mut().establish())?;
                             tracing::debug!(
                                 engine = format_args!("{:#x}", hello.engine),
                                 "accepted"
@@ -2416,7 +2413,7 @@ impl Engine {
         let Some(mut peer) = peer.take() else {
             return;
         };
-        state.reconnecting -= peer.conn.recovery_mut().close();
+        state.reconnecting -= core.conn.recovery_mut().close();
         let cause = TransferError::PeerGone(why.clone());
         peer.gone.get_or_insert(why);
         let mut routes = self.shared.routes_mut();
@@ -2435,6 +2432,7 @@ impl Engine {
             routes.remove(&(nic0, old.qp().qp_num()));
         }
         drop(routes);
+        let session = core.conn.session();
         drop(slot_guard);
         // Each path ends what it does with the peer and lets go of it.
         let res = &self.shared.res;
@@ -2446,7 +2444,7 @@ impl Engine {
         drop(guard);
         tracing::info!(
             peer = %peer.addr,
-            session = format_args!("{:#x}", peer.conn.session()),
+            session = format_args!("{session:#x}"),
             why = %cause,
             "peer torn down"
         );
@@ -2545,27 +2543,21 @@ impl Engine {
             return Err(EngineError::Refused(Refusal::PeerLimit { max }));
         }
         let slot = state.slots.len();
-        let lock = Arc::new(PeerLock::new(
-            PeerSlot {
-                core: Core::new(),
-                peer: None,
-                to_post: Vec::with_capacity(64),
-            },
-            self.shared.due.base(),
-        ));
-        let mut routes = self.shared.routes_mut();
-        let mut core = Core::new();
-        let mut qps = Vec::with_capacity(conns.len());
         let connector = conns.iter().any(|(_, _, path)| path.is_some());
+        let mut core = Core::new(PeerConnection::new(&ConnectionConfig {
+            peer_engine: hello.engine,
+            session,
+            qp_count: conns.len(),
+            connector,
+            reconnect_timeout: config.reconnect_timeout,
+            peer_max_message: peer_max,
+            max_outbox: MAX_OUTBOX,
+            limits: config.peer_limits,
+        }));
+        let mut qps = Vec::with_capacity(conns.len());
         for (index, (conn, nic, path)) in conns.into_iter().enumerate() {
             let limits = self.qp_limits(&conn, index, u32::from(hello.recv_depth));
             let core = core.add_qp(index as u16, limits);
-            let route = Route {
-                lock: Arc::clone(&lock),
-                slot,
-                index,
-            };
-            routes.insert((nic, conn.qp().qp_num()), route);
             qps.push(PeerQp {
                 max_inline: conn
                     .qp()
@@ -2579,20 +2571,26 @@ impl Engine {
                 replacement: None,
             });
         }
-        let limits = &self.shared.config.peer_limits;
+        let lock = Arc::new(PeerLock::new(
+            PeerSlot {
+                core,
+                peer: None,
+                to_post: Vec::with_capacity(64),
+            },
+            self.shared.due.base(),
+        ));
+        let mut routes = self.shared.routes_mut();
+        for (index, qp) in qps.iter().enumerate() {
+            let route = Route {
+                lock: Arc::clone(&lock),
+                slot,
+                index,
+            };
+            routes.insert((qp.nic, qp.conn.qp().qp_num()), route);
+        }
         let peer = PeerState {
             addr,
             local_engine: self.shared.id,
-            conn: PeerConnection::new(&ConnectionConfig {
-                peer_engine: hello.engine,
-                session,
-                qp_count: qps.len(),
-                connector,
-                reconnect_timeout: config.reconnect_timeout,
-                peer_max_message: peer_max,
-                max_outbox: MAX_OUTBOX,
-                limits: *limits,
-            }),
             qps,
             peer_recv_depth: u32::from(hello.recv_depth),
             retired: Vec::new(),
@@ -2612,7 +2610,6 @@ impl Engine {
         };
         drop(routes);
         let mut slot_guard = lock_slot(&lock);
-        slot_guard.core = core;
         let peer = slot_guard.peer.insert(peer);
         // Receives for control messages, before anything can arrive (the
         // peer's lock is held throughout). The peer is in its slot first:
@@ -2623,7 +2620,7 @@ impl Engine {
         let qps = peer.qps.len();
         drop(slot_guard);
         state.slots.push(Arc::clone(&lock));
-        state.paths.staged.add_peer(slot, limits);
+        state.paths.staged.add_peer(slot, &config.peer_limits);
         if let Err(e) = posted {
             drop(state);
             self.tear_down(slot, PeerGone::FailedDuringSetUp { index: 0 });
@@ -3449,7 +3446,7 @@ impl Engine {
         let now = self.shared.config.clock.now();
         let nic_dead = self.shared.dead_nics[peer.qps[index].nic].load(Ordering::Acquire);
         let peer_gone = peer.gone.is_some();
-        match peer.conn.recovery_mut().on_drained(index, now, peer_gone, nic_dead) {
+        match core.conn.recovery_mut().on_drained(index, now, peer_gone, nic_dead) {
             Drained::Gone(why) => {
                 drop(peer.qps[index].replacement.take());
                 peer.gone.get_or_insert_with(|| why.into());
@@ -3480,9 +3477,9 @@ impl Engine {
                         index,
                         path,
                         nic: q.nic,
-                        session: peer.conn.session(),
+                        session: core.conn.session(),
                         count: peer.qps.len() as u16,
-                        engine_id: peer.conn.peer_engine(),
+                        engine_id: core.conn.peer_engine(),
                     };
                     // An internal thread: it holds the engine only for
                     // one attempt at a time (`InternalHolds`), so the
@@ -3520,7 +3517,8 @@ impl Engine {
                 if peer.gone.is_some() {
                     return false;
                 }
-                match peer
+                match guard
+                    .core
                     .conn
                     .recovery()
                     .time_left(job.index, shared.config.clock.now())
@@ -3588,9 +3586,11 @@ impl Engine {
                     }
                     let mut state = lock_state(shared);
                     let now = shared.config.clock.now();
-                    let wanted = state.slot(job.slot).peer.as_ref().is_some_and(|p| {
-                        p.gone.is_none() && p.conn.recovery().time_left(job.index, now).is_some()
-                    });
+                    let wanted = {
+                        let slot = state.slot(job.slot);
+                        slot.peer.as_ref().is_some_and(|p| p.gone.is_none())
+                            && slot.core.conn.recovery().time_left(job.index, now).is_some()
+                    };
                     if wanted {
                         self.install(&mut state, job.slot, job.index, conn);
                         self.post_ready(&mut state);
@@ -3627,7 +3627,7 @@ impl Engine {
             return;
         };
         let limits = self.qp_limits(&conn, index, peer.peer_recv_depth);
-        if peer.conn.recovery_mut().installed(index) {
+        if core.conn.recovery_mut().installed(index) {
             state.reconnecting -= 1;
         }
         let q = &mut peer.qps[index];
@@ -3654,10 +3654,10 @@ impl Engine {
             // An announcement in flight on the old queue pair may be lost.
             let now = self.shared.config.clock.now();
             let timeout = self.shared.config.default_timeout;
-            let again: Vec<Vec<u8>> = peer.conn.announced().map(<[u8]>::to_vec).collect();
+            let again: Vec<Vec<u8>> = core.conn.announced().map(<[u8]>::to_vec).collect();
             for bytes in again {
                 let cell = Arc::new(CompletionCell::new());
-                if let Err((refused, _)) = peer.conn.send(bytes, cell, now, timeout) {
+                if let Err((refused, _)) = core.conn.send(bytes, cell, now, timeout) {
                     tracing::warn!(%refused, "announcing a grant again");
                 }
             }
@@ -3677,14 +3677,14 @@ impl Engine {
         let Some(peer) = peer.as_mut() else {
             return;
         };
-        if !peer.conn.recovery_mut().give_up(index, why.clone()) {
+        if !core.conn.recovery_mut().give_up(index, why.clone()) {
             return;
         }
         state.reconnecting -= 1;
         let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
         tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
         core.give_up(peer.qps[index].core, cause);
-        if let Some(gone) = peer.conn.recovery_mut().poll_gone() {
+        if let Some(gone) = core.conn.recovery_mut().poll_gone() {
             peer.gone.get_or_insert_with(|| gone.into());
         }
     }
@@ -3700,13 +3700,13 @@ impl Engine {
             let mut guard = lock_slot(lock);
             let PeerSlot { core, peer, .. } = &mut *guard;
             let Some(peer) = peer else { continue };
-            for (index, why) in peer.conn.recovery_mut().handle_timeout(now) {
+            for (index, why) in core.conn.recovery_mut().handle_timeout(now) {
                 *reconnecting -= 1;
                 let cause = TransferError::PeerGone(PeerGone::GivenUp(why));
                 tracing::warn!(peer = %peer.addr, qp = index, %cause, "queue pair given up");
                 core.give_up(peer.qps[index].core, cause);
             }
-            if let Some(gone) = peer.conn.recovery_mut().poll_gone() {
+            if let Some(gone) = core.conn.recovery_mut().poll_gone() {
                 peer.gone.get_or_insert_with(|| gone.into());
             }
         }
@@ -4331,7 +4331,7 @@ fn on_connection_message(
     peer: &mut PeerState,
     message: Control<'_>,
 ) -> Result<(), PeerMisbehaved> {
-    match peer.conn.on_control(message)? {
+    match core.conn.on_control(message)? {
             Received::Event(Event::GrantAnnounced(grant)) => {
                 tracing::debug!(grant, "grant announced");
             }
@@ -4367,7 +4367,7 @@ fn drop_misbehaving(core: &mut Core, peer: &mut PeerState, why: &PeerMisbehaved)
     peer.gone.get_or_insert_with(|| reason.clone());
     // Nothing reaches its grants any more: their table (up to
     // `max_remote_grants` descriptors) goes now, not when the engine does.
-    peer.conn.forget_remote_grants();
+    core.conn.forget_remote_grants();
     for qp in &peer.qps {
         let _ = qp.conn.disconnect();
         core.fail_qp(qp.core, TransferError::PeerGone(reason.clone()));
@@ -4405,13 +4405,18 @@ fn check_within(what: &'static str, offset: u64, len: u64, size: u64) -> Result<
 /// Checks a transfer before anything is posted: local bounds, a READ's
 /// local memory writable, the grant live on this connection, its rights,
 /// its bounds.
-fn check_transfer(peer: &PeerState, t: &Transfer<'_>) -> Result<(), EngineError> {
-    check_transfer_of(peer, t, false)
+fn check_transfer(core: &Core, peer: &PeerState, t: &Transfer<'_>) -> Result<(), EngineError> {
+    check_transfer_of(core, peer, t, false)
 }
 
 /// [`check_transfer`], but the grant lookup is skipped when `known`: the
 /// transfer's descriptor passed it in this call already.
-fn check_transfer_of(peer: &PeerState, t: &Transfer<'_>, known: bool) -> Result<(), EngineError> {
+fn check_transfer_of(
+    core: &Core,
+    peer: &PeerState,
+    t: &Transfer<'_>,
+    known: bool,
+) -> Result<(), EngineError> {
     t.local.check(peer.local_engine, t.local_offset, t.len)?;
     // Every path (NIC, staging, peer copy, gated) checks here before it
     // writes local memory, by NIC or by GPU copy.
@@ -4424,12 +4429,12 @@ fn check_transfer_of(peer: &PeerState, t: &Transfer<'_>, known: bool) -> Result<
             owner: d.owner,
             grant: d.grant,
         };
-        if d.owner != peer.conn.peer_engine() {
+        if d.owner != core.conn.peer_engine() {
             return Err(not_granted());
         }
         // Field by field: a descriptor that differs from the announced one
         // in anything (a forged range, rkey or address) is refused.
-        match peer.conn.remote_grant(d.grant) {
+        match core.conn.remote_grant(d.grant) {
             Some(live) if live == d => {}
             None if peer.revoked.contains(d.grant) => {
                 return Err(EngineError::Refused(Refusal::GrantRevoked {
@@ -4500,7 +4505,7 @@ mod lock_order_tests {
     fn peer_lock() -> PeerLock {
         PeerLock::new(
             PeerSlot {
-                core: Core::new(),
+                core: Core::for_tests(),
                 peer: None,
                 to_post: Vec::new(),
             },

@@ -116,8 +116,9 @@ impl Drop for Grant {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
         if !self.on_paths {
-            if let Some(p) = lock_slot(&self.peer.lock).peer.as_mut() {
-                p.conn.forget_announced(grant);
+            let mut slot = lock_slot(&self.peer.lock);
+            if slot.peer.is_some() {
+                slot.core.conn.forget_announced(grant);
             }
         } else {
             self.revoke_on_paths(grant);
@@ -147,9 +148,11 @@ impl Grant {
         }
         let fenced = {
             let mut state = lock_state(&self.peer.engine.shared);
-            if let Some(p) = state.slot(self.peer.slot).peer.as_mut() {
-                p.conn.forget_announced(grant);
+            let mut slot = state.slot(self.peer.slot);
+            if slot.peer.is_some() {
+                slot.core.conn.forget_announced(grant);
             }
+            drop(slot);
             // Requests under it stop at once; the fence waits for their
             // copies under way.
             state.paths.staged.revoke(self.peer.slot, grant)
@@ -200,13 +203,13 @@ impl Peer {
 
     /// The peer engine's id.
     pub fn remote_engine(&self) -> u64 {
-        self.read_peer(|_, p| p.conn.peer_engine()).unwrap_or(0)
+        self.read_peer(|core, _| core.conn.peer_engine()).unwrap_or(0)
     }
 
     /// The connection's session id (chosen by the connecting side, the
     /// same on each of its queue pairs).
     pub fn session(&self) -> u64 {
-        self.read_peer(|_, p| p.conn.session()).unwrap_or(0)
+        self.read_peer(|core, _| core.conn.session()).unwrap_or(0)
     }
 
     /// The peer's address.
@@ -252,7 +255,7 @@ impl Peer {
 
     /// Waits up to `timeout` for the peer's paths.
     pub(super) fn wait_paths(&self, timeout: Duration) -> Result<(), EngineError> {
-        self.progress_until(timeout, |p| p.conn.paths_known().then_some(()))
+        self.progress_until(timeout, |conn| conn.paths_known().then_some(()))
     }
 
     /// Makes progress until `ready` finds what it waits for in the peer's
@@ -260,15 +263,16 @@ impl Peer {
     pub(super) fn progress_until<T>(
         &self,
         timeout: Duration,
-        mut ready: impl FnMut(&mut PeerState) -> Option<T>,
+        mut ready: impl FnMut(&mut PeerConnection) -> Option<T>,
     ) -> Result<T, EngineError> {
         let home = std::cell::Cell::new(CqSet::ALL);
         let mut decide = || {
             let mut guard = lock_slot(&self.lock);
-            let Some(p) = guard.peer.as_mut() else {
+            let PeerSlot { core, peer, .. } = &mut *guard;
+            let Some(p) = peer.as_mut() else {
                 return Some(Err(EngineError::PeerGone(PeerGone::Closed)));
             };
-            if let Some(found) = ready(p) {
+            if let Some(found) = ready(&mut core.conn) {
                 return Some(Ok(found));
             }
             home.set(self.engine.home_of(p));
@@ -331,19 +335,18 @@ impl Peer {
         // Recorded before it is announced: the peer may use it at once.
         if let Some(served) = served {
             let mut state = lock_state(&self.engine.shared);
-            state
-                .slot(self.slot)
-                .peer
-                .as_mut()
-                .ok_or(EngineError::PeerGone(PeerGone::Closed))?
-                .conn
-                .announce(descriptor.grant, bytes);
+            let mut slot = state.slot(self.slot);
+            if slot.peer.is_none() {
+                return Err(EngineError::PeerGone(PeerGone::Closed));
+            }
+            slot.core.conn.announce(descriptor.grant, bytes);
+            drop(slot);
             state
                 .paths
                 .staged
                 .grant(self.slot, descriptor.grant, served)?;
         } else {
-            self.read_peer(|_, p| p.conn.announce(descriptor.grant, bytes))?;
+            self.read_peer(|core, _| core.conn.announce(descriptor.grant, bytes))?;
         }
         let grant = Grant {
             descriptor,
@@ -412,7 +415,7 @@ impl Peer {
 
     /// A grant the peer announced on this connection, by id.
     pub fn remote_grant(&self, grant: u64) -> Option<MemoryDescriptor> {
-        self.read_peer(|_, p| p.conn.remote_grant(grant).cloned())
+        self.read_peer(|core, _| core.conn.remote_grant(grant).cloned())
             .ok()
             .flatten()
     }
@@ -423,7 +426,7 @@ impl Peer {
         grant: u64,
         timeout: Duration,
     ) -> Result<MemoryDescriptor, EngineError> {
-        self.progress_until(timeout, |p| p.conn.remote_grant(grant).cloned())
+        self.progress_until(timeout, |conn| conn.remote_grant(grant).cloned())
     }
 
     /// A WRITE of all of `local` into `remote` at `remote_offset`.
@@ -507,7 +510,7 @@ impl Peer {
             let mut checked: Option<&MemoryDescriptor> = None;
             for t in transfers {
                 let known = checked.is_some_and(|d| std::ptr::eq(d, t.remote));
-                check_transfer_of(peer, t, known)?;
+                check_transfer_of(core, peer, t, known)?;
                 checked = Some(t.remote);
             }
             let work = self.plan_direct(core, peer, transfers)?;
@@ -617,7 +620,7 @@ impl Peer {
                         s
                     }
                     _ => {
-                        let remote_device = peer.conn.remote_device(qi).unwrap_or("");
+                        let remote_device = core.conn.remote_device(qi).unwrap_or("");
                         let s = t.remote.segment(remote_device, remote_offset, 1)?;
                         *cached = Some((qi, t.remote, s));
                         s
@@ -673,7 +676,7 @@ impl Peer {
         let config = &self.engine.shared.config;
         let cell = self.update_peer(|core, peer| {
             let now = config.clock.now();
-            let cell = peer.enqueue(message, now, config.default_timeout)?;
+            let cell = peer.enqueue(core, message, now, config.default_timeout)?;
             peer.flush_outbox(core, now);
             Ok::<_, EngineError>(cell)
         })??;
@@ -683,7 +686,7 @@ impl Peer {
 
     /// The next control message from the peer, waiting up to `timeout`.
     pub fn recv(&self, timeout: Duration) -> Result<Vec<u8>, EngineError> {
-        self.progress_until(timeout, |p| p.conn.receive())
+        self.progress_until(timeout, |conn| conn.receive())
     }
 
     /// Says goodbye and disconnects every queue pair: what is in flight
@@ -746,11 +749,11 @@ impl Peer {
         );
         let _entered = span.enter();
         let engine = &self.engine;
-        self.read_peer(|_, peer| -> Result<(), EngineError> {
+        self.read_peer(|core, peer| -> Result<(), EngineError> {
             if let Some(why) = &peer.gone {
                 return Err(EngineError::PeerGone(why.clone()));
             }
-            transfers.iter().try_for_each(|t| check_transfer(peer, t))
+            transfers.iter().try_for_each(|t| check_transfer(core, peer, t))
         })??;
         let now = engine.shared.config.clock.now();
         let res = &engine.shared.res;
@@ -841,7 +844,7 @@ impl Peer {
                 if let Some(why) = &peer.gone {
                     return Err(EngineError::PeerGone(why.clone()));
                 }
-                transfers.iter().try_for_each(|t| check_transfer(peer, t))?;
+                transfers.iter().try_for_each(|t| check_transfer(core, peer, t))?;
                 match direct.is_empty() {
                     true => Ok(None),
                     false => self.plan_direct(core, peer, &direct).map(Some),
@@ -910,7 +913,7 @@ impl Peer {
         let config = &self.engine.shared.config;
         let cell = self.update_peer(|core, peer| {
             let now = config.clock.now();
-            let cell = peer.enqueue_bytes(bytes.to_vec(), now, config.default_timeout)?;
+            let cell = peer.enqueue_bytes(core, bytes.to_vec(), now, config.default_timeout)?;
             peer.flush_outbox(core, now);
             Ok::<_, EngineError>(cell)
         })??;
@@ -1020,7 +1023,7 @@ impl Peer {
                 return Err(EngineError::PeerGone(why.clone()));
             }
             for t in transfers {
-                check_transfer(peer, t)?;
+                check_transfer(&slot.core, peer, t)?;
             }
         }
         if !state.paths.peer_copy.carries(res, self.slot, transfers) {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::batches::{Action, QpLimits, Work};
 use crate::reconnect::Drained;
 
 const T: Duration = Duration::from_secs(1);
@@ -55,11 +56,42 @@ fn config() -> ConnectionConfig {
     }
 }
 
-fn connection() -> Connection<TestDescriptor, u32> {
+/// Requests as the tests post them: a length; a batch and a message tell
+/// a number.
+#[derive(Debug)]
+struct Ops;
+
+impl Requests for Ops {
+    type Request = u32;
+    type Error = String;
+    type Notify = u32;
+    type Hold = ();
+
+    fn is_send(_: &u32) -> bool {
+        false
+    }
+    fn len(request: &u32) -> u64 {
+        u64::from(*request)
+    }
+    fn number(_: &mut u32, _: u64, _: bool) {}
+    fn flushed(qp: u16, cause: &String) -> String {
+        format!("flushed on {qp}: {cause}")
+    }
+    fn timeout(after: Duration) -> String {
+        format!("timed out after {after:?}")
+    }
+    fn cancelled() -> String {
+        "cancelled".into()
+    }
+}
+
+type TestConnection = Connection<TestDescriptor, Ops>;
+
+fn connection() -> TestConnection {
     Connection::new(&config())
 }
 
-fn event(c: &mut Connection<TestDescriptor, u32>, m: Control<'_>) -> Event {
+fn event(c: &mut TestConnection, m: Control<'_>) -> Event {
     match c.on_control(m) {
         Ok(Received::Event(e)) => e,
         other => panic!("not an event: {other:?}"),
@@ -227,6 +259,48 @@ fn one_timeout_covers_the_outbox_and_the_recovery() {
     );
     assert_eq!(c.handle_timeout(now + 9 * T), []);
     assert_eq!(c.handle_timeout(now + 10 * T).len(), 1);
+    assert_eq!(c.poll_timeout(), None);
+}
+
+#[test]
+fn one_timeout_covers_the_batches_too() {
+    let now = Instant::now();
+    let mut c = connection();
+    c.recovery_mut().establish();
+    let limits = QpLimits {
+        depth: 4,
+        send_limit: 1,
+        signal_every: 1,
+    };
+    let qp = c.batches_mut().add_qp(0, limits);
+    assert_eq!(c.poll_timeout(), None);
+    let id = c
+        .batches_mut()
+        .submit(vec![(qp, Work::new(64))], 7, Some((now + 5 * T, 5 * T)), ());
+    assert_ne!(id, 0);
+    assert_eq!(c.poll_timeout(), Some(now + 5 * T), "the batch's deadline");
+    c.send(vec![1], 1, now, 3 * T).unwrap();
+    assert_eq!(c.poll_timeout(), Some(now + 3 * T), "the earlier message");
+    assert!(matches!(
+        c.poll_transmit(now, true),
+        Some(Transmit::Send(_))
+    ));
+    assert_eq!(c.poll_timeout(), Some(now + 5 * T));
+    // Its time handled through the connection: the batch (never posted)
+    // ends with a timeout, told once.
+    assert_eq!(c.handle_timeout(now + 5 * T), []);
+    let mut told = Vec::new();
+    while let Some(action) = c.batches_mut().poll_action() {
+        if let Action::End {
+            notify, outcome, ..
+        } = action
+        {
+            told.push((notify, outcome));
+        }
+    }
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert_eq!(told[0].0, 7);
+    assert!(told[0].1.as_ref().is_err_and(|e| e.contains("timed out")));
     assert_eq!(c.poll_timeout(), None);
 }
 
