@@ -420,6 +420,76 @@ fn a_slow_gpu_fence_before_a_stream_release_holds_nobody_else_up() {
     assert_eq!(batch.status(), Some(Ok(())));
 }
 
+/// While a driver runs, a thread looking at its own batch (`Batch::status`,
+/// as `Batch::wait`'s spin does) leaves the engine's pass to the driver,
+/// and with it the driver calls the pass makes for other work: here two
+/// stream fences' GPU fences (before their streams' release), each
+/// scripted to take 3 s. The driver makes the first; meanwhile a thread
+/// moves lone host WRITEs for 200 ms, polling each one's status, and polls
+/// with them the completion of the second fenced batch (same queue
+/// pairs): no WRITE waits for the second GPU fence, which is left to the
+/// driver.
+#[test]
+fn a_waiter_leaves_the_engines_pass_to_a_running_driver() {
+    let w = world(hal_cuda::WritesOrdering::None);
+    let r = SlowCallRead::new(&w);
+    let (faults, stream) = (w.fabric().faults(), &r.stream);
+    let other = gdr_core::Stream::from_erased(0, r.ctx.create_stream().unwrap());
+    let (first, second) = (r.ctx.create_event().unwrap(), r.ctx.create_event().unwrap());
+    let flushes = r.slow_next(&w, FaultSite::CudaFlushWrites);
+    faults.fail_nth(
+        FaultSite::CudaFlushWrites,
+        flushes + 2,
+        Fault::Slow(Duration::from_secs(3)),
+    );
+    let driver = w.a.engine.spawn_driver().unwrap();
+    let batch = w.ab.submit(&[r.read()]).unwrap();
+    batch.fence_stream(stream).unwrap();
+    stream.record(&first).unwrap();
+    let start = Instant::now();
+    while faults.calls(FaultSite::CudaFlushWrites) == flushes {
+        assert!(
+            start.elapsed() < T,
+            "the driver never made the first GPU fence"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The driver is inside the first fence (3 s).
+    let fenced = w.ab.submit(&[r.read()]).unwrap();
+    fenced.fence_stream(&other).unwrap();
+    other.record(&second).unwrap();
+    let pair = w.host_pair(LEN, 9, GrantRights::ReadWrite);
+    let write = [Transfer::write(&pair.src, 0, &pair.remote, 0, 4096)];
+    let (start, mut slowest) = (Instant::now(), Duration::ZERO);
+    while start.elapsed() < Duration::from_millis(200) {
+        let begun = Instant::now();
+        let written = w.ab.submit(&write).unwrap();
+        let outcome = loop {
+            if let Some(outcome) = written.status() {
+                break outcome;
+            }
+            std::thread::yield_now();
+        };
+        outcome.expect("a WRITE");
+        slowest = slowest.max(begun.elapsed());
+    }
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a WRITE's thread made the other batch's GPU fence ({slowest:?})"
+    );
+    assert_eq!(
+        faults.calls(FaultSite::CudaFlushWrites),
+        flushes + 1,
+        "only the driver's fence is under way"
+    );
+    wait_for(&first, "the first stream after its GPU fence");
+    wait_for(&second, "the second stream after its GPU fence");
+    faults.assert_all_fired();
+    assert_eq!(batch.status(), Some(Ok(())));
+    assert_eq!(fenced.status(), Some(Ok(())));
+    drop(driver);
+}
+
 /// The stream operations of a stream fence (`cuStreamWaitValue32`) and of
 /// a gate (`cuStreamWriteValue32`) can block while the driver's queue is
 /// full, scripted here to take 3 s: the engine queues them outside its

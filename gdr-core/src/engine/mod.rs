@@ -150,7 +150,11 @@
 //! of every CQ by another thread (`Engine::progress`, the driver, those
 //! every-16th rounds) passes them by: threads waiting on different peers
 //! whose queue pairs sit on different CQs then share no CQ and take no
-//! other peer's lock.
+//! other peer's lock. While a driver runs (`Engine::spawn_driver`, the engine's own thread, a
+//! tokio task), such a thread also leaves the engine's pass and the other
+//! CQs to it, unless what it polled itself needs the pass (an error
+//! completion, a message a path takes): a peer's waiter then never makes
+//! another peer's driver calls (a GPU fence, a peer copy's steps).
 
 mod batch;
 mod batches;
@@ -2780,7 +2784,11 @@ impl Engine {
     /// of the engine did so lately (`handoff::Sweeps`), every CQ no other
     /// thread spins on: a thread waiting on one peer's batch takes no other
     /// peer's completions (and their locks) while it spins, and what nobody
-    /// waits on still moves.
+    /// waits on still moves. While a driver runs (`drivers`), it leaves the
+    /// other CQs and the engine's pass (the paths' steps and the driver
+    /// calls they make: a GPU fence, a peer copy's set-up) to the driver,
+    /// unless what it polled itself needs the pass: a waiter then never
+    /// does another peer's work.
     pub(super) fn progress_of(&self, home: CqSet) -> usize {
         self.progress_with(home, false)
     }
@@ -2796,17 +2804,20 @@ impl Engine {
         let mut polled = Polled::take();
         polled.ticks += 1;
         let mut handled = self.poll_completions(&mut polled, home, false);
+        // A waiter on its peer's CQs, with a driver to do the rest.
+        let driven = !others && self.shared.drivers.load(Ordering::Acquire) > 0;
         // A sweep only on a round whose own CQs gave nothing: a thread
         // with completions of its own takes those first.
         let sweep = others
-            || (handled == 0
+            || (!driven
+                && handled == 0
                 && polled.ticks.is_multiple_of(HOME_ROUNDS)
                 && self.shared.sweeps.take());
         if sweep {
             handled += self.poll_completions(&mut polled, home, true);
         }
         let now = self.shared.config.clock.now();
-        if !polled.for_pass() && !self.shared.due.is_due(now, polled.ticks) {
+        if !polled.for_pass() && (driven || !self.shared.due.is_due(now, polled.ticks)) {
             polled.give_back();
             if handled > 0 {
                 self.shared.reactor.progressed();

@@ -91,7 +91,7 @@ fn a_peers_step_racing_the_pass_leaves_its_work_due() {
     explore("a_peers_step_racing_the_pass_leaves_its_work_due", || {
         let t0 = Instant::now();
         let due = Arc::new(PassDue::new(t0));
-        let mut core = Core::new();
+        let mut core = Core::for_tests();
         let qp = core.add_qp(0, limits());
         let wr_id = submit(&mut core, qp, t0, TIMEOUT);
         let peer = Arc::new(Mutex::new(core));
@@ -132,7 +132,7 @@ fn a_deadline_set_while_the_pass_runs_is_kept() {
     explore("a_deadline_set_while_the_pass_runs_is_kept", || {
         let t0 = Instant::now();
         let due = Arc::new(PassDue::new(t0));
-        let (mut a, mut b) = (Core::new(), Core::new());
+        let (mut a, mut b) = (Core::for_tests(), Core::for_tests());
         let qp = a.add_qp(0, limits());
         assert_eq!(b.add_qp(0, limits()), qp);
         let peers = [Arc::new(Mutex::new(a)), Arc::new(Mutex::new(b))];
@@ -215,7 +215,7 @@ fn a_deadline_left_under_a_peers_lock_alone_is_handled_by_a_pass() {
         || {
             let t0 = Instant::now();
             let due = Arc::new(PassDue::new(t0));
-            let mut core = Core::new();
+            let mut core = Core::for_tests();
             let qp = core.add_qp(0, limits());
             let peer = Arc::new(Marked {
                 core: Mutex::new(core),
@@ -282,7 +282,7 @@ fn a_queue_pair_number_reused_while_a_poller_holds_the_old_route() {
             let routes = Arc::new(Routes::<SlotLock>::new());
             let nic = Arc::new(Nic::default());
             let a = {
-                let mut core = Core::new();
+                let mut core = Core::for_tests();
                 let qp = core.add_qp(0, limits());
                 std::sync::Arc::new(Mutex::new(Slot {
                     core,
@@ -313,7 +313,7 @@ fn a_queue_pair_number_reused_while_a_poller_holds_the_old_route() {
                     lock(&a).qps = None;
                     routes.write().remove(&(0, 7));
                     // B connected: the NIC numbers its queue pair 7.
-                    let mut core = Core::new();
+                    let mut core = Core::for_tests();
                     let qp = core.add_qp(0, limits());
                     let b = std::sync::Arc::new(Mutex::new(Slot {
                         core,
