@@ -125,8 +125,8 @@ impl Core {
         }
     }
 
-    /// A connection with no queue pair yet, to a peer of no engine (tests
-    /// and a slot being set up).
+    /// A connection with no queue pair yet, to a peer of no engine (unit
+    /// tests and loom models).
     #[cfg(any(test, loom))]
     pub fn for_tests() -> Self {
         use gdr_proto::connection::ConnectionConfig;
