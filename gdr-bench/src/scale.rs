@@ -1454,20 +1454,8 @@ fn point_json_line(
     ratio: f64,
     base_threads: usize,
 ) -> String {
-    let mut s = String::new();
+    let mut s = json_head((backend, device), p.mode, p.threads, shape, (qps, cqs));
     // Writing to a String cannot fail.
-    let _ = write!(
-        s,
-        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
-         \"mode\":\"{}\",\"threads\":{},\"batch\":{},\"size\":{},",
-        p.mode.name(),
-        p.threads,
-        shape.batch,
-        shape.size,
-    );
-    if p.mode != ScaleMode::Bare {
-        let _ = write!(s, "\"qps\":{qps},\"cqs\":{cqs},");
-    }
     let _ = write!(
         s,
         "\"requests\":{},\"seconds\":{:.6},\"ops_per_s\":{:.1},\"ops_per_s_per_thread\":{:.1},\
@@ -1482,6 +1470,29 @@ fn point_json_line(
         p.process.voluntary,
         p.process.involuntary,
     );
+    s
+}
+
+/// The start of a point's JSON object: what was measured and how (the
+/// engine's queue pairs and CQs for the engine modes), up to its figures.
+fn json_head(
+    (backend, device): (&str, &str),
+    mode: ScaleMode,
+    threads: usize,
+    shape: Shape,
+    (qps, cqs): (u16, u16),
+) -> String {
+    let mut s = format!(
+        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
+         \"mode\":\"{}\",\"threads\":{threads},\"batch\":{},\"size\":{},",
+        mode.name(),
+        shape.batch,
+        shape.size,
+    );
+    if mode != ScaleMode::Bare {
+        // Writing to a String cannot fail.
+        let _ = write!(s, "\"qps\":{qps},\"cqs\":{cqs},");
+    }
     s
 }
 
@@ -1508,20 +1519,8 @@ fn median_json_line(
     (qps, cqs): (u16, u16),
 ) -> String {
     let per_s = m.per_s();
-    let mut s = String::new();
+    let mut s = json_head((backend, device), m.mode, m.threads, shape, (qps, cqs));
     // Writing to a String cannot fail.
-    let _ = write!(
-        s,
-        "{{\"bench\":\"scale\",\"backend\":\"{backend}\",\"device\":\"{device}\",\
-         \"mode\":\"{}\",\"threads\":{},\"batch\":{},\"size\":{},",
-        m.mode.name(),
-        m.threads,
-        shape.batch,
-        shape.size,
-    );
-    if m.mode != ScaleMode::Bare {
-        let _ = write!(s, "\"qps\":{qps},\"cqs\":{cqs},");
-    }
     let _ = write!(
         s,
         "\"requests\":{:.0},\"seconds\":{:.6},\"ops_per_s\":{:.1},\"ops_per_s_per_thread\":{:.1},\

@@ -264,6 +264,17 @@ fn bench_idle_prints_a_row_per_mode() {
 /// T = 1; with `--json` one object per point, then the set-up of a few
 /// peers (sequential, concurrent) and the idle CPU with them. A
 /// measurement: only its shape is checked.
+/// The rows of `gdr bench scale --threads 1,2` with the default modes, in
+/// order: (mode, threads).
+const SCALE_ROWS: [(&str, &str); 6] = [
+    ("bare", "1"),
+    ("bare", "2"),
+    ("one-engine", "1"),
+    ("one-engine", "2"),
+    ("engines", "1"),
+    ("engines", "2"),
+];
+
 #[test]
 fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
     let short = [
@@ -296,14 +307,7 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
         ],
         "{text}"
     );
-    let expected = [
-        ("bare", "1"),
-        ("bare", "2"),
-        ("one-engine", "1"),
-        ("one-engine", "2"),
-        ("engines", "1"),
-        ("engines", "2"),
-    ];
+    let expected = SCALE_ROWS;
     assert_eq!(rows.len(), expected.len(), "{text}");
     // Then one engine against the others, at each T.
     let compared: Vec<Vec<&str>> = text
@@ -464,14 +468,7 @@ fn bench_scale_rounds_print_the_median_and_the_range_of_the_rounds() {
         ],
         "{text}"
     );
-    let expected = [
-        ("bare", "1"),
-        ("bare", "2"),
-        ("one-engine", "1"),
-        ("one-engine", "2"),
-        ("engines", "1"),
-        ("engines", "2"),
-    ];
+    let expected = SCALE_ROWS;
     assert_eq!(rows.len(), expected.len(), "{text}");
     for (fields, (mode, threads)) in rows.iter().zip(expected) {
         let row = fields.join(" ");
