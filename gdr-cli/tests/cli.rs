@@ -264,6 +264,21 @@ fn bench_idle_prints_a_row_per_mode() {
 /// T = 1; with `--json` one object per point, then the set-up of a few
 /// peers (sequential, concurrent) and the idle CPU with them. A
 /// measurement: only its shape is checked.
+/// The columns of `gdr bench scale`'s table (`--rounds` adds `min` and
+/// `max` after `req/s`).
+const SCALE_HEADER: [&str; 10] = [
+    "mode",
+    "threads",
+    "requests",
+    "seconds",
+    "req/s",
+    "req/s/thread",
+    "ratio",
+    "cores",
+    "on-cpu",
+    "waits/k",
+];
+
 /// The rows of `gdr bench scale --threads 1,2` with the default modes, in
 /// order: (mode, threads).
 const SCALE_ROWS: [(&str, &str); 6] = [
@@ -291,22 +306,7 @@ fn bench_scale_prints_a_rate_per_mode_and_thread_count() {
     ];
     let text = succeeds(&short);
     let (header, rows) = table(&text);
-    assert_eq!(
-        header,
-        [
-            "mode",
-            "threads",
-            "requests",
-            "seconds",
-            "req/s",
-            "req/s/thread",
-            "ratio",
-            "cores",
-            "on-cpu",
-            "waits/k"
-        ],
-        "{text}"
-    );
+    assert_eq!(header, SCALE_HEADER, "{text}");
     let expected = SCALE_ROWS;
     assert_eq!(rows.len(), expected.len(), "{text}");
     // Then one engine against the others, at each T.
@@ -452,20 +452,7 @@ fn bench_scale_rounds_print_the_median_and_the_range_of_the_rounds() {
     let (header, rows) = table(&text);
     assert_eq!(
         header,
-        [
-            "mode",
-            "threads",
-            "requests",
-            "seconds",
-            "req/s",
-            "min",
-            "max",
-            "req/s/thread",
-            "ratio",
-            "cores",
-            "on-cpu",
-            "waits/k"
-        ],
+        [&SCALE_HEADER[..5], &["min", "max"], &SCALE_HEADER[5..]].concat(),
         "{text}"
     );
     let expected = SCALE_ROWS;
