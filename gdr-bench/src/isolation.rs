@@ -38,6 +38,15 @@
 //! µs; for the second, B's rounds done, those by peer copy, and the
 //! (slowed) IPC opens made while A's WRITEs ran; then the ratio of p50 and p99 (beside / alone). A
 //! measurement: it judges nothing.
+//!
+//! With `--rounds N` (N > 1), the two phases alternate N times on the same
+//! engines (alone, beside-peer-copy, alone, ...; the warm-up once), a row
+//! printed as each ends; then per phase over the rounds each percentile is
+//! the median of the rounds' own, the largest latency the largest of
+//! theirs, the samples and B's counts their sums; and the ratio is the
+//! median of each round's own (its beside-peer-copy against its alone),
+//! with the lowest and highest ([`OverRounds`]): one pair of phases is
+//! too noisy a sample of A's tail on a busy machine.
 
 use std::error::Error;
 use std::fmt::Write as _;
@@ -54,6 +63,8 @@ use gdr_core::sim::{
     Fault, FaultPlan, FaultSite, GpuConfig, NodeConfig, SimCuda, SimFabric, SimVerbsApi,
 };
 use hal_cuda::Driver as _;
+
+use crate::rounds::{Spread, json_array, spread};
 
 use super::{
     ENGINE_TIMEOUT, connect_to, device_address, grant_host, host_buffer, host_memory_config,
@@ -100,7 +111,16 @@ pub struct IsolationArgs {
     /// Bytes of each of peer B's GPU-to-GPU copies (suffixes K, M, G).
     #[arg(long, default_value = "64K", value_parser = parse_size)]
     copy_size: usize,
-    /// One JSON object per phase on stdout instead of the table.
+    /// Rounds of the two phases, alternating on the same engines (alone,
+    /// beside-peer-copy, alone, ...). Above 1, each phase's row over the
+    /// rounds is the median of each percentile of its rounds (max: the
+    /// largest; samples and B's counts: their sums), and the ratio the
+    /// median of each round's own, with their lowest and highest.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// One JSON object per phase on stdout instead of the table (with
+    /// `--rounds` above 1: one per phase over the rounds, with each
+    /// round's figures, then one of the ratios).
     #[arg(long)]
     pub(super) json: bool,
 }
@@ -126,6 +146,16 @@ impl PhaseFigures {
     }
     fn max_us(&self) -> f64 {
         self.latencies.last().copied().unwrap_or(0) as f64 / 1e3
+    }
+    /// Its row of the table.
+    fn row(&self) -> String {
+        let [p50, p90, p99, p999] = PERCENTILES.map(|p| self.us(p));
+        table_row(
+            self.phase,
+            self.latencies.len() as u64,
+            [p50, p90, p99, p999, self.max_us()],
+            [self.b_batches, self.b_copies, self.slow_calls],
+        )
     }
 }
 
@@ -158,6 +188,7 @@ pub(crate) fn isolation_bench(
     let slow = Duration::from_micros(args.slow_us);
     let copy = u64::try_from(args.copy_size)?;
     let world = SimWorld::new(copy)?;
+    let rounds = args.rounds.max(1) as usize;
     if !args.json {
         println!(
             "gdr bench isolation on the simulation (a fabric of its own: 3 NIC nodes, 2 GPUs): \
@@ -177,67 +208,273 @@ pub(crate) fn isolation_bench(
              WRITEs ran",
             seconds.as_secs_f64()
         );
-        println!(
-            "{:<17} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10}",
-            "phase",
-            "samples",
-            "p50",
-            "p90",
-            "p99",
-            "p99.9",
-            "max",
-            "B batches",
-            "B copies",
-            "slow calls"
-        );
+        if rounds > 1 {
+            println!(
+                "{rounds} rounds on the same engines, the phases alternating (alone, \
+                 beside-peer-copy, alone, ...): a row per round and phase as it ends, then per \
+                 phase over the rounds: p50 to p99.9 each the median of the rounds' own, max the \
+                 largest of the rounds', samples, B batches, B copies and slow calls the sums of \
+                 the rounds'; the ratio the median of the rounds' own (each round's \
+                 beside-peer-copy against that round's alone), with their lowest and highest"
+            );
+            print!("{:>5} ", "round");
+        }
+        println!("{}", table_header());
     }
     for _ in 0..WARMUP {
         world.write_a()?;
     }
     let mut measured = Vec::new();
-    for phase in [Phase::Alone, Phase::BesidePeerCopy] {
-        let figures = match phase {
-            Phase::Alone => PhaseFigures {
-                phase,
-                latencies: world.a_loop(seconds)?,
-                b_batches: 0,
-                b_copies: 0,
-                slow_calls: 0,
-            },
-            Phase::BesidePeerCopy => world.beside_peer_copy(seconds, slow)?,
-        };
-        if args.json {
-            println!("{}", json_line(&figures, copy, args.slow_us));
-        } else {
-            let beside = phase == Phase::BesidePeerCopy;
-            let count = |n: u64| if beside { n.to_string() } else { "-".into() };
+    for round in 1..=rounds {
+        for phase in [Phase::Alone, Phase::BesidePeerCopy] {
+            let figures = match phase {
+                Phase::Alone => PhaseFigures {
+                    phase,
+                    latencies: world.a_loop(seconds)?,
+                    b_batches: 0,
+                    b_copies: 0,
+                    slow_calls: 0,
+                },
+                Phase::BesidePeerCopy => world.beside_peer_copy(seconds, slow)?,
+            };
+            if args.json {
+                if rounds == 1 {
+                    println!("{}", json_line(&figures, copy, args.slow_us));
+                }
+            } else {
+                if rounds > 1 {
+                    print!("{round:>5} ");
+                }
+                println!("{}", figures.row());
+            }
+            measured.push(figures);
+        }
+    }
+    let over = OverRounds::new(&measured);
+    if rounds == 1 {
+        if !args.json {
             println!(
-                "{:<17} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>10}",
-                phase.name(),
-                figures.latencies.len(),
-                figures.us(0.5),
-                figures.us(0.9),
-                figures.us(0.99),
-                figures.us(0.999),
-                figures.max_us(),
-                count(figures.b_batches),
-                count(figures.b_copies),
-                count(figures.slow_calls),
+                "beside-peer-copy / alone: p50 x{:.3}, p99 x{:.3}",
+                over.ratio(0.5).median,
+                over.ratio(0.99).median
             );
         }
-        measured.push(figures);
-    }
-    if let [alone, beside] = measured.as_slice()
-        && !args.json
-    {
-        let ratio = |p| beside.us(p) / alone.us(p).max(1e-9);
+    } else if args.json {
+        for phase in [Phase::Alone, Phase::BesidePeerCopy] {
+            println!("{}", over.json_line(phase, copy, args.slow_us));
+        }
+        println!("{}", over.ratio_json_line());
+    } else {
+        println!();
+        println!("over the {rounds} rounds:");
+        println!("{}", table_header());
+        for phase in [Phase::Alone, Phase::BesidePeerCopy] {
+            println!("{}", over.row(phase));
+        }
+        let (p50, p99) = (over.ratio(0.5), over.ratio(0.99));
         println!(
-            "beside-peer-copy / alone: p50 x{:.3}, p99 x{:.3}",
-            ratio(0.5),
-            ratio(0.99)
+            "beside-peer-copy / alone, the median of the rounds' own [lowest, highest]: \
+             p50 x{:.3} [x{:.3}, x{:.3}], p99 x{:.3} [x{:.3}, x{:.3}]",
+            p50.median, p50.min, p50.max, p99.median, p99.min, p99.max
         );
     }
     Ok(measured)
+}
+
+/// The table's header row (after the round's column, with `--rounds`).
+fn table_header() -> String {
+    format!(
+        "{:<17} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10}",
+        "phase",
+        "samples",
+        "p50",
+        "p90",
+        "p99",
+        "p99.9",
+        "max",
+        "B batches",
+        "B copies",
+        "slow calls"
+    )
+}
+
+/// A row of the table: a phase's samples, percentiles (p50, p90, p99,
+/// p99.9) and largest latency in µs, and B's counts (`-` alone).
+fn table_row(phase: Phase, samples: u64, us: [f64; 5], counts: [u64; 3]) -> String {
+    let beside = phase == Phase::BesidePeerCopy;
+    let count = |n: u64| if beside { n.to_string() } else { "-".into() };
+    format!(
+        "{:<17} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>10}",
+        phase.name(),
+        samples,
+        us[0],
+        us[1],
+        us[2],
+        us[3],
+        us[4],
+        count(counts[0]),
+        count(counts[1]),
+        count(counts[2]),
+    )
+}
+
+/// The percentiles of each row, and of JSON: p50, p90, p99, p99.9.
+const PERCENTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
+
+/// Each phase over the rounds, and each round's ratio of its phases.
+#[derive(Debug)]
+pub(crate) struct OverRounds<'a> {
+    /// Each round's phases: alone, beside-peer-copy.
+    rounds: Vec<(&'a PhaseFigures, &'a PhaseFigures)>,
+}
+
+impl<'a> OverRounds<'a> {
+    /// The rounds of `measured`: its n-th alone phase with its n-th
+    /// beside-peer-copy.
+    pub(crate) fn new(measured: &'a [PhaseFigures]) -> Self {
+        let of = |phase| {
+            measured
+                .iter()
+                .filter(move |f: &&PhaseFigures| f.phase == phase)
+        };
+        Self {
+            rounds: of(Phase::Alone).zip(of(Phase::BesidePeerCopy)).collect(),
+        }
+    }
+
+    /// Each round's `phase`.
+    fn of(&self, phase: Phase) -> impl Iterator<Item = &'a PhaseFigures> + '_ {
+        self.rounds.iter().map(move |&(alone, beside)| match phase {
+            Phase::Alone => alone,
+            Phase::BesidePeerCopy => beside,
+        })
+    }
+
+    /// The median, lowest and highest of the rounds' `figure` of `phase`
+    /// (zeros of no round).
+    fn over(&self, phase: Phase, figure: impl Fn(&PhaseFigures) -> f64) -> Spread {
+        let values: Vec<f64> = self.of(phase).map(figure).collect();
+        spread(&values).unwrap_or(Spread {
+            median: 0.0,
+            min: 0.0,
+            max: 0.0,
+        })
+    }
+
+    /// The rounds' `p` of `phase`, in µs: its median is the row's.
+    pub(crate) fn percentile(&self, phase: Phase, p: f64) -> Spread {
+        self.over(phase, |f| f.us(p))
+    }
+
+    /// The largest latency of `phase` in any round, in µs.
+    pub(crate) fn max_us(&self, phase: Phase) -> f64 {
+        self.over(phase, PhaseFigures::max_us).max
+    }
+
+    /// The sum of the rounds' `count` of `phase`.
+    pub(crate) fn sum(&self, phase: Phase, count: impl Fn(&PhaseFigures) -> u64) -> u64 {
+        self.of(phase).map(count).sum()
+    }
+
+    /// Each round's ratio of `p`: its beside-peer-copy's against its own
+    /// alone's.
+    pub(crate) fn ratios(&self, p: f64) -> Vec<f64> {
+        self.rounds
+            .iter()
+            .map(|&(alone, beside)| beside.us(p) / alone.us(p).max(1e-9))
+            .collect()
+    }
+
+    /// The median, lowest and highest of the rounds' ratios of `p` (zeros
+    /// of no round).
+    pub(crate) fn ratio(&self, p: f64) -> Spread {
+        spread(&self.ratios(p)).unwrap_or(Spread {
+            median: 0.0,
+            min: 0.0,
+            max: 0.0,
+        })
+    }
+
+    /// `phase`'s row over the rounds.
+    fn row(&self, phase: Phase) -> String {
+        let [p50, p90, p99, p999] = PERCENTILES.map(|p| self.percentile(phase, p).median);
+        table_row(
+            phase,
+            self.sum(phase, |f| f.latencies.len() as u64),
+            [p50, p90, p99, p999, self.max_us(phase)],
+            [
+                self.sum(phase, |f| f.b_batches),
+                self.sum(phase, |f| f.b_copies),
+                self.sum(phase, |f| f.slow_calls),
+            ],
+        )
+    }
+
+    /// `phase` over the rounds as JSON: the fields of one phase's object
+    /// (percentiles the medians, max the largest, counts the sums), then
+    /// the rounds and each round's figures (`_rounds`, in round order).
+    fn json_line(&self, phase: Phase, copy: u64, slow_us: u64) -> String {
+        let [p50, p90, p99, p999] = PERCENTILES.map(|p| self.percentile(phase, p).median);
+        let mut s = String::new();
+        // Writing to a String cannot fail.
+        let _ = write!(
+            s,
+            "{{\"bench\":\"isolation\",\"backend\":\"sim\",\"phase\":\"{}\",\"size\":{REQ},\
+             \"copy_size\":{copy},\"slow_us\":{slow_us},\"samples\":{},\"p50_us\":{p50:.2},\
+             \"p90_us\":{p90:.2},\"p99_us\":{p99:.2},\"p999_us\":{p999:.2},\"max_us\":{:.2},\
+             \"b_batches\":{},\"b_copies\":{},\"slow_calls\":{},\"rounds\":{},\
+             \"counts_over_rounds\":\"sum\"",
+            phase.name(),
+            self.sum(phase, |f| f.latencies.len() as u64),
+            self.max_us(phase),
+            self.sum(phase, |f| f.b_batches),
+            self.sum(phase, |f| f.b_copies),
+            self.sum(phase, |f| f.slow_calls),
+            self.rounds.len(),
+        );
+        let us = |p: f64| json_array(self.of(phase), |f| format!("{:.2}", f.us(p)));
+        let count = |n: fn(&PhaseFigures) -> u64| json_array(self.of(phase), |f| n(f).to_string());
+        let _ = write!(
+            s,
+            ",\"samples_rounds\":{},\"p50_us_rounds\":{},\"p90_us_rounds\":{},\
+             \"p99_us_rounds\":{},\"p999_us_rounds\":{},\"max_us_rounds\":{},\
+             \"b_batches_rounds\":{},\"b_copies_rounds\":{},\"slow_calls_rounds\":{}}}",
+            count(|f| f.latencies.len() as u64),
+            us(0.5),
+            us(0.9),
+            us(0.99),
+            us(0.999),
+            json_array(self.of(phase), |f| format!("{:.2}", f.max_us())),
+            count(|f| f.b_batches),
+            count(|f| f.b_copies),
+            count(|f| f.slow_calls),
+        );
+        s
+    }
+
+    /// The ratios as JSON: of p50 and p99, the median of the rounds' own,
+    /// their lowest, highest, and each round's.
+    fn ratio_json_line(&self) -> String {
+        let mut s = format!(
+            "{{\"bench\":\"isolation\",\"backend\":\"sim\",\"phase\":\"ratio\",\
+             \"of\":\"beside-peer-copy/alone\",\"rounds\":{}",
+            self.rounds.len()
+        );
+        for (name, p) in [("p50", 0.5), ("p99", 0.99)] {
+            let r = self.ratio(p);
+            let _ = write!(
+                s,
+                ",\"{name}_ratio\":{:.4},\"{name}_ratio_min\":{:.4},\"{name}_ratio_max\":{:.4},\
+                 \"{name}_ratio_rounds\":{}",
+                r.median,
+                r.min,
+                r.max,
+                json_array(self.ratios(p), |v| format!("{v:.4}")),
+            );
+        }
+        s.push('}');
+        s
+    }
 }
 
 /// The simulated world of the bench: the client engine and its two peers,
@@ -492,6 +729,7 @@ mod tests {
             seconds,
             slow_us: 200,
             copy_size: 8192,
+            rounds: 1,
             json: true,
         }
     }
@@ -518,5 +756,97 @@ mod tests {
             beside.slow_calls.abs_diff(beside.b_copies) <= 2,
             "one IPC open a round: {beside:?}"
         );
+    }
+
+    /// With `--rounds 2` the phases alternate on the same engines: alone,
+    /// beside-peer-copy, alone, beside-peer-copy.
+    #[test]
+    fn rounds_alternate_the_phases() {
+        let mut two = args(0.02);
+        two.rounds = 2;
+        let figures = isolation_bench(&Backends::sim_default(), &two).unwrap();
+        let phases: Vec<Phase> = figures.iter().map(|f| f.phase).collect();
+        use Phase::{Alone, BesidePeerCopy as Beside};
+        assert_eq!(phases, [Alone, Beside, Alone, Beside]);
+        assert_eq!(OverRounds::new(&figures).ratios(0.99).len(), 2);
+    }
+
+    /// A phase of 100 latencies: 90 of `p50` µs, 10 of `p99` µs (so its
+    /// p50 and p90 are `p50`, its p99 and p99.9 `p99`), and B's counts.
+    fn phase(phase: Phase, p50: u64, p99: u64, counts: u64) -> PhaseFigures {
+        let mut latencies = vec![p50 * 1000; 90];
+        latencies.extend([p99 * 1000; 10]);
+        PhaseFigures {
+            phase,
+            latencies,
+            b_batches: counts,
+            b_copies: counts,
+            slow_calls: counts,
+        }
+    }
+
+    /// Over three rounds: each percentile the median of the rounds' (not
+    /// their mean, nor the first round's), max the largest, B's counts
+    /// summed; the ratio the median of each round's own beside / alone
+    /// (2, 0.2, 3: 2), not the ratio of the medians (2 / 10 = 0.2), with
+    /// their lowest and highest.
+    #[test]
+    fn the_ratio_is_the_median_of_each_rounds_own() {
+        use Phase::{Alone, BesidePeerCopy as Beside};
+        let measured = [
+            phase(Alone, 1, 10, 0),
+            phase(Beside, 2, 5, 7),
+            phase(Alone, 10, 20, 0),
+            phase(Beside, 2, 100, 8),
+            phase(Alone, 10, 40, 0),
+            phase(Beside, 30, 40, 9),
+        ];
+        let over = OverRounds::new(&measured);
+        let p50 = over.ratio(0.5);
+        assert_eq!(over.ratios(0.5), [2.0, 0.2, 3.0]);
+        assert_eq!((p50.median, p50.min, p50.max), (2.0, 0.2, 3.0));
+        // p99: 5 / 10, 100 / 20, 40 / 40.
+        let p99 = over.ratio(0.99);
+        assert_eq!((p99.median, p99.min, p99.max), (1.0, 0.5, 5.0));
+        assert_eq!(over.percentile(Alone, 0.5).median, 10.0);
+        assert_eq!(over.percentile(Beside, 0.5).median, 2.0);
+        assert_eq!(over.percentile(Alone, 0.99).median, 20.0);
+        assert_eq!(over.percentile(Beside, 0.999).median, 40.0);
+        assert_eq!((over.max_us(Alone), over.max_us(Beside)), (40.0, 100.0));
+        assert_eq!(over.sum(Beside, |f| f.b_batches), 24);
+        assert_eq!(over.sum(Alone, |f| f.latencies.len() as u64), 300);
+        let row = over.row(Beside);
+        let words: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(
+            words,
+            [
+                "beside-peer-copy",
+                "300",
+                "2.0",
+                "2.0",
+                "40.0",
+                "40.0",
+                "100.0",
+                "24",
+                "24",
+                "24"
+            ]
+        );
+        let ratio = over.ratio_json_line();
+        assert!(
+            ratio.contains("\"p50_ratio\":2.0000,\"p50_ratio_min\":0.2000,")
+                && ratio.contains("\"p50_ratio_rounds\":[2.0000,0.2000,3.0000]"),
+            "{ratio}"
+        );
+        let alone = over.json_line(Alone, 1, 2);
+        assert!(
+            alone.contains("\"p50_us\":10.00,")
+                && alone.contains("\"p50_us_rounds\":[1.00,10.00,10.00]"),
+            "{alone}"
+        );
+        // Of two rounds, the mean of the middle two.
+        let two = OverRounds::new(&measured[..4]);
+        assert!((two.ratio(0.5).median - 1.1).abs() < 1e-9);
+        assert_eq!(two.percentile(Alone, 0.5).median, 5.5);
     }
 }

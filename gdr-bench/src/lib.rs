@@ -121,6 +121,7 @@ macro_rules! on_verbs {
 
 mod idle;
 mod isolation;
+mod rounds;
 mod scale;
 
 /// Benchmarks.

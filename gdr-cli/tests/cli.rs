@@ -1,7 +1,8 @@
 //! The built `gdr` binary: `info` (for people and as JSON) and `uri` on
-//! valid and malformed input, and the shape of `bench idle`'s and `bench
-//! scale`'s output on the sim. Runs on any machine: without RDMA or a GPU the backends fall back to
-//! the simulation, and `info` must still succeed.
+//! valid and malformed input, and the shape of `bench idle`'s, `bench
+//! scale`'s and `bench isolation`'s output on the sim. Runs on any machine:
+//! without RDMA or a GPU the backends fall back to the simulation, and
+//! `info` must still succeed.
 
 use std::process::{Command, Output};
 
@@ -566,5 +567,174 @@ fn bench_scale_rounds_print_the_median_and_the_range_of_the_rounds() {
             "{c}"
         );
         assert!(c["per_engines"].is_null(), "no engines mode: {c}");
+    }
+}
+
+/// `gdr bench isolation` on the sim: one row per phase and the ratio line
+/// as before; with `--rounds 2` a row per round and phase (alternating),
+/// then a row per phase over the rounds (percentiles the medians of the
+/// rounds', max the largest, counts the sums) and the ratio with its
+/// range; with `--json` an object per phase over the rounds with each
+/// round's figures, then one of the ratios.
+#[test]
+fn bench_isolation_rounds_print_the_medians_and_the_rounds_ratios() {
+    let words = |l: &str| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
+    let header = [
+        "phase", "samples", "p50", "p90", "p99", "p99.9", "max", "B", "batches", "B", "copies",
+        "slow", "calls",
+    ];
+    let figure = |row: &[String], i: usize| -> f64 {
+        row[i]
+            .parse()
+            .unwrap_or_else(|_| panic!("{} in {row:?}", row[i]))
+    };
+    let single = [
+        "--backend",
+        "sim",
+        "bench",
+        "isolation",
+        "--seconds",
+        "0.05",
+    ];
+    let text = succeeds(&single);
+    let lines: Vec<Vec<String>> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("phase"))
+        .map(words)
+        .collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    assert_eq!(lines[0], header, "{text}");
+    assert_eq!(
+        (lines[1][0].as_str(), lines[2][0].as_str()),
+        ("alone", "beside-peer-copy")
+    );
+    assert!(
+        text.lines()
+            .last()
+            .unwrap()
+            .starts_with("beside-peer-copy / alone: p50 x"),
+        "{text}"
+    );
+    assert!(!text.contains("rounds"), "{text}");
+
+    let rounds = [&single[..4], &["--seconds", "0.2", "--rounds", "2"]].concat();
+    let text = succeeds(&rounds);
+    assert!(text.contains("2 rounds"), "{text}");
+    let each: Vec<Vec<String>> = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("round"))
+        .take_while(|l| !l.trim().is_empty())
+        .map(words)
+        .collect();
+    assert_eq!(each.len(), 5, "{text}");
+    assert_eq!(each[0], [&["round"][..], &header].concat(), "{text}");
+    let per_round: Vec<(&str, &str)> = each[1..]
+        .iter()
+        .map(|r| (r[0].as_str(), r[1].as_str()))
+        .collect();
+    assert_eq!(
+        per_round,
+        [
+            ("1", "alone"),
+            ("1", "beside-peer-copy"),
+            ("2", "alone"),
+            ("2", "beside-peer-copy")
+        ],
+        "{text}"
+    );
+    let over: Vec<Vec<String>> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("over the 2 rounds"))
+        .skip(1)
+        .map(words)
+        .collect();
+    assert_eq!(over.len(), 4, "{text}");
+    assert_eq!(over[0], header, "{text}");
+    for (row, phase) in over[1..3].iter().zip(["alone", "beside-peer-copy"]) {
+        assert_eq!(row[0], phase, "{text}");
+        let rounds: Vec<&Vec<String>> = each[1..].iter().filter(|r| r[1] == phase).collect();
+        // Samples: the sum of the rounds'.
+        let samples: u64 = rounds.iter().map(|r| r[2].parse::<u64>().unwrap()).sum();
+        assert_eq!(row[1], samples.to_string(), "{text}");
+        // p50 to p99.9: of two rounds, the mean of both (within the
+        // rounding to 0.1); max: the larger.
+        for i in 2..6 {
+            let mean = (figure(rounds[0], i + 1) + figure(rounds[1], i + 1)) / 2.0;
+            assert!((figure(row, i) - mean).abs() <= 0.11, "column {i}: {text}");
+        }
+        let max = figure(rounds[0], 7).max(figure(rounds[1], 7));
+        assert_eq!(figure(row, 6), max, "{text}");
+        let percentiles: Vec<f64> = (2..7).map(|i| figure(row, i)).collect();
+        assert!(percentiles.windows(2).all(|w| w[0] <= w[1]), "{text}");
+        if phase == "alone" {
+            assert_eq!(row[7..], ["-", "-", "-"], "{text}");
+        } else {
+            assert!(figure(row, 7) > 0.0, "B's batches: {text}");
+        }
+    }
+    // beside-peer-copy / alone, the median ... : p50 xM [xL, xH], p99 xM [xL, xH]
+    let ratio = &over[3];
+    assert_eq!(ratio[..3], ["beside-peer-copy", "/", "alone,"], "{text}");
+    let xs: Vec<f64> = ratio
+        .iter()
+        .filter_map(|w| w.trim_start_matches('[').strip_prefix('x'))
+        .map(|w| w.trim_end_matches([',', ']']).parse().unwrap())
+        .collect();
+    assert_eq!(xs.len(), 6, "{text}");
+    for r in xs.chunks(3) {
+        let (median, low, high) = (r[0], r[1], r[2]);
+        assert!(0.0 < low && low <= median && median <= high, "{text}");
+    }
+
+    let json = [&rounds[..], &["--json"]].concat();
+    let text = succeeds(&json);
+    let objects: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let phases: Vec<&str> = objects
+        .iter()
+        .map(|o| o["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases, ["alone", "beside-peer-copy", "ratio"], "{text}");
+    for o in &objects[..2] {
+        assert_eq!(o["rounds"], 2, "{o}");
+        for key in ["p50_us", "p90_us", "p99_us", "p999_us", "max_us"] {
+            let each = o[format!("{key}_rounds")].as_array().unwrap();
+            assert_eq!(each.len(), 2, "{key} in {o}");
+            let (a, b) = (each[0].as_f64().unwrap(), each[1].as_f64().unwrap());
+            let expected = if key == "max_us" {
+                a.max(b)
+            } else {
+                (a + b) / 2.0
+            };
+            assert!(
+                (o[key].as_f64().unwrap() - expected).abs() <= 0.011,
+                "{key} in {o}"
+            );
+        }
+        for key in ["samples", "b_batches", "b_copies", "slow_calls"] {
+            let each = o[format!("{key}_rounds")].as_array().unwrap();
+            let sum: u64 = each.iter().map(|v| v.as_u64().unwrap()).sum();
+            assert_eq!(o[key].as_u64(), Some(sum), "{key} in {o}");
+        }
+    }
+    let ratio = &objects[2];
+    for p in ["p50", "p99"] {
+        let each = ratio[format!("{p}_ratio_rounds")].as_array().unwrap();
+        assert_eq!(each.len(), 2, "{ratio}");
+        let (a, b) = (each[0].as_f64().unwrap(), each[1].as_f64().unwrap());
+        let median = ratio[format!("{p}_ratio")].as_f64().unwrap();
+        assert!((median - (a + b) / 2.0).abs() <= 1e-4, "{ratio}");
+        assert_eq!(
+            ratio[format!("{p}_ratio_min")].as_f64(),
+            Some(a.min(b)),
+            "{ratio}"
+        );
+        assert_eq!(
+            ratio[format!("{p}_ratio_max")].as_f64(),
+            Some(a.max(b)),
+            "{ratio}"
+        );
     }
 }
