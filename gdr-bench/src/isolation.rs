@@ -64,7 +64,7 @@ use gdr_core::sim::{
 };
 use hal_cuda::Driver as _;
 
-use crate::rounds::{Spread, json_array, spread};
+use crate::rounds::{Spread, json_array, spread, spread_or};
 
 use super::{
     ENGINE_TIMEOUT, connect_to, device_address, grant_host, host_buffer, host_memory_config,
@@ -353,12 +353,7 @@ impl<'a> OverRounds<'a> {
     /// The median, lowest and highest of the rounds' `figure` of `phase`
     /// (zeros of no round).
     fn over(&self, phase: Phase, figure: impl Fn(&PhaseFigures) -> f64) -> Spread {
-        let values: Vec<f64> = self.of(phase).map(figure).collect();
-        spread(&values).unwrap_or(Spread {
-            median: 0.0,
-            min: 0.0,
-            max: 0.0,
-        })
+        spread_or(self.of(phase).map(figure), 0.0)
     }
 
     /// The rounds' `p` of `phase`, in µs: its median is the row's.

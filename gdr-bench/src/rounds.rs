@@ -24,6 +24,16 @@ pub(crate) fn spread(values: &[f64]) -> Option<Spread> {
     Some(Spread { median, min, max })
 }
 
+/// The spread of `values`, or `fill` in each figure of none.
+pub(crate) fn spread_or(values: impl IntoIterator<Item = f64>, fill: f64) -> Spread {
+    let values: Vec<f64> = values.into_iter().collect();
+    spread(&values).unwrap_or(Spread {
+        median: fill,
+        min: fill,
+        max: fill,
+    })
+}
+
 /// `values` as a JSON array.
 pub(crate) fn json_array<T>(
     values: impl IntoIterator<Item = T>,

@@ -75,7 +75,7 @@ use super::{
     idle::usage_of, measure, measure_engine, parse_size, pick_device, progress_bar, send_caps,
     slots, start_engines,
 };
-use crate::rounds::{Spread, json_array, spread};
+use crate::rounds::{Spread, json_array, spread, spread_or};
 use gdr_core::cq_wait::CqWaiter;
 
 /// What is measured at each thread count.
@@ -331,12 +331,7 @@ pub(crate) struct Summary {
 impl Summary {
     /// The spread of one figure of the rounds' points.
     pub(crate) fn over(&self, figure: impl Fn(&Point) -> f64) -> Spread {
-        let values: Vec<f64> = self.rounds.iter().map(figure).collect();
-        spread(&values).unwrap_or(Spread {
-            median: f64::NAN,
-            min: f64::NAN,
-            max: f64::NAN,
-        })
+        spread_or(self.rounds.iter().map(figure), f64::NAN)
     }
 
     /// The rounds' requests per second.

@@ -65,9 +65,12 @@ impl Batch {
     }
 
     /// The outcome, if it has ended (makes progress first: on its peer's
-    /// CQs, and the others now and then, as a waiter's spin does; a
-    /// thread looking at its own batches then takes no other peer's
-    /// completions, and their locks).
+    /// CQs, and, with no driver running, the others now and then and the
+    /// engine's pass when due, as a waiter's spin does; a thread looking
+    /// at its own batches then takes no other peer's completions, and
+    /// their locks). With a driver, what only the pass ends (a staged or
+    /// peer-copy batch) is ended by the driver: a loop of `status` on the
+    /// thread a tokio driver runs on waits for it forever; `.await` it.
     pub fn status(&self) -> Option<Outcome> {
         if self.outcome().is_none() {
             self.engine.progress_of(self.home);

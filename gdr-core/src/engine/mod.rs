@@ -150,11 +150,12 @@
 //! of every CQ by another thread (`Engine::progress`, the driver, those
 //! every-16th rounds) passes them by: threads waiting on different peers
 //! whose queue pairs sit on different CQs then share no CQ and take no
-//! other peer's lock. While a driver runs (`Engine::spawn_driver`, the engine's own thread, a
-//! tokio task), such a thread also leaves the engine's pass and the other
-//! CQs to it, unless what it polled itself needs the pass (an error
-//! completion, a message a path takes): a peer's waiter then never makes
-//! another peer's driver calls (a GPU fence, a peer copy's steps).
+//! other peer's lock. While a driver runs (`Engine::spawn_driver`, the
+//! engine's own thread, a tokio task), such a thread also leaves the
+//! engine's pass and the other CQs to it, unless what it polled itself
+//! needs the pass (an error completion, a message a path takes): a peer's
+//! waiter then never makes another peer's driver calls (a GPU fence, a
+//! peer copy's steps).
 
 mod batch;
 mod batches;
@@ -1436,13 +1437,6 @@ impl PeerSlot {
         }
     }
 
-    /// The earliest of the peer's deadlines, its connection's: its
-    /// batches', a queue pair's re-establishment, a message waiting for a
-    /// send slot.
-    fn next_deadline(&mut self) -> Option<Instant> {
-        self.core.next_deadline()
-    }
-
     /// What the peer leaves for the engine's pass ([`handoff::PeerMark`]).
     fn mark(&mut self) -> Mark {
         let post = self.peer.as_ref().is_some_and(|p| {
@@ -1455,7 +1449,7 @@ impl PeerSlot {
             actions: self.core.has_action() || for_pass,
             post,
             held: self.control_held(),
-            at: self.next_deadline(),
+            at: self.core.next_deadline(),
         }
     }
 
