@@ -729,3 +729,38 @@ fn a_cancelled_batch_cancels_its_staged_parts() {
         "the pool serves on"
     );
 }
+
+/// A peer's grants of staged GPU memory (served by rendezvous: the staged
+/// path's part of that peer lives in the peer's slot) are made, announced
+/// and revoked under the peer's lock alone: while another thread holds the
+/// engine's lock, as grants of memory the NIC reaches are
+/// (`sim_engine::a_peers_batches_run_while_the_engines_lock_is_held`).
+#[test]
+fn staged_grants_are_made_and_revoked_while_the_engines_lock_is_held() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const LEN: u64 = 64 * 1024;
+    // Peer copy off: GPU memory it may export is the engine's to revoke.
+    let w = staging_world_with(1, |c| c.peer_copy = false);
+    let (_buf, gpu) = w.b.alloc(Kind::Gpu, LEN, 0);
+    let released = AtomicBool::new(false);
+    let (held, holding) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            w.b.engine.with_engine_lock_held(|| {
+                held.send(()).unwrap();
+                std::thread::sleep(Duration::from_secs(3));
+                released.store(true, Ordering::SeqCst);
+            });
+        });
+        holding.recv().unwrap();
+        for _ in 0..4 {
+            let grant = w.ba.grant(&gpu, 0, LEN, GrantRights::ReadWrite).unwrap();
+            assert!(matches!(grant.descriptor().reach, Reach::Staged));
+            grant.revoke(T).unwrap();
+        }
+        assert!(
+            !released.load(Ordering::SeqCst),
+            "a staged grant or its revoke waited for the engine's lock"
+        );
+    });
+}

@@ -23,6 +23,8 @@ pub struct Batch {
     /// The staged path's part of the batch (pipes, requests through the
     /// peer's landing slots): ends with them.
     pub(super) parts: Vec<Arc<CompletionCell>>,
+    /// The peer whose slot holds the staged requests of `parts`.
+    pub(super) staged_peer: Option<Arc<PeerLock>>,
     /// The CQs its peer's queue pairs complete on: a waiter spins on
     /// these first ([`Engine::progress_of`]).
     pub(super) home: CqSet,
@@ -48,6 +50,7 @@ impl Batch {
             fenced: Default::default(),
             gate: None,
             parts: Vec::new(),
+            staged_peer: None,
             home: CqSet::ALL,
         }
     }
@@ -192,13 +195,14 @@ impl Batch {
             }
             None => self.engine.cancel_peer_copy(&self.cell),
         }
-        if !self.parts.is_empty() {
-            // The staged parts: pipelines and requests through a peer's
-            // landing slots.
-            lock_state(&self.engine.shared)
-                .paths
-                .staged
-                .cancel(&self.parts);
+        if let Some(lock) = &self.staged_peer {
+            // The staged parts: pipelines (the path's), then requests
+            // through the peer's landing slots (its part in the peer's
+            // slot).
+            let mut state = lock_state(&self.engine.shared);
+            let staged = &mut state.paths.staged;
+            let cells = staged.cancel(&self.parts);
+            staged.cancel_peer(&mut lock_slot(lock).staged, &cells);
         }
         self.engine.wake();
     }

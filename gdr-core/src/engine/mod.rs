@@ -80,14 +80,15 @@
 //! debug builds check the first two, `lock_order`):
 //!
 //! 1. The engine's lock (`Shared::state`, `State`): the table of the
-//!    peers' slots, the queue pairs being re-established, the paths
-//!    (staged, peer copy, stream fences, gates). Taken by the engine's
-//!    pass (`Engine::progress_locked`: the control messages a path
-//!    takes, error completions, deadlines, connection and async events,
-//!    the paths' steps, queue-pair actions) and by what changes the peers
-//!    or the paths (a connect; a grant or revoke of memory a path beside the
-//!    NIC's may hold: staged, or GPU memory peer copy may export; a
-//!    staged, gated or peer-copy submit). A progress call makes the pass
+//!    peers' slots, the queue pairs being re-established, the paths'
+//!    engine-wide parts (the staged path's pools and pipes, peer copy,
+//!    stream fences, gates). Taken by the engine's pass
+//!    (`Engine::progress_locked`: the control messages a path takes,
+//!    error completions, deadlines, connection and async events, the
+//!    paths' steps, queue-pair actions) and by what changes the peers or
+//!    those parts (a connect; a grant or revoke of GPU memory peer copy
+//!    may export; a staged, gated or peer-copy submit; a staged batch's
+//!    cancel). A progress call makes the pass
 //!    only when it is due (`handoff::PassDue`: work one of those left
 //!    it, its earliest deadline, connection and async events every
 //!    millisecond, engine wide); one only due, with the lock busy, is
@@ -110,9 +111,12 @@
 //! 2. A peer's lock (`PeerLock`, one `PeerSlot`: its connection,
 //!    [`gdr_proto::connection`], which owns the batches on the peer's queue
 //!    pairs, their recovery, grants both ways, inbox and outbox, with the
-//!    engine's side of it, `batches::Core`):
-//!    taken alone by what that peer does (a submit of memory the NIC
-//!    reaches, a grant of such memory and its revoke, a control message,
+//!    engine's side of it, `batches::Core`; and the staged path's part of
+//!    the peer, `staging::StagedPeer`: its rendezvous both ways and its
+//!    staged grants, stepped there on a wire to that peer alone,
+//!    `SlotWire`): taken alone by what that peer does (a submit of memory
+//!    the NIC reaches, a grant of memory and its revoke (staged memory
+//!    included), landing slots installed, a close, a control message,
 //!    a wait for a message or a grant, a cancel, the completions of its
 //!    sends and its control receives, routed to it by any polling thread:
 //!    a message of the connection's is handled there, one a path takes,
@@ -246,6 +250,7 @@ pub use self::peer::{Grant, Peer};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
+use self::staging::StagedPeer;
 use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialState, Token};
 #[cfg(all(feature = "tokio", not(loom)))]
 pub use self::tokio_driver::{AsyncDriver, AsyncDriverError};
@@ -906,6 +911,9 @@ struct State {
     slots: Vec<Arc<PeerLock>>,
     /// Queue pairs being re-established.
     reconnecting: usize,
+    /// Whether a peer's part of the staged path, as the last pass saw
+    /// them, runs what only polling sees end (GPU copies).
+    peers_poll: bool,
     /// The paths beside the queue pairs, each with its own state.
     paths: Paths,
 }
@@ -921,6 +929,9 @@ struct PeerSlot {
     peer: Option<PeerState>,
     /// Requests taken from the core for one post.
     to_post: Vec<SendRequest>,
+    /// The staged path's part of the peer: both sides of its rendezvous
+    /// (kept after a tear-down until the copies for it have ended).
+    staged: StagedPeer,
 }
 
 /// A peer's lock, and the mark its holders leave for the engine's pass
@@ -1011,13 +1022,7 @@ struct Connections<'a> {
 
 impl Wire for Connections<'_> {
     fn peer(&self, slot: usize) -> Option<PeerView> {
-        let guard = lock_slot(self.slots.get(slot)?);
-        let peer = guard.peer.as_ref()?;
-        Some(PeerView {
-            engine: guard.core.conn.peer_engine(),
-            session: guard.core.conn.session(),
-            gone: peer.gone.clone(),
-        })
+        lock_slot(self.slots.get(slot)?).parts().view()
     }
 
     fn send(
@@ -1030,15 +1035,7 @@ impl Wire for Connections<'_> {
             .slots
             .get(slot)
             .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-        let mut guard = lock_slot(lock);
-        let now = self.res.config.clock.now();
-        let PeerSlot { core, peer, .. } = &mut *guard;
-        let peer = peer
-            .as_mut()
-            .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-        let cell = peer.enqueue(core, message, now, timeout)?;
-        guard.post(now);
-        Ok(cell)
+        lock_slot(lock).parts().send(self.res, message, timeout)
     }
 
     fn post_rdma(
@@ -1052,14 +1049,186 @@ impl Wire for Connections<'_> {
         local: &Region,
         local_addr: u64,
         len: u64,
-        (deadline, timeout): (Instant, Duration),
+        deadline: (Instant, Duration),
     ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
         let Some(lock) = self.slots.get(slot) else {
             return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
         };
-        let mut guard = lock_slot(lock);
-        let PeerSlot { core, peer, .. } = &mut *guard;
-        let Some(peer) = peer.as_ref() else {
+        let rdma = (op, remote, remote_at, local, local_addr, len);
+        lock_slot(lock)
+            .parts()
+            .post_rdma(self.res, gpu, spread, rdma, deadline)
+    }
+}
+
+/// The wire to the one peer whose lock the caller holds (a path's calls
+/// about that peer, with its part from the peer's slot): any other peer
+/// is not there for it.
+struct SlotWire<'a> {
+    slot: usize,
+    parts: PeerParts<'a>,
+    res: &'a Resources,
+}
+
+impl Wire for SlotWire<'_> {
+    fn peer(&self, slot: usize) -> Option<PeerView> {
+        (slot == self.slot).then(|| self.parts.view())?
+    }
+
+    fn send(
+        &mut self,
+        slot: usize,
+        message: &Control<'_>,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        // A step for one peer reaches no other (as if gone).
+        debug_assert_eq!(slot, self.slot, "a path's step for one peer sent to another");
+        if slot != self.slot {
+            return Err(EngineError::PeerGone(PeerGone::Closed));
+        }
+        self.parts.send(self.res, message, timeout)
+    }
+
+    fn post_rdma(
+        &mut self,
+        slot: usize,
+        gpu: Option<u32>,
+        spread: usize,
+        op: Op,
+        remote: &MemoryDescriptor,
+        remote_at: u64,
+        local: &Region,
+        local_addr: u64,
+        len: u64,
+        deadline: (Instant, Duration),
+    ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
+        debug_assert_eq!(slot, self.slot, "a path's step for one peer posted to another");
+        if slot != self.slot {
+            return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
+        }
+        let rdma = (op, remote, remote_at, local, local_addr, len);
+        self.parts.post_rdma(self.res, gpu, spread, rdma, deadline)
+    }
+}
+
+/// Runs `f` with a path step's context on the wire to the peer in `slot`
+/// (its lock held: `slot_state`) and the staged path's part of it.
+fn on_slot<T>(
+    res: &Resources,
+    slot: usize,
+    slot_state: &mut PeerSlot,
+    f: impl FnOnce(&mut PathCx<'_>, &mut StagedPeer) -> T,
+) -> T {
+    let (parts, staged) = slot_state.split();
+    let mut wire = SlotWire { slot, parts, res };
+    let mut cx = PathCx {
+        res,
+        wire: &mut wire,
+        now: res.config.clock.now(),
+    };
+    f(&mut cx, staged)
+}
+
+/// Steps the staged path's part of the peer in `slot` (its lock held).
+fn step_staged(
+    res: &Resources,
+    path: &mut staging::StagedPath,
+    slot: usize,
+    slot_state: &mut PeerSlot,
+    now: Instant,
+) -> usize {
+    on_slot(res, slot, slot_state, |cx, staged| {
+        cx.now = now;
+        path.progress_peer(cx, slot, staged)
+    })
+}
+
+/// One RDMA operation a path asks for: op, the peer's grant and the
+/// offset in it, the local region and the address in it, the length.
+type RdmaOp<'r> = (Op, &'r MemoryDescriptor, u64, &'r Region, u64, u64);
+
+/// A peer slot's connection side, borrowed apart from the paths' parts
+/// beside it ([`PeerSlot::split`]).
+struct PeerParts<'a> {
+    core: &'a mut Core,
+    peer: &'a mut Option<PeerState>,
+    to_post: &'a mut Vec<SendRequest>,
+}
+
+impl PeerParts<'_> {
+    /// Posts what the core has ready on the peer's queue pairs, control
+    /// messages waiting for a send slot first.
+    fn post(&mut self, now: Instant) {
+        let PeerParts { core, peer, to_post } = self;
+        let Some(peer) = peer.as_mut() else {
+            return;
+        };
+        if core.conn.outbox_len() > 0 {
+            peer.flush_outbox(core, now);
+        }
+        for qp in &peer.qps {
+            if !core.has_postable(qp.core) {
+                continue;
+            }
+            core.take_postable(qp.core, to_post);
+            let taken = to_post.len();
+            // SAFETY: every SG entry lies in a registration held by its
+            // batch (the batch keeps the regions) until the core retires
+            // the request after its completion or flush.
+            if let Err(PostError { posted, error }) = unsafe { qp.conn.qp().post_send(to_post) } {
+                let accepted = match posted {
+                    Posted::Prefix(n) => Some(n),
+                    Posted::Unknown => None,
+                };
+                core.post_failed(
+                    qp.core,
+                    taken,
+                    accepted,
+                    TransferError::PostFailed { source: error },
+                );
+            }
+        }
+    }
+
+    /// What a path knows of the peer, if it is there.
+    fn view(&self) -> Option<PeerView> {
+        let peer = self.peer.as_ref()?;
+        Some(PeerView {
+            engine: self.core.conn.peer_engine(),
+            session: self.core.conn.session(),
+            gone: peer.gone.clone(),
+        })
+    }
+
+    /// Queues control message `message`, to go out within `timeout`, and
+    /// posts what is ready.
+    fn send(
+        &mut self,
+        res: &Resources,
+        message: &Control<'_>,
+        timeout: Duration,
+    ) -> Result<Arc<CompletionCell>, EngineError> {
+        let now = res.config.clock.now();
+        let peer = self
+            .peer
+            .as_mut()
+            .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
+        let cell = peer.enqueue(self.core, message, now, timeout)?;
+        self.post(now);
+        Ok(cell)
+    }
+
+    /// [`Wire::post_rdma`] on this peer's queue pairs.
+    fn post_rdma(
+        &mut self,
+        res: &Resources,
+        gpu: Option<u32>,
+        spread: usize,
+        (op, remote, remote_at, local, local_addr, len): RdmaOp<'_>,
+        (deadline, timeout): (Instant, Duration),
+    ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
+        let core = &mut *self.core;
+        let Some(peer) = self.peer.as_ref() else {
             return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
         };
         // The queue pairs that are up (else those being re-established),
@@ -1069,7 +1238,7 @@ impl Wire for Connections<'_> {
             true => qps.filter(|(_, q)| core.is_ready(q.core)).collect(),
             false => qps.filter(|(_, q)| core.accepts_work(q.core)).collect(),
         };
-        let near: Vec<_> = match gpu.and_then(|g| self.res.nearest_nics.get(&g)) {
+        let near: Vec<_> = match gpu.and_then(|g| res.nearest_nics.get(&g)) {
             Some(nics) => up
                 .iter()
                 .copied()
@@ -1102,7 +1271,7 @@ impl Wire for Connections<'_> {
             Some((deadline, timeout)),
             keep,
         );
-        guard.post(self.res.config.clock.now());
+        self.post(res.config.clock.now());
         Ok(cell)
     }
 }
@@ -1402,39 +1571,23 @@ impl PeerSlot {
     /// Posts what the core has ready on the peer's queue pairs, control
     /// messages waiting for a send slot first.
     fn post(&mut self, now: Instant) {
+        self.parts().post(now);
+    }
+
+    /// The connection side, borrowed alone.
+    fn parts(&mut self) -> PeerParts<'_> {
+        self.split().0
+    }
+
+    /// The connection side and the staged path's part, borrowed apart.
+    fn split(&mut self) -> (PeerParts<'_>, &mut StagedPeer) {
         let PeerSlot {
             core,
             peer,
             to_post,
+            staged,
         } = self;
-        let Some(peer) = peer else {
-            return;
-        };
-        if core.conn.outbox_len() > 0 {
-            peer.flush_outbox(core, now);
-        }
-        for qp in &peer.qps {
-            if !core.has_postable(qp.core) {
-                continue;
-            }
-            core.take_postable(qp.core, to_post);
-            let taken = to_post.len();
-            // SAFETY: every SG entry lies in a registration held by its
-            // batch (the batch keeps the regions) until the core retires
-            // the request after its completion or flush.
-            if let Err(PostError { posted, error }) = unsafe { qp.conn.qp().post_send(to_post) } {
-                let accepted = match posted {
-                    Posted::Prefix(n) => Some(n),
-                    Posted::Unknown => None,
-                };
-                core.post_failed(
-                    qp.core,
-                    taken,
-                    accepted,
-                    TransferError::PostFailed { source: error },
-                );
-            }
-        }
+        (PeerParts { core, peer, to_post }, staged)
     }
 
     /// What the peer leaves for the engine's pass ([`handoff::PeerMark`]).
@@ -1445,11 +1598,14 @@ impl PeerSlot {
         // Receives left to the pass make it due (a progress call makes
         // it), as before they were polled.
         let for_pass = self.peer.as_ref().is_some_and(|p| !p.for_pass.is_empty());
+        // The staged path's part is stepped by the pass, at its next.
+        let post = post || !self.staged.is_idle();
+        let at = [self.core.next_deadline(), self.staged.poll_timeout()];
         Mark {
             actions: self.core.has_action() || for_pass,
             post,
             held: self.control_held(),
-            at: self.core.next_deadline(),
+            at: at.into_iter().flatten().min(),
         }
     }
 
@@ -1464,9 +1620,10 @@ impl PeerSlot {
 }
 
 /// What the engine's pass handled, and what it leaves its caller to serve
-/// outside the engine's lock: whether landing slots are to be made and
-/// opened gates served, and the GPU fences claimed for stream releases.
-type Handled = (usize, bool, bool, Vec<(usize, Vec<u32>)>);
+/// outside the engine's lock: the landing slots claimed to be made (by
+/// peer slot, with the GPU to pin them with), whether opened gates are to
+/// be served, and the GPU fences claimed for stream releases.
+type Handled = (usize, Vec<(usize, u32)>, bool, Vec<(usize, Vec<u32>)>);
 
 /// Some of the engine's CQs, by index (NIC × CQs per NIC + CQ): a
 /// progress call polls these. Past the 64th, every CQ is in every set.
@@ -1575,13 +1732,18 @@ impl Drop for Shared {
         // then the streams fenced on this engine's batches go on: nothing
         // will end those batches now, and a free the worker's last copy
         // waits behind may be waiting for such a stream.
-        for lock in std::mem::take(&mut state.slots) {
-            drop(lock_slot(&lock).peer.take());
+        let slots = std::mem::take(&mut state.slots);
+        for lock in &slots {
+            drop(lock_slot(lock).peer.take());
         }
         self.routes_mut().clear();
         state.paths.stream_fences.release_all();
         drop(state);
         self.res.cuda.shut();
+        // The peers' parts of the staged path last, as the paths' own:
+        // their landing slots' pinned free waits for the whole GPU, which
+        // the released stream fences and the shut worker no longer hold.
+        drop(slots);
     }
 }
 
@@ -1922,6 +2084,7 @@ impl Engine {
             state: Mutex::new(State {
                 slots: Vec::new(),
                 reconnecting: 0,
+                peers_poll: false,
                 paths: Paths {
                     staged: Default::default(),
                     stream_fences: Default::default(),
@@ -1992,11 +2155,11 @@ impl Engine {
             .enumerate()
             .filter_map(|(slot, lock)| {
                 let guard = lock_slot(lock);
+                let (staged_grants, requests_served, copies, requests_asked) =
+                    guard.staged.load();
                 batches += guard.core.batches_live();
                 let peer = guard.peer.as_ref()?;
                 let core = &guard.core;
-                let (staged_grants, requests_served, copies, requests_asked) =
-                    state.paths.staged.peer_load(slot);
                 Some(PeerResources {
                     remote_engine: core.conn.peer_engine(),
                     gone: peer.gone.is_some(),
@@ -2431,12 +2594,15 @@ impl Engine {
         }
         drop(routes);
         let session = core.conn.session();
-        drop(slot_guard);
         // Each path ends what it does with the peer and lets go of it.
         let res = &self.shared.res;
+        let staged = &mut state.paths.staged;
+        on_slot(res, slot, &mut slot_guard, |cx, peer| {
+            staged.release_peer(cx, slot, peer)
+        });
+        drop(slot_guard);
         state.with_paths(res, res.config.clock.now(), |paths, cx| {
-            paths.staged.release_peer(cx, slot);
-            paths.peer_copy.release_peer(cx, slot);
+            paths.peer_copy.release_peer(cx, slot, &mut ());
         });
         self.run_actions(state);
         drop(guard);
@@ -2574,6 +2740,7 @@ impl Engine {
                 core,
                 peer: None,
                 to_post: Vec::with_capacity(64),
+                staged: StagedPeer::new(&config.peer_limits),
             },
             self.shared.due.base(),
         ));
@@ -2618,7 +2785,6 @@ impl Engine {
         let qps = peer.qps.len();
         drop(slot_guard);
         state.slots.push(Arc::clone(&lock));
-        state.paths.staged.add_peer(slot, &config.peer_limits);
         if let Err(e) = posted {
             drop(state);
             self.tear_down(slot, PeerGone::FailedDuringSetUp { index: 0 });
@@ -2818,11 +2984,11 @@ impl Engine {
             }
             return handled;
         }
-        let (more, staged, gated, flushes) = self.progress_locked(&mut polled);
+        let (more, landings, gated, flushes) = self.progress_locked(&mut polled);
         polled.give_back();
         handled += more;
-        if staged {
-            handled += self.make_landings();
+        if !landings.is_empty() {
+            handled += self.make_landings(landings);
         }
         if gated {
             handled += self.serve_gates();
@@ -3086,7 +3252,7 @@ impl Engine {
             // poll ended.
             false => match try_look_at_state(shared) {
                 Some(state) => state,
-                None => return (0, false, false, Vec::new()),
+                None => return (0, Vec::new(), false, Vec::new()),
             },
         };
         let state = &mut *state;
@@ -3144,9 +3310,29 @@ impl Engine {
         if state.reconnecting > 0 {
             self.give_up_late_reconnects(state, now);
         }
-        for lock in state.slots.iter().filter(|lock| lock.mark.is_due(now)) {
-            lock_slot(lock).core.handle_timeout(now);
+        // Each peer with something for the pass: its deadlines, then its
+        // part of the staged path (under its lock alone: its slot holds
+        // it), whose landing slots to make are claimed here.
+        let mut landings = Vec::new();
+        let mut peers_poll = false;
+        {
+            let State { slots, paths, .. } = &mut *state;
+            let due = slots.iter().enumerate().filter(|(_, l)| l.mark.is_due(now));
+            for (slot, lock) in due {
+                let mut guard = lock_slot(lock);
+                guard.core.handle_timeout(now);
+                if guard.staged.is_idle() {
+                    continue;
+                }
+                handled += step_staged(&shared.res, &mut paths.staged, slot, &mut guard, now);
+                let gone = guard.peer.as_ref().is_none_or(|p| p.gone.is_some());
+                if !gone && let Some(gpu) = guard.staged.claim_landing() {
+                    landings.push((slot, gpu));
+                }
+                peers_poll |= guard.staged.polls();
+            }
         }
+        state.peers_poll = peers_poll;
         handled += state.with_paths(&shared.res, now, |paths, cx| {
             let mut handled = paths.staged.progress(cx);
             handled += paths.peer_copy.progress(cx);
@@ -3159,17 +3345,17 @@ impl Engine {
         self.run_actions(state);
         self.post_ready(state);
         let paths = &state.paths;
-        let landings = paths.staged.landings_pending();
         let serve = paths.gates.serve_pending();
         // While a path or a re-establishment runs, every progress call
         // makes the pass (their steps are polled); otherwise the next one
         // due is at the earliest deadline.
         let (staged_transfers, staged_groups) = paths.staged.load();
         let again = state.reconnecting > 0
+            || peers_poll
             || TransferPath::polls(&paths.staged)
             || TransferPath::polls(&paths.peer_copy)
             || paths.gates.waiting()
-            || landings
+            || !landings.is_empty()
             || serve
             || !flushes.is_empty()
             || paths.stream_fences.busy()
@@ -3252,24 +3438,29 @@ impl Engine {
             // messages of its protocol and hands the others back.
             Ok(m) => {
                 let res = &self.shared.res;
-                state
-                    .with_paths(res, res.config.clock.now(), |paths, cx| {
-                        match paths.peer_copy.on_control(cx, slot, m)? {
-                            Some(m) => Ok(paths.staged.on_control(cx, slot, m)?),
-                            None => Ok(None),
-                        }
-                    })
-                    .map_err(|e: PeerMisbehaved| e)?
+                state.with_paths(res, res.config.clock.now(), |paths, cx| {
+                    paths.peer_copy.on_control(cx, slot, &mut (), m)
+                })?
             }
             // A control message that does not decode: the peer broke the
             // protocol (the version was agreed in the handshake).
             Err(e) => return Err(PeerMisbehaved::Malformed(e)),
         };
-        // What the paths handed back is the connection's (or nobody's).
         let Some(message) = message else {
             return Ok(());
         };
-        let mut guard = state.slot(slot);
+        // The staged path's part of the peer is in its slot: the message
+        // goes there under the peer's lock, and what it hands back is the
+        // connection's (or nobody's).
+        let State { slots, paths, .. } = state;
+        let mut guard = lock_slot(&slots[slot]);
+        let staged = &mut paths.staged;
+        let message = on_slot(&self.shared.res, slot, &mut guard, |cx, peer| {
+            staged.on_control(cx, slot, peer, message)
+        })?;
+        let Some(message) = message else {
+            return Ok(());
+        };
         let PeerSlot { core, peer, .. } = &mut *guard;
         let Some(peer) = peer.as_mut() else {
             return Ok(());
@@ -3752,20 +3943,25 @@ impl Engine {
         }
     }
 
-    /// Makes the landing slots the staged path wants for the peers'
-    /// rendezvous requests: it decides under the lock, the slots are made
-    /// outside it (allocated, pinned, registered, granted), each result
-    /// handed back. Returns how many were made.
-    fn make_landings(&self) -> usize {
+    /// Makes the landing slots the pass claimed for the peers' rendezvous
+    /// requests (`wanted`: by peer slot, with the GPU to pin them with):
+    /// outside every lock (allocated, pinned, registered, granted), each
+    /// handed back under its peer's lock alone. Returns how many were made.
+    fn make_landings(&self, wanted: Vec<(usize, u32)>) -> usize {
         let res = &self.shared.res;
-        let wanted = self.with_paths(|paths, cx| paths.staged.landings_wanted(cx));
         let mut worked = 0;
         for (slot, gpu) in wanted {
             let peer = self.peer_at(slot);
             let made = staging::make_landing(res, slot, Some(gpu), |region, len| {
                 peer.make_grant(region, 0, len, GrantRights::ReadWrite)
             });
-            worked += self.with_paths(|paths, cx| paths.staged.landing_made(cx, slot, made));
+            let mut guard = lock_slot(&peer.lock);
+            worked += on_slot(res, slot, &mut guard, |cx, staged| {
+                staged.landing_made(cx, slot, made)
+            });
+            drop(guard);
+            // The requests waiting for them go on at the next pass.
+            self.shared.due.set();
         }
         worked
     }
@@ -4085,6 +4281,7 @@ impl reactor::Parkable for Engine {
             return true;
         };
         state.reconnecting > 0
+            || state.peers_poll
             || TransferPath::polls(&state.paths.staged)
             || TransferPath::polls(&state.paths.peer_copy)
             || state.paths.gates.waiting()
@@ -4513,6 +4710,7 @@ mod lock_order_tests {
                 core: Core::for_tests(),
                 peer: None,
                 to_post: Vec::new(),
+                staged: StagedPeer::new(&gdr_proto::PeerLimits::default()),
             },
             Instant::now(),
         )

@@ -130,6 +130,11 @@ pub(crate) struct PathCx<'a> {
 /// (a path that needs a synchronous copy hands it out as work to run
 /// outside the lock).
 pub(crate) trait TransferPath {
+    /// What the path keeps of one peer: it lives in the peer's slot, under
+    /// the peer's lock, and the engine hands it to the calls about that
+    /// peer (with a wire to that peer alone: the peer's lock is held).
+    type Peer;
+
     /// Whether this path carries `transfers` for the peer in `slot` (the
     /// capability predicate). The engine asks the peer-copy path, then the
     /// staged path, and posts to the first that says yes; what neither
@@ -140,23 +145,30 @@ pub(crate) trait TransferPath {
     /// one that does not open here leaves the batch to the NIC).
     fn carries(&mut self, res: &Resources, slot: usize, transfers: &[Transfer<'_>]) -> bool;
 
-    /// Starts `transfers` for the peer in `slot`, which the engine checked
-    /// first (local bounds; the grant live on this connection, its rights
-    /// and range): the path checks what is its own (a mapping that opens,
-    /// a pool it can make) before anything moves. The returned cell ends
-    /// exactly once, by `timeout`. On `Err` nothing started.
+    /// Starts `transfers` for the peer in `slot` (its part here: `peer`),
+    /// which the engine checked first (local bounds; the grant live on
+    /// this connection, its rights and range): the path checks what is
+    /// its own (a mapping that opens, a pool it can make) before anything
+    /// moves. The returned cell ends exactly once, by `timeout`. On `Err`
+    /// nothing started.
     fn post(
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        peer: &mut Self::Peer,
         transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError>;
 
-    /// Advances the path: what ended since the last call, deadlines
-    /// passed at `cx.now`, what may start now. Returns how much moved (a
-    /// driver counts it as work).
+    /// Advances what the path holds beside its peers' parts: what ended
+    /// since the last call, deadlines passed at `cx.now`, what may start
+    /// now. Returns how much moved (a driver counts it as work).
     fn progress(&mut self, cx: &mut PathCx<'_>) -> usize;
+
+    /// Advances the path's part of the peer in `slot`, as
+    /// [`TransferPath::progress`] does the rest.
+    fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer)
+    -> usize;
 
     /// A control message from the peer in `slot`: the path takes those of
     /// its own protocol (`Ok(None)`) and hands the others back.
@@ -164,18 +176,25 @@ pub(crate) trait TransferPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        peer: &mut Self::Peer,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved>;
 
     /// Stops the batches whose outcome goes to one of `cells`; each ends
     /// [`TransferError::Cancelled`] once nothing of it is in flight.
-    fn cancel(&mut self, cells: &[Arc<CompletionCell>]);
+    /// Returns the cells with the parts each stands for, for
+    /// [`TransferPath::cancel_peer`].
+    fn cancel(&mut self, cells: &[Arc<CompletionCell>]) -> Vec<Arc<CompletionCell>>;
+
+    /// [`TransferPath::cancel`]'s part in the peer's slot.
+    fn cancel_peer(&mut self, peer: &mut Self::Peer, cells: &[Arc<CompletionCell>]);
 
     /// The peer in `slot` is gone: end what the path does for or with it
     /// and free what it holds of it (once nothing in flight uses it).
-    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize);
+    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer);
 
-    /// The earliest deadline of what the path holds: the driver calls
+    /// The earliest deadline of what the path holds beside its peers'
+    /// parts (those publish theirs with the peer's mark): the driver calls
     /// [`TransferPath::progress`] by then.
     fn next_deadline(&self) -> Option<Instant>;
 

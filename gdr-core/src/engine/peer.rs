@@ -43,11 +43,13 @@ pub struct Grant {
     pub(super) _grants: Vec<MrGrant>,
     /// Its entry for a peer-copy peer of this process.
     pub(super) _published: Option<peer_copy::Publication>,
-    /// Whether a path beside the NIC's may hold it (served by the staged
-    /// path, or GPU memory the peer-copy path may export): its revoke
-    /// takes the engine's lock. A grant the NIC alone reaches is made,
-    /// announced and revoked under the peer's lock alone.
-    pub(super) on_paths: bool,
+    /// Served by the staged path (staging-rung memory): its revoke fences
+    /// the peer's requests under it, in the peer's slot.
+    pub(super) staged: bool,
+    /// GPU memory the peer-copy path may export: its revoke takes the
+    /// engine's lock (the exports are engine-wide). Any other grant is
+    /// made, announced and revoked under the peer's lock alone.
+    pub(super) may_export: bool,
 }
 
 impl fmt::Debug for Grant {
@@ -89,21 +91,31 @@ impl Grant {
         let grant = self.descriptor.grant;
         let peer = self.peer.clone();
         let same_process = self._published.as_ref().map(|p| Arc::clone(&p.fence));
-        let on_paths = self.on_paths;
+        let may_export = self.may_export;
+        let on_paths = self.staged || may_export;
         drop(self);
         if !on_paths {
             // Fenced: its MRs were deregistered by the drop.
             return Ok(());
         }
+        let staged_fenced = |slot: &PeerSlot| match slot.peer.as_ref() {
+            Some(p) => slot.staged.is_fenced(grant, p.gone.is_some()),
+            // Its state dropped: its copies were waited for.
+            None => true,
+        };
+        // Nothing under way under it: fenced now, under the peer's lock
+        // alone (a grant peer copy may have exported asks the engine's).
+        if !may_export && staged_fenced(&lock_slot(&peer.lock)) {
+            return Ok(());
+        }
         peer.engine.progress_until(timeout, |state| {
-            let gone = state.slot(peer.slot).peer.as_ref().map(|p| p.gone.is_some());
-            let staged = match gone {
-                Some(gone) => state.paths.staged.is_fenced(peer.slot, grant, gone),
-                // Its state dropped: its copies were waited for.
-                None => true,
-            };
+            let staged = staged_fenced(&state.slot(peer.slot));
             let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
-            match state.paths.peer_copy.exports.release(grant) {
+            let release = match may_export {
+                true => state.paths.peer_copy.exports.release(grant),
+                false => Release::Released,
+            };
+            match release {
                 Release::Released if staged && copies_fenced => Some(Ok(())),
                 Release::GivenUp => Some(Err(EngineError::Timeout(TimedOut { after: timeout }))),
                 _ => None,
@@ -115,14 +127,7 @@ impl Grant {
 impl Drop for Grant {
     fn drop(&mut self) {
         let grant = self.descriptor.grant;
-        if !self.on_paths {
-            let mut slot = lock_slot(&self.peer.lock);
-            if slot.peer.is_some() {
-                slot.core.conn.forget_announced(grant);
-            }
-        } else {
-            self.revoke_on_paths(grant);
-        }
+        self.revoke_on_paths(grant);
         let notice = Control::GrantRevoke { grant };
         // Best effort: a peer that is gone needs no notice; its NIC access
         // ends with the MRs either way.
@@ -133,10 +138,11 @@ impl Drop for Grant {
 }
 
 impl Grant {
-    /// The revoke's part on the paths beside the NIC's (under the engine's
-    /// lock): an exported IPC handle, requests of the staged path.
+    /// The revoke on this side: the announcement forgotten, and the paths
+    /// beside the NIC's told: an exported IPC handle (under the engine's
+    /// lock), requests of the staged path (under the peer's).
     fn revoke_on_paths(&self, grant: u64) {
-        {
+        if self.may_export {
             // An exported IPC handle: its memory stays until the importer
             // released it (or the bound passed).
             let config = &self.peer.engine.shared.config;
@@ -147,19 +153,21 @@ impl Grant {
                 .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
         }
         let fenced = {
-            let mut state = lock_state(&self.peer.engine.shared);
-            let mut slot = state.slot(self.peer.slot);
+            let mut slot = lock_slot(&self.peer.lock);
             if slot.peer.is_some() {
                 slot.core.conn.forget_announced(grant);
             }
-            drop(slot);
             // Requests under it stop at once; the fence waits for their
             // copies under way.
-            state.paths.staged.revoke(self.peer.slot, grant)
+            self.staged.then(|| slot.staged.revoke(grant))
         };
         // A staged region's last hold may go here: outside the lock.
         drop(fenced);
-        self.peer.engine.wake();
+        if self.staged || self.may_export {
+            // The requests under it fail at the next pass.
+            self.peer.engine.shared.due.set();
+            self.peer.engine.wake();
+        }
     }
 }
 
@@ -331,20 +339,15 @@ impl Peer {
         if served.is_some() {
             self.engine.ensure_own_driver();
         }
-        let on_paths = served.is_some() || may_export;
+        let staged = served.is_some();
         // Recorded before it is announced: the peer may use it at once.
         if let Some(served) = served {
-            let mut state = lock_state(&self.engine.shared);
-            let mut slot = state.slot(self.slot);
+            let mut slot = lock_slot(&self.lock);
             if slot.peer.is_none() {
                 return Err(EngineError::PeerGone(PeerGone::Closed));
             }
             slot.core.conn.announce(descriptor.grant, bytes);
-            drop(slot);
-            state
-                .paths
-                .staged
-                .grant(self.slot, descriptor.grant, served)?;
+            slot.staged.grant(descriptor.grant, served);
         } else {
             self.read_peer(|core, _| core.conn.announce(descriptor.grant, bytes))?;
         }
@@ -353,7 +356,8 @@ impl Peer {
             peer: self.clone(),
             _grants: grants,
             _published: published,
-            on_paths,
+            staged,
+            may_export,
         };
         // A failed announcement revokes it again (the drop).
         self.send_control(&announce)?;
@@ -696,19 +700,21 @@ impl Peer {
     /// peer once it has heard goodbye.
     pub fn close(&self) -> Result<(), EngineError> {
         {
-            let mut state = lock_state(&self.engine.shared);
-            if state.slot(self.slot).peer.is_none() {
+            let mut slot = lock_slot(&self.lock);
+            if slot.peer.is_none() {
                 return Err(EngineError::PeerGone(PeerGone::Closed));
             }
-            state.paths.staged.close_peer(self.slot);
+            slot.staged.close();
         }
+        self.engine.shared.due.set();
         // Bounded: a copy that never ends is the GPU's failure, and the
         // goodbye goes anyway.
         let _ = self.engine.progress_until(Duration::from_secs(1), |state| {
-            if !state.paths.staged.copying(self.slot) {
+            let slot = state.slot(self.slot);
+            if !slot.staged.copying() {
                 return Some(Ok(()));
             }
-            let gone = state.slot(self.slot).peer.as_ref().and_then(|p| p.gone.clone());
+            let gone = slot.peer.as_ref().and_then(|p| p.gone.clone());
             gone.map(|why| Err(EngineError::PeerGone(why)))
         });
         if let Ok(batch) = self.send_control(&Control::Goodbye) {
@@ -850,8 +856,11 @@ impl Peer {
                     false => self.plan_direct(core, peer, &direct).map(Some),
                 }
             })??;
-            let posted = state.with_paths(&shared.res, now, |paths, cx| {
-                paths.staged.post(cx, self.slot, &carried, timeout)
+            // The staged path's part of the peer is in its slot: posted
+            // under the peer's lock, on the wire to it alone.
+            let State { slots, paths, .. } = &mut *state;
+            let posted = on_slot(&shared.res, self.slot, &mut lock_slot(&slots[self.slot]), |cx, peer| {
+                paths.staged.post(cx, self.slot, peer, &carried, timeout)
             });
             let posted = match posted {
                 Ok(posted) => posted,
@@ -892,6 +901,7 @@ impl Peer {
         Ok(Batch {
             fence,
             parts: vec![posted],
+            staged_peer: Some(Arc::clone(&self.lock)),
             ..batch
         })
     }
@@ -1030,7 +1040,7 @@ impl Peer {
             return Ok(None);
         }
         let cell = state.with_paths(res, res.config.clock.now(), |paths, cx| {
-            paths.peer_copy.post(cx, self.slot, transfers, timeout)
+            paths.peer_copy.post(cx, self.slot, &mut (), transfers, timeout)
         })?;
         drop(guard);
         // A mapping nothing else took closes here, outside the lock.

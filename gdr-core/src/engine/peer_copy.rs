@@ -1033,6 +1033,9 @@ fn queue_window(
 }
 
 impl TransferPath for PeerCopyPath {
+    /// Nothing yet: the peer-copy path keeps its peers' links by slot.
+    type Peer = ();
+
     /// Every transfer has GPU memory on this side and a grant of GPU
     /// memory the path reaches on the other: published to us (a peer of
     /// this process) or whose IPC handle the peer sent and that opens here
@@ -1065,6 +1068,7 @@ impl TransferPath for PeerCopyPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        _peer: &mut (),
         transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
@@ -1251,6 +1255,7 @@ impl TransferPath for PeerCopyPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        _peer: &mut (),
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
         match message {
@@ -1306,19 +1311,27 @@ impl TransferPath for PeerCopyPath {
 
     /// Stops the batches of `cells`: they queue nothing more and end
     /// [`TransferError::Cancelled`] once their queued copies have run.
-    fn cancel(&mut self, cells: &[Arc<CompletionCell>]) {
+    fn cancel(&mut self, cells: &[Arc<CompletionCell>]) -> Vec<Arc<CompletionCell>> {
         for flight in &mut self.flights {
             if cells.iter().any(|cell| Arc::ptr_eq(&flight.cell, cell)) {
                 flight.proto.stop(Stop::Cancelled);
             }
         }
+        cells.to_vec()
+    }
+
+    fn cancel_peer(&mut self, _peer: &mut (), _cells: &[Arc<CompletionCell>]) {}
+
+    /// Its flights are the path's, not a peer's part.
+    fn progress_peer(&mut self, _cx: &mut PathCx<'_>, _slot: usize, _peer: &mut ()) -> usize {
+        0
     }
 
     /// Drops the peer's IPC handles (its batches stop at their next
     /// window; the mappings close once no copy uses them) and the releases
     /// owed to it (it can take none); [`TransferPath::progress`] does the
     /// same for every peer it finds gone.
-    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize) {
+    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, _peer: &mut ()) {
         match cx.wire.peer(slot) {
             None => {
                 self.links.remove(&slot);

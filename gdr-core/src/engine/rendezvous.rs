@@ -33,11 +33,12 @@
 //!   requests; a request larger than the slots goes in turns; slots of one
 //!   peer are never another's, so peers do not wait on each other.
 //! - **Whose state**: a peer's `Landing` and `Asks` are the staged
-//!   path's (`staging::StagedPath`); the functions here step them
-//!   through the seam's `PathCx` (messages and RDMA ops on the wire,
-//!   copies on the engine's GPUs), never the engine itself. Landing slots
-//!   are made outside the engine's lock (`make_slots`, the engine
-//!   granting them) and installed under it (`Landing::install`).
+//!   path's part of that peer (`staging::StagedPeer`, in the peer's slot,
+//!   under its lock); the functions here step them through the seam's
+//!   `PathCx` (messages and RDMA ops on the wire to that peer, copies on
+//!   the engine's GPUs), never the engine itself. Landing slots are made
+//!   outside every lock (`make_slots`, the engine granting them) and
+//!   installed under the peer's (`Landing::install`).
 //! - **The owner's decisions are the protocol's**: which slot serves which
 //!   slice, which credit is honoured, what a revoke, the bound and the
 //!   deadline do, live in [`gdr_proto::rendezvous::Owner`] (sans-IO,

@@ -56,15 +56,18 @@
 //! # The staged path
 //!
 //! `StagedPath` is one path behind the seam (`super::path`): it owns
-//! the pools and pipes ([`super::pipeline`]) and per peer slot a
-//! `StagedPeer`: this side's grants of staging-rung regions, the landing
-//! slots lent and the requests through the peer's. It reaches the peers
-//! only through `PathCx` (the engine's resources and the wire). What must
-//! run outside the engine's lock (making landing slots: allocation,
-//! pinning, registration) it hands out from
-//! `StagedPath::landings_wanted`; the engine makes them and hands each
-//! result back (`StagedPath::landing_made`). Both forms are its
-//! `TransferPath::post`.
+//! the pools and pipes ([`super::pipeline`]), engine-wide. What it holds
+//! of one peer, a `StagedPeer` (this side's grants of staging-rung
+//! regions, the landing slots lent and the requests through the peer's),
+//! is its `TransferPath::Peer`: it lives in the peer's slot, under the
+//! peer's lock, and each step of it runs there on a wire to that peer
+//! alone, so one peer's rendezvous never waits on another's. It reaches
+//! the peers only through `PathCx` (the engine's resources and the wire).
+//! What must run outside every lock (making landing slots: allocation,
+//! pinning, registration) the engine's pass claims
+//! (`StagedPeer::claim_landing`); the engine makes them and hands each
+//! result back under the peer's lock (`StagedPeer::landing_made`). Both
+//! forms are its `TransferPath::post`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -76,7 +79,7 @@ use super::pipeline::{self, Pipe, StagingPool};
 use super::rendezvous::{self, Asks, Landing, LandingSlots};
 use super::resources::Resources;
 use super::wire::Control;
-use super::{EngineError, Op, PeerGone, Refusal, Region, Transfer, TransferError};
+use super::{EngineError, Op, Refusal, Region, Transfer, TransferError};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::{MrGrant, Rung};
 use gdr_proto::grants::{LocalGrants, Revoked, Rights, Terms};
@@ -187,6 +190,10 @@ pub(crate) fn make_landing(
 }
 
 /// What the staged path holds of one peer: both sides of its rendezvous.
+/// It lives in the peer's slot, under the peer's lock (the engine's
+/// `PeerSlot`), not in the engine-wide [`StagedPath`]: one peer's
+/// rendezvous steps, grants and revokes take no other peer's lock and not
+/// the engine's.
 pub(crate) struct StagedPeer {
     /// This side's grants of staging-rung regions, served by rendezvous:
     /// live, or revoked while a request under them still runs (the
@@ -200,11 +207,114 @@ pub(crate) struct StagedPeer {
 }
 
 impl StagedPeer {
-    fn new(limits: &PeerLimits) -> Self {
+    /// Nothing staged with the peer yet, under `limits`.
+    pub(crate) fn new(limits: &PeerLimits) -> Self {
         Self {
             served: LocalGrants::default(),
             landing: Landing::new(limits),
             asks: Asks::default(),
+        }
+    }
+
+    /// This side's staged grants (live, or revoked while a request under
+    /// them runs), the peer's requests served, copies running for them,
+    /// and this side's requests asked.
+    pub(crate) fn load(&self) -> (usize, usize, usize, usize) {
+        let (served, copies) = self.landing.load();
+        (self.served.len(), served, copies, self.asks.asked())
+    }
+
+    /// Serves grant `grant` of a staging-rung region to the peer (recorded
+    /// before it is announced: the peer may use it at once).
+    pub(crate) fn grant(&mut self, grant: u64, served: Served) {
+        let terms = served.terms();
+        self.served.insert(grant, terms, served);
+    }
+
+    /// Revokes grant `grant` to the peer: requests under it stop at once;
+    /// its fence waits for their copies under way. What is fenced now goes
+    /// with the returned value (outside the peer's lock).
+    pub(crate) fn revoke(&mut self, grant: u64) -> Revoked<Served> {
+        let revoked = self.served.revoke(grant);
+        if let Revoked::Draining { .. } = revoked {
+            self.landing.revoke(grant);
+        }
+        revoked
+    }
+
+    /// Whether grant `grant` is fenced (no byte moves under it any more).
+    /// A gone peer's (`gone`) served grants go with it, once the copies
+    /// still running for it have ended (the next progress waits for them).
+    pub(crate) fn is_fenced(&self, grant: u64, gone: bool) -> bool {
+        self.served.is_fenced(grant) || (gone && !self.landing.copying())
+    }
+
+    /// This side closes the connection: the peer's requests served here
+    /// stop (no copy starts).
+    pub(crate) fn close(&mut self) {
+        self.landing.close();
+    }
+
+    /// Whether a copy for the peer's requests may still run.
+    pub(crate) fn copying(&self) -> bool {
+        self.landing.copying()
+    }
+
+    /// Whether the engine's pass has nothing to step here.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.landing.is_idle() && self.asks.is_idle() && !self.polls()
+    }
+
+    /// Whether what runs here ends only as polling sees it (GPU copies
+    /// and their events; a request of ours whose side copies through a
+    /// pool): a parked engine must look again soon.
+    pub(crate) fn polls(&self) -> bool {
+        self.landing.copying() || self.asks.asking()
+    }
+
+    /// The earliest deadline of both sides' protocols.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        [self.landing.poll_timeout(), self.asks.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// The GPU to pin this peer's landing slots with, when its requests
+    /// wait for slots and nobody makes them yet: the caller makes them
+    /// outside every lock ([`make_landing`]) and hands the result back
+    /// ([`StagedPeer::landing_made`]); until then no other caller is
+    /// handed them (it would make a second set only to free it).
+    pub(crate) fn claim_landing(&mut self) -> Option<u32> {
+        self.landing.claim_slots()
+    }
+
+    /// The landing slots claimed by [`StagedPeer::claim_landing`] were
+    /// made (or failed): installed and announced on `cx`'s wire to the
+    /// peer in `slot`, or its requests fail. Returns how many were made
+    /// (a driver counts it as work).
+    pub(crate) fn landing_made(
+        &mut self,
+        cx: &mut PathCx<'_>,
+        slot: usize,
+        made: Result<LandingSlots, EngineError>,
+    ) -> usize {
+        let timeout = cx.res.config.default_timeout;
+        match made {
+            Ok(made) => {
+                if let Some(announce) = self.landing.install(made)
+                    && let Err(e) = cx.wire.send(slot, &announce.as_control(), timeout)
+                {
+                    tracing::warn!(error = %e, "announcing landing slots");
+                }
+                1
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "making landing slots: the requests fail");
+                // The protocol answers them (FAILED) at its next step.
+                self.landing.slots_failed();
+                0
+            }
         }
     }
 }
@@ -232,13 +342,10 @@ impl Group {
     }
 }
 
-/// The staged path (see the module docs): its pools and pipes, the
-/// rendezvous it serves and those it asks for, by peer slot.
+/// The staged path (see the module docs): its pools and pipes; each
+/// peer's rendezvous is in the peer's slot ([`StagedPeer`]).
 #[derive(Default)]
 pub(crate) struct StagedPath {
-    /// By peer slot. Field order is drop order, as when this was the
-    /// peers' state: the peers' part first.
-    peers: Vec<Option<StagedPeer>>,
     /// Each GPU's staging pool, made at its first staged transfer.
     pools: HashMap<u32, StagingPool>,
     /// Staged transfers going through a pool.
@@ -248,20 +355,6 @@ pub(crate) struct StagedPath {
 }
 
 impl StagedPath {
-    /// What the staged path holds for the peer in `slot`: this side's
-    /// staged grants (live, or revoked while a request under them runs),
-    /// the peer's requests served, copies running for them, and this
-    /// side's requests asked.
-    pub(crate) fn peer_load(&self, slot: usize) -> (usize, usize, usize, usize) {
-        match self.peers.get(slot).and_then(Option::as_ref) {
-            Some(peer) => {
-                let (served, copies) = peer.landing.load();
-                (peer.served.len(), served, copies, peer.asks.asked())
-            }
-            None => (0, 0, 0, 0),
-        }
-    }
-
     /// Staged transfers going through a pool, and posts of several
     /// transfers not ended.
     pub(crate) fn load(&self) -> (usize, usize) {
@@ -287,142 +380,6 @@ impl StagedPath {
         }
     }
 
-    /// A peer connected in `slot`: nothing staged with it yet.
-    pub(crate) fn add_peer(&mut self, slot: usize, limits: &PeerLimits) {
-        if self.peers.len() <= slot {
-            self.peers.resize_with(slot + 1, || None);
-        }
-        self.peers[slot] = Some(StagedPeer::new(limits));
-    }
-
-    fn peer_mut(&mut self, slot: usize) -> Result<&mut StagedPeer, EngineError> {
-        self.peers
-            .get_mut(slot)
-            .and_then(Option::as_mut)
-            .ok_or(EngineError::PeerGone(PeerGone::Closed))
-    }
-
-    fn peer(&self, slot: usize) -> Option<&StagedPeer> {
-        self.peers.get(slot).and_then(Option::as_ref)
-    }
-
-    // ------------------------------------------------------ the grants
-
-    /// Serves grant `grant` of a staging-rung region to the peer in `slot`
-    /// (recorded before it is announced: the peer may use it at once).
-    pub(crate) fn grant(
-        &mut self,
-        slot: usize,
-        grant: u64,
-        served: Served,
-    ) -> Result<(), EngineError> {
-        let terms = served.terms();
-        self.peer_mut(slot)?.served.insert(grant, terms, served);
-        Ok(())
-    }
-
-    /// Revokes grant `grant` to the peer in `slot`: requests under it stop
-    /// at once; its fence waits for their copies under way. What is fenced
-    /// now goes with the returned value (outside the engine's lock).
-    pub(crate) fn revoke(&mut self, slot: usize, grant: u64) -> Revoked<Served> {
-        let Ok(peer) = self.peer_mut(slot) else {
-            return Revoked::Unknown;
-        };
-        let revoked = peer.served.revoke(grant);
-        if let Revoked::Draining { .. } = revoked {
-            peer.landing.revoke(grant);
-        }
-        revoked
-    }
-
-    /// Whether grant `grant` to the peer in `slot` is fenced (no byte moves
-    /// under it any more). A gone peer's (`gone`) served grants go with
-    /// it, once the copies still running for it have ended (the next
-    /// progress waits for them).
-    pub(crate) fn is_fenced(&self, slot: usize, grant: u64, gone: bool) -> bool {
-        self.peer(slot)
-            .is_none_or(|p| p.served.is_fenced(grant) || (gone && !p.landing.copying()))
-    }
-
-    /// This side closes the connection to the peer in `slot`: the peer's
-    /// requests served here stop (no copy starts).
-    pub(crate) fn close_peer(&mut self, slot: usize) {
-        if let Ok(peer) = self.peer_mut(slot) {
-            peer.landing.close();
-        }
-    }
-
-    /// Whether a copy for the requests of the peer in `slot` may still run.
-    pub(crate) fn copying(&self, slot: usize) -> bool {
-        self.peer(slot).is_some_and(|p| p.landing.copying())
-    }
-
-    // ------------------------------------------------- landing slots
-
-    /// Whether landing slots wait to be made outside the lock:
-    /// [`StagedPath::landings_wanted`] then.
-    pub(crate) fn landings_pending(&self) -> bool {
-        self.peers
-            .iter()
-            .flatten()
-            .any(|p| p.landing.wants_slots().is_some())
-    }
-
-    /// The landing slots to make outside the lock ([`make_landing`]), for
-    /// the peers still connected whose requests wait for them: by peer
-    /// slot, with the GPU to pin them with (the first request's grant's).
-    /// Each result goes back through [`StagedPath::landing_made`]; until
-    /// then no other thread is handed the same peer's (it would make a
-    /// second set only to free it).
-    pub(crate) fn landings_wanted(&mut self, cx: &PathCx<'_>) -> Vec<(usize, u32)> {
-        self.peers
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(slot, peer)| {
-                let landing = &mut peer.as_mut()?.landing;
-                if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
-                    return None;
-                }
-                landing.claim_slots().map(|gpu| (slot, gpu))
-            })
-            .collect()
-    }
-
-    /// The landing slots of the peer in `slot` were made (or failed):
-    /// installed and announced, or its requests fail. Returns how many were
-    /// made (a driver counts it as work).
-    pub(crate) fn landing_made(
-        &mut self,
-        cx: &mut PathCx<'_>,
-        slot: usize,
-        made: Result<LandingSlots, EngineError>,
-    ) -> usize {
-        let timeout = cx.res.config.default_timeout;
-        let peer = match self.peer_mut(slot) {
-            Ok(peer) => peer,
-            Err(e) => {
-                tracing::warn!(error = %e, "announcing landing slots");
-                return usize::from(made.is_ok());
-            }
-        };
-        match made {
-            Ok(made) => {
-                if let Some(announce) = peer.landing.install(made)
-                    && let Err(e) = cx.wire.send(slot, &announce.as_control(), timeout)
-                {
-                    tracing::warn!(error = %e, "announcing landing slots");
-                }
-                1
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "making landing slots: the requests fail");
-                // The protocol answers them (FAILED) at its next step.
-                peer.landing.slots_failed();
-                0
-            }
-        }
-    }
-
     // ------------------------------------------------------ messages
 
     /// A control message from the peer in `slot`: the staged path takes
@@ -431,14 +388,11 @@ impl StagedPath {
     /// no longer serves) is refused at once ([`ACCESS_DENIED`]), nothing of
     /// it kept; a reply to no request of ours is dropped.
     fn receive<'m>(
-        &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        peer: &mut StagedPeer,
         message: Control<'m>,
     ) -> Option<Control<'m>> {
-        let Ok(peer) = self.peer_mut(slot) else {
-            return Some(message);
-        };
         let message = match rendezvous::receive(&mut peer.landing, &mut peer.asks, message) {
             Ok(()) => return None,
             Err(message) => message,
@@ -472,6 +426,8 @@ fn reply(cx: &mut PathCx<'_>, slot: usize, id: u64, status: u32) {
 }
 
 impl TransferPath for StagedPath {
+    type Peer = StagedPeer;
+
     /// The local region is staged or the peer's grant is.
     fn carries(&mut self, _res: &Resources, _slot: usize, transfers: &[Transfer<'_>]) -> bool {
         transfers.iter().any(staged)
@@ -485,6 +441,7 @@ impl TransferPath for StagedPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        peer: &mut StagedPeer,
         transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
@@ -496,11 +453,12 @@ impl TransferPath for StagedPath {
             gpus.push(rendezvous::staged_gpu(t)?);
         }
         let mut cells = Vec::with_capacity(transfers.len());
-        let peer = self.peer_mut(slot)?;
         for t in transfers.iter().filter(|t| slotted(t)) {
             cells.push(peer.asks.ask(cx, slot, t, timeout)?);
         }
-        let mut piped = false;
+        // The new pipes are this peer's: started here, on its wire, then
+        // pumped with the others by the engine's pass.
+        let mut piped = Vec::new();
         for (t, gpu) in transfers.iter().zip(gpus).filter(|(t, _)| !slotted(t)) {
             let gpu = gpu.expect("a pipelined transfer of ours is staged GPU memory");
             let (pipe, cell) = Pipe::new(
@@ -515,12 +473,12 @@ impl TransferPath for StagedPath {
                 cx.now,
                 timeout,
             );
-            self.pipes.push(pipe);
+            piped.push(pipe);
             cells.push(cell);
-            piped = true;
         }
-        if piped {
-            pipeline::pump(cx, &mut self.pipes, &mut self.pools);
+        if !piped.is_empty() {
+            pipeline::pump(cx, &mut piped, &mut self.pools);
+            self.pipes.append(&mut piped);
         }
         if cells.len() == 1 {
             return Ok(cells.remove(0));
@@ -536,21 +494,25 @@ impl TransferPath for StagedPath {
         Ok(cell)
     }
 
-    /// The pipes, this side's requests through the peers' landing slots
-    /// (deadlines included) and the requests served through ours; the
-    /// slots to make are [`StagedPath::landings_wanted`]'s.
+    /// The pipes (of every peer: `cx`'s wire reaches them all), and the
+    /// groups of parts that ended.
     fn progress(&mut self, cx: &mut PathCx<'_>) -> usize {
-        let mut moved = pipeline::pump(cx, &mut self.pipes, &mut self.pools);
-        for (slot, peer) in self.peers.iter_mut().enumerate() {
-            let Some(peer) = peer else { continue };
-            if !peer.landing.is_idle() {
-                moved += rendezvous::pump_landing(cx, slot, &mut peer.landing, &mut peer.served);
-            }
-            if !peer.asks.is_idle() {
-                moved += rendezvous::pump_asks(cx, slot, &mut peer.asks, &mut self.pools);
-            }
-        }
+        let moved = pipeline::pump(cx, &mut self.pipes, &mut self.pools);
         self.resolve_groups();
+        moved
+    }
+
+    /// This side's requests through the peer's landing slots (deadlines
+    /// included) and the requests served through ours; the slots to make
+    /// are [`StagedPeer::claim_landing`]'s.
+    fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut StagedPeer) -> usize {
+        let mut moved = 0;
+        if !peer.landing.is_idle() {
+            moved += rendezvous::pump_landing(cx, slot, &mut peer.landing, &mut peer.served);
+        }
+        if !peer.asks.is_idle() {
+            moved += rendezvous::pump_asks(cx, slot, &mut peer.asks, &mut self.pools);
+        }
         moved
     }
 
@@ -558,13 +520,14 @@ impl TransferPath for StagedPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        peer: &mut StagedPeer,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
-        Ok(self.receive(cx, slot, message))
+        Ok(Self::receive(cx, slot, peer, message))
     }
 
-    /// The pipes and requests through landing slots.
-    fn cancel(&mut self, cells: &[Arc<CompletionCell>]) {
+    /// The pipes and groups (a group's parts returned with it).
+    fn cancel(&mut self, cells: &[Arc<CompletionCell>]) -> Vec<Arc<CompletionCell>> {
         let mut cells = cells.to_vec();
         for group in &self.groups {
             if cells.iter().any(|c| Arc::ptr_eq(c, &group.cell)) {
@@ -572,9 +535,12 @@ impl TransferPath for StagedPath {
             }
         }
         pipeline::cancel(&mut self.pipes, &cells);
-        for peer in self.peers.iter_mut().flatten() {
-            peer.asks.cancel(&cells);
-        }
+        cells
+    }
+
+    /// This side's requests through the peer's landing slots.
+    fn cancel_peer(&mut self, peer: &mut StagedPeer, cells: &[Arc<CompletionCell>]) {
+        peer.asks.cancel(cells);
     }
 
     /// Stops what the path does with the peer: its requests served here
@@ -583,32 +549,23 @@ impl TransferPath for StagedPath {
     /// [`TransferError::PeerGone`] once their slices in flight drained).
     /// Its grants stay until revoked (a gone peer's are fenced once no
     /// copy for it runs).
-    fn release_peer(&mut self, _cx: &mut PathCx<'_>, slot: usize) {
+    fn release_peer(&mut self, _cx: &mut PathCx<'_>, slot: usize, peer: &mut StagedPeer) {
         for pipe in self.pipes.iter_mut().filter(|p| p.peer() == slot) {
             pipe.peer_gone();
         }
-        if let Ok(peer) = self.peer_mut(slot) {
-            peer.landing.close();
-            peer.asks.peer_gone();
-        }
+        peer.landing.close();
+        peer.asks.peer_gone();
     }
 
+    /// The pipes'; each peer's rendezvous deadlines are in its slot
+    /// ([`StagedPeer::poll_timeout`]).
     fn next_deadline(&self) -> Option<Instant> {
-        let peers = self.peers.iter().flatten().flat_map(|p| {
-            p.landing
-                .poll_timeout()
-                .into_iter()
-                .chain(p.asks.poll_timeout())
-        });
-        self.pipes.iter().map(Pipe::deadline).chain(peers).min()
+        self.pipes.iter().map(Pipe::deadline).min()
     }
 
+    /// The pipes; each peer's rendezvous says its own
+    /// ([`StagedPeer::polls`]).
     fn polls(&self) -> bool {
         !self.pipes.is_empty()
-            || self
-                .peers
-                .iter()
-                .flatten()
-                .any(|p| p.landing.copying() || p.asks.asking())
     }
 }
