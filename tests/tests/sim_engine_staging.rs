@@ -764,3 +764,56 @@ fn staged_grants_are_made_and_revoked_while_the_engines_lock_is_held() {
         );
     });
 }
+
+/// A staged submit (the staged path's part of the peer is in its slot,
+/// the staging pools under a lock of their own) takes the peer's lock
+/// alone: a's batches through its own GPU's pool and through b's landing
+/// slots are submitted while another thread holds a's engine lock, and
+/// move once progress (which needs it) runs again.
+#[test]
+fn staged_submits_are_taken_while_the_engines_lock_is_held() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const LEN: u64 = 64 * 1024;
+    let w = staging_world_with(2, |c| c.peer_copy = false);
+    let _b_driver = w.b.engine.spawn_driver().unwrap();
+    let (_s, staged_src) = w.a.alloc(Kind::Gpu, LEN, 3);
+    let (_h, host_src) = w.a.alloc(Kind::Host, LEN, 4);
+    let (host_buf, host) = w.b.alloc(Kind::Host, LEN, 0);
+    let (gpu_buf, gpu) = w.b.alloc(Kind::Gpu, LEN, 0);
+    let (_g1, to_host) = w.b_grants(&host, GrantRights::Write);
+    let (_g2, to_gpu) = w.b_grants(&gpu, GrantRights::Write);
+    // The pool and the landing slots are made by a first round.
+    let warm = [
+        Transfer::write(&staged_src, 0, &to_host, 0, LEN),
+        Transfer::write(&host_src, 0, &to_gpu, 0, LEN),
+    ];
+    w.ab.submit(&warm).unwrap().wait(T).unwrap();
+    let released = AtomicBool::new(false);
+    let (held, holding) = std::sync::mpsc::channel();
+    let batches = std::thread::scope(|s| {
+        s.spawn(|| {
+            w.a.engine.with_engine_lock_held(|| {
+                held.send(()).unwrap();
+                std::thread::sleep(Duration::from_secs(3));
+                released.store(true, Ordering::SeqCst);
+            });
+        });
+        holding.recv().unwrap();
+        let through_pool =
+            w.ab.submit(&[Transfer::write(&staged_src, 0, &to_host, 0, LEN)])
+                .unwrap();
+        let through_slots =
+            w.ab.submit(&[Transfer::write(&host_src, 0, &to_gpu, 0, LEN)])
+                .unwrap();
+        assert!(
+            !released.load(Ordering::SeqCst),
+            "a staged submit waited for the engine's lock"
+        );
+        [through_pool, through_slots]
+    });
+    for batch in batches {
+        batch.wait(T).unwrap();
+    }
+    assert_eq!(w.b.bytes(&host_buf), pattern(LEN as usize, 3));
+    assert_eq!(w.b.bytes(&gpu_buf), pattern(LEN as usize, 4));
+}

@@ -196,13 +196,14 @@ impl Batch {
             None => self.engine.cancel_peer_copy(&self.cell),
         }
         if let Some(lock) = &self.staged_peer {
-            // The staged parts: pipelines (the path's), then requests
-            // through the peer's landing slots (its part in the peer's
-            // slot).
-            let mut state = lock_state(&self.engine.shared);
-            let staged = &mut state.paths.staged;
+            // The staged parts (pipelines and requests through the peer's
+            // landing slots): the staged path's part of the peer, in its
+            // slot.
+            let mut staged = self.engine.shared.staged();
             let cells = staged.cancel(&self.parts);
             staged.cancel_peer(&mut lock_slot(lock).staged, &cells);
+            // They end at the next pass.
+            self.engine.shared.due.set();
         }
         self.engine.wake();
     }

@@ -81,15 +81,14 @@
 //!
 //! 1. The engine's lock (`Shared::state`, `State`): the table of the
 //!    peers' slots, the queue pairs being re-established, the paths'
-//!    engine-wide parts (the staged path's pools and pipes, peer copy,
-//!    stream fences, gates). Taken by the engine's pass
-//!    (`Engine::progress_locked`: the control messages a path takes,
-//!    error completions, deadlines, connection and async events, the
-//!    paths' steps, queue-pair actions) and by what changes the peers or
-//!    those parts (a connect; a grant or revoke of GPU memory peer copy
-//!    may export; a staged, gated or peer-copy submit; a staged batch's
-//!    cancel). A progress call makes the pass
-//!    only when it is due (`handoff::PassDue`: work one of those left
+//!    engine-wide parts (peer copy, stream fences, gates). Taken by the
+//!    engine's pass (`Engine::progress_locked`: the control messages a
+//!    path takes, error completions, deadlines, connection and async
+//!    events, the paths' steps, queue-pair actions) and by what changes
+//!    the peers or those parts (a connect; a grant or revoke of GPU
+//!    memory peer copy may export; a gated or peer-copy submit). A
+//!    progress call makes the pass only when it is due
+//!    (`handoff::PassDue`: work one of those left
 //!    it, its earliest deadline, connection and async events every
 //!    millisecond, engine wide); one only due, with the lock busy, is
 //!    left to a later call, and a waiter about to park polls instead of
@@ -114,9 +113,9 @@
 //!    engine's side of it, `batches::Core`; and the staged path's part of
 //!    the peer, `staging::StagedPeer`: its rendezvous both ways and its
 //!    staged grants, stepped there on a wire to that peer alone,
-//!    `SlotWire`): taken alone by what that peer does (a submit of memory
-//!    the NIC reaches, a grant of memory and its revoke (staged memory
-//!    included), landing slots installed, a close, a control message,
+//!    `SlotWire`): taken alone by what that peer does (a submit, staged
+//!    memory included, a grant of memory and its revoke, landing slots
+//!    installed, a close, a control message,
 //!    a wait for a message or a grant, a cancel, the completions of its
 //!    sends and its control receives, routed to it by any polling thread:
 //!    a message of the connection's is handled there, one a path takes,
@@ -124,7 +123,10 @@
 //!    or
 //!    under the engine's lock; one peer's at a time. Under it: the NIC's
 //!    non-blocking calls (posts, a queue pair moved to error or
-//!    disconnected).
+//!    disconnected), and the staging pools (`Shared::pools`, each GPU's
+//!    bounce slots, shared by the peers' staged parts), held for one
+//!    staged post or step of the peer; under the pools, only the
+//!    locks below.
 //! 3. Below them, each taken briefly and never across another lock: a
 //!    peer's queue of receives polled (`PeerLock::inbound`, drained under
 //!    the peer's lock, which takes them in their queue pair's posting
@@ -973,8 +975,6 @@ type Route = handoff::Route<PeerLock>;
 /// ([`path`]), each owning its state; the engine hands each step of one
 /// the same context ([`State::with_paths`]).
 struct Paths {
-    /// The staged path: pools, pipes, rendezvous both ways, by peer.
-    staged: staging::StagedPath,
     /// The page of words streams wait on (made at the first stream fence
     /// or gate) and the stream fences whose batch has not ended.
     stream_fences: fence::StreamFences,
@@ -1132,7 +1132,7 @@ fn on_slot<T>(
 /// Steps the staged path's part of the peer in `slot` (its lock held).
 fn step_staged(
     res: &Resources,
-    path: &mut staging::StagedPath,
+    path: &mut staging::StagedPath<'_>,
     slot: usize,
     slot_state: &mut PeerSlot,
     now: Instant,
@@ -1280,6 +1280,9 @@ struct Shared {
     // Field order is drop order: connections (in the state and the
     // routes) before the NICs' CQs, PDs and contexts (in the resources).
     state: Mutex<State>,
+    /// Each GPU's staging pool, shared by the peers' staged parts (its
+    /// own lock: see the module docs).
+    pools: staging::StagingPools,
     /// Each queue pair's route, by (NIC, queue pair number): completions
     /// go to their peer without the engine's lock ([`handoff::Routes`]).
     routes: handoff::Routes<PeerLock>,
@@ -1748,6 +1751,11 @@ impl Drop for Shared {
 }
 
 impl Shared {
+    /// The staged path, for one call (its pools).
+    fn staged(&self) -> staging::StagedPath<'_> {
+        staging::StagedPath { pools: &self.pools }
+    }
+
     /// The routes, to change: the version moves as the lock goes.
     fn routes_mut(&self) -> handoff::RoutesWrite<'_, PeerLock> {
         self.routes.write()
@@ -2081,12 +2089,12 @@ impl Engine {
                 .collect(),
             due: PassDue::new(config.clock.now()),
             sweeps: handoff::Sweeps::new(),
+            pools: Default::default(),
             state: Mutex::new(State {
                 slots: Vec::new(),
                 reconnecting: 0,
                 peers_poll: false,
                 paths: Paths {
-                    staged: Default::default(),
                     stream_fences: Default::default(),
                     peer_copy: peer_copy::PeerCopyPath::new(cuda),
                     gates: Default::default(),
@@ -2147,7 +2155,7 @@ impl Engine {
     /// baseline once the work and the peers are gone.
     pub fn resources(&self) -> EngineResources {
         let state = look_at_state(&self.shared);
-        let (staged_transfers, staged_groups) = state.paths.staged.load();
+        let (mut staged_transfers, mut staged_groups) = (0, 0);
         let mut batches = 0;
         let peers = state
             .slots
@@ -2157,6 +2165,9 @@ impl Engine {
                 let guard = lock_slot(lock);
                 let (staged_grants, requests_served, copies, requests_asked) =
                     guard.staged.load();
+                let (transfers, groups) = guard.staged.transfers();
+                staged_transfers += transfers;
+                staged_groups += groups;
                 batches += guard.core.batches_live();
                 let peer = guard.peer.as_ref()?;
                 let core = &guard.core;
@@ -2596,7 +2607,7 @@ impl Engine {
         let session = core.conn.session();
         // Each path ends what it does with the peer and lets go of it.
         let res = &self.shared.res;
-        let staged = &mut state.paths.staged;
+        let mut staged = self.shared.staged();
         on_slot(res, slot, &mut slot_guard, |cx, peer| {
             staged.release_peer(cx, slot, peer)
         });
@@ -2898,14 +2909,10 @@ impl Engine {
         // own as it goes, and makes the pass due by it when it left one
         // (`PeerMark::settle`).
         let peers = state.slots.iter().filter_map(|lock| lock.mark.at());
-        [
-            TransferPath::next_deadline(&state.paths.staged),
-            TransferPath::next_deadline(&state.paths.peer_copy),
-        ]
-        .into_iter()
-        .flatten()
-        .chain(peers)
-        .min()
+        TransferPath::next_deadline(&state.paths.peer_copy)
+            .into_iter()
+            .chain(peers)
+            .min()
     }
 
     /// Polls every NIC's completions, handles deadlines and connection
@@ -3316,15 +3323,15 @@ impl Engine {
         let mut landings = Vec::new();
         let mut peers_poll = false;
         {
-            let State { slots, paths, .. } = &mut *state;
-            let due = slots.iter().enumerate().filter(|(_, l)| l.mark.is_due(now));
-            for (slot, lock) in due {
+            let mut staged = shared.staged();
+            let due = state.slots.iter().enumerate();
+            for (slot, lock) in due.filter(|(_, l)| l.mark.is_due(now)) {
                 let mut guard = lock_slot(lock);
                 guard.core.handle_timeout(now);
                 if guard.staged.is_idle() {
                     continue;
                 }
-                handled += step_staged(&shared.res, &mut paths.staged, slot, &mut guard, now);
+                handled += step_staged(&shared.res, &mut staged, slot, &mut guard, now);
                 let gone = guard.peer.as_ref().is_none_or(|p| p.gone.is_some());
                 if !gone && let Some(gpu) = guard.staged.claim_landing() {
                     landings.push((slot, gpu));
@@ -3334,8 +3341,7 @@ impl Engine {
         }
         state.peers_poll = peers_poll;
         handled += state.with_paths(&shared.res, now, |paths, cx| {
-            let mut handled = paths.staged.progress(cx);
-            handled += paths.peer_copy.progress(cx);
+            let handled = paths.peer_copy.progress(cx);
             handled + paths.gates.poll(cx, &mut paths.stream_fences)
         });
         // The GPU fences of ended batches' stream fences are claimed here
@@ -3349,17 +3355,14 @@ impl Engine {
         // While a path or a re-establishment runs, every progress call
         // makes the pass (their steps are polled); otherwise the next one
         // due is at the earliest deadline.
-        let (staged_transfers, staged_groups) = paths.staged.load();
         let again = state.reconnecting > 0
             || peers_poll
-            || TransferPath::polls(&paths.staged)
             || TransferPath::polls(&paths.peer_copy)
             || paths.gates.waiting()
             || !landings.is_empty()
             || serve
             || !flushes.is_empty()
-            || paths.stream_fences.busy()
-            || staged_transfers + staged_groups > 0;
+            || paths.stream_fences.busy();
         Looked {
             out: (handled, landings, serve, flushes),
             again,
@@ -3452,9 +3455,8 @@ impl Engine {
         // The staged path's part of the peer is in its slot: the message
         // goes there under the peer's lock, and what it hands back is the
         // connection's (or nobody's).
-        let State { slots, paths, .. } = state;
-        let mut guard = lock_slot(&slots[slot]);
-        let staged = &mut paths.staged;
+        let mut guard = state.slot(slot);
+        let mut staged = self.shared.staged();
         let message = on_slot(&self.shared.res, slot, &mut guard, |cx, peer| {
             staged.on_control(cx, slot, peer, message)
         })?;
@@ -4131,14 +4133,11 @@ impl Engine {
     /// the process waits for a held stream (see [`cuda_worker`]).
     fn ensure_staging_pools(&self, gpus: &[u32]) -> Result<(), EngineError> {
         for &gpu in gpus {
-            if look_at_state(&self.shared).paths.staged.has_pool(gpu) {
+            if self.shared.pools.has_pool(gpu) {
                 continue;
             }
             let pool = pipeline::make_pool(&self.shared.res, gpu)?;
-            let spare = lock_state(&self.shared)
-                .paths
-                .staged
-                .install_pool(pool);
+            let spare = self.shared.pools.install_pool(pool);
             // Another thread's pool won: this one goes outside the lock.
             drop(spare);
         }
@@ -4282,7 +4281,6 @@ impl reactor::Parkable for Engine {
         };
         state.reconnecting > 0
             || state.peers_poll
-            || TransferPath::polls(&state.paths.staged)
             || TransferPath::polls(&state.paths.peer_copy)
             || state.paths.gates.waiting()
     }

@@ -126,7 +126,8 @@ pub(crate) struct PathCx<'a> {
 
 /// One way of moving a batch's bytes (see the module docs).
 ///
-/// The engine calls these under its state lock; none blocks on a device
+/// The engine calls these under a lock (its own for what is engine-wide,
+/// the peer's for the calls handed its `Peer`); none blocks on a device
 /// (a path that needs a synchronous copy hands it out as work to run
 /// outside the lock).
 pub(crate) trait TransferPath {

@@ -836,17 +836,14 @@ impl Peer {
         engine.ensure_staging_pools(&gpus)?;
         let cell = Arc::new(CompletionCell::new());
         let now = shared.config.clock.now();
-        // Under one hold of the lock, every transfer is checked and the
-        // direct part's work resolved on the queue pairs before the staged
-        // part is posted: on `Err` nothing of the batch started (the path
-        // seam's promise). The direct part takes the NIC.
-        let (posted, id) = {
-            let mut guard = lock_state(shared);
-            let state = &mut *guard;
-            // What a queue pair's failure asked is carried out first (see
-            // `submit_with_timeout`).
-            engine.run_actions(state);
-            let planned = Self::on_peer(&mut state.slot(self.slot), |core, peer| {
+        // Under one hold of the peer's lock (the staged path's part of the
+        // peer is in its slot), every transfer is checked and the direct
+        // part's work resolved on the queue pairs before the staged part
+        // is posted, on the wire to the peer alone: on `Err` nothing of
+        // the batch started (the path seam's promise). The direct part
+        // takes the NIC. The engine's lock is not taken.
+        let submit = |slot: &mut PeerSlot| {
+            let planned = Self::on_peer(slot, |core, peer| {
                 if let Some(why) = &peer.gone {
                     return Err(EngineError::PeerGone(why.clone()));
                 }
@@ -856,31 +853,35 @@ impl Peer {
                     false => self.plan_direct(core, peer, &direct).map(Some),
                 }
             })??;
-            // The staged path's part of the peer is in its slot: posted
-            // under the peer's lock, on the wire to it alone.
-            let State { slots, paths, .. } = &mut *state;
-            let posted = on_slot(&shared.res, self.slot, &mut lock_slot(&slots[self.slot]), |cx, peer| {
-                paths.staged.post(cx, self.slot, peer, &carried, timeout)
-            });
-            let posted = match posted {
-                Ok(posted) => posted,
-                Err(e) => {
-                    engine.post_ready(state);
-                    return Err(e);
-                }
-            };
+            let posted = on_slot(&shared.res, self.slot, slot, |cx, peer| {
+                shared
+                    .staged()
+                    .post(cx, self.slot, peer, &carried, timeout)
+            })?;
             let id = planned.map(|work| {
                 let deadline = now.checked_add(timeout).map(|at| (at, timeout));
-                let mut slot = state.slot(self.slot);
-                let id = slot
-                    .core
-                    .submit(work, Arc::clone(&cell), deadline, holds(&direct));
-                engine.settle_slot(slot);
-                id
+                slot.core
+                    .submit(work, Arc::clone(&cell), deadline, holds(&direct))
             });
-            engine.post_ready(state);
-            (posted, id)
+            Ok::<_, EngineError>((posted, id))
         };
+        let mut guard = lock_slot(&self.lock);
+        let submitted = match submit(&mut guard) {
+            // As a plain submit does: what a queue pair's failure asked is
+            // carried out, then the batch is asked again.
+            Err(EngineError::PeerGone(PeerGone::EveryQueuePairFailed)) => {
+                drop(guard);
+                engine.carry_out_actions();
+                guard = lock_slot(&self.lock);
+                submit(&mut guard)
+            }
+            submitted => submitted,
+        };
+        engine.settle_slot(guard);
+        let (posted, id) = submitted?;
+        // The staged part moves with the engine's pass (its copies are
+        // polled there): due now.
+        shared.due.set();
         let mut fence = gpu_reads(&direct);
         fence.extend(staging::read_fence(&carried));
         fence.sort_unstable();

@@ -21,10 +21,12 @@
 //!   deadline no new slice starts; those in flight end by the same
 //!   deadline (their queue pairs are stopped as for any request).
 //!
-//! The staged path (`staging::StagedPath`) owns the pools and the
-//! pipes and steps them from its progress: CUDA events are polled there,
-//! so a pipeline moves while someone makes progress (a waiter, or a
-//! driver thread). Which slice starts, what each does next and how the
+//! The pools are the engine's (`staging::StagingPools`, shared by the
+//! peers under their own lock); each peer's pipes are the staged path's
+//! part of that peer (`staging::StagedPeer`, in the peer's slot), stepped
+//! by the engine's pass under the peer's lock: CUDA events are polled
+//! there, so a pipeline moves while someone makes progress (a waiter, or
+//! a driver thread). Which slice starts, what each does next and how the
 //! transfer ends are the protocol's ([`gdr_proto::pipeline::Pipe`], tested
 //! in memory); this module hands the copies it asks for to the engine's
 //! CUDA worker ([`super::cuda_worker`]) and posts its wire ops through the
@@ -148,11 +150,6 @@ impl Pipe {
         self.deadline
     }
 
-    /// The peer slot it moves bytes with.
-    pub fn peer(&self) -> usize {
-        self.peer
-    }
-
     /// Its peer is gone: no new slice starts; it ends
     /// [`TransferError::PeerGone`] once its slices in flight drained.
     pub fn peer_gone(&mut self) {
@@ -172,7 +169,7 @@ pub(super) fn cancel(pipes: &mut [Pipe], cells: &[Arc<CompletionCell>]) {
 }
 
 /// The pool of GPU `gpu`: made beforehand by the submit, outside the
-/// engine's lock and off progress ([`make_pool`]), or here, at its first
+/// locks and off progress ([`make_pool`]), or here, at its first
 /// use, where a caller did not.
 pub(super) fn pool<'p>(
     res: &Resources,
@@ -188,7 +185,7 @@ pub(super) fn pool<'p>(
 
 /// Makes GPU `gpu`'s pool: allocated, pinned, registered on every NIC,
 /// with its two streams. Driver calls that block while a free waits for a
-/// held stream: made by the submitting thread, outside the engine's lock.
+/// held stream: made by the submitting thread, outside every lock.
 pub(super) fn make_pool(res: &Resources, gpu: u32) -> Result<StagingPool, EngineError> {
     let config = &res.config;
     let slot_size = config.staging_slice.max(4096);

@@ -212,7 +212,7 @@ pub(super) struct Landing {
     /// streams synchronized: until then copies of the gone peer's requests
     /// may still run, and its grants are not fenced.
     retiring: Vec<Pending<()>>,
-    /// A thread is making the slots outside the engine's lock
+    /// A thread is making the slots outside every lock
     /// ([`Landing::claim_slots`]): no other makes a second set (whose
     /// free, a pinned free, waits for the whole GPU).
     making: bool,
@@ -242,7 +242,7 @@ impl Landing {
     }
 
     /// The GPU to pin landing slots with when the peer's requests wait for
-    /// slots not made yet (made outside the engine's lock).
+    /// slots not made yet (made outside every lock).
     pub fn wants_slots(&self) -> Option<u32> {
         if self.slots.is_some() || self.making {
             return None;
@@ -463,7 +463,7 @@ impl Landing {
     }
 }
 
-/// Landing slots made for one peer (outside the engine's lock) and their
+/// Landing slots made for one peer (outside every lock) and their
 /// announcement, to install ([`Landing::install`]).
 pub(crate) struct LandingSlots {
     slots: Slots,
@@ -473,7 +473,7 @@ pub(crate) struct LandingSlots {
 /// Allocates and registers landing slots for the peer in slot `peer`
 /// (pinned with GPU `gpu`'s context) and grants them with `grant` (to
 /// that peer only: the engine's grant of `len` bytes of the region, read
-/// and write). Runs outside the engine's lock.
+/// and write). Runs outside every lock.
 pub(super) fn make_slots(
     res: &Resources,
     peer: usize,

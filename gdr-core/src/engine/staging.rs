@@ -82,6 +82,7 @@ use super::wire::Control;
 use super::{EngineError, Op, Refusal, Region, Transfer, TransferError};
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::{MrGrant, Rung};
+use crate::sync::{Mutex, lock};
 use gdr_proto::grants::{LocalGrants, Revoked, Rights, Terms};
 use gdr_proto::{PeerLimits, PeerMisbehaved};
 
@@ -179,7 +180,7 @@ pub(crate) fn read_fence(transfers: &[Transfer<'_>]) -> Vec<u32> {
 
 /// Makes the landing slots of the peer in `slot` (pinned with GPU `gpu`)
 /// and grants them with `grant` (the engine's grant to that peer of `len`
-/// bytes of the region, read and write). Outside the engine's lock.
+/// bytes of the region, read and write). Outside every lock.
 pub(crate) fn make_landing(
     res: &Resources,
     slot: usize,
@@ -204,6 +205,11 @@ pub(crate) struct StagedPeer {
     landing: Landing,
     /// This side's requests through the peer's landing slots.
     asks: Asks,
+    /// This side's staged transfers to the peer going through a GPU's
+    /// pool.
+    pipes: Vec<Pipe>,
+    /// Posts of several transfers to the peer not ended.
+    groups: Vec<Group>,
 }
 
 impl StagedPeer {
@@ -213,6 +219,8 @@ impl StagedPeer {
             served: LocalGrants::default(),
             landing: Landing::new(limits),
             asks: Asks::default(),
+            pipes: Vec::new(),
+            groups: Vec::new(),
         }
     }
 
@@ -222,6 +230,12 @@ impl StagedPeer {
     pub(crate) fn load(&self) -> (usize, usize, usize, usize) {
         let (served, copies) = self.landing.load();
         (self.served.len(), served, copies, self.asks.asked())
+    }
+
+    /// Staged transfers going through a pool, and posts of several
+    /// transfers not ended.
+    pub(crate) fn transfers(&self) -> (usize, usize) {
+        (self.pipes.len(), self.groups.len())
     }
 
     /// Serves grant `grant` of a staging-rung region to the peer (recorded
@@ -262,21 +276,22 @@ impl StagedPeer {
 
     /// Whether the engine's pass has nothing to step here.
     pub(crate) fn is_idle(&self) -> bool {
-        self.landing.is_idle() && self.asks.is_idle() && !self.polls()
+        self.landing.is_idle() && self.asks.is_idle() && !self.polls() && self.groups.is_empty()
     }
 
     /// Whether what runs here ends only as polling sees it (GPU copies
     /// and their events; a request of ours whose side copies through a
     /// pool): a parked engine must look again soon.
     pub(crate) fn polls(&self) -> bool {
-        self.landing.copying() || self.asks.asking()
+        self.landing.copying() || self.asks.asking() || !self.pipes.is_empty()
     }
 
-    /// The earliest deadline of both sides' protocols.
+    /// The earliest deadline of both sides' protocols and of the pipes.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
         [self.landing.poll_timeout(), self.asks.poll_timeout()]
             .into_iter()
             .flatten()
+            .chain(self.pipes.iter().map(Pipe::deadline))
             .min()
     }
 
@@ -342,36 +357,25 @@ impl Group {
     }
 }
 
-/// The staged path (see the module docs): its pools and pipes; each
-/// peer's rendezvous is in the peer's slot ([`StagedPeer`]).
+/// Each GPU's staging pool, made at its first staged transfer, shared by
+/// every peer's staged part under a lock of its own (taken under a peer's
+/// for that peer's step; under it only the CUDA worker's queue and the
+/// event pool).
 #[derive(Default)]
-pub(crate) struct StagedPath {
-    /// Each GPU's staging pool, made at its first staged transfer.
-    pools: HashMap<u32, StagingPool>,
-    /// Staged transfers going through a pool.
-    pipes: Vec<Pipe>,
-    /// Posts of several transfers not ended.
-    groups: Vec<Group>,
-}
+pub(crate) struct StagingPools(Mutex<HashMap<u32, StagingPool>>);
 
-impl StagedPath {
-    /// Staged transfers going through a pool, and posts of several
-    /// transfers not ended.
-    pub(crate) fn load(&self) -> (usize, usize) {
-        (self.pipes.len(), self.groups.len())
-    }
-
+impl StagingPools {
     /// Whether GPU `gpu` has its staging pool.
     pub(crate) fn has_pool(&self, gpu: u32) -> bool {
-        self.pools.contains_key(&gpu)
+        lock(&self.0).contains_key(&gpu)
     }
 
-    /// Takes `pool` (made outside the lock: [`pipeline::make_pool`]) as
+    /// Takes `pool` (made outside every lock: [`pipeline::make_pool`]) as
     /// its GPU's; one made meanwhile wins, and `pool` is handed back to be
     /// dropped outside the lock.
-    pub(crate) fn install_pool(&mut self, pool: StagingPool) -> Option<StagingPool> {
+    pub(crate) fn install_pool(&self, pool: StagingPool) -> Option<StagingPool> {
         use std::collections::hash_map::Entry;
-        match self.pools.entry(pool.gpu) {
+        match lock(&self.0).entry(pool.gpu) {
             Entry::Occupied(_) => Some(pool),
             Entry::Vacant(vacant) => {
                 vacant.insert(pool);
@@ -379,7 +383,16 @@ impl StagedPath {
             }
         }
     }
+}
 
+/// The staged path (see the module docs), as one call sees it: the pools
+/// it moves slices through. Everything else it holds is a peer's
+/// ([`StagedPeer`], in the peer's slot).
+pub(crate) struct StagedPath<'p> {
+    pub(crate) pools: &'p StagingPools,
+}
+
+impl StagedPath<'_> {
     // ------------------------------------------------------ messages
 
     /// A control message from the peer in `slot`: the staged path takes
@@ -408,10 +421,6 @@ impl StagedPath {
         None
     }
 
-    /// Ends the groups whose parts have all ended.
-    fn resolve_groups(&mut self) {
-        self.groups.retain(|g| !g.resolve());
-    }
 }
 
 /// Answers request `id` of the peer in `slot` with `status`.
@@ -425,7 +434,7 @@ fn reply(cx: &mut PathCx<'_>, slot: usize, id: u64, status: u32) {
     }
 }
 
-impl TransferPath for StagedPath {
+impl TransferPath for StagedPath<'_> {
     type Peer = StagedPeer;
 
     /// The local region is staged or the peer's grant is.
@@ -456,9 +465,7 @@ impl TransferPath for StagedPath {
         for t in transfers.iter().filter(|t| slotted(t)) {
             cells.push(peer.asks.ask(cx, slot, t, timeout)?);
         }
-        // The new pipes are this peer's: started here, on its wire, then
-        // pumped with the others by the engine's pass.
-        let mut piped = Vec::new();
+        let mut piped = false;
         for (t, gpu) in transfers.iter().zip(gpus).filter(|(t, _)| !slotted(t)) {
             let gpu = gpu.expect("a pipelined transfer of ours is staged GPU memory");
             let (pipe, cell) = Pipe::new(
@@ -473,12 +480,12 @@ impl TransferPath for StagedPath {
                 cx.now,
                 timeout,
             );
-            piped.push(pipe);
+            peer.pipes.push(pipe);
             cells.push(cell);
+            piped = true;
         }
-        if !piped.is_empty() {
-            pipeline::pump(cx, &mut piped, &mut self.pools);
-            self.pipes.append(&mut piped);
+        if piped {
+            pipeline::pump(cx, &mut peer.pipes, &mut lock(&self.pools.0));
         }
         if cells.len() == 1 {
             return Ok(cells.remove(0));
@@ -489,30 +496,32 @@ impl TransferPath for StagedPath {
             parts: cells,
         };
         if !group.resolve() {
-            self.groups.push(group);
+            peer.groups.push(group);
         }
         Ok(cell)
     }
 
-    /// The pipes (of every peer: `cx`'s wire reaches them all), and the
-    /// groups of parts that ended.
-    fn progress(&mut self, cx: &mut PathCx<'_>) -> usize {
-        let moved = pipeline::pump(cx, &mut self.pipes, &mut self.pools);
-        self.resolve_groups();
-        moved
+    /// Nothing: every pipe and rendezvous is a peer's.
+    fn progress(&mut self, _cx: &mut PathCx<'_>) -> usize {
+        0
     }
 
-    /// This side's requests through the peer's landing slots (deadlines
-    /// included) and the requests served through ours; the slots to make
-    /// are [`StagedPeer::claim_landing`]'s.
+    /// The peer's pipes, this side's requests through its landing slots
+    /// (deadlines included) and the requests served through ours, then
+    /// its groups whose parts all ended; the slots to make are
+    /// [`StagedPeer::claim_landing`]'s.
     fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut StagedPeer) -> usize {
         let mut moved = 0;
+        let mut pools = lock(&self.pools.0);
+        moved += pipeline::pump(cx, &mut peer.pipes, &mut pools);
         if !peer.landing.is_idle() {
             moved += rendezvous::pump_landing(cx, slot, &mut peer.landing, &mut peer.served);
         }
         if !peer.asks.is_idle() {
-            moved += rendezvous::pump_asks(cx, slot, &mut peer.asks, &mut self.pools);
+            moved += rendezvous::pump_asks(cx, slot, &mut peer.asks, &mut pools);
         }
+        drop(pools);
+        peer.groups.retain(|g| !g.resolve());
         moved
     }
 
@@ -526,21 +535,22 @@ impl TransferPath for StagedPath {
         Ok(Self::receive(cx, slot, peer, message))
     }
 
-    /// The pipes and groups (a group's parts returned with it).
+    /// Nothing beside the peers' parts ([`TransferPath::cancel_peer`]).
     fn cancel(&mut self, cells: &[Arc<CompletionCell>]) -> Vec<Arc<CompletionCell>> {
+        cells.to_vec()
+    }
+
+    /// The peer's pipes and groups, and this side's requests through its
+    /// landing slots.
+    fn cancel_peer(&mut self, peer: &mut StagedPeer, cells: &[Arc<CompletionCell>]) {
         let mut cells = cells.to_vec();
-        for group in &self.groups {
+        for group in &peer.groups {
             if cells.iter().any(|c| Arc::ptr_eq(c, &group.cell)) {
                 cells.extend(group.parts.iter().cloned());
             }
         }
-        pipeline::cancel(&mut self.pipes, &cells);
-        cells
-    }
-
-    /// This side's requests through the peer's landing slots.
-    fn cancel_peer(&mut self, peer: &mut StagedPeer, cells: &[Arc<CompletionCell>]) {
-        peer.asks.cancel(cells);
+        pipeline::cancel(&mut peer.pipes, &cells);
+        peer.asks.cancel(&cells);
     }
 
     /// Stops what the path does with the peer: its requests served here
@@ -549,23 +559,21 @@ impl TransferPath for StagedPath {
     /// [`TransferError::PeerGone`] once their slices in flight drained).
     /// Its grants stay until revoked (a gone peer's are fenced once no
     /// copy for it runs).
-    fn release_peer(&mut self, _cx: &mut PathCx<'_>, slot: usize, peer: &mut StagedPeer) {
-        for pipe in self.pipes.iter_mut().filter(|p| p.peer() == slot) {
+    fn release_peer(&mut self, _cx: &mut PathCx<'_>, _slot: usize, peer: &mut StagedPeer) {
+        for pipe in &mut peer.pipes {
             pipe.peer_gone();
         }
         peer.landing.close();
         peer.asks.peer_gone();
     }
 
-    /// The pipes'; each peer's rendezvous deadlines are in its slot
-    /// ([`StagedPeer::poll_timeout`]).
+    /// None beside the peers' ([`StagedPeer::poll_timeout`]).
     fn next_deadline(&self) -> Option<Instant> {
-        self.pipes.iter().map(Pipe::deadline).min()
+        None
     }
 
-    /// The pipes; each peer's rendezvous says its own
-    /// ([`StagedPeer::polls`]).
+    /// Never beside the peers' ([`StagedPeer::polls`]).
     fn polls(&self) -> bool {
-        !self.pipes.is_empty()
+        false
     }
 }
