@@ -4,7 +4,9 @@
 //! A [`Connection`] owns what this side knows of one peer: the batches on
 //! its queue pairs ([`Batches`]: what is queued, in flight, and when each
 //! batch ends), the re-establishment of failed queue pairs
-//! ([`Recovery`]), the grants both ways (this side's announcements, kept
+//! ([`Recovery`]), both sides of the slotted rendezvous ([`Rendezvous`]:
+//! the peer's requests served through this side's landing slots, and
+//! this side's through the peer's), the grants both ways (this side's announcements, kept
 //! to announce again on a new queue pair 0, and the peer's, bounded), the
 //! peer's messages nobody received ([`Inbox`]), this side's messages
 //! waiting for a send slot ([`Outbox`]), the peer's devices (its paths)
@@ -36,6 +38,7 @@ use crate::inbox::Inbox;
 use crate::limits::PeerLimits;
 use crate::outbox::{Outbox, OutboxFull, Waiting};
 use crate::reconnect::{GiveUp, Recovery};
+use crate::rendezvous::Rendezvous;
 use crate::wire::Control;
 
 /// What a connection needs of a grant descriptor the peer announced: the
@@ -152,6 +155,8 @@ pub struct Connection<D, R: Requests> {
     /// The peer's device behind each queue pair, once it said.
     remote_devices: Option<Vec<String>>,
     said_goodbye: bool,
+    /// Both sides of the slotted rendezvous with the peer.
+    rendezvous: Rendezvous,
 }
 
 impl<D: Descriptor, R: Requests> Connection<D, R> {
@@ -171,6 +176,7 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
             outbox: Outbox::new(config.max_outbox),
             remote_devices: None,
             said_goodbye: false,
+            rendezvous: Rendezvous::new(limits),
         }
     }
 
@@ -187,6 +193,34 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
     /// The largest control message the peer receives.
     pub fn peer_max_message(&self) -> usize {
         self.peer_max_message
+    }
+
+    /// Both sides of the slotted rendezvous with the peer.
+    pub fn rendezvous(&self) -> &Rendezvous {
+        &self.rendezvous
+    }
+
+    /// Both sides of the slotted rendezvous with the peer, to step.
+    pub fn rendezvous_mut(&mut self) -> &mut Rendezvous {
+        &mut self.rendezvous
+    }
+
+    /// Lends both sides of the rendezvous out, for a driver that steps
+    /// them while it sends and posts through the rest of the connection;
+    /// an idle pair stands in until [`Connection::return_rendezvous`]
+    /// (meanwhile [`Connection::poll_timeout`] and
+    /// [`Connection::handle_timeout`] do not see the lent one's deadlines:
+    /// return it before either is asked).
+    pub fn lend_rendezvous(&mut self) -> Rendezvous {
+        std::mem::replace(
+            &mut self.rendezvous,
+            Rendezvous::new(&PeerLimits::default()),
+        )
+    }
+
+    /// Takes back what [`Connection::lend_rendezvous`] lent.
+    pub fn return_rendezvous(&mut self, rendezvous: Rendezvous) {
+        self.rendezvous = rendezvous;
     }
 
     /// The batches on its queue pairs.
@@ -370,15 +404,17 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
     // Time.
 
     /// The earliest deadline the connection keeps: a batch's, a queue
-    /// pair's re-establishment, the oldest waiting message. The driver
-    /// calls [`Connection::handle_timeout`] and
-    /// [`Connection::poll_transmit`] by then. Changes by every call that
-    /// changes any of them (a batch submitted or ended included).
+    /// pair's re-establishment, the oldest waiting message, a request of
+    /// the rendezvous either way. The driver calls
+    /// [`Connection::handle_timeout`] and [`Connection::poll_transmit`] by
+    /// then. Changes by every call that changes any of them (a batch
+    /// submitted or ended included).
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         [
             self.batches.next_deadline(),
             self.recovery.poll_timeout(),
             self.outbox.poll_timeout(),
+            self.rendezvous.poll_timeout(),
         ]
         .into_iter()
         .flatten()
@@ -386,12 +422,22 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
     }
 
     /// Handles the deadlines up to `now`: batches past theirs stop (their
-    /// actions come out of [`Batches::poll_action`]); queue pairs not
-    /// re-established are given up, each with why (returned; messages
-    /// past their deadline come out of [`Connection::poll_transmit`]).
+    /// actions come out of [`Batches::poll_action`]); rendezvous requests
+    /// past theirs fail (their actions come out of each side's
+    /// `poll_action`); queue pairs not re-established are given up, each
+    /// with why (returned; messages past their deadline come out of
+    /// [`Connection::poll_transmit`]).
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<(usize, GiveUp)> {
-        self.batches.handle_timeout(now);
+        self.handle_work_timeout(now);
         self.recovery.handle_timeout(now)
+    }
+
+    /// The part of [`Connection::handle_timeout`] for a driver that gives
+    /// up queue pairs elsewhere: the batches' and the rendezvous'
+    /// deadlines.
+    pub fn handle_work_timeout(&mut self, now: Instant) {
+        self.batches.handle_timeout(now);
+        self.rendezvous.handle_timeout(now);
     }
 }
 

@@ -37,6 +37,46 @@ use crate::grants::{Access, GrantId, LocalGrants, Refusal};
 #[cfg(test)]
 mod pair_tests;
 mod requester;
+
+/// The first id of a requester's requests through a peer's landing slots:
+/// a bit no grant id reaches (older engines named their requests not
+/// through landing slots by grant ids).
+pub const FIRST_REQUEST_ID: RequestId = 1 << 63;
+
+/// Both sides of the slotted rendezvous with one peer, as its connection
+/// keeps them ([`crate::connection::Connection::rendezvous_mut`]).
+#[derive(Debug)]
+pub struct Rendezvous {
+    /// The peer's requests served through this side's landing slots.
+    pub owner: Owner,
+    /// This side's requests through the peer's landing slots.
+    pub requester: Requester,
+}
+
+impl Rendezvous {
+    /// Nothing asked either way yet, the peer's requests under `limits`.
+    pub fn new(limits: &PeerLimits) -> Self {
+        Self {
+            owner: Owner::new(limits),
+            requester: Requester::new(FIRST_REQUEST_ID),
+        }
+    }
+
+    /// The earliest deadline of either side.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        [self.owner.poll_timeout(), self.requester.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Handles both sides' deadlines up to `now` (what they decide comes
+    /// out of their `poll_action`).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.owner.handle_timeout(now);
+        self.requester.handle_timeout(now);
+    }
+}
 pub use requester::{AskFailure, Requester, RequesterAction};
 
 /// The status of a `StagedReply` (on the wire: a `u32`).

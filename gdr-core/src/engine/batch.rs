@@ -201,7 +201,13 @@ impl Batch {
             // slot.
             let mut staged = self.engine.shared.staged();
             let cells = staged.cancel(&self.parts);
-            staged.cancel_peer(&mut lock_slot(lock).staged, &cells);
+            let mut guard = lock_slot(lock);
+            let PeerSlot { core, staged: part, .. } = &mut *guard;
+            let mut part = PeerPart {
+                staged: part,
+                rendezvous: core.conn.rendezvous_mut(),
+            };
+            staged.cancel_peer(&mut part, &cells);
             // They end at the next pass.
             self.engine.shared.due.set();
         }

@@ -313,9 +313,10 @@ impl Core {
         self.conn.poll_timeout()
     }
 
-    /// See [`proto::Batches::handle_timeout`].
+    /// The batches' and the rendezvous' deadlines up to `now`
+    /// ([`gdr_proto::connection::Connection::handle_work_timeout`]).
     pub fn handle_timeout(&mut self, now: Instant) {
-        self.conn.batches_mut().handle_timeout(now);
+        self.conn.handle_work_timeout(now);
         self.settle();
     }
 

@@ -252,7 +252,7 @@ pub use self::peer::{Grant, Peer};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
-use self::staging::StagedPeer;
+use self::staging::{PeerPart, StagedPeer};
 use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialState, Token};
 #[cfg(all(feature = "tokio", not(loom)))]
 pub use self::tokio_driver::{AsyncDriver, AsyncDriverError};
@@ -1117,16 +1117,27 @@ fn on_slot<T>(
     res: &Resources,
     slot: usize,
     slot_state: &mut PeerSlot,
-    f: impl FnOnce(&mut PathCx<'_>, &mut StagedPeer) -> T,
+    f: impl FnOnce(&mut PathCx<'_>, &mut PeerPart<'_>) -> T,
 ) -> T {
     let (parts, staged) = slot_state.split();
+    // The connection's rendezvous is lent to the step, while the wire
+    // beside it reaches the rest of the connection (its messages, its
+    // queue pairs); returned before the peer's lock goes.
+    let mut rendezvous = parts.core.conn.lend_rendezvous();
     let mut wire = SlotWire { slot, parts, res };
-    let mut cx = PathCx {
-        res,
-        wire: &mut wire,
-        now: res.config.clock.now(),
-    };
-    f(&mut cx, staged)
+    let out = f(
+        &mut PathCx {
+            res,
+            wire: &mut wire,
+            now: res.config.clock.now(),
+        },
+        &mut PeerPart {
+            staged,
+            rendezvous: &mut rendezvous,
+        },
+    );
+    wire.parts.core.conn.return_rendezvous(rendezvous);
+    out
 }
 
 /// Steps the staged path's part of the peer in `slot` (its lock held).
@@ -1137,9 +1148,9 @@ fn step_staged(
     slot_state: &mut PeerSlot,
     now: Instant,
 ) -> usize {
-    on_slot(res, slot, slot_state, |cx, staged| {
+    on_slot(res, slot, slot_state, |cx, part| {
         cx.now = now;
-        path.progress_peer(cx, slot, staged)
+        path.progress_peer(cx, slot, part)
     })
 }
 
@@ -1602,7 +1613,7 @@ impl PeerSlot {
         // it), as before they were polled.
         let for_pass = self.peer.as_ref().is_some_and(|p| !p.for_pass.is_empty());
         // The staged path's part is stepped by the pass, at its next.
-        let post = post || !self.staged.is_idle();
+        let post = post || !self.staged.is_idle(self.core.conn.rendezvous());
         let at = [self.core.next_deadline(), self.staged.poll_timeout()];
         Mark {
             actions: self.core.has_action() || for_pass,
@@ -2164,7 +2175,7 @@ impl Engine {
             .filter_map(|(slot, lock)| {
                 let guard = lock_slot(lock);
                 let (staged_grants, requests_served, copies, requests_asked) =
-                    guard.staged.load();
+                    guard.staged.load(guard.core.conn.rendezvous());
                 let (transfers, groups) = guard.staged.transfers();
                 staged_transfers += transfers;
                 staged_groups += groups;
@@ -2751,7 +2762,7 @@ impl Engine {
                 core,
                 peer: None,
                 to_post: Vec::with_capacity(64),
-                staged: StagedPeer::new(&config.peer_limits),
+                staged: StagedPeer::new(),
             },
             self.shared.due.base(),
         ));
@@ -3328,15 +3339,19 @@ impl Engine {
             for (slot, lock) in due.filter(|(_, l)| l.mark.is_due(now)) {
                 let mut guard = lock_slot(lock);
                 guard.core.handle_timeout(now);
-                if guard.staged.is_idle() {
+                if guard.staged.is_idle(guard.core.conn.rendezvous()) {
                     continue;
                 }
                 handled += step_staged(&shared.res, &mut staged, slot, &mut guard, now);
-                let gone = guard.peer.as_ref().is_none_or(|p| p.gone.is_some());
-                if !gone && let Some(gpu) = guard.staged.claim_landing() {
+                let PeerSlot {
+                    core, peer, staged, ..
+                } = &mut *guard;
+                let rendezvous = core.conn.rendezvous();
+                let gone = peer.as_ref().is_none_or(|p| p.gone.is_some());
+                if !gone && let Some(gpu) = staged.claim_landing(rendezvous) {
                     landings.push((slot, gpu));
                 }
-                peers_poll |= guard.staged.polls();
+                peers_poll |= staged.polls(rendezvous);
             }
         }
         state.peers_poll = peers_poll;
@@ -3958,8 +3973,8 @@ impl Engine {
                 peer.make_grant(region, 0, len, GrantRights::ReadWrite)
             });
             let mut guard = lock_slot(&peer.lock);
-            worked += on_slot(res, slot, &mut guard, |cx, staged| {
-                staged.landing_made(cx, slot, made)
+            worked += on_slot(res, slot, &mut guard, |cx, part| {
+                part.staged.landing_made(cx, slot, part.rendezvous, made)
             });
             drop(guard);
             // The requests waiting for them go on at the next pass.
@@ -4708,7 +4723,7 @@ mod lock_order_tests {
                 core: Core::for_tests(),
                 peer: None,
                 to_post: Vec::new(),
-                staged: StagedPeer::new(&gdr_proto::PeerLimits::default()),
+                staged: StagedPeer::new(),
             },
             Instant::now(),
         )

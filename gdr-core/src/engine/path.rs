@@ -134,7 +134,7 @@ pub(crate) trait TransferPath {
     /// What the path keeps of one peer: it lives in the peer's slot, under
     /// the peer's lock, and the engine hands it to the calls about that
     /// peer (with a wire to that peer alone: the peer's lock is held).
-    type Peer;
+    type Peer<'a>;
 
     /// Whether this path carries `transfers` for the peer in `slot` (the
     /// capability predicate). The engine asks the peer-copy path, then the
@@ -156,7 +156,7 @@ pub(crate) trait TransferPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
-        peer: &mut Self::Peer,
+        peer: &mut Self::Peer<'_>,
         transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError>;
@@ -168,7 +168,7 @@ pub(crate) trait TransferPath {
 
     /// Advances the path's part of the peer in `slot`, as
     /// [`TransferPath::progress`] does the rest.
-    fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer)
+    fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer<'_>)
     -> usize;
 
     /// A control message from the peer in `slot`: the path takes those of
@@ -177,7 +177,7 @@ pub(crate) trait TransferPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
-        peer: &mut Self::Peer,
+        peer: &mut Self::Peer<'_>,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved>;
 
@@ -188,11 +188,11 @@ pub(crate) trait TransferPath {
     fn cancel(&mut self, cells: &[Arc<CompletionCell>]) -> Vec<Arc<CompletionCell>>;
 
     /// [`TransferPath::cancel`]'s part in the peer's slot.
-    fn cancel_peer(&mut self, peer: &mut Self::Peer, cells: &[Arc<CompletionCell>]);
+    fn cancel_peer(&mut self, peer: &mut Self::Peer<'_>, cells: &[Arc<CompletionCell>]);
 
     /// The peer in `slot` is gone: end what the path does for or with it
     /// and free what it holds of it (once nothing in flight uses it).
-    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer);
+    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer<'_>);
 
     /// The earliest deadline of what the path holds beside its peers'
     /// parts (those publish theirs with the peer's mark): the driver calls

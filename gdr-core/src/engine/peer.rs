@@ -99,7 +99,10 @@ impl Grant {
             return Ok(());
         }
         let staged_fenced = |slot: &PeerSlot| match slot.peer.as_ref() {
-            Some(p) => slot.staged.is_fenced(grant, p.gone.is_some()),
+            Some(p) => {
+                let rendezvous = slot.core.conn.rendezvous();
+                slot.staged.is_fenced(rendezvous, grant, p.gone.is_some())
+            }
             // Its state dropped: its copies were waited for.
             None => true,
         };
@@ -159,7 +162,9 @@ impl Grant {
             }
             // Requests under it stop at once; the fence waits for their
             // copies under way.
-            self.staged.then(|| slot.staged.revoke(grant))
+            let PeerSlot { core, staged, .. } = &mut *slot;
+            self.staged
+                .then(|| staged.revoke(core.conn.rendezvous_mut(), grant))
         };
         // A staged region's last hold may go here: outside the lock.
         drop(fenced);
@@ -704,14 +709,15 @@ impl Peer {
             if slot.peer.is_none() {
                 return Err(EngineError::PeerGone(PeerGone::Closed));
             }
-            slot.staged.close();
+            // The peer's requests served here stop (no copy starts).
+            slot.core.conn.rendezvous_mut().owner.close();
         }
         self.engine.shared.due.set();
         // Bounded: a copy that never ends is the GPU's failure, and the
         // goodbye goes anyway.
         let _ = self.engine.progress_until(Duration::from_secs(1), |state| {
             let slot = state.slot(self.slot);
-            if !slot.staged.copying() {
+            if !slot.staged.copying(slot.core.conn.rendezvous()) {
                 return Some(Ok(()));
             }
             let gone = slot.peer.as_ref().and_then(|p| p.gone.clone());

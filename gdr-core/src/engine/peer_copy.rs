@@ -1034,7 +1034,7 @@ fn queue_window(
 
 impl TransferPath for PeerCopyPath {
     /// Nothing yet: the peer-copy path keeps its peers' links by slot.
-    type Peer = ();
+    type Peer<'a> = ();
 
     /// Every transfer has GPU memory on this side and a grant of GPU
     /// memory the path reaches on the other: published to us (a peer of

@@ -32,11 +32,15 @@
 //! - **Fairness, back-pressure**: a peer's slots go round-robin over its
 //!   requests; a request larger than the slots goes in turns; slots of one
 //!   peer are never another's, so peers do not wait on each other.
-//! - **Whose state**: a peer's `Landing` and `Asks` are the staged
-//!   path's part of that peer (`staging::StagedPeer`, in the peer's slot,
-//!   under its lock); the functions here step them through the seam's
-//!   `PathCx` (messages and RDMA ops on the wire to that peer, copies on
-//!   the engine's GPUs), never the engine itself. Landing slots are made
+//! - **Whose state**: both protocols of a peer ([`Owner`], [`Requester`])
+//!   are its connection's ([`gdr_proto::connection::Connection`], whose
+//!   one deadline covers theirs); what carries them out here, a peer's
+//!   `Landing` and `Asks`, is the staged path's part of that peer
+//!   (`staging::StagedPeer`, in the peer's slot, under its lock). The
+//!   functions here step them through the seam's `PathCx` (messages and
+//!   RDMA ops on the wire to that peer, copies on the engine's GPUs),
+//!   with the protocols the connection lends the step, never the engine
+//!   itself. Landing slots are made
 //!   outside every lock (`make_slots`, the engine granting them) and
 //!   installed under the peer's (`Landing::install`).
 //! - **The owner's decisions are the protocol's**: which slot serves which
@@ -90,16 +94,10 @@ use super::{
 use crate::buffer::Buffer;
 use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::MrGrant;
-use gdr_proto::PeerLimits;
 use gdr_proto::grants::LocalGrants;
 use gdr_proto::rendezvous::{
     AskFailure, CopyId, Owner, OwnerAction, Placement, Requester, RequesterAction,
 };
-
-/// Request ids of this side's slotted rendezvous: a bit no grant id
-/// reaches (older engines named their requests not through landing slots
-/// by grant ids).
-const ASK_ID_BASE: u64 = 1 << 63;
 
 /// Slices of one request a requester has on the wire (RDMA ops posted,
 /// not ended) at once. With every credited slice posted together, their
@@ -144,14 +142,11 @@ enum ToAsker {
 pub(super) fn receive<'a>(
     landing: &mut Landing,
     asks: &mut Asks,
+    requester: &Requester,
     message: Control<'a>,
 ) -> Result<(), Control<'a>> {
     let owner = &mut landing.inbox;
-    let Asks {
-        inbox: asker,
-        proto,
-        ..
-    } = asks;
+    let asker = &mut asks.inbox;
     match message {
         Control::StagedRequest {
             id,
@@ -190,7 +185,7 @@ pub(super) fn receive<'a>(
             len,
             slot,
         }),
-        Control::StagedReply { id, status } if proto.knows(id) => {
+        Control::StagedReply { id, status } if requester.knows(id) => {
             asker.push_back(ToAsker::Reply { id, status })
         }
         other => return Err(other),
@@ -200,13 +195,13 @@ pub(super) fn receive<'a>(
 
 // ---------------------------------------------------------------- owner
 
-/// The owner's side of one peer: the protocol ([`Owner`]: which request
-/// each landing slot serves, credits, revokes, bounds and deadlines) and
-/// what carries it out here: the slots' memory, registration and grant
+/// The owner's side of one peer, what carries out its protocol here (the
+/// [`Owner`], which the peer's connection keeps: which request each
+/// landing slot serves, credits, revokes, bounds and deadlines): the
+/// peer's messages for it, the slots' memory, registration and grant
 /// (made at the peer's first request) and the copies running.
 pub(super) struct Landing {
     inbox: VecDeque<ToOwner>,
-    owner: Owner,
     /// Landings of this peer handed to the CUDA worker when it went (see
     /// `pump_landing`), each set once the worker has dropped it, its
     /// streams synchronized: until then copies of the gone peer's requests
@@ -222,62 +217,57 @@ pub(super) struct Landing {
     slots: Option<Slots>,
 }
 
-impl Landing {
-    /// The peer's requests served through the landing slots now, and the
-    /// copies in or out of them running.
-    pub fn load(&self) -> (usize, usize) {
-        (self.owner.requests(), self.copies.len())
-    }
-
-    /// Nothing lent yet, under `limits`.
-    pub fn new(limits: &PeerLimits) -> Self {
+impl Default for Landing {
+    /// Nothing lent yet.
+    fn default() -> Self {
         Self {
             inbox: VecDeque::new(),
-            owner: Owner::new(limits),
             retiring: Vec::new(),
             making: false,
             copies: HashMap::new(),
             slots: None,
         }
     }
+}
+
+impl Landing {
+    /// The peer's requests served through the landing slots now, and the
+    /// copies in or out of them running.
+    pub fn load(&self, owner: &Owner) -> (usize, usize) {
+        (owner.requests(), self.copies.len())
+    }
 
     /// The GPU to pin landing slots with when the peer's requests wait for
     /// slots not made yet (made outside every lock).
-    pub fn wants_slots(&self) -> Option<u32> {
+    pub fn wants_slots(&self, owner: &Owner) -> Option<u32> {
         if self.slots.is_some() || self.making {
             return None;
         }
-        self.owner.wants_slots()
+        owner.wants_slots()
     }
 
     /// [`Landing::wants_slots`], claiming the making for the caller until
     /// it hands the result back ([`Landing::install`] or
     /// [`Landing::slots_failed`]).
-    pub fn claim_slots(&mut self) -> Option<u32> {
-        let gpu = self.wants_slots()?;
+    pub fn claim_slots(&mut self, owner: &Owner) -> Option<u32> {
+        let gpu = self.wants_slots(owner)?;
         self.making = true;
         Some(gpu)
-    }
-
-    /// This side closes the connection: the peer's requests stop (see
-    /// [`Owner::close`]).
-    pub fn close(&mut self) {
-        self.owner.close();
     }
 
     /// Whether a copy for the peer's requests may still run: one of this
     /// landing's, or one of a landing handed to the CUDA worker when the
     /// peer went that the worker has not dropped yet.
-    pub fn copying(&self) -> bool {
+    pub fn copying(&self, owner: &Owner) -> bool {
         !self.copies.is_empty()
-            || self.owner.copying()
+            || owner.copying()
             || self.retiring.iter().any(|done| done.get().is_none())
     }
 
     /// Whether anything waits to be handled.
-    pub fn is_idle(&self) -> bool {
+    pub fn is_idle(&self, owner: &Owner) -> bool {
         self.inbox.is_empty()
-            && self.owner.is_idle()
+            && owner.is_idle()
             && self.copies.is_empty()
             && self.retiring.iter().all(|done| done.get().is_some())
     }
@@ -333,12 +323,14 @@ fn placement(served: &staging::Served) -> Option<Placement> {
 
 // ------------------------------------------------------------ requester
 
-/// This side's requests through one peer's landing slots: the protocol
-/// ([`Requester`]: which slices may move, what the owner is told, how each
-/// request ends) and what the driver holds of each request.
+/// This side's requests through one peer's landing slots, what carries
+/// out their protocol here (the [`Requester`], which the peer's
+/// connection keeps: which slices may move, what the owner is told, how
+/// each request ends): the owner's messages for it, the slots it lent and
+/// what the driver holds of each request.
+#[derive(Default)]
 pub(super) struct Asks {
     inbox: VecDeque<ToAsker>,
-    proto: Requester,
     /// The peer's landing slots lent to this side (their grant).
     slots: Option<PeerSlots>,
     asking: HashMap<u64, Asking>,
@@ -348,17 +340,6 @@ impl Asks {
     /// This side's requests through the peer's landing slots now.
     pub fn asked(&self) -> usize {
         self.asking.len()
-    }
-}
-
-impl Default for Asks {
-    fn default() -> Self {
-        Self {
-            inbox: VecDeque::new(),
-            proto: Requester::new(ASK_ID_BASE),
-            slots: None,
-            asking: HashMap::new(),
-        }
     }
 }
 
@@ -428,39 +409,27 @@ enum AskStage {
 }
 
 impl Landing {
-    /// Grant `grant` to the peer was revoked: every request served under
-    /// it fails now (no slot is lent for it, no copy of it starts); the
-    /// copies already running end on their own, and the grant's use ends
-    /// with the request.
-    pub fn revoke(&mut self, grant: u64) {
-        self.owner.revoke(grant);
-    }
-
     /// Making the slots failed: the requests waiting for them fail
     /// (FAILED, at the protocol's next step).
-    pub fn slots_failed(&mut self) {
+    pub fn slots_failed(&mut self, owner: &mut Owner) {
         self.making = false;
-        self.owner.slots_failed();
+        owner.slots_failed();
     }
 
     /// Installs the slots made for the peer: the announcement to send, or
     /// `None` when the peer has slots already (these go; the claim in
     /// [`Landing::claim_slots`] keeps a second set from being made).
-    pub fn install(&mut self, made: LandingSlots) -> Option<SlotsAnnounce> {
+    pub fn install(&mut self, owner: &mut Owner, made: LandingSlots) -> Option<SlotsAnnounce> {
         self.making = false;
         if self.slots.is_some() {
             return None;
         }
         let LandingSlots { slots, announce } = made;
-        self.owner.slots_made(slots.count, slots.slot_len);
+        owner.slots_made(slots.count, slots.slot_len);
         self.slots = Some(slots);
         Some(announce)
     }
 
-    /// The protocol's earliest deadline.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.owner.poll_timeout()
-    }
 }
 
 /// Landing slots made for one peer (outside every lock) and their
@@ -527,29 +496,17 @@ impl Asks {
     /// no new slice starts; each ends [`TransferError::Cancelled`] once its
     /// slices in flight have drained, and the owner is told to take its
     /// slots back ([`Control::StagedCancel`]).
-    pub fn cancel(&mut self, cells: &[Arc<CompletionCell>]) {
-        let Asks { proto, asking, .. } = self;
-        for (&id, ask) in asking.iter() {
+    pub fn cancel(&mut self, requester: &mut Requester, cells: &[Arc<CompletionCell>]) {
+        for (&id, ask) in self.asking.iter() {
             if cells.iter().any(|c| Arc::ptr_eq(c, &ask.cell)) {
-                proto.fail(id, AskFailure::Cancelled);
+                requester.fail(id, AskFailure::Cancelled);
             }
         }
     }
 
     /// Whether nothing waits to be handled.
-    pub fn is_idle(&self) -> bool {
-        self.inbox.is_empty() && self.proto.is_idle()
-    }
-
-    /// The peer is gone: every request fails (once its slices in flight
-    /// drained).
-    pub fn peer_gone(&mut self) {
-        self.proto.peer_gone();
-    }
-
-    /// The protocol's earliest deadline.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.proto.poll_timeout()
+    pub fn is_idle(&self, requester: &Requester) -> bool {
+        self.inbox.is_empty() && requester.is_idle()
     }
 
     /// Asks the owner (the peer in `peer`) of staged grant `t.remote` to
@@ -557,6 +514,7 @@ impl Asks {
     /// cell ends with the request.
     pub fn ask(
         &mut self,
+        requester: &mut Requester,
         cx: &mut PathCx<'_>,
         peer: usize,
         t: &Transfer<'_>,
@@ -565,11 +523,11 @@ impl Asks {
         let staged_gpu = staged_gpu(t)?;
         let cell = Arc::new(CompletionCell::new());
         let now = cx.now;
-        let id = self.proto.next_id();
+        let id = requester.next_id();
         let _span = tracing::debug_span!("ask_slots", id, len = t.len).entered();
         cx.wire
             .send(peer, &staging::staged_request(id, t), timeout)?;
-        let started = self.proto.start(t.op == Op::Write, t.len, now, timeout);
+        let started = requester.start(t.op == Op::Write, t.len, now, timeout);
         debug_assert_eq!(started, id);
         self.asking.insert(
             id,
@@ -609,6 +567,7 @@ pub(super) fn pump_landing(
     cx: &mut PathCx<'_>,
     slot: usize,
     landing: &mut Landing,
+    owner: &mut Owner,
     served: &mut LocalGrants<staging::Served>,
 ) -> usize {
     if cx.wire.peer(slot).is_none_or(|p| p.gone.is_some()) {
@@ -625,10 +584,12 @@ pub(super) fn pump_landing(
         let holds = landing.slots.is_some()
             || !landing.copies.is_empty()
             || !landing.inbox.is_empty()
-            || !landing.owner.is_idle();
+            || !owner.is_idle();
         if holds {
             let retiring = std::mem::take(&mut landing.retiring);
-            let gone = std::mem::replace(landing, Landing::new(&cx.res.config.peer_limits));
+            let gone = std::mem::take(landing);
+            // The gone peer's requests go with it: its protocol anew.
+            *owner = Owner::new(&cx.res.config.peer_limits);
             landing.retiring = retiring;
             if gone.slots.is_some() || !gone.copies.is_empty() {
                 landing.retiring.push(cx.res.cuda.run(cx.res, move |_| drop(gone)));
@@ -652,17 +613,17 @@ pub(super) fn pump_landing(
                     write = ask.write,
                     "rendezvous owner: request accepted"
                 );
-                landing.owner.on_request(served, ask, placement, now)
+                owner.on_request(served, ask, placement, now)
             }
             ToOwner::Filled { id, slot: s } => {
                 tracing::trace!(id, slot = s, "rendezvous owner: slot filled");
-                landing.owner.on_filled(id, s)
+                owner.on_filled(id, s)
             }
             ToOwner::Done { id, slot: s } => {
                 tracing::trace!(id, slot = s, "rendezvous owner: slot returned");
-                landing.owner.on_done(id, s)
+                owner.on_done(id, s)
             }
-            ToOwner::Cancel { id } => landing.owner.on_cancel(id),
+            ToOwner::Cancel { id } => owner.on_cancel(id),
         }
     }
     let mut ended = Vec::new();
@@ -683,13 +644,13 @@ pub(super) fn pump_landing(
     for (copy, ok) in ended {
         moved += 1;
         tracing::trace!(?copy, ok, "rendezvous owner: copy done");
-        landing.owner.copy_ended(copy, ok);
+        owner.copy_ended(copy, ok);
     }
-    landing.owner.handle_timeout(now);
+    owner.handle_timeout(now);
     loop {
-        landing.owner.step(served, &mut fenced);
+        owner.step(served, &mut fenced);
         let mut acted = false;
-        while let Some(action) = landing.owner.poll_action() {
+        while let Some(action) = owner.poll_action() {
             acted = true;
             moved += 1;
             match action {
@@ -745,7 +706,7 @@ pub(super) fn pump_landing(
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, to_gpu, "a landing copy");
-                        landing.owner.copy_ended(copy, false);
+                        owner.copy_ended(copy, false);
                     }
                 },
             }
@@ -823,6 +784,7 @@ pub(super) fn pump_asks(
     cx: &mut PathCx<'_>,
     slot: usize,
     asks: &mut Asks,
+    requester: &mut Requester,
     pools: &mut HashMap<u32, StagingPool>,
 ) -> usize {
     let now = cx.now;
@@ -850,48 +812,47 @@ pub(super) fn pump_asks(
                         descriptor: d,
                         slot_len,
                     });
-                    asks.proto.on_slots(slot_len, count);
+                    requester.on_slots(slot_len, count);
                 }
                 _ => tracing::warn!("the peer lent landing slots that do not add up: ignored"),
             },
-            ToAsker::Reply { id, status } => asks.proto.on_reply(id, status),
+            ToAsker::Reply { id, status } => requester.on_reply(id, status),
             ToAsker::Ready {
                 id,
                 offset,
                 len,
                 slot,
-            } => asks.proto.on_ready(id, offset, len, slot),
+            } => requester.on_ready(id, offset, len, slot),
         }
     }
     if gone.is_some() {
-        asks.proto.peer_gone();
+        requester.peer_gone();
     }
-    asks.proto.handle_timeout(now);
-    moved += take_ask_actions(asks, &gone, &mut send);
+    requester.handle_timeout(now);
+    moved += take_ask_actions(asks, requester, &gone, &mut send);
     let ids: Vec<u64> = asks.asking.keys().copied().collect();
     for id in ids {
         let Some(mut a) = asks.asking.remove(&id) else {
             continue;
         };
-        let failing = asks.proto.is_failing(id);
+        let failing = requester.is_failing(id);
         let mut events = SliceEvents::default();
         if let Some(slots) = asks.slots.as_ref() {
             moved += advance_ask(cx, slot, slots, pools, id, &mut a, failing, &mut events);
         }
-        let proto = &mut asks.proto;
         for slot in events.wired {
-            proto.wired(id, slot);
+            requester.wired(id, slot);
         }
         for (slot, len, whole) in events.ended {
-            proto.slice_ended(id, slot, len, whole);
+            requester.slice_ended(id, slot, len, whole);
         }
         if events.failed {
-            proto.fail(id, AskFailure::Local);
+            requester.fail(id, AskFailure::Local);
         }
         asks.asking.insert(id, a);
     }
-    asks.proto.step();
-    moved += take_ask_actions(asks, &gone, &mut send);
+    requester.step();
+    moved += take_ask_actions(asks, requester, &gone, &mut send);
     let timeout = cx.res.config.default_timeout;
     for message in send {
         if let Err(e) = cx.wire.send(slot, &message, timeout) {
@@ -906,11 +867,12 @@ pub(super) fn pump_asks(
 /// requests that ended (their batch completed once).
 fn take_ask_actions(
     asks: &mut Asks,
+    requester: &mut Requester,
     gone: &Option<PeerGone>,
     send: &mut Vec<Control<'static>>,
 ) -> usize {
     let mut moved = 0;
-    while let Some(action) = asks.proto.poll_action() {
+    while let Some(action) = requester.poll_action() {
         moved += 1;
         match action {
             RequesterAction::Move {

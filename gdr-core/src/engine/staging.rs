@@ -84,7 +84,8 @@ use crate::descriptor::{GrantRights, MemoryDescriptor, MemoryLocation, Reach};
 use crate::ladder::{MrGrant, Rung};
 use crate::sync::{Mutex, lock};
 use gdr_proto::grants::{LocalGrants, Revoked, Rights, Terms};
-use gdr_proto::{PeerLimits, PeerMisbehaved};
+use gdr_proto::PeerMisbehaved;
+use gdr_proto::rendezvous::Rendezvous;
 
 /// Reply codes of a [`Control::StagedReply`] (the protocol's).
 pub(super) use gdr_proto::rendezvous::status::{
@@ -213,11 +214,11 @@ pub(crate) struct StagedPeer {
 }
 
 impl StagedPeer {
-    /// Nothing staged with the peer yet, under `limits`.
-    pub(crate) fn new(limits: &PeerLimits) -> Self {
+    /// Nothing staged with the peer yet.
+    pub(crate) fn new() -> Self {
         Self {
             served: LocalGrants::default(),
-            landing: Landing::new(limits),
+            landing: Landing::default(),
             asks: Asks::default(),
             pipes: Vec::new(),
             groups: Vec::new(),
@@ -225,10 +226,11 @@ impl StagedPeer {
     }
 
     /// This side's staged grants (live, or revoked while a request under
-    /// them runs), the peer's requests served, copies running for them,
-    /// and this side's requests asked.
-    pub(crate) fn load(&self) -> (usize, usize, usize, usize) {
-        let (served, copies) = self.landing.load();
+    /// them runs), the peer's requests served (`rendezvous`: the
+    /// connection's), copies running for them, and this side's requests
+    /// asked.
+    pub(crate) fn load(&self, rendezvous: &Rendezvous) -> (usize, usize, usize, usize) {
+        let (served, copies) = self.landing.load(&rendezvous.owner);
         (self.served.len(), served, copies, self.asks.asked())
     }
 
@@ -245,13 +247,14 @@ impl StagedPeer {
         self.served.insert(grant, terms, served);
     }
 
-    /// Revokes grant `grant` to the peer: requests under it stop at once;
-    /// its fence waits for their copies under way. What is fenced now goes
-    /// with the returned value (outside the peer's lock).
-    pub(crate) fn revoke(&mut self, grant: u64) -> Revoked<Served> {
+    /// Revokes grant `grant` to the peer: requests under it stop at once
+    /// (`rendezvous`: the connection's); its fence waits for their copies
+    /// under way. What is fenced now goes with the returned value
+    /// (outside the peer's lock).
+    pub(crate) fn revoke(&mut self, rendezvous: &mut Rendezvous, grant: u64) -> Revoked<Served> {
         let revoked = self.served.revoke(grant);
         if let Revoked::Draining { .. } = revoked {
-            self.landing.revoke(grant);
+            rendezvous.owner.revoke(grant);
         }
         revoked
     }
@@ -259,40 +262,35 @@ impl StagedPeer {
     /// Whether grant `grant` is fenced (no byte moves under it any more).
     /// A gone peer's (`gone`) served grants go with it, once the copies
     /// still running for it have ended (the next progress waits for them).
-    pub(crate) fn is_fenced(&self, grant: u64, gone: bool) -> bool {
-        self.served.is_fenced(grant) || (gone && !self.landing.copying())
-    }
-
-    /// This side closes the connection: the peer's requests served here
-    /// stop (no copy starts).
-    pub(crate) fn close(&mut self) {
-        self.landing.close();
+    pub(crate) fn is_fenced(&self, rendezvous: &Rendezvous, grant: u64, gone: bool) -> bool {
+        self.served.is_fenced(grant) || (gone && !self.copying(rendezvous))
     }
 
     /// Whether a copy for the peer's requests may still run.
-    pub(crate) fn copying(&self) -> bool {
-        self.landing.copying()
+    pub(crate) fn copying(&self, rendezvous: &Rendezvous) -> bool {
+        self.landing.copying(&rendezvous.owner)
     }
 
-    /// Whether the engine's pass has nothing to step here.
-    pub(crate) fn is_idle(&self) -> bool {
-        self.landing.is_idle() && self.asks.is_idle() && !self.polls() && self.groups.is_empty()
+    /// Whether the engine's pass has nothing to step here (with both
+    /// sides of the peer's rendezvous, the connection's).
+    pub(crate) fn is_idle(&self, rendezvous: &Rendezvous) -> bool {
+        self.landing.is_idle(&rendezvous.owner)
+            && self.asks.is_idle(&rendezvous.requester)
+            && !self.polls(rendezvous)
+            && self.groups.is_empty()
     }
 
     /// Whether what runs here ends only as polling sees it (GPU copies
     /// and their events; a request of ours whose side copies through a
     /// pool): a parked engine must look again soon.
-    pub(crate) fn polls(&self) -> bool {
-        self.landing.copying() || self.asks.asking() || !self.pipes.is_empty()
+    pub(crate) fn polls(&self, rendezvous: &Rendezvous) -> bool {
+        self.copying(rendezvous) || self.asks.asking() || !self.pipes.is_empty()
     }
 
-    /// The earliest deadline of both sides' protocols and of the pipes.
+    /// The pipes' earliest deadline (the rendezvous' are the
+    /// connection's).
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        [self.landing.poll_timeout(), self.asks.poll_timeout()]
-            .into_iter()
-            .flatten()
-            .chain(self.pipes.iter().map(Pipe::deadline))
-            .min()
+        self.pipes.iter().map(Pipe::deadline).min()
     }
 
     /// The GPU to pin this peer's landing slots with, when its requests
@@ -300,8 +298,8 @@ impl StagedPeer {
     /// outside every lock ([`make_landing`]) and hands the result back
     /// ([`StagedPeer::landing_made`]); until then no other caller is
     /// handed them (it would make a second set only to free it).
-    pub(crate) fn claim_landing(&mut self) -> Option<u32> {
-        self.landing.claim_slots()
+    pub(crate) fn claim_landing(&mut self, rendezvous: &Rendezvous) -> Option<u32> {
+        self.landing.claim_slots(&rendezvous.owner)
     }
 
     /// The landing slots claimed by [`StagedPeer::claim_landing`] were
@@ -312,12 +310,13 @@ impl StagedPeer {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        rendezvous: &mut Rendezvous,
         made: Result<LandingSlots, EngineError>,
     ) -> usize {
         let timeout = cx.res.config.default_timeout;
         match made {
             Ok(made) => {
-                if let Some(announce) = self.landing.install(made)
+                if let Some(announce) = self.landing.install(&mut rendezvous.owner, made)
                     && let Err(e) = cx.wire.send(slot, &announce.as_control(), timeout)
                 {
                     tracing::warn!(error = %e, "announcing landing slots");
@@ -327,11 +326,19 @@ impl StagedPeer {
             Err(e) => {
                 tracing::warn!(error = %e, "making landing slots: the requests fail");
                 // The protocol answers them (FAILED) at its next step.
-                self.landing.slots_failed();
+                self.landing.slots_failed(&mut rendezvous.owner);
                 0
             }
         }
     }
+}
+
+/// The staged path's part of one peer as a step sees it: the part in the
+/// peer's slot and both sides of the peer's rendezvous (its connection's,
+/// lent for the step: [`gdr_proto::connection::Connection::lend_rendezvous`]).
+pub(crate) struct PeerPart<'a> {
+    pub(crate) staged: &'a mut StagedPeer,
+    pub(crate) rendezvous: &'a mut Rendezvous,
 }
 
 /// Several transfers posted at once: one cell for them all, ending with
@@ -403,10 +410,12 @@ impl StagedPath<'_> {
     fn receive<'m>(
         cx: &mut PathCx<'_>,
         slot: usize,
-        peer: &mut StagedPeer,
+        peer: &mut PeerPart<'_>,
         message: Control<'m>,
     ) -> Option<Control<'m>> {
-        let message = match rendezvous::receive(&mut peer.landing, &mut peer.asks, message) {
+        let PeerPart { staged, rendezvous } = peer;
+        let (landing, asks) = (&mut staged.landing, &mut staged.asks);
+        let message = match rendezvous::receive(landing, asks, &rendezvous.requester, message) {
             Ok(()) => return None,
             Err(message) => message,
         };
@@ -435,7 +444,7 @@ fn reply(cx: &mut PathCx<'_>, slot: usize, id: u64, status: u32) {
 }
 
 impl TransferPath for StagedPath<'_> {
-    type Peer = StagedPeer;
+    type Peer<'a> = PeerPart<'a>;
 
     /// The local region is staged or the peer's grant is.
     fn carries(&mut self, _res: &Resources, _slot: usize, transfers: &[Transfer<'_>]) -> bool {
@@ -450,10 +459,11 @@ impl TransferPath for StagedPath<'_> {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
-        peer: &mut StagedPeer,
+        peer: &mut PeerPart<'_>,
         transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
+        let PeerPart { staged: peer, rendezvous } = peer;
         if !transfers.iter().all(staged) {
             return Err(EngineError::Refused(Refusal::NotStaged));
         }
@@ -463,7 +473,7 @@ impl TransferPath for StagedPath<'_> {
         }
         let mut cells = Vec::with_capacity(transfers.len());
         for t in transfers.iter().filter(|t| slotted(t)) {
-            cells.push(peer.asks.ask(cx, slot, t, timeout)?);
+            cells.push(peer.asks.ask(&mut rendezvous.requester, cx, slot, t, timeout)?);
         }
         let mut piped = false;
         for (t, gpu) in transfers.iter().zip(gpus).filter(|(t, _)| !slotted(t)) {
@@ -510,15 +520,18 @@ impl TransferPath for StagedPath<'_> {
     /// (deadlines included) and the requests served through ours, then
     /// its groups whose parts all ended; the slots to make are
     /// [`StagedPeer::claim_landing`]'s.
-    fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut StagedPeer) -> usize {
+    fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut PeerPart<'_>) -> usize {
+        let PeerPart { staged: peer, rendezvous: rv } = peer;
         let mut moved = 0;
         let mut pools = lock(&self.pools.0);
         moved += pipeline::pump(cx, &mut peer.pipes, &mut pools);
-        if !peer.landing.is_idle() {
-            moved += rendezvous::pump_landing(cx, slot, &mut peer.landing, &mut peer.served);
+        if !peer.landing.is_idle(&rv.owner) {
+            let (landing, served) = (&mut peer.landing, &mut peer.served);
+            moved += rendezvous::pump_landing(cx, slot, landing, &mut rv.owner, served);
         }
-        if !peer.asks.is_idle() {
-            moved += rendezvous::pump_asks(cx, slot, &mut peer.asks, &mut pools);
+        if !peer.asks.is_idle(&rv.requester) {
+            let requester = &mut rv.requester;
+            moved += rendezvous::pump_asks(cx, slot, &mut peer.asks, requester, &mut pools);
         }
         drop(pools);
         peer.groups.retain(|g| !g.resolve());
@@ -529,7 +542,7 @@ impl TransferPath for StagedPath<'_> {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
-        peer: &mut StagedPeer,
+        peer: &mut PeerPart<'_>,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
         Ok(Self::receive(cx, slot, peer, message))
@@ -542,7 +555,8 @@ impl TransferPath for StagedPath<'_> {
 
     /// The peer's pipes and groups, and this side's requests through its
     /// landing slots.
-    fn cancel_peer(&mut self, peer: &mut StagedPeer, cells: &[Arc<CompletionCell>]) {
+    fn cancel_peer(&mut self, peer: &mut PeerPart<'_>, cells: &[Arc<CompletionCell>]) {
+        let PeerPart { staged: peer, rendezvous } = peer;
         let mut cells = cells.to_vec();
         for group in &peer.groups {
             if cells.iter().any(|c| Arc::ptr_eq(c, &group.cell)) {
@@ -550,7 +564,7 @@ impl TransferPath for StagedPath<'_> {
             }
         }
         pipeline::cancel(&mut peer.pipes, &cells);
-        peer.asks.cancel(&cells);
+        peer.asks.cancel(&mut rendezvous.requester, &cells);
     }
 
     /// Stops what the path does with the peer: its requests served here
@@ -559,12 +573,12 @@ impl TransferPath for StagedPath<'_> {
     /// [`TransferError::PeerGone`] once their slices in flight drained).
     /// Its grants stay until revoked (a gone peer's are fenced once no
     /// copy for it runs).
-    fn release_peer(&mut self, _cx: &mut PathCx<'_>, _slot: usize, peer: &mut StagedPeer) {
-        for pipe in &mut peer.pipes {
+    fn release_peer(&mut self, _cx: &mut PathCx<'_>, _slot: usize, peer: &mut PeerPart<'_>) {
+        for pipe in &mut peer.staged.pipes {
             pipe.peer_gone();
         }
-        peer.landing.close();
-        peer.asks.peer_gone();
+        peer.rendezvous.owner.close();
+        peer.rendezvous.requester.peer_gone();
     }
 
     /// None beside the peers' ([`StagedPeer::poll_timeout`]).

@@ -1,6 +1,7 @@
 use super::*;
 use crate::batches::{Action, QpLimits, Work};
 use crate::reconnect::Drained;
+use crate::rendezvous::{AskFailure, RequesterAction};
 
 const T: Duration = Duration::from_secs(1);
 const PEER: u64 = 0xb;
@@ -313,4 +314,36 @@ fn this_sides_grants_are_kept_to_announce_again_until_revoked() {
     assert!(!c.forget_announced(1));
     assert_eq!(c.announced().collect::<Vec<_>>(), [&[2][..]]);
     assert_eq!(c.announced_len(), 1);
+}
+
+#[test]
+fn one_timeout_covers_the_rendezvous_too() {
+    let now = Instant::now();
+    let mut c = connection();
+    assert_eq!(c.poll_timeout(), None);
+    let rendezvous = c.rendezvous_mut();
+    let id = rendezvous.requester.start(true, 4096, now, 4 * T);
+    assert_eq!(
+        c.poll_timeout(),
+        Some(now + 4 * T),
+        "the request's deadline"
+    );
+    // Lent out, it is the driver's; returned, the connection's again.
+    let lent = c.lend_rendezvous();
+    assert_eq!(c.poll_timeout(), None);
+    c.return_rendezvous(lent);
+    assert_eq!(c.poll_timeout(), Some(now + 4 * T));
+    // Its time handled through the connection: the request ends, timed
+    // out, told once.
+    assert_eq!(c.handle_timeout(now + 4 * T), []);
+    let requester = &mut c.rendezvous_mut().requester;
+    requester.step();
+    let mut ended = Vec::new();
+    while let Some(action) = requester.poll_action() {
+        if let RequesterAction::End { id, outcome } = action {
+            ended.push((id, outcome));
+        }
+    }
+    assert_eq!(ended, [(id, Err(AskFailure::TimedOut))]);
+    assert_eq!(c.poll_timeout(), None);
 }
