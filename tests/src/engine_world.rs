@@ -94,6 +94,29 @@ impl<V: Api, C: hal_cuda::Api> Drop for Side<V, C> {
 }
 
 impl<V: Api, C: hal_cuda::Api> Side<V, C> {
+    /// Runs `f` here while another thread holds this side's engine lock
+    /// (for `hold`, from before `f` starts): what `f` returned, and
+    /// whether it returned while the lock was still held. For tests that
+    /// what a peer does alone never waits for the engine's lock.
+    pub fn while_engine_lock_held<T>(&self, hold: Duration, f: impl FnOnce() -> T) -> (T, bool) {
+        use std::sync::atomic::AtomicBool;
+        let released = AtomicBool::new(false);
+        let (held, holding) = std::sync::mpsc::channel();
+        let engine = &self.engine;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                engine.with_engine_lock_held(|| {
+                    held.send(()).expect("the test waits for the hold");
+                    std::thread::sleep(hold);
+                    released.store(true, Ordering::SeqCst);
+                })
+            });
+            holding.recv().expect("the holding thread runs");
+            let out = f();
+            (out, !released.load(Ordering::SeqCst))
+        })
+    }
+
     /// An engine on `verbs` (the NICs `config` names, or all) and `cuda`.
     pub fn new(verbs: V::Provider, cuda: C::Driver, config: EngineConfig) -> Self
     where

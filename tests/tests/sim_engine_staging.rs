@@ -737,32 +737,21 @@ fn a_cancelled_batch_cancels_its_staged_parts() {
 /// (`sim_engine::a_peers_batches_run_while_the_engines_lock_is_held`).
 #[test]
 fn staged_grants_are_made_and_revoked_while_the_engines_lock_is_held() {
-    use std::sync::atomic::{AtomicBool, Ordering};
     const LEN: u64 = 64 * 1024;
     // Peer copy off: GPU memory it may export is the engine's to revoke.
     let w = staging_world_with(1, |c| c.peer_copy = false);
     let (_buf, gpu) = w.b.alloc(Kind::Gpu, LEN, 0);
-    let released = AtomicBool::new(false);
-    let (held, holding) = std::sync::mpsc::channel();
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            w.b.engine.with_engine_lock_held(|| {
-                held.send(()).unwrap();
-                std::thread::sleep(Duration::from_secs(3));
-                released.store(true, Ordering::SeqCst);
-            });
-        });
-        holding.recv().unwrap();
+    let ((), in_time) = w.b.while_engine_lock_held(Duration::from_secs(3), || {
         for _ in 0..4 {
             let grant = w.ba.grant(&gpu, 0, LEN, GrantRights::ReadWrite).unwrap();
             assert!(matches!(grant.descriptor().reach, Reach::Staged));
             grant.revoke(T).unwrap();
         }
-        assert!(
-            !released.load(Ordering::SeqCst),
-            "a staged grant or its revoke waited for the engine's lock"
-        );
     });
+    assert!(
+        in_time,
+        "a staged grant or its revoke waited for the engine's lock"
+    );
 }
 
 /// A staged submit (the staged path's part of the peer is in its slot,
@@ -772,7 +761,6 @@ fn staged_grants_are_made_and_revoked_while_the_engines_lock_is_held() {
 /// move once progress (which needs it) runs again.
 #[test]
 fn staged_submits_are_taken_while_the_engines_lock_is_held() {
-    use std::sync::atomic::{AtomicBool, Ordering};
     const LEN: u64 = 64 * 1024;
     let w = staging_world_with(2, |c| c.peer_copy = false);
     let _b_driver = w.b.engine.spawn_driver().unwrap();
@@ -788,29 +776,14 @@ fn staged_submits_are_taken_while_the_engines_lock_is_held() {
         Transfer::write(&host_src, 0, &to_gpu, 0, LEN),
     ];
     w.ab.submit(&warm).unwrap().wait(T).unwrap();
-    let released = AtomicBool::new(false);
-    let (held, holding) = std::sync::mpsc::channel();
-    let batches = std::thread::scope(|s| {
-        s.spawn(|| {
-            w.a.engine.with_engine_lock_held(|| {
-                held.send(()).unwrap();
-                std::thread::sleep(Duration::from_secs(3));
-                released.store(true, Ordering::SeqCst);
-            });
-        });
-        holding.recv().unwrap();
-        let through_pool =
-            w.ab.submit(&[Transfer::write(&staged_src, 0, &to_host, 0, LEN)])
-                .unwrap();
-        let through_slots =
-            w.ab.submit(&[Transfer::write(&host_src, 0, &to_gpu, 0, LEN)])
-                .unwrap();
-        assert!(
-            !released.load(Ordering::SeqCst),
-            "a staged submit waited for the engine's lock"
-        );
-        [through_pool, through_slots]
+    let (batches, in_time) = w.a.while_engine_lock_held(Duration::from_secs(3), || {
+        [
+            Transfer::write(&staged_src, 0, &to_host, 0, LEN),
+            Transfer::write(&host_src, 0, &to_gpu, 0, LEN),
+        ]
+        .map(|t| w.ab.submit(&[t]).unwrap())
     });
+    assert!(in_time, "a staged submit waited for the engine's lock");
     for batch in batches {
         batch.wait(T).unwrap();
     }
