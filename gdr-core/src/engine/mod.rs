@@ -247,7 +247,7 @@ pub use self::error::{
     TimedOut, TransferError, Unavailable, Unsupported, VerbsCall,
 };
 pub use self::listener::Listener;
-use self::path::{PathCx, PeerView, TransferPath, Wire};
+use self::path::{PathCx, PeerView, RdmaOp, TransferPath, Wire};
 pub use self::peer::{Grant, Peer};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
@@ -1043,18 +1043,12 @@ impl Wire for Connections<'_> {
         slot: usize,
         gpu: Option<u32>,
         spread: usize,
-        op: Op,
-        remote: &MemoryDescriptor,
-        remote_at: u64,
-        local: &Region,
-        local_addr: u64,
-        len: u64,
+        rdma: RdmaOp<'_>,
         deadline: (Instant, Duration),
     ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
         let Some(lock) = self.slots.get(slot) else {
             return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
         };
-        let rdma = (op, remote, remote_at, local, local_addr, len);
         lock_slot(lock)
             .parts()
             .post_rdma(self.res, gpu, spread, rdma, deadline)
@@ -1094,19 +1088,13 @@ impl Wire for SlotWire<'_> {
         slot: usize,
         gpu: Option<u32>,
         spread: usize,
-        op: Op,
-        remote: &MemoryDescriptor,
-        remote_at: u64,
-        local: &Region,
-        local_addr: u64,
-        len: u64,
+        rdma: RdmaOp<'_>,
         deadline: (Instant, Duration),
     ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
         debug_assert_eq!(slot, self.slot, "a path's step for one peer posted to another");
         if slot != self.slot {
             return Err(Some(TransferError::PeerGone(PeerGone::Closed)));
         }
-        let rdma = (op, remote, remote_at, local, local_addr, len);
         self.parts.post_rdma(self.res, gpu, spread, rdma, deadline)
     }
 }
@@ -1153,10 +1141,6 @@ fn step_staged(
         path.progress_peer(cx, slot, part)
     })
 }
-
-/// One RDMA operation a path asks for: op, the peer's grant and the
-/// offset in it, the local region and the address in it, the length.
-type RdmaOp<'r> = (Op, &'r MemoryDescriptor, u64, &'r Region, u64, u64);
 
 /// A peer slot's connection side, borrowed apart from the paths' parts
 /// beside it ([`PeerSlot::split`]).
@@ -1235,7 +1219,14 @@ impl PeerParts<'_> {
         res: &Resources,
         gpu: Option<u32>,
         spread: usize,
-        (op, remote, remote_at, local, local_addr, len): RdmaOp<'_>,
+        RdmaOp {
+            op,
+            remote,
+            remote_at,
+            local,
+            local_addr,
+            len,
+        }: RdmaOp<'_>,
         (deadline, timeout): (Instant, Duration),
     ) -> Result<Arc<CompletionCell>, Option<TransferError>> {
         let core = &mut *self.core;

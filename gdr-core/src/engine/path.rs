@@ -91,26 +91,31 @@ pub(crate) trait Wire {
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError>;
 
-    /// Posts one RDMA `op` of `len` bytes between `local` (at address
-    /// `local_addr`) and the peer's `remote` grant (at offset `remote_at`)
-    /// on one of the peer's queue pairs: those on the NICs nearest GPU
-    /// `gpu` when one is up, the `spread`-th among the candidates. The
-    /// cell ends when the op does, by `deadline`. `Err(None)`: nothing to
-    /// report beyond what the caller knows (the peer is gone).
-    #[allow(clippy::too_many_arguments)]
+    /// Posts `rdma` on one of the peer's queue pairs: those on the NICs
+    /// nearest GPU `gpu` when one is up, the `spread`-th among the
+    /// candidates. The cell ends when the op does, by `deadline`.
+    /// `Err(None)`: nothing to report beyond what the caller knows (the
+    /// peer is gone).
     fn post_rdma(
         &mut self,
         slot: usize,
         gpu: Option<u32>,
         spread: usize,
-        op: Op,
-        remote: &MemoryDescriptor,
-        remote_at: u64,
-        local: &Region,
-        local_addr: u64,
-        len: u64,
+        rdma: RdmaOp<'_>,
         deadline: (Instant, Duration),
     ) -> Result<Arc<CompletionCell>, Option<TransferError>>;
+}
+
+/// One RDMA operation a path asks the wire for: `op` of `len` bytes
+/// between `local` (at address `local_addr`) and the peer's `remote`
+/// grant (at offset `remote_at`).
+pub(crate) struct RdmaOp<'r> {
+    pub(crate) op: Op,
+    pub(crate) remote: &'r MemoryDescriptor,
+    pub(crate) remote_at: u64,
+    pub(crate) local: &'r Region,
+    pub(crate) local_addr: u64,
+    pub(crate) len: u64,
 }
 
 /// What a path is handed for one step: the engine's resources, the wire,

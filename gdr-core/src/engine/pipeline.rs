@@ -42,7 +42,7 @@ use std::collections::HashMap;
 use super::completion::CompletionCell;
 use super::cuda_worker::Pending;
 use super::events::PooledEvent;
-use super::path::PathCx;
+use super::path::{PathCx, RdmaOp};
 use super::resources::Resources;
 use super::{EngineError, Op, PeerGone, Region, TimedOut, TransferError};
 use crate::buffer::Buffer;
@@ -340,12 +340,14 @@ fn carry_out(cx: &mut PathCx<'_>, pool: &mut StagingPool, pipe: &mut Pipe) {
                         pipe.peer,
                         Some(pool.gpu),
                         s.slot,
-                        pipe.op,
-                        &pipe.remote,
-                        pipe.remote_offset + s.offset,
-                        &pool.region,
-                        pool.slot_addr(s.slot),
-                        s.len,
+                        RdmaOp {
+                            op: pipe.op,
+                            remote: &pipe.remote,
+                            remote_at: pipe.remote_offset + s.offset,
+                            local: &pool.region,
+                            local_addr: pool.slot_addr(s.slot),
+                            len: s.len,
+                        },
                         (pipe.deadline, pipe.timeout),
                     )
                     .map(Stage::OnWire),

@@ -83,7 +83,7 @@ use hal_cuda::{Context as _, Stream as _};
 
 use super::completion::CompletionCell;
 use super::cuda_worker::Pending;
-use super::path::PathCx;
+use super::path::{PathCx, RdmaOp};
 use super::pipeline::{self, PendingCopy, StagingPool, TO_GPU, TO_HOST, copy_event};
 use super::resources::Resources;
 use super::staging;
@@ -991,12 +991,14 @@ fn advance_ask(
                                 peer,
                                 a.staged_gpu,
                                 slice.slot as usize,
-                                op,
-                                &slots.descriptor,
-                                remote_at,
-                                &a.local,
-                                local_addr,
-                                slice.len,
+                                RdmaOp {
+                                    op,
+                                    remote: &slots.descriptor,
+                                    remote_at,
+                                    local: &a.local,
+                                    local_addr,
+                                    len: slice.len,
+                                },
                                 window,
                             )
                             .map(|cell| {
@@ -1058,12 +1060,14 @@ fn advance_ask(
                                     peer,
                                     Some(pool.gpu),
                                     pool_slot,
-                                    Op::Read,
-                                    &slots.descriptor,
-                                    remote_at,
-                                    &pool.region,
-                                    at,
-                                    chunk,
+                                    RdmaOp {
+                                        op: Op::Read,
+                                        remote: &slots.descriptor,
+                                        remote_at,
+                                        local: &pool.region,
+                                        local_addr: at,
+                                        len: chunk,
+                                    },
                                     window,
                                 )
                                 .map(|cell| {
@@ -1094,12 +1098,14 @@ fn advance_ask(
                                 peer,
                                 Some(pool.gpu),
                                 slice.slot as usize,
-                                Op::Write,
-                                &slots.descriptor,
-                                remote_at,
-                                &pool.region,
-                                at,
-                                slice.chunk,
+                                RdmaOp {
+                                    op: Op::Write,
+                                    remote: &slots.descriptor,
+                                    remote_at,
+                                    local: &pool.region,
+                                    local_addr: at,
+                                    len: slice.chunk,
+                                },
                                 window,
                             )
                             .map(|cell| {
