@@ -604,6 +604,13 @@ fn a_late_rendezvous_times_out_and_frees_its_slots() {
         .unwrap();
     let err = late.wait(T).unwrap_err();
     assert!(matches!(err, TransferError::Timeout(_)), "{err}");
+    // Ended by its own deadline (the requester's protocol, through the
+    // connection), not by the wait giving up.
+    assert!(
+        matches!(late.status(), Some(Err(TransferError::Timeout(_)))),
+        "the batch has not ended: {:?}",
+        late.status()
+    );
     w.fabric().set_paused(false);
     assert!(
         matches!(late.wait(T), Err(TransferError::Timeout(_))),

@@ -1099,11 +1099,13 @@ impl Wire for SlotWire<'_> {
     }
 }
 
-/// Runs `f` with a path step's context on the wire to the peer in `slot`
-/// (its lock held: `slot_state`) and the staged path's part of it.
+/// Runs `f` with a path step's context at `now` on the wire to the peer
+/// in `slot` (its lock held: `slot_state`) and the staged path's part of
+/// it.
 fn on_slot<T>(
     res: &Resources,
     slot: usize,
+    now: Instant,
     slot_state: &mut PeerSlot,
     f: impl FnOnce(&mut PathCx<'_>, &mut PeerPart<'_>) -> T,
 ) -> T {
@@ -1117,7 +1119,7 @@ fn on_slot<T>(
         &mut PathCx {
             res,
             wire: &mut wire,
-            now: res.config.clock.now(),
+            now,
         },
         &mut PeerPart {
             staged,
@@ -1126,20 +1128,6 @@ fn on_slot<T>(
     );
     wire.parts.core.conn.return_rendezvous(rendezvous);
     out
-}
-
-/// Steps the staged path's part of the peer in `slot` (its lock held).
-fn step_staged(
-    res: &Resources,
-    path: &mut staging::StagedPath<'_>,
-    slot: usize,
-    slot_state: &mut PeerSlot,
-    now: Instant,
-) -> usize {
-    on_slot(res, slot, slot_state, |cx, part| {
-        cx.now = now;
-        path.progress_peer(cx, slot, part)
-    })
 }
 
 /// A peer slot's connection side, borrowed apart from the paths' parts
@@ -2610,7 +2598,7 @@ impl Engine {
         // Each path ends what it does with the peer and lets go of it.
         let res = &self.shared.res;
         let mut staged = self.shared.staged();
-        on_slot(res, slot, &mut slot_guard, |cx, peer| {
+        on_slot(res, slot, res.config.clock.now(), &mut slot_guard, |cx, peer| {
             staged.release_peer(cx, slot, peer)
         });
         drop(slot_guard);
@@ -3325,7 +3313,7 @@ impl Engine {
         let mut landings = Vec::new();
         let mut peers_poll = false;
         {
-            let mut staged = shared.staged();
+            let mut path = shared.staged();
             let due = state.slots.iter().enumerate();
             for (slot, lock) in due.filter(|(_, l)| l.mark.is_due(now)) {
                 let mut guard = lock_slot(lock);
@@ -3333,7 +3321,9 @@ impl Engine {
                 if guard.staged.is_idle(guard.core.conn.rendezvous()) {
                     continue;
                 }
-                handled += step_staged(&shared.res, &mut staged, slot, &mut guard, now);
+                handled += on_slot(&shared.res, slot, now, &mut guard, |cx, part| {
+                    path.progress_peer(cx, slot, part)
+                });
                 let PeerSlot {
                     core, peer, staged, ..
                 } = &mut *guard;
@@ -3463,7 +3453,8 @@ impl Engine {
         // connection's (or nobody's).
         let mut guard = state.slot(slot);
         let mut staged = self.shared.staged();
-        let message = on_slot(&self.shared.res, slot, &mut guard, |cx, peer| {
+        let res = &self.shared.res;
+        let message = on_slot(res, slot, res.config.clock.now(), &mut guard, |cx, peer| {
             staged.on_control(cx, slot, peer, message)
         })?;
         let Some(message) = message else {
@@ -3964,7 +3955,7 @@ impl Engine {
                 peer.make_grant(region, 0, len, GrantRights::ReadWrite)
             });
             let mut guard = lock_slot(&peer.lock);
-            worked += on_slot(res, slot, &mut guard, |cx, part| {
+            worked += on_slot(res, slot, res.config.clock.now(), &mut guard, |cx, part| {
                 part.staged.landing_made(cx, slot, part.rendezvous, made)
             });
             drop(guard);

@@ -859,7 +859,7 @@ impl Peer {
                     false => self.plan_direct(core, peer, &direct).map(Some),
                 }
             })??;
-            let posted = on_slot(&shared.res, self.slot, slot, |cx, peer| {
+            let posted = on_slot(&shared.res, self.slot, now, slot, |cx, peer| {
                 shared
                     .staged()
                     .post(cx, self.slot, peer, &carried, timeout)

@@ -646,7 +646,8 @@ pub(super) fn pump_landing(
         tracing::trace!(?copy, ok, "rendezvous owner: copy done");
         owner.copy_ended(copy, ok);
     }
-    owner.handle_timeout(now);
+    // Its deadlines were handled by the connection (the engine's pass,
+    // before this step).
     loop {
         owner.step(served, &mut fenced);
         let mut acted = false;
@@ -787,7 +788,6 @@ pub(super) fn pump_asks(
     requester: &mut Requester,
     pools: &mut HashMap<u32, StagingPool>,
 ) -> usize {
-    let now = cx.now;
     let (engine, gone) = match cx.wire.peer(slot) {
         Some(p) => (p.engine, p.gone),
         None => (0, Some(PeerGone::Closed)),
@@ -828,7 +828,8 @@ pub(super) fn pump_asks(
     if gone.is_some() {
         requester.peer_gone();
     }
-    requester.handle_timeout(now);
+    // Its deadlines were handled by the connection (the engine's pass,
+    // before this step).
     moved += take_ask_actions(asks, requester, &gone, &mut send);
     let ids: Vec<u64> = asks.asking.keys().copied().collect();
     for id in ids {
