@@ -23,8 +23,9 @@ pub struct Batch {
     /// The staged path's part of the batch (pipes, requests through the
     /// peer's landing slots): ends with them.
     pub(super) parts: Vec<Arc<CompletionCell>>,
-    /// The peer whose slot holds the staged requests of `parts`.
-    pub(super) staged_peer: Option<Arc<PeerLock>>,
+    /// The peer whose slot holds the batch's work on the paths beside the
+    /// NIC (the staged requests of `parts`, a peer copy's flight).
+    pub(super) path_peer: Option<Arc<PeerLock>>,
     /// The CQs its peer's queue pairs complete on: a waiter spins on
     /// these first ([`Engine::progress_of`]).
     pub(super) home: CqSet,
@@ -50,7 +51,7 @@ impl Batch {
             fenced: Default::default(),
             gate: None,
             parts: Vec::new(),
-            staged_peer: None,
+            path_peer: None,
             home: CqSet::ALL,
         }
     }
@@ -187,27 +188,33 @@ impl Batch {
         if let Some(gate) = &self.gate {
             gate.cancel();
         }
-        match &self.id {
-            Some((lock, id)) => {
-                let mut guard = lock_slot(lock);
-                guard.core.cancel(*id);
-                self.engine.settle_slot(guard);
-            }
-            None => self.engine.cancel_peer_copy(&self.cell),
+        if let Some((lock, id)) = &self.id {
+            let mut guard = lock_slot(lock);
+            guard.core.cancel(*id);
+            self.engine.settle_slot(guard);
         }
-        if let Some(lock) = &self.staged_peer {
+        if let Some(lock) = &self.path_peer {
             // The staged parts (pipelines and requests through the peer's
-            // landing slots): the staged path's part of the peer, in its
-            // slot.
+            // landing slots) and a peer copy's flight: the paths' parts of
+            // the peer, in its slot.
             let mut staged = self.engine.shared.staged();
             let cells = staged.cancel(&self.parts);
             let mut guard = lock_slot(lock);
-            let PeerSlot { core, staged: part, .. } = &mut *guard;
+            let PeerSlot {
+                core,
+                staged: part,
+                copy,
+                ..
+            } = &mut *guard;
             let mut part = PeerPart {
                 staged: part,
                 rendezvous: core.conn.rendezvous_mut(),
             };
             staged.cancel_peer(&mut part, &cells);
+            self.engine
+                .shared
+                .copies()
+                .cancel_peer(copy, std::slice::from_ref(&self.cell));
             // They end at the next pass.
             self.engine.shared.due.set();
         }

@@ -252,6 +252,7 @@ pub use self::peer::{Grant, Peer};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
+use self::peer_copy::{PeerCopyPath, PeerCopyPeer};
 use self::staging::{PeerPart, StagedPeer};
 use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialState, Token};
 #[cfg(all(feature = "tokio", not(loom)))]
@@ -934,6 +935,11 @@ struct PeerSlot {
     /// The staged path's part of the peer: both sides of its rendezvous
     /// (kept after a tear-down until the copies for it have ended).
     staged: StagedPeer,
+    /// The peer-copy path's part of the peer: where it runs, its grants'
+    /// IPC handles, this side's batches to it on the GPU, our grants
+    /// exported to it (kept after a tear-down until the copies end and
+    /// the exports' bounds pass).
+    copy: PeerCopyPeer,
 }
 
 /// A peer's lock, and the mark its holders leave for the engine's pass
@@ -978,9 +984,6 @@ struct Paths {
     /// The page of words streams wait on (made at the first stream fence
     /// or gate) and the stream fences whose batch has not ended.
     stream_fences: fence::StreamFences,
-    /// The peer-copy path (its peers, streams, mappings and batches in
-    /// flight).
-    peer_copy: peer_copy::PeerCopyPath,
     /// Batches held until a stream reaches their gate.
     gates: gate::Gates,
 }
@@ -1097,6 +1100,28 @@ impl Wire for SlotWire<'_> {
         }
         self.parts.post_rdma(self.res, gpu, spread, rdma, deadline)
     }
+}
+
+/// Runs `f` with a path step's context at `now` on the wire to the peer
+/// in `slot` (its lock held: `slot_state`) and the peer-copy path's part
+/// of it.
+fn on_slot_copy<T>(
+    res: &Resources,
+    slot: usize,
+    now: Instant,
+    slot_state: &mut PeerSlot,
+    f: impl FnOnce(&mut PathCx<'_>, &mut PeerCopyPeer) -> T,
+) -> T {
+    let (parts, copy) = slot_state.split_copy();
+    let mut wire = SlotWire { slot, parts, res };
+    f(
+        &mut PathCx {
+            res,
+            wire: &mut wire,
+            now,
+        },
+        copy,
+    )
 }
 
 /// Runs `f` with a path step's context at `now` on the wire to the peer
@@ -1273,6 +1298,9 @@ struct Shared {
     /// Each GPU's staging pool, shared by the peers' staged parts (its
     /// own lock: see the module docs).
     pools: staging::StagingPools,
+    /// What the peer-copy path shares among the peers' parts (streams,
+    /// IPC mappings, peer access: its own lock, taken under a peer's).
+    peer_copy: peer_copy::PeerCopyShared,
     /// Each queue pair's route, by (NIC, queue pair number): completions
     /// go to their peer without the engine's lock ([`handoff::Routes`]).
     routes: handoff::Routes<PeerLock>,
@@ -1579,8 +1607,21 @@ impl PeerSlot {
             peer,
             to_post,
             staged,
+            ..
         } = self;
         (PeerParts { core, peer, to_post }, staged)
+    }
+
+    /// The connection side and the peer-copy path's part, borrowed apart.
+    fn split_copy(&mut self) -> (PeerParts<'_>, &mut PeerCopyPeer) {
+        let PeerSlot {
+            core,
+            peer,
+            to_post,
+            copy,
+            ..
+        } = self;
+        (PeerParts { core, peer, to_post }, copy)
     }
 
     /// What the peer leaves for the engine's pass ([`handoff::PeerMark`]).
@@ -1591,9 +1632,18 @@ impl PeerSlot {
         // Receives left to the pass make it due (a progress call makes
         // it), as before they were polled.
         let for_pass = self.peer.as_ref().is_some_and(|p| !p.for_pass.is_empty());
-        // The staged path's part is stepped by the pass, at its next.
-        let post = post || !self.staged.is_idle(self.core.conn.rendezvous());
-        let at = [self.core.next_deadline(), self.staged.poll_timeout()];
+        // The paths' parts are stepped by the pass, at its next.
+        // A gone peer's IPC handles go at the pass too.
+        let gone = self.peer.as_ref().is_none_or(|p| p.gone.is_some());
+        let post = post
+            || !self.staged.is_idle(self.core.conn.rendezvous())
+            || self.copy.has_work()
+            || (gone && self.copy.ipc_handles() > 0);
+        let at = [
+            self.core.next_deadline(),
+            self.staged.poll_timeout(),
+            self.copy.poll_timeout(),
+        ];
         Mark {
             actions: self.core.has_action() || for_pass,
             post,
@@ -1744,6 +1794,13 @@ impl Shared {
     /// The staged path, for one call (its pools).
     fn staged(&self) -> staging::StagedPath<'_> {
         staging::StagedPath { pools: &self.pools }
+    }
+
+    /// The peer-copy path, for one call (what it shares among the peers).
+    fn copies(&self) -> PeerCopyPath<'_> {
+        PeerCopyPath {
+            shared: &self.peer_copy,
+        }
     }
 
     /// The routes, to change: the version moves as the lock goes.
@@ -2071,6 +2128,12 @@ impl Engine {
                 context,
             });
         }
+        let reactor = Arc::new(reactor::Reactor::new().map_err(|e| {
+            EngineError::Unavailable(Unavailable::Os {
+                what: "the engine's wake-up eventfd",
+                source: e,
+            })
+        })?);
         let shared = Shared {
             routes: handoff::Routes::new(),
             dead_nics: nics
@@ -2080,13 +2143,13 @@ impl Engine {
             due: PassDue::new(config.clock.now()),
             sweeps: handoff::Sweeps::new(),
             pools: Default::default(),
+            peer_copy: peer_copy::PeerCopyShared::new(cuda, Arc::downgrade(&reactor)),
             state: Mutex::new(State {
                 slots: Vec::new(),
                 reconnecting: 0,
                 peers_poll: false,
                 paths: Paths {
                     stream_fences: Default::default(),
-                    peer_copy: peer_copy::PeerCopyPath::new(cuda),
                     gates: Default::default(),
                 },
             }),
@@ -2096,12 +2159,7 @@ impl Engine {
             own_driver: Default::default(),
             listener_threads: Mutex::default(),
             holds: Arc::default(),
-            reactor: Arc::new(reactor::Reactor::new().map_err(|e| {
-                EngineError::Unavailable(Unavailable::Os {
-                    what: "the engine's wake-up eventfd",
-                    source: e,
-                })
-            })?),
+            reactor,
         };
         tracing::info!(
             engine = format_args!("{:#x}", shared.id),
@@ -2150,8 +2208,7 @@ impl Engine {
         let peers = state
             .slots
             .iter()
-            .enumerate()
-            .filter_map(|(slot, lock)| {
+            .filter_map(|lock| {
                 let guard = lock_slot(lock);
                 let (staged_grants, requests_served, copies, requests_asked) =
                     guard.staged.load(guard.core.conn.rendezvous());
@@ -2167,7 +2224,7 @@ impl Engine {
                     queue_pairs: peer.qps.len(),
                     grants_announced: core.conn.announced_len(),
                     remote_grants: core.conn.remote_grants(),
-                    ipc_handles: state.paths.peer_copy.ipc_handles(slot),
+                    ipc_handles: guard.copy.ipc_handles(),
                     inbox_messages: core.conn.inbox_len().0,
                     inbox_bytes: core.conn.inbox_len().1,
                     outbox_messages: core.conn.outbox_len(),
@@ -2598,13 +2655,15 @@ impl Engine {
         // Each path ends what it does with the peer and lets go of it.
         let res = &self.shared.res;
         let mut staged = self.shared.staged();
-        on_slot(res, slot, res.config.clock.now(), &mut slot_guard, |cx, peer| {
+        let now = res.config.clock.now();
+        on_slot(res, slot, now, &mut slot_guard, |cx, peer| {
             staged.release_peer(cx, slot, peer)
         });
-        drop(slot_guard);
-        state.with_paths(res, res.config.clock.now(), |paths, cx| {
-            paths.peer_copy.release_peer(cx, slot, &mut ());
+        let mut copies = self.shared.copies();
+        on_slot_copy(res, slot, now, &mut slot_guard, |cx, peer| {
+            copies.release_peer(cx, slot, peer)
         });
+        drop(slot_guard);
         self.run_actions(state);
         drop(guard);
         tracing::info!(
@@ -2742,6 +2801,7 @@ impl Engine {
                 peer: None,
                 to_post: Vec::with_capacity(64),
                 staged: StagedPeer::new(),
+                copy: PeerCopyPeer::default(),
             },
             self.shared.due.base(),
         ));
@@ -2898,11 +2958,7 @@ impl Engine {
         // As the peers' locks published them: one held now publishes its
         // own as it goes, and makes the pass due by it when it left one
         // (`PeerMark::settle`).
-        let peers = state.slots.iter().filter_map(|lock| lock.mark.at());
-        TransferPath::next_deadline(&state.paths.peer_copy)
-            .into_iter()
-            .chain(peers)
-            .min()
+        state.slots.iter().filter_map(|lock| lock.mark.at()).min()
     }
 
     /// Polls every NIC's completions, handles deadlines and connection
@@ -3308,21 +3364,33 @@ impl Engine {
             self.give_up_late_reconnects(state, now);
         }
         // Each peer with something for the pass: its deadlines, then its
-        // part of the staged path (under its lock alone: its slot holds
-        // it), whose landing slots to make are claimed here.
+        // parts of the staged and peer-copy paths (under its lock alone:
+        // its slot holds them); the staged part's landing slots to make
+        // are claimed here.
         let mut landings = Vec::new();
         let mut peers_poll = false;
         {
-            let mut path = shared.staged();
+            let (mut staged_path, mut copies) = (shared.staged(), shared.copies());
             let due = state.slots.iter().enumerate();
             for (slot, lock) in due.filter(|(_, l)| l.mark.is_due(now)) {
                 let mut guard = lock_slot(lock);
                 guard.core.handle_timeout(now);
+                let gone = guard.peer.as_ref().is_none_or(|p| p.gone.is_some());
+                let copy = &guard.copy;
+                if copy.has_work()
+                    || (gone && copy.ipc_handles() > 0)
+                    || copy.poll_timeout().is_some_and(|at| at <= now)
+                {
+                    handled += on_slot_copy(&shared.res, slot, now, &mut guard, |cx, part| {
+                        copies.progress_peer(cx, slot, part)
+                    });
+                    peers_poll |= guard.copy.polls();
+                }
                 if guard.staged.is_idle(guard.core.conn.rendezvous()) {
                     continue;
                 }
                 handled += on_slot(&shared.res, slot, now, &mut guard, |cx, part| {
-                    path.progress_peer(cx, slot, part)
+                    staged_path.progress_peer(cx, slot, part)
                 });
                 let PeerSlot {
                     core, peer, staged, ..
@@ -3337,8 +3405,7 @@ impl Engine {
         }
         state.peers_poll = peers_poll;
         handled += state.with_paths(&shared.res, now, |paths, cx| {
-            let handled = paths.peer_copy.progress(cx);
-            handled + paths.gates.poll(cx, &mut paths.stream_fences)
+            paths.gates.poll(cx, &mut paths.stream_fences)
         });
         // The GPU fences of ended batches' stream fences are claimed here
         // and made outside the lock; those needing none are released now.
@@ -3353,7 +3420,6 @@ impl Engine {
         // due is at the earliest deadline.
         let again = state.reconnecting > 0
             || peers_poll
-            || TransferPath::polls(&paths.peer_copy)
             || paths.gates.waiting()
             || !landings.is_empty()
             || serve
@@ -3433,28 +3499,27 @@ impl Engine {
         bytes: &[u8],
     ) -> Result<(), PeerMisbehaved> {
         let message = match Control::decode(bytes) {
-            // The paths own what they know of the peer: each takes the
-            // messages of its protocol and hands the others back.
-            Ok(m) => {
-                let res = &self.shared.res;
-                state.with_paths(res, res.config.clock.now(), |paths, cx| {
-                    paths.peer_copy.on_control(cx, slot, &mut (), m)
-                })?
-            }
+            Ok(m) => m,
             // A control message that does not decode: the peer broke the
             // protocol (the version was agreed in the handshake).
             Err(e) => return Err(PeerMisbehaved::Malformed(e)),
         };
+        // The paths own what they know of the peer, in its slot: each
+        // takes the messages of its protocol under the peer's lock and
+        // hands the others back; what is left is the connection's (or
+        // nobody's).
+        let mut guard = state.slot(slot);
+        let res = &self.shared.res;
+        let now = res.config.clock.now();
+        let mut copies = self.shared.copies();
+        let message = on_slot_copy(res, slot, now, &mut guard, |cx, peer| {
+            copies.on_control(cx, slot, peer, message)
+        })?;
         let Some(message) = message else {
             return Ok(());
         };
-        // The staged path's part of the peer is in its slot: the message
-        // goes there under the peer's lock, and what it hands back is the
-        // connection's (or nobody's).
-        let mut guard = state.slot(slot);
         let mut staged = self.shared.staged();
-        let res = &self.shared.res;
-        let message = on_slot(res, slot, res.config.clock.now(), &mut guard, |cx, peer| {
+        let message = on_slot(res, slot, now, &mut guard, |cx, peer| {
             staged.on_control(cx, slot, peer, message)
         })?;
         let Some(message) = message else {
@@ -3965,33 +4030,11 @@ impl Engine {
         worked
     }
 
-    /// Runs `f` on the paths ([`State::with_paths`]) under the engine's
-    /// lock. What it sent is posted already (the wire posts each message
-    /// and request under its peer's lock): what a failed post asked of a
-    /// queue pair is carried out, and a message held for a send slot gets
-    /// a thread to send it, before the lock goes.
-    fn with_paths<T>(&self, f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T) -> T {
-        let shared = &*self.shared;
-        let mut guard = lock_state(shared);
-        let out = guard.with_paths(&shared.res, shared.config.clock.now(), f);
-        self.run_actions(&mut guard);
-        self.drive_held_control(&guard);
-        out
-    }
-
     // The peer-copy path's calls ([`peer_copy`]).
 
     /// What this engine's peer copies have done.
     pub fn peer_copy_stats(&self) -> PeerCopyStats {
-        look_at_state(&self.shared).paths.peer_copy.stats()
-    }
-
-    /// Cancels the peer-copy batch of `cell`, if it is one: it queues
-    /// nothing more and ends [`TransferError::Cancelled`] once its queued
-    /// copies have run.
-    fn cancel_peer_copy(&self, cell: &Arc<CompletionCell>) {
-        let mut state = lock_state(&self.shared);
-        TransferPath::cancel(&mut state.paths.peer_copy, std::slice::from_ref(cell));
+        self.shared.peer_copy.stats()
     }
 }
 
@@ -4278,7 +4321,6 @@ impl reactor::Parkable for Engine {
         };
         state.reconnecting > 0
             || state.peers_poll
-            || TransferPath::polls(&state.paths.peer_copy)
             || state.paths.gates.waiting()
     }
 
@@ -4706,6 +4748,7 @@ mod lock_order_tests {
                 peer: None,
                 to_post: Vec::new(),
                 staged: StagedPeer::new(),
+                copy: PeerCopyPeer::default(),
             },
             Instant::now(),
         )

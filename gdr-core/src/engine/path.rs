@@ -19,13 +19,18 @@
 //! handed a batch it said it carries ([`TransferPath::post`], which checks
 //! everything before anything moves: NIXL's prepare and post in one call,
 //! since nothing here is worth preparing twice), is advanced by
-//! [`TransferPath::progress`], takes the control messages of its own
+//! [`TransferPath::progress_peer`], takes the control messages of its own
 //! protocol ([`TransferPath::on_control`]), and releases what it holds of
-//! a peer ([`TransferPath::release_peer`]). Each path owns its state; the
-//! engine keeps the peers, the grants and the choice of path per batch,
-//! and carries out what the paths ask through [`PathCx`]: the engine's
-//! [`Resources`] (read only) and the [`Wire`] (the peers' queue pairs and
-//! control channel). No path module reaches the engine, or another path.
+//! a peer ([`TransferPath::release_peer`]). Each path owns its state, and
+//! what it keeps of a peer is the peer's ([`TransferPath::Peer`]: in the
+//! peer's slot, under the peer's lock, handed to every call about that
+//! peer with a wire to that peer alone); what a path shares among peers
+//! (the staging pools; the peer-copy streams and IPC mappings) is under a
+//! lock of its own, taken briefly under a peer's. The engine keeps the
+//! peers, the grants and the choice of path per batch, and carries out
+//! what the paths ask through [`PathCx`]: the engine's [`Resources`] (read
+//! only) and the [`Wire`] (the peer's queue pairs and control channel). No
+//! path module reaches the engine, or another path.
 //!
 //! # The lifetime contract, at the seam
 //!
@@ -141,15 +146,21 @@ pub(crate) trait TransferPath {
     /// peer (with a wire to that peer alone: the peer's lock is held).
     type Peer<'a>;
 
-    /// Whether this path carries `transfers` for the peer in `slot` (the
-    /// capability predicate). The engine asks the peer-copy path, then the
+    /// Whether this path carries `transfers` for the peer in `slot` (its
+    /// part here: `peer`; the capability predicate). The engine asks the peer-copy path, then the
     /// staged path, and posts to the first that says yes; what neither
     /// carries goes over the NIC directly (the RDMA path: the batch sliced
     /// over the peer's queue pairs, as [`Wire::post_rdma`] posts one op).
     /// `&mut`: a path may have to open what it would carry them through
     /// to know (the peer-copy path opens, and caches, a peer's IPC handle:
     /// one that does not open here leaves the batch to the NIC).
-    fn carries(&mut self, res: &Resources, slot: usize, transfers: &[Transfer<'_>]) -> bool;
+    fn carries(
+        &mut self,
+        res: &Resources,
+        slot: usize,
+        peer: &mut Self::Peer<'_>,
+        transfers: &[Transfer<'_>],
+    ) -> bool;
 
     /// Starts `transfers` for the peer in `slot` (its part here: `peer`),
     /// which the engine checked first (local bounds; the grant live on
@@ -166,13 +177,12 @@ pub(crate) trait TransferPath {
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError>;
 
-    /// Advances what the path holds beside its peers' parts: what ended
-    /// since the last call, deadlines passed at `cx.now`, what may start
-    /// now. Returns how much moved (a driver counts it as work).
-    fn progress(&mut self, cx: &mut PathCx<'_>) -> usize;
-
-    /// Advances the path's part of the peer in `slot`, as
-    /// [`TransferPath::progress`] does the rest.
+    /// Advances the path's part of the peer in `slot`: what ended since
+    /// the last call, deadlines passed at `cx.now`, what may start now.
+    /// Returns how much moved (a driver counts it as work). The part says
+    /// when it wants the next call (its work, its earliest deadline, and
+    /// whether only polling sees its work end: GPU copies have no fd to
+    /// wait on) through the peer's mark.
     fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer<'_>)
     -> usize;
 
@@ -198,14 +208,4 @@ pub(crate) trait TransferPath {
     /// The peer in `slot` is gone: end what the path does for or with it
     /// and free what it holds of it (once nothing in flight uses it).
     fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, peer: &mut Self::Peer<'_>);
-
-    /// The earliest deadline of what the path holds beside its peers'
-    /// parts (those publish theirs with the peer's mark): the driver calls
-    /// [`TransferPath::progress`] by then.
-    fn next_deadline(&self) -> Option<Instant>;
-
-    /// Whether the path has work whose end only polling sees (GPU copies
-    /// and their events: CUDA has no fd to wait on), so a parked engine
-    /// must look again soon ([`super::reactor::GPU_POLL`]).
-    fn polls(&self) -> bool;
 }

@@ -106,16 +106,13 @@ impl Grant {
             // Its state dropped: its copies were waited for.
             None => true,
         };
-        // Nothing under way under it: fenced now, under the peer's lock
-        // alone (a grant peer copy may have exported asks the engine's).
-        if !may_export && staged_fenced(&lock_slot(&peer.lock)) {
-            return Ok(());
-        }
-        peer.engine.progress_until(timeout, |state| {
-            let staged = staged_fenced(&state.slot(peer.slot));
+        // Where the fence stands, under the peer's lock alone (the paths'
+        // parts of the peer are in its slot).
+        let fenced = |slot: &PeerSlot| {
+            let staged = staged_fenced(slot);
             let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
             let release = match may_export {
-                true => state.paths.peer_copy.exports.release(grant),
+                true => slot.copy.export_release(grant),
                 false => Release::Released,
             };
             match release {
@@ -123,7 +120,13 @@ impl Grant {
                 Release::GivenUp => Some(Err(EngineError::Timeout(TimedOut { after: timeout }))),
                 _ => None,
             }
-        })
+        };
+        // Nothing under way under it: fenced now.
+        if let Some(done) = fenced(&lock_slot(&peer.lock)) {
+            return done;
+        }
+        peer.engine
+            .progress_until(timeout, |state| fenced(&state.slot(peer.slot)))
     }
 }
 
@@ -142,23 +145,21 @@ impl Drop for Grant {
 
 impl Grant {
     /// The revoke on this side: the announcement forgotten, and the paths
-    /// beside the NIC's told: an exported IPC handle (under the engine's
-    /// lock), requests of the staged path (under the peer's).
+    /// beside the NIC's told: an exported IPC handle, requests of the
+    /// staged path (their parts of the peer, under its lock).
     fn revoke_on_paths(&self, grant: u64) {
-        if self.may_export {
-            // An exported IPC handle: its memory stays until the importer
-            // released it (or the bound passed).
-            let config = &self.peer.engine.shared.config;
-            lock_state(&self.peer.engine.shared)
-                .paths
-                .peer_copy
-                .exports
-                .revoke(grant, config.clock.now(), config.peer_copy_release_timeout);
-        }
         let fenced = {
             let mut slot = lock_slot(&self.peer.lock);
             if slot.peer.is_some() {
                 slot.core.conn.forget_announced(grant);
+            }
+            if self.may_export {
+                // An exported IPC handle: its memory stays until the
+                // importer released it (or the bound passed).
+                let config = &self.peer.engine.shared.config;
+                let now = config.clock.now();
+                slot.copy
+                    .revoke_export(grant, now, config.peer_copy_release_timeout);
             }
             // Requests under it stop at once; the fence waits for their
             // copies under way.
@@ -328,7 +329,7 @@ impl Peer {
         let mut bytes = vec![0; announce.encoded_len()];
         announce.encode_into(&mut bytes)?;
         // GPU memory only may go by peer copy (the path decides under the
-        // engine's lock).
+        // peer's lock).
         let may_export = self.engine.shared.config.peer_copy
             && matches!(region.inner.location, MemoryLocation::Gpu { .. });
         let published = match may_export {
@@ -908,7 +909,7 @@ impl Peer {
         Ok(Batch {
             fence,
             parts: vec![posted],
-            staged_peer: Some(Arc::clone(&self.lock)),
+            path_peer: Some(Arc::clone(&self.lock)),
             ..batch
         })
     }
@@ -942,14 +943,10 @@ impl Peer {
 
     /// How this peer's transfers of GPU memory travel.
     pub fn route(&self) -> PeerCopyRoute {
-        let state = look_at_state(&self.engine.shared);
-        let up = state
-            .slot(self.slot)
-            .peer
-            .as_ref()
-            .is_some_and(|p| p.gone.is_none());
+        let slot = lock_slot(&self.lock);
+        let up = slot.peer.as_ref().is_some_and(|p| p.gone.is_none());
         match up && self.engine.shared.config.peer_copy {
-            true => state.paths.peer_copy.route(self.slot),
+            true => self.engine.shared.copies().route(&slot.copy),
             false => PeerCopyRoute::Nic,
         }
     }
@@ -960,31 +957,33 @@ impl Peer {
         if !self.engine.shared.config.peer_copy {
             return Ok(());
         }
-        let message = look_at_state(&self.engine.shared)
-            .paths
-            .peer_copy
-            .locality();
-        if let Some(message) = message {
+        if let Some(message) = self.engine.shared.peer_copy.locality() {
             self.send_control(&message)?;
         }
         Ok(())
     }
 
     /// Makes a new grant of GPU memory reachable by peer copy (see
-    /// [`peer_copy::PeerCopyPath::publish`]); what it sends is posted
-    /// before the lock is released.
+    /// [`peer_copy::PeerCopyPath::publish`]), under the peer's lock alone;
+    /// what it sends is posted before the lock is released.
     pub(super) fn publish_for_peer_copy(
         &self,
         region: &Region,
         offset: u64,
         descriptor: &MemoryDescriptor,
     ) -> Option<peer_copy::Publication> {
-        let owner = Arc::downgrade(&self.engine.shared.reactor);
-        self.engine.with_paths(|paths, cx| {
-            paths
-                .peer_copy
-                .publish(cx, self.slot, region, offset, descriptor, owner)
-        })
+        let shared = &self.engine.shared;
+        let res = &shared.res;
+        let mut guard = lock_slot(&self.lock);
+        let mut copies = shared.copies();
+        let published = on_slot_copy(res, self.slot, res.config.clock.now(), &mut guard, |cx, peer| {
+            copies.publish(cx, self.slot, peer, region, offset, descriptor)
+        });
+        // What a failed post asked of a queue pair is the pass's.
+        if guard.core.has_action() {
+            shared.due.set();
+        }
+        published
     }
 
     /// Submits `transfers` by peer copy if the path carries them all
@@ -1008,32 +1007,29 @@ impl Peer {
             return Ok(None);
         }
         // The driver calls the batch needs first (a peer's IPC handle
-        // opened, peer access between two GPUs) are made outside the lock:
-        // each can take long, and every other peer would wait. The
-        // mappings are held here until the batch holds them.
-        // (Another peer's batch, and a batch that needs none, takes the
-        // lock once.)
-        let mut guard = lock_state(&engine.shared);
-        let mut steps = guard
-            .paths
-            .peer_copy
-            .driver_steps_wanted(self.slot, transfers);
+        // opened, peer access between two GPUs) are made outside every
+        // lock: each can take long. The mappings are held here until the
+        // batch holds them. The engine's lock is not taken: the path's
+        // part of the peer is in its slot.
+        let shared = &engine.shared;
+        let mut copies = shared.copies();
+        let mut guard = lock_slot(&self.lock);
+        let mut steps = copies.driver_steps_wanted(&guard.copy, transfers);
         if !steps.is_empty() {
             drop(guard);
             for step in &mut steps {
                 step.run(res);
             }
-            guard = lock_state(&engine.shared);
-            guard.paths.peer_copy.driver_steps_done(self.slot, &steps);
+            guard = lock_slot(&self.lock);
+            copies.driver_steps_done(&mut guard.copy, &steps);
         }
-        let state = &mut *guard;
         {
-            let slot = state.slot(self.slot);
+            let slot = &mut *guard;
             let peer = slot
                 .peer
                 .as_ref()
                 .ok_or(EngineError::PeerGone(PeerGone::Closed))?;
-            if state.paths.peer_copy.route(self.slot) == PeerCopyRoute::Nic {
+            if copies.route(&slot.copy) == PeerCopyRoute::Nic {
                 return Ok(None);
             }
             if let Some(why) = &peer.gone {
@@ -1042,18 +1038,26 @@ impl Peer {
             for t in transfers {
                 check_transfer(&slot.core, peer, t)?;
             }
+            if !copies.carries(res, self.slot, &mut slot.copy, transfers) {
+                return Ok(None);
+            }
         }
-        if !state.paths.peer_copy.carries(res, self.slot, transfers) {
-            return Ok(None);
-        }
-        let cell = state.with_paths(res, res.config.clock.now(), |paths, cx| {
-            paths.peer_copy.post(cx, self.slot, &mut (), transfers, timeout)
+        let now = res.config.clock.now();
+        let cell = on_slot_copy(res, self.slot, now, &mut guard, |cx, peer| {
+            copies.post(cx, self.slot, peer, transfers, timeout)
         })?;
         drop(guard);
+        // Its copies are polled by the pass: due now, and a parked driver
+        // woken to make it (no fd tells of a GPU copy's end).
+        shared.due.set();
+        engine.wake();
         // A mapping nothing else took closes here, outside the lock.
         drop(steps);
         engine.ensure_own_driver();
-        Ok(Some(Batch::of_cell(engine.clone(), cell)))
+        Ok(Some(Batch {
+            path_peer: Some(Arc::clone(&self.lock)),
+            ..Batch::of_cell(engine.clone(), cell)
+        }))
     }
 }
 

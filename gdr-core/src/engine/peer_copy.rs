@@ -104,7 +104,7 @@ use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
 use gdr_proto::PeerMisbehaved;
-use gdr_proto::peer_copy::{CopyFlight, Exports, Releases, Stop, Windows};
+use gdr_proto::peer_copy::{CopyFlight, Exports, Release, Releases, Stop, Windows};
 
 use super::cuda_worker::Pending;
 use crate::sync::{Mutex, lock};
@@ -169,14 +169,62 @@ pub struct PeerCopyStats {
     pub copies: u64,
 }
 
-/// What the peer-copy path knows of one peer (in [`PeerCopyPath`], by the
-/// peer's slot: the path owns it, not the peer's state).
+/// The peer-copy path's part of one peer: in the peer's slot, under the
+/// peer's lock, handed to the path's calls about that peer.
 #[derive(Default)]
-struct PeerLink {
+pub(super) struct PeerCopyPeer {
     /// Where the peer runs, once it said (only if it allows the path).
     remote: Option<Locality>,
     /// The IPC handles of the peer's grants, by grant id.
     ipc: HashMap<u64, IpcGrant>,
+    /// This side's batches to the peer with copies on the GPU.
+    flights: Vec<Flight>,
+    /// Our grants whose IPC handle went to the peer (another process),
+    /// each holding its region until the peer released it.
+    exports: Exports<Keep>,
+    /// The releases we owe the peer for its revoked grants we had the
+    /// IPC handle of.
+    releases: Releases,
+}
+
+impl PeerCopyPeer {
+    /// The IPC handles of the peer's grants held here (bounded like its
+    /// grants).
+    pub(super) fn ipc_handles(&self) -> usize {
+        self.ipc.len()
+    }
+
+    /// Whether the path has work of the peer's for the engine's pass:
+    /// batches on the GPU, releases owed.
+    pub(super) fn has_work(&self) -> bool {
+        !self.flights.is_empty() || !self.releases.is_empty()
+    }
+
+    /// Whether only polling sees the part's work end (GPU copies).
+    pub(super) fn polls(&self) -> bool {
+        !self.flights.is_empty()
+    }
+
+    /// The earliest deadline of the peer's batches and of our exported
+    /// grants' releases.
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        self.flights
+            .iter()
+            .filter_map(|f| f.proto.poll_timeout())
+            .chain(self.exports.poll_timeout())
+            .min()
+    }
+
+    /// Our exported `grant` was revoked: its memory stays until the peer
+    /// released it or `bound` passed.
+    pub(super) fn revoke_export(&mut self, grant: u64, now: Instant, bound: Duration) {
+        self.exports.revoke(grant, now, bound);
+    }
+
+    /// Where the release of our exported `grant` stands.
+    pub(super) fn export_release(&self, grant: u64) -> Release {
+        self.exports.release(grant)
+    }
 }
 
 struct IpcGrant {
@@ -304,9 +352,9 @@ struct Flight {
 enum GrantUse {
     /// A use of a same-process grant's fence (ends on drop).
     SameProcess { grant: u64, fence: FenceUse },
-    /// A grant of peer `slot` reached through its IPC handle: live while
-    /// the handle is.
-    Ipc { slot: usize, grant: u64 },
+    /// A grant of the peer reached through its IPC handle: live while the
+    /// handle is.
+    Ipc { grant: u64 },
 }
 
 impl GrantUse {
@@ -383,37 +431,43 @@ impl Drop for FenceUse {
     }
 }
 
-/// The peer-copy path: its state (under the engine's lock) and, through
-/// [`TransferPath`], its moves.
-pub(super) struct PeerCopyPath {
+/// What the peer-copy path shares among the peers (the engine's, beside
+/// its lock): where the engine runs, each GPU's streams, and the IPC
+/// mappings, peer access and counters of `devices` (its own lock, taken
+/// briefly under a peer's and never across a driver call).
+pub(super) struct PeerCopyShared {
     /// Where this engine runs; `None`: no CUDA driver, or no boot id.
     here: Option<Locality>,
     /// Each local GPU's streams (made by the CUDA worker at the GPU's
-    /// first window), and the next one to use.
+    /// first window).
     streams: Arc<Mutex<HashMap<u32, Vec<hal_cuda::dynamic::DynStream>>>>,
+    devices: Mutex<Devices>,
+    /// This engine's reactor, which the end of the last copy under a
+    /// revoked same-process grant wakes ([`CopyFence`]).
+    owner: Weak<super::reactor::Reactor>,
+}
+
+/// The peer-copy path's book-keeping of the local GPUs, shared by the
+/// peers' batches.
+#[derive(Default)]
+struct Devices {
     /// The next stream of each GPU a slice goes on.
     next_stream: HashMap<u32, usize>,
     /// Mappings of IPC handles, by (local GPU, handle), shared by grants of
-    /// one allocation.
+    /// one allocation (of one peer, or of several peers of one process).
     mappings: HashMap<(u32, IpcMemHandle), Weak<Mapping>>,
     /// (local GPU, other GPU) pairs peer access was asked for.
     peer_access: HashSet<(u32, u32)>,
-    flights: Vec<Flight>,
     stats: PeerCopyStats,
-    /// What the path knows of each peer, by slot.
-    links: HashMap<usize, PeerLink>,
-    /// Our grants whose IPC handle went to a peer of another process, each
-    /// holding its region until the importer released it.
-    pub(super) exports: Exports<Keep>,
-    /// The releases we owe owners that revoked a grant we had the handle
-    /// of, by (peer slot, grant).
-    releases: Releases,
 }
 
-impl PeerCopyPath {
+impl PeerCopyShared {
     /// The state of an engine over CUDA driver `cuda` (none: host memory
-    /// only, never a peer copy).
-    pub(super) fn new(cuda: Option<&hal_cuda::dynamic::DynDriver>) -> Self {
+    /// only, never a peer copy) waiting with reactor `owner`.
+    pub(super) fn new(
+        cuda: Option<&hal_cuda::dynamic::DynDriver>,
+        owner: Weak<super::reactor::Reactor>,
+    ) -> Self {
         Self {
             here: cuda.and_then(|d| {
                 Some(Locality {
@@ -422,16 +476,28 @@ impl PeerCopyPath {
                 })
             }),
             streams: Arc::default(),
-            next_stream: HashMap::new(),
-            mappings: HashMap::new(),
-            peer_access: HashSet::new(),
-            flights: Vec::new(),
-            stats: PeerCopyStats::default(),
-            links: HashMap::new(),
-            exports: Exports::default(),
-            releases: Releases::default(),
+            devices: Mutex::new(Devices::default()),
+            owner,
         }
     }
+
+    /// The message that tells a peer where this engine runs (sent before
+    /// the paths when the connection is made); `None`: not known here.
+    pub(super) fn locality(&self) -> Option<Control<'static>> {
+        self.here.map(|here| here.message())
+    }
+
+    /// What this engine's peer copies have done.
+    pub(super) fn stats(&self) -> PeerCopyStats {
+        lock(&self.devices).stats
+    }
+}
+
+/// The peer-copy path (see the module docs), as one call sees it: what it
+/// shares among the peers. Everything else it holds is a peer's
+/// ([`PeerCopyPeer`], in the peer's slot).
+pub(super) struct PeerCopyPath<'p> {
+    pub(super) shared: &'p PeerCopyShared,
 }
 
 /// A grant published for a peer engine of this process.
@@ -492,66 +558,50 @@ struct Held {
     grants: Vec<GrantUse>,
 }
 
-impl PeerCopyPath {
-    /// How the peer in `slot`'s transfers of GPU memory travel, as far as
-    /// the path knows (the engine adds the setting and whether the peer is
-    /// gone).
-    pub(super) fn route(&self, slot: usize) -> PeerCopyRoute {
-        route(self.here, self.links.get(&slot).and_then(|l| l.remote))
+impl PeerCopyPath<'_> {
+    /// How the peer's transfers of GPU memory travel (its part: `peer`),
+    /// as far as the path knows (the engine adds the setting and whether
+    /// the peer is gone).
+    pub(super) fn route(&self, peer: &PeerCopyPeer) -> PeerCopyRoute {
+        route(self.shared.here, peer.remote)
     }
 
     /// [`PeerCopyPath::route`] to the peer in `slot` as the wire sees it:
     /// the NIC when the path is off here or the peer is closed or gone.
-    fn route_to(&self, cx: &PathCx<'_>, slot: usize) -> PeerCopyRoute {
+    fn route_to(&self, cx: &PathCx<'_>, slot: usize, peer: &PeerCopyPeer) -> PeerCopyRoute {
         match cx.wire.peer(slot) {
-            Some(peer) if cx.res.config.peer_copy && peer.gone.is_none() => self.route(slot),
+            Some(view) if cx.res.config.peer_copy && view.gone.is_none() => self.route(peer),
             _ => PeerCopyRoute::Nic,
         }
     }
 
-    /// The message that tells a peer where this engine runs (sent before
-    /// the paths when the connection is made); `None`: not known here.
-    pub(super) fn locality(&self) -> Option<Control<'static>> {
-        self.here.map(|here| here.message())
-    }
-
-    /// The IPC handles of the peer in `slot`'s grants held here (bounded
-    /// like its grants).
-    pub(super) fn ipc_handles(&self, slot: usize) -> usize {
-        self.links.get(&slot).map_or(0, |link| link.ipc.len())
-    }
-
-    /// What this engine's peer copies have done.
-    pub(super) fn stats(&self) -> PeerCopyStats {
-        self.stats
-    }
-
     /// Makes a new grant of GPU memory reachable by peer copy for the peer
-    /// in `slot`: published in the registry for a peer of this process,
-    /// its IPC handle sent to a peer of another process of this host
-    /// (before the announcement). Anything else, or any failure (VMM
-    /// memory has no IPC handle), leaves the grant to the NIC path.
+    /// in `slot` (its part: `peer`): published in the registry for a peer
+    /// of this process, its IPC handle sent to a peer of another process
+    /// of this host (before the announcement). Anything else, or any
+    /// failure (VMM memory has no IPC handle), leaves the grant to the NIC
+    /// path.
     pub(super) fn publish(
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
+        peer: &mut PeerCopyPeer,
         region: &Region,
         offset: u64,
         descriptor: &MemoryDescriptor,
-        owner: Weak<super::reactor::Reactor>,
     ) -> Option<Publication> {
         let MemoryLocation::Gpu { ordinal } = region.inner.location else {
             return None;
         };
         let ordinal = u32::from(ordinal);
         let addr = region.inner.addr + offset;
-        match self.route_to(cx, slot) {
+        match self.route_to(cx, slot, peer) {
             PeerCopyRoute::Nic => None,
             PeerCopyRoute::SameProcess => {
-                let here = self.here?;
+                let here = self.shared.here?;
                 let key = (cx.res.id, descriptor.grant);
                 let keep: Keep = Arc::clone(&region.inner) as Keep;
-                let fence = Arc::new(CopyFence::new(owner));
+                let fence = Arc::new(CopyFence::new(self.shared.owner.clone()));
                 published().insert(
                     key,
                     Published {
@@ -592,7 +642,7 @@ impl PeerCopyPath {
                             Ok(_) => {
                                 let keep: Keep = Arc::clone(&region.inner) as Keep;
                                 let session = cx.wire.peer(slot).map_or(0, |p| p.session);
-                                self.exports.export(descriptor.grant, session, keep);
+                                peer.exports.export(descriptor.grant, session, keep);
                             }
                             Err(e) => {
                                 tracing::debug!(error = %e, "no IPC handle sent: the NIC path")
@@ -612,9 +662,9 @@ impl PeerCopyPath {
     /// it copies under; without (asking whether the path carries it),
     /// nothing is taken beyond the cached IPC mapping.
     fn resolve(
-        &mut self,
+        &self,
         res: &Resources,
-        slot: usize,
+        peer: &mut PeerCopyPeer,
         route: PeerCopyRoute,
         t: &Transfer<'_>,
         held: Option<&mut Held>,
@@ -631,14 +681,14 @@ impl PeerCopyPath {
             PeerCopyRoute::SameProcess => self.published_remote(res, t, ordinal, held)?,
             PeerCopyRoute::Ipc => match held {
                 Some(held) => {
-                    let remote = self.mapped_remote(res, slot, t, ordinal, Some(&mut held.keep))?;
+                    let remote = self.mapped_remote(res, peer, t, ordinal, Some(&mut held.keep))?;
                     let grant = t.remote.grant;
                     if remote.is_some() && !held.grants.iter().any(|g| g.grant() == grant) {
-                        held.grants.push(GrantUse::Ipc { slot, grant });
+                        held.grants.push(GrantUse::Ipc { grant });
                     }
                     remote
                 }
-                None => self.mapped_remote(res, slot, t, ordinal, None)?,
+                None => self.mapped_remote(res, peer, t, ordinal, None)?,
             },
         };
         Ok(remote.map(|remote| (ordinal, remote)))
@@ -649,7 +699,7 @@ impl PeerCopyPath {
     /// `held`, the owner's region and a use of the grant's fence go there
     /// and peer access is enabled.
     fn published_remote(
-        &mut self,
+        &self,
         res: &Resources,
         t: &Transfer<'_>,
         ordinal: u32,
@@ -661,7 +711,7 @@ impl PeerCopyPath {
             let Some(entry) = registry.get(&(d.owner, d.grant)) else {
                 return Ok(None);
             };
-            let ours = self.here.map(|h| h.process);
+            let ours = self.shared.here.map(|h| h.process);
             if entry.grantee != res.id
                 || Some(entry.process) != ours
                 || entry.len != d.len
@@ -698,9 +748,11 @@ impl PeerCopyPath {
         Ok(Some(addr + t.remote_offset))
     }
 
-    /// Lets GPU `local`'s copies reach GPU `other` directly, once per pair.
-    fn enable_peer_access(&mut self, res: &Resources, local: u32, other: u32) {
-        if local == other || !self.peer_access.insert((local, other)) {
+    /// Lets GPU `local`'s copies reach GPU `other` directly, once per pair
+    /// (asked for before the batch, outside the locks, as a driver step:
+    /// this is the call for a pair that step missed).
+    fn enable_peer_access(&self, res: &Resources, local: u32, other: u32) {
+        if local == other || !lock(&self.shared.devices).peer_access.insert((local, other)) {
             return;
         }
         log_peer_access(local, other, &enable_gpu_peer_access(res, local, other));
@@ -711,15 +763,15 @@ impl PeerCopyPath {
     /// `keep` when given; `None`: no handle for the grant, or it does not
     /// open.
     fn mapped_remote(
-        &mut self,
+        &self,
         res: &Resources,
-        slot: usize,
+        peer: &mut PeerCopyPeer,
         t: &Transfer<'_>,
         ordinal: u32,
         keep: Option<&mut Vec<Keep>>,
     ) -> Result<Option<u64>, EngineError> {
         let d = t.remote;
-        let Some(grant) = self.links.get(&slot).and_then(|l| l.ipc.get(&d.grant)) else {
+        let Some(grant) = peer.ipc.get_mut(&d.grant) else {
             return Ok(None);
         };
         let (handle, offset) = (grant.handle, grant.offset);
@@ -730,13 +782,7 @@ impl PeerCopyPath {
             Some((gpu, mapping)) if *gpu == ordinal => Arc::clone(mapping),
             _ => match self.open_mapping(res, ordinal, &handle) {
                 Ok(mapping) => {
-                    if let Some(grant) = self
-                        .links
-                        .get_mut(&slot)
-                        .and_then(|l| l.ipc.get_mut(&d.grant))
-                    {
-                        grant.mapping = Some((ordinal, Arc::clone(&mapping)));
-                    }
+                    grant.mapping = Some((ordinal, Arc::clone(&mapping)));
                     mapping
                 }
                 Err(e) => {
@@ -764,14 +810,15 @@ impl PeerCopyPath {
         Ok(Some(addr))
     }
 
-    /// The driver calls `transfers` to peer `slot` need first and that
-    /// were not made yet: IPC handles to open on their local GPUs, peer
-    /// access between two GPUs of this process. The engine makes them
-    /// outside its lock ([`DriverStep::run`]) and hands them back
-    /// ([`PeerCopyPath::driver_steps_done`]) before it resolves the batch.
+    /// The driver calls `transfers` to the peer (its part: `peer`) need
+    /// first and that were not made yet: IPC handles to open on their
+    /// local GPUs, peer access between two GPUs of this process. The
+    /// engine makes them outside every lock ([`DriverStep::run`]) and
+    /// hands them back ([`PeerCopyPath::driver_steps_done`]) before it
+    /// resolves the batch.
     pub(super) fn driver_steps_wanted(
         &self,
-        slot: usize,
+        peer: &PeerCopyPeer,
         transfers: &[Transfer<'_>],
     ) -> Vec<DriverStep> {
         let mut wanted: Vec<DriverStep> = Vec::new();
@@ -779,10 +826,11 @@ impl PeerCopyPath {
             MemoryLocation::Gpu { ordinal } => Some((t, u32::from(ordinal))),
             MemoryLocation::Host => None,
         });
-        match self.route(slot) {
+        match self.route(peer) {
             PeerCopyRoute::Nic => {}
             PeerCopyRoute::SameProcess => {
                 let registry = published();
+                let devices = lock(&self.shared.devices);
                 for (t, local) in gpus {
                     let Some(entry) = registry.get(&(t.remote.owner, t.remote.grant)) else {
                         continue;
@@ -791,7 +839,7 @@ impl PeerCopyPath {
                     let asked = wanted.iter().any(|w| {
                         matches!(w, DriverStep::PeerAccess { local: l, other: o, .. } if (*l, *o) == (local, other))
                     });
-                    if local != other && !asked && !self.peer_access.contains(&(local, other)) {
+                    if local != other && !asked && !devices.peer_access.contains(&(local, other)) {
                         wanted.push(DriverStep::PeerAccess {
                             local,
                             other,
@@ -800,7 +848,7 @@ impl PeerCopyPath {
                     }
                 }
             }
-            PeerCopyRoute::Ipc => self.ipc_opens_wanted(slot, gpus, &mut wanted),
+            PeerCopyRoute::Ipc => self.ipc_opens_wanted(peer, gpus, &mut wanted),
         }
         wanted
     }
@@ -808,19 +856,17 @@ impl PeerCopyPath {
     /// The IPC handles of [`PeerCopyPath::driver_steps_wanted`].
     fn ipc_opens_wanted<'t>(
         &self,
-        slot: usize,
+        peer: &PeerCopyPeer,
         gpus: impl Iterator<Item = (&'t Transfer<'t>, u32)>,
         wanted: &mut Vec<DriverStep>,
     ) {
-        let Some(link) = self.links.get(&slot) else {
-            return;
-        };
+        let devices = lock(&self.shared.devices);
         for (t, ordinal) in gpus {
-            let Some(grant) = link.ipc.get(&t.remote.grant) else {
+            let Some(grant) = peer.ipc.get(&t.remote.grant) else {
                 continue;
             };
             let mapped = matches!(&grant.mapping, Some((gpu, _)) if *gpu == ordinal)
-                || self
+                || devices
                     .mappings
                     .get(&(ordinal, grant.handle))
                     .is_some_and(|m| m.strong_count() > 0);
@@ -837,13 +883,13 @@ impl PeerCopyPath {
         }
     }
 
-    /// Takes back the driver calls made for peer `slot` outside the lock.
-    /// An opened mapping is cached for the grants of its handle (the
-    /// caller holds it until its batch is posted); a handle that did not
-    /// open is not tried again on that GPU (those grants' copies there go
-    /// by the NIC). Peer access is asked once per pair, whatever came of
-    /// it.
-    pub(super) fn driver_steps_done(&mut self, slot: usize, steps: &[DriverStep]) {
+    /// Takes back the driver calls made for the peer (its part: `peer`)
+    /// outside the locks. An opened mapping is cached for the grants of
+    /// its handle (the caller holds it until its batch is posted); a
+    /// handle that did not open is not tried again on that GPU (those
+    /// grants' copies there go by the NIC). Peer access is asked once per
+    /// pair, whatever came of it.
+    pub(super) fn driver_steps_done(&self, peer: &mut PeerCopyPeer, steps: &[DriverStep]) {
         for step in steps {
             match step {
                 DriverStep::IpcOpen {
@@ -857,8 +903,7 @@ impl PeerCopyPath {
                     result: Some(Err(e)),
                 } => {
                     tracing::warn!(ordinal, error = %e, "opening a peer's IPC handle: the NIC path");
-                    let grants = self.links.get_mut(&slot).into_iter();
-                    for grant in grants.flat_map(|l| l.ipc.values_mut()) {
+                    for grant in peer.ipc.values_mut() {
                         if grant.handle == *handle {
                             grant.open_failed = Some(*ordinal);
                         }
@@ -869,7 +914,7 @@ impl PeerCopyPath {
                     other,
                     result: Some(result),
                 } => {
-                    if self.peer_access.insert((*local, *other)) {
+                    if lock(&self.shared.devices).peer_access.insert((*local, *other)) {
                         log_peer_access(*local, *other, result);
                     }
                 }
@@ -880,18 +925,20 @@ impl PeerCopyPath {
     }
 
     /// The mapping of `handle` on GPU `ordinal`: the cached one while any
-    /// grant or copy holds it, else newly opened.
+    /// grant or copy holds it, else newly opened (outside the devices'
+    /// lock; the driver steps opened it before the batch unless another
+    /// batch let it go since).
     fn open_mapping(
-        &mut self,
+        &self,
         res: &Resources,
         ordinal: u32,
         handle: &IpcMemHandle,
     ) -> Result<Arc<Mapping>, EngineError> {
-        if let Some(mapping) = self
+        let cached = lock(&self.shared.devices)
             .mappings
             .get(&(ordinal, *handle))
-            .and_then(Weak::upgrade)
-        {
+            .and_then(Weak::upgrade);
+        if let Some(mapping) = cached {
             return Ok(mapping);
         }
         let mapping = open_ipc(res, ordinal, handle)?;
@@ -901,38 +948,43 @@ impl PeerCopyPath {
 
     /// Keeps `mapping` of `handle` on GPU `ordinal` findable while anything
     /// holds it (the entries nothing holds any more go).
-    fn cache_mapping(&mut self, ordinal: u32, handle: IpcMemHandle, mapping: &Arc<Mapping>) {
-        self.mappings.retain(|_, m| m.strong_count() > 0);
-        self.mappings
+    fn cache_mapping(&self, ordinal: u32, handle: IpcMemHandle, mapping: &Arc<Mapping>) {
+        let mut devices = lock(&self.shared.devices);
+        devices.mappings.retain(|_, m| m.strong_count() > 0);
+        devices
+            .mappings
             .insert((ordinal, handle), Arc::downgrade(mapping));
     }
 
     /// Hands the windows `flight` may have on the GPU now to the CUDA
     /// worker: each window's slices over the local GPUs' streams
     /// (round-robin), then an event on each stream it used.
-    fn queue_windows(&mut self, res: &Resources, flight: &mut Flight) {
+    fn queue_windows(&self, res: &Resources, flight: &mut Flight) {
         while let Some(window) = flight.proto.poll_window() {
             let mut copies = Vec::with_capacity(window.len());
-            for slice in &window {
-                let p = &flight.plan[slice.transfer];
-                let (dst, src) = match p.op {
-                    Op::Write => (p.remote + slice.offset, p.local + slice.offset),
-                    Op::Read => (p.local + slice.offset, p.remote + slice.offset),
-                };
-                let next = self.next_stream.entry(p.ordinal).or_insert(0);
-                let index = *next;
-                *next = (index + 1) % STREAMS_PER_GPU;
-                copies.push(WindowCopy {
-                    ordinal: p.ordinal,
-                    stream: index,
-                    dst,
-                    src,
-                    len: slice.len,
-                });
-                self.stats.copies += 1;
-                flight.queued += slice.len;
+            {
+                let mut devices = lock(&self.shared.devices);
+                for slice in &window {
+                    let p = &flight.plan[slice.transfer];
+                    let (dst, src) = match p.op {
+                        Op::Write => (p.remote + slice.offset, p.local + slice.offset),
+                        Op::Read => (p.local + slice.offset, p.remote + slice.offset),
+                    };
+                    let next = devices.next_stream.entry(p.ordinal).or_insert(0);
+                    let index = *next;
+                    *next = (index + 1) % STREAMS_PER_GPU;
+                    copies.push(WindowCopy {
+                        ordinal: p.ordinal,
+                        stream: index,
+                        dst,
+                        src,
+                        len: slice.len,
+                    });
+                    devices.stats.copies += 1;
+                    flight.queued += slice.len;
+                }
             }
-            let streams = Arc::clone(&self.streams);
+            let streams = Arc::clone(&self.shared.streams);
             flight.windows.push_back(
                 res.cuda
                     .run(res, move |res| queue_window(res, &streams, &copies)),
@@ -1032,9 +1084,8 @@ fn queue_window(
     QueuedWindow { events, error }
 }
 
-impl TransferPath for PeerCopyPath {
-    /// Nothing yet: the peer-copy path keeps its peers' links by slot.
-    type Peer<'a> = ();
+impl TransferPath for PeerCopyPath<'_> {
+    type Peer<'a> = PeerCopyPeer;
 
     /// Every transfer has GPU memory on this side and a grant of GPU
     /// memory the path reaches on the other: published to us (a peer of
@@ -1043,16 +1094,22 @@ impl TransferPath for PeerCopyPath {
     /// the path would refuse (a revoked grant, a range outside the
     /// exported allocation) ends the question: [`TransferPath::post`]
     /// refuses the batch.
-    fn carries(&mut self, res: &Resources, slot: usize, transfers: &[Transfer<'_>]) -> bool {
+    fn carries(
+        &mut self,
+        res: &Resources,
+        _slot: usize,
+        peer: &mut PeerCopyPeer,
+        transfers: &[Transfer<'_>],
+    ) -> bool {
         if !res.config.peer_copy || transfers.is_empty() {
             return false;
         }
-        let route = self.route(slot);
+        let route = self.route(peer);
         if route == PeerCopyRoute::Nic {
             return false;
         }
         for t in transfers {
-            match self.resolve(res, slot, route, t, None) {
+            match self.resolve(res, peer, route, t, None) {
                 Ok(Some(_)) => {}
                 Ok(None) => return false,
                 Err(_) => return true,
@@ -1067,19 +1124,19 @@ impl TransferPath for PeerCopyPath {
     fn post(
         &mut self,
         cx: &mut PathCx<'_>,
-        slot: usize,
-        _peer: &mut (),
+        _slot: usize,
+        peer: &mut PeerCopyPeer,
         transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
-        let route = self.route(slot);
+        let route = self.route(peer);
         let _span =
             tracing::debug_span!("peer_copy_submit", transfers = transfers.len(), ?route).entered();
         let mut plan = Vec::with_capacity(transfers.len());
         let mut lens = Vec::with_capacity(transfers.len());
         let mut held = Held::default();
         for t in transfers {
-            let Some((ordinal, remote)) = self.resolve(cx.res, slot, route, t, Some(&mut held))?
+            let Some((ordinal, remote)) = self.resolve(cx.res, peer, route, t, Some(&mut held))?
             else {
                 // `carries` said yes under this lock: only the owner
                 // revoking the grant since (in its own engine) gets here.
@@ -1115,41 +1172,45 @@ impl TransferPath for PeerCopyPath {
             _keep: held.keep,
         };
         self.queue_windows(cx.res, &mut flight);
-        self.flights.push(flight);
+        peer.flights.push(flight);
         Ok(cell)
     }
 
-    /// Moves the batches on: retires their windows that ran, stops those
-    /// whose grant was revoked (or whose deadline passed, or that were
-    /// cancelled), queues their next windows, and ends each batch once;
-    /// drops the IPC handles of peers that are gone; takes the importers'
-    /// releases of our exported grants and gives up on those past their
-    /// bound; sends the releases we owe. Returns how many batches ended.
-    fn progress(&mut self, cx: &mut PathCx<'_>) -> usize {
+    /// Moves the peer's batches on: retires their windows that ran, stops
+    /// those whose grant was revoked (or whose deadline passed, or that
+    /// were cancelled), queues their next windows, and ends each batch
+    /// once; drops the peer's IPC handles once it is gone; gives up on our
+    /// exported grants' releases past their bound; sends the releases we
+    /// owe. Returns how many batches ended.
+    fn progress_peer(
+        &mut self,
+        cx: &mut PathCx<'_>,
+        slot: usize,
+        peer: &mut PeerCopyPeer,
+    ) -> usize {
         let now = cx.now;
-        // A gone peer's handles go (their mappings once no copy uses them);
-        // so does everything of a peer whose state is gone.
-        let wire = &*cx.wire;
-        self.links.retain(|&slot, link| match wire.peer(slot) {
-            None => false,
-            Some(peer) => {
-                if peer.gone.is_some() {
-                    link.ipc.clear();
-                }
-                true
-            }
-        });
-        for (grant, _) in self.exports.handle_timeout(now) {
+        // A gone peer's handles go (their mappings once no copy uses them).
+        if cx.wire.peer(slot).is_none_or(|view| view.gone.is_some()) {
+            peer.ipc.clear();
+        }
+        let PeerCopyPeer {
+            ipc,
+            flights,
+            exports,
+            releases,
+            ..
+        } = peer;
+        for (grant, _) in exports.handle_timeout(now) {
             tracing::warn!(
                 grant,
                 "no release of a revoked grant's IPC handle within the bound: its memory is given back unconfirmed"
             );
         }
-        if self.flights.is_empty() && self.releases.is_empty() {
+        if flights.is_empty() && releases.is_empty() {
             return 0;
         }
-        let mut flights = std::mem::take(&mut self.flights);
         let mut ended = 0;
+        let mut drained = (0, 0);
         flights.retain_mut(|flight| {
             // The windows that ran.
             while let Some(window) = flight.windows.front() {
@@ -1185,10 +1246,7 @@ impl TransferPath for PeerCopyPath {
             for grant in &flight.grants {
                 let live = match grant {
                     GrantUse::SameProcess { fence, .. } => !fence.0.is_revoked(),
-                    GrantUse::Ipc { slot, grant } => self
-                        .links
-                        .get(slot)
-                        .is_some_and(|l| l.ipc.contains_key(grant)),
+                    GrantUse::Ipc { grant } => ipc.contains_key(grant),
                 };
                 if !live {
                     flight.proto.stop(Stop::Revoked {
@@ -1200,8 +1258,8 @@ impl TransferPath for PeerCopyPath {
             self.queue_windows(cx.res, flight);
             if flight.proto.is_drained() && flight.proto.stopped() != Some(Stop::Failed) {
                 // Counted once: a drained flight is dropped below.
-                self.stats.batches += 1;
-                self.stats.bytes += flight.queued;
+                drained.0 += 1;
+                drained.1 += flight.queued;
             }
             if let Some(outcome) = flight.proto.poll_outcome() {
                 let outcome = match outcome {
@@ -1223,24 +1281,25 @@ impl TransferPath for PeerCopyPath {
             }
             !flight.proto.is_drained()
         });
-        self.flights = flights;
+        if drained.0 > 0 {
+            let mut devices = lock(&self.shared.devices);
+            devices.stats.batches += drained.0;
+            devices.stats.bytes += drained.1;
+        }
         // The releases owed whose grants no batch has anything queued under.
-        let flights = &self.flights;
-        let ready = self.releases.poll_release(|slot, grant| {
+        let ready = releases.poll_release(|_, grant| {
             flights.iter().any(|f| {
-                f.grants.iter().any(|g| {
-                    matches!(g, GrantUse::Ipc { slot: s, grant: g } if *s as u64 == slot && *g == grant)
-                })
+                f.grants
+                    .iter()
+                    .any(|g| matches!(g, GrantUse::Ipc { grant: g } if *g == grant))
             })
         });
-        for (slot, grant) in ready {
-            let slot = slot as usize;
-            if cx.wire.peer(slot).is_none() {
-                continue;
-            }
-            let message = Control::GrantReleased { grant };
-            if let Err(e) = cx.wire.send(slot, &message, cx.res.config.default_timeout) {
-                tracing::debug!(grant, error = %e, "a grant release not sent");
+        if cx.wire.peer(slot).is_some() {
+            for (_, grant) in ready {
+                let message = Control::GrantReleased { grant };
+                if let Err(e) = cx.wire.send(slot, &message, cx.res.config.default_timeout) {
+                    tracing::debug!(grant, error = %e, "a grant release not sent");
+                }
             }
         }
         ended
@@ -1255,12 +1314,12 @@ impl TransferPath for PeerCopyPath {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
-        _peer: &mut (),
+        peer: &mut PeerCopyPeer,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
         match message {
             Control::Locality { host, process } => {
-                self.links.entry(slot).or_default().remote = Some(Locality { host, process });
+                peer.remote = Some(Locality { host, process });
                 Ok(None)
             }
             Control::GrantIpc {
@@ -1269,7 +1328,7 @@ impl TransferPath for PeerCopyPath {
                 handle,
             } => {
                 let max_handles = cx.res.config.peer_limits.max_remote_grants;
-                let ipc = &mut self.links.entry(slot).or_default().ipc;
+                let ipc = &mut peer.ipc;
                 if ipc.len() >= max_handles && !ipc.contains_key(&grant) {
                     return Err(PeerMisbehaved::TooManyGrants { max: max_handles });
                 }
@@ -1289,17 +1348,15 @@ impl TransferPath for PeerCopyPath {
             // batches has anything queued under it. The engine's record of
             // the grant goes too: handed back.
             Control::GrantRevoke { grant } => {
-                if let Some(link) = self.links.get_mut(&slot)
-                    && link.ipc.remove(&grant).is_some()
-                {
-                    self.releases.owe(slot as u64, grant);
+                if peer.ipc.remove(&grant).is_some() {
+                    peer.releases.owe(slot as u64, grant);
                 }
                 Ok(Some(message))
             }
             // The importer of one of our revoked grants released it.
             Control::GrantReleased { grant } => {
-                if let Some(peer) = cx.wire.peer(slot)
-                    && self.exports.on_released(grant, peer.session).is_some()
+                if let Some(view) = cx.wire.peer(slot)
+                    && peer.exports.on_released(grant, view.session).is_some()
                 {
                     tracing::debug!(grant, "the importer released a revoked grant");
                 }
@@ -1309,54 +1366,28 @@ impl TransferPath for PeerCopyPath {
         }
     }
 
-    /// Stops the batches of `cells`: they queue nothing more and end
-    /// [`TransferError::Cancelled`] once their queued copies have run.
+    /// The batches are the peers': [`TransferPath::cancel_peer`] stops them.
     fn cancel(&mut self, cells: &[Arc<CompletionCell>]) -> Vec<Arc<CompletionCell>> {
-        for flight in &mut self.flights {
+        cells.to_vec()
+    }
+
+    /// Stops the peer's batches of `cells`: they queue nothing more and
+    /// end [`TransferError::Cancelled`] once their queued copies have run.
+    fn cancel_peer(&mut self, peer: &mut PeerCopyPeer, cells: &[Arc<CompletionCell>]) {
+        for flight in &mut peer.flights {
             if cells.iter().any(|cell| Arc::ptr_eq(&flight.cell, cell)) {
                 flight.proto.stop(Stop::Cancelled);
             }
         }
-        cells.to_vec()
-    }
-
-    fn cancel_peer(&mut self, _peer: &mut (), _cells: &[Arc<CompletionCell>]) {}
-
-    /// Its flights are the path's, not a peer's part.
-    fn progress_peer(&mut self, _cx: &mut PathCx<'_>, _slot: usize, _peer: &mut ()) -> usize {
-        0
     }
 
     /// Drops the peer's IPC handles (its batches stop at their next
     /// window; the mappings close once no copy uses them) and the releases
-    /// owed to it (it can take none); [`TransferPath::progress`] does the
-    /// same for every peer it finds gone.
-    fn release_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, _peer: &mut ()) {
-        match cx.wire.peer(slot) {
-            None => {
-                self.links.remove(&slot);
-            }
-            Some(_) => {
-                if let Some(link) = self.links.get_mut(&slot) {
-                    link.ipc.clear();
-                }
-            }
-        }
-        self.releases.forget(slot as u64);
-    }
-
-    /// The earliest deadline of a batch in flight or of an exported
-    /// grant's release.
-    fn next_deadline(&self) -> Option<Instant> {
-        self.flights
-            .iter()
-            .filter_map(|f| f.proto.poll_timeout())
-            .chain(self.exports.poll_timeout())
-            .min()
-    }
-
-    fn polls(&self) -> bool {
-        !self.flights.is_empty()
+    /// owed to it (it can take none); [`TransferPath::progress_peer`] does
+    /// the same for a peer it finds gone.
+    fn release_peer(&mut self, _cx: &mut PathCx<'_>, slot: usize, peer: &mut PeerCopyPeer) {
+        peer.ipc.clear();
+        peer.releases.forget(slot as u64);
     }
 }
 

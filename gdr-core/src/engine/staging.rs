@@ -447,7 +447,13 @@ impl TransferPath for StagedPath<'_> {
     type Peer<'a> = PeerPart<'a>;
 
     /// The local region is staged or the peer's grant is.
-    fn carries(&mut self, _res: &Resources, _slot: usize, transfers: &[Transfer<'_>]) -> bool {
+    fn carries(
+        &mut self,
+        _res: &Resources,
+        _slot: usize,
+        _peer: &mut PeerPart<'_>,
+        transfers: &[Transfer<'_>],
+    ) -> bool {
         transfers.iter().any(staged)
     }
 
@@ -509,11 +515,6 @@ impl TransferPath for StagedPath<'_> {
             peer.groups.push(group);
         }
         Ok(cell)
-    }
-
-    /// Nothing: every pipe and rendezvous is a peer's.
-    fn progress(&mut self, _cx: &mut PathCx<'_>) -> usize {
-        0
     }
 
     /// The peer's pipes, this side's requests through its landing slots
@@ -579,15 +580,5 @@ impl TransferPath for StagedPath<'_> {
         }
         peer.rendezvous.owner.close();
         peer.rendezvous.requester.peer_gone();
-    }
-
-    /// None beside the peers' ([`StagedPeer::poll_timeout`]).
-    fn next_deadline(&self) -> Option<Instant> {
-        None
-    }
-
-    /// Never beside the peers' ([`StagedPeer::polls`]).
-    fn polls(&self) -> bool {
-        false
     }
 }
