@@ -463,3 +463,62 @@ fn slow_driver_call_holds_nobody_else_up(ipc: bool, site: FaultSite) {
     );
     assert_eq!(w.a.engine.peer_copy_stats().batches - before.batches, 1);
 }
+
+/// The peer-copy path's part of each peer lives in the peer's slot: a
+/// peer-copy submit and its cancel, and a grant of GPU memory peer copy
+/// may export (published to an engine of this process, or its IPC handle
+/// sent to another process's) and its revoke, take the peer's lock alone.
+/// Each is done here while another thread holds that engine's lock; the
+/// batches move once progress (which needs it) runs again.
+#[test]
+fn peer_copies_and_exportable_grants_are_taken_while_the_engines_lock_is_held() {
+    const HOLD: Duration = Duration::from_secs(3);
+    for ipc in [false, true] {
+        let (w, _cuda) = world(ipc);
+        let len = MIB + 7;
+        let (_s, src) = w.a.gpu_on(0, len, 41);
+        let (dst_buf, dst) = w.b.gpu_on(1, len, 0);
+        let (_g, remote) = w.b_grants(&dst, GrantRights::ReadWrite);
+        // A first batch makes the driver calls (the IPC handle opened,
+        // peer access enabled), outside every lock anyway.
+        let write = [Transfer::write(&src, 0, &remote, 0, len)];
+        w.ab.submit(&write).unwrap().wait(T).unwrap();
+        let ((), in_time) = w.b.while_engine_lock_held(HOLD, || {
+            for _ in 0..4 {
+                let grant = w.ba.grant(&dst, 0, len, GrantRights::ReadWrite).unwrap();
+                match ipc {
+                    // Fenced at once: no copy runs under it.
+                    false => grant.revoke(T).unwrap(),
+                    // The importer's release comes with progress: the
+                    // drop starts the revoke without waiting for it.
+                    true => drop(grant),
+                }
+            }
+        });
+        assert!(
+            in_time,
+            "ipc {ipc}: an exportable grant or its revoke waited for the engine's lock"
+        );
+        let stats = w.a.engine.peer_copy_stats();
+        let ((kept, cancelled), in_time) = w.a.while_engine_lock_held(HOLD, || {
+            let kept = w.ab.submit(&write).unwrap();
+            let cancelled = w.ab.submit(&write).unwrap();
+            cancelled.cancel();
+            (kept, cancelled)
+        });
+        assert!(
+            in_time,
+            "ipc {ipc}: a peer-copy submit or cancel waited for the engine's lock"
+        );
+        kept.wait(T).unwrap();
+        match cancelled.wait(T) {
+            Ok(()) | Err(TransferError::Cancelled) => {}
+            Err(e) => panic!("ipc {ipc}: the cancelled batch: {e}"),
+        }
+        assert!(
+            w.a.engine.peer_copy_stats().batches > stats.batches,
+            "ipc {ipc}: by peer copy"
+        );
+        assert!(w.b.bytes(&dst_buf) == pattern(len as usize, 41));
+    }
+}
