@@ -522,3 +522,33 @@ fn peer_copies_and_exportable_grants_are_taken_while_the_engines_lock_is_held() 
         assert!(w.b.bytes(&dst_buf) == pattern(len as usize, 41));
     }
 }
+
+/// Every control message is handled under its peer's lock, a path's
+/// included: b's grant of GPU memory to a (another process) sends the
+/// grant's IPC handle (the peer-copy path's message) before its
+/// announcement (the connection's), and a takes both, and the grant
+/// waited for, while another thread holds a's engine lock. (Before, a
+/// path's message, and every one after it, waited for the engine's pass.)
+#[test]
+fn a_paths_messages_are_taken_while_the_engines_lock_is_held() {
+    let (w, _cuda) = world(true);
+    let len = MIB;
+    let (_d, dst) = w.b.gpu_on(1, len, 0);
+    let before = w.a.engine.resources();
+    let ipc_handles = |r: &gdr_core::engine::EngineResources| {
+        r.peers.iter().map(|p| p.ipc_handles).sum::<usize>()
+    };
+    let (granted, in_time) = w.a.while_engine_lock_held(Duration::from_secs(3), || {
+        let grant = w.ba.grant(&dst, 0, len, GrantRights::ReadWrite).unwrap();
+        let seen = w.ab.wait_grant(grant.descriptor().grant, T);
+        (grant, seen)
+    });
+    assert!(in_time, "a's messages waited for a's engine lock");
+    let (grant, seen) = granted;
+    assert_eq!(seen.unwrap().grant, grant.descriptor().grant);
+    assert_eq!(
+        ipc_handles(&w.a.engine.resources()),
+        ipc_handles(&before) + 1,
+        "the IPC handle was taken by the path, before the announcement"
+    );
+}

@@ -80,13 +80,15 @@
 //! debug builds check the first two, `lock_order`):
 //!
 //! 1. The engine's lock (`Shared::state`, `State`): the table of the
-//!    peers' slots, the queue pairs being re-established, the paths'
-//!    engine-wide parts (peer copy, stream fences, gates). Taken by the
-//!    engine's pass (`Engine::progress_locked`: the control messages a
-//!    path takes, error completions, deadlines, connection and async
-//!    events, the paths' steps, queue-pair actions) and by what changes
-//!    the peers or those parts (a connect; a grant or revoke of GPU
-//!    memory peer copy may export; a gated or peer-copy submit). A
+//!    peers' slots, the queue pairs being re-established, the stream
+//!    fences and the gates (which hold any peer's batches until a stream
+//!    gets somewhere). Taken by the engine's pass (`Engine::progress_locked`:
+//!    error completions, deadlines, connection and async events, the
+//!    peers' parts of the paths stepped, queue-pair actions, the receives
+//!    of a peer whose queue pair 0 was replaced) and by what changes the
+//!    peers or those parts (a connect, a tear-down; a gated submit, a
+//!    stream fence). No peer's own work takes it: a submit on any path, a
+//!    grant and its revoke, a cancel, a control message. A
 //!    progress call makes the pass only when it is due
 //!    (`handoff::PassDue`: work one of those left
 //!    it, its earliest deadline, connection and async events every
@@ -95,38 +97,42 @@
 //!    waiting for the lock to read its deadline. The pass
 //!    takes a peer's lock only where the peer's mark says it has
 //!    something for it (`handoff::PeerMark`: queue-pair actions, work to
-//!    post, a deadline past; published by each holder of the peer's lock
-//!    as it goes), reads the peers' earliest deadlines from the marks,
-//!    and leaves the connection events of a peer whose lock is busy to a
-//!    later pass (at most `EVENTS_SKIPPED_MAX` in a row). Never held
-//!    across a driver call that can block: a peer's IPC handle opened and
-//!    peer access enabled for a peer copy (`peer_copy::DriverStep`), the
-//!    GPU fence before a stream fence's release
-//!    (`Engine::flush_before_stream_releases`), the stream operations of
-//!    stream fences and gates, the fence page's allocation, landing slots
-//!    (allocated, pinned, registered), gates' event records and their
-//!    batches' submits: each is decided under the lock, made outside it,
-//!    and handed back under it.
+//!    post or step, a deadline past; published by each holder of the
+//!    peer's lock as it goes), reads the peers' earliest deadlines from
+//!    the marks, and leaves the connection events of a peer whose lock is
+//!    busy to a later pass (at most `EVENTS_SKIPPED_MAX` in a row). Never
+//!    held across a driver call that can block: the GPU fence before a
+//!    stream fence's release (`Engine::flush_before_stream_releases`), the
+//!    stream operations of stream fences and gates, the fence page's
+//!    allocation, landing slots (allocated, pinned, registered), gates'
+//!    event records and their batches' submits: each is decided under the
+//!    lock, made outside it, and handed back under it.
 //! 2. A peer's lock (`PeerLock`, one `PeerSlot`: its connection,
 //!    [`gdr_proto::connection`], which owns the batches on the peer's queue
-//!    pairs, their recovery, grants both ways, inbox and outbox, with the
-//!    engine's side of it, `batches::Core`; and the staged path's part of
-//!    the peer, `staging::StagedPeer`: its rendezvous both ways and its
-//!    staged grants, stepped there on a wire to that peer alone,
-//!    `SlotWire`): taken alone by what that peer does (a submit, staged
-//!    memory included, a grant of memory and its revoke, landing slots
-//!    installed, a close, a control message,
-//!    a wait for a message or a grant, a cancel, the completions of its
-//!    sends and its control receives, routed to it by any polling thread:
-//!    a message of the connection's is handled there, one a path takes,
-//!    and every one after it, is left to the pass, `PeerState::for_pass`),
-//!    or
-//!    under the engine's lock; one peer's at a time. Under it: the NIC's
-//!    non-blocking calls (posts, a queue pair moved to error or
-//!    disconnected), and the staging pools (`Shared::pools`, each GPU's
-//!    bounce slots, shared by the peers' staged parts), held for one
-//!    staged post or step of the peer; under the pools, only the
-//!    locks below.
+//!    pairs, their recovery, grants both ways, inbox and outbox, and both
+//!    sides of the staged path's rendezvous, with the engine's side of it,
+//!    `batches::Core`; and the paths' parts of the peer, stepped there on
+//!    a wire to that peer alone, `SlotWire`: the staged path's,
+//!    `staging::StagedPeer`, its transfers through bounce slots and its
+//!    staged grants, and the peer-copy path's, `peer_copy::PeerCopyPeer`,
+//!    where the peer runs, its grants' IPC handles, this side's copies to
+//!    it on the GPU and our grants exported to it): taken alone by what
+//!    that peer does (a submit on any path, a grant of memory and its
+//!    revoke, landing slots installed, a close, a control message, a wait
+//!    for a message or a grant, a cancel, the completions of its sends and
+//!    its control receives, routed to it by any polling thread, whose
+//!    messages are handled there by the paths' parts and the connection),
+//!    or under the engine's lock; one peer's at a time. Never held across
+//!    a driver call that can block: a peer copy's IPC handle opened and
+//!    peer access enabled (`peer_copy::DriverStep`) are decided under it,
+//!    made outside every lock and handed back under it. Under it: the
+//!    NIC's non-blocking calls (posts, a queue pair moved to error or
+//!    disconnected), and what a path shares among the peers, each under a
+//!    lock of its own held for one step of the peer: the staging pools
+//!    (`Shared::pools`, each GPU's bounce slots) and the peer-copy path's
+//!    book-keeping of the GPUs (`Shared::peer_copy`: IPC mappings, peer
+//!    access, the next stream, counters); under those, only the locks
+//!    below.
 //! 3. Below them, each taken briefly and never across another lock: a
 //!    peer's queue of receives polled (`PeerLock::inbound`, drained under
 //!    the peer's lock, which takes them in their queue pair's posting
@@ -159,9 +165,9 @@
 //! other peer's lock. While a driver runs (`Engine::spawn_driver`, the
 //! engine's own thread, a tokio task), such a thread also leaves the
 //! engine's pass and the other CQs to it, unless what it polled itself
-//! needs the pass (an error completion, a message a path takes): a peer's
-//! waiter then never makes another peer's driver calls (a GPU fence, a
-//! peer copy's steps).
+//! needs the pass (an error completion, a receive behind a replaced queue
+//! pair 0): a peer's waiter then never makes another peer's driver calls
+//! (a GPU fence, a peer copy's steps).
 
 mod batch;
 mod batches;
@@ -711,10 +717,10 @@ struct PeerState {
     /// Replaced queue pairs 0 whose receives have not all come back.
     retired: Vec<resources::SeatedConnection>,
     control: ControlBuffers,
-    /// Receives left to the engine's pass, in the order they came: a
-    /// path's message (and every receive after it, so that the peer's
-    /// messages are handled in order), or any while `retired` is not
-    /// empty (the routes of those go under the engine's lock).
+    /// Receives left to the engine's pass, in the order they came: any
+    /// while `retired` is not empty (the routes of those go under the
+    /// engine's lock), and every receive after them, so that the peer's
+    /// messages are handled in order.
     for_pass: std::collections::VecDeque<ControlReceive>,
     /// The grants the peer told this side it revoked (bounded): a
     /// descriptor of one is refused as revoked, not as unknown, and a
@@ -947,6 +953,8 @@ struct PeerSlot {
 /// peer the mark says has something for it).
 struct PeerLock {
     slot: Mutex<PeerSlot>,
+    /// Its number in the engine's table of slots.
+    index: usize,
     mark: handoff::PeerMark,
     /// The peer's control receives polls took (in any order: two threads'
     /// runs of one CQ come in either), until a holder of the peer's lock
@@ -959,9 +967,10 @@ struct PeerLock {
 }
 
 impl PeerLock {
-    fn new(slot: PeerSlot, base: Instant) -> Self {
+    fn new(index: usize, slot: PeerSlot, base: Instant) -> Self {
         Self {
             slot: Mutex::new(slot),
+            index,
             mark: handoff::PeerMark::new(base),
             inbound: Mutex::new(Vec::new()),
             events_skipped: std::sync::atomic::AtomicU32::new(0),
@@ -1726,8 +1735,8 @@ struct Polled {
     /// The peers whose control receives this poll queued
     /// (`PeerLock::inbound`).
     inbound: Vec<Arc<PeerLock>>,
-    /// A receive this poll took was left to the pass (a path's message):
-    /// the pass runs in this call, as it did for every receive.
+    /// A receive this poll took was left to the pass (behind a replaced
+    /// queue pair 0): the pass runs in this call.
     receives_for_pass: bool,
     /// A NIC's completions with an error among them, all for the pass.
     errors: Vec<(usize, Vec<Completion>)>,
@@ -2796,6 +2805,7 @@ impl Engine {
             });
         }
         let lock = Arc::new(PeerLock::new(
+            slot,
             PeerSlot {
                 core,
                 peer: None,
@@ -3148,78 +3158,109 @@ impl Engine {
 
     /// Handles the control receives queued on the peer of `peer_lock`
     /// (`PeerLock::inbound`), under its lock alone, in their queue pair's
-    /// order (`PeerState::early`): a message of
-    /// the connection's (a user message, a grant announced, the peer's
-    /// paths, its goodbye) here; a path's, and every receive after it,
-    /// left to the engine's pass (`PeerState::for_pass`). The guard is
-    /// handed back to be settled (or dropped, by the pass); `None`: none
-    /// was queued.
+    /// order (`PeerState::early`): each message is handled here, by the
+    /// paths' parts of the peer or its connection (only those behind a
+    /// replaced queue pair 0 are left to the engine's pass,
+    /// `PeerState::for_pass`). The guard is handed back to be settled (or
+    /// dropped, by the pass); `None`: none was queued.
     fn take_receives<'l>(&self, peer_lock: &'l PeerLock) -> Option<SlotGuard<'l>> {
         let mut guard = lock_slot(peer_lock);
         let received = std::mem::take(&mut *lock(&peer_lock.inbound));
         if received.is_empty() {
             return None;
         }
-        let PeerSlot { core, peer, .. } = &mut *guard;
-        if let Some(peer) = peer.as_mut() {
-            for (nic, wc) in received {
-                self.receive_alone(core, peer, nic, &wc);
-            }
+        let mut taken = false;
+        for (nic, wc) in received {
+            taken |= self.receive_alone(peer_lock.index, &mut guard, nic, &wc);
+        }
+        if taken {
+            // A path's part of the peer took a message: its step is the
+            // pass's (a request to serve, a reply to take up).
+            self.shared.due.set();
+            self.wake();
         }
         Some(guard)
     }
 
-    /// One control receive of `peer`, under its lock alone (see
-    /// [`Engine::take_receives`]): taken in its queue pair's order, with
-    /// those that came early and are now in turn.
-    fn receive_alone(&self, core: &mut Core, peer: &mut PeerState, nic: usize, wc: &Completion) {
+    /// One control receive of the peer in `slot` (`slot_state`), under its
+    /// lock alone (see [`Engine::take_receives`]): taken in its queue
+    /// pair's order, with those that came early and are now in turn.
+    /// Returns whether a path took one of their messages.
+    fn receive_alone(
+        &self,
+        slot: usize,
+        slot_state: &mut PeerSlot,
+        nic: usize,
+        wc: &Completion,
+    ) -> bool {
+        let Some(peer) = slot_state.peer.as_mut() else {
+            return false;
+        };
         let index = (wc.wr_id & !RECV_BIT) as usize;
         let queue = (nic, wc.qp_num);
         if !peer.control.receives.is_posted_on(index, queue) {
             tracing::debug!(index, "a receive completion of a slot not posted there");
-            return;
+            return false;
         }
+        let mut taken = false;
         for (_, (nic, wc)) in peer.control.receives.complete(index, queue, (nic, *wc)) {
-            self.receive_in_turn(core, peer, nic, &wc);
+            taken |= self.receive_in_turn(slot, slot_state, nic, &wc);
         }
+        taken
     }
 
-    /// One control receive of `peer` in its turn.
-    fn receive_in_turn(&self, core: &mut Core, peer: &mut PeerState, nic: usize, wc: &Completion) {
+    /// One control receive of the peer in `slot` (`slot_state`) in its
+    /// turn: its message handled there, by a path or the connection.
+    /// Returns whether a path took it.
+    fn receive_in_turn(
+        &self,
+        slot: usize,
+        slot_state: &mut PeerSlot,
+        nic: usize,
+        wc: &Completion,
+    ) -> bool {
+        let Some(peer) = slot_state.peer.as_mut() else {
+            return false;
+        };
         let index = (wc.wr_id & !RECV_BIT) as usize;
-        // The pass reads it again: its slot stays posted.
-        let to_pass = |peer: &mut PeerState| peer.for_pass.push_back((nic, *wc));
+        // Behind receives left to the pass (those of a replaced queue pair
+        // 0 are its, as it unroutes the queue pair), in turn: the pass
+        // reads it again, and its slot stays posted.
         if !peer.for_pass.is_empty() || !peer.retired.is_empty() {
-            to_pass(peer);
-            return;
+            peer.for_pass.push_back((nic, *wc));
+            return false;
         }
         // A peer dropped for misbehaving is not listened to any more (see
         // `Engine::on_receive`).
         let dropped = matches!(peer.gone, Some(PeerGone::Misbehaved(_)));
+        let mut taken = false;
         if wc.status.is_success() && !dropped {
             let size = self.shared.config.max_message as usize;
             let mut bytes = vec![0; (wc.byte_len as usize).min(size)];
             if let Err(e) = peer.control.recv.read_at((index * size) as u64, &mut bytes) {
                 tracing::warn!(error = %e, "reading a control message");
             }
-            let handled = match Control::decode(&bytes) {
-                Ok(message) if !is_connections(&message) => {
-                    to_pass(peer);
-                    return;
+            match self.on_message(slot, slot_state, &bytes) {
+                Ok(by_path) => taken = by_path,
+                Err(why) => {
+                    let PeerSlot { core, peer, .. } = slot_state;
+                    if let Some(peer) = peer.as_mut() {
+                        drop_misbehaving(core, peer, &why);
+                    }
                 }
-                Ok(message) => on_connection_message(core, peer, message),
-                Err(e) => Err(PeerMisbehaved::Malformed(e)),
-            };
-            if let Err(why) = handled {
-                drop_misbehaving(core, peer, &why);
             }
         }
+        let PeerSlot { core, peer, .. } = slot_state;
+        let Some(peer) = peer.as_mut() else {
+            return taken;
+        };
         peer.control.receives.release(index);
         if core.is_ready(peer.qps[0].core)
             && let Err(e) = self.post_free_receives(peer)
         {
             tracing::warn!(error = %e, "reposting control receives");
         }
+        taken
     }
 
     /// The receives the peers' holders left to the pass
@@ -3459,9 +3500,8 @@ impl Engine {
                 bytes
             })
         };
-        // The peer's lock is not held here: a path's step takes it.
-        let failed = message.and_then(|bytes| self.on_message(state, slot, &bytes).err());
         let mut guard = state.slot(slot);
+        let failed = message.and_then(|bytes| self.on_message(slot, &mut guard, &bytes).err());
         let PeerSlot { core, peer, .. } = &mut *guard;
         let Some(peer) = peer.as_mut() else {
             return;
@@ -3490,14 +3530,15 @@ impl Engine {
         });
     }
 
-    /// Handles control message `bytes` of the peer in `slot` (its lock not
-    /// held); `Err`: the peer broke the protocol and is to be dropped.
+    /// Handles control message `bytes` of the peer in `slot` (its lock
+    /// held: `slot_state`). Returns whether a path took it; `Err`: the
+    /// peer broke the protocol and is to be dropped.
     fn on_message(
         &self,
-        state: &mut State,
         slot: usize,
+        slot_state: &mut PeerSlot,
         bytes: &[u8],
-    ) -> Result<(), PeerMisbehaved> {
+    ) -> Result<bool, PeerMisbehaved> {
         let message = match Control::decode(bytes) {
             Ok(m) => m,
             // A control message that does not decode: the peer broke the
@@ -3508,28 +3549,30 @@ impl Engine {
         // takes the messages of its protocol under the peer's lock and
         // hands the others back; what is left is the connection's (or
         // nobody's).
-        let mut guard = state.slot(slot);
         let res = &self.shared.res;
         let now = res.config.clock.now();
         let mut copies = self.shared.copies();
-        let message = on_slot_copy(res, slot, now, &mut guard, |cx, peer| {
+        let message = on_slot_copy(res, slot, now, slot_state, |cx, peer| {
             copies.on_control(cx, slot, peer, message)
         })?;
         let Some(message) = message else {
-            return Ok(());
+            return Ok(true);
         };
         let mut staged = self.shared.staged();
-        let message = on_slot(res, slot, now, &mut guard, |cx, peer| {
+        let message = on_slot(res, slot, now, slot_state, |cx, peer| {
             staged.on_control(cx, slot, peer, message)
         })?;
         let Some(message) = message else {
-            return Ok(());
+            return Ok(true);
         };
-        let PeerSlot { core, peer, .. } = &mut *guard;
+        // A revoke handed back may leave the peer-copy path a release to
+        // send (once no copy of ours runs under the grant): the pass's.
+        let path_work = slot_state.copy.has_work();
+        let PeerSlot { core, peer, .. } = slot_state;
         let Some(peer) = peer.as_mut() else {
-            return Ok(());
+            return Ok(path_work);
         };
-        on_connection_message(core, peer, message)
+        on_connection_message(core, peer, message).map(|()| path_work)
     }
 
 
@@ -4591,15 +4634,6 @@ fn on_connection_message(
     Ok(())
 }
 
-/// Whether `message` is the connection's alone (no path takes it): it is
-/// handled under the peer's lock alone ([`Engine::take_receives`]).
-fn is_connections(message: &Control<'_>) -> bool {
-    matches!(
-        message,
-        Control::User(_) | Control::GrantAnnounce { .. } | Control::Paths { .. } | Control::Goodbye
-    )
-}
-
 fn drop_misbehaving(core: &mut Core, peer: &mut PeerState, why: &PeerMisbehaved) {
     tracing::warn!(peer = %peer.addr, reason = %why, "dropping a misbehaving peer");
     let reason = PeerGone::Misbehaved(why.clone());
@@ -4743,6 +4777,7 @@ mod lock_order_tests {
 
     fn peer_lock() -> PeerLock {
         PeerLock::new(
+            0,
             PeerSlot {
                 core: Core::for_tests(),
                 peer: None,

@@ -85,10 +85,13 @@
 //!
 //! # The path, and the engine
 //!
-//! `PeerCopyPath` is the path (`TransferPath`): it owns what it knows
-//! of each peer (by slot: where it runs, the IPC handles of its grants),
-//! the streams, IPC mappings and batches in flight, our exported grants
-//! and the releases we owe. It reaches the engine only through its
+//! `PeerCopyPath` is the path (`TransferPath`). What it keeps of each
+//! peer is the peer's, `PeerCopyPeer`, in the peer's slot under the
+//! peer's lock: where it runs, the IPC handles of its grants, this side's
+//! batches to it on the GPU, our grants exported to it and the releases
+//! we owe it. What it shares among the peers, `PeerCopyShared` (the
+//! streams; the IPC mappings, peer access and counters under a lock of
+//! their own), is the engine's. It reaches the engine only through its
 //! `PathCx`: the GPUs and settings in `Resources`, the peers (engine
 //! id, session, gone) and their control channels through the wire. The
 //! engine (`engine/mod.rs`) keeps the public calls ([`super::Peer::peer_copy`],
@@ -239,8 +242,8 @@ struct IpcGrant {
 }
 
 /// A driver call a peer-copy batch needs before it can be resolved, made
-/// outside the engine's lock (each can take long, and every other peer
-/// would wait): what [`PeerCopyPath::driver_steps_wanted`] asks for and
+/// outside every lock (each can take long, and whatever waits for the
+/// lock would wait for it): what [`PeerCopyPath::driver_steps_wanted`] asks for and
 /// [`PeerCopyPath::driver_steps_done`] takes back.
 pub(super) enum DriverStep {
     /// A peer's IPC handle to open on local GPU `ordinal`
