@@ -531,3 +531,36 @@ fn a_slow_stream_operation_holds_nobody_else_up() {
     }
     faults.assert_all_fired();
 }
+
+/// The stream fences and gates are under a lock of their own, not the
+/// engine's: a gated submit and a stream fence (on a page of words made
+/// by an earlier gate) are taken while another thread holds a's engine
+/// lock; each moves once progress, which needs it, runs again.
+#[test]
+fn gated_submits_and_stream_fences_are_taken_while_the_engines_lock_is_held() {
+    const HOLD: Duration = Duration::from_secs(3);
+    let w = world(hal_cuda::WritesOrdering::Owner);
+    w.gated_write_after_a_held_stream(LEN, 21);
+    let g = w.gated_write(LEN, 22);
+    let (gated, in_time) = w.a.while_engine_lock_held(HOLD, || g.submit(&w, T));
+    assert!(in_time, "a gated submit waited for the engine's lock");
+    g.held.release();
+    assert_eq!(gated.wait(T), Ok(()));
+    assert!(g.moved(&w), "the gated batch moved the stream's bytes");
+    let (_s, src) = w.b.host(LEN, 23);
+    let (_g, remote) = w.b_grants(&src, GrantRights::Read);
+    let (_gpu_buf, gpu_region) = w.a.gpu(LEN, 0);
+    let ctx = w.a.driver.context(0).unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
+    let event = ctx.create_event().unwrap();
+    let batch =
+        w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, LEN)])
+            .unwrap();
+    let (fenced, in_time) =
+        w.a.while_engine_lock_held(HOLD, || batch.fence_stream(&stream));
+    assert!(in_time, "a stream fence waited for the engine's lock");
+    fenced.unwrap();
+    stream.record(&event).unwrap();
+    wait_for(&event, "the fenced stream");
+    assert_eq!(batch.status(), Some(Ok(())));
+}

@@ -152,23 +152,22 @@ impl Batch {
         engine.ensure_fence_page()?;
         // The word under the lock, the stream's wait on it outside (a
         // stream operation can block while the driver's queue is full).
-        let taken = lock_state(&engine.shared)
-            .paths
+        let taken = lock_streams(&engine.shared)
             .stream_fences
             .take_word(&engine.shared.res)?;
         let queued = super::fence::StreamFences::queue_wait(stream, &taken);
-        let mut state = lock_state(&engine.shared);
+        let mut streams = lock_streams(&engine.shared);
         if let Err(e) = queued {
-            state.paths.stream_fences.unused(taken);
+            streams.stream_fences.unused(taken);
             return Err(e);
         }
-        state.paths.stream_fences.queued(
+        streams.stream_fences.queued(
             taken,
             cells,
             self.fence.clone(),
             Arc::clone(&self.fenced),
         );
-        drop(state);
+        drop(streams);
         engine.ensure_own_driver();
         engine.wake();
         Ok(())

@@ -77,18 +77,18 @@
 //!
 //! What each lock guards, and the order they are taken in (a lock is only
 //! taken while holding those above it in this list, never the reverse;
-//! debug builds check the first two, `lock_order`):
+//! debug builds check the first three and the reactor's, `lock_order`):
 //!
 //! 1. The engine's lock (`Shared::state`, `State`): the table of the
-//!    peers' slots, the queue pairs being re-established, the stream
-//!    fences and the gates (which hold any peer's batches until a stream
-//!    gets somewhere). Taken by the engine's pass (`Engine::progress_locked`:
-//!    error completions, deadlines, connection and async events, the
-//!    peers' parts of the paths stepped, queue-pair actions, the receives
-//!    of a peer whose queue pair 0 was replaced) and by what changes the
-//!    peers or those parts (a connect, a tear-down; a gated submit, a
-//!    stream fence). No peer's own work takes it: a submit on any path, a
-//!    grant and its revoke, a cancel, a control message. A
+//!    peers' slots and the queue pairs being re-established. Taken by the
+//!    engine's pass (`Engine::progress_locked`: error completions,
+//!    deadlines, connection and async events, the peers' parts of the
+//!    paths stepped, the gates and stream fences looked at, queue-pair
+//!    actions, the receives of a peer whose queue pair 0 was replaced) and
+//!    by what changes the peers (a connect, a tear-down). No peer's own
+//!    work takes it: a submit on any path (gated included), a grant and
+//!    its revoke and the wait for its fence, a cancel, a close, a control
+//!    message, a stream fence. A
 //!    progress call makes the pass only when it is due
 //!    (`handoff::PassDue`: work one of those left
 //!    it, its earliest deadline, connection and async events every
@@ -102,12 +102,20 @@
 //!    the marks, and leaves the connection events of a peer whose lock is
 //!    busy to a later pass (at most `EVENTS_SKIPPED_MAX` in a row). Never
 //!    held across a driver call that can block: the GPU fence before a
-//!    stream fence's release (`Engine::flush_before_stream_releases`), the
-//!    stream operations of stream fences and gates, the fence page's
-//!    allocation, landing slots (allocated, pinned, registered), gates'
-//!    event records and their batches' submits: each is decided under the
-//!    lock, made outside it, and handed back under it.
-//! 2. A peer's lock (`PeerLock`, one `PeerSlot`: its connection,
+//!    stream fence's release (`Engine::flush_before_stream_releases`),
+//!    landing slots (allocated, pinned, registered), opened gates'
+//!    batches' submits: each is decided under the lock, made outside it,
+//!    and handed back under it.
+//! 2. The streams' lock (`Shared::streams`, `Streams`: the page of words
+//!    streams wait on, the stream fences whose batch has not ended, the
+//!    gates holding any peer's batches until a stream gets somewhere):
+//!    taken by the pass under the engine's, and alone by a gated submit, a
+//!    stream fence and the serving of opened gates and GPU-fenced stream
+//!    releases; never across a driver call that can block (a word is
+//!    taken under it; the stream operations, a gate's event record and
+//!    the fence page's allocation are made outside it), never under a
+//!    peer's lock (a gate's look at its peer takes the peer's under it).
+//! 3. A peer's lock (`PeerLock`, one `PeerSlot`: its connection,
 //!    [`gdr_proto::connection`], which owns the batches on the peer's queue
 //!    pairs, their recovery, grants both ways, inbox and outbox, and both
 //!    sides of the staged path's rendezvous, with the engine's side of it,
@@ -122,7 +130,8 @@
 //!    for a message or a grant, a cancel, the completions of its sends and
 //!    its control receives, routed to it by any polling thread, whose
 //!    messages are handled there by the paths' parts and the connection),
-//!    or under the engine's lock; one peer's at a time. Never held across
+//!    or under the engine's or the streams' lock; one peer's at a time.
+//!    Never held across
 //!    a driver call that can block: a peer copy's IPC handle opened and
 //!    peer access enabled (`peer_copy::DriverStep`) are decided under it,
 //!    made outside every lock and handed back under it. Under it: the
@@ -133,7 +142,7 @@
 //!    book-keeping of the GPUs (`Shared::peer_copy`: IPC mappings, peer
 //!    access, the next stream, counters); under those, only the locks
 //!    below.
-//! 3. Below them, each taken briefly and never across another lock: a
+//! 4. Below them, each taken briefly and never across another lock: a
 //!    peer's queue of receives polled (`PeerLock::inbound`, drained under
 //!    the peer's lock, which takes them in their queue pair's posting
 //!    order: `PeerState::early`), the routes (`handoff::Routes`, (NIC, queue pair number) to peer, written
@@ -143,7 +152,11 @@
 //!    the SEND), the CUDA worker's queue (`cuda_worker`), the event pool
 //!    (`events`), the peer-copy streams, the process-wide registry of
 //!    published grants (`peer_copy`).
-//! 4. Apart from them: the reactor's (`reactor`: who parks, until when),
+//! 5. Apart from them: the reactor's (`reactor`: who parks, until when;
+//!    never taken under a peer's lock, as a follower looks at what it
+//!    waits for, a peer's state under the peer's lock, holding it: a
+//!    wake-up, `Engine::wake`, comes after the peer's lock went, checked
+//!    in debug builds),
 //!    the listeners' backlogs (`listener`: never held together with the
 //!    engine's lock), the registration caches and the NICs' ladders
 //!    (`crate::cache`, `crate::ladder`: registration and grants' MRs are
@@ -920,11 +933,9 @@ struct State {
     slots: Vec<Arc<PeerLock>>,
     /// Queue pairs being re-established.
     reconnecting: usize,
-    /// Whether a peer's part of the staged path, as the last pass saw
-    /// them, runs what only polling sees end (GPU copies).
+    /// Whether a peer's part of a path, as the last pass saw them, runs
+    /// what only polling sees end (GPU copies).
     peers_poll: bool,
-    /// The paths beside the queue pairs, each with its own state.
-    paths: Paths,
 }
 
 /// A peer's own state, under the peer's lock ([`lock_slot`]): its
@@ -986,10 +997,10 @@ const EVENTS_SKIPPED_MAX: u32 = 8;
 /// Where a completion of one queue pair goes ([`handoff::Route`]).
 type Route = handoff::Route<PeerLock>;
 
-/// The paths the engine carries batches over besides the queue pairs
-/// ([`path`]), each owning its state; the engine hands each step of one
-/// the same context ([`State::with_paths`]).
-struct Paths {
+/// What the engine's batches and GPU streams wait on each other with
+/// (`Shared::streams`, a lock of its own: see the module docs).
+#[derive(Default)]
+struct Streams {
     /// The page of words streams wait on (made at the first stream fence
     /// or gate) and the stream fences whose batch has not ended.
     stream_fences: fence::StreamFences,
@@ -997,27 +1008,61 @@ struct Paths {
     gates: gate::Gates,
 }
 
-impl State {
-    /// Runs `f` on the paths with the context of one path step: the
-    /// engine's resources, the wire over the peers' connections, `now`.
-    fn with_paths<T>(
-        &mut self,
-        res: &Resources,
-        now: Instant,
-        f: impl FnOnce(&mut Paths, &mut PathCx<'_>) -> T,
-    ) -> T {
-        let State { slots, paths, .. } = self;
-        let mut wire = Connections { slots, res };
-        f(
-            paths,
-            &mut PathCx {
-                res,
-                wire: &mut wire,
-                now,
-            },
-        )
-    }
+/// What the engine's pass leaves of the streams' work for its caller and
+/// its next look: the GPU fences claimed for stream releases, whether
+/// opened gates are to be served, whether the work is polled.
+struct StreamsLooked {
+    handled: usize,
+    flushes: Vec<(usize, Vec<u32>)>,
+    again: bool,
+}
 
+impl Streams {
+    /// The pass's look at the gates and stream fences (the peers' views
+    /// through `slots`, each under its lock, taken for one call): gates
+    /// the stream reached open, those that ended end their batch; ended
+    /// batches' stream fences are released, those needing a GPU fence
+    /// first claimed (made outside every lock).
+    fn look(&mut self, res: &Resources, slots: &[Arc<PeerLock>], now: Instant) -> StreamsLooked {
+        let mut wire = Connections { slots, res };
+        let mut cx = PathCx {
+            res,
+            wire: &mut wire,
+            now,
+        };
+        let mut handled = self.gates.poll(&mut cx, &mut self.stream_fences);
+        let flushes = self.stream_fences.claim_flushes();
+        handled += self.stream_fences.release();
+        StreamsLooked {
+            handled,
+            again: self.gates.waiting() || !flushes.is_empty() || self.stream_fences.busy(),
+            flushes,
+        }
+    }
+}
+
+/// Takes the streams' lock (`Shared::streams`) to change what it guards
+/// (a stream fence queued, a gate waiting): the pass is due as it goes.
+/// Under the engine's lock, or alone; never under a peer's.
+fn lock_streams(shared: &Shared) -> Guard<'_, Streams> {
+    let mut guard = look_at_streams(shared);
+    guard.due = Some(&shared.due);
+    guard
+}
+
+/// Takes the streams' lock for the pass, or to look only.
+fn look_at_streams(shared: &Shared) -> Guard<'_, Streams> {
+    lock_order::streams();
+    let inside = crate::reaper::EngineSection::enter();
+    Guard {
+        guard: lock(&shared.streams),
+        _held: None,
+        _inside: inside,
+        due: None,
+    }
+}
+
+impl State {
     /// The peer in `slot`'s lock, taken (under the engine's: the order).
     fn slot(&self, slot: usize) -> SlotGuard<'_> {
         lock_slot(&self.slots[slot])
@@ -1310,6 +1355,8 @@ struct Shared {
     /// What the peer-copy path shares among the peers' parts (streams,
     /// IPC mappings, peer access: its own lock, taken under a peer's).
     peer_copy: peer_copy::PeerCopyShared,
+    /// The stream fences and gates (their own lock: see the module docs).
+    streams: Mutex<Streams>,
     /// Each queue pair's route, by (NIC, queue pair number): completions
     /// go to their peer without the engine's lock ([`handoff::Routes`]).
     routes: handoff::Routes<PeerLock>,
@@ -1527,6 +1574,28 @@ mod lock_order {
 
     /// A peer's lock, marked held by this thread while it lives.
     pub(super) struct Held(#[cfg(debug_assertions)] usize);
+
+    /// The reactor is about to be told (its lock taken).
+    pub(super) fn wake() {
+        #[cfg(debug_assertions)]
+        HELD.with(|held| {
+            assert!(
+                held.borrow().is_empty(),
+                "the reactor woken while a peer's lock is held"
+            );
+        });
+    }
+
+    /// The streams' lock is about to be taken.
+    pub(super) fn streams() {
+        #[cfg(debug_assertions)]
+        HELD.with(|held| {
+            assert!(
+                held.borrow().is_empty(),
+                "the streams' lock taken while a peer's is held"
+            );
+        });
+    }
 
     /// The engine's lock is about to be taken.
     pub(super) fn engine() {
@@ -1789,7 +1858,7 @@ impl Drop for Shared {
             drop(lock_slot(lock).peer.take());
         }
         self.routes_mut().clear();
-        state.paths.stream_fences.release_all();
+        lock(&self.streams).stream_fences.release_all();
         drop(state);
         self.res.cuda.shut();
         // The peers' parts of the staged path last, as the paths' own:
@@ -2153,14 +2222,11 @@ impl Engine {
             sweeps: handoff::Sweeps::new(),
             pools: Default::default(),
             peer_copy: peer_copy::PeerCopyShared::new(cuda, Arc::downgrade(&reactor)),
+            streams: Mutex::new(Streams::default()),
             state: Mutex::new(State {
                 slots: Vec::new(),
                 reconnecting: 0,
                 peers_poll: false,
-                paths: Paths {
-                    stream_fences: Default::default(),
-                    gates: Default::default(),
-                },
             }),
             res: Resources::new(fresh_id(), config, cm, nics, peer_capacity),
             context,
@@ -2251,7 +2317,7 @@ impl Engine {
             staged_transfers,
             staged_groups,
             peers,
-            fence_page_bytes: state.paths.stream_fences.page_bytes(),
+            fence_page_bytes: look_at_streams(&self.shared).stream_fences.page_bytes(),
             cq_queue_pairs: self
                 .shared
                 .nics
@@ -3148,9 +3214,12 @@ impl Engine {
             polled.buffer = completions;
         }
         for peer_lock in std::mem::take(&mut polled.inbound) {
-            if let Some(guard) = self.take_receives(&peer_lock) {
+            if let Some((guard, taken)) = self.take_receives(&peer_lock) {
                 polled.receives_for_pass |= guard.peer.as_ref().is_some_and(|p| !p.for_pass.is_empty());
                 self.settle_slot(guard);
+                if taken {
+                    self.wake();
+                }
             }
         }
         handled
@@ -3162,8 +3231,10 @@ impl Engine {
     /// paths' parts of the peer or its connection (only those behind a
     /// replaced queue pair 0 are left to the engine's pass,
     /// `PeerState::for_pass`). The guard is handed back to be settled (or
-    /// dropped, by the pass); `None`: none was queued.
-    fn take_receives<'l>(&self, peer_lock: &'l PeerLock) -> Option<SlotGuard<'l>> {
+    /// dropped, by the pass), with whether a path took a message (the
+    /// pass is due then: wake a parked driver once the guard is gone);
+    /// `None`: none was queued.
+    fn take_receives<'l>(&self, peer_lock: &'l PeerLock) -> Option<(SlotGuard<'l>, bool)> {
         let mut guard = lock_slot(peer_lock);
         let received = std::mem::take(&mut *lock(&peer_lock.inbound));
         if received.is_empty() {
@@ -3175,11 +3246,11 @@ impl Engine {
         }
         if taken {
             // A path's part of the peer took a message: its step is the
-            // pass's (a request to serve, a reply to take up).
+            // pass's (a request to serve, a reply to take up). A parked
+            // driver is woken once the peer's lock is gone.
             self.shared.due.set();
-            self.wake();
         }
-        Some(guard)
+        Some((guard, taken))
     }
 
     /// One control receive of the peer in `slot` (`slot_state`), under its
@@ -3328,6 +3399,10 @@ impl Engine {
     /// Tells a parked engine that it has work no fd announces (a batch
     /// queued behind a full queue pair, a cancel, a gate, a revoke).
     pub(super) fn wake(&self) {
+        // A follower looks at what it waits for (a peer's state, under
+        // the peer's lock) holding the reactor's lock, which a wake-up
+        // takes: never under a peer's.
+        lock_order::wake();
         self.shared.reactor.wake();
     }
 
@@ -3445,27 +3520,24 @@ impl Engine {
             }
         }
         state.peers_poll = peers_poll;
-        handled += state.with_paths(&shared.res, now, |paths, cx| {
-            paths.gates.poll(cx, &mut paths.stream_fences)
-        });
-        // The GPU fences of ended batches' stream fences are claimed here
-        // and made outside the lock; those needing none are released now.
-        let flushes = state.paths.stream_fences.claim_flushes();
-        handled += state.paths.stream_fences.release();
+        // The gates and stream fences (under their lock, below the
+        // engine's); the GPU fences of ended batches' stream fences are
+        // claimed here and made outside the locks, those needing none are
+        // released now.
+        let streams = look_at_streams(shared).look(&shared.res, &state.slots, now);
+        handled += streams.handled;
+        let flushes = streams.flushes;
         self.run_actions(state);
         self.post_ready(state);
-        let paths = &state.paths;
-        let serve = paths.gates.serve_pending();
+        let serve = look_at_streams(shared).gates.serve_pending();
         // While a path or a re-establishment runs, every progress call
         // makes the pass (their steps are polled); otherwise the next one
         // due is at the earliest deadline.
         let again = state.reconnecting > 0
             || peers_poll
-            || paths.gates.waiting()
+            || streams.again
             || !landings.is_empty()
-            || serve
-            || !flushes.is_empty()
-            || paths.stream_fences.busy();
+            || serve;
         Looked {
             out: (handled, landings, serve, flushes),
             again,
@@ -4113,14 +4185,16 @@ impl Drop for Driver {
 }
 
 impl Engine {
-    /// Makes progress until `decide`, looking at the engine's state under
-    /// its lock, gives an answer, or `timeout` passes.
-    fn progress_until<T>(
+    /// Makes progress until `decide`, looking at the slot of the peer of
+    /// `lock` under that peer's lock alone, gives an answer, or `timeout`
+    /// passes.
+    fn progress_until_slot<T>(
         &self,
         timeout: Duration,
-        mut decide: impl FnMut(&mut State) -> Option<Result<T, EngineError>>,
+        lock: &PeerLock,
+        mut decide: impl FnMut(&PeerSlot) -> Option<Result<T, EngineError>>,
     ) -> Result<T, EngineError> {
-        self.wait_until(timeout, || decide(&mut look_at_state(&self.shared)))
+        self.wait_until(timeout, || decide(&lock_slot(lock)))
     }
 
     /// A waiter's spin on `home` (its peer's CQs) alone, before it waits
@@ -4194,16 +4268,11 @@ impl Engine {
     /// the process waits for a held stream, which this engine's progress
     /// may be the one to release.
     fn ensure_fence_page(&self) -> Result<(), EngineError> {
-        if !look_at_state(&self.shared)
-            .paths
-            .stream_fences
-            .needs_page()
-        {
+        if !look_at_streams(&self.shared).stream_fences.needs_page() {
             return Ok(());
         }
         let page = fence::StreamFences::make_page(&self.shared.res)?;
-        let spare = lock_state(&self.shared)
-            .paths
+        let spare = lock_streams(&self.shared)
             .stream_fences
             .install_page(page);
         // Another thread's page won: this one is freed outside the lock.
@@ -4325,15 +4394,15 @@ impl Engine {
             }
         }
         let words: Vec<usize> = claimed.iter().map(|(word, _)| *word).collect();
-        let mut state = lock_state(&self.shared);
-        state.paths.stream_fences.flushed(&words);
-        state.paths.stream_fences.release()
+        let mut streams = lock_streams(&self.shared);
+        streams.stream_fences.flushed(&words);
+        streams.stream_fences.release()
     }
 
     /// Submits the batches whose gate opened and hands on the outcomes of
     /// those that ended (outside the engine's lock: submitting takes it).
     fn serve_gates(&self) -> usize {
-        let serve = lock_state(&self.shared).paths.gates.serve();
+        let serve = lock_streams(&self.shared).gates.serve();
         let (handled, running) = serve.run(
             || self.shared.config.clock.now(),
             |slot, transfers, left| {
@@ -4342,7 +4411,7 @@ impl Engine {
             },
         );
         if !running.is_empty() {
-            lock_state(&self.shared).paths.gates.running(running);
+            lock_streams(&self.shared).gates.running(running);
         }
         handled
     }
@@ -4362,9 +4431,10 @@ impl reactor::Parkable for Engine {
         let Some(state) = try_look_at_state(&self.shared) else {
             return true;
         };
-        state.reconnecting > 0
-            || state.peers_poll
-            || state.paths.gates.waiting()
+        let Some(streams) = crate::sync::try_lock(&self.shared.streams) else {
+            return true;
+        };
+        state.reconnecting > 0 || state.peers_poll || streams.gates.waiting()
     }
 
     fn arm(&self) {
@@ -4803,6 +4873,22 @@ mod lock_order_tests {
         let lock = peer_lock();
         let _held = lock_slot(&lock);
         lock_order::engine();
+    }
+
+    #[test]
+    #[should_panic(expected = "the reactor woken while a peer's lock is held")]
+    fn the_reactor_woken_under_a_peers_panics() {
+        let lock = peer_lock();
+        let _held = lock_slot(&lock);
+        lock_order::wake();
+    }
+
+    #[test]
+    #[should_panic(expected = "the streams' lock taken while a peer's is held")]
+    fn the_streams_lock_taken_under_a_peers_panics() {
+        let lock = peer_lock();
+        let _held = lock_slot(&lock);
+        lock_order::streams();
     }
 
     #[test]

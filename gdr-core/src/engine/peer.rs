@@ -125,8 +125,7 @@ impl Grant {
         if let Some(done) = fenced(&lock_slot(&peer.lock)) {
             return done;
         }
-        peer.engine
-            .progress_until(timeout, |state| fenced(&state.slot(peer.slot)))
+        peer.engine.progress_until_slot(timeout, &peer.lock, fenced)
     }
 }
 
@@ -716,8 +715,7 @@ impl Peer {
         self.engine.shared.due.set();
         // Bounded: a copy that never ends is the GPU's failure, and the
         // goodbye goes anyway.
-        let _ = self.engine.progress_until(Duration::from_secs(1), |state| {
-            let slot = state.slot(self.slot);
+        let _ = self.engine.progress_until_slot(Duration::from_secs(1), &self.lock, |slot| {
             if !slot.staged.copying(slot.core.conn.rendezvous()) {
                 return Some(Ok(()));
             }
@@ -776,8 +774,7 @@ impl Peer {
         // after it outside: a record blocks while a free of the process
         // waits for a held stream, which this engine's progress may be the
         // one to release.
-        let taken = lock_state(&engine.shared)
-            .paths
+        let taken = lock_streams(&engine.shared)
             .stream_fences
             .take_word(res)?;
         let signal = match StreamFences::queue_gate_write(stream, &taken) {
@@ -785,10 +782,7 @@ impl Peer {
             // Not queued: the word goes back; without stream memory
             // operations the gate's event alone tells.
             unqueued => {
-                lock_state(&engine.shared)
-                    .paths
-                    .stream_fences
-                    .unused(taken);
+                lock_streams(&engine.shared).stream_fences.unused(taken);
                 unqueued?;
                 Signal::Event
             }
@@ -796,20 +790,15 @@ impl Peer {
         let event = match record_gate_event(res, stream) {
             Ok(event) => event,
             Err(e) => {
-                lock_state(&engine.shared)
-                    .paths
+                lock_streams(&engine.shared)
                     .stream_fences
                     .abandon_gate(signal);
                 return Err(e);
             }
         };
-        let link = {
-            let mut state = lock_state(&engine.shared);
-            state
-                .paths
-                .gates
-                .wait(self.slot, transfers, timeout, now, signal, event, &span)
-        };
+        let link = lock_streams(&engine.shared).gates.wait(
+            self.slot, transfers, timeout, now, signal, event, &span,
+        );
         engine.ensure_own_driver();
         engine.wake();
         Ok(Batch {

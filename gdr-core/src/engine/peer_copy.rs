@@ -1087,6 +1087,30 @@ fn queue_window(
     QueuedWindow { events, error }
 }
 
+/// Sends the releases the peer in `slot` (its part: `peer`) is owed for
+/// its revoked grants no batch of ours has anything queued under.
+fn send_releases(cx: &mut PathCx<'_>, slot: usize, peer: &mut PeerCopyPeer) {
+    let PeerCopyPeer {
+        flights, releases, ..
+    } = peer;
+    let ready = releases.poll_release(|_, grant| {
+        flights.iter().any(|f| {
+            f.grants
+                .iter()
+                .any(|g| matches!(g, GrantUse::Ipc { grant: g } if *g == grant))
+        })
+    });
+    if cx.wire.peer(slot).is_none() {
+        return;
+    }
+    for (_, grant) in ready {
+        let message = Control::GrantReleased { grant };
+        if let Err(e) = cx.wire.send(slot, &message, cx.res.config.default_timeout) {
+            tracing::debug!(grant, error = %e, "a grant release not sent");
+        }
+    }
+}
+
 impl TransferPath for PeerCopyPath<'_> {
     type Peer<'a> = PeerCopyPeer;
 
@@ -1289,22 +1313,7 @@ impl TransferPath for PeerCopyPath<'_> {
             devices.stats.batches += drained.0;
             devices.stats.bytes += drained.1;
         }
-        // The releases owed whose grants no batch has anything queued under.
-        let ready = releases.poll_release(|_, grant| {
-            flights.iter().any(|f| {
-                f.grants
-                    .iter()
-                    .any(|g| matches!(g, GrantUse::Ipc { grant: g } if *g == grant))
-            })
-        });
-        if cx.wire.peer(slot).is_some() {
-            for (_, grant) in ready {
-                let message = Control::GrantReleased { grant };
-                if let Err(e) = cx.wire.send(slot, &message, cx.res.config.default_timeout) {
-                    tracing::debug!(grant, error = %e, "a grant release not sent");
-                }
-            }
-        }
+        send_releases(cx, slot, peer);
         ended
     }
 
@@ -1353,6 +1362,9 @@ impl TransferPath for PeerCopyPath<'_> {
             Control::GrantRevoke { grant } => {
                 if peer.ipc.remove(&grant).is_some() {
                     peer.releases.owe(slot as u64, grant);
+                    // At once where no batch copies under it: before the
+                    // peer's next message is taken.
+                    send_releases(cx, slot, peer);
                 }
                 Ok(Some(message))
             }
