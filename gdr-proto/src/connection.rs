@@ -6,11 +6,14 @@
 //! batch ends), the re-establishment of failed queue pairs
 //! ([`Recovery`]), both sides of the slotted rendezvous ([`Rendezvous`]:
 //! the peer's requests served through this side's landing slots, and
-//! this side's through the peer's), the grants both ways (this side's announcements, kept
-//! to announce again on a new queue pair 0, and the peer's, bounded), the
-//! peer's messages nobody received ([`Inbox`]), this side's messages
-//! waiting for a send slot ([`Outbox`]), the peer's devices (its paths)
-//! and whether it said goodbye.
+//! this side's through the peer's), the peer-copy path's state
+//! ([`PeerCopy`]: this side's copies to the peer a window at a time, the
+//! grants exported to it, the releases owed it), the grants both ways
+//! (this side's announcements, kept to announce again on a new queue
+//! pair 0, and the peer's, bounded), the peer's messages nobody received
+//! ([`Inbox`]), this side's messages waiting for a send slot
+//! ([`Outbox`]), the peer's devices (its paths) and whether it said
+//! goodbye.
 //!
 //! Inputs: the connection-level control messages ([`Connection::on_control`]
 //! takes them, hands any other back), this side's own messages and grants
@@ -37,6 +40,7 @@ use crate::grants::{GrantId, RemoteGrants};
 use crate::inbox::Inbox;
 use crate::limits::PeerLimits;
 use crate::outbox::{Outbox, OutboxFull, Waiting};
+use crate::peer_copy::PeerCopy;
 use crate::reconnect::{GiveUp, Recovery};
 use crate::rendezvous::Rendezvous;
 use crate::wire::Control;
@@ -157,6 +161,10 @@ pub struct Connection<D, R: Requests> {
     said_goodbye: bool,
     /// Both sides of the slotted rendezvous with the peer.
     rendezvous: Rendezvous,
+    /// The peer-copy path's state: this side's flights to the peer, the
+    /// grants exported to it (each kept by an `R::Hold`), the releases
+    /// owed it.
+    peer_copy: PeerCopy<R::Hold>,
 }
 
 impl<D: Descriptor, R: Requests> Connection<D, R> {
@@ -177,6 +185,7 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
             remote_devices: None,
             said_goodbye: false,
             rendezvous: Rendezvous::new(limits),
+            peer_copy: PeerCopy::default(),
         }
     }
 
@@ -221,6 +230,28 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
     /// Takes back what [`Connection::lend_rendezvous`] lent.
     pub fn return_rendezvous(&mut self, rendezvous: Rendezvous) {
         self.rendezvous = rendezvous;
+    }
+
+    /// The peer-copy path's state with the peer.
+    pub fn peer_copy(&self) -> &PeerCopy<R::Hold> {
+        &self.peer_copy
+    }
+
+    /// The peer-copy path's state with the peer, to step.
+    pub fn peer_copy_mut(&mut self) -> &mut PeerCopy<R::Hold> {
+        &mut self.peer_copy
+    }
+
+    /// Lends the peer-copy state out, as [`Connection::lend_rendezvous`]
+    /// lends the rendezvous (an empty one stands in; return it before
+    /// [`Connection::poll_timeout`] or a `handle_timeout` is asked).
+    pub fn lend_peer_copy(&mut self) -> PeerCopy<R::Hold> {
+        std::mem::take(&mut self.peer_copy)
+    }
+
+    /// Takes back what [`Connection::lend_peer_copy`] lent.
+    pub fn return_peer_copy(&mut self, peer_copy: PeerCopy<R::Hold>) {
+        self.peer_copy = peer_copy;
     }
 
     /// The batches on its queue pairs.
@@ -405,7 +436,8 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
 
     /// The earliest deadline the connection keeps: a batch's, a queue
     /// pair's re-establishment, the oldest waiting message, a request of
-    /// the rendezvous either way. The driver calls
+    /// the rendezvous either way, a peer copy's or an export's bound. The
+    /// driver calls
     /// [`Connection::handle_timeout`] and [`Connection::poll_transmit`] by
     /// then. Changes by every call that changes any of them (a batch
     /// submitted or ended included).
@@ -415,6 +447,7 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
             self.recovery.poll_timeout(),
             self.outbox.poll_timeout(),
             self.rendezvous.poll_timeout(),
+            self.peer_copy.poll_timeout(),
         ]
         .into_iter()
         .flatten()
@@ -424,20 +457,24 @@ impl<D: Descriptor, R: Requests> Connection<D, R> {
     /// Handles the deadlines up to `now`: batches past theirs stop (their
     /// actions come out of [`Batches::poll_action`]); rendezvous requests
     /// past theirs fail (their actions come out of each side's
-    /// `poll_action`); queue pairs not re-established are given up, each
-    /// with why (returned; messages past their deadline come out of
-    /// [`Connection::poll_transmit`]).
+    /// `poll_action`); peer copies past theirs stop (their outcome comes
+    /// out of their flight), exports past their bound are given up on
+    /// (what kept them let go of here); queue pairs not re-established
+    /// are given up, each with why (returned; messages past their
+    /// deadline come out of [`Connection::poll_transmit`]).
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<(usize, GiveUp)> {
-        self.handle_work_timeout(now);
+        drop(self.handle_work_timeout(now));
         self.recovery.handle_timeout(now)
     }
 
     /// The part of [`Connection::handle_timeout`] for a driver that gives
-    /// up queue pairs elsewhere: the batches' and the rendezvous'
-    /// deadlines.
-    pub fn handle_work_timeout(&mut self, now: Instant) {
+    /// up queue pairs elsewhere: the batches', the rendezvous' and the
+    /// peer copies' deadlines. Returns the exports given up on at their
+    /// bound, with what kept them.
+    pub fn handle_work_timeout(&mut self, now: Instant) -> Vec<(GrantId, R::Hold)> {
         self.batches.handle_timeout(now);
         self.rendezvous.handle_timeout(now);
+        self.peer_copy.handle_timeout(now)
     }
 }
 

@@ -19,8 +19,13 @@
 //!   for peers that are not trusted that far).
 //! - [`Releases`]: the importer's side: the releases it owes, sent once no
 //!   flight uses the revoked grant any more.
+//!
+//! [`PeerCopy`] holds the three for one connection (gdr-proto's
+//! [`crate::connection::Connection`] keeps one): this side's flights to
+//! the peer, the grants exported to it and the releases owed it, with one
+//! deadline over the flights' deadlines and the exports' bounds.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::grants::GrantId;
@@ -377,6 +382,102 @@ impl Releases {
     /// Whether none is.
     pub fn is_empty(&self) -> bool {
         self.owed.is_empty()
+    }
+}
+
+/// A flight's name within its connection's [`PeerCopy`].
+pub type FlightId = u64;
+
+/// The peer-copy path's state of one connection: this side's flights to
+/// the peer (their windows), our grants exported to it (each holding `K`)
+/// and the releases we owe it.
+#[derive(Debug)]
+pub struct PeerCopy<K> {
+    flights: BTreeMap<FlightId, CopyFlight>,
+    next_flight: FlightId,
+    exports: Exports<K>,
+    releases: Releases,
+}
+
+impl<K> Default for PeerCopy<K> {
+    fn default() -> Self {
+        Self {
+            flights: BTreeMap::new(),
+            next_flight: 0,
+            exports: Exports::default(),
+            releases: Releases::default(),
+        }
+    }
+}
+
+impl<K> PeerCopy<K> {
+    /// Takes `flight` on; the id names it to the other calls.
+    pub fn start(&mut self, flight: CopyFlight) -> FlightId {
+        let id = self.next_flight;
+        self.next_flight += 1;
+        self.flights.insert(id, flight);
+        id
+    }
+
+    /// Flight `id`, while it is held.
+    pub fn flight(&self, id: FlightId) -> Option<&CopyFlight> {
+        self.flights.get(&id)
+    }
+
+    /// Flight `id`, to step.
+    pub fn flight_mut(&mut self, id: FlightId) -> Option<&mut CopyFlight> {
+        self.flights.get_mut(&id)
+    }
+
+    /// Lets go of flight `id` (the driver does once it drained and its
+    /// outcome was handed out).
+    pub fn finish(&mut self, id: FlightId) -> Option<CopyFlight> {
+        self.flights.remove(&id)
+    }
+
+    /// Flights held.
+    pub fn flights_len(&self) -> usize {
+        self.flights.len()
+    }
+
+    /// The grants exported to the peer.
+    pub fn exports(&self) -> &Exports<K> {
+        &self.exports
+    }
+
+    /// The grants exported to the peer, to change.
+    pub fn exports_mut(&mut self) -> &mut Exports<K> {
+        &mut self.exports
+    }
+
+    /// The releases owed the peer.
+    pub fn releases(&self) -> &Releases {
+        &self.releases
+    }
+
+    /// The releases owed the peer, to change.
+    pub fn releases_mut(&mut self) -> &mut Releases {
+        &mut self.releases
+    }
+
+    /// The earliest deadline: a flight's, or an export's bound after its
+    /// revoke.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.flights
+            .values()
+            .filter_map(CopyFlight::poll_timeout)
+            .chain(self.exports.poll_timeout())
+            .min()
+    }
+
+    /// The time passed `now`: flights past their deadline stop (their
+    /// outcome comes out of [`CopyFlight::poll_outcome`]); exports past
+    /// their bound are given up on (returned, with what kept them).
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<(GrantId, K)> {
+        for flight in self.flights.values_mut() {
+            flight.handle_timeout(now);
+        }
+        self.exports.handle_timeout(now)
     }
 }
 

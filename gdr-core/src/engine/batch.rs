@@ -210,10 +210,15 @@ impl Batch {
                 rendezvous: core.conn.rendezvous_mut(),
             };
             staged.cancel_peer(&mut part, &cells);
-            self.engine
-                .shared
-                .copies()
-                .cancel_peer(copy, std::slice::from_ref(&self.cell));
+            let mut proto = core.conn.lend_peer_copy();
+            self.engine.shared.copies().cancel_peer(
+                &mut CopyPart {
+                    copy,
+                    proto: &mut proto,
+                },
+                std::slice::from_ref(&self.cell),
+            );
+            core.conn.return_peer_copy(proto);
             // They end at the next pass.
             self.engine.shared.due.set();
         }

@@ -313,10 +313,17 @@ impl Core {
         self.conn.poll_timeout()
     }
 
-    /// The batches' and the rendezvous' deadlines up to `now`
-    /// ([`gdr_proto::connection::Connection::handle_work_timeout`]).
+    /// The batches', the rendezvous' and the peer copies' deadlines up to
+    /// `now` ([`gdr_proto::connection::Connection::handle_work_timeout`]):
+    /// an exported grant whose importer never released it is given back
+    /// here, its memory let go.
     pub fn handle_timeout(&mut self, now: Instant) {
-        self.conn.handle_work_timeout(now);
+        for (grant, _memory) in self.conn.handle_work_timeout(now) {
+            tracing::warn!(
+                grant,
+                "no release of a revoked grant's IPC handle within the bound: its memory is given back unconfirmed"
+            );
+        }
         self.settle();
     }
 

@@ -117,14 +117,17 @@
 //!    peer's lock (a gate's look at its peer takes the peer's under it).
 //! 3. A peer's lock (`PeerLock`, one `PeerSlot`: its connection,
 //!    [`gdr_proto::connection`], which owns the batches on the peer's queue
-//!    pairs, their recovery, grants both ways, inbox and outbox, and both
-//!    sides of the staged path's rendezvous, with the engine's side of it,
-//!    `batches::Core`; and the paths' parts of the peer, stepped there on
-//!    a wire to that peer alone, `SlotWire`: the staged path's,
+//!    pairs, their recovery, grants both ways, inbox and outbox, both
+//!    sides of the staged path's rendezvous and the peer-copy path's
+//!    protocol state (this side's copies to the peer a window at a time,
+//!    our grants exported to it, the releases owed it), with the engine's
+//!    side of it, `batches::Core`; and the paths' parts of the peer,
+//!    stepped there on a wire to that peer alone, `SlotWire`, with the
+//!    connection's state of their protocol lent: the staged path's,
 //!    `staging::StagedPeer`, its transfers through bounce slots and its
 //!    staged grants, and the peer-copy path's, `peer_copy::PeerCopyPeer`,
-//!    where the peer runs, its grants' IPC handles, this side's copies to
-//!    it on the GPU and our grants exported to it): taken alone by what
+//!    where the peer runs, its grants' IPC handles and the GPU side of
+//!    this side's copies to it): taken alone by what
 //!    that peer does (a submit on any path, a grant of memory and its
 //!    revoke, landing slots installed, a close, a control message, a wait
 //!    for a message or a grant, a cancel, the completions of its sends and
@@ -271,7 +274,7 @@ pub use self::peer::{Grant, Peer};
 pub use self::peer_copy::{PeerCopyRoute, PeerCopyStats};
 pub use self::region::Region;
 use self::resources::{Nic, Resources};
-use self::peer_copy::{PeerCopyPath, PeerCopyPeer};
+use self::peer_copy::{CopyPart, PeerCopyPath, PeerCopyPeer};
 use self::staging::{PeerPart, StagedPeer};
 use self::setup::{Admitted, Arrival, Backlog, BacklogConfig, Dial, DialState, Token};
 #[cfg(all(feature = "tokio", not(loom)))]
@@ -953,9 +956,9 @@ struct PeerSlot {
     /// (kept after a tear-down until the copies for it have ended).
     staged: StagedPeer,
     /// The peer-copy path's part of the peer: where it runs, its grants'
-    /// IPC handles, this side's batches to it on the GPU, our grants
-    /// exported to it (kept after a tear-down until the copies end and
-    /// the exports' bounds pass).
+    /// IPC handles, the GPU side of this side's batches to it (kept after
+    /// a tear-down until the copies end; their windows, our exports and
+    /// the releases owed are the connection's).
     copy: PeerCopyPeer,
 }
 
@@ -1164,18 +1167,26 @@ fn on_slot_copy<T>(
     slot: usize,
     now: Instant,
     slot_state: &mut PeerSlot,
-    f: impl FnOnce(&mut PathCx<'_>, &mut PeerCopyPeer) -> T,
+    f: impl FnOnce(&mut PathCx<'_>, &mut CopyPart<'_>) -> T,
 ) -> T {
     let (parts, copy) = slot_state.split_copy();
+    // The connection's peer-copy state is lent to the step, as its
+    // rendezvous is to the staged path's (see `on_slot`).
+    let mut proto = parts.core.conn.lend_peer_copy();
     let mut wire = SlotWire { slot, parts, res };
-    f(
+    let out = f(
         &mut PathCx {
             res,
             wire: &mut wire,
             now,
         },
-        copy,
-    )
+        &mut CopyPart {
+            copy,
+            proto: &mut proto,
+        },
+    );
+    wire.parts.core.conn.return_peer_copy(proto);
+    out
 }
 
 /// Runs `f` with a path step's context at `now` on the wire to the peer
@@ -1715,13 +1726,9 @@ impl PeerSlot {
         let gone = self.peer.as_ref().is_none_or(|p| p.gone.is_some());
         let post = post
             || !self.staged.is_idle(self.core.conn.rendezvous())
-            || self.copy.has_work()
+            || self.copy.has_work(self.core.conn.peer_copy())
             || (gone && self.copy.ipc_handles() > 0);
-        let at = [
-            self.core.next_deadline(),
-            self.staged.poll_timeout(),
-            self.copy.poll_timeout(),
-        ];
+        let at = [self.core.next_deadline(), self.staged.poll_timeout()];
         Mark {
             actions: self.core.has_action() || for_pass,
             post,
@@ -3493,10 +3500,7 @@ impl Engine {
                 guard.core.handle_timeout(now);
                 let gone = guard.peer.as_ref().is_none_or(|p| p.gone.is_some());
                 let copy = &guard.copy;
-                if copy.has_work()
-                    || (gone && copy.ipc_handles() > 0)
-                    || copy.poll_timeout().is_some_and(|at| at <= now)
-                {
+                if copy.has_work(guard.core.conn.peer_copy()) || (gone && copy.ipc_handles() > 0) {
                     handled += on_slot_copy(&shared.res, slot, now, &mut guard, |cx, part| {
                         copies.progress_peer(cx, slot, part)
                     });
@@ -3639,7 +3643,7 @@ impl Engine {
         };
         // A revoke handed back may leave the peer-copy path a release to
         // send (once no copy of ours runs under the grant): the pass's.
-        let path_work = slot_state.copy.has_work();
+        let path_work = slot_state.copy.has_work(slot_state.core.conn.peer_copy());
         let PeerSlot { core, peer, .. } = slot_state;
         let Some(peer) = peer.as_mut() else {
             return Ok(path_work);

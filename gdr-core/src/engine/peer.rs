@@ -112,7 +112,7 @@ impl Grant {
             let staged = staged_fenced(slot);
             let copies_fenced = same_process.as_ref().is_none_or(|f| f.is_fenced());
             let release = match may_export {
-                true => slot.copy.export_release(grant),
+                true => slot.core.conn.peer_copy().exports().release(grant),
                 false => Release::Released,
             };
             match release {
@@ -157,8 +157,12 @@ impl Grant {
                 // importer released it (or the bound passed).
                 let config = &self.peer.engine.shared.config;
                 let now = config.clock.now();
-                slot.copy
-                    .revoke_export(grant, now, config.peer_copy_release_timeout);
+                let bound = config.peer_copy_release_timeout;
+                slot.core
+                    .conn
+                    .peer_copy_mut()
+                    .exports_mut()
+                    .revoke(grant, now, bound);
             }
             // Requests under it stop at once; the fence waits for their
             // copies under way.
@@ -1012,6 +1016,7 @@ impl Peer {
             guard = lock_slot(&self.lock);
             copies.driver_steps_done(&mut guard.copy, &steps);
         }
+        let now = res.config.clock.now();
         {
             let slot = &mut *guard;
             let peer = slot
@@ -1027,11 +1032,13 @@ impl Peer {
             for t in transfers {
                 check_transfer(&slot.core, peer, t)?;
             }
-            if !copies.carries(res, self.slot, &mut slot.copy, transfers) {
+            let carried = on_slot_copy(res, self.slot, now, slot, |cx, part| {
+                copies.carries(cx.res, self.slot, part, transfers)
+            });
+            if !carried {
                 return Ok(None);
             }
         }
-        let now = res.config.clock.now();
         let cell = on_slot_copy(res, self.slot, now, &mut guard, |cx, peer| {
             copies.post(cx, self.slot, peer, transfers, timeout)
         })?;

@@ -86,10 +86,13 @@
 //! # The path, and the engine
 //!
 //! `PeerCopyPath` is the path (`TransferPath`). What it keeps of each
-//! peer is the peer's, `PeerCopyPeer`, in the peer's slot under the
-//! peer's lock: where it runs, the IPC handles of its grants, this side's
-//! batches to it on the GPU, our grants exported to it and the releases
-//! we owe it. What it shares among the peers, `PeerCopyShared` (the
+//! peer is the peer's, in the peer's slot under the peer's lock: its
+//! protocol state in the peer's connection (`CopyProto`: the flights'
+//! windows, our grants exported to it, the releases we owe it, under one
+//! deadline with the rest of the connection's), and beside it
+//! `PeerCopyPeer` (where it runs, the IPC handles of its grants, each
+//! flight's GPU side: its plan, its memory, its events). What it shares
+//! among the peers, `PeerCopyShared` (the
 //! streams; the IPC mappings, peer access and counters under a lock of
 //! their own), is the engine's. It reaches the engine only through its
 //! `PathCx`: the GPUs and settings in `Resources`, the peers (engine
@@ -104,10 +107,10 @@ use std::any::Any;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gdr_proto::PeerMisbehaved;
-use gdr_proto::peer_copy::{CopyFlight, Exports, Release, Releases, Stop, Windows};
+use gdr_proto::peer_copy::{CopyFlight, FlightId, PeerCopy, Stop, Windows};
 
 use super::cuda_worker::Pending;
 use crate::sync::{Mutex, lock};
@@ -173,21 +176,30 @@ pub struct PeerCopyStats {
 }
 
 /// The peer-copy path's part of one peer: in the peer's slot, under the
-/// peer's lock, handed to the path's calls about that peer.
+/// peer's lock, beside the peer's connection, which keeps the protocol
+/// state of the path ([`CopyProto`]: the flights' windows, the grants
+/// exported to the peer, the releases owed it).
 #[derive(Default)]
 pub(super) struct PeerCopyPeer {
     /// Where the peer runs, once it said (only if it allows the path).
     remote: Option<Locality>,
     /// The IPC handles of the peer's grants, by grant id.
     ipc: HashMap<u64, IpcGrant>,
-    /// This side's batches to the peer with copies on the GPU.
+    /// This side's batches to the peer with copies on the GPU (each named
+    /// in the connection's [`CopyProto`]).
     flights: Vec<Flight>,
-    /// Our grants whose IPC handle went to the peer (another process),
-    /// each holding its region until the peer released it.
-    exports: Exports<Keep>,
-    /// The releases we owe the peer for its revoked grants we had the
-    /// IPC handle of.
-    releases: Releases,
+}
+
+/// The peer-copy path's protocol state with one peer, in the peer's
+/// connection ([`gdr_proto::peer_copy::PeerCopy`]): an export is kept by
+/// the memory of its grant.
+pub(super) type CopyProto = PeerCopy<Vec<Keep>>;
+
+/// What the path's calls about one peer are handed: its part in the slot
+/// and its protocol state, lent by the connection for the call.
+pub(super) struct CopyPart<'a> {
+    pub(super) copy: &'a mut PeerCopyPeer,
+    pub(super) proto: &'a mut CopyProto,
 }
 
 impl PeerCopyPeer {
@@ -198,35 +210,14 @@ impl PeerCopyPeer {
     }
 
     /// Whether the path has work of the peer's for the engine's pass:
-    /// batches on the GPU, releases owed.
-    pub(super) fn has_work(&self) -> bool {
-        !self.flights.is_empty() || !self.releases.is_empty()
+    /// batches on the GPU, releases owed (`proto`: the connection's).
+    pub(super) fn has_work(&self, proto: &CopyProto) -> bool {
+        !self.flights.is_empty() || !proto.releases().is_empty()
     }
 
     /// Whether only polling sees the part's work end (GPU copies).
     pub(super) fn polls(&self) -> bool {
         !self.flights.is_empty()
-    }
-
-    /// The earliest deadline of the peer's batches and of our exported
-    /// grants' releases.
-    pub(super) fn poll_timeout(&self) -> Option<Instant> {
-        self.flights
-            .iter()
-            .filter_map(|f| f.proto.poll_timeout())
-            .chain(self.exports.poll_timeout())
-            .min()
-    }
-
-    /// Our exported `grant` was revoked: its memory stays until the peer
-    /// released it or `bound` passed.
-    pub(super) fn revoke_export(&mut self, grant: u64, now: Instant, bound: Duration) {
-        self.exports.revoke(grant, now, bound);
-    }
-
-    /// Where the release of our exported `grant` stands.
-    pub(super) fn export_release(&self, grant: u64) -> Release {
-        self.exports.release(grant)
     }
 }
 
@@ -333,7 +324,8 @@ pub(super) struct Mapping {
 /// A batch of copies, queued on the GPU a window at a time.
 struct Flight {
     cell: Arc<CompletionCell>,
-    proto: CopyFlight,
+    /// Its windows, in the connection's [`CopyProto`].
+    id: FlightId,
     plan: Vec<Planned>,
     /// The windows handed to the CUDA worker and not yet seen done,
     /// oldest first: once queued there, the events recorded after each
@@ -588,7 +580,7 @@ impl PeerCopyPath<'_> {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
-        peer: &mut PeerCopyPeer,
+        part: &mut CopyPart<'_>,
         region: &Region,
         offset: u64,
         descriptor: &MemoryDescriptor,
@@ -598,7 +590,7 @@ impl PeerCopyPath<'_> {
         };
         let ordinal = u32::from(ordinal);
         let addr = region.inner.addr + offset;
-        match self.route_to(cx, slot, peer) {
+        match self.route_to(cx, slot, part.copy) {
             PeerCopyRoute::Nic => None,
             PeerCopyRoute::SameProcess => {
                 let here = self.shared.here?;
@@ -645,7 +637,9 @@ impl PeerCopyPath<'_> {
                             Ok(_) => {
                                 let keep: Keep = Arc::clone(&region.inner) as Keep;
                                 let session = cx.wire.peer(slot).map_or(0, |p| p.session);
-                                peer.exports.export(descriptor.grant, session, keep);
+                                part.proto
+                                    .exports_mut()
+                                    .export(descriptor.grant, session, vec![keep]);
                             }
                             Err(e) => {
                                 tracing::debug!(error = %e, "no IPC handle sent: the NIC path")
@@ -962,8 +956,8 @@ impl PeerCopyPath<'_> {
     /// Hands the windows `flight` may have on the GPU now to the CUDA
     /// worker: each window's slices over the local GPUs' streams
     /// (round-robin), then an event on each stream it used.
-    fn queue_windows(&self, res: &Resources, flight: &mut Flight) {
-        while let Some(window) = flight.proto.poll_window() {
+    fn queue_windows(&self, res: &Resources, flight: &mut Flight, proto: &mut CopyFlight) {
+        while let Some(window) = proto.poll_window() {
             let mut copies = Vec::with_capacity(window.len());
             {
                 let mut devices = lock(&self.shared.devices);
@@ -1087,13 +1081,11 @@ fn queue_window(
     QueuedWindow { events, error }
 }
 
-/// Sends the releases the peer in `slot` (its part: `peer`) is owed for
+/// Sends the releases the peer in `slot` (its part: `part`) is owed for
 /// its revoked grants no batch of ours has anything queued under.
-fn send_releases(cx: &mut PathCx<'_>, slot: usize, peer: &mut PeerCopyPeer) {
-    let PeerCopyPeer {
-        flights, releases, ..
-    } = peer;
-    let ready = releases.poll_release(|_, grant| {
+fn send_releases(cx: &mut PathCx<'_>, slot: usize, part: &mut CopyPart<'_>) {
+    let flights = &part.copy.flights;
+    let ready = part.proto.releases_mut().poll_release(|_, grant| {
         flights.iter().any(|f| {
             f.grants
                 .iter()
@@ -1112,7 +1104,7 @@ fn send_releases(cx: &mut PathCx<'_>, slot: usize, peer: &mut PeerCopyPeer) {
 }
 
 impl TransferPath for PeerCopyPath<'_> {
-    type Peer<'a> = PeerCopyPeer;
+    type Peer<'a> = CopyPart<'a>;
 
     /// Every transfer has GPU memory on this side and a grant of GPU
     /// memory the path reaches on the other: published to us (a peer of
@@ -1125,12 +1117,13 @@ impl TransferPath for PeerCopyPath<'_> {
         &mut self,
         res: &Resources,
         _slot: usize,
-        peer: &mut PeerCopyPeer,
+        part: &mut CopyPart<'_>,
         transfers: &[Transfer<'_>],
     ) -> bool {
         if !res.config.peer_copy || transfers.is_empty() {
             return false;
         }
+        let peer = &mut *part.copy;
         let route = self.route(peer);
         if route == PeerCopyRoute::Nic {
             return false;
@@ -1152,10 +1145,11 @@ impl TransferPath for PeerCopyPath<'_> {
         &mut self,
         cx: &mut PathCx<'_>,
         _slot: usize,
-        peer: &mut PeerCopyPeer,
+        part: &mut CopyPart<'_>,
         transfers: &[Transfer<'_>],
         timeout: Duration,
     ) -> Result<Arc<CompletionCell>, EngineError> {
+        let peer = &mut *part.copy;
         let route = self.route(peer);
         let _span =
             tracing::debug_span!("peer_copy_submit", transfers = transfers.len(), ?route).entered();
@@ -1187,9 +1181,10 @@ impl TransferPath for PeerCopyPath<'_> {
             slices: STREAMS_PER_GPU,
             in_flight: WINDOWS_IN_FLIGHT,
         };
+        let mut proto = CopyFlight::new(lens, windows, deadline);
         let mut flight = Flight {
             cell: Arc::clone(&cell),
-            proto: CopyFlight::new(lens, windows, deadline),
+            id: 0,
             plan,
             windows: VecDeque::new(),
             error: None,
@@ -1198,7 +1193,8 @@ impl TransferPath for PeerCopyPath<'_> {
             grants: held.grants,
             _keep: held.keep,
         };
-        self.queue_windows(cx.res, &mut flight);
+        self.queue_windows(cx.res, &mut flight, &mut proto);
+        flight.id = part.proto.start(proto);
         peer.flights.push(flight);
         Ok(cell)
     }
@@ -1209,36 +1205,22 @@ impl TransferPath for PeerCopyPath<'_> {
     /// once; drops the peer's IPC handles once it is gone; gives up on our
     /// exported grants' releases past their bound; sends the releases we
     /// owe. Returns how many batches ended.
-    fn progress_peer(
-        &mut self,
-        cx: &mut PathCx<'_>,
-        slot: usize,
-        peer: &mut PeerCopyPeer,
-    ) -> usize {
-        let now = cx.now;
+    fn progress_peer(&mut self, cx: &mut PathCx<'_>, slot: usize, part: &mut CopyPart<'_>) -> usize {
         // A gone peer's handles go (their mappings once no copy uses them).
         if cx.wire.peer(slot).is_none_or(|view| view.gone.is_some()) {
-            peer.ipc.clear();
+            part.copy.ipc.clear();
         }
-        let PeerCopyPeer {
-            ipc,
-            flights,
-            exports,
-            releases,
-            ..
-        } = peer;
-        for (grant, _) in exports.handle_timeout(now) {
-            tracing::warn!(
-                grant,
-                "no release of a revoked grant's IPC handle within the bound: its memory is given back unconfirmed"
-            );
-        }
-        if flights.is_empty() && releases.is_empty() {
+        let CopyPart { copy, proto } = part;
+        let PeerCopyPeer { ipc, flights, .. } = &mut **copy;
+        if flights.is_empty() && proto.releases().is_empty() {
             return 0;
         }
         let mut ended = 0;
         let mut drained = (0, 0);
         flights.retain_mut(|flight| {
+            let Some(windows) = proto.flight_mut(flight.id) else {
+                return false;
+            };
             // The windows that ran.
             while let Some(window) = flight.windows.front() {
                 // Not yet queued by the CUDA worker.
@@ -1247,7 +1229,7 @@ impl TransferPath for PeerCopyPath<'_> {
                     && flight.error.is_none()
                 {
                     flight.error = Some(e.clone());
-                    flight.proto.stop(Stop::Failed);
+                    windows.stop(Stop::Failed);
                 }
                 let mut pending = false;
                 for event in &queued.events {
@@ -1259,7 +1241,7 @@ impl TransferPath for PeerCopyPath<'_> {
                                 what: "a peer copy",
                                 source: e,
                             });
-                            flight.proto.stop(Stop::Failed);
+                            windows.stop(Stop::Failed);
                         }
                     }
                 }
@@ -1267,28 +1249,28 @@ impl TransferPath for PeerCopyPath<'_> {
                     break;
                 }
                 flight.windows.pop_front();
-                flight.proto.window_done();
+                windows.window_done();
             }
-            // The grants, before anything more is queued under them.
+            // The grants, before anything more is queued under them (its
+            // deadline was the connection's to handle).
             for grant in &flight.grants {
                 let live = match grant {
                     GrantUse::SameProcess { fence, .. } => !fence.0.is_revoked(),
                     GrantUse::Ipc { grant } => ipc.contains_key(grant),
                 };
                 if !live {
-                    flight.proto.stop(Stop::Revoked {
+                    windows.stop(Stop::Revoked {
                         grant: grant.grant(),
                     });
                 }
             }
-            flight.proto.handle_timeout(now);
-            self.queue_windows(cx.res, flight);
-            if flight.proto.is_drained() && flight.proto.stopped() != Some(Stop::Failed) {
+            self.queue_windows(cx.res, flight, windows);
+            if windows.is_drained() && windows.stopped() != Some(Stop::Failed) {
                 // Counted once: a drained flight is dropped below.
                 drained.0 += 1;
                 drained.1 += flight.queued;
             }
-            if let Some(outcome) = flight.proto.poll_outcome() {
+            if let Some(outcome) = windows.poll_outcome() {
                 let outcome = match outcome {
                     Ok(()) => Ok(()),
                     Err(Stop::TimedOut) => Err(TransferError::Timeout(TimedOut {
@@ -1306,14 +1288,18 @@ impl TransferPath for PeerCopyPath<'_> {
                     ended += 1;
                 }
             }
-            !flight.proto.is_drained()
+            let kept = !windows.is_drained();
+            if !kept {
+                proto.finish(flight.id);
+            }
+            kept
         });
         if drained.0 > 0 {
             let mut devices = lock(&self.shared.devices);
             devices.stats.batches += drained.0;
             devices.stats.bytes += drained.1;
         }
-        send_releases(cx, slot, peer);
+        send_releases(cx, slot, part);
         ended
     }
 
@@ -1326,9 +1312,10 @@ impl TransferPath for PeerCopyPath<'_> {
         &mut self,
         cx: &mut PathCx<'_>,
         slot: usize,
-        peer: &mut PeerCopyPeer,
+        part: &mut CopyPart<'_>,
         message: Control<'m>,
     ) -> Result<Option<Control<'m>>, PeerMisbehaved> {
+        let peer = &mut *part.copy;
         match message {
             Control::Locality { host, process } => {
                 peer.remote = Some(Locality { host, process });
@@ -1361,17 +1348,21 @@ impl TransferPath for PeerCopyPath<'_> {
             // the grant goes too: handed back.
             Control::GrantRevoke { grant } => {
                 if peer.ipc.remove(&grant).is_some() {
-                    peer.releases.owe(slot as u64, grant);
+                    part.proto.releases_mut().owe(slot as u64, grant);
                     // At once where no batch copies under it: before the
                     // peer's next message is taken.
-                    send_releases(cx, slot, peer);
+                    send_releases(cx, slot, part);
                 }
                 Ok(Some(message))
             }
             // The importer of one of our revoked grants released it.
             Control::GrantReleased { grant } => {
                 if let Some(view) = cx.wire.peer(slot)
-                    && peer.exports.on_released(grant, view.session).is_some()
+                    && part
+                        .proto
+                        .exports_mut()
+                        .on_released(grant, view.session)
+                        .is_some()
                 {
                     tracing::debug!(grant, "the importer released a revoked grant");
                 }
@@ -1388,10 +1379,12 @@ impl TransferPath for PeerCopyPath<'_> {
 
     /// Stops the peer's batches of `cells`: they queue nothing more and
     /// end [`TransferError::Cancelled`] once their queued copies have run.
-    fn cancel_peer(&mut self, peer: &mut PeerCopyPeer, cells: &[Arc<CompletionCell>]) {
-        for flight in &mut peer.flights {
-            if cells.iter().any(|cell| Arc::ptr_eq(&flight.cell, cell)) {
-                flight.proto.stop(Stop::Cancelled);
+    fn cancel_peer(&mut self, part: &mut CopyPart<'_>, cells: &[Arc<CompletionCell>]) {
+        for flight in &part.copy.flights {
+            if cells.iter().any(|cell| Arc::ptr_eq(&flight.cell, cell))
+                && let Some(windows) = part.proto.flight_mut(flight.id)
+            {
+                windows.stop(Stop::Cancelled);
             }
         }
     }
@@ -1400,9 +1393,9 @@ impl TransferPath for PeerCopyPath<'_> {
     /// window; the mappings close once no copy uses them) and the releases
     /// owed to it (it can take none); [`TransferPath::progress_peer`] does
     /// the same for a peer it finds gone.
-    fn release_peer(&mut self, _cx: &mut PathCx<'_>, slot: usize, peer: &mut PeerCopyPeer) {
-        peer.ipc.clear();
-        peer.releases.forget(slot as u64);
+    fn release_peer(&mut self, _cx: &mut PathCx<'_>, slot: usize, part: &mut CopyPart<'_>) {
+        part.copy.ipc.clear();
+        part.proto.releases_mut().forget(slot as u64);
     }
 }
 

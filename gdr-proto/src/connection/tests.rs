@@ -347,3 +347,57 @@ fn one_timeout_covers_the_rendezvous_too() {
     assert_eq!(ended, [(id, Err(AskFailure::TimedOut))]);
     assert_eq!(c.poll_timeout(), None);
 }
+
+#[test]
+fn one_timeout_covers_the_peer_copies_too() {
+    use crate::peer_copy::{CopyFlight, Release, Stop, Windows};
+    let now = Instant::now();
+    let mut c = connection();
+    let windows = Windows {
+        slice: 1024,
+        slices: 2,
+        in_flight: 2,
+    };
+    // A flight due at 4 T and an export revoked with a bound of 2 T.
+    let id = c
+        .peer_copy_mut()
+        .start(CopyFlight::new(vec![8192], windows, Some(now + 4 * T)));
+    let copies = c.peer_copy_mut();
+    let flight = copies.flight_mut(id).expect("held");
+    assert!(flight.poll_window().is_some(), "a window on the GPU");
+    copies.exports_mut().export(7, 1, ());
+    copies.exports_mut().revoke(7, now, 2 * T);
+    assert_eq!(c.poll_timeout(), Some(now + 2 * T), "the export's bound");
+    // Lent out, the driver's; returned, the connection's again.
+    let lent = c.lend_peer_copy();
+    assert_eq!(c.poll_timeout(), None);
+    c.return_peer_copy(lent);
+    // The bound handled through the connection: the export is given up
+    // on (handed back) and its revoke reports it unconfirmed.
+    let given_up: Vec<GrantId> = c
+        .handle_work_timeout(now + 2 * T)
+        .into_iter()
+        .map(|(grant, ())| grant)
+        .collect();
+    assert_eq!(given_up, [7]);
+    assert_eq!(c.peer_copy().exports().release(7), Release::GivenUp);
+    assert_eq!(c.poll_timeout(), Some(now + 4 * T), "the flight's deadline");
+    // The flight's deadline handled through the connection: it stops,
+    // its outcome handed out at once, its window still draining.
+    assert_eq!(c.handle_timeout(now + 4 * T), []);
+    let flight = c.peer_copy_mut().flight_mut(id).expect("held");
+    assert_eq!(flight.stopped(), Some(Stop::TimedOut));
+    assert_eq!(flight.poll_outcome(), Some(Err(Stop::TimedOut)));
+    assert!(!flight.is_drained(), "its window is still on the GPU");
+    assert_eq!(c.poll_timeout(), None);
+    flight_done(&mut c, id);
+    assert!(c.peer_copy_mut().finish(id).is_some_and(|f| f.is_drained()));
+    assert_eq!(c.peer_copy().flights_len(), 0);
+}
+
+fn flight_done(c: &mut TestConnection, id: crate::peer_copy::FlightId) {
+    c.peer_copy_mut()
+        .flight_mut(id)
+        .expect("held")
+        .window_done();
+}

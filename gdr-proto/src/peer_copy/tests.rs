@@ -451,3 +451,54 @@ fn a_bound_past_what_an_instant_holds_never_gives_up() {
     assert_eq!(owner.release(6), Release::Awaiting);
     assert_eq!(owner.on_released(6, CONN), Some(60), "still revoked");
 }
+
+#[test]
+fn one_connections_deadline_covers_its_flights_and_exports() {
+    let now = Instant::now();
+    let mut copies: PeerCopy<&str> = PeerCopy::default();
+    assert_eq!(copies.poll_timeout(), None);
+    let windows = Windows {
+        slice: 4,
+        slices: 1,
+        in_flight: 1,
+    };
+    let late = copies.start(CopyFlight::new(
+        vec![8],
+        windows,
+        Some(now + Duration::from_secs(3)),
+    ));
+    let early = copies.start(CopyFlight::new(
+        vec![8],
+        windows,
+        Some(now + Duration::from_secs(5)),
+    ));
+    assert_ne!(late, early, "each flight named apart");
+    copies.exports_mut().export(9, 1, "the grant's memory");
+    copies.exports_mut().revoke(9, now, Duration::from_secs(1));
+    assert_eq!(
+        copies.poll_timeout(),
+        Some(now + Duration::from_secs(1)),
+        "the export's bound"
+    );
+    assert_eq!(
+        copies.handle_timeout(now + Duration::from_secs(1)),
+        [(9, "the grant's memory")],
+        "given up on, its memory handed back"
+    );
+    assert_eq!(
+        copies.poll_timeout(),
+        Some(now + Duration::from_secs(3)),
+        "a flight's"
+    );
+    assert!(
+        copies
+            .handle_timeout(now + Duration::from_secs(3))
+            .is_empty()
+    );
+    let flight = copies.flight_mut(late).unwrap();
+    assert_eq!(flight.poll_outcome(), Some(Err(Stop::TimedOut)));
+    assert_eq!(copies.flight(early).unwrap().stopped(), None, "not due");
+    assert_eq!(copies.poll_timeout(), Some(now + Duration::from_secs(5)));
+    assert!(copies.finish(late).is_some());
+    assert_eq!(copies.flights_len(), 1);
+}
