@@ -32,6 +32,15 @@ fn world(ordering: hal_cuda::WritesOrdering) -> EngineWorld<SimVerbsApi> {
     EngineWorld::sim(1, gpu, config, T)
 }
 
+/// A stream of a's GPU 0, and an event to record on it.
+fn stream_and_event(
+    w: &EngineWorld<SimVerbsApi>,
+) -> (gdr_core::Stream, hal_cuda::dynamic::DynEvent) {
+    let ctx = w.a.driver.context(0).unwrap();
+    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
+    (stream, ctx.create_event().unwrap())
+}
+
 /// Polls `event` until it completes, at most `T`.
 fn wait_for(event: &hal_cuda::dynamic::DynEvent, what: &str) {
     let start = Instant::now();
@@ -61,9 +70,7 @@ fn a_failed_batch_releases_the_stream_too() {
     let (doomed_grant, doomed) = w.b_grants(&src, GrantRights::Read);
     drop(doomed_grant);
     let (_gpu_buf, gpu_region) = w.a.gpu(LEN, 0);
-    let ctx = w.a.driver.context(0).unwrap();
-    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
-    let event = ctx.create_event().unwrap();
+    let (stream, event) = stream_and_event(&w);
     let batch =
         w.ab.submit(&[Transfer::read(&gpu_region, 0, &doomed, 0, LEN)])
             .unwrap();
@@ -550,9 +557,7 @@ fn gated_submits_and_stream_fences_are_taken_while_the_engines_lock_is_held() {
     let (_s, src) = w.b.host(LEN, 23);
     let (_g, remote) = w.b_grants(&src, GrantRights::Read);
     let (_gpu_buf, gpu_region) = w.a.gpu(LEN, 0);
-    let ctx = w.a.driver.context(0).unwrap();
-    let stream = gdr_core::Stream::from_erased(0, ctx.create_stream().unwrap());
-    let event = ctx.create_event().unwrap();
+    let (stream, event) = stream_and_event(&w);
     let batch =
         w.ab.submit(&[Transfer::read(&gpu_region, 0, &remote, 0, LEN)])
             .unwrap();

@@ -1575,8 +1575,9 @@ fn slot_guard<'a>(
 }
 
 /// The lock order, checked in debug builds: a thread holding a peer's lock
-/// takes neither the engine's lock nor a peer's (that one again, or a
-/// second); each would deadlock, and a test panics instead.
+/// takes neither the engine's lock, the streams', the reactor's nor a
+/// peer's (that one again, or a second); each would deadlock, and a test
+/// panics instead.
 mod lock_order {
     #[cfg(debug_assertions)]
     thread_local! {
@@ -1586,37 +1587,27 @@ mod lock_order {
     /// A peer's lock, marked held by this thread while it lives.
     pub(super) struct Held(#[cfg(debug_assertions)] usize);
 
+    /// Panics, saying `what`, where this thread holds a peer's lock.
+    fn no_peer_held(what: &str) {
+        #[cfg(debug_assertions)]
+        HELD.with(|held| assert!(held.borrow().is_empty(), "{what}"));
+        #[cfg(not(debug_assertions))]
+        let _ = what;
+    }
+
     /// The reactor is about to be told (its lock taken).
     pub(super) fn wake() {
-        #[cfg(debug_assertions)]
-        HELD.with(|held| {
-            assert!(
-                held.borrow().is_empty(),
-                "the reactor woken while a peer's lock is held"
-            );
-        });
+        no_peer_held("the reactor woken while a peer's lock is held");
     }
 
     /// The streams' lock is about to be taken.
     pub(super) fn streams() {
-        #[cfg(debug_assertions)]
-        HELD.with(|held| {
-            assert!(
-                held.borrow().is_empty(),
-                "the streams' lock taken while a peer's is held"
-            );
-        });
+        no_peer_held("the streams' lock taken while a peer's is held");
     }
 
     /// The engine's lock is about to be taken.
     pub(super) fn engine() {
-        #[cfg(debug_assertions)]
-        HELD.with(|held| {
-            assert!(
-                held.borrow().is_empty(),
-                "the engine's lock taken while a peer's is held"
-            );
-        });
+        no_peer_held("the engine's lock taken while a peer's is held");
     }
 
     /// Peer lock `lock` is about to be taken.
