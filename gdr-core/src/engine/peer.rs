@@ -972,10 +972,9 @@ impl Peer {
         let published = on_slot_copy(res, self.slot, res.config.clock.now(), &mut guard, |cx, peer| {
             copies.publish(cx, self.slot, peer, region, offset, descriptor)
         });
-        // What a failed post asked of a queue pair is the pass's.
-        if guard.core.has_action() {
-            shared.due.set();
-        }
+        // What a failed post asked of a queue pair is the pass's, and a
+        // message held for a send slot gets a thread to send it.
+        self.engine.settle_slot(guard);
         published
     }
 
