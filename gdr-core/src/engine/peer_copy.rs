@@ -1216,7 +1216,6 @@ impl TransferPath for PeerCopyPath<'_> {
             return 0;
         }
         let mut ended = 0;
-        let mut drained = (0, 0);
         flights.retain_mut(|flight| {
             let Some(windows) = proto.flight_mut(flight.id) else {
                 return false;
@@ -1266,9 +1265,11 @@ impl TransferPath for PeerCopyPath<'_> {
             }
             self.queue_windows(cx.res, flight, windows);
             if windows.is_drained() && windows.stopped() != Some(Stop::Failed) {
-                // Counted once: a drained flight is dropped below.
-                drained.0 += 1;
-                drained.1 += flight.queued;
+                // Counted once (a drained flight is dropped below), and
+                // before its outcome: a caller woken by it sees it counted.
+                let mut devices = lock(&self.shared.devices);
+                devices.stats.batches += 1;
+                devices.stats.bytes += flight.queued;
             }
             if let Some(outcome) = windows.poll_outcome() {
                 let outcome = match outcome {
@@ -1294,11 +1295,6 @@ impl TransferPath for PeerCopyPath<'_> {
             }
             kept
         });
-        if drained.0 > 0 {
-            let mut devices = lock(&self.shared.devices);
-            devices.stats.batches += drained.0;
-            devices.stats.bytes += drained.1;
-        }
         send_releases(cx, slot, part);
         ended
     }
