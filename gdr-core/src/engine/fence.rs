@@ -131,7 +131,7 @@ struct StreamFence {
 }
 
 /// A stream fence's GPU fence (`cuFlushGPUDirectRDMAWrites`, which can
-/// take long): made outside the engine's lock
+/// take long): made outside every lock
 /// ([`StreamFences::claim_flushes`], then [`StreamFences::flushed`]), so
 /// the fence is released only by the progress after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,7 +174,7 @@ pub(super) struct StreamFences {
 impl StreamFences {
     /// A word for a stream fence or a gate: its index, the value to wait
     /// for or write, and its address. The stream operation on it is queued
-    /// outside the engine's lock (a stream operation can block while the
+    /// outside the streams' lock (a stream operation can block while the
     /// driver's queue is full); the word then goes to [`Self::queued`], or
     /// back by [`Self::unused`].
     pub(super) fn take_word(&mut self, res: &Resources) -> Result<TakenWord, EngineError> {
@@ -231,7 +231,7 @@ impl StreamFences {
     }
 
     /// Makes a page of words on the engine's first GPU. A driver call that
-    /// blocks while a free waits: made outside the engine's lock (a fence
+    /// blocks while a free waits: made outside every lock (a fence
     /// the lock holds up could be what that free waits for).
     pub(super) fn make_page(res: &Resources) -> Result<Buffer, EngineError> {
         let context = res

@@ -77,7 +77,7 @@ pub(super) type Submitted = Result<Box<dyn Opened>, EngineError>;
 pub(super) struct Gates {
     /// Not yet reached by their stream.
     waiting: Vec<Gate>,
-    /// Reached, to be submitted outside the engine's lock.
+    /// Reached, to be submitted outside the streams' lock.
     ready: Vec<Held>,
     /// Submitted: their batch's outcome is handed to the caller's batch.
     opened: Vec<Arc<GateLink>>,
@@ -137,7 +137,8 @@ impl GateLink {
         });
         self.cell.complete(outcome);
         let batch = opened.take();
-        // The batch goes after the lock: dropping it may take the engine's.
+        // The batch goes after the lock: dropping it may drop the engine,
+        // whose drop takes the engine's and the streams' locks.
         drop(opened);
         drop(batch);
         true
@@ -264,7 +265,7 @@ impl Gates {
         !self.ready.is_empty() || !self.opened.is_empty()
     }
 
-    /// Looks at every waiting gate (under the engine's lock; the fence
+    /// Looks at every waiting gate (under the streams' lock; the fence
     /// page `words` lent): those their stream reached move to `ready`,
     /// those that ended (cancelled, timed out, stream failed, peer gone)
     /// end their batch. Returns how many gates and late-written words it
@@ -343,7 +344,7 @@ impl Gates {
         handled
     }
 
-    /// Takes the work to do outside the engine's lock: the batches whose
+    /// Takes the work to do outside the streams' lock: the batches whose
     /// gate opened, to submit, and the opened batches, to hand on.
     pub(super) fn serve(&mut self) -> Serve {
         Serve {
@@ -359,7 +360,8 @@ impl Gates {
 }
 
 impl Serve {
-    /// Carries it out (outside the engine's lock: submitting takes it):
+    /// Carries it out (outside the streams' lock: submitting takes a
+    /// peer's, never under it):
     /// hands on the outcomes of the opened batches that ended, and submits
     /// with `submit` (the peer's slot, the transfers, the time left) the
     /// batch of each gate its stream reached, unless it was cancelled or

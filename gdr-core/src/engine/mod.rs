@@ -1017,6 +1017,7 @@ struct Streams {
 struct StreamsLooked {
     handled: usize,
     flushes: Vec<(usize, Vec<u32>)>,
+    serve: bool,
     again: bool,
 }
 
@@ -1038,6 +1039,7 @@ impl Streams {
         handled += self.stream_fences.release();
         StreamsLooked {
             handled,
+            serve: self.gates.serve_pending(),
             again: self.gates.waiting() || !flushes.is_empty() || self.stream_fences.busy(),
             flushes,
         }
@@ -3524,7 +3526,7 @@ impl Engine {
         let flushes = streams.flushes;
         self.run_actions(state);
         self.post_ready(state);
-        let serve = look_at_streams(shared).gates.serve_pending();
+        let serve = streams.serve;
         // While a path or a re-establishment runs, every progress call
         // makes the pass (their steps are polled); otherwise the next one
         // due is at the earliest deadline.
